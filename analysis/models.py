@@ -150,7 +150,9 @@ def load_hf(name_or_dir: str, device=None, dtype=None):
     """Boot a TransformerBridge around a Hugging Face causal LM (an id or a local folder)."""
     from transformer_lens import TransformerBridge
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     local = Path(name_or_dir).expanduser()
     src = str(local) if local.exists() else name_or_dir
     if local.exists() and not _is_hf_dir(local):

@@ -1,0 +1,142 @@
+"""Command line: ``python -m analysis {sink,report,models} ...``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from analysis.models import DEFAULT_MODEL, ModelNotFoundError
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
+    """Sink metric on natural, random and repeated probes; everything the JSON holds."""
+    from analysis.hooks import model_dims
+    from analysis.models import load_model
+    from analysis.probes import probe_sets
+    from analysis.sink import check_eps, sink_metric
+    from analysis.versions import package_versions
+
+    check_eps(eps)
+    if not 1 <= k_max <= T:
+        raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
+    model = load_model(model_name, device=device)
+    n_ctx = model_dims(model).n_ctx
+    if n_ctx is not None and T > n_ctx:
+        raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError(f"model {model_name!r} has no tokenizer, so no text probes; use analysis.sink_metric on your own tokens.")
+    probes = probe_sets(model.tokenizer, n=n, T=T, bos=bos, seed=seed)
+    kinds = {}
+    for kind, probe in probes.items():
+        res = sink_metric(model, probe.tokens, eps=eps, k_max=k_max, progress=progress, kind=kind)
+        kinds[kind] = {"source": probe.source, "tokens": probe.tokens.tolist(), **res.to_dict()}
+    return {
+        "model": model_name,
+        "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed,
+        "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
+        "inputs": kinds,
+        "versions": package_versions(),
+    }
+
+
+def format_sink_table(payload: dict) -> str:
+    lines = [
+        f"Sink_1 (eps={payload['eps']}) of {payload['model']}: N={payload['n']} sequences of T={payload['T']} tokens, "
+        f"{'BOS first' if payload['bos'] else 'no BOS'}",
+        f"{'input':<10} {'Sink_1 (%)':>10}",
+    ]
+    for kind, v in payload["sink_1_pct"].items():
+        lines.append(f"{kind:<10} {v:>10.2f}")
+    return "\n".join(lines)
+
+
+def cmd_sink(args) -> int:
+    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, 16) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet)
+    print(format_sink_table(payload))
+    if args.json:
+        _write_json_atomic(Path(args.json), payload)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from analysis.models import load_model
+    from analysis.report import build_report
+
+    model = load_model(args.model, device=args.device)
+    path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
+    print(f"wrote {path} and {Path(path).with_name('report.json')}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from analysis.models import available_models
+
+    for m in available_models():
+        print(f"{m.name:<24} {m.kind:<10} {m.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sink", help="Sink_1 table on natural, random and repeated inputs")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="a name from `python -m analysis models`, a local HF folder, or a hub id")
+    s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
+    s.add_argument("--n", type=int, default=100, help="sequences per input kind (paper: 100)")
+    s.add_argument("--T", type=int, default=64, help="tokens per sequence (paper: 64)")
+    s.add_argument("--eps", type=float, default=0.3, help="threshold on alpha (paper: 0.3)")
+    s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (default min(T, 16))")
+    s.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first (paper: no BOS)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None)
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_sink)
+
+    r = sub.add_parser("report", help="one self-contained HTML page and a JSON with every number")
+    r.add_argument("--model", default=DEFAULT_MODEL)
+    r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
+    r.add_argument("--n", type=int, default=32)
+    r.add_argument("--T", type=int, default=64)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default=None)
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=cmd_report)
+
+    m = sub.add_parser("models", help="list the models known without a network")
+    m.set_defaults(func=cmd_models)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("n", "T"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            print(f"error: --{name} must be at least 1.", file=sys.stderr)
+            return 2
+    try:
+        return args.func(args)
+    except (ValueError, ModelNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

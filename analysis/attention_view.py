@@ -1,0 +1,65 @@
+"""Attention views with circuitsvis that work offline.
+
+circuitsvis' own notebook display first tries to reach an internet host to choose between its CDN
+copy and the inline one. We never do that: we take the inline (``local_src``) HTML, which embeds the
+JavaScript, so views render in JupyterLab and in saved HTML with no network.
+"""
+from __future__ import annotations
+
+import torch
+
+from analysis.hooks import check_layers, check_tokens, run_with_reducers
+
+
+class OfflineHTML:
+    """Displays in Jupyter from inline HTML only; ``str()`` gives the HTML."""
+
+    def __init__(self, html: str):
+        self.html = html
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __str__(self) -> str:
+        return self.html
+
+
+def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
+    """The attention maps of one layer for ONE sequence: (H, T, T)."""
+    (layer,) = check_layers(model, [layer])
+    tokens = check_tokens(model, tokens)
+    if tokens.shape[0] != 1:
+        raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")
+    out = {}
+
+    def keep(pattern, hook):
+        out["p"] = pattern[0].float().cpu()
+
+    run_with_reducers(model, tokens, [(f"blocks.{layer}.attn.hook_pattern", keep)])
+    return out["p"]
+
+
+def token_labels(model, tokens: torch.Tensor) -> list[str]:
+    tok = getattr(model, "tokenizer", None)
+    ids = tokens.reshape(-1).tolist()
+    if tok is None:
+        return [str(i) for i in ids]
+    return [tok.decode([i]) for i in ids]
+
+
+def attention_view_html(model, tokens, layer: int, heads: list[int] | None = None) -> str:
+    """Self-contained circuitsvis HTML (inline JS, no CDN) of one layer's attention on one sequence."""
+    import circuitsvis as cv
+
+    tokens = check_tokens(model, tokens)
+    pattern = attention_pattern(model, tokens, layer)
+    if heads is not None:
+        pattern = pattern[heads]
+    names = [f"L{layer}H{h}" for h in (heads if heads is not None else range(pattern.shape[0]))]
+    rendered = cv.attention.attention_heads(attention=pattern, tokens=token_labels(model, tokens[0]), attention_head_names=names)
+    return rendered.local_src
+
+
+def attention_view(model, tokens, layer: int, heads: list[int] | None = None) -> OfflineHTML:
+    """For notebooks: an offline circuitsvis attention view."""
+    return OfflineHTML(attention_view_html(model, tokens, layer, heads))

