@@ -1,0 +1,4 @@
+"""``python -m analysis.train``: see ``analysis.train.cli``."""
+from analysis.train.cli import main
+
+raise SystemExit(main())

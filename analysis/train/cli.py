@@ -1,0 +1,173 @@
+"""Command line: ``python -m analysis.train [--preset NAME] [--FIELD VALUE ...]`` and
+``python -m analysis.train sweep --attention a,b --lr x,y --weight-decay u,v --out DIR``.
+
+Every field of ``ModelConfig`` and ``TrainConfig`` is an option (underscores become dashes); a preset
+sets a group of fields first, options given on the command line win. ``--list`` prints the attention
+operations and presets.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import re
+import shlex
+import sys
+import typing
+from typing import Optional, Sequence
+
+from analysis.train.config import ModelConfig, TrainConfig, split_overrides
+from analysis.train.presets import PRESETS, preset
+
+
+def _parse_optional(base):
+    def parse(text: str):
+        if text.lower() in ("none", "null", ""):
+            return None
+        return base(text)
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def _float_or_int(text: str):
+    return int(float(text)) if "e" in text.lower() or "_" in text else int(text)
+
+
+def _field_type(cls, f: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    t = hints[f.name]
+    optional = typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
+    if optional:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    base = {int: _float_or_int, float: float, str: str, bool: bool}[t]
+    return base, optional
+
+
+@functools.lru_cache(maxsize=None)
+def field_help(cls) -> dict[str, str]:
+    """The trailing comments of the dataclass fields, used as option help."""
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def add_config_options(parser: argparse.ArgumentParser, list_fields: Sequence[str] = ()) -> None:
+    """One option per config field; defaults suppressed so only explicit options override a preset.
+    Fields in ``list_fields`` take comma-separated lists (for sweeps)."""
+    for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
+        group = parser.add_argument_group(f"{title} options")
+        for f in dataclasses.fields(cls):
+            if f.name in ("preset",):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            base, optional = _field_type(cls, f)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            helptext = f"{field_help(cls).get(f.name, '')} (default: {default})".strip()
+            if f.name in list_fields:
+                parse = _parse_optional(base) if optional else base
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext + "; comma-separated list",
+                                   type=lambda s, p=parse: [p(x) for x in s.split(",")])
+            elif base is bool:
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, action=argparse.BooleanOptionalAction,
+                                   help=helptext)
+            else:
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext,
+                                   type=_parse_optional(base) if optional else base)
+
+
+def build_configs(preset_name: Optional[str], overrides: dict) -> tuple[ModelConfig, TrainConfig]:
+    values = preset(preset_name) if preset_name else {}
+    values.update(overrides)
+    m, t = split_overrides(values)
+    t["preset"] = preset_name
+    return ModelConfig(**m), TrainConfig(**t)
+
+
+def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
+    """CLI options that rebuild these configs (relative to the preset, or to the defaults)."""
+    base = preset(tcfg.preset) if tcfg.preset else {}
+    args = ["--preset", tcfg.preset] if tcfg.preset else []
+    dm, dt = ModelConfig(**split_overrides(base)[0]).to_dict(), TrainConfig(**split_overrides(base)[1]).to_dict()
+    for cfg, default in ((mcfg.to_dict(), dm), (tcfg.to_dict(), dt)):
+        for k, v in cfg.items():
+            if k in ("preset", "d_vocab", "resume") or v == default.get(k):
+                continue
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args.append(flag if v else "--no-" + k.replace("_", "-"))
+            else:
+                args += [flag, "none" if v is None else str(v)]
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m analysis.train",
+        description="Pre-train a reference language model with a chosen attention operation. "
+                    "Subcommand: `sweep` (run `python -m analysis.train sweep -h`).",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named starting configuration")
+    p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
+    add_config_options(p)
+    return p
+
+
+def _sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m analysis.train sweep",
+        description="Train every combination of attention x lr x weight decay; write DIR/sweep.csv with the "
+                    "final loss and Sink_1 of each run. Completed runs are skipped when rerun.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    add_config_options(p, list_fields=("attention", "lr", "weight_decay"))
+    return p
+
+
+def _print_list() -> None:
+    from analysis.train.attention import available_attention
+
+    print("attention operations (--attention NAME):")
+    for name, desc in available_attention().items():
+        print(f"  {name:22s} {desc}")
+    print("\npresets (--preset NAME):")
+    for name in PRESETS:
+        print(f"  {name}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "-m", "analysis.train", *argv])
+    if argv and argv[0] == "sweep":
+        from analysis.train.sweep import run_sweep
+
+        ns = vars(_sweep_parser().parse_args(argv[1:]))
+        preset_name = ns.pop("preset")
+        if "out" not in ns:
+            raise SystemExit("sweep: --out DIR is required")
+        table = run_sweep(preset_name, ns, command=command)
+        print(table.to_string(index=False))
+        return 0
+    parser = _parser()
+    ns = vars(parser.parse_args(argv))
+    if ns.pop("list"):
+        _print_list()
+        return 0
+    preset_name = ns.pop("preset")
+    try:
+        mcfg, tcfg = build_configs(preset_name, ns)
+    except ValueError as e:
+        parser.error(str(e))
+    from analysis.train.trainer import train
+
+    result = train(mcfg, tcfg, command=command)
+    if result.final:
+        print({k: v for k, v in result.final.items() if k in ("step", "loss", "val_loss", "sink_1", "sink_slot",
+                                                               "resid_norm_ratio", "value_norm_ratio")})
+    if tcfg.out:
+        print(f"model written to {tcfg.out}")
+    return 0

@@ -1,0 +1,116 @@
+"""Side-by-side measurements and figures for models trained with different attention operations.
+
+Used by ``notebooks/07_attention_variants.ipynb``; every function takes ``{label: model}`` and a probe
+(LongTensor (N, T)) and reduces through hooks.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from analysis.train.metrics import first_token_stats, slot_sink_rate
+
+
+@torch.no_grad()
+def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
+    """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights)."""
+    acc = {}
+
+    def fn(x, hook):
+        acc["sum"] = acc.get("sum", 0) + x.float().sum(0)
+
+    model.run_with_hooks(tokens.to(next(model.parameters()).device),
+                         fwd_hooks=[(f"blocks.{layer}.attn.{hook}", fn)], return_type=None)
+    return (acc["sum"] / tokens.shape[0]).cpu()
+
+
+@torch.no_grad()
+def compare_models(models: dict, tokens: torch.Tensor, eps: float = 0.3) -> pd.DataFrame:
+    """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
+    ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink."""
+    from analysis.sink import sink_metric
+
+    rows = []
+    for label, model in models.items():
+        res = sink_metric(model, tokens, eps=eps, k_max=1)
+        stats = first_token_stats(model, tokens)
+        dev = next(model.parameters()).device
+        row = {
+            "model": label,
+            "attention": model.cfg.attention,
+            "Sink_1 (%)": res.sink_rate(k=1),
+            "mean alpha_1": float(res.alpha[..., 0].mean()),
+            "|v_1| / mean |v_j|": float(stats.value_norm_ratio.mean()),
+            "|h_1| / mean |h_j|": float(stats.resid_norm_ratio[-1]),
+            "raw weight on token 1": float(stats.raw_first_mass.mean()),
+            "held-out loss": float(model(tokens.to(dev), return_type="loss")),
+        }
+        if f"blocks.0.attn.hook_sink_pattern" in model.hook_dict:
+            row["Sink on slot (%)"] = slot_sink_rate(model, tokens, eps=eps)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("model")
+
+
+def read_log(run_dir) -> pd.DataFrame:
+    """A run's train_log.jsonl as a DataFrame (one row per logged step)."""
+    lines = Path(run_dir, "train_log.jsonl").read_text().splitlines()
+    return pd.DataFrame([json.loads(l) for l in lines if l.strip()])
+
+
+# ----------------------------------------------------------------------------- figures (matplotlib)
+
+def plot_patterns(models: dict, tokens: torch.Tensor, layer: int = 0, n_pos: int = 16):
+    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model."""
+    import matplotlib.pyplot as plt
+
+    H = max(m.cfg.n_heads for m in models.values())
+    fig, axes = plt.subplots(len(models), H, figsize=(2.2 * H, 2.3 * len(models)), squeeze=False)
+    for r, (label, model) in enumerate(models.items()):
+        pat = mean_pattern(model, tokens, layer)[:, :n_pos, :n_pos]
+        for h in range(H):
+            ax = axes[r, h]
+            ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"{label} h{h}", fontsize=8)
+    fig.suptitle(f"mean attention (hook_pattern), layer {layer}: keys → columns, queries ↓ rows", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_first_token(table: pd.DataFrame):
+    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model."""
+    import matplotlib.pyplot as plt
+
+    cols = ["Sink_1 (%)", "|v_1| / mean |v_j|", "raw weight on token 1"]
+    fig, axes = plt.subplots(1, len(cols), figsize=(3.3 * len(cols), 2.8))
+    for ax, col in zip(axes, cols):
+        ax.bar(table.index, table[col], color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(table)])
+        ax.set_title(col, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_training(runs: dict):
+    """Loss and Sink_1 against training step for each run folder {label: dir}."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
+    for label, d in runs.items():
+        log = read_log(d)
+        a.plot(log["step"], log["loss"], label=label)
+        if "sink_1" in log:
+            ev = log.dropna(subset=["sink_1"])
+            b.plot(ev["step"], ev["sink_1"], marker="o", label=label)
+    a.set_xlabel("step")
+    a.set_ylabel("training loss")
+    b.set_xlabel("step")
+    b.set_ylabel("Sink_1 (%) on the held-out probe")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    return fig

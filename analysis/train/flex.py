@@ -1,0 +1,62 @@
+"""FlexAttention path for similarity-based operations (sigmoid, elu+1, with or without normalisation).
+
+FlexAttention computes softmax(score_mod(s)) V and the log-sum-exp of the modified scores. With
+score_mod = log f (f = sigmoid or elu+1), softmax(log f(s)) V = sum_j f(s_ij) v_j / sum_j f(s_ij), and
+multiplying by exp(lse) = sum_j f(s_ij) gives the unnormalised sum_j f(s_ij) v_j exactly. On CUDA the
+call is compiled into a fused kernel; on CPU it runs unfused (used only in tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return _compiled() if device_type == "cuda" else flex_attention
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(T: int, window, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+
+
+def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    T = q.shape[-2]
+    extra = op.extra_bias(T)
+    pos = score_bias
+    log_f = op.log_f
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if pos is not None:
+            score = score + pos[h, q_idx, kv_idx]
+        if extra is not None:
+            score = score + (extra[h, 0, 0] if torch.is_tensor(extra) else extra)
+        return log_f(score)
+
+    out, aux = _flex(q.device.type)(
+        q, k, v, score_mod=score_mod, block_mask=_block_mask(T, window, str(q.device)),
+        scale=op.scale, return_aux=AuxRequest(lse=True),
+    )
+    if op.normalise:
+        return out
+    return out * torch.exp(aux.lse).unsqueeze(-1).to(out.dtype)

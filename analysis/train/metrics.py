@@ -1,0 +1,103 @@
+"""First-token statistics of a model, computed by small hook reducers (no full activation cache).
+
+- ``sink_rate``: Sink_k^eps through the package's sink metric (``analysis.sink.sink_metric``).
+- ``first_token_stats``: per layer, the first token's value norm relative to the other tokens'
+  (|v_1| / mean_j>1 |v_j|, averaged over key/value heads), the residual-norm ratio
+  |h_1| / mean_j |h_j| of ``hook_resid_post``, and the raw attention mass on the first token (for
+  sigmoid attention: the sigmoid scores themselves, before any proxy normalisation).
+- ``slot_sink_rate``: Sink on the extra slot of the sink-token and K/KV-bias variants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FirstTokenStats:
+    value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
+    resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
+    raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
+
+    def to_dict(self) -> dict:
+        return {k: [round(float(x), 5) for x in getattr(self, k)]
+                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass")}
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> FirstTokenStats:
+    """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc)."""
+    L = model.cfg.n_layers
+    acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw")}
+    n_total = 0
+
+    def reducer(kind, layer):
+        def fn(x, hook):
+            x = x.float()
+            if kind == "v":  # (B, T, Hkv, d)
+                norms = x.norm(dim=-1)  # (B, T, Hkv)
+                r = norms[:, 0] / norms[:, 1:].mean(1).clamp_min(1e-12)
+            elif kind == "h":  # (B, T, D)
+                norms = x.norm(dim=-1)
+                r = norms[:, 0] / norms.mean(1).clamp_min(1e-12)
+            else:  # raw pattern (B, H, T, T): weight on key 0 from every query
+                r = x[:, :, :, 0]
+            acc[kind][layer] += r.reshape(r.shape[0], -1).mean(1).sum().double().cpu()
+
+        return fn
+
+    hooks = []
+    for l in range(L):
+        hooks += [(f"blocks.{l}.attn.hook_v", reducer("v", l)), (f"blocks.{l}.hook_resid_post", reducer("h", l)),
+                  (f"blocks.{l}.attn.hook_raw_pattern", reducer("raw", l))]
+    tokens = tokens.to(_device(model))
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, tokens.shape[0], batch_size):
+            batch = tokens[start:start + batch_size]
+            model.run_with_hooks(batch, fwd_hooks=hooks, return_type=None)
+            n_total += batch.shape[0]
+    finally:
+        model.train(was_training)
+    return FirstTokenStats(*(acc[k].float() / n_total for k in ("v", "h", "raw")))
+
+
+@torch.no_grad()
+def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> float:
+    """Sink_k^eps (percent) on ``tokens`` through ``analysis.sink.sink_metric`` (reads ``hook_pattern``)."""
+    from analysis.sink import sink_metric
+
+    was_training = model.training
+    model.eval()
+    try:
+        return float(sink_metric(model, tokens.to(_device(model)), eps=eps, k_max=k).sink_rate(k=k))
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> float:
+    """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
+    mean slot weight over all queries exceeds eps. Raises ValueError for models without a slot."""
+    L = model.cfg.n_layers
+    names = [f"blocks.{l}.attn.hook_sink_pattern" for l in range(L)]
+    if names[0] not in model.hook_dict:
+        raise ValueError(f"attention={model.cfg.attention!r} has no extra slot (only sink-token, kv-bias, k-bias).")
+    hits, count = 0.0, 0
+
+    def fn(x, hook):  # (B, H, T)
+        nonlocal hits, count
+        alpha = x.float().mean(-1)
+        hits += float((alpha > eps).sum())
+        count += alpha.numel()
+
+    tokens = tokens.to(_device(model))
+    for start in range(0, tokens.shape[0], batch_size):
+        model.run_with_hooks(tokens[start:start + batch_size], fwd_hooks=[(n, fn) for n in names], return_type=None)
+    return 100.0 * hits / count

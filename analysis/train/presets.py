@@ -1,0 +1,48 @@
+"""Named starting points for ``python -m analysis.train --preset NAME``; any field can be overridden.
+
+- ``synthetic``: the reference pair's configuration (1 layer, 4 heads, d_model 64, synthetic
+  bigram-copy task, peak lr 1e-2, 4,000 steps of 32 x 64 tokens; about a minute on 2 CPU cores).
+- ``tiny-cpu``: a small natural-text model on Python standard-library docstrings (minutes on 2 cores).
+- ``paper-60m``: the paper's 60M LLaMA-style model (10 layers, d 768, 8 heads, SwiGLU 1536, RMSNorm,
+  RoPE, pre-norm, context 2048, AdamW (0.9, 0.95), wd 0.1 on all parameters, clip 1.0, lr 4e-4
+  constant after 100 warm-up steps, 20k steps of 1M tokens). For GPUs.
+- ``natural-deep``: the deeper natural-text pair (8 layers, d 512, context 512). For a GPU.
+"""
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "synthetic": dict(
+        dataset="synthetic", n_ctx=64, d_model=64, n_layers=1, n_heads=4, d_mlp=256, act_fn="swiglu",
+        normalization_type="RMS", positional_embedding_type="rotary", steps=4000, batch_size=32, lr=1e-2,
+        warmup_steps=100, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
+        grad_clip=1.0, log_every=50, eval_every=500, checkpoint_every=0, probe_size=100, probe_len=64,
+    ),
+    "tiny-cpu": dict(
+        dataset="stdlib", tokenizer="bpe", tokenizer_vocab_size=2048, n_ctx=128, d_model=128, n_layers=2,
+        n_heads=4, d_mlp=352, steps=600, batch_size=16, lr=3e-3, warmup_steps=50, schedule="cosine",
+        weight_decay=0.1, grad_clip=1.0, log_every=20, eval_every=200, checkpoint_every=200,
+        probe_size=64, probe_len=64,
+    ),
+    "paper-60m": dict(
+        dataset="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="EleutherAI/gpt-neox-20b",
+        corpus_max_chars=8_000_000_000, n_ctx=2048, d_model=768, n_layers=10, n_heads=8, d_mlp=1536,
+        act_fn="swiglu", normalization_type="RMS", norm_position="pre", positional_embedding_type="rotary",
+        steps=20_000, batch_size=512, micro_batch_size=8, lr=4e-4, warmup_steps=100, schedule="constant",
+        beta1=0.9, beta2=0.95, weight_decay=0.1, decay_all_params=True, grad_clip=1.0, log_every=10,
+        eval_every=500, checkpoint_every=1000, probe_size=100, probe_len=64,
+    ),
+    "natural-deep": dict(
+        dataset="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="EleutherAI/gpt-neox-20b",
+        corpus_max_chars=3_000_000_000, n_ctx=512, d_model=512, n_layers=8, n_heads=8, d_mlp=1376,
+        steps=10_000, batch_size=128, micro_batch_size=32, lr=1e-3, warmup_steps=200, schedule="cosine",
+        weight_decay=0.1, grad_clip=1.0, log_every=10, eval_every=500, checkpoint_every=1000,
+        probe_size=100, probe_len=64,
+    ),
+}
+
+
+def preset(name: str) -> dict:
+    """The overrides of preset ``name`` (a copy)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
+    return dict(PRESETS[name])

@@ -1,0 +1,316 @@
+"""The training loop: AdamW, warm-up + cosine/constant schedule, clipping, bf16 autocast on CUDA,
+optional torch.compile, DistributedDataParallel under ``torchrun``, a JSONL log with the sink metric,
+and atomic, resumable checkpoints (see ``analysis.train.checkpoint``).
+
+Typical use::
+
+    from analysis.train import ModelConfig, TrainConfig, train
+    result = train(ModelConfig(attention="sigmoid"), TrainConfig(out="runs/sig", steps=4000))
+    result.model, result.final["sink_1"]
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from analysis.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_reference,
+    write_text,
+)
+from analysis.train.config import ModelConfig, TrainConfig
+from analysis.train.data import build_data, load_tokenizer_file
+from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate
+from analysis.train.model import SinkLM
+
+# Train options that decide which batches a run sees: a resumed run must keep them.
+_DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
+              "tokenizer_vocab_size", "bos", "fixed_token_position", "fixed_token_id", "prefix_len",
+              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "val_fraction")
+
+
+@dataclass
+class TrainResult:
+    model: SinkLM
+    out: Optional[Path]
+    log: list = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then constant or cosine."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], list[str]]:
+    """AdamW groups: weight decay on every parameter, or (``decay_all_params=False``) on tensors with
+    two or more dimensions only. Returns (groups, parameter names in optimiser order)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.decay_all_params:
+        decay, no_decay = named, []
+    else:
+        decay = [(n, p) for n, p in named if p.ndim >= 2]
+        no_decay = [(n, p) for n, p in named if p.ndim < 2]
+    groups = [{"params": [p for _, p in decay], "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": [p for _, p in no_decay], "weight_decay": 0.0})
+    return groups, [n for n, _ in decay] + [n for n, _ in no_decay]
+
+
+def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
+    if pref == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if pref == "cuda" and torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    if pref.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={pref!r} but CUDA is not available; use --device cpu or auto.")
+    return torch.device(pref)
+
+
+def init_distributed(device_pref: str) -> tuple[int, int, int]:
+    """(rank, world size, local rank); initialises the process group under torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_nccl = torch.cuda.is_available() and device_pref != "cpu"
+    if use_nccl:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_nccl else "gloo")
+    return dist.get_rank(), dist.get_world_size(), local
+
+
+def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
+    """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults)."""
+    from analysis.train.cli import config_to_args
+
+    return shlex.join(["python", "-m", "analysis.train", *config_to_args(mcfg, tcfg)])
+
+
+def _truncate_log(path: Path, step: int) -> list[dict]:
+    """Keep the log records up to ``step`` (a killed run may have logged past its last checkpoint)."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if rec.get("step", 0) <= step:
+            kept.append(rec)
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def _config_diff(saved: dict, current: dict, keys=None) -> list[str]:
+    keys = keys or sorted(set(saved) | set(current))
+    return [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
+
+
+@torch.no_grad()
+def evaluate(model: SinkLM, probe: torch.Tensor, eps: float) -> dict:
+    """Sink_1, first-token ratios (last layer) and the loss on the held-out probe."""
+    was = model.training
+    model.eval()
+    try:
+        out = {"sink_1": round(sink_rate(model, probe, k=1, eps=eps), 4)}
+        stats = first_token_stats(model, probe)
+        out["resid_norm_ratio"] = round(float(stats.resid_norm_ratio[-1]), 5)
+        out["value_norm_ratio"] = round(float(stats.value_norm_ratio.mean()), 5)
+        out["raw_first_mass"] = round(float(stats.raw_first_mass.mean()), 5)
+        if "blocks.0.attn.hook_sink_pattern" in model.hook_dict:
+            out["sink_slot"] = round(slot_sink_rate(model, probe, eps=eps), 4)
+        dev = next(model.parameters()).device
+        losses = [float(model(probe[i:i + 64].to(dev), return_type="loss")) for i in range(0, len(probe), 64)]
+        out["val_loss"] = round(sum(losses) / len(losses), 5)
+    finally:
+        model.train(was)
+    return out
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[str] = None,
+          _stop_after: Optional[int] = None) -> TrainResult:
+    """Pre-train a model from scratch (or resume); returns the trained model in eval mode.
+
+    ``command``: recorded in ``command.txt`` (default: an equivalent CLI command).
+    ``_stop_after``: stop after this many steps without writing the final model (tests: an interruption).
+    """
+    mcfg, tcfg = ModelConfig.from_dict(model_cfg.to_dict()), TrainConfig.from_dict(train_cfg.to_dict())
+    rank, world, local_rank = init_distributed(tcfg.device)
+    device = resolve_device(tcfg.device, local_rank)
+    out = Path(tcfg.out).expanduser() if tcfg.out else None
+    main = rank == 0
+
+    if tcfg.batch_size % world:
+        raise ValueError(f"batch_size={tcfg.batch_size} must be divisible by the number of processes ({world}).")
+    per_rank = tcfg.batch_size // world
+    micro = tcfg.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ValueError(f"the per-process batch ({per_rank}) must be a multiple of micro_batch_size={micro}.")
+
+    ckpt = latest_checkpoint(out) if out is not None else None
+    if out is not None and not tcfg.resume and (ckpt is not None or (out / "model.safetensors").exists()):
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it, or choose a new --out.")
+
+    # data (a resumed natural-text run reuses its own tokenizer)
+    tokenizer = None
+    if ckpt is not None and out is not None and (out / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer_file(out / "tokenizer.json")
+    data = build_data(tcfg, mcfg.n_ctx, tokenizer=tokenizer)
+    if mcfg.d_vocab != data.vocab_size:
+        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "d_vocab": data.vocab_size})
+    if tcfg.probe_len > mcfg.n_ctx:
+        tcfg.probe_len = mcfg.n_ctx
+    probe = data.probe(tcfg.probe_size, tcfg.probe_len)
+
+    torch.manual_seed(tcfg.seed)
+    model = SinkLM(mcfg, tokenizer=data.tokenizer).to(device)
+    groups, names = param_groups(model, tcfg)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused or None)
+
+    start, log = 0, []
+    if ckpt is not None:
+        state = json.loads((ckpt / "state.json").read_text())
+        diff = _config_diff(state.get("model_config", {}), mcfg.to_dict())
+        diff += _config_diff(state.get("train_config", {}), tcfg.to_dict(), _DATA_KEYS)
+        if diff:
+            raise CheckpointError(
+                f"cannot resume {out}: the checkpoint was written with other options ({'; '.join(diff[:4])}). "
+                "Resume with the same options (only --steps and logging options may change), or use a new --out."
+            )
+        state = load_checkpoint(ckpt, model, optimizer, names)
+        start = int(state["step"])
+        if main and out is not None:
+            log = _truncate_log(out / "train_log.jsonl", start)
+
+    if main and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if start == 0:
+            write_text(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
+            write_text(out / "train_log.jsonl", "")
+        if data.tokenizer is not None and hasattr(data.tokenizer, "backend_tokenizer"):
+            data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+
+    runner = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if tcfg.compile:
+        runner = torch.compile(runner)
+    use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tcfg.steps, initial=start, disable=not (tcfg.progress and main), desc="train", dynamic_ncols=True)
+    log_file = open(out / "train_log.jsonl", "a") if (main and out is not None) else None
+    tokens_per_step = tcfg.batch_size * mcfg.n_ctx
+    t_last, steps_since, t0 = time.perf_counter(), 0, time.perf_counter()
+    elapsed_before = 0.0
+    last = {}
+    model.train()
+    try:
+        for step in range(start, tcfg.steps):
+            lr = lr_at(step, tcfg)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            batch = data.batch(step, tcfg.batch_size)
+            n_valid = int((batch.targets != -100).sum())
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            x_all, y_all = batch.inputs[mine].to(device), batch.targets[mine].to(device)
+            loss_acc = torch.zeros((), device=device)
+            n_micro = per_rank // micro
+            for i in range(n_micro):
+                x, y = x_all[i * micro:(i + 1) * micro], y_all[i * micro:(i + 1) * micro]
+                sync = contextlib.nullcontext() if (world == 1 or i == n_micro - 1) else runner.no_sync()
+                with sync:
+                    with autocast():
+                        logits = runner(x)
+                    # sum over this micro-batch / tokens of the global batch, x world (DDP averages grads)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                           reduction="sum") * (world / n_valid)
+                    loss.backward()
+                loss_acc += loss.detach()
+            if tcfg.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            else:
+                grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if world > 1:
+                dist.all_reduce(loss_acc)
+            done = step + 1
+            steps_since += 1
+
+            if done % tcfg.log_every == 0 or done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
+                now = time.perf_counter()
+                rec = {"step": done, "loss": round(float(loss_acc) / world, 5), "lr": lr,
+                       "grad_norm": round(float(grad_norm), 5),
+                       "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
+                       "tokens": done * tokens_per_step, "elapsed_s": round(elapsed_before + now - t0, 2)}
+                if main and ((tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps):
+                    rec.update(evaluate(model, probe, tcfg.sink_eps))
+                if main:
+                    log.append(rec)
+                    last = rec
+                    if log_file is not None:
+                        log_file.write(json.dumps(rec) + "\n")
+                        log_file.flush()
+                    bar.set_postfix({k: rec[k] for k in ("loss", "sink_1") if k in rec})
+                t_last, steps_since = time.perf_counter(), 0
+            bar.update(1)
+
+            if out is not None and tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or done == tcfg.steps):
+                if main:
+                    save_checkpoint(out, done, model, optimizer, names,
+                                    {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()},
+                                    tcfg.keep_checkpoints)
+                if world > 1:
+                    dist.barrier()
+            if _stop_after is not None and done >= _stop_after:
+                return TrainResult(model.eval(), out, log, last)
+    finally:
+        bar.close()
+        if log_file is not None:
+            log_file.close()
+
+    final = dict(last or (log[-1] if log else {}))
+    if main and out is not None:
+        desc = (f"{mcfg.attention} attention, {mcfg.n_layers} layer(s) x {mcfg.n_heads} heads, d_model "
+                f"{mcfg.d_model}, {mcfg.positional_embedding_type} positions; {tcfg.steps} steps of "
+                f"{tcfg.batch_size} x {mcfg.n_ctx} tokens on {data.description}")
+        save_reference(out, model, {"description": desc, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
+                                    "data": data.meta(), "final": final})
+    if world > 1:
+        dist.barrier()
+    return TrainResult(model.eval(), out, log, final)

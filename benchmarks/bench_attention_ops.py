@@ -1,0 +1,143 @@
+"""Training throughput (forward + backward + AdamW step) of every attention operation at one configuration.
+
+    python benchmarks/bench_attention_ops.py                 # CPU defaults (about a minute on 2 cores)
+    python benchmarks/bench_attention_ops.py --device cuda   # GPU defaults: bf16 autocast, fused kernels
+    python benchmarks/bench_attention_ops.py --device cuda --compile --ops softmax,sigmoid
+
+Prints one row per operation: tokens/s, ms per step, the path the attention took (sdpa / flex / eager),
+the throughput relative to softmax, and on a GPU the model FLOPs utilisation (MFU: 6 N + 12 L T d
+FLOPs per token, against the GPU's dense bf16 peak given by --peak-tflops). Prints figures only; it
+asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analysis.train import ModelConfig, SinkLM, available_attention  # noqa: E402
+
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ops", default=",".join(available_attention()), help="comma-separated operation names")
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--n-layers", type=int)
+    p.add_argument("--n-heads", type=int)
+    p.add_argument("--n-ctx", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--iters", type=int)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per operation; the fastest is reported "
+                   "(robust to other processes on a shared machine)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--impl", default="auto", choices=["auto", "eager", "sdpa", "flex"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--peak-tflops", type=float, help="GPU dense bf16 peak for MFU (default: guessed from the name)")
+    args = p.parse_args()
+    gpu = args.device.startswith("cuda")
+    defaults = dict(d_model=768, n_layers=12, n_heads=12, n_ctx=2048, batch=8, iters=10) if gpu else \
+        dict(d_model=256, n_layers=4, n_heads=4, n_ctx=256, batch=4, iters=3)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def make_step(op: str, args):
+    """(model, step function, cfg) for one operation."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_vocab=32768 if device.type == "cuda" else 4096, n_ctx=args.n_ctx, d_model=args.d_model,
+                      n_layers=args.n_layers, n_heads=args.n_heads, attention=op, attn_impl=args.impl)
+    model = SinkLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    runner = torch.compile(model) if args.compile else model
+    tokens = torch.randint(0, cfg.d_vocab, (args.batch, args.n_ctx + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        with amp:
+            logits = runner(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, step, cfg
+
+
+def bench(ops, args) -> list[dict]:
+    """Warm every operation up, then time them round-robin ``repeats`` times; keep each one's fastest
+    round (interleaving and best-of make the comparison fair when the machine's load varies)."""
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    runs = {}
+    for op in ops:
+        try:
+            model, step, cfg = make_step(op, args)
+            for _ in range(args.warmup):
+                step()
+            runs[op] = (model, step, cfg)
+        except Exception as e:  # noqa: BLE001 - report and continue with the other operations
+            print(f"{op}: failed ({type(e).__name__}: {e})")
+    best = {op: float("inf") for op in runs}
+    for _ in range(args.repeats):
+        for op, (_, step, _) in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                step()
+            sync()
+            best[op] = min(best[op], (time.perf_counter() - t0) / args.iters)
+    rows = []
+    for op, (model, _, cfg) in runs.items():
+        dt = best[op]
+        tok_s = args.batch * args.n_ctx / dt
+        flops_per_token = 6 * model.n_params() + 12 * cfg.n_layers * cfg.n_ctx * cfg.d_model
+        rows.append({"op": op, "tokens_per_s": tok_s, "ms_per_step": dt * 1e3,
+                     "path": model.blocks[0].attn.last_path or "?", "tflops": tok_s * flops_per_token / 1e12})
+    return rows
+
+
+def main():
+    args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    peak = args.peak_tflops or next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    print(f"device: {name}; torch {torch.__version__}; d_model {args.d_model}, {args.n_layers} layers, "
+          f"{args.n_heads} heads, context {args.n_ctx}, batch {args.batch}, impl {args.impl}"
+          f"{', compiled' if args.compile else ''}; forward + backward + AdamW, fastest of {args.repeats} "
+          f"interleaved rounds of {args.iters} steps")
+    rows = bench(ops, args)
+    base = next((r["tokens_per_s"] for r in rows if r["op"] == "softmax"), None)
+    header = f"| {'operation':22s} | {'tokens/s':>10s} | {'ms/step':>8s} | path  | vs softmax |"
+    if device.type == "cuda" and peak:
+        header += "   MFU |"
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        line = (f"| {r['op']:22s} | {r['tokens_per_s']:10.0f} | {r['ms_per_step']:8.1f} | {r['path']:5s} | "
+                f"{(r['tokens_per_s'] / base if base else float('nan')):10.2f} |")
+        if device.type == "cuda" and peak:
+            line += f" {100 * r['tflops'] / peak:4.1f}% |"
+        print(line)
+    sig = next((r for r in rows if r["op"] == "sigmoid"), None)
+    if sig and base:
+        print(f"sigmoid / softmax throughput: {sig['tokens_per_s'] / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()
