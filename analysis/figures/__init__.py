@@ -1,0 +1,1 @@
+"""Figures: each function takes analysis results and returns a matplotlib Figure."""

@@ -1,0 +1,505 @@
+"""Massive activations (Sun et al. 2024) in the residual stream, reduced inside the hooks.
+
+For every layer l (by default ``blocks.{l}.hook_resid_post``, the residual stream after block l) and
+every sample, the reducer keeps:
+
+- the top-k |activation| over (positions x dims), with its position, dimension and token;
+- the median |activation| over all of the sample's hidden states;
+- the activations flagged by Sun et al.'s criterion: |a| > ``abs_threshold`` (100) and
+  |a| >= ``ratio_threshold`` (1000) x the median |a| of its hidden state (by default the sample's
+  whole hidden state at that layer, positions x dims; ``median_over="token"``: that token's vector);
+- per dimension: how many samples flag it (at any position, at the first token), and the first
+  token's mean (signed) activation.
+
+Nothing else outlives a layer. A dimension is a *spike dimension* of a layer when it is flagged on at
+least ``min_share`` of the samples there. ``activation_map`` gives |h| over (positions x dims) at one
+layer for one sequence, for the heatmap.
+
+Layer numbering: with ``hook="resid_post"`` (default), layer l is the output of block l, so the spike
+read by block l's attention is the one of layer l - 1. ``hook="resid_pre"`` numbers by the block that
+reads the stream (layer 0 is then the embeddings).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from analysis.hooks import (
+    ModelContractError,
+    batches,
+    check_layers,
+    check_tokens,
+    default_batch_size,
+    hook_names,
+    model_device,
+    model_dims,
+)
+
+RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
+
+
+class _Stop(Exception):
+    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
+
+
+def run_partial(
+    model,
+    tokens: torch.Tensor,
+    hooks: Sequence[tuple[str, Callable]],
+    *,
+    stop_after: str | None = None,
+    batch_size: int | None = None,
+    on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+) -> None:
+    """Like ``analysis.hooks.run_with_reducers``, but stops each forward pass after hook ``stop_after``.
+
+    ``on_batch(batch, logits)`` gets ``logits=None`` when the pass was stopped early.
+    """
+    names = hook_names(model)
+    missing = sorted({n for n, _ in hooks if n not in names} | ({stop_after} - names if stop_after else set()))
+    if missing:
+        raise ModelContractError(
+            f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
+            "this analysis needs TransformerLens hook names (load with `analysis.load_model`)."
+        )
+    tokens = check_tokens(model, tokens)
+    device = model_device(model)
+    bs = batch_size or default_batch_size(tokens)
+
+    def stop(x, hook):
+        raise _Stop
+
+    all_hooks = list(hooks) + ([(stop_after, stop)] if stop_after else [])
+    with torch.inference_mode():
+        for batch in batches(tokens, bs):
+            batch = batch.to(device)
+            logits = None
+            try:
+                logits = model.run_with_hooks(batch, fwd_hooks=all_hooks)
+            except _Stop:
+                pass
+            if on_batch is not None:
+                on_batch(batch, logits)
+
+
+def resid_hook(layer: int, hook: str = "resid_post") -> str:
+    if hook not in RESID_HOOKS:
+        raise ValueError(f"hook must be one of {list(RESID_HOOKS)}; got {hook!r}.")
+    return f"blocks.{layer}.hook_{hook}"
+
+
+def token_strings(model, ids: Sequence[int]) -> list[str]:
+    """Decoded tokens (ids as text when the model has no tokenizer)."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return [f"#{int(i)}" for i in ids]
+    return [tok.decode([int(i)]) for i in ids]
+
+
+def _layer_runs(layers: Sequence[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    layers = sorted(layers)
+    if not layers:
+        return ""
+    runs, start, prev = [], layers[0], layers[0]
+    for l in layers[1:] + [None]:
+        if l is not None and l == prev + 1:
+            prev = l
+            continue
+        runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if l is not None:
+            start = prev = l
+    return ", ".join(runs)
+
+
+@dataclass
+class MassiveActivations:
+    """Massive activations per layer; tensors are indexed by position in ``layers``.
+
+    ``spike_dims`` {layer: dims flagged on >= min_share of samples, at any position};
+    ``first_token_dims`` {layer: dims flagged at the first token on >= min_share of samples}.
+    """
+
+    layers: list[int]
+    hook: str
+    top_k: int
+    abs_threshold: float
+    ratio_threshold: float
+    min_share: float
+    n: int
+    T: int
+    median_over: str
+    top_values: torch.Tensor  # (N, L, K) |a|, descending
+    top_pos: torch.Tensor  # (N, L, K)
+    top_dim: torch.Tensor  # (N, L, K)
+    top_token: torch.Tensor  # (N, L, K) token id at top_pos
+    median: torch.Tensor  # (N, L) median |a| over the sample's (positions x dims)
+    flag_samples: torch.Tensor  # (L, D) samples where the dim is flagged (any position)
+    flag_first: torch.Tensor  # (L, D) samples where the dim is flagged at position 0
+    first_mean: torch.Tensor  # (L, D) mean signed activation of the first token
+    first_abs: torch.Tensor  # (L, D) mean |a| of the first token
+    other_abs_max: torch.Tensor  # (L, D) mean over samples of max_{t>0} |a|
+    flagged: pd.DataFrame  # one row per (sample, position, dim) flagged in any layer
+    token_text: dict = field(default_factory=dict)  # id -> decoded token
+    model_name: str | None = None
+    kind: str | None = None
+
+    # ----- derived -----
+    def _dims_over(self, counts: torch.Tensor) -> dict[int, list[int]]:
+        need = self.min_share * self.n
+        return {l: (counts[i] >= need).nonzero().flatten().tolist() for i, l in enumerate(self.layers)
+                if (counts[i] >= need).any() and self.n > 0}
+
+    @property
+    def spike_dims(self) -> dict[int, list[int]]:
+        return self._dims_over(self.flag_samples)
+
+    @property
+    def first_token_dims(self) -> dict[int, list[int]]:
+        return self._dims_over(self.flag_first)
+
+    def input_dims(self, n_layers: int | None = None) -> dict[int, list[int]]:
+        """First-token spike dims by the block that reads them: {block: dims in its input stream}.
+
+        With ``hook="resid_post"``, the stream after block l is read by block l + 1 (dropped past
+        ``n_layers - 1`` when given); with ``hook="resid_pre"`` the keys are already the reading blocks.
+        This is the form ``norm_gain_trace`` and ``first_key_ablation`` take.
+        """
+        d = self.first_token_dims
+        if self.hook == "resid_pre":
+            return dict(d)
+        if self.hook != "resid_post":
+            raise ValueError("input_dims needs hook='resid_post' or 'resid_pre'.")
+        return {l + 1: v for l, v in d.items() if n_layers is None or l + 1 < n_layers}
+
+    @property
+    def has_spike(self) -> bool:
+        return bool(self.spike_dims)
+
+    @property
+    def first_layer(self) -> int | None:
+        """First layer with a spike dimension (None without spikes)."""
+        s = self.spike_dims
+        return min(s) if s else None
+
+    @property
+    def last_layer(self) -> int | None:
+        """Last layer with a spike dimension; the spikes fade after it (None without spikes)."""
+        s = self.spike_dims
+        return max(s) if s else None
+
+    @property
+    def all_spike_dims(self) -> list[int]:
+        return sorted({d for dims in self.spike_dims.values() for d in dims})
+
+    def spike_layers(self, dim: int) -> list[int]:
+        return [l for l, dims in self.spike_dims.items() if dim in dims]
+
+    def _tok(self, i: int) -> str:
+        return self.token_text.get(int(i), f"#{int(i)}")
+
+    @property
+    def per_layer(self) -> pd.DataFrame:
+        """One row per layer: mean top-k |a| and median over samples, where the tops sit, flag counts."""
+        rows = []
+        spikes = self.spike_dims
+        for i, l in enumerate(self.layers):
+            row = {"layer": l}
+            for k in range(self.top_k):
+                row[f"top{k + 1}"] = float(self.top_values[:, i, k].mean())
+            row["median"] = float(self.median[:, i].mean())
+            row["top1_over_median"] = row["top1"] / max(row["median"], 1e-12)
+            for k in range(self.top_k):
+                pos = Counter(self.top_pos[:, i, k].tolist()).most_common(1)[0]
+                dim = Counter(self.top_dim[:, i, k].tolist()).most_common(1)[0]
+                tok = Counter(self.top_token[:, i, k].tolist()).most_common(1)[0]
+                row[f"top{k + 1}_pos"] = int(pos[0])
+                row[f"top{k + 1}_pos_share"] = pos[1] / self.n
+                row[f"top{k + 1}_dim"] = int(dim[0])
+                row[f"top{k + 1}_dim_share"] = dim[1] / self.n
+                row[f"top{k + 1}_token"] = self._tok(tok[0])
+            row["spike_dims"] = spikes.get(l, [])
+            row["first_token_dims"] = self.first_token_dims.get(l, [])
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    @property
+    def dims(self) -> pd.DataFrame:
+        """One row per spike dimension: the layers where it is a spike (appears, fades), how big, who carries it."""
+        rows = []
+        for d in self.all_spike_dims:
+            ls = self.spike_layers(d)
+            idx = [self.layers.index(l) for l in ls]
+            peak = idx[int(self.first_abs[idx, d].argmax())]
+            f = self.flagged[self.flagged["dim"] == d]
+            n_first = int((f["position"] == 0).sum()) if len(f) else 0
+            others = f[f["position"] > 0]
+            top_tokens = Counter(others["token"].tolist()).most_common(3)
+            rows.append({
+                "dim": d,
+                "layers": _layer_runs(ls),
+                "first_layer": min(ls),
+                "last_layer": max(ls),
+                "n_layers": len(ls),
+                "peak_layer": self.layers[peak],
+                "first_token_mean": float(self.first_mean[peak, d]),
+                "first_token_abs": float(self.first_abs[peak, d]),
+                "first_token_share": n_first / max(len(f), 1),
+                "n_other_positions": int(len(others)),
+                "other_tokens": ", ".join(f"{t!r} x{c}" for t, c in top_tokens),
+            })
+        return pd.DataFrame(rows, columns=["dim", "layers", "first_layer", "last_layer", "n_layers", "peak_layer",
+                                           "first_token_mean", "first_token_abs", "first_token_share",
+                                           "n_other_positions", "other_tokens"])
+
+    @property
+    def carriers(self) -> pd.DataFrame:
+        """Which tokens carry flagged activations: counts of (sample, position) per dim, first token apart."""
+        f = self.flagged
+        if not len(f):
+            return pd.DataFrame(columns=["dim", "carrier", "n", "share"])
+        lab = f["token"].where(f["position"] > 0, "<first token>")
+        g = f.assign(carrier=lab).groupby(["dim", "carrier"]).size().rename("n").reset_index()
+        g["share"] = g["n"] / g.groupby("dim")["n"].transform("sum")
+        return g.sort_values(["dim", "n"], ascending=[True, False]).reset_index(drop=True)
+
+    @property
+    def first_token_share(self) -> float:
+        """Share of flagged (sample, position, dim) activations that sit on the first token (NaN if none)."""
+        return float((self.flagged["position"] == 0).mean()) if len(self.flagged) else float("nan")
+
+    def summary(self) -> str:
+        """One plain sentence: where the spikes are, or that there are none."""
+        name = self.model_name or "the model"
+        kind = f" on {self.kind} inputs" if self.kind else ""
+        if not self.has_spike:
+            top = float(self.top_values[:, :, 0].mean(0).max()) if self.n else float("nan")
+            return (f"No massive activations in {name}{kind}: no dimension passes |a| > {self.abs_threshold:g} and "
+                    f">= {self.ratio_threshold:g}x its hidden state's median on {self.min_share:.0%} of samples "
+                    f"(largest mean top-1 |a| over layers: {top:.1f}).")
+        dims = self.dims
+        parts = [f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
+                 f"peak {r.first_token_mean:+.0f})" for r in dims.itertuples()]
+        return (f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) +
+                f". They appear at layer {self.first_layer} and fade after layer {self.last_layer}.")
+
+    def to_dict(self) -> dict:
+        per_layer = self.per_layer
+        keep = ["layer"] + [f"top{k + 1}" for k in range(self.top_k)] + ["median", "top1_over_median"] + \
+               [f"top{k + 1}_{c}" for k in range(self.top_k) for c in ("pos", "dim", "token")]
+        return {
+            "model": self.model_name,
+            "kind": self.kind,
+            "hook": self.hook,
+            "n": self.n,
+            "T": self.T,
+            "abs_threshold": self.abs_threshold,
+            "ratio_threshold": self.ratio_threshold,
+            "min_share": self.min_share,
+            "median_over": self.median_over,
+            "has_spike": self.has_spike,
+            "first_layer": self.first_layer,
+            "last_layer": self.last_layer,
+            "spike_dims": {str(l): d for l, d in self.spike_dims.items()},
+            "first_token_dims": {str(l): d for l, d in self.first_token_dims.items()},
+            "first_token_share": None if not len(self.flagged) else self.first_token_share,
+            "n_flagged": int(len(self.flagged)),
+            "per_layer": [{k: (v if isinstance(v, (str, int)) else float(v)) for k, v in r.items()}
+                          for r in per_layer[keep].to_dict("records")],
+            "dims": self.dims.to_dict("records"),
+            "summary": self.summary(),
+        }
+
+
+def _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D):
+    if not 1 <= int(top_k) <= D:
+        raise ValueError(f"top_k must lie in [1, d_model={D}]; got {top_k}.")
+    if float(abs_threshold) < 0 or float(ratio_threshold) < 0:
+        raise ValueError("abs_threshold and ratio_threshold must be >= 0 (Sun et al.: 100 and 1000).")
+    if not 0.0 < float(min_share) <= 1.0:
+        raise ValueError(f"min_share must lie in (0, 1]; got {min_share}.")
+
+
+def massive_activations(
+    model,
+    tokens,
+    layers: Sequence[int] | None = None,
+    top_k: int = 3,
+    abs_threshold: float = 100.0,
+    ratio_threshold: float = 1000.0,
+    min_share: float = 0.5,
+    hook: str = "resid_post",
+    median_over: str = "sequence",
+    batch_size: int | None = None,
+    kind: str | None = None,
+) -> MassiveActivations:
+    """Massive activations of ``model`` on ``tokens`` (N, T), per layer, reduced inside the hooks.
+
+    ``abs_threshold``/``ratio_threshold``: Sun et al.'s criterion (|a| > 100 and >= 1000x the median
+    |a| of the same hidden state). ``min_share``: a flagged dimension is a spike dimension of a layer
+    when it is flagged on at least this share of samples. ``hook``: ``resid_post`` (default),
+    ``resid_pre`` or ``resid_mid``. ``median_over``: the median the ratio is taken to, over the
+    sample's whole hidden state at that layer (``"sequence"``, positions x dims, Sun et al.'s "median
+    magnitude of its hidden state") or over the one token's vector (``"token"``: stricter where the
+    first token's whole vector is large, as in SmolLM2).
+    """
+    if median_over not in ("sequence", "token"):
+        raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
+    tokens = check_tokens(model, tokens)
+    layers = check_layers(model, layers)
+    if not layers:
+        raise ValueError("layers is empty: give at least one layer (None means all).")
+    names = [resid_hook(l, hook) for l in layers]
+    N, T = tokens.shape
+    L = len(layers)
+    D = model_dims(model).d_model
+    if D is None:
+        raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
+    _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
+    K = int(top_k)
+    flag_samples = torch.zeros(L, D, dtype=torch.long)
+    flag_first = torch.zeros(L, D, dtype=torch.long)
+    first_sum = torch.zeros(L, D, dtype=torch.float64)
+    first_abs = torch.zeros(L, D, dtype=torch.float64)
+    other_max = torch.zeros(L, D, dtype=torch.float64)
+    chunks: dict[str, list[torch.Tensor]] = {k: [] for k in ("v", "p", "d", "m")}
+    cur: dict[int, tuple] = {}
+    flag_rows: list[torch.Tensor] = []  # (sample, pos, dim, layer_idx, |a|, ratio) per flagged activation
+    offset = [0]
+
+    def reducer(i: int):
+        def fn(x, hook):
+            if x.shape[-1] != D:
+                raise ModelContractError(f"{hook.name} has last dim {x.shape[-1]}, expected d_model={D}.")
+            a = x.detach().float().abs()
+            B = a.shape[0]
+            flat = a.reshape(B, -1)
+            v, idx = flat.topk(K, dim=-1)
+            med_seq = flat.median(dim=-1).values  # (B,) median over the sample's positions x dims
+            ref = a.median(dim=-1).values if median_over == "token" else med_seq[:, None].expand(B, a.shape[1])
+            flags = (a > abs_threshold) & (a >= ratio_threshold * ref[..., None])
+            cur[i] = (v.cpu(), (idx // D).cpu(), (idx % D).cpu(), med_seq.cpu())
+            flag_samples[i] += flags.any(dim=1).sum(0).cpu()
+            flag_first[i] += flags[:, 0].sum(0).cpu()
+            first_sum[i] += x[:, 0].detach().double().sum(0).cpu()
+            first_abs[i] += a[:, 0].double().sum(0).cpu()
+            if a.shape[1] > 1:
+                other_max[i] += a[:, 1:].max(dim=1).values.double().sum(0).cpu()
+            if flags.any():
+                b, t, d = flags.nonzero(as_tuple=True)
+                vals = a[b, t, d]
+                ratio = vals / ref[b, t].clamp_min(1e-30)
+                flag_rows.append(torch.stack([(b + offset[0]).double(), t.double(), d.double(),
+                                              torch.full_like(vals, i).double(), vals.double(), ratio.double()], 1).cpu())
+        return fn
+
+    def collect(batch, logits):
+        missing = [layers[i] for i in range(L) if i not in cur]
+        if missing:
+            raise RuntimeError(f"hooks did not fire for layers {missing}.")
+        for j, key in enumerate(("v", "p", "d", "m")):
+            chunks[key].append(torch.stack([cur[i][j] for i in range(L)], dim=1))
+        cur.clear()
+        offset[0] += batch.shape[0]
+
+    # Stop after the last needed layer (later blocks do not run).
+    stop = names[int(torch.tensor(layers).argmax())] if max(layers) < model_dims(model).n_layers - 1 else None
+    run_partial(model, tokens, [(n, reducer(i)) for i, n in enumerate(names)], stop_after=stop,
+                batch_size=batch_size, on_batch=collect)
+
+    top_values = torch.cat(chunks["v"])
+    top_pos = torch.cat(chunks["p"])
+    top_dim = torch.cat(chunks["d"])
+    top_token = torch.gather(tokens[:, None, :].expand(N, L, T), 2, top_pos)
+    flagged = _flag_table(flag_rows, tokens, layers)
+    ids = sorted(set(top_token.flatten().tolist()) | set(flagged["token_id"].tolist()))
+    text = dict(zip(ids, token_strings(model, ids)))
+    flagged.insert(4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index))
+    return MassiveActivations(
+        layers=layers, hook=hook, top_k=K, abs_threshold=float(abs_threshold), ratio_threshold=float(ratio_threshold),
+        min_share=float(min_share), n=N, T=T, median_over=median_over, top_values=top_values, top_pos=top_pos, top_dim=top_dim,
+        top_token=top_token, median=torch.cat(chunks["m"]), flag_samples=flag_samples, flag_first=flag_first,
+        first_mean=(first_sum / N).float(), first_abs=(first_abs / N).float(), other_abs_max=(other_max / N).float(),
+        flagged=flagged, token_text=text, model_name=getattr(model, "model_name", None), kind=kind,
+    )
+
+
+def _flag_table(rows: list[torch.Tensor], tokens: torch.Tensor, layers: list[int]) -> pd.DataFrame:
+    """Collapse flagged activations to one row per (sample, position, dim), with its layer range."""
+    cols = ["sample", "position", "dim", "token_id", "first_layer", "last_layer", "n_layers", "max_abs", "max_ratio"]
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c not in ("max_abs", "max_ratio") else "float64") for c in cols})
+    r = torch.cat(rows)
+    df = pd.DataFrame(r.numpy(), columns=["sample", "position", "dim", "li", "abs", "ratio"])
+    for c in ("sample", "position", "dim", "li"):
+        df[c] = df[c].astype("int64")
+    df["layer"] = np.asarray(layers, dtype="int64")[df["li"].to_numpy()]
+    g = df.groupby(["sample", "position", "dim"]).agg(
+        first_layer=("layer", "min"), last_layer=("layer", "max"), n_layers=("layer", "size"),
+        max_abs=("abs", "max"), max_ratio=("ratio", "max")).reset_index()
+    tid = tokens.numpy()[g["sample"].to_numpy(), g["position"].to_numpy()]
+    g.insert(3, "token_id", tid)
+    return g
+
+
+def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivations]:
+    """``massive_activations`` for each named input kind (values: token tensors or ``ProbeSet``s)."""
+    out = {}
+    for kind, p in probes.items():
+        toks = getattr(p, "tokens", p)
+        out[kind] = massive_activations(model, toks, kind=kind, **kwargs)
+    return out
+
+
+def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
+    """Spike dims across input kinds: per (kind, dim) the layers, first-token share and peak value."""
+    rows = []
+    for kind, r in results.items():
+        if not r.has_spike:
+            rows.append({"kind": kind, "dim": None, "layers": "", "first_token_share": float("nan"),
+                         "peak_first_token": float("nan"), "n_other_positions": 0})
+        for d in r.dims.itertuples():
+            rows.append({"kind": kind, "dim": d.dim, "layers": d.layers, "first_token_share": d.first_token_share,
+                         "peak_first_token": d.first_token_mean, "n_other_positions": d.n_other_positions})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class ActivationMap:
+    """|h| over (positions x dims) at one layer for one sequence."""
+
+    layer: int
+    hook: str
+    values: torch.Tensor  # (T, D) |h|
+    tokens: list[str]
+
+    def top(self, k: int = 5) -> pd.DataFrame:
+        v, idx = self.values.flatten().topk(min(k, self.values.numel()))
+        D = self.values.shape[1]
+        return pd.DataFrame({"position": (idx // D).tolist(), "dim": (idx % D).tolist(),
+                             "token": [self.tokens[i] for i in (idx // D).tolist()], "abs": v.tolist()})
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "hook": self.hook, "top": self.top().to_dict("records")}
+
+
+def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
+    """|h| over (positions x dims) at ``layer`` for one sequence (``tokens[sample]``)."""
+    tokens = check_tokens(model, tokens)
+    (layer,) = check_layers(model, [layer])
+    if not 0 <= int(sample) < tokens.shape[0]:
+        raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
+    seq = tokens[int(sample)][None]
+    out = {}
+
+    def fn(x, hook):
+        out["h"] = x[0].detach().float().abs().cpu()
+
+    name = resid_hook(layer, hook)
+    run_partial(model, seq, [(name, fn)], stop_after=name if layer < model_dims(model).n_layers - 1 else None)
+    return ActivationMap(layer, hook, out["h"], token_strings(model, seq[0].tolist()))
