@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.hooks import check_layers, check_tokens, run_with_reducers
+from analysis.hooks import check_layers, check_tokens, run_with_reducers, token_strings
 
 
 class OfflineHTML:
@@ -39,14 +39,6 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     return out["p"]
 
 
-def token_labels(model, tokens: torch.Tensor) -> list[str]:
-    tok = getattr(model, "tokenizer", None)
-    ids = tokens.reshape(-1).tolist()
-    if tok is None:
-        return [str(i) for i in ids]
-    return [tok.decode([i]) for i in ids]
-
-
 def attention_view_html(model, tokens, layer: int, heads: list[int] | None = None) -> str:
     """Self-contained circuitsvis HTML (inline JS, no CDN) of one layer's attention on one sequence."""
     import circuitsvis as cv
@@ -56,7 +48,7 @@ def attention_view_html(model, tokens, layer: int, heads: list[int] | None = Non
     if heads is not None:
         pattern = pattern[heads]
     names = [f"L{layer}H{h}" for h in (heads if heads is not None else range(pattern.shape[0]))]
-    rendered = cv.attention.attention_heads(attention=pattern, tokens=token_labels(model, tokens[0]), attention_head_names=names)
+    rendered = cv.attention.attention_heads(attention=pattern, tokens=token_strings(model, tokens[0].tolist()), attention_head_names=names)
     return rendered.local_src
 
 

@@ -128,6 +128,18 @@ def default_batch_size(tokens: torch.Tensor) -> int:
     return max(1, min(tokens.shape[0], 2048 // max(T, 1)))
 
 
+class _Stop(Exception):
+    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
+
+
+def token_strings(model, ids: Sequence[int]) -> list[str]:
+    """Decoded tokens, one string per id (``#id`` when the model has no tokenizer)."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return [f"#{int(i)}" for i in ids]
+    return [tok.decode([int(i)]) for i in ids]
+
+
 def run_with_reducers(
     model,
     tokens: torch.Tensor,
@@ -135,16 +147,19 @@ def run_with_reducers(
     *,
     batch_size: int | None = None,
     progress: bool = False,
-    on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+    stop_after: str | None = None,
 ) -> None:
     """Run ``model`` over ``tokens`` in batches with ``reducers`` attached as forward hooks.
 
     Each reducer ``fn(activation, hook)`` folds the activation into its own accumulator and returns
-    None, so nothing but the reduced statistics outlives a layer. ``on_batch(batch, logits)`` sees
-    each batch's tokens and logits (e.g. to accumulate a loss).
+    None (or a replacement activation, for interventions), so nothing but the reduced statistics
+    outlives a layer. ``on_batch(batch, logits)`` sees each batch's tokens and logits (e.g. to
+    accumulate a loss). ``stop_after`` names a hook after which each forward pass ends early (the
+    later layers are not run; ``on_batch`` then gets ``logits=None``).
     """
     names = hook_names(model)
-    missing = sorted({n for n, _ in reducers if n not in names})
+    missing = sorted({n for n, _ in reducers if n not in names} | ({stop_after} - names if stop_after else set()))
     if missing:
         raise ModelContractError(
             f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
@@ -158,9 +173,18 @@ def run_with_reducers(
         from tqdm.auto import tqdm
 
         it = tqdm(it, total=(tokens.shape[0] + bs - 1) // bs, desc="batches", leave=False)
+
+    def stop(x, hook):
+        raise _Stop
+
+    hooks = list(reducers) + ([(stop_after, stop)] if stop_after else [])
     with torch.inference_mode():
         for batch in it:
             batch = batch.to(device)
-            logits = model.run_with_hooks(batch, fwd_hooks=list(reducers))
+            logits = None
+            try:
+                logits = model.run_with_hooks(batch, fwd_hooks=hooks)
+            except _Stop:
+                pass
             if on_batch is not None:
                 on_batch(batch, logits)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -31,74 +31,20 @@ import torch
 
 from analysis.hooks import (
     ModelContractError,
-    batches,
     check_layers,
     check_tokens,
-    default_batch_size,
-    hook_names,
-    model_device,
     model_dims,
+    run_with_reducers,
+    token_strings,
 )
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
-
-
-class _Stop(Exception):
-    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
-
-
-def run_partial(
-    model,
-    tokens: torch.Tensor,
-    hooks: Sequence[tuple[str, Callable]],
-    *,
-    stop_after: str | None = None,
-    batch_size: int | None = None,
-    on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
-) -> None:
-    """Like ``analysis.hooks.run_with_reducers``, but stops each forward pass after hook ``stop_after``.
-
-    ``on_batch(batch, logits)`` gets ``logits=None`` when the pass was stopped early.
-    """
-    names = hook_names(model)
-    missing = sorted({n for n, _ in hooks if n not in names} | ({stop_after} - names if stop_after else set()))
-    if missing:
-        raise ModelContractError(
-            f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
-            "this analysis needs TransformerLens hook names (load with `analysis.load_model`)."
-        )
-    tokens = check_tokens(model, tokens)
-    device = model_device(model)
-    bs = batch_size or default_batch_size(tokens)
-
-    def stop(x, hook):
-        raise _Stop
-
-    all_hooks = list(hooks) + ([(stop_after, stop)] if stop_after else [])
-    with torch.inference_mode():
-        for batch in batches(tokens, bs):
-            batch = batch.to(device)
-            logits = None
-            try:
-                logits = model.run_with_hooks(batch, fwd_hooks=all_hooks)
-            except _Stop:
-                pass
-            if on_batch is not None:
-                on_batch(batch, logits)
 
 
 def resid_hook(layer: int, hook: str = "resid_post") -> str:
     if hook not in RESID_HOOKS:
         raise ValueError(f"hook must be one of {list(RESID_HOOKS)}; got {hook!r}.")
     return f"blocks.{layer}.hook_{hook}"
-
-
-def token_strings(model, ids: Sequence[int]) -> list[str]:
-    """Decoded tokens (ids as text when the model has no tokenizer)."""
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        return [f"#{int(i)}" for i in ids]
-    return [tok.decode([int(i)]) for i in ids]
 
 
 def _layer_runs(layers: Sequence[int]) -> str:
@@ -409,7 +355,7 @@ def massive_activations(
 
     # Stop after the last needed layer (later blocks do not run).
     stop = names[int(torch.tensor(layers).argmax())] if max(layers) < model_dims(model).n_layers - 1 else None
-    run_partial(model, tokens, [(n, reducer(i)) for i, n in enumerate(names)], stop_after=stop,
+    run_with_reducers(model, tokens, [(n, reducer(i)) for i, n in enumerate(names)], stop_after=stop,
                 batch_size=batch_size, on_batch=collect)
 
     top_values = torch.cat(chunks["v"])
@@ -501,5 +447,5 @@ def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resi
         out["h"] = x[0].detach().float().abs().cpu()
 
     name = resid_hook(layer, hook)
-    run_partial(model, seq, [(name, fn)], stop_after=name if layer < model_dims(model).n_layers - 1 else None)
+    run_with_reducers(model, seq, [(name, fn)], stop_after=name if layer < model_dims(model).n_layers - 1 else None)
     return ActivationMap(layer, hook, out["h"], token_strings(model, seq[0].tolist()))

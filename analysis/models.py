@@ -20,7 +20,6 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -30,7 +30,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims
+from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims, run_with_reducers
 from analysis.models import rotary_base
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +348,6 @@ def norm_gain_trace(
     (norms, rebuild check, constancy) and ``has_spike`` is False with a plain ``message``.
     ``n_other``: ordinary tokens per sequence kept for the cross-input cosine.
     """
-    from analysis.massive import run_partial
 
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
@@ -482,7 +481,7 @@ def norm_gain_trace(
     hooks += [(path.query_hook, on_query), (path.key_hook, on_key), (scores_hook, on_scores)]
     if path.rot_key_hook is not None:
         hooks.append((path.rot_key_hook, on_rot_key))
-    run_partial(model, tokens, hooks, stop_after=scores_hook if layer < dims.n_layers - 1 else None,
+    run_with_reducers(model, tokens, hooks, stop_after=scores_hook if layer < dims.n_layers - 1 else None,
                 batch_size=batch_size, on_batch=done)
 
     h1, n1, x1 = (torch.cat(keep[k]) for k in ("h1", "n1", "x1"))

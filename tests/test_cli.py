@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from analysis.__main__ import format_sink_table, main, sink_report
+from analysis.__main__ import format_sink_table, main
 
 
 def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys):
