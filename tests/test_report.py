@@ -1,0 +1,151 @@
+"""The report: one self-contained HTML page and a strict JSON, written atomically, for any model."""
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from analysis import ModelContractError
+from analysis.report import SECTIONS, build_report
+from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike  # noqa: F401
+
+
+def _strict_json(path):
+    def no_nan(x):
+        raise AssertionError(f"non-finite number {x} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=no_nan)
+
+
+def _assert_self_contained(page: str):
+    assert page.startswith("<!DOCTYPE html>")
+    assert not re.search(r"<script[^>]+src=", page), "a script loaded from elsewhere"
+    assert not re.search(r"<link[^>]+href=", page), "a stylesheet loaded from elsewhere"
+    assert not re.search(r"""src=["']https?://""", page)
+    assert "unpkg.com" not in page and "jsdelivr" not in page
+
+
+@pytest.fixture(scope="module")
+def planted_report(planted, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    (out / "keep.txt").write_text("mine")
+    (out / "report.json").write_text("{}")  # an older report is replaced
+    path = build_report(planted, out, n=8, T=24)
+    return out, path
+
+
+def test_files_are_written_atomically_and_others_kept(planted_report):
+    out, path = planted_report
+    assert path == out / "report.html" and path.is_file()
+    assert (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "report.html", "report.json"]  # no temp files left
+
+
+def test_page_is_self_contained_with_figures_and_views(planted_report):
+    out, path = planted_report
+    page = path.read_text()
+    _assert_self_contained(page)
+    assert page.count("data:image/png;base64,") >= 8
+    assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
+    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions"):
+        assert s in page
+
+
+def test_json_holds_the_planted_answers(planted_report):
+    out, _ = planted_report
+    d = _strict_json(out / "report.json")
+    assert set(d["sections"]) == set(SECTIONS)
+    assert not any("error" in s for s in d["sections"].values() if isinstance(s, dict))
+    # The planted spike: dims 7 and 21 in the residual stream after blocks 0 and 1.
+    assert d["spike_dims"] == {"0": [7, 21], "1": [7, 21]} and d["spike_dims_hook"] == "hook_resid_post"
+    sink = d["sections"]["sink"]
+    assert sink["per_layer"]["natural"]["sink_1_pct"] == [0.0, 100.0, 100.0, 0.0]
+    assert set(sink["sink_1_pct"]) == {"natural", "random", "repeated"}
+    assert len(sink["results"]["natural"]["per_head_alpha"][0]) == 4  # [k][layer][head]
+    assert d["sections"]["norm_gain"]["layer"] in SINK_LAYERS and d["sections"]["norm_gain"]["has_spike"]
+    km = d["sections"]["key_manifold"]
+    assert km["summary"]["sink"]["cos_first_pair"] > 0.999 and len(km["scatter"]) == 2
+    assert d["sections"]["value_norms"]["summary"]["median_ratio_sink"] < 0.01
+    iv = d["sections"]["interventions"]
+    assert {"spike_ablation", "value_ablation", "first_key_ablation"} <= set(iv)
+    zero = [r for r in iv["spike_ablation"]["summary"] if r["condition"] == "zero"][0]
+    assert zero["sink_1_pct"] < 5
+    # Every finding is a sentence with a number.
+    assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
+    assert d["versions"]["torch"] == torch.__version__
+    assert d["seconds"]["total"] > 0
+
+
+def test_model_whose_first_token_carries_no_spike(planted_nospike, tmp_path):
+    build_report(planted_nospike, tmp_path, n=6, T=24, sections=["sink", "massive", "norm_gain", "interventions"])
+    d = _strict_json(tmp_path / "report.json")
+    assert d["spike_dims"] == {} and d["first_token_spike_dims"] == {}
+    text = " ".join(d["findings"])
+    assert "carries no massive activation" in text
+    assert "no spike" in text  # the norm-gain trace and the ablations say so plainly
+    assert d["sections"]["interventions"]["spike_ablation"]["has_spike"] is False
+    assert "no massive activation" in (tmp_path / "report.html").read_text()
+
+
+def test_model_without_norm_gain(tmp_path):
+    model = planted_model()
+    model.cfg.normalization_type = None  # no norm gain to trace (as for a model without normalisation)
+    build_report(model, tmp_path, n=4, T=16, sections=["massive", "norm_gain"])
+    d = _strict_json(tmp_path / "report.json")
+    assert d["sections"]["norm_gain"]["applicable"] is False
+    assert "No norm gain to trace" in " ".join(d["notes"]["norm_gain"])
+    assert "No norm gain to trace" in (tmp_path / "report.html").read_text()
+
+
+def test_a_failing_section_is_reported_and_the_others_survive(planted, tmp_path, monkeypatch):
+    import analysis.value_norms
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(analysis.value_norms, "value_norms", broken)
+    build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
+    d = _strict_json(tmp_path / "report.json")
+    assert d["sections"]["value_norms"] == {"error": "RuntimeError: boom"}
+    assert d["sections"]["sink"]["sink_1_pct"]["natural"] == 50.0
+    assert "RuntimeError" in (tmp_path / "report.html").read_text()
+
+
+def test_a_missing_module_is_left_out_and_said(planted, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "analysis.interventions", None)  # import now raises ImportError
+    build_report(planted, tmp_path, n=4, T=16, sections=["interventions"])
+    d = _strict_json(tmp_path / "report.json")
+    assert d["sections"]["interventions"]["available"] is False
+    assert "not available" in " ".join(d["notes"]["interventions"])
+
+
+def test_bad_input_writes_nothing(planted, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ModelContractError, match="hook"):
+        build_report(torch.nn.Linear(3, 3), out)
+    with pytest.raises(ValueError, match="n >= 2"):
+        build_report(planted, out, n=1)
+    with pytest.raises(ValueError, match="T >= 4"):
+        build_report(planted, out, n=4, T=3)
+    with pytest.raises(ValueError, match="unknown report sections"):
+        build_report(planted, out, sections=["sink", "tea"])
+    assert not out.exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        build_report(planted, tmp_path / "file", n=4, T=16)
+
+
+def test_real_model_report(smollm2, tmp_path):
+    path = build_report(smollm2, tmp_path, n=4, T=64)
+    page = path.read_text()
+    _assert_self_contained(page)
+    d = _strict_json(tmp_path / "report.json")
+    assert not any("error" in s for s in d["sections"].values() if isinstance(s, dict))
+    sink = d["sections"]["sink"]["sink_1_pct"]
+    assert sink["natural"] > 50 and sink["random"] > 50 and sink["repeated"] < 5
+    # The embedded model has a massive activation on the first token, read by later sink layers.
+    assert d["spike_dims"] and d["first_token_spike_dims"]
+    assert d["sections"]["norm_gain"]["has_spike"]
+    assert d["sections"]["value_norms"]["correlation"]["ratio"]["pearson_r"] < -0.5
+    assert len(d["findings"]) >= 12
