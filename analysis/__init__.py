@@ -22,11 +22,29 @@ from analysis.probes import (
 )
 from analysis.sink import SinkResult, sink_metric, sink_table
 
+
+def __getattr__(name):
+    # The mechanism modules load on first use (they pull in scikit-learn and matplotlib).
+    lazy = {
+        "qk_angles": "analysis.qk", "massive_activations": "analysis.massive", "norm_gain_trace": "analysis.norm_gain",
+        "first_key_manifold": "analysis.key_manifold", "value_norms": "analysis.value_norms",
+        "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
+        "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
+        "attention_view": "analysis.attention_view",
+    }
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(lazy[name]), name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MODEL", "ModelContractError", "ModelNotFoundError", "PROBE_KINDS", "ProbeSet", "SinkResult",
     "available_models", "load_model", "make_probe", "model_dims", "natural_probe", "probe_sets",
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
-    "text_probe",
+    "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
+    "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view",
 ]

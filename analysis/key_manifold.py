@@ -43,32 +43,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims, run_with_reducers
+from analysis.hooks import ModelContractError, check_layers, check_tokens, model_dims, run_with_reducers
+from analysis.qk import qk_hook_names
 from analysis.sink import alpha_from_pattern
 
 DEFAULT_N_COMPONENTS = 0.9
 VARIANCE_LEVEL = 0.9  # first_n90 / other_n90
 SAME_POINT = 1e-6  # keys whose variance is below this share of their squared norm count as one point
-
-
-def key_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
-    """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
-    them (and ``rotated``), else ``hook_q``/``hook_k``. Some models list ``hook_rot_k`` without rotary (it
-    never fires there), so the rotary is checked on the model, not on the hook names."""
-    from analysis.models import rotary_base
-
-    names = hook_names(model)
-    rot = (f"blocks.{layer}.attn.hook_rot_q", f"blocks.{layer}.attn.hook_rot_k")
-    if rotated and all(n in names for n in rot) and rotary_base(model) is not None:
-        return rot
-    plain = (f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k")
-    missing = [n for n in plain if n not in names]
-    if missing:
-        raise ModelContractError(
-            f"the model has no query/key hooks {missing}; the key manifold needs TransformerLens hook names "
-            "(`blocks.{l}.attn.hook_k`, or `hook_rot_k` with rotary): load it with `analysis.load_model`."
-        )
-    return plain
 
 
 def _check_n_components(n_components, d_head: int | None):
@@ -271,7 +252,7 @@ def collect_keys(model, tokens, heads: list[tuple[int, int]], rotated: bool = Tr
                     chunks.append(k[:, :, h].float().cpu().clone())
         return fn
 
-    reducers = [(key_hook_names(model, l, rotated)[1], keep(l)) for l in layers]
+    reducers = [(qk_hook_names(model, l, rotated)[1], keep(l)) for l in layers]
     run_with_reducers(model, tokens, reducers, batch_size=batch_size)
     return {h: torch.cat(c) for h, c in kept.items()}
 
@@ -427,17 +408,17 @@ def first_key_manifold(
 
     reducers = []
     for i, l in enumerate(layers):
-        qn, kn = key_hook_names(model, l, rotated)
+        qn, kn = qk_hook_names(model, l, rotated)
         reducers += [(qn, reducer(i, "q")), (kn, reducer(i, "k")), (f"blocks.{l}.attn.hook_pattern", reducer(i, "pattern"))]
-    reducers += [(key_hook_names(model, l, rotated)[1], key_only(l)) for l in sorted({l for l, _ in explicit} - set(layers))]
+    reducers += [(qk_hook_names(model, l, rotated)[1], key_only(l)) for l in sorted({l for l, _ in explicit} - set(layers))]
     run_with_reducers(model, tokens, reducers, batch_size=batch_size, on_batch=next_batch)
     silent = [layers[i] for i in range(L) if sums["sum"][i] is None]
     if silent:
         raise ModelContractError(
-            f"the query/key/pattern hooks of layers {silent} did not fire ({', '.join(key_hook_names(model, silent[0], rotated))}, "
+            f"the query/key/pattern hooks of layers {silent} did not fire ({', '.join(qk_hook_names(model, silent[0], rotated))}, "
             "hook_pattern); the model lists hooks it does not run. Try rotated=False."
         )
-    used_rotated = key_hook_names(model, layers[0], rotated)[1].endswith("hook_rot_k")
+    used_rotated = qk_hook_names(model, layers[0], rotated)[1].endswith("hook_rot_k")
 
     cos_q_k1 = (acc["cos_q_k1"] / (N * (T - 1))).float()
     cos_q_kj = (acc["cos_q_kj"] / (N * n_pairs_other)).float()

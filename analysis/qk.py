@@ -16,18 +16,29 @@ import pandas as pd
 import torch
 from einops import rearrange, repeat
 
-from analysis.hooks import check_layers, check_tokens, hook_names, model_dims, run_with_reducers
+from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims, run_with_reducers
 
 N_BINS = 40
 
 
-def qk_hook_names(model, layer: int) -> tuple[str, str]:
-    """The query/key hooks to read: rotated ones where the model has them."""
+def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
+    """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
+    them (and ``rotated``), else ``hook_q``/``hook_k``. Some models list ``hook_rot_k`` without rotary (it
+    never fires there), so the rotary is checked on the model, not on the hook names."""
+    from analysis.models import rotary_base
+
     names = hook_names(model)
     rot = (f"blocks.{layer}.attn.hook_rot_q", f"blocks.{layer}.attn.hook_rot_k")
-    if all(n in names for n in rot):
+    if rotated and all(n in names for n in rot) and rotary_base(model) is not None:
         return rot
-    return f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"
+    plain = (f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k")
+    missing = [n for n in plain if n not in names]
+    if missing:
+        raise ModelContractError(
+            f"the model has no query/key hooks {missing}; QK analyses need TransformerLens hook names "
+            "(`blocks.{l}.attn.hook_k`, or `hook_rot_k` with rotary): load it with `analysis.load_model`."
+        )
+    return plain
 
 
 def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
