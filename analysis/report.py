@@ -207,31 +207,12 @@ def _views(ctx: _Context, sec: Section) -> None:
     order = per_layer.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable")
     layers = list(dict.fromkeys([int(order.iloc[-1].layer), int(order.iloc[0].layer)]))
     tokens = ctx.natural[:1]
-    try:
-        from analysis.attention_view import attention_view_html
-    except ImportError:
-        attention_view_html = _circuitsvis_fallback
+    from analysis.attention_view import attention_view_html
+
     for l, label in zip(layers, ("the layer with the most sink", "the layer with the least sink")):
         sec.parts.append(f"<h3>Layer {l}: {label} (Sink_1 {float(per_layer.sink_1_pct[l]):.0f}%)</h3>")
         sec.parts.append(f'<div class="cv">{attention_view_html(ctx.model, tokens, l)}</div>')
     sec.data = {"layers": layers, "sequence": tokens[0].tolist()}
-
-
-def _circuitsvis_fallback(model, tokens, layer: int) -> str:
-    """Inline circuitsvis attention patterns (``local_src``: the JavaScript inline, no CDN)."""
-    import circuitsvis as cv
-
-    from analysis.hooks import run_with_reducers
-
-    out = {}
-
-    def keep(pattern, hook):
-        out["p"] = pattern[0].float().cpu()
-
-    run_with_reducers(model, tokens, [(f"blocks.{layer}.attn.hook_pattern", keep)])
-    tok = getattr(model, "tokenizer", None)
-    labels = [tok.decode([i]) if tok is not None else str(i) for i in tokens[0].tolist()]
-    return cv.attention.attention_patterns(attention=out["p"], tokens=labels).local_src
 
 
 def _massive(ctx: _Context, sec: Section) -> None:
@@ -262,28 +243,11 @@ def _massive(ctx: _Context, sec: Section) -> None:
     layer = ma.first_layer if ma.has_spike else int(ma.per_layer.sort_values("top1").iloc[-1].layer)
     amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
     sec.data["activation_map_layer"] = layer
-    found = _optional_plots("analysis.figures.massive", [
+    _optional_plots("analysis.figures.massive", [
         ("plot_top_activations", (ma,), {}, "largest |activation| and the median per layer (natural text)"),
         ("plot_activation_map", (amap,), {}, f"|h| over positions x dims at layer {layer}, first natural sequence"),
         ("plot_spike_dims_by_kind", (by_kind,), {}, "the first token's spike dims across layers, per input kind"),
     ], sec)
-    if not found:
-        sec.figure(lambda: _plot_top_vs_median(ma.per_layer), "top-1 |activation| against the median per layer")
-
-
-def _plot_top_vs_median(pl: pd.DataFrame):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    ax.plot(pl.layer, pl.top1, marker="o", ms=3, label="top-1 |a|")
-    ax.plot(pl.layer, pl["median"], marker="o", ms=3, label="median |a|")
-    ax.axhline(100, color="grey", lw=0.6, ls="--", label="|a| = 100")
-    ax.set_yscale("log")
-    ax.set_xlabel("layer (hook_resid_post)")
-    ax.set_ylabel("|activation|")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
 
 
 def _norm_gain_layer(ctx: _Context) -> int:
@@ -370,18 +334,9 @@ def _key_manifold(ctx: _Context, sec: Section) -> None:
 
 def _runs(layers: list[int]) -> str:
     """[3, 4, 5, 9] -> 'layers 3-5, 9'."""
-    parts, start, prev = [], None, None
-    for l in sorted(layers):
-        if start is None:
-            start = prev = l
-        elif l == prev + 1:
-            prev = l
-        else:
-            parts.append(f"{start}-{prev}" if prev > start else f"{start}")
-            start = prev = l
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
-    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+    from analysis.massive import _layer_runs
+
+    return ("layer " if len(layers) == 1 else "layers ") + _layer_runs(layers)
 
 
 def _spike_split(table: pd.DataFrame, first_token_dims: dict[int, list[int]], min_alpha: float = 0.3) -> dict:
