@@ -109,7 +109,8 @@ def main() -> None:
                     out.append(torch.stack([alpha_from_pattern(cache[f"blocks.{l}.attn.hook_pattern"], K).cpu() for l in range(L)], 1))
                     del cache
 
-        plain()  # warm-up
+        with torch.inference_mode():  # warm-up on one batch
+            bridge(tokens[:bs].to(args.device))
         for name, fn in [("(a) plain forward", plain), ("(b) streaming sink", streaming), ("(c) HF eager maps", hf_eager), ("(d) TL run_with_cache", tl_cache)]:
             wall, peak = measure(fn, args.device)
             rows.append((T, name, wall, peak))
