@@ -14,58 +14,13 @@ then one or a few per analysis and intervention), so its time is best read in fo
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def reset_peak(device: str) -> float:
-    """Reset the peak counter; return the current memory (MiB) it starts from."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-    except OSError:
-        pass
-    return _status_kib("VmRSS") / 1024
-
-
-def peak_mib(device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20
-    return _status_kib("VmHWM") / 1024
-
-
-def measure(fn, device: str) -> tuple[float, float, float]:
-    """(seconds, peak MiB, peak above the starting memory MiB)."""
-    start = reset_peak(device)
-    t = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    sec = time.perf_counter() - t
-    peak = peak_mib(device)
-    return sec, peak, peak - start
+from memory import measure
 
 
 def main() -> None:

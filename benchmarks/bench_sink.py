@@ -14,51 +14,13 @@ CUDA) and their ratios to (a). All in one run, so the ratios compare like with l
 from __future__ import annotations
 
 import argparse
-import gc
-import time
 
 import torch
 
 from analysis import load_model, natural_probe, sink_metric
 from analysis.hooks import batches, default_batch_size
 from analysis.sink import alpha_from_pattern
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM (peak RSS) to the current RSS
-        except OSError:
-            pass
-
-
-def peak_mib(device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20
-    return _rss_kib("VmHWM") / 1024
-
-
-def measure(fn, device: str) -> tuple[float, float]:
-    reset_peak(device)
-    t = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t, peak_mib(device)
+from memory import measure
 
 
 def main() -> None:
@@ -112,7 +74,7 @@ def main() -> None:
         with torch.inference_mode():  # warm-up on one batch
             bridge(tokens[:bs].to(args.device))
         for name, fn in [("(a) plain forward", plain), ("(b) streaming sink", streaming), ("(c) HF eager maps", hf_eager), ("(d) TL run_with_cache", tl_cache)]:
-            wall, peak = measure(fn, args.device)
+            wall, peak, _ = measure(fn, args.device)
             rows.append((T, name, wall, peak))
             print(f"  T={T:<5} {name:<22} {wall:8.2f} s  {peak:9.0f} MiB", flush=True)
 
