@@ -3,6 +3,7 @@
     python benchmarks/bench_attention_ops.py                 # CPU defaults (about a minute on 2 cores)
     python benchmarks/bench_attention_ops.py --device cuda   # GPU defaults: bf16 autocast, fused kernels
     python benchmarks/bench_attention_ops.py --device cuda --compile --ops softmax,sigmoid
+    python benchmarks/bench_attention_ops.py --preset synthetic --ops softmax,sigmoid   # a preset's model and batch
 
 Prints one row per operation: tokens/s, ms per step, the path the attention took (sdpa / flex / eager),
 the throughput relative to softmax, and on a GPU the model FLOPs utilisation (MFU: 6 N + 12 L T d
@@ -29,6 +30,8 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ops", default=",".join(available_attention()), help="comma-separated operation names")
+    p.add_argument("--preset", help="take the model shape and batch from a training preset (e.g. synthetic, the "
+                   "reference pair and the emergence grids); explicit options still win")
     p.add_argument("--d-model", type=int)
     p.add_argument("--n-layers", type=int)
     p.add_argument("--n-heads", type=int)
@@ -44,6 +47,18 @@ def parse():
     p.add_argument("--peak-tflops", type=float, help="GPU dense bf16 peak for MFU (default: guessed from the name)")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
+    args.model_fields = {}
+    if args.preset:
+        from analysis.train.presets import preset
+
+        pre = preset(args.preset)
+        for k, field in (("d_model", "d_model"), ("n_layers", "n_layers"), ("n_heads", "n_heads"),
+                         ("n_ctx", "n_ctx"), ("batch", "batch_size")):
+            if getattr(args, k) is None and field in pre:
+                setattr(args, k, pre[field])
+        args.model_fields = {k: pre[k] for k in ("d_mlp", "act_fn", "normalization_type", "positional_embedding_type")
+                             if k in pre}
+        args.vocab = 65 if pre.get("dataset") == "synthetic" else pre.get("tokenizer_vocab_size")
     defaults = dict(d_model=768, n_layers=12, n_heads=12, n_ctx=2048, batch=8, iters=10) if gpu else \
         dict(d_model=256, n_layers=4, n_heads=4, n_ctx=256, batch=4, iters=3)
     for k, v in defaults.items():
@@ -56,8 +71,9 @@ def make_step(op: str, args):
     """(model, step function, cfg) for one operation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = ModelConfig(d_vocab=32768 if device.type == "cuda" else 4096, n_ctx=args.n_ctx, d_model=args.d_model,
-                      n_layers=args.n_layers, n_heads=args.n_heads, attention=op, attn_impl=args.impl)
+    vocab = getattr(args, "vocab", None) or (32768 if device.type == "cuda" else 4096)
+    cfg = ModelConfig(d_vocab=vocab, n_ctx=args.n_ctx, d_model=args.d_model, n_layers=args.n_layers,
+                      n_heads=args.n_heads, attention=op, attn_impl=args.impl, **args.model_fields)
     model = SinkLM(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     runner = torch.compile(model) if args.compile else model
@@ -117,7 +133,7 @@ def main():
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     peak = args.peak_tflops or next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-    print(f"device: {name}; torch {torch.__version__}; d_model {args.d_model}, {args.n_layers} layers, "
+    print(f"device: {name}; torch {torch.__version__}; {'preset ' + args.preset + ', ' if args.preset else ''}d_model {args.d_model}, {args.n_layers} layers, "
           f"{args.n_heads} heads, context {args.n_ctx}, batch {args.batch}, impl {args.impl}"
           f"{', compiled' if args.compile else ''}; forward + backward + AdamW, fastest of {args.repeats} "
           f"interleaved rounds of {args.iters} steps")

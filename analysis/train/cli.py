@@ -1,5 +1,6 @@
 """Command line: ``python -m analysis.train [--preset NAME] [--FIELD VALUE ...]`` and
-``python -m analysis.train sweep --attention a,b --lr x,y --weight-decay u,v --out DIR``.
+``python -m analysis.train sweep --attention a,b --weight-decay u,v --seed 0,1,2 --out DIR`` (any field
+may be a comma-separated list; see ``analysis.train.sweep``).
 
 Every field of ``ModelConfig`` and ``TrainConfig`` is an option (underscores become dashes); a preset
 sets a group of fields first, options given on the command line win. ``--list`` prints the attention
@@ -17,8 +18,8 @@ import sys
 import typing
 from typing import Optional, Sequence
 
-from analysis.train.config import ModelConfig, TrainConfig, split_overrides
-from analysis.train.presets import PRESETS, preset
+from analysis.train.config import ModelConfig, TrainConfig
+from analysis.train.presets import PRESETS, build_configs
 
 
 def _parse_optional(base):
@@ -29,6 +30,15 @@ def _parse_optional(base):
 
     parse.__name__ = base.__name__
     return parse
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "1", "yes"):
+        return True
+    if t in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false; got {text!r}")
 
 
 def _float_or_int(text: str):
@@ -68,7 +78,13 @@ def add_config_options(parser: argparse.ArgumentParser, list_fields: Sequence[st
             base, optional = _field_type(cls, f)
             default = f.default if f.default is not dataclasses.MISSING else None
             helptext = f"{field_help(cls).get(f.name, '')} (default: {default})".strip()
-            if f.name in list_fields:
+            if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, nargs="?", const=[True],
+                                   type=lambda s: [_parse_bool(x) for x in s.split(",")],
+                                   help=helptext + "; or a comma-separated list of true/false")
+                group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
+                                   const=[False], default=argparse.SUPPRESS)
+            elif f.name in list_fields:
                 parse = _parse_optional(base) if optional else base
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext + "; comma-separated list",
                                    type=lambda s, p=parse: [p(x) for x in s.split(",")])
@@ -78,31 +94,6 @@ def add_config_options(parser: argparse.ArgumentParser, list_fields: Sequence[st
             else:
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext,
                                    type=_parse_optional(base) if optional else base)
-
-
-def build_configs(preset_name: Optional[str], overrides: dict) -> tuple[ModelConfig, TrainConfig]:
-    values = preset(preset_name) if preset_name else {}
-    values.update(overrides)
-    m, t = split_overrides(values)
-    t["preset"] = preset_name
-    return ModelConfig(**m), TrainConfig(**t)
-
-
-def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
-    """CLI options that rebuild these configs (relative to the preset, or to the defaults)."""
-    base = preset(tcfg.preset) if tcfg.preset else {}
-    args = ["--preset", tcfg.preset] if tcfg.preset else []
-    dm, dt = ModelConfig(**split_overrides(base)[0]).to_dict(), TrainConfig(**split_overrides(base)[1]).to_dict()
-    for cfg, default in ((mcfg.to_dict(), dm), (tcfg.to_dict(), dt)):
-        for k, v in cfg.items():
-            if k in ("preset", "d_vocab", "resume") or v == default.get(k):
-                continue
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                args.append(flag if v else "--no-" + k.replace("_", "-"))
-            else:
-                args += [flag, "none" if v is None else str(v)]
-    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,11 +111,20 @@ def _parser() -> argparse.ArgumentParser:
 def _sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m analysis.train sweep",
-        description="Train every combination of attention x lr x weight decay; write DIR/sweep.csv with the "
-                    "final loss and Sink_1 of each run. Completed runs are skipped when rerun.",
+        description="Train every combination of the options given as comma-separated lists (any config "
+                    "field, e.g. --weight-decay 0,0.5,5 --seed 0,1,2); write DIR/sweep.csv (one row per run), "
+                    "DIR/summary.csv (mean/std over seeds), DIR/curves.csv (Sink_1 through training) and "
+                    "DIR/command.txt. Completed runs are skipped when rerun.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    add_config_options(p, list_fields=("attention", "lr", "weight_decay"))
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process and thread each")
+    p.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep each run's model.safetensors (--no-keep-models: only its config, statistics and log)")
+    p.add_argument("--reuse", default="", help="comma-separated sweep folders: a grid point whose configuration "
+                                               "equals a finished run there is copied instead of retrained")
+    fields = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)
+              if f.name not in ("preset", "out", "progress", "compile", "resume")]
+    add_config_options(p, list_fields=fields)
     return p
 
 
@@ -146,10 +146,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from analysis.train.sweep import run_sweep
 
         ns = vars(_sweep_parser().parse_args(argv[1:]))
-        preset_name = ns.pop("preset")
+        preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
+        reuse = [r for r in ns.pop("reuse").split(",") if r]
         if "out" not in ns:
             raise SystemExit("sweep: --out DIR is required")
-        table = run_sweep(preset_name, ns, command=command)
+        ns = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k != "seed" else v) for k, v in ns.items()}
+        table = run_sweep(preset_name, ns, command=command, jobs=jobs, keep_models=keep, reuse=reuse)
         print(table.to_string(index=False))
         return 0
     parser = _parser()

@@ -114,3 +114,77 @@ def plot_training(runs: dict):
     b.legend()
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- the mechanism chain
+
+SPIKE_RATIO_SMALL = 100.0  # a massive activation in a small model: >= 100x the median (no absolute floor)
+
+
+def _zero_first_token_dims(dims: list[int]):
+    def fn(x, hook):
+        x = x.clone()
+        x[:, 0, dims] = 0.0
+        return x
+
+    return fn
+
+
+@torch.no_grad()
+def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL) -> dict:
+    """The sink's mechanism, link by link, measured with the package's analyses on one model:
+
+    - ``sink_1``: Sink_1 (%) (``analysis.sink``);
+    - ``spike_ratio_token`` / ``spike_ratio_sequence``: the first token's largest |activation| over the median
+      |activation| of its own vector / of the sample's whole hidden state, the largest over the residual
+      stream's positions (the embedding and after each block), and ``spike_dims`` {stream: dims} flagged at
+      >= ``ratio`` x the token median on most samples (``analysis.massive``, ``median_over="token"``, no
+      absolute floor: a 64-wide model has no activation above 100);
+    - ``value_ratio_sink_heads``: median |v_1| / mean |v_j| over the KV heads whose alpha_1 > eps
+      (``analysis.value_norms``);
+    - ``key_offsub_z``, ``cos_q_k1``, ``cos_q_kj``: how far the first key lies from the other keys' subspace
+      (z-score), and the mean cosine of queries with k_1 and with other keys, in sink heads
+      (``analysis.key_manifold``);
+    - ``sink_1_spike_zeroed``: Sink_1 with the first token's spike dims set to zero where they appear.
+    """
+    from analysis.key_manifold import first_key_manifold
+    from analysis.massive import massive_activations
+    from analysis.sink import sink_metric
+    from analysis.value_norms import value_norms
+
+    sink = sink_metric(model, tokens, eps=eps, k_max=1)
+    out = {"sink_1": sink.sink_rate(1)}
+    streams = {}
+    for hook in ("resid_pre", "resid_post"):
+        layers = [0] if hook == "resid_pre" else None
+        for median_over in ("token", "sequence"):
+            ma = massive_activations(model, tokens, layers=layers, hook=hook, median_over=median_over,
+                                     abs_threshold=0.0, ratio_threshold=ratio)
+            first = (ma.top_pos[..., 0] == 0)  # (N, L): the top activation sits on the first token
+            if median_over == "token":
+                ref = ma.first_abs.amax(-1)  # (L,) mean |a| of the first token's largest dim
+                med = ma.first_abs.median(-1).values
+                r = (ref / med.clamp_min(1e-12)).amax().item()
+                for i, l in enumerate(ma.layers):
+                    dims = ma.first_token_dims.get(l, [])
+                    if dims:
+                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = dims
+            else:
+                r = (ma.top_values[..., 0] / ma.median.clamp_min(1e-12) * first).amax(-1).mean().item()
+            key = f"spike_ratio_{median_over}"
+            out[key] = max(out.get(key, 0.0), r)
+    out["spike_dims"] = streams
+    vn = value_norms(model, tokens, sink=sink)
+    ratio_kv = vn.ratio.flatten()
+    sink_kv = vn.alpha_kv().flatten() > eps
+    out["value_ratio_sink_heads"] = float(ratio_kv[sink_kv].median()) if sink_kv.any() else float("nan")
+    out["value_ratio_other_heads"] = float(ratio_kv[~sink_kv].median()) if (~sink_kv).any() else float("nan")
+    km = first_key_manifold(model, tokens).summary()["sink"]
+    out.update(key_offsub_z=km["offsub_z"], cos_q_k1=km["cos_q_k1"], cos_q_kj=km["cos_q_kj"])
+    hooks = [("hook_embed" if s == "embed" else s, _zero_first_token_dims(d)) for s, d in streams.items()]
+    if hooks:
+        with model.hooks(fwd_hooks=hooks):
+            out["sink_1_spike_zeroed"] = sink_metric(model, tokens, eps=eps, k_max=1).sink_rate(1)
+    else:
+        out["sink_1_spike_zeroed"] = out["sink_1"]
+    return out

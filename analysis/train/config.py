@@ -51,6 +51,8 @@ class ModelConfig:
     relative_attention_max_distance: int = 128
     attention: str = "softmax"  # see analysis.train.attention.available_attention()
     sliding_window: Optional[int] = None  # keys j with i - w < j <= i (any operation)
+    prefix_attention: int = 0  # prefix LM: the first p tokens attend to each other bidirectionally
+    document_token: Optional[int] = None  # intra-document masking: a document starts at each of these tokens
     attn_alpha: float = 1.0  # softmax-scaled: divide by Z / alpha
     attn_p: float = 2.0  # softmax-pnorm: sim / (sum sim^p)^(1/p)
     sigmoid_bias: str = "none"  # sigmoid: none | fixed (-log T) | learnable (per head)
@@ -94,6 +96,10 @@ class ModelConfig:
             raise ValueError(f"rotary embeddings need an even d_head; got {self.d_head}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None; got {self.sliding_window}.")
+        if self.prefix_attention < 0:
+            raise ValueError(f"prefix_attention must be >= 0; got {self.prefix_attention}.")
+        if self.document_token is not None and not 0 <= self.document_token < self.d_vocab:
+            raise ValueError(f"document_token={self.document_token} is not a token id in [0, {self.d_vocab}).")
         if self.attn_p <= 0:
             raise ValueError(f"attn_p must be > 0; got {self.attn_p}.")
         from analysis.train.attention import check_attention  # late import: attention imports config
@@ -132,7 +138,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False  # torch.compile the model
     # data
-    dataset: str = "synthetic"  # synthetic | stdlib | hf:NAME[:CONFIG] | tokens:PATH.npy
+    dataset: str = "synthetic"  # synthetic | synthetic-docs | stdlib | hf:NAME[:CONFIG] | tokens:PATH.npy
     dataset_split: str = "train"
     text_column: str = "text"
     corpus_max_chars: Optional[int] = None  # cap the text read from the corpus
@@ -145,6 +151,7 @@ class TrainConfig:
     synthetic_vocab: int = 64  # synthetic task: content tokens (ids 1..V; 0 is BOS)
     synthetic_triggers: int = 3  # copy rule after the most frequent tokens
     synthetic_seed: int = 1234  # the task's transition matrix
+    synthetic_bos: bool = True  # synthetic task: start every sequence with BOS (False: at an arbitrary chain token)
     val_fraction: float = 0.02  # natural text: tail of the token stream held out
     # optimisation
     steps: int = 4000

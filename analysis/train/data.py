@@ -10,6 +10,7 @@ Corpora
     ``hf:NAME[:CONFIG]`` a Hugging Face dataset (needs ``datasets`` and a network).
     ``tokens:PATH.npy`` an already tokenized stream (1-D integer array; needs a tokenizer name).
     ``synthetic``       BOS-prefixed bigram transitions with a copy rule after trigger tokens.
+    ``synthetic-docs``  the same task as packed documents: windows start at an arbitrary token.
 
 As in the paper's packing, the first token of a window is an arbitrary token of the stream unless
 ``bos`` (prepend BOS) or ``fixed_token_position`` (insert a fixed token at position k) is set.
@@ -212,6 +213,17 @@ class DataSource:
         rng = np.random.default_rng([self.cfg.seed, 2**31 - 1, 1])
         return torch.from_numpy(self._format(rng, n, T, held_out=True).astype(np.int64))
 
+    def probe_without_fixed_token(self, n: int, T: int) -> Optional[torch.Tensor]:
+        """The held-out probe with the fixed first token left out (the paper's "trained with a fixed BOS,
+        probed without it"), or None when training windows do not start with a fixed token."""
+        if not self.starts_with_fixed_token():
+            return None
+        rng = np.random.default_rng([self.cfg.seed, 2**31 - 1, 1])
+        return torch.from_numpy(self._format(rng, n, T + 1, held_out=True)[:, 1:].astype(np.int64))
+
+    def starts_with_fixed_token(self) -> bool:
+        return self.cfg.bos or self.cfg.fixed_token_position == 1
+
     def meta(self) -> dict:
         return {"dataset": self.cfg.dataset, "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
                 "description": self.description}
@@ -291,14 +303,54 @@ class SyntheticBigramCopy(DataSource):
         return x
 
     def _format(self, rng, n, T, held_out):
-        # every sequence already starts with BOS: only a fixed token at a later position changes it
-        if self.cfg.fixed_token_position in (None, 1):
+        # every sequence starts with BOS; a fixed token at a later position k replaces it: the chain
+        # starts at position 1 and BOS is inserted at position k
+        k = self.cfg.fixed_token_position
+        if k is None and not self.cfg.synthetic_bos:  # no BOS anywhere: the window starts inside the chain
+            return self.windows(rng, n, T + 1, held_out)[:, 1:]
+        if k in (None, 1):
             return self.windows(rng, n, T, held_out)
-        return super()._format(rng, n, T, held_out)
+        if k > T:
+            raise ValueError(f"fixed_token_position={k} lies beyond the window length {T}.")
+        w = self.windows(rng, n, T, held_out)[:, 1:]
+        fixed = self.cfg.fixed_token_id if self.cfg.fixed_token_id is not None else self.bos_token_id
+        return np.concatenate([w[:, :k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1:]], axis=1)
+
+    def starts_with_fixed_token(self) -> bool:
+        return self.cfg.fixed_token_position == 1 or (self.cfg.fixed_token_position is None and self.cfg.synthetic_bos)
 
     def meta(self):
         return {**super().meta(), "triggers": self.triggers.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
                 "synthetic_seed": self.cfg.synthetic_seed}
+
+
+class SyntheticDocuments(SyntheticBigramCopy):
+    """The bigram-copy task as packed documents (``dataset="synthetic-docs"``): documents (BOS + chain) of
+    random length between n_ctx / 4 and 2 n_ctx are concatenated and windows are cut at random offsets,
+    so a window's first token is an arbitrary token, as in the paper's packing. With the model's
+    ``document_token=0`` attention stays inside each document (intra-document masking)."""
+
+    def __init__(self, cfg: TrainConfig, n_ctx: int):
+        super().__init__(cfg, n_ctx)
+        self.description = self.description.replace("BOS + Markov chain", "packed documents (BOS + Markov chain)")
+
+    def windows(self, rng, n, length, held_out):
+        lo, hi = max(2, self.n_ctx // 4), 2 * self.n_ctx
+        n_docs = 2 + (2 * length) // lo
+        docs = super().windows(rng, n * n_docs, hi, held_out).reshape(n, n_docs, hi)
+        lengths = rng.integers(lo, hi + 1, size=(n, n_docs))
+        offsets = rng.integers(0, hi, size=n)
+        out = np.empty((n, length), dtype=np.int64)
+        for i in range(n):
+            stream = np.concatenate([docs[i, j, :lengths[i, j]] for j in range(n_docs)])
+            out[i] = stream[offsets[i]:offsets[i] + length]
+        return out
+
+    def _format(self, rng, n, T, held_out):
+        return DataSource._format(self, rng, n, T, held_out)
+
+    def starts_with_fixed_token(self) -> bool:
+        return DataSource.starts_with_fixed_token(self)
 
 
 def _stream_cache_key(cfg: TrainConfig) -> str:
@@ -316,6 +368,8 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
     ds = cfg.dataset
     if ds == "synthetic":
         return SyntheticBigramCopy(cfg, n_ctx)
+    if ds == "synthetic-docs":
+        return SyntheticDocuments(cfg, n_ctx)
     if ds.startswith("tokens:"):
         path = Path(ds[len("tokens:"):]).expanduser()
         if not path.is_file():
@@ -329,7 +383,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
             tokenizer = pretrained_tokenizer(cfg.tokenizer)
         return TokenStream(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
-        raise ValueError(f"unknown dataset {ds!r}: use synthetic, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
+        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
 
     cache = cache_dir() / f"stream-{_stream_cache_key(cfg)}"
     if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \

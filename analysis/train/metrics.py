@@ -4,7 +4,9 @@
 - ``first_token_stats``: per layer, the first token's value norm relative to the other tokens'
   (|v_1| / mean_j>1 |v_j|, averaged over key/value heads), the residual-norm ratio
   |h_1| / mean_j |h_j| of ``hook_resid_post``, and the raw attention mass on the first token (for
-  sigmoid attention: the sigmoid scores themselves, before any proxy normalisation).
+  sigmoid attention: the sigmoid scores themselves, before any proxy normalisation), and the first
+  token's spike ratio max_d |h_1d| / median |h| (median over the sample's positions x dims, as in
+  Sun et al.; the full analysis is ``analysis.massive``).
 - ``slot_sink_rate``: Sink on the extra slot of the sink-token and K/KV-bias variants.
 """
 from __future__ import annotations
@@ -19,10 +21,11 @@ class FirstTokenStats:
     value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
+    spike_ratio: torch.Tensor  # (L,) mean over samples of max_d |h_1d| / median |h| at hook_resid_post
 
     def to_dict(self) -> dict:
         return {k: [round(float(x), 5) for x in getattr(self, k)]
-                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass")}
+                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")}
 
 
 def _device(model):
@@ -33,7 +36,7 @@ def _device(model):
 def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> FirstTokenStats:
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc)."""
     L = model.cfg.n_layers
-    acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw")}
+    acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw", "spike")}
     n_total = 0
 
     def reducer(kind, layer):
@@ -45,6 +48,9 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
             elif kind == "h":  # (B, T, D)
                 norms = x.norm(dim=-1)
                 r = norms[:, 0] / norms.mean(1).clamp_min(1e-12)
+                a = x.abs()
+                spike = a[:, 0].amax(-1) / a.flatten(1).median(-1).values.clamp_min(1e-12)
+                acc["spike"][layer] += spike.sum().double().cpu()
             else:  # raw pattern (B, H, T, T): weight on key 0 from every query
                 r = x[:, :, :, 0]
             acc[kind][layer] += r.reshape(r.shape[0], -1).mean(1).sum().double().cpu()
@@ -65,7 +71,7 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
             n_total += batch.shape[0]
     finally:
         model.train(was_training)
-    return FirstTokenStats(*(acc[k].float() / n_total for k in ("v", "h", "raw")))
+    return FirstTokenStats(*(acc[k].float() / n_total for k in ("v", "h", "raw", "spike")))
 
 
 @torch.no_grad()
@@ -101,3 +107,36 @@ def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: in
     for start in range(0, tokens.shape[0], batch_size):
         model.run_with_hooks(tokens[start:start + batch_size], fwd_hooks=[(n, fn) for n in names], return_type=None)
     return 100.0 * hits / count
+
+
+@torch.no_grad()
+def window_sink_rates(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> dict:
+    """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
+
+    ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the
+    window does not dilute alpha_1 with queries that cannot attend to it; ``sink_window_start``: Sink on the
+    oldest key of each query's window (the *relative* first token, key i - w + 1) over the queries i >= w.
+    Gu et al.: the sink stays on the absolute first token."""
+    w = model.cfg.sliding_window
+    if w is None:
+        raise ValueError("window_sink_rates needs a model with a sliding window (cfg.sliding_window).")
+    hits = {"in": 0.0, "start": 0.0}
+    count = {"in": 0, "start": 0}
+
+    def fn(x, hook):  # (B, H, T, T)
+        T = x.shape[-1]
+        a_in = x[:, :, : min(w, T), 0].float().mean(-1)  # (B, H)
+        hits["in"] += float((a_in > eps).sum())
+        count["in"] += a_in.numel()
+        if T > w:
+            i = torch.arange(w, T, device=x.device)
+            a_start = x[:, :, i, i - w + 1].float().mean(-1)
+            hits["start"] += float((a_start > eps).sum())
+            count["start"] += a_start.numel()
+
+    names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.cfg.n_layers)]
+    tokens = tokens.to(_device(model))
+    for start in range(0, tokens.shape[0], batch_size):
+        model.run_with_hooks(tokens[start:start + batch_size], fwd_hooks=[(n, fn) for n in names], return_type=None)
+    return {"sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
+            "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan")}

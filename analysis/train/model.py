@@ -114,7 +114,7 @@ class Positions:
     """Per-forward position data shared by all blocks."""
 
     T: int
-    allowed: torch.Tensor  # (T, T) bool
+    allowed: torch.Tensor  # (T, T) bool, or (B, 1, T, T) with intra-document masking
     distance: torch.Tensor  # (T, T) long, i - j
     cos: Optional[torch.Tensor] = None  # (T, d)
     sin: Optional[torch.Tensor] = None
@@ -186,6 +186,8 @@ class Attention(nn.Module):
             return None
         if impl == "auto" and device.type != "cuda":
             return None
+        if self.cfg.prefix_attention or self.cfg.document_token is not None:
+            return None  # the fused kernels take a causal/window mask only
         hooks = (self.hook_attn_scores, self.hook_pattern, self.hook_raw_pattern, self.hook_sink_pattern)
         if any(h is not None and h.has_hooks() for h in hooks):
             return None
@@ -427,10 +429,29 @@ class SinkLM(HookedRootModule):
             return self.tokenizer.decode(tokens.tolist())
         return [self.tokenizer.decode(t.tolist()) for t in tokens]
 
-    def positions(self, T: int, device) -> Positions:
+    def attention_mask(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Which keys each query sees: (T, T), or (B, 1, T, T) with intra-document masking.
+
+        Causal (within ``sliding_window``); the first ``prefix_attention`` tokens also see each other
+        (prefix LM); with ``document_token`` a query sees only keys of its own document, a document
+        starting at each occurrence of that token (the separator acts as the document's BOS).
+        """
+        cfg, T = self.cfg, tokens.shape[1]
+        allowed = causal_mask(T, cfg.sliding_window, tokens.device)
+        p = min(cfg.prefix_attention, T)
+        if p:
+            allowed = allowed.clone()
+            allowed[:p, :p] = True
+        if cfg.document_token is not None:
+            doc = torch.cumsum(tokens == cfg.document_token, dim=1)  # (B, T) document index
+            allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
+        return allowed
+
+    def positions(self, T: int, device, tokens: Optional[torch.Tensor] = None) -> Positions:
         cfg = self.cfg
         idx = torch.arange(T, device=device)
-        pos = Positions(T, causal_mask(T, cfg.sliding_window, device), idx[:, None] - idx[None, :])
+        allowed = causal_mask(T, cfg.sliding_window, device) if tokens is None else self.attention_mask(tokens)
+        pos = Positions(T, allowed, idx[:, None] - idx[None, :])
         if cfg.positional_embedding_type == "rotary":
             dtype = self.dtype
             pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype)
@@ -451,7 +472,7 @@ class SinkLM(HookedRootModule):
         x = self.hook_embed(self.embed(tokens))
         if self.W_pos is not None:
             x = x + self.hook_pos_embed(self.W_pos[:T].to(x.dtype).expand(B, T, -1))
-        pos = self.positions(T, tokens.device)
+        pos = self.positions(T, tokens.device, tokens)
         sink = None if self.sink_token is None else self.sink_token.view(1, 1, -1).to(x.dtype)
         for block in self.blocks:
             x, sink = block(x, pos, sink)

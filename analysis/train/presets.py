@@ -10,6 +10,10 @@
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from analysis.train.config import ModelConfig, TrainConfig, split_overrides
+
 PRESETS: dict[str, dict] = {
     "synthetic": dict(
         dataset="synthetic", n_ctx=64, d_model=64, n_layers=1, n_heads=4, d_mlp=256, act_fn="swiglu",
@@ -46,3 +50,29 @@ def preset(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     return dict(PRESETS[name])
+
+
+def build_configs(preset_name: Optional[str], overrides: dict) -> tuple[ModelConfig, TrainConfig]:
+    """(ModelConfig, TrainConfig) of preset ``preset_name`` (or the defaults) with ``overrides`` applied."""
+    values = preset(preset_name) if preset_name else {}
+    values.update(overrides)
+    m, t = split_overrides(values)
+    t["preset"] = preset_name
+    return ModelConfig(**m), TrainConfig(**t)
+
+
+def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
+    """CLI options that rebuild these configs (relative to the preset, or to the defaults)."""
+    base = preset(tcfg.preset) if tcfg.preset else {}
+    args = ["--preset", tcfg.preset] if tcfg.preset else []
+    dm, dt = ModelConfig(**split_overrides(base)[0]).to_dict(), TrainConfig(**split_overrides(base)[1]).to_dict()
+    for cfg, default in ((mcfg.to_dict(), dm), (tcfg.to_dict(), dt)):
+        for k, v in cfg.items():
+            if k in ("preset", "d_vocab", "resume") or v == default.get(k):
+                continue
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args.append(flag if v else "--no-" + k.replace("_", "-"))
+            else:
+                args += [flag, "none" if v is None else str(v)]
+    return args

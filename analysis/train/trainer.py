@@ -34,13 +34,13 @@ from analysis.train.checkpoint import (
 )
 from analysis.train.config import ModelConfig, TrainConfig
 from analysis.train.data import build_data, load_tokenizer_file
-from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate
+from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
 from analysis.train.model import SinkLM
 
 # Train options that decide which batches a run sees: a resumed run must keep them.
 _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
               "tokenizer_vocab_size", "bos", "fixed_token_position", "fixed_token_id", "prefix_len",
-              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "val_fraction")
+              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "synthetic_bos", "val_fraction")
 
 
 @dataclass
@@ -106,7 +106,7 @@ def init_distributed(device_pref: str) -> tuple[int, int, int]:
 
 def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
     """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults)."""
-    from analysis.train.cli import config_to_args
+    from analysis.train.presets import config_to_args
 
     return shlex.join(["python", "-m", "analysis.train", *config_to_args(mcfg, tcfg)])
 
@@ -133,22 +133,51 @@ def _config_diff(saved: dict, current: dict, keys=None) -> list[str]:
             if saved.get(k) != current.get(k)]
 
 
+def _mean_loss(model: SinkLM, tokens: torch.Tensor, batch_size: int = 64) -> float:
+    dev = next(model.parameters()).device
+    losses = [float(model(tokens[i:i + batch_size].to(dev), return_type="loss"))
+              for i in range(0, len(tokens), batch_size)]
+    return sum(losses) / len(losses)
+
+
 @torch.no_grad()
-def evaluate(model: SinkLM, probe: torch.Tensor, eps: float) -> dict:
-    """Sink_1, first-token ratios (last layer) and the loss on the held-out probe."""
+def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Optional[torch.Tensor] = None,
+             k_max: int = 4) -> dict:
+    """Held-out probe statistics, logged at every evaluation:
+
+    ``sink_1``, ``sink_k`` (Sink_k for k = 1..k_max, percent), first-token ratios (``resid_norm_ratio`` of the
+    last layer, ``value_norm_ratio`` and ``raw_first_mass`` averaged over layers, ``spike_ratio``: the
+    largest first-token spike ratio over layers), ``sink_slot`` (sink token / K / KV bias slot),
+    ``sink_prefix`` (prefix LM: Sink on the best prefix position 2..p), ``sink_1_in_window`` and
+    ``sink_window_start`` (sliding window: ``metrics.window_sink_rates``), ``val_loss``; with
+    ``probe_no_fixed`` (the probe without its fixed first token) ``sink_1_no_fixed`` and
+    ``val_loss_no_fixed``.
+    """
+    from analysis.sink import sink_metric
+
     was = model.training
     model.eval()
     try:
-        out = {"sink_1": round(sink_rate(model, probe, k=1, eps=eps), 4)}
+        p = model.cfg.prefix_attention
+        res = sink_metric(model, probe, eps=eps, k_max=max(k_max, min(p, probe.shape[1])))
+        out = {"sink_1": round(res.sink_rate(1), 4),
+               "sink_k": [round(res.sink_rate(k), 4) for k in range(1, min(k_max, res.k_max) + 1)]}
+        if p > 1:
+            best = res.alpha[..., 1:p].amax(-1)  # (N, L, H): the best prefix position after the first
+            out["sink_prefix"] = round(100.0 * float((best > eps).float().mean()), 4)
         stats = first_token_stats(model, probe)
         out["resid_norm_ratio"] = round(float(stats.resid_norm_ratio[-1]), 5)
         out["value_norm_ratio"] = round(float(stats.value_norm_ratio.mean()), 5)
         out["raw_first_mass"] = round(float(stats.raw_first_mass.mean()), 5)
+        out["spike_ratio"] = round(float(stats.spike_ratio.max()), 3)
         if "blocks.0.attn.hook_sink_pattern" in model.hook_dict:
             out["sink_slot"] = round(slot_sink_rate(model, probe, eps=eps), 4)
-        dev = next(model.parameters()).device
-        losses = [float(model(probe[i:i + 64].to(dev), return_type="loss")) for i in range(0, len(probe), 64)]
-        out["val_loss"] = round(sum(losses) / len(losses), 5)
+        if model.cfg.sliding_window is not None:
+            out.update({k: round(v, 4) for k, v in window_sink_rates(model, probe, eps=eps).items()})
+        out["val_loss"] = round(_mean_loss(model, probe), 5)
+        if probe_no_fixed is not None:
+            out["sink_1_no_fixed"] = round(sink_rate(model, probe_no_fixed, k=1, eps=eps), 4)
+            out["val_loss_no_fixed"] = round(_mean_loss(model, probe_no_fixed), 5)
     finally:
         model.train(was)
     return out
@@ -190,6 +219,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     if tcfg.probe_len > mcfg.n_ctx:
         tcfg.probe_len = mcfg.n_ctx
     probe = data.probe(tcfg.probe_size, tcfg.probe_len)
+    probe_no_fixed = data.probe_without_fixed_token(tcfg.probe_size, tcfg.probe_len)
+    if tcfg.prefix_len and not mcfg.prefix_attention:  # prefix LM: the prefix attends bidirectionally
+        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "prefix_attention": tcfg.prefix_len})
 
     torch.manual_seed(tcfg.seed)
     model = SinkLM(mcfg, tokenizer=data.tokenizer).to(device)
@@ -279,7 +311,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
                        "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
                        "tokens": done * tokens_per_step, "elapsed_s": round(elapsed_before + now - t0, 2)}
                 if main and ((tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps):
-                    rec.update(evaluate(model, probe, tcfg.sink_eps))
+                    rec.update(evaluate(model, probe, tcfg.sink_eps, probe_no_fixed))
                 if main:
                     log.append(rec)
                     last = rec

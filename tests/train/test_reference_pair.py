@@ -13,7 +13,7 @@ import torch
 
 from analysis.sink import sink_metric
 from analysis.train import TrainConfig, first_token_stats, load_reference, train
-from analysis.train.cli import build_configs
+from analysis.train.presets import build_configs
 from analysis.train.data import SyntheticBigramCopy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,18 +27,37 @@ def held_out_probe(n=100, T=64):
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair_runs():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # faster than 2 threads for this small model, and stable under load
     try:
-        models = {}
+        runs = {}
         for attention in ("softmax", "sigmoid"):
             mcfg, tcfg = build_configs("synthetic", {"attention": attention, "steps": CI_STEPS, "eval_every": 0,
                                                      "progress": False})
-            models[attention] = train(mcfg, tcfg).model
+            runs[attention] = train(mcfg, tcfg)
     finally:
         torch.set_num_threads(threads)
-    return models
+    return runs
+
+
+@pytest.fixture(scope="module")
+def pair(pair_runs):
+    return {attention: run.model for attention, run in pair_runs.items()}
+
+
+def test_the_pair_lands_inside_the_committed_grid_spread(pair_runs):
+    """The pair is seed 0 of the committed attention grid (data/emergence/attention, 3 seeds, 1,000 steps):
+    retrained here from scratch, its final statistics fall inside the grid's range over seeds."""
+    from analysis.train.sweep import load_sweep
+
+    runs = load_sweep("attention")["runs"]
+    for attention, run in pair_runs.items():
+        rows = runs[runs.attention == attention]
+        assert len(rows) >= 3
+        for metric, slack in (("sink_1", 5.0), ("val_loss", 0.02)):
+            lo, hi = rows[metric].min(), rows[metric].max()
+            assert lo - slack <= run.final[metric] <= hi + slack, (attention, metric, run.final[metric], lo, hi)
 
 
 def test_softmax_grows_a_sink_and_sigmoid_does_not(pair):

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from analysis.train import CheckpointError, ModelConfig, TrainConfig, load_reference, train
-from analysis.train.cli import build_configs, main
+from analysis.train.cli import main
+from analysis.train.presets import build_configs
 from analysis.train.trainer import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,8 +285,14 @@ def test_sweep_writes_one_table(tmp_path, capsys):
 
     table = pd.read_csv(out / "sweep.csv")
     assert len(table) == 4 and set(table.attention) == {"softmax", "sigmoid"}
-    assert table.sink_1.notna().all() and table.loss.notna().all()
+    assert table.sink_1.notna().all() and table.loss.notna().all() and (table.seed == 0).all()
     assert "sigmoid" in printed and "sink_1" in printed
-    before = (out / "softmax_lr0.01_wd0.1/model.safetensors").stat().st_mtime_ns
+    run = out / "attention-softmax_weight-decay-0.1_seed-0"
+    before = (run / "model.safetensors").stat().st_mtime_ns
     assert main(argv) == 0  # a rerun skips finished runs
-    assert (out / "softmax_lr0.01_wd0.1/model.safetensors").stat().st_mtime_ns == before
+    assert (run / "model.safetensors").stat().st_mtime_ns == before
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == 4 and (summary.n_seeds == 1).all() and "sink_1_mean" in summary
+    curves = pd.read_csv(out / "curves.csv")
+    assert set(curves.step) == {3} and len(curves) == 4
+    assert (out / "command.txt").read_text().startswith("python -m analysis.train sweep")
