@@ -160,17 +160,16 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
         for median_over in ("token", "sequence"):
             ma = massive_activations(model, tokens, layers=layers, hook=hook, median_over=median_over,
                                      abs_threshold=0.0, ratio_threshold=ratio)
-            first = (ma.top_pos[..., 0] == 0)  # (N, L): the top activation sits on the first token
+            ref = ma.first_abs.amax(-1)  # (L,) mean over samples of |a| of the first token's largest dim
             if median_over == "token":
-                ref = ma.first_abs.amax(-1)  # (L,) mean |a| of the first token's largest dim
-                med = ma.first_abs.median(-1).values
+                med = ma.first_abs.median(-1).values  # the first token's own median |a|
                 r = (ref / med.clamp_min(1e-12)).amax().item()
                 for i, l in enumerate(ma.layers):
                     dims = ma.first_token_dims.get(l, [])
                     if dims:
                         streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = dims
-            else:
-                r = (ma.top_values[..., 0] / ma.median.clamp_min(1e-12) * first).amax(-1).mean().item()
+            else:  # the median |a| over each sample's positions x dims
+                r = (ref / ma.median.mean(0).clamp_min(1e-12)).amax().item()
             key = f"spike_ratio_{median_over}"
             out[key] = max(out.get(key, 0.0), r)
     out["spike_dims"] = streams
