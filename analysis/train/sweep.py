@@ -111,9 +111,10 @@ def summarise(table: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     if not by:
         table = table.assign(_all="all")
         by = ["_all"]
-    agg = table.groupby(by, sort=False)[stats].agg(["mean", "std", "min", "max"])
+    groups = table.groupby(by, sort=False, dropna=False)  # keep the points whose value is None (e.g. no window)
+    agg = groups[stats].agg(["mean", "std", "min", "max"])
     agg.columns = [f"{c}_{s}" for c, s in agg.columns]
-    agg.insert(0, "n_seeds", table.groupby(by, sort=False).size())
+    agg.insert(0, "n_seeds", groups.size())
     return agg.reset_index().drop(columns=["_all"], errors="ignore")
 
 

@@ -32,7 +32,7 @@ def test_every_grid_has_its_table_command_and_three_seeds(grid):
     if field is not None:
         assert field in runs and runs[field].nunique(dropna=False) >= 2
         assert len(tables["summary"]) == runs[field].nunique(dropna=False) * (2 if grid == "packing" else 1)
-    assert set(tables["curves"]["step"]) >= {100, 1000}
+    assert set(tables["curves"]["step"]) >= {200, 1000}  # Sink_1 through training, every 200 steps or more often
 
 
 def retrain(run_dir: Path) -> dict:
@@ -51,7 +51,7 @@ def retrain(run_dir: Path) -> dict:
 def test_a_retrained_point_lands_inside_its_committed_spread(grid, point):
     runs = load_sweep(EMERGENCE / grid)["runs"]
     field = next(k for k in point if k != "seed")
-    rows = runs[runs[field].astype(str) == str(point[field])]
+    rows = runs[runs[field] == point[field]]
     assert len(rows) >= 3
     run = rows[rows.seed == point["seed"]].run.item()
     final = retrain(EMERGENCE / grid / run)
