@@ -7,8 +7,10 @@ Start with::
     probes = probe_sets(model.tokenizer, n=100, T=64)
     res = sink_metric(model, probes["natural"].tokens)
     res.sink_rate(k=1)                            # Sink_1^0.3 in percent
+    prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
+    print(prof.text())
 """
-from analysis.hooks import ModelContractError, model_dims, run_with_reducers
+from analysis.hooks import ModelContractError, act_name, model_dims, run_with_reducers, stream
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, rotary_base
 from analysis.probes import (
     PROBE_KINDS,
@@ -30,7 +32,7 @@ def __getattr__(name):
         "first_key_manifold": "analysis.key_manifold", "value_norms": "analysis.value_norms",
         "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
         "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
-        "attention_view": "analysis.attention_view",
+        "attention_view": "analysis.attention_view", "profile": "analysis.profiling", "Profile": "analysis.profiling",
     }
     if name in lazy:
         import importlib
@@ -42,9 +44,9 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "ModelContractError", "ModelNotFoundError", "PROBE_KINDS", "ProbeSet", "SinkResult",
+    "DEFAULT_MODEL", "ModelContractError", "act_name", "stream", "ModelNotFoundError", "PROBE_KINDS", "ProbeSet", "SinkResult",
     "available_models", "load_model", "make_probe", "model_dims", "natural_probe", "probe_sets",
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
-    "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view",
+    "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
 ]

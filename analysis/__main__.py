@@ -2,34 +2,21 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from analysis.defaults import SINK_EPS, SINK_K_MAX
+from analysis.io import write_json
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds."""
     from analysis.hooks import model_dims
     from analysis.models import load_model
-    from analysis.probes import probe_sets
-    from analysis.sink import check_eps, sink_metric
+    from analysis.probes import model_probe_sets
+    from analysis.profiling import profile
+    from analysis.sink import check_eps
     from analysis.versions import package_versions
 
     check_eps(eps)
@@ -39,13 +26,10 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
-    if getattr(model, "tokenizer", None) is None:
-        raise ValueError(f"model {model_name!r} has no tokenizer, so no text probes; use analysis.sink_metric on your own tokens.")
-    probes = probe_sets(model.tokenizer, n=n, T=T, bos=bos, seed=seed)
-    kinds = {}
-    for kind, probe in probes.items():
-        res = sink_metric(model, probe.tokens, eps=eps, k_max=k_max, progress=progress, kind=kind)
-        kinds[kind] = {"source": probe.source, "tokens": probe.tokens.tolist(), **res.to_dict()}
+    probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # a reference model without tokenizer: its task
+    sink = profile(model, probes, analyses=("sink",), eps=eps, k_max=k_max, progress=progress).sink
+    kinds = {kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
+             for kind, probe in probes.items()}
     return {
         "model": model_name,
         "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed,
@@ -61,26 +45,35 @@ def format_sink_table(payload: dict) -> str:
         f"{'BOS first' if payload['bos'] else 'no BOS'}",
         f"{'input':<10} {'Sink_1 (%)':>10}",
     ]
+    slot = {k: v.get("sink_slot_pct") for k, v in payload.get("inputs", {}).items()}
+    has_slot = any(x is not None for x in slot.values())  # a learned sink or a bias slot: Sink on it too
+    if has_slot:
+        lines[-1] += f" {'Sink on slot (%)':>17}"
     for kind, v in payload["sink_1_pct"].items():
-        lines.append(f"{kind:<10} {v:>10.2f}")
+        extra = f" {slot.get(kind) or 0.0:>17.2f}" if has_slot else ""
+        lines.append(f"{kind:<10} {v:>10.2f}{extra}")
     return "\n".join(lines)
 
 
 def cmd_sink(args) -> int:
-    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, 16) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet)
+    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet)
     print(format_sink_table(payload))
     if args.json:
-        _write_json_atomic(Path(args.json), payload)
+        write_json(Path(args.json), payload)
         print(f"wrote {args.json}")
     return 0
 
 
 def cmd_report(args) -> int:
     from analysis.models import load_model
-    from analysis.report import build_report
+    from analysis.report import ReportError, build_report
 
     model = load_model(args.model, device=args.device)
-    path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
+    try:
+        path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {path} and {Path(path).with_name('report.json')}")
     return 0
 
@@ -102,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
     s.add_argument("--n", type=int, default=100, help="sequences per input kind (paper: 100)")
     s.add_argument("--T", type=int, default=64, help="tokens per sequence (paper: 64)")
-    s.add_argument("--eps", type=float, default=0.3, help="threshold on alpha (paper: 0.3)")
+    s.add_argument("--eps", type=float, default=SINK_EPS, help=f"threshold on alpha (paper: {SINK_EPS})")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (default min(T, 16))")
     s.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first (paper: no BOS)")
     s.add_argument("--seed", type=int, default=0)
@@ -122,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
+
+    from analysis.streaming.cli import add_parser as add_stream_parser
+
+    add_stream_parser(sub, DEFAULT_MODEL)
     return p
 
 

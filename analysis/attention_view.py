@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.hooks import check_layers, check_tokens, run_with_reducers, token_strings
+from analysis.hooks import Capture, act_name, check_layers, check_tokens, stream, token_strings
 
 
 class OfflineHTML:
@@ -30,13 +30,7 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")
-    out = {}
-
-    def keep(pattern, hook):
-        out["p"] = pattern[0].float().cpu()
-
-    run_with_reducers(model, tokens, [(f"blocks.{layer}.attn.hook_pattern", keep)])
-    return out["p"]
+    return stream(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
 
 
 def attention_view_html(model, tokens, layer: int, heads: list[int] | None = None) -> str:

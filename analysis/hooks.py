@@ -7,12 +7,17 @@ reduce to, never the full activation cache.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 HookFn = Callable[[torch.Tensor, object], object]
+
+# Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
+_BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+               "normalized": "ln1.hook_normalized", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+_ATTN_ACTS = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern")
 
 
 class ModelContractError(ValueError):
@@ -34,6 +39,17 @@ class ModelDims:
     def group_size(self) -> int:
         """Query heads per key/value head (1 without GQA)."""
         return self.n_heads // self.n_kv_heads
+
+
+def act_name(name: str, layer: int) -> str:
+    """The TransformerLens hook name of activation ``name`` in block ``layer``: ``act_name("pattern", 3)`` is
+    ``blocks.3.attn.hook_pattern``; ``resid_pre``/``resid_mid``/``resid_post``/``normalized`` (ln1's output
+    before the gain) live on the block, ``q k v z rot_q rot_k attn_scores pattern`` on its attention."""
+    if name in _BLOCK_ACTS:
+        return f"blocks.{int(layer)}.{_BLOCK_ACTS[name]}"
+    if name in _ATTN_ACTS:
+        return f"blocks.{int(layer)}.attn.hook_{name}"
+    raise ValueError(f"unknown activation {name!r}; choose among {sorted(_BLOCK_ACTS) + list(_ATTN_ACTS)}.")
 
 
 def hook_names(model) -> set[str]:
@@ -128,16 +144,269 @@ def default_batch_size(tokens: torch.Tensor) -> int:
     return max(1, min(tokens.shape[0], 2048 // max(T, 1)))
 
 
-class _Stop(Exception):
-    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
-
-
 def token_strings(model, ids: Sequence[int]) -> list[str]:
     """Decoded tokens, one string per id (``#id`` when the model has no tokenizer)."""
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return [f"#{int(i)}" for i in ids]
     return [tok.decode([int(i)]) for i in ids]
+
+
+def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
+    """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
+    them (and ``rotated``), else ``hook_q``/``hook_k``. A model loaded by ``analysis.load_model`` carries its
+    family spec (``model.family``), which names the hooks the attention really uses; otherwise, as some models
+    list ``hook_rot_k`` without rotary (it never fires there), the rotary is checked on the model."""
+    from analysis.models import rotary_base
+
+    spec = getattr(model, "family", None)  # the loader's family spec knows which key hook the attention uses
+    if rotated and spec is not None and hasattr(spec, "key_hook"):
+        return spec.query_hook(layer), spec.key_hook(layer)
+    names = hook_names(model)
+    rot = (act_name("rot_q", layer), act_name("rot_k", layer))
+    if rotated and all(n in names for n in rot) and rotary_base(model) is not None:
+        return rot
+    plain = (act_name("q", layer), act_name("k", layer))
+    missing = [n for n in plain if n not in names]
+    if missing:
+        raise ModelContractError(
+            f"the model has no query/key hooks {missing}; QK analyses need TransformerLens hook names "
+            "(`blocks.{l}.attn.hook_k`, or `hook_rot_k` with rotary): load it with `analysis.load_model`."
+        )
+    return plain
+
+
+# ----------------------------------------------------------------------------------------------
+# Head layout: KV heads under grouped-query attention
+# ----------------------------------------------------------------------------------------------
+
+
+def kv_view(x: torch.Tensor, n_kv_heads: int, dim: int = 2) -> torch.Tensor:
+    """The KV heads of a key/value activation: the bridge may hand ``hook_k``/``hook_v`` with each KV head
+    repeated for its query heads ((B, T, H, d) instead of (B, T, H_kv, d)); this undoes the repetition."""
+    n = x.shape[dim]
+    if n == n_kv_heads:
+        return x
+    if n % n_kv_heads:
+        raise ModelContractError(f"an activation with {n} heads cannot hold {n_kv_heads} KV heads.")
+    return x.narrow(dim, 0, n).unflatten(dim, (n_kv_heads, n // n_kv_heads)).select(dim + 1, 0)
+
+
+def per_query_head(x: torch.Tensor, n_heads: int, dim: int = 2) -> torch.Tensor:
+    """KV-head values repeated for each query head that reads them (query head h reads KV head h // group)."""
+    n = x.shape[dim]
+    if n_heads % n:
+        raise ModelContractError(f"{n_heads} query heads cannot share {n} KV heads.")
+    return x.repeat_interleave(n_heads // n, dim=dim)
+
+
+def group_reduce(x: torch.Tensor, group_size: int, how: str = "mean") -> torch.Tensor:
+    """(..., H) per query head -> (..., H_kv): mean or max over the query heads of each KV head."""
+    g = x.unflatten(-1, (-1, group_size))
+    if how == "mean":
+        return g.mean(-1)
+    if how == "max":
+        return g.max(-1).values
+    raise ValueError(f"reduce must be 'mean' or 'max' (how query heads map to their KV head); got {how!r}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming: accumulators fed per layer and batch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """The batch being run: its tokens (on the model's device) and the index of its first sample."""
+
+    tokens: torch.Tensor
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Accumulator:
+    """One analysis' state during a streamed pass.
+
+    ``hooks()`` says which activations it needs, per layer: {layer: {key: hook name}}. For each batch and
+    layer, once every activation of that layer (over all accumulators of the pass) has fired,
+    ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together: the joint reducer. Then
+    ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False lets the
+    pass stop after the last layer any accumulator needs.
+    """
+
+    needs_logits = False
+    optional_keys: frozenset = frozenset()  # keys whose hooks may be listed but never fire (passed when they do)
+
+    def hooks(self) -> dict[int, dict[str, str]]:
+        raise NotImplementedError
+
+    def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch) -> None:
+        raise NotImplementedError
+
+    def end_batch(self, batch: Batch, logits: torch.Tensor | None) -> None:
+        pass
+
+    def result(self):
+        raise NotImplementedError
+
+
+class LayerCollector:
+    """Per-layer results of one batch -> (N, L, ...) after the pass (one tensor per layer and batch)."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.current: dict[int, torch.Tensor] = {}
+        self.chunks: list[torch.Tensor] = []
+
+    def put(self, layer: int, x: torch.Tensor) -> None:
+        self.current[layer] = x.detach().cpu()
+
+    def end_batch(self) -> None:
+        missing = [l for l in self.layers if l not in self.current]
+        if missing:
+            raise ModelContractError(f"no result for layers {missing}: their hooks did not fire.")
+        self.chunks.append(torch.stack([self.current[l] for l in self.layers], dim=1))
+        self.current.clear()
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.chunks)
+
+
+class _Stop(Exception):
+    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
+
+
+def _stop(x, hook):
+    raise _Stop
+
+
+class Capture(Accumulator):
+    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch."""
+
+    def __init__(self, name: str, layer: int, select: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+        self.name, self.layer, self.select, self.kept = name, int(layer), select, []
+
+    def hooks(self):
+        return {self.layer: {"x": self.name}}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.kept.append(self.select(acts["x"]).detach().float().cpu())
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.kept)
+
+
+class _JointReducer:
+    """Holds the activations of one layer until all of them have fired, then feeds every accumulator."""
+
+    def __init__(self, accumulators: Sequence[Accumulator], stop_early: bool):
+        self.accs = list(accumulators)
+        self.wants = [a.hooks() for a in self.accs]
+        self.by_layer: dict[int, set[str]] = {}  # every hook of the layer
+        self.required: dict[int, set[str]] = {}  # the hooks that must fire before the layer is handed over
+        for acc, w in zip(self.accs, self.wants):
+            for layer, names in w.items():
+                self.by_layer.setdefault(int(layer), set()).update(names.values())
+                self.required.setdefault(int(layer), set()).update(
+                    n for k, n in names.items() if k not in acc.optional_keys)
+        self.last = max(self.by_layer) if self.by_layer else None
+        self.stop_early = stop_early
+        self.slot: dict[int, dict[str, torch.Tensor]] = {}
+        self.done: set[int] = set()
+        self.batch: Batch | None = None
+
+    def fwd_hooks(self) -> list[tuple[str, HookFn]]:
+        return [(name, self._hook(layer, name)) for layer, names in self.by_layer.items() for name in sorted(names)]
+
+    def _hook(self, layer: int, name: str) -> HookFn:
+        return lambda x, hook: self.fired(layer, name, x)
+
+    def fired(self, layer: int, name: str, x: torch.Tensor) -> None:
+        if layer in self.done:
+            return
+        slot = self.slot.setdefault(layer, {})
+        slot[name] = x
+        if not self.required[layer] <= slot.keys():
+            return
+        del self.slot[layer]
+        self.done.add(layer)
+        for acc, want in zip(self.accs, self.wants):
+            if layer in want:
+                acc.update(layer, {k: slot[n] for k, n in want[layer].items() if n in slot}, self.batch)
+        if self.stop_early and layer == self.last:
+            raise _Stop
+
+    def start(self, batch: Batch) -> None:
+        self.batch, self.slot, self.done = batch, {}, set()
+
+    def check_fired(self) -> None:
+        silent = sorted(set(self.by_layer) - self.done)
+        if silent:
+            never = sorted({n for l in silent for n in self.required[l] - set(self.slot.get(l, {}))})
+            raise ModelContractError(
+                f"hooks {never[:4]}{'...' if len(never) > 4 else ''} did not fire: the model lists hooks it does not "
+                "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False).")
+
+
+def _check_hooks(model, names: Iterable[str]) -> None:
+    missing = sorted(set(names) - hook_names(model))
+    if missing:
+        raise ModelContractError(
+            f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
+            "this analysis needs TransformerLens hook names (load with `analysis.load_model`)."
+        )
+
+
+def _batches(model, tokens, batch_size, progress) -> Iterator[Batch]:
+    device = model_device(model)
+    bs = batch_size or default_batch_size(tokens)
+    it = range(0, tokens.shape[0], bs)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, total=(tokens.shape[0] + bs - 1) // bs, desc="batches", leave=False)
+    for start in it:
+        yield Batch(tokens[start : start + bs].to(device), start)
+
+
+def stream(
+    model,
+    tokens: torch.Tensor,
+    accumulators: Sequence[Accumulator],
+    *,
+    fwd_hooks: Sequence[tuple[str, HookFn]] = (),
+    batch_size: int | None = None,
+    progress: bool = False,
+    on_batch_start: Callable[[Batch], None] | None = None,
+) -> list:
+    """One streamed pass of ``model`` over ``tokens`` (N, T) feeding every accumulator; returns their results.
+
+    ``fwd_hooks``: plain hooks that may return a changed activation (interventions); they run before the
+    accumulators' hooks, which see the changed activations. ``on_batch_start(batch)`` runs before each batch.
+    The pass stops after the last layer any accumulator needs unless one ``needs_logits`` or hooks change it.
+    """
+    tokens = check_tokens(model, tokens)
+    stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
+    joint = _JointReducer(accumulators, stop_early)
+    hooks = list(fwd_hooks) + joint.fwd_hooks()
+    _check_hooks(model, [n for n, _ in hooks])
+    with torch.inference_mode():
+        for batch in _batches(model, tokens, batch_size, progress):
+            joint.start(batch)
+            if on_batch_start is not None:
+                on_batch_start(batch)
+            logits = None
+            try:
+                logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+            except _Stop:
+                pass
+            joint.check_fired()
+            for acc in accumulators:
+                acc.end_batch(batch, logits)
+    return [acc.result() for acc in accumulators]
 
 
 def run_with_reducers(
@@ -150,41 +419,31 @@ def run_with_reducers(
     on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
     stop_after: str | None = None,
 ) -> None:
-    """Run ``model`` over ``tokens`` in batches with ``reducers`` attached as forward hooks.
+    """Run ``model`` over ``tokens`` in batches with plain ``reducers`` attached as forward hooks.
 
-    Each reducer ``fn(activation, hook)`` folds the activation into its own accumulator and returns
-    None (or a replacement activation, for interventions), so nothing but the reduced statistics
-    outlives a layer. ``on_batch(batch, logits)`` sees each batch's tokens and logits (e.g. to
-    accumulate a loss). ``stop_after`` names a hook after which each forward pass ends early (the
-    later layers are not run; ``on_batch`` then gets ``logits=None``).
+    Each reducer ``fn(activation, hook)`` folds the activation into its own state and returns None (or a
+    replacement activation). ``on_batch(batch, logits)`` sees each batch's tokens and logits. ``stop_after``
+    names a hook after which each pass ends early (``on_batch`` then gets ``logits=None``). Analyses use
+    ``stream`` with accumulators; this is the plain form for one-off hooks.
     """
-    names = hook_names(model)
-    missing = sorted({n for n, _ in reducers if n not in names} | ({stop_after} - names if stop_after else set()))
-    if missing:
-        raise ModelContractError(
-            f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
-            "this analysis needs TransformerLens hook names (load with `analysis.load_model`)."
-        )
-    tokens = check_tokens(model, tokens)
-    device = model_device(model)
-    bs = batch_size or default_batch_size(tokens)
-    it = batches(tokens, bs)
-    if progress:
-        from tqdm.auto import tqdm
+    hooks = list(reducers) + ([(stop_after, _stop)] if stop_after else [])
+    stream(model, tokens, [_OnBatch(on_batch)], fwd_hooks=hooks, batch_size=batch_size, progress=progress)
 
-        it = tqdm(it, total=(tokens.shape[0] + bs - 1) // bs, desc="batches", leave=False)
 
-    def stop(x, hook):
-        raise _Stop
+class _OnBatch(Accumulator):
+    """Calls ``fn(tokens, logits)`` after each batch (``run_with_reducers``' ``on_batch``)."""
 
-    hooks = list(reducers) + ([(stop_after, stop)] if stop_after else [])
-    with torch.inference_mode():
-        for batch in it:
-            batch = batch.to(device)
-            logits = None
-            try:
-                logits = model.run_with_hooks(batch, fwd_hooks=hooks)
-            except _Stop:
-                pass
-            if on_batch is not None:
-                on_batch(batch, logits)
+    needs_logits = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def hooks(self):
+        return {}
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        if self.fn is not None:
+            self.fn(batch.tokens, logits)
+
+    def result(self) -> None:
+        return None

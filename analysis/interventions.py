@@ -9,30 +9,39 @@
   (x_1[S] W_K, see ``analysis.norm_gain``); where does the attention go instead (first token, self,
   previous token, the rest) and does the sink move to another token?
 
-Each condition is one streamed pass: intervention hooks change activations, reducers on
-``hook_pattern`` fold the attention into per-(sample, layer, head) numbers, and the loss is
-accumulated per batch. Nothing else is kept.
+Each condition is one streamed pass: intervention hooks change activations, a ``PassAccumulator`` folds
+the attention into per-(sample, layer, head) numbers and the loss. The unchanged model's pass, the
+``Baseline``, also records what the interventions need (the first token's residual stream, the value
+statistics of every head): it is computed once and shared (``baseline_pass``, or ``analysis.profile``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from functools import partial
+from typing import Mapping, Sequence
 
 import pandas as pd
 import torch
 
+from analysis.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
 from analysis.hooks import (
-    ModelContractError,
+    Accumulator,
+    Batch,
+    LayerCollector,
+    act_name,
     check_layers,
     check_tokens,
-    hook_names,
+    kv_view,
     model_dims,
-    run_with_reducers,
+    per_query_head,
+    stream,
 )
+from analysis.io import jsonable
+from analysis.results import Result, dims_by_layer_text, layer_runs
 from analysis.sink import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
+K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
 
 # ----------------------------------------------------------------------------------------------
 # One streamed pass under interventions
@@ -55,6 +64,9 @@ class PassResult:
     def sink_rate(self, k: int = 1) -> float:
         return float((self.alpha[..., k - 1] > self.eps).float().mean() * 100)
 
+    def sink_per_layer(self, k: int = 1) -> torch.Tensor:
+        return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
+
 
 def where_shares(pattern: torch.Tensor) -> torch.Tensor:
     """Attention shares of queries t >= 3 (1-based) on the first key, the previous key, itself and the rest.
@@ -68,81 +80,159 @@ def where_shares(pattern: torch.Tensor) -> torch.Tensor:
     first = p[..., 0]
     prev = p.gather(-1, (t - 1).expand(*p.shape[:-2], -1)[..., None])[..., 0]
     self_ = p.gather(-1, t.expand(*p.shape[:-2], -1)[..., None])[..., 0]
-    total = p.sum(-1)
-    other = total - first - prev - self_
+    other = p.sum(-1) - first - prev - self_
     return torch.stack([first, prev, self_, other], -1).sum(-2)
 
 
-def run_condition(
-    model,
-    tokens: torch.Tensor,
-    hooks: Sequence[tuple[str, Callable]] = (),
-    *,
-    eps: float = DEFAULT_EPS,
-    k_max: int = 4,
-    batch_size: int | None = None,
-    on_batch_start: Callable[[int, int], None] | None = None,
-) -> PassResult:
-    """One pass with intervention ``hooks`` (fns returning the changed activation) plus attention reducers.
+class PassAccumulator(Accumulator):
+    """alpha for keys 1..k_max per sample, the attention shares of ``where_shares`` and the next-token loss."""
 
-    ``on_batch_start(offset, B)`` is called before each batch (hooks that need sample indices use it).
-    """
-    dims = model_dims(model)
-    tokens = check_tokens(model, tokens)
-    N, T = tokens.shape
-    k_max = min(k_max, T)
-    L = dims.n_layers
-    chunks: list[torch.Tensor] = []
-    cur: list[torch.Tensor | None] = [None] * L
-    where = torch.zeros(L, dims.n_heads, 4, dtype=torch.float64)
-    loss = {"sum": 0.0, "n": 0}
-    offset = [0]
+    needs_logits = True
 
-    def reducer(layer: int):
-        def fn(pattern, hook):
-            cur[layer] = alpha_from_pattern(pattern, k_max).cpu()
-            if T >= 3:
-                where[layer] += where_shares(pattern).double().sum(0).cpu()
-        return fn
+    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX):
+        dims = model_dims(model)
+        self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
+        self.layers = list(range(dims.n_layers))
+        self.alpha = LayerCollector(self.layers)
+        self.where = torch.zeros(dims.n_layers, dims.n_heads, 4, dtype=torch.float64)
+        self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
 
-    def first_hook(x, hook):  # runs first in every batch: tell stateful hooks which samples these are
-        if on_batch_start is not None:
-            on_batch_start(offset[0], x.shape[0])
+    def hooks(self):
+        return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
 
-    def collect(batch, logits):
-        missing = [l for l, a in enumerate(cur) if a is None]
-        if missing:
-            raise RuntimeError(f"hook_pattern did not fire for layers {missing}.")
-        chunks.append(torch.stack(cur, dim=1))
-        cur[:] = [None] * L
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        p = acts["pattern"]
+        self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
+        if self.T >= 3:
+            self.where[layer] += where_shares(p).double().sum(0).cpu()
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.alpha.end_batch()
         lg = logits[:, :-1].float()
-        loss["sum"] += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
-        loss["n"] += lg.shape[0] * lg.shape[1]
-        offset[0] += batch.shape[0]
+        self.loss_sum += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch.tokens[:, 1:].reshape(-1),
+                                                                 reduction="sum"))
+        self.n_pred += lg.shape[0] * lg.shape[1]
+        self.n += batch.size
 
-    all_hooks = [("blocks.0.hook_resid_pre", first_hook)] + list(hooks)
-    all_hooks += [(f"blocks.{l}.attn.hook_pattern", reducer(l)) for l in range(L)]
-    run_with_reducers(model, tokens, all_hooks, batch_size=batch_size, on_batch=collect)
-    return PassResult(torch.cat(chunks), (where / (N * max(T - 2, 1))).float(),
-                      loss["sum"] / max(loss["n"], 1) if T > 1 else float("nan"), eps, T)
-
-
-def _sink_per_layer(res: PassResult, k: int = 1) -> torch.Tensor:
-    return (res.alpha[..., k - 1] > res.eps).float().mean(dim=(0, 2)) * 100
+    def result(self) -> PassResult:
+        loss = self.loss_sum / max(self.n_pred, 1) if self.T > 1 else float("nan")
+        return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T)
 
 
-def _clean(v):
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    if isinstance(v, (torch.Tensor,)):
-        return v.tolist()
-    if hasattr(v, "item"):
-        return v.item()
-    return v
+def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, batch_size: int | None = None,
+                  on_batch_start=None) -> PassResult:
+    """One pass with intervention ``hooks`` (fns returning the changed activation) plus the attention reducers.
+    ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``)."""
+    tokens = check_tokens(model, tokens)
+    acc = PassAccumulator(model, tokens.shape[1], eps, k_max)
+    return stream(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start)[0]
 
 
-def _records(df: pd.DataFrame) -> list[dict]:
-    return [{k: _clean(v) for k, v in r.items()} for r in df.to_dict("records")]
+# ----------------------------------------------------------------------------------------------
+# The shared baseline: the unchanged model, with what each intervention needs from it
+# ----------------------------------------------------------------------------------------------
+
+
+class FirstTokenResidAccumulator(Accumulator):
+    """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the
+    spike ablation sets the spike dims to."""
+
+    def __init__(self, model):
+        self.layers = list(range(model_dims(model).n_layers))
+        self.first = LayerCollector(self.layers)
+
+    def hooks(self):
+        return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.first.put(layer, acts["resid"][:, 0].float())
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.first.end_batch()
+
+    def result(self) -> torch.Tensor:
+        return self.first.result()
+
+
+class ValueStatsAccumulator(Accumulator):
+    """Per layer and query head: alpha_1, |v_1|, mean |v_j|, |A[t,1] v_1| and |z_t| (means over t > 1), and each
+    sample's v_1 (N, H, d) for the leave-one-out mean."""
+
+    def __init__(self, model):
+        dims = model_dims(model)
+        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, list(range(dims.n_layers))
+        self.sums = {l: dict.fromkeys(("a1", "v1", "vj", "contrib", "z"), 0) for l in self.layers}
+        self.v1 = LayerCollector(self.layers)
+        self.n = 0
+
+    def hooks(self):
+        return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        a1 = acts["pattern"][..., 0].float()  # (B, H, T)
+        v = per_query_head(kv_view(acts["v"], self.K), self.H).float()  # (B, T, H, d)
+        v1 = v[:, 0]
+        contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, H, d)
+        s = self.sums[layer]
+        later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(self.H))  # noqa: E731
+        s["a1"] = s["a1"] + a1.mean(-1).sum(0).cpu()
+        s["v1"] = s["v1"] + v1.norm(dim=-1).sum(0).cpu()
+        s["vj"] = s["vj"] + later(v.norm(dim=-1))
+        s["contrib"] = s["contrib"] + later(contrib.norm(dim=-1))
+        s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
+        self.v1.put(layer, v1)
+        if layer == 0:
+            self.n += v.shape[0]
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.v1.end_batch()
+
+    def result(self) -> dict:
+        """{"heads": one row per (layer, query head), "v1": (N, L, H, d)}."""
+        rows = [{"layer": l, "head": h, **{name: float(self.sums[l][key][h] / self.n) for name, key in (
+                    ("alpha_1", "a1"), ("v1_norm", "v1"), ("v_other_norm", "vj"), ("first_contrib_norm", "contrib"),
+                    ("output_norm", "z"))}} for l in self.layers for h in range(self.H)]
+        return {"heads": pd.DataFrame(rows), "v1": self.v1.result()}
+
+
+@dataclass
+class Baseline:
+    """The unchanged model's pass, shared by the interventions."""
+
+    run: PassResult
+    first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
+    value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
+    v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head
+
+
+def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
+    """What the baseline pass runs (``Baseline.from_results`` turns their results into a ``Baseline``)."""
+    return [PassAccumulator(model, T, eps, K_MAX), FirstTokenResidAccumulator(model), ValueStatsAccumulator(model)]
+
+
+def baseline_from(results: list) -> Baseline:
+    run, first, values = results
+    return Baseline(run, first, values["heads"], values["v1"])
+
+
+def baseline_pass(model, tokens, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
+    """One pass of the unchanged model with everything the three interventions need."""
+    tokens = check_tokens(model, tokens)
+    return baseline_from(stream(model, tokens, baseline_accumulators(model, tokens.shape[1], eps), batch_size=batch_size))
+
+
+def _baseline(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
+    if baseline is None:
+        return baseline_pass(model, tokens, eps, batch_size)
+    if baseline.run.alpha.shape[0] != tokens.shape[0] or baseline.run.eps != eps:
+        raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
+                         f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")
+    return baseline
+
+
+def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean over the other samples (dim 0)."""
+    return (x.sum(0, keepdim=True) - x) / max(x.shape[0] - 1, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,21 +240,17 @@ def _records(df: pd.DataFrame) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share, max_samples=32):
-    """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict or list)."""
-    from analysis.massive import massive_activations
+def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share):
+    """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
+    from analysis.massive import first_token_spike_dims
 
     D = model_dims(model).d_model
     if spike_dims is None:
-        ma = massive_activations(model, tokens[:max_samples], top_k=1, abs_threshold=abs_threshold,
-                                 ratio_threshold=ratio_threshold, min_share=min_share)
-        return ma.first_token_dims, "found"
-    if isinstance(spike_dims, Mapping):
-        layers = check_layers(model, list(spike_dims))
-        out = {l: sorted({int(d) for d in spike_dims[l]}) for l in layers}
-    else:
+        return first_token_spike_dims(model, tokens, "resid_post", None, abs_threshold, ratio_threshold, min_share), "found"
+    if not isinstance(spike_dims, Mapping):
         raise ValueError("spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
                          "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them.")
+    out = {l: sorted({int(d) for d in spike_dims[l]}) for l in check_layers(model, list(spike_dims))}
     bad = sorted({d for ds in out.values() for d in ds if not 0 <= d < D})
     if bad:
         raise ValueError(f"spike dims {bad} out of range: d_model is {D}.")
@@ -182,21 +268,27 @@ def _appear_layers(spikes: dict[int, list[int]]) -> dict[int, list[int]]:
 
 
 @dataclass
-class SpikeAblation:
+class SpikeAblation(Result):
     """Sink rate and loss with the first token's spike dims unchanged, zeroed, or set to their mean."""
 
     spike_dims: dict[int, list[int]]  # resid_post layer -> dims intervened on
     where: str
     has_spike: bool
     message: str
-    summary: pd.DataFrame  # condition, sink_1_pct, loss, delta_loss
+    conditions: pd.DataFrame  # condition, sink_1_pct, loss, delta_loss
     per_layer: pd.DataFrame  # layer, sink_1 per condition
-    means: dict  # (layer, dim) -> mean value used by the mean condition (over all inputs)
+    means: dict  # "layer:dim" -> mean value over all inputs
     results: dict = field(default_factory=dict)  # condition -> PassResult
     model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "per_layer": self.per_layer}
 
     def effect(self, condition: str) -> dict:
-        s = self.summary.set_index("condition")
+        s = self.conditions.set_index("condition")
         b = s.loc["baseline"]
         return {"d_sink_1": float(s.loc[condition, "sink_1_pct"] - b["sink_1_pct"]),
                 "d_loss": float(s.loc[condition, "loss"] - b["loss"])}
@@ -204,33 +296,49 @@ class SpikeAblation:
     def text(self) -> str:
         if not self.has_spike:
             return self.message
-        s = self.summary.set_index("condition")
-        return (f"Zeroing the first token's spike dims ({_dims_text(self.spike_dims)}) takes Sink_1 from "
+        s = self.conditions.set_index("condition")
+        return (f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
                 f"{s.loc['baseline', 'sink_1_pct']:.1f}% to {s.loc['zero', 'sink_1_pct']:.1f}% and the loss from "
                 f"{s.loc['baseline', 'loss']:.3f} to {s.loc['zero', 'loss']:.3f}; setting them to their mean over the "
                 f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}.")
 
     def to_dict(self) -> dict:
-        return {
-            "model": self.model_name,
-            "spike_dims": {str(l): d for l, d in self.spike_dims.items()},
-            "where": self.where,
-            "has_spike": self.has_spike,
-            "message": self.message,
-            "summary": _records(self.summary),
-            "per_layer": _records(self.per_layer),
-            "text": self.text(),
-        }
+        return jsonable({**self.header(), "spike_dims": self.spike_dims, "where": self.where, "has_spike": self.has_spike,
+                         "message": self.message, **self.tables, "text": self.text()})
 
 
-def _dims_text(spikes: dict[int, list[int]]) -> str:
-    from analysis.massive import _layer_runs
+class SpikeSetter:
+    """Sets the first token's spike dims in ``hook_resid_post`` to zero ("zero") or to each sample's
+    leave-one-out mean ("mean", from ``loo`` {layer: (N, n_dims)}); ``start(batch)`` before each batch."""
 
-    by_dim: dict[int, list[int]] = {}
-    for l, ds in spikes.items():
-        for d in ds:
-            by_dim.setdefault(d, []).append(l)
-    return "; ".join(f"dim {d} at layers {_layer_runs(ls)}" for d, ls in sorted(by_dim.items()))
+    def __init__(self, spikes: dict[int, list[int]], mode: str, loo: dict[int, torch.Tensor]):
+        self.spikes, self.mode, self.loo, self.offset = spikes, mode, loo, 0
+
+    def start(self, batch: Batch) -> None:
+        self.offset = batch.offset
+
+    def hooks(self):
+        return [(act_name("resid_post", l), partial(self.set, l)) for l in sorted(self.spikes)]
+
+    def set(self, layer: int, x: torch.Tensor, hook) -> torch.Tensor:
+        x = x.clone()
+        dims = torch.tensor(self.spikes[layer], device=x.device)
+        if self.mode == "zero":
+            x[:, 0, dims] = 0.0
+        else:
+            x[:, 0, dims] = self.loo[layer][self.offset : self.offset + x.shape[0]].to(x.device, x.dtype)
+        return x
+
+
+def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshold, min_share) -> SpikeAblation:
+    name = getattr(model, "model_name", None) or "the model"
+    msg = (f"The first token of {name} carries no spike: no residual dim passes |a| > {abs_threshold:g} and "
+           f">= {ratio_threshold:g}x the hidden state's median on {min_share:.0%} of samples, so there is "
+           "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
+    conditions = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
+    per_layer = pd.DataFrame({"layer": range(base.alpha.shape[1]), "baseline": base.sink_per_layer().numpy()})
+    return SpikeAblation({}, where, False, msg, conditions, per_layer, {}, {"baseline": base},
+                         getattr(model, "model_name", None), n_samples=base.alpha.shape[0])
 
 
 def spike_ablation(
@@ -238,83 +346,48 @@ def spike_ablation(
     tokens,
     spike_dims: Mapping[int, Sequence[int]] | None = None,
     where: str = "all",
-    abs_threshold: float = 100.0,
-    ratio_threshold: float = 1000.0,
-    min_share: float = 0.5,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
     eps: float = DEFAULT_EPS,
     batch_size: int | None = None,
+    baseline: Baseline | None = None,
 ) -> SpikeAblation:
     """Zero the first token's spike dims, or set them to their mean over the other inputs; measure sink and loss.
 
     ``spike_dims``: {layer: dims} in the residual stream after block ``layer`` (``hook_resid_post``),
-    e.g. ``MassiveActivations.first_token_dims``; None finds them with ``massive_activations``
-    (``abs_threshold``, ``ratio_threshold``, ``min_share``). ``where="all"`` intervenes at every layer
+    e.g. ``MassiveActivations.first_token_dims``; None finds them (``first_token_spike_dims`` with
+    ``abs_threshold``, ``ratio_threshold``, ``min_share``). ``where="all"`` intervenes at every layer
     where a dim is a spike (later blocks can rebuild a spike zeroed once: SmolLM2 rebuilds dim 507);
     ``where="appear"`` only at the first layer of each run. The mean is leave-one-out: sample i gets the
     mean of the first token's value over the other samples (the mean over all inputs is in ``means``).
+    ``baseline``: the shared ``baseline_pass`` of these tokens (run here if not given).
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     if where not in ("all", "appear"):
         raise ValueError(f"where must be 'all' or 'appear'; got {where!r}.")
-    N = tokens.shape[0]
     spikes, how = _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
     if where == "appear":
         spikes = _appear_layers(spikes)
-    name = getattr(model, "model_name", None) or "the model"
-    # The baseline pass also records the first token's values at the intervention points (for the means).
-    layers = sorted(spikes)
-    idx = {l: torch.tensor(spikes[l]) for l in layers}
-    values = {l: [] for l in layers}
-
-    def rec(l):
-        def fn(x, hook):
-            values[l].append(x[:, 0, idx[l].to(x.device)].detach().double().cpu())
-        return fn
-
-    base = run_condition(model, tokens, [(f"blocks.{l}.hook_resid_post", rec(l)) for l in layers], eps=eps,
-                         batch_size=batch_size)
-    results = {"baseline": base}
-    if not spikes:
-        msg = (f"The first token of {name} carries no spike: no residual dim passes |a| > {abs_threshold:g} and "
-               f">= {ratio_threshold:g}x the hidden state's median on {min_share:.0%} of samples, so there is "
-               "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
-        summary = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
-        per_layer = pd.DataFrame({"layer": range(base.alpha.shape[1]), "baseline": _sink_per_layer(base).numpy()})
-        return SpikeAblation({}, where, False, msg, summary, per_layer, {}, results, getattr(model, "model_name", None))
-    if N < 2:
+    if spikes and tokens.shape[0] < 2:
         raise ValueError("the mean condition needs at least 2 sequences (a leave-one-out mean over the other inputs).")
-    vals = {l: torch.cat(values[l]) for l in layers}  # (N, n_dims)
-    loo = {l: ((v.sum(0, keepdim=True) - v) / (N - 1)).float() for l, v in vals.items()}
-    means = {f"{l}:{d}": float(vals[l][:, j].mean()) for l in layers for j, d in enumerate(spikes[l])}
-    state = {"offset": 0, "B": 0}
-
-    def start(offset, B):
-        state["offset"], state["B"] = offset, B
-
-    def setter(l, mode):
-        def fn(x, hook):
-            x = x.clone()
-            dims = idx[l].to(x.device)
-            if mode == "zero":
-                x[:, 0, dims] = 0.0
-            else:
-                o, B = state["offset"], x.shape[0]
-                x[:, 0, dims] = loo[l][o : o + B].to(x.device, x.dtype)
-            return x
-        return fn
-
+    base = _baseline(model, tokens, baseline, eps, batch_size)
+    if not spikes:
+        return _no_spike(model, base.run, where, abs_threshold, ratio_threshold, min_share)
+    vals = {l: base.first_resid[:, l, spikes[l]].double() for l in spikes}  # (N, n_dims)
+    loo = {l: _leave_one_out(v).float() for l, v in vals.items()}
+    means = {f"{l}:{d}": float(vals[l][:, j].mean()) for l in spikes for j, d in enumerate(spikes[l])}
+    results = {"baseline": base.run}
     for mode in ("zero", "mean"):
-        hooks = [(f"blocks.{l}.hook_resid_post", setter(l, mode)) for l in layers]
-        results[mode] = run_condition(model, tokens, hooks, eps=eps, batch_size=batch_size, on_batch_start=start)
-    summary = pd.DataFrame([
-        {"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.loss}
-        for c, r in results.items()
-    ])
-    per_layer = pd.DataFrame({"layer": range(base.alpha.shape[1]),
-                              **{c: _sink_per_layer(r).numpy() for c, r in results.items()}})
-    msg = f"{how} first-token spike dims: {_dims_text(spikes)}."
-    return SpikeAblation(spikes, where, True, msg, summary, per_layer, means, results, getattr(model, "model_name", None))
+        setter = SpikeSetter(spikes, mode, loo)
+        results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start)
+    conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
+                               for c, r in results.items()])
+    per_layer = pd.DataFrame({"layer": range(base.run.alpha.shape[1]), **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
+    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}."
+    return SpikeAblation(spikes, where, True, msg, conditions, per_layer, means, results, getattr(model, "model_name", None),
+                         n_samples=tokens.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,19 +396,25 @@ def spike_ablation(
 
 
 @dataclass
-class ValueAblation:
+class ValueAblation(Result):
     """Loss with the first token's value removed from the sink heads (and, as a contrast, from all heads)."""
 
-    sink_heads: list[tuple[int, int]]
-    summary: pd.DataFrame  # condition, n_heads, loss, delta_loss, sink_1_pct
+    sink_heads: list[tuple[int, int]]  # (layer, query head)
+    conditions: pd.DataFrame  # condition, n_heads, loss, delta_loss, sink_1_pct
     heads: pd.DataFrame  # per sink head: alpha_1, |v_1|, mean |v_j|, |A[t,1] v_1| and |z_t| (means over t > 1)
     message: str
     model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "heads": self.heads}
 
     def text(self) -> str:
         if not self.sink_heads:
             return self.message
-        s = self.summary.set_index("condition")
+        s = self.conditions.set_index("condition")
         h = self.heads
         later = (f", by {s.loc['sink_heads_later', 'delta_loss']:+.4f} if the first token keeps its own output"
                  if "sink_heads_later" in s.index else "")
@@ -348,14 +427,8 @@ class ValueAblation:
                 f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}.")
 
     def to_dict(self) -> dict:
-        return {
-            "model": self.model_name,
-            "sink_heads": [list(h) for h in self.sink_heads],
-            "message": self.message,
-            "summary": _records(self.summary),
-            "heads": _records(self.heads),
-            "text": self.text(),
-        }
+        return jsonable({**self.header(), "sink_heads": [list(h) for h in self.sink_heads], "message": self.message,
+                         **self.tables, "text": self.text()})
 
 
 def _check_heads(model, heads) -> list[tuple[int, int]]:
@@ -372,69 +445,51 @@ def _check_heads(model, heads) -> list[tuple[int, int]]:
     return sorted(set(out))
 
 
-def _value_hooks(model, heads: list[tuple[int, int]], mode: str = "zero", stats: dict | None = None,
-                 v_mean: dict | None = None, state: dict | None = None, first_query: bool = True):
-    """Hooks on hook_pattern, hook_v and hook_z of the layers holding ``heads``.
+class ValueRemoval:
+    """Hooks on hook_pattern, hook_v and hook_z of the layers holding ``heads``: z_t -= A[t, 1] v_1 ("zero"), or
+    z_t -= A[t, 1] (v_1 - its leave-one-out mean ``v_mean`` {layer: (N, H, d)}) ("mean"). ``first_query=False``
+    leaves the first token's own output (t = 1) unchanged; ``v_mean`` holds every query head. ``start(batch)``
+    before each batch."""
 
-    mode "stats": change nothing; fold per-head norms into ``stats`` and keep each sample's v_1.
-    mode "zero": z_t -= A[t, 1] v_1.  mode "mean": z_t -= A[t, 1] (v_1 - mean of v_1 over the other inputs),
-    from ``v_mean`` {layer: (N, h, d)} and the batch offset in ``state``. ``first_query=False`` leaves the
-    first token's own output (t = 1) unchanged.
-    """
-    dims = model_dims(model)
-    names = hook_names(model)
-    by_layer: dict[int, list[int]] = {}
-    for l, h in heads:
-        by_layer.setdefault(l, []).append(h)
-    hooks = []
-    for l, hs in by_layer.items():
-        need = [f"blocks.{l}.attn.hook_pattern", f"blocks.{l}.attn.hook_v", f"blocks.{l}.attn.hook_z"]
-        missing = [n for n in need if n not in names]
-        if missing:
-            raise ModelContractError(f"the model has no hook(s) {missing}; value ablation needs TransformerLens hook names.")
-        st: dict = {}
-        hidx = torch.tensor(sorted(hs))
+    def __init__(self, model, heads: list[tuple[int, int]], mode: str = "zero", v_mean: dict | None = None,
+                 first_query: bool = True):
+        self.H, self.K = model_dims(model).n_heads, model_dims(model).n_kv_heads
+        self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
+        self.by_layer: dict[int, torch.Tensor] = {}
+        for l, h in heads:
+            self.by_layer.setdefault(l, []).append(h)
+        self.by_layer = {l: torch.tensor(sorted(hs)) for l, hs in self.by_layer.items()}
+        self.state: dict[int, dict] = {}
 
-        def on_pattern(p, hook, st=st, hidx=hidx):
-            st["a1"] = p[:, hidx.to(p.device), :, 0].detach()  # (B, h, T)
+    def start(self, batch: Batch) -> None:
+        self.offset = batch.offset
 
-        def on_v(v, hook, st=st, hidx=hidx):
-            group = dims.n_heads // v.shape[2]
-            kv = (hidx // group).to(v.device)
-            st["v1"] = v[:, 0, kv].detach()  # (B, h, d)
-            if mode == "stats":
-                vh = v[:, :, kv].float()  # (B, T, h, d)
-                st["v1_norm"] = vh[:, 0].norm(dim=-1).sum(0).cpu()
-                st["vj_norm"] = vh[:, 1:].norm(dim=-1).mean(1).sum(0).cpu() if v.shape[1] > 1 else torch.zeros(len(hidx))
+    def hooks(self):
+        out = []
+        for l in self.by_layer:
+            out += [(act_name("pattern", l), partial(self.on_pattern, l)), (act_name("v", l), partial(self.on_v, l)),
+                    (act_name("z", l), partial(self.on_z, l))]
+        return out
 
-        def on_z(z, hook, st=st, hidx=hidx, l=l):
-            v1 = st["v1"]
-            if mode == "mean":
-                o = state["offset"]
-                v1 = v1 - v_mean[l][o : o + z.shape[0]].to(v1.device, v1.dtype)
-            contrib = st["a1"].permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
-            if mode == "stats":
-                zh = z[:, :, hidx.to(z.device)].float()
-                s = stats.setdefault(l, {"heads": hidx.tolist(), "n": 0, "v1": 0, "vj": 0, "contrib": 0, "z": 0,
-                                         "a1": 0, "v1_all": []})
-                s["n"] += z.shape[0]
-                s["v1"] = s["v1"] + st["v1_norm"]
-                s["vj"] = s["vj"] + st["vj_norm"]
-                s["contrib"] = s["contrib"] + contrib.float().norm(dim=-1)[:, 1:].mean(1).sum(0).cpu()
-                s["z"] = s["z"] + zh.norm(dim=-1)[:, 1:].mean(1).sum(0).cpu()
-                s["a1"] = s["a1"] + st["a1"].float().mean(-1).sum(0).cpu()
-                s["v1_all"].append(st["v1"].float().cpu())
-                return None
-            if not first_query:
-                contrib = contrib.clone()
-                contrib[:, 0] = 0
-            z = z.clone()
-            z[:, :, hidx.to(z.device)] -= contrib.to(z.dtype)
-            return z
+    def on_pattern(self, layer: int, p: torch.Tensor, hook) -> None:
+        self.state.setdefault(layer, {})["a1"] = p[:, self.by_layer[layer].to(p.device), :, 0].detach()  # (B, h, T)
 
-        hooks += [(f"blocks.{l}.attn.hook_pattern", on_pattern), (f"blocks.{l}.attn.hook_v", on_v),
-                  (f"blocks.{l}.attn.hook_z", on_z)]
-    return hooks
+    def on_v(self, layer: int, v: torch.Tensor, hook) -> None:
+        v1 = per_query_head(kv_view(v, self.K), self.H)[:, 0]  # (B, H, d)
+        self.state.setdefault(layer, {})["v1"] = v1[:, self.by_layer[layer].to(v.device)].detach()
+
+    def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
+        st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
+        v1 = st["v1"]
+        if self.mode == "mean":
+            mean = self.v_mean[layer][self.offset : self.offset + z.shape[0], self.by_layer[layer]]  # (B, h, d)
+            v1 = v1 - mean.to(v1.device, v1.dtype)
+        contrib = st["a1"].permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+        if not self.first_query:
+            contrib[:, 0] = 0
+        z = z.clone()
+        z[:, :, hidx] -= contrib.to(z.dtype)
+        return z
 
 
 def value_ablation(
@@ -442,70 +497,52 @@ def value_ablation(
     tokens,
     sink_heads: Sequence[tuple[int, int]] | None = None,
     eps: float = DEFAULT_EPS,
-    min_share: float = 50.0,
+    min_share: float = SINK_HEAD_MIN_SHARE,
     all_heads: bool = True,
+    later: bool = True,
     batch_size: int | None = None,
+    baseline: Baseline | None = None,
 ) -> ValueAblation:
     """Remove the first token's value from the sink heads' outputs; compare the loss with the unchanged model.
 
     For head h and query t the output z_t = sum_j A[t, j] v_j becomes z_t - A[t, 1] v_1 (with GQA, v_1 of
-    the head's KV group). Conditions: ``sink_heads`` (every query), ``sink_heads_later`` (queries t > 1
-    only: the first token's own output, which feeds its later layers, is kept), ``sink_heads_mean`` (v_1
-    set to its mean over the other inputs: does v_1 carry anything input-specific?) and, with
-    ``all_heads``, ``all_heads`` (v_1 removed from every head, a contrast). ``sink_heads``: (layer, head)
-    pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` % of the samples.
+    the head's KV group). Conditions: ``sink_heads`` (every query), with ``later`` ``sink_heads_later``
+    (queries t > 1 only: the first token's own output, which feeds its later layers, is kept),
+    ``sink_heads_mean`` (v_1 set to its mean over the other inputs: does v_1 carry anything input-specific?)
+    and, with ``all_heads``, ``all_heads`` (v_1 removed from every head, a contrast). ``sink_heads``:
+    (layer, query head) pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` (a
+    fraction) of the samples. ``baseline``: the shared ``baseline_pass`` of these tokens.
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     dims = model_dims(model)
-    N = tokens.shape[0]
-    every = [(l, h) for l in range(dims.n_layers) for h in range(dims.n_heads)]
-    stats: dict = {}
-    if sink_heads is None:
-        # The baseline pass measures the sink heads and the value norms of every head at once.
-        base = run_condition(model, tokens, _value_hooks(model, every, "stats", stats), eps=eps, batch_size=batch_size)
-        heads = base.sink(getattr(model, "model_name", None)).sink_heads(k=1, min_share=min_share)
-        how = f"found (alpha_1 > {eps} on >= {min_share:g}% of samples)"
+    heads = None if sink_heads is None else _check_heads(model, sink_heads)
+    base = _baseline(model, tokens, baseline, eps, batch_size)
+    if heads is None:
+        heads = base.run.sink(getattr(model, "model_name", None)).sink_heads(k=1, min_share=min_share)
+        how = f"found (alpha_1 > {eps} on >= {min_share:.0%} of samples)"
     else:
-        heads = _check_heads(model, sink_heads)
-        base = run_condition(model, tokens, _value_hooks(model, heads, "stats", stats), eps=eps, batch_size=batch_size)
         how = "given"
-    rows = [{"condition": "baseline", "n_heads": 0, "loss": base.loss, "delta_loss": 0.0, "sink_1_pct": base.sink_rate(1)}]
+    rows = [{"condition": "baseline", "n_heads": 0, "loss": base.run.loss, "delta_loss": 0.0, "sink_1_pct": base.run.sink_rate(1)}]
     name = getattr(model, "model_name", None) or "the model"
-    cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
+    N = tokens.shape[0]
     if not heads:
-        msg = f"{name} has no sink heads (alpha_1 > {eps} on >= {min_share:g}% of samples): nothing to ablate."
-        return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None))
-    head_rows = []
-    v_mean: dict[int, torch.Tensor] = {}
-    for l in sorted({l for l, _ in heads}):
-        s = stats[l]
-        hs = [h for ll, h in heads if ll == l]
-        j = [s["heads"].index(h) for h in hs]
-        n = s["n"]
-        v1 = torch.cat(s["v1_all"])[:, j]  # (N, h, d)
-        v_mean[l] = (v1.sum(0, keepdim=True) - v1) / max(N - 1, 1)
-        for h, jj in zip(hs, j):
-            head_rows.append({"layer": l, "head": h, "alpha_1": float(s["a1"][jj] / n), "v1_norm": float(s["v1"][jj] / n),
-                              "v_other_norm": float(s["vj"][jj] / n), "first_contrib_norm": float(s["contrib"][jj] / n),
-                              "output_norm": float(s["z"][jj] / n)})
-    state = {"offset": 0}
-
-    def start(offset, B):
-        state["offset"] = offset
-
-    conditions = [("sink_heads", heads, "zero", True), ("sink_heads_later", heads, "zero", False)]
-    if N >= 2:
-        conditions.append(("sink_heads_mean", heads, "mean", True))
-    if all_heads:
-        conditions.append(("all_heads", every, "zero", True))
+        msg = f"{name} has no sink heads (alpha_1 > {eps} on >= {min_share:.0%} of samples): nothing to ablate."
+        cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
+        return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None),
+                             n_samples=N)
+    table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
+    v_mean = {l: _leave_one_out(base.v1[:, l].double()).float() for l in {l for l, _ in heads}}
+    every = [(l, h) for l in range(dims.n_layers) for h in range(dims.n_heads)]
+    conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
+    conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
     for cname, hs, mode, fq in conditions:
-        hooks = _value_hooks(model, hs, mode, v_mean=v_mean, state=state, first_query=fq)
-        r = run_condition(model, tokens, hooks, eps=eps, batch_size=batch_size, on_batch_start=start)
-        rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.loss,
+        removal = ValueRemoval(model, hs, mode, v_mean, fq)
+        r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start)
+        rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
-    msg = f"{how}: {len(heads)} sink heads."
-    return ValueAblation(heads, pd.DataFrame(rows), pd.DataFrame(head_rows), msg, getattr(model, "model_name", None))
+    return ValueAblation(heads, pd.DataFrame(rows), table, f"{how}: {len(heads)} sink heads.",
+                         getattr(model, "model_name", None), n_samples=N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,47 +551,83 @@ def value_ablation(
 
 
 @dataclass
-class FirstKeyAblation:
+class FirstKeyAblation(Result):
     """Attention with the spike-driven part of the first key removed, against the unchanged model."""
 
     layers: list[int]  # layers whose first key was changed
     spike_dims: dict[int, list[int]]  # layer (the block whose ln1 reads them) -> dims
     has_spike: bool
     message: str
-    summary: pd.DataFrame  # condition x (first, previous, self, other, sink_1..sink_k, loss), over ablated layers
+    conditions: pd.DataFrame  # condition x (first, previous, self, other, sink_1..sink_k, loss), over ablated layers
     per_layer: pd.DataFrame  # layer, condition, first, previous, self, other, sink_1, sink_2
     results: dict = field(default_factory=dict)
     model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "per_layer": self.per_layer}
 
     def text(self) -> str:
         if not self.has_spike:
             return self.message
-        s = self.summary.set_index("condition")
+        s = self.conditions.set_index("condition")
         b, a = s.loc["baseline"], s.loc["ablated"]
         gain = {k: a[k] - b[k] for k in ("previous", "self", "other")}
         top = max(gain, key=gain.get)
-        return (f"Removing the spike-driven part of the first key in layers {_runs(self.layers)} moves the attention of "
+        return (f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
                 f"later queries there from the first token ({b['first']:.1%} -> {a['first']:.1%}) mostly to "
                 f"'{top}' keys ({b[top]:.1%} -> {a[top]:.1%}); Sink_1 in those layers {b['sink_1']:.1f}% -> "
                 f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}.")
 
     def to_dict(self) -> dict:
-        return {
-            "model": self.model_name,
-            "layers": self.layers,
-            "spike_dims": {str(l): d for l, d in self.spike_dims.items()},
-            "has_spike": self.has_spike,
-            "message": self.message,
-            "summary": _records(self.summary),
-            "per_layer": _records(self.per_layer),
-            "text": self.text(),
-        }
+        return jsonable({**self.header(), "layers": self.layers, "spike_dims": self.spike_dims, "has_spike": self.has_spike,
+                         "message": self.message, **self.tables, "text": self.text()})
 
 
-def _runs(layers):
-    from analysis.massive import _layer_runs
+class FirstKeyRemoval:
+    """Hooks that subtract k_1^S = (g * norm(h_1))[S] W_K from the first key (before the rotary, which is the
+    identity at position 0) of each layer in ``paths`` {layer: KeyPath}, S = ``spikes[layer]``."""
 
-    return _layer_runs(list(layers))
+    def __init__(self, paths: dict, spikes: dict[int, list[int]], D: int):
+        self.paths, self.state = paths, {}
+        self.masks = {l: torch.zeros(D, dtype=torch.bool).index_fill_(0, torch.tensor(spikes[l]), True) for l in paths}
+
+    def hooks(self):
+        out = []
+        for l, p in self.paths.items():
+            out += [(act_name("resid_pre", l), partial(self.on_resid, l)), (p.key_hook, partial(self.on_k, l))]
+        return out
+
+    def on_resid(self, layer: int, h: torch.Tensor, hook) -> None:
+        norm = self.paths[layer].norm
+        self.state[layer] = norm.affine(norm.normalise(h[:, :1])) * self.masks[layer].to(h.device)  # (B, 1, D)
+
+    def on_k(self, layer: int, k: torch.Tensor, hook) -> torch.Tensor:
+        kS = self.paths[layer].keys(self.state.pop(layer), torch.zeros(1, dtype=torch.long), bias=False, rotary=False)
+        k = k.clone()
+        k[:, :1] -= kS.to(k.dtype)
+        return k
+
+
+def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share) -> tuple[dict, str]:
+    """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
+    from analysis.massive import first_token_spike_dims
+
+    dims = model_dims(model)
+    if spike_dims is None:
+        spikes, how = first_token_spike_dims(model, tokens, "resid_pre", None, abs_threshold, ratio_threshold, min_share), "found"
+    elif isinstance(spike_dims, Mapping):
+        spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
+        how = "given"
+    else:
+        ds = sorted({int(d) for d in spike_dims})
+        spikes, how = {l: ds for l in range(dims.n_layers)}, "given"
+    bad = sorted({d for ds in spikes.values() for d in ds if not 0 <= d < (dims.d_model or 0)})
+    if bad:
+        raise ValueError(f"spike dims {bad} out of range: d_model is {dims.d_model}.")
+    return spikes, how
 
 
 def first_key_ablation(
@@ -562,86 +635,48 @@ def first_key_ablation(
     tokens,
     layers: Sequence[int] | None = None,
     spike_dims: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
-    abs_threshold: float = 100.0,
-    ratio_threshold: float = 1000.0,
-    min_share: float = 0.5,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
     eps: float = DEFAULT_EPS,
-    k_max: int = 4,
+    k_max: int = K_MAX,
     batch_size: int | None = None,
+    baseline: Baseline | None = None,
 ) -> FirstKeyAblation:
     """Subtract k_1^S = (g * norm(h_1))[S] W_K from the first key of each layer; see where the attention goes.
 
     ``spike_dims``: {layer: dims} of the stream each layer's ln1 reads (``hook_resid_pre``), a list of
-    dims for every layer, or None to find them (``massive_activations`` on ``hook_resid_pre``).
+    dims for every layer, or None to find them (``first_token_spike_dims`` on ``hook_resid_pre``).
     ``layers``: where to intervene (default: every layer whose input carries first-token spike dims).
     All those layers are changed in the same pass. The attention shares are over queries t >= 3 of
-    the changed layers: first key, previous key, the query's own key, the rest.
+    the changed layers: first key, previous key, the query's own key, the rest. ``baseline``: the shared
+    ``baseline_pass`` of these tokens (with ``k_max`` 4).
     """
-    from analysis.massive import massive_activations
     from analysis.norm_gain import key_path
 
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
-    dims = model_dims(model)
-    D = dims.d_model
-    if spike_dims is None:
-        ma = massive_activations(model, tokens[:32], top_k=1, hook="resid_pre", abs_threshold=abs_threshold,
-                                 ratio_threshold=ratio_threshold, min_share=min_share)
-        spikes = ma.first_token_dims
-        how = "found"
-    elif isinstance(spike_dims, Mapping):
-        spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
-        how = "given"
-    else:
-        ds = sorted({int(d) for d in spike_dims})
-        spikes = {l: ds for l in range(dims.n_layers)}
-        how = "given"
-    bad = sorted({d for ds in spikes.values() for d in ds if not 0 <= d < (D or 0)})
-    if bad:
-        raise ValueError(f"spike dims {bad} out of range: d_model is {D}.")
+    spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
     layers = check_layers(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d)
     layers = [l for l in layers if spikes.get(l)]
-    name = getattr(model, "model_name", None) or "the model"
-    base = run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
-    results = {"baseline": base}
+    base = _baseline(model, tokens, baseline, eps, batch_size).run if k_max == K_MAX else \
+        run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
+    results, N = {"baseline": base}, tokens.shape[0]
     if not layers:
+        name = getattr(model, "model_name", None) or "the model"
         msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads (|a| > {abs_threshold:g}, "
                f">= {ratio_threshold:g}x the median, on {min_share:.0%} of samples): there is no spike-driven key part "
                "to remove. Pass spike_dims or lower the thresholds.")
-        return FirstKeyAblation([], {}, False, msg, _fk_summary(results, list(range(dims.n_layers)), k_max),
-                                _fk_per_layer(results, k_max), results, getattr(model, "model_name", None))
-    paths = {l: key_path(model, l) for l in layers}
-    masks = {}
-    for l in layers:
-        m = torch.zeros(D, dtype=torch.bool)
-        m[spikes[l]] = True
-        masks[l] = m
-    state: dict = {}
-
-    def on_resid(l):
-        def fn(h, hook):
-            n1 = paths[l].norm.normalise(h[:, :1])
-            state[l] = paths[l].norm.affine(n1) * masks[l].to(h.device)  # (B, 1, D)
-        return fn
-
-    def on_k(l):
-        def fn(k, hook):
-            kS = paths[l].keys(state.pop(l), torch.zeros(1, dtype=torch.long), bias=False, rotary=False)  # (B,1,Hkv,d)
-            k = k.clone()
-            k[:, :1] -= kS.to(k.dtype)
-            return k
-        return fn
-
-    hooks = []
-    for l in layers:
-        hooks += [(f"blocks.{l}.hook_resid_pre", on_resid(l)), (paths[l].key_hook, on_k(l))]
-    results["ablated"] = run_condition(model, tokens, hooks, eps=eps, k_max=k_max, batch_size=batch_size)
-    msg = f"{how} spike dims; changed the first key in layers {_runs(layers)}."
-    return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_summary(results, layers, k_max),
-                            _fk_per_layer(results, k_max), results, getattr(model, "model_name", None))
+        return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, list(range(base.alpha.shape[1])), k_max),
+                                _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
+    removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
+    results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size)
+    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}."
+    return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
+                            _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
 
 
-def _fk_summary(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
+def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
     rows = []
     for c, r in results.items():
         w = r.where[layers].mean(dim=(0, 1))
@@ -656,9 +691,8 @@ def _fk_summary(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
 def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
     rows = []
     for c, r in results.items():
-        L = r.alpha.shape[1]
         w = r.where.mean(1)  # (L, 4)
-        for l in range(L):
+        for l in range(r.alpha.shape[1]):
             row = {"layer": l, "condition": c, **{k: float(w[l, i]) for i, k in enumerate(WHERE_KEYS)}}
             for k in range(1, min(k_max, r.alpha.shape[-1], 2) + 1):
                 row[f"sink_{k}"] = float((r.alpha[:, l, :, k - 1] > r.eps).float().mean() * 100)

@@ -43,9 +43,24 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.hooks import ModelContractError, check_layers, check_tokens, model_dims, run_with_reducers
-from analysis.qk import qk_hook_names
+from analysis.defaults import SINK_MIN_ALPHA
+from analysis.hooks import (
+    Accumulator,
+    Batch,
+    act_name,
+    check_layers,
+    check_tokens,
+    group_reduce,
+    kv_view,
+    model_dims,
+    per_query_head,
+    qk_hook_names,
+    stream,
+)
+from analysis.io import jsonable
+from analysis.results import Result, layers_text
 from analysis.sink import alpha_from_pattern
+from analysis.stats import mean_pairwise_cosine
 
 DEFAULT_N_COMPONENTS = 0.9
 VARIANCE_LEVEL = 0.9  # first_n90 / other_n90
@@ -94,25 +109,15 @@ def _n_for_variance(evr_cum: np.ndarray, level: float) -> int:
     return int(min(np.searchsorted(evr_cum, level - 1e-12) + 1, evr_cum.size))
 
 
-def _pairwise_mean_cos(x: torch.Tensor) -> float:
-    """Mean cosine over pairs (i != j) of the rows of ``x`` (n, d)."""
-    n = x.shape[0]
-    if n < 2:
-        return float("nan")
-    u = torch.nn.functional.normalize(x.double(), dim=-1)
-    s = u.sum(0)
-    return float((s @ s - (u * u).sum()) / (n * (n - 1)))
-
-
 @dataclass
-class KeyManifold:
+class KeyManifold(Result):
     """Per (layer, KV head) first-key statistics; see the module docstring for each column."""
 
     table: pd.DataFrame
     layers: list[int]
     kv_heads: list[int]
     n_components: float | int
-    N: int
+    n_samples: int
     T: int
     group_size: int
     rotated: bool
@@ -123,6 +128,80 @@ class KeyManifold:
     alpha_1: torch.Tensor  # (L, H) per query head: mean alpha_1
     scatter: dict = field(default_factory=dict)  # (layer, kv_head) -> {"coords": (N, T, 2), "evr": [2], ...}
     model_name: str | None = None
+    kind: str | None = None
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"kv_heads": self.table}
+
+    def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        """The first keys of sink KV heads against the others, in words."""
+        S = self.summary(min_alpha)
+        sk, ot = S["sink"], S["non_sink"]
+        mid = self.T // 2 + 1
+        if S["n_sink_kv_heads"] == 0:
+            return (f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
+                    f"describe; over all heads the first keys of different inputs have mean cosine {ot['cos_first_pair']:.3f}.")
+        few = ("they are one point (no variance left to explain)" if sk["first_n90"] < 0.5 else
+               f"they need {sk['first_n90']:.1f} principal components for 90% of their variance, against "
+               f"{sk['mid_n90']:.1f} for as many keys at position {mid}")
+        out = (f"In {S['n_sink_kv_heads']} sink KV heads (alpha_1 > {min_alpha}) the first keys of different inputs have "
+               f"mean pairwise cosine {sk['cos_first_pair']:.3f}, against {sk['cos_mid_pair']:.3f} for the keys at position "
+               f"{mid}; {few}. Queries point at the first key in sink heads: cos(q_t, k_1) = {sk['cos_q_k1']:.2f} against "
+               f"cos(q_t, k_j) = {sk['cos_q_kj']:.2f}, although |k_1| / |k_j| = {sk['norm_ratio']:.2f}.")
+        if S["n_other_kv_heads"]:
+            out += (f" k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace (90% of their "
+                    f"variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
+                    f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs {sk['resid_other']:.2f}).")
+        return out
+
+    def head_text(self, layer: int, kv_head: int) -> str:
+        """One KV head's first keys in words."""
+        r = self.head(layer, kv_head)
+        return (f"Layer {layer}, KV head {kv_head} (alpha_1 {r.alpha_1_max:.2f}): the first keys of {self.n_samples} inputs have "
+                f"mean pairwise cosine {r.cos_first_pair:.3f} (keys at position {self.T // 2 + 1}: {r.cos_mid_pair:.3f}) and sit "
+                f"{r.axis_z:.1f} standard deviations from the other keys along one axis; cos(q_t, k_1) = {r.cos_q_k1:.2f}, "
+                f"|k_1| / |k_j| = {r.norm_ratio:.2f}.")
+
+    def subspace_layers(self, min_alpha: float = SINK_MIN_ALPHA) -> dict[str, list[int]]:
+        """Sink layers where k_1 lies inside the other keys' principal subspace (relative residual below theirs)
+        and where it lies off it (mean over the layer's KV heads)."""
+        by_layer = self.table.groupby("layer").mean(numeric_only=True)
+        sinky = by_layer[by_layer.alpha_1_mean > min_alpha]
+        return {"inside": [int(l) for l in sinky.index[sinky.resid_first < sinky.resid_other]],
+                "off": [int(l) for l in sinky.index[sinky.resid_first > sinky.resid_other]]}
+
+    def subspace_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        s = self.subspace_layers(min_alpha)
+        inside = layers_text(s["inside"]) if s["inside"] else "no sink layer"
+        off = layers_text(s["off"]) if s["off"] else "no sink layer"
+        return (f"k_1 lies inside the other keys' principal subspace in {inside} and off it in {off} "
+                f"(sink layers: alpha_1 > {min_alpha}).")
+
+    def by_spike(self, first_token_dims: dict[int, list[int]], min_alpha: float = SINK_MIN_ALPHA) -> dict:
+        """Mean first-key statistics of sink layers whose input carries the first token's spike (block l reads
+        ``hook_resid_post`` of l - 1) against sink layers before the first such layer."""
+        reading = sorted({l + 1 for l in first_token_dims})
+        by_layer = self.table.groupby("layer").mean(numeric_only=True)
+        sinky = by_layer[by_layer.alpha_1_mean > min_alpha]
+        groups = {"reading": sinky[sinky.index.isin(reading)]}
+        if reading:
+            groups["before"] = sinky[sinky.index < min(reading)]
+        cols = ("resid_first", "resid_other", "offsub_z", "cos_first_pair", "cos_q_k1")
+        return {name: {"layers": [int(x) for x in g.index], **{c: float(g[c].mean()) for c in cols}}
+                for name, g in groups.items() if len(g)}
+
+    def by_spike_text(self, first_token_dims: dict[int, list[int]]) -> str:
+        """Where k_1 lies in sink layers that read the spike against sink layers before it ('' if undefined)."""
+        split = self.by_spike(first_token_dims)
+        r, p = split.get("reading"), split.get("before")
+        if not (r and p):
+            return ""
+        where = lambda g: "off" if g["resid_first"] > g["resid_other"] else "inside"  # noqa: E731
+        return (f"In sink layers that read the first token's spike ({layers_text(r['layers'])}), k_1 lies {where(r)} the "
+                f"other keys' principal subspace (relative residual {r['resid_first']:.2f} against {r['resid_other']:.2f} "
+                f"for the other keys); in sink layers before the spike appears ({layers_text(p['layers'])}) it lies "
+                f"{where(p)} it ({p['resid_first']:.2f} against {p['resid_other']:.2f}).")
 
     def head(self, layer: int, kv_head: int) -> pd.Series:
         """The table row of one (layer, KV head)."""
@@ -131,12 +210,12 @@ class KeyManifold:
             raise ValueError(f"(layer {layer}, KV head {kv_head}) was not analysed; layers {self.layers}, KV heads {self.kv_heads}.")
         return rows.iloc[0]
 
-    def sink_heads(self, min_alpha: float = 0.3, by: str = "alpha_1_mean") -> list[tuple[int, int]]:
+    def sink_kv_heads(self, min_alpha: float = SINK_MIN_ALPHA, by: str = "alpha_1_mean") -> list[tuple[int, int]]:
         """(layer, KV head) pairs whose query heads' alpha_1 (max or mean over the group) exceeds ``min_alpha``."""
         t = self.table[self.table[by] > min_alpha]
         return list(zip(t.layer.tolist(), t.kv_head.tolist()))
 
-    def summary(self, min_alpha: float = 0.3, by: str = "alpha_1_mean") -> dict:
+    def summary(self, min_alpha: float = SINK_MIN_ALPHA, by: str = "alpha_1_mean") -> dict:
         """Mean statistics over sink KV heads (``by``, alpha_1 averaged (or max) over the KV head's query heads,
         above ``min_alpha``) against the others."""
         if by not in ("alpha_1_mean", "alpha_1_max"):
@@ -144,20 +223,14 @@ class KeyManifold:
         sink = self.table[by] > min_alpha
         cols = ["resid_first", "resid_other", "offsub_z", "centroid_z", "axis_z", "cos_first_pair", "cos_mid_pair", "cos_other_pair",
                 "cos_q_k1", "cos_q_kj", "first_n90", "mid_n90", "other_n90", "first_var_rel", "k1_norm", "kj_norm", "norm_ratio"]
-        out = {"n_sink_heads": int(sink.sum()), "n_other_heads": int((~sink).sum()), "min_alpha": min_alpha, "by": by}
+        out = {"n_sink_kv_heads": int(sink.sum()), "n_other_kv_heads": int((~sink).sum()), "min_alpha": min_alpha, "by": by}
         for name, mask in (("sink", sink), ("non_sink", ~sink)):
             out[name] = {c: (float(self.table.loc[mask, c].mean()) if mask.any() else None) for c in cols}
         return out
 
     def to_dict(self) -> dict:
-        def clean(v):
-            if isinstance(v, float) and not np.isfinite(v):
-                return None
-            return v
-
-        return {
-            "model": self.model_name,
-            "N": self.N,
+        return jsonable({
+            **self.header(),
             "T": self.T,
             "layers": self.layers,
             "kv_heads": self.kv_heads,
@@ -165,25 +238,26 @@ class KeyManifold:
             "n_components": self.n_components,
             "rotated_keys": self.rotated,
             "variance_level": VARIANCE_LEVEL,
-            "table": [{k: clean(v) for k, v in row.items()} for row in self.table.to_dict("records")],
+            "table": self.table,
             "cos_q_k1_per_query_head": self.cos_q_k1.tolist(),
             "cos_q_kj_per_query_head": self.cos_q_kj.tolist(),
             "alpha_1_per_query_head": self.alpha_1.tolist(),
             "first_evr_cumulative": self.first_evr.tolist(),
             "other_evr_cumulative": self.other_evr.tolist(),
-            "summary": {k: ({c: clean(x) for c, x in v.items()} if isinstance(v, dict) else v) for k, v in self.summary().items()},
+            "summary": self.summary(),
+            "text": self.text(),
             "scatter": [
                 {
                     "layer": l, "kv_head": h, "fit_on": s["fit_on"],
                     "explained_variance_ratio": s["evr"],
                     "alpha_1_max": s.get("alpha_1_max"),
-                    "axis_z": clean(s["axis_z"]),
+                    "axis_z": s["axis_z"],
                     "coords": np.round(s["coords"], 4).tolist(),  # [sequence][position][pc]
                     "axis_coords": np.round(s["axis_coords"], 4).tolist(),
                 }
                 for (l, h), s in self.scatter.items()
             ],
-        }
+        })
 
 
 def _pca_few(x: torch.Tensor) -> tuple[np.ndarray, int, float]:
@@ -237,24 +311,240 @@ def _pca2(keys: torch.Tensor) -> dict:
     }
 
 
-def collect_keys(model, tokens, heads: list[tuple[int, int]], rotated: bool = True, batch_size: int | None = None) -> dict:
-    """Keys at all positions (N, T, d_head) for a few (layer, KV head) pairs only: one pass, nothing else kept."""
-    tokens = check_tokens(model, tokens)
-    layers = check_layers(model, sorted({l for l, _ in heads}))
-    kept: dict[tuple[int, int], list[torch.Tensor]] = {tuple(h): [] for h in heads}
+class ScatterKeys:
+    """Keys at all positions (N, T, d_head) of a few (layer, KV head) pairs, for the 2-D scatter: the ``explicit``
+    pairs, and with ``auto`` the analysed KV heads with the largest and the smallest alpha_1 (max over the
+    KV head's query heads), chosen on the first batch."""
 
-    def keep(layer: int):
-        def fn(k, hook):
-            for (l, h), chunks in kept.items():
-                if l == layer:
-                    if not 0 <= h < k.shape[2]:
-                        raise ValueError(f"KV head {h} out of range: layer {l} has KV heads 0..{k.shape[2] - 1}.")
-                    chunks.append(k[:, :, h].float().cpu().clone())
-        return fn
+    def __init__(self, explicit: list[tuple[int, int]], auto: bool):
+        self.kept: dict[tuple[int, int], list[torch.Tensor]] = {h: [] for h in explicit}
+        self.auto, self.batch_no = auto, 0
+        self.pick: dict[str, tuple[float, tuple[int, int]]] = {}  # "max"/"min" -> (alpha, (layer, kv_head))
+        self.auto_kept: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    reducers = [(qk_hook_names(model, l, rotated)[1], keep(l)) for l in layers]
-    run_with_reducers(model, tokens, reducers, batch_size=batch_size)
-    return {h: torch.cat(c) for h, c in kept.items()}
+    def add(self, layer: int, k: torch.Tensor, alpha_kv: torch.Tensor | None, heads: list[int]) -> None:
+        """k (B, T, H_kv, d) of ``layer``; ``alpha_kv`` (len(heads),) for analysed layers, else None."""
+        for (l, h), chunks in self.kept.items():
+            if l == layer:
+                chunks.append(k[:, :, h].clone())
+        if not self.auto or alpha_kv is None:
+            return
+        if self.batch_no == 0:
+            self._choose(layer, k, alpha_kv, heads)
+            return
+        for (l, h), chunks in self.auto_kept.items():
+            if l == layer:
+                chunks.append(k[:, :, h].clone())
+
+    def _choose(self, layer: int, k: torch.Tensor, alpha_kv: torch.Tensor, heads: list[int]) -> None:
+        for j, h in enumerate(heads):
+            a = float(alpha_kv[j])
+            if "max" not in self.pick or a > self.pick["max"][0]:
+                self.pick["max"] = (a, (layer, h))
+            if "min" not in self.pick or a < self.pick["min"][0]:
+                self.pick["min"] = (a, (layer, h))
+        chosen = {v[1] for v in self.pick.values()}
+        for h in heads:
+            if (layer, h) in chosen:
+                self.auto_kept[(layer, h)] = [k[:, :, h].clone()]
+        for key in [key for key in self.auto_kept if key not in chosen]:
+            del self.auto_kept[key]
+
+    def heads(self) -> dict[tuple[int, int], torch.Tensor]:
+        kept = dict(self.kept)
+        if self.auto:
+            order = [self.pick[w][1] for w in ("max", "min") if w in self.pick]
+            kept = {h: self.auto_kept[h] for h in dict.fromkeys(order)}
+        return {h: torch.cat(c) for h, c in kept.items() if c}
+
+
+class KeyManifoldAccumulator(Accumulator):
+    """Per analysed layer and KV head: the other keys' running sum, Gram matrix and unit-vector sum; the first
+    keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
+
+    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, rotated: bool = True,
+                 scatter_layers=(), kind: str | None = None):
+        dims = model_dims(model)
+        self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
+        self.n_components, self.scatter, self.rotated = n_components, scatter, rotated
+        self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
+        self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
+        L, S, f64 = len(self.layers), len(self.heads), torch.float64
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.acc = {"k1_norm": torch.zeros(L, S, dtype=f64), "kj_norm": torch.zeros(L, S, dtype=f64),
+                    **{n: torch.zeros(L, self.H, dtype=f64) for n in ("cos_q_k1", "cos_q_kj", "alpha_1")}}
+        self.sums: dict[str, list] = {"sum": [0] * L, "gram": [0] * L, "unit_sum": [0] * L}
+        self.firsts: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.mids: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.n = 0
+
+    def hooks(self):
+        out = {}
+        for l in self.layers:
+            q, k = qk_hook_names(self.model, l, self.rotated)
+            out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)}
+        for l in self.scatter_layers:
+            out[l] = {"k": qk_hook_names(self.model, l, self.rotated)[1]}
+        return out
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        kk = kv_view(acts["k"], self.K).float().cpu()  # (B, T, H_kv, d)
+        if layer not in self.index:
+            self.scatter.add(layer, kk, None, self.heads)
+            return
+        i = self.index[layer]
+        self._keys(i, kk[:, :, self.heads])
+        self._angles(i, acts["q"], kk)
+        a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
+        self.acc["alpha_1"][i] += a1.sum(0)
+        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, "max")[self.heads], self.heads)
+        if i == 0:
+            self.n += kk.shape[0]
+
+    def _keys(self, i: int, ks: torch.Tensor) -> None:
+        """Running moments of the other keys, and the first / middle keys, of the selected KV heads ks (B, T, S, d)."""
+        B, T, S = ks.shape[:3]
+        other = ks[:, 1:].double().reshape(B * (T - 1), S, -1).transpose(0, 1)  # (S, n, d)
+        self.sums["sum"][i] = self.sums["sum"][i] + other.sum(1)
+        self.sums["gram"][i] = self.sums["gram"][i] + other.transpose(1, 2) @ other  # (S, d, d)
+        self.sums["unit_sum"][i] = self.sums["unit_sum"][i] + torch.nn.functional.normalize(other, dim=-1).sum(1)
+        self.acc["k1_norm"][i] += ks[:, 0].norm(dim=-1).double().sum(0)
+        self.acc["kj_norm"][i] += ks[:, 1:].norm(dim=-1).double().sum((0, 1))
+        self.firsts[i].append(ks[:, 0].clone())  # (B, S, d): only the first keys are kept ...
+        self.mids[i].append(ks[:, T // 2].clone())  # ... and, as a same-size control, the keys at one later position
+
+    def _angles(self, i: int, q: torch.Tensor, kk: torch.Tensor) -> None:
+        """sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t)."""
+        qn = torch.nn.functional.normalize(q.float().cpu(), dim=-1)  # (B, T, H, d)
+        kn = per_query_head(torch.nn.functional.normalize(kk, dim=-1), self.H)  # each query head's KV head
+        self.acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn[:, 1:], kn[:, 0]).double()
+        self.acc["cos_q_kj"][i] += torch.einsum("bthd,bthd->h", qn[:, 1:], kn[:, 1:].cumsum(dim=1)).double()
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.scatter.batch_no += 1
+
+    def result(self) -> KeyManifold:
+        N, T = self.n, self.T
+        n_other = N * (T - 1)
+        per_q = {"cos_q_k1": (self.acc["cos_q_k1"] / (N * (T - 1))).float(),
+                 "cos_q_kj": (self.acc["cos_q_kj"] / (N * T * (T - 1) // 2)).float(), "alpha_1": (self.acc["alpha_1"] / N).float()}
+        mu = torch.stack(self.sums["sum"]) / n_other  # (L, S, d)
+        cov = torch.stack(self.sums["gram"]) / n_other - mu[..., :, None] * mu[..., None, :]
+        first_all = torch.stack([torch.cat(f) for f in self.firsts]).double()  # (L, N, S, d)
+        mid_all = torch.stack([torch.cat(f) for f in self.mids]).double()
+        rows, first_evr, other_evr = [], [], []
+        with small_linalg():
+            evals_all, evecs_all = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
+            for i, l in enumerate(self.layers):
+                fe, oe = [], []
+                for j, h in enumerate(self.heads):
+                    row, f_cum, evr_cum = head_row(
+                        evals_all[i, j].flip(0).clamp(min=0), evecs_all[i, j].flip(1), mu[i, j], cov[i, j],
+                        first_all[i, :, j], mid_all[i, :, j], self.sums["unit_sum"][i][j], n_other, self.n_components)
+                    qh = [x for x in range(self.H) if x // self.group == h]
+                    rows.append({"layer": l, "kv_head": h, "query_heads": ",".join(map(str, qh)),
+                                 "alpha_1_mean": float(per_q["alpha_1"][i, qh].mean()),
+                                 "alpha_1_max": float(per_q["alpha_1"][i, qh].max()),
+                                 "k1_norm": float(self.acc["k1_norm"][i, j] / N), "kj_norm": float(self.acc["kj_norm"][i, j] / n_other),
+                                 **row, "cos_q_k1": float(per_q["cos_q_k1"][i, qh].mean()),
+                                 "cos_q_kj": float(per_q["cos_q_kj"][i, qh].mean())})
+                    fe.append(torch.as_tensor(f_cum, dtype=torch.float32))
+                    oe.append(torch.as_tensor(evr_cum, dtype=torch.float32))
+                first_evr.append(torch.stack(fe))
+                other_evr.append(torch.stack(oe))
+        return self._result(pd.DataFrame(rows), torch.stack(first_evr), torch.stack(other_evr), per_q)
+
+    def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
+        table["norm_ratio"] = table.k1_norm / table.kj_norm
+        used_rotated = qk_hook_names(self.model, self.layers[0], self.rotated)[1].endswith("hook_rot_k")
+        km = KeyManifold(table=table, layers=self.layers, kv_heads=self.heads, n_components=self.n_components,
+                         n_samples=self.n, T=self.T, group_size=self.group, rotated=used_rotated, first_evr=first_evr,
+                         other_evr=other_evr, cos_q_k1=per_q["cos_q_k1"], cos_q_kj=per_q["cos_q_kj"],
+                         alpha_1=per_q["alpha_1"], model_name=getattr(self.model, "model_name", None), kind=self.kind)
+        for (l, h), keys in self.scatter.heads().items():
+            entry = _pca2(keys)
+            row = table[(table.layer == l) & (table.kv_head == h)]
+            entry["alpha_1_max"] = float(row.alpha_1_max.iloc[0]) if len(row) else None
+            km.scatter[(l, h)] = entry
+        return km
+
+
+def head_row(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The table columns of one (layer, KV head) from the other keys' eigen-decomposition (descending), mean and
+    covariance, the N first keys k1 (N, d), the N keys at position T // 2 and the other keys' unit-vector sum."""
+    d = evals.numel()
+    total = float(evals.sum())
+    evr_cum = (evals.cumsum(0) / total).numpy() if total > 0 else np.zeros(d)
+    r = min(n_components if isinstance(n_components, int) else _n_for_variance(evr_cum, n_components), d - 1)
+    U = evecs[:, :r]
+    shift = k1.mean(0) - mu
+    axis_var = float(shift @ cov @ shift) / max(float(shift @ shift), 1e-30)
+    c = k1 - mu
+    perp = (c - (c @ U) @ U.T).norm(dim=-1)
+    c_norm = c.norm(dim=-1)
+    resid_var = float(evals[r:].sum())
+    k1_sq = float((k1 ** 2).sum(-1).mean())
+    first_var = float(k1.var(dim=0, unbiased=False).sum())
+    f_cum, first_n90, first_evr1 = _pca_few(k1)
+    _, mid_n90, _ = _pca_few(mid)
+    row = {
+        "r": r,
+        "resid_first": float((perp / c_norm.clamp(min=1e-30)).mean()),
+        "resid_other": float(np.sqrt(max(resid_var, 0.0) / total)) if total > 0 else float("nan"),
+        "offsub_z": float(perp.mean() / np.sqrt(resid_var)) if resid_var > 0 else float("inf"),
+        "centroid_z": float(c_norm.mean() / np.sqrt(total)) if total > 0 else float("inf"),
+        "axis_z": float(shift.norm()) / np.sqrt(axis_var) if axis_var > 0 else float("inf"),
+        "first_n90": first_n90, "mid_n90": mid_n90, "other_n90": _n_for_variance(evr_cum, VARIANCE_LEVEL),
+        "first_evr1": first_evr1, "first_var_rel": first_var / k1_sq if k1_sq > 0 else float("nan"),
+        "cos_first_pair": mean_pairwise_cosine(k1), "cos_mid_pair": mean_pairwise_cosine(mid),
+        "cos_other_pair": float((unit_sum @ unit_sum - n_other) / (n_other * (n_other - 1))),
+    }
+    return row, f_cum, evr_cum
+
+
+def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int, int]], bool]:
+    """KV heads to analyse, explicit scatter pairs, and whether the scatter heads are picked automatically."""
+    dims = model_dims(model)
+    n_kv = dims.n_kv_heads
+    heads = list(range(n_kv)) if heads is None else [int(h) for h in heads]
+    bad = [h for h in heads if not 0 <= h < n_kv]
+    if bad or not heads:
+        raise ValueError(f"KV heads {bad or heads} out of range: this model has KV heads 0..{n_kv - 1} "
+                         f"({dims.n_heads} query heads, {dims.group_size} per KV head).")
+    auto = isinstance(scatter_heads, str)
+    if auto and scatter_heads != "auto":
+        raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
+    explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
+    if explicit:
+        check_layers(model, [l for l, _ in explicit])
+        bad = [h for _, h in explicit if not 0 <= h < n_kv]
+        if bad:
+            raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
+    return heads, explicit, auto
+
+
+def _check_sizes(N: int, T: int, n_components) -> None:
+    if N < 2:
+        raise ValueError("the first-key manifold compares first keys of different inputs: give at least 2 sequences "
+                         f"(better 16 or more); got {N}.")
+    if T < 3:
+        raise ValueError(f"the first-key manifold needs T >= 3 tokens (a first key and other keys to fit a PCA on); got T={T}.")
+    if isinstance(n_components, int) and N * (T - 1) <= n_components:
+        raise ValueError(f"too few samples for a PCA with {n_components} components: {N * (T - 1)} other keys "
+                         f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components.")
+
+
+def key_manifold_accumulator(model, tokens_shape, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
+                             scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
+    """Check the arguments of ``first_key_manifold`` and build its accumulator."""
+    dims = model_dims(model)
+    layers = check_layers(model, layers)
+    N, T = tokens_shape
+    n_components = _check_n_components(n_components, dims.d_head)
+    _check_sizes(N, T, n_components)
+    heads, explicit, auto = _check_heads(model, heads, scatter_heads)
+    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated,
+                                  [l for l, _ in explicit], kind)
 
 
 def first_key_manifold(
@@ -266,6 +556,7 @@ def first_key_manifold(
     scatter_heads="auto",
     rotated: bool = True,
     batch_size: int | None = None,
+    kind: str | None = None,
 ) -> KeyManifold:
     """First-key manifold statistics per (layer, KV head), streamed through the key/query/pattern hooks.
 
@@ -282,215 +573,7 @@ def first_key_manifold(
         None or [] keeps none.
     rotated : read keys after the rotary embedding (``hook_rot_k``) where the model has it.
     """
-    dims = model_dims(model)
-    layers = check_layers(model, layers)
+    model_dims(model)
     tokens = check_tokens(model, tokens)
-    N, T = tokens.shape
-    if N < 2:
-        raise ValueError(
-            f"the first-key manifold compares first keys of different inputs: give at least 2 sequences "
-            f"(better 16 or more); got {N}."
-        )
-    if T < 3:
-        raise ValueError(f"the first-key manifold needs T >= 3 tokens (a first key and other keys to fit a PCA on); got T={T}.")
-    n_components = _check_n_components(n_components, dims.d_head)
-    n_other = N * (T - 1)
-    if isinstance(n_components, int) and n_other <= n_components:
-        raise ValueError(
-            f"too few samples for a PCA with {n_components} components: {n_other} other keys "
-            f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components."
-        )
-    n_kv, H = dims.n_kv_heads, dims.n_heads
-    heads = list(range(n_kv)) if heads is None else [int(h) for h in heads]
-    bad = [h for h in heads if not 0 <= h < n_kv]
-    if bad or not heads:
-        raise ValueError(f"KV heads {bad or heads} out of range: this model has KV heads 0..{n_kv - 1} "
-                         f"({H} query heads, {dims.group_size} per KV head).")
-    auto = isinstance(scatter_heads, str)
-    if auto and scatter_heads != "auto":
-        raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
-    explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
-    if explicit:
-        check_layers(model, [l for l, _ in explicit])
-        bad = [h for _, h in explicit if not 0 <= h < n_kv]
-        if bad:
-            raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
-
-    L, S = len(layers), len(heads)
-    sel = torch.tensor(heads)
-    f64 = torch.float64
-    acc = {
-        "k1_norm": torch.zeros(L, S, dtype=f64), "kj_norm": torch.zeros(L, S, dtype=f64),
-        "cos_q_k1": torch.zeros(L, H, dtype=f64), "cos_q_kj": torch.zeros(L, H, dtype=f64), "alpha_1": torch.zeros(L, H, dtype=f64),
-    }
-    sums: dict[str, list] = {"sum": [None] * L, "gram": [None] * L, "unit_sum": [None] * L}
-    firsts: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    mids: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    mid = T // 2  # 0-based position of the control keys
-    kept: dict[tuple[int, int], list[torch.Tensor]] = {h: [] for h in explicit}
-    auto_pick: dict[str, tuple] = {}  # "max"/"min" -> (alpha, (layer, kv_head)), fixed after the first batch
-    auto_kept: dict[tuple[int, int], list[torch.Tensor]] = {}
-    batch_no = [0]
-    pending: dict[int, dict[str, torch.Tensor]] = {}
-    n_pairs_other = T * (T - 1) // 2  # (query t, key j) with 1 < j <= t
-
-    def kv_index(h: int, n_k: int) -> int:
-        return h if n_k == n_kv else h * dims.group_size  # hooks that repeat KV heads per query head
-
-    def add(name: str, i: int, x: torch.Tensor) -> None:
-        sums[name][i] = x if sums[name][i] is None else sums[name][i] + x
-
-    def keep_keys(layer: int, kk: torch.Tensor, alpha_kv: torch.Tensor | None) -> None:
-        n_k = kk.shape[2]
-        for (l, h), chunks in kept.items():
-            if l == layer:
-                chunks.append(kk[:, :, kv_index(h, n_k)].clone())
-        if not auto or alpha_kv is None:
-            return
-        if batch_no[0] == 0:  # choose on the first batch, keeping the keys of the current picks only
-            for j, h in enumerate(heads):
-                a = float(alpha_kv[j])
-                if "max" not in auto_pick or a > auto_pick["max"][0]:
-                    auto_pick["max"] = (a, (layer, h))
-                if "min" not in auto_pick or a < auto_pick["min"][0]:
-                    auto_pick["min"] = (a, (layer, h))
-            chosen = {v[1] for v in auto_pick.values()}
-            for h in heads:
-                if (layer, h) in chosen:
-                    auto_kept[(layer, h)] = [kk[:, :, kv_index(h, n_k)].clone()]
-            for key in [key for key in auto_kept if key not in chosen]:
-                del auto_kept[key]
-        else:
-            for (l, h), chunks in auto_kept.items():
-                if l == layer:
-                    chunks.append(kk[:, :, kv_index(h, n_k)].clone())
-
-    def reduce(i: int, q: torch.Tensor, k: torch.Tensor, pattern: torch.Tensor) -> None:
-        B, n_k = k.shape[0], k.shape[2]
-        if H % n_k or n_k not in (n_kv, H):
-            raise ValueError(f"layer {layers[i]}: hook_k has {n_k} heads; expected {n_kv} KV heads (or {H}).")
-        kk = k.float().cpu()
-        ks = kk[:, :, sel if n_k == n_kv else sel * dims.group_size]  # (B, T, S, d)
-        other = ks[:, 1:].double().reshape(B * (T - 1), S, -1).transpose(0, 1)  # (S, n, d)
-        add("sum", i, other.sum(1))
-        add("gram", i, other.transpose(1, 2) @ other)  # (S, d, d)
-        add("unit_sum", i, torch.nn.functional.normalize(other, dim=-1).sum(1))
-        acc["k1_norm"][i] += ks[:, 0].norm(dim=-1).double().sum(0)
-        acc["kj_norm"][i] += ks[:, 1:].norm(dim=-1).double().sum((0, 1))
-        firsts[i].append(ks[:, 0].clone())  # (B, S, d): only the first keys are kept ...
-        mids[i].append(ks[:, mid].clone())  # ... and, as a same-size control, the keys at one later position
-        qn = torch.nn.functional.normalize(q.float().cpu(), dim=-1)  # (B, T, H, d)
-        kn = torch.nn.functional.normalize(kk, dim=-1).repeat_interleave(H // n_k, dim=2)  # each query head's KV head
-        # sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t)
-        acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn[:, 1:], kn[:, 0]).double()
-        acc["cos_q_kj"][i] += torch.einsum("bthd,bthd->h", qn[:, 1:], kn[:, 1:].cumsum(dim=1)).double()
-        a1 = alpha_from_pattern(pattern, 1)[..., 0].double().cpu()  # (B, H)
-        acc["alpha_1"][i] += a1.sum(0)
-        alpha_kv = torch.stack([a1.mean(0)[[qh for qh in range(H) if qh // dims.group_size == h]].max() for h in heads])
-        keep_keys(layers[i], kk, alpha_kv)
-
-    def reducer(i: int, which: str):
-        def fn(x, hook):
-            slot = pending.setdefault(i, {})
-            slot[which] = x
-            if len(slot) == 3:
-                reduce(i, slot["q"], slot["k"], slot["pattern"])
-                del pending[i]
-        return fn
-
-    def key_only(layer: int):  # scatter heads in layers outside ``layers``
-        def fn(k, hook):
-            keep_keys(layer, k.float().cpu(), None)
-        return fn
-
-    def next_batch(batch, logits):
-        batch_no[0] += 1
-
-    reducers = []
-    for i, l in enumerate(layers):
-        qn, kn = qk_hook_names(model, l, rotated)
-        reducers += [(qn, reducer(i, "q")), (kn, reducer(i, "k")), (f"blocks.{l}.attn.hook_pattern", reducer(i, "pattern"))]
-    reducers += [(qk_hook_names(model, l, rotated)[1], key_only(l)) for l in sorted({l for l, _ in explicit} - set(layers))]
-    run_with_reducers(model, tokens, reducers, batch_size=batch_size, on_batch=next_batch)
-    silent = [layers[i] for i in range(L) if sums["sum"][i] is None]
-    if silent:
-        raise ModelContractError(
-            f"the query/key/pattern hooks of layers {silent} did not fire ({', '.join(qk_hook_names(model, silent[0], rotated))}, "
-            "hook_pattern); the model lists hooks it does not run. Try rotated=False."
-        )
-    used_rotated = qk_hook_names(model, layers[0], rotated)[1].endswith("hook_rot_k")
-
-    cos_q_k1 = (acc["cos_q_k1"] / (N * (T - 1))).float()
-    cos_q_kj = (acc["cos_q_kj"] / (N * n_pairs_other)).float()
-    alpha_1 = (acc["alpha_1"] / N).float()
-    mu = torch.stack(sums["sum"]) / n_other  # (L, S, d)
-    cov = torch.stack(sums["gram"]) / n_other - mu[..., :, None] * mu[..., None, :]
-    unit_sum = torch.stack(sums["unit_sum"])
-    first_all = torch.stack([torch.cat(f) for f in firsts]).double()  # (L, N, S, d)
-    mid_all = torch.stack([torch.cat(f) for f in mids]).double()  # (L, N, S, d)
-
-    rows, first_evr, other_evr = [], [], []
-    with small_linalg():
-        evals_all, evecs_all = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
-        for i, l in enumerate(layers):
-            fe, oe = [], []
-            for j, h in enumerate(heads):
-                evals, evecs = evals_all[i, j].flip(0).clamp(min=0), evecs_all[i, j].flip(1)
-                d = evals.numel()
-                total = float(evals.sum())
-                evr_cum = (evals.cumsum(0) / total).numpy() if total > 0 else np.zeros(d)
-                r = min(n_components if isinstance(n_components, int) else _n_for_variance(evr_cum, n_components), d - 1)
-                U = evecs[:, :r]
-                k1 = first_all[i, :, j]  # (N, d)
-                shift = k1.mean(0) - mu[i, j]
-                axis_var = float(shift @ cov[i, j] @ shift) / max(float(shift @ shift), 1e-30)
-                c = k1 - mu[i, j]
-                perp = (c - (c @ U) @ U.T).norm(dim=-1)
-                c_norm = c.norm(dim=-1)
-                resid_var = float(evals[r:].sum())
-                # PCA of the first keys alone (scikit-learn), and of the N keys at one later position.
-                k1_sq = float((k1 ** 2).sum(-1).mean())
-                first_var = float(k1.var(dim=0, unbiased=False).sum())
-                f_cum, first_n90, first_evr1 = _pca_few(k1)
-                _, mid_n90, _ = _pca_few(mid_all[i, :, j])
-                fe.append(torch.as_tensor(f_cum, dtype=torch.float32))
-                oe.append(torch.as_tensor(evr_cum, dtype=torch.float32))
-                qh = [x for x in range(H) if x // dims.group_size == h]
-                us = unit_sum[i, j]
-                rows.append({
-                    "layer": l, "kv_head": h, "query_heads": ",".join(map(str, qh)),
-                    "alpha_1_mean": float(alpha_1[i, qh].mean()), "alpha_1_max": float(alpha_1[i, qh].max()),
-                    "k1_norm": float(acc["k1_norm"][i, j] / N), "kj_norm": float(acc["kj_norm"][i, j] / n_other),
-                    "r": r,
-                    "resid_first": float((perp / c_norm.clamp(min=1e-30)).mean()),
-                    "resid_other": float(np.sqrt(max(resid_var, 0.0) / total)) if total > 0 else float("nan"),
-                    "offsub_z": float(perp.mean() / np.sqrt(resid_var)) if resid_var > 0 else float("inf"),
-                    "centroid_z": float(c_norm.mean() / np.sqrt(total)) if total > 0 else float("inf"),
-                    "axis_z": float(shift.norm()) / np.sqrt(axis_var) if axis_var > 0 else float("inf"),
-                    "first_n90": first_n90, "mid_n90": mid_n90, "other_n90": _n_for_variance(evr_cum, VARIANCE_LEVEL),
-                    "first_evr1": first_evr1, "first_var_rel": first_var / k1_sq if k1_sq > 0 else float("nan"),
-                    "cos_first_pair": _pairwise_mean_cos(k1), "cos_mid_pair": _pairwise_mean_cos(mid_all[i, :, j]),
-                    "cos_other_pair": float((us @ us - n_other) / (n_other * (n_other - 1))),
-                    "cos_q_k1": float(cos_q_k1[i, qh].mean()), "cos_q_kj": float(cos_q_kj[i, qh].mean()),
-                })
-            first_evr.append(torch.stack(fe))
-            other_evr.append(torch.stack(oe))
-        table = pd.DataFrame(rows)
-        table["norm_ratio"] = table.k1_norm / table.kj_norm
-        result = KeyManifold(
-            table=table, layers=layers, kv_heads=heads, n_components=n_components, N=N, T=T,
-            group_size=dims.group_size, rotated=used_rotated, first_evr=torch.stack(first_evr),
-            other_evr=torch.stack(other_evr), cos_q_k1=cos_q_k1, cos_q_kj=cos_q_kj, alpha_1=alpha_1,
-            model_name=getattr(model, "model_name", None),
-        )
-        if auto:
-            order = [auto_pick[w][1] for w in ("max", "min") if w in auto_pick]
-            kept = {h: auto_kept[h] for h in dict.fromkeys(order)}
-        for (l, h), chunks in kept.items():
-            if not chunks:
-                continue
-            entry = _pca2(torch.cat(chunks))
-            row = table[(table.layer == l) & (table.kv_head == h)]
-            entry["alpha_1_max"] = float(row.alpha_1_max.iloc[0]) if len(row) else None
-            result.scatter[(l, h)] = entry
-    return result
+    acc = key_manifold_accumulator(model, tokens.shape, layers, heads, n_components, scatter_heads, rotated, kind)
+    return stream(model, tokens, [acc], batch_size=batch_size)[0]

@@ -29,14 +29,21 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_SAMPLES
 from analysis.hooks import (
+    Accumulator,
+    Batch,
+    Capture,
+    LayerCollector,
     ModelContractError,
+    act_name,
     check_layers,
     check_tokens,
     model_dims,
-    run_with_reducers,
+    stream,
     token_strings,
 )
+from analysis.results import Result, layer_runs
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
@@ -44,27 +51,11 @@ RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 def resid_hook(layer: int, hook: str = "resid_post") -> str:
     if hook not in RESID_HOOKS:
         raise ValueError(f"hook must be one of {list(RESID_HOOKS)}; got {hook!r}.")
-    return f"blocks.{layer}.hook_{hook}"
-
-
-def _layer_runs(layers: Sequence[int]) -> str:
-    """[2, 3, 4, 7] -> '2-4, 7'."""
-    layers = sorted(layers)
-    if not layers:
-        return ""
-    runs, start, prev = [], layers[0], layers[0]
-    for l in layers[1:] + [None]:
-        if l is not None and l == prev + 1:
-            prev = l
-            continue
-        runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if l is not None:
-            start = prev = l
-    return ", ".join(runs)
+    return act_name(hook, layer)
 
 
 @dataclass
-class MassiveActivations:
+class MassiveActivations(Result):
     """Massive activations per layer; tensors are indexed by position in ``layers``.
 
     ``spike_dims`` {layer: dims flagged on >= min_share of samples, at any position};
@@ -77,7 +68,7 @@ class MassiveActivations:
     abs_threshold: float
     ratio_threshold: float
     min_share: float
-    n: int
+    n_samples: int
     T: int
     median_over: str
     top_values: torch.Tensor  # (N, L, K) |a|, descending
@@ -97,9 +88,9 @@ class MassiveActivations:
 
     # ----- derived -----
     def _dims_over(self, counts: torch.Tensor) -> dict[int, list[int]]:
-        need = self.min_share * self.n
+        need = self.min_share * self.n_samples
         return {l: (counts[i] >= need).nonzero().flatten().tolist() for i, l in enumerate(self.layers)
-                if (counts[i] >= need).any() and self.n > 0}
+                if (counts[i] >= need).any() and self.n_samples > 0}
 
     @property
     def spike_dims(self) -> dict[int, list[int]]:
@@ -165,9 +156,9 @@ class MassiveActivations:
                 dim = Counter(self.top_dim[:, i, k].tolist()).most_common(1)[0]
                 tok = Counter(self.top_token[:, i, k].tolist()).most_common(1)[0]
                 row[f"top{k + 1}_pos"] = int(pos[0])
-                row[f"top{k + 1}_pos_share"] = pos[1] / self.n
+                row[f"top{k + 1}_pos_share"] = pos[1] / self.n_samples
                 row[f"top{k + 1}_dim"] = int(dim[0])
-                row[f"top{k + 1}_dim_share"] = dim[1] / self.n
+                row[f"top{k + 1}_dim_share"] = dim[1] / self.n_samples
                 row[f"top{k + 1}_token"] = self._tok(tok[0])
             row["spike_dims"] = spikes.get(l, [])
             row["first_token_dims"] = self.first_token_dims.get(l, [])
@@ -188,7 +179,7 @@ class MassiveActivations:
             top_tokens = Counter(others["token"].tolist()).most_common(3)
             rows.append({
                 "dim": d,
-                "layers": _layer_runs(ls),
+                "layers": layer_runs(ls),
                 "first_layer": min(ls),
                 "last_layer": max(ls),
                 "n_layers": len(ls),
@@ -219,30 +210,44 @@ class MassiveActivations:
         """Share of flagged (sample, position, dim) activations that sit on the first token (NaN if none)."""
         return float((self.flagged["position"] == 0).mean()) if len(self.flagged) else float("nan")
 
-    def summary(self) -> str:
-        """One plain sentence: where the spikes are, or that there are none."""
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"per_layer": self.per_layer, "dims": self.dims, "carriers": self.carriers}
+
+    def text(self) -> str:
+        """Where the spikes are and how much of them the first token carries, or that there are none."""
         name = self.model_name or "the model"
         kind = f" on {self.kind} inputs" if self.kind else ""
         if not self.has_spike:
-            top = float(self.top_values[:, :, 0].mean(0).max()) if self.n else float("nan")
-            return (f"No massive activations in {name}{kind}: no dimension passes |a| > {self.abs_threshold:g} and "
-                    f">= {self.ratio_threshold:g}x its hidden state's median on {self.min_share:.0%} of samples "
-                    f"(largest mean top-1 |a| over layers: {top:.1f}).")
-        dims = self.dims
+            top = float(self.top_values[:, :, 0].mean(0).max()) if self.n_samples else float("nan")
+            return (f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
+                    f"token does either (no dimension passes |a| > {self.abs_threshold:g} and >= {self.ratio_threshold:g}x "
+                    f"its hidden state's median on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: {top:.1f}).")
         parts = [f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
-                 f"peak {r.first_token_mean:+.0f})" for r in dims.itertuples()]
+                 f"peak {r.first_token_mean:+.0f})" for r in self.dims.itertuples()]
+        first = self.first_token_dims
         return (f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) +
-                f". They appear at layer {self.first_layer} and fade after layer {self.last_layer}.")
+                f". They appear at layer {self.first_layer} and fade after layer {self.last_layer}. On the first token, "
+                f"{len(first)} of {len(self.layers)} layers (hook_{self.hook}) carry massive dims "
+                f"{sorted({x for v in first.values() for x in v})}; {self.first_token_share:.0%} of all flagged "
+                "activations sit on the first token.")
+
+    @property
+    def peak_dim(self) -> int:
+        """The dimension with the largest mean |a| of the first token, over all layers."""
+        return int(self.first_abs.max(0).values.argmax())
+
+    def peak_layer(self) -> int:
+        """The first layer with a spike dimension, else the layer with the largest mean top-1 |a|."""
+        return self.first_layer if self.has_spike else int(self.per_layer.sort_values("top1").iloc[-1].layer)
 
     def to_dict(self) -> dict:
         per_layer = self.per_layer
         keep = ["layer"] + [f"top{k + 1}" for k in range(self.top_k)] + ["median", "top1_over_median"] + \
                [f"top{k + 1}_{c}" for k in range(self.top_k) for c in ("pos", "dim", "token")]
         return {
-            "model": self.model_name,
-            "kind": self.kind,
+            **self.header(),
             "hook": self.hook,
-            "n": self.n,
             "T": self.T,
             "abs_threshold": self.abs_threshold,
             "ratio_threshold": self.ratio_threshold,
@@ -258,7 +263,7 @@ class MassiveActivations:
             "per_layer": [{k: (v if isinstance(v, (str, int)) else float(v)) for k, v in r.items()}
                           for r in per_layer[keep].to_dict("records")],
             "dims": self.dims.to_dict("records"),
-            "summary": self.summary(),
+            "text": self.text(),
         }
 
 
@@ -271,14 +276,98 @@ def _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D):
         raise ValueError(f"min_share must lie in (0, 1]; got {min_share}.")
 
 
+class MassiveAccumulator(Accumulator):
+    """Per layer and batch: top-k |a|, the median, Sun et al.'s flags, the first token's activations."""
+
+    def __init__(self, model, layers, D: int, hook: str = "resid_post", top_k: int = 3, abs_threshold: float = SPIKE_ABS,
+                 ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence",
+                 kind: str | None = None):
+        self.model, self.layers, self.D, self.hook, self.K, self.kind = model, list(layers), int(D), hook, int(top_k), kind
+        self.abs_threshold, self.ratio_threshold, self.min_share = float(abs_threshold), float(ratio_threshold), float(min_share)
+        self.median_over = median_over
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        L = len(self.layers)
+        self.flag_samples = torch.zeros(L, D, dtype=torch.long)
+        self.flag_first = torch.zeros(L, D, dtype=torch.long)
+        self.first_sum, self.first_abs, self.other_max = (torch.zeros(L, D, dtype=torch.float64) for _ in range(3))
+        self.top = LayerCollector(self.layers)  # (N, L, 3K + 1): values, positions, dims, median
+        self.flag_rows: list[torch.Tensor] = []  # (sample, pos, dim, layer_idx, |a|, ratio) per flagged activation
+        self.tokens: list[torch.Tensor] = []
+
+    def hooks(self):
+        return {l: {"resid": resid_hook(l, self.hook)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        x = acts["resid"]
+        if x.shape[-1] != self.D:
+            raise ModelContractError(f"{resid_hook(layer, self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}.")
+        i, a = self.index[layer], x.detach().float().abs()
+        flat = a.reshape(a.shape[0], -1)
+        v, idx = flat.topk(self.K, dim=-1)
+        med_seq = flat.median(dim=-1).values  # (B,) median over the sample's positions x dims
+        ref = a.median(dim=-1).values if self.median_over == "token" else med_seq[:, None].expand(a.shape[:2])
+        flags = (a > self.abs_threshold) & (a >= self.ratio_threshold * ref[..., None])
+        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None]], -1))
+        self.flag_samples[i] += flags.any(dim=1).sum(0).cpu()
+        self.flag_first[i] += flags[:, 0].sum(0).cpu()
+        self.first_sum[i] += x[:, 0].detach().double().sum(0).cpu()
+        self.first_abs[i] += a[:, 0].double().sum(0).cpu()
+        if a.shape[1] > 1:
+            self.other_max[i] += a[:, 1:].max(dim=1).values.double().sum(0).cpu()
+        if flags.any():
+            b, t, d = flags.nonzero(as_tuple=True)
+            vals = a[b, t, d]
+            cols = [b + batch.offset, t, d, torch.full_like(b, i), vals, vals / ref[b, t].clamp_min(1e-30)]
+            self.flag_rows.append(torch.stack([c.double() for c in cols], 1).cpu())
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.top.end_batch()
+        self.tokens.append(batch.tokens.cpu())
+
+    def result(self) -> "MassiveActivations":
+        tokens, top, K = torch.cat(self.tokens), self.top.result(), self.K
+        N, T = tokens.shape
+        top_pos, top_dim = top[..., K : 2 * K].long(), top[..., 2 * K : 3 * K].long()
+        top_token = torch.gather(tokens[:, None, :].expand(N, len(self.layers), T), 2, top_pos)
+        flagged = _flag_table(self.flag_rows, tokens, self.layers)
+        ids = sorted(set(top_token.flatten().tolist()) | set(flagged["token_id"].tolist()))
+        text = dict(zip(ids, token_strings(self.model, ids)))
+        flagged.insert(4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index))
+        return MassiveActivations(
+            layers=self.layers, hook=self.hook, top_k=K, abs_threshold=self.abs_threshold, ratio_threshold=self.ratio_threshold,
+            min_share=self.min_share, n_samples=N, T=T, median_over=self.median_over, top_values=top[..., :K],
+            top_pos=top_pos, top_dim=top_dim, top_token=top_token, median=top[..., 3 * K], flag_samples=self.flag_samples,
+            flag_first=self.flag_first, first_mean=(self.first_sum / N).float(), first_abs=(self.first_abs / N).float(),
+            other_abs_max=(self.other_max / N).float(), flagged=flagged, token_text=text,
+            model_name=getattr(self.model, "model_name", None), kind=self.kind,
+        )
+
+
+def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
+                        ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
+                        median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
+    """Check the arguments of ``massive_activations`` and build its accumulator."""
+    if median_over not in ("sequence", "token"):
+        raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
+    layers = check_layers(model, layers)
+    if not layers:
+        raise ValueError("layers is empty: give at least one layer (None means all).")
+    resid_hook(layers[0], hook)
+    D = model_dims(model).d_model
+    if D is None:
+        raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
+    _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
+    return MassiveAccumulator(model, layers, D, hook, top_k, abs_threshold, ratio_threshold, min_share, median_over, kind)
+
+
 def massive_activations(
     model,
     tokens,
     layers: Sequence[int] | None = None,
     top_k: int = 3,
-    abs_threshold: float = 100.0,
-    ratio_threshold: float = 1000.0,
-    min_share: float = 0.5,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
     hook: str = "resid_post",
     median_over: str = "sequence",
     batch_size: int | None = None,
@@ -292,87 +381,24 @@ def massive_activations(
     ``resid_pre`` or ``resid_mid``. ``median_over``: the median the ratio is taken to, over the
     sample's whole hidden state at that layer (``"sequence"``, positions x dims, Sun et al.'s "median
     magnitude of its hidden state") or over the one token's vector (``"token"``: stricter where the
-    first token's whole vector is large, as in SmolLM2).
+    first token's whole vector is large, as in SmolLM2). The pass stops after the last layer asked for.
     """
-    if median_over not in ("sequence", "token"):
-        raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
     tokens = check_tokens(model, tokens)
-    layers = check_layers(model, layers)
-    if not layers:
-        raise ValueError("layers is empty: give at least one layer (None means all).")
-    names = [resid_hook(l, hook) for l in layers]
-    N, T = tokens.shape
-    L = len(layers)
-    D = model_dims(model).d_model
-    if D is None:
-        raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
-    _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
-    K = int(top_k)
-    flag_samples = torch.zeros(L, D, dtype=torch.long)
-    flag_first = torch.zeros(L, D, dtype=torch.long)
-    first_sum = torch.zeros(L, D, dtype=torch.float64)
-    first_abs = torch.zeros(L, D, dtype=torch.float64)
-    other_max = torch.zeros(L, D, dtype=torch.float64)
-    chunks: dict[str, list[torch.Tensor]] = {k: [] for k in ("v", "p", "d", "m")}
-    cur: dict[int, tuple] = {}
-    flag_rows: list[torch.Tensor] = []  # (sample, pos, dim, layer_idx, |a|, ratio) per flagged activation
-    offset = [0]
+    acc = massive_accumulator(model, tokens.shape, layers, top_k, abs_threshold, ratio_threshold, min_share, hook,
+                              median_over, kind)
+    return stream(model, tokens, [acc], batch_size=batch_size)[0]
 
-    def reducer(i: int):
-        def fn(x, hook):
-            if x.shape[-1] != D:
-                raise ModelContractError(f"{hook.name} has last dim {x.shape[-1]}, expected d_model={D}.")
-            a = x.detach().float().abs()
-            B = a.shape[0]
-            flat = a.reshape(B, -1)
-            v, idx = flat.topk(K, dim=-1)
-            med_seq = flat.median(dim=-1).values  # (B,) median over the sample's positions x dims
-            ref = a.median(dim=-1).values if median_over == "token" else med_seq[:, None].expand(B, a.shape[1])
-            flags = (a > abs_threshold) & (a >= ratio_threshold * ref[..., None])
-            cur[i] = (v.cpu(), (idx // D).cpu(), (idx % D).cpu(), med_seq.cpu())
-            flag_samples[i] += flags.any(dim=1).sum(0).cpu()
-            flag_first[i] += flags[:, 0].sum(0).cpu()
-            first_sum[i] += x[:, 0].detach().double().sum(0).cpu()
-            first_abs[i] += a[:, 0].double().sum(0).cpu()
-            if a.shape[1] > 1:
-                other_max[i] += a[:, 1:].max(dim=1).values.double().sum(0).cpu()
-            if flags.any():
-                b, t, d = flags.nonzero(as_tuple=True)
-                vals = a[b, t, d]
-                ratio = vals / ref[b, t].clamp_min(1e-30)
-                flag_rows.append(torch.stack([(b + offset[0]).double(), t.double(), d.double(),
-                                              torch.full_like(vals, i).double(), vals.double(), ratio.double()], 1).cpu())
-        return fn
 
-    def collect(batch, logits):
-        missing = [layers[i] for i in range(L) if i not in cur]
-        if missing:
-            raise RuntimeError(f"hooks did not fire for layers {missing}.")
-        for j, key in enumerate(("v", "p", "d", "m")):
-            chunks[key].append(torch.stack([cur[i][j] for i in range(L)], dim=1))
-        cur.clear()
-        offset[0] += batch.shape[0]
-
-    # Stop after the last needed layer (later blocks do not run).
-    stop = names[int(torch.tensor(layers).argmax())] if max(layers) < model_dims(model).n_layers - 1 else None
-    run_with_reducers(model, tokens, [(n, reducer(i)) for i, n in enumerate(names)], stop_after=stop,
-                batch_size=batch_size, on_batch=collect)
-
-    top_values = torch.cat(chunks["v"])
-    top_pos = torch.cat(chunks["p"])
-    top_dim = torch.cat(chunks["d"])
-    top_token = torch.gather(tokens[:, None, :].expand(N, L, T), 2, top_pos)
-    flagged = _flag_table(flag_rows, tokens, layers)
-    ids = sorted(set(top_token.flatten().tolist()) | set(flagged["token_id"].tolist()))
-    text = dict(zip(ids, token_strings(model, ids)))
-    flagged.insert(4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index))
-    return MassiveActivations(
-        layers=layers, hook=hook, top_k=K, abs_threshold=float(abs_threshold), ratio_threshold=float(ratio_threshold),
-        min_share=float(min_share), n=N, T=T, median_over=median_over, top_values=top_values, top_pos=top_pos, top_dim=top_dim,
-        top_token=top_token, median=torch.cat(chunks["m"]), flag_samples=flag_samples, flag_first=flag_first,
-        first_mean=(first_sum / N).float(), first_abs=(first_abs / N).float(), other_abs_max=(other_max / N).float(),
-        flagged=flagged, token_text=text, model_name=getattr(model, "model_name", None), kind=kind,
-    )
+def first_token_spike_dims(model, tokens, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
+                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
+                           max_samples: int = SPIKE_SAMPLES) -> dict[int, list[int]]:
+    """The one spike finder: {layer: the first token's spike dims} in the residual stream ``hook``
+    (``resid_pre``: the stream block l reads; ``resid_post``: what block l writes), on the first
+    ``max_samples`` sequences. Layers without spike dims are left out."""
+    tokens = check_tokens(model, tokens)
+    ma = massive_activations(model, tokens[:max_samples], layers=layers, top_k=1, hook=hook, abs_threshold=abs_threshold,
+                             ratio_threshold=ratio_threshold, min_share=min_share)
+    return ma.first_token_dims
 
 
 def _flag_table(rows: list[torch.Tensor], tokens: torch.Tensor, layers: list[int]) -> pd.DataFrame:
@@ -400,6 +426,13 @@ def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivatio
         toks = getattr(p, "tokens", p)
         out[kind] = massive_activations(model, toks, kind=kind, **kwargs)
     return out
+
+
+def kinds_text(results: dict[str, MassiveActivations], skip: str | None = None) -> list[str]:
+    """One sentence per input kind (``skip`` left out): its spike dims, or that it has none."""
+    return [f"On {kind} tokens: " + (f"spike dims {r.all_spike_dims} at {len(r.spike_dims)} layers (on the first token "
+                                     f"at {len(r.first_token_dims)} of them)." if r.has_spike else "no massive activation.")
+            for kind, r in results.items() if kind != skip]
 
 
 def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
@@ -441,11 +474,5 @@ def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resi
     if not 0 <= int(sample) < tokens.shape[0]:
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
-    out = {}
-
-    def fn(x, hook):
-        out["h"] = x[0].detach().float().abs().cpu()
-
-    name = resid_hook(layer, hook)
-    run_with_reducers(model, seq, [(name, fn)], stop_after=name if layer < model_dims(model).n_layers - 1 else None)
-    return ActivationMap(layer, hook, out["h"], token_strings(model, seq[0].tolist()))
+    h = stream(model, seq, [Capture(resid_hook(layer, hook), layer, lambda x: x.abs())])[0][0]
+    return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))

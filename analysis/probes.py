@@ -176,3 +176,39 @@ def make_probe(kind: str, tokenizer, n: int = 100, T: int = 64, bos: bool = Fals
 def probe_sets(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
     """The paper's three probe kinds (natural, random, repeated), same N, T, BOS and seed."""
     return {k: make_probe(k, tokenizer, n=n, T=T, bos=bos, seed=seed) for k in kinds}
+
+
+def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
+    """The three probe kinds for a reference model trained on a token task without a tokenizer (the synthetic
+    bigram-copy task of ``analysis.train``): ``natural`` is held-out sequences of the task itself (seed
+    ``seed``; training used another seed), ``random`` tokens uniform over the task's content tokens, and
+    ``repeated`` one content token repeated. Raises ValueError for a model without such a task."""
+    ref = getattr(model, "reference_config", None) or {}
+    train = ref.get("train", {})
+    if not str(train.get("dataset", "")).startswith("synthetic"):
+        raise ValueError("this model has no tokenizer and was not trained on the synthetic task, so there are no "
+                         "probes to build; pass your own token tensors (N, T) to the analyses.")
+    _check_nt(n, T)
+    from analysis.train import TrainConfig
+    from analysis.train.data import build_data
+
+    data = build_data(TrainConfig.from_dict({**train, "seed": seed, "out": None}), T)
+    content = torch.arange(1, data.vocab_size)  # token 0 is BOS
+    g = torch.Generator().manual_seed(seed)
+    random = content[torch.randint(content.numel(), (n, T), generator=g)]
+    repeated = content[torch.randint(content.numel(), (n, 1), generator=g)].expand(n, T).clone()
+    natural_bos = data.starts_with_fixed_token()
+    return {
+        "natural": ProbeSet("natural", data.probe(n, T), natural_bos, seed, data.description),
+        "random": ProbeSet("random", random, False, seed, "uniform over the task's content tokens"),
+        "repeated": ProbeSet("repeated", repeated, False, seed, "one content token repeated"),
+    }
+
+
+def model_probe_sets(model, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
+    """``probe_sets`` from the model's tokenizer, or, for a tokenizer-less reference model of the synthetic
+    task, ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:
+        return probe_sets(tokenizer, n=n, T=T, bos=bos, seed=seed)
+    return task_probe_sets(model, n=n, T=T, seed=2024 + seed)

@@ -14,45 +14,40 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 
-from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims, run_with_reducers
+from analysis.hooks import (
+    Accumulator,
+    Batch,
+    check_layers,
+    check_tokens,
+    model_dims,
+    per_query_head,
+    qk_hook_names,
+    stream,
+)
+from analysis.results import Result
 
 N_BINS = 40
-
-
-def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
-    """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
-    them (and ``rotated``), else ``hook_q``/``hook_k``. Some models list ``hook_rot_k`` without rotary (it
-    never fires there), so the rotary is checked on the model, not on the hook names."""
-    from analysis.models import rotary_base
-
-    names = hook_names(model)
-    rot = (f"blocks.{layer}.attn.hook_rot_q", f"blocks.{layer}.attn.hook_rot_k")
-    if rotated and all(n in names for n in rot) and rotary_base(model) is not None:
-        return rot
-    plain = (f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k")
-    missing = [n for n in plain if n not in names]
-    if missing:
-        raise ModelContractError(
-            f"the model has no query/key hooks {missing}; QK analyses need TransformerLens hook names "
-            "(`blocks.{l}.attn.hook_k`, or `hook_rot_k` with rotary): load it with `analysis.load_model`."
-        )
-    return plain
+_STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 
 def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """cos(q_i, k_j) for every query head: q (B,T,H,d), k (B,T,Hkv,d) -> (B,H,T_q,T_k)."""
-    group = q.shape[2] // k.shape[2]
-    k = repeat(k, "b t kv d -> b t (kv g) d", g=group)
     qn = torch.nn.functional.normalize(q.float(), dim=-1)
-    kn = torch.nn.functional.normalize(k.float(), dim=-1)
+    kn = torch.nn.functional.normalize(per_query_head(k, q.shape[2]).float(), dim=-1)
     return torch.einsum("bihd,bjhd->bhij", qn, kn)
 
 
+def cosine_hist(x: torch.Tensor) -> torch.Tensor:
+    """Counts of cosines x (H, n) over N_BINS fixed bins on [-1, 1] -> (H, N_BINS)."""
+    idx = ((x.clamp(-1, 1) + 1) / 2 * N_BINS).long().clamp(max=N_BINS - 1)
+    return torch.zeros(x.shape[0], N_BINS, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+
+
 @dataclass
-class QKAngles:
-    """Per-head QK-angle statistics (arrays are (L, H); hists are (L, H, N_BINS))."""
+class QKAngles(Result):
+    """Per-head QK-angle statistics (arrays are (L, H) over query heads; hists are (L, H, N_BINS), fractions)."""
 
     layers: list[int]
     cos_first: torch.Tensor
@@ -63,6 +58,9 @@ class QKAngles:
     hist_first: torch.Tensor
     hist_other: torch.Tensor
     bin_edges: torch.Tensor
+    n_samples: int = 0
+    model_name: str | None = None
+    kind: str | None = None
 
     def table(self) -> pd.DataFrame:
         L, H = self.cos_first.shape
@@ -70,73 +68,74 @@ class QKAngles:
             {
                 "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
                 "head": torch.arange(H).repeat(L).numpy(),
-                "cos_first": self.cos_first.flatten().numpy(),
-                "cos_other": self.cos_other.flatten().numpy(),
-                "q_norm": self.q_norm.flatten().numpy(),
-                "k_first_norm": self.k_first_norm.flatten().numpy(),
-                "k_other_norm": self.k_other_norm.flatten().numpy(),
+                **{name: getattr(self, name).flatten().numpy() for name in _STATS},
             }
         )
 
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"heads": self.table()}
+
+    def text(self) -> str:
+        gap = self.cos_first - self.cos_other
+        h = torch.nonzero(gap == gap.max())[0].tolist()
+        return (f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
+                f"keys at {float(self.cos_other.mean()):.2f}; the largest gap is in layer {self.layers[h[0]]}, head {h[1]} "
+                f"({float(self.cos_first[h[0], h[1]]):.2f} against {float(self.cos_other[h[0], h[1]]):.2f}), where "
+                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}.")
+
     def to_dict(self) -> dict:
-        return {"layers": self.layers, **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()}}
+        return {**self.header(), "layers": self.layers,
+                **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()},
+                "text": self.text()}
 
 
-def qk_angles(model, tokens, layers=None, batch_size: int | None = None) -> QKAngles:
-    """Cosines between queries and the first key against the other keys, per head, streamed."""
-    dims = model_dims(model)
-    layers = check_layers(model, layers)
-    tokens = check_tokens(model, tokens)
-    if tokens.shape[1] < 2:
-        raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
-    L, H = len(layers), dims.n_heads
-    edges = torch.linspace(-1, 1, N_BINS + 1)
-    acc = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")}
-    hist_first = torch.zeros(L, H, N_BINS, dtype=torch.float64)
-    hist_other = torch.zeros(L, H, N_BINS, dtype=torch.float64)
-    counts = {"first": 0, "other": 0, "q": 0, "k1": 0, "kj": 0}
-    pending: dict[int, dict[str, torch.Tensor]] = {}
+class QKAccumulator(Accumulator):
+    """cos(q_t, k_1) and cos(q_t, k_j), the norms and the cosine histograms, from the (rotated) q and k."""
 
-    def hist(x: torch.Tensor) -> torch.Tensor:  # x (H, n) -> (H, N_BINS)
-        idx = ((x.clamp(-1, 1) + 1) / 2 * N_BINS).long().clamp(max=N_BINS - 1)
-        return torch.zeros(x.shape[0], N_BINS, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+    def __init__(self, model, layers, kind: str | None = None):
+        self.model, self.layers, self.kind = model, list(layers), kind
+        self.H = model_dims(model).n_heads
+        L = len(self.layers)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.sums = {name: torch.zeros(L, self.H, dtype=torch.float64) for name in _STATS}
+        self.hist_first = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
+        self.hist_other = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
+        self.counts = dict.fromkeys(("first", "other", "q", "k1", "kj", "n"), 0)
 
-    def reduce(i: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        B, T = q.shape[:2]
+    def hooks(self):
+        return {l: dict(zip(("q", "k"), qk_hook_names(self.model, l))) for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        q, k = acts["q"], acts["k"]
+        i, (B, T) = self.index[layer], q.shape[:2]
         cos = head_cosines(q, k).cpu()  # (B,H,T,T)
         first = rearrange(cos[:, :, 1:, 0], "b h t -> h (b t)")
         mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
         mask[:, 0] = False
         other = rearrange(cos[..., mask], "b h n -> h (b n)")
-        acc["cos_first"][i] += first.sum(-1)
-        acc["cos_other"][i] += other.sum(-1)
-        hist_first[i] += hist(first)
-        hist_other[i] += hist(other)
-        kk = repeat(k, "b t kv d -> b t (kv g) d", g=dims.n_heads // k.shape[2]).float().norm(dim=-1).cpu()  # (B,T,H)
-        acc["q_norm"][i] += q.float().norm(dim=-1).cpu().sum(dim=(0, 1))
-        acc["k_first_norm"][i] += kk[:, 0].sum(0)
-        acc["k_other_norm"][i] += kk[:, 1:].sum(dim=(0, 1))
+        kk = per_query_head(k, self.H).float().norm(dim=-1).cpu()  # (B,T,H)
+        for name, x in (("cos_first", first.sum(-1)), ("cos_other", other.sum(-1)), ("k_first_norm", kk[:, 0].sum(0)),
+                        ("q_norm", q.float().norm(dim=-1).cpu().sum(dim=(0, 1))), ("k_other_norm", kk[:, 1:].sum(dim=(0, 1)))):
+            self.sums[name][i] += x
+        self.hist_first[i] += cosine_hist(first)
+        self.hist_other[i] += cosine_hist(other)
         if i == 0:
-            counts["first"] += first.shape[1]
-            counts["other"] += other.shape[1]
-            counts["q"] += B * T
-            counts["k1"] += B
-            counts["kj"] += B * (T - 1)
+            for key, n in (("first", first.shape[1]), ("other", other.shape[1]), ("q", B * T), ("k1", B), ("kj", B * (T - 1)), ("n", B)):
+                self.counts[key] += n
 
-    def reducer(i: int, which: str):
-        def fn(x, hook):
-            slot = pending.setdefault(i, {})
-            slot[which] = x
-            if len(slot) == 2:
-                reduce(i, slot["q"], slot["k"])
-                del pending[i]
-        return fn
+    def result(self) -> QKAngles:
+        norm = {"cos_first": "first", "cos_other": "other", "q_norm": "q", "k_first_norm": "k1", "k_other_norm": "kj"}
+        out = {name: (self.sums[name] / self.counts[norm[name]]).float() for name in _STATS}
+        return QKAngles(self.layers, **out, hist_first=(self.hist_first / self.counts["first"]).float(),
+                        hist_other=(self.hist_other / self.counts["other"]).float(), bin_edges=torch.linspace(-1, 1, N_BINS + 1),
+                        n_samples=self.counts["n"], model_name=getattr(self.model, "model_name", None), kind=self.kind)
 
-    reducers = []
-    for i, l in enumerate(layers):
-        qn, kn = qk_hook_names(model, l)
-        reducers += [(qn, reducer(i, "q")), (kn, reducer(i, "k"))]
-    run_with_reducers(model, tokens, reducers, batch_size=batch_size)
-    norm = {"cos_first": "first", "cos_other": "other", "q_norm": "q", "k_first_norm": "k1", "k_other_norm": "kj"}
-    out = {name: (acc[name] / counts[norm[name]]).float() for name in acc}
-    return QKAngles(layers, **out, hist_first=(hist_first / counts["first"]).float(), hist_other=(hist_other / counts["other"]).float(), bin_edges=edges)
+
+def qk_angles(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
+    """Cosines between queries and the first key against the other keys, per head, streamed."""
+    layers = check_layers(model, layers)
+    tokens = check_tokens(model, tokens)
+    if tokens.shape[1] < 2:
+        raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
+    return stream(model, tokens, [QKAccumulator(model, layers, kind)], batch_size=batch_size)[0]

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from analysis.hooks import check_tokens, model_dims, run_with_reducers
+from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
+from analysis.hooks import Accumulator, Batch, LayerCollector, act_name, check_tokens, model_dims, stream
+from analysis.results import Result, layers_text
 
-DEFAULT_EPS = 0.3
+DEFAULT_EPS = SINK_EPS
 
 
 def check_eps(eps: float) -> float:
@@ -43,8 +45,12 @@ def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
 
 
 @dataclass
-class SinkResult:
-    """alpha for every sample, layer, head and key 1..k_max, with the metric and tables on top."""
+class SinkResult(Result):
+    """alpha for every sample, layer, head and key 1..k_max, with the metric and tables on top.
+
+    ``alpha`` (N, L, H, K): mean attention key k receives from the queries that see it, per sample, layer and
+    query head. ``sink_rate`` is in percent (the paper's unit); ``min_share`` arguments are fractions.
+    """
 
     alpha: torch.Tensor  # (N, L, H, K) float32, on CPU
     eps: float
@@ -52,10 +58,15 @@ class SinkResult:
     model_name: str | None = None
     kind: str | None = None
     meta: dict = field(default_factory=dict)
+    slot: torch.Tensor | None = None  # (N, L, H): mean over queries of the attention that goes to no input token
 
     @property
     def k_max(self) -> int:
         return self.alpha.shape[-1]
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.alpha.shape[0])
 
     def _k(self, k: int) -> int:
         k = int(k)
@@ -69,6 +80,27 @@ class SinkResult:
         """Sink_k^eps in percent."""
         e = self.eps if eps is None else check_eps(eps)
         return float((self.alpha[..., self._k(k)] > e).float().mean() * 100)
+
+    @property
+    def has_slot(self) -> bool:
+        """True where some attention goes to an extra slot rather than to an input token: a learned sink logit
+        (gpt-oss), a learnable sink token, K or KV biases. The slot's share of a query's attention is
+        1 - the sum of its ``hook_pattern`` row over the input tokens."""
+        return self.slot is not None and float(self.slot.abs().max()) > 1e-4
+
+    def slot_sink_rate(self, eps: float | None = None) -> float:
+        """Sink on the extra slot, in percent: the share of (sample, layer, head) whose mean attention on the slot
+        exceeds eps (0 for a model without one)."""
+        if self.slot is None:
+            return 0.0
+        e = self.eps if eps is None else check_eps(eps)
+        return float((self.slot > e).float().mean() * 100)
+
+    def per_head_slot(self) -> torch.Tensor:
+        """The slot's mean share of each head's attention over samples and queries, (L, H)."""
+        if self.slot is None:
+            raise ValueError("this result has no slot shares (the fused path keeps none); rerun with path='eager'.")
+        return self.slot.mean(0)
 
     def sink_rates(self, eps: float | None = None) -> torch.Tensor:
         """Sink_k^eps for k = 1..k_max, in percent."""
@@ -112,20 +144,84 @@ class SinkResult:
             }
         )
 
-    def sink_heads(self, k: int = 1, min_share: float = 50.0) -> list[tuple[int, int]]:
-        """(layer, head) pairs whose alpha_k exceeds eps on at least ``min_share`` percent of samples."""
+    def sink_heads(self, k: int = 1, min_share: float = SINK_HEAD_MIN_SHARE) -> list[tuple[int, int]]:
+        """(layer, query head) pairs whose alpha_k exceeds eps on at least ``min_share`` (a fraction) of samples."""
+        if not 0.0 < float(min_share) <= 1.0:
+            raise ValueError(f"min_share is a fraction of samples in (0, 1]; got {min_share}.")
         share = self.head_sink_share(k)
-        return [tuple(x) for x in (share >= min_share).nonzero().tolist()]
+        return [tuple(x) for x in (share >= 100 * float(min_share) - 1e-9).nonzero().tolist()]
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"per_layer": self.per_layer(1), "per_head": self.per_head(1)}
+
+    def text(self) -> str:
+        """Sink_1 and the layers that sink."""
+        pl = self.per_layer(1)
+        sinky = pl[pl.sink_1_pct > 50].layer.tolist()
+        on = f" on {self.kind} inputs" if self.kind else ""
+        out = (f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
+               f"(N = {self.n_samples} sequences of T = {self.T} tokens). {len(sinky)} of {len(pl)} layers have Sink_1 above 50%")
+        none = pl[pl.sink_1_pct < 5].layer.tolist()
+        out += f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else "."
+        if self.has_slot:
+            out += (f" An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
+                    f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
+        return out
+
+    def extreme_layers(self, k: int = 1) -> tuple[int, int]:
+        """The layer with the most sink and the one with the least (Sink_k, then mean alpha_k)."""
+        pl = self.per_layer(k)
+        order = pl.sort_values([f"sink_{k}_pct", f"mean_alpha_{k}"], kind="stable")
+        return int(order.iloc[-1].layer), int(order.iloc[0].layer)
 
     def to_dict(self) -> dict:
         return {
+            **self.header(),
             "eps": self.eps,
             "T": self.T,
-            "n": int(self.alpha.shape[0]),
             "k_max": self.k_max,
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
             "per_head_alpha": self.per_head_alpha.permute(2, 0, 1).tolist(),  # [k][layer][head]
+            **({"sink_slot_pct": round(self.slot_sink_rate(), 4), "per_head_slot": self.per_head_slot().tolist()}
+               if self.has_slot else {}),
+            "text": self.text(),
         }
+
+
+class SinkAccumulator(Accumulator):
+    """alpha_k for keys 1..k_max from every layer's ``hook_pattern``, per sample."""
+
+    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
+        self.eps, self.T, self.kind = check_eps(eps), int(T), kind
+        self.k_max = check_k_max(k_max, T)
+        self.model_name = getattr(model, "model_name", None)
+        self.layers = list(range(model_dims(model).n_layers))
+        self.alpha = LayerCollector(self.layers)
+        self.slot = LayerCollector(self.layers)
+
+    def hooks(self):
+        return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        pattern = acts["pattern"]
+        self.alpha.put(layer, alpha_from_pattern(pattern, self.k_max))  # (B, H, K)
+        self.slot.put(layer, (1.0 - pattern.float().sum(-1)).mean(-1))  # (B, H): attention on no input token
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.alpha.end_batch()
+        self.slot.end_batch()
+
+    def result(self) -> SinkResult:
+        return SinkResult(self.alpha.result(), self.eps, self.T, self.model_name, self.kind, slot=self.slot.result())
+
+
+def check_k_max(k_max: int | None, T: int) -> int:
+    """k_max in [1, T] (default min(T, 16))."""
+    k_max = min(T, SINK_K_MAX) if k_max is None else k_max
+    if not 1 <= int(k_max) <= T:
+        raise ValueError(f"k_max must lie in [1, T={T}]; got {k_max}.")
+    return int(k_max)
 
 
 def sink_metric(
@@ -136,39 +232,41 @@ def sink_metric(
     batch_size: int | None = None,
     progress: bool = False,
     kind: str | None = None,
+    path: str = "auto",
 ) -> SinkResult:
-    """Sink metric of ``model`` on ``tokens`` (N, T), streamed through ``hook_pattern`` reducers.
+    """Sink metric of ``model`` on ``tokens`` (N, T).
 
-    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept.
+    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept. ``path``: "fused" computes
+    alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.fused_sink``: no T x T map, about
+    the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes the fused path
+    where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says which, and
+    ``result.meta["fused_unsupported"]`` why not fused).
     """
-    eps = check_eps(eps)
-    dims = model_dims(model)
+    if path not in ("auto", "fused", "eager"):
+        raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
+    reason = None
+    if path != "eager":
+        from analysis.fused_sink import FusedUnsupported, sink_metric_fused
+
+        try:
+            return sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind)
+        except FusedUnsupported as e:
+            if path == "fused":
+                raise
+            reason = str(e)
     tokens = check_tokens(model, tokens)
-    T = tokens.shape[1]
-    if k_max is None:
-        k_max = min(T, 16)
-    if not 1 <= int(k_max) <= T:
-        raise ValueError(f"k_max must lie in [1, T={T}]; got {k_max}.")
-    k_max = int(k_max)
+    acc = SinkAccumulator(model, tokens.shape[1], eps, k_max, kind)
+    res = stream(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
+    res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
+    return res
 
-    chunks: list[torch.Tensor] = []
-    current: list[torch.Tensor | None] = [None] * dims.n_layers
 
-    def reducer(layer: int):
-        def fn(pattern, hook):
-            current[layer] = alpha_from_pattern(pattern, k_max).cpu()  # (B, H, K)
-        return fn
-
-    def collect(batch, logits):
-        missing = [l for l, a in enumerate(current) if a is None]
-        if missing:
-            raise RuntimeError(f"hook_pattern did not fire for layers {missing}.")
-        chunks.append(torch.stack(current, dim=1))  # (B, L, H, K)
-        current[:] = [None] * dims.n_layers
-
-    reducers = [(f"blocks.{l}.attn.hook_pattern", reducer(l)) for l in range(dims.n_layers)]
-    run_with_reducers(model, tokens, reducers, batch_size=batch_size, progress=progress, on_batch=collect)
-    return SinkResult(torch.cat(chunks), eps, T, getattr(model, "model_name", None), kind)
+def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:
+    """Sink_k across input kinds in one sentence."""
+    first = next(iter(results.values()))
+    rates = [f"{r.sink_rate(k):.1f}% on {kind} inputs" for kind, r in results.items()]
+    listed = rates[0] if len(rates) == 1 else ", ".join(rates[:-1]) + " and " + rates[-1]
+    return f"Sink_{k} (eps = {first.eps:g}) is {listed} (N = {first.n_samples} sequences of T = {first.T} tokens, no BOS)."
 
 
 def sink_table(results: dict[str, SinkResult], k: int = 1) -> pd.DataFrame:

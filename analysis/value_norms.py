@@ -21,16 +21,30 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.hooks import ModelContractError, check_layers, check_tokens, hook_names, model_dims, run_with_reducers
+from analysis.defaults import SINK_MIN_ALPHA, TINY
+from analysis.hooks import (
+    Accumulator,
+    Batch,
+    act_name,
+    check_layers,
+    check_tokens,
+    group_reduce,
+    kv_view,
+    model_dims,
+    per_query_head,
+    stream,
+)
+from analysis.io import jsonable
+from analysis.results import Result
 from analysis.sink import SinkResult, alpha_from_pattern
+from analysis.stats import pair_cosine
 
 REDUCTIONS = ("mean", "max")
 
 
 def _reduce_groups(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
     """(L, H) per query head -> (L, H_kv): mean or max over the query heads of each KV head."""
-    g = x.reshape(x.shape[0], -1, group_size)
-    return g.mean(-1) if how == "mean" else g.max(-1).values
+    return group_reduce(x, group_size, _check_reduce(how))
 
 
 def correlation(x, y) -> dict:
@@ -51,12 +65,12 @@ def correlation(x, y) -> dict:
 
 
 @dataclass
-class ValueNorms:
+class ValueNorms(Result):
     """Per (layer, KV head) value norms joined with the sink metric's alpha_1."""
 
     layers: list[int]
     group_size: int
-    N: int
+    n_samples: int
     T: int
     v1_norm: torch.Tensor  # (L, H_kv)
     vj_norm: torch.Tensor  # (L, H_kv)
@@ -68,6 +82,7 @@ class ValueNorms:
     vj_cos_pair: torch.Tensor | None = None  # (L, H_kv) mean pairwise cosine of the values at positions j > 1
     reduce: str = "mean"
     model_name: str | None = None
+    kind: str | None = None
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -103,7 +118,64 @@ class ValueNorms:
             x = np.log(r) if log_ratio else r
         return {"x": "log(ratio)" if log_ratio else "ratio", "y": f"alpha_1_{how}", **correlation(x, self.alpha_kv(how).flatten().numpy())}
 
-    def summary(self, min_alpha: float = 0.3) -> dict:
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"kv_heads": self.table()}
+
+    def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        S, c = self.summary(min_alpha), self.correlation()
+        out = self.ratio_text(min_alpha)
+        if S["n_sink_kv_heads"] and S.get("mean_v1_cos_pair_sink") is not None:
+            out += (f" In those heads the first token's values of different inputs have mean pairwise cosine "
+                    f"{S['mean_v1_cos_pair_sink']:.3f}, against {S['mean_vj_cos_pair_sink']:.3f} for the values at other "
+                    "positions: the first value is small and nearly constant.")
+        if S["n_sink_kv_heads"] and c["pearson_r"] is not None:
+            out += (f" Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
+                    f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
+        return out
+
+    def ratio_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        """How small the first value is in sink KV heads against the others."""
+        S = self.summary(min_alpha)
+        if not S["n_sink_kv_heads"]:
+            return f"No KV head sinks (alpha_1 > {min_alpha}); the median |v_1| / mean |v_j| is {S['median_ratio_other']:.2f}."
+        other = (f"{S['median_ratio_other']:.2f} over the other {S['n_other_kv_heads']}" if S["n_other_kv_heads"]
+                 else "no other heads")
+        return (f"The first token's value is {S['median_ratio_sink']:.3g} times the other tokens' (median |v_1| / mean |v_j| "
+                f"over {S['n_sink_kv_heads']} sink KV heads), against {other}.")
+
+    def smallest_text(self) -> str:
+        low = self.table().sort_values("ratio").iloc[0]
+        return (f"The smallest first value is in layer {int(low.layer)}, KV head {int(low.kv_head)}: |v_1| = {low.v1_norm:.2f} "
+                f"against {low.vj_norm:.2f} (ratio {low.ratio:.3f}, alpha_1 {low[f'alpha_1_{self.reduce}']:.2f}).")
+
+    def correlation_text(self) -> str:
+        """The correlation of alpha_1 with |v_1| / |v_j| for both reductions and against the log ratio."""
+        out = []
+        for how in REDUCTIONS:
+            c = self.correlation(reduce=how)
+            if c["pearson_r"] is None:
+                return f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')})."
+            out.append(f"alpha_1 ({how} over the KV head's query heads) against |v_1| / |v_j|, n = {c['n']} KV heads: "
+                       f"Pearson r = {c['pearson_r']:.2f} (p = {c['pearson_p']:.1e}), Spearman rho = {c['spearman_rho']:.2f}.")
+        c = self.correlation(log_ratio=True)
+        return " ".join(out) + f" Against log(ratio): Pearson r = {c['pearson_r']:.2f}."
+
+    def profile_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        """|v_t| by position in sink layers, and how much value-norm mass sink heads draw from the first token."""
+        prof = self.v_norm_by_pos.mean(1)  # (layers, T): mean over KV heads
+        sink_layers = [i for i in range(len(self.layers)) if self.alpha_kv()[i].mean() > min_alpha]
+        if not sink_layers:
+            return f"No layer sinks (mean alpha_1 > {min_alpha})."
+        later_min = prof[sink_layers, 1:].min(-1).values
+        sink_q = self.alpha_1 > min_alpha
+        return (f"In {len(sink_layers)} sink layers, |v_1| is below the smallest later |v_t| in "
+                f"{int((prof[sink_layers, 0] < later_min).sum())} of them (mean |v_1| {prof[sink_layers, 0].mean():.2f}, mean "
+                f"of the smallest later |v_t| {later_min.mean():.2f}). Sink query heads draw "
+                f"{100 * self.first_value_share[sink_q].mean():.0f}% of their value-norm mass from token 1 (A_t1 |v_1| / "
+                f"sum_j A_tj |v_j|), against {100 * self.alpha_1[sink_q].mean():.0f}% of their attention.")
+
+    def summary(self, min_alpha: float = SINK_MIN_ALPHA) -> dict:
         """Median ratio over sink KV heads (alpha_1 above ``min_alpha``) and over the others."""
         a = self.alpha_kv().flatten()
         r = self.ratio.flatten()
@@ -126,8 +198,8 @@ class ValueNorms:
 
     def to_dict(self) -> dict:
         """JSON-serialisable; undefined numbers (e.g. cosines between first values with N = 1) are None."""
-        return _finite({
-            "model": self.model_name, "N": self.N, "T": self.T, "layers": self.layers,
+        return jsonable({
+            **self.header(), "T": self.T, "layers": self.layers,
             "group_size": self.group_size, "alpha_source": self.alpha_source, "reduce": self.reduce,
             "table": self.table().to_dict("records"),
             "alpha_1_per_query_head": self.alpha_1.tolist(),
@@ -136,23 +208,80 @@ class ValueNorms:
             "correlation": {"ratio": self.correlation(), "log_ratio": self.correlation(log_ratio=True),
                             "ratio_max": self.correlation(reduce="max" if self.reduce == "mean" else "mean")},
             "summary": self.summary(),
+            "text": self.text(),
         })
-
-
-def _finite(obj):
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if np.isfinite(obj) else None
-    return obj
 
 
 def _check_reduce(reduce: str) -> str:
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS} (how query heads map to their KV head); got {reduce!r}.")
     return reduce
+
+
+class ValueNormsAccumulator(Accumulator):
+    """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first
+    token's share of the value-norm mass per query head."""
+
+    def __init__(self, model, layers, T: int, kind: str | None = None):
+        dims = model_dims(model)
+        self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
+        L, f64 = len(self.layers), torch.float64
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.by_pos = torch.zeros(L, self.K, T, dtype=f64)
+        self.alpha_sum = torch.zeros(L, self.H, dtype=f64)
+        self.share_sum = torch.zeros(L, self.H, dtype=f64)
+        self.unit_first = torch.zeros(L, self.K, dims.d_head or 1, dtype=f64)  # |sum of unit vectors|^2 gives the
+        self.unit_other = torch.zeros_like(self.unit_first)  # mean pairwise cosine
+        self.n = 0
+
+    def hooks(self):
+        return {l: {"v": act_name("v", l), "pattern": act_name("pattern", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        i, p = self.index[layer], acts["pattern"].float()
+        v = kv_view(acts["v"], self.K).float()  # (B, T, K, d)
+        norms = v.norm(dim=-1)  # (B, T, K)
+        self.by_pos[i] += norms.double().sum(0).T.cpu()
+        unit = torch.nn.functional.normalize(v.double(), dim=-1)
+        if self.unit_first.shape[-1] != unit.shape[-1]:
+            self.unit_first = torch.zeros(*self.unit_first.shape[:2], unit.shape[-1], dtype=torch.float64)
+            self.unit_other = torch.zeros_like(self.unit_first)
+        self.unit_first[i] += unit[:, 0].sum(0).cpu()
+        self.unit_other[i] += unit[:, 1:].sum((0, 1)).cpu()
+        per_q = per_query_head(norms, self.H).transpose(1, 2)  # (B, H, T)
+        mass = torch.einsum("bhij,bhj->bhi", p, per_q)  # sum_j A_ij |v_j|
+        first = p[..., 0] * per_q[..., :1]  # A_i1 |v_1|
+        self.share_sum[i] += (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0).cpu()
+        self.alpha_sum[i] += alpha_from_pattern(p, 1)[..., 0].double().sum(0).cpu()
+        if i == 0:
+            self.n += v.shape[0]
+
+    def result(self, sink: SinkResult | None = None, reduce: str = "mean") -> ValueNorms:
+        N, T = self.n, self.by_pos.shape[-1]
+        by_pos = (self.by_pos / N).float()
+        if sink is not None:
+            alpha = sink.per_head_alpha[self.layers, :, 0].float()
+            source = f"sink_metric (N={sink.n_samples}, T={sink.T}{', ' + sink.kind if sink.kind else ''})"
+        else:
+            alpha, source = (self.alpha_sum / N).float(), "hook_pattern, same tokens"
+        return ValueNorms(
+            layers=self.layers, group_size=self.H // self.K, n_samples=N, T=T, v1_norm=by_pos[..., 0],
+            vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos, alpha_1=alpha, first_value_share=(self.share_sum / N).float(),
+            alpha_source=source, reduce=reduce, v1_cos_pair=pair_cosine(self.unit_first, N),
+            vj_cos_pair=pair_cosine(self.unit_other, N * (T - 1)), model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
+        )
+
+
+def _check_sink(sink, dims) -> None:
+    if sink is None:
+        return
+    if not isinstance(sink, SinkResult):
+        raise ValueError(f"sink must be a SinkResult from analysis.sink_metric; got {type(sink).__name__}.")
+    L_s, H_s = sink.per_head_alpha.shape[:2]
+    if (L_s, H_s) != (dims.n_layers, dims.n_heads):
+        raise ValueError(f"the sink result has {L_s} layers x {H_s} heads but the model has {dims.n_layers} x "
+                         f"{dims.n_heads}: pass a sink_metric result of this model.")
 
 
 def value_norms(
@@ -162,6 +291,7 @@ def value_norms(
     layers=None,
     reduce: str = "mean",
     batch_size: int | None = None,
+    kind: str | None = None,
 ) -> ValueNorms:
     """|v_1| against mean |v_j| (j > 1) per layer and KV head, joined with alpha_1; streamed through hooks.
 
@@ -173,87 +303,9 @@ def value_norms(
     dims = model_dims(model)
     layers = check_layers(model, layers)
     tokens = check_tokens(model, tokens)
-    N, T = tokens.shape
-    if T < 2:
-        raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={T}.")
-    names = hook_names(model)
-    missing = [f"blocks.{l}.attn.hook_v" for l in layers if f"blocks.{l}.attn.hook_v" not in names]
-    if missing:
-        raise ModelContractError(f"the model has no value hooks {missing[:3]}; value norms need `blocks.{{l}}.attn.hook_v`.")
-    if sink is not None:
-        if not isinstance(sink, SinkResult):
-            raise ValueError(f"sink must be a SinkResult from analysis.sink_metric; got {type(sink).__name__}.")
-        L_s, H_s = sink.per_head_alpha.shape[:2]
-        if (L_s, H_s) != (dims.n_layers, dims.n_heads):
-            raise ValueError(
-                f"the sink result has {L_s} layers x {H_s} heads but the model has {dims.n_layers} x {dims.n_heads}: "
-                "pass a sink_metric result of this model."
-            )
-    L, H, K = len(layers), dims.n_heads, dims.n_kv_heads
-    f64 = torch.float64
-    by_pos = torch.zeros(L, K, T, dtype=f64)
-    alpha_sum = torch.zeros(L, H, dtype=f64)
-    share_sum = torch.zeros(L, H, dtype=f64)
-    unit_first_sum = [None] * L  # |sum of unit vectors|^2 gives the mean pairwise cosine
-    unit_other = [None] * L
-    pending: dict[int, dict[str, torch.Tensor]] = {}
-
-    def reduce_layer(i: int, v: torch.Tensor, pattern: torch.Tensor) -> None:
-        n_k = v.shape[2]
-        if H % n_k or n_k not in (K, H):
-            raise ValueError(f"layer {layers[i]}: hook_v has {n_k} heads; expected {K} KV heads (or {H}).")
-        norms = v.float().norm(dim=-1)  # (B, T, n_k)
-        kv_norms = norms if n_k == K else norms[:, :, :: dims.group_size]
-        by_pos[i] += kv_norms.double().sum(0).T.cpu()
-        unit = torch.nn.functional.normalize((v if n_k == K else v[:, :, :: dims.group_size]).double(), dim=-1)
-        unit_first_sum[i] = unit[:, 0].sum(0).cpu() + (0 if unit_first_sum[i] is None else unit_first_sum[i])
-        unit_other[i] = unit[:, 1:].sum((0, 1)).cpu() + (0 if unit_other[i] is None else unit_other[i])
-        per_q = norms.repeat_interleave(H // n_k, dim=2).transpose(1, 2)  # (B, H, T)
-        p = pattern.float()
-        mass = torch.einsum("bhij,bhj->bhi", p, per_q)  # sum_j A_ij |v_j|
-        first = p[..., 0] * per_q[..., :1]  # A_i1 |v_1|
-        share = (first[..., 1:] / mass[..., 1:].clamp(min=1e-30)).mean(-1)  # (B, H), queries t > 1
-        share_sum[i] += share.double().sum(0).cpu()
-        alpha_sum[i] += alpha_from_pattern(pattern, 1)[..., 0].double().sum(0).cpu()
-
-    fired: set[int] = set()
-
-    def reducer(i: int, which: str):
-        def fn(x, hook):
-            fired.add(i)
-            slot = pending.setdefault(i, {})
-            slot[which] = x
-            if len(slot) == 2:
-                reduce_layer(i, slot["v"], slot["pattern"])
-                del pending[i]
-        return fn
-
-    reducers = []
-    for i, l in enumerate(layers):
-        reducers += [(f"blocks.{l}.attn.hook_v", reducer(i, "v")), (f"blocks.{l}.attn.hook_pattern", reducer(i, "pattern"))]
-    run_with_reducers(model, tokens, reducers, batch_size=batch_size)
-    if len(fired) < L or pending:
-        silent = sorted({layers[i] for i in range(L) if i not in fired} | {layers[i] for i in pending})
-        raise ModelContractError(f"the value/pattern hooks of layers {silent} did not both fire; value norms need "
-                                 "`blocks.{l}.attn.hook_v` and `hook_pattern` to run.")
-
-    by_pos = (by_pos / N).float()
-
-    def pair_cos(sums: list, n: int) -> torch.Tensor:
-        s = torch.stack(sums)  # (L, K, d)
-        return (((s * s).sum(-1) - n) / (n * (n - 1))).float() if n > 1 else torch.full(s.shape[:2], float("nan"))
-
-    v1_cos, vj_cos = pair_cos(unit_first_sum, N), pair_cos(unit_other, N * (T - 1))
-    if sink is not None:
-        alpha = sink.per_head_alpha[layers, :, 0].float()
-        source = f"sink_metric (N={sink.alpha.shape[0]}, T={sink.T}{', ' + sink.kind if sink.kind else ''})"
-    else:
-        alpha = (alpha_sum / N).float()
-        source = "hook_pattern, same tokens"
-    return ValueNorms(
-        layers=layers, group_size=dims.group_size, N=N, T=T,
-        v1_norm=by_pos[..., 0], vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos,
-        alpha_1=alpha, first_value_share=(share_sum / N).float(), alpha_source=source, reduce=reduce,
-        v1_cos_pair=v1_cos, vj_cos_pair=vj_cos,
-        model_name=getattr(model, "model_name", None),
-    )
+    if tokens.shape[1] < 2:
+        raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
+    _check_sink(sink, dims)
+    acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind)
+    stream(model, tokens, [acc], batch_size=batch_size)
+    return acc.result(sink, reduce)

@@ -8,8 +8,10 @@ On the same N natural-text sequences of T tokens (the report's own natural probe
 and prints wall time and peak memory of each and their ratios to (a), then the report's time per section.
 Peak memory: peak resident memory of the process on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs, as in bench_sink.py) above the resident memory before it, and the process's peak; on
-CUDA, torch.cuda.max_memory_allocated. The report runs ~17 streamed passes (3 probe kinds for the sink table,
-then one or a few per analysis and intervention), so its time is best read in forward passes.
+CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` pass per probe kind (3), a
+partial pass for the norm-gain trace, and 5 intervention passes (2 spike, 2 value, 1 first-key) on top of the
+profile's shared baseline, so its time is best read in forward passes. Targets (issue 10): <= 8x the forward
+pass in time and <= 1.3x its peak memory; the last line says whether they are met.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 
 from memory import measure
+
+TIME_TARGET, MEMORY_TARGET = 8.0, 1.3
 
 
 def main() -> None:
@@ -49,6 +53,7 @@ def main() -> None:
     forward()  # warm-up (first-call allocations, lazy inits)
     runs = [measure(forward, args.device) for _ in range(max(1, args.repeat))]
     fwd = min(runs, key=lambda r: r[0])
+    print(f"plain forward: {fwd[0]:.2f} s, peak {fwd[1]:.0f} MiB (best of {len(runs)}); now the report ...", flush=True)
     with tempfile.TemporaryDirectory() as out:
         rep = measure(lambda: build_report(model, out, n=args.n, T=args.T, seed=args.seed), args.device)
         seconds = json.loads((Path(out) / "report.json").read_text())["seconds"]
@@ -62,6 +67,9 @@ def main() -> None:
     print(f"{'full report':<16}{rep[0]:>10.2f}{rep[0] / fwd[0]:>11.1f}{rep[1]:>11.0f}{rep[2]:>9.0f}"
           f"{rep[1] / max(fwd[1], 1e-9):>11.2f}")
     print("report sections (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    t_ratio, m_ratio = rep[0] / fwd[0], rep[1] / max(fwd[1], 1e-9)
+    print(f"targets: time {t_ratio:.1f}x <= {TIME_TARGET:g}x {'met' if t_ratio <= TIME_TARGET else 'NOT met'}; "
+          f"peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x {'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
     print("files: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in size.items()))
 
 

@@ -1,89 +1,204 @@
-"""Streaming sink metric against a plain forward pass and the usual peer methods.
+"""The sink metric against a Hugging Face SDPA forward pass (the floor) and the usual peer methods.
 
-    .venv/bin/python benchmarks/bench_sink.py [--model smollm2-135m] [--n 100] [--T 64 1024]
+    .venv/bin/python benchmarks/bench_sink.py [--model smollm2-135m] [--T 64 1024 8192] [--n 100 10 2]
 
-For each T, on the same N natural-text sequences and the same batches, it measures:
-  (a) plain forward     the TransformerBridge forward, no hooks
-  (b) streaming sink    analysis.sink_metric: hook_pattern reducers, alpha for keys 1..16 only
-  (c) HF eager maps     Hugging Face eager attention with output_attentions=True, all maps of a batch kept
-  (d) TL run_with_cache TransformerLens run_with_cache, every activation of a batch kept
-(c) and (d) then compute the same alpha from the kept maps. It prints wall time and peak memory (peak resident
-memory of the process on CPU, reset between methods through /proc/self/clear_refs; peak allocated memory on
-CUDA) and their ratios to (a). All in one run, so the ratios compare like with like.
+For each T (with its own N: one --n for all, or one per T), on the same natural-text sequences and the same
+batches (about 2k tokens each), each method runs in its own fresh process (so no method inherits another's
+allocator state or peak) and reports wall time, process CPU time and peak memory (``benchmarks/memory.py``);
+with --repeat R every method runs R times, in rotating order, and the table keeps its least time (the least
+disturbed run on a shared machine) and its largest peak:
+  (a) SDPA forward       Hugging Face model, attn_implementation="sdpa", logits, no KV cache: the floor
+  (b) SDPA base model    the same without the unembedding (what the fused sink runs)
+  (c) fused sink         analysis.fused_sink: alpha_1..16 from q, k and the fused kernel's log-sum-exp
+  (d) eager sink         analysis.sink_metric on the bridge's hook_pattern (every T x T map built, one at a time)
+  (e) HF eager maps      output_attentions=True, all maps of a batch kept, alpha computed from them
+  (f) TL run_with_cache  every activation of a batch kept, alpha computed from the patterns
+(e) and (f) run only for T <= --peers-max-T (at T = 8192 one batch of their maps alone is 70+ GiB). Each process
+saves its alpha; the table prints the largest |difference| from the eager sink's (d). Ratios are to (a) at the
+same T, all from one run.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 
 import torch
 
-from analysis import load_model, natural_probe, sink_metric
-from analysis.hooks import batches, default_batch_size
-from analysis.sink import alpha_from_pattern
-from memory import measure
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory import measure  # noqa: E402
+
+METHODS = {
+    "sdpa": "(a) SDPA forward",
+    "sdpa_base": "(b) SDPA base model",
+    "fused": "(c) fused sink",
+    "eager": "(d) eager sink",
+    "hf_maps": "(e) HF eager maps",
+    "tl_cache": "(f) TL run_with_cache",
+}
+PEERS = ("hf_maps", "tl_cache")
+K_MAX = 16
+
+
+def _hf(model_name: str, attn: str, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from analysis.models import DEFAULT_MODEL, smollm2_dir
+
+    src = str(smollm2_dir()) if model_name == DEFAULT_MODEL else model_name
+    hf = AutoModelForCausalLM.from_pretrained(src, attn_implementation=attn, dtype=torch.float32).to(device).eval()
+    return hf, AutoTokenizer.from_pretrained(src)
+
+
+def _eager_sink(bridge, tokens, bs):
+    import inspect
+
+    from analysis.sink import sink_metric
+
+    extra = {"path": "eager"} if "path" in inspect.signature(sink_metric).parameters else {}
+    return sink_metric(bridge, tokens, k_max=K_MAX, batch_size=bs, **extra).alpha
+
+
+def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str) -> None:
+    """Child process: load what ``method`` needs, warm up on one batch, measure the whole run, write JSON."""
+    from analysis import load_model, natural_probe
+    from analysis.hooks import batches, default_batch_size
+    from analysis.sink import alpha_from_pattern
+
+    bridge = hf = None
+    if method in ("sdpa", "sdpa_base", "hf_maps"):
+        hf, tok = _hf(model_name, "eager" if method == "hf_maps" else "sdpa", device)
+    else:
+        bridge = load_model(model_name, device=device)
+        tok = bridge.tokenizer
+    tokens = natural_probe(tok, n=n, T=T).tokens
+    bs = default_batch_size(tokens)
+    alpha: list[torch.Tensor] = []
+
+    def sdpa(base: bool):
+        m = hf.base_model if base else hf
+        with torch.inference_mode():
+            for b in batches(tokens, bs):
+                m(input_ids=b.to(device), use_cache=False)
+
+    def fused():
+        from analysis.fused_sink import fused_alpha
+
+        alpha.append(fused_alpha(bridge, tokens, K_MAX, batch_size=bs))
+
+    def hf_maps():
+        with torch.inference_mode():
+            for b in batches(tokens, bs):
+                maps = hf(b.to(device), output_attentions=True, use_cache=False).attentions  # L x (B, H, T, T)
+                alpha.append(torch.stack([alpha_from_pattern(m, K_MAX).cpu() for m in maps], 1))
+
+    def tl_cache():
+        L = bridge.cfg.n_layers
+        with torch.inference_mode():
+            for b in batches(tokens, bs):
+                _, cache = bridge.run_with_cache(b.to(device))
+                alpha.append(torch.stack(
+                    [alpha_from_pattern(cache[f"blocks.{l}.attn.hook_pattern"], K_MAX).cpu() for l in range(L)], 1))
+                del cache
+
+    fns = {"sdpa": lambda: sdpa(False), "sdpa_base": lambda: sdpa(True), "fused": fused,
+           "eager": lambda: alpha.append(_eager_sink(bridge, tokens, bs)), "hf_maps": hf_maps, "tl_cache": tl_cache}
+    warm = tokens[:1, : min(T, 64)]
+    with torch.inference_mode():  # a short warm-up (thread pools, first allocations), outside the measurement
+        (hf(input_ids=warm.to(device), use_cache=False) if hf is not None else bridge(warm.to(device)))
+    cpu = time.process_time()
+    wall, peak, _ = measure(fns[method], device)
+    cpu = time.process_time() - cpu
+    if alpha:
+        torch.save(torch.cat(alpha), out + ".alpha.pt")
+    with open(out, "w") as f:
+        json.dump({"wall": wall, "cpu": cpu, "peak": peak, "batch_size": bs}, f)
+
+
+def spawn(method: str, args, n: int, T: int, workdir: str) -> dict:
+    """Run ``method`` in a fresh process; its alpha (if any) is left in ``workdir``."""
+    out = os.path.join(workdir, f"{method}-{T}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--model", args.model, "--n", str(n),
+           "--T", str(T), "--device", args.device, "--out", out] + (["--threads", str(args.threads)] if args.threads else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{METHODS[method]} at T={T} failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def alpha_diffs(rows: list[dict], workdir: str) -> None:
+    """max |alpha - eager alpha| for each method that computes alpha, where the eager sink ran at that T."""
+    for r in rows:
+        r["max_abs_diff"] = None
+        ref, mine = (os.path.join(workdir, f"{m}-{r['T']}.json.alpha.pt") for m in ("eager", r["method"]))
+        if r["method"] != "eager" and os.path.exists(ref) and os.path.exists(mine):
+            r["max_abs_diff"] = float((torch.load(mine) - torch.load(ref)).abs().max())
+
+
+def best(runs: list[dict]) -> dict:
+    """Over repeated runs of one method: the least wall and CPU time (the least disturbed run), the largest peak."""
+    return {**runs[0], "wall": min(r["wall"] for r in runs), "cpu": min(r["cpu"] for r in runs),
+            "peak": max(r["peak"] for r in runs), "repeats": len(runs)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'T':>5} {'N':>4}  {'method':<22} {'wall (s)':>9} {'x (a)':>6} {'CPU (s)':>8} {'x (a)':>6}"
+             f" {'peak (MiB)':>11} {'x (a)':>6} {'max |d alpha|':>14}"]
+    for r in rows:
+        a = next(b for b in rows if b["T"] == r["T"] and b["method"] == "sdpa")
+        d = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
+        lines.append(f"{r['T']:>5} {r['n']:>4}  {METHODS[r['method']]:<22} {r['wall']:>9.2f} {r['wall'] / a['wall']:>6.2f}"
+                     f" {r['cpu']:>8.2f} {r['cpu'] / a['cpu']:>6.2f} {r['peak']:>11.0f} {r['peak'] / a['peak']:>6.2f}"
+                     f" {d:>14}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--n", type=int, default=100)
-    p.add_argument("--T", type=int, nargs="+", default=[64, 1024])
-    p.add_argument("--batch-size", type=int, default=None, help="default: about 2k tokens a batch")
+    p.add_argument("--T", type=int, nargs="+", default=[64, 1024, 8192])
+    p.add_argument("--n", type=int, nargs="+", default=[100, 10, 2], help="N sequences: one value, or one per T")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--repeat", type=int, default=1, help="run each method this many times (rounds interleave "
+                   "the methods); the table keeps the least time and the largest peak")
+    p.add_argument("--peers-max-T", type=int, default=1024, help="run (e) and (f) only up to this T")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in each process (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--child", choices=list(METHODS), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-
-    bridge = load_model(args.model, device=args.device)
-    # A separate Hugging Face model with eager attention for (c) (the bridge wraps its own copy's modules).
-    from transformers import AutoModelForCausalLM
-
-    from analysis.models import DEFAULT_MODEL, smollm2_dir
-
-    src = str(smollm2_dir()) if args.model == DEFAULT_MODEL else args.model
-    hf = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager", dtype=torch.float32).to(args.device).eval()
-    print(f"model {args.model} on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        return run_one(args.child, args.model, args.n[0], args.T[0], args.device, args.out)
+    if len(args.n) not in (1, len(args.T)):
+        p.error(f"give one --n, or one per T ({len(args.T)} values); got {len(args.n)}.")
+    ns = args.n * len(args.T) if len(args.n) == 1 else args.n
+    if "sdpa" not in args.methods:
+        args.methods = ["sdpa", *args.methods]  # the floor every ratio is taken to
+    print(f"model {args.model} on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          "each method in its own process", flush=True)
     rows = []
-    for T in args.T:
-        tokens = natural_probe(bridge.tokenizer, n=args.n, T=T).tokens
-        bs = args.batch_size or default_batch_size(tokens)
-        K = min(T, 16)
-        L = bridge.cfg.n_layers
-
-        def plain():
-            with torch.inference_mode():
-                for b in batches(tokens, bs):
-                    bridge(b.to(args.device))
-
-        def streaming():
-            sink_metric(bridge, tokens, k_max=K, batch_size=bs)
-
-        def hf_eager():
-            with torch.inference_mode():
-                out = []
-                for b in batches(tokens, bs):
-                    maps = hf(b.to(args.device), output_attentions=True).attentions  # L x (B,H,T,T)
-                    out.append(torch.stack([alpha_from_pattern(m, K).cpu() for m in maps], 1))
-
-        def tl_cache():
-            with torch.inference_mode():
-                out = []
-                for b in batches(tokens, bs):
-                    _, cache = bridge.run_with_cache(b.to(args.device))
-                    out.append(torch.stack([alpha_from_pattern(cache[f"blocks.{l}.attn.hook_pattern"], K).cpu() for l in range(L)], 1))
-                    del cache
-
-        with torch.inference_mode():  # warm-up on one batch
-            bridge(tokens[:bs].to(args.device))
-        for name, fn in [("(a) plain forward", plain), ("(b) streaming sink", streaming), ("(c) HF eager maps", hf_eager), ("(d) TL run_with_cache", tl_cache)]:
-            wall, peak, _ = measure(fn, args.device)
-            rows.append((T, name, wall, peak))
-            print(f"  T={T:<5} {name:<22} {wall:8.2f} s  {peak:9.0f} MiB", flush=True)
-
-    print(f"\nN = {args.n} sequences, batches of about 2k tokens; ratios are to (a) at the same T")
-    print(f"{'T':>5}  {'method':<22} {'time (s)':>9} {'x (a)':>6} {'peak (MiB)':>11} {'x (a)':>6}")
-    for T in args.T:
-        base = next(r for r in rows if r[0] == T and r[1].startswith("(a)"))
-        for t, name, wall, peak in (r for r in rows if r[0] == T):
-            print(f"{t:>5}  {name:<22} {wall:>9.2f} {wall / base[2]:>6.2f} {peak:>11.0f} {peak / base[3]:>6.2f}")
+    with tempfile.TemporaryDirectory() as workdir:
+        for T, n in zip(args.T, ns):
+            methods = [m for m in args.methods if not (m in PEERS and T > args.peers_max_T)]
+            runs: dict[str, list[dict]] = {m: [] for m in methods}
+            for rep in range(args.repeat):
+                for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # rotate the order
+                    r = {"T": T, "n": n, "method": m, **spawn(m, args, n, T, workdir)}
+                    runs[m].append(r)
+                    print(f"  T={T:<5} N={n:<4} {METHODS[m]:<22} {r['wall']:8.2f} s wall {r['cpu']:8.2f} s CPU "
+                          f"{r['peak']:9.0f} MiB", flush=True)
+            rows += [best(runs[m]) for m in methods]
+        alpha_diffs(rows, workdir)
+    print(f"\nbest of {args.repeat} run(s) per method; ratios to (a) at the same T; CPU = process CPU time (user + "
+          "system, all threads); max |d alpha| is the largest difference from (d) over every alpha kept")
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_where_shares_categories():
 def test_spike_ablation_planted(planted, toks):
     r = spike_ablation(planted, toks)
     assert r.has_spike and r.spike_dims == {0: SPIKE_DIMS, 1: SPIKE_DIMS}
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     assert s.loc["baseline", "sink_1_pct"] == pytest.approx(50.0)  # layers 1 and 2 of 4, all heads
     assert s.loc["zero", "sink_1_pct"] < 10
     assert s.loc["mean", "sink_1_pct"] == pytest.approx(s.loc["baseline", "sink_1_pct"])
@@ -59,12 +59,12 @@ def test_spike_ablation_planted(planted, toks):
 def test_spike_ablation_where_appear(planted, toks):
     r = spike_ablation(planted, toks, where="appear")
     assert r.spike_dims == {0: SPIKE_DIMS}
-    assert r.summary.set_index("condition").loc["zero", "sink_1_pct"] < 10
+    assert r.conditions.set_index("condition").loc["zero", "sink_1_pct"] < 10
 
 
 def test_spike_ablation_without_spike(planted_nospike, toks):
     r = spike_ablation(planted_nospike, toks)
-    assert not r.has_spike and list(r.summary["condition"]) == ["baseline"]
+    assert not r.has_spike and list(r.conditions["condition"]) == ["baseline"]
     assert "no spike" in r.text()
     json.dumps(r.to_dict())
 
@@ -85,7 +85,7 @@ def test_spike_ablation_bad_input(planted, toks):
 def test_value_ablation_planted(planted, toks):
     r = value_ablation(planted, toks)
     assert r.sink_heads == planted.planted.sink_heads
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     assert abs(s.loc["sink_heads", "delta_loss"]) < 1e-3  # W_V ignores the spike dims: v_1 ~ 0
     assert abs(s.loc["sink_heads_mean", "delta_loss"]) < 1e-3
     h = r.heads
@@ -96,7 +96,7 @@ def test_value_ablation_planted(planted, toks):
 def test_value_ablation_given_heads_and_bad_heads(planted, toks):
     r = value_ablation(planted, toks, sink_heads=[(1, 0), (2, 3)], all_heads=False)
     assert r.sink_heads == [(1, 0), (2, 3)] and list(r.heads["head"]) == [0, 3]
-    assert "all_heads" not in set(r.summary["condition"])
+    assert "all_heads" not in set(r.conditions["condition"])
     with pytest.raises(ValueError, match="out of range"):
         value_ablation(planted, toks, sink_heads=[(1, 9)])
     with pytest.raises(ValueError, match="pairs"):
@@ -112,7 +112,7 @@ def test_value_ablation_no_sink_heads(planted_nospike, toks):
 def test_first_key_ablation_planted(planted, toks):
     r = first_key_ablation(planted, toks)
     assert r.layers == list(planted.planted.sink_layers) and r.spike_dims == {1: SPIKE_DIMS, 2: SPIKE_DIMS}
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     assert s.loc["baseline", "first"] > 0.99 and s.loc["ablated", "first"] < 0.2
     assert s.loc["baseline", "sink_1"] == 100 and s.loc["ablated", "sink_1"] < 20
     # The attention goes back to the ordinary keys, as in the layers without a sink (layer 0).
@@ -151,7 +151,7 @@ def smol(smollm2):
 def test_smollm2_zero_vs_mean(smollm2, smol):
     toks, ma = smol
     r = spike_ablation(smollm2, toks, spike_dims=ma.first_token_dims)
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     d_zero = s.loc["zero", "sink_1_pct"] - s.loc["baseline", "sink_1_pct"]
     d_mean = s.loc["mean", "sink_1_pct"] - s.loc["baseline", "sink_1_pct"]
     assert d_zero < -20 and abs(d_zero) > 5 * abs(d_mean)
@@ -162,7 +162,7 @@ def test_smollm2_first_value_is_a_constant(smollm2, smol):
     toks, _ = smol
     r = value_ablation(smollm2, toks, all_heads=False)
     assert len(r.sink_heads) > 50
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     # Whatever zeroing v_1 does, setting it to its mean over the other inputs does far less.
     assert abs(s.loc["sink_heads_mean", "delta_loss"]) < 0.2 * abs(s.loc["sink_heads", "delta_loss"])
     assert (r.heads["v1_norm"] < r.heads["v_other_norm"]).mean() > 0.8
@@ -171,7 +171,7 @@ def test_smollm2_first_value_is_a_constant(smollm2, smol):
 def test_smollm2_first_key_without_spike(smollm2, smol):
     toks, ma = smol
     r = first_key_ablation(smollm2, toks, spike_dims=ma.input_dims(smollm2.cfg.n_layers))
-    s = r.summary.set_index("condition")
+    s = r.conditions.set_index("condition")
     assert s.loc["ablated", "first"] < s.loc["baseline", "first"] - 0.1
     assert s.loc["ablated", "sink_1"] < s.loc["baseline", "sink_1"] - 20
 
@@ -191,8 +191,8 @@ def test_layernorm_and_reference_models_run():
     for m in (planted_ln_model("gpt2"), ref):
         s = spike_ablation(m, toks)
         assert s.spike_dims == {0: SPIKE_DIMS, 1: SPIKE_DIMS}
-        assert abs(s.summary.set_index("condition").loc["mean", "delta_loss"]) < 1e-2
+        assert abs(s.conditions.set_index("condition").loc["mean", "delta_loss"]) < 1e-2
         f = first_key_ablation(m, toks)
         assert f.layers == [1, 2] and f.has_spike
         v = value_ablation(m, toks, sink_heads=[(1, 0), (2, 1)], all_heads=False)
-        assert len(v.summary) == 4
+        assert len(v.conditions) == 4

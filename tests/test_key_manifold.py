@@ -105,12 +105,12 @@ def test_planted_spike_makes_identical_distant_first_keys(planted, tokens):
     assert (sink.axis_z > 5).all()
     assert (sink.norm_ratio > 5).all()
     assert (sink.cos_q_k1 > sink.cos_q_kj + 0.5).all()
-    assert set(km.sink_heads()) == {(l, h) for l in SINK_LAYERS for h in range(2)}
+    assert set(km.sink_kv_heads()) == {(l, h) for l in SINK_LAYERS for h in range(2)}
 
 
 def test_model_without_a_spike_runs_and_shows_no_special_first_key(planted_nospike, tokens):
     km = first_key_manifold(planted_nospike, tokens)
-    assert km.sink_heads() == []
+    assert km.sink_kv_heads() == []
     assert (km.table.cos_first_pair < 0.5).all()
     assert (km.table.alpha_1_max < 0.3).all()
     json.dumps(km.to_dict(), allow_nan=False)
@@ -203,7 +203,7 @@ def test_real_model_first_keys_in_sink_heads(smollm2):
     km = first_key_manifold(smollm2, tokens)
     s = km.summary()
     sink, other = s["sink"], s["non_sink"]
-    assert s["n_sink_heads"] > 30 and s["n_other_heads"] > 3
+    assert s["n_sink_kv_heads"] > 30 and s["n_other_kv_heads"] > 3
     # Queries point at k_1, not at the other keys, in sink heads (the angle) ...
     assert sink["cos_q_k1"] > sink["cos_q_kj"] + 0.3
     assert sink["cos_q_k1"] > other["cos_q_k1"] + 0.2

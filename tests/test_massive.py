@@ -69,7 +69,7 @@ def test_no_spike_is_said_plainly(planted_nospike):
     r = massive_activations(planted_nospike, planted_tokens(4, 16))
     assert not r.has_spike and r.first_layer is None and r.last_layer is None
     assert r.spike_dims == {} and len(r.flagged) == 0 and r.dims.empty
-    assert "No massive activations" in r.summary()
+    assert "No massive activations" in r.text()
     d = json.loads(json.dumps(r.to_dict()))
     assert d["has_spike"] is False and d["spike_dims"] == {}
 

@@ -66,3 +66,25 @@ def test_hub_id_goes_to_the_network_boundary_and_fails_clearly(monkeypatch, no_n
     with pytest.raises(ModelNotFoundError, match="could not load 'HuggingFaceTB/SmolLM2-135M'.*local copy"):
         load_model("HuggingFaceTB/SmolLM2-135M", device="cpu")
     assert no_network, "a hub id should have tried the network"
+
+
+def test_loaded_models_carry_their_family(smollm2):
+    """The loader reads the family once; rotary_base comes from it (SmolLM2: a Llama with theta 1e5)."""
+    spec = smollm2.family
+    assert spec.family == "llama" and spec.attention_layers == tuple(range(30)) and not spec.skipped_layers
+    assert (spec.rotary_base, spec.rotary_dim, spec.rotary_style) == (100000.0, 64, "half")
+    assert (spec.norm.kind, spec.norm.gain_form, spec.norm_placement) == ("RMSNorm", "w", "pre")
+    assert spec.key_hook(3) == "blocks.3.attn.hook_rot_k" and spec.key_rotated
+    assert (spec.n_heads, spec.n_kv_heads, spec.d_head) == (9, 3, 64)
+    assert "100000" in spec.text()
+
+
+def test_reference_models_carry_their_family():
+    from analysis.families import FamilySpec
+    from analysis.models import model_names
+
+    assert "synthetic-softmax" in model_names()  # shipped in data/reference
+    model = load_model("synthetic-softmax", device="cpu")
+    assert isinstance(model.family, FamilySpec) and model.family.family == "reference"
+    assert model.family.attention_layers == tuple(range(model.cfg.n_layers))
+    assert rotary_base(model) == model.family.rotary_base

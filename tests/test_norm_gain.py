@@ -60,13 +60,13 @@ def test_rebuilt_key_equals_the_hooks(trace):
 def test_to_dict_json(trace):
     d = json.loads(json.dumps(trace.to_dict()))
     assert d["spike_dims"] == SPIKE_DIMS and d["layer"] == 1 and len(d["heads"]) == 4
-    assert "summary" in d and "spike dims" in d["summary"]
+    assert "text" in d and "spike dims" in d["text"]
 
 
 def test_layer_without_spike_says_so(planted):
     with pytest.warns(UserWarning, match="no spike"):
         t = norm_gain_trace(planted, planted_tokens(4, 16), layer=3)
-    assert not t.has_spike and t.spike_dims == [] and "no spike" in t.summary()
+    assert not t.has_spike and t.spike_dims == [] and "no spike" in t.text()
     assert math.isnan(t.stages.set_index("stage").loc["normalised", "first_share"])
     assert t.rebuild["key_rel_err"] < 1e-5  # the rest of the trace still runs
     d = json.loads(json.dumps(t.to_dict()))
@@ -154,7 +154,10 @@ def test_smollm2_rebuilt_key_matches_hook_rot_k(smollm2, smol_tokens):
 
 
 def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monkeypatch):
-    monkeypatch.setattr(smollm2, "rope_theta", 10000.0)  # what the bridge's cfg.rotary_base wrongly says
+    import analysis.norm_gain
+
+    # 10000: what the bridge's cfg.rotary_base wrongly says (SmolLM2's theta is 1e5)
+    monkeypatch.setattr(analysis.norm_gain, "rotary_base", lambda model: 10000.0)
     with pytest.warns(UserWarning, match="no spike"):
         t = norm_gain_trace(smollm2, smol_tokens[:2], layer=2, spike_dims=[])
     assert t.rebuild["rotated_key_max_abs_err"] > 1e-2 and t.rebuild["key_rel_err"] < 1e-5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError
-from analysis.report import SECTIONS, build_report
+from analysis.report import SECTIONS, ReportError, build_report
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike  # noqa: F401
 
 
@@ -47,6 +47,7 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
+    assert page.count("data:image/png;base64,") == 17  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
     for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions"):
         assert s in page
@@ -69,7 +70,7 @@ def test_json_holds_the_planted_answers(planted_report):
     assert d["sections"]["value_norms"]["summary"]["median_ratio_sink"] < 0.01
     iv = d["sections"]["interventions"]
     assert {"spike_ablation", "value_ablation", "first_key_ablation"} <= set(iv)
-    zero = [r for r in iv["spike_ablation"]["summary"] if r["condition"] == "zero"][0]
+    zero = [r for r in iv["spike_ablation"]["conditions"] if r["condition"] == "zero"][0]
     assert zero["sink_1_pct"] < 5
     # Every finding is a sentence with a number.
     assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
@@ -104,12 +105,43 @@ def test_a_failing_section_is_reported_and_the_others_survive(planted, tmp_path,
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(analysis.value_norms, "value_norms", broken)
-    build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
+    monkeypatch.setattr(analysis.value_norms.ValueNorms, "to_dict", broken)
+    with pytest.raises(ReportError, match=r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)"):
+        build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
     d = _strict_json(tmp_path / "report.json")
     assert d["sections"]["value_norms"] == {"error": "RuntimeError: boom"}
     assert d["sections"]["sink"]["sink_1_pct"]["natural"] == 50.0
     assert "RuntimeError" in (tmp_path / "report.html").read_text()
+
+
+def test_a_broken_figure_fails_the_report_and_the_rest_is_kept(planted, tmp_path, monkeypatch):
+    import analysis.figures.sink
+
+    def broken(*args, **kwargs):
+        raise ValueError("no axes")
+
+    monkeypatch.setattr(analysis.figures.sink, "plot_sink_by_layer", broken)
+    with pytest.raises(ReportError, match=r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)"):
+        build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
+    d = _strict_json(tmp_path / "report.json")
+    assert d["errors"] == {"sink": ["figure 'Sink_1 per layer': ValueError: no axes"]}
+    assert d["sections"]["sink"]["sink_1_pct"]["natural"] == 50.0  # the numbers are kept
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 + 2  # the other sink figures and the value-norm figures
+    assert "no axes" in page and "Value norms" in page
+
+
+def test_the_cli_exits_non_zero_when_the_report_fails(monkeypatch, tmp_path, capsys):
+    import analysis.__main__ as cli
+    import analysis.report
+
+    def failing(*args, **kwargs):
+        raise ReportError("1 report section(s) failed: sink (boom).")
+
+    monkeypatch.setattr(analysis.report, "build_report", failing)
+    monkeypatch.setattr("analysis.models.load_model", lambda *a, **k: None)
+    assert cli.main(["report", "--out", str(tmp_path)]) == 1
+    assert "sink (boom)" in capsys.readouterr().err
 
 
 def test_a_missing_module_is_left_out_and_said(planted, tmp_path, monkeypatch):

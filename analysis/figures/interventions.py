@@ -18,7 +18,7 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     n = len(results)
     w = 0.8 / n
     for i, (name, r) in enumerate(results.items()):
-        s = r.summary
+        s = r.conditions
         x = np.arange(len(s)) + (i - (n - 1) / 2) * w
         hatch = ["", "//", "..", "xx"][i % 4]
         b = axes[0].bar(x, s["sink_1_pct"], w, color=[_COND_COLORS.get(c, "grey") for c in s["condition"]], hatch=hatch, label=name or None)
@@ -29,7 +29,7 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
         for c in [c for c in pl.columns if c != "layer"]:
             axes[2].plot(pl["layer"], pl[c], marker="o", ms=2.5, color=_COND_COLORS.get(c, "grey"),
                          ls=["-", "--", ":", "-."][i % 4], label=f"{c} {name}".strip())
-    cond = list(next(iter(results.values())).summary["condition"])
+    cond = list(next(iter(results.values())).conditions["condition"])
     for a in axes[:2]:
         a.set_xticks(range(len(cond)), cond)
     axes[0].set_ylabel("Sink$_1$ (%)")
@@ -47,7 +47,7 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
 def plot_value_ablation(result: ValueAblation):
     """Loss change per condition, and per sink head the first value's norm against the other values'."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.3))
-    s = result.summary[result.summary["condition"] != "baseline"]
+    s = result.conditions[result.conditions["condition"] != "baseline"]
     b = a1.barh(s["condition"], s["delta_loss"], color="#c44e52")
     a1.bar_label(b, fmt="%+.3f", fontsize=7)
     a1.axvline(0, color="grey", lw=0.6)
@@ -70,7 +70,7 @@ def plot_first_key_ablation(result: FirstKeyAblation):
     """Where the attention of later queries goes (first / previous / self / other keys), over the changed
     layers, and the first key's share per layer, with and without the spike-driven part of k_1."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10.5, 3.3), gridspec_kw={"width_ratios": [1, 2]})
-    s = result.summary
+    s = result.conditions
     bottom = np.zeros(len(s))
     colors = {"first": "#c44e52", "previous": "#dd8452", "self": "#55a868", "other": "#4c72b0"}
     for k in WHERE_KEYS:

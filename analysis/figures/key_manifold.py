@@ -4,13 +4,14 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.defaults import SINK_MIN_ALPHA
 from analysis.key_manifold import KeyManifold
 
 
 def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
     row = km.head(layer, kv_head) if layer in km.layers and kv_head in km.kv_heads else None
     a = f", $\\alpha_1$ max {row.alpha_1_max:.2f}" if row is not None else ""
-    kind = "" if row is None else (" (sink)" if row.alpha_1_max > 0.3 else " (no sink)")
+    kind = "" if row is None else (" (sink)" if row.alpha_1_max > SINK_MIN_ALPHA else " (no sink)")
     return f"layer {layer}, KV head {kv_head}{a}{kind}"
 
 
@@ -80,7 +81,7 @@ def plot_manifold_summary(km: KeyManifold):
     ax = axes[1, 1]
     ax.plot(x, t["first_n90"], marker="o", ms=3, label="first keys")
     ax.plot(x, t["mid_n90"], marker="o", ms=3, label=f"keys at position {km.T // 2 + 1}")
-    ax.set_ylabel(f"PCs for 90% variance\n(N={km.N} keys each)")
+    ax.set_ylabel(f"PCs for 90% variance\n(N={km.n_samples} keys each)")
     ax.legend(fontsize=7)
     for a in axes[1]:
         a.set_xlabel("layer")

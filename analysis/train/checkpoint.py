@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from analysis.io import parse_dtype
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -278,16 +279,7 @@ def load_reference(path_or_dir, device=None, dtype=None):
     model.model_name = d.name
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = _dtype(dtype)
+    dtype = parse_dtype(dtype)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
 
-
-def _dtype(dtype):
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}.")
-    return table[dtype]

@@ -4,20 +4,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from analysis.rotary import rope_cos_sin, rotate_half  # the one rotary, shared with the analyses
 from torch import nn
-
-
-def rope_cos_sin(positions: torch.Tensor, d_head: int, base: float, dtype=torch.float32):
-    """cos, sin (T, d_head) for the LLaMA (rotate-half) convention; ``positions`` may be negative."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, device=positions.device, dtype=torch.float32) / d_head))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,11 @@ def test_bos_and_fixed_token_options():
     assert torch.all(bos[:, 0] == stream_source().bos_token_id)
     fixed = stream_source(fixed_token_position=3, fixed_token_id=7).batch(0, 8).inputs
     assert torch.all(fixed[:, 2] == 7) and fixed.shape == (8, 16)
+    # the synthetic task with a fixed token at k: the chain starts at position 1 and BOS's place is k
     syn = synthetic(fixed_token_position=2, fixed_token_id=5).batch(0, 4).inputs
-    assert torch.all(syn[:, 0] == 0) and torch.all(syn[:, 1] == 5)
+    assert torch.all(syn[:, 0] != 0) and torch.all(syn[:, 1] == 5)
+    syn = synthetic(fixed_token_position=3).batch(0, 4).inputs
+    assert torch.all(syn[:, 2] == 0) and not torch.any(syn[:, :2] == 0)
 
 
 def test_prefix_lm_masks_the_loss_on_the_prefix():

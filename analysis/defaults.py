@@ -1,0 +1,17 @@
+"""Every default threshold of the analyses, in one place (units in the names: shares are fractions).
+
+Change a default here and every analysis, the report and the command line follow.
+"""
+from __future__ import annotations
+
+SINK_EPS = 0.3  # alpha_k > eps makes (sample, layer, head) a sink (Gu et al. 2025)
+SINK_K_MAX = 16  # alpha kept for keys 1..min(T, SINK_K_MAX)
+SINK_HEAD_MIN_SHARE = 0.5  # a sink head sinks on at least this fraction of samples
+SINK_MIN_ALPHA = 0.3  # a sink (KV) head has mean alpha_1 above this (key manifold, value norms)
+
+SPIKE_ABS = 100.0  # massive activation: |a| > SPIKE_ABS ... (Sun et al. 2024)
+SPIKE_RATIO = 1000.0  # ... and |a| >= SPIKE_RATIO x the median |a| of its hidden state
+SPIKE_MIN_SHARE = 0.5  # a spike dimension is flagged on at least this fraction of samples
+SPIKE_SAMPLES = 32  # sequences used to find spike dimensions when an analysis needs them
+
+TINY = 1e-30  # floor of denominators

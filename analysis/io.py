@@ -1,0 +1,79 @@
+"""Files and plain data: atomic writes, strict JSON, dtype names. Used by the CLI, the report and notebooks."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def parse_dtype(dtype, default: torch.dtype | None = None) -> torch.dtype | None:
+    """A torch dtype from a name (``"bf16"``, ``"float32"`` ...) or a dtype; ``default`` for None."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def jsonable(obj):
+    """A strictly JSON-serialisable copy: tensors, arrays and DataFrames to lists, NaN/inf to None, tuple keys
+    to "a,b" strings, objects with ``to_dict()`` through it."""
+    if isinstance(obj, dict):
+        return {(",".join(map(str, k)) if isinstance(k, tuple) else str(k)): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return jsonable(obj.detach().cpu().tolist())
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    if isinstance(obj, pd.DataFrame):
+        return jsonable(obj.to_dict("records"))
+    if isinstance(obj, (np.bool_, bool)):
+        return bool(obj)
+    if isinstance(obj, (np.integer, int)):
+        return int(obj)
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else None
+    if obj is None or isinstance(obj, str):
+        return obj
+    if hasattr(obj, "to_dict"):
+        return jsonable(obj.to_dict())
+    return str(obj)
+
+
+def records(df: pd.DataFrame) -> list[dict]:
+    """A DataFrame as JSON-clean records (NaN -> None)."""
+    return jsonable(df.to_dict("records"))
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: an existing
+    file is only replaced by a complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, payload) -> None:
+    """Strict JSON (no NaN), written atomically."""
+    write_atomic(path, json.dumps(jsonable(payload), allow_nan=False))

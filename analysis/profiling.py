@@ -1,0 +1,108 @@
+"""One streamed pass per input kind that feeds every analysis at once: ``analysis.profile(model, probes)``.
+
+The main kind (natural text by default) feeds the sink metric, massive activations, QK angles, the first-key
+manifold, value norms and the interventions' shared baseline (loss, attention shares, the first token's
+residual stream and values) in the same forward pass; every other kind feeds the sink metric and massive
+activations. Each result equals the analysis run alone on the same tokens (``tests/test_profile.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from analysis.defaults import SINK_EPS
+from analysis.hooks import check_tokens, model_dims, stream
+from analysis.results import Result
+
+MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline")
+ANALYSES = ("sink", "massive") + MAIN_ANALYSES
+
+
+@dataclass
+class Profile(Result):
+    """Every analysis' result: ``sink`` and ``massive`` per input kind; the others on the main kind only."""
+
+    sink: dict = field(default_factory=dict)  # kind -> SinkResult
+    massive: dict = field(default_factory=dict)  # kind -> MassiveActivations
+    qk: object | None = None  # QKAngles
+    key_manifold: object | None = None  # KeyManifold
+    value_norms: object | None = None  # ValueNorms
+    baseline: object | None = None  # interventions.Baseline
+    main: str = "natural"
+    model_name: str | None = None
+    n_samples: int = 0
+
+    @property
+    def kind(self) -> str:
+        return self.main
+
+    @property
+    def results(self) -> dict:
+        """Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...)."""
+        out = {f"sink/{k}": r for k, r in self.sink.items()} | {f"massive/{k}": r for k, r in self.massive.items()}
+        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms") if getattr(self, k) is not None}
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        from analysis.sink import sink_table
+
+        return {"sink": sink_table(self.sink).reset_index()} if self.sink else {}
+
+    def text(self) -> str:
+        return " ".join(r.text() for r in self.results.values())
+
+    def to_dict(self) -> dict:
+        return {**self.header(), "results": {k: r.to_dict() for k, r in self.results.items()}, "text": self.text()}
+
+
+def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max) -> dict:
+    from analysis.interventions import baseline_accumulators
+    from analysis.key_manifold import key_manifold_accumulator
+    from analysis.massive import massive_accumulator
+    from analysis.qk import QKAccumulator
+    from analysis.sink import SinkAccumulator
+    from analysis.value_norms import ValueNormsAccumulator
+
+    T = tokens.shape[1]
+    layers = list(range(model_dims(model).n_layers))
+    make = {
+        "sink": lambda: [SinkAccumulator(model, T, eps, k_max, kind)],
+        "massive": lambda: [massive_accumulator(model, tokens.shape, kind=kind)],
+        "qk": lambda: [QKAccumulator(model, layers, kind)],
+        "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
+        "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
+        "baseline": lambda: baseline_accumulators(model, T, eps),
+    }
+    return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
+
+
+def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: float = SINK_EPS, k_max: int | None = None,
+            batch_size: int | None = None, progress: bool = False) -> Profile:
+    """Run every analysis in ``analyses`` on ``probes`` ({kind: ProbeSet or (N, T) tokens}) with one streamed pass
+    per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only."""
+    from analysis.interventions import baseline_from
+
+    bad = [a for a in analyses if a not in ANALYSES]
+    if bad:
+        raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")
+    if main not in probes:
+        raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
+    out = Profile(main=main, model_name=getattr(model, "model_name", None))
+    for kind, p in probes.items():
+        tokens = check_tokens(model, getattr(p, "tokens", p))
+        accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max)
+        flat = [a for group in accs.values() for a in group]
+        results = iter(stream(model, tokens, flat, batch_size=batch_size, progress=progress))
+        got = {name: [next(results) for _ in group] for name, group in accs.items()}
+        for name in ("sink", "massive"):
+            if name in got:
+                getattr(out, name)[kind] = got[name][0]
+        if kind == main:
+            out.n_samples = tokens.shape[0]
+            for name in ("qk", "key_manifold", "value_norms"):
+                if name in got:
+                    setattr(out, name, got[name][0])
+            if "baseline" in got:
+                out.baseline = baseline_from(got["baseline"])
+    return out

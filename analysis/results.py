@@ -1,0 +1,66 @@
+"""The one result protocol every analysis follows, and the small formatters results share.
+
+Every result has ``kind`` (the input kind, e.g. "natural", or None), ``model_name``, ``n_samples`` (the
+number of sequences), ``tables`` (named DataFrames), ``text()`` (the finding in words: what the report and
+the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions in [0, 1] everywhere;
+``_pct`` in a name marks a percentage. Heads named ``kv_head`` are key/value heads (GQA), ``head`` query heads.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from analysis.io import jsonable
+
+
+class Result:
+    """Mixin of the result protocol. Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or
+    properties) and define ``tables`` and ``text()``; ``to_dict()`` adds the header and the tables."""
+
+    kind: str | None
+    model_name: str | None
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {}
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def header(self) -> dict:
+        return {"model": self.model_name, "kind": self.kind, "n_samples": int(self.n_samples)}
+
+    def to_dict(self) -> dict:
+        """Header, every named table as records, and the text."""
+        return jsonable({**self.header(), **{k: v for k, v in self.tables.items()}, "text": self.text()})
+
+
+def runs(layers: Sequence[int]) -> list[list[int]]:
+    """[2, 3, 4, 7] -> [[2, 3, 4], [7]]: runs of consecutive layers."""
+    out: list[list[int]] = []
+    for l in sorted(int(l) for l in layers):
+        if out and l == out[-1][-1] + 1:
+            out[-1].append(l)
+        else:
+            out.append([l])
+    return out
+
+
+def layer_runs(layers: Sequence[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs(layers))
+
+
+def layers_text(layers: Sequence[int]) -> str:
+    """[3, 4, 5, 9] -> 'layers 3-5, 9'; [2] -> 'layer 2'."""
+    return ("layer " if len(layers) == 1 else "layers ") + layer_runs(layers)
+
+
+def dims_by_layer_text(spikes: dict[int, list[int]]) -> str:
+    """{0: [7], 1: [7, 21]} -> 'dim 7 at layers 0-1; dim 21 at layer 1'."""
+    by_dim: dict[int, list[int]] = {}
+    for l, ds in spikes.items():
+        for d in ds:
+            by_dim.setdefault(d, []).append(l)
+    return "; ".join(f"dim {d} at {layers_text(ls)}" for d, ls in sorted(by_dim.items()))

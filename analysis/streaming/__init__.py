@@ -1,0 +1,18 @@
+"""StreamingLLM and sink-aware KV caches: perplexity of a causal LM on a long stream under bounded caches.
+
+    from analysis.streaming import streaming_perplexity
+    res = streaming_perplexity("smollm2-135m", window=256, n_tokens=2048)
+    res.table          # one row per policy: perplexity, tokens/s, KV-cache MiB, the sinks' attention share
+    res.curve()        # log-perplexity against position
+    print(res.text())  # the finding in words
+
+Modules: ``cache`` (policies, the ``transformers.Cache`` subclass, rotary re-positioning, simulated KV
+quantisation), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
+stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``run`` (all policies, the result).
+"""
+from analysis.streaming.cache import Policy, StreamingCache, fake_quantize, rope_spec
+from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies, run_policy
+from analysis.streaming.run import StreamResult, default_policies, streaming_perplexity
+
+__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "default_policies", "fake_quantize",
+           "recompute_nll", "rope_spec", "run_policies", "run_policy", "streaming_perplexity"]

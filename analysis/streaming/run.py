@@ -1,0 +1,216 @@
+"""Streaming perplexity of one model under every cache policy, on one recorded stream: ``StreamResult``."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from analysis.streaming.backbone import causal_lm, context_length
+from analysis.streaming.cache import Policy
+from analysis.streaming.corpus import newline_id, stdlib_stream
+from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
+
+
+def default_policies(window: int, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
+                     quant_sinks: int = 4, dense: bool = True) -> list[Policy]:
+    """dense; s + (window - s) for each s (s = 0 is the window policy); newline sinks; and the
+    sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision."""
+    pols = [Policy("dense")] if dense else []
+    for s in sinks:
+        pols.append(Policy("window", window) if s == 0 else Policy("sinks", window, s))
+    if newline_sinks:
+        pols.append(Policy("sinks", window, newline_sinks, "newline"))
+    for b in bits or ():
+        pols += [Policy("sinks", window, quant_sinks, bits=b), Policy("sinks", window, quant_sinks, bits=b, fp_sinks=True)]
+    return pols
+
+
+class StreamResult:
+    """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share."""
+
+    def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
+                 recompute_every: int | None, device: str, tokens: list[int] | None = None):
+        self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
+        self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
+
+    def run(self, label: str) -> PolicyRun:
+        for r in self.runs:
+            if r.policy.label == label:
+                return r
+        raise KeyError(f"no policy {label!r}; have {[r.policy.label for r in self.runs]}.")
+
+    def _recompute(self) -> PolicyRun | None:
+        return next((r for r in self.runs if r.policy.kind == "recompute"), None)
+
+    @staticmethod
+    def _ppl(nll: np.ndarray) -> float:
+        nll = nll[~np.isnan(nll)]
+        return float(math.exp(nll.mean())) if nll.size else float("nan")
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """One row per policy. ppl: over every scored token from token skip+1; ppl_past_window: over tokens
+        after the first eviction; ppl_at_recompute: on the positions the re-computation ceiling scored."""
+        rec = self._recompute()
+        rec_pos = None if rec is None else np.where(~np.isnan(rec.nll) & (np.arange(rec.nll.size) >= self.window))[0]
+        rows = []
+        for r in self.runs:
+            p = r.policy
+            nll = r.nll.copy()
+            nll[: self.skip] = np.nan
+            rows.append({
+                "policy": p.label, "kind": p.kind, "sinks": p.sinks, "sink_tokens": p.sink_tokens if p.sinks else "",
+                "bits": p.bits or 32, "fp_sinks": p.fp_sinks,
+                "ppl": self._ppl(nll), "ppl_past_window": self._ppl(nll[self.window:]),
+                "ppl_at_recompute": self._ppl(nll[rec_pos]) if rec_pos is not None and rec_pos.size else float("nan"),
+                "tokens_scored": int((~np.isnan(nll)).sum()), "tokens_per_s": r.tokens_per_s, "batch": r.batch,
+                "kv_cache_mib": r.peak_kv_mib, "peak_mib": r.peak_mib, "sink_attention": r.sink_share,
+            })
+        return pd.DataFrame(rows)
+
+    def curve(self, bin: int = 32) -> pd.DataFrame:
+        """Mean NLL (log-perplexity) per bin of ``bin`` positions, one column per policy (NaN bins left out
+        of a policy's mean; the re-computation ceiling is sampled)."""
+        n = self.runs[0].nll.size
+        starts = np.arange(0, n, bin)
+        data = {"position": starts + 1}
+        for r in self.runs:
+            with np.errstate(all="ignore"):
+                data[r.policy.label] = [np.nanmean(r.nll[a : a + bin]) if np.any(~np.isnan(r.nll[a : a + bin])) else np.nan
+                                        for a in starts]
+        return pd.DataFrame(data)
+
+    def jump(self, label: str, width: int = 64) -> tuple[float, float]:
+        """Mean NLL of a policy over ``width`` tokens before and after the first eviction (token window+1)."""
+        nll = self.run(label).nll
+        w = self.window
+        width = max(1, min(width, w - self.skip))
+        return float(np.nanmean(nll[w - width : w])), float(np.nanmean(nll[w : w + width]))
+
+    def text(self) -> str:
+        t = self.table.set_index("policy")
+        w = self.window
+        lines = [f"{self.model}: streaming perplexity on {self.stream.get('n_tokens')} tokens "
+                 f"({self.stream.get('source', 'given tokens')}), cache of {w} tokens."]
+        win = f"0+{w}"
+        if win in t.index:
+            before, after = self.jump(win)
+            width = max(1, min(64, w - self.skip))
+            lines.append(f"Window ({win}): perplexity {t.loc[win, 'ppl_past_window']:.2f} after the first eviction; "
+                         f"log-perplexity {before:.2f} over the {width} tokens before token 1 leaves the cache and "
+                         f"{after:.2f} over the {width} after.")
+        sink_rows = t[(t["kind"] == "sinks") & (t["bits"] == 32) & (t["sink_tokens"] == "first")]
+        for label, row in sink_rows.iterrows():
+            lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window; the {row['sinks']} kept "
+                         f"sink token(s) get {100 * (row['sink_attention'] or 0):.0f}% of the attention.")
+        rec = self._recompute()
+        if rec is not None:
+            r = t.loc[rec.policy.label]
+            lines.append(f"Re-computation ceiling ({rec.policy.label}, every {self.recompute_every} position(s)): "
+                         f"perplexity {r['ppl_at_recompute']:.2f} on its positions past the window.")
+            for label, row in sink_rows.iterrows():
+                gap = 100 * (row["ppl_at_recompute"] / r["ppl_at_recompute"] - 1)
+                lines.append(f"  {label} on the same positions: {row['ppl_at_recompute']:.2f} ({gap:+.1f}% against the ceiling).")
+        q = t[t["bits"] < 32]
+        for label, row in q.iterrows():
+            lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window.")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        from analysis.versions import package_versions
+
+        return {"model": self.model, "window": self.window, "n_ctx": self.n_ctx, "stream": self.stream, "skip": self.skip,
+                "recompute_every": self.recompute_every, "device": self.device, "tokens": self.tokens,
+                "table": json.loads(self.table.to_json(orient="records")), "runs": [r.to_dict() for r in self.runs],
+                "versions": package_versions()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StreamResult":
+        return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
+                   d["recompute_every"], d.get("device", "cpu"), d.get("tokens"))
+
+    @classmethod
+    def load(cls, path) -> "StreamResult":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path) -> Path:
+        """Write the JSON atomically (an existing file is only replaced once the new one is complete)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return path
+
+
+def write_csv_atomic(df: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        df.to_csv(tmp, index=False)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
+                         newline_sinks: int | None = 4, bits=(8, 4), quant_sinks: int = 4, dense: bool = True,
+                         recompute_every: int | None = 8, seed: int = 0, tokenizer=None, skip: int | None = None,
+                         batch: int = 16, device=None, progress: bool = False) -> StreamResult:
+    """Perplexity of a causal LM on a long stream under dense, window, sinks + window (several s), newline
+    sinks, quantised caches and the re-computation ceiling. ``model``: a name (``smollm2-135m``), a local
+    Hugging Face folder, a TransformerBridge or a PreTrainedModel. ``tokens``: your own ids (N,), else
+    ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
+    window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
+    k-th position past the window (1: all; None: leave it out)."""
+    hf, tok, name = causal_lm(model, tokenizer, device=device)
+    n_ctx = context_length(hf)
+    if window < 1:
+        raise ValueError(f"window must be at least 1 token; got {window}.")
+    if n_ctx is not None and window > n_ctx:
+        raise ValueError(f"window {window} is larger than the context of {name} ({n_ctx} tokens); use --window {n_ctx} or less.")
+    bad = [s for s in sinks if s >= window] + ([quant_sinks] if bits and quant_sinks >= window else [])
+    if bad:
+        raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
+    if tokens is None:
+        stream = stdlib_stream(tok, n_tokens, seed)
+        tokens, record = stream.tokens, stream.record()
+    else:
+        tokens = torch.as_tensor(tokens).long().flatten()
+        record = {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
+    if tokens.numel() <= window:
+        raise ValueError(f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
+                         f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window).")
+    skip = max([8, *sinks]) if skip is None else skip
+    pols = default_policies(window, sinks, newline_sinks if newline_sinks else None, bits, quant_sinks, dense)
+    nl = newline_id(tok) if newline_sinks else None
+    runs: list[PolicyRun] = []
+    dense_pols = [p for p in pols if p.kind == "dense"]
+    if dense_pols:
+        n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
+        r = run_policies(hf, tokens[:n_dense], dense_pols, progress=progress)[0]
+        r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
+        runs.append(r)
+    cached = [p for p in pols if p.kind != "dense"]
+    for i in range(0, len(cached), batch):
+        runs += run_policies(hf, tokens, cached[i : i + batch], newline=nl, progress=progress)
+    if recompute_every:
+        runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
+    dev = str(hf.get_output_embeddings().weight.device)
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens.tolist())

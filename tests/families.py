@@ -1,0 +1,196 @@
+"""Tiny randomly initialised models, one per decoder family, built from ``transformers`` configs (no network).
+
+``make_family_dir(family, path)`` saves a Hugging Face folder (config, safetensors, a word-level tokenizer)
+that ``analysis.load_model(path)`` opens offline. Every model is small (64-dim residual, 2-4 layers, vocab 96)
+so the whole matrix builds in seconds. The configs turn on the feature that makes each family different
+(sliding window shorter than the probe, partial rotary, q/k norms, ALiBi, learned sinks, gated attention,
+linear-attention and Mamba layers) so the tests exercise it.
+
+``write_llama_gguf(model, tokenizer_vocab, path)`` writes a LlamaForCausalLM to a GGUF file (float32, with a
+GPT-2-style tokenizer in its metadata) the way llama.cpp's converter lays it out, for the GGUF loading test.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+D = 64
+N_CTX = 128
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def vocab_map(vocab: int = VOCAB) -> dict[str, int]:
+    return {t: i for i, t in enumerate(SPECIALS + [f"w{i}" for i in range(vocab - len(SPECIALS))])}
+
+
+def word_tokenizer(vocab: int = VOCAB):
+    """A word-level fast tokenizer: "<unk>", "<s>", "</s>", then "w0".."wN"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab_map(vocab), unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+_IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+_LLAMA_LIKE = dict(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=N_CTX, **_IDS)
+
+
+def _rope(theta: float, **extra) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **extra}}
+
+
+# family -> (config class name in transformers, config kwargs). Rotary bases differ per family on purpose, so a
+# spec that reads the wrong field shows it.
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(**_LLAMA_LIKE, **_rope(10000.0))),
+    "mistral": ("MistralConfig", dict(**_LLAMA_LIKE, sliding_window=8, **_rope(1e6))),
+    "qwen2": ("Qwen2Config", dict(**_LLAMA_LIKE, **_rope(1e6))),
+    "qwen3": ("Qwen3Config", dict(**_LLAMA_LIKE, head_dim=16, **_rope(1e6))),
+    "gemma": ("GemmaConfig", dict(**_LLAMA_LIKE, head_dim=16, **_rope(10000.0))),
+    "gemma2": ("Gemma2Config", dict(**_LLAMA_LIKE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_rope(10000.0))),
+    "gemma3": ("Gemma3TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+                                        query_pre_attn_scalar=16,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "phi": ("PhiConfig", dict(**_LLAMA_LIKE, **_rope(10000.0, partial_rotary_factor=0.5))),
+    "phi3": ("Phi3Config", dict(**_LLAMA_LIKE, original_max_position_embeddings=N_CTX,
+                                **_rope(10000.0, partial_rotary_factor=0.5))),
+    "olmo2": ("Olmo2Config", dict(**_LLAMA_LIKE, **_rope(500000.0))),
+    "granite": ("GraniteConfig", dict(**_LLAMA_LIKE, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.0078125, logits_scaling=8.0, **_rope(10000.0))),
+    "stablelm": ("StableLmConfig", dict(**_LLAMA_LIKE, use_qkv_bias=True,
+                                        **_rope(10000.0, partial_rotary_factor=0.25))),
+    "starcoder2": ("Starcoder2Config", dict(**_LLAMA_LIKE, sliding_window=8, use_bias=True, **_rope(100000.0))),
+    "gpt2": ("GPT2Config", dict(n_embd=D, n_layer=2, n_head=4, n_positions=N_CTX, n_inner=2 * D, **_IDS)),
+    "gpt_neox": ("GPTNeoXConfig", dict(**{k: v for k, v in _LLAMA_LIKE.items() if k != "num_key_value_heads"},
+                                       **_rope(10000.0, partial_rotary_factor=0.25))),
+    "gptj": ("GPTJConfig", dict(n_embd=D, n_layer=2, n_head=4, n_positions=N_CTX, n_inner=2 * D, rotary_dim=8, **_IDS)),
+    "opt": ("OPTConfig", dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, ffn_dim=2 * D,
+                              max_position_embeddings=N_CTX, word_embed_proj_dim=D, **_IDS)),
+    "bloom": ("BloomConfig", dict(hidden_size=D, n_layer=2, n_head=4, **_IDS)),
+    "falcon": ("FalconConfig", dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                                    parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
+                                    max_position_embeddings=N_CTX, ffn_hidden_size=2 * D, **_IDS,
+                                    **_rope(10000.0))),
+    "gpt_oss": ("GptOssConfig", dict(**_LLAMA_LIKE, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                     sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                     **_rope(150000.0))),
+    "qwen3_next": ("Qwen3NextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=16,
+                                           layer_types=["linear_attention", "full_attention"] * 2,
+                                           linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, num_experts=2,
+                                           num_experts_per_tok=1, moe_intermediate_size=D,
+                                           shared_expert_intermediate_size=D,
+                                           **_rope(10000000.0, partial_rotary_factor=0.25))),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=16,
+                                          layer_types=["linear_attention", "full_attention"] * 2,
+                                          linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                          linear_num_key_heads=2, linear_num_value_heads=4,
+                                          **_rope(10000000.0, partial_rotary_factor=0.25))),
+    "jamba": ("JambaConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, num_experts=1, num_experts_per_tok=1,
+                                  attn_layer_period=2, attn_layer_offset=1,
+                                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)),
+}
+FAMILIES = list(FAMILY_CONFIGS)
+
+
+def family_config(family: str):
+    import transformers
+
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}.")
+    cls_name, kwargs = FAMILY_CONFIGS[family]
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_family_model(family: str, seed: int = 0):
+    """A randomly initialised Hugging Face causal LM of ``family`` (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    return model.eval()
+
+
+def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
+    """Save a random ``family`` model and the word-level tokenizer to ``path``."""
+    path = Path(path)
+    make_family_model(family, seed).save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF: a Llama written the way llama.cpp's convert_hf_to_gguf.py lays it out
+# ----------------------------------------------------------------------------------------------
+
+
+def _permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp stores q/k rows for interleaved rotary; transformers' GGUF reader undoes this permutation."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model, path: Path, vocab: int = VOCAB) -> Path:
+    """Write a LlamaForCausalLM (float32 tensors) and a GPT-2-style BPE tokenizer of the word vocabulary to
+    ``path`` (a .gguf file)."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(cfg.hidden_size // n_head)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens = list(vocab_map(vocab))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (vocab - len(SPECIALS)))
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for l in range(cfg.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{l}.{hf}.weight"] = f"blk.{l}.{gg}.weight"
+    for hf_name, gg_name in names.items():
+        t = sd[hf_name]
+        if hf_name.endswith("q_proj.weight"):
+            t = _permute_rope(t, n_head)
+        elif hf_name.endswith("k_proj.weight"):
+            t = _permute_rope(t, n_kv)
+        w.add_tensor(gg_name, np.ascontiguousarray(t.numpy().astype(np.float32)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,140 @@
+"""The fused sink path: alpha from q, k and the kernel's log-sum-exp equals the eager hook_pattern path."""
+import pytest
+import torch
+
+from analysis import natural_probe
+from analysis.fused_sink import (
+    FusedUnsupported,
+    alpha_from_lse,
+    chunked_lse,
+    fused_alpha,
+    fused_attention,
+    sink_metric_fused,
+    unsupported_reason,
+)
+from analysis.sink import alpha_from_pattern, sink_metric
+
+TOL = 1e-5
+
+
+def _eager(model, tokens, k_max=16):
+    """The eager path (``hook_pattern`` reducers), whatever ``sink_metric``'s default path is."""
+    import inspect
+
+    extra = {"path": "eager"} if "path" in inspect.signature(sink_metric).parameters else {}
+    return sink_metric(model, tokens, k_max=k_max, **extra)
+
+
+def _qkv(B=2, H=4, H_kv=2, T=24, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, d, generator=g)
+    k, v = (torch.randn(B, H_kv, T, d, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def _window(T, w, B=2):
+    i = torch.arange(T)
+    return ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < w))[None, None].expand(B, 1, T, T)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window):
+    q, k, v = _qkv()
+    T, scale = q.shape[-2], 0.3
+    mask = None if window is None else _window(T, window)
+    out, lse = fused_attention(q, k, v, mask, scale)
+    allowed = _window(T, T if window is None else window)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    A = scores.softmax(-1)
+    assert torch.allclose(out, A @ v.repeat_interleave(2, 1), atol=1e-5)
+    assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
+    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask), alpha_from_pattern(A, 6), atol=1e-6)
+    # The chunked fall-back gives the same lse with chunks that split the rows unevenly.
+    assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=1e-5)
+
+
+def test_smollm2_fused_equals_eager(smollm2):
+    tokens = natural_probe(smollm2.tokenizer, n=3, T=48).tokens
+    eager = _eager(smollm2, tokens)
+    fused = sink_metric_fused(smollm2, tokens, k_max=16)
+    assert fused.alpha.shape == eager.alpha.shape == (3, 30, 9, 16)
+    assert (fused.alpha - eager.alpha).abs().max() < TOL
+    assert fused.sink_rate(1) == eager.sink_rate(1) > 50  # the embedded model sinks on natural text
+    # The bridge got its own modules back: its eager path and hooks still work after the fused run.
+    assert torch.equal(_eager(smollm2, tokens).alpha, eager.alpha)
+
+
+# llama: grouped-query attention; mistral: a sliding window (8) shorter than T; gpt_neox: partial rotary;
+# gemma: its own q scaling and head size; qwen2: q/k/v biases.
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt_neox", "gemma"])
+def test_tiny_family_fused_equals_eager(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from analysis import load_model
+    from tests.families import make_family_dir
+
+    path = make_family_dir(family, tmp_path / family)
+    bridge = load_model(str(path), device="cpu")
+    tokens = torch.randint(3, 96, (3, 40), generator=torch.Generator().manual_seed(1))
+    eager = _eager(bridge, tokens)
+    assert unsupported_reason(bridge) is None
+    assert (fused_alpha(bridge, tokens, 16) - eager.alpha).abs().max() < TOL
+    plain = AutoModelForCausalLM.from_pretrained(str(path)).eval()  # a bare PreTrainedModel works as well
+    assert (fused_alpha(plain, tokens, 16, batch_size=2) - eager.alpha).abs().max() < TOL
+    assert plain.config._attn_implementation != "attention_sinks_fused"  # restored after the run
+
+
+@pytest.mark.parametrize("family,why", [("gemma2", "soft-capping"), ("gpt_oss", "sink logits")])
+def test_families_the_fused_path_cannot_reproduce_are_refused(family, why, tmp_path):
+    from tests.families import make_family_model
+
+    model = make_family_model(family)
+    assert why in unsupported_reason(model)
+    with pytest.raises(FusedUnsupported, match=why):
+        fused_alpha(model, torch.randint(3, 96, (1, 12)), 4)
+
+
+def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path):
+    from analysis import load_model
+    from tests.families import make_family_dir
+
+    bridge = load_model(str(make_family_dir("gptj", tmp_path / "gptj")), device="cpu")  # GPT-J's own attention
+    tokens = torch.randint(3, 96, (2, 20))
+    before = _eager(bridge, tokens).alpha
+    with pytest.raises(FusedUnsupported, match="AttentionInterface"):
+        fused_alpha(bridge, tokens, 4)
+    assert torch.equal(_eager(bridge, tokens).alpha, before)
+
+
+def test_hooks_attached_to_the_bridge_force_the_eager_path(tiny_llama):
+    with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_z", lambda x, hook: x * 0)]):
+        assert "hooks are attached" in unsupported_reason(tiny_llama)
+        with pytest.raises(FusedUnsupported, match="hooks"):
+            fused_alpha(tiny_llama, torch.randint(3, 90, (1, 8)), 2)
+    assert unsupported_reason(tiny_llama) is None
+
+
+def test_bad_inputs_say_what_to_do(tiny_llama):
+    with pytest.raises(ValueError, match="k_max must lie in"):
+        fused_alpha(tiny_llama, torch.randint(3, 90, (1, 8)), 9)
+    with pytest.raises(ValueError, match="exceeds the model's context of 128"):
+        fused_alpha(tiny_llama, torch.randint(3, 90, (1, 129)), 2)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        fused_alpha(tiny_llama, torch.full((1, 8), 500), 2)
+    with pytest.raises(FusedUnsupported, match="PreTrainedModel"):
+        fused_alpha(torch.nn.Linear(2, 2), torch.zeros(1, 4, dtype=torch.long), 1)
+
+
+def test_sink_metric_paths(tiny_llama):
+    tokens = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(2))
+    fused, eager, auto = (sink_metric(tiny_llama, tokens, k_max=8, path=p) for p in ("fused", "eager", "auto"))
+    assert (fused.meta["path"], eager.meta["path"], auto.meta["path"]) == ("fused", "eager", "fused")
+    assert (fused.alpha - eager.alpha).abs().max() < TOL and torch.equal(auto.alpha, fused.alpha)
+    with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: x * 0)]):
+        hooked = sink_metric(tiny_llama, tokens, k_max=8)  # "auto" must not skip the hook
+        assert hooked.meta["path"] == "eager" and "hooks are attached" in hooked.meta["fused_unsupported"]
+        assert hooked.alpha[:, 0].abs().max() == 0 < eager.alpha[:, 0].min()  # the hook ran
+        with pytest.raises(FusedUnsupported):
+            sink_metric(tiny_llama, tokens, path="fused")
+    with pytest.raises(ValueError, match="path must be"):
+        sink_metric(tiny_llama, tokens, path="flash")

@@ -1,0 +1,158 @@
+"""Streaming caches: exact against naive re-computation, sinks matter on SmolLM2, clear errors on bad input."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.streaming import Policy, StreamingCache, StreamResult, fake_quantize, run_policies, streaming_perplexity
+from analysis.streaming.cache import rope_spec
+from tests.tiny import make_tiny_llama_dir
+
+NEWLINE = 5  # any id of the tiny vocabulary stands in for the newline token
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    """One layer: a kept token's key and value depend only on the token (not on the context it was cached
+    in), so a bounded cache must equal re-computing the kept tokens from scratch at positions 0..L-1.
+    Large weights make attention sharp and position-sensitive."""
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_llama_dir(tmp_path_factory.mktemp("one-layer"), n_layers=1, init_std=0.3, n_ctx=256)
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def two_layer_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("two-layer"), n_layers=2, init_std=0.3, n_ctx=64)
+
+
+def _tokens(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def naive_logits(hf, tokens, policy, newline=NEWLINE):
+    """Every step from scratch: the tokens the policy keeps, at positions 0..L-1, no cache."""
+    W, s = policy.window, policy.sinks
+    tokens = tokens.clone()
+    if policy.sink_tokens == "newline":
+        tokens[:s] = newline
+    out = []
+    with torch.no_grad():
+        for t in range(len(tokens) - 1):
+            kept = list(range(t + 1)) if t + 1 <= W else list(range(s)) + list(range(t + 1 - (W - s), t + 1))
+            out.append(hf(input_ids=tokens[kept][None], position_ids=torch.arange(len(kept))[None]).logits[0, -1])
+    return torch.stack(out)
+
+
+POLICIES = [Policy("window", 16), Policy("sinks", 16, 1), Policy("sinks", 16, 4), Policy("sinks", 16, 4, "newline")]
+
+
+@pytest.mark.parametrize("prefill", [0, None])
+def test_cache_matches_naive_recomputation(one_layer, prefill):
+    tokens = _tokens(70)
+    runs = run_policies(one_layer, tokens, POLICIES, newline=NEWLINE, prefill=prefill, keep_logits=True)
+    for pol, run in zip(POLICIES, runs):
+        ref = naive_logits(one_layer, tokens, pol)
+        assert run.logits.shape == ref.shape
+        torch.testing.assert_close(run.logits, ref, atol=1e-4, rtol=0, msg=lambda m: f"{pol.label}: {m}")
+        # The NLL is that of the next token under those logits.
+        nll = torch.nn.functional.cross_entropy(ref, (tokens.clone() if pol.sink_tokens == "first" else
+                                                     torch.cat([torch.full((pol.sinks,), NEWLINE), tokens[pol.sinks:]]))[1:],
+                                                reduction="none")
+        np.testing.assert_allclose(run.nll, nll.numpy(), atol=1e-4)
+
+
+def test_rerotation_is_what_makes_it_exact(one_layer, monkeypatch):
+    """Without re-rotating the sinks as the window moves, the cache no longer matches (the test can fail)."""
+    import analysis.streaming.perplexity as perplexity
+
+    tokens = _tokens(70)
+    pol = Policy("sinks", 16, 4)
+    monkeypatch.setattr(perplexity, "rope_spec", lambda hf: None)
+    run = run_policies(one_layer, tokens, [pol], keep_logits=True)[0]
+    assert (run.logits - naive_logits(one_layer, tokens, pol)).abs().max() > 1e-2
+
+
+def test_multilayer_cache_equals_full_forward_until_eviction(two_layer_dir):
+    """Before anything is evicted every policy is the dense model; the dense cache equals one forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).eval()
+    tokens = _tokens(40, seed=1)
+    with torch.no_grad():
+        full = hf(input_ids=tokens[None]).logits[0, :-1]
+    dense, win = run_policies(hf, tokens, [Policy("dense")], prefill=10, keep_logits=True)[0], \
+        run_policies(hf, tokens, [Policy("sinks", 24, 2)], prefill=0, keep_logits=True)[0]
+    torch.testing.assert_close(dense.logits, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(win.logits[:24], full[:24], atol=1e-4, rtol=0)
+    assert (win.logits[30:] - full[30:]).abs().max() > 1e-3  # after eviction it is a different model
+
+
+def test_fake_quantize_error_and_full_precision_sinks():
+    x = torch.randn(2, 3, 10, 64)
+    for bits in (8, 4):
+        err = (fake_quantize(x, bits) - x).abs()
+        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / (2**bits - 1)
+        assert (err <= step / 2 + 1e-6).all()
+        assert err.mean() > 0
+    cache = StreamingCache(1, None, capacity=8, sinks=[2, 2], bits=[4, 4], fp_tokens=[0, 2])
+    k, v = torch.randn(2, 3, 5, 64), torch.randn(2, 3, 5, 64)
+    keys, values = cache.update(k, v, 0)
+    assert not torch.equal(keys[0, :, :2], k[0, :, :2])  # row 0 quantises its sinks
+    assert torch.equal(keys[1, :, :2], k[1, :, :2]) and torch.equal(values[1, :, :2], v[1, :, :2])  # row 1 keeps them
+    assert not torch.equal(keys[1, :, 2:], k[1, :, 2:])
+    b0, b1 = cache.kv_bytes()
+    assert b1 > b0  # full-precision sinks cost more than 4-bit ones
+
+
+def test_sinks_rescue_the_window_on_smollm2(smollm2):
+    """The embedded model, a short stream and a 32-token cache: the window collapses once token 1 leaves;
+    4 sinks + 28 recent stay close to re-computing the window, and the sinks draw much of the attention."""
+    res = streaming_perplexity(smollm2, window=32, n_tokens=192, sinks=(0, 4), newline_sinks=None, bits=(),
+                               dense=False, recompute_every=8)
+    t = res.table.set_index("policy")
+    win, sinks, rec = t.loc["0+32"], t.loc["4+28"], t.loc["recompute 32"]
+    assert win["ppl_past_window"] > 1.5 * sinks["ppl_past_window"]
+    assert sinks["ppl_at_recompute"] < 1.5 * rec["ppl_at_recompute"]
+    assert sinks["sink_attention"] > 0.2 > win["sink_attention"]
+    before, after = res.jump("0+32", width=16)
+    assert after > before + 0.5  # the jump when token 1 leaves the cache
+    again = StreamResult.from_dict(json.loads(json.dumps(res.to_dict())))
+    np.testing.assert_allclose(again.table["ppl"], res.table["ppl"], rtol=1e-4)  # the JSON keeps 6 digits
+    assert "0+32" in res.text() and "4+28" in res.text()
+
+
+def test_bad_input_errors(one_layer, tmp_path):
+    from transformers import LlamaModel
+
+    with pytest.raises(ValueError, match="smaller than the window"):
+        Policy("sinks", 16, 16)
+    with pytest.raises(ValueError, match="context"):
+        streaming_perplexity(one_layer, _tokens(600), window=512, sinks=(0,), bits=(), newline_sinks=None)
+    with pytest.raises(ValueError, match="not longer than the window"):
+        streaming_perplexity(one_layer, _tokens(10), window=16, sinks=(0,), bits=(), newline_sinks=None)
+    with pytest.raises(ValueError, match="smaller than the window"):
+        streaming_perplexity(one_layer, _tokens(40), window=16, sinks=(0, 16), bits=(), newline_sinks=None)
+    with pytest.raises(ValueError, match="causal-LM head"):
+        streaming_perplexity(LlamaModel(one_layer.config), _tokens(40), window=16, sinks=(0,), bits=(), newline_sinks=None)
+    with pytest.raises(ValueError, match="reference models"):
+        streaming_perplexity("synthetic-softmax", window=16)
+
+
+def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, no_network):
+    from analysis.__main__ import main
+
+    out = tmp_path / "s.json"
+    rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
+               "--newline-sinks", "0", "--bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
+               "--json", str(out), "--csv", str(tmp_path / "s.csv")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "2+14 int4 (sinks fp)" in text and "recompute 16" in text
+    payload = json.loads(out.read_text())
+    assert payload["stream"]["n_tokens"] == 48 and len(payload["runs"]) == 6
+    assert main(["stream", "--model", str(two_layer_dir), "--window", "16", "--sinks", "16"]) == 2
+    assert "smaller than the window" in capsys.readouterr().err
