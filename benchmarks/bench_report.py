@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from memory import measure
+from analysis.memory import measure
 
 TIME_TARGET, MEMORY_TARGET = 8.0, 1.3
 

@@ -4,7 +4,7 @@
 
 For each T (with its own N: one --n for all, or one per T), on the same natural-text sequences and the same
 batches (about 2k tokens each), each method runs in its own fresh process (so no method inherits another's
-allocator state or peak) and reports wall time, process CPU time and peak memory (``benchmarks/memory.py``);
+allocator state or peak) and reports wall time, process CPU time and peak memory (``analysis/memory.py``);
 with --repeat R every method runs R times, in rotating order, and the table keeps its least time (the least
 disturbed run on a shared machine) and its largest peak:
   (a) SDPA forward       Hugging Face model, attn_implementation="sdpa", logits, no KV cache: the floor
@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import measure  # noqa: E402
+from analysis.memory import measure  # noqa: E402
 
 METHODS = {
     "sdpa": "(a) SDPA forward",

@@ -8,7 +8,7 @@ dense cache holds L tokens, the sinks + window cache holds ``window``, evicted L
 re-rotated accordingly), filled with random keys and values (the cost of a step depends on the cache's
 size, not its content: decoding 20k real tokens on 2 CPU cores takes hours), then ``--steps`` tokens are
 decoded one at a time through the Hugging Face model. Printed: tokens/s, peak memory of the decode
-(``benchmarks/memory.py``: process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA) and the KV
+(``analysis/memory.py``: process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA) and the KV
 cache size, and the dense/sinks ratios, all from one run. Dense past the model's context (8192 for
 SmolLM2) is measured for its cost only: its perplexity there would be meaningless.
 """
@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import measure  # noqa: E402
+from analysis.memory import measure  # noqa: E402
 
 
 def primed_cache(hf, capacity, sinks, length, device):

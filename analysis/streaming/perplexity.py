@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from analysis.memory import peak_mib, reset_peak
 from analysis.streaming.backbone import context_length, n_layers
 from analysis.streaming.cache import Policy, StreamingCache, rope_spec
 
@@ -32,32 +33,6 @@ def eager_attention(hf):
         yield
     finally:
         hf.set_attn_implementation(old)
-
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-
-
-def _peak_mib(device) -> float:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return _status_kib("VmHWM") / 1024
 
 
 class PolicyRun:
@@ -141,7 +116,7 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
     nll = np.full((B, N - 1), np.nan)
     logits_out = [] if keep_logits else None
     share_sum, share_n = np.zeros(B), 0
-    _reset_peak(device)
+    reset_peak(device)
     with eager_attention(hf) if attention_share else contextlib.nullcontext():
         for c0 in range(0, prefill, chunk):
             c1 = min(prefill, c0 + chunk)
@@ -173,7 +148,7 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
     peak_kv = np.array(cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
-    peak = _peak_mib(device)
+    peak = peak_mib(device)
     runs = []
     for b, p in enumerate(policies):
         run = PolicyRun(p, nll[b], seconds, max(N - 1 - prefill, 0), float(peak_kv[b]) / 2**20, peak,
@@ -197,7 +172,7 @@ def recompute_nll(hf, tokens: torch.Tensor, window: int, every: int = 1, batch: 
     ids = tokens.to(device)
     N = ids.numel()
     nll = np.full(N - 1, np.nan)
-    _reset_peak(device)
+    reset_peak(device)
     first = min(window, N - 1)
     out = hf(input_ids=ids[None, :first])
     nll[:first] = _nll(out.logits[0], ids[1 : first + 1]).cpu().numpy()
@@ -215,4 +190,4 @@ def recompute_nll(hf, tokens: torch.Tensor, window: int, every: int = 1, batch: 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    return PolicyRun(Policy("recompute", window), nll, seconds, len(ts), float("nan"), _peak_mib(device), None, batch)
+    return PolicyRun(Policy("recompute", window), nll, seconds, len(ts), float("nan"), peak_mib(device), None, batch)

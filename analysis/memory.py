@@ -1,4 +1,4 @@
-"""Wall time and peak memory of one call, shared by the benchmarks.
+"""Wall time and peak memory of one call, shared by the benchmarks and ``analysis.streaming``.
 
 Peak memory is the process's peak resident memory on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs), or torch.cuda.max_memory_allocated on CUDA.
@@ -22,13 +22,13 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def reset_peak(device: str) -> float:
+def reset_peak(device) -> float:
     """Reset the peak counter; return the current memory (MiB) it starts from."""
     gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
@@ -37,10 +37,11 @@ def reset_peak(device: str) -> float:
     return _status_kib("VmRSS") / 1024
 
 
-def peak_mib(device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20
+def peak_mib(device) -> float:
+    """Peak memory (MiB) since the last ``reset_peak``."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return _status_kib("VmHWM") / 1024
 
 
@@ -49,8 +50,8 @@ def measure(fn, device: str) -> tuple[float, float, float]:
     start = reset_peak(device)
     t = time.perf_counter()
     fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
     sec = time.perf_counter() - t
     peak = peak_mib(device)
     return sec, peak, peak - start
