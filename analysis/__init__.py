@@ -10,7 +10,8 @@ Start with::
     prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
     print(prof.text())
 """
-from analysis.hooks import ModelContractError, act_name, model_dims, run_with_reducers, stream
+from analysis.families import FamilySpec, attention_layers, get_family
+from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims, run_with_reducers, stream
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, rotary_base
 from analysis.probes import (
     PROBE_KINDS,
@@ -33,6 +34,7 @@ def __getattr__(name):
         "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
         "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
         "attention_view": "analysis.attention_view", "profile": "analysis.profiling", "Profile": "analysis.profiling",
+        "attention_gates": "analysis.gates",
     }
     if name in lazy:
         import importlib
@@ -49,4 +51,5 @@ __all__ = [
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
+    "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
 ]

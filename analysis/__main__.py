@@ -52,6 +52,9 @@ def format_sink_table(payload: dict) -> str:
     for kind, v in payload["sink_1_pct"].items():
         extra = f" {slot.get(kind) or 0.0:>17.2f}" if has_slot else ""
         lines.append(f"{kind:<10} {v:>10.2f}{extra}")
+    first = next(iter(payload.get("inputs", {}).values()), {})
+    if first.get("skipped"):  # a hybrid: say which (true) layers were measured and which were not
+        lines.append(f"measured on attention layers {first['layers']}; {first['skipped']}")
     return "\n".join(lines)
 
 

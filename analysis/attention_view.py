@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.hooks import Capture, act_name, check_layers, check_tokens, stream, token_strings
+from analysis.hooks import Capture, act_name, attention_layers_of, check_tokens, stream, token_strings
 
 
 class OfflineHTML:
@@ -25,8 +25,9 @@ class OfflineHTML:
 
 
 def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
-    """The attention maps of one layer for ONE sequence: (H, T, T)."""
-    (layer,) = check_layers(model, [layer])
+    """The attention maps of one attention layer (its true index; a hybrid's linear-attention / Mamba layers have
+    none: ValueError naming the attention layers) for ONE sequence: (H, T, T)."""
+    (layer,) = attention_layers_of(model, [layer])
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")

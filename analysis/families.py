@@ -370,6 +370,95 @@ def _attn_scale(hf_attn, d_head: int) -> float:
     return d_head ** -0.5
 
 
+def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head: int) -> dict:
+    """The FamilySpec position fields: positions, rotary_base, rotary_bases, rotary_dim, rotary_style, rope_type."""
+    if family in ALIBI or getattr(config, "alibi", False) or tl_pos == "alibi":
+        positions = "alibi"
+    elif tl_pos == "rotary" or any(n.endswith("inv_freq") for n, _ in hf.named_buffers()):
+        positions = "rotary"
+    elif tl_pos == "standard":
+        positions = "absolute"
+    else:
+        positions = "none"
+    out = {"positions": positions, "rotary_base": None, "rotary_bases": {}, "rotary_dim": None, "rotary_style": None,
+           "rope_type": None}
+    if positions != "rotary":
+        return out
+    bases = out["rotary_bases"]
+    for l in attention_layers:
+        t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
+        theta = rope_theta(config, t)
+        if theta is None and family in INTERLEAVED_ROTARY:
+            theta = 10000.0  # GPT-J / CodeGen: fixed base, not in the config
+        if theta is not None:
+            bases[l] = theta
+    base = rope_theta(config, "full_attention") if bases else None
+    out["rotary_base"] = base if base is not None or not bases else bases[max(bases)]
+    out["rotary_dim"] = _rotary_dim(hf, config, family, d_head)
+    out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
+    out["rope_type"] = rope_parameters(config).get("rope_type") or "default"
+    return out
+
+
+def _sliding(config, types, attention_layers) -> tuple[int | None, tuple[int, ...]]:
+    """(the sliding window, the layers it applies to), or (None, ())."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None, ()
+    if types and any(t in ("sliding_attention", "full_attention") for t in types):
+        sliding = tuple(l for l in attention_layers if types[l] == "sliding_attention")
+    else:
+        sliding = tuple(attention_layers)
+    return (window, sliding) if sliding else (None, tuple(sliding))
+
+
+def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
+    """The FamilySpec norm fields, measured on the modules the bridge maps (ln1 feeds attention, ln1_post is on its
+    output, attn.k_norm on the keys): norm, norm_placement, post_norm, qk_norm, qk_norm_scope."""
+    block = model.blocks[first]
+    norm = probe_norm(_bridge_submodule(model, first, "ln1"), model) if getattr(block, "ln1", None) is not None else None
+    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model)
+            if getattr(block, "ln1_post", None) is not None else None)
+    placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
+    qk_norm, qk_scope = None, None
+    if getattr(block.attn, "k_norm", None) is not None and k_normed_fires:
+        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model)
+        if qk_norm is not None:
+            qk_scope = "head" if qk_norm.size == d_head else "all_heads"
+    return {"norm": norm, "norm_placement": placement, "post_norm": post, "qk_norm": qk_norm, "qk_norm_scope": qk_scope}
+
+
+def _notes(config, rotary_unhooked: bool, pattern_read_only: bool, scores_are_pattern: bool, gate_in_q: bool) -> list[str]:
+    """What an analysis of this family must know about its hooks, one sentence each."""
+    notes = []
+    if rotary_unhooked:
+        notes.append("The bridge does not fire hook_rot_q/hook_rot_k here: keys are taken from hook_k, before the rotary.")
+    if pattern_read_only:
+        notes.append("hook_pattern is read-only here (it fires after the attention output, hook_z): interventions "
+                     "must edit hook_z (or the keys / values), not the pattern.")
+    if scores_are_pattern:
+        notes.append("The bridge's hook_attn_scores holds the softmax pattern here, not the scores: rebuild scores "
+                     "from the query and key hooks.")
+    if gate_in_q:
+        notes.append("hook_q (q.hook_out) holds the query and the gate interleaved per head ((B, T, H, 2 * d_head)); "
+                     "use hook_rot_q / hook_q_normed for queries.")
+    if getattr(config, "residual_multiplier", None) not in (None, 1.0):
+        notes.append(f"Residual branches scaled by {config.residual_multiplier:g}, embeddings by "
+                     f"{getattr(config, 'embedding_multiplier', 1.0):g}.")
+    return notes
+
+
+def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
+    """{layer: why no attention analysis runs there} for the layers that are not attention layers."""
+    skipped = {}
+    for l in range(n_layers):
+        if l not in attention_layers:
+            t = types[l] if types else None
+            skipped[l] = LAYER_TYPE_WORDS.get(t, f"{t} layer: no attention pattern" if t else
+                                              "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l))
+    return skipped
+
+
 def family_spec(model) -> FamilySpec:
     """Read the family facts of a loaded model (a TransformerBridge, or a reference model of ``analysis.train``).
 
@@ -381,16 +470,9 @@ def family_spec(model) -> FamilySpec:
     n_layers = int(cfg.n_layers)
     attention_layers = tuple(l for l in range(n_layers) if f"blocks.{l}.attn.hook_pattern" in hook_dict)
     types = _layer_types(config, n_layers) if config is not None else None
-    skipped = {}
-    for l in range(n_layers):
-        if l not in attention_layers:
-            t = types[l] if types else None
-            skipped[l] = LAYER_TYPE_WORDS.get(t, f"{t} layer: no attention pattern" if t else
-                                              "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l))
-    n_heads = int(cfg.n_heads)
+    skipped = _skipped(types, n_layers, attention_layers)
+    n_heads, d_head, d_model = int(cfg.n_heads), int(cfg.d_head), int(cfg.d_model)
     n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
-    d_head = int(cfg.d_head)
-    d_model = int(cfg.d_model)
     fired, scores_are_pattern = _dry_run(model)
     first = attention_layers[0] if attention_layers else 0
 
@@ -407,45 +489,12 @@ def family_spec(model) -> FamilySpec:
     architecture = type(hf).__name__
     hf_attn = _bridge_submodule(model, first, "attn") if attention_layers else None
 
-    # positions
-    if family in ALIBI or getattr(config, "alibi", False) or tl_pos == "alibi":
-        positions = "alibi"
-    elif tl_pos == "rotary" or any(n.endswith("inv_freq") for n, _ in hf.named_buffers()):
-        positions = "rotary"
-    elif tl_pos == "standard":
-        positions = "absolute"
-    else:
-        positions = "none"
-    rotary_bases, rotary_dim, rotary_style, rope_type, base = {}, None, None, None, None
-    if positions == "rotary":
-        for l in attention_layers:
-            t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
-            theta = rope_theta(config, t)
-            if theta is None and family in INTERLEAVED_ROTARY:
-                theta = 10000.0  # GPT-J / CodeGen: fixed base, not in the config
-            if theta is not None:
-                rotary_bases[l] = theta
-        base = rope_theta(config, "full_attention") if rotary_bases else None
-        if base is None and rotary_bases:
-            base = rotary_bases[max(rotary_bases)]
-        rotary_dim = _rotary_dim(hf, config, family, d_head)
-        rotary_style = "interleaved" if family in INTERLEAVED_ROTARY else "half"
-        rope_type = rope_parameters(config).get("rope_type") or "default"
+    pos = _positions(hf, config, family, types, attention_layers, tl_pos, d_head)
 
-    # norms: measured on the modules the bridge maps (ln1: feeds attention; ln1_post: on its output)
+    norms = _norms(model, first, fires_everywhere("hook_k_normed"), d_head)
     block = model.blocks[first]
-    norm = probe_norm(_bridge_submodule(model, first, "ln1"), model) if getattr(block, "ln1", None) is not None else None
-    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model)
-            if getattr(block, "ln1_post", None) is not None else None)
-    placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
-    qk_norm, qk_scope = None, None
-    if getattr(block.attn, "k_norm", None) is not None and fires_everywhere("hook_k_normed"):
-        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model)
-        if qk_norm is not None:
-            qk_scope = "head" if qk_norm.size == d_head else "all_heads"
-
     fused = getattr(block.attn, "qkv", None) is not None
-    key_rotated = positions == "rotary" and fires_everywhere("hook_rot_k") and fires_everywhere("hook_rot_q")
+    key_rotated = pos["positions"] == "rotary" and fires_everywhere("hook_rot_k") and fires_everywhere("hook_rot_q")
     key_hook = "blocks.{layer}.attn.hook_rot_k" if key_rotated else "blocks.{layer}.attn.hook_k"
     query_hook = "blocks.{layer}.attn.hook_rot_q" if key_rotated else "blocks.{layer}.attn.hook_q"
     gate_hook = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
@@ -454,41 +503,14 @@ def family_spec(model) -> FamilySpec:
                    else None)
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
 
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is False:
-        window = None
-    if window is not None:
-        if types and any(t in ("sliding_attention", "full_attention") for t in types):
-            sliding = tuple(l for l in attention_layers if types[l] == "sliding_attention")
-        else:
-            sliding = attention_layers
-        if not sliding:
-            window = None
-    else:
-        sliding = ()
+    window, sliding = _sliding(config, types, attention_layers)
 
-    notes = []
-    if positions == "rotary" and not key_rotated:
-        notes.append(f"The bridge does not fire hook_rot_q/hook_rot_k here: keys are taken from hook_k, before the "
-                     f"rotary.")
-    if attention_layers and not live:
-        notes.append("hook_pattern is read-only here (it fires after the attention output, hook_z): interventions "
-                     "must edit hook_z (or the keys / values), not the pattern.")
-    if scores_are_pattern:
-        notes.append("The bridge's hook_attn_scores holds the softmax pattern here, not the scores: rebuild scores "
-                     "from the query and key hooks.")
-    if gate_hook and f"blocks.{first}.attn.hook_q" in fired:
-        notes.append("hook_q (q.hook_out) holds the query and the gate interleaved per head ((B, T, H, 2 * d_head)); "
-                     "use hook_rot_q / hook_q_normed for queries.")
-    if getattr(config, "residual_multiplier", None) not in (None, 1.0):
-        notes.append(f"Residual branches scaled by {config.residual_multiplier:g}, embeddings by "
-                     f"{getattr(config, 'embedding_multiplier', 1.0):g}.")
+    notes = _notes(config, pos["positions"] == "rotary" and not key_rotated, bool(attention_layers) and not live,
+                   scores_are_pattern, bool(gate_hook) and f"blocks.{first}.attn.hook_q" in fired)
     return FamilySpec(
         family=family, architecture=architecture, n_layers=n_layers, attention_layers=attention_layers,
         skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, d_model=d_model,
-        positions=positions, rotary_base=base, rotary_bases=rotary_bases, rotary_dim=rotary_dim,
-        rotary_style=rotary_style, rope_type=rope_type, norm=norm, norm_placement=placement, post_norm=post,
-        parallel_block=bool(getattr(cfg, "parallel_attn_mlp", False)), qk_norm=qk_norm, qk_norm_scope=qk_scope,
+        **pos, **norms, parallel_block=bool(getattr(cfg, "parallel_attn_mlp", False)),
         fused_qkv=fused, key_rotated=key_rotated, pattern_live=live, learned_sinks=learned_sinks,
         gate="sigmoid(hook_q_gate), per head and dim, multiplies the attention output before o_proj" if gate_hook
         else None,
@@ -557,3 +579,13 @@ def sink_logits(model, layer: int) -> torch.Tensor:
         raise ValueError(f"this {spec.family} model has no learned sink logits (only gpt-oss-style attention does).")
     attn = _bridge_submodule(model, spec._check_attention_layer(layer), "attn")
     return attn.sinks.detach().float().cpu()
+
+
+def config_attention_layers(config) -> list[int]:
+    """The softmax-attention layers a Hugging Face config declares (for a bare HF model, without hooks): every
+    layer but those whose layer type (``layer_types`` / Jamba's ``layers_block_type``) is a linear-attention,
+    Mamba or convolution layer (``LAYER_TYPE_WORDS``)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = int(cfg.num_hidden_layers)
+    types = _layer_types(cfg, n)
+    return [l for l in range(n) if not types or types[l] not in LAYER_TYPE_WORDS]

@@ -136,34 +136,35 @@ def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor
 
 
 class AlphaAccumulator:
-    """alpha per batch and layer, gathered into (N, L, H, K): ``update`` once per layer, ``end_batch`` after each
-    batch (checks every layer reported), ``result()`` at the end."""
+    """alpha per batch and attention layer, gathered into (N, L, H, K) with L = len(layers) (true layer indices:
+    a hybrid's linear-attention / Mamba layers never report): ``update`` once per layer, ``end_batch`` after
+    each batch (checks every layer reported), ``result()`` at the end."""
 
-    def __init__(self, n_layers: int, k_max: int):
-        self.n_layers, self.k_max = int(n_layers), int(k_max)
-        self._current: list[torch.Tensor | None] = [None] * self.n_layers
+    def __init__(self, layers, k_max: int):
+        self.layers, self.k_max = [int(l) for l in layers], int(k_max)
+        self._current: dict[int, torch.Tensor] = {}
         self._chunks: list[torch.Tensor] = []
         self.calls = 0  # attention calls seen in this batch (the layer index where a module has none)
 
     def update(self, layer: int, alpha: torch.Tensor) -> None:
-        if not 0 <= layer < self.n_layers:
-            raise FusedUnsupported(f"attention reported layer {layer}, outside 0..{self.n_layers - 1}.")
+        if layer not in self.layers:
+            raise FusedUnsupported(f"attention reported layer {layer}, not among the attention layers {self.layers}.")
         self._current[layer] = alpha.cpu()
         self.calls += 1
 
     def end_batch(self) -> None:
-        missing = [l for l, a in enumerate(self._current) if a is None]
-        if len(missing) == self.n_layers:
+        missing = [l for l in self.layers if l not in self._current]
+        if len(missing) == len(self.layers):
             raise FusedUnsupported(
                 "no layer's attention went through transformers' AttentionInterface (a custom attention module)."
             )
         if missing:
             raise FusedUnsupported(
-                f"layers {missing} did not report to the fused attention function (not attention layers, or a "
-                "module that bypasses the AttentionInterface); alpha there needs the eager path."
+                f"layers {missing} did not report to the fused attention function (a module that bypasses the "
+                "AttentionInterface); alpha there needs the eager path."
             )
-        self._chunks.append(torch.stack(self._current, dim=1))  # (B, L, H, K)
-        self._current = [None] * self.n_layers
+        self._chunks.append(torch.stack([self._current[l] for l in self.layers], dim=1))  # (B, L, H, K)
+        self._current = {}
         self.calls = 0
 
     def result(self) -> torch.Tensor:
@@ -183,7 +184,7 @@ def _refuse_extras(module, attention_mask, is_causal, kwargs) -> None:
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise FusedUnsupported("learned sink logits join the softmax as an extra column.")
     if kwargs.get("position_bias") is not None:
-        raise FusedUnsupported("an additive position bias (ALiBi and the like) is not in q . k.")
+        raise FusedUnsupported("an additive position bias (ALiBi and the like) is not in q·k.")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and not causal:
         raise FusedUnsupported("bidirectional attention: alpha_k here is defined for causal attention.")
@@ -208,7 +209,8 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
         mask = mask[..., : key.shape[-2]]
     out, lse = fused_attention(query, key, value, mask, scale)
     layer = getattr(module, "layer_idx", None)
-    acc.update(acc.calls if layer is None else int(layer), alpha_from_lse(query, key, lse, scale, acc.k_max, mask))
+    layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
+    acc.update(layer, alpha_from_lse(query, key, lse, scale, acc.k_max, mask))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -247,7 +249,7 @@ def unsupported_reason(model) -> str | None:
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "attention-logit soft-capping (attn_logit_softcapping) changes the scores the lse is taken over."
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
-        return "an ALiBi position bias is added to the scores outside q . k."
+        return "an ALiBi position bias is added to the scores outside q·k."
     if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
         return "learned sink logits (gpt-oss) join the softmax as an extra column."
     hooked = _hooked(model, bridged=model is not hf)
@@ -328,8 +330,21 @@ def _check_tokens(model, tokens) -> torch.Tensor:
     return tokens.long()
 
 
+def fused_layers(model) -> list[int]:
+    """The attention layers (true indices) the fused pass measures: ``analysis.hooks.attention_layers_of`` for a
+    model with hooks (a bridge), the layer types of the Hugging Face config for a bare model."""
+    if hasattr(model, "hook_dict"):
+        from analysis.hooks import attention_layers_of
+
+        return attention_layers_of(model)
+    from analysis.families import config_attention_layers
+
+    return config_attention_layers(hf_model(model).config)
+
+
 def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progress: bool = False) -> torch.Tensor:
-    """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch.
+    """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch;
+    L runs over ``fused_layers(model)`` (the attention layers, true indices).
 
     ``tokens`` (N, T): unpadded sequences. The base model runs without a KV cache and without the unembedding
     (alpha needs neither). Raises ``FusedUnsupported`` where the fused path is not exact.
@@ -341,8 +356,7 @@ def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progre
     tokens = _check_tokens(model, tokens)
     if not 1 <= int(k_max) <= tokens.shape[1]:
         raise ValueError(f"k_max must lie in [1, T={tokens.shape[1]}]; got {k_max}.")
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    acc = AlphaAccumulator(cfg.num_hidden_layers, k_max)
+    acc = AlphaAccumulator(fused_layers(model), k_max)
     device = next(hf.parameters()).device
     bs = batch_size or default_batch_size(tokens)
     it = batches(tokens, bs)
@@ -372,4 +386,10 @@ def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None
     T = tokens.shape[1]
     eps = check_eps(DEFAULT_EPS if eps is None else eps)
     alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress)
-    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"})
+    skipped = ""
+    if hasattr(model, "hook_dict"):
+        from analysis.hooks import skipped_note
+
+        skipped = skipped_note(model)
+    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
+                      layers=fused_layers(model), skipped=skipped)

@@ -70,7 +70,7 @@ def model_dims(model) -> ModelDims:
     n_layers = getattr(cfg, "n_layers", None)
     if n_layers is None:
         n_layers = sum(1 for n in names if n.startswith("blocks.") and n.endswith(".attn.hook_pattern"))
-    if not n_layers or f"blocks.{n_layers - 1}.attn.hook_pattern" not in names:
+    if not n_layers or not any(f"blocks.{l}.attn.hook_pattern" in names for l in range(int(n_layers))):
         raise ModelContractError(
             f"{type(model).__name__} has no attention-pattern hooks (`blocks.{{l}}.attn.hook_pattern`). "
             "The sink analyses need a model with TransformerLens hook names: load it with "
@@ -100,6 +100,37 @@ def check_layers(model, layers: Iterable[int] | None) -> list[int]:
     if bad:
         raise ValueError(f"layers {bad} out of range: this model has layers 0..{n - 1}.")
     return layers
+
+
+def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]:
+    """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices.
+
+    ``layers=None``: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as
+    Qwen3-Next or Jamba the linear-attention / Mamba layers are left out, and ``get_family(model).skipped_text()``
+    says which and why). Explicit ``layers`` are validated and returned in the order given; a layer out of range,
+    or one that is not an attention layer, raises ValueError naming the attention layers. The one place that
+    decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q / k / v / z
+    hooks calls this (residual-stream analyses use :func:`check_layers`)."""
+    from analysis.families import get_family
+
+    spec = get_family(model)
+    if layers is None:
+        return list(spec.attention_layers)
+    layers = [int(l) for l in layers]
+    bad = [l for l in layers if not 0 <= l < spec.n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: this model has layers 0..{spec.n_layers - 1} "
+                         f"(attention layers: {list(spec.attention_layers)}).")
+    return [spec._check_attention_layer(l) for l in layers]
+
+
+def skipped_note(model) -> str:
+    """The layers an attention analysis leaves out, in one sentence ("Layers [0, 2] skipped (linear attention
+    (Gated DeltaNet): no softmax attention pattern)."); "" when every layer is an attention layer."""
+    from analysis.families import get_family
+
+    text = get_family(model).skipped_text()
+    return text[0].upper() + text[1:] + "." if text else ""
 
 
 def model_device(model) -> torch.device:

@@ -13,6 +13,12 @@ Each condition is one streamed pass: intervention hooks change activations, a ``
 the attention into per-(sample, layer, head) numbers and the loss. The unchanged model's pass, the
 ``Baseline``, also records what the interventions need (the first token's residual stream, the value
 statistics of every head): it is computed once and shared (``baseline_pass``, or ``analysis.profile``).
+
+Every family: the attention is read on the attention layers only (``attention_layers_of``: a hybrid's
+linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped); the
+spike edits act on the residual stream; the first key is edited at ``hook_k`` (the linear key, before any q/k
+norm and the rotary, which is the identity at position 0); where ``hook_pattern``
+is read-only (``FamilySpec.pattern_live`` False: GPT-J, OPT, Jamba) the value ablation edits ``hook_v``.
 """
 from __future__ import annotations
 
@@ -28,12 +34,15 @@ from analysis.hooks import (
     Accumulator,
     Batch,
     LayerCollector,
+    ModelContractError,
     act_name,
+    attention_layers_of,
     check_layers,
     check_tokens,
     kv_view,
     model_dims,
     per_query_head,
+    skipped_note,
     stream,
 )
 from analysis.io import jsonable
@@ -42,6 +51,7 @@ from analysis.sink import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
 K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
+LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-softmax is never built for a whole batch)
 
 # ----------------------------------------------------------------------------------------------
 # One streamed pass under interventions
@@ -50,22 +60,45 @@ K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
 
 @dataclass
 class PassResult:
-    """What one pass over the tokens leaves: alpha per (sample, layer, head, key), attention shares, loss."""
+    """What one pass over the tokens leaves: alpha per (sample, layer, head, key), attention shares, loss.
+
+    The layer axis L runs over ``layers``, the true indices of the attention layers (all layers but a hybrid's
+    linear-attention / Mamba layers, which ``skipped`` names)."""
 
     alpha: torch.Tensor  # (N, L, H, K)
     where: torch.Tensor  # (L, H, 4) mean attention share of queries t >= 3 on first/previous/self/other keys
     loss: float
     eps: float
     T: int
+    layers: list[int] | None = None  # true layer index of each position on the L axis (None: 0..L-1)
+    skipped: str = ""
+
+    def __post_init__(self):
+        self.layers = list(range(self.alpha.shape[1])) if self.layers is None else [int(l) for l in self.layers]
+
+    def pos(self, layers) -> list[int]:
+        """Positions on the L axis of true layer indices."""
+        return [self.layers.index(int(l)) for l in layers]
 
     def sink(self, model_name=None, kind=None) -> SinkResult:
-        return SinkResult(self.alpha, self.eps, self.T, model_name, kind)
+        return SinkResult(self.alpha, self.eps, self.T, model_name, kind, layers=self.layers, skipped=self.skipped)
 
     def sink_rate(self, k: int = 1) -> float:
         return float((self.alpha[..., k - 1] > self.eps).float().mean() * 100)
 
     def sink_per_layer(self, k: int = 1) -> torch.Tensor:
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
+
+
+def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, rows: int = LOSS_ROWS) -> float:
+    """Summed next-token cross-entropy of ``logits`` (B, T, V) on ``tokens`` (B, T), ``rows`` sequences at a time
+    (peak memory: one chunk's log-softmax, not the whole batch's)."""
+    total = 0.0
+    for i in range(0, logits.shape[0], rows):
+        lg = logits[i : i + rows, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1),
+                                                         reduction="sum"))
+    return total
 
 
 def where_shares(pattern: torch.Tensor) -> torch.Tensor:
@@ -90,11 +123,11 @@ class PassAccumulator(Accumulator):
     needs_logits = True
 
     def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX):
-        dims = model_dims(model)
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
-        self.layers = list(range(dims.n_layers))
+        self.layers, self.skipped = attention_layers_of(model), skipped_note(model)
+        self.pos = {l: i for i, l in enumerate(self.layers)}
         self.alpha = LayerCollector(self.layers)
-        self.where = torch.zeros(dims.n_layers, dims.n_heads, 4, dtype=torch.float64)
+        self.where = torch.zeros(len(self.layers), model_dims(model).n_heads, 4, dtype=torch.float64)
         self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
 
     def hooks(self):
@@ -104,19 +137,18 @@ class PassAccumulator(Accumulator):
         p = acts["pattern"]
         self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
         if self.T >= 3:
-            self.where[layer] += where_shares(p).double().sum(0).cpu()
+            self.where[self.pos[layer]] += where_shares(p).double().sum(0).cpu()
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
-        lg = logits[:, :-1].float()
-        self.loss_sum += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch.tokens[:, 1:].reshape(-1),
-                                                                 reduction="sum"))
-        self.n_pred += lg.shape[0] * lg.shape[1]
+        self.loss_sum += loss_sum(logits, batch.tokens)
+        self.n_pred += batch.size * (batch.tokens.shape[1] - 1)
         self.n += batch.size
 
     def result(self) -> PassResult:
         loss = self.loss_sum / max(self.n_pred, 1) if self.T > 1 else float("nan")
-        return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T)
+        return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T,
+                          self.layers, self.skipped)
 
 
 def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, batch_size: int | None = None,
@@ -160,7 +192,7 @@ class ValueStatsAccumulator(Accumulator):
 
     def __init__(self, model):
         dims = model_dims(model)
-        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, list(range(dims.n_layers))
+        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, attention_layers_of(model)
         self.sums = {l: dict.fromkeys(("a1", "v1", "vj", "contrib", "z"), 0) for l in self.layers}
         self.v1 = LayerCollector(self.layers)
         self.n = 0
@@ -181,14 +213,14 @@ class ValueStatsAccumulator(Accumulator):
         s["contrib"] = s["contrib"] + later(contrib.norm(dim=-1))
         s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
         self.v1.put(layer, v1)
-        if layer == 0:
+        if layer == self.layers[0]:
             self.n += v.shape[0]
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.v1.end_batch()
 
     def result(self) -> dict:
-        """{"heads": one row per (layer, query head), "v1": (N, L, H, d)}."""
+        """{"heads": one row per (attention layer, query head), "v1": (N, L, H, d) on the attention layers."""
         rows = [{"layer": l, "head": h, **{name: float(self.sums[l][key][h] / self.n) for name, key in (
                     ("alpha_1", "a1"), ("v1_norm", "v1"), ("v_other_norm", "vj"), ("first_contrib_norm", "contrib"),
                     ("output_norm", "z"))}} for l in self.layers for h in range(self.H)]
@@ -202,7 +234,7 @@ class Baseline:
     run: PassResult
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
-    v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head
+    v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
 
 
 def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
@@ -336,7 +368,7 @@ def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshol
            f">= {ratio_threshold:g}x the hidden state's median on {min_share:.0%} of samples, so there is "
            "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
     conditions = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
-    per_layer = pd.DataFrame({"layer": range(base.alpha.shape[1]), "baseline": base.sink_per_layer().numpy()})
+    per_layer = pd.DataFrame({"layer": base.layers, "baseline": base.sink_per_layer().numpy()})
     return SpikeAblation({}, where, False, msg, conditions, per_layer, {}, {"baseline": base},
                          getattr(model, "model_name", None), n_samples=base.alpha.shape[0])
 
@@ -384,8 +416,8 @@ def spike_ablation(
         results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start)
     conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
                                for c, r in results.items()])
-    per_layer = pd.DataFrame({"layer": range(base.run.alpha.shape[1]), **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
-    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}."
+    per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
+    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (f" {base.run.skipped}" if base.run.skipped else "")
     return SpikeAblation(spikes, where, True, msg, conditions, per_layer, means, results, getattr(model, "model_name", None),
                          n_samples=tokens.shape[0])
 
@@ -442,24 +474,37 @@ def _check_heads(model, heads) -> list[tuple[int, int]]:
         if not 0 <= l < dims.n_layers or not 0 <= hh < dims.n_heads:
             raise ValueError(f"head {(l, hh)} out of range: layers 0..{dims.n_layers - 1}, heads 0..{dims.n_heads - 1}.")
         out.append((l, hh))
+    attention_layers_of(model, sorted({l for l, _ in out}))  # a hybrid's linear-attention / Mamba layer: ValueError
     return sorted(set(out))
 
 
 class ValueRemoval:
-    """Hooks on hook_pattern, hook_v and hook_z of the layers holding ``heads``: z_t -= A[t, 1] v_1 ("zero"), or
-    z_t -= A[t, 1] (v_1 - its leave-one-out mean ``v_mean`` {layer: (N, H, d)}) ("mean"). ``first_query=False``
-    leaves the first token's own output (t = 1) unchanged; ``v_mean`` holds every query head. ``start(batch)``
-    before each batch."""
+    """z_t -= A[t, 1] v_1 in the heads ``heads`` ("zero"), or z_t -= A[t, 1] (v_1 - its leave-one-out mean
+    ``v_mean`` {layer: (N, H, d)}) ("mean"). ``first_query=False`` leaves the first token's own output (t = 1)
+    unchanged; ``v_mean`` holds every query head. ``start(batch)`` before each batch.
+
+    Where ``hook_pattern`` is live (fires before the output): hooks on hook_pattern, hook_v and hook_z edit z.
+    Where it is not (TransformerLens' generic attention bridge: GPT-J, OPT, Jamba; ``FamilySpec.pattern_live``)
+    the same edit is made on the value: v_1 set to 0 (or to its mean) at ``hook_v`` gives
+    z_t = sum_(j>1) A[t, j] v_j (+ A[t, 1] mean) for every query, exactly; ``first_query=False`` then adds
+    v_1 - v_1' back to z_1 (A[1, 1] = 1). With grouped-query attention and KV heads in hook_v this edits the whole
+    KV group, so there every query head of a group must be chosen together (``ModelContractError`` otherwise)."""
 
     def __init__(self, model, heads: list[tuple[int, int]], mode: str = "zero", v_mean: dict | None = None,
                  first_query: bool = True):
-        self.H, self.K = model_dims(model).n_heads, model_dims(model).n_kv_heads
+        from analysis.families import get_family
+
+        dims, spec = model_dims(model), get_family(model)
+        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
         self.by_layer: dict[int, torch.Tensor] = {}
         for l, h in heads:
             self.by_layer.setdefault(l, []).append(h)
         self.by_layer = {l: torch.tensor(sorted(hs)) for l, hs in self.by_layer.items()}
         self.state: dict[int, dict] = {}
+        if not self.live and spec.learned_sinks:
+            raise ModelContractError("the value ablation edits hook_v here (hook_pattern is read-only) and needs "
+                                     "A[1, 1] = 1, which learned sink logits break.")
 
     def start(self, batch: Batch) -> None:
         self.offset = batch.offset
@@ -467,9 +512,16 @@ class ValueRemoval:
     def hooks(self):
         out = []
         for l in self.by_layer:
-            out += [(act_name("pattern", l), partial(self.on_pattern, l)), (act_name("v", l), partial(self.on_v, l)),
-                    (act_name("z", l), partial(self.on_z, l))]
+            if self.live:
+                out += [(act_name("pattern", l), partial(self.on_pattern, l)), (act_name("v", l), partial(self.on_v, l)),
+                        (act_name("z", l), partial(self.on_z, l))]
+            else:
+                out += [(act_name("v", l), partial(self.set_v, l))]
+                out += [] if self.first_query else [(act_name("z", l), partial(self.restore_first, l))]
         return out
+
+    def _mean(self, layer: int, B: int, heads: torch.Tensor) -> torch.Tensor:
+        return self.v_mean[layer][self.offset : self.offset + B, heads]  # (B, h, d)
 
     def on_pattern(self, layer: int, p: torch.Tensor, hook) -> None:
         self.state.setdefault(layer, {})["a1"] = p[:, self.by_layer[layer].to(p.device), :, 0].detach()  # (B, h, T)
@@ -482,13 +534,47 @@ class ValueRemoval:
         st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
         v1 = st["v1"]
         if self.mode == "mean":
-            mean = self.v_mean[layer][self.offset : self.offset + z.shape[0], self.by_layer[layer]]  # (B, h, d)
-            v1 = v1 - mean.to(v1.device, v1.dtype)
+            v1 = v1 - self._mean(layer, z.shape[0], self.by_layer[layer]).to(v1.device, v1.dtype)
         contrib = st["a1"].permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
         if not self.first_query:
             contrib[:, 0] = 0
         z = z.clone()
         z[:, :, hidx] -= contrib.to(z.dtype)
+        return z
+
+    def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of hook_v's head axis to edit, the query head each slot stands for)."""
+        heads = self.by_layer[layer]
+        if n == self.H:  # one value per query head: edit exactly the chosen heads
+            return heads, heads
+        group = self.H // n
+        slots = torch.unique(heads // group)
+        whole = torch.cat([torch.arange(s * group, (s + 1) * group) for s in slots.tolist()])
+        if not torch.equal(whole, heads):
+            raise ModelContractError(
+                f"hook_pattern is read-only here, so the value ablation edits hook_v, which holds {n} KV heads shared "
+                f"by groups of {group} query heads: choose whole groups (layer {layer}: heads {whole.tolist()}, not "
+                f"{heads.tolist()}).")
+        return slots, slots * group
+
+    def set_v(self, layer: int, v: torch.Tensor, hook) -> torch.Tensor:
+        if v.ndim != 4:
+            raise ModelContractError(f"hook_v of layer {layer} has shape {tuple(v.shape)}, not (B, T, heads, d_head).")
+        slots, heads = self._value_slots(layer, v.shape[2])
+        slots = slots.to(v.device)
+        old = v[:, 0, slots]  # (B, s, d)
+        new = torch.zeros_like(old) if self.mode == "zero" else self._mean(layer, v.shape[0], heads).to(v.device, v.dtype)
+        v = v.clone()
+        v[:, 0, slots] = new
+        group = 1 if v.shape[2] == self.H else self.H // v.shape[2]
+        self.state[layer] = {"diff": (old - new).repeat_interleave(group, dim=1)}  # (B, h, d), the chosen query heads
+        return v
+
+    def restore_first(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
+        """z_1 of the chosen heads back to its unchanged value (A[1, 1] = 1: z_1 = v_1)."""
+        diff, hidx = self.state.pop(layer)["diff"], self.by_layer[layer].to(z.device)
+        z = z.clone()
+        z[:, 0, hidx] += diff.to(z.dtype)
         return z
 
 
@@ -515,7 +601,6 @@ def value_ablation(
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
-    dims = model_dims(model)
     heads = None if sink_heads is None else _check_heads(model, sink_heads)
     base = _baseline(model, tokens, baseline, eps, batch_size)
     if heads is None:
@@ -532,17 +617,18 @@ def value_ablation(
         return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None),
                              n_samples=N)
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
-    v_mean = {l: _leave_one_out(base.v1[:, l].double()).float() for l in {l for l, _ in heads}}
-    every = [(l, h) for l in range(dims.n_layers) for h in range(dims.n_heads)]
+    v_mean = {l: _leave_one_out(base.v1[:, i].double()).float()
+              for l, i in zip(base.run.layers, base.run.pos(base.run.layers)) if l in {l for l, _ in heads}}
+    every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
     conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
-    for cname, hs, mode, fq in conditions:
-        removal = ValueRemoval(model, hs, mode, v_mean, fq)
+    removals = [(c, ValueRemoval(model, hs, mode, v_mean, fq)) for c, hs, mode, fq in conditions]  # checks before any pass
+    for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
         r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start)
         rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
-    return ValueAblation(heads, pd.DataFrame(rows), table, f"{how}: {len(heads)} sink heads.",
-                         getattr(model, "model_name", None), n_samples=N)
+    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
+    return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,7 +743,8 @@ def first_key_ablation(
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
-    layers = check_layers(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d)
+    attn = attention_layers_of(model)
+    layers = attention_layers_of(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d and l in attn)
     layers = [l for l in layers if spikes.get(l)]
     base = _baseline(model, tokens, baseline, eps, batch_size).run if k_max == K_MAX else \
         run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
@@ -667,11 +754,11 @@ def first_key_ablation(
         msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads (|a| > {abs_threshold:g}, "
                f">= {ratio_threshold:g}x the median, on {min_share:.0%} of samples): there is no spike-driven key part "
                "to remove. Pass spike_dims or lower the thresholds.")
-        return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, list(range(base.alpha.shape[1])), k_max),
+        return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
                                 _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
     removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
     results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size)
-    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}."
+    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
     return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
                             _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
 
@@ -679,10 +766,11 @@ def first_key_ablation(
 def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
     rows = []
     for c, r in results.items():
-        w = r.where[layers].mean(dim=(0, 1))
+        pos = r.pos(layers)
+        w = r.where[pos].mean(dim=(0, 1))
         row = {"condition": c, **{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}}
         for k in range(1, min(k_max, r.alpha.shape[-1]) + 1):
-            row[f"sink_{k}"] = float((r.alpha[:, layers, :, k - 1] > r.eps).float().mean() * 100)
+            row[f"sink_{k}"] = float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100)
         row["loss"] = r.loss
         rows.append(row)
     return pd.DataFrame(rows)
@@ -692,9 +780,9 @@ def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
     rows = []
     for c, r in results.items():
         w = r.where.mean(1)  # (L, 4)
-        for l in range(r.alpha.shape[1]):
-            row = {"layer": l, "condition": c, **{k: float(w[l, i]) for i, k in enumerate(WHERE_KEYS)}}
+        for i_l, l in enumerate(r.layers):
+            row = {"layer": l, "condition": c, **{k: float(w[i_l, i]) for i, k in enumerate(WHERE_KEYS)}}
             for k in range(1, min(k_max, r.alpha.shape[-1], 2) + 1):
-                row[f"sink_{k}"] = float((r.alpha[:, l, :, k - 1] > r.eps).float().mean() * 100)
+                row[f"sink_{k}"] = float((r.alpha[:, i_l, :, k - 1] > r.eps).float().mean() * 100)
             rows.append(row)
     return pd.DataFrame(rows)

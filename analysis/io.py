@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -58,20 +59,43 @@ def records(df: pd.DataFrame) -> list[dict]:
     return jsonable(df.to_dict("records"))
 
 
-def write_atomic(path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: an existing
-    file is only replaced by a complete new one."""
+def write_atomic(path, text_or_write) -> None:
+    """Write ``path`` through a temporary file in the same folder, synced, then ``os.replace``: an existing file is
+    only ever replaced by a complete new one. ``text_or_write``: the text, or ``write(tmp_path)`` for other
+    writers (tensors, tokenizers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
+        if callable(text_or_write):
+            text_or_write(tmp)
+        else:
+            Path(tmp).write_text(text_or_write, encoding="utf-8")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def replace_dir(target, fill) -> Path:
+    """Build a folder with ``fill(tmp_dir)`` in a temporary folder beside ``target``, then swap it in: ``target``
+    is either the old complete folder or the new complete one, never half written."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        fill(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def write_json(path, payload) -> None:

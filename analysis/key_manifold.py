@@ -1,8 +1,9 @@
 """The first key's manifold: is k_1 a point apart from the keys at every other position?
 
-Per layer and key/value head (keys live per KV head under GQA), from the keys the queries really see
-(``hook_rot_k``, i.e. after the rotary embedding; ``hook_k`` for models without rotary) at all
-positions of N sequences:
+Per attention layer and key/value head (keys live per KV head under GQA), from the keys the queries really see
+(the family spec's ``key_hook``, after the q/k norms where the family has them and after the rotary embedding,
+applied per the spec where the bridge does not fire ``hook_rot_k``: ``analysis.rotary.rotate_as_spec``) at all
+positions of N sequences (hybrids: attention layers only, true layer indices, the skipped layers named):
 
 - **distance from the other keys' principal subspace**: PCA of the keys at positions j > 1 (centred
   at their mean mu) gives the top-r principal directions U_r. The first key's relative residual
@@ -48,6 +49,7 @@ from analysis.hooks import (
     Accumulator,
     Batch,
     act_name,
+    attention_layers_of,
     check_layers,
     check_tokens,
     group_reduce,
@@ -57,8 +59,10 @@ from analysis.hooks import (
     qk_hook_names,
     stream,
 )
+from analysis.families import get_family
 from analysis.io import jsonable
 from analysis.results import Result, layers_text
+from analysis.rotary import rotate_as_spec
 from analysis.sink import alpha_from_pattern
 from analysis.stats import mean_pairwise_cosine
 
@@ -129,10 +133,14 @@ class KeyManifold(Result):
     scatter: dict = field(default_factory=dict)  # (layer, kv_head) -> {"coords": (N, T, 2), "evr": [2], ...}
     model_name: str | None = None
     kind: str | None = None
+    skipped: str = ""  # the layers left out (hybrids: linear-attention / Mamba layers), in words
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"kv_heads": self.table}
+
+    def skipped_text(self) -> str:
+        return f" {self.skipped[0].upper()}{self.skipped[1:]}." if self.skipped else ""
 
     def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         """The first keys of sink KV heads against the others, in words."""
@@ -141,7 +149,8 @@ class KeyManifold(Result):
         mid = self.T // 2 + 1
         if S["n_sink_kv_heads"] == 0:
             return (f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
-                    f"describe; over all heads the first keys of different inputs have mean cosine {ot['cos_first_pair']:.3f}.")
+                    f"describe; over all heads the first keys of different inputs have mean cosine {ot['cos_first_pair']:.3f}."
+                    + self.skipped_text())
         few = ("they are one point (no variance left to explain)" if sk["first_n90"] < 0.5 else
                f"they need {sk['first_n90']:.1f} principal components for 90% of their variance, against "
                f"{sk['mid_n90']:.1f} for as many keys at position {mid}")
@@ -153,7 +162,7 @@ class KeyManifold(Result):
             out += (f" k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace (90% of their "
                     f"variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
                     f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs {sk['resid_other']:.2f}).")
-        return out
+        return out + self.skipped_text()
 
     def head_text(self, layer: int, kv_head: int) -> str:
         """One KV head's first keys in words."""
@@ -237,6 +246,7 @@ class KeyManifold(Result):
             "group_size": self.group_size,
             "n_components": self.n_components,
             "rotated_keys": self.rotated,
+            "skipped": self.skipped,
             "variance_level": VARIANCE_LEVEL,
             "table": self.table,
             "cos_q_k1_per_query_head": self.cos_q_k1.tolist(),
@@ -367,6 +377,7 @@ class KeyManifoldAccumulator(Accumulator):
         dims = model_dims(model)
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
         self.n_components, self.scatter, self.rotated = n_components, scatter, rotated
+        self.spec = get_family(model)
         self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
         self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
         L, S, f64 = len(self.layers), len(self.heads), torch.float64
@@ -381,20 +392,27 @@ class KeyManifoldAccumulator(Accumulator):
     def hooks(self):
         out = {}
         for l in self.layers:
-            q, k = qk_hook_names(self.model, l, self.rotated)
+            q, k = qk_hook_names(self.model, l)  # the spec's hooks; rotate_as_spec makes them rotated or not
             out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)}
         for l in self.scatter_layers:
-            out[l] = {"k": qk_hook_names(self.model, l, self.rotated)[1]}
+            out[l] = {"k": qk_hook_names(self.model, l)[1]}
         return out
 
+    def vectors(self, layer: int, acts: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The queries (B, T, H, d; None where not hooked) and keys (B, T, H_kv, d) the attention of ``layer`` uses,
+        after the rotary (before it with ``rotated=False``), on the CPU."""
+        k = kv_view(rotate_as_spec(acts["k"], self.spec, layer, rotated=self.rotated), self.K).cpu()
+        q = rotate_as_spec(acts["q"], self.spec, layer, rotated=self.rotated).cpu() if "q" in acts else None
+        return q, k
+
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        kk = kv_view(acts["k"], self.K).float().cpu()  # (B, T, H_kv, d)
+        q, kk = self.vectors(layer, acts)  # kk: (B, T, H_kv, d)
         if layer not in self.index:
             self.scatter.add(layer, kk, None, self.heads)
             return
         i = self.index[layer]
         self._keys(i, kk[:, :, self.heads])
-        self._angles(i, acts["q"], kk)
+        self._angles(i, q, kk)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
         self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, "max")[self.heads], self.heads)
@@ -456,11 +474,11 @@ class KeyManifoldAccumulator(Accumulator):
 
     def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
         table["norm_ratio"] = table.k1_norm / table.kj_norm
-        used_rotated = qk_hook_names(self.model, self.layers[0], self.rotated)[1].endswith("hook_rot_k")
         km = KeyManifold(table=table, layers=self.layers, kv_heads=self.heads, n_components=self.n_components,
-                         n_samples=self.n, T=self.T, group_size=self.group, rotated=used_rotated, first_evr=first_evr,
-                         other_evr=other_evr, cos_q_k1=per_q["cos_q_k1"], cos_q_kj=per_q["cos_q_kj"],
-                         alpha_1=per_q["alpha_1"], model_name=getattr(self.model, "model_name", None), kind=self.kind)
+                         n_samples=self.n, T=self.T, group_size=self.group, rotated=self.rotated and self.spec.rotary,
+                         first_evr=first_evr, other_evr=other_evr, cos_q_k1=per_q["cos_q_k1"], cos_q_kj=per_q["cos_q_kj"],
+                         alpha_1=per_q["alpha_1"], model_name=getattr(self.model, "model_name", None), kind=self.kind,
+                         skipped=self.spec.skipped_text())
         for (l, h), keys in self.scatter.heads().items():
             entry = _pca2(keys)
             row = table[(table.layer == l) & (table.kv_head == h)]
@@ -516,7 +534,7 @@ def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int
         raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
     explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
     if explicit:
-        check_layers(model, [l for l, _ in explicit])
+        attention_layers_of(model, check_layers(model, [l for l, _ in explicit]))
         bad = [h for _, h in explicit if not 0 <= h < n_kv]
         if bad:
             raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
@@ -538,7 +556,7 @@ def key_manifold_accumulator(model, tokens_shape, layers=None, heads=None, n_com
                              scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
     """Check the arguments of ``first_key_manifold`` and build its accumulator."""
     dims = model_dims(model)
-    layers = check_layers(model, layers)
+    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
@@ -562,7 +580,6 @@ def first_key_manifold(
 
     Parameters
     ----------
-    layers : layer indices (default: all).
     heads : KV head indices (default: all). Query head h reads KV head h // group_size.
     n_components : the other keys' principal subspace: an int r (fixed number of components, 1 <= r <
         d_head) or a fraction in (0, 1) (the fewest components explaining that share of the other keys'
@@ -571,7 +588,9 @@ def first_key_manifold(
         keeps the analysed KV head with the largest and the one with the smallest alpha_1 (max over its
         query heads), chosen on the first batch (the whole input when N x T <= 2048), in the same pass.
         None or [] keeps none.
-    rotated : read keys after the rotary embedding (``hook_rot_k``) where the model has it.
+    layers : attention layer indices (default: all attention layers; hybrids skip their linear-attention /
+        Mamba layers, named in ``skipped``).
+    rotated : keys and queries after the rotary embedding (default), or before it (False).
     """
     model_dims(model)
     tokens = check_tokens(model, tokens)

@@ -21,15 +21,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from analysis.io import parse_dtype
+from analysis.io import parse_dtype, replace_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -155,18 +153,12 @@ def smollm2_dir() -> Path:
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
     hf, tok = read_gguf(smollm2_gguf_path(), dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         hf.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return replace_dir(target, fill)
 
 
 def _is_hf_dir(path: Path) -> bool:

@@ -1,20 +1,26 @@
 """Norm-gain tracing: how the first token's spike becomes the first key.
 
-Along the key path of one layer l, for the first token and for ordinary tokens:
+Along the key path of one attention layer l, for the first token and for ordinary tokens, as the family spec
+(``analysis.families``) says the layer computes it:
 
-    h (blocks.l.hook_resid_pre) -> n = norm(h) (RMSNorm: h / rms(h); LayerNorm: centred, / std)
-      -> x = g * n (+ b for LayerNorm) -> k = x W_K (+ b_K) per KV head -> rotary (HF rotate_half) -> key
+    h (blocks.l.hook_resid_pre) -> n = norm(h) (RMSNorm: h / rms(h); LayerNorm: centred, / std; none where the
+      block normalises after attention: OLMo-2) -> x = g * n (+ b for LayerNorm; g = w, or 1 + w for Gemma,
+      Qwen3-Next, Qwen3.5) -> k = x W_K (+ b_K) per KV head (fused QKV: the bridge's split W_K) -> the key norm
+      (Qwen3, Gemma 3, Qwen3-Next: per head; OLMo-2: over all heads together) -> rotary (the spec's dim, pairing
+      and base; none for ALiBi / absolute positions) -> the key the attention uses
 
-everything rebuilt from the hooks' h and the model's raw weights (norms not folded into W_K), and
-checked against the model's own ``hook_k`` (before the rotary), ``hook_rot_k`` (where it fires) and
-the attention scores (which check the rotary of queries and keys end to end). For the spike dims S
-(found by ``analysis.massive`` on the first token of h, or given) it measures:
+everything rebuilt from the hooks' h and the model's raw weights (norms not folded into W_K), and checked
+against the model's own ``hook_k`` (the projection), the spec's key hook (the key the attention uses) and the
+attention scores / pattern (which check the queries, the rotary, the score scale and the soft-cap end to end).
+For the spike dims S (found by ``analysis.massive`` on the first token of h, or given) it measures:
 
 - the share of |h|^2, |n|^2 and |x|^2 held by S, first token against ordinary tokens;
 - the gain g at S against the rest;
-- how much of k_1 S alone explains (k_1^S = x_1[S] W_K[S]: cosine, share of |k_1|^2), and of the
-  logits q_t . k_1; the attention the head gives the first key when k_1 is replaced by k_1^S
-  alone, or by k_1 - k_1^S (the spike removed);
+- how much of k_1 S alone explains (k_1^S: x_1[S] W_K through the key norm's linear part at k_1's scale; cosine,
+  share of |k_1|^2), and of the logits q_t . k_1; the attention the head gives the first key when k_1 is
+  replaced by k_1^S alone, or by k_1 - k_1^S (the spike removed); which residual dims the first key comes from;
+- where the key passes a q/k norm: how much it scales the first key against ordinary keys, and its gain along
+  the spike part of k_1 against its RMS gain (the link the spike passes on its way into the key);
 - how constant the first token's vectors are across inputs (mean pairwise cosine of n_1, x_1, k_1
   over different sequences), against ordinary tokens.
 
@@ -22,7 +28,6 @@ All statistics are reduced inside the hooks of layer l, and the forward pass sto
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,21 +36,23 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
+from analysis.families import get_family, sink_logits
 from analysis.hooks import (
     Accumulator,
     Batch,
     ModelContractError,
     act_name,
+    attention_layers_of,
     check_layers,
     check_tokens,
     hook_names,
+    kv_view,
     model_dims,
     stream,
 )
 from analysis.io import jsonable
-from analysis.models import rotary_base
 from analysis.results import Result, runs
-from analysis.rotary import rotary_dim, rotate, uses_rotary
+from analysis.rotary import apply_spec_rotary, rotate, rotate_as_spec  # noqa: F401  (rotate: re-exported)
 from analysis.stats import mean_pairwise_cosine
 
 # ----------------------------------------------------------------------------------------------
@@ -55,24 +62,63 @@ from analysis.stats import mean_pairwise_cosine
 
 @dataclass
 class NormParams:
-    """A pre-attention norm: kind 'RMS' (no centring) or 'LN' (centring, bias), gain w, bias b, eps."""
+    """A norm: kind 'RMS' (no centring), 'LN' (centring, bias) or 'none' (identity); raw weight w, gain
+    ``offset + w`` (offset 1 for Gemma-style zero-centred gains), bias b, eps."""
 
     kind: str
     w: torch.Tensor  # (D,)
     b: torch.Tensor | None  # (D,) or None
     eps: float
+    offset: float = 0.0
+
+    @property
+    def gain(self) -> torch.Tensor:
+        return self.offset + self.w.float()
+
+    def centre(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.float()
+        return h - h.mean(-1, keepdim=True) if self.kind == "LN" else h
+
+    def scale(self, h: torch.Tensor) -> torch.Tensor:
+        """The factor (..., 1) the norm divides by: 1 / sqrt(mean(centred h^2) + eps); 1 for 'none'."""
+        if self.kind == "none":
+            return torch.ones_like(h[..., :1], dtype=torch.float32)
+        return (self.centre(h).pow(2).mean(-1, keepdim=True) + self.eps).rsqrt()
 
     def normalise(self, h: torch.Tensor) -> torch.Tensor:
         """n = norm(h) before the gain, in float32."""
-        h = h.float()
-        if self.kind == "LN":
-            h = h - h.mean(-1, keepdim=True)
-        return h / (h.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        return self.centre(h) * self.scale(h) if self.kind != "none" else h.float()
 
     def affine(self, n: torch.Tensor) -> torch.Tensor:
         """x = g * n (+ b)."""
-        x = n * self.w.float()
-        return x + self.b.float() if self.b is not None else x
+        if self.kind == "none":
+            return n.float()
+        x = n * self.gain.to(n.device)
+        return x + self.b.float().to(n.device) if self.b is not None else x
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.affine(self.normalise(h))
+
+    def linear_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The norm's output share of ``part`` of its input ``full`` (norm(full) = sum of the parts' shares + b):
+        centred, at full's scale, times the gain."""
+        if self.kind == "none":
+            return part.float()
+        return self.centre(part) * self.scale(full) * self.gain.to(part.device)
+
+    def adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The transpose of ``linear_part`` at ``full`` applied to y: part . adjoint(y) = linear_part(part) . y."""
+        if self.kind == "none":
+            return y.float()
+        return self.centre(y.float() * self.gain.to(y.device) * self.scale(full))
+
+    def text(self) -> str:
+        if self.kind == "none":
+            return "no norm"
+        return f"{'RMSNorm' if self.kind == 'RMS' else 'LayerNorm'} (gain {'1 + w' if self.offset else 'w'})"
+
+
+_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
 
 def norm_kind(model) -> str | None:
@@ -89,10 +135,16 @@ def norm_kind(model) -> str | None:
 
 
 def norm_params(model, layer: int) -> NormParams:
-    """The ln1 gain, bias and eps of ``layer``; ModelContractError for models without a norm gain."""
+    """The norm the attention input of ``layer`` passes (the spec's form: gain w or 1 + w, bias, eps), with its
+    weights; the identity where the block has no norm before attention (post-norm: OLMo-2; or no norm at all).
+    ModelContractError for a pre-norm model whose norm gain is not kept as a weight."""
     (layer,) = check_layers(model, [layer])
+    spec = get_family(model)
     blocks = getattr(model, "blocks", None)
     ln = getattr(blocks[layer], "ln1", None) if blocks is not None else None
+    if spec.norm is None and (spec.norm_placement == "post" or getattr(ln, "w", None) is None):
+        D = int(spec.d_model)
+        return NormParams("none", torch.ones(D), None, 0.0)
     kind = norm_kind(model)
     w = getattr(ln, "w", None) if ln is not None else None
     if ln is None or w is None or kind is None:
@@ -103,9 +155,27 @@ def norm_params(model, layer: int) -> NormParams:
             "raw weights (`analysis.load_model`), not with the norms folded into W_Q/W_K/W_V, and not a model "
             "without normalisation."
         )
+    ns = spec.norm
+    kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
     b = getattr(ln, "b", None) if kind == "LN" else None
-    eps = float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
-    return NormParams(kind, w.detach().float().cpu(), None if b is None else b.detach().float().cpu(), eps)
+    eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
+    return NormParams(kind, w.detach().float().cpu(), None if b is None else b.detach().float().cpu(), eps,
+                      ns.gain_offset if ns is not None else 0.0)
+
+
+def key_norm_params(model, layer: int) -> NormParams | None:
+    """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together), or None."""
+    ns = get_family(model).qk_norm
+    if ns is None:
+        return None
+    kn = getattr(model.blocks[layer].attn, "k_norm", None)
+    w = getattr(kn, "w", None)
+    if w is None:
+        raise ModelContractError(f"the {ns.text()} on the keys of layer {layer} has no weight "
+                                 f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights.")
+    b = getattr(kn, "b", None) if ns.bias else None
+    return NormParams(_KINDS.get(ns.kind, "RMS"), w.detach().float().cpu(),
+                      None if b is None else b.detach().float().cpu(), ns.eps, ns.gain_offset)
 
 
 def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,64 +192,125 @@ def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 @dataclass
 class KeyPath:
-    """Everything needed to rebuild a layer's keys from its residual input."""
+    """Everything needed to rebuild a layer's keys from its residual input, as the family computes them."""
 
     layer: int
-    norm: NormParams
+    norm: NormParams  # the norm on the attention input (kind 'none': post-norm, the raw residual)
     W_K: torch.Tensor  # (H_kv, D, d_head)
     b_K: torch.Tensor | None
-    rotary: bool
-    base: float | None
-    rot_dim: int | None
+    k_norm: NormParams | None  # the norm on the keys after W_K, or None
+    k_norm_scope: str | None  # "head" (over d_head) | "all_heads" (over H_kv * d_head)
+    spec: object  # the FamilySpec
     group: int  # query heads per KV head
-    key_hook: str  # the key before the rotary (blocks.l.attn.hook_k)
-    query_hook: str  # the query before the rotary (blocks.l.attn.hook_q)
-    rot_key_hook: str | None  # the rotated key, where the model has the hook (checked when it fires)
+    key_hook: str  # the key projection (blocks.l.attn.hook_k), before any key norm and the rotary
+    final_key_hook: str  # the key the attention uses (spec.key_hook: rotated iff spec.key_rotated)
+    query_hook: str  # the query the attention uses (spec.query_hook)
+
+    @property
+    def rotary(self) -> bool:
+        return self.spec.rotary
+
+    @property
+    def base(self) -> float | None:
+        return self.spec.rotary_bases.get(self.layer, self.spec.rotary_base) if self.rotary else None
+
+    @property
+    def rot_dim(self) -> int | None:
+        return self.spec.rotary_dim if self.rotary else None
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply the rotary (identity without one) to queries or keys (..., T, heads, d_head)."""
-        if not self.rotary:
-            return x.float()
-        return rotate(x, positions.to(x.device), self.base, self.rot_dim)
+        """The spec's rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
+        return apply_spec_rotary(x, self.spec, self.layer, positions)
+
+    def project(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """x (..., T, D) W_K (+ b_K) -> (..., T, H_kv, d_head): the key projection, before the key norm."""
+        k = torch.einsum("...td,hde->...the", x.float(), self.W_K.to(x.device))
+        return k + self.b_K.to(x.device) if bias and self.b_K is not None else k
+
+    def _heads_apply(self, fn, k: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        """Apply a norm function over each head (d_head) or over all heads together (H_kv * d_head)."""
+        if self.k_norm_scope != "all_heads":
+            return fn(k, *more)
+        flat = [t.flatten(-2) for t in (k, *more)]
+        return fn(*flat).unflatten(-1, k.shape[-2:])
+
+    def key_norm(self, k: torch.Tensor) -> torch.Tensor:
+        """The key norm on projected keys (..., H_kv, d_head); identity where the family has none."""
+        return k.float() if self.k_norm is None else self._heads_apply(self.k_norm, k)
+
+    def key_norm_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The key norm's output share of ``part`` of the projected key ``full`` (linear at full's scale)."""
+        return part.float() if self.k_norm is None else self._heads_apply(self.k_norm.linear_part, part, full)
+
+    def key_norm_adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return y.float() if self.k_norm is None else self._heads_apply(self.k_norm.adjoint, y, full)
+
+    def key_norm_scale(self, k: torch.Tensor) -> torch.Tensor:
+        """How much the key norm divides each key by (..., H_kv): 1 / rms, per head or shared by all heads."""
+        if self.k_norm is None:
+            return torch.ones(k.shape[:-1], device=k.device)
+        if self.k_norm_scope == "all_heads":
+            return self.k_norm.scale(k.flatten(-2)).expand(*k.shape[:-1])
+        return self.k_norm.scale(k)[..., 0]
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
-        """Keys from the gain-scaled normalised input x (..., T, D) -> (..., T, H_kv, d_head), rotated."""
-        W = self.W_K.to(x.device)
-        k = torch.einsum("...td,hde->...the", x.float(), W)
-        if bias and self.b_K is not None:
-            k = k + self.b_K.to(x.device)
+        """The key projection of the gain-scaled normalised input x (..., T, D) -> (..., T, H_kv, d_head), rotated
+        (``rotary``); linear in x (no key norm): the part of ``hook_k`` a part of x makes."""
+        k = self.project(x, bias)
         return self.rotate(k, positions) if rotary else k
 
+    def full_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys the attention uses, from x: projection, key norm, rotary."""
+        return self.rotate(self.key_norm(self.project(x)), positions)
+
     def keys_from_resid(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.keys(self.norm.affine(self.norm.normalise(h)), positions)
+        return self.full_keys(self.norm(h), positions)
+
+    def text(self) -> str:
+        """The path in words: norm -> W_K -> key norm -> rotary -> score scale (and soft-cap)."""
+        sp = self.spec
+        parts = [f"{self.norm.text()} on the attention input" if self.norm.kind != "none"
+                 else "no norm before attention (the block normalises after it)",
+                 f"W_K{' + b_K' if self.b_K is not None else ''}{' (split from the fused QKV)' if sp.fused_qkv else ''}"]
+        if self.k_norm is not None:
+            parts.append(f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}")
+        if self.rotary:
+            parts.append(f"rotary ({self.rot_dim} of {self.W_K.shape[-1]} dims, "
+                         f"{'interleaved' if sp.rotary_style == 'interleaved' else 'rotate-half'} pairs, theta {self.base:g})")
+        else:
+            parts.append({"alibi": "no rotation (ALiBi biases on the scores)", "absolute": "no rotation (absolute "
+                          "positions)"}.get(sp.positions, "no rotation"))
+        cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
+        return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
 
 def key_path(model, layer: int) -> KeyPath:
-    """Read the norm, key weights and rotary of ``layer`` (ModelContractError with what is missing)."""
-    dims = model_dims(model)
-    (layer,) = check_layers(model, [layer])
+    """Read the norm, key weights, key norm and rotary of attention ``layer`` (ModelContractError with what is
+    missing; ValueError for a layer that is not an attention layer)."""
+    (layer,) = attention_layers_of(model, check_layers(model, [layer]))
+    spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)
-    names = hook_names(model)
-    rot = uses_rotary(model)
-    base = rotary_base(model) if rot else None
-    if rot and base is None:
-        raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (set model.rope_theta).")
-    kh, qh, rkh = act_name("k", layer), act_name("q", layer), act_name("rot_k", layer)
-    missing = [n for n in (act_name("resid_pre", layer), kh, qh) if n not in names]
+    if spec.rotary and spec.rotary_bases.get(layer, spec.rotary_base) is None:
+        raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases).")
+    kh = act_name("k", layer)
+    missing = [n for n in (act_name("resid_pre", layer), kh, spec.key_hook(layer), spec.query_hook(layer))
+               if n not in hook_names(model)]
     if missing:
         raise ModelContractError(f"the model has no hook(s) {missing}; the key path needs TransformerLens hook names.")
-    return KeyPath(layer, norm, W_K, b_K, rot, base, rotary_dim(model, W_K.shape[-1]) if rot else None,
-                   dims.n_heads // W_K.shape[0], kh, qh, rkh if rot and rkh in names else None)
+    return KeyPath(layer, norm, W_K, b_K, key_norm_params(model, layer), spec.qk_norm_scope, spec,
+                   model_dims(model).n_heads // W_K.shape[0], kh, spec.key_hook(layer), spec.query_hook(layer))
 
 
-def attn_scale(model, d_head: int) -> float:
-    """The factor on q . k in the attention scores (1/sqrt(d_head) unless the config says otherwise)."""
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "use_attn_scale", True) is False:
-        return 1.0
-    s = getattr(cfg, "attn_scale", None)
-    return 1.0 / float(s) if s is not None and float(s) > 0 else 1.0 / math.sqrt(d_head)
+def attn_scale(model, d_head: int | None = None) -> float:
+    """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
+    query_pre_attn_scalar, 1/sqrt(d_head) by default)."""
+    return float(get_family(model).attn_scale)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-cap: cap * tanh(x / cap) (identity without one)."""
+    return cap * torch.tanh(x / cap) if cap else x
 
 
 def _check_dims(dims: Sequence[int] | None, D: int) -> list[int]:
@@ -190,14 +321,26 @@ def _check_dims(dims: Sequence[int] | None, D: int) -> list[int]:
     return dims
 
 
-def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor) -> torch.Tensor:
-    """alpha_1 per (B, H) after replacing the first-key column of ``scores`` (B,H,T,T) with ``col0`` (B,H,T)."""
+def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """alpha_1 per (B, H) after replacing the first-key column of ``scores`` (B,H,T,T; masked entries very negative)
+    with ``col0`` (B,H,T); ``sink``: the learned sink logit per head (H,) that takes its share of each row."""
     s = scores.float().clone()
     s[..., 0] = col0
     T = s.shape[-1]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=s.device), diagonal=1)
-    p = s.masked_fill(future, float("-inf")).softmax(-1)
-    return p[..., 0].mean(-1)  # every query sees key 1: alpha_1 = mean over all T queries
+    s = s.masked_fill(future, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.device).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    p = s.softmax(-1)[..., :T]
+    return p[..., 0].mean(-1)  # every query sees key 1 (unless a sliding window hides it): mean over all T queries
+
+
+def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
+    """(T, T) bool: query i sees key j (causal, and inside the sliding window on the spec's sliding layers)."""
+    seen = torch.ones(T, T, dtype=torch.bool).tril()
+    if spec.sliding_window and layer in spec.sliding_layers:
+        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-int(spec.sliding_window))
+    return seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +350,8 @@ def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class NormGainTrace(Result):
-    """Norm-gain trace of one layer. ``heads`` has one row per query head; ``stages`` one row per stage."""
+    """Norm-gain trace of one attention layer. ``heads`` has one row per query head; ``stages`` one row per stage
+    of the key path; ``key_dims`` the residual dims the first key comes from most."""
 
     layer: int
     spike_dims: list[int]
@@ -223,10 +367,13 @@ class NormGainTrace(Result):
     heads: pd.DataFrame
     constancy: dict
     rebuild: dict
-    gain_vector: torch.Tensor  # (D,)
+    gain_vector: torch.Tensor  # (D,) the gain g (w, or 1 + w)
     first_normalised_mean: torch.Tensor  # (D,) mean n_1
     other_normalised_abs: torch.Tensor  # (D,) mean |n_t|, t > 1
     first_resid_mean: torch.Tensor  # (D,) mean h_1
+    key_dims: pd.DataFrame = field(default_factory=pd.DataFrame)
+    path_text: str = ""
+    key_norm: str | None = None  # the key norm in words, where the family has one
     model_name: str | None = None
     kind: str | None = None
     meta: dict = field(default_factory=dict)
@@ -243,34 +390,57 @@ class NormGainTrace(Result):
             "gain_spike_over_rest": [float(g[d] / g[rest].median()) for d in S],
         }
 
+    def top_dims(self, n: int = 4) -> list[int]:
+        """The residual dims with the largest share of the first key (mean over inputs and KV heads)."""
+        return [int(d) for d in self.key_dims["dim"].head(n)] if len(self.key_dims) else []
+
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"stages": self.stages, "gain": self.gain, "heads": self.heads}
+        return {"stages": self.stages, "gain": self.gain, "heads": self.heads, "key_dims": self.key_dims}
 
     def text(self) -> str:
         if not self.has_spike:
-            return self.message
-        return " ".join([self.gain_text(), self.key_text(), self.constancy_text()])
+            return " ".join(t for t in (self.message, self.path_text) if t)
+        return " ".join(t for t in (self.path_text, self.gain_text(), self.key_norm_text(), self.key_text(),
+                                    self.constancy_text()) if t)
 
     def gain_text(self) -> str:
         """What the norm and its gain do to the spike dims."""
         if not self.has_spike:
             return self.message
         st, g = self.stages.set_index("stage"), self.gain_summary()
+        if self.norm_kind == "none":
+            return (f"Layer {self.layer} has no norm before attention: spike dims {self.spike_dims} hold "
+                    f"{st.loc['resid (h)', 'first_share']:.1%} of the first token's |h|^2 (ordinary tokens: "
+                    f"{st.loc['resid (h)', 'other_share']:.1%}) and enter W_K as they are.")
         return (f"Layer {self.layer}, spike dims {self.spike_dims}: they hold {st.loc['normalised', 'first_share']:.1%} of the "
                 f"first token's normalised |n|^2 (ordinary tokens: {st.loc['normalised', 'other_share']:.1%}); the gain there is "
                 f"{g['gain_spike_over_rest'][0]:.2f}x the median |g|, and after it they hold {st.loc['gain', 'first_share']:.1%} "
                 f"(ordinary tokens {st.loc['gain', 'other_share']:.1%}).")
+
+    def key_norm_text(self) -> str:
+        """What the key norm (Qwen3, Gemma 3, OLMo-2, Qwen3-Next) does to the first key and its spike part."""
+        if self.key_norm is None:
+            return ""
+        h = self.heads
+        s1, so = h["knorm_scale_first"].mean(), h["knorm_scale_other"].mean()
+        out = (f"The keys then pass {self.key_norm}: it scales the first key's projection by {s1:.3g} against "
+               f"{so:.3g} for ordinary keys ({s1 / so:.2f}x)")
+        if self.has_spike:
+            out += (f", and its gain along the spike part of k_1 is {h['knorm_gain_spike'].mean():.2f} against an RMS "
+                    f"gain of {h['knorm_gain_rms'].mean():.2f}")
+        return out + "."
 
     def key_text(self) -> str:
         """How much of the first key, its logit and the sink the spike dims explain."""
         if not self.has_spike:
             return self.message
         h = self.heads
+        top = f" The first key's largest shares come from residual dims {self.top_dims()}." if len(self.key_dims) else ""
         return (f"k_1 rebuilt from the spike dims alone has cosine {h['cos_k1_spike'].mean():.3f} with k_1 (mean over "
                 f"heads) and gives {h['logit_share_spike'].mean():.0%} of the logit q_t . k_1; alpha_1 is "
                 f"{h['alpha_1'].mean():.3f}, {h['alpha_1_spike_only'].mean():.3f} with the spike part alone and "
-                f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed.")
+                f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed.{top}")
 
     def constancy_text(self) -> str:
         c = self.constancy
@@ -279,70 +449,80 @@ class NormGainTrace(Result):
 
     def rebuild_text(self) -> str:
         r = self.rebuild
-        rot = r["rotated_key_max_abs_err"]
-        return (f"Layer {self.layer}: rebuilt keys against hook_k, relative error {r['key_rel_err']:.1e}"
-                + (f"; against hook_rot_k, max abs error {rot:.1e}" if rot is not None else "")
-                + f"; first-key scores, max abs error {r['score_max_abs_err']:.1e}.")
+        fmt = lambda v: "not checked (no hook)" if v is None else f"{v:.1e}"  # noqa: E731
+        return (f"Layer {self.layer}: rebuilt key projection against {r['key_hook']}, relative error {r['key_rel_err']:.1e}; "
+                f"rebuilt keys against {r['final_key_hook']}, max abs error {fmt(r['final_key_max_abs_err'])}; first-key "
+                f"scores, max abs error {fmt(r['score_max_abs_err'])}; pattern, max abs error {fmt(r['pattern_max_abs_err'])}.")
 
     def to_dict(self) -> dict:
         return jsonable({
             **self.header(), "layer": self.layer, "spike_dims": self.spike_dims, "has_spike": self.has_spike,
             "message": self.message, "norm": self.norm_kind, "rotary": self.rotary, "rotary_base": self.rotary_base,
-            "T": self.T, **self.tables, "constancy": self.constancy, "rebuild": self.rebuild, "text": self.text(),
+            "key_norm": self.key_norm, "path": self.path_text, "T": self.T, **self.tables, "constancy": self.constancy,
+            "rebuild": self.rebuild, "text": self.text(),
         })
 
 
 class NormGainAccumulator(Accumulator):
-    """The key path of one layer, fed jointly with its residual input, normalised input, q, k, rotated k and
-    scores: shares of |.|^2 in the spike dims S, the rebuild errors, and per head the first-key logits and
-    alpha_1 with k_1 replaced by its spike part or with the spike part removed."""
+    """The key path of one attention layer, fed jointly with its residual input, normalised input, key projection,
+    the key and query the attention uses, scores and pattern: shares of |.|^2 in the spike dims S, the rebuild
+    errors, per head the first-key logits and alpha_1 with k_1 replaced by its spike part or with the spike part
+    removed, the key norm's scales, and the residual dims' shares of k_1."""
 
-    optional_keys = frozenset({"rot_k"})  # GPT-NeoX-style bridges list hook_rot_k without running it
+    optional_keys = frozenset({"n", "scores"})
 
     def __init__(self, model, path: KeyPath, S: list[int], T: int, n_other: int = 4, kind: str | None = None):
-        dims = model_dims(model)
-        self.model, self.path, self.S, self.kind, self.H = model, path, S, kind, dims.n_heads
-        self.layer, D, self.T = path.layer, path.W_K.shape[1], int(T)
-        self.scale = attn_scale(model, path.W_K.shape[-1])
+        self.model, self.path, self.S, self.kind, self.H = model, path, S, kind, model_dims(model).n_heads
+        self.spec, self.layer, D, self.T = path.spec, path.layer, path.W_K.shape[1], int(T)
         self.Smask = torch.zeros(D, dtype=torch.bool)
         self.Smask[S] = True
         self.kv_of = torch.arange(self.H) // path.group
         self.other_pos = torch.unique(torch.linspace(1, T - 1, max(1, min(n_other, T - 1))).round().long())
-        self.has_norm_hook = act_name("normalized", self.layer) in hook_names(model)
+        self.has_norm_hook = path.norm.kind != "none" and act_name("normalized", self.layer) in hook_names(model)
+        self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
         self.acc = {k: torch.zeros((), dtype=torch.float64) for k in
                     ("h_share_o", "n_share_o", "x_share_o", "h_norm_o", "n_norm_o", "x_norm_o", "k_norm_o", "count_o",
                      "k_err", "k_ref", "n_err", "n_ref")}
         self.other_abs = torch.zeros(D, dtype=torch.float64)
+        self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
         self.head = {k: torch.zeros(self.H, dtype=torch.float64) for k in
-                     ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest", "score_err")}
+                     ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest")}
         self.cnt = {"q": 0, "o": 0}
-        self.keep = {k: [] for k in ("h1", "n1", "x1", "k1", "k1S", "n_o", "g_o")}
-        self.err = {"k_max": 0.0, "rot": float("nan")}
+        self.keep = {k: [] for k in ("h1", "n1", "x1", "k1", "k1S", "kp1", "kp1S", "n_o", "g_o", "dim_share",
+                                     "knorm_first", "knorm_spike")}
+        self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
 
     def hooks(self):
         l, p = self.layer, self.path
-        want = {"h": act_name("resid_pre", l), "q": p.query_hook, "k": p.key_hook, "scores": act_name("attn_scores", l)}
+        want = {"h": act_name("resid_pre", l), "q": p.query_hook, "k": p.key_hook, "kf": p.final_key_hook,
+                "pattern": self.spec.pattern_hook(l)}
+        if self.spec.scores_hook(l):
+            want["scores"] = self.spec.scores_hook(l)
         if self.has_norm_hook:
             want["n"] = act_name("normalized", l)
-        if p.rot_key_hook is not None:
-            want["rot_k"] = p.rot_key_hook
         return {l: want}
 
+    def _max_err(self, key: str, err) -> None:
+        e = float(err)
+        self.err[key] = e if self.err[key] is None else max(self.err[key], e)
+
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        p, spec = self.path, self.spec
         h = acts["h"].detach().float()
-        n = self.path.norm.normalise(h)
-        x = self.path.norm.affine(n)
-        pos = torch.arange(h.shape[1])
+        n = p.norm.normalise(h)
+        x = p.norm.affine(n)
+        pos = torch.arange(h.shape[1], device=h.device)
         self._residual(h, n, x, batch)
         if "n" in acts:
             self.acc["n_err"] += (acts["n"].float() - n).abs().max().double().cpu()
             self.acc["n_ref"] += n.abs().max().double().cpu()
-        k1, k1S = self._key(acts["k"].detach().float(), x, pos)
-        if "rot_k" in acts:
-            e = float((acts["rot_k"].detach().float() - self.path.keys(x, pos)).abs().max())
-            self.err["rot"] = e if math.isnan(self.err["rot"]) else max(self.err["rot"], e)
-        q = self.path.rotate(acts["q"].detach().float(), pos)
-        self._scores(q, k1, k1S, acts["scores"].detach().float())
+        kp = p.project(x)
+        self._projection(kp, kv_view(acts["k"].detach(), kp.shape[2]).float())
+        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, pos), kp.shape[2])  # (B,T,Hkv,d)
+        self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
+        k1S = self._first_key(x, kp, used)
+        q = rotate_as_spec(acts["q"].detach(), spec, layer, pos)
+        self._scores(q, used, k1S, acts.get("scores"), acts["pattern"].detach().float())
 
     def _residual(self, h, n, x, batch: Batch) -> None:
         """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""
@@ -357,62 +537,106 @@ class NormGainAccumulator(Accumulator):
             self.keep[key].append(v.cpu())
         self.keep["g_o"].append((torch.arange(B) + batch.offset).repeat_interleave(len(self.other_pos)))
 
-    def _key(self, k, x, pos) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check the rebuilt key against hook_k; keep k_1 and its spike part k_1^S (both rotated)."""
-        err = (self.path.keys(x, pos, rotary=False) - k).abs().max()
+    def _projection(self, kp, k) -> None:
+        """Check the rebuilt key projection against hook_k."""
+        err = (kp - k).abs().max()
         self.err["k_max"] = max(self.err["k_max"], float(err))
         self.acc["k_err"] += float(err)
         self.acc["k_ref"] += float(k.abs().max())
-        k = self.path.rotate(k, pos)
-        self.acc["k_norm_o"] += k[:, 1:].norm(dim=-1).mean(-1).double().sum().cpu()
-        x1 = x[:, :1]
-        k1S = self.path.keys(x1 * self.Smask.to(x1.device), pos[:1], bias=False)[:, 0]  # (B,Hkv,dh)
-        self.keep["k1"].append(k[:, 0].cpu())
-        self.keep["k1S"].append(k1S.cpu())
-        return k[:, 0], k1S
 
-    def _scores(self, q, k1, k1S, sc) -> None:
-        """First-key logits (checked against the model's scores) and alpha_1 with k_1, k_1^S or k_1 - k_1^S."""
-        B, T = q.shape[:2]
-        kq = self.kv_of.to(q.device)
-        lf = torch.einsum("bthd,bhd->bht", q, k1[:, kq]) * self.scale  # (B,H,T)
-        ls = torch.einsum("bthd,bhd->bht", q, k1S[:, kq]) * self.scale
+    def _first_key(self, x, kp, used) -> torch.Tensor:
+        """Keep k_1 (as the attention uses it), its spike part k_1^S (x_1[S] W_K through the key norm's linear part
+        at k_1's scale), the key norm's scales, and each residual dim's share of k_1; return k_1^S (B,Hkv,d)."""
+        p = self.path
+        kpS = p.project(x[:, :1] * self.Smask.to(x.device), bias=False)  # (B,1,Hkv,d)
+        k1S = p.key_norm_part(kpS, kp[:, :1])[:, 0]  # position 0: the rotary is the identity
+        k1 = used[:, 0]
+        sq = k1.pow(2).sum(-1).clamp_min(TINY)  # (B,Hkv)
+        v = p.key_norm_adjoint(k1[:, None], kp[:, :1])[:, 0]  # (B,Hkv,d)
+        share = x[:, 0, None, :] * torch.einsum("hde,bhe->bhd", p.W_K.to(x.device), v) / sq[..., None]
+        scale = p.key_norm_scale(kp)  # (B,T,Hkv)
+        self.knorm_other += scale[:, 1:].double().sum((0, 1)).cpu()
+        spike_gain = k1S.norm(dim=-1) / (kpS[:, 0].norm(dim=-1) * scale[:, 0]).clamp_min(TINY)
+        self.acc["k_norm_o"] += used[:, 1:].norm(dim=-1).mean(-1).double().sum().cpu()
+        for key, t in (("k1", k1), ("k1S", k1S), ("kp1", kp[:, 0]), ("kp1S", kpS[:, 0]), ("dim_share", share.mean(1)),
+                       ("knorm_first", scale[:, 0]), ("knorm_spike", spike_gain)):
+            self.keep[key].append(t.detach().float().cpu())
+        return k1S
+
+    def _scores(self, q, used, k1S, sc, pattern) -> None:
+        """First-key logits (checked against the model's scores and pattern) and alpha_1 with k_1, k_1^S or
+        k_1 - k_1^S; scores as the softmax sees them: the hook's (with ALiBi, masks), or rebuilt from q and k."""
+        spec, (B, T) = self.spec, q.shape[:2]
+        cap, scale = spec.attn_softcap, spec.attn_scale
+        raw = torch.einsum("bqhd,bkhd->bhqk", q, used[:, :, self.kv_of.to(q.device)]) * scale  # (B,H,T,T)
+        vis = visible_keys(spec, self.layer, T).to(q.device)
+        capped = softcap(raw, cap)
+        if sc is None:
+            sc = capped.masked_fill(~vis, float("-inf"))
+        else:
+            sc = sc.detach().float()
+            self._max_err("score", (sc[..., 0] - capped[..., 0])[..., vis[:, 0]].abs().max())
+        lf, ls = raw[..., 0], torch.einsum("bthd,bhd->bht", q, k1S[:, self.kv_of.to(q.device)]) * scale
+        first = vis[:, 0].clone()
+        first[0] = False  # queries t > 1 that see key 1
         hd = self.head
-        hd["score_err"] = torch.maximum(hd["score_err"], (sc[..., 0] - lf).abs().amax(dim=(0, 2)).double().cpu())
         for key, v in (("logit_first", lf), ("logit_spike", ls), ("logit_rest", lf - ls)):
-            hd[key] += v[..., 1:].double().sum(dim=(0, 2)).cpu()
-        self.cnt["q"] += B * (T - 1)
-        tri = torch.tril(torch.ones(T, T, dtype=torch.bool, device=sc.device))
-        tri[:, 0] = False  # keys j > 1 and the queries i >= j that see them
-        hd["logit_other"] += sc[..., tri].double().sum(dim=(0, 2)).cpu()
+            hd[key] += v[..., first].double().sum(dim=(0, 2)).cpu()
+        self.cnt["q"] += B * int(first.sum())
+        tri = vis.clone()
+        tri[:, 0] = False  # keys j > 1 and the queries that see them
+        hd["logit_other"] += raw[..., tri].double().sum(dim=(0, 2)).cpu()
         self.cnt["o"] += B * int(tri.sum())
-        col = sc[..., 0]
-        for key, c in (("alpha", col), ("alpha_spike", col + (ls - lf)), ("alpha_rest", col - ls)):
-            hd[key] += _softmax_alpha(sc, c).double().sum(0).cpu()
+        off = sc[..., 0] - capped[..., 0]  # what the scores add to q . k (ALiBi, masks); 0 when rebuilt
+        for key, c in (("alpha", sc[..., 0]), ("alpha_spike", softcap(ls, cap) + off), ("alpha_rest", softcap(lf - ls, cap) + off)):
+            hd[key] += _softmax_alpha(sc, c, self.sink).double().sum(0).cpu()
+        logits = sc if self.sink is None else torch.cat(
+            [sc, self.sink.to(sc.device).view(1, -1, 1, 1).expand(*sc.shape[:-1], 1)], -1)
+        self._max_err("pattern", (logits.softmax(-1)[..., :T] - pattern).abs().max())
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
-        N = kept["h1"].shape[0]
-        has_spike = bool(self.S)
-        path = self.path
+        N, path, has_spike = kept["h1"].shape[0], self.path, bool(self.S)
+        knorm = None
+        if path.k_norm is not None:
+            knorm = f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
         return NormGainTrace(
             layer=self.layer, spike_dims=self.S, has_spike=has_spike, message=message, norm_kind=path.norm.kind,
             rotary=path.rotary, rotary_base=path.base, n_samples=N, T=self.T,
-            stages=stage_table(kept, self.acc, self.Smask), gain=gain_table(path.norm.w, self.S, kept),
-            heads=head_table(kept, self.head, self.cnt, self.kv_of, self.layer, has_spike),
-            constancy=constancy(kept), rebuild=self._rebuild(), gain_vector=path.norm.w.clone(),
+            stages=stage_table(kept, self.acc, self.Smask),
+            gain=gain_table(path.norm.gain, self.S, kept),
+            heads=head_table(kept, self._knorm_cols(kept), self.head, self.cnt, self.kv_of, self.layer, has_spike),
+            constancy=constancy(kept), rebuild=self._rebuild(), gain_vector=path.norm.gain.clone(),
             first_normalised_mean=kept["n1"].mean(0), other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
-            first_resid_mean=kept["h1"].mean(0), model_name=getattr(self.model, "model_name", None), kind=self.kind,
+            first_resid_mean=kept["h1"].mean(0), key_dims=key_dims_table(kept, self.Smask), path_text=path.text(),
+            key_norm=knorm, model_name=getattr(self.model, "model_name", None), kind=self.kind,
         )
 
+    def _knorm_cols(self, kept: dict) -> dict:
+        """Per KV head: the key norm's scale on the first key and on ordinary keys, its gain along the spike part
+        of k_1 and its RMS gain (NaN without a key norm)."""
+        p, Hkv, d = self.path, self.path.W_K.shape[0], self.path.W_K.shape[-1]
+        nan = torch.full((Hkv,), float("nan"))
+        if p.k_norm is None:
+            return {"knorm_scale_first": nan, "knorm_scale_other": nan, "knorm_gain_spike": nan, "knorm_gain_rms": nan,
+                    "kproj_share_spike": nan}
+        g = p.k_norm.gain.reshape(-1, d) if p.k_norm_scope == "all_heads" else p.k_norm.gain.expand(Hkv, d)
+        kp1, kp1S = kept["kp1"], kept["kp1S"]
+        return {"knorm_scale_first": kept["knorm_first"].mean(0),
+                "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
+                "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan, "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
+                "kproj_share_spike": ((kp1 * kp1S).sum(-1) / kp1.pow(2).sum(-1).clamp_min(TINY)).mean(0) if self.S else nan}
+
     def _rebuild(self) -> dict:
-        a = self.acc
+        a, spec = self.acc, self.spec
         return {
             "key_hook": self.path.key_hook, "key_max_abs_err": self.err["k_max"],
             "key_rel_err": float(a["k_err"] / a["k_ref"].clamp_min(TINY)),
-            "rotated_key_max_abs_err": None if math.isnan(self.err["rot"]) else self.err["rot"],
+            "final_key_hook": self.path.final_key_hook, "final_key_max_abs_err": self.err["final"],
+            "rotated_key_max_abs_err": self.err["final"] if spec.key_rotated else None,
             "normalised_rel_err": float(a["n_err"] / a["n_ref"]) if self.has_norm_hook else None,
-            "score_max_abs_err": float(self.head["score_err"].max()), "attn_scale": self.scale,
+            "score_max_abs_err": self.err["score"], "pattern_max_abs_err": self.err["pattern"],
+            "attn_scale": spec.attn_scale, "attn_softcap": spec.attn_softcap,
         }
 
 
@@ -424,17 +648,21 @@ def _first_share(v: torch.Tensor, Smask: torch.Tensor) -> float:
     return float((sq[:, Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).mean())
 
 
+def _part_share(full: torch.Tensor, part: torch.Tensor) -> float:
+    """Mean share (part . full) / |full|^2 over samples and heads."""
+    return float(((full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)).mean())
+
+
 def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
-    """One row per stage (resid, normalised, gain, key): spike share and norm, first token against the others."""
+    """One row per stage (resid, normalised, gain, key): spike share and norm, first token against the others
+    (the key before the key norm: ``heads.kproj_share_spike``)."""
     cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
-    k1, k1S = kept["k1"], kept["k1S"]
-    k_share = ((k1 * k1S).sum(-1) / k1.pow(2).sum(-1).clamp_min(TINY)).mean() if has else nan
     rows = [{"stage": stage, "first_share": _first_share(kept[key], Smask),
              "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
              "first_norm": float(kept[key].norm(dim=-1).mean()), "other_norm": float(acc[f"{o}_norm_o"]) / cnt}
             for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))]
-    rows.append({"stage": "key", "first_share": float(k_share), "other_share": nan,
-                 "first_norm": float(k1.norm(dim=-1).mean()), "other_norm": float(acc["k_norm_o"]) / cnt})
+    rows.append({"stage": "key", "first_share": _part_share(kept["k1"], kept["k1S"]) if has else nan, "other_share": nan,
+                 "first_norm": float(kept["k1"].norm(dim=-1).mean()), "other_norm": float(acc["k_norm_o"]) / cnt})
     return pd.DataFrame(rows)
 
 
@@ -454,8 +682,18 @@ def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
     })
 
 
-def head_table(kept: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool) -> pd.DataFrame:
-    """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key."""
+def key_dims_table(kept: dict, Smask: torch.Tensor, n: int = 8) -> pd.DataFrame:
+    """The ``n`` residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1
+    / |k_1|^2, mean over inputs and KV heads; the shares of all dims and the bias sum to 1)."""
+    share = kept["dim_share"].mean(0)  # (D,)
+    top = share.abs().argsort(descending=True)[:n]
+    return pd.DataFrame({"dim": top.numpy(), "k1_share": share[top].numpy(), "spike_dim": Smask[top].numpy(),
+                         "first_token_x": kept["x1"][:, top].mean(0).numpy()})
+
+
+def head_table(kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool) -> pd.DataFrame:
+    """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key,
+    and the key norm's scales and gains (its KV head's)."""
     k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
     N, nan = k1h.shape[0], float("nan")
     cq, co = max(cnt["q"], 1), max(cnt["o"], 1)
@@ -470,6 +708,7 @@ def head_table(kept: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int,
         "logit_other": (hd["logit_other"] / co).numpy(), "logit_share_spike": spike(ls / lf),
         "alpha_1": (hd["alpha"] / N).numpy(), "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
         "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
+        **{k: v.float()[kv_of].numpy() for k, v in knorm.items()},
     })
 
 
@@ -502,13 +741,17 @@ def trace_layers(first_token_dims: dict[int, list[int]], dim: int, max_runs: int
     return [r[len(r) // 2] for r in runs(with_dim)[:max_runs]]
 
 
-def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: int) -> int:
-    """The sinkiest layer (``SinkResult``) whose input carries the first token's spike (block l reads
-    ``hook_resid_post`` of l - 1, ``first_token_dims``), else the sinkiest layer."""
-    reading = sorted({l + 1 for l in (first_token_dims or {}) if l + 1 < n_layers})
+def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: int,
+                 attention_layers: Sequence[int] | None = None) -> int:
+    """The sinkiest attention layer (``SinkResult``) whose input carries the first token's spike (block l reads
+    ``hook_resid_post`` of l - 1, ``first_token_dims``), else the sinkiest attention layer. ``attention_layers``:
+    the layers with an attention pattern (default: all ``n_layers``; hybrids: ``model.family.attention_layers``)."""
+    attn = list(range(n_layers)) if attention_layers is None else [int(l) for l in attention_layers]
+    reading = sorted({l + 1 for l in (first_token_dims or {}) if l + 1 in attn})
     if sink is None:
-        return reading[0] if reading else 0
+        return reading[0] if reading else attn[0]
     per_layer = sink.per_layer(1)
+    per_layer = per_layer[per_layer.layer.isin(attn)]
     pool = per_layer[per_layer.layer.isin(reading)] if reading else per_layer
     return int(pool.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable").iloc[-1].layer)
 
@@ -524,8 +767,6 @@ def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_thresh
     if tokens.shape[1] < 2:
         raise ValueError("norm-gain tracing needs T >= 2 tokens (the first token and at least one ordinary token).")
     path = key_path(model, layer)
-    if act_name("attn_scores", layer) not in hook_names(model):
-        raise ModelContractError(f"the model has no {act_name('attn_scores', layer)}; the attention check needs the pre-softmax scores.")
     found = spike_dims is None
     if found:
         spike_dims = first_token_spike_dims(model, tokens, "resid_pre", [layer], abs_threshold, ratio_threshold,
@@ -549,7 +790,8 @@ def norm_gain_trace(
     batch_size: int | None = None,
     kind: str | None = None,
 ) -> NormGainTrace:
-    """Trace the first token's spike through ln1, its gain, W_K and the rotary of ``layer``.
+    """Trace the first token's spike through the key path of attention ``layer``: its input norm and gain, W_K,
+    the key norm and the rotary, as the family computes them (``KeyPath.text()``).
 
     ``spike_dims``: residual dims to trace; None finds the first token's spike dims in the stream the
     layer reads (``massive_activations`` on ``hook_resid_pre`` with ``abs_threshold``,

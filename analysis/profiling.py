@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from analysis.defaults import SINK_EPS
-from analysis.hooks import check_tokens, model_dims, stream
+from analysis.hooks import attention_layers_of, check_tokens, stream
 from analysis.results import Result
 
-MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline")
+MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates")
 ANALYSES = ("sink", "massive") + MAIN_ANALYSES
 
 
@@ -29,6 +29,7 @@ class Profile(Result):
     key_manifold: object | None = None  # KeyManifold
     value_norms: object | None = None  # ValueNorms
     baseline: object | None = None  # interventions.Baseline
+    gates: object | None = None  # gates.GateResult (gated attention only: Qwen3-Next, Qwen3.5)
     main: str = "natural"
     model_name: str | None = None
     n_samples: int = 0
@@ -41,7 +42,7 @@ class Profile(Result):
     def results(self) -> dict:
         """Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...)."""
         out = {f"sink/{k}": r for k, r in self.sink.items()} | {f"massive/{k}": r for k, r in self.massive.items()}
-        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms") if getattr(self, k) is not None}
+        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms", "gates") if getattr(self, k) is not None}
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -57,6 +58,7 @@ class Profile(Result):
 
 
 def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max) -> dict:
+    from analysis.gates import GateAccumulator, has_gate
     from analysis.interventions import baseline_accumulators
     from analysis.key_manifold import key_manifold_accumulator
     from analysis.massive import massive_accumulator
@@ -65,7 +67,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
     from analysis.value_norms import ValueNormsAccumulator
 
     T = tokens.shape[1]
-    layers = list(range(model_dims(model).n_layers))
+    layers = attention_layers_of(model)  # the attention analyses run on the attention layers (true indices)
     make = {
         "sink": lambda: [SinkAccumulator(model, T, eps, k_max, kind)],
         "massive": lambda: [massive_accumulator(model, tokens.shape, kind=kind)],
@@ -73,6 +75,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
         "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
         "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
         "baseline": lambda: baseline_accumulators(model, T, eps),
+        "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 
@@ -100,8 +103,8 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
                 getattr(out, name)[kind] = got[name][0]
         if kind == main:
             out.n_samples = tokens.shape[0]
-            for name in ("qk", "key_manifold", "value_norms"):
-                if name in got:
+            for name in ("qk", "key_manifold", "value_norms", "gates"):
+                if got.get(name):
                     setattr(out, name, got[name][0])
             if "baseline" in got:
                 out.baseline = baseline_from(got["baseline"])

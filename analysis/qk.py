@@ -1,12 +1,16 @@
 """QK angles: is the first key special because of its angle to the queries, or its norm?
 
-For each head, from the rotated queries and keys (``hook_rot_q``/``hook_rot_k``; ``hook_q``/``hook_k``
-for models without rotary), reduced inside the hooks:
+For each head of each attention layer, from the queries and keys the attention really uses (the family spec's
+``query_hook``/``key_hook``, rotated per the spec where the bridge does not fire ``hook_rot_q``/``hook_rot_k``:
+``analysis.rotary.rotate_as_spec``), reduced inside the hooks:
 
 - ``cos_first``: mean over queries t >= 2 of cos(q_t, k_1)
 - ``cos_other``: mean over queries t and keys 1 < j <= t of cos(q_t, k_j)
 - the mean norms |q_t|, |k_1| and |k_j| (j > 1)
 - histograms of both cosines over fixed bins, for the figure.
+
+Hybrid models (Qwen3-Next, Qwen3.5, Jamba) run on their attention layers only, with their true indices; the
+skipped layers are named in the result.
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import pandas as pd
 import torch
 from einops import rearrange
 
+from analysis.families import get_family
 from analysis.hooks import (
     Accumulator,
     Batch,
+    attention_layers_of,
     check_layers,
     check_tokens,
     model_dims,
@@ -27,6 +33,7 @@ from analysis.hooks import (
     stream,
 )
 from analysis.results import Result
+from analysis.rotary import rotate_as_spec
 
 N_BINS = 40
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
@@ -61,6 +68,7 @@ class QKAngles(Result):
     n_samples: int = 0
     model_name: str | None = None
     kind: str | None = None
+    skipped: str = ""  # the layers left out (hybrids: linear-attention / Mamba layers), in words
 
     def table(self) -> pd.DataFrame:
         L, H = self.cos_first.shape
@@ -79,22 +87,25 @@ class QKAngles(Result):
     def text(self) -> str:
         gap = self.cos_first - self.cos_other
         h = torch.nonzero(gap == gap.max())[0].tolist()
+        skipped = f" {self.skipped[0].upper()}{self.skipped[1:]}." if self.skipped else ""
         return (f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
                 f"keys at {float(self.cos_other.mean()):.2f}; the largest gap is in layer {self.layers[h[0]]}, head {h[1]} "
                 f"({float(self.cos_first[h[0], h[1]]):.2f} against {float(self.cos_other[h[0], h[1]]):.2f}), where "
-                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}.")
+                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}.{skipped}")
 
     def to_dict(self) -> dict:
-        return {**self.header(), "layers": self.layers,
+        return {**self.header(), "layers": self.layers, "skipped": self.skipped,
                 **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()},
                 "text": self.text()}
 
 
 class QKAccumulator(Accumulator):
-    """cos(q_t, k_1) and cos(q_t, k_j), the norms and the cosine histograms, from the (rotated) q and k."""
+    """cos(q_t, k_1) and cos(q_t, k_j), the norms and the cosine histograms, from the q and k the attention uses.
+    ``layers``: attention layers (None: all of them; a non-attention layer raises ValueError)."""
 
-    def __init__(self, model, layers, kind: str | None = None):
-        self.model, self.layers, self.kind = model, list(layers), kind
+    def __init__(self, model, layers=None, kind: str | None = None):
+        self.model, self.layers, self.kind = model, attention_layers_of(model, layers), kind
+        self.spec = get_family(model)
         self.H = model_dims(model).n_heads
         L = len(self.layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
@@ -106,8 +117,12 @@ class QKAccumulator(Accumulator):
     def hooks(self):
         return {l: dict(zip(("q", "k"), qk_hook_names(self.model, l))) for l in self.layers}
 
+    def vectors(self, layer: int, acts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (B, T, H, d) and keys (B, T, H_kv or H, d) the attention of ``layer`` uses, from the hooks."""
+        return rotate_as_spec(acts["q"], self.spec, layer), rotate_as_spec(acts["k"], self.spec, layer)
+
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        q, k = acts["q"], acts["k"]
+        q, k = self.vectors(layer, acts)
         i, (B, T) = self.index[layer], q.shape[:2]
         cos = head_cosines(q, k).cpu()  # (B,H,T,T)
         first = rearrange(cos[:, :, 1:, 0], "b h t -> h (b t)")
@@ -129,12 +144,14 @@ class QKAccumulator(Accumulator):
         out = {name: (self.sums[name] / self.counts[norm[name]]).float() for name in _STATS}
         return QKAngles(self.layers, **out, hist_first=(self.hist_first / self.counts["first"]).float(),
                         hist_other=(self.hist_other / self.counts["other"]).float(), bin_edges=torch.linspace(-1, 1, N_BINS + 1),
-                        n_samples=self.counts["n"], model_name=getattr(self.model, "model_name", None), kind=self.kind)
+                        n_samples=self.counts["n"], model_name=getattr(self.model, "model_name", None), kind=self.kind,
+                        skipped=self.spec.skipped_text())
 
 
 def qk_angles(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
-    """Cosines between queries and the first key against the other keys, per head, streamed."""
-    layers = check_layers(model, layers)
+    """Cosines between queries and the first key against the other keys, per head of each attention layer
+    (``layers``: default all attention layers), streamed."""
+    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")

@@ -39,7 +39,7 @@ from analysis.io import jsonable, write_atomic
 DEFAULT_N = 32
 SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
 # What each section reads from the profile pass.
-NEEDS = {"sink": ("sink",), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive"),
+NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",), "interventions": ("baseline", "massive")}
 
 
@@ -149,7 +149,7 @@ def _sink(ctx: _Context, sec: Section) -> None:
     sink = ctx.profile.sink
     nat = sink["natural"]
     sec.say(sink_table_text(sink))
-    sec.say(nat.text())
+    sec.say(_unskipped(nat))
     table = sink_table(sink)
     sec.parts.append(table_html(table.reset_index(), digits=2))
     sec.data = {
@@ -159,17 +159,44 @@ def _sink(ctx: _Context, sec: Section) -> None:
         "results": {k: r.to_dict() for k, r in sink.items()},  # per-head alpha [k][layer][head]
         "sink_heads_natural": [list(h) for h in nat.sink_heads(1)],
     }
+    if nat.skipped:
+        sec.note(f"The sink metric runs on the attention layers {nat.layers} of {ctx.name}. {nat.skipped}")
+    _mechanism_tables(ctx, nat, sec)
     sec.figure(lambda: plot_sink_rates(sink), "Sink_1 on natural, random and repeated tokens")
     sec.figure(lambda: plot_sink_by_layer(sink), "Sink_1 per layer")
     sec.figure(lambda: plot_head_alpha(nat), "mean alpha_1 per head (natural text)")
+
+
+def _unskipped(result) -> str:
+    """A result's text without its sentence on skipped layers (the section says it once, as a note)."""
+    return result.text().replace(result.skipped, "") if result.skipped else result.text()
+
+
+def _mechanism_tables(ctx: _Context, nat, sec: Section) -> None:
+    """Beside alpha_1 per head: the learned sink's mass (gpt-oss) and the attention-output gate (Qwen3-Next)."""
+    if nat.has_slot:
+        slot = nat.slot_per_head()
+        sec.parts.append("<h3>Learned sink: attention mass on the sink slot per head, beside alpha_1</h3>")
+        sec.parts.append(table_html(slot.rename(columns={"slot_share": "learned-sink mass",
+                                                         "slot_sink_pct": "Sink on the slot (%)"})))
+        sec.data["learned_sink_per_head"] = slot.to_dict("records")
+    gates = ctx.profile.gates
+    if gates is not None:
+        sec.say(_unskipped(gates))
+        df = nat.per_head(1)[["layer", "head", "alpha_1"]].merge(gates.table(), on=["layer", "head"])
+        sec.parts.append("<h3>Gate on token 1 / elsewhere (mean sigmoid gate per head), beside alpha_1</h3>")
+        sec.parts.append(table_html(df.rename(columns={"gate_first": "gate on token 1", "gate_other": "gate elsewhere"})))
+        sec.data["gates"] = gates.to_dict()
 
 
 def _views(ctx: _Context, sec: Section) -> None:
     from analysis.attention_view import attention_view_html
 
     nat = ctx.profile.sink["natural"]
-    per_layer = nat.per_layer(1)
+    per_layer = nat.per_layer(1).set_index("layer")
     layers = list(dict.fromkeys(nat.extreme_layers(1)))
+    if nat.skipped:
+        sec.note(f"Views are drawn on attention layers only. {nat.skipped}")
     tokens = ctx.natural[:1]
     for l, label in zip(layers, ("the layer with the most sink", "the layer with the least sink")):
         sec.parts.append(f"<h3>Layer {l}: {label} (Sink_1 {float(per_layer.sink_1_pct[l]):.0f}%)</h3>")
@@ -203,10 +230,12 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
     import warnings
 
     from analysis.figures.norm_gain import plot_constancy, plot_gain_profile, plot_head_attribution, plot_stage_shares
+    from analysis.families import get_family
     from analysis.norm_gain import choose_layer, norm_gain_trace
 
     first = ctx.massive.first_token_dims  # hook_resid_post: block l reads the spikes of layer l - 1
-    layer = choose_layer(ctx.profile.sink.get("natural"), first, ctx.dims.n_layers)
+    layer = choose_layer(ctx.profile.sink.get("natural"), first, ctx.dims.n_layers,
+                         get_family(ctx.model).attention_layers)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -221,9 +250,10 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
     if not tr.has_spike:
         return
     sec.parts.append(table_html(tr.stages))
-    sec.parts.append(table_html(tr.gain))
     sec.figure(lambda: plot_stage_shares(tr), f"share of |.|^2 in the spike dims along the key path, layer {layer}")
-    sec.figure(lambda: plot_gain_profile(tr), f"ln1 gain of layer {layer}, spike dims marked")
+    if tr.norm_kind != "none":  # post-norm (OLMo-2): no gain before W_K; the key norm is in the text and heads table
+        sec.parts.append(table_html(tr.gain))
+        sec.figure(lambda: plot_gain_profile(tr), f"ln1 gain of layer {layer}, spike dims marked")
     sec.figure(lambda: plot_head_attribution(tr), f"alpha_1 per head of layer {layer}: full key, spike part only, spike removed")
     sec.figure(lambda: plot_constancy(tr), "how constant the first token's vectors are across inputs")
 
@@ -246,7 +276,9 @@ def _value_norms(ctx: _Context, sec: Section) -> None:
 
     vn = ctx.profile.value_norms
     sec.data = vn.to_dict()
-    sec.say(vn.text())
+    sec.say(_unskipped(vn))
+    if vn.skipped:
+        sec.note(f"Value norms are measured on the attention layers {vn.layers}. {vn.skipped}")
     c = vn.correlation()
     if c["pearson_r"] is None:
         sec.note(f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')}).")

@@ -1,18 +1,28 @@
-"""The one rotary implementation (Hugging Face ``rotate_half``, non-interleaved), and the model facts it needs.
+"""The one rotary implementation, and the one place that turns a model's queries/keys into the rotated
+queries/keys its attention really uses.
 
-Used by the analyses that rebuild keys and queries (``analysis.norm_gain``, ``analysis.interventions``);
-the training module's ``positions.py`` should build its cos/sin from ``rope_cos_sin`` here.
+Two pairings: Hugging Face ``rotate_half`` (pairs (x_i, x_{i + rd/2}); Llama, GPT-NeoX and every family but
+GPT-J) and GPT-J's ``rotate_every_two`` ("interleaved": pairs (x_0, x_1), (x_2, x_3), ...). Partial rotary
+(GPT-NeoX, Phi, StableLM, Qwen3-Next...) rotates only the first ``rot_dim`` dims of a head.
+
+``rotate_as_spec(x, spec, layer)`` is what the analyses call on the queries/keys read from the family spec's
+hooks (``spec.query_hook`` / ``spec.key_hook``): where the bridge fires ``hook_rot_q``/``hook_rot_k`` they
+already hold the rotated vectors and are returned as they are; where it does not (Phi-3, GPT-NeoX, Falcon,
+GPT-J: ``spec.key_rotated`` False) the spec's rotary (its dim, pairing and the layer's base) is applied here.
+Used by ``analysis.qk``, ``analysis.key_manifold``, ``analysis.norm_gain`` and ``analysis.interventions``;
+the training module's ``positions.py`` builds its cos/sin from ``rope_cos_sin`` here.
 """
 from __future__ import annotations
 
 import torch
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype=torch.float32):
-    """cos, sin (T, rot_dim) of the rotate-half convention at ``positions`` (T,), computed in float64."""
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype=torch.float32, style: str = "half"):
+    """cos, sin (T, rot_dim) at ``positions`` (T,), computed in float64: the rotate-half layout (angles repeated
+    as [a_0..a_{rd/2-1}, a_0..a_{rd/2-1}]) or the interleaved one ([a_0, a_0, a_1, a_1, ...])."""
     inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
     ang = positions.double()[:, None] * inv[None]
-    emb = torch.cat([ang, ang], -1)
+    emb = ang.repeat_interleave(2, -1) if style == "interleaved" else torch.cat([ang, ang], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -21,30 +31,67 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, rot_dim: int | None = None) -> torch.Tensor:
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's pairing: (x_0, x_1, x_2, x_3, ...) -> (-x_1, x_0, -x_3, x_2, ...)."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, rot_dim: int | None = None,
+           style: str = "half") -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
-    (partial rotary: GPT-NeoX, Phi), the rest pass through. Returns float32."""
+    (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
+    (GPT-J rotate_every_two). Returns float32."""
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"rotary style must be 'half' or 'interleaved'; got {style!r}.")
     rd = x.shape[-1] if rot_dim is None else int(rot_dim)
-    cos, sin = rope_cos_sin(positions.to(x.device), rd, base)
+    cos, sin = rope_cos_sin(positions.to(x.device), rd, base, style=style)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, rd): broadcast over heads
     xr, xp = x[..., :rd].float(), x[..., rd:].float()
-    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], -1)
+    turn = rotate_every_two if style == "interleaved" else rotate_half
+    return torch.cat([xr * cos + turn(xr) * sin, xp], -1)
+
+
+def apply_spec_rotary(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec's rotary of ``layer`` (dim, pairing, base) on unrotated queries/keys x (B, T, heads, d_head) at
+    ``positions`` (default 0..T-1); the identity (as float32) for models without rotary (ALiBi, absolute, none)."""
+    if not spec.rotary:
+        return x.float()
+    base = spec.rotary_bases.get(int(layer), spec.rotary_base)
+    if base is None or spec.rotary_dim is None:
+        from analysis.hooks import ModelContractError
+
+        raise ModelContractError(f"this {spec.family} model uses rotary embeddings but its rotary base / dim of "
+                                 f"layer {layer} is unknown (model.family.rotary_bases, rotary_dim).")
+    if positions is None:
+        positions = torch.arange(x.shape[-3])
+    return rotate(x, positions, base, spec.rotary_dim, spec.rotary_style or "half")
+
+
+def rotate_as_spec(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | None = None,
+                   rotated: bool = True) -> torch.Tensor:
+    """Queries or keys read from ``spec.query_hook(layer)`` / ``spec.key_hook(layer)`` ((B, T, heads, d_head)) as
+    the attention uses them, float32, at ``positions`` (default 0..T-1).
+
+    ``rotated`` True: after the rotary. Returned as they are where those hooks already hold them rotated
+    (``spec.key_rotated``) or the model has no rotary; rotated per the spec otherwise. ``rotated`` False: the same
+    vectors before the rotary (hooks that hold them rotated are turned back by the inverse rotation, so q/k norms
+    and the gated families' query stay applied). Scaled rope types (yarn, longrope) change the frequencies; an
+    unrotated hook is rotated with the plain theta, exact at position 0 (the first key) whatever the scaling."""
+    if not spec.rotary or rotated == spec.key_rotated:
+        return x.float()
+    if positions is None:
+        positions = torch.arange(x.shape[-3])
+    return apply_spec_rotary(x, spec, layer, positions if rotated else -positions)
 
 
 def uses_rotary(model) -> bool:
-    return getattr(getattr(model, "cfg", None), "positional_embedding_type", None) == "rotary"
+    from analysis.families import get_family
+
+    return get_family(model).rotary
 
 
 def rotary_dim(model, d_head: int) -> int:
-    """How many of a head's dims are rotated (partial rotary: GPT-NeoX, Phi...)."""
-    rd = getattr(getattr(model, "cfg", None), "rotary_dim", None)
-    if rd:
-        return int(rd)
-    hf = getattr(getattr(model, "original_model", None), "config", None)
-    params = getattr(hf, "rope_parameters", None) if hf is not None else None
-    for src in (params if isinstance(params, dict) else {}, hf):
-        for name in ("partial_rotary_factor", "rotary_pct"):
-            frac = src.get(name) if isinstance(src, dict) else getattr(src, name, None)
-            if frac is not None:
-                return int(d_head * float(frac))
-    return d_head
+    """How many of a head's dims are rotated (partial rotary: GPT-NeoX, Phi...), from the family spec."""
+    from analysis.families import get_family
+
+    return int(get_family(model).rotary_dim or d_head)

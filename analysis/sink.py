@@ -16,7 +16,8 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.hooks import Accumulator, Batch, LayerCollector, act_name, check_tokens, model_dims, stream
+from analysis.hooks import (Accumulator, Batch, LayerCollector, act_name, attention_layers_of, check_tokens, skipped_note,
+                            stream)
 from analysis.results import Result, layers_text
 
 DEFAULT_EPS = SINK_EPS
@@ -50,6 +51,11 @@ class SinkResult(Result):
 
     ``alpha`` (N, L, H, K): mean attention key k receives from the queries that see it, per sample, layer and
     query head. ``sink_rate`` is in percent (the paper's unit); ``min_share`` arguments are fractions.
+
+    Layers: the tensors' layer axis L runs over ``layers``, the TRUE layer indices of the attention layers
+    measured (all layers of a plain transformer; on a hybrid such as Qwen3-Next or Jamba only its attention
+    layers, e.g. [1, 3]). Tables, ``sink_heads`` and ``extreme_layers`` give true indices; ``pos(layer)`` maps a
+    true index to its position on the L axis. ``skipped`` says which layers were left out and why.
     """
 
     alpha: torch.Tensor  # (N, L, H, K) float32, on CPU
@@ -59,6 +65,21 @@ class SinkResult(Result):
     kind: str | None = None
     meta: dict = field(default_factory=dict)
     slot: torch.Tensor | None = None  # (N, L, H): mean over queries of the attention that goes to no input token
+    layers: list[int] | None = None  # true layer index of each position on the L axis (None: 0..L-1)
+    skipped: str = ""  # the layers left out (not attention layers), in one sentence; "" when none
+
+    def __post_init__(self):
+        L = int(self.alpha.shape[1])
+        self.layers = list(range(L)) if self.layers is None else [int(l) for l in self.layers]
+        if len(self.layers) != L:
+            raise ValueError(f"layers names {len(self.layers)} layers but alpha has {L} on its layer axis.")
+
+    def pos(self, layer: int) -> int:
+        """The position of true layer index ``layer`` on the layer axis of ``alpha`` (ValueError if not measured)."""
+        if int(layer) not in self.layers:
+            raise ValueError(f"layer {layer} was not measured; this result holds layers {self.layers}"
+                             f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}.")
+        return self.layers.index(int(layer))
 
     @property
     def k_max(self) -> int:
@@ -102,6 +123,13 @@ class SinkResult(Result):
             raise ValueError("this result has no slot shares (the fused path keeps none); rerun with path='eager'.")
         return self.slot.mean(0)
 
+    def slot_per_head(self) -> pd.DataFrame:
+        """One row per (true layer, head): mean alpha_1 and the learned sink's (slot's) mean share beside it."""
+        df = self.per_head(1)
+        df["slot_share"] = self.per_head_slot().flatten().numpy()
+        df["slot_sink_pct"] = ((self.slot > self.eps).float().mean(0) * 100).flatten().numpy()
+        return df
+
     def sink_rates(self, eps: float | None = None) -> torch.Tensor:
         """Sink_k^eps for k = 1..k_max, in percent."""
         e = self.eps if eps is None else check_eps(eps)
@@ -123,7 +151,7 @@ class SinkResult(Result):
         L, H = a.shape[1:]
         return pd.DataFrame(
             {
-                "layer": torch.arange(L).repeat_interleave(H).numpy(),
+                "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
                 "head": torch.arange(H).repeat(L).numpy(),
                 f"alpha_{k}": a.mean(0).flatten().numpy(),
                 f"alpha_{k}_std": a.std(0, unbiased=False).flatten().numpy(),
@@ -137,7 +165,7 @@ class SinkResult(Result):
         a = self.alpha[..., i]
         return pd.DataFrame(
             {
-                "layer": range(a.shape[1]),
+                "layer": self.layers,
                 f"sink_{k}_pct": ((a > self.eps).float().mean(dim=(0, 2)) * 100).numpy(),
                 f"mean_alpha_{k}": a.mean(dim=(0, 2)).numpy(),
                 f"max_head_alpha_{k}": a.mean(0).max(dim=-1).values.numpy(),
@@ -149,11 +177,12 @@ class SinkResult(Result):
         if not 0.0 < float(min_share) <= 1.0:
             raise ValueError(f"min_share is a fraction of samples in (0, 1]; got {min_share}.")
         share = self.head_sink_share(k)
-        return [tuple(x) for x in (share >= 100 * float(min_share) - 1e-9).nonzero().tolist()]
+        return [(self.layers[i], h) for i, h in (share >= 100 * float(min_share) - 1e-9).nonzero().tolist()]
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"per_layer": self.per_layer(1), "per_head": self.per_head(1)}
+        out = {"per_layer": self.per_layer(1), "per_head": self.per_head(1)}
+        return out | ({"slot_per_head": self.slot_per_head()} if self.has_slot else {})
 
     def text(self) -> str:
         """Sink_1 and the layers that sink."""
@@ -167,7 +196,7 @@ class SinkResult(Result):
         if self.has_slot:
             out += (f" An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
                     f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
-        return out
+        return out + (f" {self.skipped}" if self.skipped else "")
 
     def extreme_layers(self, k: int = 1) -> tuple[int, int]:
         """The layer with the most sink and the one with the least (Sink_k, then mean alpha_k)."""
@@ -181,6 +210,8 @@ class SinkResult(Result):
             "eps": self.eps,
             "T": self.T,
             "k_max": self.k_max,
+            "layers": list(self.layers),  # true layer index of each [layer] entry below
+            **({"skipped": self.skipped} if self.skipped else {}),
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
             "per_head_alpha": self.per_head_alpha.permute(2, 0, 1).tolist(),  # [k][layer][head]
             **({"sink_slot_pct": round(self.slot_sink_rate(), 4), "per_head_slot": self.per_head_slot().tolist()}
@@ -190,13 +221,14 @@ class SinkResult(Result):
 
 
 class SinkAccumulator(Accumulator):
-    """alpha_k for keys 1..k_max from every layer's ``hook_pattern``, per sample."""
+    """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
     def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
         self.eps, self.T, self.kind = check_eps(eps), int(T), kind
         self.k_max = check_k_max(k_max, T)
         self.model_name = getattr(model, "model_name", None)
-        self.layers = list(range(model_dims(model).n_layers))
+        self.layers = attention_layers_of(model)
+        self.skipped = skipped_note(model)
         self.alpha = LayerCollector(self.layers)
         self.slot = LayerCollector(self.layers)
 
@@ -213,7 +245,8 @@ class SinkAccumulator(Accumulator):
         self.slot.end_batch()
 
     def result(self) -> SinkResult:
-        return SinkResult(self.alpha.result(), self.eps, self.T, self.model_name, self.kind, slot=self.slot.result())
+        return SinkResult(self.alpha.result(), self.eps, self.T, self.model_name, self.kind, slot=self.slot.result(),
+                          layers=self.layers, skipped=self.skipped)
 
 
 def check_k_max(k_max: int | None, T: int) -> int:

@@ -26,12 +26,13 @@ from analysis.hooks import (
     Accumulator,
     Batch,
     act_name,
-    check_layers,
+    attention_layers_of,
     check_tokens,
     group_reduce,
     kv_view,
     model_dims,
     per_query_head,
+    skipped_note,
     stream,
 )
 from analysis.io import jsonable
@@ -66,7 +67,10 @@ def correlation(x, y) -> dict:
 
 @dataclass
 class ValueNorms(Result):
-    """Per (layer, KV head) value norms joined with the sink metric's alpha_1."""
+    """Per (layer, KV head) value norms joined with the sink metric's alpha_1.
+
+    Tensors are indexed by position in ``layers``, the TRUE indices of the attention layers measured (a hybrid's
+    linear-attention / Mamba layers have no values or pattern and are left out; ``skipped`` says which)."""
 
     layers: list[int]
     group_size: int
@@ -83,6 +87,7 @@ class ValueNorms(Result):
     reduce: str = "mean"
     model_name: str | None = None
     kind: str | None = None
+    skipped: str = ""  # the layers left out (not attention layers), in one sentence
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -132,7 +137,7 @@ class ValueNorms(Result):
         if S["n_sink_kv_heads"] and c["pearson_r"] is not None:
             out += (f" Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
                     f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
-        return out
+        return out + (f" {self.skipped}" if self.skipped else "")
 
     def ratio_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         """How small the first value is in sink KV heads against the others."""
@@ -199,7 +204,7 @@ class ValueNorms(Result):
     def to_dict(self) -> dict:
         """JSON-serialisable; undefined numbers (e.g. cosines between first values with N = 1) are None."""
         return jsonable({
-            **self.header(), "T": self.T, "layers": self.layers,
+            **self.header(), "T": self.T, "layers": self.layers, **({"skipped": self.skipped} if self.skipped else {}),
             "group_size": self.group_size, "alpha_source": self.alpha_source, "reduce": self.reduce,
             "table": self.table().to_dict("records"),
             "alpha_1_per_query_head": self.alpha_1.tolist(),
@@ -260,7 +265,7 @@ class ValueNormsAccumulator(Accumulator):
         N, T = self.n, self.by_pos.shape[-1]
         by_pos = (self.by_pos / N).float()
         if sink is not None:
-            alpha = sink.per_head_alpha[self.layers, :, 0].float()
+            alpha = sink.per_head_alpha[[sink.pos(l) for l in self.layers], :, 0].float()
             source = f"sink_metric (N={sink.n_samples}, T={sink.T}{', ' + sink.kind if sink.kind else ''})"
         else:
             alpha, source = (self.alpha_sum / N).float(), "hook_pattern, same tokens"
@@ -269,19 +274,21 @@ class ValueNormsAccumulator(Accumulator):
             vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos, alpha_1=alpha, first_value_share=(self.share_sum / N).float(),
             alpha_source=source, reduce=reduce, v1_cos_pair=pair_cosine(self.unit_first, N),
             vj_cos_pair=pair_cosine(self.unit_other, N * (T - 1)), model_name=getattr(self.model, "model_name", None),
-            kind=self.kind,
+            kind=self.kind, skipped=skipped_note(self.model),
         )
 
 
-def _check_sink(sink, dims) -> None:
+def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
     if sink is None:
         return
     if not isinstance(sink, SinkResult):
         raise ValueError(f"sink must be a SinkResult from analysis.sink_metric; got {type(sink).__name__}.")
-    L_s, H_s = sink.per_head_alpha.shape[:2]
-    if (L_s, H_s) != (dims.n_layers, dims.n_heads):
-        raise ValueError(f"the sink result has {L_s} layers x {H_s} heads but the model has {dims.n_layers} x "
-                         f"{dims.n_heads}: pass a sink_metric result of this model.")
+    H_s = sink.per_head_alpha.shape[1]
+    missing = [l for l in layers if l not in sink.layers]
+    if H_s != dims.n_heads or missing or max(sink.layers) >= dims.n_layers:
+        raise ValueError(f"the sink result has {len(sink.layers)} layers x {H_s} heads but the model has {len(all_layers)} x "
+                         f"{dims.n_heads} (attention layers {all_layers}; the result holds {sink.layers}): pass a "
+                         "sink_metric result of this model.")
 
 
 def value_norms(
@@ -301,11 +308,11 @@ def value_norms(
     """
     reduce = _check_reduce(reduce)
     dims = model_dims(model)
-    layers = check_layers(model, layers)
+    layers = attention_layers_of(model, layers)
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
-    _check_sink(sink, dims)
+    _check_sink(sink, dims, layers, attention_layers_of(model))
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind)
     stream(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)

@@ -7,7 +7,8 @@ For each stream length L and each policy, a fresh cache is put in the state it h
 dense cache holds L tokens, the sinks + window cache holds ``window``, evicted L - window times, its sinks
 re-rotated accordingly), filled with random keys and values (the cost of a step depends on the cache's
 size, not its content: decoding 20k real tokens on 2 CPU cores takes hours), then ``--steps`` tokens are
-decoded one at a time through the Hugging Face model. Printed: tokens/s, peak memory of the decode
+decoded one at a time through the Hugging Face model, under the attention function `analysis stream` uses
+(``analysis.streaming.attention``: grouped-query decode steps). Printed: tokens/s, peak memory of the decode
 (``analysis/memory.py``: process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA) and the KV
 cache size, and the dense/sinks ratios, all from one run. Dense past the model's context (8192 for
 SmolLM2) is measured for its cost only: its perplexity there would be meaningless.
@@ -67,8 +68,10 @@ def main(argv=None) -> int:
 
     from analysis.streaming.backbone import causal_lm
 
+    from analysis.streaming.perplexity import decode_attention
+
     hf, _, name = causal_lm(args.model, device=args.device)
-    hf.set_attn_implementation("sdpa")
+    hf.set_attn_implementation(decode_attention(hf))  # what `analysis stream` decodes with
     decode(hf, primed_cache(hf, args.window, args.sinks, args.window + 8, args.device), args.window + 8, 4, args.device)  # warm-up
     policies = {"dense": None, f"{args.sinks}+{args.window - args.sinks}": args.window}
     print(f"{name}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "

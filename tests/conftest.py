@@ -1,4 +1,5 @@
 import socket
+import warnings
 
 import pytest
 import torch
@@ -46,3 +47,39 @@ def tiny_llama(tiny_llama_dir):
     from analysis import load_model
 
     return load_model(str(tiny_llama_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """family -> the folder of its tiny random model (``tests/families.py``), saved once per session."""
+    from tests.families import make_family_dir
+
+    root = tmp_path_factory.mktemp("families")
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[family] = make_family_dir(family, root / family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_bridge(family_dir):
+    """family -> the bridge loaded from its folder, once per session and shared by the family tests: add only
+    temporary hooks to it (``run_with_hooks``); a test that plants permanent hooks loads its own copy."""
+    from analysis import load_model
+
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[family] = load_model(str(family_dir(family)), device="cpu")
+        return cache[family]
+
+    return get

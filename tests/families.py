@@ -36,6 +36,26 @@ def word_tokenizer(vocab: int = VOCAB):
                                    pad_token="</s>")
 
 
+def byte_tokenizer(vocab: int = VOCAB):
+    """A byte-level BPE fast tokenizer of single characters (no merges): the specials, then space, newline,
+    letters, digits and punctuation, cut to ``vocab``. For families whose tokenizer class rebuilds a byte-level
+    BPE from the saved vocabulary (Qwen2: a word-level vocabulary would give no token from text)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\u0120", "\u010a"] + list(string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation)
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate((SPECIALS + chars)[:vocab])}, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+# Families whose tokenizer class needs a byte-level BPE vocabulary (the others take the word-level one).
+BYTE_LEVEL_TOKENIZER = frozenset({"qwen2"})
+
 _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
 _LLAMA_LIKE = dict(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=N_CTX, **_IDS)
@@ -122,10 +142,11 @@ def make_family_model(family: str, seed: int = 0):
 
 
 def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
-    """Save a random ``family`` model and the word-level tokenizer to ``path``."""
+    """Save a random ``family`` model and its tokenizer (word-level; byte-level BPE for ``BYTE_LEVEL_TOKENIZER``)
+    to ``path``."""
     path = Path(path)
     make_family_model(family, seed).save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
+    (byte_tokenizer() if family in BYTE_LEVEL_TOKENIZER else word_tokenizer()).save_pretrained(path)
     return path
 
 

@@ -3,8 +3,8 @@
 For each family: ``load_model(folder)`` works without a network; ``model.family`` states the facts of the
 Hugging Face config and modules; per-head alpha_1 of ``sink_metric`` equals Hugging Face eager attention; the
 spec's key/query hooks, rotary (dim, pairing, base) and score scale rebuild the attention scores the model
-computes. gpt-oss: the learned-sink mass (1 - row sum) of ``hook_pattern`` equals Hugging Face's. A GGUF file
-loads like a folder.
+computes (hybrids: on their attention layers, under their true indices). gpt-oss: the learned-sink mass
+(1 - row sum) of ``hook_pattern`` equals Hugging Face's. A GGUF file loads like a folder.
 
 Where an analysis does not run on a family yet the case is ``xfail(strict=True)`` with the exact error: when
 it is fixed the test turns red and the mark must go.
@@ -18,14 +18,10 @@ import torch
 
 from analysis import load_model, rotary_base, sink_metric
 from analysis.families import FamilySpec, get_family
-from tests.families import FAMILIES, family_config, make_family_dir, make_family_model, write_llama_gguf
+from tests.families import FAMILIES, family_config, make_family_model, write_llama_gguf
 
 T = 16  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 HYBRIDS = {"qwen3_next", "qwen3_5", "jamba"}
-HYBRID_SINK_ERROR = (
-    "ModelContractError: the model has no hook(s) ['blocks.0.attn.hook_pattern', 'blocks.2.attn.hook_pattern']; "
-    "the sink metric reads hook_pattern on every layer, and linear-attention / Mamba layers have none"
-)
 
 # Facts each family is known for (the tiny configs in tests/families.py turn each feature on).
 # positions, rotary pairing, norm kind, gain offset, norm placement, q/k norm scope, fused QKV, key rotated in
@@ -59,22 +55,19 @@ assert set(EXPECT) == set(FAMILIES)
 
 
 @pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """family -> (bridge loaded from a saved folder, the HF model reloaded from it with eager attention)."""
+def family_models(family_dir, family_bridge):
+    """family -> (bridge loaded from its saved folder, the HF model reloaded from it with eager attention)."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("families")
-    cache: dict[str, tuple] = {}
+    cache: dict[str, object] = {}
 
     def get(family: str):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                d = make_family_dir(family, root / family)
-                bridge = load_model(str(d), device="cpu")
-                hf = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
-            cache[family] = (bridge, hf)
-        return cache[family]
+                cache[family] = AutoModelForCausalLM.from_pretrained(family_dir(family), attn_implementation="eager",
+                                                                     dtype=torch.float32).eval()
+        return family_bridge(family), cache[family]
 
     return get
 
@@ -146,24 +139,22 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
     assert no_network == []
 
 
-def _sink_case(family):
-    marks = []
-    if family in HYBRIDS:
-        marks.append(pytest.mark.xfail(strict=True, reason=HYBRID_SINK_ERROR))
-    return pytest.param(family, marks=marks)
-
-
-@pytest.mark.parametrize("family", [_sink_case(f) for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sink_alpha_equals_hf_eager_attention(family, family_models):
+    """alpha_1 per head equals HF eager attention on every attention layer; a hybrid's result holds its attention
+    layers only, under their true indices, and says which layers it skipped."""
     model, hf = family_models(family)
     tokens = _tokens()
     res = sink_metric(model, tokens, k_max=1)
     hf_alpha = torch.stack([_alpha_1(a) for a in _hf_attentions(hf, tokens)], 1)  # (N, L_attn, H)
-    alpha = res.alpha[..., 0]
-    if alpha.shape[1] != hf_alpha.shape[1]:  # a result over all layers: keep the attention layers
-        alpha = alpha[:, list(model.family.attention_layers)]
-    assert alpha.shape == hf_alpha.shape
-    torch.testing.assert_close(alpha, hf_alpha, atol=1e-5, rtol=0)
+    assert res.layers == list(model.family.attention_layers)
+    assert res.per_layer(1).layer.tolist() == res.layers
+    assert res.alpha[..., 0].shape == hf_alpha.shape
+    torch.testing.assert_close(res.alpha[..., 0], hf_alpha, atol=1e-5, rtol=0)
+    if family in HYBRIDS:
+        assert res.layers == [1, 3] and "Layers [0, 2] skipped" in res.skipped and res.skipped in res.text()
+    else:
+        assert res.skipped == ""
 
 
 def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:

@@ -154,10 +154,13 @@ def test_smollm2_rebuilt_key_matches_hook_rot_k(smollm2, smol_tokens):
 
 
 def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monkeypatch):
-    import analysis.norm_gain
+    from dataclasses import replace
 
-    # 10000: what the bridge's cfg.rotary_base wrongly says (SmolLM2's theta is 1e5)
-    monkeypatch.setattr(analysis.norm_gain, "rotary_base", lambda model: 10000.0)
+    # 10000: what the bridge's cfg.rotary_base wrongly says (SmolLM2's theta is 1e5); the trace takes the base
+    # from the family spec, so a spec with the wrong base must show in the rebuild
+    spec = smollm2.family
+    monkeypatch.setattr(smollm2, "family", replace(spec, rotary_base=10000.0,
+                                                   rotary_bases={l: 10000.0 for l in spec.rotary_bases}))
     with pytest.warns(UserWarning, match="no spike"):
         t = norm_gain_trace(smollm2, smol_tokens[:2], layer=2, spike_dims=[])
     assert t.rebuild["rotated_key_max_abs_err"] > 1e-2 and t.rebuild["key_rel_err"] < 1e-5
@@ -180,3 +183,21 @@ def test_reference_models(norm, pe):
     assert t.rebuild["key_rel_err"] < 1e-5 and t.rebuild["score_max_abs_err"] < 1e-4
     if pe == "rotary":
         assert t.rebuild["rotated_key_max_abs_err"] < 1e-4
+
+
+def test_post_norm_reference_model_traces_the_raw_residual_into_w_k():
+    """A post-norm block (norm after attention, like OLMo-2) feeds attention the raw residual: the trace follows
+    h -> W_K with no gain (norm kind 'none'), and its rebuilt keys equal the model's."""
+    from analysis.train.config import ModelConfig
+    from analysis.train.model import SinkLM
+    from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike
+
+    torch.manual_seed(0)
+    m = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
+                           normalization_type="RMS", positional_embedding_type="rotary", norm_position="post")).eval()
+    m.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
+    m.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
+    t = norm_gain_trace(m, planted_tokens(4, 16), layer=1, spike_dims=SPIKE_DIMS)  # layer 1 reads the spike as added
+    assert t.norm_kind == "none" and t.spike_dims == SPIKE_DIMS and "no norm before attention" in t.text()
+    assert t.rebuild["key_rel_err"] < 1e-5 and t.rebuild["final_key_max_abs_err"] < 1e-3
+    assert set(t.top_dims(2)) == set(SPIKE_DIMS)

@@ -99,36 +99,42 @@ def test_model_without_norm_gain(tmp_path):
     assert "No norm gain to trace" in (tmp_path / "report.html").read_text()
 
 
-def test_a_failing_section_is_reported_and_the_others_survive(planted, tmp_path, monkeypatch):
-    import analysis.value_norms
+# What breaks -> (object to patch, attribute, the error it raises, the ReportError message, report.json's "errors").
+BROKEN = {
+    "section": ("analysis.value_norms:ValueNorms", "to_dict", RuntimeError("boom"),
+                r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)", {"value_norms": ["RuntimeError: boom"]}),
+    "figure": ("analysis.figures.sink", "plot_sink_by_layer", ValueError("no axes"),
+               r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)",
+               {"sink": ["figure 'Sink_1 per layer': ValueError: no axes"]}),
+}
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("boom")
 
-    monkeypatch.setattr(analysis.value_norms.ValueNorms, "to_dict", broken)
-    with pytest.raises(ReportError, match=r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)"):
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_failure_is_reported_and_the_rest_is_kept(broken, planted, tmp_path, monkeypatch):
+    """A failing section (its result's to_dict raises) or figure fails the report, naming it; the page and the JSON
+    keep everything that worked."""
+    import importlib
+
+    where, attr, exc, match, errors = BROKEN[broken]
+    module, _, cls = where.partition(":")
+    target = importlib.import_module(module)
+    target = getattr(target, cls) if cls else target
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(target, attr, fail)
+    with pytest.raises(ReportError, match=match):
         build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
     d = _strict_json(tmp_path / "report.json")
-    assert d["sections"]["value_norms"] == {"error": "RuntimeError: boom"}
-    assert d["sections"]["sink"]["sink_1_pct"]["natural"] == 50.0
-    assert "RuntimeError" in (tmp_path / "report.html").read_text()
-
-
-def test_a_broken_figure_fails_the_report_and_the_rest_is_kept(planted, tmp_path, monkeypatch):
-    import analysis.figures.sink
-
-    def broken(*args, **kwargs):
-        raise ValueError("no axes")
-
-    monkeypatch.setattr(analysis.figures.sink, "plot_sink_by_layer", broken)
-    with pytest.raises(ReportError, match=r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)"):
-        build_report(planted, tmp_path, n=4, T=16, sections=["sink", "value_norms"])
-    d = _strict_json(tmp_path / "report.json")
-    assert d["errors"] == {"sink": ["figure 'Sink_1 per layer': ValueError: no axes"]}
+    assert d["errors"] == errors
     assert d["sections"]["sink"]["sink_1_pct"]["natural"] == 50.0  # the numbers are kept
     page = (tmp_path / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 2 + 2  # the other sink figures and the value-norm figures
-    assert "no axes" in page and "Value norms" in page
+    if broken == "section":
+        assert d["sections"]["value_norms"] == {"error": "RuntimeError: boom"} and "RuntimeError" in page
+    else:
+        assert page.count("data:image/png;base64,") == 2 + 2  # the other sink figures and the value-norm figures
+    assert str(exc) in page and "Value norms" in page  # the error is shown and the section's title kept
 
 
 def test_the_cli_exits_non_zero_when_the_report_fails(monkeypatch, tmp_path, capsys):

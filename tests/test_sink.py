@@ -32,6 +32,21 @@ def test_sink_rate_is_strict_and_per_sample():
     assert res.per_layer(1)["sink_1_pct"].tolist() == [50.0]
 
 
+def test_true_layer_indices_of_a_hybrid():
+    """A result over attention layers [1, 3] (a hybrid's): tables, sink heads and extreme layers give the true
+    indices, ``pos`` maps them to the layer axis, the text names the skipped layers."""
+    alpha = torch.tensor([[[[0.1], [0.2]], [[0.9], [0.8]]]]).expand(2, 2, 2, 1)  # layer 3 sinks in both heads
+    res = SinkResult(alpha, eps=0.3, T=4, layers=[1, 3], skipped="Layers [0, 2] skipped (Mamba).")
+    assert res.per_layer(1).layer.tolist() == [1, 3] and res.per_head(1).layer.tolist() == [1, 1, 3, 3]
+    assert res.sink_heads(1) == [(3, 0), (3, 1)] and res.extreme_layers(1) == (3, 1)
+    assert res.pos(3) == 1 and res.to_dict()["layers"] == [1, 3]
+    assert res.text().endswith("Layers [0, 2] skipped (Mamba).")
+    with pytest.raises(ValueError, match=r"layer 2 was not measured; this result holds layers \[1, 3\]"):
+        res.pos(2)
+    with pytest.raises(ValueError, match="layers names 3 layers but alpha has 2"):
+        SinkResult(alpha, eps=0.3, T=4, layers=[0, 1, 3])
+
+
 @pytest.mark.parametrize("k", [0, 5, -1])
 def test_k_outside_range(k):
     res = SinkResult(torch.rand(2, 1, 2, 4), eps=0.3, T=4)

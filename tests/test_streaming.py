@@ -66,6 +66,24 @@ def test_cache_matches_naive_recomputation(one_layer, prefill):
         np.testing.assert_allclose(run.nll, nll.numpy(), atol=1e-4)
 
 
+def test_streaming_attention_equals_eager(two_layer_dir, monkeypatch):
+    """The grouped-query decode function (analysis.streaming.attention) gives Hugging Face eager attention's
+    logits and the same sinks' share, which the eager path reads from the returned attention maps."""
+    from transformers import AutoModelForCausalLM
+
+    import analysis.streaming.perplexity as perplexity
+
+    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).eval()
+    tokens, pols = _tokens(60, seed=2), POLICIES
+    ours = run_policies(hf, tokens, pols, newline=NEWLINE, keep_logits=True)
+    monkeypatch.setattr(perplexity, "decode_attention", lambda hf: "eager")
+    eager = run_policies(hf, tokens, pols, newline=NEWLINE, keep_logits=True)
+    for a, b in zip(ours, eager):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+        assert a.sink_share == pytest.approx(b.sink_share, abs=1e-6) and 0 < a.sink_share < 1
+    assert hf.config._attn_implementation != "streaming"  # the model's own choice is restored
+
+
 def test_rerotation_is_what_makes_it_exact(one_layer, monkeypatch):
     """Without re-rotating the sinks as the window moves, the cache no longer matches (the test can fail)."""
     import analysis.streaming.perplexity as perplexity

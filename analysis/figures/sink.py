@@ -27,6 +27,8 @@ def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(4.5, 6))
     a = result.per_head_alpha[..., k - 1].numpy()
     im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
+    if result.layers != list(range(len(result.layers))):  # a hybrid: rows are its attention layers, true indices
+        ax.set_yticks(range(len(result.layers)), [str(l) for l in result.layers])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(f"mean $\\alpha_{k}$ per head" + (f" ({result.kind})" if result.kind else ""))

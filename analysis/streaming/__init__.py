@@ -7,7 +7,8 @@
     print(res.text())  # the finding in words
 
 Modules: ``cache`` (policies, the ``transformers.Cache`` subclass, rotary re-positioning, simulated KV
-quantisation), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
+quantisation), ``attention`` (the decode attention function: grouped-query steps that measure the
+sinks' share inside the layer), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
 stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``run`` (all policies, the result).
 """
 from analysis.streaming.cache import Policy, StreamingCache, fake_quantize, rope_spec

@@ -3,7 +3,8 @@
 ``run_policy`` decodes one stream under one ``Policy`` and returns per-position negative log-likelihoods
 (nats; entry t scores token t+1 given tokens <= t), tokens/s of the token-by-token part, the peak KV-cache
 size, the process's peak memory, and the attention share the kept sink slots receive once the cache is
-full (read from each step's attention weights and reduced at once). ``recompute_nll`` is the
+full (reduced inside each layer by the decode attention function, ``analysis.streaming.attention``; no
+attention map is kept). ``recompute_nll`` is the
 sliding-window-with-re-computation ceiling: every scored token sees the previous ``window`` tokens,
 re-encoded from scratch at positions 0..window-1 (exact; slow, so it can score every k-th position).
 """
@@ -18,21 +19,31 @@ import torch
 
 from analysis.memory import peak_mib, reset_peak
 from analysis.streaming.backbone import context_length, n_layers
+from analysis.streaming.attention import NAME as ATTENTION
+from analysis.streaming.attention import ShareRecorder, recording
 from analysis.streaming.cache import Policy, StreamingCache, rope_spec
 
 
 @contextlib.contextmanager
-def eager_attention(hf):
-    """Eager attention while inside (it returns the attention weights); restores the model's choice."""
+def attention_implementation(hf, name: str):
+    """Run ``hf`` under attention implementation ``name`` while inside; restores the model's choice."""
     old = hf.config._attn_implementation
-    if old == "eager":
+    if old == name:
         yield
         return
-    hf.set_attn_implementation("eager")
+    hf.set_attn_implementation(name)
     try:
         yield
     finally:
         hf.set_attn_implementation(old)
+
+
+def decode_attention(hf) -> str:
+    """"streaming" (``analysis.streaming.attention``: SDPA prefill, grouped-query decode steps that measure the
+    sinks' share) unless the model adds learned sink logits (gpt-oss), whose own eager function applies them."""
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules()):
+        return "eager"
+    return ATTENTION
 
 
 class PolicyRun:
@@ -78,6 +89,93 @@ def _check_group(policies: list[Policy]) -> int | None:
     return caps.pop()
 
 
+def _check_stream(hf, tokens, capacity: int | None, allow_beyond_context: bool) -> torch.Tensor:
+    tokens = torch.as_tensor(tokens).long().flatten()
+    if tokens.numel() < 2:
+        raise ValueError(f"a stream needs at least 2 tokens; got {tokens.numel()}.")
+    n_ctx, held = context_length(hf), capacity or tokens.numel()
+    if n_ctx is not None and not allow_beyond_context and held > n_ctx:
+        raise ValueError(
+            f"the cache would hold {held} tokens, beyond the model's context ({n_ctx}); "
+            + (f"use a window of at most {n_ctx}." if capacity else f"use at most {n_ctx} tokens for the dense policy.")
+        )
+    return tokens
+
+
+def _policy_ids(tokens: torch.Tensor, policies: list[Policy], sinks: list[int], newline: int | None, device) -> torch.Tensor:
+    """(B, N): the stream once per policy, its first ``sinks[b]`` tokens replaced by newlines where asked."""
+    ids = tokens.to(device)[None].repeat(len(policies), 1)
+    for b, p in enumerate(policies):
+        if p.sink_tokens == "newline":
+            if newline is None:
+                raise ValueError("newline sinks need the newline token id (newline=...).")
+            ids[b, : sinks[b]] = newline
+    return ids
+
+
+def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
+    """(B, L) 1.0 on the cache slots whose attention counts as the sinks' share: the first ``sinks[b]`` slots,
+    or for a row without sinks the slot of its oldest kept token."""
+    layer = cache.layers[0]
+    B, L = layer.keys.shape[0], layer.keys.shape[-2]
+    slot = torch.arange(L, device=layer.keys.device)[None]
+    s = torch.tensor(sinks, device=slot.device)[:, None]
+    oldest = layer.oldest_slots().to(slot.device)[:, None]
+    return torch.where(s > 0, slot < s, slot == oldest).float().expand(B, L)
+
+
+class _Decoder:
+    """One batch of policies decoded through ``hf``: nll (B, N-1), the sinks' share per row, kept logits."""
+
+    def __init__(self, hf, ids: torch.Tensor, cache: StreamingCache, sinks: list[int], keep_logits: bool):
+        self.hf, self.ids, self.cache, self.sinks = hf, ids, cache, sinks
+        self.nll = np.full((ids.shape[0], ids.shape[1] - 1), np.nan)
+        self.logits = [] if keep_logits else None
+        self.share_sum, self.share_n = np.zeros(ids.shape[0]), 0
+        self.recorder = ShareRecorder()
+
+    def _score(self, logits: torch.Tensor, c0: int, c1: int) -> None:
+        B = self.ids.shape[0]
+        self.nll[:, c0:c1] = _nll(logits.flatten(0, 1), self.ids[:, c0 + 1 : c1 + 1].flatten()).view(B, -1).cpu().numpy()
+        if self.logits is not None:
+            self.logits.append(logits.float().cpu())
+
+    def prefill(self, c0: int, c1: int) -> None:
+        B, device = self.ids.shape[0], self.ids.device
+        out = self.hf(input_ids=self.ids[:, c0:c1], position_ids=torch.arange(c0, c1, device=device)[None].expand(B, -1),
+                      past_key_values=self.cache, use_cache=True)
+        self._score(out.logits, c0, c1)
+
+    def step(self, t: int, share: bool) -> None:
+        """Token t in, token t+1 scored; with ``share``, the sinks' attention share of this step is kept."""
+        B, device = self.ids.shape[0], self.ids.device
+        eager = share and self.hf.config._attn_implementation == "eager"
+        self.recorder.marks = (lambda: _sink_slots(self.cache, self.sinks)) if share else None
+        with recording(self.recorder):
+            out = self.hf(input_ids=self.ids[:, t : t + 1], position_ids=torch.full((B, 1), self.cache.position(t), device=device),
+                          past_key_values=self.cache, use_cache=True, output_attentions=eager)
+        self._score(out.logits, t, t + 1)
+        if eager:  # learned-sink models: weights from the model's own eager attention
+            att = torch.stack([a[:, :, -1, :] for a in out.attentions])  # (layers, B, heads, L)
+            self.recorder.add(att.permute(1, 0, 2, 3))  # layers stand in for KV-head groups: the same mean
+        got = self.recorder.take()
+        if share and got is not None:
+            self.share_sum += got.cpu().numpy()
+            self.share_n += 1
+
+    def runs(self, policies, seconds: float, decoded: int, peak: float) -> list[PolicyRun]:
+        peak_kv = np.array(self.cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
+        share = self.share_sum / self.share_n if self.share_n else [None] * len(policies)
+        runs = []
+        for b, p in enumerate(policies):
+            run = PolicyRun(p, self.nll[b], seconds, decoded, float(peak_kv[b]) / 2**20, peak,
+                            None if share[b] is None else float(share[b]), len(policies))
+            if self.logits is not None:
+                run.logits = torch.cat([x[b] for x in self.logits], dim=0)  # (N-1, vocab)
+            runs.append(run)
+        return runs
+
+
 @torch.no_grad()
 def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int | None = None,
                  prefill: int | None = None, attention_share: bool = True, allow_beyond_context: bool = False,
@@ -87,44 +185,22 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
 
     The first ``prefill`` tokens (default: the window; for dense, all but the last 64) go through in
     forward passes of ``chunk`` tokens (the same arithmetic as token by token, as nothing is evicted
-    yet); the rest one token at a time. tokens/s counts the token-by-token part."""
+    yet); the rest one token at a time. tokens/s counts the token-by-token part. ``attention_share``: measure
+    the attention the kept sinks (for the window policy: the oldest kept token) receive once the cache is full."""
     capacity = _check_group(policies)
     device = hf.get_output_embeddings().weight.device
-    tokens = torch.as_tensor(tokens).long().flatten()
+    tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
     N = tokens.numel()
-    if N < 2:
-        raise ValueError(f"a stream needs at least 2 tokens; got {N}.")
-    n_ctx = context_length(hf)
-    if n_ctx is not None and not allow_beyond_context and (capacity or N) > n_ctx:
-        raise ValueError(
-            f"the cache would hold {capacity or N} tokens, beyond the model's context ({n_ctx}); "
-            + (f"use a window of at most {n_ctx}." if capacity else f"use at most {n_ctx} tokens for the dense policy.")
-        )
-    B = len(policies)
     sinks = [p.sinks if p.kind == "sinks" else 0 for p in policies]
-    ids = tokens.to(device)[None].repeat(B, 1)
-    for b, p in enumerate(policies):
-        if p.sink_tokens == "newline":
-            if newline is None:
-                raise ValueError("newline sinks need the newline token id (newline=...).")
-            ids[b, : sinks[b]] = newline
-    if prefill is None:
-        prefill = capacity if capacity else max(N - 1 - 64, 0)
+    prefill = capacity if prefill is None and capacity else (max(N - 1 - 64, 0) if prefill is None else prefill)
     prefill = max(0, min(prefill, N - 1, capacity or N))
     cache = StreamingCache(n_layers(hf), rope_spec(hf), capacity, sinks, [p.bits for p in policies],
                            [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)])
-    nll = np.full((B, N - 1), np.nan)
-    logits_out = [] if keep_logits else None
-    share_sum, share_n = np.zeros(B), 0
+    dec = _Decoder(hf, _policy_ids(tokens, policies, sinks, newline, device), cache, sinks, keep_logits)
     reset_peak(device)
-    with eager_attention(hf) if attention_share else contextlib.nullcontext():
+    with attention_implementation(hf, decode_attention(hf)):
         for c0 in range(0, prefill, chunk):
-            c1 = min(prefill, c0 + chunk)
-            out = hf(input_ids=ids[:, c0:c1], position_ids=torch.arange(c0, c1, device=device)[None].expand(B, -1),
-                     past_key_values=cache, use_cache=True)
-            nll[:, c0:c1] = _nll(out.logits.flatten(0, 1), ids[:, c0 + 1 : c1 + 1].flatten()).view(B, -1).cpu().numpy()
-            if keep_logits:
-                logits_out.append(out.logits.float().cpu())
+            dec.prefill(c0, min(prefill, c0 + chunk))
         steps = range(prefill, N - 1)
         if progress:
             from tqdm.auto import tqdm
@@ -132,31 +208,11 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
             steps = tqdm(steps, desc=", ".join(p.label for p in policies)[:40], leave=False)
         t0 = time.perf_counter()
         for t in steps:
-            want = attention_share and (capacity is None or t + 1 >= capacity)
-            out = hf(input_ids=ids[:, t : t + 1], position_ids=torch.full((B, 1), cache.position(t), device=device),
-                     past_key_values=cache, use_cache=True, output_attentions=want)
-            nll[:, t] = _nll(out.logits[:, -1], ids[:, t + 1]).cpu().numpy()
-            if keep_logits:
-                logits_out.append(out.logits.float().cpu())
-            if want:
-                att = torch.stack([a[:, :, -1, :] for a in out.attentions])  # (layers, B, heads, L)
-                oldest = cache.layers[0].oldest_slots()  # rows without sinks: the oldest kept token
-                share_sum += np.array([float((att[:, b, :, : sinks[b]].sum(-1) if sinks[b] else att[:, b, :, int(oldest[b])]).mean())
-                                       for b in range(B)])
-                share_n += 1
+            dec.step(t, attention_share and (capacity is None or t + 1 >= capacity))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-    peak_kv = np.array(cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
-    peak = peak_mib(device)
-    runs = []
-    for b, p in enumerate(policies):
-        run = PolicyRun(p, nll[b], seconds, max(N - 1 - prefill, 0), float(peak_kv[b]) / 2**20, peak,
-                        float(share_sum[b] / share_n) if share_n else None, B)
-        if keep_logits:
-            run.logits = torch.cat([x[b] for x in logits_out], dim=0)  # (N-1, vocab)
-        runs.append(run)
-    return runs
+    return dec.runs(policies, seconds, max(N - 1 - prefill, 0), peak_mib(device))
 
 
 def run_policy(hf, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:

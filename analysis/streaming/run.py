@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from analysis.io import write_atomic
 from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream
@@ -141,32 +140,13 @@ class StreamResult:
 
     def save(self, path) -> Path:
         """Write the JSON atomically (an existing file is only replaced once the new one is complete)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return path
+        write_atomic(path, json.dumps(self.to_dict()))
+        return Path(path)
 
 
-def write_csv_atomic(df: pd.DataFrame, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        df.to_csv(tmp, index=False)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+def write_csv_atomic(df: pd.DataFrame, path) -> Path:
+    write_atomic(path, df.to_csv(index=False))
+    return Path(path)
 
 
 def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),

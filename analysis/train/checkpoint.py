@@ -18,14 +18,12 @@ Layout of a run directory ``OUT``::
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
-from analysis.io import parse_dtype
+from analysis.io import parse_dtype, replace_dir, write_atomic
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -39,38 +37,22 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- atomic file writes
 
-def _atomic(path: Path, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_json(path, obj) -> None:
     def w(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
 
-    _atomic(path, w)
+    write_atomic(path, w)
 
 
 def write_text(path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+    write_atomic(path, text)
 
 
 def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_tensors(path) -> dict[str, torch.Tensor]:
@@ -178,21 +160,15 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(out: Path, step: int, model, optimizer, names: list[str], state: dict, keep: int) -> Path:
     """Write checkpoint ``step`` completely, then point ``latest.json`` at it; prune old ones."""
     root = Path(out) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:07d}.", dir=root))
-    try:
+
+    def fill(tmp: Path) -> None:
         write_tensors(tmp / "model.safetensors", model_tensors(model))
         opt_t, opt_meta = optimizer_tensors(optimizer, names)
         write_tensors(tmp / "optimizer.safetensors", opt_t)
         write_tensors(tmp / "rng.safetensors", rng_tensors())
         write_json(tmp / "state.json", {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    final = replace_dir(root / f"step-{step:07d}", fill)
     write_json(root / "latest.json", {"step": step, "dir": final.name})
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -230,7 +206,7 @@ def save_reference(out: Path, model, config: dict) -> None:
     write_tensors(out / "model.safetensors", model_tensors(model), metadata={"format": REFERENCE_FORMAT})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "backend_tokenizer"):
-        _atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
+        write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
         config = {**config, "tokenizer": {"file": "tokenizer.json", "bos_token": tok.bos_token,
                                           "eos_token": tok.eos_token, "pad_token": tok.pad_token}}
     write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config})

@@ -185,6 +185,192 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Opt
 
 # ----------------------------------------------------------------------------- the loop
 
+def _batch_split(tcfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(sequences per process, sequences per micro-batch), checked."""
+    if tcfg.batch_size % world:
+        raise ValueError(f"batch_size={tcfg.batch_size} must be divisible by the number of processes ({world}).")
+    per_rank = tcfg.batch_size // world
+    micro = tcfg.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ValueError(f"the per-process batch ({per_rank}) must be a multiple of micro_batch_size={micro}.")
+    return per_rank, micro
+
+
+def _data_and_probes(tcfg: TrainConfig, mcfg: ModelConfig, out: Optional[Path], resuming: bool):
+    """The data (a resumed natural-text run reuses its own tokenizer), the model config fitted to it, the probes."""
+    tokenizer = None
+    if resuming and out is not None and (out / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer_file(out / "tokenizer.json")
+    data = build_data(tcfg, mcfg.n_ctx, tokenizer=tokenizer)
+    if mcfg.d_vocab != data.vocab_size:
+        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "d_vocab": data.vocab_size})
+    if tcfg.probe_len > mcfg.n_ctx:
+        tcfg.probe_len = mcfg.n_ctx
+    probes = (data.probe(tcfg.probe_size, tcfg.probe_len), data.probe_without_fixed_token(tcfg.probe_size, tcfg.probe_len))
+    if tcfg.prefix_len and not mcfg.prefix_attention:  # prefix LM: the prefix attends bidirectionally
+        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "prefix_attention": tcfg.prefix_len})
+    return data, mcfg, probes
+
+
+def _resume(ckpt: Optional[Path], out, model, optimizer, names, mcfg, tcfg, main: bool) -> tuple[int, list]:
+    """(first step, the log so far): restore ``ckpt`` after checking it was written with the same options."""
+    if ckpt is None:
+        return 0, []
+    state = json.loads((ckpt / "state.json").read_text())
+    diff = _config_diff(state.get("model_config", {}), mcfg.to_dict())
+    diff += _config_diff(state.get("train_config", {}), tcfg.to_dict(), _DATA_KEYS)
+    if diff:
+        raise CheckpointError(
+            f"cannot resume {out}: the checkpoint was written with other options ({'; '.join(diff[:4])}). "
+            "Resume with the same options (only --steps and logging options may change), or use a new --out."
+        )
+    start = int(load_checkpoint(ckpt, model, optimizer, names)["step"])
+    return start, (_truncate_log(out / "train_log.jsonl", start) if main and out is not None else [])
+
+
+def _prepare_out(out: Path, start: int, command, mcfg, tcfg, data) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if start == 0:
+        write_text(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
+        write_text(out / "train_log.jsonl", "")
+    if data.tokenizer is not None and hasattr(data.tokenizer, "backend_tokenizer"):
+        data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+
+
+def _runner(model, device: torch.device, world: int, tcfg: TrainConfig):
+    """(the module the steps call: DDP and/or compiled around ``model``, the autocast context factory)."""
+    runner = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if tcfg.compile:
+        runner = torch.compile(runner)
+    use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
+    return runner, ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext)
+
+
+@dataclass
+class _Loop:
+    """One run's training state between steps: ``step(step)`` trains on one batch, ``record(...)`` logs it."""
+
+    model: SinkLM
+    runner: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: object
+    tcfg: TrainConfig
+    device: torch.device
+    autocast: object
+    rank: int
+    world: int
+    per_rank: int
+    micro: int
+
+    def step(self, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """One optimiser step on batch ``step``: (lr, summed loss over processes, gradient norm)."""
+        lr = lr_at(step, self.tcfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        batch = self.data.batch(step, self.tcfg.batch_size)
+        n_valid = int((batch.targets != -100).sum())
+        mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+        x_all, y_all = batch.inputs[mine].to(self.device), batch.targets[mine].to(self.device)
+        loss_acc = torch.zeros((), device=self.device)
+        n_micro, micro, world = self.per_rank // self.micro, self.micro, self.world
+        for i in range(n_micro):
+            x, y = x_all[i * micro:(i + 1) * micro], y_all[i * micro:(i + 1) * micro]
+            sync = contextlib.nullcontext() if (world == 1 or i == n_micro - 1) else self.runner.no_sync()
+            with sync:
+                with self.autocast():
+                    logits = self.runner(x)
+                # sum over this micro-batch / tokens of the global batch, x world (DDP averages grads)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                       reduction="sum") * (world / n_valid)
+                loss.backward()
+            loss_acc += loss.detach()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(loss_acc)
+        return lr, loss_acc, grad_norm
+
+    def _clip(self) -> torch.Tensor:
+        params = self.model.parameters()
+        if self.tcfg.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, self.tcfg.grad_clip)
+        return torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+
+
+def _should_log(done: int, tcfg: TrainConfig) -> bool:
+    return done % tcfg.log_every == 0 or done == tcfg.steps or bool(tcfg.eval_every and done % tcfg.eval_every == 0)
+
+
+def _should_eval(done: int, tcfg: TrainConfig) -> bool:
+    return bool(tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps
+
+
+def _describe(mcfg: ModelConfig, tcfg: TrainConfig, data) -> str:
+    return (f"{mcfg.attention} attention, {mcfg.n_layers} layer(s) x {mcfg.n_heads} heads, d_model "
+            f"{mcfg.d_model}, {mcfg.positional_embedding_type} positions; {tcfg.steps} steps of "
+            f"{tcfg.batch_size} x {mcfg.n_ctx} tokens on {data.description}")
+
+
+def _checkpoint(loop: _Loop, out: Optional[Path], done: int, main: bool, names, mcfg: ModelConfig) -> None:
+    tcfg = loop.tcfg
+    if out is not None and tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or done == tcfg.steps):
+        if main:
+            save_checkpoint(out, done, loop.model, loop.optimizer, names,
+                            {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()}, tcfg.keep_checkpoints)
+        if loop.world > 1:
+            dist.barrier()
+
+
+def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: list, mcfg: ModelConfig, names, probes,
+               stop_after: Optional[int]) -> tuple[dict, bool]:
+    """Steps ``start`` .. ``tcfg.steps``: train, log (``log`` and train_log.jsonl), evaluate, checkpoint.
+    Returns (the last record this run logged, whether ``stop_after`` ended it early)."""
+    from tqdm.auto import tqdm
+
+    tcfg = loop.tcfg
+    bar = tqdm(total=tcfg.steps, initial=start, disable=not (tcfg.progress and main), desc="train", dynamic_ncols=True)
+    log_file = open(out / "train_log.jsonl", "a") if (main and out is not None) else None
+    tokens_per_step = tcfg.batch_size * mcfg.n_ctx
+    t_last, steps_since, t0 = time.perf_counter(), 0, time.perf_counter()
+    last = {}
+    loop.model.train()
+    try:
+        for step in range(start, tcfg.steps):
+            lr, loss_acc, grad_norm = loop.step(step)
+            done = step + 1
+            steps_since += 1
+            if _should_log(done, tcfg):
+                now = time.perf_counter()
+                rec = {"step": done, "loss": round(float(loss_acc) / loop.world, 5), "lr": lr,
+                       "grad_norm": round(float(grad_norm), 5),
+                       "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
+                       "tokens": done * tokens_per_step, "elapsed_s": round(now - t0, 2)}
+                if main:
+                    if _should_eval(done, tcfg):
+                        rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probes[1]))
+                    log.append(rec)
+                    last = rec
+                    if log_file is not None:
+                        log_file.write(json.dumps(rec) + "\n")
+                        log_file.flush()
+                    bar.set_postfix({k: rec[k] for k in ("loss", "sink_1") if k in rec})
+                t_last, steps_since = time.perf_counter(), 0
+            bar.update(1)
+            _checkpoint(loop, out, done, main, names, mcfg)
+            if stop_after is not None and done >= stop_after:
+                return last, True
+    finally:
+        bar.close()
+        if log_file is not None:
+            log_file.close()
+    return last, False
+
+
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[str] = None,
           _stop_after: Optional[int] = None) -> TrainResult:
     """Pre-train a model from scratch (or resume); returns the trained model in eval mode.
@@ -197,152 +383,28 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     device = resolve_device(tcfg.device, local_rank)
     out = Path(tcfg.out).expanduser() if tcfg.out else None
     main = rank == 0
-
-    if tcfg.batch_size % world:
-        raise ValueError(f"batch_size={tcfg.batch_size} must be divisible by the number of processes ({world}).")
-    per_rank = tcfg.batch_size // world
-    micro = tcfg.micro_batch_size or per_rank
-    if per_rank % micro:
-        raise ValueError(f"the per-process batch ({per_rank}) must be a multiple of micro_batch_size={micro}.")
-
+    per_rank, micro = _batch_split(tcfg, world)
     ckpt = latest_checkpoint(out) if out is not None else None
     if out is not None and not tcfg.resume and (ckpt is not None or (out / "model.safetensors").exists()):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it, or choose a new --out.")
-
-    # data (a resumed natural-text run reuses its own tokenizer)
-    tokenizer = None
-    if ckpt is not None and out is not None and (out / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer_file(out / "tokenizer.json")
-    data = build_data(tcfg, mcfg.n_ctx, tokenizer=tokenizer)
-    if mcfg.d_vocab != data.vocab_size:
-        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "d_vocab": data.vocab_size})
-    if tcfg.probe_len > mcfg.n_ctx:
-        tcfg.probe_len = mcfg.n_ctx
-    probe = data.probe(tcfg.probe_size, tcfg.probe_len)
-    probe_no_fixed = data.probe_without_fixed_token(tcfg.probe_size, tcfg.probe_len)
-    if tcfg.prefix_len and not mcfg.prefix_attention:  # prefix LM: the prefix attends bidirectionally
-        mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "prefix_attention": tcfg.prefix_len})
+    data, mcfg, probes = _data_and_probes(tcfg, mcfg, out, ckpt is not None)
 
     torch.manual_seed(tcfg.seed)
     model = SinkLM(mcfg, tokenizer=data.tokenizer).to(device)
     groups, names = param_groups(model, tcfg)
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused or None)
-
-    start, log = 0, []
-    if ckpt is not None:
-        state = json.loads((ckpt / "state.json").read_text())
-        diff = _config_diff(state.get("model_config", {}), mcfg.to_dict())
-        diff += _config_diff(state.get("train_config", {}), tcfg.to_dict(), _DATA_KEYS)
-        if diff:
-            raise CheckpointError(
-                f"cannot resume {out}: the checkpoint was written with other options ({'; '.join(diff[:4])}). "
-                "Resume with the same options (only --steps and logging options may change), or use a new --out."
-            )
-        state = load_checkpoint(ckpt, model, optimizer, names)
-        start = int(state["step"])
-        if main and out is not None:
-            log = _truncate_log(out / "train_log.jsonl", start)
-
+    optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=(device.type == "cuda") or None)
+    start, log = _resume(ckpt, out, model, optimizer, names, mcfg, tcfg, main)
     if main and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        if start == 0:
-            write_text(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
-            write_text(out / "train_log.jsonl", "")
-        if data.tokenizer is not None and hasattr(data.tokenizer, "backend_tokenizer"):
-            data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
-
-    runner = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if tcfg.compile:
-        runner = torch.compile(runner)
-    use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=tcfg.steps, initial=start, disable=not (tcfg.progress and main), desc="train", dynamic_ncols=True)
-    log_file = open(out / "train_log.jsonl", "a") if (main and out is not None) else None
-    tokens_per_step = tcfg.batch_size * mcfg.n_ctx
-    t_last, steps_since, t0 = time.perf_counter(), 0, time.perf_counter()
-    elapsed_before = 0.0
-    last = {}
-    model.train()
-    try:
-        for step in range(start, tcfg.steps):
-            lr = lr_at(step, tcfg)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            batch = data.batch(step, tcfg.batch_size)
-            n_valid = int((batch.targets != -100).sum())
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
-            x_all, y_all = batch.inputs[mine].to(device), batch.targets[mine].to(device)
-            loss_acc = torch.zeros((), device=device)
-            n_micro = per_rank // micro
-            for i in range(n_micro):
-                x, y = x_all[i * micro:(i + 1) * micro], y_all[i * micro:(i + 1) * micro]
-                sync = contextlib.nullcontext() if (world == 1 or i == n_micro - 1) else runner.no_sync()
-                with sync:
-                    with autocast():
-                        logits = runner(x)
-                    # sum over this micro-batch / tokens of the global batch, x world (DDP averages grads)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                           reduction="sum") * (world / n_valid)
-                    loss.backward()
-                loss_acc += loss.detach()
-            if tcfg.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-            else:
-                grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if world > 1:
-                dist.all_reduce(loss_acc)
-            done = step + 1
-            steps_since += 1
-
-            if done % tcfg.log_every == 0 or done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
-                now = time.perf_counter()
-                rec = {"step": done, "loss": round(float(loss_acc) / world, 5), "lr": lr,
-                       "grad_norm": round(float(grad_norm), 5),
-                       "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
-                       "tokens": done * tokens_per_step, "elapsed_s": round(elapsed_before + now - t0, 2)}
-                if main and ((tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps):
-                    rec.update(evaluate(model, probe, tcfg.sink_eps, probe_no_fixed))
-                if main:
-                    log.append(rec)
-                    last = rec
-                    if log_file is not None:
-                        log_file.write(json.dumps(rec) + "\n")
-                        log_file.flush()
-                    bar.set_postfix({k: rec[k] for k in ("loss", "sink_1") if k in rec})
-                t_last, steps_since = time.perf_counter(), 0
-            bar.update(1)
-
-            if out is not None and tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or done == tcfg.steps):
-                if main:
-                    save_checkpoint(out, done, model, optimizer, names,
-                                    {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()},
-                                    tcfg.keep_checkpoints)
-                if world > 1:
-                    dist.barrier()
-            if _stop_after is not None and done >= _stop_after:
-                return TrainResult(model.eval(), out, log, last)
-    finally:
-        bar.close()
-        if log_file is not None:
-            log_file.close()
-
+        _prepare_out(out, start, command, mcfg, tcfg, data)
+    runner, autocast = _runner(model, device, world, tcfg)
+    loop = _Loop(model, runner, optimizer, data, tcfg, device, autocast, rank, world, per_rank, micro)
+    last, stopped = _run_steps(loop, start, out, main, log, mcfg, names, probes, _stop_after)
+    if stopped:
+        return TrainResult(model.eval(), out, log, last)
     final = dict(last or (log[-1] if log else {}))
     if main and out is not None:
-        desc = (f"{mcfg.attention} attention, {mcfg.n_layers} layer(s) x {mcfg.n_heads} heads, d_model "
-                f"{mcfg.d_model}, {mcfg.positional_embedding_type} positions; {tcfg.steps} steps of "
-                f"{tcfg.batch_size} x {mcfg.n_ctx} tokens on {data.description}")
-        save_reference(out, model, {"description": desc, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
-                                    "data": data.meta(), "final": final})
+        save_reference(out, model, {"description": _describe(mcfg, tcfg, data), "model": mcfg.to_dict(),
+                                    "train": tcfg.to_dict(), "data": data.meta(), "final": final})
     if world > 1:
         dist.barrier()
     return TrainResult(model.eval(), out, log, final)
