@@ -215,3 +215,24 @@ def write_llama_gguf(model, path: Path, vocab: int = VOCAB) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def reference_attention(spec, model, layer: int, q, k):
+    """The attention a family computes, rebuilt by hand from the spec: q (B, T, H, d) and k (B, T, H_kv, d) as
+    the attention uses them (rotated) -> scores (B, H, T, T), the visible-key mask (T, T) (causal, sliding
+    window) and the pattern (learned sink logits in the softmax where the spec has them), in float64."""
+    from analysis.families import sink_logits
+
+    T = q.shape[1]
+    k = k.repeat_interleave(spec.n_heads // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * spec.attn_scale
+    if spec.attn_softcap:
+        scores = spec.attn_softcap * torch.tanh(scores / spec.attn_softcap)
+    seen = torch.ones(T, T, dtype=torch.bool).tril()
+    if layer in spec.sliding_layers:
+        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-spec.sliding_window)
+    logits = scores.masked_fill(~seen, float("-inf"))
+    if spec.learned_sinks:
+        sink = sink_logits(model, layer).double()[None, :, None, None].expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, sink], -1)
+    return scores, seen, torch.softmax(logits, -1)[..., :T]

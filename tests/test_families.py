@@ -18,7 +18,7 @@ import torch
 
 from analysis import load_model, rotary_base, sink_metric
 from analysis.families import FamilySpec, get_family
-from tests.families import FAMILIES, family_config, make_family_model, write_llama_gguf
+from tests.families import FAMILIES, family_config, make_family_model, reference_attention, write_llama_gguf
 
 T = 16  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 HYBRIDS = {"qwen3_next", "qwen3_5", "jamba"}
@@ -199,26 +199,13 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models):
 
 
 def _check_layer(spec, model, layer, got):
-    from analysis.families import sink_logits
-
     q, k = got["q"], got["k"]
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
     if spec.rotary and not spec.key_rotated:
         q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
-    k = k.repeat_interleave(spec.n_heads // spec.n_kv_heads, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * spec.attn_scale
-    if spec.attn_softcap:
-        scores = spec.attn_softcap * torch.tanh(scores / spec.attn_softcap)
-    seen = torch.ones(T, T, dtype=torch.bool).tril()
-    if layer in spec.sliding_layers:
-        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-spec.sliding_window)
+    scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if "scores" in got:
         torch.testing.assert_close(scores[..., seen].float(), got["scores"][..., seen].float(), atol=1e-4, rtol=1e-4)
-    logits = scores.masked_fill(~seen, float("-inf"))
-    if spec.learned_sinks:
-        sink = sink_logits(model, layer).double()[None, :, None, None].expand(*logits.shape[:-1], 1)
-        logits = torch.cat([logits, sink], -1)
-    pattern = torch.softmax(logits, -1)[..., :T]
     torch.testing.assert_close(pattern.float(), got["p"].float(), atol=1e-5, rtol=0)
 
 

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.families import sink_logits
 from analysis.hooks import kv_view
 from analysis.rotary import rotate_as_spec
-from tests.families import FAMILIES
+from tests.families import FAMILIES, reference_attention
 
 T = 12  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 SPIKE = {7: 400.0, 21: -250.0}
@@ -108,21 +107,11 @@ def test_gain_one_plus_w_matters(family, family_models):
 
 def _check_pattern(spec, model, layer, q, k, got):
     """q (B,T,H,d), k (B,T,H_kv,d) as the analyses read them -> scores and pattern of the model."""
-    k = k.repeat_interleave(spec.n_heads // k.shape[2], dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * spec.attn_scale
-    if spec.attn_softcap:
-        scores = spec.attn_softcap * torch.tanh(scores / spec.attn_softcap)
-    seen = torch.ones(T, T, dtype=torch.bool).tril()
-    if layer in spec.sliding_layers:
-        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-spec.sliding_window)
+    scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if spec.scores_hook(layer):
         torch.testing.assert_close(scores[..., seen].float(), got[spec.scores_hook(layer)][..., seen].float(),
                                    atol=1e-4, rtol=1e-4)
-    logits = scores.masked_fill(~seen, float("-inf"))
-    if spec.learned_sinks:
-        logits = torch.cat([logits, sink_logits(model, layer).double()[None, :, None, None].expand(*logits.shape[:-1], 1)], -1)
-    torch.testing.assert_close(torch.softmax(logits, -1)[..., :T].float(), got[spec.pattern_hook(layer)].float(),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(pattern.float(), got[spec.pattern_hook(layer)].float(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", NOT_ALIBI)
