@@ -157,8 +157,8 @@ def test_bad_input_errors(one_layer, tmp_path):
         streaming_perplexity(one_layer, _tokens(40), window=16, sinks=(0, 16), bits=(), newline_sinks=None)
     with pytest.raises(ValueError, match="causal-LM head"):
         streaming_perplexity(LlamaModel(one_layer.config), _tokens(40), window=16, sinks=(0,), bits=(), newline_sinks=None)
-    with pytest.raises(ValueError, match="reference models"):
-        streaming_perplexity("synthetic-softmax", window=16)
+    with pytest.raises(ValueError, match="larger than the context of synthetic-softmax .64 tokens.; use --window 64"):
+        streaming_perplexity("synthetic-softmax", window=128)  # reference models stream (test_streaming_reference.py)
 
 
 def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, no_network):

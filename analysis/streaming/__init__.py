@@ -9,11 +9,12 @@
 Modules: ``cache`` (policies, the ``transformers.Cache`` subclass, rotary re-positioning, simulated KV
 quantisation), ``attention`` (the decode attention function: grouped-query steps that measure the
 sinks' share inside the layer), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
-stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``run`` (all policies, the result).
+stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``reference`` (the project's reference
+models, learnable sink token included, on the same cache), ``run`` (all policies, the result).
 """
 from analysis.streaming.cache import Policy, StreamingCache, fake_quantize, rope_spec
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies, run_policy
-from analysis.streaming.run import StreamResult, default_policies, streaming_perplexity
+from analysis.streaming.run import StreamResult, compare_models, default_policies, streaming_perplexity
 
-__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "default_policies", "fake_quantize",
+__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_models", "default_policies", "fake_quantize",
            "recompute_nll", "rope_spec", "run_policies", "run_policy", "streaming_perplexity"]

@@ -32,6 +32,8 @@ class ShareRecorder:
         self.slots: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.layers = 0
+        self.learned: torch.Tensor | None = None  # weight on a learned sink slot (reference models, gpt-oss)
+        self.learned_layers = 0
 
     def add(self, weights: torch.Tensor) -> None:  # (B, Hkv, G, L)
         if self.marks is None:
@@ -43,14 +45,33 @@ class ShareRecorder:
         self.total = mass if self.total is None else self.total + mass
         self.layers += 1
 
+    def add_learned(self, weight: torch.Tensor) -> None:  # (B, heads): one layer's weight on its learned sink slot
+        if self.marks is None:
+            return
+        mass = weight.float().mean(dim=1)
+        self.learned = mass if self.learned is None else self.learned + mass
+        self.learned_layers += 1
+
     def take(self) -> torch.Tensor | None:
-        """(B,) the head- and layer-mean share of the last step, and reset."""
+        """(B,) the head- and layer-mean share of the last step, and reset (``take_learned`` keeps its own)."""
         out = None if self.total is None else self.total / max(self.layers, 1)
         self.total, self.layers, self.slots = None, 0, None
         return out
 
+    def take_learned(self) -> torch.Tensor | None:
+        """(B,) the head- and layer-mean weight on learned sink slots in the last step (None: no such slot), and
+        reset. Averaged over the layers that have one."""
+        out = None if self.learned is None else self.learned / max(self.learned_layers, 1)
+        self.learned, self.learned_layers = None, 0
+        return out
+
 
 _RECORDER: ShareRecorder | None = None
+
+
+def active_recorder() -> ShareRecorder | None:
+    """The recorder decode steps report to now (inside ``recording``), or None."""
+    return _RECORDER
 
 
 @contextlib.contextmanager

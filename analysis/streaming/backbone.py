@@ -1,9 +1,9 @@
-"""The Hugging Face causal LM behind a model: from a name, a local folder, a TransformerBridge or an HF model.
+"""The causal LM behind a model: from a name, a local folder, a TransformerBridge, an HF model or a reference model.
 
 Streaming drives the Hugging Face backbone directly with a bounded cache (no TransformerLens hooks are
 needed; a TransformerBridge's own backbone has bridge attention modules, so a clean copy is loaded from
-the bridge's source). The project's reference models (``analysis.train.SinkLM``) have no Hugging Face backbone and no
-tokenizer, so they are refused with a clear error.
+the bridge's source). The project's reference models (``analysis.train.SinkLM``, by name, folder or object)
+are driven through ``analysis.streaming.reference.ReferenceLM``, which decodes them with the same cache.
 """
 from __future__ import annotations
 
@@ -13,13 +13,6 @@ from pathlib import Path
 import torch
 
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, _is_reference, _reference_models, smollm2_dir
-
-_NO_REFERENCE = (
-    "{name} is one of this project's reference models (analysis.train.SinkLM): it has no Hugging Face backbone "
-    "and no tokenizer, so streaming perplexity does not support it. Use the embedded 'smollm2-135m', a local "
-    "Hugging Face folder, or a transformers PreTrainedModel."
-)
-
 
 def _load_folder(src: str, local: bool, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,7 +44,9 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
             return _checked(hf), tokenizer or tok, name
         path = Path(name).expanduser()
         if name in _reference_models() or ((path / "config.json").is_file() and _is_reference(path)):
-            raise ValueError(_NO_REFERENCE.format(name=repr(name)))
+            from analysis.models import load_model
+
+            return _reference(load_model(name, device=device, dtype=dtype), tokenizer, name)
         if path.exists():
             if not (path / "config.json").is_file():
                 raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json).")
@@ -60,7 +55,7 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
         hf, tok = _load_folder(name, False, device, dtype)
         return _checked(hf), tokenizer or tok, name
     if type(model).__name__ == "SinkLM":
-        raise ValueError(_NO_REFERENCE.format(name="this model"))
+        return _reference(model, tokenizer, getattr(model, "model_name", None) or "sink-lm")
     hf = getattr(model, "original_model", None)  # a TransformerLens TransformerBridge
     if hf is not None:
         # The bridge swaps the attention modules for its own components; stream on a clean copy of the same
@@ -73,6 +68,12 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
     if isinstance(model, PreTrainedModel):
         return _checked(model), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__
     raise TypeError(f"expected a model name, a Hugging Face folder, a TransformerBridge or a PreTrainedModel; got {type(model).__name__}.")
+
+
+def _reference(model, tokenizer, name: str):
+    from analysis.streaming.reference import ReferenceLM
+
+    return ReferenceLM(model.eval()), tokenizer or model.tokenizer, name
 
 
 def _checked(hf):

@@ -57,6 +57,7 @@ def cmd_stream(args) -> int:
         write_csv_atomic(res.table, Path(args.csv))
         print(f"wrote {args.csv}")
     cols = ["policy", "ppl", "ppl_past_window", "ppl_at_recompute", "tokens_per_s", "kv_cache_mib", "sink_attention"]
+    cols += ["learned_sink_attention"] if res.table["learned_sink_attention"].notna().any() else []
     print(res.table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(res.text())
     return 0

@@ -47,3 +47,23 @@ def newline_id(tokenizer) -> int:
     if len(ids) != 1:
         raise ValueError(f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one.")
     return int(ids[0])
+
+
+def task_stream(model, n_tokens: int, seed: int = 0) -> TokenStream:
+    """A long stream from a reference model's own synthetic training task (``analysis.train``'s ``synthetic``
+    dataset: BOS, then one Markov chain with the copy rule, ``n_tokens`` long), a held-out draw with ``seed``."""
+    from dataclasses import replace
+
+    from analysis.train.config import TrainConfig
+    from analysis.train.data import build_data
+
+    cfg = getattr(model, "reference_config", None) or {}
+    train = cfg.get("train") or {}
+    if train.get("dataset") not in ("synthetic", "synthetic-docs"):
+        raise ValueError("this model has no tokenizer and no synthetic training task to draw a stream from; pass your "
+                         "own token ids (tokens=...).")
+    tcfg = replace(TrainConfig.from_dict(train), dataset="synthetic", seed=seed)
+    data = build_data(tcfg, n_ctx=n_tokens)
+    ids = data.probe(1, n_tokens)[0]
+    return TokenStream(ids.long(), f"{data.description}: one held-out sequence of the model's own training task, "
+                                   f"drawn with seed {seed}", seed)

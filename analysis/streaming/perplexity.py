@@ -38,22 +38,29 @@ def attention_implementation(hf, name: str):
         hf.set_attn_implementation(old)
 
 
+def has_sink_logits(hf) -> bool:
+    """Whether the model adds learned sink logits to its attention (gpt-oss)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules())
+
+
 def decode_attention(hf) -> str:
     """"streaming" (``analysis.streaming.attention``: SDPA prefill, grouped-query decode steps that measure the
     sinks' share) unless the model adds learned sink logits (gpt-oss), whose own eager function applies them."""
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules()):
-        return "eager"
-    return ATTENTION
+    return "eager" if has_sink_logits(hf) else ATTENTION
 
 
 class PolicyRun:
-    """One policy's pass over a stream. ``nll[t]``: -log p(token t+1 | kept tokens <= t), NaN if not scored."""
+    """One policy's pass over a stream. ``nll[t]``: -log p(token t+1 | kept tokens <= t), NaN if not scored.
+    ``sink_share``: attention on the kept sink tokens (window policy: the oldest kept token) once the cache is
+    full; ``learned_share``: attention on the model's learned sink slot (a reference model's sink token or K/KV
+    biases, gpt-oss's sink logits), None for models without one. Both are means over steps, layers and heads."""
 
     def __init__(self, policy: Policy, nll: np.ndarray, seconds: float, decoded: int, peak_kv_mib: float,
-                 peak_mib: float, sink_share: float | None, batch: int = 1):
+                 peak_mib: float, sink_share: float | None, batch: int = 1, learned_share: float | None = None):
         self.batch = batch  # policies decoded together (tokens/s is per policy, in that batch)
         self.policy, self.nll, self.seconds, self.decoded = policy, nll, seconds, decoded
         self.peak_kv_mib, self.peak_mib, self.sink_share = peak_kv_mib, peak_mib, sink_share
+        self.learned_share = learned_share
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,14 +71,15 @@ class PolicyRun:
         return {"policy": p.label, "kind": p.kind, "window": p.window, "sinks": p.sinks, "sink_tokens": p.sink_tokens,
                 "bits": p.bits, "fp_sinks": p.fp_sinks, "seconds": self.seconds, "decoded": self.decoded,
                 "tokens_per_s": self.tokens_per_s, "peak_kv_mib": self.peak_kv_mib, "peak_mib": self.peak_mib,
-                "sink_share": self.sink_share, "batch": self.batch,
+                "sink_share": self.sink_share, "learned_share": self.learned_share, "batch": self.batch,
                 "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyRun":
         pol = Policy(d["kind"], d["window"], d["sinks"], d["sink_tokens"], d["bits"], d["fp_sinks"])
         nll = np.array([np.nan if x is None else x for x in d["nll"]], dtype=float)
-        return cls(pol, nll, d["seconds"], d["decoded"], d["peak_kv_mib"], d["peak_mib"], d["sink_share"], d.get("batch", 1))
+        return cls(pol, nll, d["seconds"], d["decoded"], d["peak_kv_mib"], d["peak_mib"], d["sink_share"], d.get("batch", 1),
+                   d.get("learned_share"))
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -132,7 +140,9 @@ class _Decoder:
         self.nll = np.full((ids.shape[0], ids.shape[1] - 1), np.nan)
         self.logits = [] if keep_logits else None
         self.share_sum, self.share_n = np.zeros(ids.shape[0]), 0
+        self.learned_sum, self.learned_n = np.zeros(ids.shape[0]), 0
         self.recorder = ShareRecorder()
+        self.sink_logits = has_sink_logits(hf)
 
     def _score(self, logits: torch.Tensor, c0: int, c1: int) -> None:
         B = self.ids.shape[0]
@@ -158,18 +168,27 @@ class _Decoder:
         if eager:  # learned-sink models: weights from the model's own eager attention
             att = torch.stack([a[:, :, -1, :] for a in out.attentions])  # (layers, B, heads, L)
             self.recorder.add(att.permute(1, 0, 2, 3))  # layers stand in for KV-head groups: the same mean
-        got = self.recorder.take()
+            for a in att if self.sink_logits else ():
+                self.recorder.add_learned(1 - a.float().sum(-1))  # the sink logits take what the rows miss
+        self._keep(self.recorder.take(), self.recorder.take_learned(), share)
+
+    def _keep(self, got, learned, share: bool) -> None:
         if share and got is not None:
             self.share_sum += got.cpu().numpy()
             self.share_n += 1
+        if share and learned is not None:
+            self.learned_sum += learned.cpu().numpy()
+            self.learned_n += 1
 
     def runs(self, policies, seconds: float, decoded: int, peak: float) -> list[PolicyRun]:
         peak_kv = np.array(self.cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
         share = self.share_sum / self.share_n if self.share_n else [None] * len(policies)
+        learned = self.learned_sum / self.learned_n if self.learned_n else [None] * len(policies)
         runs = []
         for b, p in enumerate(policies):
             run = PolicyRun(p, self.nll[b], seconds, decoded, float(peak_kv[b]) / 2**20, peak,
-                            None if share[b] is None else float(share[b]), len(policies))
+                            None if share[b] is None else float(share[b]), len(policies),
+                            None if learned[b] is None else float(learned[b]))
             if self.logits is not None:
                 run.logits = torch.cat([x[b] for x in self.logits], dim=0)  # (N-1, vocab)
             runs.append(run)

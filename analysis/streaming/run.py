@@ -12,7 +12,7 @@ import torch
 from analysis.io import write_atomic
 from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
-from analysis.streaming.corpus import newline_id, stdlib_stream
+from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 
 
@@ -70,6 +70,7 @@ class StreamResult:
                 "ppl_at_recompute": self._ppl(nll[rec_pos]) if rec_pos is not None and rec_pos.size else float("nan"),
                 "tokens_scored": int((~np.isnan(nll)).sum()), "tokens_per_s": r.tokens_per_s, "batch": r.batch,
                 "kv_cache_mib": r.peak_kv_mib, "peak_mib": r.peak_mib, "sink_attention": r.sink_share,
+                "learned_sink_attention": r.learned_share,
             })
         return pd.DataFrame(rows)
 
@@ -108,6 +109,7 @@ class StreamResult:
         for label, row in sink_rows.iterrows():
             lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window; the {row['sinks']} kept "
                          f"sink token(s) get {100 * (row['sink_attention'] or 0):.0f}% of the attention.")
+        lines += self._learned_lines(t)
         rec = self._recompute()
         if rec is not None:
             r = t.loc[rec.policy.label]
@@ -120,6 +122,14 @@ class StreamResult:
         for label, row in q.iterrows():
             lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window.")
         return "\n".join(lines)
+
+    def _learned_lines(self, t: pd.DataFrame) -> list[str]:
+        """The model's learned sink slot (sink token, K/KV biases, sink logits), where it has one."""
+        rows = t[t["learned_sink_attention"].notna() & (t["bits"] == 32) & (t["kind"] != "dense")]
+        if rows.empty:
+            return []
+        parts = [f"{label} {100 * row['learned_sink_attention']:.0f}%" for label, row in rows.iterrows()]
+        return ["The model's learned sink slot (always in the cache) gets, once the cache is full: " + ", ".join(parts) + "."]
 
     def to_dict(self) -> dict:
         from analysis.versions import package_versions
@@ -142,6 +152,25 @@ class StreamResult:
         """Write the JSON atomically (an existing file is only replaced once the new one is complete)."""
         write_atomic(path, json.dumps(self.to_dict()))
         return Path(path)
+
+
+def compare_models(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
+    """One row per model ({name: StreamResult}, each with one cache size): perplexity past the first eviction
+    with s = each of ``sinks`` kept first tokens (s = 0: the window), the re-computation ceiling, and the
+    attention on the kept first token (1 sink) and on the model's learned sink slot (window policy)."""
+    rows = []
+    for name, res in results.items():
+        t, w = res.table.set_index("policy"), res.window
+        row = {"model": name, "window": w}
+        for s in sinks:
+            label = f"0+{w}" if s == 0 else f"{s}+{w - s}"
+            row[f"{s} sinks"] = t.loc[label, "ppl_past_window"] if label in t.index else float("nan")
+        rec = f"recompute {w}"
+        row["recompute"] = t.loc[rec, "ppl_past_window"] if rec in t.index else float("nan")
+        row["first token attention (1 sink)"] = t.loc[f"1+{w - 1}", "sink_attention"] if f"1+{w - 1}" in t.index else float("nan")
+        row["learned slot attention (window)"] = t.loc[f"0+{w}", "learned_sink_attention"] if f"0+{w}" in t.index else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("model").apply(pd.to_numeric)  # None (no learned slot) -> NaN
 
 
 def write_csv_atomic(df: pd.DataFrame, path) -> Path:
@@ -169,7 +198,8 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if bad:
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
     if tokens is None:
-        stream = stdlib_stream(tok, n_tokens, seed)
+        reference = getattr(hf, "model", None) if tok is None else None  # a tokenizer-less reference model
+        stream = task_stream(reference, n_tokens, seed) if reference is not None else stdlib_stream(tok, n_tokens, seed)
         tokens, record = stream.tokens, stream.record()
     else:
         tokens = torch.as_tensor(tokens).long().flatten()
@@ -178,6 +208,7 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
         raise ValueError(f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
                          f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window).")
     skip = max([8, *sinks]) if skip is None else skip
+    newline_sinks = newline_sinks if tok is not None else None  # no tokenizer (synthetic task): no newline token
     pols = default_policies(window, sinks, newline_sinks if newline_sinks else None, bits, quant_sinks, dense)
     nl = newline_id(tok) if newline_sinks else None
     runs: list[PolicyRun] = []

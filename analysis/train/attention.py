@@ -169,10 +169,12 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
     return m
 
 
-def causal_mask(T: int, window=None, device=None) -> torch.Tensor:
-    """(T, T) bool: key j visible from query i iff j <= i (and i - j < window)."""
-    i = torch.arange(T, device=device)[:, None]
-    j = torch.arange(T, device=device)[None, :]
+def causal_mask(T: int, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
+    """(T, n_keys) bool: key j visible from query i iff j <= i (and i - j < window). ``n_keys`` >= T: the T
+    queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T."""
+    L = T if n_keys is None else n_keys
+    i = torch.arange(L - T, L, device=device)[:, None]
+    j = torch.arange(L, device=device)[None, :]
     allowed = j <= i
     if window is not None:
         allowed &= (i - j) < window
@@ -298,6 +300,8 @@ class KVBias(_SlotSoftmax):
         self.v_bias = nn.Parameter(torch.randn(cfg.n_heads, 1, cfg.d_head) * cfg.init_std) if learn_v else None
 
     def slot(self, q, slot):
+        if slot is not None:  # the model's moved slot of a decode step (``Attention.moved_bias_slot``)
+            return slot
         return Slot(self.k_bias[None], None if self.v_bias is None else self.v_bias[None])
 
 

@@ -120,6 +120,9 @@ class Positions:
     sin: Optional[torch.Tensor] = None
     slot_cos: Optional[torch.Tensor] = None  # (1, d): the sink token sits at position -1
     slot_sin: Optional[torch.Tensor] = None
+    cache: Optional[object] = None  # a transformers Cache the new keys and values join (``SinkLM.decode``)
+    bias_cos: Optional[torch.Tensor] = None  # (1, d): decode steps turn unrotated K/V-bias slots by the evictions
+    bias_sin: Optional[torch.Tensor] = None
 
 
 class Attention(nn.Module):
@@ -162,18 +165,32 @@ class Attention(nn.Module):
 
     def slot_bias(self, pos: Positions) -> Optional[torch.Tensor]:
         """(H, T) positional bias of the sink token (at position -1: distance i + 1)."""
+        if self.relative is None and self.cfg.positional_embedding_type != "alibi":
+            return None
         dist = torch.arange(1, pos.T + 1, device=pos.distance.device)
         if self.relative is not None:
             return self.relative(dist)
-        if self.cfg.positional_embedding_type == "alibi":
-            return alibi_bias(self.alibi_slopes, dist)
-        return None
+        return alibi_bias(self.alibi_slopes, dist)
 
     # -- projections
     def project_kv(self, x):
         k = einsum(x, self.W_K, "b t D, h D d -> b t h d")
         v = einsum(x, self.W_V, "b t D, h D d -> b t h d")
         return k, v
+
+    def cached_kv(self, k, v, cache):
+        """The new keys and values (B, T, Hkv, d) joined to ``cache`` (a transformers Cache): every kept key and
+        value (B, L, Hkv, d)."""
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def moved_bias_slot(self, pos: Positions) -> Slot:
+        """The K/V-bias slot of a decode step. Its key is not rotated, so a query at position p sees it as a key at
+        position 0; queries here sit at stream positions, E evictions past their cache positions, so the key is
+        turned by E (``pos.bias_cos``) to be seen as the query at its cache position sees it."""
+        sl = self.op.slot(None, None)
+        k = apply_rope(rearrange(sl.k, "b h t d -> b t h d"), pos.bias_cos, pos.bias_sin)
+        return Slot(rearrange(k, "b t h d -> b h t d"), sl.v, sl.bias)
 
     def expand_kv(self, x):
         """(B, T, Hkv, d) -> (B, H, T, d); query head h reads key/value head h // group."""
@@ -204,6 +221,10 @@ class Attention(nn.Module):
         if pos.cos is not None:
             q = self.hook_rot_q(apply_rope(q, pos.cos, pos.sin))
             k = self.hook_rot_k(apply_rope(k, pos.cos, pos.sin))
+        allowed = pos.allowed
+        if pos.cache is not None:  # a decode step: attend to every kept key, the new ones causally
+            k, v = self.cached_kv(k, v, pos.cache)
+            allowed = causal_mask(q.shape[1], None, x.device, n_keys=k.shape[1])
         qh = rearrange(q, "b t h d -> b h t d")
         kh, vh = self.expand_kv(k), self.expand_kv(v)
         score_bias = self.score_bias(pos)
@@ -216,9 +237,11 @@ class Attention(nn.Module):
             slot = Slot(self.expand_kv(ks), self.expand_kv(vs), self.slot_bias(pos))
             # The sink token sees only itself: its attention output is its own value.
             sink_out = einsum(rearrange(slot.v, "b h t d -> b t h d"), self.W_O, "b t h d, h d D -> b t D")
+        elif pos.bias_cos is not None and hasattr(self.op, "k_bias"):
+            slot = self.moved_bias_slot(pos)
 
         z = None
-        impl = self._impl(x.device)
+        impl = None if pos.cache is not None else self._impl(x.device)
         if impl is not None:
             try:
                 z = self.op.fused(qh, kh, vh, impl=impl, window=self.cfg.sliding_window,
@@ -228,7 +251,7 @@ class Attention(nn.Module):
                 warnings.warn(f"fused attention ({impl}) failed for {self.op.op_name!r} "
                               f"({type(e).__name__}: {e}); using the eager path from now on.")
         if z is None:
-            z = self.op(qh, kh, vh, pos.allowed, score_bias, slot, hooks=self)
+            z = self.op(qh, kh, vh, allowed, score_bias, slot, hooks=self)
             self.last_path = "eager"
         else:
             self.last_path = self.op.fused_kind
@@ -468,17 +491,7 @@ class SinkLM(HookedRootModule):
         for ignored positions, default: the tokens shifted by one), "both" (logits, loss) or None.
         """
         tokens = self.check_tokens(tokens)
-        B, T = tokens.shape
-        x = self.hook_embed(self.embed(tokens))
-        if self.W_pos is not None:
-            x = x + self.hook_pos_embed(self.W_pos[:T].to(x.dtype).expand(B, T, -1))
-        pos = self.positions(T, tokens.device, tokens)
-        sink = None if self.sink_token is None else self.sink_token.view(1, 1, -1).to(x.dtype)
-        for block in self.blocks:
-            x, sink = block(x, pos, sink)
-        if self.ln_final is not None:
-            x = self.ln_final(x)
-        logits = self.unembed(x)
+        logits = self._logits(tokens, self.positions(tokens.shape[1], tokens.device, tokens))
         if return_type == "logits":
             return logits
         if return_type is None:
@@ -492,3 +505,51 @@ class SinkLM(HookedRootModule):
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None; got {return_type!r}.")
+
+    def _logits(self, tokens: torch.Tensor, pos: Positions) -> torch.Tensor:
+        B, T = tokens.shape
+        x = self.hook_embed(self.embed(tokens))
+        if self.W_pos is not None:
+            x = x + self.hook_pos_embed(self.W_pos[:T].to(x.dtype).expand(B, T, -1))
+        sink = None if self.sink_token is None else self.sink_token.view(1, 1, -1).to(x.dtype)
+        for block in self.blocks:
+            x, sink = block(x, pos, sink)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        return self.unembed(x)
+
+    # -- decoding with a KV cache
+    def check_decodable(self) -> None:
+        """Raise unless token-by-token decoding with a KV cache gives this model's own forward: the keys must carry
+        their positions (rotary) or have none, and a query must see every earlier kept token."""
+        cfg = self.cfg
+        why = []
+        if cfg.positional_embedding_type not in ("rotary", "none"):
+            why.append(f"{cfg.positional_embedding_type} positions live outside the keys (use rotary or none)")
+        if cfg.sliding_window is not None or cfg.prefix_attention or cfg.document_token is not None:
+            why.append("its attention mask is not plain causal (sliding window, prefix LM or documents)")
+        if why:
+            raise ValueError(f"{self.model_name} cannot be decoded with a KV cache: {'; '.join(why)}. Train the "
+                             "model with --positions rotary (or none) and plain causal attention to stream it.")
+
+    def cache_positions(self, positions: torch.Tensor, cache) -> Positions:
+        """Positions of T new tokens at stream positions ``positions`` (T,) that continue ``cache``. Keys are
+        rotated at their stream positions; the sink token sits one position before the oldest kept token (at
+        -1 until the cache evicts, then at evictions - 1), as StreamingLLM numbers a cache from 0."""
+        cfg, T = self.cfg, positions.numel()
+        pos = Positions(T, None, None, cache=cache)
+        if cfg.positional_embedding_type == "rotary":
+            cap = getattr(cache, "capacity", None)
+            evicted = 0 if cap is None else max(0, int(positions[-1]) + 1 - cap)
+            at = torch.tensor([evicted - 1, evicted], device=positions.device)
+            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, self.dtype) for p in (positions, at))
+            pos.slot_cos, pos.slot_sin = cos[:1], sin[:1]  # the sink token: one before the oldest kept token
+            pos.bias_cos, pos.bias_sin = cos[1:], sin[1:]  # K/V biases: where position 0 of the cache is
+        return pos
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (B, T, V) of tokens (B, T) that continue a KV cache (a ``transformers.Cache``, e.g.
+        ``analysis.streaming.StreamingCache``; its layer i takes block i's keys and values) at stream positions
+        ``positions`` (T,). Decoding a sequence in pieces this way gives ``forward`` on the whole sequence."""
+        self.check_decodable()
+        return self._logits(tokens, self.cache_positions(positions.to(tokens.device), cache))
