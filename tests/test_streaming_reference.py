@@ -141,6 +141,7 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
                         "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "learned_sink_attention" in r.stdout and "learned sink slot" in r.stdout
+    assert "newline sinks left out: the model has no tokenizer" in r.stdout
     res = StreamResult.load(out)
     assert "synthetic bigram-copy task" in res.stream["source"] and res.stream["n_tokens"] == 80
     assert res.tokens[0] == 0  # the task's BOS

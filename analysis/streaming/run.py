@@ -98,6 +98,7 @@ class StreamResult:
         w = self.window
         lines = [f"{self.model}: streaming perplexity on {self.stream.get('n_tokens')} tokens "
                  f"({self.stream.get('source', 'given tokens')}), cache of {w} tokens."]
+        lines += [self.stream["note"]] if self.stream.get("note") else []
         win = f"0+{w}"
         if win in t.index:
             before, after = self.jump(win)
@@ -208,7 +209,9 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
         raise ValueError(f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
                          f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window).")
     skip = max([8, *sinks]) if skip is None else skip
-    newline_sinks = newline_sinks if tok is not None else None  # no tokenizer (synthetic task): no newline token
+    if newline_sinks and tok is None:  # a synthetic task has no newline token
+        record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
+        newline_sinks = None
     pols = default_policies(window, sinks, newline_sinks if newline_sinks else None, bits, quant_sinks, dense)
     nl = newline_id(tok) if newline_sinks else None
     runs: list[PolicyRun] = []
