@@ -41,6 +41,12 @@ LAYER_TYPE_WORDS = {
     "mamba2": "Mamba-2 state-space layer: no attention pattern",
     "conv": "short convolution layer: no attention pattern",
 }
+# Families whose blocks each read only the residual stream entering them (no state carried from one block to the
+# next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
+# (``hooks.Resume``); each is checked against the full pass by tests/test_interventions.py.
+RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
+                       "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
+                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba"})
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 

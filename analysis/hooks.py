@@ -7,6 +7,8 @@ reduce to, never the full activation cache.
 """
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -382,6 +384,86 @@ class _JointReducer:
                 "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False).")
 
 
+class ResidCapture(Accumulator):
+    """The residual stream entering each block in ``layers`` (``hook_resid_pre``), (N, T, D) per layer in the
+    model's dtype: what a pass resumed at that layer starts from (:class:`Resume`)."""
+
+    def __init__(self, layers: Iterable[int]):
+        self.layers = sorted({int(l) for l in layers})
+        self.kept: dict[int, list[torch.Tensor]] = {l: [] for l in self.layers}
+
+    def hooks(self):
+        return {l: {"resid": act_name("resid_pre", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.kept[layer].append(acts["resid"].detach().clone().cpu())
+
+    def result(self) -> dict[int, torch.Tensor]:
+        return {l: torch.cat(chunks) for l, chunks in self.kept.items()}
+
+
+@dataclass
+class Resume:
+    """Start a streamed pass at block ``layer`` from ``resid`` (N, T, D), the residual stream entering it
+    (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and batches), instead of at the
+    embedding: blocks 0..layer-1 are skipped, not run. Exact when nothing before ``layer`` is changed; no hook
+    before ``layer`` may be attached (``stream`` raises ValueError). Only models where :func:`can_resume`."""
+
+    layer: int
+    resid: torch.Tensor
+
+
+def can_resume(model) -> bool:
+    """Whether a pass of ``model`` can start at a block from the residual entering it: a TransformerBridge whose
+    blocks each read only the residual stream (``families.RESUMABLE``, checked by tests/test_interventions.py)."""
+    from analysis.families import RESUMABLE, get_family
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
+        return False
+    return get_family(model).family in RESUMABLE
+
+
+class _PassOn(torch.nn.Module):
+    """Stands in for a skipped block: hands its input on unchanged (the resumed block swaps in its residual)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
+@contextmanager
+def _skipped_blocks(model, layer: int):
+    """Blocks 0..layer-1 of a bridge replaced by :class:`_PassOn` for the duration (restored on exit)."""
+    blocks = list(model.blocks)[:layer]
+    kept = [b._modules["_original_component"] for b in blocks]
+    try:
+        for b in blocks:
+            b._modules["_original_component"] = _PassOn()
+        yield
+    finally:
+        for b, m in zip(blocks, kept):
+            b._modules["_original_component"] = m
+
+
+def hook_layer(name: str) -> int | None:
+    """The block a hook lies in; -1 for the embedding's hooks, None for those after the blocks."""
+    m = re.match(r"blocks\.(\d+)\.", name)
+    if m:
+        return int(m.group(1))
+    return -1 if name.split(".")[0] in ("hook_embed", "hook_pos_embed", "embed", "pos_embed") else None
+
+
+def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
+    if not can_resume(model):
+        raise ModelContractError(f"{type(model).__name__} cannot resume a pass at a block (``can_resume``).")
+    if tuple(resume.resid.shape[:2]) != tuple(tokens.shape):
+        raise ValueError(f"the residual to resume from has shape {tuple(resume.resid.shape)}; the tokens {tuple(tokens.shape)}.")
+    early = sorted({n for n in names if hook_layer(n) is not None and hook_layer(n) < resume.layer})
+    if early:
+        raise ValueError(f"hooks {early[:4]} lie before layer {resume.layer}, where the pass resumes: they would not see "
+                         "the model's activations.")
+
+
 def _check_hooks(model, names: Iterable[str]) -> None:
     missing = sorted(set(names) - hook_names(model))
     if missing:
@@ -412,32 +494,45 @@ def stream(
     batch_size: int | None = None,
     progress: bool = False,
     on_batch_start: Callable[[Batch], None] | None = None,
+    resume: Resume | None = None,
 ) -> list:
     """One streamed pass of ``model`` over ``tokens`` (N, T) feeding every accumulator; returns their results.
 
     ``fwd_hooks``: plain hooks that may return a changed activation (interventions); they run before the
     accumulators' hooks, which see the changed activations. ``on_batch_start(batch)`` runs before each batch.
     The pass stops after the last layer any accumulator needs unless one ``needs_logits`` or hooks change it.
+    ``resume``: start each batch at block ``resume.layer`` from its rows of ``resume.resid`` (:class:`Resume`).
     """
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
     hooks = list(fwd_hooks) + joint.fwd_hooks()
     _check_hooks(model, [n for n, _ in hooks])
-    with torch.inference_mode():
+    if resume is not None:
+        _check_resume(model, tokens, resume, [n for n, _ in hooks])
+    with torch.inference_mode(), (_skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
         for batch in _batches(model, tokens, batch_size, progress):
             joint.start(batch)
             if on_batch_start is not None:
                 on_batch_start(batch)
-            logits = None
-            try:
-                logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
-            except _Stop:
-                pass
-            joint.check_fired()
-            for acc in accumulators:
-                acc.end_batch(batch, logits)
+            _run_batch(model, batch, hooks, joint, accumulators, resume)
     return [acc.result() for acc in accumulators]
+
+
+def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None) -> None:
+    """One batch through the model (from the embedding, or resumed at a block), then each accumulator's end."""
+    logits = None
+    try:
+        if resume is None:
+            logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+        else:
+            resid = resume.resid[batch.offset : batch.offset + batch.size].to(batch.tokens.device)
+            logits = model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=resume.layer)
+    except _Stop:
+        pass
+    joint.check_fired()
+    for acc in accumulators:
+        acc.end_batch(batch, logits)
 
 
 def run_with_reducers(

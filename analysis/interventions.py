@@ -35,10 +35,13 @@ from analysis.hooks import (
     Batch,
     LayerCollector,
     ModelContractError,
+    Resume,
     act_name,
     attention_layers_of,
+    can_resume,
     check_layers,
     check_tokens,
+    hook_layer,
     kv_view,
     model_dims,
     per_query_head,
@@ -118,13 +121,14 @@ def where_shares(pattern: torch.Tensor) -> torch.Tensor:
 
 
 class PassAccumulator(Accumulator):
-    """alpha for keys 1..k_max per sample, the attention shares of ``where_shares`` and the next-token loss."""
+    """alpha for keys 1..k_max per sample, the attention shares of ``where_shares`` and the next-token loss, on the
+    attention layers from ``start`` on (a pass resumed at block ``start``)."""
 
     needs_logits = True
 
-    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX):
+    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
-        self.layers, self.skipped = attention_layers_of(model), skipped_note(model)
+        self.layers, self.skipped = [l for l in attention_layers_of(model) if l >= start], skipped_note(model)
         self.pos = {l: i for i, l in enumerate(self.layers)}
         self.alpha = LayerCollector(self.layers)
         self.where = torch.zeros(len(self.layers), model_dims(model).n_heads, 4, dtype=torch.float64)
@@ -152,12 +156,38 @@ class PassAccumulator(Accumulator):
 
 
 def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, batch_size: int | None = None,
-                  on_batch_start=None) -> PassResult:
+                  on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
     """One pass with intervention ``hooks`` (fns returning the changed activation) plus the attention reducers.
-    ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``)."""
+    ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
+
+    ``baseline``: the unchanged model's pass over these tokens (same batches). Where it holds the residual stream
+    entering the first block the hooks touch (``Baseline.resid``), the pass resumes there: the blocks before it
+    are not run, and their alpha and attention shares, which no hook changes, are the baseline's."""
     tokens = check_tokens(model, tokens)
-    acc = PassAccumulator(model, tokens.shape[1], eps, k_max)
-    return stream(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start)[0]
+    start = _resume_layer(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
+    acc = PassAccumulator(model, tokens.shape[1], eps, k_max, start or 0)
+    resume = Resume(start, baseline.resid[start]) if start else None
+    run = stream(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
+                 resume=resume)[0]
+    return _with_prefix(run, baseline.run) if start else run
+
+
+def _resume_layer(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> int | None:
+    """The block a condition pass can resume at: the first one its hooks touch, if the baseline holds the residual
+    entering it and its alpha for the same keys and eps; None: run the whole model."""
+    layers = [hook_layer(name) for name, _ in hooks]
+    if not hooks or baseline is None or any(l is None or l < 0 for l in layers):
+        return None
+    start = min(layers)
+    same = baseline.run.eps == eps and baseline.run.alpha.shape[-1] == k_max
+    return start if start > 0 and start in baseline.resid and same and can_resume(model) else None
+
+
+def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
+    """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
+    early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
+    return PassResult(torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where]), run.loss,
+                      run.eps, run.T, base.layers, base.skipped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,6 +265,8 @@ class Baseline:
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (hooks.ResidCapture): condition
+    # passes resume there (run_condition); optional, filled by whoever ran a pass over these tokens up to that block
 
 
 def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
@@ -260,6 +292,19 @@ def _baseline(model, tokens, baseline: Baseline | None, eps: float, batch_size) 
         raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
                          f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")
     return baseline
+
+
+def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
+                  min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
+    """The blocks where the condition passes of ``spike_ablation(spike_dims=spike_dims)``, ``value_ablation`` (found
+    sink heads) and ``first_key_ablation(spike_dims=input_dims)`` resume (the first block each one's hooks touch):
+    the residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out."""
+    attn = attention_layers_of(model)
+    heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
+    firsts = [min((int(l) for l, d in spike_dims.items() if len(d)), default=0),
+              min((l for l, _ in heads), default=0),
+              min((int(l) for l, d in input_dims.items() if len(d) and int(l) in attn), default=0)]
+    return sorted({l for l in firsts if l > 0})
 
 
 def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
@@ -413,7 +458,8 @@ def spike_ablation(
     results = {"baseline": base.run}
     for mode in ("zero", "mean"):
         setter = SpikeSetter(spikes, mode, loo)
-        results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start)
+        results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start,
+                                      baseline=base)
     conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
                                for c, r in results.items()])
     per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
@@ -624,7 +670,8 @@ def value_ablation(
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
     removals = [(c, ValueRemoval(model, hs, mode, v_mean, fq)) for c, hs, mode, fq in conditions]  # checks before any pass
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start)
+        r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start,
+                          baseline=base)
         rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
     msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
@@ -746,8 +793,8 @@ def first_key_ablation(
     attn = attention_layers_of(model)
     layers = attention_layers_of(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d and l in attn)
     layers = [l for l in layers if spikes.get(l)]
-    base = _baseline(model, tokens, baseline, eps, batch_size).run if k_max == K_MAX else \
-        run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
+    full = _baseline(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
+    base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
     results, N = {"baseline": base}, tokens.shape[0]
     if not layers:
         name = getattr(model, "model_name", None) or "the model"
@@ -757,7 +804,8 @@ def first_key_ablation(
         return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
                                 _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
     removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
-    results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size)
+    results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size,
+                                       baseline=full)
     msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
     return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
                             _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from tests.families import FAMILIES
 from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_nospike, planted_tokens  # noqa: F401
 
 from analysis.interventions import (
@@ -196,3 +197,103 @@ def test_layernorm_and_reference_models_run():
         assert f.layers == [1, 2] and f.has_spike
         v = value_ablation(m, toks, sink_heads=[(1, 0), (2, 1)], all_heads=False)
         assert len(v.conditions) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Resumed condition passes: the blocks before the first one an intervention touches are not run
+# ----------------------------------------------------------------------------------------------
+
+
+class _Calls:
+    """Counts the forward calls of one module (a forward hook on it)."""
+
+    def __init__(self, module):
+        self.n, self.handle = 0, module.register_forward_hook(self.count)
+
+    def count(self, module, args, out):
+        self.n += 1
+
+
+def _with_resid(model, toks, base, layers, batch_size):
+    from analysis.hooks import ResidCapture, stream
+
+    base.resid = stream(model, toks, [ResidCapture(layers)], batch_size=batch_size)[0]
+    return base
+
+
+def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
+    """The report's three interventions with passes resumed at the first block their hooks touch (from the baseline's
+    residual there) give the tables of whole passes, and block 0 does not run in them."""
+    from analysis.interventions import baseline_pass, resume_layers
+
+    toks, ma = smol
+    spikes, inputs = ma.first_token_dims, ma.input_dims(smollm2.cfg.n_layers)
+    base = baseline_pass(smollm2, toks, batch_size=4)
+    layers = resume_layers(smollm2, base, spikes, inputs)
+    assert layers and min(layers) >= 1  # SmolLM2: sink heads from layer 2, spikes from layer 11
+    resumed = _with_resid(smollm2, toks, baseline_pass(smollm2, toks, batch_size=4), layers, 4)
+    runs = {"spike": lambda b: spike_ablation(smollm2, toks, spike_dims=spikes, baseline=b, batch_size=4),
+            "value": lambda b: value_ablation(smollm2, toks, all_heads=False, later=False, baseline=b, batch_size=4),
+            "first_key": lambda b: first_key_ablation(smollm2, toks, spike_dims=inputs, baseline=b, batch_size=4)}
+    for name, run in runs.items():
+        full = run(base)
+        calls = _Calls(smollm2.blocks[0].original_component)
+        try:
+            part = run(resumed)
+        finally:
+            calls.handle.remove()
+        assert calls.n == 0, name  # the resumed passes skip block 0
+        a, b = full.conditions.set_index("condition"), part.conditions.set_index("condition")
+        assert list(a.index) == list(b.index) and len(a) >= 2, name
+        assert (a - b).abs().max().max() < 1e-5, name
+        for c, r in getattr(full, "results", {}).items():
+            assert torch.allclose(r.alpha, part.results[c].alpha, atol=1e-5) and torch.allclose(r.where, part.results[c].where, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_bridge):
+    """A condition resumed at block s (its hook's block) equals the whole pass: alpha, shares and loss, on each
+    resumable family's tiny model; the blocks before s do not run. The others cannot resume."""
+    from analysis.families import RESUMABLE, get_family
+    from analysis.hooks import act_name, can_resume
+    from analysis.interventions import baseline_pass
+
+    model = family_bridge(family)
+    if get_family(model).family not in RESUMABLE:
+        assert family == "bloom" and not can_resume(model)  # BLOOM's blocks take ALiBi and the mask from the model
+        return
+    n = model.cfg.n_layers
+    toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(0))
+    base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), range(1, n), 4)
+    for s in range(1, n):
+        hooks = [(act_name("resid_pre", s), lambda x, hook: x * 0.5)]
+        full = run_condition(model, toks, hooks, batch_size=4)
+        calls = _Calls(model.blocks[0].original_component)
+        try:
+            part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
+        finally:
+            calls.handle.remove()
+        assert calls.n == 0
+        assert part.layers == full.layers
+        assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and torch.allclose(full.where, part.where, atol=1e-5)
+        assert part.loss == pytest.approx(full.loss, abs=1e-5)
+
+
+def test_resume_refuses_early_hooks_and_other_models(family_bridge):
+    """Hooks before the resumed block would see no activations: ValueError; a model that cannot resume (BLOOM,
+    whose blocks take ALiBi from the model) raises instead of running wrong, and its conditions run whole."""
+    from analysis.hooks import ModelContractError, Resume, can_resume, stream
+    from analysis.interventions import baseline_pass
+
+    model = family_bridge("llama")
+    toks = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    resid = torch.zeros(2, 8, model.cfg.d_model)
+    with pytest.raises(ValueError, match="before layer 1"):
+        stream(model, toks, [], fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x)], resume=Resume(1, resid))
+    bloom = family_bridge("bloom")
+    assert can_resume(model) and not can_resume(bloom)
+    with pytest.raises(ModelContractError):
+        stream(bloom, toks, [], resume=Resume(1, resid))
+    base = _with_resid(bloom, toks, baseline_pass(bloom, toks), [1], None)
+    hooks = [("blocks.1.hook_resid_pre", lambda x, hook: x * 0.5)]
+    assert run_condition(bloom, toks, hooks, baseline=base).loss == pytest.approx(run_condition(bloom, toks, hooks).loss)

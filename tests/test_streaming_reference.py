@@ -151,7 +151,7 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
     assert np.isfinite(t.loc["1+15", "ppl_at_recompute"])
 
 
-COMMITTED = ["synthetic-softmax", "synthetic-sink-token"]
+COMMITTED = ["synthetic-softmax", "synthetic-sink-token", "synthetic-kv-bias"]
 
 
 @pytest.mark.parametrize("name", COMMITTED)
