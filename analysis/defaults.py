@@ -15,3 +15,5 @@ SPIKE_MIN_SHARE = 0.5  # a spike dimension is flagged on at least this fraction 
 SPIKE_SAMPLES = 32  # sequences used to find spike dimensions when an analysis needs them
 
 TINY = 1e-30  # floor of denominators
+
+RESID_BUDGET_MIB = 256.0  # the residual stream a profile pass keeps for later passes to resume from (hooks.checkpoint_layers)

@@ -407,10 +407,32 @@ class Resume:
     """Start a streamed pass at block ``layer`` from ``resid`` (N, T, D), the residual stream entering it
     (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and batches), instead of at the
     embedding: blocks 0..layer-1 are skipped, not run. Exact when nothing before ``layer`` is changed; no hook
-    before ``layer`` may be attached (``stream`` raises ValueError). Only models where :func:`can_resume`."""
+    before ``layer`` may be attached (``stream`` raises ValueError), but for intervention hooks on the stream the
+    pass starts from (``hook_resid_post`` of block ``layer - 1``), which ``stream`` applies to ``resid`` itself.
+    Only models where :func:`can_resume`."""
 
     layer: int
     resid: torch.Tensor
+
+
+def checkpoint_layers(n_layers: int, block_bytes: int, budget_mib: float) -> list[int]:
+    """The blocks (1..n_layers-1) whose input a pass keeps so that later passes over the same tokens can resume
+    (:class:`ResidCapture`): every block when their residuals (``block_bytes`` each) fit in ``budget_mib``, else
+    every s-th block (s, 2s, ...) with the smallest s that fits; none when not even one fits."""
+    if n_layers < 2 or block_bytes <= 0:
+        return []
+    fit = int(budget_mib * 2**20 // block_bytes)
+    if fit < 1:
+        return []
+    step = -(-(n_layers - 1) // fit)  # ceil: (n_layers - 1) // step blocks kept
+    return list(range(step, n_layers, step))
+
+
+def resume_from(resid: dict[int, torch.Tensor] | None, layer: int) -> Resume | None:
+    """A :class:`Resume` at the last kept block at or before ``layer`` (``resid``: {block: (N, T, D) residual
+    entering it}, e.g. ``Profile.resid``); None when no kept block lies in 1..layer (run from the embedding)."""
+    kept = [b for b in (resid or {}) if 0 < b <= layer]
+    return Resume(max(kept), resid[max(kept)]) if kept else None
 
 
 def can_resume(model) -> bool:
@@ -506,8 +528,9 @@ def stream(
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
-    hooks = list(fwd_hooks) + joint.fwd_hooks()
-    _check_hooks(model, [n for n, _ in hooks])
+    entry = _entry_hooks(fwd_hooks, resume)
+    hooks = [h for h in fwd_hooks if h not in entry] + joint.fwd_hooks()
+    _check_hooks(model, [n for n, _ in hooks + entry])
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in hooks])
     with torch.inference_mode(), (_skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
@@ -515,18 +538,31 @@ def stream(
             joint.start(batch)
             if on_batch_start is not None:
                 on_batch_start(batch)
-            _run_batch(model, batch, hooks, joint, accumulators, resume)
+            _run_batch(model, batch, hooks, joint, accumulators, resume, entry)
     return [acc.result() for acc in accumulators]
 
 
-def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None) -> None:
-    """One batch through the model (from the embedding, or resumed at a block), then each accumulator's end."""
+def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
+    """The intervention hooks on the stream a resumed pass starts from (``hook_resid_post`` of the block before)."""
+    if resume is None or resume.layer < 1:
+        return []
+    name = act_name("resid_post", resume.layer - 1)
+    return [(n, fn) for n, fn in fwd_hooks if n == name]
+
+
+def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None,
+               entry=()) -> None:
+    """One batch through the model (from the embedding, or resumed at a block with the ``entry`` hooks applied to
+    the residual it starts from), then each accumulator's end."""
     logits = None
     try:
         if resume is None:
             logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
         else:
             resid = resume.resid[batch.offset : batch.offset + batch.size].to(batch.tokens.device)
+            for name, fn in entry:
+                out = fn(resid, model.hook_dict[name])
+                resid = resid if out is None else out
             logits = model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=resume.layer)
     except _Stop:
         pass

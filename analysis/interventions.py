@@ -45,11 +45,12 @@ from analysis.hooks import (
     kv_view,
     model_dims,
     per_query_head,
+    resume_from,
     skipped_note,
     stream,
 )
 from analysis.io import jsonable
-from analysis.results import Result, dims_by_layer_text, layer_runs
+from analysis.results import LayerAxis, Result, dims_by_layer_text, layer_runs
 from analysis.sink import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
@@ -62,7 +63,7 @@ LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-so
 
 
 @dataclass
-class PassResult:
+class PassResult(LayerAxis):
     """What one pass over the tokens leaves: alpha per (sample, layer, head, key), attention shares, loss.
 
     The layer axis L runs over ``layers``, the true indices of the attention layers (all layers but a hybrid's
@@ -78,10 +79,6 @@ class PassResult:
 
     def __post_init__(self):
         self.layers = list(range(self.alpha.shape[1])) if self.layers is None else [int(l) for l in self.layers]
-
-    def pos(self, layers) -> list[int]:
-        """Positions on the L axis of true layer indices."""
-        return [self.layers.index(int(l)) for l in layers]
 
     def sink(self, model_name=None, kind=None) -> SinkResult:
         return SinkResult(self.alpha, self.eps, self.T, model_name, kind, layers=self.layers, skipped=self.skipped)
@@ -161,26 +158,28 @@ def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: i
     ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
 
     ``baseline``: the unchanged model's pass over these tokens (same batches). Where it holds the residual stream
-    entering the first block the hooks touch (``Baseline.resid``), the pass resumes there: the blocks before it
-    are not run, and their alpha and attention shares, which no hook changes, are the baseline's."""
+    entering a block at or before the first one the hooks touch (``Baseline.resid``), the pass resumes at the last
+    such block: the blocks before it are not run, and their alpha and attention shares, which no hook changes,
+    are the baseline's."""
     tokens = check_tokens(model, tokens)
-    start = _resume_layer(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
-    acc = PassAccumulator(model, tokens.shape[1], eps, k_max, start or 0)
-    resume = Resume(start, baseline.resid[start]) if start else None
+    resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
+    acc = PassAccumulator(model, tokens.shape[1], eps, k_max, resume.layer if resume else 0)
     run = stream(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
                  resume=resume)[0]
-    return _with_prefix(run, baseline.run) if start else run
+    return _with_prefix(run, baseline.run) if resume else run
 
 
-def _resume_layer(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> int | None:
-    """The block a condition pass can resume at: the first one its hooks touch, if the baseline holds the residual
-    entering it and its alpha for the same keys and eps; None: run the whole model."""
+def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> Resume | None:
+    """Where a condition pass can resume: the last block the baseline kept the input of (``Baseline.resid``) at or
+    before the first block its hooks touch, if the baseline has alpha for the same keys and eps; None: run the
+    whole model."""
     layers = [hook_layer(name) for name, _ in hooks]
     if not hooks or baseline is None or any(l is None or l < 0 for l in layers):
         return None
-    start = min(layers)
+    # a block's output (hook_resid_post) is the next block's input: the block itself runs unchanged
+    first = min(l + name.endswith(".hook_resid_post") for l, (name, _) in zip(layers, hooks))
     same = baseline.run.eps == eps and baseline.run.alpha.shape[-1] == k_max
-    return start if start > 0 and start in baseline.resid and same and can_resume(model) else None
+    return resume_from(baseline.resid, first) if same and can_resume(model) else None
 
 
 def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
@@ -266,7 +265,7 @@ class Baseline:
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (hooks.ResidCapture): condition
-    # passes resume there (run_condition); optional, filled by whoever ran a pass over these tokens up to that block
+    # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
 
 
 def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
@@ -274,9 +273,10 @@ def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accum
     return [PassAccumulator(model, T, eps, K_MAX), FirstTokenResidAccumulator(model), ValueStatsAccumulator(model)]
 
 
-def baseline_from(results: list) -> Baseline:
+def baseline_from(results: list, resid: dict | None = None) -> Baseline:
+    """The ``Baseline`` of the results of ``baseline_accumulators`` (``resid``: residuals kept by the same pass)."""
     run, first, values = results
-    return Baseline(run, first, values["heads"], values["v1"])
+    return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
 def baseline_pass(model, tokens, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
@@ -301,10 +301,10 @@ def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Ma
     the residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out."""
     attn = attention_layers_of(model)
     heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
-    firsts = [min((int(l) for l, d in spike_dims.items() if len(d)), default=0),
+    firsts = [min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
               min((l for l, _ in heads), default=0),
               min((int(l) for l, d in input_dims.items() if len(d) and int(l) in attn), default=0)]
-    return sorted({l for l in firsts if l > 0})
+    return sorted({min(l, model_dims(model).n_layers - 1) for l in firsts if l > 0})
 
 
 def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
@@ -664,7 +664,7 @@ def value_ablation(
                              n_samples=N)
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
     v_mean = {l: _leave_one_out(base.v1[:, i].double()).float()
-              for l, i in zip(base.run.layers, base.run.pos(base.run.layers)) if l in {l for l, _ in heads}}
+              for l, i in zip(base.run.layers, base.run.positions(base.run.layers)) if l in {l for l, _ in heads}}
     every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
     conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
@@ -814,7 +814,7 @@ def first_key_ablation(
 def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
     rows = []
     for c, r in results.items():
-        pos = r.pos(layers)
+        pos = r.positions(layers)
         w = r.where[pos].mean(dim=(0, 1))
         row = {"condition": c, **{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}}
         for k in range(1, min(k_max, r.alpha.shape[-1]) + 1):

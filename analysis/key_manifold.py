@@ -64,7 +64,7 @@ from analysis.io import jsonable
 from analysis.results import Result, layers_text
 from analysis.rotary import rotate_as_spec
 from analysis.sink import alpha_from_pattern
-from analysis.stats import mean_pairwise_cosine
+from analysis.stats import one_thread, pair_cosine, permuted_copy, shared_units, unit_vectors
 
 DEFAULT_N_COMPONENTS = 0.9
 VARIANCE_LEVEL = 0.9  # first_n90 / other_n90
@@ -97,20 +97,21 @@ def small_linalg():
     eigendecomposition a hundred times slower."""
     from threadpoolctl import threadpool_limits
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with threadpool_limits(limits=1):
-            yield
-    finally:
-        torch.set_num_threads(n)
+    with one_thread(), threadpool_limits(limits=1):
+        yield
 
 
-def _n_for_variance(evr_cum: np.ndarray, level: float) -> int:
-    """Smallest number of components whose cumulative explained-variance ratio reaches ``level``."""
-    if evr_cum.size == 0 or not np.isfinite(evr_cum[-1]) or evr_cum[-1] <= 0:
-        return 0
-    return int(min(np.searchsorted(evr_cum, level - 1e-12) + 1, evr_cum.size))
+def _n_for_variance(evr_cum: np.ndarray, level: float):
+    """Smallest number of components whose cumulative explained-variance ratio reaches ``level``, along the last
+    axis (an int for one head, an int array for a stack); 0 where the ratios are empty, not finite or not positive."""
+    evr_cum = np.asarray(evr_cum)
+    if evr_cum.shape[-1] == 0:
+        out = np.zeros(evr_cum.shape[:-1], dtype=np.int64)
+    else:  # ratios ascend, so counting those below the level is searchsorted
+        last = evr_cum[..., -1]
+        n = np.minimum((evr_cum < level - 1e-12).sum(-1) + 1, evr_cum.shape[-1])
+        out = np.where(np.isfinite(last) & (last > 0), n, 0)
+    return int(out) if out.ndim == 0 else out.astype(np.int64)
 
 
 @dataclass
@@ -270,38 +271,56 @@ class KeyManifold(Result):
         })
 
 
-def _pca_few(x: torch.Tensor) -> tuple[np.ndarray, int, float]:
-    """PCA (scikit-learn) of a few keys (n, d): cumulative explained-variance ratio (length min(n, d)), the
-    number of components for ``VARIANCE_LEVEL`` of the variance, and the first component's share. Keys whose
-    total variance is below ``SAME_POINT`` of their mean squared norm are one point: (zeros, 0, nan)."""
-    from sklearn.decomposition import PCA
+def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's ``PCA(svd_solver="full")`` fit of x (n, d), float64, with its arithmetic and without its
+    overhead (nor its import): the mean, the components (rows, signs as ``svd_flip(u_based_decision=False)``)
+    and every component's explained-variance ratio."""
+    from scipy import linalg
 
-    n, d = x.shape
+    mean = np.mean(x, axis=0)
+    centred = x.copy()
+    centred -= mean
+    _, S, Vt = linalg.svd(centred, full_matrices=False)
+    var = S ** 2 / (x.shape[0] - 1)
+    big = np.argmax(np.abs(Vt), axis=1)
+    Vt *= np.sign(np.take(np.reshape(Vt, (-1,)), big + np.arange(Vt.shape[0]) * Vt.shape[1]))[:, np.newaxis]
+    return mean, Vt, var / np.sum(var)
+
+
+def _pca_few(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PCA of a few keys per head, x (M, n, d): cumulative explained-variance ratios (M, min(n, d)), the number of
+    components for ``VARIANCE_LEVEL`` of the variance (M,) and the first component's share (M,). Keys whose total
+    variance is below ``SAME_POINT`` of their mean squared norm are one point: (zeros, 0, nan)."""
+    M, n, d = x.shape
     m = min(n, d)
-    sq = float((x ** 2).sum(-1).mean())
-    if float(x.var(dim=0, unbiased=False).sum()) <= SAME_POINT * max(sq, 1e-30):
-        return np.zeros(m), 0, float("nan")
-    pca = PCA(n_components=m, svd_solver="full").fit(x.numpy())
-    cum = np.cumsum(pca.explained_variance_ratio_)
-    return cum, _n_for_variance(cum, VARIANCE_LEVEL), float(pca.explained_variance_ratio_[0])
+    sq = (x ** 2).sum(-1).mean(-1)
+    same = (x.var(dim=1, unbiased=False).sum(-1) <= SAME_POINT * sq.clamp(min=1e-30)).numpy()
+    X = x.double().numpy()
+    S = np.linalg.svd(X - X.mean(axis=1, keepdims=True), compute_uv=False)[:, :m]
+    var = S ** 2 / (n - 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = var / var.sum(-1, keepdims=True)
+    cum = np.where(same[:, None], 0.0, np.cumsum(ratio, axis=-1))
+    return cum, np.where(same, 0, _n_for_variance(cum, VARIANCE_LEVEL)), np.where(same, np.nan, ratio[:, 0])
 
 
 def _pca2(keys: torch.Tensor) -> dict:
     """Two 2-D views of all keys (N, T, d) of one head, first keys included.
 
-    ``coords``: PCA (scikit-learn) fit on all keys. ``axis_coords``: x = the projection on the line from the
-    other keys' mean to the first keys' mean (the "first-key axis"), y = the other keys' top principal
-    direction orthogonal to it; both centred at the other keys' mean. ``axis_z`` = the first keys' mean
+    ``coords``: PCA fit on all keys (scikit-learn's arithmetic: ``_pca``). ``axis_coords``: x = the projection on
+    the line from the other keys' mean to the first keys' mean (the "first-key axis"), y = the other keys' top
+    principal direction orthogonal to it; both centred at the other keys' mean. ``axis_z`` = the first keys' mean
     x over the other keys' standard deviation along x.
     """
-    from sklearn.decomposition import PCA
-
     N, T, d = keys.shape
     if N * T < 3:
         raise ValueError(f"a 2-D PCA needs at least 3 keys; got {N * T}. Give more sequences or tokens.")
     k = keys.double()
     x = k.reshape(N * T, d).numpy()
-    pca = PCA(n_components=2, svd_solver="full").fit(x)
+    mean, components, ratio = _pca(x)
+    components = np.ascontiguousarray(components[:2])
+    coords = x @ components.T
+    coords -= np.reshape(mean, (1, -1)) @ components.T  # as PCA.transform: centred after the projection
     other = k[:, 1:].reshape(-1, d)
     mu = other.mean(0)
     axis = k[:, 0].mean(0) - mu
@@ -313,8 +332,8 @@ def _pca2(keys: torch.Tensor) -> dict:
     axis_coords = torch.stack([centred @ axis, centred @ y_dir], dim=-1).reshape(N, T, 2)
     sd = float(axis_coords[:, 1:, 0].std())
     return {
-        "coords": pca.transform(x).reshape(N, T, 2).astype(np.float32),
-        "evr": [float(v) for v in pca.explained_variance_ratio_],
+        "coords": coords.reshape(N, T, 2).astype(np.float32),
+        "evr": [float(v) for v in ratio[:2]],
         "fit_on": "all keys (first keys included)",
         "axis_coords": axis_coords.float().numpy(),
         "axis_z": float(axis_coords[:, 0, 0].mean()) / sd if sd > 0 else float("inf"),
@@ -405,13 +424,16 @@ class KeyManifoldAccumulator(Accumulator):
         q = rotate_as_spec(acts["q"], self.spec, layer, rotated=self.rotated).cpu() if "q" in acts else None
         return q, k
 
+    @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         q, kk = self.vectors(layer, acts)  # kk: (B, T, H_kv, d)
         if layer not in self.index:
             self.scatter.add(layer, kk, None, self.heads)
             return
         i = self.index[layer]
-        self._keys(i, kk[:, :, self.heads])
+        every = self.heads == list(range(self.K))
+        norms = shared_units(kk)[1]  # |k| (B, T, H_kv), shared with the QK angles
+        self._keys(i, kk if every else kk[:, :, self.heads], norms if every else norms[:, :, self.heads])
         self._angles(i, q, kk)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
@@ -419,24 +441,27 @@ class KeyManifoldAccumulator(Accumulator):
         if i == 0:
             self.n += kk.shape[0]
 
-    def _keys(self, i: int, ks: torch.Tensor) -> None:
-        """Running moments of the other keys, and the first / middle keys, of the selected KV heads ks (B, T, S, d)."""
+    def _keys(self, i: int, ks: torch.Tensor, norms: torch.Tensor) -> None:
+        """Running moments of the other keys, and the first / middle keys, of the selected KV heads ks (B, T, S, d)
+        (norms (B, T, S))."""
         B, T, S = ks.shape[:3]
-        other = ks[:, 1:].double().reshape(B * (T - 1), S, -1).transpose(0, 1)  # (S, n, d)
+        other = torch.empty(S, B, T - 1, ks.shape[-1], dtype=torch.float64, device=ks.device)
+        other = other.copy_(ks[:, 1:].permute(2, 0, 1, 3)).view(S, B * (T - 1), -1)  # (S, n, d), converted as copied
         self.sums["sum"][i] = self.sums["sum"][i] + other.sum(1)
         self.sums["gram"][i] = self.sums["gram"][i] + other.transpose(1, 2) @ other  # (S, d, d)
-        self.sums["unit_sum"][i] = self.sums["unit_sum"][i] + torch.nn.functional.normalize(other, dim=-1).sum(1)
-        self.acc["k1_norm"][i] += ks[:, 0].norm(dim=-1).double().sum(0)
-        self.acc["kj_norm"][i] += ks[:, 1:].norm(dim=-1).double().sum((0, 1))
+        self.sums["unit_sum"][i] = self.sums["unit_sum"][i] + unit_vectors(other)[0].sum(1)
+        self.acc["k1_norm"][i] += norms[:, 0].double().sum(0)
+        self.acc["kj_norm"][i] += norms[:, 1:].double().sum((0, 1))
         self.firsts[i].append(ks[:, 0].clone())  # (B, S, d): only the first keys are kept ...
         self.mids[i].append(ks[:, T // 2].clone())  # ... and, as a same-size control, the keys at one later position
 
     def _angles(self, i: int, q: torch.Tensor, kk: torch.Tensor) -> None:
-        """sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t)."""
-        qn = torch.nn.functional.normalize(q.float().cpu(), dim=-1)  # (B, T, H, d)
-        kn = per_query_head(torch.nn.functional.normalize(kk, dim=-1), self.H)  # each query head's KV head
-        self.acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn[:, 1:], kn[:, 0]).double()
-        self.acc["cos_q_kj"][i] += torch.einsum("bthd,bthd->h", qn[:, 1:], kn[:, 1:].cumsum(dim=1)).double()
+        """sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t),
+        queries t > 1 (B, T-1, H, d) against each query head's KV head (unit keys kept per KV head, repeated last)."""
+        H = self.H
+        qn, kn = shared_units(q)[0][:, 1:], shared_units(kk)[0]  # shared with the QK angles of the same pass
+        self.acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn, per_query_head(kn[:, 0], H, dim=1)).double()
+        self.acc["cos_q_kj"][i] += _dot_cumulative(qn, kn[:, 1:].cumsum(dim=1), H).double()
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.scatter.batch_no += 1
@@ -448,29 +473,37 @@ class KeyManifoldAccumulator(Accumulator):
                  "cos_q_kj": (self.acc["cos_q_kj"] / (N * T * (T - 1) // 2)).float(), "alpha_1": (self.acc["alpha_1"] / N).float()}
         mu = torch.stack(self.sums["sum"]) / n_other  # (L, S, d)
         cov = torch.stack(self.sums["gram"]) / n_other - mu[..., :, None] * mu[..., None, :]
-        first_all = torch.stack([torch.cat(f) for f in self.firsts]).double()  # (L, N, S, d)
-        mid_all = torch.stack([torch.cat(f) for f in self.mids]).double()
-        rows, first_evr, other_evr = [], [], []
+        L, S, d = mu.shape
+
+        def per_head(chunks):  # [layer][batch] (B, S, d) -> (L S, N, d), heads in (layer, head) order
+            return torch.stack([torch.cat(c) for c in chunks]).double().transpose(1, 2).reshape(L * S, N, d)
+
         with small_linalg():
-            evals_all, evecs_all = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
-            for i, l in enumerate(self.layers):
-                fe, oe = [], []
-                for j, h in enumerate(self.heads):
-                    row, f_cum, evr_cum = head_row(
-                        evals_all[i, j].flip(0).clamp(min=0), evecs_all[i, j].flip(1), mu[i, j], cov[i, j],
-                        first_all[i, :, j], mid_all[i, :, j], self.sums["unit_sum"][i][j], n_other, self.n_components)
-                    qh = [x for x in range(self.H) if x // self.group == h]
-                    rows.append({"layer": l, "kv_head": h, "query_heads": ",".join(map(str, qh)),
-                                 "alpha_1_mean": float(per_q["alpha_1"][i, qh].mean()),
-                                 "alpha_1_max": float(per_q["alpha_1"][i, qh].max()),
-                                 "k1_norm": float(self.acc["k1_norm"][i, j] / N), "kj_norm": float(self.acc["kj_norm"][i, j] / n_other),
-                                 **row, "cos_q_k1": float(per_q["cos_q_k1"][i, qh].mean()),
-                                 "cos_q_kj": float(per_q["cos_q_kj"][i, qh].mean())})
-                    fe.append(torch.as_tensor(f_cum, dtype=torch.float32))
-                    oe.append(torch.as_tensor(evr_cum, dtype=torch.float32))
-                first_evr.append(torch.stack(fe))
-                other_evr.append(torch.stack(oe))
-        return self._result(pd.DataFrame(rows), torch.stack(first_evr), torch.stack(other_evr), per_q)
+            evals, evecs = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
+            cols, f_cum, evr_cum = _head_stats(
+                evals.flip(-1).clamp(min=0).reshape(L * S, d), evecs.flip(-1).reshape(L * S, d, d), mu.reshape(L * S, d),
+                cov.reshape(L * S, d, d), per_head(self.firsts), per_head(self.mids),
+                torch.stack(self.sums["unit_sum"]).reshape(L * S, d), n_other, self.n_components)
+            first_evr = torch.as_tensor(f_cum, dtype=torch.float32).reshape(L, S, -1)
+            other_evr = torch.as_tensor(evr_cum, dtype=torch.float32).reshape(L, S, d)
+            return self._result(pd.DataFrame(self._rows(cols, per_q)), first_evr, other_evr, per_q)
+
+    def _rows(self, cols: dict, per_q: dict) -> list[dict]:
+        """One table row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head) order) joined
+        with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's query heads."""
+        N, n_other, S = self.n, self.n * (self.T - 1), len(self.heads)
+        group = {name: group_reduce(x, self.group, "mean")[:, self.heads].tolist() for name, x in per_q.items()}
+        a1_max = group_reduce(per_q["alpha_1"], self.group, "max")[:, self.heads].tolist()
+        k1, kj = (self.acc["k1_norm"] / N).tolist(), (self.acc["kj_norm"] / n_other).tolist()
+        rows = []
+        for i, l in enumerate(self.layers):
+            for j, h in enumerate(self.heads):
+                qh = [x for x in range(self.H) if x // self.group == h]
+                rows.append({"layer": l, "kv_head": h, "query_heads": ",".join(map(str, qh)),
+                             "alpha_1_mean": group["alpha_1"][i][j], "alpha_1_max": a1_max[i][j], "k1_norm": k1[i][j],
+                             "kj_norm": kj[i][j], **{k: v[i * S + j] for k, v in cols.items()},
+                             "cos_q_k1": group["cos_q_k1"][i][j], "cos_q_kj": group["cos_q_kj"][i][j]})
+        return rows
 
     def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
         table["norm_ratio"] = table.k1_norm / table.kj_norm
@@ -487,37 +520,70 @@ class KeyManifoldAccumulator(Accumulator):
         return km
 
 
+_INT_COLUMNS = ("r", "first_n90", "mid_n90", "other_n90")  # the head_row columns that are counts
+
+
 def head_row(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
     """The table columns of one (layer, KV head) from the other keys' eigen-decomposition (descending), mean and
     covariance, the N first keys k1 (N, d), the N keys at position T // 2 and the other keys' unit-vector sum."""
-    d = evals.numel()
-    total = float(evals.sum())
-    evr_cum = (evals.cumsum(0) / total).numpy() if total > 0 else np.zeros(d)
-    r = min(n_components if isinstance(n_components, int) else _n_for_variance(evr_cum, n_components), d - 1)
-    U = evecs[:, :r]
-    shift = k1.mean(0) - mu
-    axis_var = float(shift @ cov @ shift) / max(float(shift @ shift), 1e-30)
-    c = k1 - mu
-    perp = (c - (c @ U) @ U.T).norm(dim=-1)
+    cols, f_cum, evr_cum = _head_stats(evals[None], evecs[None], mu[None], cov[None], k1[None], mid[None], unit_sum[None],
+                                      n_other, n_components)
+    return {k: v[0] for k, v in cols.items()}, f_cum[0], evr_cum[0]
+
+
+def _head_stats(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``head_row`` for M heads at once: evals (M, d) descending, evecs (M, d, d), mu (M, d), cov (M, d, d), k1 and
+    mid (M, N, d), unit_sum (M, d); returns {column: M python numbers}, the first keys' cumulative
+    explained-variance ratios (M, min(N, d)) and the other keys' (M, d)."""
+    M, d = evals.shape
+    total = evals.sum(-1)
+    evr_cum = torch.where(total[:, None] > 0, evals.cumsum(-1) / total[:, None], torch.zeros(())).numpy()
+    r = np.minimum(n_components if isinstance(n_components, int) else _n_for_variance(evr_cum, n_components), d - 1)
+    kept = torch.as_tensor(np.arange(d)[None] < np.broadcast_to(r, (M,))[:, None])  # (M, d): the top-r directions
+    shift = k1.mean(1) - mu
+    axis_var = torch.einsum("md,mde,me->m", shift, cov, shift) / (shift * shift).sum(-1).clamp(min=1e-30)
+    c = k1 - mu[:, None]
+    perp = (c - ((c @ evecs) * kept[:, None]) @ evecs.transpose(1, 2)).norm(dim=-1)  # off the top-r subspace
     c_norm = c.norm(dim=-1)
-    resid_var = float(evals[r:].sum())
-    k1_sq = float((k1 ** 2).sum(-1).mean())
-    first_var = float(k1.var(dim=0, unbiased=False).sum())
+    resid_var = (evals * ~kept).sum(-1)
+    k1_sq = (k1 ** 2).sum(-1).mean(-1)
+    first_var = k1.var(dim=1, unbiased=False).sum(-1)
     f_cum, first_n90, first_evr1 = _pca_few(k1)
     _, mid_n90, _ = _pca_few(mid)
-    row = {
-        "r": r,
-        "resid_first": float((perp / c_norm.clamp(min=1e-30)).mean()),
-        "resid_other": float(np.sqrt(max(resid_var, 0.0) / total)) if total > 0 else float("nan"),
-        "offsub_z": float(perp.mean() / np.sqrt(resid_var)) if resid_var > 0 else float("inf"),
-        "centroid_z": float(c_norm.mean() / np.sqrt(total)) if total > 0 else float("inf"),
-        "axis_z": float(shift.norm()) / np.sqrt(axis_var) if axis_var > 0 else float("inf"),
-        "first_n90": first_n90, "mid_n90": mid_n90, "other_n90": _n_for_variance(evr_cum, VARIANCE_LEVEL),
-        "first_evr1": first_evr1, "first_var_rel": first_var / k1_sq if k1_sq > 0 else float("nan"),
-        "cos_first_pair": mean_pairwise_cosine(k1), "cos_mid_pair": mean_pairwise_cosine(mid),
-        "cos_other_pair": float((unit_sum @ unit_sum - n_other) / (n_other * (n_other - 1))),
+    pos, nan, inf = total > 0, torch.tensor(float("nan"), dtype=total.dtype), torch.tensor(float("inf"), dtype=total.dtype)
+    cols = {
+        "r": np.broadcast_to(r, (M,)),
+        "resid_first": (perp / c_norm.clamp(min=1e-30)).mean(-1),
+        "resid_other": torch.where(pos, (resid_var.clamp(min=0) / total).sqrt(), nan),
+        "offsub_z": torch.where(resid_var > 0, perp.mean(-1) / resid_var.sqrt(), inf),
+        "centroid_z": torch.where(pos, c_norm.mean(-1) / total.sqrt(), inf),
+        "axis_z": torch.where(axis_var > 0, shift.norm(dim=-1) / axis_var.sqrt(), inf),
+        "first_n90": first_n90, "mid_n90": mid_n90, "other_n90": np.broadcast_to(_n_for_variance(evr_cum, VARIANCE_LEVEL), (M,)),
+        "first_evr1": first_evr1, "first_var_rel": torch.where(k1_sq > 0, first_var / k1_sq, nan),
+        "cos_first_pair": _pair_cosines(k1), "cos_mid_pair": _pair_cosines(mid),
+        "cos_other_pair": ((unit_sum * unit_sum).sum(-1) - n_other) / (n_other * (n_other - 1)),
     }
-    return row, f_cum, evr_cum
+    return {k: [int(x) if k in _INT_COLUMNS else float(x) for x in np.asarray(v).tolist()] for k, v in cols.items()}, f_cum, evr_cum
+
+
+def _pair_cosines(x: torch.Tensor) -> torch.Tensor:
+    """``mean_pairwise_cosine`` of each head's rows, x (M, n, d) -> (M,), float32 as it rounds."""
+    if x.shape[1] < 2:
+        return torch.full(x.shape[:1], float("nan"))
+    return pair_cosine(torch.nn.functional.normalize(x.double(), dim=-1).sum(1), x.shape[1])
+
+
+def _dot_cumulative(qn: torch.Tensor, cum: torch.Tensor, H: int) -> torch.Tensor:
+    """``einsum("bthd,bthd->h", qn, cum repeated per query head)`` for queries qn (B, T', H, d) and cumulative key
+    sums cum (B, T', H_kv, d), as einsum computes it: for B, T', d > 1 one dot product per query head of contiguous
+    operands in (b, d, t) order (built here with the keys transposed per KV head before they are repeated); else
+    einsum itself, which multiplies strided views."""
+    B, Tq, _, d = qn.shape
+    if min(B, Tq, d) == 1:
+        return torch.einsum("bthd,bthd->h", qn, per_query_head(cum, H))
+    left = permuted_copy(qn, (2, 0, 3, 1)).reshape(H, 1, -1)
+    right = per_query_head(permuted_copy(cum, (2, 0, 3, 1)), H, dim=0).reshape(H, -1, 1)  # (H, B d T', 1)
+    return torch.bmm(left, right).flatten()
 
 
 def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int, int]], bool]:

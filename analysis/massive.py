@@ -44,6 +44,7 @@ from analysis.hooks import (
     token_strings,
 )
 from analysis.results import Result, layer_runs
+from analysis.stats import flat_above, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
@@ -297,28 +298,38 @@ class MassiveAccumulator(Accumulator):
     def hooks(self):
         return {l: {"resid": resid_hook(l, self.hook)} for l in self.layers}
 
+    @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         x = acts["resid"]
         if x.shape[-1] != self.D:
             raise ModelContractError(f"{resid_hook(layer, self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}.")
         i, a = self.index[layer], x.detach().float().abs()
         flat = a.reshape(a.shape[0], -1)
-        v, idx = flat.topk(self.K, dim=-1)
-        med_seq = flat.median(dim=-1).values  # (B,) median over the sample's positions x dims
-        ref = a.median(dim=-1).values if self.median_over == "token" else med_seq[:, None].expand(a.shape[:2])
-        flags = (a > self.abs_threshold) & (a >= self.ratio_threshold * ref[..., None])
-        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None]], -1))
-        self.flag_samples[i] += flags.any(dim=1).sum(0).cpu()
-        self.flag_first[i] += flags[:, 0].sum(0).cpu()
+        v, idx = _top_k(a, self.K)
         self.first_sum[i] += x[:, 0].detach().double().sum(0).cpu()
         self.first_abs[i] += a[:, 0].double().sum(0).cpu()
         if a.shape[1] > 1:
-            self.other_max[i] += a[:, 1:].max(dim=1).values.double().sum(0).cpu()
-        if flags.any():
-            b, t, d = flags.nonzero(as_tuple=True)
-            vals = a[b, t, d]
-            cols = [b + batch.offset, t, d, torch.full_like(b, i), vals, vals / ref[b, t].clamp_min(1e-30)]
-            self.flag_rows.append(torch.stack([c.double() for c in cols], 1).cpu())
+            self.other_max[i] += a[:, 1:].amax(dim=1).double().sum(0).cpu()
+        f = flat_above(a, self.abs_threshold).to(a.device)  # the candidates for Sun et al.'s flags (few)
+        vals = a.reshape(-1)[f]
+        ref = lower_median(a, nonnegative=True).to(a.device).reshape(-1) if self.median_over == "token" else None
+        med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
+        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None]], -1))
+        self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], a.shape[1], batch)
+
+    def _flags(self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, T: int, batch: Batch) -> None:
+        """Sun et al.'s flags among the activations above abs_threshold (flat indices ``f`` into (B, T, D), |a|
+        ``vals``): |a| >= ratio_threshold x ``ref``, the median of their hidden state; per-dim sample counts and
+        the flagged rows."""
+        keep = vals >= self.ratio_threshold * ref
+        f, vals, ref = f[keep], vals[keep], ref[keep]
+        if not f.numel():
+            return
+        b, t, d = f // (T * self.D), f // self.D % T, f % self.D
+        self.flag_samples[i] += torch.bincount(torch.unique(b * self.D + d) % self.D, minlength=self.D).cpu()
+        self.flag_first[i] += torch.bincount(d[t == 0], minlength=self.D).cpu()
+        cols = [b + batch.offset, t, d, torch.full_like(b, i), vals, vals / ref.clamp_min(1e-30)]
+        self.flag_rows.append(torch.stack([c.double() for c in cols], 1).cpu())
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.top.end_batch()
@@ -341,6 +352,24 @@ class MassiveAccumulator(Accumulator):
             other_abs_max=(self.other_max / N).float(), flagged=flagged, token_text=text,
             model_name=getattr(self.model, "model_name", None), kind=self.kind,
         )
+
+
+def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a.reshape(B, -1).topk(k, dim=-1)`` for a (B, T, D), read off the k + 1 positions with the largest maxima:
+    they hold a sample's k + 1 largest values, so where those are all distinct the top k (values, flat indices)
+    are unique and equal torch's; samples with ties (or NaN) among them take topk over the whole sample, which
+    decides among equal values."""
+    B, T, D = a.shape
+    flat = a.reshape(B, -1)
+    if T <= k:
+        return flat.topk(k, dim=-1)
+    rows = a.amax(-1).topk(k + 1, dim=-1).indices  # (B, k + 1)
+    v, j = a.gather(1, rows[..., None].expand(B, k + 1, D)).reshape(B, -1).topk(k + 1, dim=-1)
+    idx = rows.gather(1, j // D) * D + j % D
+    v, idx, tied = v[:, :k].contiguous(), idx[:, :k].contiguous(), ~(v[:, :-1] > v[:, 1:]).all(-1)
+    if tied.any():
+        v[tied], idx[tied] = flat[tied].topk(k, dim=-1)
+    return v, idx
 
 
 def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,

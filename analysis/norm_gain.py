@@ -43,11 +43,13 @@ from analysis.hooks import (
     ModelContractError,
     act_name,
     attention_layers_of,
+    can_resume,
     check_layers,
     check_tokens,
     hook_names,
     kv_view,
     model_dims,
+    resume_from,
     stream,
 )
 from analysis.io import jsonable
@@ -789,6 +791,7 @@ def norm_gain_trace(
     n_other: int = 4,
     batch_size: int | None = None,
     kind: str | None = None,
+    resid: dict | None = None,
 ) -> NormGainTrace:
     """Trace the first token's spike through the key path of attention ``layer``: its input norm and gain, W_K,
     the key norm and the rotary, as the family computes them (``KeyPath.text()``).
@@ -798,9 +801,11 @@ def norm_gain_trace(
     ``ratio_threshold`` and ``min_share``). If the first token carries no spike, the trace still runs
     (norms, rebuild check, constancy) and ``has_spike`` is False with a plain ``message``.
     ``n_other``: ordinary tokens per sequence kept for the cross-input cosine. The pass stops after the layer.
+    ``resid``: {block: residual entering it} kept by a pass over the same tokens and batches (``Profile.resid``):
+    the pass then starts at the last kept block at or before ``layer`` instead of at the embedding.
     """
     tokens = check_tokens(model, tokens)
     acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims, abs_threshold, ratio_threshold, min_share,
                                          n_other, kind)
-    stream(model, tokens, [acc], batch_size=batch_size)
+    stream(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
     return acc.result(message)

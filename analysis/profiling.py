@@ -4,6 +4,10 @@ The main kind (natural text by default) feeds the sink metric, massive activatio
 manifold, value norms and the interventions' shared baseline (loss, attention shares, the first token's
 residual stream and values) in the same forward pass; every other kind feeds the sink metric and massive
 activations. Each result equals the analysis run alone on the same tokens (``tests/test_profile.py``).
+
+The main pass also keeps the residual stream entering its blocks (``Profile.resid``: every block while they fit in
+``resid_budget_mib``, else every s-th), so that later passes over the same tokens (the interventions' conditions,
+``norm_gain_trace``) start at the last kept block before the first one they change instead of at the embedding.
 """
 from __future__ import annotations
 
@@ -11,11 +15,11 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from analysis.defaults import SINK_EPS
-from analysis.hooks import attention_layers_of, check_tokens, stream
+from analysis.defaults import RESID_BUDGET_MIB, SINK_EPS
+from analysis.hooks import ResidCapture, attention_layers_of, can_resume, check_tokens, checkpoint_layers, model_dims, stream
 from analysis.results import Result
 
-MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates")
+MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
 ANALYSES = ("sink", "massive") + MAIN_ANALYSES
 
 
@@ -30,6 +34,7 @@ class Profile(Result):
     value_norms: object | None = None  # ValueNorms
     baseline: object | None = None  # interventions.Baseline
     gates: object | None = None  # gates.GateResult (gated attention only: Qwen3-Next, Qwen3.5)
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it on the main kind (resume points)
     main: str = "natural"
     model_name: str | None = None
     n_samples: int = 0
@@ -57,7 +62,16 @@ class Profile(Result):
         return {**self.header(), "results": {k: r.to_dict() for k, r in self.results.items()}, "text": self.text()}
 
 
-def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max) -> dict:
+def _resid_capture(model, tokens, budget_mib: float) -> list:
+    """The main pass's resume points (``checkpoint_layers``); none where the model cannot resume a pass."""
+    if not can_resume(model):
+        return []
+    block_bytes = tokens.numel() * model_dims(model).d_model * next(model.parameters()).element_size()
+    layers = checkpoint_layers(model_dims(model).n_layers, block_bytes, budget_mib)
+    return [ResidCapture(layers)] if layers else []
+
+
+def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max, budget_mib: float) -> dict:
     from analysis.gates import GateAccumulator, has_gate
     from analysis.interventions import baseline_accumulators
     from analysis.key_manifold import key_manifold_accumulator
@@ -76,14 +90,17 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
         "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
         "baseline": lambda: baseline_accumulators(model, T, eps),
         "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
+        "resid": lambda: _resid_capture(model, tokens, budget_mib),
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 
 
 def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: float = SINK_EPS, k_max: int | None = None,
-            batch_size: int | None = None, progress: bool = False) -> Profile:
+            batch_size: int | None = None, progress: bool = False, resid_budget_mib: float = RESID_BUDGET_MIB) -> Profile:
     """Run every analysis in ``analyses`` on ``probes`` ({kind: ProbeSet or (N, T) tokens}) with one streamed pass
-    per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only."""
+    per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"resid"`` keeps the main kind's
+    residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
+    carries it too, so that its conditions resume)."""
     from analysis.interventions import baseline_from
 
     bad = [a for a in analyses if a not in ANALYSES]
@@ -94,7 +111,7 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     out = Profile(main=main, model_name=getattr(model, "model_name", None))
     for kind, p in probes.items():
         tokens = check_tokens(model, getattr(p, "tokens", p))
-        accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max)
+        accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max, resid_budget_mib)
         flat = [a for group in accs.values() for a in group]
         results = iter(stream(model, tokens, flat, batch_size=batch_size, progress=progress))
         got = {name: [next(results) for _ in group] for name, group in accs.items()}
@@ -106,6 +123,8 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
             for name in ("qk", "key_manifold", "value_norms", "gates"):
                 if got.get(name):
                     setattr(out, name, got[name][0])
+            if got.get("resid"):
+                out.resid = got["resid"][0]
             if "baseline" in got:
-                out.baseline = baseline_from(got["baseline"])
+                out.baseline = baseline_from(got["baseline"], out.resid)
     return out

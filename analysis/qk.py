@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from einops import rearrange
 
 from analysis.families import get_family
 from analysis.hooks import (
@@ -34,6 +33,7 @@ from analysis.hooks import (
 )
 from analysis.results import Result
 from analysis.rotary import rotate_as_spec
+from analysis.stats import one_thread, permuted_copy, shared_units
 
 N_BINS = 40
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
@@ -41,15 +41,37 @@ _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """cos(q_i, k_j) for every query head: q (B,T,H,d), k (B,T,Hkv,d) -> (B,H,T_q,T_k)."""
-    qn = torch.nn.functional.normalize(q.float(), dim=-1)
-    kn = torch.nn.functional.normalize(per_query_head(k, q.shape[2]).float(), dim=-1)
-    return torch.einsum("bihd,bjhd->bhij", qn, kn)
+    return _cosines(shared_units(q)[0], shared_units(k)[0])
+
+
+def _cosines(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
+    """Unit queries (B,T,H,d) against unit keys (B,T,Hkv or H,d), each query head against its KV head's keys ->
+    (B,H,T,T): the numbers of ``einsum("bihd,bjhd->bhij")`` on the keys repeated per query head, computed as einsum
+    computes them (for B, T, H, d > 1 one batched product of fresh contiguous (B H, T, d) and (B H, d, T) operands,
+    in that batch order: another order or layout can change the last bit), here with the keys transposed per KV head
+    before they are repeated; else einsum itself, which multiplies strided views."""
+    B, T, H, d = qn.shape
+    if min(B, T, H, d) == 1:
+        return torch.einsum("bihd,bjhd->bhij", qn, per_query_head(kn, H))
+    left = qn.permute(0, 2, 1, 3).reshape(B * H, T, d)
+    right = per_query_head(permuted_copy(kn, (0, 2, 3, 1)), H, dim=1).reshape(B * H, d, kn.shape[1])
+    return torch.bmm(left, right).view(B, H, T, kn.shape[1])
 
 
 def cosine_hist(x: torch.Tensor) -> torch.Tensor:
     """Counts of cosines x (H, n) over N_BINS fixed bins on [-1, 1] -> (H, N_BINS)."""
-    idx = ((x.clamp(-1, 1) + 1) / 2 * N_BINS).long().clamp(max=N_BINS - 1)
-    return torch.zeros(x.shape[0], N_BINS, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+    # the bin trunc((clamp(x, -1, 1) + 1) / 2 * N_BINS), capped at N_BINS - 1: (x + 1) * (N_BINS / 2) is the same float
+    # (halving is exact), and clamping it to [0, N_BINS - 1] before truncating gives the same bin for x outside [-1, 1]
+    idx = (x + 1).mul_(N_BINS / 2).clamp_(0, N_BINS - 1).int()
+    idx += (torch.arange(x.shape[0], device=x.device, dtype=torch.int32) * N_BINS)[:, None]  # one bincount: (head, bin)
+    return torch.bincount(idx.flatten(), minlength=x.shape[0] * N_BINS).reshape(x.shape[0], N_BINS).double()
+
+
+def _other_keys(T: int, device) -> torch.Tensor:
+    """Flat indices into a (T, T) cosine map of the (query t, key j) pairs with 1 <= j <= t, row-major."""
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
+    mask[:, 0] = False
+    return mask.flatten().nonzero().squeeze(1)
 
 
 @dataclass
@@ -113,6 +135,7 @@ class QKAccumulator(Accumulator):
         self.hist_first = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
         self.hist_other = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
         self.counts = dict.fromkeys(("first", "other", "q", "k1", "kj", "n"), 0)
+        self._other = torch.zeros(0, dtype=torch.long)  # flat indices of the keys 1 <= j <= t (``_other_keys``)
 
     def hooks(self):
         return {l: dict(zip(("q", "k"), qk_hook_names(self.model, l))) for l in self.layers}
@@ -121,20 +144,22 @@ class QKAccumulator(Accumulator):
         """The queries (B, T, H, d) and keys (B, T, H_kv or H, d) the attention of ``layer`` uses, from the hooks."""
         return rotate_as_spec(acts["q"], self.spec, layer), rotate_as_spec(acts["k"], self.spec, layer)
 
+    @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         q, k = self.vectors(layer, acts)
-        i, (B, T) = self.index[layer], q.shape[:2]
-        cos = head_cosines(q, k).cpu()  # (B,H,T,T)
-        first = rearrange(cos[:, :, 1:, 0], "b h t -> h (b t)")
-        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-        mask[:, 0] = False
-        other = rearrange(cos[..., mask], "b h n -> h (b n)")
-        kk = per_query_head(k, self.H).float().norm(dim=-1).cpu()  # (B,T,H)
+        i, (B, T), H = self.index[layer], q.shape[:2], self.H
+        (qn, q_norm), (kn, k_norm) = shared_units(q), shared_units(k)  # shared with the first-key manifold
+        cos = _cosines(qn, kn).reshape(B * H, T * T)  # (B H, T T)
+        first = cos[:, T:: T].reshape(B, H, T - 1).transpose(0, 1).reshape(H, -1)  # (H, B (T-1)): cos(q_t, k_1), t > 1
+        if self._other.numel() != T * (T - 1) // 2 or self._other.device != cos.device:
+            self._other = _other_keys(T, cos.device)
+        other = cos.index_select(1, self._other).view(B, H, -1).transpose(0, 1).reshape(H, -1)  # 1 <= j <= t
+        kk = per_query_head(k_norm, H)  # (B,T,H)
         for name, x in (("cos_first", first.sum(-1)), ("cos_other", other.sum(-1)), ("k_first_norm", kk[:, 0].sum(0)),
-                        ("q_norm", q.float().norm(dim=-1).cpu().sum(dim=(0, 1))), ("k_other_norm", kk[:, 1:].sum(dim=(0, 1)))):
-            self.sums[name][i] += x
-        self.hist_first[i] += cosine_hist(first)
-        self.hist_other[i] += cosine_hist(other)
+                        ("q_norm", q_norm.sum(dim=(0, 1))), ("k_other_norm", kk[:, 1:].sum(dim=(0, 1)))):
+            self.sums[name][i] += x.cpu()
+        self.hist_first[i] += cosine_hist(first).cpu()
+        self.hist_other[i] += cosine_hist(other).cpu()
         if i == 0:
             for key, n in (("first", first.shape[1]), ("other", other.shape[1]), ("q", B * T), ("k1", B), ("kj", B * (T - 1)), ("n", B)):
                 self.counts[key] += n

@@ -36,6 +36,25 @@ class Result:
         return jsonable({**self.header(), **{k: v for k, v in self.tables.items()}, "text": self.text()})
 
 
+class LayerAxis:
+    """Mixin of results whose tensors have a layer axis L over ``layers``, the TRUE indices of the layers measured
+    (all layers of a plain transformer; a hybrid's attention layers only, ``skipped`` saying which were left out)."""
+
+    layers: list[int]
+    skipped: str
+
+    def pos(self, layer: int) -> int:
+        """The position of true layer index ``layer`` on the layer axis (ValueError if it was not measured)."""
+        if int(layer) not in self.layers:
+            raise ValueError(f"layer {layer} was not measured; this result holds layers {self.layers}"
+                             f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}.")
+        return self.layers.index(int(layer))
+
+    def positions(self, layers: Sequence[int]) -> list[int]:
+        """The positions of true layer indices ``layers`` on the layer axis."""
+        return [self.pos(l) for l in layers]
+
+
 def runs(layers: Sequence[int]) -> list[list[int]]:
     """[2, 3, 4, 7] -> [[2, 3, 4], [7]]: runs of consecutive layers."""
     out: list[list[int]] = []

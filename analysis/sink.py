@@ -18,7 +18,7 @@ import torch
 from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.hooks import (Accumulator, Batch, LayerCollector, act_name, attention_layers_of, check_tokens, skipped_note,
                             stream)
-from analysis.results import Result, layers_text
+from analysis.results import LayerAxis, Result, layers_text
 
 DEFAULT_EPS = SINK_EPS
 
@@ -46,7 +46,7 @@ def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
 
 
 @dataclass
-class SinkResult(Result):
+class SinkResult(Result, LayerAxis):
     """alpha for every sample, layer, head and key 1..k_max, with the metric and tables on top.
 
     ``alpha`` (N, L, H, K): mean attention key k receives from the queries that see it, per sample, layer and
@@ -73,13 +73,6 @@ class SinkResult(Result):
         self.layers = list(range(L)) if self.layers is None else [int(l) for l in self.layers]
         if len(self.layers) != L:
             raise ValueError(f"layers names {len(self.layers)} layers but alpha has {L} on its layer axis.")
-
-    def pos(self, layer: int) -> int:
-        """The position of true layer index ``layer`` on the layer axis of ``alpha`` (ValueError if not measured)."""
-        if int(layer) not in self.layers:
-            raise ValueError(f"layer {layer} was not measured; this result holds layers {self.layers}"
-                             f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}.")
-        return self.layers.index(int(layer))
 
     @property
     def k_max(self) -> int:

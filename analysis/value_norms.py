@@ -38,7 +38,7 @@ from analysis.hooks import (
 from analysis.io import jsonable
 from analysis.results import Result
 from analysis.sink import SinkResult, alpha_from_pattern
-from analysis.stats import pair_cosine
+from analysis.stats import one_thread, pair_cosine
 
 REDUCTIONS = ("mean", "max")
 
@@ -242,6 +242,7 @@ class ValueNormsAccumulator(Accumulator):
     def hooks(self):
         return {l: {"v": act_name("v", l), "pattern": act_name("pattern", l)} for l in self.layers}
 
+    @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         i, p = self.index[layer], acts["pattern"].float()
         v = kv_view(acts["v"], self.K).float()  # (B, T, K, d)

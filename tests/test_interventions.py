@@ -15,6 +15,7 @@ from analysis.interventions import (
     value_ablation,
     where_shares,
 )
+from analysis.hooks import act_name
 from analysis.sink import sink_metric
 
 
@@ -250,12 +251,32 @@ def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
             assert torch.allclose(r.alpha, part.results[c].alpha, atol=1e-5) and torch.allclose(r.where, part.results[c].where, atol=1e-5)
 
 
+def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge):
+    """An edit of block s-1's output (hook_resid_post) lets the pass resume at block s: the edit is applied to the
+    kept residual, block s-1 does not run, and the pass equals the whole one."""
+    from analysis.interventions import baseline_pass
+
+    model = family_bridge("llama")
+    toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(1))
+    base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), [1], 4)
+    hooks = [(act_name("resid_post", 0), lambda x, hook: torch.cat([x[..., :8] * 4, x[..., 8:]], -1))]
+    full = run_condition(model, toks, hooks, batch_size=4)
+    calls = _Calls(model.blocks[0].original_component)
+    try:
+        part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
+    finally:
+        calls.handle.remove()
+    assert calls.n == 0 and part.layers == full.layers
+    assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and part.loss == pytest.approx(full.loss, abs=1e-5)
+    assert abs(part.loss - base.run.loss) > 1e-3  # the edit did change the pass
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_bridge):
     """A condition resumed at block s (its hook's block) equals the whole pass: alpha, shares and loss, on each
     resumable family's tiny model; the blocks before s do not run. The others cannot resume."""
     from analysis.families import RESUMABLE, get_family
-    from analysis.hooks import act_name, can_resume
+    from analysis.hooks import can_resume
     from analysis.interventions import baseline_pass
 
     model = family_bridge(family)
@@ -289,7 +310,7 @@ def test_resume_refuses_early_hooks_and_other_models(family_bridge):
     toks = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
     resid = torch.zeros(2, 8, model.cfg.d_model)
     with pytest.raises(ValueError, match="before layer 1"):
-        stream(model, toks, [], fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x)], resume=Resume(1, resid))
+        stream(model, toks, [], fwd_hooks=[("blocks.0.hook_resid_mid", lambda x, hook: x)], resume=Resume(1, resid))
     bloom = family_bridge("bloom")
     assert can_resume(model) and not can_resume(bloom)
     with pytest.raises(ModelContractError):

@@ -139,3 +139,71 @@ def test_layer_collector_stacks_batches_and_names_missing_layers():
     c.put(0, torch.zeros(1, 2))
     with pytest.raises(ModelContractError, match=r"layers \[1\]"):
         c.end_batch()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume points: the main pass keeps the residual entering its blocks; later passes start there
+# ----------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_layers_fit_the_budget():
+    from analysis.hooks import checkpoint_layers, resume_from
+
+    mib = 2**20
+    assert checkpoint_layers(30, 4 * mib, 256) == list(range(1, 30))  # all 29 fit (116 MiB)
+    assert checkpoint_layers(30, 4 * mib, 40) == [3, 6, 9, 12, 15, 18, 21, 24, 27]  # 10 fit: every 3rd (9 kept)
+    assert checkpoint_layers(30, 4 * mib, 3) == [] and checkpoint_layers(1, mib, 256) == []
+    for n, budget in ((30, 40), (7, 9), (12, 100)):
+        kept = checkpoint_layers(n, 4 * mib, budget)
+        assert len(kept) * 4 <= budget and all(0 < b < n for b in kept)
+    resid = {3: torch.zeros(1), 6: torch.ones(1)}
+    assert resume_from(resid, 5).layer == 3 and resume_from(resid, 6).layer == 6 and resume_from(resid, 40).layer == 6
+    assert resume_from(resid, 2) is None and resume_from({}, 9) is None and resume_from(None, 9) is None
+
+
+def test_profile_keeps_the_residual_its_passes_resume_from(planted, probes, prof):
+    """Profile.resid equals the residual entering each block (a capture pass of its own), the baseline carries it,
+    and a small budget keeps every s-th block."""
+    from analysis.hooks import ResidCapture
+
+    nat = probes["natural"]
+    n = planted.cfg.n_layers
+    assert sorted(prof.resid) == list(range(1, n)) and prof.baseline.resid.keys() == prof.resid.keys()
+    alone = stream(planted, nat, [ResidCapture(range(1, n))], batch_size=4)[0]
+    for b in range(1, n):
+        assert torch.equal(prof.resid[b], alone[b]) and prof.resid[b].shape == (*nat.shape, planted.cfg.d_model)
+    block = nat.numel() * planted.cfg.d_model * 4 / 2**20
+    small = profile(planted, {"natural": nat}, analyses=("resid",), batch_size=4, resid_budget_mib=1.5 * block)
+    assert sorted(small.resid) == [3]  # 1 block fits: every 3rd of blocks 1..3
+    none = profile(planted, {"natural": nat}, analyses=("sink",), batch_size=4)
+    assert none.resid == {} and none.baseline is None
+
+
+def test_passes_resume_at_the_last_kept_block_and_equal_whole_passes(planted, probes, prof):
+    """A condition whose hooks start at block 3 resumes at block 2 when only 2 is kept; norm_gain_trace resumes at its
+    layer. Both equal whole passes, and block 0 does not run."""
+    import dataclasses
+    import warnings
+
+    from analysis.norm_gain import norm_gain_trace
+
+    nat = probes["natural"]
+    calls = []
+    handle = planted.blocks[0].original_component.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        hooks = [(act_name("resid_pre", 3), lambda x, hook: x * 0.5)]
+        only2 = dataclasses.replace(prof.baseline, resid={2: prof.resid[2]})
+        part = run_condition(planted, nat, hooks, batch_size=4, baseline=only2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = norm_gain_trace(planted, nat, 2, spike_dims=[7, 21], batch_size=4, resid=prof.resid)
+    finally:
+        handle.remove()
+    assert calls == []
+    full = run_condition(planted, nat, hooks, batch_size=4)
+    assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and part.loss == pytest.approx(full.loss, abs=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = norm_gain_trace(planted, nat, 2, spike_dims=[7, 21], batch_size=4)
+    pd.testing.assert_frame_equal(traced.stages, whole.stages, rtol=1e-5)
+    pd.testing.assert_frame_equal(traced.heads, whole.heads, rtol=1e-5)

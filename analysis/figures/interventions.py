@@ -4,6 +4,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.figures.layout import place_axes, set_title
 from analysis.interventions import WHERE_KEYS, FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}
@@ -39,8 +40,8 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     axes[2].legend(fontsize=7, ncol=2, loc="lower left", framealpha=0.9)
     if n > 1:
         axes[0].legend(fontsize=7)
-    axes[0].set_title("first token's spike dims")
-    fig.tight_layout()
+    set_title(axes[0], "first token's spike dims")
+    place_axes(fig, left=0.7, wspace=0.8)
     return fig
 
 
@@ -50,9 +51,10 @@ def plot_value_ablation(result: ValueAblation):
     s = result.conditions[result.conditions["condition"] != "baseline"]
     b = a1.barh(s["condition"], s["delta_loss"], color="#c44e52")
     a1.bar_label(b, fmt="%+.3f", fontsize=7)
+    a1.margins(x=0.25)  # room for the labels beside the bar ends
     a1.axvline(0, color="grey", lw=0.6)
     a1.set_xlabel("loss change (nats/token)")
-    a1.set_title("remove the first token's value")
+    set_title(a1, "remove the first token's value")
     h = result.heads
     if len(h):
         sc = a2.scatter(h["v_other_norm"], h["v1_norm"], c=h["alpha_1"], cmap="viridis", s=12, vmin=0, vmax=1)
@@ -61,8 +63,8 @@ def plot_value_ablation(result: ValueAblation):
         fig.colorbar(sc, ax=a2, label="alpha_1")
     a2.set_xlabel("mean |v_j|, j > 1")
     a2.set_ylabel("|v_1|")
-    a2.set_title("sink heads: value norms")
-    fig.tight_layout()
+    set_title(a2, "sink heads: value norms")
+    place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
     return fig
 
 
@@ -78,7 +80,7 @@ def plot_first_key_ablation(result: FirstKeyAblation):
         bottom += s[k].to_numpy()
     a1.set_ylabel("attention share (queries t >= 3)")
     a1.legend(fontsize=7)
-    a1.set_title("where the attention goes")
+    set_title(a1, "where the attention goes")
     pl = result.per_layer
     for c, ls in (("baseline", "-"), ("ablated", "--")):
         d = pl[pl["condition"] == c]
@@ -90,5 +92,5 @@ def plot_first_key_ablation(result: FirstKeyAblation):
     a2.set_xlabel("layer (shaded: first key changed)")
     a2.set_ylabel("attention share")
     a2.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    place_axes(fig, left=0.7, wspace=0.7)
     return fig

@@ -5,6 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.defaults import SINK_MIN_ALPHA
+from analysis.figures.layout import flat_bars, place_axes, set_title
 from analysis.key_manifold import KeyManifold
 
 
@@ -36,7 +37,7 @@ def plot_key_pca(km: KeyManifold, heads: list[tuple[int, int]] | None = None, vi
         raise ValueError(f"views must be among {VIEWS}; got {views}.")
     fig, axes = plt.subplots(len(views), len(heads), figsize=(4.8 * len(heads), 3.8 * len(views)), squeeze=False)
     for col, (l, h) in enumerate(heads):
-        s = km.scatter[(l, h)]
+        s, head_name = km.scatter[(l, h)], _head_label(km, l, h)
         for row, view in enumerate(views):
             ax = axes[row, col]
             c = (s["coords"] if view == "pca" else s["axis_coords"])[:max_sequences]  # (N, T, 2)
@@ -47,14 +48,14 @@ def plot_key_pca(km: KeyManifold, heads: list[tuple[int, int]] | None = None, vi
             if view == "pca":
                 ax.set_xlabel(f"PC1 ({100 * s['evr'][0]:.0f}% var.)")
                 ax.set_ylabel(f"PC2 ({100 * s['evr'][1]:.0f}% var.)")
-                ax.set_title(_head_label(km, l, h) + "\nPCA of all keys", fontsize=9)
+                set_title(ax, head_name + "\nPCA of all keys", fontsize=9)
             else:
                 ax.set_xlabel(f"first-key axis (k$_1$ at {s['axis_z']:.1f} sd of the others)")
                 ax.set_ylabel("top orthogonal PC of $k_{j>1}$")
-                ax.set_title(_head_label(km, l, h) + "\nfirst-key axis view", fontsize=9)
+                set_title(ax, head_name + "\nfirst-key axis view", fontsize=9)
             ax.legend(loc="best", fontsize=8)
             fig.colorbar(sc, ax=ax, label="key position")
-    fig.tight_layout()
+    place_axes(fig, left=0.85, right=0.3, top=0.55, wspace=1.1, hspace=0.95)
     return fig
 
 
@@ -72,9 +73,9 @@ def plot_manifold_summary(km: KeyManifold):
         (axes[1, 0], [("cos_q_k1", "cos($q_t$, $k_1$)"), ("cos_q_kj", "cos($q_t$, $k_j$), 1<j<=t")], "mean cosine"),
     ]
     for ax, series, ylabel in panels:
-        ax.bar(x, t["alpha_1_mean"], color="0.88", width=0.8, label="$\\alpha_1$ (mean)")
         for col, lab in series:
             ax.plot(x, t[col], marker="o", ms=3, label=lab)
+        flat_bars(ax, x, t["alpha_1_mean"], color="0.88", label="$\\alpha_1$ (mean)")  # behind the lines (zorder 1)
         ax.set_ylabel(ylabel)
         ax.axhline(0, color="grey", lw=0.5)
         ax.legend(fontsize=7, loc="best")
@@ -85,5 +86,5 @@ def plot_manifold_summary(km: KeyManifold):
     ax.legend(fontsize=7)
     for a in axes[1]:
         a.set_xlabel("layer")
-    fig.tight_layout()
+    place_axes(fig, left=0.95, top=0.15, wspace=1.0, hspace=0.25)
     return fig

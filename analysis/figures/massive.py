@@ -5,29 +5,30 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
+from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, set_log_scale, set_title
 from analysis.massive import ActivationMap, MassiveActivations
 
 
 def plot_top_activations(result: MassiveActivations, ax=None, title: str | None = None):
     """Top-1/2/3 |activation| and the median per layer (means over samples), log scale (Sun et al., Fig. 1)."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6.5, 3.4))
+    fig, ax, own = new_or_given(ax, (6.5, 3.4))
     df = result.per_layer
     for k, c in zip(range(1, result.top_k + 1), ["#c44e52", "#dd8452", "#ccb974", "#8c8c8c"]):
         ax.plot(df["layer"], df[f"top{k}"], marker="o", ms=3, color=c, label=f"top {k}")
     ax.plot(df["layer"], df["median"], marker="s", ms=3, color="#4c72b0", label="median")
     ax.axhline(result.abs_threshold, color="grey", ls=":", lw=0.8)
-    ax.set_yscale("log")
+    set_log_scale(ax)
     ax.set_xlabel(f"layer ({result.hook})")
     ax.set_ylabel("|activation|")
-    ax.set_title(title or f"Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
+    set_title(ax, title or f"Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
+    place_axes(fig, left=0.8, own=own)
     return fig
 
 
 def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=None, label_top: int = 3):
     """|h| over positions x dims at one layer for one sequence, log colour scale; the top dims are labelled."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 4.0))
+    fig, ax, own = new_or_given(ax, (8, 4.0))
     v = amap.values.numpy()
     if n_positions is not None:
         v = v[:n_positions]
@@ -46,9 +47,9 @@ def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=
         seen.add(r.dim)
         ax.annotate(f"dim {r.dim}", (r.dim, r.position), xytext=(10, 14 + 11 * len(seen)), textcoords="offset points",
                     color="#00b3b3", fontsize=8, annotation_clip=False, arrowprops=dict(arrowstyle="-", color="#00b3b3", lw=0.6))
-    fig.colorbar(im, ax=ax, label="|h|")
-    ax.set_title(f"|h| at layer {amap.layer} ({amap.hook})", pad=48)
-    fig.tight_layout()
+    log_axis_ticks(fig.colorbar(im, ax=ax, label="|h|").long_axis)
+    set_title(ax, f"|h| at layer {amap.layer} ({amap.hook})", pad=60)  # above the labels of the top dims
+    place_axes(fig, left=1.45, top=1.15, own=own)  # left: position labels of up to 18 characters
     return fig
 
 
@@ -74,10 +75,11 @@ def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], dims: list[i
             c = colors[i % len(colors)]
             ax.plot(r.layers, r.first_abs[:, d].numpy(), color=c, marker="o", ms=2.5, label=f"dim {d}, first token")
             ax.plot(r.layers, r.other_abs_max[:, d].numpy(), color=c, ls="--", lw=1, label=f"dim {d}, other tokens (max)")
-        ax.set_yscale("log")
-        ax.set_title(f"{kind}: spike dims {r.all_spike_dims[:6]}{'...' if len(r.all_spike_dims) > 6 else ''}", fontsize=9)
+        set_log_scale(ax)
+        spikes = r.all_spike_dims
+        set_title(ax, f"{kind}: spike dims {spikes[:6]}{'...' if len(spikes) > 6 else ''}", fontsize=9)
         ax.set_xlabel("layer")
     axes[0][0].set_ylabel("|h_d| (mean over samples)")
     axes[0][-1].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    place_axes(fig, left=0.8, wspace=0.25)
     return fig

@@ -4,24 +4,25 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
 from analysis.norm_gain import NormGainTrace
 
 
 def plot_stage_shares(trace: NormGainTrace, ax=None):
     """Share of |v|^2 held by the spike dims at each stage of the key path, first token against ordinary tokens."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(5.5, 3.2))
+    fig, ax, own = new_or_given(ax, (5.5, 3.2))
     st = trace.stages
     x = np.arange(len(st))
     b1 = ax.bar(x - 0.2, st["first_share"], 0.4, label="first token", color="#c44e52")
     b2 = ax.bar(x + 0.2, st["other_share"].fillna(0), 0.4, label="ordinary tokens", color="#4c72b0")
     ax.bar_label(b1, fmt="%.2f", fontsize=7)
     ax.bar_label(b2, labels=[("" if np.isnan(v) else f"{v:.2f}") for v in st["other_share"]], fontsize=7)
-    ax.set_xticks(x, ["h (resid)", "norm(h)", "g * norm(h)", "k_1 (along k_1^S)"])
+    ax.set_xticks(x, ["h (resid)", "norm(h)", "g * norm(h)", "k_1\n(along k_1^S)"])
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("share of |.|^2 in spike dims")
-    ax.set_title(f"Layer {trace.layer}: spike dims {trace.spike_dims}")
+    set_title(ax, f"Layer {trace.layer}: spike dims {trace.spike_dims}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    place_axes(fig, left=0.7, bottom=0.55, own=own)
     return fig
 
 
@@ -33,7 +34,7 @@ def plot_gain_profile(trace: NormGainTrace, top: int = 3):
     x = np.arange(D)
     a1.plot(x, trace.first_normalised_mean.abs().numpy(), color="#c44e52", lw=0.8, label="first token |n_1,d|")
     a1.plot(x, trace.other_normalised_abs.numpy(), color="#4c72b0", lw=0.8, label="ordinary tokens mean |n_t,d|")
-    a1.set_yscale("log")
+    set_log_scale(a1)
     a1.set_ylabel("|normalised|")
     a1.legend(fontsize=7, loc="lower left", ncol=2)
     a1.set_ylim(top=float(max(trace.first_normalised_mean.abs().max(), trace.other_normalised_abs.max())) * 6)
@@ -43,21 +44,23 @@ def plot_gain_profile(trace: NormGainTrace, top: int = 3):
         a1.scatter(S, trace.first_normalised_mean.abs()[S].numpy(), color="#c44e52", s=18, zorder=3)
         a1.scatter(S, trace.other_normalised_abs[S].numpy(), color="#4c72b0", s=18, zorder=3)
         a2.scatter(S, trace.gain_vector[S].numpy(), color="#c44e52", s=18, zorder=3)
-    for d in S:
+    for d in S:  # each label on the side of its point towards the middle, so it stays inside the axes
+        left = d > D / 2
+        style = dict(textcoords="offset points", fontsize=8, color="#c44e52", ha="right" if left else "left")
+        dx = -6 if left else 6
         a1.annotate(f"dim {d}: {float(trace.first_normalised_mean[d]):+.1f}", (d, float(trace.first_normalised_mean[d].abs())),
-                    xytext=(-70, -4), textcoords="offset points", fontsize=8, color="#c44e52")
-        a2.annotate(f"dim {d}: g={float(trace.gain_vector[d]):.3f}", (d, float(trace.gain_vector[d])), xytext=(6, 6),
-                    textcoords="offset points", fontsize=8, color="#c44e52")
+                    xytext=(dx, -4), **style)
+        a2.annotate(f"dim {d}: g={float(trace.gain_vector[d]):.3f}", (d, float(trace.gain_vector[d])), xytext=(dx, 6), **style)
     a2.set_ylabel("ln1 gain g")
     a2.set_xlabel("residual dimension")
-    a1.set_title(f"Layer {trace.layer}: what the norm and its gain do to the first token")
-    fig.tight_layout()
+    set_title(a1, f"Layer {trace.layer}: what the norm and its gain do to the first token")
+    place_axes(fig, left=0.8, hspace=0.25)
     return fig
 
 
 def plot_head_attribution(trace: NormGainTrace, ax=None):
     """Per head: alpha_1 as is, with k_1 rebuilt from the spike dims alone, and with them removed from k_1."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6.5, 3.2))
+    fig, ax, own = new_or_given(ax, (6.5, 3.2))
     h = trace.heads
     x = np.arange(len(h))
     ax.bar(x - 0.27, h["alpha_1"], 0.27, label="k_1 (model)", color="#555555")
@@ -66,9 +69,9 @@ def plot_head_attribution(trace: NormGainTrace, ax=None):
     ax.set_xticks(x, [f"h{i}\nkv{k}" for i, k in zip(h["head"], h["kv_head"])], fontsize=7)
     ax.set_ylabel("alpha_1")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"Layer {trace.layer}: attention on the first key, by key")
+    set_title(ax, f"Layer {trace.layer}: attention on the first key, by key")
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    place_axes(fig, left=0.7, bottom=0.5, own=own)
     return fig
 
 
@@ -77,7 +80,7 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, ax=None):
     ordinary tokens' normalised vectors, for one or several traces."""
     if isinstance(traces, NormGainTrace):
         traces = {f"layer {traces.layer}": traces}
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(5.5, 3.2))
+    fig, ax, own = new_or_given(ax, (5.5, 3.2))
     labels = ["first: h", "first: norm(h)", "first: g*norm(h)", "first: k_1", "ordinary: norm(h)"]
     w = 0.8 / len(traces)
     for i, (name, t) in enumerate(traces.items()):
@@ -89,6 +92,6 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, ax=None):
     ax.set_ylim(min(0, ax.get_ylim()[0]), 1.05)
     ax.set_ylabel("mean cosine across inputs")
     ax.legend(fontsize=7)
-    ax.set_title("How constant is the first token?")
-    fig.tight_layout()
+    set_title(ax, "How constant is the first token?")
+    place_axes(fig, left=0.7, own=own)
     return fig

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from analysis.figures.layout import new_or_given, place_axes, set_title
 from analysis.qk import QKAngles
 from analysis.sink import SinkResult
 
 
 def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
     """Bar chart of Sink_k (%) per input kind."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(4.5, 3.2))
+    fig, ax, own = new_or_given(ax, (4.5, 3.2))
     names = list(results)
     vals = [results[n].sink_rate(k) for n in names]
     bars = ax.bar(names, vals, color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(names)])
@@ -17,36 +18,36 @@ def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
     eps = next(iter(results.values())).eps
     ax.set_ylabel(f"Sink$_{k}^{{\\epsilon={eps}}}$ (%)")
     ax.set_ylim(0, 105)
-    ax.set_title(f"Sink on token {k}")
-    fig.tight_layout()
+    set_title(ax, f"Sink on token {k}")
+    place_axes(fig, left=0.8, bottom=0.4, own=own)
     return fig
 
 
 def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
     """Heatmap of mean alpha_k per (layer, head)."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(4.5, 6))
+    fig, ax, own = new_or_given(ax, (4.5, 6))
     a = result.per_head_alpha[..., k - 1].numpy()
     im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
     if result.layers != list(range(len(result.layers))):  # a hybrid: rows are its attention layers, true indices
         ax.set_yticks(range(len(result.layers)), [str(l) for l in result.layers])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(f"mean $\\alpha_{k}$ per head" + (f" ({result.kind})" if result.kind else ""))
+    set_title(ax, f"mean $\\alpha_{k}$ per head" + (f" ({result.kind})" if result.kind else ""))
     fig.colorbar(im, ax=ax, label=f"$\\alpha_{k}$")
-    fig.tight_layout()
+    place_axes(fig, left=0.8, right=0.4, own=own)
     return fig
 
 
 def plot_sink_by_layer(results: dict[str, SinkResult], k: int = 1, ax=None):
     """Sink_k (%) per layer for each input kind."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6, 3.2))
+    fig, ax, own = new_or_given(ax, (6, 3.2))
     for name, res in results.items():
         df = res.per_layer(k)
         ax.plot(df["layer"], df[f"sink_{k}_pct"], marker="o", ms=3, label=name)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"Sink$_{k}$ (%)")
     ax.legend()
-    fig.tight_layout()
+    place_axes(fig, top=0.15, own=own)
     return fig
 
 
@@ -79,5 +80,5 @@ def plot_qk_angles(angles: QKAngles, head: tuple[int, int] | None = None):
     ax2.set_xlabel(f"cos(q$_t$, k) in layer {layers[li]}, head {h}")
     ax2.set_ylabel("share of (query, key) pairs")
     ax2.legend()
-    fig.tight_layout()
+    place_axes(fig, right=0.15, top=0.15, wspace=1.25)
     return fig

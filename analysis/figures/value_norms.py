@@ -1,53 +1,53 @@
 """Figures for value norms (``analysis.value_norms``)."""
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
 from analysis.value_norms import ValueNorms
 
 
 def plot_value_norms(vn: ValueNorms, ax=None):
     """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6.5, 3.4))
+    fig, ax, own = new_or_given(ax, (6.5, 3.4))
     x = np.asarray(vn.layers)
     K = vn.v1_norm.shape[1]
     for vals, label, color in ((vn.v1_norm, "$|v_1|$", "C3"), (vn.vj_norm, "mean $|v_j|$, j>1", "C0")):
         v = vals.numpy()
         ax.scatter(np.repeat(x, K), v.ravel(), s=8, color=color, alpha=0.5, lw=0)
         ax.plot(x, v.mean(1), marker="o", ms=3, color=color, label=label)
-    ax.set_yscale("log")
+    set_log_scale(ax)
     ax.set_xlabel("layer")
     ax.set_ylabel("value norm (per KV head)")
-    ax.set_title("First-token value norm against the others")
+    set_title(ax, "First-token value norm against the others")
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    place_axes(fig, left=0.8, own=own)
     return fig
 
 
 def plot_value_alpha(vn: ValueNorms, reduce: str | None = None, ax=None):
     """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(5.2, 3.8))
+    fig, ax, own = new_or_given(ax, (5.2, 3.8))
     t = vn.table(reduce)
     acol = [c for c in t.columns if c.startswith("alpha_1_")][0]
     sc = ax.scatter(t["ratio"], t[acol], c=t["layer"], cmap="viridis", s=18)
-    ax.set_xscale("log")
+    set_log_scale(ax, "x")
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("$|v_1|$ / mean $|v_j|$ (j>1)")
     ax.set_ylabel(f"$\\alpha_1$ ({acol.split('_')[-1]} over the KV head's query heads)")
     c = vn.correlation(reduce)
     if c["pearson_r"] is not None:
-        ax.set_title(f"Pearson r = {c['pearson_r']:.2f}, Spearman $\\rho$ = {c['spearman_rho']:.2f} (n = {c['n']})", fontsize=9)
+        set_title(ax, f"Pearson r = {c['pearson_r']:.2f}, Spearman ρ = {c['spearman_rho']:.2f} (n = {c['n']})", fontsize=9)
     else:
-        ax.set_title("correlation undefined (constant values)", fontsize=9)
+        set_title(ax, "correlation undefined (constant values)", fontsize=9)
     fig.colorbar(sc, ax=ax, label="layer")
-    fig.tight_layout()
+    place_axes(fig, left=0.7, bottom=0.65, own=own)
     return fig
 
 
 def plot_value_profile(vn: ValueNorms, layers: list[int] | None = None, ax=None):
     """Mean |v_t| against position t for a few layers (mean over KV heads)."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6, 3.2))
+    fig, ax, own = new_or_given(ax, (6, 3.2))
     if layers is None:
         idx = np.unique(np.linspace(0, len(vn.layers) - 1, min(5, len(vn.layers))).round().astype(int))
         layers = [vn.layers[i] for i in idx]
@@ -57,9 +57,9 @@ def plot_value_profile(vn: ValueNorms, layers: list[int] | None = None, ax=None)
     pos = np.arange(1, vn.T + 1)
     for l in layers:
         ax.plot(pos, vn.v_norm_by_pos[vn.layers.index(l)].mean(0).numpy(), label=f"layer {l}")
-    ax.set_yscale("log")
+    set_log_scale(ax)
     ax.set_xlabel("position t")
     ax.set_ylabel("mean $|v_t|$")
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    place_axes(fig, left=0.8, top=0.15, own=own)
     return fig

@@ -1,0 +1,110 @@
+"""Fixed layouts for the figures: margins in inches, so a figure is laid out without measuring its text;
+and cheaper log axes.
+
+``fig.tight_layout()`` measures every tick label, label and title, which takes a draw of its own and about a
+third of a figure's cost. The figures here have fixed sizes and text of known extent, so each one states its
+margins in inches (they hold at any figure width or height) and :func:`place_axes` turns them into
+``subplots_adjust`` fractions. Titles are set at a fixed height with :func:`set_title`, since matplotlib
+otherwise measures the tick labels at each draw to see whether the title must move up. Log axes
+(:func:`set_log_scale`) write their labels (10², 2×10⁻¹) with Unicode superscripts, not mathtext, which
+is parsed once per label, and have minor ticks only where they span less than 3 decades. :func:`flat_bars`
+draws a row of background bars as one patch.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import LogFormatterSciNotation, LogLocator
+
+
+def new_or_given(ax, figsize: tuple[float, float]):
+    """``(fig, ax, own)``: a new one-axes figure of ``figsize`` when ``ax`` is None (``own``), else ``ax``'s figure."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax, True
+    return ax.figure, ax, False
+
+
+def place_axes(fig, *, left: float = 0.75, bottom: float = 0.58, right: float = 0.17, top: float = 0.36,
+               wspace: float = 0.0, hspace: float = 0.0, own: bool = True) -> None:
+    """Place the figure's grid of subplots with these margins, and these gaps between its columns (``wspace``)
+    and rows (``hspace``), all in inches. A colour bar made with ``fig.colorbar(..., ax=ax)`` sits inside its
+    axes' cell, so the margin or gap beside it holds only the bar's tick labels and label.
+
+    ``own=False`` (the figure is the caller's, drawn into one of its axes): laid out by ``tight_layout`` as
+    before, since its other axes are not known here."""
+    if not own:
+        fig.tight_layout()
+        return
+    width, height = fig.get_size_inches()
+    nrows, ncols = fig.axes[0].get_subplotspec().get_topmost_subplotspec().get_gridspec().get_geometry()
+    mean_w = (width - left - right - wspace * (ncols - 1)) / ncols  # subplots_adjust wants the gaps as fractions
+    mean_h = (height - top - bottom - hspace * (nrows - 1)) / nrows  # of the mean axes width and height
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                        wspace=wspace / mean_w, hspace=hspace / mean_h)
+
+
+def set_title(ax, label: str, **kwargs):
+    """``ax.set_title`` at the top of the axes (``y=1``), where it would be anyway with no tick labels on top;
+    given ``y``, matplotlib does not measure the axes at each draw to place it."""
+    return ax.set_title(label, y=1.0, **kwargs)
+
+
+_SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+class PlainLogFormatter(LogFormatterSciNotation):
+    """matplotlib's log-axis labels (the same ticks labelled, the same values) as plain text: ``10²``,
+    ``2×10⁻¹`` with Unicode superscripts instead of mathtext's ``$\\mathdefault{10^{2}}$``."""
+
+    def __call__(self, x, pos=None):
+        label = super().__call__(x, pos)
+        body = re.fullmatch(r"\$\\mathdefault\{(.*)\}\$", label)
+        if body is None:
+            return label
+        text = body.group(1).replace("\\times", "×")
+        return re.sub(r"\^\{([^}]*)\}", lambda power: power.group(1).translate(_SUPERSCRIPT), text)
+
+
+class FewDecadesMinorLocator(LogLocator):
+    """matplotlib's minor ticks of a log axis (2..9 times each power of ten) where the axis spans fewer than
+    ``max_decades`` decades; none where it spans more: there the labelled decades suffice, and 8 ticks a
+    decade (each an artist to make and draw) would cost more than the rest of the axis."""
+
+    def __init__(self, max_decades: float = 3):
+        super().__init__(subs="auto")
+        self.max_decades = max_decades
+
+    def tick_values(self, vmin, vmax):
+        if vmin > 0 and vmax > 0 and abs(math.log10(vmax / vmin)) >= self.max_decades:
+            return np.array([])
+        return super().tick_values(vmin, vmax)
+
+
+def set_log_scale(ax, which: str = "y") -> None:
+    """``ax.set_yscale("log")`` (``which="x"``: the x axis) with :func:`log_axis_ticks`."""
+    getattr(ax, f"set_{which}scale")("log")
+    log_axis_ticks(getattr(ax, f"{which}axis"))
+
+
+def log_axis_ticks(axis) -> None:
+    """On a log axis (an ``ax.yaxis``, or a log colour bar's ``cbar.long_axis``): labels by
+    :class:`PlainLogFormatter` (minor ticks labelled where matplotlib labels them, on an axis spanning less
+    than about a decade), minor ticks by :class:`FewDecadesMinorLocator`."""
+    axis.set_major_formatter(PlainLogFormatter())
+    axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
+    axis.set_minor_locator(FewDecadesMinorLocator())
+
+
+def flat_bars(ax, x, height, width: float = 0.8, **kwargs):
+    """Bars from 0 at increasing ``x`` (at least ``width`` apart), no edges: the picture of
+    ``ax.bar(x, height, width, **kwargs)``, drawn as one filled ``ax.stairs`` patch with zero steps between the
+    bars, so one artist instead of a Rectangle per bar (each about 0.8 ms to make and draw). NaN heights draw
+    nothing, as in ``ax.bar``. Returns the ``StepPatch`` (its ``label`` gives the legend the same box)."""
+    x = np.asarray(x, dtype=float)
+    edges = np.column_stack([x - width / 2, x + width / 2]).ravel()
+    steps = np.column_stack([np.nan_to_num(np.asarray(height, dtype=float)), np.zeros(len(x))]).ravel()[:-1]
+    return ax.stairs(steps, edges, baseline=0, fill=True, **kwargs)
