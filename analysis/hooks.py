@@ -144,6 +144,15 @@ def model_device(model) -> torch.device:
 
 def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
     """Validate a (N, T) batch of token ids against the model; return it as a LongTensor."""
+    dims = model_dims(model)
+    return validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
+
+
+def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, hint: str = "", sync: bool = True) -> torch.Tensor:
+    """Token ids as a (N, T) LongTensor (a 1-d sequence gets a batch axis), checked for shape, dtype, emptiness, the
+    context ``n_ctx`` and the vocabulary ``vocab`` (None: not checked); ValueError saying what to give otherwise.
+    ``hint``: what to do beyond shortening the input, appended to the context error. ``sync=False``: the vocabulary
+    is checked on the CPU only (a training step does not wait for the GPU to read the ids)."""
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)
     if tokens.ndim == 1:
@@ -152,17 +161,15 @@ def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tokens must have shape (N, T); got {tuple(tokens.shape)}.")
     if tokens.numel() == 0 or tokens.shape[1] == 0:
         raise ValueError("tokens are empty: give at least one sequence of at least one token.")
-    if tokens.is_floating_point():
-        raise ValueError("tokens must be integer token ids, not floats.")
-    dims = model_dims(model)
-    if dims.n_ctx is not None and tokens.shape[1] > dims.n_ctx:
-        raise ValueError(
-            f"sequence length T={tokens.shape[1]} exceeds the model's context of {dims.n_ctx} tokens; "
-            f"use T <= {dims.n_ctx}."
-        )
-    vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
-    if vocab is not None and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
-        raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{int(tokens.min())}, {int(tokens.max())}].")
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
+    if n_ctx is not None and tokens.shape[1] > n_ctx:
+        raise ValueError(f"sequence length T={tokens.shape[1]} exceeds the model's context of {n_ctx} tokens; "
+                         f"use T <= {n_ctx}{hint}.")
+    if vocab is not None and (sync or tokens.device.type == "cpu") and not torch.compiler.is_compiling():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{lo}, {hi}].")
     return tokens.long()
 
 

@@ -13,8 +13,14 @@ CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` 
 also keeps the natural pass's residual stream entering every block (``Profile.resid``); the norm-gain trace and
 the 5 intervention passes (2 spike, 2 value, 1 first-key) then start at the block they change (on SmolLM2: 24;
 12, 2 and 12), so 30 + 30 + 30 + 1 + 110 blocks run where whole passes would run 300. Its time is best read in
-forward passes. Targets (issue 10): <= 8x the forward pass in time and <= 1.3x its peak memory, judged on the
-median report; the last line says whether they are met. On a shared machine, read the ratios within one run.
+forward passes. Targets (issue 10): <= 8x the forward pass in time (the median report against the fastest
+forward) and <= 1.3x its peak memory (the first report against the forwards before it, the same process state);
+the targets line says whether they are met. On a shared machine, read the ratios within one run.
+
+The report's model work is counted too: the blocks and unembeddings its passes run (forward hooks on the wrapped
+modules, during the last report), priced with the forward's own split into blocks and unembedding (a pass stopped
+after the last block, timed beside the forward). That floor, in forward passes, is what the report must cost
+before any accumulator, figure or file; the report's time above it is its overhead.
 """
 from __future__ import annotations
 
@@ -58,15 +64,78 @@ def main() -> None:
     forward()  # warm-up (first-call allocations, lazy inits)
     fwds = [measure(forward, args.device) for _ in range(max(1, args.repeat))]
     print(f"plain forward: {min(f[0] for f in fwds):.2f} s (best of {len(fwds)}); now the reports ...", flush=True)
-    reps = []
-    for _ in range(max(1, args.reports)):
+    base = min(measure(lambda: base_forward(model, tokens, bs, args.device), args.device)[0] for _ in range(2))
+    reps, work = [], ModelWork(model, tokens.numel())
+    for i in range(max(1, args.reports)):
+        work.start(i == max(1, args.reports) - 1)  # count the last report's model work
         with tempfile.TemporaryDirectory() as out:
             rep = measure(lambda: build_report(model, out, n=args.n, T=args.T, seed=args.seed), args.device)
+            work.start(False)
             seconds = json.loads((Path(out) / "report.json").read_text())["seconds"]
             size = {f.name: f.stat().st_size for f in Path(out).iterdir()}
         reps.append((rep, seconds))
         fwds.append(measure(forward, args.device))
-    _print(args, bs, min(fwds, key=lambda r: r[0]), fwds, reps, size)
+    work.stop()
+    # time unit: the fastest forward; memory unit: the forward's peak before any report ran (a report leaves the
+    # process larger, so a forward measured after one would not be the same process state as the first report)
+    before = fwds[: max(1, args.repeat)]
+    fwd = (min(f[0] for f in fwds), max(f[1] for f in before), max(f[2] for f in before))
+    _print(args, bs, fwd, fwds, reps, size)
+    print(work.text(fwd[0], base, statistics.median(r[0][0] for r in reps)))
+
+
+def base_forward(model, tokens, bs: int, device) -> None:
+    """The forward over the same batches stopped after the last block: the blocks' share of a forward pass."""
+    from analysis.hooks import _Stop, _stop, act_name, batches, model_dims
+
+    last = act_name("resid_post", model_dims(model).n_layers - 1)
+    with torch.inference_mode():
+        for b in batches(tokens, bs):
+            try:
+                model.run_with_hooks(b.to(device), fwd_hooks=[(last, _stop)])
+            except _Stop:
+                pass
+
+
+class ModelWork:
+    """Counts the transformer blocks and unembeddings the model runs while counting is on (forward hooks on the
+    modules the bridge wraps), in units of the forward's: a block or unembedding over ``tokens`` tokens counts 1,
+    one over a single sequence 1/N."""
+
+    def __init__(self, model, tokens: int):
+        self.n_layers, self.tokens = len(model.blocks), tokens
+        self.blocks = self.unembeds = 0.0
+        self.on = False
+        mods = [getattr(b, "original_component", b) for b in model.blocks]
+        self.handles = [m.register_forward_hook(self._block, with_kwargs=True) for m in mods]
+        unembed = getattr(model.unembed, "original_component", model.unembed)
+        self.handles.append(unembed.register_forward_hook(self._unembed, with_kwargs=True))
+
+    def _share(self, args, kwargs) -> float:
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+        return x.shape[0] * x.shape[1] / self.tokens if isinstance(x, torch.Tensor) and x.ndim == 3 else 1.0
+
+    def _block(self, module, args, kwargs, output):
+        self.blocks += self.on * self._share(args, kwargs)
+
+    def _unembed(self, module, args, kwargs, output):
+        self.unembeds += self.on * self._share(args, kwargs)
+
+    def start(self, on: bool) -> None:
+        self.on = on
+
+    def stop(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def text(self, forward_s: float, base_s: float, report_s: float) -> str:
+        block = base_s / forward_s / self.n_layers  # one block, in forward passes
+        unembed = max(1 - base_s / forward_s, 0.0)
+        floor = self.blocks * block + self.unembeds * unembed
+        return (f"model work of one report: {self.blocks:.1f} blocks ({self.blocks / self.n_layers:.2f} x {self.n_layers}) "
+                f"and {self.unembeds:.1f} unembeddings over the N x T tokens = {floor:.1f} forward passes (a block {block:.3f}, the unembedding "
+                f"{unembed:.2f} of a forward); the report takes {report_s / forward_s:.1f}: "
+                f"{report_s / forward_s - floor:.1f} forward passes ({report_s - floor * forward_s:.1f} s) above its model work")
 
 
 def _print(args, bs: int, fwd, fwds, reps, size) -> None:
@@ -80,8 +149,8 @@ def _print(args, bs: int, fwd, fwds, reps, size) -> None:
               f"{rep[1] / max(fwd[1], 1e-9):>11.2f}")
         print("  sections (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     t_ratio = statistics.median(r[0][0] for r in reps) / fwd[0]
-    m_ratio = statistics.median(r[0][1] for r in reps) / max(fwd[1], 1e-9)
-    print(f"targets (median report): time {t_ratio:.1f}x <= {TIME_TARGET:g}x {'met' if t_ratio <= TIME_TARGET else 'NOT met'}; "
+    m_ratio = reps[0][0][1] / max(fwd[1], 1e-9)  # the first report: the process state the forward was measured in
+    print(f"targets (time: median report; memory: first report): time {t_ratio:.1f}x <= {TIME_TARGET:g}x {'met' if t_ratio <= TIME_TARGET else 'NOT met'}; "
           f"peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x {'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
     print("files: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in size.items()))
 

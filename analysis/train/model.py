@@ -410,27 +410,10 @@ class SinkLM(HookedRootModule):
             isinstance(tokens, str) or (tokens and isinstance(tokens[0], str))
         ):
             return self.to_tokens(tokens)
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.as_tensor(tokens)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must have shape (batch, T); got {tuple(tokens.shape)}.")
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
-        T = tokens.shape[1]
-        if T == 0:
-            raise ValueError("tokens are empty: give at least one token per sequence.")
-        if T > self.cfg.n_ctx:
-            raise ValueError(
-                f"sequence length {T} exceeds the model's context n_ctx={self.cfg.n_ctx}; truncate the "
-                f"input to at most {self.cfg.n_ctx} tokens (or train a model with a larger --n-ctx)."
-            )
-        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.cfg.d_vocab:
-                raise ValueError(f"token ids must lie in [0, {self.cfg.d_vocab}); got ids in [{lo}, {hi}].")
-        return tokens.long()
+        from analysis.hooks import validate_token_ids
+
+        return validate_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab,
+                                  hint=" (or train a model with a larger --n-ctx)", sync=False)
 
     def to_tokens(self, text, prepend_bos: bool = True) -> torch.Tensor:
         """Tokenize a string or list of strings of equal token length (needs ``self.tokenizer``)."""

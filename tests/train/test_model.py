@@ -210,7 +210,7 @@ def test_hooks_context_manager_and_run_with_cache():
 
 def test_forward_errors_are_clear():
     model = SinkLM(ModelConfig(d_vocab=17, n_ctx=8))
-    with pytest.raises(ValueError, match="exceeds the model's context n_ctx=8"):
+    with pytest.raises(ValueError, match="exceeds the model's context of 8 tokens"):
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):
         model(torch.full((1, 4), 17))
