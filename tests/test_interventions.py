@@ -215,6 +215,17 @@ class _Calls:
         self.n += 1
 
 
+def _whole_and_resumed(model, toks, hooks, base):
+    """The condition ``hooks`` as a whole pass and resumed from ``base``; and how often block 0 ran in the latter."""
+    full = run_condition(model, toks, hooks, batch_size=4)
+    calls = _Calls(model.blocks[0].original_component)
+    try:
+        part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
+    finally:
+        calls.handle.remove()
+    return full, part, calls.n
+
+
 def _with_resid(model, toks, base, layers, batch_size):
     from analysis.hooks import ResidCapture, stream
 
@@ -260,13 +271,8 @@ def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge
     toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(1))
     base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), [1], 4)
     hooks = [(act_name("resid_post", 0), lambda x, hook: torch.cat([x[..., :8] * 4, x[..., 8:]], -1))]
-    full = run_condition(model, toks, hooks, batch_size=4)
-    calls = _Calls(model.blocks[0].original_component)
-    try:
-        part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
-    finally:
-        calls.handle.remove()
-    assert calls.n == 0 and part.layers == full.layers
+    full, part, block0_runs = _whole_and_resumed(model, toks, hooks, base)
+    assert block0_runs == 0 and part.layers == full.layers
     assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and part.loss == pytest.approx(full.loss, abs=1e-5)
     assert abs(part.loss - base.run.loss) > 1e-3  # the edit did change the pass
 
@@ -288,13 +294,8 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
     base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), range(1, n), 4)
     for s in range(1, n):
         hooks = [(act_name("resid_pre", s), lambda x, hook: x * 0.5)]
-        full = run_condition(model, toks, hooks, batch_size=4)
-        calls = _Calls(model.blocks[0].original_component)
-        try:
-            part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
-        finally:
-            calls.handle.remove()
-        assert calls.n == 0
+        full, part, block0_runs = _whole_and_resumed(model, toks, hooks, base)
+        assert block0_runs == 0
         assert part.layers == full.layers
         assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and torch.allclose(full.where, part.where, atol=1e-5)
         assert part.loss == pytest.approx(full.loss, abs=1e-5)
