@@ -520,21 +520,14 @@ class KeyManifoldAccumulator(Accumulator):
         return km
 
 
-_INT_COLUMNS = ("r", "first_n90", "mid_n90", "other_n90")  # the head_row columns that are counts
-
-
-def head_row(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
-    """The table columns of one (layer, KV head) from the other keys' eigen-decomposition (descending), mean and
-    covariance, the N first keys k1 (N, d), the N keys at position T // 2 and the other keys' unit-vector sum."""
-    cols, f_cum, evr_cum = _head_stats(evals[None], evecs[None], mu[None], cov[None], k1[None], mid[None], unit_sum[None],
-                                      n_other, n_components)
-    return {k: v[0] for k, v in cols.items()}, f_cum[0], evr_cum[0]
+_INT_COLUMNS = ("r", "first_n90", "mid_n90", "other_n90")  # the table columns that are counts
 
 
 def _head_stats(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
-    """``head_row`` for M heads at once: evals (M, d) descending, evecs (M, d, d), mu (M, d), cov (M, d, d), k1 and
-    mid (M, N, d), unit_sum (M, d); returns {column: M python numbers}, the first keys' cumulative
-    explained-variance ratios (M, min(N, d)) and the other keys' (M, d)."""
+    """The table columns of M (layer, KV head) pairs at once, from the other keys' eigen-decomposition (evals
+    (M, d) descending, evecs (M, d, d)), mean mu (M, d) and covariance cov (M, d, d), the N first keys k1 and the N
+    keys at position T // 2 mid (M, N, d), and the other keys' unit-vector sum (M, d); returns {column: M python
+    numbers}, the first keys' cumulative explained-variance ratios (M, min(N, d)) and the other keys' (M, d)."""
     M, d = evals.shape
     total = evals.sum(-1)
     evr_cum = torch.where(total[:, None] > 0, evals.cumsum(-1) / total[:, None], torch.zeros(())).numpy()
