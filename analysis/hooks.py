@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -272,7 +272,8 @@ class Accumulator:
 
     ``hooks()`` says which activations it needs, per layer: {layer: {key: hook name}}. For each batch and
     layer, once every activation of that layer (over all accumulators of the pass) has fired,
-    ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together: the joint reducer. Then
+    ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together (a :class:`LayerActs`): the joint
+    reducer. Then
     ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False lets the
     pass stop after the last layer any accumulator needs.
     """
@@ -291,6 +292,26 @@ class Accumulator:
 
     def result(self):
         raise NotImplementedError
+
+
+class LayerActs(dict):
+    """One layer's activations as an accumulator asked for them ({key: tensor}), and what every accumulator fed
+    the same layer in the pass shares: :meth:`units`, computed once per tensor. Built by the joint reducer for
+    each layer and batch and dropped after it, so nothing derived outlives the layer."""
+
+    def __init__(self, acts: Mapping[str, torch.Tensor], scratch: dict | None = None):
+        super().__init__(acts)
+        self.scratch = {} if scratch is None else scratch  # id(x) -> (x, derived): x held, so its id stays its own
+
+    def units(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``unit_vectors(x.float())`` (unit vectors, norms) of queries or keys x (..., d) derived from this layer's
+        activations: the QK angles and the first-key manifold of one pass compute them once."""
+        from analysis.stats import unit_vectors
+
+        hit = self.scratch.get(id(x))
+        if hit is None:
+            hit = self.scratch[id(x)] = (x, unit_vectors(x.float()))
+        return hit[1]
 
 
 class LayerCollector:
@@ -373,9 +394,10 @@ class _JointReducer:
             return
         del self.slot[layer]
         self.done.add(layer)
+        scratch: dict = {}  # shared by the layer's accumulators (LayerActs.units), dropped with the layer
         for acc, want in zip(self.accs, self.wants):
             if layer in want:
-                acc.update(layer, {k: slot[n] for k, n in want[layer].items() if n in slot}, self.batch)
+                acc.update(layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch)
         if self.stop_early and layer == self.last:
             raise _Stop
 

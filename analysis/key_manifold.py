@@ -64,7 +64,7 @@ from analysis.io import jsonable
 from analysis.results import Result, layers_text
 from analysis.rotary import rotate_as_spec
 from analysis.sink import alpha_from_pattern
-from analysis.stats import one_thread, pair_cosine, permuted_copy, shared_units, unit_vectors
+from analysis.stats import one_thread, pair_cosine, permuted_copy, unit_vectors
 
 DEFAULT_N_COMPONENTS = 0.9
 VARIANCE_LEVEL = 0.9  # first_n90 / other_n90
@@ -432,9 +432,9 @@ class KeyManifoldAccumulator(Accumulator):
             return
         i = self.index[layer]
         every = self.heads == list(range(self.K))
-        norms = shared_units(kk)[1]  # |k| (B, T, H_kv), shared with the QK angles
+        kn, norms = acts.units(kk)  # unit keys and |k| (B, T, H_kv), shared with the QK angles of the same pass
         self._keys(i, kk if every else kk[:, :, self.heads], norms if every else norms[:, :, self.heads])
-        self._angles(i, q, kk)
+        self._angles(i, acts.units(q)[0][:, 1:], kn)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
         self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, "max")[self.heads], self.heads)
@@ -455,11 +455,11 @@ class KeyManifoldAccumulator(Accumulator):
         self.firsts[i].append(ks[:, 0].clone())  # (B, S, d): only the first keys are kept ...
         self.mids[i].append(ks[:, T // 2].clone())  # ... and, as a same-size control, the keys at one later position
 
-    def _angles(self, i: int, q: torch.Tensor, kk: torch.Tensor) -> None:
+    def _angles(self, i: int, qn: torch.Tensor, kn: torch.Tensor) -> None:
         """sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t),
-        queries t > 1 (B, T-1, H, d) against each query head's KV head (unit keys kept per KV head, repeated last)."""
+        unit queries t > 1 ``qn`` (B, T-1, H, d) against each query head's KV head (unit keys ``kn`` (B, T, H_kv, d), kept
+        per KV head, repeated last)."""
         H = self.H
-        qn, kn = shared_units(q)[0][:, 1:], shared_units(kk)[0]  # shared with the QK angles of the same pass
         self.acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn, per_query_head(kn[:, 0], H, dim=1)).double()
         self.acc["cos_q_kj"][i] += _dot_cumulative(qn, kn[:, 1:].cumsum(dim=1), H).double()
 

@@ -33,7 +33,7 @@ from analysis.hooks import (
 )
 from analysis.results import Result
 from analysis.rotary import rotate_as_spec
-from analysis.stats import one_thread, permuted_copy, shared_units
+from analysis.stats import one_thread, permuted_copy, unit_vectors
 
 N_BINS = 40
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
@@ -41,7 +41,7 @@ _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """cos(q_i, k_j) for every query head: q (B,T,H,d), k (B,T,Hkv,d) -> (B,H,T_q,T_k)."""
-    return _cosines(shared_units(q)[0], shared_units(k)[0])
+    return _cosines(unit_vectors(q.float())[0], unit_vectors(k.float())[0])
 
 
 def _cosines(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ class QKAccumulator(Accumulator):
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         q, k = self.vectors(layer, acts)
         i, (B, T), H = self.index[layer], q.shape[:2], self.H
-        (qn, q_norm), (kn, k_norm) = shared_units(q), shared_units(k)  # shared with the first-key manifold
+        (qn, q_norm), (kn, k_norm) = acts.units(q), acts.units(k)  # shared with the first-key manifold
         cos = _cosines(qn, kn).reshape(B * H, T * T)  # (B H, T T)
         first = cos[:, T:: T].reshape(B, H, T - 1).transpose(0, 1).reshape(H, -1)  # (H, B (T-1)): cos(q_t, k_1), t > 1
         if self._other.numel() != T * (T - 1) // 2 or self._other.device != cos.device:

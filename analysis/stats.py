@@ -1,14 +1,12 @@
 """Small statistics shared by the analyses (each written once)."""
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
-_UNITS: dict[int, tuple] = {}  # id(x) -> (weak reference to x, shared_units(x)) while x lives
 
 
 def pair_cosine(unit_sum: torch.Tensor, n: int) -> torch.Tensor:
@@ -59,19 +57,6 @@ def unit_vectors(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     ``normalize`` makes them, and the norms they were divided by, from one norm computation."""
     norm = x.norm(dim=dim, keepdim=True)
     return x / norm.clamp_min(1e-12).expand_as(x), norm.squeeze(dim)
-
-
-def shared_units(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``unit_vectors(x.float())`` of queries or keys x (..., d), computed once per tensor while it lives: the
-    analyses fed the same hook activation in one pass (QK angles, the first-key manifold) share it."""
-    hit = _UNITS.get(id(x))
-    if hit is not None and hit[0]() is x:
-        return hit[1]
-    out = unit_vectors(x.float())
-    key = id(x)
-    ref = weakref.ref(x, lambda r: _UNITS.pop(key) if _UNITS.get(key, (None,))[0] is r else None)
-    _UNITS[key] = (ref, out)
-    return out
 
 
 def permuted_copy(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

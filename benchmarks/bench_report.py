@@ -86,15 +86,10 @@ def main() -> None:
 
 def base_forward(model, tokens, bs: int, device) -> None:
     """The forward over the same batches stopped after the last block: the blocks' share of a forward pass."""
-    from analysis.hooks import _Stop, _stop, act_name, batches, model_dims
+    from analysis.hooks import act_name, model_dims, run_with_reducers
 
-    last = act_name("resid_post", model_dims(model).n_layers - 1)
-    with torch.inference_mode():
-        for b in batches(tokens, bs):
-            try:
-                model.run_with_hooks(b.to(device), fwd_hooks=[(last, _stop)])
-            except _Stop:
-                pass
+    run_with_reducers(model, tokens.to(device), [], batch_size=bs,
+                      stop_after=act_name("resid_post", model_dims(model).n_layers - 1))
 
 
 class ModelWork:

@@ -98,6 +98,31 @@ def test_joint_reducer_hands_one_layer_over_together(planted):
                     (0, ["pattern", "q", "resid", "v"], 2, 3), (1, ["pattern", "q", "resid", "v"], 2, 3)]
 
 
+def test_accumulators_of_one_layer_share_its_unit_vectors(planted):
+    """Two accumulators fed the same layer get one LayerActs scratch: ``units`` of the same key tensor is computed
+    once (the same objects) and equals unit_vectors."""
+    from analysis.stats import unit_vectors
+
+    class Units(Accumulator):
+        def __init__(self):
+            self.got = []
+
+        def hooks(self):
+            return {l: {"k": act_name("k", l)} for l in (0, 1)}
+
+        def update(self, layer, acts, batch):
+            self.got.append((layer, batch.offset, acts.units(acts["k"]), unit_vectors(acts["k"].float())))
+
+        def result(self):
+            return self.got
+
+    a, b = stream(planted, planted_tokens(4, 8), [Units(), Units()], batch_size=2)
+    assert len(a) == len(b) == 4
+    for (la, oa, ua, ref), (lb, ob, ub, _) in zip(a, b):
+        assert (la, oa) == (lb, ob) and ua[0] is ub[0] and ua[1] is ub[1]
+        assert torch.equal(ua[0], ref[0]) and torch.equal(ua[1], ref[1])
+
+
 def test_a_hook_that_never_fires_is_an_error_unless_optional():
     """Reference models without rotary list hook_rot_k but never run it."""
     from analysis.train import ModelConfig, SinkLM
