@@ -273,9 +273,8 @@ class Accumulator:
     ``hooks()`` says which activations it needs, per layer: {layer: {key: hook name}}. For each batch and
     layer, once every activation of that layer (over all accumulators of the pass) has fired,
     ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together (a :class:`LayerActs`): the joint
-    reducer. Then
-    ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False lets the
-    pass stop after the last layer any accumulator needs.
+    reducer. Then ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False
+    lets the pass stop after the last layer any accumulator needs.
     """
 
     needs_logits = False

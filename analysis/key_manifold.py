@@ -399,6 +399,7 @@ class KeyManifoldAccumulator(Accumulator):
         self.spec = get_family(model)
         self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
         self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
+        self.every_head = self.heads == list(range(self.K))  # no head selection to copy out
         L, S, f64 = len(self.layers), len(self.heads), torch.float64
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.acc = {"k1_norm": torch.zeros(L, S, dtype=f64), "kj_norm": torch.zeros(L, S, dtype=f64),
@@ -431,9 +432,11 @@ class KeyManifoldAccumulator(Accumulator):
             self.scatter.add(layer, kk, None, self.heads)
             return
         i = self.index[layer]
-        every = self.heads == list(range(self.K))
         kn, norms = acts.units(kk)  # unit keys and |k| (B, T, H_kv), shared with the QK angles of the same pass
-        self._keys(i, kk if every else kk[:, :, self.heads], norms if every else norms[:, :, self.heads])
+        if self.every_head:
+            self._keys(i, kk, norms)
+        else:
+            self._keys(i, kk[:, :, self.heads], norms[:, :, self.heads])
         self._angles(i, acts.units(q)[0][:, 1:], kn)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
