@@ -10,7 +10,7 @@ and prints wall time and peak memory of each and their ratios to (a), then the r
 Peak memory: peak resident memory of the process on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs, as in bench_sink.py) above the resident memory before it, and the process's peak; on
 CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` pass per probe kind (3), which
-also keeps the natural pass's residual stream entering every block (``Profile.resid``); the norm-gain trace and
+also keeps the natural pass's residual stream entering its blocks (``Profile.resid``, every 2nd on SmolLM2); the norm-gain trace and
 the 5 intervention passes (2 spike, 2 value, 1 first-key) then start at the block they change (on SmolLM2: 24;
 12, 2 and 12), so 3 x 30 + 0 + 110 blocks run where whole passes would run 265 (the last line counts them). Its
 time is best read in forward passes. Targets (issue 10): <= 8x the forward pass in time (the median report against the fastest
