@@ -174,6 +174,7 @@ class TrainConfig:
     sink_eps: float = 0.3
     checkpoint_every: int = 500  # 0: no intermediate checkpoints
     keep_checkpoints: int = 2
+    snapshots: Optional[str] = None  # weights kept along training: "log:N" (N log-spaced steps) or "100,500,2000"
     resume: bool = False  # continue from the latest checkpoint in `out`
     progress: bool = True
 
@@ -191,6 +192,7 @@ class TrainConfig:
                              f"{self.fixed_token_position}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
+        snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -198,6 +200,33 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return cls(**_known_fields(cls, d, "train"))
+
+
+def snapshot_steps(spec: Optional[str], steps: int) -> list[int]:
+    """The steps at which a run keeps its weights (``TrainConfig.snapshots``), ascending, each in [1, steps].
+
+    ``"log:N"``: N steps spaced evenly in log from 10 (or 1 for runs under 100 steps) to ``steps`` (fewer when
+    rounding makes two equal); ``"100,500,2000"``: those steps. None or "": none."""
+    if not spec:
+        return []
+    spec = str(spec).strip()
+    if spec.startswith("log:"):
+        try:
+            n = int(spec[4:])
+        except ValueError:
+            n = 0
+        if n < 2:
+            raise ValueError(f"snapshots={spec!r}: give 'log:N' with N >= 2 (e.g. log:12).")
+        lo = 10 if steps >= 100 else 1
+        return sorted({int(round(lo * (steps / lo) ** (i / (n - 1)))) for i in range(n)})
+    try:
+        out = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"snapshots={spec!r}: give 'log:N' or comma-separated steps such as 100,500,2000.") from None
+    bad = [s for s in out if not 1 <= s <= steps]
+    if bad:
+        raise ValueError(f"snapshot steps {bad} lie outside 1..steps={steps}.")
+    return out
 
 
 def _known_fields(cls, d: dict, what: str) -> dict:

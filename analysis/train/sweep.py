@@ -68,7 +68,7 @@ def _train_one(args: tuple) -> dict:
 
 # Options that do not change what a run trains (evaluation runs under no_grad on a fixed probe).
 _NOT_CONFIG = ("out", "progress", "resume", "preset", "d_vocab", "log_every", "eval_every", "checkpoint_every",
-               "keep_checkpoints")
+               "keep_checkpoints", "snapshots")
 
 
 def config_key(model: dict, train: dict) -> str:

@@ -11,6 +11,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from analysis.train.checkpoint import (
     save_reference,
     write_text,
 )
-from analysis.train.config import ModelConfig, TrainConfig
+from analysis.train.config import ModelConfig, TrainConfig, snapshot_steps
 from analysis.train.data import build_data, load_tokenizer_file
 from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
 from analysis.train.model import SinkLM
@@ -266,6 +267,11 @@ class _Loop:
     per_rank: int
     micro: int
 
+    @property
+    def snapshot_at(self) -> frozenset:
+        """The steps whose weights are kept (``TrainConfig.snapshots``)."""
+        return _snapshot_set(self.tcfg)
+
     def step(self, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
         """One optimiser step on batch ``step``: (lr, summed loss over processes, gradient norm)."""
         lr = lr_at(step, self.tcfg)
@@ -303,11 +309,20 @@ class _Loop:
 
 
 def _should_log(done: int, tcfg: TrainConfig) -> bool:
-    return done % tcfg.log_every == 0 or done == tcfg.steps or bool(tcfg.eval_every and done % tcfg.eval_every == 0)
+    return done % tcfg.log_every == 0 or done == tcfg.steps or _should_eval(done, tcfg)
 
 
 def _should_eval(done: int, tcfg: TrainConfig) -> bool:
-    return bool(tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps
+    return bool(tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps or done in _snapshot_set(tcfg)
+
+
+def _snapshot_set(tcfg: TrainConfig) -> frozenset:
+    return _snapshot_steps(tcfg.snapshots, tcfg.steps)
+
+
+@functools.lru_cache(maxsize=8)
+def _snapshot_steps(spec, steps: int) -> frozenset:
+    return frozenset(snapshot_steps(spec, steps))
 
 
 def _describe(mcfg: ModelConfig, tcfg: TrainConfig, data) -> str:
@@ -324,6 +339,16 @@ def _checkpoint(loop: _Loop, out: Optional[Path], done: int, main: bool, names, 
                             {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()}, tcfg.keep_checkpoints)
         if loop.world > 1:
             dist.barrier()
+
+
+def _snapshot(loop: _Loop, out: Optional[Path], done: int, main: bool, mcfg: ModelConfig, data, record: dict) -> None:
+    """Keep the weights at the snapshot steps (``--snapshots``) as ``out/snapshots/step-NNNNNNN``, a reference folder
+    that ``load_reference`` loads (its ``final`` holds the evaluation at that step, when one ran)."""
+    if out is None or not main or done not in loop.snapshot_at:
+        return
+    save_reference(out / "snapshots" / f"step-{done:07d}", loop.model,
+                   {"description": _describe(mcfg, loop.tcfg, data) + f" (snapshot at step {done})", "step": done,
+                    "model": mcfg.to_dict(), "train": loop.tcfg.to_dict(), "data": data.meta(), "final": record})
 
 
 def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: list, mcfg: ModelConfig, names, probes,
@@ -344,6 +369,7 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
             lr, loss_acc, grad_norm = loop.step(step)
             done = step + 1
             steps_since += 1
+            rec = {}
             if _should_log(done, tcfg):
                 now = time.perf_counter()
                 rec = {"step": done, "loss": round(float(loss_acc) / loop.world, 5), "lr": lr,
@@ -361,6 +387,7 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
                     bar.set_postfix({k: rec[k] for k in ("loss", "sink_1") if k in rec})
                 t_last, steps_since = time.perf_counter(), 0
             bar.update(1)
+            _snapshot(loop, out, done, main, mcfg, loop.data, rec)
             _checkpoint(loop, out, done, main, names, mcfg)
             if stop_after is not None and done >= stop_after:
                 return last, True

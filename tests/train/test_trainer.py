@@ -296,3 +296,23 @@ def test_sweep_writes_one_table(tmp_path, capsys):
     curves = pd.read_csv(out / "curves.csv")
     assert set(curves.step) == {3} and len(curves) == 4
     assert (out / "command.txt").read_text().startswith("python -m analysis.train sweep")
+
+
+def test_snapshots_keep_the_weights_along_training(tmp_path):
+    from analysis.train.config import snapshot_steps
+
+    assert snapshot_steps("log:4", 1000) == [10, 46, 215, 1000]
+    assert snapshot_steps("3,1, 12", 12) == [1, 3, 12] and snapshot_steps(None, 12) == []
+    for bad in ("log:1", "log:x", "0,5", "5,13", "a,b"):
+        with pytest.raises(ValueError, match="snapshot"):
+            TrainConfig(steps=12, snapshots=bad)
+    out = tmp_path / "run"
+    res = train(*tiny(out, snapshots="3,8"))
+    kept = sorted(p.name for p in (out / "snapshots").iterdir())
+    assert kept == ["step-0000003", "step-0000008"]
+    snap = load_reference(out / "snapshots" / "step-0000008", device="cpu")
+    assert snap.reference_config["step"] == 8 and "sink_1" in snap.reference_config["final"]  # evaluated there
+    tokens = torch.randint(0, 17, (2, 16))
+    assert not torch.equal(snap(tokens), res.model(tokens))  # step 8's weights, not the final ones
+    log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in log if "sink_1" in r} == {3, 6, 8, 12}
