@@ -308,12 +308,16 @@ class SyntheticBigramCopy(DataSource):
         k = self.cfg.fixed_token_position
         if k is None and not self.cfg.synthetic_bos:  # no BOS anywhere: the window starts inside the chain
             return self.windows(rng, n, T + 1, held_out)[:, 1:]
-        if k in (None, 1):
+        if k is None:
             return self.windows(rng, n, T, held_out)
+        fixed = self.cfg.fixed_token_id if self.cfg.fixed_token_id is not None else self.bos_token_id
+        if k == 1:  # the fixed token takes BOS's place: a content token there is set apart by its position alone
+            w = self.windows(rng, n, T, held_out)
+            w[:, 0] = fixed
+            return w
         if k > T:
             raise ValueError(f"fixed_token_position={k} lies beyond the window length {T}.")
         w = self.windows(rng, n, T, held_out)[:, 1:]
-        fixed = self.cfg.fixed_token_id if self.cfg.fixed_token_id is not None else self.bos_token_id
         return np.concatenate([w[:, :k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1:]], axis=1)
 
     def starts_with_fixed_token(self) -> bool:

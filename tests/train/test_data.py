@@ -86,6 +86,10 @@ def test_bos_and_fixed_token_options():
     assert torch.all(syn[:, 0] != 0) and torch.all(syn[:, 1] == 5)
     syn = synthetic(fixed_token_position=3).batch(0, 4).inputs
     assert torch.all(syn[:, 2] == 0) and not torch.any(syn[:, :2] == 0)
+    # at position 1 a content token replaces BOS (no BOS anywhere); without an id it is BOS itself
+    syn = synthetic(fixed_token_position=1, fixed_token_id=5).batch(0, 64).inputs
+    assert torch.all(syn[:, 0] == 5) and not torch.any(syn == 0) and torch.any(syn[:, 1:] == 5)
+    assert torch.all(synthetic(fixed_token_position=1).batch(0, 4).inputs[:, 0] == 0)
 
 
 def test_prefix_lm_masks_the_loss_on_the_prefix():
