@@ -152,6 +152,8 @@ class TrainConfig:
     synthetic_triggers: int = 3  # copy rule after the most frequent tokens
     synthetic_seed: int = 1234  # the task's transition matrix
     synthetic_bos: bool = True  # synthetic task: start every sequence with BOS (False: at an arbitrary chain token)
+    synthetic_keys: int = 0  # induction rule: after a key token seen before, repeat what followed it (0: no keys)
+    synthetic_lags: int = 1  # key i repeats the token 1 + (i mod lags) after its last occurrence (one circuit per lag)
     val_fraction: float = 0.02  # natural text: tail of the token stream held out
     # optimisation
     steps: int = 4000
@@ -190,6 +192,9 @@ class TrainConfig:
         if self.fixed_token_position is not None and self.fixed_token_position < 1:
             raise ValueError("fixed_token_position is 1-based (1 = first token); got "
                              f"{self.fixed_token_position}.")
+        if self.synthetic_keys < 0 or self.synthetic_lags < 1:
+            raise ValueError(f"synthetic_keys must be >= 0 and synthetic_lags >= 1; got {self.synthetic_keys}, "
+                             f"{self.synthetic_lags}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
         snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training

@@ -33,6 +33,7 @@ import torch
 from analysis.train.config import TrainConfig
 
 EOS_TOKEN = "<|endoftext|>"
+KEY_RANK = 8  # the synthetic task's induction keys follow the 8 most frequent tokens
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo", "__pycache__",
               "lib2to3", "ensurepip", "tkinter", "pydoc_data"}
 
@@ -261,14 +262,22 @@ class SyntheticBigramCopy(DataSource):
     before the trigger (the bigram-backcopy task of Guo et al. 2024). Bigram prediction needs no attention; the copy needs one head at trigger positions
     only, so a head must learn to do nothing elsewhere: with softmax it parks its attention on BOS.
 
+    With ``synthetic_keys`` K > 0, the tokens ranked 9..8+K by frequency are *keys* with an induction rule: after a key
+    that occurred before (last at position j), the next token repeats the token ``lag`` after that occurrence,
+    x[t + 1] = x[j + lag], lag = 1 + (the key's rank mod ``synthetic_lags``) (when j + lag <= t; the trigger
+    rule wins on a trigger). Each lag needs its own circuit over two layers (a head that moves token j into
+    position j + lag, then a head that finds it), and the second head has nothing to read at every other
+    position: a task whose heads are active for few queries and must do nothing for the rest.
+
     Token 0 is BOS; content tokens are 1..V.
     """
 
     def __init__(self, cfg: TrainConfig, n_ctx: int):
         super().__init__(cfg, n_ctx)
         V = cfg.synthetic_vocab
-        if V < cfg.synthetic_triggers + 2 or cfg.synthetic_triggers < 0:
-            raise ValueError(f"synthetic_vocab={V} must exceed synthetic_triggers + 1 (and triggers >= 0).")
+        if V < max(cfg.synthetic_triggers, KEY_RANK) + cfg.synthetic_keys + 2 or cfg.synthetic_triggers < 0:
+            raise ValueError(f"synthetic_vocab={V} must exceed max(synthetic_triggers, 8) + synthetic_keys + 1 "
+                             "(and triggers >= 0).")
         rng = np.random.default_rng(cfg.synthetic_seed)
         popularity = 1.0 / np.arange(1, V + 1) ** 1.0  # Zipf-like token frequencies
         P = rng.dirichlet(np.full(V, 0.2), size=V) * popularity[None, :]
@@ -277,7 +286,12 @@ class SyntheticBigramCopy(DataSource):
         for _ in range(500):
             pi = pi @ self.P
         self.stationary = pi
-        self.triggers = np.sort(np.argsort(-pi, kind="stable")[: cfg.synthetic_triggers]) + 1
+        by_freq = np.argsort(-pi, kind="stable") + 1
+        self.triggers = np.sort(by_freq[: cfg.synthetic_triggers])
+        first = max(cfg.synthetic_triggers, KEY_RANK)  # keys of middling frequency: a key recurs now and then
+        self.keys = by_freq[first: first + cfg.synthetic_keys]
+        self.lag = np.zeros(V + 1, dtype=np.int64)  # token -> its induction lag (0: not a key)
+        self.lag[self.keys] = 1 + np.arange(len(self.keys)) % cfg.synthetic_lags
         start = pi.copy()
         start[self.triggers - 1] = 0.0
         self.start = start / start.sum()
@@ -288,18 +302,28 @@ class SyntheticBigramCopy(DataSource):
         self.is_trigger[self.triggers] = True
         self.description = (f"synthetic bigram-copy task: BOS + Markov chain over {V} tokens, copy rule "
                             f"after triggers {self.triggers.tolist()}")
+        if len(self.keys):
+            self.description += (f", induction rule after keys {sorted(self.keys.tolist())} (lags 1.."
+                                 f"{min(cfg.synthetic_lags, len(self.keys))})")
 
     def windows(self, rng, n, length, held_out):
         x = np.zeros((n, length), dtype=np.int64)
         if length == 1:
             return x
         x[:, 1] = 1 + np.searchsorted(np.cumsum(self.start), rng.random(n), side="right").clip(max=len(self.start) - 1)
+        rows = np.arange(n)
+        last = np.full((n, self.vocab_size), -1, dtype=np.int64)  # last position of each token before t
         for t in range(1, length - 1):
             cur = x[:, t]
             u = rng.random(n)
             nxt = 1 + (self.cdf[cur - 1] < u[:, None]).sum(1).clip(max=self.P.shape[0] - 1)
             copy = self.is_trigger[cur] & (t >= 2)
             x[:, t + 1] = np.where(copy, x[:, t - 1], nxt)
+            if len(self.keys):
+                j, lag = last[rows, cur], self.lag[cur]
+                recall = (lag > 0) & (j >= 1) & (j + lag <= t) & ~copy
+                x[:, t + 1] = np.where(recall, x[rows, np.clip(j + lag, 0, t)], x[:, t + 1])
+                last[rows, cur] = t
         return x
 
     def _format(self, rng, n, T, held_out):
@@ -325,7 +349,8 @@ class SyntheticBigramCopy(DataSource):
 
     def meta(self):
         return {**super().meta(), "triggers": self.triggers.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
-                "synthetic_seed": self.cfg.synthetic_seed}
+                "synthetic_seed": self.cfg.synthetic_seed, "keys": self.keys.tolist(),
+                "lags": self.lag[self.keys].tolist()}
 
 
 class SyntheticDocuments(SyntheticBigramCopy):

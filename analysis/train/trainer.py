@@ -41,7 +41,8 @@ from analysis.train.model import SinkLM
 # Train options that decide which batches a run sees: a resumed run must keep them.
 _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
               "tokenizer_vocab_size", "bos", "fixed_token_position", "fixed_token_id", "prefix_len",
-              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "synthetic_bos", "val_fraction")
+              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "synthetic_bos", "synthetic_keys",
+              "synthetic_lags", "val_fraction")
 
 
 @dataclass
