@@ -113,3 +113,24 @@ def test_build_data_errors():
         build_data(TrainConfig(dataset="wikipedia"), 16)
     with pytest.raises(FileNotFoundError, match="not found"):
         build_data(TrainConfig(dataset="tokens:/nonexistent.npy", tokenizer="x"), 16)
+
+
+def test_induction_rule_on_keys():
+    data = synthetic(synthetic_keys=6, synthetic_lags=3, fixed_token_position=1, fixed_token_id=6)
+    keys, lag = data.keys.tolist(), data.lag
+    assert len(keys) == 6 and sorted(set(lag[keys].tolist())) == [1, 2, 3] and not set(keys) & set(data.triggers.tolist())
+    x = data.probe(64, 48).numpy()
+    fired = 0
+    for s in x:
+        last = {}
+        for t in range(1, len(s) - 1):
+            c = int(s[t])
+            if lag[c] and c in last and last[c] + lag[c] <= t and not data.is_trigger[c]:
+                assert s[t + 1] == s[last[c] + lag[c]]  # what followed the key last time (lag tokens on) follows again
+                fired += 1
+            last[c] = t
+    assert fired > 64  # the rule fires in most sequences
+    plain = synthetic().batch(3, 8).inputs
+    assert torch.equal(plain, synthetic(synthetic_lags=2).batch(3, 8).inputs)  # no keys: the task is unchanged
+    with pytest.raises(ValueError, match="synthetic_keys"):
+        synthetic(synthetic_keys=-1)
