@@ -10,9 +10,9 @@ Start with::
     prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
     print(prof.text())
 """
-from analysis.families import FamilySpec, attention_layers, get_family
+from analysis.families import FamilySpec, attention_layers, get_family, rotary_base
 from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims, run_with_reducers, stream
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, rotary_base
+from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
 from analysis.probes import (
     PROBE_KINDS,
     ProbeSet,

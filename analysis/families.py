@@ -234,10 +234,31 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
 
 
 def rope_theta(config, layer_type: str | None = None) -> float | None:
+    """The true rotary base of a Hugging Face config (transformers 5 keeps it in ``rope_parameters``)."""
     theta = rope_parameters(config, layer_type).get("rope_theta")
     if theta is None:
         theta = getattr(config, "rotary_emb_base", None) or getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else None
+
+
+def rotary_base(model) -> float | None:
+    """The rotary base a model really uses (the bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads
+    10000 there while its rope theta is 100000), from ``model.family``. None for models without rotary
+    embeddings."""
+    spec = getattr(model, "family", None)
+    if isinstance(spec, FamilySpec):
+        return spec.rotary_base
+    theta = getattr(model, "rope_theta", None)
+    if theta is not None:
+        return float(theta)
+    hf_cfg = hf_config(model)
+    if hf_cfg is not None and rope_theta(hf_cfg) is not None:
+        return rope_theta(hf_cfg)
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "positional_embedding_type", "rotary") != "rotary":
+        return None
+    base = getattr(cfg, "rotary_base", None)
+    return float(base) if base is not None else None
 
 
 def _bridge_submodule(model, layer: int, path: str):

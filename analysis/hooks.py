@@ -14,6 +14,9 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from analysis.families import RESUMABLE, get_family, rotary_base
+from analysis.stats import unit_vectors
+
 HookFn = Callable[[torch.Tensor, object], object]
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
@@ -113,8 +116,6 @@ def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]
     or one that is not an attention layer, raises ValueError naming the attention layers. The one place that
     decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q / k / v / z
     hooks calls this (residual-stream analyses use :func:`check_layers`)."""
-    from analysis.families import get_family
-
     spec = get_family(model)
     if layers is None:
         return list(spec.attention_layers)
@@ -129,8 +130,6 @@ def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]
 def skipped_note(model) -> str:
     """The layers an attention analysis leaves out, in one sentence ("Layers [0, 2] skipped (linear attention
     (Gated DeltaNet): no softmax attention pattern)."); "" when every layer is an attention layer."""
-    from analysis.families import get_family
-
     text = get_family(model).skipped_text()
     return text[0].upper() + text[1:] + "." if text else ""
 
@@ -197,8 +196,6 @@ def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
     them (and ``rotated``), else ``hook_q``/``hook_k``. A model loaded by ``analysis.load_model`` carries its
     family spec (``model.family``), which names the hooks the attention really uses; otherwise, as some models
     list ``hook_rot_k`` without rotary (it never fires there), the rotary is checked on the model."""
-    from analysis.models import rotary_base
-
     spec = getattr(model, "family", None)  # the loader's family spec knows which key hook the attention uses
     if rotated and spec is not None and hasattr(spec, "key_hook"):
         return spec.query_hook(layer), spec.key_hook(layer)
@@ -305,8 +302,6 @@ class LayerActs(dict):
     def units(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``unit_vectors(x.float())`` (unit vectors, norms) of queries or keys x (..., d) derived from this layer's
         activations: the QK angles and the first-key manifold of one pass compute them once."""
-        from analysis.stats import unit_vectors
-
         hit = self.scratch.get(id(x))
         if hit is None:
             hit = self.scratch[id(x)] = (x, unit_vectors(x.float()))
@@ -466,8 +461,6 @@ def resume_from(resid: dict[int, torch.Tensor] | None, layer: int) -> Resume | N
 def can_resume(model) -> bool:
     """Whether a pass of ``model`` can start at a block from the residual entering it: a TransformerBridge whose
     blocks each read only the residual stream (``families.RESUMABLE``, checked by tests/test_interventions.py)."""
-    from analysis.families import RESUMABLE, get_family
-
     blocks = getattr(model, "blocks", None)
     if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
         return False

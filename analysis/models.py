@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.families import family_spec
 from analysis.io import parse_dtype, replace_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -193,8 +194,6 @@ def _bridge(src: str, hf, tok, device, name: str):
     """Wrap a loaded HF model in a TransformerBridge and read its family once (``model.family``)."""
     from transformer_lens import TransformerBridge
 
-    from analysis.families import family_spec
-
     hf.eval()
     device = device or default_device()
     with warnings.catch_warnings():
@@ -217,35 +216,6 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None):
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
-def rope_theta(config) -> float | None:
-    """The true rotary base of an HF config (transformers 5 keeps it in ``rope_parameters``)."""
-    from analysis.families import rope_theta as _theta
-
-    return _theta(config)
-
-
-def rotary_base(model) -> float | None:
-    """The rotary base a model really uses (the bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads
-    10000 there while its rope theta is 100000), from ``model.family``. None for models without rotary
-    embeddings."""
-    from analysis.families import FamilySpec
-
-    spec = getattr(model, "family", None)
-    if isinstance(spec, FamilySpec):
-        return spec.rotary_base
-    theta = getattr(model, "rope_theta", None)
-    if theta is not None:
-        return float(theta)
-    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
-    if hf_cfg is not None and rope_theta(hf_cfg) is not None:
-        return rope_theta(hf_cfg)
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "positional_embedding_type", "rotary") != "rotary":
-        return None
-    base = getattr(cfg, "rotary_base", None)
-    return float(base) if base is not None else None
-
-
 def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dtype=None):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
@@ -263,9 +233,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dty
     path = Path(name).expanduser()
     ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
     if ref_dir is not None:
-        from analysis.train import load_reference
-
-        from analysis.families import family_spec
+        from analysis.train import load_reference  # lazy for import time: analysis.train loads transformer_lens (~2 s)
 
         model = load_reference(ref_dir, device=device, dtype=dtype)
         model.model_name = name

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from analysis.hooks import ModelContractError
+
 
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype=torch.float32, style: str = "half"):
     """cos, sin (T, rot_dim) at ``positions`` (T,), computed in float64: the rotate-half layout (angles repeated
@@ -58,8 +60,6 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, positions: torch.Tensor
         return x.float()
     base = spec.rotary_bases.get(int(layer), spec.rotary_base)
     if base is None or spec.rotary_dim is None:
-        from analysis.hooks import ModelContractError
-
         raise ModelContractError(f"this {spec.family} model uses rotary embeddings but its rotary base / dim of "
                                  f"layer {layer} is unknown (model.family.rotary_bases, rotary_dim).")
     if positions is None:
@@ -82,16 +82,3 @@ def rotate_as_spec(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | 
     if positions is None:
         positions = torch.arange(x.shape[-3])
     return apply_spec_rotary(x, spec, layer, positions if rotated else -positions)
-
-
-def uses_rotary(model) -> bool:
-    from analysis.families import get_family
-
-    return get_family(model).rotary
-
-
-def rotary_dim(model, d_head: int) -> int:
-    """How many of a head's dims are rotated (partial rotary: GPT-NeoX, Phi...), from the family spec."""
-    from analysis.families import get_family
-
-    return int(get_family(model).rotary_dim or d_head)
