@@ -11,7 +11,8 @@ Start with::
     print(prof.text())
 """
 from analysis.families import FamilySpec, attention_layers, get_family, rotary_base
-from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims, run_with_reducers, stream
+from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims
+from analysis.passes import run_pass, run_with_reducers
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
 from analysis.probes import (
     PROBE_KINDS,
@@ -46,7 +47,7 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "ModelContractError", "act_name", "stream", "ModelNotFoundError", "PROBE_KINDS", "ProbeSet", "SinkResult",
+    "DEFAULT_MODEL", "ModelContractError", "act_name", "run_pass", "ModelNotFoundError", "PROBE_KINDS", "ProbeSet", "SinkResult",
     "available_models", "load_model", "make_probe", "model_dims", "natural_probe", "probe_sets",
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",

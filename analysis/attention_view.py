@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from analysis.hooks import Capture, act_name, attention_layers_of, check_tokens, stream, token_strings
+from analysis.hooks import act_name, attention_layers_of, check_tokens, token_strings
+from analysis.passes import Capture, run_pass
 
 
 class OfflineHTML:
@@ -31,7 +32,7 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")
-    return stream(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
+    return run_pass(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
 
 
 def attention_view_html(model, tokens, layer: int, heads: list[int] | None = None) -> str:

@@ -16,7 +16,7 @@ SPIKE_SAMPLES = 32  # sequences used to find spike dimensions when an analysis n
 
 TINY = 1e-30  # floor of denominators
 
-# The residual stream a profile pass keeps for later passes to resume from (hooks.checkpoint_layers): every s-th block
+# The residual stream a profile pass keeps for later passes to resume from (passes.checkpoint_layers): every s-th block
 # that fits. 96 MiB keeps every 2nd block of SmolLM2 at N = 32, T = 64 (66 MiB): a pass then starts at most one block
 # before the one it changes, and the report's peak memory stays near 1.2x a forward pass (1.30x with every block kept).
 RESID_BUDGET_MIB = 96.0

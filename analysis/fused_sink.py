@@ -33,7 +33,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from analysis.hooks import batches, check_tokens, default_batch_size
+from analysis.hooks import check_tokens
+from analysis.passes import batches, default_batch_size
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from analysis.hooks import Accumulator, Batch, attention_layers_of, check_tokens, skipped_note, stream
+from analysis.hooks import attention_layers_of, check_tokens, skipped_note
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.io import jsonable
 from analysis.results import Result
 
@@ -117,4 +118,4 @@ def attention_gates(model, tokens, layers=None, batch_size: int | None = None, k
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
-    return stream(model, tokens, [GateAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [GateAccumulator(model, layers, kind)], batch_size=batch_size)[0]

@@ -31,24 +31,18 @@ import torch
 
 from analysis.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
 from analysis.hooks import (
-    Accumulator,
-    Batch,
-    LayerCollector,
     ModelContractError,
-    Resume,
     act_name,
     attention_layers_of,
-    can_resume,
     check_layers,
     check_tokens,
     hook_layer,
     kv_view,
     model_dims,
     per_query_head,
-    resume_from,
     skipped_note,
-    stream,
 )
+from analysis.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.io import jsonable
 from analysis.results import LayerAxis, Result, dims_by_layer_text, layer_runs
 from analysis.sink import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
@@ -164,7 +158,7 @@ def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: i
     tokens = check_tokens(model, tokens)
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     acc = PassAccumulator(model, tokens.shape[1], eps, k_max, resume.layer if resume else 0)
-    run = stream(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
+    run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
                  resume=resume)[0]
     return _with_prefix(run, baseline.run) if resume else run
 
@@ -264,7 +258,7 @@ class Baseline:
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
-    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (hooks.ResidCapture): condition
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
     # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
 
 
@@ -282,7 +276,7 @@ def baseline_from(results: list, resid: dict | None = None) -> Baseline:
 def baseline_pass(model, tokens, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
     """One pass of the unchanged model with everything the three interventions need."""
     tokens = check_tokens(model, tokens)
-    return baseline_from(stream(model, tokens, baseline_accumulators(model, tokens.shape[1], eps), batch_size=batch_size))
+    return baseline_from(run_pass(model, tokens, baseline_accumulators(model, tokens.shape[1], eps), batch_size=batch_size))
 
 
 def _baseline(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:

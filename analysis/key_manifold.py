@@ -46,8 +46,6 @@ import torch
 
 from analysis.defaults import SINK_MIN_ALPHA
 from analysis.hooks import (
-    Accumulator,
-    Batch,
     act_name,
     attention_layers_of,
     check_layers,
@@ -57,8 +55,8 @@ from analysis.hooks import (
     model_dims,
     per_query_head,
     qk_hook_names,
-    stream,
 )
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.families import get_family
 from analysis.io import jsonable
 from analysis.results import Result, layers_text
@@ -657,4 +655,4 @@ def first_key_manifold(
     model_dims(model)
     tokens = check_tokens(model, tokens)
     acc = key_manifold_accumulator(model, tokens.shape, layers, heads, n_components, scatter_heads, rotated, kind)
-    return stream(model, tokens, [acc], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [acc], batch_size=batch_size)[0]

@@ -30,19 +30,8 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_SAMPLES
-from analysis.hooks import (
-    Accumulator,
-    Batch,
-    Capture,
-    LayerCollector,
-    ModelContractError,
-    act_name,
-    check_layers,
-    check_tokens,
-    model_dims,
-    stream,
-    token_strings,
-)
+from analysis.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
+from analysis.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
 from analysis.results import Result, layer_runs
 from analysis.stats import flat_above, lower_median, one_thread
 
@@ -415,7 +404,7 @@ def massive_activations(
     tokens = check_tokens(model, tokens)
     acc = massive_accumulator(model, tokens.shape, layers, top_k, abs_threshold, ratio_threshold, min_share, hook,
                               median_over, kind)
-    return stream(model, tokens, [acc], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
 def first_token_spike_dims(model, tokens, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
@@ -503,5 +492,5 @@ def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resi
     if not 0 <= int(sample) < tokens.shape[0]:
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
-    h = stream(model, seq, [Capture(resid_hook(layer, hook), layer, lambda x: x.abs())])[0][0]
+    h = run_pass(model, seq, [Capture(resid_hook(layer, hook), layer, lambda x: x.abs())])[0][0]
     return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))

@@ -38,20 +38,16 @@ import torch
 from analysis.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
 from analysis.families import get_family, sink_logits
 from analysis.hooks import (
-    Accumulator,
-    Batch,
     ModelContractError,
     act_name,
     attention_layers_of,
-    can_resume,
     check_layers,
     check_tokens,
     hook_names,
     kv_view,
     model_dims,
-    resume_from,
-    stream,
 )
+from analysis.passes import Accumulator, Batch, can_resume, resume_from, run_pass
 from analysis.io import jsonable
 from analysis.results import Result, runs
 from analysis.rotary import apply_spec_rotary, rotate, rotate_as_spec  # noqa: F401  (rotate: re-exported)
@@ -807,5 +803,5 @@ def norm_gain_trace(
     tokens = check_tokens(model, tokens)
     acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims, abs_threshold, ratio_threshold, min_share,
                                          n_other, kind)
-    stream(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
+    run_pass(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
     return acc.result(message)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from analysis.defaults import RESID_BUDGET_MIB, SINK_EPS
-from analysis.hooks import ResidCapture, attention_layers_of, can_resume, check_tokens, checkpoint_layers, model_dims, stream
+from analysis.hooks import attention_layers_of, check_tokens, model_dims
+from analysis.passes import ResidCapture, can_resume, checkpoint_layers, run_pass
 from analysis.results import Result
 
 MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
@@ -113,7 +114,7 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
         tokens = check_tokens(model, getattr(p, "tokens", p))
         accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max, resid_budget_mib)
         flat = [a for group in accs.values() for a in group]
-        results = iter(stream(model, tokens, flat, batch_size=batch_size, progress=progress))
+        results = iter(run_pass(model, tokens, flat, batch_size=batch_size, progress=progress))
         got = {name: [next(results) for _ in group] for name, group in accs.items()}
         for name in ("sink", "massive"):
             if name in got:

@@ -20,17 +20,8 @@ import pandas as pd
 import torch
 
 from analysis.families import get_family
-from analysis.hooks import (
-    Accumulator,
-    Batch,
-    attention_layers_of,
-    check_layers,
-    check_tokens,
-    model_dims,
-    per_query_head,
-    qk_hook_names,
-    stream,
-)
+from analysis.hooks import attention_layers_of, check_layers, check_tokens, model_dims, per_query_head, qk_hook_names
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.results import Result
 from analysis.rotary import rotate_as_spec
 from analysis.stats import one_thread, permuted_copy, unit_vectors
@@ -180,4 +171,4 @@ def qk_angles(model, tokens, layers=None, batch_size: int | None = None, kind: s
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
-    return stream(model, tokens, [QKAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [QKAccumulator(model, layers, kind)], batch_size=batch_size)[0]

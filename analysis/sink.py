@@ -16,8 +16,8 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.hooks import (Accumulator, Batch, LayerCollector, act_name, attention_layers_of, check_tokens, skipped_note,
-                            stream)
+from analysis.hooks import act_name, attention_layers_of, check_tokens, skipped_note
+from analysis.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.results import LayerAxis, Result, layers_text
 
 DEFAULT_EPS = SINK_EPS
@@ -282,7 +282,7 @@ def sink_metric(
             reason = str(e)
     tokens = check_tokens(model, tokens)
     acc = SinkAccumulator(model, tokens.shape[1], eps, k_max, kind)
-    res = stream(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
+    res = run_pass(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
     return res
 

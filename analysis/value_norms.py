@@ -23,8 +23,6 @@ import torch
 
 from analysis.defaults import SINK_MIN_ALPHA, TINY
 from analysis.hooks import (
-    Accumulator,
-    Batch,
     act_name,
     attention_layers_of,
     check_tokens,
@@ -33,8 +31,8 @@ from analysis.hooks import (
     model_dims,
     per_query_head,
     skipped_note,
-    stream,
 )
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.io import jsonable
 from analysis.results import Result
 from analysis.sink import SinkResult, alpha_from_pattern
@@ -315,5 +313,5 @@ def value_norms(
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
     _check_sink(sink, dims, layers, attention_layers_of(model))
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind)
-    stream(model, tokens, [acc], batch_size=batch_size)
+    run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)

@@ -49,7 +49,7 @@ def main() -> None:
     args = p.parse_args()
 
     from analysis import load_model, natural_probe
-    from analysis.hooks import batches, default_batch_size
+    from analysis.passes import batches, default_batch_size
     from analysis.report import build_report
 
     model = load_model(args.model, device=args.device)
@@ -86,7 +86,8 @@ def main() -> None:
 
 def base_forward(model, tokens, bs: int, device) -> None:
     """The forward over the same batches stopped after the last block: the blocks' share of a forward pass."""
-    from analysis.hooks import act_name, model_dims, run_with_reducers
+    from analysis.hooks import act_name, model_dims
+    from analysis.passes import run_with_reducers
 
     run_with_reducers(model, tokens.to(device), [], batch_size=bs,
                       stop_after=act_name("resid_post", model_dims(model).n_layers - 1))

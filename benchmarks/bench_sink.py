@@ -66,7 +66,7 @@ def _eager_sink(bridge, tokens, bs):
 def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str) -> None:
     """Child process: load what ``method`` needs, warm up on one batch, measure the whole run, write JSON."""
     from analysis import load_model, natural_probe
-    from analysis.hooks import batches, default_batch_size
+    from analysis.passes import batches, default_batch_size
     from analysis.sink import alpha_from_pattern
 
     bridge = hf = None

@@ -227,9 +227,9 @@ def _whole_and_resumed(model, toks, hooks, base):
 
 
 def _with_resid(model, toks, base, layers, batch_size):
-    from analysis.hooks import ResidCapture, stream
+    from analysis.passes import ResidCapture, run_pass
 
-    base.resid = stream(model, toks, [ResidCapture(layers)], batch_size=batch_size)[0]
+    base.resid = run_pass(model, toks, [ResidCapture(layers)], batch_size=batch_size)[0]
     return base
 
 
@@ -282,7 +282,7 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
     """A condition resumed at block s (its hook's block) equals the whole pass: alpha, shares and loss, on each
     resumable family's tiny model; the blocks before s do not run. The others cannot resume."""
     from analysis.families import RESUMABLE, get_family
-    from analysis.hooks import can_resume
+    from analysis.passes import can_resume
     from analysis.interventions import baseline_pass
 
     model = family_bridge(family)
@@ -304,18 +304,19 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
 def test_resume_refuses_early_hooks_and_other_models(family_bridge):
     """Hooks before the resumed block would see no activations: ValueError; a model that cannot resume (BLOOM,
     whose blocks take ALiBi from the model) raises instead of running wrong, and its conditions run whole."""
-    from analysis.hooks import ModelContractError, Resume, can_resume, stream
+    from analysis.hooks import ModelContractError
+    from analysis.passes import Resume, can_resume, run_pass
     from analysis.interventions import baseline_pass
 
     model = family_bridge("llama")
     toks = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
     resid = torch.zeros(2, 8, model.cfg.d_model)
     with pytest.raises(ValueError, match="before layer 1"):
-        stream(model, toks, [], fwd_hooks=[("blocks.0.hook_resid_mid", lambda x, hook: x)], resume=Resume(1, resid))
+        run_pass(model, toks, [], fwd_hooks=[("blocks.0.hook_resid_mid", lambda x, hook: x)], resume=Resume(1, resid))
     bloom = family_bridge("bloom")
     assert can_resume(model) and not can_resume(bloom)
     with pytest.raises(ModelContractError):
-        stream(bloom, toks, [], resume=Resume(1, resid))
+        run_pass(bloom, toks, [], resume=Resume(1, resid))
     base = _with_resid(bloom, toks, baseline_pass(bloom, toks), [1], None)
     hooks = [("blocks.1.hook_resid_pre", lambda x, hook: x * 0.5)]
     assert run_condition(bloom, toks, hooks, baseline=base).loss == pytest.approx(run_condition(bloom, toks, hooks).loss)

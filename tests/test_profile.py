@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from analysis import profile
-from analysis.hooks import Accumulator, LayerCollector, ModelContractError, act_name, kv_view, per_query_head, stream
+from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
+from analysis.passes import Accumulator, LayerCollector, run_pass
 from analysis.interventions import baseline_pass, run_condition, spike_ablation, value_ablation
 from analysis.key_manifold import first_key_manifold
 from analysis.massive import massive_activations
@@ -93,7 +94,7 @@ class _Seen(Accumulator):
 
 
 def test_joint_reducer_hands_one_layer_over_together(planted):
-    seen = stream(planted, planted_tokens(5, 8), [_Seen()], batch_size=3)[0]
+    seen = run_pass(planted, planted_tokens(5, 8), [_Seen()], batch_size=3)[0]
     assert seen == [(0, ["pattern", "q", "resid", "v"], 2, 0), (1, ["pattern", "q", "resid", "v"], 2, 0),
                     (0, ["pattern", "q", "resid", "v"], 2, 3), (1, ["pattern", "q", "resid", "v"], 2, 3)]
 
@@ -116,7 +117,7 @@ def test_accumulators_of_one_layer_share_its_unit_vectors(planted):
         def result(self):
             return self.got
 
-    a, b = stream(planted, planted_tokens(4, 8), [Units(), Units()], batch_size=2)
+    a, b = run_pass(planted, planted_tokens(4, 8), [Units(), Units()], batch_size=2)
     assert len(a) == len(b) == 4
     for (la, oa, ua, ref), (lb, ob, ub, _) in zip(a, b):
         assert (la, oa) == (lb, ob) and ua[0] is ub[0] and ua[1] is ub[1]
@@ -135,12 +136,12 @@ def test_a_hook_that_never_fires_is_an_error_unless_optional():
             return {0: {"rot_k": act_name("rot_k", 0), "k": act_name("k", 0), "v": act_name("v", 0)}}
 
     with pytest.raises(ModelContractError, match=r"hooks \['blocks.0.attn.hook_rot_k'\] did not fire"):
-        stream(model, torch.randint(0, 32, (2, 8)), [Never()])
+        run_pass(model, torch.randint(0, 32, (2, 8)), [Never()])
 
     class Optional(Never):
         optional_keys = frozenset({"rot_k"})
 
-    seen = stream(model, torch.randint(0, 32, (2, 8)), [Optional()])[0]
+    seen = run_pass(model, torch.randint(0, 32, (2, 8)), [Optional()])[0]
     assert seen == [(0, ["k", "v"], 2, 0)]
 
 
@@ -172,7 +173,7 @@ def test_layer_collector_stacks_batches_and_names_missing_layers():
 
 
 def test_checkpoint_layers_fit_the_budget():
-    from analysis.hooks import checkpoint_layers, resume_from
+    from analysis.passes import checkpoint_layers, resume_from
 
     mib = 2**20
     assert checkpoint_layers(30, 4 * mib, 256) == list(range(1, 30))  # all 29 fit (116 MiB)
@@ -189,12 +190,12 @@ def test_checkpoint_layers_fit_the_budget():
 def test_profile_keeps_the_residual_its_passes_resume_from(planted, probes, prof):
     """Profile.resid equals the residual entering each block (a capture pass of its own), the baseline carries it,
     and a small budget keeps every s-th block."""
-    from analysis.hooks import ResidCapture
+    from analysis.passes import ResidCapture
 
     nat = probes["natural"]
     n = planted.cfg.n_layers
     assert sorted(prof.resid) == list(range(1, n)) and prof.baseline.resid.keys() == prof.resid.keys()
-    alone = stream(planted, nat, [ResidCapture(range(1, n))], batch_size=4)[0]
+    alone = run_pass(planted, nat, [ResidCapture(range(1, n))], batch_size=4)[0]
     for b in range(1, n):
         assert torch.equal(prof.resid[b], alone[b]) and prof.resid[b].shape == (*nat.shape, planted.cfg.d_model)
     block = nat.numel() * planted.cfg.d_model * 4 / 2**20
