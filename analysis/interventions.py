@@ -44,6 +44,7 @@ from analysis.hooks import (
 )
 from analysis.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.io import jsonable
+from analysis.key_path import key_path
 from analysis.results import LayerAxis, Result, dims_by_layer_text, layer_runs
 from analysis.sink import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
 
@@ -779,8 +780,6 @@ def first_key_ablation(
     the changed layers: first key, previous key, the query's own key, the rest. ``baseline``: the shared
     ``baseline_pass`` of these tokens (with ``k_max`` 4).
     """
-    from analysis.norm_gain import key_path
-
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)

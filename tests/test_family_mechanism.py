@@ -60,7 +60,8 @@ def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models):
-    from analysis.norm_gain import key_path, norm_gain_trace
+    from analysis.key_path import key_path
+    from analysis.norm_gain import norm_gain_trace
 
     model = family_models(family)
     spec = model.family
@@ -91,7 +92,7 @@ def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_mode
 @pytest.mark.parametrize("family", ["gemma", "qwen3_next"])
 def test_gain_one_plus_w_matters(family, family_models):
     """Gemma-style gains are 1 + w (w is zero at init): reading the gain as w would zero the key."""
-    from analysis.norm_gain import key_path
+    from analysis.key_path import key_path
 
     model = family_models(family)
     layer = model.family.attention_layers[0]

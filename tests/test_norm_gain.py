@@ -8,7 +8,9 @@ import torch
 from tests.planted import KEY_DIM, SPIKE_DIMS, SPIKE_GAIN, planted, planted_ln_model, planted_nospike, planted_tokens  # noqa: F401
 
 from analysis import ModelContractError
-from analysis.norm_gain import key_path, norm_gain_trace, rotate
+from analysis.key_path import key_path
+from analysis.norm_gain import norm_gain_trace
+from analysis.rotary import rotate
 
 
 @pytest.fixture(scope="module")
