@@ -33,7 +33,7 @@ class Profile(Result):
     qk: object | None = None  # QKAngles
     key_manifold: object | None = None  # KeyManifold
     value_norms: object | None = None  # ValueNorms
-    baseline: object | None = None  # interventions.Baseline
+    baseline: object | None = None  # conditions.Baseline
     gates: object | None = None  # gates.GateResult (gated attention only: Qwen3-Next, Qwen3.5)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it on the main kind (resume points)
     main: str = "natural"
@@ -74,7 +74,7 @@ def _resid_capture(model, tokens, budget_mib: float) -> list:
 
 def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max, budget_mib: float) -> dict:
     from analysis.gates import GateAccumulator, has_gate
-    from analysis.interventions import baseline_accumulators
+    from analysis.conditions import baseline_accumulators
     from analysis.key_manifold import key_manifold_accumulator
     from analysis.massive import massive_accumulator
     from analysis.qk import QKAccumulator
@@ -102,7 +102,7 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"resid"`` keeps the main kind's
     residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
     carries it too, so that its conditions resume)."""
-    from analysis.interventions import baseline_from
+    from analysis.conditions import baseline_from
 
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:

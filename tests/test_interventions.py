@@ -8,13 +8,8 @@ import torch
 from tests.families import FAMILIES
 from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_nospike, planted_tokens  # noqa: F401
 
-from analysis.interventions import (
-    first_key_ablation,
-    run_condition,
-    spike_ablation,
-    value_ablation,
-    where_shares,
-)
+from analysis.conditions import run_condition, where_shares
+from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
 from analysis.hooks import act_name
 from analysis.sink import sink_metric
 
@@ -236,7 +231,8 @@ def _with_resid(model, toks, base, layers, batch_size):
 def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
     """The report's three interventions with passes resumed at the first block their hooks touch (from the baseline's
     residual there) give the tables of whole passes, and block 0 does not run in them."""
-    from analysis.interventions import baseline_pass, resume_layers
+    from analysis.conditions import baseline_pass
+    from analysis.interventions import resume_layers
 
     toks, ma = smol
     spikes, inputs = ma.first_token_dims, ma.input_dims(smollm2.cfg.n_layers)
@@ -265,7 +261,7 @@ def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
 def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge):
     """An edit of block s-1's output (hook_resid_post) lets the pass resume at block s: the edit is applied to the
     kept residual, block s-1 does not run, and the pass equals the whole one."""
-    from analysis.interventions import baseline_pass
+    from analysis.conditions import baseline_pass
 
     model = family_bridge("llama")
     toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(1))
@@ -283,7 +279,7 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
     resumable family's tiny model; the blocks before s do not run. The others cannot resume."""
     from analysis.families import RESUMABLE, get_family
     from analysis.passes import can_resume
-    from analysis.interventions import baseline_pass
+    from analysis.conditions import baseline_pass
 
     model = family_bridge(family)
     if get_family(model).family not in RESUMABLE:
@@ -306,7 +302,7 @@ def test_resume_refuses_early_hooks_and_other_models(family_bridge):
     whose blocks take ALiBi from the model) raises instead of running wrong, and its conditions run whole."""
     from analysis.hooks import ModelContractError
     from analysis.passes import Resume, can_resume, run_pass
-    from analysis.interventions import baseline_pass
+    from analysis.conditions import baseline_pass
 
     model = family_bridge("llama")
     toks = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,8 @@ import torch
 from analysis import profile
 from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
 from analysis.passes import Accumulator, LayerCollector, run_pass
-from analysis.interventions import baseline_pass, run_condition, spike_ablation, value_ablation
+from analysis.conditions import baseline_pass, run_condition
+from analysis.interventions import spike_ablation, value_ablation
 from analysis.key_manifold import first_key_manifold
 from analysis.massive import massive_activations
 from analysis.qk import qk_angles

@@ -5,7 +5,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.figures.layout import place_axes, set_title
-from analysis.interventions import WHERE_KEYS, FirstKeyAblation, SpikeAblation, ValueAblation
+from analysis.conditions import WHERE_KEYS
+from analysis.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}
 
