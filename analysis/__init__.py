@@ -34,7 +34,7 @@ def __getattr__(name):
         "first_key_manifold": "analysis.key_manifold", "value_norms": "analysis.value_norms",
         "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
         "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
-        "attention_view": "analysis.attention_view", "profile": "analysis.profiling", "Profile": "analysis.profiling",
+        "attention_view": "analysis.attention_view", "profile": "analysis.one_pass", "Profile": "analysis.one_pass",
         "attention_gates": "analysis.gates",
     }
     if name in lazy:

@@ -15,7 +15,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     from analysis.hooks import model_dims
     from analysis.models import load_model
     from analysis.probes import model_probe_sets
-    from analysis.profiling import profile
+    from analysis.one_pass import profile
     from analysis.sink import check_eps
     from analysis.versions import package_versions
 

@@ -138,7 +138,7 @@ class _Context:
     @property
     def profile(self):
         if self._profile is None:
-            from analysis.profiling import profile
+            from analysis.one_pass import profile
 
             self._profile = profile(self.model, self.probes, analyses=self.analyses, batch_size=self.batch_size)
         return self._profile
