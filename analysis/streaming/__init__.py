@@ -14,7 +14,7 @@ models, learnable sink token included, on the same cache), ``run`` (all policies
 """
 from analysis.streaming.cache import Policy, StreamingCache, fake_quantize, rope_spec
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies, run_policy
-from analysis.streaming.run import StreamResult, compare_models, default_policies, streaming_perplexity
+from analysis.streaming.run import StreamResult, compare_streams, default_policies, streaming_perplexity
 
-__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_models", "default_policies", "fake_quantize",
+__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_streams", "default_policies", "fake_quantize",
            "recompute_nll", "rope_spec", "run_policies", "run_policy", "streaming_perplexity"]

@@ -155,7 +155,7 @@ class StreamResult:
         return Path(path)
 
 
-def compare_models(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
+def compare_streams(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
     """One row per model ({name: StreamResult}, each with one cache size): perplexity past the first eviction
     with s = each of ``sinks`` kept first tokens (s = 0: the window), the re-computation ceiling, and the
     attention on the kept first token (1 sink) and on the model's learned sink slot (window policy)."""

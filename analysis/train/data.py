@@ -165,13 +165,13 @@ def tokenize_docs(tokenizer, docs: Iterable[str], chunk: int = 1000) -> np.ndarr
 # ----------------------------------------------------------------------------- batch sources
 
 @dataclass
-class Batch:
+class TrainBatch:
     inputs: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, -100 where no loss
 
 
 class DataSource:
-    """Base: ``batch(step, batch_size)`` -> ``Batch`` (deterministic) and ``probe(n, T)`` held-out tokens."""
+    """Base: ``batch(step, batch_size)`` -> ``TrainBatch`` (deterministic) and ``probe(n, T)`` held-out tokens."""
 
     vocab_size: int
     tokenizer = None
@@ -200,14 +200,14 @@ class DataSource:
         w = self.windows(rng, n, T - 1, held_out)
         return np.concatenate([w[:, :k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1:]], axis=1)
 
-    def batch(self, step: int, batch_size: int) -> Batch:
+    def batch(self, step: int, batch_size: int) -> TrainBatch:
         rng = np.random.default_rng([self.cfg.seed, int(step), 0])
         w = torch.from_numpy(self._format(rng, batch_size, self.n_ctx + 1, held_out=False).astype(np.int64))
         inputs, targets = w[:, :-1].clone(), w[:, 1:].clone()
         p = self.cfg.prefix_len
         if p > 0:  # prefix LM: no loss on predicting the first p tokens (targets[:, j] is token j + 1)
             targets[:, : max(p - 1, 0)] = -100
-        return Batch(inputs, targets)
+        return TrainBatch(inputs, targets)
 
     def probe(self, n: int, T: int) -> torch.Tensor:
         """Held-out sequences (n, T) for the sink metric, the same for every call."""
@@ -230,7 +230,7 @@ class DataSource:
                 "description": self.description}
 
 
-class TokenStream(DataSource):
+class PackedCorpus(DataSource):
     """Windows cut at random offsets from a packed token stream (train part / held-out tail)."""
 
     def __init__(self, cfg: TrainConfig, n_ctx: int, stream: np.ndarray, tokenizer, description: str):
@@ -410,7 +410,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
             if cfg.tokenizer == "bpe":
                 raise ValueError("dataset='tokens:...' needs the tokenizer the ids came from: --tokenizer NAME.")
             tokenizer = pretrained_tokenizer(cfg.tokenizer)
-        return TokenStream(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
+        return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
         raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
 
@@ -418,7 +418,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
     if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \
             and cfg.tokenizer == "bpe":
         tokenizer = load_tokenizer_file(cache / "tokenizer.json")
-        return TokenStream(cfg, n_ctx, np.load(cache / "tokens.npy", allow_pickle=False), tokenizer,
+        return PackedCorpus(cfg, n_ctx, np.load(cache / "tokens.npy", allow_pickle=False), tokenizer,
                            _describe(cfg))
     if ds == "stdlib":
         stdlib = stdlib_docstrings(cfg.corpus_max_chars)
@@ -441,7 +441,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
             os.replace(cache / f"tokenizer.{os.getpid()}.tmp", cache / "tokenizer.json")
         except OSError:
             pass  # a read-only cache is not an error
-    return TokenStream(cfg, n_ctx, stream, tokenizer, _describe(cfg))
+    return PackedCorpus(cfg, n_ctx, stream, tokenizer, _describe(cfg))
 
 
 def _describe(cfg: TrainConfig) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis.train import TrainConfig
-from analysis.train.data import SyntheticBigramCopy, TokenStream, build_data, stdlib_docstrings, train_bpe
+from analysis.train.data import PackedCorpus, SyntheticBigramCopy, build_data, stdlib_docstrings, train_bpe
 
 
 def synthetic(**kw):
@@ -62,7 +62,7 @@ def test_batches_are_a_function_of_seed_and_step():
 def stream_source(**kw):
     tok = train_bpe(["hello world, the attention sink. " * 5, "packing windows of tokens " * 5] * 20, 300)
     ids = np.arange(5000, dtype=np.int32) % 250 + 1
-    return TokenStream(TrainConfig(dataset="stdlib", seed=0, **kw), 16, ids, tok, "test")
+    return PackedCorpus(TrainConfig(dataset="stdlib", seed=0, **kw), 16, ids, tok, "test")
 
 
 def test_packed_windows_start_anywhere():
