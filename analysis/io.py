@@ -1,4 +1,5 @@
-"""Files and plain data: atomic writes, strict JSON, dtype names. Used by the CLI, the report and notebooks."""
+"""Files and plain data: atomic writes, strict JSON, dtype names, the cache folder. Used by the CLI, the report, the
+loader, the trainer and notebooks."""
 from __future__ import annotations
 
 import json
@@ -98,6 +99,12 @@ def replace_dir(target, fill) -> Path:
     return target
 
 
-def write_json(path, payload) -> None:
-    """Strict JSON (no NaN), written atomically."""
-    write_atomic(path, json.dumps(jsonable(payload), allow_nan=False))
+def write_json(path, payload, indent: int | None = None) -> None:
+    """Strict JSON (``jsonable``: no NaN), newline-terminated, written atomically; ``indent`` as in ``json.dumps``."""
+    write_atomic(path, json.dumps(jsonable(payload), allow_nan=False, indent=indent) + "\n")
+
+
+def cache_dir() -> Path:
+    """The package's cache folder: ``$ATTENTION_SINKS_CACHE``, default ``~/.cache/attention-sinks`` (the embedded
+    model's safetensors copy in ``smollm2-135m-instruct/``, tokenized training streams in ``train/``)."""
+    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sinks"))

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from analysis.families import family_spec
-from analysis.io import parse_dtype, replace_dir
+from analysis.io import cache_dir, parse_dtype, replace_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,10 +48,6 @@ class ModelInfo:
     name: str
     kind: str  # "embedded" | "reference"
     description: str
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sinks"))
 
 
 def _reference_models() -> dict[str, Path]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import re
 import sys
 import time
@@ -34,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.hooks import ModelContractError, model_dims
-from analysis.io import jsonable, write_atomic
+from analysis.io import write_atomic, write_json
 
 DEFAULT_N = 32
 SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
@@ -430,7 +429,7 @@ def build_report(
     done = [_run_section(ctx, key, progress) for key in keys]
     seconds = time.perf_counter() - t0
     meta = {"versions": package_versions(), "seconds": seconds}
-    write_atomic(out / "report.json", json.dumps(jsonable(_payload(ctx, done, meta, dims)), allow_nan=False))
+    write_json(out / "report.json", _payload(ctx, done, meta, dims))
     write_atomic(out / "report.html", _page(ctx, done, meta))
     failed = [s for s in done if s.errors]
     if failed:

@@ -26,7 +26,10 @@ from analysis.streaming.cache import Policy, StreamingCache, rope_spec
 
 @contextlib.contextmanager
 def attention_implementation(hf, name: str):
-    """Run ``hf`` under attention implementation ``name`` while inside; restores the model's choice."""
+    """Run ``hf`` under attention implementation ``name`` while inside; restores the model's choice.
+
+    The package's one owner of this helper (through ``set_attn_implementation``, which checks the name and sets the
+    sub-configs too); ``analysis.fused_sink`` keeps a private copy until its fused path is rewritten."""
     old = hf.config._attn_implementation
     if old == name:
         yield

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from analysis.io import parse_dtype, replace_dir, write_atomic
+from analysis.io import parse_dtype, replace_dir, write_atomic, write_json
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -36,19 +36,6 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- atomic file writes
-
-def write_json(path, obj) -> None:
-    def w(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-
-    write_atomic(path, w)
-
-
-def write_text(path, text: str) -> None:
-    write_atomic(path, text)
-
 
 def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
@@ -166,10 +153,10 @@ def save_checkpoint(out: Path, step: int, model, optimizer, names: list[str], st
         opt_t, opt_meta = optimizer_tensors(optimizer, names)
         write_tensors(tmp / "optimizer.safetensors", opt_t)
         write_tensors(tmp / "rng.safetensors", rng_tensors())
-        write_json(tmp / "state.json", {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION})
+        write_json(tmp / "state.json", {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION}, indent=2)
 
     final = replace_dir(root / f"step-{step:07d}", fill)
-    write_json(root / "latest.json", {"step": step, "dir": final.name})
+    write_json(root / "latest.json", {"step": step, "dir": final.name}, indent=2)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -209,7 +196,7 @@ def save_reference(out: Path, model, config: dict) -> None:
         write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
         config = {**config, "tokenizer": {"file": "tokenizer.json", "bos_token": tok.bos_token,
                                           "eos_token": tok.eos_token, "pad_token": tok.pad_token}}
-    write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config})
+    write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config}, indent=2)
 
 
 def _resolve_reference(path_or_dir) -> Path:

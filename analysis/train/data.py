@@ -30,16 +30,13 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from analysis.io import cache_dir
 from analysis.train.config import TrainConfig
 
 EOS_TOKEN = "<|endoftext|>"
 KEY_RANK = 8  # the synthetic task's induction keys follow the 8 most frequent tokens
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo", "__pycache__",
               "lib2to3", "ensurepip", "tkinter", "pydoc_data"}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sinks")) / "train"
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -390,7 +387,7 @@ def _stream_cache_key(cfg: TrainConfig) -> str:
 
 
 def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
-    """The data source a run's config asks for. Tokenized streams are cached (``cache_dir()``).
+    """The data source a run's config asks for. Tokenized streams are cached (``analysis.io.cache_dir() / "train"``).
 
     ``tokenizer``: reuse this tokenizer (e.g. when resuming) instead of training / loading one.
     """
@@ -414,7 +411,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
     if ds != "stdlib" and not ds.startswith("hf:"):
         raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
 
-    cache = cache_dir() / f"stream-{_stream_cache_key(cfg)}"
+    cache = cache_dir() / "train" / f"stream-{_stream_cache_key(cfg)}"
     if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \
             and cfg.tokenizer == "bpe":
         tokenizer = load_tokenizer_file(cache / "tokenizer.json")

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from analysis.train.checkpoint import read_json, write_text
+from analysis.io import write_atomic
+from analysis.train.checkpoint import read_json
 from analysis.train.presets import build_configs
 
 EMERGENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "emergence"  # the committed grids
@@ -174,7 +175,7 @@ def run_sweep(preset_name: Optional[str], options: dict, command: Optional[str] 
     _write_csv(summarise(table, keys), out / "summary.csv")
     _write_csv(pd.DataFrame(curves), out / "curves.csv")
     if command:
-        write_text(out / "command.txt", command + "\n")
+        write_atomic(out / "command.txt", command + "\n")
     return table
 
 

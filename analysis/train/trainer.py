@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from analysis.io import write_atomic
 from analysis.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     save_reference,
-    write_text,
 )
 from analysis.train.config import ModelConfig, TrainConfig, snapshot_steps
 from analysis.train.data import build_data, load_tokenizer_file
@@ -125,7 +125,7 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
             continue  # a line cut by the kill
         if rec.get("step", 0) <= step:
             kept.append(rec)
-    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 
@@ -233,8 +233,8 @@ def _resume(ckpt: Optional[Path], out, model, optimizer, names, mcfg, tcfg, main
 def _prepare_out(out: Path, start: int, command, mcfg, tcfg, data) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if start == 0:
-        write_text(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
-        write_text(out / "train_log.jsonl", "")
+        write_atomic(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
+        write_atomic(out / "train_log.jsonl", "")
     if data.tokenizer is not None and hasattr(data.tokenizer, "backend_tokenizer"):
         data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
 
