@@ -11,7 +11,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from analysis.key_manifold import first_key_manifold
+from analysis.massive import massive_activations
+from analysis.passes import run_with_reducers
+from analysis.sink import sink_metric
 from analysis.train.metrics import first_token_stats, slot_sink_rate
+from analysis.value_norms import value_norms
 
 
 @torch.no_grad()
@@ -22,8 +27,8 @@ def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_
     def fn(x, hook):
         acc["sum"] = acc.get("sum", 0) + x.float().sum(0)
 
-    model.run_with_hooks(tokens.to(next(model.parameters()).device),
-                         fwd_hooks=[(f"blocks.{layer}.attn.{hook}", fn)], return_type=None)
+    name = f"blocks.{layer}.attn.{hook}"
+    run_with_reducers(model, tokens, [(name, fn)], stop_after=name)
     return (acc["sum"] / tokens.shape[0]).cpu()
 
 
@@ -31,8 +36,6 @@ def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_
 def compare_models(models: dict, tokens: torch.Tensor, eps: float = 0.3) -> pd.DataFrame:
     """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
     ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink."""
-    from analysis.sink import sink_metric
-
     rows = []
     for label, model in models.items():
         res = sink_metric(model, tokens, eps=eps, k_max=1)
@@ -147,11 +150,6 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
       (``analysis.key_manifold``);
     - ``sink_1_spike_zeroed``: Sink_1 with the first token's spike dims set to zero where they appear.
     """
-    from analysis.key_manifold import first_key_manifold
-    from analysis.massive import massive_activations
-    from analysis.sink import sink_metric
-    from analysis.value_norms import value_norms
-
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     out = {"sink_1": sink.sink_rate(1)}
     streams = {}

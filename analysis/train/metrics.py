@@ -1,4 +1,5 @@
-"""First-token statistics of a model, computed by small hook reducers (no full activation cache).
+"""First-token statistics of a model, computed by small hook reducers on the package's streamed pass
+(``analysis.passes.run_with_reducers``: no full activation cache).
 
 - ``sink_rate``: Sink_k^eps through the package's sink metric (``analysis.sink.sink_metric``).
 - ``first_token_stats``: per layer, the first token's value norm relative to the other tokens'
@@ -14,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from analysis.passes import run_with_reducers
+from analysis.sink import sink_metric
 
 
 @dataclass
@@ -37,7 +41,6 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc)."""
     L = model.cfg.n_layers
     acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw", "spike")}
-    n_total = 0
 
     def reducer(kind, layer):
         def fn(x, hook):
@@ -61,24 +64,18 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
     for l in range(L):
         hooks += [(f"blocks.{l}.attn.hook_v", reducer("v", l)), (f"blocks.{l}.hook_resid_post", reducer("h", l)),
                   (f"blocks.{l}.attn.hook_raw_pattern", reducer("raw", l))]
-    tokens = tokens.to(_device(model))
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, tokens.shape[0], batch_size):
-            batch = tokens[start:start + batch_size]
-            model.run_with_hooks(batch, fwd_hooks=hooks, return_type=None)
-            n_total += batch.shape[0]
+        run_with_reducers(model, tokens, hooks, batch_size=batch_size, stop_after=f"blocks.{L - 1}.hook_resid_post")
     finally:
         model.train(was_training)
-    return FirstTokenStats(*(acc[k].float() / n_total for k in ("v", "h", "raw", "spike")))
+    return FirstTokenStats(*(acc[k].float() / tokens.shape[0] for k in ("v", "h", "raw", "spike")))
 
 
 @torch.no_grad()
 def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> float:
     """Sink_k^eps (percent) on ``tokens`` through ``analysis.sink.sink_metric`` (reads ``hook_pattern``)."""
-    from analysis.sink import sink_metric
-
     was_training = model.training
     model.eval()
     try:
@@ -103,9 +100,7 @@ def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: in
         hits += float((alpha > eps).sum())
         count += alpha.numel()
 
-    tokens = tokens.to(_device(model))
-    for start in range(0, tokens.shape[0], batch_size):
-        model.run_with_hooks(tokens[start:start + batch_size], fwd_hooks=[(n, fn) for n in names], return_type=None)
+    run_with_reducers(model, tokens, [(n, fn) for n in names], batch_size=batch_size, stop_after=names[-1])
     return 100.0 * hits / count
 
 
@@ -135,8 +130,6 @@ def window_sink_rates(model, tokens: torch.Tensor, eps: float = 0.3, batch_size:
             count["start"] += a_start.numel()
 
     names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.cfg.n_layers)]
-    tokens = tokens.to(_device(model))
-    for start in range(0, tokens.shape[0], batch_size):
-        model.run_with_hooks(tokens[start:start + batch_size], fwd_hooks=[(n, fn) for n in names], return_type=None)
+    run_with_reducers(model, tokens, [(n, fn) for n in names], batch_size=batch_size, stop_after=names[-1])
     return {"sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
             "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan")}
