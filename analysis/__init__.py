@@ -12,8 +12,8 @@ Start with::
 """
 from analysis.families import FamilySpec, attention_layers, get_family, rotary_base
 from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims
-from analysis.passes import run_pass, run_with_reducers
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.passes import run_pass, run_with_reducers
 from analysis.probes import (
     PROBE_KINDS,
     ProbeSet,

@@ -6,19 +6,19 @@ import sys
 from pathlib import Path
 
 from analysis.defaults import SINK_EPS, SINK_K_MAX
+from analysis.hooks import model_dims
 from analysis.io import write_json
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError
+from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.one_pass import profile
+from analysis.probes import model_probe_sets
+from analysis.report import ReportError, build_report
+from analysis.sink import check_eps
+from analysis.streaming.cli import add_parser as add_stream_parser
+from analysis.versions import package_versions
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds."""
-    from analysis.hooks import model_dims
-    from analysis.models import load_model
-    from analysis.probes import model_probe_sets
-    from analysis.one_pass import profile
-    from analysis.sink import check_eps
-    from analysis.versions import package_versions
-
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
@@ -68,9 +68,6 @@ def cmd_sink(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from analysis.models import load_model
-    from analysis.report import ReportError, build_report
-
     model = load_model(args.model, device=args.device)
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
@@ -82,8 +79,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from analysis.models import available_models
-
     for m in available_models():
         print(f"{m.name:<24} {m.kind:<10} {m.description}")
     return 0
@@ -118,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
-
-    from analysis.streaming.cli import add_parser as add_stream_parser
 
     add_stream_parser(sub, DEFAULT_MODEL)
     return p

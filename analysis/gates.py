@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.families import get_family
 from analysis.hooks import attention_layers_of, check_tokens, skipped_note
-from analysis.passes import Accumulator, Batch, run_pass
 from analysis.io import jsonable
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.results import Result
 
 
@@ -75,8 +76,6 @@ class GateAccumulator(Accumulator):
     """Sums of the mean gate value per head at position 1 and over positions 2..T, per attention layer."""
 
     def __init__(self, model, layers=None, kind: str | None = None):
-        from analysis.families import get_family
-
         spec = get_family(model)
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
@@ -107,8 +106,6 @@ class GateAccumulator(Accumulator):
 
 def has_gate(model) -> bool:
     """Whether the model gates its attention output (the family spec's ``gate``)."""
-    from analysis.families import get_family
-
     return get_family(model).gate is not None
 
 

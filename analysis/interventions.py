@@ -28,8 +28,9 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
-from analysis.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
 from analysis.conditions import K_MAX, WHERE_KEYS, Baseline, PassResult, baseline_for, run_condition
+from analysis.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
+from analysis.families import get_family
 from analysis.hooks import (
     ModelContractError,
     act_name,
@@ -42,6 +43,7 @@ from analysis.hooks import (
 )
 from analysis.io import jsonable
 from analysis.key_path import key_path
+from analysis.massive import first_token_spike_dims
 from analysis.passes import Batch
 from analysis.results import Result, dims_by_layer_text, layer_runs
 from analysis.sink import DEFAULT_EPS, check_eps
@@ -76,8 +78,6 @@ def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
 
 def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share):
     """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
-    from analysis.massive import first_token_spike_dims
-
     D = model_dims(model).d_model
     if spike_dims is None:
         return first_token_spike_dims(model, tokens, "resid_post", None, abs_threshold, ratio_threshold, min_share), "found"
@@ -295,8 +295,6 @@ class ValueRemoval:
 
     def __init__(self, model, heads: list[tuple[int, int]], mode: str = "zero", v_mean: dict | None = None,
                  first_query: bool = True):
-        from analysis.families import get_family
-
         dims, spec = model_dims(model), get_family(model)
         self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
@@ -503,8 +501,6 @@ class FirstKeyRemoval:
 
 def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share) -> tuple[dict, str]:
     """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
-    from analysis.massive import first_token_spike_dims
-
     dims = model_dims(model)
     if spike_dims is None:
         spikes, how = first_token_spike_dims(model, tokens, "resid_pre", None, abs_threshold, ratio_threshold, min_share), "found"

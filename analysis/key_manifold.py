@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SINK_MIN_ALPHA
+from analysis.families import get_family
 from analysis.hooks import (
     act_name,
     attention_layers_of,
@@ -56,9 +57,8 @@ from analysis.hooks import (
     per_query_head,
     qk_hook_names,
 )
-from analysis.passes import Accumulator, Batch, run_pass
-from analysis.families import get_family
 from analysis.io import jsonable
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.results import Result, layers_text
 from analysis.rotary import rotate_as_spec
 from analysis.sink import alpha_from_pattern

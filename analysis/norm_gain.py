@@ -40,6 +40,7 @@ from analysis.families import get_family, sink_logits
 from analysis.hooks import act_name, check_layers, check_tokens, hook_names, kv_view, model_dims
 from analysis.io import jsonable
 from analysis.key_path import KeyPath, key_path
+from analysis.massive import first_token_spike_dims
 from analysis.passes import Accumulator, Batch, can_resume, resume_from, run_pass
 from analysis.results import Result, runs
 from analysis.rotary import rotate_as_spec
@@ -508,8 +509,6 @@ def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_thresh
                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, n_other: int = 4,
                           kind: str | None = None) -> tuple[NormGainAccumulator, str]:
     """Check the arguments of ``norm_gain_trace``, find the spike dims if not given; the accumulator and its message."""
-    from analysis.massive import first_token_spike_dims
-
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
     if tokens.shape[1] < 2:

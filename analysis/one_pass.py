@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from analysis.conditions import baseline_accumulators, baseline_from
 from analysis.defaults import RESID_BUDGET_MIB, SINK_EPS
+from analysis.gates import GateAccumulator, has_gate
 from analysis.hooks import attention_layers_of, check_tokens, model_dims
+from analysis.key_manifold import key_manifold_accumulator
+from analysis.massive import massive_accumulator
 from analysis.passes import ResidCapture, can_resume, checkpoint_layers, run_pass
+from analysis.qk import QKAccumulator
+from analysis.sink import SinkAccumulator, sink_table
+from analysis.value_norms import ValueNormsAccumulator
 from analysis.results import Result
 
 MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
@@ -52,8 +59,6 @@ class Profile(Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        from analysis.sink import sink_table
-
         return {"sink": sink_table(self.sink).reset_index()} if self.sink else {}
 
     def text(self) -> str:
@@ -73,14 +78,6 @@ def _resid_capture(model, tokens, budget_mib: float) -> list:
 
 
 def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max, budget_mib: float) -> dict:
-    from analysis.gates import GateAccumulator, has_gate
-    from analysis.conditions import baseline_accumulators
-    from analysis.key_manifold import key_manifold_accumulator
-    from analysis.massive import massive_accumulator
-    from analysis.qk import QKAccumulator
-    from analysis.sink import SinkAccumulator
-    from analysis.value_norms import ValueNormsAccumulator
-
     T = tokens.shape[1]
     layers = attention_layers_of(model)  # the attention analyses run on the attention layers (true indices)
     make = {
@@ -102,8 +99,6 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"resid"`` keeps the main kind's
     residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
     carries it too, so that its conditions resume)."""
-    from analysis.conditions import baseline_from
-
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")

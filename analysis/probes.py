@@ -189,6 +189,7 @@ def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[
         raise ValueError("this model has no tokenizer and was not trained on the synthetic task, so there are no "
                          "probes to build; pass your own token tensors (N, T) to the analyses.")
     _check_nt(n, T)
+    # lazy for import time: analysis.train loads transformer_lens (~2 s), needed only for reference models
     from analysis.train import TrainConfig
     from analysis.train.data import build_data
 

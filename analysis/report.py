@@ -32,8 +32,12 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from analysis.families import get_family
 from analysis.hooks import ModelContractError, model_dims
 from analysis.io import write_atomic, write_json
+from analysis.one_pass import profile
+from analysis.probes import model_probe_sets
+from analysis.versions import package_versions
 
 DEFAULT_N = 32
 SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
@@ -123,8 +127,6 @@ class _Context:
     """What the sections share: the model, the probes, and the one profile pass."""
 
     def __init__(self, model, n: int, T: int, seed: int, batch_size: int | None, keys: list[str]):
-        from analysis.probes import model_probe_sets
-
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.dims = model_dims(model)
         self.name = getattr(model, "model_name", None) or type(model).__name__
@@ -137,8 +139,6 @@ class _Context:
     @property
     def profile(self):
         if self._profile is None:
-            from analysis.one_pass import profile
-
             self._profile = profile(self.model, self.probes, analyses=self.analyses, batch_size=self.batch_size)
         return self._profile
 
@@ -148,6 +148,7 @@ class _Context:
 
 
 def _sink(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures.sink import plot_head_alpha, plot_sink_by_layer, plot_sink_rates
     from analysis.sink import sink_table, sink_table_text
 
@@ -195,6 +196,7 @@ def _mechanism_tables(ctx: _Context, nat, sec: Section) -> None:
 
 
 def _views(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.attention_view import attention_view_html
 
     nat = ctx.profile.sink["natural"]
@@ -210,6 +212,7 @@ def _views(ctx: _Context, sec: Section) -> None:
 
 
 def _massive(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures.massive import plot_activation_map, plot_spike_dims_by_kind, plot_top_activations
     from analysis.massive import activation_map, kinds_text
 
@@ -234,8 +237,8 @@ def _massive(ctx: _Context, sec: Section) -> None:
 def _norm_gain(ctx: _Context, sec: Section) -> None:
     import warnings
 
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures.norm_gain import plot_constancy, plot_gain_profile, plot_head_attribution, plot_stage_shares
-    from analysis.families import get_family
     from analysis.norm_gain import choose_layer, norm_gain_trace
 
     first = ctx.massive.first_token_dims  # hook_resid_post: block l reads the spikes of layer l - 1
@@ -264,6 +267,7 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
 
 
 def _key_manifold(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures.key_manifold import plot_key_pca, plot_manifold_summary
 
     km = ctx.profile.key_manifold
@@ -277,6 +281,7 @@ def _key_manifold(ctx: _Context, sec: Section) -> None:
 
 
 def _value_norms(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures.value_norms import plot_value_alpha, plot_value_norms
 
     vn = ctx.profile.value_norms
@@ -292,6 +297,7 @@ def _value_norms(ctx: _Context, sec: Section) -> None:
 
 
 def _interventions(ctx: _Context, sec: Section) -> None:
+    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
     from analysis.figures import interventions as figs
     from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
 
@@ -398,8 +404,6 @@ def build_report(
     (other files in ``out_dir`` are kept), and then ``ReportError`` names the failed sections.
     """
     import matplotlib
-
-    from analysis.versions import package_versions
 
     if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
         matplotlib.use("Agg")

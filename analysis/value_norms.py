@@ -32,8 +32,8 @@ from analysis.hooks import (
     per_query_head,
     skipped_note,
 )
-from analysis.passes import Accumulator, Batch, run_pass
 from analysis.io import jsonable
+from analysis.passes import Accumulator, Batch, run_pass
 from analysis.results import Result
 from analysis.sink import SinkResult, alpha_from_pattern
 from analysis.stats import one_thread, pair_cosine

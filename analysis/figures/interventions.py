@@ -4,8 +4,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import place_axes, set_title
 from analysis.conditions import WHERE_KEYS
+from analysis.figures.layout import place_axes, set_title
 from analysis.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError, _is_reference, _reference_models, smollm2_dir
+from analysis.models import DEFAULT_MODEL, ModelNotFoundError, _is_reference, _reference_models, load_model, smollm2_dir
+from analysis.streaming.reference import ReferenceLM
 
 def _load_folder(src: str, local: bool, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,8 +45,6 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
             return _checked(hf), tokenizer or tok, name
         path = Path(name).expanduser()
         if name in _reference_models() or ((path / "config.json").is_file() and _is_reference(path)):
-            from analysis.models import load_model
-
             return _reference(load_model(name, device=device, dtype=dtype), tokenizer, name)
         if path.exists():
             if not (path / "config.json").is_file():
@@ -71,8 +70,6 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
 
 
 def _reference(model, tokenizer, name: str):
-    from analysis.streaming.reference import ReferenceLM
-
     return ReferenceLM(model.eval()), tokenizer or model.tokenizer, name
 
 

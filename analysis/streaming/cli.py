@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
+
+import torch
+
+from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
 
 def _ints(text: str) -> list[int]:
@@ -34,10 +39,6 @@ def add_parser(sub, default_model: str) -> None:
 
 
 def cmd_stream(args) -> int:
-    import torch
-
-    from analysis.streaming.run import streaming_perplexity
-
     if args.threads:
         torch.set_num_threads(args.threads)
     res = streaming_perplexity(
@@ -50,10 +51,6 @@ def cmd_stream(args) -> int:
         res.save(args.json)
         print(f"wrote {args.json}")
     if args.csv:
-        from pathlib import Path
-
-        from analysis.streaming.run import write_csv_atomic
-
         write_csv_atomic(res.table, Path(args.csv))
         print(f"wrote {args.csv}")
     cols = ["policy", "ppl", "ppl_past_window", "ppl_at_recompute", "tokens_per_s", "kv_cache_mib", "sink_attention"]

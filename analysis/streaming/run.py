@@ -14,6 +14,7 @@ from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
+from analysis.versions import package_versions
 
 
 def default_policies(window: int, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
@@ -133,8 +134,6 @@ class StreamResult:
         return ["The model's learned sink slot (always in the cache) gets, once the cache is full: " + ", ".join(parts) + "."]
 
     def to_dict(self) -> dict:
-        from analysis.versions import package_versions
-
         return {"model": self.model, "window": self.window, "n_ctx": self.n_ctx, "stream": self.stream, "skip": self.skip,
                 "recompute_every": self.recompute_every, "device": self.device, "tokens": self.tokens,
                 "table": json.loads(self.table.to_json(orient="records")), "runs": [r.to_dict() for r in self.runs],

@@ -17,15 +17,9 @@ from analysis.train.config import ModelConfig, TrainConfig
 from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate
 from analysis.train.model import SinkLM
 from analysis.train.presets import PRESETS
+from analysis.train.trainer import train
 
 __all__ = [
     "AttentionOp", "CheckpointError", "ModelConfig", "PRESETS", "SinkLM", "TrainConfig", "available_attention",
     "first_token_stats", "load_reference", "register", "sink_rate", "slot_sink_rate", "train",
 ]
-
-
-def train(*args, **kwargs):
-    """See ``analysis.train.trainer.train`` (imported lazily: it pulls in the data stack)."""
-    from analysis.train.trainer import train as _train
-
-    return _train(*args, **kwargs)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from analysis.train.flex import flex_elementwise
+
 _REGISTRY: dict[str, tuple[type, dict, str]] = {}
 _ALIASES = {
     "elu+1": "elu1", "elu+1-norm": "elu1-norm", "sigmoid-normalized": "sigmoid-norm",
@@ -356,8 +358,6 @@ class _Elementwise(AttentionOp):
     def fused(self, q, k, v, *, impl, window, score_bias=None, slot=None):
         if impl not in ("flex", "auto"):
             return None
-        from analysis.train.flex import flex_elementwise
-
         return flex_elementwise(self, q, k, v, window=window, score_bias=score_bias)
 
 

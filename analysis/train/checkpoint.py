@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from analysis.io import parse_dtype, replace_dir, write_atomic, write_json
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from analysis.io import parse_dtype, replace_dir, write_atomic, write_json
+from analysis.train.config import ModelConfig
+from analysis.train.model import SinkLM
 
 REFERENCE_FORMAT = "attention-sinks-reference"
 FORMAT_VERSION = 1
@@ -214,9 +217,6 @@ def load_reference(path_or_dir, device=None, dtype=None):
     Returns the ``SinkLM`` in eval mode, with ``.tokenizer`` (or None for the synthetic task) and
     ``.reference_config`` (the whole config.json: training options, data description, final metrics).
     """
-    from analysis.train.config import ModelConfig
-    from analysis.train.model import SinkLM
-
     d = _resolve_reference(path_or_dir)
     cfg = read_json(d / "config.json")
     if cfg.get("format") != REFERENCE_FORMAT:

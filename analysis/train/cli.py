@@ -18,8 +18,11 @@ import sys
 import typing
 from typing import Optional, Sequence
 
+from analysis.train.attention import available_attention
 from analysis.train.config import ModelConfig, TrainConfig
 from analysis.train.presets import PRESETS, build_configs
+from analysis.train.sweep import run_sweep
+from analysis.train.trainer import train
 
 
 def _parse_optional(base):
@@ -129,8 +132,6 @@ def _sweep_parser() -> argparse.ArgumentParser:
 
 
 def _print_list() -> None:
-    from analysis.train.attention import available_attention
-
     print("attention operations (--attention NAME):")
     for name, desc in available_attention().items():
         print(f"  {name:22s} {desc}")
@@ -143,8 +144,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "-m", "analysis.train", *argv])
     if argv and argv[0] == "sweep":
-        from analysis.train.sweep import run_sweep
-
         ns = vars(_sweep_parser().parse_args(argv[1:]))
         preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
         reuse = [r for r in ns.pop("reuse").split(",") if r]
@@ -164,8 +163,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mcfg, tcfg = build_configs(preset_name, ns)
     except ValueError as e:
         parser.error(str(e))
-    from analysis.train.trainer import train
-
     result = train(mcfg, tcfg, command=command)
     if result.final:
         print({k: v for k, v in result.final.items() if k in ("step", "loss", "val_loss", "sink_1", "sink_slot",

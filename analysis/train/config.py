@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from analysis.train.attention import check_attention
+
 POSITIONAL_EMBEDDINGS = ("rotary", "none", "learned", "sinusoidal", "alibi", "relative")
 NORMALIZATIONS = ("RMS", "LN")
 NORM_POSITIONS = ("pre", "post")
@@ -102,8 +104,6 @@ class ModelConfig:
             raise ValueError(f"document_token={self.document_token} is not a token id in [0, {self.d_vocab}).")
         if self.attn_p <= 0:
             raise ValueError(f"attn_p must be > 0; got {self.attn_p}.")
-        from analysis.train.attention import check_attention  # late import: attention imports config
-
         self.attention = check_attention(self.attention, self)
 
     # TransformerLens-style aliases read by some analysis code.

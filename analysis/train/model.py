@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - TransformerLens 2/3
     from transformer_lens.hook_points import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from analysis.train.attention import Slot, build_attention_op, causal_mask
+from analysis.hooks import validate_token_ids
+from analysis.train.attention import _REGISTRY, Slot, build_attention_op, canonical_name, causal_mask
 from analysis.train.config import ModelConfig
 from analysis.train.positions import (
     RelativeBias,
@@ -346,8 +347,6 @@ class SinkLM(HookedRootModule):
 
     @staticmethod
     def blocks_need_sink(cfg: ModelConfig) -> bool:
-        from analysis.train.attention import _REGISTRY, canonical_name
-
         return bool(_REGISTRY[canonical_name(cfg.attention)][0].uses_sink_token)
 
     # -- weights
@@ -410,8 +409,6 @@ class SinkLM(HookedRootModule):
             isinstance(tokens, str) or (tokens and isinstance(tokens[0], str))
         ):
             return self.to_tokens(tokens)
-        from analysis.hooks import validate_token_ids
-
         return validate_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab,
                                   hint=" (or train a model with a larger --n-ctx)", sync=False)
 

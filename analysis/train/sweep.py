@@ -27,6 +27,7 @@ import pandas as pd
 from analysis.io import write_atomic
 from analysis.train.checkpoint import read_json
 from analysis.train.presets import build_configs
+from analysis.train.trainer import train
 
 EMERGENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "emergence"  # the committed grids
 
@@ -56,7 +57,6 @@ def _train_one(args: tuple) -> dict:
         import torch
 
         torch.set_num_threads(threads)
-    from analysis.train.trainer import train
 
     mcfg, tcfg = build_configs(preset_name, {**options, "out": str(run_dir)})
     tcfg.resume = (Path(run_dir) / "checkpoints").is_dir()

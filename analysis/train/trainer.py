@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from analysis.io import write_atomic
+from analysis.sink import sink_metric
 from analysis.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -37,6 +38,7 @@ from analysis.train.config import ModelConfig, TrainConfig, snapshot_steps
 from analysis.train.data import build_data, load_tokenizer_file
 from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
 from analysis.train.model import SinkLM
+from analysis.train.presets import config_to_args
 
 # Train options that decide which batches a run sees: a resumed run must keep them.
 _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
@@ -108,8 +110,6 @@ def init_distributed(device_pref: str) -> tuple[int, int, int]:
 
 def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
     """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults)."""
-    from analysis.train.presets import config_to_args
-
     return shlex.join(["python", "-m", "analysis.train", *config_to_args(mcfg, tcfg)])
 
 
@@ -155,8 +155,6 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Opt
     ``probe_no_fixed`` (the probe without its fixed first token) ``sink_1_no_fixed`` and
     ``val_loss_no_fixed``.
     """
-    from analysis.sink import sink_metric
-
     was = model.training
     model.eval()
     try:
