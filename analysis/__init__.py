@@ -11,8 +11,14 @@ Start with::
     print(prof.text())
 """
 from analysis.families import FamilySpec, attention_layers, get_family, rotary_base
+from analysis.gates import attention_gates
 from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims
+from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
+from analysis.key_manifold import first_key_manifold
+from analysis.massive import massive_activations
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.norm_gain import norm_gain_trace
+from analysis.one_pass import Profile, profile
 from analysis.passes import run_pass, run_with_reducers
 from analysis.probes import (
     PROBE_KINDS,
@@ -24,25 +30,11 @@ from analysis.probes import (
     repeated_probe,
     text_probe,
 )
+from analysis.qk import qk_angles
+from analysis.report import build_report
 from analysis.sink import SinkResult, sink_metric, sink_table
-
-
-def __getattr__(name):
-    # The mechanism modules load on first use (they pull in scikit-learn and matplotlib).
-    lazy = {
-        "qk_angles": "analysis.qk", "massive_activations": "analysis.massive", "norm_gain_trace": "analysis.norm_gain",
-        "first_key_manifold": "analysis.key_manifold", "value_norms": "analysis.value_norms",
-        "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
-        "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
-        "attention_view": "analysis.attention_view", "profile": "analysis.one_pass", "Profile": "analysis.one_pass",
-        "attention_gates": "analysis.gates",
-    }
-    if name in lazy:
-        import importlib
-
-        return getattr(importlib.import_module(lazy[name]), name)
-    raise AttributeError(f"module 'analysis' has no attribute {name!r}")
-
+from analysis.values import value_norms
+from analysis.views import attention_view
 
 __version__ = "0.1.0"
 

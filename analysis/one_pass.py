@@ -23,9 +23,9 @@ from analysis.key_manifold import key_manifold_accumulator
 from analysis.massive import massive_accumulator
 from analysis.passes import ResidCapture, can_resume, checkpoint_layers, run_pass
 from analysis.qk import QKAccumulator
-from analysis.sink import SinkAccumulator, sink_table
-from analysis.value_norms import ValueNormsAccumulator
 from analysis.results import Result
+from analysis.sink import SinkAccumulator, sink_table
+from analysis.values import ValueNormsAccumulator
 
 MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
 ANALYSES = ("sink", "massive") + MAIN_ANALYSES

@@ -197,7 +197,7 @@ def _mechanism_tables(ctx: _Context, nat, sec: Section) -> None:
 
 def _views(ctx: _Context, sec: Section) -> None:
     # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
-    from analysis.attention_view import attention_view_html
+    from analysis.views import attention_view_html
 
     nat = ctx.profile.sink["natural"]
     per_layer = nat.per_layer(1).set_index("layer")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from analysis import load_model
+from analysis.conditions import run_condition
 from analysis.families import get_family
 from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
-from analysis.conditions import run_condition
 from analysis.interventions import ValueRemoval, first_key_ablation, spike_ablation, value_ablation
 from tests.families import make_family_dir
 from tests.planted import SPIKE_DIMS, _add_spike

@@ -147,8 +147,8 @@ def test_explicit_non_attention_layers_fail_clearly(family_dirs):
     """The one helper: None gives the attention layers; a linear-attention layer asked for by hand is a ValueError
     that names the attention layers, in every analysis that reads attention hooks."""
     from analysis import attention_layers_of
-    from analysis.value_norms import value_norms
-    from analysis.attention_view import attention_pattern
+    from analysis.values import value_norms
+    from analysis.views import attention_pattern
 
     _, model = family_dirs("qwen3_next")
     assert attention_layers_of(model) == [1, 3] and attention_layers_of(model, [3]) == [3]

@@ -9,8 +9,8 @@ from tests.families import FAMILIES
 from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_nospike, planted_tokens  # noqa: F401
 
 from analysis.conditions import run_condition, where_shares
-from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
 from analysis.hooks import act_name
+from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
 from analysis.sink import sink_metric
 
 

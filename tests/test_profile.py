@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from analysis import profile
-from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
-from analysis.passes import Accumulator, LayerCollector, run_pass
 from analysis.conditions import baseline_pass, run_condition
+from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
 from analysis.interventions import spike_ablation, value_ablation
 from analysis.key_manifold import first_key_manifold
 from analysis.massive import massive_activations
+from analysis.passes import Accumulator, LayerCollector, run_pass
 from analysis.qk import qk_angles
 from analysis.sink import sink_metric
-from analysis.value_norms import value_norms
+from analysis.values import value_norms
 from tests.planted import planted, planted_tokens  # noqa: F401
 
 

@@ -101,7 +101,7 @@ def test_model_without_norm_gain(tmp_path):
 
 # What breaks -> (object to patch, attribute, the error it raises, the ReportError message, report.json's "errors").
 BROKEN = {
-    "section": ("analysis.value_norms:ValueNorms", "to_dict", RuntimeError("boom"),
+    "section": ("analysis.values:ValueNorms", "to_dict", RuntimeError("boom"),
                 r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)", {"value_norms": ["RuntimeError: boom"]}),
     "figure": ("analysis.figures.sink", "plot_sink_by_layer", ValueError("no axes"),
                r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)",
@@ -139,13 +139,12 @@ def test_a_failure_is_reported_and_the_rest_is_kept(broken, planted, tmp_path, m
 
 def test_the_cli_exits_non_zero_when_the_report_fails(monkeypatch, tmp_path, capsys):
     import analysis.__main__ as cli
-    import analysis.report
 
     def failing(*args, **kwargs):
         raise ReportError("1 report section(s) failed: sink (boom).")
 
-    monkeypatch.setattr(analysis.report, "build_report", failing)
-    monkeypatch.setattr("analysis.models.load_model", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "build_report", failing)
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: None)
     assert cli.main(["report", "--out", str(tmp_path)]) == 1
     assert "sink (boom)" in capsys.readouterr().err
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError, probe_sets, sink_metric
-from analysis.value_norms import correlation, value_norms
+from analysis.values import correlation, value_norms
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike, planted_tokens  # noqa: F401
 
 NON_SINK_LAYERS = (0, 3)

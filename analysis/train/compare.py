@@ -16,7 +16,7 @@ from analysis.massive import massive_activations
 from analysis.passes import run_with_reducers
 from analysis.sink import sink_metric
 from analysis.train.metrics import first_token_stats, slot_sink_rate
-from analysis.value_norms import value_norms
+from analysis.values import value_norms
 
 
 @torch.no_grad()
@@ -144,7 +144,7 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
       >= ``ratio`` x the token median on most samples (``analysis.massive``, ``median_over="token"``, no
       absolute floor: a 64-wide model has no activation above 100);
     - ``value_ratio_sink_heads``: median |v_1| / mean |v_j| over the KV heads whose alpha_1 > eps
-      (``analysis.value_norms``);
+      (``analysis.values``);
     - ``key_offsub_z``, ``cos_q_k1``, ``cos_q_kj``: how far the first key lies from the other keys' subspace
       (z-score), and the mean cosine of queries with k_1 and with other keys, in sink heads
       (``analysis.key_manifold``);
