@@ -148,7 +148,7 @@ class _Context:
 
 
 def _sink(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.sink import plot_head_alpha, plot_sink_by_layer, plot_sink_rates
     from analysis.sink import sink_table, sink_table_text
 
@@ -196,7 +196,7 @@ def _mechanism_tables(ctx: _Context, nat, sec: Section) -> None:
 
 
 def _views(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.views import attention_view_html
 
     nat = ctx.profile.sink["natural"]
@@ -212,7 +212,7 @@ def _views(ctx: _Context, sec: Section) -> None:
 
 
 def _massive(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.massive import plot_activation_map, plot_spike_dims_by_kind, plot_top_activations
     from analysis.massive import activation_map, kinds_text
 
@@ -237,7 +237,7 @@ def _massive(ctx: _Context, sec: Section) -> None:
 def _norm_gain(ctx: _Context, sec: Section) -> None:
     import warnings
 
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.norm_gain import plot_constancy, plot_gain_profile, plot_head_attribution, plot_stage_shares
     from analysis.norm_gain import choose_layer, norm_gain_trace
 
@@ -267,7 +267,7 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
 
 
 def _key_manifold(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.key_manifold import plot_key_pca, plot_manifold_summary
 
     km = ctx.profile.key_manifold
@@ -281,7 +281,7 @@ def _key_manifold(ctx: _Context, sec: Section) -> None:
 
 
 def _value_norms(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.value_norms import plot_value_alpha, plot_value_norms
 
     vn = ctx.profile.value_norms
@@ -297,7 +297,7 @@ def _value_norms(ctx: _Context, sec: Section) -> None:
 
 
 def _interventions(ctx: _Context, sec: Section) -> None:
-    # lazy: a section whose module cannot be imported (or matplotlib, for the figures) is a note (_run_section)
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures import interventions as figs
     from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
 

@@ -1,0 +1,201 @@
+"""The package's layout, read from its source with ``ast`` (nothing is imported but ``analysis`` itself, to find it):
+no import circle among its modules, counting the imports written inside functions, and every import of the
+package's own modules written inside a function says on its line, or the line above, why it is lazy."""
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+import analysis
+
+ROOT = Path(analysis.__file__).resolve().parent
+PACKAGE = "analysis"
+# The one circle left, and the lazy imports inside it: sink.py chooses the fused path, fused_sink.py builds the
+# SinkResult and imports the checks back.
+ALLOWED_CYCLE = frozenset({"analysis.sink", "analysis.fused_sink"})  # fixed in the every-sink branch
+UNCHECKED_LAZY = ALLOWED_CYCLE  # fixed in the every-sink branch
+REASONS = ("import time", "optional", "cycle")  # what a lazy import's comment says (one of them)
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = [PACKAGE, *path.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def _ancestors(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _targets(module: str, node: ast.AST) -> set[str]:
+    """The package's modules an import statement runs: the named module (or a submodule named in ``from X import
+    sub``), and the packages on the way to it that are not already being imported around ``module``."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = module.split(".") if module in PACKAGES else module.split(".")[:-1]
+            pkg = pkg[: len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([base] if base else []))
+        names = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+    elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+        if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names = [node.args[0].value]
+    out = set()
+    for name in names:
+        if name != PACKAGE and not name.startswith(PACKAGE + "."):
+            continue
+        while name and name not in MODULES:  # `from analysis.x import y`: y is a name in module analysis.x
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+            out |= {a for a in _ancestors(name) if a in MODULES} - _ancestors(module) - {module}
+    return out
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, inside a function) for every import of the package's own modules."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for target in _targets(module, child):
+                found.append((target, child.lineno, inner))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _graph() -> dict[str, dict[str, tuple[int, bool]]]:
+    """module -> {imported module: (first line, lazy)}; an edge is lazy only if every import along it is."""
+    graph: dict[str, dict[str, tuple[int, bool]]] = {m: {} for m in MODULES}
+    for module, path in MODULES.items():
+        for target, line, lazy in _imports(module, path):
+            old = graph[module].get(target)
+            if old is None or (old[1] and not lazy):
+                graph[module][target] = (line, lazy)
+    return graph
+
+
+def _strongly_connected(graph) -> list[set[str]]:
+    """Tarjan's components with more than one module (or a module importing itself)."""
+    index, low, stack, on, comps, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                comps.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def _cycle_text(graph, comp: set[str]) -> str:
+    """One circle through the component (through a module outside the allowed circle where there is one), written
+    out with where each import is (line, in a function or not), then every module of the component."""
+    start = min(comp - ALLOWED_CYCLE or comp)
+    paths, seen = {start: [start]}, {start}
+    queue = [start]
+    while queue:  # breadth first: the shortest way back to start
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                path = paths[v] + [start]
+                return " -> ".join(f"{a} (line {graph[a][b][0]}{', in a function' if graph[a][b][1] else ''})"
+                                   for a, b in zip(path, path[1:])) + f" -> {start}; the circle's modules: {sorted(comp)}"
+            if w in comp and w not in seen:
+                seen.add(w)
+                paths[w] = paths[v] + [w]
+                queue.append(w)
+    return ", ".join(sorted(comp))
+
+
+def test_the_layout_reader_sees_in_function_imports():
+    """The reader finds what it must: hooks' imports at the top, a lazy import in models, the implicit package."""
+    graph = _graph()
+    assert "analysis.families" in graph["analysis.hooks"] and not graph["analysis.hooks"]["analysis.families"][1]
+    assert graph["analysis.models"]["analysis.train"][1]  # load_reference: inside load_model
+    assert "analysis.train" in graph["analysis.probes"]  # importing analysis.train.data runs analysis/train/__init__
+    assert "analysis" not in graph["analysis.hooks"]  # the package being imported around it is no edge
+
+
+def test_no_import_circle_among_the_package_modules():
+    graph = _graph()
+    circles = [c for c in _strongly_connected(graph) if c != ALLOWED_CYCLE]
+    assert not circles, "import circles (in-function imports counted):\n" + "\n".join(
+        _cycle_text(graph, c) for c in circles)
+
+
+def _comment_lines(path: Path) -> set[int]:
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return {t.start[0] for t in tokens if t.type == tokenize.COMMENT and any(r in t.string.lower() for r in REASONS)}
+
+
+def _lazy_package_imports(module: str, path: Path) -> list[tuple[int, int]]:
+    """(first line, last line) of each import of the package's own modules inside a function, where a run of such
+    imports one after another counts as one (the comment above the first covers the run)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    runs = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for body in (getattr(n, f, None) for n in ast.walk(fn) for f in ("body", "orelse", "finalbody")):
+            if not isinstance(body, list):
+                continue
+            for prev, stmt in zip([None] + body[:-1], body):
+                if not isinstance(stmt, (ast.Import, ast.ImportFrom)) or not _targets(module, stmt):
+                    continue
+                if runs and isinstance(prev, (ast.Import, ast.ImportFrom)) and _targets(module, prev) \
+                        and runs[-1][1] == prev.end_lineno and prev.end_lineno + 1 == stmt.lineno:
+                    runs[-1] = (runs[-1][0], stmt.end_lineno)
+                else:
+                    runs.append((stmt.lineno, stmt.end_lineno))
+    return sorted(set(runs))
+
+
+def test_every_lazy_import_of_the_package_says_why():
+    missing = []
+    for module, path in MODULES.items():
+        if module in UNCHECKED_LAZY:
+            continue
+        comments = _comment_lines(path)
+        for first, last in _lazy_package_imports(module, path):
+            if not comments & set(range(first - 1, last + 1)):
+                missing.append(f"{path.relative_to(ROOT.parent)}:{first}")
+    assert not missing, ("imports of the package's modules inside functions without a comment on their line or the "
+                         f"line above saying why they are lazy ({' / '.join(REASONS)}): {missing}")
