@@ -19,6 +19,10 @@ from analysis.versions import package_versions
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds."""
+    if T < 2:
+        raise ValueError(f"--T must be at least 2; got {T}. alpha_1 is the attention the queries give the first token: "
+                         "with one token the only query can attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% "
+                         "for any model and input. The paper's probe uses T = 64.")
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")

@@ -239,12 +239,25 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dty
         return load_gguf(path, device=device, dtype=dtype)
     if path.exists():
         return load_hf(str(path), device=device, dtype=dtype)
+    return load_hf(hub_id(name), device=device, dtype=dtype)
+
+
+def hub_id(name: str) -> str:
+    """``name`` as a Hugging Face hub id ('org/model'), for a name that is neither known nor a local file or folder;
+    ModelNotFoundError saying what it is instead: a path that does not exist, or an unknown name."""
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+                              or "\\" in name or path.suffix.lower() == ".gguf"):
+        raise ModelNotFoundError(
+            f"no such file or folder: {name}{f' ({path})' if str(path) != name else ''}. Give the path of a local Hugging Face model folder or .gguf file, a "
+            f"name from {model_names()}, or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
+        )
     if "/" not in name:
         raise ModelNotFoundError(
             f"unknown model {name!r}. Known names: {model_names()}; or pass a local Hugging Face folder "
             "or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
         )
-    return load_hf(name, device=device, dtype=dtype)
+    return name
 
 
 def _is_reference(path: Path) -> bool:

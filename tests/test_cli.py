@@ -30,6 +30,10 @@ def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys):
         (["sink", "--eps", "1.5"], "eps must lie in (0, 1)"),
         (["sink", "--k-max", "0", "--T", "8"], "--k-max must lie in [1, T=8]"),
         (["sink", "--n", "0"], "--n must be at least 1"),
+        (["sink", "--T", "1"], "with one token the only query can attend to nothing else, so alpha_1 = 1"),
+        (["sink", "--model", "/nonexistent"], "no such file or folder: /nonexistent"),
+        (["report", "--model", "/nonexistent", "--out", "unused"], "no such file or folder: /nonexistent"),
+        (["stream", "--model", "/nonexistent"], "no such file or folder: /nonexistent"),
     ],
 )
 def test_bad_input_exits_2_with_advice(argv, message, capsys):

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import torch
 
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError, _is_reference, _reference_models, load_model, smollm2_dir
+from analysis.models import (
+    DEFAULT_MODEL,
+    ModelNotFoundError,
+    _is_reference,
+    _reference_models,
+    hub_id,
+    load_model,
+    smollm2_dir,
+)
 from analysis.streaming.reference import ReferenceLM
+
 
 def _load_folder(src: str, local: bool, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,7 +60,7 @@ def causal_lm(model, tokenizer=None, device=None, dtype=None):
                 raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json).")
             hf, tok = _load_folder(str(path), True, device, dtype)
             return _checked(hf), tokenizer or tok, name
-        hf, tok = _load_folder(name, False, device, dtype)
+        hf, tok = _load_folder(hub_id(name), False, device, dtype)
         return _checked(hf), tokenizer or tok, name
     if type(model).__name__ == "SinkLM":
         return _reference(model, tokenizer, getattr(model, "model_name", None) or "sink-lm")
