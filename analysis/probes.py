@@ -94,7 +94,7 @@ def hf_dataset_texts(name: str, split: str = "train", text_field: str = "text", 
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("hf_dataset_texts needs the `datasets` package: pip install 'attention-sinks[datasets]'.") from e
+        raise ImportError("hf_dataset_texts needs the `datasets` package: pip install 'attention-sink-lens[datasets]'.") from e
     ds = datasets.load_dataset(name, split=split, streaming=kwargs.pop("streaming", False), **kwargs)
     texts = []
     for row in ds:

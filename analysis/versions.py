@@ -4,7 +4,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-PACKAGES = ("attention-sinks", "torch", "transformer-lens", "transformers", "gguf", "circuitsvis", "numpy", "scikit-learn")
+PACKAGES = ("attention-sink-lens", "torch", "transformer-lens", "transformers", "gguf", "circuitsvis", "numpy", "scikit-learn")
 
 
 def package_versions() -> dict[str, str]:

