@@ -12,15 +12,19 @@ Peak memory: peak resident memory of the process on CPU (VmHWM, reset before eac
 CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` pass per probe kind (3), which
 also keeps the natural pass's residual stream entering its blocks (``Profile.resid``, every 2nd on SmolLM2); the norm-gain trace and
 the 5 intervention passes (2 spike, 2 value, 1 first-key) then start at the block they change (on SmolLM2: 24;
-12, 2 and 12), so 3 x 30 + 0 + 110 blocks run where whole passes would run 265 (the last line counts them). Its
-time is best read in forward passes. Targets (issue 10): <= 8x the forward pass in time (the median report against the fastest
-forward) and <= 1.3x its peak memory (the first report against the forwards before it, the same process state);
-the targets line says whether they are met. On a shared machine, read the ratios within one run.
+12, 2 and 12), so 3 x 30 + 0 + 110 blocks run where whole passes would run 265 (the model-work line counts them). Its
+time is best read in forward passes.
 
-The report's model work is counted too: the blocks and unembeddings its passes run (forward hooks on the wrapped
+The report's model work is counted: the blocks and unembeddings its passes run (forward hooks on the wrapped
 modules, during the last report), priced with the forward's own split into blocks and unembedding (a pass stopped
-after the last block, timed beside the forward). That floor, in forward passes, is what the report must cost
-before any accumulator, figure or file; the report's time above it is its overhead.
+after the last block, timed beside the forward). That floor, in forward passes (its natural pass, two controls and
+five causal conditions), is what the report must cost before any accumulator, figure or file; the report's time
+above it is its overhead.
+
+Targets (issue 23): the time above the counted model work <= 2.5 forward passes (the median report against the
+fastest forward), and <= 1.3x the forward's peak memory (the first report against the forwards before it, the same
+process state). The targets line prints the report's time in forward passes, the overhead above its model work, and
+whether each target is met. On a shared machine, read the ratios within one run.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 
 from analysis.memory import measure
 
-TIME_TARGET, MEMORY_TARGET = 8.0, 1.3
+OVERHEAD_TARGET, MEMORY_TARGET = 2.5, 1.3  # forward passes above the counted model work; x the forward's peak
 
 
 def main() -> None:
@@ -81,7 +85,9 @@ def main() -> None:
     before = fwds[: max(1, args.repeat)]
     fwd = (min(f[0] for f in fwds), max(f[1] for f in before), max(f[2] for f in before))
     _print(args, bs, fwd, fwds, reps, size)
-    print(work.text(fwd[0], base, statistics.median(r[0][0] for r in reps)))
+    report_s = statistics.median(r[0][0] for r in reps)
+    print(work.text(fwd[0], base, report_s))
+    _print_targets(report_s / fwd[0], work.floor(fwd[0], base), reps[0][0][1] / max(fwd[1], 1e-9))
 
 
 def base_forward(model, tokens, bs: int, device) -> None:
@@ -124,10 +130,14 @@ class ModelWork:
         for h in self.handles:
             h.remove()
 
+    def floor(self, forward_s: float, base_s: float) -> float:
+        """The counted model work in forward passes: the blocks and unembeddings run, each at the forward's price."""
+        return self.blocks * base_s / forward_s / self.n_layers + self.unembeds * max(1 - base_s / forward_s, 0.0)
+
     def text(self, forward_s: float, base_s: float, report_s: float) -> str:
         block = base_s / forward_s / self.n_layers  # one block, in forward passes
         unembed = max(1 - base_s / forward_s, 0.0)
-        floor = self.blocks * block + self.unembeds * unembed
+        floor = self.floor(forward_s, base_s)
         return (f"model work of one report: {self.blocks:.1f} blocks ({self.blocks / self.n_layers:.2f} x {self.n_layers}) "
                 f"and {self.unembeds:.1f} unembeddings over the N x T tokens = {floor:.1f} forward passes (a block {block:.3f}, the unembedding "
                 f"{unembed:.2f} of a forward); the report takes {report_s / forward_s:.1f}: "
@@ -144,11 +154,17 @@ def _print(args, bs: int, fwd, fwds, reps, size) -> None:
         print(f"{f'full report {i + 1}':<16}{rep[0]:>10.2f}{rep[0] / fwd[0]:>11.1f}{rep[1]:>11.0f}{rep[2]:>9.0f}"
               f"{rep[1] / max(fwd[1], 1e-9):>11.2f}")
         print("  sections (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
-    t_ratio = statistics.median(r[0][0] for r in reps) / fwd[0]
-    m_ratio = reps[0][0][1] / max(fwd[1], 1e-9)  # the first report: the process state the forward was measured in
-    print(f"targets (time: median report; memory: first report): time {t_ratio:.1f}x <= {TIME_TARGET:g}x {'met' if t_ratio <= TIME_TARGET else 'NOT met'}; "
-          f"peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x {'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
     print("files: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in size.items()))
+
+
+
+def _print_targets(t_ratio: float, floor: float, m_ratio: float) -> None:
+    """Time: the median report in forward passes, and above its counted model work (the target); memory: the first
+    report's peak against the forward's (the process state the forward was measured in)."""
+    over = t_ratio - floor
+    print(f"targets (time: median report; memory: first report): time {t_ratio:.1f}x a forward, {over:.1f} forward passes "
+          f"above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {'met' if over <= OVERHEAD_TARGET else 'NOT met'}; "
+          f"peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x {'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
 
 
 if __name__ == "__main__":
