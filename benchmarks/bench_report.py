@@ -87,7 +87,7 @@ def main() -> None:
     _print(args, bs, fwd, fwds, reps, size)
     report_s = statistics.median(r[0][0] for r in reps)
     print(work.text(fwd[0], base, report_s))
-    _print_targets(report_s / fwd[0], work.floor(fwd[0], base), reps[0][0][1] / max(fwd[1], 1e-9))
+    _print_targets(report_s / fwd[0], work.floor(fwd[0], base), reps[0][0][1] / max(fwd[1], 1e-9), priced=base < fwd[0])
 
 
 def base_forward(model, tokens, bs: int, device) -> None:
@@ -158,12 +158,16 @@ def _print(args, bs: int, fwd, fwds, reps, size) -> None:
 
 
 
-def _print_targets(t_ratio: float, floor: float, m_ratio: float) -> None:
+def _print_targets(t_ratio: float, floor: float, m_ratio: float, priced: bool = True) -> None:
     """Time: the median report in forward passes, and above its counted model work (the target); memory: the first
-    report's peak against the forward's (the process state the forward was measured in)."""
+    report's peak against the forward's (the process state the forward was measured in). ``priced`` False: the
+    forward stopped after the blocks took as long as the whole forward (a loaded machine), so the model work has no
+    price and the time target is not judged."""
     over = t_ratio - floor
+    verdict = ("met" if over <= OVERHEAD_TARGET else "NOT met") if priced else (
+        "not judged: the blocks timed slower than the whole forward (a loaded machine), re-run on an idle one")
     print(f"targets (time: median report; memory: first report): time {t_ratio:.1f}x a forward, {over:.1f} forward passes "
-          f"above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {'met' if over <= OVERHEAD_TARGET else 'NOT met'}; "
+          f"above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {verdict}; "
           f"peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x {'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
 
 
