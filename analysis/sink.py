@@ -6,7 +6,11 @@ queries that can see it is
     alpha_k = 1 / (T - k + 1) * sum_{i = k..T} A[i, k]
 
 and ``Sink_k^eps`` is 100 x the share of (sample, layer, head) triples with alpha_k > eps (strict),
-eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max).
+eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max); with
+k_max = T, alpha at every position (the column sums of each pattern, reduced in the hook).
+
+``sink_metric`` chooses the path: the fused pass (``analysis.fused_sink``, which returns alpha) where it is exact,
+the streamed ``hook_pattern`` reducer otherwise; both results are built here.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
+from analysis.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
 from analysis.hooks import (Accumulator, Batch, LayerCollector, act_name, attention_layers_of, check_tokens, skipped_note,
                             stream)
 from analysis.results import LayerAxis, Result, layers_text
@@ -272,8 +277,6 @@ def sink_metric(
         raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
     reason = None
     if path != "eager":
-        from analysis.fused_sink import FusedUnsupported, sink_metric_fused
-
         try:
             return sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind)
         except FusedUnsupported as e:
@@ -285,6 +288,20 @@ def sink_metric(
     res = stream(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
     return res
+
+
+def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
+                      batch_size: int | None = None, progress: bool = False, kind: str | None = None) -> SinkResult:
+    """``sink_metric`` through the fused pass (``analysis.fused_sink.fused_alpha``): the same ``SinkResult``, no
+    T x T map built. Raises ``FusedUnsupported`` where that pass is not exact for the model."""
+    hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
+    tokens = check_fused_tokens(model, tokens)
+    T = tokens.shape[1]
+    eps = check_eps(DEFAULT_EPS if eps is None else eps)
+    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress)
+    skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
+    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
+                      layers=fused_layers(model), skipped=skipped)
 
 
 def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:
