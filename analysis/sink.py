@@ -15,6 +15,7 @@ the streamed ``hook_pattern`` reducer otherwise; both results are built here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -267,38 +268,65 @@ def sink_metric(
 ) -> SinkResult:
     """Sink metric of ``model`` on ``tokens`` (N, T).
 
-    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept. ``path``: "fused" computes
+    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept (``k_max = T``: every position, as
+    ``analysis.sink_positions`` uses it; the fused path then takes the column sums in blocks of query rows, never a
+    T x T map). ``path``: "fused" computes
     alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.fused_sink``: no T x T map, about
     the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes the fused path
     where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says which, and
     ``result.meta["fused_unsupported"]`` why not fused).
+    """
+    return sink_pass(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress, kind=kind,
+                     path=path)[0]
+
+
+def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulator]] = list, *, eps: float = DEFAULT_EPS,
+              k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
+              path: str = "auto") -> tuple[SinkResult, list]:
+    """The sink metric and other analyses from one pass of ``model`` over ``tokens`` (N, T).
+
+    Parameters
+    ----------
+    make_accumulators : builds the other analyses' accumulators (called once per path tried, so a fused pass
+        refused half-way leaves the eager one fresh accumulators). On the fused path they may read only
+        ``hook_resid_post`` (else ``"auto"`` takes the eager path).
+    eps, k_max, batch_size, progress, kind, path : as in :func:`sink_metric`.
+
+    Returns
+    -------
+    (SinkResult, [each accumulator's result, in order])
     """
     if path not in ("auto", "fused", "eager"):
         raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
     reason = None
     if path != "eager":
         try:
-            return sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind)
+            accs = list(make_accumulators())
+            res = sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind, accumulators=accs)
+            return res, [a.result() for a in accs]
         except FusedUnsupported as e:
             if path == "fused":
                 raise
             reason = str(e)
     tokens = check_tokens(model, tokens)
-    acc = SinkAccumulator(model, tokens.shape[1], eps, k_max, kind)
-    res = stream(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
+    accs = list(make_accumulators())
+    res, *rest = stream(model, tokens, [SinkAccumulator(model, tokens.shape[1], eps, k_max, kind), *accs],
+                        batch_size=batch_size, progress=progress)
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
-    return res
+    return res, rest
 
 
 def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
-                      batch_size: int | None = None, progress: bool = False, kind: str | None = None) -> SinkResult:
+                      batch_size: int | None = None, progress: bool = False, kind: str | None = None, *,
+                      accumulators: Sequence[Accumulator] = ()) -> SinkResult:
     """``sink_metric`` through the fused pass (``analysis.fused_sink.fused_alpha``): the same ``SinkResult``, no
-    T x T map built. Raises ``FusedUnsupported`` where that pass is not exact for the model."""
+    T x T map built. ``accumulators`` reading ``hook_resid_post`` are fed in the same pass. Raises
+    ``FusedUnsupported`` where that pass is not exact for the model."""
     hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
     tokens = check_fused_tokens(model, tokens)
     T = tokens.shape[1]
     eps = check_eps(DEFAULT_EPS if eps is None else eps)
-    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress)
+    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress, accumulators=accumulators)
     skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
     return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
                       layers=fused_layers(model), skipped=skipped)
