@@ -45,6 +45,17 @@ def default_min_queries(T: int) -> int:
     return max(1, min(SINK_MIN_QUERIES, int(T) // 2))
 
 
+def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, float]:
+    """From alpha (N, L, H, T) of every key: ``sink_1_pct``, Sink on the first token in percent of (sample, layer,
+    head); ``secondary_pct``, the percent of (sample, layer, head) that sink on some later measured key (k >= 1,
+    seen by at least ``min_queries`` queries); ``later_sinks_per_sequence``, the mean number of later measured
+    positions that are a sink in some head."""
+    later = alpha[..., 1 : alpha.shape[-1] - min_queries + 1] > eps
+    return {"sink_1_pct": float((alpha[..., 0] > eps).float().mean() * 100),
+            "secondary_pct": float(later.any(-1).float().mean() * 100),
+            "later_sinks_per_sequence": float(later.flatten(1, 2).any(1).sum(-1).float().mean())}
+
+
 def check_cos(cos_min: float) -> float:
     cos_min = float(cos_min)
     if not -1.0 < cos_min < 1.0:
@@ -181,11 +192,12 @@ class SinkPositions(Result, LayerAxis):
 
     def secondary_rate(self, eps: float | None = None) -> float:
         """Percent of (sample, layer, head) that sink on some later position (alpha_k > eps for a measured k >= 1)."""
-        return float(self.sink_mask(eps)[..., 1:].any(-1).float().mean() * 100)
+        return sink_rates(self.alpha, self.eps if eps is None else check_eps(eps), self.min_queries)["secondary_pct"]
 
     def later_sinks_per_sequence(self, eps: float | None = None) -> float:
         """Mean number of later positions (k >= 1) that are a sink in some head, per sequence."""
-        return float(self.sink_mask(eps)[..., 1:].flatten(1, 2).any(1).sum(-1).float().mean())
+        e = self.eps if eps is None else check_eps(eps)
+        return sink_rates(self.alpha, e, self.min_queries)["later_sinks_per_sequence"]
 
     def _secondary(self) -> tuple[torch.Tensor, torch.Tensor]:
         created, life = _first_run(self.cos_first > self.cos_min)
