@@ -34,7 +34,9 @@ def __getattr__(name):
         "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
         "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
         "attention_view": "analysis.attention_view", "profile": "analysis.profiling", "Profile": "analysis.profiling",
-        "attention_gates": "analysis.gates",
+        "attention_gates": "analysis.gates", "sink_positions": "analysis.sink_positions",
+        "SinkPositions": "analysis.sink_positions", "sink_vs_context": "analysis.sink_context",
+        "SinkContext": "analysis.sink_context",
     }
     if name in lazy:
         import importlib
@@ -52,4 +54,5 @@ __all__ = [
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
+    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext",
 ]

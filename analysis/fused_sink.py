@@ -45,7 +45,7 @@ from analysis.hooks import (Accumulator, Batch, LayerActs, act_name, attention_l
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
-ALPHA_CHUNK_ELEMENTS = 2**22  # scores per block of alpha_from_lse (16 MiB in float32): rows = this / (B x H x k_max)
+ALPHA_CHUNK_ELEMENTS = 2**20  # scores per block of alpha_from_lse (4 MiB in float32): rows = this / (B x H x k_max)
 
 _ACTIVE: contextvars.ContextVar["AlphaAccumulator | None"] = contextvars.ContextVar("fused_sink_acc", default=None)
 

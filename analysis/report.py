@@ -353,7 +353,7 @@ def _context(ctx: _Context, sec: Section) -> None:
     """Sink_1 and the later sinks against context length and eps: a cheap range computed here, and the committed
     long-T points of the model where data/sink_context/ has them."""
     from analysis.figures.sink_positions import plot_sink_vs_context, plot_sink_vs_eps
-    from analysis.sink_context import load_sink_context, sink_vs_context
+    from analysis.sink_context import committed_sink_context, sink_vs_context
 
     if getattr(ctx.model, "tokenizer", None) is None:
         sec.note(f"{ctx.name} has no tokenizer, so there is no natural text to cut at other context lengths.")
@@ -366,9 +366,8 @@ def _context(ctx: _Context, sec: Section) -> None:
     sec.parts.append(table_html(res.by_T(), digits=2))
     sec.figure(lambda: plot_sink_vs_context(res), "Sink_1 and later sinks against context length (N = 4 per seed)")
     sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
-    committed = Path(__file__).resolve().parents[1] / "data" / "sink_context" / f"{ctx.name}.csv"
-    if committed.is_file():
-        long = load_sink_context(committed)
+    long = committed_sink_context(ctx.name)
+    if long is not None:
         sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
         sec.say(long.text())
         sec.data["committed"] = long.to_dict()

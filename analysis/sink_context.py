@@ -30,6 +30,7 @@ from analysis.sink_positions import default_min_queries, sink_rates
 
 EPS_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 BARBERO_EPS = 0.8  # Barbero et al. (2025) count a sink at eps = 0.8
+SINK_CONTEXT_DIR = Path(__file__).resolve().parents[1] / "data" / "sink_context"  # committed long-T runs, per model
 RATES = ("sink_1_pct", "secondary_pct", "later_sinks_per_sequence")
 COLUMNS = ["model", "T", "seed", "n", "eps", *RATES, "path", "seconds"]
 
@@ -151,8 +152,11 @@ class SinkContext(Result):
 
 
 def load_sink_context(path, model_name: str | None = None) -> SinkContext:
-    """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv`` (e.g. ``data/sink_context/*.csv``)."""
+    """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv``: a path, or the name of a model whose run is
+    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``)."""
     path = Path(path)
+    if not path.is_file() and (SINK_CONTEXT_DIR / f"{path}.csv").is_file():
+        path = SINK_CONTEXT_DIR / f"{path}.csv"
     if not path.is_file():
         raise FileNotFoundError(f"no sink-context CSV at {path}; compute one with scripts/sink_context.py.")
     runs = pd.read_csv(path)
@@ -161,6 +165,12 @@ def load_sink_context(path, model_name: str | None = None) -> SinkContext:
         raise ValueError(f"{path} is not a sink-context CSV: it lacks the columns {missing}.")
     name = model_name or (str(runs["model"].iloc[0]) if len(runs) else None)
     return SinkContext(runs, model_name=name, source=f"read from {path.name}")
+
+
+def committed_sink_context(model_name: str | None) -> SinkContext | None:
+    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none."""
+    path = SINK_CONTEXT_DIR / f"{model_name}.csv"
+    return load_sink_context(path) if model_name and path.is_file() else None
 
 
 def sink_vs_context(model, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Mapping[int, int] = 4,

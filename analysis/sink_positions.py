@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from analysis.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
-from analysis.hooks import Accumulator, Batch, LayerCollector, act_name, check_layers, model_dims, token_strings
+from analysis.hooks import Accumulator, Batch, LayerCollector, act_name, check_layers, token_strings
 from analysis.massive import massive_accumulator
 from analysis.results import LayerAxis, Result, layer_runs
 from analysis.sink import check_eps, sink_pass

@@ -5,8 +5,9 @@
 
 For each T (with its own N sequences per seed) and probe seed: natural-text windows of the offline docstring corpus,
 alpha of every key from one pass (the fused path, exact on SmolLM2), and the rates of ``analysis.sink_context`` at
-every eps of its grid. The CSV is rewritten after each (T, seed), so a stopped run keeps what it finished; the run's
-command, machine and time go to ``command.txt`` beside it. ``analysis.sink_context.load_sink_context`` reads it back.
+every eps of its grid. The CSV is rewritten after each (T, seed), so a stopped run keeps what it finished, and
+``--resume`` keeps the (T, seed) pairs an existing CSV holds and runs only the others; the run's command, machine and
+time go to ``command.txt`` beside it. ``analysis.sink_context.load_sink_context`` reads it back.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis import load_model  # noqa: E402
-from analysis.sink_context import sink_vs_context  # noqa: E402
+from analysis.sink_context import COLUMNS, load_sink_context, sink_vs_context  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--path", default="auto", choices=["auto", "fused", "eager"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--resume", action="store_true", help="keep the (T, seed) pairs already in --out; run the others")
     args = p.parse_args()
     if len(args.n) not in (1, len(args.T)):
         p.error(f"give one --n, or one per T ({len(args.T)} values); got {len(args.n)}.")
@@ -41,22 +44,30 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ns = dict(zip(args.T, args.n * len(args.T) if len(args.n) == 1 else args.n))
     out = Path(args.out)
+    kept = pd.read_csv(out) if args.resume and out.is_file() else pd.DataFrame(columns=COLUMNS)
+    done = set(zip(kept["T"].astype(int), kept["seed"].astype(int)))
     model = load_model(args.model, device=args.device)
     t0 = time.perf_counter()
 
     def save(rows):
         out.parent.mkdir(parents=True, exist_ok=True)
-        rows.to_csv(out, index=False, float_format="%.6g")
+        pd.concat([kept, rows]).sort_values(["T", "seed", "eps"]).to_csv(out, index=False, float_format="%.6g")
         last = rows.iloc[-1]
         print(f"T={int(last['T']):>5} seed={int(last['seed'])} n={int(last['n'])}: Sink_1 {last['sink_1_pct']:.1f}% at "
               f"eps {last['eps']:g}, {last['seconds']:.1f} s ({time.perf_counter() - t0:.0f} s in all)", flush=True)
 
-    res = sink_vs_context(model, Ts=args.T, n=ns, seeds=args.seeds, path=args.path, on_run=save)
+    for T in args.T:
+        seeds = [s for s in args.seeds if (T, s) not in done]
+        if seeds:
+            part = sink_vs_context(model, Ts=[T], n=ns, seeds=seeds, path=args.path, on_run=save)
+            kept = pd.concat([kept, part.runs])
     seconds = time.perf_counter() - t0
+    res = load_sink_context(out)
     command = " ".join(["python", "scripts/sink_context.py", *sys.argv[1:]])
-    (out.parent / "command.txt").write_text(
-        f"{command}\n\n{platform.platform()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, device {args.device or 'default'}; {seconds / 60:.1f} minutes in all.\n")
+    with open(out.parent / "command.txt", "a") as f:
+        f.write(f"{command}\n  {platform.platform()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+                f"{torch.get_num_threads()} threads, device {args.device or 'default'}, {time.strftime('%Y-%m-%d')}; "
+                f"{seconds / 60:.1f} minutes for {len(args.T) * len(args.seeds) - len(done)} (T, seed) pairs.\n")
     print(res.text())
 
 
