@@ -6,8 +6,9 @@ A fused attention kernel never builds the T x T map, but it returns each query r
     A[i, k] = exp(q_i . k_k * scale - lse_i),
 
 so alpha_k (see ``analysis.sink``) for keys 1..k_max needs only the (T x k_max) scores of those keys, taken here
-in blocks of query rows (``alpha_from_lse``): O(rows x k_max) memory, never T x T even for every key (k_max = T,
-the sink at any position). The pass runs the Hugging Face model with an attention function registered in
+in blocks of query rows (``alpha_from_lse``): O(rows x k_max) memory. For every key (k_max = T, the sink at any
+position) the attention function instead computes the attention itself in blocks of query rows, its output and the
+column sums of its softmax together (``attention_with_alpha``): the scores once, never a T x T map. The pass runs the Hugging Face model with an attention function registered in
 transformers' ``AttentionInterface`` for the duration of the run, so every family's q and k arrive after their
 rotary and q/k norms; the function computes the output with the fused kernel, takes the lse and folds alpha
 (B, H, k_max) of its layer into an ``AlphaAccumulator``. Under grouped-query attention each KV head's keys meet
@@ -42,10 +43,12 @@ from torch import nn
 from analysis.families import config_attention_layers
 from analysis.hooks import (Accumulator, Batch, LayerActs, act_name, attention_layers_of, batches, check_tokens,
                             default_batch_size, validate_token_ids)
+from analysis.stats import one_thread
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
-ALPHA_CHUNK_ELEMENTS = 2**20  # scores per block of alpha_from_lse (4 MiB in float32): rows = this / (B x H x k_max)
+ALPHA_CHUNK_ELEMENTS = 2**22  # scores per block of query rows (16 MiB in float32): rows = this / (B x H x keys)
+EVERY_KEY_SHARE = 4  # alpha kept for more than T / this keys: attention_with_alpha, else the fused kernel + alpha_from_lse
 
 _ACTIVE: contextvars.ContextVar["AlphaAccumulator | None"] = contextvars.ContextVar("fused_sink_acc", default=None)
 
@@ -121,6 +124,24 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float):
 # ----------------------------------------------------------------------------------------------
 
 
+def _hide(scores: torch.Tensor, s: int, e: int, kc: int, mask: torch.Tensor | None, fill: float) -> None:
+    """Set, in place, the entries of a block of scores (B, H_kv, g, e - s, kc) (query rows s..e-1 against keys
+    0..kc-1) that a query does not see to ``fill``: the keys after it (j > i) and those ``mask`` hides ((B, 1 or H,
+    T, T) boolean, True = attend, or additive float, -inf = hidden)."""
+    if kc > s + 1:  # keys after the query in the block's diagonal part
+        later = torch.arange(s, kc, device=scores.device)[None, :] > torch.arange(s, e, device=scores.device)[:, None]
+        scores[..., s:kc].masked_fill_(later, fill)
+    if mask is not None:
+        m = mask[..., s:e, :kc]
+        hidden = ~m if m.dtype == torch.bool else m == float("-inf")
+        H_kv, group = scores.shape[1:3]
+        scores.masked_fill_(hidden[:, :, None] if hidden.shape[1] == 1 else hidden.unflatten(1, (H_kv, group)), fill)
+
+
+def _block_rows(B: int, H: int, k_max: int, chunk_elements: int) -> int:
+    return max(16, int(chunk_elements) // max(1, B * H * k_max))
+
+
 def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor | None = None, *,
                    chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
     """alpha_k for keys 1..k_max, (B, H, k_max) float32, from q (B, H, T, d), k (B, H_kv, T, d) and lse (B, H, T).
@@ -131,9 +152,9 @@ def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor
 
     The column sums of A[i, k] = exp(q_i . k_k * scale - lse_i) are taken over blocks of query rows, each block
     against the keys its rows can see (j <= i, so the work is the causal triangle, not the square), with at most
-    ``chunk_elements`` scores at a time: with k_max = T (every key) this costs one more causal QK^T product and
-    its exp, in O(rows x T) memory. Query head h reads KV head h // (H / H_kv); each KV head's keys meet the
-    queries of its group in one matrix product.
+    ``chunk_elements`` scores at a time. Query head h reads KV head h // (H / H_kv); each KV head's keys meet the
+    queries of its group in one matrix product. For many keys (k_max near T) :func:`attention_with_alpha`, which
+    computes the attention output in the same blocks, costs less than the fused kernel plus this.
     """
     B, H, T, d = query.shape
     k_max = min(int(k_max), T)
@@ -142,24 +163,49 @@ def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor
     q = query.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T, d)
     keys = key[..., :k_max, :].float()  # (B, H_kv, K, d)
     lse = lse.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T)
-    rows = max(16, int(chunk_elements) // max(1, B * H * k_max))
+    rows = _block_rows(B, H, k_max, chunk_elements)
     sums = torch.zeros(B, H_kv, group, k_max, dtype=torch.float64, device=query.device)
     for s in range(0, T, rows):
         e = min(s + rows, T)
         kc = min(e, k_max)  # the keys a query row of this block can see: j <= i < e
         sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ keys[..., :kc, :].transpose(-1, -2)
         sc = sc.view(B, H_kv, group, e - s, kc).mul_(scale).sub_(lse[..., s:e, None]).exp_()
-        if kc > s + 1:  # keys after the query (j > i) in the block's diagonal part
-            later = torch.arange(s, kc, device=sc.device)[None, :] > torch.arange(s, e, device=sc.device)[:, None]
-            sc[..., s:kc].masked_fill_(later, 0.0)
-        if mask is not None:
-            m = mask[..., s:e, :kc]
-            hidden = ~m if m.dtype == torch.bool else m == float("-inf")
-            hidden = hidden[:, :, None] if hidden.shape[1] == 1 else hidden.unflatten(1, (H_kv, group))
-            sc.masked_fill_(hidden, 0.0)
+        _hide(sc, s, e, kc, mask, 0.0)
         sums[..., :kc] += sc.sum(dim=-2)
     counts = (T - torch.arange(k_max, device=query.device)).double()  # T - k + 1 for 1-based k
     return (sums / counts).float().flatten(1, 2)
+
+
+def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: float, *,
+                         chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and alpha of every key from one pass over blocks of query rows: output (B, H, T, d_v) in
+    the query's dtype and alpha (B, H, T) float32 (the convention of :func:`alpha_from_lse`).
+
+    Each block of rows takes its scores against the keys it can see (one product per KV head and its group of
+    query heads), the softmax in float32, the output (a second product) and the column sums of the softmax: the
+    attention computed once, where the fused kernel plus :func:`alpha_from_lse` compute the scores twice. On a CPU
+    it runs on one thread: its many mid-sized operations lose more to a second thread's waits (on a shared
+    machine several times their work) than they gain, while the matrix products dominate.
+    """
+    B, H, T, d = query.shape
+    H_kv = key.shape[1]
+    group = H // H_kv
+    with one_thread() if query.device.type == "cpu" else contextlib.nullcontext():
+        q = (query.float() * scale).unflatten(1, (H_kv, group))  # (B, H_kv, g, T, d)
+        k, v = key.float(), value.float()
+        out = torch.empty(B, H_kv, group, T, v.shape[-1], device=query.device)
+        sums = torch.zeros(B, H_kv, group, T, dtype=torch.float64, device=query.device)
+        rows = _block_rows(B, H, T, chunk_elements)
+        for s in range(0, T, rows):
+            e = min(s + rows, T)
+            sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ k[..., :e, :].transpose(-1, -2)
+            _hide(sc.view(B, H_kv, group, e - s, e), s, e, e, mask, float("-inf"))
+            sc.sub_(sc.amax(-1, keepdim=True)).exp_()
+            sc.div_(sc.sum(-1, keepdim=True))  # the attention A[i, j] of rows s..e-1
+            out[..., s:e, :] = (sc @ v[..., :e, :]).view(B, H_kv, group, e - s, -1)
+            sums[..., :e] += sc.view(B, H_kv, group, e - s, e).sum(dim=-2)
+        counts = (T - torch.arange(T, device=query.device)).double()
+        return out.flatten(1, 2).to(query.dtype), (sums / counts).float().flatten(1, 2)
 
 
 class AlphaAccumulator:
@@ -234,10 +280,15 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
     mask = attention_mask
     if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
         mask = mask[..., : key.shape[-2]]
-    out, lse = fused_attention(query, key, value, mask, scale)
+    if acc.k_max > query.shape[-2] // EVERY_KEY_SHARE:  # many keys: the attention and alpha in one blocked pass
+        out, alpha = attention_with_alpha(query, key, value, mask, scale)
+        alpha = alpha[..., : acc.k_max]
+    else:
+        out, lse = fused_attention(query, key, value, mask, scale)
+        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
-    acc.update(layer, alpha_from_lse(query, key, lse, scale, acc.k_max, mask))
+    acc.update(layer, alpha)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from analysis import natural_probe
-from analysis.fused_sink import alpha_from_lse, fused_attention
+from analysis.fused_sink import alpha_from_lse, attention_with_alpha, fused_attention
 from analysis.sink_positions import SinkPositions, _first_run, sink_positions
 
 TOL = 1e-5
@@ -107,8 +107,8 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_blocked_alpha_of_every_key_equals_the_softmax_map(window):
-    """alpha_from_lse for every key, in blocks of a few query rows (uneven last block), with grouped-query heads
-    and a sliding window, against the softmax map built whole."""
+    """alpha_from_lse and attention_with_alpha for every key, in blocks of a few query rows (uneven last block),
+    with grouped-query heads and a sliding window, against the softmax map built whole."""
     g = torch.Generator().manual_seed(0)
     B, H, H_kv, T, d = 2, 6, 2, 37, 8
     q = torch.randn(B, H, T, d, generator=g)
@@ -122,6 +122,9 @@ def test_blocked_alpha_of_every_key_equals_the_softmax_map(window):
     for chunk in (1, 2**9, 2**30):  # 16 rows a block, 28 rows a block, all rows at once
         got = alpha_from_lse(q, k, lse, 0.4, T, mask, chunk_elements=chunk)
         assert got.shape == (B, H, T) and (got - want).abs().max() < 1e-6
+        out, alpha = attention_with_alpha(q, k, v, mask, 0.4, chunk_elements=chunk)  # the attention computed once
+        assert (alpha - want).abs().max() < 1e-6
+        assert torch.allclose(out, A @ v.repeat_interleave(3, 1), atol=1e-5)
 
 
 def test_first_run_of_aligned_layers():
