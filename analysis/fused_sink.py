@@ -8,11 +8,13 @@ A fused attention kernel never builds the T x T map, but it returns each query r
 so alpha_k (see ``analysis.sink``) for keys 1..k_max needs only the (T x k_max) scores of those keys, taken here
 in blocks of query rows (``alpha_from_lse``): O(rows x k_max) memory. For every key (k_max = T, the sink at any
 position) the attention function instead computes the attention itself in blocks of query rows, its output and the
-column sums of its softmax together (``attention_with_alpha``): the scores once, never a T x T map. The pass runs the Hugging Face model with an attention function registered in
-transformers' ``AttentionInterface`` for the duration of the run, so every family's q and k arrive after their
-rotary and q/k norms; the function computes the output with the fused kernel, takes the lse and folds alpha
-(B, H, k_max) of its layer into an ``AlphaAccumulator``. Under grouped-query attention each KV head's keys meet
-the queries of its group in one product, never repeated per query head.
+column sums of its softmax together (``attention_with_alpha``): the scores once, never a T x T map.
+
+The pass runs the Hugging Face model with an attention function registered in transformers' ``AttentionInterface``
+for the duration of the run, so every family's q and k arrive after their rotary and q/k norms; the function computes
+the output with the fused kernel, takes the lse and folds alpha (B, H, k_max) of its layer into an
+``AlphaAccumulator``. Under grouped-query attention each KV head's keys meet the queries of its group in one product,
+never repeated per query head.
 
 This module returns alpha as a tensor (``fused_alpha``); ``analysis.sink`` chooses the path and builds the
 ``SinkResult``. The same pass can feed accumulators of the residual stream (``hook_resid_post``, e.g. massive
@@ -48,7 +50,7 @@ from analysis.stats import one_thread
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
 ALPHA_CHUNK_ELEMENTS = 2**22  # scores per block of query rows (16 MiB in float32): rows = this / (B x H x keys)
-EVERY_KEY_SHARE = 4  # alpha kept for more than T / this keys: attention_with_alpha, else the fused kernel + alpha_from_lse
+EVERY_KEY_SHARE = 4  # alpha for more than T / this keys: attention_with_alpha; fewer: the fused kernel + alpha_from_lse
 
 _ACTIVE: contextvars.ContextVar["AlphaAccumulator | None"] = contextvars.ContextVar("fused_sink_acc", default=None)
 

@@ -333,8 +333,7 @@ def _positions(ctx: _Context, sec: Section) -> None:
 
     res = sink_positions(ctx.model, ctx.natural, batch_size=ctx.batch_size, kind="natural")
     sec.say(_unskipped(res))
-    sec.data = {k: v for k, v in res.to_dict().items() if k != "sinks"}
-    sec.data["sinks"] = res.records()
+    sec.data = res.to_dict()  # one record per sink position under "sinks"
     sec.parts.append("<h3>Later sink positions by token</h3>")
     sec.parts.append(table_html(res.by_token(), digits=2, max_rows=15))
     cols = ["sample", "position", "token", "n_heads", "layers", "max_alpha", "massive", "massive_dims", "peak_dim",

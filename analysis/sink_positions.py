@@ -277,7 +277,8 @@ class SinkPositions(Result, LayerAxis):
             "median_created_layer": g["created_layer"].median(), "median_lifetime": g["lifetime"].median(),
         }).reset_index()
         out["share_of_sequences"] = out["n_sequences"] / self.n_samples
-        return out.sort_values(["n_positions", "max_heads"], ascending=False, kind="stable")[cols].reset_index(drop=True)
+        out = out.sort_values(["n_positions", "max_heads"], ascending=False, kind="stable")
+        return out[cols].reset_index(drop=True)
 
     def per_head(self) -> pd.DataFrame:
         """One row per (layer, head): the share of sequences in which it sinks on the first token and on some later
@@ -296,7 +297,9 @@ class SinkPositions(Result, LayerAxis):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"sinks": self.sinks, "by_token": self.by_token(), "secondary": self.secondary, "per_head": self.per_head()}
+        sinks = self.sinks
+        return {"sinks": sinks, "by_token": self.by_token(sinks), "secondary": self.secondary,
+                "per_head": self.per_head()}
 
     def text(self) -> str:
         """Which later positions sink, in how many heads and layers; as secondary sinks, when they are created and
@@ -311,8 +314,8 @@ class SinkPositions(Result, LayerAxis):
             return (f"In {name}{on}, no position but the first token is a sink ({rule}; N = {self.n_samples} sequences "
                     f"of T = {self.T} tokens).") + (f" {self.skipped}" if self.skipped else "")
         n_seq = later["sample"].nunique()
-        out = [f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a sink "
-               f"besides the first token ({rule}; T = {self.T}), {self.later_sinks_per_sequence():.2f} later sink "
+        out = [f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a "
+               f"sink besides the first token ({rule}; T = {self.T}), {self.later_sinks_per_sequence():.2f} later sink "
                f"positions per sequence on average."]
         tok = self.by_token(sinks).head(4)
         listed = ", ".join(f"{r.token!r} ({_count(r.n_positions, 'position')} in {_count(r.n_sequences, 'sequence')})"
@@ -332,8 +335,8 @@ class SinkPositions(Result, LayerAxis):
                     f"{self.cos_min:g} in no layer).")
         c, life = aligned.created_layer.astype(int), aligned.lifetime
         return (f"{100 * len(aligned) / len(later):.0f}% of the later sink positions are secondary sinks, aligned with "
-                f"the first token's hidden state (cosine > {self.cos_min:g}): created at layer {c.median():.0f} (median; "
-                f"range {c.min()}-{c.max()}) and lasting {life.median():.0f} layers (median; range "
+                f"the first token's hidden state (cosine > {self.cos_min:g}): created at layer {c.median():.0f} "
+                f"(median; range {c.min()}-{c.max()}) and lasting {life.median():.0f} layers (median; range "
                 f"{life.min()}-{life.max()}).")
 
     def _massive_text(self, later: pd.DataFrame) -> str:
@@ -377,9 +380,9 @@ SINK_COLUMNS = ["sample", "position", "token_id", "token", "n_heads", "share_of_
 
 
 def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
-                   cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS, ratio_threshold: float = SPIKE_RATIO,
-                   path: str = "auto", batch_size: int | None = None, progress: bool = False,
-                   kind: str | None = None) -> SinkPositions:
+                   cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS,
+                   ratio_threshold: float = SPIKE_RATIO, path: str = "auto", batch_size: int | None = None,
+                   progress: bool = False, kind: str | None = None) -> SinkPositions:
     """Every sink position of ``model`` on ``tokens`` and what its hidden state carries, from one pass.
 
     Parameters
@@ -421,7 +424,8 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
     ids = sorted(set(torch.as_tensor(tokens).flatten().tolist()))
     return SinkPositions(
         alpha=sink.alpha, tokens=torch.as_tensor(tokens).long().cpu(), cos_first=pos.cos_first, peak_abs=pos.peak_abs,
-        peak_dim=pos.peak_dim, median=ma.median, flagged=ma.flagged, token_text=dict(zip(ids, token_strings(model, ids))),
+        peak_dim=pos.peak_dim, median=ma.median, flagged=ma.flagged,
+        token_text=dict(zip(ids, token_strings(model, ids))),
         eps=eps, min_queries=min_queries, cos_min=cos_min, abs_threshold=float(abs_threshold),
         ratio_threshold=float(ratio_threshold), layers=list(sink.layers), resid_layers=resid_layers,
         skipped=sink.skipped, model_name=getattr(model, "model_name", None), kind=kind, meta=dict(sink.meta))
@@ -438,9 +442,9 @@ def format_sinks(res: SinkPositions, max_rows: int = 60) -> str:
         massive = f"yes {r.massive_dims}" if r.massive else "no"
         second = "first token" if r.position == 0 else (
             f"L{int(r.created_layer)}, {r.lifetime} layers" if pd.notna(r.created_layer) else "no")
+        peak = f"{r.peak_abs:.0f} ({r.peak_dim}, L{r.peak_layer})"
         lines.append(f"{r.sample:>6} {r.position:>5}  {repr(r.token)[:14]:<14} {r.n_heads:>5}  {r.layers[:14]:<14} "
-                     f"{r.max_alpha:>6.2f}  {massive[:16]:<16} {f'{r.peak_abs:.0f} ({r.peak_dim}, L{r.peak_layer})':<22} "
-                     f"{second:<14}")
+                     f"{r.max_alpha:>6.2f}  {massive[:16]:<16} {peak:<22} {second:<14}")
     if len(df) > max_rows:
         lines.append(f"... {len(df) - max_rows} more rows in the JSON")
     return "\n".join(lines)
