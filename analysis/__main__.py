@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {sink,report,models} ...``."""
+"""Command line: ``python -m analysis {sink,sinks,report,models,stream} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ from analysis.hooks import model_dims
 from analysis.io import write_json
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
 from analysis.one_pass import profile
-from analysis.probes import model_probe_sets
+from analysis.every_sink import format_sinks, sink_positions
+from analysis.probes import model_probe_sets, text_tokens
 from analysis.report import ReportError, build_report
 from analysis.sink import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
@@ -71,6 +72,33 @@ def cmd_sink(args) -> int:
     return 0
 
 
+def cmd_sinks(args) -> int:
+    """Every sink position of one text file: the table, and one JSON record per sink position."""
+    check_eps(args.eps)
+    path = Path(args.text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
+    model = load_model(args.model, device=args.device)
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
+                         "analysis.every_sink.sink_positions in Python instead.")
+    tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=model_dims(model).n_ctx)
+    res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
+                         kind="text")
+    print(format_sinks(res))
+    print(res.text())
+    if args.json:
+
+        payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T,
+                   **res.to_dict(), "versions": package_versions()}
+        write_json(Path(args.json), payload)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_report(args) -> int:
     model = load_model(args.model, device=args.device)
     try:
@@ -104,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None)
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_sink)
+
+    t = sub.add_parser("sinks", help="every sink position of one text file (not only the first token)")
+    t.add_argument("--model", default=DEFAULT_MODEL, help="a name from `python -m analysis models`, a local HF folder, or a hub id")
+    t.add_argument("--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)")
+    t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
+    t.add_argument("--eps", type=float, default=SINK_EPS, help=f"a position sinks in a head when alpha_k > eps (default {SINK_EPS})")
+    t.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first")
+    t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text")
+    t.add_argument("--min-queries", type=int, default=None, help="leave out keys seen by fewer queries (default min(16, T // 2))")
+    t.add_argument("--device", default=None)
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_sinks)
 
     r = sub.add_parser("report", help="one self-contained HTML page and a JSON with every number")
     r.add_argument("--model", default=DEFAULT_MODEL)

@@ -20,3 +20,11 @@ TINY = 1e-30  # floor of denominators
 # that fits. 96 MiB keeps every 2nd block of SmolLM2 at N = 32, T = 64 (66 MiB): a pass then starts at most one block
 # before the one it changes, and the report's peak memory stays near 1.2x a forward pass (1.30x with every block kept).
 RESID_BUDGET_MIB = 96.0
+
+# Sinks at any position (analysis.every_sink): alpha_k over fewer queries than this is those queries' local
+# attention (the last key's alpha is the last query's attention on itself), not a sink, so keys seen by fewer than
+# min(SINK_MIN_QUERIES, T // 2) queries are left out of the sink table.
+SINK_MIN_QUERIES = 16
+# A later token is aligned with the first token at a layer when the cosine of their hidden states (hook_resid_post)
+# exceeds this (secondary sinks, arXiv 2512.22213: the layer where it is created and how many layers it lasts).
+SECONDARY_COS = 0.9

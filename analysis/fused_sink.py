@@ -5,11 +5,20 @@ A fused attention kernel never builds the T x T map, but it returns each query r
 
     A[i, k] = exp(q_i . k_k * scale - lse_i),
 
-so alpha_k (see ``analysis.sink``) for keys 1..k_max needs only the (T x k_max) scores of those keys. The pass
-runs the Hugging Face model with an attention function registered in transformers' ``AttentionInterface`` for
-the duration of the run, so every family's q and k arrive after their rotary and q/k norms; the function
-computes the output with the fused kernel, takes the lse and folds alpha (B, H, k_max) of its layer into an
-``AlphaAccumulator``. Under grouped-query attention only the k_max keys are expanded to the query heads.
+so alpha_k (see ``analysis.sink``) for keys 1..k_max needs only the (T x k_max) scores of those keys, taken here
+in blocks of query rows (``alpha_from_lse``): O(rows x k_max) memory. For every key (k_max = T, the sink at any
+position) the attention function instead computes the attention itself in blocks of query rows, its output and the
+column sums of its softmax together (``attention_with_alpha``): the scores once, never a T x T map.
+
+The pass runs the Hugging Face model with an attention function registered in transformers' ``AttentionInterface``
+for the duration of the run, so every family's q and k arrive after their rotary and q/k norms; the function computes
+the output with the fused kernel, takes the lse and folds alpha (B, H, k_max) of its layer into an
+``AlphaAccumulator``. Under grouped-query attention each KV head's keys meet the queries of its group in one product,
+never repeated per query head.
+
+This module returns alpha as a tensor (``fused_alpha``); ``analysis.sink`` chooses the path and builds the
+``SinkResult``. The same pass can feed accumulators of the residual stream (``hook_resid_post``, e.g. massive
+activations) from the Hugging Face decoder layers' outputs, so an analysis that needs both gets them from one pass.
 
 Kernels (``fused_attention``): on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (masks, GQA);
 on CUDA ``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp=True``; elsewhere, or if the
@@ -28,16 +37,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from analysis.hooks import check_tokens
-from analysis.passes import batches, default_batch_size
+from analysis.families import config_attention_layers
+from analysis.hooks import act_name, attention_layers_of, check_tokens, validate_token_ids
+from analysis.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
+from analysis.stats import one_thread
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
+ALPHA_CHUNK_ELEMENTS = 2**22  # scores per block of query rows (16 MiB in float32): rows = this / (B x H x keys)
+EVERY_KEY_SHARE = 4  # alpha for more than T / this keys: attention_with_alpha; fewer: the fused kernel + alpha_from_lse
 
 _ACTIVE: contextvars.ContextVar["AlphaAccumulator | None"] = contextvars.ContextVar("fused_sink_acc", default=None)
 
@@ -113,27 +126,88 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float):
 # ----------------------------------------------------------------------------------------------
 
 
-def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _hide(scores: torch.Tensor, s: int, e: int, kc: int, mask: torch.Tensor | None, fill: float) -> None:
+    """Set, in place, the entries of a block of scores (B, H_kv, g, e - s, kc) (query rows s..e-1 against keys
+    0..kc-1) that a query does not see to ``fill``: the keys after it (j > i) and those ``mask`` hides ((B, 1 or H,
+    T, T) boolean, True = attend, or additive float, -inf = hidden)."""
+    if kc > s + 1:  # keys after the query in the block's diagonal part
+        later = torch.arange(s, kc, device=scores.device)[None, :] > torch.arange(s, e, device=scores.device)[:, None]
+        scores[..., s:kc].masked_fill_(later, fill)
+    if mask is not None:
+        m = mask[..., s:e, :kc]
+        hidden = ~m if m.dtype == torch.bool else m == float("-inf")
+        H_kv, group = scores.shape[1:3]
+        scores.masked_fill_(hidden[:, :, None] if hidden.shape[1] == 1 else hidden.unflatten(1, (H_kv, group)), fill)
+
+
+def _block_rows(B: int, H: int, k_max: int, chunk_elements: int) -> int:
+    return max(16, int(chunk_elements) // max(1, B * H * k_max))
+
+
+def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor | None = None, *,
+                   chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
     """alpha_k for keys 1..k_max, (B, H, k_max) float32, from q (B, H, T, d), k (B, H_kv, T, d) and lse (B, H, T).
 
     Same convention as ``analysis.sink.alpha_from_pattern``: the queries a key is averaged over are i >= k,
     counted T - k + 1 times (1-based k); entries the mask hides (sliding windows) count as zero attention.
+    ``mask``: None (causal) or (B, 1 or H, T, T), boolean (True = attend) or additive float (-inf = hidden).
+
+    The column sums of A[i, k] = exp(q_i . k_k * scale - lse_i) are taken over blocks of query rows, each block
+    against the keys its rows can see (j <= i, so the work is the causal triangle, not the square), with at most
+    ``chunk_elements`` scores at a time. Query head h reads KV head h // (H / H_kv); each KV head's keys meet the
+    queries of its group in one matrix product. For many keys (k_max near T) :func:`attention_with_alpha`, which
+    computes the attention output in the same blocks, costs less than the fused kernel plus this.
     """
-    T = query.shape[-2]
+    B, H, T, d = query.shape
     k_max = min(int(k_max), T)
-    keys = key[..., :k_max, :].float()
-    group = query.shape[1] // keys.shape[1]
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)  # only k_max keys are expanded
-    scores = query.float() @ keys.transpose(-1, -2) * scale  # (B, H, T, k_max)
-    rows = torch.arange(T, device=query.device)[:, None]
-    seen = rows >= torch.arange(k_max, device=query.device)[None, :]  # (T, k_max)
-    if mask is not None:
-        cols = mask[..., :k_max]
-        seen = seen & (cols if cols.dtype == torch.bool else cols > float("-inf"))
-    a = (scores - lse.float()[..., None]).masked_fill(~seen, float("-inf")).exp()
-    counts = (T - torch.arange(k_max, device=query.device)).float()  # T - k + 1 for 1-based k
-    return a.sum(dim=-2) / counts
+    H_kv = key.shape[1]
+    group = H // H_kv
+    q = query.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T, d)
+    keys = key[..., :k_max, :].float()  # (B, H_kv, K, d)
+    lse = lse.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T)
+    rows = _block_rows(B, H, k_max, chunk_elements)
+    sums = torch.zeros(B, H_kv, group, k_max, dtype=torch.float64, device=query.device)
+    for s in range(0, T, rows):
+        e = min(s + rows, T)
+        kc = min(e, k_max)  # the keys a query row of this block can see: j <= i < e
+        sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ keys[..., :kc, :].transpose(-1, -2)
+        sc = sc.view(B, H_kv, group, e - s, kc).mul_(scale).sub_(lse[..., s:e, None]).exp_()
+        _hide(sc, s, e, kc, mask, 0.0)
+        sums[..., :kc] += sc.sum(dim=-2)
+    counts = (T - torch.arange(k_max, device=query.device)).double()  # T - k + 1 for 1-based k
+    return (sums / counts).float().flatten(1, 2)
+
+
+def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: float, *,
+                         chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and alpha of every key from one pass over blocks of query rows: output (B, H, T, d_v) in
+    the query's dtype and alpha (B, H, T) float32 (the convention of :func:`alpha_from_lse`).
+
+    Each block of rows takes its scores against the keys it can see (one product per KV head and its group of
+    query heads), the softmax in float32, the output (a second product) and the column sums of the softmax: the
+    attention computed once, where the fused kernel plus :func:`alpha_from_lse` compute the scores twice. On a CPU
+    it runs on one thread: its many mid-sized operations lose more to a second thread's waits (on a shared
+    machine several times their work) than they gain, while the matrix products dominate.
+    """
+    B, H, T, d = query.shape
+    H_kv = key.shape[1]
+    group = H // H_kv
+    with one_thread() if query.device.type == "cpu" else contextlib.nullcontext():
+        q = (query.float() * scale).unflatten(1, (H_kv, group))  # (B, H_kv, g, T, d)
+        k, v = key.float(), value.float()
+        out = torch.empty(B, H_kv, group, T, v.shape[-1], device=query.device)
+        sums = torch.zeros(B, H_kv, group, T, dtype=torch.float64, device=query.device)
+        rows = _block_rows(B, H, T, chunk_elements)
+        for s in range(0, T, rows):
+            e = min(s + rows, T)
+            sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ k[..., :e, :].transpose(-1, -2)
+            _hide(sc.view(B, H_kv, group, e - s, e), s, e, e, mask, float("-inf"))
+            sc.sub_(sc.amax(-1, keepdim=True)).exp_()
+            sc.div_(sc.sum(-1, keepdim=True))  # the attention A[i, j] of rows s..e-1
+            out[..., s:e, :] = (sc @ v[..., :e, :]).view(B, H_kv, group, e - s, -1)
+            sums[..., :e] += sc.view(B, H_kv, group, e - s, e).sum(dim=-2)
+        counts = (T - torch.arange(T, device=query.device)).double()
+        return out.flatten(1, 2).to(query.dtype), (sums / counts).float().flatten(1, 2)
 
 
 class AlphaAccumulator:
@@ -208,15 +282,20 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
     mask = attention_mask
     if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
         mask = mask[..., : key.shape[-2]]
-    out, lse = fused_attention(query, key, value, mask, scale)
+    if acc.k_max > query.shape[-2] // EVERY_KEY_SHARE:  # many keys: the attention and alpha in one blocked pass
+        out, alpha = attention_with_alpha(query, key, value, mask, scale)
+        alpha = alpha[..., : acc.k_max]
+    else:
+        out, lse = fused_attention(query, key, value, mask, scale)
+        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
-    acc.update(layer, alpha_from_lse(query, key, lse, scale, acc.k_max, mask))
+    acc.update(layer, alpha)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: import time (the package imports without transformers loaded)
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, sink_attention_forward)
@@ -230,7 +309,7 @@ def _register() -> None:
 
 def hf_model(model) -> nn.Module:
     """The Hugging Face ``PreTrainedModel`` of ``model`` (itself, or a TransformerBridge's ``original_model``)."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # lazy: import time
 
     inner = model if isinstance(model, PreTrainedModel) else getattr(model, "original_model", None)
     if not isinstance(inner, PreTrainedModel):
@@ -261,7 +340,7 @@ def unsupported_reason(model) -> str | None:
 
 def _hooked(model: nn.Module, bridged: bool) -> list[str]:
     """Modules with user hooks: a bridge's hook points (its own wiring hooks aside), or any module of an HF model."""
-    from transformer_lens.hook_points import HookPoint
+    from transformer_lens.hook_points import HookPoint  # lazy: import time
 
     return [n for n, m in model.named_modules()
             if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))]
@@ -306,91 +385,118 @@ def attention_implementation(hf: nn.Module, name: str) -> Iterator[None]:
         hf.config._attn_implementation = old
 
 
-def _check_tokens(model, tokens) -> torch.Tensor:
-    """The package's token checks: ``analysis.hooks.check_tokens`` for a model with hooks (a bridge), the same
-    checks against the Hugging Face config for a bare model."""
+def check_fused_tokens(model, tokens) -> torch.Tensor:
+    """Token ids (N, T) checked by the package's one validator (``analysis.hooks.validate_token_ids``): against the
+    hook contract for a model with hooks (a bridge), against the Hugging Face config's context and vocabulary for
+    a bare model."""
     if hasattr(model, "hook_dict"):
         return check_tokens(model, tokens)
-    tokens = torch.as_tensor(tokens)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must have shape (N, T); got {tuple(tokens.shape)}.")
-    if tokens.numel() == 0:
-        raise ValueError("tokens are empty: give at least one sequence of at least one token.")
-    if tokens.is_floating_point():
-        raise ValueError("tokens must be integer token ids, not floats.")
-    hf = hf_model(model)
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    n_ctx = getattr(cfg, "max_position_embeddings", None)
-    if n_ctx is not None and tokens.shape[1] > n_ctx:
-        raise ValueError(f"sequence length T={tokens.shape[1]} exceeds the model's context of {n_ctx} tokens; "
-                         f"use T <= {n_ctx}.")
-    vocab = getattr(cfg, "vocab_size", None)
-    if vocab is not None and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
-        raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{int(tokens.min())}, {int(tokens.max())}].")
-    return tokens.long()
+    cfg = hf_model(model).config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return validate_token_ids(tokens, getattr(cfg, "max_position_embeddings", None), getattr(cfg, "vocab_size", None))
 
 
 def fused_layers(model) -> list[int]:
     """The attention layers (true indices) the fused pass measures: ``analysis.hooks.attention_layers_of`` for a
     model with hooks (a bridge), the layer types of the Hugging Face config for a bare model."""
     if hasattr(model, "hook_dict"):
-        from analysis.hooks import attention_layers_of
-
         return attention_layers_of(model)
-    from analysis.families import config_attention_layers
-
     return config_attention_layers(hf_model(model).config)
 
 
-def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progress: bool = False) -> torch.Tensor:
+def _decoder_layers(model) -> list[nn.Module]:
+    """The Hugging Face decoder layer inside each block of a bridge (true layer indices): their outputs are the
+    residual stream after each block, ``hook_resid_post``."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not hasattr(model, "hook_dict"):
+        raise FusedUnsupported("residual-stream accumulators on the fused pass need a TransformerBridge (blocks with "
+                               "hook names); use the eager path.")
+    return [_unwrap(b) for b in blocks]
+
+
+class _ResidTaps:
+    """Forward hooks on the Hugging Face decoder layers that hand each layer's output (the residual stream after the
+    block, as the bridge's ``hook_resid_post``) to the accumulators that asked for it, as the streamed pass does.
+    Only ``hook_resid_post`` can be tapped here; other hooks raise ``FusedUnsupported``."""
+
+    def __init__(self, model, accumulators: Sequence[Accumulator]):
+        self.accs = list(accumulators)
+        self.wants: dict[int, list[tuple[Accumulator, dict[str, str]]]] = {}
+        for acc in self.accs:
+            for layer, names in acc.hooks().items():
+                wrong = [n for n in names.values() if n != act_name("resid_post", layer)]
+                if wrong:
+                    raise FusedUnsupported(f"the fused pass feeds only hook_resid_post to accumulators; "
+                                           f"{type(acc).__name__} asks for {wrong[:2]}: use the eager path.")
+                self.wants.setdefault(int(layer), []).append((acc, names))
+        self.layers = _decoder_layers(model) if self.wants else []
+        self.batch: Batch | None = None
+
+    def _hook(self, layer: int):
+        def fn(module, args, output):
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            scratch: dict = {}
+            for acc, names in self.wants[layer]:
+                acc.update(layer, LayerActs({k: x for k in names}, scratch), self.batch)
+        return fn
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        handles = [self.layers[l].register_forward_hook(self._hook(l)) for l in self.wants]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def end_batch(self) -> None:
+        for acc in self.accs:
+            acc.end_batch(self.batch, None)
+
+
+def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progress: bool = False, *,
+                accumulators: Sequence[Accumulator] = ()) -> torch.Tensor:
     """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch;
     L runs over ``fused_layers(model)`` (the attention layers, true indices).
 
-    ``tokens`` (N, T): unpadded sequences. The base model runs without a KV cache and without the unembedding
-    (alpha needs neither). Raises ``FusedUnsupported`` where the fused path is not exact.
+    Parameters
+    ----------
+    model : a TransformerBridge or a Hugging Face ``PreTrainedModel``.
+    tokens : (N, T) unpadded token ids.
+    k_max : int in [1, T]; alpha is kept for keys 1..k_max (k_max = T: every key, the sink at any position).
+    batch_size : sequences per batch (default about 2k tokens a batch).
+    progress : a progress bar over batches.
+    accumulators : accumulators (``analysis.hooks.Accumulator``) that read only ``hook_resid_post``, fed in the
+        same pass from the decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
+
+    The base model runs without a KV cache and without the unembedding (alpha needs neither). Raises
+    ``FusedUnsupported`` where the fused path is not exact.
     """
     reason = unsupported_reason(model)
     if reason:
         raise FusedUnsupported(reason)
     hf = hf_model(model)
-    tokens = _check_tokens(model, tokens)
+    tokens = check_fused_tokens(model, tokens)
     if not 1 <= int(k_max) <= tokens.shape[1]:
         raise ValueError(f"k_max must lie in [1, T={tokens.shape[1]}]; got {k_max}.")
     acc = AlphaAccumulator(fused_layers(model), k_max)
+    taps = _ResidTaps(model, accumulators)
     device = next(hf.parameters()).device
     bs = batch_size or default_batch_size(tokens)
     it = batches(tokens, bs)
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # lazy: import time (tqdm.auto looks for notebook widgets)
 
         it = tqdm(it, total=math.ceil(tokens.shape[0] / bs), desc="batches", leave=False)
     _register()
     token = _ACTIVE.set(acc)
     try:
-        with unbridged(hf), attention_implementation(hf, ATTN_NAME), torch.inference_mode():
-            for batch in it:
-                hf.base_model(input_ids=batch.to(device), use_cache=False)
+        with unbridged(hf), attention_implementation(hf, ATTN_NAME), torch.inference_mode(), taps.attached():
+            for start, batch in zip(range(0, tokens.shape[0], bs), it):
+                taps.batch = Batch(batch.to(device), start)
+                hf.base_model(input_ids=taps.batch.tokens, use_cache=False)
                 acc.end_batch()
+                taps.end_batch()
     finally:
         _ACTIVE.reset(token)
     return acc.result()
-
-
-def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
-                      batch_size: int | None = None, progress: bool = False, kind: str | None = None):
-    """``analysis.sink.sink_metric`` through the fused pass: the same ``SinkResult``, no T x T map built."""
-    from analysis.sink import DEFAULT_EPS, SinkResult, check_eps, check_k_max
-
-    hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
-    tokens = _check_tokens(model, tokens)
-    T = tokens.shape[1]
-    eps = check_eps(DEFAULT_EPS if eps is None else eps)
-    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress)
-    skipped = ""
-    if hasattr(model, "hook_dict"):
-        from analysis.hooks import skipped_note
-
-        skipped = skipped_note(model)
-    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
-                      layers=fused_layers(model), skipped=skipped)

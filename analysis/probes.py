@@ -130,6 +130,37 @@ def text_probe(tokenizer, texts: Iterable[str], n: int = 100, T: int = 64, bos: 
     return ProbeSet("natural", body, bos, seed, source, {"corpus_tokens": len(stream)})
 
 
+def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | None = None,
+                n_ctx: int | None = None) -> torch.Tensor:
+    """One text as a (1, T) sequence of token ids (the tokenizer's BOS first with ``bos``), for an analysis of your
+    own text.
+
+    Parameters
+    ----------
+    tokenizer : the model's tokenizer.
+    text : str, the whole text (not cut into windows).
+    bos : put the tokenizer's BOS token first.
+    max_tokens : keep the first ``max_tokens`` tokens (the BOS included).
+    n_ctx : the model's context; a longer sequence raises ValueError saying what to do.
+    """
+    if not text or not text.strip():
+        raise ValueError("the text is empty: give a file with some text in it.")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if bos:
+        ids = [_bos_id(tokenizer)] + ids
+    if max_tokens is not None:
+        if int(max_tokens) < 2:
+            raise ValueError(f"max_tokens must be at least 2; got {max_tokens}.")
+        ids = ids[: int(max_tokens)]
+    if len(ids) < 2:
+        raise ValueError(f"the text holds {len(ids)} token; give at least 2 (a sink needs queries after it).")
+    if n_ctx is not None and len(ids) > n_ctx:
+        raise ValueError(f"the text holds {len(ids)} tokens, more than the model's context of {n_ctx}: pass "
+                         f"--max-tokens {n_ctx} (max_tokens={n_ctx}) to keep the first {n_ctx} tokens, or split the text "
+                         f"into parts of at most {n_ctx} tokens and run each.")
+    return torch.tensor([ids], dtype=torch.long)
+
+
 def natural_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None) -> ProbeSet:
     """Natural text: the offline standard-library docstring corpus unless ``texts`` is given."""
     source = "stdlib docstrings" if texts is None else "texts"

@@ -9,6 +9,10 @@ pass per kind feeds every analysis) and lays out what it found:
 4. the first key's manifold (PCA of the keys, QK angles);
 5. value norms against alpha_1;
 6. interventions (spike, value and first-key ablations, sharing the profile's baseline pass);
+7. every sink: the positions besides the first token that sink, their heads, massive activations and alignment with
+   the first token (``analysis.every_sink``, a pass of its own: alpha of every key);
+8. the sink against context length and eps (``analysis.sink_context``: T = 16..128 here, N = 4 per probe seed, 3
+   seeds; the committed long-T points of the model where ``data/sink_context/`` has them);
 
 and writes ``report.html`` (figures as inline PNG, circuitsvis views with their JavaScript inline, no CDN, no
 network) and ``report.json`` into ``out_dir``, each atomically; other files in ``out_dir`` are left alone. The
@@ -40,11 +44,12 @@ from analysis.probes import model_probe_sets
 from analysis.versions import package_versions
 
 DEFAULT_N = 32
-SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
+SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions", "positions", "context")
 # What each section reads from the profile pass.
 NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive", "resid"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
-         "interventions": ("baseline", "massive", "resid")}  # resid: later passes resume from the profile's residuals
+         "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
+         "positions": (), "context": ()}  # their own passes (every key's alpha; other context lengths)
 
 
 class ReportError(RuntimeError):
@@ -326,6 +331,55 @@ def _interventions(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
 
+def _positions(ctx: _Context, sec: Section) -> None:
+    """Every sink, not only the first token: the sink table of the natural probes (``analysis.every_sink``)."""
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
+    from analysis.figures.every_sink import plot_cos_first, plot_later_sink_heads, plot_sink_positions
+    from analysis.every_sink import sink_positions
+
+    res = sink_positions(ctx.model, ctx.natural, batch_size=ctx.batch_size, kind="natural")
+    sec.say(_unskipped(res))
+    sec.data = res.to_dict()  # one record per sink position under "sinks"
+    sec.parts.append("<h3>Later sink positions by token</h3>")
+    sec.parts.append(table_html(res.by_token(), digits=2, max_rows=15))
+    cols = ["sample", "position", "token", "n_heads", "layers", "max_alpha", "massive", "massive_dims", "peak_dim",
+            "peak_abs", "peak_ratio", "peak_layer", "created_layer", "lifetime"]
+    sec.parts.append("<h3>Sink positions (first rows; every row in report.json)</h3>")
+    sec.parts.append(table_html(res.sinks[cols], digits=2, max_rows=25))
+    sec.figure(lambda: plot_sink_positions(res), "heads sinking at each position of one natural sequence")
+    sec.figure(lambda: plot_later_sink_heads(res), "which heads sink on a later position")
+    sec.figure(lambda: plot_cos_first(res), "cosine of each position's hidden state to the first token's, per layer")
+
+
+CONTEXT_TS = (16, 32, 64, 128)  # the report's cheap range of context lengths (longer ones: scripts/sink_context.py)
+
+
+def _context(ctx: _Context, sec: Section) -> None:
+    """Sink_1 and the later sinks against context length and eps: a cheap range computed here, and the committed
+    long-T points of the model where data/sink_context/ has them."""
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
+    from analysis.figures.every_sink import plot_sink_vs_context, plot_sink_vs_eps
+    from analysis.sink_context import committed_sink_context, sink_vs_context
+
+    if getattr(ctx.model, "tokenizer", None) is None:
+        sec.note(f"{ctx.name} has no tokenizer, so there is no natural text to cut at other context lengths.")
+        sec.data = {"applicable": False}
+        return
+    Ts = [t for t in CONTEXT_TS if ctx.dims.n_ctx is None or t <= ctx.dims.n_ctx]
+    res = sink_vs_context(ctx.model, Ts=Ts, n=4, seeds=(ctx.seed, ctx.seed + 1, ctx.seed + 2), batch_size=ctx.batch_size)
+    sec.say(res.text())
+    sec.data = {"computed": res.to_dict()}
+    sec.parts.append(table_html(res.by_T(), digits=2))
+    sec.figure(lambda: plot_sink_vs_context(res), "Sink_1 and later sinks against context length (N = 4 per seed)")
+    sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
+    long = committed_sink_context(ctx.name)
+    if long is not None:
+        sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
+        sec.say(long.text())
+        sec.data["committed"] = long.to_dict()
+        sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
+
+
 RUNNERS: dict[str, tuple[str, Callable]] = {
     "sink": ("Sink metric", _sink),
     "views": ("Attention views (circuitsvis, offline)", _views),
@@ -334,6 +388,8 @@ RUNNERS: dict[str, tuple[str, Callable]] = {
     "key_manifold": ("The first key's manifold", _key_manifold),
     "value_norms": ("Value norms", _value_norms),
     "interventions": ("Interventions", _interventions),
+    "positions": ("Every sink", _positions),
+    "context": ("Sink against context length and eps", _context),
 }
 
 

@@ -6,16 +6,22 @@ queries that can see it is
     alpha_k = 1 / (T - k + 1) * sum_{i = k..T} A[i, k]
 
 and ``Sink_k^eps`` is 100 x the share of (sample, layer, head) triples with alpha_k > eps (strict),
-eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max).
+eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max); with
+k_max = T, alpha at every position (the column sums of each pattern, reduced in the hook).
+
+``sink_metric`` chooses the path: the fused pass (``analysis.fused_sink``, which returns alpha) where it is exact,
+the streamed ``hook_pattern`` reducer otherwise; both results are built here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import pandas as pd
 import torch
 
 from analysis.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
+from analysis.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
 from analysis.hooks import act_name, attention_layers_of, check_tokens, skipped_note
 from analysis.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.results import LayerAxis, Result, layers_text
@@ -262,29 +268,68 @@ def sink_metric(
 ) -> SinkResult:
     """Sink metric of ``model`` on ``tokens`` (N, T).
 
-    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept. ``path``: "fused" computes
+    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept (``k_max = T``: every position, as
+    ``analysis.every_sink`` uses it; the fused path then takes the column sums in blocks of query rows, never a
+    T x T map). ``path``: "fused" computes
     alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.fused_sink``: no T x T map, about
     the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes the fused path
     where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says which, and
     ``result.meta["fused_unsupported"]`` why not fused).
     """
+    return sink_pass(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress, kind=kind,
+                     path=path)[0]
+
+
+def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulator]] = list, *, eps: float = DEFAULT_EPS,
+              k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
+              path: str = "auto") -> tuple[SinkResult, list]:
+    """The sink metric and other analyses from one pass of ``model`` over ``tokens`` (N, T).
+
+    Parameters
+    ----------
+    make_accumulators : builds the other analyses' accumulators (called once per path tried, so a fused pass
+        refused half-way leaves the eager one fresh accumulators). On the fused path they may read only
+        ``hook_resid_post`` (else ``"auto"`` takes the eager path).
+    eps, k_max, batch_size, progress, kind, path : as in :func:`sink_metric`.
+
+    Returns
+    -------
+    (SinkResult, [each accumulator's result, in order])
+    """
     if path not in ("auto", "fused", "eager"):
         raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
     reason = None
     if path != "eager":
-        from analysis.fused_sink import FusedUnsupported, sink_metric_fused
-
         try:
-            return sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind)
+            accs = list(make_accumulators())
+            res = sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind, accumulators=accs)
+            return res, [a.result() for a in accs]
         except FusedUnsupported as e:
             if path == "fused":
                 raise
             reason = str(e)
     tokens = check_tokens(model, tokens)
-    acc = SinkAccumulator(model, tokens.shape[1], eps, k_max, kind)
-    res = run_pass(model, tokens, [acc], batch_size=batch_size, progress=progress)[0]
+    accs = list(make_accumulators())
+    res, *rest = run_pass(model, tokens, [SinkAccumulator(model, tokens.shape[1], eps, k_max, kind), *accs],
+                          batch_size=batch_size, progress=progress)
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
-    return res
+    return res, rest
+
+
+def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
+                      batch_size: int | None = None, progress: bool = False, kind: str | None = None, *,
+                      accumulators: Sequence[Accumulator] = ()) -> SinkResult:
+    """``sink_metric`` through the fused pass (``analysis.fused_sink.fused_alpha``): the same ``SinkResult``, no
+    T x T map built. ``accumulators`` reading ``hook_resid_post`` are fed in the same pass. Raises
+    ``FusedUnsupported`` where that pass is not exact for the model."""
+    hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
+    tokens = check_fused_tokens(model, tokens)
+    T = tokens.shape[1]
+    eps = check_eps(DEFAULT_EPS if eps is None else eps)
+    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress, accumulators=accumulators)
+    skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
+    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
+                      layers=fused_layers(model), skipped=skipped)
 
 
 def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:

@@ -9,10 +9,9 @@ from analysis.fused_sink import (
     chunked_lse,
     fused_alpha,
     fused_attention,
-    sink_metric_fused,
     unsupported_reason,
 )
-from analysis.sink import alpha_from_pattern, sink_metric
+from analysis.sink import alpha_from_pattern, sink_metric, sink_metric_fused
 
 TOL = 1e-5
 

@@ -12,10 +12,6 @@ import analysis
 
 ROOT = Path(analysis.__file__).resolve().parent
 PACKAGE = "analysis"
-# The one circle left, and the lazy imports inside it: sink.py chooses the fused path, fused_sink.py builds the
-# SinkResult and imports the checks back.
-ALLOWED_CYCLE = frozenset({"analysis.sink", "analysis.fused_sink"})  # fixed in the every-sink branch
-UNCHECKED_LAZY = ALLOWED_CYCLE  # fixed in the every-sink branch
 REASONS = ("import time", "optional", "cycle")  # what a lazy import's comment says (one of them)
 
 
@@ -126,9 +122,9 @@ def _strongly_connected(graph) -> list[set[str]]:
 
 
 def _cycle_text(graph, comp: set[str]) -> str:
-    """One circle through the component (through a module outside the allowed circle where there is one), written
+    """One circle through the component, written
     out with where each import is (line, in a function or not), then every module of the component."""
-    start = min(comp - ALLOWED_CYCLE or comp)
+    start = min(comp)
     paths, seen = {start: [start]}, {start}
     queue = [start]
     while queue:  # breadth first: the shortest way back to start
@@ -156,7 +152,7 @@ def test_the_layout_reader_sees_in_function_imports():
 
 def test_no_import_circle_among_the_package_modules():
     graph = _graph()
-    circles = [c for c in _strongly_connected(graph) if c != ALLOWED_CYCLE]
+    circles = list(_strongly_connected(graph))
     assert not circles, "import circles (in-function imports counted):\n" + "\n".join(
         _cycle_text(graph, c) for c in circles)
 
@@ -191,11 +187,17 @@ def _lazy_package_imports(module: str, path: Path) -> list[tuple[int, int]]:
 def test_every_lazy_import_of_the_package_says_why():
     missing = []
     for module, path in MODULES.items():
-        if module in UNCHECKED_LAZY:
-            continue
         comments = _comment_lines(path)
         for first, last in _lazy_package_imports(module, path):
             if not comments & set(range(first - 1, last + 1)):
                 missing.append(f"{path.relative_to(ROOT.parent)}:{first}")
     assert not missing, ("imports of the package's modules inside functions without a comment on their line or the "
                          f"line above saying why they are lazy ({' / '.join(REASONS)}): {missing}")
+
+
+def test_no_submodule_shadows_an_exported_name():
+    """``analysis.x`` must mean one thing: a submodule named like a function or class that ``analysis`` exports would
+    replace it as the package's attribute once something imports the submodule by its dotted name."""
+    submodules = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    clash = sorted(submodules & set(analysis.__all__))
+    assert not clash, f"submodules named like names analysis exports: {clash}; rename the module."

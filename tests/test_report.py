@@ -47,9 +47,10 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 17  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 22  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
-    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions"):
+    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions", "Every sink",
+              "Sink against context length and eps"):
         assert s in page
 
 
@@ -76,6 +77,19 @@ def test_json_holds_the_planted_answers(planted_report):
     assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
     assert d["versions"]["torch"] == torch.__version__
     assert d["seconds"]["total"] > 0
+
+
+def test_every_sink_and_context_sections(planted_report, planted):
+    """The planted sink heads sink on the first token in the sink table; the context section holds every T it ran."""
+    out, _ = planted_report
+    d = _strict_json(out / "report.json")
+    pos = d["sections"]["positions"]
+    first = [r for r in pos["sinks"] if r["position"] == 0]
+    assert len(first) == 8 and all({tuple(h) for h in r["heads"]} >= set(planted.planted.sink_heads) for r in first)
+    assert all(r["massive"] and set(r["massive_dims"]) >= set(planted.planted.spike_dims) for r in first)
+    runs = d["sections"]["context"]["computed"]["runs"]
+    assert sorted({r["T"] for r in runs}) == [16, 32, 64, 128] and {r["n"] for r in runs} == {4}
+    assert any("context length" in f for f in d["findings"])
 
 
 def test_model_whose_first_token_carries_no_spike(planted_nospike, tmp_path):
@@ -186,3 +200,5 @@ def test_real_model_report(smollm2, tmp_path):
     assert d["sections"]["norm_gain"]["has_spike"]
     assert d["sections"]["value_norms"]["correlation"]["ratio"]["pearson_r"] < -0.5
     assert len(d["findings"]) >= 12
+    assert d["sections"]["positions"]["sinks"][0]["position"] == 0
+    assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
