@@ -4,8 +4,8 @@
   bigram-copy task, peak lr 1e-2, 4,000 steps of 32 x 64 tokens; about a minute on 2 CPU cores).
 - ``induction``: the pair whose first-token spike an MLP writes (2 layers; the synthetic task with an induction
   rule on 12 keys at lags 1-3, so that second-layer heads have nothing to read for most queries; the first token is
-  token 3, the most frequent content token, which only its position sets apart; 24,000 steps, weights kept at 16
-  log-spaced steps). About 40 minutes on one CPU core.
+  token 3, the most frequent content token, which only its position sets apart; 12,000 steps, weights kept at 16
+  log-spaced steps, a checkpoint every 2,000 so an interrupted run resumes). About 25 minutes on one CPU core.
 - ``tiny-cpu``: a small natural-text model on Python standard-library docstrings (minutes on 2 cores).
 - ``paper-60m``: the paper's 60M LLaMA-style model (10 layers, d 768, 8 heads, SwiGLU 1536, RMSNorm,
   RoPE, pre-norm, context 2048, AdamW (0.9, 0.95), wd 0.1 on all parameters, clip 1.0, lr 4e-4
@@ -28,9 +28,9 @@ PRESETS: dict[str, dict] = {
     "induction": dict(
         dataset="synthetic", n_ctx=64, d_model=64, n_layers=2, n_heads=4, d_mlp=256, act_fn="swiglu",
         normalization_type="RMS", positional_embedding_type="rotary", fixed_token_position=1, fixed_token_id=3,
-        synthetic_keys=12, synthetic_lags=3, steps=24000, batch_size=32, lr=1e-2, warmup_steps=100, schedule="cosine",
+        synthetic_keys=12, synthetic_lags=3, steps=12000, batch_size=32, lr=1e-2, warmup_steps=100, schedule="cosine",
         min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, log_every=50, eval_every=1000,
-        checkpoint_every=0, snapshots="log:16", probe_size=100, probe_len=64,
+        checkpoint_every=2000, snapshots="log:16", probe_size=100, probe_len=64,
     ),
     "tiny-cpu": dict(
         dataset="stdlib", tokenizer="bpe", tokenizer_vocab_size=2048, n_ctx=128, d_model=128, n_layers=2,
