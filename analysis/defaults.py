@@ -20,3 +20,12 @@ TINY = 1e-30  # floor of denominators
 # that fits. 96 MiB keeps every 2nd block of SmolLM2 at N = 32, T = 64 (66 MiB): a pass then starts at most one block
 # before the one it changes, and the report's peak memory stays near 1.2x a forward pass (1.30x with every block kept).
 RESID_BUDGET_MIB = 96.0
+
+# Where the spike comes from (analysis.spike_origin): a block writes the spike when its write on the first token is at
+# least SPIKE_WRITE_SHARE of the value it leads to (erases it: of the value it removes), and at least Sun et al.'s
+# absolute threshold and SPIKE_WRITE_FLOOR of the spike's peak.
+SPIKE_WRITE_SHARE = 0.1
+SPIKE_WRITE_FLOOR = 1e-3
+NEURON_SHARES = (0.9, 0.99)  # the fewest neurons carrying these shares of an MLP's write on the spike dim
+RANK_ONE_ENERGY = 0.5  # "rank one": A_d's top eigenvalue holds at least this share of sum(lambda^2) ...
+RANK_ONE_COS = 0.5  # ... and the first token's MLP input lies along its eigenvector (mean |cos| at least this)

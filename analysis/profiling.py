@@ -8,6 +8,7 @@ activations. Each result equals the analysis run alone on the same tokens (``tes
 The main pass also keeps the residual stream entering its blocks (``Profile.resid``: every block while they fit in
 ``resid_budget_mib``, else every s-th), so that later passes over the same tokens (the interventions' conditions,
 ``norm_gain_trace``) start at the last kept block before the first one they change instead of at the embedding.
+The same pass keeps the first token's stream, writes and neurons for ``analysis.spike_origin`` (``Profile.origin``).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from analysis.defaults import RESID_BUDGET_MIB, SINK_EPS
 from analysis.hooks import ResidCapture, attention_layers_of, can_resume, check_tokens, checkpoint_layers, model_dims, stream
 from analysis.results import Result
 
-MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
+MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid", "origin")
 ANALYSES = ("sink", "massive") + MAIN_ANALYSES
 
 
@@ -35,6 +36,7 @@ class Profile(Result):
     baseline: object | None = None  # interventions.Baseline
     gates: object | None = None  # gates.GateResult (gated attention only: Qwen3-Next, Qwen3.5)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it on the main kind (resume points)
+    origin: object | None = None  # spike_origin.SpikeOrigin (the spike dims of massive on the main kind)
     main: str = "natural"
     model_name: str | None = None
     n_samples: int = 0
@@ -47,7 +49,8 @@ class Profile(Result):
     def results(self) -> dict:
         """Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...)."""
         out = {f"sink/{k}": r for k, r in self.sink.items()} | {f"massive/{k}": r for k, r in self.massive.items()}
-        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms", "gates") if getattr(self, k) is not None}
+        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms", "gates", "origin")
+                      if getattr(self, k) is not None}
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -78,6 +81,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
     from analysis.massive import massive_accumulator
     from analysis.qk import QKAccumulator
     from analysis.sink import SinkAccumulator
+    from analysis.spike_origin import SpikeOriginAccumulator
     from analysis.value_norms import ValueNormsAccumulator
 
     T = tokens.shape[1]
@@ -91,6 +95,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
         "baseline": lambda: baseline_accumulators(model, T, eps),
         "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
         "resid": lambda: _resid_capture(model, tokens, budget_mib),
+        "origin": lambda: [SpikeOriginAccumulator(model, kind)],
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 
@@ -102,10 +107,13 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
     carries it too, so that its conditions resume)."""
     from analysis.interventions import baseline_from
+    from analysis.spike_origin import origin_from
 
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")
+    if "origin" in analyses and "massive" not in analyses:
+        raise ValueError("the spike origin traces the spike dims massive activations find: add 'massive' to analyses.")
     if main not in probes:
         raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
     out = Profile(main=main, model_name=getattr(model, "model_name", None))
@@ -127,4 +135,6 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
                 out.resid = got["resid"][0]
             if "baseline" in got:
                 out.baseline = baseline_from(got["baseline"], out.resid)
+            if got.get("origin"):
+                out.origin = origin_from(model, got["origin"][0], massive=out.massive[kind], kind=kind)
     return out
