@@ -34,7 +34,8 @@ def __getattr__(name):
         "spike_ablation": "analysis.interventions", "value_ablation": "analysis.interventions",
         "first_key_ablation": "analysis.interventions", "build_report": "analysis.report",
         "attention_view": "analysis.attention_view", "profile": "analysis.profiling", "Profile": "analysis.profiling",
-        "attention_gates": "analysis.gates",
+        "attention_gates": "analysis.gates", "spike_origin": "analysis.spike_origin",
+        "why_first_token": "analysis.first_token_cause", "spike_cuts": "analysis.spike_cuts",
     }
     if name in lazy:
         import importlib
@@ -51,5 +52,6 @@ __all__ = [
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
-    "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
+    "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates", "spike_origin",
+    "why_first_token", "spike_cuts",
 ]

@@ -560,17 +560,22 @@ def _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_m
     )
 
 
-def get_family(model) -> FamilySpec:
-    """``model.family``, read (and kept on the model) on first use for models not loaded by ``load_model``."""
-    spec = getattr(model, "family", None)
-    if isinstance(spec, FamilySpec):
+def _kept(model, attr: str, cls, read):
+    """``model.<attr>`` where it is a ``cls``; else ``read(model)``, kept there (for a model that takes new attributes)."""
+    spec = getattr(model, attr, None)
+    if isinstance(spec, cls):
         return spec
-    spec = family_spec(model)
+    spec = read(model)
     try:
-        model.family = spec
+        setattr(model, attr, spec)
     except (AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
         pass
     return spec
+
+
+def get_family(model) -> FamilySpec:
+    """``model.family``, read (and kept on the model) on first use for models not loaded by ``load_model``."""
+    return _kept(model, "family", FamilySpec, family_spec)
 
 
 def attention_layers(model) -> list[int]:
@@ -733,8 +738,8 @@ class MlpSpec:
             parts.append(f"Blocks {list(self.mixer_layers)} mix tokens without softmax attention; their write is "
                          "hook_resid_mid - hook_resid_pre.")
         if not self.additive:
-            parts.append("The residual stream is renormalised after the writes (post-norm): the writes do not add up "
-                         "to the stream.")
+            parts.append("hook_resid_post is not the stream before the MLP plus hook_mlp_out (a post-norm stream, or a "
+                         "hook that edits the stream): the writes do not add up to the stream.")
         parts.extend(self.notes)
         return " ".join(parts)
 
@@ -1026,12 +1031,4 @@ def mlp_spec(model) -> MlpSpec:
 
 def get_mlp(model) -> MlpSpec:
     """``model.mlp_spec``, measured (:func:`mlp_spec`) and kept on the model on first use."""
-    spec = getattr(model, "mlp_spec", None)
-    if isinstance(spec, MlpSpec):
-        return spec
-    spec = mlp_spec(model)
-    try:
-        model.mlp_spec = spec
-    except (AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
-        pass
-    return spec
+    return _kept(model, "mlp_spec", MlpSpec, mlp_spec)

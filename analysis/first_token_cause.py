@@ -82,10 +82,10 @@ class CauseAccumulator(Accumulator):
     """At positions 0 and ``later``: every component's projection on the writer neurons' weights, the norm scale,
     the hooks' pre-activations and activations of the writer blocks, and the spike dims' values."""
 
-    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int):
+    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, last: int = 0):
         self.model, self.readouts, self.dims, self.later = model, readouts, dims, int(later)
         self.spec = get_mlp(model)
-        self.last = max(r.block for r in readouts) if readouts else 0
+        self.last = min(max([r.block for r in readouts] + [int(last)]), int(model.cfg.n_layers) - 1)
         self.U = torch.cat([r.U for r in readouts], 1) if readouts else torch.zeros(int(model.cfg.d_model), 0)
         self.rows: dict[tuple, list[torch.Tensor]] = {}
         self.blocks = sorted({r.block for r in readouts})
@@ -167,6 +167,7 @@ class FirstTokenCause(Result):
     divergence: pd.DataFrame
     max_error: float
     message: str = ""
+    note: str = ""  # why no writer neuron is followed
     model_name: str | None = None
     kind: str | None = None
     n_samples: int = 0
@@ -216,16 +217,16 @@ class FirstTokenCause(Result):
             for d, b in dict.fromkeys(zip(self.contributions.dim, self.contributions.block)):
                 out.append(self._block_text(int(d), int(b)))
         else:
-            out.append("No writer neuron to follow: no MLP writes the spike (it is in the first token's embedding).")
+            out.append(self.note or "No writer neuron to follow: no MLP neuron is named as the spike's writer.")
         div = self.divergence
         if len(div):
             first = div[div.difference >= DIVERGED].head(1)
-            top = div.sort_values("difference", ascending=False).head(3)
+            top = div[div.difference >= 0.05].sort_values("difference", ascending=False).head(3)
             where = (f"{first.component.iloc[0]} is the first write that differs ({first.difference.iloc[0]:.0%})"
                      if len(first) else "no write differs by much")
+            most = ", ".join(f"{r.component} ({r.difference:.0%})" for r in top.itertuples()) or "none"
             out.append(f"Between position 1 and position {self.later + 1} the same token's embedding is the same; "
-                       f"{where}, and the writes that differ most are " + ", ".join(
-                           f"{r.component} ({r.difference:.0%})" for r in top.itertuples()) + ".")
+                       f"{where}, and the writes that differ most are {most}.")
         for d in dict.fromkeys(self.spike.dim):
             s = self.spike[self.spike.dim == d].reset_index(drop=True)
             peak = s.iloc[int(s["first"].abs().argmax())]
@@ -279,12 +280,19 @@ def why_first_token(model, tokens, origin, *, later: int | None = None, max_neur
     readouts = [_readout(model, n.dim, n.block, n.neurons(share)[:max_neurons]) for n in writers]
     moved = tokens.clone()
     moved[:, later] = tokens[:, 0]
-    acc = CauseAccumulator(model, readouts, origin.dims, later)
+    peaks = {d: int(origin.values(d).mean(0).abs().argmax()) for d in origin.dims}  # the stream entering block p
+    acc = CauseAccumulator(model, readouts, origin.dims, later, last=max([p - 1 for p in peaks.values()] + [0]))
     got = stream(model, moved, [acc], batch_size=batch_size)[0]
-    return _cause(model, origin, readouts, got, later, tokens.shape[0])
+    out = _cause(model, origin, readouts, got, later, tokens.shape[0], peaks)
+    if not readouts:
+        emb = all(origin.embedding_origin(d) for d in origin.dims)
+        out.note = (f"No writer neuron to follow on dims {origin.dims}: the spike is in the first token's embedding, not "
+                    "written by an MLP." if emb else
+                    f"No writer neuron to follow on dims {origin.dims}: no MLP neuron is named as the spike's writer.")
+    return out
 
 
-def _cause(model, origin, readouts: list[_Readout], got: dict, later: int, N: int) -> FirstTokenCause:
+def _cause(model, origin, readouts: list[_Readout], got: dict, later: int, N: int, peaks: dict) -> FirstTokenCause:
     spec = get_mlp(model)
     rows, nrows, max_err, offset = [], [], 0.0, 0
     comps = [k for k in got if k[0] in ("embedding", "attention", "mixer", "mlp")]
@@ -314,7 +322,7 @@ def _cause(model, origin, readouts: list[_Readout], got: dict, later: int, N: in
             nrows.append({"dim": r.dim, "block": r.block, "neuron": n, "act_first": float(act[0, j]),
                           "act_later": float(act[1, j]), "write_first": float(act[0, j]) * w,
                           "write_later": float(act[1, j]) * w})
-    spike = _spike_rows(origin, got, readouts)
+    spike = _spike_rows(origin, got, readouts, peaks)
     return FirstTokenCause(later, pd.DataFrame(rows), pd.DataFrame(nrows), spike, _divergence(got), max_err, "",
                            getattr(model, "model_name", None), origin.kind, N)
 
@@ -333,13 +341,18 @@ def _divergence(got: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["component", "block", "norm_first", "norm_later", "difference"])
 
 
-def _spike_rows(origin, got: dict, readouts: list[_Readout]) -> pd.DataFrame:
-    """Per dim: its value at the embedding and after each writing block, first token against the same token later."""
+def _spike_rows(origin, got: dict, readouts: list[_Readout], peaks: dict) -> pd.DataFrame:
+    """Per dim: its value at the embedding, after each writing block and where the first token's spike peaks, first
+    token against the same token later."""
     rows = []
     blocks = sorted({r.block for r in readouts})
     for j, d in enumerate(origin.dims):
         points = [("embedding", got[("value_in", 0)][..., j])]
         points += [(f"after MLP {b}", got[("value_out", b)][..., j]) for b in blocks]
+        p = peaks[d]
+        if p > 0 and p - 1 not in blocks and ("value_out", p - 1) in got:
+            points.append((f"entering block {p}" if p < origin.n_layers else "after the last block",
+                           got[("value_out", p - 1)][..., j]))
         for point, v in points:
             m = v.mean(0)
             first, lat = float(m[0]), float(m[1])

@@ -5,6 +5,8 @@ pass per kind feeds every analysis) and lays out what it found:
 
 1. the sink metric (Sink_1 table, per-head alpha), with offline circuitsvis attention views;
 2. massive activations (the spike dims per layer, ``spike_dims`` in the JSON);
+   where the spike comes from: the writing and erasing blocks, the writer neurons with their shares, why the first
+   token, and the cut of the writer neurons against random ones (``analysis.spike_origin``);
 3. the norm-gain trace of one sink layer that reads the spike;
 4. the first key's manifold (PCA of the keys, QK angles);
 5. value norms against alpha_1;
@@ -37,11 +39,13 @@ from analysis.hooks import ModelContractError, model_dims
 from analysis.io import jsonable, write_atomic
 
 DEFAULT_N = 32
-SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
+SECTIONS = ("sink", "views", "massive", "spike_origin", "norm_gain", "key_manifold", "value_norms", "interventions")
 # What each section reads from the profile pass.
 NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive", "resid"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
-         "interventions": ("baseline", "massive", "resid")}  # resid: later passes resume from the profile's residuals
+         "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
+         "spike_origin": ("massive", "origin", "baseline", "resid")}
+SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts run on this many natural sequences (one pass each)
 
 
 class ReportError(RuntimeError):
@@ -321,10 +325,80 @@ def _interventions(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
 
+def _spike_origin(ctx: _Context, sec: Section) -> None:
+    from analysis.figures import spike_origin as figs
+    from analysis.first_token_cause import why_first_token
+    from analysis.spike_cuts import spike_cuts
+
+    o = ctx.profile.origin
+    sec.data = {"origin": o.to_dict(), "writers": _writer_summary(o)}
+    if not o.has_spike:
+        sec.note(o.text())
+        return
+    for d in o.dims:
+        sec.say(o.dim_text(d))
+    sec.parts.append(table_html(o.writes.drop(columns=["write_min", "write_max"]), digits=3))
+    sec.figure(lambda: figs.plot_spike_path(o), "the main spike dim on the first token through the blocks, with each "
+               "block's attention and MLP writes")
+    for n in o.neurons:
+        sec.say(n.text())
+    if o.neurons:
+        sec.parts.append(table_html(o.tables["neurons"], digits=3))
+        sec.figure(lambda: figs.plot_neuron_contributions(o), "the writer neurons' contributions to each writing MLP's "
+                   "write (first token), and their cumulative share")
+    for e in o.experts:
+        sec.say(e.text())
+    for q in o.quadratic:
+        sec.say(q.text())
+    if o.quadratic:
+        sec.parts.append(table_html(o.tables["quadratic"], digits=3))
+        sec.figure(lambda: figs.plot_spectrum(o), "the spectrum of A_d for each writing gated MLP")
+    for note in o.notes:
+        sec.note(note)
+    cause = why_first_token(ctx.model, ctx.natural, o, batch_size=ctx.batch_size)
+    sec.data["why_first_token"] = cause.to_dict()
+    sec.parts.append("<h3>Why the first token</h3>")
+    sec.say(cause.text())
+    if len(cause.contributions):
+        d, b = int(cause.contributions.dim.iloc[0]), int(cause.contributions.block.iloc[-1])
+        sec.parts.append(table_html(cause.chain(d, b), digits=3))
+        sec.figure(lambda: figs.plot_first_token_cause(cause), "the main writer neuron's gate over what feeds it: "
+                   "position 1 against the same token later")
+    cuts = spike_cuts(ctx.model, ctx.natural, o, baseline=ctx.profile.baseline, max_samples=SPIKE_CUT_SAMPLES,
+                      batch_size=ctx.batch_size)
+    sec.data["cuts"] = cuts.to_dict()
+    sec.parts.append("<h3>Cutting the writer and eraser neurons</h3>")
+    if cuts.message:
+        sec.note(cuts.message)
+        return
+    sec.note(f"The cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences (one pass per condition, "
+             f"{cuts.n_random} random draws).")
+    sec.say(cuts.text())
+    sec.parts.append(table_html(cuts.summary, digits=3))
+    sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "
+               "cut on the first token, against as many random neurons")
+
+
+def _writer_summary(o) -> list[dict]:
+    """The writing blocks and, inside each writing MLP, its writer neurons with their shares of the write."""
+    out = []
+    for r in o.writes[o.writes.role == "writer"].itertuples():
+        row = {"dim": r.dim, "component": r.component, "block": r.block, "write": r.write, "share_of_value": r.share}
+        if r.component == "mlp":
+            n = next((n for n in o.neurons if n.dim == r.dim and n.block == r.block), None)
+            if n is not None:
+                t = n.table()
+                row["neurons"] = [{"neuron": int(x.neuron), "share": float(x.share)} for x in t.itertuples()]
+                row["n_90"], row["n_99"] = len(n.neurons(0.9)), len(n.neurons(0.99))
+        out.append(row)
+    return out
+
+
 RUNNERS: dict[str, tuple[str, Callable]] = {
     "sink": ("Sink metric", _sink),
     "views": ("Attention views (circuitsvis, offline)", _views),
     "massive": ("Massive activations", _massive),
+    "spike_origin": ("Where the spike comes from", _spike_origin),
     "norm_gain": ("Norm gain: from the spike to the first key", _norm_gain),
     "key_manifold": ("The first key's manifold", _key_manifold),
     "value_norms": ("Value norms", _value_norms),

@@ -254,7 +254,8 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
     sets = {r: s for r, s in sets.items() if s}
     if not origin.has_spike or not sets:
         why = ("there is no spike on the first token" if not origin.has_spike else
-               "no dense MLP neuron writes or erases it (its writer is the embedding, attention or a mixture of experts)")
+               "no MLP neuron is named as the spike's writer or eraser (it is written by the embedding, attention or a "
+               "mixture of experts, or by nothing the writes show)")
         return SpikeCuts(pd.DataFrame(), {}, {}, f"Nothing to cut: {why}.", int(n_random), name, origin.kind, N)
     dims = origin.dims
     starts = sorted({min(s) for s in sets.values()})

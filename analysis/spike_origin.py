@@ -591,7 +591,8 @@ class SpikeOrigin(Result):
             s.append(f"It is written by {self._component_text(w)}.")
         else:
             s.append(f"No single write of at least {self.share:.0%} of the value it leads to builds it.")
-        s.append(f"It is erased by {self._component_text(e)}." if len(e) else "No block erases it before the unembedding.")
+        s.append(f"It is erased by {self._component_text(e)}." if len(e) else
+                 f"No block erases it: it is {float(v[-1]):+.4g} after the last block.")
         attn = self.trace.attn[:, :, d].mean(0).abs()
         s.append(f"Attention writes at most {float(attn.max()):.3g} on it (block {int(attn.argmax())}).")
         s.append(f"The bookkeeping adds up: the embedding plus every write equals the value entering each block to "
@@ -716,8 +717,8 @@ def origin_from(model, trace: FirstTokenTrace, dims: Sequence[int] | None = None
     if min_write is None:
         min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
     name = getattr(model, "model_name", None)
-    notes = [] if spec.additive else ["The residual stream is renormalised after the writes (post-norm): a block's "
-                                      "write is what its output adds, measured as a difference of the stream."]
+    notes = [] if spec.additive else ["This model's stream after a block is not its input plus the block's writes "
+                                      "(a post-norm stream, or a hook that edits the stream): the writes need not add up."]
     appears = {d: _appears(trace, d, massive) for d in dims}
     writes = pd.concat([find_writes(trace, d, parallel=spec.parallel, mixers=spec.mixer_layers, share=share,
                                     min_write=min_write, appears=appears[d]) for d in dims]

@@ -47,7 +47,7 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 17  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 18  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
     for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions"):
         assert s in page
@@ -187,3 +187,11 @@ def test_real_model_report(smollm2, tmp_path):
     assert d["sections"]["norm_gain"]["has_spike"]
     assert d["sections"]["value_norms"]["correlation"]["ratio"]["pearson_r"] < -0.5
     assert len(d["findings"]) >= 12
+    # Where the spike comes from: the writing MLPs, their writer neurons with their shares, the cut against random.
+    so = d["sections"]["spike_origin"]
+    mlps = [w for w in so["writers"] if w["component"] == "mlp"]
+    assert mlps and all(sum(n["share"] for n in w["neurons"]) > 0.9 for w in mlps)
+    assert so["origin"]["writing_blocks"] and so["origin"]["erasing_blocks"]
+    cut = {(r["role"], r["mode"], r["chosen"]): r for r in so["cuts"]["summary"]}
+    assert cut[("writers", "zero", "named")]["kept_mean"] < 0.2 < 0.9 < cut[("writers", "zero", "random")]["kept_min"]
+    assert "Where the spike comes from" in page

@@ -96,6 +96,32 @@ def test_zeroing_the_writers_removes_the_spike_and_random_neurons_do_not(smollm2
         spike_cuts(smollm2, tokens.flip(0), origin)
 
 
+def test_every_spike_origin_figure_draws(smollm2, tokens, origin):
+    import inspect
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import spike_origin as figs
+
+    cause = why_first_token(smollm2, tokens, origin)
+    cuts = spike_cuts(smollm2, tokens, origin, roles=("erasers",), n_random=1, max_samples=2)
+    calls = {"plot_spike_path": lambda f: f(origin), "plot_neuron_contributions": lambda f: f(origin),
+             "plot_spectrum": lambda f: f(origin), "plot_first_token_cause": lambda f: f(cause),
+             "plot_spike_cuts": lambda f: f(cuts)}
+    functions = {n: fn for n, fn in inspect.getmembers(figs, inspect.isfunction) if n.startswith("plot_")}
+    assert set(functions) == set(calls)
+    for name, fn in functions.items():
+        fig = calls[name](fn)
+        assert fig.axes and fig.axes[0].has_data(), name
+        fig.canvas.draw()
+        plt.close("all")
+    with pytest.raises(ValueError, match="no gated MLP writes dim 3"):
+        figs.plot_spectrum(origin, 3)
+
+
 def test_bad_input(smollm2, tokens, origin):
     with pytest.raises(ValueError, match=r"dims \[576\] out of range"):
         spike_origin(smollm2, tokens[:2, :8], dims=[576])
