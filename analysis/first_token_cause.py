@@ -100,7 +100,7 @@ class CauseAccumulator(Accumulator):
                 h["h"] = act_name(self.spec.input_resid, l)
                 h["act"] = self.spec.neuron_hook(l)
                 for f in self.readouts_of(l)[0].factors:
-                    h[f] = self.spec.gate_hook(l) if f == "gate" else self.spec.up_hook(l)
+                    h[f"factor_{f}"] = self.spec.gate_hook(l) if f == "gate" else self.spec.up_hook(l)
             out[l] = h
         return out
 
@@ -129,7 +129,7 @@ class CauseAccumulator(Accumulator):
             for r in self.readouts_of(layer):
                 idx = torch.tensor(r.neurons, device=pre.device)
                 self._keep(("act", layer, r.dim), acts["act"][:, pos][..., idx])
-                self._keep(("hook", layer, r.dim), torch.cat([acts[f][:, pos][..., idx] for f in r.factors], -1))
+                self._keep(("hook", layer, r.dim), torch.cat([acts[f"factor_{f}"][:, pos][..., idx] for f in r.factors], -1))
 
     def result(self) -> dict:
         return {k: torch.cat(v) for k, v in self.rows.items()}

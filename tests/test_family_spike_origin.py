@@ -6,7 +6,8 @@ weights, and a permanent hook on the neuron's activation (``MlpSpec.neuron_hook`
 as tests/planted.py plants its spike. Where the MLP's output passes a post-norm (Gemma 2/3, OLMo-2) the norm's gain
 on that dimension is raised, so that the normalised write is still massive; Granite's residual multiplier scales it.
 ``spike_origin`` must find the dimension, name block 0's MLP as its writer and, inside it, that neuron, with the
-bookkeeping adding up. Mixture-of-experts blocks (gpt-oss, Qwen3-Next) hold no neuron hook: there the spike is added
+bookkeeping adding up; ``why_first_token``'s decomposition of its pre-activations must add up to the hooks', and
+zeroing it on the first token (``spike_cuts``) must remove the spike while a random neuron does not. Mixture-of-experts blocks (gpt-oss, Qwen3-Next) hold no neuron hook: there the spike is added
 on the block's output by a hook, and the analysis names the block and says the write is none of its experts'.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 from analysis import load_model
 from analysis.families import get_mlp
+from analysis.first_token_cause import why_first_token
+from analysis.spike_cuts import spike_cuts
 from analysis.spike_origin import spike_origin
 from tests.families import FAMILIES
 
@@ -99,6 +102,7 @@ def test_planted_writer_is_found_with_its_block_and_neuron(family, planted_model
         left = e.table.set_index("expert").loc["unaccounted", "mean_write"]
         assert left == pytest.approx(WRITE, rel=1e-3) and "no neuron is named" in e.text()
         assert not [n for n in o.neurons if n.dim == DIM]
+        assert "Nothing to cut" in spike_cuts(model, tokens, o).text()
         return
     n = o.mlp_neurons(DIM, BLOCK)
     assert n.neurons(0.9) == [NEURON] and n.neurons(0.99) == [NEURON]
@@ -107,3 +111,10 @@ def test_planted_writer_is_found_with_its_block_and_neuron(family, planted_model
     assert row.neuron == NEURON and row.act_first > 0 and row.act_other == 0.0
     assert ("gate_first" in row) == (get_mlp(model).kind == "gated")
     assert (len([q for q in o.quadratic if q.dim == DIM]) == 1) == (get_mlp(model).kind == "gated")
+    # the writer's pre-activations split over what feeds it (norm scale held: LayerNorm centring, 1 + w gains, no
+    # norm for OLMo-2, the block's input for parallel blocks) add up to the hooks' values
+    c = why_first_token(model, tokens, o, later=T // 2)
+    assert c.max_error < 1e-3 and set(c.neurons.neuron) == {NEURON}
+    cuts = spike_cuts(model, tokens, o, roles=("writers",), n_random=1)  # zeroing it removes the spike
+    kept = cuts.summary.set_index(["role", "mode", "chosen", "dim"])["kept_mean"]
+    assert abs(kept[("writers", "zero", "named", DIM)]) < 0.05 and kept[("writers", "zero", "random", DIM)] > 0.95
