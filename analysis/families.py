@@ -22,6 +22,12 @@ Where the facts live:
 - which hooks fire is *measured* too: one two-token forward pass at load time records the hooks the bridge
   really calls (TransformerLens lists ``hook_rot_k`` on fused-QKV and GPT-J attention, but never calls it);
 - the few facts no config states (GPT-J-style interleaved rotary pairs) are in the tables below.
+
+The MLP of each block is described by :class:`MlpSpec` (``get_mlp(model)``, measured on first use and kept as
+``model.mlp_spec``): the hooks of its neuron activations and gate / up pre-activations, its weights in one
+orientation (:func:`mlp_weights`), the activation, whether it reads the block's input (parallel blocks), its input
+norm, how its output reaches the residual stream (as it is, scaled, or through a post-norm), the token mixers without
+``hook_attn_out``, and for mixtures of experts the routed experts' writes (:func:`expert_writes`).
 """
 from __future__ import annotations
 

@@ -15,17 +15,16 @@ token's own prediction (the position the spike sits on). Only the activations of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import pandas as pd
 import torch
 
 from analysis.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.families import final_logits, get_mlp
 from analysis.hooks import Batch, ResidCapture, act_name, check_tokens, model_dims, stream
-from analysis.interventions import Baseline, PassResult, baseline_accumulators, baseline_from, run_condition
+from analysis.interventions import K_MAX, Baseline, PassAccumulator, PassResult, run_condition
 from analysis.io import jsonable
 from analysis.results import Result, layer_runs
 from analysis.sink import check_eps
@@ -191,10 +190,10 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     """The unchanged pass over ``tokens``: the shared ``baseline`` (its first N sequences) or one run here that keeps
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
-    if baseline is None:
-        accs = baseline_accumulators(model, tokens.shape[1], eps) + [ResidCapture([b for b in blocks if b > 0])]
-        *res, resid = stream(model, tokens, accs, batch_size=batch_size)
-        return baseline_from(res, resid)
+    if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
+        run, resid = stream(model, tokens, [PassAccumulator(model, tokens.shape[1], eps, K_MAX),
+                                            ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size)
+        return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
         raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
                          f"these are {N} with eps {eps}: pass the baseline of these tokens, or none.")

@@ -41,8 +41,9 @@ from analysis.defaults import NEURON_SHARES, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_R
 from analysis.families import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights, norm_weights
 from analysis.hooks import Accumulator, Batch, LayerCollector, act_name, check_tokens, model_dims, stream
 from analysis.io import jsonable
+from analysis.massive import massive_accumulator
 from analysis.norm_gain import NormParams
-from analysis.quadratic_form import QuadraticForm, quadratic_form
+from analysis.quadratic_form import quadratic_form
 from analysis.results import Result
 from analysis.stats import one_thread
 
@@ -163,12 +164,12 @@ class SpikeOriginAccumulator(Accumulator):
         self._other("attn", layer, attn)
         self._other("mlp", layer, mlp)
         x = acts["x"][:, 0] if "x" in acts else mlp_input(self.model, layer, acts["h"][:, :1])[:, 0]
-        self.x.put(layer, x.float())
+        self.x.put(layer, x.float().clone())  # a copy: a view would keep the layer's whole (B, T, D) input alive
         if layer in self.neuron_layers:
             self._neurons(layer, acts)
         if "post" in acts:
             post = acts["post"].detach().float()
-            self.post.append(post[:, 0].cpu())
+            self.post.append(post[:, 0].clone().cpu())
             self._other("resid", self.L, post)
 
     def _other(self, key: str, i: int, x: torch.Tensor) -> None:
@@ -182,7 +183,7 @@ class SpikeOriginAccumulator(Accumulator):
 
     def _neurons(self, layer: int, acts: dict) -> None:
         a = acts["act"].detach().float()
-        self.acts.put(layer, a[:, 0])
+        self.acts.put(layer, a[:, 0].clone())
         s = self.neuron_sums.setdefault(layer, {})
         rest = a[:, 1:]
         parts = {"act_other": rest.sum((0, 1)), "act_other_max": rest.abs().amax(1).sum(0) if rest.shape[1] else rest.sum((0, 1)),
@@ -813,8 +814,6 @@ def spike_origin(
     -------
     SpikeOrigin
     """
-    from analysis.massive import massive_accumulator
-
     tokens = check_tokens(model, tokens)
     D, L = int(model_dims(model).d_model), model_dims(model).n_layers
     if dims is not None:
