@@ -45,7 +45,8 @@ NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
          "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
          "spike_origin": ("massive", "origin", "baseline", "resid")}
-SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts run on this many natural sequences (one pass each)
+SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts (one pass each) and its first-token cause run on this
+# many natural sequences
 
 
 class ReportError(RuntimeError):
@@ -355,7 +356,7 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda: figs.plot_spectrum(o), "the spectrum of A_d for each writing gated MLP")
     for note in o.notes:
         sec.note(note)
-    cause = why_first_token(ctx.model, ctx.natural, o, batch_size=ctx.batch_size)
+    cause = why_first_token(ctx.model, ctx.natural[:SPIKE_CUT_SAMPLES], o, batch_size=ctx.batch_size)
     sec.data["why_first_token"] = cause.to_dict()
     sec.parts.append("<h3>Why the first token</h3>")
     sec.say(cause.text())
@@ -371,8 +372,8 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
     if cuts.message:
         sec.note(cuts.message)
         return
-    sec.note(f"The cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences (one pass per condition, "
-             f"{cuts.n_random} random draws).")
+    sec.note(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences "
+             f"(the cuts: one pass per condition, {cuts.n_random} random draws).")
     sec.say(cuts.text())
     sec.parts.append(table_html(cuts.summary, digits=3))
     sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "

@@ -13,8 +13,8 @@ CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` 
 also keeps the natural pass's residual stream entering its blocks (``Profile.resid``, every 2nd on SmolLM2); the norm-gain trace and
 the 5 intervention passes (2 spike, 2 value, 1 first-key) then start at the block they change (on SmolLM2: 24;
 12, 2 and 12), so 3 x 30 + 0 + 110 blocks run where whole passes would run 265 (the last line counts them). The
-spike-origin section adds one pass up to its last writer block (why the first token) and its causal cuts: one pass
-per condition over the first 8 natural sequences (``report.SPIKE_CUT_SAMPLES``), each from the block it changes. Its
+spike-origin section adds, over the first 8 natural sequences (``report.SPIKE_CUT_SAMPLES``), one pass up to its last
+writer block (why the first token) and its causal cuts, one pass per condition from the block it changes. Its
 time is best read in forward passes. Targets (issue 10): <= 8x the forward pass in time (the median report against the fastest
 forward) and <= 1.3x its peak memory (the first report against the forwards before it, the same process state);
 the targets line says whether they are met. On a shared machine, read the ratios within one run.
