@@ -32,10 +32,13 @@ from analysis.probes import (
     text_probe,
 )
 from analysis.every_sink import SinkPositions, sink_positions
+from analysis.first_token_cause import why_first_token
 from analysis.qk import qk_angles
 from analysis.report import build_report
 from analysis.sink import SinkResult, sink_metric, sink_table
 from analysis.sink_context import SinkContext, sink_vs_context
+from analysis.writer_cuts import spike_cuts
+from analysis.spike_writers import spike_origin
 from analysis.values import value_norms
 from analysis.views import attention_view
 
@@ -48,5 +51,6 @@ __all__ = [
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
-    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext",
+    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "spike_origin",
+    "why_first_token", "spike_cuts",
 ]

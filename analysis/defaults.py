@@ -28,3 +28,11 @@ SINK_MIN_QUERIES = 16
 # A later token is aligned with the first token at a layer when the cosine of their hidden states (hook_resid_post)
 # exceeds this (secondary sinks, arXiv 2512.22213: the layer where it is created and how many layers it lasts).
 SECONDARY_COS = 0.9
+# Where the spike comes from (analysis.spike_writers): a block writes the spike when its write on the first token is at
+# least SPIKE_WRITE_SHARE of the value it leads to (erases it: of the value it removes), and at least Sun et al.'s
+# absolute threshold and SPIKE_WRITE_FLOOR of the spike's peak.
+SPIKE_WRITE_SHARE = 0.1
+SPIKE_WRITE_FLOOR = 1e-3
+NEURON_SHARES = (0.9, 0.99)  # the fewest neurons carrying these shares of an MLP's write on the spike dim
+RANK_ONE_ENERGY = 0.5  # "rank one": A_d's top eigenvalue holds at least this share of sum(lambda^2) ...
+RANK_ONE_COS = 0.5  # ... and the first token's MLP input lies along its eigenvector (mean |cos| at least this)

@@ -8,6 +8,7 @@ activations. Each result equals the analysis run alone on the same tokens (``tes
 The main pass also keeps the residual stream entering its blocks (``Profile.resid``: every block while they fit in
 ``resid_budget_mib``, else every s-th), so that later passes over the same tokens (the interventions' conditions,
 ``norm_gain_trace``) start at the last kept block before the first one they change instead of at the embedding.
+The same pass keeps the first token's stream, writes and neurons for ``analysis.spike_writers`` (``Profile.origin``).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from analysis.passes import ResidCapture, can_resume, checkpoint_layers, run_pas
 from analysis.qk import QKAccumulator
 from analysis.results import Result
 from analysis.sink import SinkAccumulator, sink_table
+from analysis.spike_writers import SpikeOriginAccumulator, origin_from
 from analysis.values import ValueNormsAccumulator
 
-MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid")
+MAIN_ANALYSES = ("qk", "key_manifold", "value_norms", "baseline", "gates", "resid", "origin")
 ANALYSES = ("sink", "massive") + MAIN_ANALYSES
 
 
@@ -43,6 +45,7 @@ class Profile(Result):
     baseline: object | None = None  # conditions.Baseline
     gates: object | None = None  # gates.GateResult (gated attention only: Qwen3-Next, Qwen3.5)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it on the main kind (resume points)
+    origin: object | None = None  # spike_origin.SpikeOrigin (the spike dims of massive on the main kind)
     main: str = "natural"
     model_name: str | None = None
     n_samples: int = 0
@@ -55,7 +58,8 @@ class Profile(Result):
     def results(self) -> dict:
         """Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...)."""
         out = {f"sink/{k}": r for k, r in self.sink.items()} | {f"massive/{k}": r for k, r in self.massive.items()}
-        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms", "gates") if getattr(self, k) is not None}
+        return out | {k: getattr(self, k) for k in ("qk", "key_manifold", "value_norms", "gates", "origin")
+                      if getattr(self, k) is not None}
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -89,6 +93,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
         "baseline": lambda: baseline_accumulators(model, T, eps),
         "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
         "resid": lambda: _resid_capture(model, tokens, budget_mib),
+        "origin": lambda: [SpikeOriginAccumulator(model, kind)],
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 
@@ -102,6 +107,8 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")
+    if "origin" in analyses and "massive" not in analyses:
+        raise ValueError("the spike origin traces the spike dims massive activations find: add 'massive' to analyses.")
     if main not in probes:
         raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
     out = Profile(main=main, model_name=getattr(model, "model_name", None))
@@ -123,4 +130,6 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
                 out.resid = got["resid"][0]
             if "baseline" in got:
                 out.baseline = baseline_from(got["baseline"], out.resid)
+            if got.get("origin"):
+                out.origin = origin_from(model, got["origin"][0], massive=out.massive[kind], kind=kind)
     return out

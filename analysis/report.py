@@ -5,6 +5,8 @@ pass per kind feeds every analysis) and lays out what it found:
 
 1. the sink metric (Sink_1 table, per-head alpha), with offline circuitsvis attention views;
 2. massive activations (the spike dims per layer, ``spike_dims`` in the JSON);
+   where the spike comes from: the writing and erasing blocks, the writer neurons with their shares, why the first
+   token, and the cut of the writer neurons against random ones (``analysis.spike_writers``);
 3. the norm-gain trace of one sink layer that reads the spike;
 4. the first key's manifold (PCA of the keys, QK angles);
 5. value norms against alpha_1;
@@ -44,12 +46,16 @@ from analysis.probes import model_probe_sets
 from analysis.versions import package_versions
 
 DEFAULT_N = 32
-SECTIONS = ("sink", "views", "massive", "norm_gain", "key_manifold", "value_norms", "interventions", "positions", "context")
+SECTIONS = ("sink", "views", "massive", "spike_origin", "norm_gain", "key_manifold", "value_norms", "interventions",
+            "positions", "context")
 # What each section reads from the profile pass.
 NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive", "resid"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
          "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
+         "spike_origin": ("massive", "origin", "baseline", "resid"),
          "positions": (), "context": ()}  # their own passes (every key's alpha; other context lengths)
+SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts (one pass each) and its first-token cause run on this
+# many natural sequences
 
 
 class ReportError(RuntimeError):
@@ -380,10 +386,82 @@ def _context(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
 
 
+def _spike_origin(ctx: _Context, sec: Section) -> None:
+    """Where the spike comes from: the writing and erasing blocks, the writer neurons, why the first token, the cuts."""
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
+    from analysis.figures import spike_origin as figs
+    from analysis.first_token_cause import why_first_token
+    from analysis.writer_cuts import spike_cuts
+
+    o = ctx.profile.origin
+    sec.data = {"origin": o.to_dict(), "writers": _writer_summary(o)}
+    if not o.has_spike:
+        sec.note(o.text())
+        return
+    for d in o.dims:
+        sec.say(o.dim_text(d))
+    sec.parts.append(table_html(o.writes.drop(columns=["write_min", "write_max"]), digits=3))
+    sec.figure(lambda: figs.plot_spike_path(o), "the main spike dim on the first token through the blocks, with each "
+               "block's attention and MLP writes")
+    for n in o.neurons:
+        sec.say(n.text())
+    if o.neurons:
+        sec.parts.append(table_html(o.tables["neurons"], digits=3))
+        sec.figure(lambda: figs.plot_neuron_contributions(o), "the writer neurons' contributions to each writing MLP's "
+                   "write (first token), and their cumulative share")
+    for e in o.experts:
+        sec.say(e.text())
+    for q in o.quadratic:
+        sec.say(q.text())
+    if o.quadratic:
+        sec.parts.append(table_html(o.tables["quadratic"], digits=3))
+        sec.figure(lambda: figs.plot_spectrum(o), "the spectrum of A_d for each writing gated MLP")
+    for note in o.notes:
+        sec.note(note)
+    cause = why_first_token(ctx.model, ctx.natural[:SPIKE_CUT_SAMPLES], o, batch_size=ctx.batch_size)
+    sec.data["why_first_token"] = cause.to_dict()
+    sec.parts.append("<h3>Why the first token</h3>")
+    sec.say(cause.text())
+    if len(cause.contributions):
+        d, b = int(cause.contributions.dim.iloc[0]), int(cause.contributions.block.iloc[-1])
+        sec.parts.append(table_html(cause.chain(d, b), digits=3))
+        sec.figure(lambda: figs.plot_first_token_cause(cause), "the main writer neuron's gate over what feeds it: "
+                   "position 1 against the same token later")
+    cuts = spike_cuts(ctx.model, ctx.natural, o, baseline=ctx.profile.baseline, max_samples=SPIKE_CUT_SAMPLES,
+                      batch_size=ctx.batch_size)
+    sec.data["cuts"] = cuts.to_dict()
+    sec.parts.append("<h3>Cutting the writer and eraser neurons</h3>")
+    if cuts.message:
+        sec.note(cuts.message)
+        return
+    sec.note(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences "
+             f"(the cuts: one pass per condition, {cuts.n_random} random draws).")
+    sec.say(cuts.text())
+    sec.parts.append(table_html(cuts.summary, digits=3))
+    sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "
+               "cut on the first token, against as many random neurons")
+
+
+def _writer_summary(o) -> list[dict]:
+    """The writing blocks and, inside each writing MLP, its writer neurons with their shares of the write."""
+    out = []
+    for r in o.writes[o.writes.role == "writer"].itertuples():
+        row = {"dim": r.dim, "component": r.component, "block": r.block, "write": r.write, "share_of_value": r.share}
+        if r.component == "mlp":
+            n = next((n for n in o.neurons if n.dim == r.dim and n.block == r.block), None)
+            if n is not None:
+                t = n.table()
+                row["neurons"] = [{"neuron": int(x.neuron), "share": float(x.share)} for x in t.itertuples()]
+                row["n_90"], row["n_99"] = len(n.neurons(0.9)), len(n.neurons(0.99))
+        out.append(row)
+    return out
+
+
 RUNNERS: dict[str, tuple[str, Callable]] = {
     "sink": ("Sink metric", _sink),
     "views": ("Attention views (circuitsvis, offline)", _views),
     "massive": ("Massive activations", _massive),
+    "spike_origin": ("Where the spike comes from", _spike_origin),
     "norm_gain": ("Norm gain: from the spike to the first key", _norm_gain),
     "key_manifold": ("The first key's manifold", _key_manifold),
     "value_norms": ("Value norms", _value_norms),

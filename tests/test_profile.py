@@ -47,6 +47,18 @@ def test_profile_equals_each_analysis_alone(planted, probes, prof):
         assert torch.allclose(getattr(prof.value_norms, name), getattr(vn, name), atol=1e-6), name
 
 
+def test_profile_spike_origin_equals_the_analysis_alone(planted, probes, prof):
+    """The origin fed by the profile pass (spike dims from its massive activations) equals spike_origin run alone."""
+    from analysis.spike_writers import spike_origin
+
+    alone = spike_origin(planted, probes["natural"], batch_size=4)
+    assert prof.origin.dims == alone.dims == planted.planted.spike_dims
+    pd.testing.assert_frame_equal(prof.origin.writes, alone.writes)
+    assert torch.equal(prof.origin.trace.resid, alone.trace.resid) and torch.equal(prof.origin.trace.mlp, alone.trace.mlp)
+    # the planted spike is added by a hook on the stream, not written by a block: the bookkeeping says so
+    assert (prof.origin.bookkeeping.rel_err > 1e-3).all() and "does not add up" in prof.origin.text()
+
+
 def test_the_shared_baseline_equals_a_pass_of_its_own(planted, probes, prof):
     nat = probes["natural"]
     run = run_condition(planted, nat, batch_size=4)

@@ -47,7 +47,7 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 22  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 23  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
     for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions", "Every sink",
               "Sink against context length and eps"):
@@ -202,3 +202,11 @@ def test_real_model_report(smollm2, tmp_path):
     assert len(d["findings"]) >= 12
     assert d["sections"]["positions"]["sinks"][0]["position"] == 0
     assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
+    # Where the spike comes from: the writing MLPs, their writer neurons with their shares, the cut against random.
+    so = d["sections"]["spike_origin"]
+    mlps = [w for w in so["writers"] if w["component"] == "mlp"]
+    assert mlps and all(sum(n["share"] for n in w["neurons"]) > 0.9 for w in mlps)
+    assert so["origin"]["writing_blocks"] and so["origin"]["erasing_blocks"]
+    cut = {(r["role"], r["mode"], r["chosen"]): r for r in so["cuts"]["summary"]}
+    assert cut[("writers", "zero", "named")]["kept_mean"] < 0.2 < 0.9 < cut[("writers", "zero", "random")]["kept_min"]
+    assert "Where the spike comes from" in page
