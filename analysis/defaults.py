@@ -20,3 +20,11 @@ TINY = 1e-30  # floor of denominators
 # that fits. 96 MiB keeps every 2nd block of SmolLM2 at N = 32, T = 64 (66 MiB): a pass then starts at most one block
 # before the one it changes, and the report's peak memory stays near 1.2x a forward pass (1.30x with every block kept).
 RESID_BUDGET_MIB = 96.0
+
+# What a sink does for its head (analysis.dormant_heads): a query is quiet (inert) for a head when its output norm
+# (|loss effect|) lies below this quantile of the head's; heads sinking on at least DORMANT_MIN_SHARE of their queries
+# enter the pooled correlations, heads with at least DORMANT_MIN_QUERIES sinking and other queries the pooled shares.
+DORMANT_QUANTILE = 0.5
+DORMANT_MIN_SHARE = 0.05
+DORMANT_MIN_QUERIES = 20
+DORMANT_GRAD_BATCH_TOKENS = 256  # tokens per forward + backward batch (the backward keeps that batch's activations)
