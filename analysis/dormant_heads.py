@@ -34,6 +34,7 @@ dormant ones.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -98,9 +99,16 @@ def check_sink_positions(sink_positions, tokens: torch.Tensor):
     return tuple(pos)
 
 
-def first_query(sink_positions) -> int:
-    """The first query position (0-based) the statistics use: after every fixed sink position (1 with a mask)."""
-    return 1 if isinstance(sink_positions, torch.Tensor) else max(sink_positions) + 1
+def first_query(sink_positions, eps: float = SINK_EPS) -> int:
+    """The first query position (0-based) the statistics use: after every fixed sink position, and seeing enough keys
+    that uniform attention does not count as sinking: with k sink keys, query t puts k / (t + 1) on them under
+    uniform attention, at most eps from t = ceil(k / eps - 1) on (t = 3 for one sink and eps = 0.3). With a mask, k is
+    the largest number of sink keys in a sequence."""
+    if isinstance(sink_positions, torch.Tensor):
+        after, k = 1, int(sink_positions.sum(1).max())
+    else:
+        after, k = max(sink_positions) + 1, len(sink_positions)
+    return max(after, math.ceil(k / eps - 1 - 1e-9))
 
 
 def check_heads(model, heads) -> list[tuple[int, int]]:
@@ -215,7 +223,7 @@ class DormantHeads(Result, LayerAxis):
     @property
     def query_positions(self) -> list[int]:
         """0-based query positions the statistics use: after the sink, before the last token."""
-        return list(range(first_query(self.sink_positions), self.T - 1))
+        return list(range(first_query(self.sink_positions, self.eps), self.T - 1))
 
     @property
     def has_slot(self) -> bool:
@@ -426,19 +434,20 @@ class DormantHeads(Result, LayerAxis):
     def verdict(self, measure: str = "norm") -> str:
         """Whether the queries that sink a head's attention are its dormant ones by ``measure``: "norm" (quiet),
         "effect" (inert under zero removal) or "effect_mean" (inert under mean removal). "yes": the median Spearman
-        rho over the sinking heads is at most -0.3 and sinking queries are quiet (inert) at least 0.2 more often than
-        the others; "partly": a negative median and a positive gap; else "no"."""
+        rho over the sinking heads is at most ``GATING_RHO`` (-0.3) and, over the mixed heads, sinking queries are quiet
+        (inert) at least 0.2 more often than the others (medians); "partly": a negative median rho in at least 60% of
+        the sinking heads and a positive gap; else "no"."""
         if measure not in ("norm",) + tuple(self.effects):
             raise ValueError(f"measure must be one of {['norm', *self.effects]}; got {measure!r}.")
         s = self.summary()
-        rho = s[f"median_rho_{measure}"]
+        rho, neg = s[f"median_rho_{measure}"], s[f"share_rho_{measure}_negative"]
         what = {"norm": "quiet", "effect": "inert", "effect_mean": "inert_mean"}[measure]
         gap = s[f"{what}_if_sinking"] - s[f"{what}_if_other"] if f"{what}_if_sinking" in s else None
         if rho is None:
             return "no"
         if rho <= GATING_RHO and (gap is None or gap >= 0.2):
             return "yes"
-        if rho < 0 and (gap is None or gap > 0):
+        if rho < 0 and neg >= 0.6 and (gap is None or gap > 0):
             return "partly"
         return "no"
 
@@ -481,12 +490,13 @@ class DormantHeads(Result, LayerAxis):
                 "link).")
         if s["n_sinking_heads"]:
             words = {"yes": "clearly", "partly": "weakly", "no": "not"}
-            loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean"] \
-                if self.effect_mean is not None else []
-            loss.append(f"{words[self.verdict('effect')]} when it is set to zero")
-            parts.append(f"So by output norm the queries that sink a head's attention are {words[self.verdict('norm')]} "
-                         f"the ones for which the head is dormant (the sink gates it off); by loss effect they are "
-                         + " and ".join(loss) + ".")
+            loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
+                    f"{s['median_rho_effect_mean']:.2f})"] if self.effect_mean is not None else []
+            loss.append(f"{words[self.verdict('effect')]} when it is set to zero ({s['median_rho_effect']:.2f})")
+            parts.append(f"So by output norm (median rho = {s['median_rho_norm']:.2f}) the queries that sink a head's "
+                         f"attention are {words[self.verdict('norm')]} the ones for which the head is dormant"
+                         + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
+                         + "; by loss effect they are " + " and ".join(loss) + ".")
         if self.has_mass:
             parts.append(
                 f"The weights that multiply the values need not sum to one here: a query's total weight on the input "
@@ -733,7 +743,10 @@ def dormant_heads(
             raise ValueError(f"active must be an (N, T) bool mask like the tokens {(N, T)}; got {tuple(active.shape)}.")
     grams = output_grams(model, layers)
     raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
-    first = first_query(sinks)
+    first = first_query(sinks, eps)
+    if first > T - 2:
+        raise ValueError(f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
+                         f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}.")
     z_mean = head_means(model, tokens, layers, first, batch_size=batch_size) if mean_ablation else None
     bs = batch_size or grad_batch_size(T)
     device = model_device(model)
@@ -989,7 +1002,7 @@ def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: D
         raise ValueError(f"layers {missing} are not in the result (it holds {result.layers}).")
     if ablation == "mean" and result.effect_mean is None:
         raise ValueError("the result has no mean-ablation effects; compute it with dormant_heads(..., mean_ablation=True).")
-    first = first_query(result.sink_positions)
+    first = first_query(result.sink_positions, result.eps)
     qs = check_queries(queries, tokens.shape[1], first)
     values = torch.stack([result.z_mean[result.pos(l), h] for l, h in pairs]) if ablation == "mean" else None
     exact = removal_effects(model, tokens, pairs, queries=qs, first=first, values=values, resid=resid,

@@ -47,9 +47,10 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 17  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 19  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
-    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions"):
+    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions",
+              "What a sink does for its head"):
         assert s in page
 
 
@@ -72,6 +73,10 @@ def test_json_holds_the_planted_answers(planted_report):
     assert {"spike_ablation", "value_ablation", "first_key_ablation"} <= set(iv)
     zero = [r for r in iv["spike_ablation"]["conditions"] if r["condition"] == "zero"][0]
     assert zero["sink_1_pct"] < 5
+    dormant = d["sections"]["dormant"]  # every head of the planted sink layers sinks on every query
+    assert {(r["layer"], r["head"]) for r in dormant["heads"] if r["sinking_share"] == 1.0} == {
+        (l, h) for l in SINK_LAYERS for h in range(4)}
+    assert [r["layer"] for r in dormant["layer_table"]] == list(SINK_LAYERS)
     # Every finding is a sentence with a number.
     assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
     assert d["versions"]["torch"] == torch.__version__
@@ -186,4 +191,7 @@ def test_real_model_report(smollm2, tmp_path):
     assert d["spike_dims"] and d["first_token_spike_dims"]
     assert d["sections"]["norm_gain"]["has_spike"]
     assert d["sections"]["value_norms"]["correlation"]["ratio"]["pearson_r"] < -0.5
+    # Where a head of the embedded model sinks a query's attention, it writes little there (the sink as a gate).
+    assert d["sections"]["dormant"]["summary"]["median_rho_norm"] < -0.3
+    assert d["sections"]["dormant"]["verdict"]["norm"] == "yes"
     assert len(d["findings"]) >= 12
