@@ -16,13 +16,16 @@ head h, sequence n and query position t,
   head writes into the residual stream; before any post-attention norm), from ``hook_z`` and ``W_O``;
 - ``effect``: the change in the sequence's summed next-token loss (nats) when that head's output at that query is
   removed (z_t^h set to 0), estimated by gradient x activation, -dL/dz_t^h . z_t^h: one forward and one backward
-  pass give every head and query. :func:`removal_effects` computes the exact change for chosen heads (one pass per
-  head, resumed at its block where the model can resume, every query of every sequence removed in a row of its
-  own) and :func:`attribution_check` compares the two.
+  pass give every head and query; ``effect_mean`` the same with z_t^h set to the head's mean output (mean ablation:
+  what the head writes for this query goes, its constant part stays), -dL/dz_t^h . (z_t^h - mean z^h).
+  :func:`removal_effects` computes the exact change for chosen heads (one pass per head, resumed at its block where
+  the model can resume, every query of every sequence removed in a row of its own) and :func:`attribution_check`
+  compares the two.
 
 The reduction happens in the hooks: a pass keeps these (N, L, H, T) numbers, never the activations of every layer
-(the backward pass keeps what autograd needs for one batch). Statistics use the queries that see something besides
-the sink and whose output can change a later prediction: positions max(sink_positions) + 1 .. T - 2 (0-based).
+(the backward pass keeps what autograd needs for one batch of about 256 tokens). Statistics use the queries after
+the sink that see enough keys for uniform attention not to count as sinking (``first_query``: 3 for the first token
+and eps = 0.3) and whose output can change a later prediction (up to T - 2, 0-based).
 
 Per head (:meth:`DormantHeads.head_table`): Spearman and Pearson correlations between sink attention and output
 norm and between sink attention and |effect|; the share of *sinking* queries (sink attention > eps) that are
@@ -30,7 +33,7 @@ norm and between sink attention and |effect|; the share of *sinking* queries (si
 share of the other queries that are, and the same for *inert* (|effect| below the head's quantile of |effect|).
 Without any link between sinking and dormancy both shares equal ``quantile``. A query is *dormant* for a head when
 it is quiet; the finding (:meth:`DormantHeads.text`) says whether the queries that sink a head's attention are its
-dormant ones.
+dormant ones, by output norm and by loss effect, and in which layers (:meth:`DormantHeads.layer_table`).
 """
 from __future__ import annotations
 
@@ -67,7 +70,6 @@ from analysis.io import jsonable
 from analysis.results import LayerAxis, Result, layers_text
 from analysis.sink import check_eps
 
-SIGNALS = ("sink", "slot", "mass")
 GATING_RHO = -0.3  # a layer gates when the median Spearman rho of sink attention with output norm is at most this
 SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra slot",
                 "mass": "total attention weight on the input tokens"}
@@ -184,6 +186,7 @@ class DormantHeads(Result, LayerAxis):
     quantile : a query is quiet (inert) for a head when its output norm (|effect|) lies below this quantile of the
         head's output norms (|effects|) over the measured queries.
     min_share, min_queries : which heads enter the pooled summary (``sinking_heads``, ``mixed_heads``).
+    effect_method : "gradient" (gradient x activation) or "exact" (one removal pass per head).
     """
 
     layers: list[int]
@@ -203,6 +206,7 @@ class DormantHeads(Result, LayerAxis):
     skipped: str = ""
     min_share: float = DORMANT_MIN_SHARE
     min_queries: int = DORMANT_MIN_QUERIES
+    effect_method: str = "gradient"
 
     def __post_init__(self):
         self.layers = [int(l) for l in self.layers]
@@ -384,26 +388,31 @@ class DormantHeads(Result, LayerAxis):
         return [(int(r.layer), int(r.head)) for r in t.head(k).itertuples()]
 
     def summary(self) -> dict:
-        """The pooled finding: over the heads that sink (``sinking_heads``) the median correlations of sink attention
-        with output norm and |effect| and the share of heads where they are negative; over the mixed heads the median
-        quiet / inert shares of sinking and of other queries and the share of heads where sinking queries are quiet
-        (inert) more often; the layers where the output norm falls with the sink attention (``layer_table``); the
-        total-weight correlation (sigmoid); the copy-position contrast (``active``)."""
+        """The pooled finding. ``n_sinking_heads``: heads sinking on at least ``min_share`` of their queries;
+        ``n_always_sinking``: those of them with fewer than ``min_queries`` other queries (dormant on nearly every
+        query, so no per-query contrast); over the others, the mixed heads (``mixed_heads``): the median Spearman rho
+        of sink attention with output norm and |effect| and the share of heads where it is negative, the median quiet /
+        inert shares of sinking and of other queries and the share of heads where sinking queries are quiet (inert)
+        more often, and the layers where the output norm falls with the sink attention (``layer_table``); the
+        total-weight correlation where the weights need not sum to one (``has_mass``, no slot); the copy-position
+        contrast (``active``) of the head whose |effect| at the active queries is largest (``copy_head``)."""
         t, sig = self.head_table(), self.signal
         p, tag, other = _WORDS[sig]
         heads, mixed = self.sinking_heads(), self.mixed_heads()
         n = len(self.query_positions) * self.n_samples
-        out = {"signal": sig, "eps": self.eps, "quantile": self.quantile, "n_heads": len(t), "n_sinking_heads": len(heads),
-               "n_mixed_heads": len(mixed), "queries_per_head": n}
+        out = {"signal": sig, "effect_method": self.effect_method, "eps": self.eps, "quantile": self.quantile,
+               "n_heads": len(t), "n_sinking_heads": len(heads), "n_mixed_heads": len(mixed),
+               "n_always_sinking": int(((1 - heads[self._share_column()]) * n < self.min_queries).sum()),
+               "queries_per_head": n}
         for m in ("norm",) + tuple(self.effects):
-            out[f"median_rho_{m}"] = _median(heads[f"rho_{p}{m}"])
-            out[f"share_rho_{m}_negative"] = float((heads[f"rho_{p}{m}"] < 0).mean()) if len(heads) else None
-        if len(mixed):
-            for what in ("quiet", "inert") + (("inert_mean",) if self.effect_mean is not None else ()):
+            out[f"median_rho_{m}"] = _median(mixed[f"rho_{p}{m}"])
+            out[f"share_rho_{m}_negative"] = float((mixed[f"rho_{p}{m}"] < 0).mean()) if len(mixed) else None
+        for what in ("quiet", "inert") + (("inert_mean",) if self.effect_mean is not None else ()):
+            if len(mixed):
                 a, b = mixed[f"{what}_if_{tag}"], mixed[f"{what}_if_{other}"]
                 out[f"{what}_if_sinking"], out[f"{what}_if_other"] = _median(a), _median(b)
                 out[f"share_{what}_more_if_sinking"] = float((a > b).mean())
-        if len(heads):
+        if len(mixed):
             lt = self.layer_table()
             out["gating_layers"] = [int(l) for l in lt.layer[lt.median_rho_norm <= GATING_RHO]]
             out["other_sinking_layers"] = [int(l) for l in lt.layer[lt.median_rho_norm > GATING_RHO]]
@@ -411,43 +420,41 @@ class DormantHeads(Result, LayerAxis):
             out["median_rho_mass_norm"] = _median(t["rho_mass_norm"])
             out["share_rho_mass_norm_positive"] = float((t["rho_mass_norm"] > 0).mean())
             out["quiet_mass"], out["loud_mass"] = float(t["quiet_mass"].mean()), float(t["loud_mass"].mean())
-        if self.active is not None:
-            ratio = t["norm_active"] / t["norm_inactive"]
-            if ratio.notna().any():
-                best = t.loc[ratio.idxmax()]
-                out["copy_head"] = {"layer": int(best["layer"]), "head": int(best["head"]), **{
-                    k: float(best[k]) for k in t.columns if k.endswith("_active") or k.endswith("_inactive")}}
+        if self.active is not None and t["abs_effect_active"].notna().any():
+            best = t.loc[t["abs_effect_active"].idxmax()]  # the head the task needs most at the active queries
+            out["copy_head"] = {"layer": int(best["layer"]), "head": int(best["head"]), **{
+                k: float(best[k]) for k in t.columns if k.endswith("_active") or k.endswith("_inactive")}}
         return out
 
     def layer_table(self) -> pd.DataFrame:
-        """One row per attention layer with a sinking head: ``n_sinking_heads`` and the medians over them of
-        ``sink_attn`` (or ``slot_attn``), ``rho_norm``, ``rho_effect`` (``rho_effect_mean``), ``quiet_if_sinking``
-        and ``quiet_if_other`` (slot models: the slot's columns, under the same names)."""
+        """One row per attention layer with a mixed head (``mixed_heads``): ``n_mixed_heads`` and the medians over
+        them of the attention on the sink (``attn``; on the slot in slot models), ``median_rho_norm``,
+        ``median_rho_effect`` (``median_rho_effect_mean``), ``quiet_if_sinking`` and ``quiet_if_other``."""
         p, tag, other = _WORDS[self.signal]
-        heads = self.sinking_heads()
+        heads = self.mixed_heads()
         cols = {f"{self.signal}_attn": "attn", **{f"rho_{p}{m}": f"median_rho_{m}" for m in ("norm",) + tuple(self.effects)},
                 f"quiet_if_{tag}": "quiet_if_sinking", f"quiet_if_{other}": "quiet_if_other"}
         g = heads.groupby("layer")[list(cols)].median().rename(columns=cols)
-        g.insert(0, "n_sinking_heads", heads.groupby("layer").size())
+        g.insert(0, "n_mixed_heads", heads.groupby("layer").size())
         return g.reset_index()
 
     def verdict(self, measure: str = "norm") -> str:
         """Whether the queries that sink a head's attention are its dormant ones by ``measure``: "norm" (quiet),
-        "effect" (inert under zero removal) or "effect_mean" (inert under mean removal). "yes": the median Spearman
-        rho over the sinking heads is at most ``GATING_RHO`` (-0.3) and, over the mixed heads, sinking queries are quiet
-        (inert) at least 0.2 more often than the others (medians); "partly": a negative median rho in at least 60% of
-        the sinking heads and a positive gap; else "no"."""
+        "effect" (inert under zero removal) or "effect_mean" (inert under mean removal), over the mixed heads. "yes":
+        the median Spearman rho is at most ``GATING_RHO`` (-0.3) and sinking queries are quiet (inert) at least 0.2
+        more often than the others (medians); "partly": a negative rho in at least 60% of the heads and a positive
+        gap; "no" otherwise; "untested" without a mixed head (no head sinks on some queries and not on others)."""
         if measure not in ("norm",) + tuple(self.effects):
             raise ValueError(f"measure must be one of {['norm', *self.effects]}; got {measure!r}.")
         s = self.summary()
         rho, neg = s[f"median_rho_{measure}"], s[f"share_rho_{measure}_negative"]
         what = {"norm": "quiet", "effect": "inert", "effect_mean": "inert_mean"}[measure]
-        gap = s[f"{what}_if_sinking"] - s[f"{what}_if_other"] if f"{what}_if_sinking" in s else None
         if rho is None:
-            return "no"
-        if rho <= GATING_RHO and (gap is None or gap >= 0.2):
+            return "untested"
+        gap = s[f"{what}_if_sinking"] - s[f"{what}_if_other"]
+        if rho <= GATING_RHO and gap >= 0.2:
             return "yes"
-        if rho < 0 and neg >= 0.6 and (gap is None or gap > 0):
+        if rho < 0 and neg >= 0.6 and gap > 0:
             return "partly"
         return "no"
 
@@ -455,40 +462,41 @@ class DormantHeads(Result, LayerAxis):
         s = self.summary()
         name = self.model_name or "this model"
         sinks = "the extra slot" if s["signal"] == "slot" else _positions_words(self.sink_positions)
+        how = "gradient x activation" if self.effect_method == "gradient" else "exact removal"
         parts = []
         if not s["n_sinking_heads"]:
             parts.append(f"No head of {name} puts more than {self.eps:g} of a query's attention on {sinks} for at least "
                          f"{100 * self.min_share:.0f}% of its queries, so no sink gates a head here.")
         else:
+            always = (f"; {s['n_always_sinking']} of them sink on nearly every query (fewer than {self.min_queries} "
+                      "other queries)" if s["n_always_sinking"] else "")
+            parts.append(f"In {name}, {s['n_sinking_heads']} of {s['n_heads']} heads put more than {self.eps:g} of a "
+                         f"query's attention on {sinks} for at least {100 * self.min_share:.0f}% of their queries{always}.")
+        if s["n_mixed_heads"]:
             parts.append(
-                f"In {name}, over the {s['n_sinking_heads']} of {s['n_heads']} heads that put more than {self.eps:g} of a "
-                f"query's attention on {sinks} for at least {100 * self.min_share:.0f}% of their queries, the head's "
-                f"output norm falls as its {SIGNAL_WORDS[s['signal']]} rises in {_pct(s['share_rho_norm_negative'])} "
-                f"of them (median Spearman rho = {s['median_rho_norm']:.2f}).")
+                f"Over the {s['n_mixed_heads']} heads that sink on some queries and not on others (at least "
+                f"{self.min_queries} of each), the head's output norm falls as its {SIGNAL_WORDS[s['signal']]} rises in "
+                f"{_pct(s['share_rho_norm_negative'])} of them (median Spearman rho = {s['median_rho_norm']:.2f}).")
             if s["gating_layers"] and s["other_sinking_layers"]:
                 lt = self.layer_table().set_index("layer")
                 parts.append(
-                    f"The link lives in {layers_text(s['gating_layers'])} (median rho over their sinking heads "
+                    f"The link lives in {layers_text(s['gating_layers'])} (median rho over their heads "
                     f"{_span(lt.loc[s['gating_layers'], 'median_rho_norm'])}), not in {layers_text(s['other_sinking_layers'])} "
                     f"({_span(lt.loc[s['other_sinking_layers'], 'median_rho_norm'])}).")
-            parts.append(f"Its effect on the loss when removed at that query (gradient x activation) falls with it in "
+            mean = (f" and in {_pct(s['share_rho_effect_mean_negative'])} with it set to the head's mean output (median "
+                    f"rho = {s['median_rho_effect_mean']:.2f})" if self.effect_mean is not None else "")
+            parts.append(f"Its effect on the loss when removed at that query ({how}) falls with it in "
                          f"{_pct(s['share_rho_effect_negative'])} of them with the output set to zero (median rho = "
-                         f"{s['median_rho_effect']:.2f})" + (
-                             f" and in {_pct(s['share_rho_effect_mean_negative'])} with it set to the head's mean output "
-                             f"(median rho = {s['median_rho_effect_mean']:.2f})" if self.effect_mean is not None else "")
-                         + ".")
-        if "quiet_if_sinking" in s:
+                         f"{s['median_rho_effect']:.2f}){mean}.")
             qw = _quantile_words(self.quantile)
             mean = (f", and in {_pct(s['inert_mean_if_sinking'])} against {_pct(s['inert_mean_if_other'])} with it set to "
                     "its mean" if "inert_mean_if_sinking" in s else "")
             parts.append(
-                f"Over the {s['n_mixed_heads']} of them with at least {self.min_queries} sinking and {self.min_queries} "
-                f"other queries (medians over those heads), a sinking query is quiet (output norm below the head's {qw}) "
-                f"in {_pct(s['quiet_if_sinking'])} of cases against {_pct(s['quiet_if_other'])} for the other queries; "
-                f"it is inert (|loss effect| below the head's {qw}) in {_pct(s['inert_if_sinking'])} against "
+                f"In the median head a sinking query is quiet (output norm below the head's {qw}) in "
+                f"{_pct(s['quiet_if_sinking'])} of cases against {_pct(s['quiet_if_other'])} for the other queries; it is "
+                f"inert (|loss effect| below the head's {qw}) in {_pct(s['inert_if_sinking'])} against "
                 f"{_pct(s['inert_if_other'])} with the output set to zero{mean} ({_pct(self.quantile)} each without any "
                 "link).")
-        if s["n_sinking_heads"]:
             words = {"yes": "clearly", "partly": "weakly", "no": "not"}
             loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
                     f"{s['median_rho_effect_mean']:.2f})"] if self.effect_mean is not None else []
@@ -497,7 +505,10 @@ class DormantHeads(Result, LayerAxis):
                          f"attention are {words[self.verdict('norm')]} the ones for which the head is dormant"
                          + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
                          + "; by loss effect they are " + " and ".join(loss) + ".")
-        if self.has_mass:
+        elif s["n_sinking_heads"]:
+            parts.append(f"No head sinks on some queries and not on others (at least {self.min_queries} of each), so "
+                         "whether sinking marks the dormant queries cannot be told query by query here.")
+        if self.has_mass and not self.has_slot:
             parts.append(
                 f"The weights that multiply the values need not sum to one here: a query's total weight on the input "
                 f"tokens rises with the head's output norm in {_pct(s['share_rho_mass_norm_positive'])} of the heads "
@@ -508,11 +519,13 @@ class DormantHeads(Result, LayerAxis):
             c = s["copy_head"]
             key = "slot_attn" if s["signal"] == "slot" else "sink_attn"
             mass = (f", with a total weight of {c['mass_active']:.3f} against {c['mass_inactive']:.3f}"
-                    if "mass_active" in c else "")
+                    if "mass_active" in c and not self.has_slot else "")
             parts.append(
-                f"At the positions where the task needs a head (the copy positions), head {c['layer']}.{c['head']} puts "
-                f"{c[f'{key}_active']:.2f} of its attention on {sinks} against {c[f'{key}_inactive']:.2f} elsewhere and "
-                f"writes an output of norm {c['norm_active']:.3g} against {c['norm_inactive']:.3g}{mass}.")
+                f"At the positions where the task needs a head (the copy positions), the head that matters most there "
+                f"({c['layer']}.{c['head']}, |loss effect| {c['abs_effect_active']:.3g} nats against "
+                f"{c['abs_effect_inactive']:.3g} elsewhere, {how}) puts {c[f'{key}_active']:.2f} of its attention on "
+                f"{sinks} against {c[f'{key}_inactive']:.2f} elsewhere and writes an output of norm "
+                f"{c['norm_active']:.3g} against {c['norm_inactive']:.3g}{mass}.")
         return " ".join(parts) + (f" {self.skipped}" if self.skipped else "")
 
     @property
@@ -703,6 +716,7 @@ def dormant_heads(
     layers: Sequence[int] | None = None,
     active: torch.Tensor | None = None,
     mean_ablation: bool = True,
+    exact: bool = False,
     batch_size: int | None = None,
     progress: bool = False,
     kind: str | None = None,
@@ -721,6 +735,10 @@ def dormant_heads(
     active : (N, T) bool, queries known to need a head (``copy_queries`` for the synthetic task), or None.
     mean_ablation : also estimate the loss effect of setting the head's output to its mean output (``effect_mean``);
         costs one streamed forward pass for the means (stopping after the last layer measured, no unembedding).
+    exact : replace the gradient x activation estimates by exact removal (:func:`removal_effects`) for every head: one
+        pass per head (two with ``mean_ablation``) over N x (Q + 1) rows, Q the measured queries. Only for small
+        models: gradient x activation misses effects where the model is certain of its prediction (the gradient
+        vanishes), e.g. the copy positions of the synthetic task.
     batch_size : sequences per forward + backward (default about 256 tokens: see ``grad_batch_size``).
 
     Returns
@@ -767,12 +785,28 @@ def dormant_heads(
     if "sink" not in full or "norm" not in full:
         raise ModelContractError("the attention-pattern or hook_z hooks did not fire; load the model with `load_model`.")
     slot = full.get("slot")
+    if exact:
+        heads = [(l, h) for l in layers for h in range(model_dims(model).n_heads)]
+        kw = {"queries": list(range(first, T - 1)), "first": first, "progress": progress}
+        full["effect"] = _on_queries(removal_effects(model, tokens, heads, **kw), len(layers), first, T)
+        if z_mean is not None:
+            full["effect_mean"] = _on_queries(removal_effects(model, tokens, heads, values=z_mean.flatten(0, 1), **kw),
+                                              len(layers), first, T)
     if slot is not None and float(slot[..., first : T - 1].abs().max()) <= 1e-4:
         slot = None  # every row sums to one: no extra slot
     return DormantHeads(layers=layers, sink_attn=full["sink"], out_norm=full["norm"], effect=full["effect"],
                         sink_positions=sinks, eps=eps, quantile=quantile, effect_mean=full.get("effect_mean"),
                         z_mean=z_mean, slot=slot, mass=full.get("mass"), active=active,
-                        model_name=getattr(model, "model_name", None), kind=kind, skipped=skipped_note(model))
+                        model_name=getattr(model, "model_name", None), kind=kind, skipped=skipped_note(model),
+                        effect_method="exact" if exact else "gradient")
+
+
+def _on_queries(effects: torch.Tensor, n_layers: int, first: int, T: int) -> torch.Tensor:
+    """(L * H, N, Q) exact effects over queries first..T-2 -> (N, L, H, T) float32, zero at the other queries."""
+    LH, N, Q = effects.shape
+    out = torch.zeros(N, LH, T)
+    out[..., first : first + Q] = effects.permute(1, 0, 2).float()
+    return out.view(N, n_layers, LH // n_layers, T)
 
 
 class _HeadMeans(Accumulator):
@@ -878,7 +912,8 @@ def removal_effects(model, tokens, heads, *, queries: Sequence[int] | None = Non
         raise ValueError(f"values must hold one output (d_head,) per head: shape ({len(pairs)}, d_head); got "
                          f"{tuple(values.shape)}.")
     qpos = torch.tensor([-1] + qs)  # row r of a sequence removes query qpos[r] (-1: none)
-    bs = batch_size or max(1, 1024 // T)
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", None) or 50_000)
+    bs = batch_size or min(512, max(1, 2**26 // (T * vocab)))  # rows whose logits take at most 256 MiB
     out = []
     for i, (l, h) in enumerate(pairs):
         base = resume_from(resid, l) if can_resume(model) else None

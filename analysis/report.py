@@ -338,7 +338,7 @@ def _dormant(ctx: _Context, sec: Section) -> None:
         sec.note(f"What a sink does for its head cannot be measured on {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
         return
-    sec.data = {**res.to_dict(), "layer_table": res.layer_table() if len(res.sinking_heads()) else []}
+    sec.data = {**res.to_dict(), "layer_table": res.layer_table() if len(res.mixed_heads()) else []}
     sec.say(_unskipped(res))
     sec.parts.append('<p class="small">Per head and query (queries after the first token, before the last one): the '
                      "attention on the first token (or on an extra slot), the norm of the head's output z W_O there, and "
@@ -346,8 +346,8 @@ def _dormant(ctx: _Context, sec: Section) -> None:
                      "estimated by gradient x activation. A query is quiet (inert) when its output norm (|loss effect|) "
                      "lies below the head's median. Cost: one streamed forward pass for the heads' mean outputs and one "
                      "forward + backward pass over the natural probes (batches of about 256 tokens).</p>")
-    if len(res.sinking_heads()):
-        sec.parts.append("<h3>Per layer: medians over the heads that sink</h3>")
+    if len(res.mixed_heads()):
+        sec.parts.append("<h3>Per layer: medians over the heads that sink on some queries and not on others</h3>")
         sec.parts.append(table_html(res.layer_table(), digits=2))
     heads = res.example_heads(4)
     if heads:

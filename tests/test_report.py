@@ -76,7 +76,7 @@ def test_json_holds_the_planted_answers(planted_report):
     dormant = d["sections"]["dormant"]  # every head of the planted sink layers sinks on every query
     assert {(r["layer"], r["head"]) for r in dormant["heads"] if r["sinking_share"] == 1.0} == {
         (l, h) for l in SINK_LAYERS for h in range(4)}
-    assert [r["layer"] for r in dormant["layer_table"]] == list(SINK_LAYERS)
+    assert dormant["summary"]["n_always_sinking"] == 8 and dormant["verdict"]["norm"] == "untested"
     # Every finding is a sentence with a number.
     assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
     assert d["versions"]["torch"] == torch.__version__
