@@ -37,6 +37,7 @@ from analysis.qk import qk_angles
 from analysis.report import build_report
 from analysis.sink import SinkResult, sink_metric, sink_table
 from analysis.sink_context import SinkContext, sink_vs_context
+from analysis.sink_gate import dormant_heads
 from analysis.writer_cuts import spike_cuts
 from analysis.spike_writers import spike_origin
 from analysis.values import value_norms
@@ -52,5 +53,5 @@ __all__ = [
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
     "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "spike_origin",
-    "why_first_token", "spike_cuts",
+    "why_first_token", "spike_cuts", "dormant_heads",
 ]

@@ -36,3 +36,10 @@ SPIKE_WRITE_FLOOR = 1e-3
 NEURON_SHARES = (0.9, 0.99)  # the fewest neurons carrying these shares of an MLP's write on the spike dim
 RANK_ONE_ENERGY = 0.5  # "rank one": A_d's top eigenvalue holds at least this share of sum(lambda^2) ...
 RANK_ONE_COS = 0.5  # ... and the first token's MLP input lies along its eigenvector (mean |cos| at least this)
+# What a sink does for its head (analysis.sink_gate): a query is quiet (inert) for a head when its output norm
+# (|loss effect|) lies below this quantile of the head's; heads sinking on at least DORMANT_MIN_SHARE of their queries
+# enter the pooled correlations, heads with at least DORMANT_MIN_QUERIES sinking and other queries the pooled shares.
+DORMANT_QUANTILE = 0.5
+DORMANT_MIN_SHARE = 0.05
+DORMANT_MIN_QUERIES = 20
+DORMANT_GRAD_BATCH_TOKENS = 256  # tokens per forward + backward batch (the backward keeps that batch's activations)

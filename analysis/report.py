@@ -11,9 +11,11 @@ pass per kind feeds every analysis) and lays out what it found:
 4. the first key's manifold (PCA of the keys, QK angles);
 5. value norms against alpha_1;
 6. interventions (spike, value and first-key ablations, sharing the profile's baseline pass);
-7. every sink: the positions besides the first token that sink, their heads, massive activations and alignment with
+7. what a sink does for its head (``analysis.sink_gate``: sink attention against the head's output norm and loss
+   effect per query; one forward + backward pass of its own);
+8. every sink: the positions besides the first token that sink, their heads, massive activations and alignment with
    the first token (``analysis.every_sink``, a pass of its own: alpha of every key);
-8. the sink against context length and eps (``analysis.sink_context``: T = 16..128 here, N = 4 per probe seed, 3
+9. the sink against context length and eps (``analysis.sink_context``: T = 16..128 here, N = 4 per probe seed, 3
    seeds; the committed long-T points of the model where ``data/sink_context/`` has them);
 
 and writes ``report.html`` (figures as inline PNG, circuitsvis views with their JavaScript inline, no CDN, no
@@ -47,12 +49,13 @@ from analysis.versions import package_versions
 
 DEFAULT_N = 32
 SECTIONS = ("sink", "views", "massive", "spike_origin", "norm_gain", "key_manifold", "value_norms", "interventions",
-            "positions", "context")
+            "dormant", "positions", "context")
 # What each section reads from the profile pass.
 NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive", "resid"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
          "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
          "spike_origin": ("massive", "origin", "baseline", "resid"),
+         "dormant": (),  # its own forward + backward pass (gradients), which the profile's inference pass cannot give
          "positions": (), "context": ()}  # their own passes (every key's alpha; other context lengths)
 SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts (one pass each) and its first-token cause run on this
 # many natural sequences
@@ -457,6 +460,41 @@ def _writer_summary(o) -> list[dict]:
     return out
 
 
+def _dormant(ctx: _Context, sec: Section) -> None:
+    """What a sink does for its head: sink attention against the head's output norm and loss effect per query."""
+    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
+    from analysis.sink_gate import copy_queries, dormant_heads
+    from analysis.figures.sink_gate import plot_head_correlations, plot_sink_vs_norm
+
+    try:
+        active = copy_queries(ctx.model, ctx.natural)  # the synthetic task's copy positions (reference models)
+    except ValueError:
+        active = None
+    try:
+        res = dormant_heads(ctx.model, ctx.natural, active=active, kind="natural")
+    except ModelContractError as e:
+        sec.note(f"What a sink does for its head cannot be measured on {ctx.name}: {e}")
+        sec.data = {"applicable": False, "reason": str(e)}
+        return
+    sec.data = {**res.to_dict(), "layer_table": res.layer_table() if len(res.mixed_heads()) else []}
+    sec.say(_unskipped(res))
+    sec.parts.append('<p class="small">Per head and query (queries after the first token, before the last one): the '
+                     "attention on the first token (or on an extra slot), the norm of the head's output z W_O there, and "
+                     "the change in the sequence's loss when that output is set to zero or to the head's mean output, "
+                     "estimated by gradient x activation. A query is quiet (inert) when its output norm (|loss effect|) "
+                     "lies below the head's median. Cost: one streamed forward pass for the heads' mean outputs and one "
+                     "forward + backward pass over the natural probes (batches of about 256 tokens).</p>")
+    if len(res.mixed_heads()):
+        sec.parts.append("<h3>Per layer: medians over the heads that sink on some queries and not on others</h3>")
+        sec.parts.append(table_html(res.layer_table(), digits=2))
+    heads = res.example_heads(4)
+    if heads:
+        sec.figure(lambda: plot_sink_vs_norm(res, heads), "attention on the sink against the head's output norm, one "
+                   "point per query, coloured by the loss effect (natural text)")
+    sec.figure(lambda: plot_head_correlations(res), "per head: Spearman rho of the sink attention with the output norm "
+               "and with the loss effect")
+
+
 RUNNERS: dict[str, tuple[str, Callable]] = {
     "sink": ("Sink metric", _sink),
     "views": ("Attention views (circuitsvis, offline)", _views),
@@ -466,6 +504,7 @@ RUNNERS: dict[str, tuple[str, Callable]] = {
     "key_manifold": ("The first key's manifold", _key_manifold),
     "value_norms": ("Value norms", _value_norms),
     "interventions": ("Interventions", _interventions),
+    "dormant": ("What a sink does for its head", _dormant),
     "positions": ("Every sink", _positions),
     "context": ("Sink against context length and eps", _context),
 }

@@ -47,9 +47,10 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 23  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 25  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
     for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions", "Every sink",
+              "What a sink does for its head",
               "Sink against context length and eps"):
         assert s in page
 
@@ -73,6 +74,10 @@ def test_json_holds_the_planted_answers(planted_report):
     assert {"spike_ablation", "value_ablation", "first_key_ablation"} <= set(iv)
     zero = [r for r in iv["spike_ablation"]["conditions"] if r["condition"] == "zero"][0]
     assert zero["sink_1_pct"] < 5
+    dormant = d["sections"]["dormant"]  # every head of the planted sink layers sinks on every query
+    assert {(r["layer"], r["head"]) for r in dormant["heads"] if r["sinking_share"] == 1.0} == {
+        (l, h) for l in SINK_LAYERS for h in range(4)}
+    assert dormant["summary"]["n_always_sinking"] == 8 and dormant["verdict"]["norm"] == "untested"
     # Every finding is a sentence with a number.
     assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
     assert d["versions"]["torch"] == torch.__version__
@@ -199,6 +204,9 @@ def test_real_model_report(smollm2, tmp_path):
     assert d["spike_dims"] and d["first_token_spike_dims"]
     assert d["sections"]["norm_gain"]["has_spike"]
     assert d["sections"]["value_norms"]["correlation"]["ratio"]["pearson_r"] < -0.5
+    # Where a head of the embedded model sinks a query's attention, it writes little there (the sink as a gate).
+    assert d["sections"]["dormant"]["summary"]["median_rho_norm"] < -0.3
+    assert d["sections"]["dormant"]["verdict"]["norm"] == "yes"
     assert len(d["findings"]) >= 12
     assert d["sections"]["positions"]["sinks"][0]["position"] == 0
     assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
