@@ -31,7 +31,9 @@ norm, how its output reaches the residual stream (as it is, scaled, or through a
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -1059,3 +1061,20 @@ def mlp_spec(model) -> MlpSpec:
 def get_mlp(model) -> MlpSpec:
     """``model.mlp_spec``, measured (:func:`mlp_spec`) and kept on the model on first use."""
     return _kept(model, "mlp_spec", MlpSpec, mlp_spec)
+
+@contextlib.contextmanager
+def attention_implementation(hf, name: str) -> Iterator[None]:
+    """Run the Hugging Face model ``hf`` under attention implementation ``name`` (a built-in one or one registered
+    with ``transformers.AttentionInterface``) while inside the block, restoring the model's choice after.
+
+    Through ``set_attn_implementation``, which checks the name and sets the sub-configs of multimodal models too.
+    The package's one owner of this switch (the fused sink path and streaming perplexity both use it)."""
+    old = hf.config._attn_implementation
+    if old == name:
+        yield
+        return
+    hf.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(old)

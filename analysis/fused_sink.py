@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from analysis.families import config_attention_layers
+from analysis.families import attention_implementation, config_attention_layers
 from analysis.hooks import act_name, attention_layers_of, check_tokens, validate_token_ids
 from analysis.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
 from analysis.stats import one_thread
@@ -372,17 +372,6 @@ def unbridged(hf: nn.Module) -> Iterator[nn.Module]:
     finally:
         for parent, name, child in reversed(swaps):
             setattr(parent, name, child)
-
-
-@contextlib.contextmanager
-def attention_implementation(hf: nn.Module, name: str) -> Iterator[None]:
-    """``hf.config._attn_implementation`` (and its sub-configs') set to ``name`` within the block."""
-    old = hf.config._attn_implementation
-    hf.config._attn_implementation = name
-    try:
-        yield
-    finally:
-        hf.config._attn_implementation = old
 
 
 def check_fused_tokens(model, tokens) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+REFERENCE_FORMAT = "attention-sinks-reference"  # the "format" key of a reference model's config.json (analysis.train)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 

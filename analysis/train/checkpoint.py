@@ -26,11 +26,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from analysis.io import parse_dtype, replace_dir, write_atomic, write_json
+from analysis.io import REFERENCE_FORMAT, parse_dtype, replace_dir, write_atomic, write_json
 from analysis.train.config import ModelConfig
 from analysis.train.model import SinkLM
 
-REFERENCE_FORMAT = "attention-sinks-reference"
 FORMAT_VERSION = 1
 
 
