@@ -786,6 +786,7 @@ def spike_origin(
     min_share: float = SPIKE_MIN_SHARE,
     median_over: str = "sequence",
     share: float = SPIKE_WRITE_SHARE,
+    min_write: float | None = None,
     batch_size: int | None = None,
     kind: str | None = None,
 ) -> SpikeOrigin:
@@ -806,6 +807,9 @@ def spike_origin(
         The MLP blocks whose neurons to resolve; None: every writing and erasing MLP found.
     share : float
         What counts as a write: at least this share of the value it leads to (or erases).
+    min_write : float, optional
+        ... and at least this mean |write| (None: ``abs_threshold`` when the dims are found here, Sun et al.'s 100
+        when they are given; 0 for a small model whose spike stays under 100).
     batch_size : int, optional
         Sequences per batch.
     kind : str, optional
@@ -828,5 +832,6 @@ def spike_origin(
                                         min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))
     got = run_pass(model, tokens, accs, batch_size=batch_size)
     massive = got[1] if dims is None else None
-    return origin_from(model, got[0], dims, massive=massive, blocks=blocks, share=share,
-                       min_write=abs_threshold if dims is None else None, kind=kind)
+    if min_write is None:
+        min_write = abs_threshold if dims is None else None
+    return origin_from(model, got[0], dims, massive=massive, blocks=blocks, share=share, min_write=min_write, kind=kind)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import pandas as pd
 import torch
 
+from analysis.hooks import act_name, model_dims
 from analysis.key_manifold import first_key_manifold
 from analysis.massive import massive_activations
 from analysis.passes import run_with_reducers
@@ -133,8 +135,24 @@ def _zero_first_token_dims(dims: list[int]):
     return fn
 
 
+def sink_kv_heads(vn, eps: float = 0.3) -> list[tuple[int, int]]:
+    """The (layer, KV head) pairs of a ``ValueNorms`` whose alpha_1 (mean over the KV head's query heads) > eps."""
+    t = vn.table()
+    return [(int(l), int(h)) for l, h, a in zip(t.layer, t.kv_head, t.alpha_1_mean) if a > eps]
+
+
+def _over_heads(table: pd.DataFrame, heads, col: str, how: str = "mean") -> float:
+    """``col`` of ``table`` (one row per (layer, kv_head)) over ``heads``: their mean, or median (torch's: the lower
+    middle value, as over a model's own sink heads); NaN without heads."""
+    if not heads:
+        return float("nan")
+    v = torch.tensor(table.set_index(["layer", "kv_head"]).loc[[tuple(h) for h in heads], col].to_numpy(dtype=float))
+    return float(v.median() if how == "median" else v.mean())
+
+
 @torch.no_grad()
-def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL) -> dict:
+def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL, *,
+                    dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 
     - ``sink_1``: Sink_1 (%) (``analysis.sink``);
@@ -144,11 +162,31 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
       >= ``ratio`` x the token median on most samples (``analysis.massive``, ``median_over="token"``, no
       absolute floor: a 64-wide model has no activation above 100);
     - ``value_ratio_sink_heads``: median |v_1| / mean |v_j| over the KV heads whose alpha_1 > eps
-      (``analysis.values``);
+      (``analysis.values``; NaN without such a head), ``value_ratio_other_heads`` over the others, and
+      ``sink_kv_heads``: those (layer, KV head) pairs;
     - ``key_offsub_z``, ``cos_q_k1``, ``cos_q_kj``: how far the first key lies from the other keys' subspace
       (z-score), and the mean cosine of queries with k_1 and with other keys, in sink heads
-      (``analysis.key_manifold``);
+      (``analysis.key_manifold``; NaN without a sink head);
     - ``sink_1_spike_zeroed``: Sink_1 with the first token's spike dims set to zero where they appear.
+
+    Parameters
+    ----------
+    model
+        A model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        The probe.
+    eps : float
+        The sink threshold on alpha_1.
+    ratio : float
+        A spike dimension is at least this many times the first token's median |activation|.
+    dims : sequence of int, optional
+        Residual dimensions to zero instead, for ``sink_1_spike_zeroed``: on the first token in every stream (the
+        embedding and after every block), whether they carry a spike or not (a trained model's spike dims followed
+        along its training).
+    heads : sequence of (layer, kv_head), optional
+        KV heads to follow (e.g. a trained model's sink heads): adds ``value_ratio_heads`` (median),
+        ``key_offsub_z_heads``, ``cos_q_k1_heads`` and ``cos_q_kj_heads`` (means) over these heads, whether
+        they sink or not.
     """
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     out = {"sink_1": sink.sink_rate(1)}
@@ -163,9 +201,9 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
                 med = ma.first_abs.median(-1).values  # the first token's own median |a|
                 r = (ref / med.clamp_min(1e-12)).amax().item()
                 for i, l in enumerate(ma.layers):
-                    dims = ma.first_token_dims.get(l, [])
-                    if dims:
-                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = dims
+                    found = ma.first_token_dims.get(l, [])
+                    if found:
+                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = found
             else:  # the median |a| over each sample's positions x dims
                 r = (ref / ma.median.mean(0).clamp_min(1e-12)).amax().item()
             key = f"spike_ratio_{median_over}"
@@ -176,9 +214,21 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
     sink_kv = vn.alpha_kv().flatten() > eps
     out["value_ratio_sink_heads"] = float(ratio_kv[sink_kv].median()) if sink_kv.any() else float("nan")
     out["value_ratio_other_heads"] = float(ratio_kv[~sink_kv].median()) if (~sink_kv).any() else float("nan")
-    km = first_key_manifold(model, tokens).summary()["sink"]
-    out.update(key_offsub_z=km["offsub_z"], cos_q_k1=km["cos_q_k1"], cos_q_kj=km["cos_q_kj"])
-    hooks = [("hook_embed" if s == "embed" else s, _zero_first_token_dims(d)) for s, d in streams.items()]
+    vt = vn.table()
+    out["sink_kv_heads"] = sink_kv_heads(vn, eps)
+    km = first_key_manifold(model, tokens)
+    sk = km.summary()["sink"]
+    out.update({k: float("nan") if sk[c] is None else sk[c]
+                for k, c in (("key_offsub_z", "offsub_z"), ("cos_q_k1", "cos_q_k1"), ("cos_q_kj", "cos_q_kj"))})
+    if heads is not None:
+        out["value_ratio_heads"] = _over_heads(vt, heads, "ratio", "median")
+        for k in ("offsub_z", "cos_q_k1", "cos_q_kj"):
+            out[f"{'key_' if k == 'offsub_z' else ''}{k}_heads"] = _over_heads(km.table, heads, k)
+    if dims is not None:
+        hooks = [(name, _zero_first_token_dims(list(dims))) for name in
+                 ["hook_embed"] + [act_name("resid_post", l) for l in range(model_dims(model).n_layers)]]
+    else:
+        hooks = [("hook_embed" if s == "embed" else s, _zero_first_token_dims(d)) for s, d in streams.items()]
     if hooks:
         with model.hooks(fwd_hooks=hooks):
             out["sink_1_spike_zeroed"] = sink_metric(model, tokens, eps=eps, k_max=1).sink_rate(1)
