@@ -1,7 +1,8 @@
 """The order in which the sink's chain forms during training (analysis.train.formation): every link on every snapshot
 of every run under RUNS_DIR (folders with snapshots/step-*), written to DIR as formation.csv (one row per run, step and
 link), onsets.csv (per run and link: the first step meeting its criterion and the first step half-way to its final
-value), formation.png and command.txt.
+value), followed.csv, writes.csv and meta.json (``analysis.train.formation.load_formation`` reads them back),
+formation.png and command.txt.
 
     python scripts/formation_order.py /work/runs/induction --out results/formation
 """
@@ -16,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.figures.formation import plot_formation  # noqa: E402
-from analysis.train.formation import N_RANDOM_CUT, SPIKE_RATIO_FOLLOW, formation_order  # noqa: E402
+from analysis.train.formation import N_RANDOM_CUT, SPIKE_RATIO_FOLLOW, formation_order, save_formation  # noqa: E402
 
 
 def main() -> None:
@@ -38,8 +39,7 @@ def main() -> None:
     t0 = time.perf_counter()
     res = formation_order(runs, probe_seed=args.probe_seed, ratio=args.ratio, n_random=args.n_random, progress=print)
     took = time.perf_counter() - t0
-    res.formation.to_csv(args.out / "formation.csv", index=False)
-    res.onsets.to_csv(args.out / "onsets.csv", index=False)
+    save_formation(res, args.out)
     plot_formation(res).savefig(args.out / "formation.png", dpi=130)
     print(res.text())
     n = len(res.formation[["run", "step"]].drop_duplicates())

@@ -26,6 +26,7 @@ its final value, so that the order does not hinge on one threshold.
 """
 from __future__ import annotations
 
+import ast
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ import pandas as pd
 import torch
 
 from analysis.defaults import NEURON_SHARES, SINK_EPS, TINY
-from analysis.io import jsonable
+from analysis.io import jsonable, write_json
 from analysis.massive import massive_activations
 from analysis.norm_gain import choose_layer, norm_gain_trace
 from analysis.results import Result
@@ -557,3 +558,45 @@ def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int 
     return FormationOrder(formation, onset_table(formation), pd.DataFrame(followed), writes, int(probe_seed), int(N),
                           int(T), float(np.mean(times)), model_name=", ".join(Path(r).name for r in run_dirs),
                           notes=notes)
+
+
+TABLE_FILES = {"formation": "formation.csv", "onsets": "onsets.csv", "followed": "followed.csv", "writes": "writes.csv"}
+
+
+def save_formation(res: FormationOrder, out) -> None:
+    """Write ``res`` into the folder ``out``: one CSV per table (:data:`TABLE_FILES`) and ``meta.json`` (the probe,
+    the timing, the notes), which :func:`load_formation` reads back."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, file in TABLE_FILES.items():
+        res.tables[name].to_csv(out / file, index=False)
+    write_json(out / "meta.json", {"probe_seed": res.probe_seed, "n_samples": res.n_samples, "T": res.T,
+                                   "seconds_per_model": res.seconds_per_model, "model_name": res.model_name,
+                                   "notes": res.notes}, indent=2)
+
+
+def load_formation(folder) -> FormationOrder:
+    """A :class:`FormationOrder` written by :func:`save_formation` (``scripts/formation_order.py``), e.g. the committed
+    ``data/emergence/induction/formation``: its tables, text and figure without the runs' snapshots.
+
+    Parameters
+    ----------
+    folder : path
+        The folder holding the CSVs of :data:`TABLE_FILES` and ``meta.json``.
+
+    Returns
+    -------
+    FormationOrder
+    """
+    folder = Path(folder)
+    missing = [f for f in (*TABLE_FILES.values(), "meta.json") if not (folder / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {missing}: write it with scripts/formation_order.py RUNS --out "
+                                f"{folder}.")
+    tables = {name: pd.read_csv(folder / file) for name, file in TABLE_FILES.items()}
+    for col in ("dims", "sink_heads"):  # lists, written as their Python text
+        tables["followed"][col] = tables["followed"][col].map(ast.literal_eval)
+    meta = read_json(folder / "meta.json")
+    return FormationOrder(tables["formation"], tables["onsets"], tables["followed"], tables["writes"],
+                          int(meta["probe_seed"]), int(meta["n_samples"]), int(meta["T"]),
+                          float(meta["seconds_per_model"]), model_name=meta.get("model_name"), notes=meta["notes"])

@@ -171,3 +171,15 @@ def test_the_figure_draws_every_link(result):
     fig.canvas.draw()
     with pytest.raises(ValueError, match="not in this result"):
         plot_formation(result, ["no_such_link"])
+
+
+def test_a_saved_formation_loads_back_with_the_same_tables_and_text(sink_result, tmp_path):
+    from analysis.train.formation import load_formation, save_formation
+
+    save_formation(sink_result, tmp_path / "f")
+    back = load_formation(tmp_path / "f")
+    assert back.text() == sink_result.text()
+    pd.testing.assert_frame_equal(back.onsets, sink_result.onsets, check_dtype=False)
+    assert back.followed.dims.tolist() == sink_result.followed.dims.tolist()
+    with pytest.raises(FileNotFoundError, match="formation_order.py"):
+        load_formation(tmp_path)
