@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_SAMPLES
+from analysis.defaults import SMALL_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_SMALL, SPIKE_SAMPLES
 from analysis.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
 from analysis.results import Result, layer_runs
@@ -359,6 +359,25 @@ def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if tied.any():
         v[tied], idx[tied] = flat[tied].topk(k, dim=-1)
     return v, idx
+
+
+def spike_criterion(model) -> tuple[float, float]:
+    """The massive-activation criterion suited to ``model``'s width: Sun et al.'s (|a| > 100 and >= 1000x the median
+    |a| of its hidden state) for a model at least ``SMALL_MODEL_D`` wide, and a relative one for a narrower model
+    (no absolute floor, >= ``SPIKE_RATIO_SMALL`` x the median), whose activations never come near 100.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    (abs_threshold, ratio_threshold) : tuple of float
+    """
+    if model_dims(model).d_model < SMALL_MODEL_D:
+        return 0.0, SPIKE_RATIO_SMALL
+    return SPIKE_ABS, SPIKE_RATIO
 
 
 def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,

@@ -21,7 +21,7 @@ from analysis.defaults import RESID_BUDGET_MIB, SINK_EPS
 from analysis.gates import GateAccumulator, has_gate
 from analysis.hooks import attention_layers_of, check_tokens, model_dims
 from analysis.key_manifold import key_manifold_accumulator
-from analysis.massive import massive_accumulator
+from analysis.massive import massive_accumulator, spike_criterion
 from analysis.passes import ResidCapture, can_resume, checkpoint_layers, run_pass
 from analysis.qk import QKAccumulator
 from analysis.results import Result
@@ -81,12 +81,14 @@ def _resid_capture(model, tokens, budget_mib: float) -> list:
     return [ResidCapture(layers)] if layers else []
 
 
-def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max, budget_mib: float) -> dict:
+def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_max, budget_mib: float,
+                  spike: tuple[float, float]) -> dict:
     T = tokens.shape[1]
     layers = attention_layers_of(model)  # the attention analyses run on the attention layers (true indices)
     make = {
         "sink": lambda: [SinkAccumulator(model, T, eps, k_max, kind)],
-        "massive": lambda: [massive_accumulator(model, tokens.shape, kind=kind)],
+        "massive": lambda: [massive_accumulator(model, tokens.shape, abs_threshold=spike[0], ratio_threshold=spike[1],
+                                                 kind=kind)],
         "qk": lambda: [QKAccumulator(model, layers, kind)],
         "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
         "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
@@ -99,11 +101,14 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
 
 
 def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: float = SINK_EPS, k_max: int | None = None,
-            batch_size: int | None = None, progress: bool = False, resid_budget_mib: float = RESID_BUDGET_MIB) -> Profile:
+            batch_size: int | None = None, progress: bool = False, resid_budget_mib: float = RESID_BUDGET_MIB,
+            spike_thresholds: tuple[float, float] | None = None) -> Profile:
     """Run every analysis in ``analyses`` on ``probes`` ({kind: ProbeSet or (N, T) tokens}) with one streamed pass
     per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"resid"`` keeps the main kind's
     residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
-    carries it too, so that its conditions resume)."""
+    carries it too, so that its conditions resume). ``spike_thresholds``: (abs_threshold, ratio_threshold) of the
+    massive activations (and so of the spike dims the spike origin traces); None: ``massive.spike_criterion(model)``
+    (Sun et al.'s criterion, relative only for a model narrower than 256)."""
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")
@@ -112,9 +117,10 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
     if main not in probes:
         raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
     out = Profile(main=main, model_name=getattr(model, "model_name", None))
+    spike = tuple(spike_thresholds) if spike_thresholds is not None else spike_criterion(model)
     for kind, p in probes.items():
         tokens = check_tokens(model, getattr(p, "tokens", p))
-        accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max, resid_budget_mib)
+        accs = _accumulators(model, tokens, kind, kind == main, analyses, eps, k_max, resid_budget_mib, spike)
         flat = [a for group in accs.values() for a in group]
         results = iter(run_pass(model, tokens, flat, batch_size=batch_size, progress=progress))
         got = {name: [next(results) for _ in group] for name, group in accs.items()}

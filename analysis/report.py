@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from analysis.defaults import SPIKE_ABS
 from analysis.families import get_family
 from analysis.hooks import ModelContractError, model_dims
 from analysis.io import write_atomic, write_json
@@ -236,6 +237,10 @@ def _massive(ctx: _Context, sec: Section) -> None:
                                                 r.to_dict()["first_token_dims"], "text": r.text()}
                                             for k, r in by_kind.items() if k != "natural"}}
     sec.say(ma.text())
+    if ma.abs_threshold < SPIKE_ABS:
+        sec.note(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
+                 f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
+                 f"|a| > {SPIKE_ABS:g} presumes a model of LLM width (analysis.massive.spike_criterion).")
     if len(ma.dims):
         sec.parts.append(table_html(ma.dims, digits=1))
     for sentence in kinds_text(by_kind, skip="natural"):
