@@ -18,7 +18,8 @@ from analysis.streaming.cli import add_parser as add_stream_parser
 from analysis.versions import package_versions
 
 
-def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
+def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
+                progress: bool = True) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds."""
     if T < 2:
         raise ValueError(f"--T must be at least 2; got {T}. alpha_1 is the attention the queries give the first token: "

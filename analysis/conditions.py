@@ -1,6 +1,6 @@
 """The condition runner of the causal tests: one streamed pass under intervention hooks, and the shared baseline.
 
-``run_condition(model, tokens, hooks)`` runs one pass with intervention hooks (functions returning the changed
+``run_condition(model, tokens, hooks=hooks)`` runs one pass with intervention hooks (functions returning the changed
 activation) and folds the attention into per-(sample, layer, head) alpha, the attention shares of later queries on
 the first key, the previous key, themselves and the rest (``where_shares``), and the next-token loss: a
 :class:`PassResult`. The unchanged model's pass, the :class:`Baseline`, also records what the ablations of
@@ -60,7 +60,7 @@ class PassResult(LayerAxis):
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
 
 
-def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, rows: int = LOSS_ROWS) -> float:
+def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROWS) -> float:
     """Summed next-token cross-entropy of ``logits`` (B, T, V) on ``tokens`` (B, T), ``rows`` sequences at a time
     (peak memory: one chunk's log-softmax, not the whole batch's)."""
     total = 0.0
@@ -122,8 +122,8 @@ class PassAccumulator(Accumulator):
                           self.layers, self.skipped)
 
 
-def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, batch_size: int | None = None,
-                  on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
+def run_condition(model, tokens, *, hooks=(), eps: float = DEFAULT_EPS, k_max: int = K_MAX,
+                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
     """One pass with intervention ``hooks`` (fns returning the changed activation) plus the attention reducers.
     ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
 
@@ -238,27 +238,28 @@ class Baseline:
     # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
 
 
-def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
+def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Accumulator]:
     """What the baseline pass runs (``Baseline.from_results`` turns their results into a ``Baseline``)."""
     return [PassAccumulator(model, T, eps, K_MAX), FirstTokenResidAccumulator(model), ValueStatsAccumulator(model)]
 
 
-def baseline_from(results: list, resid: dict | None = None) -> Baseline:
+def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
     """The ``Baseline`` of the results of ``baseline_accumulators`` (``resid``: residuals kept by the same pass)."""
     run, first, values = results
     return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
-def baseline_pass(model, tokens, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
+def baseline_pass(model, tokens, *, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
     """One pass of the unchanged model with everything the three interventions need."""
     tokens = check_tokens(model, tokens)
-    return baseline_from(run_pass(model, tokens, baseline_accumulators(model, tokens.shape[1], eps), batch_size=batch_size))
+    accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
+    return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
 
 
 def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
     """``baseline`` checked against these tokens and eps, or, when None, the ``baseline_pass`` of the tokens."""
     if baseline is None:
-        return baseline_pass(model, tokens, eps, batch_size)
+        return baseline_pass(model, tokens, eps=eps, batch_size=batch_size)
     if baseline.run.alpha.shape[0] != tokens.shape[0] or baseline.run.eps != eps:
         raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
                          f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")

@@ -420,7 +420,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
                                               ratio_threshold=ratio_threshold, kind=kind)
         return [made["positions"], made["massive"]]
 
-    sink, (pos, ma) = sink_pass(model, tokens, accumulators, eps=eps, k_max=T, batch_size=batch_size,
+    sink, (pos, ma) = sink_pass(model, tokens, make_accumulators=accumulators, eps=eps, k_max=T, batch_size=batch_size,
                                 progress=progress, kind=kind, path=path)
     ids = sorted(set(torch.as_tensor(tokens).flatten().tolist()))
     return SinkPositions(
@@ -432,7 +432,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
         skipped=sink.skipped, model_name=getattr(model, "model_name", None), kind=kind, meta=dict(sink.meta))
 
 
-def format_sinks(res: SinkPositions, max_rows: int = 60) -> str:
+def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
     """The sink table as printed by ``python -m analysis sinks``: one line per sink position."""
     df = res.sinks
     head = (f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "

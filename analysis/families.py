@@ -221,7 +221,7 @@ def hf_config(model):
     return getattr(getattr(model, "original_model", None), "config", None)
 
 
-def rope_parameters(config, layer_type: str | None = None) -> dict:
+def rope_parameters(config, *, layer_type: str | None = None) -> dict:
     """The rope parameters of ``config`` (transformers 5 ``rope_parameters``, nested per layer type for Gemma 3;
     transformers 4 ``rope_theta`` / ``rope_scaling``)."""
     params = getattr(config, "rope_parameters", None)
@@ -239,9 +239,9 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return out
 
 
-def rope_theta(config, layer_type: str | None = None) -> float | None:
+def rope_theta(config, *, layer_type: str | None = None) -> float | None:
     """The true rotary base of a Hugging Face config (transformers 5 keeps it in ``rope_parameters``)."""
-    theta = rope_parameters(config, layer_type).get("rope_theta")
+    theta = rope_parameters(config, layer_type=layer_type).get("rope_theta")
     if theta is None:
         theta = getattr(config, "rotary_emb_base", None) or getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else None
@@ -283,7 +283,7 @@ def _module_path(model, module) -> str:
     return type(module).__name__
 
 
-def probe_norm(module, model=None) -> NormSpec | None:
+def probe_norm(module, *, model=None) -> NormSpec | None:
     """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w."""
     w = getattr(module, "weight", None)
     if w is None:
@@ -319,7 +319,7 @@ def probe_norm(module, model=None) -> NormSpec | None:
     return NormSpec(kind, offset, b is not None, eps, int(D), _module_path(model, module) if model is not None else "")
 
 
-def fired_hooks(model, names: list[str] | None = None) -> frozenset[str]:
+def fired_hooks(model, *, names: list[str] | None = None) -> frozenset[str]:
     """The attention hook names (aliases included) called in one forward pass over two tokens."""
     return _dry_run(model, names)[0]
 
@@ -420,12 +420,12 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     bases = out["rotary_bases"]
     for l in attention_layers:
         t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
-        theta = rope_theta(config, t)
+        theta = rope_theta(config, layer_type=t)
         if theta is None and family in INTERLEAVED_ROTARY:
             theta = 10000.0  # GPT-J / CodeGen: fixed base, not in the config
         if theta is not None:
             bases[l] = theta
-    base = rope_theta(config, "full_attention") if bases else None
+    base = rope_theta(config, layer_type="full_attention") if bases else None
     out["rotary_base"] = base if base is not None or not bases else bases[max(bases)]
     out["rotary_dim"] = _rotary_dim(hf, config, family, d_head)
     out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
@@ -449,13 +449,14 @@ def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
     """The FamilySpec norm fields, measured on the modules the bridge maps (ln1 feeds attention, ln1_post is on its
     output, attn.k_norm on the keys): norm, norm_placement, post_norm, qk_norm, qk_norm_scope."""
     block = model.blocks[first]
-    norm = probe_norm(_bridge_submodule(model, first, "ln1"), model) if getattr(block, "ln1", None) is not None else None
-    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model)
+    norm = (probe_norm(_bridge_submodule(model, first, "ln1"), model=model)
+            if getattr(block, "ln1", None) is not None else None)
+    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model=model)
             if getattr(block, "ln1_post", None) is not None else None)
     placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
     qk_norm, qk_scope = None, None
     if getattr(block.attn, "k_norm", None) is not None and k_normed_fires:
-        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model)
+        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model=model)
         if qk_norm is not None:
             qk_scope = "head" if qk_norm.size == d_head else "all_heads"
     return {"norm": norm, "norm_placement": placement, "post_norm": post, "qk_norm": qk_norm, "qk_norm_scope": qk_scope}
@@ -566,7 +567,7 @@ def _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_m
     base = getattr(model, "rope_theta", None) or getattr(cfg, "rotary_base", None)
     first = attention_layers[0] if attention_layers else 0
     ln = getattr(model.blocks[first], "ln1", None)
-    norm = probe_norm(ln, None) if ln is not None else None
+    norm = probe_norm(ln) if ln is not None else None
     return FamilySpec(
         family="reference", architecture=type(model).__name__, n_layers=int(cfg.n_layers),
         attention_layers=attention_layers, skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
@@ -1049,9 +1050,11 @@ def mlp_spec(model) -> MlpSpec:
     output, scale, out_mod, out_name = _mlp_output(model, l, got, W, post)
     return MlpSpec(**{**fields, "parallel": resid == "resid_pre" if resid else fields["parallel"]},
                    activation=_activation_name(model, l, pre, up, post, kind == "gated"), d_mlp=int(post.shape[-1]),
-                   input_resid=resid or "resid_mid", input_norm=probe_norm(norm_mod, model) if norm_mod is not None else None,
+                   input_resid=resid or "resid_mid",
+                   input_norm=probe_norm(norm_mod, model=model) if norm_mod is not None else None,
                    input_norm_module=norm_name, output=output, output_scale=scale,
-                   output_norm=probe_norm(out_mod, model) if out_mod is not None else None, output_norm_module=out_name,
+                   output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
+                   output_norm_module=out_name,
                    notes=tuple(notes), _neuron_hook=tmpl["neuron"], _gate_hook=partial_spec._gate_hook,
                    _up_hook=tmpl["up"], _input_hook=in_hook)
 

@@ -71,7 +71,7 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def chunked_lse(query, key, scale: float, mask: torch.Tensor | None, chunk: int = LSE_CHUNK) -> torch.Tensor:
+def chunked_lse(query, key, scale: float, mask: torch.Tensor | None, *, chunk: int = LSE_CHUNK) -> torch.Tensor:
     """Row log-sum-exp of causal (or ``mask``ed) scores, ``chunk`` query rows at a time: (B, H, T) float32."""
     T, group = query.shape[-2], query.shape[1] // key.shape[1]
     k = key.float().repeat_interleave(group, dim=1) if group > 1 else key.float()
@@ -144,7 +144,7 @@ def _block_rows(B: int, H: int, k_max: int, chunk_elements: int) -> int:
     return max(16, int(chunk_elements) // max(1, B * H * k_max))
 
 
-def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor | None = None, *,
+def alpha_from_lse(query, key, lse, scale: float, k_max: int, *, mask: torch.Tensor | None = None,
                    chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
     """alpha_k for keys 1..k_max, (B, H, k_max) float32, from q (B, H, T, d), k (B, H_kv, T, d) and lse (B, H, T).
 
@@ -287,7 +287,7 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
         alpha = alpha[..., : acc.k_max]
     else:
         out, lse = fused_attention(query, key, value, mask, scale)
-        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask)
+        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask=mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
     acc.update(layer, alpha)
@@ -454,7 +454,7 @@ class _ResidTaps:
             acc.end_batch(self.batch, None)
 
 
-def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progress: bool = False, *,
+def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
                 accumulators: Sequence[Accumulator] = ()) -> torch.Tensor:
     """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch;
     L runs over ``fused_layers(model)`` (the attention layers, true indices).

@@ -80,7 +80,7 @@ class GateAccumulator(Accumulator):
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
         self.model, self.kind, self.spec = model, kind, spec
-        self.layers = attention_layers_of(model, layers)
+        self.layers = attention_layers_of(model, layers=layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.first = torch.zeros(len(self.layers), spec.n_heads, dtype=torch.float64)
         self.other = torch.zeros_like(self.first)
@@ -109,7 +109,8 @@ def has_gate(model) -> bool:
     return get_family(model).gate is not None
 
 
-def attention_gates(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> GateResult:
+def attention_gates(model, tokens, *, layers=None, batch_size: int | None = None,
+                    kind: str | None = None) -> GateResult:
     """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed
     through ``hook_q_gate``. ValueError for a model without a gate."""
     tokens = check_tokens(model, tokens)

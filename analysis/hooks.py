@@ -105,7 +105,7 @@ def check_layers(model, layers: Iterable[int] | None) -> list[int]:
     return layers
 
 
-def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]:
+def attention_layers_of(model, *, layers: Iterable[int] | None = None) -> list[int]:
     """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices.
 
     ``layers=None``: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as
@@ -145,7 +145,8 @@ def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
     return validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
 
 
-def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, hint: str = "", sync: bool = True) -> torch.Tensor:
+def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "",
+                       sync: bool = True) -> torch.Tensor:
     """Token ids as a (N, T) LongTensor (a 1-d sequence gets a batch axis), checked for shape, dtype, emptiness, the
     context ``n_ctx`` and the vocabulary ``vocab`` (None: not checked); ValueError saying what to give otherwise.
     ``hint``: what to do beyond shortening the input, appended to the context error. ``sync=False``: the vocabulary
@@ -179,7 +180,7 @@ def token_strings(model, ids: Sequence[int]) -> list[str]:
     return [tok.decode([int(i)]) for i in ids]
 
 
-def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
+def qk_hook_names(model, layer: int, *, rotated: bool = True) -> tuple[str, str]:
     """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
     them (and ``rotated``), else ``hook_q``/``hook_k``. A model loaded by ``analysis.load_model`` carries its
     family spec (``model.family``), which names the hooks the attention really uses; otherwise, as some models
@@ -206,7 +207,7 @@ def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def kv_view(x: torch.Tensor, n_kv_heads: int, dim: int = 2) -> torch.Tensor:
+def kv_view(x: torch.Tensor, n_kv_heads: int, *, dim: int = 2) -> torch.Tensor:
     """The KV heads of a key/value activation: the bridge may hand ``hook_k``/``hook_v`` with each KV head
     repeated for its query heads ((B, T, H, d) instead of (B, T, H_kv, d)); this undoes the repetition."""
     n = x.shape[dim]
@@ -217,7 +218,7 @@ def kv_view(x: torch.Tensor, n_kv_heads: int, dim: int = 2) -> torch.Tensor:
     return x.narrow(dim, 0, n).unflatten(dim, (n_kv_heads, n // n_kv_heads)).select(dim + 1, 0)
 
 
-def per_query_head(x: torch.Tensor, n_heads: int, dim: int = 2) -> torch.Tensor:
+def per_query_head(x: torch.Tensor, n_heads: int, *, dim: int = 2) -> torch.Tensor:
     """KV-head values repeated for each query head that reads them (query head h reads KV head h // group)."""
     n = x.shape[dim]
     if n_heads % n:
@@ -225,7 +226,7 @@ def per_query_head(x: torch.Tensor, n_heads: int, dim: int = 2) -> torch.Tensor:
     return x.repeat_interleave(n_heads // n, dim=dim)
 
 
-def group_reduce(x: torch.Tensor, group_size: int, how: str = "mean") -> torch.Tensor:
+def group_reduce(x: torch.Tensor, group_size: int, *, how: str = "mean") -> torch.Tensor:
     """(..., H) per query head -> (..., H_kv): mean or max over the query heads of each KV head."""
     g = x.unflatten(-1, (-1, group_size))
     if how == "mean":

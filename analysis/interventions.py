@@ -54,7 +54,7 @@ from analysis.sink import DEFAULT_EPS, check_eps
 
 
 def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
-                  min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
+                  *, min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
     """The blocks where the condition passes of ``spike_ablation(spike_dims=spike_dims)``, ``value_ablation`` (found
     sink heads) and ``first_key_ablation(spike_dims=input_dims)`` resume (the first block each one's hooks touch):
     the residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out."""
@@ -80,7 +80,8 @@ def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_sh
     """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
     D = model_dims(model).d_model
     if spike_dims is None:
-        return first_token_spike_dims(model, tokens, "resid_post", None, abs_threshold, ratio_threshold, min_share), "found"
+        return first_token_spike_dims(model, tokens, hook="resid_post", abs_threshold=abs_threshold,
+                                      ratio_threshold=ratio_threshold, min_share=min_share), "found"
     if not isinstance(spike_dims, Mapping):
         raise ValueError("spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
                          "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them.")
@@ -178,7 +179,7 @@ def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshol
 def spike_ablation(
     model,
     tokens,
-    spike_dims: Mapping[int, Sequence[int]] | None = None,
+    *, spike_dims: Mapping[int, Sequence[int]] | None = None,
     where: str = "all",
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
@@ -215,8 +216,8 @@ def spike_ablation(
     results = {"baseline": base.run}
     for mode in ("zero", "mean"):
         setter = SpikeSetter(spikes, mode, loo)
-        results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start,
-                                      baseline=base)
+        results[mode] = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                                      on_batch_start=setter.start, baseline=base)
     conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
                                for c, r in results.items()])
     per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
@@ -277,7 +278,8 @@ def _check_heads(model, heads) -> list[tuple[int, int]]:
         if not 0 <= l < dims.n_layers or not 0 <= hh < dims.n_heads:
             raise ValueError(f"head {(l, hh)} out of range: layers 0..{dims.n_layers - 1}, heads 0..{dims.n_heads - 1}.")
         out.append((l, hh))
-    attention_layers_of(model, sorted({l for l, _ in out}))  # a hybrid's linear-attention / Mamba layer: ValueError
+    # a hybrid's linear-attention / Mamba layer: ValueError
+    attention_layers_of(model, layers=sorted({l for l, _ in out}))
     return sorted(set(out))
 
 
@@ -382,7 +384,7 @@ class ValueRemoval:
 def value_ablation(
     model,
     tokens,
-    sink_heads: Sequence[tuple[int, int]] | None = None,
+    *, sink_heads: Sequence[tuple[int, int]] | None = None,
     eps: float = DEFAULT_EPS,
     min_share: float = SINK_HEAD_MIN_SHARE,
     all_heads: bool = True,
@@ -425,8 +427,8 @@ def value_ablation(
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
     removals = [(c, ValueRemoval(model, hs, mode, v_mean, fq)) for c, hs, mode, fq in conditions]  # checks before any pass
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start,
-                          baseline=base)
+        r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=removal.start, baseline=base)
         rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
     msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
@@ -503,7 +505,9 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
     """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
     dims = model_dims(model)
     if spike_dims is None:
-        spikes, how = first_token_spike_dims(model, tokens, "resid_pre", None, abs_threshold, ratio_threshold, min_share), "found"
+        spikes = first_token_spike_dims(model, tokens, hook="resid_pre", abs_threshold=abs_threshold,
+                                        ratio_threshold=ratio_threshold, min_share=min_share)
+        how = "found"
     elif isinstance(spike_dims, Mapping):
         spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
         how = "given"
@@ -519,7 +523,7 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
 def first_key_ablation(
     model,
     tokens,
-    layers: Sequence[int] | None = None,
+    *, layers: Sequence[int] | None = None,
     spike_dims: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
@@ -542,7 +546,8 @@ def first_key_ablation(
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
     attn = attention_layers_of(model)
-    layers = attention_layers_of(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d and l in attn)
+    layers = (attention_layers_of(model, layers=layers) if layers is not None
+              else sorted(l for l, d in spikes.items() if d and l in attn))
     layers = [l for l in layers if spikes.get(l)]
     full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
@@ -555,8 +560,8 @@ def first_key_ablation(
         return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
                                 _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
     removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
-    results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size,
-                                       baseline=full)
+    results["ablated"] = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max,
+                                       batch_size=batch_size, baseline=full)
     msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
     return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
                             _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)

@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
-def parse_dtype(dtype, default: torch.dtype | None = None) -> torch.dtype | None:
+def parse_dtype(dtype, *, default: torch.dtype | None = None) -> torch.dtype | None:
     """A torch dtype from a name (``"bf16"``, ``"float32"`` ...) or a dtype; ``default`` for None."""
     if dtype is None:
         return default
@@ -99,7 +99,7 @@ def replace_dir(target, fill) -> Path:
     return target
 
 
-def write_json(path, payload, indent: int | None = None) -> None:
+def write_json(path, payload, *, indent: int | None = None) -> None:
     """Strict JSON (``jsonable``: no NaN), newline-terminated, written atomically; ``indent`` as in ``json.dumps``."""
     write_atomic(path, json.dumps(jsonable(payload), allow_nan=False, indent=indent) + "\n")
 

@@ -438,7 +438,7 @@ class KeyManifoldAccumulator(Accumulator):
         self._angles(i, acts.units(q)[0][:, 1:], kn)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
-        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, "max")[self.heads], self.heads)
+        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, how="max")[self.heads], self.heads)
         if i == 0:
             self.n += kk.shape[0]
 
@@ -493,8 +493,8 @@ class KeyManifoldAccumulator(Accumulator):
         """One table row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head) order) joined
         with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's query heads."""
         N, n_other, S = self.n, self.n * (self.T - 1), len(self.heads)
-        group = {name: group_reduce(x, self.group, "mean")[:, self.heads].tolist() for name, x in per_q.items()}
-        a1_max = group_reduce(per_q["alpha_1"], self.group, "max")[:, self.heads].tolist()
+        group = {name: group_reduce(x, self.group, how="mean")[:, self.heads].tolist() for name, x in per_q.items()}
+        a1_max = group_reduce(per_q["alpha_1"], self.group, how="max")[:, self.heads].tolist()
         k1, kj = (self.acc["k1_norm"] / N).tolist(), (self.acc["kj_norm"] / n_other).tolist()
         rows = []
         for i, l in enumerate(self.layers):
@@ -594,7 +594,7 @@ def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int
         raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
     explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
     if explicit:
-        attention_layers_of(model, check_layers(model, [l for l, _ in explicit]))
+        attention_layers_of(model, layers=check_layers(model, [l for l, _ in explicit]))
         bad = [h for _, h in explicit if not 0 <= h < n_kv]
         if bad:
             raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
@@ -612,11 +612,11 @@ def _check_sizes(N: int, T: int, n_components) -> None:
                          f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components.")
 
 
-def key_manifold_accumulator(model, tokens_shape, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
+def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
                              scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
     """Check the arguments of ``first_key_manifold`` and build its accumulator."""
     dims = model_dims(model)
-    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
+    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
@@ -628,7 +628,7 @@ def key_manifold_accumulator(model, tokens_shape, layers=None, heads=None, n_com
 def first_key_manifold(
     model,
     tokens,
-    layers=None,
+    *, layers=None,
     heads=None,
     n_components: float | int = DEFAULT_N_COMPONENTS,
     scatter_heads="auto",
@@ -654,5 +654,6 @@ def first_key_manifold(
     """
     model_dims(model)
     tokens = check_tokens(model, tokens)
-    acc = key_manifold_accumulator(model, tokens.shape, layers, heads, n_components, scatter_heads, rotated, kind)
+    acc = key_manifold_accumulator(model, tokens.shape, layers=layers, heads=heads, n_components=n_components,
+                                   scatter_heads=scatter_heads, rotated=rotated, kind=kind)
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]

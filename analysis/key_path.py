@@ -178,7 +178,7 @@ class KeyPath:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The spec's rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
-        return apply_spec_rotary(x, self.spec, self.layer, positions)
+        return apply_spec_rotary(x, self.spec, self.layer, positions=positions)
 
     def project(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """x (..., T, D) W_K (+ b_K) -> (..., T, H_kv, d_head): the key projection, before the key norm."""
@@ -245,7 +245,7 @@ class KeyPath:
 def key_path(model, layer: int) -> KeyPath:
     """Read the norm, key weights, key norm and rotary of attention ``layer`` (ModelContractError with what is
     missing; ValueError for a layer that is not an attention layer)."""
-    (layer,) = attention_layers_of(model, check_layers(model, [layer]))
+    (layer,) = attention_layers_of(model, layers=check_layers(model, [layer]))
     spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)

@@ -38,7 +38,7 @@ from analysis.stats import flat_above, lower_median, one_thread
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
 
-def resid_hook(layer: int, hook: str = "resid_post") -> str:
+def resid_hook(layer: int, *, hook: str = "resid_post") -> str:
     if hook not in RESID_HOOKS:
         raise ValueError(f"hook must be one of {list(RESID_HOOKS)}; got {hook!r}.")
     return act_name(hook, layer)
@@ -285,13 +285,14 @@ class MassiveAccumulator(Accumulator):
         self.tokens: list[torch.Tensor] = []
 
     def hooks(self):
-        return {l: {"resid": resid_hook(l, self.hook)} for l in self.layers}
+        return {l: {"resid": resid_hook(l, hook=self.hook)} for l in self.layers}
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         x = acts["resid"]
         if x.shape[-1] != self.D:
-            raise ModelContractError(f"{resid_hook(layer, self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}.")
+            raise ModelContractError(f"{resid_hook(layer, hook=self.hook)} has last dim {x.shape[-1]}, "
+                                     f"expected d_model={self.D}.")
         i, a = self.index[layer], x.detach().float().abs()
         flat = a.reshape(a.shape[0], -1)
         v, idx = _top_k(a, self.K)
@@ -361,7 +362,7 @@ def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return v, idx
 
 
-def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
+def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
                         ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
                         median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
     """Check the arguments of ``massive_activations`` and build its accumulator."""
@@ -370,7 +371,7 @@ def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_th
     layers = check_layers(model, layers)
     if not layers:
         raise ValueError("layers is empty: give at least one layer (None means all).")
-    resid_hook(layers[0], hook)
+    resid_hook(layers[0], hook=hook)
     D = model_dims(model).d_model
     if D is None:
         raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
@@ -381,7 +382,7 @@ def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_th
 def massive_activations(
     model,
     tokens,
-    layers: Sequence[int] | None = None,
+    *, layers: Sequence[int] | None = None,
     top_k: int = 3,
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
@@ -402,12 +403,13 @@ def massive_activations(
     first token's whole vector is large, as in SmolLM2). The pass stops after the last layer asked for.
     """
     tokens = check_tokens(model, tokens)
-    acc = massive_accumulator(model, tokens.shape, layers, top_k, abs_threshold, ratio_threshold, min_share, hook,
-                              median_over, kind)
+    acc = massive_accumulator(model, tokens.shape, layers=layers, top_k=top_k, abs_threshold=abs_threshold,
+                              ratio_threshold=ratio_threshold, min_share=min_share, hook=hook, median_over=median_over,
+                              kind=kind)
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
-def first_token_spike_dims(model, tokens, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
+def first_token_spike_dims(model, tokens, *, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
                            ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
                            max_samples: int = SPIKE_SAMPLES) -> dict[int, list[int]]:
     """The one spike finder: {layer: the first token's spike dims} in the residual stream ``hook``
@@ -446,7 +448,7 @@ def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivatio
     return out
 
 
-def kinds_text(results: dict[str, MassiveActivations], skip: str | None = None) -> list[str]:
+def kinds_text(results: dict[str, MassiveActivations], *, skip: str | None = None) -> list[str]:
     """One sentence per input kind (``skip`` left out): its spike dims, or that it has none."""
     return [f"On {kind} tokens: " + (f"spike dims {r.all_spike_dims} at {len(r.spike_dims)} layers (on the first token "
                                      f"at {len(r.first_token_dims)} of them)." if r.has_spike else "no massive activation.")
@@ -485,12 +487,12 @@ class ActivationMap:
         return {"layer": self.layer, "hook": self.hook, "top": self.top().to_dict("records")}
 
 
-def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
+def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
     """|h| over (positions x dims) at ``layer`` for one sequence (``tokens[sample]``)."""
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
     if not 0 <= int(sample) < tokens.shape[0]:
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
-    h = run_pass(model, seq, [Capture(resid_hook(layer, hook), layer, lambda x: x.abs())])[0][0]
+    h = run_pass(model, seq, [Capture(resid_hook(layer, hook=hook), layer, lambda x: x.abs())])[0][0]
     return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))

@@ -105,7 +105,7 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def read_gguf(path: Path, dtype=None):
+def read_gguf(path: Path, *, dtype=None):
     """A Hugging Face model and tokenizer from a local GGUF file, de-quantized by transformers (no network).
 
     The tokenizer comes from the file's metadata, or from tokenizer files in the same folder."""
@@ -162,7 +162,7 @@ def _is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def load_hf(name_or_dir: str, device=None, dtype=None):
+def load_hf(name_or_dir: str, *, device=None, dtype=None):
     """Boot a TransformerBridge around a Hugging Face causal LM (an id or a local folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -202,7 +202,7 @@ def _bridge(src: str, hf, tok, device, name: str):
     return bridge
 
 
-def load_gguf(path: str | os.PathLike, device=None, dtype=None):
+def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
     """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk)."""
     from transformers.utils import logging as hf_logging
 
@@ -212,7 +212,7 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None):
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dtype=None):
+def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
     Returns a model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name``

@@ -51,7 +51,7 @@ from analysis.stats import mean_pairwise_cosine
 # ----------------------------------------------------------------------------------------------
 
 
-def attn_scale(model, d_head: int | None = None) -> float:
+def attn_scale(model, *, d_head: int | None = None) -> float:
     """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
     query_pre_attn_scalar, 1/sqrt(d_head) by default)."""
     return float(get_family(model).attn_scale)
@@ -267,10 +267,10 @@ class NormGainAccumulator(Accumulator):
             self.acc["n_ref"] += n.abs().max().double().cpu()
         kp = p.project(x)
         self._projection(kp, kv_view(acts["k"].detach(), kp.shape[2]).float())
-        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, pos), kp.shape[2])  # (B,T,Hkv,d)
+        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, positions=pos), kp.shape[2])  # (B,T,Hkv,d)
         self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
         k1S = self._first_key(x, kp, used)
-        q = rotate_as_spec(acts["q"].detach(), spec, layer, pos)
+        q = rotate_as_spec(acts["q"].detach(), spec, layer, positions=pos)
         self._scores(q, used, k1S, acts.get("scores"), acts["pattern"].detach().float())
 
     def _residual(self, h, n, x, batch: Batch) -> None:
@@ -431,7 +431,7 @@ def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
     })
 
 
-def key_dims_table(kept: dict, Smask: torch.Tensor, n: int = 8) -> pd.DataFrame:
+def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFrame:
     """The ``n`` residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1
     / |k_1|^2, mean over inputs and KV heads; the shares of all dims and the bias sum to 1)."""
     share = kept["dim_share"].mean(0)  # (D,)
@@ -468,7 +468,7 @@ def constancy(kept: dict) -> dict:
         "cos_first_resid": mean_pairwise_cosine(kept["h1"]), "cos_first_normalised": mean_pairwise_cosine(n1),
         "cos_first_gain": mean_pairwise_cosine(kept["x1"]),
         "cos_first_key": [mean_pairwise_cosine(k1[:, j]) for j in range(k1.shape[1])],
-        "cos_other_normalised": mean_pairwise_cosine(n_o, kept["g_o"]),
+        "cos_other_normalised": mean_pairwise_cosine(n_o, groups=kept["g_o"]),
         "cos_first_other_normalised": float(torch.nn.functional.cosine_similarity(n1.mean(0, keepdim=True), n_o).mean()),
     }
 
@@ -483,7 +483,7 @@ def _spike_message(model, layer: int, S: list[int], found: bool, abs_threshold, 
             "layer (see analysis.massive), lower thresholds, or pass spike_dims.")
 
 
-def trace_layers(first_token_dims: dict[int, list[int]], dim: int, max_runs: int = 2) -> list[int]:
+def trace_layers(first_token_dims: dict[int, list[int]], dim: int, *, max_runs: int = 2) -> list[int]:
     """The middle layer of each of the first ``max_runs`` runs of layers whose input carries ``dim`` on the first
     token (``first_token_dims`` of ``massive_activations(..., hook="resid_pre")``)."""
     with_dim = [l for l, ds in first_token_dims.items() if dim in ds]
@@ -491,7 +491,7 @@ def trace_layers(first_token_dims: dict[int, list[int]], dim: int, max_runs: int
 
 
 def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: int,
-                 attention_layers: Sequence[int] | None = None) -> int:
+                 *, attention_layers: Sequence[int] | None = None) -> int:
     """The sinkiest attention layer (``SinkResult``) whose input carries the first token's spike (block l reads
     ``hook_resid_post`` of l - 1, ``first_token_dims``), else the sinkiest attention layer. ``attention_layers``:
     the layers with an attention pattern (default: all ``n_layers``; hybrids: ``model.family.attention_layers``)."""
@@ -505,7 +505,7 @@ def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: 
     return int(pool.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable").iloc[-1].layer)
 
 
-def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_threshold: float = SPIKE_ABS,
+def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_threshold: float = SPIKE_ABS,
                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, n_other: int = 4,
                           kind: str | None = None) -> tuple[NormGainAccumulator, str]:
     """Check the arguments of ``norm_gain_trace``, find the spike dims if not given; the accumulator and its message."""
@@ -516,8 +516,9 @@ def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_thresh
     path = key_path(model, layer)
     found = spike_dims is None
     if found:
-        spike_dims = first_token_spike_dims(model, tokens, "resid_pre", [layer], abs_threshold, ratio_threshold,
-                                            min_share).get(layer, [])
+        spike_dims = first_token_spike_dims(model, tokens, hook="resid_pre", layers=[layer],
+                                            abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
+                                            min_share=min_share).get(layer, [])
     S = _check_dims(spike_dims, path.W_K.shape[1])
     message = _spike_message(model, layer, S, found, abs_threshold, ratio_threshold, min_share)
     if not S:
@@ -529,7 +530,7 @@ def norm_gain_trace(
     model,
     tokens,
     layer: int,
-    spike_dims: Sequence[int] | None = None,
+    *, spike_dims: Sequence[int] | None = None,
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
     min_share: float = SPIKE_MIN_SHARE,
@@ -550,7 +551,8 @@ def norm_gain_trace(
     the pass then starts at the last kept block at or before ``layer`` instead of at the embedding.
     """
     tokens = check_tokens(model, tokens)
-    acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims, abs_threshold, ratio_threshold, min_share,
-                                         n_other, kind)
+    acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims=spike_dims, abs_threshold=abs_threshold,
+                                         ratio_threshold=ratio_threshold, min_share=min_share, n_other=n_other,
+                                         kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
     return acc.result(message)

@@ -90,7 +90,7 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
         "qk": lambda: [QKAccumulator(model, layers, kind)],
         "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
         "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
-        "baseline": lambda: baseline_accumulators(model, T, eps),
+        "baseline": lambda: baseline_accumulators(model, T, eps=eps),
         "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
         "resid": lambda: _resid_capture(model, tokens, budget_mib),
         "origin": lambda: [SpikeOriginAccumulator(model, kind)],
@@ -129,7 +129,7 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
             if got.get("resid"):
                 out.resid = got["resid"][0]
             if "baseline" in got:
-                out.baseline = baseline_from(got["baseline"], out.resid)
+                out.baseline = baseline_from(got["baseline"], resid=out.resid)
             if got.get("origin"):
                 out.origin = origin_from(model, got["origin"][0], massive=out.massive[kind], kind=kind)
     return out

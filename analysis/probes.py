@@ -89,7 +89,8 @@ def stdlib_texts(modules: Sequence[str] = STDLIB_MODULES) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
-def hf_dataset_texts(name: str, split: str = "train", text_field: str = "text", n_texts: int = 2000, **kwargs) -> list[str]:
+def hf_dataset_texts(name: str, *, split: str = "train", text_field: str = "text", n_texts: int = 2000,
+                     **kwargs) -> list[str]:
     """Texts from a Hugging Face dataset (needs a network, or a local folder/file builder)."""
     try:
         import datasets
@@ -107,7 +108,8 @@ def hf_dataset_texts(name: str, split: str = "train", text_field: str = "text", 
     return texts
 
 
-def text_probe(tokenizer, texts: Iterable[str], n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, source: str = "texts") -> ProbeSet:
+def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+               source: str = "texts") -> ProbeSet:
     """N windows of T tokens cut at seeded offsets from the concatenated, tokenized texts."""
     _check_nt(n, T, bos)
     texts = [t for t in texts if t and t.strip()]
@@ -161,7 +163,8 @@ def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | No
     return torch.tensor([ids], dtype=torch.long)
 
 
-def natural_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None) -> ProbeSet:
+def natural_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                  texts: Iterable[str] | None = None) -> ProbeSet:
     """Natural text: the offline standard-library docstring corpus unless ``texts`` is given."""
     source = "stdlib docstrings" if texts is None else "texts"
     return text_probe(tokenizer, stdlib_texts() if texts is None else texts, n=n, T=T, bos=bos, seed=seed, source=source)
@@ -176,7 +179,8 @@ def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
     return ids
 
 
-def random_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None) -> ProbeSet:
+def random_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                 vocab_size: int | None = None) -> ProbeSet:
     """Tokens drawn uniformly over the vocabulary, special tokens excluded."""
     _check_nt(n, T, bos)
     ids = _allowed_ids(tokenizer, vocab_size)
@@ -185,7 +189,8 @@ def random_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: 
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
-def repeated_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None) -> ProbeSet:
+def repeated_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                   vocab_size: int | None = None) -> ProbeSet:
     """One token repeated T times per sequence (a different random token for each sequence)."""
     _check_nt(n, T, bos)
     ids = _allowed_ids(tokenizer, vocab_size)
@@ -194,7 +199,7 @@ def repeated_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed
     return ProbeSet("repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated")
 
 
-def make_probe(kind: str, tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
+def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
     """One of ``PROBE_KINDS`` by name."""
     makers = {"natural": natural_probe, "random": random_probe, "repeated": repeated_probe}
     if kind not in makers:
@@ -204,12 +209,13 @@ def make_probe(kind: str, tokenizer, n: int = 100, T: int = 64, bos: bool = Fals
     return makers[kind](tokenizer, n=n, T=T, bos=bos, seed=seed)
 
 
-def probe_sets(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
+def probe_sets(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+               kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
     """The paper's three probe kinds (natural, random, repeated), same N, T, BOS and seed."""
     return {k: make_probe(k, tokenizer, n=n, T=T, bos=bos, seed=seed) for k in kinds}
 
 
-def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
+def task_probe_sets(model, *, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
     """The three probe kinds for a reference model trained on a token task without a tokenizer (the synthetic
     bigram-copy task of ``analysis.train``): ``natural`` is held-out sequences of the task itself (seed
     ``seed``; training used another seed), ``random`` tokens uniform over the task's content tokens, and
@@ -237,7 +243,7 @@ def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[
     }
 
 
-def model_probe_sets(model, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
+def model_probe_sets(model, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
     """``probe_sets`` from the model's tokenizer, or, for a tokenizer-less reference model of the synthetic
     task, ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``)."""
     tokenizer = getattr(model, "tokenizer", None)

@@ -117,7 +117,7 @@ class QKAccumulator(Accumulator):
     ``layers``: attention layers (None: all of them; a non-attention layer raises ValueError)."""
 
     def __init__(self, model, layers=None, kind: str | None = None):
-        self.model, self.layers, self.kind = model, attention_layers_of(model, layers), kind
+        self.model, self.layers, self.kind = model, attention_layers_of(model, layers=layers), kind
         self.spec = get_family(model)
         self.H = model_dims(model).n_heads
         L = len(self.layers)
@@ -164,10 +164,10 @@ class QKAccumulator(Accumulator):
                         skipped=self.spec.skipped_text())
 
 
-def qk_angles(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
+def qk_angles(model, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
     """Cosines between queries and the first key against the other keys, per head of each attention layer
     (``layers``: default all attention layers), streamed."""
-    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
+    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")

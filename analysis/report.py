@@ -70,7 +70,7 @@ class ReportError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 
 
-def figure_html(fig, caption: str = "", dpi: int = 90) -> str:
+def figure_html(fig, *, caption: str = "", dpi: int = 90) -> str:
     """A matplotlib figure as an inline base64 PNG ``<figure>``; closes the figure. The figure functions lay
     themselves out (fixed margins, ``analysis.figures.layout``), so it is drawn once, not measured by a draw first
     (``bbox_inches="tight"``). Glyphs are drawn unhinted (about a tenth of the drawing time saved; at 90 dpi they look
@@ -86,7 +86,7 @@ def figure_html(fig, caption: str = "", dpi: int = 90) -> str:
     return f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}"/>{cap}</figure>'
 
 
-def table_html(df: pd.DataFrame, digits: int = 3, max_rows: int = 40) -> str:
+def table_html(df: pd.DataFrame, *, digits: int = 3, max_rows: int = 40) -> str:
     if len(df) > max_rows:
         df = df.head(max_rows)
     return df.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", classes="tbl", border=0, escape=True)
@@ -127,7 +127,7 @@ class Section:
     def figure(self, make: Callable, caption: str) -> None:
         """Add a figure; one that fails is shown with its error and fails the report (its numbers stay in the JSON)."""
         try:
-            self.parts.append(figure_html(make(), caption))
+            self.parts.append(figure_html(make(), caption=caption))
         except Exception as e:  # noqa: BLE001 - the page keeps the other figures; build_report raises at the end
             self.error(f"figure '{caption}'", e)
 
@@ -257,12 +257,13 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
 
     first = ctx.massive.first_token_dims  # hook_resid_post: block l reads the spikes of layer l - 1
     layer = choose_layer(ctx.profile.sink.get("natural"), first, ctx.dims.n_layers,
-                         get_family(ctx.model).attention_layers)
+                         attention_layers=get_family(ctx.model).attention_layers)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tr = norm_gain_trace(ctx.model, ctx.natural, layer, first.get(layer - 1, []), batch_size=ctx.batch_size,
-                                 kind="natural", resid=ctx.profile.resid)  # starts at the profile's residual there
+            # starts at the profile's residual there
+            tr = norm_gain_trace(ctx.model, ctx.natural, layer, spike_dims=first.get(layer - 1, []),
+                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid)
     except ModelContractError as e:
         sec.note(f"No norm gain to trace in {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
@@ -489,8 +490,8 @@ def _dormant(ctx: _Context, sec: Section) -> None:
         sec.parts.append(table_html(res.layer_table(), digits=2))
     heads = res.example_heads(4)
     if heads:
-        sec.figure(lambda: plot_sink_vs_norm(res, heads), "attention on the sink against the head's output norm, one "
-                   "point per query, coloured by the loss effect (natural text)")
+        sec.figure(lambda: plot_sink_vs_norm(res, heads=heads), "attention on the sink against the head's output norm, "
+                   "one point per query, coloured by the loss effect (natural text)")
     sec.figure(lambda: plot_head_correlations(res), "per head: Spearman rho of the sink attention with the output norm "
                "and with the loss effect")
 

@@ -19,7 +19,7 @@ import torch
 from analysis.hooks import ModelContractError
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype=torch.float32, style: str = "half"):
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, *, dtype=torch.float32, style: str = "half"):
     """cos, sin (T, rot_dim) at ``positions`` (T,), computed in float64: the rotate-half layout (angles repeated
     as [a_0..a_{rd/2-1}, a_0..a_{rd/2-1}]) or the interleaved one ([a_0, a_0, a_1, a_1, ...])."""
     inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
@@ -38,7 +38,7 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, rot_dim: int | None = None,
+def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, *, rot_dim: int | None = None,
            style: str = "half") -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
     (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
@@ -53,7 +53,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, rot_dim: int |
     return torch.cat([xr * cos + turn(xr) * sin, xp], -1)
 
 
-def apply_spec_rotary(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The spec's rotary of ``layer`` (dim, pairing, base) on unrotated queries/keys x (B, T, heads, d_head) at
     ``positions`` (default 0..T-1); the identity (as float32) for models without rotary (ALiBi, absolute, none)."""
     if not spec.rotary:
@@ -64,10 +64,10 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, positions: torch.Tensor
                                  f"layer {layer} is unknown (model.family.rotary_bases, rotary_dim).")
     if positions is None:
         positions = torch.arange(x.shape[-3])
-    return rotate(x, positions, base, spec.rotary_dim, spec.rotary_style or "half")
+    return rotate(x, positions, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half")
 
 
-def rotate_as_spec(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | None = None,
+def rotate_as_spec(x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None,
                    rotated: bool = True) -> torch.Tensor:
     """Queries or keys read from ``spec.query_hook(layer)`` / ``spec.key_hook(layer)`` ((B, T, heads, d_head)) as
     the attention uses them, float32, at ``positions`` (default 0..T-1).
@@ -81,4 +81,4 @@ def rotate_as_spec(x: torch.Tensor, spec, layer: int, positions: torch.Tensor | 
         return x.float()
     if positions is None:
         positions = torch.arange(x.shape[-3])
-    return apply_spec_rotary(x, spec, layer, positions if rotated else -positions)
+    return apply_spec_rotary(x, spec, layer, positions=positions if rotated else -positions)

@@ -259,7 +259,7 @@ def check_k_max(k_max: int | None, T: int) -> int:
 def sink_metric(
     model,
     tokens,
-    eps: float = DEFAULT_EPS,
+    *, eps: float = DEFAULT_EPS,
     k_max: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
@@ -280,7 +280,7 @@ def sink_metric(
                      path=path)[0]
 
 
-def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulator]] = list, *, eps: float = DEFAULT_EPS,
+def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = DEFAULT_EPS,
               k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
               path: str = "auto") -> tuple[SinkResult, list]:
     """The sink metric and other analyses from one pass of ``model`` over ``tokens`` (N, T).
@@ -302,7 +302,8 @@ def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulato
     if path != "eager":
         try:
             accs = list(make_accumulators())
-            res = sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind, accumulators=accs)
+            res = sink_metric_fused(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress,
+                                    kind=kind, accumulators=accs)
             return res, [a.result() for a in accs]
         except FusedUnsupported as e:
             if path == "fused":
@@ -316,8 +317,8 @@ def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulato
     return res, rest
 
 
-def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
-                      batch_size: int | None = None, progress: bool = False, kind: str | None = None, *,
+def sink_metric_fused(model, tokens, *, eps: float | None = None, k_max: int | None = None,
+                      batch_size: int | None = None, progress: bool = False, kind: str | None = None,
                       accumulators: Sequence[Accumulator] = ()) -> SinkResult:
     """``sink_metric`` through the fused pass (``analysis.fused_sink.fused_alpha``): the same ``SinkResult``, no
     T x T map built. ``accumulators`` reading ``hook_resid_post`` are fed in the same pass. Raises
@@ -326,13 +327,14 @@ def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None
     tokens = check_fused_tokens(model, tokens)
     T = tokens.shape[1]
     eps = check_eps(DEFAULT_EPS if eps is None else eps)
-    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress, accumulators=accumulators)
+    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size=batch_size, progress=progress,
+                        accumulators=accumulators)
     skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
     return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
                       layers=fused_layers(model), skipped=skipped)
 
 
-def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:
+def sink_table_text(results: dict[str, SinkResult], *, k: int = 1) -> str:
     """Sink_k across input kinds in one sentence."""
     first = next(iter(results.values()))
     rates = [f"{r.sink_rate(k):.1f}% on {kind} inputs" for kind, r in results.items()]
@@ -340,7 +342,7 @@ def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:
     return f"Sink_{k} (eps = {first.eps:g}) is {listed} (N = {first.n_samples} sequences of T = {first.T} tokens, no BOS)."
 
 
-def sink_table(results: dict[str, SinkResult], k: int = 1) -> pd.DataFrame:
+def sink_table(results: dict[str, SinkResult], *, k: int = 1) -> pd.DataFrame:
     """Sink_k (%) for each named result (e.g. natural / random / repeated)."""
     return pd.DataFrame(
         {"input": list(results), f"Sink_{k} (%)": [r.sink_rate(k) for r in results.values()]}

@@ -151,7 +151,7 @@ class SinkContext(Result):
         return path
 
 
-def load_sink_context(path, model_name: str | None = None) -> SinkContext:
+def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
     """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv``: a path, or the name of a model whose run is
     committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``)."""
     path = Path(path)

@@ -94,7 +94,7 @@ def check_sink_positions(sink_positions, tokens: torch.Tensor):
     return tuple(pos)
 
 
-def first_query(sink_positions, eps: float = SINK_EPS) -> int:
+def first_query(sink_positions, *, eps: float = SINK_EPS) -> int:
     """The first query position (0-based) the statistics use: after every fixed sink position, and seeing enough keys
     that uniform attention does not count as sinking: with k sink keys, query t puts k / (t + 1) on them under
     uniform attention, at most eps from t = ceil(k / eps - 1) on (t = 3 for one sink and eps = 0.3). With a mask, k is
@@ -115,7 +115,7 @@ def check_heads(model, heads) -> list[tuple[int, int]]:
         raise ValueError(f"heads must be (layer, head) pairs, e.g. [(3, 0), (12, 5)]; got {heads!r}.") from None
     if not pairs:
         raise ValueError("heads is empty; give at least one (layer, head) pair.")
-    attention_layers_of(model, [l for l, _ in pairs])  # raises on a layer out of range or without attention
+    attention_layers_of(model, layers=[l for l, _ in pairs])  # raises on a layer out of range or without attention
     bad = [(l, h) for l, h in pairs if not 0 <= h < H]
     if bad:
         raise ValueError(f"heads {bad} out of range: this model has query heads 0..{H - 1}.")
@@ -220,7 +220,7 @@ class DormantHeads(Result, LayerAxis):
     @property
     def query_positions(self) -> list[int]:
         """0-based query positions the statistics use: after the sink, before the last token."""
-        return list(range(first_query(self.sink_positions, self.eps), self.T - 1))
+        return list(range(first_query(self.sink_positions, eps=self.eps), self.T - 1))
 
     @property
     def has_slot(self) -> bool:
@@ -745,7 +745,7 @@ def dormant_heads(
     if T < 3:
         raise ValueError(f"T={T} is too short: give T >= 3 tokens (a sink, a query, and a token to predict after it).")
     sinks = check_sink_positions(sink_positions, tokens)
-    layers = attention_layers_of(model, layers)
+    layers = attention_layers_of(model, layers=layers)
     if not layers:
         raise ModelContractError("this model has no attention layers to measure.")
     if active is not None:
@@ -754,11 +754,11 @@ def dormant_heads(
             raise ValueError(f"active must be an (N, T) bool mask like the tokens {(N, T)}; got {tuple(active.shape)}.")
     grams = output_grams(model, layers)
     raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
-    first = first_query(sinks, eps)
+    first = first_query(sinks, eps=eps)
     if first > T - 2:
         raise ValueError(f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
                          f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}.")
-    z_mean = head_means(model, tokens, layers, first, batch_size=batch_size) if mean_ablation else None
+    z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
     bs = batch_size or grad_batch_size(T)
     device = model_device(model)
     chunks: dict[str, list[torch.Tensor]] = {}
@@ -823,10 +823,10 @@ class _HeadMeans(Accumulator):
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
-def head_means(model, tokens, layers: Sequence[int], first: int = 1, *, batch_size: int | None = None) -> torch.Tensor:
+def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
     """Each head's mean output z over the queries ``first``..T-2 (0-based) of every sequence, (L, H, d_head): the
     value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``."""
-    return run_pass(model, check_tokens(model, tokens), [_HeadMeans(attention_layers_of(model, layers), first)],
+    return run_pass(model, check_tokens(model, tokens), [_HeadMeans(attention_layers_of(model, layers=layers), first)],
                   batch_size=batch_size)[0]
 
 
@@ -1030,7 +1030,7 @@ def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: D
         raise ValueError(f"layers {missing} are not in the result (it holds {result.layers}).")
     if ablation == "mean" and result.effect_mean is None:
         raise ValueError("the result has no mean-ablation effects; compute it with dormant_heads(..., mean_ablation=True).")
-    first = first_query(result.sink_positions, result.eps)
+    first = first_query(result.sink_positions, eps=result.eps)
     qs = check_queries(queries, tokens.shape[1], first)
     values = torch.stack([result.z_mean[result.pos(l), h] for l, h in pairs]) if ablation == "mean" else None
     exact = removal_effects(model, tokens, pairs, queries=qs, first=first, values=values, resid=resid,

@@ -408,7 +408,7 @@ def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
     return k, w_out, const
 
 
-def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, role: str = "writer") -> MlpNeurons:
+def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
     """The neurons of block ``block``'s dense MLP on ``dim`` (:class:`MlpNeurons`) from the trace of a pass."""
     spec = get_mlp(model)
     W = mlp_weights(model, block)
@@ -422,7 +422,7 @@ def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, role: str =
                       spec.output)
 
 
-def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, role: str = "writer") -> ExpertWrites:
+def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
     """Which routed experts of block ``block`` write on ``dim`` for the first token (:class:`ExpertWrites`)."""
     idx, slots, rest = expert_writes(model, block, trace.mlp_in[block])
     N = idx.shape[0]
@@ -697,7 +697,7 @@ def _check_blocks(blocks, L: int) -> list[int] | None:
     return blocks
 
 
-def origin_from(model, trace: FirstTokenTrace, dims: Sequence[int] | None = None, *, massive=None,
+def origin_from(model, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
                 blocks: Sequence[int] | None = None, share: float = SPIKE_WRITE_SHARE, min_write: float | None = None,
                 kind: str | None = None) -> SpikeOrigin:
     """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
@@ -756,7 +756,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
     """Add the neurons (dense MLP) or experts (mixture of experts) of ``block`` on ``dim`` to ``out``, or a note."""
     tr = out.trace
     if spec.has_neurons(block):
-        n = mlp_neurons(model, tr, dim, block, role)
+        n = mlp_neurons(model, tr, dim, block, role=role)
         out.neurons.append(n)
         if role == "writer" and spec.kind == "gated":
             W = mlp_weights(model, block)
@@ -768,7 +768,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
                              "of two projections, so the quadratic-form view does not apply.")
     elif block in spec.moe_layers:
         try:
-            out.experts.append(moe_experts(model, tr, dim, block, role))
+            out.experts.append(moe_experts(model, tr, dim, block, role=role))
         except ValueError as e:
             out.notes.append(f"MLP {block} is a mixture of experts whose experts could not be run one by one ({e}).")
     else:
@@ -828,5 +828,5 @@ def spike_origin(
                                         min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))
     got = run_pass(model, tokens, accs, batch_size=batch_size)
     massive = got[1] if dims is None else None
-    return origin_from(model, got[0], dims, massive=massive, blocks=blocks, share=share,
+    return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share,
                        min_write=abs_threshold if dims is None else None, kind=kind)

@@ -17,7 +17,7 @@ def pair_cosine(unit_sum: torch.Tensor, n: int) -> torch.Tensor:
     return (((unit_sum * unit_sum).sum(-1) - n) / (n * (n - 1))).float()
 
 
-def mean_pairwise_cosine(x: torch.Tensor, groups: torch.Tensor | None = None) -> float:
+def mean_pairwise_cosine(x: torch.Tensor, *, groups: torch.Tensor | None = None) -> float:
     """Mean cosine over pairs of different rows of ``x`` (n, d); with ``groups`` (n,), only over pairs from
     different groups (e.g. tokens of different sequences)."""
     if x.shape[0] < 2:
@@ -29,7 +29,7 @@ def mean_pairwise_cosine(x: torch.Tensor, groups: torch.Tensor | None = None) ->
     return float((u @ u.T)[mask].mean()) if mask.any() else float("nan")
 
 
-def lower_median(x: torch.Tensor, dim: int = -1, overwrite: bool = False, nonnegative: bool = False) -> torch.Tensor:
+def lower_median(x: torch.Tensor, *, dim: int = -1, overwrite: bool = False, nonnegative: bool = False) -> torch.Tensor:
     """``x.median(dim).values`` (the lower of the two middle values for an even count; NaN where a slice holds a
     NaN), found by selection (``numpy.partition``) on the CPU instead of torch's full sort: ~5x faster on long
     slices. ``overwrite``: partition x itself (a scratch tensor: its order along ``dim`` is lost), saving a copy.
@@ -52,7 +52,7 @@ def lower_median(x: torch.Tensor, dim: int = -1, overwrite: bool = False, nonneg
     return torch.from_numpy(med)
 
 
-def unit_vectors(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_vectors(x: torch.Tensor, *, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(``torch.nn.functional.normalize(x, dim=dim)``, ``x.norm(dim=dim)``): the unit vectors, bit for bit as
     ``normalize`` makes them, and the norms they were divided by, from one norm computation."""
     norm = x.norm(dim=dim, keepdim=True)

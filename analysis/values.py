@@ -43,7 +43,7 @@ REDUCTIONS = ("mean", "max")
 
 def _reduce_groups(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
     """(L, H) per query head -> (L, H_kv): mean or max over the query heads of each KV head."""
-    return group_reduce(x, group_size, _check_reduce(how))
+    return group_reduce(x, group_size, how=_check_reduce(how))
 
 
 def correlation(x, y) -> dict:
@@ -293,7 +293,7 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
 def value_norms(
     model,
     tokens,
-    sink: SinkResult | None = None,
+    *, sink: SinkResult | None = None,
     layers=None,
     reduce: str = "mean",
     batch_size: int | None = None,
@@ -307,7 +307,7 @@ def value_norms(
     """
     reduce = _check_reduce(reduce)
     dims = model_dims(model)
-    layers = attention_layers_of(model, layers)
+    layers = attention_layers_of(model, layers=layers)
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")

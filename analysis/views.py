@@ -28,14 +28,14 @@ class OfflineHTML:
 def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     """The attention maps of one attention layer (its true index; a hybrid's linear-attention / Mamba layers have
     none: ValueError naming the attention layers) for ONE sequence: (H, T, T)."""
-    (layer,) = attention_layers_of(model, [layer])
+    (layer,) = attention_layers_of(model, layers=[layer])
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")
     return run_pass(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
 
 
-def attention_view_html(model, tokens, layer: int, heads: list[int] | None = None) -> str:
+def attention_view_html(model, tokens, layer: int, *, heads: list[int] | None = None) -> str:
     """Self-contained circuitsvis HTML (inline JS, no CDN) of one layer's attention on one sequence."""
     import circuitsvis as cv
 
@@ -48,6 +48,6 @@ def attention_view_html(model, tokens, layer: int, heads: list[int] | None = Non
     return rendered.local_src
 
 
-def attention_view(model, tokens, layer: int, heads: list[int] | None = None) -> OfflineHTML:
+def attention_view(model, tokens, layer: int, *, heads: list[int] | None = None) -> OfflineHTML:
     """For notebooks: an offline circuitsvis attention view."""
-    return OfflineHTML(attention_view_html(model, tokens, layer, heads))
+    return OfflineHTML(attention_view_html(model, tokens, layer, heads=heads))

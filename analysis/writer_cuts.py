@@ -275,8 +275,8 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
     for role, mode, chosen, draw, neurons in runs:
         start = min(neurons) if neurons else L - 1
         setter = NeuronSetter(model, neurons, mode or "zero", origin.trace.act_other, dims, start)
-        r = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start_batch,
-                          baseline=base)
+        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=setter.start_batch, baseline=base)
         after = torch.cat(setter.values)  # (N, L - start, n_dims): the stream after blocks start..L-1
         full = torch.cat([vals[:, 1 : start + 1], after], 1)  # (N, L, n_dims): entering blocks 1..L-1, then final
         loss_first = float(torch.cat(setter.nll).mean()) if setter.nll else float("nan")

@@ -10,7 +10,7 @@ import pandas as pd
 from analysis.train.sweep import grid_label
 
 
-def grid_figure(runs: pd.DataFrame, field: str, metrics: Sequence[str] = ("sink_1",), *,
+def grid_figure(runs: pd.DataFrame, field: str, *, metrics: Sequence[str] = ("sink_1",),
                 paper: Optional[Mapping] = None, title: str = "", labels: Optional[Mapping[str, str]] = None):
     """Each metric (percent) against the values of ``field``: one dot per seed, the mean as a bar, and the
     paper's figure for the same value beside it (``paper``: {value: percent}) where given."""
@@ -38,7 +38,7 @@ def grid_figure(runs: pd.DataFrame, field: str, metrics: Sequence[str] = ("sink_
     return fig
 
 
-def curves_figure(curves: pd.DataFrame, field: Optional[str] = None, metric: str = "sink_1", *, title: str = ""):
+def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: str = "sink_1", title: str = ""):
     """``metric`` through training (mean over seeds, shaded min-max), one line per value of ``field``."""
     fig, ax = plt.subplots(figsize=(6, 3.6))
     groups = [(None, curves)] if field is None else list(curves.groupby(field, sort=False, dropna=False))

@@ -15,7 +15,7 @@ def example_sample(res: SinkPositions) -> int:
     return int(later["sample"].iloc[0]) if len(later) else 0
 
 
-def plot_sink_positions(res: SinkPositions, sample: int | None = None, ax=None):
+def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=None):
     """One sequence: at each position, the number of heads where it is a sink (alpha_k > eps), and its largest alpha
     over heads; the sink positions are labelled with their tokens."""
     sample = example_sample(res) if sample is None else int(sample)
@@ -43,7 +43,7 @@ def plot_sink_positions(res: SinkPositions, sample: int | None = None, ax=None):
     return fig
 
 
-def plot_later_sink_heads(res: SinkPositions, ax=None):
+def plot_later_sink_heads(res: SinkPositions, *, ax=None):
     """Heatmap per (layer, head): the share of sequences in which the head sinks on a position after the first."""
     fig, ax, own = new_or_given(ax, (4.5, 6))
     df = res.per_head()
@@ -59,7 +59,7 @@ def plot_later_sink_heads(res: SinkPositions, ax=None):
     return fig
 
 
-def plot_cos_first(res: SinkPositions, ax=None):
+def plot_cos_first(res: SinkPositions, *, ax=None):
     """Cosine of the hidden state to the first token's, per layer: the later sink positions (median and 10-90%
     band) against the other later positions, with the threshold of a secondary sink."""
     fig, ax, own = new_or_given(ax, (6, 3.2))
@@ -88,7 +88,7 @@ def _band(ax, x, df, rate: str, label: str, color, marker="o"):
     ax.fill_between(x, df[f"{rate}_min"], df[f"{rate}_max"], color=color, alpha=0.2, lw=0)
 
 
-def plot_sink_vs_context(ctx: SinkContext, eps=(0.3, BARBERO_EPS), ax=None):
+def plot_sink_vs_context(ctx: SinkContext, *, eps=(0.3, BARBERO_EPS), ax=None):
     """Sink_1 and the share of (sample, layer, head) sinking on a later position against T (log scale), at each
     eps; lines are the mean over probe seeds, bands their min-max."""
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
@@ -108,7 +108,7 @@ def plot_sink_vs_context(ctx: SinkContext, eps=(0.3, BARBERO_EPS), ax=None):
     return fig
 
 
-def plot_sink_vs_eps(ctx: SinkContext, T: int | None = None, ax=None):
+def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     """Sink_1 and the secondary share against eps at context length T (default the largest), mean over seeds with
     the min-max band."""
     fig, ax, own = new_or_given(ax, (5, 3.2))

@@ -19,7 +19,8 @@ def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
 VIEWS = ("pca", "axis")
 
 
-def plot_key_pca(km: KeyManifold, heads: list[tuple[int, int]] | None = None, views=VIEWS, max_sequences: int | None = None):
+def plot_key_pca(km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS,
+                 max_sequences: int | None = None):
     """Every key of each scatter head (default: all in ``km.scatter``, e.g. a sink and a non-sink head) in 2-D,
     coloured by position, the first keys marked with red crosses. One column per head, one row per view:
     ``"pca"``, a PCA fit on all keys; ``"axis"``, the first-key axis (the line from the other keys' mean to the

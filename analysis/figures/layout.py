@@ -84,7 +84,7 @@ class FewDecadesMinorLocator(LogLocator):
         return super().tick_values(vmin, vmax)
 
 
-def set_log_scale(ax, which: str = "y") -> None:
+def set_log_scale(ax, *, which: str = "y") -> None:
     """``ax.set_yscale("log")`` (``which="x"``: the x axis) with :func:`log_axis_ticks`."""
     getattr(ax, f"set_{which}scale")("log")
     log_axis_ticks(getattr(ax, f"{which}axis"))
@@ -99,7 +99,7 @@ def log_axis_ticks(axis) -> None:
     axis.set_minor_locator(FewDecadesMinorLocator())
 
 
-def flat_bars(ax, x, height, width: float = 0.8, **kwargs):
+def flat_bars(ax, x, height, *, width: float = 0.8, **kwargs):
     """Bars from 0 at increasing ``x`` (at least ``width`` apart), no edges: the picture of
     ``ax.bar(x, height, width, **kwargs)``, drawn as one filled ``ax.stairs`` patch with zero steps between the
     bars, so one artist instead of a Rectangle per bar (each about 0.8 ms to make and draw). NaN heights draw

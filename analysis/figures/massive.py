@@ -9,7 +9,7 @@ from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, se
 from analysis.massive import ActivationMap, MassiveActivations
 
 
-def plot_top_activations(result: MassiveActivations, ax=None, title: str | None = None):
+def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | None = None):
     """Top-1/2/3 |activation| and the median per layer (means over samples), log scale (Sun et al., Fig. 1)."""
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     df = result.per_layer
@@ -26,7 +26,7 @@ def plot_top_activations(result: MassiveActivations, ax=None, title: str | None 
     return fig
 
 
-def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=None, label_top: int = 3):
+def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, ax=None, label_top: int = 3):
     """|h| over positions x dims at one layer for one sequence, log colour scale; the top dims are labelled."""
     fig, ax, own = new_or_given(ax, (8, 4.0))
     v = amap.values.numpy()
@@ -53,7 +53,8 @@ def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=
     return fig
 
 
-def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], dims: list[int] | None = None, max_dims: int = 4):
+def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], *, dims: list[int] | None = None,
+                            max_dims: int = 4):
     """Per input kind: the first token's mean |h_d| across layers for the spike dims (solid), and the mean
     over samples of the largest |h_d| at any other position (dashed)."""
     if dims is None:

@@ -8,7 +8,7 @@ from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set
 from analysis.norm_gain import NormGainTrace
 
 
-def plot_stage_shares(trace: NormGainTrace, ax=None):
+def plot_stage_shares(trace: NormGainTrace, *, ax=None):
     """Share of |v|^2 held by the spike dims at each stage of the key path, first token against ordinary tokens."""
     fig, ax, own = new_or_given(ax, (5.5, 3.2))
     st = trace.stages
@@ -26,7 +26,7 @@ def plot_stage_shares(trace: NormGainTrace, ax=None):
     return fig
 
 
-def plot_gain_profile(trace: NormGainTrace, top: int = 3):
+def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
     """Top: the first token's mean normalised vector |n_1,d| against ordinary tokens' mean |n_t,d|.
     Bottom: the ln1 gain g_d, spike dims marked."""
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True)
@@ -58,7 +58,7 @@ def plot_gain_profile(trace: NormGainTrace, top: int = 3):
     return fig
 
 
-def plot_head_attribution(trace: NormGainTrace, ax=None):
+def plot_head_attribution(trace: NormGainTrace, *, ax=None):
     """Per head: alpha_1 as is, with k_1 rebuilt from the spike dims alone, and with them removed from k_1."""
     fig, ax, own = new_or_given(ax, (6.5, 3.2))
     h = trace.heads
@@ -75,7 +75,7 @@ def plot_head_attribution(trace: NormGainTrace, ax=None):
     return fig
 
 
-def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, ax=None):
+def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None):
     """Mean pairwise cosine across inputs of the first token's vectors (h, norm(h), g*norm(h), k_1) against
     ordinary tokens' normalised vectors, for one or several traces."""
     if isinstance(traces, NormGainTrace):

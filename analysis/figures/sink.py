@@ -8,7 +8,7 @@ from analysis.qk import QKAngles
 from analysis.sink import SinkResult
 
 
-def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
+def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Bar chart of Sink_k (%) per input kind."""
     fig, ax, own = new_or_given(ax, (4.5, 3.2))
     names = list(results)
@@ -23,7 +23,7 @@ def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
     return fig
 
 
-def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
+def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
     """Heatmap of mean alpha_k per (layer, head)."""
     fig, ax, own = new_or_given(ax, (4.5, 6))
     a = result.per_head_alpha[..., k - 1].numpy()
@@ -38,7 +38,7 @@ def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
     return fig
 
 
-def plot_sink_by_layer(results: dict[str, SinkResult], k: int = 1, ax=None):
+def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Sink_k (%) per layer for each input kind."""
     fig, ax, own = new_or_given(ax, (6, 3.2))
     for name, res in results.items():
@@ -51,7 +51,7 @@ def plot_sink_by_layer(results: dict[str, SinkResult], k: int = 1, ax=None):
     return fig
 
 
-def plot_qk_angles(angles: QKAngles, head: tuple[int, int] | None = None):
+def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     """Left: per layer, mean cos(q_t, k_1) and cos(q_t, k_j>1) (averaged over heads), with key norms.
     Right: the two cosine distributions for one head (default: the head with the largest gap)."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))

@@ -19,7 +19,7 @@ def _x_signal(res: DormantHeads) -> str:
     return "sink"
 
 
-def plot_sink_vs_norm(res: DormantHeads, heads: list[tuple[int, int]] | None = None, max_heads: int = 4):
+def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None = None, max_heads: int = 4):
     """One panel per head: each measured (sequence, query) as a point, its attention on the sink (or slot, or total
     weight) against the head's output norm (log), coloured by |loss effect| (gradient x activation, log)."""
     heads = heads or res.example_heads(max_heads)

@@ -21,7 +21,7 @@ def _main_dim(origin: SpikeOrigin, dim: int | None) -> int:
     return max(origin.dims, key=lambda d: float(origin.values(d).abs().max()))
 
 
-def plot_spike_path(origin: SpikeOrigin, dim: int | None = None, ax=None):
+def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     """The first token's value of ``dim`` entering each block (line; the other tokens' largest |value| dashed) with
     each block's attention and MLP writes on it as bars, on a symmetric log axis; writers and erasers labelled."""
     d = _main_dim(origin, dim)
@@ -52,7 +52,7 @@ def plot_spike_path(origin: SpikeOrigin, dim: int | None = None, ax=None):
     return fig
 
 
-def plot_neuron_contributions(origin: SpikeOrigin, dim: int | None = None, top: int = 12, role: str = "writer"):
+def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
     """Per writing (``role="eraser"``: erasing) MLP on ``dim``: the ``top`` neurons' contributions to its write on the
     first token (bars) and their cumulative share of the write (line), 90% and 99% marked."""
     d = _main_dim(origin, dim)
@@ -78,7 +78,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, dim: int | None = None, top: 
     return fig
 
 
-def plot_spectrum(origin: SpikeOrigin, dim: int | None = None, top: int = 40):
+def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40):
     """Per writing gated MLP on ``dim``: the |eigenvalues| of A_d's symmetric part by rank (log scale; positive and
     negative ones coloured), with the top direction's share and its |cos| with the first token's MLP input."""
     d = _main_dim(origin, dim)
@@ -100,7 +100,8 @@ def plot_spectrum(origin: SpikeOrigin, dim: int | None = None, top: int = 40):
     return fig
 
 
-def plot_first_token_cause(cause: FirstTokenCause, dim: int | None = None, block: int | None = None, factor: str | None = None):
+def plot_first_token_cause(cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None,
+                           factor: str | None = None):
     """One writer neuron's gate (or pre-activation) over what feeds it: each component's part on the first token
     and on the same token later (bars), the pre-activation total last."""
     c = cause.contributions
@@ -125,7 +126,7 @@ def plot_first_token_cause(cause: FirstTokenCause, dim: int | None = None, block
     return fig
 
 
-def plot_spike_cuts(cuts: SpikeCuts, dim: int | None = None):
+def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     """Per condition: the share of the spike kept where it peaks, the dim's value after the last block (what the
     unembedding sees: erasers), Sink_1 and the loss; random draws as their mean with min-max bars."""
     s = cuts.summary

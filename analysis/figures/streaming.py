@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def plot_log_ppl(result, labels=None, bin: int = 32, ax=None):
+def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
     """Log-perplexity against position, one line per policy; the dotted line is where token 1 leaves a
     window cache (position window + 1)."""
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.6))
@@ -24,7 +24,7 @@ def plot_log_ppl(result, labels=None, bin: int = 32, ax=None):
     return fig
 
 
-def plot_policy_ppl(result, column: str = "ppl_past_window", ax=None):
+def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     """Perplexity per policy (log scale), full precision and quantised."""
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.4))
     t = result.table

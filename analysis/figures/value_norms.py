@@ -7,7 +7,7 @@ from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set
 from analysis.values import ValueNorms
 
 
-def plot_value_norms(vn: ValueNorms, ax=None):
+def plot_value_norms(vn: ValueNorms, *, ax=None):
     """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means."""
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     x = np.asarray(vn.layers)
@@ -25,13 +25,13 @@ def plot_value_norms(vn: ValueNorms, ax=None):
     return fig
 
 
-def plot_value_alpha(vn: ValueNorms, reduce: str | None = None, ax=None):
+def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
     """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer."""
     fig, ax, own = new_or_given(ax, (5.2, 3.8))
     t = vn.table(reduce)
     acol = [c for c in t.columns if c.startswith("alpha_1_")][0]
     sc = ax.scatter(t["ratio"], t[acol], c=t["layer"], cmap="viridis", s=18)
-    set_log_scale(ax, "x")
+    set_log_scale(ax, which="x")
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("$|v_1|$ / mean $|v_j|$ (j>1)")
     ax.set_ylabel(f"$\\alpha_1$ ({acol.split('_')[-1]} over the KV head's query heads)")
@@ -45,7 +45,7 @@ def plot_value_alpha(vn: ValueNorms, reduce: str | None = None, ax=None):
     return fig
 
 
-def plot_value_profile(vn: ValueNorms, layers: list[int] | None = None, ax=None):
+def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=None):
     """Mean |v_t| against position t for a few layers (mean over KV heads)."""
     fig, ax, own = new_or_given(ax, (6, 3.2))
     if layers is None:

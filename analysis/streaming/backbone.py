@@ -43,7 +43,7 @@ def _load_folder(src: str, local: bool, device, dtype):
     return hf.to(device or "cpu").eval(), tok
 
 
-def causal_lm(model, tokenizer=None, device=None, dtype=None):
+def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
     """Return ``(hf_model, tokenizer, name)`` for a name, folder, TransformerBridge or PreTrainedModel."""
     from transformers import PreTrainedModel
 

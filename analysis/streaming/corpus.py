@@ -23,7 +23,7 @@ class TokenStream:
                 "sha256": hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()}
 
 
-def stdlib_stream(tokenizer, n_tokens: int, seed: int = 0) -> TokenStream:
+def stdlib_stream(tokenizer, n_tokens: int, *, seed: int = 0) -> TokenStream:
     """The first ``n_tokens`` of the docstring corpus shuffled with ``seed``."""
     if tokenizer is None:
         raise ValueError("a text stream needs the model's tokenizer; pass tokenizer=... or your own token ids.")
@@ -49,7 +49,7 @@ def newline_id(tokenizer) -> int:
     return int(ids[0])
 
 
-def task_stream(model, n_tokens: int, seed: int = 0) -> TokenStream:
+def task_stream(model, n_tokens: int, *, seed: int = 0) -> TokenStream:
     """A long stream from a reference model's own synthetic training task (``analysis.train``'s ``synthetic``
     dataset: BOS, then one Markov chain with the copy rule, ``n_tokens`` long), a held-out draw with ``seed``."""
     from dataclasses import replace

@@ -199,7 +199,7 @@ class _Decoder:
 
 
 @torch.no_grad()
-def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int | None = None,
+def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: int | None = None,
                  prefill: int | None = None, attention_share: bool = True, allow_beyond_context: bool = False,
                  progress: bool = False, keep_logits: bool = False, chunk: int = 512) -> list[PolicyRun]:
     """Decode ``tokens`` (N,) under each policy (one batch row per policy, same cache size) with a
@@ -243,7 +243,8 @@ def run_policy(hf, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
 
 
 @torch.no_grad()
-def recompute_nll(hf, tokens: torch.Tensor, window: int, every: int = 1, batch: int = 4, progress: bool = False) -> PolicyRun:
+def recompute_nll(hf, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4,
+                  progress: bool = False) -> PolicyRun:
     """Sliding window with re-computation: token t+1 is scored from tokens t-window+1..t encoded from scratch
     at positions 0..window-1. Exact at every ``every``-th position past the window (all positions before it)."""
     device = hf.get_output_embeddings().weight.device

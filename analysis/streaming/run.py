@@ -17,7 +17,7 @@ from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.versions import package_versions
 
 
-def default_policies(window: int, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
+def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
                      quant_sinks: int = 4, dense: bool = True) -> list[Policy]:
     """dense; s + (window - s) for each s (s = 0 is the window policy); newline sinks; and the
     sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision."""
@@ -154,7 +154,7 @@ class StreamResult:
         return Path(path)
 
 
-def compare_streams(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
+def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
     """One row per model ({name: StreamResult}, each with one cache size): perplexity past the first eviction
     with s = each of ``sinks`` kept first tokens (s = 0: the window), the re-computation ceiling, and the
     attention on the kept first token (1 sink) and on the model's learned sink slot (window policy)."""
@@ -188,7 +188,7 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
     window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
     k-th position past the window (1: all; None: leave it out)."""
-    hf, tok, name = causal_lm(model, tokenizer, device=device)
+    hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device)
     n_ctx = context_length(hf)
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
@@ -199,7 +199,8 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
     if tokens is None:
         reference = getattr(hf, "model", None) if tok is None else None  # a tokenizer-less reference model
-        stream = task_stream(reference, n_tokens, seed) if reference is not None else stdlib_stream(tok, n_tokens, seed)
+        stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
+                  else stdlib_stream(tok, n_tokens, seed=seed))
         tokens, record = stream.tokens, stream.record()
     else:
         tokens = torch.as_tensor(tokens).long().flatten()
@@ -211,7 +212,8 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if newline_sinks and tok is None:  # a synthetic task has no newline token
         record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
         newline_sinks = None
-    pols = default_policies(window, sinks, newline_sinks if newline_sinks else None, bits, quant_sinks, dense)
+    pols = default_policies(window, sinks=sinks, newline_sinks=newline_sinks if newline_sinks else None, bits=bits,
+                            quant_sinks=quant_sinks, dense=dense)
     nl = newline_id(tok) if newline_sinks else None
     runs: list[PolicyRun] = []
     dense_pols = [p for p in pols if p.kind == "dense"]

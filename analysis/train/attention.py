@@ -111,7 +111,7 @@ def build_attention_op(cfg) -> "AttentionOp":
 
 # ----------------------------------------------------------------------------- helpers
 
-def qk_logits(q, k, scale: float, score_bias=None):
+def qk_logits(q, k, scale: float, *, score_bias=None):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     return s if score_bias is None else s + score_bias
 
@@ -121,7 +121,7 @@ def mask_min(s, allowed):
     return s.masked_fill(~allowed, torch.finfo(s.dtype).min)
 
 
-def row_normalise(w, tiny: float = 1e-12):
+def row_normalise(w, *, tiny: float = 1e-12):
     return w / w.sum(-1, keepdim=True).clamp_min(tiny)
 
 
@@ -159,7 +159,7 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
     """None (plain causal) or an additive float mask (H or 1, T, extra + T) for SDPA."""
     if score_bias is None and window is None and extra_cols == 0:
         return None
-    allowed = causal_mask(T, window, device)
+    allowed = causal_mask(T, window=window, device=device)
     m = torch.zeros(T, T, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
     m = m[None] if score_bias is None else m[None] + score_bias.to(dtype)
     if extra_cols:
@@ -171,7 +171,7 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
     return m
 
 
-def causal_mask(T: int, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
+def causal_mask(T: int, *, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
     """(T, n_keys) bool: key j visible from query i iff j <= i (and i - j < window). ``n_keys`` >= T: the T
     queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T."""
     L = T if n_keys is None else n_keys
@@ -189,7 +189,7 @@ class Softmax(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         w = h.hook_raw_pattern(h.hook_pattern(torch.softmax(s, dim=-1)))
         return torch.matmul(w, v)
 
@@ -209,7 +209,7 @@ class SoftmaxScaled(Softmax):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         p = h.hook_pattern(torch.softmax(s, dim=-1))
         raw = h.hook_raw_pattern(self.alpha * p)
         return torch.matmul(raw, v)
@@ -227,7 +227,7 @@ class SoftmaxPNorm(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         # sim / ||sim||_p is invariant to a common factor: subtract the row max for stability.
         sim = torch.exp(s - s.amax(-1, keepdim=True)) * allowed
         h.hook_pattern(row_normalise(sim))
@@ -241,7 +241,7 @@ class Softpick(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         m = s.amax(-1, keepdim=True)
         e = (torch.exp(s - m) - torch.exp(-m)) * allowed
         w = h.hook_raw_pattern(h.hook_pattern(F.relu(e) / (e.abs().sum(-1, keepdim=True) + self.eps)))
@@ -259,7 +259,7 @@ class _SlotSoftmax(AttentionOp):
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
         sl = self.slot(q, slot)
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         s_slot = torch.matmul(q, sl.k.transpose(-1, -2)) * self.scale  # (B, H, T, 1)
         if sl.bias is not None:
             s_slot = s_slot + sl.bias[..., None]
@@ -342,7 +342,7 @@ class _Elementwise(AttentionOp):
         raise NotImplementedError
 
     def logits(self, q, k, score_bias):
-        return qk_logits(q, k, self.scale, score_bias)
+        return qk_logits(q, k, self.scale, score_bias=score_bias)
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
@@ -377,7 +377,7 @@ class Sigmoid(_Elementwise):
         return self.bias  # (H, 1, 1) or None
 
     def logits(self, q, k, score_bias):
-        s = qk_logits(q, k, self.scale, score_bias)
+        s = qk_logits(q, k, self.scale, score_bias=score_bias)
         b = self.extra_bias(k.shape[-2])
         return s if b is None else s + b
 

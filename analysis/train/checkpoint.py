@@ -40,7 +40,7 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- atomic file writes
 
-def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+def write_tensors(path, tensors: dict[str, torch.Tensor], *, metadata: Optional[dict] = None) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
@@ -211,7 +211,7 @@ def _resolve_reference(path_or_dir) -> Path:
     return p
 
 
-def load_reference(path_or_dir, device=None, dtype=None):
+def load_reference(path_or_dir, *, device=None, dtype=None):
     """Load a model trained by ``analysis.train`` (a run folder, or its config.json / model.safetensors).
 
     Returns the ``SinkLM`` in eval mode, with ``.tokenizer`` (or None for the synthetic task) and

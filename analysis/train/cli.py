@@ -69,7 +69,7 @@ def field_help(cls) -> dict[str, str]:
     return out
 
 
-def add_config_options(parser: argparse.ArgumentParser, list_fields: Sequence[str] = ()) -> None:
+def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed so only explicit options override a preset.
     Fields in ``list_fields`` take comma-separated lists (for sweeps)."""
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):

@@ -20,7 +20,7 @@ from analysis.values import value_norms
 
 
 @torch.no_grad()
-def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
+def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
     """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights)."""
     acc = {}
 
@@ -33,7 +33,7 @@ def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_
 
 
 @torch.no_grad()
-def compare_models(models: dict, tokens: torch.Tensor, eps: float = 0.3) -> pd.DataFrame:
+def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> pd.DataFrame:
     """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
     ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink."""
     rows = []
@@ -65,14 +65,14 @@ def read_log(run_dir) -> pd.DataFrame:
 
 # ----------------------------------------------------------------------------- figures (matplotlib)
 
-def plot_patterns(models: dict, tokens: torch.Tensor, layer: int = 0, n_pos: int = 16):
+def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
     """Mean attention pattern of each head (first ``n_pos`` positions), one row per model."""
     import matplotlib.pyplot as plt
 
     H = max(m.cfg.n_heads for m in models.values())
     fig, axes = plt.subplots(len(models), H, figsize=(2.2 * H, 2.3 * len(models)), squeeze=False)
     for r, (label, model) in enumerate(models.items()):
-        pat = mean_pattern(model, tokens, layer)[:, :n_pos, :n_pos]
+        pat = mean_pattern(model, tokens, layer=layer)[:, :n_pos, :n_pos]
         for h in range(H):
             ax = axes[r, h]
             ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
@@ -134,7 +134,7 @@ def _zero_first_token_dims(dims: list[int]):
 
 
 @torch.no_grad()
-def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL) -> dict:
+def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL) -> dict:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 
     - ``sink_1``: Sink_1 (%) (``analysis.sink``);

@@ -137,7 +137,7 @@ def pretrained_tokenizer(name: str):
         ) from e
 
 
-def tokenize_docs(tokenizer, docs: Iterable[str], chunk: int = 1000) -> np.ndarray:
+def tokenize_docs(tokenizer, docs: Iterable[str], *, chunk: int = 1000) -> np.ndarray:
     """One stream: each document's ids followed by EOS (the packing of the paper: BOS = EOS).
     Tokenizes ``chunk`` documents at a time, so the stream is the only large object in memory."""
     eos = tokenizer.eos_token_id
@@ -386,7 +386,7 @@ def _stream_cache_key(cfg: TrainConfig) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
+def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
     """The data source a run's config asks for. Tokenized streams are cached (``analysis.io.cache_dir() / "train"``).
 
     ``tokenizer``: reuse this tokenizer (e.g. when resuming) instead of training / loading one.

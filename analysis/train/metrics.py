@@ -37,7 +37,7 @@ def _device(model):
 
 
 @torch.no_grad()
-def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> FirstTokenStats:
+def first_token_stats(model, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc)."""
     L = model.cfg.n_layers
     acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw", "spike")}
@@ -74,7 +74,7 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
 
 
 @torch.no_grad()
-def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> float:
+def sink_rate(model, tokens: torch.Tensor, *, k: int = 1, eps: float = 0.3) -> float:
     """Sink_k^eps (percent) on ``tokens`` through ``analysis.sink.sink_metric`` (reads ``hook_pattern``)."""
     was_training = model.training
     model.eval()
@@ -85,7 +85,7 @@ def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> floa
 
 
 @torch.no_grad()
-def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> float:
+def slot_sink_rate(model, tokens: torch.Tensor, *, eps: float = 0.3, batch_size: int = 64) -> float:
     """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
     mean slot weight over all queries exceeds eps. Raises ValueError for models without a slot."""
     L = model.cfg.n_layers
@@ -105,7 +105,7 @@ def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: in
 
 
 @torch.no_grad()
-def window_sink_rates(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> dict:
+def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = 0.3, batch_size: int = 64) -> dict:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
 
     ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the

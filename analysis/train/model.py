@@ -225,7 +225,7 @@ class Attention(nn.Module):
         allowed = pos.allowed
         if pos.cache is not None:  # a decode step: attend to every kept key, the new ones causally
             k, v = self.cached_kv(k, v, pos.cache)
-            allowed = causal_mask(q.shape[1], None, x.device, n_keys=k.shape[1])
+            allowed = causal_mask(q.shape[1], device=x.device, n_keys=k.shape[1])
         qh = rearrange(q, "b t h d -> b h t d")
         kh, vh = self.expand_kv(k), self.expand_kv(v)
         score_bias = self.score_bias(pos)
@@ -440,7 +440,7 @@ class SinkLM(HookedRootModule):
         starting at each occurrence of that token (the separator acts as the document's BOS).
         """
         cfg, T = self.cfg, tokens.shape[1]
-        allowed = causal_mask(T, cfg.sliding_window, tokens.device)
+        allowed = causal_mask(T, window=cfg.sliding_window, device=tokens.device)
         p = min(cfg.prefix_attention, T)
         if p:
             allowed = allowed.clone()
@@ -453,14 +453,15 @@ class SinkLM(HookedRootModule):
     def positions(self, T: int, device, tokens: Optional[torch.Tensor] = None) -> Positions:
         cfg = self.cfg
         idx = torch.arange(T, device=device)
-        allowed = causal_mask(T, cfg.sliding_window, device) if tokens is None else self.attention_mask(tokens)
+        allowed = (causal_mask(T, window=cfg.sliding_window, device=device) if tokens is None
+                   else self.attention_mask(tokens))
         pos = Positions(T, allowed, idx[:, None] - idx[None, :])
         if cfg.positional_embedding_type == "rotary":
             dtype = self.dtype
-            pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype)
+            pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype=dtype)
             if self.sink_token is not None:
                 pos.slot_cos, pos.slot_sin = rope_cos_sin(torch.tensor([-1], device=device), cfg.d_head,
-                                                          cfg.rotary_base, dtype)
+                                                          cfg.rotary_base, dtype=dtype)
         return pos
 
     # -- forward
@@ -522,7 +523,8 @@ class SinkLM(HookedRootModule):
             cap = getattr(cache, "capacity", None)
             evicted = 0 if cap is None else max(0, int(positions[-1]) + 1 - cap)
             at = torch.tensor([evicted - 1, evicted], device=positions.device)
-            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, self.dtype) for p in (positions, at))
+            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, dtype=self.dtype)
+                                              for p in (positions, at))
             pos.slot_cos, pos.slot_sin = cos[:1], sin[:1]  # the sink token: one before the oldest kept token
             pos.bias_cos, pos.bias_sin = cos[1:], sin[1:]  # K/V biases: where position 0 of the cache is
         return pos

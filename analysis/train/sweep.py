@@ -132,7 +132,7 @@ def _row(point: dict, final: dict, run: str) -> dict:
     return row
 
 
-def run_sweep(preset_name: Optional[str], options: dict, command: Optional[str] = None, jobs: int = 1,
+def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[str] = None, jobs: int = 1,
               keep_models: bool = True, reuse: Sequence = ()) -> pd.DataFrame:
     """Train each grid point into ``OUT/<name>`` and write the tables of the module doc. ``options`` holds
     config fields; any may be a list (the grid). ``keep_models=False`` deletes each run's weights once its
@@ -206,7 +206,7 @@ def grid_label(value) -> str:
     return str(value)
 
 
-def grid_text(runs: pd.DataFrame, field: str, metric: str = "sink_1", unit: str = "%") -> str:
+def grid_text(runs: pd.DataFrame, field: str, *, metric: str = "sink_1", unit: str = "%") -> str:
     """One line per value of ``field``: the metric's mean, standard deviation and range over seeds."""
     lines = []
     for value, df in runs.groupby(field, sort=False, dropna=False):

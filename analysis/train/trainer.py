@@ -83,7 +83,7 @@ def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], 
     return groups, [n for n, _ in decay] + [n for n, _ in no_decay]
 
 
-def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
+def resolve_device(pref: str, *, local_rank: int = 0) -> torch.device:
     if pref == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if pref == "cuda" and torch.cuda.is_available():
@@ -143,7 +143,7 @@ def _mean_loss(model: SinkLM, tokens: torch.Tensor, batch_size: int = 64) -> flo
 
 
 @torch.no_grad()
-def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Optional[torch.Tensor] = None,
+def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: Optional[torch.Tensor] = None,
              k_max: int = 4) -> dict:
     """Held-out probe statistics, logged at every evaluation:
 
@@ -377,7 +377,7 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
                        "tokens": done * tokens_per_step, "elapsed_s": round(now - t0, 2)}
                 if main:
                     if _should_eval(done, tcfg):
-                        rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probes[1]))
+                        rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probe_no_fixed=probes[1]))
                     log.append(rec)
                     last = rec
                     if log_file is not None:
@@ -406,7 +406,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     """
     mcfg, tcfg = ModelConfig.from_dict(model_cfg.to_dict()), TrainConfig.from_dict(train_cfg.to_dict())
     rank, world, local_rank = init_distributed(tcfg.device)
-    device = resolve_device(tcfg.device, local_rank)
+    device = resolve_device(tcfg.device, local_rank=local_rank)
     out = Path(tcfg.out).expanduser() if tcfg.out else None
     main = rank == 0
     per_rank, micro = _batch_split(tcfg, world)
