@@ -201,3 +201,47 @@ def test_no_submodule_shadows_an_exported_name():
     submodules = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
     clash = sorted(submodules & set(analysis.__all__))
     assert not clash, f"submodules named like names analysis exports: {clash}; rename the module."
+
+
+# ----------------------------------------------------------------------------------------------
+# The public API reads like scikit-learn's: options keyword-only, parameters and attributes documented
+# ----------------------------------------------------------------------------------------------
+
+LEADING = ("model", "tokens")  # the data a function takes first; every option after them is keyword-only
+
+
+def _public_functions(tree: ast.Module):
+    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+
+
+def _positional_options(fn: ast.FunctionDef) -> list[str]:
+    """The parameters of a function taking ``model`` (then maybe ``tokens``) first that have a default yet can still
+    be given by position: the leading data arguments are exempt, required arguments after them too."""
+    params = fn.args.posonlyargs + fn.args.args
+    if not params or params[0].arg != LEADING[0]:
+        return []
+    lead = 2 if len(params) > 1 and params[1].arg == LEADING[1] else 1
+    with_default = params[len(params) - len(fn.args.defaults):]
+    return [p.arg for p in with_default if p not in params[:lead]]
+
+
+def _keyword_offenders(tree: ast.Module, where: str) -> list[str]:
+    return [f"{where}:{fn.lineno} {fn.name}({', '.join(bad)})"
+            for fn in _public_functions(tree) if (bad := _positional_options(fn))]
+
+
+def test_the_keyword_checker_flags_a_positional_option():
+    bad = ast.parse("def bad(model, tokens, layer, eps=0.3, *, batch_size=None): ...\n"
+                    "def also_bad(model, k=1): ...\n"
+                    "def good(model, tokens=None, *, eps=0.3): ...\n"
+                    "def not_a_model_function(x, dim=-1): ...\n"
+                    "def _private(model, eps=0.3): ...\n")
+    assert _keyword_offenders(bad, "inline") == ["inline:1 bad(eps)", "inline:2 also_bad(k)"]
+
+
+def test_options_after_model_and_tokens_are_keyword_only():
+    offenders = []
+    for module, path in MODULES.items():
+        offenders += _keyword_offenders(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
+    assert not offenders, ("public functions taking a model first whose options (parameters with a default after "
+                           "model / tokens) can still be given by position; put `*` before them:\n" + "\n".join(offenders))
