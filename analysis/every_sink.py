@@ -124,22 +124,42 @@ def _first_run(aligned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SinkPositions(Result, LayerAxis):
     """Every sink position, with what the residual stream carries there.
 
+    L: the attention layers measured; R: the layers whose residual stream is read.
+
     Attributes
     ----------
-    alpha : (N, L, H, T) float32, alpha_k of every key k (0-based) per sample, attention layer and query head.
-    tokens : (N, T) int64, the token ids.
-    cos_first : (N, R, T) float32, cosine of each position's hidden state to the first token's, per layer.
-    peak_abs, peak_dim : (N, R, T), the largest |activation| of each position per layer and its dim.
-    median : (N, R) float32, the median |activation| of each sample's hidden state per layer (positions x dims).
-    flagged : DataFrame, one row per (sample, position, dim) flagged massive in some layer (``analysis.massive``).
-    token_text : {token id: decoded string}.
-    eps : float, the threshold on alpha (strict).
-    min_queries : int, keys seen by fewer queries (k > T - min_queries) are left out of the sinks.
-    cos_min : float, the cosine above which a later token is aligned with the first one.
-    abs_threshold, ratio_threshold : float, Sun et al.'s massive-activation criterion used for ``flagged``.
-    layers : list[int], the attention layers on alpha's L axis (true indices); resid_layers : the R layers.
-    skipped : str, the layers left out of alpha (not attention layers), in one sentence.
-    meta : dict, e.g. ``{"path": "fused"}``.
+    alpha : torch.Tensor, shape (N, L, H, T)
+        alpha_k of every key k (0-based) per sample, attention layer and query head; float32.
+    tokens : torch.Tensor, shape (N, T)
+        The token ids (int64).
+    cos_first : torch.Tensor, shape (N, R, T)
+        The cosine of each position's hidden state to the first token's, per layer; float32.
+    peak_abs, peak_dim : torch.Tensor, shape (N, R, T)
+        The largest |activation| of each position per layer, and its dim.
+    median : torch.Tensor, shape (N, R)
+        The median |activation| of each sample's hidden state per layer (positions x dims); float32.
+    flagged : pandas.DataFrame
+        One row per (sample, position, dim) flagged massive in some layer (``analysis.massive``).
+    token_text : dict of int to str
+        Token id -> decoded string.
+    eps : float
+        The threshold on alpha (strict).
+    min_queries : int
+        Keys seen by fewer queries (k > T - min_queries) are left out of the sinks.
+    cos_min : float
+        The cosine above which a later token is aligned with the first one.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s massive-activation criterion used for ``flagged``.
+    layers : list of int, length L
+        The attention layers on alpha's layer axis (true indices).
+    resid_layers : list of int, length R
+        The layers of ``cos_first``, ``peak_abs``, ``peak_dim`` and ``median``.
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    meta : dict
+        How it was computed, e.g. ``{"path": "fused"}``.
     """
 
     alpha: torch.Tensor

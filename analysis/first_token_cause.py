@@ -267,8 +267,14 @@ def why_first_token(model, tokens, origin, *, later: int | None = None, max_neur
         The 0-based position to place the first token at (default T // 2).
     max_neurons : int
         Writer neurons followed per block: those carrying ``share`` of the write, the largest first, at most this many.
+    share : float
+        The share of each writing MLP's write the followed neurons carry.
     batch_size : int, optional
         Sequences per batch.
+
+    Returns
+    -------
+    FirstTokenCause
     """
     tokens = check_tokens(model, tokens)
     later = _check_later(later, tokens.shape[1])

@@ -91,8 +91,13 @@ def _check_n_components(n_components, d_head: int | None):
 
 @contextmanager
 def small_linalg():
-    """Run small (d_head x d_head) linear algebra on one thread: on a busy CPU, thread pools make a 64 x 64
-    eigendecomposition a hundred times slower."""
+    """A context in which small (d_head x d_head) linear algebra runs on one thread: on a busy CPU, thread pools make a
+    64 x 64 eigendecomposition a hundred times slower.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+    """
     from threadpoolctl import threadpool_limits
 
     with one_thread(), threadpool_limits(limits=1):
@@ -114,7 +119,46 @@ def _n_for_variance(evr_cum: np.ndarray, level: float):
 
 @dataclass
 class KeyManifold(Result):
-    """Per (layer, KV head) first-key statistics; see the module docstring for each column."""
+    """Per (layer, KV head) first-key statistics; the module docstring describes each column of ``table``.
+
+    L: the attention layers measured, H_sel: the KV heads analysed, H: query heads.
+
+    Attributes
+    ----------
+    table : pandas.DataFrame
+        One row per (layer, KV head): the subspace residuals, component counts, pairwise cosines, norms, cos(q, k)
+        and alpha_1 of its query heads.
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    kv_heads : list of int, length H_sel
+        The KV heads analysed.
+    n_components : int or float
+        The other keys' principal subspace (a number of components, or a share of their variance).
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    group_size : int
+        Query heads per KV head.
+    rotated : bool
+        Keys after the rotary embedding.
+    first_evr : torch.Tensor, shape (L, H_sel, m)
+        The cumulative explained-variance ratio of the first keys alone (m = min(N, d_head)).
+    other_evr : torch.Tensor, shape (L, H_sel, d_head)
+        The cumulative explained-variance ratio of the other keys.
+    cos_q_k1 : torch.Tensor, shape (L, H)
+        Per query head: mean cos(q_t, k_1), t > 1.
+    cos_q_kj : torch.Tensor, shape (L, H)
+        Per query head: mean cos(q_t, k_j), 1 < j <= t.
+    alpha_1 : torch.Tensor, shape (L, H)
+        Per query head: mean alpha_1.
+    scatter : dict
+        (layer, KV head) -> {"coords": (N, T, 2) coordinates, "evr": the two components' shares, ...}.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (hybrids: linear-attention / Mamba layers), in words; "" when none.
+    """
 
     table: pd.DataFrame
     layers: list[int]
@@ -614,7 +658,36 @@ def _check_sizes(N: int, T: int, n_components) -> None:
 
 def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
                              scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
-    """Check the arguments of ``first_key_manifold`` and build its accumulator."""
+    """Check the arguments of :func:`first_key_manifold` and build its accumulator.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens_shape : tuple of int
+        (N, T) of the tokens the pass runs over (N >= 2, T >= 3).
+    layers : sequence of int, optional
+        Attention layer indices (default: all attention layers; hybrids skip their linear-attention / Mamba layers,
+        named in ``skipped``).
+    heads : sequence of int, optional
+        KV head indices (default: all). Query head h reads KV head h // group_size.
+    n_components : int or float
+        The other keys' principal subspace: an int r (a fixed number of components, 1 <= r < d_head) or a fraction in
+        (0, 1) (the fewest components explaining that share of the other keys' variance, per head; default 0.9), as in
+        scikit-learn's PCA.
+    scatter_heads : "auto", sequence of (int, int) or None
+        (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" keeps the analysed KV head with the
+        largest and the one with the smallest alpha_1 (max over its query heads), chosen on the first batch (the whole
+        input when N x T <= 2048), in the same pass. None or [] keeps none.
+    rotated : bool
+        Keys and queries after the rotary embedding (default), or before it (False).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    KeyManifoldAccumulator
+    """
     dims = model_dims(model)
     layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
     N, T = tokens_shape
@@ -628,7 +701,8 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
 def first_key_manifold(
     model,
     tokens,
-    *, layers=None,
+    *,
+    layers=None,
     heads=None,
     n_components: float | int = DEFAULT_N_COMPONENTS,
     scatter_heads="auto",
@@ -636,21 +710,37 @@ def first_key_manifold(
     batch_size: int | None = None,
     kind: str | None = None,
 ) -> KeyManifold:
-    """First-key manifold statistics per (layer, KV head), streamed through the key/query/pattern hooks.
+    """First-key manifold statistics per (layer, KV head), streamed through the key / query / pattern hooks.
 
     Parameters
     ----------
-    heads : KV head indices (default: all). Query head h reads KV head h // group_size.
-    n_components : the other keys' principal subspace: an int r (fixed number of components, 1 <= r <
-        d_head) or a fraction in (0, 1) (the fewest components explaining that share of the other keys'
-        variance, per head; default 0.9), as in scikit-learn's PCA.
-    scatter_heads : (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" (default)
-        keeps the analysed KV head with the largest and the one with the smallest alpha_1 (max over its
-        query heads), chosen on the first batch (the whole input when N x T <= 2048), in the same pass.
-        None or [] keeps none.
-    layers : attention layer indices (default: all attention layers; hybrids skip their linear-attention /
-        Mamba layers, named in ``skipped``).
-    rotated : keys and queries after the rotary embedding (default), or before it (False).
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids; N >= 2 (better 16 or more), T >= 3.
+    layers : sequence of int, optional
+        Attention layer indices (default: all attention layers; hybrids skip their linear-attention / Mamba layers,
+        named in ``skipped``).
+    heads : sequence of int, optional
+        KV head indices (default: all). Query head h reads KV head h // group_size.
+    n_components : int or float
+        The other keys' principal subspace: an int r (a fixed number of components, 1 <= r < d_head) or a fraction in
+        (0, 1) (the fewest components explaining that share of the other keys' variance, per head; default 0.9), as in
+        scikit-learn's PCA.
+    scatter_heads : "auto", sequence of (int, int) or None
+        (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" keeps the analysed KV head with the
+        largest and the one with the smallest alpha_1 (max over its query heads), chosen on the first batch (the whole
+        input when N x T <= 2048), in the same pass. None or [] keeps none.
+    rotated : bool
+        Keys and queries after the rotary embedding (default), or before it (False).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    KeyManifold
     """
     model_dims(model)
     tokens = check_tokens(model, tokens)

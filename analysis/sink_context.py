@@ -41,12 +41,18 @@ class SinkContext(Result):
 
     Attributes
     ----------
-    runs : DataFrame, one row per (T, seed, eps): ``n`` sequences, ``sink_1_pct``, ``secondary_pct`` (percent of
-        (sample, layer, head) sinking on a later position), ``later_sinks_per_sequence``, the ``path`` taken and the
-        ``seconds`` the T's pass took.
-    model_name : str or None.
-    source : str, where the numbers come from ("computed", or the CSV they were read from).
-    kind : str, the probe kind ("natural").
+    runs : pandas.DataFrame
+        One row per (T, seed, eps): ``n`` sequences, ``sink_1_pct``, ``secondary_pct`` (percent of (sample, layer,
+        head) sinking on a later position), ``later_sinks_per_sequence``, the ``path`` taken and the ``seconds`` the T's
+        pass took.
+    model_name : str or None
+        The model measured.
+    source : str
+        Where the numbers come from ("computed", or the CSV they were read from).
+    kind : str
+        The probe kind ("natural").
+    meta : dict
+        Further facts of the runs.
     """
 
     runs: pd.DataFrame

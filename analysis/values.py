@@ -47,7 +47,19 @@ def _reduce_groups(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
 
 
 def correlation(x, y) -> dict:
-    """Pearson and Spearman correlation of two 1-D arrays, with p-values; None where undefined."""
+    """Pearson and Spearman correlation of two 1-D arrays, with p-values.
+
+    Parameters
+    ----------
+    x, y : array-like, shape (n,)
+        Non-finite pairs are dropped.
+
+    Returns
+    -------
+    dict
+        ``n``, ``pearson_r``, ``pearson_p``, ``spearman_rho``, ``spearman_p``; None where undefined (fewer than 3
+        points or a constant variable, with a ``note`` saying so).
+    """
     from scipy import stats
 
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -68,7 +80,44 @@ class ValueNorms(Result):
     """Per (layer, KV head) value norms joined with the sink metric's alpha_1.
 
     Tensors are indexed by position in ``layers``, the TRUE indices of the attention layers measured (a hybrid's
-    linear-attention / Mamba layers have no values or pattern and are left out; ``skipped`` says which)."""
+    linear-attention / Mamba layers have no values or pattern and are left out; ``skipped`` says which).
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    group_size : int
+        Query heads per KV head.
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    v1_norm : torch.Tensor, shape (L, H_kv)
+        Mean |v_1|, the first token's value norm.
+    vj_norm : torch.Tensor, shape (L, H_kv)
+        Mean |v_j| over positions j > 1.
+    v_norm_by_pos : torch.Tensor, shape (L, H_kv, T)
+        Mean |v_t| per position t (the profile).
+    alpha_1 : torch.Tensor, shape (L, H)
+        alpha_1 per query head.
+    first_value_share : torch.Tensor, shape (L, H)
+        Per query head, the mean over queries t > 1 of A_t1 |v_1| / sum_j A_tj |v_j|: the share of the value-norm mass
+        a query draws from the first token.
+    alpha_source : str
+        Where alpha_1 comes from (a given ``SinkResult``, or ``hook_pattern`` in the same pass).
+    v1_cos_pair : torch.Tensor, shape (L, H_kv), or None
+        Mean cosine between the first token's values of different inputs.
+    vj_cos_pair : torch.Tensor, shape (L, H_kv), or None
+        Mean pairwise cosine of the values at positions j > 1.
+    reduce : {"mean", "max"}
+        How the query heads of a KV head map to one alpha.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    ratio : torch.Tensor, shape (L, H_kv)
+        ``v1_norm / vj_norm`` (a property).
+    """
 
     layers: list[int]
     group_size: int
@@ -222,8 +271,20 @@ def _check_reduce(reduce: str) -> str:
 
 
 class ValueNormsAccumulator(Accumulator):
-    """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first
-    token's share of the value-norm mass per query head."""
+    """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first token's
+    share of the value-norm mass per query head.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : sequence of int
+        Attention layers (true indices).
+    T : int
+        The sequence length.
+    kind : str, optional
+        The input kind, a label.
+    """
 
     def __init__(self, model, layers, T: int, kind: str | None = None):
         dims = model_dims(model)
@@ -293,7 +354,8 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
 def value_norms(
     model,
     tokens,
-    *, sink: SinkResult | None = None,
+    *,
+    sink: SinkResult | None = None,
     layers=None,
     reduce: str = "mean",
     batch_size: int | None = None,
@@ -301,9 +363,28 @@ def value_norms(
 ) -> ValueNorms:
     """|v_1| against mean |v_j| (j > 1) per layer and KV head, joined with alpha_1; streamed through hooks.
 
-    ``sink``: a ``SinkResult`` (``analysis.sink_metric``) whose per-head alpha_1 to use; by default alpha_1
-    is computed from ``hook_pattern`` in the same pass on ``tokens``. ``reduce`` ("mean" or "max") maps
-    the query heads of a KV head to one alpha.
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    sink : SinkResult, optional
+        A result of ``analysis.sink_metric`` on this model whose per-head alpha_1 to use; by default alpha_1 is
+        computed from ``hook_pattern`` in the same pass on ``tokens``.
+    layers : sequence of int, optional
+        Attention layers (true indices; default all).
+    reduce : {"mean", "max"}
+        How the query heads of a KV head map to one alpha.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    ValueNorms
+        Norms of shape (L, H_kv), alpha_1 of shape (L, H).
     """
     reduce = _check_reduce(reduce)
     dims = model_dims(model)

@@ -13,7 +13,13 @@ from analysis.passes import Capture, run_pass
 
 
 class OfflineHTML:
-    """Displays in Jupyter from inline HTML only; ``str()`` gives the HTML."""
+    """Displays in Jupyter from inline HTML only; ``str()`` gives the HTML.
+
+    Parameters
+    ----------
+    html : str
+        Self-contained HTML.
+    """
 
     def __init__(self, html: str):
         self.html = html
@@ -26,8 +32,22 @@ class OfflineHTML:
 
 
 def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
-    """The attention maps of one attention layer (its true index; a hybrid's linear-attention / Mamba layers have
-    none: ValueError naming the attention layers) for ONE sequence: (H, T, T)."""
+    """The attention maps of one attention layer for one sequence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (1, T)
+        One sequence of token ids (pass ``tokens[:1]``).
+    layer : int
+        An attention layer (its true index; a hybrid's linear-attention / Mamba layers have none: ValueError naming
+        the attention layers).
+
+    Returns
+    -------
+    torch.Tensor, shape (H, T, T)
+    """
     (layer,) = attention_layers_of(model, layers=[layer])
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
@@ -36,7 +56,24 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
 
 
 def attention_view_html(model, tokens, layer: int, *, heads: list[int] | None = None) -> str:
-    """Self-contained circuitsvis HTML (inline JS, no CDN) of one layer's attention on one sequence."""
+    """Self-contained circuitsvis HTML (inline JavaScript, no CDN) of one layer's attention on one sequence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (1, T)
+        One sequence of token ids (pass ``tokens[:1]``).
+    layer : int
+        An attention layer (its true index; a hybrid's linear-attention / Mamba layers have none: ValueError naming
+        the attention layers).
+    heads : list of int, optional
+        The query heads shown (default all).
+
+    Returns
+    -------
+    str
+    """
     import circuitsvis as cv
 
     tokens = check_tokens(model, tokens)
@@ -49,5 +86,23 @@ def attention_view_html(model, tokens, layer: int, *, heads: list[int] | None = 
 
 
 def attention_view(model, tokens, layer: int, *, heads: list[int] | None = None) -> OfflineHTML:
-    """For notebooks: an offline circuitsvis attention view."""
+    """For notebooks: an offline circuitsvis attention view of one layer on one sequence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (1, T)
+        One sequence of token ids (pass ``tokens[:1]``).
+    layer : int
+        An attention layer (its true index; a hybrid's linear-attention / Mamba layers have none: ValueError naming
+        the attention layers).
+    heads : list of int, optional
+        The query heads shown (default all).
+
+    Returns
+    -------
+    OfflineHTML
+        Renders in JupyterLab and in saved HTML with no network.
+    """
     return OfflineHTML(attention_view_html(model, tokens, layer, heads=heads))

@@ -224,6 +224,8 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
         The neurons carrying this share of each MLP's write are cut.
     n_random : int
         Random draws of as many neurons of the same MLPs, per mode in ``random_modes``.
+    random_modes : tuple of str
+        The modes ("zero", "mean") the random neurons are cut with.
     roles : tuple of str
         "writers", "erasers" (those after the last writer: the spike is then not removed before the unembedding).
     per_block : bool
@@ -236,6 +238,12 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
         The sink threshold of Sink_1.
     baseline : conditions.Baseline, optional
         The unchanged pass over ``tokens`` with its residuals (``analysis.profile``'s); run here when not given.
+    batch_size : int, optional
+        Sequences per batch.
+
+    Returns
+    -------
+    SpikeCuts
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
