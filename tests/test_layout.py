@@ -1,14 +1,20 @@
 """The package's layout, read from its source with ``ast`` (nothing is imported but ``analysis`` itself, to find it):
 no import circle among its modules, counting the imports written inside functions, and every import of the
-package's own modules written inside a function says on its line, or the line above, why it is lazy."""
+package's own modules written inside a function says on its line, or the line above, why it is lazy. And its public
+API reads like scikit-learn's: options after a model and tokens are keyword-only, and every exported function and
+class documents its parameters (or attributes) in numpy-doc sections."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import io
+import re
 import tokenize
 from pathlib import Path
 
 import analysis
+from analysis.results import Result
 
 ROOT = Path(analysis.__file__).resolve().parent
 PACKAGE = "analysis"
@@ -211,7 +217,8 @@ LEADING = ("model", "tokens")  # the data a function takes first; every option a
 
 
 def _public_functions(tree: ast.Module):
-    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+    return [n for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
 
 
 def _positional_options(fn: ast.FunctionDef) -> list[str]:
@@ -244,4 +251,62 @@ def test_options_after_model_and_tokens_are_keyword_only():
     for module, path in MODULES.items():
         offenders += _keyword_offenders(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
     assert not offenders, ("public functions taking a model first whose options (parameters with a default after "
-                           "model / tokens) can still be given by position; put `*` before them:\n" + "\n".join(offenders))
+                           "model / tokens) can still be given by position; put `*` before them:\n"
+                           + "\n".join(offenders))
+
+
+def _section(doc: str | None, name: str) -> bool:
+    """Whether a numpy-doc docstring has the section ``name`` (its title, then a line of dashes)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    return any(a.strip() == name and b.strip() and set(b.strip()) == {"-"} for a, b in zip(lines, lines[1:]))
+
+
+def _documented(obj) -> list[str]:
+    """What the docstring of an exported function or class lacks: a function ``Parameters`` (when it takes any) and
+    ``Returns``; a result class (a dataclass or a ``Result``) ``Attributes`` naming every public field; any other class
+    (an error) a docstring."""
+    doc = inspect.getdoc(obj)
+    if not doc:
+        return ["a docstring"]
+    if inspect.isfunction(obj):
+        params = [p for p in inspect.signature(obj).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        return [s for s in (["Parameters"] if params else []) + ["Returns"] if not _section(doc, s)]
+    if dataclasses.is_dataclass(obj) or issubclass(obj, Result):
+        if not _section(doc, "Attributes"):
+            return ["Attributes"]
+        names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+        attrs = doc.split("Attributes", 1)[1]
+        return [f"field {n}" for n in names if not n.startswith("_")
+                and not re.search(rf"^(\w+, )*{n}(, \w+)* :", attrs, re.MULTILINE)]
+    return []
+
+
+def test_the_docstring_checker_flags_what_is_missing():
+    def prose(model, tokens, eps=0.3):
+        """Sink of ``model`` on ``tokens`` (N, T), in prose."""
+
+    @dataclasses.dataclass
+    class Half(Result):
+        """A result.
+
+        Attributes
+        ----------
+        alpha : torch.Tensor, shape (N, L, H)
+            Documented.
+        """
+
+        alpha: object
+        eps: float
+
+    assert _documented(prose) == ["Parameters", "Returns"]
+    assert _documented(Half) == ["field eps"]
+    assert _documented(analysis.sink_metric) == [] and _documented(analysis.SinkResult) == []
+
+
+def test_every_exported_function_and_class_documents_its_parameters_or_attributes():
+    exported = {name: getattr(analysis, name) for name in analysis.__all__}
+    missing = {name: lack for name, obj in exported.items()
+               if (inspect.isfunction(obj) or inspect.isclass(obj)) and (lack := _documented(obj))}
+    assert not missing, ("exported names whose numpy-doc docstring lacks a section (functions: Parameters and Returns; "
+                         f"result classes: Attributes naming every field): {missing}")
