@@ -159,6 +159,14 @@ class FirstTokenCause(Result):
         position 1 first makes a difference.
     max_error : float
         Largest |total - hook| over every neuron, factor, position and sample.
+    message : str
+        Why there is nothing to decompose (no spike, no writer), in words; "" otherwise.
+    note : str
+        Why no writer neuron is followed, where none is.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
     """
 
     later: int

@@ -156,30 +156,51 @@ def rowwise_spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class DormantHeads(Result, LayerAxis):
     """Per (sample, attention layer, query head, query): attention on the sink, output norm and loss effect.
 
-    Tensors are (N, L, H, T): N sequences, L attention layers (``layers``: their true indices; a hybrid's other
-    layers are left out, ``skipped`` says which), H query heads, T query positions (0-based; every position is kept,
-    the statistics use ``query_positions``).
+    Tensors are (N, L, H, T): N sequences, L attention layers (``layers``: their true indices; a hybrid's other layers
+    are left out, ``skipped`` says which), H query heads, T query positions (0-based; every position is kept, the
+    statistics use ``query_positions``).
 
     Attributes
     ----------
-    sink_attn : (N, L, H, T) attention each query puts on the sink keys (``sink_positions``).
-    out_norm : (N, L, H, T) norm of the head's output at the query, |z_t^h W_O^h|.
-    effect : (N, L, H, T) estimated change of the sequence's summed next-token loss (nats) when the head's output at
-        the query is set to zero (gradient x activation; positive: the loss rises without it).
-    effect_mean : (N, L, H, T) or None, the same with the output set to the head's mean output ``z_mean`` instead
-        (mean ablation: removes what the head writes for this query and keeps its constant part).
-    z_mean : (L, H, d_head) or None, each head's mean z over the measured queries of every sequence.
-    slot : (N, L, H, T) or None, attention on an extra slot that is no input token (1 - the row sum of the pattern);
-        None where no head gives one any (every row sums to 1).
-    mass : (N, L, H, T) or None, the total weight multiplying the values over the input tokens (``hook_raw_pattern``
-        row sum), where the model has that hook.
-    active : (N, T) bool or None, queries known to need a head (e.g. the copy positions of the synthetic task).
-    sink_positions : tuple of 0-based key positions, or an (N, T) bool mask of sink keys per sequence.
-    eps : a query sinks when its attention on the sink (or slot) exceeds eps.
-    quantile : a query is quiet (inert) for a head when its output norm (|effect|) lies below this quantile of the
-        head's output norms (|effects|) over the measured queries.
-    min_share, min_queries : which heads enter the pooled summary (``sinking_heads``, ``mixed_heads``).
-    effect_method : "gradient" (gradient x activation) or "exact" (one removal pass per head).
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    sink_attn : torch.Tensor, shape (N, L, H, T)
+        The attention each query puts on the sink keys (``sink_positions``).
+    out_norm : torch.Tensor, shape (N, L, H, T)
+        The norm of the head's output at the query, |z_t^h W_O^h|.
+    effect : torch.Tensor, shape (N, L, H, T)
+        The estimated change of the sequence's summed next-token loss (nats) when the head's output at the query is set
+        to zero (gradient x activation; positive: the loss rises without it).
+    sink_positions : tuple of int, or torch.Tensor of shape (N, T)
+        The 0-based key positions of the sink, or a bool mask of sink keys per sequence.
+    eps : float
+        A query sinks when its attention on the sink (or slot) exceeds eps.
+    quantile : float
+        A query is quiet (inert) for a head when its output norm (|effect|) lies below this quantile of the head's
+        output norms (|effects|) over the measured queries.
+    effect_mean : torch.Tensor, shape (N, L, H, T), or None
+        The same with the output set to the head's mean output ``z_mean`` instead (mean ablation: removes what the head
+        writes for this query and keeps its constant part).
+    z_mean : torch.Tensor, shape (L, H, d_head), or None
+        Each head's mean z over the measured queries of every sequence.
+    slot : torch.Tensor, shape (N, L, H, T), or None
+        Attention on an extra slot that is no input token (1 - the row sum of the pattern); None where no head gives one
+        any (every row sums to 1).
+    mass : torch.Tensor, shape (N, L, H, T), or None
+        The total weight multiplying the values over the input tokens (``hook_raw_pattern`` row sum), where the model
+        has that hook.
+    active : torch.Tensor, shape (N, T), or None
+        bool, the queries known to need a head (e.g. the copy positions of the synthetic task).
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    min_share : float
+        Which heads enter the pooled summary (``sinking_heads``, ``mixed_heads``): the share of their queries that sink.
+    min_queries : int
+        The fewest sinking (and other) queries a head needs to enter the pooled summary.
+    effect_method : {"gradient", "exact"}
+        Gradient x activation, or one removal pass per head.
     """
 
     layers: list[int]
@@ -940,11 +961,18 @@ class AttributionCheck(Result):
 
     Attributes
     ----------
-    heads : the (layer, head) pairs checked.
-    queries : the 0-based query positions.
-    exact : (n_heads, N, Q) exact loss change (nats) when the head's output at the query is removed.
-    estimate : (n_heads, N, Q) the gradient x activation estimate of the same.
-    ablation : "zero" (the output set to 0) or "mean" (set to the head's mean output).
+    heads : list of (int, int)
+        The (layer, head) pairs checked.
+    queries : list of int, length Q
+        The 0-based query positions.
+    exact : torch.Tensor, shape (n_heads, N, Q)
+        The exact loss change (nats) when the head's output at the query is removed.
+    estimate : torch.Tensor, shape (n_heads, N, Q)
+        The gradient x activation estimate of the same.
+    ablation : {"zero", "mean"}
+        The output set to 0, or to the head's mean output.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
     """
 
     heads: list[tuple[int, int]]

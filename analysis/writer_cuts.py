@@ -34,9 +34,24 @@ N_RANDOM = 3  # random draws per condition
 
 
 class NeuronSetter:
-    """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's
-    neuron hook, and records the spike dims' first-token values after every block from ``start`` on and the first
-    token's final stream (for the first-position loss)."""
+    """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
+    hook, and records the spike dims' first-token values after every block from ``start`` on and the first token's final
+    stream (for the first-position loss).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    neurons : dict of int to list of int
+        {block: the neurons to set}.
+    mode : {"zero", "mean"}
+    means : dict of int to torch.Tensor
+        {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean".
+    dims : list of int
+        The spike dims recorded.
+    start : int
+        The first block whose output is recorded.
+    """
 
     def __init__(self, model, neurons: dict[int, list[int]], mode: str, means: dict[int, torch.Tensor], dims: list[int],
                  start: int):
@@ -90,6 +105,14 @@ class SpikeCuts(Result):
         role -> {block: the neurons cut}.
     peak_block : dict
         dim -> the block whose input carries the unchanged spike's peak.
+    message : str
+        Why nothing was cut (no spike, no writer neuron), in words; "" otherwise.
+    n_random : int
+        Random draws per condition.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
     """
 
     conditions: pd.DataFrame

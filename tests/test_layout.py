@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import io
 import re
@@ -310,3 +311,18 @@ def test_every_exported_function_and_class_documents_its_parameters_or_attribute
                if (inspect.isfunction(obj) or inspect.isclass(obj)) and (lack := _documented(obj))}
     assert not missing, ("exported names whose numpy-doc docstring lacks a section (functions: Parameters and Returns; "
                          f"result classes: Attributes naming every field): {missing}")
+
+
+def test_every_result_class_of_the_package_documents_its_fields():
+    """Beyond the exported names: every public dataclass and ``Result`` of every module (the results analyses return,
+    their parts, configs) has an ``Attributes`` section naming each public field."""
+    missing = {}
+    for module in sorted(MODULES):
+        if module.endswith("__main__"):
+            continue
+        mod = importlib.import_module(module)
+        for name, obj in vars(mod).items():
+            if (not name.startswith("_") and inspect.isclass(obj) and obj.__module__ == module
+                    and (dataclasses.is_dataclass(obj) or issubclass(obj, Result)) and (lack := _documented(obj))):
+                missing[f"{module}.{name}"] = lack
+    assert not missing, f"result classes whose docstring lacks an Attributes section or a field in it: {missing}"

@@ -23,10 +23,23 @@ POLICY_KINDS = ("dense", "window", "sinks", "recompute")
 
 @dataclass(frozen=True)
 class Policy:
-    """One cache policy. ``window`` counts every kept token (sinks included), as StreamingLLM's "s + w"
-    counts s + (window - s). ``sink_tokens``: "first" keeps the stream's first tokens, "newline" replaces
-    them by newline tokens first. ``bits``: simulated KV quantisation (8 or 4); ``fp_sinks``: keep the first
-    ``sinks`` slots in full precision."""
+    """One cache policy.
+
+    Attributes
+    ----------
+    kind : {"dense", "window", "sinks", "recompute"}
+        Keep everything, a sliding window, sinks + a window, or re-compute the window from scratch.
+    window : int or None
+        Every kept token (sinks included), as StreamingLLM's "s + w" counts s + (window - s).
+    sinks : int
+        The sink slots kept (``kind="sinks"``).
+    sink_tokens : {"first", "newline"}
+        "first" keeps the stream's first tokens, "newline" replaces them by newline tokens first.
+    bits : int or None
+        Simulated KV quantisation (8, 4, 3 or 2); None: full precision.
+    fp_sinks : bool
+        Keep the first ``sinks`` slots in full precision.
+    """
 
     kind: str
     window: int | None = None
@@ -73,7 +86,15 @@ class Policy:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotate-half rotary embedding: ``inv_freq`` (rot_dim / 2,) acting on the first ``rot_dim`` dims."""
+    """Rotate-half rotary embedding acting on the first ``rot_dim`` dims.
+
+    Attributes
+    ----------
+    inv_freq : torch.Tensor, shape (rot_dim / 2,)
+        The inverse frequencies.
+    rot_dim : int
+        The rotated dims (a property).
+    """
 
     inv_freq: torch.Tensor
 

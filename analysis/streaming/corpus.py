@@ -13,6 +13,17 @@ from analysis.probes import STDLIB_MODULES, stdlib_texts
 
 @dataclass
 class TokenStream:
+    """A long token stream and how to rebuild it.
+
+    Attributes
+    ----------
+    tokens : torch.LongTensor, shape (N,)
+        The stream.
+    source : str
+        Where it comes from, in words.
+    seed : int
+        The seed of its order (or of the task's draw).
+    """
     tokens: torch.Tensor  # (N,) long
     source: str
     seed: int

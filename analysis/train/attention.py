@@ -54,8 +54,18 @@ NO_HOOKS = NoHooks()
 
 @dataclass
 class Slot:
-    """An extra key/value slot visible to every query: the learnable sink token's per-layer key and
-    value (B or 1, H, 1, d), and its additive positional bias (H, T) or None."""
+    """An extra key/value slot visible to every query: the learnable sink token's per-layer key and value, and its
+    additive positional bias.
+
+    Attributes
+    ----------
+    k : torch.Tensor, shape (B or 1, H, 1, d)
+        The slot's key.
+    v : torch.Tensor, shape (B or 1, H, 1, d), or None
+        The slot's value.
+    bias : torch.Tensor, shape (H, T), or None
+        The slot's positional bias.
+    """
 
     k: torch.Tensor
     v: Optional[torch.Tensor]

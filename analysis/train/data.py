@@ -163,6 +163,15 @@ def tokenize_docs(tokenizer, docs: Iterable[str], *, chunk: int = 1000) -> np.nd
 
 @dataclass
 class TrainBatch:
+    """One training batch.
+
+    Attributes
+    ----------
+    inputs : torch.LongTensor, shape (B, T)
+        Token ids.
+    targets : torch.LongTensor, shape (B, T)
+        The next-token targets, -100 where no loss is taken.
+    """
     inputs: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, -100 where no loss
 

@@ -22,6 +22,19 @@ from analysis.sink import sink_metric
 
 @dataclass
 class FirstTokenStats:
+    """What makes the first token special, per layer L of a reference model.
+
+    Attributes
+    ----------
+    value_norm_ratio : torch.Tensor, shape (L,)
+        |v_1| / mean_{j>1} |v_j|.
+    resid_norm_ratio : torch.Tensor, shape (L,)
+        |h_1| / mean_j |h_j| at ``hook_resid_post``.
+    raw_first_mass : torch.Tensor, shape (L,)
+        The mean over heads and queries i >= 1 of the raw weight on key 1.
+    spike_ratio : torch.Tensor, shape (L,)
+        The mean over samples of max_d |h_1d| / median |h| at ``hook_resid_post``.
+    """
     value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1

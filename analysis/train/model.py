@@ -112,7 +112,25 @@ class MLP(nn.Module):
 
 @dataclass
 class Positions:
-    """Per-forward position data shared by all blocks."""
+    """Per-forward position data shared by all blocks.
+
+    Attributes
+    ----------
+    T : int
+        The sequence length.
+    allowed : torch.Tensor, shape (T, T) or (B, 1, T, T)
+        bool, which keys each query sees (the second with intra-document masking).
+    distance : torch.Tensor, shape (T, T)
+        i - j, long.
+    cos, sin : torch.Tensor, shape (T, d), or None
+        The rotary tables.
+    slot_cos, slot_sin : torch.Tensor, shape (1, d), or None
+        Those of the sink token, which sits at position -1.
+    cache : transformers.Cache or None
+        A cache the new keys and values join (``SinkLM.decode``).
+    bias_cos, bias_sin : torch.Tensor, shape (1, d), or None
+        Decode steps turn unrotated K / V-bias slots by the evictions.
+    """
 
     T: int
     allowed: torch.Tensor  # (T, T) bool, or (B, 1, T, T) with intra-document masking

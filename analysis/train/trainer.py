@@ -49,6 +49,19 @@ _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "
 
 @dataclass
 class TrainResult:
+    """What a training run leaves.
+
+    Attributes
+    ----------
+    model : SinkLM
+        The trained model.
+    out : pathlib.Path or None
+        The run's folder (None: nothing written).
+    log : list of dict
+        One record per evaluation (step, losses, sink rates, ...).
+    final : dict
+        The last record (``final["sink_1"]``: Sink_1 at the end).
+    """
     model: SinkLM
     out: Optional[Path]
     log: list = field(default_factory=list)
