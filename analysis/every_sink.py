@@ -42,7 +42,17 @@ from analysis.stats import one_thread
 
 
 def default_min_queries(T: int) -> int:
-    """Keys must be seen by at least min(``SINK_MIN_QUERIES``, T // 2) queries (at least 1) to count as sinks."""
+    """Keys must be seen by at least min(``SINK_MIN_QUERIES``, T // 2) queries (at least 1) to count as sinks.
+
+    Parameters
+    ----------
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+    """
     return max(1, min(SINK_MIN_QUERIES, int(T) // 2))
 
 
@@ -50,7 +60,21 @@ def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, f
     """From alpha (N, L, H, T) of every key: ``sink_1_pct``, Sink on the first token in percent of (sample, layer,
     head); ``secondary_pct``, the percent of (sample, layer, head) that sink on some later measured key (k >= 1,
     seen by at least ``min_queries`` queries); ``later_sinks_per_sequence``, the mean number of later measured
-    positions that are a sink in some head."""
+    positions that are a sink in some head.
+
+    Parameters
+    ----------
+    alpha : torch.Tensor, shape (N, L, H, T)
+        alpha_k of every key.
+    eps : float
+        The sink threshold.
+    min_queries : int
+        Keys seen by fewer queries are left out of the later sinks.
+
+    Returns
+    -------
+    dict of str to float
+    """
     later = alpha[..., 1 : alpha.shape[-1] - min_queries + 1] > eps
     return {"sink_1_pct": float((alpha[..., 0] > eps).float().mean() * 100),
             "secondary_pct": float(later.any(-1).float().mean() * 100),
@@ -58,6 +82,17 @@ def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, f
 
 
 def check_cos(cos_min: float) -> float:
+    """The cosine threshold of a secondary sink, checked.
+
+    Parameters
+    ----------
+    cos_min : float
+        Must lie in (-1, 1).
+
+    Returns
+    -------
+    float
+    """
     cos_min = float(cos_min)
     if not -1.0 < cos_min < 1.0:
         raise ValueError(f"cos_min must lie in (-1, 1) (default {SECONDARY_COS}); got {cos_min}.")
@@ -453,7 +488,18 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
 
 
 def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
-    """The sink table as printed by ``python -m analysis sinks``: one line per sink position."""
+    """The sink table as printed by ``python -m analysis sinks``: one line per sink position.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    max_rows : int
+        Rows printed (the rest are counted).
+
+    Returns
+    -------
+    str
+    """
     df = res.sinks
     head = (f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "
             f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path")

@@ -159,7 +159,19 @@ class SinkContext(Result):
 
 def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
     """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv``: a path, or the name of a model whose run is
-    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``)."""
+    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``).
+
+    Parameters
+    ----------
+    path : path-like or str
+        A CSV path, or a model name whose run is committed.
+    model_name : str, optional
+        The model's name (default: the CSV's ``model`` column).
+
+    Returns
+    -------
+    SinkContext
+    """
     path = Path(path)
     if not path.is_file() and (SINK_CONTEXT_DIR / f"{path}.csv").is_file():
         path = SINK_CONTEXT_DIR / f"{path}.csv"
@@ -174,7 +186,16 @@ def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
 
 
 def committed_sink_context(model_name: str | None) -> SinkContext | None:
-    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none."""
+    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none.
+
+    Parameters
+    ----------
+    model_name : str or None
+
+    Returns
+    -------
+    SinkContext or None
+    """
     path = SINK_CONTEXT_DIR / f"{model_name}.csv"
     return load_sink_context(path) if model_name and path.is_file() else None
 

@@ -8,7 +8,18 @@ from analysis.values import ValueNorms
 
 
 def plot_value_norms(vn: ValueNorms, *, ax=None):
-    """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means."""
+    """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means.
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     x = np.asarray(vn.layers)
     K = vn.v1_norm.shape[1]
@@ -26,7 +37,20 @@ def plot_value_norms(vn: ValueNorms, *, ax=None):
 
 
 def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
-    """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer."""
+    """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer.
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    reduce : {"mean", "max"}, optional
+        How a KV head's query heads map to one alpha (default ``vn.reduce``).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (5.2, 3.8))
     t = vn.table(reduce)
     acol = [c for c in t.columns if c.startswith("alpha_1_")][0]
@@ -46,7 +70,20 @@ def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
 
 
 def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=None):
-    """Mean |v_t| against position t for a few layers (mean over KV heads)."""
+    """Mean |v_t| against position t for a few layers (mean over KV heads).
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    layers : list of int, optional
+        True layer indices (default: up to five spread over the layers measured).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6, 3.2))
     if layers is None:
         idx = np.unique(np.linspace(0, len(vn.layers) - 1, min(5, len(vn.layers))).round().astype(int))
