@@ -75,7 +75,18 @@ SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra
 
 def check_sink_positions(sink_positions, tokens: torch.Tensor):
     """``sink_positions`` as a sorted tuple of 0-based key positions, or as an (N, T) bool mask of sink keys per
-    sequence; ValueError saying what to give otherwise."""
+    sequence; ValueError saying what to give otherwise.
+
+    Parameters
+    ----------
+    sink_positions : sequence of int, or torch.Tensor of shape (N, T)
+        0-based key positions in [0, T - 3], or a bool mask of sink keys per sequence.
+    tokens : torch.Tensor, shape (N, T)
+
+    Returns
+    -------
+    tuple of int, or torch.Tensor of shape (N, T)
+    """
     N, T = tokens.shape
     if isinstance(sink_positions, torch.Tensor) and sink_positions.dtype == torch.bool:
         if tuple(sink_positions.shape) != (N, T):
@@ -98,7 +109,19 @@ def first_query(sink_positions, *, eps: float = SINK_EPS) -> int:
     """The first query position (0-based) the statistics use: after every fixed sink position, and seeing enough keys
     that uniform attention does not count as sinking: with k sink keys, query t puts k / (t + 1) on them under
     uniform attention, at most eps from t = ceil(k / eps - 1) on (t = 3 for one sink and eps = 0.3). With a mask, k is
-    the largest number of sink keys in a sequence."""
+    the largest number of sink keys in a sequence.
+
+    Parameters
+    ----------
+    sink_positions : tuple of int, or torch.Tensor of shape (N, T)
+        As :func:`check_sink_positions` returns them.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    int
+    """
     if isinstance(sink_positions, torch.Tensor):
         after, k = 1, int(sink_positions.sum(1).max())
     else:
@@ -107,7 +130,19 @@ def first_query(sink_positions, *, eps: float = SINK_EPS) -> int:
 
 
 def check_heads(model, heads) -> list[tuple[int, int]]:
-    """``heads`` as a list of (true layer, query head) pairs on attention layers; ValueError naming the ranges."""
+    """``heads`` as a list of (true layer, query head) pairs on attention layers; ValueError naming the ranges.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    heads : iterable of (int, int)
+
+    Returns
+    -------
+    list of (int, int)
+        Without duplicates, in the order given.
+    """
     H = model_dims(model).n_heads
     try:
         pairs = [(int(l), int(h)) for l, h in heads]
@@ -123,6 +158,17 @@ def check_heads(model, heads) -> list[tuple[int, int]]:
 
 
 def check_quantile(quantile: float) -> float:
+    """The quantile below which a query is quiet for a head, checked.
+
+    Parameters
+    ----------
+    quantile : float
+        Must lie in (0, 1).
+
+    Returns
+    -------
+    float
+    """
     quantile = float(quantile)
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must lie in (0, 1) (0.5: below the head's median); got {quantile}.")
@@ -139,7 +185,16 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 
 def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson r of each row of x (R, M) with the same row of y; NaN where a row is constant."""
+    """Pearson r of each row of x (R, M) with the same row of y; NaN where a row is constant.
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray, shape (R, M)
+
+    Returns
+    -------
+    numpy.ndarray, shape (R,)
+    """
     x = x - x.mean(-1, keepdims=True)
     y = y - y.mean(-1, keepdims=True)
     den = np.sqrt((x * x).sum(-1) * (y * y).sum(-1))
@@ -148,7 +203,16 @@ def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def rowwise_spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Spearman rho of each row of x (R, M) with the same row of y (Pearson r of the ranks, ties averaged)."""
+    """Spearman rho of each row of x (R, M) with the same row of y (Pearson r of the ranks, ties averaged).
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray, shape (R, M)
+
+    Returns
+    -------
+    numpy.ndarray, shape (R,)
+    """
     return rowwise_pearson(_ranks(x), _ranks(y))
 
 
@@ -603,7 +667,20 @@ def _positions_words(sink_positions) -> str:
 
 def output_grams(model, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """{layer: W_O^h W_O^h^T (H, d_head, d_head)} so that |z_t^h W_O^h|^2 = z_t^h G_h z_t^h (float32). Reads
-    ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing."""
+    ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : sequence of int
+        Attention layers.
+
+    Returns
+    -------
+    dict of int to torch.Tensor
+        {layer: (H, d_head, d_head)}.
+    """
     out = {}
     for l in layers:
         W = getattr(getattr(model.blocks[l], "attn", None), "W_O", None)
@@ -682,7 +759,17 @@ class _BatchHooks:
 
 
 def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of each sequence, (B,) float32, from ``logits`` (B, T, V)."""
+    """Summed next-token cross-entropy of each sequence, (B,) float32, from ``logits`` (B, T, V).
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, V)
+    tokens : torch.Tensor, shape (B, T)
+
+    Returns
+    -------
+    torch.Tensor, shape (B,)
+    """
     lg = logits[:, :-1].float()
     return torch.nn.functional.cross_entropy(lg.transpose(1, 2), tokens[:, 1:], reduction="none").sum(-1)
 
@@ -716,7 +803,17 @@ def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch
 
 def grad_batch_size(T: int) -> int:
     """Sequences per forward + backward batch: about ``DORMANT_GRAD_BATCH_TOKENS`` tokens (the backward pass keeps
-    every layer's activations of the batch)."""
+    every layer's activations of the batch).
+
+    Parameters
+    ----------
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+    """
     return max(1, DORMANT_GRAD_BATCH_TOKENS // max(int(T), 1))
 
 
@@ -846,7 +943,25 @@ class _HeadMeans(Accumulator):
 
 def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
     """Each head's mean output z over the queries ``first``..T-2 (0-based) of every sequence, (L, H, d_head): the
-    value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``."""
+    value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layers : sequence of int
+        Attention layers (true indices).
+    first : int
+        The first query averaged over.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+
+    Returns
+    -------
+    torch.Tensor, shape (L, H, d_head)
+    """
     return run_pass(model, check_tokens(model, tokens), [_HeadMeans(attention_layers_of(model, layers=layers), first)],
                   batch_size=batch_size)[0]
 
@@ -854,7 +969,20 @@ def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_si
 def copy_queries(model, tokens) -> torch.Tensor:
     """(N, T) bool: the queries of the synthetic bigram-copy task (``analysis.train``, Guo et al.'s bigram-backcopy)
     where the next token copies the one before, i.e. whose own token is a trigger at position >= 2 (0-based). The
-    triggers are read from the reference model's data config; ValueError for a model without that task."""
+    triggers are read from the reference model's data config; ValueError for a model without that task.
+
+    Parameters
+    ----------
+    model : analysis.train.SinkLM
+        A reference model of the synthetic bigram-copy task.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+
+    Returns
+    -------
+    torch.Tensor, shape (N, T)
+        bool.
+    """
     data = (getattr(model, "reference_config", None) or {}).get("data", {})
     triggers = data.get("triggers")
     if not triggers:
@@ -890,7 +1018,20 @@ class _RowLosses(Accumulator):
 
 
 def check_queries(queries, T: int, first: int) -> list[int]:
-    """Query positions (0-based) in [first, T - 2]; None: all of them."""
+    """Query positions (0-based) in [first, T - 2]; None: all of them.
+
+    Parameters
+    ----------
+    queries : sequence of int or None
+    T : int
+        The sequence length.
+    first : int
+        The first query the statistics use.
+
+    Returns
+    -------
+    list of int
+    """
     if queries is None:
         return list(range(first, T - 1))
     qs = sorted({int(q) for q in queries})
@@ -912,7 +1053,34 @@ def removal_effects(model, tokens, heads, *, queries: Sequence[int] | None = Non
     removed, so every (sequence, query) is exact on its own. Where the model can resume (``passes.can_resume``) the
     pass starts at the head's block from the residual entering it: from ``resid`` ({block: (N, T, D)}, e.g.
     ``Profile.resid``: the last kept block at or before it) or from one capturing pass. ``queries``: 0-based
-    positions in [first, T - 2] (default all). Cost: n_heads x (Q + 1) passes' worth of tokens; keep N and T small."""
+    positions in [first, T - 2] (default all). Cost: n_heads x (Q + 1) passes' worth of tokens; keep N and T small.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids (keep N and T small).
+    heads : sequence of (int, int)
+        (true layer, query head) pairs.
+    queries : sequence of int, optional
+        0-based positions in [first, T - 2] (default all).
+    first : int
+        The first query position allowed.
+    values : torch.Tensor, shape (n_heads, d_head), optional
+        What each head's output is set to (default 0).
+    resid : dict of int to torch.Tensor, optional
+        {block: the residual entering it, (N, T, D)}.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    progress : bool
+        Show a progress bar over heads.
+
+    Returns
+    -------
+    torch.Tensor, shape (n_heads, N, Q)
+        float64, nats.
+    """
     tokens = check_tokens(model, tokens)
     N, T = tokens.shape
     pairs = check_heads(model, heads)
@@ -1043,7 +1211,32 @@ def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: D
     """Compare the gradient x activation estimate of :func:`dormant_heads` with exact removal
     (:func:`removal_effects`) on ``heads`` ((layer, head) pairs) over ``tokens`` (N, T; keep them small: one pass of
     N x (Q + 1) rows per head). ``ablation``: "zero" (``effect``) or "mean" (``effect_mean``, the output set to the
-    result's ``z_mean``). ``result``: a ``DormantHeads`` of these very tokens (computed when None)."""
+    result's ``z_mean``). ``result``: a ``DormantHeads`` of these very tokens (computed when None).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids (keep them small).
+    heads : sequence of (int, int)
+        (true layer, query head) pairs.
+    ablation : {"zero", "mean"}
+    result : DormantHeads, optional
+        Of these very tokens (computed when None).
+    queries : sequence of int, optional
+        0-based query positions (default all the statistics use).
+    resid : dict of int to torch.Tensor, optional
+        {block: the residual entering it, (N, T, D)}.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    AttributionCheck
+    """
     if ablation not in ("zero", "mean"):
         raise ValueError(f"ablation must be 'zero' or 'mean'; got {ablation!r}.")
     tokens = check_tokens(model, tokens)
