@@ -104,7 +104,16 @@ class RopeSpec:
 
 
 def rope_spec(hf_model) -> RopeSpec | None:
-    """The backbone's rotary embedding (the one place this module knows model families), or None."""
+    """The backbone's rotary embedding (the one place this module knows model families), or None.
+
+    Parameters
+    ----------
+    hf_model : transformers.PreTrainedModel
+
+    Returns
+    -------
+    RopeSpec or None
+    """
     found = {id(m): m for m in hf_model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
     if not found:
         return None
@@ -120,7 +129,18 @@ def rope_spec(hf_model) -> RopeSpec | None:
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate keys (B, H, L, D) by ``delta`` (B, L) positions in the rotate-half convention."""
+    """Rotate keys (B, H, L, D) by ``delta`` (B, L) positions in the rotate-half convention.
+
+    Parameters
+    ----------
+    keys : torch.Tensor, shape (B, H, L, D)
+    delta : torch.Tensor, shape (B, L)
+    spec : RopeSpec
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, L, D)
+    """
     ang = delta.to(keys.device, torch.float32)[..., None] * spec.inv_freq.to(keys.device)
     ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, L, rot_dim)
     cos, sin = ang.cos().to(keys.dtype), ang.sin().to(keys.dtype)
@@ -132,7 +152,17 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torc
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per-token asymmetric min-max quantisation over the last dim, returned de-quantised."""
+    """Per-token asymmetric min-max quantisation over the last dim, returned de-quantised.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., D)
+    bits : int
+
+    Returns
+    -------
+    torch.Tensor, shape (..., D)
+    """
     lo = x.amin(dim=-1, keepdim=True)
     hi = x.amax(dim=-1, keepdim=True)
     levels = 2**bits - 1

@@ -20,7 +20,27 @@ from analysis.versions import package_versions
 def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
                      quant_sinks: int = 4, dense: bool = True) -> list[Policy]:
     """dense; s + (window - s) for each s (s = 0 is the window policy); newline sinks; and the
-    sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision."""
+    sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision.
+
+    Parameters
+    ----------
+    window : int
+        Tokens every cache keeps, sinks included.
+    sinks : sequence of int
+        Sink counts s (0: the plain window).
+    newline_sinks : int, optional
+        Also s newline tokens as sinks.
+    bits : sequence of int
+        Quantisations of the sinks + window cache.
+    quant_sinks : int
+        Sinks of the quantised caches.
+    dense : bool
+        Add the dense cache.
+
+    Returns
+    -------
+    list of Policy
+    """
     pols = [Policy("dense")] if dense else []
     for s in sinks:
         pols.append(Policy("window", window) if s == 0 else Policy("sinks", window, s))
@@ -32,7 +52,23 @@ def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int |
 
 
 class StreamResult:
-    """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share."""
+    """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share.
+
+    Attributes
+    ----------
+    model : str
+    window : int
+    n_ctx : int or None
+        The model's context.
+    stream : dict
+        How to rebuild the stream (``TokenStream.record()``).
+    skip : int
+        Positions left out of the perplexity at the start.
+    runs : list of PolicyRun
+    recompute_every : int or None
+    device : str
+    tokens : list of int or None
+    """
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
                  recompute_every: int | None, device: str, tokens: list[int] | None = None):
@@ -157,7 +193,17 @@ class StreamResult:
 def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
     """One row per model ({name: StreamResult}, each with one cache size): perplexity past the first eviction
     with s = each of ``sinks`` kept first tokens (s = 0: the window), the re-computation ceiling, and the
-    attention on the kept first token (1 sink) and on the model's learned sink slot (window policy)."""
+    attention on the kept first token (1 sink) and on the model's learned sink slot (window policy).
+
+    Parameters
+    ----------
+    results : dict of str to StreamResult
+    sinks : sequence of int
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     rows = []
     for name, res in results.items():
         t, w = res.table.set_index("policy"), res.window
@@ -174,6 +220,17 @@ def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
 
 
 def write_csv_atomic(df: pd.DataFrame, path) -> Path:
+    """A DataFrame written as CSV, atomically.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+    path : path-like
+
+    Returns
+    -------
+    pathlib.Path
+    """
     write_atomic(path, df.to_csv(index=False))
     return Path(path)
 
@@ -187,7 +244,34 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     Hugging Face folder, a TransformerBridge or a PreTrainedModel. ``tokens``: your own ids (N,), else
     ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
     window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
-    k-th position past the window (1: all; None: leave it out)."""
+    k-th position past the window (1: all; None: leave it out).
+
+    Parameters
+    ----------
+    model : str, path-like, TransformerBridge or transformers.PreTrainedModel
+    tokens : torch.Tensor, shape (N,), optional
+        Your own ids.
+    window : int
+        Tokens every cache keeps, sinks included.
+    n_tokens : int
+        The stream's length when ``tokens`` is not given.
+    sinks, newline_sinks, bits, quant_sinks, dense
+        The policies (:func:`default_policies`).
+    recompute_every : int, optional
+    seed : int
+        The order of the docstring stream.
+    tokenizer : transformers.PreTrainedTokenizerBase, optional
+    skip : int, optional
+        Positions left out of the perplexity at the start.
+    batch : int
+        Policies decoded together.
+    device : str, optional
+    progress : bool
+
+    Returns
+    -------
+    StreamResult
+    """
     hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device)
     n_ctx = context_length(hf)
     if window < 1:
