@@ -73,7 +73,21 @@ class Slot:
 
 
 def register(name: str, description: str, **kwargs):
-    """Class decorator: make an ``AttentionOp`` subclass available under ``name``."""
+    """Class decorator: make an ``AttentionOp`` subclass available under ``name``.
+
+    Parameters
+    ----------
+    name : str
+    description : str
+        One line.
+    **kwargs
+        Passed to the class when it is built.
+
+    Returns
+    -------
+    callable
+        The decorator.
+    """
 
     def deco(cls):
         _REGISTRY[name] = (cls, kwargs, description)
@@ -83,11 +97,27 @@ def register(name: str, description: str, **kwargs):
 
 
 def available_attention() -> dict[str, str]:
-    """{name: one-line description} of every registered attention operation."""
+    """{name: one-line description} of every registered attention operation.
+
+    Returns
+    -------
+    dict of str to str
+    """
     return {name: desc for name, (_, _, desc) in _REGISTRY.items()}
 
 
 def canonical_name(name: str) -> str:
+    """The registered name of an attention operation (aliases resolved).
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    str
+        ValueError naming the known operations otherwise.
+    """
     key = str(name).strip().lower()
     key = _ALIASES.get(key, key)
     if key not in _REGISTRY:
@@ -99,7 +129,17 @@ def canonical_name(name: str) -> str:
 
 
 def check_attention(name: str, cfg) -> str:
-    """Canonical operation name; raises ValueError for unknown names and impossible combinations."""
+    """Canonical operation name; raises ValueError for unknown names and impossible combinations.
+
+    Parameters
+    ----------
+    name : str
+    cfg : ModelConfig
+
+    Returns
+    -------
+    str
+    """
     key = canonical_name(name)
     cls = _REGISTRY[key][0]
     if getattr(cls, "kernel_based", False) and cfg.positional_embedding_type in _ADDITIVE_BIAS_PE:
@@ -112,6 +152,16 @@ def check_attention(name: str, cfg) -> str:
 
 
 def build_attention_op(cfg) -> "AttentionOp":
+    """The attention operation a model config asks for.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+
+    Returns
+    -------
+    AttentionOp
+    """
     key = canonical_name(cfg.attention)
     cls, kwargs, _ = _REGISTRY[key]
     op = cls(cfg, **kwargs)
@@ -122,16 +172,53 @@ def build_attention_op(cfg) -> "AttentionOp":
 # ----------------------------------------------------------------------------- helpers
 
 def qk_logits(q, k, scale: float, *, score_bias=None):
+    """Scores q . k * scale (+ a positional bias).
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, H, T, d)
+    k : torch.Tensor, shape (B, H, n_keys, d)
+    scale : float
+    score_bias : torch.Tensor, shape (H, T, n_keys), optional
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T, n_keys)
+    """
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     return s if score_bias is None else s + score_bias
 
 
 def mask_min(s, allowed):
-    """Masked entries set to the dtype's minimum (as TransformerLens' bridge reports scores)."""
+    """Masked entries set to the dtype's minimum (as TransformerLens' bridge reports scores).
+
+    Parameters
+    ----------
+    s : torch.Tensor, shape (..., T, n_keys)
+        Scores.
+    allowed : torch.Tensor, shape (T, n_keys)
+        bool.
+
+    Returns
+    -------
+    torch.Tensor
+    """
     return s.masked_fill(~allowed, torch.finfo(s.dtype).min)
 
 
 def row_normalise(w, *, tiny: float = 1e-12):
+    """Rows divided by their sum.
+
+    Parameters
+    ----------
+    w : torch.Tensor, shape (..., n_keys)
+    tiny : float
+        The smallest divisor.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n_keys)
+    """
     return w / w.sum(-1, keepdim=True).clamp_min(tiny)
 
 
@@ -183,7 +270,22 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
 
 def causal_mask(T: int, *, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
     """(T, n_keys) bool: key j visible from query i iff j <= i (and i - j < window). ``n_keys`` >= T: the T
-    queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T."""
+    queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T.
+
+    Parameters
+    ----------
+    T : int
+        Queries.
+    window : int, optional
+        A sliding window.
+    device : torch.device, optional
+    n_keys : int, optional
+        Keys (default T).
+
+    Returns
+    -------
+    torch.Tensor, shape (T, n_keys)
+    """
     L = T if n_keys is None else n_keys
     i = torch.arange(L - T, L, device=device)[:, None]
     j = torch.arange(L, device=device)[None, :]

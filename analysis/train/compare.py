@@ -21,7 +21,22 @@ from analysis.values import value_norms
 
 @torch.no_grad()
 def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
-    """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights)."""
+    """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights).
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+    hook : str
+        The attention hook of the layer.
+
+    Returns
+    -------
+    torch.Tensor, shape (H, T, T)
+    """
     acc = {}
 
     def fn(x, hook):
@@ -35,7 +50,20 @@ def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "ho
 @torch.no_grad()
 def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> pd.DataFrame:
     """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
-    ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink."""
+    ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink.
+
+    Parameters
+    ----------
+    models : dict of str to SinkLM
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     rows = []
     for label, model in models.items():
         res = sink_metric(model, tokens, eps=eps, k_max=1)
@@ -58,7 +86,16 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> p
 
 
 def read_log(run_dir) -> pd.DataFrame:
-    """A run's train_log.jsonl as a DataFrame (one row per logged step)."""
+    """A run's train_log.jsonl as a DataFrame (one row per logged step).
+
+    Parameters
+    ----------
+    run_dir : path-like
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     lines = Path(run_dir, "train_log.jsonl").read_text().splitlines()
     return pd.DataFrame([json.loads(l) for l in lines if l.strip()])
 
@@ -66,7 +103,21 @@ def read_log(run_dir) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- figures (matplotlib)
 
 def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
-    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model."""
+    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
+
+    Parameters
+    ----------
+    models : dict of str to SinkLM
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+    n_pos : int
+        Positions shown.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     H = max(m.cfg.n_heads for m in models.values())
@@ -85,7 +136,17 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
 
 
 def plot_first_token(table: pd.DataFrame):
-    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model."""
+    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Of :func:`compare_models`.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     cols = ["Sink_1 (%)", "|v_1| / mean |v_j|", "raw weight on token 1"]
@@ -99,7 +160,16 @@ def plot_first_token(table: pd.DataFrame):
 
 
 def plot_training(runs: dict):
-    """Loss and Sink_1 against training step for each run folder {label: dir}."""
+    """Loss and Sink_1 against training step for each run folder {label: dir}.
+
+    Parameters
+    ----------
+    runs : dict of str to path-like
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
@@ -149,6 +219,21 @@ def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = 0.3, ratio: flo
       (z-score), and the mean cosine of queries with k_1 and with other keys, in sink heads
       (``analysis.key_manifold``);
     - ``sink_1_spike_zeroed``: Sink_1 with the first token's spike dims set to zero where they appear.
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The sink threshold.
+    ratio : float
+        The spike criterion's ratio to the median.
+
+    Returns
+    -------
+    dict
     """
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     out = {"sink_1": sink.sink_rate(1)}

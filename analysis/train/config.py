@@ -364,7 +364,18 @@ def snapshot_steps(spec: Optional[str], steps: int) -> list[int]:
     """The steps at which a run keeps its weights (``TrainConfig.snapshots``), ascending, each in [1, steps].
 
     ``"log:N"``: N steps spaced evenly in log from 10 (or 1 for runs under 100 steps) to ``steps`` (fewer when
-    rounding makes two equal); ``"100,500,2000"``: those steps. None or "": none."""
+    rounding makes two equal); ``"100,500,2000"``: those steps. None or "": none.
+
+    Parameters
+    ----------
+    spec : str or None
+    steps : int
+        The run's length.
+
+    Returns
+    -------
+    list of int
+    """
     if not spec:
         return []
     spec = str(spec).strip()
@@ -399,11 +410,31 @@ def _known_fields(cls, d: dict, what: str) -> dict:
 
 
 def field_names(cls) -> list[str]:
+    """The field names of a config class.
+
+    Parameters
+    ----------
+    cls : type
+
+    Returns
+    -------
+    list of str
+    """
     return [f.name for f in dataclasses.fields(cls)]
 
 
 def split_overrides(overrides: dict) -> tuple[dict, dict]:
-    """Split a flat {field: value} dict into (model fields, train fields); unknown names raise."""
+    """Split a flat {field: value} dict into (model fields, train fields); unknown names raise.
+
+    Parameters
+    ----------
+    overrides : dict
+
+    Returns
+    -------
+    model : dict
+    train : dict
+    """
     m_names, t_names = set(field_names(ModelConfig)), set(field_names(TrainConfig))
     unknown = sorted(set(overrides) - m_names - t_names)
     if unknown:
