@@ -147,7 +147,7 @@ class PassAccumulator(Accumulator):
 
     needs_logits = True
 
-    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
+    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
         self.layers, self.skipped = [l for l in attention_layers_of(model) if l >= start], skipped_note(model)
         self.pos = {l: i for i, l in enumerate(self.layers)}
@@ -208,7 +208,7 @@ def run_condition(model, tokens, *, hooks=(), eps: float = DEFAULT_EPS, k_max: i
     """
     tokens = check_tokens(model, tokens)
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
-    acc = PassAccumulator(model, tokens.shape[1], eps, k_max, resume.layer if resume else 0)
+    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0)
     run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
                  resume=resume)[0]
     return _with_prefix(run, baseline.run) if resume else run
@@ -356,7 +356,8 @@ def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Ac
     -------
     list of Accumulator
     """
-    return [PassAccumulator(model, T, eps, K_MAX), FirstTokenResidAccumulator(model), ValueStatsAccumulator(model)]
+    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
+            ValueStatsAccumulator(model)]
 
 
 def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:

@@ -83,7 +83,7 @@ class CauseAccumulator(Accumulator):
     """At positions 0 and ``later``: every component's projection on the writer neurons' weights, the norm scale,
     the hooks' pre-activations and activations of the writer blocks, and the spike dims' values."""
 
-    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, last: int = 0):
+    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, *, last: int = 0):
         self.model, self.readouts, self.dims, self.later = model, readouts, dims, int(later)
         self.spec = get_mlp(model)
         self.last = min(max([r.block for r in readouts] + [int(last)]), int(model.cfg.n_layers) - 1)

@@ -112,7 +112,7 @@ class GateAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, layers=None, kind: str | None = None):
+    def __init__(self, model, *, layers=None, kind: str | None = None):
         spec = get_family(model)
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
@@ -183,4 +183,4 @@ def attention_gates(model, tokens, *, layers=None, batch_size: int | None = None
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
-    return run_pass(model, tokens, [GateAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [GateAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]

@@ -396,7 +396,7 @@ class ValueRemoval:
         False leaves the first token's own output (t = 1) unchanged.
     """
 
-    def __init__(self, model, heads: list[tuple[int, int]], mode: str = "zero", v_mean: dict | None = None,
+    def __init__(self, model, heads: list[tuple[int, int]], *, mode: str = "zero", v_mean: dict | None = None,
                  first_query: bool = True):
         dims, spec = model_dims(model), get_family(model)
         self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
@@ -550,7 +550,9 @@ def value_ablation(
     every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
     conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
-    removals = [(c, ValueRemoval(model, hs, mode, v_mean, fq)) for c, hs, mode, fq in conditions]  # checks before any pass
+    # built (and checked) before any pass
+    removals = [(c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
+                for c, hs, mode, fq in conditions]
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
         r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
                           on_batch_start=removal.start, baseline=base)

@@ -433,7 +433,7 @@ class KeyManifoldAccumulator(Accumulator):
     """Per analysed layer and KV head: the other keys' running sum, Gram matrix and unit-vector sum; the first
     keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
 
-    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, rotated: bool = True,
+    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, *, rotated: bool = True,
                  scatter_layers=(), kind: str | None = None):
         dims = model_dims(model)
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
@@ -694,8 +694,8 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
     heads, explicit, auto = _check_heads(model, heads, scatter_heads)
-    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated,
-                                  [l for l, _ in explicit], kind)
+    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated,
+                                  scatter_layers=[l for l, _ in explicit], kind=kind)
 
 
 def first_key_manifold(

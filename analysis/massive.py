@@ -325,9 +325,9 @@ class MassiveAccumulator(Accumulator):
     d_model).
     """
 
-    def __init__(self, model, layers, D: int, hook: str = "resid_post", top_k: int = 3, abs_threshold: float = SPIKE_ABS,
-                 ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence",
-                 kind: str | None = None):
+    def __init__(self, model, layers, D: int, *, hook: str = "resid_post", top_k: int = 3,
+                 abs_threshold: float = SPIKE_ABS, ratio_threshold: float = SPIKE_RATIO,
+                 min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence", kind: str | None = None):
         self.model, self.layers, self.D, self.hook, self.K, self.kind = model, list(layers), int(D), hook, int(top_k), kind
         self.abs_threshold, self.ratio_threshold, self.min_share = float(abs_threshold), float(ratio_threshold), float(min_share)
         self.median_over = median_over
@@ -460,7 +460,8 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
     if D is None:
         raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
     _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
-    return MassiveAccumulator(model, layers, D, hook, top_k, abs_threshold, ratio_threshold, min_share, median_over, kind)
+    return MassiveAccumulator(model, layers, D, hook=hook, top_k=top_k, abs_threshold=abs_threshold,
+                              ratio_threshold=ratio_threshold, min_share=min_share, median_over=median_over, kind=kind)
 
 
 def massive_activations(

@@ -306,7 +306,7 @@ class NormGainAccumulator(Accumulator):
 
     optional_keys = frozenset({"n", "scores"})
 
-    def __init__(self, model, path: KeyPath, S: list[int], T: int, n_other: int = 4, kind: str | None = None):
+    def __init__(self, model, path: KeyPath, S: list[int], T: int, *, n_other: int = 4, kind: str | None = None):
         self.model, self.path, self.S, self.kind, self.H = model, path, S, kind, model_dims(model).n_heads
         self.spec, self.layer, D, self.T = path.spec, path.layer, path.W_K.shape[1], int(T)
         self.Smask = torch.zeros(D, dtype=torch.bool)
@@ -739,7 +739,7 @@ def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_thr
     message = _spike_message(model, layer, S, found, abs_threshold, ratio_threshold, min_share)
     if not S:
         warnings.warn(message, stacklevel=3)
-    return NormGainAccumulator(model, path, S, tokens.shape[1], n_other, kind), message
+    return NormGainAccumulator(model, path, S, tokens.shape[1], n_other=n_other, kind=kind), message
 
 
 def norm_gain_trace(

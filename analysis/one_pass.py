@@ -117,15 +117,16 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
     T = tokens.shape[1]
     layers = attention_layers_of(model)  # the attention analyses run on the attention layers (true indices)
     make = {
-        "sink": lambda: [SinkAccumulator(model, T, eps, k_max, kind)],
+        "sink": lambda: [SinkAccumulator(model, T, eps=eps, k_max=k_max, kind=kind)],
         "massive": lambda: [massive_accumulator(model, tokens.shape, kind=kind)],
-        "qk": lambda: [QKAccumulator(model, layers, kind)],
+        "qk": lambda: [QKAccumulator(model, layers=layers, kind=kind)],
         "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
-        "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
+        "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind=kind)],
         "baseline": lambda: baseline_accumulators(model, T, eps=eps),
-        "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
+        # no gate: nothing to run
+        "gates": lambda: [GateAccumulator(model, layers=layers, kind=kind)] if has_gate(model) else [],
         "resid": lambda: _resid_capture(model, tokens, budget_mib),
-        "origin": lambda: [SpikeOriginAccumulator(model, kind)],
+        "origin": lambda: [SpikeOriginAccumulator(model, kind=kind)],
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 

@@ -170,7 +170,7 @@ class QKAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, layers=None, kind: str | None = None):
+    def __init__(self, model, *, layers=None, kind: str | None = None):
         self.model, self.layers, self.kind = model, attention_layers_of(model, layers=layers), kind
         self.spec = get_family(model)
         self.H = model_dims(model).n_heads
@@ -255,4 +255,4 @@ def qk_angles(model, tokens, *, layers=None, batch_size: int | None = None, kind
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
-    return run_pass(model, tokens, [QKAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [QKAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]

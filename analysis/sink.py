@@ -269,7 +269,7 @@ class SinkResult(Result, LayerAxis):
 class SinkAccumulator(Accumulator):
     """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
-    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
+    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
         self.eps, self.T, self.kind = check_eps(eps), int(T), kind
         self.k_max = check_k_max(k_max, T)
         self.model_name = getattr(model, "model_name", None)
@@ -400,8 +400,8 @@ def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumul
             reason = str(e)
     tokens = check_tokens(model, tokens)
     accs = list(make_accumulators())
-    res, *rest = run_pass(model, tokens, [SinkAccumulator(model, tokens.shape[1], eps, k_max, kind), *accs],
-                          batch_size=batch_size, progress=progress)
+    sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
+    res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress)
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
     return res, rest
 

@@ -130,7 +130,7 @@ class SpikeOriginAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, kind: str | None = None):
+    def __init__(self, model, *, kind: str | None = None):
         self.model, self.kind = model, kind
         self.spec = get_mlp(model)
         self.L, self.D = model_dims(model).n_layers, int(model_dims(model).d_model)
@@ -930,7 +930,7 @@ def spike_origin(
     _check_blocks(blocks, L)
     if not 0 < float(share) <= 1:
         raise ValueError(f"share must lie in (0, 1]; got {share}.")
-    accs = [SpikeOriginAccumulator(model, kind)]
+    accs = [SpikeOriginAccumulator(model, kind=kind)]
     if dims is None:
         accs.append(massive_accumulator(model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
                                         min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))

@@ -286,7 +286,7 @@ class ValueNormsAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, layers, T: int, kind: str | None = None):
+    def __init__(self, model, layers, T: int, *, kind: str | None = None):
         dims = model_dims(model)
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         L, f64 = len(self.layers), torch.float64
@@ -393,6 +393,6 @@ def value_norms(
     if tokens.shape[1] < 2:
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
     _check_sink(sink, dims, layers, attention_layers_of(model))
-    acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind)
+    acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)

@@ -215,7 +215,7 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
     if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
-        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps, K_MAX),
+        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX),
                                             ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size)
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:

@@ -218,14 +218,25 @@ LEADING = ("model", "tokens")  # the data a function takes first; every option a
 
 
 def _public_functions(tree: ast.Module):
-    return [n for n in tree.body
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+    """Public module-level functions, and the ``__init__`` of public classes (as ``Class``: an accumulator built
+    from a model takes its options as a function does)."""
+    out = []
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_"):
+            out.append(n)
+        elif isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+            init = next((b for b in n.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
+            if init is not None:
+                out.append(ast.FunctionDef(name=n.name, args=init.args, lineno=init.lineno))
+    return out
 
 
 def _positional_options(fn: ast.FunctionDef) -> list[str]:
     """The parameters of a function taking ``model`` (then maybe ``tokens``) first that have a default yet can still
     be given by position: the leading data arguments are exempt, required arguments after them too."""
     params = fn.args.posonlyargs + fn.args.args
+    if params and params[0].arg == "self":  # a class's __init__
+        params = params[1:]
     if not params or params[0].arg != LEADING[0]:
         return []
     lead = 2 if len(params) > 1 and params[1].arg == LEADING[1] else 1
@@ -243,16 +254,21 @@ def test_the_keyword_checker_flags_a_positional_option():
                     "def also_bad(model, k=1): ...\n"
                     "def good(model, tokens=None, *, eps=0.3): ...\n"
                     "def not_a_model_function(x, dim=-1): ...\n"
-                    "def _private(model, eps=0.3): ...\n")
-    assert _keyword_offenders(bad, "inline") == ["inline:1 bad(eps)", "inline:2 also_bad(k)"]
+                    "def _private(model, eps=0.3): ...\n"
+                    "class BadAccumulator:\n"
+                    "    def __init__(self, model, T, eps=0.3): ...\n"
+                    "class GoodAccumulator:\n"
+                    "    def __init__(self, model, T, *, eps=0.3): ...\n")
+    assert _keyword_offenders(bad, "inline") == ["inline:1 bad(eps)", "inline:2 also_bad(k)",
+                                                 "inline:7 BadAccumulator(eps)"]
 
 
 def test_options_after_model_and_tokens_are_keyword_only():
     offenders = []
     for module, path in MODULES.items():
         offenders += _keyword_offenders(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
-    assert not offenders, ("public functions taking a model first whose options (parameters with a default after "
-                           "model / tokens) can still be given by position; put `*` before them:\n"
+    assert not offenders, ("public functions (and classes) taking a model first whose options (parameters with a "
+                           "default after model / tokens) can still be given by position; put `*` before them:\n"
                            + "\n".join(offenders))
 
 

@@ -71,7 +71,7 @@ class StreamResult:
     """
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
-                 recompute_every: int | None, device: str, tokens: list[int] | None = None):
+                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None):
         self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
         self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
 
@@ -178,7 +178,7 @@ class StreamResult:
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
         return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
-                   d["recompute_every"], d.get("device", "cpu"), d.get("tokens"))
+                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"))
 
     @classmethod
     def load(cls, path) -> "StreamResult":
@@ -312,4 +312,4 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if recompute_every:
         runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
     dev = str(hf.get_output_embeddings().weight.device)
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens.tolist())
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens=tokens.tolist())
