@@ -105,9 +105,12 @@ class PositionStats:
 
     Attributes
     ----------
-    cos_first : (N, R, T) float32, cosine of h[t] to h[0] at each of the R layers.
-    peak_abs : (N, R, T) float32, max over dims of |h[t]|.
-    peak_dim : (N, R, T) int64, the dim holding it.
+    cos_first : torch.Tensor, shape (N, R, T)
+        The cosine of h[t] to h[0] at each of the R layers; float32.
+    peak_abs : torch.Tensor, shape (N, R, T)
+        The largest |h[t]| over dims; float32.
+    peak_dim : torch.Tensor, shape (N, R, T)
+        The dim holding it; int64.
     """
 
     cos_first: torch.Tensor
@@ -443,18 +446,27 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
 
     Parameters
     ----------
-    model : a model with TransformerLens hook names (``analysis.load_model``).
-    tokens : (N, T) token ids, T >= 2.
-    eps : float in (0, 1), a position sinks in a head when alpha_k > eps.
-    min_queries : int in [1, T], keys seen by fewer queries are left out (default min(16, T // 2)).
-    cos_min : float in (-1, 1), the cosine to the first token's hidden state above which a position is aligned.
-    abs_threshold, ratio_threshold : Sun et al.'s massive-activation criterion (``analysis.massive``).
-    path : "auto" (fused where exact), "fused" or "eager", as in ``analysis.sink_metric``.
-    batch_size, progress, kind : as in ``analysis.sink_metric``.
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    eps : float
+        In (0, 1): a position sinks in a head when alpha_k > eps.
+    min_queries : int, optional
+        In [1, T]: keys seen by fewer queries are left out (default min(16, T // 2)).
+    cos_min : float
+        In (-1, 1): the cosine to the first token's hidden state above which a position is aligned.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s massive-activation criterion (``analysis.massive``).
+    path : {"auto", "fused", "eager"}
+        "auto": fused where exact, as in ``analysis.sink_metric``.
+    batch_size, progress, kind
+        As in ``analysis.sink_metric``.
 
     Returns
     -------
     SinkPositions
+        alpha of shape (N, L, H, T).
     """
     eps, cos_min = check_eps(eps), check_cos(cos_min)
     tokens = torch.as_tensor(tokens)

@@ -415,7 +415,7 @@ def probe_norm(module, *, model=None) -> NormSpec | None:
     ----------
     module : torch.nn.Module
         A norm module with a 1-d gain (``weight``, or ``w`` in the reference models).
-    model, optional
+    model : TransformerBridge, optional
         The model the module belongs to, to name its Hugging Face path.
 
     Returns

@@ -590,21 +590,31 @@ class _ResidTaps:
 
 def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
                 accumulators: Sequence[Accumulator] = ()) -> torch.Tensor:
-    """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch;
-    L runs over ``fused_layers(model)`` (the attention layers, true indices).
+    """alpha from one fused forward pass of ``model`` per batch.
+
+    The base model runs without a KV cache and without the unembedding (alpha needs neither).
 
     Parameters
     ----------
-    model : a TransformerBridge or a Hugging Face ``PreTrainedModel``.
-    tokens : (N, T) unpadded token ids.
-    k_max : int in [1, T]; alpha is kept for keys 1..k_max (k_max = T: every key, the sink at any position).
-    batch_size : sequences per batch (default about 2k tokens a batch).
-    progress : a progress bar over batches.
-    accumulators : accumulators (``analysis.hooks.Accumulator``) that read only ``hook_resid_post``, fed in the
-        same pass from the decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
+    model
+        A TransformerBridge or a Hugging Face ``PreTrainedModel``.
+    tokens : torch.Tensor, shape (N, T)
+        Unpadded token ids.
+    k_max : int
+        In [1, T]: alpha is kept for keys 1..k_max (k_max = T: every key, the sink at any position).
+    batch_size : int, optional
+        Sequences per batch (default about 2k tokens a batch).
+    progress : bool
+        Show a progress bar over batches.
+    accumulators : sequence of Accumulator
+        Accumulators (``analysis.passes.Accumulator``) that read only ``hook_resid_post``, fed in the same pass from the
+        decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
 
-    The base model runs without a KV cache and without the unembedding (alpha needs neither). Raises
-    ``FusedUnsupported`` where the fused path is not exact.
+    Returns
+    -------
+    torch.Tensor, shape (N, L, H, k_max)
+        float32 on the CPU; L runs over ``fused_layers(model)`` (the attention layers, true indices). Raises
+        ``FusedUnsupported`` where the fused path is not exact.
     """
     reason = unsupported_reason(model)
     if reason:

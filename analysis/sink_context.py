@@ -204,20 +204,29 @@ def sink_vs_context(model, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Ma
                     seeds: Iterable[int] = (0, 1, 2), eps_grid: Sequence[float] = EPS_GRID, path: str = "auto",
                     texts: Sequence[str] | None = None, batch_size: int | None = None,
                     on_run: Callable[[pd.DataFrame], None] | None = None) -> SinkContext:
-    """Sink_1 and the secondary sinks of ``model`` on natural text for each context length in ``Ts`` and probe seed,
-    at every eps of ``eps_grid``.
+    """Sink_1 and the secondary sinks of ``model`` on natural text for each context length in ``Ts`` and probe seed, at
+    every eps of ``eps_grid``.
 
     Parameters
     ----------
-    model : a model with TransformerLens hook names and a tokenizer.
-    Ts : context lengths, each in [2, the model's context].
-    n : sequences per (T, seed): one number, or {T: n}.
-    seeds : probe seeds (each cuts other windows of the corpus).
-    eps_grid : thresholds in (0, 1).
-    path : "auto" (fused where exact), "fused" or "eager", as in ``analysis.sink_metric``.
-    texts : the natural texts (default the offline standard-library docstrings).
-    batch_size : sequences per batch.
-    on_run : called with the rows of each (T, seed) as they are done (e.g. to write a CSV as the run goes).
+    model
+        A model with TransformerLens hook names and a tokenizer.
+    Ts : sequence of int
+        Context lengths, each in [2, the model's context].
+    n : int or mapping of int to int
+        Sequences per (T, seed): one number, or {T: n}.
+    seeds : iterable of int
+        Probe seeds (each cuts other windows of the corpus).
+    eps_grid : sequence of float
+        Thresholds in (0, 1).
+    path : {"auto", "fused", "eager"}
+        "auto": fused where exact, as in ``analysis.sink_metric``.
+    texts : sequence of str, optional
+        The natural texts (default the offline standard-library docstrings).
+    batch_size : int, optional
+        Sequences per batch.
+    on_run : callable, optional
+        Called with the rows (a DataFrame) of each (T, seed) as they are done (e.g. to write a CSV as the run goes).
 
     Returns
     -------

@@ -834,28 +834,45 @@ def dormant_heads(
 ) -> DormantHeads:
     """Per head and query: attention on the sink, the head's output norm and its effect on the loss.
 
+    Cost: one forward and one backward pass over the tokens (the backward keeps one batch's activations), plus the
+    means' pass with ``mean_ablation``.
+
     Parameters
     ----------
-    model : a model with TransformerLens hook names (``load_model``; a reference model of ``analysis.train``).
-    tokens : (N, T) token ids, T >= max(sink_positions) + 3.
-    sink_positions : 0-based key positions whose attention counts as the sink (default the first token), or an
-        (N, T) bool mask of sink keys per sequence (statistics then start at query 1).
-    eps : a query sinks when more than eps of its attention goes to the sink (the sink metric's 0.3).
-    quantile : a query is quiet (inert) when its output norm (|effect|) lies below this quantile of the head's.
-    layers : attention layers (true indices) to measure; None: all.
-    active : (N, T) bool, queries known to need a head (``copy_queries`` for the synthetic task), or None.
-    mean_ablation : also estimate the loss effect of setting the head's output to its mean output (``effect_mean``);
-        costs one streamed forward pass for the means (stopping after the last layer measured, no unembedding).
-    exact : replace the gradient x activation estimates by exact removal (:func:`removal_effects`) for every head: one
-        pass per head (two with ``mean_ablation``) over N x (Q + 1) rows, Q the measured queries. Only for small
-        models: gradient x activation misses effects where the model is certain of its prediction (the gradient
-        vanishes), e.g. the copy positions of the synthetic task.
-    batch_size : sequences per forward + backward (default about 256 tokens: see ``grad_batch_size``).
+    model
+        Any model with TransformerLens hook names (``load_model``; a reference model of ``analysis.train``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= max(sink_positions) + 3.
+    sink_positions : sequence of int, or torch.Tensor of shape (N, T)
+        0-based key positions whose attention counts as the sink (default the first token), or a bool mask of sink
+        keys per sequence (statistics then start at query 1).
+    eps : float
+        A query sinks when more than eps of its attention goes to the sink (the sink metric's 0.3).
+    quantile : float
+        A query is quiet (inert) when its output norm (|effect|) lies below this quantile of the head's.
+    layers : sequence of int, optional
+        Attention layers (true indices) to measure; None: all.
+    active : torch.Tensor, shape (N, T), optional
+        bool, queries known to need a head (``copy_queries`` for the synthetic task).
+    mean_ablation : bool
+        Also estimate the loss effect of setting the head's output to its mean output (``effect_mean``); costs one
+        streamed forward pass for the means (stopping after the last layer measured, no unembedding).
+    exact : bool
+        Replace the gradient x activation estimates by exact removal (:func:`removal_effects`) for every head: one pass
+        per head (two with ``mean_ablation``) over N x (Q + 1) rows, Q the measured queries. Only for small models:
+        gradient x activation misses effects where the model is certain of its prediction (the gradient vanishes), e.g.
+        the copy positions of the synthetic task.
+    batch_size : int, optional
+        Sequences per forward + backward (default about 256 tokens: see ``grad_batch_size``).
+    progress : bool
+        Show a progress bar.
+    kind : str, optional
+        The input kind, a label ("natural", "random").
 
     Returns
     -------
-    DormantHeads with (N, L, H, T) tensors and the per-head table. Cost: one forward and one backward pass over the
-    tokens (the backward keeps one batch's activations), plus the means' pass with ``mean_ablation``.
+    DormantHeads
+        Tensors of shape (N, L, H, T) and the per-head table.
     """
     tokens = check_tokens(model, tokens)
     N, T = tokens.shape

@@ -912,6 +912,10 @@ def spike_origin(
         ``median_over``: its criterion).
     blocks : sequence of int, optional
         The MLP blocks whose neurons to resolve; None: every writing and erasing MLP found.
+    abs_threshold, ratio_threshold, min_share : float
+        The massive-activation criterion that finds the spike dims (see ``analysis.massive_activations``).
+    median_over : {"sequence", "token"}
+        The median its ratio is taken to.
     share : float
         What counts as a write: at least this share of the value it leads to (or erases).
     batch_size : int, optional

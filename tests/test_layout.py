@@ -278,30 +278,58 @@ def _section(doc: str | None, name: str) -> bool:
     return any(a.strip() == name and b.strip() and set(b.strip()) == {"-"} for a, b in zip(lines, lines[1:]))
 
 
+def _entries(doc: str, name: str) -> set[str]:
+    """The names a numpy-doc section lists: its unindented lines up to the next section, ``a, b : type`` naming a
+    and b (``**kwargs`` as kwargs)."""
+    lines = inspect.cleandoc(doc).splitlines()
+    out, inside = set(), False
+    for i, line in enumerate(lines):
+        if i + 1 < len(lines) and line.strip() and set(lines[i + 1].strip()) == {"-"}:
+            inside = line.strip() == name
+        elif inside and line.strip() and not line.startswith(" ") and set(line.strip()) != {"-"}:
+            out |= {n.strip().lstrip("*") for n in line.split(" : ")[0].split(",")}
+    return out
+
+
 def _documented(obj) -> list[str]:
-    """What the docstring of an exported function or class lacks: a function ``Parameters`` (when it takes any) and
-    ``Returns``; a result class (a dataclass or a ``Result``) ``Attributes`` naming every public field; any other class
-    (an error) a docstring."""
+    """What the docstring of an exported function or class lacks: a function ``Parameters`` naming each parameter
+    (when it takes any) and ``Returns``; a result class (a dataclass or a ``Result``) ``Attributes`` naming every
+    public field; any other class (an error) a docstring."""
     doc = inspect.getdoc(obj)
     if not doc:
         return ["a docstring"]
     if inspect.isfunction(obj):
-        params = [p for p in inspect.signature(obj).parameters.values()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        return [s for s in (["Parameters"] if params else []) + ["Returns"] if not _section(doc, s)]
+        params = [p for p in inspect.signature(obj).parameters if not p.startswith("_")]
+        lack = [s for s in (["Parameters"] if params else []) + ["Returns"]
+                if not _section(doc, s) and not (s == "Returns" and _section(doc, "Yields"))]
+        return lack or [f"parameter {p}" for p in params if p not in _entries(doc, "Parameters")]
     if dataclasses.is_dataclass(obj) or issubclass(obj, Result):
         if not _section(doc, "Attributes"):
             return ["Attributes"]
         names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-        attrs = doc.split("Attributes", 1)[1]
-        return [f"field {n}" for n in names if not n.startswith("_")
-                and not re.search(rf"^(\w+, )*{n}(, \w+)* :", attrs, re.MULTILINE)]
+        return [f"field {n}" for n in names if not n.startswith("_") and n not in _entries(doc, "Attributes")]
     return []
 
 
 def test_the_docstring_checker_flags_what_is_missing():
     def prose(model, tokens, eps=0.3):
         """Sink of ``model`` on ``tokens`` (N, T), in prose."""
+
+    def partly(model, tokens, *, eps=0.3, **kwargs):
+        """Sink.
+
+        Parameters
+        ----------
+        model
+            A model.
+        tokens : torch.Tensor, shape (N, T)
+        **kwargs
+            Passed on.
+
+        Returns
+        -------
+        SinkResult
+        """
 
     @dataclasses.dataclass
     class Half(Result):
@@ -317,6 +345,7 @@ def test_the_docstring_checker_flags_what_is_missing():
         eps: float
 
     assert _documented(prose) == ["Parameters", "Returns"]
+    assert _documented(partly) == ["parameter eps"]
     assert _documented(Half) == ["field eps"]
     assert _documented(analysis.sink_metric) == [] and _documented(analysis.SinkResult) == []
 
@@ -329,16 +358,31 @@ def test_every_exported_function_and_class_documents_its_parameters_or_attribute
                          f"result classes: Attributes naming every field): {missing}")
 
 
-def test_every_result_class_of_the_package_documents_its_fields():
-    """Beyond the exported names: every public dataclass and ``Result`` of every module (the results analyses return,
-    their parts, configs) has an ``Attributes`` section naming each public field."""
-    missing = {}
+def _public_objects():
+    """(module, name, object) of every public function and class each module defines (``__main__`` modules, which
+    run when imported, left out)."""
     for module in sorted(MODULES):
         if module.endswith("__main__"):
             continue
         mod = importlib.import_module(module)
         for name, obj in vars(mod).items():
-            if (not name.startswith("_") and inspect.isclass(obj) and obj.__module__ == module
-                    and (dataclasses.is_dataclass(obj) or issubclass(obj, Result)) and (lack := _documented(obj))):
-                missing[f"{module}.{name}"] = lack
+            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)) \
+                    and obj.__module__ == module:
+                yield module, name, obj
+
+
+def test_every_result_class_of_the_package_documents_its_fields():
+    """Beyond the exported names: every public dataclass and ``Result`` of every module (the results analyses return,
+    their parts, configs) has an ``Attributes`` section naming each public field."""
+    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
+               if inspect.isclass(obj) and (dataclasses.is_dataclass(obj) or issubclass(obj, Result))
+               and (lack := _documented(obj))}
     assert not missing, f"result classes whose docstring lacks an Attributes section or a field in it: {missing}"
+
+
+def test_every_public_function_of_the_package_documents_its_parameters():
+    """Beyond the exported names: every public function of every module has ``Parameters`` naming each of its
+    parameters and ``Returns`` (or ``Yields``)."""
+    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
+               if inspect.isfunction(obj) and (lack := _documented(obj))}
+    assert not missing, f"public functions whose docstring lacks a section or a parameter: {missing}"
