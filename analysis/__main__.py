@@ -18,8 +18,28 @@ from analysis.streaming.cli import add_parser as add_stream_parser
 from analysis.versions import package_versions
 
 
-def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, progress: bool = True) -> dict:
-    """Sink metric on natural, random and repeated probes; everything the JSON holds."""
+def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
+                progress: bool = True) -> dict:
+    """Sink metric on natural, random and repeated probes; everything the JSON holds.
+
+    Parameters
+    ----------
+    model_name : str
+    n : int
+        Sequences per probe kind.
+    T : int
+        Tokens per sequence.
+    eps : float
+    k_max : int
+    bos : bool
+    seed : int
+    device : str or None
+    progress : bool
+
+    Returns
+    -------
+    dict
+    """
     if T < 2:
         raise ValueError(f"--T must be at least 2; got {T}. alpha_1 is the attention the queries give the first token: "
                          "with one token the only query can attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% "
@@ -45,6 +65,17 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
 
 
 def format_sink_table(payload: dict) -> str:
+    """The sink table ``python -m analysis sink`` prints.
+
+    Parameters
+    ----------
+    payload : dict
+        Of :func:`sink_report`.
+
+    Returns
+    -------
+    str
+    """
     lines = [
         f"Sink_1 (eps={payload['eps']}) of {payload['model']}: N={payload['n']} sequences of T={payload['T']} tokens, "
         f"{'BOS first' if payload['bos'] else 'no BOS'}",
@@ -64,6 +95,17 @@ def format_sink_table(payload: dict) -> str:
 
 
 def cmd_sink(args) -> int:
+    """``python -m analysis sink``: the sink table of one model.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
     payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet)
     print(format_sink_table(payload))
     if args.json:
@@ -73,7 +115,17 @@ def cmd_sink(args) -> int:
 
 
 def cmd_sinks(args) -> int:
-    """Every sink position of one text file: the table, and one JSON record per sink position."""
+    """Every sink position of one text file: the table, and one JSON record per sink position.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
     check_eps(args.eps)
     path = Path(args.text)
     if not path.is_file():
@@ -100,6 +152,17 @@ def cmd_sinks(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """``python -m analysis report``: the HTML and JSON report.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+        The exit status (1 where a section failed).
+    """
     model = load_model(args.model, device=args.device)
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
@@ -111,12 +174,28 @@ def cmd_report(args) -> int:
 
 
 def cmd_models(args) -> int:
+    """``python -m analysis models``: the models known by name.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+    """
     for m in available_models():
         print(f"{m.name:<24} {m.kind:<10} {m.description}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
     p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -163,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """``python -m analysis``.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status (2 for bad input).
+    """
     args = build_parser().parse_args(argv)
     for name in ("n", "T"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:

@@ -1,6 +1,6 @@
 """The condition runner of the causal tests: one streamed pass under intervention hooks, and the shared baseline.
 
-``run_condition(model, tokens, hooks)`` runs one pass with intervention hooks (functions returning the changed
+``run_condition(model, tokens, hooks=hooks)`` runs one pass with intervention hooks (functions returning the changed
 activation) and folds the attention into per-(sample, layer, head) alpha, the attention shares of later queries on
 the first key, the previous key, themselves and the rest (``where_shares``), and the next-token loss: a
 :class:`PassResult`. The unchanged model's pass, the :class:`Baseline`, also records what the ablations of
@@ -37,7 +37,25 @@ class PassResult(LayerAxis):
     """What one pass over the tokens leaves: alpha per (sample, layer, head, key), attention shares, loss.
 
     The layer axis L runs over ``layers``, the true indices of the attention layers (all layers but a hybrid's
-    linear-attention / Mamba layers, which ``skipped`` names)."""
+    linear-attention / Mamba layers, which ``skipped`` names).
+
+    Attributes
+    ----------
+    alpha : torch.Tensor, shape (N, L, H, K)
+        alpha_k for keys 1..K = k_max.
+    where : torch.Tensor, shape (L, H, 4)
+        The mean attention share of queries t >= 3 on the first, previous, own and other keys.
+    loss : float
+        The mean next-token loss over every position.
+    eps : float
+        The sink threshold.
+    T : int
+        The sequence length.
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    skipped : str
+        The layers left out (not attention layers), in one sentence; "" when none.
+    """
 
     alpha: torch.Tensor  # (N, L, H, K)
     where: torch.Tensor  # (L, H, 4) mean attention share of queries t >= 3 on first/previous/self/other keys
@@ -60,9 +78,22 @@ class PassResult(LayerAxis):
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
 
 
-def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, rows: int = LOSS_ROWS) -> float:
-    """Summed next-token cross-entropy of ``logits`` (B, T, V) on ``tokens`` (B, T), ``rows`` sequences at a time
-    (peak memory: one chunk's log-softmax, not the whole batch's)."""
+def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROWS) -> float:
+    """Summed next-token cross-entropy, a few sequences at a time (peak memory: one chunk's log-softmax, not the whole
+    batch's).
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, V)
+    tokens : torch.Tensor, shape (B, T)
+    rows : int
+        Sequences per chunk.
+
+    Returns
+    -------
+    float
+        The sum over the B (T - 1) predictions.
+    """
     total = 0.0
     for i in range(0, logits.shape[0], rows):
         lg = logits[i : i + rows, :-1].float()
@@ -74,8 +105,17 @@ def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, rows: int = LOSS_ROWS) 
 def where_shares(pattern: torch.Tensor) -> torch.Tensor:
     """Attention shares of queries t >= 3 (1-based) on the first key, the previous key, itself and the rest.
 
-    pattern (B, H, T, T) -> (B, H, 4), summed over those queries (divide by T - 2 for the mean).
     The four categories are disjoint and sum to 1 for every query.
+
+    Parameters
+    ----------
+    pattern : torch.Tensor, shape (B, H, T, T)
+        Attention probabilities.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, 4)
+        Summed over those queries (divide by T - 2 for the mean).
     """
     T = pattern.shape[-1]
     p = pattern[..., 2:, :].float()  # queries t = 2..T-1 (0-based)
@@ -88,12 +128,26 @@ def where_shares(pattern: torch.Tensor) -> torch.Tensor:
 
 
 class PassAccumulator(Accumulator):
-    """alpha for keys 1..k_max per sample, the attention shares of ``where_shares`` and the next-token loss, on the
-    attention layers from ``start`` on (a pass resumed at block ``start``)."""
+    """alpha for keys 1..k_max per sample, the attention shares of :func:`where_shares` and the next-token loss, on the
+    attention layers from ``start`` on (a pass resumed at block ``start``).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    T : int
+        The sequence length.
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept.
+    start : int
+        The block the pass starts at.
+    """
 
     needs_logits = True
 
-    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
+    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
         self.layers, self.skipped = [l for l in attention_layers_of(model) if l >= start], skipped_note(model)
         self.pos = {l: i for i, l in enumerate(self.layers)}
@@ -122,18 +176,39 @@ class PassAccumulator(Accumulator):
                           self.layers, self.skipped)
 
 
-def run_condition(model, tokens, hooks=(), *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, batch_size: int | None = None,
-                  on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
-    """One pass with intervention ``hooks`` (fns returning the changed activation) plus the attention reducers.
-    ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
+def run_condition(model, tokens, *, hooks=(), eps: float = DEFAULT_EPS, k_max: int = K_MAX,
+                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
+    """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
-    ``baseline``: the unchanged model's pass over these tokens (same batches). Where it holds the residual stream
-    entering a block at or before the first one the hooks touch (``Baseline.resid``), the pass resumes at the last
-    such block: the blocks before it are not run, and their alpha and attention shares, which no hook changes,
-    are the baseline's."""
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    hooks : sequence of (str, callable)
+        Intervention hooks (functions returning the changed activation).
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    on_batch_start : callable, optional
+        ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
+    baseline : Baseline, optional
+        The unchanged model's pass over these tokens (same batches). Where it holds the residual stream entering a
+        block at or before the first one the hooks touch (``Baseline.resid``), the pass resumes at the last such block:
+        the blocks before it are not run, and their alpha and attention shares, which no hook changes, are the
+        baseline's.
+
+    Returns
+    -------
+    PassResult
+    """
     tokens = check_tokens(model, tokens)
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
-    acc = PassAccumulator(model, tokens.shape[1], eps, k_max, resume.layer if resume else 0)
+    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0)
     run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
                  resume=resume)[0]
     return _with_prefix(run, baseline.run) if resume else run
@@ -165,8 +240,14 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
 
 
 class FirstTokenResidAccumulator(Accumulator):
-    """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the
-    spike ablation sets the spike dims to."""
+    """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the spike
+    ablation sets the spike dims to.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    """
 
     def __init__(self, model):
         self.layers = list(range(model_dims(model).n_layers))
@@ -186,8 +267,14 @@ class FirstTokenResidAccumulator(Accumulator):
 
 
 class ValueStatsAccumulator(Accumulator):
-    """Per layer and query head: alpha_1, |v_1|, mean |v_j|, |A[t,1] v_1| and |z_t| (means over t > 1), and each
-    sample's v_1 (N, H, d) for the leave-one-out mean."""
+    """Per layer and query head: alpha_1, |v_1|, mean |v_j|, |A[t, 1] v_1| and |z_t| (means over t > 1), and each
+    sample's v_1 (N, H, d) for the leave-one-out mean.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    """
 
     def __init__(self, model):
         dims = model_dims(model)
@@ -228,7 +315,22 @@ class ValueStatsAccumulator(Accumulator):
 
 @dataclass
 class Baseline:
-    """The unchanged model's pass, shared by the interventions."""
+    """The unchanged model's pass, shared by the interventions.
+
+    Attributes
+    ----------
+    run : PassResult
+        Its alpha, attention shares and loss.
+    first_resid : torch.Tensor, shape (N, L, D)
+        The first token's ``hook_resid_post`` after every block.
+    value_heads : pandas.DataFrame
+        One row per (attention layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|.
+    v1 : torch.Tensor, shape (N, L_attn, H, d)
+        The first token's value per query head (on the attention layers, ``run.layers``).
+    resid : dict of int to torch.Tensor
+        Block -> the residual entering it, (N, T, D) (``passes.ResidCapture``): condition passes resume at the last kept
+        block before their hooks (``run_condition``); optional, ``analysis.profile`` fills it.
+    """
 
     run: PassResult
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
@@ -238,27 +340,89 @@ class Baseline:
     # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
 
 
-def baseline_accumulators(model, T: int, eps: float = DEFAULT_EPS) -> list[Accumulator]:
-    """What the baseline pass runs (``Baseline.from_results`` turns their results into a ``Baseline``)."""
-    return [PassAccumulator(model, T, eps, K_MAX), FirstTokenResidAccumulator(model), ValueStatsAccumulator(model)]
+def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Accumulator]:
+    """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    T : int
+        The sequence length.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    list of Accumulator
+    """
+    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
+            ValueStatsAccumulator(model)]
 
 
-def baseline_from(results: list, resid: dict | None = None) -> Baseline:
-    """The ``Baseline`` of the results of ``baseline_accumulators`` (``resid``: residuals kept by the same pass)."""
+def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
+    """The :class:`Baseline` of the results of :func:`baseline_accumulators`.
+
+    Parameters
+    ----------
+    results : list
+        Their results, in order.
+    resid : dict of int to torch.Tensor, optional
+        Residuals kept by the same pass, {block: (N, T, D)}.
+
+    Returns
+    -------
+    Baseline
+    """
     run, first, values = results
     return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
-def baseline_pass(model, tokens, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
-    """One pass of the unchanged model with everything the three interventions need."""
+def baseline_pass(model, tokens, *, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
+    """One pass of the unchanged model with everything the three interventions need.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The sink threshold.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+
+    Returns
+    -------
+    Baseline
+    """
     tokens = check_tokens(model, tokens)
-    return baseline_from(run_pass(model, tokens, baseline_accumulators(model, tokens.shape[1], eps), batch_size=batch_size))
+    accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
+    return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
 
 
 def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
-    """``baseline`` checked against these tokens and eps, or, when None, the ``baseline_pass`` of the tokens."""
+    """A given baseline checked against these tokens and eps or, when None, the :func:`baseline_pass` of the tokens.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    baseline : Baseline or None
+    eps : float
+        The sink threshold.
+    batch_size : int or None
+        Sequences per batch.
+
+    Returns
+    -------
+    Baseline
+        ValueError where the given one was run on other tokens or another eps.
+    """
     if baseline is None:
-        return baseline_pass(model, tokens, eps, batch_size)
+        return baseline_pass(model, tokens, eps=eps, batch_size=batch_size)
     if baseline.run.alpha.shape[0] != tokens.shape[0] or baseline.run.eps != eps:
         raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
                          f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")

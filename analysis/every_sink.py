@@ -42,7 +42,17 @@ from analysis.stats import one_thread
 
 
 def default_min_queries(T: int) -> int:
-    """Keys must be seen by at least min(``SINK_MIN_QUERIES``, T // 2) queries (at least 1) to count as sinks."""
+    """Keys must be seen by at least min(``SINK_MIN_QUERIES``, T // 2) queries (at least 1) to count as sinks.
+
+    Parameters
+    ----------
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+    """
     return max(1, min(SINK_MIN_QUERIES, int(T) // 2))
 
 
@@ -50,7 +60,21 @@ def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, f
     """From alpha (N, L, H, T) of every key: ``sink_1_pct``, Sink on the first token in percent of (sample, layer,
     head); ``secondary_pct``, the percent of (sample, layer, head) that sink on some later measured key (k >= 1,
     seen by at least ``min_queries`` queries); ``later_sinks_per_sequence``, the mean number of later measured
-    positions that are a sink in some head."""
+    positions that are a sink in some head.
+
+    Parameters
+    ----------
+    alpha : torch.Tensor, shape (N, L, H, T)
+        alpha_k of every key.
+    eps : float
+        The sink threshold.
+    min_queries : int
+        Keys seen by fewer queries are left out of the later sinks.
+
+    Returns
+    -------
+    dict of str to float
+    """
     later = alpha[..., 1 : alpha.shape[-1] - min_queries + 1] > eps
     return {"sink_1_pct": float((alpha[..., 0] > eps).float().mean() * 100),
             "secondary_pct": float(later.any(-1).float().mean() * 100),
@@ -58,6 +82,17 @@ def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, f
 
 
 def check_cos(cos_min: float) -> float:
+    """The cosine threshold of a secondary sink, checked.
+
+    Parameters
+    ----------
+    cos_min : float
+        Must lie in (-1, 1).
+
+    Returns
+    -------
+    float
+    """
     cos_min = float(cos_min)
     if not -1.0 < cos_min < 1.0:
         raise ValueError(f"cos_min must lie in (-1, 1) (default {SECONDARY_COS}); got {cos_min}.")
@@ -70,9 +105,12 @@ class PositionStats:
 
     Attributes
     ----------
-    cos_first : (N, R, T) float32, cosine of h[t] to h[0] at each of the R layers.
-    peak_abs : (N, R, T) float32, max over dims of |h[t]|.
-    peak_dim : (N, R, T) int64, the dim holding it.
+    cos_first : torch.Tensor, shape (N, R, T)
+        The cosine of h[t] to h[0] at each of the R layers; float32.
+    peak_abs : torch.Tensor, shape (N, R, T)
+        The largest |h[t]| over dims; float32.
+    peak_dim : torch.Tensor, shape (N, R, T)
+        The dim holding it; int64.
     """
 
     cos_first: torch.Tensor
@@ -124,22 +162,42 @@ def _first_run(aligned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SinkPositions(Result, LayerAxis):
     """Every sink position, with what the residual stream carries there.
 
+    L: the attention layers measured; R: the layers whose residual stream is read.
+
     Attributes
     ----------
-    alpha : (N, L, H, T) float32, alpha_k of every key k (0-based) per sample, attention layer and query head.
-    tokens : (N, T) int64, the token ids.
-    cos_first : (N, R, T) float32, cosine of each position's hidden state to the first token's, per layer.
-    peak_abs, peak_dim : (N, R, T), the largest |activation| of each position per layer and its dim.
-    median : (N, R) float32, the median |activation| of each sample's hidden state per layer (positions x dims).
-    flagged : DataFrame, one row per (sample, position, dim) flagged massive in some layer (``analysis.massive``).
-    token_text : {token id: decoded string}.
-    eps : float, the threshold on alpha (strict).
-    min_queries : int, keys seen by fewer queries (k > T - min_queries) are left out of the sinks.
-    cos_min : float, the cosine above which a later token is aligned with the first one.
-    abs_threshold, ratio_threshold : float, Sun et al.'s massive-activation criterion used for ``flagged``.
-    layers : list[int], the attention layers on alpha's L axis (true indices); resid_layers : the R layers.
-    skipped : str, the layers left out of alpha (not attention layers), in one sentence.
-    meta : dict, e.g. ``{"path": "fused"}``.
+    alpha : torch.Tensor, shape (N, L, H, T)
+        alpha_k of every key k (0-based) per sample, attention layer and query head; float32.
+    tokens : torch.Tensor, shape (N, T)
+        The token ids (int64).
+    cos_first : torch.Tensor, shape (N, R, T)
+        The cosine of each position's hidden state to the first token's, per layer; float32.
+    peak_abs, peak_dim : torch.Tensor, shape (N, R, T)
+        The largest |activation| of each position per layer, and its dim.
+    median : torch.Tensor, shape (N, R)
+        The median |activation| of each sample's hidden state per layer (positions x dims); float32.
+    flagged : pandas.DataFrame
+        One row per (sample, position, dim) flagged massive in some layer (``analysis.massive``).
+    token_text : dict of int to str
+        Token id -> decoded string.
+    eps : float
+        The threshold on alpha (strict).
+    min_queries : int
+        Keys seen by fewer queries (k > T - min_queries) are left out of the sinks.
+    cos_min : float
+        The cosine above which a later token is aligned with the first one.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s massive-activation criterion used for ``flagged``.
+    layers : list of int, length L
+        The attention layers on alpha's layer axis (true indices).
+    resid_layers : list of int, length R
+        The layers of ``cos_first``, ``peak_abs``, ``peak_dim`` and ``median``.
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    meta : dict
+        How it was computed, e.g. ``{"path": "fused"}``.
     """
 
     alpha: torch.Tensor
@@ -388,18 +446,27 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
 
     Parameters
     ----------
-    model : a model with TransformerLens hook names (``analysis.load_model``).
-    tokens : (N, T) token ids, T >= 2.
-    eps : float in (0, 1), a position sinks in a head when alpha_k > eps.
-    min_queries : int in [1, T], keys seen by fewer queries are left out (default min(16, T // 2)).
-    cos_min : float in (-1, 1), the cosine to the first token's hidden state above which a position is aligned.
-    abs_threshold, ratio_threshold : Sun et al.'s massive-activation criterion (``analysis.massive``).
-    path : "auto" (fused where exact), "fused" or "eager", as in ``analysis.sink_metric``.
-    batch_size, progress, kind : as in ``analysis.sink_metric``.
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    eps : float
+        In (0, 1): a position sinks in a head when alpha_k > eps.
+    min_queries : int, optional
+        In [1, T]: keys seen by fewer queries are left out (default min(16, T // 2)).
+    cos_min : float
+        In (-1, 1): the cosine to the first token's hidden state above which a position is aligned.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s massive-activation criterion (``analysis.massive``).
+    path : {"auto", "fused", "eager"}
+        "auto": fused where exact, as in ``analysis.sink_metric``.
+    batch_size, progress, kind
+        As in ``analysis.sink_metric``.
 
     Returns
     -------
     SinkPositions
+        alpha of shape (N, L, H, T).
     """
     eps, cos_min = check_eps(eps), check_cos(cos_min)
     tokens = torch.as_tensor(tokens)
@@ -420,7 +487,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
                                               ratio_threshold=ratio_threshold, kind=kind)
         return [made["positions"], made["massive"]]
 
-    sink, (pos, ma) = sink_pass(model, tokens, accumulators, eps=eps, k_max=T, batch_size=batch_size,
+    sink, (pos, ma) = sink_pass(model, tokens, make_accumulators=accumulators, eps=eps, k_max=T, batch_size=batch_size,
                                 progress=progress, kind=kind, path=path)
     ids = sorted(set(torch.as_tensor(tokens).flatten().tolist()))
     return SinkPositions(
@@ -432,8 +499,19 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
         skipped=sink.skipped, model_name=getattr(model, "model_name", None), kind=kind, meta=dict(sink.meta))
 
 
-def format_sinks(res: SinkPositions, max_rows: int = 60) -> str:
-    """The sink table as printed by ``python -m analysis sinks``: one line per sink position."""
+def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
+    """The sink table as printed by ``python -m analysis sinks``: one line per sink position.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    max_rows : int
+        Rows printed (the rest are counted).
+
+    Returns
+    -------
+    str
+    """
     df = res.sinks
     head = (f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "
             f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path")

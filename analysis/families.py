@@ -61,7 +61,23 @@ _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook
 
 @dataclass(frozen=True)
 class NormSpec:
-    """A normalisation module: y = norm(x) * (gain_offset + w) (+ b)."""
+    """A normalisation module: y = norm(x) * (gain_offset + w) (+ b).
+
+    Attributes
+    ----------
+    kind : {"RMSNorm", "LayerNorm"}
+        The normalisation, measured on a probe vector.
+    gain_offset : float
+        0.0: the gain is w; 1.0: the gain is 1 + w (Gemma, Qwen3-Next, Qwen3.5).
+    bias : bool
+        Whether the norm adds a bias b.
+    eps : float
+        The norm's epsilon.
+    size : int
+        The normalised dimension (d_model; d_head for per-head q / k norms).
+    module : str
+        The Hugging Face module path ("" where no model was given).
+    """
 
     kind: str  # "RMSNorm" | "LayerNorm"
     gain_offset: float  # 0.0: gain w; 1.0: gain 1 + w (Gemma, Qwen3-Next, Qwen3.5)
@@ -80,7 +96,70 @@ class NormSpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """What the analyses need to know about a model family, read from one loaded model."""
+    """What the analyses need to know about a model family, read from one loaded model (:func:`family_spec`).
+
+    Attributes
+    ----------
+    family : str
+        The Hugging Face ``model_type`` ("llama", "gpt_neox", ...), or "reference" for the package's models.
+    architecture : str
+        The Hugging Face class ("LlamaForCausalLM"), or the model's class.
+    n_layers : int
+        L, the number of blocks.
+    attention_layers : tuple of int
+        The true layer indices of the softmax-attention layers.
+    skipped_layers : dict of int to str
+        Layer -> why no attention analysis runs there (linear attention, Mamba, ...).
+    n_heads, n_kv_heads, d_head, d_model : int
+        Query heads, key/value heads, the width of a head and of the residual stream.
+    positions : {"rotary", "alibi", "absolute", "relative", "none"}
+        The position encoding ("relative": T5 buckets, in the reference models).
+    rotary_base : float or None
+        The rope theta of the (full-attention) rotary layers: the true one, not the bridge's ``cfg.rotary_base``.
+    rotary_bases : dict of int to float
+        Theta per rotary attention layer (Gemma 3's sliding layers use another one).
+    rotary_dim : int or None
+        The dims of a head that are rotated (partial rotary: fewer than d_head).
+    rotary_style : {"half", "interleaved"} or None
+        The pairing: Hugging Face ``rotate_half``, or GPT-J's ``rotate_every_two``.
+    rope_type : str or None
+        "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta).
+    norm : NormSpec or None
+        The norm on the attention input (None: post-norm only, or no norm).
+    norm_placement : {"pre", "post", "sandwich"}
+        "post": after attention (OLMo-2); "sandwich": before and after (Gemma 2 / 3).
+    post_norm : NormSpec or None
+        The norm on the attention output, where there is one.
+    parallel_block : bool
+        Attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon).
+    qk_norm : NormSpec or None
+        The norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next, ...).
+    qk_norm_scope : {"head", "all_heads"} or None
+        Over d_head, or over n_kv_heads * d_head (OLMo-2).
+    fused_qkv : bool
+        One projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM).
+    key_rotated : bool
+        ``key_hook(layer)`` holds keys after the rotary (False: apply it yourself with ``rotary_dim``,
+        ``rotary_style`` and ``rotary_bases[layer]``).
+    pattern_live : bool
+        ``hook_pattern`` fires before the attention output and editing it changes the output.
+    learned_sinks : bool
+        A learned sink logit per head (gpt-oss): pattern rows sum to less than 1.
+    gate : str or None
+        The attention-output gate ("sigmoid(hook_q_gate), per head and dim"), or None.
+    sliding_window : int or None
+        The window of the sliding-window layers.
+    sliding_layers : tuple of int
+        The layers with a sliding window.
+    attn_scale : float
+        The true score scale: scores = attn_scale * q . k.
+    attn_softcap : float or None
+        Gemma 2's soft cap: scores = cap * tanh(scores / cap).
+    notes : tuple of str
+        Further facts, in sentences.
+    fired_hooks : frozenset of str
+        The attention hooks called in the load-time forward pass (aliases included).
+    """
 
     family: str  # Hugging Face model_type ("llama", "gpt_neox", ...), or "reference"
     architecture: str  # Hugging Face class ("LlamaForCausalLM"), or the model's class
@@ -219,13 +298,37 @@ class FamilySpec:
 
 
 def hf_config(model):
-    """The Hugging Face config behind a bridge (None for the package's reference models)."""
+    """The Hugging Face config behind a bridge.
+
+    Parameters
+    ----------
+    model
+        A TransformerBridge (or any model with ``original_model.config``).
+
+    Returns
+    -------
+    transformers.PretrainedConfig or None
+        None for the package's reference models.
+    """
     return getattr(getattr(model, "original_model", None), "config", None)
 
 
-def rope_parameters(config, layer_type: str | None = None) -> dict:
-    """The rope parameters of ``config`` (transformers 5 ``rope_parameters``, nested per layer type for Gemma 3;
-    transformers 4 ``rope_theta`` / ``rope_scaling``)."""
+def rope_parameters(config, *, layer_type: str | None = None) -> dict:
+    """The rope parameters of a Hugging Face config.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        Transformers 5 ``rope_parameters`` (nested per layer type for Gemma 3), or transformers 4 ``rope_theta`` /
+        ``rope_scaling``.
+    layer_type : str, optional
+        The layer type whose parameters to read where they are nested ("full_attention" by default).
+
+    Returns
+    -------
+    dict
+        E.g. ``{"rope_theta": 100000.0, "rope_type": "default"}``; empty without rotary.
+    """
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict):
         if params and all(isinstance(v, dict) for v in params.values()):
@@ -241,18 +344,40 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return out
 
 
-def rope_theta(config, layer_type: str | None = None) -> float | None:
-    """The true rotary base of a Hugging Face config (transformers 5 keeps it in ``rope_parameters``)."""
-    theta = rope_parameters(config, layer_type).get("rope_theta")
+def rope_theta(config, *, layer_type: str | None = None) -> float | None:
+    """The true rotary base of a Hugging Face config (transformers 5 keeps it in ``rope_parameters``).
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+    layer_type : str, optional
+        As in :func:`rope_parameters`.
+
+    Returns
+    -------
+    float or None
+    """
+    theta = rope_parameters(config, layer_type=layer_type).get("rope_theta")
     if theta is None:
         theta = getattr(config, "rotary_emb_base", None) or getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else None
 
 
 def rotary_base(model) -> float | None:
-    """The rotary base a model really uses (the bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads
-    10000 there while its rope theta is 100000), from ``model.family``. None for models without rotary
-    embeddings."""
+    """The rotary base a model really uses, from ``model.family``.
+
+    The bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads 10000 there while its rope theta is 100000.
+
+    Parameters
+    ----------
+    model
+        A loaded model (a TransformerBridge or a reference model).
+
+    Returns
+    -------
+    float or None
+        None for models without rotary embeddings.
+    """
     spec = getattr(model, "family", None)
     if isinstance(spec, FamilySpec):
         return spec.rotary_base
@@ -285,8 +410,21 @@ def _module_path(model, module) -> str:
     return type(module).__name__
 
 
-def probe_norm(module, model=None) -> NormSpec | None:
-    """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w."""
+def probe_norm(module, *, model=None) -> NormSpec | None:
+    """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A norm module with a 1-d gain (``weight``, or ``w`` in the reference models).
+    model : TransformerBridge, optional
+        The model the module belongs to, to name its Hugging Face path.
+
+    Returns
+    -------
+    NormSpec or None
+        None where the module is not a plain RMSNorm / LayerNorm.
+    """
     w = getattr(module, "weight", None)
     if w is None:
         w = getattr(module, "w", None)  # analysis.train's Norm
@@ -321,8 +459,20 @@ def probe_norm(module, model=None) -> NormSpec | None:
     return NormSpec(kind, offset, b is not None, eps, int(D), _module_path(model, module) if model is not None else "")
 
 
-def fired_hooks(model, names: list[str] | None = None) -> frozenset[str]:
-    """The attention hook names (aliases included) called in one forward pass over two tokens."""
+def fired_hooks(model, *, names: list[str] | None = None) -> frozenset[str]:
+    """The attention hook names (aliases included) called in one forward pass over two tokens.
+
+    Parameters
+    ----------
+    model
+        A model with TransformerLens hooks.
+    names : list of str, optional
+        The hooks to watch; None: every attention hook of the blocks.
+
+    Returns
+    -------
+    frozenset of str
+    """
     return _dry_run(model, names)[0]
 
 
@@ -360,9 +510,23 @@ def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], boo
 
 
 def pattern_is_live(model, layer: int) -> bool:
-    """Whether editing ``blocks.{layer}.attn.hook_pattern`` changes the model's output. TransformerLens' generic
-    AttentionBridge (GPT-J, OPT, Jamba) lets HF compute the attention and only then reports the pattern: the hook
-    fires after ``hook_z`` and is read-only there, so pattern interventions must edit ``hook_z`` instead."""
+    """Whether editing ``blocks.{layer}.attn.hook_pattern`` changes the model's output.
+
+    TransformerLens' generic AttentionBridge (GPT-J, OPT, Jamba) lets Hugging Face compute the attention and only then
+    reports the pattern: the hook fires after ``hook_z`` and is read-only there, so pattern interventions must edit
+    ``hook_z`` instead.
+
+    Parameters
+    ----------
+    model
+        A model with TransformerLens hooks.
+    layer : int
+        An attention layer.
+
+    Returns
+    -------
+    bool
+    """
     device = next(model.parameters()).device
     tokens = torch.tensor([[1, 2]], device=device) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
     with torch.inference_mode():
@@ -422,12 +586,12 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     bases = out["rotary_bases"]
     for l in attention_layers:
         t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
-        theta = rope_theta(config, t)
+        theta = rope_theta(config, layer_type=t)
         if theta is None and family in INTERLEAVED_ROTARY:
             theta = 10000.0  # GPT-J / CodeGen: fixed base, not in the config
         if theta is not None:
             bases[l] = theta
-    base = rope_theta(config, "full_attention") if bases else None
+    base = rope_theta(config, layer_type="full_attention") if bases else None
     out["rotary_base"] = base if base is not None or not bases else bases[max(bases)]
     out["rotary_dim"] = _rotary_dim(hf, config, family, d_head)
     out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
@@ -451,13 +615,14 @@ def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
     """The FamilySpec norm fields, measured on the modules the bridge maps (ln1 feeds attention, ln1_post is on its
     output, attn.k_norm on the keys): norm, norm_placement, post_norm, qk_norm, qk_norm_scope."""
     block = model.blocks[first]
-    norm = probe_norm(_bridge_submodule(model, first, "ln1"), model) if getattr(block, "ln1", None) is not None else None
-    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model)
+    norm = (probe_norm(_bridge_submodule(model, first, "ln1"), model=model)
+            if getattr(block, "ln1", None) is not None else None)
+    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model=model)
             if getattr(block, "ln1_post", None) is not None else None)
     placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
     qk_norm, qk_scope = None, None
     if getattr(block.attn, "k_norm", None) is not None and k_normed_fires:
-        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model)
+        qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model=model)
         if qk_norm is not None:
             qk_scope = "head" if qk_norm.size == d_head else "all_heads"
     return {"norm": norm, "norm_placement": placement, "post_norm": post, "qk_norm": qk_norm, "qk_norm_scope": qk_scope}
@@ -497,8 +662,18 @@ def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
 def family_spec(model) -> FamilySpec:
     """Read the family facts of a loaded model (a TransformerBridge, or a reference model of ``analysis.train``).
 
-    Runs one forward pass of two tokens to record which hooks fire; the loader calls this once and keeps the
-    result as ``model.family`` (use :func:`get_family`)."""
+    Runs one forward pass of two tokens to record which hooks fire; the loader calls this once and keeps the result as
+    ``model.family`` (use :func:`get_family`).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    FamilySpec
+    """
     cfg = model.cfg
     config = hf_config(model)
     hook_dict = getattr(model, "hook_dict", {})
@@ -568,7 +743,7 @@ def _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_m
     base = getattr(model, "rope_theta", None) or getattr(cfg, "rotary_base", None)
     first = attention_layers[0] if attention_layers else 0
     ln = getattr(model.blocks[first], "ln1", None)
-    norm = probe_norm(ln, None) if ln is not None else None
+    norm = probe_norm(ln) if ln is not None else None
     return FamilySpec(
         family="reference", architecture=type(model).__name__, n_layers=int(cfg.n_layers),
         attention_layers=attention_layers, skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
@@ -603,17 +778,50 @@ def _kept(model, attr: str, cls, read):
 
 
 def get_family(model) -> FamilySpec:
-    """``model.family``, read (and kept on the model) on first use for models not loaded by ``load_model``."""
+    """``model.family``, read (and kept on the model) on first use for models not loaded by ``load_model``.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    FamilySpec
+    """
     return _kept(model, "family", FamilySpec, family_spec)
 
 
 def attention_layers(model) -> list[int]:
-    """True indices of the softmax-attention layers (all layers but the linear-attention / Mamba ones)."""
+    """True indices of the softmax-attention layers (all layers but the linear-attention / Mamba ones).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    list of int
+    """
     return list(get_family(model).attention_layers)
 
 
 def sink_logits(model, layer: int) -> torch.Tensor:
-    """The learned sink logit of each head of ``layer`` (gpt-oss), (n_heads,) float32 on CPU."""
+    """The learned sink logit of each head of a layer (gpt-oss).
+
+    Parameters
+    ----------
+    model
+        A model whose family has ``learned_sinks`` (ValueError otherwise).
+    layer : int
+        An attention layer.
+
+    Returns
+    -------
+    torch.Tensor, shape (n_heads,)
+        float32 on the CPU.
+    """
     spec = get_family(model)
     if not spec.learned_sinks:
         raise ValueError(f"this {spec.family} model has no learned sink logits (only gpt-oss-style attention does).")
@@ -622,9 +830,19 @@ def sink_logits(model, layer: int) -> torch.Tensor:
 
 
 def config_attention_layers(config) -> list[int]:
-    """The softmax-attention layers a Hugging Face config declares (for a bare HF model, without hooks): every
-    layer but those whose layer type (``layer_types`` / Jamba's ``layers_block_type``) is a linear-attention,
-    Mamba or convolution layer (``LAYER_TYPE_WORDS``)."""
+    """The softmax-attention layers a Hugging Face config declares (for a bare Hugging Face model, without hooks).
+
+    Every layer but those whose layer type (``layer_types`` / Jamba's ``layers_block_type``) is a linear-attention,
+    Mamba or convolution layer (``LAYER_TYPE_WORDS``).
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+
+    Returns
+    -------
+    list of int
+    """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(cfg.num_hidden_layers)
     types = _layer_types(cfg, n)
@@ -652,9 +870,25 @@ _MLP_PROBE_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook
 
 @dataclass(frozen=True)
 class MlpWeights:
-    """One MLP's weights in one orientation for every family (float32, CPU): neuron n reads ``W_in[n]`` (and
-    ``W_gate[n]``) from the MLP input and writes ``W_out[:, n]`` into the residual stream (before ``output``
-    scaling, see :class:`MlpSpec`)."""
+    """One MLP's weights in one orientation for every family (float32, CPU).
+
+    Neuron n reads ``W_in[n]`` (and ``W_gate[n]``) from the MLP input and writes ``W_out[:, n]`` into the residual
+    stream (before ``output`` scaling, see :class:`MlpSpec`).
+
+    Attributes
+    ----------
+    layer : int
+        The block.
+    W_out : torch.Tensor, shape (d_model, d_mlp)
+        The output projection.
+    b_out : torch.Tensor, shape (d_model,), or None
+    W_in : torch.Tensor, shape (d_mlp, d_model)
+        The up projection of a gated MLP, the input projection of a plain one.
+    b_in : torch.Tensor, shape (d_mlp,), or None
+    W_gate : torch.Tensor, shape (d_mlp, d_model), or None
+        The gate projection (gated MLPs only).
+    b_gate : torch.Tensor, shape (d_mlp,), or None
+    """
 
     layer: int
     W_out: torch.Tensor  # (d_model, d_mlp)
@@ -667,17 +901,56 @@ class MlpWeights:
 
 @dataclass(frozen=True)
 class MlpSpec:
-    """What the MLP of each block computes and how its write reaches the residual stream, measured on one loaded
-    model by :func:`mlp_spec` (one forward pass over a few tokens, hooks on every block; cached by :func:`get_mlp`).
+    """What the MLP of each block computes and how its write reaches the residual stream.
 
-    A dense MLP's neuron n computes a_n = act(g_n) u_n (``kind="gated"``: SwiGLU / GeGLU, g = W_gate x + b_gate,
-    u = W_in x + b_in) or a_n = act(u_n) (``"plain"``), x the MLP input (``input_norm`` of the residual
-    ``input_resid``), and the block adds ``output(W_out a + b_out)`` to the residual stream: the identity (``"add"``),
-    a constant factor (``"scaled"``, Granite's residual multiplier) or a norm (``"post_norm"``: Gemma 2/3 and
-    OLMo-2 normalise the MLP output before adding it). ``"moe"`` blocks (gpt-oss, Qwen3-Next, Jamba's expert layers)
-    route each token to a few experts whose neurons no hook holds: their writes are measured per block, and per
-    expert by calling the block's router and experts (``moe_parts``). The facts of the first dense block stand for
-    every dense block."""
+    Measured on one loaded model by :func:`mlp_spec` (one forward pass over a few tokens, hooks on every block; cached
+    by :func:`get_mlp`). A dense MLP's neuron n computes a_n = act(g_n) u_n (``kind="gated"``: SwiGLU / GeGLU, g =
+    W_gate x + b_gate, u = W_in x + b_in) or a_n = act(u_n) (``"plain"``), x the MLP input (``input_norm`` of the
+    residual ``input_resid``), and the block adds ``output(W_out a + b_out)`` to the residual stream: the identity
+    (``"add"``), a constant factor (``"scaled"``, Granite's residual multiplier) or a norm (``"post_norm"``: Gemma 2/3
+    and OLMo-2 normalise the MLP output before adding it). ``"moe"`` blocks (gpt-oss, Qwen3-Next, Jamba's expert layers)
+    route each token to a few experts whose neurons no hook holds: their writes are measured per block, and per expert
+    by calling the block's router and experts (``moe_parts``). The facts of the first dense block stand for every dense
+    block.
+
+    Attributes
+    ----------
+    family : str
+        The model family (``FamilySpec.family``).
+    kind : {"gated", "plain", "moe", "none"}
+        "none": no MLP hook fires.
+    activation : str or None
+        Measured on the model's activation module: a key of ``ACTIVATIONS``, or "unknown".
+    d_mlp : int or None
+        The number of neurons per dense MLP.
+    parallel : bool
+        The MLP reads the block's input (``hook_resid_pre``), as the attention does (GPT-J, NeoX, Phi, Falcon).
+    input_resid : {"resid_pre", "resid_mid"}
+        The residual the MLP input is made from.
+    input_norm : NormSpec or None
+        The norm on that residual (None: the MLP reads the raw residual, OLMo-2).
+    input_norm_module : str or None
+        The block's attribute holding it ("ln1" or "ln2").
+    output : {"add", "scaled", "post_norm", "unknown"}
+        How W_out a + b_out reaches the residual stream.
+    output_scale : float
+        ``hook_mlp_out / (W_out a + b_out)`` where ``output == "scaled"`` (1.0 otherwise).
+    output_norm : NormSpec or None
+        The norm on the MLP output where ``output == "post_norm"``.
+    output_norm_module : str or None
+        Its block attribute ("ln2_post").
+    additive : bool
+        ``hook_resid_post = hook_resid_pre + the attention (mixer) write + hook_mlp_out`` on every block.
+    mixer_layers : tuple of int
+        Blocks whose token mixer has no ``hook_attn_out`` (Mamba, linear attention): their write is
+        ``hook_resid_mid - hook_resid_pre``.
+    moe_layers : tuple of int
+        Blocks whose MLP is a mixture of experts.
+    n_experts, top_k : int or None
+        Experts per mixture-of-experts block, and experts routed per token.
+    notes : tuple of str
+        Further facts, in sentences.
+    """
 
     family: str
     kind: str  # "gated" | "plain" | "moe" | "none" (no MLP hook fires)
@@ -797,9 +1070,22 @@ def _is_moe(model, layer: int) -> bool:
 
 
 def moe_parts(model, layer: int):
-    """(router, experts) modules of a mixture-of-experts block: ``router(x)`` -> (logits, weights, indices) and
-    ``experts(x, indices, weights)`` -> the routed experts' weighted sum, for x (n_tokens, d_model) (the form of
-    gpt-oss and Qwen3-Next in transformers 5); ValueError where the block does not have this form."""
+    """The (router, experts) modules of a mixture-of-experts block.
+
+    ``router(x)`` gives (logits, weights, indices) and ``experts(x, indices, weights)`` the routed experts' weighted
+    sum, for x (n_tokens, d_model) (the form of gpt-oss and Qwen3-Next in transformers 5).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        A mixture-of-experts block (ValueError where the block does not have this form).
+
+    Returns
+    -------
+    tuple of (torch.nn.Module, torch.nn.Module)
+    """
     mod = _mlp_module(model, layer)
     experts = getattr(mod, "experts", None)
     router = getattr(mod, "router", None) or getattr(mod, "gate", None)
@@ -810,10 +1096,27 @@ def moe_parts(model, layer: int):
 
 
 def expert_writes(model, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Who writes a mixture-of-experts block's output for tokens with MLP inputs ``x`` (n, d_model): the routed
-    experts of each token (n, top_k), each one's weighted output alone (n, top_k, d_model), and what the block adds
-    beyond them (n, d_model: a shared expert, Qwen3-Next; zero for gpt-oss), from the block's router and experts
-    (``moe_parts``) and the block itself, all run on ``x``."""
+    """Who writes a mixture-of-experts block's output, from the block's router and experts (``moe_parts``) and the block
+    itself, all run on ``x``.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        A mixture-of-experts block.
+    x : torch.Tensor, shape (n, d_model)
+        The MLP inputs of n tokens.
+
+    Returns
+    -------
+    indices : torch.Tensor, shape (n, top_k)
+        The routed experts of each token.
+    writes : torch.Tensor, shape (n, top_k, d_model)
+        Each routed expert's weighted output alone.
+    rest : torch.Tensor, shape (n, d_model)
+        What the block adds beyond them (a shared expert, Qwen3-Next; zero for gpt-oss).
+    """
     router, experts = moe_parts(model, layer)
     block = _mlp_module(model, layer)
     dtype = next(model.parameters()).dtype
@@ -845,8 +1148,20 @@ def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def mlp_weights(model, layer: int) -> MlpWeights:
-    """The weights of block ``layer``'s dense MLP (:class:`MlpWeights`), read from the bridge's out / in / gate
-    projections (their orientation measured) or the reference model's W_in / W_gate / W_out."""
+    """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
+    measured) or the reference model's W_in / W_gate / W_out.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        A block with a dense MLP (ValueError, saying why, otherwise).
+
+    Returns
+    -------
+    MlpWeights
+    """
     spec = get_mlp(model)
     layer = spec.check_layer(layer, int(model.cfg.n_layers))
     if not spec.has_neurons(layer):
@@ -900,14 +1215,39 @@ def _activation_name(model, layer: int, pre: torch.Tensor | None, up: torch.Tens
 
 
 def block_norm(model, layer: int, name: str | None):
-    """The norm module ``name`` ("ln1", "ln2", "ln2_post") of block ``layer`` as the model runs it, or None."""
+    """A norm module of a block as the model runs it.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block.
+    name : str or None
+        "ln1", "ln2" or "ln2_post".
+
+    Returns
+    -------
+    torch.nn.Module or None
+        The Hugging Face module behind the bridge's; None where the block has none (or ``name`` is None).
+    """
     mod = getattr(model.blocks[layer], name, None) if name else None
     return getattr(mod, "original_component", None) or mod if mod is not None else None
 
 
 def norm_weights(module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(gain weight, bias or None) of a norm module (Hugging Face ``weight`` / ``bias``; the reference models'
-    ``w`` / ``b``), float32 on CPU."""
+    """The gain and bias of a norm module (Hugging Face ``weight`` / ``bias``; the reference models' ``w`` / ``b``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+
+    Returns
+    -------
+    weight : torch.Tensor, shape (size,)
+        float32 on the CPU.
+    bias : torch.Tensor, shape (size,), or None
+    """
     w = getattr(module, "weight", None)
     w = getattr(module, "w", None) if w is None else w
     b = getattr(module, "bias", None)
@@ -918,8 +1258,23 @@ def norm_weights(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
-    """The MLP input of block ``layer`` made from ``resid`` (..., d_model), the residual it reads
-    (``get_mlp(model).input_resid``): the block's input norm applied (none: the residual itself), float32."""
+    """The MLP input of a block made from the residual it reads (``get_mlp(model).input_resid``): the block's input norm
+    applied (none: the residual itself).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block.
+    resid : torch.Tensor, shape (..., d_model)
+        The residual stream the MLP reads.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., d_model)
+        float32.
+    """
     spec = get_mlp(model)
     mod = block_norm(model, int(layer), spec.input_norm_module)
     if mod is None:
@@ -929,8 +1284,21 @@ def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
 
 
 def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
-    """The logits the model makes from its last residual stream ``resid`` (..., d_model): the final norm, the
-    unembedding and, where the config soft-caps the logits (Gemma 2), the cap."""
+    """The logits the model makes from its last residual stream: the final norm, the unembedding and, where the config
+    soft-caps the logits (Gemma 2), the cap.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    resid : torch.Tensor, shape (..., d_model)
+        The residual stream after the last block.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., d_vocab)
+        float32.
+    """
     with torch.no_grad():
         logits = model.unembed(model.ln_final(resid)).float()
     cap = getattr(hf_config(model), "final_logit_softcapping", None)
@@ -986,9 +1354,21 @@ def _adds_up(got: dict, l: int) -> bool:
 
 
 def mlp_spec(model) -> MlpSpec:
-    """Measure the MLP facts of a loaded model (a TransformerBridge or a reference model): one forward pass over
-    five tokens records, on every block, which MLP hooks fire, the residual, attention and MLP writes; the MLP's
-    input norm, activation and output scaling are read by rebuilding the first dense MLP from its weights."""
+    """Measure the MLP facts of a loaded model (a TransformerBridge or a reference model).
+
+    One forward pass over five tokens records, on every block, which MLP hooks fire, the residual, attention and MLP
+    writes; the MLP's input norm, activation and output scaling are read by rebuilding the first dense MLP from its
+    weights.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    MlpSpec
+    """
     hook_dict = getattr(model, "hook_dict", {})
     n_layers = int(model.cfg.n_layers)
     family = get_family(model).family
@@ -1051,15 +1431,27 @@ def mlp_spec(model) -> MlpSpec:
     output, scale, out_mod, out_name = _mlp_output(model, l, got, W, post)
     return MlpSpec(**{**fields, "parallel": resid == "resid_pre" if resid else fields["parallel"]},
                    activation=_activation_name(model, l, pre, up, post, kind == "gated"), d_mlp=int(post.shape[-1]),
-                   input_resid=resid or "resid_mid", input_norm=probe_norm(norm_mod, model) if norm_mod is not None else None,
+                   input_resid=resid or "resid_mid",
+                   input_norm=probe_norm(norm_mod, model=model) if norm_mod is not None else None,
                    input_norm_module=norm_name, output=output, output_scale=scale,
-                   output_norm=probe_norm(out_mod, model) if out_mod is not None else None, output_norm_module=out_name,
+                   output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
+                   output_norm_module=out_name,
                    notes=tuple(notes), _neuron_hook=tmpl["neuron"], _gate_hook=partial_spec._gate_hook,
                    _up_hook=tmpl["up"], _input_hook=in_hook)
 
 
 def get_mlp(model) -> MlpSpec:
-    """``model.mlp_spec``, measured (:func:`mlp_spec`) and kept on the model on first use."""
+    """``model.mlp_spec``, measured (:func:`mlp_spec`) and kept on the model on first use.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    MlpSpec
+    """
     return _kept(model, "mlp_spec", MlpSpec, mlp_spec)
 
 @contextlib.contextmanager
@@ -1068,7 +1460,19 @@ def attention_implementation(hf, name: str) -> Iterator[None]:
     with ``transformers.AttentionInterface``) while inside the block, restoring the model's choice after.
 
     Through ``set_attn_implementation``, which checks the name and sets the sub-configs of multimodal models too.
-    The package's one owner of this switch (the fused sink path and streaming perplexity both use it)."""
+    The package's one owner of this switch (the fused sink path and streaming perplexity both use it).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The Hugging Face model.
+    name : str
+        The attention implementation ("sdpa", "eager", or a registered name).
+
+    Yields
+    ------
+    None
+    """
     old = hf.config._attn_implementation
     if old == name:
         yield

@@ -83,7 +83,7 @@ class CauseAccumulator(Accumulator):
     """At positions 0 and ``later``: every component's projection on the writer neurons' weights, the norm scale,
     the hooks' pre-activations and activations of the writer blocks, and the spike dims' values."""
 
-    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, last: int = 0):
+    def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, *, last: int = 0):
         self.model, self.readouts, self.dims, self.later = model, readouts, dims, int(later)
         self.spec = get_mlp(model)
         self.last = min(max([r.block for r in readouts] + [int(last)]), int(model.cfg.n_layers) - 1)
@@ -159,6 +159,14 @@ class FirstTokenCause(Result):
         position 1 first makes a difference.
     max_error : float
         Largest |total - hook| over every neuron, factor, position and sample.
+    message : str
+        Why there is nothing to decompose (no spike, no writer), in words; "" otherwise.
+    note : str
+        Why no writer neuron is followed, where none is.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
     """
 
     later: int
@@ -267,8 +275,14 @@ def why_first_token(model, tokens, origin, *, later: int | None = None, max_neur
         The 0-based position to place the first token at (default T // 2).
     max_neurons : int
         Writer neurons followed per block: those carrying ``share`` of the write, the largest first, at most this many.
+    share : float
+        The share of each writing MLP's write the followed neurons carry.
     batch_size : int, optional
         Sequences per batch.
+
+    Returns
+    -------
+    FirstTokenCause
     """
     tokens = check_tokens(model, tokens)
     later = _check_later(later, tokens.shape[1])

@@ -71,8 +71,24 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def chunked_lse(query, key, scale: float, mask: torch.Tensor | None, chunk: int = LSE_CHUNK) -> torch.Tensor:
-    """Row log-sum-exp of causal (or ``mask``ed) scores, ``chunk`` query rows at a time: (B, H, T) float32."""
+def chunked_lse(query, key, scale: float, mask: torch.Tensor | None, *, chunk: int = LSE_CHUNK) -> torch.Tensor:
+    """Row log-sum-exp of causal (or ``mask``ed) scores, ``chunk`` query rows at a time: (B, H, T) float32.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, H, T, d)
+    key : torch.Tensor, shape (B, H_kv, T, d)
+    scale : float
+        The score scale.
+    mask : torch.Tensor, shape (B, 1, T, T), or None
+        None: causal; boolean (True = attend) or additive float.
+    chunk : int
+        Query rows per step.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T)
+    """
     T, group = query.shape[-2], query.shape[1] // key.shape[1]
     k = key.float().repeat_interleave(group, dim=1) if group > 1 else key.float()
     out = []
@@ -102,6 +118,18 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float):
 
     ``query`` (B, H, T, d); ``key``/``value`` (B, H_kv, T, d) with H a multiple of H_kv; ``mask`` None (causal)
     or (B, 1, T, T) boolean (True = attend) / additive float.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, H, T, d)
+    key, value : torch.Tensor, shape (B, H_kv, T, d)
+    mask : torch.Tensor, shape (B, 1, T, T), or None
+    scale : float
+
+    Returns
+    -------
+    output : torch.Tensor, shape (B, H, T, d)
+    lse : torch.Tensor, shape (B, H, T)
     """
     T = query.shape[-2]
     if query.device.type == "cpu":
@@ -144,7 +172,7 @@ def _block_rows(B: int, H: int, k_max: int, chunk_elements: int) -> int:
     return max(16, int(chunk_elements) // max(1, B * H * k_max))
 
 
-def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor | None = None, *,
+def alpha_from_lse(query, key, lse, scale: float, k_max: int, *, mask: torch.Tensor | None = None,
                    chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
     """alpha_k for keys 1..k_max, (B, H, k_max) float32, from q (B, H, T, d), k (B, H_kv, T, d) and lse (B, H, T).
 
@@ -157,6 +185,22 @@ def alpha_from_lse(query, key, lse, scale: float, k_max: int, mask: torch.Tensor
     ``chunk_elements`` scores at a time. Query head h reads KV head h // (H / H_kv); each KV head's keys meet the
     queries of its group in one matrix product. For many keys (k_max near T) :func:`attention_with_alpha`, which
     computes the attention output in the same blocks, costs less than the fused kernel plus this.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, H, T, d)
+    key : torch.Tensor, shape (B, H_kv, T, d)
+    lse : torch.Tensor, shape (B, H, T)
+        The rows' log-sum-exp.
+    scale : float
+    k_max : int
+    mask : torch.Tensor, shape (B, 1 or H, T, T), optional
+    chunk_elements : int
+        The most scores held at a time.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, k_max)
     """
     B, H, T, d = query.shape
     k_max = min(int(k_max), T)
@@ -188,6 +232,21 @@ def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: fl
     attention computed once, where the fused kernel plus :func:`alpha_from_lse` compute the scores twice. On a CPU
     it runs on one thread: its many mid-sized operations lose more to a second thread's waits (on a shared
     machine several times their work) than they gain, while the matrix products dominate.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, H, T, d)
+    key : torch.Tensor, shape (B, H_kv, T, d)
+    value : torch.Tensor, shape (B, H_kv, T, d_v)
+    mask : torch.Tensor, shape (B, 1 or H, T, T), or None
+    scale : float
+    chunk_elements : int
+        The most scores held at a time.
+
+    Returns
+    -------
+    output : torch.Tensor, shape (B, H, T, d_v)
+    alpha : torch.Tensor, shape (B, H, T)
     """
     B, H, T, d = query.shape
     H_kv = key.shape[1]
@@ -271,6 +330,22 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
 
     Same contract as transformers' ``sdpa_attention_forward``: q (B, H, T, d), k/v (B, H_kv, T, d); returns
     the output as (B, T, H, d) and no weights.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module (its ``layer_idx`` names the layer).
+    query : torch.Tensor, shape (B, H, T, d)
+    key, value : torch.Tensor, shape (B, H_kv, T, d)
+    attention_mask : torch.Tensor or None
+    dropout, scaling, is_causal, **kwargs
+        As transformers passes them (dropout is ignored: evaluation only; soft-capping, sink logits and position
+        biases raise FusedUnsupported).
+
+    Returns
+    -------
+    output : torch.Tensor, shape (B, T, H, d)
+    weights : None
     """
     acc = _ACTIVE.get()
     if acc is None:
@@ -287,7 +362,7 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
         alpha = alpha[..., : acc.k_max]
     else:
         out, lse = fused_attention(query, key, value, mask, scale)
-        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask)
+        alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask=mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
     acc.update(layer, alpha)
@@ -308,7 +383,17 @@ def _register() -> None:
 
 
 def hf_model(model) -> nn.Module:
-    """The Hugging Face ``PreTrainedModel`` of ``model`` (itself, or a TransformerBridge's ``original_model``)."""
+    """The Hugging Face ``PreTrainedModel`` of ``model`` (itself, or a TransformerBridge's ``original_model``).
+
+    Parameters
+    ----------
+    model
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        FusedUnsupported otherwise.
+    """
     from transformers import PreTrainedModel  # lazy: import time
 
     inner = model if isinstance(model, PreTrainedModel) else getattr(model, "original_model", None)
@@ -320,7 +405,16 @@ def hf_model(model) -> nn.Module:
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the fused path cannot give this model's exact alpha (None when it can), read from its config/modules."""
+    """Why the fused path cannot give this model's exact alpha (None when it can), read from its config/modules.
+
+    Parameters
+    ----------
+    model
+
+    Returns
+    -------
+    str or None
+    """
     try:
         hf = hf_model(model)
     except FusedUnsupported as e:
@@ -355,7 +449,17 @@ def _unwrap(module: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def unbridged(hf: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``hf`` holds its own modules again where a TransformerBridge put its wrappers (the
-    bridge re-implements attention eagerly); the wrappers are put back on exit, whatever happens."""
+    bridge re-implements attention eagerly); the wrappers are put back on exit, whatever happens.
+
+    Parameters
+    ----------
+    hf : torch.nn.Module
+
+    Yields
+    ------
+    torch.nn.Module
+        ``hf``.
+    """
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
 
     def walk(parent: nn.Module) -> None:
@@ -377,7 +481,17 @@ def unbridged(hf: nn.Module) -> Iterator[nn.Module]:
 def check_fused_tokens(model, tokens) -> torch.Tensor:
     """Token ids (N, T) checked by the package's one validator (``analysis.hooks.validate_token_ids``): against the
     hook contract for a model with hooks (a bridge), against the Hugging Face config's context and vocabulary for
-    a bare model."""
+    a bare model.
+
+    Parameters
+    ----------
+    model
+    tokens : torch.Tensor, shape (N, T)
+
+    Returns
+    -------
+    torch.LongTensor, shape (N, T)
+    """
     if hasattr(model, "hook_dict"):
         return check_tokens(model, tokens)
     cfg = hf_model(model).config
@@ -387,7 +501,16 @@ def check_fused_tokens(model, tokens) -> torch.Tensor:
 
 def fused_layers(model) -> list[int]:
     """The attention layers (true indices) the fused pass measures: ``analysis.hooks.attention_layers_of`` for a
-    model with hooks (a bridge), the layer types of the Hugging Face config for a bare model."""
+    model with hooks (a bridge), the layer types of the Hugging Face config for a bare model.
+
+    Parameters
+    ----------
+    model
+
+    Returns
+    -------
+    list of int
+    """
     if hasattr(model, "hook_dict"):
         return attention_layers_of(model)
     return config_attention_layers(hf_model(model).config)
@@ -443,23 +566,33 @@ class _ResidTaps:
             acc.end_batch(self.batch, None)
 
 
-def fused_alpha(model, tokens, k_max: int, batch_size: int | None = None, progress: bool = False, *,
+def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
                 accumulators: Sequence[Accumulator] = ()) -> torch.Tensor:
-    """alpha (N, L, H, k_max) float32 on CPU from one fused forward pass of ``model`` (HF model or bridge) per batch;
-    L runs over ``fused_layers(model)`` (the attention layers, true indices).
+    """alpha from one fused forward pass of ``model`` per batch.
+
+    The base model runs without a KV cache and without the unembedding (alpha needs neither).
 
     Parameters
     ----------
-    model : a TransformerBridge or a Hugging Face ``PreTrainedModel``.
-    tokens : (N, T) unpadded token ids.
-    k_max : int in [1, T]; alpha is kept for keys 1..k_max (k_max = T: every key, the sink at any position).
-    batch_size : sequences per batch (default about 2k tokens a batch).
-    progress : a progress bar over batches.
-    accumulators : accumulators (``analysis.hooks.Accumulator``) that read only ``hook_resid_post``, fed in the
-        same pass from the decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
+    model
+        A TransformerBridge or a Hugging Face ``PreTrainedModel``.
+    tokens : torch.Tensor, shape (N, T)
+        Unpadded token ids.
+    k_max : int
+        In [1, T]: alpha is kept for keys 1..k_max (k_max = T: every key, the sink at any position).
+    batch_size : int, optional
+        Sequences per batch (default about 2k tokens a batch).
+    progress : bool
+        Show a progress bar over batches.
+    accumulators : sequence of Accumulator
+        Accumulators (``analysis.passes.Accumulator``) that read only ``hook_resid_post``, fed in the same pass from the
+        decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
 
-    The base model runs without a KV cache and without the unembedding (alpha needs neither). Raises
-    ``FusedUnsupported`` where the fused path is not exact.
+    Returns
+    -------
+    torch.Tensor, shape (N, L, H, k_max)
+        float32 on the CPU; L runs over ``fused_layers(model)`` (the attention layers, true indices). Raises
+        ``FusedUnsupported`` where the fused path is not exact.
     """
     reason = unsupported_reason(model)
     if reason:

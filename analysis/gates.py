@@ -27,8 +27,19 @@ from analysis.results import Result
 
 
 def gate_means(logits: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Gate logits (B, T, n_heads * d_head) -> mean gate value per head, (B, T, H): sigmoid, then the mean over
-    each head's dims."""
+    """The mean gate value per head: the sigmoid of the gate logits, then the mean over each head's dims.
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, H * d_head)
+        The gate logits (``hook_q_gate``).
+    n_heads : int
+        H.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, T, H)
+    """
     return torch.sigmoid(logits.float()).unflatten(-1, (n_heads, -1)).mean(-1)
 
 
@@ -36,7 +47,23 @@ def gate_means(logits: torch.Tensor, n_heads: int) -> torch.Tensor:
 class GateResult(Result):
     """Mean gate value per (attention layer, head) on the first token and on the other positions.
 
-    ``first`` and ``other`` are (L, H) with L indexed by position in ``layers`` (true layer indices)."""
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    first : torch.Tensor, shape (L, H)
+        The mean sigmoid gate at position 1.
+    other : torch.Tensor, shape (L, H)
+        The mean sigmoid gate over positions 2..T.
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    """
 
     layers: list[int]
     first: torch.Tensor  # (L, H) mean sigmoid gate at position 1
@@ -73,14 +100,24 @@ class GateResult(Result):
 
 
 class GateAccumulator(Accumulator):
-    """Sums of the mean gate value per head at position 1 and over positions 2..T, per attention layer."""
+    """Sums of the mean gate value per head at position 1 and over positions 2..T, per attention layer.
 
-    def __init__(self, model, layers=None, kind: str | None = None):
+    Parameters
+    ----------
+    model
+        A model whose family has an attention-output gate (ValueError otherwise).
+    layers : sequence of int, optional
+        Attention layers (default all).
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, *, layers=None, kind: str | None = None):
         spec = get_family(model)
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
         self.model, self.kind, self.spec = model, kind, spec
-        self.layers = attention_layers_of(model, layers)
+        self.layers = attention_layers_of(model, layers=layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.first = torch.zeros(len(self.layers), spec.n_heads, dtype=torch.float64)
         self.other = torch.zeros_like(self.first)
@@ -105,14 +142,45 @@ class GateAccumulator(Accumulator):
 
 
 def has_gate(model) -> bool:
-    """Whether the model gates its attention output (the family spec's ``gate``)."""
+    """Whether the model gates its attention output (the family spec's ``gate``).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    bool
+    """
     return get_family(model).gate is not None
 
 
-def attention_gates(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> GateResult:
-    """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed
-    through ``hook_q_gate``. ValueError for a model without a gate."""
+def attention_gates(model, tokens, *, layers=None, batch_size: int | None = None,
+                    kind: str | None = None) -> GateResult:
+    """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed through
+    ``hook_q_gate`` (Qwen3-Next, Qwen3.5).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+        ValueError for a model without a gate.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    layers : sequence of int, optional
+        Attention layers (true indices; default all).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    GateResult
+        ``first`` and ``other`` of shape (L, H).
+    """
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
-    return run_pass(model, tokens, [GateAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [GateAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]

@@ -29,7 +29,23 @@ class ModelContractError(ValueError):
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Shape facts an analysis needs, read from ``model.cfg`` (with fall-backs to the hook names)."""
+    """Shape facts an analysis needs, read from ``model.cfg`` (with fall-backs to the hook names).
+
+    Attributes
+    ----------
+    n_layers : int
+        L, the number of blocks.
+    n_heads : int
+        H, query heads per attention layer.
+    n_kv_heads : int
+        H_kv, key/value heads (``n_heads`` without grouped-query attention).
+    d_model, d_head : int or None
+        The residual width and the width of one head.
+    n_ctx : int or None
+        The context the model accepts.
+    group_size : int
+        Query heads per key/value head, ``n_heads // n_kv_heads`` (a property).
+    """
 
     n_layers: int
     n_heads: int
@@ -45,9 +61,23 @@ class ModelDims:
 
 
 def act_name(name: str, layer: int) -> str:
-    """The TransformerLens hook name of activation ``name`` in block ``layer``: ``act_name("pattern", 3)`` is
-    ``blocks.3.attn.hook_pattern``; ``resid_pre``/``resid_mid``/``resid_post``/``normalized`` (ln1's output
-    before the gain) live on the block, ``q k v z rot_q rot_k attn_scores pattern`` on its attention."""
+    """The TransformerLens hook name of an activation in a block.
+
+    ``resid_pre`` / ``resid_mid`` / ``resid_post`` / ``normalized`` (ln1's output before the gain) live on the block,
+    ``q k v z rot_q rot_k attn_scores pattern`` on its attention.
+
+    Parameters
+    ----------
+    name : str
+        The short activation name, e.g. "pattern".
+    layer : int
+        The block.
+
+    Returns
+    -------
+    str
+        E.g. ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``.
+    """
     if name in _BLOCK_ACTS:
         return f"blocks.{int(layer)}.{_BLOCK_ACTS[name]}"
     if name in _ATTN_ACTS:
@@ -56,7 +86,17 @@ def act_name(name: str, layer: int) -> str:
 
 
 def hook_names(model) -> set[str]:
-    """All hook names the model exposes (``hook_dict`` keys)."""
+    """All hook names the model exposes.
+
+    Parameters
+    ----------
+    model
+        A model with TransformerLens hooks (``hook_dict``); ModelContractError otherwise.
+
+    Returns
+    -------
+    set of str
+    """
     names = getattr(model, "hook_dict", None)
     if names is None:
         raise ModelContractError(
@@ -67,7 +107,18 @@ def hook_names(model) -> set[str]:
 
 
 def model_dims(model) -> ModelDims:
-    """Read layer/head counts from ``model.cfg``; check the attention-pattern hooks exist."""
+    """Read layer and head counts from ``model.cfg``; check the attention-pattern hooks exist.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    ModelDims
+        ModelContractError where the model has no ``blocks.{l}.attn.hook_pattern`` or no ``cfg.n_heads``.
+    """
     names = hook_names(model)
     cfg = getattr(model, "cfg", None)
     n_layers = getattr(cfg, "n_layers", None)
@@ -94,7 +145,20 @@ def model_dims(model) -> ModelDims:
 
 
 def check_layers(model, layers: Iterable[int] | None) -> list[int]:
-    """Validate a list of layer indices (None means all layers)."""
+    """Validate layer indices against the model's blocks.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : iterable of int, optional
+        Block indices; None: every block.
+
+    Returns
+    -------
+    list of int
+        The layers, in the order given (ValueError for one out of range).
+    """
     n = model_dims(model).n_layers
     if layers is None:
         return list(range(n))
@@ -105,15 +169,26 @@ def check_layers(model, layers: Iterable[int] | None) -> list[int]:
     return layers
 
 
-def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]:
+def attention_layers_of(model, *, layers: Iterable[int] | None = None) -> list[int]:
     """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices.
 
-    ``layers=None``: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as
-    Qwen3-Next or Jamba the linear-attention / Mamba layers are left out, and ``get_family(model).skipped_text()``
-    says which and why). Explicit ``layers`` are validated and returned in the order given; a layer out of range,
-    or one that is not an attention layer, raises ValueError naming the attention layers. The one place that
-    decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q / k / v / z
-    hooks calls this (residual-stream analyses use :func:`check_layers`)."""
+    The one place that decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q /
+    k / v / z hooks calls this (residual-stream analyses use :func:`check_layers`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : iterable of int, optional
+        None: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as Qwen3-Next
+        or Jamba the linear-attention / Mamba layers are left out, and ``get_family(model).skipped_text()`` says
+        which and why). Explicit layers are validated and returned in the order given; a layer out of range, or one
+        that is not an attention layer, raises ValueError naming the attention layers.
+
+    Returns
+    -------
+    list of int
+    """
     spec = get_family(model)
     if layers is None:
         return list(spec.attention_layers)
@@ -126,13 +201,35 @@ def attention_layers_of(model, layers: Iterable[int] | None = None) -> list[int]
 
 
 def skipped_note(model) -> str:
-    """The layers an attention analysis leaves out, in one sentence ("Layers [0, 2] skipped (linear attention
-    (Gated DeltaNet): no softmax attention pattern)."); "" when every layer is an attention layer."""
+    """The layers an attention analysis leaves out, in one sentence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    str
+        E.g. "Layers [0, 2] skipped (linear attention (Gated DeltaNet): no softmax attention pattern)."; "" when every
+        layer is an attention layer.
+    """
     text = get_family(model).skipped_text()
     return text[0].upper() + text[1:] + "." if text else ""
 
 
 def model_device(model) -> torch.device:
+    """The device of the model's first parameter.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    torch.device
+        The CPU for a model without parameters.
+    """
     try:
         return next(model.parameters()).device
     except StopIteration:  # pragma: no cover - a model with no parameters
@@ -140,16 +237,46 @@ def model_device(model) -> torch.device:
 
 
 def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Validate a (N, T) batch of token ids against the model; return it as a LongTensor."""
+    """Validate a batch of token ids against the model's context and vocabulary.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``cfg.n_ctx`` and ``cfg.d_vocab`` are checked where set).
+    tokens : torch.Tensor or array-like, shape (N, T) or (T,)
+        Token ids.
+
+    Returns
+    -------
+    torch.LongTensor, shape (N, T)
+        ValueError saying what to give otherwise.
+    """
     dims = model_dims(model)
     return validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
 
 
-def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, hint: str = "", sync: bool = True) -> torch.Tensor:
-    """Token ids as a (N, T) LongTensor (a 1-d sequence gets a batch axis), checked for shape, dtype, emptiness, the
-    context ``n_ctx`` and the vocabulary ``vocab`` (None: not checked); ValueError saying what to give otherwise.
-    ``hint``: what to do beyond shortening the input, appended to the context error. ``sync=False``: the vocabulary
-    is checked on the CPU only (a training step does not wait for the GPU to read the ids)."""
+def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "",
+                       sync: bool = True) -> torch.Tensor:
+    """Token ids as a (N, T) LongTensor, checked for shape, dtype, emptiness, context and vocabulary.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor or array-like, shape (N, T) or (T,)
+        Token ids (a 1-d sequence gets a batch axis).
+    n_ctx : int or None
+        The longest sequence allowed (None: not checked).
+    vocab : int or None
+        The vocabulary size: ids must lie in [0, vocab) (None: not checked).
+    hint : str
+        What to do beyond shortening the input, appended to the context error.
+    sync : bool
+        False: the vocabulary is checked on the CPU only (a training step does not wait for the GPU to read the ids).
+
+    Returns
+    -------
+    torch.LongTensor, shape (N, T)
+        ValueError saying what to give otherwise.
+    """
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)
     if tokens.ndim == 1:
@@ -172,18 +299,48 @@ def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, hint: str =
 
 
 def token_strings(model, ids: Sequence[int]) -> list[str]:
-    """Decoded tokens, one string per id (``#id`` when the model has no tokenizer)."""
+    """Decoded tokens, one string per id.
+
+    Parameters
+    ----------
+    model
+        A model with a ``tokenizer`` attribute (or none).
+    ids : sequence of int
+        Token ids.
+
+    Returns
+    -------
+    list of str
+        ``#id`` for each id when the model has no tokenizer.
+    """
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return [f"#{int(i)}" for i in ids]
     return [tok.decode([int(i)]) for i in ids]
 
 
-def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
-    """The (query, key) hooks of ``layer``: the rotated ones where the model uses rotary embeddings and has
-    them (and ``rotated``), else ``hook_q``/``hook_k``. A model loaded by ``analysis.load_model`` carries its
-    family spec (``model.family``), which names the hooks the attention really uses; otherwise, as some models
-    list ``hook_rot_k`` without rotary (it never fires there), the rotary is checked on the model."""
+def qk_hook_names(model, layer: int, *, rotated: bool = True) -> tuple[str, str]:
+    """The (query, key) hooks of a layer.
+
+    A model loaded by ``analysis.load_model`` carries its family spec (``model.family``), which names the hooks the
+    attention really uses; otherwise, as some models list ``hook_rot_k`` without rotary (it never fires there), the
+    rotary is checked on the model.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layer : int
+        The attention layer.
+    rotated : bool
+        Take the rotated hooks (``hook_rot_q`` / ``hook_rot_k``) where the model uses rotary embeddings and has them;
+        False: ``hook_q`` / ``hook_k``.
+
+    Returns
+    -------
+    tuple of (str, str)
+        The query hook and the key hook.
+    """
     spec = getattr(model, "family", None)  # the loader's family spec knows which key hook the attention uses
     if rotated and spec is not None and hasattr(spec, "key_hook"):
         return spec.query_hook(layer), spec.key_hook(layer)
@@ -206,9 +363,26 @@ def qk_hook_names(model, layer: int, rotated: bool = True) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def kv_view(x: torch.Tensor, n_kv_heads: int, dim: int = 2) -> torch.Tensor:
-    """The KV heads of a key/value activation: the bridge may hand ``hook_k``/``hook_v`` with each KV head
-    repeated for its query heads ((B, T, H, d) instead of (B, T, H_kv, d)); this undoes the repetition."""
+def kv_view(x: torch.Tensor, n_kv_heads: int, *, dim: int = 2) -> torch.Tensor:
+    """The KV heads of a key/value activation.
+
+    The bridge may hand ``hook_k`` / ``hook_v`` with each KV head repeated for its query heads ((B, T, H, d) instead of
+    (B, T, H_kv, d)); this undoes the repetition.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (B, T, H or H_kv, d)
+        A key or value activation (heads on axis ``dim``).
+    n_kv_heads : int
+        H_kv.
+    dim : int
+        The head axis.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, T, H_kv, d)
+        A view of the first copy of each KV head (``x`` itself when it already has H_kv heads).
+    """
     n = x.shape[dim]
     if n == n_kv_heads:
         return x
@@ -217,16 +391,44 @@ def kv_view(x: torch.Tensor, n_kv_heads: int, dim: int = 2) -> torch.Tensor:
     return x.narrow(dim, 0, n).unflatten(dim, (n_kv_heads, n // n_kv_heads)).select(dim + 1, 0)
 
 
-def per_query_head(x: torch.Tensor, n_heads: int, dim: int = 2) -> torch.Tensor:
-    """KV-head values repeated for each query head that reads them (query head h reads KV head h // group)."""
+def per_query_head(x: torch.Tensor, n_heads: int, *, dim: int = 2) -> torch.Tensor:
+    """KV-head values repeated for each query head that reads them (query head h reads KV head h // group).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., H_kv, ...)
+        Values per KV head on axis ``dim``.
+    n_heads : int
+        H, the number of query heads.
+    dim : int
+        The head axis.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., H, ...)
+    """
     n = x.shape[dim]
     if n_heads % n:
         raise ModelContractError(f"{n_heads} query heads cannot share {n} KV heads.")
     return x.repeat_interleave(n_heads // n, dim=dim)
 
 
-def group_reduce(x: torch.Tensor, group_size: int, how: str = "mean") -> torch.Tensor:
-    """(..., H) per query head -> (..., H_kv): mean or max over the query heads of each KV head."""
+def group_reduce(x: torch.Tensor, group_size: int, *, how: str = "mean") -> torch.Tensor:
+    """Per-query-head values reduced to their KV head: the mean or max over the query heads of each KV head.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., H)
+        Values per query head.
+    group_size : int
+        Query heads per KV head.
+    how : {"mean", "max"}
+        The reduction.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., H_kv)
+    """
     g = x.unflatten(-1, (-1, group_size))
     if how == "mean":
         return g.mean(-1)
@@ -236,7 +438,18 @@ def group_reduce(x: torch.Tensor, group_size: int, how: str = "mean") -> torch.T
 
 
 def hook_layer(name: str) -> int | None:
-    """The block a hook lies in; -1 for the embedding's hooks, None for those after the blocks."""
+    """The block a hook lies in.
+
+    Parameters
+    ----------
+    name : str
+        A hook name, e.g. "blocks.3.attn.hook_pattern".
+
+    Returns
+    -------
+    int or None
+        The block index; -1 for the embedding's hooks, None for those after the blocks.
+    """
     m = re.match(r"blocks\.(\d+)\.", name)
     if m:
         return int(m.group(1))

@@ -54,10 +54,27 @@ from analysis.sink import DEFAULT_EPS, check_eps
 
 
 def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
-                  min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
-    """The blocks where the condition passes of ``spike_ablation(spike_dims=spike_dims)``, ``value_ablation`` (found
-    sink heads) and ``first_key_ablation(spike_dims=input_dims)`` resume (the first block each one's hooks touch):
-    the residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out."""
+                  *, min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
+    """The blocks where the condition passes of the three ablations resume (the first block each one's hooks touch): the
+    residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    baseline : analysis.conditions.Baseline
+        The unchanged model's pass (its sink heads decide where ``value_ablation`` starts).
+    spike_dims : mapping of int to sequence of int
+        ``spike_ablation(spike_dims=...)``: {``hook_resid_post`` layer: dims}.
+    input_dims : mapping of int to sequence of int
+        ``first_key_ablation(spike_dims=...)``: {block reading them: dims}.
+    min_share : float
+        The share of samples on which a head's alpha_1 > eps makes it a sink head.
+
+    Returns
+    -------
+    list of int
+    """
     attn = attention_layers_of(model)
     heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
     firsts = [min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
@@ -80,7 +97,8 @@ def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_sh
     """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
     D = model_dims(model).d_model
     if spike_dims is None:
-        return first_token_spike_dims(model, tokens, "resid_post", None, abs_threshold, ratio_threshold, min_share), "found"
+        return first_token_spike_dims(model, tokens, hook="resid_post", abs_threshold=abs_threshold,
+                                      ratio_threshold=ratio_threshold, min_share=min_share), "found"
     if not isinstance(spike_dims, Mapping):
         raise ValueError("spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
                          "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them.")
@@ -103,7 +121,31 @@ def _appear_layers(spikes: dict[int, list[int]]) -> dict[int, list[int]]:
 
 @dataclass
 class SpikeAblation(Result):
-    """Sink rate and loss with the first token's spike dims unchanged, zeroed, or set to their mean."""
+    """Sink rate and loss with the first token's spike dims unchanged, zeroed, or set to their mean.
+
+    Attributes
+    ----------
+    spike_dims : dict of int to list of int
+        ``hook_resid_post`` layer -> the dims intervened on.
+    where : {"all", "appear"}
+        Every layer where a dim is a spike, or only the first of each run.
+    has_spike : bool
+        False where the first token carries no spike (only the baseline is reported).
+    message : str
+        How the dims were chosen, or why there are none.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "zero", "mean"): ``sink_1_pct``, ``loss``, ``delta_loss``.
+    per_layer : pandas.DataFrame
+        One row per attention layer: Sink_1 (%) under each condition.
+    means : dict of str to float
+        "layer:dim" -> the first token's mean value over all inputs.
+    results : dict of str to PassResult
+        Condition -> its pass (alpha (N, L, H, k_max), shares, loss).
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
 
     spike_dims: dict[int, list[int]]  # resid_post layer -> dims intervened on
     where: str
@@ -142,8 +184,18 @@ class SpikeAblation(Result):
 
 
 class SpikeSetter:
-    """Sets the first token's spike dims in ``hook_resid_post`` to zero ("zero") or to each sample's
-    leave-one-out mean ("mean", from ``loo`` {layer: (N, n_dims)}); ``start(batch)`` before each batch."""
+    """Sets the first token's spike dims in ``hook_resid_post`` to zero or to each sample's leave-one-out mean.
+
+    Call ``start(batch)`` before each batch.
+
+    Parameters
+    ----------
+    spikes : dict of int to list of int
+        {``hook_resid_post`` layer: dims}.
+    mode : {"zero", "mean"}
+    loo : dict of int to torch.Tensor
+        {layer: the leave-one-out means, (N, n_dims)} for "mean".
+    """
 
     def __init__(self, spikes: dict[int, list[int]], mode: str, loo: dict[int, torch.Tensor]):
         self.spikes, self.mode, self.loo, self.offset = spikes, mode, loo, 0
@@ -178,6 +230,7 @@ def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshol
 def spike_ablation(
     model,
     tokens,
+    *,
     spike_dims: Mapping[int, Sequence[int]] | None = None,
     where: str = "all",
     abs_threshold: float = SPIKE_ABS,
@@ -189,13 +242,34 @@ def spike_ablation(
 ) -> SpikeAblation:
     """Zero the first token's spike dims, or set them to their mean over the other inputs; measure sink and loss.
 
-    ``spike_dims``: {layer: dims} in the residual stream after block ``layer`` (``hook_resid_post``),
-    e.g. ``MassiveActivations.first_token_dims``; None finds them (``first_token_spike_dims`` with
-    ``abs_threshold``, ``ratio_threshold``, ``min_share``). ``where="all"`` intervenes at every layer
-    where a dim is a spike (later blocks can rebuild a spike zeroed once: SmolLM2 rebuilds dim 507);
-    ``where="appear"`` only at the first layer of each run. The mean is leave-one-out: sample i gets the
-    mean of the first token's value over the other samples (the mean over all inputs is in ``means``).
-    ``baseline``: the shared ``baseline_pass`` of these tokens (run here if not given).
+    Sun et al.: zero breaks the model, the mean does not.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids; N >= 2 for the mean condition.
+    spike_dims : mapping of int to sequence of int, optional
+        {layer: dims} in the residual stream after block ``layer`` (``hook_resid_post``), e.g.
+        ``MassiveActivations.first_token_dims``; None finds them (``first_token_spike_dims``).
+    where : {"all", "appear"}
+        "all" intervenes at every layer where a dim is a spike (later blocks can rebuild a spike zeroed once: SmolLM2
+        rebuilds dim 507); "appear" only at the first layer of each run.
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion where the dims are found (see ``analysis.massive_activations``).
+    eps : float
+        The sink threshold.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    baseline : analysis.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+
+    Returns
+    -------
+    SpikeAblation
+        The mean is leave-one-out: sample i gets the mean of the first token's value over the other samples (the mean
+        over all inputs is in ``means``).
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
@@ -215,8 +289,8 @@ def spike_ablation(
     results = {"baseline": base.run}
     for mode in ("zero", "mean"):
         setter = SpikeSetter(spikes, mode, loo)
-        results[mode] = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start,
-                                      baseline=base)
+        results[mode] = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                                      on_batch_start=setter.start, baseline=base)
     conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
                                for c, r in results.items()])
     per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
@@ -232,7 +306,24 @@ def spike_ablation(
 
 @dataclass
 class ValueAblation(Result):
-    """Loss with the first token's value removed from the sink heads (and, as a contrast, from all heads)."""
+    """Loss with the first token's value removed from the sink heads (and, as a contrast, from all heads).
+
+    Attributes
+    ----------
+    sink_heads : list of (int, int)
+        The (layer, query head) pairs ablated.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "sink_heads", "sink_heads_later", "sink_heads_mean", "all_heads"):
+        ``n_heads``, ``loss``, ``delta_loss``, ``sink_1_pct``.
+    heads : pandas.DataFrame
+        One row per sink head: alpha_1, |v_1|, mean |v_j|, |A[t, 1] v_1| and |z_t| (means over t > 1).
+    message : str
+        How the heads were chosen, or why there are none.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
 
     sink_heads: list[tuple[int, int]]  # (layer, query head)
     conditions: pd.DataFrame  # condition, n_heads, loss, delta_loss, sink_1_pct
@@ -277,23 +368,35 @@ def _check_heads(model, heads) -> list[tuple[int, int]]:
         if not 0 <= l < dims.n_layers or not 0 <= hh < dims.n_heads:
             raise ValueError(f"head {(l, hh)} out of range: layers 0..{dims.n_layers - 1}, heads 0..{dims.n_heads - 1}.")
         out.append((l, hh))
-    attention_layers_of(model, sorted({l for l, _ in out}))  # a hybrid's linear-attention / Mamba layer: ValueError
+    # a hybrid's linear-attention / Mamba layer: ValueError
+    attention_layers_of(model, layers=sorted({l for l, _ in out}))
     return sorted(set(out))
 
 
 class ValueRemoval:
-    """z_t -= A[t, 1] v_1 in the heads ``heads`` ("zero"), or z_t -= A[t, 1] (v_1 - its leave-one-out mean
-    ``v_mean`` {layer: (N, H, d)}) ("mean"). ``first_query=False`` leaves the first token's own output (t = 1)
-    unchanged; ``v_mean`` holds every query head. ``start(batch)`` before each batch.
+    """z_t -= A[t, 1] v_1 in the chosen heads ("zero"), or z_t -= A[t, 1] (v_1 - its leave-one-out mean) ("mean").
 
-    Where ``hook_pattern`` is live (fires before the output): hooks on hook_pattern, hook_v and hook_z edit z.
-    Where it is not (TransformerLens' generic attention bridge: GPT-J, OPT, Jamba; ``FamilySpec.pattern_live``)
-    the same edit is made on the value: v_1 set to 0 (or to its mean) at ``hook_v`` gives
-    z_t = sum_(j>1) A[t, j] v_j (+ A[t, 1] mean) for every query, exactly; ``first_query=False`` then adds
-    v_1 - v_1' back to z_1 (A[1, 1] = 1). With grouped-query attention and KV heads in hook_v this edits the whole
-    KV group, so there every query head of a group must be chosen together (``ModelContractError`` otherwise)."""
+    Call ``start(batch)`` before each batch. Where ``hook_pattern`` is live (fires before the output): hooks on
+    hook_pattern, hook_v and hook_z edit z. Where it is not (TransformerLens' generic attention bridge: GPT-J, OPT,
+    Jamba; ``FamilySpec.pattern_live``) the same edit is made on the value: v_1 set to 0 (or to its mean) at ``hook_v``
+    gives z_t = sum_(j>1) A[t, j] v_j (+ A[t, 1] mean) for every query, exactly; ``first_query=False`` then adds
+    v_1 - v_1' back to z_1 (A[1, 1] = 1). With grouped-query attention and KV heads in hook_v this edits the whole KV
+    group, so there every query head of a group must be chosen together (``ModelContractError`` otherwise).
 
-    def __init__(self, model, heads: list[tuple[int, int]], mode: str = "zero", v_mean: dict | None = None,
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    heads : list of (int, int)
+        (layer, query head) pairs.
+    mode : {"zero", "mean"}
+    v_mean : dict of int to torch.Tensor, optional
+        {layer: the leave-one-out mean of v_1 for every query head, (N, H, d)} for "mean".
+    first_query : bool
+        False leaves the first token's own output (t = 1) unchanged.
+    """
+
+    def __init__(self, model, heads: list[tuple[int, int]], *, mode: str = "zero", v_mean: dict | None = None,
                  first_query: bool = True):
         dims, spec = model_dims(model), get_family(model)
         self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
@@ -382,6 +485,7 @@ class ValueRemoval:
 def value_ablation(
     model,
     tokens,
+    *,
     sink_heads: Sequence[tuple[int, int]] | None = None,
     eps: float = DEFAULT_EPS,
     min_share: float = SINK_HEAD_MIN_SHARE,
@@ -392,13 +496,36 @@ def value_ablation(
 ) -> ValueAblation:
     """Remove the first token's value from the sink heads' outputs; compare the loss with the unchanged model.
 
-    For head h and query t the output z_t = sum_j A[t, j] v_j becomes z_t - A[t, 1] v_1 (with GQA, v_1 of
-    the head's KV group). Conditions: ``sink_heads`` (every query), with ``later`` ``sink_heads_later``
-    (queries t > 1 only: the first token's own output, which feeds its later layers, is kept),
-    ``sink_heads_mean`` (v_1 set to its mean over the other inputs: does v_1 carry anything input-specific?)
-    and, with ``all_heads``, ``all_heads`` (v_1 removed from every head, a contrast). ``sink_heads``:
-    (layer, query head) pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` (a
-    fraction) of the samples. ``baseline``: the shared ``baseline_pass`` of these tokens.
+    For head h and query t the output z_t = sum_j A[t, j] v_j becomes z_t - A[t, 1] v_1 (with GQA, v_1 of the head's KV
+    group). Conditions: ``sink_heads`` (every query), with ``later`` ``sink_heads_later`` (queries t > 1 only: the first
+    token's own output, which feeds its later layers, is kept), ``sink_heads_mean`` (v_1 set to its mean over the other
+    inputs: does v_1 carry anything input-specific?) and, with ``all_heads``, ``all_heads`` (v_1 removed from every
+    head, a contrast).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    sink_heads : sequence of (int, int), optional
+        (layer, query head) pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` of the samples.
+    eps : float
+        The sink threshold.
+    min_share : float
+        A fraction of the samples (see ``sink_heads``).
+    all_heads : bool
+        Add the contrast with v_1 removed from every head.
+    later : bool
+        Add the condition that keeps the first token's own output.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    baseline : analysis.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+
+    Returns
+    -------
+    ValueAblation
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
@@ -423,10 +550,12 @@ def value_ablation(
     every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
     conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
-    removals = [(c, ValueRemoval(model, hs, mode, v_mean, fq)) for c, hs, mode, fq in conditions]  # checks before any pass
+    # built (and checked) before any pass
+    removals = [(c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
+                for c, hs, mode, fq in conditions]
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(model, tokens, removal.hooks(), eps=eps, batch_size=batch_size, on_batch_start=removal.start,
-                          baseline=base)
+        r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=removal.start, baseline=base)
         rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
     msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
@@ -440,7 +569,30 @@ def value_ablation(
 
 @dataclass
 class FirstKeyAblation(Result):
-    """Attention with the spike-driven part of the first key removed, against the unchanged model."""
+    """Attention with the spike-driven part of the first key removed, against the unchanged model.
+
+    Attributes
+    ----------
+    layers : list of int
+        The layers whose first key was changed.
+    spike_dims : dict of int to list of int
+        Layer (the block whose ln1 reads them) -> dims.
+    has_spike : bool
+        False where no chosen layer's input carries a spike (only the baseline is reported).
+    message : str
+        How the dims were chosen, or why there are none.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "ablated"): the attention shares of queries t >= 3 on the first, previous,
+        own and other keys, Sink_1..Sink_k and the loss, over the ablated layers.
+    per_layer : pandas.DataFrame
+        The same per (layer, condition).
+    results : dict of str to PassResult
+        Condition -> its pass.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
 
     layers: list[int]  # layers whose first key was changed
     spike_dims: dict[int, list[int]]  # layer (the block whose ln1 reads them) -> dims
@@ -475,8 +627,18 @@ class FirstKeyAblation(Result):
 
 
 class FirstKeyRemoval:
-    """Hooks that subtract k_1^S = (g * norm(h_1))[S] W_K from the first key (before the rotary, which is the
-    identity at position 0) of each layer in ``paths`` {layer: KeyPath}, S = ``spikes[layer]``."""
+    """Hooks that subtract k_1^S = (g * norm(h_1))[S] W_K from the first key of each layer (before the rotary, which is
+    the identity at position 0).
+
+    Parameters
+    ----------
+    paths : dict of int to KeyPath
+        {layer: its key path}.
+    spikes : dict of int to list of int
+        {layer: S, the dims}.
+    D : int
+        d_model.
+    """
 
     def __init__(self, paths: dict, spikes: dict[int, list[int]], D: int):
         self.paths, self.state = paths, {}
@@ -503,7 +665,9 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
     """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
     dims = model_dims(model)
     if spike_dims is None:
-        spikes, how = first_token_spike_dims(model, tokens, "resid_pre", None, abs_threshold, ratio_threshold, min_share), "found"
+        spikes = first_token_spike_dims(model, tokens, hook="resid_pre", abs_threshold=abs_threshold,
+                                        ratio_threshold=ratio_threshold, min_share=min_share)
+        how = "found"
     elif isinstance(spike_dims, Mapping):
         spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
         how = "given"
@@ -519,6 +683,7 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
 def first_key_ablation(
     model,
     tokens,
+    *,
     layers: Sequence[int] | None = None,
     spike_dims: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
     abs_threshold: float = SPIKE_ABS,
@@ -531,18 +696,42 @@ def first_key_ablation(
 ) -> FirstKeyAblation:
     """Subtract k_1^S = (g * norm(h_1))[S] W_K from the first key of each layer; see where the attention goes.
 
-    ``spike_dims``: {layer: dims} of the stream each layer's ln1 reads (``hook_resid_pre``), a list of
-    dims for every layer, or None to find them (``first_token_spike_dims`` on ``hook_resid_pre``).
-    ``layers``: where to intervene (default: every layer whose input carries first-token spike dims).
-    All those layers are changed in the same pass. The attention shares are over queries t >= 3 of
-    the changed layers: first key, previous key, the query's own key, the rest. ``baseline``: the shared
-    ``baseline_pass`` of these tokens (with ``k_max`` 4).
+    All the chosen layers are changed in the same pass. The attention shares are over queries t >= 3 of the changed
+    layers: first key, previous key, the query's own key, the rest.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layers : sequence of int, optional
+        Where to intervene (default: every attention layer whose input carries first-token spike dims).
+    spike_dims : mapping of int to sequence of int, or sequence of int, optional
+        {layer: dims} of the stream each layer's ln1 reads (``hook_resid_pre``), a list of dims for every layer, or
+        None to find them (``first_token_spike_dims`` on ``hook_resid_pre``).
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion where the dims are found (see ``analysis.massive_activations``).
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept (Sink_1..Sink_k_max).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    baseline : analysis.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+        Used when ``k_max`` is the default 4.
+
+    Returns
+    -------
+    FirstKeyAblation
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
     attn = attention_layers_of(model)
-    layers = attention_layers_of(model, layers) if layers is not None else sorted(l for l, d in spikes.items() if d and l in attn)
+    layers = (attention_layers_of(model, layers=layers) if layers is not None
+              else sorted(l for l, d in spikes.items() if d and l in attn))
     layers = [l for l in layers if spikes.get(l)]
     full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
@@ -555,8 +744,8 @@ def first_key_ablation(
         return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
                                 _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
     removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
-    results["ablated"] = run_condition(model, tokens, removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size,
-                                       baseline=full)
+    results["ablated"] = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max,
+                                       batch_size=batch_size, baseline=full)
     msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
     return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
                             _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)

@@ -18,8 +18,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
-def parse_dtype(dtype, default: torch.dtype | None = None) -> torch.dtype | None:
-    """A torch dtype from a name (``"bf16"``, ``"float32"`` ...) or a dtype; ``default`` for None."""
+def parse_dtype(dtype, *, default: torch.dtype | None = None) -> torch.dtype | None:
+    """A torch dtype from a name (``"bf16"``, ``"float32"`` ...) or a dtype; ``default`` for None.
+
+    Parameters
+    ----------
+    dtype : str, torch.dtype or None
+    default : torch.dtype, optional
+
+    Returns
+    -------
+    torch.dtype or None
+    """
     if dtype is None:
         return default
     if isinstance(dtype, torch.dtype):
@@ -31,7 +41,16 @@ def parse_dtype(dtype, default: torch.dtype | None = None) -> torch.dtype | None
 
 def jsonable(obj):
     """A strictly JSON-serialisable copy: tensors, arrays and DataFrames to lists, NaN/inf to None, tuple keys
-    to "a,b" strings, objects with ``to_dict()`` through it."""
+    to "a,b" strings, objects with ``to_dict()`` through it.
+
+    Parameters
+    ----------
+    obj : object
+
+    Returns
+    -------
+    dict, list, str, int, float, bool or None
+    """
     if isinstance(obj, dict):
         return {(",".join(map(str, k)) if isinstance(k, tuple) else str(k)): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set)):
@@ -57,14 +76,33 @@ def jsonable(obj):
 
 
 def records(df: pd.DataFrame) -> list[dict]:
-    """A DataFrame as JSON-clean records (NaN -> None)."""
+    """A DataFrame as JSON-clean records (NaN -> None).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+
+    Returns
+    -------
+    list of dict
+    """
     return jsonable(df.to_dict("records"))
 
 
 def write_atomic(path, text_or_write) -> None:
     """Write ``path`` through a temporary file in the same folder, synced, then ``os.replace``: an existing file is
     only ever replaced by a complete new one. ``text_or_write``: the text, or ``write(tmp_path)`` for other
-    writers (tensors, tokenizers)."""
+    writers (tensors, tokenizers).
+
+    Parameters
+    ----------
+    path : path-like
+    text_or_write : str or callable
+
+    Returns
+    -------
+    None
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -85,7 +123,19 @@ def write_atomic(path, text_or_write) -> None:
 
 def replace_dir(target, fill) -> Path:
     """Build a folder with ``fill(tmp_dir)`` in a temporary folder beside ``target``, then swap it in: ``target``
-    is either the old complete folder or the new complete one, never half written."""
+    is either the old complete folder or the new complete one, never half written.
+
+    Parameters
+    ----------
+    target : path-like
+    fill : callable
+        ``fill(tmp_dir)`` writes the folder's content.
+
+    Returns
+    -------
+    pathlib.Path
+        ``target``.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -100,12 +150,29 @@ def replace_dir(target, fill) -> Path:
     return target
 
 
-def write_json(path, payload, indent: int | None = None) -> None:
-    """Strict JSON (``jsonable``: no NaN), newline-terminated, written atomically; ``indent`` as in ``json.dumps``."""
+def write_json(path, payload, *, indent: int | None = None) -> None:
+    """Strict JSON (``jsonable``: no NaN), newline-terminated, written atomically; ``indent`` as in ``json.dumps``.
+
+    Parameters
+    ----------
+    path : path-like
+    payload : object
+        Anything :func:`jsonable` takes.
+    indent : int, optional
+
+    Returns
+    -------
+    None
+    """
     write_atomic(path, json.dumps(jsonable(payload), allow_nan=False, indent=indent) + "\n")
 
 
 def cache_dir() -> Path:
     """The package's cache folder: ``$ATTENTION_SINKS_CACHE``, default ``~/.cache/attention-sink-lens`` (the embedded
-    model's safetensors copy in ``smollm2-135m-instruct/``, tokenized training streams in ``train/``)."""
+    model's safetensors copy in ``smollm2-135m-instruct/``, tokenized training streams in ``train/``).
+
+    Returns
+    -------
+    pathlib.Path
+    """
     return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sink-lens"))

@@ -91,8 +91,13 @@ def _check_n_components(n_components, d_head: int | None):
 
 @contextmanager
 def small_linalg():
-    """Run small (d_head x d_head) linear algebra on one thread: on a busy CPU, thread pools make a 64 x 64
-    eigendecomposition a hundred times slower."""
+    """A context in which small (d_head x d_head) linear algebra runs on one thread: on a busy CPU, thread pools make a
+    64 x 64 eigendecomposition a hundred times slower.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+    """
     from threadpoolctl import threadpool_limits
 
     with one_thread(), threadpool_limits(limits=1):
@@ -114,7 +119,46 @@ def _n_for_variance(evr_cum: np.ndarray, level: float):
 
 @dataclass
 class KeyManifold(Result):
-    """Per (layer, KV head) first-key statistics; see the module docstring for each column."""
+    """Per (layer, KV head) first-key statistics; the module docstring describes each column of ``table``.
+
+    L: the attention layers measured, H_sel: the KV heads analysed, H: query heads.
+
+    Attributes
+    ----------
+    table : pandas.DataFrame
+        One row per (layer, KV head): the subspace residuals, component counts, pairwise cosines, norms, cos(q, k)
+        and alpha_1 of its query heads.
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    kv_heads : list of int, length H_sel
+        The KV heads analysed.
+    n_components : int or float
+        The other keys' principal subspace (a number of components, or a share of their variance).
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    group_size : int
+        Query heads per KV head.
+    rotated : bool
+        Keys after the rotary embedding.
+    first_evr : torch.Tensor, shape (L, H_sel, m)
+        The cumulative explained-variance ratio of the first keys alone (m = min(N, d_head)).
+    other_evr : torch.Tensor, shape (L, H_sel, d_head)
+        The cumulative explained-variance ratio of the other keys.
+    cos_q_k1 : torch.Tensor, shape (L, H)
+        Per query head: mean cos(q_t, k_1), t > 1.
+    cos_q_kj : torch.Tensor, shape (L, H)
+        Per query head: mean cos(q_t, k_j), 1 < j <= t.
+    alpha_1 : torch.Tensor, shape (L, H)
+        Per query head: mean alpha_1.
+    scatter : dict
+        (layer, KV head) -> {"coords": (N, T, 2) coordinates, "evr": the two components' shares, ...}.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (hybrids: linear-attention / Mamba layers), in words; "" when none.
+    """
 
     table: pd.DataFrame
     layers: list[int]
@@ -389,7 +433,7 @@ class KeyManifoldAccumulator(Accumulator):
     """Per analysed layer and KV head: the other keys' running sum, Gram matrix and unit-vector sum; the first
     keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
 
-    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, rotated: bool = True,
+    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, *, rotated: bool = True,
                  scatter_layers=(), kind: str | None = None):
         dims = model_dims(model)
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
@@ -438,7 +482,7 @@ class KeyManifoldAccumulator(Accumulator):
         self._angles(i, acts.units(q)[0][:, 1:], kn)
         a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
         self.acc["alpha_1"][i] += a1.sum(0)
-        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, "max")[self.heads], self.heads)
+        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, how="max")[self.heads], self.heads)
         if i == 0:
             self.n += kk.shape[0]
 
@@ -493,8 +537,8 @@ class KeyManifoldAccumulator(Accumulator):
         """One table row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head) order) joined
         with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's query heads."""
         N, n_other, S = self.n, self.n * (self.T - 1), len(self.heads)
-        group = {name: group_reduce(x, self.group, "mean")[:, self.heads].tolist() for name, x in per_q.items()}
-        a1_max = group_reduce(per_q["alpha_1"], self.group, "max")[:, self.heads].tolist()
+        group = {name: group_reduce(x, self.group, how="mean")[:, self.heads].tolist() for name, x in per_q.items()}
+        a1_max = group_reduce(per_q["alpha_1"], self.group, how="max")[:, self.heads].tolist()
         k1, kj = (self.acc["k1_norm"] / N).tolist(), (self.acc["kj_norm"] / n_other).tolist()
         rows = []
         for i, l in enumerate(self.layers):
@@ -594,7 +638,7 @@ def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int
         raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
     explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
     if explicit:
-        attention_layers_of(model, check_layers(model, [l for l, _ in explicit]))
+        attention_layers_of(model, layers=check_layers(model, [l for l, _ in explicit]))
         bad = [h for _, h in explicit if not 0 <= h < n_kv]
         if bad:
             raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
@@ -612,22 +656,52 @@ def _check_sizes(N: int, T: int, n_components) -> None:
                          f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components.")
 
 
-def key_manifold_accumulator(model, tokens_shape, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
+def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
                              scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
-    """Check the arguments of ``first_key_manifold`` and build its accumulator."""
+    """Check the arguments of :func:`first_key_manifold` and build its accumulator.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens_shape : tuple of int
+        (N, T) of the tokens the pass runs over (N >= 2, T >= 3).
+    layers : sequence of int, optional
+        Attention layer indices (default: all attention layers; hybrids skip their linear-attention / Mamba layers,
+        named in ``skipped``).
+    heads : sequence of int, optional
+        KV head indices (default: all). Query head h reads KV head h // group_size.
+    n_components : int or float
+        The other keys' principal subspace: an int r (a fixed number of components, 1 <= r < d_head) or a fraction in
+        (0, 1) (the fewest components explaining that share of the other keys' variance, per head; default 0.9), as in
+        scikit-learn's PCA.
+    scatter_heads : "auto", sequence of (int, int) or None
+        (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" keeps the analysed KV head with the
+        largest and the one with the smallest alpha_1 (max over its query heads), chosen on the first batch (the whole
+        input when N x T <= 2048), in the same pass. None or [] keeps none.
+    rotated : bool
+        Keys and queries after the rotary embedding (default), or before it (False).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    KeyManifoldAccumulator
+    """
     dims = model_dims(model)
-    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
+    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
     heads, explicit, auto = _check_heads(model, heads, scatter_heads)
-    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated,
-                                  [l for l, _ in explicit], kind)
+    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated,
+                                  scatter_layers=[l for l, _ in explicit], kind=kind)
 
 
 def first_key_manifold(
     model,
     tokens,
+    *,
     layers=None,
     heads=None,
     n_components: float | int = DEFAULT_N_COMPONENTS,
@@ -636,23 +710,40 @@ def first_key_manifold(
     batch_size: int | None = None,
     kind: str | None = None,
 ) -> KeyManifold:
-    """First-key manifold statistics per (layer, KV head), streamed through the key/query/pattern hooks.
+    """First-key manifold statistics per (layer, KV head), streamed through the key / query / pattern hooks.
 
     Parameters
     ----------
-    heads : KV head indices (default: all). Query head h reads KV head h // group_size.
-    n_components : the other keys' principal subspace: an int r (fixed number of components, 1 <= r <
-        d_head) or a fraction in (0, 1) (the fewest components explaining that share of the other keys'
-        variance, per head; default 0.9), as in scikit-learn's PCA.
-    scatter_heads : (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" (default)
-        keeps the analysed KV head with the largest and the one with the smallest alpha_1 (max over its
-        query heads), chosen on the first batch (the whole input when N x T <= 2048), in the same pass.
-        None or [] keeps none.
-    layers : attention layer indices (default: all attention layers; hybrids skip their linear-attention /
-        Mamba layers, named in ``skipped``).
-    rotated : keys and queries after the rotary embedding (default), or before it (False).
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids; N >= 2 (better 16 or more), T >= 3.
+    layers : sequence of int, optional
+        Attention layer indices (default: all attention layers; hybrids skip their linear-attention / Mamba layers,
+        named in ``skipped``).
+    heads : sequence of int, optional
+        KV head indices (default: all). Query head h reads KV head h // group_size.
+    n_components : int or float
+        The other keys' principal subspace: an int r (a fixed number of components, 1 <= r < d_head) or a fraction in
+        (0, 1) (the fewest components explaining that share of the other keys' variance, per head; default 0.9), as in
+        scikit-learn's PCA.
+    scatter_heads : "auto", sequence of (int, int) or None
+        (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" keeps the analysed KV head with the
+        largest and the one with the smallest alpha_1 (max over its query heads), chosen on the first batch (the whole
+        input when N x T <= 2048), in the same pass. None or [] keeps none.
+    rotated : bool
+        Keys and queries after the rotary embedding (default), or before it (False).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    KeyManifold
     """
     model_dims(model)
     tokens = check_tokens(model, tokens)
-    acc = key_manifold_accumulator(model, tokens.shape, layers, heads, n_components, scatter_heads, rotated, kind)
+    acc = key_manifold_accumulator(model, tokens.shape, layers=layers, heads=heads, n_components=n_components,
+                                   scatter_heads=scatter_heads, rotated=rotated, kind=kind)
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]

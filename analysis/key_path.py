@@ -20,8 +20,23 @@ from analysis.rotary import apply_spec_rotary
 
 @dataclass
 class NormParams:
-    """A norm: kind 'RMS' (no centring), 'LN' (centring, bias) or 'none' (identity); raw weight w, gain
-    ``offset + w`` (offset 1 for Gemma-style zero-centred gains), bias b, eps."""
+    """A norm with its weights: y = g * norm(h) (+ b), g = offset + w.
+
+    Attributes
+    ----------
+    kind : {"RMS", "LN", "none"}
+        RMSNorm (no centring), LayerNorm (centring, bias) or the identity.
+    w : torch.Tensor, shape (D,)
+        The raw gain weight.
+    b : torch.Tensor, shape (D,), or None
+        The bias.
+    eps : float
+        The norm's epsilon.
+    offset : float
+        1 for Gemma-style zero-centred gains (g = 1 + w), else 0.
+    gain : torch.Tensor, shape (D,)
+        ``offset + w`` (a property).
+    """
 
     kind: str
     w: torch.Tensor  # (D,)
@@ -80,7 +95,18 @@ _KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
 
 def norm_kind(model) -> str | None:
-    """'RMS', 'LN' or None (no normalisation), from ``cfg.normalization_type``."""
+    """The normalisation of a model, from ``cfg.normalization_type``.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    {"RMS", "LN"} or None
+        None: no normalisation.
+    """
     t = getattr(getattr(model, "cfg", None), "normalization_type", None)
     if t is None:
         return None
@@ -93,9 +119,21 @@ def norm_kind(model) -> str | None:
 
 
 def norm_params(model, layer: int) -> NormParams:
-    """The norm the attention input of ``layer`` passes (the spec's form: gain w or 1 + w, bias, eps), with its
-    weights; the identity where the block has no norm before attention (post-norm: OLMo-2; or no norm at all).
-    ModelContractError for a pre-norm model whose norm gain is not kept as a weight."""
+    """The norm the attention input of a layer passes (the spec's form: gain w or 1 + w, bias, eps), with its weights.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block (an attention layer).
+
+    Returns
+    -------
+    NormParams
+        The identity (kind "none") where the block has no norm before attention (post-norm: OLMo-2; or no norm at
+        all). ModelContractError for a pre-norm model whose norm gain is not kept as a weight.
+    """
     (layer,) = check_layers(model, [layer])
     spec = get_family(model)
     blocks = getattr(model, "blocks", None)
@@ -122,7 +160,20 @@ def norm_params(model, layer: int) -> NormParams:
 
 
 def key_norm_params(model, layer: int) -> NormParams | None:
-    """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together), or None."""
+    """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block (an attention layer).
+
+    Returns
+    -------
+    NormParams or None
+        None where the family has no key norm.
+    """
     ns = get_family(model).qk_norm
     if ns is None:
         return None
@@ -137,7 +188,20 @@ def key_norm_params(model, layer: int) -> NormParams | None:
 
 
 def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W_K (H_kv, D, d_head) and b_K (H_kv, d_head) or None, as float32 on CPU."""
+    """The key weights of a layer, float32 on the CPU.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block (an attention layer).
+
+    Returns
+    -------
+    W_K : torch.Tensor, shape (H_kv, D, d_head)
+    b_K : torch.Tensor, shape (H_kv, d_head), or None
+    """
     attn = getattr(model.blocks[layer], "attn", None)
     W_K = getattr(attn, "W_K", None)
     if W_K is None:
@@ -150,7 +214,33 @@ def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 @dataclass
 class KeyPath:
-    """Everything needed to rebuild a layer's keys from its residual input, as the family computes them."""
+    """Everything needed to rebuild a layer's keys from its residual input, as the family computes them.
+
+    Attributes
+    ----------
+    layer : int
+        The attention layer.
+    norm : NormParams
+        The norm on the attention input (kind "none": post-norm, the raw residual).
+    W_K : torch.Tensor, shape (H_kv, D, d_head)
+        The key weights.
+    b_K : torch.Tensor, shape (H_kv, d_head), or None
+        The key bias.
+    k_norm : NormParams or None
+        The norm on the keys after W_K.
+    k_norm_scope : {"head", "all_heads"} or None
+        Over d_head, or over H_kv * d_head.
+    spec : FamilySpec
+        The model's family facts.
+    group : int
+        Query heads per KV head.
+    key_hook : str
+        The key projection (``blocks.l.attn.hook_k``), before any key norm and the rotary.
+    final_key_hook : str
+        The key the attention uses (``spec.key_hook``: rotated iff ``spec.key_rotated``).
+    query_hook : str
+        The query the attention uses (``spec.query_hook``).
+    """
 
     layer: int
     norm: NormParams  # the norm on the attention input (kind 'none': post-norm, the raw residual)
@@ -178,7 +268,7 @@ class KeyPath:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The spec's rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
-        return apply_spec_rotary(x, self.spec, self.layer, positions)
+        return apply_spec_rotary(x, self.spec, self.layer, positions=positions)
 
     def project(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """x (..., T, D) W_K (+ b_K) -> (..., T, H_kv, d_head): the key projection, before the key norm."""
@@ -243,9 +333,21 @@ class KeyPath:
 
 
 def key_path(model, layer: int) -> KeyPath:
-    """Read the norm, key weights, key norm and rotary of attention ``layer`` (ModelContractError with what is
-    missing; ValueError for a layer that is not an attention layer)."""
-    (layer,) = attention_layers_of(model, check_layers(model, [layer]))
+    """Read the norm, key weights, key norm and rotary of an attention layer.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    layer : int
+        The block (an attention layer).
+
+    Returns
+    -------
+    KeyPath
+        ModelContractError with what is missing; ValueError for a layer that is not an attention layer.
+    """
+    (layer,) = attention_layers_of(model, layers=check_layers(model, [layer]))
     spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)

@@ -38,7 +38,20 @@ from analysis.stats import flat_above, lower_median, one_thread
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
 
-def resid_hook(layer: int, hook: str = "resid_post") -> str:
+def resid_hook(layer: int, *, hook: str = "resid_post") -> str:
+    """The hook name of a residual stream, checked.
+
+    Parameters
+    ----------
+    layer : int
+        The block.
+    hook : {"resid_post", "resid_pre", "resid_mid"}
+
+    Returns
+    -------
+    str
+        E.g. "blocks.3.hook_resid_post".
+    """
     if hook not in RESID_HOOKS:
         raise ValueError(f"hook must be one of {list(RESID_HOOKS)}; got {hook!r}.")
     return act_name(hook, layer)
@@ -46,10 +59,49 @@ def resid_hook(layer: int, hook: str = "resid_post") -> str:
 
 @dataclass
 class MassiveActivations(Result):
-    """Massive activations per layer; tensors are indexed by position in ``layers``.
+    """Massive activations per layer; tensors are indexed by position in ``layers`` (L of them), K = ``top_k``, D =
+    d_model.
 
-    ``spike_dims`` {layer: dims flagged on >= min_share of samples, at any position};
-    ``first_token_dims`` {layer: dims flagged at the first token on >= min_share of samples}.
+    Attributes
+    ----------
+    layers : list of int, length L
+        The blocks read.
+    hook : str
+        The residual stream read ("resid_post", "resid_pre" or "resid_mid").
+    top_k : int
+        K.
+    abs_threshold, ratio_threshold, min_share : float
+        The criterion (see :func:`massive_activations`).
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    median_over : {"sequence", "token"}
+        The median the ratio is taken to.
+    top_values : torch.Tensor, shape (N, L, K)
+        The K largest |a| per sample and layer, descending.
+    top_pos, top_dim, top_token : torch.Tensor, shape (N, L, K)
+        Their position, dimension and token id.
+    median : torch.Tensor, shape (N, L)
+        The median |a| over the sample's positions x dims (or per token, see ``median_over``).
+    flag_samples : torch.Tensor, shape (L, D)
+        Samples where the dim is flagged at any position.
+    flag_first : torch.Tensor, shape (L, D)
+        Samples where the dim is flagged at the first token.
+    first_mean, first_abs : torch.Tensor, shape (L, D)
+        The first token's mean signed activation, and its mean |a|.
+    other_abs_max : torch.Tensor, shape (L, D)
+        Mean over samples of the largest |a| at positions t > 1.
+    flagged : pandas.DataFrame
+        One row per (sample, position, dim) flagged in any layer, with its layer range and largest |a| and ratio.
+    token_text : dict of int to str
+        Token id -> decoded token.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    spike_dims : dict of int to list of int
+        {layer: dims flagged on >= min_share of samples, at any position} (a property).
+    first_token_dims : dict of int to list of int
+        {layer: dims flagged at the first token on >= min_share of samples} (a property).
     """
 
     layers: list[int]
@@ -267,11 +319,15 @@ def _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D):
 
 
 class MassiveAccumulator(Accumulator):
-    """Per layer and batch: top-k |a|, the median, Sun et al.'s flags, the first token's activations."""
+    """Per layer and batch: top-k |a|, the median, Sun et al.'s flags, the first token's activations.
 
-    def __init__(self, model, layers, D: int, hook: str = "resid_post", top_k: int = 3, abs_threshold: float = SPIKE_ABS,
-                 ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence",
-                 kind: str | None = None):
+    Built by :func:`massive_accumulator`, which checks the arguments (those of :func:`massive_activations`; ``D`` is
+    d_model).
+    """
+
+    def __init__(self, model, layers, D: int, *, hook: str = "resid_post", top_k: int = 3,
+                 abs_threshold: float = SPIKE_ABS, ratio_threshold: float = SPIKE_RATIO,
+                 min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence", kind: str | None = None):
         self.model, self.layers, self.D, self.hook, self.K, self.kind = model, list(layers), int(D), hook, int(top_k), kind
         self.abs_threshold, self.ratio_threshold, self.min_share = float(abs_threshold), float(ratio_threshold), float(min_share)
         self.median_over = median_over
@@ -285,13 +341,14 @@ class MassiveAccumulator(Accumulator):
         self.tokens: list[torch.Tensor] = []
 
     def hooks(self):
-        return {l: {"resid": resid_hook(l, self.hook)} for l in self.layers}
+        return {l: {"resid": resid_hook(l, hook=self.hook)} for l in self.layers}
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         x = acts["resid"]
         if x.shape[-1] != self.D:
-            raise ModelContractError(f"{resid_hook(layer, self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}.")
+            raise ModelContractError(f"{resid_hook(layer, hook=self.hook)} has last dim {x.shape[-1]}, "
+                                     f"expected d_model={self.D}.")
         i, a = self.index[layer], x.detach().float().abs()
         flat = a.reshape(a.shape[0], -1)
         v, idx = _top_k(a, self.K)
@@ -380,26 +437,56 @@ def spike_criterion(model) -> tuple[float, float]:
     return SPIKE_ABS, SPIKE_RATIO
 
 
-def massive_accumulator(model, tokens_shape, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
+def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
                         ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
                         median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
-    """Check the arguments of ``massive_activations`` and build its accumulator."""
+    """Check the arguments of :func:`massive_activations` and build its accumulator.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens_shape : tuple of int
+        (N, T) of the tokens the pass runs over.
+    layers : sequence of int, optional
+        Blocks whose residual stream to read (default all).
+    top_k : int
+        The K largest |a| kept per sample and layer.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s criterion: |a| > abs_threshold and >= ratio_threshold x the median |a| (100 and 1000).
+    min_share : float
+        A flagged dimension is a spike dimension of a layer when it is flagged on at least this share of samples.
+    hook : {"resid_post", "resid_pre", "resid_mid"}
+        The residual stream read.
+    median_over : {"sequence", "token"}
+        The median the ratio is taken to: over the sample's whole hidden state at that layer (positions x dims, Sun et
+        al.'s "median magnitude of its hidden state"), or over the one token's vector (stricter where the first token's
+        whole vector is large, as in SmolLM2).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    MassiveAccumulator
+    """
     if median_over not in ("sequence", "token"):
         raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
     layers = check_layers(model, layers)
     if not layers:
         raise ValueError("layers is empty: give at least one layer (None means all).")
-    resid_hook(layers[0], hook)
+    resid_hook(layers[0], hook=hook)
     D = model_dims(model).d_model
     if D is None:
         raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
     _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
-    return MassiveAccumulator(model, layers, D, hook, top_k, abs_threshold, ratio_threshold, min_share, median_over, kind)
+    return MassiveAccumulator(model, layers, D, hook=hook, top_k=top_k, abs_threshold=abs_threshold,
+                              ratio_threshold=ratio_threshold, min_share=min_share, median_over=median_over, kind=kind)
 
 
 def massive_activations(
     model,
     tokens,
+    *,
     layers: Sequence[int] | None = None,
     top_k: int = 3,
     abs_threshold: float = SPIKE_ABS,
@@ -410,28 +497,72 @@ def massive_activations(
     batch_size: int | None = None,
     kind: str | None = None,
 ) -> MassiveActivations:
-    """Massive activations of ``model`` on ``tokens`` (N, T), per layer, reduced inside the hooks.
+    """Massive activations of ``model`` on ``tokens``, per layer, reduced inside the hooks.
 
-    ``abs_threshold``/``ratio_threshold``: Sun et al.'s criterion (|a| > 100 and >= 1000x the median
-    |a| of the same hidden state). ``min_share``: a flagged dimension is a spike dimension of a layer
-    when it is flagged on at least this share of samples. ``hook``: ``resid_post`` (default),
-    ``resid_pre`` or ``resid_mid``. ``median_over``: the median the ratio is taken to, over the
-    sample's whole hidden state at that layer (``"sequence"``, positions x dims, Sun et al.'s "median
-    magnitude of its hidden state") or over the one token's vector (``"token"``: stricter where the
-    first token's whole vector is large, as in SmolLM2). The pass stops after the last layer asked for.
+    The pass stops after the last layer asked for.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layers : sequence of int, optional
+        Blocks whose residual stream to read (default all).
+    top_k : int
+        The K largest |a| kept per sample and layer.
+    abs_threshold, ratio_threshold : float
+        Sun et al.'s criterion: |a| > abs_threshold and >= ratio_threshold x the median |a| (100 and 1000).
+    min_share : float
+        A flagged dimension is a spike dimension of a layer when it is flagged on at least this share of samples.
+    hook : {"resid_post", "resid_pre", "resid_mid"}
+        The residual stream read.
+    median_over : {"sequence", "token"}
+        The median the ratio is taken to: over the sample's whole hidden state at that layer (positions x dims, Sun et
+        al.'s "median magnitude of its hidden state"), or over the one token's vector (stricter where the first token's
+        whole vector is large, as in SmolLM2).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    MassiveActivations
+        Tensors of shape (N, L, K) and (L, D); ``spike_dims`` and ``first_token_dims`` by layer.
     """
     tokens = check_tokens(model, tokens)
-    acc = massive_accumulator(model, tokens.shape, layers, top_k, abs_threshold, ratio_threshold, min_share, hook,
-                              median_over, kind)
+    acc = massive_accumulator(model, tokens.shape, layers=layers, top_k=top_k, abs_threshold=abs_threshold,
+                              ratio_threshold=ratio_threshold, min_share=min_share, hook=hook, median_over=median_over,
+                              kind=kind)
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
-def first_token_spike_dims(model, tokens, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
+def first_token_spike_dims(model, tokens, *, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
                            ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
                            max_samples: int = SPIKE_SAMPLES) -> dict[int, list[int]]:
-    """The one spike finder: {layer: the first token's spike dims} in the residual stream ``hook``
-    (``resid_pre``: the stream block l reads; ``resid_post``: what block l writes), on the first
-    ``max_samples`` sequences. Layers without spike dims are left out."""
+    """The one spike finder: the first token's spike dims per layer, on the first ``max_samples`` sequences.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    hook : {"resid_pre", "resid_post", "resid_mid"}
+        "resid_pre": the stream block l reads; "resid_post": what block l writes.
+    layers : sequence of int, optional
+        Blocks to read (default all).
+    abs_threshold, ratio_threshold, min_share : float
+        As in :func:`massive_activations`.
+    max_samples : int
+        The sequences used.
+
+    Returns
+    -------
+    dict of int to list of int
+        {layer: the first token's spike dims}; layers without spike dims are left out.
+    """
     tokens = check_tokens(model, tokens)
     ma = massive_activations(model, tokens[:max_samples], layers=layers, top_k=1, hook=hook, abs_threshold=abs_threshold,
                              ratio_threshold=ratio_threshold, min_share=min_share)
@@ -457,7 +588,21 @@ def _flag_table(rows: list[torch.Tensor], tokens: torch.Tensor, layers: list[int
 
 
 def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivations]:
-    """``massive_activations`` for each named input kind (values: token tensors or ``ProbeSet``s)."""
+    """:func:`massive_activations` for each named input kind.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    probes : dict of str to ProbeSet or torch.Tensor
+        {kind: ProbeSet or token ids of shape (N, T)}.
+    **kwargs
+        Options of :func:`massive_activations`.
+
+    Returns
+    -------
+    dict of str to MassiveActivations
+    """
     out = {}
     for kind, p in probes.items():
         toks = getattr(p, "tokens", p)
@@ -465,15 +610,39 @@ def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivatio
     return out
 
 
-def kinds_text(results: dict[str, MassiveActivations], skip: str | None = None) -> list[str]:
-    """One sentence per input kind (``skip`` left out): its spike dims, or that it has none."""
+def kinds_text(results: dict[str, MassiveActivations], *, skip: str | None = None) -> list[str]:
+    """One sentence per input kind: its spike dims, or that it has none.
+
+    Parameters
+    ----------
+    results : dict of str to MassiveActivations
+        One result per input kind.
+    skip : str, optional
+        A kind left out.
+
+    Returns
+    -------
+    list of str
+    """
     return [f"On {kind} tokens: " + (f"spike dims {r.all_spike_dims} at {len(r.spike_dims)} layers (on the first token "
                                      f"at {len(r.first_token_dims)} of them)." if r.has_spike else "no massive activation.")
             for kind, r in results.items() if kind != skip]
 
 
 def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
-    """Spike dims across input kinds: per (kind, dim) the layers, first-token share and peak value."""
+    """Spike dims across input kinds.
+
+    Parameters
+    ----------
+    results : dict of str to MassiveActivations
+        One result per input kind.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per (kind, dim): the layers, the first-token share and peak value, the other positions that carry it
+        (one row with ``dim`` None for a kind without spikes).
+    """
     rows = []
     for kind, r in results.items():
         if not r.has_spike:
@@ -487,7 +656,19 @@ def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
 
 @dataclass
 class ActivationMap:
-    """|h| over (positions x dims) at one layer for one sequence."""
+    """|h| over (positions x dims) at one layer for one sequence.
+
+    Attributes
+    ----------
+    layer : int
+        The block.
+    hook : str
+        The residual stream read.
+    values : torch.Tensor, shape (T, D)
+        |h| per position and dimension.
+    tokens : list of str, length T
+        The decoded tokens.
+    """
 
     layer: int
     hook: str
@@ -504,12 +685,31 @@ class ActivationMap:
         return {"layer": self.layer, "hook": self.hook, "top": self.top().to_dict("records")}
 
 
-def activation_map(model, tokens, layer: int, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
-    """|h| over (positions x dims) at ``layer`` for one sequence (``tokens[sample]``)."""
+def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
+    """|h| over (positions x dims) at one layer for one sequence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+        The block.
+    sample : int
+        The sequence, ``tokens[sample]``.
+    hook : {"resid_post", "resid_pre", "resid_mid"}
+        The residual stream read.
+
+    Returns
+    -------
+    ActivationMap
+        ``values`` of shape (T, D).
+    """
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
     if not 0 <= int(sample) < tokens.shape[0]:
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
-    h = run_pass(model, seq, [Capture(resid_hook(layer, hook), layer, lambda x: x.abs())])[0][0]
+    h = run_pass(model, seq, [Capture(resid_hook(layer, hook=hook), layer, lambda x: x.abs())])[0][0]
     return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))

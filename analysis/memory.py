@@ -23,7 +23,16 @@ def _status_kib(field: str) -> int:
 
 
 def reset_peak(device) -> float:
-    """Reset the peak counter; return the current memory (MiB) it starts from."""
+    """Reset the peak counter; return the current memory (MiB) it starts from.
+
+    Parameters
+    ----------
+    device : str or torch.device
+
+    Returns
+    -------
+    float
+    """
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,7 +47,16 @@ def reset_peak(device) -> float:
 
 
 def peak_mib(device) -> float:
-    """Peak memory (MiB) since the last ``reset_peak``."""
+    """Peak memory (MiB) since the last ``reset_peak``.
+
+    Parameters
+    ----------
+    device : str or torch.device
+
+    Returns
+    -------
+    float
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -46,7 +64,18 @@ def peak_mib(device) -> float:
 
 
 def measure(fn, device: str) -> tuple[float, float, float]:
-    """(seconds, peak MiB, peak above the starting memory MiB)."""
+    """(seconds, peak MiB, peak above the starting memory MiB).
+
+    Parameters
+    ----------
+    fn : callable
+        Called once, without arguments.
+    device : str
+
+    Returns
+    -------
+    tuple of (float, float, float)
+    """
     start = reset_peak(device)
     t = time.perf_counter()
     fn()

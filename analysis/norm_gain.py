@@ -51,14 +51,36 @@ from analysis.stats import mean_pairwise_cosine
 # ----------------------------------------------------------------------------------------------
 
 
-def attn_scale(model, d_head: int | None = None) -> float:
+def attn_scale(model, *, d_head: int | None = None) -> float:
     """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
-    query_pre_attn_scalar, 1/sqrt(d_head) by default)."""
+    query_pre_attn_scalar, 1/sqrt(d_head) by default).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    d_head : int, optional
+        Unused; the family spec knows the scale.
+
+    Returns
+    -------
+    float
+    """
     return float(get_family(model).attn_scale)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Gemma 2's logit soft-cap: cap * tanh(x / cap) (identity without one)."""
+    """Gemma 2's logit soft-cap: cap * tanh(x / cap) (identity without one).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (...)
+    cap : float or None
+
+    Returns
+    -------
+    torch.Tensor, shape (...)
+    """
     return cap * torch.tanh(x / cap) if cap else x
 
 
@@ -85,7 +107,20 @@ def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor, sink: torch.Tensor 
 
 
 def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
-    """(T, T) bool: query i sees key j (causal, and inside the sliding window on the spec's sliding layers)."""
+    """Which keys each query sees: causal, and inside the sliding window on the spec's sliding layers.
+
+    Parameters
+    ----------
+    spec : FamilySpec
+    layer : int
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    torch.Tensor, shape (T, T)
+        bool, [i, j]: query i sees key j.
+    """
     seen = torch.ones(T, T, dtype=torch.bool).tril()
     if spec.sliding_window and layer in spec.sliding_layers:
         seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-int(spec.sliding_window))
@@ -99,8 +134,59 @@ def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
 
 @dataclass
 class NormGainTrace(Result):
-    """Norm-gain trace of one attention layer. ``heads`` has one row per query head; ``stages`` one row per stage
-    of the key path; ``key_dims`` the residual dims the first key comes from most."""
+    """Norm-gain trace of one attention layer: how the first token's spike becomes the first key.
+
+    Attributes
+    ----------
+    layer : int
+        The attention layer traced.
+    spike_dims : list of int
+        S, the residual dims traced.
+    has_spike : bool
+        Whether S is not empty.
+    message : str
+        Whether S was found or given, or why there is none, in words.
+    norm_kind : str
+        The norm on the attention input ("RMSNorm", "LayerNorm", ...).
+    rotary : bool
+        Whether the key passes a rotary embedding.
+    rotary_base : float or None
+        Its theta.
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    stages : pandas.DataFrame
+        One row per stage of the key path (resid, normalised, gain, key): the spike share and norm, first token against
+        the others.
+    gain : pandas.DataFrame
+        The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there.
+    heads : pandas.DataFrame
+        One row per query head: |k_1| and its spike part, the logits and alpha_1 with the full, spike-only and
+        spike-free key, the key norm's scales and gains.
+    constancy : dict
+        How constant the first token's vectors are across inputs (mean pairwise cosines), against ordinary tokens.
+    rebuild : dict
+        The largest errors of the rebuilt keys, scores and pattern against the model's own hooks.
+    gain_vector : torch.Tensor, shape (D,)
+        The gain g (w, or 1 + w).
+    first_normalised_mean : torch.Tensor, shape (D,)
+        The mean normalised first token n_1.
+    other_normalised_abs : torch.Tensor, shape (D,)
+        The mean |n_t| of the other tokens, t > 1.
+    first_resid_mean : torch.Tensor, shape (D,)
+        The mean residual h_1 of the first token.
+    key_dims : pandas.DataFrame
+        The residual dims the first key comes from most, with their share of k_1.
+    path_text : str
+        The key path in words (``KeyPath.text()``).
+    key_norm : str or None
+        The key norm in words, where the family has one.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    meta : dict
+        Further facts.
+    """
 
     layer: int
     spike_dims: list[int]
@@ -220,7 +306,7 @@ class NormGainAccumulator(Accumulator):
 
     optional_keys = frozenset({"n", "scores"})
 
-    def __init__(self, model, path: KeyPath, S: list[int], T: int, n_other: int = 4, kind: str | None = None):
+    def __init__(self, model, path: KeyPath, S: list[int], T: int, *, n_other: int = 4, kind: str | None = None):
         self.model, self.path, self.S, self.kind, self.H = model, path, S, kind, model_dims(model).n_heads
         self.spec, self.layer, D, self.T = path.spec, path.layer, path.W_K.shape[1], int(T)
         self.Smask = torch.zeros(D, dtype=torch.bool)
@@ -267,10 +353,10 @@ class NormGainAccumulator(Accumulator):
             self.acc["n_ref"] += n.abs().max().double().cpu()
         kp = p.project(x)
         self._projection(kp, kv_view(acts["k"].detach(), kp.shape[2]).float())
-        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, pos), kp.shape[2])  # (B,T,Hkv,d)
+        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, positions=pos), kp.shape[2])  # (B,T,Hkv,d)
         self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
         k1S = self._first_key(x, kp, used)
-        q = rotate_as_spec(acts["q"].detach(), spec, layer, pos)
+        q = rotate_as_spec(acts["q"].detach(), spec, layer, positions=pos)
         self._scores(q, used, k1S, acts.get("scores"), acts["pattern"].detach().float())
 
     def _residual(self, h, n, x, batch: Batch) -> None:
@@ -403,8 +489,22 @@ def _part_share(full: torch.Tensor, part: torch.Tensor) -> float:
 
 
 def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
-    """One row per stage (resid, normalised, gain, key): spike share and norm, first token against the others
-    (the key before the key norm: ``heads.kproj_share_spike``)."""
+    """One row per stage of the key path (resid, normalised, gain, key): spike share and norm, first token against the
+    others (the key before the key norm: ``heads.kproj_share_spike``).
+
+    Parameters
+    ----------
+    kept : dict of str to torch.Tensor
+        The first token's vectors kept by the pass (``h1``, ``n1``, ``x1``, ``k1``, ``k1S``: (N, ...)).
+    acc : dict of str to torch.Tensor
+        The ordinary tokens' running sums (shares, norms, ``count_o``).
+    Smask : torch.Tensor, shape (D,)
+        bool, the spike dims.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
     rows = [{"stage": stage, "first_share": _first_share(kept[key], Smask),
              "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
@@ -416,7 +516,21 @@ def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
 
 
 def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
-    """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there."""
+    """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there.
+
+    Parameters
+    ----------
+    g : torch.Tensor, shape (D,)
+        The gain.
+    S : list of int
+        The spike dims.
+    kept : dict of str to torch.Tensor
+        The first token's residual ``h1`` and normalised ``n1``, (N, D).
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     rest = torch.ones_like(g, dtype=torch.bool)
     rest[S] = False
     g_rest, nan = g[rest].abs(), float("nan")
@@ -431,9 +545,23 @@ def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
     })
 
 
-def key_dims_table(kept: dict, Smask: torch.Tensor, n: int = 8) -> pd.DataFrame:
-    """The ``n`` residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1
-    / |k_1|^2, mean over inputs and KV heads; the shares of all dims and the bias sum to 1)."""
+def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFrame:
+    """The residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1 / |k_1|^2,
+    mean over inputs and KV heads; the shares of all dims and the bias sum to 1).
+
+    Parameters
+    ----------
+    kept : dict of str to torch.Tensor
+        ``dim_share`` (N, D) and ``x1`` (N, D).
+    Smask : torch.Tensor, shape (D,)
+        bool, the spike dims.
+    n : int
+        The number of dims listed.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     share = kept["dim_share"].mean(0)  # (D,)
     top = share.abs().argsort(descending=True)[:n]
     return pd.DataFrame({"dim": top.numpy(), "k1_share": share[top].numpy(), "spike_dim": Smask[top].numpy(),
@@ -442,7 +570,28 @@ def key_dims_table(kept: dict, Smask: torch.Tensor, n: int = 8) -> pd.DataFrame:
 
 def head_table(kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool) -> pd.DataFrame:
     """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key,
-    and the key norm's scales and gains (its KV head's)."""
+    and the key norm's scales and gains (its KV head's).
+
+    Parameters
+    ----------
+    kept : dict of str to torch.Tensor
+        ``k1`` and ``k1S``, (N, H_kv, d_head).
+    knorm : dict of str to torch.Tensor
+        The key norm's columns per KV head, (H_kv,).
+    hd : dict of str to torch.Tensor
+        Per query head running sums (logits, alpha), (H,).
+    cnt : dict of str to int
+        Query counts (``"q"``: first-key queries, ``"o"``: others).
+    kv_of : torch.Tensor, shape (H,)
+        The KV head of each query head.
+    layer : int
+    has_spike : bool
+        Without spike dims the spike columns are NaN.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
     N, nan = k1h.shape[0], float("nan")
     cq, co = max(cnt["q"], 1), max(cnt["o"], 1)
@@ -462,13 +611,26 @@ def head_table(kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor
 
 
 def constancy(kept: dict) -> dict:
-    """How constant the first token's vectors are across inputs (mean pairwise cosine), against ordinary tokens."""
+    """How constant the first token's vectors are across inputs (mean pairwise cosine), against ordinary tokens.
+
+    Parameters
+    ----------
+    kept : dict of str to torch.Tensor
+        The first token's ``h1``, ``n1``, ``x1`` (N, D) and ``k1`` (N, H_kv, d_head); ordinary tokens' ``n_o`` and
+        their sequence ``g_o``.
+
+    Returns
+    -------
+    dict
+        ``cos_first_resid``, ``cos_first_normalised``, ``cos_first_gain``, ``cos_first_key`` (per KV head),
+        ``cos_other_normalised``, ``cos_first_other_normalised``.
+    """
     n1, n_o, k1 = kept["n1"], kept["n_o"], kept["k1"]
     return {
         "cos_first_resid": mean_pairwise_cosine(kept["h1"]), "cos_first_normalised": mean_pairwise_cosine(n1),
         "cos_first_gain": mean_pairwise_cosine(kept["x1"]),
         "cos_first_key": [mean_pairwise_cosine(k1[:, j]) for j in range(k1.shape[1])],
-        "cos_other_normalised": mean_pairwise_cosine(n_o, kept["g_o"]),
+        "cos_other_normalised": mean_pairwise_cosine(n_o, groups=kept["g_o"]),
         "cos_first_other_normalised": float(torch.nn.functional.cosine_similarity(n1.mean(0, keepdim=True), n_o).mean()),
     }
 
@@ -483,18 +645,45 @@ def _spike_message(model, layer: int, S: list[int], found: bool, abs_threshold, 
             "layer (see analysis.massive), lower thresholds, or pass spike_dims.")
 
 
-def trace_layers(first_token_dims: dict[int, list[int]], dim: int, max_runs: int = 2) -> list[int]:
-    """The middle layer of each of the first ``max_runs`` runs of layers whose input carries ``dim`` on the first
-    token (``first_token_dims`` of ``massive_activations(..., hook="resid_pre")``)."""
+def trace_layers(first_token_dims: dict[int, list[int]], dim: int, *, max_runs: int = 2) -> list[int]:
+    """The middle layer of each of the first runs of layers whose input carries a dim on the first token.
+
+    Parameters
+    ----------
+    first_token_dims : dict of int to list of int
+        ``first_token_dims`` of ``massive_activations(..., hook="resid_pre")``.
+    dim : int
+        The spike dim.
+    max_runs : int
+        Runs of layers considered.
+
+    Returns
+    -------
+    list of int
+    """
     with_dim = [l for l, ds in first_token_dims.items() if dim in ds]
     return [r[len(r) // 2] for r in runs(with_dim)[:max_runs]]
 
 
 def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: int,
-                 attention_layers: Sequence[int] | None = None) -> int:
-    """The sinkiest attention layer (``SinkResult``) whose input carries the first token's spike (block l reads
-    ``hook_resid_post`` of l - 1, ``first_token_dims``), else the sinkiest attention layer. ``attention_layers``:
-    the layers with an attention pattern (default: all ``n_layers``; hybrids: ``model.family.attention_layers``)."""
+                 *, attention_layers: Sequence[int] | None = None) -> int:
+    """The sinkiest attention layer whose input carries the first token's spike, else the sinkiest attention layer.
+
+    Parameters
+    ----------
+    sink : SinkResult or None
+        Ranks the layers (None: the first reading layer).
+    first_token_dims : dict of int to list of int, or None
+        The first token's spike dims in ``hook_resid_post`` of each layer (block l reads that of l - 1).
+    n_layers : int
+        L.
+    attention_layers : sequence of int, optional
+        The layers with an attention pattern (default: all ``n_layers``; hybrids: ``model.family.attention_layers``).
+
+    Returns
+    -------
+    int
+    """
     attn = list(range(n_layers)) if attention_layers is None else [int(l) for l in attention_layers]
     reading = sorted({l + 1 for l in (first_token_dims or {}) if l + 1 in attn})
     if sink is None:
@@ -505,10 +694,37 @@ def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: 
     return int(pool.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable").iloc[-1].layer)
 
 
-def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_threshold: float = SPIKE_ABS,
+def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_threshold: float = SPIKE_ABS,
                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, n_other: int = 4,
                           kind: str | None = None) -> tuple[NormGainAccumulator, str]:
-    """Check the arguments of ``norm_gain_trace``, find the spike dims if not given; the accumulator and its message."""
+    """Check the arguments of :func:`norm_gain_trace` and find the spike dims if not given.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+        The attention layer.
+    spike_dims : sequence of int, optional
+        Residual dims to trace; None finds the first token's spike dims in the stream the layer reads
+        (``massive_activations`` on ``hook_resid_pre`` with ``abs_threshold``, ``ratio_threshold`` and ``min_share``).
+        If the first token carries no spike, the trace still runs (norms, rebuild check, constancy) and ``has_spike`` is
+        False with a plain ``message``.
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion (see ``analysis.massive_activations``).
+    n_other : int
+        Ordinary tokens per sequence kept for the cross-input cosine.
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    accumulator : NormGainAccumulator
+    message : str
+        Whether the spike dims were found or given, or why there are none.
+    """
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
     if tokens.shape[1] < 2:
@@ -516,19 +732,21 @@ def norm_gain_accumulator(model, tokens, layer: int, spike_dims=None, abs_thresh
     path = key_path(model, layer)
     found = spike_dims is None
     if found:
-        spike_dims = first_token_spike_dims(model, tokens, "resid_pre", [layer], abs_threshold, ratio_threshold,
-                                            min_share).get(layer, [])
+        spike_dims = first_token_spike_dims(model, tokens, hook="resid_pre", layers=[layer],
+                                            abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
+                                            min_share=min_share).get(layer, [])
     S = _check_dims(spike_dims, path.W_K.shape[1])
     message = _spike_message(model, layer, S, found, abs_threshold, ratio_threshold, min_share)
     if not S:
         warnings.warn(message, stacklevel=3)
-    return NormGainAccumulator(model, path, S, tokens.shape[1], n_other, kind), message
+    return NormGainAccumulator(model, path, S, tokens.shape[1], n_other=n_other, kind=kind), message
 
 
 def norm_gain_trace(
     model,
     tokens,
     layer: int,
+    *,
     spike_dims: Sequence[int] | None = None,
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
@@ -538,19 +756,44 @@ def norm_gain_trace(
     kind: str | None = None,
     resid: dict | None = None,
 ) -> NormGainTrace:
-    """Trace the first token's spike through the key path of attention ``layer``: its input norm and gain, W_K,
-    the key norm and the rotary, as the family computes them (``KeyPath.text()``).
+    """Trace the first token's spike through the key path of an attention layer: its input norm and gain, W_K, the key
+    norm and the rotary, as the family computes them (``KeyPath.text()``).
 
-    ``spike_dims``: residual dims to trace; None finds the first token's spike dims in the stream the
-    layer reads (``massive_activations`` on ``hook_resid_pre`` with ``abs_threshold``,
-    ``ratio_threshold`` and ``min_share``). If the first token carries no spike, the trace still runs
-    (norms, rebuild check, constancy) and ``has_spike`` is False with a plain ``message``.
-    ``n_other``: ordinary tokens per sequence kept for the cross-input cosine. The pass stops after the layer.
-    ``resid``: {block: residual entering it} kept by a pass over the same tokens and batches (``Profile.resid``):
-    the pass then starts at the last kept block at or before ``layer`` instead of at the embedding.
+    The pass stops after the layer.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    layer : int
+        The attention layer.
+    spike_dims : sequence of int, optional
+        Residual dims to trace; None finds the first token's spike dims in the stream the layer reads
+        (``massive_activations`` on ``hook_resid_pre`` with ``abs_threshold``, ``ratio_threshold`` and ``min_share``).
+        If the first token carries no spike, the trace still runs (norms, rebuild check, constancy) and ``has_spike`` is
+        False with a plain ``message``.
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion (see ``analysis.massive_activations``).
+    n_other : int
+        Ordinary tokens per sequence kept for the cross-input cosine.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+    resid : dict of int to torch.Tensor, optional
+        {block: the residual entering it, (N, T, D)} kept by a pass over the same tokens and batches
+        (``Profile.resid``): the pass then starts at the last kept block at or before ``layer`` instead of at the
+        embedding.
+
+    Returns
+    -------
+    NormGainTrace
     """
     tokens = check_tokens(model, tokens)
-    acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims, abs_threshold, ratio_threshold, min_share,
-                                         n_other, kind)
+    acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims=spike_dims, abs_threshold=abs_threshold,
+                                         ratio_threshold=ratio_threshold, min_share=min_share, n_other=n_other,
+                                         kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
     return acc.result(message)

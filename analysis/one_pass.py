@@ -35,7 +35,39 @@ ANALYSES = ("sink", "massive") + MAIN_ANALYSES
 
 @dataclass
 class Profile(Result):
-    """Every analysis' result: ``sink`` and ``massive`` per input kind; the others on the main kind only."""
+    """Every analysis' result: ``sink`` and ``massive`` per input kind; the others on the main kind only.
+
+    Attributes
+    ----------
+    sink : dict of str to SinkResult
+        Input kind -> the sink metric (``alpha`` (N, L, H, k_max)).
+    massive : dict of str to MassiveActivations
+        Input kind -> massive activations.
+    qk : QKAngles or None
+        QK angles on the main kind.
+    key_manifold : KeyManifold or None
+        The first-key manifold on the main kind.
+    value_norms : ValueNorms or None
+        Value norms on the main kind.
+    baseline : analysis.conditions.Baseline or None
+        The interventions' shared baseline on the main kind.
+    gates : GateResult or None
+        The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).
+    resid : dict of int to torch.Tensor
+        Block -> the residual stream entering it on the main kind, shape (N, T, D): the resume points.
+    origin : SpikeOrigin or None
+        Where the main kind's first-token spike comes from (the spike dims of ``massive``).
+    main : str
+        The main input kind.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the sequences of the main kind.
+    kind : str
+        ``main`` (a property).
+    results : dict
+        Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...) (a property).
+    """
 
     sink: dict = field(default_factory=dict)  # kind -> SinkResult
     massive: dict = field(default_factory=dict)  # kind -> MassiveActivations
@@ -86,29 +118,58 @@ def _accumulators(model, tokens, kind: str, main: bool, analyses, eps: float, k_
     T = tokens.shape[1]
     layers = attention_layers_of(model)  # the attention analyses run on the attention layers (true indices)
     make = {
-        "sink": lambda: [SinkAccumulator(model, T, eps, k_max, kind)],
+        "sink": lambda: [SinkAccumulator(model, T, eps=eps, k_max=k_max, kind=kind)],
         "massive": lambda: [massive_accumulator(model, tokens.shape, abs_threshold=spike[0], ratio_threshold=spike[1],
                                                  kind=kind)],
-        "qk": lambda: [QKAccumulator(model, layers, kind)],
+        "qk": lambda: [QKAccumulator(model, layers=layers, kind=kind)],
         "key_manifold": lambda: [key_manifold_accumulator(model, tokens.shape, kind=kind)],
-        "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind)],
-        "baseline": lambda: baseline_accumulators(model, T, eps),
-        "gates": lambda: [GateAccumulator(model, layers, kind)] if has_gate(model) else [],  # no gate: nothing to run
+        "value_norms": lambda: [ValueNormsAccumulator(model, layers, T, kind=kind)],
+        "baseline": lambda: baseline_accumulators(model, T, eps=eps),
+        # no gate: nothing to run
+        "gates": lambda: [GateAccumulator(model, layers=layers, kind=kind)] if has_gate(model) else [],
         "resid": lambda: _resid_capture(model, tokens, budget_mib),
-        "origin": lambda: [SpikeOriginAccumulator(model, kind)],
+        "origin": lambda: [SpikeOriginAccumulator(model, kind=kind)],
     }
     return {name: make[name]() for name in analyses if main or name not in MAIN_ANALYSES}
 
 
-def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: float = SINK_EPS, k_max: int | None = None,
-            batch_size: int | None = None, progress: bool = False, resid_budget_mib: float = RESID_BUDGET_MIB,
-            spike_thresholds: tuple[float, float] | None = None) -> Profile:
-    """Run every analysis in ``analyses`` on ``probes`` ({kind: ProbeSet or (N, T) tokens}) with one streamed pass
-    per kind; the analyses in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"resid"`` keeps the main kind's
-    residual stream entering its blocks, at most ``resid_budget_mib`` MiB of it (``Profile.resid``; the baseline
-    carries it too, so that its conditions resume). ``spike_thresholds``: (abs_threshold, ratio_threshold) of the
-    massive activations (and so of the spike dims the spike origin traces); None: ``massive.spike_criterion(model)``
-    (Sun et al.'s criterion, relative only for a model narrower than 256)."""
+def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: float = SINK_EPS,
+            k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
+            resid_budget_mib: float = RESID_BUDGET_MIB, spike_thresholds: tuple[float, float] | None = None) -> Profile:
+    """Every analysis from one streamed pass per input kind.
+
+    Each result equals the analysis run alone on the same tokens (``tests/test_profile.py``).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    probes : dict of str to ProbeSet or torch.Tensor
+        {kind: ProbeSet or token ids of shape (N, T)}; must hold ``main``.
+    analyses : sequence of str
+        Among ``ANALYSES``; those in ``MAIN_ANALYSES`` run on ``probes[main]`` only. ``"origin"`` needs
+        ``"massive"``; ``"resid"`` keeps the main kind's residual stream entering its blocks (``Profile.resid``; the
+        baseline carries it too, so that its conditions resume).
+    main : str
+        The main input kind.
+    eps : float
+        The sink threshold.
+    k_max : int, optional
+        Keys whose alpha is kept (default min(T, 16)).
+    batch_size : int, optional
+        Sequences per batch.
+    progress : bool
+        Show a progress bar over batches.
+    resid_budget_mib : float
+        The most MiB of residual stream ``"resid"`` keeps (every block while they fit, else every s-th).
+    spike_thresholds : tuple of float, optional
+        (abs_threshold, ratio_threshold) of the massive activations, and so of the spike dims the spike origin
+        traces; None: ``massive.spike_criterion(model)`` (Sun et al.'s, relative only for a model narrower than 256).
+
+    Returns
+    -------
+    Profile
+    """
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"unknown analyses {bad}; choose among {list(ANALYSES)}.")
@@ -135,7 +196,7 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
             if got.get("resid"):
                 out.resid = got["resid"][0]
             if "baseline" in got:
-                out.baseline = baseline_from(got["baseline"], out.resid)
+                out.baseline = baseline_from(got["baseline"], resid=out.resid)
             if got.get("origin"):
                 out.origin = origin_from(model, got["origin"][0], massive=out.massive[kind], kind=kind)
     return out

@@ -30,19 +30,51 @@ HookFn = Callable[[torch.Tensor, object], object]
 
 
 def batches(tokens: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    """Consecutive slices of a batch of sequences.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor, shape (N, T)
+    batch_size : int
+
+    Yields
+    ------
+    torch.Tensor, shape (B, T)
+        B = batch_size, the last one shorter where N is not a multiple.
+    """
     for start in range(0, tokens.shape[0], batch_size):
         yield tokens[start : start + batch_size]
 
 
 def default_batch_size(tokens: torch.Tensor) -> int:
-    """Keep a batch near 2k tokens on CPU (attention maps are built per layer, one at a time)."""
+    """A batch near 2k tokens on the CPU (attention maps are built per layer, one at a time).
+
+    Parameters
+    ----------
+    tokens : torch.Tensor, shape (N, T)
+
+    Returns
+    -------
+    int
+        max(1, min(N, 2048 // T)).
+    """
     T = tokens.shape[1]
     return max(1, min(tokens.shape[0], 2048 // max(T, 1)))
 
 
 @dataclass
 class Batch:
-    """The batch being run: its tokens (on the model's device) and the index of its first sample."""
+    """The batch being run.
+
+    Attributes
+    ----------
+    tokens : torch.Tensor, shape (B, T)
+        Its token ids, on the model's device.
+    offset : int
+        The index of its first sample in the pass's tokens.
+    size : int
+        B (a property).
+    """
 
     tokens: torch.Tensor
     offset: int
@@ -127,7 +159,17 @@ def _stop(x, hook):
 
 
 class Capture(Accumulator):
-    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch."""
+    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch.
+
+    Parameters
+    ----------
+    name : str
+        A short activation name (``act_name``), e.g. "pattern".
+    layer : int
+        The block.
+    select : callable
+        Reduces the activation before it is kept (default: keep it whole).
+    """
 
     def __init__(self, name: str, layer: int, select: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
         self.name, self.layer, self.select, self.kept = name, int(layer), select, []
@@ -196,8 +238,18 @@ class _JointReducer:
 
 
 class ResidCapture(Accumulator):
-    """The residual stream entering each block in ``layers`` (``hook_resid_pre``), (N, T, D) per layer in the
-    model's dtype: what a pass resumed at that layer starts from (:class:`Resume`)."""
+    """The residual stream entering each block in ``layers`` (``hook_resid_pre``), in the model's dtype: what a pass
+    resumed at that layer starts from (:class:`Resume`).
+
+    Parameters
+    ----------
+    layers : iterable of int
+        The blocks whose input to keep.
+
+    Notes
+    -----
+    ``result()`` is {layer: torch.Tensor of shape (N, T, D)}.
+    """
 
     def __init__(self, layers: Iterable[int]):
         self.layers = sorted({int(l) for l in layers})
@@ -215,21 +267,44 @@ class ResidCapture(Accumulator):
 
 @dataclass
 class Resume:
-    """Start a streamed pass at block ``layer`` from ``resid`` (N, T, D), the residual stream entering it
-    (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and batches), instead of at the
-    embedding: blocks 0..layer-1 are skipped, not run. Exact when nothing before ``layer`` is changed; no hook
-    before ``layer`` may be attached (``run_pass`` raises ValueError), but for intervention hooks on the stream the
-    pass starts from (``hook_resid_post`` of block ``layer - 1``), which ``run_pass`` applies to ``resid`` itself.
-    Only models where :func:`can_resume`."""
+    """Start a streamed pass at a block from the residual stream entering it, instead of at the embedding.
+
+    Blocks 0..layer-1 are skipped, not run. Exact when nothing before ``layer`` is changed; no hook before ``layer``
+    may be attached (``run_pass`` raises ValueError), but for intervention hooks on the stream the pass starts from
+    (``hook_resid_post`` of block ``layer - 1``), which ``run_pass`` applies to ``resid`` itself. Only models where
+    :func:`can_resume`.
+
+    Attributes
+    ----------
+    layer : int
+        The block the pass starts at.
+    resid : torch.Tensor, shape (N, T, D)
+        The residual stream entering it (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and
+        batches).
+    """
 
     layer: int
     resid: torch.Tensor
 
 
 def checkpoint_layers(n_layers: int, block_bytes: int, budget_mib: float) -> list[int]:
-    """The blocks (1..n_layers-1) whose input a pass keeps so that later passes over the same tokens can resume
-    (:class:`ResidCapture`): every block when their residuals (``block_bytes`` each) fit in ``budget_mib``, else
-    every s-th block (s, 2s, ...) with the smallest s that fits; none when not even one fits."""
+    """The blocks whose input a pass keeps so that later passes over the same tokens can resume (:class:`ResidCapture`).
+
+    Parameters
+    ----------
+    n_layers : int
+        L, the number of blocks.
+    block_bytes : int
+        The size of one block's residual stream (N x T x D x bytes per number).
+    budget_mib : float
+        The memory allowed for all of them.
+
+    Returns
+    -------
+    list of int
+        Every block 1..L-1 when they fit, else every s-th block (s, 2s, ...) with the smallest s that fits; none when
+        not even one fits.
+    """
     if n_layers < 2 or block_bytes <= 0:
         return []
     fit = int(budget_mib * 2**20 // block_bytes)
@@ -240,15 +315,38 @@ def checkpoint_layers(n_layers: int, block_bytes: int, budget_mib: float) -> lis
 
 
 def resume_from(resid: dict[int, torch.Tensor] | None, layer: int) -> Resume | None:
-    """A :class:`Resume` at the last kept block at or before ``layer`` (``resid``: {block: (N, T, D) residual
-    entering it}, e.g. ``Profile.resid``); None when no kept block lies in 1..layer (run from the embedding)."""
+    """A :class:`Resume` at the last kept block at or before ``layer``.
+
+    Parameters
+    ----------
+    resid : dict of int to torch.Tensor, or None
+        {block: the residual entering it, shape (N, T, D)}, e.g. ``Profile.resid``.
+    layer : int
+        The first block a pass changes.
+
+    Returns
+    -------
+    Resume or None
+        None when no kept block lies in 1..layer (run from the embedding).
+    """
     kept = [b for b in (resid or {}) if 0 < b <= layer]
     return Resume(max(kept), resid[max(kept)]) if kept else None
 
 
 def can_resume(model) -> bool:
-    """Whether a pass of ``model`` can start at a block from the residual entering it: a TransformerBridge whose
-    blocks each read only the residual stream (``families.RESUMABLE``, checked by tests/test_interventions.py)."""
+    """Whether a pass of ``model`` can start at a block from the residual entering it.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    bool
+        True for a TransformerBridge whose blocks each read only the residual stream (``families.RESUMABLE``, checked
+        by tests/test_interventions.py).
+    """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
         return False
@@ -319,12 +417,34 @@ def run_pass(
     on_batch_start: Callable[[Batch], None] | None = None,
     resume: Resume | None = None,
 ) -> list:
-    """One streamed pass of ``model`` over ``tokens`` (N, T) feeding every accumulator; returns their results.
+    """One streamed pass of ``model`` over ``tokens`` feeding every accumulator.
 
-    ``fwd_hooks``: plain hooks that may return a changed activation (interventions); they run before the
-    accumulators' hooks, which see the changed activations. ``on_batch_start(batch)`` runs before each batch.
     The pass stops after the last layer any accumulator needs unless one ``needs_logits`` or hooks change it.
-    ``resume``: start each batch at block ``resume.layer`` from its rows of ``resume.resid`` (:class:`Resume`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    accumulators : sequence of Accumulator
+        The analyses fed, each with one layer's activations together (a :class:`LayerActs`).
+    fwd_hooks : sequence of (str, callable)
+        Plain hooks that may return a changed activation (interventions); they run before the accumulators' hooks,
+        which see the changed activations.
+    batch_size : int, optional
+        Sequences per batch (default :func:`default_batch_size`).
+    progress : bool
+        Show a progress bar over batches.
+    on_batch_start : callable, optional
+        ``on_batch_start(batch)`` runs before each :class:`Batch`.
+    resume : Resume, optional
+        Start each batch at block ``resume.layer`` from its rows of ``resume.resid``.
+
+    Returns
+    -------
+    list
+        Each accumulator's ``result()``, in order.
     """
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
@@ -382,12 +502,31 @@ def run_with_reducers(
     on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
     stop_after: str | None = None,
 ) -> None:
-    """Run ``model`` over ``tokens`` in batches with plain ``reducers`` attached as forward hooks.
+    """Run ``model`` over ``tokens`` in batches with plain reducers attached as forward hooks.
 
-    Each reducer ``fn(activation, hook)`` folds the activation into its own state and returns None (or a
-    replacement activation). ``on_batch(batch, logits)`` sees each batch's tokens and logits. ``stop_after``
-    names a hook after which each pass ends early (``on_batch`` then gets ``logits=None``). Analyses use
-    ``run_pass`` with accumulators; this is the plain form for one-off hooks.
+    Analyses use :func:`run_pass` with accumulators; this is the plain form for one-off hooks.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    reducers : sequence of (str, callable)
+        (hook name, ``fn(activation, hook)``): each folds the activation into its own state and returns None (or a
+        replacement activation).
+    batch_size : int, optional
+        Sequences per batch.
+    progress : bool
+        Show a progress bar over batches.
+    on_batch : callable, optional
+        ``on_batch(tokens, logits)`` sees each batch's tokens (B, T) and logits (B, T, d_vocab).
+    stop_after : str, optional
+        A hook after which each pass ends early (``on_batch`` then gets ``logits=None``).
+
+    Returns
+    -------
+    None
     """
     hooks = list(reducers) + ([(stop_after, _stop)] if stop_after else [])
     run_pass(model, tokens, [_OnBatch(on_batch)], fwd_hooks=hooks, batch_size=batch_size, progress=progress)

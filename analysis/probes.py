@@ -33,7 +33,25 @@ STDLIB_MODULES = (
 
 @dataclass
 class ProbeSet:
-    """A batch of probe sequences and how it was made."""
+    """A batch of probe sequences and how it was made.
+
+    Attributes
+    ----------
+    kind : str
+        "natural", "random" or "repeated".
+    tokens : torch.LongTensor, shape (N, T)
+        Token ids.
+    bos : bool
+        Whether position 1 holds the tokenizer's BOS token (or, for a task, a fixed first token).
+    seed : int
+        The seed it was drawn with.
+    source : str
+        Where the tokens come from, in words ("stdlib docstrings", "uniform over non-special tokens", ...).
+    meta : dict
+        Further facts (``corpus_tokens``: the size of a natural-text corpus).
+    n, T : int
+        N and T (properties).
+    """
 
     kind: str
     tokens: torch.Tensor  # (N, T) long
@@ -73,7 +91,19 @@ def _with_bos(body: torch.Tensor, tokenizer, bos: bool) -> torch.Tensor:
 
 
 def stdlib_texts(modules: Sequence[str] = STDLIB_MODULES) -> list[str]:
-    """Docstrings of the given standard-library modules and their public members, in a fixed order."""
+    """Docstrings of the given standard-library modules and their public members, in a fixed order.
+
+    Parameters
+    ----------
+    modules : sequence of str
+        Module names (default: ``STDLIB_MODULES``, prose rather than code); one missing on a trimmed Python build is
+        skipped.
+
+    Returns
+    -------
+    list of str
+        Docstrings longer than 200 characters, whitespace collapsed, duplicates removed.
+    """
     texts = []
     for name in modules:
         try:
@@ -89,8 +119,27 @@ def stdlib_texts(modules: Sequence[str] = STDLIB_MODULES) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
-def hf_dataset_texts(name: str, split: str = "train", text_field: str = "text", n_texts: int = 2000, **kwargs) -> list[str]:
-    """Texts from a Hugging Face dataset (needs a network, or a local folder/file builder)."""
+def hf_dataset_texts(name: str, *, split: str = "train", text_field: str = "text", n_texts: int = 2000,
+                     **kwargs) -> list[str]:
+    """Texts from a Hugging Face dataset (needs a network, or a local folder / file builder, and ``datasets``).
+
+    Parameters
+    ----------
+    name : str
+        The dataset's id or builder.
+    split : str
+        The split to read.
+    text_field : str
+        The field holding the text.
+    n_texts : int
+        Stop after this many non-empty texts.
+    **kwargs
+        Passed on to ``datasets.load_dataset`` (``streaming=True`` reads without downloading everything).
+
+    Returns
+    -------
+    list of str
+    """
     try:
         import datasets
     except ImportError as e:
@@ -107,8 +156,32 @@ def hf_dataset_texts(name: str, split: str = "train", text_field: str = "text", 
     return texts
 
 
-def text_probe(tokenizer, texts: Iterable[str], n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, source: str = "texts") -> ProbeSet:
-    """N windows of T tokens cut at seeded offsets from the concatenated, tokenized texts."""
+def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+               source: str = "texts") -> ProbeSet:
+    """N windows of T tokens cut at seeded offsets from the concatenated, tokenized texts.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    texts : iterable of str
+        The texts (empty ones are dropped).
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+    source : str
+        Where the texts come from, in words (kept as ``ProbeSet.source``).
+
+    Returns
+    -------
+    ProbeSet
+        ``tokens`` of shape (N, T).
+    """
     _check_nt(n, T, bos)
     texts = [t for t in texts if t and t.strip()]
     if not texts:
@@ -132,16 +205,24 @@ def text_probe(tokenizer, texts: Iterable[str], n: int = 100, T: int = 64, bos: 
 
 def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | None = None,
                 n_ctx: int | None = None) -> torch.Tensor:
-    """One text as a (1, T) sequence of token ids (the tokenizer's BOS first with ``bos``), for an analysis of your
-    own text.
+    """One text as a sequence of token ids, for an analysis of your own text.
 
     Parameters
     ----------
-    tokenizer : the model's tokenizer.
-    text : str, the whole text (not cut into windows).
-    bos : put the tokenizer's BOS token first.
-    max_tokens : keep the first ``max_tokens`` tokens (the BOS included).
-    n_ctx : the model's context; a longer sequence raises ValueError saying what to do.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    text : str
+        The whole text (not cut into windows).
+    bos : bool
+        Put the tokenizer's BOS token first.
+    max_tokens : int, optional
+        Keep the first ``max_tokens`` tokens (the BOS included).
+    n_ctx : int, optional
+        The model's context; a longer sequence raises ValueError saying what to do.
+
+    Returns
+    -------
+    torch.LongTensor, shape (1, T)
     """
     if not text or not text.strip():
         raise ValueError("the text is empty: give a file with some text in it.")
@@ -161,8 +242,30 @@ def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | No
     return torch.tensor([ids], dtype=torch.long)
 
 
-def natural_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None) -> ProbeSet:
-    """Natural text: the offline standard-library docstring corpus unless ``texts`` is given."""
+def natural_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                  texts: Iterable[str] | None = None) -> ProbeSet:
+    """Natural text: windows of the offline standard-library docstring corpus unless ``texts`` is given.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+    texts : iterable of str, optional
+        Your own texts instead of the corpus.
+
+    Returns
+    -------
+    ProbeSet
+        ``tokens`` of shape (N, T).
+    """
     source = "stdlib docstrings" if texts is None else "texts"
     return text_probe(tokenizer, stdlib_texts() if texts is None else texts, n=n, T=T, bos=bos, seed=seed, source=source)
 
@@ -176,8 +279,30 @@ def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
     return ids
 
 
-def random_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None) -> ProbeSet:
-    """Tokens drawn uniformly over the vocabulary, special tokens excluded."""
+def random_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                 vocab_size: int | None = None) -> ProbeSet:
+    """Tokens drawn uniformly over the vocabulary, special tokens excluded.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+    vocab_size : int, optional
+        Draw ids below this (default: ``len(tokenizer)``).
+
+    Returns
+    -------
+    ProbeSet
+        ``tokens`` of shape (N, T).
+    """
     _check_nt(n, T, bos)
     ids = _allowed_ids(tokenizer, vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -185,8 +310,30 @@ def random_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: 
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
-def repeated_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None) -> ProbeSet:
-    """One token repeated T times per sequence (a different random token for each sequence)."""
+def repeated_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+                   vocab_size: int | None = None) -> ProbeSet:
+    """One token repeated T times per sequence (a different random token for each sequence).
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+    vocab_size : int, optional
+        Draw ids below this (default: ``len(tokenizer)``).
+
+    Returns
+    -------
+    ProbeSet
+        ``tokens`` of shape (N, T).
+    """
     _check_nt(n, T, bos)
     ids = _allowed_ids(tokenizer, vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -194,8 +341,28 @@ def repeated_probe(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed
     return ProbeSet("repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated")
 
 
-def make_probe(kind: str, tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
-    """One of ``PROBE_KINDS`` by name."""
+def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
+    """One of ``PROBE_KINDS`` by name.
+
+    Parameters
+    ----------
+    kind : {"natural", "random", "repeated"}
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer (ValueError for None: build token tensors yourself).
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+
+    Returns
+    -------
+    ProbeSet
+        ``tokens`` of shape (N, T).
+    """
     makers = {"natural": natural_probe, "random": random_probe, "repeated": repeated_probe}
     if kind not in makers:
         raise ValueError(f"unknown probe kind {kind!r}; choose one of {list(PROBE_KINDS)}.")
@@ -204,16 +371,56 @@ def make_probe(kind: str, tokenizer, n: int = 100, T: int = 64, bos: bool = Fals
     return makers[kind](tokenizer, n=n, T=T, bos=bos, seed=seed)
 
 
-def probe_sets(tokenizer, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
-    """The paper's three probe kinds (natural, random, repeated), same N, T, BOS and seed."""
+def probe_sets(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
+               kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
+    """The paper's three probe kinds (natural, random, repeated), with the same N, T, BOS and seed.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer.
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+    kinds : sequence of str
+        The kinds to make (default all of ``PROBE_KINDS``).
+
+    Returns
+    -------
+    dict of str to ProbeSet
+        Kind -> probe, ``tokens`` of shape (N, T).
+    """
     return {k: make_probe(k, tokenizer, n=n, T=T, bos=bos, seed=seed) for k in kinds}
 
 
-def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
+def task_probe_sets(model, *, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
     """The three probe kinds for a reference model trained on a token task without a tokenizer (the synthetic
-    bigram-copy task of ``analysis.train``): ``natural`` is held-out sequences of the task itself (seed
-    ``seed``; training used another seed), ``random`` tokens uniform over the task's content tokens, and
-    ``repeated`` one content token repeated. Raises ValueError for a model without such a task."""
+    bigram-copy task of ``analysis.train``).
+
+    ``natural`` is held-out sequences of the task itself (training used another seed), ``random`` tokens uniform over
+    the task's content tokens, and ``repeated`` one content token repeated.
+
+    Parameters
+    ----------
+    model : analysis.train.SinkLM
+        A reference model of the synthetic task (ValueError for a model without such a task).
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence.
+    seed : int
+        The seed of the held-out sequences and of the sampling.
+
+    Returns
+    -------
+    dict of str to ProbeSet
+        Kind -> probe, ``tokens`` of shape (N, T).
+    """
     ref = getattr(model, "reference_config", None) or {}
     train = ref.get("train", {})
     if not str(train.get("dataset", "")).startswith("synthetic"):
@@ -237,9 +444,28 @@ def task_probe_sets(model, n: int = 100, T: int = 64, seed: int = 2024) -> dict[
     }
 
 
-def model_probe_sets(model, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
-    """``probe_sets`` from the model's tokenizer, or, for a tokenizer-less reference model of the synthetic
-    task, ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``)."""
+def model_probe_sets(model, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
+    """``probe_sets`` from the model's tokenizer or, for a tokenizer-less reference model of the synthetic task,
+    ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+    n : int
+        N, the number of sequences.
+    T : int
+        Tokens per sequence (the BOS included).
+    bos : bool
+        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
+    seed : int
+        The seed of the sampling.
+
+    Returns
+    -------
+    dict of str to ProbeSet
+        Kind -> probe, ``tokens`` of shape (N, T).
+    """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is not None:
         return probe_sets(tokenizer, n=n, T=T, bos=bos, seed=seed)

@@ -31,7 +31,19 @@ _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 
 def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """cos(q_i, k_j) for every query head: q (B,T,H,d), k (B,T,Hkv,d) -> (B,H,T_q,T_k)."""
+    """cos(q_i, k_j) for every query head, each against the keys of its KV head.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, T, H, d)
+        Queries.
+    k : torch.Tensor, shape (B, T, H_kv, d)
+        Keys.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T_q, T_k)
+    """
     return _cosines(unit_vectors(q.float())[0], unit_vectors(k.float())[0])
 
 
@@ -50,7 +62,18 @@ def _cosines(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_hist(x: torch.Tensor) -> torch.Tensor:
-    """Counts of cosines x (H, n) over N_BINS fixed bins on [-1, 1] -> (H, N_BINS)."""
+    """Counts of cosines over ``N_BINS`` fixed bins on [-1, 1] (values outside are counted in the end bins).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (H, n)
+        Cosines per head.
+
+    Returns
+    -------
+    torch.Tensor, shape (H, N_BINS)
+        float64 counts.
+    """
     # the bin trunc((clamp(x, -1, 1) + 1) / 2 * N_BINS), capped at N_BINS - 1: (x + 1) * (N_BINS / 2) is the same float
     # (halving is exact), and clamping it to [0, N_BINS - 1] before truncating gives the same bin for x outside [-1, 1]
     idx = (x + 1).mul_(N_BINS / 2).clamp_(0, N_BINS - 1).int()
@@ -67,7 +90,29 @@ def _other_keys(T: int, device) -> torch.Tensor:
 
 @dataclass
 class QKAngles(Result):
-    """Per-head QK-angle statistics (arrays are (L, H) over query heads; hists are (L, H, N_BINS), fractions)."""
+    """Per-head QK-angle statistics over query heads of the attention layers measured.
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    cos_first : torch.Tensor, shape (L, H)
+        Mean over queries t >= 2 of cos(q_t, k_1).
+    cos_other : torch.Tensor, shape (L, H)
+        Mean over queries t and keys 1 < j <= t of cos(q_t, k_j).
+    q_norm, k_first_norm, k_other_norm : torch.Tensor, shape (L, H)
+        The mean norms |q_t|, |k_1| and |k_j| (j > 1).
+    hist_first, hist_other : torch.Tensor, shape (L, H, N_BINS)
+        Histograms of both cosines, as fractions.
+    bin_edges : torch.Tensor, shape (N_BINS + 1,)
+        The histogram's bin edges on [-1, 1].
+    n_samples : int
+        N, the number of sequences.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (hybrids: linear-attention / Mamba layers), in words; "" when none.
+    """
 
     layers: list[int]
     cos_first: torch.Tensor
@@ -114,10 +159,19 @@ class QKAngles(Result):
 
 class QKAccumulator(Accumulator):
     """cos(q_t, k_1) and cos(q_t, k_j), the norms and the cosine histograms, from the q and k the attention uses.
-    ``layers``: attention layers (None: all of them; a non-attention layer raises ValueError)."""
 
-    def __init__(self, model, layers=None, kind: str | None = None):
-        self.model, self.layers, self.kind = model, attention_layers_of(model, layers), kind
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : sequence of int, optional
+        Attention layers (None: all of them; a non-attention layer raises ValueError).
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, *, layers=None, kind: str | None = None):
+        self.model, self.layers, self.kind = model, attention_layers_of(model, layers=layers), kind
         self.spec = get_family(model)
         self.H = model_dims(model).n_heads
         L = len(self.layers)
@@ -132,7 +186,19 @@ class QKAccumulator(Accumulator):
         return {l: dict(zip(("q", "k"), qk_hook_names(self.model, l))) for l in self.layers}
 
     def vectors(self, layer: int, acts: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries (B, T, H, d) and keys (B, T, H_kv or H, d) the attention of ``layer`` uses, from the hooks."""
+        """The queries and keys the attention of a layer uses, from the hooks (rotated per the family spec).
+
+        Parameters
+        ----------
+        layer : int
+        acts : dict
+            The layer's activations, ``"q"`` and ``"k"``.
+
+        Returns
+        -------
+        q : torch.Tensor, shape (B, T, H, d)
+        k : torch.Tensor, shape (B, T, H_kv or H, d)
+        """
         return rotate_as_spec(acts["q"], self.spec, layer), rotate_as_spec(acts["k"], self.spec, layer)
 
     @one_thread()
@@ -164,11 +230,29 @@ class QKAccumulator(Accumulator):
                         skipped=self.spec.skipped_text())
 
 
-def qk_angles(model, tokens, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
-    """Cosines between queries and the first key against the other keys, per head of each attention layer
-    (``layers``: default all attention layers), streamed."""
-    layers = attention_layers_of(model, None if layers is None else check_layers(model, layers))
+def qk_angles(model, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
+    """Cosines between queries and the first key against the other keys, per head of each attention layer, streamed.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    layers : sequence of int, optional
+        Attention layers (true indices; default all).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    QKAngles
+        Statistics of shape (L, H).
+    """
+    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
-    return run_pass(model, tokens, [QKAccumulator(model, layers, kind)], batch_size=batch_size)[0]
+    return run_pass(model, tokens, [QKAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]

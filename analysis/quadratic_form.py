@@ -41,6 +41,10 @@ class QuadraticForm:
         carries on the first token.
     linearised_write, write : float
         Mean x^T S_d x (act(g) replaced by g, no biases) and the mean real write of the MLP on d, first token.
+    energy_threshold : float
+        The top eigenvalue's share of sum(lambda^2) above which the form is dominated by one direction.
+    cos_threshold : float
+        The |cos| with the first token's input above which that direction is aligned with it.
     """
 
     dim: int
@@ -116,8 +120,19 @@ class QuadraticForm:
 
 
 def form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:
-    """A_d = W_gate^T diag(w_out_d) W_up (d_model, d_model) from the row ``w_out_d`` (d_mlp,) of W_out (times any
-    output factor) and W_gate, W_up (d_mlp, d_model); float64."""
+    """A_d = W_gate^T diag(w_out_d) W_up, float64.
+
+    Parameters
+    ----------
+    w_out_d : torch.Tensor, shape (d_mlp,)
+        The row d of W_out (times any output factor).
+    W_gate, W_up : torch.Tensor, shape (d_mlp, d_model)
+        The gate and up projections.
+
+    Returns
+    -------
+    torch.Tensor, shape (d_model, d_model)
+    """
     return W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())
 
 
@@ -139,6 +154,10 @@ def quadratic_form(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tens
         The MLP's mean real write on ``dim`` (first token), for the linearisation check.
     top : int
         How many top eigen-directions to report.
+
+    Returns
+    -------
+    QuadraticForm
     """
     S = form_matrix(w_out_d, W_gate, W_up)
     S = (S + S.T) / 2

@@ -71,11 +71,27 @@ class ReportError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 
 
-def figure_html(fig, caption: str = "", dpi: int = 90) -> str:
-    """A matplotlib figure as an inline base64 PNG ``<figure>``; closes the figure. The figure functions lay
-    themselves out (fixed margins, ``analysis.figures.layout``), so it is drawn once, not measured by a draw first
-    (``bbox_inches="tight"``). Glyphs are drawn unhinted (about a tenth of the drawing time saved; at 90 dpi they look
-    the same), and zlib level 1 encodes the PNG in about half the time of the default 6, for ~5% more bytes."""
+def figure_html(fig, *, caption: str = "", dpi: int = 90) -> str:
+    """A matplotlib figure as an inline base64 PNG ``<figure>``; closes the figure.
+
+    The figure functions lay themselves out (fixed margins, ``analysis.figures.layout``), so it is drawn once, not
+    measured by a draw first (``bbox_inches="tight"``). Glyphs are drawn unhinted (about a tenth of the drawing time
+    saved; at 90 dpi they look the same), and zlib level 1 encodes the PNG in about half the time of the default 6, for
+    ~5% more bytes.
+
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+    caption : str
+        The caption (and the image's alt text).
+    dpi : int
+        Resolution.
+
+    Returns
+    -------
+    str
+        HTML.
+    """
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -87,19 +103,64 @@ def figure_html(fig, caption: str = "", dpi: int = 90) -> str:
     return f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}"/>{cap}</figure>'
 
 
-def table_html(df: pd.DataFrame, digits: int = 3, max_rows: int = 40) -> str:
+def table_html(df: pd.DataFrame, *, digits: int = 3, max_rows: int = 40) -> str:
+    """A DataFrame as an HTML table.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+    digits : int
+        Decimals of floats.
+    max_rows : int
+        Rows shown (the first ones).
+
+    Returns
+    -------
+    str
+        HTML.
+    """
     if len(df) > max_rows:
         df = df.head(max_rows)
     return df.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", classes="tbl", border=0, escape=True)
 
 
 def sentences(text: str) -> list[str]:
-    """A result's text split into its sentences (each one finding)."""
+    """A result's text split into its sentences (each one finding).
+
+    Parameters
+    ----------
+    text : str
+
+    Returns
+    -------
+    list of str
+    """
     return [t for t in re.split(r"(?<=\.)\s+(?=[A-Za-z])", text.strip()) if t]
 
 
 @dataclass
 class Section:
+    """One section of the report as it is built.
+
+    Attributes
+    ----------
+    key : str
+        Its name in ``SECTIONS`` and in the JSON.
+    title : str
+        Its heading.
+    parts : list of str
+        HTML fragments, in order.
+    data : dict
+        The JSON payload.
+    findings : list of str
+        Sentences, each one finding (also in the summary at the top).
+    notes : list of str
+        Plain statements: not applicable, not available.
+    errors : list of str
+        What failed (the section or one of its figures).
+    seconds : float
+        The time it took.
+    """
     key: str
     title: str
     parts: list[str] = field(default_factory=list)  # HTML fragments
@@ -128,7 +189,7 @@ class Section:
     def figure(self, make: Callable, caption: str) -> None:
         """Add a figure; one that fails is shown with its error and fails the report (its numbers stay in the JSON)."""
         try:
-            self.parts.append(figure_html(make(), caption))
+            self.parts.append(figure_html(make(), caption=caption))
         except Exception as e:  # noqa: BLE001 - the page keeps the other figures; build_report raises at the end
             self.error(f"figure '{caption}'", e)
 
@@ -262,12 +323,13 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
 
     first = ctx.massive.first_token_dims  # hook_resid_post: block l reads the spikes of layer l - 1
     layer = choose_layer(ctx.profile.sink.get("natural"), first, ctx.dims.n_layers,
-                         get_family(ctx.model).attention_layers)
+                         attention_layers=get_family(ctx.model).attention_layers)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tr = norm_gain_trace(ctx.model, ctx.natural, layer, first.get(layer - 1, []), batch_size=ctx.batch_size,
-                                 kind="natural", resid=ctx.profile.resid)  # starts at the profile's residual there
+            # starts at the profile's residual there
+            tr = norm_gain_trace(ctx.model, ctx.natural, layer, spike_dims=first.get(layer - 1, []),
+                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid)
     except ModelContractError as e:
         sec.note(f"No norm gain to trace in {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
@@ -494,8 +556,8 @@ def _dormant(ctx: _Context, sec: Section) -> None:
         sec.parts.append(table_html(res.layer_table(), digits=2))
     heads = res.example_heads(4)
     if heads:
-        sec.figure(lambda: plot_sink_vs_norm(res, heads), "attention on the sink against the head's output norm, one "
-                   "point per query, coloured by the loss effect (natural text)")
+        sec.figure(lambda: plot_sink_vs_norm(res, heads=heads), "attention on the sink against the head's output norm, "
+                   "one point per query, coloured by the loss effect (natural text)")
     sec.figure(lambda: plot_head_correlations(res), "per head: Spearman rho of the sink attention with the output norm "
                "and with the loss effect")
 
@@ -574,12 +636,36 @@ def build_report(
     sections=None,
     batch_size: int | None = None,
 ) -> Path:
-    """Run the analyses on ``model`` and write ``out_dir/report.html`` and ``out_dir/report.json``; return the HTML path.
+    """Run the analyses on ``model`` and write ``out_dir/report.html`` and ``out_dir/report.json``.
 
-    ``sections``: a subset of ``SECTIONS`` (default: all). One ``analysis.profile`` pass per probe kind feeds
-    every section. A section that does not apply to the model says so in a note. A section or figure that
-    fails is shown with its error; nothing is written until every section has run, then each file atomically
-    (other files in ``out_dir`` are kept), and then ``ReportError`` names the failed sections.
+    One ``analysis.profile`` pass per probe kind feeds every section. A section that does not apply to the model says
+    so in a note. A section or figure that fails is shown with its error; nothing is written until every section has
+    run, then each file atomically (other files in ``out_dir`` are kept), and then ``ReportError`` names the failed
+    sections.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    out_dir : path-like
+        The folder written.
+    n : int
+        N, the sequences per probe kind.
+    T : int
+        Tokens per sequence.
+    seed : int
+        The probes' seed.
+    progress : bool
+        Show progress bars.
+    sections : sequence of str, optional
+        A subset of ``SECTIONS`` (default: all).
+    batch_size : int, optional
+        Sequences per batch.
+
+    Returns
+    -------
+    pathlib.Path
+        The HTML page's path.
     """
     import matplotlib
 

@@ -15,8 +15,22 @@ from analysis.io import jsonable
 
 
 class Result:
-    """Mixin of the result protocol. Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or
-    properties) and define ``tables`` and ``text()``; ``to_dict()`` adds the header and the tables."""
+    """Mixin of the result protocol.
+
+    Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties) and define ``tables`` and
+    ``text()``; ``to_dict()`` adds the header and the tables.
+
+    Attributes
+    ----------
+    kind : str or None
+        The input kind ("natural", "random", ...).
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences.
+    tables : dict of str to pandas.DataFrame
+        Named tables (a property; none by default).
+    """
 
     kind: str | None
     model_name: str | None
@@ -37,8 +51,16 @@ class Result:
 
 
 class LayerAxis:
-    """Mixin of results whose tensors have a layer axis L over ``layers``, the TRUE indices of the layers measured
-    (all layers of a plain transformer; a hybrid's attention layers only, ``skipped`` saying which were left out)."""
+    """Mixin of results whose tensors have a layer axis L over ``layers``, the TRUE indices of the layers measured (all
+    layers of a plain transformer; a hybrid's attention layers only, ``skipped`` saying which were left out).
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    skipped : str
+        The layers left out and why, in one sentence; "" when none.
+    """
 
     layers: list[int]
     skipped: str
@@ -56,7 +78,16 @@ class LayerAxis:
 
 
 def runs(layers: Sequence[int]) -> list[list[int]]:
-    """[2, 3, 4, 7] -> [[2, 3, 4], [7]]: runs of consecutive layers."""
+    """Runs of consecutive layers: [2, 3, 4, 7] -> [[2, 3, 4], [7]].
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    list of list of int
+    """
     out: list[list[int]] = []
     for l in sorted(int(l) for l in layers):
         if out and l == out[-1][-1] + 1:
@@ -67,17 +98,45 @@ def runs(layers: Sequence[int]) -> list[list[int]]:
 
 
 def layer_runs(layers: Sequence[int]) -> str:
-    """[2, 3, 4, 7] -> '2-4, 7'."""
+    """Layers as runs in words: [2, 3, 4, 7] -> '2-4, 7'.
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    str
+    """
     return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs(layers))
 
 
 def layers_text(layers: Sequence[int]) -> str:
-    """[3, 4, 5, 9] -> 'layers 3-5, 9'; [2] -> 'layer 2'."""
+    """Layers in words: [3, 4, 5, 9] -> 'layers 3-5, 9'; [2] -> 'layer 2'.
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    str
+    """
     return ("layer " if len(layers) == 1 else "layers ") + layer_runs(layers)
 
 
 def dims_by_layer_text(spikes: dict[int, list[int]]) -> str:
-    """{0: [7], 1: [7, 21]} -> 'dim 7 at layers 0-1; dim 21 at layer 1'."""
+    """Spike dims by layer in words: {0: [7], 1: [7, 21]} -> 'dim 7 at layers 0-1; dim 21 at layer 1'.
+
+    Parameters
+    ----------
+    spikes : dict of int to list of int
+        {layer: dims}.
+
+    Returns
+    -------
+    str
+    """
     by_dim: dict[int, list[int]] = {}
     for l, ds in spikes.items():
         for d in ds:

@@ -30,6 +30,18 @@ DEFAULT_EPS = SINK_EPS
 
 
 def check_eps(eps: float) -> float:
+    """The sink threshold, checked.
+
+    Parameters
+    ----------
+    eps : float
+        The threshold on alpha; must lie in (0, 1).
+
+    Returns
+    -------
+    float
+        ``eps`` as a float (ValueError outside (0, 1)).
+    """
     eps = float(eps)
     if not 0.0 < eps < 1.0:
         raise ValueError(f"eps must lie in (0, 1) (the paper uses 0.3); got {eps}.")
@@ -37,9 +49,21 @@ def check_eps(eps: float) -> float:
 
 
 def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
-    """alpha_k for keys 1..k_max from attention maps ``pattern`` (..., T_query, T_key) -> (..., k_max).
+    """alpha_k for keys 1..k_max from attention maps.
 
     Entries above the diagonal (queries before the key) are ignored even if non-zero.
+
+    Parameters
+    ----------
+    pattern : torch.Tensor, shape (..., T_query, T_key)
+        Attention probabilities (``hook_pattern``), e.g. (B, H, T, T).
+    k_max : int
+        The keys kept: 1..k_max (capped at T).
+
+    Returns
+    -------
+    torch.Tensor, shape (..., k_max)
+        alpha_k: the mean attention key k receives from the queries i >= k, float32.
     """
     T = pattern.shape[-1]
     k_max = min(k_max, T)
@@ -55,13 +79,36 @@ def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
 class SinkResult(Result, LayerAxis):
     """alpha for every sample, layer, head and key 1..k_max, with the metric and tables on top.
 
-    ``alpha`` (N, L, H, K): mean attention key k receives from the queries that see it, per sample, layer and
-    query head. ``sink_rate`` is in percent (the paper's unit); ``min_share`` arguments are fractions.
+    ``sink_rate`` is in percent (the paper's unit); ``min_share`` arguments are fractions.
 
     Layers: the tensors' layer axis L runs over ``layers``, the TRUE layer indices of the attention layers
     measured (all layers of a plain transformer; on a hybrid such as Qwen3-Next or Jamba only its attention
     layers, e.g. [1, 3]). Tables, ``sink_heads`` and ``extreme_layers`` give true indices; ``pos(layer)`` maps a
-    true index to its position on the L axis. ``skipped`` says which layers were left out and why.
+    true index to its position on the L axis.
+
+    Attributes
+    ----------
+    alpha : torch.Tensor, shape (N, L, H, K)
+        alpha_k: the mean attention key k (1..K = k_max) receives from the queries that see it, per sample, layer
+        and query head; float32 on the CPU.
+    eps : float
+        The threshold of ``sink_rate`` (alpha_k > eps, strict).
+    T : int
+        The sequence length.
+    model_name, kind : str or None
+        The model measured and the input kind ("natural", "random", ...).
+    meta : dict
+        How it was computed: ``"path"`` ("fused" or "eager") and, where the fused path was refused,
+        ``"fused_unsupported"`` (why).
+    slot : torch.Tensor, shape (N, L, H), or None
+        Mean over queries of the attention that goes to no input token (a learned sink logit, a sink token, K / KV
+        biases: 1 - the row sum of ``hook_pattern``); None on the fused path.
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    n_samples : int
+        N, the number of sequences (a property).
     """
 
     alpha: torch.Tensor  # (N, L, H, K) float32, on CPU
@@ -222,7 +269,7 @@ class SinkResult(Result, LayerAxis):
 class SinkAccumulator(Accumulator):
     """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
-    def __init__(self, model, T: int, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
+    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
         self.eps, self.T, self.kind = check_eps(eps), int(T), kind
         self.k_max = check_k_max(k_max, T)
         self.model_name = getattr(model, "model_name", None)
@@ -249,7 +296,20 @@ class SinkAccumulator(Accumulator):
 
 
 def check_k_max(k_max: int | None, T: int) -> int:
-    """k_max in [1, T] (default min(T, 16))."""
+    """The number of key positions whose alpha is kept, checked.
+
+    Parameters
+    ----------
+    k_max : int, optional
+        Keys 1..k_max; None: min(T, 16).
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+        k_max in [1, T] (ValueError otherwise).
+    """
     k_max = min(T, SINK_K_MAX) if k_max is None else k_max
     if not 1 <= int(k_max) <= T:
         raise ValueError(f"k_max must lie in [1, T={T}]; got {k_max}.")
@@ -259,6 +319,7 @@ def check_k_max(k_max: int | None, T: int) -> int:
 def sink_metric(
     model,
     tokens,
+    *,
     eps: float = DEFAULT_EPS,
     k_max: int | None = None,
     batch_size: int | None = None,
@@ -266,35 +327,63 @@ def sink_metric(
     kind: str | None = None,
     path: str = "auto",
 ) -> SinkResult:
-    """Sink metric of ``model`` on ``tokens`` (N, T).
+    """The sink metric of Gu et al.: alpha_k of every sample, attention layer, head and key 1..k_max.
 
-    ``k_max`` (default min(T, 16)) bounds the key positions whose alpha is kept (``k_max = T``: every position, as
-    ``analysis.every_sink`` uses it; the fused path then takes the column sums in blocks of query rows, never a
-    T x T map). ``path``: "fused" computes
-    alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.fused_sink``: no T x T map, about
-    the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes the fused path
-    where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says which, and
-    ``result.meta["fused_unsupported"]`` why not fused).
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The threshold of Sink_k^eps (alpha_k > eps); the paper's 0.3 by default.
+    k_max : int, optional
+        The key positions whose alpha is kept, 1..k_max (default min(T, 16)); ``k_max = T``: every position, as
+        ``analysis.every_sink`` uses it (the fused path then takes the column sums in blocks of query rows, never
+        a T x T map).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    progress : bool
+        Show a progress bar.
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+    path : {"auto", "fused", "eager"}
+        "fused" computes alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.fused_sink``: no
+        T x T map, about the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes
+        the fused path where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says
+        which, and ``result.meta["fused_unsupported"]`` why not fused).
+
+    Returns
+    -------
+    SinkResult
+        ``alpha`` of shape (N, L, H, k_max); ``sink_rate(k)`` is Sink_k^eps in percent.
     """
     return sink_pass(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress, kind=kind,
                      path=path)[0]
 
 
-def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulator]] = list, *, eps: float = DEFAULT_EPS,
+def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = DEFAULT_EPS,
               k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
               path: str = "auto") -> tuple[SinkResult, list]:
-    """The sink metric and other analyses from one pass of ``model`` over ``tokens`` (N, T).
+    """The sink metric and other analyses from one pass of ``model`` over ``tokens``.
 
     Parameters
     ----------
-    make_accumulators : builds the other analyses' accumulators (called once per path tried, so a fused pass
-        refused half-way leaves the eager one fresh accumulators). On the fused path they may read only
-        ``hook_resid_post`` (else ``"auto"`` takes the eager path).
-    eps, k_max, batch_size, progress, kind, path : as in :func:`sink_metric`.
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    make_accumulators : callable returning a sequence of Accumulator
+        Builds the other analyses' accumulators (called once per path tried, so a fused pass refused half-way
+        leaves the eager one fresh accumulators). On the fused path they may read only ``hook_resid_post`` (else
+        ``"auto"`` takes the eager path).
+    eps, k_max, batch_size, progress, kind, path
+        As in :func:`sink_metric`.
 
     Returns
     -------
-    (SinkResult, [each accumulator's result, in order])
+    tuple of (SinkResult, list)
+        The sink result and each accumulator's result, in order.
     """
     if path not in ("auto", "fused", "eager"):
         raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
@@ -302,7 +391,8 @@ def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulato
     if path != "eager":
         try:
             accs = list(make_accumulators())
-            res = sink_metric_fused(model, tokens, eps, k_max, batch_size, progress, kind, accumulators=accs)
+            res = sink_metric_fused(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress,
+                                    kind=kind, accumulators=accs)
             return res, [a.result() for a in accs]
         except FusedUnsupported as e:
             if path == "fused":
@@ -310,38 +400,81 @@ def sink_pass(model, tokens, make_accumulators: Callable[[], Sequence[Accumulato
             reason = str(e)
     tokens = check_tokens(model, tokens)
     accs = list(make_accumulators())
-    res, *rest = run_pass(model, tokens, [SinkAccumulator(model, tokens.shape[1], eps, k_max, kind), *accs],
-                          batch_size=batch_size, progress=progress)
+    sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
+    res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress)
     res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
     return res, rest
 
 
-def sink_metric_fused(model, tokens, eps: float | None = None, k_max: int | None = None,
-                      batch_size: int | None = None, progress: bool = False, kind: str | None = None, *,
+def sink_metric_fused(model, tokens, *, eps: float | None = None, k_max: int | None = None,
+                      batch_size: int | None = None, progress: bool = False, kind: str | None = None,
                       accumulators: Sequence[Accumulator] = ()) -> SinkResult:
     """``sink_metric`` through the fused pass (``analysis.fused_sink.fused_alpha``): the same ``SinkResult``, no
-    T x T map built. ``accumulators`` reading ``hook_resid_post`` are fed in the same pass. Raises
-    ``FusedUnsupported`` where that pass is not exact for the model."""
+    T x T map built.
+
+    Parameters
+    ----------
+    model
+        A Hugging Face model through TransformerLens's ``TransformerBridge``.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps, k_max, batch_size, progress, kind
+        As in :func:`sink_metric` (``eps`` None: the default 0.3).
+    accumulators : sequence of Accumulator
+        Other analyses reading ``hook_resid_post`` only, fed in the same pass.
+
+    Returns
+    -------
+    SinkResult
+        ``meta["path"] == "fused"``, no ``slot``. Raises ``FusedUnsupported`` where that pass is not exact for the
+        model.
+    """
     hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
     tokens = check_fused_tokens(model, tokens)
     T = tokens.shape[1]
     eps = check_eps(DEFAULT_EPS if eps is None else eps)
-    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size, progress, accumulators=accumulators)
+    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size=batch_size, progress=progress,
+                        accumulators=accumulators)
     skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
     return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
                       layers=fused_layers(model), skipped=skipped)
 
 
-def sink_table_text(results: dict[str, SinkResult], k: int = 1) -> str:
-    """Sink_k across input kinds in one sentence."""
+def sink_table_text(results: dict[str, SinkResult], *, k: int = 1) -> str:
+    """Sink_k across input kinds in one sentence.
+
+    Parameters
+    ----------
+    results : dict of str to SinkResult
+        One result per input kind, e.g. ``{"natural": ..., "random": ...}``.
+    k : int
+        The key position (1: the first token).
+
+    Returns
+    -------
+    str
+    """
     first = next(iter(results.values()))
     rates = [f"{r.sink_rate(k):.1f}% on {kind} inputs" for kind, r in results.items()]
     listed = rates[0] if len(rates) == 1 else ", ".join(rates[:-1]) + " and " + rates[-1]
     return f"Sink_{k} (eps = {first.eps:g}) is {listed} (N = {first.n_samples} sequences of T = {first.T} tokens, no BOS)."
 
 
-def sink_table(results: dict[str, SinkResult], k: int = 1) -> pd.DataFrame:
-    """Sink_k (%) for each named result (e.g. natural / random / repeated)."""
+def sink_table(results: dict[str, SinkResult], *, k: int = 1) -> pd.DataFrame:
+    """Sink_k (%) for each named result (e.g. natural / random / repeated).
+
+    Parameters
+    ----------
+    results : dict of str to SinkResult
+        One result per input kind.
+    k : int
+        The key position (1: the first token).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Indexed by ``input`` (the names), one column ``Sink_k (%)``.
+    """
     return pd.DataFrame(
         {"input": list(results), f"Sink_{k} (%)": [r.sink_rate(k) for r in results.values()]}
     ).set_index("input")

@@ -41,12 +41,18 @@ class SinkContext(Result):
 
     Attributes
     ----------
-    runs : DataFrame, one row per (T, seed, eps): ``n`` sequences, ``sink_1_pct``, ``secondary_pct`` (percent of
-        (sample, layer, head) sinking on a later position), ``later_sinks_per_sequence``, the ``path`` taken and the
-        ``seconds`` the T's pass took.
-    model_name : str or None.
-    source : str, where the numbers come from ("computed", or the CSV they were read from).
-    kind : str, the probe kind ("natural").
+    runs : pandas.DataFrame
+        One row per (T, seed, eps): ``n`` sequences, ``sink_1_pct``, ``secondary_pct`` (percent of (sample, layer,
+        head) sinking on a later position), ``later_sinks_per_sequence``, the ``path`` taken and the ``seconds`` the T's
+        pass took.
+    model_name : str or None
+        The model measured.
+    source : str
+        Where the numbers come from ("computed", or the CSV they were read from).
+    kind : str
+        The probe kind ("natural").
+    meta : dict
+        Further facts of the runs.
     """
 
     runs: pd.DataFrame
@@ -151,9 +157,21 @@ class SinkContext(Result):
         return path
 
 
-def load_sink_context(path, model_name: str | None = None) -> SinkContext:
+def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
     """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv``: a path, or the name of a model whose run is
-    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``)."""
+    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``).
+
+    Parameters
+    ----------
+    path : path-like or str
+        A CSV path, or a model name whose run is committed.
+    model_name : str, optional
+        The model's name (default: the CSV's ``model`` column).
+
+    Returns
+    -------
+    SinkContext
+    """
     path = Path(path)
     if not path.is_file() and (SINK_CONTEXT_DIR / f"{path}.csv").is_file():
         path = SINK_CONTEXT_DIR / f"{path}.csv"
@@ -168,7 +186,16 @@ def load_sink_context(path, model_name: str | None = None) -> SinkContext:
 
 
 def committed_sink_context(model_name: str | None) -> SinkContext | None:
-    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none."""
+    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none.
+
+    Parameters
+    ----------
+    model_name : str or None
+
+    Returns
+    -------
+    SinkContext or None
+    """
     path = SINK_CONTEXT_DIR / f"{model_name}.csv"
     return load_sink_context(path) if model_name and path.is_file() else None
 
@@ -177,20 +204,29 @@ def sink_vs_context(model, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Ma
                     seeds: Iterable[int] = (0, 1, 2), eps_grid: Sequence[float] = EPS_GRID, path: str = "auto",
                     texts: Sequence[str] | None = None, batch_size: int | None = None,
                     on_run: Callable[[pd.DataFrame], None] | None = None) -> SinkContext:
-    """Sink_1 and the secondary sinks of ``model`` on natural text for each context length in ``Ts`` and probe seed,
-    at every eps of ``eps_grid``.
+    """Sink_1 and the secondary sinks of ``model`` on natural text for each context length in ``Ts`` and probe seed, at
+    every eps of ``eps_grid``.
 
     Parameters
     ----------
-    model : a model with TransformerLens hook names and a tokenizer.
-    Ts : context lengths, each in [2, the model's context].
-    n : sequences per (T, seed): one number, or {T: n}.
-    seeds : probe seeds (each cuts other windows of the corpus).
-    eps_grid : thresholds in (0, 1).
-    path : "auto" (fused where exact), "fused" or "eager", as in ``analysis.sink_metric``.
-    texts : the natural texts (default the offline standard-library docstrings).
-    batch_size : sequences per batch.
-    on_run : called with the rows of each (T, seed) as they are done (e.g. to write a CSV as the run goes).
+    model
+        A model with TransformerLens hook names and a tokenizer.
+    Ts : sequence of int
+        Context lengths, each in [2, the model's context].
+    n : int or mapping of int to int
+        Sequences per (T, seed): one number, or {T: n}.
+    seeds : iterable of int
+        Probe seeds (each cuts other windows of the corpus).
+    eps_grid : sequence of float
+        Thresholds in (0, 1).
+    path : {"auto", "fused", "eager"}
+        "auto": fused where exact, as in ``analysis.sink_metric``.
+    texts : sequence of str, optional
+        The natural texts (default the offline standard-library docstrings).
+    batch_size : int, optional
+        Sequences per batch.
+    on_run : callable, optional
+        Called with the rows (a DataFrame) of each (T, seed) as they are done (e.g. to write a CSV as the run goes).
 
     Returns
     -------

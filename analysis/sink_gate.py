@@ -75,7 +75,18 @@ SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra
 
 def check_sink_positions(sink_positions, tokens: torch.Tensor):
     """``sink_positions`` as a sorted tuple of 0-based key positions, or as an (N, T) bool mask of sink keys per
-    sequence; ValueError saying what to give otherwise."""
+    sequence; ValueError saying what to give otherwise.
+
+    Parameters
+    ----------
+    sink_positions : sequence of int, or torch.Tensor of shape (N, T)
+        0-based key positions in [0, T - 3], or a bool mask of sink keys per sequence.
+    tokens : torch.Tensor, shape (N, T)
+
+    Returns
+    -------
+    tuple of int, or torch.Tensor of shape (N, T)
+    """
     N, T = tokens.shape
     if isinstance(sink_positions, torch.Tensor) and sink_positions.dtype == torch.bool:
         if tuple(sink_positions.shape) != (N, T):
@@ -94,11 +105,23 @@ def check_sink_positions(sink_positions, tokens: torch.Tensor):
     return tuple(pos)
 
 
-def first_query(sink_positions, eps: float = SINK_EPS) -> int:
+def first_query(sink_positions, *, eps: float = SINK_EPS) -> int:
     """The first query position (0-based) the statistics use: after every fixed sink position, and seeing enough keys
     that uniform attention does not count as sinking: with k sink keys, query t puts k / (t + 1) on them under
     uniform attention, at most eps from t = ceil(k / eps - 1) on (t = 3 for one sink and eps = 0.3). With a mask, k is
-    the largest number of sink keys in a sequence."""
+    the largest number of sink keys in a sequence.
+
+    Parameters
+    ----------
+    sink_positions : tuple of int, or torch.Tensor of shape (N, T)
+        As :func:`check_sink_positions` returns them.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    int
+    """
     if isinstance(sink_positions, torch.Tensor):
         after, k = 1, int(sink_positions.sum(1).max())
     else:
@@ -107,7 +130,19 @@ def first_query(sink_positions, eps: float = SINK_EPS) -> int:
 
 
 def check_heads(model, heads) -> list[tuple[int, int]]:
-    """``heads`` as a list of (true layer, query head) pairs on attention layers; ValueError naming the ranges."""
+    """``heads`` as a list of (true layer, query head) pairs on attention layers; ValueError naming the ranges.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    heads : iterable of (int, int)
+
+    Returns
+    -------
+    list of (int, int)
+        Without duplicates, in the order given.
+    """
     H = model_dims(model).n_heads
     try:
         pairs = [(int(l), int(h)) for l, h in heads]
@@ -115,7 +150,7 @@ def check_heads(model, heads) -> list[tuple[int, int]]:
         raise ValueError(f"heads must be (layer, head) pairs, e.g. [(3, 0), (12, 5)]; got {heads!r}.") from None
     if not pairs:
         raise ValueError("heads is empty; give at least one (layer, head) pair.")
-    attention_layers_of(model, [l for l, _ in pairs])  # raises on a layer out of range or without attention
+    attention_layers_of(model, layers=[l for l, _ in pairs])  # raises on a layer out of range or without attention
     bad = [(l, h) for l, h in pairs if not 0 <= h < H]
     if bad:
         raise ValueError(f"heads {bad} out of range: this model has query heads 0..{H - 1}.")
@@ -123,6 +158,17 @@ def check_heads(model, heads) -> list[tuple[int, int]]:
 
 
 def check_quantile(quantile: float) -> float:
+    """The quantile below which a query is quiet for a head, checked.
+
+    Parameters
+    ----------
+    quantile : float
+        Must lie in (0, 1).
+
+    Returns
+    -------
+    float
+    """
     quantile = float(quantile)
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must lie in (0, 1) (0.5: below the head's median); got {quantile}.")
@@ -139,7 +185,16 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 
 def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson r of each row of x (R, M) with the same row of y; NaN where a row is constant."""
+    """Pearson r of each row of x (R, M) with the same row of y; NaN where a row is constant.
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray, shape (R, M)
+
+    Returns
+    -------
+    numpy.ndarray, shape (R,)
+    """
     x = x - x.mean(-1, keepdims=True)
     y = y - y.mean(-1, keepdims=True)
     den = np.sqrt((x * x).sum(-1) * (y * y).sum(-1))
@@ -148,7 +203,16 @@ def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def rowwise_spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Spearman rho of each row of x (R, M) with the same row of y (Pearson r of the ranks, ties averaged)."""
+    """Spearman rho of each row of x (R, M) with the same row of y (Pearson r of the ranks, ties averaged).
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray, shape (R, M)
+
+    Returns
+    -------
+    numpy.ndarray, shape (R,)
+    """
     return rowwise_pearson(_ranks(x), _ranks(y))
 
 
@@ -156,30 +220,51 @@ def rowwise_spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class DormantHeads(Result, LayerAxis):
     """Per (sample, attention layer, query head, query): attention on the sink, output norm and loss effect.
 
-    Tensors are (N, L, H, T): N sequences, L attention layers (``layers``: their true indices; a hybrid's other
-    layers are left out, ``skipped`` says which), H query heads, T query positions (0-based; every position is kept,
-    the statistics use ``query_positions``).
+    Tensors are (N, L, H, T): N sequences, L attention layers (``layers``: their true indices; a hybrid's other layers
+    are left out, ``skipped`` says which), H query heads, T query positions (0-based; every position is kept, the
+    statistics use ``query_positions``).
 
     Attributes
     ----------
-    sink_attn : (N, L, H, T) attention each query puts on the sink keys (``sink_positions``).
-    out_norm : (N, L, H, T) norm of the head's output at the query, |z_t^h W_O^h|.
-    effect : (N, L, H, T) estimated change of the sequence's summed next-token loss (nats) when the head's output at
-        the query is set to zero (gradient x activation; positive: the loss rises without it).
-    effect_mean : (N, L, H, T) or None, the same with the output set to the head's mean output ``z_mean`` instead
-        (mean ablation: removes what the head writes for this query and keeps its constant part).
-    z_mean : (L, H, d_head) or None, each head's mean z over the measured queries of every sequence.
-    slot : (N, L, H, T) or None, attention on an extra slot that is no input token (1 - the row sum of the pattern);
-        None where no head gives one any (every row sums to 1).
-    mass : (N, L, H, T) or None, the total weight multiplying the values over the input tokens (``hook_raw_pattern``
-        row sum), where the model has that hook.
-    active : (N, T) bool or None, queries known to need a head (e.g. the copy positions of the synthetic task).
-    sink_positions : tuple of 0-based key positions, or an (N, T) bool mask of sink keys per sequence.
-    eps : a query sinks when its attention on the sink (or slot) exceeds eps.
-    quantile : a query is quiet (inert) for a head when its output norm (|effect|) lies below this quantile of the
-        head's output norms (|effects|) over the measured queries.
-    min_share, min_queries : which heads enter the pooled summary (``sinking_heads``, ``mixed_heads``).
-    effect_method : "gradient" (gradient x activation) or "exact" (one removal pass per head).
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    sink_attn : torch.Tensor, shape (N, L, H, T)
+        The attention each query puts on the sink keys (``sink_positions``).
+    out_norm : torch.Tensor, shape (N, L, H, T)
+        The norm of the head's output at the query, |z_t^h W_O^h|.
+    effect : torch.Tensor, shape (N, L, H, T)
+        The estimated change of the sequence's summed next-token loss (nats) when the head's output at the query is set
+        to zero (gradient x activation; positive: the loss rises without it).
+    sink_positions : tuple of int, or torch.Tensor of shape (N, T)
+        The 0-based key positions of the sink, or a bool mask of sink keys per sequence.
+    eps : float
+        A query sinks when its attention on the sink (or slot) exceeds eps.
+    quantile : float
+        A query is quiet (inert) for a head when its output norm (|effect|) lies below this quantile of the head's
+        output norms (|effects|) over the measured queries.
+    effect_mean : torch.Tensor, shape (N, L, H, T), or None
+        The same with the output set to the head's mean output ``z_mean`` instead (mean ablation: removes what the head
+        writes for this query and keeps its constant part).
+    z_mean : torch.Tensor, shape (L, H, d_head), or None
+        Each head's mean z over the measured queries of every sequence.
+    slot : torch.Tensor, shape (N, L, H, T), or None
+        Attention on an extra slot that is no input token (1 - the row sum of the pattern); None where no head gives one
+        any (every row sums to 1).
+    mass : torch.Tensor, shape (N, L, H, T), or None
+        The total weight multiplying the values over the input tokens (``hook_raw_pattern`` row sum), where the model
+        has that hook.
+    active : torch.Tensor, shape (N, T), or None
+        bool, the queries known to need a head (e.g. the copy positions of the synthetic task).
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    min_share : float
+        Which heads enter the pooled summary (``sinking_heads``, ``mixed_heads``): the share of their queries that sink.
+    min_queries : int
+        The fewest sinking (and other) queries a head needs to enter the pooled summary.
+    effect_method : {"gradient", "exact"}
+        Gradient x activation, or one removal pass per head.
     """
 
     layers: list[int]
@@ -220,7 +305,7 @@ class DormantHeads(Result, LayerAxis):
     @property
     def query_positions(self) -> list[int]:
         """0-based query positions the statistics use: after the sink, before the last token."""
-        return list(range(first_query(self.sink_positions, self.eps), self.T - 1))
+        return list(range(first_query(self.sink_positions, eps=self.eps), self.T - 1))
 
     @property
     def has_slot(self) -> bool:
@@ -582,7 +667,20 @@ def _positions_words(sink_positions) -> str:
 
 def output_grams(model, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """{layer: W_O^h W_O^h^T (H, d_head, d_head)} so that |z_t^h W_O^h|^2 = z_t^h G_h z_t^h (float32). Reads
-    ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing."""
+    ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : sequence of int
+        Attention layers.
+
+    Returns
+    -------
+    dict of int to torch.Tensor
+        {layer: (H, d_head, d_head)}.
+    """
     out = {}
     for l in layers:
         W = getattr(getattr(model.blocks[l], "attn", None), "W_O", None)
@@ -661,7 +759,17 @@ class _BatchHooks:
 
 
 def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of each sequence, (B,) float32, from ``logits`` (B, T, V)."""
+    """Summed next-token cross-entropy of each sequence, (B,) float32, from ``logits`` (B, T, V).
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, V)
+    tokens : torch.Tensor, shape (B, T)
+
+    Returns
+    -------
+    torch.Tensor, shape (B,)
+    """
     lg = logits[:, :-1].float()
     return torch.nn.functional.cross_entropy(lg.transpose(1, 2), tokens[:, 1:], reduction="none").sum(-1)
 
@@ -695,7 +803,17 @@ def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch
 
 def grad_batch_size(T: int) -> int:
     """Sequences per forward + backward batch: about ``DORMANT_GRAD_BATCH_TOKENS`` tokens (the backward pass keeps
-    every layer's activations of the batch)."""
+    every layer's activations of the batch).
+
+    Parameters
+    ----------
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+    """
     return max(1, DORMANT_GRAD_BATCH_TOKENS // max(int(T), 1))
 
 
@@ -716,28 +834,45 @@ def dormant_heads(
 ) -> DormantHeads:
     """Per head and query: attention on the sink, the head's output norm and its effect on the loss.
 
+    Cost: one forward and one backward pass over the tokens (the backward keeps one batch's activations), plus the
+    means' pass with ``mean_ablation``.
+
     Parameters
     ----------
-    model : a model with TransformerLens hook names (``load_model``; a reference model of ``analysis.train``).
-    tokens : (N, T) token ids, T >= max(sink_positions) + 3.
-    sink_positions : 0-based key positions whose attention counts as the sink (default the first token), or an
-        (N, T) bool mask of sink keys per sequence (statistics then start at query 1).
-    eps : a query sinks when more than eps of its attention goes to the sink (the sink metric's 0.3).
-    quantile : a query is quiet (inert) when its output norm (|effect|) lies below this quantile of the head's.
-    layers : attention layers (true indices) to measure; None: all.
-    active : (N, T) bool, queries known to need a head (``copy_queries`` for the synthetic task), or None.
-    mean_ablation : also estimate the loss effect of setting the head's output to its mean output (``effect_mean``);
-        costs one streamed forward pass for the means (stopping after the last layer measured, no unembedding).
-    exact : replace the gradient x activation estimates by exact removal (:func:`removal_effects`) for every head: one
-        pass per head (two with ``mean_ablation``) over N x (Q + 1) rows, Q the measured queries. Only for small
-        models: gradient x activation misses effects where the model is certain of its prediction (the gradient
-        vanishes), e.g. the copy positions of the synthetic task.
-    batch_size : sequences per forward + backward (default about 256 tokens: see ``grad_batch_size``).
+    model
+        Any model with TransformerLens hook names (``load_model``; a reference model of ``analysis.train``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= max(sink_positions) + 3.
+    sink_positions : sequence of int, or torch.Tensor of shape (N, T)
+        0-based key positions whose attention counts as the sink (default the first token), or a bool mask of sink
+        keys per sequence (statistics then start at query 1).
+    eps : float
+        A query sinks when more than eps of its attention goes to the sink (the sink metric's 0.3).
+    quantile : float
+        A query is quiet (inert) when its output norm (|effect|) lies below this quantile of the head's.
+    layers : sequence of int, optional
+        Attention layers (true indices) to measure; None: all.
+    active : torch.Tensor, shape (N, T), optional
+        bool, queries known to need a head (``copy_queries`` for the synthetic task).
+    mean_ablation : bool
+        Also estimate the loss effect of setting the head's output to its mean output (``effect_mean``); costs one
+        streamed forward pass for the means (stopping after the last layer measured, no unembedding).
+    exact : bool
+        Replace the gradient x activation estimates by exact removal (:func:`removal_effects`) for every head: one pass
+        per head (two with ``mean_ablation``) over N x (Q + 1) rows, Q the measured queries. Only for small models:
+        gradient x activation misses effects where the model is certain of its prediction (the gradient vanishes), e.g.
+        the copy positions of the synthetic task.
+    batch_size : int, optional
+        Sequences per forward + backward (default about 256 tokens: see ``grad_batch_size``).
+    progress : bool
+        Show a progress bar.
+    kind : str, optional
+        The input kind, a label ("natural", "random").
 
     Returns
     -------
-    DormantHeads with (N, L, H, T) tensors and the per-head table. Cost: one forward and one backward pass over the
-    tokens (the backward keeps one batch's activations), plus the means' pass with ``mean_ablation``.
+    DormantHeads
+        Tensors of shape (N, L, H, T) and the per-head table.
     """
     tokens = check_tokens(model, tokens)
     N, T = tokens.shape
@@ -745,7 +880,7 @@ def dormant_heads(
     if T < 3:
         raise ValueError(f"T={T} is too short: give T >= 3 tokens (a sink, a query, and a token to predict after it).")
     sinks = check_sink_positions(sink_positions, tokens)
-    layers = attention_layers_of(model, layers)
+    layers = attention_layers_of(model, layers=layers)
     if not layers:
         raise ModelContractError("this model has no attention layers to measure.")
     if active is not None:
@@ -754,11 +889,11 @@ def dormant_heads(
             raise ValueError(f"active must be an (N, T) bool mask like the tokens {(N, T)}; got {tuple(active.shape)}.")
     grams = output_grams(model, layers)
     raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
-    first = first_query(sinks, eps)
+    first = first_query(sinks, eps=eps)
     if first > T - 2:
         raise ValueError(f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
                          f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}.")
-    z_mean = head_means(model, tokens, layers, first, batch_size=batch_size) if mean_ablation else None
+    z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
     bs = batch_size or grad_batch_size(T)
     device = model_device(model)
     chunks: dict[str, list[torch.Tensor]] = {}
@@ -823,17 +958,48 @@ class _HeadMeans(Accumulator):
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
-def head_means(model, tokens, layers: Sequence[int], first: int = 1, *, batch_size: int | None = None) -> torch.Tensor:
+def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
     """Each head's mean output z over the queries ``first``..T-2 (0-based) of every sequence, (L, H, d_head): the
-    value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``."""
-    return run_pass(model, check_tokens(model, tokens), [_HeadMeans(attention_layers_of(model, layers), first)],
+    value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layers : sequence of int
+        Attention layers (true indices).
+    first : int
+        The first query averaged over.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+
+    Returns
+    -------
+    torch.Tensor, shape (L, H, d_head)
+    """
+    return run_pass(model, check_tokens(model, tokens), [_HeadMeans(attention_layers_of(model, layers=layers), first)],
                   batch_size=batch_size)[0]
 
 
 def copy_queries(model, tokens) -> torch.Tensor:
     """(N, T) bool: the queries of the synthetic bigram-copy task (``analysis.train``, Guo et al.'s bigram-backcopy)
     where the next token copies the one before, i.e. whose own token is a trigger at position >= 2 (0-based). The
-    triggers are read from the reference model's data config; ValueError for a model without that task."""
+    triggers are read from the reference model's data config; ValueError for a model without that task.
+
+    Parameters
+    ----------
+    model : analysis.train.SinkLM
+        A reference model of the synthetic bigram-copy task.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+
+    Returns
+    -------
+    torch.Tensor, shape (N, T)
+        bool.
+    """
     data = (getattr(model, "reference_config", None) or {}).get("data", {})
     triggers = data.get("triggers")
     if not triggers:
@@ -869,7 +1035,20 @@ class _RowLosses(Accumulator):
 
 
 def check_queries(queries, T: int, first: int) -> list[int]:
-    """Query positions (0-based) in [first, T - 2]; None: all of them."""
+    """Query positions (0-based) in [first, T - 2]; None: all of them.
+
+    Parameters
+    ----------
+    queries : sequence of int or None
+    T : int
+        The sequence length.
+    first : int
+        The first query the statistics use.
+
+    Returns
+    -------
+    list of int
+    """
     if queries is None:
         return list(range(first, T - 1))
     qs = sorted({int(q) for q in queries})
@@ -891,7 +1070,34 @@ def removal_effects(model, tokens, heads, *, queries: Sequence[int] | None = Non
     removed, so every (sequence, query) is exact on its own. Where the model can resume (``passes.can_resume``) the
     pass starts at the head's block from the residual entering it: from ``resid`` ({block: (N, T, D)}, e.g.
     ``Profile.resid``: the last kept block at or before it) or from one capturing pass. ``queries``: 0-based
-    positions in [first, T - 2] (default all). Cost: n_heads x (Q + 1) passes' worth of tokens; keep N and T small."""
+    positions in [first, T - 2] (default all). Cost: n_heads x (Q + 1) passes' worth of tokens; keep N and T small.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids (keep N and T small).
+    heads : sequence of (int, int)
+        (true layer, query head) pairs.
+    queries : sequence of int, optional
+        0-based positions in [first, T - 2] (default all).
+    first : int
+        The first query position allowed.
+    values : torch.Tensor, shape (n_heads, d_head), optional
+        What each head's output is set to (default 0).
+    resid : dict of int to torch.Tensor, optional
+        {block: the residual entering it, (N, T, D)}.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    progress : bool
+        Show a progress bar over heads.
+
+    Returns
+    -------
+    torch.Tensor, shape (n_heads, N, Q)
+        float64, nats.
+    """
     tokens = check_tokens(model, tokens)
     N, T = tokens.shape
     pairs = check_heads(model, heads)
@@ -940,11 +1146,18 @@ class AttributionCheck(Result):
 
     Attributes
     ----------
-    heads : the (layer, head) pairs checked.
-    queries : the 0-based query positions.
-    exact : (n_heads, N, Q) exact loss change (nats) when the head's output at the query is removed.
-    estimate : (n_heads, N, Q) the gradient x activation estimate of the same.
-    ablation : "zero" (the output set to 0) or "mean" (set to the head's mean output).
+    heads : list of (int, int)
+        The (layer, head) pairs checked.
+    queries : list of int, length Q
+        The 0-based query positions.
+    exact : torch.Tensor, shape (n_heads, N, Q)
+        The exact loss change (nats) when the head's output at the query is removed.
+    estimate : torch.Tensor, shape (n_heads, N, Q)
+        The gradient x activation estimate of the same.
+    ablation : {"zero", "mean"}
+        The output set to 0, or to the head's mean output.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
     """
 
     heads: list[tuple[int, int]]
@@ -1015,7 +1228,32 @@ def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: D
     """Compare the gradient x activation estimate of :func:`dormant_heads` with exact removal
     (:func:`removal_effects`) on ``heads`` ((layer, head) pairs) over ``tokens`` (N, T; keep them small: one pass of
     N x (Q + 1) rows per head). ``ablation``: "zero" (``effect``) or "mean" (``effect_mean``, the output set to the
-    result's ``z_mean``). ``result``: a ``DormantHeads`` of these very tokens (computed when None)."""
+    result's ``z_mean``). ``result``: a ``DormantHeads`` of these very tokens (computed when None).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids (keep them small).
+    heads : sequence of (int, int)
+        (true layer, query head) pairs.
+    ablation : {"zero", "mean"}
+    result : DormantHeads, optional
+        Of these very tokens (computed when None).
+    queries : sequence of int, optional
+        0-based query positions (default all the statistics use).
+    resid : dict of int to torch.Tensor, optional
+        {block: the residual entering it, (N, T, D)}.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    AttributionCheck
+    """
     if ablation not in ("zero", "mean"):
         raise ValueError(f"ablation must be 'zero' or 'mean'; got {ablation!r}.")
     tokens = check_tokens(model, tokens)
@@ -1030,7 +1268,7 @@ def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: D
         raise ValueError(f"layers {missing} are not in the result (it holds {result.layers}).")
     if ablation == "mean" and result.effect_mean is None:
         raise ValueError("the result has no mean-ablation effects; compute it with dormant_heads(..., mean_ablation=True).")
-    first = first_query(result.sink_positions, result.eps)
+    first = first_query(result.sink_positions, eps=result.eps)
     qs = check_queries(queries, tokens.shape[1], first)
     values = torch.stack([result.z_mean[result.pos(l), h] for l, h in pairs]) if ablation == "mean" else None
     exact = removal_effects(model, tokens, pairs, queries=qs, first=first, values=values, resid=resid,

@@ -81,6 +81,8 @@ class FirstTokenTrace:
         on the other tokens.
     first_ids : torch.Tensor, shape (N,)
         The first token of each sequence.
+    T : int
+        The sequence length.
     """
 
     resid: torch.Tensor
@@ -118,9 +120,17 @@ class FirstTokenTrace:
 
 
 class SpikeOriginAccumulator(Accumulator):
-    """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`)."""
+    """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
 
-    def __init__(self, model, kind: str | None = None):
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, *, kind: str | None = None):
         self.model, self.kind = model, kind
         self.spec = get_mlp(model)
         self.L, self.D = model_dims(model).n_layers, int(model_dims(model).d_model)
@@ -358,9 +368,21 @@ class MlpNeurons:
 class ExpertWrites:
     """Which experts of a mixture-of-experts block write on one spike dimension, first token.
 
-    ``table``: one row per expert (the samples it was routed on, its mean write there and over all samples), a row
-    "rest" for what the block adds beyond its routed experts (a shared expert), and a row "unaccounted" where the
-    block's write is not what its modules make (a hook on its output)."""
+    Attributes
+    ----------
+    dim : int
+        The spike dimension.
+    block : int
+        The mixture-of-experts block.
+    role : str
+        "writer", "eraser" or "amplifier".
+    table : pandas.DataFrame
+        One row per expert (the share of samples it was routed on, its mean write there and over all samples), a row
+        "rest" for what the block adds beyond its routed experts (a shared expert), and a row "unaccounted" where the
+        block's write is not what its modules make (a hook on its output).
+    write : float
+        The block's mean write on ``dim``, first token.
+    """
 
     dim: int
     block: int
@@ -408,8 +430,26 @@ def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
     return k, w_out, const
 
 
-def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, role: str = "writer") -> MlpNeurons:
-    """The neurons of block ``block``'s dense MLP on ``dim`` (:class:`MlpNeurons`) from the trace of a pass."""
+def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
+    """The neurons of a block's dense MLP on one spike dimension, from the trace of a pass.
+
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    block : int
+        The MLP block.
+    role : {"writer", "eraser", "amplifier"}
+        What the block does to the spike (a label).
+
+    Returns
+    -------
+    MlpNeurons
+    """
     spec = get_mlp(model)
     W = mlp_weights(model, block)
     a = trace.act_first[block]
@@ -422,8 +462,26 @@ def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, role: str =
                       spec.output)
 
 
-def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, role: str = "writer") -> ExpertWrites:
-    """Which routed experts of block ``block`` write on ``dim`` for the first token (:class:`ExpertWrites`)."""
+def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
+    """Which routed experts of a mixture-of-experts block write on one spike dimension for the first token.
+
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    block : int
+        The MLP block.
+    role : {"writer", "eraser", "amplifier"}
+        What the block does to the spike (a label).
+
+    Returns
+    -------
+    ExpertWrites
+    """
     idx, slots, rest = expert_writes(model, block, trace.mlp_in[block])
     N = idx.shape[0]
     rows = []
@@ -476,6 +534,14 @@ class SpikeOrigin(Result):
         What does not apply here, in sentences (the family's MLP, a write no neuron holds, ...).
     appears : dict
         dim -> the first stream where the first token carries the spike (0: its embedding; l: entering block l).
+    mlp_facts : str
+        The family's MLP in words (``MlpSpec.text()``).
+    share : float
+        What counted as a write: at least this share of the value it leads to (or erases).
+    min_write : float
+        The smallest |write| considered.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
     """
 
     dims: list[int]
@@ -651,13 +717,37 @@ def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequen
 
 def find_writes(trace: FirstTokenTrace, dim: int, *, parallel: bool = False, mixers: Sequence[int] = (),
                 share: float = SPIKE_WRITE_SHARE, min_write: float = SPIKE_ABS, appears: int | None = None) -> pd.DataFrame:
-    """The components that write and erase the first token's spike on ``dim`` (the rows of ``SpikeOrigin.writes``).
+    """The components that write and erase the first token's spike on one dimension (the rows of
+    ``SpikeOrigin.writes``).
 
-    A writer adds, in the sign of the spike's peak, at least ``share`` of the value it leads to; an eraser takes
-    away at least ``share`` of the value it meets; both write at least ``min_write`` and ``SPIKE_WRITE_FLOOR`` of the
-    peak |value| (means over samples, first token). Where the spike already is in the first token's embedding
-    (``appears`` 0: found in the stream entering block 0) the embedding is its writer, and a later write that adds to
-    it is an "amplifier"."""
+    A writer adds, in the sign of the spike's peak, at least ``share`` of the value it leads to; an eraser takes away
+    at least ``share`` of the value it meets; both write at least ``min_write`` and ``SPIKE_WRITE_FLOOR`` of the peak
+    |value| (means over samples, first token).
+
+    Parameters
+    ----------
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    parallel : bool
+        Attention and MLP read the block's input (measured against the block's output).
+    mixers : sequence of int
+        Blocks whose token mixer has no ``hook_attn_out``.
+    share : float
+        The share of the value a write must reach.
+    min_write : float
+        The smallest |write| considered.
+    appears : int, optional
+        The first stream carrying the spike; 0 (the embedding) makes the embedding its writer, and a later write that
+        adds to it an "amplifier".
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per component: dim, role, component, block, write, write_min, write_max, value_before, value_after,
+        share.
+    """
     v = trace.resid[:, :, dim].mean(0)
     peak = float(v[int(v.abs().argmax())])
     sign = 1.0 if peak >= 0 else -1.0
@@ -697,16 +787,34 @@ def _check_blocks(blocks, L: int) -> list[int] | None:
     return blocks
 
 
-def origin_from(model, trace: FirstTokenTrace, dims: Sequence[int] | None = None, *, massive=None,
+def origin_from(model, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
                 blocks: Sequence[int] | None = None, share: float = SPIKE_WRITE_SHARE, min_write: float | None = None,
                 kind: str | None = None) -> SpikeOrigin:
     """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
 
-    ``dims``: the spike dimensions to trace; None takes the first token's spike dims of ``massive`` (a
-    ``MassiveActivations`` of the same tokens, e.g. ``Profile.massive["natural"]``) over every layer. ``blocks``: the
-    MLP blocks whose neurons (or experts) to resolve; None: every writing and erasing MLP found. ``share``,
-    ``min_write``: what counts as a write (``find_writes``; ``min_write`` None: ``massive``'s absolute threshold, else
-    Sun et al.'s 100)."""
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dims : sequence of int, optional
+        The spike dimensions to trace; None takes the first token's spike dims of ``massive`` over every layer.
+    massive : MassiveActivations, optional
+        The massive activations of the same tokens, e.g. ``Profile.massive["natural"]``.
+    blocks : sequence of int, optional
+        The MLP blocks whose neurons (or experts) to resolve; None: every writing and erasing MLP found.
+    share : float
+        What counts as a write (:func:`find_writes`).
+    min_write : float, optional
+        The smallest |write| considered; None: ``massive``'s absolute threshold, else Sun et al.'s 100.
+    kind : str, optional
+        The input kind, a label.
+
+    Returns
+    -------
+    SpikeOrigin
+    """
     spec = get_mlp(model)
     D, L = int(model_dims(model).d_model), trace.n_layers
     blocks = _check_blocks(blocks, L)
@@ -756,7 +864,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
     """Add the neurons (dense MLP) or experts (mixture of experts) of ``block`` on ``dim`` to ``out``, or a note."""
     tr = out.trace
     if spec.has_neurons(block):
-        n = mlp_neurons(model, tr, dim, block, role)
+        n = mlp_neurons(model, tr, dim, block, role=role)
         out.neurons.append(n)
         if role == "writer" and spec.kind == "gated":
             W = mlp_weights(model, block)
@@ -768,7 +876,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
                              "of two projections, so the quadratic-form view does not apply.")
     elif block in spec.moe_layers:
         try:
-            out.experts.append(moe_experts(model, tr, dim, block, role))
+            out.experts.append(moe_experts(model, tr, dim, block, role=role))
         except ValueError as e:
             out.notes.append(f"MLP {block} is a mixture of experts whose experts could not be run one by one ({e}).")
     else:
@@ -805,6 +913,10 @@ def spike_origin(
         ``median_over``: its criterion).
     blocks : sequence of int, optional
         The MLP blocks whose neurons to resolve; None: every writing and erasing MLP found.
+    abs_threshold, ratio_threshold, min_share : float
+        The massive-activation criterion that finds the spike dims (see ``analysis.massive_activations``).
+    median_over : {"sequence", "token"}
+        The median its ratio is taken to.
     share : float
         What counts as a write: at least this share of the value it leads to (or erases).
     min_write : float, optional
@@ -826,7 +938,7 @@ def spike_origin(
     _check_blocks(blocks, L)
     if not 0 < float(share) <= 1:
         raise ValueError(f"share must lie in (0, 1]; got {share}.")
-    accs = [SpikeOriginAccumulator(model, kind)]
+    accs = [SpikeOriginAccumulator(model, kind=kind)]
     if dims is None:
         accs.append(massive_accumulator(model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
                                         min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))
@@ -834,4 +946,5 @@ def spike_origin(
     massive = got[1] if dims is None else None
     if min_write is None:
         min_write = abs_threshold if dims is None else None
-    return origin_from(model, got[0], dims, massive=massive, blocks=blocks, share=share, min_write=min_write, kind=kind)
+    return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write,
+                       kind=kind)

@@ -11,15 +11,37 @@ _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 def pair_cosine(unit_sum: torch.Tensor, n: int) -> torch.Tensor:
     """Mean cosine over the n (n - 1) ordered pairs of n unit vectors, from their sum s (..., d):
-    (|s|^2 - n) / (n (n - 1)); NaN for n < 2. Lets a streamed pass keep only the running sum."""
+    (|s|^2 - n) / (n (n - 1)); NaN for n < 2. Lets a streamed pass keep only the running sum.
+
+    Parameters
+    ----------
+    unit_sum : torch.Tensor, shape (..., d)
+        The sum of n unit vectors.
+    n : int
+
+    Returns
+    -------
+    torch.Tensor, shape (...)
+    """
     if n < 2:
         return torch.full(unit_sum.shape[:-1], float("nan"))
     return (((unit_sum * unit_sum).sum(-1) - n) / (n * (n - 1))).float()
 
 
-def mean_pairwise_cosine(x: torch.Tensor, groups: torch.Tensor | None = None) -> float:
+def mean_pairwise_cosine(x: torch.Tensor, *, groups: torch.Tensor | None = None) -> float:
     """Mean cosine over pairs of different rows of ``x`` (n, d); with ``groups`` (n,), only over pairs from
-    different groups (e.g. tokens of different sequences)."""
+    different groups (e.g. tokens of different sequences).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (n, d)
+    groups : torch.Tensor, shape (n,), optional
+
+    Returns
+    -------
+    float
+        NaN for fewer than 2 rows (or no pair from different groups).
+    """
     if x.shape[0] < 2:
         return float("nan")
     u = torch.nn.functional.normalize(x.double(), dim=-1)
@@ -29,12 +51,26 @@ def mean_pairwise_cosine(x: torch.Tensor, groups: torch.Tensor | None = None) ->
     return float((u @ u.T)[mask].mean()) if mask.any() else float("nan")
 
 
-def lower_median(x: torch.Tensor, dim: int = -1, overwrite: bool = False, nonnegative: bool = False) -> torch.Tensor:
+def lower_median(x: torch.Tensor, *, dim: int = -1, overwrite: bool = False, nonnegative: bool = False) -> torch.Tensor:
     """``x.median(dim).values`` (the lower of the two middle values for an even count; NaN where a slice holds a
     NaN), found by selection (``numpy.partition``) on the CPU instead of torch's full sort: ~5x faster on long
     slices. ``overwrite``: partition x itself (a scratch tensor: its order along ``dim`` is lost), saving a copy.
     ``nonnegative``: x holds no negative numbers (e.g. absolute values), whose bit patterns order as integers do:
-    selecting on the integers is faster. Other devices and dtypes use ``torch.median``."""
+    selecting on the integers is faster. Other devices and dtypes use ``torch.median``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+    dim : int
+        The axis reduced.
+    overwrite : bool
+    nonnegative : bool
+
+    Returns
+    -------
+    torch.Tensor
+        ``x``'s shape without ``dim``.
+    """
     if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS or x.numel() == 0:
         return x.median(dim=dim).values
     a = np.moveaxis(x.detach().numpy(), dim, -1)
@@ -52,16 +88,39 @@ def lower_median(x: torch.Tensor, dim: int = -1, overwrite: bool = False, nonneg
     return torch.from_numpy(med)
 
 
-def unit_vectors(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_vectors(x: torch.Tensor, *, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(``torch.nn.functional.normalize(x, dim=dim)``, ``x.norm(dim=dim)``): the unit vectors, bit for bit as
-    ``normalize`` makes them, and the norms they were divided by, from one norm computation."""
+    ``normalize`` makes them, and the norms they were divided by, from one norm computation.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., d)
+    dim : int
+        The axis normalised.
+
+    Returns
+    -------
+    units : torch.Tensor, shape (..., d)
+    norms : torch.Tensor, shape (...)
+    """
     norm = x.norm(dim=dim, keepdim=True)
     return x / norm.clamp_min(1e-12).expand_as(x), norm.squeeze(dim)
 
 
 def permuted_copy(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """``x.permute(dims).contiguous()`` in a fresh tensor: the same numbers and layout, copied by numpy on the CPU,
-    whose strided copy is about twice as fast as torch's where the permutation moves the last dimension."""
+    whose strided copy is about twice as fast as torch's where the permutation moves the last dimension.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+    dims : tuple of int
+        The permutation.
+
+    Returns
+    -------
+    torch.Tensor
+    """
     if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS:
         return x.permute(dims).contiguous()
     out = torch.empty([x.shape[d] for d in dims], dtype=x.dtype)
@@ -71,7 +130,17 @@ def permuted_copy(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def flat_above(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Indices into ``x.flatten()`` of the elements above ``threshold``, ascending (as ``(x.flatten() >
-    threshold).nonzero()``); through numpy on the CPU, where torch's threaded nonzero is slow on a busy machine."""
+    threshold).nonzero()``); through numpy on the CPU, where torch's threaded nonzero is slow on a busy machine.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+    threshold : float
+
+    Returns
+    -------
+    torch.LongTensor, shape (n,)
+    """
     if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS:
         return (x.flatten() > threshold).nonzero().squeeze(1)
     return torch.from_numpy(np.flatnonzero(x.detach().numpy() > threshold))
@@ -82,7 +151,12 @@ def one_thread():
     """Torch's CPU ops on one thread for the duration (the thread count restored after); also a decorator,
     ``@one_thread()``. The streamed reductions work on a few MB per call, where a second thread gains little and,
     on a busy machine, every threaded op waits for a descheduled worker: an accumulator's update then costs
-    several times more (measured 5-7x on a shared 2-core machine). Results do not depend on the thread count."""
+    several times more (measured 5-7x on a shared 2-core machine). Results do not depend on the thread count.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+    """
     n = torch.get_num_threads()
     if n > 1:
         torch.set_num_threads(1)

@@ -43,11 +43,23 @@ REDUCTIONS = ("mean", "max")
 
 def _reduce_groups(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
     """(L, H) per query head -> (L, H_kv): mean or max over the query heads of each KV head."""
-    return group_reduce(x, group_size, _check_reduce(how))
+    return group_reduce(x, group_size, how=_check_reduce(how))
 
 
 def correlation(x, y) -> dict:
-    """Pearson and Spearman correlation of two 1-D arrays, with p-values; None where undefined."""
+    """Pearson and Spearman correlation of two 1-D arrays, with p-values.
+
+    Parameters
+    ----------
+    x, y : array-like, shape (n,)
+        Non-finite pairs are dropped.
+
+    Returns
+    -------
+    dict
+        ``n``, ``pearson_r``, ``pearson_p``, ``spearman_rho``, ``spearman_p``; None where undefined (fewer than 3
+        points or a constant variable, with a ``note`` saying so).
+    """
     from scipy import stats
 
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -68,7 +80,44 @@ class ValueNorms(Result):
     """Per (layer, KV head) value norms joined with the sink metric's alpha_1.
 
     Tensors are indexed by position in ``layers``, the TRUE indices of the attention layers measured (a hybrid's
-    linear-attention / Mamba layers have no values or pattern and are left out; ``skipped`` says which)."""
+    linear-attention / Mamba layers have no values or pattern and are left out; ``skipped`` says which).
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    group_size : int
+        Query heads per KV head.
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    v1_norm : torch.Tensor, shape (L, H_kv)
+        Mean |v_1|, the first token's value norm.
+    vj_norm : torch.Tensor, shape (L, H_kv)
+        Mean |v_j| over positions j > 1.
+    v_norm_by_pos : torch.Tensor, shape (L, H_kv, T)
+        Mean |v_t| per position t (the profile).
+    alpha_1 : torch.Tensor, shape (L, H)
+        alpha_1 per query head.
+    first_value_share : torch.Tensor, shape (L, H)
+        Per query head, the mean over queries t > 1 of A_t1 |v_1| / sum_j A_tj |v_j|: the share of the value-norm mass
+        a query draws from the first token.
+    alpha_source : str
+        Where alpha_1 comes from (a given ``SinkResult``, or ``hook_pattern`` in the same pass).
+    v1_cos_pair : torch.Tensor, shape (L, H_kv), or None
+        Mean cosine between the first token's values of different inputs.
+    vj_cos_pair : torch.Tensor, shape (L, H_kv), or None
+        Mean pairwise cosine of the values at positions j > 1.
+    reduce : {"mean", "max"}
+        How the query heads of a KV head map to one alpha.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    ratio : torch.Tensor, shape (L, H_kv)
+        ``v1_norm / vj_norm`` (a property).
+    """
 
     layers: list[int]
     group_size: int
@@ -222,10 +271,22 @@ def _check_reduce(reduce: str) -> str:
 
 
 class ValueNormsAccumulator(Accumulator):
-    """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first
-    token's share of the value-norm mass per query head."""
+    """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first token's
+    share of the value-norm mass per query head.
 
-    def __init__(self, model, layers, T: int, kind: str | None = None):
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : sequence of int
+        Attention layers (true indices).
+    T : int
+        The sequence length.
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, layers, T: int, *, kind: str | None = None):
         dims = model_dims(model)
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         L, f64 = len(self.layers), torch.float64
@@ -293,6 +354,7 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
 def value_norms(
     model,
     tokens,
+    *,
     sink: SinkResult | None = None,
     layers=None,
     reduce: str = "mean",
@@ -301,17 +363,36 @@ def value_norms(
 ) -> ValueNorms:
     """|v_1| against mean |v_j| (j > 1) per layer and KV head, joined with alpha_1; streamed through hooks.
 
-    ``sink``: a ``SinkResult`` (``analysis.sink_metric``) whose per-head alpha_1 to use; by default alpha_1
-    is computed from ``hook_pattern`` in the same pass on ``tokens``. ``reduce`` ("mean" or "max") maps
-    the query heads of a KV head to one alpha.
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    sink : SinkResult, optional
+        A result of ``analysis.sink_metric`` on this model whose per-head alpha_1 to use; by default alpha_1 is
+        computed from ``hook_pattern`` in the same pass on ``tokens``.
+    layers : sequence of int, optional
+        Attention layers (true indices; default all).
+    reduce : {"mean", "max"}
+        How the query heads of a KV head map to one alpha.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    ValueNorms
+        Norms of shape (L, H_kv), alpha_1 of shape (L, H).
     """
     reduce = _check_reduce(reduce)
     dims = model_dims(model)
-    layers = attention_layers_of(model, layers)
+    layers = attention_layers_of(model, layers=layers)
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
     _check_sink(sink, dims, layers, attention_layers_of(model))
-    acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind)
+    acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)

@@ -8,6 +8,13 @@ PACKAGES = ("attention-sink-lens", "torch", "transformer-lens", "transformers", 
 
 
 def package_versions() -> dict[str, str]:
+    """The versions of Python and of the packages results depend on.
+
+    Returns
+    -------
+    dict of str to str
+        Name -> version ("not installed" where missing).
+    """
     out = {"python": platform.python_version()}
     for name in PACKAGES:
         try:

@@ -34,9 +34,24 @@ N_RANDOM = 3  # random draws per condition
 
 
 class NeuronSetter:
-    """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's
-    neuron hook, and records the spike dims' first-token values after every block from ``start`` on and the first
-    token's final stream (for the first-position loss)."""
+    """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
+    hook, and records the spike dims' first-token values after every block from ``start`` on and the first token's final
+    stream (for the first-position loss).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    neurons : dict of int to list of int
+        {block: the neurons to set}.
+    mode : {"zero", "mean"}
+    means : dict of int to torch.Tensor
+        {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean".
+    dims : list of int
+        The spike dims recorded.
+    start : int
+        The first block whose output is recorded.
+    """
 
     def __init__(self, model, neurons: dict[int, list[int]], mode: str, means: dict[int, torch.Tensor], dims: list[int],
                  start: int):
@@ -90,6 +105,14 @@ class SpikeCuts(Result):
         role -> {block: the neurons cut}.
     peak_block : dict
         dim -> the block whose input carries the unchanged spike's peak.
+    message : str
+        Why nothing was cut (no spike, no writer neuron), in words; "" otherwise.
+    n_random : int
+        Random draws per condition.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
     """
 
     conditions: pd.DataFrame
@@ -192,7 +215,7 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
     if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
-        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps, K_MAX),
+        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX),
                                             ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size)
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
@@ -224,6 +247,8 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
         The neurons carrying this share of each MLP's write are cut.
     n_random : int
         Random draws of as many neurons of the same MLPs, per mode in ``random_modes``.
+    random_modes : tuple of str
+        The modes ("zero", "mean") the random neurons are cut with.
     roles : tuple of str
         "writers", "erasers" (those after the last writer: the spike is then not removed before the unembedding).
     per_block : bool
@@ -236,6 +261,12 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
         The sink threshold of Sink_1.
     baseline : conditions.Baseline, optional
         The unchanged pass over ``tokens`` with its residuals (``analysis.profile``'s); run here when not given.
+    batch_size : int, optional
+        Sequences per batch.
+
+    Returns
+    -------
+    SpikeCuts
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
@@ -275,8 +306,8 @@ def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_rand
     for role, mode, chosen, draw, neurons in runs:
         start = min(neurons) if neurons else L - 1
         setter = NeuronSetter(model, neurons, mode or "zero", origin.trace.act_other, dims, start)
-        r = run_condition(model, tokens, setter.hooks(), eps=eps, batch_size=batch_size, on_batch_start=setter.start_batch,
-                          baseline=base)
+        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=setter.start_batch, baseline=base)
         after = torch.cat(setter.values)  # (N, L - start, n_dims): the stream after blocks start..L-1
         full = torch.cat([vals[:, 1 : start + 1], after], 1)  # (N, L, n_dims): entering blocks 1..L-1, then final
         loss_first = float(torch.cat(setter.nll).mean()) if setter.nll else float("nan")

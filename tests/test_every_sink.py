@@ -120,7 +120,7 @@ def test_blocked_alpha_of_every_key_equals_the_softmax_map(window):
     A = (q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.4).masked_fill(~seen, float("-inf")).softmax(-1)
     want = A.double().sum(-2) / (T - i)
     for chunk in (1, 2**9, 2**30):  # 16 rows a block, 28 rows a block, all rows at once
-        got = alpha_from_lse(q, k, lse, 0.4, T, mask, chunk_elements=chunk)
+        got = alpha_from_lse(q, k, lse, 0.4, T, mask=mask, chunk_elements=chunk)
         assert got.shape == (B, H, T) and (got - want).abs().max() < 1e-6
         out, alpha = attention_with_alpha(q, k, v, mask, 0.4, chunk_elements=chunk)  # the attention computed once
         assert (alpha - want).abs().max() < 1e-6

@@ -105,17 +105,17 @@ def test_value_edit_on_hook_v_equals_the_pattern_edit(family, spiked, toks):
     if family == "jamba":
         assert not get_family(model).pattern_live
         by_hand = _by_hand(model, toks, layer, [0, 1], True, v_mean[layer][:, [0, 1]])
-        removal = ValueRemoval(model, heads, "mean", v_mean)
-        got = run_condition(model, toks, removal.hooks(), on_batch_start=removal.start)
+        removal = ValueRemoval(model, heads, mode="mean", v_mean=v_mean)
+        got = run_condition(model, toks, hooks=removal.hooks(), on_batch_start=removal.start)
         assert got.loss == pytest.approx(by_hand, rel=1e-5)
         return
     for mode in ("zero", "mean"):
         for fq in (True, False):
-            live = ValueRemoval(model, heads, mode, v_mean, fq)
-            on_v = ValueRemoval(model, heads, mode, v_mean, fq)
+            live = ValueRemoval(model, heads, mode=mode, v_mean=v_mean, first_query=fq)
+            on_v = ValueRemoval(model, heads, mode=mode, v_mean=v_mean, first_query=fq)
             on_v.live = False
-            a = run_condition(model, toks, live.hooks(), on_batch_start=live.start)
-            b = run_condition(model, toks, on_v.hooks(), on_batch_start=on_v.start)
+            a = run_condition(model, toks, hooks=live.hooks(), on_batch_start=live.start)
+            b = run_condition(model, toks, hooks=on_v.hooks(), on_batch_start=on_v.start)
             assert a.loss == pytest.approx(b.loss, rel=1e-5) and torch.allclose(a.alpha, b.alpha, atol=1e-5), (mode, fq)
 
 

@@ -47,7 +47,7 @@ def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window):
     A = scores.softmax(-1)
     assert torch.allclose(out, A @ v.repeat_interleave(2, 1), atol=1e-5)
     assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
-    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask), alpha_from_pattern(A, 6), atol=1e-6)
+    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6), atol=1e-6)
     # The chunked fall-back gives the same lse with chunks that split the rows unevenly.
     assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=1e-5)
 

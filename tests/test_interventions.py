@@ -212,10 +212,10 @@ class _Calls:
 
 def _whole_and_resumed(model, toks, hooks, base):
     """The condition ``hooks`` as a whole pass and resumed from ``base``; and how often block 0 ran in the latter."""
-    full = run_condition(model, toks, hooks, batch_size=4)
+    full = run_condition(model, toks, hooks=hooks, batch_size=4)
     calls = _Calls(model.blocks[0].original_component)
     try:
-        part = run_condition(model, toks, hooks, batch_size=4, baseline=base)
+        part = run_condition(model, toks, hooks=hooks, batch_size=4, baseline=base)
     finally:
         calls.handle.remove()
     return full, part, calls.n
@@ -315,4 +315,5 @@ def test_resume_refuses_early_hooks_and_other_models(family_bridge):
         run_pass(bloom, toks, [], resume=Resume(1, resid))
     base = _with_resid(bloom, toks, baseline_pass(bloom, toks), [1], None)
     hooks = [("blocks.1.hook_resid_pre", lambda x, hook: x * 0.5)]
-    assert run_condition(bloom, toks, hooks, baseline=base).loss == pytest.approx(run_condition(bloom, toks, hooks).loss)
+    resumed = run_condition(bloom, toks, hooks=hooks, baseline=base)
+    assert resumed.loss == pytest.approx(run_condition(bloom, toks, hooks=hooks).loss)

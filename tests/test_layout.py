@@ -1,14 +1,21 @@
 """The package's layout, read from its source with ``ast`` (nothing is imported but ``analysis`` itself, to find it):
 no import circle among its modules, counting the imports written inside functions, and every import of the
-package's own modules written inside a function says on its line, or the line above, why it is lazy."""
+package's own modules written inside a function says on its line, or the line above, why it is lazy. And its public
+API reads like scikit-learn's: options after a model and tokens are keyword-only, and every exported function and
+class documents its parameters (or attributes) in numpy-doc sections."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
+import inspect
 import io
+import re
 import tokenize
 from pathlib import Path
 
 import analysis
+from analysis.results import Result
 
 ROOT = Path(analysis.__file__).resolve().parent
 PACKAGE = "analysis"
@@ -201,3 +208,181 @@ def test_no_submodule_shadows_an_exported_name():
     submodules = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
     clash = sorted(submodules & set(analysis.__all__))
     assert not clash, f"submodules named like names analysis exports: {clash}; rename the module."
+
+
+# ----------------------------------------------------------------------------------------------
+# The public API reads like scikit-learn's: options keyword-only, parameters and attributes documented
+# ----------------------------------------------------------------------------------------------
+
+LEADING = ("model", "tokens")  # the data a function takes first; every option after them is keyword-only
+
+
+def _public_functions(tree: ast.Module):
+    """Public module-level functions, and the ``__init__`` of public classes (as ``Class``: an accumulator built
+    from a model takes its options as a function does)."""
+    out = []
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_"):
+            out.append(n)
+        elif isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+            init = next((b for b in n.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
+            if init is not None:
+                out.append(ast.FunctionDef(name=n.name, args=init.args, lineno=init.lineno))
+    return out
+
+
+def _positional_options(fn: ast.FunctionDef) -> list[str]:
+    """The parameters of a function taking ``model`` (then maybe ``tokens``) first that have a default yet can still
+    be given by position: the leading data arguments are exempt, required arguments after them too."""
+    params = fn.args.posonlyargs + fn.args.args
+    if params and params[0].arg == "self":  # a class's __init__
+        params = params[1:]
+    if not params or params[0].arg != LEADING[0]:
+        return []
+    lead = 2 if len(params) > 1 and params[1].arg == LEADING[1] else 1
+    with_default = params[len(params) - len(fn.args.defaults):]
+    return [p.arg for p in with_default if p not in params[:lead]]
+
+
+def _keyword_offenders(tree: ast.Module, where: str) -> list[str]:
+    return [f"{where}:{fn.lineno} {fn.name}({', '.join(bad)})"
+            for fn in _public_functions(tree) if (bad := _positional_options(fn))]
+
+
+def test_the_keyword_checker_flags_a_positional_option():
+    bad = ast.parse("def bad(model, tokens, layer, eps=0.3, *, batch_size=None): ...\n"
+                    "def also_bad(model, k=1): ...\n"
+                    "def good(model, tokens=None, *, eps=0.3): ...\n"
+                    "def not_a_model_function(x, dim=-1): ...\n"
+                    "def _private(model, eps=0.3): ...\n"
+                    "class BadAccumulator:\n"
+                    "    def __init__(self, model, T, eps=0.3): ...\n"
+                    "class GoodAccumulator:\n"
+                    "    def __init__(self, model, T, *, eps=0.3): ...\n")
+    assert _keyword_offenders(bad, "inline") == ["inline:1 bad(eps)", "inline:2 also_bad(k)",
+                                                 "inline:7 BadAccumulator(eps)"]
+
+
+def test_options_after_model_and_tokens_are_keyword_only():
+    offenders = []
+    for module, path in MODULES.items():
+        offenders += _keyword_offenders(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
+    assert not offenders, ("public functions (and classes) taking a model first whose options (parameters with a "
+                           "default after model / tokens) can still be given by position; put `*` before them:\n"
+                           + "\n".join(offenders))
+
+
+def _section(doc: str | None, name: str) -> bool:
+    """Whether a numpy-doc docstring has the section ``name`` (its title, then a line of dashes)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    return any(a.strip() == name and b.strip() and set(b.strip()) == {"-"} for a, b in zip(lines, lines[1:]))
+
+
+def _entries(doc: str, name: str) -> set[str]:
+    """The names a numpy-doc section lists: its unindented lines up to the next section, ``a, b : type`` naming a
+    and b (``**kwargs`` as kwargs)."""
+    lines = inspect.cleandoc(doc).splitlines()
+    out, inside = set(), False
+    for i, line in enumerate(lines):
+        if i + 1 < len(lines) and line.strip() and set(lines[i + 1].strip()) == {"-"}:
+            inside = line.strip() == name
+        elif inside and line.strip() and not line.startswith(" ") and set(line.strip()) != {"-"}:
+            out |= {n.strip().lstrip("*") for n in line.split(" : ")[0].split(",")}
+    return out
+
+
+def _documented(obj) -> list[str]:
+    """What the docstring of an exported function or class lacks: a function ``Parameters`` naming each parameter
+    (when it takes any) and ``Returns``; a result class (a dataclass or a ``Result``) ``Attributes`` naming every
+    public field; any other class (an error) a docstring."""
+    doc = inspect.getdoc(obj)
+    if not doc:
+        return ["a docstring"]
+    if inspect.isfunction(obj):
+        params = [p for p in inspect.signature(obj).parameters if not p.startswith("_")]
+        lack = [s for s in (["Parameters"] if params else []) + ["Returns"]
+                if not _section(doc, s) and not (s == "Returns" and _section(doc, "Yields"))]
+        return lack or [f"parameter {p}" for p in params if p not in _entries(doc, "Parameters")]
+    if dataclasses.is_dataclass(obj) or issubclass(obj, Result):
+        if not _section(doc, "Attributes"):
+            return ["Attributes"]
+        names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+        return [f"field {n}" for n in names if not n.startswith("_") and n not in _entries(doc, "Attributes")]
+    return []
+
+
+def test_the_docstring_checker_flags_what_is_missing():
+    def prose(model, tokens, eps=0.3):
+        """Sink of ``model`` on ``tokens`` (N, T), in prose."""
+
+    def partly(model, tokens, *, eps=0.3, **kwargs):
+        """Sink.
+
+        Parameters
+        ----------
+        model
+            A model.
+        tokens : torch.Tensor, shape (N, T)
+        **kwargs
+            Passed on.
+
+        Returns
+        -------
+        SinkResult
+        """
+
+    @dataclasses.dataclass
+    class Half(Result):
+        """A result.
+
+        Attributes
+        ----------
+        alpha : torch.Tensor, shape (N, L, H)
+            Documented.
+        """
+
+        alpha: object
+        eps: float
+
+    assert _documented(prose) == ["Parameters", "Returns"]
+    assert _documented(partly) == ["parameter eps"]
+    assert _documented(Half) == ["field eps"]
+    assert _documented(analysis.sink_metric) == [] and _documented(analysis.SinkResult) == []
+
+
+def test_every_exported_function_and_class_documents_its_parameters_or_attributes():
+    exported = {name: getattr(analysis, name) for name in analysis.__all__}
+    missing = {name: lack for name, obj in exported.items()
+               if (inspect.isfunction(obj) or inspect.isclass(obj)) and (lack := _documented(obj))}
+    assert not missing, ("exported names whose numpy-doc docstring lacks a section (functions: Parameters and Returns; "
+                         f"result classes: Attributes naming every field): {missing}")
+
+
+def _public_objects():
+    """(module, name, object) of every public function and class each module defines (``__main__`` modules, which
+    run when imported, left out)."""
+    for module in sorted(MODULES):
+        if module.endswith("__main__"):
+            continue
+        mod = importlib.import_module(module)
+        for name, obj in vars(mod).items():
+            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)) \
+                    and obj.__module__ == module:
+                yield module, name, obj
+
+
+def test_every_result_class_of_the_package_documents_its_fields():
+    """Beyond the exported names: every public dataclass and ``Result`` of every module (the results analyses return,
+    their parts, configs) has an ``Attributes`` section naming each public field."""
+    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
+               if inspect.isclass(obj) and (dataclasses.is_dataclass(obj) or issubclass(obj, Result))
+               and (lack := _documented(obj))}
+    assert not missing, f"result classes whose docstring lacks an Attributes section or a field in it: {missing}"
+
+
+def test_every_public_function_of_the_package_documents_its_parameters():
+    """Beyond the exported names: every public function of every module has ``Parameters`` naming each of its
+    parameters and ``Returns`` (or ``Yields``)."""
+    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
+               if inspect.isfunction(obj) and (lack := _documented(obj))}
+    assert not missing, f"public functions whose docstring lacks a section or a parameter: {missing}"

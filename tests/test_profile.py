@@ -232,14 +232,14 @@ def test_passes_resume_at_the_last_kept_block_and_equal_whole_passes(planted, pr
     try:
         hooks = [(act_name("resid_pre", 3), lambda x, hook: x * 0.5)]
         only2 = dataclasses.replace(prof.baseline, resid={2: prof.resid[2]})
-        part = run_condition(planted, nat, hooks, batch_size=4, baseline=only2)
+        part = run_condition(planted, nat, hooks=hooks, batch_size=4, baseline=only2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             traced = norm_gain_trace(planted, nat, 2, spike_dims=[7, 21], batch_size=4, resid=prof.resid)
     finally:
         handle.remove()
     assert calls == []
-    full = run_condition(planted, nat, hooks, batch_size=4)
+    full = run_condition(planted, nat, hooks=hooks, batch_size=4)
     assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and part.loss == pytest.approx(full.loss, abs=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -119,7 +119,7 @@ def test_every_spike_origin_figure_draws(smollm2, tokens, origin):
         fig.canvas.draw()
         plt.close("all")
     with pytest.raises(ValueError, match="no gated MLP writes dim 3"):
-        figs.plot_spectrum(origin, 3)
+        figs.plot_spectrum(origin, dim=3)
 
 
 def test_bad_input(smollm2, tokens, origin):

@@ -10,10 +10,29 @@ import pandas as pd
 from analysis.train.sweep import grid_label
 
 
-def grid_figure(runs: pd.DataFrame, field: str, metrics: Sequence[str] = ("sink_1",), *,
+def grid_figure(runs: pd.DataFrame, field: str, *, metrics: Sequence[str] = ("sink_1",),
                 paper: Optional[Mapping] = None, title: str = "", labels: Optional[Mapping[str, str]] = None):
     """Each metric (percent) against the values of ``field``: one dot per seed, the mean as a bar, and the
-    paper's figure for the same value beside it (``paper``: {value: percent}) where given."""
+    paper's figure for the same value beside it (``paper``: {value: percent}) where given.
+
+    Parameters
+    ----------
+    runs : pandas.DataFrame
+        One row per finished run (``analysis.train.sweep.load_sweep``).
+    field : str
+        The configuration field varied.
+    metrics : sequence of str
+        The metrics drawn, one panel each.
+    paper : mapping, optional
+        {value: percent} of the paper's figure.
+    title : str
+    labels : mapping of str to str, optional
+        Names for the values of ``field``.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     values = list(dict.fromkeys(runs[field].tolist()))
     fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.0, 0.75 * len(values) + 2) * len(metrics), 3.6),
                              squeeze=False)
@@ -38,8 +57,23 @@ def grid_figure(runs: pd.DataFrame, field: str, metrics: Sequence[str] = ("sink_
     return fig
 
 
-def curves_figure(curves: pd.DataFrame, field: Optional[str] = None, metric: str = "sink_1", *, title: str = ""):
-    """``metric`` through training (mean over seeds, shaded min-max), one line per value of ``field``."""
+def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: str = "sink_1", title: str = ""):
+    """``metric`` through training (mean over seeds, shaded min-max), one line per value of ``field``.
+
+    Parameters
+    ----------
+    curves : pandas.DataFrame
+        One row per (run, step): the training log.
+    field : str, optional
+        The configuration field whose values are separate lines.
+    metric : str
+        The metric drawn.
+    title : str
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax = plt.subplots(figsize=(6, 3.6))
     groups = [(None, curves)] if field is None else list(curves.groupby(field, sort=False, dropna=False))
     for value, df in groups:

@@ -10,14 +10,36 @@ from analysis.every_sink import SinkPositions
 
 
 def example_sample(res: SinkPositions) -> int:
-    """The first sequence with a sink besides the first token (0 if none has one)."""
+    """The first sequence with a sink besides the first token (0 if none has one).
+
+    Parameters
+    ----------
+    res : SinkPositions
+
+    Returns
+    -------
+    int
+    """
     later = res.sinks[res.sinks.position > 0]
     return int(later["sample"].iloc[0]) if len(later) else 0
 
 
-def plot_sink_positions(res: SinkPositions, sample: int | None = None, ax=None):
+def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=None):
     """One sequence: at each position, the number of heads where it is a sink (alpha_k > eps), and its largest alpha
-    over heads; the sink positions are labelled with their tokens."""
+    over heads; the sink positions are labelled with their tokens.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    sample : int, optional
+        The sequence (default :func:`example_sample`).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     sample = example_sample(res) if sample is None else int(sample)
     fig, ax, own = new_or_given(ax, (8, 3.2))
     heads = res.sink_mask()[sample].sum((0, 1)).numpy()
@@ -43,8 +65,19 @@ def plot_sink_positions(res: SinkPositions, sample: int | None = None, ax=None):
     return fig
 
 
-def plot_later_sink_heads(res: SinkPositions, ax=None):
-    """Heatmap per (layer, head): the share of sequences in which the head sinks on a position after the first."""
+def plot_later_sink_heads(res: SinkPositions, *, ax=None):
+    """Heatmap per (layer, head): the share of sequences in which the head sinks on a position after the first.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (4.5, 6))
     df = res.per_head()
     H = int(df["head"].max()) + 1
@@ -59,9 +92,20 @@ def plot_later_sink_heads(res: SinkPositions, ax=None):
     return fig
 
 
-def plot_cos_first(res: SinkPositions, ax=None):
+def plot_cos_first(res: SinkPositions, *, ax=None):
     """Cosine of the hidden state to the first token's, per layer: the later sink positions (median and 10-90%
-    band) against the other later positions, with the threshold of a secondary sink."""
+    band) against the other later positions, with the threshold of a secondary sink.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6, 3.2))
     cos = res.cos_first[:, :, 1 : res.n_measured]  # (N, R, T') later measured positions
     sink = res.sink_mask()[..., 1 : res.n_measured].flatten(1, 2).any(1)  # (N, T')
@@ -88,9 +132,22 @@ def _band(ax, x, df, rate: str, label: str, color, marker="o"):
     ax.fill_between(x, df[f"{rate}_min"], df[f"{rate}_max"], color=color, alpha=0.2, lw=0)
 
 
-def plot_sink_vs_context(ctx: SinkContext, eps=(0.3, BARBERO_EPS), ax=None):
+def plot_sink_vs_context(ctx: SinkContext, *, eps=(0.3, BARBERO_EPS), ax=None):
     """Sink_1 and the share of (sample, layer, head) sinking on a later position against T (log scale), at each
-    eps; lines are the mean over probe seeds, bands their min-max."""
+    eps; lines are the mean over probe seeds, bands their min-max.
+
+    Parameters
+    ----------
+    ctx : SinkContext
+    eps : sequence of float
+        The thresholds drawn.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b2"]
     for i, e in enumerate(e for e in eps if ctx._has_eps(e)):
@@ -108,9 +165,22 @@ def plot_sink_vs_context(ctx: SinkContext, eps=(0.3, BARBERO_EPS), ax=None):
     return fig
 
 
-def plot_sink_vs_eps(ctx: SinkContext, T: int | None = None, ax=None):
+def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     """Sink_1 and the secondary share against eps at context length T (default the largest), mean over seeds with
-    the min-max band."""
+    the min-max band.
+
+    Parameters
+    ----------
+    ctx : SinkContext
+    T : int, optional
+        The context length (default the largest).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (5, 3.2))
     df = ctx.by_eps(T)
     _band(ax, df["eps"], df, "sink_1_pct", "Sink$_1$", "#4c72b0")

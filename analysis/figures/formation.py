@@ -28,7 +28,20 @@ _COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *, ncols: int = 5):
     """Each link against the training step (log x), on its own axis: the median over the runs of each attention
     operation (line) and their min-max (band), the onset criterion (dashed) and the median onset step of the runs
-    that reach it (dotted, with a triangle). Final-heads links are measured in the final model's sink heads."""
+    that reach it (dotted, with a triangle). Final-heads links are measured in the final model's sink heads.
+
+    Parameters
+    ----------
+    result : FormationOrder
+    links : sequence of str, optional
+        The links to draw (default ``FIGURE_LINKS``).
+    ncols : int
+        Axes per row.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     links = list(FIGURE_LINKS) if links is None else list(links)
     f = result.formation
     unknown = [k for k in links if k not in set(f.link)]
@@ -58,7 +71,7 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
             ax.axhline(crit[link].threshold, color="grey", ls="--", lw=0.8)
         if f[f.link == link].value.isna().all():
             ax.text(0.5, 0.5, "not defined at any step", transform=ax.transAxes, ha="center", fontsize=7, color="grey")
-        set_log_scale(ax, "x")
+        set_log_scale(ax, which="x")
         ax.set_xlim(lo / 1.3, hi * 1.3)
         ax.tick_params(labelsize=7)
         set_title(ax, FIGURE_LINKS.get(link, link), fontsize=8)

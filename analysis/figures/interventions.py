@@ -14,7 +14,16 @@ _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ab
 def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     """Sink_1 and loss per condition (baseline / zero / mean), and Sink_1 per layer.
 
-    Several results (e.g. two spike criteria) can be given as a dict name -> result."""
+    Several results (e.g. two spike criteria) can be given as a dict name -> result.
+
+    Parameters
+    ----------
+    result : SpikeAblation or dict of str to SpikeAblation
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     results = result if isinstance(result, dict) else {"": result}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1, 1, 2]})
     n = len(results)
@@ -47,7 +56,16 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
 
 
 def plot_value_ablation(result: ValueAblation):
-    """Loss change per condition, and per sink head the first value's norm against the other values'."""
+    """Loss change per condition, and per sink head the first value's norm against the other values'.
+
+    Parameters
+    ----------
+    result : ValueAblation
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.3))
     s = result.conditions[result.conditions["condition"] != "baseline"]
     b = a1.barh(s["condition"], s["delta_loss"], color="#c44e52")
@@ -71,7 +89,16 @@ def plot_value_ablation(result: ValueAblation):
 
 def plot_first_key_ablation(result: FirstKeyAblation):
     """Where the attention of later queries goes (first / previous / self / other keys), over the changed
-    layers, and the first key's share per layer, with and without the spike-driven part of k_1."""
+    layers, and the first key's share per layer, with and without the spike-driven part of k_1.
+
+    Parameters
+    ----------
+    result : FirstKeyAblation
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10.5, 3.3), gridspec_kw={"width_ratios": [1, 2]})
     s = result.conditions
     bottom = np.zeros(len(s))

@@ -19,11 +19,27 @@ def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
 VIEWS = ("pca", "axis")
 
 
-def plot_key_pca(km: KeyManifold, heads: list[tuple[int, int]] | None = None, views=VIEWS, max_sequences: int | None = None):
+def plot_key_pca(km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS,
+                 max_sequences: int | None = None):
     """Every key of each scatter head (default: all in ``km.scatter``, e.g. a sink and a non-sink head) in 2-D,
     coloured by position, the first keys marked with red crosses. One column per head, one row per view:
     ``"pca"``, a PCA fit on all keys; ``"axis"``, the first-key axis (the line from the other keys' mean to the
-    first keys' mean) against the other keys' top orthogonal principal direction."""
+    first keys' mean) against the other keys' top orthogonal principal direction.
+
+    Parameters
+    ----------
+    km : KeyManifold
+    heads : list of (int, int), optional
+        (layer, KV head) pairs among ``km.scatter`` (default all).
+    views : sequence of str
+        "pca" and / or "axis".
+    max_sequences : int, optional
+        Draw the keys of the first sequences only.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     heads = list(km.scatter) if heads is None else [tuple(h) for h in heads]
     missing = [h for h in heads if h not in km.scatter]
     if missing or not heads:
@@ -63,7 +79,16 @@ def plot_manifold_summary(km: KeyManifold):
     """Per layer (mean over KV heads), with mean alpha_1 as grey bars behind:
     (a) relative residual of k_1 off the other keys' principal subspace vs the other keys' own;
     (b) cosine between first keys of different inputs vs between keys at position T/2;
-    (c) cos(q_t, k_1) vs cos(q_t, k_j);  (d) components for 90% variance: first keys vs keys at T/2."""
+    (c) cos(q_t, k_1) vs cos(q_t, k_j);  (d) components for 90% variance: first keys vs keys at T/2.
+
+    Parameters
+    ----------
+    km : KeyManifold
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     t = km.table.groupby("layer").mean(numeric_only=True)
     x = t.index.to_numpy()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.2), sharex=True)

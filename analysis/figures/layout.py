@@ -21,7 +21,21 @@ from matplotlib.ticker import LogFormatterSciNotation, LogLocator
 
 
 def new_or_given(ax, figsize: tuple[float, float]):
-    """``(fig, ax, own)``: a new one-axes figure of ``figsize`` when ``ax`` is None (``own``), else ``ax``'s figure."""
+    """``(fig, ax, own)``: a new one-axes figure of ``figsize`` when ``ax`` is None (``own``), else ``ax``'s figure.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes or None
+    figsize : tuple of (float, float)
+        Inches.
+
+    Returns
+    -------
+    fig : matplotlib.figure.Figure
+    ax : matplotlib.axes.Axes
+    own : bool
+        Whether the figure is new.
+    """
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize)
         return fig, ax, True
@@ -35,7 +49,22 @@ def place_axes(fig, *, left: float = 0.75, bottom: float = 0.58, right: float = 
     axes' cell, so the margin or gap beside it holds only the bar's tick labels and label.
 
     ``own=False`` (the figure is the caller's, drawn into one of its axes): laid out by ``tight_layout`` as
-    before, since its other axes are not known here."""
+    before, since its other axes are not known here.
+
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+    left, bottom, right, top : float
+        Margins, inches.
+    wspace, hspace : float
+        Gaps between columns and rows, inches.
+    own : bool
+        Whether the figure is the function's own.
+
+    Returns
+    -------
+    None
+    """
     if not own:
         fig.tight_layout()
         return
@@ -49,7 +78,19 @@ def place_axes(fig, *, left: float = 0.75, bottom: float = 0.58, right: float = 
 
 def set_title(ax, label: str, **kwargs):
     """``ax.set_title`` at the top of the axes (``y=1``), where it would be anyway with no tick labels on top;
-    given ``y``, matplotlib does not measure the axes at each draw to place it."""
+    given ``y``, matplotlib does not measure the axes at each draw to place it.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+    label : str
+    **kwargs
+        Passed on to ``ax.set_title``.
+
+    Returns
+    -------
+    matplotlib.text.Text
+    """
     return ax.set_title(label, y=1.0, **kwargs)
 
 
@@ -84,8 +125,18 @@ class FewDecadesMinorLocator(LogLocator):
         return super().tick_values(vmin, vmax)
 
 
-def set_log_scale(ax, which: str = "y") -> None:
-    """``ax.set_yscale("log")`` (``which="x"``: the x axis) with :func:`log_axis_ticks`."""
+def set_log_scale(ax, *, which: str = "y") -> None:
+    """``ax.set_yscale("log")`` (``which="x"``: the x axis) with :func:`log_axis_ticks`.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+    which : {"y", "x"}
+
+    Returns
+    -------
+    None
+    """
     getattr(ax, f"set_{which}scale")("log")
     log_axis_ticks(getattr(ax, f"{which}axis"))
 
@@ -93,17 +144,39 @@ def set_log_scale(ax, which: str = "y") -> None:
 def log_axis_ticks(axis) -> None:
     """On a log axis (an ``ax.yaxis``, or a log colour bar's ``cbar.long_axis``): labels by
     :class:`PlainLogFormatter` (minor ticks labelled where matplotlib labels them, on an axis spanning less
-    than about a decade), minor ticks by :class:`FewDecadesMinorLocator`."""
+    than about a decade), minor ticks by :class:`FewDecadesMinorLocator`.
+
+    Parameters
+    ----------
+    axis : matplotlib.axis.Axis
+
+    Returns
+    -------
+    None
+    """
     axis.set_major_formatter(PlainLogFormatter())
     axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
     axis.set_minor_locator(FewDecadesMinorLocator())
 
 
-def flat_bars(ax, x, height, width: float = 0.8, **kwargs):
+def flat_bars(ax, x, height, *, width: float = 0.8, **kwargs):
     """Bars from 0 at increasing ``x`` (at least ``width`` apart), no edges: the picture of
     ``ax.bar(x, height, width, **kwargs)``, drawn as one filled ``ax.stairs`` patch with zero steps between the
     bars, so one artist instead of a Rectangle per bar (each about 0.8 ms to make and draw). NaN heights draw
-    nothing, as in ``ax.bar``. Returns the ``StepPatch`` (its ``label`` gives the legend the same box)."""
+    nothing, as in ``ax.bar``. Returns the ``StepPatch`` (its ``label`` gives the legend the same box).
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+    x, height : array-like, shape (n,)
+    width : float
+    **kwargs
+        Passed on to ``ax.stairs``.
+
+    Returns
+    -------
+    matplotlib.patches.StepPatch
+    """
     x = np.asarray(x, dtype=float)
     edges = np.column_stack([x - width / 2, x + width / 2]).ravel()
     steps = np.column_stack([np.nan_to_num(np.asarray(height, dtype=float)), np.zeros(len(x))]).ravel()[:-1]

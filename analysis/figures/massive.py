@@ -9,8 +9,21 @@ from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, se
 from analysis.massive import ActivationMap, MassiveActivations
 
 
-def plot_top_activations(result: MassiveActivations, ax=None, title: str | None = None):
-    """Top-1/2/3 |activation| and the median per layer (means over samples), log scale (Sun et al., Fig. 1)."""
+def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | None = None):
+    """Top-1/2/3 |activation| and the median per layer (means over samples), log scale (Sun et al., Fig. 1).
+
+    Parameters
+    ----------
+    result : MassiveActivations
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+    title : str, optional
+        The axes' title.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     df = result.per_layer
     for k, c in zip(range(1, result.top_k + 1), ["#c44e52", "#dd8452", "#ccb974", "#8c8c8c"]):
@@ -26,8 +39,24 @@ def plot_top_activations(result: MassiveActivations, ax=None, title: str | None 
     return fig
 
 
-def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=None, label_top: int = 3):
-    """|h| over positions x dims at one layer for one sequence, log colour scale; the top dims are labelled."""
+def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, ax=None, label_top: int = 3):
+    """|h| over positions x dims at one layer for one sequence, log colour scale; the top dims are labelled.
+
+    Parameters
+    ----------
+    amap : ActivationMap
+        ``values`` of shape (T, D).
+    n_positions : int, optional
+        The first positions shown (default all).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+    label_top : int
+        The largest activations labelled with their dim.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (8, 4.0))
     v = amap.values.numpy()
     if n_positions is not None:
@@ -53,9 +82,25 @@ def plot_activation_map(amap: ActivationMap, n_positions: int | None = None, ax=
     return fig
 
 
-def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], dims: list[int] | None = None, max_dims: int = 4):
+def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], *, dims: list[int] | None = None,
+                            max_dims: int = 4):
     """Per input kind: the first token's mean |h_d| across layers for the spike dims (solid), and the mean
-    over samples of the largest |h_d| at any other position (dashed)."""
+    over samples of the largest |h_d| at any other position (dashed).
+
+    Parameters
+    ----------
+    results : dict of str to MassiveActivations
+        One result per input kind.
+    dims : list of int, optional
+        The dims drawn (default: the spike dims with the largest first-token |h_d|, else each
+        kind's largest first-token dims).
+    max_dims : int
+        At most this many dims.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     if dims is None:
         score: dict[int, float] = {}
         for r in results.values():

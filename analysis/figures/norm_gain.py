@@ -8,8 +8,19 @@ from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set
 from analysis.norm_gain import NormGainTrace
 
 
-def plot_stage_shares(trace: NormGainTrace, ax=None):
-    """Share of |v|^2 held by the spike dims at each stage of the key path, first token against ordinary tokens."""
+def plot_stage_shares(trace: NormGainTrace, *, ax=None):
+    """Share of |v|^2 held by the spike dims at each stage of the key path, first token against ordinary tokens.
+
+    Parameters
+    ----------
+    trace : NormGainTrace
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (5.5, 3.2))
     st = trace.stages
     x = np.arange(len(st))
@@ -26,9 +37,20 @@ def plot_stage_shares(trace: NormGainTrace, ax=None):
     return fig
 
 
-def plot_gain_profile(trace: NormGainTrace, top: int = 3):
+def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
     """Top: the first token's mean normalised vector |n_1,d| against ordinary tokens' mean |n_t,d|.
-    Bottom: the ln1 gain g_d, spike dims marked."""
+    Bottom: the ln1 gain g_d, spike dims marked.
+
+    Parameters
+    ----------
+    trace : NormGainTrace
+    top : int
+        The dims with the largest first-token |n_1,d| labelled.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True)
     D = trace.gain_vector.shape[0]
     x = np.arange(D)
@@ -58,8 +80,19 @@ def plot_gain_profile(trace: NormGainTrace, top: int = 3):
     return fig
 
 
-def plot_head_attribution(trace: NormGainTrace, ax=None):
-    """Per head: alpha_1 as is, with k_1 rebuilt from the spike dims alone, and with them removed from k_1."""
+def plot_head_attribution(trace: NormGainTrace, *, ax=None):
+    """Per head: alpha_1 as is, with k_1 rebuilt from the spike dims alone, and with them removed from k_1.
+
+    Parameters
+    ----------
+    trace : NormGainTrace
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6.5, 3.2))
     h = trace.heads
     x = np.arange(len(h))
@@ -75,9 +108,21 @@ def plot_head_attribution(trace: NormGainTrace, ax=None):
     return fig
 
 
-def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, ax=None):
+def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None):
     """Mean pairwise cosine across inputs of the first token's vectors (h, norm(h), g*norm(h), k_1) against
-    ordinary tokens' normalised vectors, for one or several traces."""
+    ordinary tokens' normalised vectors, for one or several traces.
+
+    Parameters
+    ----------
+    traces : NormGainTrace or dict of str to NormGainTrace
+        One trace, or several by name.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     if isinstance(traces, NormGainTrace):
         traces = {f"layer {traces.layer}": traces}
     fig, ax, own = new_or_given(ax, (5.5, 3.2))

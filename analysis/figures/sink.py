@@ -8,8 +8,22 @@ from analysis.qk import QKAngles
 from analysis.sink import SinkResult
 
 
-def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
-    """Bar chart of Sink_k (%) per input kind."""
+def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
+    """Bar chart of Sink_k (%) per input kind.
+
+    Parameters
+    ----------
+    results : dict of str to SinkResult
+        One result per input kind.
+    k : int
+        The key position (1: the first token).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (4.5, 3.2))
     names = list(results)
     vals = [results[n].sink_rate(k) for n in names]
@@ -23,8 +37,22 @@ def plot_sink_rates(results: dict[str, SinkResult], k: int = 1, ax=None):
     return fig
 
 
-def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
-    """Heatmap of mean alpha_k per (layer, head)."""
+def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
+    """Heatmap of mean alpha_k per (layer, head).
+
+    Parameters
+    ----------
+    result : SinkResult
+        alpha of shape (N, L, H, k_max).
+    k : int
+        The key position (1: the first token).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (4.5, 6))
     a = result.per_head_alpha[..., k - 1].numpy()
     im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
@@ -38,8 +66,22 @@ def plot_head_alpha(result: SinkResult, k: int = 1, ax=None):
     return fig
 
 
-def plot_sink_by_layer(results: dict[str, SinkResult], k: int = 1, ax=None):
-    """Sink_k (%) per layer for each input kind."""
+def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
+    """Sink_k (%) per layer for each input kind.
+
+    Parameters
+    ----------
+    results : dict of str to SinkResult
+        One result per input kind.
+    k : int
+        The key position (1: the first token).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6, 3.2))
     for name, res in results.items():
         df = res.per_layer(k)
@@ -51,9 +93,20 @@ def plot_sink_by_layer(results: dict[str, SinkResult], k: int = 1, ax=None):
     return fig
 
 
-def plot_qk_angles(angles: QKAngles, head: tuple[int, int] | None = None):
+def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     """Left: per layer, mean cos(q_t, k_1) and cos(q_t, k_j>1) (averaged over heads), with key norms.
-    Right: the two cosine distributions for one head (default: the head with the largest gap)."""
+    Right: the two cosine distributions for one head (default: the head with the largest gap).
+
+    Parameters
+    ----------
+    angles : QKAngles
+    head : tuple of (int, int), optional
+        (true layer, head) of the right panel.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
     layers = angles.layers
     ax.plot(layers, angles.cos_first.mean(-1), marker="o", ms=3, label="cos(q$_t$, k$_1$)")

@@ -19,9 +19,22 @@ def _x_signal(res: DormantHeads) -> str:
     return "sink"
 
 
-def plot_sink_vs_norm(res: DormantHeads, heads: list[tuple[int, int]] | None = None, max_heads: int = 4):
+def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None = None, max_heads: int = 4):
     """One panel per head: each measured (sequence, query) as a point, its attention on the sink (or slot, or total
-    weight) against the head's output norm (log), coloured by |loss effect| (gradient x activation, log)."""
+    weight) against the head's output norm (log), coloured by |loss effect| (gradient x activation, log).
+
+    Parameters
+    ----------
+    res : DormantHeads
+    heads : list of (int, int), optional
+        (true layer, head) pairs (default ``res.example_heads(max_heads)``).
+    max_heads : int
+        At most this many panels.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     heads = heads or res.example_heads(max_heads)
     if not heads:
         raise ValueError("no head to plot: give heads=[(layer, head), ...].")
@@ -61,7 +74,16 @@ def _bar_axes(fig, *, right: float, bottom: float, top: float, gap: float = 0.15
 def plot_head_correlations(res: DormantHeads):
     """Per (layer, head): Spearman rho of the sink (slot) attention with the output norm, and with |loss effect|
     under zero and (where computed) mean removal; heads that sink on fewer than ``min_share`` of their queries are
-    left blank."""
+    left blank.
+
+    Parameters
+    ----------
+    res : DormantHeads
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     t = res.head_table()
     sig = "slot" if res.has_slot else "sink"
     p = "slot_" if sig == "slot" else ""

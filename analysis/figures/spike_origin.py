@@ -21,9 +21,22 @@ def _main_dim(origin: SpikeOrigin, dim: int | None) -> int:
     return max(origin.dims, key=lambda d: float(origin.values(d).abs().max()))
 
 
-def plot_spike_path(origin: SpikeOrigin, dim: int | None = None, ax=None):
+def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     """The first token's value of ``dim`` entering each block (line; the other tokens' largest |value| dashed) with
-    each block's attention and MLP writes on it as bars, on a symmetric log axis; writers and erasers labelled."""
+    each block's attention and MLP writes on it as bars, on a symmetric log axis; writers and erasers labelled.
+
+    Parameters
+    ----------
+    origin : SpikeOrigin
+    dim : int, optional
+        The spike dimension (default: the one with the largest first-token value).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     d = _main_dim(origin, dim)
     fig, ax, own = new_or_given(ax, (9, 3.6))
     t = origin.block_table(d)
@@ -52,9 +65,24 @@ def plot_spike_path(origin: SpikeOrigin, dim: int | None = None, ax=None):
     return fig
 
 
-def plot_neuron_contributions(origin: SpikeOrigin, dim: int | None = None, top: int = 12, role: str = "writer"):
+def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
     """Per writing (``role="eraser"``: erasing) MLP on ``dim``: the ``top`` neurons' contributions to its write on the
-    first token (bars) and their cumulative share of the write (line), 90% and 99% marked."""
+    first token (bars) and their cumulative share of the write (line), 90% and 99% marked.
+
+    Parameters
+    ----------
+    origin : SpikeOrigin
+    dim : int, optional
+        The spike dimension (default: the one with the largest first-token value).
+    top : int
+        Neurons drawn per MLP.
+    role : {"writer", "eraser"}
+        Writing or erasing MLPs.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     d = _main_dim(origin, dim)
     ns = [n for n in origin.neurons if n.dim == d and n.role == role]
     if not ns:
@@ -78,9 +106,22 @@ def plot_neuron_contributions(origin: SpikeOrigin, dim: int | None = None, top: 
     return fig
 
 
-def plot_spectrum(origin: SpikeOrigin, dim: int | None = None, top: int = 40):
+def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40):
     """Per writing gated MLP on ``dim``: the |eigenvalues| of A_d's symmetric part by rank (log scale; positive and
-    negative ones coloured), with the top direction's share and its |cos| with the first token's MLP input."""
+    negative ones coloured), with the top direction's share and its |cos| with the first token's MLP input.
+
+    Parameters
+    ----------
+    origin : SpikeOrigin
+    dim : int, optional
+        The spike dimension (default: the one with the largest first-token value).
+    top : int
+        Eigenvalues drawn per MLP.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     d = _main_dim(origin, dim)
     qs = [q for q in origin.quadratic if q.dim == d]
     if not qs:
@@ -100,9 +141,25 @@ def plot_spectrum(origin: SpikeOrigin, dim: int | None = None, top: int = 40):
     return fig
 
 
-def plot_first_token_cause(cause: FirstTokenCause, dim: int | None = None, block: int | None = None, factor: str | None = None):
+def plot_first_token_cause(cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None,
+                           factor: str | None = None):
     """One writer neuron's gate (or pre-activation) over what feeds it: each component's part on the first token
-    and on the same token later (bars), the pre-activation total last."""
+    and on the same token later (bars), the pre-activation total last.
+
+    Parameters
+    ----------
+    cause : FirstTokenCause
+    dim : int, optional
+        The spike dimension (default the first traced).
+    block : int, optional
+        The writing block (default the first).
+    factor : str, optional
+        "gate" or "up" (default: the gate of a gated MLP).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     c = cause.contributions
     if not len(c):
         raise ValueError("no writer neuron was followed: nothing to plot.")
@@ -125,9 +182,20 @@ def plot_first_token_cause(cause: FirstTokenCause, dim: int | None = None, block
     return fig
 
 
-def plot_spike_cuts(cuts: SpikeCuts, dim: int | None = None):
+def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     """Per condition: the share of the spike kept where it peaks, the dim's value after the last block (what the
-    unembedding sees: erasers), Sink_1 and the loss; random draws as their mean with min-max bars."""
+    unembedding sees: erasers), Sink_1 and the loss; random draws as their mean with min-max bars.
+
+    Parameters
+    ----------
+    cuts : SpikeCuts
+    dim : int, optional
+        The spike dimension (default the first traced).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     s = cuts.summary
     if not len(s):
         raise ValueError("no cut was made: nothing to plot.")

@@ -5,9 +5,25 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def plot_log_ppl(result, labels=None, bin: int = 32, ax=None):
+def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
     """Log-perplexity against position, one line per policy; the dotted line is where token 1 leaves a
-    window cache (position window + 1)."""
+    window cache (position window + 1).
+
+    Parameters
+    ----------
+    result : StreamResult
+        A result of ``analysis.streaming.streaming_perplexity``.
+    labels : sequence of str, optional
+        The policies drawn (default: every full-precision policy).
+    bin : int
+        Positions averaged per point.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.6))
     curve = result.curve(bin)
     labels = labels or [r.policy.label for r in result.runs if not r.policy.bits]
@@ -24,8 +40,22 @@ def plot_log_ppl(result, labels=None, bin: int = 32, ax=None):
     return fig
 
 
-def plot_policy_ppl(result, column: str = "ppl_past_window", ax=None):
-    """Perplexity per policy (log scale), full precision and quantised."""
+def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
+    """Perplexity per policy (log scale), full precision and quantised.
+
+    Parameters
+    ----------
+    result : StreamResult
+        A result of ``analysis.streaming.streaming_perplexity``.
+    column : str
+        The perplexity column of ``result.table``.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.4))
     t = result.table
     colors = ["#c44e52" if k == "window" else "#8172b2" if k == "recompute" else "#4c72b0" if k == "dense"

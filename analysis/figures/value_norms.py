@@ -7,8 +7,19 @@ from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set
 from analysis.values import ValueNorms
 
 
-def plot_value_norms(vn: ValueNorms, ax=None):
-    """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means."""
+def plot_value_norms(vn: ValueNorms, *, ax=None):
+    """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means.
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6.5, 3.4))
     x = np.asarray(vn.layers)
     K = vn.v1_norm.shape[1]
@@ -25,13 +36,26 @@ def plot_value_norms(vn: ValueNorms, ax=None):
     return fig
 
 
-def plot_value_alpha(vn: ValueNorms, reduce: str | None = None, ax=None):
-    """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer."""
+def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
+    """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer.
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    reduce : {"mean", "max"}, optional
+        How a KV head's query heads map to one alpha (default ``vn.reduce``).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (5.2, 3.8))
     t = vn.table(reduce)
     acol = [c for c in t.columns if c.startswith("alpha_1_")][0]
     sc = ax.scatter(t["ratio"], t[acol], c=t["layer"], cmap="viridis", s=18)
-    set_log_scale(ax, "x")
+    set_log_scale(ax, which="x")
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("$|v_1|$ / mean $|v_j|$ (j>1)")
     ax.set_ylabel(f"$\\alpha_1$ ({acol.split('_')[-1]} over the KV head's query heads)")
@@ -45,8 +69,21 @@ def plot_value_alpha(vn: ValueNorms, reduce: str | None = None, ax=None):
     return fig
 
 
-def plot_value_profile(vn: ValueNorms, layers: list[int] | None = None, ax=None):
-    """Mean |v_t| against position t for a few layers (mean over KV heads)."""
+def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=None):
+    """Mean |v_t| against position t for a few layers (mean over KV heads).
+
+    Parameters
+    ----------
+    vn : ValueNorms
+    layers : list of int, optional
+        True layer indices (default: up to five spread over the layers measured).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     fig, ax, own = new_or_given(ax, (6, 3.2))
     if layers is None:
         idx = np.unique(np.linspace(0, len(vn.layers) - 1, min(5, len(vn.layers))).round().astype(int))

@@ -70,13 +70,28 @@ _RECORDER: ShareRecorder | None = None
 
 
 def active_recorder() -> ShareRecorder | None:
-    """The recorder decode steps report to now (inside ``recording``), or None."""
+    """The recorder decode steps report to now (inside ``recording``), or None.
+
+    Returns
+    -------
+    ShareRecorder or None
+    """
     return _RECORDER
 
 
 @contextlib.contextmanager
 def recording(recorder: ShareRecorder):
-    """Route decode steps' sink shares to ``recorder`` while inside."""
+    """Route decode steps' sink shares to ``recorder`` while inside.
+
+    Parameters
+    ----------
+    recorder : ShareRecorder
+
+    Yields
+    ------
+    ShareRecorder
+        ``recorder``.
+    """
     global _RECORDER
     old, _RECORDER = _RECORDER, recorder
     try:
@@ -96,7 +111,26 @@ def _mask_logits(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 def streaming_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs):
-    """query (B, H, q, D), key/value (B, Hkv, L, D) -> (B, q, H, D) and the weights of a decode step."""
+    """query (B, H, q, D), key/value (B, Hkv, L, D) -> (B, q, H, D) and the weights of a decode step.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module.
+    query : torch.Tensor, shape (B, H, q, D)
+    key, value : torch.Tensor, shape (B, H_kv, L, D)
+    attention_mask : torch.Tensor or None
+    dropout : float
+    scaling : float, optional
+        The score scale (default D ** -0.5).
+    **kwargs
+        As transformers passes them (a prefill, or learned sink logits, go to SDPA / eager attention).
+
+    Returns
+    -------
+    output : torch.Tensor, shape (B, q, H, D)
+    weights : torch.Tensor or None
+    """
     B, H, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:

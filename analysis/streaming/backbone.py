@@ -43,8 +43,24 @@ def _load_folder(src: str, local: bool, device, dtype):
     return hf.to(device or "cpu").eval(), tok
 
 
-def causal_lm(model, tokenizer=None, device=None, dtype=None):
-    """Return ``(hf_model, tokenizer, name)`` for a name, folder, TransformerBridge or PreTrainedModel."""
+def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
+    """Return ``(hf_model, tokenizer, name)`` for a name, folder, TransformerBridge or PreTrainedModel.
+
+    Parameters
+    ----------
+    model : str, path-like, TransformerBridge or transformers.PreTrainedModel
+        A name (``smollm2-135m``, a reference model), a local Hugging Face folder, or a loaded model.
+    tokenizer : transformers.PreTrainedTokenizerBase, optional
+        Overrides the model's own.
+    device : str, optional
+    dtype : torch.dtype or str, optional
+
+    Returns
+    -------
+    hf : transformers.PreTrainedModel
+    tokenizer : transformers.PreTrainedTokenizerBase or None
+    name : str
+    """
     from transformers import PreTrainedModel
 
     if isinstance(model, (str, Path)):
@@ -92,6 +108,16 @@ def _checked(hf):
 
 
 def context_length(hf) -> int | None:
+    """The context a Hugging Face model accepts, from its config.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+
+    Returns
+    -------
+    int or None
+    """
     cfg = hf.config.get_text_config(decoder=True)
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         v = getattr(cfg, attr, None)
@@ -101,4 +127,14 @@ def context_length(hf) -> int | None:
 
 
 def n_layers(hf) -> int:
+    """The number of blocks of a Hugging Face model.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+
+    Returns
+    -------
+    int
+    """
     return int(hf.config.get_text_config(decoder=True).num_hidden_layers)

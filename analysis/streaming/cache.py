@@ -23,10 +23,23 @@ POLICY_KINDS = ("dense", "window", "sinks", "recompute")
 
 @dataclass(frozen=True)
 class Policy:
-    """One cache policy. ``window`` counts every kept token (sinks included), as StreamingLLM's "s + w"
-    counts s + (window - s). ``sink_tokens``: "first" keeps the stream's first tokens, "newline" replaces
-    them by newline tokens first. ``bits``: simulated KV quantisation (8 or 4); ``fp_sinks``: keep the first
-    ``sinks`` slots in full precision."""
+    """One cache policy.
+
+    Attributes
+    ----------
+    kind : {"dense", "window", "sinks", "recompute"}
+        Keep everything, a sliding window, sinks + a window, or re-compute the window from scratch.
+    window : int or None
+        Every kept token (sinks included), as StreamingLLM's "s + w" counts s + (window - s).
+    sinks : int
+        The sink slots kept (``kind="sinks"``).
+    sink_tokens : {"first", "newline"}
+        "first" keeps the stream's first tokens, "newline" replaces them by newline tokens first.
+    bits : int or None
+        Simulated KV quantisation (8, 4, 3 or 2); None: full precision.
+    fp_sinks : bool
+        Keep the first ``sinks`` slots in full precision.
+    """
 
     kind: str
     window: int | None = None
@@ -73,7 +86,15 @@ class Policy:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotate-half rotary embedding: ``inv_freq`` (rot_dim / 2,) acting on the first ``rot_dim`` dims."""
+    """Rotate-half rotary embedding acting on the first ``rot_dim`` dims.
+
+    Attributes
+    ----------
+    inv_freq : torch.Tensor, shape (rot_dim / 2,)
+        The inverse frequencies.
+    rot_dim : int
+        The rotated dims (a property).
+    """
 
     inv_freq: torch.Tensor
 
@@ -83,7 +104,16 @@ class RopeSpec:
 
 
 def rope_spec(hf_model) -> RopeSpec | None:
-    """The backbone's rotary embedding (the one place this module knows model families), or None."""
+    """The backbone's rotary embedding (the one place this module knows model families), or None.
+
+    Parameters
+    ----------
+    hf_model : transformers.PreTrainedModel
+
+    Returns
+    -------
+    RopeSpec or None
+    """
     found = {id(m): m for m in hf_model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
     if not found:
         return None
@@ -99,7 +129,18 @@ def rope_spec(hf_model) -> RopeSpec | None:
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate keys (B, H, L, D) by ``delta`` (B, L) positions in the rotate-half convention."""
+    """Rotate keys (B, H, L, D) by ``delta`` (B, L) positions in the rotate-half convention.
+
+    Parameters
+    ----------
+    keys : torch.Tensor, shape (B, H, L, D)
+    delta : torch.Tensor, shape (B, L)
+    spec : RopeSpec
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, L, D)
+    """
     ang = delta.to(keys.device, torch.float32)[..., None] * spec.inv_freq.to(keys.device)
     ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, L, rot_dim)
     cos, sin = ang.cos().to(keys.dtype), ang.sin().to(keys.dtype)
@@ -111,7 +152,17 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torc
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per-token asymmetric min-max quantisation over the last dim, returned de-quantised."""
+    """Per-token asymmetric min-max quantisation over the last dim, returned de-quantised.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., D)
+    bits : int
+
+    Returns
+    -------
+    torch.Tensor, shape (..., D)
+    """
     lo = x.amin(dim=-1, keepdim=True)
     hi = x.amax(dim=-1, keepdim=True)
     levels = 2**bits - 1

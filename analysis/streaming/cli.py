@@ -18,6 +18,19 @@ def _ints(text: str) -> list[int]:
 
 
 def add_parser(sub, default_model: str) -> None:
+    """Add the ``stream`` subcommand to ``python -m analysis``.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        The main parser's subcommands.
+    default_model : str
+        The model taken without ``--model``.
+
+    Returns
+    -------
+    None
+    """
     s = sub.add_parser("stream", help="streaming perplexity under dense, window, sinks + window and quantised KV caches")
     s.add_argument("--model", default=default_model, help="a name, a local Hugging Face folder, or a hub id")
     s.add_argument("--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)")
@@ -39,6 +52,17 @@ def add_parser(sub, default_model: str) -> None:
 
 
 def cmd_stream(args) -> int:
+    """Run ``python -m analysis stream``: the streaming perplexity, printed and written where asked.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
     if args.threads:
         torch.set_num_threads(args.threads)
     res = streaming_perplexity(
@@ -61,4 +85,15 @@ def cmd_stream(args) -> int:
 
 
 def command_line(argv=None) -> str:
+    """The command line that made a result, for its record.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    str
+    """
     return "python -m analysis " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -13,6 +13,17 @@ from analysis.probes import STDLIB_MODULES, stdlib_texts
 
 @dataclass
 class TokenStream:
+    """A long token stream and how to rebuild it.
+
+    Attributes
+    ----------
+    tokens : torch.LongTensor, shape (N,)
+        The stream.
+    source : str
+        Where it comes from, in words.
+    seed : int
+        The seed of its order (or of the task's draw).
+    """
     tokens: torch.Tensor  # (N,) long
     source: str
     seed: int
@@ -23,8 +34,21 @@ class TokenStream:
                 "sha256": hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()}
 
 
-def stdlib_stream(tokenizer, n_tokens: int, seed: int = 0) -> TokenStream:
-    """The first ``n_tokens`` of the docstring corpus shuffled with ``seed``."""
+def stdlib_stream(tokenizer, n_tokens: int, *, seed: int = 0) -> TokenStream:
+    """The first ``n_tokens`` of the docstring corpus shuffled with ``seed``.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+    n_tokens : int
+        N, the stream's length.
+    seed : int
+
+    Returns
+    -------
+    TokenStream
+        ``tokens`` of shape (N,).
+    """
     if tokenizer is None:
         raise ValueError("a text stream needs the model's tokenizer; pass tokenizer=... or your own token ids.")
     texts = stdlib_texts()
@@ -43,15 +67,40 @@ def stdlib_stream(tokenizer, n_tokens: int, seed: int = 0) -> TokenStream:
 
 
 def newline_id(tokenizer) -> int:
+    """The newline token of a tokenizer.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+
+    Returns
+    -------
+    int
+        ValueError where a newline is not one token.
+    """
     ids = tokenizer.encode("\n", add_special_tokens=False)
     if len(ids) != 1:
         raise ValueError(f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one.")
     return int(ids[0])
 
 
-def task_stream(model, n_tokens: int, seed: int = 0) -> TokenStream:
+def task_stream(model, n_tokens: int, *, seed: int = 0) -> TokenStream:
     """A long stream from a reference model's own synthetic training task (``analysis.train``'s ``synthetic``
-    dataset: BOS, then one Markov chain with the copy rule, ``n_tokens`` long), a held-out draw with ``seed``."""
+    dataset: BOS, then one Markov chain with the copy rule, ``n_tokens`` long), a held-out draw with ``seed``.
+
+    Parameters
+    ----------
+    model : analysis.train.SinkLM
+        A reference model of the synthetic task.
+    n_tokens : int
+        N, the stream's length.
+    seed : int
+
+    Returns
+    -------
+    TokenStream
+        ``tokens`` of shape (N,).
+    """
     from dataclasses import replace
 
     # lazy for import time: analysis.train loads transformer_lens (~0.7 s beside transformers), for reference models only

@@ -25,13 +25,33 @@ from analysis.streaming.cache import Policy, StreamingCache, rope_spec
 
 
 def has_sink_logits(hf) -> bool:
-    """Whether the model adds learned sink logits to its attention (gpt-oss)."""
+    """Whether the model adds learned sink logits to its attention (gpt-oss).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The causal LM.
+
+    Returns
+    -------
+    bool
+    """
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules())
 
 
 def decode_attention(hf) -> str:
     """"streaming" (``analysis.streaming.attention``: SDPA prefill, grouped-query decode steps that measure the
-    sinks' share) unless the model adds learned sink logits (gpt-oss), whose own eager function applies them."""
+    sinks' share) unless the model adds learned sink logits (gpt-oss), whose own eager function applies them.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The causal LM.
+
+    Returns
+    -------
+    str
+    """
     return "eager" if has_sink_logits(hf) else ATTENTION
 
 
@@ -39,7 +59,23 @@ class PolicyRun:
     """One policy's pass over a stream. ``nll[t]``: -log p(token t+1 | kept tokens <= t), NaN if not scored.
     ``sink_share``: attention on the kept sink tokens (window policy: the oldest kept token) once the cache is
     full; ``learned_share``: attention on the model's learned sink slot (a reference model's sink token or K/KV
-    biases, gpt-oss's sink logits), None for models without one. Both are means over steps, layers and heads."""
+    biases, gpt-oss's sink logits), None for models without one. Both are means over steps, layers and heads.
+
+    Attributes
+    ----------
+    policy : Policy
+    nll : numpy.ndarray, shape (N - 1,)
+    seconds : float
+        The time of the token-by-token part.
+    decoded : int
+        Tokens decoded one at a time.
+    peak_kv_mib, peak_mib : float
+        The cache's and the process's peak memory.
+    sink_share : float or None
+    learned_share : float or None
+    batch : int
+        Policies decoded together (tokens/s is per policy, in that batch).
+    """
 
     def __init__(self, policy: Policy, nll: np.ndarray, seconds: float, decoded: int, peak_kv_mib: float,
                  peak_mib: float, sink_share: float | None, batch: int = 1, learned_share: float | None = None):
@@ -182,7 +218,7 @@ class _Decoder:
 
 
 @torch.no_grad()
-def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int | None = None,
+def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: int | None = None,
                  prefill: int | None = None, attention_share: bool = True, allow_beyond_context: bool = False,
                  progress: bool = False, keep_logits: bool = False, chunk: int = 512) -> list[PolicyRun]:
     """Decode ``tokens`` (N,) under each policy (one batch row per policy, same cache size) with a
@@ -191,7 +227,33 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
     The first ``prefill`` tokens (default: the window; for dense, all but the last 64) go through in
     forward passes of ``chunk`` tokens (the same arithmetic as token by token, as nothing is evicted
     yet); the rest one token at a time. tokens/s counts the token-by-token part. ``attention_share``: measure
-    the attention the kept sinks (for the window policy: the oldest kept token) receive once the cache is full."""
+    the attention the kept sinks (for the window policy: the oldest kept token) receive once the cache is full.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The causal LM.
+    tokens : torch.Tensor, shape (N,)
+        The stream.
+    policies : list of Policy
+        Policies with the same cache size.
+    newline : int, optional
+        The newline token (newline sinks).
+    prefill : int, optional
+        Tokens run in forward passes before decoding.
+    attention_share : bool
+    allow_beyond_context : bool
+        Let the stream exceed the model's context.
+    progress : bool
+    keep_logits : bool
+        Keep each step's logits (for tests).
+    chunk : int
+        Tokens per prefill pass.
+
+    Returns
+    -------
+    list of PolicyRun
+    """
     capacity = _check_group(policies)
     device = hf.get_output_embeddings().weight.device
     tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
@@ -221,14 +283,46 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], newline: int 
 
 
 def run_policy(hf, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
-    """One policy alone (``run_policies`` with one row)."""
+    """One policy alone (``run_policies`` with one row).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The causal LM.
+    tokens : torch.Tensor, shape (N,)
+    policy : Policy
+    **kwargs
+        Options of :func:`run_policies`.
+
+    Returns
+    -------
+    PolicyRun
+    """
     return run_policies(hf, tokens, [policy], **kwargs)[0]
 
 
 @torch.no_grad()
-def recompute_nll(hf, tokens: torch.Tensor, window: int, every: int = 1, batch: int = 4, progress: bool = False) -> PolicyRun:
+def recompute_nll(hf, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4,
+                  progress: bool = False) -> PolicyRun:
     """Sliding window with re-computation: token t+1 is scored from tokens t-window+1..t encoded from scratch
-    at positions 0..window-1. Exact at every ``every``-th position past the window (all positions before it)."""
+    at positions 0..window-1. Exact at every ``every``-th position past the window (all positions before it).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The causal LM.
+    tokens : torch.Tensor, shape (N,)
+    window : int
+    every : int
+        Score every ``every``-th position past the window.
+    batch : int
+        Windows per forward pass.
+    progress : bool
+
+    Returns
+    -------
+    PolicyRun
+    """
     device = hf.get_output_embeddings().weight.device
     ids = tokens.to(device)
     N = ids.numel()

@@ -17,10 +17,30 @@ from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.versions import package_versions
 
 
-def default_policies(window: int, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
+def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
                      quant_sinks: int = 4, dense: bool = True) -> list[Policy]:
     """dense; s + (window - s) for each s (s = 0 is the window policy); newline sinks; and the
-    sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision."""
+    sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision.
+
+    Parameters
+    ----------
+    window : int
+        Tokens every cache keeps, sinks included.
+    sinks : sequence of int
+        Sink counts s (0: the plain window).
+    newline_sinks : int, optional
+        Also s newline tokens as sinks.
+    bits : sequence of int
+        Quantisations of the sinks + window cache.
+    quant_sinks : int
+        Sinks of the quantised caches.
+    dense : bool
+        Add the dense cache.
+
+    Returns
+    -------
+    list of Policy
+    """
     pols = [Policy("dense")] if dense else []
     for s in sinks:
         pols.append(Policy("window", window) if s == 0 else Policy("sinks", window, s))
@@ -32,10 +52,26 @@ def default_policies(window: int, sinks=(0, 1, 2, 4, 8), newline_sinks: int | No
 
 
 class StreamResult:
-    """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share."""
+    """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share.
+
+    Attributes
+    ----------
+    model : str
+    window : int
+    n_ctx : int or None
+        The model's context.
+    stream : dict
+        How to rebuild the stream (``TokenStream.record()``).
+    skip : int
+        Positions left out of the perplexity at the start.
+    runs : list of PolicyRun
+    recompute_every : int or None
+    device : str
+    tokens : list of int or None
+    """
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
-                 recompute_every: int | None, device: str, tokens: list[int] | None = None):
+                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None):
         self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
         self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
 
@@ -142,7 +178,7 @@ class StreamResult:
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
         return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
-                   d["recompute_every"], d.get("device", "cpu"), d.get("tokens"))
+                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"))
 
     @classmethod
     def load(cls, path) -> "StreamResult":
@@ -154,10 +190,20 @@ class StreamResult:
         return Path(path)
 
 
-def compare_streams(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
+def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
     """One row per model ({name: StreamResult}, each with one cache size): perplexity past the first eviction
     with s = each of ``sinks`` kept first tokens (s = 0: the window), the re-computation ceiling, and the
-    attention on the kept first token (1 sink) and on the model's learned sink slot (window policy)."""
+    attention on the kept first token (1 sink) and on the model's learned sink slot (window policy).
+
+    Parameters
+    ----------
+    results : dict of str to StreamResult
+    sinks : sequence of int
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     rows = []
     for name, res in results.items():
         t, w = res.table.set_index("policy"), res.window
@@ -174,6 +220,17 @@ def compare_streams(results: dict, sinks=(0, 1, 4)) -> pd.DataFrame:
 
 
 def write_csv_atomic(df: pd.DataFrame, path) -> Path:
+    """A DataFrame written as CSV, atomically.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+    path : path-like
+
+    Returns
+    -------
+    pathlib.Path
+    """
     write_atomic(path, df.to_csv(index=False))
     return Path(path)
 
@@ -187,8 +244,35 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     Hugging Face folder, a TransformerBridge or a PreTrainedModel. ``tokens``: your own ids (N,), else
     ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
     window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
-    k-th position past the window (1: all; None: leave it out)."""
-    hf, tok, name = causal_lm(model, tokenizer, device=device)
+    k-th position past the window (1: all; None: leave it out).
+
+    Parameters
+    ----------
+    model : str, path-like, TransformerBridge or transformers.PreTrainedModel
+    tokens : torch.Tensor, shape (N,), optional
+        Your own ids.
+    window : int
+        Tokens every cache keeps, sinks included.
+    n_tokens : int
+        The stream's length when ``tokens`` is not given.
+    sinks, newline_sinks, bits, quant_sinks, dense
+        The policies (:func:`default_policies`).
+    recompute_every : int, optional
+    seed : int
+        The order of the docstring stream.
+    tokenizer : transformers.PreTrainedTokenizerBase, optional
+    skip : int, optional
+        Positions left out of the perplexity at the start.
+    batch : int
+        Policies decoded together.
+    device : str, optional
+    progress : bool
+
+    Returns
+    -------
+    StreamResult
+    """
+    hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device)
     n_ctx = context_length(hf)
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
@@ -199,7 +283,8 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
     if tokens is None:
         reference = getattr(hf, "model", None) if tok is None else None  # a tokenizer-less reference model
-        stream = task_stream(reference, n_tokens, seed) if reference is not None else stdlib_stream(tok, n_tokens, seed)
+        stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
+                  else stdlib_stream(tok, n_tokens, seed=seed))
         tokens, record = stream.tokens, stream.record()
     else:
         tokens = torch.as_tensor(tokens).long().flatten()
@@ -211,7 +296,8 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if newline_sinks and tok is None:  # a synthetic task has no newline token
         record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
         newline_sinks = None
-    pols = default_policies(window, sinks, newline_sinks if newline_sinks else None, bits, quant_sinks, dense)
+    pols = default_policies(window, sinks=sinks, newline_sinks=newline_sinks if newline_sinks else None, bits=bits,
+                            quant_sinks=quant_sinks, dense=dense)
     nl = newline_id(tok) if newline_sinks else None
     runs: list[PolicyRun] = []
     dense_pols = [p for p in pols if p.kind == "dense"]
@@ -226,4 +312,4 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if recompute_every:
         runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
     dev = str(hf.get_output_embeddings().weight.device)
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens.tolist())
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens=tokens.tolist())

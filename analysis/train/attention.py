@@ -54,8 +54,18 @@ NO_HOOKS = NoHooks()
 
 @dataclass
 class Slot:
-    """An extra key/value slot visible to every query: the learnable sink token's per-layer key and
-    value (B or 1, H, 1, d), and its additive positional bias (H, T) or None."""
+    """An extra key/value slot visible to every query: the learnable sink token's per-layer key and value, and its
+    additive positional bias.
+
+    Attributes
+    ----------
+    k : torch.Tensor, shape (B or 1, H, 1, d)
+        The slot's key.
+    v : torch.Tensor, shape (B or 1, H, 1, d), or None
+        The slot's value.
+    bias : torch.Tensor, shape (H, T), or None
+        The slot's positional bias.
+    """
 
     k: torch.Tensor
     v: Optional[torch.Tensor]
@@ -63,7 +73,21 @@ class Slot:
 
 
 def register(name: str, description: str, **kwargs):
-    """Class decorator: make an ``AttentionOp`` subclass available under ``name``."""
+    """Class decorator: make an ``AttentionOp`` subclass available under ``name``.
+
+    Parameters
+    ----------
+    name : str
+    description : str
+        One line.
+    **kwargs
+        Passed to the class when it is built.
+
+    Returns
+    -------
+    callable
+        The decorator.
+    """
 
     def deco(cls):
         _REGISTRY[name] = (cls, kwargs, description)
@@ -73,11 +97,27 @@ def register(name: str, description: str, **kwargs):
 
 
 def available_attention() -> dict[str, str]:
-    """{name: one-line description} of every registered attention operation."""
+    """{name: one-line description} of every registered attention operation.
+
+    Returns
+    -------
+    dict of str to str
+    """
     return {name: desc for name, (_, _, desc) in _REGISTRY.items()}
 
 
 def canonical_name(name: str) -> str:
+    """The registered name of an attention operation (aliases resolved).
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    str
+        ValueError naming the known operations otherwise.
+    """
     key = str(name).strip().lower()
     key = _ALIASES.get(key, key)
     if key not in _REGISTRY:
@@ -89,7 +129,17 @@ def canonical_name(name: str) -> str:
 
 
 def check_attention(name: str, cfg) -> str:
-    """Canonical operation name; raises ValueError for unknown names and impossible combinations."""
+    """Canonical operation name; raises ValueError for unknown names and impossible combinations.
+
+    Parameters
+    ----------
+    name : str
+    cfg : ModelConfig
+
+    Returns
+    -------
+    str
+    """
     key = canonical_name(name)
     cls = _REGISTRY[key][0]
     if getattr(cls, "kernel_based", False) and cfg.positional_embedding_type in _ADDITIVE_BIAS_PE:
@@ -102,6 +152,16 @@ def check_attention(name: str, cfg) -> str:
 
 
 def build_attention_op(cfg) -> "AttentionOp":
+    """The attention operation a model config asks for.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+
+    Returns
+    -------
+    AttentionOp
+    """
     key = canonical_name(cfg.attention)
     cls, kwargs, _ = _REGISTRY[key]
     op = cls(cfg, **kwargs)
@@ -111,17 +171,54 @@ def build_attention_op(cfg) -> "AttentionOp":
 
 # ----------------------------------------------------------------------------- helpers
 
-def qk_logits(q, k, scale: float, score_bias=None):
+def qk_logits(q, k, scale: float, *, score_bias=None):
+    """Scores q . k * scale (+ a positional bias).
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, H, T, d)
+    k : torch.Tensor, shape (B, H, n_keys, d)
+    scale : float
+    score_bias : torch.Tensor, shape (H, T, n_keys), optional
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T, n_keys)
+    """
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     return s if score_bias is None else s + score_bias
 
 
 def mask_min(s, allowed):
-    """Masked entries set to the dtype's minimum (as TransformerLens' bridge reports scores)."""
+    """Masked entries set to the dtype's minimum (as TransformerLens' bridge reports scores).
+
+    Parameters
+    ----------
+    s : torch.Tensor, shape (..., T, n_keys)
+        Scores.
+    allowed : torch.Tensor, shape (T, n_keys)
+        bool.
+
+    Returns
+    -------
+    torch.Tensor
+    """
     return s.masked_fill(~allowed, torch.finfo(s.dtype).min)
 
 
-def row_normalise(w, tiny: float = 1e-12):
+def row_normalise(w, *, tiny: float = 1e-12):
+    """Rows divided by their sum.
+
+    Parameters
+    ----------
+    w : torch.Tensor, shape (..., n_keys)
+    tiny : float
+        The smallest divisor.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n_keys)
+    """
     return w / w.sum(-1, keepdim=True).clamp_min(tiny)
 
 
@@ -159,7 +256,7 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
     """None (plain causal) or an additive float mask (H or 1, T, extra + T) for SDPA."""
     if score_bias is None and window is None and extra_cols == 0:
         return None
-    allowed = causal_mask(T, window, device)
+    allowed = causal_mask(T, window=window, device=device)
     m = torch.zeros(T, T, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
     m = m[None] if score_bias is None else m[None] + score_bias.to(dtype)
     if extra_cols:
@@ -171,9 +268,24 @@ def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, 
     return m
 
 
-def causal_mask(T: int, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
+def causal_mask(T: int, *, window=None, device=None, n_keys: int | None = None) -> torch.Tensor:
     """(T, n_keys) bool: key j visible from query i iff j <= i (and i - j < window). ``n_keys`` >= T: the T
-    queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T."""
+    queries are the last T of ``n_keys`` tokens (a step that continues a KV cache); default T.
+
+    Parameters
+    ----------
+    T : int
+        Queries.
+    window : int, optional
+        A sliding window.
+    device : torch.device, optional
+    n_keys : int, optional
+        Keys (default T).
+
+    Returns
+    -------
+    torch.Tensor, shape (T, n_keys)
+    """
     L = T if n_keys is None else n_keys
     i = torch.arange(L - T, L, device=device)[:, None]
     j = torch.arange(L, device=device)[None, :]
@@ -189,7 +301,7 @@ class Softmax(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         w = h.hook_raw_pattern(h.hook_pattern(torch.softmax(s, dim=-1)))
         return torch.matmul(w, v)
 
@@ -209,7 +321,7 @@ class SoftmaxScaled(Softmax):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         p = h.hook_pattern(torch.softmax(s, dim=-1))
         raw = h.hook_raw_pattern(self.alpha * p)
         return torch.matmul(raw, v)
@@ -227,7 +339,7 @@ class SoftmaxPNorm(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         # sim / ||sim||_p is invariant to a common factor: subtract the row max for stability.
         sim = torch.exp(s - s.amax(-1, keepdim=True)) * allowed
         h.hook_pattern(row_normalise(sim))
@@ -241,7 +353,7 @@ class Softpick(AttentionOp):
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         m = s.amax(-1, keepdim=True)
         e = (torch.exp(s - m) - torch.exp(-m)) * allowed
         w = h.hook_raw_pattern(h.hook_pattern(F.relu(e) / (e.abs().sum(-1, keepdim=True) + self.eps)))
@@ -259,7 +371,7 @@ class _SlotSoftmax(AttentionOp):
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
         sl = self.slot(q, slot)
-        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias), allowed))
+        s = h.hook_attn_scores(mask_min(qk_logits(q, k, self.scale, score_bias=score_bias), allowed))
         s_slot = torch.matmul(q, sl.k.transpose(-1, -2)) * self.scale  # (B, H, T, 1)
         if sl.bias is not None:
             s_slot = s_slot + sl.bias[..., None]
@@ -342,7 +454,7 @@ class _Elementwise(AttentionOp):
         raise NotImplementedError
 
     def logits(self, q, k, score_bias):
-        return qk_logits(q, k, self.scale, score_bias)
+        return qk_logits(q, k, self.scale, score_bias=score_bias)
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
@@ -377,7 +489,7 @@ class Sigmoid(_Elementwise):
         return self.bias  # (H, 1, 1) or None
 
     def logits(self, q, k, score_bias):
-        s = qk_logits(q, k, self.scale, score_bias)
+        s = qk_logits(q, k, self.scale, score_bias=score_bias)
         b = self.extra_bias(k.shape[-2])
         return s if b is None else s + b
 

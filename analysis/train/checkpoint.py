@@ -39,12 +39,36 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- atomic file writes
 
-def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+def write_tensors(path, tensors: dict[str, torch.Tensor], *, metadata: Optional[dict] = None) -> None:
+    """Tensors written as safetensors, atomically.
+
+    Parameters
+    ----------
+    path : path-like
+    tensors : dict of str to torch.Tensor
+    metadata : dict, optional
+        String metadata.
+
+    Returns
+    -------
+    None
+    """
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_tensors(path) -> dict[str, torch.Tensor]:
+    """Tensors read from a safetensors file.
+
+    Parameters
+    ----------
+    path : path-like
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        CheckpointError, saying what to do, where the file is missing or corrupt.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist.")
@@ -58,6 +82,17 @@ def read_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def read_json(path) -> dict:
+    """A JSON file read.
+
+    Parameters
+    ----------
+    path : path-like
+
+    Returns
+    -------
+    dict
+        CheckpointError where the file is missing or corrupt.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist.")
@@ -70,12 +105,33 @@ def read_json(path) -> dict:
 # ----------------------------------------------------------------------------- model weights
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's persistent tensors by name (tied weights appear once)."""
+    """The model's persistent tensors by name (tied weights appear once).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
     return {k: v for k, v in model.state_dict().items()}
 
 
 def load_weights(model, tensors: dict[str, torch.Tensor], source) -> None:
-    """Strictly load ``tensors`` into ``model``; a clear CheckpointError on any mismatch."""
+    """Strictly load ``tensors`` into ``model``; a clear CheckpointError on any mismatch.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    tensors : dict of str to torch.Tensor
+    source : path-like
+        Named in errors.
+
+    Returns
+    -------
+    None
+    """
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -102,7 +158,18 @@ def load_weights(model, tensors: dict[str, torch.Tensor], source) -> None:
 
 def optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state as named tensors plus JSON hyper-parameters. ``names`` lists the parameter names in
-    the optimizer's parameter order."""
+    the optimizer's parameter order.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+    names : list of str
+
+    Returns
+    -------
+    tensors : dict of str to torch.Tensor
+    meta : dict
+    """
     sd = optimizer.state_dict()
     tensors = {}
     for idx, state in sd["state"].items():
@@ -114,6 +181,24 @@ def optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tens
 
 
 def load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, names: list[str], source) -> None:
+    """Restore AdamW's state from named tensors.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+    tensors : dict of str to torch.Tensor
+        ``name::field`` -> state.
+    meta : dict
+        ``param_names`` and ``param_groups``.
+    names : list of str
+        The parameter names in the optimizer's order.
+    source : path-like
+        Named in errors.
+
+    Returns
+    -------
+    None
+    """
     if meta.get("param_names") != names:
         raise CheckpointError(
             f"the optimizer state in {source} was written for different parameters; resume with the same "
@@ -132,6 +217,12 @@ def load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, name
 # ----------------------------------------------------------------------------- RNG state
 
 def rng_tensors() -> dict[str, torch.Tensor]:
+    """The random number generators' states (CPU, and CUDA where used).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = torch.cuda.get_rng_state()
@@ -139,6 +230,17 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    """Restore the random number generators' states.
+
+    Parameters
+    ----------
+    tensors : dict of str to torch.Tensor
+        As :func:`rng_tensors` made them.
+
+    Returns
+    -------
+    None
+    """
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
@@ -147,7 +249,27 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 # ----------------------------------------------------------------------------- training checkpoints
 
 def save_checkpoint(out: Path, step: int, model, optimizer, names: list[str], state: dict, keep: int) -> Path:
-    """Write checkpoint ``step`` completely, then point ``latest.json`` at it; prune old ones."""
+    """Write checkpoint ``step`` completely, then point ``latest.json`` at it; prune old ones.
+
+    Parameters
+    ----------
+    out : pathlib.Path
+        The run's folder.
+    step : int
+    model : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    names : list of str
+        The parameter names in the optimizer's order.
+    state : dict
+        The loop's state (JSON).
+    keep : int
+        Checkpoints kept.
+
+    Returns
+    -------
+    pathlib.Path
+        The checkpoint's folder.
+    """
     root = Path(out) / "checkpoints"
 
     def fill(tmp: Path) -> None:
@@ -165,6 +287,18 @@ def save_checkpoint(out: Path, step: int, model, optimizer, names: list[str], st
 
 
 def latest_checkpoint(out: Path) -> Optional[Path]:
+    """The folder of a run's latest checkpoint.
+
+    Parameters
+    ----------
+    out : path-like
+        The run's folder.
+
+    Returns
+    -------
+    pathlib.Path or None
+        None where the run has none.
+    """
     root = Path(out) / "checkpoints"
     if not (root / "latest.json").is_file():
         return None
@@ -177,7 +311,20 @@ def latest_checkpoint(out: Path) -> Optional[Path]:
 
 
 def load_checkpoint(path: Path, model, optimizer, names: list[str]) -> dict:
-    """Restore model, optimizer and RNG from a checkpoint folder; returns its state.json."""
+    """Restore model, optimizer and RNG from a checkpoint folder; returns its state.json.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        A checkpoint folder.
+    model : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    names : list of str
+
+    Returns
+    -------
+    dict
+    """
     path = Path(path)
     state = read_json(path / "state.json")
     load_weights(model, read_tensors(path / "model.safetensors"), path / "model.safetensors")
@@ -190,7 +337,20 @@ def load_checkpoint(path: Path, model, optimizer, names: list[str]) -> dict:
 # ----------------------------------------------------------------------------- reference models
 
 def save_reference(out: Path, model, config: dict) -> None:
-    """Final weights + config.json (with the reference format key) + tokenizer.json when there is one."""
+    """Final weights + config.json (with the reference format key) + tokenizer.json when there is one.
+
+    Parameters
+    ----------
+    out : pathlib.Path
+        The run's folder.
+    model : SinkLM
+    config : dict
+        The model and training configs.
+
+    Returns
+    -------
+    None
+    """
     out = Path(out)
     write_tensors(out / "model.safetensors", model_tensors(model), metadata={"format": REFERENCE_FORMAT})
     tok = getattr(model, "tokenizer", None)
@@ -210,11 +370,21 @@ def _resolve_reference(path_or_dir) -> Path:
     return p
 
 
-def load_reference(path_or_dir, device=None, dtype=None):
+def load_reference(path_or_dir, *, device=None, dtype=None):
     """Load a model trained by ``analysis.train`` (a run folder, or its config.json / model.safetensors).
 
     Returns the ``SinkLM`` in eval mode, with ``.tokenizer`` (or None for the synthetic task) and
     ``.reference_config`` (the whole config.json: training options, data description, final metrics).
+
+    Parameters
+    ----------
+    path_or_dir : path-like
+    device : str, optional
+    dtype : torch.dtype or str, optional
+
+    Returns
+    -------
+    SinkLM
     """
     d = _resolve_reference(path_or_dir)
     cfg = read_json(d / "config.json")

@@ -60,7 +60,17 @@ def _field_type(cls, f: dataclasses.Field):
 
 @functools.lru_cache(maxsize=None)
 def field_help(cls) -> dict[str, str]:
-    """The trailing comments of the dataclass fields, used as option help."""
+    """The trailing comments of the dataclass fields, used as option help.
+
+    Parameters
+    ----------
+    cls : type
+        ModelConfig or TrainConfig.
+
+    Returns
+    -------
+    dict of str to str
+    """
     out = {}
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
@@ -69,9 +79,19 @@ def field_help(cls) -> dict[str, str]:
     return out
 
 
-def add_config_options(parser: argparse.ArgumentParser, list_fields: Sequence[str] = ()) -> None:
+def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed so only explicit options override a preset.
-    Fields in ``list_fields`` take comma-separated lists (for sweeps)."""
+    Fields in ``list_fields`` take comma-separated lists (for sweeps).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+    list_fields : sequence of str
+
+    Returns
+    -------
+    None
+    """
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} options")
         for f in dataclasses.fields(cls):
@@ -141,6 +161,18 @@ def _print_list() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m analysis.train``: train one model, or a grid (``sweep``).
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "-m", "analysis.train", *argv])
     if argv and argv[0] == "sweep":

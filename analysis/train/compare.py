@@ -22,8 +22,23 @@ from analysis.values import value_norms
 
 
 @torch.no_grad()
-def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
-    """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights)."""
+def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
+    """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights).
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+    hook : str
+        The attention hook of the layer.
+
+    Returns
+    -------
+    torch.Tensor, shape (H, T, T)
+    """
     acc = {}
 
     def fn(x, hook):
@@ -35,9 +50,22 @@ def mean_pattern(model, tokens: torch.Tensor, layer: int = 0, hook: str = "hook_
 
 
 @torch.no_grad()
-def compare_models(models: dict, tokens: torch.Tensor, eps: float = 0.3) -> pd.DataFrame:
+def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> pd.DataFrame:
     """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
-    ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink."""
+    ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink.
+
+    Parameters
+    ----------
+    models : dict of str to SinkLM
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     rows = []
     for label, model in models.items():
         res = sink_metric(model, tokens, eps=eps, k_max=1)
@@ -60,21 +88,44 @@ def compare_models(models: dict, tokens: torch.Tensor, eps: float = 0.3) -> pd.D
 
 
 def read_log(run_dir) -> pd.DataFrame:
-    """A run's train_log.jsonl as a DataFrame (one row per logged step)."""
+    """A run's train_log.jsonl as a DataFrame (one row per logged step).
+
+    Parameters
+    ----------
+    run_dir : path-like
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     lines = Path(run_dir, "train_log.jsonl").read_text().splitlines()
     return pd.DataFrame([json.loads(l) for l in lines if l.strip()])
 
 
 # ----------------------------------------------------------------------------- figures (matplotlib)
 
-def plot_patterns(models: dict, tokens: torch.Tensor, layer: int = 0, n_pos: int = 16):
-    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model."""
+def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
+    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
+
+    Parameters
+    ----------
+    models : dict of str to SinkLM
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layer : int
+    n_pos : int
+        Positions shown.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     H = max(m.cfg.n_heads for m in models.values())
     fig, axes = plt.subplots(len(models), H, figsize=(2.2 * H, 2.3 * len(models)), squeeze=False)
     for r, (label, model) in enumerate(models.items()):
-        pat = mean_pattern(model, tokens, layer)[:, :n_pos, :n_pos]
+        pat = mean_pattern(model, tokens, layer=layer)[:, :n_pos, :n_pos]
         for h in range(H):
             ax = axes[r, h]
             ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
@@ -87,7 +138,17 @@ def plot_patterns(models: dict, tokens: torch.Tensor, layer: int = 0, n_pos: int
 
 
 def plot_first_token(table: pd.DataFrame):
-    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model."""
+    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Of :func:`compare_models`.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     cols = ["Sink_1 (%)", "|v_1| / mean |v_j|", "raw weight on token 1"]
@@ -101,7 +162,16 @@ def plot_first_token(table: pd.DataFrame):
 
 
 def plot_training(runs: dict):
-    """Loss and Sink_1 against training step for each run folder {label: dir}."""
+    """Loss and Sink_1 against training step for each run folder {label: dir}.
+
+    Parameters
+    ----------
+    runs : dict of str to path-like
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
@@ -136,7 +206,19 @@ def _zero_first_token_dims(dims: list[int]):
 
 
 def sink_kv_heads(vn, eps: float = 0.3) -> list[tuple[int, int]]:
-    """The (layer, KV head) pairs of a ``ValueNorms`` whose alpha_1 (mean over the KV head's query heads) > eps."""
+    """The (layer, KV head) pairs of a ``ValueNorms`` whose alpha_1 (mean over the KV head's query heads) > eps.
+
+    Parameters
+    ----------
+    vn : ValueNorms
+        ``analysis.values.value_norms`` of a model.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    list of (int, int)
+    """
     t = vn.table()
     return [(int(l), int(h)) for l, h, a in zip(t.layer, t.kv_head, t.alpha_1_mean) if a > eps]
 
@@ -151,7 +233,7 @@ def _over_heads(table: pd.DataFrame, heads, col: str, how: str = "mean") -> floa
 
 
 @torch.no_grad()
-def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL, *,
+def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL,
                     dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 
@@ -187,6 +269,10 @@ def mechanism_chain(model, tokens: torch.Tensor, eps: float = 0.3, ratio: float 
         KV heads to follow (e.g. a trained model's sink heads): adds ``value_ratio_heads`` (median),
         ``key_offsub_z_heads``, ``cos_q_k1_heads`` and ``cos_q_kj_heads`` (means) over these heads, whether
         they sink or not.
+
+    Returns
+    -------
+    dict
     """
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     out = {"sink_1": sink.sink_rate(1)}

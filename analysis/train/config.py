@@ -33,6 +33,65 @@ class ModelConfig:
     """Architecture of a LLaMA-style decoder with a swappable attention operation.
 
     Defaults give the small synthetic-task model (1 layer, 4 heads, d_model 64).
+
+    Attributes
+    ----------
+    d_vocab : int
+        The vocabulary size.
+    n_ctx : int
+        The longest sequence.
+    d_model : int
+        The residual width.
+    n_layers : int
+        The number of blocks.
+    n_heads : int
+        Query heads per layer.
+    n_key_value_heads : int or None
+        Key/value heads (None: n_heads, no GQA).
+    d_head : int or None
+        The width of a head (None: d_model // n_heads).
+    d_mlp : int or None
+        The MLP width (None: 4 d_model for gelu / relu, 8/3 d_model rounded up to 8 for swiglu).
+    act_fn : str
+        The MLP: "swiglu", "gelu" or "relu".
+    normalization_type : str
+        "RMS" or "LN".
+    norm_position : str
+        "pre" or "post".
+    eps : float
+        The norms' epsilon.
+    positional_embedding_type : str
+        "rotary", "none", "learned", "sinusoidal", "alibi" or "relative".
+    rotary_base : float
+        The true RoPE base (theta).
+    relative_attention_num_buckets : int
+        T5-style relative bias.
+    relative_attention_max_distance : int
+        T5-style relative bias: the largest distance bucketed.
+    attention : str
+        The attention operation (see ``analysis.train.attention.available_attention()``).
+    sliding_window : int or None
+        Keys j with i - w < j <= i (any operation).
+    prefix_attention : int
+        Prefix LM: the first p tokens attend to each other bidirectionally.
+    document_token : int or None
+        Intra-document masking: a document starts at each of these tokens.
+    attn_alpha : float
+        Softmax-scaled: divide by Z / alpha.
+    attn_p : float
+        Softmax-pnorm: sim / (sum sim^p)^(1/p).
+    sigmoid_bias : str
+        Sigmoid attention: "none", "fixed" (-log T) or "learnable" (per head).
+    kernel_hidden : int or None
+        Linear-mlp kernel width (None: d_head).
+    tie_embeddings : bool
+        Share the embedding and unembedding.
+    init_std : float
+        The standard deviation of the initial weights.
+    attn_impl : str
+        "auto", "eager", "sdpa" or "flex" (auto: fused kernels on CUDA when no pattern hook).
+    model_name : str
+        The model's name.
     """
 
     d_vocab: int = 65
@@ -129,7 +188,101 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """One training run: data, optimisation, logging and checkpointing."""
+    """One training run: data, optimisation, logging and checkpointing.
+
+    Attributes
+    ----------
+    out : str or None
+        The run's folder (None: nothing written).
+    preset : str or None
+        The preset the run started from.
+    seed : int
+        The seed of the initialisation and of the batches.
+    device : str
+        "auto", "cpu", "cuda" or "cuda:N" (under torchrun: the local rank's GPU).
+    precision : str
+        "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32" or "bf16".
+    compile : bool
+        ``torch.compile`` the model.
+    dataset : str
+        "synthetic", "synthetic-docs", "stdlib", "hf:NAME[:CONFIG]" or "tokens:PATH.npy".
+    dataset_split : str
+        The split of a Hugging Face dataset.
+    text_column : str
+        The column holding its text.
+    corpus_max_chars : int or None
+        Cap the text read from the corpus.
+    tokenizer : str
+        "bpe" (byte-level BPE trained on the corpus), or a Hugging Face tokenizer name or folder.
+    tokenizer_vocab_size : int
+        The vocabulary of a trained BPE tokenizer.
+    bos : bool
+        Prepend the BOS token to every window (natural text; the synthetic task always has one).
+    fixed_token_position : int or None
+        1-based position k at which a fixed token is inserted.
+    fixed_token_id : int or None
+        The fixed token (None: the tokenizer's BOS / EOS id).
+    prefix_len : int
+        Prefix LM: loss only on tokens after the first p.
+    synthetic_vocab : int
+        Synthetic task: content tokens (ids 1..V; 0 is BOS).
+    synthetic_triggers : int
+        Copy rule after the most frequent tokens.
+    synthetic_seed : int
+        The seed of the task's transition matrix.
+    synthetic_bos : bool
+        Synthetic task: start every sequence with BOS (False: at an arbitrary chain token).
+    synthetic_keys : int
+        Induction rule: after a key token seen before, repeat what followed it (0: no keys).
+    synthetic_lags : int
+        Key i repeats the token 1 + (i mod lags) after its last occurrence (one circuit per lag).
+    val_fraction : float
+        Natural text: tail of the token stream held out.
+    steps : int
+        Optimiser steps.
+    batch_size : int
+        Sequences per optimiser step (global, over all processes).
+    micro_batch_size : int or None
+        Per process and forward pass (gradient accumulation).
+    lr : float
+        The peak learning rate.
+    schedule : str
+        "cosine" or "constant" (both after a linear warm-up).
+    warmup_steps : int
+        Linear warm-up steps.
+    min_lr_ratio : float
+        Cosine floor as a fraction of lr.
+    beta1 : float
+        AdamW's beta1.
+    beta2 : float
+        AdamW's beta2.
+    weight_decay : float
+        AdamW's weight decay.
+    decay_all_params : bool
+        True: also norm gains, biases, embeddings (as in the paper); False: matrices only.
+    grad_clip : float
+        The gradient norm clip (0 disables).
+    log_every : int
+        Steps between log records.
+    eval_every : int
+        Sink_1 and first-token norm ratio on the held-out probe.
+    probe_size : int
+        Sequences of the held-out probe.
+    probe_len : int
+        Tokens per probe sequence.
+    sink_eps : float
+        The sink threshold of the evaluations.
+    checkpoint_every : int
+        0: no intermediate checkpoints.
+    keep_checkpoints : int
+        Checkpoints kept.
+    snapshots : str or None
+        Weights kept along training: "log:N" (N log-spaced steps) or "100,500,2000".
+    resume : bool
+        Continue from the latest checkpoint in `out`.
+    progress : bool
+        Show a progress bar.
+    """
 
     out: Optional[str] = None
     preset: Optional[str] = None
@@ -211,7 +364,18 @@ def snapshot_steps(spec: Optional[str], steps: int) -> list[int]:
     """The steps at which a run keeps its weights (``TrainConfig.snapshots``), ascending, each in [1, steps].
 
     ``"log:N"``: N steps spaced evenly in log from 10 (or 1 for runs under 100 steps) to ``steps`` (fewer when
-    rounding makes two equal); ``"100,500,2000"``: those steps. None or "": none."""
+    rounding makes two equal); ``"100,500,2000"``: those steps. None or "": none.
+
+    Parameters
+    ----------
+    spec : str or None
+    steps : int
+        The run's length.
+
+    Returns
+    -------
+    list of int
+    """
     if not spec:
         return []
     spec = str(spec).strip()
@@ -246,11 +410,31 @@ def _known_fields(cls, d: dict, what: str) -> dict:
 
 
 def field_names(cls) -> list[str]:
+    """The field names of a config class.
+
+    Parameters
+    ----------
+    cls : type
+
+    Returns
+    -------
+    list of str
+    """
     return [f.name for f in dataclasses.fields(cls)]
 
 
 def split_overrides(overrides: dict) -> tuple[dict, dict]:
-    """Split a flat {field: value} dict into (model fields, train fields); unknown names raise."""
+    """Split a flat {field: value} dict into (model fields, train fields); unknown names raise.
+
+    Parameters
+    ----------
+    overrides : dict
+
+    Returns
+    -------
+    model : dict
+    train : dict
+    """
     m_names, t_names = set(field_names(ModelConfig)), set(field_names(TrainConfig))
     unknown = sorted(set(overrides) - m_names - t_names)
     if unknown:

@@ -42,7 +42,17 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "tur
 # ----------------------------------------------------------------------------- corpora
 
 def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
-    """Docstrings of the standard library's modules, classes and functions, in a fixed order."""
+    """Docstrings of the standard library's modules, classes and functions, in a fixed order.
+
+    Parameters
+    ----------
+    max_chars : int, optional
+        Stop after this many characters.
+
+    Returns
+    -------
+    list of str
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     docs, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -64,7 +74,19 @@ def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
 
 
 def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[int]) -> Iterator[str]:
-    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters."""
+    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters.
+
+    Parameters
+    ----------
+    name : str
+    split : str
+    text_column : str
+    max_chars : int or None
+
+    Yields
+    ------
+    str
+    """
     try:
         import datasets  # noqa: F401 - imported lazily: only needed for hf: corpora
     except ImportError as e:
@@ -97,7 +119,17 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
 # ----------------------------------------------------------------------------- tokenizers
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer trained on ``docs``, wrapped as ``PreTrainedTokenizerFast``."""
+    """A byte-level BPE tokenizer trained on ``docs``, wrapped as ``PreTrainedTokenizerFast``.
+
+    Parameters
+    ----------
+    docs : iterable of str
+    vocab_size : int
+
+    Returns
+    -------
+    transformers.PreTrainedTokenizerFast
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -112,6 +144,16 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
 
 
 def wrap_tokenizer(tok):
+    """A ``tokenizers`` tokenizer as a ``PreTrainedTokenizerFast`` whose BOS, EOS and padding are the EOS token.
+
+    Parameters
+    ----------
+    tok : tokenizers.Tokenizer
+
+    Returns
+    -------
+    transformers.PreTrainedTokenizerFast
+    """
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
@@ -119,6 +161,16 @@ def wrap_tokenizer(tok):
 
 
 def load_tokenizer_file(path) -> "object":
+    """A run's ``tokenizer.json`` as a ``PreTrainedTokenizerFast``.
+
+    Parameters
+    ----------
+    path : path-like
+
+    Returns
+    -------
+    transformers.PreTrainedTokenizerFast
+    """
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
@@ -126,6 +178,17 @@ def load_tokenizer_file(path) -> "object":
 
 
 def pretrained_tokenizer(name: str):
+    """A Hugging Face tokenizer by name or folder.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    transformers.PreTrainedTokenizerBase
+        RuntimeError saying what to use instead where it cannot be loaded.
+    """
     from transformers import AutoTokenizer
 
     try:
@@ -137,9 +200,21 @@ def pretrained_tokenizer(name: str):
         ) from e
 
 
-def tokenize_docs(tokenizer, docs: Iterable[str], chunk: int = 1000) -> np.ndarray:
+def tokenize_docs(tokenizer, docs: Iterable[str], *, chunk: int = 1000) -> np.ndarray:
     """One stream: each document's ids followed by EOS (the packing of the paper: BOS = EOS).
-    Tokenizes ``chunk`` documents at a time, so the stream is the only large object in memory."""
+    Tokenizes ``chunk`` documents at a time, so the stream is the only large object in memory.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerBase
+    docs : iterable of str
+    chunk : int
+        Documents per tokenizer call.
+
+    Returns
+    -------
+    numpy.ndarray, shape (n_tokens,)
+    """
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token to separate documents.")
@@ -163,6 +238,15 @@ def tokenize_docs(tokenizer, docs: Iterable[str], chunk: int = 1000) -> np.ndarr
 
 @dataclass
 class TrainBatch:
+    """One training batch.
+
+    Attributes
+    ----------
+    inputs : torch.LongTensor, shape (B, T)
+        Token ids.
+    targets : torch.LongTensor, shape (B, T)
+        The next-token targets, -100 where no loss is taken.
+    """
     inputs: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, -100 where no loss
 
@@ -386,10 +470,21 @@ def _stream_cache_key(cfg: TrainConfig) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def build_data(cfg: TrainConfig, n_ctx: int, tokenizer=None) -> DataSource:
+def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
     """The data source a run's config asks for. Tokenized streams are cached (``analysis.io.cache_dir() / "train"``).
 
     ``tokenizer``: reuse this tokenizer (e.g. when resuming) instead of training / loading one.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+    n_ctx : int
+        The sequence length.
+    tokenizer : transformers.PreTrainedTokenizerBase, optional
+
+    Returns
+    -------
+    DataSource
     """
     ds = cfg.dataset
     if ds == "synthetic":

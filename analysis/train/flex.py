@@ -39,6 +39,22 @@ def _block_mask(T: int, window, device: str):
 
 
 def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
+    """An elementwise attention operation (sigmoid, elu + 1, ...) through ``flex_attention`` on CUDA.
+
+    Parameters
+    ----------
+    op : AttentionOp
+        The elementwise operation (its ``log_f`` and ``extra_bias``).
+    q, k, v : torch.Tensor, shape (B, H, T, d)
+    window : int, optional
+        A sliding window.
+    score_bias : torch.Tensor, shape (H, T, T), optional
+        A positional bias.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T, d)
+    """
     from torch.nn.attention.flex_attention import AuxRequest
 
     T = q.shape[-2]

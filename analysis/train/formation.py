@@ -108,7 +108,21 @@ LINKS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Criterion:
-    """A link has formed where ``value op threshold`` (``op`` ">=" or "<="); ``says`` puts it in words."""
+    """A link has formed where ``value op threshold`` (``op`` ">=" or "<="); ``says`` puts it in words.
+
+    Attributes
+    ----------
+    link : str
+        The link of :data:`LINKS` it reads.
+    op : str
+        ">=" or "<=".
+    threshold : float
+        The value the link must reach.
+    name : str
+        A short name of the link ("spike", "sink", ...).
+    says : str
+        The criterion in words, for the text.
+    """
 
     link: str
     op: str
@@ -187,7 +201,23 @@ class Followed:
 
 
 def follow_final(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW) -> Followed:
-    """The sink layer, spike dims and sink heads of ``model`` (a run's final model) on ``tokens`` (N, T)."""
+    """The sink layer, spike dims and sink heads of ``model`` (a run's final model) on ``tokens``.
+
+    Parameters
+    ----------
+    model
+        A run's final model.
+    tokens : torch.Tensor, shape (N, T)
+        The held-out probe.
+    eps : float
+        The sink threshold.
+    ratio : float
+        Spike dims: at least this many times the first token's median |a| entering the sink layer.
+
+    Returns
+    -------
+    Followed
+    """
     ma = massive_activations(model, tokens, hook="resid_pre", median_over="token", abs_threshold=0.0,
                              ratio_threshold=ratio)
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
@@ -254,7 +284,7 @@ def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = S
     writes : pandas.DataFrame
         ``spike_origin``'s writes on the followed dims (one row per writing or erasing component and dim).
     """
-    chain = mechanism_chain(model, tokens, eps, follow.ratio, dims=follow.dims, heads=follow.heads)
+    chain = mechanism_chain(model, tokens, eps=eps, ratio=follow.ratio, dims=follow.dims, heads=follow.heads)
     origin = spike_origin(model, tokens, dims=follow.dims, min_write=0.0)
     cuts = spike_cuts(model, tokens, origin, n_random=n_random, roles=("writers",), seed=seed, eps=eps)
     ng = norm_gain_trace(model, tokens, layer=follow.sink_layer, spike_dims=follow.dims)
@@ -292,7 +322,17 @@ def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = S
 def run_models(run_dir) -> list[tuple[int, Path, bool]]:
     """(step, folder, is the final model) of every snapshot of a run and its final model, by step; the final model
     replaces the snapshot of its own step (the same weights), and where the run has no final model yet (still
-    training) its last snapshot stands in for it."""
+    training) its last snapshot stands in for it.
+
+    Parameters
+    ----------
+    run_dir : path
+        A run folder of ``analysis.train`` with ``snapshots/step-*``.
+
+    Returns
+    -------
+    list of (int, pathlib.Path, bool)
+    """
     run_dir = Path(run_dir)
     snaps = sorted(p for p in (run_dir / "snapshots").glob("step-*") if (p / "model.safetensors").is_file())
     found = {int(read_json(p / "config.json").get("step", int(p.name[5:]))): p for p in snaps}
@@ -319,7 +359,19 @@ def onset_table(formation: pd.DataFrame, criteria: Sequence[Criterion] = ONSETS)
     step where it has moved at least half-way from its first finite value to its final value (``half_step``; NaN
     when it does not move), with those values.
 
-    ``formation``: the long table of :func:`formation_order` (run, attention, seed, step, final, link, value)."""
+    Parameters
+    ----------
+    formation : pandas.DataFrame
+        The long table of :func:`formation_order` (run, attention, seed, step, final, link, value).
+    criteria : sequence of Criterion
+        The onset criteria (default :data:`ONSETS`).
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per (run, criterion): run, attention, seed, link, name, criterion, onset_step, half_step,
+        first_value, final_value, final_step.
+    """
     rows = []
     for (run, att, seed), df in formation.groupby(["run", "attention", "seed"], sort=False):
         for c in criteria:
@@ -374,6 +426,12 @@ class FormationOrder(Result):
         The probe's shape.
     seconds_per_model : float
         Mean wall time of one model's links.
+    model_name : str, optional
+        The runs' folder names.
+    kind : str, optional
+        Unused (the result protocol's input kind).
+    notes : list of str
+        Runs without a final model, runs whose spike dims fall short of the follow criterion.
     """
 
     formation: pd.DataFrame
@@ -565,7 +623,18 @@ TABLE_FILES = {"formation": "formation.csv", "onsets": "onsets.csv", "followed":
 
 def save_formation(res: FormationOrder, out) -> None:
     """Write ``res`` into the folder ``out``: one CSV per table (:data:`TABLE_FILES`) and ``meta.json`` (the probe,
-    the timing, the notes), which :func:`load_formation` reads back."""
+    the timing, the notes), which :func:`load_formation` reads back.
+
+    Parameters
+    ----------
+    res : FormationOrder
+    out : path
+        The folder (created if missing).
+
+    Returns
+    -------
+    None
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, file in TABLE_FILES.items():

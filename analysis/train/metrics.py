@@ -22,6 +22,19 @@ from analysis.sink import sink_metric
 
 @dataclass
 class FirstTokenStats:
+    """What makes the first token special, per layer L of a reference model.
+
+    Attributes
+    ----------
+    value_norm_ratio : torch.Tensor, shape (L,)
+        |v_1| / mean_{j>1} |v_j|.
+    resid_norm_ratio : torch.Tensor, shape (L,)
+        |h_1| / mean_j |h_j| at ``hook_resid_post``.
+    raw_first_mass : torch.Tensor, shape (L,)
+        The mean over heads and queries i >= 1 of the raw weight on key 1.
+    spike_ratio : torch.Tensor, shape (L,)
+        The mean over samples of max_d |h_1d| / median |h| at ``hook_resid_post``.
+    """
     value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
@@ -37,8 +50,21 @@ def _device(model):
 
 
 @torch.no_grad()
-def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> FirstTokenStats:
-    """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc)."""
+def first_token_stats(model, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
+    """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc).
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    batch_size : int
+
+    Returns
+    -------
+    FirstTokenStats
+    """
     L = model.cfg.n_layers
     acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw", "spike")}
 
@@ -74,8 +100,23 @@ def first_token_stats(model, tokens: torch.Tensor, batch_size: int = 64) -> Firs
 
 
 @torch.no_grad()
-def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> float:
-    """Sink_k^eps (percent) on ``tokens`` through ``analysis.sink.sink_metric`` (reads ``hook_pattern``)."""
+def sink_rate(model, tokens: torch.Tensor, *, k: int = 1, eps: float = 0.3) -> float:
+    """Sink_k^eps (percent) on ``tokens`` through ``analysis.sink.sink_metric`` (reads ``hook_pattern``).
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    k : int
+        The key position.
+    eps : float
+
+    Returns
+    -------
+    float
+    """
     was_training = model.training
     model.eval()
     try:
@@ -85,9 +126,23 @@ def sink_rate(model, tokens: torch.Tensor, k: int = 1, eps: float = 0.3) -> floa
 
 
 @torch.no_grad()
-def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> float:
+def slot_sink_rate(model, tokens: torch.Tensor, *, eps: float = 0.3, batch_size: int = 64) -> float:
     """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
-    mean slot weight over all queries exceeds eps. Raises ValueError for models without a slot."""
+    mean slot weight over all queries exceeds eps. Raises ValueError for models without a slot.
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+    batch_size : int
+
+    Returns
+    -------
+    float
+    """
     L = model.cfg.n_layers
     names = [f"blocks.{l}.attn.hook_sink_pattern" for l in range(L)]
     if names[0] not in model.hook_dict:
@@ -105,13 +160,27 @@ def slot_sink_rate(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: in
 
 
 @torch.no_grad()
-def window_sink_rates(model, tokens: torch.Tensor, eps: float = 0.3, batch_size: int = 64) -> dict:
+def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = 0.3, batch_size: int = 64) -> dict:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
 
     ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the
     window does not dilute alpha_1 with queries that cannot attend to it; ``sink_window_start``: Sink on the
     oldest key of each query's window (the *relative* first token, key i - w + 1) over the queries i >= w.
-    Gu et al.: the sink stays on the absolute first token."""
+    Gu et al.: the sink stays on the absolute first token.
+
+    Parameters
+    ----------
+    model : SinkLM
+        A reference model (or any model with TransformerLens hook names).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+    batch_size : int
+
+    Returns
+    -------
+    dict
+    """
     w = model.cfg.sliding_window
     if w is None:
         raise ValueError("window_sink_rates needs a model with a sliding window (cfg.sliding_window).")

@@ -112,7 +112,25 @@ class MLP(nn.Module):
 
 @dataclass
 class Positions:
-    """Per-forward position data shared by all blocks."""
+    """Per-forward position data shared by all blocks.
+
+    Attributes
+    ----------
+    T : int
+        The sequence length.
+    allowed : torch.Tensor, shape (T, T) or (B, 1, T, T)
+        bool, which keys each query sees (the second with intra-document masking).
+    distance : torch.Tensor, shape (T, T)
+        i - j, long.
+    cos, sin : torch.Tensor, shape (T, d), or None
+        The rotary tables.
+    slot_cos, slot_sin : torch.Tensor, shape (1, d), or None
+        Those of the sink token, which sits at position -1.
+    cache : transformers.Cache or None
+        A cache the new keys and values join (``SinkLM.decode``).
+    bias_cos, bias_sin : torch.Tensor, shape (1, d), or None
+        Decode steps turn unrotated K / V-bias slots by the evictions.
+    """
 
     T: int
     allowed: torch.Tensor  # (T, T) bool, or (B, 1, T, T) with intra-document masking
@@ -225,7 +243,7 @@ class Attention(nn.Module):
         allowed = pos.allowed
         if pos.cache is not None:  # a decode step: attend to every kept key, the new ones causally
             k, v = self.cached_kv(k, v, pos.cache)
-            allowed = causal_mask(q.shape[1], None, x.device, n_keys=k.shape[1])
+            allowed = causal_mask(q.shape[1], device=x.device, n_keys=k.shape[1])
         qh = rearrange(q, "b t h d -> b h t d")
         kh, vh = self.expand_kv(k), self.expand_kv(v)
         score_bias = self.score_bias(pos)
@@ -440,7 +458,7 @@ class SinkLM(HookedRootModule):
         starting at each occurrence of that token (the separator acts as the document's BOS).
         """
         cfg, T = self.cfg, tokens.shape[1]
-        allowed = causal_mask(T, cfg.sliding_window, tokens.device)
+        allowed = causal_mask(T, window=cfg.sliding_window, device=tokens.device)
         p = min(cfg.prefix_attention, T)
         if p:
             allowed = allowed.clone()
@@ -453,14 +471,15 @@ class SinkLM(HookedRootModule):
     def positions(self, T: int, device, tokens: Optional[torch.Tensor] = None) -> Positions:
         cfg = self.cfg
         idx = torch.arange(T, device=device)
-        allowed = causal_mask(T, cfg.sliding_window, device) if tokens is None else self.attention_mask(tokens)
+        allowed = (causal_mask(T, window=cfg.sliding_window, device=device) if tokens is None
+                   else self.attention_mask(tokens))
         pos = Positions(T, allowed, idx[:, None] - idx[None, :])
         if cfg.positional_embedding_type == "rotary":
             dtype = self.dtype
-            pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype)
+            pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype=dtype)
             if self.sink_token is not None:
                 pos.slot_cos, pos.slot_sin = rope_cos_sin(torch.tensor([-1], device=device), cfg.d_head,
-                                                          cfg.rotary_base, dtype)
+                                                          cfg.rotary_base, dtype=dtype)
         return pos
 
     # -- forward
@@ -522,7 +541,8 @@ class SinkLM(HookedRootModule):
             cap = getattr(cache, "capacity", None)
             evicted = 0 if cap is None else max(0, int(positions[-1]) + 1 - cap)
             at = torch.tensor([evicted - 1, evicted], device=positions.device)
-            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, self.dtype) for p in (positions, at))
+            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, dtype=self.dtype)
+                                              for p in (positions, at))
             pos.slot_cos, pos.slot_sin = cos[:1], sin[:1]  # the sink token: one before the oldest kept token
             pos.bias_cos, pos.bias_sin = cos[1:], sin[1:]  # K/V biases: where position 0 of the cache is
         return pos

@@ -10,12 +10,31 @@ from torch import nn
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, d) rotated by cos/sin (T, d)."""
+    """x (B, T, H, d) rotated by cos/sin (T, d).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (B, T, H, d)
+    cos, sin : torch.Tensor, shape (T, d)
+
+    Returns
+    -------
+    torch.Tensor, shape (B, T, H, d)
+    """
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """The ALiBi head slopes of Press et al. (geometric, with the power-of-two interleaving)."""
+    """The ALiBi head slopes of Press et al. (geometric, with the power-of-two interleaving).
+
+    Parameters
+    ----------
+    n_heads : int
+
+    Returns
+    -------
+    torch.Tensor, shape (n_heads,)
+    """
 
     def pow2(n):
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
@@ -30,12 +49,34 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """(H, *distance.shape) bias -slope * distance (distance = i - j >= 0 for visible keys)."""
+    """(H, *distance.shape) bias -slope * distance (distance = i - j >= 0 for visible keys).
+
+    Parameters
+    ----------
+    slopes : torch.Tensor, shape (H,)
+    distance : torch.Tensor
+
+    Returns
+    -------
+    torch.Tensor, shape (H, *distance.shape)
+    """
     return -slopes.view(-1, *([1] * distance.ndim)) * distance.clamp_min(0).to(slopes.dtype)
 
 
 def relative_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """T5's causal (unidirectional) bucketing of distance = i - j >= 0: exact below num_buckets/2, log above."""
+    """T5's causal (unidirectional) bucketing of distance = i - j >= 0: exact below num_buckets/2, log above.
+
+    Parameters
+    ----------
+    distance : torch.Tensor
+    num_buckets : int
+    max_distance : int
+
+    Returns
+    -------
+    torch.Tensor
+        ``distance``'s shape, long.
+    """
     n = distance.clamp_min(0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
@@ -60,7 +101,17 @@ class RelativeBias(nn.Module):
 
 
 def sinusoidal_table(n_ctx: int, d_model: int) -> torch.Tensor:
-    """(n_ctx, d_model) sine/cosine absolute embeddings of Vaswani et al."""
+    """(n_ctx, d_model) sine/cosine absolute embeddings of Vaswani et al.
+
+    Parameters
+    ----------
+    n_ctx : int
+    d_model : int
+
+    Returns
+    -------
+    torch.Tensor, shape (n_ctx, d_model)
+    """
     pos = torch.arange(n_ctx, dtype=torch.float32)[:, None]
     div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     table = torch.zeros(n_ctx, d_model)

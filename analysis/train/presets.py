@@ -57,14 +57,33 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str) -> dict:
-    """The overrides of preset ``name`` (a copy)."""
+    """The overrides of preset ``name`` (a copy).
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    dict
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     return dict(PRESETS[name])
 
 
 def build_configs(preset_name: Optional[str], overrides: dict) -> tuple[ModelConfig, TrainConfig]:
-    """(ModelConfig, TrainConfig) of preset ``preset_name`` (or the defaults) with ``overrides`` applied."""
+    """(ModelConfig, TrainConfig) of preset ``preset_name`` (or the defaults) with ``overrides`` applied.
+
+    Parameters
+    ----------
+    preset_name : str or None
+    overrides : dict
+
+    Returns
+    -------
+    tuple of (ModelConfig, TrainConfig)
+    """
     values = preset(preset_name) if preset_name else {}
     values.update(overrides)
     m, t = split_overrides(values)
@@ -73,7 +92,17 @@ def build_configs(preset_name: Optional[str], overrides: dict) -> tuple[ModelCon
 
 
 def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
-    """CLI options that rebuild these configs (relative to the preset, or to the defaults)."""
+    """CLI options that rebuild these configs (relative to the preset, or to the defaults).
+
+    Parameters
+    ----------
+    mcfg : ModelConfig
+    tcfg : TrainConfig
+
+    Returns
+    -------
+    list of str
+    """
     base = preset(tcfg.preset) if tcfg.preset else {}
     args = ["--preset", tcfg.preset] if tcfg.preset else []
     dm, dt = ModelConfig(**split_overrides(base)[0]).to_dict(), TrainConfig(**split_overrides(base)[1]).to_dict()

@@ -36,7 +36,18 @@ METRICS = ("loss", "val_loss", "sink_1", "sink_k", "sink_slot", "sink_prefix", "
 
 
 def grid_points(options: dict) -> tuple[list[str], list[dict]]:
-    """(grid field names, one {field: value} dict per combination); ``seed`` is always a grid field."""
+    """(grid field names, one {field: value} dict per combination); ``seed`` is always a grid field.
+
+    Parameters
+    ----------
+    options : dict
+        Config fields; a list is a grid axis.
+
+    Returns
+    -------
+    fields : list of str
+    points : list of dict
+    """
     lists = {k: v for k, v in options.items() if isinstance(v, list)}
     lists.setdefault("seed", [options.get("seed", 0)])
     keys = [k for k in lists if k != "seed"] + ["seed"]
@@ -44,7 +55,16 @@ def grid_points(options: dict) -> tuple[list[str], list[dict]]:
 
 
 def run_name(point: dict) -> str:
-    """``attention-softmax_lr-0.01_seed-0``: one directory name per grid point."""
+    """``attention-softmax_lr-0.01_seed-0``: one directory name per grid point.
+
+    Parameters
+    ----------
+    point : dict
+
+    Returns
+    -------
+    str
+    """
     def fmt(v):
         return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -73,12 +93,31 @@ _NOT_CONFIG = ("out", "progress", "resume", "preset", "d_vocab", "log_every", "e
 
 
 def config_key(model: dict, train: dict) -> str:
-    """What makes two runs the same run: every model and training field but output and logging options."""
+    """What makes two runs the same run: every model and training field but output and logging options.
+
+    Parameters
+    ----------
+    model, train : dict
+        The configs.
+
+    Returns
+    -------
+    str
+    """
     return json.dumps({k: v for k, v in {**model, **train}.items() if k not in _NOT_CONFIG}, sort_keys=True)
 
 
 def finished_runs(dirs: Sequence) -> dict[str, Path]:
-    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``."""
+    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``.
+
+    Parameters
+    ----------
+    dirs : sequence of path-like
+
+    Returns
+    -------
+    dict of str to pathlib.Path
+    """
     found = {}
     for d in dirs:
         for cfg in sorted(Path(d).glob("*/config.json")):
@@ -106,7 +145,19 @@ def _read_log(run_dir: Path) -> list[dict]:
 
 
 def summarise(table: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
-    """Mean, std, min and max over seeds of every numeric statistic, one row per grid point."""
+    """Mean, std, min and max over seeds of every numeric statistic, one row per grid point.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        One row per run.
+    keys : sequence of str
+        The grid fields.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     by = [k for k in keys if k != "seed"]
     stats = [c for c in table.columns if c not in keys and c != "run" and pd.api.types.is_numeric_dtype(table[c])]
     if not by:
@@ -132,13 +183,30 @@ def _row(point: dict, final: dict, run: str) -> dict:
     return row
 
 
-def run_sweep(preset_name: Optional[str], options: dict, command: Optional[str] = None, jobs: int = 1,
+def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[str] = None, jobs: int = 1,
               keep_models: bool = True, reuse: Sequence = ()) -> pd.DataFrame:
     """Train each grid point into ``OUT/<name>`` and write the tables of the module doc. ``options`` holds
     config fields; any may be a list (the grid). ``keep_models=False`` deletes each run's weights once its
     statistics are written (for committed sweeps). ``reuse``: sweep folders whose finished runs are copied
     where a grid point has exactly their configuration (the shared baseline of several grids is trained
-    once). Returns the per-run table."""
+    once). Returns the per-run table.
+
+    Parameters
+    ----------
+    preset_name : str or None
+    options : dict
+    command : str, optional
+        Recorded with each run.
+    jobs : int
+        Runs trained at once.
+    keep_models : bool
+    reuse : sequence of path-like
+        Sweep folders whose finished runs are reused.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
     options = dict(options)
     out = Path(options.pop("out"))
     keys, points = grid_points(options)
@@ -187,7 +255,16 @@ def _write_csv(df: pd.DataFrame, path: Path) -> None:
 
 def load_sweep(path) -> dict[str, pd.DataFrame]:
     """The tables of a sweep directory: {"runs", "summary", "curves"} DataFrames. ``path``: a folder, or the
-    name of a committed grid in ``data/emergence`` (e.g. ``"weight_decay"``)."""
+    name of a committed grid in ``data/emergence`` (e.g. ``"weight_decay"``).
+
+    Parameters
+    ----------
+    path : path-like or str
+
+    Returns
+    -------
+    dict of str to pandas.DataFrame
+    """
     path = Path(path)
     if not path.is_dir() and (EMERGENCE_DIR / path).is_dir():
         path = EMERGENCE_DIR / path
@@ -198,7 +275,16 @@ def load_sweep(path) -> dict[str, pd.DataFrame]:
 
 
 def grid_label(value) -> str:
-    """A grid value as text: ``none`` for None / NaN, numbers without trailing zeros."""
+    """A grid value as text: ``none`` for None / NaN, numbers without trailing zeros.
+
+    Parameters
+    ----------
+    value : object
+
+    Returns
+    -------
+    str
+    """
     if value is None or (isinstance(value, float) and value != value):
         return "none"
     if isinstance(value, float):
@@ -206,8 +292,20 @@ def grid_label(value) -> str:
     return str(value)
 
 
-def grid_text(runs: pd.DataFrame, field: str, metric: str = "sink_1", unit: str = "%") -> str:
-    """One line per value of ``field``: the metric's mean, standard deviation and range over seeds."""
+def grid_text(runs: pd.DataFrame, field: str, *, metric: str = "sink_1", unit: str = "%") -> str:
+    """One line per value of ``field``: the metric's mean, standard deviation and range over seeds.
+
+    Parameters
+    ----------
+    runs : pandas.DataFrame
+    field : str
+    metric : str
+    unit : str
+
+    Returns
+    -------
+    str
+    """
     lines = []
     for value, df in runs.groupby(field, sort=False, dropna=False):
         x = df[metric].astype(float)

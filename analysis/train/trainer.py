@@ -49,6 +49,19 @@ _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "
 
 @dataclass
 class TrainResult:
+    """What a training run leaves.
+
+    Attributes
+    ----------
+    model : SinkLM
+        The trained model.
+    out : pathlib.Path or None
+        The run's folder (None: nothing written).
+    log : list of dict
+        One record per evaluation (step, losses, sink rates, ...).
+    final : dict
+        The last record (``final["sink_1"]``: Sink_1 at the end).
+    """
     model: SinkLM
     out: Optional[Path]
     log: list = field(default_factory=list)
@@ -58,7 +71,17 @@ class TrainResult:
 # ----------------------------------------------------------------------------- pieces
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then constant or cosine."""
+    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then constant or cosine.
+
+    Parameters
+    ----------
+    step : int
+    cfg : TrainConfig
+
+    Returns
+    -------
+    float
+    """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -70,7 +93,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], list[str]]:
     """AdamW groups: weight decay on every parameter, or (``decay_all_params=False``) on tensors with
-    two or more dimensions only. Returns (groups, parameter names in optimiser order)."""
+    two or more dimensions only. Returns (groups, parameter names in optimiser order).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    cfg : TrainConfig
+
+    Returns
+    -------
+    groups : list of dict
+    names : list of str
+    """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.decay_all_params:
         decay, no_decay = named, []
@@ -83,7 +117,20 @@ def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], 
     return groups, [n for n, _ in decay] + [n for n, _ in no_decay]
 
 
-def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
+def resolve_device(pref: str, *, local_rank: int = 0) -> torch.device:
+    """The device a run trains on.
+
+    Parameters
+    ----------
+    pref : str
+        "auto", "cpu", "cuda" or "cuda:N".
+    local_rank : int
+        The process's GPU under torchrun.
+
+    Returns
+    -------
+    torch.device
+    """
     if pref == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if pref == "cuda" and torch.cuda.is_available():
@@ -94,7 +141,16 @@ def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
 
 
 def init_distributed(device_pref: str) -> tuple[int, int, int]:
-    """(rank, world size, local rank); initialises the process group under torchrun."""
+    """(rank, world size, local rank); initialises the process group under torchrun.
+
+    Parameters
+    ----------
+    device_pref : str
+
+    Returns
+    -------
+    tuple of (int, int, int)
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -109,7 +165,17 @@ def init_distributed(device_pref: str) -> tuple[int, int, int]:
 
 
 def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
-    """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults)."""
+    """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults).
+
+    Parameters
+    ----------
+    mcfg : ModelConfig
+    tcfg : TrainConfig
+
+    Returns
+    -------
+    str
+    """
     return shlex.join(["python", "-m", "analysis.train", *config_to_args(mcfg, tcfg)])
 
 
@@ -143,7 +209,7 @@ def _mean_loss(model: SinkLM, tokens: torch.Tensor, batch_size: int = 64) -> flo
 
 
 @torch.no_grad()
-def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Optional[torch.Tensor] = None,
+def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: Optional[torch.Tensor] = None,
              k_max: int = 4) -> dict:
     """Held-out probe statistics, logged at every evaluation:
 
@@ -154,6 +220,21 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, probe_no_fixed: Opt
     ``sink_window_start`` (sliding window: ``metrics.window_sink_rates``), ``val_loss``; with
     ``probe_no_fixed`` (the probe without its fixed first token) ``sink_1_no_fixed`` and
     ``val_loss_no_fixed``.
+
+    Parameters
+    ----------
+    model : SinkLM
+    probe : torch.Tensor, shape (N, T)
+        The held-out probe.
+    eps : float
+        The sink threshold.
+    probe_no_fixed : torch.Tensor, shape (N, T), optional
+        The probe without the fixed token.
+    k_max : int
+
+    Returns
+    -------
+    dict
     """
     was = model.training
     model.eval()
@@ -377,7 +458,7 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
                        "tokens": done * tokens_per_step, "elapsed_s": round(now - t0, 2)}
                 if main:
                     if _should_eval(done, tcfg):
-                        rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probes[1]))
+                        rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probe_no_fixed=probes[1]))
                     log.append(rec)
                     last = rec
                     if log_file is not None:
@@ -403,10 +484,20 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
 
     ``command``: recorded in ``command.txt`` (default: an equivalent CLI command).
     ``_stop_after``: stop after this many steps without writing the final model (tests: an interruption).
+
+    Parameters
+    ----------
+    model_cfg : ModelConfig
+    train_cfg : TrainConfig
+    command : str, optional
+
+    Returns
+    -------
+    TrainResult
     """
     mcfg, tcfg = ModelConfig.from_dict(model_cfg.to_dict()), TrainConfig.from_dict(train_cfg.to_dict())
     rank, world, local_rank = init_distributed(tcfg.device)
-    device = resolve_device(tcfg.device, local_rank)
+    device = resolve_device(tcfg.device, local_rank=local_rank)
     out = Path(tcfg.out).expanduser() if tcfg.out else None
     main = rank == 0
     per_rank, micro = _batch_split(tcfg, world)

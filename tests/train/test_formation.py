@@ -87,7 +87,7 @@ def test_the_final_model_gives_the_values_of_mechanism_chain_on_the_same_probe(r
                         model.cfg.n_ctx).probe(N, T)
     fol = result.followed.iloc[0]
     with one_thread():
-        chain = mechanism_chain(model, tokens, 0.3, 20.0, dims=fol.dims, heads=fol.sink_heads)
+        chain = mechanism_chain(model, tokens, eps=0.3, ratio=20.0, dims=fol.dims, heads=fol.sink_heads)
     final = result.formation[result.formation.final].set_index("link").value
     for link in ("sink_1", "spike_ratio_token", "spike_ratio_sequence", "value_ratio_other_heads",
                  "sink_1_spike_zeroed"):
