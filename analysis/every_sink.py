@@ -360,7 +360,7 @@ class SinkPositions(Result, LayerAxis):
         return {"sinks": sinks, "by_token": self.by_token(sinks), "secondary": self.secondary,
                 "per_head": self.per_head()}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         """Which later positions sink, in how many heads and layers; as secondary sinks, when they are created and
         how long they last; whether they carry a massive activation."""
         sinks = self.sinks
@@ -370,8 +370,8 @@ class SinkPositions(Result, LayerAxis):
         rule = (f"alpha_k > {self.eps:g} in at least one head, keys 0..{self.n_measured - 1} seen by at least "
                 f"{self.min_queries} queries")
         if not len(later):
-            return (f"In {name}{on}, no position but the first token is a sink ({rule}; N = {self.n_samples} sequences "
-                    f"of T = {self.T} tokens).") + (f" {self.skipped}" if self.skipped else "")
+            return [f"In {name}{on}, no position but the first token is a sink ({rule}; N = {self.n_samples} sequences "
+                    f"of T = {self.T} tokens)."] + ([self.skipped] if self.skipped else [])
         n_seq = later["sample"].nunique()
         out = [f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a "
                f"sink besides the first token ({rule}; T = {self.T}), {self.later_sinks_per_sequence():.2f} later sink "
@@ -385,7 +385,7 @@ class SinkPositions(Result, LayerAxis):
                    f"{layer_runs(layers)}.")
         out.append(self._secondary_text(later))
         out.append(self._massive_text(later))
-        return " ".join(out) + (f" {self.skipped}" if self.skipped else "")
+        return out + ([self.skipped] if self.skipped else [])
 
     def _secondary_text(self, later: pd.DataFrame) -> str:
         aligned = later[later.created_layer.notna()]

@@ -218,9 +218,9 @@ class FirstTokenCause(Result):
                 f"{self.later + 1}; the difference comes most from {parts}; it fires at {n.act_first:+.3g} against "
                 f"{n.act_later:+.3g} there (write on dim {dim}: {n.write_first:+.4g} against {n.write_later:+.4g}).")
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         if self.message:
-            return self.message
+            return [self.message]
         out = []
         if len(self.contributions):
             for d, b in dict.fromkeys(zip(self.contributions.dim, self.contributions.block)):
@@ -244,7 +244,7 @@ class FirstTokenCause(Result):
                        f"against {peak['first']:+.4g} at position 1 ({peak['point']}).")
         if len(self.contributions):
             out.append(f"The decomposition adds up: the components' sum equals each pre-activation to {self.max_error:.2g}.")
-        return " ".join(out)
+        return out
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "later": self.later, "max_error": self.max_error, **self.tables,

@@ -85,13 +85,13 @@ class GateResult(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"per_head": self.table()}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         lo = int((self.first < self.other).sum())
         out = (f"The attention-output gate (sigmoid, mean over head dims) is {float(self.first.mean()):.3f} on the first "
                f"token and {float(self.other.mean()):.3f} elsewhere, averaged over {self.first.numel()} heads of "
                f"{len(self.layers)} attention layers (N = {self.n_samples} sequences of T = {self.T} tokens); {lo} heads "
                "gate the first token more closed than the others.")
-        return out + (f" {self.skipped}" if self.skipped else "")
+        return [out] + ([self.skipped] if self.skipped else [])
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "T": self.T, "layers": self.layers, "gate_first": self.first.tolist(),

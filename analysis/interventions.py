@@ -169,14 +169,14 @@ class SpikeAblation(Result):
         return {"d_sink_1": float(s.loc[condition, "sink_1_pct"] - b["sink_1_pct"]),
                 "d_loss": float(s.loc[condition, "loss"] - b["loss"])}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         if not self.has_spike:
-            return self.message
+            return [self.message]
         s = self.conditions.set_index("condition")
-        return (f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
+        return [f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
                 f"{s.loc['baseline', 'sink_1_pct']:.1f}% to {s.loc['zero', 'sink_1_pct']:.1f}% and the loss from "
                 f"{s.loc['baseline', 'loss']:.3f} to {s.loc['zero', 'loss']:.3f}; setting them to their mean over the "
-                f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}.")
+                f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."]
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "spike_dims": self.spike_dims, "where": self.where, "has_spike": self.has_spike,
@@ -337,20 +337,20 @@ class ValueAblation(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"conditions": self.conditions, "heads": self.heads}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         if not self.sink_heads:
-            return self.message
+            return [self.message]
         s = self.conditions.set_index("condition")
         h = self.heads
         later = (f", by {s.loc['sink_heads_later', 'delta_loss']:+.4f} if the first token keeps its own output"
                  if "sink_heads_later" in s.index else "")
         mean = (f", and by {s.loc['sink_heads_mean', 'delta_loss']:+.4f} when v_1 is set to its mean over the other inputs"
                 if "sink_heads_mean" in s.index else "")
-        return (f"Removing the first token's value from {len(self.sink_heads)} sink heads changes the loss by "
-                f"{s.loc['sink_heads', 'delta_loss']:+.4f} (from {s.loc['baseline', 'loss']:.3f}){later}{mean}. In those heads the "
-                f"first value's norm is {h['v1_norm'].mean():.2f} against {h['v_other_norm'].mean():.2f} for the other "
+        return [f"Removing the first token's value from {len(self.sink_heads)} sink heads changes the loss by "
+                f"{s.loc['sink_heads', 'delta_loss']:+.4f} (from {s.loc['baseline', 'loss']:.3f}){later}{mean}.",
+                f"In those heads the first value's norm is {h['v1_norm'].mean():.2f} against {h['v_other_norm'].mean():.2f} for the other "
                 f"tokens: while taking {h['alpha_1'].mean():.1%} of the attention, it adds a vector of norm "
-                f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}.")
+                f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}."]
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "sink_heads": [list(h) for h in self.sink_heads], "message": self.message,
@@ -609,17 +609,17 @@ class FirstKeyAblation(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"conditions": self.conditions, "per_layer": self.per_layer}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         if not self.has_spike:
-            return self.message
+            return [self.message]
         s = self.conditions.set_index("condition")
         b, a = s.loc["baseline"], s.loc["ablated"]
         gain = {k: a[k] - b[k] for k in ("previous", "self", "other")}
         top = max(gain, key=gain.get)
-        return (f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
+        return [f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
                 f"later queries there from the first token ({b['first']:.1%} -> {a['first']:.1%}) mostly to "
                 f"'{top}' keys ({b[top]:.1%} -> {a[top]:.1%}); Sink_1 in those layers {b['sink_1']:.1f}% -> "
-                f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}.")
+                f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."]
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "layers": self.layers, "spike_dims": self.spike_dims, "has_spike": self.has_spike,

@@ -183,29 +183,36 @@ class KeyManifold(Result):
         return {"kv_heads": self.table}
 
     def skipped_text(self) -> str:
-        return f" {self.skipped[0].upper()}{self.skipped[1:]}." if self.skipped else ""
+        """The layers left out, as one sentence ('' when none)."""
+        return f"{self.skipped[0].upper()}{self.skipped[1:]}." if self.skipped else ""
 
     def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        return " ".join(self.findings(min_alpha))
+
+    def findings(self, min_alpha: float = SINK_MIN_ALPHA) -> list[str]:
         """The first keys of sink KV heads against the others, in words."""
         S = self.summary(min_alpha)
         sk, ot = S["sink"], S["non_sink"]
         mid = self.T // 2 + 1
+        skipped = [self.skipped_text()] if self.skipped else []
         if S["n_sink_kv_heads"] == 0:
-            return (f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
-                    f"describe; over all heads the first keys of different inputs have mean cosine {ot['cos_first_pair']:.3f}."
-                    + self.skipped_text())
+            return [f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
+                    f"describe; over all heads the first keys of different inputs have mean cosine "
+                    f"{ot['cos_first_pair']:.3f}.", *skipped]
         few = ("they are one point (no variance left to explain)" if sk["first_n90"] < 0.5 else
                f"they need {sk['first_n90']:.1f} principal components for 90% of their variance, against "
                f"{sk['mid_n90']:.1f} for as many keys at position {mid}")
-        out = (f"In {S['n_sink_kv_heads']} sink KV heads (alpha_1 > {min_alpha}) the first keys of different inputs have "
-               f"mean pairwise cosine {sk['cos_first_pair']:.3f}, against {sk['cos_mid_pair']:.3f} for the keys at position "
-               f"{mid}; {few}. Queries point at the first key in sink heads: cos(q_t, k_1) = {sk['cos_q_k1']:.2f} against "
-               f"cos(q_t, k_j) = {sk['cos_q_kj']:.2f}, although |k_1| / |k_j| = {sk['norm_ratio']:.2f}.")
+        out = [f"In {S['n_sink_kv_heads']} sink KV heads (alpha_1 > {min_alpha}) the first keys of different inputs "
+               f"have mean pairwise cosine {sk['cos_first_pair']:.3f}, against {sk['cos_mid_pair']:.3f} for the keys at "
+               f"position {mid}; {few}.",
+               f"Queries point at the first key in sink heads: cos(q_t, k_1) = {sk['cos_q_k1']:.2f} against "
+               f"cos(q_t, k_j) = {sk['cos_q_kj']:.2f}, although |k_1| / |k_j| = {sk['norm_ratio']:.2f}."]
         if S["n_other_kv_heads"]:
-            out += (f" k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace (90% of their "
-                    f"variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
-                    f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs {sk['resid_other']:.2f}).")
-        return out + self.skipped_text()
+            out.append(f"The first key k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace "
+                       f"(90% of their variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
+                       f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs "
+                       f"{sk['resid_other']:.2f}).")
+        return out + skipped
 
     def head_text(self, layer: int, kv_head: int) -> str:
         """One KV head's first keys in words."""
@@ -227,7 +234,7 @@ class KeyManifold(Result):
         s = self.subspace_layers(min_alpha)
         inside = layers_text(s["inside"]) if s["inside"] else "no sink layer"
         off = layers_text(s["off"]) if s["off"] else "no sink layer"
-        return (f"k_1 lies inside the other keys' principal subspace in {inside} and off it in {off} "
+        return (f"The first key k_1 lies inside the other keys' principal subspace in {inside} and off it in {off} "
                 f"(sink layers: alpha_1 > {min_alpha}).")
 
     def by_spike(self, first_token_dims: dict[int, list[int]], min_alpha: float = SINK_MIN_ALPHA) -> dict:

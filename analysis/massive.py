@@ -256,23 +256,24 @@ class MassiveActivations(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"per_layer": self.per_layer, "dims": self.dims, "carriers": self.carriers}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         """Where the spikes are and how much of them the first token carries, or that there are none."""
         name = self.model_name or "the model"
         kind = f" on {self.kind} inputs" if self.kind else ""
         if not self.has_spike:
             top = float(self.top_values[:, :, 0].mean(0).max()) if self.n_samples else float("nan")
-            return (f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
+            return [f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
                     f"token does either (no dimension passes |a| > {self.abs_threshold:g} and >= {self.ratio_threshold:g}x "
-                    f"its hidden state's median on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: {top:.1f}).")
+                    f"its hidden state's median on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: "
+                    f"{top:.1f})."]
         parts = [f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
                  f"peak {r.first_token_mean:+.0f})" for r in self.dims.itertuples()]
         first = self.first_token_dims
-        return (f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) +
-                f". They appear at layer {self.first_layer} and fade after layer {self.last_layer}. On the first token, "
-                f"{len(first)} of {len(self.layers)} layers (hook_{self.hook}) carry massive dims "
+        return [f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) + ".",
+                f"They appear at layer {self.first_layer} and fade after layer {self.last_layer}.",
+                f"On the first token, {len(first)} of {len(self.layers)} layers (hook_{self.hook}) carry massive dims "
                 f"{sorted({x for v in first.values() for x in v})}; {self.first_token_share:.0%} of all flagged "
-                "activations sit on the first token.")
+                "activations sit on the first token."]
 
     @property
     def peak_dim(self) -> int:

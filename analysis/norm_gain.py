@@ -233,11 +233,35 @@ class NormGainTrace(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"stages": self.stages, "gain": self.gain, "heads": self.heads, "key_dims": self.key_dims}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
+        """The key path, what the norm and its gain do to the spike dims, the key norm, how much of the first key
+        the spike dims explain, and how constant the normalised first token is."""
         if not self.has_spike:
-            return " ".join(t for t in (self.message, self.path_text) if t)
-        return " ".join(t for t in (self.path_text, self.gain_text(), self.key_norm_text(), self.key_text(),
-                                    self.constancy_text()) if t)
+            return [t for t in (self.message, self.path_text) if t]
+        return [t for t in (self.path_text, self.gain_text(), self.key_norm_text(), *self._spike_key(),
+                            self.constancy_text()) if t]
+
+    def norm_findings(self) -> list[str]:
+        """The norm's part of the chain: the spike dims through the norm and its gain, and how constant the first
+        token's normalised vector is."""
+        return [self.gain_text(), self.constancy_text()] if self.has_spike else [self.message]
+
+    def key_findings(self) -> list[str]:
+        """The key's part of the chain: the key path, the key norm, and how much of the first key, its logit and
+        the sink the spike dims explain (whole sentences; without a spike, the path alone)."""
+        if not self.has_spike:
+            return [self.path_text] if self.path_text else []
+        return [t for t in (self.path_text, self.key_norm_text(), *self._spike_key()) if t]
+
+    def _spike_key(self) -> list[str]:
+        h = self.heads
+        out = [f"The first key k_1 rebuilt from the spike dims alone has cosine {h['cos_k1_spike'].mean():.3f} with k_1 "
+               f"(mean over heads) and gives {h['logit_share_spike'].mean():.0%} of the logit q_t·k_1; alpha_1 is "
+               f"{h['alpha_1'].mean():.3f}, {h['alpha_1_spike_only'].mean():.3f} with the spike part alone and "
+               f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed."]
+        if len(self.key_dims):
+            out.append(f"The first key's largest shares come from residual dims {self.top_dims()}.")
+        return out
 
     def gain_text(self) -> str:
         """What the norm and its gain do to the spike dims."""
@@ -270,12 +294,7 @@ class NormGainTrace(Result):
         """How much of the first key, its logit and the sink the spike dims explain."""
         if not self.has_spike:
             return self.message
-        h = self.heads
-        top = f" The first key's largest shares come from residual dims {self.top_dims()}." if len(self.key_dims) else ""
-        return (f"k_1 rebuilt from the spike dims alone has cosine {h['cos_k1_spike'].mean():.3f} with k_1 (mean over "
-                f"heads) and gives {h['logit_share_spike'].mean():.0%} of the logit q_t . k_1; alpha_1 is "
-                f"{h['alpha_1'].mean():.3f}, {h['alpha_1_spike_only'].mean():.3f} with the spike part alone and "
-                f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed.{top}")
+        return " ".join(self._spike_key())
 
     def constancy_text(self) -> str:
         c = self.constancy

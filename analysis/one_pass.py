@@ -97,8 +97,8 @@ class Profile(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"sink": sink_table(self.sink).reset_index()} if self.sink else {}
 
-    def text(self) -> str:
-        return " ".join(r.text() for r in self.results.values())
+    def findings(self) -> list[str]:
+        return [f for r in self.results.values() for f in r.findings()]
 
     def to_dict(self) -> dict:
         return {**self.header(), "results": {k: r.to_dict() for k, r in self.results.items()}, "text": self.text()}

@@ -142,14 +142,14 @@ class QKAngles(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"heads": self.table()}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         gap = self.cos_first - self.cos_other
         h = torch.nonzero(gap == gap.max())[0].tolist()
-        skipped = f" {self.skipped[0].upper()}{self.skipped[1:]}." if self.skipped else ""
-        return (f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
+        skipped = [f"{self.skipped[0].upper()}{self.skipped[1:]}."] if self.skipped else []
+        return [f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
                 f"keys at {float(self.cos_other.mean()):.2f}; the largest gap is in layer {self.layers[h[0]]}, head {h[1]} "
                 f"({float(self.cos_first[h[0], h[1]]):.2f} against {float(self.cos_other[h[0], h[1]]):.2f}), where "
-                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}.{skipped}")
+                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}."] + skipped
 
     def to_dict(self) -> dict:
         return {**self.header(), "layers": self.layers, "skipped": self.skipped,

@@ -91,7 +91,8 @@ class QuadraticForm:
                              "abs_share": self.abs_share.tolist(), "cos_first_input": self.cos_top.tolist(),
                              "form_share": self.form_share_top.tolist()})
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
+        """What A_d's spectrum and the first token's input say, then whether the rank-one claim holds."""
         e, c, f = float(self.energy_share[0]), float(self.cos_top[0]), float(self.form_share_top[0])
         lin = (f"the linearised form gives {self.linearised_write:+.4g} on the first token against a real write of "
                f"{self.write:+.4g}")
@@ -111,7 +112,10 @@ class QuadraticForm:
             verdict = (f"The rank-one claim does not hold: A_d's spectrum is spread (top eigenvalue {e:.0%} < "
                        f"{self.energy_threshold:.0%} of sum(lambda^2)) and the first token's input is not along its top "
                        "direction.")
-        return f"{head} {verdict}"
+        return [head, verdict]
+
+    def text(self) -> str:
+        return " ".join(self.findings())
 
     def to_dict(self) -> dict:
         return jsonable({"dim": self.dim, "block": self.block, "rank_one": self.rank_one, "dominated": self.dominated,

@@ -20,16 +20,19 @@ pass per kind feeds every analysis) and lays out what it found:
 
 and writes ``report.html`` (figures as inline PNG, circuitsvis views with their JavaScript inline, no CDN, no
 network) and ``report.json`` into ``out_dir``, each atomically; other files in ``out_dir`` are left alone. The
-findings are the results' own ``text()``. A section whose analysis does not apply to the model (no norm gain
-to trace, ...) says so in a note; a section or a figure that fails is shown with its error, the page keeps
-every section that worked, and ``build_report`` then raises ``ReportError`` naming the failed sections.
+findings are the results' own ``findings()``, whole sentences as each result builds them (never split here),
+grouped by link of the chain (``LINKS``: the spike, the norm, the key, the attention, the value, the causal cuts, then
+what a sink does for its head, every sink and the context length): the page's Findings section gives each link one
+headline sentence with its details folded under it, and report.json keeps them grouped the same way. A section
+whose analysis does not apply to the model (no norm gain to trace, ...) says so in a note; a section or a figure
+that fails is shown with its error, the page keeps every section that worked, and ``build_report`` then raises
+``ReportError`` naming the failed sections.
 """
 from __future__ import annotations
 
 import base64
 import html
 import io
-import re
 import sys
 import time
 import traceback
@@ -58,6 +61,14 @@ NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",),
          "spike_origin": ("massive", "origin", "baseline", "resid"),
          "dormant": (),  # its own forward + backward pass (gradients), which the profile's inference pass cannot give
          "positions": (), "context": ()}  # their own passes (every key's alpha; other context lengths)
+# The chain, link by link, then what a sink does and where else sinks are: (key, title) in the order the Findings
+# section gives them; each section's findings go to its link (SECTION_LINK) unless it names another.
+LINKS = (("spike", "The spike"), ("norm", "The norm"), ("key", "The key"), ("attention", "The attention"),
+         ("value", "The value"), ("cuts", "The causal cuts"), ("gate", "What a sink does for its head"),
+         ("every_sink", "Every sink"), ("context", "Context length"))
+SECTION_LINK = {"sink": "attention", "views": "attention", "massive": "spike", "spike_origin": "spike",
+                "norm_gain": "norm", "key_manifold": "key", "value_norms": "value", "interventions": "cuts",
+                "dormant": "gate", "positions": "every_sink", "context": "context"}
 SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts (one pass each) and its first-token cause run on this
 # many natural sequences
 
@@ -124,18 +135,24 @@ def table_html(df: pd.DataFrame, *, digits: int = 3, max_rows: int = 40) -> str:
     return df.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", classes="tbl", border=0, escape=True)
 
 
-def sentences(text: str) -> list[str]:
-    """A result's text split into its sentences (each one finding).
+@dataclass
+class Finding:
+    """One finding: whole sentences as a result built them, the link of the chain it belongs to, and whether it is
+    that link's headline.
 
-    Parameters
+    Attributes
     ----------
+    link : str
+        The link of the chain ("spike", "norm", "key", "attention", "value", "cuts", ...).
     text : str
-
-    Returns
-    -------
-    list of str
+        Whole sentences.
+    headline : bool
+        Whether it heads its link in the Findings section.
     """
-    return [t for t in re.split(r"(?<=\.)\s+(?=[A-Za-z])", text.strip()) if t]
+
+    link: str
+    text: str
+    headline: bool = False
 
 
 @dataclass
@@ -165,16 +182,19 @@ class Section:
     title: str
     parts: list[str] = field(default_factory=list)  # HTML fragments
     data: dict = field(default_factory=dict)  # JSON payload
-    findings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # plain statements: not applicable, not available
     errors: list[str] = field(default_factory=list)  # what failed (the section or one of its figures)
     seconds: float = 0.0
 
-    def say(self, text: str) -> None:
-        """Findings: each sentence in the summary at the top and in the section."""
-        for sentence in sentences(text):
-            self.findings.append(sentence)
-            self.parts.append(f'<p class="finding">{html.escape(sentence)}</p>')
+    def say(self, findings: str | list[str], *, link: str | None = None, headline: int | None = None) -> None:
+        """Findings, each a whole sentence (or a few) as the result built it: shown in the section and gathered by
+        ``link`` (default: the section's) in the Findings section. ``headline``: the index of the one that heads
+        its link (else the link's first finding does)."""
+        for i, text in enumerate([findings] if isinstance(findings, str) else findings):
+            if text:
+                self.findings.append(Finding(link or SECTION_LINK[self.key], text, i == headline))
+                self.parts.append(f'<p class="finding">{html.escape(text)}</p>')
 
     def note(self, sentence: str) -> None:
         self.notes.append(sentence)
@@ -230,8 +250,8 @@ def _sink(ctx: _Context, sec: Section) -> None:
 
     sink = ctx.profile.sink
     nat = sink["natural"]
-    sec.say(sink_table_text(sink))
-    sec.say(_unskipped(nat))
+    sec.say(sink_table_text(sink), headline=0)
+    sec.say(_unskipped(nat)[1:])  # its first sentence, Sink_1 on natural text, is in the table's sentence above
     table = sink_table(sink)
     sec.parts.append(table_html(table.reset_index(), digits=2))
     sec.data = {
@@ -249,9 +269,9 @@ def _sink(ctx: _Context, sec: Section) -> None:
     sec.figure(lambda: plot_head_alpha(nat), "mean alpha_1 per head (natural text)")
 
 
-def _unskipped(result) -> str:
-    """A result's text without its sentence on skipped layers (the section says it once, as a note)."""
-    return result.text().replace(result.skipped, "") if result.skipped else result.text()
+def _unskipped(result) -> list[str]:
+    """A result's findings without its sentence on skipped layers (the section says it once, as a note)."""
+    return [f for f in result.findings() if not result.skipped or f != result.skipped]
 
 
 def _mechanism_tables(ctx: _Context, nat, sec: Section) -> None:
@@ -297,15 +317,14 @@ def _massive(ctx: _Context, sec: Section) -> None:
     sec.data = {"natural": ma.to_dict(), **{k: {"spike_dims": r.to_dict()["spike_dims"], "first_token_dims":
                                                 r.to_dict()["first_token_dims"], "text": r.text()}
                                             for k, r in by_kind.items() if k != "natural"}}
-    sec.say(ma.text())
+    sec.say(ma.findings(), headline=0)
     if ma.abs_threshold < SPIKE_ABS:
         sec.note(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
                  f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
                  f"|a| > {SPIKE_ABS:g} presumes a model of LLM width (analysis.massive.spike_criterion).")
     if len(ma.dims):
         sec.parts.append(table_html(ma.dims, digits=1))
-    for sentence in kinds_text(by_kind, skip="natural"):
-        sec.say(sentence)
+    sec.say(kinds_text(by_kind, skip="natural"))
     layer = ma.peak_layer()
     amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
     sec.data["activation_map_layer"] = layer
@@ -335,7 +354,8 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
         sec.data = {"applicable": False, "reason": str(e)}
         return
     sec.data = {"applicable": True, **tr.to_dict()}
-    sec.say(tr.text())
+    sec.say(tr.norm_findings(), headline=0)
+    sec.say(tr.key_findings(), link="key")
     if not tr.has_spike:
         return
     sec.parts.append(table_html(tr.stages))
@@ -353,7 +373,7 @@ def _key_manifold(ctx: _Context, sec: Section) -> None:
 
     km = ctx.profile.key_manifold
     sec.data = km.to_dict()
-    sec.say(km.text())
+    sec.say(km.findings(), headline=0)  # the first keys: one vector, in their own subspace
     if ctx.massive is not None:
         sec.data["by_spike"] = km.by_spike(ctx.massive.first_token_dims)
         sec.say(km.by_spike_text(ctx.massive.first_token_dims))
@@ -367,7 +387,7 @@ def _value_norms(ctx: _Context, sec: Section) -> None:
 
     vn = ctx.profile.value_norms
     sec.data = vn.to_dict()
-    sec.say(_unskipped(vn))
+    sec.say(_unskipped(vn), headline=0)
     if vn.skipped:
         sec.note(f"Value norms are measured on the attention layers {vn.layers}. {vn.skipped}")
     c = vn.correlation()
@@ -402,7 +422,7 @@ def _interventions(ctx: _Context, sec: Section) -> None:
             continue
         sec.data[name] = r.to_dict()
         sec.parts.append(f"<h3>{name.replace('_', ' ').capitalize()}</h3>")
-        sec.say(r.text())
+        sec.say(r.findings())
         sec.parts.append(table_html(r.conditions, digits=3))
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
@@ -414,7 +434,7 @@ def _positions(ctx: _Context, sec: Section) -> None:
     from analysis.every_sink import sink_positions
 
     res = sink_positions(ctx.model, ctx.natural, batch_size=ctx.batch_size, kind="natural")
-    sec.say(_unskipped(res))
+    sec.say(_unskipped(res), headline=0)
     sec.data = res.to_dict()  # one record per sink position under "sinks"
     sec.parts.append("<h3>Later sink positions by token</h3>")
     sec.parts.append(table_html(res.by_token(), digits=2, max_rows=15))
@@ -443,15 +463,17 @@ def _context(ctx: _Context, sec: Section) -> None:
         return
     Ts = [t for t in CONTEXT_TS if ctx.dims.n_ctx is None or t <= ctx.dims.n_ctx]
     res = sink_vs_context(ctx.model, Ts=Ts, n=4, seeds=(ctx.seed, ctx.seed + 1, ctx.seed + 2), batch_size=ctx.batch_size)
-    sec.say(res.text())
+    long = committed_sink_context(ctx.name)
+    found = res.findings()  # what was measured, then Sink_1 against T: the headline, unless the long runs give it
+    sec.say(found, headline=None if long is not None else min(1, len(found) - 1))
     sec.data = {"computed": res.to_dict()}
     sec.parts.append(table_html(res.by_T(), digits=2))
     sec.figure(lambda: plot_sink_vs_context(res), "Sink_1 and later sinks against context length (N = 4 per seed)")
     sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
-    long = committed_sink_context(ctx.name)
     if long is not None:
         sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
-        sec.say(long.text())
+        found = long.findings()
+        sec.say(found, headline=min(1, len(found) - 1))
         sec.data["committed"] = long.to_dict()
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
 
@@ -469,20 +491,20 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
         sec.note(o.text())
         return
     for d in o.dims:
-        sec.say(o.dim_text(d))
+        sec.say(o.dim_findings(d), headline=0)
     sec.parts.append(table_html(o.writes.drop(columns=["write_min", "write_max"]), digits=3))
     sec.figure(lambda: figs.plot_spike_path(o), "the main spike dim on the first token through the blocks, with each "
                "block's attention and MLP writes")
     for n in o.neurons:
-        sec.say(n.text())
+        sec.say(n.findings())
     if o.neurons:
         sec.parts.append(table_html(o.tables["neurons"], digits=3))
         sec.figure(lambda: figs.plot_neuron_contributions(o), "the writer neurons' contributions to each writing MLP's "
                    "write (first token), and their cumulative share")
     for e in o.experts:
-        sec.say(e.text())
+        sec.say(e.findings())
     for q in o.quadratic:
-        sec.say(q.text())
+        sec.say(q.findings())
     if o.quadratic:
         sec.parts.append(table_html(o.tables["quadratic"], digits=3))
         sec.figure(lambda: figs.plot_spectrum(o), "the spectrum of A_d for each writing gated MLP")
@@ -491,7 +513,7 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
     cause = why_first_token(ctx.model, ctx.natural[:SPIKE_CUT_SAMPLES], o, batch_size=ctx.batch_size)
     sec.data["why_first_token"] = cause.to_dict()
     sec.parts.append("<h3>Why the first token</h3>")
-    sec.say(cause.text())
+    sec.say(cause.findings())
     if len(cause.contributions):
         d, b = int(cause.contributions.dim.iloc[0]), int(cause.contributions.block.iloc[-1])
         sec.parts.append(table_html(cause.chain(d, b), digits=3))
@@ -506,7 +528,7 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
         return
     sec.note(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences "
              f"(the cuts: one pass per condition, {cuts.n_random} random draws).")
-    sec.say(cuts.text())
+    sec.say(cuts.findings(), link="cuts", headline=0)
     sec.parts.append(table_html(cuts.summary, digits=3))
     sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "
                "cut on the first token, against as many random neurons")
@@ -544,7 +566,8 @@ def _dormant(ctx: _Context, sec: Section) -> None:
         sec.data = {"applicable": False, "reason": str(e)}
         return
     sec.data = {**res.to_dict(), "layer_table": res.layer_table() if len(res.mixed_heads()) else []}
-    sec.say(_unskipped(res))
+    found, verdict = _unskipped(res), res.verdict_text()
+    sec.say(found, headline=found.index(verdict) if verdict in found else 0)
     sec.parts.append('<p class="small">Per head and query (queries after the first token, before the last one): the '
                      "attention on the first token (or on an extra slot), the norm of the head's output z W_O there, and "
                      "the change in the sequence's loss when that output is set to zero or to the head's mean output, "
@@ -590,12 +613,51 @@ h1{font-size:1.6em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-to
 figure{margin:1em 0}figure img{max-width:100%}figcaption{color:#555;font-size:.9em}
 table.tbl{border-collapse:collapse;font-size:.85em;margin:.6em 0}table.tbl td,table.tbl th{border:1px solid #ddd;padding:2px 6px;text-align:right}
 .cv{border:1px solid #eee;padding:.3em;margin:.5em 0}.small{color:#666;font-size:.85em}
+.link{margin:.4em 0;padding:.3em .7em;border-left:4px solid #4c72b0;background:#f3f7fb}
+details.link summary{cursor:pointer}details.link ul{margin:.4em 0;font-size:.95em}
 """
+
+
+def chain_findings(sections: list[Section]) -> list[dict]:
+    """The findings grouped by link of the chain, in ``LINKS`` order: per link with any finding its ``link`` key,
+    ``title``, ``headline`` (the finding said as its headline, else its first) and ``details`` (the others, in the
+    order the sections said them).
+
+    Parameters
+    ----------
+    sections : list of Section
+        The report's sections, each with its findings.
+
+    Returns
+    -------
+    list of dict
+    """
+    out = []
+    for key, title in LINKS:
+        found = [f for s in sections for f in s.findings if f.link == key]
+        if found:
+            head = next((f for f in found if f.headline), found[0])
+            out.append({"link": key, "title": title, "headline": head.text,
+                        "details": [f.text for f in found if f is not head]})
+    return out
+
+
+def _findings_html(chain: list[dict]) -> str:
+    """One headline per link; its details folded under it."""
+    esc, out = html.escape, []
+    for c in chain:
+        head = f'<b>{esc(c["title"])}.</b> {esc(c["headline"])}'
+        if c["details"]:
+            items = "".join(f"<li>{esc(d)}</li>" for d in c["details"])
+            out.append(f'<details class="link"><summary>{head}</summary><ul>{items}</ul></details>')
+        else:
+            out.append(f'<p class="link">{head}</p>')
+    return "".join(out)
 
 
 def _page(ctx: _Context, sections: list[Section], meta: dict) -> str:
     esc = html.escape
-    findings = "".join(f"<li>{esc(f)}</li>" for s in sections for f in s.findings)
+    findings = _findings_html(chain_findings(sections))
     notes = "".join(f"<li>{esc(s.title)}: {esc(n)}</li>" for s in sections for n in s.notes)
     errors = "".join(f"<li>{esc(s.title)}: {esc(e)}</li>" for s in sections for e in s.errors)
     toc = "".join(f'<li><a href="#{s.key}">{esc(s.title)}</a></li>' for s in sections)
@@ -615,7 +677,8 @@ def _page(ctx: _Context, sections: list[Section], meta: dict) -> str:
 d_head {d.d_head}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
 uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s.
 Every number behind the figures is in report.json beside this page.</p>
-<h2>Findings</h2><ul>{findings}</ul>
+<h2>Findings</h2><p class="small">The chain link by link, then what a sink does and where else sinks are: one
+headline each; open it for the details.</p>{findings}
 {f'<h2>Failed</h2><ul class="error">{errors}</ul>' if errors else ''}
 {f'<h2>Not applicable or not available</h2><ul>{notes}</ul>' if notes else ''}
 <h2>Contents</h2><ul>{toc}</ul>
@@ -734,7 +797,7 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
         "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "bos": False, "probes": {k: p.source for k, p in ctx.probes.items()}},
         "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
                  "d_model": dims.d_model, "d_head": dims.d_head},
-        "findings": [f for s in done for f in s.findings],
+        "findings": chain_findings(done),
         "notes": {s.key: s.notes for s in done if s.notes},
         "errors": {s.key: s.errors for s in done if s.errors},
         "spike_dims": (ma.to_dict()["spike_dims"] if ma is not None else None),

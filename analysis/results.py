@@ -1,7 +1,8 @@
 """The one result protocol every analysis follows, and the small formatters results share.
 
 Every result has ``kind`` (the input kind, e.g. "natural", or None), ``model_name``, ``n_samples`` (the
-number of sequences), ``tables`` (named DataFrames), ``text()`` (the finding in words: what the report and
+number of sequences), ``tables`` (named DataFrames), ``findings()`` (the finding as a list of whole sentences, each
+built as one: the report lays them out one by one and never splits a text), ``text()`` (those sentences joined: what
 the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions in [0, 1] everywhere;
 ``_pct`` in a name marks a percentage. Heads named ``kv_head`` are key/value heads (GQA), ``head`` query heads.
 """
@@ -18,7 +19,8 @@ class Result:
     """Mixin of the result protocol.
 
     Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties) and define ``tables`` and
-    ``text()``; ``to_dict()`` adds the header and the tables.
+    ``findings()`` (a list of whole sentences); ``text()`` joins the findings and ``to_dict()`` adds the header and
+    the tables.
 
     Attributes
     ----------
@@ -39,8 +41,13 @@ class Result:
     def tables(self) -> dict[str, pd.DataFrame]:
         return {}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
+        """The finding in words, as a list of whole sentences (each item one or more complete sentences)."""
         raise NotImplementedError
+
+    def text(self) -> str:
+        """The findings joined into one paragraph."""
+        return " ".join(self.findings())
 
     def header(self) -> dict:
         return {"model": self.model_name, "kind": self.kind, "n_samples": int(self.n_samples)}

@@ -230,19 +230,21 @@ class SinkResult(Result, LayerAxis):
         out = {"per_layer": self.per_layer(1), "per_head": self.per_head(1)}
         return out | ({"slot_per_head": self.slot_per_head()} if self.has_slot else {})
 
-    def text(self) -> str:
-        """Sink_1 and the layers that sink."""
+    def findings(self) -> list[str]:
+        """Sink_1, then the layers that sink (the report states Sink_1 once, from ``sink_table_text``, and keeps the
+        rest: ``findings()[1:]``), the extra slot, and the layers left out."""
         pl = self.per_layer(1)
         sinky = pl[pl.sink_1_pct > 50].layer.tolist()
         on = f" on {self.kind} inputs" if self.kind else ""
-        out = (f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
-               f"(N = {self.n_samples} sequences of T = {self.T} tokens). {len(sinky)} of {len(pl)} layers have Sink_1 above 50%")
+        out = [f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
+               f"(N = {self.n_samples} sequences of T = {self.T} tokens)."]
         none = pl[pl.sink_1_pct < 5].layer.tolist()
-        out += f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else "."
+        out.append(f"{len(sinky)} of {len(pl)} layers have Sink_1 above 50%"
+                   + (f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else "."))
         if self.has_slot:
-            out += (f" An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
-                    f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
-        return out + (f" {self.skipped}" if self.skipped else "")
+            out.append(f"An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
+                       f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
+        return out + ([self.skipped] if self.skipped else [])
 
     def extreme_layers(self, k: int = 1) -> tuple[int, int]:
         """The layer with the most sink and the one with the least (Sink_k, then mean alpha_k)."""

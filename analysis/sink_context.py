@@ -125,7 +125,7 @@ class SinkContext(Result):
         return (f"At eps = {eps:g}, {what} {verb} (Spearman {rho:+.2f} over {len(df)} lengths): {span(lo)} at T = "
                 f"{int(lo['T'])} and {span(hi)} at T = {int(hi['T'])}.")
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         """Sink_1 and the secondary sinks against T (at eps 0.3 and Barbero et al.'s 0.8), and against eps."""
         name = self.model_name or "the model"
         n = self.runs.drop_duplicates(["T", "seed"]).groupby("T")["n"].sum()
@@ -144,7 +144,7 @@ class SinkContext(Result):
             out.append(f"Against the threshold at T = {T}, Sink_1 is {pts}, and the secondary share "
                        f"{e.iloc[0]['secondary_pct_mean']:.1f}% at eps = {e.index[0]:g} and "
                        f"{e.iloc[-1]['secondary_pct_mean']:.1f}% at eps = {e.index[-1]:g}.")
-        return " ".join(out)
+        return out
 
     def to_dict(self) -> dict:
         return {**self.header(), "source": self.source, "Ts": self.Ts, "seeds": self.seeds,

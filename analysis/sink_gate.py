@@ -536,7 +536,22 @@ class DormantHeads(Result, LayerAxis):
             return "partly"
         return "no"
 
-    def text(self) -> str:
+    def verdict_text(self) -> str:
+        """Whether the queries that sink a head's attention are those for which it is dormant, by output norm and by
+        loss effect, in one sentence ("" where no head sinks on some queries and not on others)."""
+        s = self.summary()
+        if not s["n_mixed_heads"]:
+            return ""
+        words = {"yes": "clearly", "partly": "weakly", "no": "not"}
+        loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
+                f"{s['median_rho_effect_mean']:.2f})"] if self.effect_mean is not None else []
+        loss.append(f"{words[self.verdict('effect')]} when it is set to zero ({s['median_rho_effect']:.2f})")
+        return (f"By output norm (median rho = {s['median_rho_norm']:.2f}) the queries that sink a head's attention are "
+                f"{words[self.verdict('norm')]} the ones for which the head is dormant"
+                + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
+                + "; by loss effect they are " + " and ".join(loss) + ".")
+
+    def findings(self) -> list[str]:
         s = self.summary()
         name = self.model_name or "this model"
         sinks = "the extra slot" if s["signal"] == "slot" else _positions_words(self.sink_positions)
@@ -575,14 +590,7 @@ class DormantHeads(Result, LayerAxis):
                 f"inert (|loss effect| below the head's {qw}) in {_pct(s['inert_if_sinking'])} against "
                 f"{_pct(s['inert_if_other'])} with the output set to zero{mean} ({_pct(self.quantile)} each without any "
                 "link).")
-            words = {"yes": "clearly", "partly": "weakly", "no": "not"}
-            loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
-                    f"{s['median_rho_effect_mean']:.2f})"] if self.effect_mean is not None else []
-            loss.append(f"{words[self.verdict('effect')]} when it is set to zero ({s['median_rho_effect']:.2f})")
-            parts.append(f"So by output norm (median rho = {s['median_rho_norm']:.2f}) the queries that sink a head's "
-                         f"attention are {words[self.verdict('norm')]} the ones for which the head is dormant"
-                         + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
-                         + "; by loss effect they are " + " and ".join(loss) + ".")
+            parts.append(self.verdict_text())
         elif s["n_sinking_heads"]:
             parts.append(f"No head sinks on some queries and not on others (at least {self.min_queries} of each), so "
                          "whether sinking marks the dormant queries cannot be told query by query here.")
@@ -604,7 +612,7 @@ class DormantHeads(Result, LayerAxis):
                 f"{c['abs_effect_inactive']:.3g} elsewhere, {how}) puts {c[f'{key}_active']:.2f} of its attention on "
                 f"{sinks} against {c[f'{key}_inactive']:.2f} elsewhere and writes an output of norm "
                 f"{c['norm_active']:.3g} against {c['norm_inactive']:.3g}{mass}.")
-        return " ".join(parts) + (f" {self.skipped}" if self.skipped else "")
+        return parts + ([self.skipped] if self.skipped else [])
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -1203,18 +1211,18 @@ class AttributionCheck(Result):
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"heads": self.table()}
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         p = self.pooled()
         heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
         if p["pearson_r"] is None:
-            return (f"Exact removal of heads {heads} changes the loss by {p['mean_abs_exact']:.2g} nats on average; the "
-                    "correlation with the gradient x activation estimate is undefined (constant values).")
+            return [f"Exact removal of heads {heads} changes the loss by {p['mean_abs_exact']:.2g} nats on average; the "
+                    "correlation with the gradient x activation estimate is undefined (constant values)."]
         how = "set to zero" if self.ablation == "zero" else "set to its mean output"
-        return (f"Gradient x activation estimates the exact loss change of one head's output at one query {how} with Pearson "
+        return [f"Gradient x activation estimates the exact loss change of one head's output at one query {how} with Pearson "
                 f"r = {p['pearson_r']:.3f} (Spearman rho = {p['spearman_rho']:.3f}, of the magnitudes "
                 f"{p['spearman_abs']:.3f}) over {p['n']} (sequence, query) pairs of heads {heads}; its mean absolute "
                 f"error is {p['mean_abs_error']:.2g} nats against a mean |exact change| of {p['mean_abs_exact']:.2g} "
-                f"(relative error {p['relative_error']:.2f}).")
+                f"(relative error {p['relative_error']:.2f})."]
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "ablation": self.ablation, "heads": [list(h) for h in self.heads],

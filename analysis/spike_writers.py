@@ -331,7 +331,8 @@ class MlpNeurons:
             rows.append(row)
         return pd.DataFrame(rows)
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
+        """How few neurons carry the write, then how its largest neuron fires on the first token and elsewhere."""
         lo, hi = NEURON_SHARES[0], NEURON_SHARES[-1]
         n_lo, n_hi = self.neurons(lo), self.neurons(hi)
         t = self.table(lo, max_rows=3)
@@ -343,16 +344,20 @@ class MlpNeurons:
              f"{top}); over samples that set carries {float(per.min()):.0%}-{float(per.max()):.0%} of the neuron write.")
         r = t.iloc[0] if len(t) else None
         if r is None:
-            return s
+            return [s]
         if self.gate_first is not None:
-            s += (f" Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate {r.gate_first:+.3g}, "
-                  f"up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on average over the other tokens, "
-                  f"|largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up {r.up_other:+.3g}).")
+            fires = (f"Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate "
+                     f"{r.gate_first:+.3g}, up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on "
+                     f"average over the other tokens, |largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up "
+                     f"{r.up_other:+.3g}).")
         else:
-            s += (f" Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
-                  f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
-                  f"{r.act_other_max:.3g}).")
-        return s
+            fires = (f"Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
+                     f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
+                     f"{r.act_other_max:.3g}).")
+        return [s, fires]
+
+    def text(self) -> str:
+        return " ".join(self.findings())
 
     def to_dict(self) -> dict:
         return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.mean_write,
@@ -390,7 +395,7 @@ class ExpertWrites:
     table: pd.DataFrame
     write: float
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values("mean_write", key=abs, ascending=False)
         rest = float(self.table.loc[self.table.expert == "rest", "mean_write"].sum())
         left = self.table.loc[self.table.expert == "unaccounted", "mean_write"]
@@ -399,10 +404,14 @@ class ExpertWrites:
         s = (f"MLP {self.block} is a mixture of experts, whose neurons no hook holds (so no neuron is named): of its "
              f"{self.write:+.4g} on dim {self.dim}, the routed experts write {top or 'nothing'}, and the rest of the block "
              f"(a shared expert) {rest:+.4g}.")
+        out = [s]
         if len(left):
-            s += (f" {float(left.iloc[0]):+.4g} of it is made by none of the block's modules (a hook on the block's output "
-                  "adds it).")
-        return s
+            out.append(f"{float(left.iloc[0]):+.4g} of it is made by none of the block's modules (a hook on the block's "
+                       "output adds it).")
+        return out
+
+    def text(self) -> str:
+        return " ".join(self.findings())
 
     def to_dict(self) -> dict:
         return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.write,
@@ -639,6 +648,11 @@ class SpikeOrigin(Result):
                          for r in rows.itertuples())
 
     def dim_text(self, dim: int) -> str:
+        """Where one spike dimension peaks, which blocks write and erase it, and that the bookkeeping adds up."""
+        return " ".join(self.dim_findings(dim))
+
+    def dim_findings(self, dim: int) -> list[str]:
+        """``dim_text`` as a list of whole sentences."""
         d = self._dim(dim)
         v = self.values(d).mean(0)
         peak = int(v.abs().argmax())
@@ -667,20 +681,19 @@ class SpikeOrigin(Result):
                  f"{err:.2g} ({rel:.1e} of the largest value)." if rel < 1e-4 else
                  f"The bookkeeping does not add up ({err:.3g}, {rel:.1e} of the largest value): the stream is not a sum "
                  "of these writes here.")
-        return " ".join(s)
+        return s
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         name = self.model_name or "the model"
         kind = f" on {self.kind} inputs" if self.kind else ""
         if not self.has_spike:
-            return (f"The first token of {name}{kind} carries no spike dimension, so there is nothing to trace: no block "
-                    "or neuron is named." + (" " + " ".join(self.notes) if self.notes else ""))
-        parts = [self.dim_text(d) for d in self.dims]
-        parts += [n.text() for n in self.neurons if n.role == "writer"]
-        parts += [e.text() for e in self.experts]
-        parts += [q.text() for q in self.quadratic]
-        parts += self.notes
-        return " ".join(parts)
+            return [f"The first token of {name}{kind} carries no spike dimension, so there is nothing to trace: no block "
+                    "or neuron is named.", *self.notes]
+        parts = [f for d in self.dims for f in self.dim_findings(d)]
+        parts += [f for n in self.neurons if n.role == "writer" for f in n.findings()]
+        parts += [f for e in self.experts for f in e.findings()]
+        parts += [f for q in self.quadratic for f in q.findings()]
+        return parts + list(self.notes)
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "dims": self.dims, "has_spike": self.has_spike, "share": self.share,

@@ -175,16 +175,20 @@ class ValueNorms(Result):
         return {"kv_heads": self.table()}
 
     def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
+        return " ".join(self.findings(min_alpha))
+
+    def findings(self, min_alpha: float = SINK_MIN_ALPHA) -> list[str]:
+        """How small the first value is in sink KV heads, how constant, and how it goes with alpha_1."""
         S, c = self.summary(min_alpha), self.correlation()
-        out = self.ratio_text(min_alpha)
+        out = [self.ratio_text(min_alpha)]
         if S["n_sink_kv_heads"] and S.get("mean_v1_cos_pair_sink") is not None:
-            out += (f" In those heads the first token's values of different inputs have mean pairwise cosine "
-                    f"{S['mean_v1_cos_pair_sink']:.3f}, against {S['mean_vj_cos_pair_sink']:.3f} for the values at other "
-                    "positions: the first value is small and nearly constant.")
+            out.append(f"In those heads the first token's values of different inputs have mean pairwise cosine "
+                       f"{S['mean_v1_cos_pair_sink']:.3f}, against {S['mean_vj_cos_pair_sink']:.3f} for the values at "
+                       "other positions: the first value is small and nearly constant.")
         if S["n_sink_kv_heads"] and c["pearson_r"] is not None:
-            out += (f" Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
-                    f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
-        return out + (f" {self.skipped}" if self.skipped else "")
+            out.append(f"Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
+                       f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
+        return out + ([self.skipped] if self.skipped else [])
 
     def ratio_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         """How small the first value is in sink KV heads against the others."""

@@ -145,9 +145,9 @@ class SpikeCuts(Result):
         r = s[(s.role == role) & (s["mode"] == mode) & (s.chosen == chosen) & (s.dim == dim)]
         return r.iloc[0] if len(r) else None
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
         if self.message:
-            return self.message
+            return [self.message]
         out = []
         base = self.conditions[self.conditions.role == "baseline"]
         for dim in dict.fromkeys(self.conditions.dim):
@@ -174,15 +174,16 @@ class SpikeCuts(Result):
                          f"{b.loss:.3f} -> {z.loss_mean:.3f}, the first token's own next-token loss {b.loss_first:.3f} -> "
                          f"{z.loss_first_mean:.3f}; set to their mean over the other tokens: dim {dim} "
                          f"{m.value_final_mean:+.4g}, loss {m.loss_mean:.3f}, first-token loss {m.loss_first_mean:.3f}.")
+                out.append(s)
                 if rnd is not None:
                     key = "kept" if role == "writers" else "value_final"
                     fmt = (lambda v: f"{v:.1%}") if role == "writers" else (lambda v: f"{v:+.4g}")
-                    s += (f" As many random neurons of the same MLPs ({int(rnd.n_draws)} draws) "
-                          f"{'keep' if role == 'writers' else 'leave dim ' + str(dim) + ' at'} {fmt(rnd[key + '_mean'])} "
-                          f"({fmt(rnd[key + '_min'])} to {fmt(rnd[key + '_max'])}), Sink_1 "
-                          f"{rnd.sink_1_pct_min:.1f}-{rnd.sink_1_pct_max:.1f}%, loss {rnd.loss_min:.3f}-{rnd.loss_max:.3f}.")
-                out.append(s)
-        return " ".join(out)
+                    out.append(f"As many random neurons of the same MLPs ({int(rnd.n_draws)} draws) "
+                               f"{'keep' if role == 'writers' else 'leave dim ' + str(dim) + ' at'} "
+                               f"{fmt(rnd[key + '_mean'])} ({fmt(rnd[key + '_min'])} to {fmt(rnd[key + '_max'])}), Sink_1 "
+                               f"{rnd.sink_1_pct_min:.1f}-{rnd.sink_1_pct_max:.1f}%, loss {rnd.loss_min:.3f}-"
+                               f"{rnd.loss_max:.3f}.")
+        return out
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "neurons": {r: {str(b): n for b, n in v.items()} for r, v in self.neurons.items()},

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError
-from analysis.report import SECTIONS, ReportError, build_report
+from analysis.report import LINKS, SECTIONS, ReportError, build_report
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike  # noqa: F401
 
 
@@ -16,6 +16,31 @@ def _strict_json(path):
         raise AssertionError(f"non-finite number {x} in {path}")
 
     return json.loads(path.read_text(), parse_constant=no_nan)
+
+
+def _sentences(d) -> list[str]:
+    """Every finding of report.json: each link's headline and details."""
+    return [f for c in d["findings"] for f in [c["headline"], *c["details"]]]
+
+
+def _assert_whole_sentences(d):
+    """No finding was cut mid-sentence: each ends a sentence and starts one (so not with 'k_1;' or lowercase)."""
+    for f in _sentences(d):
+        assert f == f.strip() and f[-1] in ".!)", f"finding ends mid-sentence: {f!r}"
+        assert not f[0].islower() and not f.startswith("k_1;"), f"finding starts mid-sentence: {f!r}"
+
+
+def _assert_one_headline_per_link(d, page: str):
+    """The Findings section: one headline per link of the chain, in LINKS order, each with its numbers, and the
+    details folded under it."""
+    order = [k for k, _ in LINKS]
+    links = [c["link"] for c in d["findings"]]
+    assert links == sorted(links, key=order.index) and len(set(links)) == len(links)
+    assert all(re.search(r"\d", c["headline"]) for c in d["findings"])
+    findings = page.split("<h2>Findings</h2>", 1)[1].split("<h2", 1)[0]
+    titles = re.findall(r'class="link">(?:<summary>)?<b>([^<]+)\.</b>', findings)
+    assert titles == [c["title"] for c in d["findings"]]
+    assert findings.count("<details") == sum(bool(c["details"]) for c in d["findings"])
 
 
 def _assert_self_contained(page: str):
@@ -78,8 +103,13 @@ def test_json_holds_the_planted_answers(planted_report):
     assert {(r["layer"], r["head"]) for r in dormant["heads"] if r["sinking_share"] == 1.0} == {
         (l, h) for l in SINK_LAYERS for h in range(4)}
     assert dormant["summary"]["n_always_sinking"] == 8 and dormant["verdict"]["norm"] == "untested"
-    # Every finding is a sentence with a number.
-    assert len(d["findings"]) >= 10 and all(re.search(r"\d", f) for f in d["findings"])
+    # Every finding is a whole sentence with a number; one headline per link of the chain, in order.
+    assert len(_sentences(d)) >= 10 and all(re.search(r"\d", f) for f in _sentences(d))
+    assert [c["link"] for c in d["findings"]] == [k for k, _ in LINKS]  # every section ran: every link has findings
+    _assert_whole_sentences(d)
+    _assert_one_headline_per_link(d, (out / "report.html").read_text())
+    sink_1 = [f for f in _sentences(d) if re.search(r"Sink_1 \(eps = [\d.]+\)( of \S+)? (on|is)", f)]
+    assert len(sink_1) == 1 and sink_1[0] == d["findings"][3]["headline"]  # Sink_1 stated once: the attention link
     assert d["versions"]["torch"] == torch.__version__
     assert d["seconds"]["total"] > 0
 
@@ -94,14 +124,14 @@ def test_every_sink_and_context_sections(planted_report, planted):
     assert all(r["massive"] and set(r["massive_dims"]) >= set(planted.planted.spike_dims) for r in first)
     runs = d["sections"]["context"]["computed"]["runs"]
     assert sorted({r["T"] for r in runs}) == [16, 32, 64, 128] and {r["n"] for r in runs} == {4}
-    assert any("context length" in f for f in d["findings"])
+    assert any("context length" in f for f in _sentences(d))
 
 
 def test_model_whose_first_token_carries_no_spike(planted_nospike, tmp_path):
     build_report(planted_nospike, tmp_path, n=6, T=24, sections=["sink", "massive", "norm_gain", "interventions"])
     d = _strict_json(tmp_path / "report.json")
     assert d["spike_dims"] == {} and d["first_token_spike_dims"] == {}
-    text = " ".join(d["findings"])
+    text = " ".join(_sentences(d))
     assert "carries no massive activation" in text
     assert "no spike" in text  # the norm-gain trace and the ablations say so plainly
     assert d["sections"]["interventions"]["spike_ablation"]["has_spike"] is False
@@ -207,7 +237,11 @@ def test_real_model_report(smollm2, tmp_path):
     # Where a head of the embedded model sinks a query's attention, it writes little there (the sink as a gate).
     assert d["sections"]["dormant"]["summary"]["median_rho_norm"] < -0.3
     assert d["sections"]["dormant"]["verdict"]["norm"] == "yes"
-    assert len(d["findings"]) >= 12
+    assert len(_sentences(d)) >= 12
+    _assert_whole_sentences(d)
+    _assert_one_headline_per_link(d, page)
+    norm = next(c for c in d["findings"] if c["link"] == "key")  # the sentence the old report split in two
+    assert any("of the logit q_t·k_1; alpha_1 is" in f for f in [norm["headline"], *norm["details"]])
     assert d["sections"]["positions"]["sinks"][0]["position"] == 0
     assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
     # Where the spike comes from: the writing MLPs, their writer neurons with their shares, the cut against random.
