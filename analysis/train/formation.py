@@ -48,6 +48,7 @@ from analysis.train.checkpoint import CheckpointError, load_reference, read_json
 from analysis.train.compare import mechanism_chain, sink_kv_heads
 from analysis.train.config import TrainConfig
 from analysis.train.data import build_data
+from analysis.train.sweep import EMERGENCE_DIR
 from analysis.values import value_norms
 from analysis.writer_cuts import spike_cuts
 
@@ -651,13 +652,16 @@ def load_formation(folder) -> FormationOrder:
     Parameters
     ----------
     folder : path
-        The folder holding the CSVs of :data:`TABLE_FILES` and ``meta.json``.
+        The folder holding the CSVs of :data:`TABLE_FILES` and ``meta.json``, or one under ``data/emergence`` by
+        its relative name (e.g. ``"induction/formation"``).
 
     Returns
     -------
     FormationOrder
     """
     folder = Path(folder)
+    if not folder.is_dir() and (EMERGENCE_DIR / folder).is_dir():
+        folder = EMERGENCE_DIR / folder
     missing = [f for f in (*TABLE_FILES.values(), "meta.json") if not (folder / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{folder} lacks {missing}: write it with scripts/formation_order.py RUNS --out "
