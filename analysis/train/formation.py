@@ -455,6 +455,7 @@ class FormationOrder(Result):
         """One row per (run, step), one column per link."""
         wide = self.formation.pivot_table(index=["run", "attention", "seed", "step"], columns="link", values="value",
                                           dropna=False)
+        wide = wide[self.formation.groupby(["run", "attention", "seed", "step"]).size().reindex(wide.index).notna()]
         return wide[[k for k in LINKS if k in wide.columns]].reset_index()
 
     def _value_at(self, run: str, step: float, link: str) -> float:
