@@ -28,8 +28,8 @@ kernel refuses the inputs, ``F.scaled_dot_product_attention`` plus a log-sum-exp
 What the fused path cannot reproduce exactly, it refuses with ``FusedUnsupported`` (``unsupported_reason``
 says why before a run): attention-logit soft-capping (Gemma 2), learned sink logits (gpt-oss), additive
 position biases (ALiBi), bidirectional attention, models whose attention does not go through the
-``AttentionInterface`` (GPT-J, Falcon, this package's reference models) and models with hooks attached (the
-fused pass would skip them). ``sink_metric(...,
+``AttentionInterface`` (Falcon, BLOOM, GPT-J before transformers 5.24, this package's reference models) and models
+with hooks attached (the fused pass would skip them). ``sink_metric(...,
 path="auto")`` then takes the eager ``hook_pattern`` path.
 """
 from __future__ import annotations
