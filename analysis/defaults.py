@@ -11,11 +11,11 @@ SINK_MIN_ALPHA = 0.3  # a sink (KV) head has mean alpha_1 above this (key manifo
 
 SPIKE_ABS = 100.0  # massive activation: |a| > SPIKE_ABS ... (Sun et al. 2024)
 SPIKE_RATIO = 1000.0  # ... and |a| >= SPIKE_RATIO x the median |a| of its hidden state
-# Sun et al.'s absolute floor (|a| > 100) presumes a model of LLM width; a model narrower than SMALL_MODEL_D (the
+# Sun et al.'s absolute floor (|a| > 100) presumes a model of LLM width; a model narrower than NARROW_MODEL_D (the
 # reference models trained here: d 64) has no activation near 100 however massive, so its criterion is relative only:
-# |a| >= SPIKE_RATIO_SMALL x the median |a| of its hidden state (``analysis.massive.spike_criterion``).
-SMALL_MODEL_D = 256
-SPIKE_RATIO_SMALL = 50.0
+# |a| >= SPIKE_RATIO_NARROW x the median |a| of its hidden state (``analysis.massive.spike_criterion``).
+NARROW_MODEL_D = 256
+SPIKE_RATIO_NARROW = 50.0
 SPIKE_MIN_SHARE = 0.5  # a spike dimension is flagged on at least this fraction of samples
 SPIKE_SAMPLES = 32  # sequences used to find spike dimensions when an analysis needs them
 

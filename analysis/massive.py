@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.defaults import SMALL_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_SMALL, SPIKE_SAMPLES
+from analysis.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
 from analysis.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
 from analysis.results import Result, layer_runs
@@ -421,8 +421,8 @@ def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def spike_criterion(model) -> tuple[float, float]:
     """The massive-activation criterion suited to ``model``'s width: Sun et al.'s (|a| > 100 and >= 1000x the median
-    |a| of its hidden state) for a model at least ``SMALL_MODEL_D`` wide, and a relative one for a narrower model
-    (no absolute floor, >= ``SPIKE_RATIO_SMALL`` x the median), whose activations never come near 100.
+    |a| of its hidden state) for a model at least ``NARROW_MODEL_D`` wide, and a relative one for a narrower model
+    (no absolute floor, >= ``SPIKE_RATIO_NARROW`` x the median), whose activations never come near 100.
 
     Parameters
     ----------
@@ -433,8 +433,8 @@ def spike_criterion(model) -> tuple[float, float]:
     -------
     (abs_threshold, ratio_threshold) : tuple of float
     """
-    if model_dims(model).d_model < SMALL_MODEL_D:
-        return 0.0, SPIKE_RATIO_SMALL
+    if model_dims(model).d_model < NARROW_MODEL_D:
+        return 0.0, SPIKE_RATIO_NARROW
     return SPIKE_ABS, SPIKE_RATIO
 
 
