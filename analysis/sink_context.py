@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
-from scipy.stats import spearmanr
 
 from analysis.hooks import model_dims
 from analysis.probes import natural_probe, stdlib_texts
@@ -112,6 +111,8 @@ class SinkContext(Result):
         df = self.by_T(eps)
         if len(df) < 3 or df[f"{rate}_mean"].nunique() < 2:
             return float("nan")
+        from scipy.stats import spearmanr  # lazy for import time: scipy.stats costs ~0.5 s, needed only here
+
         return float(spearmanr(df["T"], df[f"{rate}_mean"]).statistic)
 
     def _curve_text(self, rate: str, what: str, eps: float, unit: str = "%") -> str:

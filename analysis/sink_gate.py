@@ -45,7 +45,6 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import torch
-from scipy import stats
 
 from analysis.defaults import DORMANT_GRAD_BATCH_TOKENS, DORMANT_MIN_QUERIES, DORMANT_MIN_SHARE, DORMANT_QUANTILE, SINK_EPS
 from analysis.hooks import (
@@ -181,6 +180,8 @@ def check_quantile(quantile: float) -> float:
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
+    from scipy import stats  # lazy for import time: scipy.stats costs ~0.5 s on `import analysis`
+
     return stats.rankdata(x, axis=-1)
 
 
@@ -1183,6 +1184,8 @@ class AttributionCheck(Result):
     @staticmethod
     def _stats(x: np.ndarray, y: np.ndarray) -> dict:
         """x exact, y estimate (1-D)."""
+        from scipy import stats  # lazy for import time: scipy.stats costs ~0.5 s on `import analysis`
+
         diff = np.abs(y - x)
         big = np.abs(x) > 1e-3
         out = {"n": int(x.size), "mean_abs_exact": float(np.abs(x).mean()), "mean_abs_error": float(diff.mean()),
