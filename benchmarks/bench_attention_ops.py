@@ -4,15 +4,20 @@
     python benchmarks/bench_attention_ops.py --device cuda   # GPU defaults: bf16 autocast, fused kernels
     python benchmarks/bench_attention_ops.py --device cuda --compile --ops softmax,sigmoid
     python benchmarks/bench_attention_ops.py --preset synthetic --ops softmax,sigmoid   # a preset's model and batch
+    python benchmarks/bench_attention_ops.py --device cuda --preset paper-60m --compile --ops softmax,sigmoid,elu1 \
+        --impl sdpa,flex,eager --json throughput.json      # the GPU issue's table: every path in one run
 
-Prints one row per operation: tokens/s, ms per step, the path the attention took (sdpa / flex / eager),
-the throughput relative to softmax, and on a GPU the model FLOPs utilisation (MFU: 6 N + 12 L T d
-FLOPs per token, against the GPU's dense bf16 peak given by --peak-tflops). Prints figures only; it
-asserts nothing.
+Prints one row per operation and path (--impl takes a list): tokens/s, ms per step, the path the attention
+took (sdpa / flex / eager; an operation without the asked-for fused path is left out of that path's rows, and
+said so), the throughput relative to softmax on the same path, and on a GPU the model FLOPs utilisation (MFU:
+6 N + 12 L T d FLOPs per token, against the GPU's dense bf16 peak given by --peak-tflops). With a preset, the
+batch is its micro-batch (the one forward a step of that preset runs). --json also writes the rows and the run's
+settings to a file. Prints figures only; it asserts nothing.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -42,10 +47,15 @@ def parse():
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per operation; the fastest is reported "
                    "(robust to other processes on a shared machine)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--impl", default="auto", choices=["auto", "eager", "sdpa", "flex"])
+    p.add_argument("--impl", default="auto", help="comma-separated paths to time: auto, eager, sdpa, flex")
+    p.add_argument("--json", help="also write the rows and settings to this JSON file")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--peak-tflops", type=float, help="GPU dense bf16 peak for MFU (default: guessed from the name)")
     args = p.parse_args()
+    args.impls = [i.strip() for i in args.impl.split(",") if i.strip()]
+    bad = sorted(set(args.impls) - {"auto", "eager", "sdpa", "flex"})
+    if bad or not args.impls:
+        p.error(f"--impl takes a comma-separated list of auto, eager, sdpa, flex; got {args.impl!r}.")
     gpu = args.device.startswith("cuda")
     args.model_fields = {}
     if args.preset:
@@ -53,7 +63,7 @@ def parse():
 
         pre = preset(args.preset)
         for k, field in (("d_model", "d_model"), ("n_layers", "n_layers"), ("n_heads", "n_heads"),
-                         ("n_ctx", "n_ctx"), ("batch", "batch_size")):
+                         ("n_ctx", "n_ctx"), ("batch", "micro_batch_size" if "micro_batch_size" in pre else "batch_size")):
             if getattr(args, k) is None and field in pre:
                 setattr(args, k, pre[field])
         args.model_fields = {k: pre[k] for k in ("d_mlp", "act_fn", "normalization_type", "positional_embedding_type")
@@ -67,13 +77,13 @@ def parse():
     return args
 
 
-def make_step(op: str, args):
+def make_step(op: str, impl: str, args):
     """(model, step function, cfg) for one operation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
     vocab = getattr(args, "vocab", None) or (32768 if device.type == "cuda" else 4096)
     cfg = ModelConfig(d_vocab=vocab, n_ctx=args.n_ctx, d_model=args.d_model, n_layers=args.n_layers,
-                      n_heads=args.n_heads, attention=op, attn_impl=args.impl, **args.model_fields)
+                      n_heads=args.n_heads, attention=op, attn_impl=impl, **args.model_fields)
     model = SinkLM(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     runner = torch.compile(model) if args.compile else model
@@ -93,34 +103,42 @@ def make_step(op: str, args):
 
 
 def bench(ops, args) -> list[dict]:
-    """Warm every operation up, then time them round-robin ``repeats`` times; keep each one's fastest
-    round (interleaving and best-of make the comparison fair when the machine's load varies)."""
+    """Warm every (operation, path) up, then time them round-robin ``repeats`` times; keep each one's fastest
+    round (interleaving and best-of make the comparison fair when the machine's load varies). A fused path the
+    operation does not have (it ran eager) is left out, and said so."""
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     runs = {}
-    for op in ops:
-        try:
-            model, step, cfg = make_step(op, args)
-            for _ in range(args.warmup):
-                step()
-            runs[op] = (model, step, cfg)
-        except Exception as e:  # noqa: BLE001 - report and continue with the other operations
-            print(f"{op}: failed ({type(e).__name__}: {e})")
-    best = {op: float("inf") for op in runs}
+    for impl in args.impls:
+        for op in ops:
+            try:
+                model, step, cfg = make_step(op, impl, args)
+                for _ in range(args.warmup):
+                    step()
+            except Exception as e:  # noqa: BLE001 - report and continue with the other operations
+                print(f"{op} ({impl}): failed ({type(e).__name__}: {e})")
+                continue
+            path = model.blocks[0].attn.last_path or "?"
+            if impl in ("sdpa", "flex") and path != impl:
+                print(f"{op}: no {impl} path (it ran {path}); left out of the {impl} rows")
+                del model, step
+                continue
+            runs[op, impl] = (model, step, cfg)
+    best = {key: float("inf") for key in runs}
     for _ in range(args.repeats):
-        for op, (_, step, _) in runs.items():
+        for key, (_, step, _) in runs.items():
             sync()
             t0 = time.perf_counter()
             for _ in range(args.iters):
                 step()
             sync()
-            best[op] = min(best[op], (time.perf_counter() - t0) / args.iters)
+            best[key] = min(best[key], (time.perf_counter() - t0) / args.iters)
     rows = []
-    for op, (model, _, cfg) in runs.items():
-        dt = best[op]
+    for (op, impl), (model, _, cfg) in runs.items():
+        dt = best[op, impl]
         tok_s = args.batch * args.n_ctx / dt
         flops_per_token = 6 * model.n_params() + 12 * cfg.n_layers * cfg.n_ctx * cfg.d_model
-        rows.append({"op": op, "tokens_per_s": tok_s, "ms_per_step": dt * 1e3,
+        rows.append({"op": op, "impl": impl, "tokens_per_s": tok_s, "ms_per_step": dt * 1e3,
                      "path": model.blocks[0].attn.last_path or "?", "tflops": tok_s * flops_per_token / 1e12})
     return rows
 
@@ -138,21 +156,33 @@ def main():
           f"{', compiled' if args.compile else ''}; forward + backward + AdamW, fastest of {args.repeats} "
           f"interleaved rounds of {args.iters} steps")
     rows = bench(ops, args)
-    base = next((r["tokens_per_s"] for r in rows if r["op"] == "softmax"), None)
-    header = f"| {'operation':22s} | {'tokens/s':>10s} | {'ms/step':>8s} | path  | vs softmax |"
+    softmax = {r["impl"]: r["tokens_per_s"] for r in rows if r["op"] == "softmax"}
+    header = f"| {'operation':22s} | {'path':5s} | {'tokens/s':>10s} | {'ms/step':>8s} | vs softmax |"
     if device.type == "cuda" and peak:
         header += "   MFU |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
-        line = (f"| {r['op']:22s} | {r['tokens_per_s']:10.0f} | {r['ms_per_step']:8.1f} | {r['path']:5s} | "
-                f"{(r['tokens_per_s'] / base if base else float('nan')):10.2f} |")
-        if device.type == "cuda" and peak:
-            line += f" {100 * r['tflops'] / peak:4.1f}% |"
+        base = softmax.get(r["impl"])
+        r["vs_softmax"] = r["tokens_per_s"] / base if base else None
+        r["mfu"] = r["tflops"] / peak if device.type == "cuda" and peak else None
+        line = (f"| {r['op']:22s} | {r['path']:5s} | {r['tokens_per_s']:10.0f} | {r['ms_per_step']:8.1f} | "
+                f"{(r['vs_softmax'] or float('nan')):10.2f} |")
+        if r["mfu"] is not None:
+            line += f" {100 * r['mfu']:4.1f}% |"
         print(line)
-    sig = next((r for r in rows if r["op"] == "sigmoid"), None)
-    if sig and base:
-        print(f"sigmoid / softmax throughput: {sig['tokens_per_s'] / base:.2f}")
+    fastest = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["tokens_per_s"], default=None)
+               for op in ("softmax", "sigmoid")}
+    if all(fastest.values()):
+        s, g = fastest["softmax"], fastest["sigmoid"]
+        print(f"sigmoid ({g['path']}) / softmax ({s['path']}), each on its fastest path: "
+              f"{g['tokens_per_s'] / s['tokens_per_s']:.2f} (target >= 0.9)")
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("model_fields",)}
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "settings": settings,
+                                               "model_fields": args.model_fields, "peak_tflops": peak,
+                                               "rows": rows}, indent=1) + "\n")
+        print(f"written {args.json}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from analysis.train.flex import flex_elementwise
+from analysis.train.flex import flex_elementwise, flex_softmax
 
 _REGISTRY: dict[str, tuple[type, dict, str]] = {}
 _ALIASES = {
@@ -306,6 +306,8 @@ class Softmax(AttentionOp):
         return torch.matmul(w, v)
 
     def fused(self, q, k, v, *, impl, window, score_bias=None, slot=None):
+        if impl == "flex" and type(self) is Softmax:  # the softmax baseline of the FlexAttention path
+            return flex_softmax(q, k, v, scale=self.scale, window=window, score_bias=score_bias)
         if impl not in ("sdpa", "auto"):
             return None
         T = q.shape[-2]

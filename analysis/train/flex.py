@@ -1,4 +1,5 @@
-"""FlexAttention path for similarity-based operations (sigmoid, elu+1, with or without normalisation).
+"""FlexAttention path for similarity-based operations (sigmoid, elu+1, with or without normalisation), and for plain
+softmax (the baseline those are timed against on the same kernel).
 
 FlexAttention computes softmax(score_mod(s)) V and the log-sum-exp of the modified scores. With
 score_mod = log f (f = sigmoid or elu+1), softmax(log f(s)) V = sum_j f(s_ij) v_j / sum_j f(s_ij), and
@@ -76,3 +77,31 @@ def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
     if op.normalise:
         return out
     return out * torch.exp(aux.lse).unsqueeze(-1).to(out.dtype)
+
+
+def flex_softmax(q, k, v, *, scale: float, window=None, score_bias=None):
+    """Plain causal softmax attention through ``flex_attention``: the softmax baseline of the FlexAttention path
+    (``attn_impl="flex"`` for ``attention="softmax"``).
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor, shape (B, H, T, d)
+    scale : float
+        The logit scale (1 / sqrt(d)).
+    window : int, optional
+        A sliding window.
+    score_bias : torch.Tensor, shape (H, T, T), optional
+        A positional bias.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T, d)
+    """
+    T = q.shape[-2]
+    pos = score_bias
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + pos[h, q_idx, kv_idx]
+
+    return _flex(q.device.type)(q, k, v, score_mod=score_mod if pos is not None else None,
+                                block_mask=_block_mask(T, window, str(q.device)), scale=scale)

