@@ -1272,14 +1272,14 @@ def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     torch.Tensor, shape (..., d_model)
-        float32.
+        float32, on ``resid``'s device.
     """
     spec = get_mlp(model)
     mod = block_norm(model, int(layer), spec.input_norm_module)
     if mod is None:
         return resid.float()
     with torch.no_grad():
-        return mod(resid.to(next(model.parameters()).dtype)).float()
+        return mod(_on_model(model, resid)).float().to(resid.device)
 
 
 def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
@@ -1305,7 +1305,7 @@ def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
 
 
 def _on_model(model, x: torch.Tensor) -> torch.Tensor:
-    """``x`` (kept on the CPU) on the model's device and in its dtype, to run through one of its modules."""
+    """``x`` (e.g. kept on the CPU) on the model's device and in its dtype, to run through one of its modules."""
     param = next(model.parameters())
     return x.to(param.device, param.dtype)
 
