@@ -164,3 +164,26 @@ def family_bridge(family_dir, device):
         return cache[family]
 
     return get
+
+
+def cpu_cache(model, tokens, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``model.run_with_cache`` over ``tokens`` (moved to the model's device), its logits and activations moved to the
+    CPU, where the tests compare them with the analyses' results.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+    **kwargs
+        Passed to ``run_with_cache`` (e.g. ``names_filter``).
+
+    Returns
+    -------
+    logits : torch.Tensor, shape (N, T, d_vocab)
+    cache : dict of str to torch.Tensor
+    """
+    from analysis.hooks import model_device
+
+    logits, cache = model.run_with_cache(tokens.to(model_device(model)), **kwargs)
+    return logits.cpu(), {name: x.cpu() for name, x in cache.items()}
