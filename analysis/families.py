@@ -1119,8 +1119,7 @@ def expert_writes(model, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, tor
     """
     router, experts = moe_parts(model, layer)
     block = _mlp_module(model, layer)
-    dtype = next(model.parameters()).dtype
-    x = x.to(dtype)
+    x = _on_model(model, x)  # the trace keeps x on the CPU
     with torch.no_grad():
         _, weights, idx = router(x)
         slots = torch.stack([experts(x, idx[:, j : j + 1], weights[:, j : j + 1]) for j in range(idx.shape[1])], 1)
@@ -1273,14 +1272,14 @@ def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     torch.Tensor, shape (..., d_model)
-        float32.
+        float32, on ``resid``'s device.
     """
     spec = get_mlp(model)
     mod = block_norm(model, int(layer), spec.input_norm_module)
     if mod is None:
         return resid.float()
     with torch.no_grad():
-        return mod(resid.to(next(model.parameters()).dtype)).float()
+        return mod(_on_model(model, resid)).float().to(resid.device)
 
 
 def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
@@ -1305,6 +1304,12 @@ def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
+def _on_model(model, x: torch.Tensor) -> torch.Tensor:
+    """``x`` (e.g. kept on the CPU) on the model's device and in its dtype, to run through one of its modules."""
+    param = next(model.parameters())
+    return x.to(param.device, param.dtype)
+
+
 def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor, kind: str):
     """(residual, norm module name) whose normalised value rebuilds the MLP's first pre-activation ``target``."""
     W_first, b_first = (W.W_gate, W.b_gate) if kind == "gated" else (W.W_in, W.b_in)
@@ -1315,7 +1320,7 @@ def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor
         if h is None or (norm is not None and mod is None):
             continue
         with torch.no_grad():
-            x = (mod(h.to(next(model.parameters()).dtype)) if mod is not None else h).float().cpu()
+            x = (mod(_on_model(model, h)) if mod is not None else h).float().cpu()
         pre = x @ W_first.T + (b_first if b_first is not None else 0)
         if torch.allclose(pre, target, atol=1e-4, rtol=1e-3):
             return resid, norm, mod
@@ -1331,7 +1336,7 @@ def _mlp_output(model, layer: int, got: dict, W: MlpWeights, a: torch.Tensor) ->
     mod = block_norm(model, layer, "ln2_post")
     if mod is not None:
         with torch.no_grad():
-            y = mod(proj.to(next(model.parameters()).dtype)).float().cpu()
+            y = mod(_on_model(model, proj)).float().cpu()
         if torch.allclose(y, out, atol=1e-4, rtol=1e-3):
             return "post_norm", 1.0, mod, "ln2_post"
     scale = float((out * proj).sum() / (proj * proj).sum().clamp_min(1e-30))

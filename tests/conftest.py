@@ -1,10 +1,91 @@
 import socket
+import subprocess
 import warnings
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+DEVICES = ("cpu", "cuda")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=DEVICES, default="cpu",
+                     help="where the models and tensors of the tests run: cpu (the default, CI's) or cuda (every test "
+                          "that can use the GPU; those marked cpu_only stay on the CPU).")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: runs on the CPU whatever --device says (the reason is in a comment)")
+    if config.getoption("--device", default="cpu") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda is {torch.version.cuda}). "
+            "Install the CUDA build of torch (README: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash "
+            "scripts/setup.sh) on a machine with a GPU, or run with --device cpu.")
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no nvidia-smi)"
+
+
+def pytest_report_header(config):
+    import transformers
+
+    device = config.getoption("--device")
+    lines = [f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}"]
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        lines.append(f"gpu: {torch.cuda.get_device_name(0)} ({props.total_memory / 2**30:.0f} GiB, capability "
+                     f"{props.major}.{props.minor}); driver {_driver_version()}, CUDA {torch.version.cuda} (torch's "
+                     f"build), TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, cuDNN {torch.backends.cudnn.version()}")
+    return lines
+
+
+_CPU_ONLY = pytest.StashKey[list]()
+
+
+def pytest_collection_modifyitems(config, items):
+    config.stash[_CPU_ONLY] = [item.nodeid for item in items if item.get_closest_marker("cpu_only")]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kept = config.stash.get(_CPU_ONLY, [])
+    if config.getoption("--device") != "cpu" and kept:  # the GPU log says which tests stayed on the CPU on purpose
+        terminalreporter.section(f"{len(kept)} tests marked cpu_only ran on the CPU")
+        for nodeid in kept:
+            terminalreporter.write_line(nodeid)
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """Where a test runs its models and tensors: "cpu" (default) or "cuda" (``pytest --device cuda``)."""
+    return request.config.getoption("--device")
+
+
+def tol(device: str, atol: float, *, cuda: float | None = None) -> float:
+    """The absolute tolerance of a comparison between two computations of the same numbers: ``atol`` on the CPU, and on
+    CUDA ``cuda`` (default 10 x atol) where the kernels (SDPA, reductions, fused attention) sum in another order.
+
+    Parameters
+    ----------
+    device : str
+        The ``device`` fixture.
+    atol : float
+        The CPU tolerance, unchanged.
+    cuda : float, optional
+        The tolerance on CUDA.
+
+    Returns
+    -------
+    float
+    """
+    return atol if device == "cpu" else (10 * atol if cuda is None else cuda)
 
 
 class NetworkAttempt(AssertionError):
@@ -28,11 +109,11 @@ def no_network(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """The embedded default model, loaded once per test session."""
+def smollm2(device):
+    """The embedded default model, loaded once per test session on ``device``."""
     from analysis import load_model
 
-    return load_model("smollm2-135m", device="cpu")
+    return load_model("smollm2-135m", device=device)
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +124,10 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tiny_llama_dir):
+def tiny_llama(tiny_llama_dir, device):
     from analysis import load_model
 
-    return load_model(str(tiny_llama_dir), device="cpu")
+    return load_model(str(tiny_llama_dir), device=device)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +149,7 @@ def family_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def family_bridge(family_dir):
+def family_bridge(family_dir, device):
     """family -> the bridge loaded from its folder, once per session and shared by the family tests: add only
     temporary hooks to it (``run_with_hooks``); a test that plants permanent hooks loads its own copy."""
     from analysis import load_model
@@ -79,7 +160,30 @@ def family_bridge(family_dir):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[family] = load_model(str(family_dir(family)), device="cpu")
+                cache[family] = load_model(str(family_dir(family)), device=device)
         return cache[family]
 
     return get
+
+
+def cpu_cache(model, tokens, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``model.run_with_cache`` over ``tokens`` (moved to the model's device), its logits and activations moved to the
+    CPU, where the tests compare them with the analyses' results.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+    **kwargs
+        Passed to ``run_with_cache`` (e.g. ``names_filter``).
+
+    Returns
+    -------
+    logits : torch.Tensor, shape (N, T, d_vocab)
+    cache : dict of str to torch.Tensor
+    """
+    from analysis.hooks import model_device
+
+    logits, cache = model.run_with_cache(tokens.to(model_device(model)), **kwargs)
+    return logits.cpu(), {name: x.cpu() for name, x in cache.items()}

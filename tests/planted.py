@@ -137,11 +137,12 @@ def _add_spike(sign: float):
     return fn
 
 
-def planted_model(spike: bool = True, seed: int = 0):
-    """The tiny planted-sink LLaMA as a TransformerBridge (see the module docstring); ``.planted`` holds the answers."""
+def planted_model(spike: bool = True, seed: int = 0, device: str = "cpu"):
+    """The tiny planted-sink LLaMA as a TransformerBridge on ``device`` (see the module docstring); ``.planted`` holds
+    the answers."""
     from analysis.models import load_hf
 
-    model = load_hf(_hf_folder(seed), device="cpu")
+    model = load_hf(_hf_folder(seed), device=device)
     model.model_name = "planted-llama" + ("" if spike else "-nospike")
     if spike:
         model.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
@@ -173,7 +174,7 @@ def _ln_folder(arch: str, seed: int) -> str:
     return str(folder)
 
 
-def planted_ln_model(arch: str = "gpt2", spike: bool = True, seed: int = 0):
+def planted_ln_model(arch: str = "gpt2", spike: bool = True, seed: int = 0, device: str = "cpu"):
     """A tiny LayerNorm model (centring and bias) with the same planted spike hooks, random weights otherwise.
 
     ``arch="gpt2"``: GPT-2 (learned absolute positions, no rotary, 4 heads, no GQA, b_K present);
@@ -182,7 +183,7 @@ def planted_ln_model(arch: str = "gpt2", spike: bool = True, seed: int = 0):
     """
     from analysis.models import load_hf
 
-    model = load_hf(_ln_folder(arch, seed), device="cpu")
+    model = load_hf(_ln_folder(arch, seed), device=device)
     model.model_name = f"planted-{arch}" + ("" if spike else "-nospike")
     if spike:
         model.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
@@ -209,11 +210,11 @@ try:  # pytest fixtures to import into a test module: ``from tests.planted impor
     import pytest
 
     @pytest.fixture(scope="module")
-    def planted():
-        return planted_model(spike=True)
+    def planted(device):
+        return planted_model(spike=True, device=device)
 
     @pytest.fixture(scope="module")
-    def planted_nospike():
-        return planted_model(spike=False)
+    def planted_nospike(device):
+        return planted_model(spike=False, device=device)
 except ImportError:  # pragma: no cover - used outside pytest
     pass

@@ -9,6 +9,7 @@ import torch
 from analysis import natural_probe
 from analysis.fused_sink import alpha_from_lse, attention_with_alpha, fused_attention
 from analysis.every_sink import SinkPositions, _first_run, sink_positions
+from tests.conftest import tol
 
 TOL = 1e-5
 
@@ -30,14 +31,14 @@ def expected_rows(alpha: torch.Tensor, eps: float, n_measured: int) -> dict:
     return out
 
 
-def assert_table_is_the_positions_above_eps(res: SinkPositions, alpha: torch.Tensor) -> None:
+def assert_table_is_the_positions_above_eps(res: SinkPositions, alpha: torch.Tensor, atol: float = TOL) -> None:
     want = expected_rows(alpha, res.eps, res.n_measured)
     df = res.sinks
     got = {(r.sample, r.position): sorted(r.heads) for r in df.itertuples()}
     assert got == {k: sorted((res.layers[l], h) for l, h in v) for k, v in want.items()}
     for r in df.itertuples():  # each head's share of attention is its alpha
         assert r.alpha == pytest.approx([float(alpha[r.sample, res.layers.index(l), h, r.position]) for l, h in r.heads],
-                                        abs=TOL)
+                                        abs=atol)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +50,17 @@ def smollm2_hf():
     return AutoModelForCausalLM.from_pretrained(smollm2_dir(), attn_implementation="eager", dtype=torch.float32).eval()
 
 
-def test_smollm2_every_position_equals_hf_eager_on_both_paths(smollm2, smollm2_hf):
+def test_smollm2_every_position_equals_hf_eager_on_both_paths(smollm2, smollm2_hf, device):
     tokens = natural_probe(smollm2.tokenizer, n=3, T=64, seed=4).tokens
-    ref = hf_alpha_every_key(smollm2_hf, tokens)
+    ref = hf_alpha_every_key(smollm2_hf, tokens)  # on the CPU
+    atol = tol(device, TOL)
     fused = sink_positions(smollm2, tokens)
     eager = sink_positions(smollm2, tokens, path="eager")
     assert (fused.meta["path"], eager.meta["path"]) == ("fused", "eager")
     for res in (fused, eager):
         assert res.alpha.shape == (3, 30, 9, 64)
-        assert (res.alpha - ref).abs().max() < TOL
-        assert_table_is_the_positions_above_eps(res, ref)
+        assert (res.alpha - ref).abs().max() < atol
+        assert_table_is_the_positions_above_eps(res, ref, atol)
     # The residual-stream columns come from the same pass on either path.
     torch.testing.assert_close(fused.cos_first, eager.cos_first, atol=1e-4, rtol=0)
     assert torch.equal(fused.peak_dim, eager.peak_dim)
@@ -70,12 +72,12 @@ def test_smollm2_every_position_equals_hf_eager_on_both_paths(smollm2, smollm2_h
     assert fused.to_dict()["sinks"][0]["heads"][0] == list(fused.sinks.heads.iloc[0][0])
 
 
-def test_cosine_to_the_first_token_by_hand(smollm2):
+def test_cosine_to_the_first_token_by_hand(smollm2, device):
     tokens = natural_probe(smollm2.tokenizer, n=2, T=24, seed=1).tokens
     res = sink_positions(smollm2, tokens)
-    _, cache = smollm2.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_post"))
+    _, cache = smollm2.run_with_cache(tokens.to(device), names_filter=lambda n: n.endswith("hook_resid_post"))
     for l in (0, 5, 29):
-        h = cache[f"blocks.{l}.hook_resid_post"]
+        h = cache[f"blocks.{l}.hook_resid_post"].cpu()
         cos = torch.nn.functional.cosine_similarity(h, h[:, :1].expand_as(h), dim=-1)
         torch.testing.assert_close(res.cos_first[:, l], cos, atol=1e-4, rtol=0)
         peak = h.abs().max(-1)
@@ -83,7 +85,7 @@ def test_cosine_to_the_first_token_by_hand(smollm2):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_next", "gemma2", "gpt_oss"])
-def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_bridge):
+def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_bridge, device):
     """GQA (llama), a sliding window shorter than T (mistral), a hybrid (qwen3_next) on both paths; soft-capping
     (gemma2) and learned sink logits (gpt_oss) on the eager path, where ``auto`` takes them."""
     from transformers import AutoModelForCausalLM
@@ -101,8 +103,8 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
         res = sink_positions(model, tokens, eps=0.1, path=path)
         assert res.meta["path"] == ("fused" if fused_exact and path != "eager" else "eager")
         assert res.layers == list(model.family.attention_layers)
-        assert (res.alpha - ref).abs().max() < TOL
-        assert_table_is_the_positions_above_eps(res, ref)
+        assert (res.alpha - ref).abs().max() < tol(device, TOL)
+        assert_table_is_the_positions_above_eps(res, ref, tol(device, TOL))
 
 
 @pytest.mark.parametrize("window", [None, 5])

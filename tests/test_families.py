@@ -19,6 +19,7 @@ import torch
 from analysis import load_model, rotary_base, sink_metric
 from analysis.families import FamilySpec, get_family
 from tests.families import FAMILIES, family_config, make_family_model, reference_attention, write_llama_gguf
+from tests.conftest import tol
 
 T = 16  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 HYBRIDS = {"qwen3_next", "qwen3_5", "jamba"}
@@ -140,7 +141,7 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sink_alpha_equals_hf_eager_attention(family, family_models):
+def test_sink_alpha_equals_hf_eager_attention(family, family_models, device):
     """alpha_1 per head equals HF eager attention on every attention layer; a hybrid's result holds its attention
     layers only, under their true indices, and says which layers it skipped."""
     model, hf = family_models(family)
@@ -150,7 +151,7 @@ def test_sink_alpha_equals_hf_eager_attention(family, family_models):
     assert res.layers == list(model.family.attention_layers)
     assert res.per_layer(1).layer.tolist() == res.layers
     assert res.alpha[..., 0].shape == hf_alpha.shape
-    torch.testing.assert_close(res.alpha[..., 0], hf_alpha, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.alpha[..., 0], hf_alpha, atol=tol(device, 1e-5), rtol=0)
     if family in HYBRIDS:
         assert res.layers == [1, 3] and "Layers [0, 2] skipped" in res.skipped and res.skipped in res.text()
     else:
@@ -174,7 +175,7 @@ def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"])
-def test_spec_rebuilds_the_attention_pattern(family, family_models):
+def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     """Queries and keys from the spec's hooks, rotated where the spec says so (its rotary dim, pairing and base),
     times its score scale, soft-capped, masked (causal, sliding window) and softmaxed with the learned sink
     where it says so, give the model's ``hook_pattern``; and ``hook_attn_scores`` where the spec names it."""
@@ -184,7 +185,7 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models):
 
     def keep(name):
         def fn(x, hook):
-            got[name] = x.detach().clone()
+            got[name] = x.detach().cpu()
         return fn
 
     hooks = []
@@ -193,45 +194,46 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models):
         if spec.scores_hook(l):
             hooks.append((spec.scores_hook(l), keep(("scores", l))))
     with torch.no_grad():
-        model.run_with_hooks(_tokens(1, 2), fwd_hooks=hooks)
+        model.run_with_hooks(_tokens(1, 2).to(device), fwd_hooks=hooks)
     for layer in spec.attention_layers:  # Gemma 3: sliding layers rotate with another base
-        _check_layer(spec, model, layer, {k[0]: v for k, v in got.items() if k[1] == layer})
+        _check_layer(spec, model, layer, {k[0]: v for k, v in got.items() if k[1] == layer}, device)
 
 
-def _check_layer(spec, model, layer, got):
+def _check_layer(spec, model, layer, got, device):
     q, k = got["q"], got["k"]
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
     if spec.rotary and not spec.key_rotated:
         q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if "scores" in got:
-        torch.testing.assert_close(scores[..., seen].float(), got["scores"][..., seen].float(), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(pattern.float(), got["p"].float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores[..., seen].float(), got["scores"][..., seen].float(), atol=tol(device, 1e-4),
+                                   rtol=1e-4)
+    torch.testing.assert_close(pattern.float(), got["p"].float(), atol=tol(device, 1e-5), rtol=0)
 
 
-def test_gpt_oss_learned_sink_mass_equals_hf(family_models):
+def test_gpt_oss_learned_sink_mass_equals_hf(family_models, device):
     model, hf = family_models("gpt_oss")
     tokens = _tokens(2)
     patterns = {}
 
     def keep(x, hook):
-        patterns[hook.name] = x.detach().clone()
+        patterns[hook.name] = x.detach().cpu()
 
     with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{l}.attn.hook_pattern", keep) for l in model.family.attention_layers])
+        model.run_with_hooks(tokens.to(device), fwd_hooks=[(f"blocks.{l}.attn.hook_pattern", keep) for l in model.family.attention_layers])
     ours = torch.stack([1 - p.sum(-1) for p in patterns.values()], 1)  # (N, L, H, T)
     theirs = torch.stack([1 - a.sum(-1) for a in _hf_attentions(hf, tokens)], 1)
-    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=tol(device, 1e-6), rtol=0)
     assert float(ours.min()) > 0.05  # the sink takes real mass: a random sink logit against 16 keys at most
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_gate_hook_fires_with_one_gate_per_head_dim(family, family_models):
+def test_gate_hook_fires_with_one_gate_per_head_dim(family, family_models, device):
     model, _ = family_models(family)
     spec = model.family
     got = []
     with torch.no_grad():
-        model.run_with_hooks(_tokens(3, 2), fwd_hooks=[(spec.gate_hook(l), lambda x, hook: got.append(x.shape))
+        model.run_with_hooks(_tokens(3, 2).to(device), fwd_hooks=[(spec.gate_hook(l), lambda x, hook: got.append(x.shape))
                                                        for l in spec.attention_layers])
     assert got == [torch.Size([2, T, spec.n_heads * spec.d_head])] * len(spec.attention_layers)
     with pytest.raises(ValueError, match=r"layer 0 .* not an attention layer \(linear attention"):
@@ -244,16 +246,16 @@ def test_skipped_layer_names_the_reason(family_models):
         model.family.key_hook(2)
 
 
-def test_gguf_file_loads_like_a_folder(tmp_path, no_network, monkeypatch):
+def test_gguf_file_loads_like_a_folder(tmp_path, no_network, monkeypatch, device):
     """A tiny Llama written to GGUF (llama.cpp's layout) loads with ``load_model(path)`` and gives the source
     model's logits."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     source = make_family_model("llama")
     path = write_llama_gguf(source, tmp_path / "tiny-llama.gguf")
-    model = load_model(str(path), device="cpu")
+    model = load_model(str(path), device=device)
     tokens = _tokens(4, 2)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), source(tokens).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(tokens.to(device)).cpu(), source(tokens).logits, atol=tol(device, 1e-5), rtol=0)
     assert model.family.family == "llama" and rotary_base(model) == family_config("llama").rope_parameters["rope_theta"]
     assert model.tokenizer.convert_ids_to_tokens([1, 5]) == ["<s>", "w2"]
     assert no_network == []

@@ -14,7 +14,7 @@ import torch
 from analysis import load_model
 from analysis.conditions import run_condition
 from analysis.families import get_family
-from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
+from analysis.hooks import ModelContractError, act_name, kv_view, model_device, per_query_head
 from analysis.interventions import ValueRemoval, first_key_ablation, spike_ablation, value_ablation
 from tests.families import make_family_dir
 from tests.planted import SPIKE_DIMS, _add_spike
@@ -24,7 +24,7 @@ N, T = 4, 12
 
 
 @pytest.fixture(scope="module")
-def spiked(tmp_path_factory):
+def spiked(tmp_path_factory, device):
     """family -> its tiny model with the planted first-token spike after layer 0."""
     root, cache = tmp_path_factory.mktemp("family-interventions"), {}
 
@@ -32,7 +32,7 @@ def spiked(tmp_path_factory):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = load_model(str(make_family_dir(family, root / family)), device="cpu")
+                model = load_model(str(make_family_dir(family, root / family)), device=device)
             model.add_perma_hook("blocks.0.hook_resid_post", _add_spike(+1.0))
             cache[family] = model
         return cache[family]
@@ -46,6 +46,7 @@ def toks():
 
 
 def _loss(model, toks, hooks=()) -> float:
+    toks = toks.to(model_device(model))
     with torch.inference_mode():
         logits = model.run_with_hooks(toks, fwd_hooks=list(hooks))
     return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), toks[:, 1:].reshape(-1)))
@@ -65,7 +66,7 @@ def _by_hand(model, toks, layer: int, heads: list[int], first_query: bool = True
     a1 = kept["p"][:, heads, :, 0]  # (N, h, T)
     v1 = per_query_head(kv_view(kept["v"], dims.n_key_value_heads or dims.n_heads), dims.n_heads)[:, 0, heads]
     if v_mean is not None:
-        v1 = v1 - v_mean
+        v1 = v1 - v_mean.to(v1)
     contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (N, T, h, d)
     if not first_query:
         contrib[:, 0] = 0

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.hooks import kv_view
+from analysis.hooks import kv_view, model_device
 from analysis.rotary import rotate_as_spec
 from tests.families import FAMILIES, reference_attention
+from tests.conftest import tol
 
 T = 12  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 SPIKE = {7: 400.0, 21: -250.0}
@@ -46,20 +47,21 @@ def _tokens(seed: int = 0, n: int = 3) -> torch.Tensor:
 
 
 def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
+    """The activations of ``names`` over ``tokens``, on the CPU."""
     got = {}
 
     def keep(x, hook):
-        got[hook.name] = x.detach().clone()
+        got[hook.name] = x.detach().cpu()
 
     hooks = list(dict.fromkeys(names))
     with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=[(n, keep) for n in hooks])
+        model.run_with_hooks(tokens.to(model_device(model)), fwd_hooks=[(n, keep) for n in hooks])
     canonical = {n: getattr(model.hook_dict[n], "name", n) for n in hooks}
     return {n: got[canonical[n]] for n in hooks}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models):
+def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models, device):
     from analysis.key_path import key_path
     from analysis.norm_gain import norm_gain_trace
 
@@ -72,8 +74,8 @@ def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_mode
         pos = torch.arange(T)
         rebuilt = path.keys_from_resid(got[f"blocks.{layer}.hook_resid_pre"], pos)  # (B, T, H_kv, d)
         used = kv_view(rotate_as_spec(got[spec.key_hook(layer)], spec, layer), rebuilt.shape[2])
-        torch.testing.assert_close(rebuilt[:, 0], used[:, 0], atol=1e-4, rtol=1e-4)  # the first key
-        torch.testing.assert_close(rebuilt, used, atol=1e-4, rtol=1e-4)  # and every other one
+        torch.testing.assert_close(rebuilt[:, 0], used[:, 0], atol=tol(device, 1e-4), rtol=1e-4)  # the first key
+        torch.testing.assert_close(rebuilt, used, atol=tol(device, 1e-4), rtol=1e-4)  # and every other one
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tr = norm_gain_trace(model, tokens, layer, spike_dims=[7, 21])
@@ -106,17 +108,17 @@ def test_gain_one_plus_w_matters(family, family_models):
         path.norm.offset = 1.0
 
 
-def _check_pattern(spec, model, layer, q, k, got):
+def _check_pattern(spec, model, layer, q, k, got, device):
     """q (B,T,H,d), k (B,T,H_kv,d) as the analyses read them -> scores and pattern of the model."""
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if spec.scores_hook(layer):
         torch.testing.assert_close(scores[..., seen].float(), got[spec.scores_hook(layer)][..., seen].float(),
-                                   atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(pattern.float(), got[spec.pattern_hook(layer)].float(), atol=1e-5, rtol=0)
+                                   atol=tol(device, 1e-4), rtol=1e-4)
+    torch.testing.assert_close(pattern.float(), got[spec.pattern_hook(layer)].float(), atol=tol(device, 1e-5), rtol=0)
 
 
 @pytest.mark.parametrize("family", NOT_ALIBI)
-def test_qk_and_key_manifold_read_the_vectors_the_attention_uses(family, family_models):
+def test_qk_and_key_manifold_read_the_vectors_the_attention_uses(family, family_models, device):
     from analysis.key_manifold import first_key_manifold, key_manifold_accumulator
     from analysis.qk import QKAccumulator, qk_angles
 
@@ -134,7 +136,7 @@ def test_qk_and_key_manifold_read_the_vectors_the_attention_uses(family, family_
         for acc in (qk_acc, km_acc):
             acts = {key: got[name] for key, name in acc.hooks()[layer].items()}
             q, k = acc.vectors(layer, acts)
-            _check_pattern(spec, model, layer, q, k, got)
+            _check_pattern(spec, model, layer, q, k, got, device)
     # The analyses' statistics are those of these vectors: |k_1| per head.
     ang, km = qk_angles(model, tokens), first_key_manifold(model, tokens, scatter_heads=None)
     assert ang.layers == km.layers == list(spec.attention_layers)
@@ -156,13 +158,13 @@ def _add_spike(resid, hook):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_planted_spike_is_found_and_drives_the_first_key(family, family_dirs):
+def test_planted_spike_is_found_and_drives_the_first_key(family, family_dirs, device):
     from analysis.massive import massive_activations
     from analysis.norm_gain import norm_gain_trace
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = load_model(str(family_dirs(family)), device="cpu")  # its own copy: the spike hook stays on it
+        model = load_model(str(family_dirs(family)), device=device)  # its own copy: the spike hook stays on it
     model.add_perma_hook("blocks.0.hook_resid_post", _add_spike)
     spec = model.family
     layer = min(l for l in spec.attention_layers if l > 0)  # the first attention layer reading the spike

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from analysis.families import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights
+from analysis.hooks import model_device
 from tests.families import FAMILIES
+from tests.conftest import tol
 
 MOE = {"gpt_oss", "qwen3_next"}
 PARALLEL = {"phi", "gpt_neox", "gptj", "falcon"}
@@ -20,17 +22,19 @@ POST_NORM = {"gemma2", "gemma3", "olmo2"}
 
 
 def _capture(model, tokens, names):
+    """The activations of ``names`` over ``tokens``, float32 on the CPU."""
     got = {}
 
     def keep(x, hook):
-        got[hook.name] = x.detach().float().clone()
+        got[hook.name] = x.detach().float().cpu()
 
     with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=[(n, keep) for n in dict.fromkeys(names)])
+        model.run_with_hooks(tokens.to(model_device(model)), fwd_hooks=[(n, keep) for n in dict.fromkeys(names)])
     return {n: got[model.hook_dict[n].name] for n in names}
 
 
-def _check_rebuild(model, tokens):
+def _check_rebuild(model, tokens, atol: float = 1e-5):
+    """The MLP of every block rebuilt on the CPU from its weights equals its hooks (``atol``: tol(device, 1e-5))."""
     spec = get_mlp(model)
     for l in range(model.cfg.n_layers):
         if not spec.has_neurons(l):
@@ -42,21 +46,25 @@ def _check_rebuild(model, tokens):
         assert W.W_out.shape == (model.cfg.d_model, spec.d_mlp) and W.W_in.shape == (spec.d_mlp, model.cfg.d_model)
         x = mlp_input(model, l, got[names[0]])
         up = x @ W.W_in.T + (0 if W.b_in is None else W.b_in)
-        torch.testing.assert_close(up, got[spec.up_hook(l)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(up, got[spec.up_hook(l)], atol=atol, rtol=1e-4)
         if spec.kind == "gated":
             gate = x @ W.W_gate.T + (0 if W.b_gate is None else W.b_gate)
-            torch.testing.assert_close(gate, got[spec.gate_hook(l)], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(gate, got[spec.gate_hook(l)], atol=atol, rtol=1e-4)
             a = spec.act(gate) * up
         else:
             a = spec.act(up)
-        torch.testing.assert_close(a, got[spec.neuron_hook(l)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, got[spec.neuron_hook(l)], atol=atol, rtol=1e-4)
         proj = a @ W.W_out.T + (0 if W.b_out is None else W.b_out)
-        out = block_norm(model, l, spec.output_norm_module)(proj) if spec.output == "post_norm" else spec.output_scale * proj
-        torch.testing.assert_close(out, got[f"blocks.{l}.hook_mlp_out"], atol=1e-5, rtol=1e-4)
+        if spec.output == "post_norm":
+            with torch.no_grad():
+                out = block_norm(model, l, spec.output_norm_module)(proj.to(model_device(model))).cpu()
+        else:
+            out = spec.output_scale * proj
+        torch.testing.assert_close(out, got[f"blocks.{l}.hook_mlp_out"], atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mlp_facts_rebuild_the_mlp(family, family_bridge):
+def test_mlp_facts_rebuild_the_mlp(family, family_bridge, device):
     model = family_bridge(family)
     spec = get_mlp(model)
     tokens = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -72,7 +80,8 @@ def test_mlp_facts_rebuild_the_mlp(family, family_bridge):
             x = got[spec._input_hook.format(layer=l)].flatten(0, 1)
             idx, slots, rest = expert_writes(model, l, x)
             assert idx.shape == (x.shape[0], 1)
-            torch.testing.assert_close(slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1),
+                                       atol=tol(device, 1e-5), rtol=1e-4)
             assert (float(rest.abs().max()) == 0.0) == (family == "gpt_oss")  # Qwen3-Next adds a shared expert
         return
     assert spec.kind == ("plain" if family in PLAIN else "gated")
@@ -82,10 +91,10 @@ def test_mlp_facts_rebuild_the_mlp(family, family_bridge):
     assert (spec.input_norm is None) == (family == "olmo2")  # OLMo-2's MLP reads the raw residual
     assert spec.activation == {"gemma": "gelu_tanh", "gemma2": "gelu_tanh", "gemma3": "gelu_tanh", "opt": "relu",
                                "gpt_neox": "gelu", "falcon": "gelu"}.get(family, spec.activation)
-    _check_rebuild(model, tokens)
+    _check_rebuild(model, tokens, tol(device, 1e-5))
 
 
-def test_mlp_facts_of_smollm2_and_the_reference_model(smollm2):
+def test_mlp_facts_of_smollm2_and_the_reference_model(smollm2, device):
     from analysis import load_model
 
     spec = get_mlp(smollm2)
@@ -93,11 +102,11 @@ def test_mlp_facts_of_smollm2_and_the_reference_model(smollm2):
     assert spec.neuron_hook(3) == "blocks.3.mlp.out.hook_in"
     assert (spec.gate_hook(3), spec.up_hook(3)) == ("blocks.3.mlp.gate.hook_out", "blocks.3.mlp.in.hook_out")
     assert spec.additive and "gated MLP" in spec.text()
-    _check_rebuild(smollm2, torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(0)))
-    ref = load_model("synthetic-softmax", device="cpu")
+    _check_rebuild(smollm2, torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(0)), tol(device, 1e-5))
+    ref = load_model("synthetic-softmax", device=device)
     rspec = get_mlp(ref)
     assert (rspec.kind, rspec.activation, rspec.neuron_hook(0)) == ("gated", "silu", "blocks.0.mlp.hook_post")
-    _check_rebuild(ref, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)))
+    _check_rebuild(ref, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)), tol(device, 1e-5))
 
 
 def test_bad_layer(smollm2):

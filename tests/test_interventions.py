@@ -173,7 +173,7 @@ def test_smollm2_first_key_without_spike(smollm2, smol):
     assert s.loc["ablated", "sink_1"] < s.loc["baseline", "sink_1"] - 20
 
 
-def test_layernorm_and_reference_models_run():
+def test_layernorm_and_reference_models_run(device):
     """LayerNorm (GPT-2: no rotary, no GQA, biases) and this package's own model: every intervention runs."""
     from analysis.train.config import ModelConfig
     from analysis.train.model import SinkLM
@@ -181,11 +181,11 @@ def test_layernorm_and_reference_models_run():
 
     torch.manual_seed(0)
     ref = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                             normalization_type="LN")).eval()
+                             normalization_type="LN")).eval().to(device)
     ref.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     ref.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     toks = planted_tokens(4, 16)
-    for m in (planted_ln_model("gpt2"), ref):
+    for m in (planted_ln_model("gpt2", device=device), ref):
         s = spike_ablation(m, toks)
         assert s.spike_dims == {0: SPIKE_DIMS, 1: SPIKE_DIMS}
         assert abs(s.conditions.set_index("condition").loc["mean", "delta_loss"]) < 1e-2

@@ -10,6 +10,7 @@ from sklearn.decomposition import PCA
 from analysis import ModelContractError, probe_sets
 from analysis.key_manifold import first_key_manifold
 from tests.planted import SINK_LAYERS, SPIKE_DIMS, planted, planted_model, planted_nospike, planted_tokens  # noqa: F401
+from tests.conftest import cpu_cache
 
 NON_SINK_LAYERS = (0, 3)
 
@@ -38,7 +39,7 @@ def tokens():
 def test_streamed_statistics_equal_a_naive_computation_on_the_cache(planted, tokens):
     r = 4
     km = first_key_manifold(planted, tokens, n_components=r, batch_size=3, scatter_heads=None)
-    _, cache = planted.run_with_cache(tokens)
+    _, cache = cpu_cache(planted, tokens)
     N, T = tokens.shape
     for l in range(planted.cfg.n_layers):
         k = cache[f"blocks.{l}.attn.hook_rot_k"].double()  # (N, T, 2, 16)
@@ -219,7 +220,7 @@ def test_real_model_first_keys_in_sink_heads(smollm2):
 
 
 @pytest.mark.parametrize("norm, pos, kv", [("LN", "none", None), ("LN", "learned", 2), ("RMS", "rotary", 2)])
-def test_reference_models_with_layernorm_without_rotary_or_gqa(norm, pos, kv):
+def test_reference_models_with_layernorm_without_rotary_or_gqa(norm, pos, kv, device):
     """The package's own models: LayerNorm or RMSNorm, NoPE / learned / rotary positions, with or without GQA.
     Without rotary they list hook_rot_k but never run it: the plain keys are read instead."""
     from analysis.train import ModelConfig, SinkLM
@@ -227,13 +228,13 @@ def test_reference_models_with_layernorm_without_rotary_or_gqa(norm, pos, kv):
     torch.manual_seed(0)
     cfg = ModelConfig(d_vocab=65, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_key_value_heads=kv,
                       normalization_type=norm, positional_embedding_type=pos)
-    model = SinkLM(cfg).eval()
+    model = SinkLM(cfg).eval().to(device)
     tokens = torch.randint(0, 65, (5, 12), generator=torch.Generator().manual_seed(0))
     km = first_key_manifold(model, tokens, scatter_heads=[(1, 0)])
     assert km.rotated == (pos == "rotary")
     n_kv = kv or 4
     assert len(km.table) == 2 * n_kv and km.scatter[(1, 0)]["coords"].shape == (5, 12, 2)
-    _, cache = model.run_with_cache(tokens)
+    _, cache = cpu_cache(model, tokens)
     for l in range(2):
         k = cache[f"blocks.{l}.attn.{'hook_rot_k' if pos == 'rotary' else 'hook_k'}"]
         for h in range(n_kv):

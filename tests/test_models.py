@@ -37,8 +37,8 @@ def test_embedded_default_builds_its_cache_from_gguf_offline(tmp_path, monkeypat
     assert no_network == []
 
 
-def test_bridge_matches_the_hf_model(smollm2):
-    tokens = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])
+def test_bridge_matches_the_hf_model(smollm2, device):
+    tokens = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]], device=device)
     with torch.no_grad():
         assert torch.allclose(smollm2(tokens), smollm2.original_model(tokens).logits, atol=1e-4)
 

@@ -169,7 +169,7 @@ def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monk
 
 
 @pytest.mark.parametrize("norm, pe", [("RMS", "rotary"), ("LN", "rotary"), ("LN", "none")])
-def test_reference_models(norm, pe):
+def test_reference_models(norm, pe, device):
     """This package's own HookedRootModule models (analysis.train), with the same planted spike hooks."""
     from analysis.train.config import ModelConfig
     from analysis.train.model import SinkLM
@@ -177,7 +177,7 @@ def test_reference_models(norm, pe):
 
     torch.manual_seed(0)
     m = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                           normalization_type=norm, positional_embedding_type=pe, rotary_base=5000.0)).eval()
+                           normalization_type=norm, positional_embedding_type=pe, rotary_base=5000.0)).eval().to(device)
     m.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     m.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     t = norm_gain_trace(m, planted_tokens(4, 16), layer=2)
@@ -187,7 +187,7 @@ def test_reference_models(norm, pe):
         assert t.rebuild["rotated_key_max_abs_err"] < 1e-4
 
 
-def test_post_norm_reference_model_traces_the_raw_residual_into_w_k():
+def test_post_norm_reference_model_traces_the_raw_residual_into_w_k(device):
     """A post-norm block (norm after attention, like OLMo-2) feeds attention the raw residual: the trace follows
     h -> W_K with no gain (norm kind 'none'), and its rebuilt keys equal the model's."""
     from analysis.train.config import ModelConfig
@@ -196,7 +196,7 @@ def test_post_norm_reference_model_traces_the_raw_residual_into_w_k():
 
     torch.manual_seed(0)
     m = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                           normalization_type="RMS", positional_embedding_type="rotary", norm_position="post")).eval()
+                           normalization_type="RMS", positional_embedding_type="rotary", norm_position="post")).eval().to(device)
     m.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     m.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     t = norm_gain_trace(m, planted_tokens(4, 16), layer=1, spike_dims=SPIKE_DIMS)  # layer 1 reads the spike as added

@@ -4,12 +4,13 @@ import pytest
 
 from analysis import probe_sets, sink_metric
 from analysis.qk import qk_angles
+from tests.conftest import cpu_cache
 
 
 def test_qk_angles_match_the_cache(tiny_llama):
     tokens = torch.randint(3, 96, (3, 10), generator=torch.Generator().manual_seed(0))
     ang = qk_angles(tiny_llama, tokens, batch_size=2)
-    _, cache = tiny_llama.run_with_cache(tokens)
+    _, cache = cpu_cache(tiny_llama, tokens)
     for l in range(2):
         q = cache[f"blocks.{l}.attn.hook_rot_q"]
         k = cache[f"blocks.{l}.attn.hook_rot_k"].repeat_interleave(2, dim=2)
@@ -41,14 +42,14 @@ def test_real_model_first_key_is_closer_in_angle_in_sink_heads(smollm2):
     assert (ang.k_first_norm[sinky] < ang.k_other_norm[sinky]).float().mean() > 0.8
 
 
-def test_models_without_rotary_read_the_unrotated_hooks():
+def test_models_without_rotary_read_the_unrotated_hooks(device):
     """Reference models list hook_rot_q/k even with NoPE (they never fire there): use hook_q/hook_k."""
     from analysis.qk import qk_hook_names
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)
     model = SinkLM(ModelConfig(d_vocab=32, n_ctx=16, d_model=32, n_layers=1, n_heads=2, n_key_value_heads=2,
-                               d_head=16, d_mlp=64, positional_embedding_type="none")).eval()
+                               d_head=16, d_mlp=64, positional_embedding_type="none")).eval().to(device)
     assert qk_hook_names(model, 0) == ("blocks.0.attn.hook_q", "blocks.0.attn.hook_k")
     ang = qk_angles(model, torch.randint(0, 32, (2, 12)))
     assert torch.isfinite(ang.cos_first).all() and torch.isfinite(ang.k_other_norm).all()

@@ -6,6 +6,7 @@ import torch
 
 from analysis import probe_sets, sink_metric
 from analysis.sink import SinkResult, alpha_from_pattern, sink_table
+from tests.conftest import cpu_cache
 
 
 def test_alpha_by_hand():
@@ -71,7 +72,7 @@ def test_streaming_matches_naive_full_attention(tiny_llama):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 96, (5, 12), generator=g)
     res = sink_metric(tiny_llama, tokens, k_max=12, batch_size=2)
-    _, cache = tiny_llama.run_with_cache(tokens)
+    _, cache = cpu_cache(tiny_llama, tokens)
     L, H, T = tiny_llama.cfg.n_layers, tiny_llama.cfg.n_heads, 12
     naive = torch.zeros(5, L, H, T)
     for l in range(L):
@@ -85,18 +86,18 @@ def test_streaming_matches_naive_full_attention(tiny_llama):
         assert res.sink_rate(k) == pytest.approx(float((naive[..., k - 1] > 0.3).float().mean() * 100))
 
 
-def test_repeated_token_on_rope_gives_near_uniform_attention_and_no_sink(tiny_llama_dir):
+def test_repeated_token_on_rope_gives_near_uniform_attention_and_no_sink(tiny_llama_dir, device):
     """With one token repeated, every position carries the same residual; with RoPE the scores differ only
     by rotation, so each weight lies within the closed-form bounds e^{+-2 xi} / (e^{+-2 xi} + t - 1) with
     xi = |q||k| / sqrt(d_head), and the sink metric finds no sink."""
     from analysis import load_model
 
-    model = load_model(str(tiny_llama_dir), device="cpu")
+    model = load_model(str(tiny_llama_dir), device=device)
     T = 48
     tokens = torch.full((2, T), 7)
     res = sink_metric(model, tokens, k_max=1)
     assert res.sink_rate(1) == 0.0
-    _, cache = model.run_with_cache(tokens)
+    _, cache = cpu_cache(model, tokens)
     d = model.cfg.d_head
     t = torch.arange(1, T + 1, dtype=torch.float32)[:, None]
     for l in range(model.cfg.n_layers):

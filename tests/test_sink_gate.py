@@ -13,6 +13,7 @@ from analysis.sink_gate import (
     head_means,
     removal_effects,
 )
+from tests.conftest import cpu_cache, tol
 
 LAYER, HEAD = 1, 2  # the hand-built head of the tiny Llama (2 layers, 4 query heads, 2 KV heads, d_head 16)
 N, T = 4, 16
@@ -37,7 +38,7 @@ def _sinks_on_even_queries(model):
     def drive(p, hook):
         p = p.clone()
         t = p.shape[-1]
-        even = torch.arange(t) % 2 == 0
+        even = torch.arange(t, device=p.device) % 2 == 0
         row = p[:, HEAD]
         one_hot = torch.zeros_like(row)
         one_hot[..., 0] = 1.0
@@ -96,22 +97,22 @@ def test_handmade_head_result_protocol(handmade):
     assert set(df.columns) >= {"sample", "query", "sink_attn", "out_norm", "effect", "effect_mean"}
 
 
-def test_output_norm_equals_hugging_face_o_proj(tiny_llama, toks):
+def test_output_norm_equals_hugging_face_o_proj(tiny_llama, toks, device):
     """|z_t^h W_O^h| against the head's slice of Hugging Face's o_proj applied to hook_z by hand."""
     res = dormant_heads(tiny_llama, toks, mean_ablation=False)
-    _, cache = tiny_llama.run_with_cache(toks)
+    _, cache = cpu_cache(tiny_llama, toks)
     d = tiny_llama.cfg.d_head
     for l in (0, 1):
-        W = tiny_llama.original_model.model.layers[l].self_attn.o_proj.weight  # (D, H * d)
+        W = tiny_llama.original_model.model.layers[l].self_attn.o_proj.weight.detach().cpu()  # (D, H * d)
         z = cache[f"blocks.{l}.attn.hook_z"]  # (N, T, H, d)
         for h in range(4):
             ref = (z[:, :, h] @ W[:, h * d:(h + 1) * d].T).norm(dim=-1)  # (N, T)
-            assert torch.allclose(res.out_norm[:, l, h], ref, rtol=1e-4, atol=1e-6)
+            assert torch.allclose(res.out_norm[:, l, h], ref, rtol=1e-4, atol=tol(device, 1e-6))
         pattern = cache[f"blocks.{l}.attn.hook_pattern"]
-        assert torch.allclose(res.sink_attn[:, l], pattern[..., 0], atol=1e-6)
+        assert torch.allclose(res.sink_attn[:, l], pattern[..., 0], atol=tol(device, 1e-6))
 
 
-def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks):
+def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks, device):
     """At a tiny random model's scale the loss is near-linear in one head's output: the estimate is close."""
     res = dormant_heads(tiny_llama, toks)
     for ablation in ("zero", "mean"):
@@ -127,18 +128,19 @@ def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks):
         x[:, 5, 2] = 0
         return x
 
+    on = toks.to(device)
     with torch.inference_mode():
-        base = sequence_losses(tiny_llama(toks), toks)
-        cut = sequence_losses(tiny_llama.run_with_hooks(toks, fwd_hooks=[("blocks.1.attn.hook_z", zero)]), toks)
+        base = sequence_losses(tiny_llama(on), on).cpu()
+        cut = sequence_losses(tiny_llama.run_with_hooks(on, fwd_hooks=[("blocks.1.attn.hook_z", zero)]), on).cpu()
     exact = removal_effects(tiny_llama, toks, [(1, 2)], queries=[5])
     assert exact.shape == (1, N, 1)
-    assert torch.allclose(exact[0, :, 0], (cut - base).double(), atol=1e-5)
+    assert torch.allclose(exact[0, :, 0], (cut - base).double(), atol=tol(device, 1e-5))
     assert float(exact.abs().min()) > 0
     # mean ablation sets the output to the head's mean over the measured queries
     zm = head_means(tiny_llama, toks, [1])
-    _, cache = tiny_llama.run_with_cache(toks)
-    assert torch.allclose(zm[0], cache["blocks.1.attn.hook_z"][:, 1:T - 1].mean((0, 1)), atol=1e-6)
-    assert torch.allclose(res.z_mean[1], cache["blocks.1.attn.hook_z"][:, 3:T - 1].mean((0, 1)), atol=1e-6)
+    _, cache = cpu_cache(tiny_llama, toks)
+    assert torch.allclose(zm[0], cache["blocks.1.attn.hook_z"][:, 1:T - 1].mean((0, 1)), atol=tol(device, 1e-6))
+    assert torch.allclose(res.z_mean[1], cache["blocks.1.attn.hook_z"][:, 3:T - 1].mean((0, 1)), atol=tol(device, 1e-6))
 
 
 def test_attribution_against_exact_removal_on_smollm2(smollm2):
@@ -152,12 +154,12 @@ def test_attribution_against_exact_removal_on_smollm2(smollm2):
 
 
 @pytest.mark.parametrize("name", ["synthetic-softmax", "synthetic-sigmoid", "synthetic-sink-token", "synthetic-kv-bias"])
-def test_reference_models(name):
+def test_reference_models(name, device):
     """Softmax sinks on BOS and its copy head sinks less where it must copy; sigmoid has no sink but a total weight
     that follows the output norm; the slot models sink onto their slot."""
     from analysis.probes import task_probe_sets
 
-    model = load_model(name, device="cpu")
+    model = load_model(name, device=device)
     toks = task_probe_sets(model, n=8, T=64)["natural"].tokens
     res = dormant_heads(model, toks, active=copy_queries(model, toks))
     s = res.summary()
@@ -230,7 +232,7 @@ def test_bad_input(tiny_llama, toks):
         res.verdict("loss")
 
 
-def test_sink_positions_and_mask_agree(tiny_llama, toks):
+def test_sink_positions_and_mask_agree(tiny_llama, toks, device):
     """A set of sink positions and the same keys as a mask give the same sink attention."""
     a = dormant_heads(tiny_llama, toks, sink_positions=(0, 1), mean_ablation=False)
     mask = torch.zeros(N, T, dtype=torch.bool)
@@ -238,6 +240,6 @@ def test_sink_positions_and_mask_agree(tiny_llama, toks):
     b = dormant_heads(tiny_llama, toks, sink_positions=mask, mean_ablation=False)
     assert a.query_positions == b.query_positions == list(range(6, T - 1))  # two sink keys: 2 / 7 <= 0.3
     assert torch.allclose(a.sink_attn, b.sink_attn, atol=1e-6)
-    _, cache = tiny_llama.run_with_cache(toks)
-    assert torch.allclose(a.sink_attn[:, 1], cache["blocks.1.attn.hook_pattern"][..., :2].sum(-1), atol=1e-6)
+    _, cache = cpu_cache(tiny_llama, toks)
+    assert torch.allclose(a.sink_attn[:, 1], cache["blocks.1.attn.hook_pattern"][..., :2].sum(-1), atol=tol(device, 1e-6))
     assert np.isfinite(a.head_table()["rho_norm"]).all()

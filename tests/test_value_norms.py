@@ -8,6 +8,7 @@ import torch
 from analysis import ModelContractError, probe_sets, sink_metric
 from analysis.values import correlation, value_norms
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike, planted_tokens  # noqa: F401
+from tests.conftest import cpu_cache
 
 NON_SINK_LAYERS = (0, 3)
 
@@ -19,7 +20,7 @@ def tokens():
 
 def test_streamed_statistics_equal_the_cache(planted, tokens):
     vn = value_norms(planted, tokens, batch_size=3)
-    _, cache = planted.run_with_cache(tokens)
+    _, cache = cpu_cache(planted, tokens)
     for l in range(4):
         v = cache[f"blocks.{l}.attn.hook_v"]  # (N, T, 2, 16)
         A = cache[f"blocks.{l}.attn.hook_pattern"]  # (N, 4, T, T)
@@ -150,16 +151,16 @@ def test_real_model_small_first_values_in_sink_heads(smollm2):
 
 
 @pytest.mark.parametrize("norm, pos, kv", [("LN", "none", None), ("RMS", "rotary", 2)])
-def test_reference_models_with_layernorm_or_without_gqa(norm, pos, kv):
+def test_reference_models_with_layernorm_or_without_gqa(norm, pos, kv, device):
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)
     cfg = ModelConfig(d_vocab=65, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_key_value_heads=kv,
                       normalization_type=norm, positional_embedding_type=pos)
-    model = SinkLM(cfg).eval()
+    model = SinkLM(cfg).eval().to(device)
     tokens = torch.randint(0, 65, (5, 12), generator=torch.Generator().manual_seed(0))
     vn = value_norms(model, tokens)
-    _, cache = model.run_with_cache(tokens)
+    _, cache = cpu_cache(model, tokens)
     for l in range(2):
         norms = cache[f"blocks.{l}.attn.hook_v"].norm(dim=-1)
         assert torch.allclose(vn.v1_norm[l], norms[:, 0].mean(0), rtol=1e-5)

@@ -17,6 +17,7 @@ from analysis.models import (
     ModelNotFoundError,
     _is_reference,
     _reference_models,
+    default_device,
     hub_id,
     load_model,
     smollm2_dir,
@@ -40,7 +41,7 @@ def _load_folder(src: str, local: bool, device, dtype):
     except OSError as e:
         raise ModelNotFoundError(f"could not load {src!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                  "pass a local Hugging Face folder (no network here).") from e
-    return hf.to(device or "cpu").eval(), tok
+    return hf.to(device or default_device()).eval(), tok
 
 
 def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
@@ -53,6 +54,8 @@ def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
     tokenizer : transformers.PreTrainedTokenizerBase, optional
         Overrides the model's own.
     device : str, optional
+        Where a model loaded here runs (default: "cuda" when a GPU is available, as ``load_model``; a loaded
+        bridge's copy: the bridge's device).
     dtype : torch.dtype or str, optional
 
     Returns

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TINY_MODEL = dict(n_ctx=16, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
 TINY_TRAIN = dict(dataset="synthetic", synthetic_vocab=16, batch_size=8, steps=12, lr=1e-2, warmup_steps=2,
-                  log_every=2, eval_every=6, probe_size=8, probe_len=16, checkpoint_every=0, progress=False)
+                  log_every=2, eval_every=6, probe_size=8, probe_len=16, checkpoint_every=0, progress=False,
+                  device="cpu")  # "auto" would train on a GPU (bf16) where one is: a test opts in with device=
 
 
 def tiny(out=None, **kw):
@@ -38,8 +39,8 @@ def env():
     return e
 
 
-def test_a_few_steps_lower_the_loss():
-    res = train(*tiny(steps=40, eval_every=0))
+def test_a_few_steps_lower_the_loss(device):
+    res = train(*tiny(steps=40, eval_every=0, device=device))
     losses = [r["loss"] for r in res.log]
     assert losses[-1] < losses[0] - 0.5, losses
     assert res.final["step"] == 40 and "sink_1" in res.final  # final evaluation always runs
@@ -88,6 +89,7 @@ def weights(path):
     return load_file(str(path))
 
 
+@pytest.mark.cpu_only  # bitwise-equal resume: CUDA kernels (atomics in the backward pass) are not deterministic
 def test_resume_equals_uninterrupted(tmp_path):
     full = train(*tiny(tmp_path / "a", checkpoint_every=4))
     m, t = tiny(tmp_path / "b", checkpoint_every=4)
@@ -106,10 +108,11 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert resumed.final["loss"] == full.final["loss"]
 
 
+@pytest.mark.cpu_only  # bitwise-equal resume: CUDA kernels (atomics in the backward pass) are not deterministic
 def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     args = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64",
             "--synthetic-vocab", "16", "--batch-size", "8", "--steps", "120", "--eval-every", "0",
-            "--checkpoint-every", "2", "--probe-size", "8", "--probe-len", "16", "--no-progress"]
+            "--checkpoint-every", "2", "--probe-size", "8", "--probe-len", "16", "--no-progress", "--device", "cpu"]
     subprocess.run([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "a")], check=True, env=env(),
                    cwd=ROOT, capture_output=True)
     proc = subprocess.Popen([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "b")], env=env(), cwd=ROOT,
@@ -133,6 +136,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.cpu_only  # torchrun with gloo on 2 CPU processes: one GPU cannot host two NCCL ranks
 def test_ddp_two_processes_equal_one_process(tmp_path):
     """torchrun with 2 CPU processes (gloo) takes the same steps as one process on the same global batch."""
     args = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64",
@@ -160,6 +164,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     assert la == pytest.approx(lb, abs=1e-4)
 
 
+@pytest.mark.cpu_only  # equal to 2e-6: fp32 on the CPU (on CUDA "auto" trains in bf16)
 def test_gradient_accumulation_equals_full_batch():
     full = train(*tiny(steps=3, eval_every=0)).model.state_dict()
     accum = train(*tiny(steps=3, eval_every=0, micro_batch_size=2)).model.state_dict()
@@ -168,6 +173,7 @@ def test_gradient_accumulation_equals_full_batch():
 
 
 @pytest.mark.skipif(__import__("shutil").which("cc") is None, reason="torch.compile on CPU needs a C compiler")
+@pytest.mark.cpu_only  # the same steps to 1e-5 as eager: fp32 on the CPU (on CUDA "auto" trains in bf16)
 def test_torch_compile_takes_the_same_steps():
     eager = train(*tiny(steps=2, eval_every=0)).model.state_dict()
     compiled = train(*tiny(steps=2, eval_every=0, compile=True)).model.state_dict()
