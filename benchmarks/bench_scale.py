@@ -43,6 +43,14 @@ cache is emptied and the run goes on); a T beyond the context, or a measurement 
 as "skipped". Every measurement is appended to --out as one JSON line, flushed as it is made, so a run cut short
 keeps what it measured; the markdown table is printed after each T and at the end.
 
+--budget-s is checked between measurements only: set it one measurement's length (on the 8B shape at T = 32k a
+method takes well under a minute; the report a few minutes) below the command's own time limit. One configuration
+(a shape and a dtype) per command keeps each inside a 10-minute limit, e.g.
+    --shape llama3-8b --dtype bfloat16 --methods forward,forward-base,sink-fused,massive-fused,massive,sink-streamed,sink-eager
+    --shape llama3-8b --dtype float32 --seq 1024 --methods forward,sink-fused,report
+    --shape smollm2 --dtype bfloat16,float32
+each with --out on the same file and --budget-s 420.
+
 Targets (issue 22): the fused sink metric <= 1.1x the forward in time and in peak memory above weights at every T;
 the report within minutes on the 8B shape (judged here as <= 5 minutes). A measurement that fails (an error, not an
 out-of-memory) makes the run exit 1 after the others are done.
@@ -244,7 +252,9 @@ def timed(fn, device: str, *, repeat: int, warmup: bool = True) -> dict:
         for _ in range(max(1, repeat)):
             runs.append(measure(lambda: box.__setitem__("out", fn()), device))
             _free(device)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # torch.OutOfMemoryError, or a library's allocation failure (cuBLAS) on CUDA
+        if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower() or "ALLOC_FAILED" in str(e)):
+            raise
         oom = True  # the exception (and the frames holding its tensors) is dropped before the cache is emptied
     if oom:
         box.clear()
@@ -291,14 +301,14 @@ def _num(x, fmt: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """The measurements as a markdown table."""
-    head = ("| dtype | T | method | attention | status | time (s) | x forward | peak above weights (MiB) | x forward "
-            "| Sink_1 | top abs(a) |")
-    lines = [head, "|" + " --- |" * 11]
+    head = ("| dtype | T | N | method | attention | status | time (s) | x forward | peak above weights (MiB) "
+            "| x forward | Sink_1 | top abs(a) |")
+    lines = [head, "|" + " --- |" * 12]
     for r in rows:
         if r["method"] == "build":
             continue
         lines.append(
-            f"| {r['dtype']} | {r['T']} | {r['method']} | {r.get('attn', '-')} | {r['status']} "
+            f"| {r['dtype']} | {r['T']} | {r.get('batch', '-')} | {r['method']} | {r.get('attn', '-')} | {r['status']} "
             f"| {_num(r.get('wall_s'), '.3f')} | {_num(r.get('x_forward_time'), '.2f')} "
             f"| {_num(r.get('peak_above_mib'), '.0f')} | {_num(r.get('x_forward_mem'), '.2f')} "
             f"| {_num(r.get('sink_1'), '.3f')} | {_num(r.get('top_abs'), '.1f')} |")
@@ -371,92 +381,93 @@ def run(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     """Every measurement of ``args``, written as it is made; returns (rows, what was skipped for the budget)."""
     t0 = time.perf_counter()
     writer, skipped = Writer(args.out), []
-    over = lambda: args.budget_s is not None and time.perf_counter() - t0 >= args.budget_s
     device = args.device
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None
+    per_T = [m for m in args.methods if m != "report"]
     for dtype, dname in zip(args.dtypes, args.dtype):
-        base = {"shape": args.shape, "dtype": dname, "device": device, "gpu": gpu, "batch": args.batch,
-                "layers": args.layers}
-        todo = [(T, m) for T in args.seq for m in args.methods if m != "report"]
-        if "report" in args.methods:
-            todo.insert(len([1 for T, _ in todo if T == args.seq[0]]), (args.report_t, "report"))
-        if over():
-            for T, m in todo:
-                skipped.append(f"{dname} T={T} {m}")
-                writer.write({**base, "T": T, "method": m, "status": "skipped", "reason": "budget"})
+        base = {"shape": args.shape, "dtype": dname, "device": device, "gpu": gpu, "layers": args.layers}
+        plan = [(T, m) for i, T in enumerate(args.seq)  # the report once, after the smallest T
+                for m in per_T + (["report"] if i == 0 and "report" in args.methods else [])]
+        if args.budget_s is not None and time.perf_counter() - t0 >= args.budget_s:  # not even the model
+            for T, m in plan:
+                skipped.append(f"{dname} T={args.report_t if m == 'report' else T} {m}")
+                writer.write({**base, "T": args.report_t if m == "report" else T, "method": m, "status": "skipped",
+                              "reason": "budget"})
             continue
         built = time.perf_counter()
         model = build_model(args.shape, dtype, device, layers=args.layers, max_T=max(args.seq), seed=args.seed)
-        n_ctx = model.cfg.n_ctx
         gc.collect()
         gc.freeze()  # the libraries' and the model's objects: every later collection skips them
-        writer.write({**base, "T": None, "method": "build", "status": "ok", "model": model.model_name,
-                      "wall_s": time.perf_counter() - built, "weights_mib": weights_mib(model),
-                      "n_layers": model.cfg.n_layers, "n_ctx": n_ctx, "versions": package_versions()})
-        base.update(model=model.model_name, layers=model.cfg.n_layers)
-        print(f"{model.model_name} in {dname} on {device}{f' ({gpu})' if gpu else ''}: {weights_mib(model):.0f} MiB of "
-              f"weights, built in {writer.rows[-1]['wall_s']:.1f} s", flush=True)
-        units: dict[int, dict] = {}
-        alpha: dict[int, torch.Tensor] = {}
-        last_T = None
-        for T, method in todo:
-            if method == "report":
-                n, T_run = args.report_n, args.report_t
-            else:
-                n, T_run = args.batch, T
-            row = {**base, "T": T_run, "batch": n, "method": method}
-            if over():
-                skipped.append(f"{dname} T={T_run} {method}")
-                writer.write({**row, "status": "skipped", "reason": "budget"})
-                continue
-            if n_ctx is not None and T_run > n_ctx:
-                writer.write({**row, "status": "skipped", "reason": f"T beyond the model's context of {n_ctx}"})
-                continue
-            tokens, kind = probe_tokens(model, "smollm2" if method == "report" else args.shape, n, T_run, args.seed)
-            tokens = tokens.to(device)
-            row["tokens"] = "natural (the report's probe)" if method == "report" else kind
-            try:
-                if method == "report":  # its unit: the SDPA forward over the report's natural probe
-                    unit = timed(lambda: RUNS["forward"](model, tokens), device, repeat=args.repeat)
-                    fn = lambda: report(model, tokens, n=n, T=T_run, seed=args.seed)
-                    row.update(timed(fn, device, repeat=1, warmup=False))
-                    row["forward_wall_s"] = unit.get("wall_s")
+        try:
+            writer.write({**base, "T": None, "method": "build", "status": "ok", "model": model.model_name,
+                          "wall_s": time.perf_counter() - built, "weights_mib": weights_mib(model),
+                          "n_layers": model.cfg.n_layers, "n_ctx": model.cfg.n_ctx, "versions": package_versions()})
+            base.update(model=model.model_name, layers=model.cfg.n_layers)
+            print(f"{model.model_name} in {dname} on {device}{f' ({gpu})' if gpu else ''}: {weights_mib(model):.0f} "
+                  f"MiB of weights, built in {writer.rows[-1]['wall_s']:.1f} s", flush=True)
+            units: dict[int, dict] = {}  # T -> the forward's row
+            alpha: dict[int, torch.Tensor] = {}  # T -> the fused path's alpha_1 (N, L, H)
+            for i, (T, method) in enumerate(plan):
+                if args.budget_s is not None and time.perf_counter() - t0 >= args.budget_s:
+                    row = {**base, "T": args.report_t if method == "report" else T, "method": method,
+                           "status": "skipped", "reason": "budget"}
+                    skipped.append(f"{dname} T={row['T']} {method}")
                 else:
-                    row.update(timed(lambda: RUNS[method](model, tokens), device, repeat=args.repeat))
-                    unit = units.setdefault(T, row) if method == "forward" else units.get(T)
-                if row.get("_error"):
-                    row.update(status="error", error=row["_error"])
-            except Exception as e:  # a failed measurement is recorded, the others still run; the exit code says so
-                row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}",
-                           traceback=traceback.format_exc(limit=-3))
-                unit = units.get(T)
-            ratios(row, unit)
-            a1 = row.get("_alpha_1")
-            if a1 is not None:
-                if method == "sink-fused":
-                    alpha[T] = a1
-                elif T in alpha and alpha[T].shape == a1.shape:
-                    row["max_abs_diff_alpha_1_vs_fused"] = float((a1 - alpha[T]).abs().max())
-            writer.write(row)
-            print(f"  {dname} T={T_run:<6} {method:<14} {row['status']:<6} {_num(row.get('wall_s'), '9.3f')} s "
-                  f"x{_num(row.get('x_forward_time'), '.2f')}  {_num(row.get('peak_above_mib'), '9.0f')} MiB above "
-                  f"weights x{_num(row.get('x_forward_mem'), '.2f')}  Sink_1 {_num(row.get('sink_1'), '.3f')}"
-                  + (f"  ({row['error']})" if row["status"] == "error" else ""), flush=True)
-            del tokens
-            _free(device)
-            if method != "report" and last_T is not None and T != last_T:
-                _print_T(writer.rows, dname, last_T)
-            last_T = T if method != "report" else last_T
-        if last_T is not None:
-            _print_T(writer.rows, dname, last_T)
-        gc.unfreeze()
+                    row = measure_one(model, method, T, args, base, units, alpha)
+                writer.write(row)
+                _print_row(row)
+                if i + 1 == len(plan) or plan[i + 1][0] != T:
+                    print(f"\n{table([r for r in writer.rows if r['dtype'] == dname and r['T'] == T])}\n", flush=True)
+        finally:
+            gc.unfreeze()
         del model
         _free(device)
     return writer.rows, skipped
 
 
-def _print_T(rows: list[dict], dname: str, T: int) -> None:
-    print(f"\n{table([r for r in rows if r['dtype'] == dname and r['T'] == T and r['method'] != 'report'])}\n",
+def measure_one(model, method: str, T: int, args, base: dict, units: dict, alpha: dict) -> dict:
+    """One method at one T (the report: on its own probe), as a row: measured, "oom", "skipped" (beyond the
+    context) or "error"; ratios to the forward at T, and alpha_1's largest difference from the fused path's."""
+    device = args.device
+    n, T_run = (args.report_n, args.report_t) if method == "report" else (args.batch, T)
+    row = {**base, "T": T_run, "batch": n, "method": method}
+    n_ctx = model.cfg.n_ctx
+    if n_ctx is not None and T_run > n_ctx:
+        return {**row, "status": "skipped", "reason": f"T beyond the model's context of {n_ctx}"}
+    tokens, kind = probe_tokens(model, "smollm2" if method == "report" else args.shape, n, T_run, args.seed)
+    tokens = tokens.to(device)
+    row["tokens"] = "natural (the report's probe)" if method == "report" else kind
+    unit = units.get(T)
+    try:
+        if method == "report":  # its unit: the SDPA forward over the report's natural probe
+            unit = timed(lambda: RUNS["forward"](model, tokens), device, repeat=args.repeat)
+            row.update(timed(lambda: report(model, tokens, n=n, T=T_run, seed=args.seed), device, repeat=1,
+                             warmup=False), forward_wall_s=unit.get("wall_s"))
+        else:
+            row.update(timed(lambda: RUNS[method](model, tokens), device, repeat=args.repeat))
+            if method == "forward":
+                unit = units[T] = row
+        if row.get("_error"):
+            row.update(status="error", error=row["_error"])
+    except Exception as e:  # a failed measurement is recorded, the others still run; the exit code says so
+        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}",
+                   traceback=traceback.format_exc(limit=-3))
+    del tokens
+    _free(device)
+    ratios(row, unit)
+    a1 = row.get("_alpha_1")
+    if a1 is not None and method == "sink-fused":
+        alpha[T] = a1
+    elif a1 is not None and T in alpha and alpha[T].shape == a1.shape:
+        row["max_abs_diff_alpha_1_vs_fused"] = float((a1 - alpha[T]).abs().max())
+    return row
+
+
+def _print_row(r: dict) -> None:
+    print(f"  {r['dtype']} T={r['T']:<6} {r['method']:<14} {r['status']:<8} {_num(r.get('wall_s'), '9.3f')} s "
+          f"x{_num(r.get('x_forward_time'), '.2f')}  {_num(r.get('peak_above_mib'), '9.0f')} MiB above weights "
+          f"x{_num(r.get('x_forward_mem'), '.2f')}  Sink_1 {_num(r.get('sink_1'), '.3f')}"
+          + (f"  ({r['error']})" if r["status"] == "error" else f"  ({r['reason']})" if "reason" in r else ""),
           flush=True)
 
 

@@ -49,7 +49,7 @@ def test_smoke_run_writes_one_row_per_measurement(bench, tmp_path, capsys):
             assert by[d, T, "sink-streamed"]["max_abs_diff_alpha_1_vs_fused"] < (1e-4 if d == "float32" else 2e-2)
             assert by[d, T, "massive"]["top_abs"] > 0
     text = capsys.readouterr().out
-    assert "| float32 | 64 | sink-fused |" in text and "target <= 1.1x in both" in text
+    assert "| float32 | 64 | 1 | sink-fused |" in text and "target <= 1.1x in both" in text
 
 
 def test_budget_zero_skips_every_measurement_and_says_so(bench, tmp_path, capsys):
