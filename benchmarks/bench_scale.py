@@ -10,8 +10,10 @@ Shapes:
              5e5, RMSNorm eps 1e-5, untied unembedding, context max(8192, the largest T)) with random weights (normal,
              std 0.02, seed --seed) built directly on the device in the requested dtype: no hub, no CPU copy of 8B
              parameters, nothing on disk. ``--layers N`` keeps N of its 32 layers when time or memory is short: every
-             method runs the same blocks and the ratios below are per layer, so they hold for the full depth (the
-             unembedding and embedding, one per model, weigh a little more in a shallower one).
+             method runs the same blocks, so the ratios are per layer and hold for the full depth, except for what
+             comes once per model: the embedding and the forward's unembedding weigh more in a shallower model, and
+             the streamed passes stop after the last hook they need (sink-streamed after the last layer's attention
+             pattern, skipping that layer's MLP: with 1 layer it skips most of the model, with 32 a 64th).
   smollm2    the embedded SmolLM2-135M (``load_model("smollm2-135m", dtype=...)``), natural text (the standard-library
              docstring probe) at each T the corpus holds, else random tokens (the ``tokens`` field says which); T above
              its 8,192-token context is skipped.
@@ -67,14 +69,20 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
 from analysis.families import attention_implementation  # noqa: E402
 from analysis.fused_sink import ATTN_NAME, hf_model, unbridged  # noqa: E402
+from analysis.io import parse_dtype  # noqa: E402
+from analysis.massive import massive_accumulator, massive_activations  # noqa: E402
 from analysis.memory import measure  # noqa: E402
 from analysis.models import bridge_hf, load_model, smollm2_dir  # noqa: E402
+from analysis.probes import natural_probe, random_probe  # noqa: E402
+from analysis.report import ReportError, build_report  # noqa: E402
+from analysis.sink import alpha_from_pattern, sink_metric, sink_pass  # noqa: E402
 from analysis.versions import package_versions  # noqa: E402
 
 SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the borrowed tokenizer's)
@@ -97,8 +105,6 @@ def build_model(shape: str, dtype: torch.dtype, device: str, *, layers: int | No
     """The bridge of ``shape`` in ``dtype`` on ``device``: SmolLM2 loaded, or a random Llama built on the device."""
     if shape == "smollm2":
         return load_model("smollm2-135m", device=device, dtype=dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     spec = dict(SHAPES[shape])
     theta = spec.pop("rope_theta")
@@ -118,8 +124,6 @@ def build_model(shape: str, dtype: torch.dtype, device: str, *, layers: int | No
 def probe_tokens(model, shape: str, n: int, T: int, seed: int) -> tuple[torch.Tensor, str]:
     """(N, T) token ids and what they are: natural text for SmolLM2 where the corpus holds T tokens, else random ids
     over the model's vocabulary."""
-    from analysis.probes import natural_probe, random_probe
-
     if shape == "smollm2":
         try:
             return natural_probe(model.tokenizer, n=n, T=T, seed=seed).tokens, "natural (stdlib docstrings)"
@@ -161,38 +165,27 @@ def _massive_fields(res) -> dict:
 
 
 def sink_fused(model, tokens):
-    from analysis.sink import sink_metric
-
     res = sink_metric(model, tokens, path="fused", batch_size=tokens.shape[0])
     return f"{ATTN_NAME} (fused kernel + lse)", _sink_fields(res.alpha)
 
 
 def massive_fused(model, tokens):
-    from analysis.massive import massive_accumulator
-    from analysis.sink import sink_pass
-
     res, (mass,) = sink_pass(model, tokens, path="fused", batch_size=tokens.shape[0],
                              make_accumulators=lambda: [massive_accumulator(model, tokens.shape)])
     return f"{ATTN_NAME} (fused kernel + lse)", {**_sink_fields(res.alpha), **_massive_fields(mass)}
 
 
 def massive(model, tokens):
-    from analysis.massive import massive_activations
-
     res = massive_activations(model, tokens, batch_size=tokens.shape[0])
     return f"bridge ({hf_model(model).config._attn_implementation})", _massive_fields(res)
 
 
 def sink_streamed(model, tokens):
-    from analysis.sink import sink_metric
-
     res = sink_metric(model, tokens, path="eager", batch_size=tokens.shape[0])
     return f"bridge ({hf_model(model).config._attn_implementation}, hook_pattern)", _sink_fields(res.alpha)
 
 
 def sink_eager(model, tokens):
-    from analysis.sink import alpha_from_pattern
-
     hf = hf_model(model)
     k_max = min(SINK_K_MAX, tokens.shape[1])
     with unbridged(hf), attention_implementation(hf, "eager"), torch.inference_mode():
@@ -204,8 +197,6 @@ def sink_eager(model, tokens):
 
 
 def report(model, tokens, *, n: int, T: int, seed: int):
-    from analysis.report import ReportError, build_report
-
     with tempfile.TemporaryDirectory() as out:
         error = None
         try:
@@ -362,8 +353,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)")
     args = p.parse_args(argv)
-    from analysis.io import parse_dtype
-
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown methods {bad}; choose among {','.join(METHODS)}.")
@@ -417,7 +406,8 @@ def run(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
                 writer.write(row)
                 _print_row(row)
                 if i + 1 == len(plan) or plan[i + 1][0] != T:
-                    print(f"\n{table([r for r in writer.rows if r['dtype'] == dname and r['T'] == T])}\n", flush=True)
+                    done = [r for r in writer.rows if r["dtype"] == dname and r["T"] == T]
+                    print("\n" + "\n".join([table(done), *targets(done)]) + "\n", flush=True)
         finally:
             gc.unfreeze()
         del model
