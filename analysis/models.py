@@ -254,6 +254,39 @@ def load_hf(name_or_dir: str, *, device=None, dtype=None):
     return _bridge(src, hf, tok, device, name_or_dir)
 
 
+def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None):
+    """Boot a TransformerBridge around a Hugging Face causal LM already in memory (built from a config, with random
+    or your own weights), as ``load_hf`` does around one it loads: nothing is read from or written to disk.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The model; its weights stay where they are, in their dtype (build it on the device you want).
+    tokenizer : transformers.PreTrainedTokenizerBase
+        A tokenizer whose ids lie below the model's vocabulary (the bridge, the probes and the report need one; a
+        model built from a config has none of its own: borrow one, e.g. the embedded SmolLM2's).
+    name : str
+        The ``model_name`` the results carry.
+    device : str, optional
+        Default: the device of the model's parameters.
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.families.FamilySpec`) set.
+    """
+    from transformers import PreTrainedModel
+    from transformers.utils import logging as hf_logging
+
+    if not isinstance(hf, PreTrainedModel):
+        raise TypeError(f"give a Hugging Face PreTrainedModel; got {type(hf).__name__}.")
+    if tokenizer is None:
+        raise ValueError("the bridge needs a tokenizer (it would otherwise look for one on the hub under the model's "
+                         "name); pass one whose ids lie below the model's vocabulary.")
+    hf_logging.disable_progress_bar()
+    return _bridge(name, hf, tokenizer, device or str(next(hf.parameters()).device), name)
+
+
 def _bridge(src: str, hf, tok, device, name: str):
     """Wrap a loaded HF model in a TransformerBridge and read its family once (``model.family``)."""
     from transformer_lens import TransformerBridge

@@ -88,3 +88,24 @@ def test_reference_models_carry_their_family():
     assert isinstance(model.family, FamilySpec) and model.family.family == "reference"
     assert model.family.attention_layers == tuple(range(model.cfg.n_layers))
     assert rotary_base(model) == model.family.rotary_base
+
+
+def test_bridge_hf_boots_a_model_built_in_memory_offline(tiny_llama_dir, tiny_llama, monkeypatch, no_network):
+    """A model built from a config (no folder) bridges with a borrowed tokenizer, in its own dtype, and gives the
+    same sink as the same weights loaded from a folder; no tokenizer is a clear error, never a hub lookup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from analysis.models import bridge_hf
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        bridge_hf(hf, tokenizer=None)
+    model = bridge_hf(hf, tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), name="tiny in memory")
+    assert model.model_name == "tiny in memory" and model.family.family == "llama"
+    assert next(model.original_model.parameters()).dtype == torch.bfloat16
+    tokens = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    got, want = sink_metric(model, tokens).alpha, sink_metric(tiny_llama, tokens).alpha
+    assert got.shape == want.shape == (2, 2, 4, 16)
+    assert (got - want).abs().max() < 0.02  # bfloat16 against float32 weights
+    assert no_network == []
