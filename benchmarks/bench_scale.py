@@ -18,8 +18,8 @@ Shapes:
              docstring probe) at each T the corpus holds, else random tokens (the ``tokens`` field says which); T above
              its 8,192-token context is skipped.
   tiny       a random 2-layer Llama (d 64, 4 heads, 2 KV heads) for CPU smoke runs.
-The random shapes borrow SmolLM2's tokenizer (the bridge and the report's text probes need one; its 49,152 ids lie
-inside both vocabularies) and are measured on random token ids (``analysis.probes.random_probe``, seeded, over the
+The random shapes get a byte-level BPE tokenizer of 8,192 ids trained on standard-library docstrings
+(``random_shape_tokenizer``: the bridge and the report's text probes need one; it needs no file carried) and are measured on random token ids (``analysis.probes.random_probe``, seeded, over the
 model's whole vocabulary); they have no massive activation and no sink to speak of, so their Sink_1 and spike values
 only show that the analyses ran.
 
@@ -76,16 +76,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
 from analysis.families import attention_implementation  # noqa: E402
 from analysis.fused_sink import ATTN_NAME, hf_model, unbridged  # noqa: E402
-from analysis.io import parse_dtype  # noqa: E402
+from analysis.io import cache_dir, parse_dtype, replace_dir  # noqa: E402
 from analysis.massive import massive_accumulator, massive_activations  # noqa: E402
 from analysis.memory import measure  # noqa: E402
-from analysis.models import bridge_hf, load_model, smollm2_dir  # noqa: E402
+from analysis.models import bridge_hf, load_model  # noqa: E402
 from analysis.probes import natural_probe, random_probe  # noqa: E402
 from analysis.report import ReportError, build_report  # noqa: E402
 from analysis.sink import alpha_from_pattern, sink_metric, sink_pass  # noqa: E402
+from analysis.train.data import stdlib_docstrings, train_bpe  # noqa: E402
 from analysis.versions import package_versions  # noqa: E402
 
-SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the borrowed tokenizer's)
+SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the tokenizer's)
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -101,11 +102,22 @@ REPORT_TARGET_S = 300.0  # "the report within minutes on the 8B shape"
 # ----------------------------------------------------------------------------------------------
 
 
+def random_shape_tokenizer():
+    """The random shapes' tokenizer: a byte-level BPE of 8,192 ids trained on 1M characters of standard-library
+    docstrings (a few seconds, once; kept in the package's cache folder). It needs nothing carried: the embedded model's file is not there yet
+    in the first calls of a lent GPU machine (docs/gpu.md)."""
+    target = cache_dir() / "bench-scale-tokenizer"  # a folder: the bridge reloads its tokenizer by name_or_path
+    if not (target / "tokenizer.json").is_file():
+        tok = train_bpe(iter(stdlib_docstrings(max_chars=1_000_000)), 8192)
+        replace_dir(target, tok.save_pretrained)
+    return AutoTokenizer.from_pretrained(target)
+
+
 def build_model(shape: str, dtype: torch.dtype, device: str, *, layers: int | None, max_T: int, seed: int):
     """The bridge of ``shape`` in ``dtype`` on ``device``: SmolLM2 loaded, or a random Llama built on the device."""
     if shape == "smollm2":
         return load_model("smollm2-135m", device=device, dtype=dtype)
-    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    tok = random_shape_tokenizer()
     spec = dict(SHAPES[shape])
     theta = spec.pop("rope_theta")
     spec["vocab_size"] = spec["vocab_size"] or len(tok)

@@ -11,7 +11,9 @@
 #   tests       the whole test suite with --device cuda (pytest-xdist, 8 workers) -> tests.log, tests.xml
 #   throughput  bench_attention_ops at the paper-60m shape, bf16 + torch.compile, softmax / sigmoid / elu1
 #               through every fused path (sdpa, flex) and eager -> throughput.json, throughput.log
-#   scale-8b    bench_scale on Llama-3-8B's shape, bf16, T = 1k, 8k, 32k -> scale-8b.jsonl
+#   scale-8b    bench_scale on Llama-3-8B's shape, bf16, T = 1k, 8k, 32k: the sink metric (fused, streamed, eager)
+#               and the massive table against the SDPA forward -> scale-8b.jsonl
+#   report-8b   the report on the same shape (REPORT_DTYPE, default bfloat16) against the forward -> report-8b.jsonl
 #   scale-smol  bench_scale on SmolLM2 in bf16 and fp32 at T = 1k, 8k -> scale-smol.jsonl
 #   pair        step 4: the softmax / sigmoid pair on the carried corpus (.gpu/corpus), both trained at once on the
 #               one GPU for $PAIR_STEPS steps (default 3000; $PAIR_ARGS adds training options), then each one's
@@ -118,7 +120,11 @@ do_step() {
         throughput) run_step throughput "$PY" benchmarks/bench_attention_ops.py --device cuda --preset paper-60m \
                         --compile --ops softmax,sigmoid,elu1 --impl sdpa,flex,eager --json "$RESULTS/throughput.json" ;;
         scale-8b) run_step scale-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype bfloat16 \
-                      --seq 1024,8192,32768 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-8b.jsonl" ;;
+                      --seq 1024,8192,32768 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-8b.jsonl" \
+                      --methods forward,forward-base,sink-fused,massive-fused,massive,sink-streamed,sink-eager ;;
+        report-8b) run_step report-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype "${REPORT_DTYPE:-bfloat16}" \
+                       --seq 1024 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/report-8b.jsonl" \
+                       --methods forward,sink-fused,report ;;
         scale-smol) run_step scale-smol "$PY" benchmarks/bench_scale.py --shape smollm2 --dtype bfloat16,float32 \
                         --seq 1024,8192 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-smol.jsonl" ;;
         pair) run_step pair pair ;;
@@ -126,10 +132,10 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
 steps=("$@")
-[ "$*" = all ] && steps=(env tests throughput scale-8b scale-smol pair)
-for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|scale-smol|pair) ;;
+[ "$*" = all ] && steps=(env tests throughput scale-8b report-8b scale-smol pair)
+for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|report-8b|scale-smol|pair) ;;
     *) echo "unknown step $step; see: bash $0"; exit 2 ;; esac; done
 stage || exit 1
 for step in "${steps[@]}"; do do_step "$step"; done
