@@ -286,7 +286,10 @@ class SinkAccumulator(Accumulator):
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         pattern = acts["pattern"]
         self.alpha.put(layer, alpha_from_pattern(pattern, self.k_max))  # (B, H, K)
-        self.slot.put(layer, (1.0 - pattern.float().sum(-1)).mean(-1))  # (B, H): attention on no input token
+        rest = 1.0 - pattern.float().sum(-1)  # (B, H, T): attention on no input token, summed in float32
+        # a bf16 / fp16 row sums to 1 within its rounding (eps / 2 of the row) with no slot at all: that is no slot
+        rest = rest.masked_fill(rest.abs() <= torch.finfo(pattern.dtype).eps, 0.0)
+        self.slot.put(layer, rest.mean(-1))  # (B, H)
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
