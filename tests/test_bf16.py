@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from analysis import load_model, probe_sets, profile, sink_metric
+from analysis import dormant_heads, load_model, probe_sets, profile, sink_metric
 from analysis.families import get_mlp
 from analysis.hooks import act_name
 from analysis.io import jsonable
@@ -101,11 +101,13 @@ def test_results_are_float32_and_json(pairs):
     assert prof.sink["natural"].alpha.dtype == torch.float32
 
 
-def test_no_extra_slot_from_rounding(pairs):
+def test_no_extra_slot_from_rounding(pairs, smollm2_bf16):
     """A bf16 pattern row sums to 1 only to its rounding: that is no learned sink / bias slot."""
     for kind in ("natural", "random"):
         res = pairs[0][1].sink[kind]
         assert not res.has_slot and "sink_slot_pct" not in res.to_dict()
+    dormant = dormant_heads(smollm2_bf16, probe_sets(smollm2_bf16.tokenizer, n=4, T=T, seed=0)["natural"].tokens)
+    assert not dormant.has_slot and dormant.signal == "sink" and len(dormant.sinking_heads()) > 0
 
 
 def test_alpha_is_reduced_in_float32(smollm2_bf16):
