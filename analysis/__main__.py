@@ -7,7 +7,7 @@ from pathlib import Path
 
 from analysis.defaults import SINK_EPS, SINK_K_MAX
 from analysis.hooks import model_dims
-from analysis.io import write_json
+from analysis.io import parse_dtype, write_json
 from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
 from analysis.one_pass import profile
 from analysis.every_sink import format_sinks, sink_positions
@@ -17,9 +17,29 @@ from analysis.sink import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
 from analysis.versions import package_versions
 
+CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
+
+
+def cli_dtype(name: str):
+    """The torch dtype of a ``--dtype`` value.
+
+    Parameters
+    ----------
+    name : str
+        One of ``CLI_DTYPES``.
+
+    Returns
+    -------
+    torch.dtype
+    """
+    if name not in CLI_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
+                         "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way.")
+    return parse_dtype(name)
+
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True) -> dict:
+                progress: bool = True, dtype: str = "float32") -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -35,6 +55,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     seed : int
     device : str or None
     progress : bool
+    dtype : {"float32", "bfloat16", "float16"}
+        The model's dtype (metrics are reduced in float32).
 
     Returns
     -------
@@ -47,7 +69,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(model_name, device=device)
+    model = load_model(model_name, device=device, dtype=cli_dtype(dtype))
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
@@ -57,7 +79,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
              for kind, probe in probes.items()}
     return {
         "model": model_name,
-        "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed,
+        "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
         "inputs": kinds,
         "versions": package_versions(),
@@ -78,7 +100,8 @@ def format_sink_table(payload: dict) -> str:
     """
     lines = [
         f"Sink_1 (eps={payload['eps']}) of {payload['model']}: N={payload['n']} sequences of T={payload['T']} tokens, "
-        f"{'BOS first' if payload['bos'] else 'no BOS'}",
+        f"{'BOS first' if payload['bos'] else 'no BOS'}"
+        + (f", {payload['dtype']}" if payload.get("dtype", "float32") != "float32" else ""),
         f"{'input':<10} {'Sink_1 (%)':>10}",
     ]
     slot = {k: v.get("sink_slot_pct") for k, v in payload.get("inputs", {}).items()}
@@ -106,7 +129,7 @@ def cmd_sink(args) -> int:
     int
         The exit status.
     """
-    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet)
+    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet, dtype=args.dtype)
     print(format_sink_table(payload))
     if args.json:
         write_json(Path(args.json), payload)
@@ -163,7 +186,7 @@ def cmd_report(args) -> int:
     int
         The exit status (1 where a section failed).
     """
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
     except ReportError as e:
@@ -209,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first (paper: no BOS)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None)
+    s.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_sink)
 
@@ -231,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--T", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default=None)
+    r.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_report)
 

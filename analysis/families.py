@@ -1128,6 +1128,19 @@ def expert_writes(model, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return idx.cpu(), slots.float().cpu(), (total.float() - slots.float().sum(1)).cpu()
 
 
+def _rounding(dtype: torch.dtype) -> float:
+    """A few rounding units of a model computing in bf16 / fp16 (0 in float32 / float64): how far the checks that
+    rebuild its activations from its weights in float32 must let them differ (a bf16 value carries 8 bits)."""
+    return 4 * torch.finfo(dtype).eps if dtype.is_floating_point and torch.finfo(dtype).bits < 32 else 0.0
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, *, atol: float, rtol: float) -> bool:
+    """``torch.allclose(a, b, atol, rtol)`` (float32 tolerances), widened for a model computing in ``dtype`` to its
+    rounding: ``_rounding(dtype)`` of each value and of b's largest |value| (a sum of rounded terms)."""
+    u = _rounding(dtype)
+    return torch.allclose(a, b, atol=max(atol, u * float(b.abs().max())), rtol=max(rtol, u))
+
+
 def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W (d_out, d_in), b (d_out,) or None) of a linear module, whichever way it stores its weight (nn.Linear:
     (out, in); GPT-2's Conv1D: (in, out)): the orientation is the one whose product rebuilds ``module(probe)``."""
@@ -1140,7 +1153,7 @@ def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         zero = module(torch.zeros_like(p[:1])).float()[0]
     wf = w.detach().float()
     for W in ([wf] if wf.shape[1] == d_in else []) + ([wf.T] if wf.shape[0] == d_in else []):
-        if torch.allclose(p.float() @ W.T + zero, y, atol=1e-4, rtol=1e-3):
+        if _close(p.float() @ W.T + zero, y, w.dtype, atol=1e-4, rtol=1e-3):  # a bf16 module rounds its output
             b = zero.cpu() if zero.abs().max() > 0 else None
             return W.contiguous().cpu(), b
     raise ValueError(f"{type(module).__name__} (weight {tuple(w.shape)}) is not a linear map of its input.")
@@ -1208,7 +1221,7 @@ def _activation_name(model, layer: int, pre: torch.Tensor | None, up: torch.Tens
         g = pre if gated else up
         errs = {n: float((f(g) * (up if gated else 1.0) - post).abs().max()) for n, f in ACTIVATIONS.items()}
         best = min(errs, key=errs.get)
-        if errs[best] < 1e-5 * max(1.0, float(post.abs().max())):
+        if errs[best] < max(1e-5, _rounding(next(model.parameters()).dtype)) * max(1.0, float(post.abs().max())):
             return best
     return "unknown"
 
@@ -1322,7 +1335,7 @@ def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor
         with torch.no_grad():
             x = (mod(_on_model(model, h)) if mod is not None else h).float().cpu()
         pre = x @ W_first.T + (b_first if b_first is not None else 0)
-        if torch.allclose(pre, target, atol=1e-4, rtol=1e-3):
+        if _close(pre, target, next(model.parameters()).dtype, atol=1e-4, rtol=1e-3):
             return resid, norm, mod
     return None, None, None
 
@@ -1331,23 +1344,25 @@ def _mlp_output(model, layer: int, got: dict, W: MlpWeights, a: torch.Tensor) ->
     """How the out projection's output W_out a + b_out becomes hook_mlp_out: (kind, scale, norm module, its name)."""
     proj = a @ W.W_out.T + (W.b_out if W.b_out is not None else 0)
     out = got[f"blocks.{layer}.hook_mlp_out"]
-    if torch.allclose(out, proj, atol=1e-5, rtol=1e-4):
+    dtype = next(model.parameters()).dtype  # bf16 / fp16: the hooks hold the projections rounded to it
+    if _close(out, proj, dtype, atol=1e-5, rtol=1e-4):
         return "add", 1.0, None, None
     mod = block_norm(model, layer, "ln2_post")
     if mod is not None:
         with torch.no_grad():
             y = mod(_on_model(model, proj)).float().cpu()
-        if torch.allclose(y, out, atol=1e-4, rtol=1e-3):
+        if _close(y, out, dtype, atol=1e-4, rtol=1e-3):
             return "post_norm", 1.0, mod, "ln2_post"
     scale = float((out * proj).sum() / (proj * proj).sum().clamp_min(1e-30))
-    if torch.allclose(out, scale * proj, atol=1e-5, rtol=1e-4):
+    if _close(out, scale * proj, dtype, atol=1e-5, rtol=1e-4):
         return "scaled", scale, None, None
     return "unknown", 1.0, None, None
 
 
-def _adds_up(got: dict, l: int) -> bool:
+def _adds_up(got: dict, l: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether block ``l``'s MLP write (with the attention write where the two run in parallel) is what its residual
-    stream gains: hook_resid_post - hook_resid_mid (or - hook_resid_pre), to float32 rounding of the stream."""
+    stream gains: hook_resid_post - hook_resid_mid (or - hook_resid_pre), to the rounding of the stream in the
+    model's ``dtype`` (float32, or a few units of bf16 / fp16)."""
     b = f"blocks.{l}."
     post, mlp = got.get(b + "hook_resid_post"), got.get(b + "hook_mlp_out")
     if post is None or mlp is None:
@@ -1355,7 +1370,7 @@ def _adds_up(got: dict, l: int) -> bool:
     mid = got.get(b + "hook_resid_mid")
     write = mlp if mid is not None else mlp + got.get(b + "hook_attn_out", torch.zeros_like(mlp))
     delta = post - (mid if mid is not None else got[b + "hook_resid_pre"])
-    return float((delta - write).abs().max()) <= 1e-4 + 1e-5 * float(post.abs().max())
+    return float((delta - write).abs().max()) <= 1e-4 + max(1e-5, _rounding(dtype)) * float(post.abs().max())
 
 
 def mlp_spec(model) -> MlpSpec:
@@ -1400,7 +1415,7 @@ def mlp_spec(model) -> MlpSpec:
     dense = [l for l in range(n_layers) if l not in moe and neurons(l, "hook_post") is not None and neurons(l, "hook_pre") is not None]
     kind = "moe" if moe and not dense else ("none" if not dense else
                                             ("gated" if neurons(dense[0], "hook_pre_linear") is not None else "plain"))
-    additive = all(_adds_up(got, l) for l in range(n_layers))
+    additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
     n_exp, top_k, notes = None, None, []
     if moe:
         router, experts = moe_parts(model, moe[0])

@@ -436,14 +436,14 @@ class ValueRemoval:
 
     def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
         st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
-        v1 = st["v1"]
+        v1 = st["v1"].float()  # the edit in float32, rounded once to the model's dtype (bf16: no double rounding)
         if self.mode == "mean":
             v1 = v1 - self._mean(layer, z.shape[0], self.by_layer[layer]).to(v1.device, v1.dtype)
-        contrib = st["a1"].permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+        contrib = st["a1"].float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
         if not self.first_query:
             contrib[:, 0] = 0
         z = z.clone()
-        z[:, :, hidx] -= contrib.to(z.dtype)
+        z[:, :, hidx] = (z[:, :, hidx].float() - contrib).to(z.dtype)
         return z
 
     def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -794,7 +794,8 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
     ma = ctx.massive if ctx._profile is not None else None
     return {
         "model": ctx.name,
-        "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "bos": False, "probes": {k: p.source for k, p in ctx.probes.items()}},
+        "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "bos": False, "probes": {k: p.source for k, p in ctx.probes.items()},
+                   "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch.")},
         "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
                  "d_model": dims.d_model, "d_head": dims.d_head},
         "findings": chain_findings(done),

@@ -75,6 +75,27 @@ def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
     return (cols * seen).sum(dim=-2) / counts
 
 
+def slot_share(pattern: torch.Tensor) -> torch.Tensor:
+    """The attention each query gives to no input token (an extra slot: a learned sink logit, a sink token, K/KV
+    biases): 1 - the row sum of its pattern, summed in float32.
+
+    A bf16 / fp16 pattern row sums to one only to its rounding (at most eps / 2 of the row, ~0.004 in bf16) with no
+    slot at all: a share within ``torch.finfo(pattern.dtype).eps`` of zero is zero.
+
+    Parameters
+    ----------
+    pattern : torch.Tensor, shape (..., T_query, T_key)
+        Attention probabilities (``hook_pattern``).
+
+    Returns
+    -------
+    torch.Tensor, shape (..., T_query)
+        float32.
+    """
+    rest = 1.0 - pattern.float().sum(-1)
+    return rest.masked_fill(rest.abs() <= torch.finfo(pattern.dtype).eps, 0.0)
+
+
 @dataclass
 class SinkResult(Result, LayerAxis):
     """alpha for every sample, layer, head and key 1..k_max, with the metric and tables on top.
@@ -286,7 +307,7 @@ class SinkAccumulator(Accumulator):
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         pattern = acts["pattern"]
         self.alpha.put(layer, alpha_from_pattern(pattern, self.k_max))  # (B, H, K)
-        self.slot.put(layer, (1.0 - pattern.float().sum(-1)).mean(-1))  # (B, H): attention on no input token
+        self.slot.put(layer, slot_share(pattern).mean(-1))  # (B, H): attention on no input token
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()

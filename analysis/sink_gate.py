@@ -60,7 +60,7 @@ from analysis.hooks import (
 from analysis.io import jsonable
 from analysis.passes import Accumulator, Batch, ResidCapture, Resume, batches, can_resume, resume_from, run_pass
 from analysis.results import LayerAxis, Result, layers_text
-from analysis.sink import check_eps
+from analysis.sink import check_eps, slot_share
 
 GATING_RHO = -0.3  # a layer gates when the median Spearman rho of sink attention with output norm is at most this
 SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra slot",
@@ -747,7 +747,7 @@ class _BatchHooks:
                 else:
                     sink = p[..., list(self.sink_sel)].sum(-1)
                 self.got["sink"][l] = sink.cpu()
-                self.got["slot"][l] = (1.0 - p.sum(-1)).cpu()
+                self.got["slot"][l] = slot_share(x.detach()).cpu()  # zero within a bf16 row's rounding
         return f
 
     def on_raw(self, l):

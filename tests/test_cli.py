@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from analysis.__main__ import format_sink_table, main
 
@@ -34,11 +35,28 @@ def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys):
         (["sink", "--model", "/nonexistent"], "no such file or folder: /nonexistent"),
         (["report", "--model", "/nonexistent", "--out", "unused"], "no such file or folder: /nonexistent"),
         (["stream", "--model", "/nonexistent"], "no such file or folder: /nonexistent"),
+        (["sink", "--dtype", "int8"], "--dtype must be one of float32, bfloat16, float16; got 'int8'"),
+        (["report", "--dtype", "bf", "--out", "unused"], "--dtype must be one of float32, bfloat16, float16; got 'bf'"),
     ],
 )
 def test_bad_input_exits_2_with_advice(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sink_in_bfloat16(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bf16.json"
+    argv = ["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--quiet"]
+    assert main(argv + ["--dtype", "bfloat16", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["dtype"] == "bfloat16" and ", bfloat16" in capsys.readouterr().out.splitlines()[0]
+    assert main(argv + ["--json", str(tmp_path / "fp32.json")]) == 0
+    ref = json.loads((tmp_path / "fp32.json").read_text())
+    assert ref["dtype"] == "float32" and ", float32" not in capsys.readouterr().out
+    for kind, v in data["inputs"].items():  # the same tokens; alpha within bf16 rounding of the float32 model's
+        assert v["tokens"] == ref["inputs"][kind]["tokens"]
+        a, b = torch.tensor(v["per_head_alpha"]), torch.tensor(ref["inputs"][kind]["per_head_alpha"])
+        assert (a - b).abs().max() < 0.05 and not torch.equal(a, b)
 
 
 def test_context_too_long(tiny_llama_dir, capsys):
