@@ -42,6 +42,7 @@ def parse():
     p.add_argument("--n-heads", type=int)
     p.add_argument("--n-ctx", type=int)
     p.add_argument("--batch", type=int)
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's; else 32768 on a GPU, 4096 on CPU)")
     p.add_argument("--iters", type=int)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per operation; the fastest is reported "
@@ -68,12 +69,15 @@ def parse():
                 setattr(args, k, pre[field])
         args.model_fields = {k: pre[k] for k in ("d_mlp", "act_fn", "normalization_type", "positional_embedding_type")
                              if k in pre}
-        args.vocab = 65 if pre.get("dataset") == "synthetic" else pre.get("tokenizer_vocab_size")
+        if args.vocab is None:
+            args.vocab = 65 if pre.get("dataset") == "synthetic" else pre.get("tokenizer_vocab_size")
     defaults = dict(d_model=768, n_layers=12, n_heads=12, n_ctx=2048, batch=8, iters=10) if gpu else \
         dict(d_model=256, n_layers=4, n_heads=4, n_ctx=256, batch=4, iters=3)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.vocab is None:
+        args.vocab = 32768 if gpu else 4096
     return args
 
 
@@ -81,8 +85,7 @@ def make_step(op: str, impl: str, args):
     """(model, step function, cfg) for one operation."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    vocab = getattr(args, "vocab", None) or (32768 if device.type == "cuda" else 4096)
-    cfg = ModelConfig(d_vocab=vocab, n_ctx=args.n_ctx, d_model=args.d_model, n_layers=args.n_layers,
+    cfg = ModelConfig(d_vocab=args.vocab, n_ctx=args.n_ctx, d_model=args.d_model, n_layers=args.n_layers,
                       n_heads=args.n_heads, attention=op, attn_impl=impl, **args.model_fields)
     model = SinkLM(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
@@ -152,7 +155,7 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     peak = args.peak_tflops or next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
     print(f"device: {name}; torch {torch.__version__}; {'preset ' + args.preset + ', ' if args.preset else ''}d_model {args.d_model}, {args.n_layers} layers, "
-          f"{args.n_heads} heads, context {args.n_ctx}, batch {args.batch}, impl {args.impl}"
+          f"{args.n_heads} heads, vocab {args.vocab}, context {args.n_ctx}, batch {args.batch}, impl {args.impl}"
           f"{', compiled' if args.compile else ''}; forward + backward + AdamW, fastest of {args.repeats} "
           f"interleaved rounds of {args.iters} steps")
     rows = bench(ops, args)

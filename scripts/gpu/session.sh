@@ -132,7 +132,7 @@ do_step() {
         env) env_record ;;
         tests) pytest_cuda tests ;;
         throughput) run_step throughput "$PY" benchmarks/bench_attention_ops.py --device cuda --preset paper-60m \
-                        --compile --ops softmax,sigmoid,elu1 --impl sdpa,flex,eager --json "$RESULTS/throughput.json" ;;
+                        --vocab 50304 --compile --ops softmax,sigmoid,elu1 --impl sdpa,flex,eager --json "$RESULTS/throughput.json" ;;
         scale-8b) run_step scale-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype bfloat16 \
                       --seq 1024,8192,32768 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-8b.jsonl" \
                       --methods forward,forward-base,sink-fused,massive-fused,massive,sink-streamed,sink-eager ;;
