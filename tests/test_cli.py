@@ -9,9 +9,10 @@ import torch
 from analysis.__main__ import format_sink_table, main
 
 
-def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys):
+def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys, device):
     out = tmp_path / "sub" / "out.json"
-    assert main(["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--json", str(out), "--quiet"]) == 0
+    assert main(["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--json", str(out), "--quiet",
+                 "--device", device]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert set(data["inputs"]) == {"natural", "random", "repeated"}
@@ -44,9 +45,10 @@ def test_bad_input_exits_2_with_advice(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_sink_in_bfloat16(tiny_llama_dir, tmp_path, capsys):
+def test_sink_in_bfloat16(tiny_llama_dir, tmp_path, capsys, device):
     out = tmp_path / "bf16.json"
-    argv = ["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--quiet"]
+    argv = ["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--quiet",
+            "--device", device]
     assert main(argv + ["--dtype", "bfloat16", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["dtype"] == "bfloat16" and ", bfloat16" in capsys.readouterr().out.splitlines()[0]
@@ -59,8 +61,8 @@ def test_sink_in_bfloat16(tiny_llama_dir, tmp_path, capsys):
         assert (a - b).abs().max() < 0.05 and not torch.equal(a, b)
 
 
-def test_context_too_long(tiny_llama_dir, capsys):
-    assert main(["sink", "--model", str(tiny_llama_dir), "--T", "500", "--n", "1"]) == 2
+def test_context_too_long(tiny_llama_dir, capsys, device):
+    assert main(["sink", "--model", str(tiny_llama_dir), "--T", "500", "--n", "1", "--device", device]) == 2
     assert "exceeds the context" in capsys.readouterr().err
 
 
@@ -71,10 +73,10 @@ def test_existing_json_survives_a_failed_run(tmp_path, capsys):
     assert json.loads(out.read_text()) == {"keep": True}
 
 
-def test_module_entry_point_runs_the_embedded_model(tmp_path):
+def test_module_entry_point_runs_the_embedded_model(tmp_path, device):
     out = tmp_path / "s.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "analysis", "sink", "--n", "4", "--json", str(out), "--quiet"],
+        [sys.executable, "-m", "analysis", "sink", "--n", "4", "--json", str(out), "--quiet", "--device", device],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr

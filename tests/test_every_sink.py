@@ -108,14 +108,14 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_blocked_alpha_of_every_key_equals_the_softmax_map(window):
+def test_blocked_alpha_of_every_key_equals_the_softmax_map(window, device):
     """alpha_from_lse and attention_with_alpha for every key, in blocks of a few query rows (uneven last block),
     with grouped-query heads and a sliding window, against the softmax map built whole."""
     g = torch.Generator().manual_seed(0)
     B, H, H_kv, T, d = 2, 6, 2, 37, 8
-    q = torch.randn(B, H, T, d, generator=g)
-    k, v = (torch.randn(B, H_kv, T, d, generator=g) for _ in range(2))
-    i = torch.arange(T)
+    q = torch.randn(B, H, T, d, generator=g).to(device)
+    k, v = (torch.randn(B, H_kv, T, d, generator=g).to(device) for _ in range(2))
+    i = torch.arange(T, device=device)
     seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < (window or T))
     mask = None if window is None else seen[None, None].expand(B, 1, T, T)
     _, lse = fused_attention(q, k, v, mask, 0.4)
@@ -123,10 +123,10 @@ def test_blocked_alpha_of_every_key_equals_the_softmax_map(window):
     want = A.double().sum(-2) / (T - i)
     for chunk in (1, 2**9, 2**30):  # 16 rows a block, 28 rows a block, all rows at once
         got = alpha_from_lse(q, k, lse, 0.4, T, mask=mask, chunk_elements=chunk)
-        assert got.shape == (B, H, T) and (got - want).abs().max() < 1e-6
+        assert got.shape == (B, H, T) and (got - want).abs().max() < tol(device, 1e-6)
         out, alpha = attention_with_alpha(q, k, v, mask, 0.4, chunk_elements=chunk)  # the attention computed once
-        assert (alpha - want).abs().max() < 1e-6
-        assert torch.allclose(out, A @ v.repeat_interleave(3, 1), atol=1e-5)
+        assert (alpha - want).abs().max() < tol(device, 1e-6)
+        assert torch.allclose(out, A @ v.repeat_interleave(3, 1), atol=tol(device, 1e-5))
 
 
 def test_first_run_of_aligned_layers():
@@ -158,13 +158,13 @@ def _words(n: int) -> str:
     return " ".join(f"w{3 + i % 90}" for i in range(n))
 
 
-def test_sinks_command_on_a_text_file(tiny_llama_dir, tmp_path, capsys, no_network):
+def test_sinks_command_on_a_text_file(tiny_llama_dir, tmp_path, capsys, no_network, device):
     from analysis.__main__ import main
 
     text, out = tmp_path / "t.txt", tmp_path / "out" / "sinks.json"
     text.write_text(_words(40))
     assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--eps", "0.05",
-                 "--bos", "--quiet"]) == 0
+                 "--bos", "--quiet", "--device", device]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["n_tokens"] == 41 and data["bos"] and data["eps"] == 0.05
@@ -185,23 +185,24 @@ def test_sinks_command_on_a_text_file(tiny_llama_dir, tmp_path, capsys, no_netwo
     (_words(20), ["--eps", "1.5"], "eps must lie in (0, 1)"),
     ("w5", [], "give at least 2"),
 ])
-def test_sinks_command_bad_input(content, argv, message, tiny_llama_dir, tmp_path, capsys):
+def test_sinks_command_bad_input(content, argv, message, tiny_llama_dir, tmp_path, capsys, device):
     from analysis.__main__ import main
 
     text = tmp_path / "t.txt"
     if content is not None:
         text.write_text(content)
     out = tmp_path / "o.json"
-    assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet", *argv]) == 2
+    assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet", "--device", device,
+                 *argv]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
 
 
-def test_sinks_command_max_tokens_keeps_the_start(tiny_llama_dir, tmp_path, capsys):
+def test_sinks_command_max_tokens_keeps_the_start(tiny_llama_dir, tmp_path, capsys, device):
     from analysis.__main__ import main
 
     text, out = tmp_path / "t.txt", tmp_path / "o.json"
     text.write_text(_words(200))
     assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet",
-                 "--max-tokens", "128", "--eps", "0.05"]) == 0
+                 "--max-tokens", "128", "--eps", "0.05", "--device", device]) == 0
     assert json.loads(out.read_text())["n_tokens"] == 128

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from analysis.report import build_report
+from tests.conftest import tol
 from tests.families import FAMILIES
 
 N, T = 3, 16
@@ -88,7 +89,7 @@ def _hf_eager(folder):
 
 
 @pytest.mark.parametrize("family", sorted(GATED))
-def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs):
+def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs, device):
     """The gate means equal sigmoid of the gate Hugging Face computes (the second half of each head's q_proj
     output), averaged over head dims, at position 1 and over positions 2..T, per attention layer and head."""
     from analysis.gates import attention_gates
@@ -97,7 +98,7 @@ def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs):
     tokens = _tokens(5)
     res = attention_gates(model, tokens)
     assert res.layers == [1, 3] and "Layers [0, 2] skipped" in res.text()
-    hf, spec, got = _hf_eager(folder), model.family, {}
+    hf, spec, got = _hf_eager(folder), model.family, {}  # the reference: Hugging Face on the CPU
     hooks = [hf.model.layers[l].self_attn.q_proj.register_forward_hook(
         lambda m, i, o, l=l: got.__setitem__(l, o.detach())) for l in res.layers]
     with torch.no_grad():
@@ -107,12 +108,12 @@ def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs):
     for i, l in enumerate(res.layers):
         gate = got[l].view(*tokens.shape, spec.n_heads, 2 * spec.d_head)[..., spec.d_head:]  # (N, T, H, d)
         g = torch.sigmoid(gate).mean(-1)  # (N, T, H)
-        torch.testing.assert_close(res.first[i], g[:, 0].mean(0), atol=1e-5, rtol=0)
-        torch.testing.assert_close(res.other[i], g[:, 1:].mean((0, 1)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(res.first[i], g[:, 0].mean(0), atol=tol(device, 1e-5), rtol=0)
+        torch.testing.assert_close(res.other[i], g[:, 1:].mean((0, 1)), atol=tol(device, 1e-5), rtol=0)
     assert not torch.equal(res.first, res.other)
 
 
-def test_learned_sink_mass_per_head_equals_hf(family_dirs):
+def test_learned_sink_mass_per_head_equals_hf(family_dirs, device):
     """gpt-oss: SinkResult's per-head slot share (the table beside alpha_1) is 1 - the row sum of HF eager
     attention, averaged over queries and samples; Sink on the slot counts heads above eps."""
     from analysis import sink_metric
@@ -123,14 +124,14 @@ def test_learned_sink_mass_per_head_equals_hf(family_dirs):
     with torch.no_grad():
         att = [a for a in _hf_eager(folder)(tokens, output_attentions=True).attentions if a is not None]
     theirs = torch.stack([(1 - a.sum(-1)).mean(-1) for a in att], 1)  # (N, L, H)
-    torch.testing.assert_close(res.per_head_slot(), theirs.mean(0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.per_head_slot(), theirs.mean(0), atol=tol(device, 1e-5), rtol=0)
     table = res.slot_per_head()
     assert table.layer.tolist() == [l for l in res.layers for _ in range(model.family.n_heads)]
     assert table.slot_sink_pct.tolist() == pytest.approx(((theirs > res.eps).float().mean(0) * 100).flatten().tolist())
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "jamba"])
-def test_fused_sink_path_on_a_hybrid(family, family_dirs):
+def test_fused_sink_path_on_a_hybrid(family, family_dirs, device):
     """The fused sink path measures a hybrid's attention layers (the linear-attention / Mamba layers never reach
     the attention function) and gives the eager path's alpha under the same true indices."""
     from analysis import sink_metric
@@ -140,7 +141,7 @@ def test_fused_sink_path_on_a_hybrid(family, family_dirs):
     fused, eager = sink_metric(model, tokens, k_max=2, path="fused"), sink_metric(model, tokens, k_max=2, path="eager")
     assert fused.meta["path"] == "fused" and fused.layers == eager.layers == [1, 3]
     assert fused.skipped == eager.skipped != ""
-    torch.testing.assert_close(fused.alpha, eager.alpha, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused.alpha, eager.alpha, atol=tol(device, 1e-5), rtol=0)
 
 
 def test_explicit_non_attention_layers_fail_clearly(family_dirs):
@@ -161,16 +162,16 @@ def test_explicit_non_attention_layers_fail_clearly(family_dirs):
         attention_layers_of(model, layers=[7])
 
 
-def test_cli_on_a_hybrid(family_dirs, tmp_path, capsys):
+def test_cli_on_a_hybrid(family_dirs, tmp_path, capsys, device):
     """``python -m analysis report`` exits 0 on Jamba; the ``sink`` table says which layers it measured."""
     from analysis.__main__ import main
 
     folder, _ = family_dirs("jamba")
     out = tmp_path / "rep"
     proc = subprocess.run([sys.executable, "-m", "analysis", "report", "--model", str(folder), "--out", str(out),
-                           "--n", str(N), "--T", str(T), "--quiet"], cwd=ROOT, capture_output=True, text=True)
+                           "--n", str(N), "--T", str(T), "--quiet", "--device", device], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "report.html").is_file() and json.loads((out / "report.json").read_text())["errors"] == {}
-    assert main(["sink", "--model", str(folder), "--n", "2", "--T", str(T), "--quiet"]) == 0
+    assert main(["sink", "--model", str(folder), "--n", "2", "--T", str(T), "--quiet", "--device", device]) == 0
     table = capsys.readouterr().out
     assert "measured on attention layers [1, 3]; Layers [0, 2] skipped (Mamba state-space layer" in table

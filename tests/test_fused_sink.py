@@ -13,6 +13,7 @@ from analysis.fused_sink import (
     unsupported_reason,
 )
 from analysis.sink import alpha_from_pattern, sink_metric, sink_metric_fused
+from tests.conftest import tol
 
 TOL = 1e-5
 
@@ -38,27 +39,28 @@ def _window(T, w, B=2):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window):
-    q, k, v = _qkv()
+def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window, device):
+    q, k, v = (x.to(device) for x in _qkv())  # on CUDA: the efficient-attention kernel's lse
     T, scale = q.shape[-2], 0.3
-    mask = None if window is None else _window(T, window)
+    mask = None if window is None else _window(T, window).to(device)
     out, lse = fused_attention(q, k, v, mask, scale)
-    allowed = _window(T, T if window is None else window)
+    allowed = _window(T, T if window is None else window).to(device)
     scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     A = scores.softmax(-1)
-    assert torch.allclose(out, A @ v.repeat_interleave(2, 1), atol=1e-5)
-    assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
-    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6), atol=1e-6)
+    assert torch.allclose(out, A @ v.repeat_interleave(2, 1), atol=tol(device, 1e-5))
+    assert torch.allclose(lse, scores.logsumexp(-1), atol=tol(device, 1e-5))
+    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6),
+                          atol=tol(device, 1e-6))
     # The chunked fall-back gives the same lse with chunks that split the rows unevenly.
-    assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=1e-5)
+    assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=tol(device, 1e-5))
 
 
-def test_smollm2_fused_equals_eager(smollm2):
+def test_smollm2_fused_equals_eager(smollm2, device):
     tokens = natural_probe(smollm2.tokenizer, n=3, T=48).tokens
     eager = _eager(smollm2, tokens)
     fused = sink_metric_fused(smollm2, tokens, k_max=16)
     assert fused.alpha.shape == eager.alpha.shape == (3, 30, 9, 16)
-    assert (fused.alpha - eager.alpha).abs().max() < TOL
+    assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL)
     assert fused.sink_rate(1) == eager.sink_rate(1) > 50  # the embedded model sinks on natural text
     # The bridge got its own modules back: its eager path and hooks still work after the fused run.
     assert torch.equal(_eager(smollm2, tokens).alpha, eager.alpha)
@@ -67,20 +69,20 @@ def test_smollm2_fused_equals_eager(smollm2):
 # llama: grouped-query attention; mistral: a sliding window (8) shorter than T; gpt_neox: partial rotary;
 # gemma: its own q scaling and head size; qwen2: q/k/v biases.
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt_neox", "gemma"])
-def test_tiny_family_fused_equals_eager(family, tmp_path):
+def test_tiny_family_fused_equals_eager(family, tmp_path, device):
     from transformers import AutoModelForCausalLM
 
     from analysis import load_model
     from tests.families import make_family_dir
 
     path = make_family_dir(family, tmp_path / family)
-    bridge = load_model(str(path), device="cpu")
+    bridge = load_model(str(path), device=device)
     tokens = torch.randint(3, 96, (3, 40), generator=torch.Generator().manual_seed(1))
     eager = _eager(bridge, tokens)
     assert unsupported_reason(bridge) is None
-    assert (fused_alpha(bridge, tokens, 16) - eager.alpha).abs().max() < TOL
-    plain = AutoModelForCausalLM.from_pretrained(str(path)).eval()  # a bare PreTrainedModel works as well
-    assert (fused_alpha(plain, tokens, 16, batch_size=2) - eager.alpha).abs().max() < TOL
+    assert (fused_alpha(bridge, tokens, 16) - eager.alpha).abs().max() < tol(device, TOL)
+    plain = AutoModelForCausalLM.from_pretrained(str(path)).to(device).eval()  # a bare PreTrainedModel works as well
+    assert (fused_alpha(plain, tokens, 16, batch_size=2) - eager.alpha).abs().max() < tol(device, TOL)
     assert plain.config._attn_implementation != "attention_sinks_fused"  # restored after the run
 
 
@@ -94,13 +96,13 @@ def test_families_the_fused_path_cannot_reproduce_are_refused(family, why, tmp_p
         fused_alpha(model, torch.randint(3, 96, (1, 12)), 4)
 
 
-def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path):
+def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path, device):
     from analysis import load_model
     from tests.families import make_family_dir
 
     # Falcon keeps its own attention module outside transformers' AttentionInterface (GPT-J did before transformers
     # 5.24, which moved it onto the interface; then the fused path is exact there too).
-    bridge = load_model(str(make_family_dir("falcon", tmp_path / "falcon")), device="cpu")
+    bridge = load_model(str(make_family_dir("falcon", tmp_path / "falcon")), device=device)
     assert not hf_model(bridge)._can_set_attn_implementation()  # the premise: outside the interface
     tokens = torch.randint(3, 96, (2, 20))
     before = _eager(bridge, tokens).alpha
@@ -128,11 +130,11 @@ def test_bad_inputs_say_what_to_do(tiny_llama):
         fused_alpha(torch.nn.Linear(2, 2), torch.zeros(1, 4, dtype=torch.long), 1)
 
 
-def test_sink_metric_paths(tiny_llama):
+def test_sink_metric_paths(tiny_llama, device):
     tokens = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(2))
     fused, eager, auto = (sink_metric(tiny_llama, tokens, k_max=8, path=p) for p in ("fused", "eager", "auto"))
     assert (fused.meta["path"], eager.meta["path"], auto.meta["path"]) == ("fused", "eager", "fused")
-    assert (fused.alpha - eager.alpha).abs().max() < TOL and torch.equal(auto.alpha, fused.alpha)
+    assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL) and torch.equal(auto.alpha, fused.alpha)
     with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: x * 0)]):
         hooked = sink_metric(tiny_llama, tokens, k_max=8)  # "auto" must not skip the hook
         assert hooked.meta["path"] == "eager" and "hooks are attached" in hooked.meta["fused_unsupported"]

@@ -74,8 +74,8 @@ def test_no_spike_is_said_plainly(planted_nospike):
     assert d["has_spike"] is False and d["spike_dims"] == {}
 
 
-def test_layernorm_model_finds_planted_spike():
-    m = planted_ln_model("gpt2")
+def test_layernorm_model_finds_planted_spike(device):
+    m = planted_ln_model("gpt2", device=device)
     r = massive_activations(m, planted_tokens(4, 16))
     assert r.spike_dims == {0: SPIKE_DIMS, 1: SPIKE_DIMS}
 

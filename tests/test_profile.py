@@ -137,12 +137,12 @@ def test_accumulators_of_one_layer_share_its_unit_vectors(planted):
         assert torch.equal(ua[0], ref[0]) and torch.equal(ua[1], ref[1])
 
 
-def test_a_hook_that_never_fires_is_an_error_unless_optional():
+def test_a_hook_that_never_fires_is_an_error_unless_optional(device):
     """Reference models without rotary list hook_rot_k but never run it."""
     from analysis.train import ModelConfig, SinkLM
 
     model = SinkLM(ModelConfig(d_vocab=32, n_ctx=16, d_model=32, n_layers=1, n_heads=2, n_key_value_heads=2,
-                               d_head=16, d_mlp=64, positional_embedding_type="none")).eval()
+                               d_head=16, d_mlp=64, positional_embedding_type="none")).to(device).eval()
 
     class Never(_Seen):
         def hooks(self):

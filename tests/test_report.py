@@ -138,8 +138,8 @@ def test_model_whose_first_token_carries_no_spike(planted_nospike, tmp_path):
     assert "no massive activation" in (tmp_path / "report.html").read_text()
 
 
-def test_model_without_norm_gain(tmp_path):
-    model = planted_model()
+def test_model_without_norm_gain(tmp_path, device):
+    model = planted_model(device=device)
     model.cfg.normalization_type = None  # no norm gain to trace (as for a model without normalisation)
     build_report(model, tmp_path, n=4, T=16, sections=["massive", "norm_gain"])
     d = _strict_json(tmp_path / "report.json")

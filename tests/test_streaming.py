@@ -9,20 +9,21 @@ import torch
 
 from analysis.streaming import Policy, StreamingCache, StreamResult, fake_quantize, run_policies, streaming_perplexity
 from analysis.streaming.cache import rope_spec
+from tests.conftest import tol
 from tests.tiny import make_tiny_llama_dir
 
 NEWLINE = 5  # any id of the tiny vocabulary stands in for the newline token
 
 
 @pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
+def one_layer(tmp_path_factory, device):
     """One layer: a kept token's key and value depend only on the token (not on the context it was cached
     in), so a bounded cache must equal re-computing the kept tokens from scratch at positions 0..L-1.
     Large weights make attention sharp and position-sensitive."""
     from transformers import AutoModelForCausalLM
 
     d = make_tiny_llama_dir(tmp_path_factory.mktemp("one-layer"), n_layers=1, init_std=0.3, n_ctx=256)
-    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
 
 
 @pytest.fixture(scope="module")
@@ -35,52 +36,53 @@ def _tokens(n, seed=0):
 
 
 def naive_logits(hf, tokens, policy, newline=NEWLINE):
-    """Every step from scratch: the tokens the policy keeps, at positions 0..L-1, no cache."""
+    """Every step from scratch: the tokens the policy keeps, at positions 0..L-1, no cache (logits on the CPU)."""
     W, s = policy.window, policy.sinks
-    tokens = tokens.clone()
+    device = hf.get_output_embeddings().weight.device
+    tokens = tokens.to(device)
     if policy.sink_tokens == "newline":
         tokens[:s] = newline
     out = []
     with torch.no_grad():
         for t in range(len(tokens) - 1):
             kept = list(range(t + 1)) if t + 1 <= W else list(range(s)) + list(range(t + 1 - (W - s), t + 1))
-            out.append(hf(input_ids=tokens[kept][None], position_ids=torch.arange(len(kept))[None]).logits[0, -1])
-    return torch.stack(out)
+            out.append(hf(input_ids=tokens[kept][None], position_ids=torch.arange(len(kept), device=device)[None]).logits[0, -1])
+    return torch.stack(out).cpu()
 
 
 POLICIES = [Policy("window", 16), Policy("sinks", 16, 1), Policy("sinks", 16, 4), Policy("sinks", 16, 4, "newline")]
 
 
 @pytest.mark.parametrize("prefill", [0, None])
-def test_cache_matches_naive_recomputation(one_layer, prefill):
+def test_cache_matches_naive_recomputation(one_layer, prefill, device):
     tokens = _tokens(70)
     runs = run_policies(one_layer, tokens, POLICIES, newline=NEWLINE, prefill=prefill, keep_logits=True)
     for pol, run in zip(POLICIES, runs):
         ref = naive_logits(one_layer, tokens, pol)
         assert run.logits.shape == ref.shape
-        torch.testing.assert_close(run.logits, ref, atol=1e-4, rtol=0, msg=lambda m: f"{pol.label}: {m}")
+        torch.testing.assert_close(run.logits, ref, atol=tol(device, 1e-4), rtol=0, msg=lambda m: f"{pol.label}: {m}")
         # The NLL is that of the next token under those logits.
         nll = torch.nn.functional.cross_entropy(ref, (tokens.clone() if pol.sink_tokens == "first" else
                                                      torch.cat([torch.full((pol.sinks,), NEWLINE), tokens[pol.sinks:]]))[1:],
                                                 reduction="none")
-        np.testing.assert_allclose(run.nll, nll.numpy(), atol=1e-4)
+        np.testing.assert_allclose(run.nll, nll.numpy(), atol=tol(device, 1e-4))
 
 
-def test_streaming_attention_equals_eager(two_layer_dir, monkeypatch):
+def test_streaming_attention_equals_eager(two_layer_dir, monkeypatch, device):
     """The grouped-query decode function (analysis.streaming.attention) gives Hugging Face eager attention's
     logits and the same sinks' share, which the eager path reads from the returned attention maps."""
     from transformers import AutoModelForCausalLM
 
     import analysis.streaming.perplexity as perplexity
 
-    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).to(device).eval()
     tokens, pols = _tokens(60, seed=2), POLICIES
     ours = run_policies(hf, tokens, pols, newline=NEWLINE, keep_logits=True)
     monkeypatch.setattr(perplexity, "decode_attention", lambda hf: "eager")
     eager = run_policies(hf, tokens, pols, newline=NEWLINE, keep_logits=True)
     for a, b in zip(ours, eager):
-        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
-        assert a.sink_share == pytest.approx(b.sink_share, abs=1e-6) and 0 < a.sink_share < 1
+        torch.testing.assert_close(a.logits, b.logits, atol=tol(device, 1e-4), rtol=0)
+        assert a.sink_share == pytest.approx(b.sink_share, abs=tol(device, 1e-6)) and 0 < a.sink_share < 1
     assert hf.config._attn_implementation != "streaming"  # the model's own choice is restored
 
 
@@ -95,18 +97,18 @@ def test_rerotation_is_what_makes_it_exact(one_layer, monkeypatch):
     assert (run.logits - naive_logits(one_layer, tokens, pol)).abs().max() > 1e-2
 
 
-def test_multilayer_cache_equals_full_forward_until_eviction(two_layer_dir):
+def test_multilayer_cache_equals_full_forward_until_eviction(two_layer_dir, device):
     """Before anything is evicted every policy is the dense model; the dense cache equals one forward pass."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).to(device).eval()
     tokens = _tokens(40, seed=1)
     with torch.no_grad():
-        full = hf(input_ids=tokens[None]).logits[0, :-1]
+        full = hf(input_ids=tokens.to(device)[None]).logits[0, :-1].cpu()
     dense, win = run_policies(hf, tokens, [Policy("dense")], prefill=10, keep_logits=True)[0], \
         run_policies(hf, tokens, [Policy("sinks", 24, 2)], prefill=0, keep_logits=True)[0]
-    torch.testing.assert_close(dense.logits, full, atol=1e-4, rtol=0)
-    torch.testing.assert_close(win.logits[:24], full[:24], atol=1e-4, rtol=0)
+    torch.testing.assert_close(dense.logits, full, atol=tol(device, 1e-4), rtol=0)
+    torch.testing.assert_close(win.logits[:24], full[:24], atol=tol(device, 1e-4), rtol=0)
     assert (win.logits[30:] - full[30:]).abs().max() > 1e-3  # after eviction it is a different model
 
 
@@ -144,7 +146,7 @@ def test_sinks_rescue_the_window_on_smollm2(smollm2):
     assert "0+32" in res.text() and "4+28" in res.text()
 
 
-def test_bad_input_errors(one_layer, tmp_path):
+def test_bad_input_errors(one_layer, tmp_path, device):
     from transformers import LlamaModel
 
     with pytest.raises(ValueError, match="smaller than the window"):
@@ -158,16 +160,16 @@ def test_bad_input_errors(one_layer, tmp_path):
     with pytest.raises(ValueError, match="causal-LM head"):
         streaming_perplexity(LlamaModel(one_layer.config), _tokens(40), window=16, sinks=(0,), bits=(), newline_sinks=None)
     with pytest.raises(ValueError, match="larger than the context of synthetic-softmax .64 tokens.; use --window 64"):
-        streaming_perplexity("synthetic-softmax", window=128)  # reference models stream (test_streaming_reference.py)
+        streaming_perplexity("synthetic-softmax", window=128, device=device)  # reference models stream (test_streaming_reference.py)
 
 
-def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, no_network):
+def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, no_network, device):
     from analysis.__main__ import main
 
     out = tmp_path / "s.json"
     rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
                "--newline-sinks", "0", "--bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
-               "--json", str(out), "--csv", str(tmp_path / "s.csv")])
+               "--json", str(out), "--csv", str(tmp_path / "s.csv"), "--device", device])
     text = capsys.readouterr().out
     assert rc == 0 and "2+14 int4 (sinks fp)" in text and "recompute 16" in text
     payload = json.loads(out.read_text())

@@ -16,17 +16,18 @@ from analysis.streaming.reference import ReferenceLM
 from analysis.train import TrainConfig, train
 from analysis.train.config import ModelConfig
 from analysis.train.model import SinkLM
+from tests.conftest import tol
 from tests.test_streaming import POLICIES, naive_logits
 
 VOCAB = 97
 
 
-def tiny(attention: str, n_layers: int = 1, positions: str = "rotary", seed: int = 0) -> SinkLM:
-    """Random weights, large enough (std 0.3) that attention is sharp and depends on position."""
+def tiny(attention: str, n_layers: int = 1, positions: str = "rotary", seed: int = 0, device: str = "cpu") -> SinkLM:
+    """Random weights, large enough (std 0.3) that attention is sharp and depends on position; on ``device``."""
     torch.manual_seed(seed)
     cfg = ModelConfig(d_vocab=VOCAB, n_ctx=64, d_model=32, n_layers=n_layers, n_heads=4, n_key_value_heads=2,
                       d_head=8, d_mlp=64, attention=attention, init_std=0.3, positional_embedding_type=positions)
-    m = SinkLM(cfg).eval()
+    m = SinkLM(cfg).to(device).eval()
     m.model_name = f"tiny-{attention}"
     return m
 
@@ -36,20 +37,20 @@ def _tokens(n, seed=0):
 
 
 @pytest.mark.parametrize("attention", ["sink-token", "softmax", "kv-bias", "sigmoid"])
-def test_reference_cache_matches_naive_recomputation(attention):
+def test_reference_cache_matches_naive_recomputation(attention, device):
     """One layer: the kept tokens' keys and values do not depend on their context, so the bounded cache (keys
     rotated at stream positions, sinks re-rotated, the sink token one position before the oldest kept token) must
     equal the model's own forward on the kept tokens at positions 0..L-1, at every step."""
-    hf = ReferenceLM(tiny(attention))
+    hf = ReferenceLM(tiny(attention, device=device))
     assert rope_spec(hf) is not None
     tokens = _tokens(60)
     runs = run_policies(hf, tokens, POLICIES, newline=5, keep_logits=True)
     for pol, run in zip(POLICIES, runs):
-        torch.testing.assert_close(run.logits, naive_logits(hf, tokens, pol), atol=1e-4, rtol=0,
+        torch.testing.assert_close(run.logits, naive_logits(hf, tokens, pol), atol=tol(device, 1e-4), rtol=0,
                                    msg=lambda m: f"{attention} {pol.label}: {m}")
 
 
-def test_the_sink_token_position_is_what_makes_it_exact(monkeypatch):
+def test_the_sink_token_position_is_what_makes_it_exact(monkeypatch, device):
     """Kept at position -1 as the window moves (not one before the oldest kept token), the cache differs from the
     naive re-computation: the test above can fail."""
     orig = SinkLM.cache_positions
@@ -61,32 +62,33 @@ def test_the_sink_token_position_is_what_makes_it_exact(monkeypatch):
         return pos
 
     monkeypatch.setattr(SinkLM, "cache_positions", sink_token_at_minus_one)
-    hf = ReferenceLM(tiny("sink-token"))
+    hf = ReferenceLM(tiny("sink-token", device=device))
     tokens, pol = _tokens(60), Policy("sinks", 16, 2)
     run = run_policies(hf, tokens, [pol], keep_logits=True)[0]
     assert (run.logits[20:] - naive_logits(hf, tokens, pol)[20:]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("attention", ["sink-token", "softmax"])
-def test_multilayer_decode_equals_forward(attention):
+def test_multilayer_decode_equals_forward(attention, device):
     """Decoding in pieces through a KV cache gives the forward pass on the whole sequence (3 layers)."""
-    m = tiny(attention, n_layers=3)
+    m = tiny(attention, n_layers=3, device=device)
     tokens = _tokens(50, seed=1)[None].repeat(2, 1)
+    on = tokens.to(device)
     with torch.no_grad():
-        full = m(tokens)
+        full = m(on)
         cache = DynamicCache()
-        parts = [m.decode(tokens[:, :20], torch.arange(20), cache)]
-        parts += [m.decode(tokens[:, t : t + 1], torch.tensor([t]), cache) for t in range(20, 50)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=0)
+        parts = [m.decode(on[:, :20], torch.arange(20, device=device), cache)]
+        parts += [m.decode(on[:, t : t + 1], torch.tensor([t], device=device), cache) for t in range(20, 50)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=tol(device, 1e-4), rtol=0)  # cached against SDPA
     hf = ReferenceLM(m)
     dense = run_policies(hf, tokens[0], [Policy("dense")], prefill=7, keep_logits=True)[0]
-    torch.testing.assert_close(dense.logits, full[0, :-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(dense.logits, full[0, :-1].cpu(), atol=tol(device, 1e-4), rtol=0)
 
 
 def _naive_slot_share(m, tokens, window):
     """Mean weight of the last query on the sink token, over heads and the token-by-token steps (naive; the first
     ``window`` tokens are prefilled, unmeasured)."""
-    got = []
+    got, tokens = [], tokens.to(m.device)
 
     def keep(w, hook):
         got.append(w[0, :, -1].mean())
@@ -97,14 +99,14 @@ def _naive_slot_share(m, tokens, window):
     return float(torch.stack(got).mean())
 
 
-def test_learned_sink_share_is_the_models_own():
+def test_learned_sink_share_is_the_models_own(device):
     """The share reported for the sink token equals the weight the model itself puts on it (its
     ``hook_sink_pattern``), re-computed naively; a model without a learned slot reports none."""
-    m, tokens = tiny("sink-token"), _tokens(60, seed=3)
+    m, tokens = tiny("sink-token", device=device), _tokens(60, seed=3)
     run = run_policies(ReferenceLM(m), tokens, [Policy("window", 16)])[0]
     assert 0 < run.learned_share < 1
-    assert run.learned_share == pytest.approx(_naive_slot_share(m, tokens, 16), abs=1e-5)
-    plain = run_policies(ReferenceLM(tiny("softmax")), tokens, [Policy("window", 16)])[0]
+    assert run.learned_share == pytest.approx(_naive_slot_share(m, tokens, 16), abs=tol(device, 1e-5))
+    plain = run_policies(ReferenceLM(tiny("softmax", device=device)), tokens, [Policy("window", 16)])[0]
     assert plain.learned_share is None and 0 < plain.sink_share < 1
 
 
@@ -119,18 +121,18 @@ def test_models_that_cannot_stream_say_why():
 
 
 @pytest.fixture(scope="module")
-def trained_sink_token(tmp_path_factory):
+def trained_sink_token(tmp_path_factory, device):
     """A sink-token model trained for a few steps on the synthetic task, saved as a reference folder."""
     out = tmp_path_factory.mktemp("ref") / "sink-token"
     mcfg = ModelConfig(d_vocab=65, n_ctx=64, d_model=32, n_layers=1, n_heads=2, d_head=16, d_mlp=64,
                        attention="sink-token")
     tcfg = TrainConfig(dataset="synthetic", steps=3, batch_size=4, eval_every=0, log_every=1, progress=False,
-                       probe_size=4, out=str(out))
+                       probe_size=4, out=str(out), device=device)
     train(mcfg, tcfg)
     return out
 
 
-def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, tmp_path):
+def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, tmp_path, device):
     """``python -m analysis stream`` on a reference folder: the stream is drawn from the model's synthetic task
     (no tokenizer, so no newline sinks), the table has the learned slot's share, the JSON round-trips."""
     from analysis.streaming import StreamResult
@@ -138,7 +140,7 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, "-m", "analysis", "stream", "--model", str(trained_sink_token), "--window", "16",
                         "--sinks", "0,1", "--tokens", "80", "--bits", "", "--recompute-every", "4", "--quiet",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--json", str(out), "--device", device], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "learned_sink_attention" in r.stdout and "learned sink slot" in r.stdout
     assert "newline sinks left out: the model has no tokenizer" in r.stdout
@@ -154,6 +156,7 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
 COMMITTED = ["synthetic-softmax", "synthetic-sink-token", "synthetic-kv-bias"]
 
 
+@pytest.mark.cpu_only  # per-position NLL to 1e-4 against the committed run, which was decoded on the CPU
 @pytest.mark.parametrize("name", COMMITTED)
 def test_committed_reference_run_reproduces_on_its_first_tokens(name):
     """The committed full run (data/streaming/reference-NAME.json) re-run on its first 400 tokens with the same
@@ -166,7 +169,7 @@ def test_committed_reference_run_reproduces_on_its_first_tokens(name):
     sinks = sorted({r.policy.sinks for r in full.runs if r.policy.kind in ("window", "sinks") and r.policy.bits is None
                     and r.policy.sink_tokens == "first"})
     small = streaming_perplexity(name, window=full.window, n_tokens=n, sinks=sinks, bits=(), dense=False,
-                                 recompute_every=None, seed=full.stream["seed"])
+                                 recompute_every=None, seed=full.stream["seed"], device="cpu")
     assert small.tokens == full.tokens[:n]
     for run in small.runs:
         ref = full.run(run.policy.label).nll[: n - 1]
