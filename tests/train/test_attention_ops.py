@@ -178,7 +178,8 @@ def test_linear_kernels_match_naive(kernel, norm, device):
             return x
         if kernel == "elu1":
             return torch.tensor([xi + 1 if xi > 0 else math.exp(xi) for xi in x.tolist()])
-        w1, b1, w2, b2 = (t.detach().cpu() for t in (op.phi[0].weight, op.phi[0].bias, op.phi[2].weight, op.phi[2].bias))
+        w1, b1, w2, b2 = (p.detach().cpu() for p in (op.phi[0].weight, op.phi[0].bias, op.phi[2].weight,
+                                                      op.phi[2].bias))
         hidden = torch.nn.functional.gelu(w1 @ x + b1)
         return w2 @ hidden + b2
 
@@ -310,7 +311,8 @@ def test_alibi_and_relative_bias_match_naive(device):
         table.copy_(torch.randn(table.shape, device=table.device))
     q, k, v, got = capture(model, TOKENS)
     # T5 buckets: distances below num_buckets / 2 = 16 are their own bucket
-    bias = torch.tensor([[[float(table.detach().cpu()[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)]
+    tab = table.detach().cpu()
+    bias = torch.tensor([[[float(tab[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)]
                          for h in range(H)])
     z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: sigmoid(s), lambda xs: (xs, normalise(xs)), bias=bias)
     check(model, z, pattern, raw, got)
@@ -351,7 +353,7 @@ def test_fused_paths_equal_eager(name, impl, pe, window, device):
     with _no_fallback(), torch.set_grad_enabled(grads):
         out_f = fused(tokens)
         out_e = eager(tokens)
-    torch.testing.assert_close(out_f, out_e, atol=tol(device, 2e-5), rtol=1e-4)  # on CUDA the kernels sum in another order
+    torch.testing.assert_close(out_f, out_e, atol=tol(device, 2e-5), rtol=1e-4)  # CUDA: other kernels, other orders
     assert [blk.attn.last_path for blk in fused.blocks] == [impl] * 2  # the fused kernel ran, not the eager fallback
     if not grads:
         return
