@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from analysis.train import ModelConfig, SinkLM, available_attention
+from tests.conftest import tol
 
 B, T, D, H, HKV = 2, 6, 32, 4, 2
 d = D // H
 G = H // HKV
 
 
-def build(attention, **kw):
+def build(attention, device="cpu", **kw):
     torch.manual_seed(0)
     cfg = ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_layers=1, n_heads=H, n_key_value_heads=HKV,
                       attention=attention, attn_impl="eager", **kw)
@@ -25,16 +26,17 @@ def build(attention, **kw):
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(8.0)
-    return model
+    return model.to(device)
 
 
 def capture(model, tokens):
+    """The attention hooks' values over ``tokens`` (run on the model's device), on the CPU."""
     names = ["hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_z", "hook_pattern",
              "hook_raw_pattern", "hook_sink_pattern", "hook_attn_scores"]
     got = {}
-    hooks = [(f"blocks.0.attn.{n}", (lambda n: lambda x, hook: got.__setitem__(n, x.detach().clone()))(n))
+    hooks = [(f"blocks.0.attn.{n}", (lambda n: lambda x, hook: got.__setitem__(n, x.detach().cpu()))(n))
              for n in names if f"blocks.0.attn.{n}" in model.hook_dict]
-    model.run_with_hooks(tokens, fwd_hooks=hooks)
+    model.run_with_hooks(tokens.to(model.device), fwd_hooks=hooks)
     q = got.get("hook_rot_q", got["hook_q"])
     k = got.get("hook_rot_k", got["hook_k"])
     return q, k, got["hook_v"], got
@@ -92,6 +94,7 @@ def elu1(x):
 
 
 def check(model, z, pattern, raw, got, atol=1e-4):
+    atol = tol(model.device.type, atol)  # the loops run on the CPU, the model on its device
     torch.testing.assert_close(got["hook_z"], z, atol=atol, rtol=1e-4)
     torch.testing.assert_close(got["hook_pattern"], pattern, atol=atol, rtol=1e-4)
     torch.testing.assert_close(got["hook_raw_pattern"], raw, atol=atol, rtol=1e-4)
@@ -111,17 +114,17 @@ ELEMENTWISE = {
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENTWISE))
-def test_elementwise_ops_match_naive(name):
-    model = build(name, attn_alpha=0.5)
+def test_elementwise_ops_match_naive(name, device):
+    model = build(name, device, attn_alpha=0.5)
     q, k, v, got = capture(model, TOKENS)
     sim_fn, combine = ELEMENTWISE[name]
     z, pattern, raw = naive(q, k, v, sim_fn, combine)
     check(model, z, pattern, raw, got)
 
 
-def test_softmax_pnorm_matches_naive():
+def test_softmax_pnorm_matches_naive(device):
     p = 3.0
-    model = build("softmax-pnorm", attn_p=p)
+    model = build("softmax-pnorm", device, attn_p=p)
     q, k, v, got = capture(model, TOKENS)
 
     def combine(xs):
@@ -133,8 +136,8 @@ def test_softmax_pnorm_matches_naive():
     check(model, z, pattern, raw, got)
 
 
-def test_softpick_matches_naive():
-    model = build("softpick")
+def test_softpick_matches_naive(device):
+    model = build("softpick", device)
     q, k, v, got = capture(model, TOKENS)
 
     def combine(xs):
@@ -149,8 +152,8 @@ def test_softpick_matches_naive():
 
 
 @pytest.mark.parametrize("bias_kind", ["fixed", "learnable"])
-def test_sigmoid_bias_matches_naive(bias_kind):
-    model = build("sigmoid", sigmoid_bias=bias_kind)
+def test_sigmoid_bias_matches_naive(bias_kind, device):
+    model = build("sigmoid", device, sigmoid_bias=bias_kind)
     if bias_kind == "learnable":
         with torch.no_grad():
             model.blocks[0].attn.op.bias.copy_(torch.tensor([-1.0, -2.0, 0.5, -3.0]).view(H, 1, 1))
@@ -164,9 +167,9 @@ def test_sigmoid_bias_matches_naive(bias_kind):
 
 @pytest.mark.parametrize("kernel", ["identity", "elu1", "mlp"])
 @pytest.mark.parametrize("norm", [False, True])
-def test_linear_kernels_match_naive(kernel, norm):
+def test_linear_kernels_match_naive(kernel, norm, device):
     name = f"linear-{kernel}" + ("-norm" if norm else "")
-    model = build(name)
+    model = build(name, device)
     op = model.blocks[0].attn.op
     q, k, v, got = capture(model, TOKENS)
 
@@ -175,7 +178,8 @@ def test_linear_kernels_match_naive(kernel, norm):
             return x
         if kernel == "elu1":
             return torch.tensor([xi + 1 if xi > 0 else math.exp(xi) for xi in x.tolist()])
-        w1, b1, w2, b2 = op.phi[0].weight, op.phi[0].bias, op.phi[2].weight, op.phi[2].bias
+        w1, b1, w2, b2 = (p.detach().cpu() for p in (op.phi[0].weight, op.phi[0].bias, op.phi[2].weight,
+                                                      op.phi[2].bias))
         hidden = torch.nn.functional.gelu(w1 @ x + b1)
         return w2 @ hidden + b2
 
@@ -203,12 +207,14 @@ def rope_naive(x, pos, base=10000.0):
     return out
 
 
-def test_rope_matches_naive_rotation():
-    model = build("softmax")
+def test_rope_matches_naive_rotation(device):
+    model = build("softmax", device)
     _, _, _, got = capture(model, TOKENS)
     for t in range(T):
-        torch.testing.assert_close(got["hook_rot_q"][:, t], rope_naive(got["hook_q"][:, t], t), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got["hook_rot_k"][:, t], rope_naive(got["hook_k"][:, t], t), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["hook_rot_q"][:, t], rope_naive(got["hook_q"][:, t], t), atol=tol(device, 1e-5),
+                                   rtol=1e-5)
+        torch.testing.assert_close(got["hook_rot_k"][:, t], rope_naive(got["hook_k"][:, t], t), atol=tol(device, 1e-5),
+                                   rtol=1e-5)
 
 
 def slot_naive(q, k, v, k_slot, v_slot, slot_bias=None):
@@ -233,21 +239,21 @@ def slot_naive(q, k, v, k_slot, v_slot, slot_bias=None):
 
 
 @pytest.mark.parametrize("name", ["kv-bias", "k-bias"])
-def test_kv_biases_match_naive(name):
-    model = build(name)
+def test_kv_biases_match_naive(name, device):
+    model = build(name, device)
     op = model.blocks[0].attn.op
     q, k, v, got = capture(model, TOKENS)
-    k_slot = op.k_bias[:, 0].detach()
-    v_slot = None if name == "k-bias" else op.v_bias[:, 0].detach()
+    k_slot = op.k_bias[:, 0].detach().cpu()
+    v_slot = None if name == "k-bias" else op.v_bias[:, 0].detach().cpu()
     z, pattern, sink = slot_naive(q, k, v, k_slot, v_slot)
     check(model, z, pattern, pattern, got)
-    torch.testing.assert_close(got["hook_sink_pattern"], sink, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got["hook_sink_pattern"], sink, atol=tol(device, 1e-4), rtol=1e-4)
     torch.testing.assert_close(got["hook_pattern"].sum(-1) + sink, torch.ones(B, H, T), atol=1e-5, rtol=0)
 
 
-def test_v_bias_matches_naive():
-    model = build("v-bias")
-    vb = model.blocks[0].attn.op.v_bias[:, 0].detach()
+def test_v_bias_matches_naive(device):
+    model = build("v-bias", device)
+    vb = model.blocks[0].attn.op.v_bias[:, 0].detach().cpu()
     q, k, v, got = capture(model, TOKENS)
     z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: s, lambda xs: (softmax_list(xs), softmax_list(xs)))
     for h in range(H):
@@ -255,22 +261,23 @@ def test_v_bias_matches_naive():
     check(model, z, pattern, raw, got)
 
 
-def test_sink_token_matches_naive():
+def test_sink_token_matches_naive(device):
     """The learnable sink token is an extra first token: its key/value come from its own residual stream
     (it attends only to itself), rotated at position -1 relative to the real tokens at 0..T-1."""
-    model = build("sink-token")
-    blk = model.blocks[0]
+    model = build("sink-token", device)
     q, k, v, got = capture(model, TOKENS)
+    model = model.cpu()  # the slot's key and value are computed here from its weights
+    blk = model.blocks[0]
     s = model.sink_token.detach()
     s_norm = s / torch.sqrt((s ** 2).mean() + model.cfg.eps) * blk.ln1.w.detach()
     k_slot = torch.stack([rope_naive(s_norm @ blk.attn.W_K[h // G].detach(), -1) for h in range(H)])
     v_slot = torch.stack([s_norm @ blk.attn.W_V[h // G].detach() for h in range(H)])
     z, pattern, sink = slot_naive(q, k, v, k_slot, v_slot)
-    check(model, z, pattern, pattern, got)
-    torch.testing.assert_close(got["hook_sink_pattern"], sink, atol=1e-4, rtol=1e-4)
+    check(model, z, pattern, pattern, got, atol=tol(device, 1e-4))
+    torch.testing.assert_close(got["hook_sink_pattern"], sink, atol=tol(device, 1e-4), rtol=1e-4)
 
 
-def test_sink_token_equals_prepending_a_token():
+def test_sink_token_equals_prepending_a_token(device):
     """Two layers: the side-stream implementation equals running the sequence with the sink token's
     embedding really prepended (positions shifted by one), read off at the real positions."""
     torch.manual_seed(0)
@@ -279,16 +286,17 @@ def test_sink_token_equals_prepending_a_token():
     plain = SinkLM(ModelConfig(attention="softmax", **cfg))
     state = {k: v for k, v in model.state_dict().items() if k != "sink_token"}
     plain.load_state_dict(state)
+    model, plain = model.to(device), plain.to(device)
     emb = model.sink_token.detach().view(1, 1, D).expand(B, 1, D)
-    tokens_plus = torch.cat([torch.zeros(B, 1, dtype=torch.long), TOKENS], dim=1)
+    tokens_plus = torch.cat([torch.zeros(B, 1, dtype=torch.long), TOKENS], dim=1).to(device)
     logits_plain = plain.run_with_hooks(tokens_plus, fwd_hooks=[("hook_embed", lambda x, hook: torch.cat([emb, x[:, 1:]], 1))])
-    torch.testing.assert_close(model(TOKENS), logits_plain[:, 1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model(TOKENS.to(device)), logits_plain[:, 1:], atol=tol(device, 1e-4), rtol=1e-4)
 
 
-def test_alibi_and_relative_bias_match_naive():
+def test_alibi_and_relative_bias_match_naive(device):
     from analysis.train.positions import alibi_slopes
 
-    model = build("softmax", positional_embedding_type="alibi")
+    model = build("softmax", device, positional_embedding_type="alibi")
     q, k, v, got = capture(model, TOKENS)
     slopes = alibi_slopes(H).tolist()
     assert slopes == pytest.approx([2 ** (-8 * (h + 1) / H) for h in range(H)])
@@ -297,22 +305,23 @@ def test_alibi_and_relative_bias_match_naive():
                             bias=bias)
     check(model, z, pattern, raw, got)
 
-    model = build("sigmoid", positional_embedding_type="relative")
+    model = build("sigmoid", device, positional_embedding_type="relative")
     table = model.blocks[0].attn.relative.weight
     with torch.no_grad():
-        table.copy_(torch.randn(table.shape))
+        table.copy_(torch.randn(table.shape, device=table.device))
     q, k, v, got = capture(model, TOKENS)
     # T5 buckets: distances below num_buckets / 2 = 16 are their own bucket
-    bias = torch.tensor([[[float(table.detach()[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)]
+    tab = table.detach().cpu()
+    bias = torch.tensor([[[float(tab[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)]
                          for h in range(H)])
     z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: sigmoid(s), lambda xs: (xs, normalise(xs)), bias=bias)
     check(model, z, pattern, raw, got)
 
 
 @pytest.mark.parametrize("name", ["softmax", "sigmoid", "linear-identity-norm"])
-def test_sliding_window_matches_naive(name):
+def test_sliding_window_matches_naive(name, device):
     window = 3
-    model = build(name, sliding_window=window)
+    model = build(name, device, sliding_window=window)
     q, k, v, got = capture(model, TOKENS)
     if name == "softmax":
         fns = ELEMENTWISE["softmax"]
@@ -329,30 +338,29 @@ def test_sliding_window_matches_naive(name):
                                        ("sigmoid", "flex"), ("sigmoid-norm", "flex"), ("elu1", "flex"),
                                        ("elu1-norm", "flex")])
 @pytest.mark.parametrize("pe,window", [("rotary", None), ("alibi", 3)])
-def test_fused_paths_equal_eager(name, impl, pe, window):
+def test_fused_paths_equal_eager(name, impl, pe, window, device):
     """SDPA / FlexAttention (forced on CPU) give the eager path's output and gradients (FlexAttention has
-    no backward on CPU: its gradients are checked only where a GPU runs this test)."""
+    no backward on CPU: its gradients are checked only with ``--device cuda``)."""
     torch.manual_seed(0)
     cfg = dict(d_vocab=23, n_ctx=16, d_model=D, n_layers=2, n_heads=H, n_key_value_heads=HKV, attention=name,
                positional_embedding_type=pe, sliding_window=window, sigmoid_bias="learnable")
     eager = SinkLM(ModelConfig(attn_impl="eager", **cfg))
     fused = SinkLM(ModelConfig(attn_impl=impl, **cfg))
     fused.load_state_dict(eager.state_dict())
-    grads = impl == "sdpa" or torch.cuda.is_available()
-    if torch.cuda.is_available():
-        eager, fused = eager.cuda(), fused.cuda()
-    tokens = TOKENS.to(eager.device)
+    grads = impl == "sdpa" or device == "cuda"
+    eager, fused = eager.to(device), fused.to(device)
+    tokens = TOKENS.to(device)
     with _no_fallback(), torch.set_grad_enabled(grads):
         out_f = fused(tokens)
         out_e = eager(tokens)
-    torch.testing.assert_close(out_f, out_e, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out_f, out_e, atol=tol(device, 2e-5), rtol=1e-4)  # CUDA: other kernels, other orders
     assert [blk.attn.last_path for blk in fused.blocks] == [impl] * 2  # the fused kernel ran, not the eager fallback
     if not grads:
         return
     out_f.square().mean().backward()
     out_e.square().mean().backward()
     for (n, pe_), pf in zip(eager.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(pf.grad, pe_.grad, atol=1e-5, rtol=1e-3, msg=n)
+        torch.testing.assert_close(pf.grad, pe_.grad, atol=tol(device, 1e-5), rtol=1e-3, msg=n)
     assert not any(blk.attn._fused_failed for blk in fused.blocks)
 
 
@@ -370,11 +378,11 @@ class _no_fallback:
         return self._w.__exit__(*a)
 
 
-def test_pattern_hook_forces_eager_path():
+def test_pattern_hook_forces_eager_path(device):
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_heads=H, attn_impl="sdpa"))
+    model = SinkLM(ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_heads=H, attn_impl="sdpa")).to(device)
     seen = []
-    model.run_with_hooks(TOKENS, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: seen.append(x.shape))])
+    model.run_with_hooks(TOKENS.to(device), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: seen.append(x.shape))])
     assert seen == [(B, H, T, T)]
 
 

@@ -36,14 +36,16 @@ def test_every_grid_has_its_table_command_and_three_seeds(grid):
 
 
 def retrain(run_dir: Path) -> dict:
-    """Train a committed run again from scratch, from the configuration in its config.json."""
+    """Train a committed run again from scratch, from the configuration in its config.json, on the CPU as it was
+    (its saved device "auto" would train in bf16 on a GPU)."""
     saved = json.loads((run_dir / "config.json").read_text())
     mcfg = ModelConfig.from_dict(saved["model"])
-    tcfg = TrainConfig.from_dict({**saved["train"], "out": None, "progress": False})
+    tcfg = TrainConfig.from_dict({**saved["train"], "out": None, "progress": False, "device": "cpu"})
     return train(mcfg, tcfg).final
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only  # retrained and compared with the committed seeds' CPU (fp32) figures
 @pytest.mark.parametrize("grid,point", [
     # the attention grid's softmax / sigmoid points are retrained by tests/train/test_reference_pair.py
     ("fixed_position", {"fixed_token_position": 2, "seed": 0}),

@@ -30,19 +30,21 @@ OWN_SINK_LINKS = ("key_offsub_z", "cos_q_k1", "cos_q_kj", "value_ratio_sink_head
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A small induction run (2 layers, d 32) of 200 steps keeping its weights at steps 10, 100 and 200."""
+    """A small induction run (2 layers, d 32) of 200 steps keeping its weights at steps 10, 100 and 200, trained on
+    the CPU whatever --device says: the tests' expectations (no sink in the early snapshots) come from CPU training
+    ("auto" would train in bf16 on a GPU); the analyses of its snapshots run on the device."""
     out = tmp_path_factory.mktemp("formation") / "attention-softmax_seed-0"
     m, t = build_configs("induction", dict(steps=200, d_model=32, d_mlp=64, n_heads=2, batch_size=16, warmup_steps=20,
                                            snapshots=",".join(map(str, STEPS)), eval_every=0, checkpoint_every=0,
-                                           log_every=50, out=str(out), progress=False))
+                                           log_every=50, out=str(out), progress=False, device="cpu"))
     with one_thread():  # a second thread only waits on a busy machine (analysis.stats.one_thread)
         train(m, t)
     return out
 
 
 @pytest.fixture(scope="module")
-def result(run_dir):
-    return formation_order([run_dir], n_probe=N, probe_len=T)
+def result(run_dir, device):
+    return formation_order([run_dir], n_probe=N, probe_len=T, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,8 @@ def sink_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sink_result(sink_run):
-    return formation_order([sink_run], n_probe=N, probe_len=T)
+def sink_result(sink_run, device):
+    return formation_order([sink_run], n_probe=N, probe_len=T, device=device)
 
 
 def test_one_row_per_model_and_link_and_the_final_model_replaces_its_snapshot(run_dir, result):
@@ -81,8 +83,8 @@ def test_one_row_per_model_and_link_and_the_final_model_replaces_its_snapshot(ru
     assert len(d["formation"]) == len(f) and d["n_samples"] == N and d["text"] == result.text()
 
 
-def test_the_final_model_gives_the_values_of_mechanism_chain_on_the_same_probe(run_dir, result):
-    model = load_reference(run_dir, device="cpu")
+def test_the_final_model_gives_the_values_of_mechanism_chain_on_the_same_probe(run_dir, result, device):
+    model = load_reference(run_dir, device=device)  # where formation_order measured it
     tokens = build_data(TrainConfig.from_dict({**model.reference_config["train"], "seed": 2024}),
                         model.cfg.n_ctx).probe(N, T)
     fol = result.followed.iloc[0]

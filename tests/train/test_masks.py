@@ -12,36 +12,37 @@ from analysis.train.data import build_data
 
 
 def dependence(model: SinkLM, tokens: torch.Tensor) -> torch.Tensor:
-    """(T, T) bool: logits at i depend on the embedding at j."""
+    """(T, T) bool, on the CPU: logits at i depend on the embedding at j (``tokens`` run on the model's device)."""
     T = tokens.shape[1]
+    tokens = tokens.to(model.device)
     x = model.embed(tokens).detach().requires_grad_(True)
     logits = model.run_with_hooks(tokens, fwd_hooks=[("hook_embed", lambda a, hook: x)])
     dep = torch.zeros(T, T, dtype=torch.bool)
     for i in range(T):
         (g,) = torch.autograd.grad(logits[0, i].sum(), x, retain_graph=True)
-        dep[i] = g[0].abs().sum(-1) > 0
+        dep[i] = (g[0].abs().sum(-1) > 0).cpu()
     return dep
 
 
-def tiny(**kw) -> SinkLM:
+def tiny(device="cpu", **kw) -> SinkLM:
     torch.manual_seed(0)
-    return SinkLM(ModelConfig(d_vocab=16, n_ctx=12, d_model=16, n_heads=2, n_layers=1, **kw)).eval()
+    return SinkLM(ModelConfig(d_vocab=16, n_ctx=12, d_model=16, n_heads=2, n_layers=1, **kw)).eval().to(device)
 
 
 @pytest.mark.parametrize("attention", ["softmax", "sigmoid", "linear-identity"])
-def test_prefix_attends_bidirectionally_inside_itself_and_causally_after(attention):
+def test_prefix_attends_bidirectionally_inside_itself_and_causally_after(attention, device):
     p, T = 4, 9
-    model = tiny(prefix_attention=p, attention=attention)
+    model = tiny(device, prefix_attention=p, attention=attention)
     dep = dependence(model, torch.randint(1, 16, (1, T)))
     i, j = torch.meshgrid(torch.arange(T), torch.arange(T), indexing="ij")
     expected = (j <= i) | ((i < p) & (j < p))
     assert torch.equal(dep, expected)
-    assert torch.equal(dependence(tiny(attention=attention), torch.randint(1, 16, (1, T))), j <= i)
+    assert torch.equal(dependence(tiny(device, attention=attention), torch.randint(1, 16, (1, T))), j <= i)
 
 
-def test_document_mask_keeps_attention_inside_each_document():
+def test_document_mask_keeps_attention_inside_each_document(device):
     tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 3, 4]])  # documents start at token 0 (the first is cut)
-    model = tiny(document_token=0)
+    model = tiny(device, document_token=0)
     dep = dependence(model, tokens)
     doc = torch.cumsum(tokens[0] == 0, 0)
     i, j = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
@@ -49,9 +50,9 @@ def test_document_mask_keeps_attention_inside_each_document():
     assert not dep[3, 1] and dep[3, 2] and dep[8, 6]
 
 
-def test_document_mask_with_a_sliding_window_and_batch():
-    tokens = torch.tensor([[0, 1, 2, 3, 0, 5], [1, 2, 0, 4, 5, 6]])
-    model = tiny(document_token=0, sliding_window=2)
+def test_document_mask_with_a_sliding_window_and_batch(device):
+    tokens = torch.tensor([[0, 1, 2, 3, 0, 5], [1, 2, 0, 4, 5, 6]], device=device)
+    model = tiny(device, document_token=0, sliding_window=2)
     mask = model.attention_mask(tokens)
     assert mask.shape == (2, 1, 6, 6)
     assert mask[0, 0, 3].tolist() == [False, False, True, True, False, False]

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from analysis.train import ModelConfig, SinkLM, available_attention
+from tests.conftest import tol
 
 # Hook names the brief requires to match TransformerLens' TransformerBridge on a LLaMA model.
 BLOCK_HOOKS = ["hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
@@ -18,7 +19,7 @@ def required_names(n_layers=L):
 
 
 @pytest.fixture(scope="module")
-def bridge_and_hf(tmp_path_factory):
+def bridge_and_hf(tmp_path_factory, device):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformer_lens import TransformerBridge
@@ -34,12 +35,13 @@ def bridge_and_hf(tmp_path_factory):
     PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t1", eos_token="t2", unk_token="t0",
                             pad_token="t3").save_pretrained(d)
     tok = AutoTokenizer.from_pretrained(d)
-    bridge = TransformerBridge.boot_transformers(str(d), hf_model=hf, tokenizer=tok, device="cpu")
+    hf = hf.to(device)  # the bridge records the device of a model passed in but does not move it
+    bridge = TransformerBridge.boot_transformers(str(d), hf_model=hf, tokenizer=tok, device=device)
     return bridge, hf
 
 
 def sink_lm_from_hf(hf) -> SinkLM:
-    """Copy a LlamaForCausalLM's weights into SinkLM (TransformerLens layout)."""
+    """Copy a LlamaForCausalLM's weights into SinkLM (TransformerLens layout), on the LlamaForCausalLM's device."""
     c = hf.config
     model = SinkLM(ModelConfig(d_vocab=V, n_ctx=32, d_model=D, n_layers=L, n_heads=H, n_key_value_heads=HKV,
                                d_mlp=DMLP, eps=c.rms_norm_eps, rotary_base=10000.0))
@@ -59,14 +61,15 @@ def sink_lm_from_hf(hf) -> SinkLM:
             blk.mlp.W_gate.copy_(layer.mlp.gate_proj.weight.T)
             blk.mlp.W_in.copy_(layer.mlp.up_proj.weight.T)
             blk.mlp.W_out.copy_(layer.mlp.down_proj.weight.T)
-    return model.eval()
+    return model.eval().to(hf.device)
 
 
 def run_cache(model, tokens, names):
+    """Logits and the named hooks' values over ``tokens`` (moved to the model's device), on the CPU."""
     cache = {}
-    hooks = [(n, (lambda n: lambda x, hook: cache.__setitem__(n, x.detach()))(n)) for n in names]
-    logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
-    return logits, cache
+    hooks = [(n, (lambda n: lambda x, hook: cache.__setitem__(n, x.detach().cpu()))(n)) for n in names]
+    logits = model.run_with_hooks(tokens.to(next(model.parameters()).device), fwd_hooks=hooks)
+    return logits.cpu(), cache
 
 
 def test_hook_names_and_shapes_match_transformer_bridge(bridge_and_hf):
@@ -90,13 +93,14 @@ def test_same_weights_give_the_bridges_logits_and_activations(bridge_and_hf):
     names = required_names()
     logits, ours = run_cache(model, tokens, names)
     ref_logits, theirs = run_cache(bridge, tokens, names)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    atol = tol(str(hf.device.type), 1e-4)  # two implementations: on CUDA their kernels sum in other orders
+    torch.testing.assert_close(logits, ref_logits, atol=atol, rtol=1e-4)
     for n in names:
         a, b = ours[n], theirs[n]
         if n.endswith("hook_attn_scores"):  # masked entries: both use a huge negative number
             keep = torch.tril(torch.ones(7, 7, dtype=torch.bool))
             a, b = a[..., keep], b[..., keep]
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=n)
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=n)
 
 
 def test_weights_and_cfg_are_exposed_like_the_bridge(bridge_and_hf):
@@ -118,9 +122,9 @@ def test_weights_and_cfg_are_exposed_like_the_bridge(bridge_and_hf):
     assert ln.blocks[0].ln1.b.shape == (64,)
 
 
-def test_gqa_query_head_reads_kv_head_h_div_group():
+def test_gqa_query_head_reads_kv_head_h_div_group(device):
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=11, n_heads=4, n_key_value_heads=2, d_model=32, attn_impl="eager"))
+    model = SinkLM(ModelConfig(d_vocab=11, n_heads=4, n_key_value_heads=2, d_model=32, attn_impl="eager")).to(device)
     # zero the values of kv head 1: query heads 2 and 3 (h // 2 == 1) must output zeros, heads 0, 1 not
     with torch.no_grad():
         model.blocks[0].attn.W_V[1].zero_()
@@ -138,12 +142,13 @@ VARIANTS = [dict(attention=a) for a in available_attention()] + [
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
-def test_no_output_depends_on_a_later_token(variant):
+def test_no_output_depends_on_a_later_token(variant, device):
     """d logits[:, i] / d embedding[:, j] is zero for every j > i (and non-zero for some j <= i)."""
     torch.manual_seed(0)
     T = 6
     model = SinkLM(ModelConfig(d_vocab=17, n_ctx=8, d_model=32, n_layers=2, n_heads=4, attn_impl="eager", **variant))
-    tokens = torch.randint(0, 17, (2, T), generator=torch.Generator().manual_seed(0))
+    model = model.to(device)
+    tokens = torch.randint(0, 17, (2, T), generator=torch.Generator().manual_seed(0)).to(device)
     leaf = {}
 
     def grab(x, hook):
@@ -159,10 +164,10 @@ def test_no_output_depends_on_a_later_token(variant):
         assert g[: i + 1].sum() > 0
 
 
-def test_hooks_shapes_for_variants():
+def test_hooks_shapes_for_variants(device):
     torch.manual_seed(0)
     model = SinkLM(ModelConfig(d_vocab=17, n_ctx=8, d_model=32, n_heads=4, attention="kv-bias",
-                               positional_embedding_type="learned"))
+                               positional_embedding_type="learned")).to(device)
     names = ["hook_pos_embed", "blocks.0.attn.hook_sink_pattern", "blocks.0.attn.hook_pattern",
              "blocks.0.attn.hook_raw_pattern"]
     _, c = run_cache(model, torch.randint(0, 17, (3, 5)), names)
@@ -175,11 +180,11 @@ def test_hooks_shapes_for_variants():
     assert "hook_pos_embed" not in SinkLM(ModelConfig()).hook_dict
 
 
-def test_pattern_hook_edits_change_the_output():
+def test_pattern_hook_edits_change_the_output(device):
     """hook_pattern is live: zeroing all attention except to token 0 changes hook_z accordingly."""
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=17, n_heads=4, d_model=32))
-    tokens = torch.randint(0, 17, (1, 5))
+    model = SinkLM(ModelConfig(d_vocab=17, n_heads=4, d_model=32)).to(device)
+    tokens = torch.randint(0, 17, (1, 5)).to(device)
 
     def to_first(p, hook):
         q = torch.zeros_like(p)
@@ -190,14 +195,14 @@ def test_pattern_hook_edits_change_the_output():
     z = {}
     model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_pattern", to_first),
                                             ("blocks.0.attn.hook_z", lambda x, hook: z.setdefault("z", x))])
-    v0 = c["blocks.0.attn.hook_v"][:, 0]  # (1, H, d)
-    torch.testing.assert_close(z["z"], v0[:, None].expand_as(z["z"]))
+    v0 = c["blocks.0.attn.hook_v"][:, 0]  # (1, H, d), on the CPU
+    torch.testing.assert_close(z["z"].cpu(), v0[:, None].expand_as(z["z"]))
 
 
-def test_hooks_context_manager_and_run_with_cache():
+def test_hooks_context_manager_and_run_with_cache(device):
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=17, n_heads=4, d_model=32))
-    tokens = torch.randint(0, 17, (2, 5))
+    model = SinkLM(ModelConfig(d_vocab=17, n_heads=4, d_model=32)).to(device)
+    tokens = torch.randint(0, 17, (2, 5)).to(device)
     seen = []
     with model.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: seen.append(hook.name))]):
         model(tokens)
@@ -224,10 +229,10 @@ def test_forward_errors_are_clear():
         ModelConfig(positional_embedding_type="xpos")
 
 
-def test_loss_return_types():
+def test_loss_return_types(device):
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=17))
-    tokens = torch.randint(0, 17, (2, 6))
+    model = SinkLM(ModelConfig(d_vocab=17)).to(device)
+    tokens = torch.randint(0, 17, (2, 6)).to(device)
     logits, loss = model(tokens, return_type="both")
     ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 17), tokens[:, 1:].reshape(-1))
     torch.testing.assert_close(loss, ref)

@@ -34,7 +34,7 @@ def pair_runs():
         runs = {}
         for attention in ("softmax", "sigmoid"):
             mcfg, tcfg = build_configs("synthetic", {"attention": attention, "steps": CI_STEPS, "eval_every": 0,
-                                                     "progress": False})
+                                                     "progress": False, "device": "cpu"})  # as the committed grid
             runs[attention] = train(mcfg, tcfg)
     finally:
         torch.set_num_threads(threads)
@@ -42,10 +42,12 @@ def pair_runs():
 
 
 @pytest.fixture(scope="module")
-def pair(pair_runs):
-    return {attention: run.model for attention, run in pair_runs.items()}
+def pair(pair_runs, device):
+    """The pair trained on the CPU, measured on the device."""
+    return {attention: run.model.to(device) for attention, run in pair_runs.items()}
 
 
+@pytest.mark.cpu_only  # retrained and compared with the committed grid's CPU (fp32) figures: "auto" would train in bf16
 def test_the_pair_lands_inside_the_committed_grid_spread(pair_runs):
     """The pair is seed 0 of the committed attention grid (data/emergence/attention, 3 seeds, 1,000 steps):
     retrained here from scratch, its final statistics fall inside the grid's range over seeds."""
@@ -81,7 +83,7 @@ REFS = {"synthetic-softmax": "softmax", "synthetic-sigmoid": "sigmoid", "synthet
 
 
 @pytest.mark.parametrize("name", sorted(REFS))
-def test_committed_reference_models(name):
+def test_committed_reference_models(name, device):
     d = REFERENCE / name
     if not d.is_dir():
         pytest.skip(f"{d} not present")
@@ -90,14 +92,14 @@ def test_committed_reference_models(name):
     assert (d / "command.txt").read_text().startswith("python -m analysis.train --preset synthetic")
     log = [json.loads(l) for l in (d / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == cfg["train"]["steps"]
-    model = load_reference(d, device="cpu")
+    model = load_reference(d, device=device)
     rate = sink_metric(model, held_out_probe()).sink_rate(k=1)
     if REFS[name] == "softmax":
         assert rate >= 30.0
     elif REFS[name] in ("sink-token", "kv-bias"):  # the learned slot takes the sink: from BOS (KV biases), or a share
         slot = []
         with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.0.attn.hook_sink_pattern", lambda w, hook: slot.append(w))]):
-            model(held_out_probe())
+            model(held_out_probe().to(device))
         alpha = slot[0].mean(-1)  # (samples, heads): mean weight on the learned slot over queries
         slot_rate = 100 * (alpha > 0.3).float().mean().item()
         if REFS[name] == "kv-bias":
@@ -108,11 +110,11 @@ def test_committed_reference_models(name):
         assert rate <= 5.0
 
 
-def test_analysis_load_model_lists_and_loads_the_references():
+def test_analysis_load_model_lists_and_loads_the_references(device):
     models = pytest.importorskip("analysis.models")
     if not (REFERENCE / "synthetic-softmax").is_dir():
         pytest.skip("reference models not present")
     names = [m.name for m in models.available_models()]
     assert {"synthetic-softmax", "synthetic-sigmoid"} <= set(names)
-    model = models.load_model("synthetic-sigmoid", device="cpu")
+    model = models.load_model("synthetic-sigmoid", device=device)
     assert model.cfg.attention == "sigmoid" and not model.training

@@ -9,11 +9,11 @@ from analysis.__main__ import main
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, device):
     out = {}
     for name in ("synthetic-softmax", "synthetic-sigmoid"):
         d = tmp_path_factory.mktemp(name)
-        assert main(["report", "--model", name, "--out", str(d), "--n", "16"]) == 0
+        assert main(["report", "--model", name, "--out", str(d), "--n", "16", "--device", device]) == 0
         out[name] = json.loads((d / "report.json").read_text())
         assert (d / "report.html").stat().st_size > 10_000
     return out
