@@ -11,17 +11,17 @@ Start with::
     prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
     print(prof.text())
 """
-from analysis.families import FamilySpec, attention_layers, get_family, rotary_base
-from analysis.gates import attention_gates
-from analysis.hooks import ModelContractError, act_name, attention_layers_of, model_dims
-from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
-from analysis.key_manifold import first_key_manifold
-from analysis.massive import massive_activations
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
-from analysis.norm_gain import norm_gain_trace
-from analysis.one_pass import Profile, profile
-from analysis.passes import run_pass, run_with_reducers
-from analysis.probes import (
+from analysis.model.families import FamilySpec, attention_layers, get_family, rotary_base
+from analysis.sinks.output_gates import attention_gates
+from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, model_dims
+from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
+from analysis.chain.key_manifold import first_key_manifold
+from analysis.chain.massive import massive_activations
+from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.chain.norm_gain import norm_gain_trace
+from analysis.report.one_pass import Profile, profile
+from analysis.engine.passes import run_pass, run_with_reducers
+from analysis.model.probes import (
     PROBE_KINDS,
     ProbeSet,
     make_probe,
@@ -31,17 +31,17 @@ from analysis.probes import (
     repeated_probe,
     text_probe,
 )
-from analysis.every_sink import SinkPositions, sink_positions
-from analysis.first_token_cause import why_first_token
-from analysis.qk import qk_angles
-from analysis.report import build_report
-from analysis.sink import SinkResult, sink_metric, sink_table
-from analysis.sink_context import SinkContext, sink_vs_context
-from analysis.sink_gate import dormant_heads
-from analysis.writer_cuts import spike_cuts
-from analysis.spike_writers import spike_origin
-from analysis.values import value_norms
-from analysis.views import attention_view
+from analysis.positions.every_sink import SinkPositions, sink_positions
+from analysis.chain.first_token_cause import why_first_token
+from analysis.chain.qk import qk_angles
+from analysis.report.build import build_report
+from analysis.sinks.metric import SinkResult, sink_metric, sink_table
+from analysis.positions.context_length import SinkContext, sink_vs_context
+from analysis.causal.dormant_heads import dormant_heads
+from analysis.causal.writer_cuts import spike_cuts
+from analysis.chain.spike_writers import spike_origin
+from analysis.chain.values import value_norms
+from analysis.figures.views import attention_view
 
 __version__ = "0.1.0"
 

@@ -5,17 +5,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis.defaults import SINK_EPS, SINK_K_MAX
-from analysis.hooks import model_dims
-from analysis.io import parse_dtype, write_json
-from analysis.models import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
-from analysis.one_pass import profile
-from analysis.every_sink import format_sinks, sink_positions
-from analysis.probes import model_probe_sets, text_tokens
-from analysis.report import ReportError, build_report
-from analysis.sink import check_eps
+from analysis.core.defaults import SINK_EPS, SINK_K_MAX
+from analysis.model.hooks import model_dims
+from analysis.core.io import parse_dtype, write_json
+from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.report.one_pass import profile
+from analysis.positions.every_sink import format_sinks, sink_positions
+from analysis.model.probes import model_probe_sets, text_tokens
+from analysis.report.build import ReportError, build_report
+from analysis.sinks.metric import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
-from analysis.versions import package_versions
+from analysis.core.versions import package_versions
 
 CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
 
@@ -159,7 +159,7 @@ def cmd_sinks(args) -> int:
     model = load_model(args.model, device=args.device)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
-                         "analysis.every_sink.sink_positions in Python instead.")
+                         "analysis.positions.every_sink.sink_positions in Python instead.")
     tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=model_dims(model).n_ctx)
     res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
                          kind="text")

@@ -5,7 +5,7 @@
 On the same N natural-text sequences of T tokens (the report's own natural probe) it measures:
   (a) plain forward   the model's forward over the N sequences, same batches, no hooks (--repeat times before the
                       reports and once after each; the best is the unit)
-  (b) report          analysis.report.build_report into a temporary folder (every section), --reports times
+  (b) report          analysis.report.build.build_report into a temporary folder (every section), --reports times
 and prints wall time and peak memory of each and their ratios to (a), then the report's time per section.
 Peak memory: peak resident memory of the process on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs, as in bench_sink.py) above the resident memory before it, and the process's peak; on
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.memory import measure
+from analysis.core.memory import measure
 
 OVERHEAD_TARGET, MEMORY_TARGET = 2.5, 1.3  # forward passes above the counted model work; x the forward's peak
 
@@ -55,8 +55,8 @@ def main() -> None:
     args = p.parse_args()
 
     from analysis import load_model, natural_probe
-    from analysis.passes import batches, default_batch_size
-    from analysis.report import build_report
+    from analysis.engine.passes import batches, default_batch_size
+    from analysis.report.build import build_report
 
     model = load_model(args.model, device=args.device)
     tokens = natural_probe(model.tokenizer, n=args.n, T=args.T, seed=args.seed).tokens
@@ -94,8 +94,8 @@ def main() -> None:
 
 def base_forward(model, tokens, bs: int, device) -> None:
     """The forward over the same batches stopped after the last block: the blocks' share of a forward pass."""
-    from analysis.hooks import act_name, model_dims
-    from analysis.passes import run_with_reducers
+    from analysis.model.hooks import act_name, model_dims
+    from analysis.engine.passes import run_with_reducers
 
     run_with_reducers(model, tokens.to(device), [], batch_size=bs,
                       stop_after=act_name("resid_post", model_dims(model).n_layers - 1))

@@ -19,7 +19,7 @@ Shapes:
              its 8,192-token context is skipped.
   tiny       a random 2-layer Llama (d 64, 4 heads, 2 KV heads) for CPU smoke runs.
 The random shapes get a byte-level BPE tokenizer of 8,192 ids trained on standard-library docstrings
-(``random_shape_tokenizer``: the bridge and the report's text probes need one; it needs no file carried) and are measured on random token ids (``analysis.probes.random_probe``, seeded, over the
+(``random_shape_tokenizer``: the bridge and the report's text probes need one; it needs no file carried) and are measured on random token ids (``analysis.model.probes.random_probe``, seeded, over the
 model's whole vocabulary); they have no massive activation and no sink to speak of, so their Sink_1 and spike values
 only show that the analyses ran.
 
@@ -32,12 +32,12 @@ Methods (``--methods``; every one on the same N = --batch sequences of T tokens,
   sink-streamed  ``sink_metric(path="eager")``: every layer's hook_pattern reduced in the hook, one T x T map at a time
   sink-eager     Hugging Face eager attention with output_attentions=True: every layer's maps of the batch kept, alpha
                  computed from them (the peer method); tried at every T, "oom" where it does not fit
-  report         ``analysis.report.build_report`` on --report-n natural sequences of --report-t tokens (once per
+  report         ``analysis.report.build.build_report`` on --report-n natural sequences of --report-t tokens (once per
                  dtype, after the smallest T), against the SDPA forward over the report's own natural probe
 Each row names the attention implementation the method ran with (``attn``).
 
 Time: the least wall time of --repeat runs after one warm-up run (the report: one run, no warm-up), synchronised on
-CUDA (``analysis.memory.measure``). Peak memory: torch.cuda.max_memory_allocated on CUDA, the process's peak resident
+CUDA (``analysis.core.memory.measure``). Peak memory: torch.cuda.max_memory_allocated on CUDA, the process's peak resident
 memory on CPU (VmHWM, as bench_sink.py and bench_report.py), both taken above the memory held when the measurement
 starts (the model's weights and the tokens): "peak above weights", the largest over the runs. Ratios are to the
 forward at the same T (time and peak above weights), in one run. Out of memory on CUDA is recorded as "oom" (the
@@ -73,18 +73,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
-from analysis.families import attention_implementation  # noqa: E402
-from analysis.fused_sink import ATTN_NAME, hf_model, unbridged  # noqa: E402
-from analysis.io import cache_dir, parse_dtype, replace_dir  # noqa: E402
-from analysis.massive import massive_accumulator, massive_activations  # noqa: E402
-from analysis.memory import measure  # noqa: E402
-from analysis.models import bridge_hf, load_model  # noqa: E402
-from analysis.probes import natural_probe, random_probe  # noqa: E402
-from analysis.report import ReportError, build_report  # noqa: E402
-from analysis.sink import alpha_from_pattern, sink_metric, sink_pass  # noqa: E402
-from analysis.train.data import stdlib_docstrings, train_bpe  # noqa: E402
-from analysis.versions import package_versions  # noqa: E402
+from analysis.core.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
+from analysis.model.families import attention_implementation  # noqa: E402
+from analysis.engine.fused_sink import ATTN_NAME, hf_model, unbridged  # noqa: E402
+from analysis.core.io import cache_dir, parse_dtype, replace_dir  # noqa: E402
+from analysis.chain.massive import massive_accumulator, massive_activations  # noqa: E402
+from analysis.core.memory import measure  # noqa: E402
+from analysis.model.loading import bridge_hf, load_model  # noqa: E402
+from analysis.model.probes import natural_probe, random_probe  # noqa: E402
+from analysis.report.build import ReportError, build_report  # noqa: E402
+from analysis.sinks.metric import alpha_from_pattern, sink_metric, sink_pass  # noqa: E402
+from analysis.model.reference.data import stdlib_docstrings, train_bpe  # noqa: E402
+from analysis.core.versions import package_versions  # noqa: E402
 
 SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the tokenizer's)
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

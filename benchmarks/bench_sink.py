@@ -4,13 +4,13 @@
 
 For each T (with its own N: one --n for all, or one per T), on the same natural-text sequences and the same
 batches (about 2k tokens each), each method runs in its own fresh process (so no method inherits another's
-allocator state or peak) and reports wall time, process CPU time and peak memory (``analysis/memory.py``);
+allocator state or peak) and reports wall time, process CPU time and peak memory (``analysis/core/memory.py``);
 with --repeat R every method runs R times, in rotating order, and the table keeps its least time (the least
 disturbed run on a shared machine) and its largest peak:
   (a) SDPA forward       Hugging Face model, attn_implementation="sdpa", logits, no KV cache: the floor
   (b) SDPA base model    the same without the unembedding (what the fused sink runs)
-  (c) fused sink         analysis.fused_sink: alpha_1..16 from q, k and the fused kernel's log-sum-exp
-  (c') fused, every key  the same for every key k = 1..T (the sink at any position, ``analysis.every_sink``):
+  (c) fused sink         analysis.engine.fused_sink: alpha_1..16 from q, k and the fused kernel's log-sum-exp
+  (c') fused, every key  the same for every key k = 1..T (the sink at any position, ``analysis.positions.every_sink``):
                          the column sums of exp(q.k * scale - lse) in blocks of query rows, never a T x T map
   (d) eager sink         analysis.sink_metric on the bridge's hook_pattern (every T x T map built, one at a time)
   (d') eager, every key  the same for every key (column sums of each map, reduced in the hook)
@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis.memory import measure  # noqa: E402
+from analysis.core.memory import measure  # noqa: E402
 
 METHODS = {
     "sdpa": "(a) SDPA forward",
@@ -53,7 +53,7 @@ TARGET = 1.5  # the every-key metric (c') against the SDPA forward (a), in time 
 def _hf(model_name: str, attn: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from analysis.models import DEFAULT_MODEL, smollm2_dir
+    from analysis.model.loading import DEFAULT_MODEL, smollm2_dir
 
     src = str(smollm2_dir()) if model_name == DEFAULT_MODEL else model_name
     hf = AutoModelForCausalLM.from_pretrained(src, attn_implementation=attn, dtype=torch.float32).to(device).eval()
@@ -63,7 +63,7 @@ def _hf(model_name: str, attn: str, device: str):
 def _eager_sink(bridge, tokens, bs, k_max=K_MAX):
     import inspect
 
-    from analysis.sink import sink_metric
+    from analysis.sinks.metric import sink_metric
 
     extra = {"path": "eager"} if "path" in inspect.signature(sink_metric).parameters else {}
     return sink_metric(bridge, tokens, k_max=k_max, batch_size=bs, **extra).alpha
@@ -72,8 +72,8 @@ def _eager_sink(bridge, tokens, bs, k_max=K_MAX):
 def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str) -> None:
     """Child process: load what ``method`` needs, warm up on one batch, measure the whole run, write JSON."""
     from analysis import load_model, natural_probe
-    from analysis.passes import batches, default_batch_size
-    from analysis.sink import alpha_from_pattern
+    from analysis.engine.passes import batches, default_batch_size
+    from analysis.sinks.metric import alpha_from_pattern
 
     bridge = hf = None
     if method in ("sdpa", "sdpa_base", "hf_maps"):
@@ -92,7 +92,7 @@ def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str)
                 m(input_ids=b.to(device), use_cache=False)
 
     def fused(k_max=K_MAX):
-        from analysis.fused_sink import fused_alpha
+        from analysis.engine.fused_sink import fused_alpha
 
         alpha.append(fused_alpha(bridge, tokens, k_max, batch_size=bs))
 

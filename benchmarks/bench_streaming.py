@@ -9,7 +9,7 @@ re-rotated accordingly), filled with random keys and values (the cost of a step 
 size, not its content: decoding 20k real tokens on 2 CPU cores takes hours), then ``--steps`` tokens are
 decoded one at a time through the Hugging Face model, under the attention function `analysis stream` uses
 (``analysis.streaming.attention``: grouped-query decode steps). Printed: tokens/s, peak memory of the decode
-(``analysis/memory.py``: process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA) and the KV
+(``analysis/core/memory.py``: process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA) and the KV
 cache size, and the dense/sinks ratios, all from one run. Dense past the model's context (8192 for
 SmolLM2) is measured for its cost only: its perplexity there would be meaningless.
 """
@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis.memory import measure  # noqa: E402
+from analysis.core.memory import measure  # noqa: E402
 
 
 def primed_cache(hf, capacity, sinks, length, device):

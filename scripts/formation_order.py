@@ -1,7 +1,7 @@
-"""The order in which the sink's chain forms during training (analysis.train.formation): every link on every snapshot
+"""The order in which the sink's chain forms during training (analysis.dynamics.formation): every link on every snapshot
 of every run under RUNS_DIR (folders with snapshots/step-*), written to DIR as formation.csv (one row per run, step and
 link), onsets.csv (per run and link: the first step meeting its criterion and the first step half-way to its final
-value), followed.csv, writes.csv and meta.json (``analysis.train.formation.load_formation`` reads them back),
+value), followed.csv, writes.csv and meta.json (``analysis.dynamics.formation.load_formation`` reads them back),
 formation.png and command.txt.
 
     python scripts/formation_order.py /work/runs/induction --out results/formation
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.figures.formation import plot_formation  # noqa: E402
-from analysis.train.formation import N_RANDOM_CUT, SPIKE_RATIO_FOLLOW, formation_order, save_formation  # noqa: E402
+from analysis.dynamics.formation import N_RANDOM_CUT, SPIKE_RATIO_FOLLOW, formation_order, save_formation  # noqa: E402
 
 
 def main() -> None:

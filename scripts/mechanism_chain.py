@@ -1,4 +1,4 @@
-"""The mechanism chain (analysis.train.compare.mechanism_chain) of every run of a sweep with kept models, one row
+"""The mechanism chain (analysis.dynamics.compare.mechanism_chain) of every run of a sweep with kept models, one row
 per run, written to DIR/chain.csv.
 
     python scripts/mechanism_chain.py data/emergence/mechanism
@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.train import load_reference  # noqa: E402
-from analysis.train.compare import mechanism_chain  # noqa: E402
-from analysis.train.data import build_data  # noqa: E402
+from analysis.dynamics.compare import mechanism_chain  # noqa: E402
+from analysis.model.reference.data import build_data  # noqa: E402
 
 
 def main() -> None:

@@ -4,10 +4,10 @@
         --T 16 32 64 128 256 512 1024 2048 4096 8192 --n 32 32 32 16 16 8 8 4 2 2 --seeds 0 1 2
 
 For each T (with its own N sequences per seed) and probe seed: natural-text windows of the offline docstring corpus,
-alpha of every key from one pass (the fused path, exact on SmolLM2), and the rates of ``analysis.sink_context`` at
+alpha of every key from one pass (the fused path, exact on SmolLM2), and the rates of ``analysis.positions.context_length`` at
 every eps of its grid. The CSV is rewritten after each (T, seed), so a stopped run keeps what it finished, and
 ``--resume`` keeps the (T, seed) pairs an existing CSV holds and runs only the others; the run's command, machine and
-time go to ``command.txt`` beside it. ``analysis.sink_context.load_sink_context`` reads it back.
+time go to ``command.txt`` beside it. ``analysis.positions.context_length.load_sink_context`` reads it back.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis import load_model  # noqa: E402
-from analysis.sink_context import COLUMNS, load_sink_context, sink_vs_context  # noqa: E402
+from analysis.positions.context_length import COLUMNS, load_sink_context, sink_vs_context  # noqa: E402
 
 
 def main() -> None:

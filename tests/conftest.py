@@ -183,7 +183,7 @@ def cpu_cache(model, tokens, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Te
     logits : torch.Tensor, shape (N, T, d_vocab)
     cache : dict of str to torch.Tensor
     """
-    from analysis.hooks import model_device
+    from analysis.model.hooks import model_device
 
     logits, cache = model.run_with_cache(tokens.to(model_device(model)), **kwargs)
     return logits.cpu(), {name: x.cpu() for name, x in cache.items()}

@@ -221,7 +221,7 @@ def reference_attention(spec, model, layer: int, q, k):
     """The attention a family computes, rebuilt by hand from the spec: q (B, T, H, d) and k (B, T, H_kv, d) as
     the attention uses them (rotated) -> scores (B, H, T, T), the visible-key mask (T, T) (causal, sliding
     window) and the pattern (learned sink logits in the softmax where the spec has them), in float64."""
-    from analysis.families import sink_logits
+    from analysis.model.families import sink_logits
 
     T = q.shape[1]
     k = k.repeat_interleave(spec.n_heads // k.shape[2], dim=2)

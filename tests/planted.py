@@ -2,7 +2,7 @@
 
 ``planted_model()`` builds a 4-layer LLaMA (``transformers.LlamaForCausalLM``: d_model 64, 4 query
 heads, 2 KV heads (GQA), d_head 16, RMSNorm, RoPE theta 1e4, q/k/v/o biases, char-level vocabulary of
-100 tokens), saves it to a temporary folder and boots it with ``analysis.models.load_hf`` (a
+100 tokens), saves it to a temporary folder and boots it with ``analysis.model.loading.load_hf`` (a
 ``TransformerBridge`` with raw weights, like the embedded SmolLM2). Then the whole sink chain is planted:
 
 1. Massive activations: a permanent hook on ``blocks.{first_layer}.hook_resid_post`` adds
@@ -140,7 +140,7 @@ def _add_spike(sign: float):
 def planted_model(spike: bool = True, seed: int = 0, device: str = "cpu"):
     """The tiny planted-sink LLaMA as a TransformerBridge on ``device`` (see the module docstring); ``.planted`` holds
     the answers."""
-    from analysis.models import load_hf
+    from analysis.model.loading import load_hf
 
     model = load_hf(_hf_folder(seed), device=device)
     model.model_name = "planted-llama" + ("" if spike else "-nospike")
@@ -181,7 +181,7 @@ def planted_ln_model(arch: str = "gpt2", spike: bool = True, seed: int = 0, devi
     ``arch="neox"``: GPT-NeoX (partial rotary: half of each head's dims, parallel attention and MLP).
     Only the spike (step 1 of ``planted_model``) is planted: no sink is built into the weights.
     """
-    from analysis.models import load_hf
+    from analysis.model.loading import load_hf
 
     model = load_hf(_ln_folder(arch, seed), device=device)
     model.model_name = f"planted-{arch}" + ("" if spike else "-nospike")
@@ -201,7 +201,7 @@ def planted_tokens(n: int = 8, T: int = 24, seed: int = 0) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def load_smollm2():
     """The embedded SmolLM2-135M-Instruct, loaded once per process (tests: use conftest's ``smollm2`` fixture)."""
-    from analysis.models import load_model
+    from analysis.model.loading import load_model
 
     return load_model("smollm2-135m", device="cpu")
 

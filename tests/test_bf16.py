@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from analysis import dormant_heads, load_model, probe_sets, profile, sink_metric
-from analysis.families import get_mlp
-from analysis.hooks import act_name
-from analysis.io import jsonable
+from analysis.model.mlp_spec import get_mlp
+from analysis.model.hooks import act_name
+from analysis.core.io import jsonable
 
 N, T, SEEDS = 8, 32, (0, 1)
 SINK_TOL_PCT = 1.5  # Sink_1 points (measured at most 0.69 over seeds 0-5)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from analysis import natural_probe
-from analysis.fused_sink import alpha_from_lse, attention_with_alpha, fused_attention
-from analysis.every_sink import SinkPositions, _first_run, sink_positions
+from analysis.engine.fused_sink import alpha_from_lse, attention_with_alpha, fused_attention
+from analysis.positions.every_sink import SinkPositions, _first_run, sink_positions
 from tests.conftest import tol
 
 TOL = 1e-5
@@ -45,7 +45,7 @@ def assert_table_is_the_positions_above_eps(res: SinkPositions, alpha: torch.Ten
 def smollm2_hf():
     from transformers import AutoModelForCausalLM
 
-    from analysis.models import smollm2_dir
+    from analysis.model.loading import smollm2_dir
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir(), attn_implementation="eager", dtype=torch.float32).eval()
 

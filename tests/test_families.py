@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from analysis import load_model, rotary_base, sink_metric
-from analysis.families import FamilySpec, get_family
+from analysis.model.families import FamilySpec, get_family
 from tests.families import FAMILIES, family_config, make_family_model, reference_attention, write_llama_gguf
 from tests.conftest import tol
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.conditions import run_condition
-from analysis.families import get_family
-from analysis.hooks import ModelContractError, act_name, kv_view, model_device, per_query_head
-from analysis.interventions import ValueRemoval, first_key_ablation, spike_ablation, value_ablation
+from analysis.causal.conditions import run_condition
+from analysis.model.families import get_family
+from analysis.model.hooks import ModelContractError, act_name, kv_view, model_device, per_query_head
+from analysis.causal.interventions import ValueRemoval, first_key_ablation, spike_ablation, value_ablation
 from tests.families import make_family_dir
 from tests.planted import SPIKE_DIMS, _add_spike
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.hooks import kv_view, model_device
-from analysis.rotary import rotate_as_spec
+from analysis.model.hooks import kv_view, model_device
+from analysis.model.rotary import rotate_as_spec
 from tests.families import FAMILIES, reference_attention
 from tests.conftest import tol
 
@@ -62,8 +62,8 @@ def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models, device):
-    from analysis.key_path import key_path
-    from analysis.norm_gain import norm_gain_trace
+    from analysis.model.key_path import key_path
+    from analysis.chain.norm_gain import norm_gain_trace
 
     model = family_models(family)
     spec = model.family
@@ -94,7 +94,7 @@ def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_mode
 @pytest.mark.parametrize("family", ["gemma", "qwen3_next"])
 def test_gain_one_plus_w_matters(family, family_models):
     """Gemma-style gains are 1 + w (w is zero at init): reading the gain as w would zero the key."""
-    from analysis.key_path import key_path
+    from analysis.model.key_path import key_path
 
     model = family_models(family)
     layer = model.family.attention_layers[0]
@@ -119,8 +119,8 @@ def _check_pattern(spec, model, layer, q, k, got, device):
 
 @pytest.mark.parametrize("family", NOT_ALIBI)
 def test_qk_and_key_manifold_read_the_vectors_the_attention_uses(family, family_models, device):
-    from analysis.key_manifold import first_key_manifold, key_manifold_accumulator
-    from analysis.qk import QKAccumulator, qk_angles
+    from analysis.chain.key_manifold import first_key_manifold, key_manifold_accumulator
+    from analysis.chain.qk import QKAccumulator, qk_angles
 
     model = family_models(family)
     spec = model.family
@@ -159,8 +159,8 @@ def _add_spike(resid, hook):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_planted_spike_is_found_and_drives_the_first_key(family, family_dirs, device):
-    from analysis.massive import massive_activations
-    from analysis.norm_gain import norm_gain_trace
+    from analysis.chain.massive import massive_activations
+    from analysis.chain.norm_gain import norm_gain_trace
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,4 +1,4 @@
-"""The MLP facts of every family (``analysis.families.MlpSpec``), measured at first use, rebuild the model's own MLP:
+"""The MLP facts of every family (``analysis.model.mlp_spec.MlpSpec``), measured at first use, rebuild the model's own MLP:
 from the residual the MLP reads, its input norm, W_gate / W_in (with biases, in the orientation measured), the
 activation, W_out and the output scaling (Granite's multiplier, Gemma 2/3 and OLMo-2's post-norm) give the hooks'
 gate and up pre-activations, neuron activations and ``hook_mlp_out`` on every dense block of the tiny model of each
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analysis.families import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights
-from analysis.hooks import model_device
+from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights
+from analysis.model.hooks import model_device
 from tests.families import FAMILIES
 from tests.conftest import tol
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis.report import build_report
+from analysis.report.build import build_report
 from tests.conftest import tol
 from tests.families import FAMILIES
 
@@ -53,7 +53,7 @@ def test_report_has_no_failed_section(family, family_dirs, tmp_path, monkeypatch
     gate table appears for gated models and the learned-sink table for gpt-oss, and only there."""
     _, model = family_dirs(family)
     if family not in PNG_FAMILIES:
-        monkeypatch.setattr("analysis.report.figure_html", _no_png)
+        monkeypatch.setattr("analysis.report.build.figure_html", _no_png)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         page = build_report(model, tmp_path, n=N, T=T).read_text()
@@ -92,7 +92,7 @@ def _hf_eager(folder):
 def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs, device):
     """The gate means equal sigmoid of the gate Hugging Face computes (the second half of each head's q_proj
     output), averaged over head dims, at position 1 and over positions 2..T, per attention layer and head."""
-    from analysis.gates import attention_gates
+    from analysis.sinks.output_gates import attention_gates
 
     folder, model = family_dirs(family)
     tokens = _tokens(5)
@@ -148,8 +148,8 @@ def test_explicit_non_attention_layers_fail_clearly(family_dirs):
     """The one helper: None gives the attention layers; a linear-attention layer asked for by hand is a ValueError
     that names the attention layers, in every analysis that reads attention hooks."""
     from analysis import attention_layers_of
-    from analysis.values import value_norms
-    from analysis.views import attention_pattern
+    from analysis.chain.values import value_norms
+    from analysis.figures.views import attention_pattern
 
     _, model = family_dirs("qwen3_next")
     assert attention_layers_of(model) == [1, 3] and attention_layers_of(model, layers=[3]) == [3]

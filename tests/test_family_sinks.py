@@ -52,7 +52,7 @@ def _plant(model) -> list:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_planted_secondary_sink_is_found_with_its_heads(family, family_bridge):
-    from analysis.every_sink import sink_positions
+    from analysis.positions.every_sink import sink_positions
 
     model = family_bridge(family)
     spec = model.family

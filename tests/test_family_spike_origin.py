@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.families import get_mlp
-from analysis.first_token_cause import why_first_token
-from analysis.writer_cuts import spike_cuts
-from analysis.spike_writers import spike_origin
+from analysis.model.mlp_spec import get_mlp
+from analysis.chain.first_token_cause import why_first_token
+from analysis.causal.writer_cuts import spike_cuts
+from analysis.chain.spike_writers import spike_origin
 from tests.conftest import tol
 from tests.families import FAMILIES
 

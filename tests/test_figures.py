@@ -18,9 +18,9 @@ MODULES = ("sink", "massive", "norm_gain", "key_manifold", "value_norms", "inter
 def results(planted):
     import warnings
 
-    from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
-    from analysis.massive import activation_map
-    from analysis.norm_gain import norm_gain_trace
+    from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
+    from analysis.chain.massive import activation_map
+    from analysis.chain.norm_gain import norm_gain_trace
 
     toks = planted_tokens(6, 20, seed=3)
     prof = profile(planted, {"natural": toks, "random": planted_tokens(4, 20, seed=4)})

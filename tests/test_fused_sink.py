@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from analysis import natural_probe
-from analysis.fused_sink import (
+from analysis.engine.fused_sink import (
     FusedUnsupported,
     alpha_from_lse,
     chunked_lse,
@@ -12,7 +12,7 @@ from analysis.fused_sink import (
     hf_model,
     unsupported_reason,
 )
-from analysis.sink import alpha_from_pattern, sink_metric, sink_metric_fused
+from analysis.sinks.metric import alpha_from_pattern, sink_metric, sink_metric_fused
 from tests.conftest import tol
 
 TOL = 1e-5

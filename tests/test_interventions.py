@@ -8,10 +8,10 @@ import torch
 from tests.families import FAMILIES
 from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_nospike, planted_tokens  # noqa: F401
 
-from analysis.conditions import run_condition, where_shares
-from analysis.hooks import act_name
-from analysis.interventions import first_key_ablation, spike_ablation, value_ablation
-from analysis.sink import sink_metric
+from analysis.causal.conditions import run_condition, where_shares
+from analysis.model.hooks import act_name
+from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
+from analysis.sinks.metric import sink_metric
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_first_key_ablation_given_dims(planted, toks):
 @pytest.fixture(scope="module")
 def smol(smollm2):
     from analysis import natural_probe
-    from analysis.massive import massive_activations
+    from analysis.chain.massive import massive_activations
 
     toks = natural_probe(smollm2.tokenizer, n=8, T=32).tokens
     ma = massive_activations(smollm2, toks, ratio_threshold=100.0)
@@ -175,8 +175,8 @@ def test_smollm2_first_key_without_spike(smollm2, smol):
 
 def test_layernorm_and_reference_models_run(device):
     """LayerNorm (GPT-2: no rotary, no GQA, biases) and this package's own model: every intervention runs."""
-    from analysis.train.config import ModelConfig
-    from analysis.train.model import SinkLM
+    from analysis.model.reference.config import ModelConfig
+    from analysis.model.reference.sink_lm import SinkLM
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike, planted_ln_model
 
     torch.manual_seed(0)
@@ -222,7 +222,7 @@ def _whole_and_resumed(model, toks, hooks, base):
 
 
 def _with_resid(model, toks, base, layers, batch_size):
-    from analysis.passes import ResidCapture, run_pass
+    from analysis.engine.passes import ResidCapture, run_pass
 
     base.resid = run_pass(model, toks, [ResidCapture(layers)], batch_size=batch_size)[0]
     return base
@@ -231,8 +231,8 @@ def _with_resid(model, toks, base, layers, batch_size):
 def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
     """The report's three interventions with passes resumed at the first block their hooks touch (from the baseline's
     residual there) give the tables of whole passes, and block 0 does not run in them."""
-    from analysis.conditions import baseline_pass
-    from analysis.interventions import resume_layers
+    from analysis.causal.conditions import baseline_pass
+    from analysis.causal.interventions import resume_layers
 
     toks, ma = smol
     spikes, inputs = ma.first_token_dims, ma.input_dims(smollm2.cfg.n_layers)
@@ -261,7 +261,7 @@ def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
 def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge):
     """An edit of block s-1's output (hook_resid_post) lets the pass resume at block s: the edit is applied to the
     kept residual, block s-1 does not run, and the pass equals the whole one."""
-    from analysis.conditions import baseline_pass
+    from analysis.causal.conditions import baseline_pass
 
     model = family_bridge("llama")
     toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(1))
@@ -277,9 +277,9 @@ def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge
 def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_bridge):
     """A condition resumed at block s (its hook's block) equals the whole pass: alpha, shares and loss, on each
     resumable family's tiny model; the blocks before s do not run. The others cannot resume."""
-    from analysis.families import RESUMABLE, get_family
-    from analysis.passes import can_resume
-    from analysis.conditions import baseline_pass
+    from analysis.model.families import RESUMABLE, get_family
+    from analysis.engine.passes import can_resume
+    from analysis.causal.conditions import baseline_pass
 
     model = family_bridge(family)
     if get_family(model).family not in RESUMABLE:
@@ -300,9 +300,9 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
 def test_resume_refuses_early_hooks_and_other_models(family_bridge):
     """Hooks before the resumed block would see no activations: ValueError; a model that cannot resume (BLOOM,
     whose blocks take ALiBi from the model) raises instead of running wrong, and its conditions run whole."""
-    from analysis.hooks import ModelContractError
-    from analysis.passes import Resume, can_resume, run_pass
-    from analysis.conditions import baseline_pass
+    from analysis.model.hooks import ModelContractError
+    from analysis.engine.passes import Resume, can_resume, run_pass
+    from analysis.causal.conditions import baseline_pass
 
     model = family_bridge("llama")
     toks = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ import torch
 from sklearn.decomposition import PCA
 
 from analysis import ModelContractError, probe_sets
-from analysis.key_manifold import first_key_manifold
+from analysis.chain.key_manifold import first_key_manifold
 from tests.planted import SINK_LAYERS, SPIKE_DIMS, planted, planted_model, planted_nospike, planted_tokens  # noqa: F401
 from tests.conftest import cpu_cache
 

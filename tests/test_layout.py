@@ -15,7 +15,7 @@ import tokenize
 from pathlib import Path
 
 import analysis
-from analysis.results import Result
+from analysis.core.results import Result
 
 ROOT = Path(analysis.__file__).resolve().parent
 PACKAGE = "analysis"
@@ -151,10 +151,10 @@ def _cycle_text(graph, comp: set[str]) -> str:
 def test_the_layout_reader_sees_in_function_imports():
     """The reader finds what it must: hooks' imports at the top, a lazy import in models, the implicit package."""
     graph = _graph()
-    assert "analysis.families" in graph["analysis.hooks"] and not graph["analysis.hooks"]["analysis.families"][1]
-    assert graph["analysis.models"]["analysis.train"][1]  # load_reference: inside load_model
-    assert "analysis.train" in graph["analysis.probes"]  # importing analysis.train.data runs analysis/train/__init__
-    assert "analysis" not in graph["analysis.hooks"]  # the package being imported around it is no edge
+    assert "analysis.model.families" in graph["analysis.model.hooks"] and not graph["analysis.model.hooks"]["analysis.model.families"][1]
+    assert graph["analysis.model.loading"]["analysis.model.reference.checkpoint"][1]  # load_reference: inside load_model
+    assert "analysis.model.reference" in graph["analysis.model.probes"]  # importing its data module runs its __init__
+    assert "analysis" not in graph["analysis.model.hooks"]  # the package being imported around it is no edge
 
 
 def test_no_import_circle_among_the_package_modules():
@@ -386,3 +386,38 @@ def test_every_public_function_of_the_package_documents_its_parameters():
     missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
                if inspect.isfunction(obj) and (lack := _documented(obj))}
     assert not missing, f"public functions whose docstring lacks a section or a parameter: {missing}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The tree draws the pipeline: each subpackage imports only those below it
+# ----------------------------------------------------------------------------------------------
+
+# Bottom to top. A module of one floor may import its own floor and the floors below, never one above (in-function
+# imports counted). The top-level ``analysis`` package and its ``__main__`` (the CLI) stand above them all.
+FLOORS = ("core", "model", "engine", "sinks", "chain", "positions", "causal", "dynamics", "train", "streaming",
+          "figures", "report")
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] not in FLOORS:
+        return len(FLOORS)  # analysis itself, analysis.__main__
+    return FLOORS.index(parts[1])
+
+
+def test_every_module_lives_in_a_floor():
+    loose = sorted(m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in FLOORS + ("__main__",))
+    assert not loose, f"modules outside the pipeline's subpackages {FLOORS}: {loose}; move each into the floor it serves"
+
+
+def test_no_import_runs_up_the_pipeline():
+    graph = _graph()
+    up = [f"{m} (line {line}{', in a function' if lazy else ''}) imports {t}, a floor above it"
+          for m, targets in sorted(graph.items()) for t, (line, lazy) in sorted(targets.items())
+          if _floor(t) > _floor(m)]
+    assert not up, "imports running up the pipeline " + " < ".join(FLOORS) + ":\n" + "\n".join(up)
+
+
+def test_the_floor_checker_sees_an_upward_import():
+    assert _floor("analysis.core.io") < _floor("analysis.model.hooks") < _floor("analysis.report.build")
+    assert _floor("analysis") == _floor("analysis.__main__") == len(FLOORS)

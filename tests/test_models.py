@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from analysis import ModelNotFoundError, available_models, load_model, rotary_base, sink_metric
-from analysis.models import DEFAULT_MODEL
+from analysis.model.loading import DEFAULT_MODEL
 
 
 def test_available_models_lists_the_embedded_default():
@@ -80,8 +80,8 @@ def test_loaded_models_carry_their_family(smollm2):
 
 
 def test_reference_models_carry_their_family():
-    from analysis.families import FamilySpec
-    from analysis.models import model_names
+    from analysis.model.families import FamilySpec
+    from analysis.model.loading import model_names
 
     assert "synthetic-softmax" in model_names()  # shipped in data/reference
     model = load_model("synthetic-softmax", device="cpu")
@@ -95,7 +95,7 @@ def test_bridge_hf_boots_a_model_built_in_memory_offline(tiny_llama_dir, tiny_ll
     same sink as the same weights loaded from a folder; no tokenizer is a clear error, never a hub lookup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from analysis.models import bridge_hf
+    from analysis.model.loading import bridge_hf
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)

@@ -8,9 +8,9 @@ import torch
 from tests.planted import KEY_DIM, SPIKE_DIMS, SPIKE_GAIN, planted, planted_ln_model, planted_nospike, planted_tokens  # noqa: F401
 
 from analysis import ModelContractError
-from analysis.key_path import key_path
-from analysis.norm_gain import norm_gain_trace
-from analysis.rotary import rotate
+from analysis.model.key_path import key_path
+from analysis.chain.norm_gain import norm_gain_trace
+from analysis.model.rotary import rotate
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +171,8 @@ def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monk
 @pytest.mark.parametrize("norm, pe", [("RMS", "rotary"), ("LN", "rotary"), ("LN", "none")])
 def test_reference_models(norm, pe, device):
     """This package's own HookedRootModule models (analysis.train), with the same planted spike hooks."""
-    from analysis.train.config import ModelConfig
-    from analysis.train.model import SinkLM
+    from analysis.model.reference.config import ModelConfig
+    from analysis.model.reference.sink_lm import SinkLM
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike
 
     torch.manual_seed(0)
@@ -190,8 +190,8 @@ def test_reference_models(norm, pe, device):
 def test_post_norm_reference_model_traces_the_raw_residual_into_w_k(device):
     """A post-norm block (norm after attention, like OLMo-2) feeds attention the raw residual: the trace follows
     h -> W_K with no gain (norm kind 'none'), and its rebuilt keys equal the model's."""
-    from analysis.train.config import ModelConfig
-    from analysis.train.model import SinkLM
+    from analysis.model.reference.config import ModelConfig
+    from analysis.model.reference.sink_lm import SinkLM
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike
 
     torch.manual_seed(0)

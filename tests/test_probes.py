@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from analysis import make_probe, natural_probe, probe_sets, random_probe, repeated_probe, text_probe
-from analysis.probes import hf_dataset_texts, stdlib_texts
+from analysis.model.probes import hf_dataset_texts, stdlib_texts
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from analysis import profile
-from analysis.conditions import baseline_pass, run_condition
-from analysis.hooks import ModelContractError, act_name, kv_view, per_query_head
-from analysis.interventions import spike_ablation, value_ablation
-from analysis.key_manifold import first_key_manifold
-from analysis.massive import massive_activations
-from analysis.passes import Accumulator, LayerCollector, run_pass
-from analysis.qk import qk_angles
-from analysis.sink import sink_metric
-from analysis.values import value_norms
+from analysis.causal.conditions import baseline_pass, run_condition
+from analysis.model.hooks import ModelContractError, act_name, kv_view, per_query_head
+from analysis.causal.interventions import spike_ablation, value_ablation
+from analysis.chain.key_manifold import first_key_manifold
+from analysis.chain.massive import massive_activations
+from analysis.engine.passes import Accumulator, LayerCollector, run_pass
+from analysis.chain.qk import qk_angles
+from analysis.sinks.metric import sink_metric
+from analysis.chain.values import value_norms
 from tests.planted import planted, planted_tokens  # noqa: F401
 
 
@@ -49,7 +49,7 @@ def test_profile_equals_each_analysis_alone(planted, probes, prof):
 
 def test_profile_spike_origin_equals_the_analysis_alone(planted, probes, prof):
     """The origin fed by the profile pass (spike dims from its massive activations) equals spike_origin run alone."""
-    from analysis.spike_writers import spike_origin
+    from analysis.chain.spike_writers import spike_origin
 
     alone = spike_origin(planted, probes["natural"], batch_size=4)
     assert prof.origin.dims == alone.dims == planted.planted.spike_dims
@@ -115,7 +115,7 @@ def test_joint_reducer_hands_one_layer_over_together(planted):
 def test_accumulators_of_one_layer_share_its_unit_vectors(planted):
     """Two accumulators fed the same layer get one LayerActs scratch: ``units`` of the same key tensor is computed
     once (the same objects) and equals unit_vectors."""
-    from analysis.stats import unit_vectors
+    from analysis.core.stats import unit_vectors
 
     class Units(Accumulator):
         def __init__(self):
@@ -186,7 +186,7 @@ def test_layer_collector_stacks_batches_and_names_missing_layers():
 
 
 def test_checkpoint_layers_fit_the_budget():
-    from analysis.passes import checkpoint_layers, resume_from
+    from analysis.engine.passes import checkpoint_layers, resume_from
 
     mib = 2**20
     assert checkpoint_layers(30, 4 * mib, 256) == list(range(1, 30))  # all 29 fit (116 MiB)
@@ -203,7 +203,7 @@ def test_checkpoint_layers_fit_the_budget():
 def test_profile_keeps_the_residual_its_passes_resume_from(planted, probes, prof):
     """Profile.resid equals the residual entering each block (a capture pass of its own), the baseline carries it,
     and a small budget keeps every s-th block."""
-    from analysis.passes import ResidCapture
+    from analysis.engine.passes import ResidCapture
 
     nat = probes["natural"]
     n = planted.cfg.n_layers
@@ -224,7 +224,7 @@ def test_passes_resume_at_the_last_kept_block_and_equal_whole_passes(planted, pr
     import dataclasses
     import warnings
 
-    from analysis.norm_gain import norm_gain_trace
+    from analysis.chain.norm_gain import norm_gain_trace
 
     nat = probes["natural"]
     calls = []

@@ -3,7 +3,7 @@ import torch
 import pytest
 
 from analysis import probe_sets, sink_metric
-from analysis.qk import qk_angles
+from analysis.chain.qk import qk_angles
 from tests.conftest import cpu_cache
 
 
@@ -44,7 +44,7 @@ def test_real_model_first_key_is_closer_in_angle_in_sink_heads(smollm2):
 
 def test_models_without_rotary_read_the_unrotated_hooks(device):
     """Reference models list hook_rot_q/k even with NoPE (they never fire there): use hook_q/hook_k."""
-    from analysis.qk import qk_hook_names
+    from analysis.chain.qk import qk_hook_names
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError
-from analysis.report import LINKS, SECTIONS, ReportError, build_report
+from analysis.report.build import LINKS, SECTIONS, ReportError, build_report
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike  # noqa: F401
 
 
@@ -150,7 +150,7 @@ def test_model_without_norm_gain(tmp_path, device):
 
 # What breaks -> (object to patch, attribute, the error it raises, the ReportError message, report.json's "errors").
 BROKEN = {
-    "section": ("analysis.values:ValueNorms", "to_dict", RuntimeError("boom"),
+    "section": ("analysis.chain.values:ValueNorms", "to_dict", RuntimeError("boom"),
                 r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)", {"value_norms": ["RuntimeError: boom"]}),
     "figure": ("analysis.figures.sink", "plot_sink_by_layer", ValueError("no axes"),
                r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)",
@@ -199,7 +199,7 @@ def test_the_cli_exits_non_zero_when_the_report_fails(monkeypatch, tmp_path, cap
 
 
 def test_a_missing_module_is_left_out_and_said(planted, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "analysis.interventions", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "analysis.causal.interventions", None)  # import now raises ImportError
     build_report(planted, tmp_path, n=4, T=16, sections=["interventions"])
     d = _strict_json(tmp_path / "report.json")
     assert d["sections"]["interventions"]["available"] is False

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from analysis import probe_sets, sink_metric
-from analysis.sink import SinkResult, alpha_from_pattern, sink_table
+from analysis.sinks.metric import SinkResult, alpha_from_pattern, sink_table
 from tests.conftest import cpu_cache
 
 

@@ -2,9 +2,9 @@
 import pandas as pd
 import pytest
 
-from analysis.probes import natural_probe
-from analysis.sink import sink_metric
-from analysis.sink_context import SinkContext, committed_sink_context, load_sink_context, sink_vs_context
+from analysis.model.probes import natural_probe
+from analysis.sinks.metric import sink_metric
+from analysis.positions.context_length import SinkContext, committed_sink_context, load_sink_context, sink_vs_context
 
 WORDS = [" ".join(f"w{3 + (7 * i + j) % 90}" for j in range(200)) for i in range(5)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError, load_model, probe_sets
-from analysis.sink_gate import (
+from analysis.causal.dormant_heads import (
     attribution_check,
     copy_queries,
     dormant_heads,
@@ -121,7 +121,7 @@ def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks, de
         assert chk.exact.shape == (2, N, T - 4)
         assert p["pearson_r"] > 0.98 and p["relative_error"] < 0.2, p
     # the exact pass by hand for one (sequence, query): the summed loss with z zeroed there, minus without
-    from analysis.sink_gate import sequence_losses
+    from analysis.causal.dormant_heads import sequence_losses
 
     def zero(x, hook):  # query 5 of head 2 in every sequence: the sequences do not see each other
         x = x.clone()
@@ -157,7 +157,7 @@ def test_attribution_against_exact_removal_on_smollm2(smollm2):
 def test_reference_models(name, device):
     """Softmax sinks on BOS and its copy head sinks less where it must copy; sigmoid has no sink but a total weight
     that follows the output norm; the slot models sink onto their slot."""
-    from analysis.probes import task_probe_sets
+    from analysis.model.probes import task_probe_sets
 
     model = load_model(name, device=device)
     toks = task_probe_sets(model, n=8, T=64)["natural"].tokens

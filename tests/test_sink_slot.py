@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from analysis.sink import sink_metric
+from analysis.sinks.metric import sink_metric
 from analysis.train import ModelConfig, SinkLM
 
 

@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from analysis.first_token_cause import why_first_token
-from analysis.probes import probe_sets
-from analysis.writer_cuts import spike_cuts
-from analysis.spike_writers import spike_origin
+from analysis.chain.first_token_cause import why_first_token
+from analysis.model.probes import probe_sets
+from analysis.causal.writer_cuts import spike_cuts
+from analysis.chain.spike_writers import spike_origin
 from tests.conftest import tol
 
 N, T = 6, 48
@@ -137,7 +137,7 @@ def test_the_reference_model_spike_is_its_bos_embedding(device):
     """The 1-layer softmax reference: BOS's embedding carries the spike (100x its own median, notebook 07's
     criterion); the analysis names the embedding, no neuron, and BOS later in the sequence carries it too."""
     from analysis import load_model
-    from analysis.probes import model_probe_sets
+    from analysis.model.probes import model_probe_sets
 
     model = load_model("synthetic-softmax", device=device)
     toks = model_probe_sets(model, n=8, T=32)["natural"].tokens
@@ -152,7 +152,7 @@ def test_the_reference_model_spike_is_its_bos_embedding(device):
 
 def test_no_spike_nothing_to_trace(device):
     from analysis import load_model
-    from analysis.probes import model_probe_sets
+    from analysis.model.probes import model_probe_sets
 
     model = load_model("synthetic-sigmoid", device=device)
     toks = model_probe_sets(model, n=8, T=32)["natural"].tokens

@@ -14,8 +14,8 @@ from analysis.streaming import Policy, StreamingCache, run_policies, streaming_p
 from analysis.streaming.cache import rope_spec
 from analysis.streaming.reference import ReferenceLM
 from analysis.train import TrainConfig, train
-from analysis.train.config import ModelConfig
-from analysis.train.model import SinkLM
+from analysis.model.reference.config import ModelConfig
+from analysis.model.reference.sink_lm import SinkLM
 from tests.conftest import tol
 from tests.test_streaming import POLICIES, naive_logits
 
@@ -161,10 +161,10 @@ COMMITTED = ["synthetic-softmax", "synthetic-sink-token", "synthetic-kv-bias"]
 def test_committed_reference_run_reproduces_on_its_first_tokens(name):
     """The committed full run (data/streaming/reference-NAME.json) re-run on its first 400 tokens with the same
     command: the stream is the same prefix and every policy's per-position NLL matches to 1e-4."""
-    from analysis.models import REPO_ROOT
+    from analysis.core.io import DATA_DIR
     from analysis.streaming import StreamResult
 
-    full = StreamResult.load(REPO_ROOT / "data" / "streaming" / f"reference-{name}.json")
+    full = StreamResult.load(DATA_DIR / "streaming" / f"reference-{name}.json")
     n = 400
     sinks = sorted({r.policy.sinks for r in full.runs if r.policy.kind in ("window", "sinks") and r.policy.bits is None
                     and r.policy.sink_tokens == "first"})

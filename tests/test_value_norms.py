@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis import ModelContractError, probe_sets, sink_metric
-from analysis.values import correlation, value_norms
+from analysis.chain.values import correlation, value_norms
 from tests.planted import SINK_LAYERS, planted, planted_model, planted_nospike, planted_tokens  # noqa: F401
 from tests.conftest import cpu_cache
 
@@ -126,7 +126,7 @@ def test_bad_arguments(planted, tokens):
         value_norms(planted, tokens[:, :1])
     with pytest.raises(ValueError, match="must be a SinkResult"):
         value_norms(planted, tokens, sink={"alpha": 1})
-    from analysis.sink import SinkResult
+    from analysis.sinks.metric import SinkResult
 
     with pytest.raises(ValueError, match="has 3 layers x 4 heads but the model has 4 x 4"):
         value_norms(planted, tokens, sink=SinkResult(torch.rand(2, 3, 4, 1), eps=0.3, T=24))

@@ -1,4 +1,4 @@
-"""Figure of the order in which the sink's chain forms during training (``analysis.train.formation``)."""
+"""Figure of the order in which the sink's chain forms during training (``analysis.dynamics.formation``)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 
 from analysis.figures.layout import place_axes, set_log_scale, set_title
-from analysis.train.formation import ONSETS, FormationOrder
+from analysis.dynamics.formation import ONSETS, FormationOrder
 
 # The links drawn by default, in the order of the chain, with their axis titles.
 FIGURE_LINKS: dict[str, str] = {

@@ -1,12 +1,12 @@
-"""Figures for the causal tests (``analysis.interventions``)."""
+"""Figures for the causal tests (``analysis.causal.interventions``)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.conditions import WHERE_KEYS
+from analysis.causal.conditions import WHERE_KEYS
 from analysis.figures.layout import place_axes, set_title
-from analysis.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
+from analysis.causal.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}
 

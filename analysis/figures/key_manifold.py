@@ -1,12 +1,12 @@
-"""Figures for the first-key manifold (``analysis.key_manifold``)."""
+"""Figures for the first-key manifold (``analysis.chain.key_manifold``)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.defaults import SINK_MIN_ALPHA
+from analysis.core.defaults import SINK_MIN_ALPHA
 from analysis.figures.layout import flat_bars, place_axes, set_title
-from analysis.key_manifold import KeyManifold
+from analysis.chain.key_manifold import KeyManifold
 
 
 def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:

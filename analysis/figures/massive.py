@@ -1,4 +1,4 @@
-"""Figures for massive activations (``analysis.massive``)."""
+"""Figures for massive activations (``analysis.chain.massive``)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.colors import LogNorm
 
 from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, set_log_scale, set_title
-from analysis.massive import ActivationMap, MassiveActivations
+from analysis.chain.massive import ActivationMap, MassiveActivations
 
 
 def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | None = None):

@@ -1,11 +1,11 @@
-"""Figures for norm-gain tracing (``analysis.norm_gain``)."""
+"""Figures for norm-gain tracing (``analysis.chain.norm_gain``)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
-from analysis.norm_gain import NormGainTrace
+from analysis.chain.norm_gain import NormGainTrace
 
 
 def plot_stage_shares(trace: NormGainTrace, *, ax=None):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from analysis.figures.layout import new_or_given, place_axes, set_title
-from analysis.qk import QKAngles
-from analysis.sink import SinkResult
+from analysis.chain.qk import QKAngles
+from analysis.sinks.metric import SinkResult
 
 
 def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):

@@ -1,10 +1,10 @@
-"""Figures for value norms (``analysis.values``)."""
+"""Figures for value norms (``analysis.chain.values``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
-from analysis.values import ValueNorms
+from analysis.chain.values import ValueNorms
 
 
 def plot_value_norms(vn: ValueNorms, *, ax=None):

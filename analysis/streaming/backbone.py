@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.models import (
+from analysis.model.loading import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     _is_reference,

@@ -1,4 +1,4 @@
-"""A long offline token stream: standard-library docstrings (``analysis.probes.stdlib_texts``, about 63k
+"""A long offline token stream: standard-library docstrings (``analysis.model.probes.stdlib_texts``, about 63k
 SmolLM2 tokens) in a seeded order, separated by blank lines. The record says how to rebuild it."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.probes import STDLIB_MODULES, stdlib_texts
+from analysis.model.probes import STDLIB_MODULES, stdlib_texts
 
 
 @dataclass
@@ -62,7 +62,7 @@ def stdlib_stream(tokenizer, n_tokens: int, *, seed: int = 0) -> TokenStream:
     if len(ids) < n_tokens:
         raise ValueError(f"the offline docstring corpus has only {len(ids)} tokens for this tokenizer; "
                          f"ask for at most that many (got {n_tokens}), or pass your own token ids.")
-    src = f"docstrings of {len(STDLIB_MODULES)} standard-library modules (analysis.probes.stdlib_texts), shuffled with seed {seed}, joined by blank lines"
+    src = f"docstrings of {len(STDLIB_MODULES)} standard-library modules (analysis.model.probes.stdlib_texts), shuffled with seed {seed}, joined by blank lines"
     return TokenStream(torch.tensor(ids[:n_tokens], dtype=torch.long), src, seed)
 
 
@@ -104,8 +104,8 @@ def task_stream(model, n_tokens: int, *, seed: int = 0) -> TokenStream:
     from dataclasses import replace
 
     # lazy for import time: analysis.train loads transformer_lens (~0.7 s beside transformers), for reference models only
-    from analysis.train.config import TrainConfig
-    from analysis.train.data import build_data
+    from analysis.model.reference.config import TrainConfig
+    from analysis.model.reference.data import build_data
 
     cfg = getattr(model, "reference_config", None) or {}
     train = cfg.get("train") or {}

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from analysis.families import attention_implementation
-from analysis.memory import peak_mib, reset_peak
+from analysis.model.families import attention_implementation
+from analysis.core.memory import peak_mib, reset_peak
 from analysis.streaming.backbone import context_length, n_layers
 from analysis.streaming.attention import NAME as ATTENTION
 from analysis.streaming.attention import ShareRecorder, recording

@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.io import write_atomic
+from analysis.core.io import write_atomic
 from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
-from analysis.versions import package_versions
+from analysis.core.versions import package_versions
 
 
 def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),

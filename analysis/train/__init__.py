@@ -11,11 +11,11 @@ the hook names of ``TransformerBridge``, so every analysis of this package runs 
 
 See docs/training.md.
 """
-from analysis.train.attention import AttentionOp, available_attention, register
-from analysis.train.checkpoint import CheckpointError, load_reference
-from analysis.train.config import ModelConfig, TrainConfig
-from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate
-from analysis.train.model import SinkLM
+from analysis.model.reference.attention import AttentionOp, available_attention, register
+from analysis.model.reference.checkpoint import CheckpointError, load_reference
+from analysis.model.reference.config import ModelConfig, TrainConfig
+from analysis.dynamics.metrics import first_token_stats, sink_rate, slot_sink_rate
+from analysis.model.reference.sink_lm import SinkLM
 from analysis.train.presets import PRESETS
 from analysis.train.trainer import train
 

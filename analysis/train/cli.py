@@ -18,8 +18,8 @@ import sys
 import typing
 from typing import Optional, Sequence
 
-from analysis.train.attention import available_attention
-from analysis.train.config import ModelConfig, TrainConfig
+from analysis.model.reference.attention import available_attention
+from analysis.model.reference.config import ModelConfig, TrainConfig
 from analysis.train.presets import PRESETS, build_configs
 from analysis.train.sweep import run_sweep
 from analysis.train.trainer import train

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from analysis.train.config import ModelConfig, TrainConfig, split_overrides
+from analysis.model.reference.config import ModelConfig, TrainConfig, split_overrides
 
 PRESETS: dict[str, dict] = {
     "synthetic": dict(

@@ -24,12 +24,11 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from analysis.io import write_atomic
-from analysis.train.checkpoint import read_json
+from analysis.core.io import EMERGENCE_DIR, write_atomic
+from analysis.model.reference.checkpoint import read_json
 from analysis.train.presets import build_configs
 from analysis.train.trainer import train
 
-EMERGENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "emergence"  # the committed grids
 
 METRICS = ("loss", "val_loss", "sink_1", "sink_k", "sink_slot", "sink_prefix", "sink_1_no_fixed",
            "val_loss_no_fixed", "sink_1_in_window", "sink_window_start", "spike_ratio", "value_norm_ratio", "resid_norm_ratio", "raw_first_mass")

@@ -1,6 +1,6 @@
 """The training loop: AdamW, warm-up + cosine/constant schedule, clipping, bf16 autocast on CUDA,
 optional torch.compile, DistributedDataParallel under ``torchrun``, a JSONL log with the sink metric,
-and atomic, resumable checkpoints (see ``analysis.train.checkpoint``).
+and atomic, resumable checkpoints (see ``analysis.model.reference.checkpoint``).
 
 Typical use::
 
@@ -25,19 +25,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from analysis.io import write_atomic
-from analysis.sink import sink_metric
-from analysis.train.checkpoint import (
+from analysis.core.io import write_atomic
+from analysis.sinks.metric import sink_metric
+from analysis.model.reference.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     save_reference,
 )
-from analysis.train.config import ModelConfig, TrainConfig, snapshot_steps
-from analysis.train.data import build_data, load_tokenizer_file
-from analysis.train.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
-from analysis.train.model import SinkLM
+from analysis.model.reference.config import ModelConfig, TrainConfig, snapshot_steps
+from analysis.model.reference.data import build_data, load_tokenizer_file
+from analysis.dynamics.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
+from analysis.model.reference.sink_lm import SinkLM
 from analysis.train.presets import config_to_args
 
 # Train options that decide which batches a run sees: a resumed run must keep them.

@@ -30,7 +30,7 @@ grep -v '^\s*#' scripts/gpu/wheels.txt | grep -v '^\s*$' | while read -r spec; d
 done
 
 # 2. the GGUF file in parts, with the whole file's sha256.
-gguf=$("$PY" -c 'from analysis.models import smollm2_gguf_path; print(smollm2_gguf_path())')
+gguf=$("$PY" -c 'from analysis.model.loading import smollm2_gguf_path; print(smollm2_gguf_path())')
 rm -f "$OUTDIR"/smollm2/part-*
 head -c "$((FIRST_MIB * 1024 * 1024))" "$gguf" > "$OUTDIR/smollm2/part-0"
 tail -c "+$((FIRST_MIB * 1024 * 1024 + 1))" "$gguf" | split -b "${PART_MIB}M" -d -a 1 --numeric-suffixes=1 - "$OUTDIR/smollm2/part-"

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from analysis.train.data import stdlib_docstrings, tokenize_docs, train_bpe  # noqa: E402
+from analysis.model.reference.data import stdlib_docstrings, tokenize_docs, train_bpe  # noqa: E402
 
 
 def main(argv=None) -> dict:

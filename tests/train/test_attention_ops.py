@@ -294,7 +294,7 @@ def test_sink_token_equals_prepending_a_token(device):
 
 
 def test_alibi_and_relative_bias_match_naive(device):
-    from analysis.train.positions import alibi_slopes
+    from analysis.model.reference.positions import alibi_slopes
 
     model = build("softmax", device, positional_embedding_type="alibi")
     q, k, v, got = capture(model, TOKENS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis.train import TrainConfig
-from analysis.train.data import PackedCorpus, SyntheticBigramCopy, build_data, stdlib_docstrings, train_bpe
+from analysis.model.reference.data import PackedCorpus, SyntheticBigramCopy, build_data, stdlib_docstrings, train_bpe
 
 
 def synthetic(**kw):

@@ -1,4 +1,4 @@
-"""The chain along training (analysis.train.formation): one row per snapshot and link, the final model's values
+"""The chain along training (analysis.dynamics.formation): one row per snapshot and link, the final model's values
 those of mechanism_chain on the same probe, onsets that are the first snapshot meeting their criterion, NaN where
 no sink head exists, and the figure."""
 import json
@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis.stats import one_thread
+from analysis.core.stats import one_thread
 from analysis.train import CheckpointError, ModelConfig, SinkLM, TrainConfig, load_reference, train
-from analysis.train.checkpoint import save_reference
-from analysis.train.compare import mechanism_chain
-from analysis.train.data import build_data
-from analysis.train.formation import LINKS, ONSETS, Criterion, formation_order, onset_table, run_models
+from analysis.model.reference.checkpoint import save_reference
+from analysis.dynamics.compare import mechanism_chain
+from analysis.model.reference.data import build_data
+from analysis.dynamics.formation import LINKS, ONSETS, Criterion, formation_order, onset_table, run_models
 from analysis.train.presets import build_configs
 
 matplotlib.use("Agg")
@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
     m, t = build_configs("induction", dict(steps=200, d_model=32, d_mlp=64, n_heads=2, batch_size=16, warmup_steps=20,
                                            snapshots=",".join(map(str, STEPS)), eval_every=0, checkpoint_every=0,
                                            log_every=50, out=str(out), progress=False, device="cpu"))
-    with one_thread():  # a second thread only waits on a busy machine (analysis.stats.one_thread)
+    with one_thread():  # a second thread only waits on a busy machine (analysis.core.stats.one_thread)
         train(m, t)
     return out
 
@@ -176,7 +176,7 @@ def test_the_figure_draws_every_link(result):
 
 
 def test_a_saved_formation_loads_back_with_the_same_tables_and_text(sink_result, tmp_path):
-    from analysis.train.formation import load_formation, save_formation
+    from analysis.dynamics.formation import load_formation, save_formation
 
     save_formation(sink_result, tmp_path / "f")
     back = load_formation(tmp_path / "f")

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.massive import spike_criterion
-from analysis.probes import task_probe_sets
-from analysis.spike_writers import spike_origin
+from analysis.chain.massive import spike_criterion
+from analysis.model.probes import task_probe_sets
+from analysis.chain.spike_writers import spike_origin
 from analysis.train import ModelConfig, TrainConfig
-from analysis.train.compare import mechanism_chain
-from analysis.train.formation import load_formation
+from analysis.dynamics.compare import mechanism_chain
+from analysis.dynamics.formation import load_formation
 from analysis.train.sweep import load_sweep
 from analysis.train.trainer import train
-from analysis.writer_cuts import spike_cuts
+from analysis.causal.writer_cuts import spike_cuts
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "data" / "emergence" / "induction"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analysis.train import ModelConfig, SinkLM, TrainConfig
-from analysis.train.data import build_data
+from analysis.model.reference.data import build_data
 
 
 def dependence(model: SinkLM, tokens: torch.Tensor) -> torch.Tensor:

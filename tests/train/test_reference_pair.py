@@ -2,7 +2,7 @@
 grows an attention sink on the first token and sigmoid attention without normalisation does not.
 
 The pair is trained here with the ``synthetic`` preset (the reference configuration) shortened to
-CI_STEPS steps, and measured with the package's sink metric (``analysis.sink.sink_metric``) on a
+CI_STEPS steps, and measured with the package's sink metric (``analysis.sinks.metric.sink_metric``) on a
 held-out probe. The committed reference models in data/reference/ are checked the same way.
 """
 import json
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis.sink import sink_metric
+from analysis.sinks.metric import sink_metric
 from analysis.train import TrainConfig, first_token_stats, load_reference, train
 from analysis.train.presets import build_configs
-from analysis.train.data import SyntheticBigramCopy
+from analysis.model.reference.data import SyntheticBigramCopy
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "data" / "reference"
@@ -111,7 +111,7 @@ def test_committed_reference_models(name, device):
 
 
 def test_analysis_load_model_lists_and_loads_the_references(device):
-    models = pytest.importorskip("analysis.models")
+    models = pytest.importorskip("analysis.model.loading")
     if not (REFERENCE / "synthetic-softmax").is_dir():
         pytest.skip("reference models not present")
     names = [m.name for m in models.available_models()]

@@ -56,7 +56,7 @@ def test_lr_schedule():
 
 
 def test_weight_decay_groups():
-    from analysis.train.model import SinkLM
+    from analysis.model.reference.sink_lm import SinkLM
     from analysis.train.trainer import param_groups
 
     model = SinkLM(ModelConfig(**TINY_MODEL))
@@ -305,7 +305,7 @@ def test_sweep_writes_one_table(tmp_path, capsys):
 
 
 def test_snapshots_keep_the_weights_along_training(tmp_path):
-    from analysis.train.config import snapshot_steps
+    from analysis.model.reference.config import snapshot_steps
 
     assert snapshot_steps("log:4", 1000) == [10, 46, 215, 1000]
     assert snapshot_steps("3,1, 12", 12) == [1, 3, 12] and snapshot_steps(None, 12) == []

@@ -1,0 +1,429 @@
+"""The condition runner of the causal tests: one streamed pass under intervention hooks, and the shared baseline.
+
+``run_condition(model, tokens, hooks=hooks)`` runs one pass with intervention hooks (functions returning the changed
+activation) and folds the attention into per-(sample, layer, head) alpha, the attention shares of later queries on
+the first key, the previous key, themselves and the rest (``where_shares``), and the next-token loss: a
+:class:`PassResult`. The unchanged model's pass, the :class:`Baseline`, also records what the ablations of
+``analysis.causal.interventions`` need (the first token's residual stream, the value statistics of every head): it is
+computed once and shared (``baseline_pass``, or ``analysis.profile``), and a condition pass resumes at the last block
+before its hooks whose input the baseline kept (``Baseline.resid``).
+
+Every family: the attention is read on the attention layers only (``attention_layers_of``: a hybrid's
+linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from analysis.model.hooks import act_name, attention_layers_of, check_tokens, hook_layer, kv_view, model_dims, per_query_head, skipped_note
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
+from analysis.core.results import LayerAxis
+from analysis.sinks.metric import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
+
+WHERE_KEYS = ("first", "previous", "self", "other")
+K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
+LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-softmax is never built for a whole batch)
+
+# ----------------------------------------------------------------------------------------------
+# One streamed pass under interventions
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PassResult(LayerAxis):
+    """What one pass over the tokens leaves: alpha per (sample, layer, head, key), attention shares, loss.
+
+    The layer axis L runs over ``layers``, the true indices of the attention layers (all layers but a hybrid's
+    linear-attention / Mamba layers, which ``skipped`` names).
+
+    Attributes
+    ----------
+    alpha : torch.Tensor, shape (N, L, H, K)
+        alpha_k for keys 1..K = k_max.
+    where : torch.Tensor, shape (L, H, 4)
+        The mean attention share of queries t >= 3 on the first, previous, own and other keys.
+    loss : float
+        The mean next-token loss over every position.
+    eps : float
+        The sink threshold.
+    T : int
+        The sequence length.
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    skipped : str
+        The layers left out (not attention layers), in one sentence; "" when none.
+    """
+
+    alpha: torch.Tensor  # (N, L, H, K)
+    where: torch.Tensor  # (L, H, 4) mean attention share of queries t >= 3 on first/previous/self/other keys
+    loss: float
+    eps: float
+    T: int
+    layers: list[int] | None = None  # true layer index of each position on the L axis (None: 0..L-1)
+    skipped: str = ""
+
+    def __post_init__(self):
+        self.layers = list(range(self.alpha.shape[1])) if self.layers is None else [int(l) for l in self.layers]
+
+    def sink(self, model_name=None, kind=None) -> SinkResult:
+        return SinkResult(self.alpha, self.eps, self.T, model_name, kind, layers=self.layers, skipped=self.skipped)
+
+    def sink_rate(self, k: int = 1) -> float:
+        return float((self.alpha[..., k - 1] > self.eps).float().mean() * 100)
+
+    def sink_per_layer(self, k: int = 1) -> torch.Tensor:
+        return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
+
+
+def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROWS) -> float:
+    """Summed next-token cross-entropy, a few sequences at a time (peak memory: one chunk's log-softmax, not the whole
+    batch's).
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, V)
+    tokens : torch.Tensor, shape (B, T)
+    rows : int
+        Sequences per chunk.
+
+    Returns
+    -------
+    float
+        The sum over the B (T - 1) predictions.
+    """
+    total = 0.0
+    for i in range(0, logits.shape[0], rows):
+        lg = logits[i : i + rows, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1),
+                                                         reduction="sum"))
+    return total
+
+
+def where_shares(pattern: torch.Tensor) -> torch.Tensor:
+    """Attention shares of queries t >= 3 (1-based) on the first key, the previous key, itself and the rest.
+
+    The four categories are disjoint and sum to 1 for every query.
+
+    Parameters
+    ----------
+    pattern : torch.Tensor, shape (B, H, T, T)
+        Attention probabilities.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, 4)
+        Summed over those queries (divide by T - 2 for the mean).
+    """
+    T = pattern.shape[-1]
+    p = pattern[..., 2:, :].float()  # queries t = 2..T-1 (0-based)
+    t = torch.arange(2, T, device=pattern.device)
+    first = p[..., 0]
+    prev = p.gather(-1, (t - 1).expand(*p.shape[:-2], -1)[..., None])[..., 0]
+    self_ = p.gather(-1, t.expand(*p.shape[:-2], -1)[..., None])[..., 0]
+    other = p.sum(-1) - first - prev - self_
+    return torch.stack([first, prev, self_, other], -1).sum(-2)
+
+
+class PassAccumulator(Accumulator):
+    """alpha for keys 1..k_max per sample, the attention shares of :func:`where_shares` and the next-token loss, on the
+    attention layers from ``start`` on (a pass resumed at block ``start``).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    T : int
+        The sequence length.
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept.
+    start : int
+        The block the pass starts at.
+    """
+
+    needs_logits = True
+
+    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
+        self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
+        self.layers, self.skipped = [l for l in attention_layers_of(model) if l >= start], skipped_note(model)
+        self.pos = {l: i for i, l in enumerate(self.layers)}
+        self.alpha = LayerCollector(self.layers)
+        self.where = torch.zeros(len(self.layers), model_dims(model).n_heads, 4, dtype=torch.float64)
+        self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
+
+    def hooks(self):
+        return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        p = acts["pattern"]
+        self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
+        if self.T >= 3:
+            self.where[self.pos[layer]] += where_shares(p).double().sum(0).cpu()
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.alpha.end_batch()
+        self.loss_sum += loss_sum(logits, batch.tokens)
+        self.n_pred += batch.size * (batch.tokens.shape[1] - 1)
+        self.n += batch.size
+
+    def result(self) -> PassResult:
+        loss = self.loss_sum / max(self.n_pred, 1) if self.T > 1 else float("nan")
+        return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T,
+                          self.layers, self.skipped)
+
+
+def run_condition(model, tokens, *, hooks=(), eps: float = DEFAULT_EPS, k_max: int = K_MAX,
+                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
+    """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    hooks : sequence of (str, callable)
+        Intervention hooks (functions returning the changed activation).
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    on_batch_start : callable, optional
+        ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
+    baseline : Baseline, optional
+        The unchanged model's pass over these tokens (same batches). Where it holds the residual stream entering a
+        block at or before the first one the hooks touch (``Baseline.resid``), the pass resumes at the last such block:
+        the blocks before it are not run, and their alpha and attention shares, which no hook changes, are the
+        baseline's.
+
+    Returns
+    -------
+    PassResult
+    """
+    tokens = check_tokens(model, tokens)
+    resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
+    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0)
+    run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
+                 resume=resume)[0]
+    return _with_prefix(run, baseline.run) if resume else run
+
+
+def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> Resume | None:
+    """Where a condition pass can resume: the last block the baseline kept the input of (``Baseline.resid``) at or
+    before the first block its hooks touch, if the baseline has alpha for the same keys and eps; None: run the
+    whole model."""
+    layers = [hook_layer(name) for name, _ in hooks]
+    if not hooks or baseline is None or any(l is None or l < 0 for l in layers):
+        return None
+    # a block's output (hook_resid_post) is the next block's input: the block itself runs unchanged
+    first = min(l + name.endswith(".hook_resid_post") for l, (name, _) in zip(layers, hooks))
+    same = baseline.run.eps == eps and baseline.run.alpha.shape[-1] == k_max
+    return resume_from(baseline.resid, first) if same and can_resume(model) else None
+
+
+def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
+    """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
+    early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
+    return PassResult(torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where]), run.loss,
+                      run.eps, run.T, base.layers, base.skipped)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared baseline: the unchanged model, with what each intervention needs from it
+# ----------------------------------------------------------------------------------------------
+
+
+class FirstTokenResidAccumulator(Accumulator):
+    """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the spike
+    ablation sets the spike dims to.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    """
+
+    def __init__(self, model):
+        self.layers = list(range(model_dims(model).n_layers))
+        self.first = LayerCollector(self.layers)
+
+    def hooks(self):
+        return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.first.put(layer, acts["resid"][:, 0].float())
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.first.end_batch()
+
+    def result(self) -> torch.Tensor:
+        return self.first.result()
+
+
+class ValueStatsAccumulator(Accumulator):
+    """Per layer and query head: alpha_1, |v_1|, mean |v_j|, |A[t, 1] v_1| and |z_t| (means over t > 1), and each
+    sample's v_1 (N, H, d) for the leave-one-out mean.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    """
+
+    def __init__(self, model):
+        dims = model_dims(model)
+        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, attention_layers_of(model)
+        self.sums = {l: dict.fromkeys(("a1", "v1", "vj", "contrib", "z"), 0) for l in self.layers}
+        self.v1 = LayerCollector(self.layers)
+        self.n = 0
+
+    def hooks(self):
+        return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        a1 = acts["pattern"][..., 0].float()  # (B, H, T)
+        v = per_query_head(kv_view(acts["v"], self.K), self.H).float()  # (B, T, H, d)
+        v1 = v[:, 0]
+        contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, H, d)
+        s = self.sums[layer]
+        later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(self.H))  # noqa: E731
+        s["a1"] = s["a1"] + a1.mean(-1).sum(0).cpu()
+        s["v1"] = s["v1"] + v1.norm(dim=-1).sum(0).cpu()
+        s["vj"] = s["vj"] + later(v.norm(dim=-1))
+        s["contrib"] = s["contrib"] + later(contrib.norm(dim=-1))
+        s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
+        self.v1.put(layer, v1)
+        if layer == self.layers[0]:
+            self.n += v.shape[0]
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.v1.end_batch()
+
+    def result(self) -> dict:
+        """{"heads": one row per (attention layer, query head), "v1": (N, L, H, d) on the attention layers."""
+        rows = [{"layer": l, "head": h, **{name: float(self.sums[l][key][h] / self.n) for name, key in (
+                    ("alpha_1", "a1"), ("v1_norm", "v1"), ("v_other_norm", "vj"), ("first_contrib_norm", "contrib"),
+                    ("output_norm", "z"))}} for l in self.layers for h in range(self.H)]
+        return {"heads": pd.DataFrame(rows), "v1": self.v1.result()}
+
+
+@dataclass
+class Baseline:
+    """The unchanged model's pass, shared by the interventions.
+
+    Attributes
+    ----------
+    run : PassResult
+        Its alpha, attention shares and loss.
+    first_resid : torch.Tensor, shape (N, L, D)
+        The first token's ``hook_resid_post`` after every block.
+    value_heads : pandas.DataFrame
+        One row per (attention layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|.
+    v1 : torch.Tensor, shape (N, L_attn, H, d)
+        The first token's value per query head (on the attention layers, ``run.layers``).
+    resid : dict of int to torch.Tensor
+        Block -> the residual entering it, (N, T, D) (``passes.ResidCapture``): condition passes resume at the last kept
+        block before their hooks (``run_condition``); optional, ``analysis.profile`` fills it.
+    """
+
+    run: PassResult
+    first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
+    value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
+    v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
+    # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
+
+
+def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Accumulator]:
+    """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    T : int
+        The sequence length.
+    eps : float
+        The sink threshold.
+
+    Returns
+    -------
+    list of Accumulator
+    """
+    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
+            ValueStatsAccumulator(model)]
+
+
+def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
+    """The :class:`Baseline` of the results of :func:`baseline_accumulators`.
+
+    Parameters
+    ----------
+    results : list
+        Their results, in order.
+    resid : dict of int to torch.Tensor, optional
+        Residuals kept by the same pass, {block: (N, T, D)}.
+
+    Returns
+    -------
+    Baseline
+    """
+    run, first, values = results
+    return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
+
+
+def baseline_pass(model, tokens, *, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
+    """One pass of the unchanged model with everything the three interventions need.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    eps : float
+        The sink threshold.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+
+    Returns
+    -------
+    Baseline
+    """
+    tokens = check_tokens(model, tokens)
+    accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
+    return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
+
+
+def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
+    """A given baseline checked against these tokens and eps or, when None, the :func:`baseline_pass` of the tokens.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    baseline : Baseline or None
+    eps : float
+        The sink threshold.
+    batch_size : int or None
+        Sequences per batch.
+
+    Returns
+    -------
+    Baseline
+        ValueError where the given one was run on other tokens or another eps.
+    """
+    if baseline is None:
+        return baseline_pass(model, tokens, eps=eps, batch_size=batch_size)
+    if baseline.run.alpha.shape[0] != tokens.shape[0] or baseline.run.eps != eps:
+        raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
+                         f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")
+    return baseline

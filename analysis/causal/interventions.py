@@ -1,0 +1,776 @@
+"""Causal tests of the sink mechanism: intervene inside the forward pass, measure sink, attention and loss.
+
+- ``spike_ablation``: set the first token's spike dims in the residual stream to zero, or to their mean
+  over the other inputs (leave-one-out), at the layers where they are spikes; compare the sink rate
+  and the loss with the unchanged model (Sun et al.: zero breaks the model, the mean does not).
+- ``value_ablation``: remove the first token's value from the sink heads' outputs
+  (z_t -= A[t, 1] v_1): if the sink is a no-op, the loss hardly moves.
+- ``first_key_ablation``: subtract from the first key its part built by the spike dims
+  (x_1[S] W_K, see ``analysis.chain.norm_gain``); where does the attention go instead (first token, self,
+  previous token, the rest) and does the sink move to another token?
+
+Each condition is one pass of the condition runner (``analysis.causal.conditions.run_condition``): intervention hooks
+change activations, the runner measures the sink, the attention shares and the loss. Each ablation shares the
+unchanged model's pass (``analysis.causal.conditions.Baseline``: ``baseline_pass``, or ``analysis.profile``).
+
+Every family: the attention is read on the attention layers only (``attention_layers_of``: a hybrid's
+linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped); the
+spike edits act on the residual stream; the first key is edited at ``hook_k`` (the linear key, before any q/k
+norm and the rotary, which is the identity at position 0); where ``hook_pattern``
+is read-only (``FamilySpec.pattern_live`` False: GPT-J, OPT, Jamba) the value ablation edits ``hook_v``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Mapping, Sequence
+
+import pandas as pd
+import torch
+
+from analysis.causal.conditions import K_MAX, WHERE_KEYS, Baseline, PassResult, baseline_for, run_condition
+from analysis.core.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
+from analysis.model.families import get_family
+from analysis.model.hooks import (
+    ModelContractError,
+    act_name,
+    attention_layers_of,
+    check_layers,
+    check_tokens,
+    kv_view,
+    model_dims,
+    per_query_head,
+)
+from analysis.core.io import jsonable
+from analysis.model.key_path import key_path
+from analysis.chain.massive import first_token_spike_dims
+from analysis.engine.passes import Batch
+from analysis.core.results import Result, dims_by_layer_text, layer_runs
+from analysis.sinks.metric import DEFAULT_EPS, check_eps
+
+# ----------------------------------------------------------------------------------------------
+# Where the ablations' condition passes resume
+# ----------------------------------------------------------------------------------------------
+
+
+def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
+                  *, min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
+    """The blocks where the condition passes of the three ablations resume (the first block each one's hooks touch): the
+    residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    baseline : analysis.causal.conditions.Baseline
+        The unchanged model's pass (its sink heads decide where ``value_ablation`` starts).
+    spike_dims : mapping of int to sequence of int
+        ``spike_ablation(spike_dims=...)``: {``hook_resid_post`` layer: dims}.
+    input_dims : mapping of int to sequence of int
+        ``first_key_ablation(spike_dims=...)``: {block reading them: dims}.
+    min_share : float
+        The share of samples on which a head's alpha_1 > eps makes it a sink head.
+
+    Returns
+    -------
+    list of int
+    """
+    attn = attention_layers_of(model)
+    heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
+    firsts = [min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
+              min((l for l, _ in heads), default=0),
+              min((int(l) for l, d in input_dims.items() if len(d) and int(l) in attn), default=0)]
+    return sorted({min(l, model_dims(model).n_layers - 1) for l in firsts if l > 0})
+
+
+def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean over the other samples (dim 0)."""
+    return (x.sum(0, keepdim=True) - x) / max(x.shape[0] - 1, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Spike ablation
+# ----------------------------------------------------------------------------------------------
+
+
+def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share):
+    """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
+    D = model_dims(model).d_model
+    if spike_dims is None:
+        return first_token_spike_dims(model, tokens, hook="resid_post", abs_threshold=abs_threshold,
+                                      ratio_threshold=ratio_threshold, min_share=min_share), "found"
+    if not isinstance(spike_dims, Mapping):
+        raise ValueError("spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
+                         "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them.")
+    out = {l: sorted({int(d) for d in spike_dims[l]}) for l in check_layers(model, list(spike_dims))}
+    bad = sorted({d for ds in out.values() for d in ds if not 0 <= d < D})
+    if bad:
+        raise ValueError(f"spike dims {bad} out of range: d_model is {D}.")
+    return {l: d for l, d in out.items() if d}, "given"
+
+
+def _appear_layers(spikes: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Keep each dim only at the first layer of each run of consecutive layers where it is a spike."""
+    out: dict[int, list[int]] = {}
+    for l in sorted(spikes):
+        for d in spikes[l]:
+            if d not in spikes.get(l - 1, []):
+                out.setdefault(l, []).append(d)
+    return out
+
+
+@dataclass
+class SpikeAblation(Result):
+    """Sink rate and loss with the first token's spike dims unchanged, zeroed, or set to their mean.
+
+    Attributes
+    ----------
+    spike_dims : dict of int to list of int
+        ``hook_resid_post`` layer -> the dims intervened on.
+    where : {"all", "appear"}
+        Every layer where a dim is a spike, or only the first of each run.
+    has_spike : bool
+        False where the first token carries no spike (only the baseline is reported).
+    message : str
+        How the dims were chosen, or why there are none.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "zero", "mean"): ``sink_1_pct``, ``loss``, ``delta_loss``.
+    per_layer : pandas.DataFrame
+        One row per attention layer: Sink_1 (%) under each condition.
+    means : dict of str to float
+        "layer:dim" -> the first token's mean value over all inputs.
+    results : dict of str to PassResult
+        Condition -> its pass (alpha (N, L, H, k_max), shares, loss).
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
+
+    spike_dims: dict[int, list[int]]  # resid_post layer -> dims intervened on
+    where: str
+    has_spike: bool
+    message: str
+    conditions: pd.DataFrame  # condition, sink_1_pct, loss, delta_loss
+    per_layer: pd.DataFrame  # layer, sink_1 per condition
+    means: dict  # "layer:dim" -> mean value over all inputs
+    results: dict = field(default_factory=dict)  # condition -> PassResult
+    model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "per_layer": self.per_layer}
+
+    def effect(self, condition: str) -> dict:
+        s = self.conditions.set_index("condition")
+        b = s.loc["baseline"]
+        return {"d_sink_1": float(s.loc[condition, "sink_1_pct"] - b["sink_1_pct"]),
+                "d_loss": float(s.loc[condition, "loss"] - b["loss"])}
+
+    def findings(self) -> list[str]:
+        if not self.has_spike:
+            return [self.message]
+        s = self.conditions.set_index("condition")
+        return [f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
+                f"{s.loc['baseline', 'sink_1_pct']:.1f}% to {s.loc['zero', 'sink_1_pct']:.1f}% and the loss from "
+                f"{s.loc['baseline', 'loss']:.3f} to {s.loc['zero', 'loss']:.3f}; setting them to their mean over the "
+                f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."]
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "spike_dims": self.spike_dims, "where": self.where, "has_spike": self.has_spike,
+                         "message": self.message, **self.tables, "text": self.text()})
+
+
+class SpikeSetter:
+    """Sets the first token's spike dims in ``hook_resid_post`` to zero or to each sample's leave-one-out mean.
+
+    Call ``start(batch)`` before each batch.
+
+    Parameters
+    ----------
+    spikes : dict of int to list of int
+        {``hook_resid_post`` layer: dims}.
+    mode : {"zero", "mean"}
+    loo : dict of int to torch.Tensor
+        {layer: the leave-one-out means, (N, n_dims)} for "mean".
+    """
+
+    def __init__(self, spikes: dict[int, list[int]], mode: str, loo: dict[int, torch.Tensor]):
+        self.spikes, self.mode, self.loo, self.offset = spikes, mode, loo, 0
+
+    def start(self, batch: Batch) -> None:
+        self.offset = batch.offset
+
+    def hooks(self):
+        return [(act_name("resid_post", l), partial(self.set, l)) for l in sorted(self.spikes)]
+
+    def set(self, layer: int, x: torch.Tensor, hook) -> torch.Tensor:
+        x = x.clone()
+        dims = torch.tensor(self.spikes[layer], device=x.device)
+        if self.mode == "zero":
+            x[:, 0, dims] = 0.0
+        else:
+            x[:, 0, dims] = self.loo[layer][self.offset : self.offset + x.shape[0]].to(x.device, x.dtype)
+        return x
+
+
+def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshold, min_share) -> SpikeAblation:
+    name = getattr(model, "model_name", None) or "the model"
+    msg = (f"The first token of {name} carries no spike: no residual dim passes |a| > {abs_threshold:g} and "
+           f">= {ratio_threshold:g}x the hidden state's median on {min_share:.0%} of samples, so there is "
+           "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
+    conditions = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
+    per_layer = pd.DataFrame({"layer": base.layers, "baseline": base.sink_per_layer().numpy()})
+    return SpikeAblation({}, where, False, msg, conditions, per_layer, {}, {"baseline": base},
+                         getattr(model, "model_name", None), n_samples=base.alpha.shape[0])
+
+
+def spike_ablation(
+    model,
+    tokens,
+    *,
+    spike_dims: Mapping[int, Sequence[int]] | None = None,
+    where: str = "all",
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    eps: float = DEFAULT_EPS,
+    batch_size: int | None = None,
+    baseline: Baseline | None = None,
+) -> SpikeAblation:
+    """Zero the first token's spike dims, or set them to their mean over the other inputs; measure sink and loss.
+
+    Sun et al.: zero breaks the model, the mean does not.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids; N >= 2 for the mean condition.
+    spike_dims : mapping of int to sequence of int, optional
+        {layer: dims} in the residual stream after block ``layer`` (``hook_resid_post``), e.g.
+        ``MassiveActivations.first_token_dims``; None finds them (``first_token_spike_dims``).
+    where : {"all", "appear"}
+        "all" intervenes at every layer where a dim is a spike (later blocks can rebuild a spike zeroed once: SmolLM2
+        rebuilds dim 507); "appear" only at the first layer of each run.
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion where the dims are found (see ``analysis.massive_activations``).
+    eps : float
+        The sink threshold.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    baseline : analysis.causal.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+
+    Returns
+    -------
+    SpikeAblation
+        The mean is leave-one-out: sample i gets the mean of the first token's value over the other samples (the mean
+        over all inputs is in ``means``).
+    """
+    eps = check_eps(eps)
+    tokens = check_tokens(model, tokens)
+    if where not in ("all", "appear"):
+        raise ValueError(f"where must be 'all' or 'appear'; got {where!r}.")
+    spikes, how = _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
+    if where == "appear":
+        spikes = _appear_layers(spikes)
+    if spikes and tokens.shape[0] < 2:
+        raise ValueError("the mean condition needs at least 2 sequences (a leave-one-out mean over the other inputs).")
+    base = baseline_for(model, tokens, baseline, eps, batch_size)
+    if not spikes:
+        return _no_spike(model, base.run, where, abs_threshold, ratio_threshold, min_share)
+    vals = {l: base.first_resid[:, l, spikes[l]].double() for l in spikes}  # (N, n_dims)
+    loo = {l: _leave_one_out(v).float() for l, v in vals.items()}
+    means = {f"{l}:{d}": float(vals[l][:, j].mean()) for l in spikes for j, d in enumerate(spikes[l])}
+    results = {"baseline": base.run}
+    for mode in ("zero", "mean"):
+        setter = SpikeSetter(spikes, mode, loo)
+        results[mode] = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                                      on_batch_start=setter.start, baseline=base)
+    conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
+                               for c, r in results.items()])
+    per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
+    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (f" {base.run.skipped}" if base.run.skipped else "")
+    return SpikeAblation(spikes, where, True, msg, conditions, per_layer, means, results, getattr(model, "model_name", None),
+                         n_samples=tokens.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Value ablation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValueAblation(Result):
+    """Loss with the first token's value removed from the sink heads (and, as a contrast, from all heads).
+
+    Attributes
+    ----------
+    sink_heads : list of (int, int)
+        The (layer, query head) pairs ablated.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "sink_heads", "sink_heads_later", "sink_heads_mean", "all_heads"):
+        ``n_heads``, ``loss``, ``delta_loss``, ``sink_1_pct``.
+    heads : pandas.DataFrame
+        One row per sink head: alpha_1, |v_1|, mean |v_j|, |A[t, 1] v_1| and |z_t| (means over t > 1).
+    message : str
+        How the heads were chosen, or why there are none.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
+
+    sink_heads: list[tuple[int, int]]  # (layer, query head)
+    conditions: pd.DataFrame  # condition, n_heads, loss, delta_loss, sink_1_pct
+    heads: pd.DataFrame  # per sink head: alpha_1, |v_1|, mean |v_j|, |A[t,1] v_1| and |z_t| (means over t > 1)
+    message: str
+    model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "heads": self.heads}
+
+    def findings(self) -> list[str]:
+        if not self.sink_heads:
+            return [self.message]
+        s = self.conditions.set_index("condition")
+        h = self.heads
+        later = (f", by {s.loc['sink_heads_later', 'delta_loss']:+.4f} if the first token keeps its own output"
+                 if "sink_heads_later" in s.index else "")
+        mean = (f", and by {s.loc['sink_heads_mean', 'delta_loss']:+.4f} when v_1 is set to its mean over the other inputs"
+                if "sink_heads_mean" in s.index else "")
+        return [f"Removing the first token's value from {len(self.sink_heads)} sink heads changes the loss by "
+                f"{s.loc['sink_heads', 'delta_loss']:+.4f} (from {s.loc['baseline', 'loss']:.3f}){later}{mean}.",
+                f"In those heads the first value's norm is {h['v1_norm'].mean():.2f} against {h['v_other_norm'].mean():.2f} for the other "
+                f"tokens: while taking {h['alpha_1'].mean():.1%} of the attention, it adds a vector of norm "
+                f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}."]
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "sink_heads": [list(h) for h in self.sink_heads], "message": self.message,
+                         **self.tables, "text": self.text()})
+
+
+def _check_heads(model, heads) -> list[tuple[int, int]]:
+    dims = model_dims(model)
+    out = []
+    for h in heads:
+        try:
+            l, hh = (int(v) for v in h)
+        except (TypeError, ValueError):
+            raise ValueError(f"sink_heads must be (layer, head) pairs; got {h!r}.") from None
+        if not 0 <= l < dims.n_layers or not 0 <= hh < dims.n_heads:
+            raise ValueError(f"head {(l, hh)} out of range: layers 0..{dims.n_layers - 1}, heads 0..{dims.n_heads - 1}.")
+        out.append((l, hh))
+    # a hybrid's linear-attention / Mamba layer: ValueError
+    attention_layers_of(model, layers=sorted({l for l, _ in out}))
+    return sorted(set(out))
+
+
+class ValueRemoval:
+    """z_t -= A[t, 1] v_1 in the chosen heads ("zero"), or z_t -= A[t, 1] (v_1 - its leave-one-out mean) ("mean").
+
+    Call ``start(batch)`` before each batch. Where ``hook_pattern`` is live (fires before the output): hooks on
+    hook_pattern, hook_v and hook_z edit z. Where it is not (TransformerLens' generic attention bridge: GPT-J, OPT,
+    Jamba; ``FamilySpec.pattern_live``) the same edit is made on the value: v_1 set to 0 (or to its mean) at ``hook_v``
+    gives z_t = sum_(j>1) A[t, j] v_j (+ A[t, 1] mean) for every query, exactly; ``first_query=False`` then adds
+    v_1 - v_1' back to z_1 (A[1, 1] = 1). With grouped-query attention and KV heads in hook_v this edits the whole KV
+    group, so there every query head of a group must be chosen together (``ModelContractError`` otherwise).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    heads : list of (int, int)
+        (layer, query head) pairs.
+    mode : {"zero", "mean"}
+    v_mean : dict of int to torch.Tensor, optional
+        {layer: the leave-one-out mean of v_1 for every query head, (N, H, d)} for "mean".
+    first_query : bool
+        False leaves the first token's own output (t = 1) unchanged.
+    """
+
+    def __init__(self, model, heads: list[tuple[int, int]], *, mode: str = "zero", v_mean: dict | None = None,
+                 first_query: bool = True):
+        dims, spec = model_dims(model), get_family(model)
+        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
+        self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
+        self.by_layer: dict[int, torch.Tensor] = {}
+        for l, h in heads:
+            self.by_layer.setdefault(l, []).append(h)
+        self.by_layer = {l: torch.tensor(sorted(hs)) for l, hs in self.by_layer.items()}
+        self.state: dict[int, dict] = {}
+        if not self.live and spec.learned_sinks:
+            raise ModelContractError("the value ablation edits hook_v here (hook_pattern is read-only) and needs "
+                                     "A[1, 1] = 1, which learned sink logits break.")
+
+    def start(self, batch: Batch) -> None:
+        self.offset = batch.offset
+
+    def hooks(self):
+        out = []
+        for l in self.by_layer:
+            if self.live:
+                out += [(act_name("pattern", l), partial(self.on_pattern, l)), (act_name("v", l), partial(self.on_v, l)),
+                        (act_name("z", l), partial(self.on_z, l))]
+            else:
+                out += [(act_name("v", l), partial(self.set_v, l))]
+                out += [] if self.first_query else [(act_name("z", l), partial(self.restore_first, l))]
+        return out
+
+    def _mean(self, layer: int, B: int, heads: torch.Tensor) -> torch.Tensor:
+        return self.v_mean[layer][self.offset : self.offset + B, heads]  # (B, h, d)
+
+    def on_pattern(self, layer: int, p: torch.Tensor, hook) -> None:
+        self.state.setdefault(layer, {})["a1"] = p[:, self.by_layer[layer].to(p.device), :, 0].detach()  # (B, h, T)
+
+    def on_v(self, layer: int, v: torch.Tensor, hook) -> None:
+        v1 = per_query_head(kv_view(v, self.K), self.H)[:, 0]  # (B, H, d)
+        self.state.setdefault(layer, {})["v1"] = v1[:, self.by_layer[layer].to(v.device)].detach()
+
+    def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
+        st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
+        v1 = st["v1"].float()  # the edit in float32, rounded once to the model's dtype (bf16: no double rounding)
+        if self.mode == "mean":
+            v1 = v1 - self._mean(layer, z.shape[0], self.by_layer[layer]).to(v1.device, v1.dtype)
+        contrib = st["a1"].float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+        if not self.first_query:
+            contrib[:, 0] = 0
+        z = z.clone()
+        z[:, :, hidx] = (z[:, :, hidx].float() - contrib).to(z.dtype)
+        return z
+
+    def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of hook_v's head axis to edit, the query head each slot stands for)."""
+        heads = self.by_layer[layer]
+        if n == self.H:  # one value per query head: edit exactly the chosen heads
+            return heads, heads
+        group = self.H // n
+        slots = torch.unique(heads // group)
+        whole = torch.cat([torch.arange(s * group, (s + 1) * group) for s in slots.tolist()])
+        if not torch.equal(whole, heads):
+            raise ModelContractError(
+                f"hook_pattern is read-only here, so the value ablation edits hook_v, which holds {n} KV heads shared "
+                f"by groups of {group} query heads: choose whole groups (layer {layer}: heads {whole.tolist()}, not "
+                f"{heads.tolist()}).")
+        return slots, slots * group
+
+    def set_v(self, layer: int, v: torch.Tensor, hook) -> torch.Tensor:
+        if v.ndim != 4:
+            raise ModelContractError(f"hook_v of layer {layer} has shape {tuple(v.shape)}, not (B, T, heads, d_head).")
+        slots, heads = self._value_slots(layer, v.shape[2])
+        slots = slots.to(v.device)
+        old = v[:, 0, slots]  # (B, s, d)
+        new = torch.zeros_like(old) if self.mode == "zero" else self._mean(layer, v.shape[0], heads).to(v.device, v.dtype)
+        v = v.clone()
+        v[:, 0, slots] = new
+        group = 1 if v.shape[2] == self.H else self.H // v.shape[2]
+        self.state[layer] = {"diff": (old - new).repeat_interleave(group, dim=1)}  # (B, h, d), the chosen query heads
+        return v
+
+    def restore_first(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
+        """z_1 of the chosen heads back to its unchanged value (A[1, 1] = 1: z_1 = v_1)."""
+        diff, hidx = self.state.pop(layer)["diff"], self.by_layer[layer].to(z.device)
+        z = z.clone()
+        z[:, 0, hidx] += diff.to(z.dtype)
+        return z
+
+
+def value_ablation(
+    model,
+    tokens,
+    *,
+    sink_heads: Sequence[tuple[int, int]] | None = None,
+    eps: float = DEFAULT_EPS,
+    min_share: float = SINK_HEAD_MIN_SHARE,
+    all_heads: bool = True,
+    later: bool = True,
+    batch_size: int | None = None,
+    baseline: Baseline | None = None,
+) -> ValueAblation:
+    """Remove the first token's value from the sink heads' outputs; compare the loss with the unchanged model.
+
+    For head h and query t the output z_t = sum_j A[t, j] v_j becomes z_t - A[t, 1] v_1 (with GQA, v_1 of the head's KV
+    group). Conditions: ``sink_heads`` (every query), with ``later`` ``sink_heads_later`` (queries t > 1 only: the first
+    token's own output, which feeds its later layers, is kept), ``sink_heads_mean`` (v_1 set to its mean over the other
+    inputs: does v_1 carry anything input-specific?) and, with ``all_heads``, ``all_heads`` (v_1 removed from every
+    head, a contrast).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    sink_heads : sequence of (int, int), optional
+        (layer, query head) pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` of the samples.
+    eps : float
+        The sink threshold.
+    min_share : float
+        A fraction of the samples (see ``sink_heads``).
+    all_heads : bool
+        Add the contrast with v_1 removed from every head.
+    later : bool
+        Add the condition that keeps the first token's own output.
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    baseline : analysis.causal.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+
+    Returns
+    -------
+    ValueAblation
+    """
+    eps = check_eps(eps)
+    tokens = check_tokens(model, tokens)
+    heads = None if sink_heads is None else _check_heads(model, sink_heads)
+    base = baseline_for(model, tokens, baseline, eps, batch_size)
+    if heads is None:
+        heads = base.run.sink(getattr(model, "model_name", None)).sink_heads(k=1, min_share=min_share)
+        how = f"found (alpha_1 > {eps} on >= {min_share:.0%} of samples)"
+    else:
+        how = "given"
+    rows = [{"condition": "baseline", "n_heads": 0, "loss": base.run.loss, "delta_loss": 0.0, "sink_1_pct": base.run.sink_rate(1)}]
+    name = getattr(model, "model_name", None) or "the model"
+    N = tokens.shape[0]
+    if not heads:
+        msg = f"{name} has no sink heads (alpha_1 > {eps} on >= {min_share:.0%} of samples): nothing to ablate."
+        cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
+        return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None),
+                             n_samples=N)
+    table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
+    v_mean = {l: _leave_one_out(base.v1[:, i].double()).float()
+              for l, i in zip(base.run.layers, base.run.positions(base.run.layers)) if l in {l for l, _ in heads}}
+    every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
+    conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
+    conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
+    # built (and checked) before any pass
+    removals = [(c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
+                for c, hs, mode, fq in conditions]
+    for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
+        r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=removal.start, baseline=base)
+        rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
+                     "sink_1_pct": r.sink_rate(1)})
+    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
+    return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. First-key ablation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FirstKeyAblation(Result):
+    """Attention with the spike-driven part of the first key removed, against the unchanged model.
+
+    Attributes
+    ----------
+    layers : list of int
+        The layers whose first key was changed.
+    spike_dims : dict of int to list of int
+        Layer (the block whose ln1 reads them) -> dims.
+    has_spike : bool
+        False where no chosen layer's input carries a spike (only the baseline is reported).
+    message : str
+        How the dims were chosen, or why there are none.
+    conditions : pandas.DataFrame
+        One row per condition ("baseline", "ablated"): the attention shares of queries t >= 3 on the first, previous,
+        own and other keys, Sink_1..Sink_k and the loss, over the ablated layers.
+    per_layer : pandas.DataFrame
+        The same per (layer, condition).
+    results : dict of str to PassResult
+        Condition -> its pass.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
+
+    layers: list[int]  # layers whose first key was changed
+    spike_dims: dict[int, list[int]]  # layer (the block whose ln1 reads them) -> dims
+    has_spike: bool
+    message: str
+    conditions: pd.DataFrame  # condition x (first, previous, self, other, sink_1..sink_k, loss), over ablated layers
+    per_layer: pd.DataFrame  # layer, condition, first, previous, self, other, sink_1, sink_2
+    results: dict = field(default_factory=dict)
+    model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "per_layer": self.per_layer}
+
+    def findings(self) -> list[str]:
+        if not self.has_spike:
+            return [self.message]
+        s = self.conditions.set_index("condition")
+        b, a = s.loc["baseline"], s.loc["ablated"]
+        gain = {k: a[k] - b[k] for k in ("previous", "self", "other")}
+        top = max(gain, key=gain.get)
+        return [f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
+                f"later queries there from the first token ({b['first']:.1%} -> {a['first']:.1%}) mostly to "
+                f"'{top}' keys ({b[top]:.1%} -> {a[top]:.1%}); Sink_1 in those layers {b['sink_1']:.1f}% -> "
+                f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."]
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "layers": self.layers, "spike_dims": self.spike_dims, "has_spike": self.has_spike,
+                         "message": self.message, **self.tables, "text": self.text()})
+
+
+class FirstKeyRemoval:
+    """Hooks that subtract k_1^S = (g * norm(h_1))[S] W_K from the first key of each layer (before the rotary, which is
+    the identity at position 0).
+
+    Parameters
+    ----------
+    paths : dict of int to KeyPath
+        {layer: its key path}.
+    spikes : dict of int to list of int
+        {layer: S, the dims}.
+    D : int
+        d_model.
+    """
+
+    def __init__(self, paths: dict, spikes: dict[int, list[int]], D: int):
+        self.paths, self.state = paths, {}
+        self.masks = {l: torch.zeros(D, dtype=torch.bool).index_fill_(0, torch.tensor(spikes[l]), True) for l in paths}
+
+    def hooks(self):
+        out = []
+        for l, p in self.paths.items():
+            out += [(act_name("resid_pre", l), partial(self.on_resid, l)), (p.key_hook, partial(self.on_k, l))]
+        return out
+
+    def on_resid(self, layer: int, h: torch.Tensor, hook) -> None:
+        norm = self.paths[layer].norm
+        self.state[layer] = norm.affine(norm.normalise(h[:, :1])) * self.masks[layer].to(h.device)  # (B, 1, D)
+
+    def on_k(self, layer: int, k: torch.Tensor, hook) -> torch.Tensor:
+        kS = self.paths[layer].keys(self.state.pop(layer), torch.zeros(1, dtype=torch.long), bias=False, rotary=False)
+        k = k.clone()
+        k[:, :1] -= kS.to(k.dtype)
+        return k
+
+
+def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share) -> tuple[dict, str]:
+    """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
+    dims = model_dims(model)
+    if spike_dims is None:
+        spikes = first_token_spike_dims(model, tokens, hook="resid_pre", abs_threshold=abs_threshold,
+                                        ratio_threshold=ratio_threshold, min_share=min_share)
+        how = "found"
+    elif isinstance(spike_dims, Mapping):
+        spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
+        how = "given"
+    else:
+        ds = sorted({int(d) for d in spike_dims})
+        spikes, how = {l: ds for l in range(dims.n_layers)}, "given"
+    bad = sorted({d for ds in spikes.values() for d in ds if not 0 <= d < (dims.d_model or 0)})
+    if bad:
+        raise ValueError(f"spike dims {bad} out of range: d_model is {dims.d_model}.")
+    return spikes, how
+
+
+def first_key_ablation(
+    model,
+    tokens,
+    *,
+    layers: Sequence[int] | None = None,
+    spike_dims: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    eps: float = DEFAULT_EPS,
+    k_max: int = K_MAX,
+    batch_size: int | None = None,
+    baseline: Baseline | None = None,
+) -> FirstKeyAblation:
+    """Subtract k_1^S = (g * norm(h_1))[S] W_K from the first key of each layer; see where the attention goes.
+
+    All the chosen layers are changed in the same pass. The attention shares are over queries t >= 3 of the changed
+    layers: first key, previous key, the query's own key, the rest.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    layers : sequence of int, optional
+        Where to intervene (default: every attention layer whose input carries first-token spike dims).
+    spike_dims : mapping of int to sequence of int, or sequence of int, optional
+        {layer: dims} of the stream each layer's ln1 reads (``hook_resid_pre``), a list of dims for every layer, or
+        None to find them (``first_token_spike_dims`` on ``hook_resid_pre``).
+    abs_threshold, ratio_threshold, min_share : float
+        The spike criterion where the dims are found (see ``analysis.massive_activations``).
+    eps : float
+        The sink threshold.
+    k_max : int
+        Keys whose alpha is kept (Sink_1..Sink_k_max).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    baseline : analysis.causal.conditions.Baseline, optional
+        The shared ``baseline_pass`` of these tokens (run here if not given).
+        Used when ``k_max`` is the default 4.
+
+    Returns
+    -------
+    FirstKeyAblation
+    """
+    eps = check_eps(eps)
+    tokens = check_tokens(model, tokens)
+    spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
+    attn = attention_layers_of(model)
+    layers = (attention_layers_of(model, layers=layers) if layers is not None
+              else sorted(l for l, d in spikes.items() if d and l in attn))
+    layers = [l for l in layers if spikes.get(l)]
+    full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
+    base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
+    results, N = {"baseline": base}, tokens.shape[0]
+    if not layers:
+        name = getattr(model, "model_name", None) or "the model"
+        msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads (|a| > {abs_threshold:g}, "
+               f">= {ratio_threshold:g}x the median, on {min_share:.0%} of samples): there is no spike-driven key part "
+               "to remove. Pass spike_dims or lower the thresholds.")
+        return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
+                                _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
+    removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
+    results["ablated"] = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max,
+                                       batch_size=batch_size, baseline=full)
+    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
+    return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
+                            _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
+
+
+def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
+    rows = []
+    for c, r in results.items():
+        pos = r.positions(layers)
+        w = r.where[pos].mean(dim=(0, 1))
+        row = {"condition": c, **{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}}
+        for k in range(1, min(k_max, r.alpha.shape[-1]) + 1):
+            row[f"sink_{k}"] = float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100)
+        row["loss"] = r.loss
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
+    rows = []
+    for c, r in results.items():
+        w = r.where.mean(1)  # (L, 4)
+        for i_l, l in enumerate(r.layers):
+            row = {"layer": l, "condition": c, **{k: float(w[i_l, i]) for i, k in enumerate(WHERE_KEYS)}}
+            for k in range(1, min(k_max, r.alpha.shape[-1], 2) + 1):
+                row[f"sink_{k}"] = float((r.alpha[:, i_l, :, k - 1] > r.eps).float().mean() * 100)
+            rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,327 @@
+"""The cut that removes the sink: the writer neurons zeroed (or set to their mean) on the first token only.
+
+For the neurons ``analysis.chain.spike_writers`` names (those carrying ``share`` of each writing MLP's write on a spike
+dimension), :func:`spike_cuts` runs one pass per condition, each resumed at the first block it changes
+(``conditions.run_condition`` with the shared baseline's residuals):
+
+- ``writers``: the writer neurons' activations on the first token set to 0 (``zero``) or to their mean over the
+  other tokens (``mean``); against as many random neurons of the same MLPs (``random``, several draws);
+- ``erasers``: the same for the neurons of the blocks that erase the spike after its last writer, so that the
+  spike is *not* removed before the unembedding.
+
+Each condition reports the spike downstream (the dims' first-token value entering the block where the unchanged
+model's spike peaks, and after the last block), Sink_1 and the loss over every position, and the loss of the first
+token's own prediction (the position the spike sits on). Only the activations of the first token change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import pandas as pd
+import torch
+
+from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
+from analysis.model.mlp_spec import final_logits, get_mlp
+from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, run_condition
+from analysis.model.hooks import act_name, check_tokens, model_dims
+from analysis.core.io import jsonable
+from analysis.engine.passes import Batch, ResidCapture, run_pass
+from analysis.core.results import Result, layer_runs
+from analysis.sinks.metric import check_eps
+
+N_RANDOM = 3  # random draws per condition
+
+
+class NeuronSetter:
+    """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
+    hook, and records the spike dims' first-token values after every block from ``start`` on and the first token's final
+    stream (for the first-position loss).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    neurons : dict of int to list of int
+        {block: the neurons to set}.
+    mode : {"zero", "mean"}
+    means : dict of int to torch.Tensor
+        {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean".
+    dims : list of int
+        The spike dims recorded.
+    start : int
+        The first block whose output is recorded.
+    """
+
+    def __init__(self, model, neurons: dict[int, list[int]], mode: str, means: dict[int, torch.Tensor], dims: list[int],
+                 start: int):
+        spec = get_mlp(model)
+        self.model, self.mode, self.dims, self.start = model, mode, dims, int(start)
+        self.neurons = {b: torch.tensor(sorted(ns)) for b, ns in neurons.items() if ns}
+        self.hook_of = {b: spec.neuron_hook(b) for b in self.neurons}
+        self.means = {b: means[b][self.neurons[b]] for b in self.neurons} if mode == "mean" else {}
+        self.L = model_dims(model).n_layers
+        self.values: list[torch.Tensor] = []
+        self.current: dict[int, torch.Tensor] = {}
+        self.nll: list[torch.Tensor] = []
+        self.batch: Batch | None = None
+
+    def start_batch(self, batch: Batch) -> None:
+        self.batch = batch
+
+    def hooks(self):
+        out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.neurons)]
+        return out + [(act_name("resid_post", l), partial(self.record, l)) for l in range(self.start, self.L)]
+
+    def set(self, block: int, a: torch.Tensor, hook) -> torch.Tensor:
+        a = a.clone()
+        idx = self.neurons[block].to(a.device)
+        a[:, 0, idx] = 0.0 if self.mode == "zero" else self.means[block].to(a.device, a.dtype)
+        return a
+
+    def record(self, layer: int, x: torch.Tensor, hook) -> None:
+        self.current[layer] = x[:, 0, self.dims].detach().float().cpu()
+        if layer == self.L - 1:
+            self.values.append(torch.stack([self.current.pop(l) for l in range(self.start, self.L)], 1))
+            logits = final_logits(self.model, x[:, :1])[:, 0]
+            tok = self.batch.tokens
+            if tok.shape[1] > 1:
+                self.nll.append(torch.nn.functional.cross_entropy(logits, tok[:, 1].to(logits.device), reduction="none").cpu())
+
+
+@dataclass
+class SpikeCuts(Result):
+    """Spike, Sink_1 and loss with the writer (or eraser) neurons cut on the first token, against random neurons.
+
+    Attributes
+    ----------
+    conditions : pandas.DataFrame
+        One row per condition: ``role`` ("baseline", "writers", "erasers"), ``mode`` ("zero", "mean"), ``chosen``
+        ("named", "random", or "MLP b": block b's named neurons alone), ``draw``, ``n_neurons``, ``blocks``, and per spike dim ``dim``: ``value_peak`` (the
+        first token's value entering the block where the unchanged spike peaks, mean over samples), ``kept``
+        (that over the unchanged value), ``value_final`` (after the last block), then ``sink_1_pct``, ``loss``,
+        ``loss_first`` (the first token's own next-token loss) and their changes.
+    neurons : dict
+        role -> {block: the neurons cut}.
+    peak_block : dict
+        dim -> the block whose input carries the unchanged spike's peak.
+    message : str
+        Why nothing was cut (no spike, no writer neuron), in words; "" otherwise.
+    n_random : int
+        Random draws per condition.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    n_samples : int
+        N, the number of sequences.
+    """
+
+    conditions: pd.DataFrame
+    neurons: dict
+    peak_block: dict
+    message: str = ""
+    n_random: int = N_RANDOM
+    model_name: str | None = None
+    kind: str | None = None
+    n_samples: int = 0
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"conditions": self.conditions, "summary": self.summary}
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """Per (role, mode, chosen, dim): the mean of each measure over draws and its spread (min, max)."""
+        c = self.conditions
+        if not len(c):
+            return pd.DataFrame()
+        keys = ["role", "mode", "chosen", "dim"]
+        meas = ["kept", "value_final", "sink_1_pct", "loss", "loss_first"]
+        g = c.groupby(keys, sort=False)[meas]
+        out = g.mean().add_suffix("_mean").join(g.min().add_suffix("_min")).join(g.max().add_suffix("_max"))
+        return out.join(c.groupby(keys, sort=False).size().rename("n_draws")).reset_index()
+
+    def _row(self, role, mode, chosen, dim) -> pd.Series | None:
+        s = self.summary
+        r = s[(s.role == role) & (s["mode"] == mode) & (s.chosen == chosen) & (s.dim == dim)]
+        return r.iloc[0] if len(r) else None
+
+    def findings(self) -> list[str]:
+        if self.message:
+            return [self.message]
+        out = []
+        base = self.conditions[self.conditions.role == "baseline"]
+        for dim in dict.fromkeys(self.conditions.dim):
+            b = base[base.dim == dim].iloc[0]
+            for role in ("writers", "erasers"):
+                if role not in self.neurons:
+                    continue
+                named = {m: self._row(role, m, "named", dim) for m in ("zero", "mean")}
+                rnd = self._row(role, "zero", "random", dim)
+                ns = self.neurons[role]
+                what = (f"the {sum(len(v) for v in ns.values())} {'writer' if role == 'writers' else 'eraser'} neurons of "
+                        f"MLP{'s' if len(ns) > 1 else ''} {layer_runs(list(ns))}")
+                z, m = named["zero"], named["mean"]
+                if role == "writers":
+                    s = (f"Zeroing {what} on the first token only keeps {z.kept_mean:.1%} of dim {dim}'s spike entering "
+                         f"block {self.peak_block[dim]} (+{abs(b.value_peak):.4g} unchanged), takes Sink_1 from "
+                         f"{b.sink_1_pct:.1f}% to {z.sink_1_pct_mean:.1f}% and the loss from {b.loss:.3f} to {z.loss_mean:.3f}; "
+                         f"setting them to their mean over the other tokens keeps {m.kept_mean:.1%}, Sink_1 "
+                         f"{m.sink_1_pct_mean:.1f}%, loss {m.loss_mean:.3f}.")
+                else:
+                    s = (f"Zeroing {what} on the first token (the spike is then not removed before the unembedding) "
+                         f"leaves dim {dim} at {z.value_final_mean:+.4g} after the last block (unchanged "
+                         f"{b.value_final:+.4g}); Sink_1 {b.sink_1_pct:.1f}% -> {z.sink_1_pct_mean:.1f}%, the loss "
+                         f"{b.loss:.3f} -> {z.loss_mean:.3f}, the first token's own next-token loss {b.loss_first:.3f} -> "
+                         f"{z.loss_first_mean:.3f}; set to their mean over the other tokens: dim {dim} "
+                         f"{m.value_final_mean:+.4g}, loss {m.loss_mean:.3f}, first-token loss {m.loss_first_mean:.3f}.")
+                out.append(s)
+                if rnd is not None:
+                    key = "kept" if role == "writers" else "value_final"
+                    fmt = (lambda v: f"{v:.1%}") if role == "writers" else (lambda v: f"{v:+.4g}")
+                    out.append(f"As many random neurons of the same MLPs ({int(rnd.n_draws)} draws) "
+                               f"{'keep' if role == 'writers' else 'leave dim ' + str(dim) + ' at'} "
+                               f"{fmt(rnd[key + '_mean'])} ({fmt(rnd[key + '_min'])} to {fmt(rnd[key + '_max'])}), Sink_1 "
+                               f"{rnd.sink_1_pct_min:.1f}-{rnd.sink_1_pct_max:.1f}%, loss {rnd.loss_min:.3f}-"
+                               f"{rnd.loss_max:.3f}.")
+        return out
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "neurons": {r: {str(b): n for b, n in v.items()} for r, v in self.neurons.items()},
+                         "peak_block": self.peak_block, "message": self.message, **self.tables, "text": self.text()})
+
+
+def _named(origin, role: str, share: float) -> dict[int, list[int]]:
+    """{block: neurons carrying ``share`` of the write} for the writers, or for the erasers after each dim's last
+    writer (those that remove the spike before the unembedding)."""
+    out: dict[int, set] = {}
+    for n in origin.neurons:
+        if role == "writers" and n.role == "writer":
+            out.setdefault(n.block, set()).update(n.neurons(share))
+        elif role == "erasers" and n.role == "eraser" and n.block > max(origin.writing_blocks(n.dim) or [-1]):
+            out.setdefault(n.block, set()).update(n.neurons(share))
+    return {b: sorted(v) for b, v in sorted(out.items())}
+
+
+def _random_like(named: dict[int, list[int]], d_mlp: int, gen: torch.Generator) -> dict[int, list[int]]:
+    """As many random neurons of each MLP as ``named`` holds there, none of them named."""
+    out = {}
+    for b, ns in named.items():
+        pool = torch.tensor([n for n in range(d_mlp) if n not in set(ns)])
+        out[b] = sorted(pool[torch.randperm(len(pool), generator=gen)[: len(ns)]].tolist())
+    return out
+
+
+def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: float, batch_size) -> Baseline:
+    """The unchanged pass over ``tokens``: the shared ``baseline`` (its first N sequences) or one run here that keeps
+    the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
+    N = tokens.shape[0]
+    if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
+        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX),
+                                            ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size)
+        return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
+    if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
+        raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
+                         f"these are {N} with eps {eps}: pass the baseline of these tokens, or none.")
+    if baseline.run.alpha.shape[0] == N:
+        return baseline
+    r = baseline.run
+    run = PassResult(r.alpha[:N], r.where, float("nan"), r.eps, r.T, r.layers, r.skipped)
+    return Baseline(run, baseline.first_resid[:N], baseline.value_heads, baseline.v1[:N],
+                    {b: x[:N] for b, x in baseline.resid.items()})
+
+
+def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_random: int = N_RANDOM,
+               random_modes: tuple[str, ...] = ("zero",), roles: tuple[str, ...] = ("writers", "erasers"),
+               per_block: bool = False, max_samples: int | None = None, seed: int = 0, eps: float = SINK_EPS,
+               baseline: Baseline | None = None, batch_size: int | None = None) -> SpikeCuts:
+    """Cut the writer (and eraser) neurons on the first token; measure the spike downstream, Sink_1 and the loss.
+
+    Parameters
+    ----------
+    model
+        The model ``origin`` was measured on.
+    tokens : torch.Tensor, shape (N, T)
+        The tokens ``origin`` was measured on (their first ``max_samples`` sequences are used).
+    origin : SpikeOrigin
+        Names the writing and erasing neurons (``analysis.chain.spike_writers``).
+    share : float
+        The neurons carrying this share of each MLP's write are cut.
+    n_random : int
+        Random draws of as many neurons of the same MLPs, per mode in ``random_modes``.
+    random_modes : tuple of str
+        The modes ("zero", "mean") the random neurons are cut with.
+    roles : tuple of str
+        "writers", "erasers" (those after the last writer: the spike is then not removed before the unembedding).
+    per_block : bool
+        Also zero each writing MLP's neurons alone (``chosen`` "MLP b"): which writer the others depend on.
+    max_samples : int, optional
+        Run on the first ``max_samples`` sequences only.
+    seed : int
+        Seed of the random draws.
+    eps : float
+        The sink threshold of Sink_1.
+    baseline : conditions.Baseline, optional
+        The unchanged pass over ``tokens`` with its residuals (``analysis.profile``'s); run here when not given.
+    batch_size : int, optional
+        Sequences per batch.
+
+    Returns
+    -------
+    SpikeCuts
+    """
+    eps = check_eps(eps)
+    tokens = check_tokens(model, tokens)
+    if max_samples is not None:
+        tokens = tokens[: int(max_samples)]
+    N, T = tokens.shape
+    if N > origin.n_samples or not torch.equal(tokens[:, 0].cpu(), origin.trace.first_ids[:N]):
+        raise ValueError("these tokens are not those the spike origin was measured on (its first tokens differ): pass "
+                         "the tokens of `origin`.")
+    bad = [r for r in roles if r not in ("writers", "erasers")]
+    if bad or int(n_random) < 0 or any(m not in ("zero", "mean") for m in random_modes):
+        raise ValueError(f"roles must be among ('writers', 'erasers'), random_modes among ('zero', 'mean') and "
+                         f"n_random >= 0; got {roles}, {random_modes}, {n_random}.")
+    name = getattr(model, "model_name", None)
+    sets = {r: _named(origin, r, share) for r in roles}
+    sets = {r: s for r, s in sets.items() if s}
+    if not origin.has_spike or not sets:
+        why = ("there is no spike on the first token" if not origin.has_spike else
+               "no MLP neuron is named as the spike's writer or eraser (it is written by the embedding, attention or a "
+               "mixture of experts, or by nothing the writes show)")
+        return SpikeCuts(pd.DataFrame(), {}, {}, f"Nothing to cut: {why}.", int(n_random), name, origin.kind, N)
+    dims = origin.dims
+    starts = sorted({min(s) for s in sets.values()})
+    base = _baseline(model, tokens, baseline, starts, eps, batch_size)
+    vals = origin.trace.resid[:N][:, :, dims]  # (N, L + 1, n_dims)
+    peak = {d: int(vals[:, :, j].mean(0).abs().argmax()) for j, d in enumerate(dims)}
+    L = model_dims(model).n_layers
+    runs = [("baseline", "", "named", 0, {})]
+    gen = torch.Generator().manual_seed(int(seed))
+    for role, named in sets.items():
+        runs += [(role, mode, "named", 0, named) for mode in ("zero", "mean")]
+        if per_block and len(named) > 1:
+            runs += [(role, "zero", f"MLP {b}", 0, {b: ns}) for b, ns in named.items()]
+        runs += [(role, mode, "random", k, _random_like(named, get_mlp(model).d_mlp, gen)) for mode in random_modes
+                 for k in range(int(n_random))]
+    rows = []
+    for role, mode, chosen, draw, neurons in runs:
+        start = min(neurons) if neurons else L - 1
+        setter = NeuronSetter(model, neurons, mode or "zero", origin.trace.act_other, dims, start)
+        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                          on_batch_start=setter.start_batch, baseline=base)
+        after = torch.cat(setter.values)  # (N, L - start, n_dims): the stream after blocks start..L-1
+        full = torch.cat([vals[:, 1 : start + 1], after], 1)  # (N, L, n_dims): entering blocks 1..L-1, then final
+        loss_first = float(torch.cat(setter.nll).mean()) if setter.nll else float("nan")
+        for j, d in enumerate(dims):
+            v_peak = float(full[:, peak[d] - 1, j].mean()) if peak[d] > 0 else float(vals[:, 0, j].mean())
+            rows.append({"role": role, "mode": mode, "chosen": chosen, "draw": draw,
+                         "n_neurons": sum(len(v) for v in neurons.values()), "blocks": layer_runs(list(neurons)) if neurons
+                         else "", "dim": d, "value_peak": v_peak,
+                         "kept": v_peak / float(vals[:, peak[d], j].mean()) if abs(float(vals[:, peak[d], j].mean())) > TINY
+                         else float("nan"), "value_final": float(full[:, -1, j].mean()), "sink_1_pct": r.sink_rate(1),
+                         "loss": r.loss, "loss_first": loss_first})
+    df = pd.DataFrame(rows)
+    b = df[df.role == "baseline"].iloc[0]
+    df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
+    df["delta_sink_1"] = df["sink_1_pct"] - b["sink_1_pct"]
+    return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)

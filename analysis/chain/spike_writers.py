@@ -1,0 +1,973 @@
+"""Where the spike comes from: the blocks, and the MLP neurons inside them, that write the first token's massive
+activation, and the blocks that erase it again.
+
+The residual stream is a sum. On the first token, the value of a spike dimension d entering block l is the
+embedding plus every attention (or other token mixer) and MLP write of the blocks before l (to float32 rounding;
+``FirstTokenTrace.bookkeeping`` measures it; every family here adds ``hook_attn_out`` / ``hook_mlp_out`` as they are,
+Granite's residual multiplier included, see ``analysis.model.mlp_spec.MlpSpec``). One streamed pass
+(:class:`SpikeOriginAccumulator`, fed beside the other analyses by ``analysis.profile``) keeps, for the first token
+only, the residual stream entering every block, each block's attention and MLP write, the MLP's input and its
+neuron activations; for the other tokens only their means (and the stream's largest |value|). Nothing else outlives
+a layer: O(N x L x (3 d_model + d_mlp)) numbers, never the activations of every token.
+
+From that trace, for each spike dimension (the first token's spike dims ``analysis.chain.massive`` finds, or given),
+:func:`origin_from` names
+
+- the **writing** components: the embedding, or an attention / MLP write of at least ``SPIKE_WRITE_SHARE`` of the
+  value it leads to (in the spike's sign), and the **erasing** ones: a write against the spike of at least that
+  share of the value it meets; both at least Sun et al.'s absolute threshold and ``SPIKE_WRITE_FLOOR`` of the peak
+  (parallel blocks, GPT-J / NeoX / Phi / Falcon: attention and MLP both read the block's input and are measured
+  against the block's output);
+- inside each writing or erasing dense MLP (:class:`MlpNeurons`): every neuron's contribution on the first token
+  (its activation x W_out[d, n], times the MLP's output factor: Granite's multiplier, a post-norm's gain and scale),
+  the fewest neurons carrying 90% and 99% of the write, and their activation (and gate and up factors, for gated
+  MLPs) on the first token against the other tokens; for a mixture of experts, which routed experts write
+  (:class:`ExpertWrites`);
+- for each writing gated MLP, the quadratic-form view of the notes (``analysis.chain.quadratic_form``).
+
+Where the first token's spike is already in its embedding (the project's 1-layer reference models: BOS is a token of
+its own) the embedding is the writer and no neuron is named. Without a spike there is nothing to trace, and the
+result says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import pandas as pd
+import torch
+
+from analysis.core.defaults import NEURON_SHARES, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_WRITE_FLOOR, SPIKE_WRITE_SHARE, TINY
+from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights, norm_weights
+from analysis.model.hooks import act_name, check_tokens, model_dims
+from analysis.core.io import jsonable
+from analysis.chain.massive import massive_accumulator
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
+from analysis.model.key_path import NormParams
+from analysis.chain.quadratic_form import quadratic_form
+from analysis.core.results import Result
+from analysis.core.stats import one_thread
+
+ROLES = ("writer", "eraser")  # the roles whose MLPs' neurons are resolved ("amplifier": adds to an embedding spike)
+_NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
+
+# ----------------------------------------------------------------------------------------------
+# The streamed pass: the first token's stream, writes and neurons
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FirstTokenTrace:
+    """What :class:`SpikeOriginAccumulator` keeps from one pass (first token: per sample; other tokens: means).
+
+    Attributes
+    ----------
+    resid : torch.Tensor, shape (N, L + 1, d_model)
+        The first token's residual stream entering each block (``hook_resid_pre``); index L: after the last block.
+    attn, mlp : torch.Tensor, shape (N, L, d_model)
+        Each block's token-mixer write (``hook_attn_out``; ``hook_resid_mid - hook_resid_pre`` for Mamba / linear
+        attention) and MLP write (``hook_mlp_out``) on the first token.
+    other_resid, other_resid_max : torch.Tensor, shape (L + 1, d_model)
+        Mean over samples of the mean (and of the largest |value|) over the other tokens of the stream.
+    other_attn, other_mlp : torch.Tensor, shape (L, d_model)
+        Mean writes on the other tokens.
+    mlp_in : dict[int, torch.Tensor]
+        Block -> the first token's MLP input x (N, d_model).
+    act_first : dict[int, torch.Tensor]
+        Dense block -> the first token's neuron activations (N, d_mlp).
+    act_other, act_other_max, gate_first, gate_other, up_first, up_other : dict[int, torch.Tensor]
+        Dense block -> (d_mlp,): mean activation on the other tokens, mean over samples of its largest |value| there;
+        mean gate and up pre-activations (gated MLPs; up holds a plain MLP's pre-activation) on the first token and
+        on the other tokens.
+    first_ids : torch.Tensor, shape (N,)
+        The first token of each sequence.
+    T : int
+        The sequence length.
+    dtype : str
+        The model's dtype ("float32", "bfloat16" ...): the stream is rounded to it after every write, so the writes
+        add up to the stream to its precision only (:meth:`bookkeeping_tolerance`).
+    """
+
+    resid: torch.Tensor
+    attn: torch.Tensor
+    mlp: torch.Tensor
+    other_resid: torch.Tensor
+    other_resid_max: torch.Tensor
+    other_attn: torch.Tensor
+    other_mlp: torch.Tensor
+    mlp_in: dict
+    act_first: dict
+    act_other: dict
+    act_other_max: dict
+    gate_first: dict
+    gate_other: dict
+    up_first: dict
+    up_other: dict
+    first_ids: torch.Tensor
+    T: int
+    dtype: str = "float32"
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.resid.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.attn.shape[1])
+
+    def bookkeeping(self, dim: int) -> tuple[float, float]:
+        """(largest |embedding + writes - value| over samples and blocks, that over the largest |value|) on ``dim``."""
+        v = self.resid[:, :, dim].double()
+        rebuilt = torch.cat([v[:, :1], v[:, :1] + (self.attn[:, :, dim].double() + self.mlp[:, :, dim].double()).cumsum(1)], 1)
+        err = float((rebuilt - v).abs().max())
+        return err, err / max(float(v.abs().max()), TINY)
+
+    def bookkeeping_tolerance(self) -> float:
+        """The largest relative error of :meth:`bookkeeping` that still adds up: 1e-4 in float32, 8 rounding units
+        of a bf16 / fp16 stream (0.0625 in bf16; SmolLM2 measures ~0.01 there, against 1e-7 in float32)."""
+        return max(1e-4, 8 * torch.finfo(getattr(torch, self.dtype)).eps)
+
+
+class SpikeOriginAccumulator(Accumulator):
+    """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, *, kind: str | None = None):
+        self.model, self.kind = model, kind
+        self.spec = get_mlp(model)
+        self.L, self.D = model_dims(model).n_layers, int(model_dims(model).d_model)
+        self.neuron_layers = [l for l in range(self.L) if self.spec.has_neurons(l)]
+        self.first = LayerCollector(list(range(self.L)))  # (N, L, 3, D): resid, attn, mlp of the first token
+        self.x = LayerCollector(list(range(self.L)))  # (N, L, D): the MLP input
+        self.acts = LayerCollector(self.neuron_layers)  # (N, L', M)
+        L, D = self.L, self.D
+        self.sums = {k: torch.zeros(L + (k.startswith("resid")), D, dtype=torch.float64)
+                     for k in ("resid", "resid_max", "attn", "mlp")}
+        self.neuron_sums: dict[int, dict[str, torch.Tensor]] = {}
+        self.post: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.n, self.T = 0, 0
+
+    def hooks(self):
+        out = {}
+        for l in range(self.L):
+            h = {"pre": act_name("resid_pre", l), "mlp": act_name("mlp_out", l)}
+            attn = self.spec.attn_write_hook(l)
+            h.update({"attn": attn} if attn else {"mid": act_name("resid_mid", l)})
+            if self.spec._input_hook:
+                h["x"] = self.spec._input_hook.format(layer=l)
+            else:
+                h["h"] = act_name(self.spec.input_resid, l)
+            if l in self.neuron_layers:
+                h["act"], h["up"] = self.spec.neuron_hook(l), self.spec.up_hook(l)
+                if self.spec.kind == "gated":
+                    h["gate"] = self.spec.gate_hook(l)
+            if l == self.L - 1:
+                h["post"] = act_name("resid_post", l)
+            out[l] = h
+        return out
+
+    @one_thread()
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        pre = acts["pre"].detach().float()
+        attn = acts["attn"].float() if "attn" in acts else acts["mid"].float() - pre
+        mlp = acts["mlp"].detach().float()
+        self.first.put(layer, torch.stack([pre[:, 0], attn[:, 0], mlp[:, 0]], 1))
+        self._other("resid", layer, pre)
+        self._other("attn", layer, attn)
+        self._other("mlp", layer, mlp)
+        x = acts["x"][:, 0] if "x" in acts else mlp_input(self.model, layer, acts["h"][:, :1])[:, 0]
+        self.x.put(layer, x.float().clone())  # a copy: a view would keep the layer's whole (B, T, D) input alive
+        if layer in self.neuron_layers:
+            self._neurons(layer, acts)
+        if "post" in acts:
+            post = acts["post"].detach().float()
+            self.post.append(post[:, 0].clone().cpu())
+            self._other("resid", self.L, post)
+
+    def _other(self, key: str, i: int, x: torch.Tensor) -> None:
+        """Sums over samples of the mean (and, for the stream, the largest |value|) over positions t > 0."""
+        if x.shape[1] < 2:
+            return
+        rest = x[:, 1:]
+        self.sums[key][i] += rest.mean(1).double().sum(0).cpu()
+        if key == "resid":
+            self.sums["resid_max"][i] += rest.abs().amax(1).double().sum(0).cpu()
+
+    def _neurons(self, layer: int, acts: dict) -> None:
+        a = acts["act"].detach().float()
+        self.acts.put(layer, a[:, 0].clone())
+        s = self.neuron_sums.setdefault(layer, {})
+        rest = a[:, 1:]
+        parts = {"act_other": rest.sum((0, 1)), "act_other_max": rest.abs().amax(1).sum(0) if rest.shape[1] else rest.sum((0, 1)),
+                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum((0, 1))}
+        if "gate" in acts:
+            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum((0, 1))}
+        for k, v in parts.items():
+            s[k] = s.get(k, 0) + v.double().cpu()
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.first.end_batch()
+        self.x.end_batch()
+        if self.neuron_layers:
+            self.acts.end_batch()
+        self.ids.append(batch.tokens[:, 0].cpu())
+        self.n += batch.size
+        self.T = batch.tokens.shape[1]
+
+    def result(self) -> FirstTokenTrace:
+        first = self.first.result()  # (N, L, 3, D)
+        n, n_other = max(self.n, 1), max(self.n * (self.T - 1), 1)
+        nan = float("nan") if self.T < 2 else None
+        mean = {k: (v / n).float() if nan is None else torch.full_like(v, nan).float() for k, v in self.sums.items()}
+        acts = self.acts.result() if self.neuron_layers else None
+        per = {k: {} for k in ("act_other", "act_other_max", "gate_first", "gate_other", "up_first", "up_other")}
+        for l, s in self.neuron_sums.items():
+            for k, v in s.items():
+                per[k][l] = (v / (n_other if k.endswith("_other") else n)).float()
+        resid = torch.cat([first[:, :, 0], torch.cat(self.post)[:, None]], 1)
+        x = self.x.result()
+        return FirstTokenTrace(
+            resid=resid, attn=first[:, :, 1], mlp=first[:, :, 2], other_resid=mean["resid"], other_resid_max=mean["resid_max"],
+            other_attn=mean["attn"], other_mlp=mean["mlp"], mlp_in={l: x[:, l] for l in range(self.L)},
+            act_first={l: acts[:, i] for i, l in enumerate(self.neuron_layers)} if acts is not None else {},
+            **per, first_ids=torch.cat(self.ids), T=self.T,
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside one MLP: neurons (dense) or experts (mixture of experts)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MlpNeurons:
+    """The neurons of one dense MLP on one spike dimension, first token.
+
+    Attributes
+    ----------
+    dim, block : int
+    role : str
+        "writer" or "eraser".
+    contributions : torch.Tensor, shape (N, d_mlp)
+        Each neuron's contribution to the MLP's write on ``dim`` per sample: output factor x a_n x W_out[d, n].
+    constant : torch.Tensor, shape (N,)
+        What the MLP writes on ``dim`` besides its neurons (output factor x b_out[d], a post-norm's bias).
+    write : torch.Tensor, shape (N,)
+        The MLP's write on ``dim`` (``hook_mlp_out``), first token.
+    w_out : torch.Tensor, shape (d_mlp,)
+        W_out[d, :] as it reaches the residual (centred over d_model for a LayerNorm post-norm).
+    act_first, act_other, act_other_max, gate_first, gate_other, up_first, up_other : torch.Tensor, shape (d_mlp,)
+        Mean neuron activation on the first token and on the other tokens (and its largest |value| there), and the
+        gate and up pre-activations (gated MLPs; ``up_*`` is a plain MLP's pre-activation, ``gate_*`` then None).
+    output : str
+        How the MLP's output reaches the stream ("add", "scaled", "post_norm").
+    """
+
+    dim: int
+    block: int
+    role: str
+    contributions: torch.Tensor
+    constant: torch.Tensor
+    write: torch.Tensor
+    w_out: torch.Tensor
+    act_first: torch.Tensor
+    act_other: torch.Tensor
+    act_other_max: torch.Tensor
+    gate_first: torch.Tensor | None
+    gate_other: torch.Tensor | None
+    up_first: torch.Tensor
+    up_other: torch.Tensor
+    output: str = "add"
+
+    @property
+    def mean_write(self) -> float:
+        return float(self.write.mean())
+
+    @property
+    def mean_contributions(self) -> torch.Tensor:
+        return self.contributions.mean(0)
+
+    @property
+    def order(self) -> torch.Tensor:
+        """Neurons by decreasing contribution in the direction of the write."""
+        return (self.mean_contributions * (1.0 if self.mean_write >= 0 else -1.0)).argsort(descending=True)
+
+    def neurons(self, share: float = NEURON_SHARES[0]) -> list[int]:
+        """The fewest neurons whose mean contributions carry ``share`` of the MLP's mean write on ``dim`` (all of
+        them, in order, if even every neuron pushing the same way does not reach it)."""
+        sign = 1.0 if self.mean_write >= 0 else -1.0
+        c = self.mean_contributions[self.order].double() * sign
+        target = share * abs(self.mean_write - float(self.constant.mean()))
+        reached = (c.cumsum(0) >= target).nonzero()
+        k = int(reached[0]) + 1 if len(reached) else int((c > 0).sum())
+        return self.order[: max(k, 1)].tolist()
+
+    def sample_share(self, share: float = NEURON_SHARES[0]) -> torch.Tensor:
+        """(N,) the share of each sample's neuron write the ``neurons(share)`` set carries."""
+        idx = torch.tensor(self.neurons(share))
+        total = self.contributions.sum(1)
+        return self.contributions[:, idx].sum(1) / total.where(total.abs() > TINY, torch.full_like(total, TINY))
+
+    @property
+    def sum_error(self) -> float:
+        """Largest |sum of the neurons' contributions + constant - the MLP's write| over samples."""
+        return float((self.contributions.double().sum(1) + self.constant.double() - self.write.double()).abs().max())
+
+    def table(self, share: float = NEURON_SHARES[-1], max_rows: int = 20) -> pd.DataFrame:
+        """One row per neuron of the ``share`` set (at most ``max_rows``): contribution, its share of the write and the
+        cumulative share, activation, gate and up factors on the first token against the other tokens."""
+        idx = self.neurons(share)[:max_rows]
+        c = self.mean_contributions
+        base = self.mean_write - float(self.constant.mean())
+        rows = []
+        cum = 0.0
+        for n in idx:
+            cum += float(c[n]) / base if base else float("nan")
+            row = {"dim": self.dim, "block": self.block, "role": self.role, "neuron": n, "contribution": float(c[n]),
+                   "share": float(c[n]) / base if base else float("nan"), "cum_share": cum, "w_out": float(self.w_out[n]),
+                   "act_first": float(self.act_first[n]), "act_other": float(self.act_other[n]),
+                   "act_other_max": float(self.act_other_max[n])}
+            if self.gate_first is not None:
+                row |= {"gate_first": float(self.gate_first[n]), "gate_other": float(self.gate_other[n])}
+            row |= {"up_first": float(self.up_first[n]), "up_other": float(self.up_other[n])}
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def findings(self) -> list[str]:
+        """How few neurons carry the write, then how its largest neuron fires on the first token and elsewhere."""
+        lo, hi = NEURON_SHARES[0], NEURON_SHARES[-1]
+        n_lo, n_hi = self.neurons(lo), self.neurons(hi)
+        t = self.table(lo, max_rows=3)
+        per = self.sample_share(lo)
+        top = ", ".join(f"{int(r.neuron)} ({r.share:.0%})" for r in t.itertuples())
+        what = "writes" if self.role == "writer" else "erases"
+        s = (f"Inside MLP {self.block}, which {what} {self.mean_write:+.4g} on dim {self.dim}, {len(n_lo)} of "
+             f"{self.contributions.shape[1]} neurons carry {lo:.0%} of it and {len(n_hi)} carry {hi:.0%} (the largest: "
+             f"{top}); over samples that set carries {float(per.min()):.0%}-{float(per.max()):.0%} of the neuron write.")
+        r = t.iloc[0] if len(t) else None
+        if r is None:
+            return [s]
+        if self.gate_first is not None:
+            fires = (f"Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate "
+                     f"{r.gate_first:+.3g}, up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on "
+                     f"average over the other tokens, |largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up "
+                     f"{r.up_other:+.3g}).")
+        else:
+            fires = (f"Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
+                     f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
+                     f"{r.act_other_max:.3g}).")
+        return [s, fires]
+
+    def text(self) -> str:
+        return " ".join(self.findings())
+
+    def to_dict(self) -> dict:
+        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.mean_write,
+                         "write_spread": [float(self.write.min()), float(self.write.max())],
+                         "constant": float(self.constant.mean()), "output": self.output,
+                         **{f"neurons_{round(s * 100)}": self.neurons(s) for s in NEURON_SHARES},
+                         **{f"n_{round(s * 100)}": len(self.neurons(s)) for s in NEURON_SHARES},
+                         "sample_share_90": self.sample_share(NEURON_SHARES[0]), "sum_error": self.sum_error,
+                         "top": self.table(), "text": self.text()})
+
+
+@dataclass
+class ExpertWrites:
+    """Which experts of a mixture-of-experts block write on one spike dimension, first token.
+
+    Attributes
+    ----------
+    dim : int
+        The spike dimension.
+    block : int
+        The mixture-of-experts block.
+    role : str
+        "writer", "eraser" or "amplifier".
+    table : pandas.DataFrame
+        One row per expert (the share of samples it was routed on, its mean write there and over all samples), a row
+        "rest" for what the block adds beyond its routed experts (a shared expert), and a row "unaccounted" where the
+        block's write is not what its modules make (a hook on its output).
+    write : float
+        The block's mean write on ``dim``, first token.
+    """
+
+    dim: int
+    block: int
+    role: str
+    table: pd.DataFrame
+    write: float
+
+    def findings(self) -> list[str]:
+        t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values("mean_write", key=abs, ascending=False)
+        rest = float(self.table.loc[self.table.expert == "rest", "mean_write"].sum())
+        left = self.table.loc[self.table.expert == "unaccounted", "mean_write"]
+        top = ", ".join(f"expert {r.expert} ({r.mean_write:+.4g}, routed on {r.routed_share:.0%} of samples)"
+                        for r in t.head(3).itertuples())
+        s = (f"MLP {self.block} is a mixture of experts, whose neurons no hook holds (so no neuron is named): of its "
+             f"{self.write:+.4g} on dim {self.dim}, the routed experts write {top or 'nothing'}, and the rest of the block "
+             f"(a shared expert) {rest:+.4g}.")
+        out = [s]
+        if len(left):
+            out.append(f"{float(left.iloc[0]):+.4g} of it is made by none of the block's modules (a hook on the block's "
+                       "output adds it).")
+        return out
+
+    def text(self) -> str:
+        return " ".join(self.findings())
+
+    def to_dict(self) -> dict:
+        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.write,
+                         "experts": self.table, "text": self.text()})
+
+
+def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
+    """(factor (N,), w_out (d_mlp,), constant (N,)): how neuron n's a_n reaches the stream on ``dim``, with the
+    output norm's scale held at its value for each sample (exact for the write: sum_n factor a_n w_out[n] +
+    constant = the MLP's write)."""
+    spec = get_mlp(model)
+    b = W.b_out if W.b_out is not None else torch.zeros(W.W_out.shape[0])
+    if spec.output != "post_norm":
+        k = torch.full((act.shape[0],), float(spec.output_scale))
+        return k, W.W_out[dim], k * float(b[dim])
+    mod = block_norm(model, block, spec.output_norm_module)
+    w, nb = norm_weights(mod)
+    ns = spec.output_norm
+    norm = NormParams(_NORM_KINDS.get(ns.kind, "RMS"), w, nb, ns.eps, ns.gain_offset)
+    proj = act @ W.W_out.T + b  # (N, D)
+    k = (norm.scale(proj)[:, 0] * norm.gain[dim]).float()
+    centre = (lambda v: v - v.mean(0, keepdim=True)) if norm.kind == "LN" else (lambda v: v)
+    w_out, bc = centre(W.W_out)[dim], centre(b[:, None])[dim, 0]
+    const = k * float(bc) + (float(nb[dim]) if nb is not None else 0.0)
+    return k, w_out, const
+
+
+def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
+    """The neurons of a block's dense MLP on one spike dimension, from the trace of a pass.
+
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    block : int
+        The MLP block.
+    role : {"writer", "eraser", "amplifier"}
+        What the block does to the spike (a label).
+
+    Returns
+    -------
+    MlpNeurons
+    """
+    spec = get_mlp(model)
+    W = mlp_weights(model, block)
+    a = trace.act_first[block]
+    k, w_out, const = _out_factor(model, block, W, a, dim)
+    contrib = k[:, None] * a * w_out[None]
+    gated = spec.kind == "gated"
+    return MlpNeurons(dim, block, role, contrib, const, trace.mlp[:, block, dim], w_out * k.mean(), a.mean(0),
+                      trace.act_other[block], trace.act_other_max[block], trace.gate_first.get(block) if gated else None,
+                      trace.gate_other.get(block) if gated else None, trace.up_first[block], trace.up_other[block],
+                      spec.output)
+
+
+def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
+    """Which routed experts of a mixture-of-experts block write on one spike dimension for the first token.
+
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    block : int
+        The MLP block.
+    role : {"writer", "eraser", "amplifier"}
+        What the block does to the spike (a label).
+
+    Returns
+    -------
+    ExpertWrites
+    """
+    idx, slots, rest = expert_writes(model, block, trace.mlp_in[block])
+    N = idx.shape[0]
+    rows = []
+    for e in sorted(set(idx.flatten().tolist())):
+        on = idx == e  # (N, k)
+        w = (slots[..., dim] * on).sum(1)  # (N,)
+        routed = on.any(1)
+        rows.append({"expert": str(e), "routed_share": float(routed.float().mean()),
+                     "write_when_routed": float(w[routed].mean()), "mean_write": float(w.mean())})
+    rows.append({"expert": "rest", "routed_share": 1.0, "write_when_routed": float(rest[:, dim].mean()),
+                 "mean_write": float(rest[:, dim].mean())})
+    write = trace.mlp[:N, block, dim]
+    left = write - (slots[..., dim].sum(1) + rest[:, dim])  # what the block's modules do not make (a hook on its output)
+    if float(left.abs().max()) > 1e-3 * max(float(write.abs().max()), 1.0):
+        rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": float(left.mean()),
+                     "mean_write": float(left.mean())})
+    return ExpertWrites(dim, block, role, pd.DataFrame(rows), float(write.mean()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The result
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpikeOrigin(Result):
+    """Where each spike dimension of the first token comes from and where it goes.
+
+    Attributes
+    ----------
+    dims : list[int]
+        The spike dimensions traced (the first token's, as ``analysis.chain.massive`` finds them, or given).
+    trace : FirstTokenTrace
+        The reduced pass (first-token stream and writes, neurons).
+    writes : pandas.DataFrame
+        One row per writing or erasing component: dim, role ("writer" / "eraser" / "amplifier": a write adding to a
+        spike the embedding already carries), component ("embedding",
+        "attention", "mixer", "mlp"), block (-1 for the embedding), write (mean, first token), write_min, write_max
+        (over samples), value_before, value_after, share (of the value after it for a writer, of the value before it
+        for an eraser).
+    neurons : list[MlpNeurons]
+        The neurons of every writing and erasing dense MLP, per dim.
+    experts : list[ExpertWrites]
+        The routed experts of every writing and erasing mixture-of-experts block, per dim.
+    quadratic : list[QuadraticForm]
+        The quadratic-form view of every writing gated MLP, per dim.
+    bookkeeping : pandas.DataFrame
+        Per dim: the largest |embedding + writes - value| over samples and blocks, absolute and over the peak.
+    notes : list[str]
+        What does not apply here, in sentences (the family's MLP, a write no neuron holds, ...).
+    appears : dict
+        dim -> the first stream where the first token carries the spike (0: its embedding; l: entering block l).
+    mlp_facts : str
+        The family's MLP in words (``MlpSpec.text()``).
+    share : float
+        What counted as a write: at least this share of the value it leads to (or erases).
+    min_write : float
+        The smallest |write| considered.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    """
+
+    dims: list[int]
+    trace: FirstTokenTrace
+    writes: pd.DataFrame
+    neurons: list = field(default_factory=list)
+    experts: list = field(default_factory=list)
+    quadratic: list = field(default_factory=list)
+    bookkeeping: pd.DataFrame = field(default_factory=pd.DataFrame)
+    notes: list = field(default_factory=list)
+    mlp_facts: str = ""
+    appears: dict = field(default_factory=dict)  # dim -> the first stream carrying the spike (0: the embedding)
+    share: float = SPIKE_WRITE_SHARE
+    min_write: float = SPIKE_ABS
+    model_name: str | None = None
+    kind: str | None = None
+
+    @property
+    def n_samples(self) -> int:
+        return self.trace.n_samples
+
+    @property
+    def has_spike(self) -> bool:
+        return bool(self.dims)
+
+    @property
+    def n_layers(self) -> int:
+        return self.trace.n_layers
+
+    def values(self, dim: int) -> torch.Tensor:
+        """(N, L + 1) the first token's value of ``dim`` entering each block (index L: after the last)."""
+        return self.trace.resid[:, :, self._dim(dim)]
+
+    def _dim(self, dim: int) -> int:
+        if int(dim) not in self.dims:
+            raise ValueError(f"dim {dim} was not traced; this result traces dims {self.dims}.")
+        return int(dim)
+
+    def embedding_origin(self, dim: int) -> bool:
+        """Whether the spike on ``dim`` already is in the first token's embedding (then no neuron writes it)."""
+        return self.appears.get(self._dim(dim)) == 0
+
+    def writers(self, dim: int | None = None, role: str = "writer") -> pd.DataFrame:
+        w = self.writes[self.writes.role == role]
+        return w if dim is None else w[w.dim == self._dim(dim)]
+
+    def erasers(self, dim: int | None = None) -> pd.DataFrame:
+        return self.writers(dim, "eraser")
+
+    def writing_blocks(self, dim: int | None = None, role: str = "writer") -> list[int]:
+        """The blocks whose MLP writes (``role="eraser"``: erases) the spike on ``dim`` (every dim: None)."""
+        w = self.writers(dim, role)
+        return sorted({int(b) for b in w[w.component == "mlp"].block})
+
+    def mlp_neurons(self, dim: int, block: int) -> MlpNeurons:
+        for n in self.neurons:
+            if n.dim == int(dim) and n.block == int(block):
+                return n
+        raise ValueError(f"no neurons resolved for dim {dim} in block {block}; resolved: "
+                         f"{[(n.dim, n.block) for n in self.neurons]}.")
+
+    def block_table(self, dim: int) -> pd.DataFrame:
+        """One row per block: the first token's value of ``dim`` entering it (mean, min, max over samples), the other
+        tokens' mean and largest |value|, the attention and MLP writes on the first token and on the other tokens."""
+        d, tr = self._dim(dim), self.trace
+        v = tr.resid[:, :, d]
+        rows = []
+        for l in range(self.n_layers + 1):
+            row = {"dim": d, "block": l if l < self.n_layers else "final", "value_first": float(v[:, l].mean()),
+                   "value_first_min": float(v[:, l].min()), "value_first_max": float(v[:, l].max()),
+                   "value_other": float(tr.other_resid[l, d]), "value_other_max": float(tr.other_resid_max[l, d])}
+            if l < self.n_layers:
+                row |= {"attn_first": float(tr.attn[:, l, d].mean()), "mlp_first": float(tr.mlp[:, l, d].mean()),
+                        "attn_other": float(tr.other_attn[l, d]), "mlp_other": float(tr.other_mlp[l, d])}
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        out = {"writes": self.writes, "bookkeeping": self.bookkeeping}
+        if self.dims:
+            out["blocks"] = pd.concat([self.block_table(d) for d in self.dims], ignore_index=True)
+        if self.neurons:
+            out["neurons"] = pd.concat([n.table() for n in self.neurons], ignore_index=True)
+        if self.quadratic:
+            out["quadratic"] = pd.concat([q.table for q in self.quadratic], ignore_index=True)
+        if self.experts:
+            out["experts"] = pd.concat([e.table.assign(dim=e.dim, block=e.block) for e in self.experts], ignore_index=True)
+        return out
+
+    def _component_text(self, rows: pd.DataFrame) -> str:
+        def name(r):
+            return "the embedding" if r.component == "embedding" else f"{'MLP' if r.component == 'mlp' else r.component} {r.block}"
+        return ", ".join(f"{name(r)} ({r.write:+.4g}, {r.share:.0%} of the value {'before' if r.role == 'eraser' else 'after'} it)"
+                         for r in rows.itertuples())
+
+    def dim_text(self, dim: int) -> str:
+        """Where one spike dimension peaks, which blocks write and erase it, and that the bookkeeping adds up."""
+        return " ".join(self.dim_findings(dim))
+
+    def dim_findings(self, dim: int) -> list[str]:
+        """``dim_text`` as a list of whole sentences."""
+        d = self._dim(dim)
+        v = self.values(d).mean(0)
+        peak = int(v.abs().argmax())
+        where = f"entering block {peak}" if peak < self.n_layers else "after the last block"
+        w, e = self.writers(d), self.erasers(d)
+        err, rel = self.trace.bookkeeping(d)
+        s = [f"Dim {d} reaches {float(v[peak]):+.4g} on the first token ({where}; the other tokens' largest |value| there: "
+             f"{float(self.trace.other_resid_max[peak, d]):.3g})."]
+        if self.embedding_origin(d):
+            emb = float(v[0])
+            s.append(f"The spike on dim {d} is the first token's own embedding ({emb:+.4g} entering block 0, where it is "
+                     f"already a spike; {abs(emb) / max(abs(float(v[peak])), TINY):.0%} of the peak): no block writes it, so "
+                     "no neuron is named.")
+            amp = self.writers(d, "amplifier")
+            if len(amp):
+                s.append(f"After it, {self._component_text(amp)} add{'s' if len(amp) == 1 else ''} to it.")
+        elif len(w):
+            s.append(f"It is written by {self._component_text(w)}.")
+        else:
+            s.append(f"No single write of at least {self.share:.0%} of the value it leads to builds it.")
+        s.append(f"It is erased by {self._component_text(e)}." if len(e) else
+                 f"No block erases it: it is {float(v[-1]):+.4g} after the last block.")
+        attn = self.trace.attn[:, :, d].mean(0).abs()
+        s.append(f"Attention writes at most {float(attn.max()):.3g} on it (block {int(attn.argmax())}).")
+        s.append(f"The bookkeeping adds up: the embedding plus every write equals the value entering each block to "
+                 f"{err:.2g} ({rel:.1e} of the largest value)." if rel < self.trace.bookkeeping_tolerance() else
+                 f"The bookkeeping does not add up ({err:.3g}, {rel:.1e} of the largest value): the stream is not a sum "
+                 "of these writes here.")
+        return s
+
+    def findings(self) -> list[str]:
+        name = self.model_name or "the model"
+        kind = f" on {self.kind} inputs" if self.kind else ""
+        if not self.has_spike:
+            return [f"The first token of {name}{kind} carries no spike dimension, so there is nothing to trace: no block "
+                    "or neuron is named.", *self.notes]
+        parts = [f for d in self.dims for f in self.dim_findings(d)]
+        parts += [f for n in self.neurons if n.role == "writer" for f in n.findings()]
+        parts += [f for e in self.experts for f in e.findings()]
+        parts += [f for q in self.quadratic for f in q.findings()]
+        return parts + list(self.notes)
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "dims": self.dims, "has_spike": self.has_spike, "share": self.share,
+                         "min_write": self.min_write, "mlp": self.mlp_facts,
+                         "writing_blocks": {str(d): self.writing_blocks(d) for d in self.dims},
+                         "erasing_blocks": {str(d): self.writing_blocks(d, "eraser") for d in self.dims},
+                         "writes": self.writes, "bookkeeping": self.bookkeeping,
+                         "blocks": {str(d): self.block_table(d) for d in self.dims},
+                         "neurons": [n.to_dict() for n in self.neurons], "experts": [e.to_dict() for e in self.experts],
+                         "quadratic": [q.to_dict() for q in self.quadratic], "notes": self.notes, "text": self.text()})
+
+
+# ----------------------------------------------------------------------------------------------
+# From the trace to the origin
+# ----------------------------------------------------------------------------------------------
+
+_WRITE_COLS = ["dim", "role", "component", "block", "write", "write_min", "write_max", "value_before", "value_after", "share"]
+
+
+def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequence[int]):
+    """(component, block, writes (N,), value before (N,), value after (N,)) in the order they reach the stream."""
+    v = trace.resid[:, :, dim]
+    yield "embedding", -1, v[:, 0], torch.zeros_like(v[:, 0]), v[:, 0]
+    for l in range(trace.n_layers):
+        a, m = trace.attn[:, l, dim], trace.mlp[:, l, dim]
+        mixer = "mixer" if l in mixers else "attention"
+        if parallel:  # both read the block's input; each is measured against the block's output
+            yield mixer, l, a, v[:, l], v[:, l + 1]
+            yield "mlp", l, m, v[:, l], v[:, l + 1]
+        else:
+            yield mixer, l, a, v[:, l], v[:, l] + a
+            yield "mlp", l, m, v[:, l] + a, v[:, l + 1]
+
+
+def find_writes(trace: FirstTokenTrace, dim: int, *, parallel: bool = False, mixers: Sequence[int] = (),
+                share: float = SPIKE_WRITE_SHARE, min_write: float = SPIKE_ABS, appears: int | None = None) -> pd.DataFrame:
+    """The components that write and erase the first token's spike on one dimension (the rows of
+    ``SpikeOrigin.writes``).
+
+    A writer adds, in the sign of the spike's peak, at least ``share`` of the value it leads to; an eraser takes away
+    at least ``share`` of the value it meets; both write at least ``min_write`` and ``SPIKE_WRITE_FLOOR`` of the peak
+    |value| (means over samples, first token).
+
+    Parameters
+    ----------
+    trace : FirstTokenTrace
+        The reduced pass.
+    dim : int
+        The spike dimension.
+    parallel : bool
+        Attention and MLP read the block's input (measured against the block's output).
+    mixers : sequence of int
+        Blocks whose token mixer has no ``hook_attn_out``.
+    share : float
+        The share of the value a write must reach.
+    min_write : float
+        The smallest |write| considered.
+    appears : int, optional
+        The first stream carrying the spike; 0 (the embedding) makes the embedding its writer, and a later write that
+        adds to it an "amplifier".
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per component: dim, role, component, block, write, write_min, write_max, value_before, value_after,
+        share.
+    """
+    v = trace.resid[:, :, dim].mean(0)
+    peak = float(v[int(v.abs().argmax())])
+    sign = 1.0 if peak >= 0 else -1.0
+    floor = max(float(min_write), SPIKE_WRITE_FLOOR * abs(peak))
+    rows = []
+    for comp, block, w, before, after in _components(trace, dim, parallel, mixers):
+        wm, b, a = float(w.mean()), float(before.mean()), float(after.mean())
+        if abs(wm) < floor:
+            continue
+        if sign * wm > 0 and sign * wm >= share * abs(a):
+            role, sh = "writer" if appears != 0 or comp == "embedding" else "amplifier", sign * wm / max(abs(a), TINY)
+        elif sign * wm < 0 and -sign * wm >= share * abs(b) and comp != "embedding":
+            role, sh = "eraser", -sign * wm / max(abs(b), TINY)
+        else:
+            continue
+        rows.append({"dim": int(dim), "role": role, "component": comp, "block": int(block), "write": wm,
+                     "write_min": float(w.min()), "write_max": float(w.max()), "value_before": b, "value_after": a,
+                     "share": sh})
+    return pd.DataFrame(rows, columns=_WRITE_COLS)
+
+
+def _check_dims(dims, D: int) -> list[int]:
+    dims = sorted({int(d) for d in dims})
+    bad = [d for d in dims if not 0 <= d < D]
+    if bad:
+        raise ValueError(f"dims {bad} out of range: d_model is {D}; give residual dimensions in [0, {D}).")
+    return dims
+
+
+def _check_blocks(blocks, L: int) -> list[int] | None:
+    if blocks is None:
+        return None
+    blocks = sorted({int(b) for b in blocks})
+    bad = [b for b in blocks if not 0 <= b < L]
+    if bad:
+        raise ValueError(f"blocks {bad} out of range: this model has blocks 0..{L - 1}.")
+    return blocks
+
+
+def origin_from(model, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
+                blocks: Sequence[int] | None = None, share: float = SPIKE_WRITE_SHARE, min_write: float | None = None,
+                kind: str | None = None) -> SpikeOrigin:
+    """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
+
+    Parameters
+    ----------
+    model
+        The model the trace was measured on.
+    trace : FirstTokenTrace
+        The reduced pass.
+    dims : sequence of int, optional
+        The spike dimensions to trace; None takes the first token's spike dims of ``massive`` over every layer.
+    massive : MassiveActivations, optional
+        The massive activations of the same tokens, e.g. ``Profile.massive["natural"]``.
+    blocks : sequence of int, optional
+        The MLP blocks whose neurons (or experts) to resolve; None: every writing and erasing MLP found.
+    share : float
+        What counts as a write (:func:`find_writes`).
+    min_write : float, optional
+        The smallest |write| considered; None: ``massive``'s absolute threshold, else Sun et al.'s 100.
+    kind : str, optional
+        The input kind, a label.
+
+    Returns
+    -------
+    SpikeOrigin
+    """
+    spec = get_mlp(model)
+    D, L = int(model_dims(model).d_model), trace.n_layers
+    blocks = _check_blocks(blocks, L)
+    if dims is None:
+        if massive is None:
+            raise ValueError("give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
+                             "(massive=MassiveActivations) to find them.")
+        dims = sorted({d for ds in massive.first_token_dims.values() for d in ds})
+    dims = _check_dims(dims, D)
+    if min_write is None:
+        min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
+    name = getattr(model, "model_name", None)
+    notes = [] if spec.additive else ["This model's stream after a block is not its input plus the block's writes "
+                                      "(a post-norm stream, or a hook that edits the stream): the writes need not add up."]
+    appears = {d: _appears(trace, d, massive) for d in dims}
+    writes = pd.concat([find_writes(trace, d, parallel=spec.parallel, mixers=spec.mixer_layers, share=share,
+                                    min_write=min_write, appears=appears[d]) for d in dims]
+                       or [pd.DataFrame(columns=_WRITE_COLS)], ignore_index=True)
+    books = pd.DataFrame([{"dim": d, "max_abs_err": e, "rel_err": r} for d in dims for e, r in [trace.bookkeeping(d)]],
+                         columns=["dim", "max_abs_err", "rel_err"])
+    out = SpikeOrigin(dims, trace, writes, bookkeeping=books, notes=notes, mlp_facts=spec.text(), share=share,
+                      min_write=float(min_write), appears=appears, model_name=name, kind=kind)
+    for d in dims:
+        todo = ([(b, role) for role in ROLES for b in out.writing_blocks(d, role)] if blocks is None else
+                [(b, _role_of(out, d, b)) for b in blocks])
+        for b, role in todo:
+            _resolve(model, out, spec, d, b, role)
+    return out
+
+
+def _appears(trace: FirstTokenTrace, dim: int, massive) -> int:
+    """The first stream (0: the embedding, entering block 0; l: entering block l; L: after the last block) where the
+    first token carries the spike on ``dim``: where ``massive`` first flags it, else where its |value| first reaches
+    half its peak."""
+    flagged = [l for l, ds in (massive.first_token_dims.items() if massive is not None else ()) if dim in ds]
+    if flagged:
+        return min(flagged) + (massive.hook == "resid_post")
+    v = trace.resid[:, :, dim].mean(0).abs()
+    return int((v >= 0.5 * v.max()).nonzero()[0])
+
+
+def _role_of(out: SpikeOrigin, dim: int, block: int) -> str:
+    return "eraser" if block in out.writing_blocks(dim, "eraser") else "writer"
+
+
+def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> None:
+    """Add the neurons (dense MLP) or experts (mixture of experts) of ``block`` on ``dim`` to ``out``, or a note."""
+    tr = out.trace
+    if spec.has_neurons(block):
+        n = mlp_neurons(model, tr, dim, block, role=role)
+        out.neurons.append(n)
+        if role == "writer" and spec.kind == "gated":
+            W = mlp_weights(model, block)
+            k, w_out, _ = _out_factor(model, block, W, tr.act_first[block], dim)
+            out.quadratic.append(quadratic_form(w_out * k.mean(), W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block,
+                                                write=n.mean_write))
+        elif role == "writer":
+            out.notes.append(f"MLP {block} is a plain ({spec.activation}) MLP: each neuron is act(w_in . x), not a product "
+                             "of two projections, so the quadratic-form view does not apply.")
+    elif block in spec.moe_layers:
+        try:
+            out.experts.append(moe_experts(model, tr, dim, block, role=role))
+        except ValueError as e:
+            out.notes.append(f"MLP {block} is a mixture of experts whose experts could not be run one by one ({e}).")
+    else:
+        out.notes.append(f"MLP {block}'s neurons are not readable in this {spec.family} model ({spec.kind} MLP).")
+
+
+def spike_origin(
+    model,
+    tokens,
+    *,
+    dims: Sequence[int] | None = None,
+    blocks: Sequence[int] | None = None,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    median_over: str = "sequence",
+    share: float = SPIKE_WRITE_SHARE,
+    min_write: float | None = None,
+    batch_size: int | None = None,
+    kind: str | None = None,
+) -> SpikeOrigin:
+    """Where the first token's spike comes from, in one streamed pass over ``tokens`` (N, T).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    dims : sequence of int, optional
+        The residual dimensions to trace; None finds the first token's spike dims with ``analysis.chain.massive`` in the
+        same pass, in the stream entering every block (``hook_resid_pre``: the embedding included, so a spike the
+        first token's embedding already carries is found; ``abs_threshold``, ``ratio_threshold``, ``min_share``,
+        ``median_over``: its criterion).
+    blocks : sequence of int, optional
+        The MLP blocks whose neurons to resolve; None: every writing and erasing MLP found.
+    abs_threshold, ratio_threshold, min_share : float
+        The massive-activation criterion that finds the spike dims (see ``analysis.massive_activations``).
+    median_over : {"sequence", "token"}
+        The median its ratio is taken to.
+    share : float
+        What counts as a write: at least this share of the value it leads to (or erases).
+    min_write : float, optional
+        ... and at least this mean |write| (None: ``abs_threshold`` when the dims are found here, Sun et al.'s 100
+        when they are given; 0 for a small model whose spike stays under 100).
+    batch_size : int, optional
+        Sequences per batch.
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    SpikeOrigin
+    """
+    tokens = check_tokens(model, tokens)
+    D, L = int(model_dims(model).d_model), model_dims(model).n_layers
+    if dims is not None:
+        dims = _check_dims(dims, D)
+    _check_blocks(blocks, L)
+    if not 0 < float(share) <= 1:
+        raise ValueError(f"share must lie in (0, 1]; got {share}.")
+    accs = [SpikeOriginAccumulator(model, kind=kind)]
+    if dims is None:
+        accs.append(massive_accumulator(model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
+                                        min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))
+    got = run_pass(model, tokens, accs, batch_size=batch_size)
+    massive = got[1] if dims is None else None
+    if min_write is None:
+        min_write = abs_threshold if dims is None else None
+    return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write,
+                       kind=kind)

@@ -1,0 +1,151 @@
+"""The one result protocol every analysis follows, and the small formatters results share.
+
+Every result has ``kind`` (the input kind, e.g. "natural", or None), ``model_name``, ``n_samples`` (the
+number of sequences), ``tables`` (named DataFrames), ``findings()`` (the finding as a list of whole sentences, each
+built as one: the report lays them out one by one and never splits a text), ``text()`` (those sentences joined: what
+the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions in [0, 1] everywhere;
+``_pct`` in a name marks a percentage. Heads named ``kv_head`` are key/value heads (GQA), ``head`` query heads.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from analysis.core.io import jsonable
+
+
+class Result:
+    """Mixin of the result protocol.
+
+    Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties) and define ``tables`` and
+    ``findings()`` (a list of whole sentences); ``text()`` joins the findings and ``to_dict()`` adds the header and
+    the tables.
+
+    Attributes
+    ----------
+    kind : str or None
+        The input kind ("natural", "random", ...).
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences.
+    tables : dict of str to pandas.DataFrame
+        Named tables (a property; none by default).
+    """
+
+    kind: str | None
+    model_name: str | None
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {}
+
+    def findings(self) -> list[str]:
+        """The finding in words, as a list of whole sentences (each item one or more complete sentences)."""
+        raise NotImplementedError
+
+    def text(self) -> str:
+        """The findings joined into one paragraph."""
+        return " ".join(self.findings())
+
+    def header(self) -> dict:
+        return {"model": self.model_name, "kind": self.kind, "n_samples": int(self.n_samples)}
+
+    def to_dict(self) -> dict:
+        """Header, every named table as records, and the text."""
+        return jsonable({**self.header(), **{k: v for k, v in self.tables.items()}, "text": self.text()})
+
+
+class LayerAxis:
+    """Mixin of results whose tensors have a layer axis L over ``layers``, the TRUE indices of the layers measured (all
+    layers of a plain transformer; a hybrid's attention layers only, ``skipped`` saying which were left out).
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    skipped : str
+        The layers left out and why, in one sentence; "" when none.
+    """
+
+    layers: list[int]
+    skipped: str
+
+    def pos(self, layer: int) -> int:
+        """The position of true layer index ``layer`` on the layer axis (ValueError if it was not measured)."""
+        if int(layer) not in self.layers:
+            raise ValueError(f"layer {layer} was not measured; this result holds layers {self.layers}"
+                             f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}.")
+        return self.layers.index(int(layer))
+
+    def positions(self, layers: Sequence[int]) -> list[int]:
+        """The positions of true layer indices ``layers`` on the layer axis."""
+        return [self.pos(l) for l in layers]
+
+
+def runs(layers: Sequence[int]) -> list[list[int]]:
+    """Runs of consecutive layers: [2, 3, 4, 7] -> [[2, 3, 4], [7]].
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    list of list of int
+    """
+    out: list[list[int]] = []
+    for l in sorted(int(l) for l in layers):
+        if out and l == out[-1][-1] + 1:
+            out[-1].append(l)
+        else:
+            out.append([l])
+    return out
+
+
+def layer_runs(layers: Sequence[int]) -> str:
+    """Layers as runs in words: [2, 3, 4, 7] -> '2-4, 7'.
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    str
+    """
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs(layers))
+
+
+def layers_text(layers: Sequence[int]) -> str:
+    """Layers in words: [3, 4, 5, 9] -> 'layers 3-5, 9'; [2] -> 'layer 2'.
+
+    Parameters
+    ----------
+    layers : sequence of int
+
+    Returns
+    -------
+    str
+    """
+    return ("layer " if len(layers) == 1 else "layers ") + layer_runs(layers)
+
+
+def dims_by_layer_text(spikes: dict[int, list[int]]) -> str:
+    """Spike dims by layer in words: {0: [7], 1: [7, 21]} -> 'dim 7 at layers 0-1; dim 21 at layer 1'.
+
+    Parameters
+    ----------
+    spikes : dict of int to list of int
+        {layer: dims}.
+
+    Returns
+    -------
+    str
+    """
+    by_dim: dict[int, list[int]] = {}
+    for l, ds in spikes.items():
+        for d in ds:
+            by_dim.setdefault(d, []).append(l)
+    return "; ".join(f"dim {d} at {layers_text(ls)}" for d, ls in sorted(by_dim.items()))

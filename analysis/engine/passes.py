@@ -1,0 +1,551 @@
+"""The pass engine: one streamed pass of a model over tokens, feeding accumulators one layer at a time.
+
+An analysis is an :class:`Accumulator`: it says which hooks it needs per layer (``hooks()``) and folds each layer's
+activations into its own state (``update``); :func:`run_pass` runs the model over the tokens in batches and hands
+every accumulator the activations of one layer together (a :class:`LayerActs`, the joint reducer), keeping only what
+the accumulators reduce to, never the full activation cache. A pass can start at a block from the residual stream
+entering it (:class:`Resume`, kept by :class:`ResidCapture`) instead of at the embedding. ``run_with_reducers`` is
+the plain form for one-off hooks. The hook names and the model's dimensions come from ``analysis.model.hooks``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from analysis.model.families import RESUMABLE, get_family
+from analysis.model.hooks import (
+    ModelContractError,
+    act_name,
+    check_tokens,
+    hook_layer,
+    hook_names,
+    model_device,
+)
+from analysis.core.stats import unit_vectors
+
+HookFn = Callable[[torch.Tensor, object], object]
+
+
+def batches(tokens: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    """Consecutive slices of a batch of sequences.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor, shape (N, T)
+    batch_size : int
+
+    Yields
+    ------
+    torch.Tensor, shape (B, T)
+        B = batch_size, the last one shorter where N is not a multiple.
+    """
+    for start in range(0, tokens.shape[0], batch_size):
+        yield tokens[start : start + batch_size]
+
+
+def default_batch_size(tokens: torch.Tensor) -> int:
+    """A batch near 2k tokens on the CPU (attention maps are built per layer, one at a time).
+
+    Parameters
+    ----------
+    tokens : torch.Tensor, shape (N, T)
+
+    Returns
+    -------
+    int
+        max(1, min(N, 2048 // T)).
+    """
+    T = tokens.shape[1]
+    return max(1, min(tokens.shape[0], 2048 // max(T, 1)))
+
+
+@dataclass
+class Batch:
+    """The batch being run.
+
+    Attributes
+    ----------
+    tokens : torch.Tensor, shape (B, T)
+        Its token ids, on the model's device.
+    offset : int
+        The index of its first sample in the pass's tokens.
+    size : int
+        B (a property).
+    """
+
+    tokens: torch.Tensor
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Accumulator:
+    """One analysis' state during a streamed pass.
+
+    ``hooks()`` says which activations it needs, per layer: {layer: {key: hook name}}. For each batch and
+    layer, once every activation of that layer (over all accumulators of the pass) has fired,
+    ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together (a :class:`LayerActs`): the joint
+    reducer. Then ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False
+    lets the pass stop after the last layer any accumulator needs.
+    """
+
+    needs_logits = False
+    optional_keys: frozenset = frozenset()  # keys whose hooks may be listed but never fire (passed when they do)
+
+    def hooks(self) -> dict[int, dict[str, str]]:
+        raise NotImplementedError
+
+    def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch) -> None:
+        raise NotImplementedError
+
+    def end_batch(self, batch: Batch, logits: torch.Tensor | None) -> None:
+        pass
+
+    def result(self):
+        raise NotImplementedError
+
+
+class LayerActs(dict):
+    """One layer's activations as an accumulator asked for them ({key: tensor}), and what every accumulator fed
+    the same layer in the pass shares: :meth:`units`, computed once per tensor. Built by the joint reducer for
+    each layer and batch and dropped after it, so nothing derived outlives the layer."""
+
+    def __init__(self, acts: Mapping[str, torch.Tensor], scratch: dict | None = None):
+        super().__init__(acts)
+        self.scratch = {} if scratch is None else scratch  # id(x) -> (x, derived): x held, so its id stays its own
+
+    def units(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``unit_vectors(x.float())`` (unit vectors, norms) of queries or keys x (..., d) derived from this layer's
+        activations: the QK angles and the first-key manifold of one pass compute them once."""
+        hit = self.scratch.get(id(x))
+        if hit is None:
+            hit = self.scratch[id(x)] = (x, unit_vectors(x.float()))
+        return hit[1]
+
+
+class LayerCollector:
+    """Per-layer results of one batch -> (N, L, ...) after the pass (one tensor per layer and batch)."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.current: dict[int, torch.Tensor] = {}
+        self.chunks: list[torch.Tensor] = []
+
+    def put(self, layer: int, x: torch.Tensor) -> None:
+        self.current[layer] = x.detach().cpu()
+
+    def end_batch(self) -> None:
+        missing = [l for l in self.layers if l not in self.current]
+        if missing:
+            raise ModelContractError(f"no result for layers {missing}: their hooks did not fire.")
+        self.chunks.append(torch.stack([self.current[l] for l in self.layers], dim=1))
+        self.current.clear()
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.chunks)
+
+
+class _Stop(Exception):
+    """Raised inside a hook to end a forward pass early (nothing after the last needed layer runs)."""
+
+
+def _stop(x, hook):
+    raise _Stop
+
+
+class Capture(Accumulator):
+    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch.
+
+    Parameters
+    ----------
+    name : str
+        A short activation name (``act_name``), e.g. "pattern".
+    layer : int
+        The block.
+    select : callable
+        Reduces the activation before it is kept (default: keep it whole).
+    """
+
+    def __init__(self, name: str, layer: int, select: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+        self.name, self.layer, self.select, self.kept = name, int(layer), select, []
+
+    def hooks(self):
+        return {self.layer: {"x": self.name}}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.kept.append(self.select(acts["x"]).detach().float().cpu())
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.kept)
+
+
+class _JointReducer:
+    """Holds the activations of one layer until all of them have fired, then feeds every accumulator."""
+
+    def __init__(self, accumulators: Sequence[Accumulator], stop_early: bool):
+        self.accs = list(accumulators)
+        self.wants = [a.hooks() for a in self.accs]
+        self.by_layer: dict[int, set[str]] = {}  # every hook of the layer
+        self.required: dict[int, set[str]] = {}  # the hooks that must fire before the layer is handed over
+        for acc, w in zip(self.accs, self.wants):
+            for layer, names in w.items():
+                self.by_layer.setdefault(int(layer), set()).update(names.values())
+                self.required.setdefault(int(layer), set()).update(
+                    n for k, n in names.items() if k not in acc.optional_keys)
+        self.last = max(self.by_layer) if self.by_layer else None
+        self.stop_early = stop_early
+        self.slot: dict[int, dict[str, torch.Tensor]] = {}
+        self.done: set[int] = set()
+        self.batch: Batch | None = None
+
+    def fwd_hooks(self) -> list[tuple[str, HookFn]]:
+        return [(name, self._hook(layer, name)) for layer, names in self.by_layer.items() for name in sorted(names)]
+
+    def _hook(self, layer: int, name: str) -> HookFn:
+        return lambda x, hook: self.fired(layer, name, x)
+
+    def fired(self, layer: int, name: str, x: torch.Tensor) -> None:
+        if layer in self.done:
+            return
+        slot = self.slot.setdefault(layer, {})
+        slot[name] = x
+        if not self.required[layer] <= slot.keys():
+            return
+        del self.slot[layer]
+        self.done.add(layer)
+        scratch: dict = {}  # shared by the layer's accumulators (LayerActs.units), dropped with the layer
+        for acc, want in zip(self.accs, self.wants):
+            if layer in want:
+                acc.update(layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch)
+        if self.stop_early and layer == self.last:
+            raise _Stop
+
+    def start(self, batch: Batch) -> None:
+        self.batch, self.slot, self.done = batch, {}, set()
+
+    def check_fired(self) -> None:
+        silent = sorted(set(self.by_layer) - self.done)
+        if silent:
+            never = sorted({n for l in silent for n in self.required[l] - set(self.slot.get(l, {}))})
+            raise ModelContractError(
+                f"hooks {never[:4]}{'...' if len(never) > 4 else ''} did not fire: the model lists hooks it does not "
+                "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False).")
+
+
+class ResidCapture(Accumulator):
+    """The residual stream entering each block in ``layers`` (``hook_resid_pre``), in the model's dtype: what a pass
+    resumed at that layer starts from (:class:`Resume`).
+
+    Parameters
+    ----------
+    layers : iterable of int
+        The blocks whose input to keep.
+
+    Notes
+    -----
+    ``result()`` is {layer: torch.Tensor of shape (N, T, D)}.
+    """
+
+    def __init__(self, layers: Iterable[int]):
+        self.layers = sorted({int(l) for l in layers})
+        self.kept: dict[int, list[torch.Tensor]] = {l: [] for l in self.layers}
+
+    def hooks(self):
+        return {l: {"resid": act_name("resid_pre", l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        self.kept[layer].append(acts["resid"].detach().clone().cpu())
+
+    def result(self) -> dict[int, torch.Tensor]:
+        return {l: torch.cat(chunks) for l, chunks in self.kept.items()}
+
+
+@dataclass
+class Resume:
+    """Start a streamed pass at a block from the residual stream entering it, instead of at the embedding.
+
+    Blocks 0..layer-1 are skipped, not run. Exact when nothing before ``layer`` is changed; no hook before ``layer``
+    may be attached (``run_pass`` raises ValueError), but for intervention hooks on the stream the pass starts from
+    (``hook_resid_post`` of block ``layer - 1``), which ``run_pass`` applies to ``resid`` itself. Only models where
+    :func:`can_resume`.
+
+    Attributes
+    ----------
+    layer : int
+        The block the pass starts at.
+    resid : torch.Tensor, shape (N, T, D)
+        The residual stream entering it (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and
+        batches).
+    """
+
+    layer: int
+    resid: torch.Tensor
+
+
+def checkpoint_layers(n_layers: int, block_bytes: int, budget_mib: float) -> list[int]:
+    """The blocks whose input a pass keeps so that later passes over the same tokens can resume (:class:`ResidCapture`).
+
+    Parameters
+    ----------
+    n_layers : int
+        L, the number of blocks.
+    block_bytes : int
+        The size of one block's residual stream (N x T x D x bytes per number).
+    budget_mib : float
+        The memory allowed for all of them.
+
+    Returns
+    -------
+    list of int
+        Every block 1..L-1 when they fit, else every s-th block (s, 2s, ...) with the smallest s that fits; none when
+        not even one fits.
+    """
+    if n_layers < 2 or block_bytes <= 0:
+        return []
+    fit = int(budget_mib * 2**20 // block_bytes)
+    if fit < 1:
+        return []
+    step = -(-(n_layers - 1) // fit)  # ceil: (n_layers - 1) // step blocks kept
+    return list(range(step, n_layers, step))
+
+
+def resume_from(resid: dict[int, torch.Tensor] | None, layer: int) -> Resume | None:
+    """A :class:`Resume` at the last kept block at or before ``layer``.
+
+    Parameters
+    ----------
+    resid : dict of int to torch.Tensor, or None
+        {block: the residual entering it, shape (N, T, D)}, e.g. ``Profile.resid``.
+    layer : int
+        The first block a pass changes.
+
+    Returns
+    -------
+    Resume or None
+        None when no kept block lies in 1..layer (run from the embedding).
+    """
+    kept = [b for b in (resid or {}) if 0 < b <= layer]
+    return Resume(max(kept), resid[max(kept)]) if kept else None
+
+
+def can_resume(model) -> bool:
+    """Whether a pass of ``model`` can start at a block from the residual entering it.
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    bool
+        True for a TransformerBridge whose blocks each read only the residual stream (``families.RESUMABLE``, checked
+        by tests/test_interventions.py).
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
+        return False
+    return get_family(model).family in RESUMABLE
+
+
+class _PassOn(torch.nn.Module):
+    """Stands in for a skipped block: hands its input on unchanged (the resumed block swaps in its residual)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
+@contextmanager
+def _skipped_blocks(model, layer: int):
+    """Blocks 0..layer-1 of a bridge replaced by :class:`_PassOn` for the duration (restored on exit)."""
+    blocks = list(model.blocks)[:layer]
+    kept = [b._modules["_original_component"] for b in blocks]
+    try:
+        for b in blocks:
+            b._modules["_original_component"] = _PassOn()
+        yield
+    finally:
+        for b, m in zip(blocks, kept):
+            b._modules["_original_component"] = m
+
+
+def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
+    if not can_resume(model):
+        raise ModelContractError(f"{type(model).__name__} cannot resume a pass at a block (``can_resume``).")
+    if tuple(resume.resid.shape[:2]) != tuple(tokens.shape):
+        raise ValueError(f"the residual to resume from has shape {tuple(resume.resid.shape)}; the tokens {tuple(tokens.shape)}.")
+    early = sorted({n for n in names if hook_layer(n) is not None and hook_layer(n) < resume.layer})
+    if early:
+        raise ValueError(f"hooks {early[:4]} lie before layer {resume.layer}, where the pass resumes: they would not see "
+                         "the model's activations.")
+
+
+def _check_hooks(model, names: Iterable[str]) -> None:
+    missing = sorted(set(names) - hook_names(model))
+    if missing:
+        raise ModelContractError(
+            f"the model has no hook(s) {missing[:4]}{'...' if len(missing) > 4 else ''}; "
+            "this analysis needs TransformerLens hook names (load with `analysis.load_model`)."
+        )
+
+
+def _batches(model, tokens, batch_size, progress) -> Iterator[Batch]:
+    device = model_device(model)
+    bs = batch_size or default_batch_size(tokens)
+    it = range(0, tokens.shape[0], bs)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, total=(tokens.shape[0] + bs - 1) // bs, desc="batches", leave=False)
+    for start in it:
+        yield Batch(tokens[start : start + bs].to(device), start)
+
+
+def run_pass(
+    model,
+    tokens: torch.Tensor,
+    accumulators: Sequence[Accumulator],
+    *,
+    fwd_hooks: Sequence[tuple[str, HookFn]] = (),
+    batch_size: int | None = None,
+    progress: bool = False,
+    on_batch_start: Callable[[Batch], None] | None = None,
+    resume: Resume | None = None,
+) -> list:
+    """One streamed pass of ``model`` over ``tokens`` feeding every accumulator.
+
+    The pass stops after the last layer any accumulator needs unless one ``needs_logits`` or hooks change it.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    accumulators : sequence of Accumulator
+        The analyses fed, each with one layer's activations together (a :class:`LayerActs`).
+    fwd_hooks : sequence of (str, callable)
+        Plain hooks that may return a changed activation (interventions); they run before the accumulators' hooks,
+        which see the changed activations.
+    batch_size : int, optional
+        Sequences per batch (default :func:`default_batch_size`).
+    progress : bool
+        Show a progress bar over batches.
+    on_batch_start : callable, optional
+        ``on_batch_start(batch)`` runs before each :class:`Batch`.
+    resume : Resume, optional
+        Start each batch at block ``resume.layer`` from its rows of ``resume.resid``.
+
+    Returns
+    -------
+    list
+        Each accumulator's ``result()``, in order.
+    """
+    tokens = check_tokens(model, tokens)
+    stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
+    joint = _JointReducer(accumulators, stop_early)
+    entry = _entry_hooks(fwd_hooks, resume)
+    hooks = [h for h in fwd_hooks if h not in entry] + joint.fwd_hooks()
+    _check_hooks(model, [n for n, _ in hooks + entry])
+    if resume is not None:
+        _check_resume(model, tokens, resume, [n for n, _ in hooks])
+    with torch.inference_mode(), (_skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
+        for batch in _batches(model, tokens, batch_size, progress):
+            joint.start(batch)
+            if on_batch_start is not None:
+                on_batch_start(batch)
+            _run_batch(model, batch, hooks, joint, accumulators, resume, entry)
+    return [acc.result() for acc in accumulators]
+
+
+def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
+    """The intervention hooks on the stream a resumed pass starts from (``hook_resid_post`` of the block before)."""
+    if resume is None or resume.layer < 1:
+        return []
+    name = act_name("resid_post", resume.layer - 1)
+    return [(n, fn) for n, fn in fwd_hooks if n == name]
+
+
+def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None,
+               entry=()) -> None:
+    """One batch through the model (from the embedding, or resumed at a block with the ``entry`` hooks applied to
+    the residual it starts from), then each accumulator's end."""
+    logits = None
+    try:
+        if resume is None:
+            logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+        else:
+            resid = resume.resid[batch.offset : batch.offset + batch.size].to(batch.tokens.device)
+            for name, fn in entry:
+                out = fn(resid, model.hook_dict[name])
+                resid = resid if out is None else out
+            logits = model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=resume.layer)
+    except _Stop:
+        pass
+    joint.check_fired()
+    for acc in accumulators:
+        acc.end_batch(batch, logits)
+
+
+def run_with_reducers(
+    model,
+    tokens: torch.Tensor,
+    reducers: Sequence[tuple[str, HookFn]],
+    *,
+    batch_size: int | None = None,
+    progress: bool = False,
+    on_batch: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+    stop_after: str | None = None,
+) -> None:
+    """Run ``model`` over ``tokens`` in batches with plain reducers attached as forward hooks.
+
+    Analyses use :func:`run_pass` with accumulators; this is the plain form for one-off hooks.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+    reducers : sequence of (str, callable)
+        (hook name, ``fn(activation, hook)``): each folds the activation into its own state and returns None (or a
+        replacement activation).
+    batch_size : int, optional
+        Sequences per batch.
+    progress : bool
+        Show a progress bar over batches.
+    on_batch : callable, optional
+        ``on_batch(tokens, logits)`` sees each batch's tokens (B, T) and logits (B, T, d_vocab).
+    stop_after : str, optional
+        A hook after which each pass ends early (``on_batch`` then gets ``logits=None``).
+
+    Returns
+    -------
+    None
+    """
+    hooks = list(reducers) + ([(stop_after, _stop)] if stop_after else [])
+    run_pass(model, tokens, [_OnBatch(on_batch)], fwd_hooks=hooks, batch_size=batch_size, progress=progress)
+
+
+class _OnBatch(Accumulator):
+    """Calls ``fn(tokens, logits)`` after each batch (``run_with_reducers``' ``on_batch``)."""
+
+    needs_logits = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def hooks(self):
+        return {}
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        if self.fn is not None:
+            self.fn(batch.tokens, logits)
+
+    def result(self) -> None:
+        return None

@@ -1,0 +1,195 @@
+"""Figures for sinks at any position (``analysis.positions.every_sink``) and the sink against context length and eps
+(``analysis.positions.context_length``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from analysis.figures.layout import new_or_given, place_axes, set_title
+from analysis.positions.context_length import BARBERO_EPS, SinkContext
+from analysis.positions.every_sink import SinkPositions
+
+
+def example_sample(res: SinkPositions) -> int:
+    """The first sequence with a sink besides the first token (0 if none has one).
+
+    Parameters
+    ----------
+    res : SinkPositions
+
+    Returns
+    -------
+    int
+    """
+    later = res.sinks[res.sinks.position > 0]
+    return int(later["sample"].iloc[0]) if len(later) else 0
+
+
+def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=None):
+    """One sequence: at each position, the number of heads where it is a sink (alpha_k > eps), and its largest alpha
+    over heads; the sink positions are labelled with their tokens.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    sample : int, optional
+        The sequence (default :func:`example_sample`).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    sample = example_sample(res) if sample is None else int(sample)
+    fig, ax, own = new_or_given(ax, (8, 3.2))
+    heads = res.sink_mask()[sample].sum((0, 1)).numpy()
+    x = np.arange(res.T)
+    ax.bar(x, heads, color="#4c72b0", width=0.8, label="heads with $\\alpha_k > \\epsilon$")
+    ax.set_xlabel("position k (0-based)")
+    ax.set_ylabel("heads")
+    ax2 = ax.twinx()
+    ax2.plot(x, res.alpha[sample].flatten(0, 1).max(0).values.numpy(), color="#c44e52", lw=1, label="max $\\alpha_k$")
+    ax2.axhline(res.eps, color="#c44e52", lw=0.6, ls=":")
+    ax2.axvspan(res.n_measured - 0.5, res.T - 0.5, color="grey", alpha=0.15, lw=0)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("max $\\alpha_k$ over heads")
+    for k in np.nonzero(heads)[0]:
+        ax.annotate(repr(res.token(res.tokens[sample, k])), (k, heads[k]), fontsize=7, rotation=60, ha="left",
+                    va="bottom", xytext=(1, 2), textcoords="offset points")
+    ax.set_ylim(0, max(1, heads.max()) * 1.3)
+    set_title(ax, f"sequence {sample}: sinks at every position (grey: too few queries)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
+    place_axes(fig, right=0.7, top=0.35, own=own)
+    return fig
+
+
+def plot_later_sink_heads(res: SinkPositions, *, ax=None):
+    """Heatmap per (layer, head): the share of sequences in which the head sinks on a position after the first.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (4.5, 6))
+    df = res.per_head()
+    H = int(df["head"].max()) + 1
+    share = df["share_later"].to_numpy().reshape(-1, H)
+    im = ax.imshow(share, aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
+    ax.set_yticks(range(len(res.layers)), [str(l) for l in res.layers], fontsize=6)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    set_title(ax, "share of sequences sinking on a later position")
+    fig.colorbar(im, ax=ax, label="share of sequences")
+    place_axes(fig, left=0.8, right=0.4, own=own)
+    return fig
+
+
+def plot_cos_first(res: SinkPositions, *, ax=None):
+    """Cosine of the hidden state to the first token's, per layer: the later sink positions (median and 10-90%
+    band) against the other later positions, with the threshold of a secondary sink.
+
+    Parameters
+    ----------
+    res : SinkPositions
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (6, 3.2))
+    cos = res.cos_first[:, :, 1 : res.n_measured]  # (N, R, T') later measured positions
+    sink = res.sink_mask()[..., 1 : res.n_measured].flatten(1, 2).any(1)  # (N, T')
+    layers = res.resid_layers
+    for pick, label, color in ((sink, "later sink positions", "#c44e52"), (~sink, "other positions", "#4c72b0")):
+        if not pick.any():
+            continue
+        c = cos.permute(1, 0, 2)[:, pick]  # (R, n)
+        q = np.nanquantile(c.numpy(), [0.1, 0.5, 0.9], axis=1)
+        ax.plot(layers, q[1], color=color, marker="o", ms=2, label=f"{label} ({int(pick.sum())})")
+        ax.fill_between(layers, q[0], q[2], color=color, alpha=0.2, lw=0)
+    ax.axhline(res.cos_min, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("layer (hook_resid_post)")
+    ax.set_ylabel("cos(h$_t$, h$_0$)")
+    ax.set_ylim(-0.2, 1.05)
+    ax.legend(fontsize=7, loc="lower left")
+    set_title(ax, "alignment with the first token's hidden state (median, 10-90%)")
+    place_axes(fig, top=0.35, own=own)
+    return fig
+
+
+def _band(ax, x, df, rate: str, label: str, color, marker="o"):
+    ax.plot(x, df[f"{rate}_mean"], color=color, marker=marker, ms=3, label=label)
+    ax.fill_between(x, df[f"{rate}_min"], df[f"{rate}_max"], color=color, alpha=0.2, lw=0)
+
+
+def plot_sink_vs_context(ctx: SinkContext, *, eps=(0.3, BARBERO_EPS), ax=None):
+    """Sink_1 and the share of (sample, layer, head) sinking on a later position against T (log scale), at each
+    eps; lines are the mean over probe seeds, bands their min-max.
+
+    Parameters
+    ----------
+    ctx : SinkContext
+    eps : sequence of float
+        The thresholds drawn.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (6.5, 3.4))
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b2"]
+    for i, e in enumerate(e for e in eps if ctx._has_eps(e)):
+        df = ctx.by_T(e)
+        _band(ax, df["T"], df, "sink_1_pct", f"Sink$_1$, $\\epsilon$ = {e:g}", colors[i % 4])
+        _band(ax, df["T"], df, "secondary_pct", f"later position, $\\epsilon$ = {e:g}", colors[i % 4], marker="s")
+        ax.lines[-1].set_linestyle("--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length T (tokens)")
+    ax.set_ylabel("% of (sample, layer, head)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    set_title(ax, f"sink against context length ({ctx.model_name or 'model'}; bands: seeds)")
+    place_axes(fig, top=0.35, own=own)
+    return fig
+
+
+def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
+    """Sink_1 and the secondary share against eps at context length T (default the largest), mean over seeds with
+    the min-max band.
+
+    Parameters
+    ----------
+    ctx : SinkContext
+    T : int, optional
+        The context length (default the largest).
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (5, 3.2))
+    df = ctx.by_eps(T)
+    _band(ax, df["eps"], df, "sink_1_pct", "Sink$_1$", "#4c72b0")
+    _band(ax, df["eps"], df, "secondary_pct", "later position", "#c44e52", marker="s")
+    ax.set_xlabel("$\\epsilon$")
+    ax.set_ylabel("% of (sample, layer, head)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7)
+    set_title(ax, f"sink against the threshold (T = {T or max(ctx.Ts)})")
+    place_axes(fig, top=0.35, own=own)
+    return fig
+

