@@ -32,7 +32,7 @@ import torch
 from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
 from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.engine.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
-from analysis.core.results import Result, layer_runs
+from analysis.core.results import Result, compact_repr, layer_runs
 from analysis.core.stats import flat_above, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -675,6 +675,9 @@ class ActivationMap:
     hook: str
     values: torch.Tensor  # (T, D) |h|
     tokens: list[str]
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def top(self, k: int = 5) -> pd.DataFrame:
         v, idx = self.values.flatten().topk(min(k, self.values.numel()))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+from analysis.core.results import compact_repr
 
 PROBE_KINDS = ("natural", "random", "repeated")
 
@@ -59,6 +60,9 @@ class ProbeSet:
     seed: int
     source: str = ""
     meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     @property
     def n(self) -> int:
