@@ -35,7 +35,7 @@ import torch
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
 from analysis.model.hooks import act_name, bos_sentence, check_layers, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector
-from analysis.chain.massive import massive_accumulator
+from analysis.chain.massive import criterion_text, massive_accumulator
 from analysis.core.results import LayerAxis, Result, compact_repr, layer_runs
 from analysis.sinks.metric import check_eps, sink_pass
 from analysis.core.stats import one_thread
@@ -407,15 +407,15 @@ class SinkPositions(Result, LayerAxis):
                 f"{life.min()}-{life.max()}).")
 
     def _massive_text(self, later: pd.DataFrame) -> str:
-        crit = f"|a| > {self.abs_threshold:g} and >= {self.ratio_threshold:g}x the median of its hidden state"
+        crit = criterion_text(self.abs_threshold, self.ratio_threshold)
         peak = (f"their largest activation relative to the sequence median is on dim "
                 f"{int(later.peak_dim.mode().iloc[0])} (the most frequent), a median of {later.peak_abs.median():.0f} "
                 f"({later.peak_ratio.median():.0f}x the median) at layer {later.peak_layer.median():.0f} (median)")
         flagged = later[later.massive]
         if not len(flagged):
-            return f"None of them carries a massive activation by Sun et al.'s criterion ({crit}); {peak}."
+            return f"None of them carries a massive activation by the criterion ({crit}); {peak}."
         dims = sorted({d for ds in flagged.massive_dims for d in ds})
-        return (f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by Sun et al.'s criterion "
+        return (f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by the criterion "
                 f"({crit}), on dims {dims}; {peak}.")
 
     def records(self) -> list[dict]:

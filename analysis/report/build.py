@@ -49,6 +49,7 @@ from analysis.model.hooks import ModelContractError, check_length, model_dims
 from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
+from analysis.chain.massive import criterion_text, spike_criterion
 from analysis.model.probes import model_probe_sets
 from analysis.core.versions import package_versions
 
@@ -230,6 +231,8 @@ class _Context:
                  eps: float = SINK_EPS, bos: bool = False):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.eps, self.bos = eps, bos
+        # one massive-activation criterion for every section (the profile's own: spike_criterion)
+        self.criterion = dict(zip(("abs_threshold", "ratio_threshold"), spike_criterion(model)))
         self.dims = model_dims(model)
         self.name = getattr(model, "model_name", None) or type(model).__name__
         self.probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # text, or a reference model's own task
@@ -325,6 +328,8 @@ def _massive(ctx: _Context, sec: Section) -> None:
                                                 r.to_dict()["first_token_dims"], "text": r.text()}
                                             for k, r in by_kind.items() if k != "natural"}}
     sec.say(ma.findings(), headline=0)
+    sec.note(f"Every section of this report flags a massive activation by one criterion: "
+             f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples.")
     if ma.abs_threshold < SPIKE_ABS:
         sec.note(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
                  f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
@@ -355,7 +360,7 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
             warnings.simplefilter("ignore")
             # starts at the profile's residual there
             tr = norm_gain_trace(ctx.model, ctx.natural, layer, spike_dims=first.get(layer - 1, []),
-                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid)
+                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid, **ctx.criterion)
     except ModelContractError as e:
         sec.note(f"No norm gain to trace in {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
@@ -412,10 +417,11 @@ def _interventions(ctx: _Context, sec: Section) -> None:
     ma, kw = ctx.massive, {"batch_size": ctx.batch_size}
     base = ctx.profile.baseline  # with the profile's residuals: each condition resumes at the block its hooks start
     runs = {
-        "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base, **kw),
+        "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base,
+                                                 **kw, **ctx.criterion),
         "value_ablation": lambda: value_ablation(ctx.model, ctx.natural, all_heads=False, later=False, baseline=base, **kw),
         "first_key_ablation": lambda: first_key_ablation(ctx.model, ctx.natural, spike_dims=ma.input_dims(ctx.dims.n_layers),
-                                                         baseline=base, **kw),
+                                                         baseline=base, **kw, **ctx.criterion),
     }
     captions = {"spike_ablation": "Sink_1 and loss with the first token's spike dims unchanged, zeroed, or set to their mean",
                 "value_ablation": "loss with the first token's value removed from the sink heads",
@@ -440,7 +446,8 @@ def _positions(ctx: _Context, sec: Section) -> None:
     from analysis.figures.positions import plot_cos_first, plot_later_sink_heads, plot_sink_positions
     from analysis.positions.every_sink import sink_positions
 
-    res = sink_positions(ctx.model, ctx.natural, eps=ctx.eps, batch_size=ctx.batch_size, kind="natural")
+    res = sink_positions(ctx.model, ctx.natural, eps=ctx.eps, batch_size=ctx.batch_size, kind="natural",
+                         **ctx.criterion)
     sec.say(_unskipped(res), headline=0)
     sec.data = res.to_dict()  # one record per sink position under "sinks"
     sec.parts.append("<h3>Later sink positions by token</h3>")
@@ -812,6 +819,8 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
                    "probes": {k: p.source for k, p in ctx.probes.items()},
                    "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
                    "device": str(next(ctx.model.parameters()).device),
+                   "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
+                                "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
                    "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "
                                 "positions are 0-based (position 0 the first token)"},
         "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
