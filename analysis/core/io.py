@@ -204,7 +204,7 @@ def check_output(path, *, flag: str, folder: bool = False) -> Path:
     p = Path(path).expanduser()
     what = "folder" if folder else "file"
     if p.exists() and p.is_dir() != folder:
-        raise ValueError(f"{flag} {path}: it exists and is a {'file' if folder else 'folder'}; give the path of a "
+        raise ValueError(f"{flag} {path}: it exists and is a {'file, not a folder' if folder else 'folder, not a file'}; give the path of a "
                          f"{what} to write{' (e.g. ' + str(p / ('results.csv' if 'csv' in flag else 'results.json')) + ')' if not folder else ''}.")
     parent = p if (folder and p.exists()) else p.parent
     while not parent.exists() and parent != parent.parent:

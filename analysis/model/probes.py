@@ -240,7 +240,7 @@ def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | No
         ids = [_bos_id(tokenizer)] + ids
     if max_tokens is not None:
         if int(max_tokens) < 2:
-            raise ValueError(f"max_tokens must be at least 2; got {max_tokens}.")
+            raise ValueError(f"max_tokens (--max-tokens) must be at least 2; got {max_tokens}.")
         ids = ids[: int(max_tokens)]
     if len(ids) < 2:
         raise ValueError(f"the text holds {len(ids)} token; give at least 2 (a sink needs queries after it).")

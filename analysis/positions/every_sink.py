@@ -485,7 +485,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
                          "by construction and says nothing about sinks.")
     min_queries = default_min_queries(T) if min_queries is None else int(min_queries)
     if not 1 <= min_queries <= T:
-        raise ValueError(f"min_queries must lie in [1, T={T}]; got {min_queries}.")
+        raise ValueError(f"min_queries (--min-queries) must lie in [1, T={T}]; got {min_queries}.")
     resid_layers = check_layers(model, None)
     made = {}
 

@@ -436,6 +436,11 @@ def _interventions(ctx: _Context, sec: Section) -> None:
         sec.data[name] = r.to_dict()
         sec.parts.append(f"<h3>{name.replace('_', ' ').capitalize()}</h3>")
         sec.say(r.findings())
+        if name == "spike_ablation" and r.has_spike:  # the number depends on the map: name it beside the number
+            sec.say(f"Setting of this cut: the spike map of this report's criterion ({criterion_text(**ctx.criterion)}), "
+                    f"found on the {ctx.n} natural sequences of T = {ctx.T} and zeroed at every layer it flags; another "
+                    "map (notebook 06's lenient >= 100x one, which adds the early spike) zeroes more dims and gives "
+                    "another number.")
         sec.parts.append(table_html(r.conditions, digits=3))
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
