@@ -69,8 +69,8 @@ def check_stream_args(args) -> None:
         raise ValueError(f"--window must be at least 1 token; got {args.window}.")
     bad = [x for x in sinks if x >= args.window] + ([args.quant_sinks] if bits and args.quant_sinks >= args.window else [])
     if bad:
-        raise ValueError(f"--sinks / --quant-sinks {bad} must each be smaller than --window ({args.window}); the window "
-                         "counts the sinks.")
+        raise ValueError(f"--sinks / --quant-sinks {bad} must each be smaller than the window (--window "
+                         f"{args.window}); the window counts the sinks.")
     if args.tokens <= args.window:
         raise ValueError(f"--tokens ({args.tokens}) must be larger than --window ({args.window}): nothing would ever be "
                          "evicted.")
