@@ -5,19 +5,24 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis.core.defaults import SINK_EPS, SINK_K_MAX
-from analysis.model.hooks import model_dims
-from analysis.core.io import parse_dtype, write_json
-from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
-from analysis.report.one_pass import profile
-from analysis.positions.every_sink import format_sinks, sink_positions
+import torch
+
+from analysis.core.defaults import SINK_K_MAX
+from analysis.core.io import OutputError, check_output, parse_dtype, write_json, write_or_spare
+from analysis.core.options import (CLI_DTYPES, HelpFormatter, check_flags, model_options, probe_options, seed_options,
+                                   sink_options)
+from analysis.core.versions import package_versions
+from analysis.model.hooks import check_length, model_dims
+from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, resolve_device
 from analysis.model.probes import model_probe_sets, text_tokens
-from analysis.report.build import ReportError, build_report
+from analysis.positions.every_sink import format_sinks, sink_positions
+from analysis.report.build import DEFAULT_N, REPORT_MIN_T, REPORT_T_WHY, ReportError, build_report
+from analysis.report.one_pass import profile
 from analysis.sinks.metric import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
-from analysis.core.versions import package_versions
 
-CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
+SINK_N = 100  # `sink --n`: the paper's probe (the report's default, DEFAULT_N = 32, is the sample its numbers were
+# measured on; one shared default would change one of the two published tables)
 
 
 def cli_dtype(name: str):
@@ -62,10 +67,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     -------
     dict
     """
-    if T < 2:
-        raise ValueError(f"--T must be at least 2; got {T}. alpha_1 is the attention the queries give the first token: "
-                         "with one token the only query can attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% "
-                         "for any model and input. The paper's probe uses T = 64.")
+    check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
@@ -80,6 +82,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     return {
         "model": model_name,
         "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
+        "device": str(next(model.parameters()).device),
+        "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
         "inputs": kinds,
         "versions": package_versions(),
@@ -118,7 +122,7 @@ def format_sink_table(payload: dict) -> str:
 
 
 def cmd_sink(args) -> int:
-    """``python -m analysis sink``: the sink table of one model.
+    """``python -m analysis sink``: the sink table of one model, printed, then written where asked.
 
     Parameters
     ----------
@@ -129,10 +133,12 @@ def cmd_sink(args) -> int:
     int
         The exit status.
     """
-    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet, dtype=args.dtype)
+    k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
+    payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
+                          progress=not args.quiet, dtype=args.dtype)
     print(format_sink_table(payload))
     if args.json:
-        write_json(Path(args.json), payload)
+        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
         print(f"wrote {args.json}")
     return 0
 
@@ -149,27 +155,32 @@ def cmd_sinks(args) -> int:
     int
         The exit status.
     """
-    check_eps(args.eps)
     path = Path(args.text)
     if not path.is_file():
         raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2; got {args.max_tokens}. A sink needs queries after it.")
+    if args.min_queries is not None and args.min_queries < 1:
+        raise ValueError(f"--min-queries must be at least 1; got {args.min_queries}.")
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
                          "analysis.positions.every_sink.sink_positions in Python instead.")
     tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=model_dims(model).n_ctx)
     res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
                          kind="text")
+    res.meta.setdefault("bos", {})["asked"] = args.bos
     print(format_sinks(res))
     print(res.text())
     if args.json:
-
         payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T,
-                   **res.to_dict(), "versions": package_versions()}
-        write_json(Path(args.json), payload)
+                   "device": str(next(model.parameters()).device), "dtype": args.dtype,
+                   "positions": "0-based: position 0 is the first token", **res.to_dict(),
+                   "versions": package_versions()}
+        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
         print(f"wrote {args.json}")
     return 0
 
@@ -184,11 +195,12 @@ def cmd_report(args) -> int:
     Returns
     -------
     int
-        The exit status (1 where a section failed).
+        The exit status (1 where a section failed or the folder could not be written).
     """
     model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
     try:
-        path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
+        path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos,
+                            progress=not args.quiet)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -213,57 +225,66 @@ def cmd_models(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser.
+    """The command line's parser: every subcommand takes the shared options of ``analysis.core.options`` (one
+    definition each: the same name, default and help everywhere; ``--help`` shows the defaults).
 
     Returns
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.")
+    p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.",
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    model, sink = model_options(DEFAULT_MODEL), sink_options()
 
-    s = sub.add_parser("sink", help="Sink_1 table on natural, random and repeated inputs")
-    s.add_argument("--model", default=DEFAULT_MODEL, help="a name from `python -m analysis models`, a local HF folder, or a hub id")
+    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink], formatter_class=HelpFormatter,
+                       help="Sink_1 table on natural, random and repeated inputs")
+    s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
-    s.add_argument("--n", type=int, default=100, help="sequences per input kind (paper: 100)")
-    s.add_argument("--T", type=int, default=64, help="tokens per sequence (paper: 64)")
-    s.add_argument("--eps", type=float, default=SINK_EPS, help=f"threshold on alpha (paper: {SINK_EPS})")
-    s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (default min(T, 16))")
-    s.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first (paper: no BOS)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", default=None)
-    s.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
-    s.set_defaults(func=cmd_sink)
+    s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser("sinks", help="every sink position of one text file (not only the first token)")
-    t.add_argument("--model", default=DEFAULT_MODEL, help="a name from `python -m analysis models`, a local HF folder, or a hub id")
+    t = sub.add_parser("sinks", parents=[model, sink], formatter_class=HelpFormatter,
+                       help="every sink position of one text file (not only the first token); positions 0-based")
     t.add_argument("--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)")
+    t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text (None: all)")
+    t.add_argument("--min-queries", type=int, default=None,
+                   help="leave out keys seen by fewer queries (None: min(16, T // 2))")
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
-    t.add_argument("--eps", type=float, default=SINK_EPS, help=f"a position sinks in a head when alpha_k > eps (default {SINK_EPS})")
-    t.add_argument("--bos", action="store_true", help="put the tokenizer's BOS token first")
-    t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text")
-    t.add_argument("--min-queries", type=int, default=None, help="leave out keys seen by fewer queries (default min(16, T // 2))")
-    t.add_argument("--device", default=None)
-    t.add_argument("--quiet", action="store_true")
-    t.set_defaults(func=cmd_sinks)
+    t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser("report", help="one self-contained HTML page and a JSON with every number")
-    r.add_argument("--model", default=DEFAULT_MODEL)
+    r = sub.add_parser("report", parents=[model, probe_options(n=DEFAULT_N), sink], formatter_class=HelpFormatter,
+                       help="one self-contained HTML page and a JSON with every number")
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
-    r.add_argument("--n", type=int, default=32)
-    r.add_argument("--T", type=int, default=64)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--device", default=None)
-    r.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
-    r.add_argument("--quiet", action="store_true")
-    r.set_defaults(func=cmd_report)
+    r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
 
-    add_stream_parser(sub, DEFAULT_MODEL)
+    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options()])
     return p
+
+
+def check_args(args) -> None:
+    """Everything the command line can check before the model loads: the shared options, T, the device, and every
+    output path (exists as the wrong kind, under a file, not writable).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    None
+        ValueError, naming the flag, otherwise.
+    """
+    check_flags(args)
+    if getattr(args, "T", None) is not None:
+        check_length(args.T, minimum=getattr(args, "min_T", 2), why=getattr(args, "min_T_why", ""))
+    if hasattr(args, "device"):
+        resolve_device(args.device)
+    for name, folder in getattr(args, "outputs", ()):
+        if getattr(args, name, None):
+            check_output(getattr(args, name), flag=f"--{name}", folder=folder)
 
 
 def main(argv=None) -> int:
@@ -277,15 +298,18 @@ def main(argv=None) -> int:
     Returns
     -------
     int
-        The exit status (2 for bad input).
+        The exit status (2 for bad input, before any work; 1 where the work failed or its results could not be
+        written).
     """
     args = build_parser().parse_args(argv)
-    for name in ("n", "T"):
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
-            print(f"error: --{name} must be at least 1.", file=sys.stderr)
-            return 2
     try:
+        check_args(args)
+        if getattr(args, "threads", None):
+            torch.set_num_threads(args.threads)
         return args.func(args)
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, ModelNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -141,7 +141,7 @@ def test_bad_inputs(tiny_llama):
         sink_positions(tiny_llama, tokens, eps=1.0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         sink_positions(tiny_llama, tokens[:, :1])
-    with pytest.raises(ValueError, match=r"min_queries must lie in \[1, T=12\]"):
+    with pytest.raises(ValueError, match=r"min_queries \(--min-queries\) must lie in \[1, T=12\]"):
         sink_positions(tiny_llama, tokens, min_queries=13)
     with pytest.raises(ValueError, match=r"cos_min must lie in \(-1, 1\)"):
         sink_positions(tiny_llama, tokens, cos_min=1.5)

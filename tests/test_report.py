@@ -210,9 +210,9 @@ def test_bad_input_writes_nothing(planted, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ModelContractError, match="hook"):
         build_report(torch.nn.Linear(3, 3), out)
-    with pytest.raises(ValueError, match="n >= 2"):
+    with pytest.raises(ValueError, match=r"n \(--n\) must be at least 2 sequences"):
         build_report(planted, out, n=1)
-    with pytest.raises(ValueError, match="T >= 4"):
+    with pytest.raises(ValueError, match=r"T \(--T, tokens per sequence\) must be at least 4; got 3"):
         build_report(planted, out, n=4, T=3)
     with pytest.raises(ValueError, match="unknown report sections"):
         build_report(planted, out, sections=["sink", "tea"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -167,12 +168,17 @@ def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, n
     from analysis.__main__ import main
 
     out = tmp_path / "s.json"
-    rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
-               "--newline-sinks", "0", "--bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
-               "--json", str(out), "--csv", str(tmp_path / "s.csv"), "--device", device])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecation from the package's own calls (cache=)
+        rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
+                   "--newline-sinks", "0", "--bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
+                   "--json", str(out), "--csv", str(tmp_path / "s.csv"), "--device", device])
     text = capsys.readouterr().out
     assert rc == 0 and "2+14 int4 (sinks fp)" in text and "recompute 16" in text
+    assert "shared by 4" in text and "decoded together" in text  # the cached policies share one timing, and say so
+    assert text.index("recompute 16") < text.index("wrote")  # printed before written
     payload = json.loads(out.read_text())
     assert payload["stream"]["n_tokens"] == 48 and len(payload["runs"]) == 6
+    assert payload["device"].startswith(device) and payload["dtype"] == "float32"
     assert main(["stream", "--model", str(two_layer_dir), "--window", "16", "--sinks", "16"]) == 2
     assert "smaller than the window" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import torch
 
 from analysis.model.hooks import act_name, attention_layers_of, check_tokens, hook_layer, kv_view, model_dims, per_query_head, skipped_note
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
-from analysis.core.results import LayerAxis
+from analysis.core.results import LayerAxis, compact_repr
 from analysis.sinks.metric import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
@@ -64,6 +64,9 @@ class PassResult(LayerAxis):
     T: int
     layers: list[int] | None = None  # true layer index of each position on the L axis (None: 0..L-1)
     skipped: str = ""
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def __post_init__(self):
         self.layers = list(range(self.alpha.shape[1])) if self.layers is None else [int(l) for l in self.layers]
@@ -338,6 +341,9 @@ class Baseline:
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
     # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
 
 def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Accumulator]:

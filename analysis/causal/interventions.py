@@ -43,7 +43,7 @@ from analysis.model.hooks import (
 )
 from analysis.core.io import jsonable
 from analysis.model.key_path import key_path
-from analysis.chain.massive import first_token_spike_dims
+from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Batch
 from analysis.core.results import Result, dims_by_layer_text, layer_runs
 from analysis.sinks.metric import DEFAULT_EPS, check_eps
@@ -218,8 +218,8 @@ class SpikeSetter:
 
 def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshold, min_share) -> SpikeAblation:
     name = getattr(model, "model_name", None) or "the model"
-    msg = (f"The first token of {name} carries no spike: no residual dim passes |a| > {abs_threshold:g} and "
-           f">= {ratio_threshold:g}x the hidden state's median on {min_share:.0%} of samples, so there is "
+    msg = (f"The first token of {name} carries no spike: no residual dim passes "
+           f"{criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples, so there is "
            "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
     conditions = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
     per_layer = pd.DataFrame({"layer": base.layers, "baseline": base.sink_per_layer().numpy()})
@@ -738,8 +738,9 @@ def first_key_ablation(
     results, N = {"baseline": base}, tokens.shape[0]
     if not layers:
         name = getattr(model, "model_name", None) or "the model"
-        msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads (|a| > {abs_threshold:g}, "
-               f">= {ratio_threshold:g}x the median, on {min_share:.0%} of samples): there is no spike-driven key part "
+        msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads "
+               f"({criterion_text(abs_threshold, ratio_threshold)}, on {min_share:.0%} of samples): there is no "
+               "spike-driven key part "
                "to remove. Pass spike_dims or lower the thresholds.")
         return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
                                 _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)

@@ -32,7 +32,7 @@ import torch
 from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
 from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.engine.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
-from analysis.core.results import Result, layer_runs
+from analysis.core.results import Result, compact_repr, layer_runs
 from analysis.core.stats import flat_above, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -263,9 +263,8 @@ class MassiveActivations(Result):
         if not self.has_spike:
             top = float(self.top_values[:, :, 0].mean(0).max()) if self.n_samples else float("nan")
             return [f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
-                    f"token does either (no dimension passes |a| > {self.abs_threshold:g} and >= {self.ratio_threshold:g}x "
-                    f"its hidden state's median on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: "
-                    f"{top:.1f})."]
+                    f"token does either (no dimension passes {criterion_text(self.abs_threshold, self.ratio_threshold)} "
+                    f"on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: {top:.1f})."]
         parts = [f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
                  f"peak {r.first_token_mean:+.0f})" for r in self.dims.itertuples()]
         first = self.first_token_dims
@@ -417,6 +416,26 @@ def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if tied.any():
         v[tied], idx[tied] = flat[tied].topk(k, dim=-1)
     return v, idx
+
+
+def criterion_text(abs_threshold: float, ratio_threshold: float) -> str:
+    """The massive-activation criterion in words, the one phrasing every section of a report uses.
+
+    Parameters
+    ----------
+    abs_threshold, ratio_threshold : float
+        |a| > abs_threshold and >= ratio_threshold x the median |a| of its hidden state (abs_threshold 0: no floor).
+
+    Returns
+    -------
+    str
+        E.g. "|a| > 100 and >= 1000x the median |a| of its hidden state (Sun et al.)", or ">= 50x the median |a| of
+        its hidden state (no absolute floor: a narrow model)".
+    """
+    if float(abs_threshold) <= 0:
+        return f">= {ratio_threshold:g}x the median |a| of its hidden state (no absolute floor: a narrow model)"
+    who = " (Sun et al.)" if (float(abs_threshold), float(ratio_threshold)) == (SPIKE_ABS, SPIKE_RATIO) else ""
+    return f"|a| > {abs_threshold:g} and >= {ratio_threshold:g}x the median |a| of its hidden state{who}"
 
 
 def spike_criterion(model) -> tuple[float, float]:
@@ -675,6 +694,9 @@ class ActivationMap:
     hook: str
     values: torch.Tensor  # (T, D) |h|
     tokens: list[str]
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def top(self, k: int = 5) -> pd.DataFrame:
         v, idx = self.values.flatten().topk(min(k, self.values.numel()))

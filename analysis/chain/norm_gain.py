@@ -40,7 +40,7 @@ from analysis.model.families import get_family, sink_logits
 from analysis.model.hooks import act_name, check_layers, check_tokens, hook_names, kv_view, model_dims
 from analysis.core.io import jsonable
 from analysis.model.key_path import KeyPath, key_path
-from analysis.chain.massive import first_token_spike_dims
+from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
 from analysis.core.results import Result, runs
 from analysis.model.rotary import rotate_as_spec
@@ -659,8 +659,8 @@ def _spike_message(model, layer: int, S: list[int], found: bool, abs_threshold, 
         return f"{'found' if found else 'given'} spike dims {S} on the first token of the residual stream layer {layer} reads."
     name = getattr(model, "model_name", None) or "the model"
     return (f"The first token carries no spike in the residual stream layer {layer} of {name} reads: no dimension "
-            f"passes |a| > {abs_threshold:g} and >= {ratio_threshold:g}x the hidden state's median on "
-            f"{min_share:.0%} of samples. Spike shares and the spike-only key are not defined (NaN); try another "
+            f"passes {criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples. Spike shares and "
+            "the spike-only key are not defined; try another "
             "layer (see analysis.chain.massive), lower thresholds, or pass spike_dims.")
 
 

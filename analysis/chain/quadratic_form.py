@@ -22,6 +22,7 @@ import torch
 
 from analysis.core.defaults import RANK_ONE_COS, RANK_ONE_ENERGY, TINY
 from analysis.core.io import jsonable
+from analysis.core.results import compact_repr
 
 
 @dataclass
@@ -56,6 +57,9 @@ class QuadraticForm:
     write: float
     energy_threshold: float = RANK_ONE_ENERGY
     cos_threshold: float = RANK_ONE_COS
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     @property
     def energy_share(self) -> torch.Tensor:

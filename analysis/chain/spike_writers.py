@@ -45,7 +45,7 @@ from analysis.chain.massive import massive_accumulator
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.model.key_path import NormParams
 from analysis.chain.quadratic_form import quadratic_form
-from analysis.core.results import Result
+from analysis.core.results import Result, compact_repr
 from analysis.core.stats import one_thread
 
 ROLES = ("writer", "eraser")  # the roles whose MLPs' neurons are resolved ("amplifier": adds to an embedding spike)
@@ -106,6 +106,9 @@ class FirstTokenTrace:
     first_ids: torch.Tensor
     T: int
     dtype: str = "float32"
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     @property
     def n_samples(self) -> int:
@@ -287,6 +290,9 @@ class MlpNeurons:
     up_other: torch.Tensor
     output: str = "add"
 
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
+
     @property
     def mean_write(self) -> float:
         return float(self.write.mean())
@@ -404,6 +410,9 @@ class ExpertWrites:
     role: str
     table: pd.DataFrame
     write: float
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def findings(self) -> list[str]:
         t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values("mean_write", key=abs, ascending=False)

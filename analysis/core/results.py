@@ -8,6 +8,7 @@ the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import pandas as pd
@@ -55,6 +56,46 @@ class Result:
     def to_dict(self) -> dict:
         """Header, every named table as records, and the text."""
         return jsonable({**self.header(), **{k: v for k, v in self.tables.items()}, "text": self.text()})
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__repr__" not in cls.__dict__:  # set before @dataclass runs, so that its field-dump repr is not generated
+            cls.__repr__ = Result.__repr__
+
+    def __repr__(self) -> str:
+        """One or two lines: the kind of result, the model, N, T and the headline (``text()`` holds the findings)."""
+        try:
+            headline = self.findings()[0]
+        except Exception:  # a repr never raises: the headline is left out
+            headline = ""
+        return short_repr(self, headline=headline, model=self.model_name, kind=self.kind,
+                          N=getattr(self, "n_samples", None), T=getattr(self, "T", None))
+
+
+def short_repr(obj, *, headline: str = "", width: int = 160, **fields) -> str:
+    """A repr of one or two lines: the class, the named fields that are set, and a headline cut to ``width``.
+
+    Parameters
+    ----------
+    obj : object
+        The object whose class names the repr.
+    headline : str
+        The finding in one sentence (second line; cut to ``width`` characters).
+    width : int
+        The most characters of the headline.
+    **fields
+        Short facts (model, kind, N, T ...); None values are left out.
+
+    Returns
+    -------
+    str
+    """
+    facts = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items() if v is not None)
+    head = f"<{type(obj).__name__} {facts}>" if facts else f"<{type(obj).__name__}>"
+    headline = " ".join(str(headline).split())
+    if len(headline) > width:
+        headline = headline[: width - 3].rstrip() + "..."
+    return head + (f"\n  {headline}" if headline else "")
 
 
 class LayerAxis:
@@ -149,3 +190,34 @@ def dims_by_layer_text(spikes: dict[int, list[int]]) -> str:
         for d in ds:
             by_dim.setdefault(d, []).append(l)
     return "; ".join(f"dim {d} at {layers_text(ls)}" for d, ls in sorted(by_dim.items()))
+
+
+def compact_repr(obj, *, width: int = 200) -> str:
+    """A one-line repr of a dataclass that holds tensors: its scalar fields, and the shape of each tensor, array or
+    table (never their values).
+
+    Parameters
+    ----------
+    obj : object
+        A dataclass instance.
+    width : int
+        The most characters of the line.
+
+    Returns
+    -------
+    str
+    """
+
+
+    parts = []
+    for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else []:
+        v = getattr(obj, f.name, None)
+        if hasattr(v, "shape") and not isinstance(v, (int, float)):
+            parts.append(f"{f.name}: {tuple(v.shape)}")
+        elif isinstance(v, (bool, int, float, str)) or v is None:
+            text = repr(v)
+            parts.append(f"{f.name}={text if len(text) <= 40 else text[:37] + '...'}")
+        elif isinstance(v, (list, tuple, dict, set)):
+            parts.append(f"{f.name}: {len(v)} items")
+    line = f"<{type(obj).__name__} " + ", ".join(parts) + ">"
+    return line if len(line) <= width else line[: width - 4] + "...>"

@@ -18,6 +18,7 @@ import torch
 
 from analysis.engine.passes import run_with_reducers
 from analysis.sinks.metric import sink_metric
+from analysis.core.results import compact_repr
 
 
 @dataclass
@@ -39,6 +40,9 @@ class FirstTokenStats:
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
     spike_ratio: torch.Tensor  # (L,) mean over samples of max_d |h_1d| / median |h| at hook_resid_post
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def to_dict(self) -> dict:
         return {k: [round(float(x), 5) for x in getattr(self, k)]

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from analysis.model.families import get_family, rotary_base
@@ -252,7 +253,49 @@ def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
         ValueError saying what to give otherwise.
     """
     dims = model_dims(model)
-    return validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
+    tokens = validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
+    check_length(tokens.shape[1])
+    return tokens
+
+
+def check_length(T: int, *, minimum: int = 2, why: str = "") -> int:
+    """The one check of the sequence length T that the API and the command line share (``--T``).
+
+    Parameters
+    ----------
+    T : int
+        Tokens per sequence.
+    minimum : int
+        The shortest length allowed (2 for every sink analysis: alpha_1 is 1 with one token).
+    why : str
+        Why a longer minimum applies (one sentence), appended to the message.
+
+    Returns
+    -------
+    int
+        T; ValueError, the same message from the API and the CLI, otherwise.
+    """
+    if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or int(T) < minimum:
+        reason = why or ("alpha_1 is the attention the queries give the first token: with one token the only query can "
+                         "attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% for any model and input. The "
+                         "paper's probe uses T = 64.")
+        raise ValueError(f"T (--T, tokens per sequence) must be at least {minimum}; got {T}. {reason}")
+    return int(T)
+
+
+def _not_ids_hint(tokens) -> str | None:
+    """What to pass instead of ``tokens`` when it is text or a ProbeSet rather than token ids; None when it is ids."""
+    if isinstance(tokens, str):
+        return ("tokens must be token ids, an integer tensor or array of shape (N, T); got a string. Tokenize it "
+                "first: analysis.model.probes.text_tokens(model.tokenizer, text) (no BOS), or "
+                "model.to_tokens(text) (which puts the tokenizer's BOS first).")
+    if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens):
+        return ("tokens must be token ids, an integer tensor or array of shape (N, T); got a list of strings. Cut "
+                "them into windows of T tokens: analysis.model.probes.text_probe(model.tokenizer, texts, n=N, T=T)"
+                ".tokens.")
+    if hasattr(tokens, "tokens") and hasattr(tokens, "bos") and hasattr(tokens, "kind"):
+        return f"tokens must be token ids; got a {type(tokens).__name__}: pass its .tokens (probe.tokens)."
+    return None
 
 
 def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "",
@@ -277,8 +320,15 @@ def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: st
     torch.LongTensor, shape (N, T)
         ValueError saying what to give otherwise.
     """
+    hint_ids = _not_ids_hint(tokens)
+    if hint_ids:
+        raise ValueError(hint_ids)
     if not isinstance(tokens, torch.Tensor):
-        tokens = torch.as_tensor(tokens)
+        try:
+            tokens = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"tokens must be token ids, an integer tensor or array of shape (N, T); got "
+                             f"{type(tokens).__name__} ({str(e).splitlines()[0][:120]}).") from None
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2:
@@ -454,3 +504,58 @@ def hook_layer(name: str) -> int | None:
     if m:
         return int(m.group(1))
     return -1 if name.split(".")[0] in ("hook_embed", "hook_pos_embed", "embed", "pos_embed") else None
+
+
+def bos_record(model, tokens: torch.Tensor) -> dict:
+    """Whether the sequences start with the tokenizer's BOS token: what every result records of its first token.
+
+    Parameters
+    ----------
+    model
+        A model with a ``tokenizer`` attribute (or none: the record then says no BOS is known).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+
+    Returns
+    -------
+    dict
+        ``bos_id`` (int or None), ``bos_token`` (str or None) and ``starts_with_bos`` (the fraction of the sequences
+        whose first token is that BOS, 0.0 where the tokenizer has none).
+    """
+    tok = getattr(model, "tokenizer", None)
+    bos_id = getattr(tok, "bos_token_id", None) if tok is not None else None
+    if bos_id is None:
+        return {"bos_id": None, "bos_token": None, "starts_with_bos": 0.0}
+    first = torch.as_tensor(tokens)[:, 0]
+    share = float((first.cpu() == int(bos_id)).float().mean()) if first.numel() else 0.0
+    return {"bos_id": int(bos_id), "bos_token": getattr(tok, "bos_token", None), "starts_with_bos": share}
+
+
+def bos_sentence(record: dict | None, *, asked: bool | None = None) -> str:
+    """The sentence a result's text gives its first token, from :func:`bos_record`.
+
+    Parameters
+    ----------
+    record : dict or None
+        Of :func:`bos_record` (None: nothing is said).
+    asked : bool, optional
+        Whether the probe was asked for a BOS (``--bos``); a BOS that was not asked for gets a note.
+
+    Returns
+    -------
+    str
+        One or two sentences; "" for no record.
+    """
+    if not record:
+        return ""
+    share, name = float(record.get("starts_with_bos") or 0.0), f"{record.get('bos_token')!r} (id {record.get('bos_id')})"
+    if record.get("bos_id") is None:
+        return "The tokenizer has no BOS token, so no sequence starts with one."
+    if share == 0:
+        return f"No sequence starts with the tokenizer's BOS {name}."
+    which = "Every sequence" if share == 1 else f"{100 * share:.0f}% of the sequences"
+    out = f"{which} starts with the tokenizer's BOS {name}."
+    if not asked:
+        out += (" Note: no BOS was asked for (the paper's probe has none); a BOS first often comes from "
+                "model.to_tokens(text), which prepends it, so the sink measured may be the BOS's own.")
+    return out

@@ -16,6 +16,7 @@ import torch
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, check_layers, hook_names, model_dims
 from analysis.model.rotary import apply_spec_rotary
+from analysis.core.results import compact_repr
 
 
 @dataclass
@@ -253,6 +254,9 @@ class KeyPath:
     key_hook: str  # the key projection (blocks.l.attn.hook_k), before any key norm and the rotary
     final_key_hook: str  # the key the attention uses (spec.key_hook: rotated iff spec.key_rotated)
     query_hook: str  # the query the attention uses (spec.query_hook)
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     @property
     def rotary(self) -> bool:

@@ -18,9 +18,11 @@ nor a local folder ever opens a network connection.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +114,39 @@ def default_device() -> str:
     str
     """
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str | None) -> str:
+    """The device a model loads on, checked before anything loads: None gives :func:`default_device`.
+
+    Parameters
+    ----------
+    device : str or None
+        "cpu", "cuda", "cuda:1", "mps", ... (``--device``).
+
+    Returns
+    -------
+    str
+        The device; ValueError, naming ``--device`` and what to give, where it does not exist here (``cuda`` without
+        CUDA is an error, never a quiet fall back to the CPU).
+    """
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu, cuda, cuda:1 or mps.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
+                             f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); use "
+                             "--device cpu, or leave --device out to take cuda only where it exists.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
+    return str(device)
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -330,13 +365,26 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
 def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
+    The BOS, a known trap (TransformerLens issue 1418): the bridge's tokenizer prepends the BOS where the model's own
+    Hugging Face tokenizer config does not. For the embedded SmolLM2, ``model.to_tokens(text)`` puts ``<|im_start|>``
+    (id 1) first (the bridge sets ``add_bos_token`` True), while ``model.tokenizer.encode(text,
+    add_special_tokens=False)``, the folder's ``tokenizer_config.json`` (``add_bos_token`` False) and this package's
+    probes (``analysis.model.probes``: a BOS only with ``bos=True``) do not. Gu et al.'s probe has no BOS: pass
+    ``model.to_tokens(text, prepend_bos=False)``, or tokens from the probes. Every sink result records whether its
+    sequences start with the BOS (``meta["bos"]``) and says so in its text, with a note where none was asked for.
+
+    A name that is neither known nor a local path is tried as a hub id ('gpt2', 'org/name'): the hub is asked once
+    (``check_hub``), and without a network the error names ``HF_HUB_OFFLINE`` and local folders at once; a near miss
+    of a known name ('SmolLM2-135M') gets "did you mean".
+
     Parameters
     ----------
     name_or_path : str or path-like
         "smollm2-135m" (the embedded default), a reference model's name, a local Hugging Face folder or ``.gguf`` file,
         or a hub id (needs a network).
     device : str, optional
-        Default: "cuda" when available, else "cpu".
+        Default: "cuda" when available, else "cpu"; a device that does not exist here (``cuda`` without CUDA) is a
+        ValueError (:func:`resolve_device`).
     dtype : torch.dtype or str, optional
         The weights' dtype (default float32).
 
@@ -349,6 +397,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
     name = str(name_or_path)
+    device = resolve_device(device)
     if name == DEFAULT_MODEL:
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype)
         model.model_name = DEFAULT_MODEL
@@ -367,7 +416,50 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         return load_gguf(path, device=device, dtype=dtype)
     if path.exists():
         return load_hf(str(path), device=device, dtype=dtype)
-    return load_hf(hub_id(name), device=device, dtype=dtype)
+    return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype)
+
+
+HUB_TIMEOUT_S = 10.0  # the one request that asks the hub for a model before loading it
+
+
+def check_hub(name: str) -> str:
+    """Ask the hub once for ``name`` before loading it, so that no network fails fast (one request, no retries).
+
+    With ``HF_HUB_OFFLINE`` set nothing is asked: the model loads from the local cache or fails at once.
+
+    Parameters
+    ----------
+    name : str
+        A hub id.
+
+    Returns
+    -------
+    str
+        ``name``; ModelNotFoundError, naming ``HF_HUB_OFFLINE`` and local folders, where the hub cannot be reached or
+        has no such model.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return name
+    from huggingface_hub import HfApi  # lazy for import time: only a hub id needs it
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return name  # gated: from_pretrained says what to do (a token), once
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"unknown model {name!r}: not a name known without a network {model_names()}, not a "
+                                 "local path, and the hub has no model of that id. Give a name from `python -m analysis "
+                                 "models`, a local Hugging Face folder or .gguf file, or a hub id such as "
+                                 "'HuggingFaceTB/SmolLM2-135M'.") from None
+    except Exception as e:  # noqa: BLE001 - any failure to reach the hub (DNS, proxy, timeout, HTTP 5xx)
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: not a name known without a network {model_names()} nor a local path, and as a "
+            f"hub id it needs the hub, which could not be reached ({type(e).__name__}: {str(e).splitlines()[0][:120]}). "
+            "Without a network, give a local Hugging Face folder or .gguf file, or set HF_HUB_OFFLINE=1 to load a "
+            "model already in the Hugging Face cache."
+        ) from None
+    return name
 
 
 def hub_id(name: str) -> str:
@@ -380,8 +472,8 @@ def hub_id(name: str) -> str:
     Returns
     -------
     str
-        ``name`` ('org/model'); ModelNotFoundError saying what it is instead: a path that does not exist, or an
-        unknown name.
+        ``name`` ('org/model' or 'gpt2'); ModelNotFoundError saying what it is instead: a path that does not exist,
+        a near miss of a known name ("did you mean"), or a name no hub id can have.
     """
     path = Path(name).expanduser()
     if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
@@ -390,7 +482,10 @@ def hub_id(name: str) -> str:
             f"no such file or folder: {name}{f' ({path})' if str(path) != name else ''}. Give the path of a local Hugging Face model folder or .gguf file, a "
             f"name from {model_names()}, or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."
         )
-    if "/" not in name:
+    close = difflib.get_close_matches(name.lower(), model_names(), n=1, cutoff=0.75)
+    if close and "/" not in name:
+        raise ModelNotFoundError(f"unknown model {name!r}; did you mean {close[0]!r}? Known names: {model_names()}.")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name):
         raise ModelNotFoundError(
             f"unknown model {name!r}. Known names: {model_names()}; or pass a local Hugging Face folder "
             "or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."

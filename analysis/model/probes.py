@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+from analysis.core.results import compact_repr
 
 PROBE_KINDS = ("natural", "random", "repeated")
 
@@ -59,6 +61,9 @@ class ProbeSet:
     seed: int
     source: str = ""
     meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     @property
     def n(self) -> int:
@@ -189,18 +194,22 @@ def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bo
     stream: list[int] = []
     for t in texts:
         stream.extend(tokenizer.encode(t, add_special_tokens=False))
-    body_len = T - 1 if bos else T
-    if len(stream) < body_len:
+    if len(stream) < T:
         raise ValueError(f"the texts hold {len(stream)} tokens, fewer than T={T}; give more text or a smaller T.")
     g = torch.Generator().manual_seed(seed)
-    n_windows = len(stream) - body_len + 1
+    n_windows = len(stream) - T + 1
     stream_t = torch.tensor(stream, dtype=torch.long)
-    # Distinct windows when the corpus allows it, else sampling with replacement.
+    # Distinct windows when the corpus allows it, else sampling with replacement. The windows are the same with and
+    # without a BOS (T tokens each; a BOS takes the place of the last), so a BOS comparison is made on the same text.
     starts = torch.randperm(n_windows, generator=g)[:n] if n_windows >= n else torch.randint(n_windows, (n,), generator=g)
-    body = torch.stack([stream_t[s : s + body_len] for s in starts.tolist()])
-    if bos:
-        body = torch.cat([torch.full((n, 1), _bos_id(tokenizer), dtype=torch.long), body], dim=1)
-    return ProbeSet("natural", body, bos, seed, source, {"corpus_tokens": len(stream)})
+    body = torch.stack([stream_t[s : s + T] for s in starts.tolist()])
+    distinct = len(set(starts.tolist()))
+    if distinct < n:
+        warnings.warn(f"text_probe: the texts hold {len(stream)} tokens, so only {n_windows} distinct windows of T={T} "
+                      f"tokens; the {n} sequences repeat windows ({distinct} distinct). Give more text, a smaller n or "
+                      "a smaller T for independent sequences.", UserWarning, stacklevel=2)
+    meta = {"corpus_tokens": len(stream), "distinct_windows": distinct}
+    return ProbeSet("natural", _with_bos(body, tokenizer, bos), bos, seed, source, meta)
 
 
 def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | None = None,
@@ -231,7 +240,7 @@ def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | No
         ids = [_bos_id(tokenizer)] + ids
     if max_tokens is not None:
         if int(max_tokens) < 2:
-            raise ValueError(f"max_tokens must be at least 2; got {max_tokens}.")
+            raise ValueError(f"max_tokens (--max-tokens) must be at least 2; got {max_tokens}.")
         ids = ids[: int(max_tokens)]
     if len(ids) < 2:
         raise ValueError(f"the text holds {len(ids)} token; give at least 2 (a sink needs queries after it).")

@@ -119,7 +119,13 @@ class SinkContext(Result):
     def _curve_text(self, rate: str, what: str, eps: float, unit: str = "%") -> str:
         df = self.by_T(eps)
         lo, hi = df.iloc[0], df.iloc[-1]
+        if df[f"{rate}_mean"].nunique() < 2:  # the same at every T: no rank correlation to give
+            return (f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at every T from {int(lo['T'])} to "
+                    f"{int(hi['T'])} ({len(df)} lengths).")
         rho = self.trend(rate, eps)
+        if rho != rho:  # fewer than 3 lengths: no rank correlation
+            return (f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at T = {int(lo['T'])} and "
+                    f"{float(hi[f'{rate}_mean']):.1f}{unit} at T = {int(hi['T'])}.")
         verb = ("grows with T" if rho > 0.7 else "falls with T" if rho < -0.7 else
                 "does not change monotonically with T")
         span = lambda r: (f"{r[f'{rate}_mean']:.1f}{unit} (seeds {r[f'{rate}_min']:.1f}-{r[f'{rate}_max']:.1f})"
@@ -132,7 +138,7 @@ class SinkContext(Result):
         name = self.model_name or "the model"
         n = self.runs.drop_duplicates(["T", "seed"]).groupby("T")["n"].sum()
         out = [f"Sink against context length on {name} ({self.kind} text, T = {self.Ts[0]} to {self.Ts[-1]}, "
-               f"{len(self.seeds)} probe seed(s), {int(n.min())}-{int(n.max())} sequences per T; {self.source})."]
+               f"{len(self.seeds)} probe seed(s), {_range(int(n.min()), int(n.max()))} sequences per T; {self.source})."]
         if len(self.Ts) >= 2 and self._has_eps(0.3):
             out.append(self._curve_text("sink_1_pct", "Sink_1", 0.3))
             out.append(self._curve_text("secondary_pct", "the share of (sample, layer, head) sinking on a later "
@@ -261,3 +267,8 @@ def sink_vs_context(model, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Ma
             if on_run is not None:
                 on_run(pd.DataFrame(rows, columns=COLUMNS))
     return SinkContext(pd.DataFrame(rows, columns=COLUMNS), model_name=name)
+
+
+def _range(lo: int, hi: int) -> str:
+    """'12' for 12-12, '1-32' otherwise."""
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"

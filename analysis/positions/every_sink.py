@@ -33,10 +33,10 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
-from analysis.model.hooks import act_name, check_layers, token_strings
+from analysis.model.hooks import act_name, bos_sentence, check_layers, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector
-from analysis.chain.massive import massive_accumulator
-from analysis.core.results import LayerAxis, Result, layer_runs
+from analysis.chain.massive import criterion_text, massive_accumulator
+from analysis.core.results import LayerAxis, Result, compact_repr, layer_runs
 from analysis.sinks.metric import check_eps, sink_pass
 from analysis.core.stats import one_thread
 
@@ -121,6 +121,9 @@ class PositionStats:
 class PositionAccumulator(Accumulator):
     """Per layer and batch: cos(h_t, h_0) and the peak |h_t| (value, dim) of every position, from ``hook_resid_post``
     (O(layers x T) numbers a sequence). Reads only the residual stream, so the fused pass can feed it too."""
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
 
     def __init__(self, layers):
         self.layers = [int(l) for l in layers]
@@ -369,12 +372,17 @@ class SinkPositions(Result, LayerAxis):
         name = self.model_name or "the model"
         rule = (f"alpha_k > {self.eps:g} in at least one head, keys 0..{self.n_measured - 1} seen by at least "
                 f"{self.min_queries} queries")
+        bos = self.meta.get("bos")
+        tail = ([self.skipped] if self.skipped else []) + ([bos_sentence(bos, asked=bos.get("asked"))] if bos else [])
         if not len(later):
-            return [f"In {name}{on}, no position but the first token is a sink ({rule}; N = {self.n_samples} sequences "
-                    f"of T = {self.T} tokens)."] + ([self.skipped] if self.skipped else [])
+            first = (f"the first token is the only sink (Sink_1 {self.sink_rate(0):.1f}%)" if self.sink_rate(0) > 0
+                     else "no position is a sink, the first token included (Sink_1 0.0%)")
+            return [f"In {name}{on}, {first} ({rule}; positions 0-based; N = {self.n_samples} sequences "
+                    f"of T = {self.T} tokens)."] + tail
         n_seq = later["sample"].nunique()
         out = [f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a "
-               f"sink besides the first token ({rule}; T = {self.T}), {self.later_sinks_per_sequence():.2f} later sink "
+               f"sink besides the first token ({rule}; positions 0-based; T = {self.T}), "
+               f"{self.later_sinks_per_sequence():.2f} later sink "
                f"positions per sequence on average."]
         tok = self.by_token(sinks).head(4)
         listed = ", ".join(f"{r.token!r} ({_count(r.n_positions, 'position')} in {_count(r.n_sequences, 'sequence')})"
@@ -385,7 +393,7 @@ class SinkPositions(Result, LayerAxis):
                    f"{layer_runs(layers)}.")
         out.append(self._secondary_text(later))
         out.append(self._massive_text(later))
-        return out + ([self.skipped] if self.skipped else [])
+        return out + tail
 
     def _secondary_text(self, later: pd.DataFrame) -> str:
         aligned = later[later.created_layer.notna()]
@@ -399,15 +407,15 @@ class SinkPositions(Result, LayerAxis):
                 f"{life.min()}-{life.max()}).")
 
     def _massive_text(self, later: pd.DataFrame) -> str:
-        crit = f"|a| > {self.abs_threshold:g} and >= {self.ratio_threshold:g}x the median of its hidden state"
+        crit = criterion_text(self.abs_threshold, self.ratio_threshold)
         peak = (f"their largest activation relative to the sequence median is on dim "
                 f"{int(later.peak_dim.mode().iloc[0])} (the most frequent), a median of {later.peak_abs.median():.0f} "
                 f"({later.peak_ratio.median():.0f}x the median) at layer {later.peak_layer.median():.0f} (median)")
         flagged = later[later.massive]
         if not len(flagged):
-            return f"None of them carries a massive activation by Sun et al.'s criterion ({crit}); {peak}."
+            return f"None of them carries a massive activation by the criterion ({crit}); {peak}."
         dims = sorted({d for ds in flagged.massive_dims for d in ds})
-        return (f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by Sun et al.'s criterion "
+        return (f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by the criterion "
                 f"({crit}), on dims {dims}; {peak}.")
 
     def records(self) -> list[dict]:
@@ -477,7 +485,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
                          "by construction and says nothing about sinks.")
     min_queries = default_min_queries(T) if min_queries is None else int(min_queries)
     if not 1 <= min_queries <= T:
-        raise ValueError(f"min_queries must lie in [1, T={T}]; got {min_queries}.")
+        raise ValueError(f"min_queries (--min-queries) must lie in [1, T={T}]; got {min_queries}.")
     resid_layers = check_layers(model, None)
     made = {}
 
@@ -514,7 +522,8 @@ def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
     """
     df = res.sinks
     head = (f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "
-            f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path")
+            f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path; "
+            "sample and pos 0-based")
     lines = [head, f"{'sample':>6} {'pos':>5}  {'token':<14} {'heads':>5}  {'layers':<14} {'max a':>6}  "
                    f"{'massive (dims)':<16} {'peak (dim, layer)':<22} {'secondary':<14}"]
     for r in df.head(max_rows).itertuples():

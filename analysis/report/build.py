@@ -43,15 +43,20 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from analysis.core.defaults import SPIKE_ABS
+from analysis.core.defaults import SINK_EPS, SPIKE_ABS
 from analysis.model.families import get_family
-from analysis.model.hooks import ModelContractError, model_dims
-from analysis.core.io import write_atomic, write_json
+from analysis.model.hooks import ModelContractError, check_length, model_dims
+from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
+from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
+from analysis.chain.massive import criterion_text, spike_criterion
 from analysis.model.probes import model_probe_sets
 from analysis.core.versions import package_versions
 
 DEFAULT_N = 32
+REPORT_MIN_T = 4  # tokens per sequence the report needs
+REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
+                "and own keys; the paper's probe uses T = 64.")
 SECTIONS = ("sink", "views", "massive", "spike_origin", "norm_gain", "key_manifold", "value_norms", "interventions",
             "dormant", "positions", "context")
 # What each section reads from the profile pass.
@@ -222,11 +227,15 @@ class Section:
 class _Context:
     """What the sections share: the model, the probes, and the one profile pass."""
 
-    def __init__(self, model, n: int, T: int, seed: int, batch_size: int | None, keys: list[str]):
+    def __init__(self, model, n: int, T: int, seed: int, batch_size: int | None, keys: list[str], *,
+                 eps: float = SINK_EPS, bos: bool = False):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
+        self.eps, self.bos = eps, bos
+        # one massive-activation criterion for every section (the profile's own: spike_criterion)
+        self.criterion = dict(zip(("abs_threshold", "ratio_threshold"), spike_criterion(model)))
         self.dims = model_dims(model)
         self.name = getattr(model, "model_name", None) or type(model).__name__
-        self.probes = model_probe_sets(model, n=n, T=T, seed=seed)  # text, or a reference model's own task
+        self.probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # text, or a reference model's own task
         self.natural = self.probes["natural"].tokens
         self.analyses = tuple(dict.fromkeys(a for k in keys for a in NEEDS[k]))
         self.keys = keys
@@ -235,7 +244,8 @@ class _Context:
     @property
     def profile(self):
         if self._profile is None:
-            self._profile = profile(self.model, self.probes, analyses=self.analyses, batch_size=self.batch_size)
+            self._profile = profile(self.model, self.probes, analyses=self.analyses, eps=self.eps,
+                                    batch_size=self.batch_size)
         return self._profile
 
     @property
@@ -318,6 +328,8 @@ def _massive(ctx: _Context, sec: Section) -> None:
                                                 r.to_dict()["first_token_dims"], "text": r.text()}
                                             for k, r in by_kind.items() if k != "natural"}}
     sec.say(ma.findings(), headline=0)
+    sec.note(f"Every section of this report flags a massive activation by one criterion: "
+             f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples.")
     if ma.abs_threshold < SPIKE_ABS:
         sec.note(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
                  f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
@@ -348,7 +360,7 @@ def _norm_gain(ctx: _Context, sec: Section) -> None:
             warnings.simplefilter("ignore")
             # starts at the profile's residual there
             tr = norm_gain_trace(ctx.model, ctx.natural, layer, spike_dims=first.get(layer - 1, []),
-                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid)
+                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid, **ctx.criterion)
     except ModelContractError as e:
         sec.note(f"No norm gain to trace in {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
@@ -405,10 +417,11 @@ def _interventions(ctx: _Context, sec: Section) -> None:
     ma, kw = ctx.massive, {"batch_size": ctx.batch_size}
     base = ctx.profile.baseline  # with the profile's residuals: each condition resumes at the block its hooks start
     runs = {
-        "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base, **kw),
+        "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base,
+                                                 **kw, **ctx.criterion),
         "value_ablation": lambda: value_ablation(ctx.model, ctx.natural, all_heads=False, later=False, baseline=base, **kw),
         "first_key_ablation": lambda: first_key_ablation(ctx.model, ctx.natural, spike_dims=ma.input_dims(ctx.dims.n_layers),
-                                                         baseline=base, **kw),
+                                                         baseline=base, **kw, **ctx.criterion),
     }
     captions = {"spike_ablation": "Sink_1 and loss with the first token's spike dims unchanged, zeroed, or set to their mean",
                 "value_ablation": "loss with the first token's value removed from the sink heads",
@@ -423,6 +436,11 @@ def _interventions(ctx: _Context, sec: Section) -> None:
         sec.data[name] = r.to_dict()
         sec.parts.append(f"<h3>{name.replace('_', ' ').capitalize()}</h3>")
         sec.say(r.findings())
+        if name == "spike_ablation" and r.has_spike:  # the number depends on the map: name it beside the number
+            sec.say(f"Setting of this cut: the spike map of this report's criterion ({criterion_text(**ctx.criterion)}), "
+                    f"found on the {ctx.n} natural sequences of T = {ctx.T} and zeroed at every layer it flags; another "
+                    "map (notebook 06's lenient >= 100x one, which adds the early spike) zeroes more dims and gives "
+                    "another number.")
         sec.parts.append(table_html(r.conditions, digits=3))
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
@@ -433,7 +451,8 @@ def _positions(ctx: _Context, sec: Section) -> None:
     from analysis.figures.positions import plot_cos_first, plot_later_sink_heads, plot_sink_positions
     from analysis.positions.every_sink import sink_positions
 
-    res = sink_positions(ctx.model, ctx.natural, batch_size=ctx.batch_size, kind="natural")
+    res = sink_positions(ctx.model, ctx.natural, eps=ctx.eps, batch_size=ctx.batch_size, kind="natural",
+                         **ctx.criterion)
     sec.say(_unskipped(res), headline=0)
     sec.data = res.to_dict()  # one record per sink position under "sinks"
     sec.parts.append("<h3>Later sink positions by token</h3>")
@@ -695,6 +714,8 @@ def build_report(
     n: int = DEFAULT_N,
     T: int = 64,
     seed: int = 0,
+    eps: float = SINK_EPS,
+    bos: bool = False,
     progress: bool = False,
     sections=None,
     batch_size: int | None = None,
@@ -718,6 +739,10 @@ def build_report(
         Tokens per sequence.
     seed : int
         The probes' seed.
+    eps : float
+        The sink threshold (alpha_k > eps) of the sink metric.
+    bos : bool
+        Put the tokenizer's BOS token first in the probes (the paper: none).
     progress : bool
         Show progress bars.
     sections : sequence of str, optional
@@ -735,13 +760,11 @@ def build_report(
     if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
         matplotlib.use("Agg")
     dims = model_dims(model)  # a model without hooks fails here, before anything is written
-    for name, v in (("n", n), ("T", T)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer; got {v!r}.")
-    if n < 2:
-        raise ValueError(f"the report compares inputs (first keys, leave-one-out means): give n >= 2 sequences; got {n}.")
-    if T < 4:
-        raise ValueError(f"the report needs T >= 4 tokens per sequence; got {T}.")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(f"n (--n) must be at least 2 sequences: the report compares inputs (first keys, leave-one-out "
+                         f"means); got {n!r}.")
+    check_length(T, minimum=REPORT_MIN_T, why=REPORT_T_WHY)
+    check_eps(eps)
     if dims.n_ctx is not None and T > dims.n_ctx:
         raise ValueError(f"T={T} exceeds the model's context of {dims.n_ctx} tokens; use T <= {dims.n_ctx}.")
     if getattr(model, "tokenizer", None) is None and not getattr(model, "reference_config", None):
@@ -751,17 +774,20 @@ def build_report(
     bad = [k for k in keys if k not in SECTIONS]
     if bad:
         raise ValueError(f"unknown report sections {bad}; choose among {list(SECTIONS)}.")
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a folder; give a folder for report.html and report.json.")
+    out = check_output(out_dir, flag="out_dir (--out)", folder=True)  # before any work
 
     t0 = time.perf_counter()
-    ctx = _Context(model, int(n), int(T), int(seed), batch_size, keys)
+    ctx = _Context(model, int(n), int(T), int(seed), batch_size, keys, eps=float(eps), bos=bool(bos))
     done = [_run_section(ctx, key, progress) for key in keys]
     seconds = time.perf_counter() - t0
     meta = {"versions": package_versions(), "seconds": seconds}
-    write_json(out / "report.json", _payload(ctx, done, meta, dims))
-    write_atomic(out / "report.html", _page(ctx, done, meta))
+    payload, page = _payload(ctx, done, meta, dims), _page(ctx, done, meta)
+
+    def write(folder: Path) -> None:  # each file atomically: a failed write leaves what was there
+        write_json(folder / "report.json", payload)
+        write_atomic(folder / "report.html", page)
+
+    write_or_spare(out, write, flag="--out")
     failed = [s for s in done if s.errors]
     if failed:
         raise ReportError(f"{len(failed)} report section(s) failed: " + "; ".join(
@@ -794,8 +820,14 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
     ma = ctx.massive if ctx._profile is not None else None
     return {
         "model": ctx.name,
-        "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "bos": False, "probes": {k: p.source for k, p in ctx.probes.items()},
-                   "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch.")},
+        "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "eps": ctx.eps, "bos": ctx.bos,
+                   "probes": {k: p.source for k, p in ctx.probes.items()},
+                   "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
+                   "device": str(next(ctx.model.parameters()).device),
+                   "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
+                                "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
+                   "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "
+                                "positions are 0-based (position 0 the first token)"},
         "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
                  "d_model": dims.d_model, "d_head": dims.d_head},
         "findings": chain_findings(done),

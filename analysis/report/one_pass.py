@@ -19,7 +19,7 @@ import pandas as pd
 from analysis.causal.conditions import baseline_accumulators, baseline_from
 from analysis.core.defaults import RESID_BUDGET_MIB, SINK_EPS
 from analysis.sinks.output_gates import GateAccumulator, has_gate
-from analysis.model.hooks import attention_layers_of, check_tokens, model_dims
+from analysis.model.hooks import attention_layers_of, bos_record, check_tokens, model_dims
 from analysis.chain.key_manifold import key_manifold_accumulator
 from analysis.chain.massive import massive_accumulator, spike_criterion
 from analysis.engine.passes import ResidCapture, can_resume, checkpoint_layers, run_pass
@@ -188,6 +188,8 @@ def profile(model, probes, *, analyses=ANALYSES, main: str = "natural", eps: flo
         for name in ("sink", "massive"):
             if name in got:
                 getattr(out, name)[kind] = got[name][0]
+        if "sink" in got:  # the first token: a BOS or not, and whether the probe asked for one
+            got["sink"][0].meta["bos"] = {**bos_record(model, tokens), "asked": getattr(p, "bos", None)}
         if kind == main:
             out.n_samples = tokens.shape[0]
             for name in ("qk", "key_manifold", "value_norms", "gates"):

@@ -22,7 +22,7 @@ import torch
 
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.engine.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
-from analysis.model.hooks import act_name, attention_layers_of, check_tokens, skipped_note
+from analysis.model.hooks import act_name, attention_layers_of, bos_record, bos_sentence, check_tokens, skipped_note
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
@@ -258,14 +258,17 @@ class SinkResult(Result, LayerAxis):
         sinky = pl[pl.sink_1_pct > 50].layer.tolist()
         on = f" on {self.kind} inputs" if self.kind else ""
         out = [f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
-               f"(N = {self.n_samples} sequences of T = {self.T} tokens)."]
+               f"(N = {self.n_samples} sequences of T = {self.T} tokens; key positions k are 1-based, k = 1 the first "
+               "token)."]
         none = pl[pl.sink_1_pct < 5].layer.tolist()
         out.append(f"{len(sinky)} of {len(pl)} layers have Sink_1 above 50%"
                    + (f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else "."))
         if self.has_slot:
             out.append(f"An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
                        f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
-        return out + ([self.skipped] if self.skipped else [])
+        bos = self.meta.get("bos")
+        first = [bos_sentence(bos, asked=bos.get("asked"))] if bos else []
+        return out + ([self.skipped] if self.skipped else []) + first
 
     def extreme_layers(self, k: int = 1) -> tuple[int, int]:
         """The layer with the most sink and the one with the least (Sink_k, then mean alpha_k)."""
@@ -279,7 +282,9 @@ class SinkResult(Result, LayerAxis):
             "eps": self.eps,
             "T": self.T,
             "k_max": self.k_max,
+            "positions": "1-based: k = 1 is the first token",
             "layers": list(self.layers),  # true layer index of each [layer] entry below
+            **({"bos": self.meta["bos"]} if self.meta.get("bos") else {}),  # does the first token hold the BOS?
             **({"skipped": self.skipped} if self.skipped else {}),
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
             "per_head_alpha": self.per_head_alpha.permute(2, 0, 1).tolist(),  # [k][layer][head]
@@ -416,6 +421,7 @@ def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumul
             accs = list(make_accumulators())
             res = sink_metric_fused(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress,
                                     kind=kind, accumulators=accs)
+            res.meta["bos"] = bos_record(model, check_tokens(model, tokens))
             return res, [a.result() for a in accs]
         except FusedUnsupported as e:
             if path == "fused":
@@ -425,7 +431,8 @@ def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumul
     accs = list(make_accumulators())
     sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
     res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress)
-    res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {})})
+    res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {}),
+                     "bos": bos_record(model, tokens)})
     return res, rest
 
 

@@ -17,9 +17,11 @@ from analysis.model.loading import (
     ModelNotFoundError,
     _is_reference,
     _reference_models,
+    check_hub,
     default_device,
     hub_id,
     load_model,
+    resolve_device,
     smollm2_dir,
 )
 from analysis.streaming.reference import ReferenceLM
@@ -68,6 +70,7 @@ def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
 
     if isinstance(model, (str, Path)):
         name = str(model)
+        device = resolve_device(device)  # cuda without CUDA is an error, before anything loads
         if name == DEFAULT_MODEL:
             hf, tok = _load_folder(str(smollm2_dir()), True, device, dtype)
             return _checked(hf), tokenizer or tok, name
@@ -79,7 +82,7 @@ def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
                 raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json).")
             hf, tok = _load_folder(str(path), True, device, dtype)
             return _checked(hf), tokenizer or tok, name
-        hf, tok = _load_folder(hub_id(name), False, device, dtype)
+        hf, tok = _load_folder(check_hub(hub_id(name)), False, device, dtype)
         return _checked(hf), tokenizer or tok, name
     if type(model).__name__ == "SinkLM":
         return _reference(model, tokenizer, getattr(model, "model_name", None) or "sink-lm")

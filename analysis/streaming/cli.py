@@ -5,8 +5,8 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
+from analysis.core.io import write_or_spare
+from analysis.core.options import HelpFormatter, model_options, seed_options
 from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
 
@@ -17,7 +17,7 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"expected comma-separated integers such as 0,1,4; got {text!r}.") from None
 
 
-def add_parser(sub, default_model: str) -> None:
+def add_parser(sub, default_model: str, *, parents=()) -> None:
     """Add the ``stream`` subcommand to ``python -m analysis``.
 
     Parameters
@@ -26,33 +26,58 @@ def add_parser(sub, default_model: str) -> None:
         The main parser's subcommands.
     default_model : str
         The model taken without ``--model``.
+    parents : sequence of argparse.ArgumentParser
+        The shared options it takes (``analysis.core.options``: the model's options and ``--seed``); none given: those
+        two groups.
 
     Returns
     -------
     None
     """
-    s = sub.add_parser("stream", help="streaming perplexity under dense, window, sinks + window and quantised KV caches")
-    s.add_argument("--model", default=default_model, help="a name, a local Hugging Face folder, or a hub id")
-    s.add_argument("--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)")
-    s.add_argument("--sinks", default="0,1,2,4,8", help="sink counts s (0 = the plain window)")
-    s.add_argument("--tokens", type=int, default=2048, help="stream length (offline docstring corpus)")
-    s.add_argument("--newline-sinks", type=int, default=4, help="also s newline tokens as sinks (0: leave out)")
-    s.add_argument("--bits", default="8,4", help="simulated KV quantisation of the sinks + window cache ('' to leave out)")
-    s.add_argument("--quant-sinks", type=int, default=4, help="sinks of the quantised caches")
-    s.add_argument("--recompute-every", type=int, default=8,
+    parents = list(parents) or [model_options(default_model), seed_options()]
+    s = sub.add_parser("stream", parents=parents, formatter_class=HelpFormatter,
+                       help="streaming perplexity under dense, window, sinks + window and quantised KV caches")
+    g = s.add_argument_group("stream")
+    g.add_argument("--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)")
+    g.add_argument("--sinks", default="0,1,2,4,8", help="sink counts s (0 = the plain window)")
+    g.add_argument("--tokens", type=int, default=2048, help="stream length (offline docstring corpus)")
+    g.add_argument("--newline-sinks", type=int, default=4, help="also s newline tokens as sinks (0: leave out)")
+    g.add_argument("--bits", default="8,4", help="simulated KV quantisation of the sinks + window cache ('' to leave out)")
+    g.add_argument("--quant-sinks", type=int, default=4, help="sinks of the quantised caches")
+    g.add_argument("--recompute-every", type=int, default=8,
                    help="score the sliding-window re-computation ceiling at every k-th position (0: leave out)")
-    s.add_argument("--no-dense", action="store_true", help="leave out the dense cache")
-    s.add_argument("--seed", type=int, default=0, help="order of the docstring stream")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    s.add_argument("--device", default=None)
-    s.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
-    s.add_argument("--csv", help="write the policy table here")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
-    s.set_defaults(func=cmd_stream)
+    g.add_argument("--no-dense", action="store_true", help="leave out the dense cache")
+    o = s.add_argument_group("output")
+    o.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
+    o.add_argument("--csv", help="write the policy table here")
+    s.set_defaults(func=cmd_stream, outputs=(("json", False), ("csv", False)))
+
+
+def check_stream_args(args) -> None:
+    """The stream's own options, checked before the model loads (ValueError naming the flag otherwise).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    None
+    """
+    sinks, bits = _ints(args.sinks), _ints(args.bits)
+    if args.window < 1:
+        raise ValueError(f"--window must be at least 1 token; got {args.window}.")
+    bad = [x for x in sinks if x >= args.window] + ([args.quant_sinks] if bits and args.quant_sinks >= args.window else [])
+    if bad:
+        raise ValueError(f"--sinks / --quant-sinks {bad} must each be smaller than the window (--window "
+                         f"{args.window}); the window counts the sinks.")
+    if args.tokens <= args.window:
+        raise ValueError(f"--tokens ({args.tokens}) must be larger than --window ({args.window}): nothing would ever be "
+                         "evicted.")
 
 
 def cmd_stream(args) -> int:
-    """Run ``python -m analysis stream``: the streaming perplexity, printed and written where asked.
+    """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked.
 
     Parameters
     ----------
@@ -61,26 +86,30 @@ def cmd_stream(args) -> int:
     Returns
     -------
     int
-        The exit status.
+        The exit status (1 where an output could not be written; the table is printed first either way).
     """
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_stream_args(args)
     res = streaming_perplexity(
         args.model, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
         newline_sinks=args.newline_sinks or None, bits=_ints(args.bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
-        device=args.device, progress=not args.quiet,
+        device=args.device, dtype=args.dtype, progress=not args.quiet,
     )
+    table = res.table
+    table["timing"] = [f"shared by {b}" if b > 1 else "own" for b in table["batch"]]
+    cols = ["policy", "ppl", "ppl_past_window", "ppl_at_recompute", "tokens_per_s", "timing", "kv_cache_mib",
+            "sink_attention"]
+    cols += ["learned_sink_attention"] if table["learned_sink_attention"].notna().any() else []
+    print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"tokens_per_s: the policies whose timing says 'shared by k' were decoded together, k rows in one batch, and "
+          f"share that batch's one timing ({res.device}, {res.dtype}).")
+    print(res.text())
     if args.json:
-        res.save(args.json)
+        write_or_spare(args.json, res.save, flag="--json")
         print(f"wrote {args.json}")
     if args.csv:
-        write_csv_atomic(res.table, Path(args.csv))
+        write_or_spare(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
         print(f"wrote {args.csv}")
-    cols = ["policy", "ppl", "ppl_past_window", "ppl_at_recompute", "tokens_per_s", "kv_cache_mib", "sink_attention"]
-    cols += ["learned_sink_attention"] if res.table["learned_sink_attention"].notna().any() else []
-    print(res.table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(res.text())
     return 0
 
 

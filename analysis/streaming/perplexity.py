@@ -10,6 +10,7 @@ re-encoded from scratch at positions 0..window-1 (exact; slow, so it can score e
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 
@@ -165,6 +166,9 @@ class _Decoder:
         self.learned_sum, self.learned_n = np.zeros(ids.shape[0]), 0
         self.recorder = ShareRecorder()
         self.sink_logits = has_sink_logits(hf)
+        # transformers 5 names the cache argument `cache` (`past_key_values` is deprecated); older models and
+        # ReferenceLM take `past_key_values`
+        self.cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
     def _score(self, logits: torch.Tensor, c0: int, c1: int) -> None:
         B = self.ids.shape[0]
@@ -175,7 +179,7 @@ class _Decoder:
     def prefill(self, c0: int, c1: int) -> None:
         B, device = self.ids.shape[0], self.ids.device
         out = self.hf(input_ids=self.ids[:, c0:c1], position_ids=torch.arange(c0, c1, device=device)[None].expand(B, -1),
-                      past_key_values=self.cache, use_cache=True)
+                      **{self.cache_kw: self.cache}, use_cache=True)
         self._score(out.logits, c0, c1)
 
     def step(self, t: int, share: bool) -> None:
@@ -185,7 +189,7 @@ class _Decoder:
         self.recorder.marks = (lambda: _sink_slots(self.cache, self.sinks)) if share else None
         with recording(self.recorder):
             out = self.hf(input_ids=self.ids[:, t : t + 1], position_ids=torch.full((B, 1), self.cache.position(t), device=device),
-                          past_key_values=self.cache, use_cache=True, output_attentions=eager)
+                          **{self.cache_kw: self.cache}, use_cache=True, output_attentions=eager)
         self._score(out.logits, t, t + 1)
         if eager:  # learned-sink models: weights from the model's own eager attention
             att = torch.stack([a[:, :, -1, :] for a in out.attentions])  # (layers, B, heads, L)

@@ -68,12 +68,19 @@ class StreamResult:
     recompute_every : int or None
     device : str
     tokens : list of int or None
+    dtype : str
+        The model's dtype ("float32", ...).
     """
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
-                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None):
+                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None, dtype: str = "float32"):
         self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
         self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return (f"<StreamResult model={self.model!r}, window={self.window}, tokens={self.stream.get('n_tokens')}, "
+                f"policies={len(self.runs)}, device={self.device!r}>")
 
     def run(self, label: str) -> PolicyRun:
         for r in self.runs:
@@ -171,14 +178,17 @@ class StreamResult:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "window": self.window, "n_ctx": self.n_ctx, "stream": self.stream, "skip": self.skip,
-                "recompute_every": self.recompute_every, "device": self.device, "tokens": self.tokens,
+                "recompute_every": self.recompute_every, "device": self.device, "dtype": self.dtype,
+                "tokens": self.tokens,
+                "timing": "tokens_per_s is measured per decode batch: the policies of one batch (batch: how many "
+                          "rows were decoded together) share one timing",
                 "table": json.loads(self.table.to_json(orient="records")), "runs": [r.to_dict() for r in self.runs],
                 "versions": package_versions()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
         return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
-                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"))
+                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"), dtype=d.get("dtype", "float32"))
 
     @classmethod
     def load(cls, path) -> "StreamResult":
@@ -238,7 +248,7 @@ def write_csv_atomic(df: pd.DataFrame, path) -> Path:
 def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
                          newline_sinks: int | None = 4, bits=(8, 4), quant_sinks: int = 4, dense: bool = True,
                          recompute_every: int | None = 8, seed: int = 0, tokenizer=None, skip: int | None = None,
-                         batch: int = 16, device=None, progress: bool = False) -> StreamResult:
+                         batch: int = 16, device=None, dtype=None, progress: bool = False) -> StreamResult:
     """Perplexity of a causal LM on a long stream under dense, window, sinks + window (several s), newline
     sinks, quantised caches and the re-computation ceiling. ``model``: a name (``smollm2-135m``), a local
     Hugging Face folder, a TransformerBridge or a PreTrainedModel. ``tokens``: your own ids (N,), else
@@ -266,13 +276,15 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     batch : int
         Policies decoded together.
     device : str, optional
+    dtype : torch.dtype or str, optional
+        The weights' dtype of a model loaded here (default float32).
     progress : bool
 
     Returns
     -------
     StreamResult
     """
-    hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device)
+    hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device, dtype=dtype)
     n_ctx = context_length(hf)
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
@@ -311,5 +323,6 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
         runs += run_policies(hf, tokens, cached[i : i + batch], newline=nl, progress=progress)
     if recompute_every:
         runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
-    dev = str(hf.get_output_embeddings().weight.device)
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, dev, tokens=tokens.tolist())
+    weight = hf.get_output_embeddings().weight
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(weight.device),
+                        tokens=tokens.tolist(), dtype=str(weight.dtype).removeprefix("torch."))
