@@ -116,9 +116,62 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                           linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                           linear_num_key_heads=2, linear_num_value_heads=4,
                                           **_rope(10000000.0, partial_rotary_factor=0.25))),
-    "jamba": ("JambaConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, num_experts=1, num_experts_per_tok=1,
+    "jamba": ("JambaConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, num_experts=2, num_experts_per_tok=1,
+                                  expert_layer_period=2, expert_layer_offset=1,
                                   attn_layer_period=2, attn_layer_offset=1,
                                   mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)),
+    # ---- mixtures of experts, latent attention, NoPE layers, new hybrids: each in its released checkpoints' layout
+    # DeepSeek-V3: multi-head latent attention (q and kv LoRA ranks, a decoupled rotary key shared by the heads,
+    # interleaved rotary pairs), the first layers dense (first_k_dense_replace: 3 of 61), then routed experts with
+    # one shared expert.
+    "deepseek_v3": ("DeepseekV3Config", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                             v_head_dim=16, head_dim=8, first_k_dense_replace=1, n_routed_experts=4,
+                                             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                             n_group=1, topk_group=1, rope_interleave=True, **_rope(10000.0))),
+    # Qwen3-MoE: q/k norms; every layer routed (decoder_sparse_step 1) except those in mlp_only_layers (dense).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                                         mlp_only_layers=[0], **_rope(1e6))),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): every layer routed, with a gated shared expert.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, decoder_sparse_step=1, **_rope(1e6))),
+    # Mixtral 8x7B: every layer 8 experts, top 2 (here 4, top 2), no sliding window.
+    "mixtral": ("MixtralConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, **_rope(1e6))),
+    # OLMoE: every layer 64 experts, top 8 (here 4, top 2); q/k norms over all heads.
+    "olmoe": ("OlmoeConfig", dict(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, **_rope(10000.0))),
+    # SmolLM3: every 4th layer NoPE (no rotary), the others rotary.
+    "smollm3": ("SmolLM3Config", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, no_rope_layer_interval=4,
+                                      **_rope(2e6))),
+    # Llama 4 (Maverick's layout): every 4th layer NoPE and global, the rotary ones chunked with L2 q/k norms; MoE
+    # every other layer (interleave_moe_layer_step 2), one routed expert per token plus a shared one.
+    "llama4_text": ("Llama4TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=16,
+                                             intermediate_size_mlp=2 * D, num_local_experts=4, num_experts_per_tok=1,
+                                             interleave_moe_layer_step=2, no_rope_layer_interval=4,
+                                             attention_chunk_size=8, use_qk_norm=True, **_rope(500000.0))),
+    # GLM-4: partial rotary (half the head), sandwich norms, fused gate/up projection.
+    "glm4": ("Glm4Config", dict(**_LLAMA_LIKE, head_dim=16, **_rope(10000.0, partial_rotary_factor=0.5))),
+    # Cohere (Command R): attention and MLP in parallel, LayerNorm without bias, interleaved rotary pairs.
+    "cohere": ("CohereConfig", dict(**_LLAMA_LIKE, logit_scale=0.0625, **_rope(10000.0))),
+    # Granite-MoE: every layer routed (here 4 experts, top 2), Granite's multipliers.
+    "granitemoe": ("GraniteMoeConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
+                                            embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            attention_multiplier=0.0078125, logits_scaling=8.0, **_rope(10000.0))),
+    # Nemotron-H (8B): Mamba-2, MLP and attention blocks, each its own layer ("M-M-M-M*-..."; here "M-*-").
+    "nemotron_h": ("NemotronHConfig", dict(**{k: v for k, v in _LLAMA_LIKE.items() if k != "num_hidden_layers"},
+                                           head_dim=16, hybrid_override_pattern="M-*-", mamba_num_heads=4,
+                                           mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
+                                           use_mamba_kernels=False)),
+    # Falcon-H1: attention and a Mamba-2 mixer in parallel in every layer, then an MLP.
+    "falcon_h1": ("FalconH1Config", dict(**_LLAMA_LIKE, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                         mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, **_rope(10000.0))),
+    # Gemma 3n (E2B): sliding and global layers 4:1, AltUp, per-layer inputs, KV shared by the last layers.
+    "gemma3n_text": ("Gemma3nTextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 5, "intermediate_size": [2 * D] * 5}, head_dim=16,
+                                               sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                                               hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                                               altup_num_inputs=2, laurel_rank=8,
+                                               layer_types=["sliding_attention"] * 4 + ["full_attention"],
+                                               activation_sparsity_pattern=[0.0] * 5)),
 }
 FAMILIES = list(FAMILY_CONFIGS)
 

@@ -318,6 +318,21 @@ def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise ValueError(f"{type(module).__name__} (weight {tuple(w.shape)}) is not a linear map of its input.")
 
 
+# Where a block's dense projections sit in its MLP bridge: ``in`` / ``gate`` / ``out`` on a dense MLP bridge; a bridge
+# shared by the dense and the mixture-of-experts blocks of one model (Jamba's MoEBridge) names the dense blocks' ones
+# ``dense_in`` / ``dense_gate`` / ``dense_out``. Read per block: one block's names say nothing about another's.
+_PROJECTION_NAMES = {"in": ("in", "dense_in"), "gate": ("gate", "dense_gate"), "out": ("out", "dense_out")}
+
+
+def _projections(mlp) -> dict:
+    """{"in" | "gate" | "out": the Hugging Face module of that projection of this MLP bridge, or None}."""
+    found = {}
+    for role, names in _PROJECTION_NAMES.items():
+        mods = [getattr(getattr(mlp, n, None), "original_component", None) for n in names]
+        found[role] = next((m for m in mods if m is not None), None)
+    return found
+
+
 def mlp_weights(model, layer: int) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.
@@ -344,9 +359,10 @@ def mlp_weights(model, layer: int) -> MlpWeights:
         return MlpWeights(layer, mlp.W_out.detach().float().T.contiguous().cpu(), None,
                           mlp.W_in.detach().float().T.contiguous().cpu(), None,
                           None if gate is None else gate.detach().float().T.contiguous().cpu(), None)
-    mods = {k: getattr(getattr(mlp, k, None), "original_component", None) for k in ("in", "gate", "out")}
+    mods = _projections(mlp)
     if mods["out"] is None or mods["in"] is None:
-        raise ValueError(f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out).")
+        raise ValueError(f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out, or mlp.dense_in, "
+                         "mlp.dense_out).")
     W_in, b_in = _as_linear(mods["in"], D)
     W_out, b_out = _as_linear(mods["out"], W_in.shape[0])
     W_gate, b_gate = _as_linear(mods["gate"], D) if spec.kind == "gated" else (None, None)
