@@ -256,7 +256,7 @@ class KeyPath:
 
     @property
     def rotary(self) -> bool:
-        return self.spec.rotary
+        return self.spec.rotary_at(self.layer)  # False on a NoPE layer
 
     @property
     def base(self) -> float | None:
@@ -327,7 +327,7 @@ class KeyPath:
                          f"{'interleaved' if sp.rotary_style == 'interleaved' else 'rotate-half'} pairs, theta {self.base:g})")
         else:
             parts.append({"alibi": "no rotation (ALiBi biases on the scores)", "absolute": "no rotation (absolute "
-                          "positions)"}.get(sp.positions, "no rotation"))
+                          "positions)", "rotary": "no rotation (a NoPE layer)"}.get(sp.positions, "no rotation"))
         cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
         return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
@@ -351,7 +351,7 @@ def key_path(model, layer: int) -> KeyPath:
     spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)
-    if spec.rotary and spec.rotary_bases.get(layer, spec.rotary_base) is None:
+    if spec.rotary_at(layer) and spec.rotary_bases.get(layer, spec.rotary_base) is None:
         raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases).")
     kh = act_name("k", layer)
     missing = [n for n in (act_name("resid_pre", layer), kh, spec.key_hook(layer), spec.query_hook(layer))
