@@ -64,6 +64,8 @@ EXPECT = {
     "falcon_h1": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
 }
 NORM_WITHOUT_BIAS = {"cohere"}  # LayerNorm without a bias
+# Families on TransformerLens' generic AttentionBridge: Hugging Face computes the attention, the pattern is reported after.
+GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text"}
 assert set(EXPECT) == set(FAMILIES)
 
 
@@ -148,8 +150,8 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
         assert spec.rotary_base is None and rotary_base(model) is None
     assert spec.attn_scale == pytest.approx(getattr(config, "attention_multiplier", 16 ** -0.5))
     # TransformerLens' generic AttentionBridge reports the pattern after the output (read-only hook).
-    assert spec.pattern_live == (family not in {"gptj", "opt", "jamba"})
-    assert (spec.scores_hook(spec.attention_layers[0]) is None) == (family in {"gptj", "opt", "jamba"})
+    assert spec.pattern_live == (family not in GENERIC_ATTENTION)
+    assert (spec.scores_hook(spec.attention_layers[0]) is None) == (family in GENERIC_ATTENTION)
     assert spec.text().startswith(config.model_type) and spec.to_dict()["family"] == config.model_type
     assert no_network == []
 
@@ -283,3 +285,18 @@ def test_gguf_path_that_is_not_gguf_fails_clearly(tmp_path):
     bad.write_bytes(b"not a gguf file")
     with pytest.raises(ModelNotFoundError, match="could not read .*broken.gguf as a GGUF model"):
         load_model(str(bad), device="cpu")
+
+
+def test_nemotron_h_attention_is_not_exposed_by_the_bridge(tmp_path):
+    """Nemotron-H is not in the matrix: TransformerLens' bridge wraps every layer's mixer, attention included, as one
+    generic SSM2MixerBridge, so no layer has an attention-pattern hook (docs/families.md). The spec reads it without
+    error and says every layer is skipped; when the bridge exposes the attention this fails and Nemotron-H joins."""
+    from tests.families import NOT_IN_MATRIX, make_family_dir
+
+    assert "nemotron_h" in NOT_IN_MATRIX
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(str(make_family_dir("nemotron_h", tmp_path / "nemotron_h")), device="cpu")
+    spec = model.family
+    assert spec.attention_layers == () and sorted(spec.skipped_layers) == [0, 1, 2, 3]
+    assert "attention-pattern hook" in spec.skipped_layers[2] and "0 attention layers of 4" in spec.text()

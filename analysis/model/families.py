@@ -701,6 +701,15 @@ def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
     return {"norm": norm, "norm_placement": placement, "post_norm": post, "qk_norm": qk_norm, "qk_norm_scope": qk_scope}
 
 
+def _gate_and_scores_hooks(fires_everywhere, scores_are_pattern: bool) -> tuple[str | None, str | None]:
+    """(the attention-output gate hook template, the pre-softmax scores hook template), each None where it does not
+    fire on every attention layer (or, for the scores, holds the pattern)."""
+    gate = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
+    scores = ("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores") and not scores_are_pattern
+              else None)
+    return gate, scores
+
+
 def _qk_hooks(positions: str, fires_everywhere, mla: dict | None) -> tuple[bool, str, str]:
     """(key_rotated, key hook template, query hook template): the hooks that hold the keys and queries the attention
     uses. MLA: hook_k / hook_q hold the whole key and query, their rotary dims already rotated (hook_rot_k holds only
@@ -744,6 +753,9 @@ def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
     for l in range(n_layers):
         if l not in attention_layers:
             t = types[l] if types else None
+            if t is not None and "attention" in t and t not in LAYER_TYPE_WORDS:  # Nemotron-H: a generic mixer bridge
+                skipped[l] = f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
+                continue
             skipped[l] = LAYER_TYPE_WORDS.get(t, f"{t} layer: no attention pattern" if t else
                                               "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l))
     return skipped
@@ -773,10 +785,10 @@ def family_spec(model) -> FamilySpec:
     skipped = _skipped(types, n_layers, attention_layers)
     n_heads, d_head, d_model = int(cfg.n_heads), int(cfg.d_head), int(cfg.d_model)
     n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
-    mla = latent_attention(config) if config is not None else None
+    mla = latent_attention(config)
     if mla is not None:  # every head has its own key (decompressed from the latent), d_head = nope + rope dims
-        _heads_after_positions(model, attention_layers, n_heads, mla["v_head_dim"])
         n_kv, d_head = n_heads, mla["d_head"]
+        _heads_after_positions(model, attention_layers, n_heads, mla["v_head_dim"])
     fired, scores_are_pattern = _dry_run(model)
     first = attention_layers[0] if attention_layers else 0
 
@@ -797,14 +809,12 @@ def family_spec(model) -> FamilySpec:
 
     norms = _norms(model, first, fires_everywhere("hook_k_normed"), d_head)
     block = model.blocks[first]
-    fused = getattr(block.attn, "qkv", None) is not None
+    fused = getattr(getattr(block, "attn", None), "qkv", None) is not None
     key_rotated, key_hook, query_hook = _qk_hooks(pos["positions"], fires_everywhere, mla)
     if mla is not None:
         pos["rotary_dim"] = mla["qk_rope_head_dim"]
-    gate_hook = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
+    gate_hook, scores_hook = _gate_and_scores_hooks(fires_everywhere, scores_are_pattern)
     live = pattern_is_live(model, first) if attention_layers else False
-    scores_hook = ("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores") and not scores_are_pattern
-                   else None)
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
 
     window, sliding = _sliding(config, types, attention_layers)

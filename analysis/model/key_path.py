@@ -203,7 +203,12 @@ def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     b_K : torch.Tensor, shape (H_kv, d_head), or None
     """
     attn = getattr(model.blocks[layer], "attn", None)
-    W_K = getattr(attn, "W_K", None)
+    try:
+        W_K = getattr(attn, "W_K", None)
+    except NotImplementedError as e:  # TransformerLens' MLA bridge (DeepSeek-V2 / V3) raises for W_K
+        raise ModelContractError(f"layer {layer} has multi-head latent attention: no per-head W_K (each key is decompressed "
+                                 "from a normalised latent, plus a rotary key shared by the heads); the key path does not "
+                                 "rebuild MLA keys yet.") from e
     if W_K is None:
         raise ModelContractError(f"model.blocks[{layer}].attn has no W_K; the key path needs the key weights.")
     if W_K.ndim != 3:
