@@ -51,7 +51,8 @@ LAYER_TYPE_WORDS = {
 # (``passes.Resume``); each is checked against the full pass by tests/test_interventions.py.
 RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
                        "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
-                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba"})
+                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral",
+                       "olmoe", "smollm3", "llama4_text", "glm4", "cohere", "granitemoe", "falcon_h1"})
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
