@@ -18,11 +18,11 @@ import torch
 
 from analysis import load_model, rotary_base, sink_metric
 from analysis.model.families import FamilySpec, get_family
-from tests.families import FAMILIES, family_config, make_family_model, reference_attention, write_llama_gguf
+from tests.families import FAMILIES, family_config, layout, make_family_model, reference_attention, write_llama_gguf
 from tests.conftest import tol
 
 T = 16  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
-HYBRIDS = {"qwen3_next", "qwen3_5", "jamba"}
+HYBRIDS = {f for f in FAMILIES if layout(f)["attention"] != tuple(range(family_config(f).num_hidden_layers))}
 
 # Facts each family is known for (the tiny configs in tests/families.py turn each feature on).
 # positions, rotary pairing, norm kind, gain offset, norm placement, q/k norm scope, fused QKV, key rotated in
@@ -51,7 +51,21 @@ EXPECT = {
     "qwen3_next": ("rotary", "half", "RMSNorm", 1.0, "pre", "head", False, True, False, True, False),
     "qwen3_5": ("rotary", "half", "RMSNorm", 1.0, "pre", "head", False, True, False, True, False),
     "jamba": ("none", None, "RMSNorm", 0.0, "pre", None, False, False, False, False, False),
+    "deepseek_v3": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "qwen3_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", "head", False, True, False, False, False),
+    "qwen2_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "mixtral": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "olmoe": ("rotary", "half", "RMSNorm", 0.0, "pre", "all_heads", False, True, False, False, False),
+    "smollm3": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "llama4_text": ("rotary", "interleaved", "RMSNorm", 0.0, "pre", None, False, False, False, False, False),
+    "glm4": ("rotary", "interleaved", "RMSNorm", 0.0, "sandwich", None, False, True, False, False, False),
+    "cohere": ("rotary", "interleaved", "LayerNorm", 0.0, "pre", None, False, True, False, False, True),
+    "granitemoe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "falcon_h1": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
 }
+NORM_WITHOUT_BIAS = {"cohere"}  # LayerNorm without a bias
+# Families on TransformerLens' generic AttentionBridge: Hugging Face computes the attention, the pattern is reported after.
+GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text"}
 assert set(EXPECT) == set(FAMILIES)
 
 
@@ -100,7 +114,7 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
     assert (spec.positions, spec.rotary_style) == (positions, style)
     norm = spec.norm or spec.post_norm
     assert (norm.kind, norm.gain_offset, spec.norm_placement) == (norm_kind, offset, placement)
-    assert norm.bias == (norm_kind == "LayerNorm")
+    assert norm.bias == (norm_kind == "LayerNorm" and family not in NORM_WITHOUT_BIAS)
     assert spec.qk_norm_scope == qk_scope and (spec.qk_norm is None) == (qk_scope is None)
     assert (spec.fused_qkv, spec.key_rotated, spec.learned_sinks, spec.gate is not None, spec.parallel_block) == (
         fused, key_rotated, sinks, gated, parallel)
@@ -109,13 +123,14 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
     n_kv = getattr(config, "num_key_value_heads", None) or (1 if getattr(config, "multi_query", False) else n_heads)
     assert (spec.n_heads, spec.n_kv_heads, spec.d_head) == (n_heads, n_kv, 16)
     types = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    lay = layout(family)
+    assert spec.attention_layers == lay["attention"]  # the layout of the released checkpoints (tests/families.py)
+    assert set(spec.skipped_layers) == set(range(config.num_hidden_layers)) - set(lay["attention"])
+    assert spec.nope_layers == lay["nope"] and all(l not in spec.rotary_bases for l in spec.nope_layers)
     if family in HYBRIDS:
-        assert spec.attention_layers == (1, 3) and set(spec.skipped_layers) == {0, 2}
-        assert all(types[l] in ("linear_attention", "mamba") for l in spec.skipped_layers)
-        assert spec.skipped_text() and str(spec.skipped_layers[0]) in spec.text()
-    else:
-        assert spec.attention_layers == tuple(range(config.num_hidden_layers)) and not spec.skipped_layers
-    window = getattr(config, "sliding_window", None)
+        assert all(types[l] in ("linear_attention", "mamba", "mlp") for l in spec.skipped_layers)
+        assert spec.skipped_text() and spec.skipped_layers[min(spec.skipped_layers)] in spec.text()
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     assert spec.sliding_window == window
     if window:
         expected = [l for l in spec.attention_layers if types is None or types[l] == "sliding_attention"]
@@ -129,13 +144,14 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
         theta = params.get("rope_theta", 10000.0)  # GPT-J: fixed 10000
         assert spec.rotary_base == theta == rotary_base(model)
         frac = params.get("partial_rotary_factor", 1.0)
-        assert spec.rotary_dim == (getattr(config, "rotary_dim", None) or int(16 * frac))
+        assert spec.rotary_dim == (getattr(config, "rotary_dim", None) or getattr(config, "qk_rope_head_dim", None)
+                                   or int(16 * frac))  # MLA: the decoupled rotary key's dims
     else:
         assert spec.rotary_base is None and rotary_base(model) is None
     assert spec.attn_scale == pytest.approx(getattr(config, "attention_multiplier", 16 ** -0.5))
     # TransformerLens' generic AttentionBridge reports the pattern after the output (read-only hook).
-    assert spec.pattern_live == (family not in {"gptj", "opt", "jamba"})
-    assert (spec.scores_hook(spec.attention_layers[0]) is None) == (family in {"gptj", "opt", "jamba"})
+    assert spec.pattern_live == (family not in GENERIC_ATTENTION)
+    assert (spec.scores_hook(spec.attention_layers[0]) is None) == (family in GENERIC_ATTENTION)
     assert spec.text().startswith(config.model_type) and spec.to_dict()["family"] == config.model_type
     assert no_network == []
 
@@ -153,7 +169,8 @@ def test_sink_alpha_equals_hf_eager_attention(family, family_models, device):
     assert res.alpha[..., 0].shape == hf_alpha.shape
     torch.testing.assert_close(res.alpha[..., 0], hf_alpha, atol=tol(device, 1e-5), rtol=0)
     if family in HYBRIDS:
-        assert res.layers == [1, 3] and "Layers [0, 2] skipped" in res.skipped and res.skipped in res.text()
+        skipped = sorted(model.family.skipped_layers)
+        assert f"Layers {skipped} skipped" in res.skipped and res.skipped in res.text()
     else:
         assert res.skipped == ""
 
@@ -202,7 +219,7 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
 def _check_layer(spec, model, layer, got, device):
     q, k = got["q"], got["k"]
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
-    if spec.rotary and not spec.key_rotated:
+    if spec.rotary_at(layer) and not spec.key_rotated:  # NoPE layers: no rotary
         q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if "scores" in got:
@@ -268,3 +285,18 @@ def test_gguf_path_that_is_not_gguf_fails_clearly(tmp_path):
     bad.write_bytes(b"not a gguf file")
     with pytest.raises(ModelNotFoundError, match="could not read .*broken.gguf as a GGUF model"):
         load_model(str(bad), device="cpu")
+
+
+def test_nemotron_h_attention_is_not_exposed_by_the_bridge(tmp_path):
+    """Nemotron-H is not in the matrix: TransformerLens' bridge wraps every layer's mixer, attention included, as one
+    generic SSM2MixerBridge, so no layer has an attention-pattern hook (docs/families.md). The spec reads it without
+    error and says every layer is skipped; when the bridge exposes the attention this fails and Nemotron-H joins."""
+    from tests.families import NOT_IN_MATRIX, make_family_dir
+
+    assert "nemotron_h" in NOT_IN_MATRIX
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(str(make_family_dir("nemotron_h", tmp_path / "nemotron_h")), device="cpu")
+    spec = model.family
+    assert spec.attention_layers == () and sorted(spec.skipped_layers) == [0, 1, 2, 3]
+    assert "attention-pattern hook" in spec.skipped_layers[2] and "0 attention layers of 4" in spec.text()

@@ -19,14 +19,15 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.model.hooks import kv_view, model_device
+from analysis.model.hooks import ModelContractError, kv_view, model_device
 from analysis.model.rotary import rotate_as_spec
-from tests.families import FAMILIES, reference_attention
+from tests.families import FAMILIES, matrix, reference_attention
 from tests.conftest import tol
 
 T = 12  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 SPIKE = {7: 400.0, 21: -250.0}
-KEY_NORM = {"qwen3", "gemma3", "olmo2", "qwen3_next", "qwen3_5"}
+KEY_NORM = {"qwen3", "gemma3", "olmo2", "qwen3_next", "qwen3_5", "qwen3_moe", "olmoe"}
+ALL_HEADS_KEY_NORM = {"olmo2", "olmoe"}
 NOT_ALIBI = [f for f in FAMILIES if f != "bloom"]
 
 
@@ -60,7 +61,7 @@ def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: got[canonical[n]] for n in hooks}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", matrix("key_path", ModelContractError))
 def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models, device):
     from analysis.model.key_path import key_path
     from analysis.chain.norm_gain import norm_gain_trace
@@ -87,7 +88,7 @@ def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_mode
         assert (tr.key_norm is not None) == (family in KEY_NORM)  # ... but a key norm the trace follows
         if family in KEY_NORM:
             assert "The keys then pass" in tr.text() and tr.heads["knorm_scale_first"].notna().all()
-            assert ("all heads together" in tr.key_norm) == (family == "olmo2")
+            assert ("all heads together" in tr.key_norm) == (family in ALL_HEADS_KEY_NORM)
         assert f"Key path of layer {layer}" in tr.text()
 
 
@@ -157,7 +158,7 @@ def _add_spike(resid, hook):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", matrix("key_path", ModelContractError))
 def test_planted_spike_is_found_and_drives_the_first_key(family, family_dirs, device):
     from analysis.chain.massive import massive_activations
     from analysis.chain.norm_gain import norm_gain_trace

@@ -12,13 +12,14 @@ import torch
 
 from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights
 from analysis.model.hooks import model_device
-from tests.families import FAMILIES
+from tests.families import FAMILIES, family_config, layout
 from tests.conftest import tol
 
-MOE = {"gpt_oss", "qwen3_next"}
-PARALLEL = {"phi", "gpt_neox", "gptj", "falcon"}
+PARALLEL = {"phi", "gpt_neox", "gptj", "falcon", "cohere"}
+# Mixtures of experts with a shared expert (or a dense branch) beside the routed ones: what the block adds beyond them.
+SHARED_EXPERT = {"qwen3_next", "deepseek_v3", "qwen2_moe", "llama4_text"}
 PLAIN = {"phi", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}
-POST_NORM = {"gemma2", "gemma3", "olmo2"}
+POST_NORM = {"gemma2", "gemma3", "olmo2", "glm4"}  # GLM-4: post_mlp_layernorm
 
 
 def _capture(model, tokens, names):
@@ -71,18 +72,25 @@ def test_mlp_facts_rebuild_the_mlp(family, family_bridge, device):
     assert spec.additive  # every family here adds the writes of hook_attn_out / hook_mlp_out to its residual stream
     assert spec.parallel == (family in PARALLEL)
     assert set(spec.mixer_layers) == set(model.family.skipped_layers)  # Mamba / linear attention: no hook_attn_out
-    if family in MOE:
-        assert spec.kind == "moe" and not spec.has_neurons(0) and spec.n_experts == 2 and spec.top_k == 1
+    moe = layout(family)["moe"]  # the layout of the released checkpoints: which blocks are mixtures of experts
+    assert spec.moe_layers == moe
+    if moe:
+        config = family_config(family)
+        n_exp = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k))
+        assert (spec.n_experts, spec.top_k) == (n_exp, config.num_experts_per_tok)
         with pytest.raises(ValueError, match="mixture of experts"):
-            spec.neuron_hook(0)
-        for l in spec.moe_layers:
-            got = _capture(model, tokens, [spec._input_hook.format(layer=l), f"blocks.{l}.hook_mlp_out"])
-            x = got[spec._input_hook.format(layer=l)].flatten(0, 1)
-            idx, slots, rest = expert_writes(model, l, x)
-            assert idx.shape == (x.shape[0], 1)
-            torch.testing.assert_close(slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1),
-                                       atol=tol(device, 1e-5), rtol=1e-4)
-            assert (float(rest.abs().max()) == 0.0) == (family == "gpt_oss")  # Qwen3-Next adds a shared expert
+            spec.neuron_hook(moe[0])
+    for l in moe:  # the routed experts' writes plus what the block adds beyond them (a shared expert) rebuild it
+        got = _capture(model, tokens, [spec._input_hook.format(layer=l), f"blocks.{l}.hook_mlp_out"])
+        x = got[spec._input_hook.format(layer=l)].flatten(0, 1)
+        idx, slots, rest = expert_writes(model, l, x)
+        assert idx.shape == (x.shape[0], spec.top_k)
+        torch.testing.assert_close(slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1),
+                                   atol=tol(device, 1e-5), rtol=1e-4)
+        assert (float(rest.abs().max()) < 1e-6) == (family not in SHARED_EXPERT)  # rounding of the sum of the slots
+    if len(moe) == model.cfg.n_layers:
+        assert spec.kind == "moe" and not spec.has_neurons(0)
+        assert (spec.output, spec.output_scale) == (("scaled", pytest.approx(0.22)) if family == "granitemoe" else ("add", 1.0))
         return
     assert spec.kind == ("plain" if family in PLAIN else "gated")
     assert spec.output == ("post_norm" if family in POST_NORM else "scaled" if family == "granite" else "add")

@@ -18,16 +18,15 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.model.mlp_spec import get_mlp
+from analysis.model.mlp_spec import get_mlp, mlp_projections
 from analysis.chain.first_token_cause import why_first_token
 from analysis.causal.writer_cuts import spike_cuts
 from analysis.chain.spike_writers import spike_origin
 from tests.conftest import tol
-from tests.families import FAMILIES
+from tests.families import FAMILIES, layout
 
 BLOCK, NEURON, DIM, WRITE = 0, 5, 11, 1000.0
 N, T = 3, 12
-MOE = {"gpt_oss", "qwen3_next"}
 
 
 def plant_writer(model, block: int = BLOCK, neuron: int = NEURON, dim: int = DIM, write: float = WRITE) -> None:
@@ -42,7 +41,7 @@ def plant_writer(model, block: int = BLOCK, neuron: int = NEURON, dim: int = DIM
 
         model.add_perma_hook(f"blocks.{block}.hook_mlp_out", add)
         return
-    out = model.blocks[block].mlp.out.original_component
+    out = mlp_projections(model.blocks[block].mlp)["out"]  # mlp.out, or mlp.dense_out (Jamba's dense blocks)
     with torch.no_grad():
         w = out.weight
         if w.shape[0] == D:  # nn.Linear: (d_model, d_mlp)
@@ -98,7 +97,7 @@ def test_planted_writer_is_found_with_its_block_and_neuron(family, planted_model
     assert float(o.values(DIM)[:, BLOCK + 1].mean()) == pytest.approx(WRITE, rel=0.05)
     assert float(o.bookkeeping.set_index("dim").loc[DIM, "rel_err"]) < 1e-5
     assert f"MLP {BLOCK}" in o.text()
-    if family in MOE:
+    if BLOCK in layout(family)["moe"]:  # no hook holds the experts' neurons: the block and its experts are named
         (e,) = [e for e in o.experts if e.dim == DIM]
         left = e.table.set_index("expert").loc["unaccounted", "mean_write"]
         assert left == pytest.approx(WRITE, rel=1e-3) and "no neuron is named" in e.text()

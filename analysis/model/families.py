@@ -34,8 +34,9 @@ from typing import Iterator
 import torch
 
 # Families whose rotary rotates adjacent pairs (x0, x1), (x2, x3)... ("rotate_every_two") instead of the two
-# halves of the rotary dims (HF "rotate_half", GPT-NeoX style, every other family here).
-INTERLEAVED_ROTARY = frozenset({"gptj", "codegen"})
+# halves of the rotary dims (HF "rotate_half", GPT-NeoX style, every other family here). Cohere and GLM rotate
+# adjacent pairs too (their own rotate_half takes x[..., ::2] and x[..., 1::2]).
+INTERLEAVED_ROTARY = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "llama4", "llama4_text"})
 # Families with ALiBi biases instead of rotary (Falcon has it as a config switch, read from ``config.alibi``).
 ALIBI = frozenset({"bloom", "mpt"})
 # What a skipped layer type is, in words.
@@ -50,7 +51,8 @@ LAYER_TYPE_WORDS = {
 # (``passes.Resume``); each is checked against the full pass by tests/test_interventions.py.
 RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
                        "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
-                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba"})
+                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral",
+                       "olmoe", "smollm3", "llama4_text", "glm4", "cohere", "granitemoe", "falcon_h1"})
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
@@ -153,6 +155,9 @@ class FamilySpec:
         Gemma 2's soft cap: scores = cap * tanh(scores / cap).
     notes : tuple of str
         Further facts, in sentences.
+    nope_layers : tuple of int
+        Attention layers without position encoding in a rotary model (NoPE: SmolLM3's and Llama 4's every 4th
+        layer): no rotary step in their key path, and no entry in ``rotary_bases``.
     fired_hooks : frozenset of str
         The attention hooks called in the load-time forward pass (aliases included).
     """
@@ -188,6 +193,7 @@ class FamilySpec:
     attn_scale: float  # scores = attn_scale * q . k
     attn_softcap: float | None  # Gemma 2: scores = cap * tanh(scores / cap)
     notes: tuple[str, ...] = ()
+    nope_layers: tuple[int, ...] = ()  # attention layers without rotary in a rotary model (NoPE)
     _key_hook: str = "blocks.{layer}.attn.hook_k"
     _query_hook: str = "blocks.{layer}.attn.hook_q"
     _gate_hook: str | None = None
@@ -234,6 +240,10 @@ class FamilySpec:
     def rotary(self) -> bool:
         return self.positions == "rotary"
 
+    def rotary_at(self, layer: int) -> bool:
+        """Whether attention layer ``layer`` rotates its queries and keys (False on NoPE layers and without rotary)."""
+        return self.rotary and int(layer) not in self.nope_layers
+
     def skipped_text(self) -> str:
         if not self.skipped_layers:
             return ""
@@ -252,6 +262,8 @@ class FamilySpec:
                "none": "no position encoding"}.get(self.positions, self.positions)
         parts = [f"{self.family} ({self.architecture}): {len(self.attention_layers)} attention layers of "
                  f"{self.n_layers}, {self.n_heads} heads, {self.n_kv_heads} KV heads, d_head {self.d_head}; {pos}."]
+        if self.nope_layers:
+            parts.append(f"Layers {list(self.nope_layers)} have no position encoding (NoPE): no rotary step.")
         if self.skipped_layers:
             st = self.skipped_text()
             parts.append(st[0].upper() + st[1:] + ".")
@@ -284,6 +296,7 @@ class FamilySpec:
         d["rotary_bases"] = {str(k): v for k, v in self.rotary_bases.items()}
         d["attention_layers"] = list(self.attention_layers)
         d["sliding_layers"] = list(self.sliding_layers)
+        d["nope_layers"] = list(self.nope_layers)
         d["notes"] = list(self.notes)
         return d
 
@@ -388,6 +401,62 @@ def rotary_base(model) -> float | None:
         return None
     base = getattr(cfg, "rotary_base", None)
     return float(base) if base is not None else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2 / V3)
+# ----------------------------------------------------------------------------------------------
+
+
+def latent_attention(config) -> dict | None:
+    """The multi-head latent attention (MLA) shape of a Hugging Face config, or None for other attention.
+
+    MLA makes each head's key from two parts: ``qk_nope_head_dim`` dims decompressed (``kv_b_proj``) from a latent of
+    ``kv_lora_rank`` dims that ``kv_a_layernorm`` normalises (its gain is the key's norm gain), and ``qk_rope_head_dim``
+    dims of a rotary key (``kv_a_proj_with_mqa``'s last dims) shared by every head. The attention's keys are
+    ``[k_nope, rotary(k_rope)]``: the rotary part is the last dims of the head.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig or None
+
+    Returns
+    -------
+    dict or None
+        {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head"} (d_head: nope + rope).
+    """
+    if config is None or getattr(config, "kv_lora_rank", None) is None or getattr(config, "qk_rope_head_dim", None) is None:
+        return None
+    out = {k: int(getattr(config, k)) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    out["d_head"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    return out
+
+
+def _heads_after_positions(model, layers, n_heads: int, v_head_dim: int) -> bool:
+    """TransformerLens' MLA bridge fires hook_q / hook_k / hook_v heads first ((B, H, T, d)); every other bridge, and
+    every analysis, has the heads after the positions ((B, T, H, d)). Give these hooks that layout: each call
+    transposes in, runs the hooks (which see and may edit (B, T, H, d)) and transposes back, so the model computes
+    what it did. hook_z is split into heads of ``v_head_dim`` (the bridge splits it by ``cfg.d_head``, which MLA
+    configs set to the rotary dims). Returns whether any hook was changed."""
+    from transformer_lens.hook_points import HookPoint  # import time: the bridge's hook class, only for MLA models
+
+    class HeadsAfterPositions(HookPoint):
+        def __call__(self, x, *args, **kwargs):
+            return super().__call__(x.transpose(1, 2), *args, **kwargs).transpose(1, 2)
+
+    changed = False
+    for l in layers:
+        attn = model.blocks[l].attn
+        for name in ("hook_q", "hook_k", "hook_v"):
+            hook = getattr(attn, name, None)
+            if isinstance(hook, HookPoint) and getattr(hook, "pos_dim", 1) == 2:
+                hook.__class__ = HeadsAfterPositions
+                hook.pos_dim = 1
+                changed = True
+        conv = getattr(getattr(getattr(attn, "o", None), "hook_in", None), "hook_conversion", None)
+        if conv is not None and hasattr(conv, "d_head"):
+            conv.n_heads, conv.d_head = n_heads, v_head_dim
+    return changed
 
 
 def _bridge_submodule(model, layer: int, path: str):
@@ -576,11 +645,11 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     else:
         positions = "none"
     out = {"positions": positions, "rotary_base": None, "rotary_bases": {}, "rotary_dim": None, "rotary_style": None,
-           "rope_type": None}
+           "rope_type": None, "nope_layers": ()}
     if positions != "rotary":
         return out
-    bases = out["rotary_bases"]
-    for l in attention_layers:
+    bases, out["nope_layers"] = out["rotary_bases"], _nope_layers(config, attention_layers)
+    for l in (l for l in attention_layers if l not in out["nope_layers"]):
         t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
         theta = rope_theta(config, layer_type=t)
         if theta is None and family in INTERLEAVED_ROTARY:
@@ -593,6 +662,15 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
     out["rope_type"] = rope_parameters(config).get("rope_type") or "default"
     return out
+
+
+def _nope_layers(config, attention_layers) -> tuple[int, ...]:
+    """The attention layers a rotary config leaves without rotary: ``no_rope_layers`` (SmolLM3, Llama 4: one flag per
+    layer, 1 = rotary, 0 = NoPE)."""
+    flags = getattr(config, "no_rope_layers", None)
+    if not isinstance(flags, (list, tuple)) or len(flags) < max(attention_layers, default=-1) + 1:
+        return ()
+    return tuple(l for l in attention_layers if not flags[l])
 
 
 def _sliding(config, types, attention_layers) -> tuple[int | None, tuple[int, ...]]:
@@ -617,16 +695,42 @@ def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
             if getattr(block, "ln1_post", None) is not None else None)
     placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
     qk_norm, qk_scope = None, None
-    if getattr(block.attn, "k_norm", None) is not None and k_normed_fires:
+    if getattr(getattr(block, "attn", None), "k_norm", None) is not None and k_normed_fires:
         qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model=model)
         if qk_norm is not None:
             qk_scope = "head" if qk_norm.size == d_head else "all_heads"
     return {"norm": norm, "norm_placement": placement, "post_norm": post, "qk_norm": qk_norm, "qk_norm_scope": qk_scope}
 
 
-def _notes(config, rotary_unhooked: bool, pattern_read_only: bool, scores_are_pattern: bool, gate_in_q: bool) -> list[str]:
+def _gate_and_scores_hooks(fires_everywhere, scores_are_pattern: bool) -> tuple[str | None, str | None]:
+    """(the attention-output gate hook template, the pre-softmax scores hook template), each None where it does not
+    fire on every attention layer (or, for the scores, holds the pattern)."""
+    gate = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
+    scores = ("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores") and not scores_are_pattern
+              else None)
+    return gate, scores
+
+
+def _qk_hooks(positions: str, fires_everywhere, mla: dict | None) -> tuple[bool, str, str]:
+    """(key_rotated, key hook template, query hook template): the hooks that hold the keys and queries the attention
+    uses. MLA: hook_k / hook_q hold the whole key and query, their rotary dims already rotated (hook_rot_k holds only
+    the shared rotary key)."""
+    if mla is not None:
+        return True, "blocks.{layer}.attn.hook_k", "blocks.{layer}.attn.hook_q"
+    key_rotated = positions == "rotary" and fires_everywhere("hook_rot_k") and fires_everywhere("hook_rot_q")
+    if key_rotated:
+        return True, "blocks.{layer}.attn.hook_rot_k", "blocks.{layer}.attn.hook_rot_q"
+    return False, "blocks.{layer}.attn.hook_k", "blocks.{layer}.attn.hook_q"
+
+
+def _notes(config, rotary_unhooked: bool, pattern_read_only: bool, scores_are_pattern: bool, gate_in_q: bool,
+           mla: dict | None = None) -> list[str]:
     """What an analysis of this family must know about its hooks, one sentence each."""
     notes = []
+    if mla is not None:
+        notes.append(f"Multi-head latent attention: each head's key is {mla['qk_nope_head_dim']} dims decompressed from a "
+                     f"{mla['kv_lora_rank']}-dim latent (normalised by kv_a_layernorm, whose gain is the key's norm "
+                     f"gain) and {mla['qk_rope_head_dim']} rotary dims shared by the heads, last in the head.")
     if rotary_unhooked:
         notes.append("The bridge does not fire hook_rot_q/hook_rot_k here: keys are taken from hook_k, before the rotary.")
     if pattern_read_only:
@@ -650,6 +754,9 @@ def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
     for l in range(n_layers):
         if l not in attention_layers:
             t = types[l] if types else None
+            if t is not None and "attention" in t and t not in LAYER_TYPE_WORDS:  # Nemotron-H: a generic mixer bridge
+                skipped[l] = f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
+                continue
             skipped[l] = LAYER_TYPE_WORDS.get(t, f"{t} layer: no attention pattern" if t else
                                               "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l))
     return skipped
@@ -679,6 +786,10 @@ def family_spec(model) -> FamilySpec:
     skipped = _skipped(types, n_layers, attention_layers)
     n_heads, d_head, d_model = int(cfg.n_heads), int(cfg.d_head), int(cfg.d_model)
     n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
+    mla = latent_attention(config)
+    if mla is not None:  # every head has its own key (decompressed from the latent), d_head = nope + rope dims
+        n_kv, d_head = n_heads, mla["d_head"]
+        _heads_after_positions(model, attention_layers, n_heads, mla["v_head_dim"])
     fired, scores_are_pattern = _dry_run(model)
     first = attention_layers[0] if attention_layers else 0
 
@@ -699,20 +810,18 @@ def family_spec(model) -> FamilySpec:
 
     norms = _norms(model, first, fires_everywhere("hook_k_normed"), d_head)
     block = model.blocks[first]
-    fused = getattr(block.attn, "qkv", None) is not None
-    key_rotated = pos["positions"] == "rotary" and fires_everywhere("hook_rot_k") and fires_everywhere("hook_rot_q")
-    key_hook = "blocks.{layer}.attn.hook_rot_k" if key_rotated else "blocks.{layer}.attn.hook_k"
-    query_hook = "blocks.{layer}.attn.hook_rot_q" if key_rotated else "blocks.{layer}.attn.hook_q"
-    gate_hook = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
+    fused = getattr(getattr(block, "attn", None), "qkv", None) is not None
+    key_rotated, key_hook, query_hook = _qk_hooks(pos["positions"], fires_everywhere, mla)
+    if mla is not None:
+        pos["rotary_dim"] = mla["qk_rope_head_dim"]
+    gate_hook, scores_hook = _gate_and_scores_hooks(fires_everywhere, scores_are_pattern)
     live = pattern_is_live(model, first) if attention_layers else False
-    scores_hook = ("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores") and not scores_are_pattern
-                   else None)
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
 
     window, sliding = _sliding(config, types, attention_layers)
 
     notes = _notes(config, pos["positions"] == "rotary" and not key_rotated, bool(attention_layers) and not live,
-                   scores_are_pattern, bool(gate_hook) and f"blocks.{first}.attn.hook_q" in fired)
+                   scores_are_pattern, bool(gate_hook) and f"blocks.{first}.attn.hook_q" in fired, mla)
     return FamilySpec(
         family=family, architecture=architecture, n_layers=n_layers, attention_layers=attention_layers,
         skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, d_model=d_model,

@@ -204,7 +204,12 @@ def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     b_K : torch.Tensor, shape (H_kv, d_head), or None
     """
     attn = getattr(model.blocks[layer], "attn", None)
-    W_K = getattr(attn, "W_K", None)
+    try:
+        W_K = getattr(attn, "W_K", None)
+    except NotImplementedError as e:  # TransformerLens' MLA bridge (DeepSeek-V2 / V3) raises for W_K
+        raise ModelContractError(f"layer {layer} has multi-head latent attention: no per-head W_K (each key is decompressed "
+                                 "from a normalised latent, plus a rotary key shared by the heads); the key path does not "
+                                 "rebuild MLA keys yet.") from e
     if W_K is None:
         raise ModelContractError(f"model.blocks[{layer}].attn has no W_K; the key path needs the key weights.")
     if W_K.ndim != 3:
@@ -260,7 +265,7 @@ class KeyPath:
 
     @property
     def rotary(self) -> bool:
-        return self.spec.rotary
+        return self.spec.rotary_at(self.layer)  # False on a NoPE layer
 
     @property
     def base(self) -> float | None:
@@ -331,7 +336,7 @@ class KeyPath:
                          f"{'interleaved' if sp.rotary_style == 'interleaved' else 'rotate-half'} pairs, theta {self.base:g})")
         else:
             parts.append({"alibi": "no rotation (ALiBi biases on the scores)", "absolute": "no rotation (absolute "
-                          "positions)"}.get(sp.positions, "no rotation"))
+                          "positions)", "rotary": "no rotation (a NoPE layer)"}.get(sp.positions, "no rotation"))
         cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
         return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
@@ -355,7 +360,7 @@ def key_path(model, layer: int) -> KeyPath:
     spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)
-    if spec.rotary and spec.rotary_bases.get(layer, spec.rotary_base) is None:
+    if spec.rotary_at(layer) and spec.rotary_bases.get(layer, spec.rotary_base) is None:
         raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases).")
     kh = act_name("k", layer)
     missing = [n for n in (act_name("resid_pre", layer), kh, spec.key_hook(layer), spec.query_hook(layer))

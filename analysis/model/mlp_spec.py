@@ -279,12 +279,22 @@ def expert_writes(model, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, tor
     router, experts = moe_parts(model, layer)
     block = _mlp_module(model, layer)
     x = _on_model(model, x)  # the trace keeps x on the CPU
+    spec = getattr(model, "mlp_spec", None)
+    scale = spec.output_scale if isinstance(spec, MlpSpec) else 1.0  # Granite-MoE: the residual multiplier
     with torch.no_grad():
-        _, weights, idx = router(x)
-        slots = torch.stack([experts(x, idx[:, j : j + 1], weights[:, j : j + 1]) for j in range(idx.shape[1])], 1)
+        routed = router(x)
+        if len(routed) == 2:  # Llama 4: sigmoid scores (zero off the top k) scale each expert's input; all experts run
+            scores, logits = routed
+            idx = logits.topk(int(router.top_k), dim=-1).indices
+            outs = experts(x.repeat(scores.shape[1], 1) * scores.T.reshape(-1, 1)).view(scores.shape[1], len(x), -1)
+            slots = torch.stack([outs[idx[:, j], torch.arange(len(x))] for j in range(idx.shape[1])], 1)
+        else:  # (logits, weights, indices): the weights scale each routed expert's output
+            _, weights, idx = routed
+            slots = torch.stack([experts(x, idx[:, j : j + 1], weights[:, j : j + 1]) for j in range(idx.shape[1])], 1)
         total = block(x[None])
-        total = (total[0] if isinstance(total, tuple) else total)[0]
-    return idx.cpu(), slots.float().cpu(), (total.float() - slots.float().sum(1)).cpu()
+        total = (total[0] if isinstance(total, tuple) else total).reshape(len(x), -1)  # Llama 4 returns (n, d_model)
+    slots, total = scale * slots.float().cpu(), scale * total.float().cpu()
+    return idx.cpu(), slots, total - slots.sum(1)
 
 
 def _rounding(dtype: torch.dtype) -> float:
@@ -318,6 +328,32 @@ def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise ValueError(f"{type(module).__name__} (weight {tuple(w.shape)}) is not a linear map of its input.")
 
 
+# Where a block's dense projections sit in its MLP bridge: ``in`` / ``gate`` / ``out`` on a dense MLP bridge; a bridge
+# shared by the dense and the mixture-of-experts blocks of one model (Jamba's MoEBridge) names the dense blocks' ones
+# ``dense_in`` / ``dense_gate`` / ``dense_out``. Read per block: one block's names say nothing about another's.
+_PROJECTION_NAMES = {"in": ("in", "dense_in"), "gate": ("gate", "dense_gate"), "out": ("out", "dense_out")}
+
+
+def mlp_projections(mlp) -> dict:
+    """The dense projections of a block's MLP bridge, read on that block.
+
+    Parameters
+    ----------
+    mlp : GeneralizedComponent
+        A block's MLP bridge (``model.blocks[l].mlp``).
+
+    Returns
+    -------
+    dict
+        {"in" | "gate" | "out": the Hugging Face module of that projection, or None where the bridge has none}.
+    """
+    found = {}
+    for role, names in _PROJECTION_NAMES.items():
+        mods = [getattr(getattr(mlp, n, None), "original_component", None) for n in names]
+        found[role] = next((m for m in mods if m is not None), None)
+    return found
+
+
 def mlp_weights(model, layer: int) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.
@@ -344,9 +380,10 @@ def mlp_weights(model, layer: int) -> MlpWeights:
         return MlpWeights(layer, mlp.W_out.detach().float().T.contiguous().cpu(), None,
                           mlp.W_in.detach().float().T.contiguous().cpu(), None,
                           None if gate is None else gate.detach().float().T.contiguous().cpu(), None)
-    mods = {k: getattr(getattr(mlp, k, None), "original_component", None) for k in ("in", "gate", "out")}
+    mods = mlp_projections(mlp)
     if mods["out"] is None or mods["in"] is None:
-        raise ValueError(f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out).")
+        raise ValueError(f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out, or mlp.dense_in, "
+                         "mlp.dense_out).")
     W_in, b_in = _as_linear(mods["in"], D)
     W_out, b_out = _as_linear(mods["out"], W_in.shape[0])
     W_gate, b_gate = _as_linear(mods["gate"], D) if spec.kind == "gated" else (None, None)
@@ -518,6 +555,22 @@ def _mlp_output(model, layer: int, got: dict, W: MlpWeights, a: torch.Tensor) ->
     return "unknown", 1.0, None, None
 
 
+def _moe_output(model, got: dict, layer: int) -> tuple[str, float]:
+    """How a mixture-of-experts block's own output (its module run on ``mlp.hook_in``) becomes hook_mlp_out: ("add",
+    1.0), ("scaled", the factor: Granite-MoE's residual multiplier) or ("unknown", 1.0)."""
+    x, out = got.get(f"blocks.{layer}.mlp.hook_in"), got.get(f"blocks.{layer}.hook_mlp_out")
+    if x is None or out is None:
+        return "unknown", 1.0
+    with torch.no_grad():
+        y = _mlp_module(model, layer)(_on_model(model, x))
+    y = (y[0] if isinstance(y, tuple) else y).float().cpu().reshape(out.shape)
+    scale = float((out * y).sum() / (y * y).sum().clamp_min(1e-30))
+    dtype = next(model.parameters()).dtype
+    if _close(out, y, dtype, atol=1e-5, rtol=1e-4):
+        return "add", 1.0
+    return ("scaled", scale) if _close(out, scale * y, dtype, atol=1e-5, rtol=1e-4) else ("unknown", 1.0)
+
+
 def _adds_up(got: dict, l: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether block ``l``'s MLP write (with the attention write where the two run in parallel) is what its residual
     stream gains: hook_resid_post - hook_resid_mid (or - hook_resid_pre), to the rounding of the stream in the
@@ -530,6 +583,26 @@ def _adds_up(got: dict, l: int, dtype: torch.dtype = torch.float32) -> bool:
     write = mlp if mid is not None else mlp + got.get(b + "hook_attn_out", torch.zeros_like(mlp))
     delta = post - (mid if mid is not None else got[b + "hook_resid_pre"])
     return float((delta - write).abs().max()) <= 1e-4 + max(1e-5, _rounding(dtype)) * float(post.abs().max())
+
+
+def _probe_mlp_hooks(model, n_layers: int) -> tuple[dict, dict]:
+    """One forward pass over five tokens: ({alias: activation (float32, CPU)} of the ``_MLP_PROBE_HOOKS`` that fired on
+    every block, {alias: canonical hook name})."""
+    hook_dict = getattr(model, "hook_dict", {})
+    names = [f"blocks.{l}.{s}" for l in range(n_layers) for s in _MLP_PROBE_HOOKS if f"blocks.{l}.{s}" in hook_dict]
+    canonical = {n: getattr(hook_dict[n], "name", n) for n in names}
+    seen: dict[str, torch.Tensor] = {}
+
+    def rec(x, hook):
+        if isinstance(x, torch.Tensor):
+            seen.setdefault(hook.name, x.detach().float().cpu())
+
+    device = next(model.parameters()).device
+    tokens = (torch.arange(1, 6, device=device) % max(int(getattr(model.cfg, "d_vocab", 6) or 6), 6))[None]
+    hooks = list({canonical[n]: (n, rec) for n in names}.values())
+    with torch.inference_mode():
+        model.run_with_hooks(tokens, fwd_hooks=hooks)
+    return {n: seen[canonical[n]] for n in names if canonical[n] in seen}, canonical
 
 
 def mlp_spec(model) -> MlpSpec:
@@ -548,24 +621,10 @@ def mlp_spec(model) -> MlpSpec:
     -------
     MlpSpec
     """
-    hook_dict = getattr(model, "hook_dict", {})
     n_layers = int(model.cfg.n_layers)
     family = get_family(model).family
-    names = [f"blocks.{l}.{s}" for l in range(n_layers) for s in _MLP_PROBE_HOOKS if f"blocks.{l}.{s}" in hook_dict]
-    canonical = {n: getattr(hook_dict[n], "name", n) for n in names}
-    seen: dict[str, torch.Tensor] = {}
-
-    def rec(x, hook):
-        if isinstance(x, torch.Tensor):
-            seen.setdefault(hook.name, x.detach().float().cpu())
-
-    device = next(model.parameters()).device
-    tokens = (torch.arange(1, 6, device=device) % max(int(getattr(model.cfg, "d_vocab", 6) or 6), 6))[None]
-    hooks = list({canonical[n]: (n, rec) for n in names}.values())
-    with torch.inference_mode():
-        model.run_with_hooks(tokens, fwd_hooks=hooks)
-    got = {n: seen[canonical[n]] for n in names if canonical[n] in seen}
-    moe = tuple(l for l in range(n_layers) if _is_moe(model, l))
+    got, canonical = _probe_mlp_hooks(model, n_layers)
+    moe = tuple(l for l in range(n_layers) if _is_moe(model, l))  # read per block: dense and MoE blocks mix
     mixers = tuple(l for l in range(n_layers) if f"blocks.{l}.hook_attn_out" not in got)
 
     def neurons(l, s):  # a dense block's hook (MoE bridges alias hook_pre / hook_post to the block's input / output)
@@ -586,8 +645,9 @@ def mlp_spec(model) -> MlpSpec:
     if kind in ("moe", "none"):
         if kind == "none":
             notes.append("No hook holds the MLP's neuron activations (blocks.{l}.mlp.hook_post).")
+        output, scale = _moe_output(model, got, moe[0]) if kind == "moe" and in_hook else ("unknown", 1.0)
         return MlpSpec(**fields, activation=None, d_mlp=None, input_resid="resid_pre" if fields["parallel"] else "resid_mid",
-                       input_norm=None, input_norm_module=None, output="unknown", output_scale=1.0, output_norm=None,
+                       input_norm=None, input_norm_module=None, output=output, output_scale=scale, output_norm=None,
                        output_norm_module=None, notes=tuple(notes), _input_hook=in_hook)
     l = dense[0]
     pre, up, post = neurons(l, "hook_pre"), neurons(l, "hook_pre_linear"), neurons(l, "hook_post")

@@ -118,7 +118,7 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Ten
     -------
     torch.Tensor, shape (B, T, heads, d_head)
     """
-    if not spec.rotary:
+    if not spec.rotary_at(layer):  # no rotary, or a NoPE layer of a rotary model
         return x.float()
     base = spec.rotary_bases.get(int(layer), spec.rotary_base)
     if base is None or spec.rotary_dim is None:
@@ -152,7 +152,7 @@ def rotate_as_spec(x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor
     -------
     torch.Tensor, shape (B, T, heads, d_head)
     """
-    if not spec.rotary or rotated == spec.key_rotated:
+    if not spec.rotary_at(layer) or rotated == spec.key_rotated:
         return x.float()
     if positions is None:
         positions = torch.arange(x.shape[-3])
