@@ -13,7 +13,7 @@ Start with::
 """
 from analysis.model.families import FamilySpec, attention_layers, get_family, rotary_base
 from analysis.sinks.output_gates import attention_gates
-from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, model_dims
+from analysis.model.hooks import ModelContractError, act_name, model_dims
 from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
 from analysis.chain.key_manifold import first_key_manifold
 from analysis.chain.massive import massive_activations
@@ -51,7 +51,7 @@ __all__ = [
     "random_probe", "repeated_probe", "rotary_base", "run_with_reducers", "sink_metric", "sink_table",
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
-    "FamilySpec", "get_family", "attention_layers", "attention_layers_of", "attention_gates",
+    "FamilySpec", "get_family", "attention_layers", "attention_gates",
     "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "spike_origin",
     "why_first_token", "spike_cuts", "dormant_heads",
 ]

@@ -152,19 +152,19 @@ def test_fused_sink_path_on_a_hybrid(family, family_dirs, device):
 def test_explicit_non_attention_layers_fail_clearly(family_dirs):
     """The one helper: None gives the attention layers; a linear-attention layer asked for by hand is a ValueError
     that names the attention layers, in every analysis that reads attention hooks."""
-    from analysis import attention_layers_of
+    from analysis.model.hooks import check_attention_layers
     from analysis.chain.values import value_norms
     from analysis.figures.views import attention_pattern
 
     _, model = family_dirs("qwen3_next")
-    assert attention_layers_of(model) == [3] and attention_layers_of(model, layers=[3]) == [3]
+    assert check_attention_layers(model) == [3] and check_attention_layers(model, layers=[3]) == [3]
     match = r"layer 0 of this qwen3_next model is not an attention layer .*attention layers: \[3\]"
-    for call in (lambda: attention_layers_of(model, layers=[0, 1]), lambda: value_norms(model, _tokens(), layers=[0]),
+    for call in (lambda: check_attention_layers(model, layers=[0, 1]), lambda: value_norms(model, _tokens(), layers=[0]),
                  lambda: attention_pattern(model, _tokens(n=1), 0)):
         with pytest.raises(ValueError, match=match):
             call()
     with pytest.raises(ValueError, match=r"layers \[7\] out of range: this model has layers 0..3"):
-        attention_layers_of(model, layers=[7])
+        check_attention_layers(model, layers=[7])
 
 
 def test_cli_on_a_hybrid(family_dirs, tmp_path, capsys, device):

@@ -19,7 +19,7 @@ def results(planted):
     import warnings
 
     from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
-    from analysis.chain.massive import activation_map
+    from analysis.chain.activation_map import activation_map
     from analysis.chain.norm_gain import norm_gain_trace
 
     toks = planted_tokens(6, 20, seed=3)

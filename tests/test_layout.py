@@ -421,3 +421,41 @@ def test_no_import_runs_up_the_pipeline():
 def test_the_floor_checker_sees_an_upward_import():
     assert _floor("analysis.core.io") < _floor("analysis.model.hooks") < _floor("analysis.report.build")
     assert _floor("analysis") == _floor("analysis.__main__") == len(FLOORS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functions a reader can hold in mind: no body over MAX_BODY lines
+# ----------------------------------------------------------------------------------------------
+
+MAX_BODY = 60  # lines of a function's body, from its first statement after the docstring to its end
+
+
+def _long_functions(tree: ast.Module, where: str, limit: int = MAX_BODY) -> list[str]:
+    """``where:line name (n lines)`` for every function (methods and nested functions too) whose body, docstring not
+    counted, runs over ``limit`` lines."""
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = fn.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]
+        if body and (n := fn.end_lineno - body[0].lineno + 1) > limit:
+            out.append(f"{where}:{fn.lineno} {fn.name} ({n} lines)")
+    return out
+
+
+def test_the_length_checker_counts_the_body_without_its_docstring():
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    long = ast.parse(f'def long():\n    """Doc.\n\n    More.\n    """\n{body}\n')
+    short = ast.parse(f'def short():\n    """Doc.\n\n    More.\n    """\n' + "\n".join(body.splitlines()[:60]) + "\n")
+    assert _long_functions(long, "inline") == ["inline:1 long (61 lines)"] and _long_functions(short, "inline") == []
+
+
+def test_no_function_body_runs_over_sixty_lines():
+    long = []
+    for module, path in MODULES.items():
+        long += _long_functions(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
+    assert not long, (f"function bodies over {MAX_BODY} lines (docstring not counted); split them into functions "
+                      "named for what each part does:\n" + "\n".join(long))

@@ -6,7 +6,8 @@ import torch
 
 from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_ln_model, planted_nospike, planted_tokens  # noqa: F401
 
-from analysis.chain.massive import activation_map, massive_activations, massive_by_kind, spike_table
+from analysis.chain.activation_map import activation_map
+from analysis.chain.massive import massive_activations, massive_by_kind, spike_table
 
 
 @pytest.fixture(scope="module")

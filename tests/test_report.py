@@ -245,7 +245,7 @@ def test_real_model_report(smollm2, tmp_path):
     assert d["sections"]["positions"]["sinks"][0]["position"] == 0
     assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
     # Where the spike comes from: the writing MLPs, their writer neurons with their shares, the cut against random.
-    so = d["sections"]["spike_origin"]
+    so = d["sections"]["spike_writers"]
     mlps = [w for w in so["writers"] if w["component"] == "mlp"]
     assert mlps and all(sum(n["share"] for n in w["neurons"]) > 0.9 for w in mlps)
     assert so["origin"]["writing_blocks"] and so["origin"]["erasing_blocks"]

@@ -106,7 +106,7 @@ def test_every_spike_origin_figure_draws(smollm2, tokens, origin):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from analysis.figures import spike_origin as figs
+    from analysis.figures import spike_writers as figs
 
     cause = why_first_token(smollm2, tokens, origin)
     cuts = spike_cuts(smollm2, tokens, origin, roles=("erasers",), n_random=1, max_samples=2)

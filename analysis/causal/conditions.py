@@ -8,7 +8,7 @@ the first key, the previous key, themselves and the rest (``where_shares``), and
 computed once and shared (``baseline_pass``, or ``analysis.profile``), and a condition pass resumes at the last block
 before its hooks whose input the baseline kept (``Baseline.resid``).
 
-Every family: the attention is read on the attention layers only (``attention_layers_of``: a hybrid's
+Every family: the attention is read on the attention layers only (``check_attention_layers``: a hybrid's
 linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped).
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from analysis.model.hooks import act_name, attention_layers_of, check_tokens, hook_layer, kv_view, model_dims, per_query_head, skipped_note
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
+from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, per_query_head
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass, ModelFacts, model_facts
 from analysis.core.results import LayerAxis, compact_repr
-from analysis.sinks.metric import DEFAULT_EPS, SinkResult, alpha_from_pattern, check_eps
+from analysis.core.defaults import SINK_EPS
+from analysis.sinks.metric import SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
 K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
@@ -150,12 +151,14 @@ class PassAccumulator(Accumulator):
 
     needs_logits = True
 
-    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int = K_MAX, start: int = 0):
+    def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int = K_MAX, start: int = 0,
+                 facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
-        self.layers, self.skipped = [l for l in attention_layers_of(model) if l >= start], skipped_note(model)
+        self.layers, self.skipped = [l for l in facts.attention_layers if l >= start], facts.skipped
         self.pos = {l: i for i, l in enumerate(self.layers)}
         self.alpha = LayerCollector(self.layers)
-        self.where = torch.zeros(len(self.layers), model_dims(model).n_heads, 4, dtype=torch.float64)
+        self.where = torch.zeros(len(self.layers), facts.dims.n_heads, 4, dtype=torch.float64)
         self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
 
     def hooks(self):
@@ -179,7 +182,7 @@ class PassAccumulator(Accumulator):
                           self.layers, self.skipped)
 
 
-def run_condition(model, tokens, *, hooks=(), eps: float = DEFAULT_EPS, k_max: int = K_MAX,
+def run_condition(model, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
                   batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -252,8 +255,8 @@ class FirstTokenResidAccumulator(Accumulator):
         Any model with TransformerLens hook names.
     """
 
-    def __init__(self, model):
-        self.layers = list(range(model_dims(model).n_layers))
+    def __init__(self, model, *, facts: ModelFacts | None = None):
+        self.layers = list(range(model_facts(model, facts=facts).dims.n_layers))
         self.first = LayerCollector(self.layers)
 
     def hooks(self):
@@ -279,9 +282,10 @@ class ValueStatsAccumulator(Accumulator):
         Any model with TransformerLens hook names.
     """
 
-    def __init__(self, model):
-        dims = model_dims(model)
-        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, attention_layers_of(model)
+    def __init__(self, model, *, facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
+        dims = facts.dims
+        self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, list(facts.attention_layers)
         self.sums = {l: dict.fromkeys(("a1", "v1", "vj", "contrib", "z"), 0) for l in self.layers}
         self.v1 = LayerCollector(self.layers)
         self.n = 0
@@ -346,7 +350,7 @@ class Baseline:
         return compact_repr(self)  # shapes, never tensor values
 
 
-def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Accumulator]:
+def baseline_accumulators(model, T: int, *, eps: float = SINK_EPS, facts: ModelFacts | None = None) -> list[Accumulator]:
     """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
 
     Parameters
@@ -357,13 +361,17 @@ def baseline_accumulators(model, T: int, *, eps: float = DEFAULT_EPS) -> list[Ac
         The sequence length.
     eps : float
         The sink threshold.
+    facts : ModelFacts, optional
+        The model's dims, attention layers and family, read once by the pass that builds this
+        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
     list of Accumulator
     """
-    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
-            ValueStatsAccumulator(model)]
+    facts = model_facts(model, facts=facts)
+    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX, facts=facts), FirstTokenResidAccumulator(model, facts=facts),
+            ValueStatsAccumulator(model, facts=facts)]
 
 
 def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
@@ -384,7 +392,7 @@ def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
     return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
-def baseline_pass(model, tokens, *, eps: float = DEFAULT_EPS, batch_size: int | None = None) -> Baseline:
+def baseline_pass(model, tokens, *, eps: float = SINK_EPS, batch_size: int | None = None) -> Baseline:
     """One pass of the unchanged model with everything the three interventions need.
 
     Parameters

@@ -13,7 +13,7 @@ Each condition is one pass of the condition runner (``analysis.causal.conditions
 change activations, the runner measures the sink, the attention shares and the loss. Each ablation shares the
 unchanged model's pass (``analysis.causal.conditions.Baseline``: ``baseline_pass``, or ``analysis.profile``).
 
-Every family: the attention is read on the attention layers only (``attention_layers_of``: a hybrid's
+Every family: the attention is read on the attention layers only (``check_attention_layers``: a hybrid's
 linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped); the
 spike edits act on the residual stream; the first key is edited at ``hook_k`` (the linear key, before any q/k
 norm and the rotary, which is the identity at position 0); where ``hook_pattern``
@@ -29,12 +29,13 @@ import pandas as pd
 import torch
 
 from analysis.causal.conditions import K_MAX, WHERE_KEYS, Baseline, PassResult, baseline_for, run_condition
-from analysis.core.defaults import SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
+from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
 from analysis.model.families import get_family
 from analysis.model.hooks import (
     ModelContractError,
     act_name,
-    attention_layers_of,
+    check_attention_layers,
+    check_heads,
     check_layers,
     check_tokens,
     kv_view,
@@ -46,7 +47,7 @@ from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Batch
 from analysis.core.results import Result, dims_by_layer_text, layer_runs
-from analysis.sinks.metric import DEFAULT_EPS, check_eps
+from analysis.sinks.metric import check_eps
 
 # ----------------------------------------------------------------------------------------------
 # Where the ablations' condition passes resume
@@ -75,7 +76,7 @@ def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Ma
     -------
     list of int
     """
-    attn = attention_layers_of(model)
+    attn = check_attention_layers(model)
     heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
     firsts = [min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
               min((l for l, _ in heads), default=0),
@@ -236,7 +237,7 @@ def spike_ablation(
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
     min_share: float = SPIKE_MIN_SHARE,
-    eps: float = DEFAULT_EPS,
+    eps: float = SINK_EPS,
     batch_size: int | None = None,
     baseline: Baseline | None = None,
 ) -> SpikeAblation:
@@ -357,22 +358,6 @@ class ValueAblation(Result):
                          **self.tables, "text": self.text()})
 
 
-def _check_heads(model, heads) -> list[tuple[int, int]]:
-    dims = model_dims(model)
-    out = []
-    for h in heads:
-        try:
-            l, hh = (int(v) for v in h)
-        except (TypeError, ValueError):
-            raise ValueError(f"sink_heads must be (layer, head) pairs; got {h!r}.") from None
-        if not 0 <= l < dims.n_layers or not 0 <= hh < dims.n_heads:
-            raise ValueError(f"head {(l, hh)} out of range: layers 0..{dims.n_layers - 1}, heads 0..{dims.n_heads - 1}.")
-        out.append((l, hh))
-    # a hybrid's linear-attention / Mamba layer: ValueError
-    attention_layers_of(model, layers=sorted({l for l, _ in out}))
-    return sorted(set(out))
-
-
 class ValueRemoval:
     """z_t -= A[t, 1] v_1 in the chosen heads ("zero"), or z_t -= A[t, 1] (v_1 - its leave-one-out mean) ("mean").
 
@@ -487,7 +472,7 @@ def value_ablation(
     tokens,
     *,
     sink_heads: Sequence[tuple[int, int]] | None = None,
-    eps: float = DEFAULT_EPS,
+    eps: float = SINK_EPS,
     min_share: float = SINK_HEAD_MIN_SHARE,
     all_heads: bool = True,
     later: bool = True,
@@ -529,7 +514,7 @@ def value_ablation(
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
-    heads = None if sink_heads is None else _check_heads(model, sink_heads)
+    heads = None if sink_heads is None else sorted(check_heads(model, sink_heads, name="sink_heads"))
     base = baseline_for(model, tokens, baseline, eps, batch_size)
     if heads is None:
         heads = base.run.sink(getattr(model, "model_name", None)).sink_heads(k=1, min_share=min_share)
@@ -689,7 +674,7 @@ def first_key_ablation(
     abs_threshold: float = SPIKE_ABS,
     ratio_threshold: float = SPIKE_RATIO,
     min_share: float = SPIKE_MIN_SHARE,
-    eps: float = DEFAULT_EPS,
+    eps: float = SINK_EPS,
     k_max: int = K_MAX,
     batch_size: int | None = None,
     baseline: Baseline | None = None,
@@ -729,8 +714,8 @@ def first_key_ablation(
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
-    attn = attention_layers_of(model)
-    layers = (attention_layers_of(model, layers=layers) if layers is not None
+    attn = check_attention_layers(model)
+    layers = (check_attention_layers(model, layers=layers) if layers is not None
               else sorted(l for l, d in spikes.items() if d and l in attn))
     layers = [l for l in layers if spikes.get(l)]
     full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None

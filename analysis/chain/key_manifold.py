@@ -45,10 +45,10 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import SINK_MIN_ALPHA
-from analysis.model.families import get_family
 from analysis.model.hooks import (
     act_name,
-    attention_layers_of,
+    check_attention_layers,
+    check_heads,
     check_layers,
     check_tokens,
     group_reduce,
@@ -58,7 +58,7 @@ from analysis.model.hooks import (
     qk_hook_names,
 )
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result, layers_text
 from analysis.model.rotary import rotate_as_spec
 from analysis.sinks.metric import alpha_from_pattern
@@ -441,11 +441,12 @@ class KeyManifoldAccumulator(Accumulator):
     keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
 
     def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, *, rotated: bool = True,
-                 scatter_layers=(), kind: str | None = None):
-        dims = model_dims(model)
+                 scatter_layers=(), kind: str | None = None, facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
+        dims = facts.dims
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
         self.n_components, self.scatter, self.rotated = n_components, scatter, rotated
-        self.spec = get_family(model)
+        self.spec = facts.family
         self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
         self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
         self.every_head = self.heads == list(range(self.K))  # no head selection to copy out
@@ -631,7 +632,7 @@ def _dot_cumulative(qn: torch.Tensor, cum: torch.Tensor, H: int) -> torch.Tensor
     return torch.bmm(left, right).flatten()
 
 
-def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int, int]], bool]:
+def _check_kv_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int, int]], bool]:
     """KV heads to analyse, explicit scatter pairs, and whether the scatter heads are picked automatically."""
     dims = model_dims(model)
     n_kv = dims.n_kv_heads
@@ -643,12 +644,7 @@ def _check_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[int
     auto = isinstance(scatter_heads, str)
     if auto and scatter_heads != "auto":
         raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
-    explicit = [] if (auto or not scatter_heads) else [(int(l), int(h)) for l, h in scatter_heads]
-    if explicit:
-        attention_layers_of(model, layers=check_layers(model, [l for l, _ in explicit]))
-        bad = [h for _, h in explicit if not 0 <= h < n_kv]
-        if bad:
-            raise ValueError(f"scatter KV heads {bad} out of range: this model has KV heads 0..{n_kv - 1}.")
+    explicit = [] if (auto or not scatter_heads) else check_heads(model, scatter_heads, kv=True, name="scatter_heads")
     return heads, explicit, auto
 
 
@@ -664,7 +660,8 @@ def _check_sizes(N: int, T: int, n_components) -> None:
 
 
 def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
-                             scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
+                             scatter_heads="auto", rotated: bool = True, kind: str | None = None,
+                             facts: ModelFacts | None = None) -> KeyManifoldAccumulator:
     """Check the arguments of :func:`first_key_manifold` and build its accumulator.
 
     Parameters
@@ -690,19 +687,24 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
         Keys and queries after the rotary embedding (default), or before it (False).
     kind : str, optional
         The input kind, a label ("natural", "random").
+    facts : ModelFacts, optional
+        The model's dims, attention layers and family, read once by the pass that builds this
+        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
     KeyManifoldAccumulator
     """
-    dims = model_dims(model)
-    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
+    facts = model_facts(model, facts=facts)
+    dims = facts.dims
+    layers = (list(facts.attention_layers) if layers is None
+              else check_attention_layers(model, layers=check_layers(model, layers)))
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
-    heads, explicit, auto = _check_heads(model, heads, scatter_heads)
+    heads, explicit, auto = _check_kv_heads(model, heads, scatter_heads)
     return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated,
-                                  scatter_layers=[l for l, _ in explicit], kind=kind)
+                                  scatter_layers=[l for l, _ in explicit], kind=kind, facts=facts)
 
 
 def first_key_manifold(

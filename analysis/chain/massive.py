@@ -31,8 +31,8 @@ import torch
 
 from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
 from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
-from analysis.engine.passes import Accumulator, Batch, Capture, LayerCollector, run_pass
-from analysis.core.results import Result, compact_repr, layer_runs
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
+from analysis.core.results import Result, layer_runs
 from analysis.core.stats import flat_above, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -459,7 +459,8 @@ def spike_criterion(model) -> tuple[float, float]:
 
 def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
                         ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
-                        median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
+                        median_over: str = "sequence", kind: str | None = None,
+                        facts: ModelFacts | None = None) -> MassiveAccumulator:
     """Check the arguments of :func:`massive_activations` and build its accumulator.
 
     Parameters
@@ -484,6 +485,9 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
         whole vector is large, as in SmolLM2).
     kind : str, optional
         The input kind, a label ("natural", "random").
+    facts : ModelFacts, optional
+        The model's dims, attention layers and family, read once by the pass that builds this
+        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
@@ -491,11 +495,12 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
     """
     if median_over not in ("sequence", "token"):
         raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
-    layers = check_layers(model, layers)
+    facts = model_facts(model, facts=facts)
+    layers = list(range(facts.dims.n_layers)) if layers is None else check_layers(model, layers)
     if not layers:
         raise ValueError("layers is empty: give at least one layer (None means all).")
     resid_hook(layers[0], hook=hook)
-    D = model_dims(model).d_model
+    D = facts.dims.d_model
     if D is None:
         raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
     _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
@@ -672,67 +677,3 @@ def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
             rows.append({"kind": kind, "dim": d.dim, "layers": d.layers, "first_token_share": d.first_token_share,
                          "peak_first_token": d.first_token_mean, "n_other_positions": d.n_other_positions})
     return pd.DataFrame(rows)
-
-
-@dataclass
-class ActivationMap:
-    """|h| over (positions x dims) at one layer for one sequence.
-
-    Attributes
-    ----------
-    layer : int
-        The block.
-    hook : str
-        The residual stream read.
-    values : torch.Tensor, shape (T, D)
-        |h| per position and dimension.
-    tokens : list of str, length T
-        The decoded tokens.
-    """
-
-    layer: int
-    hook: str
-    values: torch.Tensor  # (T, D) |h|
-    tokens: list[str]
-
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
-
-    def top(self, k: int = 5) -> pd.DataFrame:
-        v, idx = self.values.flatten().topk(min(k, self.values.numel()))
-        D = self.values.shape[1]
-        return pd.DataFrame({"position": (idx // D).tolist(), "dim": (idx % D).tolist(),
-                             "token": [self.tokens[i] for i in (idx // D).tolist()], "abs": v.tolist()})
-
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "hook": self.hook, "top": self.top().to_dict("records")}
-
-
-def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
-    """|h| over (positions x dims) at one layer for one sequence.
-
-    Parameters
-    ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
-    layer : int
-        The block.
-    sample : int
-        The sequence, ``tokens[sample]``.
-    hook : {"resid_post", "resid_pre", "resid_mid"}
-        The residual stream read.
-
-    Returns
-    -------
-    ActivationMap
-        ``values`` of shape (T, D).
-    """
-    tokens = check_tokens(model, tokens)
-    (layer,) = check_layers(model, [layer])
-    if not 0 <= int(sample) < tokens.shape[0]:
-        raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
-    seq = tokens[int(sample)][None]
-    h = run_pass(model, seq, [Capture(resid_hook(layer, hook=hook), layer, lambda x: x.abs())])[0][0]
-    return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))

@@ -37,7 +37,7 @@ import torch
 
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
 from analysis.model.families import get_family, sink_logits
-from analysis.model.hooks import act_name, check_layers, check_tokens, hook_names, kv_view, model_dims
+from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
 from analysis.core.io import jsonable
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
@@ -82,14 +82,6 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     torch.Tensor, shape (...)
     """
     return cap * torch.tanh(x / cap) if cap else x
-
-
-def _check_dims(dims: Sequence[int] | None, D: int) -> list[int]:
-    dims = sorted({int(d) for d in dims})
-    bad = [d for d in dims if not 0 <= d < D]
-    if bad:
-        raise ValueError(f"spike_dims {bad} out of range: d_model is {D}, dims lie in 0..{D - 1}.")
-    return dims
 
 
 def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -754,7 +746,7 @@ def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_thr
         spike_dims = first_token_spike_dims(model, tokens, hook="resid_pre", layers=[layer],
                                             abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
                                             min_share=min_share).get(layer, [])
-    S = _check_dims(spike_dims, path.W_K.shape[1])
+    S = check_dims(spike_dims, path.W_K.shape[1], name="spike_dims")
     message = _spike_message(model, layer, S, found, abs_threshold, ratio_threshold, min_share)
     if not S:
         warnings.warn(message, stacklevel=3)

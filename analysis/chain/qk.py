@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from analysis.model.families import get_family
-from analysis.model.hooks import attention_layers_of, check_layers, check_tokens, model_dims, per_query_head, qk_hook_names
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, per_query_head, qk_hook_names
+from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy, unit_vectors
@@ -170,10 +169,12 @@ class QKAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, *, layers=None, kind: str | None = None):
-        self.model, self.layers, self.kind = model, attention_layers_of(model, layers=layers), kind
-        self.spec = get_family(model)
-        self.H = model_dims(model).n_heads
+    def __init__(self, model, *, layers=None, kind: str | None = None, facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
+        layers = list(facts.attention_layers) if layers is None else check_attention_layers(model, layers=layers)
+        self.model, self.layers, self.kind = model, layers, kind
+        self.spec = facts.family
+        self.H = facts.dims.n_heads
         L = len(self.layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.sums = {name: torch.zeros(L, self.H, dtype=torch.float64) for name in _STATS}
@@ -251,7 +252,7 @@ def qk_angles(model, tokens, *, layers=None, batch_size: int | None = None, kind
     QKAngles
         Statistics of shape (L, H).
     """
-    layers = attention_layers_of(model, layers=None if layers is None else check_layers(model, layers))
+    layers = check_attention_layers(model, layers=None if layers is None else check_layers(model, layers))
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")

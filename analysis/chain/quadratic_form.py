@@ -22,11 +22,11 @@ import torch
 
 from analysis.core.defaults import RANK_ONE_COS, RANK_ONE_ENERGY, TINY
 from analysis.core.io import jsonable
-from analysis.core.results import compact_repr
+from analysis.core.results import Result, compact_repr
 
 
 @dataclass
-class QuadraticForm:
+class QuadraticForm(Result):
     """The spectrum of S_d for one (dimension, block) and how the first token's MLP input meets it.
 
     Attributes
@@ -46,6 +46,10 @@ class QuadraticForm:
         The top eigenvalue's share of sum(lambda^2) above which the form is dominated by one direction.
     cos_threshold : float
         The |cos| with the first token's input above which that direction is aligned with it.
+    n_samples : int
+        N, the samples of the first token's MLP input.
+    model_name, kind : str or None
+        The model measured and the input kind (the result protocol).
     """
 
     dim: int
@@ -57,6 +61,13 @@ class QuadraticForm:
     write: float
     energy_threshold: float = RANK_ONE_ENERGY
     cos_threshold: float = RANK_ONE_COS
+    n_samples: int = 0
+    model_name: str | None = None
+    kind: str | None = None
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"top": self.table}
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
@@ -118,9 +129,6 @@ class QuadraticForm:
                        "direction.")
         return [head, verdict]
 
-    def text(self) -> str:
-        return " ".join(self.findings())
-
     def to_dict(self) -> dict:
         return jsonable({"dim": self.dim, "block": self.block, "rank_one": self.rank_one, "dominated": self.dominated,
                          "aligned": self.aligned, "top": self.table, "linearised_write": self.linearised_write,
@@ -178,4 +186,5 @@ def quadratic_form(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tens
     cos = (proj.abs() / xd.norm(dim=-1, keepdim=True).clamp_min(TINY)).mean(0)
     form = ((xd @ S) * xd).sum(-1)  # (N,)
     share = (lam[:k] * proj**2 / form[:, None].where(form[:, None].abs() > TINY, torch.full_like(form[:, None], TINY))).mean(0)
-    return QuadraticForm(int(dim), int(block), lam.float(), cos.float(), share.float(), float(form.mean()), float(write))
+    return QuadraticForm(int(dim), int(block), lam.float(), cos.float(), share.float(), float(form.mean()), float(write),
+                         n_samples=int(x.shape[0]))

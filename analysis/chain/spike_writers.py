@@ -25,6 +25,9 @@ From that trace, for each spike dimension (the first token's spike dims ``analys
   (:class:`ExpertWrites`);
 - for each writing gated MLP, the quadratic-form view of the notes (``analysis.chain.quadratic_form``).
 
+The pass itself lives in ``analysis.chain.first_token_trace``, the neurons and experts inside one MLP in
+``analysis.chain.mlp_neurons``; this module names the writing and erasing blocks and assembles the result.
+
 Where the first token's spike is already in its embedding (the project's 1-layer reference models: BOS is a token of
 its own) the embedding is the writer and no neuron is named. Without a spike there is nothing to trace, and the
 result says so.
@@ -37,496 +40,18 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from analysis.core.defaults import NEURON_SHARES, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_WRITE_FLOOR, SPIKE_WRITE_SHARE, TINY
-from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_input, mlp_weights, norm_weights
-from analysis.model.hooks import act_name, check_tokens, model_dims
+from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_WRITE_FLOOR, SPIKE_WRITE_SHARE, TINY
+from analysis.model.mlp_spec import get_mlp, mlp_weights
+from analysis.model.hooks import check_dims, check_tokens, model_dims
 from analysis.core.io import jsonable
 from analysis.chain.massive import massive_accumulator
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
-from analysis.model.key_path import NormParams
+from analysis.engine.passes import run_pass
 from analysis.chain.quadratic_form import quadratic_form
-from analysis.core.results import Result, compact_repr
-from analysis.core.stats import one_thread
+from analysis.core.results import Result
+from analysis.chain.first_token_trace import FirstTokenTrace, SpikeOriginAccumulator
+from analysis.chain.mlp_neurons import ExpertWrites, MlpNeurons, mlp_neurons, moe_experts
 
 ROLES = ("writer", "eraser")  # the roles whose MLPs' neurons are resolved ("amplifier": adds to an embedding spike)
-_NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
-
-# ----------------------------------------------------------------------------------------------
-# The streamed pass: the first token's stream, writes and neurons
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FirstTokenTrace:
-    """What :class:`SpikeOriginAccumulator` keeps from one pass (first token: per sample; other tokens: means).
-
-    Attributes
-    ----------
-    resid : torch.Tensor, shape (N, L + 1, d_model)
-        The first token's residual stream entering each block (``hook_resid_pre``); index L: after the last block.
-    attn, mlp : torch.Tensor, shape (N, L, d_model)
-        Each block's token-mixer write (``hook_attn_out``; ``hook_resid_mid - hook_resid_pre`` for Mamba / linear
-        attention) and MLP write (``hook_mlp_out``) on the first token.
-    other_resid, other_resid_max : torch.Tensor, shape (L + 1, d_model)
-        Mean over samples of the mean (and of the largest |value|) over the other tokens of the stream.
-    other_attn, other_mlp : torch.Tensor, shape (L, d_model)
-        Mean writes on the other tokens.
-    mlp_in : dict[int, torch.Tensor]
-        Block -> the first token's MLP input x (N, d_model).
-    act_first : dict[int, torch.Tensor]
-        Dense block -> the first token's neuron activations (N, d_mlp).
-    act_other, act_other_max, gate_first, gate_other, up_first, up_other : dict[int, torch.Tensor]
-        Dense block -> (d_mlp,): mean activation on the other tokens, mean over samples of its largest |value| there;
-        mean gate and up pre-activations (gated MLPs; up holds a plain MLP's pre-activation) on the first token and
-        on the other tokens.
-    first_ids : torch.Tensor, shape (N,)
-        The first token of each sequence.
-    T : int
-        The sequence length.
-    dtype : str
-        The model's dtype ("float32", "bfloat16" ...): the stream is rounded to it after every write, so the writes
-        add up to the stream to its precision only (:meth:`bookkeeping_tolerance`).
-    """
-
-    resid: torch.Tensor
-    attn: torch.Tensor
-    mlp: torch.Tensor
-    other_resid: torch.Tensor
-    other_resid_max: torch.Tensor
-    other_attn: torch.Tensor
-    other_mlp: torch.Tensor
-    mlp_in: dict
-    act_first: dict
-    act_other: dict
-    act_other_max: dict
-    gate_first: dict
-    gate_other: dict
-    up_first: dict
-    up_other: dict
-    first_ids: torch.Tensor
-    T: int
-    dtype: str = "float32"
-
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
-
-    @property
-    def n_samples(self) -> int:
-        return int(self.resid.shape[0])
-
-    @property
-    def n_layers(self) -> int:
-        return int(self.attn.shape[1])
-
-    def bookkeeping(self, dim: int) -> tuple[float, float]:
-        """(largest |embedding + writes - value| over samples and blocks, that over the largest |value|) on ``dim``."""
-        v = self.resid[:, :, dim].double()
-        rebuilt = torch.cat([v[:, :1], v[:, :1] + (self.attn[:, :, dim].double() + self.mlp[:, :, dim].double()).cumsum(1)], 1)
-        err = float((rebuilt - v).abs().max())
-        return err, err / max(float(v.abs().max()), TINY)
-
-    def bookkeeping_tolerance(self) -> float:
-        """The largest relative error of :meth:`bookkeeping` that still adds up: 1e-4 in float32, 8 rounding units
-        of a bf16 / fp16 stream (0.0625 in bf16; SmolLM2 measures ~0.01 there, against 1e-7 in float32)."""
-        return max(1e-4, 8 * torch.finfo(getattr(torch, self.dtype)).eps)
-
-
-class SpikeOriginAccumulator(Accumulator):
-    """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
-
-    Parameters
-    ----------
-    model
-        Any model with TransformerLens hook names.
-    kind : str, optional
-        The input kind, a label.
-    """
-
-    def __init__(self, model, *, kind: str | None = None):
-        self.model, self.kind = model, kind
-        self.spec = get_mlp(model)
-        self.L, self.D = model_dims(model).n_layers, int(model_dims(model).d_model)
-        self.neuron_layers = [l for l in range(self.L) if self.spec.has_neurons(l)]
-        self.first = LayerCollector(list(range(self.L)))  # (N, L, 3, D): resid, attn, mlp of the first token
-        self.x = LayerCollector(list(range(self.L)))  # (N, L, D): the MLP input
-        self.acts = LayerCollector(self.neuron_layers)  # (N, L', M)
-        L, D = self.L, self.D
-        self.sums = {k: torch.zeros(L + (k.startswith("resid")), D, dtype=torch.float64)
-                     for k in ("resid", "resid_max", "attn", "mlp")}
-        self.neuron_sums: dict[int, dict[str, torch.Tensor]] = {}
-        self.post: list[torch.Tensor] = []
-        self.ids: list[torch.Tensor] = []
-        self.n, self.T = 0, 0
-
-    def hooks(self):
-        out = {}
-        for l in range(self.L):
-            h = {"pre": act_name("resid_pre", l), "mlp": act_name("mlp_out", l)}
-            attn = self.spec.attn_write_hook(l)
-            h.update({"attn": attn} if attn else {"mid": act_name("resid_mid", l)})
-            if self.spec._input_hook:
-                h["x"] = self.spec._input_hook.format(layer=l)
-            else:
-                h["h"] = act_name(self.spec.input_resid, l)
-            if l in self.neuron_layers:
-                h["act"], h["up"] = self.spec.neuron_hook(l), self.spec.up_hook(l)
-                if self.spec.kind == "gated":
-                    h["gate"] = self.spec.gate_hook(l)
-            if l == self.L - 1:
-                h["post"] = act_name("resid_post", l)
-            out[l] = h
-        return out
-
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        pre = acts["pre"].detach().float()
-        attn = acts["attn"].float() if "attn" in acts else acts["mid"].float() - pre
-        mlp = acts["mlp"].detach().float()
-        self.first.put(layer, torch.stack([pre[:, 0], attn[:, 0], mlp[:, 0]], 1))
-        self._other("resid", layer, pre)
-        self._other("attn", layer, attn)
-        self._other("mlp", layer, mlp)
-        x = acts["x"][:, 0] if "x" in acts else mlp_input(self.model, layer, acts["h"][:, :1])[:, 0]
-        self.x.put(layer, x.float().clone())  # a copy: a view would keep the layer's whole (B, T, D) input alive
-        if layer in self.neuron_layers:
-            self._neurons(layer, acts)
-        if "post" in acts:
-            post = acts["post"].detach().float()
-            self.post.append(post[:, 0].clone().cpu())
-            self._other("resid", self.L, post)
-
-    def _other(self, key: str, i: int, x: torch.Tensor) -> None:
-        """Sums over samples of the mean (and, for the stream, the largest |value|) over positions t > 0."""
-        if x.shape[1] < 2:
-            return
-        rest = x[:, 1:]
-        self.sums[key][i] += rest.mean(1).double().sum(0).cpu()
-        if key == "resid":
-            self.sums["resid_max"][i] += rest.abs().amax(1).double().sum(0).cpu()
-
-    def _neurons(self, layer: int, acts: dict) -> None:
-        a = acts["act"].detach().float()
-        self.acts.put(layer, a[:, 0].clone())
-        s = self.neuron_sums.setdefault(layer, {})
-        rest = a[:, 1:]
-        parts = {"act_other": rest.sum((0, 1)), "act_other_max": rest.abs().amax(1).sum(0) if rest.shape[1] else rest.sum((0, 1)),
-                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum((0, 1))}
-        if "gate" in acts:
-            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum((0, 1))}
-        for k, v in parts.items():
-            s[k] = s.get(k, 0) + v.double().cpu()
-
-    def end_batch(self, batch: Batch, logits) -> None:
-        self.first.end_batch()
-        self.x.end_batch()
-        if self.neuron_layers:
-            self.acts.end_batch()
-        self.ids.append(batch.tokens[:, 0].cpu())
-        self.n += batch.size
-        self.T = batch.tokens.shape[1]
-
-    def result(self) -> FirstTokenTrace:
-        first = self.first.result()  # (N, L, 3, D)
-        n, n_other = max(self.n, 1), max(self.n * (self.T - 1), 1)
-        nan = float("nan") if self.T < 2 else None
-        mean = {k: (v / n).float() if nan is None else torch.full_like(v, nan).float() for k, v in self.sums.items()}
-        acts = self.acts.result() if self.neuron_layers else None
-        per = {k: {} for k in ("act_other", "act_other_max", "gate_first", "gate_other", "up_first", "up_other")}
-        for l, s in self.neuron_sums.items():
-            for k, v in s.items():
-                per[k][l] = (v / (n_other if k.endswith("_other") else n)).float()
-        resid = torch.cat([first[:, :, 0], torch.cat(self.post)[:, None]], 1)
-        x = self.x.result()
-        return FirstTokenTrace(
-            resid=resid, attn=first[:, :, 1], mlp=first[:, :, 2], other_resid=mean["resid"], other_resid_max=mean["resid_max"],
-            other_attn=mean["attn"], other_mlp=mean["mlp"], mlp_in={l: x[:, l] for l in range(self.L)},
-            act_first={l: acts[:, i] for i, l in enumerate(self.neuron_layers)} if acts is not None else {},
-            **per, first_ids=torch.cat(self.ids), T=self.T,
-            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
-
-
-# ----------------------------------------------------------------------------------------------
-# Inside one MLP: neurons (dense) or experts (mixture of experts)
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MlpNeurons:
-    """The neurons of one dense MLP on one spike dimension, first token.
-
-    Attributes
-    ----------
-    dim, block : int
-    role : str
-        "writer" or "eraser".
-    contributions : torch.Tensor, shape (N, d_mlp)
-        Each neuron's contribution to the MLP's write on ``dim`` per sample: output factor x a_n x W_out[d, n].
-    constant : torch.Tensor, shape (N,)
-        What the MLP writes on ``dim`` besides its neurons (output factor x b_out[d], a post-norm's bias).
-    write : torch.Tensor, shape (N,)
-        The MLP's write on ``dim`` (``hook_mlp_out``), first token.
-    w_out : torch.Tensor, shape (d_mlp,)
-        W_out[d, :] as it reaches the residual (centred over d_model for a LayerNorm post-norm).
-    act_first, act_other, act_other_max, gate_first, gate_other, up_first, up_other : torch.Tensor, shape (d_mlp,)
-        Mean neuron activation on the first token and on the other tokens (and its largest |value| there), and the
-        gate and up pre-activations (gated MLPs; ``up_*`` is a plain MLP's pre-activation, ``gate_*`` then None).
-    output : str
-        How the MLP's output reaches the stream ("add", "scaled", "post_norm").
-    """
-
-    dim: int
-    block: int
-    role: str
-    contributions: torch.Tensor
-    constant: torch.Tensor
-    write: torch.Tensor
-    w_out: torch.Tensor
-    act_first: torch.Tensor
-    act_other: torch.Tensor
-    act_other_max: torch.Tensor
-    gate_first: torch.Tensor | None
-    gate_other: torch.Tensor | None
-    up_first: torch.Tensor
-    up_other: torch.Tensor
-    output: str = "add"
-
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
-
-    @property
-    def mean_write(self) -> float:
-        return float(self.write.mean())
-
-    @property
-    def mean_contributions(self) -> torch.Tensor:
-        return self.contributions.mean(0)
-
-    @property
-    def order(self) -> torch.Tensor:
-        """Neurons by decreasing contribution in the direction of the write."""
-        return (self.mean_contributions * (1.0 if self.mean_write >= 0 else -1.0)).argsort(descending=True)
-
-    def neurons(self, share: float = NEURON_SHARES[0]) -> list[int]:
-        """The fewest neurons whose mean contributions carry ``share`` of the MLP's mean write on ``dim`` (all of
-        them, in order, if even every neuron pushing the same way does not reach it)."""
-        sign = 1.0 if self.mean_write >= 0 else -1.0
-        c = self.mean_contributions[self.order].double() * sign
-        target = share * abs(self.mean_write - float(self.constant.mean()))
-        reached = (c.cumsum(0) >= target).nonzero()
-        k = int(reached[0]) + 1 if len(reached) else int((c > 0).sum())
-        return self.order[: max(k, 1)].tolist()
-
-    def sample_share(self, share: float = NEURON_SHARES[0]) -> torch.Tensor:
-        """(N,) the share of each sample's neuron write the ``neurons(share)`` set carries."""
-        idx = torch.tensor(self.neurons(share))
-        total = self.contributions.sum(1)
-        return self.contributions[:, idx].sum(1) / total.where(total.abs() > TINY, torch.full_like(total, TINY))
-
-    @property
-    def sum_error(self) -> float:
-        """Largest |sum of the neurons' contributions + constant - the MLP's write| over samples."""
-        return float((self.contributions.double().sum(1) + self.constant.double() - self.write.double()).abs().max())
-
-    def table(self, share: float = NEURON_SHARES[-1], max_rows: int = 20) -> pd.DataFrame:
-        """One row per neuron of the ``share`` set (at most ``max_rows``): contribution, its share of the write and the
-        cumulative share, activation, gate and up factors on the first token against the other tokens."""
-        idx = self.neurons(share)[:max_rows]
-        c = self.mean_contributions
-        base = self.mean_write - float(self.constant.mean())
-        rows = []
-        cum = 0.0
-        for n in idx:
-            cum += float(c[n]) / base if base else float("nan")
-            row = {"dim": self.dim, "block": self.block, "role": self.role, "neuron": n, "contribution": float(c[n]),
-                   "share": float(c[n]) / base if base else float("nan"), "cum_share": cum, "w_out": float(self.w_out[n]),
-                   "act_first": float(self.act_first[n]), "act_other": float(self.act_other[n]),
-                   "act_other_max": float(self.act_other_max[n])}
-            if self.gate_first is not None:
-                row |= {"gate_first": float(self.gate_first[n]), "gate_other": float(self.gate_other[n])}
-            row |= {"up_first": float(self.up_first[n]), "up_other": float(self.up_other[n])}
-            rows.append(row)
-        return pd.DataFrame(rows)
-
-    def findings(self) -> list[str]:
-        """How few neurons carry the write, then how its largest neuron fires on the first token and elsewhere."""
-        lo, hi = NEURON_SHARES[0], NEURON_SHARES[-1]
-        n_lo, n_hi = self.neurons(lo), self.neurons(hi)
-        t = self.table(lo, max_rows=3)
-        per = self.sample_share(lo)
-        top = ", ".join(f"{int(r.neuron)} ({r.share:.0%})" for r in t.itertuples())
-        what = "writes" if self.role == "writer" else "erases"
-        s = (f"Inside MLP {self.block}, which {what} {self.mean_write:+.4g} on dim {self.dim}, {len(n_lo)} of "
-             f"{self.contributions.shape[1]} neurons carry {lo:.0%} of it and {len(n_hi)} carry {hi:.0%} (the largest: "
-             f"{top}); over samples that set carries {float(per.min()):.0%}-{float(per.max()):.0%} of the neuron write.")
-        r = t.iloc[0] if len(t) else None
-        if r is None:
-            return [s]
-        if self.gate_first is not None:
-            fires = (f"Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate "
-                     f"{r.gate_first:+.3g}, up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on "
-                     f"average over the other tokens, |largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up "
-                     f"{r.up_other:+.3g}).")
-        else:
-            fires = (f"Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
-                     f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
-                     f"{r.act_other_max:.3g}).")
-        return [s, fires]
-
-    def text(self) -> str:
-        return " ".join(self.findings())
-
-    def to_dict(self) -> dict:
-        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.mean_write,
-                         "write_spread": [float(self.write.min()), float(self.write.max())],
-                         "constant": float(self.constant.mean()), "output": self.output,
-                         **{f"neurons_{round(s * 100)}": self.neurons(s) for s in NEURON_SHARES},
-                         **{f"n_{round(s * 100)}": len(self.neurons(s)) for s in NEURON_SHARES},
-                         "sample_share_90": self.sample_share(NEURON_SHARES[0]), "sum_error": self.sum_error,
-                         "top": self.table(), "text": self.text()})
-
-
-@dataclass
-class ExpertWrites:
-    """Which experts of a mixture-of-experts block write on one spike dimension, first token.
-
-    Attributes
-    ----------
-    dim : int
-        The spike dimension.
-    block : int
-        The mixture-of-experts block.
-    role : str
-        "writer", "eraser" or "amplifier".
-    table : pandas.DataFrame
-        One row per expert (the share of samples it was routed on, its mean write there and over all samples), a row
-        "rest" for what the block adds beyond its routed experts (a shared expert), and a row "unaccounted" where the
-        block's write is not what its modules make (a hook on its output).
-    write : float
-        The block's mean write on ``dim``, first token.
-    """
-
-    dim: int
-    block: int
-    role: str
-    table: pd.DataFrame
-    write: float
-
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
-
-    def findings(self) -> list[str]:
-        t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values("mean_write", key=abs, ascending=False)
-        rest = float(self.table.loc[self.table.expert == "rest", "mean_write"].sum())
-        left = self.table.loc[self.table.expert == "unaccounted", "mean_write"]
-        top = ", ".join(f"expert {r.expert} ({r.mean_write:+.4g}, routed on {r.routed_share:.0%} of samples)"
-                        for r in t.head(3).itertuples())
-        s = (f"MLP {self.block} is a mixture of experts, whose neurons no hook holds (so no neuron is named): of its "
-             f"{self.write:+.4g} on dim {self.dim}, the routed experts write {top or 'nothing'}, and the rest of the block "
-             f"(a shared expert) {rest:+.4g}.")
-        out = [s]
-        if len(left):
-            out.append(f"{float(left.iloc[0]):+.4g} of it is made by none of the block's modules (a hook on the block's "
-                       "output adds it).")
-        return out
-
-    def text(self) -> str:
-        return " ".join(self.findings())
-
-    def to_dict(self) -> dict:
-        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.write,
-                         "experts": self.table, "text": self.text()})
-
-
-def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
-    """(factor (N,), w_out (d_mlp,), constant (N,)): how neuron n's a_n reaches the stream on ``dim``, with the
-    output norm's scale held at its value for each sample (exact for the write: sum_n factor a_n w_out[n] +
-    constant = the MLP's write)."""
-    spec = get_mlp(model)
-    b = W.b_out if W.b_out is not None else torch.zeros(W.W_out.shape[0])
-    if spec.output != "post_norm":
-        k = torch.full((act.shape[0],), float(spec.output_scale))
-        return k, W.W_out[dim], k * float(b[dim])
-    mod = block_norm(model, block, spec.output_norm_module)
-    w, nb = norm_weights(mod)
-    ns = spec.output_norm
-    norm = NormParams(_NORM_KINDS.get(ns.kind, "RMS"), w, nb, ns.eps, ns.gain_offset)
-    proj = act @ W.W_out.T + b  # (N, D)
-    k = (norm.scale(proj)[:, 0] * norm.gain[dim]).float()
-    centre = (lambda v: v - v.mean(0, keepdim=True)) if norm.kind == "LN" else (lambda v: v)
-    w_out, bc = centre(W.W_out)[dim], centre(b[:, None])[dim, 0]
-    const = k * float(bc) + (float(nb[dim]) if nb is not None else 0.0)
-    return k, w_out, const
-
-
-def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
-    """The neurons of a block's dense MLP on one spike dimension, from the trace of a pass.
-
-    Parameters
-    ----------
-    model
-        The model the trace was measured on.
-    trace : FirstTokenTrace
-        The reduced pass.
-    dim : int
-        The spike dimension.
-    block : int
-        The MLP block.
-    role : {"writer", "eraser", "amplifier"}
-        What the block does to the spike (a label).
-
-    Returns
-    -------
-    MlpNeurons
-    """
-    spec = get_mlp(model)
-    W = mlp_weights(model, block)
-    a = trace.act_first[block]
-    k, w_out, const = _out_factor(model, block, W, a, dim)
-    contrib = k[:, None] * a * w_out[None]
-    gated = spec.kind == "gated"
-    return MlpNeurons(dim, block, role, contrib, const, trace.mlp[:, block, dim], w_out * k.mean(), a.mean(0),
-                      trace.act_other[block], trace.act_other_max[block], trace.gate_first.get(block) if gated else None,
-                      trace.gate_other.get(block) if gated else None, trace.up_first[block], trace.up_other[block],
-                      spec.output)
-
-
-def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
-    """Which routed experts of a mixture-of-experts block write on one spike dimension for the first token.
-
-    Parameters
-    ----------
-    model
-        The model the trace was measured on.
-    trace : FirstTokenTrace
-        The reduced pass.
-    dim : int
-        The spike dimension.
-    block : int
-        The MLP block.
-    role : {"writer", "eraser", "amplifier"}
-        What the block does to the spike (a label).
-
-    Returns
-    -------
-    ExpertWrites
-    """
-    idx, slots, rest = expert_writes(model, block, trace.mlp_in[block])
-    N = idx.shape[0]
-    rows = []
-    for e in sorted(set(idx.flatten().tolist())):
-        on = idx == e  # (N, k)
-        w = (slots[..., dim] * on).sum(1)  # (N,)
-        routed = on.any(1)
-        rows.append({"expert": str(e), "routed_share": float(routed.float().mean()),
-                     "write_when_routed": float(w[routed].mean()), "mean_write": float(w.mean())})
-    rows.append({"expert": "rest", "routed_share": 1.0, "write_when_routed": float(rest[:, dim].mean()),
-                 "mean_write": float(rest[:, dim].mean())})
-    write = trace.mlp[:N, block, dim]
-    left = write - (slots[..., dim].sum(1) + rest[:, dim])  # what the block's modules do not make (a hook on its output)
-    if float(left.abs().max()) > 1e-3 * max(float(write.abs().max()), 1.0):
-        rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": float(left.mean()),
-                     "mean_write": float(left.mean())})
-    return ExpertWrites(dim, block, role, pd.DataFrame(rows), float(write.mean()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -801,14 +326,6 @@ def find_writes(trace: FirstTokenTrace, dim: int, *, parallel: bool = False, mix
     return pd.DataFrame(rows, columns=_WRITE_COLS)
 
 
-def _check_dims(dims, D: int) -> list[int]:
-    dims = sorted({int(d) for d in dims})
-    bad = [d for d in dims if not 0 <= d < D]
-    if bad:
-        raise ValueError(f"dims {bad} out of range: d_model is {D}; give residual dimensions in [0, {D}).")
-    return dims
-
-
 def _check_blocks(blocks, L: int) -> list[int] | None:
     if blocks is None:
         return None
@@ -855,7 +372,7 @@ def origin_from(model, trace: FirstTokenTrace, *, dims: Sequence[int] | None = N
             raise ValueError("give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
                              "(massive=MassiveActivations) to find them.")
         dims = sorted({d for ds in massive.first_token_dims.values() for d in ds})
-    dims = _check_dims(dims, D)
+    dims = check_dims(dims, D)
     if min_write is None:
         min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
     name = getattr(model, "model_name", None)
@@ -900,8 +417,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
         out.neurons.append(n)
         if role == "writer" and spec.kind == "gated":
             W = mlp_weights(model, block)
-            k, w_out, _ = _out_factor(model, block, W, tr.act_first[block], dim)
-            out.quadratic.append(quadratic_form(w_out * k.mean(), W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block,
+            out.quadratic.append(quadratic_form(n.w_out, W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block,
                                                 write=n.mean_write))
         elif role == "writer":
             out.notes.append(f"MLP {block} is a plain ({spec.activation}) MLP: each neuron is act(w_in . x), not a product "
@@ -966,7 +482,7 @@ def spike_origin(
     tokens = check_tokens(model, tokens)
     D, L = int(model_dims(model).d_model), model_dims(model).n_layers
     if dims is not None:
-        dims = _check_dims(dims, D)
+        dims = check_dims(dims, D)
     _check_blocks(blocks, L)
     if not 0 < float(share) <= 1:
         raise ValueError(f"share must lie in (0, 1]; got {share}.")

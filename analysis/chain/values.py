@@ -24,7 +24,7 @@ import torch
 from analysis.core.defaults import SINK_MIN_ALPHA, TINY
 from analysis.model.hooks import (
     act_name,
-    attention_layers_of,
+    check_attention_layers,
     check_tokens,
     group_reduce,
     kv_view,
@@ -33,7 +33,7 @@ from analysis.model.hooks import (
     skipped_note,
 )
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 from analysis.sinks.metric import SinkResult, alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine
@@ -290,8 +290,8 @@ class ValueNormsAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, layers, T: int, *, kind: str | None = None):
-        dims = model_dims(model)
+    def __init__(self, model, layers, T: int, *, kind: str | None = None, facts: ModelFacts | None = None):
+        dims = model_facts(model, facts=facts).dims
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         L, f64 = len(self.layers), torch.float64
         self.index = {l: i for i, l in enumerate(self.layers)}
@@ -392,11 +392,11 @@ def value_norms(
     """
     reduce = _check_reduce(reduce)
     dims = model_dims(model)
-    layers = attention_layers_of(model, layers=layers)
+    layers = check_attention_layers(model, layers=layers)
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
         raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
-    _check_sink(sink, dims, layers, attention_layers_of(model))
+    _check_sink(sink, dims, layers, check_attention_layers(model))
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)

@@ -39,6 +39,9 @@ SECONDARY_COS = 0.9
 SPIKE_WRITE_SHARE = 0.1
 SPIKE_WRITE_FLOOR = 1e-3
 NEURON_SHARES = (0.9, 0.99)  # the fewest neurons carrying these shares of an MLP's write on the spike dim
+# The follow-ups of the spike's origin in a profile (``analysis.profile(..., analyses=(..., "cause", "cuts"))``): why
+# the first token, and the causal cuts of the writer neurons (one pass each), run on this many main-kind sequences.
+SPIKE_CUT_SAMPLES = 8
 RANK_ONE_ENERGY = 0.5  # "rank one": A_d's top eigenvalue holds at least this share of sum(lambda^2) ...
 RANK_ONE_COS = 0.5  # ... and the first token's MLP input lies along its eigenvector (mean |cos| at least this)
 # What a sink does for its head (analysis.causal.dormant_heads): a query is quiet (inert) for a head when its output norm

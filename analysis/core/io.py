@@ -170,6 +170,27 @@ def write_json(path, payload, *, indent: int | None = None) -> None:
     write_atomic(path, json.dumps(jsonable(payload), allow_nan=False, indent=indent) + "\n")
 
 
+def read_log(run_dir, *, missing_ok: bool = False) -> list[dict]:
+    """A training run's ``train_log.jsonl``: one record per logged step (the trainer writes it, the sweep and the
+    figures read it).
+
+    Parameters
+    ----------
+    run_dir : path-like
+        The run's folder.
+    missing_ok : bool
+        Return [] for a run without a log (else FileNotFoundError).
+
+    Returns
+    -------
+    list of dict
+    """
+    path = Path(run_dir, "train_log.jsonl")
+    if missing_ok and not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def cache_dir() -> Path:
     """The package's cache folder: ``$ATTENTION_SINKS_CACHE``, default ``~/.cache/attention-sink-lens`` (the embedded
     model's safetensors copy in ``smollm2-135m-instruct/``, tokenized training streams in ``train/``).

@@ -8,6 +8,7 @@ the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Sequence
 
@@ -16,12 +17,13 @@ import pandas as pd
 from analysis.core.io import jsonable
 
 
-class Result:
-    """Mixin of the result protocol.
+class Result(abc.ABC):
+    """The result protocol, an abstract base class every result of the package keeps (``tests/test_protocol.py``
+    builds each one and checks it).
 
-    Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties) and define ``tables`` and
-    ``findings()`` (a list of whole sentences); ``text()`` joins the findings and ``to_dict()`` adds the header and
-    the tables.
+    Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties), must define ``findings()`` (a
+    list of whole sentences) and define ``tables`` where they hold tables; ``text()`` joins the findings and
+    ``to_dict()`` adds the header and the tables.
 
     Attributes
     ----------
@@ -42,9 +44,9 @@ class Result:
     def tables(self) -> dict[str, pd.DataFrame]:
         return {}
 
+    @abc.abstractmethod
     def findings(self) -> list[str]:
         """The finding in words, as a list of whole sentences (each item one or more complete sentences)."""
-        raise NotImplementedError
 
     def text(self) -> str:
         """The findings joined into one paragraph."""

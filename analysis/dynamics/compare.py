@@ -1,17 +1,17 @@
-"""Side-by-side measurements and figures for models trained with different attention operations.
+"""Side-by-side measurements of models trained with different attention operations, and the mechanism chain of one
+trained model (their figures: ``analysis.figures.training``).
 
 Used by ``notebooks/07_attention_variants.ipynb``; every function takes ``{label: model}`` and a probe
 (LongTensor (N, T)) and reduces through hooks.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 import torch
 
+from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import act_name, model_dims
 from analysis.chain.key_manifold import first_key_manifold
 from analysis.chain.massive import massive_activations
@@ -50,7 +50,7 @@ def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "ho
 
 
 @torch.no_grad()
-def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> pd.DataFrame:
+def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = SINK_EPS) -> pd.DataFrame:
     """One row per model: Sink_1 (sink metric), mean alpha_1, first-token value-norm ratio, residual-norm
     ratio (last layer), raw attention mass on the first token, held-out loss, and the bias-slot sink.
 
@@ -87,110 +87,6 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = 0.3) -> p
     return pd.DataFrame(rows).set_index("model")
 
 
-def read_log(run_dir) -> pd.DataFrame:
-    """A run's train_log.jsonl as a DataFrame (one row per logged step).
-
-    Parameters
-    ----------
-    run_dir : path-like
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    lines = Path(run_dir, "train_log.jsonl").read_text().splitlines()
-    return pd.DataFrame([json.loads(l) for l in lines if l.strip()])
-
-
-# ----------------------------------------------------------------------------- figures (matplotlib)
-
-def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
-    """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
-
-    Parameters
-    ----------
-    models : dict of str to SinkLM
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
-    layer : int
-    n_pos : int
-        Positions shown.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    import matplotlib.pyplot as plt
-
-    H = max(m.cfg.n_heads for m in models.values())
-    fig, axes = plt.subplots(len(models), H, figsize=(2.2 * H, 2.3 * len(models)), squeeze=False)
-    for r, (label, model) in enumerate(models.items()):
-        pat = mean_pattern(model, tokens, layer=layer)[:, :n_pos, :n_pos]
-        for h in range(H):
-            ax = axes[r, h]
-            ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.set_title(f"{label} h{h}", fontsize=8)
-    fig.suptitle(f"mean attention (hook_pattern), layer {layer}: keys → columns, queries ↓ rows", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def plot_first_token(table: pd.DataFrame):
-    """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model.
-
-    Parameters
-    ----------
-    table : pandas.DataFrame
-        Of :func:`compare_models`.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    import matplotlib.pyplot as plt
-
-    cols = ["Sink_1 (%)", "|v_1| / mean |v_j|", "raw weight on token 1"]
-    fig, axes = plt.subplots(1, len(cols), figsize=(3.3 * len(cols), 2.8))
-    for ax, col in zip(axes, cols):
-        ax.bar(table.index, table[col], color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(table)])
-        ax.set_title(col, fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_training(runs: dict):
-    """Loss and Sink_1 against training step for each run folder {label: dir}.
-
-    Parameters
-    ----------
-    runs : dict of str to path-like
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
-    for label, d in runs.items():
-        log = read_log(d)
-        a.plot(log["step"], log["loss"], label=label)
-        if "sink_1" in log:
-            ev = log.dropna(subset=["sink_1"])
-            b.plot(ev["step"], ev["sink_1"], marker="o", label=label)
-    a.set_xlabel("step")
-    a.set_ylabel("training loss")
-    b.set_xlabel("step")
-    b.set_ylabel("Sink_1 (%) on the held-out probe")
-    a.legend()
-    b.legend()
-    fig.tight_layout()
-    return fig
-
-
 # ----------------------------------------------------------------------------- the mechanism chain
 
 SPIKE_RATIO_SMALL = 100.0  # a massive activation in a small model: >= 100x the median (no absolute floor)
@@ -205,7 +101,7 @@ def _zero_first_token_dims(dims: list[int]):
     return fn
 
 
-def sink_kv_heads(vn, eps: float = 0.3) -> list[tuple[int, int]]:
+def sink_kv_heads(vn, eps: float = SINK_EPS) -> list[tuple[int, int]]:
     """The (layer, KV head) pairs of a ``ValueNorms`` whose alpha_1 (mean over the KV head's query heads) > eps.
 
     Parameters
@@ -233,7 +129,7 @@ def _over_heads(table: pd.DataFrame, heads, col: str, how: str = "mean") -> floa
 
 
 @torch.no_grad()
-def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = 0.3, ratio: float = SPIKE_RATIO_SMALL,
+def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
                     dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 

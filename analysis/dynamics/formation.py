@@ -76,7 +76,7 @@ HALF_WAY = 0.5  # the half-way onset: the first step where a link has moved half
 
 # Every link of the long table, in the order of the chain, with what it measures.
 LINKS: dict[str, str] = {
-    "sink_1": "Sink_1 (%), eps 0.3",
+    "sink_1": f"Sink_1 (%), eps {SINK_EPS:g}",
     "spike_ratio": "the followed dims' largest mean |a| on the first token entering the sink layer over the first "
                    "token's median mean |a| there",
     "spike_ratio_token": "the first token's largest |a| over its own median |a|, any dim, largest over the streams",
@@ -529,15 +529,16 @@ class FormationOrder(Result):
                        f"happens{tail}.")
         return out
 
-    def text(self) -> str:
+    def findings(self) -> list[str]:
+        """The order of the links per attention operation, what each snapshot follows, and the notes."""
         if not len(self.onsets):
-            return "No run was measured."
+            return ["No run was measured."]
         parts = [self.attention_text(a) for a in dict.fromkeys(self.onsets.attention)]
         f = self.followed
         parts.append("Each snapshot follows its final model's spike dims, sink layer and sink heads (" + "; ".join(
             f"{r.run}: dims {r.dims} entering layer {r.sink_layer}, {len(r.sink_heads)} sink KV heads"
             for r in f.itertuples()) + ").")
-        return " ".join(parts + self.notes)
+        return [p for p in parts if p] + self.notes
 
     def to_dict(self) -> dict:
         return jsonable({**self.header(), "probe_seed": self.probe_seed, "T": self.T,

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from analysis.model.families import attention_implementation, config_attention_layers
-from analysis.model.hooks import act_name, attention_layers_of, check_tokens, validate_token_ids
+from analysis.model.hooks import act_name, check_attention_layers, check_tokens, validate_token_ids
 from analysis.engine.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
 from analysis.core.stats import one_thread
 
@@ -269,10 +269,11 @@ def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: fl
         return out.flatten(1, 2).to(query.dtype), (sums / counts).float().flatten(1, 2)
 
 
-class AlphaAccumulator:
+class AlphaAccumulator(Accumulator):
     """alpha per batch and attention layer, gathered into (N, L, H, K) with L = len(layers) (true layer indices:
     a hybrid's linear-attention / Mamba layers never report): ``update`` once per layer, ``end_batch`` after
-    each batch (checks every layer reported), ``result()`` at the end."""
+    each batch (checks every layer reported), ``result()`` at the end. It reads no hook: the fused attention
+    function hands it each layer's alpha as ``{"alpha": (B, H, K)}``."""
 
     def __init__(self, layers, k_max: int):
         self.layers, self.k_max = [int(l) for l in layers], int(k_max)
@@ -280,13 +281,16 @@ class AlphaAccumulator:
         self._chunks: list[torch.Tensor] = []
         self.calls = 0  # attention calls seen in this batch (the layer index where a module has none)
 
-    def update(self, layer: int, alpha: torch.Tensor) -> None:
+    def hooks(self) -> dict[int, dict[str, str]]:
+        return {}  # fed by the fused attention function, not by hooks
+
+    def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch | None = None) -> None:
         if layer not in self.layers:
             raise FusedUnsupported(f"attention reported layer {layer}, not among the attention layers {self.layers}.")
-        self._current[layer] = alpha.cpu()
+        self._current[layer] = acts["alpha"].cpu()
         self.calls += 1
 
-    def end_batch(self) -> None:
+    def end_batch(self, batch: Batch | None = None, logits: torch.Tensor | None = None) -> None:
         missing = [l for l in self.layers if l not in self._current]
         if len(missing) == len(self.layers):
             raise FusedUnsupported(
@@ -365,7 +369,7 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
         alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask=mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
-    acc.update(layer, alpha)
+    acc.update(layer, {"alpha": alpha})
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -500,7 +504,7 @@ def check_fused_tokens(model, tokens) -> torch.Tensor:
 
 
 def fused_layers(model) -> list[int]:
-    """The attention layers (true indices) the fused pass measures: ``analysis.model.hooks.attention_layers_of`` for a
+    """The attention layers (true indices) the fused pass measures: ``analysis.model.hooks.check_attention_layers`` for a
     model with hooks (a bridge), the layer types of the Hugging Face config for a bare model.
 
     Parameters
@@ -512,7 +516,7 @@ def fused_layers(model) -> list[int]:
     list of int
     """
     if hasattr(model, "hook_dict"):
-        return attention_layers_of(model)
+        return check_attention_layers(model)
     return config_attention_layers(hf_model(model).config)
 
 
@@ -617,7 +621,7 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
             for start, batch in zip(range(0, tokens.shape[0], bs), it):
                 taps.batch = Batch(batch.to(device), start)
                 hf.base_model(input_ids=taps.batch.tokens, use_cache=False)
-                acc.end_batch()
+                acc.end_batch(taps.batch, None)
                 taps.end_batch()
     finally:
         _ACTIVE.reset(token)

@@ -9,20 +9,24 @@ the plain form for one-off hooks. The hook names and the model's dimensions come
 """
 from __future__ import annotations
 
+import abc
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from analysis.model.families import RESUMABLE, get_family
+from analysis.model.families import RESUMABLE, FamilySpec, get_family
 from analysis.model.hooks import (
     ModelContractError,
+    ModelDims,
     act_name,
     check_tokens,
     hook_layer,
     hook_names,
     model_device,
+    model_dims,
+    skipped_note,
 )
 from analysis.core.stats import unit_vectors
 
@@ -84,30 +88,77 @@ class Batch:
         return self.tokens.shape[0]
 
 
-class Accumulator:
-    """One analysis' state during a streamed pass.
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a pass knows of its model, read once per pass (:func:`model_facts`) and handed to every accumulator it
+    feeds, so that none of them reads the model's dims, attention layers and family again.
+
+    Attributes
+    ----------
+    dims : ModelDims
+        Layer and head counts, widths (``analysis.model.hooks.model_dims``).
+    attention_layers : tuple of int
+        The softmax-attention layers, true indices (``analysis.attention_layers``).
+    family : FamilySpec
+        What the model's family computes (``analysis.get_family``).
+    skipped : str
+        The layers an attention analysis leaves out, in one sentence; "" when none (``hooks.skipped_note``).
+    """
+
+    dims: ModelDims
+    attention_layers: tuple[int, ...]
+    family: FamilySpec
+    skipped: str
+
+
+def model_facts(model, *, facts: ModelFacts | None = None) -> ModelFacts:
+    """The model's facts for one pass: ``facts`` where the pass already read them, else read from ``model`` now.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    facts : ModelFacts, optional
+        Facts a pass already read (returned as they are).
+
+    Returns
+    -------
+    ModelFacts
+    """
+    if facts is not None:
+        return facts
+    family = get_family(model)
+    return ModelFacts(model_dims(model), tuple(family.attention_layers), family, skipped_note(model))
+
+
+class Accumulator(abc.ABC):
+    """One analysis' state during a streamed pass: the abstract base class every accumulator of the package keeps.
 
     ``hooks()`` says which activations it needs, per layer: {layer: {key: hook name}}. For each batch and
     layer, once every activation of that layer (over all accumulators of the pass) has fired,
     ``update(layer, acts, batch)`` receives its own ``{key: tensor}`` together (a :class:`LayerActs`): the joint
     reducer. Then ``end_batch(batch, logits)`` once per batch; ``result()`` after the pass. ``needs_logits`` False
-    lets the pass stop after the last layer any accumulator needs.
+    lets the pass stop after the last layer any accumulator needs. A subclass must define ``hooks`` and ``result``,
+    and ``update`` where ``hooks`` asks for any activation.
     """
 
     needs_logits = False
     optional_keys: frozenset = frozenset()  # keys whose hooks may be listed but never fire (passed when they do)
 
+    @abc.abstractmethod
     def hooks(self) -> dict[int, dict[str, str]]:
-        raise NotImplementedError
+        """{layer: {key: hook name}}: the activations this accumulator reads."""
 
     def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch) -> None:
-        raise NotImplementedError
+        """Reduce one layer's activations of one batch (needed where ``hooks`` asks for any)."""
+        raise NotImplementedError(f"{type(self).__name__} asks for activations but does not reduce them (define update).")
 
     def end_batch(self, batch: Batch, logits: torch.Tensor | None) -> None:
-        pass
+        """After each batch (``logits`` only where ``needs_logits``)."""
 
+    @abc.abstractmethod
     def result(self):
-        raise NotImplementedError
+        """The reduced result, after the pass."""
 
 
 class LayerActs(dict):

@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from analysis.causal.dormant_heads import SIGNAL_WORDS, DormantHeads
+from analysis.causal.dormant_result import SIGNAL_WORDS, DormantHeads
 from analysis.figures.layout import place_axes, set_log_scale, set_title
 
 

@@ -6,7 +6,8 @@ import numpy as np
 from matplotlib.colors import LogNorm
 
 from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, set_log_scale, set_title
-from analysis.chain.massive import ActivationMap, MassiveActivations
+from analysis.chain.activation_map import ActivationMap
+from analysis.chain.massive import MassiveActivations
 
 
 def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | None = None):

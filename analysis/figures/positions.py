@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from analysis.core.defaults import SINK_EPS
 from analysis.figures.layout import new_or_given, place_axes, set_title
 from analysis.positions.context_length import BARBERO_EPS, SinkContext
 from analysis.positions.every_sink import SinkPositions
@@ -132,7 +133,7 @@ def _band(ax, x, df, rate: str, label: str, color, marker="o"):
     ax.fill_between(x, df[f"{rate}_min"], df[f"{rate}_max"], color=color, alpha=0.2, lw=0)
 
 
-def plot_sink_vs_context(ctx: SinkContext, *, eps=(0.3, BARBERO_EPS), ax=None):
+def plot_sink_vs_context(ctx: SinkContext, *, eps=(SINK_EPS, BARBERO_EPS), ax=None):
     """Sink_1 and the share of (sample, layer, head) sinking on a later position against T (log scale), at each
     eps; lines are the mean over probe seeds, bands their min-max.
 

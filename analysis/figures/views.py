@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.model.hooks import act_name, attention_layers_of, check_tokens, token_strings
+from analysis.model.hooks import act_name, check_attention_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
 
 
@@ -48,7 +48,7 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     -------
     torch.Tensor, shape (H, T, T)
     """
-    (layer,) = attention_layers_of(model, layers=[layer])
+    (layer,) = check_attention_layers(model, layers=[layer])
     tokens = check_tokens(model, tokens)
     if tokens.shape[0] != 1:
         raise ValueError(f"attention views take one sequence; got {tokens.shape[0]}. Pass tokens[:1].")

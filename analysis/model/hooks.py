@@ -3,7 +3,7 @@
 Anything whose hook names follow TransformerLens (``blocks.{l}.attn.hook_pattern`` ...) works:
 TransformerLens' ``TransformerBridge`` for Hugging Face models, and this package's own reference
 models (``analysis.train``). This module names the hooks (``act_name``), reads the model's dimensions
-(``model_dims``) and attention layers (``attention_layers_of``), checks token ids (``check_tokens``) and lays out
+(``model_dims``) and attention layers (``check_attention_layers``), checks token ids (``check_tokens``) and lays out
 KV heads under grouped-query attention (``kv_view``). The streamed passes that feed analyses from those hooks are
 in ``analysis.engine.passes``.
 """
@@ -170,8 +170,34 @@ def check_layers(model, layers: Iterable[int] | None) -> list[int]:
     return layers
 
 
-def attention_layers_of(model, *, layers: Iterable[int] | None = None) -> list[int]:
-    """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices.
+def check_dims(dims: Iterable[int], D: int, *, name: str = "dims") -> list[int]:
+    """Residual-stream dimensions, sorted and without duplicates; ValueError naming the range. The one check of
+    residual dims every analysis taking them calls.
+
+    Parameters
+    ----------
+    dims : iterable of int
+        Residual-stream dimensions.
+    D : int
+        d_model.
+    name : str
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    list of int
+    """
+    dims = sorted({int(d) for d in dims})
+    bad = [d for d in dims if not 0 <= d < D]
+    if bad:
+        raise ValueError(f"{name} {bad} out of range: d_model is {D}; give residual dimensions in 0..{D - 1}.")
+    return dims
+
+
+def check_attention_layers(model, *, layers: Iterable[int] | None = None) -> list[int]:
+    """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices: the input check
+    of ``layers`` against the model's attention layers (``analysis.attention_layers``, the fact, owned by
+    ``families``).
 
     The one place that decides which layers an attention analysis sees: every analysis reading ``hook_pattern`` / q /
     k / v / z hooks calls this (residual-stream analyses use :func:`check_layers`).
@@ -199,6 +225,41 @@ def attention_layers_of(model, *, layers: Iterable[int] | None = None) -> list[i
         raise ValueError(f"layers {bad} out of range: this model has layers 0..{spec.n_layers - 1} "
                          f"(attention layers: {list(spec.attention_layers)}).")
     return [spec._check_attention_layer(l) for l in layers]
+
+
+def check_heads(model, heads, *, kv: bool = False, name: str = "heads") -> list[tuple[int, int]]:
+    """``heads`` as a list of (true layer, head) pairs on attention layers; ValueError naming the ranges. The one
+    check of head pairs every analysis taking them calls.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    heads : iterable of (int, int)
+        (layer, head) pairs.
+    kv : bool
+        The heads are KV heads (0..n_kv_heads - 1) rather than query heads.
+    name : str
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    list of (int, int)
+        Without duplicates, in the order given.
+    """
+    dims = model_dims(model)
+    H, what = (dims.n_kv_heads, "KV heads") if kv else (dims.n_heads, "query heads")
+    try:
+        pairs = [(int(l), int(h)) for l, h in heads]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be (layer, head) pairs, e.g. [(3, 0), (12, 5)]; got {heads!r}.") from None
+    if not pairs:
+        raise ValueError(f"{name} is empty; give at least one (layer, head) pair.")
+    check_attention_layers(model, layers=[l for l, _ in pairs])  # raises on a layer out of range or without attention
+    bad = [(l, h) for l, h in pairs if not 0 <= h < H]
+    if bad:
+        raise ValueError(f"{name} {bad} out of range: this model has {what} 0..{H - 1}.")
+    return list(dict.fromkeys(pairs))
 
 
 def skipped_note(model) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from analysis.model.families import get_family
-from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, check_layers, hook_names, model_dims
+from analysis.model.hooks import ModelContractError, act_name, check_attention_layers, check_layers, hook_names, model_dims
 from analysis.model.rotary import apply_spec_rotary
 from analysis.core.results import compact_repr
 
@@ -356,7 +356,7 @@ def key_path(model, layer: int) -> KeyPath:
     KeyPath
         ModelContractError with what is missing; ValueError for a layer that is not an attention layer.
     """
-    (layer,) = attention_layers_of(model, layers=check_layers(model, [layer]))
+    (layer,) = check_attention_layers(model, layers=check_layers(model, [layer]))
     spec = get_family(model)
     norm = norm_params(model, layer)
     W_K, b_K = key_weights(model, layer)

@@ -6,11 +6,11 @@ attention side of a family is ``analysis.model.families``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-from analysis.model.families import FamilySpec, NormSpec, _kept, get_family, hf_config, probe_norm
+from analysis.model.families import NormSpec, _kept, get_family, hf_config, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
 ACTIVATIONS = {

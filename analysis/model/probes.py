@@ -96,7 +96,10 @@ def _with_bos(body: torch.Tensor, tokenizer, bos: bool) -> torch.Tensor:
 
 
 def stdlib_texts(modules: Sequence[str] = STDLIB_MODULES) -> list[str]:
-    """Docstrings of the given standard-library modules and their public members, in a fixed order.
+    """Docstrings of the given standard-library modules and their public members, in a fixed order: the prose the
+    natural probes and the streamed corpus read. Not the reference models' training corpus
+    (``analysis.model.reference.data.stdlib_docstrings``: every docstring of every standard-library file, read from
+    the source, for volume), whose text and order differ; each keeps its own so that neither's numbers move.
 
     Parameters
     ----------

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
+from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import model_dims
 from analysis.model.probes import natural_probe, stdlib_texts
 from analysis.core.io import DATA_DIR
@@ -89,7 +90,7 @@ class SinkContext(Result):
             out[f"{r}_mean"], out[f"{r}_min"], out[f"{r}_max"] = g[r].mean(), g[r].min(), g[r].max()
         return out.reset_index()
 
-    def by_T(self, eps: float = 0.3) -> pd.DataFrame:
+    def by_T(self, eps: float = SINK_EPS) -> pd.DataFrame:
         """One row per T at ``eps``: each rate's mean, min and max over probe seeds."""
         return self._spread(self._at("eps", eps), "T")
 
@@ -99,7 +100,7 @@ class SinkContext(Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        out = {"by_T": self.by_T(), "by_eps": self.by_eps()} if self._has_eps(0.3) else {}
+        out = {"by_T": self.by_T(), "by_eps": self.by_eps()} if self._has_eps(SINK_EPS) else {}
         if self._has_eps(BARBERO_EPS):
             out["by_T_eps_0.8"] = self.by_T(BARBERO_EPS)
         return out | {"runs": self.runs}
@@ -107,7 +108,7 @@ class SinkContext(Result):
     def _has_eps(self, eps: float) -> bool:
         return bool(((self.runs["eps"] - eps).abs() < 1e-9).any())
 
-    def trend(self, rate: str = "sink_1_pct", eps: float = 0.3) -> float:
+    def trend(self, rate: str = "sink_1_pct", eps: float = SINK_EPS) -> float:
         """Spearman's rank correlation of a rate's seed mean with T (+1: it grows with every longer context)."""
         df = self.by_T(eps)
         if len(df) < 3 or df[f"{rate}_mean"].nunique() < 2:
@@ -139,13 +140,13 @@ class SinkContext(Result):
         n = self.runs.drop_duplicates(["T", "seed"]).groupby("T")["n"].sum()
         out = [f"Sink against context length on {name} ({self.kind} text, T = {self.Ts[0]} to {self.Ts[-1]}, "
                f"{len(self.seeds)} probe seed(s), {_range(int(n.min()), int(n.max()))} sequences per T; {self.source})."]
-        if len(self.Ts) >= 2 and self._has_eps(0.3):
-            out.append(self._curve_text("sink_1_pct", "Sink_1", 0.3))
+        if len(self.Ts) >= 2 and self._has_eps(SINK_EPS):
+            out.append(self._curve_text("sink_1_pct", "Sink_1", SINK_EPS))
             out.append(self._curve_text("secondary_pct", "the share of (sample, layer, head) sinking on a later "
-                                                          "position", 0.3))
+                                                          "position", SINK_EPS))
         if len(self.Ts) >= 2 and self._has_eps(BARBERO_EPS):
             out.append(self._curve_text("sink_1_pct", "Sink_1", BARBERO_EPS))
-        if self._has_eps(0.3) and self.runs["eps"].nunique() > 1:
+        if self._has_eps(SINK_EPS) and self.runs["eps"].nunique() > 1:
             e = self.by_eps().set_index("eps")
             T = max(self.Ts)
             pts = ", ".join(f"{e.loc[x, 'sink_1_pct_mean']:.1f}% at eps = {x:g}" for x in e.index[[0, len(e) // 2, -1]])

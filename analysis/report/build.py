@@ -57,25 +57,23 @@ DEFAULT_N = 32
 REPORT_MIN_T = 4  # tokens per sequence the report needs
 REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
                 "and own keys; the paper's probe uses T = 64.")
-SECTIONS = ("sink", "views", "massive", "spike_origin", "norm_gain", "key_manifold", "value_norms", "interventions",
+SECTIONS = ("sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold", "value_norms", "interventions",
             "dormant", "positions", "context")
 # What each section reads from the profile pass.
 NEEDS = {"sink": ("sink", "gates"), "views": ("sink",), "massive": ("massive",), "norm_gain": ("sink", "massive", "resid"),
          "key_manifold": ("key_manifold", "massive"), "value_norms": ("value_norms",),
          "interventions": ("baseline", "massive", "resid"),  # resid: later passes resume from the profile's residuals
-         "spike_origin": ("massive", "origin", "baseline", "resid"),
+         "spike_writers": ("massive", "origin", "baseline", "resid", "cause", "cuts"),
          "dormant": (),  # its own forward + backward pass (gradients), which the profile's inference pass cannot give
          "positions": (), "context": ()}  # their own passes (every key's alpha; other context lengths)
 # The chain, link by link, then what a sink does and where else sinks are: (key, title) in the order the Findings
 # section gives them; each section's findings go to its link (SECTION_LINK) unless it names another.
 LINKS = (("spike", "The spike"), ("norm", "The norm"), ("key", "The key"), ("attention", "The attention"),
-         ("value", "The value"), ("cuts", "The causal cuts"), ("gate", "What a sink does for its head"),
+         ("value", "The value"), ("cuts", "The causal cuts"), ("dormant", "What a sink does for its head"),
          ("every_sink", "Every sink"), ("context", "Context length"))
-SECTION_LINK = {"sink": "attention", "views": "attention", "massive": "spike", "spike_origin": "spike",
+SECTION_LINK = {"sink": "attention", "views": "attention", "massive": "spike", "spike_writers": "spike",
                 "norm_gain": "norm", "key_manifold": "key", "value_norms": "value", "interventions": "cuts",
-                "dormant": "gate", "positions": "every_sink", "context": "context"}
-SPIKE_CUT_SAMPLES = 8  # the spike-origin section's causal cuts (one pass each) and its first-token cause run on this
-# many natural sequences
+                "dormant": "dormant", "positions": "every_sink", "context": "context"}
 
 
 class ReportError(RuntimeError):
@@ -320,7 +318,8 @@ def _views(ctx: _Context, sec: Section) -> None:
 def _massive(ctx: _Context, sec: Section) -> None:
     # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.massive import plot_activation_map, plot_spike_dims_by_kind, plot_top_activations
-    from analysis.chain.massive import activation_map, kinds_text
+    from analysis.chain.activation_map import activation_map
+    from analysis.chain.massive import kinds_text
 
     by_kind = ctx.profile.massive
     ma = by_kind["natural"]
@@ -497,12 +496,11 @@ def _context(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
 
 
-def _spike_origin(ctx: _Context, sec: Section) -> None:
-    """Where the spike comes from: the writing and erasing blocks, the writer neurons, why the first token, the cuts."""
+def _spike_writers(ctx: _Context, sec: Section) -> None:
+    """Where the spike comes from: the writing and erasing blocks, the writer neurons, why the first token, the cuts
+    (all from the profile: its origin and the origin's follow-ups)."""
     # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.figures import spike_origin as figs
-    from analysis.chain.first_token_cause import why_first_token
-    from analysis.causal.writer_cuts import spike_cuts
+    from analysis.figures import spike_writers as figs
 
     o = ctx.profile.origin
     sec.data = {"origin": o.to_dict(), "writers": _writer_summary(o)}
@@ -529,7 +527,7 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
         sec.figure(lambda: figs.plot_spectrum(o), "the spectrum of A_d for each writing gated MLP")
     for note in o.notes:
         sec.note(note)
-    cause = why_first_token(ctx.model, ctx.natural[:SPIKE_CUT_SAMPLES], o, batch_size=ctx.batch_size)
+    cause = ctx.profile.cause
     sec.data["why_first_token"] = cause.to_dict()
     sec.parts.append("<h3>Why the first token</h3>")
     sec.say(cause.findings())
@@ -538,8 +536,7 @@ def _spike_origin(ctx: _Context, sec: Section) -> None:
         sec.parts.append(table_html(cause.chain(d, b), digits=3))
         sec.figure(lambda: figs.plot_first_token_cause(cause), "the main writer neuron's gate over what feeds it: "
                    "position 1 against the same token later")
-    cuts = spike_cuts(ctx.model, ctx.natural, o, baseline=ctx.profile.baseline, max_samples=SPIKE_CUT_SAMPLES,
-                      batch_size=ctx.batch_size)
+    cuts = ctx.profile.cuts
     sec.data["cuts"] = cuts.to_dict()
     sec.parts.append("<h3>Cutting the writer and eraser neurons</h3>")
     if cuts.message:
@@ -571,7 +568,8 @@ def _writer_summary(o) -> list[dict]:
 def _dormant(ctx: _Context, sec: Section) -> None:
     """What a sink does for its head: sink attention against the head's output norm and loss effect per query."""
     # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.causal.dormant_heads import copy_queries, dormant_heads
+    from analysis.causal.dormant_heads import dormant_heads
+    from analysis.causal.head_removal import copy_queries
     from analysis.figures.dormant_heads import plot_head_correlations, plot_sink_vs_norm
 
     try:
@@ -608,7 +606,7 @@ RUNNERS: dict[str, tuple[str, Callable]] = {
     "sink": ("Sink metric", _sink),
     "views": ("Attention views (circuitsvis, offline)", _views),
     "massive": ("Massive activations", _massive),
-    "spike_origin": ("Where the spike comes from", _spike_origin),
+    "spike_writers": ("Where the spike comes from", _spike_writers),
     "norm_gain": ("Norm gain: from the spike to the first key", _norm_gain),
     "key_manifold": ("The first key's manifold", _key_manifold),
     "value_norms": ("Value norms", _value_norms),

@@ -22,11 +22,10 @@ import torch
 
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.engine.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
-from analysis.model.hooks import act_name, attention_layers_of, bos_record, bos_sentence, check_tokens, skipped_note
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
+from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, skipped_note
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
-DEFAULT_EPS = SINK_EPS
 
 
 def check_eps(eps: float) -> float:
@@ -297,12 +296,14 @@ class SinkResult(Result, LayerAxis):
 class SinkAccumulator(Accumulator):
     """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
-    def __init__(self, model, T: int, *, eps: float = DEFAULT_EPS, k_max: int | None = None, kind: str | None = None):
+    def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int | None = None, kind: str | None = None,
+                 facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
         self.eps, self.T, self.kind = check_eps(eps), int(T), kind
         self.k_max = check_k_max(k_max, T)
         self.model_name = getattr(model, "model_name", None)
-        self.layers = attention_layers_of(model)
-        self.skipped = skipped_note(model)
+        self.layers = list(facts.attention_layers)
+        self.skipped = facts.skipped
         self.alpha = LayerCollector(self.layers)
         self.slot = LayerCollector(self.layers)
 
@@ -348,7 +349,7 @@ def sink_metric(
     model,
     tokens,
     *,
-    eps: float = DEFAULT_EPS,
+    eps: float = SINK_EPS,
     k_max: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
@@ -390,7 +391,7 @@ def sink_metric(
                      path=path)[0]
 
 
-def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = DEFAULT_EPS,
+def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = SINK_EPS,
               k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
               path: str = "auto") -> tuple[SinkResult, list]:
     """The sink metric and other analyses from one pass of ``model`` over ``tokens``.
@@ -462,7 +463,7 @@ def sink_metric_fused(model, tokens, *, eps: float | None = None, k_max: int | N
     hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
     tokens = check_fused_tokens(model, tokens)
     T = tokens.shape[1]
-    eps = check_eps(DEFAULT_EPS if eps is None else eps)
+    eps = check_eps(SINK_EPS if eps is None else eps)
     alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size=batch_size, progress=progress,
                         accumulators=accumulators)
     skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""

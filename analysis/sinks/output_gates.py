@@ -20,9 +20,9 @@ import pandas as pd
 import torch
 
 from analysis.model.families import get_family
-from analysis.model.hooks import attention_layers_of, check_tokens, skipped_note
+from analysis.model.hooks import check_attention_layers, check_tokens, skipped_note
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 
 
@@ -110,14 +110,17 @@ class GateAccumulator(Accumulator):
         Attention layers (default all).
     kind : str, optional
         The input kind, a label.
+    facts : ModelFacts, optional
+        The model's facts, read once by the pass that builds this; None: read from the model now.
     """
 
-    def __init__(self, model, *, layers=None, kind: str | None = None):
-        spec = get_family(model)
+    def __init__(self, model, *, layers=None, kind: str | None = None, facts: ModelFacts | None = None):
+        facts = model_facts(model, facts=facts)
+        spec = facts.family
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
         self.model, self.kind, self.spec = model, kind, spec
-        self.layers = attention_layers_of(model, layers=layers)
+        self.layers = list(facts.attention_layers) if layers is None else check_attention_layers(model, layers=layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.first = torch.zeros(len(self.layers), spec.n_heads, dtype=torch.float64)
         self.other = torch.zeros_like(self.first)

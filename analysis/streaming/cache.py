@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from analysis.model.rotary import rotate_half
+
 POLICY_KINDS = ("dense", "window", "sinks", "recompute")
 
 
@@ -146,9 +148,7 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torc
     cos, sin = ang.cos().to(keys.dtype), ang.sin().to(keys.dtype)
     r = spec.rot_dim
     k, rest = keys[..., :r], keys[..., r:]
-    half = r // 2
-    rot_half = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-    return torch.cat((k * cos + rot_half * sin, rest), dim=-1)
+    return torch.cat((k * cos + rotate_half(k) * sin, rest), dim=-1)
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pandas as pd
 import torch
 
 from analysis.core.io import write_atomic
+from analysis.core.results import Result
 from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
@@ -51,12 +52,13 @@ def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int |
     return pols
 
 
-class StreamResult:
+class StreamResult(Result):
     """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share.
 
     Attributes
     ----------
     model : str
+        The model streamed (``model_name`` in the result protocol).
     window : int
     n_ctx : int or None
         The model's context.
@@ -70,7 +72,16 @@ class StreamResult:
     tokens : list of int or None
     dtype : str
         The model's dtype ("float32", ...).
+    model_name : str
+        ``model`` (a property).
+    kind : str
+        "stream" (a property).
+    n_samples : int
+        1, the one stream (a property).
     """
+
+    kind = "stream"
+    n_samples = 1
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
                  recompute_every: int | None, device: str, *, tokens: list[int] | None = None, dtype: str = "float32"):
@@ -81,6 +92,14 @@ class StreamResult:
     def __repr__(self) -> str:
         return (f"<StreamResult model={self.model!r}, window={self.window}, tokens={self.stream.get('n_tokens')}, "
                 f"policies={len(self.runs)}, device={self.device!r}>")
+
+    @property
+    def model_name(self) -> str:
+        return self.model
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"policies": self.table, "curve": self.curve()}
 
     def run(self, label: str) -> PolicyRun:
         for r in self.runs:
@@ -138,6 +157,14 @@ class StreamResult:
         return float(np.nanmean(nll[w - width : w])), float(np.nanmean(nll[w : w + width]))
 
     def text(self) -> str:
+        """The findings, one per line (the re-computation gap of each sink policy indented under the ceiling)."""
+        return "\n".join(self._lines())
+
+    def findings(self) -> list[str]:
+        lines = [l.strip() for l in self._lines()]
+        return [l if l[:1].isupper() or l[:1].isdigit() else f"Model {l}" for l in lines]  # a name may start lower
+
+    def _lines(self) -> list[str]:
         t = self.table.set_index("policy")
         w = self.window
         lines = [f"{self.model}: streaming perplexity on {self.stream.get('n_tokens')} tokens "
@@ -166,7 +193,7 @@ class StreamResult:
         q = t[t["bits"] < 32]
         for label, row in q.iterrows():
             lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window.")
-        return "\n".join(lines)
+        return lines
 
     def _learned_lines(self, t: pd.DataFrame) -> list[str]:
         """The model's learned sink slot (sink token, K/KV biases, sink logits), where it has one."""

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from analysis.core.io import EMERGENCE_DIR, write_atomic
+from analysis.core.io import EMERGENCE_DIR, read_log, write_atomic
 from analysis.model.reference.checkpoint import read_json
 from analysis.train.presets import build_configs
 from analysis.train.trainer import train
@@ -136,13 +136,6 @@ def _reuse(preset_name, options: dict, run_dir: Path, reusable: dict[str, Path])
     return True
 
 
-def _read_log(run_dir: Path) -> list[dict]:
-    path = run_dir / "train_log.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def summarise(table: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     """Mean, std, min and max over seeds of every numeric statistic, one row per grid point.
 
@@ -232,7 +225,7 @@ def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[st
     for point in points:
         name = run_name(point)
         rows.append(_row(point, finals[name], name))
-        for rec in _read_log(out / name):
+        for rec in read_log(out / name, missing_ok=True):
             if "sink_1" in rec:
                 curves.append({**point, **{k: rec.get(k) for k in ("step", "tokens", "loss", "val_loss", "sink_1",
                                                                       "sink_slot", "spike_ratio")}})

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from analysis.core.defaults import SINK_EPS
 from analysis.model.reference.attention import check_attention
 
 POSITIONAL_EMBEDDINGS = ("rotary", "none", "learned", "sinusoidal", "alibi", "relative")
@@ -326,7 +327,7 @@ class TrainConfig:
     eval_every: int = 500  # Sink_1 and first-token norm ratio on the held-out probe
     probe_size: int = 100
     probe_len: int = 64
-    sink_eps: float = 0.3
+    sink_eps: float = SINK_EPS
     checkpoint_every: int = 500  # 0: no intermediate checkpoints
     keep_checkpoints: int = 2
     snapshots: Optional[str] = None  # weights kept along training: "log:N" (N log-spaced steps) or "100,500,2000"

@@ -42,7 +42,9 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "tur
 # ----------------------------------------------------------------------------- corpora
 
 def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
-    """Docstrings of the standard library's modules, classes and functions, in a fixed order.
+    """Docstrings of the standard library's modules, classes and functions, in a fixed order: the reference models'
+    training corpus (every file of the standard library, parsed, for volume). The probes read another, smaller
+    selection (``analysis.model.probes.stdlib_texts``: 72 prose modules, through ``inspect``).
 
     Parameters
     ----------

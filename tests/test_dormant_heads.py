@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from analysis import ModelContractError, load_model, probe_sets
-from analysis.causal.dormant_heads import (
-    attribution_check,
-    copy_queries,
-    dormant_heads,
-    head_means,
-    removal_effects,
-)
+from analysis.causal.attribution import attribution_check
+from analysis.causal.dormant_heads import dormant_heads
+from analysis.causal.head_removal import copy_queries, head_means, removal_effects
 from tests.conftest import cpu_cache, tol
 
 LAYER, HEAD = 1, 2  # the hand-built head of the tiny Llama (2 layers, 4 query heads, 2 KV heads, d_head 16)
@@ -121,7 +117,7 @@ def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks, de
         assert chk.exact.shape == (2, N, T - 4)
         assert p["pearson_r"] > 0.98 and p["relative_error"] < 0.2, p
     # the exact pass by hand for one (sequence, query): the summed loss with z zeroed there, minus without
-    from analysis.causal.dormant_heads import sequence_losses
+    from analysis.causal.head_removal import sequence_losses
 
     def zero(x, hook):  # query 5 of head 2 in every sequence: the sequences do not see each other
         x = x.clone()

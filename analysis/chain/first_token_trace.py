@@ -1,0 +1,219 @@
+"""The streamed pass the spike's origin is read from: :class:`SpikeOriginAccumulator` (fed beside the other analyses
+by ``analysis.profile``) keeps, for the first token only, the residual stream entering every block, each block's
+attention and MLP write, the MLP's input and its neuron activations; for the other tokens only their means (and the
+stream's largest |value|), in a :class:`FirstTokenTrace`. Nothing else outlives a layer: O(N x L x (3 d_model +
+d_mlp)) numbers, never the activations of every token. ``analysis.chain.spike_writers`` names the writing blocks
+from it, ``analysis.chain.mlp_neurons`` the neurons inside each MLP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from analysis.core.defaults import TINY
+from analysis.model.mlp_spec import get_mlp, mlp_input
+from analysis.model.hooks import act_name
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts
+from analysis.core.results import compact_repr
+from analysis.core.stats import one_thread
+
+
+# ----------------------------------------------------------------------------------------------
+# The streamed pass: the first token's stream, writes and neurons
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FirstTokenTrace:
+    """What :class:`SpikeOriginAccumulator` keeps from one pass (first token: per sample; other tokens: means).
+
+    Attributes
+    ----------
+    resid : torch.Tensor, shape (N, L + 1, d_model)
+        The first token's residual stream entering each block (``hook_resid_pre``); index L: after the last block.
+    attn, mlp : torch.Tensor, shape (N, L, d_model)
+        Each block's token-mixer write (``hook_attn_out``; ``hook_resid_mid - hook_resid_pre`` for Mamba / linear
+        attention) and MLP write (``hook_mlp_out``) on the first token.
+    other_resid, other_resid_max : torch.Tensor, shape (L + 1, d_model)
+        Mean over samples of the mean (and of the largest |value|) over the other tokens of the stream.
+    other_attn, other_mlp : torch.Tensor, shape (L, d_model)
+        Mean writes on the other tokens.
+    mlp_in : dict[int, torch.Tensor]
+        Block -> the first token's MLP input x (N, d_model).
+    act_first : dict[int, torch.Tensor]
+        Dense block -> the first token's neuron activations (N, d_mlp).
+    act_other, act_other_max, gate_first, gate_other, up_first, up_other : dict[int, torch.Tensor]
+        Dense block -> (d_mlp,): mean activation on the other tokens, mean over samples of its largest |value| there;
+        mean gate and up pre-activations (gated MLPs; up holds a plain MLP's pre-activation) on the first token and
+        on the other tokens.
+    first_ids : torch.Tensor, shape (N,)
+        The first token of each sequence.
+    T : int
+        The sequence length.
+    dtype : str
+        The model's dtype ("float32", "bfloat16" ...): the stream is rounded to it after every write, so the writes
+        add up to the stream to its precision only (:meth:`bookkeeping_tolerance`).
+    """
+
+    resid: torch.Tensor
+    attn: torch.Tensor
+    mlp: torch.Tensor
+    other_resid: torch.Tensor
+    other_resid_max: torch.Tensor
+    other_attn: torch.Tensor
+    other_mlp: torch.Tensor
+    mlp_in: dict
+    act_first: dict
+    act_other: dict
+    act_other_max: dict
+    gate_first: dict
+    gate_other: dict
+    up_first: dict
+    up_other: dict
+    first_ids: torch.Tensor
+    T: int
+    dtype: str = "float32"
+
+    def __repr__(self) -> str:
+        return compact_repr(self)  # shapes, never tensor values
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.resid.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.attn.shape[1])
+
+    def bookkeeping(self, dim: int) -> tuple[float, float]:
+        """(largest |embedding + writes - value| over samples and blocks, that over the largest |value|) on ``dim``."""
+        v = self.resid[:, :, dim].double()
+        rebuilt = torch.cat([v[:, :1], v[:, :1] + (self.attn[:, :, dim].double() + self.mlp[:, :, dim].double()).cumsum(1)], 1)
+        err = float((rebuilt - v).abs().max())
+        return err, err / max(float(v.abs().max()), TINY)
+
+    def bookkeeping_tolerance(self) -> float:
+        """The largest relative error of :meth:`bookkeeping` that still adds up: 1e-4 in float32, 8 rounding units
+        of a bf16 / fp16 stream (0.0625 in bf16; SmolLM2 measures ~0.01 there, against 1e-7 in float32)."""
+        return max(1e-4, 8 * torch.finfo(getattr(torch, self.dtype)).eps)
+
+
+class SpikeOriginAccumulator(Accumulator):
+    """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    kind : str, optional
+        The input kind, a label.
+    facts : ModelFacts, optional
+        The model's facts, read once by the pass that builds this; None: read from the model now.
+    """
+
+    def __init__(self, model, *, kind: str | None = None, facts: ModelFacts | None = None):
+        self.model, self.kind = model, kind
+        self.spec = get_mlp(model)
+        dims = model_facts(model, facts=facts).dims
+        self.L, self.D = dims.n_layers, int(dims.d_model)
+        self.neuron_layers = [l for l in range(self.L) if self.spec.has_neurons(l)]
+        self.first = LayerCollector(list(range(self.L)))  # (N, L, 3, D): resid, attn, mlp of the first token
+        self.x = LayerCollector(list(range(self.L)))  # (N, L, D): the MLP input
+        self.acts = LayerCollector(self.neuron_layers)  # (N, L', M)
+        L, D = self.L, self.D
+        self.sums = {k: torch.zeros(L + (k.startswith("resid")), D, dtype=torch.float64)
+                     for k in ("resid", "resid_max", "attn", "mlp")}
+        self.neuron_sums: dict[int, dict[str, torch.Tensor]] = {}
+        self.post: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.n, self.T = 0, 0
+
+    def hooks(self):
+        out = {}
+        for l in range(self.L):
+            h = {"pre": act_name("resid_pre", l), "mlp": act_name("mlp_out", l)}
+            attn = self.spec.attn_write_hook(l)
+            h.update({"attn": attn} if attn else {"mid": act_name("resid_mid", l)})
+            if self.spec._input_hook:
+                h["x"] = self.spec._input_hook.format(layer=l)
+            else:
+                h["h"] = act_name(self.spec.input_resid, l)
+            if l in self.neuron_layers:
+                h["act"], h["up"] = self.spec.neuron_hook(l), self.spec.up_hook(l)
+                if self.spec.kind == "gated":
+                    h["gate"] = self.spec.gate_hook(l)
+            if l == self.L - 1:
+                h["post"] = act_name("resid_post", l)
+            out[l] = h
+        return out
+
+    @one_thread()
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        pre = acts["pre"].detach().float()
+        attn = acts["attn"].float() if "attn" in acts else acts["mid"].float() - pre
+        mlp = acts["mlp"].detach().float()
+        self.first.put(layer, torch.stack([pre[:, 0], attn[:, 0], mlp[:, 0]], 1))
+        self._other("resid", layer, pre)
+        self._other("attn", layer, attn)
+        self._other("mlp", layer, mlp)
+        x = acts["x"][:, 0] if "x" in acts else mlp_input(self.model, layer, acts["h"][:, :1])[:, 0]
+        self.x.put(layer, x.float().clone())  # a copy: a view would keep the layer's whole (B, T, D) input alive
+        if layer in self.neuron_layers:
+            self._neurons(layer, acts)
+        if "post" in acts:
+            post = acts["post"].detach().float()
+            self.post.append(post[:, 0].clone().cpu())
+            self._other("resid", self.L, post)
+
+    def _other(self, key: str, i: int, x: torch.Tensor) -> None:
+        """Sums over samples of the mean (and, for the stream, the largest |value|) over positions t > 0."""
+        if x.shape[1] < 2:
+            return
+        rest = x[:, 1:]
+        self.sums[key][i] += rest.mean(1).double().sum(0).cpu()
+        if key == "resid":
+            self.sums["resid_max"][i] += rest.abs().amax(1).double().sum(0).cpu()
+
+    def _neurons(self, layer: int, acts: dict) -> None:
+        a = acts["act"].detach().float()
+        self.acts.put(layer, a[:, 0].clone())
+        s = self.neuron_sums.setdefault(layer, {})
+        rest = a[:, 1:]
+        parts = {"act_other": rest.sum((0, 1)), "act_other_max": rest.abs().amax(1).sum(0) if rest.shape[1] else rest.sum((0, 1)),
+                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum((0, 1))}
+        if "gate" in acts:
+            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum((0, 1))}
+        for k, v in parts.items():
+            s[k] = s.get(k, 0) + v.double().cpu()
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.first.end_batch()
+        self.x.end_batch()
+        if self.neuron_layers:
+            self.acts.end_batch()
+        self.ids.append(batch.tokens[:, 0].cpu())
+        self.n += batch.size
+        self.T = batch.tokens.shape[1]
+
+    def result(self) -> FirstTokenTrace:
+        first = self.first.result()  # (N, L, 3, D)
+        n, n_other = max(self.n, 1), max(self.n * (self.T - 1), 1)
+        nan = float("nan") if self.T < 2 else None
+        mean = {k: (v / n).float() if nan is None else torch.full_like(v, nan).float() for k, v in self.sums.items()}
+        acts = self.acts.result() if self.neuron_layers else None
+        per = {k: {} for k in ("act_other", "act_other_max", "gate_first", "gate_other", "up_first", "up_other")}
+        for l, s in self.neuron_sums.items():
+            for k, v in s.items():
+                per[k][l] = (v / (n_other if k.endswith("_other") else n)).float()
+        resid = torch.cat([first[:, :, 0], torch.cat(self.post)[:, None]], 1)
+        x = self.x.result()
+        return FirstTokenTrace(
+            resid=resid, attn=first[:, :, 1], mlp=first[:, :, 2], other_resid=mean["resid"], other_resid_max=mean["resid_max"],
+            other_attn=mean["attn"], other_mlp=mean["mlp"], mlp_in={l: x[:, l] for l in range(self.L)},
+            act_first={l: acts[:, i] for i, l in enumerate(self.neuron_layers)} if acts is not None else {},
+            **per, first_ids=torch.cat(self.ids), T=self.T,
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+
+
+__all__ = ["FirstTokenTrace", "SpikeOriginAccumulator"]
