@@ -15,6 +15,7 @@ from analysis.model.probes import model_probe_sets, text_tokens
 from analysis.report.build import ReportError, build_report
 from analysis.sinks.metric import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
+from analysis.quant.cli import add_parser as add_quant_parser  # quant: self-contained block
 from analysis.core.versions import package_versions
 
 CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     add_stream_parser(sub, DEFAULT_MODEL)
+    add_quant_parser(sub, DEFAULT_MODEL)  # python -m analysis quant (analysis/quant/cli.py)
     return p
 
 
