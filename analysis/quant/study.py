@@ -3,7 +3,9 @@ the sink tokens kept in full precision, and behind a searched prefix that takes 
 site of every per-tensor scale; and the packed low-bit KV cache beside the simulated one."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 from analysis.core.io import jsonable
@@ -112,3 +114,41 @@ class QuantResult(Result):
     def to_dict(self) -> dict:
         return jsonable({**super().to_dict(), "summary": self.summary(), "prefixes": self.prefixes,
                          "setting": self.setting, "notes": self.notes})
+
+
+def load_run(path) -> dict:
+    """A committed ``python -m analysis quant --json`` run, its tables as DataFrames.
+
+    Parameters
+    ----------
+    path : str or path-like
+
+    Returns
+    -------
+    dict
+        "summary", "schemes", "scales", "kv" (DataFrames), "prefixes", "setting", "text", "command", "model".
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no run at {p}: make it with the command in {p.parent / 'command.txt'}.")
+    d = json.loads(p.read_text())
+    out = {k: pd.DataFrame(d.get(k) or []) for k in ("summary", "schemes", "scales", "kv")}
+    return {**out, **{k: d.get(k) for k in ("prefixes", "setting", "text", "command", "model")}}
+
+
+def seed_spread(run: dict) -> pd.DataFrame:
+    """Per scheme and condition: perplexity mean, standard deviation and range over the calibration seeds, and
+    the ratio to full precision.
+
+    Parameters
+    ----------
+    run : dict
+        Of :func:`load_run`.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
+    g = run["schemes"].groupby(["scheme", "condition"], sort=False)
+    return g.agg(ppl=("ppl", "mean"), ppl_sd=("ppl", "std"), ppl_min=("ppl", "min"), ppl_max=("ppl", "max"),
+                 ratio=("ratio", "mean"), seeds=("seed", "nunique")).reset_index()
