@@ -20,6 +20,7 @@ from analysis.report.build import DEFAULT_N, REPORT_MIN_T, REPORT_T_WHY, ReportE
 from analysis.report.one_pass import profile
 from analysis.sinks.metric import check_eps
 from analysis.streaming.cli import add_parser as add_stream_parser
+from analysis.quant.cli import add_parser as add_quant_parser
 
 SINK_N = 100  # `sink --n`: the paper's probe (the report's default, DEFAULT_N = 32, is the sample its numbers were
 # measured on; one shared default would change one of the two published tables)
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options()])
+    add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
     return p
 
 

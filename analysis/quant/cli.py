@@ -1,0 +1,110 @@
+"""``python -m analysis quant``: perplexity under activation / weight fake quantisation against the sink, the site of
+every per-tensor scale, and the packed low-bit KV cache; the table printed, everything in the JSON."""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from analysis.core.io import write_json, write_or_spare
+from analysis.core.options import HelpFormatter
+from analysis.model.loading import resolve_device
+from analysis.core.versions import package_versions
+from analysis.quant.run import quant_study
+from analysis.quant.study import CONDITIONS
+
+
+def _ints(text: str, *, none_word: str | None = None) -> list:
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if none_word is not None and x in (none_word, "16", "32"):
+            out.append(None)
+            continue
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise ValueError(f"expected comma-separated integers such as 8,4; got {text!r}.") from None
+    return out
+
+
+def add_parser(sub, *, parents=()) -> None:
+    """Add the ``quant`` subcommand.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+    parents : sequence of argparse.ArgumentParser
+        The shared options (``analysis.core.options.model_options``: ``--model --device --dtype --threads --quiet``).
+
+    Returns
+    -------
+    None
+    """
+    q = sub.add_parser("quant", parents=list(parents), formatter_class=HelpFormatter,
+                       help="perplexity under activation/weight quantisation against the sink; low-bit KV cache")
+    q.add_argument("--bits", default="8,4", help="activation bits (8, 4)")
+    q.add_argument("--granularity", default="tensor,token", help="tensor (static, calibrated) and/or token (dynamic)")
+    q.add_argument("--w-bits", default="fp", help="weight bits per output channel: fp, 8, 4 (comma-separated)")
+    q.add_argument("--condition", default=",".join(CONDITIONS), help=f"among {', '.join(CONDITIONS)}")
+    q.add_argument("--T", type=int, default=256, help="tokens per window")
+    q.add_argument("--windows", type=int, default=8, help="held-out windows scored")
+    q.add_argument("--calib-tokens", type=int, default=1024, help="calibration text in tokens (at least one window)")
+    q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2")
+    q.add_argument("--prefix", type=int, default=3, help="longest searched prefix (tokens)")
+    q.add_argument("--candidates", type=int, default=3, help="candidate outlier tokens of the prefix search")
+    q.add_argument("--kv-bits", default="4,2", help="bits of the packed KV cache ('' to leave it out)")
+    q.add_argument("--no-origin", action="store_true", help="do not trace which neurons wrote each scale")
+    q.add_argument("--json", help="write every number here")
+    q.set_defaults(func=cmd_quant, outputs=(("json", False),))
+
+
+def format_quant_table(res) -> str:
+    """The printed table: scheme, condition, perplexity (mean and range over seeds), ratio, the largest scale's site.
+
+    Parameters
+    ----------
+    res : QuantResult
+
+    Returns
+    -------
+    str
+    """
+    s = res.summary()
+    big = res.schemes.groupby(["scheme", "condition"], sort=False).scale_absmax.max().values
+    lines = [f"{'scheme':<22} {'condition':<9} {'ppl':>9} {'range':>17} {'x fp':>6}  largest scale (|x|)"]
+    for (_, r), b in zip(s.iterrows(), big):
+        lines.append(f"{r.scheme:<22} {r.condition:<9} {r.ppl:>9.2f} {f'{r.ppl_min:.2f}-{r.ppl_max:.2f}':>17} "
+                     f"{r.ratio:>6.2f}  {r.site} ({b:,.0f})")
+    for _, r in res.kv.iterrows():
+        lines.append(f"KV {r.cache:<38} ppl {r.ppl:8.2f}  {r.kv_bytes / 1024:9.1f} KiB held per window")
+    return "\n".join(lines)
+
+
+def cmd_quant(args) -> int:
+    """Run ``python -m analysis quant``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    int
+    """
+    if getattr(args, "dtype", "float32") != "float32":
+        raise ValueError(f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}.")
+    res = quant_study(args.model, a_bits=_ints(args.bits), granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],
+                      w_bits=_ints(args.w_bits, none_word="fp"), conditions=[c.strip() for c in args.condition.split(",") if c.strip()],
+                      T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens, seeds=_ints(args.seeds),
+                      prefix_len=args.prefix, n_candidates=args.candidates, kv_bits=_ints(args.kv_bits),
+                      origin=not args.no_origin, device=resolve_device(args.device))
+    print(format_quant_table(res))
+    print(res.text())
+    if args.json:
+        payload = {**res.to_dict(), "command": shlex.join(["python", "-m", "analysis", *sys.argv[1:]]),
+                   "device": resolve_device(args.device), "dtype": "float32", "versions": package_versions()}
+        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
+        print(f"wrote {args.json}")
+    return 0

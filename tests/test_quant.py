@@ -1,0 +1,119 @@
+"""analysis.quant: fake quantisers, the packed low-bit KV cache, the conditions against the sink on SmolLM2 at a tiny
+setting, and bad input before any work."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from analysis.quant.calibrate import calibrate, mean_nll
+from analysis.quant.kv_cache import LowBitCache, PackedKV, pack_codes, unpack_codes
+from analysis.quant.passes import Scheme
+from analysis.quant.quantizers import fake_quant, qmax, quant_activation, token_scale
+from analysis.quant.sites import linear_sites
+from analysis.streaming.backbone import causal_lm
+
+
+def test_fake_quant_error_is_bounded_by_half_the_scale():
+    x = torch.randn(4, 16, 32) * 5
+    for bits in (8, 4):
+        s = token_scale(x, bits)
+        err = (fake_quant(x, s, bits) - x).abs()
+        assert (err <= s / 2 + 1e-6).all()
+        assert len(torch.unique(fake_quant(x, s, bits)[0, 0] / s[0, 0])) <= 2 * qmax(bits) + 2
+    keep = torch.zeros(4, 16, dtype=torch.bool)
+    keep[:, 0] = True
+    out = quant_activation(x, 4, float(x.abs().max()) / 7, keep)
+    assert torch.equal(out[:, 0], x[:, 0]) and not torch.equal(out[:, 1], x[:, 1])
+
+
+def test_packed_codes_round_trip_and_hold_fewer_bytes():
+    c = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(c, 4), 4), c)
+    c2 = torch.randint(0, 4, (3, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(c2, 2), 2), c2)
+    x = torch.randn(1, 2, 10, 64)
+    p = PackedKV(x, 4)
+    assert p.codes.dtype == torch.uint8 and p.nbytes < x.numel() * x.element_size() / 4
+    assert ((p.dequantize() - x).abs() <= p.scale.float() / 2 + 1e-3).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_llama_dir):
+    return causal_lm(str(tiny_llama_dir), device="cpu")[0]
+
+
+def test_real_low_bit_cache_holds_fewer_bytes_and_keeps_sinks(tiny_hf):
+    ids = torch.randint(3, 90, (1, 40))
+    L = tiny_hf.config.num_hidden_layers
+    outs, sizes = {}, {}
+    for name, bits, fp in (("fp", None, ()), ("int4", 4, ()), ("int4+sinks", 4, (0, 1, 2, 3)), ("int2", 2, ())):
+        cache = LowBitCache(L, bits, fp)
+        with torch.no_grad():
+            outs[name] = tiny_hf(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        sizes[name] = cache.kv_bytes()
+    assert sizes["int2"] < sizes["int4"] < sizes["int4+sinks"] < sizes["fp"]
+    assert sizes["int4"] < sizes["fp"] / 4
+    err4, err2 = ((outs[k] - outs["fp"]).abs().mean() for k in ("int4", "int2"))
+    assert 0 < err4 < err2
+
+
+def test_linear_sites_reach_every_decoder_linear(tiny_hf):
+    sites = linear_sites(tiny_hf)
+    assert {s.name for s in sites} >= {"mlp.down_proj", "self_attn.q_proj"}
+    assert len(sites) == 7 * tiny_hf.config.num_hidden_layers
+
+
+def test_unreachable_linears_and_bad_bits_are_refused_before_work():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from analysis.quant import quant_study
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    with pytest.raises(ValueError, match="cannot reach the linear layers"):
+        linear_sites(gpt2)  # GPT-2's maps are Conv1D, not nn.Linear
+    with pytest.raises(ValueError, match="activation bits"):
+        quant_study("no-such-model", a_bits=(3,))
+    with pytest.raises(ValueError, match="granularity"):
+        quant_study("no-such-model", granularities=("group",))
+    with pytest.raises(ValueError, match="packed KV cache"):
+        LowBitCache(2, 3)
+
+
+def test_prefix_beyond_context_and_short_calibration_are_refused():
+    from analysis.quant import quant_study
+    with pytest.raises(ValueError, match="exceed the context"):
+        quant_study("synthetic-softmax", T=60, prefix_len=8, kv_bits=())
+    with pytest.raises(ValueError, match="shorter than one window"):
+        quant_study("synthetic-softmax", T=32, calib_tokens=16, kv_bits=())
+
+
+def test_cli_bad_bits_exit_2(capsys):
+    from analysis.__main__ import main
+    assert main(["quant", "--bits", "3"]) == 2
+    assert "activation bits" in capsys.readouterr().err
+
+
+def test_smollm2_static_per_tensor_against_the_sink():
+    """The first token's spike sets the per-tensor scales: int4 per-tensor static is worse than per-token dynamic,
+    and keeping the first token in full precision (and out of calibration) makes the static scheme better."""
+    from analysis.streaming.corpus import stdlib_stream
+    hf, tok, _ = causal_lm("smollm2-135m", device="cpu")
+    sites = linear_sites(hf)
+    w = stdlib_stream(tok, 3 * 32, seed=0).tokens.view(3, 32)
+    ev, cal = w[:2], w[2:]
+    keep_cal = torch.zeros(cal.shape, dtype=torch.bool)
+    keep_cal[:, 0] = True
+    keep_ev = torch.zeros(ev.shape, dtype=torch.bool)
+    keep_ev[:, 0] = True
+    as_is = calibrate(hf, sites, cal)
+    kept = calibrate(hf, sites, cal, keep=keep_cal)
+    top = max(as_is.values(), key=lambda s: s.absmax)
+    assert top.position == 0 and top.linear == "mlp.down_proj"
+    assert max(s.absmax for s in kept.values()) < top.absmax / 3
+    static = mean_nll(hf, sites, ev, Scheme(4, "tensor"), scales=as_is)
+    dynamic = mean_nll(hf, sites, ev, Scheme(4, "token"))
+    static_kept = mean_nll(hf, sites, ev, Scheme(4, "tensor"), scales=kept, keep=keep_ev)
+    assert static > dynamic
+    assert static_kept < static
+    assert math.isfinite(static_kept)
