@@ -9,6 +9,7 @@ from analysis.core.defaults import SINK_EPS, SINK_K_MAX
 from analysis.model.hooks import model_dims
 from analysis.core.io import parse_dtype, write_json
 from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
+from analysis.model.placement import Placement, add_placement_args, placement_from_args
 from analysis.report.one_pass import profile
 from analysis.positions.every_sink import format_sinks, sink_positions
 from analysis.model.probes import model_probe_sets, text_tokens
@@ -39,7 +40,7 @@ def cli_dtype(name: str):
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True, dtype: str = "float32") -> dict:
+                progress: bool = True, dtype: str = "float32", placement: Placement | None = None) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -57,6 +58,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     progress : bool
     dtype : {"float32", "bfloat16", "float16"}
         The model's dtype (metrics are reduced in float32).
+    placement : Placement, optional
+        A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
 
     Returns
     -------
@@ -69,7 +72,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(model_name, device=device, dtype=cli_dtype(dtype))
+    model = load_model(model_name, device=device, dtype=cli_dtype(dtype), **_placement_kwargs(placement))
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
@@ -84,6 +87,14 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
         "inputs": kinds,
         "versions": package_versions(),
     }
+
+
+def _placement_kwargs(placement: Placement | None) -> dict:
+    """``load_model``'s device_map / max_memory / offload_folder keywords of a placement ({} for none)."""
+    if placement is None or not placement.split:
+        return {}
+    return {"device_map": placement.device_map, "max_memory": placement.max_memory,
+            "offload_folder": placement.offload_folder}
 
 
 def format_sink_table(payload: dict) -> str:
@@ -129,7 +140,7 @@ def cmd_sink(args) -> int:
     int
         The exit status.
     """
-    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet, dtype=args.dtype)
+    payload = sink_report(args.model, args.n, args.T, args.eps, min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max, args.bos, args.seed, args.device, progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args))
     print(format_sink_table(payload))
     if args.json:
         write_json(Path(args.json), payload)
@@ -156,7 +167,7 @@ def cmd_sinks(args) -> int:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, **_placement_kwargs(placement_from_args(args)))
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
                          "analysis.positions.every_sink.sink_positions in Python instead.")
@@ -186,7 +197,8 @@ def cmd_report(args) -> int:
     int
         The exit status (1 where a section failed).
     """
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
+                       **_placement_kwargs(placement_from_args(args)))
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, progress=not args.quiet)
     except ReportError as e:
@@ -234,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None)
     s.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_placement_args(s)
     s.set_defaults(func=cmd_sink)
 
     t = sub.add_parser("sinks", help="every sink position of one text file (not only the first token)")
@@ -246,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-queries", type=int, default=None, help="leave out keys seen by fewer queries (default min(16, T // 2))")
     t.add_argument("--device", default=None)
     t.add_argument("--quiet", action="store_true")
+    add_placement_args(t)
     t.set_defaults(func=cmd_sinks)
 
     r = sub.add_parser("report", help="one self-contained HTML page and a JSON with every number")
@@ -257,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None)
     r.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(CLI_DTYPES)} (metrics reduce in float32)")
     r.add_argument("--quiet", action="store_true")
+    add_placement_args(r)
     r.set_defaults(func=cmd_report)
 
     m = sub.add_parser("models", help="list the models known without a network")

@@ -16,6 +16,7 @@ import torch
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, check_layers, hook_names, model_dims
 from analysis.model.rotary import apply_spec_rotary
+from analysis.model.weights import reads_block_weights
 
 
 @dataclass
@@ -118,6 +119,7 @@ def norm_kind(model) -> str | None:
     return None
 
 
+@reads_block_weights
 def norm_params(model, layer: int) -> NormParams:
     """The norm the attention input of a layer passes (the spec's form: gain w or 1 + w, bias, eps), with its weights.
 
@@ -159,6 +161,7 @@ def norm_params(model, layer: int) -> NormParams:
                       ns.gain_offset if ns is not None else 0.0)
 
 
+@reads_block_weights
 def key_norm_params(model, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
@@ -187,6 +190,7 @@ def key_norm_params(model, layer: int) -> NormParams | None:
                       None if b is None else b.detach().float().cpu(), ns.eps, ns.gain_offset)
 
 
+@reads_block_weights
 def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The key weights of a layer, float32 on the CPU.
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from analysis.model.weights import reads_block_weights
 from analysis.model.families import FamilySpec, NormSpec, _kept, get_family, hf_config, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
@@ -318,6 +319,7 @@ def _as_linear(module, d_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise ValueError(f"{type(module).__name__} (weight {tuple(w.shape)}) is not a linear map of its input.")
 
 
+@reads_block_weights
 def mlp_weights(model, layer: int) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from analysis.model.loading import load_causal_lm
+from analysis.model.placement import add_placement_args, placement_from_args
 from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
 
@@ -48,6 +50,7 @@ def add_parser(sub, default_model: str) -> None:
     s.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
     s.add_argument("--csv", help="write the policy table here")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_placement_args(s)
     s.set_defaults(func=cmd_stream)
 
 
@@ -65,8 +68,11 @@ def cmd_stream(args) -> int:
     """
     if args.threads:
         torch.set_num_threads(args.threads)
+    placement, model, tokenizer = placement_from_args(args), args.model, None
+    if placement.split:
+        model, tokenizer = load_causal_lm(args.model, placement=placement)
     res = streaming_perplexity(
-        args.model, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
+        model, tokenizer=tokenizer, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
         newline_sinks=args.newline_sinks or None, bits=_ints(args.bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
         device=args.device, progress=not args.quiet,
