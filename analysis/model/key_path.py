@@ -16,7 +16,7 @@ import torch
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError, act_name, attention_layers_of, check_layers, hook_names, model_dims
 from analysis.model.rotary import apply_spec_rotary
-from analysis.model.weights import reads_block_weights
+from analysis.model.weights import live_tensor, reads_block_weights
 
 
 @dataclass
@@ -144,7 +144,7 @@ def norm_params(model, layer: int) -> NormParams:
         D = int(spec.d_model)
         return NormParams("none", torch.ones(D), None, 0.0)
     kind = norm_kind(model)
-    w = getattr(ln, "w", None) if ln is not None else None
+    w = live_tensor(ln, "w", "weight") if ln is not None else None
     if ln is None or w is None or kind is None:
         raise ModelContractError(
             f"layer {layer} has no pre-attention norm with a gain to trace (model.blocks[{layer}].ln1.w; "
@@ -155,7 +155,7 @@ def norm_params(model, layer: int) -> NormParams:
         )
     ns = spec.norm
     kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
-    b = getattr(ln, "b", None) if kind == "LN" else None
+    b = live_tensor(ln, "b", "bias") if kind == "LN" else None
     eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
     return NormParams(kind, w.detach().float().cpu(), None if b is None else b.detach().float().cpu(), eps,
                       ns.gain_offset if ns is not None else 0.0)
@@ -181,11 +181,11 @@ def key_norm_params(model, layer: int) -> NormParams | None:
     if ns is None:
         return None
     kn = getattr(model.blocks[layer].attn, "k_norm", None)
-    w = getattr(kn, "w", None)
+    w = live_tensor(kn, "w", "weight")
     if w is None:
         raise ModelContractError(f"the {ns.text()} on the keys of layer {layer} has no weight "
                                  f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights.")
-    b = getattr(kn, "b", None) if ns.bias else None
+    b = live_tensor(kn, "b", "bias") if ns.bias else None
     return NormParams(_KINDS.get(ns.kind, "RMS"), w.detach().float().cpu(),
                       None if b is None else b.detach().float().cpu(), ns.eps, ns.gain_offset)
 

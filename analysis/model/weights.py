@@ -211,3 +211,28 @@ def reads_module_weights(fn):
             return fn(module, *args, **kwargs)
 
     return run
+
+
+def live_tensor(component, alias: str, name: str):
+    """A bridge component's weight read from its wrapped module (``name``), not through the alias (``alias``)
+    TransformerLens binds once at load: on an offloaded model that alias keeps accelerate's meta placeholder.
+
+    Parameters
+    ----------
+    component : torch.nn.Module or None
+        A bridge component (a norm, ...) or a reference model's module.
+    alias : str
+        The bridge's name, e.g. "w" or "b" (what a module without a wrapped one is read by).
+    name : str
+        The wrapped module's name, e.g. "weight" or "bias".
+
+    Returns
+    -------
+    torch.Tensor or None
+    """
+    if component is None:
+        return None
+    inner = component._modules.get("_original_component") if isinstance(component, torch.nn.Module) else None
+    if inner is not None and name in dict(inner.named_parameters(recurse=False)):
+        return getattr(inner, name)
+    return getattr(component, alias, None)
