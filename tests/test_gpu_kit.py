@@ -120,4 +120,4 @@ def test_split_step_is_listed_and_its_check_runs_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["n_differences"] == 0 and "disk" in res["device_map"].values()
     assert res["whole_profile"]["results"] and res["sink_1_pct"], "the profile ran its analyses"
-    assert split_check.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.1]}, 1e-6) == ["a[1]: 2.0 vs 2.1"]
+    assert split_check.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.1]}, 1e-6) == [".a[1]: 2.0 vs 2.1"]
