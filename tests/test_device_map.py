@@ -173,8 +173,8 @@ def test_report_json_agrees(pair, tmp_path):
     from analysis.report.build import build_report
 
     fam, whole, split = pair
-    if fam not in ("llama", "qwen3_next"):
-        pytest.skip("the report is compared on one dense and one hybrid family (cost)")
+    if fam != "llama":
+        pytest.skip("the report is compared on one family (cost); the profile test covers the others")
     ja, jb = tmp_path / "a", tmp_path / "b"
     build_report(whole, ja, n=3, T=24, seed=0, progress=False)
     build_report(split, jb, n=3, T=24, seed=0, progress=False)
