@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the weights")
     p.add_argument("--out", help="append the result as one JSON line here")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run (timeout) still removes its files
     need = n_bytes(a)
     folder = Path(a.dir)
     folder.mkdir(parents=True, exist_ok=True)
