@@ -264,7 +264,13 @@ def _from_pretrained(cls, src: str, placement: Placement | None, **kwargs):
     if placement is None or not placement.split:
         return cls.from_pretrained(src, **kwargs)
     try:
-        return cls.from_pretrained(src, **kwargs, **placement.kwargs())
+        hf = cls.from_pretrained(src, **kwargs, **placement.kwargs())
+        placed = {str(v) for v in (getattr(hf, "hf_device_map", None) or {}).values()}
+        if placement.offload_folder is None and placed & {"disk", "meta"} and isinstance(placement.device_map, str):
+            raise ValueError(f"max_memory {placement.max_memory} is too small for {src} and no offload folder is "
+                             "given: give --offload-folder (offload_folder=) a folder with room for the rest, or "
+                             "raise --max-memory.")
+        return hf
     except ValueError as e:
         if "does not give any device" in str(e):
             missing = str(e).split(":", 1)[-1].strip().split(", ")
