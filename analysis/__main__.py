@@ -14,6 +14,7 @@ from analysis.core.options import (CLI_DTYPES, HelpFormatter, check_flags, model
 from analysis.core.versions import package_versions
 from analysis.model.hooks import check_length, model_dims
 from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, resolve_device
+from analysis.model.placement import Placement, add_placement_args, placement_from_args
 from analysis.model.probes import model_probe_sets, text_tokens
 from analysis.positions.every_sink import format_sinks, sink_positions
 from analysis.report.build import DEFAULT_N, REPORT_MIN_T, REPORT_T_WHY, ReportError, build_report
@@ -45,7 +46,7 @@ def cli_dtype(name: str):
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True, dtype: str = "float32") -> dict:
+                progress: bool = True, dtype: str = "float32", placement: Placement | None = None) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -63,6 +64,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     progress : bool
     dtype : {"float32", "bfloat16", "float16"}
         The model's dtype (metrics are reduced in float32).
+    placement : Placement, optional
+        A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
 
     Returns
     -------
@@ -72,7 +75,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(model_name, device=device, dtype=cli_dtype(dtype))
+    model = load_model(model_name, device=device, dtype=cli_dtype(dtype), **_placement_kwargs(placement))
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
@@ -89,6 +92,14 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
         "inputs": kinds,
         "versions": package_versions(),
     }
+
+
+def _placement_kwargs(placement: Placement | None) -> dict:
+    """``load_model``'s device_map / max_memory / offload_folder keywords of a placement ({} for none)."""
+    if placement is None or not placement.split:
+        return {}
+    return {"device_map": placement.device_map, "max_memory": placement.max_memory,
+            "offload_folder": placement.offload_folder}
 
 
 def format_sink_table(payload: dict) -> str:
@@ -136,7 +147,7 @@ def cmd_sink(args) -> int:
     """
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
-                          progress=not args.quiet, dtype=args.dtype)
+                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args))
     print(format_sink_table(payload))
     if args.json:
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
@@ -166,7 +177,8 @@ def cmd_sinks(args) -> int:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
+                       **_placement_kwargs(placement_from_args(args)))
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
                          "analysis.positions.every_sink.sink_positions in Python instead.")
@@ -198,7 +210,8 @@ def cmd_report(args) -> int:
     int
         The exit status (1 where a section failed or the folder could not be written).
     """
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype))
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
+                       **_placement_kwargs(placement_from_args(args)))
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos,
                             progress=not args.quiet)
@@ -242,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
+    add_placement_args(s)
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
     t = sub.add_parser("sinks", parents=[model, sink], formatter_class=HelpFormatter,
@@ -251,11 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-queries", type=int, default=None,
                    help="leave out keys seen by fewer queries (None: min(16, T // 2))")
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
+    add_placement_args(t)
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
     r = sub.add_parser("report", parents=[model, probe_options(n=DEFAULT_N), sink], formatter_class=HelpFormatter,
                        help="one self-contained HTML page and a JSON with every number")
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
+    add_placement_args(r)
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 
     m = sub.add_parser("models", help="list the models known without a network")

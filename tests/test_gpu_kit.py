@@ -99,3 +99,25 @@ def test_throughput_benchmark_writes_every_path_it_timed(tmp_path, monkeypatch):
     assert rows["softmax", "sdpa"]["path"] == "sdpa" and rows["sigmoid", "eager"]["path"] == "eager"
     assert rows["softmax", "eager"]["vs_softmax"] == pytest.approx(1.0)
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
+
+
+def test_split_step_is_listed_and_its_check_runs_on_cpu(tmp_path):
+    """The split step's CPU side: the session knows it, and split_check.py compares a model with half of its blocks
+    offloaded (here to disk, on the CPU) with the same model on one device, and fails on a difference."""
+    text = (ROOT / "scripts" / "gpu" / "session.sh").read_text()
+    assert "split) run_step split split_step" in text and "pair split)" in text
+    from tests.families import make_family_dir
+
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        import split_check
+    finally:
+        sys.path.pop(0)
+    d = make_family_dir("llama", tmp_path / "m")
+    out = tmp_path / "split.json"
+    assert split_check.main(["--shape", str(d), "--device", "cpu", "--offload", "disk", "--n", "2", "--T", "16",
+                             "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["n_differences"] == 0 and "disk" in res["device_map"].values()
+    assert res["whole_profile"]["results"] and res["sink_1_pct"], "the profile ran its analyses"
+    assert split_check.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.1]}, 1e-6) == [".a[1]: 2.0 vs 2.1"]

@@ -58,6 +58,7 @@ from analysis.model.hooks import (
     skipped_note,
 )
 from analysis.engine.passes import batches
+from analysis.model.weights import materialized
 from analysis.sinks.metric import check_eps, slot_share
 from analysis.causal.dormant_result import DormantHeads, check_quantile, check_sink_positions, first_query
 from analysis.causal.head_removal import head_means, removal_effects, sequence_losses
@@ -86,7 +87,8 @@ def output_grams(model, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """
     out = {}
     for l in layers:
-        W = getattr(getattr(model.blocks[l], "attn", None), "W_O", None)
+        with materialized(model.blocks[l]):  # the real W_O on a model with offloaded blocks
+            W = getattr(getattr(model.blocks[l], "attn", None), "W_O", None)
         if not isinstance(W, torch.Tensor) or W.ndim != 3:
             raise ModelContractError(f"layer {l} exposes no per-head output weights `blocks[{l}].attn.W_O` (H, d_head, "
                                      "d_model); the head's output norm needs them (load the model with `load_model`).")
@@ -99,7 +101,8 @@ def output_grams(model, layers: Sequence[int]) -> dict[int, torch.Tensor]:
 def _no_weight_grads(model):
     """The model's parameters without gradients for the duration (restored after): the backward pass then keeps no
     activation for weight gradients, only what the gradients to the heads' outputs need."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    # An offloaded model's placeholders made under inference mode take no gradient either way: left alone.
+    params = [p for p in model.parameters() if p.requires_grad and not p.is_inference()]
     try:
         for p in params:
             p.requires_grad_(False)

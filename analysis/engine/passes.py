@@ -396,10 +396,14 @@ def can_resume(model) -> bool:
     -------
     bool
         True for a TransformerBridge whose blocks each read only the residual stream (``families.RESUMABLE``, checked
-        by tests/test_interventions.py).
+        by tests/test_interventions.py). False on a model split by a device map: its checkpoints would gather whole
+        residual streams of every layer onto one device (tests/test_device_map.py watches for it); the passes run
+        from the embedding instead.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
+        return False
+    if getattr(getattr(model, "original_model", None), "hf_device_map", None):
         return False
     return get_family(model).family in RESUMABLE
 

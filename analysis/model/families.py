@@ -33,6 +33,8 @@ from typing import Iterator
 
 import torch
 
+from analysis.model.weights import reads_module_weights
+
 # Families whose rotary rotates adjacent pairs (x0, x1), (x2, x3)... ("rotate_every_two") instead of the two
 # halves of the rotary dims (HF "rotate_half", GPT-NeoX style, every other family here). Cohere and GLM rotate
 # adjacent pairs too (their own rotate_half takes x[..., ::2] and x[..., 1::2]).
@@ -475,6 +477,7 @@ def _module_path(model, module) -> str:
     return type(module).__name__
 
 
+@reads_module_weights  # the real gain on a model split by a device map (offloaded weights)
 def probe_norm(module, *, model=None) -> NormSpec | None:
     """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w.
 

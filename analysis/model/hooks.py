@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from analysis.model.families import get_family, rotary_base
+from analysis.model.weights import execution_device
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
 _BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
@@ -290,12 +291,18 @@ def model_device(model) -> torch.device:
     Returns
     -------
     torch.device
-        The CPU for a model without parameters.
+        The CPU for a model without parameters. On a model split by a device map: where its token embedding runs
+        (the inputs go there; a parameter may be an offload placeholder on "meta").
     """
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover - a model with no parameters
-        return torch.device("cpu")
+    hf = getattr(model, "original_model", None)
+    if getattr(hf, "hf_device_map", None):
+        dev = execution_device(hf.get_input_embeddings())
+        if dev is not None:
+            return dev
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
 
 
 def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:

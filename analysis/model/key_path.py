@@ -17,6 +17,7 @@ from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError, act_name, check_attention_layers, check_layers, hook_names, model_dims
 from analysis.model.rotary import apply_spec_rotary
 from analysis.core.results import compact_repr
+from analysis.model.weights import live_tensor, reads_block_weights
 
 
 @dataclass
@@ -119,6 +120,7 @@ def norm_kind(model) -> str | None:
     return None
 
 
+@reads_block_weights
 def norm_params(model, layer: int) -> NormParams:
     """The norm the attention input of a layer passes (the spec's form: gain w or 1 + w, bias, eps), with its weights.
 
@@ -143,7 +145,7 @@ def norm_params(model, layer: int) -> NormParams:
         D = int(spec.d_model)
         return NormParams("none", torch.ones(D), None, 0.0)
     kind = norm_kind(model)
-    w = getattr(ln, "w", None) if ln is not None else None
+    w = live_tensor(ln, "w", "weight") if ln is not None else None
     if ln is None or w is None or kind is None:
         raise ModelContractError(
             f"layer {layer} has no pre-attention norm with a gain to trace (model.blocks[{layer}].ln1.w; "
@@ -154,12 +156,13 @@ def norm_params(model, layer: int) -> NormParams:
         )
     ns = spec.norm
     kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
-    b = getattr(ln, "b", None) if kind == "LN" else None
+    b = live_tensor(ln, "b", "bias") if kind == "LN" else None
     eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
     return NormParams(kind, w.detach().float().cpu(), None if b is None else b.detach().float().cpu(), eps,
                       ns.gain_offset if ns is not None else 0.0)
 
 
+@reads_block_weights
 def key_norm_params(model, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
@@ -179,15 +182,16 @@ def key_norm_params(model, layer: int) -> NormParams | None:
     if ns is None:
         return None
     kn = getattr(model.blocks[layer].attn, "k_norm", None)
-    w = getattr(kn, "w", None)
+    w = live_tensor(kn, "w", "weight")
     if w is None:
         raise ModelContractError(f"the {ns.text()} on the keys of layer {layer} has no weight "
                                  f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights.")
-    b = getattr(kn, "b", None) if ns.bias else None
+    b = live_tensor(kn, "b", "bias") if ns.bias else None
     return NormParams(_KINDS.get(ns.kind, "RMS"), w.detach().float().cpu(),
                       None if b is None else b.detach().float().cpu(), ns.eps, ns.gain_offset)
 
 
+@reads_block_weights
 def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The key weights of a layer, float32 on the CPU.
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from analysis.model.families import family_spec
+from analysis.model.placement import Placement, check_placement
+from analysis.model.weights import materialize_components
 from analysis.core.io import DATA_DIR, REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -249,7 +251,7 @@ def _is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def load_hf(name_or_dir: str, *, device=None, dtype=None):
+def load_hf(name_or_dir: str, *, device=None, dtype=None, placement: Placement | None = None):
     """Boot a TransformerBridge around a Hugging Face causal LM.
 
     Parameters
@@ -260,6 +262,8 @@ def load_hf(name_or_dir: str, *, device=None, dtype=None):
         Default: "cuda" when available, else "cpu".
     dtype : torch.dtype or str, optional
         The weights' dtype (default float32).
+    placement : Placement, optional
+        accelerate's device map, memory budgets and offload folder (the weights are read straight to their devices).
 
     Returns
     -------
@@ -278,17 +282,45 @@ def load_hf(name_or_dir: str, *, device=None, dtype=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(src)
-            hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=local.exists())
+            hf = _from_pretrained(AutoModelForCausalLM, src, placement, dtype=_dtype(dtype),
+                                  local_files_only=local.exists())
     except OSError as e:  # not found on disk, hub unreachable, gated repo, ...
         raise ModelNotFoundError(
             f"could not load {name_or_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
             f"Known names without a network: {model_names()}. A Hugging Face id needs the hub (or a local "
             "copy: pass the folder path instead)."
         ) from e
-    return _bridge(src, hf, tok, device, name_or_dir)
+    return _bridge(src, hf, tok, None if placement is not None and placement.split else device, name_or_dir)
 
 
-def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None):
+def _from_pretrained(cls, src: str, placement: Placement | None, **kwargs):
+    """``cls.from_pretrained`` with the placement's device map; a budget too small for the model with nowhere to
+    offload gets a message that says what to do."""
+    if placement is None or not placement.split:
+        return cls.from_pretrained(src, **kwargs)
+    try:
+        hf = cls.from_pretrained(src, **kwargs, **placement.kwargs())
+        placed = {str(v) for v in (getattr(hf, "hf_device_map", None) or {}).values()}
+        if placement.offload_folder is None and placed & {"disk", "meta"} and isinstance(placement.device_map, str):
+            raise ValueError(f"max_memory {placement.max_memory} is too small for {src} and no offload folder is "
+                             "given: give --offload-folder (offload_folder=) a folder with room for the rest, or "
+                             "raise --max-memory.")
+        return hf
+    except ValueError as e:
+        if "does not give any device" in str(e):
+            missing = str(e).split(":", 1)[-1].strip().split(", ")
+            raise ValueError(f"the device map leaves {len(missing)} weights of {src} with no device (e.g. {missing[0]}): "
+                             "map every module (analysis.model.placement.split_device_map writes a full map), or "
+                             "give --device-map auto.") from None
+        if "offload" in str(e).lower() and placement.offload_folder is None:
+            raise ValueError(f"the device map / max_memory ({placement.max_memory}) leaves part of {src} with no room "
+                             "on any device and no offload folder: give --offload-folder (offload_folder=) a folder "
+                             "with room for the rest, or raise --max-memory.") from e
+        raise
+
+
+def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None, device_map=None, max_memory=None,
+              offload_folder=None):
     """Boot a TransformerBridge around a Hugging Face causal LM already in memory (built from a config, with random
     or your own weights), as ``load_hf`` does around one it loads: nothing is read from or written to disk.
 
@@ -303,6 +335,8 @@ def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None):
         The ``model_name`` the results carry.
     device : str, optional
         Default: the device of the model's parameters.
+    device_map, max_memory, offload_folder : optional
+        Split the model in place as :func:`load_model` does (accelerate's ``dispatch_model``).
 
     Returns
     -------
@@ -318,6 +352,9 @@ def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None):
         raise ValueError("the bridge needs a tokenizer (it would otherwise look for one on the hub under the model's "
                          "name); pass one whose ids lie below the model's vocabulary.")
     hf_logging.disable_progress_bar()
+    placement = check_placement(Placement(device_map, max_memory, offload_folder), device=device)
+    if placement.split:
+        return _bridge(name, dispatch(hf, placement), tokenizer, None, name)
     return _bridge(name, hf, tokenizer, device or str(next(hf.parameters()).device), name)
 
 
@@ -326,18 +363,65 @@ def _bridge(src: str, hf, tok, device, name: str):
     from transformer_lens import TransformerBridge
 
     hf.eval()
-    device = device or default_device()
-    with warnings.catch_warnings():
+    split = bool(getattr(hf, "hf_device_map", None))
+    device = None if split else (device or default_device())
+    with warnings.catch_warnings(), _mixed_offload_allowed(split):
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
     bridge.eval()
+    if split:
+        materialize_components(bridge)
     bridge.model_name = name
     bridge.family = family_spec(bridge)
     bridge.rope_theta = bridge.family.rotary_base
     return bridge
 
 
-def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
+def _mixed_offload_allowed(split: bool):
+    """TransformerLens 4.3 refuses a map that mixes a GPU with CPU/disk offload only because it had not been checked on
+    a GPU (its own words: "likely fine"); the GPU kit's ``split`` step checks it against the single-device run."""
+    import contextlib
+    from unittest import mock
+
+    if not split:
+        return contextlib.nullcontext()
+    return mock.patch("transformer_lens.utilities.multi_gpu.is_mixed_offload_gpu", lambda values: False)
+
+
+def dispatch(hf, placement: Placement):
+    """Split a Hugging Face model already in memory (a de-quantised GGUF, a model built from a config) by the
+    placement's device map, with accelerate's ``dispatch_model`` (disk weights are written to the offload folder).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+    placement : Placement
+        A strategy ("auto", ...) is resolved with ``infer_auto_device_map`` under ``max_memory``.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The same model, with ``hf_device_map`` set.
+    """
+    import tempfile
+
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    dm = placement.device_map
+    if isinstance(dm, str):
+        dm = infer_auto_device_map(hf, max_memory=placement.max_memory, no_split_module_classes=hf._no_split_modules)
+    folder = placement.offload_folder
+    if "disk" in dm.values() and folder is None:
+        if placement.max_memory is not None:
+            raise ValueError(f"max_memory {placement.max_memory} is too small for {type(hf).__name__} and no offload "
+                             "folder is given: give --offload-folder (offload_folder=) or raise --max-memory.")
+        folder = tempfile.mkdtemp(prefix="attention-sink-lens-offload-")
+    hf = dispatch_model(hf, device_map=dm, offload_dir=folder)
+    hf.hf_device_map = dict(dm)
+    return hf
+
+
+def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Placement | None = None):
     """Boot a TransformerBridge around a local GGUF file (de-quantized in memory; nothing written to disk).
 
     Parameters
@@ -348,6 +432,9 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
         Default: "cuda" when available, else "cpu".
     dtype : torch.dtype or str, optional
         The weights' dtype (default float32).
+    placement : Placement, optional
+        A device map: transformers de-quantizes the whole file in memory first, then accelerate moves and offloads
+        the blocks (so the de-quantized model must fit in memory once; convert a larger one to a folder).
 
     Returns
     -------
@@ -359,10 +446,13 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None):
     hf_logging.disable_progress_bar()
     path = Path(path).expanduser().resolve()
     hf, tok = read_gguf(path, dtype=dtype)
+    if placement is not None and placement.split:
+        return _bridge(str(path.parent), dispatch(hf, placement), tok, None, str(path))
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None):
+def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None, device_map=None,
+               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
     The BOS, a known trap (TransformerLens issue 1418): the bridge's tokenizer prepends the BOS where the model's own
@@ -387,6 +477,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         ValueError (:func:`resolve_device`).
     dtype : torch.dtype or str, optional
         The weights' dtype (default float32).
+    device_map : "auto", dict or None
+        Split the model over devices with accelerate (not with ``device``): "auto" (or "balanced", "sequential") fills
+        the devices in ``max_memory``; a dict maps module names to devices (``cuda:N`` / N, "cpu", "disk"), e.g.
+        :func:`analysis.model.placement.split_device_map`. Every analysis gives the same numbers as on one device.
+        The reference models (``analysis.train``'s SinkLM, small by design) load on one device only.
+    max_memory : dict, optional
+        Per-device budgets for a strategy, e.g. ``{0: "70GiB", "cpu": "120GiB"}``.
+    offload_folder : path-like, optional
+        Where weights mapped to "disk" are kept (must be writable).
 
     Returns
     -------
@@ -396,16 +495,21 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
+    placement = check_placement(Placement(device_map, max_memory, None if offload_folder is None else str(offload_folder)),
+                                device=device)
     name = str(name_or_path)
     device = resolve_device(device)
     if name == DEFAULT_MODEL:
-        model = load_hf(str(smollm2_dir()), device=device, dtype=dtype)
+        model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
         return model
     refs = _reference_models()
     path = Path(name).expanduser()
     ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
     if ref_dir is not None:
+        if placement.split:
+            raise ValueError(f"{name} is a reference model (analysis.train's SinkLM, small enough for one device): it "
+                             "takes no device map; drop --device-map / --max-memory / --offload-folder (use --device).")
         from analysis.model.reference.checkpoint import load_reference  # lazy for import time: the reference model loads transformer_lens (~2 s)
 
         model = load_reference(ref_dir, device=device, dtype=dtype)
@@ -413,10 +517,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         model.family = family_spec(model)
         return model
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return load_gguf(path, device=device, dtype=dtype)
+        return load_gguf(path, device=device, dtype=dtype, placement=placement)
     if path.exists():
-        return load_hf(str(path), device=device, dtype=dtype)
-    return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype)
+        return load_hf(str(path), device=device, dtype=dtype, placement=placement)
+    return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype, placement=placement)
 
 
 HUB_TIMEOUT_S = 10.0  # the one request that asks the hub for a model before loading it
@@ -498,3 +602,38 @@ def _is_reference(path: Path) -> bool:
         return json.loads((path / "config.json").read_text()).get("format") == REFERENCE_FORMAT
     except (OSError, json.JSONDecodeError):
         return False
+
+
+def load_causal_lm(name_or_path: str, *, placement: Placement, dtype=None):
+    """A plain Hugging Face causal LM (no bridge) and its tokenizer, split by a device map: what the streaming
+    perplexity runs on a model larger than one device.
+
+    Parameters
+    ----------
+    name_or_path : str
+        "smollm2-135m", a local Hugging Face folder, or a hub id (a reference model or GGUF file: ValueError).
+    placement : Placement
+        A checked placement with a device map.
+    dtype : torch.dtype or str, optional
+        The weights' dtype (default float32).
+
+    Returns
+    -------
+    hf : transformers.PreTrainedModel
+        In eval mode, with ``hf_device_map`` set.
+    tokenizer : transformers.PreTrainedTokenizerBase
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name in _reference_models() or (path.is_dir() and (path / "config.json").is_file() and _is_reference(path)) \
+            or path.suffix.lower() == ".gguf":
+        raise ValueError(f"{name} is a reference model or a GGUF file: the streaming run takes no device map for it; "
+                         "drop --device-map / --max-memory / --offload-folder (use --device).")
+    src = str(smollm2_dir()) if name == DEFAULT_MODEL else (str(path) if path.exists() else hub_id(name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=Path(src).exists())
+        hf = _from_pretrained(AutoModelForCausalLM, src, placement, dtype=_dtype(dtype), local_files_only=Path(src).exists())
+    return hf.eval(), tok

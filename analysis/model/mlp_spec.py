@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from analysis.model.weights import reads_block_weights
 from analysis.model.families import NormSpec, _kept, get_family, hf_config, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
@@ -354,6 +355,7 @@ def mlp_projections(mlp) -> dict:
     return found
 
 
+@reads_block_weights
 def mlp_weights(model, layer: int) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.

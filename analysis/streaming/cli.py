@@ -7,6 +7,8 @@ from pathlib import Path
 
 from analysis.core.io import write_or_spare
 from analysis.core.options import HelpFormatter, model_options, seed_options
+from analysis.model.loading import load_causal_lm
+from analysis.model.placement import add_placement_args, placement_from_args
 from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
 
@@ -50,6 +52,7 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     o = s.add_argument_group("output")
     o.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
     o.add_argument("--csv", help="write the policy table here")
+    add_placement_args(s)
     s.set_defaults(func=cmd_stream, outputs=(("json", False), ("csv", False)))
 
 
@@ -89,8 +92,11 @@ def cmd_stream(args) -> int:
         The exit status (1 where an output could not be written; the table is printed first either way).
     """
     check_stream_args(args)
+    placement, model, tokenizer = placement_from_args(args), args.model, None
+    if placement.split:
+        model, tokenizer = load_causal_lm(args.model, placement=placement)
     res = streaming_perplexity(
-        args.model, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
+        model, tokenizer=tokenizer, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
         newline_sinks=args.newline_sinks or None, bits=_ints(args.bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
         device=args.device, dtype=args.dtype, progress=not args.quiet,

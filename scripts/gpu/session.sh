@@ -20,6 +20,9 @@
 #   pair        step 4: the softmax / sigmoid pair on the carried corpus (.gpu/corpus), both trained at once on the
 #               one GPU for $PAIR_STEPS steps (default 3000; $PAIR_ARGS adds training options), then each one's
 #               mechanism chain and spike origin -> pair-softmax.log, pair-sigmoid.log, pair.json, pair.log
+#   split       issue 29: SmolLM2 (float32) and the 8B shape (bfloat16) with the second half of their blocks offloaded
+#               to the CPU by an explicit device map (the rest on cuda:0): every analysis of the profile against the
+#               single-device run, to 1e-6 -> split-smollm2.json, split-8b.json, split.log
 #   all         every step above, in that order (a machine with no per-call limit)
 # Time budgets (seconds) per step: SCALE_BUDGET_S (default 420), TESTS_TIMEOUT_S (default 540).
 set -uo pipefail
@@ -126,6 +129,13 @@ pair() {
     "$PY" scripts/gpu/pair_summary.py /tmp/pair-softmax /tmp/pair-sigmoid --out "$RESULTS/pair.json"
 }
 
+split_step() {
+    "$PY" scripts/gpu/split_check.py --shape smollm2 --device cuda:0 --offload cpu --dtype float32 \
+        --out "$RESULTS/split-smollm2.json" || return 1
+    "$PY" scripts/gpu/split_check.py --shape llama3-8b --device cuda:0 --offload cpu --dtype bfloat16 --n 4 --T 256 \
+        --tol "${SPLIT_TOL_8B:-1e-6}" --out "$RESULTS/split-8b.json"
+}
+
 do_step() {
     case $1 in
         stage) ;;
@@ -142,14 +152,15 @@ do_step() {
         scale-smol) run_step scale-smol "$PY" benchmarks/bench_scale.py --shape smollm2 --dtype bfloat16,float32 \
                         --seq 1024,8192 --budget-s "${SCALE_BUDGET_S:-420}" --out "$RESULTS/scale-smol.jsonl" ;;
         pair) run_step pair pair ;;
+        split) run_step split split_step ;;
         *) echo "unknown step $1; see: bash $0"; exit 2 ;;
     esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,24p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,27p "$0"; exit 2; }
 steps=("$@")
-[ "$*" = all ] && steps=(env tests throughput scale-8b report-8b scale-smol pair)
-for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|report-8b|scale-smol|pair) ;;
+[ "$*" = all ] && steps=(env tests throughput scale-8b report-8b scale-smol pair split)
+for step in "${steps[@]}"; do case $step in stage|env|tests|throughput|scale-8b|report-8b|scale-smol|pair|split) ;;
     *) echo "unknown step $step; see: bash $0"; exit 2 ;; esac; done
 stage || exit 1
 for step in "${steps[@]}"; do do_step "$step"; done
