@@ -10,6 +10,7 @@ import torch
 from analysis.quant.kv_cache import LowBitCache
 from analysis.streaming.backbone import n_layers
 from analysis.streaming.cache import StreamingCache, rope_spec
+from analysis.streaming.perplexity import cache_keyword
 
 FIRST_TOKENS = 4  # the first tokens a sink-keeping cache holds in full precision (StreamingLLM's and IntactKV's 4)
 
@@ -17,7 +18,7 @@ FIRST_TOKENS = 4  # the first tokens a sink-keeping cache holds in full precisio
 def _window_nll(hf, ids: torch.Tensor, cache) -> tuple[float, int]:
     pos = torch.arange(ids.numel())[None]
     with torch.no_grad():
-        logits = hf(input_ids=ids[None], position_ids=pos, past_key_values=cache, use_cache=True).logits[0]
+        logits = hf(input_ids=ids[None], position_ids=pos, **{cache_keyword(hf): cache}, use_cache=True).logits[0]
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
     return float(nll), ids.numel() - 1
 

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from analysis.quant.quantizers import quant_activation, quant_weight
+from analysis.streaming.perplexity import cache_keyword
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class PrefixRunner:
         if self.cached:
             with torch.no_grad():
                 self.cache = DynamicCache(config=hf.config)
-                hf(input_ids=self.prefix[None], past_key_values=self.cache, use_cache=True)
+                hf(input_ids=self.prefix[None], **{cache_keyword(hf): self.cache}, use_cache=True)
 
     @property
     def P(self) -> int:
@@ -154,7 +155,7 @@ class PrefixRunner:
             cache.batch_repeat_interleave(B)
             set_keep(keep)
             pos = torch.arange(self.P, self.P + T)[None].expand(B, -1)
-            return self.hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            return self.hf(input_ids=ids, position_ids=pos, **{cache_keyword(self.hf): cache}, use_cache=True).logits
         if self.P:
             ids = torch.cat([self.prefix[None].expand(B, -1), ids], dim=1)
             pre = torch.ones(B, self.P, dtype=torch.bool)

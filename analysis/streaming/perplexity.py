@@ -155,6 +155,22 @@ def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
     return torch.where(s > 0, slot < s, slot == oldest).float().expand(B, L)
 
 
+
+def cache_keyword(hf) -> str:
+    """The name under which ``hf.forward`` takes a KV cache: transformers 5 names it ``cache`` (``past_key_values`` is
+    deprecated there); older models and ``ReferenceLM`` take ``past_key_values``.
+
+    Parameters
+    ----------
+    hf : torch.nn.Module
+        A causal LM.
+
+    Returns
+    -------
+    str
+    """
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
 class _Decoder:
     """One batch of policies decoded through ``hf``: nll (B, N-1), the sinks' share per row, kept logits."""
 
@@ -166,9 +182,7 @@ class _Decoder:
         self.learned_sum, self.learned_n = np.zeros(ids.shape[0]), 0
         self.recorder = ShareRecorder()
         self.sink_logits = has_sink_logits(hf)
-        # transformers 5 names the cache argument `cache` (`past_key_values` is deprecated); older models and
-        # ReferenceLM take `past_key_values`
-        self.cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        self.cache_kw = cache_keyword(hf)
 
     def _score(self, logits: torch.Tensor, c0: int, c1: int) -> None:
         B = self.ids.shape[0]
