@@ -51,7 +51,7 @@ def test_real_low_bit_cache_holds_fewer_bytes_and_keeps_sinks(tiny_hf):
     for name, bits, fp in (("fp", None, ()), ("int4", 4, ()), ("int4+sinks", 4, (0, 1, 2, 3)), ("int2", 2, ())):
         cache = LowBitCache(L, bits, fp)
         with torch.no_grad():
-            outs[name] = tiny_hf(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            outs[name] = tiny_hf(input_ids=ids, cache=cache, use_cache=True).logits
         sizes[name] = cache.kv_bytes()
     assert sizes["int2"] < sizes["int4"] < sizes["int4+sinks"] < sizes["fp"]
     assert sizes["int4"] < sizes["fp"] / 4
