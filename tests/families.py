@@ -335,9 +335,7 @@ def reference_attention(spec, model, layer: int, q, k):
 # Where an analysis does not run on a family yet: the exact error it raises, by what fails. The tests mark these cases
 # xfail(strict=True): when the analysis runs, the test turns red and the entry must go (docs/families.md says why).
 KNOWN_FAILURES: dict[str, dict[str, str]] = {
-    # MLA has no per-head W_K: the key is decompressed from a normalised latent (kv_a_layernorm) plus a rotary key
-    # shared by the heads; the key path (key_path, norm_gain_trace, the report's norm_gain) reads W_K.
-    "key_path": {"deepseek_v3": "multi-head latent attention: no per-head W_K"},
+    "key_path": {},
 }
 
 

@@ -158,6 +158,10 @@ class FamilySpec:
     nope_layers : tuple of int
         Attention layers without position encoding in a rotary model (NoPE: SmolLM3's and Llama 4's every 4th
         layer): no rotary step in their key path, and no entry in ``rotary_bases``.
+    latent : dict or None
+        Multi-head latent attention (DeepSeek-V2 / V3; :func:`latent_attention`): {"kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head", "rope_interleave"}; None for
+        attention with a per-head W_K.
     fired_hooks : frozenset of str
         The attention hooks called in the load-time forward pass (aliases included).
     """
@@ -194,6 +198,7 @@ class FamilySpec:
     attn_softcap: float | None  # Gemma 2: scores = cap * tanh(scores / cap)
     notes: tuple[str, ...] = ()
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary in a rotary model (NoPE)
+    latent: dict | None = None  # multi-head latent attention (DeepSeek-V2 / V3): latent_attention(config)
     _key_hook: str = "blocks.{layer}.attn.hook_k"
     _query_hook: str = "blocks.{layer}.attn.hook_q"
     _gate_hook: str | None = None
@@ -423,12 +428,15 @@ def latent_attention(config) -> dict | None:
     Returns
     -------
     dict or None
-        {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head"} (d_head: nope + rope).
+        {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head", "rope_interleave"}
+        (d_head: nope + rope; rope_interleave: the rotary dims come in interleaved pairs
+        (x_0, x_1), ... and leave the rotary de-interleaved, as rotate-half halves).
     """
     if config is None or getattr(config, "kv_lora_rank", None) is None or getattr(config, "qk_rope_head_dim", None) is None:
         return None
     out = {k: int(getattr(config, k)) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     out["d_head"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    out["rope_interleave"] = bool(getattr(config, "rope_interleave", False))
     return out
 
 
@@ -831,7 +839,7 @@ def family_spec(model) -> FamilySpec:
         else None,
         sliding_window=int(window) if window else None, sliding_layers=tuple(sliding),
         attn_scale=_attn_scale(hf_attn, d_head), attn_softcap=getattr(config, "attn_logit_softcapping", None),
-        notes=tuple(notes), _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
+        notes=tuple(notes), latent=mla, _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
         fired_hooks=fired,
     )
 
