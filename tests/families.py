@@ -75,9 +75,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "gemma": ("GemmaConfig", dict(**_LLAMA_LIKE, head_dim=16, **_rope(10000.0))),
     "gemma2": ("Gemma2Config", dict(**_LLAMA_LIKE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_rope(10000.0))),
-    "gemma3": ("Gemma3TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+    "gemma3": ("Gemma3TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 6}, head_dim=16, sliding_window=8,
                                         query_pre_attn_scalar=16,
-                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
                                         rope_parameters={
                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
@@ -166,23 +166,33 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 FAMILIES = list(FAMILY_CONFIGS)
 
-# Families TransformerLens' bridge loads but the matrix cannot test, with their configs (docs/families.md says why):
+# Families the matrix cannot test, with their configs (docs/families.md says why):
 # Nemotron-H: the bridge wraps every layer's mixer as one generic SSM2MixerBridge, attention layers included, so no
-# attention hook (hook_q / hook_k / hook_pattern) exists on any layer; Gemma 3n: not built here yet (AltUp,
-# per-layer inputs and KV sharing across layers need a config of their own).
+# attention hook (hook_q / hook_k / hook_pattern) exists on any layer. Gemma 3n: the bridge has no text-only
+# adapter (only Gemma3nForConditionalGeneration). Gemma 4 (text): the bridge loads it, but its global layers have
+# their own head dim and partial ("proportional") rotary, which the one-head-dim family spec does not hold, and the
+# bridge keeps its norms' gains only inside the wrapped Hugging Face modules (no ln1.w, no attn.k_norm.w).
 NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
     # Nemotron-H (8B): Mamba-2, MLP and attention blocks, each its own layer ("M-M-M-M*-..."; here "M-*-").
     "nemotron_h": ("NemotronHConfig", dict(**{k: v for k, v in _LLAMA_LIKE.items() if k != "num_hidden_layers"},
                                            head_dim=16, hybrid_override_pattern="M-*-", mamba_num_heads=4,
                                            mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
                                            use_mamba_kernels=False)),
-    # Gemma 3n (E2B): sliding and global layers 4:1, AltUp, per-layer inputs, KV shared by the last layers.
-    "gemma3n_text": ("Gemma3nTextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 5, "intermediate_size": [2 * D] * 5}, head_dim=16,
-                                               sliding_window=8, vocab_size_per_layer_input=VOCAB,
-                                               hidden_size_per_layer_input=8, num_kv_shared_layers=2,
-                                               altup_num_inputs=2, laurel_rank=8,
-                                               layer_types=["sliding_attention"] * 4 + ["full_attention"],
-                                               activation_sparsity_pattern=[0.0] * 5)),
+    # Gemma 3n (E2B: 30 layers, 4 sliding : 1 global, the last 10 reuse the KV of the last earlier layer of their
+    # type; AltUp over 4 streams, laurel, per-layer inputs, sparse MLPs in the first 10 layers): here 10 layers, the
+    # last 5 sharing KV (layers 3 and 4 store it), the first 5 with the sparse (0.95) MLP. A valid config; the bridge
+    # does not load the text model.
+    "gemma3n_text": ("Gemma3nTextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 10, "intermediate_size": 2 * D},
+                                               head_dim=16, sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                                               hidden_size_per_layer_input=8, num_kv_shared_layers=5,
+                                               altup_num_inputs=4, laurel_rank=8,
+                                               layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                                               activation_sparsity_pattern=[0.95] * 5 + [0.0] * 5)),
+    # Gemma 4 (text; the config's defaults, google/gemma-4-e2b-it): 5 sliding : 1 global, the global layers with a
+    # wider head (global_head_dim) and proportional rotary on a quarter of it, per-layer inputs, q/k/v norms.
+    "gemma4_text": ("Gemma4TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 6}, head_dim=16, global_head_dim=32,
+                                             sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                                             hidden_size_per_layer_input=8)),
 }
 
 # The layout each tiny model is built in (the released checkpoints' pattern, shortened), typed here from the configs
@@ -192,7 +202,7 @@ NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
 LAYOUT: dict[str, dict[str, tuple[int, ...]]] = {
     "mistral": dict(sliding=(0, 1)),
     "gemma2": dict(sliding=(0, 1)),
-    "gemma3": dict(sliding=(0, 1)),
+    "gemma3": dict(sliding=(0, 1, 2, 3, 4)),
     "starcoder2": dict(sliding=(0, 1)),
     "gpt_oss": dict(moe=(0, 1), sliding=(0,)),
     "qwen3_next": dict(attention=(3,), moe=(0, 1, 2, 3)),
