@@ -140,6 +140,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                          shared_expert_intermediate_size=64, decoder_sparse_step=1, **_rope(1e6))),
     # Mixtral 8x7B: every layer 8 experts, top 2 (here 4, top 2), no sliding window.
     "mixtral": ("MixtralConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, **_rope(1e6))),
+    # Phi-MoE (Phi-3.5-MoE): 16 experts top 2 on every layer, LayerNorm, biases on q/k/v/o and the LM head.
+    "phimoe": ("PhimoeConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                    lm_head_bias=True, **_rope(10000.0))),
     # OLMoE: every layer 64 experts, top 8 (here 4, top 2); q/k norms over all heads.
     "olmoe": ("OlmoeConfig", dict(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, **_rope(10000.0))),
     # SmolLM3: every 4th layer NoPE (no rotary), the others rotary.
@@ -212,6 +215,7 @@ LAYOUT: dict[str, dict[str, tuple[int, ...]]] = {
     "qwen3_moe": dict(moe=(1, 2)),
     "qwen2_moe": dict(moe=(0, 1)),
     "mixtral": dict(moe=(0, 1)),
+    "phimoe": dict(moe=(0, 1)),
     "olmoe": dict(moe=(0, 1)),
     "smollm3": dict(nope=(3,)),
     "llama4_text": dict(moe=(1, 3), nope=(3,)),
@@ -245,11 +249,22 @@ def make_family_model(family: str, seed: int = 0):
     return model.eval()
 
 
+# The architecture a released checkpoint's config.json names where it differs from the transformers class save_pretrained
+# writes: Phi-3.5-MoE's config says "PhiMoEForCausalLM" (its remote-code class; transformers' is PhimoeForCausalLM),
+# which is the name TransformerLens' bridge knows.
+CHECKPOINT_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM"}
+
+
 def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
     """Save a random ``family`` model and its tokenizer (word-level; byte-level BPE for ``BYTE_LEVEL_TOKENIZER``)
     to ``path``."""
+    import json
+
     path = Path(path)
     make_family_model(family, seed).save_pretrained(path)
+    if family in CHECKPOINT_ARCHITECTURES:  # the class name the released config.json gives, not transformers' own
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "architectures": [CHECKPOINT_ARCHITECTURES[family]]}))
     (byte_tokenizer() if family in BYTE_LEVEL_TOKENIZER else word_tokenizer()).save_pretrained(path)
     return path
 

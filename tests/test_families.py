@@ -55,6 +55,7 @@ EXPECT = {
     "qwen3_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", "head", False, True, False, False, False),
     "qwen2_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "mixtral": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "phimoe": ("rotary", "half", "LayerNorm", 0.0, "pre", None, False, False, False, False, False),
     "olmoe": ("rotary", "half", "RMSNorm", 0.0, "pre", "all_heads", False, True, False, False, False),
     "smollm3": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "llama4_text": ("rotary", "interleaved", "RMSNorm", 0.0, "pre", None, False, False, False, False, False),
@@ -65,7 +66,7 @@ EXPECT = {
 }
 NORM_WITHOUT_BIAS = {"cohere"}  # LayerNorm without a bias
 # Families on TransformerLens' generic AttentionBridge: Hugging Face computes the attention, the pattern is reported after.
-GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text"}
+GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text", "phimoe"}
 assert set(EXPECT) == set(FAMILIES)
 
 
