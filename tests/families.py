@@ -163,6 +163,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "granitemoe": ("GraniteMoeConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
                                             embedding_multiplier=12.0, residual_multiplier=0.22,
                                             attention_multiplier=0.0078125, logits_scaling=8.0, **_rope(10000.0))),
+    # Bamba (Bamba-9B): Mamba-2 layers with attention at three of 32 (attn_layer_indices 9, 18, 27), rotary on half
+    # of each head, dense MLPs: here attention at layer 2 of 4.
+    "bamba": ("BambaConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, attn_layer_indices=[2], mamba_n_heads=4,
+                                  mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8,
+                                  **_rope(10000.0))),
     # Falcon-H1: attention and a Mamba-2 mixer in parallel in every layer, then an MLP.
     "falcon_h1": ("FalconH1Config", dict(**_LLAMA_LIKE, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
                                          mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, **_rope(10000.0))),
@@ -216,6 +221,7 @@ LAYOUT: dict[str, dict[str, tuple[int, ...]]] = {
     "qwen2_moe": dict(moe=(0, 1)),
     "mixtral": dict(moe=(0, 1)),
     "phimoe": dict(moe=(0, 1)),
+    "bamba": dict(attention=(2,)),
     "olmoe": dict(moe=(0, 1)),
     "smollm3": dict(nope=(3,)),
     "llama4_text": dict(moe=(1, 3), nope=(3,)),

@@ -63,6 +63,7 @@ EXPECT = {
     "cohere": ("rotary", "interleaved", "LayerNorm", 0.0, "pre", None, False, True, False, False, True),
     "granitemoe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "falcon_h1": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "bamba": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
 }
 NORM_WITHOUT_BIAS = {"cohere"}  # LayerNorm without a bias
 # Families on TransformerLens' generic AttentionBridge: Hugging Face computes the attention, the pattern is reported after.
@@ -261,7 +262,14 @@ def test_gate_hook_fires_with_one_gate_per_head_dim(family, family_models, devic
 def test_skipped_layer_names_the_reason(family_models):
     model, _ = family_models("jamba")
     with pytest.raises(ValueError, match="Mamba state-space layer"):
-        model.family.key_hook(2)
+        model.family.key_hook(0)  # layer 0 of the tiny Jamba is Mamba (attention: layer 2)
+
+
+def test_bamba_mamba_layers_are_skipped_as_mamba2(family_models):
+    """Bamba's config calls its Mamba-2 layers "linear_attention"; the spec names them for what they are."""
+    model, _ = family_models("bamba")
+    skipped = model.family.skipped_layers
+    assert sorted(skipped) == [0, 1, 3] and all(r.startswith("Mamba-2 state-space layer") for r in skipped.values())
 
 
 def test_gguf_file_loads_like_a_folder(tmp_path, no_network, monkeypatch, device):

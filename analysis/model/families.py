@@ -46,6 +46,8 @@ LAYER_TYPE_WORDS = {
     "mamba2": "Mamba-2 state-space layer: no attention pattern",
     "conv": "short convolution layer: no attention pattern",
 }
+# Families whose config names its Mamba-2 layers "linear_attention" (Bamba's layers_block_type).
+MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 # Families whose blocks each read only the residual stream entering them (no state carried from one block to the
 # next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
 # (``passes.Resume``); each is checked against the full pass by tests/test_interventions.py.
@@ -613,7 +615,10 @@ def _layer_types(config, n_layers: int) -> list[str] | None:
     types = getattr(config, "layers_block_type", None)  # Jamba: "mamba" / "attention"
     if types is None:
         types = getattr(config, "layer_types", None)
-    return list(types)[:n_layers] if types is not None else None
+    if types is None:
+        return None
+    mamba2 = getattr(config, "model_type", None) in MAMBA2_AS_LINEAR_ATTENTION
+    return [("mamba2" if mamba2 and t == "linear_attention" else t) for t in list(types)[:n_layers]]
 
 
 def _rotary_dim(hf, config, family: str, d_head: int) -> int | None:
