@@ -462,8 +462,8 @@ class LatentKeyPath(KeyPath):
     def text(self) -> str:
         sp = self.spec
         parts = [f"{self.norm.text()} on the attention input",
-                 f"kv_a_proj_with_mqa{' + bias' if self.b_K is not None else ''} (a {self.rank}-dim latent and a "
-                 f"{self.n_rope}-dim rotary key shared by the heads)",
+                 f"kv_a_proj_with_mqa{' + bias' if self.b_K is not None else ''} (a latent of {self.rank} dims and a "
+                 f"rotary key of {self.n_rope} dims shared by the heads)",
                  f"{self.k_norm.text()} on the latent (kv_a_layernorm: its gain is the gain of the latent part; "
                  "the rotary part has only the input norm's gain)",
                  f"kv_b_proj to {self.n_nope} no-position dims per head",
