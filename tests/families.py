@@ -75,9 +75,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "gemma": ("GemmaConfig", dict(**_LLAMA_LIKE, head_dim=16, **_rope(10000.0))),
     "gemma2": ("Gemma2Config", dict(**_LLAMA_LIKE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_rope(10000.0))),
-    "gemma3": ("Gemma3TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+    "gemma3": ("Gemma3TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 6}, head_dim=16, sliding_window=8,
                                         query_pre_attn_scalar=16,
-                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
                                         rope_parameters={
                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
@@ -140,6 +140,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                          shared_expert_intermediate_size=64, decoder_sparse_step=1, **_rope(1e6))),
     # Mixtral 8x7B: every layer 8 experts, top 2 (here 4, top 2), no sliding window.
     "mixtral": ("MixtralConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, **_rope(1e6))),
+    # Phi-MoE (Phi-3.5-MoE): 16 experts top 2 on every layer, LayerNorm, biases on q/k/v/o and the LM head.
+    "phimoe": ("PhimoeConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                    lm_head_bias=True, **_rope(10000.0))),
     # OLMoE: every layer 64 experts, top 8 (here 4, top 2); q/k norms over all heads.
     "olmoe": ("OlmoeConfig", dict(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, **_rope(10000.0))),
     # SmolLM3: every 4th layer NoPE (no rotary), the others rotary.
@@ -160,29 +163,44 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "granitemoe": ("GraniteMoeConfig", dict(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
                                             embedding_multiplier=12.0, residual_multiplier=0.22,
                                             attention_multiplier=0.0078125, logits_scaling=8.0, **_rope(10000.0))),
+    # Bamba (Bamba-9B): Mamba-2 layers with attention at three of 32 (attn_layer_indices 9, 18, 27), rotary on half
+    # of each head, dense MLPs: here attention at layer 2 of 4.
+    "bamba": ("BambaConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, attn_layer_indices=[2], mamba_n_heads=4,
+                                  mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8,
+                                  **_rope(10000.0))),
     # Falcon-H1: attention and a Mamba-2 mixer in parallel in every layer, then an MLP.
     "falcon_h1": ("FalconH1Config", dict(**_LLAMA_LIKE, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
                                          mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, **_rope(10000.0))),
 }
 FAMILIES = list(FAMILY_CONFIGS)
 
-# Families TransformerLens' bridge loads but the matrix cannot test, with their configs (docs/families.md says why):
+# Families the matrix cannot test, with their configs (docs/families.md says why):
 # Nemotron-H: the bridge wraps every layer's mixer as one generic SSM2MixerBridge, attention layers included, so no
-# attention hook (hook_q / hook_k / hook_pattern) exists on any layer; Gemma 3n: not built here yet (AltUp,
-# per-layer inputs and KV sharing across layers need a config of their own).
+# attention hook (hook_q / hook_k / hook_pattern) exists on any layer. Gemma 3n: the bridge has no text-only
+# adapter (only Gemma3nForConditionalGeneration). Gemma 4 (text): the bridge loads it, but its global layers have
+# their own head dim and partial ("proportional") rotary, which the one-head-dim family spec does not hold, and the
+# bridge keeps its norms' gains only inside the wrapped Hugging Face modules (no ln1.w, no attn.k_norm.w).
 NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
     # Nemotron-H (8B): Mamba-2, MLP and attention blocks, each its own layer ("M-M-M-M*-..."; here "M-*-").
     "nemotron_h": ("NemotronHConfig", dict(**{k: v for k, v in _LLAMA_LIKE.items() if k != "num_hidden_layers"},
                                            head_dim=16, hybrid_override_pattern="M-*-", mamba_num_heads=4,
                                            mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
                                            use_mamba_kernels=False)),
-    # Gemma 3n (E2B): sliding and global layers 4:1, AltUp, per-layer inputs, KV shared by the last layers.
-    "gemma3n_text": ("Gemma3nTextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 5, "intermediate_size": [2 * D] * 5}, head_dim=16,
-                                               sliding_window=8, vocab_size_per_layer_input=VOCAB,
-                                               hidden_size_per_layer_input=8, num_kv_shared_layers=2,
-                                               altup_num_inputs=2, laurel_rank=8,
-                                               layer_types=["sliding_attention"] * 4 + ["full_attention"],
-                                               activation_sparsity_pattern=[0.0] * 5)),
+    # Gemma 3n (E2B: 30 layers, 4 sliding : 1 global, the last 10 reuse the KV of the last earlier layer of their
+    # type; AltUp over 4 streams, laurel, per-layer inputs, sparse MLPs in the first 10 layers): here 10 layers, the
+    # last 5 sharing KV (layers 3 and 4 store it), the first 5 with the sparse (0.95) MLP. A valid config; the bridge
+    # does not load the text model.
+    "gemma3n_text": ("Gemma3nTextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 10, "intermediate_size": 2 * D},
+                                               head_dim=16, sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                                               hidden_size_per_layer_input=8, num_kv_shared_layers=5,
+                                               altup_num_inputs=4, laurel_rank=8,
+                                               layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                                               activation_sparsity_pattern=[0.95] * 5 + [0.0] * 5)),
+    # Gemma 4 (text; the config's defaults, google/gemma-4-e2b-it): 5 sliding : 1 global, the global layers with a
+    # wider head (global_head_dim) and proportional rotary on a quarter of it, per-layer inputs, q/k/v norms.
+    "gemma4_text": ("Gemma4TextConfig", dict(**{**_LLAMA_LIKE, "num_hidden_layers": 6}, head_dim=16, global_head_dim=32,
+                                             sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                                             hidden_size_per_layer_input=8)),
 }
 
 # The layout each tiny model is built in (the released checkpoints' pattern, shortened), typed here from the configs
@@ -192,7 +210,7 @@ NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
 LAYOUT: dict[str, dict[str, tuple[int, ...]]] = {
     "mistral": dict(sliding=(0, 1)),
     "gemma2": dict(sliding=(0, 1)),
-    "gemma3": dict(sliding=(0, 1)),
+    "gemma3": dict(sliding=(0, 1, 2, 3, 4)),
     "starcoder2": dict(sliding=(0, 1)),
     "gpt_oss": dict(moe=(0, 1), sliding=(0,)),
     "qwen3_next": dict(attention=(3,), moe=(0, 1, 2, 3)),
@@ -202,6 +220,8 @@ LAYOUT: dict[str, dict[str, tuple[int, ...]]] = {
     "qwen3_moe": dict(moe=(1, 2)),
     "qwen2_moe": dict(moe=(0, 1)),
     "mixtral": dict(moe=(0, 1)),
+    "phimoe": dict(moe=(0, 1)),
+    "bamba": dict(attention=(2,)),
     "olmoe": dict(moe=(0, 1)),
     "smollm3": dict(nope=(3,)),
     "llama4_text": dict(moe=(1, 3), nope=(3,)),
@@ -235,11 +255,22 @@ def make_family_model(family: str, seed: int = 0):
     return model.eval()
 
 
+# The architecture a released checkpoint's config.json names where it differs from the transformers class save_pretrained
+# writes: Phi-3.5-MoE's config says "PhiMoEForCausalLM" (its remote-code class; transformers' is PhimoeForCausalLM),
+# which is the name TransformerLens' bridge knows.
+CHECKPOINT_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM"}
+
+
 def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
     """Save a random ``family`` model and its tokenizer (word-level; byte-level BPE for ``BYTE_LEVEL_TOKENIZER``)
     to ``path``."""
+    import json
+
     path = Path(path)
     make_family_model(family, seed).save_pretrained(path)
+    if family in CHECKPOINT_ARCHITECTURES:  # the class name the released config.json gives, not transformers' own
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "architectures": [CHECKPOINT_ARCHITECTURES[family]]}))
     (byte_tokenizer() if family in BYTE_LEVEL_TOKENIZER else word_tokenizer()).save_pretrained(path)
     return path
 
@@ -335,9 +366,7 @@ def reference_attention(spec, model, layer: int, q, k):
 # Where an analysis does not run on a family yet: the exact error it raises, by what fails. The tests mark these cases
 # xfail(strict=True): when the analysis runs, the test turns red and the entry must go (docs/families.md says why).
 KNOWN_FAILURES: dict[str, dict[str, str]] = {
-    # MLA has no per-head W_K: the key is decompressed from a normalised latent (kv_a_layernorm) plus a rotary key
-    # shared by the heads; the key path (key_path, norm_gain_trace, the report's norm_gain) reads W_K.
-    "key_path": {"deepseek_v3": "multi-head latent attention: no per-head W_K"},
+    "key_path": {},
 }
 
 

@@ -123,13 +123,13 @@ def test_profile_agrees_on_split_model(pair, monkeypatch):
 
 
 def test_weight_readers_read_real_weights(pair):
-    from analysis.model.hooks import attention_layers_of
+    from analysis.model.hooks import check_attention_layers
     from analysis.model.key_path import key_path
     from analysis.model.mlp_spec import get_mlp, mlp_weights
 
     fam, whole, split = pair
     last = whole.cfg.n_layers - 1
-    attn = [l for l in attention_layers_of(whole) if l >= whole.cfg.n_layers // 2]
+    attn = [l for l in check_attention_layers(whole) if l >= whole.cfg.n_layers // 2]
     for l in attn[-1:]:
         p, q = key_path(whole, l), key_path(split, l)
         assert torch.equal(p.W_K, q.W_K) and torch.equal(p.norm.w, q.norm.w)

@@ -55,6 +55,7 @@ EXPECT = {
     "qwen3_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", "head", False, True, False, False, False),
     "qwen2_moe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "mixtral": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "phimoe": ("rotary", "half", "LayerNorm", 0.0, "pre", None, False, False, False, False, False),
     "olmoe": ("rotary", "half", "RMSNorm", 0.0, "pre", "all_heads", False, True, False, False, False),
     "smollm3": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "llama4_text": ("rotary", "interleaved", "RMSNorm", 0.0, "pre", None, False, False, False, False, False),
@@ -62,10 +63,11 @@ EXPECT = {
     "cohere": ("rotary", "interleaved", "LayerNorm", 0.0, "pre", None, False, True, False, False, True),
     "granitemoe": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
     "falcon_h1": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
+    "bamba": ("rotary", "half", "RMSNorm", 0.0, "pre", None, False, True, False, False, False),
 }
 NORM_WITHOUT_BIAS = {"cohere"}  # LayerNorm without a bias
 # Families on TransformerLens' generic AttentionBridge: Hugging Face computes the attention, the pattern is reported after.
-GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text"}
+GENERIC_ATTENTION = {"gptj", "opt", "jamba", "llama4_text", "phimoe"}
 assert set(EXPECT) == set(FAMILIES)
 
 
@@ -260,7 +262,14 @@ def test_gate_hook_fires_with_one_gate_per_head_dim(family, family_models, devic
 def test_skipped_layer_names_the_reason(family_models):
     model, _ = family_models("jamba")
     with pytest.raises(ValueError, match="Mamba state-space layer"):
-        model.family.key_hook(2)
+        model.family.key_hook(0)  # layer 0 of the tiny Jamba is Mamba (attention: layer 2)
+
+
+def test_bamba_mamba_layers_are_skipped_as_mamba2(family_models):
+    """Bamba's config calls its Mamba-2 layers "linear_attention"; the spec names them for what they are."""
+    model, _ = family_models("bamba")
+    skipped = model.family.skipped_layers
+    assert sorted(skipped) == [0, 1, 3] and all(r.startswith("Mamba-2 state-space layer") for r in skipped.values())
 
 
 def test_gguf_file_loads_like_a_folder(tmp_path, no_network, monkeypatch, device):
@@ -300,3 +309,33 @@ def test_nemotron_h_attention_is_not_exposed_by_the_bridge(tmp_path):
     spec = model.family
     assert spec.attention_layers == () and sorted(spec.skipped_layers) == [0, 1, 2, 3]
     assert "attention-pattern hook" in spec.skipped_layers[2] and "0 attention layers of 4" in spec.text()
+
+
+def test_gemma3n_and_gemma4_text_limits(tmp_path):
+    """Gemma 3n and Gemma 4 (text) are not in the matrix (docs/families.md). Gemma 3n: the tiny config in the E2B
+    layout is valid (KV shared by the last layers, each type stored by an earlier layer), but TransformerLens' bridge
+    has no adapter for the text model (Gemma3nForCausalLM). Gemma 4: the bridge loads it and the spec reads its 5
+    sliding : 1 global layout, but the global layer's head (32 dims) is wider than the spec's one head dim (16), and
+    the bridge keeps the input norm's gain only inside the wrapped module, so the key path cannot read it. When the
+    bridge or the spec gains these, this fails and the family joins the matrix."""
+    import transformers
+    from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
+
+    from analysis.model.hooks import ModelContractError
+    from analysis.model.key_path import key_path
+    from tests.families import family_config, make_family_dir
+
+    g3n = family_config("gemma3n_text")
+    assert g3n.kv_sharing_modes == [None] * 3 + ["store"] * 2 + ["reuse"] * 5
+    g3n.architectures = ["Gemma3nForCausalLM"]
+    with pytest.raises(ValueError, match="Could not determine supported architecture"):
+        determine_architecture_from_hf_config(g3n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(str(make_family_dir("gemma4_text", tmp_path / "gemma4_text")), device="cpu")
+    spec, hf = model.family, model.original_model
+    assert isinstance(hf, transformers.Gemma4ForCausalLM)
+    assert spec.attention_layers == tuple(range(6)) and spec.sliding_layers == (0, 1, 2, 3, 4)
+    assert hf.model.layers[5].self_attn.head_dim == 32 and spec.d_head == 16
+    with pytest.raises(ModelContractError, match="no pre-attention norm with a gain"):
+        key_path(model, 0)

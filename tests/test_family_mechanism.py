@@ -26,7 +26,8 @@ from tests.conftest import tol
 
 T = 12  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 SPIKE = {7: 400.0, 21: -250.0}
-KEY_NORM = {"qwen3", "gemma3", "olmo2", "qwen3_next", "qwen3_5", "qwen3_moe", "olmoe"}
+KEY_NORM = {"qwen3", "gemma3", "olmo2", "qwen3_next", "qwen3_5", "qwen3_moe", "olmoe",
+            "deepseek_v3"}  # DeepSeek-V3: kv_a_layernorm on the key latent
 ALL_HEADS_KEY_NORM = {"olmo2", "olmoe"}
 NOT_ALIBI = [f for f in FAMILIES if f != "bloom"]
 

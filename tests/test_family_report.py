@@ -71,7 +71,7 @@ def test_report_has_no_failed_section(family, family_dirs, tmp_path, monkeypatch
         assert words in page and "Layer 0:" not in page
     else:
         assert "skipped" not in json.dumps(data["notes"])
-    norm_gain = data["sections"]["norm_gain"]  # DeepSeek (MLA): no key path yet, said as the section's note
+    norm_gain = data["sections"]["norm_gain"]  # a family without a key path says so as the section's note
     assert norm_gain["applicable"] == (family not in KNOWN_FAILURES["key_path"])
     if not norm_gain["applicable"]:
         assert KNOWN_FAILURES["key_path"][family] in norm_gain["reason"] and "No norm gain to trace" in page

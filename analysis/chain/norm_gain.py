@@ -363,7 +363,7 @@ class NormGainAccumulator(Accumulator):
             self.acc["n_err"] += (acts["n"].float() - n).abs().max().double().cpu()
             self.acc["n_ref"] += n.abs().max().double().cpu()
         kp = p.project(x)
-        self._projection(kp, kv_view(acts["k"].detach(), kp.shape[2]).float())
+        self._projection(kp, p.projection_heads(acts["k"].detach()).float())
         used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, positions=pos), kp.shape[2])  # (B,T,Hkv,d)
         self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
         k1S = self._first_key(x, kp, used)
@@ -445,7 +445,9 @@ class NormGainAccumulator(Accumulator):
         N, path, has_spike = kept["h1"].shape[0], self.path, bool(self.S)
         knorm = None
         if path.k_norm is not None:
-            knorm = f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
+            knorm = (f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
+                     if path.k_norm_scope != "latent" else f"{path.k_norm.text()} over the {path.rank}-dim key latent "
+                     "(kv_a_layernorm), then kv_b_proj")
         return NormGainTrace(
             layer=self.layer, spike_dims=self.S, has_spike=has_spike, message=message, norm_kind=path.norm.kind,
             rotary=path.rotary, rotary_base=path.base, n_samples=N, T=self.T,
@@ -466,7 +468,7 @@ class NormGainAccumulator(Accumulator):
         if p.k_norm is None:
             return {"knorm_scale_first": nan, "knorm_scale_other": nan, "knorm_gain_spike": nan, "knorm_gain_rms": nan,
                     "kproj_share_spike": nan}
-        g = p.k_norm.gain.reshape(-1, d) if p.k_norm_scope == "all_heads" else p.k_norm.gain.expand(Hkv, d)
+        g = p.key_norm_gain()
         kp1, kp1S = kept["kp1"], kept["kp1S"]
         return {"knorm_scale_first": kept["knorm_first"].mean(0),
                 "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),

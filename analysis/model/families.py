@@ -48,6 +48,8 @@ LAYER_TYPE_WORDS = {
     "mamba2": "Mamba-2 state-space layer: no attention pattern",
     "conv": "short convolution layer: no attention pattern",
 }
+# Families whose config names its Mamba-2 layers "linear_attention" (Bamba's layers_block_type).
+MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 # Families whose blocks each read only the residual stream entering them (no state carried from one block to the
 # next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
 # (``passes.Resume``); each is checked against the full pass by tests/test_interventions.py.
@@ -160,6 +162,10 @@ class FamilySpec:
     nope_layers : tuple of int
         Attention layers without position encoding in a rotary model (NoPE: SmolLM3's and Llama 4's every 4th
         layer): no rotary step in their key path, and no entry in ``rotary_bases``.
+    latent : dict or None
+        Multi-head latent attention (DeepSeek-V2 / V3; :func:`latent_attention`): {"kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head", "rope_interleave"}; None for
+        attention with a per-head W_K.
     fired_hooks : frozenset of str
         The attention hooks called in the load-time forward pass (aliases included).
     """
@@ -196,6 +202,7 @@ class FamilySpec:
     attn_softcap: float | None  # Gemma 2: scores = cap * tanh(scores / cap)
     notes: tuple[str, ...] = ()
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary in a rotary model (NoPE)
+    latent: dict | None = None  # multi-head latent attention (DeepSeek-V2 / V3): latent_attention(config)
     _key_hook: str = "blocks.{layer}.attn.hook_k"
     _query_hook: str = "blocks.{layer}.attn.hook_q"
     _gate_hook: str | None = None
@@ -425,12 +432,15 @@ def latent_attention(config) -> dict | None:
     Returns
     -------
     dict or None
-        {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head"} (d_head: nope + rope).
+        {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_head", "rope_interleave"}
+        (d_head: nope + rope; rope_interleave: the rotary dims come in interleaved pairs
+        (x_0, x_1), ... and leave the rotary de-interleaved, as rotate-half halves).
     """
     if config is None or getattr(config, "kv_lora_rank", None) is None or getattr(config, "qk_rope_head_dim", None) is None:
         return None
     out = {k: int(getattr(config, k)) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     out["d_head"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    out["rope_interleave"] = bool(getattr(config, "rope_interleave", False))
     return out
 
 
@@ -608,7 +618,10 @@ def _layer_types(config, n_layers: int) -> list[str] | None:
     types = getattr(config, "layers_block_type", None)  # Jamba: "mamba" / "attention"
     if types is None:
         types = getattr(config, "layer_types", None)
-    return list(types)[:n_layers] if types is not None else None
+    if types is None:
+        return None
+    mamba2 = getattr(config, "model_type", None) in MAMBA2_AS_LINEAR_ATTENTION
+    return [("mamba2" if mamba2 and t == "linear_attention" else t) for t in list(types)[:n_layers]]
 
 
 def _rotary_dim(hf, config, family: str, d_head: int) -> int | None:
@@ -834,7 +847,7 @@ def family_spec(model) -> FamilySpec:
         else None,
         sliding_window=int(window) if window else None, sliding_layers=tuple(sliding),
         attn_scale=_attn_scale(hf_attn, d_head), attn_softcap=getattr(config, "attn_logit_softcapping", None),
-        notes=tuple(notes), _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
+        notes=tuple(notes), latent=mla, _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
         fired_hooks=fired,
     )
 

@@ -4,7 +4,9 @@
 bias; none where the block normalises after attention), W_K and b_K (the bridge's split of a fused QKV), the key
 norm (per head or over all heads) and the rotary (the family spec's dim, pairing and base), and returns a
 :class:`KeyPath` that rebuilds the keys from the residual stream: ``keys_from_resid(h, positions)`` end to end, and
-each link on its own (``norm``, ``project``, ``key_norm``, ``rotate``). Used by ``analysis.chain.norm_gain`` (the trace)
+each link on its own (``norm``, ``project``, ``key_norm``, ``rotate``). Multi-head latent attention (DeepSeek-V2 / V3)
+has no per-head W_K: :class:`LatentKeyPath` rebuilds its keys from the real path (``kv_a_proj_with_mqa``, then
+``kv_a_layernorm`` on the latent, ``kv_b_proj``, and the rotary key shared by the heads). Used by ``analysis.chain.norm_gain`` (the trace)
 and ``analysis.causal.interventions`` (the first-key ablation).
 """
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from analysis.model.families import get_family
-from analysis.model.hooks import ModelContractError, act_name, check_attention_layers, check_layers, hook_names, model_dims
-from analysis.model.rotary import apply_spec_rotary
+from analysis.model.hooks import (ModelContractError, act_name, check_attention_layers, check_layers, hook_names, kv_view,
+                                  model_dims)
+from analysis.model.rotary import apply_spec_rotary, rotate, rotate_half
 from analysis.core.results import compact_repr
 from analysis.model.weights import live_tensor, reads_block_weights
 
@@ -212,8 +215,8 @@ def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         W_K = getattr(attn, "W_K", None)
     except NotImplementedError as e:  # TransformerLens' MLA bridge (DeepSeek-V2 / V3) raises for W_K
         raise ModelContractError(f"layer {layer} has multi-head latent attention: no per-head W_K (each key is decompressed "
-                                 "from a normalised latent, plus a rotary key shared by the heads); the key path does not "
-                                 "rebuild MLA keys yet.") from e
+                                 "from a normalised latent, plus a rotary key shared by the heads); use key_path(model, "
+                                 "layer), which rebuilds MLA keys from kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj.") from e
     if W_K is None:
         raise ModelContractError(f"model.blocks[{layer}].attn has no W_K; the key path needs the key weights.")
     if W_K.ndim != 3:
@@ -238,7 +241,7 @@ class KeyPath:
         The key bias.
     k_norm : NormParams or None
         The norm on the keys after W_K.
-    k_norm_scope : {"head", "all_heads"} or None
+    k_norm_scope : {"head", "all_heads", "latent"} or None
         Over d_head, or over H_kv * d_head.
     spec : FamilySpec
         The model's family facts.
@@ -257,7 +260,7 @@ class KeyPath:
     W_K: torch.Tensor  # (H_kv, D, d_head)
     b_K: torch.Tensor | None
     k_norm: NormParams | None  # the norm on the keys after W_K, or None
-    k_norm_scope: str | None  # "head" (over d_head) | "all_heads" (over H_kv * d_head)
+    k_norm_scope: str | None  # "head" | "all_heads" (H_kv * d_head) | "latent" (MLA: kv_a_layernorm)
     spec: object  # the FamilySpec
     group: int  # query heads per KV head
     key_hook: str  # the key projection (blocks.l.attn.hook_k), before any key norm and the rotary
@@ -314,6 +317,17 @@ class KeyPath:
             return self.k_norm.scale(k.flatten(-2)).expand(*k.shape[:-1])
         return self.k_norm.scale(k)[..., 0]
 
+    def projection_heads(self, k: torch.Tensor) -> torch.Tensor:
+        """The key projection as ``key_hook`` holds it -> (..., T, H_kv, d), the shape ``project`` returns."""
+        return kv_view(k, self.W_K.shape[0])
+
+    def key_norm_gain(self) -> torch.Tensor:
+        """The key norm's gain per KV head (H_kv, d); None without a key norm."""
+        if self.k_norm is None:
+            return None
+        Hkv, d = self.W_K.shape[0], self.W_K.shape[-1]
+        return self.k_norm.gain.reshape(-1, d) if self.k_norm_scope == "all_heads" else self.k_norm.gain.expand(Hkv, d)
+
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
         """The key projection of the gain-scaled normalised input x (..., T, D) -> (..., T, H_kv, d_head), rotated
         (``rotary``); linear in x (no key norm): the part of ``hook_k`` a part of x makes."""
@@ -345,6 +359,147 @@ class KeyPath:
         return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
 
+@dataclass(repr=False)
+class LatentKeyPath(KeyPath):
+    """The key path of multi-head latent attention (DeepSeek-V2 / V3), as Hugging Face's ``DeepseekV3Attention``
+    computes it: x = ln1(h); c = x W_a (+ b_a) (``kv_a_proj_with_mqa``), split into a latent c_L (``kv_lora_rank``
+    dims) and a rotary key c_R (``qk_rope_head_dim`` dims); each head's key is [kv_b_proj(kv_a_layernorm(c_L)) (its
+    no-position part), rotary(c_R) (shared by the heads)]. The "projection" (``project``) is c, repeated for each
+    head so the per-head arithmetic of :class:`KeyPath` holds; the "key norm" (``key_norm``) is the step c -> key
+    before the rotary: ``kv_a_layernorm`` on the latent (its gain ``k_norm.gain`` is the gain of the latent-derived
+    part), ``kv_b_proj``, and the rotary part passed on (de-interleaved where the checkpoint interleaves its pairs).
+    The input norm's gain (``norm.gain``) scales both parts.
+
+    Attributes
+    ----------
+    layer : int
+        The attention layer.
+    norm : NormParams
+        The block's input norm (ln1): its gain scales the latent and the rotary key alike.
+    W_K : torch.Tensor, shape (H, D, kv_lora_rank + qk_rope_head_dim)
+        ``kv_a_proj_with_mqa``'s weight (transposed), one view per head (the same for all).
+    b_K : torch.Tensor, shape (H, kv_lora_rank + qk_rope_head_dim), or None
+        Its bias.
+    k_norm : NormParams
+        ``kv_a_layernorm`` (RMSNorm over the latent): "the gain" of the latent-derived key part.
+    k_norm_scope : str
+        "latent".
+    spec : FamilySpec
+        The model's family facts (``spec.latent``: the MLA shape).
+    group : int
+        1: every head has its own key.
+    key_hook : str
+        ``blocks.l.attn.kv_a_proj_with_mqa.hook_out``: the compressed projection, before the latent norm.
+    final_key_hook : str
+        ``blocks.l.attn.hook_k``: the whole key the attention uses, rotary dims rotated.
+    query_hook : str
+        ``blocks.l.attn.hook_q``.
+    W_b : torch.Tensor, shape (H, kv_lora_rank, qk_nope_head_dim)
+        ``kv_b_proj``'s key rows, per head.
+    n_nope, n_rope, rank : int
+        The no-position key dims, the rotary key dims, the latent dims.
+    interleaved : bool
+        The rotary dims come in interleaved pairs (``rope_interleave``).
+    rotary_emb : torch.nn.Module or None
+        The model's rotary embedding (cos, sin at the positions, scaled rope types included); None: the spec's theta.
+    """
+
+    W_b: torch.Tensor = None
+    n_nope: int = 0
+    n_rope: int = 0
+    rank: int = 0
+    interleaved: bool = False
+    rotary_emb: object = None
+
+    def projection_heads(self, k: torch.Tensor) -> torch.Tensor:
+        """``kv_a_proj_with_mqa``'s output (..., T, rank + n_rope) -> one copy per head (..., T, H, rank + n_rope)."""
+        return k.float()[..., None, :].expand(*k.shape[:-1], self.W_K.shape[0], k.shape[-1])
+
+    def _order(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.cat([r[..., 0::2], r[..., 1::2]], -1) if self.interleaved else r
+
+    def _unorder(self, r: torch.Tensor) -> torch.Tensor:
+        if not self.interleaved:
+            return r
+        h = r.shape[-1] // 2
+        return torch.stack([r[..., :h], r[..., h:]], -1).flatten(-2)
+
+    def _decompress(self, lat: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        nope = torch.einsum("...hr,hre->...he", lat, self.W_b.to(lat.device))
+        return torch.cat([nope, self._order(rope.float())], -1)
+
+    def key_norm(self, k: torch.Tensor) -> torch.Tensor:
+        return self._decompress(self.k_norm(k[..., :self.rank]), k[..., self.rank:])
+
+    def key_norm_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return self._decompress(self.k_norm.linear_part(part[..., :self.rank], full[..., :self.rank]), part[..., self.rank:])
+
+    def key_norm_adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        lat = torch.einsum("...he,hre->...hr", y[..., :self.n_nope].float(), self.W_b.to(y.device))
+        return torch.cat([self.k_norm.adjoint(lat, full[..., :self.rank]), self._unorder(y[..., self.n_nope:].float())], -1)
+
+    def key_norm_scale(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm.scale(k[..., :self.rank])[..., 0]
+
+    def key_norm_gain(self) -> torch.Tensor:
+        return self.k_norm.gain.expand(self.W_K.shape[0], self.rank)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary on the last ``n_rope`` dims of the keys (..., T, H, d) (rotate-half pairs: ``key_norm``
+        de-interleaved them), with the model's own cos / sin."""
+        x = x.float()
+        r = x[..., self.n_nope:]
+        if self.rotary_emb is None:
+            rr = rotate(r, positions, self.base, style="half")
+        else:
+            with torch.no_grad():
+                cos, sin = self.rotary_emb(r, positions.to(r.device)[None])
+            cos, sin = cos[0, :, None].float(), sin[0, :, None].float()  # (T, 1, n_rope)
+            rr = r * cos + rotate_half(r) * sin
+        return torch.cat([x[..., :self.n_nope], rr], -1)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
+        """The part of ``key_hook`` (``kv_a_proj_with_mqa``'s output, (..., T, rank + n_rope)) x (..., T, D) makes:
+        linear in x; the latent norm and the rotary come after that hook, so ``rotary`` does not apply."""
+        return self.project(x, bias)[..., 0, :]
+
+    def text(self) -> str:
+        sp = self.spec
+        parts = [f"{self.norm.text()} on the attention input",
+                 f"kv_a_proj_with_mqa{' + bias' if self.b_K is not None else ''} (a latent of {self.rank} dims and a "
+                 f"rotary key of {self.n_rope} dims shared by the heads)",
+                 f"{self.k_norm.text()} on the latent (kv_a_layernorm: its gain is the gain of the latent part; "
+                 "the rotary part has only the input norm's gain)",
+                 f"kv_b_proj to {self.n_nope} no-position dims per head",
+                 f"rotary on the shared {self.n_rope} dims, last in each head"
+                 f"{' (interleaved pairs, de-interleaved)' if self.interleaved else ''}"]
+        cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
+        return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
+
+
+def _latent_key_path(model, layer: int, spec, norm: NormParams) -> LatentKeyPath:
+    """The MLA key path of a layer, from its Hugging Face attention module's weights."""
+    la = spec.latent
+    attn = getattr(model.blocks[layer], "attn", None)
+    hf = getattr(attn, "original_component", None)
+    kv_a, kv_norm, kv_b = (getattr(hf, n, None) for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"))
+    if kv_a is None or kv_norm is None or kv_b is None:
+        raise ModelContractError(f"layer {layer} has multi-head latent attention but its module lacks kv_a_proj_with_mqa, "
+                                 "kv_a_layernorm or kv_b_proj; load a Hugging Face DeepSeek-V2 / V3 checkpoint.")
+    H, r, dn, dv = spec.n_heads, la["kv_lora_rank"], la["qk_nope_head_dim"], la["v_head_dim"]
+    W_a = kv_a.weight.detach().float().cpu().T  # (D, r + dr)
+    b_a = None if kv_a.bias is None else kv_a.bias.detach().float().cpu()
+    W_b = kv_b.weight.detach().float().cpu().reshape(H, dn + dv, r)[:, :dn].transpose(1, 2).contiguous()  # (H, r, dn)
+    k_norm = NormParams("RMS", kv_norm.weight.detach().float().cpu(), None,
+                        float(getattr(kv_norm, "variance_epsilon", getattr(kv_norm, "eps", 1e-6))))
+    rotary_emb = getattr(getattr(getattr(model, "original_model", None), "model", None), "rotary_emb", None)
+    kh = f"blocks.{layer}.attn.kv_a_proj_with_mqa.hook_out"
+    return LatentKeyPath(layer, norm, W_a[None].expand(H, *W_a.shape), None if b_a is None else b_a[None].expand(H, -1),
+                         k_norm, "latent", spec, 1, kh, spec.key_hook(layer), spec.query_hook(layer), W_b=W_b,
+                         n_nope=dn, n_rope=la["qk_rope_head_dim"], rank=r, interleaved=la["rope_interleave"],
+                         rotary_emb=rotary_emb)
+
+
 def key_path(model, layer: int) -> KeyPath:
     """Read the norm, key weights, key norm and rotary of an attention layer.
 
@@ -363,6 +518,13 @@ def key_path(model, layer: int) -> KeyPath:
     (layer,) = check_attention_layers(model, layers=check_layers(model, [layer]))
     spec = get_family(model)
     norm = norm_params(model, layer)
+    if spec.latent is not None:
+        path = _latent_key_path(model, layer, spec, norm)
+        missing = [n for n in (act_name("resid_pre", layer), path.key_hook, path.final_key_hook, path.query_hook)
+                   if n not in hook_names(model)]
+        if missing:
+            raise ModelContractError(f"the model has no hook(s) {missing}; the MLA key path needs them.")
+        return path
     W_K, b_K = key_weights(model, layer)
     if spec.rotary_at(layer) and spec.rotary_bases.get(layer, spec.rotary_base) is None:
         raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases).")
