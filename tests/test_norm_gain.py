@@ -103,7 +103,7 @@ def test_bad_input(planted):
         norm_gain_trace(planted, toks, layer=4)
     with pytest.raises(ValueError, match="out of range"):
         norm_gain_trace(planted, toks, layer=1, spike_dims=[64])
-    with pytest.raises(ValueError, match="T >= 2"):
+    with pytest.raises(ValueError, match="must be at least 2"):
         norm_gain_trace(planted, toks[:, :1], layer=1)
 
 

@@ -122,7 +122,7 @@ def test_bad_arguments(planted, tokens):
         value_norms(planted, tokens, layers=[-1])
     with pytest.raises(ValueError, match="reduce must be one of"):
         value_norms(planted, tokens, reduce="median")
-    with pytest.raises(ValueError, match="T >= 2"):
+    with pytest.raises(ValueError, match="must be at least 2"):
         value_norms(planted, tokens[:, :1])
     with pytest.raises(ValueError, match="must be a SinkResult"):
         value_norms(planted, tokens, sink={"alpha": 1})
