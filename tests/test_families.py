@@ -315,13 +315,12 @@ def test_gemma3n_and_gemma4_text_limits(tmp_path):
     """Gemma 3n and Gemma 4 (text) are not in the matrix (docs/families.md). Gemma 3n: the tiny config in the E2B
     layout is valid (KV shared by the last layers, each type stored by an earlier layer), but TransformerLens' bridge
     has no adapter for the text model (Gemma3nForCausalLM). Gemma 4: the bridge loads it and the spec reads its 5
-    sliding : 1 global layout, but the global layer's head (32 dims) is wider than the spec's one head dim (16), and
-    the bridge keeps the input norm's gain only inside the wrapped module, so the key path cannot read it. When the
-    bridge or the spec gains these, this fails and the family joins the matrix."""
+    sliding : 1 global layout and the key path of a sliding layer, but the global layer's head (32 dims) is wider
+    than the spec's one head dim (16), so its weights cannot be split into heads. When the bridge or the spec gains
+    per-layer head dims, this fails and the family joins the matrix."""
     import transformers
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
 
-    from analysis.model.hooks import ModelContractError
     from analysis.model.key_path import key_path
     from tests.families import family_config, make_family_dir
 
@@ -337,5 +336,6 @@ def test_gemma3n_and_gemma4_text_limits(tmp_path):
     assert isinstance(hf, transformers.Gemma4ForCausalLM)
     assert spec.attention_layers == tuple(range(6)) and spec.sliding_layers == (0, 1, 2, 3, 4)
     assert hf.model.layers[5].self_attn.head_dim == 32 and spec.d_head == 16
-    with pytest.raises(ModelContractError, match="no pre-attention norm with a gain"):
-        key_path(model, 0)
+    assert key_path(model, 0).W_K.shape[-1] == 16  # a sliding layer: its norm gains are read through the wrapped module
+    with pytest.raises(Exception, match="attention geometry differs from the config-level scalars"):
+        key_path(model, 5)  # the global layer's wider head: the bridge's weights split by the one config head dim

@@ -123,9 +123,9 @@ def test_value_edit_on_hook_v_equals_the_pattern_edit(family, spiked, toks):
 def test_value_ablation_refuses_part_of_a_kv_group_and_mamba_layers(spiked, toks):
     model = spiked("jamba")  # hook_pattern read-only, hook_v holds 2 KV heads for 4 query heads
     with pytest.raises(ModelContractError, match="whole groups"):
-        value_ablation(model, toks, sink_heads=[(3, 0)], all_heads=False, later=False)
+        value_ablation(model, toks, sink_heads=[(2, 0)], all_heads=False, later=False)  # Jamba-v0.1: attention at 2
     with pytest.raises(ValueError, match="not an attention layer"):
-        value_ablation(model, toks, sink_heads=[(2, 0)])
+        value_ablation(model, toks, sink_heads=[(3, 0)])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
