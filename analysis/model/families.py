@@ -56,7 +56,7 @@ MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
                        "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
                        "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral",
-                       "olmoe", "smollm3", "llama4_text", "glm4", "cohere", "granitemoe", "falcon_h1"})
+                       "olmoe", "smollm3", "llama4_text", "glm4", "cohere", "granitemoe", "falcon_h1", "phimoe"})
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
