@@ -113,6 +113,7 @@ def test_model_without_norm_gain(planted, monkeypatch):
         norm_gain_trace(planted, planted_tokens(2, 8), layer=1)
     monkeypatch.undo()
     monkeypatch.setattr(planted.blocks[1].ln1, "w", None, raising=False)
+    monkeypatch.setattr("analysis.model.key_path.live_tensor", lambda *a, **k: None)  # nor through the wrapped module
     with pytest.raises(ModelContractError, match="raw weights"):
         norm_gain_trace(planted, planted_tokens(2, 8), layer=1)
 

@@ -60,6 +60,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     from analysis.causal.attribution import attribution_check
     from analysis.dynamics.formation import load_formation
     from analysis.report.one_pass import ANALYSES, FOLLOW_UPS
+    from analysis.quant.run import quant_study
     from analysis.streaming import streaming_perplexity
 
     gen = torch.Generator().manual_seed(0)
@@ -89,6 +90,8 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["StreamResult"] = streaming_perplexity(one, torch.randint(3, 96, (48,), generator=gen), window=16,
                                                sinks=(0, 1), bits=(), newline_sinks=None, recompute_every=None)
     out["FormationOrder"] = load_formation("induction/formation")  # committed: its runs take minutes to measure
+    out["QuantResult"] = quant_study("synthetic-softmax", a_bits=(4,), granularities=("tensor",), T=48, n_eval=2,
+                                     calib_tokens=48, seeds=(0,), prefix_len=1, n_candidates=1, kv_bits=(), origin=False)
     return out
 
 
