@@ -225,3 +225,30 @@ def test_small_max_memory_without_folder(tmp_path):
     d = make_family_dir("llama", tmp_path / "m")
     with pytest.raises(ValueError, match="offload"):
         load_model(str(d), device_map="auto", max_memory={"cpu": "20KB"})
+
+
+def test_stream_cli_on_split_model(tmp_path, capsys):
+    """``stream --device-map``: a tiny Llama with its second block on disk gives the one-device policy table (every
+    NLL, perplexity and sink share), the map is refused for a reference model, and an unknown name is one line (no traceback)."""
+    from analysis.__main__ import main
+
+    d = make_family_dir("llama", tmp_path / "model")
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    dm = tmp_path / "dm.json"
+    dm.write_text(json.dumps(split_device_map(str(d), {l: "disk" for l in range(n // 2, n)})))
+    assert "disk" in dm.read_text()
+    args = ["stream", "--model", str(d), "--window", "16", "--sinks", "0,2", "--tokens", "48", "--newline-sinks", "0",
+            "--quiet"]
+    assert main([*args, "--device", "cpu", "--json", str(tmp_path / "one.json")]) == 0
+    assert main([*args, "--device-map", str(dm), "--offload-folder", str(tmp_path / "off"),
+                 "--json", str(tmp_path / "split.json")]) == 0
+    one, split = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "split.json"))
+    speed = {"tokens_per_s", "seconds", "peak_mib", "peak_kv_mib"}
+    for a, b in zip(one["runs"] + one["table"], split["runs"] + split["table"]):
+        _close({k: v for k, v in a.items() if k not in speed}, {k: v for k, v in b.items() if k not in speed})
+    assert len(one["table"]) == len(split["table"]) > 3
+    capsys.readouterr()
+    assert main(["stream", "--model", "synthetic-softmax", "--device-map", "auto", "--quiet"]) == 2
+    assert "reference model" in capsys.readouterr().err
+    assert main(["stream", "--model", "no-such-model-xyz", "--device-map", "auto", "--quiet"]) == 2
+    assert "unknown model" in capsys.readouterr().err

@@ -631,7 +631,7 @@ def load_causal_lm(name_or_path: str, *, placement: Placement, dtype=None):
             or path.suffix.lower() == ".gguf":
         raise ValueError(f"{name} is a reference model or a GGUF file: the streaming run takes no device map for it; "
                          "drop --device-map / --max-memory / --offload-folder (use --device).")
-    src = str(smollm2_dir()) if name == DEFAULT_MODEL else (str(path) if path.exists() else hub_id(name))
+    src = str(smollm2_dir()) if name == DEFAULT_MODEL else (str(path) if path.exists() else check_hub(hub_id(name)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tok = AutoTokenizer.from_pretrained(src, local_files_only=Path(src).exists())
