@@ -229,7 +229,8 @@ def test_small_max_memory_without_folder(tmp_path):
 
 def test_stream_cli_on_split_model(tmp_path, capsys):
     """``stream --device-map``: a tiny Llama with its second block on disk gives the one-device policy table (every
-    NLL, perplexity and sink share), the map is refused for a reference model, and an unknown name is one line (no traceback)."""
+    NLL, perplexity and sink share), the map is refused for a reference model, and an unknown name is one line (no
+    traceback)."""
     from analysis.__main__ import main
 
     d = make_family_dir("llama", tmp_path / "model")
@@ -244,9 +245,9 @@ def test_stream_cli_on_split_model(tmp_path, capsys):
                  "--json", str(tmp_path / "split.json")]) == 0
     one, split = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "split.json"))
     speed = {"tokens_per_s", "seconds", "peak_mib", "peak_kv_mib"}
+    assert len(one["runs"]) == len(split["runs"]) and len(one["table"]) == len(split["table"]) > 3
     for a, b in zip(one["runs"] + one["table"], split["runs"] + split["table"]):
         _close({k: v for k, v in a.items() if k not in speed}, {k: v for k, v in b.items() if k not in speed})
-    assert len(one["table"]) == len(split["table"]) > 3
     capsys.readouterr()
     assert main(["stream", "--model", "synthetic-softmax", "--device-map", "auto", "--quiet"]) == 2
     assert "reference model" in capsys.readouterr().err

@@ -80,7 +80,8 @@ def newline_id(tokenizer) -> int:
     """
     ids = tokenizer.encode("\n", add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one. Leave them out (`--newline-sinks 0`; in Python `newline_sinks=None`).")
+        raise ValueError(f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one. "
+                         "Leave them out (`--newline-sinks 0`; in Python `newline_sinks=None`).")
     return int(ids[0])
 
 
