@@ -6,6 +6,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from analysis.core import reductions
+
 _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
@@ -51,12 +53,29 @@ def mean_pairwise_cosine(x: torch.Tensor, *, groups: torch.Tensor | None = None)
     return float((u @ u.T)[mask].mean()) if mask.any() else float("nan")
 
 
+def host_selection(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes numpy's selection on the host (a float32/float64 CPU tensor, where numpy's partition
+    is the fastest exact selection, a view, no copy); elsewhere the work stays on the tensor's device.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+
+    Returns
+    -------
+    bool
+    """
+    return x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS
+
+
 def lower_median(x: torch.Tensor, *, dim: int = -1, overwrite: bool = False, nonnegative: bool = False) -> torch.Tensor:
     """``x.median(dim).values`` (the lower of the two middle values for an even count; NaN where a slice holds a
     NaN), found by selection (``numpy.partition``) on the CPU instead of torch's full sort: ~5x faster on long
     slices. ``overwrite``: partition x itself (a scratch tensor: its order along ``dim`` is lost), saving a copy.
     ``nonnegative``: x holds no negative numbers (e.g. absolute values), whose bit patterns order as integers do:
-    selecting on the integers is faster. Other devices and dtypes use ``torch.median``.
+    selecting on the integers is faster. Other devices and dtypes select on the tensor's own device
+    (``analysis.core.reductions.lower_median``: a radix select over the bit patterns, never a sort), so nothing
+    goes to the host.
 
     Parameters
     ----------
@@ -71,8 +90,8 @@ def lower_median(x: torch.Tensor, *, dim: int = -1, overwrite: bool = False, non
     torch.Tensor
         ``x``'s shape without ``dim``.
     """
-    if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS or x.numel() == 0:
-        return x.median(dim=dim).values
+    if not host_selection(x) or x.numel() == 0:
+        return reductions.lower_median(x, dim=dim)
     a = np.moveaxis(x.detach().numpy(), dim, -1)
     k = (a.shape[-1] - 1) // 2
     keys = a.view(np.int32 if a.dtype == np.float32 else np.int64) if nonnegative else a
@@ -141,7 +160,7 @@ def flat_above(x: torch.Tensor, threshold: float) -> torch.Tensor:
     -------
     torch.LongTensor, shape (n,)
     """
-    if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS:
+    if not host_selection(x):
         return (x.flatten() > threshold).nonzero().squeeze(1)
     return torch.from_numpy(np.flatnonzero(x.detach().numpy() > threshold))
 

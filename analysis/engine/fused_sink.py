@@ -20,10 +20,13 @@ This module returns alpha as a tensor (``fused_alpha``); ``analysis.sinks.metric
 ``SinkResult``. The same pass can feed accumulators of the residual stream (``hook_resid_post``, e.g. massive
 activations) from the Hugging Face decoder layers' outputs, so an analysis that needs both gets them from one pass.
 
-Kernels (``fused_attention``): on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (masks, GQA);
-on CUDA ``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp=True``; elsewhere, or if the
-kernel refuses the inputs, ``F.scaled_dot_product_attention`` plus a log-sum-exp computed in query chunks
-(O(chunk x T) memory, never T x T at once).
+Kernels (``fused_attention``), chosen by one explicit table (``sink_kernel``, a pure function of device, dtype, head
+size, GQA and mask, tested on the CPU): on CUDA aten's flash attention (the kernel the model's own SDPA forward takes,
+with native grouped-query attention and the log-sum-exp), aten's efficient attention where flash does not take the
+inputs (an explicit mask, float32, an odd head size: K and V repeated per group); on CPU
+``aten._scaled_dot_product_flash_attention_for_cpu`` (masks, GQA); elsewhere ``F.scaled_dot_product_attention``
+plus a log-sum-exp computed in query chunks (O(chunk x T) memory, never T x T at once). A fallback from the table's
+first choice is logged once and recorded in the result (``meta["kernels"]``); no kernel error is caught.
 
 What the fused path cannot reproduce exactly, it refuses with ``FusedUnsupported`` (``unsupported_reason``
 says why before a run): attention-logit soft-capping (Gemma 2), learned sink logits (gpt-oss), additive
@@ -36,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -45,13 +50,14 @@ from torch import nn
 from analysis.model.families import attention_implementation, config_attention_layers
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, validate_token_ids
 from analysis.engine.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
+from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
 from analysis.core.stats import one_thread
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
-ALPHA_CHUNK_ELEMENTS = 2**22  # scores per block of query rows (16 MiB in float32): rows = this / (B x H x keys)
 EVERY_KEY_SHARE = 4  # alpha for more than T / this keys: attention_with_alpha; fewer: the fused kernel + alpha_from_lse
 
+LOG = logging.getLogger(__name__)
 _ACTIVE: contextvars.ContextVar["AlphaAccumulator | None"] = contextvars.ContextVar("fused_sink_acc", default=None)
 
 
@@ -113,8 +119,107 @@ def _reference_attention(query, key, value, mask, scale):
     return out, chunked_lse(query, key, scale, mask)
 
 
-def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float):
-    """Causal attention output (B, H, T, d) and row log-sum-exp (B, H, T) float32 from a fused kernel.
+@dataclass(frozen=True)
+class SinkKernel:
+    """The kernel that computes a layer's attention output and row log-sum-exp on the fused sink path.
+
+    Attributes
+    ----------
+    name : str
+        "flash" (aten's flash attention, CUDA), "efficient" (aten's memory-efficient attention, CUDA), "cpu-flash"
+        (aten's flash attention for the CPU) or "reference" (SDPA plus a log-sum-exp in query chunks, any device).
+    gqa : str
+        "native" (each KV head meets its group of query heads inside the kernel), "repeat" (K and V repeated per
+        query group before the call) or "none" (no grouping).
+    fallback : str
+        Empty for the kernel the table prefers on the device; else why it was not taken (logged once, recorded in
+        the result's ``meta["kernels"]``).
+    """
+
+    name: str
+    gqa: str
+    fallback: str = ""
+
+
+SINK_KERNELS = ("flash", "efficient", "cpu-flash", "reference")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def sink_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, gqa: bool, masked: bool,
+                prefer: str | None = None) -> SinkKernel:
+    """The kernel table of the fused sink path: a pure function of the device type, dtype, head size, grouped-query
+    attention and mask (a plain causal mask or an explicit one: padding, sliding windows).
+
+    =======  ==============================  ==============================================  ========
+    device   inputs                          kernel                                          GQA
+    =======  ==============================  ==============================================  ========
+    cuda     causal, fp16/bf16, d % 8 == 0,  flash (``aten._scaled_dot_product_flash_        native
+             d <= 256                        attention``: the model's own SDPA kernel, lse)
+    cuda     an explicit mask, or float32,   efficient (``aten._scaled_dot_product_          repeat
+             or another head size            efficient_attention``, lse), stated fallback
+    cpu      any                             cpu-flash (``aten._scaled_dot_product_flash_    native
+                                             attention_for_cpu``: masks, lse)
+    other    any                             reference (SDPA + chunked lse), stated          native
+    =======  ==============================  ==============================================  ========
+
+    Parameters
+    ----------
+    device_type : str
+        "cuda", "cpu", "mps", ...
+    dtype : torch.dtype
+        The queries' dtype.
+    head_dim : int
+    gqa : bool
+        Fewer KV heads than query heads.
+    masked : bool
+        An explicit mask (None: plainly causal).
+    prefer : str, optional
+        A kernel among ``SINK_KERNELS`` to take where the device has it (a benchmark's choice); None: the table's.
+
+    Returns
+    -------
+    SinkKernel
+    """
+    if prefer is not None and prefer not in SINK_KERNELS:
+        raise ValueError(f"prefer must be one of {list(SINK_KERNELS)} or None; got {prefer!r}.")
+    if prefer == "reference":
+        return SinkKernel("reference", "native", "asked for (prefer='reference')")
+    if device_type == "cpu":
+        return SinkKernel("cpu-flash", "native" if gqa else "none")
+    if device_type != "cuda":
+        return SinkKernel("reference", "native" if gqa else "none",
+                          f"no fused kernel with a log-sum-exp on {device_type!r}: SDPA plus a chunked log-sum-exp")
+    why = ("an explicit mask (padding or a sliding window)" if masked else
+           f"dtype {str(dtype).replace('torch.', '')} (flash takes float16/bfloat16)" if dtype not in FLASH_DTYPES else
+           f"head size {head_dim} (flash takes multiples of 8 up to {FLASH_MAX_HEAD_DIM})"
+           if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM else "")
+    if prefer == "efficient" and not why:
+        why = "asked for (prefer='efficient')"
+    if not why:
+        return SinkKernel("flash", "native" if gqa else "none")
+    return SinkKernel("efficient", "repeat" if gqa else "none", f"{why}: the efficient kernel, K and V repeated per "
+                      "query group" if gqa else f"{why}: the efficient kernel")
+
+
+_STATED: set[tuple[str, str]] = set()
+
+
+def state_fallback(kernel: SinkKernel) -> None:
+    """Log a kernel fallback once per process (the result records it for every run).
+
+    Parameters
+    ----------
+    kernel : SinkKernel
+    """
+    if kernel.fallback and (kernel.name, kernel.fallback) not in _STATED:
+        _STATED.add((kernel.name, kernel.fallback))
+        LOG.warning("fused sink path: kernel %r, not the table's first choice: %s.", kernel.name, kernel.fallback)
+
+
+def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, *, kernel: SinkKernel | None = None):
+    """Causal attention output (B, H, T, d) and row log-sum-exp (B, H, T) float32 from the kernel ``sink_kernel``
+    picks for these inputs.
 
     ``query`` (B, H, T, d); ``key``/``value`` (B, H_kv, T, d) with H a multiple of H_kv; ``mask`` None (causal)
     or (B, 1, T, T) boolean (True = attend) / additive float.
@@ -125,101 +230,37 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float):
     key, value : torch.Tensor, shape (B, H_kv, T, d)
     mask : torch.Tensor, shape (B, 1, T, T), or None
     scale : float
+    kernel : SinkKernel, optional
+        The kernel; None: ``sink_kernel``'s choice.
 
     Returns
     -------
     output : torch.Tensor, shape (B, H, T, d)
     lse : torch.Tensor, shape (B, H, T)
     """
-    T = query.shape[-2]
-    if query.device.type == "cpu":
+    T, group = query.shape[-2], query.shape[1] // key.shape[1]
+    if kernel is None:
+        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=group > 1, masked=mask is not None)
+    if kernel.name == "cpu-flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, mask is None, attn_mask=_additive(mask, query.dtype), scale=scale
         )
-    if query.device.type == "cuda":
-        group = query.shape[1] // key.shape[1]
+    if kernel.name == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                       scale=scale)[:2]
+        return out, lse.float()
+    if kernel.name == "efficient":
         k, v = (x.repeat_interleave(group, dim=1) for x in (key, value)) if group > 1 else (key, value)
-        try:
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, k, v, _additive(mask, query.dtype), True, 0.0, mask is None, scale=scale
-            )[:2]
-            return out, lse[..., :T].float()  # the kernel may pad the lse rows to a multiple of 32
-        except RuntimeError:  # inputs the kernel does not take (head size, dtype): the reference path
-            pass
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, k, v, _additive(mask, query.dtype), True, 0.0, mask is None, scale=scale
+        )[:2]
+        return out, lse[..., :T].float()  # the kernel may pad the lse rows to a multiple of 32
     return _reference_attention(query, key, value, mask, scale)
 
 
 # ----------------------------------------------------------------------------------------------
 # alpha from the log-sum-exp
 # ----------------------------------------------------------------------------------------------
-
-
-def _hide(scores: torch.Tensor, s: int, e: int, kc: int, mask: torch.Tensor | None, fill: float) -> None:
-    """Set, in place, the entries of a block of scores (B, H_kv, g, e - s, kc) (query rows s..e-1 against keys
-    0..kc-1) that a query does not see to ``fill``: the keys after it (j > i) and those ``mask`` hides ((B, 1 or H,
-    T, T) boolean, True = attend, or additive float, -inf = hidden)."""
-    if kc > s + 1:  # keys after the query in the block's diagonal part
-        later = torch.arange(s, kc, device=scores.device)[None, :] > torch.arange(s, e, device=scores.device)[:, None]
-        scores[..., s:kc].masked_fill_(later, fill)
-    if mask is not None:
-        m = mask[..., s:e, :kc]
-        hidden = ~m if m.dtype == torch.bool else m == float("-inf")
-        H_kv, group = scores.shape[1:3]
-        scores.masked_fill_(hidden[:, :, None] if hidden.shape[1] == 1 else hidden.unflatten(1, (H_kv, group)), fill)
-
-
-def _block_rows(B: int, H: int, k_max: int, chunk_elements: int) -> int:
-    return max(16, int(chunk_elements) // max(1, B * H * k_max))
-
-
-def alpha_from_lse(query, key, lse, scale: float, k_max: int, *, mask: torch.Tensor | None = None,
-                   chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
-    """alpha_k for keys 1..k_max, (B, H, k_max) float32, from q (B, H, T, d), k (B, H_kv, T, d) and lse (B, H, T).
-
-    Same convention as ``analysis.sinks.metric.alpha_from_pattern``: the queries a key is averaged over are i >= k,
-    counted T - k + 1 times (1-based k); entries the mask hides (sliding windows) count as zero attention.
-    ``mask``: None (causal) or (B, 1 or H, T, T), boolean (True = attend) or additive float (-inf = hidden).
-
-    The column sums of A[i, k] = exp(q_i . k_k * scale - lse_i) are taken over blocks of query rows, each block
-    against the keys its rows can see (j <= i, so the work is the causal triangle, not the square), with at most
-    ``chunk_elements`` scores at a time. Query head h reads KV head h // (H / H_kv); each KV head's keys meet the
-    queries of its group in one matrix product. For many keys (k_max near T) :func:`attention_with_alpha`, which
-    computes the attention output in the same blocks, costs less than the fused kernel plus this.
-
-    Parameters
-    ----------
-    query : torch.Tensor, shape (B, H, T, d)
-    key : torch.Tensor, shape (B, H_kv, T, d)
-    lse : torch.Tensor, shape (B, H, T)
-        The rows' log-sum-exp.
-    scale : float
-    k_max : int
-    mask : torch.Tensor, shape (B, 1 or H, T, T), optional
-    chunk_elements : int
-        The most scores held at a time.
-
-    Returns
-    -------
-    torch.Tensor, shape (B, H, k_max)
-    """
-    B, H, T, d = query.shape
-    k_max = min(int(k_max), T)
-    H_kv = key.shape[1]
-    group = H // H_kv
-    q = query.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T, d)
-    keys = key[..., :k_max, :].float()  # (B, H_kv, K, d)
-    lse = lse.float().unflatten(1, (H_kv, group))  # (B, H_kv, g, T)
-    rows = _block_rows(B, H, k_max, chunk_elements)
-    sums = torch.zeros(B, H_kv, group, k_max, dtype=torch.float64, device=query.device)
-    for s in range(0, T, rows):
-        e = min(s + rows, T)
-        kc = min(e, k_max)  # the keys a query row of this block can see: j <= i < e
-        sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ keys[..., :kc, :].transpose(-1, -2)
-        sc = sc.view(B, H_kv, group, e - s, kc).mul_(scale).sub_(lse[..., s:e, None]).exp_()
-        _hide(sc, s, e, kc, mask, 0.0)
-        sums[..., :kc] += sc.sum(dim=-2)
-    counts = (T - torch.arange(k_max, device=query.device)).double()  # T - k + 1 for 1-based k
-    return (sums / counts).float().flatten(1, 2)
 
 
 def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: float, *,
@@ -256,11 +297,11 @@ def attention_with_alpha(query, key, value, mask: torch.Tensor | None, scale: fl
         k, v = key.float(), value.float()
         out = torch.empty(B, H_kv, group, T, v.shape[-1], device=query.device)
         sums = torch.zeros(B, H_kv, group, T, dtype=torch.float64, device=query.device)
-        rows = _block_rows(B, H, T, chunk_elements)
+        rows = block_rows(B, H, T, chunk_elements)
         for s in range(0, T, rows):
             e = min(s + rows, T)
             sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ k[..., :e, :].transpose(-1, -2)
-            _hide(sc.view(B, H_kv, group, e - s, e), s, e, e, mask, float("-inf"))
+            hide_scores(sc.view(B, H_kv, group, e - s, e), s, e, e, mask, float("-inf"))
             sc.sub_(sc.amax(-1, keepdim=True)).exp_()
             sc.div_(sc.sum(-1, keepdim=True))  # the attention A[i, j] of rows s..e-1
             out[..., s:e, :] = (sc @ v[..., :e, :]).view(B, H_kv, group, e - s, -1)
@@ -275,8 +316,9 @@ class AlphaAccumulator(Accumulator):
     each batch (checks every layer reported), ``result()`` at the end. It reads no hook: the fused attention
     function hands it each layer's alpha as ``{"alpha": (B, H, K)}``."""
 
-    def __init__(self, layers, k_max: int):
-        self.layers, self.k_max = [int(l) for l in layers], int(k_max)
+    def __init__(self, layers, k_max: int, *, prefer: str | None = None):
+        self.layers, self.k_max, self.prefer = [int(l) for l in layers], int(k_max), prefer
+        self.kernels: dict[str, str] = {}  # kernel name -> its fallback reason ("" for the table's first choice)
         self._current: dict[int, torch.Tensor] = {}
         self._chunks: list[torch.Tensor] = []
         self.calls = 0  # attention calls seen in this batch (the layer index where a module has none)
@@ -287,7 +329,7 @@ class AlphaAccumulator(Accumulator):
     def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch | None = None) -> None:
         if layer not in self.layers:
             raise FusedUnsupported(f"attention reported layer {layer}, not among the attention layers {self.layers}.")
-        self._current[layer] = acts["alpha"].cpu()
+        self._current[layer] = acts["alpha"]  # on the layer's device until the batch ends: one copy per batch
         self.calls += 1
 
     def end_batch(self, batch: Batch | None = None, logits: torch.Tensor | None = None) -> None:
@@ -301,7 +343,8 @@ class AlphaAccumulator(Accumulator):
                 f"layers {missing} did not report to the fused attention function (a module that bypasses the "
                 "AttentionInterface); alpha there needs the eager path."
             )
-        self._chunks.append(torch.stack([self._current[l] for l in self.layers], dim=1))  # (B, L, H, K)
+        self._chunks.append(torch.stack([self._current[l].to(self._current[self.layers[0]].device)
+                                         for l in self.layers], dim=1).cpu())  # (B, L, H, K)
         self._current = {}
         self.calls = 0
 
@@ -362,10 +405,15 @@ def sink_attention_forward(module, query, key, value, attention_mask, dropout=0.
     if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
         mask = mask[..., : key.shape[-2]]
     if acc.k_max > query.shape[-2] // EVERY_KEY_SHARE:  # many keys: the attention and alpha in one blocked pass
+        acc.kernels.setdefault("blocked (every key)", "")
         out, alpha = attention_with_alpha(query, key, value, mask, scale)
         alpha = alpha[..., : acc.k_max]
     else:
-        out, lse = fused_attention(query, key, value, mask, scale)
+        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=query.shape[1] > key.shape[1],
+                             masked=mask is not None, prefer=acc.prefer)
+        state_fallback(kernel)
+        acc.kernels.setdefault(kernel.name, kernel.fallback)
+        out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
         alpha = alpha_from_lse(query, key, lse, scale, acc.k_max, mask=mask)
     layer = getattr(module, "layer_idx", None)
     layer = acc.layers[min(acc.calls, len(acc.layers) - 1)] if layer is None else int(layer)
@@ -571,7 +619,8 @@ class _ResidTaps:
 
 
 def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
-                accumulators: Sequence[Accumulator] = ()) -> torch.Tensor:
+                accumulators: Sequence[Accumulator] = (), kernel: str | None = None,
+                record: dict | None = None) -> torch.Tensor:
     """alpha from one fused forward pass of ``model`` per batch.
 
     The base model runs without a KV cache and without the unembedding (alpha needs neither).
@@ -591,6 +640,10 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
     accumulators : sequence of Accumulator
         Accumulators (``analysis.engine.passes.Accumulator``) that read only ``hook_resid_post``, fed in the same pass from the
         decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
+    kernel : str, optional
+        A kernel among ``SINK_KERNELS`` to prefer where the device has it (benchmarks); None: ``sink_kernel``'s table.
+    record : dict, optional
+        Filled with ``{"kernels": {name: fallback reason or ""}}``: the kernels the layers took.
 
     Returns
     -------
@@ -605,7 +658,7 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
     tokens = check_fused_tokens(model, tokens)
     if not 1 <= int(k_max) <= tokens.shape[1]:
         raise ValueError(f"k_max must lie in [1, T={tokens.shape[1]}]; got {k_max}.")
-    acc = AlphaAccumulator(fused_layers(model), k_max)
+    acc = AlphaAccumulator(fused_layers(model), k_max, prefer=kernel)
     taps = _ResidTaps(model, accumulators)
     device = next(hf.parameters()).device
     bs = batch_size or default_batch_size(tokens)
@@ -625,4 +678,6 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
                 taps.end_batch()
     finally:
         _ACTIVE.reset(token)
+    if record is not None:
+        record["kernels"] = dict(acc.kernels)
     return acc.result()

@@ -285,6 +285,7 @@ class SinkResult(Result, LayerAxis):
             "layers": list(self.layers),  # true layer index of each [layer] entry below
             **({"bos": self.meta["bos"]} if self.meta.get("bos") else {}),  # does the first token hold the BOS?
             **({"skipped": self.skipped} if self.skipped else {}),
+            **({"kernels": self.meta["kernels"]} if self.meta.get("kernels") else {}),  # the fused path's kernels
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
             "per_head_alpha": self.per_head_alpha.permute(2, 0, 1).tolist(),  # [k][layer][head]
             **({"sink_slot_pct": round(self.slot_sink_rate(), 4), "per_head_slot": self.per_head_slot().tolist()}
@@ -464,10 +465,11 @@ def sink_metric_fused(model, tokens, *, eps: float | None = None, k_max: int | N
     tokens = check_fused_tokens(model, tokens)
     T = tokens.shape[1]
     eps = check_eps(SINK_EPS if eps is None else eps)
+    record: dict = {}
     alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size=batch_size, progress=progress,
-                        accumulators=accumulators)
+                        accumulators=accumulators, record=record)
     skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
-    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused"},
+    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused", **record},
                       layers=fused_layers(model), skipped=skipped)
 
 
