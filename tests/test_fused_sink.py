@@ -10,6 +10,7 @@ from analysis.engine.fused_sink import (
     fused_alpha,
     fused_attention,
     hf_model,
+    sink_kernel,
     unsupported_reason,
 )
 from analysis.sinks.metric import alpha_from_pattern, sink_metric, sink_metric_fused
@@ -134,6 +135,10 @@ def test_sink_metric_paths(tiny_llama, device):
     tokens = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(2))
     fused, eager, auto = (sink_metric(tiny_llama, tokens, k_max=8, path=p) for p in ("fused", "eager", "auto"))
     assert (fused.meta["path"], eager.meta["path"], auto.meta["path"]) == ("fused", "eager", "fused")
+    # the kernel the table chose is recorded (bf16/fp16 on CUDA take flash; this float32 model the stated fallback)
+    want = {"cpu": {"cpu-flash": ""}}.get(device)
+    assert fused.meta["kernels"] == want if want else set(fused.meta["kernels"]) <= {"flash", "efficient"}
+    assert fused.to_dict()["kernels"] == fused.meta["kernels"]
     assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL) and torch.equal(auto.alpha, fused.alpha)
     with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: x * 0)]):
         hooked = sink_metric(tiny_llama, tokens, k_max=8)  # "auto" must not skip the hook
@@ -143,3 +148,53 @@ def test_sink_metric_paths(tiny_llama, device):
             sink_metric(tiny_llama, tokens, path="fused")
     with pytest.raises(ValueError, match="path must be"):
         sink_metric(tiny_llama, tokens, path="flash")
+
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("device_type, dtype, d, gqa, masked, name, native, stated", [
+    ("cuda", BF16, 128, True, False, "flash", "native", False),  # the 8B shape: flash, native GQA, no fallback
+    ("cuda", F16, 64, False, False, "flash", "none", False),
+    ("cuda", BF16, 128, True, True, "efficient", "repeat", True),  # a sliding window or padding mask
+    ("cuda", F32, 64, True, False, "efficient", "repeat", True),  # flash takes 16-bit floats only
+    ("cuda", BF16, 12, False, False, "efficient", "none", True),  # head size not a multiple of 8
+    ("cuda", BF16, 512, True, False, "efficient", "repeat", True),  # head size above flash's 256
+    ("cpu", F32, 8, True, True, "cpu-flash", "native", False),
+    ("cpu", BF16, 128, True, False, "cpu-flash", "native", False),
+    ("mps", F16, 64, True, False, "reference", "native", True),
+])
+def test_sink_kernel_table(device_type, dtype, d, gqa, masked, name, native, stated):
+    k = sink_kernel(device_type, dtype, d, gqa=gqa, masked=masked)
+    assert (k.name, k.gqa, bool(k.fallback)) == (name, native, stated)
+    if stated:  # the fallback says why in words
+        assert any(w in k.fallback for w in ("mask", "dtype", "head size", "no fused kernel"))
+
+
+def test_sink_kernel_table_preferences_and_bad_names():
+    assert sink_kernel("cuda", BF16, 128, gqa=True, masked=False, prefer="efficient").name == "efficient"
+    assert "asked for" in sink_kernel("cuda", BF16, 128, gqa=True, masked=False, prefer="efficient").fallback
+    assert sink_kernel("cuda", BF16, 128, gqa=True, masked=False, prefer="reference").name == "reference"
+    assert sink_kernel("cpu", F32, 8, gqa=False, masked=False, prefer="flash").name == "cpu-flash"  # not on a CPU
+    with pytest.raises(ValueError, match="prefer must be one of"):
+        sink_kernel("cuda", BF16, 128, gqa=True, masked=False, prefer="flashy")
+
+
+def test_fused_attention_the_reference_kernel_equals_the_table_kernel(device):
+    """Every kernel the table can name on this device gives the same output and lse (the reference anywhere)."""
+    q, k, v = (x.to(device) for x in _qkv(d=16))
+    ref = sink_kernel("mps", q.dtype, 16, gqa=True, masked=False)
+    got, want = fused_attention(q, k, v, None, 0.3), fused_attention(q, k, v, None, 0.3, kernel=ref)
+    assert all(torch.allclose(a, b, atol=tol(device, 1e-5)) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel runs on CUDA only")
+def test_flash_kernel_native_gqa_lse_on_cuda():
+    """bf16, head size 64, 4 query heads per KV head: flash's lse and output against float32 math."""
+    q, k, v = (x.cuda().bfloat16() for x in _qkv(B=1, H=8, H_kv=2, T=64, d=64))
+    kern = sink_kernel("cuda", torch.bfloat16, 64, gqa=True, masked=False)
+    out, lse = fused_attention(q, k, v, None, 0.125, kernel=kern)
+    scores = (q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2) * 0.125)
+    scores = scores.masked_fill(~_window(64, 64, B=1).cuda(), float("-inf"))
+    assert kern.name == "flash" and torch.allclose(lse, scores.logsumexp(-1), atol=2e-2)
+    assert torch.allclose(out.float(), scores.softmax(-1) @ v.float().repeat_interleave(4, 1), atol=2e-2)

@@ -33,6 +33,7 @@ from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, S
 from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result, layer_runs
+from analysis.core.reductions import top_k_abs
 from analysis.core.stats import flat_above, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -332,13 +333,13 @@ class MassiveAccumulator(Accumulator):
         self.abs_threshold, self.ratio_threshold, self.min_share = float(abs_threshold), float(ratio_threshold), float(min_share)
         self.median_over = median_over
         self.index = {l: i for i, l in enumerate(self.layers)}
-        L = len(self.layers)
-        self.flag_samples = torch.zeros(L, D, dtype=torch.long)
-        self.flag_first = torch.zeros(L, D, dtype=torch.long)
-        self.first_sum, self.first_abs, self.other_max = (torch.zeros(L, D, dtype=torch.float64) for _ in range(3))
-        self.top = LayerCollector(self.layers)  # (N, L, 3K + 1): values, positions, dims, median
-        self.flag_rows: list[torch.Tensor] = []  # (sample, pos, dim, layer_idx, |a|, ratio) per flagged activation
-        self.tokens: list[torch.Tensor] = []
+        self.top = LayerCollector(self.layers)  # (N, L, 3K + 2): values, positions, dims, median, top tokens
+        # per layer, on the layer's own device until the result: the first token's signed sum, |a| sum, the mean
+        # max |a| at t > 0 (float64, (3, D)), and the per-dim flag counts (long, (2, D): any position, first token)
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, torch.Tensor] = {}
+        self.flag_rows: list[torch.Tensor] = []  # (sample, pos, dim, layer_idx, |a|, ratio, token) per flag, on device
+        self.n_samples, self.T = 0, 0
 
     def hooks(self):
         return {l: {"resid": resid_hook(l, hook=self.hook)} for l in self.layers}
@@ -351,71 +352,68 @@ class MassiveAccumulator(Accumulator):
                                      f"expected d_model={self.D}.")
         i, a = self.index[layer], x.detach().float().abs()
         flat = a.reshape(a.shape[0], -1)
-        v, idx = _top_k(a, self.K)
-        self.first_sum[i] += x[:, 0].detach().double().sum(0).cpu()
-        self.first_abs[i] += a[:, 0].double().sum(0).cpu()
+        v, idx = top_k_abs(a, self.K)
+        if i not in self.sums:
+            self.sums[i] = torch.zeros(3, self.D, dtype=torch.float64, device=a.device)
+            self.counts[i] = torch.zeros(2, self.D, dtype=torch.long, device=a.device)
+        self.sums[i][0] += x[:, 0].detach().double().sum(0)
+        self.sums[i][1] += a[:, 0].double().sum(0)
         if a.shape[1] > 1:
-            self.other_max[i] += a[:, 1:].amax(dim=1).double().sum(0).cpu()
+            self.sums[i][2] += a[:, 1:].amax(dim=1).double().sum(0)
+        tokens = batch.tokens.to(a.device)
         f = flat_above(a, self.abs_threshold).to(a.device)  # the candidates for Sun et al.'s flags (few)
         vals = a.reshape(-1)[f]
         ref = lower_median(a, nonnegative=True).to(a.device).reshape(-1) if self.median_over == "token" else None
         med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
-        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None]], -1))
-        self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], a.shape[1], batch)
+        top_tok = tokens.gather(1, idx // self.D).float()
+        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None], top_tok], -1))
+        self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], tokens, batch)
 
-    def _flags(self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, T: int, batch: Batch) -> None:
+    def _flags(self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor,
+               batch: Batch) -> None:
         """Sun et al.'s flags among the activations above abs_threshold (flat indices ``f`` into (B, T, D), |a|
         ``vals``): |a| >= ratio_threshold x ``ref``, the median of their hidden state; per-dim sample counts and
-        the flagged rows."""
+        the flagged rows, kept on the layer's device."""
         keep = vals >= self.ratio_threshold * ref
         f, vals, ref = f[keep], vals[keep], ref[keep]
         if not f.numel():
             return
+        T = tokens.shape[1]
         b, t, d = f // (T * self.D), f // self.D % T, f % self.D
-        self.flag_samples[i] += torch.bincount(torch.unique(b * self.D + d) % self.D, minlength=self.D).cpu()
-        self.flag_first[i] += torch.bincount(d[t == 0], minlength=self.D).cpu()
-        cols = [b + batch.offset, t, d, torch.full_like(b, i), vals, vals / ref.clamp_min(1e-30)]
-        self.flag_rows.append(torch.stack([c.double() for c in cols], 1).cpu())
+        self.counts[i][0] += torch.bincount(torch.unique(b * self.D + d) % self.D, minlength=self.D)
+        self.counts[i][1] += torch.bincount(d[t == 0], minlength=self.D)
+        cols = [b + batch.offset, t, d, torch.full_like(b, i), vals, vals / ref.clamp_min(1e-30), tokens[b, t]]
+        self.flag_rows.append(torch.stack([c.double() for c in cols], 1))
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.top.end_batch()
-        self.tokens.append(batch.tokens.cpu())
+        self.n_samples += batch.tokens.shape[0]
+        self.T = batch.tokens.shape[1]
+
+    def _per_dim(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-layer sums (L, 3, D) and flag counts (L, 2, D), on the host: one copy per layer after the pass."""
+        zeros = (torch.zeros(3, self.D, dtype=torch.float64), torch.zeros(2, self.D, dtype=torch.long))
+        sums = [self.sums[i].cpu() if i in self.sums else zeros[0] for i in range(len(self.layers))]
+        counts = [self.counts[i].cpu() if i in self.counts else zeros[1] for i in range(len(self.layers))]
+        return torch.stack(sums), torch.stack(counts)
 
     def result(self) -> "MassiveActivations":
-        tokens, top, K = torch.cat(self.tokens), self.top.result(), self.K
-        N, T = tokens.shape
-        top_pos, top_dim = top[..., K : 2 * K].long(), top[..., 2 * K : 3 * K].long()
-        top_token = torch.gather(tokens[:, None, :].expand(N, len(self.layers), T), 2, top_pos)
-        flagged = _flag_table(self.flag_rows, tokens, self.layers)
+        top, K, N, T = self.top.result(), self.K, self.n_samples, self.T
+        sums, counts = self._per_dim()
+        top_pos, top_dim = (top[..., j * K : (j + 1) * K].long() for j in (1, 2))
+        top_token = top[..., 3 * K + 1 :].long()
+        flagged = _flag_table([r.cpu() for r in self.flag_rows], self.layers)
         ids = sorted(set(top_token.flatten().tolist()) | set(flagged["token_id"].tolist()))
         text = dict(zip(ids, token_strings(self.model, ids)))
         flagged.insert(4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index))
         return MassiveActivations(
             layers=self.layers, hook=self.hook, top_k=K, abs_threshold=self.abs_threshold, ratio_threshold=self.ratio_threshold,
             min_share=self.min_share, n_samples=N, T=T, median_over=self.median_over, top_values=top[..., :K],
-            top_pos=top_pos, top_dim=top_dim, top_token=top_token, median=top[..., 3 * K], flag_samples=self.flag_samples,
-            flag_first=self.flag_first, first_mean=(self.first_sum / N).float(), first_abs=(self.first_abs / N).float(),
-            other_abs_max=(self.other_max / N).float(), flagged=flagged, token_text=text,
+            top_pos=top_pos, top_dim=top_dim, top_token=top_token, median=top[..., 3 * K], flag_samples=counts[:, 0].clone(),
+            flag_first=counts[:, 1].clone(), first_mean=(sums[:, 0] / N).float(), first_abs=(sums[:, 1] / N).float(),
+            other_abs_max=(sums[:, 2] / N).float(), flagged=flagged, token_text=text,
             model_name=getattr(self.model, "model_name", None), kind=self.kind,
         )
-
-
-def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a.reshape(B, -1).topk(k, dim=-1)`` for a (B, T, D), read off the k + 1 positions with the largest maxima:
-    they hold a sample's k + 1 largest values, so where those are all distinct the top k (values, flat indices)
-    are unique and equal torch's; samples with ties (or NaN) among them take topk over the whole sample, which
-    decides among equal values."""
-    B, T, D = a.shape
-    flat = a.reshape(B, -1)
-    if T <= k:
-        return flat.topk(k, dim=-1)
-    rows = a.amax(-1).topk(k + 1, dim=-1).indices  # (B, k + 1)
-    v, j = a.gather(1, rows[..., None].expand(B, k + 1, D)).reshape(B, -1).topk(k + 1, dim=-1)
-    idx = rows.gather(1, j // D) * D + j % D
-    v, idx, tied = v[:, :k].contiguous(), idx[:, :k].contiguous(), ~(v[:, :-1] > v[:, 1:]).all(-1)
-    if tied.any():
-        v[tied], idx[tied] = flat[tied].topk(k, dim=-1)
-    return v, idx
 
 
 def criterion_text(abs_threshold: float, ratio_threshold: float) -> str:
@@ -594,22 +592,20 @@ def first_token_spike_dims(model, tokens, *, hook: str = "resid_pre", layers=Non
     return ma.first_token_dims
 
 
-def _flag_table(rows: list[torch.Tensor], tokens: torch.Tensor, layers: list[int]) -> pd.DataFrame:
-    """Collapse flagged activations to one row per (sample, position, dim), with its layer range."""
+def _flag_table(rows: list[torch.Tensor], layers: list[int]) -> pd.DataFrame:
+    """Collapse flagged activations to one row per (sample, position, dim), with its layer range and token id."""
     cols = ["sample", "position", "dim", "token_id", "first_layer", "last_layer", "n_layers", "max_abs", "max_ratio"]
     if not rows:
         return pd.DataFrame({c: pd.Series(dtype="int64" if c not in ("max_abs", "max_ratio") else "float64") for c in cols})
     r = torch.cat(rows)
-    df = pd.DataFrame(r.numpy(), columns=["sample", "position", "dim", "li", "abs", "ratio"])
-    for c in ("sample", "position", "dim", "li"):
+    df = pd.DataFrame(r.numpy(), columns=["sample", "position", "dim", "li", "abs", "ratio", "token_id"])
+    for c in ("sample", "position", "dim", "li", "token_id"):
         df[c] = df[c].astype("int64")
     df["layer"] = np.asarray(layers, dtype="int64")[df["li"].to_numpy()]
     g = df.groupby(["sample", "position", "dim"]).agg(
-        first_layer=("layer", "min"), last_layer=("layer", "max"), n_layers=("layer", "size"),
-        max_abs=("abs", "max"), max_ratio=("ratio", "max")).reset_index()
-    tid = tokens.numpy()[g["sample"].to_numpy(), g["position"].to_numpy()]
-    g.insert(3, "token_id", tid)
-    return g
+        token_id=("token_id", "first"), first_layer=("layer", "min"), last_layer=("layer", "max"),
+        n_layers=("layer", "size"), max_abs=("abs", "max"), max_ratio=("ratio", "max")).reset_index()
+    return g[cols]
 
 
 def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivations]:

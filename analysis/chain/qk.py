@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, per_query_head, qk_hook_names
-from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy, unit_vectors
@@ -177,9 +177,7 @@ class QKAccumulator(Accumulator):
         self.H = facts.dims.n_heads
         L = len(self.layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.sums = {name: torch.zeros(L, self.H, dtype=torch.float64) for name in _STATS}
-        self.hist_first = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
-        self.hist_other = torch.zeros(L, self.H, N_BINS, dtype=torch.float64)
+        self.sums = RunningSums(L)  # per head sums and cosine histograms, on each layer's device until the result
         self.counts = dict.fromkeys(("first", "other", "q", "k1", "kj", "n"), 0)
         self._other = torch.zeros(0, dtype=torch.long)  # flat indices of the keys 1 <= j <= t (``_other_keys``)
 
@@ -215,18 +213,19 @@ class QKAccumulator(Accumulator):
         kk = per_query_head(k_norm, H)  # (B,T,H)
         for name, x in (("cos_first", first.sum(-1)), ("cos_other", other.sum(-1)), ("k_first_norm", kk[:, 0].sum(0)),
                         ("q_norm", q_norm.sum(dim=(0, 1))), ("k_other_norm", kk[:, 1:].sum(dim=(0, 1)))):
-            self.sums[name][i] += x.cpu()
-        self.hist_first[i] += cosine_hist(first).cpu()
-        self.hist_other[i] += cosine_hist(other).cpu()
+            self.sums.add(name, i, x)
+        self.sums.add("hist_first", i, cosine_hist(first))
+        self.sums.add("hist_other", i, cosine_hist(other))
         if i == 0:
             for key, n in (("first", first.shape[1]), ("other", other.shape[1]), ("q", B * T), ("k1", B), ("kj", B * (T - 1)), ("n", B)):
                 self.counts[key] += n
 
     def result(self) -> QKAngles:
         norm = {"cos_first": "first", "cos_other": "other", "q_norm": "q", "k_first_norm": "k1", "k_other_norm": "kj"}
-        out = {name: (self.sums[name] / self.counts[norm[name]]).float() for name in _STATS}
-        return QKAngles(self.layers, **out, hist_first=(self.hist_first / self.counts["first"]).float(),
-                        hist_other=(self.hist_other / self.counts["other"]).float(), bin_edges=torch.linspace(-1, 1, N_BINS + 1),
+        h = self.sums.host
+        out = {name: (h(name, (self.H,)) / self.counts[norm[name]]).float() for name in _STATS}
+        return QKAngles(self.layers, **out, hist_first=(h("hist_first", (self.H, N_BINS)) / self.counts["first"]).float(),
+                        hist_other=(h("hist_other", (self.H, N_BINS)) / self.counts["other"]).float(), bin_edges=torch.linspace(-1, 1, N_BINS + 1),
                         n_samples=self.counts["n"], model_name=getattr(self.model, "model_name", None), kind=self.kind,
                         skipped=self.spec.skipped_text())
 

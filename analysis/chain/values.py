@@ -33,7 +33,7 @@ from analysis.model.hooks import (
     skipped_note,
 )
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 from analysis.sinks.metric import SinkResult, alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine
@@ -293,13 +293,12 @@ class ValueNormsAccumulator(Accumulator):
     def __init__(self, model, layers, T: int, *, kind: str | None = None, facts: ModelFacts | None = None):
         dims = model_facts(model, facts=facts).dims
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
-        L, f64 = len(self.layers), torch.float64
+        L = len(self.layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.by_pos = torch.zeros(L, self.K, T, dtype=f64)
-        self.alpha_sum = torch.zeros(L, self.H, dtype=f64)
-        self.share_sum = torch.zeros(L, self.H, dtype=f64)
-        self.unit_first = torch.zeros(L, self.K, dims.d_head or 1, dtype=f64)  # |sum of unit vectors|^2 gives the
-        self.unit_other = torch.zeros_like(self.unit_first)  # mean pairwise cosine
+        # on each layer's device until the result: |v| by position (K, T), alpha_1 and the first value's share (H,),
+        # the sums of unit vectors (K, d), whose |sum|^2 gives the mean pairwise cosine
+        self.sums = RunningSums(L)
+        self.T, self.d_head = int(T), dims.d_head or 1
         self.n = 0
 
     def hooks(self):
@@ -310,34 +309,31 @@ class ValueNormsAccumulator(Accumulator):
         i, p = self.index[layer], acts["pattern"].float()
         v = kv_view(acts["v"], self.K).float()  # (B, T, K, d)
         norms = v.norm(dim=-1)  # (B, T, K)
-        self.by_pos[i] += norms.double().sum(0).T.cpu()
+        self.sums.add("by_pos", i, norms.double().sum(0).T)
         unit = torch.nn.functional.normalize(v.double(), dim=-1)
-        if self.unit_first.shape[-1] != unit.shape[-1]:
-            self.unit_first = torch.zeros(*self.unit_first.shape[:2], unit.shape[-1], dtype=torch.float64)
-            self.unit_other = torch.zeros_like(self.unit_first)
-        self.unit_first[i] += unit[:, 0].sum(0).cpu()
-        self.unit_other[i] += unit[:, 1:].sum((0, 1)).cpu()
+        self.sums.add("unit_first", i, unit[:, 0].sum(0))
+        self.sums.add("unit_other", i, unit[:, 1:].sum((0, 1)))
         per_q = per_query_head(norms, self.H).transpose(1, 2)  # (B, H, T)
         mass = torch.einsum("bhij,bhj->bhi", p, per_q)  # sum_j A_ij |v_j|
         first = p[..., 0] * per_q[..., :1]  # A_i1 |v_1|
-        self.share_sum[i] += (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0).cpu()
-        self.alpha_sum[i] += alpha_from_pattern(p, 1)[..., 0].double().sum(0).cpu()
+        self.sums.add("share", i, (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0))
+        self.sums.add("alpha", i, alpha_from_pattern(p, 1)[..., 0].double().sum(0))
         if i == 0:
             self.n += v.shape[0]
 
     def result(self, sink: SinkResult | None = None, reduce: str = "mean") -> ValueNorms:
-        N, T = self.n, self.by_pos.shape[-1]
-        by_pos = (self.by_pos / N).float()
+        N, T, h = self.n, self.T, self.sums.host
+        by_pos = (h("by_pos", (self.K, T)) / N).float()
         if sink is not None:
             alpha = sink.per_head_alpha[[sink.pos(l) for l in self.layers], :, 0].float()
             source = f"sink_metric (N={sink.n_samples}, T={sink.T}{', ' + sink.kind if sink.kind else ''})"
         else:
-            alpha, source = (self.alpha_sum / N).float(), "hook_pattern, same tokens"
+            alpha, source = (h("alpha", (self.H,)) / N).float(), "hook_pattern, same tokens"
         return ValueNorms(
             layers=self.layers, group_size=self.H // self.K, n_samples=N, T=T, v1_norm=by_pos[..., 0],
-            vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos, alpha_1=alpha, first_value_share=(self.share_sum / N).float(),
-            alpha_source=source, reduce=reduce, v1_cos_pair=pair_cosine(self.unit_first, N),
-            vj_cos_pair=pair_cosine(self.unit_other, N * (T - 1)), model_name=getattr(self.model, "model_name", None),
+            vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos, alpha_1=alpha, first_value_share=(h("share", (self.H,)) / N).float(),
+            alpha_source=source, reduce=reduce, v1_cos_pair=pair_cosine(h("unit_first", (self.K, self.d_head)), N),
+            vj_cos_pair=pair_cosine(h("unit_other", (self.K, self.d_head)), N * (T - 1)), model_name=getattr(self.model, "model_name", None),
             kind=self.kind, skipped=skipped_note(self.model),
         )
 

@@ -140,7 +140,7 @@ def permuted_copy(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     -------
     torch.Tensor
     """
-    if x.device.type != "cpu" or x.dtype not in _NUMPY_FLOATS:
+    if not host_selection(x):
         return x.permute(dims).contiguous()
     out = torch.empty([x.shape[d] for d in dims], dtype=x.dtype)
     np.copyto(out.numpy(), x.detach().numpy().transpose(dims))

@@ -180,7 +180,8 @@ class LayerActs(dict):
 
 
 class LayerCollector:
-    """Per-layer results of one batch -> (N, L, ...) after the pass (one tensor per layer and batch)."""
+    """Per-layer results of one batch -> (N, L, ...) after the pass (one tensor per layer and batch). Each stays on
+    its layer's device until the batch ends, so no hook waits on a copy to the host."""
 
     def __init__(self, layers: Sequence[int]):
         self.layers = list(layers)
@@ -188,17 +189,40 @@ class LayerCollector:
         self.chunks: list[torch.Tensor] = []
 
     def put(self, layer: int, x: torch.Tensor) -> None:
-        self.current[layer] = x.detach().cpu()
+        self.current[layer] = x.detach()
 
     def end_batch(self) -> None:
         missing = [l for l in self.layers if l not in self.current]
         if missing:
             raise ModelContractError(f"no result for layers {missing}: their hooks did not fire.")
-        self.chunks.append(torch.stack([self.current[l] for l in self.layers], dim=1))
+        self.chunks.append(torch.stack([self.current[l].cpu() for l in self.layers], dim=1))
         self.current.clear()
 
     def result(self) -> torch.Tensor:
         return torch.cat(self.chunks)
+
+
+class RunningSums:
+    """Running float64 sums per (name, layer position), each on the device of its first addend (the layer's own,
+    also under a device map), so a hook adds without a copy to the host; ``host(name)`` stacks them (L, ...) on the
+    host once, after the pass. Additions are the same float64 operations as on the host: identical sums."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = int(n_layers)
+        self.sums: dict[tuple[str, int], torch.Tensor] = {}
+
+    def add(self, name: str, i: int, x: torch.Tensor) -> None:
+        t = self.sums.get((name, i))
+        if t is None:
+            t = self.sums[(name, i)] = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        t += x
+
+    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The sums of ``name`` as (L, *shape) float64 on the host (zeros for a layer never added to; ``shape`` is
+        the addends' where none was)."""
+        got = [self.sums.get((name, i)) for i in range(self.n_layers)]
+        shape = next((tuple(g.shape) for g in got if g is not None), tuple(shape))
+        return torch.stack([g.cpu() if g is not None else torch.zeros(shape, dtype=torch.float64) for g in got])
 
 
 class _Stop(Exception):
