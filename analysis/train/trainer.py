@@ -318,6 +318,13 @@ def _prepare_out(out: Path, start: int, command, mcfg, tcfg, data) -> None:
         data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
 
 
+def _attention_kernel(model, device: torch.device, tcfg: TrainConfig) -> dict:
+    """The attention kernel the run takes (read before the first step, from the kernel table); a fallback is logged
+    once by the table and recorded in the run's config.json (``attention_kernel``)."""
+    use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
+    return model.attention_kernel(device.type, torch.bfloat16 if use_bf16 else torch.float32)
+
+
 def _runner(model, device: torch.device, world: int, tcfg: TrainConfig):
     """(the module the steps call: DDP and/or compiled around ``model``, the autocast context factory)."""
     runner = model
@@ -514,6 +521,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     if main and out is not None:
         _prepare_out(out, start, command, mcfg, tcfg, data)
     runner, autocast = _runner(model, device, world, tcfg)
+    kernel = _attention_kernel(model, device, tcfg)
     loop = _Loop(model, runner, optimizer, data, tcfg, device, autocast, rank, world, per_rank, micro)
     last, stopped = _run_steps(loop, start, out, main, log, mcfg, names, probes, _stop_after)
     if stopped:
@@ -521,7 +529,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     final = dict(last or (log[-1] if log else {}))
     if main and out is not None:
         save_reference(out, model, {"description": _describe(mcfg, tcfg, data), "model": mcfg.to_dict(),
-                                    "train": tcfg.to_dict(), "data": data.meta(), "final": final})
+                                    "train": tcfg.to_dict(), "data": data.meta(), "attention_kernel": kernel,
+                                    "final": final})
     if world > 1:
         dist.barrier()
     return TrainResult(model.eval(), out, log, final)

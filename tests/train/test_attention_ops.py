@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from analysis.model.reference.kernels import FLEX_MIN_HEAD_DIM, KernelChoice, attention_kernel
 from analysis.train import ModelConfig, SinkLM, available_attention
 from tests.conftest import tol
 
@@ -340,9 +341,11 @@ def test_sliding_window_matches_naive(name, device):
 @pytest.mark.parametrize("pe,window", [("rotary", None), ("alibi", 3)])
 def test_fused_paths_equal_eager(name, impl, pe, window, device):
     """SDPA / FlexAttention (forced on CPU) give the eager path's output and gradients (FlexAttention has
-    no backward on CPU: its gradients are checked only with ``--device cuda``)."""
+    no backward on CPU: its gradients are checked only with ``--device cuda``). On CUDA the heads are 16 wide,
+    the smallest FlexAttention takes there (``analysis.model.reference.kernels``)."""
     torch.manual_seed(0)
-    cfg = dict(d_vocab=23, n_ctx=16, d_model=D, n_layers=2, n_heads=H, n_key_value_heads=HKV, attention=name,
+    d_model = D if device == "cpu" else H * FLEX_MIN_HEAD_DIM
+    cfg = dict(d_vocab=23, n_ctx=16, d_model=d_model, n_layers=2, n_heads=H, n_key_value_heads=HKV, attention=name,
                positional_embedding_type=pe, sliding_window=window, sigmoid_bias="learnable")
     eager = SinkLM(ModelConfig(attn_impl="eager", **cfg))
     fused = SinkLM(ModelConfig(attn_impl=impl, **cfg))
@@ -361,7 +364,7 @@ def test_fused_paths_equal_eager(name, impl, pe, window, device):
     out_e.square().mean().backward()
     for (n, pe_), pf in zip(eager.named_parameters(), fused.parameters()):
         torch.testing.assert_close(pf.grad, pe_.grad, atol=tol(device, 1e-5), rtol=1e-3, msg=n)
-    assert not any(blk.attn._fused_failed for blk in fused.blocks)
+    assert fused.attention_kernel(device, out_f.dtype) == {"kernel": impl}  # no fallback recorded
 
 
 class _no_fallback:
@@ -402,3 +405,45 @@ def test_unknown_attention_lists_known_names():
 def test_linear_attention_rejects_additive_position_bias():
     with pytest.raises(ValueError, match="rotary"):
         ModelConfig(attention="linear-mlp", positional_embedding_type="alibi")
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+FLEX_OPS, TRITON_OPS, SDPA_OPS = ("flex",), ("flex", "triton"), ("sdpa", "flex")
+
+
+@pytest.mark.parametrize("supported, impl, device_type, dtype, d, bias, triton_ok, kernel, stated", [
+    (SDPA_OPS, "auto", "cuda", BF16, 64, None, False, "sdpa", ""),
+    (SDPA_OPS, "auto", "cpu", F32, 64, None, False, "eager", ""),  # auto fuses on CUDA only, by design
+    (TRITON_OPS, "auto", "cuda", BF16, 64, None, True, "flex", ""),  # the first kernel until triton is measured
+    (TRITON_OPS, "auto", "cuda", BF16, 8, None, True, "eager", "head sizes >= 16"),  # issue 36: known before the call
+    (FLEX_OPS, "flex", "cuda", F32, 8, "alibi", False, "eager", "head sizes >= 16"),
+    (FLEX_OPS, "flex", "cpu", F32, 8, None, False, "flex", ""),  # unfused on the CPU: any head size
+    (TRITON_OPS, "triton", "cuda", BF16, 64, "alibi", True, "triton", ""),
+    (TRITON_OPS, "triton", "cuda", BF16, 64, None, False, "eager", "needs Triton"),
+    (TRITON_OPS, "triton", "cuda", BF16, 48, None, True, "eager", "power-of-two head sizes"),
+    (TRITON_OPS, "triton", "cuda", BF16, 64, "relative", True, "eager", "relative position bias"),
+    (FLEX_OPS, "triton", "cuda", BF16, 64, None, True, "eager", "no triton kernel"),  # a normalised operation
+    (SDPA_OPS[:1], "flex", "cuda", BF16, 64, None, True, "eager", "no flex kernel"),
+    ((), "auto", "cuda", BF16, 64, None, True, "eager", ""),  # linear attention: no fused kernel at all
+    (SDPA_OPS, "eager", "cuda", BF16, 64, None, True, "eager", ""),
+])
+def test_attention_kernel_table(supported, impl, device_type, dtype, d, bias, triton_ok, kernel, stated):
+    got = attention_kernel(supported, impl, device_type, dtype, d, bias=bias, triton_ok=triton_ok)
+    assert got.kernel == kernel and (stated in got.fallback if stated else got.fallback == "")
+
+
+def test_a_model_knows_its_kernel_before_the_call_and_says_why_once(caplog):
+    """Heads 8 wide on CUDA with FlexAttention asked for: the eager path, stated once in the log and recorded, read
+    without running a kernel (no CUDA needed)."""
+    model = SinkLM(ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_heads=H, attention="sigmoid", attn_impl="flex"))
+    with caplog.at_level("WARNING", logger="analysis.model.reference.kernels"):
+        rec = model.attention_kernel("cuda", BF16)
+        model.attention_kernel("cuda", BF16)
+        for blk in model.blocks:
+            blk.attn.kernel("cuda", BF16)
+    assert rec["kernel"] == "eager" and "head sizes >= 16; this model's is 8" in rec["fallback"]
+    assert sum("head sizes >= 16" in r.getMessage() for r in caplog.records) <= 1  # once per process
+    assert model.attention_kernel("cpu", F32) == {"kernel": "flex"}
+    assert isinstance(model.blocks[0].attn.kernel("cuda", BF16), KernelChoice)
+    with pytest.raises(ValueError, match="attn_impl must be"):
+        attention_kernel(SDPA_OPS, "flash", "cuda", BF16, 64)

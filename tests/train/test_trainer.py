@@ -73,6 +73,7 @@ def test_run_folder_and_load_reference(tmp_path):
     res = train(*tiny(out, attention="sigmoid"), command="python -m analysis.train --test")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["format"] == "attention-sinks-reference" and cfg["model"]["attention"] == "sigmoid"
+    assert cfg["attention_kernel"] == {"kernel": "eager"}  # recorded: auto on the CPU trains eagerly, no fallback
     assert (out / "command.txt").read_text().strip() == "python -m analysis.train --test"
     log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4, 6, 8, 10, 12]

@@ -232,7 +232,7 @@ class AttentionOp(nn.Module):
     """
 
     op_name = "?"
-    fused_kind: Optional[str] = None  # "sdpa" / "flex": the kernel ``fused`` uses
+    fused_kind: Optional[str] = None  # "sdpa" / "flex": the kernel ``fused`` uses under attn_impl="auto"
     uses_sink_token = False  # the model must supply a Slot from its learnable sink-token stream
     kernel_based = False
 
@@ -245,8 +245,13 @@ class AttentionOp(nn.Module):
     def forward(self, q, k, v, allowed, score_bias=None, slot: Optional[Slot] = None, hooks=None):
         raise NotImplementedError
 
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The fused kernels ``fused`` takes, preferred first (``analysis.model.reference.kernels``' table)."""
+        return (self.fused_kind,) if self.fused_kind else ()
+
     def fused(self, q, k, v, *, impl: str, window, score_bias=None, slot=None) -> Optional[torch.Tensor]:
-        """Output z without materialised patterns (SDPA / FlexAttention), or None if unsupported."""
+        """Output z without materialised patterns (SDPA / FlexAttention / Triton), or None if unsupported."""
         return None
 
 
@@ -298,6 +303,10 @@ def causal_mask(T: int, *, window=None, device=None, n_keys: int | None = None) 
 @register("softmax", "standard softmax attention")
 class Softmax(AttentionOp):
     fused_kind = "sdpa"
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return ("sdpa", "flex") if type(self) is Softmax else ("sdpa",)  # flex: the baseline of the flex path
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS
@@ -469,7 +478,15 @@ class _Elementwise(AttentionOp):
     def extra_bias(self, T: int):
         return None
 
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return ("flex",) if self.normalise else ("flex", "triton")  # triton: unnormalised sigmoid and elu+1
+
     def fused(self, q, k, v, *, impl, window, score_bias=None, slot=None):
+        if impl == "triton" and not self.normalise:
+            from analysis.model.reference.triton_attention import triton_elementwise  # optional (Triton)
+
+            return triton_elementwise(self, q, k, v, window=window, score_bias=score_bias)
         if impl not in ("flex", "auto"):
             return None
         return flex_elementwise(self, q, k, v, window=window, score_bias=score_bias)

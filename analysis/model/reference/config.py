@@ -21,7 +21,7 @@ NORMALIZATIONS = ("RMS", "LN")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 SIGMOID_BIASES = ("none", "fixed", "learnable")
-ATTN_IMPLS = ("auto", "eager", "sdpa", "flex")
+ATTN_IMPLS = ("auto", "eager", "sdpa", "flex", "triton")
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
@@ -90,7 +90,8 @@ class ModelConfig:
     init_std : float
         The standard deviation of the initial weights.
     attn_impl : str
-        "auto", "eager", "sdpa" or "flex" (auto: fused kernels on CUDA when no pattern hook).
+        "auto", "eager", "sdpa", "flex" or "triton" (auto: fused kernels on CUDA when no pattern hook); which kernel
+        each operation takes, and why not where it cannot: ``analysis.model.reference.kernels``.
     model_name : str
         The model's name.
     """
@@ -121,7 +122,7 @@ class ModelConfig:
     kernel_hidden: Optional[int] = None  # linear-mlp kernel width (None: d_head)
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attn_impl: str = "auto"  # auto | eager | sdpa | flex (auto: fused kernels on CUDA when no pattern hook)
+    attn_impl: str = "auto"  # auto | eager | sdpa | flex | triton (auto: fused kernels on CUDA when no pattern hook)
     model_name: str = "sink-lm"
 
     def __post_init__(self) -> None:

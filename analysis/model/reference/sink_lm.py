@@ -22,7 +22,6 @@ Weights use TransformerLens' layout: ``W_Q`` (H,D,d), ``W_K``/``W_V`` (Hkv,D,d),
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +39,7 @@ from transformer_lens.hook_points import HookPoint
 from analysis.model.hooks import validate_token_ids
 from analysis.model.reference.attention import _REGISTRY, Slot, build_attention_op, canonical_name, causal_mask
 from analysis.model.reference.config import ModelConfig
+from analysis.model.reference.kernels import KernelChoice, attention_kernel, state
 from analysis.model.reference.positions import (
     RelativeBias,
     alibi_bias,
@@ -171,8 +171,8 @@ class Attention(nn.Module):
             self.hook_sink_pattern = HookPoint()
         else:
             self.hook_sink_pattern = None
-        self._fused_failed = False
-        self.last_path = None  # "sdpa" / "flex" / "eager": the path the last forward took
+        self._kernels: dict[tuple[str, torch.dtype], KernelChoice] = {}
+        self.last_path = None  # "sdpa" / "flex" / "triton" / "eager": the path the last forward took
 
     # -- positions
     def score_bias(self, pos: Positions) -> Optional[torch.Tensor]:
@@ -215,19 +215,37 @@ class Attention(nn.Module):
         """(B, T, Hkv, d) -> (B, H, T, d); query head h reads key/value head h // group."""
         return repeat(x, "b t hk d -> b (hk g) t d", g=self.group)
 
-    def _impl(self, device: torch.device) -> Optional[str]:
-        """Which fused kernel to try, or None for the eager path (any pattern hook forces eager)."""
-        impl = self.cfg.attn_impl
-        if impl == "eager" or self._fused_failed:
-            return None
-        if impl == "auto" and device.type != "cuda":
-            return None
-        if self.cfg.prefix_attention or self.cfg.document_token is not None:
-            return None  # the fused kernels take a causal/window mask only
+    def kernel(self, device_type: str, dtype: torch.dtype) -> KernelChoice:
+        """The kernel this layer takes on ``device_type`` in ``dtype`` (``analysis.model.reference.kernels``' table,
+        read once per device and dtype; a fallback is logged once).
+
+        Parameters
+        ----------
+        device_type : str
+        dtype : torch.dtype
+
+        Returns
+        -------
+        KernelChoice
+        """
+        key = (device_type, dtype)
+        if key not in self._kernels:
+            bias = self.cfg.positional_embedding_type if self.cfg.positional_embedding_type in ("alibi", "relative") else None
+            choice = attention_kernel(self.op.kernels, self.cfg.attn_impl, device_type, dtype, self.cfg.d_head, bias=bias)
+            if choice.kernel != "eager" and (self.cfg.prefix_attention or self.cfg.document_token is not None):
+                choice = KernelChoice("eager", "the fused kernels take a causal or sliding-window mask only, not "
+                                      "prefix or document attention: the eager path")
+            self._kernels[key] = choice
+            state(self.op.op_name, choice)
+        return self._kernels[key]
+
+    def _impl(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        """Which fused kernel to take, or None for the eager path (any pattern hook forces eager)."""
         hooks = (self.hook_attn_scores, self.hook_pattern, self.hook_raw_pattern, self.hook_sink_pattern)
         if any(h is not None and h.has_hooks() for h in hooks):
             return None
-        return impl
+        k = self.kernel(device.type, dtype).kernel
+        return None if k == "eager" else k
 
     def forward(self, x: torch.Tensor, pos: Positions, sink: Optional[torch.Tensor] = None):
         """x (B, T, D) normalised input; ``sink`` (1, 1, D) normalised sink-token state or None.
@@ -260,20 +278,14 @@ class Attention(nn.Module):
             slot = self.moved_bias_slot(pos)
 
         z = None
-        impl = None if pos.cache is not None else self._impl(x.device)
-        if impl is not None:
-            try:
-                z = self.op.fused(qh, kh, vh, impl=impl, window=self.cfg.sliding_window,
-                                  score_bias=score_bias, slot=slot)
-            except Exception as e:  # noqa: BLE001 - a fused kernel that fails must not stop training
-                self._fused_failed = True
-                warnings.warn(f"fused attention ({impl}) failed for {self.op.op_name!r} "
-                              f"({type(e).__name__}: {e}); using the eager path from now on.")
+        impl = None if pos.cache is not None else self._impl(x.device, qh.dtype)
+        if impl is not None:  # the table knows the kernel's limits: no error is caught here
+            z = self.op.fused(qh, kh, vh, impl=impl, window=self.cfg.sliding_window, score_bias=score_bias, slot=slot)
         if z is None:
             z = self.op(qh, kh, vh, allowed, score_bias, slot, hooks=self)
             self.last_path = "eager"
         else:
-            self.last_path = self.op.fused_kind if impl == "auto" else impl
+            self.last_path = impl
         z = self.hook_z(rearrange(z, "b h t d -> b t h d"))
         return einsum(z, self.W_O, "b t h d, h d D -> b t D"), sink_out
 
@@ -362,6 +374,22 @@ class SinkLM(HookedRootModule):
         self.unembed = Unembed(cfg, self.embed)
         self.init_weights()
         self.setup()
+
+    def attention_kernel(self, device_type: str, dtype: torch.dtype) -> dict:
+        """The attention kernel the layers take on this device and dtype, and why not the one asked for where they
+        cannot (``analysis.model.reference.kernels``): the run's record of its attention path.
+
+        Parameters
+        ----------
+        device_type : str
+        dtype : torch.dtype
+
+        Returns
+        -------
+        dict
+            {"kernel": name, "fallback": reason (only where there is one)}.
+        """
+        return self.blocks[0].attn.kernel(device_type, dtype).to_dict()
 
     @staticmethod
     def blocks_need_sink(cfg: ModelConfig) -> bool:
