@@ -223,6 +223,10 @@ def hide_scores(scores: torch.Tensor, s: int, e: int, kc: int, mask: Optional[to
         The block's first and past-last query rows, and its keys.
     mask : torch.Tensor or None
     fill : float
+
+    Returns
+    -------
+    None
     """
     if kc > s + 1:  # keys after the query in the block's diagonal part
         later = torch.arange(s, kc, device=scores.device)[None, :] > torch.arange(s, e, device=scores.device)[:, None]

@@ -211,6 +211,10 @@ def state_fallback(kernel: SinkKernel) -> None:
     Parameters
     ----------
     kernel : SinkKernel
+
+    Returns
+    -------
+    None
     """
     if kernel.fallback and (kernel.name, kernel.fallback) not in _STATED:
         _STATED.add((kernel.name, kernel.fallback))

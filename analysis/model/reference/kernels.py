@@ -140,6 +140,10 @@ def state(op_name: str, choice: KernelChoice) -> None:
     ----------
     op_name : str
     choice : KernelChoice
+
+    Returns
+    -------
+    None
     """
     if choice.fallback and (op_name, choice.fallback) not in _STATED:
         _STATED.add((op_name, choice.fallback))
