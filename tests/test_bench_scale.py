@@ -50,6 +50,8 @@ def test_smoke_run_writes_one_row_per_measurement(bench, tmp_path, capsys):
             assert by[d, T, "massive"]["top_abs"] > 0
     text = capsys.readouterr().out
     assert "| float32 | 64 | 1 | sink-fused |" in text and "target <= 1.1x in both" in text
+    assert "massive costs" in text and "target <= 1.5x in time and <= 1.5x in memory" in text  # issue 39's targets
+    assert "cpu-flash" in by["float32", 64, "sink-fused"]["attn"]  # the kernel the table chose, named in the row
 
 
 def test_budget_zero_skips_every_measurement_and_says_so(bench, tmp_path, capsys):

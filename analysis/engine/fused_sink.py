@@ -55,6 +55,7 @@ from analysis.core.stats import one_thread
 
 ATTN_NAME = "attention_sinks_fused"  # the name registered in transformers' attention and mask interfaces
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
+PREFER: str | None = None  # a kernel among SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 EVERY_KEY_SHARE = 4  # alpha for more than T / this keys: attention_with_alpha; fewer: the fused kernel + alpha_from_lse
 
 LOG = logging.getLogger(__name__)
@@ -645,7 +646,8 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
         Accumulators (``analysis.engine.passes.Accumulator``) that read only ``hook_resid_post``, fed in the same pass from the
         decoder layers' outputs (a bridge only); their ``result()`` is the caller's to take.
     kernel : str, optional
-        A kernel among ``SINK_KERNELS`` to prefer where the device has it (benchmarks); None: ``sink_kernel``'s table.
+        A kernel among ``SINK_KERNELS`` to prefer where the device has it (benchmarks); None: ``PREFER``, else
+        ``sink_kernel``'s table.
     record : dict, optional
         Filled with ``{"kernels": {name: fallback reason or ""}}``: the kernels the layers took.
 
@@ -662,7 +664,7 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
     tokens = check_fused_tokens(model, tokens)
     if not 1 <= int(k_max) <= tokens.shape[1]:
         raise ValueError(f"k_max must lie in [1, T={tokens.shape[1]}]; got {k_max}.")
-    acc = AlphaAccumulator(fused_layers(model), k_max, prefer=kernel)
+    acc = AlphaAccumulator(fused_layers(model), k_max, prefer=kernel if kernel is not None else PREFER)
     taps = _ResidTaps(model, accumulators)
     device = next(hf.parameters()).device
     bs = batch_size or default_batch_size(tokens)
