@@ -6,13 +6,16 @@
     python benchmarks/bench_attention_ops.py --preset synthetic --ops softmax,sigmoid   # a preset's model and batch
     python benchmarks/bench_attention_ops.py --device cuda --preset paper-60m --compile --ops softmax,sigmoid,elu1 \
         --impl sdpa,flex,eager --json throughput.json      # the GPU issue's table: every path in one run
+    python benchmarks/bench_attention_ops.py --device cuda --preset paper-60m --compile --ops softmax,sigmoid,elu1 \
+        --impl sdpa,flex,triton --json throughput.json     # issue 39: the Triton sigmoid / elu+1 kernels as a path
 
 Prints one row per operation and path (--impl takes a list): tokens/s, ms per step, the path the attention
-took (sdpa / flex / eager; an operation without the asked-for fused path is left out of that path's rows, and
-said so), the throughput relative to softmax on the same path, and on a GPU the model FLOPs utilisation (MFU:
+took (sdpa / flex / triton / eager, chosen by ``analysis.model.reference.kernels``' table; an operation without the
+asked-for fused path is left out of that path's rows, and the table's reason said), the throughput relative to softmax on the same path, and on a GPU the model FLOPs utilisation (MFU:
 6 N + 12 L T d FLOPs per token, against the GPU's dense bf16 peak given by --peak-tflops). With a preset, the
 batch is its micro-batch (the one forward a step of that preset runs). --json also writes the rows and the run's
-settings to a file. Prints figures only; it asserts nothing.
+settings to a file. Prints figures and the targets of issue 39 from the same run (softmax >= 45% MFU on a GPU;
+sigmoid and elu+1 >= 1.0x softmax, each on its fastest path); it asserts nothing.
 """
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.train import ModelConfig, SinkLM, available_attention  # noqa: E402
 
+MFU_TARGET = 0.45  # softmax, bf16 dense peak (issue 39)
+VS_SOFTMAX_TARGET = 1.0  # sigmoid and elu+1 against softmax, each on its fastest path
+IMPLS = ("auto", "eager", "sdpa", "flex", "triton")
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ops", default=",".join(available_attention()), help="comma-separated operation names")
@@ -48,15 +54,15 @@ def parse():
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per operation; the fastest is reported "
                    "(robust to other processes on a shared machine)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--impl", default="auto", help="comma-separated paths to time: auto, eager, sdpa, flex")
+    p.add_argument("--impl", default="auto", help="comma-separated paths to time: auto, eager, sdpa, flex, triton")
     p.add_argument("--json", help="also write the rows and settings to this JSON file")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--peak-tflops", type=float, help="GPU dense bf16 peak for MFU (default: guessed from the name)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.impls = [i.strip() for i in args.impl.split(",") if i.strip()]
-    bad = sorted(set(args.impls) - {"auto", "eager", "sdpa", "flex"})
+    bad = sorted(set(args.impls) - set(IMPLS))
     if bad or not args.impls:
-        p.error(f"--impl takes a comma-separated list of auto, eager, sdpa, flex; got {args.impl!r}.")
+        p.error(f"--impl takes a comma-separated list of {', '.join(IMPLS)}; got {args.impl!r}.")
     gpu = args.device.startswith("cuda")
     args.model_fields = {}
     if args.preset:
@@ -122,8 +128,10 @@ def bench(ops, args) -> list[dict]:
                 print(f"{op} ({impl}): failed ({type(e).__name__}: {e})")
                 continue
             path = model.blocks[0].attn.last_path or "?"
-            if impl in ("sdpa", "flex") and path != impl:
-                print(f"{op}: no {impl} path (it ran {path}); left out of the {impl} rows")
+            if impl in ("sdpa", "flex", "triton") and path != impl:
+                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+                why = model.attention_kernel(device.type, dtype).get("fallback", "")
+                print(f"{op}: no {impl} path (it ran {path}{': ' + why if why else ''}); left out of the {impl} rows")
                 del model, step
                 continue
             runs[op, impl] = (model, step, cfg)
@@ -146,8 +154,29 @@ def bench(ops, args) -> list[dict]:
     return rows
 
 
-def main():
-    args = parse()
+def target_lines(rows: list[dict], on_gpu: bool) -> list[str]:
+    """Issue 39's training targets from the rows of one run: softmax's MFU, and sigmoid / elu+1 against softmax,
+    each operation on its fastest path."""
+    fastest = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["tokens_per_s"], default=None)
+               for op in ("softmax", "sigmoid", "elu1")}
+    s = fastest["softmax"]
+    if s is None:
+        return ["targets: not judged (softmax was not timed)."]
+    mfu = s.get("mfu")
+    out = [f"softmax ({s['path']}): MFU {100 * mfu:.1f}%, target >= {100 * MFU_TARGET:.0f}%: "
+           f"{'met' if mfu >= MFU_TARGET else 'NOT met'}." if mfu is not None else
+           f"softmax ({s['path']}): MFU not judged ({'no peak known: --peak-tflops' if on_gpu else 'a CPU run'})."]
+    for op in ("sigmoid", "elu1"):
+        g = fastest[op]
+        if g is not None:
+            x = g["tokens_per_s"] / s["tokens_per_s"]
+            out.append(f"{op} ({g['path']}) / softmax ({s['path']}), each on its fastest path: {x:.2f}, target >= "
+                       f"{VS_SOFTMAX_TARGET:.1f}: {'met' if x >= VS_SOFTMAX_TARGET else 'NOT met'}.")
+    return out
+
+
+def main(argv=None):
+    args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -174,12 +203,8 @@ def main():
         if r["mfu"] is not None:
             line += f" {100 * r['mfu']:4.1f}% |"
         print(line)
-    fastest = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["tokens_per_s"], default=None)
-               for op in ("softmax", "sigmoid")}
-    if all(fastest.values()):
-        s, g = fastest["softmax"], fastest["sigmoid"]
-        print(f"sigmoid ({g['path']}) / softmax ({s['path']}), each on its fastest path: "
-              f"{g['tokens_per_s'] / s['tokens_per_s']:.2f} (target >= 0.9)")
+    for line in target_lines(rows, device.type == "cuda"):
+        print(line)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k not in ("model_fields",)}
         Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "settings": settings,

@@ -54,3 +54,23 @@ def test_a_model_trains_through_the_triton_kernel(device):
     out_e.square().mean().backward()
     for (n, pe), pf in zip(eager.named_parameters(), fused.parameters()):
         torch.testing.assert_close(pf.grad, pe.grad, atol=tol(device, 1e-5), rtol=1e-3, msg=n)
+
+
+def test_the_throughput_benchmark_times_the_triton_path_and_prints_the_targets(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_ops", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "throughput.json"
+    bench.main(["--device", "cpu", "--ops", "softmax,elu1,sigmoid-norm", "--impl", "sdpa,triton",
+                "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-ctx", "16", "--batch", "1",
+                "--iters", "1", "--repeats", "1", "--warmup", "1", "--vocab", "64", "--json", str(out)])
+    rows = {(r["op"], r["impl"]): r["path"] for r in json.loads(out.read_text())["rows"]}
+    assert rows == {("softmax", "sdpa"): "sdpa", ("elu1", "triton"): "triton"}
+    text = capsys.readouterr().out
+    assert "sigmoid-norm: no triton path (it ran eager: this operation has no triton kernel" in text
+    assert "MFU not judged (a CPU run)" in text and "elu1 (triton) / softmax (sdpa)" in text and "target >= 1.0" in text
