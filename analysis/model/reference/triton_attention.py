@@ -50,6 +50,21 @@ def _df(s, KIND: tl.constexpr):
 
 
 @triton.jit
+def _tile(ptr, base, offs, offs_d, st, T):
+    """Rows ``offs`` (zeros past T) of a (T, D) slice at ``ptr + base``."""
+    return tl.load(ptr + base + offs[:, None] * st + offs_d[None, :], mask=offs[:, None] < T, other=0.0)
+
+
+@triton.jit
+def _keys_seen(pid_m, T, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
+    """The key range (block-aligned start, end) a block of query rows sees: causal, within the window."""
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(pid_m * BM - WINDOW + 1, 0) // BN * BN
+    return lo, tl.minimum((pid_m + 1) * BM, T)
+
+
+@triton.jit
 def _scores(q, k, offs_m, offs_n, hb, bias_ptr, sbm, sbn, T, scale, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The block's scores (fp32) and which of them a query sees."""
     s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale + hb
@@ -72,18 +87,14 @@ def _fwd(Q, K, V, O, HB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rows = offs_m[:, None] < T
-    q = tl.load(Q + base + offs_m[:, None] * st + offs_d[None, :], mask=rows, other=0.0)
+    q = _tile(Q, base, offs_m, offs_d, st, T)
     hb = tl.load(HB + h)
     acc = tl.zeros([BM, D], dtype=tl.float32)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(pid_m * BM - WINDOW + 1, 0) // BN * BN
-    hi = tl.minimum((pid_m + 1) * BM, T)
+    lo, hi = _keys_seen(pid_m, T, BM, BN, WINDOW)
     for start in range(lo, hi, BN):
         offs_n = start + tl.arange(0, BN)
-        cols = offs_n[:, None] < T
-        k = tl.load(K + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
-        v = tl.load(V + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
+        k = _tile(K, base, offs_n, offs_d, st, T)
+        v = _tile(V, base, offs_n, offs_d, st, T)
         s, keep = _scores(q, k, offs_m, offs_n, hb, BIAS + h * sbh, sbm, sbn, T, scale, WINDOW, HAS_BIAS)
         p = tl.where(keep, _f(s, KIND), 0.0)
         acc += tl.dot(p.to(v.dtype), v).to(tl.float32)
@@ -100,8 +111,8 @@ def _bwd_kv(Q, K, V, DO, DK, DV, HB, DHB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T,
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     cols = offs_n[:, None] < T
-    k = tl.load(K + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
-    v = tl.load(V + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
+    k = _tile(K, base, offs_n, offs_d, st, T)
+    v = _tile(V, base, offs_n, offs_d, st, T)
     hb = tl.load(HB + h)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
@@ -112,9 +123,8 @@ def _bwd_kv(Q, K, V, DO, DK, DV, HB, DHB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T,
         hi = tl.minimum((pid_n + 1) * BN + WINDOW - 1, T)
     for start in range(lo, hi, BM):
         offs_m = start + tl.arange(0, BM)
-        rows = offs_m[:, None] < T
-        q = tl.load(Q + base + offs_m[:, None] * st + offs_d[None, :], mask=rows, other=0.0)
-        do = tl.load(DO + base + offs_m[:, None] * st + offs_d[None, :], mask=rows, other=0.0)
+        q = _tile(Q, base, offs_m, offs_d, st, T)
+        do = _tile(DO, base, offs_m, offs_d, st, T)
         s, keep = _scores(q, k, offs_m, offs_n, hb, BIAS + h * sbh, sbm, sbn, T, scale, WINDOW, HAS_BIAS)
         p = tl.where(keep, _f(s, KIND), 0.0)
         dv += tl.dot(tl.trans(p).to(do.dtype), do).to(tl.float32)
@@ -137,19 +147,15 @@ def _bwd_q(Q, K, V, DO, DQ, HB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rows = offs_m[:, None] < T
-    q = tl.load(Q + base + offs_m[:, None] * st + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + base + offs_m[:, None] * st + offs_d[None, :], mask=rows, other=0.0)
+    q = _tile(Q, base, offs_m, offs_d, st, T)
+    do = _tile(DO, base, offs_m, offs_d, st, T)
     hb = tl.load(HB + h)
     dq = tl.zeros([BM, D], dtype=tl.float32)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(pid_m * BM - WINDOW + 1, 0) // BN * BN
-    hi = tl.minimum((pid_m + 1) * BM, T)
+    lo, hi = _keys_seen(pid_m, T, BM, BN, WINDOW)
     for start in range(lo, hi, BN):
         offs_n = start + tl.arange(0, BN)
-        cols = offs_n[:, None] < T
-        k = tl.load(K + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
-        v = tl.load(V + base + offs_n[:, None] * st + offs_d[None, :], mask=cols, other=0.0)
+        k = _tile(K, base, offs_n, offs_d, st, T)
+        v = _tile(V, base, offs_n, offs_d, st, T)
         s, keep = _scores(q, k, offs_m, offs_n, hb, BIAS + h * sbh, sbm, sbn, T, scale, WINDOW, HAS_BIAS)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         ds = tl.where(keep, dp * _df(s, KIND), 0.0)
