@@ -74,3 +74,21 @@ def test_profile_hands_the_host_what_its_results_keep(two_models, monkeypatch):
             assert c.n < N * T * D / 2
         # twice the sequences and twice the length: at most twice the elements (per sample), never four times
         assert counts[8, 64] < 2 * counts[4, 32]
+
+
+def test_massive_activations_off_the_host_equal_the_host_path(tiny_llama_dir, monkeypatch, device):
+    """The device selections (radix select; in bfloat16 one pass on 16-bit keys) give the numpy path's medians,
+    top-k and flags, bit for bit."""
+    from analysis.chain.massive import massive_activations
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(str(tiny_llama_dir), dtype=torch.bfloat16, device=device)
+    tokens = torch.randint(3, 90, (4, 32), generator=torch.Generator().manual_seed(3))
+    host = massive_activations(model, tokens, batch_size=2, abs_threshold=0.0, ratio_threshold=3.0)
+    monkeypatch.setattr(stats, "host_selection", lambda x: False)
+    dev = massive_activations(model, tokens, batch_size=2, abs_threshold=0.0, ratio_threshold=3.0)
+    for name in ("median", "top_values", "top_pos", "top_dim", "top_token", "flag_samples", "flag_first"):
+        assert torch.equal(getattr(host, name), getattr(dev, name)), name
+    assert len(host.flagged) > 0
+    pd.testing.assert_frame_equal(host.flagged, dev.flagged)

@@ -34,7 +34,7 @@ from analysis.model.hooks import ModelContractError, act_name, check_layers, che
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result, layer_runs
 from analysis.core.reductions import top_k_abs
-from analysis.core.stats import flat_above, lower_median, one_thread
+from analysis.core.stats import flat_above, host_selection, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
@@ -364,7 +364,10 @@ class MassiveAccumulator(Accumulator):
         f = flat_above(a, self.abs_threshold).to(a.device)  # the candidates for Sun et al.'s flags (few)
         vals = a.reshape(-1)[f]
         ref = lower_median(a, nonnegative=True).to(a.device).reshape(-1) if self.median_over == "token" else None
-        med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
+        if x.dtype in (torch.bfloat16, torch.float16) and not host_selection(a):  # one radix pass on 16-bit keys:
+            med_seq = lower_median(x.detach().abs().reshape(x.shape[0], -1)).float()  # the same values, half the work
+        else:
+            med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
         top_tok = tokens.gather(1, idx // self.D).float()
         self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None], top_tok], -1))
         self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], tokens, batch)

@@ -95,14 +95,16 @@ def radix_select(x: torch.Tensor, k: torch.Tensor | int, *, bits: int = RADIX_BI
     keys = ordered_keys(x)
     width = 1 << bits
     rank = torch.as_tensor(k, device=x.device).long().expand(S).clone()
-    rows = torch.arange(S, device=x.device)[:, None] * width
+    idx_type = torch.int32 if S * width < 2**31 - 1 else torch.long  # bin indices: half the memory where they fit
+    rows = (torch.arange(S, device=x.device)[:, None] * width).to(idx_type)
     prefix = torch.zeros(S, dtype=torch.long, device=x.device)
     for shift in range(nbits - bits, -1, -bits):
         digit = keys >> shift
         if shift == nbits - bits:  # the leading digit: signed, shifted into [0, width)
-            idx = (digit + width // 2).long() + rows
+            idx = (digit + width // 2).to(idx_type) + rows
         else:  # only the values whose leading bits equal the prefix chosen so far
-            idx = torch.where((keys >> (shift + bits)) == prefix[:, None], (digit & (width - 1)).long() + rows, S * width)
+            idx = torch.where((keys >> (shift + bits)) == prefix[:, None], (digit & (width - 1)).to(idx_type) + rows,
+                              S * width)
         hist = torch.bincount(idx.flatten(), minlength=S * width + 1)[: S * width].view(S, width)
         cum = hist.cumsum(-1)
         d = (cum <= rank[:, None]).sum(-1)  # the first digit whose running count passes the rank
