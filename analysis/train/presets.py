@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from analysis.core.options import TRAIN_FIELD_FLAGS
 from analysis.model.reference.config import ModelConfig, TrainConfig, split_overrides
 
 PRESETS: dict[str, dict] = {
@@ -110,8 +111,10 @@ def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
         for k, v in cfg.items():
             if k in ("preset", "d_vocab", "resume") or v == default.get(k):
                 continue
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
+            flag = TRAIN_FIELD_FLAGS.get(k, "--" + k.replace("_", "-"))
+            if k == "progress":
+                args += [] if v else ["--quiet"]
+            elif isinstance(v, bool):
                 args.append(flag if v else "--no-" + k.replace("_", "-"))
             else:
                 args += [flag, "none" if v is None else str(v)]
