@@ -64,7 +64,8 @@ def _field_type(cls, f: dataclasses.Field):
 
 @functools.lru_cache(maxsize=None)
 def field_help(cls) -> dict[str, str]:
-    """The trailing comments of the dataclass fields, used as option help.
+    """Each dataclass field's help: its description in the class docstring's Attributes section, else the trailing
+    comment of its definition.
 
     Parameters
     ----------
@@ -80,6 +81,10 @@ def field_help(cls) -> dict[str, str]:
         m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).strip()
+    doc = inspect.getdoc(cls) or ""
+    attrs = doc.split("Attributes\n----------\n", 1)[-1] if "Attributes\n" in doc else ""
+    for name, text in re.findall(r"^(\w+) : [^\n]+\n((?:    [^\n]*\n?)+)", attrs, flags=re.M):
+        out[name] = " ".join(text.split())
     return out
 
 
