@@ -170,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
+    p.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
     add_config_options(p)
     return p
 
@@ -321,7 +322,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.pop("list"):
         _print_list()
         return 0
-    preset_name = ns.pop("preset")
+    preset_name, threads = ns.pop("preset"), ns.pop("threads")
+    if threads is not None and threads < 1:
+        return _fail(f"--threads must be at least 1; got {threads}.")
     try:
         named = "out" in ns
         if not named:
@@ -330,8 +333,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mcfg, tcfg = build_configs(preset_name, ns)
         if not named:
             print(f"no --out given: the run is written to {ns['out']} (pass --out DIR to choose)")
+        import torch
+
         from analysis.train.trainer import train  # import time: torch loads once the options are checked
 
+        if threads:
+            torch.set_num_threads(threads)
         result = train(mcfg, tcfg, command=command)
     except ValueError as e:
         return _fail(str(e))

@@ -61,7 +61,7 @@ def test_eps_is_the_sink_threshold_and_norm_eps_the_norms(refused, tmp_path):
     err = refused([*TINY, "--eps", "1e-5", "--out", str(tmp_path / "r")])
     assert "--eps is the sink threshold" in err and "--norm-eps" in err
     ns = vars(_parser().parse_args(["--norm-eps", "1e-5", "--eps", "0.2"]))
-    ns.pop("list"), ns.pop("preset")
+    ns.pop("list"), ns.pop("preset"), ns.pop("threads")
     m, t = build_configs(None, ns)
     assert (m.eps, t.sink_eps) == (1e-5, 0.2)
 
