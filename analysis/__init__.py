@@ -11,37 +11,38 @@ Start with::
     prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
     print(prof.text())
 """
-from analysis.model.families import FamilySpec, attention_layers, get_family, rotary_base
-from analysis.sinks.output_gates import attention_gates
-from analysis.model.hooks import ModelContractError, act_name, model_dims
-from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
-from analysis.chain.key_manifold import first_key_manifold
-from analysis.chain.massive import massive_activations
-from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model
-from analysis.chain.norm_gain import norm_gain_trace
-from analysis.report.one_pass import Profile, profile
-from analysis.engine.passes import run_pass, run_with_reducers
-from analysis.model.probes import (
-    PROBE_KINDS,
-    ProbeSet,
-    make_probe,
-    natural_probe,
-    probe_sets,
-    random_probe,
-    repeated_probe,
-    text_probe,
-)
-from analysis.positions.every_sink import SinkPositions, sink_positions
-from analysis.chain.first_token_cause import why_first_token
-from analysis.chain.qk import qk_angles
-from analysis.report.build import build_report
-from analysis.sinks.metric import SinkResult, sink_metric, sink_table
-from analysis.positions.context_length import SinkContext, sink_vs_context
-from analysis.causal.dormant_heads import dormant_heads
-from analysis.causal.writer_cuts import spike_cuts
-from analysis.chain.spike_writers import spike_origin
-from analysis.chain.values import value_norms
-from analysis.figures.views import attention_view
+from analysis.core.lazy import lazy_exports
+
+_EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
+    **dict.fromkeys(["FamilySpec", "attention_layers", "get_family", "rotary_base"], "analysis.model.families"),
+    **dict.fromkeys(["attention_gates"], "analysis.sinks.output_gates"),
+    **dict.fromkeys(["ModelContractError", "act_name", "model_dims"], "analysis.model.hooks"),
+    **dict.fromkeys(["first_key_ablation", "spike_ablation", "value_ablation"], "analysis.causal.interventions"),
+    **dict.fromkeys(["first_key_manifold"], "analysis.chain.key_manifold"),
+    **dict.fromkeys(["massive_activations"], "analysis.chain.massive"),
+    **dict.fromkeys([
+        "DEFAULT_MODEL", "ModelNotFoundError", "available_models", "load_model"
+    ], "analysis.model.loading"),
+    **dict.fromkeys(["norm_gain_trace"], "analysis.chain.norm_gain"),
+    **dict.fromkeys(["Profile", "profile"], "analysis.report.one_pass"),
+    **dict.fromkeys(["run_pass", "run_with_reducers"], "analysis.engine.passes"),
+    **dict.fromkeys([
+        "PROBE_KINDS", "ProbeSet", "make_probe", "natural_probe", "probe_sets", "random_probe", "repeated_probe",
+        "text_probe"
+    ], "analysis.model.probes"),
+    **dict.fromkeys(["SinkPositions", "sink_positions"], "analysis.positions.every_sink"),
+    **dict.fromkeys(["why_first_token"], "analysis.chain.first_token_cause"),
+    **dict.fromkeys(["qk_angles"], "analysis.chain.qk"),
+    **dict.fromkeys(["build_report"], "analysis.report.build"),
+    **dict.fromkeys(["SinkResult", "sink_metric", "sink_table"], "analysis.sinks.metric"),
+    **dict.fromkeys(["SinkContext", "sink_vs_context"], "analysis.positions.context_length"),
+    **dict.fromkeys(["dormant_heads"], "analysis.causal.dormant_heads"),
+    **dict.fromkeys(["spike_cuts"], "analysis.causal.writer_cuts"),
+    **dict.fromkeys(["spike_origin"], "analysis.chain.spike_writers"),
+    **dict.fromkeys(["value_norms"], "analysis.chain.values"),
+    **dict.fromkeys(["attention_view"], "analysis.figures.views"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 

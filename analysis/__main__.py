@@ -4,27 +4,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
-from analysis.core.io import OutputError, check_output, parse_dtype, write_json, write_or_spare
-from analysis.core.options import (CLI_DTYPES, HelpFormatter, check_flags, model_options, probe_options, seed_options,
+from analysis.core.options import (CLI_DTYPES, DEFAULT_MODEL, REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N, HelpFormatter,
+                                   check_flags, model_options, placement_options, probe_options, seed_options,
                                    sink_options)
-from analysis.core.versions import package_versions
-from analysis.model.hooks import check_length, model_dims
-from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, resolve_device
-from analysis.model.placement import Placement, add_placement_args, placement_from_args
-from analysis.model.probes import model_probe_sets, text_tokens
-from analysis.positions.every_sink import format_sinks, sink_positions
-from analysis.report.build import DEFAULT_N, REPORT_MIN_T, REPORT_T_WHY, ReportError, build_report
-from analysis.report.one_pass import profile
-from analysis.sinks.metric import check_eps
-from analysis.streaming.cli import add_parser as add_stream_parser
+from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
+from analysis.streaming.cli import add_parser as add_stream_parser
 
-SINK_N = 100  # `sink --n`: the paper's probe (the report's default, DEFAULT_N = 32, is the sample its numbers were
-# measured on; one shared default would change one of the two published tables)
+if TYPE_CHECKING:
+    from analysis.model.placement import Placement
+
+# `sink --n` (SINK_N = 100) is the paper's probe, `report --n` (REPORT_N = 32) the sample its numbers were measured on:
+# one shared default would change one of the two published tables. Everything heavy (torch, transformers,
+# TransformerLens) is imported inside the command functions, after the options are parsed and checked.
 
 
 def cli_dtype(name: str):
@@ -42,6 +38,8 @@ def cli_dtype(name: str):
     if name not in CLI_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
                          "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way.")
+    from analysis.core.io import parse_dtype  # import time: torch loads once the options are checked
+
     return parse_dtype(name)
 
 
@@ -71,6 +69,14 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     -------
     dict
     """
+    # import time: torch, transformers and TransformerLens load once the options are checked
+    from analysis.core.versions import package_versions
+    from analysis.model.hooks import model_dims
+    from analysis.model.loading import load_model
+    from analysis.model.probes import model_probe_sets
+    from analysis.report.one_pass import profile
+    from analysis.sinks.metric import check_eps
+
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
@@ -128,6 +134,8 @@ def format_sink_table(payload: dict) -> str:
         extra = f" {slot.get(kind) or 0.0:>17.2f}" if has_slot else ""
         lines.append(f"{kind:<10} {v:>10.2f}{extra}")
     first = next(iter(payload.get("inputs", {}).values()), {})
+    if first.get("pattern"):  # a sigmoid / linear reference model: what Sink_1 was measured on
+        lines.append(f"pattern: {first['pattern']}; its weights do not sum to one")
     if first.get("skipped"):  # a hybrid: say which (true) layers were measured and which were not
         lines.append(f"measured on attention layers {first['layers']}; {first['skipped']}")
     return "\n".join(lines)
@@ -145,6 +153,9 @@ def cmd_sink(args) -> int:
     int
         The exit status.
     """
+    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
+    from analysis.model.placement import placement_from_args
+
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
                           progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args))
@@ -167,6 +178,15 @@ def cmd_sinks(args) -> int:
     int
         The exit status.
     """
+    # import time: torch, transformers and TransformerLens load once the options are checked
+    from analysis.core.io import write_json, write_or_spare
+    from analysis.core.versions import package_versions
+    from analysis.model.hooks import model_dims
+    from analysis.model.loading import load_model
+    from analysis.model.placement import placement_from_args
+    from analysis.model.probes import text_tokens
+    from analysis.positions.every_sink import format_sinks, sink_positions
+
     path = Path(args.text)
     if not path.is_file():
         raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
@@ -210,6 +230,11 @@ def cmd_report(args) -> int:
     int
         The exit status (1 where a section failed or the folder could not be written).
     """
+    # import time: torch, transformers and TransformerLens load once the options are checked
+    from analysis.model.loading import load_model
+    from analysis.model.placement import placement_from_args
+    from analysis.report.build import ReportError, build_report
+
     model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
                        **_placement_kwargs(placement_from_args(args)))
     try:
@@ -233,6 +258,8 @@ def cmd_models(args) -> int:
     -------
     int
     """
+    from analysis.model.loading import available_models  # import time: torch loads once the options are checked
+
     for m in available_models():
         print(f"{m.name:<24} {m.kind:<10} {m.description}")
     return 0
@@ -249,42 +276,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.",
                                 formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    model, sink = model_options(DEFAULT_MODEL), sink_options()
+    model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
 
-    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink], formatter_class=HelpFormatter,
+    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink, place], formatter_class=HelpFormatter,
                        help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
-    add_placement_args(s)
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser("sinks", parents=[model, sink], formatter_class=HelpFormatter,
+    t = sub.add_parser("sinks", parents=[model, sink, place], formatter_class=HelpFormatter,
                        help="every sink position of one text file (not only the first token); positions 0-based")
     t.add_argument("--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)")
     t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text (None: all)")
     t.add_argument("--min-queries", type=int, default=None,
                    help="leave out keys seen by fewer queries (None: min(16, T // 2))")
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
-    add_placement_args(t)
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser("report", parents=[model, probe_options(n=DEFAULT_N), sink], formatter_class=HelpFormatter,
+    r = sub.add_parser("report", parents=[model, probe_options(n=REPORT_N), sink, place], formatter_class=HelpFormatter,
                        help="one self-contained HTML page and a JSON with every number")
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
-    add_placement_args(r)
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
 
-    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options()])
+    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place])
     add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
     return p
 
 
 def check_args(args) -> None:
-    """Everything the command line can check before the model loads: the shared options, T, the device, and every
-    output path (exists as the wrong kind, under a file, not writable).
+    """Everything the command line can check before the model loads, and before torch is imported: the shared options,
+    T, every output path (exists as the wrong kind, under a file, not writable), the command's own options, then the
+    device (the one check that imports torch, to ask for a GPU; auto and cpu pass without it).
 
     Parameters
     ----------
@@ -298,11 +323,14 @@ def check_args(args) -> None:
     check_flags(args)
     if getattr(args, "T", None) is not None:
         check_length(args.T, minimum=getattr(args, "min_T", 2), why=getattr(args, "min_T_why", ""))
-    if hasattr(args, "device"):
-        resolve_device(args.device)
     for name, folder in getattr(args, "outputs", ()):
         if getattr(args, name, None):
             check_output(getattr(args, name), flag=f"--{name}", folder=folder)
+    if getattr(args, "check", None) is not None:
+        args.check(args)
+    if hasattr(args, "device"):
+        check_device(args.device)
+        args.device = None if args.device == "auto" else args.device  # the loaders take None for the default device
 
 
 def main(argv=None) -> int:
@@ -323,12 +351,14 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         if getattr(args, "threads", None):
+            import torch  # import time: torch loads once the options are checked
+
             torch.set_num_threads(args.threads)
         return args.func(args)
     except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, ModelNotFoundError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # analysis.model.loading.ModelNotFoundError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-data/emergence}
-BASE=(sweep --preset synthetic --steps 1000 --eval-every 200 --seed 0,1,2 --no-progress --no-keep-models
+BASE=(sweep --preset synthetic --steps 1000 --eval-every 200 --seed 0,1,2 --quiet --no-keep-models
       --jobs "${JOBS:-1}" --reuse "$OUT/base")
 declare -A GRID=(
   [base]="--eval-every 100"

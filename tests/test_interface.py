@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import analysis.__main__ as cli
+from analysis.core import io
 from analysis.__main__ import build_parser, main
 from analysis.model.probes import natural_probe, random_probe, text_probe
 from analysis.sinks.metric import sink_metric
@@ -44,16 +45,16 @@ def paths(tmp_path, monkeypatch):
     (["sinks", "--text", "FILE", "--json", "DIR"], "--json DIR: it exists and is a folder"),
 ])
 def test_bad_output_paths_stop_before_the_model_loads(argv, message, paths, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "load_model", _no_load)
-    monkeypatch.setattr("analysis.streaming.cli.streaming_perplexity", _no_load)
+    monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
+    monkeypatch.setattr("analysis.streaming.run.streaming_perplexity", _no_load)
     assert main(argv) == 2
     out = capsys.readouterr()
     assert out.out == "" and message in out.err and len(out.err.strip().splitlines()) == 1
 
 
 def test_unwritable_folder_is_refused(paths, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "load_model", _no_load)
-    monkeypatch.setattr("analysis.core.io.os.access", lambda path, mode: False)  # root may write anywhere
+    monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
+    monkeypatch.setattr("analysis.core.paths.os.access", lambda path, mode: False)  # root may write anywhere
     assert main(["sink", "--json", "DIR/x.json"]) == 2
     assert "--json DIR/x.json: the folder DIR is not writable" in capsys.readouterr().err
 
@@ -62,14 +63,14 @@ def test_results_printed_before_a_failed_write_which_keeps_the_old_file(tiny_lla
                                                                         device):
     old = paths / "out.json"
     old.write_text('{"keep": true}')
-    real = cli.write_json
+    real = io.write_json
 
     def fail_there(path, payload, **kw):
         if Path(path) == old:
             raise OSError(28, "No space left on device")
         return real(path, payload, **kw)
 
-    monkeypatch.setattr(cli, "write_json", fail_there)
+    monkeypatch.setattr(io, "write_json", fail_there)
     argv = ["sink", "--model", str(tiny_llama_dir), "--n", "2", "--T", "8", "--quiet", "--device", device]
     assert main(argv + ["--json", str(old)]) == 1
     out = capsys.readouterr()
@@ -148,7 +149,7 @@ def test_load_model_documents_the_bridge_bos():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", [["sink"], ["report", "--out", "unused"], ["stream"], ["sinks", "--text", "FILE"]])
 def test_cuda_without_cuda_is_an_error(command, paths, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "load_model", _no_load)
+    monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
     assert main(command + ["--device", "cuda"]) == 2
     assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
 
@@ -207,7 +208,7 @@ def test_help_shows_the_defaults(command, capsys):
 
 
 def test_report_takes_eps_and_bos_and_flags_are_named(paths, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "load_model", _no_load)
+    monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
     assert main(["report", "--out", "r", "--eps", "1.5"]) == 2
     assert "--eps must lie in (0, 1)" in capsys.readouterr().err
     assert main(["report", "--out", "r", "--T", "1"]) == 2

@@ -90,7 +90,7 @@ def test_prefix_beyond_context_and_short_calibration_are_refused():
 
 def test_cli_bad_bits_exit_2(capsys):
     from analysis.__main__ import main
-    assert main(["quant", "--bits", "3"]) == 2
+    assert main(["quant", "--act-bits", "3"]) == 2
     assert "activation bits" in capsys.readouterr().err
 
 

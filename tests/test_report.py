@@ -192,8 +192,8 @@ def test_the_cli_exits_non_zero_when_the_report_fails(monkeypatch, tmp_path, cap
     def failing(*args, **kwargs):
         raise ReportError("1 report section(s) failed: sink (boom).")
 
-    monkeypatch.setattr(cli, "build_report", failing)
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: None)
+    monkeypatch.setattr("analysis.report.build.build_report", failing)  # the CLI imports both once the options pass
+    monkeypatch.setattr("analysis.model.loading.load_model", lambda *a, **k: None)
     assert cli.main(["report", "--out", str(tmp_path)]) == 1
     assert "sink (boom)" in capsys.readouterr().err
 

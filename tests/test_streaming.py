@@ -171,7 +171,7 @@ def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, n
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecation from the package's own calls (cache=)
         rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
-                   "--newline-sinks", "0", "--bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
+                   "--newline-sinks", "0", "--kv-bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
                    "--json", str(out), "--csv", str(tmp_path / "s.csv"), "--device", device])
     text = capsys.readouterr().out
     assert rc == 0 and "2+14 int4 (sinks fp)" in text and "recompute 16" in text

@@ -139,7 +139,7 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
 
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, "-m", "analysis", "stream", "--model", str(trained_sink_token), "--window", "16",
-                        "--sinks", "0,1", "--tokens", "80", "--bits", "", "--recompute-every", "4", "--quiet",
+                        "--sinks", "0,1", "--tokens", "80", "--kv-bits", "", "--recompute-every", "4", "--quiet",
                         "--json", str(out), "--device", device], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "learned_sink_attention" in r.stdout and "learned sink slot" in r.stdout

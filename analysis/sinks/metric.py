@@ -23,6 +23,7 @@ import torch
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.engine.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, skipped_note
+from analysis.model.reference.attention import pattern_note
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
@@ -267,6 +268,8 @@ class SinkResult(Result, LayerAxis):
                        f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
         bos = self.meta.get("bos")
         first = [bos_sentence(bos, asked=bos.get("asked"))] if bos else []
+        proxy = self.meta.get("pattern")
+        out[0] += f" Sink_1 is measured on a {proxy}: its weights do not sum to one." if proxy else ""
         return out + ([self.skipped] if self.skipped else []) + first
 
     def extreme_layers(self, k: int = 1) -> tuple[int, int]:
@@ -284,6 +287,7 @@ class SinkResult(Result, LayerAxis):
             "positions": "1-based: k = 1 is the first token",
             "layers": list(self.layers),  # true layer index of each [layer] entry below
             **({"bos": self.meta["bos"]} if self.meta.get("bos") else {}),  # does the first token hold the BOS?
+            **({"pattern": self.meta["pattern"]} if self.meta.get("pattern") else {}),  # a non-softmax model's proxy
             **({"skipped": self.skipped} if self.skipped else {}),
             **({"kernels": self.meta["kernels"]} if self.meta.get("kernels") else {}),  # the fused path's kernels
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
@@ -307,6 +311,7 @@ class SinkAccumulator(Accumulator):
         self.skipped = facts.skipped
         self.alpha = LayerCollector(self.layers)
         self.slot = LayerCollector(self.layers)
+        self.pattern = pattern_note(model)  # a sigmoid / linear reference model: Sink_1 of the normalised proxy
 
     def hooks(self):
         return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
@@ -322,7 +327,8 @@ class SinkAccumulator(Accumulator):
 
     def result(self) -> SinkResult:
         return SinkResult(self.alpha.result(), self.eps, self.T, self.model_name, self.kind, slot=self.slot.result(),
-                          layers=self.layers, skipped=self.skipped)
+                          layers=self.layers, skipped=self.skipped,
+                          meta={"pattern": self.pattern} if self.pattern else {})
 
 
 def check_k_max(k_max: int | None, T: int) -> int:

@@ -12,9 +12,15 @@ sinks' share inside the layer), ``perplexity`` (the decode loop and the re-compu
 stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``reference`` (the project's reference
 models, learnable sink token included, on the same cache), ``run`` (all policies, the result).
 """
-from analysis.streaming.cache import Policy, StreamingCache, fake_quantize, rope_spec
-from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies, run_policy
-from analysis.streaming.run import StreamResult, compare_streams, default_policies, streaming_perplexity
+from analysis.core.lazy import lazy_exports
+
+_EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
+    **dict.fromkeys(["Policy", "StreamingCache", "fake_quantize", "rope_spec"], "analysis.streaming.cache"),
+    **dict.fromkeys(["PolicyRun", "recompute_nll", "run_policies", "run_policy"], "analysis.streaming.perplexity"),
+    **dict.fromkeys(["StreamResult", "compare_streams", "default_policies", "streaming_perplexity"],
+                    "analysis.streaming.run"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_streams", "default_policies", "fake_quantize",
            "recompute_nll", "rope_spec", "run_policies", "run_policy", "streaming_perplexity"]

@@ -5,11 +5,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from analysis.core.io import write_or_spare
-from analysis.core.options import HelpFormatter, model_options, seed_options
-from analysis.model.loading import load_causal_lm
-from analysis.model.placement import add_placement_args, placement_from_args
-from analysis.streaming.run import streaming_perplexity, write_csv_atomic
+from analysis.core.options import (VOCABULARY, HelpFormatter, add_deprecated, model_options, placement_options,
+                                   seed_options)
 
 
 def _ints(text: str) -> list[int]:
@@ -29,14 +26,14 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     default_model : str
         The model taken without ``--model``.
     parents : sequence of argparse.ArgumentParser
-        The shared options it takes (``analysis.core.options``: the model's options and ``--seed``); none given: those
-        two groups.
+        The shared options it takes (``analysis.core.options``: the model's options, ``--seed`` and the placement
+        options); none given: those three groups.
 
     Returns
     -------
     None
     """
-    parents = list(parents) or [model_options(default_model), seed_options()]
+    parents = list(parents) or [model_options(default_model), seed_options(), placement_options()]
     s = sub.add_parser("stream", parents=parents, formatter_class=HelpFormatter,
                        help="streaming perplexity under dense, window, sinks + window and quantised KV caches")
     g = s.add_argument_group("stream")
@@ -44,7 +41,8 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     g.add_argument("--sinks", default="0,1,2,4,8", help="sink counts s (0 = the plain window)")
     g.add_argument("--tokens", type=int, default=2048, help="stream length (offline docstring corpus)")
     g.add_argument("--newline-sinks", type=int, default=4, help="also s newline tokens as sinks (0: leave out)")
-    g.add_argument("--bits", default="8,4", help="simulated KV quantisation of the sinks + window cache ('' to leave out)")
+    g.add_argument("--kv-bits", default="8,4", help=VOCABULARY["--kv-bits"] + "; simulated on the sinks + window cache")
+    add_deprecated(g, "--bits", "--kv-bits", dest="kv_bits")
     g.add_argument("--quant-sinks", type=int, default=4, help="sinks of the quantised caches")
     g.add_argument("--recompute-every", type=int, default=8,
                    help="score the sliding-window re-computation ceiling at every k-th position (0: leave out)")
@@ -52,8 +50,7 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     o = s.add_argument_group("output")
     o.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
     o.add_argument("--csv", help="write the policy table here")
-    add_placement_args(s)
-    s.set_defaults(func=cmd_stream, outputs=(("json", False), ("csv", False)))
+    s.set_defaults(func=cmd_stream, check=check_stream_args, outputs=(("json", False), ("csv", False)))
 
 
 def check_stream_args(args) -> None:
@@ -67,7 +64,7 @@ def check_stream_args(args) -> None:
     -------
     None
     """
-    sinks, bits = _ints(args.sinks), _ints(args.bits)
+    sinks, bits = _ints(args.sinks), _ints(args.kv_bits)
     if args.window < 1:
         raise ValueError(f"--window must be at least 1 token; got {args.window}.")
     bad = [x for x in sinks if x >= args.window] + ([args.quant_sinks] if bits and args.quant_sinks >= args.window else [])
@@ -91,13 +88,19 @@ def cmd_stream(args) -> int:
     int
         The exit status (1 where an output could not be written; the table is printed first either way).
     """
+    # import time: torch, transformers and TransformerLens load once the options are checked
+    from analysis.core.io import write_or_spare
+    from analysis.model.loading import load_causal_lm
+    from analysis.model.placement import placement_from_args
+    from analysis.streaming.run import streaming_perplexity, write_csv_atomic
+
     check_stream_args(args)
     placement, model, tokenizer = placement_from_args(args), args.model, None
     if placement.split:
         model, tokenizer = load_causal_lm(args.model, placement=placement)
     res = streaming_perplexity(
         model, tokenizer=tokenizer, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
-        newline_sinks=args.newline_sinks or None, bits=_ints(args.bits), quant_sinks=args.quant_sinks,
+        newline_sinks=args.newline_sinks or None, bits=_ints(args.kv_bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
         device=args.device, dtype=args.dtype, progress=not args.quiet,
     )

@@ -11,13 +11,18 @@ the hook names of ``TransformerBridge``, so every analysis of this package runs 
 
 See docs/training.md.
 """
-from analysis.model.reference.attention import AttentionOp, available_attention, register
-from analysis.model.reference.checkpoint import CheckpointError, load_reference
-from analysis.model.reference.config import ModelConfig, TrainConfig
-from analysis.dynamics.metrics import first_token_stats, sink_rate, slot_sink_rate
-from analysis.model.reference.sink_lm import SinkLM
-from analysis.train.presets import PRESETS
-from analysis.train.trainer import train
+from analysis.core.lazy import lazy_exports
+
+_EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
+    **dict.fromkeys(["AttentionOp", "available_attention", "register"], "analysis.model.reference.attention"),
+    **dict.fromkeys(["CheckpointError", "load_reference"], "analysis.model.reference.checkpoint"),
+    **dict.fromkeys(["ModelConfig", "TrainConfig"], "analysis.model.reference.config"),
+    **dict.fromkeys(["first_token_stats", "sink_rate", "slot_sink_rate"], "analysis.dynamics.metrics"),
+    **dict.fromkeys(["SinkLM"], "analysis.model.reference.sink_lm"),
+    **dict.fromkeys(["PRESETS"], "analysis.train.presets"),
+    **dict.fromkeys(["train"], "analysis.train.trainer"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "AttentionOp", "CheckpointError", "ModelConfig", "PRESETS", "SinkLM", "TrainConfig", "available_attention",

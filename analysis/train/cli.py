@@ -16,13 +16,17 @@ import re
 import shlex
 import sys
 import typing
+from pathlib import Path
 from typing import Optional, Sequence
 
-from analysis.model.reference.attention import available_attention
+from analysis.core.checks import check_device
+from analysis.core.options import REUSED, TRAIN_FIELD_FLAGS, VOCABULARY, add_deprecated
+from analysis.core.paths import check_output
 from analysis.model.reference.config import ModelConfig, TrainConfig
-from analysis.train.presets import PRESETS, build_configs
-from analysis.train.sweep import run_sweep
-from analysis.train.trainer import train
+from analysis.train.presets import PRESETS, build_configs, preset
+
+RUN_FILES = ("model.safetensors", "config.json", "train_log.jsonl", "checkpoints")  # a folder with one holds a run
+NORM_EPS_MAX = 1e-3  # train --eps below this is no sink threshold: an old command's norm epsilon (now --norm-eps)
 
 
 def _parse_optional(base):
@@ -60,7 +64,8 @@ def _field_type(cls, f: dataclasses.Field):
 
 @functools.lru_cache(maxsize=None)
 def field_help(cls) -> dict[str, str]:
-    """The trailing comments of the dataclass fields, used as option help.
+    """Each dataclass field's help: its description in the class docstring's Attributes section, else the trailing
+    comment of its definition.
 
     Parameters
     ----------
@@ -76,12 +81,45 @@ def field_help(cls) -> dict[str, str]:
         m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).strip()
+    doc = inspect.getdoc(cls) or ""
+    attrs = doc.split("Attributes\n----------\n", 1)[-1] if "Attributes\n" in doc else ""
+    for name, text in re.findall(r"^(\w+) : [^\n]+\n((?:    [^\n]*\n?)+)", attrs, flags=re.M):
+        out[name] = " ".join(text.split())
     return out
+
+
+def field_flag(name: str) -> str:
+    """The option of a config field: ``--field-name``, or its name in the command line's vocabulary
+    (``analysis.core.options.TRAIN_FIELD_FLAGS``: ``eps`` is ``--norm-eps``, ``sink_eps`` is ``--eps``, ...).
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    str
+    """
+    return TRAIN_FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def _help(cls, f: dataclasses.Field, flag: str) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    return f"{VOCABULARY.get(flag) or field_help(cls).get(f.name, '')} (default: {default})".strip()
+
+
+def _add_quiet(group) -> None:
+    """``--quiet`` (``TrainConfig.progress`` False), and its old spellings ``--progress`` / ``--no-progress``."""
+    group.add_argument("--quiet", dest="progress", action="store_const", const=False, default=argparse.SUPPRESS,
+                       help=VOCABULARY["--quiet"])
+    add_deprecated(group, "--progress", "--quiet (progress bars are the default)", dest="progress", nargs=0, const=True)
+    add_deprecated(group, "--no-progress", "--quiet", dest="progress", nargs=0, const=False)
 
 
 def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed so only explicit options override a preset.
-    Fields in ``list_fields`` take comma-separated lists (for sweeps).
+    Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in ``TRAIN_FIELD_FLAGS`` takes
+    the command line's shared name, its old spelling kept for one release.
 
     Parameters
     ----------
@@ -95,38 +133,44 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} options")
         for f in dataclasses.fields(cls):
-            if f.name in ("preset",):
+            if f.name == "preset":
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            if f.name == "progress":
+                _add_quiet(group)
+                continue
+            flag, old = field_flag(f.name), "--" + f.name.replace("_", "-")
             base, optional = _field_type(cls, f)
-            default = f.default if f.default is not dataclasses.MISSING else None
-            helptext = f"{field_help(cls).get(f.name, '')} (default: {default})".strip()
+            helptext = _help(cls, f, flag)
             if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, nargs="?", const=[True],
                                    type=lambda s: [_parse_bool(x) for x in s.split(",")],
                                    help=helptext + "; or a comma-separated list of true/false")
                 group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
                                    const=[False], default=argparse.SUPPRESS)
-            elif f.name in list_fields:
-                parse = _parse_optional(base) if optional else base
-                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext + "; comma-separated list",
-                                   type=lambda s, p=parse: [p(x) for x in s.split(",")])
+                continue
+            parse = _parse_optional(base) if optional else base
+            if f.name in list_fields:
+                kwargs = dict(type=lambda s, p=parse: [p(x) for x in s.split(",")])
+                helptext += "; comma-separated list"
             elif base is bool:
-                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, action=argparse.BooleanOptionalAction,
-                                   help=helptext)
+                kwargs = dict(action=argparse.BooleanOptionalAction)
             else:
-                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext,
-                                   type=_parse_optional(base) if optional else base)
+                kwargs = dict(type=parse)
+            group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext, **kwargs)
+            if old != flag and old not in REUSED:  # the old spelling, for one release
+                add_deprecated(group, old, flag, dest=f.name, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m analysis.train",
         description="Pre-train a reference language model with a chosen attention operation. "
-                    "Subcommand: `sweep` (run `python -m analysis.train sweep -h`).",
+                    "Subcommand: `sweep` (run `python -m analysis.train sweep -h`). Every option is checked before "
+                    "any data is prepared; bad input exits 2 with one line that says what to do.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named starting configuration")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
+    p.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
     add_config_options(p)
     return p
 
@@ -139,7 +183,7 @@ def _sweep_parser() -> argparse.ArgumentParser:
                     "DIR/summary.csv (mean/std over seeds), DIR/curves.csv (Sink_1 through training) and "
                     "DIR/command.txt. Completed runs are skipped when rerun.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process and thread each")
     p.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=True,
                    help="keep each run's model.safetensors (--no-keep-models: only its config, statistics and log)")
@@ -152,6 +196,8 @@ def _sweep_parser() -> argparse.ArgumentParser:
 
 
 def _print_list() -> None:
+    from analysis.model.reference.attention import available_attention  # import time: torch only for --list
+
     print("attention operations (--attention NAME):")
     for name, desc in available_attention().items():
         print(f"  {name:22s} {desc}")
@@ -160,8 +206,103 @@ def _print_list() -> None:
         print(f"  {name}")
 
 
+def held_run(out) -> list[str]:
+    """The files that make a folder hold a training run (``RUN_FILES``), those present.
+
+    Parameters
+    ----------
+    out : path-like
+
+    Returns
+    -------
+    list of str
+    """
+    out = Path(out).expanduser()
+    return [name for name in RUN_FILES if (out / name).exists()] if out.is_dir() else []
+
+
+def default_out(values: dict) -> str:
+    """Where a run without ``--out`` goes: ``runs/<preset>-<attention>-seed<seed>`` (printed, never thrown away).
+
+    Parameters
+    ----------
+    values : dict
+        The preset's fields updated with the command line's.
+
+    Returns
+    -------
+    str
+    """
+    return f"runs/{values.get('preset') or 'custom'}-{values.get('attention', 'softmax')}-seed{values.get('seed', 0)}"
+
+
+def check_run_args(ns: dict) -> None:
+    """Everything a training run can check before any data is prepared (ValueError, naming the flag, otherwise):
+    where it writes (``--out``: a folder that can be written and holds no run, unless ``--resume``), the sink
+    threshold (``--eps``, once the norms' epsilon), and the device (``cuda`` without CUDA is an error).
+
+    Parameters
+    ----------
+    ns : dict
+        The parsed options (``out`` set).
+
+    Returns
+    -------
+    None
+    """
+    check_output(ns["out"], flag="--out", folder=True)
+    held = held_run(ns["out"])
+    if held and not ns.get("resume"):
+        raise ValueError(f"--out {ns['out']} already holds a run ({', '.join(held)}); pass --resume to continue it, or "
+                         "give a new folder to --out. Nothing was changed.")
+    _check_devices_and_eps(ns)
+
+
+def _check_devices_and_eps(ns: dict) -> None:
+    """``--eps`` (each value of a sweep's list) is a sink threshold; each ``--device`` exists here."""
+    for eps in _as_list(ns.get("sink_eps", [])):
+        if not NORM_EPS_MAX <= eps < 1:
+            raise ValueError(f"--eps {eps}: --eps is the sink threshold, in [{NORM_EPS_MAX}, 1) (paper: 0.3), as in "
+                             "python -m analysis; the norms' epsilon, once --eps here, is --norm-eps.")
+    for device in _as_list(ns.get("device", "auto")):
+        check_device(device)
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _main_sweep(argv: list[str], command: str) -> int:
+    """``python -m analysis.train sweep``: checked before any run starts, then the grid."""
+    ns = vars(_sweep_parser().parse_args(argv))
+    preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
+    reuse = [r for r in ns.pop("reuse").split(",") if r]
+    if "out" not in ns:
+        return _fail("sweep: --out DIR is required: the folder of the grid's runs and tables (the same --out again "
+                     "skips the runs already finished).")
+    if jobs < 1:
+        return _fail(f"--jobs must be at least 1; got {jobs}.")
+    try:
+        check_output(ns["out"], flag="--out", folder=True)
+        _check_devices_and_eps(ns)
+        ns = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k != "seed" else v) for k, v in ns.items()}
+        from analysis.train.sweep import run_sweep  # import time: torch loads once the options are checked
+
+        table = run_sweep(preset_name, ns, command=command, jobs=jobs, keep_models=keep, reuse=reuse)
+    except ValueError as e:
+        return _fail(str(e))
+    print(table.to_string(index=False))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m analysis.train``: train one model, or a grid (``sweep``).
+    """``python -m analysis.train``: train one model, or a grid (``sweep``). Every option is checked before any data
+    is prepared: bad input exits 2 with one line that says what to do, and nothing already written is touched.
 
     Parameters
     ----------
@@ -171,34 +312,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns
     -------
     int
-        The exit status.
+        The exit status (2 for bad input).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "-m", "analysis.train", *argv])
     if argv and argv[0] == "sweep":
-        ns = vars(_sweep_parser().parse_args(argv[1:]))
-        preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
-        reuse = [r for r in ns.pop("reuse").split(",") if r]
-        if "out" not in ns:
-            raise SystemExit("sweep: --out DIR is required")
-        ns = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k != "seed" else v) for k, v in ns.items()}
-        table = run_sweep(preset_name, ns, command=command, jobs=jobs, keep_models=keep, reuse=reuse)
-        print(table.to_string(index=False))
-        return 0
-    parser = _parser()
-    ns = vars(parser.parse_args(argv))
+        return _main_sweep(argv[1:], command)
+    ns = vars(_parser().parse_args(argv))
     if ns.pop("list"):
         _print_list()
         return 0
-    preset_name = ns.pop("preset")
+    preset_name, threads = ns.pop("preset"), ns.pop("threads")
+    if threads is not None and threads < 1:
+        return _fail(f"--threads must be at least 1; got {threads}.")
     try:
+        named = "out" in ns
+        if not named:
+            ns["out"] = default_out({**(preset(preset_name) if preset_name else {}), "preset": preset_name, **ns})
+        check_run_args(ns)
         mcfg, tcfg = build_configs(preset_name, ns)
+        if not named:
+            print(f"no --out given: the run is written to {ns['out']} (pass --out DIR to choose)")
+        import torch
+
+        from analysis.train.trainer import train  # import time: torch loads once the options are checked
+
+        if threads:
+            torch.set_num_threads(threads)
+        result = train(mcfg, tcfg, command=command)
     except ValueError as e:
-        parser.error(str(e))
-    result = train(mcfg, tcfg, command=command)
+        return _fail(str(e))
     if result.final:
         print({k: v for k, v in result.final.items() if k in ("step", "loss", "val_loss", "sink_1", "sink_slot",
                                                                "resid_norm_ratio", "value_norm_ratio")})
-    if tcfg.out:
-        print(f"model written to {tcfg.out}")
+    print(f"model written to {tcfg.out}")
     return 0

@@ -1,12 +1,18 @@
 """Named starting points for ``python -m analysis.train --preset NAME``; any field can be overridden.
 
 - ``synthetic``: the reference pair's configuration (1 layer, 4 heads, d_model 64, synthetic
-  bigram-copy task, peak lr 1e-2, 4,000 steps of 32 x 64 tokens; about a minute on 2 CPU cores).
+  bigram-copy task, peak lr 1e-2, 4,000 steps of 32 x 64 tokens). Measured: 0.03 s of CPU per step with one
+  thread (0.10 s per step on the shared 2-core machine at load 17), about 2 minutes of CPU for the run.
 - ``induction``: the pair whose first-token spike an MLP writes (2 layers; the synthetic task with an induction
   rule on 12 keys at lags 1-3, so that second-layer heads have nothing to read for most queries; the first token is
   token 3, the most frequent content token, which only its position sets apart; 12,000 steps, weights kept at 16
-  log-spaced steps, a checkpoint every 2,000 so an interrupted run resumes). About 25 minutes on one CPU core.
-- ``tiny-cpu``: a small natural-text model on Python standard-library docstrings (minutes on 2 cores).
+  log-spaced steps, a checkpoint every 2,000 so an interrupted run resumes). Measured: 0.05 s of CPU per step with one
+  thread (0.19 s per step at load 16), 10 minutes of CPU for the steps; about 25 minutes on one CPU core with its
+  evaluations and snapshots.
+- ``tiny-cpu``: a small natural-text model on Python standard-library docstrings. Measured on the shared 2-core
+  machine: 0.15 s of CPU per step with one thread (``--threads 1``: 0.14 s per step at load 18, so its 600 steps take
+  about 1.5 minutes after about 30 s of data preparation); with torch's two threads on that loaded machine a step
+  takes 1.9 to 2.6 s (load 12 to 17: about 25 minutes for 600 steps), the two threads waiting for each other.
 - ``paper-60m``: the paper's 60M LLaMA-style model (10 layers, d 768, 8 heads, SwiGLU 1536, RMSNorm,
   RoPE, pre-norm, context 2048, AdamW (0.9, 0.95), wd 0.1 on all parameters, clip 1.0, lr 4e-4
   constant after 100 warm-up steps, 20k steps of 1M tokens). For GPUs.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from analysis.core.options import TRAIN_FIELD_FLAGS
 from analysis.model.reference.config import ModelConfig, TrainConfig, split_overrides
 
 PRESETS: dict[str, dict] = {
@@ -110,8 +117,10 @@ def config_to_args(mcfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
         for k, v in cfg.items():
             if k in ("preset", "d_vocab", "resume") or v == default.get(k):
                 continue
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
+            flag = TRAIN_FIELD_FLAGS.get(k, "--" + k.replace("_", "-"))
+            if k == "progress":
+                args += [] if v else ["--quiet"]
+            elif isinstance(v, bool):
                 args.append(flag if v else "--no-" + k.replace("_", "-"))
             else:
                 args += [flag, "none" if v is None else str(v)]

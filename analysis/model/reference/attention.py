@@ -106,6 +106,28 @@ def available_attention() -> dict[str, str]:
     return {name: desc for name, (_, _, desc) in _REGISTRY.items()}
 
 
+def pattern_note(model) -> Optional[str]:
+    """What the sink metric reads where a model's attention weights do not sum to one (sigmoid, elu+1, linear
+    kernels, p-norm): ``hook_pattern`` then holds the paper's normalised proxy, sim / sum sim, not the weights.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Any model; only the reference model's ``AttentionOp`` modules can carry a proxy.
+
+    Returns
+    -------
+    str or None
+        E.g. "normalised proxy (sim / sum sim), the model's attention is sigmoid"; None where the pattern is the
+        attention itself (softmax and every Hugging Face model).
+    """
+    ops = {m.op_name: m.pattern_proxy for m in model.modules() if isinstance(m, AttentionOp) and m.pattern_proxy}
+    if not ops:
+        return None
+    proxies = " / ".join(sorted(set(ops.values())))
+    return f"normalised proxy ({proxies}), the model's attention is {', '.join(sorted(ops))}"
+
+
 def canonical_name(name: str) -> str:
     """The registered name of an attention operation (aliases resolved).
 
@@ -232,6 +254,7 @@ class AttentionOp(nn.Module):
     """
 
     op_name = "?"
+    pattern_proxy: Optional[str] = None  # what hook_pattern holds where it is not the weights the values get
     fused_kind: Optional[str] = None  # "sdpa" / "flex": the kernel ``fused`` uses under attn_impl="auto"
     uses_sink_token = False  # the model must supply a Slot from its learnable sink-token stream
     kernel_based = False
@@ -344,6 +367,8 @@ class SoftmaxScaled(Softmax):
 
 @register("softmax-pnorm", "exp similarities divided by their p-norm, (sum_j sim^p)^(1/p) (--attn-p)")
 class SoftmaxPNorm(AttentionOp):
+    pattern_proxy = "sim / sum sim"
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.p = float(cfg.attn_p)
@@ -458,6 +483,10 @@ class _Elementwise(AttentionOp):
     normalise = False
     fused_kind = "flex"
 
+    @property
+    def pattern_proxy(self) -> Optional[str]:
+        return None if self.normalise else "sim / sum sim"
+
     def f(self, s):
         raise NotImplementedError
 
@@ -544,6 +573,7 @@ class _Linear(AttentionOp):
     """sim_ij = phi(q_i) phi(k_j)^T / sqrt(d); z_i = sum_j sim_ij v_j, optionally / max(|sum_j sim_ij|, 1)."""
 
     kernel_based = True
+    pattern_proxy = "|sim| / sum |sim|"
 
     def __init__(self, cfg, kernel: str, normalise: bool):
         super().__init__(cfg)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from analysis.core.defaults import SINK_EPS
-from analysis.model.reference.attention import check_attention
 
 POSITIONAL_EMBEDDINGS = ("rotary", "none", "learned", "sinusoidal", "alibi", "relative")
 NORMALIZATIONS = ("RMS", "LN")
@@ -165,6 +164,8 @@ class ModelConfig:
             raise ValueError(f"document_token={self.document_token} is not a token id in [0, {self.d_vocab}).")
         if self.attn_p <= 0:
             raise ValueError(f"attn_p must be > 0; got {self.attn_p}.")
+        from analysis.model.reference.attention import check_attention  # import time: the CLI parses before torch
+
         self.attention = check_attention(self.attention, self)
 
     # TransformerLens-style aliases read by some analysis code.
