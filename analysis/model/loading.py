@@ -452,7 +452,8 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None, device_map=None,
-               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None):
+               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
+               backend: str = "transformer_lens", remote: bool = False):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
     The BOS, a known trap (TransformerLens issue 1418): the bridge's tokenizer prepends the BOS where the model's own
@@ -486,6 +487,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         Per-device budgets for a strategy, e.g. ``{0: "70GiB", "cpu": "120GiB"}``.
     offload_folder : path-like, optional
         Where weights mapped to "disk" are kept (must be writable).
+    backend : {"transformer_lens", "nnsight"}
+        "nnsight": the model in nnsight's ``LanguageModel`` (:class:`analysis.model.nnsight_model.NnsightModel`,
+        for the sink and massive tables of ``analysis.chain.nnsight_tables``; needs the "remote" extra).
+    remote : bool
+        With ``backend="nnsight"``: the traces run on NDIF, a hub id's weights stay there (docs/remote.md).
 
     Returns
     -------
@@ -499,6 +505,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
                                 device=device)
     name = str(name_or_path)
     device = resolve_device(device)
+    if backend != "transformer_lens" or remote:
+        return _load_other_backend(name, backend, device=device, dtype=dtype, remote=remote, split=placement.split)
     if name == DEFAULT_MODEL:
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
@@ -523,6 +531,20 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype, placement=placement)
 
 
+def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: bool, split: bool):
+    """``load_model`` for ``backend="nnsight"`` (checked: the backend's name, no device map, remote only there)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    if backend != "nnsight":
+        raise ValueError("remote=True runs through nnsight: pass backend='nnsight' (--backend nnsight).")
+    if split:
+        raise ValueError("the nnsight backend loads on one device (NDIF places remote models itself); drop the device map.")
+    from analysis.model.nnsight_model import load_nnsight  # optional: nnsight is the "remote" extra
+
+    return load_nnsight(name, device=device, dtype=dtype, remote=remote)
+
+
+BACKENDS = ("transformer_lens", "nnsight")
 HUB_TIMEOUT_S = 10.0  # the one request that asks the hub for a model before loading it
 
 
