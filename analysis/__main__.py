@@ -9,8 +9,8 @@ import torch
 
 from analysis.core.defaults import SINK_K_MAX
 from analysis.core.io import OutputError, check_output, parse_dtype, write_json, write_or_spare
-from analysis.core.options import (CLI_DTYPES, HelpFormatter, check_flags, model_options, probe_options, seed_options,
-                                   sink_options)
+from analysis.core.options import (CLI_DTYPES, HelpFormatter, backend_options, check_flags, model_options, probe_options,
+                                   seed_options, sink_options)
 from analysis.core.versions import package_versions
 from analysis.model.hooks import check_length, model_dims
 from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, resolve_device
@@ -46,7 +46,8 @@ def cli_dtype(name: str):
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True, dtype: str = "float32", placement: Placement | None = None) -> dict:
+                progress: bool = True, dtype: str = "float32", placement: Placement | None = None,
+                backend: str = "transformer_lens", remote: bool = False) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -66,11 +67,18 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
         The model's dtype (metrics are reduced in float32).
     placement : Placement, optional
         A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
+    backend : {"transformer_lens", "nnsight"}
+        "nnsight": the table from nnsight traces (``analysis.chain.nnsight_tables``), on NDIF with ``remote``.
+    remote : bool
 
     Returns
     -------
     dict
     """
+    if backend == "nnsight":
+        from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
+
+        return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote)
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
@@ -147,7 +155,8 @@ def cmd_sink(args) -> int:
     """
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
-                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args))
+                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args),
+                          backend=args.backend, remote=args.remote)
     print(format_sink_table(payload))
     if args.json:
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
@@ -251,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     model, sink = model_options(DEFAULT_MODEL), sink_options()
 
-    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink], formatter_class=HelpFormatter,
+    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink, backend_options()],
+                       formatter_class=HelpFormatter,
                        help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")

@@ -6,7 +6,8 @@ and help text in every subcommand that takes it, and ``--help`` shows its defaul
 - ``model_options``: ``--model --device --dtype --threads --quiet`` (every subcommand that loads a model);
 - ``probe_options``: ``--n --T --seed`` (the subcommands that draw probes; ``stream`` takes ``--seed`` from
   ``seed_options``);
-- ``sink_options``: ``--eps --bos`` (every subcommand that measures the sink).
+- ``sink_options``: ``--eps --bos`` (every subcommand that measures the sink);
+- ``backend_options``: ``--backend --remote`` (``sink``: the table through nnsight, here or on NDIF).
 
 Output paths (``--json``, ``--csv``, ``--out``) are checked with ``analysis.core.io.check_output`` before the model loads.
 """
@@ -101,6 +102,22 @@ def sink_options() -> argparse.ArgumentParser:
     return p
 
 
+def backend_options() -> argparse.ArgumentParser:
+    """``--backend --remote``, as a parent parser (the subcommands whose tables nnsight can compute).
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("backend")
+    g.add_argument("--backend", choices=("transformer_lens", "nnsight"), default="transformer_lens",
+                   help="run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)")
+    g.add_argument("--remote", action="store_true",
+                   help="with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)")
+    return p
+
+
 def check_flags(args) -> None:
     """The shared options' values, checked before any work (ValueError naming the flag otherwise).
 
@@ -122,6 +139,8 @@ def check_flags(args) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1; got {threads}.")
+    if getattr(args, "remote", False) and getattr(args, "backend", None) != "nnsight":
+        raise ValueError("--remote runs through nnsight: add --backend nnsight (docs/remote.md).")
     eps = getattr(args, "eps", None)
     if eps is not None and not 0 < eps < 1:
         raise ValueError(f"--eps must lie in (0, 1); got {eps}. alpha_k > eps makes a head sink on key k (paper: 0.3).")

@@ -147,7 +147,7 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
     blocks = model.decoder_layers()
     alpha_fn, resid_fn, softcap = attention_alpha, resid_stats, model.spec.softcap
     sink_set, massive_set = set(sink_layers), set(massive_layers)
-    with model.lm.trace({"input_ids": tokens}, remote=remote):
+    with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         alphas, resid = nnsight.save([]), nnsight.save([])
         for l in sorted(sink_set | massive_set):  # in the order the layers run (nnsight's interleaving needs it)
             if l in sink_set:
@@ -156,4 +156,4 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
             if l in massive_set:
                 out = blocks[l].output
                 resid.append(resid_fn(out[0] if isinstance(out, tuple) else out, top_k, abs_threshold))
-    return [a.cpu() for a in alphas], [{k: v.cpu() for k, v in r.items()} for r in resid]
+    return [a.detach().cpu() for a in alphas], [{k: v.detach().cpu() for k, v in r.items()} for r in resid]
