@@ -75,8 +75,9 @@ def request_bytes(samples: int, layers: int, *, n_heads: int, k_max: int, d_mode
 
 def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_model: int, top_k: int = 3,
                   sink: bool = True, massive: bool = True, limit: int = REQUEST_LIMIT_BYTES) -> RequestPlan:
-    """Cut N sequences over ``layers`` into requests each under ``limit`` bytes: every layer and as many samples as
-    fit; where one sample over every layer does not fit, the layers in groups (each group one request per batch).
+    """Cut N sequences over ``layers`` into requests each under ``limit`` bytes, fewest requests first: layers in
+    groups of g (each group one trace per batch of samples) and as many samples per request as fit beside the
+    group's per-layer sums, for the g that needs fewest requests.
 
     Parameters
     ----------
@@ -94,16 +95,21 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
     """
     budget = int(limit * REQUEST_FILL)
     kw = dict(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive)
-    per_layer = request_bytes(1, 1, **kw)
-    if per_layer > budget:
-        raise ValueError(f"one sample of one layer saves {per_layer} bytes, over the {budget}-byte budget of a request.")
-    group = max(1, min(len(layers), budget // per_layer))
-    groups = [layers[i:i + group] for i in range(0, len(layers), group)]
-    samples = max(1, min(n, (budget // group - request_bytes(0, 1, **kw)) // max(1, request_bytes(1, 1, **kw)
-                                                                                   - request_bytes(0, 1, **kw))))
-    n_req = math.ceil(n / samples) * len(groups)
-    return RequestPlan(n_req, samples, groups, request_bytes(samples, len(groups[0]), **kw),
-                       sum(request_bytes(n, len(g), **kw) for g in groups))
+    fixed, per = request_bytes(0, 1, **kw), request_bytes(1, 1, **kw) - request_bytes(0, 1, **kw)
+    if fixed + per > budget:
+        raise ValueError(f"one sample of one layer saves {fixed + per} bytes, over the {budget}-byte budget of a request.")
+    best = None
+    for g in range(1, len(layers) + 1):
+        samples = min(n, (budget // g - fixed) // max(1, per))
+        if samples < 1:
+            break
+        cost = (math.ceil(len(layers) / g) * math.ceil(n / samples), -g)
+        best = min(best, (cost, g, samples)) if best else (cost, g, samples)
+    (n_req, _), g, samples = best
+    groups = [layers[i:i + g] for i in range(0, len(layers), g)]
+    return RequestPlan(n_req, samples, groups, request_bytes(samples, g, **kw),
+                       math.ceil(n / samples) * sum(request_bytes(0, len(gr), **kw) for gr in groups)
+                       + sum(request_bytes(n, len(gr), **kw) - request_bytes(0, len(gr), **kw) for gr in groups))
 
 
 def register_shipped() -> None:

@@ -163,13 +163,16 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     tokenizer
     name : str
     remote : bool
-        Run the traces on NDIF (the model there is the hub's ``name``; ``hf`` may then be a meta-device copy).
+        Run the traces on NDIF (the model there is the hub's ``name``).
+
+    A meta-device ``hf`` is wrapped in nnsight's plain ``NNsight`` for a dry run: its spec, its attention calls and
+    the request plan, no trace.
 
     Returns
     -------
     NnsightModel
     """
-    from nnsight import LanguageModel  # optional: the "remote" extra
+    from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
 
     reason = unsupported(hf)
     if reason:
@@ -177,9 +180,12 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     hf.eval()
     import warnings  # import time: the deprecation note below only
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # LanguageModel's rename notice (nnsight 0.8); same class, same behaviour
-        lm = LanguageModel(hf, tokenizer=tokenizer)
+    if next(hf.parameters()).is_meta:  # a dry run (plans, spec, source checks): no pipeline, which would move it
+        lm = NNsight(hf)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # LanguageModel's rename notice (nnsight 0.8); same class, same behaviour
+            lm = LanguageModel(hf, tokenizer=tokenizer)
     model = NnsightModel(lm, tokenizer, name, nnsight_spec(hf.config), remote=bool(remote))
     if model.spec.attention_layers:
         model.attention_call(model.spec.attention_layers[0])  # refuse a family without the call now
