@@ -80,10 +80,9 @@ def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
         assert got.sink_rate() == want.sink_rate()
 
 
-def _imports(module) -> set[str]:
-    tree = ast.parse(inspect.getsource(module))
+def _imports(source: str) -> set[str]:
     names = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -91,13 +90,19 @@ def _imports(module) -> set[str]:
     return names
 
 
-def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
+def _forbidden(source: str) -> set[str]:
     shipped = {m.__name__ for m in SHIPPED}
+    return {n for n in _imports(source) if n.split(".")[0] not in NDIF_ALLOWED and n not in shipped}
+
+
+def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
     for module in SHIPPED:
-        bad = {n for n in _imports(module) if n.split(".")[0] not in NDIF_ALLOWED and n not in shipped}
+        bad = _forbidden(inspect.getsource(module))
         assert not bad, f"{module.__name__} imports {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
-    # the check sees a forbidden import
-    assert "analysis.core.reductions" in _imports(remote_reductions) and "scipy" not in NDIF_ALLOWED
+    # the check sees a forbidden import, and lets the shipped modules import each other
+    assert _forbidden("import scipy.special\nfrom analysis.model import hooks\nimport torch") == {
+        "scipy.special", "analysis.model"}
+    assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
 
 
 def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir):
@@ -163,3 +168,16 @@ def test_per_head_alpha_gathers_across_tensor_parallel_shards():
     full = attention_alpha(q, k, None, 0.25, 6)
     shards = [attention_alpha(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], None, 0.25, 6) for r in range(2)]
     torch.testing.assert_close(torch.cat(shards, 1), full, atol=0, rtol=0)
+
+
+def test_the_sink_command_prints_the_bridges_table_through_nnsight(smollm2, capsys):
+    from analysis.__main__ import main
+    from analysis.model.probes import model_probe_sets
+
+    assert main(["sink", "--remote", "--n", "2", "--T", "16"]) == 2  # --remote without --backend nnsight: refused
+    assert "--backend nnsight" in capsys.readouterr().err
+    assert main(["sink", "--backend", "nnsight", "--n", "2", "--T", "16", "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    want = {kind: sink_metric(smollm2, p.tokens, path="eager").sink_rate()
+            for kind, p in model_probe_sets(smollm2, n=2, T=16).items()}
+    assert out[2:5] == [f"{kind:<10} {v:>10.2f}" for kind, v in want.items()]

@@ -29,7 +29,21 @@ CAND_ROWS_PER_SAMPLE = 64  # flag candidates (|x| > the absolute threshold) budg
 
 @dataclass
 class RequestPlan:
-    """How a table is cut into requests: ``samples`` sequences and ``layers`` layers per request."""
+    """How a table is cut into requests.
+
+    Attributes
+    ----------
+    n_requests : int
+        Requests in all (layer groups x batches of samples).
+    samples : int
+        Sequences per request.
+    layer_groups : list of list of int
+        The layers each request of a batch measures.
+    bytes_per_request : int
+        The most bytes one request saves (an upper bound).
+    bytes_total : int
+        The bytes every request saves together.
+    """
 
     n_requests: int
     samples: int
@@ -113,7 +127,12 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
 
 
 def register_shipped() -> None:
-    """Have nnsight ship the trace's reductions by value (NDIF does not have this package installed)."""
+    """Have nnsight ship the trace's reductions by value (NDIF does not have this package installed).
+
+    Returns
+    -------
+    None
+    """
     import nnsight  # optional: the "remote" extra
 
     for module in (reductions, remote_reductions):

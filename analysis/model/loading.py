@@ -539,9 +539,23 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
         raise ValueError("remote=True runs through nnsight: pass backend='nnsight' (--backend nnsight).")
     if split:
         raise ValueError("the nnsight backend loads on one device (NDIF places remote models itself); drop the device map.")
-    from analysis.model.nnsight_model import load_nnsight  # optional: nnsight is the "remote" extra
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # import time
 
-    return load_nnsight(name, device=device, dtype=dtype, remote=remote)
+    from analysis.model.nnsight_model import NnsightUnsupported, remote_meta_model, wrap_nnsight  # optional: the extra
+
+    path = Path(name).expanduser()
+    if name == DEFAULT_MODEL or path.is_dir():
+        src = str(smollm2_dir() if name == DEFAULT_MODEL else path)
+        tok = AutoTokenizer.from_pretrained(src)
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=True)
+    elif path.suffix.lower() == ".gguf" and path.is_file():
+        hf, tok = read_gguf(path.resolve(), dtype=dtype)
+    elif remote:
+        return remote_meta_model(name)
+    else:
+        raise NnsightUnsupported(f"{name!r}: the nnsight backend loads the embedded model, a local folder or .gguf here, "
+                                 "or a hub id with remote=True (its weights stay on NDIF).")
+    return wrap_nnsight(hf.to(device), tokenizer=tok, name=name, remote=remote)
 
 
 BACKENDS = ("transformer_lens", "nnsight")

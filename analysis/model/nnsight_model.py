@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
 
@@ -125,7 +124,20 @@ class NnsightModel:
 
 def call_name(names, family: str) -> str:
     """The last of a forward's source entries named ``attention_interface_<i>``: the call (the first may be the
-    lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``)."""
+    lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
+
+    Parameters
+    ----------
+    names : sequence of str
+        nnsight's names of the forward's operations (``.source.names``).
+    family : str
+        For the message.
+
+    Returns
+    -------
+    str
+        NnsightUnsupported where the forward calls no attention function.
+    """
     calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX):].isdigit()]
     if not calls:
         raise NnsightUnsupported(f"{family}: its attention does not call transformers' attention function, where the "
@@ -190,40 +202,6 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     if model.spec.attention_layers:
         model.attention_call(model.spec.attention_layers[0])  # refuse a family without the call now
     return model
-
-
-def load_nnsight(name: str, *, device: str, dtype=None, remote: bool = False) -> NnsightModel:
-    """``load_model(name, backend="nnsight")``: the embedded SmolLM2, a local folder or ``.gguf``, or (remote only)
-    a hub id whose weights stay on NDIF.
-
-    Parameters
-    ----------
-    name : str
-    device : str
-    dtype : torch.dtype, optional
-    remote : bool
-
-    Returns
-    -------
-    NnsightModel
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # import time
-
-    from analysis.model.loading import DEFAULT_MODEL, _dtype, read_gguf, smollm2_dir  # cycle: loading dispatches here
-
-    path = Path(name).expanduser()
-    if name == DEFAULT_MODEL or path.is_dir():
-        src = str(smollm2_dir() if name == DEFAULT_MODEL else path)
-        tok = AutoTokenizer.from_pretrained(src)
-        hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=True)
-    elif path.suffix.lower() == ".gguf" and path.is_file():
-        hf, tok = read_gguf(path.resolve(), dtype=dtype)
-    elif remote:
-        return remote_meta_model(name)
-    else:
-        raise NnsightUnsupported(f"{name!r}: the nnsight backend loads the embedded model, a local folder or .gguf here, "
-                                 "or a hub id with remote=True (the weights stay on NDIF).")
-    return wrap_nnsight(hf.to(device), tokenizer=tok, name=name, remote=remote)
 
 
 def remote_meta_model(repo_id: str) -> NnsightModel:
