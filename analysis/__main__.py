@@ -78,7 +78,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     if backend == "nnsight":
         from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
 
-        return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote)
+        return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote,
+                                    **_placement_kwargs(placement))
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:

@@ -66,6 +66,17 @@ def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
         load_model("smollm2-135m", remote=True)
 
 
+def test_remote_needs_a_hosted_hub_id_and_a_key_before_any_request(monkeypatch, no_network):
+    with pytest.raises(ValueError, match="hub id"):
+        load_model("smollm2-135m", backend="nnsight", remote=True)
+    monkeypatch.delenv("NDIF_API_KEY", raising=False)
+    with pytest.raises(NnsightUnsupported, match="NDIF_API_KEY"):
+        load_model("meta-llama/Llama-3.1-405B", backend="nnsight", remote=True)
+    with pytest.raises(ValueError, match="one device"):
+        load_model("smollm2-135m", backend="nnsight", device_map="auto", max_memory={"cpu": "1GiB"})
+    assert not no_network
+
+
 def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
     from analysis.model.probes import model_probe_sets
 

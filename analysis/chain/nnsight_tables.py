@@ -142,7 +142,7 @@ def nnsight_massive(model: NnsightModel, tokens, **kwargs) -> MassiveActivations
 
 
 def nnsight_sink_payload(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int,
-                         device: str | None, *, dtype=None, remote: bool = False) -> dict:
+                         device: str | None, *, dtype=None, remote: bool = False, **placement) -> dict:
     """``python -m analysis sink --backend nnsight [--remote]``: the payload of ``analysis.__main__.sink_report``
     (the same probes, BOS only with ``bos``), from nnsight traces.
 
@@ -160,6 +160,8 @@ def nnsight_sink_payload(model_name: str, n: int, T: int, eps: float, k_max: int
         "float32" (default), "bfloat16" or "float16".
     remote : bool
         Run on NDIF.
+    **placement
+        ``load_model``'s device_map / max_memory / offload_folder: refused (one device here; NDIF places its models).
 
     Returns
     -------
@@ -174,7 +176,7 @@ def nnsight_sink_payload(model_name: str, n: int, T: int, eps: float, k_max: int
     check_length(T)
     check_eps(eps)
     model = load_model(model_name, device=device, dtype=parse_dtype(dtype or "float32"), backend="nnsight",
-                       remote=remote)
+                       remote=remote, **placement)
     probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)
     sink = {kind: nnsight_sink_metric(model, probe.tokens, eps=eps, k_max=k_max, kind=kind)
             for kind, probe in probes.items()}

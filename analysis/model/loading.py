@@ -544,6 +544,9 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
     from analysis.model.nnsight_model import NnsightUnsupported, remote_meta_model, wrap_nnsight  # optional: the extra
 
     path = Path(name).expanduser()
+    if remote and (name == DEFAULT_MODEL or path.exists()):
+        raise ValueError(f"remote=True runs a model NDIF hosts, named by its hub id (e.g. meta-llama/Llama-3.1-405B); "
+                         f"{name!r} is local: drop --remote to run it here through nnsight.")
     if name == DEFAULT_MODEL or path.is_dir():
         src = str(smollm2_dir() if name == DEFAULT_MODEL else path)
         tok = AutoTokenizer.from_pretrained(src)

@@ -19,7 +19,7 @@ NNSIGHT_VERSION = "0.8.1"  # the version pinned by the "remote" extra and tested
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 
 
-class NnsightUnsupported(NotImplementedError):
+class NnsightUnsupported(ValueError):
     """The nnsight pass cannot measure this model exactly; the reason says why and what to use."""
 
 
