@@ -116,7 +116,7 @@ def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
     assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
 
 
-def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir):
+def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, monkeypatch):
     nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
     layers = list(nn.spec.attention_layers)
     here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
@@ -126,6 +126,22 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir):
     for a, b in zip(here[0], there[0]):
         assert torch.equal(a, b)
     assert all(torch.equal(x["top"], y["top"]) for x, y in zip(here[1], there[1]))
+    # the simulation hides this package: without shipping the reductions by value the trace cannot run there
+    import cloudpickle
+
+    import analysis.engine.nnsight_pass as nnsight_pass
+
+    register = nnsight_pass.register_shipped
+    monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)
+    for module in SHIPPED:
+        if module.__name__ in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.unregister_pickle_by_value(module)
+    try:
+        with warnings.catch_warnings(), pytest.raises(ModuleNotFoundError, match="remote_reductions"):
+            warnings.simplefilter("ignore")
+            trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+    finally:
+        register()
 
 
 def test_request_bytes_bound_what_a_trace_saves(family_dir):
