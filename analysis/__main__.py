@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
 from analysis.core.options import (CLI_DTYPES, DEFAULT_MODEL, REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N, HelpFormatter,
-                                   check_flags, model_options, placement_options, probe_options, seed_options,
-                                   sink_options)
+                                   backend_options, check_flags, model_options, placement_options, probe_options,
+                                   seed_options, sink_options)
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
 from analysis.streaming.cli import add_parser as add_stream_parser
@@ -44,7 +44,8 @@ def cli_dtype(name: str):
 
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True, dtype: str = "float32", placement: Placement | None = None) -> dict:
+                progress: bool = True, dtype: str = "float32", placement: Placement | None = None,
+                backend: str = "transformer_lens", remote: bool = False) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -64,6 +65,9 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
         The model's dtype (metrics are reduced in float32).
     placement : Placement, optional
         A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
+    backend : {"transformer_lens", "nnsight"}
+        "nnsight": the table from nnsight traces (``analysis.chain.nnsight_tables``), on NDIF with ``remote``.
+    remote : bool
 
     Returns
     -------
@@ -77,6 +81,11 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     from analysis.report.one_pass import profile
     from analysis.sinks.metric import check_eps
 
+    if backend == "nnsight":
+        from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
+
+        return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote,
+                                    **_placement_kwargs(placement))
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
@@ -158,7 +167,8 @@ def cmd_sink(args) -> int:
 
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
-                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args))
+                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args),
+                          backend=args.backend, remote=args.remote)
     print(format_sink_table(payload))
     if args.json:
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
@@ -278,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
 
-    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink, place], formatter_class=HelpFormatter,
+    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink, place, backend_options()],
+                       formatter_class=HelpFormatter,
                        help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")

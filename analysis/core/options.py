@@ -9,6 +9,7 @@ meaning in every command that takes it, and ``--help`` shows its default (``Help
   ``seed_options``, ``quant`` its window length from ``length_options``);
 - ``sink_options``: ``--eps --bos`` (every command that measures the sink);
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
+- ``backend_options``: ``--backend --remote`` (``sink``: the table through nnsight, here or on NDIF).
 
 ``VOCABULARY`` holds the help of every option more than one command takes (``python -m analysis.train`` included,
 whose config fields take these names: ``TRAIN_FIELD_FLAGS``); ``RENAMED`` the old spellings, which still work with a
@@ -227,6 +228,22 @@ def placement_options() -> argparse.ArgumentParser:
     return p
 
 
+def backend_options() -> argparse.ArgumentParser:
+    """``--backend --remote``, as a parent parser (the subcommands whose tables nnsight can compute).
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("backend")
+    g.add_argument("--backend", choices=("transformer_lens", "nnsight"), default="transformer_lens",
+                   help="run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)")
+    g.add_argument("--remote", action="store_true",
+                   help="with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)")
+    return p
+
+
 def check_flags(args) -> None:
     """The shared options' values, checked before any work (ValueError naming the flag otherwise).
 
@@ -248,6 +265,8 @@ def check_flags(args) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1; got {threads}.")
+    if getattr(args, "remote", False) and getattr(args, "backend", None) != "nnsight":
+        raise ValueError("--remote runs through nnsight: add --backend nnsight (docs/remote.md).")
     eps = getattr(args, "eps", None)
     if eps is not None and not 0 < eps < 1:
         raise ValueError(f"--eps must lie in (0, 1); got {eps}. alpha_k > eps makes a head sink on key k (paper: 0.3).")

@@ -410,7 +410,8 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None, device_map=None,
-               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None):
+               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
+               backend: str = "transformer_lens", remote: bool = False):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
     The BOS, a known trap (TransformerLens issue 1418): the bridge's tokenizer prepends the BOS where the model's own
@@ -444,6 +445,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         Per-device budgets for a strategy, e.g. ``{0: "70GiB", "cpu": "120GiB"}``.
     offload_folder : path-like, optional
         Where weights mapped to "disk" are kept (must be writable).
+    backend : {"transformer_lens", "nnsight"}
+        "nnsight": the model in nnsight's ``LanguageModel`` (:class:`analysis.model.nnsight_model.NnsightModel`,
+        for the sink and massive tables of ``analysis.chain.nnsight_tables``; needs the "remote" extra).
+    remote : bool
+        With ``backend="nnsight"``: the traces run on NDIF, a hub id's weights stay there (docs/remote.md).
 
     Returns
     -------
@@ -458,6 +464,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
                                 device=device)
     name = str(name_or_path)
     device = resolve_device(device)
+    if backend != "transformer_lens" or remote:
+        return _load_other_backend(name, backend, device=device, dtype=dtype, remote=remote, split=placement.split)
     if name == DEFAULT_MODEL:
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
@@ -482,6 +490,37 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype, placement=placement)
 
 
+def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: bool, split: bool):
+    """``load_model`` for ``backend="nnsight"`` (checked: the backend's name, no device map, remote only there)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    if backend != "nnsight":
+        raise ValueError("remote=True runs through nnsight: pass backend='nnsight' (--backend nnsight).")
+    if split:
+        raise ValueError("the nnsight backend loads on one device (NDIF places remote models itself); drop the device map.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # import time
+
+    from analysis.model.nnsight_model import NnsightUnsupported, remote_meta_model, wrap_nnsight  # optional: the extra
+
+    path = Path(name).expanduser()
+    if remote and (name == DEFAULT_MODEL or path.exists()):
+        raise ValueError(f"remote=True runs a model NDIF hosts, named by its hub id (e.g. meta-llama/Llama-3.1-405B); "
+                         f"{name!r} is local: drop --remote to run it here through nnsight.")
+    if name == DEFAULT_MODEL or path.is_dir():
+        src = str(smollm2_dir() if name == DEFAULT_MODEL else path)
+        tok = AutoTokenizer.from_pretrained(src)
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=True)
+    elif path.suffix.lower() == ".gguf" and path.is_file():
+        hf, tok = read_gguf(path.resolve(), dtype=dtype)
+    elif remote:
+        return remote_meta_model(name)
+    else:
+        raise NnsightUnsupported(f"{name!r}: the nnsight backend loads the embedded model, a local folder or .gguf here, "
+                                 "or a hub id with remote=True (its weights stay on NDIF).")
+    return wrap_nnsight(hf.to(device), tokenizer=tok, name=name, remote=remote)
+
+
+BACKENDS = ("transformer_lens", "nnsight")
 HUB_TIMEOUT_S = 10.0  # the one request that asks the hub for a model before loading it
 
 

@@ -1,0 +1,225 @@
+"""A Hugging Face causal LM through nnsight (``load_model(name, backend="nnsight")``): the model contract the nnsight
+pass (``analysis.engine.nnsight_pass``) reads, locally or on NDIF (``remote=True``).
+
+The bridge reads q and k at its hooks; here they are read where each family's attention hands them to transformers'
+attention function (``attention_interface(self, q, k, v, mask, scaling=..., softcap=...)``, through nnsight's
+``.source`` on the attention forward): after the rotary and any q/k norm, before grouped-query heads are repeated,
+with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the MoE families and DeepSeek-V3's latent
+attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
+what the pass cannot measure exactly is refused before any work, with the reason (:func:`unsupported`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
+
+NNSIGHT_VERSION = "0.8.1"  # the version pinned by the "remote" extra and tested here
+CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
+
+
+class NnsightUnsupported(ValueError):
+    """The nnsight pass cannot measure this model exactly; the reason says why and what to use."""
+
+
+@dataclass
+class NnsightSpec:
+    """What the nnsight pass needs of a family, from its config.
+
+    Attributes
+    ----------
+    family : str
+        The config's ``model_type``.
+    n_layers, n_heads, n_kv_heads, d_model : int
+    attention_layers : tuple of int
+        The softmax-attention layers (true indices), as ``families.config_attention_layers``.
+    skipped : dict of int to str
+        The other layers and why.
+    sliding_window : int or None
+        The window (its mask reaches the attention function; alpha counts hidden entries as zero).
+    softcap : float or None
+        Gemma 2's attention-logit soft cap.
+    latent : dict or None
+        Multi-head latent attention (``families.latent_attention``): every head its own key.
+    """
+
+    family: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    attention_layers: tuple[int, ...]
+    skipped: dict[int, str] = field(default_factory=dict)
+    sliding_window: int | None = None
+    softcap: float | None = None
+    latent: dict | None = None
+
+
+def nnsight_spec(config) -> NnsightSpec:
+    """The spec of a Hugging Face config.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+
+    Returns
+    -------
+    NnsightSpec
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = int(cfg.num_hidden_layers)
+    layers = tuple(config_attention_layers(cfg))
+    types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
+    skipped = {l: LAYER_TYPE_WORDS.get(types[l], str(types[l])) for l in range(n) if l not in layers and types}
+    mla = latent_attention(cfg)
+    heads = int(cfg.num_attention_heads)
+    return NnsightSpec(family=str(cfg.model_type), n_layers=n, n_heads=heads,
+                       n_kv_heads=heads if mla else int(getattr(cfg, "num_key_value_heads", None) or heads),
+                       d_model=int(cfg.hidden_size), attention_layers=layers, skipped=skipped,
+                       sliding_window=getattr(cfg, "sliding_window", None),
+                       softcap=getattr(cfg, "attn_logit_softcapping", None), latent=mla)
+
+
+@dataclass
+class NnsightModel:
+    """A Hugging Face causal LM in nnsight's ``LanguageModel``, with what the analyses need beside it.
+
+    Attributes
+    ----------
+    lm : nnsight.LanguageModel
+    tokenizer
+        The tokenizer the probes use (ids chosen explicitly: no BOS unless asked).
+    model_name : str
+    spec : NnsightSpec
+    remote : bool
+        Traces run on NDIF (``remote=True``) rather than here.
+    """
+
+    lm: object
+    tokenizer: object
+    model_name: str
+    spec: NnsightSpec
+    remote: bool = False
+
+    @property
+    def hf(self):
+        """The Hugging Face model inside (meta-device weights for a remote model)."""
+        return self.lm._module
+
+    def decoder_layers(self):
+        """The envoys of the decoder layers (``<base model>.layers``)."""
+        base = getattr(self.lm, self.hf.base_model_prefix, None)
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            raise NnsightUnsupported(f"{self.spec.family}: no <base model>.layers list of decoder layers.")
+        return layers
+
+    def attention_call(self, layer: int):
+        """The nnsight source entry of layer ``layer``'s call to the attention function (its ``.inputs`` are
+        ``((module, q, k, v, mask), kwargs)``)."""
+        src = self.decoder_layers()[layer].self_attn.source
+        return getattr(src, call_name(src.names, self.spec.family))
+
+
+def call_name(names, family: str) -> str:
+    """The last of a forward's source entries named ``attention_interface_<i>``: the call (the first may be the
+    lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
+
+    Parameters
+    ----------
+    names : sequence of str
+        nnsight's names of the forward's operations (``.source.names``).
+    family : str
+        For the message.
+
+    Returns
+    -------
+    str
+        NnsightUnsupported where the forward calls no attention function.
+    """
+    calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX):].isdigit()]
+    if not calls:
+        raise NnsightUnsupported(f"{family}: its attention does not call transformers' attention function, where the "
+                                 "nnsight pass reads q and k after the rotary; use the bridge (backend='transformer_lens').")
+    return max(calls, key=lambda n: int(n[len(CALL_PREFIX):]))
+
+
+def unsupported(hf) -> str | None:
+    """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+
+    Returns
+    -------
+    str or None
+    """
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
+        return "an ALiBi position bias is added to the scores outside q . k."
+    if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
+        return "learned sink logits (gpt-oss) join the softmax as an extra column; use the bridge's eager path."
+    if getattr(cfg, "is_decoder", True) is False and getattr(cfg, "is_encoder_decoder", False):
+        return "an encoder-decoder model: alpha here is defined for causal attention."
+    return None
+
+
+def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool = False) -> NnsightModel:
+    """Wrap a Hugging Face causal LM in nnsight's ``LanguageModel`` (refusing what the pass cannot measure).
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+    tokenizer
+    name : str
+    remote : bool
+        Run the traces on NDIF (the model there is the hub's ``name``).
+
+    A meta-device ``hf`` is wrapped in nnsight's plain ``NNsight`` for a dry run: its spec, its attention calls and
+    the request plan, no trace.
+
+    Returns
+    -------
+    NnsightModel
+    """
+    from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
+
+    reason = unsupported(hf)
+    if reason:
+        raise NnsightUnsupported(f"{type(hf).__name__}: {reason}")
+    hf.eval()
+    import warnings  # import time: the deprecation note below only
+
+    if next(hf.parameters()).is_meta:  # a dry run (plans, spec, source checks): no pipeline, which would move it
+        lm = NNsight(hf)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # LanguageModel's rename notice (nnsight 0.8); same class, same behaviour
+            lm = LanguageModel(hf, tokenizer=tokenizer)
+    model = NnsightModel(lm, tokenizer, name, nnsight_spec(hf.config), remote=bool(remote))
+    if model.spec.attention_layers:
+        model.attention_call(model.spec.attention_layers[0])  # refuse a family without the call now
+    return model
+
+
+def remote_meta_model(repo_id: str) -> NnsightModel:
+    """A hub model held on NDIF: nnsight's ``LanguageModel(repo_id)`` loads only its config and tokenizer here
+    (meta-device weights), and the traces run remotely.
+
+    Parameters
+    ----------
+    repo_id : str
+
+    Returns
+    -------
+    NnsightModel
+    """
+    from nnsight import LanguageModel  # optional: the "remote" extra
+
+    if not os.environ.get("NDIF_API_KEY"):
+        raise NnsightUnsupported("remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one).")
+    lm = LanguageModel(repo_id)
+    model = NnsightModel(lm, lm.tokenizer, repo_id, nnsight_spec(lm.config), remote=True)
+    return model

@@ -1,0 +1,210 @@
+"""The nnsight backend (``load_model(name, backend="nnsight")``): the bridge's per-head alpha and massive table to 1e-6 on
+the tiny families, the SmolLM2 probes through it, the trace's code within NDIF's import whitelist, the same trace
+through nnsight's local simulation of a remote run, and the request plan of Llama-3.1-405B under NDIF's size limit."""
+from __future__ import annotations
+
+import ast
+import inspect
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("nnsight")
+
+from analysis import load_model  # noqa: E402
+from analysis.chain.massive import massive_activations  # noqa: E402
+from analysis.chain.nnsight_tables import nnsight_massive, nnsight_sink_metric, nnsight_tables  # noqa: E402
+from analysis.core import reductions  # noqa: E402
+from analysis.engine import remote_reductions  # noqa: E402
+from analysis.engine.nnsight_pass import REQUEST_LIMIT_BYTES, plan_requests, request_bytes, trace_batch  # noqa: E402
+from analysis.engine.remote_reductions import attention_alpha, stats_bytes  # noqa: E402
+from analysis.model.nnsight_model import NnsightUnsupported, nnsight_spec, wrap_nnsight  # noqa: E402
+from analysis.sinks.metric import sink_metric  # noqa: E402
+
+NDIF_ALLOWED = {"torch", "numpy", "einops", "math", "collections", "typing", "pandas", "__future__"}
+SHIPPED = (reductions, remote_reductions)  # the modules whose functions run inside the trace (by value)
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v3"]
+
+
+def _tokens(n=3, T=20, seed=0):
+    return torch.randint(3, 96, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def nn_family(family_dir):
+    cache: dict = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = load_model(str(family_dir(family)), backend="nnsight")
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nnsight_gives_the_bridges_alpha_and_massive_table(family, family_bridge, nn_family):
+    bridge, nn, tokens = family_bridge(family), nn_family(family), _tokens()
+    ref = sink_metric(bridge, tokens, k_max=16, path="eager")
+    res, mass = nnsight_tables(nn, tokens, k_max=16, abs_threshold=0.02, ratio_threshold=2.0)
+    assert res.layers == ref.layers and res.meta["path"] == "nnsight"
+    torch.testing.assert_close(res.alpha, ref.alpha, atol=1e-6, rtol=0)
+    want = massive_activations(bridge, tokens, abs_threshold=0.02, ratio_threshold=2.0)
+    for name in ("top_values", "median", "first_mean", "first_abs", "other_abs_max"):  # activations: float32 rounding
+        torch.testing.assert_close(getattr(mass, name), getattr(want, name), atol=1e-6, rtol=1e-5)
+    for name in ("top_pos", "top_dim", "flag_samples", "flag_first"):
+        assert torch.equal(getattr(mass, name), getattr(want, name)), name
+    assert len(mass.flagged) == len(want.flagged) > 0  # the low thresholds flag some, on both paths
+    assert mass.spike_dims == want.spike_dims
+
+
+def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
+    with pytest.raises(NnsightUnsupported, match="learned sink logits"):
+        load_model(str(family_dir("gpt_oss")), backend="nnsight")
+    with pytest.raises(ValueError, match="backend='nnsight'"):
+        load_model("smollm2-135m", remote=True)
+
+
+def test_remote_needs_a_hosted_hub_id_and_a_key_before_any_request(monkeypatch, no_network):
+    with pytest.raises(ValueError, match="hub id"):
+        load_model("smollm2-135m", backend="nnsight", remote=True)
+    monkeypatch.delenv("NDIF_API_KEY", raising=False)
+    with pytest.raises(NnsightUnsupported, match="NDIF_API_KEY"):
+        load_model("meta-llama/Llama-3.1-405B", backend="nnsight", remote=True)
+    with pytest.raises(ValueError, match="one device"):
+        load_model("smollm2-135m", backend="nnsight", device_map="auto", max_memory={"cpu": "1GiB"})
+    assert not no_network
+
+
+def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
+    from analysis.model.probes import model_probe_sets
+
+    nn = load_model("smollm2-135m", backend="nnsight")
+    probes = model_probe_sets(nn, n=2, T=16)
+    assert torch.equal(probes["natural"].tokens, model_probe_sets(smollm2, n=2, T=16)["natural"].tokens)
+    for kind in ("natural", "random"):
+        tokens = probes[kind].tokens
+        assert not (tokens[:, 0] == nn.tokenizer.bos_token_id).any()  # no BOS: the probes decide, not the tokenizer
+        got, want = nnsight_sink_metric(nn, tokens, kind=kind), sink_metric(smollm2, tokens, path="eager")
+        torch.testing.assert_close(got.alpha, want.alpha, atol=1e-5, rtol=0)  # 30 layers of float32 rounding
+        assert got.sink_rate() == want.sink_rate()
+
+
+def _imports(source: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module)
+    return names
+
+
+def _forbidden(source: str) -> set[str]:
+    shipped = {m.__name__ for m in SHIPPED}
+    return {n for n in _imports(source) if n.split(".")[0] not in NDIF_ALLOWED and n not in shipped}
+
+
+def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
+    for module in SHIPPED:
+        bad = _forbidden(inspect.getsource(module))
+        assert not bad, f"{module.__name__} imports {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
+    # the check sees a forbidden import, and lets the shipped modules import each other
+    assert _forbidden("import scipy.special\nfrom analysis.model import hooks\nimport torch") == {
+        "scipy.special", "analysis.model"}
+    assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
+
+
+def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, monkeypatch):
+    nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
+    layers = list(nn.spec.attention_layers)
+    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+    for a, b in zip(here[0], there[0]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(x["top"], y["top"]) for x, y in zip(here[1], there[1]))
+    # the simulation hides this package: without shipping the reductions by value the trace cannot run there
+    import cloudpickle
+
+    import analysis.engine.nnsight_pass as nnsight_pass
+
+    register = nnsight_pass.register_shipped
+    monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)
+    for module in SHIPPED:
+        if module.__name__ in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.unregister_pickle_by_value(module)
+    try:
+        with warnings.catch_warnings(), pytest.raises(ModuleNotFoundError, match="remote_reductions"):
+            warnings.simplefilter("ignore")
+            trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+    finally:
+        register()
+
+
+def test_request_bytes_bound_what_a_trace_saves(family_dir):
+    nn, tokens = load_model(str(family_dir("qwen3")), backend="nnsight"), _tokens(n=4)
+    layers = list(nn.spec.attention_layers)
+    alphas, resid = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
+    saved = stats_bytes(alphas) + stats_bytes(resid)
+    bound = request_bytes(4, len(layers), n_heads=nn.spec.n_heads, k_max=8, d_model=nn.spec.d_model)
+    assert stats_bytes(alphas) + sum(stats_bytes({k: v for k, v in r.items() if k != "cand"}) for r in resid) <= saved
+    assert saved <= bound
+
+
+def llama_405b_config():
+    """Llama-3.1-405B's config, typed from its published numbers."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=126, hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
+                       intermediate_size=53248, vocab_size=128256, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192})
+
+
+def test_a_405b_sink_table_fits_ndifs_requests(capsys):
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import word_tokenizer
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(llama_405b_config())
+    nn = wrap_nnsight(hf, tokenizer=word_tokenizer(), name="meta-llama/Llama-3.1-405B")
+    spec = nn.spec
+    assert nn.attention_call(125) is not None  # the attention function's call, where the trace reads q and k
+    assert (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.d_model) == (126, 128, 8, 16384)
+    plan = plan_requests(100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model)
+    assert plan.bytes_per_request < REQUEST_LIMIT_BYTES and plan.n_requests >= 2
+    assert plan.bytes_total > REQUEST_LIMIT_BYTES  # one request would not do
+    sink_only = plan_requests(100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model,
+                              massive=False)
+    assert sink_only.bytes_per_request < REQUEST_LIMIT_BYTES and sink_only.n_requests < plan.n_requests
+    with capsys.disabled():
+        for what, p in (("sink + massive", plan), ("sink", sink_only)):
+            print(f"\n405B {what}, N=100, T=64: {p.n_requests} requests of {p.samples} samples x "
+                  f"{len(p.layer_groups[0])} layers, {p.bytes_per_request / 2**20:.1f} MiB each, "
+                  f"{p.bytes_total / 2**20:.1f} MiB in all")
+
+
+def test_per_head_alpha_gathers_across_tensor_parallel_shards():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 8, 12, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g)
+    full = attention_alpha(q, k, None, 0.25, 6)
+    shards = [attention_alpha(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], None, 0.25, 6) for r in range(2)]
+    torch.testing.assert_close(torch.cat(shards, 1), full, atol=0, rtol=0)
+
+
+def test_the_sink_command_prints_the_bridges_table_through_nnsight(smollm2, capsys):
+    from analysis.__main__ import main
+    from analysis.model.probes import model_probe_sets
+
+    assert main(["sink", "--remote", "--n", "2", "--T", "16"]) == 2  # --remote without --backend nnsight: refused
+    assert "--backend nnsight" in capsys.readouterr().err
+    assert main(["sink", "--backend", "nnsight", "--n", "2", "--T", "16", "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    want = {kind: sink_metric(smollm2, p.tokens, path="eager").sink_rate()
+            for kind, p in model_probe_sets(smollm2, n=2, T=16).items()}
+    assert out[2:5] == [f"{kind:<10} {v:>10.2f}" for kind, v in want.items()]
