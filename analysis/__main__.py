@@ -14,7 +14,7 @@ from analysis.core.options import (CLI_DTYPES, HelpFormatter, check_flags, model
 from analysis.core.versions import package_versions
 from analysis.model.hooks import check_length, model_dims
 from analysis.model.loading import DEFAULT_MODEL, ModelNotFoundError, available_models, load_model, resolve_device
-from analysis.model.placement import Placement, add_placement_args, placement_from_args
+from analysis.model.placement import Placement, add_placement_args, placement_from_args, placement_record
 from analysis.model.probes import model_probe_sets, text_tokens
 from analysis.positions.every_sink import format_sinks, sink_positions
 from analysis.report.build import DEFAULT_N, REPORT_MIN_T, REPORT_T_WHY, ReportError, build_report
@@ -86,7 +86,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     return {
         "model": model_name,
         "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
-        "device": str(next(model.parameters()).device),
+        **placement_record(model),  # where the inputs and work went, and where the weights are
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
         "inputs": kinds,
@@ -190,7 +190,7 @@ def cmd_sinks(args) -> int:
     print(res.text())
     if args.json:
         payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T,
-                   "device": str(next(model.parameters()).device), "dtype": args.dtype,
+                   **placement_record(model), "dtype": args.dtype,
                    "positions": "0-based: position 0 is the first token", **res.to_dict(),
                    "versions": package_versions()}
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
