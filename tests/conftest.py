@@ -108,12 +108,34 @@ def no_network(monkeypatch):
     return attempts
 
 
+def placed(model, device: str):
+    """``model``, after checking that its inputs go to ``device`` (the loader moved it there): a test then sends its
+    tokens to ``device`` and the model is there too.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    device : str
+        The ``device`` fixture.
+
+    Returns
+    -------
+    torch.nn.Module
+    """
+    from analysis.model.placement import input_device
+
+    got = input_device(model)
+    if got.type != torch.device(device).type:
+        raise AssertionError(f"the model was asked for {device} but its inputs go to {got}")
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm2(device):
     """The embedded default model, loaded once per test session on ``device``."""
     from analysis import load_model
 
-    return load_model("smollm2-135m", device=device)
+    return placed(load_model("smollm2-135m", device=device), device)
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +149,7 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_llama(tiny_llama_dir, device):
     from analysis import load_model
 
-    return load_model(str(tiny_llama_dir), device=device)
+    return placed(load_model(str(tiny_llama_dir), device=device), device)
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +182,7 @@ def family_bridge(family_dir, device):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[family] = load_model(str(family_dir(family)), device=device)
+                cache[family] = placed(load_model(str(family_dir(family)), device=device), device)
         return cache[family]
 
     return get

@@ -121,3 +121,63 @@ def test_split_step_is_listed_and_its_check_runs_on_cpu(tmp_path):
     assert res["n_differences"] == 0 and "disk" in res["device_map"].values()
     assert res["whole_profile"]["results"] and res["sink_1_pct"], "the profile ran its analyses"
     assert split_check.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.1]}, 1e-6) == [".a[1]: 2.0 vs 2.1"]
+
+
+def _listed(name: str) -> set[str]:
+    """The distribution names of scripts/gpu/NAME (one a line, ``name==version`` or ``name``; # comments)."""
+    lines = (ROOT / "scripts" / "gpu" / name).read_text().splitlines()
+    return {_norm(line.split("==")[0]) for line in lines if line.strip() and not line.lstrip().startswith("#")}
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Top-level module -> a file importing it, over analysis/, tests/, benchmarks/ and scripts/gpu/ (the standard
+    library and the repository's own modules left out)."""
+    import ast
+
+    own = {p.stem for p in ROOT.glob("*/**/*.py")} | {"analysis", "tests", "__future__"}
+    found: dict[str, str] = {}
+    files = [p for d in ("analysis", "tests", "benchmarks", "scripts/gpu") for p in (ROOT / d).glob("**/*.py")]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for n in names:
+                top = n.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in own:
+                    found.setdefault(top, str(f.relative_to(ROOT)))
+    return found
+
+
+# Declared by a carried wheel, imported by none of the code the GPU steps run: TransformerLens imports wandb only in
+# its own training loop (tools/training.py, inside the function) and transformers-stream-generator nowhere.
+NOT_NEEDED = {"wandb", "transformers-stream-generator"}
+
+
+def test_every_import_is_in_the_image_or_carried():
+    """Every third-party module that the package, its tests and the GPU steps import comes from a distribution the
+    device image holds (scripts/gpu/image.txt) or the kit carries (scripts/gpu/wheels.txt), and so does everything a
+    carried wheel needs (the first GPU run could not import nbformat: tests/test_docs.py failed to collect)."""
+    import importlib.metadata as md
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    there = _listed("image.txt") | _listed("wheels.txt")
+    dists = md.packages_distributions()
+    missing = []
+    for mod, where in sorted(_third_party_imports().items()):
+        names = {_norm(d) for d in dists.get(mod, [mod])}
+        if not names & there:
+            missing.append(f"{mod} (imported by {where}; distribution {sorted(names)})")
+    env = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    for name in sorted(_listed("wheels.txt")):
+        for req in md.distribution(name).requires or []:
+            r = Requirement(req)
+            if (r.marker is None or r.marker.evaluate(env)) and _norm(r.name) not in there | NOT_NEEDED:
+                missing.append(f"{r.name} (needed by the carried {name})")
+    assert not missing, "add to scripts/gpu/wheels.txt (pinned): " + "; ".join(missing)
