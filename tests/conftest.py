@@ -14,9 +14,20 @@ def pytest_addoption(parser):
     parser.addoption("--device", choices=DEVICES, default="cpu",
                      help="where the models and tensors of the tests run: cpu (the default, CI's) or cuda (every test "
                           "that can use the GPU; those marked cpu_only stay on the CPU).")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the suite, cut by test file (tests/shards.py): one part per "
+                          "device call (docs/gpu.md); the files that use SmolLM2 are in the last part.")
 
 
 def pytest_configure(config):
+    shard = config.getoption("--shard", default=None)
+    if shard is not None:
+        from tests.shards import parse_shard
+
+        try:
+            parse_shard(shard)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
     config.addinivalue_line("markers", "cpu_only: runs on the CPU whatever --device says (the reason is in a comment)")
     if config.getoption("--device", default="cpu") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(
@@ -51,6 +62,18 @@ _CPU_ONLY = pytest.StashKey[list]()
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is not None:
+        from collections import Counter
+
+        from tests.shards import assign, parse_shard
+
+        i, n = parse_shard(shard)
+        files = Counter(item.nodeid.split("::")[0] for item in items)
+        embedded = {it.nodeid.split("::")[0] for it in items if any(f.startswith("smollm2") for f in it.fixturenames)}
+        where = assign(dict(files), n, embedded)
+        config.hook.pytest_deselected(items=[it for it in items if where[it.nodeid.split("::")[0]] != i])
+        items[:] = [it for it in items if where[it.nodeid.split("::")[0]] == i]
     config.stash[_CPU_ONLY] = [item.nodeid for item in items if item.get_closest_marker("cpu_only")]
 
 
