@@ -181,3 +181,39 @@ def test_every_import_is_in_the_image_or_carried():
             if (r.marker is None or r.marker.evaluate(env)) and _norm(r.name) not in there | NOT_NEEDED:
                 missing.append(f"{r.name} (needed by the carried {name})")
     assert not missing, "add to scripts/gpu/wheels.txt (pinned): " + "; ".join(missing)
+
+
+def test_the_plan_fits_the_device_time():
+    """``session.sh plan``: the calls' budgets, one start and the idle gaps add up to at most 15 minutes, no call runs
+    over 6 minutes, and the calls run every shard of the suite, the one that needs every GGUF part last."""
+    import re
+
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "plan"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    calls = re.findall(r"^call (\d+): stage (.*): (\d+) s", out.stdout, re.MULTILINE)
+    start, gaps, budget, limit = map(int, re.search(r"start (\d+) s, gaps (\d+) s: device time \d+ s of (\d+) s; one "
+                                                    r"call at most (\d+) s", out.stdout).groups())
+    assert budget == 900 and limit <= 360 and start >= 30 and gaps >= 10 * (len(calls) - 1)
+    assert start + gaps + sum(int(s) for _, _, s in calls) <= budget, out.stdout
+    assert all(int(s) <= limit for _, _, s in calls), out.stdout
+    shards = [int(m) for _, steps, _ in calls for m in re.findall(r"tests-(\d+)", steps)]
+    assert shards == list(range(1, len(calls) + 1)), "every shard once, in the order the GGUF parts arrive"
+    assert {"scale-8b", "report-8b", "throughput"} <= {s for _, steps, _ in calls for s in steps.split()}
+
+
+def test_a_step_is_stopped_at_its_budget(tmp_path):
+    """A step still running at its budget is stopped, said so in its log, and the session goes on to report it."""
+    import time
+
+    slow = tmp_path / "python"
+    slow.write_text("#!/bin/sh\nsleep 60\n")
+    slow.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(slow), "BUDGET_ENV": "1", "OUT": str(tmp_path / "out"),
+           "GPU_SITE": str(tmp_path / "site"), "GPU_PARTS": str(tmp_path / "parts")}
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "env"], env=env, capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert out.returncode == 1 and "failed: env" in out.stdout
+    assert "stopped at its budget of 1 s" in (tmp_path / "out" / "env.log").read_text()
