@@ -1,3 +1,4 @@
+import os
 import socket
 import subprocess
 import warnings
@@ -28,6 +29,12 @@ def pytest_configure(config):
             parse_shard(shard)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if config.getoption("--device", default="cpu") == "cuda" and workers:
+        # each xdist worker's CPU work (tokenizers, host reductions, the cpu_only tests) on its share of the cores,
+        # not 12 workers of 16 torch threads each on 16 cores (the first GPU run, whose models sat on the CPU: its
+        # SmolLM2 setup took 48-157 s a worker)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
     config.addinivalue_line("markers", "cpu_only: runs on the CPU whatever --device says (the reason is in a comment)")
     if config.getoption("--device", default="cpu") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(
