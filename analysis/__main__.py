@@ -77,6 +77,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     from analysis.core.versions import package_versions
     from analysis.model.hooks import model_dims
     from analysis.model.loading import load_model
+    from analysis.model.placement import placement_record
     from analysis.model.probes import model_probe_sets
     from analysis.report.one_pass import profile
     from analysis.sinks.metric import check_eps
@@ -101,7 +102,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     return {
         "model": model_name,
         "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
-        "device": str(next(model.parameters()).device),
+        **placement_record(model),  # where the inputs and work went, and where the weights are
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
         "inputs": kinds,
@@ -193,7 +194,7 @@ def cmd_sinks(args) -> int:
     from analysis.core.versions import package_versions
     from analysis.model.hooks import model_dims
     from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args
+    from analysis.model.placement import placement_from_args, placement_record
     from analysis.model.probes import text_tokens
     from analysis.positions.every_sink import format_sinks, sink_positions
 
@@ -220,7 +221,7 @@ def cmd_sinks(args) -> int:
     print(res.text())
     if args.json:
         payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T,
-                   "device": str(next(model.parameters()).device), "dtype": args.dtype,
+                   **placement_record(model), "dtype": args.dtype,
                    "positions": "0-based: position 0 is the first token", **res.to_dict(),
                    "versions": package_versions()}
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")

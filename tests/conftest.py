@@ -1,3 +1,4 @@
+import os
 import socket
 import subprocess
 import warnings
@@ -14,9 +15,26 @@ def pytest_addoption(parser):
     parser.addoption("--device", choices=DEVICES, default="cpu",
                      help="where the models and tensors of the tests run: cpu (the default, CI's) or cuda (every test "
                           "that can use the GPU; those marked cpu_only stay on the CPU).")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the suite, cut by test file (tests/shards.py): one part per "
+                          "device call (docs/gpu.md); the files that use SmolLM2 are in the last part.")
 
 
 def pytest_configure(config):
+    shard = config.getoption("--shard", default=None)
+    if shard is not None:
+        from tests.shards import parse_shard
+
+        try:
+            parse_shard(shard)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if config.getoption("--device", default="cpu") == "cuda" and workers:
+        # each xdist worker's CPU work (tokenizers, host reductions, the cpu_only tests) on its share of the cores,
+        # not 12 workers of 16 torch threads each on 16 cores (the first GPU run, whose models sat on the CPU: its
+        # SmolLM2 setup took 48-157 s a worker)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
     config.addinivalue_line("markers", "cpu_only: runs on the CPU whatever --device says (the reason is in a comment)")
     if config.getoption("--device", default="cpu") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(
@@ -51,6 +69,18 @@ _CPU_ONLY = pytest.StashKey[list]()
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is not None:
+        from collections import Counter
+
+        from tests.shards import assign, parse_shard
+
+        i, n = parse_shard(shard)
+        files = Counter(item.nodeid.split("::")[0] for item in items)
+        embedded = {it.nodeid.split("::")[0] for it in items if any(f.startswith("smollm2") for f in it.fixturenames)}
+        where = assign(dict(files), n, embedded)
+        config.hook.pytest_deselected(items=[it for it in items if where[it.nodeid.split("::")[0]] != i])
+        items[:] = [it for it in items if where[it.nodeid.split("::")[0]] == i]
     config.stash[_CPU_ONLY] = [item.nodeid for item in items if item.get_closest_marker("cpu_only")]
 
 
@@ -108,12 +138,34 @@ def no_network(monkeypatch):
     return attempts
 
 
+def placed(model, device: str):
+    """``model``, after checking that its inputs go to ``device`` (the loader moved it there): a test then sends its
+    tokens to ``device`` and the model is there too.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    device : str
+        The ``device`` fixture.
+
+    Returns
+    -------
+    torch.nn.Module
+    """
+    from analysis.model.placement import input_device
+
+    got = input_device(model)
+    if got.type != torch.device(device).type:
+        raise AssertionError(f"the model was asked for {device} but its inputs go to {got}")
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm2(device):
     """The embedded default model, loaded once per test session on ``device``."""
     from analysis import load_model
 
-    return load_model("smollm2-135m", device=device)
+    return placed(load_model("smollm2-135m", device=device), device)
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +179,7 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_llama(tiny_llama_dir, device):
     from analysis import load_model
 
-    return load_model(str(tiny_llama_dir), device=device)
+    return placed(load_model(str(tiny_llama_dir), device=device), device)
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +212,7 @@ def family_bridge(family_dir, device):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[family] = load_model(str(family_dir(family)), device=device)
+                cache[family] = placed(load_model(str(family_dir(family)), device=device), device)
         return cache[family]
 
     return get

@@ -20,7 +20,7 @@ from analysis.model.placement import (Placement, check_placement, parse_device_m
 from analysis.model.weights import execution_device, is_offloaded, materialized
 from tests.families import make_family_dir
 
-CLOCK = {"seconds", "elapsed_s", "wall_s", "timings", "versions", "device", "created", "out_dir", "path"}  # not numbers of the model
+CLOCK = {"seconds", "elapsed_s", "wall_s", "timings", "versions", "device", "weights_on", "created", "out_dir", "path"}  # not numbers of the model
 FAMILIES = ["llama", "qwen3", "gemma2", "gpt_oss", "qwen3_next"]
 
 
@@ -253,3 +253,99 @@ def test_stream_cli_on_split_model(tmp_path, capsys):
     assert "reference model" in capsys.readouterr().err
     assert main(["stream", "--model", "no-such-model-xyz", "--device-map", "auto", "--quiet"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+# ---- where the inputs go: the embedding's execution device, never "the first parameter" (issue 36) ----------------
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A tiny Qwen2 folder, its one-device bridge, and the one-device per-head alpha of a few random tokens."""
+    from analysis.sinks.metric import sink_metric
+
+    d = make_family_dir("qwen2", tmp_path_factory.mktemp("qwen2") / "model")
+    whole = load_model(str(d), device="cpu")
+    tokens = torch.randint(3, whole.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    return d, whole, tokens, sink_metric(whole, tokens).alpha
+
+
+def test_every_module_on_disk_loads_and_agrees(qwen2, tmp_path):
+    """max_memory too small for any module: every weight (the embedding's too) sits on disk, "meta" placeholders on
+    the modules. The load (family_spec's dry run) and the analyses send the tokens to the execution device."""
+    from analysis.model.placement import placement_record
+    from analysis.sinks.metric import sink_metric
+
+    d, whole, tokens, alpha = qwen2
+    split = load_model(str(d), device_map="auto", max_memory={"cpu": "1KB"}, offload_folder=str(tmp_path / "off"))
+    assert set(split.original_model.hf_device_map.values()) == {"disk"}
+    assert next(split.parameters()).device.type == "meta"
+    rec = placement_record(split)
+    assert rec == {"device": "cpu", "weights_on": {"disk": sum(p.numel() for p in whole.original_model.parameters())}}
+    assert torch.equal(sink_metric(split, tokens).alpha, alpha)
+
+
+def test_embedding_alone_on_disk_loads_and_agrees(qwen2, tmp_path):
+    """The first parameter (the embedding's) is a disk placeholder while the work runs on the CPU."""
+    from analysis.model.hooks import model_device
+    from analysis.model.placement import input_device, placement_record
+    from analysis.sinks.metric import sink_metric
+
+    d, whole, tokens, alpha = qwen2
+    dm = {**split_device_map(str(d), {}, default="cpu"), "model.embed_tokens": "disk"}
+    split = load_model(str(d), device_map=dm, offload_folder=str(tmp_path / "off"))
+    first = next(split.original_model.parameters())
+    assert first.device.type == "meta" and first is split.original_model.get_input_embeddings().weight
+    assert input_device(split) == model_device(split) == torch.device("cpu")
+    rec = placement_record(split)
+    assert rec["device"] == "cpu" and set(rec["weights_on"]) == {"cpu", "disk"}
+    assert rec["weights_on"]["disk"] == whole.original_model.get_input_embeddings().weight.numel()
+    assert torch.equal(sink_metric(split, tokens).alpha, alpha)
+
+
+def test_first_parameter_elsewhere_than_the_work(qwen2):
+    """A model whose first parameter is not the embedding and lives on another device ("meta") than the work: the
+    inputs go to the embedding's device, and the record says where the weights are."""
+    import copy
+
+    from analysis.model.placement import input_device, placement_record
+
+    d, whole, tokens, alpha = qwen2
+    hf = copy.deepcopy(whole.original_model)
+    hf._modules = {"aaa_probe": torch.nn.Linear(2, 2, device="meta"), **hf._modules}  # the first parameter now
+    assert next(hf.parameters()).device.type == "meta"
+    assert input_device(hf) == torch.device("cpu")
+    assert placement_record(hf)["weights_on"] == {"cpu": sum(p.numel() for p in whole.original_model.parameters()),
+                                                  "meta": 6}
+
+
+def test_load_model_puts_the_weights_on_the_asked_device(tiny_llama_dir, monkeypatch):
+    """TransformerLens leaves a model it is given where it is: the loader itself moves the Hugging Face model to
+    ``device`` (on a GPU run, ``--device cuda`` kept every model on the CPU before)."""
+    from transformers import PreTrainedModel
+
+    moved = []
+    real = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        if isinstance(self, PreTrainedModel):
+            moved.append((id(self), str(args[0] if args else kwargs.get("device"))))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    model = load_model(str(tiny_llama_dir), device="cpu")
+    assert (id(model.original_model), "cpu") in moved
+
+
+def test_cli_json_records_where_the_work_and_weights_were(qwen2, tmp_path):
+    """``sink --json`` on a model whose embedding is on disk: "device" is where the work ran, "weights_on" where the
+    weights are kept (before: the first parameter's device, "meta", after a crash in the load)."""
+    from analysis.__main__ import main
+
+    d, whole, tokens, alpha = qwen2
+    dm = tmp_path / "dm.json"
+    dm.write_text(json.dumps({**split_device_map(str(d), {}, default="cpu"), "model.embed_tokens": "disk"}))
+    out = tmp_path / "sink.json"
+    assert main(["sink", "--model", str(d), "--n", "2", "--T", "8", "--quiet", "--device-map", str(dm),
+                 "--offload-folder", str(tmp_path / "off"), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and set(data["weights_on"]) == {"cpu", "disk"}

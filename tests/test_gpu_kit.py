@@ -121,3 +121,99 @@ def test_split_step_is_listed_and_its_check_runs_on_cpu(tmp_path):
     assert res["n_differences"] == 0 and "disk" in res["device_map"].values()
     assert res["whole_profile"]["results"] and res["sink_1_pct"], "the profile ran its analyses"
     assert split_check.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.1]}, 1e-6) == [".a[1]: 2.0 vs 2.1"]
+
+
+def _listed(name: str) -> set[str]:
+    """The distribution names of scripts/gpu/NAME (one a line, ``name==version`` or ``name``; # comments)."""
+    lines = (ROOT / "scripts" / "gpu" / name).read_text().splitlines()
+    return {_norm(line.split("==")[0]) for line in lines if line.strip() and not line.lstrip().startswith("#")}
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Top-level module -> a file importing it, over analysis/, tests/, benchmarks/ and scripts/gpu/ (the standard
+    library and the repository's own modules left out)."""
+    import ast
+
+    own = {p.stem for p in ROOT.glob("*/**/*.py")} | {"analysis", "tests", "__future__"}
+    found: dict[str, str] = {}
+    files = [p for d in ("analysis", "tests", "benchmarks", "scripts/gpu") for p in (ROOT / d).glob("**/*.py")]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for n in names:
+                top = n.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in own:
+                    found.setdefault(top, str(f.relative_to(ROOT)))
+    return found
+
+
+# Declared by a carried wheel, imported by none of the code the GPU steps run: TransformerLens imports wandb only in
+# its own training loop (tools/training.py, inside the function) and transformers-stream-generator nowhere.
+NOT_NEEDED = {"wandb", "transformers-stream-generator"}
+
+
+def test_every_import_is_in_the_image_or_carried():
+    """Every third-party module that the package, its tests and the GPU steps import comes from a distribution the
+    device image holds (scripts/gpu/image.txt) or the kit carries (scripts/gpu/wheels.txt), and so does everything a
+    carried wheel needs (the first GPU run could not import nbformat: tests/test_docs.py failed to collect)."""
+    import importlib.metadata as md
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    there = _listed("image.txt") | _listed("wheels.txt")
+    dists = md.packages_distributions()
+    missing = []
+    for mod, where in sorted(_third_party_imports().items()):
+        names = {_norm(d) for d in dists.get(mod, [mod])}
+        if not names & there:
+            missing.append(f"{mod} (imported by {where}; distribution {sorted(names)})")
+    env = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    for name in sorted(_listed("wheels.txt")):
+        for req in md.distribution(name).requires or []:
+            r = Requirement(req)
+            if (r.marker is None or r.marker.evaluate(env)) and _norm(r.name) not in there | NOT_NEEDED:
+                missing.append(f"{r.name} (needed by the carried {name})")
+    assert not missing, "add to scripts/gpu/wheels.txt (pinned): " + "; ".join(missing)
+
+
+def test_the_plan_fits_the_device_time():
+    """``session.sh plan``: the calls' budgets, one start and the idle gaps add up to at most 15 minutes, no call runs
+    over 6 minutes, and the calls run every shard of the suite, the one that needs every GGUF part last."""
+    import re
+
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "plan"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    calls = re.findall(r"^call (\d+): stage (.*): (\d+) s", out.stdout, re.MULTILINE)
+    start, gaps, budget, limit = map(int, re.search(r"start (\d+) s, gaps (\d+) s: device time \d+ s of (\d+) s; one "
+                                                    r"call at most (\d+) s", out.stdout).groups())
+    assert budget == 900 and limit <= 360 and start >= 30 and gaps >= 10 * (len(calls) - 1)
+    assert start + gaps + sum(int(s) for _, _, s in calls) <= budget, out.stdout
+    assert all(int(s) <= limit for _, _, s in calls), out.stdout
+    shards = [int(m) for _, steps, _ in calls for m in re.findall(r"tests-(\d+)", steps)]
+    assert shards == list(range(1, len(calls) + 1)), "every shard once, in the order the GGUF parts arrive"
+    assert {"scale-8b", "report-8b", "throughput"} <= {s for _, steps, _ in calls for s in steps.split()}
+
+
+def test_a_step_is_stopped_at_its_budget(tmp_path):
+    """A step still running at its budget is stopped, said so in its log, and the session goes on to report it."""
+    import time
+
+    slow = tmp_path / "python"
+    slow.write_text("#!/bin/sh\nsleep 60\n")
+    slow.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(slow), "BUDGET_ENV": "1", "OUT": str(tmp_path / "out"),
+           "GPU_SITE": str(tmp_path / "site"), "GPU_PARTS": str(tmp_path / "parts")}
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "env"], env=env, capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert out.returncode == 1 and "failed: env" in out.stdout
+    assert "stopped at its budget of 1 s" in (tmp_path / "out" / "env.log").read_text()

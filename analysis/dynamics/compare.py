@@ -13,6 +13,7 @@ import torch
 
 from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import act_name, model_dims
+from analysis.model.placement import input_device
 from analysis.chain.key_manifold import first_key_manifold
 from analysis.chain.massive import massive_activations
 from analysis.engine.passes import run_with_reducers
@@ -70,7 +71,7 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = SINK_EPS)
     for label, model in models.items():
         res = sink_metric(model, tokens, eps=eps, k_max=1)
         stats = first_token_stats(model, tokens)
-        dev = next(model.parameters()).device
+        dev = input_device(model)
         row = {
             "model": label,
             "attention": model.cfg.attention,

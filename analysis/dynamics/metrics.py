@@ -18,6 +18,7 @@ import torch
 
 from analysis.core.defaults import SINK_EPS
 from analysis.engine.passes import run_with_reducers
+from analysis.model.placement import input_device
 from analysis.sinks.metric import sink_metric
 from analysis.core.results import compact_repr
 
@@ -51,7 +52,7 @@ class FirstTokenStats:
 
 
 def _device(model):
-    return next(model.parameters()).device
+    return input_device(model)
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from analysis.model.families import attention_implementation, config_attention_layers
-from analysis.model.hooks import act_name, check_attention_layers, check_tokens, validate_token_ids
+from analysis.model.hooks import act_name, check_attention_layers, check_tokens, model_device, validate_token_ids
 from analysis.engine.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
 from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
 from analysis.core.stats import one_thread
@@ -666,7 +666,7 @@ def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, pro
         raise ValueError(f"k_max must lie in [1, T={tokens.shape[1]}]; got {k_max}.")
     acc = AlphaAccumulator(fused_layers(model), k_max, prefer=kernel if kernel is not None else PREFER)
     taps = _ResidTaps(model, accumulators)
-    device = next(hf.parameters()).device
+    device = model_device(model)  # the embedding's execution device (never the first parameter: maybe on disk)
     bs = batch_size or default_batch_size(tokens)
     it = batches(tokens, bs)
     if progress:

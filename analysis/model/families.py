@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from analysis.model.placement import input_device
 from analysis.model.weights import reads_module_weights
 
 # Families whose rotary rotates adjacent pairs (x0, x1), (x2, x3)... ("rotate_every_two") instead of the two
@@ -570,11 +571,7 @@ def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], boo
         if kind in ("hook_attn_scores", "hook_pattern") and kind not in first and isinstance(x, torch.Tensor):
             first[kind] = x.detach().float().cpu()
 
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:  # pragma: no cover
-        device = torch.device("cpu")
-    tokens = torch.tensor([[1, 2]], device=device) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
+    tokens = torch.tensor([[1, 2]], device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
     hooks, done = [], set()
     for n in names:
         if canonical[n] not in done:
@@ -605,8 +602,7 @@ def pattern_is_live(model, layer: int) -> bool:
     -------
     bool
     """
-    device = next(model.parameters()).device
-    tokens = torch.tensor([[1, 2]], device=device) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
+    tokens = torch.tensor([[1, 2]], device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
     with torch.inference_mode():
         base = model(tokens)
         edited = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern",

@@ -18,7 +18,7 @@ import torch
 
 from analysis.core.checks import check_length  # noqa: F401 (its home; named here too)
 from analysis.model.families import get_family, rotary_base
-from analysis.model.weights import execution_device
+from analysis.model.placement import input_device
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
 _BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
@@ -283,7 +283,8 @@ def skipped_note(model) -> str:
 
 
 def model_device(model) -> torch.device:
-    """The device of the model's first parameter.
+    """Where the model's inputs go: :func:`analysis.model.placement.input_device` (the execution device of the module
+    that takes the token ids; never "the first parameter").
 
     Parameters
     ----------
@@ -292,18 +293,8 @@ def model_device(model) -> torch.device:
     Returns
     -------
     torch.device
-        The CPU for a model without parameters. On a model split by a device map: where its token embedding runs
-        (the inputs go there; a parameter may be an offload placeholder on "meta").
     """
-    hf = getattr(model, "original_model", None)
-    if getattr(hf, "hf_device_map", None):
-        dev = execution_device(hf.get_input_embeddings())
-        if dev is not None:
-            return dev
-    for p in model.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cpu")
+    return input_device(model)
 
 
 def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:

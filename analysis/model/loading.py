@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from analysis.model.families import family_spec
-from analysis.model.placement import Placement, check_placement
+from analysis.model.placement import Placement, check_placement, input_device
 from analysis.model.weights import materialize_components
 from analysis.core.checks import default_device, resolve_device  # noqa: F401 (their home; named here too)
 from analysis.core.options import DEFAULT_MODEL  # noqa: F401 (its home; named here too)
@@ -313,7 +313,7 @@ def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None, devi
     placement = check_placement(Placement(device_map, max_memory, offload_folder), device=device)
     if placement.split:
         return _bridge(name, dispatch(hf, placement), tokenizer, None, name)
-    return _bridge(name, hf, tokenizer, device or str(next(hf.parameters()).device), name)
+    return _bridge(name, hf, tokenizer, device or str(input_device(hf)), name)
 
 
 def _bridge(src: str, hf, tok, device, name: str):
@@ -323,6 +323,8 @@ def _bridge(src: str, hf, tok, device, name: str):
     hf.eval()
     split = bool(getattr(hf, "hf_device_map", None))
     device = None if split else (device or default_device())
+    if device is not None:  # TransformerLens leaves a model it is given where it is: move it ourselves
+        hf = hf.to(device)
     with warnings.catch_warnings(), _mixed_offload_allowed(split):
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)

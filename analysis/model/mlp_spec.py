@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from analysis.model.placement import input_device
 from analysis.model.weights import reads_block_weights
 from analysis.model.families import NormSpec, _kept, get_family, hf_config, probe_norm
 
@@ -599,8 +600,7 @@ def _probe_mlp_hooks(model, n_layers: int) -> tuple[dict, dict]:
         if isinstance(x, torch.Tensor):
             seen.setdefault(hook.name, x.detach().float().cpu())
 
-    device = next(model.parameters()).device
-    tokens = (torch.arange(1, 6, device=device) % max(int(getattr(model.cfg, "d_vocab", 6) or 6), 6))[None]
+    tokens = (torch.arange(1, 6, device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 6) or 6), 6))[None]
     hooks = list({canonical[n]: (n, rec) for n in names}.values())
     with torch.inference_mode():
         model.run_with_hooks(tokens, fwd_hooks=hooks)

@@ -7,6 +7,11 @@ an explicit map that puts chosen blocks on chosen devices (e.g. blocks 10-29 of 
 
 The command line's ``--device-map`` / ``--max-memory`` / ``--offload-folder`` come from
 ``analysis.core.options.placement_options`` and are parsed by :func:`placement_from_args`.
+
+:func:`input_device` is the one answer to "where do a model's inputs go": the execution device of the module that
+takes the token ids (the embedding's, under accelerate's hook), never the device of "the first parameter" (on a split
+model that may be a disk-offload placeholder on "meta", or a module that runs elsewhere). :func:`placement_record`
+says, for the JSONs, where the weights are and where the work ran.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from analysis.model.weights import execution_device
 
 _OFFLOAD = ("cpu", "disk")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -297,3 +304,96 @@ def split_device_map(model, blocks: dict[int, object], *, default="cpu") -> dict
 
     walk("", model)
     return out
+
+
+def _hf_of(model):
+    """The Hugging Face model inside a TransformerBridge (``original_model``), or the model itself."""
+    hf = getattr(model, "original_model", None)
+    return hf if isinstance(hf, torch.nn.Module) else model
+
+
+def _input_module(model) -> torch.nn.Module | None:
+    """The module that takes the token ids: the Hugging Face input embedding, a bridge's or a reference model's
+    ``embed``; None when the model has neither."""
+    hf = _hf_of(model)
+    get = getattr(hf, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, torch.nn.Module):
+            return emb
+    emb = getattr(model, "embed", None)
+    return emb if isinstance(emb, torch.nn.Module) else None
+
+
+def input_device(model) -> torch.device:
+    """Where a model's inputs go and its work starts: the execution device of the module that takes the token ids.
+
+    Under accelerate's device map that is the embedding's hook's ``execution_device`` (its weights may sit on disk,
+    "meta" placeholders on the module); on one device, the embedding's weight's device. The first parameter of a
+    model is never asked: it may be an offload placeholder, or a module that runs elsewhere.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A TransformerBridge, a Hugging Face model or a reference model.
+
+    Returns
+    -------
+    torch.device
+        The CPU for a model with no real weight and no hook.
+    """
+    emb = _input_module(model)
+    dev = execution_device(emb) if emb is not None else None
+    if dev is None or dev.type == "meta":
+        dev = execution_device(_hf_of(model))
+    return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
+
+
+def weight_devices(model) -> dict[str, int]:
+    """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    dict of str to int
+        Sorted by device name. Under accelerate's device map a module's weights count where the map keeps them
+        ("cpu", "disk", "cuda:N"), not as the "meta" placeholder left on the module.
+    """
+    hf = _hf_of(model)
+    dm = {k: _device_name(v) for k, v in (getattr(hf, "hf_device_map", None) or {}).items()}
+    out: dict[str, int] = {}
+    for name, mod in hf.named_modules():
+        params = list(mod.parameters(recurse=False))
+        if not params:
+            continue
+        keys = [k for k in dm if k == "" or name == k or name.startswith(k + ".")]
+        where = dm[max(keys, key=len)] if keys else str(params[0].device)
+        out[where] = out.get(where, 0) + sum(p.numel() for p in params)
+    return dict(sorted(out.items()))
+
+
+def _device_name(value) -> str:
+    """A device-map value (0, "cuda:0", "cpu", "disk") as a device name ("cuda:0", "cpu", "disk")."""
+    return f"cuda:{value}" if isinstance(value, int) or str(value).isdigit() else str(value)
+
+
+def placement_record(model) -> dict:
+    """What a result's JSON says about where its model ran.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    dict
+        ``device``: where the inputs went and the work started (:func:`input_device`); ``weights_on``: device ->
+        parameters kept there (:func:`weight_devices`), e.g. {"cpu": 1200, "disk": 3400} for a split model.
+    """
+    return {"device": str(input_device(model)), "weights_on": weight_devices(model)}

@@ -46,6 +46,7 @@ import pandas as pd
 from analysis.core.defaults import SINK_EPS, SPIKE_ABS
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError, check_length, model_dims
+from analysis.model.placement import placement_record
 from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
@@ -821,7 +822,7 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
         "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "eps": ctx.eps, "bos": ctx.bos,
                    "probes": {k: p.source for k, p in ctx.probes.items()},
                    "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
-                   "device": str(next(ctx.model.parameters()).device),
+                   **placement_record(ctx.model),  # where the work ran ("device") and the weights are
                    "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
                                 "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
                    "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from analysis.model.families import attention_implementation
+from analysis.model.placement import input_device
 from analysis.core.memory import peak_mib, reset_peak
 from analysis.streaming.backbone import context_length, n_layers
 from analysis.streaming.attention import NAME as ATTENTION
@@ -273,7 +274,7 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: i
     list of PolicyRun
     """
     capacity = _check_group(policies)
-    device = hf.get_output_embeddings().weight.device
+    device = input_device(hf)
     tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
     N = tokens.numel()
     sinks = [p.sinks if p.kind == "sinks" else 0 for p in policies]
@@ -341,7 +342,7 @@ def recompute_nll(hf, tokens: torch.Tensor, window: int, *, every: int = 1, batc
     -------
     PolicyRun
     """
-    device = hf.get_output_embeddings().weight.device
+    device = input_device(hf)
     ids = tokens.to(device)
     N = ids.numel()
     nll = np.full(N - 1, np.nan)

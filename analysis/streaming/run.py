@@ -14,6 +14,7 @@ from analysis.core.results import Result
 from analysis.streaming.backbone import causal_lm, context_length
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
+from analysis.model.placement import input_device
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.core.versions import package_versions
 
@@ -351,5 +352,5 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     if recompute_every:
         runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
     weight = hf.get_output_embeddings().weight
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(weight.device),
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(input_device(hf)),
                         tokens=tokens.tolist(), dtype=str(weight.dtype).removeprefix("torch."))

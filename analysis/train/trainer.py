@@ -202,7 +202,7 @@ def _config_diff(saved: dict, current: dict, keys=None) -> list[str]:
 
 
 def _mean_loss(model: SinkLM, tokens: torch.Tensor, batch_size: int = 64) -> float:
-    dev = next(model.parameters()).device
+    dev = model.device
     losses = [float(model(tokens[i:i + batch_size].to(dev), return_type="loss"))
               for i in range(0, len(tokens), batch_size)]
     return sum(losses) / len(losses)

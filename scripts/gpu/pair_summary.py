@@ -21,6 +21,7 @@ from analysis.chain.massive import spike_criterion  # noqa: E402
 from analysis.chain.spike_writers import spike_origin  # noqa: E402
 from analysis.train import TrainConfig, load_reference  # noqa: E402
 from analysis.dynamics.compare import mechanism_chain  # noqa: E402
+from analysis.model.placement import input_device  # noqa: E402
 from analysis.model.reference.data import build_data  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def summarise(run: Path, *, probe_seed: int, n: int, T: int) -> dict:
     model = load_reference(run)
     tcfg = model.reference_config["train"]
     data = build_data(TrainConfig.from_dict({**tcfg, "seed": probe_seed}), model.cfg.n_ctx)
-    probe = data.probe(n, T).to(next(model.parameters()).device)
+    probe = data.probe(n, T).to(input_device(model))
     chain = mechanism_chain(model, probe)
     abs_threshold, ratio_threshold = spike_criterion(model)  # the report's criterion for this model's width
     origin = spike_origin(model, probe, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold).to_dict()

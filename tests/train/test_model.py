@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from analysis.model.hooks import model_device
 from analysis.train import ModelConfig, SinkLM, available_attention
 from tests.conftest import tol
 
@@ -68,7 +69,7 @@ def run_cache(model, tokens, names):
     """Logits and the named hooks' values over ``tokens`` (moved to the model's device), on the CPU."""
     cache = {}
     hooks = [(n, (lambda n: lambda x, hook: cache.__setitem__(n, x.detach().cpu()))(n)) for n in names]
-    logits = model.run_with_hooks(tokens.to(next(model.parameters()).device), fwd_hooks=hooks)
+    logits = model.run_with_hooks(tokens.to(model_device(model)), fwd_hooks=hooks)
     return logits.cpu(), cache
 
 

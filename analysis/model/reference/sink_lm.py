@@ -437,7 +437,7 @@ class SinkLM(HookedRootModule):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self.embed.W_E.device  # where the token ids go (the embedding's weight)
 
     @property
     def dtype(self) -> torch.dtype:
