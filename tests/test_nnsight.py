@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import warnings
 
 import pytest
@@ -116,32 +117,52 @@ def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
     assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
 
 
+def _as_if_pip_installed(monkeypatch):
+    """What NDIF has of this package: nothing. nnsight ships, once per process, every package importable from the
+    working tree and not pip-installed (``pull_env``: a checkout run from its folder ships all of ``analysis``), and an
+    editable install's import hook (CI's) finds the package where nnsight's simulation hides the rest: take both out,
+    so the simulation sees only what ``register_shipped`` sends."""
+    import cloudpickle
+    import nnsight.ndif
+
+    import analysis
+
+    monkeypatch.setattr(nnsight.ndif, "_PULLED_ENV", True)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if "__editable__" not in
+                                           f"{getattr(f, '__module__', '')} {type(f).__module__}"])
+    if analysis.__name__ in cloudpickle.list_registry_pickle_by_value():
+        cloudpickle.unregister_pickle_by_value(analysis)
+        return lambda: cloudpickle.register_pickle_by_value(analysis)
+    return lambda: None
+
+
 def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, monkeypatch):
-    nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
-    layers = list(nn.spec.attention_layers)
-    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
-    for a, b in zip(here[0], there[0]):
-        assert torch.equal(a, b)
-    assert all(torch.equal(x["top"], y["top"]) for x, y in zip(here[1], there[1]))
-    # the simulation hides this package: without shipping the reductions by value the trace cannot run there
     import cloudpickle
 
     import analysis.engine.nnsight_pass as nnsight_pass
 
+    nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
+    layers = list(nn.spec.attention_layers)
+    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
+    restore = _as_if_pip_installed(monkeypatch)
     register = nnsight_pass.register_shipped
-    monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)
-    for module in SHIPPED:
-        if module.__name__ in cloudpickle.list_registry_pickle_by_value():
-            cloudpickle.unregister_pickle_by_value(module)
     try:
-        with warnings.catch_warnings(), pytest.raises(ModuleNotFoundError, match="remote_reductions"):
+        with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
+            warnings.simplefilter("ignore")
+            there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+        for a, b in zip(here[0], there[0]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(x["top"], y["top"]) for x, y in zip(here[1], there[1]))
+        monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)  # not shipped: it cannot run there
+        for module in SHIPPED:
+            if module.__name__ in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.unregister_pickle_by_value(module)
+        with warnings.catch_warnings(), pytest.raises(ModuleNotFoundError, match="analysis"):
             warnings.simplefilter("ignore")
             trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
     finally:
         register()
+        restore()
 
 
 def test_request_bytes_bound_what_a_trace_saves(family_dir):

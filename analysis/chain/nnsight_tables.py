@@ -29,12 +29,18 @@ class _StatsMassive(MassiveAccumulator):
 
     def update_stats(self, layer: int, s: dict, T: int, batch: Batch) -> None:
         i = self.index[layer]
-        self.first_sum[i] += s["first_sum"]
-        self.first_abs[i] += s["first_abs"]
-        self.other_max[i] += s["other_max"]
-        self.top.put(layer, s["top"])
+        if i not in self.sums:
+            self.sums[i] = torch.zeros(3, self.D, dtype=torch.float64, device=s["first_sum"].device)
+            self.counts[i] = torch.zeros(2, self.D, dtype=torch.long, device=s["first_sum"].device)
+        self.sums[i][0] += s["first_sum"]
+        self.sums[i][1] += s["first_abs"]
+        self.sums[i][2] += s["other_max"]
+        top = s["top"].float()
+        tokens = batch.tokens.to(top.device)
+        top_tok = tokens.gather(1, top[:, self.K:2 * self.K].long()).float()
+        self.top.put(layer, torch.cat([top, top_tok], -1))
         c = s["cand"]
-        self._flags(i, c[:, 0].long(), c[:, 1].float(), c[:, 2].float(), T, batch)
+        self._flags(i, c[:, 0].long(), c[:, 1].float(), c[:, 2].float(), tokens, batch)
 
 
 def _tokens(model: NnsightModel, tokens) -> torch.Tensor:
