@@ -37,6 +37,7 @@ from analysis.chain.qk import qk_angles
 from analysis.report.build import build_report
 from analysis.sinks.metric import SinkResult, sink_metric, sink_table
 from analysis.positions.context_length import SinkContext, sink_vs_context
+from analysis.positions.repeated_tokens import RepeatedTokens, repeated_tokens
 from analysis.causal.dormant_heads import dormant_heads
 from analysis.causal.writer_cuts import spike_cuts
 from analysis.chain.spike_writers import spike_origin
@@ -52,6 +53,7 @@ __all__ = [
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_gates",
-    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "spike_origin",
+    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "repeated_tokens", "RepeatedTokens",
+    "spike_origin",
     "why_first_token", "spike_cuts", "dormant_heads",
 ]
