@@ -96,7 +96,8 @@ class RepeatedAccumulator(Accumulator):
         dims = model_dims(model)
         self.H, self.H_kv, self.layers = dims.n_heads, dims.n_kv_heads, list(layers)
         self.qk = {l: qk_hook_names(model, l) for l in self.layers}
-        self.out = {k: LayerCollector(self.layers) for k in ("dev_in", "dev_out", "scale", "first", "last", "qn", "kn")}
+        self.out = {k: LayerCollector(self.layers) for k in ("dev_in", "dev_out", "scale", "scale_out", "first", "last",
+                                                                "qn", "kn")}
 
     def hooks(self):
         return {l: {"resid_in": act_name("resid_pre", l), "resid_out": act_name("resid_post", l),
@@ -108,6 +109,7 @@ class RepeatedAccumulator(Accumulator):
             x = acts[key].float()
             put[name](layer, (x - x[:, :1]).abs().amax((1, 2)))  # (B,)
         put["scale"](layer, acts["resid_in"][:, 0].float().abs().amax(-1))
+        put["scale_out"](layer, acts["resid_out"][:, 0].float().abs().amax(-1))
         A = acts["pattern"]  # (B, H, T, T)
         put["first"](layer, A[..., :, 0].float())  # (B, H, T): the first token's weight from query i (t = i + 1)
         put["last"](layer, A[..., -1, :].float())  # (B, H, T): the last query's row
@@ -209,8 +211,8 @@ class RepeatedTokens(Result, LayerAxis):
         The model's positional encoding (``ENCODINGS`` or "unknown").
     dev_in, dev_out : torch.Tensor, shape (N, L)
         max over positions and dims of |h_i - h_0| at the layer's input (``hook_resid_pre``) and output.
-    scale : torch.Tensor, shape (N, L)
-        max |h_0| at the layer's input (the deviation's yardstick).
+    scale, scale_out : torch.Tensor, shape (N, L)
+        max |h_0| at the layer's input and output (the deviations' yardsticks).
     first, last : torch.Tensor, shape (N, L, H, T)
         The first token's attention from query i (t = i + 1 tokens seen), and the last query's row.
     form_first, form_last : torch.Tensor, shape (N, L, H, T)
@@ -241,6 +243,7 @@ class RepeatedTokens(Result, LayerAxis):
     form_last: torch.Tensor
     xi: torch.Tensor
     token_ids: list
+    scale_out: torch.Tensor | None = None
     eps: float = SINK_EPS
     layers: list[int] = field(default_factory=list)
     skipped: str = ""
@@ -279,9 +282,14 @@ class RepeatedTokens(Result, LayerAxis):
         e = self.eps if eps is None else check_eps(eps)
         return float((self.alpha_1 > e).float().mean() * 100)
 
-    def relative_deviation(self) -> torch.Tensor:
-        """(N, L): dev_in / max |h_0|, the input's largest deviation across positions relative to its size."""
-        return self.dev_in / self.scale.clamp_min(1e-30)
+    def relative_deviation(self, where: str = "both") -> torch.Tensor:
+        """(N, L): the largest deviation across positions relative to max |h_0|, at the layer's input (``in``), output
+        (``out``) or the larger of the two (``both``)."""
+        rin = self.dev_in / self.scale.clamp_min(1e-30)
+        if where == "in" or self.scale_out is None:
+            return rin
+        rout = self.dev_out / self.scale_out.clamp_min(1e-30)
+        return rout if where == "out" else torch.maximum(rin, rout)
 
     def gap(self, which: str = "last") -> torch.Tensor:
         """(N, L, H): the largest gap to the closed form over keys (``last``) or over t (``first``): |A - form| for
@@ -293,10 +301,10 @@ class RepeatedTokens(Result, LayerAxis):
     def per_layer(self) -> pd.DataFrame:
         """One row per attention layer: the hidden-state deviation in and out (absolute and relative), the largest gap
         to the closed form (last row and first token against t), and Sink_1 in that layer."""
-        rel = self.relative_deviation()
         return pd.DataFrame({
-            "layer": self.layers, "dev_in": self.dev_in.amax(0).numpy(), "dev_in_rel": rel.amax(0).numpy(),
-            "dev_out": self.dev_out.amax(0).numpy(),
+            "layer": self.layers, "dev_in": self.dev_in.amax(0).numpy(),
+            "dev_in_rel": self.relative_deviation("in").amax(0).numpy(), "dev_out": self.dev_out.amax(0).numpy(),
+            "dev_out_rel": self.relative_deviation("out").amax(0).numpy(),
             "gap_last": self.gap("last").amax((0, 2)).numpy(), "gap_first": self.gap("first").amax((0, 2)).numpy(),
             "first_at_T": self.last[..., 0].mean((0, 2)).numpy(),
             "form_first_at_T": self.form_last[..., 0].mean((0, 2)).numpy(),
@@ -428,6 +436,6 @@ def repeated_tokens(model, tokens=None, *, n: int = 8, T: int = 64, seed: int = 
     op = getattr(getattr(model, "cfg", None), "attention", "softmax")
     meta = {} if op == "softmax" else {"note": f"the closed forms hold for softmax attention; this model uses {op}"}
     return RepeatedTokens(encoding=encoding, dev_in=out["dev_in"], dev_out=out["dev_out"], scale=out["scale"],
-                          first=out["first"], last=out["last"], form_first=form_first, form_last=form_last, xi=xi,
+                          scale_out=out["scale_out"], first=out["first"], last=out["last"], form_first=form_first, form_last=form_last, xi=xi,
                           token_ids=tokens[:, 0].tolist(), eps=eps, layers=layers, source=source,
                           model_name=getattr(model, "model_name", None), meta=meta)
