@@ -38,6 +38,7 @@ from analysis.report.build import build_report
 from analysis.sinks.metric import SinkResult, sink_metric, sink_table
 from analysis.positions.context_length import SinkContext, sink_vs_context
 from analysis.positions.repeated_tokens import RepeatedTokens, repeated_tokens
+from analysis.positions.encodings import EncodingGrid, encoding_grid, load_encoding_grid
 from analysis.causal.dormant_heads import dormant_heads
 from analysis.causal.writer_cuts import spike_cuts
 from analysis.chain.spike_writers import spike_origin
@@ -54,6 +55,7 @@ __all__ = [
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_gates",
     "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "repeated_tokens", "RepeatedTokens",
+    "encoding_grid", "load_encoding_grid", "EncodingGrid",
     "spike_origin",
     "why_first_token", "spike_cuts", "dormant_heads",
 ]

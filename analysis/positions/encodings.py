@@ -192,6 +192,10 @@ def save_encoding_grid(grid: EncodingGrid, out) -> None:
     ----------
     grid : EncodingGrid
     out : path-like
+
+    Returns
+    -------
+    None
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
