@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
-from analysis.core.io import EMERGENCE_DIR, write_json
+from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
 from analysis.core.results import Result
 from analysis.model.probes import model_probe_sets
 from analysis.positions.repeated_tokens import CLOSED_FORMS, repeated_tokens
@@ -166,7 +166,7 @@ class EncodingGrid(Result):
         for pe in self.encodings:
             r = self.runs[self.runs.encoding == pe]
             sinks = ", ".join(f"{k} {_spread(r[f'sink_1_{k}'])}" for k in KINDS)
-            out.append(f"{pe} ({len(r)} seeds): {self._premise(r, pe)}; Sink_1 {sinks}.")
+            out.append(f"With the {pe} encoding ({len(r)} seeds): {self._premise(r, pe)}; Sink_1 {sinks}.")
         return out
 
     @staticmethod
@@ -181,8 +181,8 @@ class EncodingGrid(Result):
         return f"equal hidden states (deviation at most {dev:.1e}) and the attention {verdict} (gap {r.gap_last.max():.1e})"
 
     def to_dict(self) -> dict:
-        return {**self.header(), **self.meta, "summary": self.summary().to_dict("records"),
-                "runs": self.runs.to_dict("records"), "text": self.text()}
+        return jsonable({**self.header(), **self.meta, "summary": self.summary().to_dict("records"),
+                         "runs": self.runs.to_dict("records"), "text": self.text()})
 
 
 def save_encoding_grid(grid: EncodingGrid, out) -> None:

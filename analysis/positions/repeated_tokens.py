@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
+from analysis.core.io import jsonable
 from analysis.core.results import LayerAxis, Result, compact_repr
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.model.families import rotary_base
@@ -380,12 +381,13 @@ class RepeatedTokens(Result, LayerAxis):
                 f"H_T / T = {nope:.3f}).")
 
     def to_dict(self) -> dict:
-        return {**self.header(), "encoding": self.encoding, "T": self.T, "eps": self.eps, "layers": list(self.layers),
-                "token_ids": [int(t) for t in self.token_ids], "source": self.source, **self.meta,
-                "sink_1_pct": self.sink_rate(), "max_relative_deviation": float(self.relative_deviation().max()),
-                "max_gap_last": _num(self.gap("last").max()), "max_gap_first": _num(self.gap("first").max()),
-                "per_layer": self.per_layer().to_dict("records"), "per_head": self.per_head().to_dict("records"),
-                "text": self.text()}
+        return jsonable({
+            **self.header(), "encoding": self.encoding, "T": self.T, "eps": self.eps, "layers": list(self.layers),
+            "token_ids": [int(t) for t in self.token_ids], "source": self.source, **self.meta,
+            "sink_1_pct": self.sink_rate(), "max_relative_deviation": float(self.relative_deviation().max()),
+            "max_gap_last": _num(self.gap("last").max()), "max_gap_first": _num(self.gap("first").max()),
+            "per_layer": self.per_layer().to_dict("records"), "per_head": self.per_head().to_dict("records"),
+            "text": self.text()})
 
 
 def _attn_scale(model) -> float:
