@@ -102,7 +102,9 @@ def encoding_grid(sweep_dir, *, n: int = 100, T: int = 64, seed: int = 0, eps: f
             progress(d.name)
         row, curve = encoding_point(load_reference(d, device="cpu"), n=n, T=T, seed=seed, eps=eps)
         facts = _run_facts(d)
-        rows.append({**facts, **row})
+        scale = facts["alibi_slope_scale"]
+        label = row["encoding"] + (f" (slopes x{scale:g})" if scale not in (None, 1, 1.0) else "")
+        rows.append({**facts, "label": label, **row})
         curves.append(curve.assign(run=d.name, encoding=row["encoding"], seed=facts["seed"]))
     return EncodingGrid(pd.DataFrame(rows), pd.concat(curves, ignore_index=True),
                         meta={"n": n, "T": T, "probe_seed": seed, "eps": eps, "source": str(sweep_dir)})
@@ -119,7 +121,7 @@ class EncodingGrid(Result):
     Attributes
     ----------
     runs : pandas.DataFrame
-        One row per run: its facts (``run``, ``seed``, ``encoding``, ...), ``sink_1_natural`` / ``_random`` /
+        One row per run: its facts (``run``, ``seed``, ``encoding``, ``label``: the grid point, ...), ``sink_1_natural`` / ``_random`` /
         ``_repeated`` (%), and the repeated-token measurements of ``encoding_point``.
     curves : pandas.DataFrame
         Per run, layer, head and t: the first token's attention and its closed form (``first_vs_t``).
@@ -142,10 +144,15 @@ class EncodingGrid(Result):
     def encodings(self) -> list[str]:
         return list(dict.fromkeys(self.runs["encoding"]))
 
+    @property
+    def _key(self) -> str:
+        """The column that names a grid point: ``label`` (the encoding, with its slope scale where not 1)."""
+        return "label" if "label" in self.runs else "encoding"
+
     def summary(self) -> pd.DataFrame:
         """Per encoding: seeds, Sink_1 per kind (mean, std, min, max over seeds), whether the premise and the closed
         form hold in every seed, the largest deviation and gap."""
-        g = self.runs.groupby("encoding", sort=False)
+        g = self.runs.groupby(self._key, sort=False)
         out = g.size().rename("n_seeds").to_frame()
         for k in KINDS:
             out = out.join(g[f"sink_1_{k}"].agg(["mean", "std", "min", "max"]).add_prefix(f"sink_1_{k}_"))
@@ -163,10 +170,10 @@ class EncodingGrid(Result):
         """Per encoding: the premise, the closed form, and Sink_1 on each kind with its spread over seeds."""
         out = [f"Sink_1 (eps = {self.meta.get('eps', SINK_EPS):g}) is given as the mean over seeds (min-max), on "
                f"N = {self.meta.get('n')} sequences of T = {self.meta.get('T')} tokens per kind."]
-        for pe in self.encodings:
-            r = self.runs[self.runs.encoding == pe]
+        for label, r in self.runs.groupby(self._key, sort=False):
             sinks = ", ".join(f"{k} {_spread(r[f'sink_1_{k}'])}" for k in KINDS)
-            out.append(f"With the {pe} encoding ({len(r)} seeds): {self._premise(r, pe)}; Sink_1 {sinks}.")
+            pe = r.encoding.iloc[0]
+            out.append(f"With the {label} encoding ({len(r)} seeds): {self._premise(r, pe)}; Sink_1 {sinks}.")
         return out
 
     @staticmethod
