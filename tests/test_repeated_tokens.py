@@ -118,3 +118,17 @@ def test_smollm2_is_rotary_with_equal_states_and_no_sink(smollm2):
     assert float(res.gap("last").max()) <= REPEATED_TOL and float(res.gap("first").max()) <= REPEATED_TOL
     assert res.sink_rate() < 5
     assert len(res.tables["first_vs_t"]) == 30 * 9 * 32
+
+
+def test_alibi_slope_scale_scales_every_head_and_rejects_zero():
+    """``--alibi-slope-scale`` (the slope runs of data/positions/alibi_slopes): the model's slopes are Press et al.'s
+    times the factor, and the repeated-token closed form follows them."""
+    from analysis.model.reference.positions import alibi_slopes
+
+    m = SinkLM(ModelConfig(d_vocab=32, n_ctx=32, d_model=32, n_layers=1, n_heads=4, positional_embedding_type="alibi",
+                           alibi_slope_scale=0.25, init_std=0.3)).eval()
+    assert torch.allclose(m.blocks[0].attn.alibi_slopes, alibi_slopes(4) * 0.25)
+    res = repeated_tokens(m, torch.full((1, T), 4))
+    assert float(res.gap("last").max()) < 1e-6
+    with pytest.raises(ValueError, match="alibi_slope_scale must be > 0"):
+        ModelConfig(positional_embedding_type="alibi", alibi_slope_scale=0.0)
