@@ -40,3 +40,23 @@ def test_one_point_per_encoding_reproduces(pe):
         assert new["form_holds"] is True and new["gap_last"] <= 1e-6
         assert new["sink_1_repeated"] == 0.0  # Propositions 1-3 and the rotary bound: no sink on a repeated token
     assert curve.attention.between(0, 1).all()
+
+
+def test_the_encoding_figures_draw():
+    """The three figures of notebook 15, on the committed grid and on one reference model of it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis import repeated_tokens
+    from analysis.figures.positions import plot_first_vs_t, plot_hidden_deviation, plot_sink_by_encoding
+    from analysis.train import load_reference
+
+    run = GRID.runs[(GRID.runs.encoding == "learned") & (GRID.runs.seed == 0)].run.item()
+    res = repeated_tokens(load_reference(ENCODING_GRID_DIR / run, device="cpu"), n=2, T=16)
+    for fig in (plot_first_vs_t(GRID), plot_hidden_deviation({"learned": res}), plot_sink_by_encoding(GRID)):
+        assert fig.axes[0].has_data()
+        fig.canvas.draw()
+    assert len(plot_first_vs_t(GRID, encodings=["none", "alibi"]).axes) == 2
+    plt.close("all")
