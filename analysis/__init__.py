@@ -36,6 +36,8 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
     **dict.fromkeys(["build_report"], "analysis.report.build"),
     **dict.fromkeys(["SinkResult", "sink_metric", "sink_table"], "analysis.sinks.metric"),
     **dict.fromkeys(["SinkContext", "sink_vs_context"], "analysis.positions.context_length"),
+    **dict.fromkeys(["RepeatedTokens", "repeated_tokens"], "analysis.positions.repeated_tokens"),
+    **dict.fromkeys(["EncodingGrid", "encoding_grid", "load_encoding_grid"], "analysis.positions.encodings"),
     **dict.fromkeys(["dormant_heads"], "analysis.causal.dormant_heads"),
     **dict.fromkeys(["spike_cuts"], "analysis.causal.writer_cuts"),
     **dict.fromkeys(["spike_origin"], "analysis.chain.spike_writers"),
@@ -53,6 +55,8 @@ __all__ = [
     "text_probe", "qk_angles", "massive_activations", "norm_gain_trace", "first_key_manifold", "value_norms",
     "spike_ablation", "value_ablation", "first_key_ablation", "build_report", "attention_view", "profile", "Profile",
     "FamilySpec", "get_family", "attention_layers", "attention_gates",
-    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "spike_origin",
+    "sink_positions", "SinkPositions", "sink_vs_context", "SinkContext", "repeated_tokens", "RepeatedTokens",
+    "encoding_grid", "load_encoding_grid", "EncodingGrid",
+    "spike_origin",
     "why_first_token", "spike_cuts", "dormant_heads",
 ]

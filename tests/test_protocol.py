@@ -55,7 +55,8 @@ def _planted(family_dir, family: str):
 @pytest.fixture(scope="module")
 def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     """One instance of every result class (by class name), built on tiny models."""
-    from analysis import dormant_heads, first_key_ablation, norm_gain_trace, profile, sink_positions, sink_vs_context
+    from analysis import dormant_heads, first_key_ablation, norm_gain_trace, profile, repeated_tokens, sink_positions
+    from analysis import load_encoding_grid, sink_vs_context
     from analysis import spike_ablation, value_ablation
     from analysis.causal.attribution import attribution_check
     from analysis.dynamics.formation import load_formation
@@ -81,6 +82,8 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["DormantHeads"] = dh
     out["AttributionCheck"] = attribution_check(llama, toks[:2], [(1, 0)], result=dh)
     out["SinkPositions"] = sink_positions(llama, toks)
+    out["RepeatedTokens"] = repeated_tokens(llama, torch.full((2, T), 5))
+    out["EncodingGrid"] = load_encoding_grid()  # the committed positions grid
     out["SinkContext"] = sink_vs_context(llama, Ts=(8, 12), n=2, seeds=(0,),
                                          texts=[" ".join(f"w{i}" for i in range(200))])
     qwen = _planted(family_dir, "qwen3_next")  # gated attention, and experts in every block

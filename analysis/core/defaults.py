@@ -51,3 +51,8 @@ DORMANT_QUANTILE = 0.5
 DORMANT_MIN_SHARE = 0.05
 DORMANT_MIN_QUERIES = 20
 DORMANT_GRAD_BATCH_TOKENS = 256  # tokens per forward + backward batch (the backward keeps that batch's activations)
+
+# Repeated tokens (analysis.positions.repeated_tokens): a hidden-state deviation across positions (relative to the
+# first position's largest |h|) or a gap to a proposition's closed form (in attention weight) below this counts as
+# "holds" in the findings; the tables give the measured numbers.
+REPEATED_TOL = 1e-4

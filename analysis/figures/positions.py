@@ -1,13 +1,17 @@
-"""Figures for sinks at any position (``analysis.positions.every_sink``) and the sink against context length and eps
-(``analysis.positions.context_length``)."""
+"""Figures for sinks at any position (``analysis.positions.every_sink``), the sink against context length and eps
+(``analysis.positions.context_length``), and the propositions on repeated tokens per positional encoding
+(``analysis.positions.repeated_tokens``, ``analysis.positions.encodings``)."""
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.core.defaults import SINK_EPS
 from analysis.figures.layout import new_or_given, place_axes, set_title
 from analysis.positions.context_length import BARBERO_EPS, SinkContext
+from analysis.positions.encodings import KINDS, EncodingGrid
 from analysis.positions.every_sink import SinkPositions
+from analysis.positions.repeated_tokens import RepeatedTokens
 
 
 def example_sample(res: SinkPositions) -> int:
@@ -194,3 +198,130 @@ def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     place_axes(fig, top=0.35, own=own)
     return fig
 
+
+
+def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
+    """Per encoding, the first token's attention against the number t of repeated tokens seen (one thin line per
+    seed, layer and head), with the proposition's closed form drawn over it (dashed; the upper bound for rotary) and
+    NoPE's 1/t (dotted grey) where no closed form applies.
+
+    Parameters
+    ----------
+    grid : EncodingGrid
+    encodings : sequence of str, optional
+        The panels (default: every encoding of the grid).
+    log : bool
+        Log-scale both axes.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    encodings = list(encodings or grid.encodings)
+    ncols = min(3, len(encodings))
+    nrows = -(-len(encodings) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.7 * ncols + 0.6, 2.3 * nrows + 0.9), squeeze=False,
+                             sharex=True, sharey=True)
+    cmap = plt.get_cmap("tab10")
+    for ax, pe in zip(axes.flat, encodings):
+        df = grid.curves[grid.curves.encoding == pe]
+        for (_, _, head), c in df.groupby(["seed", "layer", "head"]):
+            ax.plot(c.t, c.attention, color=cmap(int(head) % 10), lw=0.7, alpha=0.7)
+            if c.closed_form.notna().any():
+                ax.plot(c.t, c.closed_form, color="black", lw=0.8, ls="--", alpha=0.6)
+        t = np.arange(1, int(df.t.max()) + 1)
+        if df.closed_form.isna().all():
+            ax.plot(t, 1 / t, color="grey", lw=1, ls=":", label="1/t (NoPE)")
+            ax.legend(fontsize=6, loc="lower left")
+        if log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        set_title(ax, pe, fontsize=8)
+    for ax in axes.flat[len(encodings):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("t (tokens seen)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("attention on token 1")
+    fig.suptitle("one token repeated: measured (colour: head) vs closed form (dashed)", fontsize=9)
+    place_axes(fig, left=0.7, top=0.5, wspace=0.15, hspace=0.35)
+    return fig
+
+
+def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor: float = 1e-10):
+    """The largest deviation of the hidden state across positions, relative to max |h_0|, along the residual stream
+    (0: the first layer's input, l + 1: layer l's output), one line per model; zeros are drawn at ``floor``.
+
+    Parameters
+    ----------
+    results : dict of str to RepeatedTokens
+        Label -> result.
+    ax : matplotlib.axes.Axes, optional
+    floor : float
+        Where an exact zero is drawn on the log axis.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (6, 3.2))
+    for label, res in results.items():
+        rel = deviation_along_stream(res)
+        ax.plot(np.arange(len(rel)), np.maximum(rel, floor), marker="o", ms=3, lw=1, label=label)
+    ax.set_yscale("log")
+    ax.axhspan(floor / 3, floor * 3, color="grey", alpha=0.15, lw=0)
+    ax.set_xlabel("residual stream (0: input of layer 0; l + 1: output of layer l)")
+    ax.set_ylabel("max |h_i - h_0| / max |h_0|")
+    ax.legend(fontsize=7, loc="center right")
+    set_title(ax, f"one token repeated: deviation across positions (grey: 0, drawn at {floor:g})")
+    place_axes(fig, top=0.35, own=own)
+    return fig
+
+
+def deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
+    """(L + 1,) the relative deviation along the residual stream: each layer's input, then the last layer's output.
+
+    Parameters
+    ----------
+    res : RepeatedTokens
+
+    Returns
+    -------
+    numpy.ndarray
+    """
+    rin = res.relative_deviation("in").amax(0).numpy()
+    rout = res.relative_deviation("out").amax(0).numpy()
+    return np.append(rin, rout[-1])
+
+
+def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
+    """Sink_1 (%) per encoding and input kind: the mean over seeds (bars), each seed (dots) and the range.
+
+    Parameters
+    ----------
+    grid : EncodingGrid
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax, own = new_or_given(ax, (7, 3.2))
+    encs = grid.encodings
+    width = 0.8 / len(KINDS)
+    colors = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
+    for j, kind in enumerate(KINDS):
+        col = f"sink_1_{kind}"
+        x = np.arange(len(encs)) + (j - (len(KINDS) - 1) / 2) * width
+        vals = [grid.runs.loc[grid.runs.encoding == pe, col] for pe in encs]
+        ax.bar(x, [v.mean() for v in vals], width=width, color=colors[kind], alpha=0.8, label=kind)
+        for xi, v in zip(x, vals):
+            ax.scatter(np.full(len(v), xi), v, s=8, color="black", zorder=3)
+    ax.set_xticks(np.arange(len(encs)), encs)
+    ax.set_ylabel("Sink$_1$ (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, ncol=3, loc="upper right")
+    set_title(ax, f"Sink$_1$ per positional encoding and input (bars: mean of {grid.runs.seed.nunique()} seeds; "
+                  "dots: seeds)")
+    place_axes(fig, top=0.35, own=own)
+    return fig

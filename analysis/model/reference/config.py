@@ -68,6 +68,8 @@ class ModelConfig:
         T5-style relative bias.
     relative_attention_max_distance : int
         T5-style relative bias: the largest distance bucketed.
+    alibi_slope_scale : float
+        ALiBi: every head's slope (Press et al.'s geometric series) times this factor (1: the paper's slopes).
     attention : str
         The attention operation (see ``analysis.model.reference.attention.available_attention()``).
     sliding_window : int or None
@@ -111,6 +113,7 @@ class ModelConfig:
     rotary_base: float = 10000.0  # the true RoPE base (theta)
     relative_attention_num_buckets: int = 32  # T5-style relative bias
     relative_attention_max_distance: int = 128
+    alibi_slope_scale: float = 1.0  # ALiBi: the slopes times this (1: Press et al.'s)
     attention: str = "softmax"  # see analysis.model.reference.attention.available_attention()
     sliding_window: Optional[int] = None  # keys j with i - w < j <= i (any operation)
     prefix_attention: int = 0  # prefix LM: the first p tokens attend to each other bidirectionally
@@ -164,6 +167,8 @@ class ModelConfig:
             raise ValueError(f"document_token={self.document_token} is not a token id in [0, {self.d_vocab}).")
         if self.attn_p <= 0:
             raise ValueError(f"attn_p must be > 0; got {self.attn_p}.")
+        if not self.alibi_slope_scale > 0:
+            raise ValueError(f"alibi_slope_scale must be > 0 (1: Press et al.'s slopes); got {self.alibi_slope_scale}.")
         from analysis.model.reference.attention import check_attention  # import time: the CLI parses before torch
 
         self.attention = check_attention(self.attention, self)

@@ -164,7 +164,7 @@ class Attention(nn.Module):
             if cfg.positional_embedding_type == "relative" else None
         )
         if cfg.positional_embedding_type == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(H), persistent=False)
+            self.register_buffer("alibi_slopes", alibi_slopes(H) * cfg.alibi_slope_scale, persistent=False)
         for name in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "raw_pattern", "z"):
             setattr(self, f"hook_{name}", HookPoint())
         if self.op.uses_sink_token or hasattr(self.op, "k_bias"):
