@@ -12,6 +12,7 @@ import pandas as pd
 from analysis.core.io import jsonable
 from analysis.core.results import Result
 from analysis.model.hooks import readable_text
+from analysis.quant.origin import quoted_token
 from analysis.quant.passes import Scheme
 from analysis.quant.quantizers import WEIGHT_BITS, check_bits, check_granularity
 
@@ -227,6 +228,6 @@ def with_tokens(scales: pd.DataFrame, tokenizer) -> pd.DataFrame:
     out = scales.copy()
     out["token"] = [readable_text(tokenizer, [i]) for i in out.token_id]
     if tokenizer is not None and "origin" in out:  # the sentence quoted the token as the tokenizer decodes it
-        out["origin"] = [o.replace(f"token {tokenizer.decode([int(i)])!r}", f"token {t!r}", 1)
+        out["origin"] = [o.replace(f"token {tokenizer.decode([int(i)])!r}", f"token {quoted_token(t)}", 1)
                          for o, i, t in zip(out.origin, out.token_id, out.token)]
     return out
