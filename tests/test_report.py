@@ -112,6 +112,9 @@ def test_json_holds_the_planted_answers(planted_report):
     assert len(sink_1) == 1 and sink_1[0] == d["findings"][3]["headline"]  # Sink_1 stated once: the attention link
     assert d["versions"]["torch"] == torch.__version__
     assert d["seconds"]["total"] > 0
+    # every section's time in the JSON, the profile passes apart from the sink section that first reads them
+    assert set(d["seconds"]) == {"profile", *SECTIONS, "total"} and d["seconds"]["profile"] > 0
+    assert sum(v for k, v in d["seconds"].items() if k != "total") <= d["seconds"]["total"] + 0.05  # not counted twice
 
 
 def test_every_sink_and_context_sections(planted_report, planted):
