@@ -117,3 +117,61 @@ def test_smollm2_static_per_tensor_against_the_sink():
     assert static > dynamic
     assert static_kept < static
     assert math.isfinite(static_kept)
+    from analysis.quant.study import layer_scales  # every layer's largest scale (notebook 14's figure)
+    lay = layer_scales(as_is)
+    assert list(lay.layer) == sorted({s.layer for s in sites}) and lay.absmax.max() == top.absmax
+    assert lay.site[lay.absmax.idxmax()] == top.site
+
+
+def _committed():
+    from pathlib import Path
+
+    from analysis.quant.study import load_run
+
+    return load_run(Path(__file__).resolve().parents[1] / "data" / "quant" / "smollm2-135m.json")
+
+
+def test_committed_tables_read_in_fixed_notation_with_readable_tokens():
+    """Issue 37 (notebook 14): perplexities print as 54.61 and 12,377,257, not 5.461217e+01; the byte token of seed
+    1's scale prints escaped (' \\xe2\\x94'), not as '\ufffd', in its column and in the origin's sentence."""
+    from transformers import AutoTokenizer
+
+    from analysis.model.loading import smollm2_dir
+    from analysis.quant.study import fixed_notation, seed_spread, with_tokens
+
+    run = _committed()
+    spread = seed_spread(run)
+    assert "e+" in spread.to_string()  # pandas' own print of these magnitudes
+    shown = fixed_notation(spread)
+    assert "e+" not in shown.to_string() and "e-" not in shown.to_string()
+    assert shown.ppl.iloc[0] == "54.61" and shown.ppl.iloc[2] == "12,377,257" and shown.seeds.iloc[0] == 3
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    sc = with_tokens(run["scales"], tok)
+    assert "\ufffd" in "".join(run["scales"].origin)  # as committed
+    assert not any("\ufffd" in t for t in [*sc.token, *sc.origin])
+    assert "token ' \\xe2\\x94'" in "".join(sc.origin[sc.token_id == 44220])
+
+
+def test_quant_figures_draw_the_seeds_spread_and_the_spike_blocks():
+    """Issue 37 (notebook 14): one bar per scheme and condition with the seeds' range as error bars; the per-layer
+    largest scale with the writing and erasing blocks marked."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from analysis.figures.quantization import plot_layer_scales, plot_quant_ppl
+    from analysis.quant.study import seed_spread
+
+    spread = seed_spread(_committed())
+    fig = plot_quant_ppl(spread, fp_ppl=23.8)
+    ax = fig.axes[0]
+    assert len(ax.patches) == len(spread) and len(ax.containers) == 2 * spread.condition.nunique()  # bars, error bars
+    err = next(c for c in ax.containers if hasattr(c, "lines"))  # the first condition's error bars
+    lo, hi = err.lines[2][0].get_segments()[0][:, 1]  # the first scheme's: the seeds' min to max
+    assert (lo, hi) == pytest.approx((spread.ppl_min.iloc[0], spread.ppl_max.iloc[0]))
+    plt.close(fig)
+    lay = pd.DataFrame({"layer": range(6), "absmax": [5.0, 90, 6, 2900, 7, 450], "site": [f"{l}.mlp.down_proj" for l in range(6)]})
+    fig = plot_layer_scales({"as is": lay}, writers=[1, 3], erasers=[5])
+    ax = fig.axes[0]
+    assert len(ax.patches) == 3 and len(ax.lines) == 1  # three marked blocks, one condition
+    assert [t.get_text() for t in ax.texts] == ["3.mlp.down_proj: |x| = 2,900", "5.mlp.down_proj: |x| = 450"]
+    plt.close(fig)

@@ -112,6 +112,9 @@ def test_json_holds_the_planted_answers(planted_report):
     assert len(sink_1) == 1 and sink_1[0] == d["findings"][3]["headline"]  # Sink_1 stated once: the attention link
     assert d["versions"]["torch"] == torch.__version__
     assert d["seconds"]["total"] > 0
+    # every section's time in the JSON, the profile passes apart from the sink section that first reads them
+    assert set(d["seconds"]) == {"profile", *SECTIONS, "total"} and d["seconds"]["profile"] > 0
+    assert sum(v for k, v in d["seconds"].items() if k != "total") <= d["seconds"]["total"] + 0.05  # not counted twice
 
 
 def test_every_sink_and_context_sections(planted_report, planted):
@@ -222,7 +225,13 @@ def test_bad_input_writes_nothing(planted, tmp_path):
         build_report(planted, tmp_path / "file", n=4, T=16)
 
 
-def test_real_model_report(smollm2, tmp_path):
+def test_real_model_report(smollm2, tmp_path, monkeypatch):
+    import functools
+
+    from analysis.report import build, one_pass
+
+    # the causal cuts on the first 2 of the 4 sequences (SPIKE_CUT_SAMPLES of 32 in a default report): a subset
+    monkeypatch.setattr(build, "profile", functools.partial(one_pass.profile, follow_up_samples=2))
     path = build_report(smollm2, tmp_path, n=4, T=64)
     page = path.read_text()
     _assert_self_contained(page)
@@ -252,3 +261,45 @@ def test_real_model_report(smollm2, tmp_path):
     cut = {(r["role"], r["mode"], r["chosen"]): r for r in so["cuts"]["summary"]}
     assert cut[("writers", "zero", "named")]["kept_mean"] < 0.2 < 0.9 < cut[("writers", "zero", "random")]["kept_min"]
     assert "Where the spike comes from" in page
+    # Issue 37: the cuts' Sink_1 is on their subset: their headline says so, and the first lines give both numbers.
+    top, s = _first_lines(page), d["samples"]
+    base = next(r for r in so["cuts"]["conditions"] if r["role"] == "baseline")
+    assert s["cuts_n"] == 2 and s["cuts_sink_1_pct"] == base["sink_1_pct"] and s["sink_1_pct"] == sink["natural"]
+    assert "first 2 of these sequences" in top and f"{base['sink_1_pct']:.1f}%" in top and "N = 100" in top
+    assert next(c for c in d["findings"] if c["link"] == "cuts")["headline"].startswith(
+        "On the first 2 of the 4 natural sequences")
+    assert "first 2" not in json.dumps(d["notes"]) and "first 2 of the 4" in " ".join(d["about"]["spike_writers"])
+
+
+def _first_lines(page: str) -> str:
+    """The page above its Findings: the header and what it says first."""
+    import html
+
+    return html.unescape(page.split("<h2>Findings</h2>", 1)[0])
+
+
+def test_the_first_lines_say_which_sequences_each_sink_1_is_on(planted, tmp_path):
+    """Issue 37: `sink` prints Sink_1 over N = 100, the report over its own N; the report's first lines state its
+    number and why they differ, and its notes hold only what is not applicable (the massive-activation criterion is
+    said in its section)."""
+    build_report(planted, tmp_path, n=10, T=24, sections=["sink", "massive"])
+    d = _strict_json(tmp_path / "report.json")
+    top = _first_lines((tmp_path / "report.html").read_text())
+    s = d["samples"]
+    assert s["n"] == 10 and s["sink_command_n"] == 100 and s["cuts_n"] is None
+    sink_1 = d["sections"]["sink"]["sink_1_pct"]["natural"]
+    assert s["sink_1_pct"] == sink_1 and f"{sink_1:.1f}% over this report's N = 10" in top and "N = 100" in top
+    assert "criterion" not in json.dumps(d["notes"]) and "criterion" in " ".join(d["about"]["massive"])
+
+
+def test_a_headline_from_committed_data_says_so(planted, tmp_path, monkeypatch):
+    """Issue 37: the context-length headline read from data/sink_context/ (not this run) says so in itself."""
+    from analysis.positions import context_length
+
+    monkeypatch.setattr(context_length, "committed_sink_context", lambda name: context_length.load_sink_context("smollm2-135m"))
+    monkeypatch.setattr("analysis.report.build.CONTEXT_TS", (8, 16))  # the computed range, short: not what is tested
+    build_report(planted, tmp_path, n=4, T=16, sections=["context"])
+    d = _strict_json(tmp_path / "report.json")
+    head = next(c for c in d["findings"] if c["link"] == "context")["headline"]
+    assert head.startswith("From the committed run data/sink_context/") and "not this report's run" in head
+    assert "T = 8192" in head or "8,192" in head or "8192" in head

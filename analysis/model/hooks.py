@@ -404,6 +404,45 @@ def token_strings(model, ids: Sequence[int]) -> list[str]:
     return [tok.decode([int(i)]) for i in ids]
 
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+def readable_text(tokenizer, ids: Sequence[int]) -> str:
+    """Decoded text of ``ids``, with the bytes that form no whole UTF-8 character escaped (``' \\xe2\\x80'``), where
+    the tokenizer's own decode would show each as '\ufffd' (a byte-level BPE token holding part of a character).
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer or None
+    ids : sequence of int
+        Token ids.
+
+    Returns
+    -------
+    str
+        The ids joined by spaces when there is no tokenizer.
+    """
+    ids = [int(i) for i in ids]
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    text = tokenizer.decode(ids)
+    if "\ufffd" not in text:
+        return text
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # import time: only for a text with a byte token
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    raw = bytearray()
+    for t in tokenizer.convert_ids_to_tokens(ids):
+        m = _BYTE_TOKEN.fullmatch(t)
+        if m:
+            raw.append(int(m.group(1), 16))
+        elif all(c in byte_of for c in t):  # byte-level BPE: each character stands for one byte
+            raw.extend(byte_of[c] for c in t)
+        else:  # SentencePiece: the word boundary is a space
+            raw.extend(t.replace("\u2581", " ").encode())
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
 def qk_hook_names(model, layer: int, *, rotated: bool = True) -> tuple[str, str]:
     """The (query, key) hooks of a layer.
 

@@ -6,6 +6,21 @@ from analysis.quant.passes import ScaleSite
 OUTPUT_LINEARS = ("down_proj", "W_out", "fc2", "c_proj", "dense_4h_to_h", "w2")  # inputs are MLP neurons
 
 
+def quoted_token(text: str) -> str:
+    """A token's text quoted as ``repr`` quotes it, its escaped bytes (``\\xe2``, ``analysis.model.hooks.readable_text``)
+    kept single-escaped.
+
+    Parameters
+    ----------
+    text : str
+
+    Returns
+    -------
+    str
+    """
+    return repr(text).replace("\\\\x", "\\x")
+
+
 def scale_origin(site: ScaleSite, origin, token: str) -> str:
     """One sentence: the scale's linear, token, position and dimension, and which neurons wrote it.
 
@@ -21,7 +36,7 @@ def scale_origin(site: ScaleSite, origin, token: str) -> str:
     -------
     str
     """
-    where = (f"layer {site.layer} {site.linear}: |x| = {site.absmax:,.0f} on token {token!r} at position "
+    where = (f"layer {site.layer} {site.linear}: |x| = {site.absmax:,.0f} on token {quoted_token(token)} at position "
              f"{site.position} of calibration window {site.window}, dim {site.dim}")
     if origin is None:
         return where + "."

@@ -6,6 +6,7 @@ import math
 import pandas as pd
 import torch
 
+from analysis.model.hooks import readable_text
 from analysis.model.loading import load_model
 from analysis.positions.every_sink import sink_positions
 from analysis.quant.calibrate import calibrate, find_prefix, mean_nll
@@ -14,7 +15,7 @@ from analysis.quant.kv_study import kv_table
 from analysis.quant.origin import scale_origin
 from analysis.quant.passes import Scheme
 from analysis.quant.sites import linear_sites
-from analysis.quant.study import QuantResult, check_conditions, schemes_of
+from analysis.quant.study import QuantResult, check_conditions, layer_scales, schemes_of
 from analysis.quant.windows import make_windows
 from analysis.streaming.backbone import causal_lm, context_length
 
@@ -60,7 +61,7 @@ def _candidates(windows: torch.Tensor, keep: torch.Tensor, tokenizer, n: int) ->
 
 
 def _text(tokenizer, ids) -> str:
-    return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+    return readable_text(tokenizer, ids)  # byte tokens escaped, not '\ufffd'
 
 
 def check_setting(hf, *, T: int, prefix_len: int, kv_bits) -> None:
@@ -102,9 +103,10 @@ def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_can
         prefix, costs = find_prefix(hf, sites, win.calib[:2], cands, prefix_len)
     setups = {"as_is": dict(), "sinks_fp": dict(keep=cal_keep), "prefix": dict(prefix=prefix)}
     ev = {"as_is": dict(), "sinks_fp": dict(keep=keep["eval"]), "prefix": dict(prefix=prefix)}
-    rows, scale_rows = [], []
+    rows, scale_rows, layer_rows = [], [], []
     for cond in conditions:
         scales = calibrate(hf, sites, win.calib, **setups[cond])
+        layer_rows += [{"seed": win.seed, "condition": cond, **r} for r in layer_scales(scales).to_dict("records")]
         top = sorted(scales.values(), key=lambda s: -s.absmax)
         for s in top[:8]:
             scale_rows.append({"seed": win.seed, "condition": cond, "site": s.site, "absmax": s.absmax,
@@ -119,7 +121,7 @@ def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_can
                          "w_bits": sch.w_bits or 16, "condition": cond, "ppl": ppl, "fp_ppl": fp_cache[fp_key],
                          "ratio": ppl / fp_cache[fp_key], "site": top[0].site, "scale_absmax": top[0].absmax,
                          "site_position": top[0].position, "site_dim": top[0].dim})
-    return rows, scale_rows, {"ids": prefix, "text": _text(tok, prefix), "costs": costs}
+    return rows, scale_rows, layer_rows, {"ids": prefix, "text": _text(tok, prefix), "costs": costs}
 
 
 def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"), w_bits=(None,),
@@ -159,14 +161,18 @@ def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"),
         raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
                          f"use --calib-tokens {T} or more, or a shorter --T.")
     tl = hf.model if type(getattr(hf, "model", None)).__name__ == "SinkLM" else load_model(model, device=device)
-    rows, scale_rows, prefixes, fp_cache, kv = [], [], {}, {}, pd.DataFrame()
+    rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
     for seed in seeds:
         win = make_windows(hf, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
         keep = {"calib": sink_keep(tl, win.calib), "eval": sink_keep(tl, win.eval)}
         so = _spike_origin(tl, win.calib[:4]) if origin else None
-        r, s, prefixes[seed] = _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates,
-                                          so if so is not None and so.has_spike else None, fp_cache)
-        rows, scale_rows = rows + r, scale_rows + s
+        so = so if so is not None and so.has_spike else None
+        r, s, lr, prefixes[seed] = _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates,
+                                              so, fp_cache)
+        rows, scale_rows, layer_rows = rows + r, scale_rows + s, layer_rows + lr
+        if so is not None:  # the blocks whose MLPs write and erase each spike dim, per seed
+            spike[seed] = {str(d): {"writers": so.writing_blocks(d), "erasers": so.writing_blocks(d, "eraser")}
+                           for d in so.dims}
     notes = [f"Every activation and weight number is fake quantisation (quantise, de-quantise in float32); the KV "
              f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes." if kv_bits else
              "Every number is fake quantisation (quantise, de-quantise in float32)."]
@@ -178,4 +184,4 @@ def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"),
     setting = {"T": T, "n_eval": n_eval, "calib_tokens": calib_tokens, "seeds": list(seeds), "source": win.source,
                "n_linears": len(sites), "prefix_len": prefix_len}
     return QuantResult(name, pd.DataFrame(rows), pd.DataFrame(scale_rows), kv, prefixes, setting,
-                       n_samples=n_eval, notes=notes)
+                       n_samples=n_eval, notes=notes, layers=pd.DataFrame(layer_rows), spike_blocks=spike)

@@ -4,12 +4,15 @@ site of every per-tensor scale; and the packed low-bit KV cache beside the simul
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 from analysis.core.io import jsonable
 from analysis.core.results import Result
+from analysis.model.hooks import readable_text
+from analysis.quant.origin import quoted_token
 from analysis.quant.passes import Scheme
 from analysis.quant.quantizers import WEIGHT_BITS, check_bits, check_granularity
 
@@ -76,6 +79,11 @@ class QuantResult(Result):
     n_samples : int
         Held-out windows.
     notes : list of str
+    layers : pandas.DataFrame
+        Per (seed, condition, layer): the largest calibrated input over the layer's linears (:func:`layer_scales`).
+    spike_blocks : dict
+        Seed -> spike dim -> {"writers", "erasers"}: the blocks whose MLPs write and erase the first token's spike
+        (empty where the spike origin was not traced or there is no spike).
     """
 
     model_name: str
@@ -87,10 +95,12 @@ class QuantResult(Result):
     kind: str | None = "text"
     n_samples: int = 0
     notes: list = field(default_factory=list)
+    layers: pd.DataFrame = field(default_factory=pd.DataFrame)
+    spike_blocks: dict = field(default_factory=dict)
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"schemes": self.schemes, "scales": self.scales, "kv": self.kv}
+        return {"schemes": self.schemes, "scales": self.scales, "kv": self.kv, "layers": self.layers}
 
     def summary(self) -> pd.DataFrame:
         """Mean and spread (min, max) over seeds of ppl and ratio per scheme and condition."""
@@ -113,7 +123,7 @@ class QuantResult(Result):
 
     def to_dict(self) -> dict:
         return jsonable({**super().to_dict(), "summary": self.summary(), "prefixes": self.prefixes,
-                         "setting": self.setting, "notes": self.notes})
+                         "setting": self.setting, "notes": self.notes, "spike_blocks": self.spike_blocks})
 
 
 def load_run(path) -> dict:
@@ -126,14 +136,15 @@ def load_run(path) -> dict:
     Returns
     -------
     dict
-        "summary", "schemes", "scales", "kv" (DataFrames), "prefixes", "setting", "text", "command", "model".
+        "summary", "schemes", "scales", "kv", "layers" (DataFrames), "prefixes", "setting", "spike_blocks", "text",
+        "command", "model" (a run made before a key existed: an empty table, or None).
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no run at {p}: make it with the command in {p.parent / 'command.txt'}.")
     d = json.loads(p.read_text())
-    out = {k: pd.DataFrame(d.get(k) or []) for k in ("summary", "schemes", "scales", "kv")}
-    return {**out, **{k: d.get(k) for k in ("prefixes", "setting", "text", "command", "model")}}
+    out = {k: pd.DataFrame(d.get(k) or []) for k in ("summary", "schemes", "scales", "kv", "layers")}
+    return {**out, **{k: d.get(k) for k in ("prefixes", "setting", "spike_blocks", "text", "command", "model")}}
 
 
 def seed_spread(run: dict) -> pd.DataFrame:
@@ -152,3 +163,71 @@ def seed_spread(run: dict) -> pd.DataFrame:
     g = run["schemes"].groupby(["scheme", "condition"], sort=False)
     return g.agg(ppl=("ppl", "mean"), ppl_sd=("ppl", "std"), ppl_min=("ppl", "min"), ppl_max=("ppl", "max"),
                  ratio=("ratio", "mean"), seeds=("seed", "nunique")).reset_index()
+
+
+def fixed_notation(df: pd.DataFrame, *, digits: int = 4) -> pd.DataFrame:
+    """A table for reading: every float in fixed notation with ``digits`` significant digits (at most 3 decimals,
+    thousands separated), never ``5.461217e+01``.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+    digits : int
+        Significant digits of a float.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Its float columns as strings.
+    """
+    def fmt(v) -> str:
+        if not isinstance(v, float) or not math.isfinite(v):
+            return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        places = 0 if v == 0 else min(3, max(0, digits - 1 - math.floor(math.log10(abs(v)))))
+        return f"{v:,.{places}f}"
+
+    out = df.copy()
+    for c in out.columns[[pd.api.types.is_float_dtype(t) for t in out.dtypes]]:
+        out[c] = out[c].map(fmt)
+    return out
+
+
+def layer_scales(scales: dict) -> pd.DataFrame:
+    """Per layer, its largest calibrated input over its linears: the per-tensor scale the layer's worst linear gets.
+
+    Parameters
+    ----------
+    scales : dict of str to ScaleSite
+        Of ``analysis.quant.calibrate.calibrate``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per layer: ``layer``, ``site``, ``absmax``, ``window``, ``position``, ``dim``, ``token_id``.
+    """
+    df = pd.DataFrame([vars(s) for s in scales.values()])
+    top = df.loc[df.groupby("layer").absmax.idxmax()].sort_values("layer")
+    return top[["layer", "site", "absmax", "window", "position", "dim", "token_id"]].reset_index(drop=True)
+
+
+def with_tokens(scales: pd.DataFrame, tokenizer) -> pd.DataFrame:
+    """The scales table (:func:`load_run`'s ``scales``) with each scale's token shown readably, byte tokens escaped
+    (``' \\xe2\\x94'``, not '\ufffd'): a ``token`` column, and the same token in ``origin``'s sentence.
+
+    Parameters
+    ----------
+    scales : pandas.DataFrame
+        With ``token_id`` and ``origin``.
+    tokenizer : transformers tokenizer or None
+        The model's.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
+    out = scales.copy()
+    out["token"] = [readable_text(tokenizer, [i]) for i in out.token_id]
+    if tokenizer is not None and "origin" in out:  # the sentence quoted the token as the tokenizer decodes it
+        out["origin"] = [o.replace(f"token {tokenizer.decode([int(i)])!r}", f"token {quoted_token(t)}", 1)
+                         for o, i, t in zip(out.origin, out.token_id, out.token)]
+    return out

@@ -55,6 +55,7 @@ from analysis.model.probes import model_probe_sets
 from analysis.core.versions import package_versions
 
 DEFAULT_N = 32
+SINK_COMMAND_N = 100  # `python -m analysis sink --n`: the paper's probe (the report says why its own Sink_1 differs)
 REPORT_MIN_T = 4  # tokens per sequence the report needs
 REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
                 "and own keys; the paper's probe uses T = 64.")
@@ -177,6 +178,8 @@ class Section:
         Sentences, each one finding (also in the summary at the top).
     notes : list of str
         Plain statements: not applicable, not available.
+    about : list of str
+        How its numbers were measured (a criterion, a subset of the probes): shown in the section, not as notes.
     errors : list of str
         What failed (the section or one of its figures).
     seconds : float
@@ -188,6 +191,7 @@ class Section:
     data: dict = field(default_factory=dict)  # JSON payload
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # plain statements: not applicable, not available
+    about: list[str] = field(default_factory=list)  # how its numbers were measured (criterion, subset)
     errors: list[str] = field(default_factory=list)  # what failed (the section or one of its figures)
     seconds: float = 0.0
 
@@ -203,6 +207,11 @@ class Section:
     def note(self, sentence: str) -> None:
         self.notes.append(sentence)
         self.parts.append(f'<p class="note">{html.escape(sentence)}</p>')
+
+    def explain(self, sentence: str) -> None:
+        """How the section's numbers were measured (a criterion, a subset of the probes): said in the section."""
+        self.about.append(sentence)
+        self.parts.append(f'<p class="small">{html.escape(sentence)}</p>')
 
     def error(self, what: str, exc: BaseException) -> None:
         msg = f"{type(exc).__name__}: {exc}"
@@ -239,12 +248,15 @@ class _Context:
         self.analyses = tuple(dict.fromkeys(a for k in keys for a in NEEDS[k]))
         self.keys = keys
         self._profile = None
+        self.profile_seconds = 0.0  # the profile passes' time, counted apart from the section that first asked
 
     @property
     def profile(self):
         if self._profile is None:
+            t = time.perf_counter()
             self._profile = profile(self.model, self.probes, analyses=self.analyses, eps=self.eps,
                                     batch_size=self.batch_size)
+            self.profile_seconds = time.perf_counter() - t
         return self._profile
 
     @property
@@ -328,10 +340,10 @@ def _massive(ctx: _Context, sec: Section) -> None:
                                                 r.to_dict()["first_token_dims"], "text": r.text()}
                                             for k, r in by_kind.items() if k != "natural"}}
     sec.say(ma.findings(), headline=0)
-    sec.note(f"Every section of this report flags a massive activation by one criterion: "
-             f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples.")
+    sec.explain(f"Every section of this report flags a massive activation by one criterion: "
+                f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples.")
     if ma.abs_threshold < SPIKE_ABS:
-        sec.note(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
+        sec.explain(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
                  f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
                  f"|a| > {SPIKE_ABS:g} presumes a model of LLM width (analysis.chain.massive.spike_criterion).")
     if len(ma.dims):
@@ -491,10 +503,27 @@ def _context(ctx: _Context, sec: Section) -> None:
     sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
     if long is not None:
         sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
-        found = long.findings()
+        found = [committed_text(f, f"data/sink_context/{ctx.name}.csv") for f in long.findings()]
         sec.say(found, headline=min(1, len(found) - 1))
         sec.data["committed"] = long.to_dict()
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
+
+
+def committed_text(finding: str, path: str) -> str:
+    """A finding read from a committed file, not measured by this run, said so in its first words.
+
+    Parameters
+    ----------
+    finding : str
+        Whole sentences.
+    path : str
+        The committed file, relative to the repository.
+
+    Returns
+    -------
+    str
+    """
+    return f"From the committed run {path} (not this report's run): {finding}"
 
 
 def _spike_writers(ctx: _Context, sec: Section) -> None:
@@ -543,12 +572,20 @@ def _spike_writers(ctx: _Context, sec: Section) -> None:
     if cuts.message:
         sec.note(cuts.message)
         return
-    sec.note(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural sequences "
-             f"(the cuts: one pass per condition, {cuts.n_random} random draws).")
-    sec.say(cuts.findings(), link="cuts", headline=0)
+    sec.explain(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural "
+                f"sequences (the cuts: one pass per condition, {cuts.n_random} random draws).")
+    sec.say(_on_subset(cuts.findings(), cuts.n_samples, ctx.n), link="cuts", headline=0)
     sec.parts.append(table_html(cuts.summary, digits=3))
     sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "
                "cut on the first token, against as many random neurons")
+
+
+def _on_subset(found: list[str], k: int, n: int) -> list[str]:
+    """The cuts' findings, the first said on its sample (the first ``k`` of the ``n`` natural sequences), so that its
+    Sink_1 is not read as the sink section's."""
+    if not found or k >= n:
+        return found
+    return [f"On the first {k} of the {n} natural sequences (their own Sink_1 baseline): {found[0]}", *found[1:]]
 
 
 def _writer_summary(o) -> list[dict]:
@@ -673,6 +710,62 @@ def _findings_html(chain: list[dict]) -> str:
     return "".join(out)
 
 
+def head_dims(model, dims) -> dict:
+    """Each head's widths named for what they are: the query/key width and the value width, and under multi-head
+    latent attention the key's decompressed and rotary parts (MLA's ``head_dim`` is its rotary part only).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    dims : analysis.model.hooks.ModelDims
+
+    Returns
+    -------
+    dict
+        ``d_head_qk``, ``d_head_v`` (and under MLA ``d_head_qk_nope``, ``d_head_qk_rope``), ``text``.
+    """
+    mla = getattr(get_family(model), "latent", None)
+    if mla is None:
+        return {"d_head": dims.d_head, "d_head_qk": dims.d_head, "d_head_v": dims.d_head, "text": f"d_head {dims.d_head}"}
+    qk, nope, rope, v = mla["d_head"], mla["qk_nope_head_dim"], mla["qk_rope_head_dim"], mla["v_head_dim"]
+    return {"d_head_qk": qk, "d_head_qk_nope": nope, "d_head_qk_rope": rope, "d_head_v": v,
+            "text": f"query/key head dim {qk} ({nope} decompressed from the latent + {rope} rotary), value head dim {v} "
+                    f"(multi-head latent attention)"}
+
+
+def samples_text(ctx: _Context, sections: list[Section]) -> dict:
+    """Which sequences each Sink_1 of the report is measured on, and why it differs from ``python -m analysis sink``'s
+    (the paper's probe, N = 100): the first lines of the page.
+
+    Parameters
+    ----------
+    ctx : _Context
+    sections : list of Section
+
+    Returns
+    -------
+    dict
+        ``n``, ``sink_1_pct`` (this report's natural probe), ``sink_command_n``, ``cuts_n`` and ``cuts_sink_1_pct``
+        (None without cuts), ``text``.
+    """
+    data = {s.key: s.data for s in sections}
+    sink = data.get("sink", {}).get("sink_1_pct", {}).get("natural")
+    cuts = data.get("spike_writers", {}).get("cuts") or {}
+    base = [r for r in cuts.get("conditions", []) if r.get("role") == "baseline"]
+    k = cuts.get("n_samples") if base else None
+    here = (f"Sink_1 on natural text is {sink:.1f}% over this report's N = {ctx.n} sequences of T = {ctx.T}"
+            if sink is not None else f"This report's probes are N = {ctx.n} sequences of T = {ctx.T}")
+    text = (f"{here}; `python -m analysis sink` measures the same metric over N = {SINK_COMMAND_N} (the paper's "
+            f"probe), so it prints another number, from more sequences (pass --n {SINK_COMMAND_N} here to get that "
+            f"one).")
+    if base and k < ctx.n:
+        text += (f" The causal cuts of the spike's writer neurons run on the first {k} of these sequences (one pass "
+                 f"per condition), whose own Sink_1 is {base[0]['sink_1_pct']:.1f}%: the baseline of their headline.")
+    return {"n": ctx.n, "sink_1_pct": sink, "sink_command_n": SINK_COMMAND_N, "cuts_n": k,
+            "cuts_sink_1_pct": base[0]["sink_1_pct"] if base else None, "text": text}
+
+
 def _page(ctx: _Context, sections: list[Section], meta: dict) -> str:
     esc = html.escape
     findings = _findings_html(chain_findings(sections))
@@ -692,9 +785,11 @@ def _page(ctx: _Context, sections: list[Section], meta: dict) -> str:
 <body>
 <h1>Attention sinks in {esc(ctx.name)}</h1>
 <p class="small">{d.n_layers} layers, {d.n_heads} query heads, {d.n_kv_heads} key/value heads, d_model {d.d_model},
-d_head {d.d_head}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
-uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s.
+{esc(head_dims(ctx.model, d)["text"])}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
+uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s
+(the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; each section's own time under it).
 Every number behind the figures is in report.json beside this page.</p>
+<p class="note">{esc(samples_text(ctx, sections)["text"])}</p>
 <h2>Findings</h2><p class="small">The chain link by link, then what a sink does and where else sinks are: one
 headline each; open it for the details.</p>{findings}
 {f'<h2>Failed</h2><ul class="error">{errors}</ul>' if errors else ''}
@@ -800,7 +895,7 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
     sec = Section(key, title)
     if progress:
         print(f"[report] {title} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
+    t, before = time.perf_counter(), ctx.profile_seconds
     try:
         run(ctx, sec)
     except ImportError as e:
@@ -809,7 +904,7 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
     except Exception as e:  # noqa: BLE001 - the page keeps the other sections; build_report raises at the end
         sec.error("", e)
         sec.data = {"error": f"{type(e).__name__}: {e}"}
-    sec.seconds = time.perf_counter() - t
+    sec.seconds = time.perf_counter() - t - (ctx.profile_seconds - before)  # the profile passes: their own entry
     if progress:
         print(f"[report] {title}: {sec.seconds:.1f} s", file=sys.stderr, flush=True)
     return sec
@@ -827,15 +922,18 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
                                 "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
                    "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "
                                 "positions are 0-based (position 0 the first token)"},
+        "samples": samples_text(ctx, done),
         "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
-                 "d_model": dims.d_model, "d_head": dims.d_head},
+                 "d_model": dims.d_model, **{k: v for k, v in head_dims(ctx.model, dims).items() if k != "text"}},
         "findings": chain_findings(done),
         "notes": {s.key: s.notes for s in done if s.notes},
+        "about": {s.key: s.about for s in done if s.about},
         "errors": {s.key: s.errors for s in done if s.errors},
         "spike_dims": (ma.to_dict()["spike_dims"] if ma is not None else None),
         "spike_dims_hook": (f"hook_{ma.hook}" if ma is not None else None),
         "first_token_spike_dims": (ma.to_dict()["first_token_dims"] if ma is not None else None),
         "sections": {s.key: s.data for s in done},
-        "seconds": {s.key: round(s.seconds, 2) for s in done} | {"total": round(meta["seconds"], 2)},
+        "seconds": ({"profile": round(ctx.profile_seconds, 2)} | {s.key: round(s.seconds, 2) for s in done}
+                    | {"total": round(meta["seconds"], 2)}),  # profile: the one pass per probe kind all sections read
         "versions": meta["versions"],
     }
