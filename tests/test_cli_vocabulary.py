@@ -144,10 +144,7 @@ def test_docs_cli_lists_every_command_and_option():
 def test_constants_named_for_a_light_parser_agree_with_their_owners():
     from analysis.quant.cli import CONDITIONS
     from analysis.quant.study import CONDITIONS as STUDY_CONDITIONS
-    from analysis.report import build
 
-    assert (options.REPORT_N, options.REPORT_MIN_T, options.REPORT_T_WHY) == \
-        (build.DEFAULT_N, build.REPORT_MIN_T, build.REPORT_T_WHY)
     assert CONDITIONS == STUDY_CONDITIONS
 
 

@@ -29,10 +29,10 @@ CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and act
 DEFAULT_T = 64  # the paper's probe length
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model (analysis.model.loading.DEFAULT_MODEL)
 SINK_N = 100  # `sink --n`: the paper's probe
-REPORT_N = 32  # `report --n`: the sample its published numbers were measured on (analysis.report.build.DEFAULT_N)
-REPORT_MIN_T = 4  # tokens per sequence the report needs (analysis.report.build.REPORT_MIN_T)
+REPORT_N = 32  # `report --n`: the sample its published numbers were measured on
+REPORT_MIN_T = 4  # tokens per sequence the report needs
 REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
-                "and own keys; the paper's probe uses T = 64.")  # analysis.report.build.REPORT_T_WHY
+                "and own keys; the paper's probe uses T = 64.")
 
 # One help text per shared option name: the option means this in every command that takes it. None: the option names
 # one output, whose help says what each command writes there.

@@ -52,13 +52,12 @@ from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
 from analysis.chain.massive import criterion_text, spike_criterion
 from analysis.model.probes import model_probe_sets
+from analysis.core.options import REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N
 from analysis.core.versions import package_versions
 
-DEFAULT_N = 32
-SINK_COMMAND_N = 100  # `python -m analysis sink --n`: the paper's probe (the report says why its own Sink_1 differs)
-REPORT_MIN_T = 4  # tokens per sequence the report needs
-REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
-                "and own keys; the paper's probe uses T = 64.")
+# The report's N and T limits, and the sink command's N (the report says why its own Sink_1 differs), are owned by
+# the command line's light options module, which the parser reads before torch loads.
+DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
 SECTIONS = ("sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold", "value_norms", "interventions",
             "dormant", "positions", "context")
 # What each section reads from the profile pass.
