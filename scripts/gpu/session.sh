@@ -186,7 +186,7 @@ do_step() {
         tests) pytest_cuda tests ;;
         tests-*) pytest_cuda "$1" --shard "${1#tests-}/$TEST_SHARDS" ;;
         throughput) run_step throughput "$PY" benchmarks/bench_attention_ops.py --device cuda --preset paper-60m \
-                        --vocab 50304 --compile --ops softmax,sigmoid,elu1 --impl sdpa,flex --repeats 2 \
+                        --vocab 50304 --compile --ops softmax,sigmoid,elu1 --impl sdpa,triton --repeats 2 \
                         --json "$RESULTS/throughput.json" ;;
         scale-8b) run_step scale-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype bfloat16 \
                       --seq 1024,8192 --repeat 2 --budget-s "$scale_s" --out "$RESULTS/scale-8b.jsonl" \
