@@ -208,20 +208,29 @@ def cmd_sinks(args) -> int:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
-                       **_placement_kwargs(placement_from_args(args)))
+    nnsight = args.backend == "nnsight"
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
+                       remote=args.remote, **_placement_kwargs(placement_from_args(args)))
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
                          "analysis.positions.every_sink.sink_positions in Python instead.")
-    tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=model_dims(model).n_ctx)
-    res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
-                         kind="text")
+    n_ctx = model.n_ctx if nnsight else model_dims(model).n_ctx
+    tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=n_ctx)
+    if nnsight:
+        from analysis.positions.nnsight_positions import nnsight_sink_positions  # optional: the "remote" extra
+
+        res = nnsight_sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, kind="text")
+    else:
+        res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
+                             kind="text")
     res.meta.setdefault("bos", {})["asked"] = args.bos
     print(format_sinks(res))
     print(res.text())
     if args.json:
-        payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T,
-                   **placement_record(model), "dtype": args.dtype,
+        where = ({"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
+                 if nnsight else placement_record(model))
+        payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T, **where,
+                   "dtype": args.dtype,
                    "positions": "0-based: position 0 is the first token", **res.to_dict(),
                    "versions": package_versions()}
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
@@ -296,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser("sinks", parents=[model, sink, place], formatter_class=HelpFormatter,
+    t = sub.add_parser("sinks", parents=[model, sink, place, backend_options()], formatter_class=HelpFormatter,
                        help="every sink position of one text file (not only the first token); positions 0-based")
     t.add_argument("--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)")
     t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text (None: all)")

@@ -8,6 +8,8 @@ import inspect
 import sys
 import warnings
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -21,6 +23,8 @@ from analysis.engine import remote_reductions  # noqa: E402
 from analysis.engine.nnsight_pass import REQUEST_LIMIT_BYTES, plan_requests, request_bytes, trace_batch  # noqa: E402
 from analysis.engine.remote_reductions import attention_alpha, stats_bytes  # noqa: E402
 from analysis.model.nnsight_model import NnsightUnsupported, nnsight_spec, wrap_nnsight  # noqa: E402
+from analysis.positions.every_sink import sink_positions  # noqa: E402
+from analysis.positions.nnsight_positions import nnsight_sink_positions  # noqa: E402
 from analysis.sinks.metric import sink_metric  # noqa: E402
 
 NDIF_ALLOWED = {"torch", "numpy", "einops", "math", "collections", "typing", "pandas", "__future__"}
@@ -58,6 +62,26 @@ def test_nnsight_gives_the_bridges_alpha_and_massive_table(family, family_bridge
         assert torch.equal(getattr(mass, name), getattr(want, name)), name
     assert len(mass.flagged) == len(want.flagged) > 0  # the low thresholds flag some, on both paths
     assert mass.spike_dims == want.spike_dims
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])  # plain, soft cap + sliding window, MLA
+def test_nnsight_gives_the_bridges_sink_positions(family, family_bridge, nn_family):
+    bridge, nn, tokens = family_bridge(family), nn_family(family), _tokens(T=24)
+    kw = dict(eps=0.1, abs_threshold=0.02, ratio_threshold=2.0)  # low thresholds: later sinks and flags on random weights
+    want, got = sink_positions(bridge, tokens, path="eager", **kw), nnsight_sink_positions(nn, tokens, **kw)
+    assert got.meta["path"] == "nnsight" and (got.layers, got.resid_layers) == (want.layers, want.resid_layers)
+    torch.testing.assert_close(got.alpha, want.alpha, atol=1e-6, rtol=0)
+    for name in ("cos_first", "peak_abs", "median"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.peak_dim, want.peak_dim) and torch.equal(got.tokens, want.tokens)
+    pd.testing.assert_frame_equal(got.flagged, want.flagged, atol=1e-5, rtol=1e-5)
+    ours, theirs = got.tables, want.tables
+    assert (ours["sinks"].position > 0).any()  # later sinks, not only the first token
+    assert all(np.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(ours["sinks"].alpha, theirs["sinks"].alpha))
+    for name in theirs:
+        drop = ["alpha"] if name == "sinks" else []
+        pd.testing.assert_frame_equal(ours[name].drop(columns=drop), theirs[name].drop(columns=drop), atol=1e-5, rtol=1e-5)
+    assert got.findings() == want.findings()
 
 
 def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
@@ -143,16 +167,17 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
 
     nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
     layers = list(nn.spec.attention_layers)
-    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
+    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True)
     restore = _as_if_pip_installed(monkeypatch)
     register = nnsight_pass.register_shipped
     try:
         with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
             warnings.simplefilter("ignore")
-            there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+            there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True,
+                                remote="local")
         for a, b in zip(here[0], there[0]):
             assert torch.equal(a, b)
-        assert all(torch.equal(x["top"], y["top"]) for x, y in zip(here[1], there[1]))
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(here[1], there[1]) for k in ("top", "cos", "peak", "dim"))
         monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)  # not shipped: it cannot run there
         for module in SHIPPED:
             if module.__name__ in cloudpickle.list_registry_pickle_by_value():
@@ -170,9 +195,13 @@ def test_request_bytes_bound_what_a_trace_saves(family_dir):
     layers = list(nn.spec.attention_layers)
     alphas, resid = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
     saved = stats_bytes(alphas) + stats_bytes(resid)
-    bound = request_bytes(4, len(layers), n_heads=nn.spec.n_heads, k_max=8, d_model=nn.spec.d_model)
+    dims = dict(n_heads=nn.spec.n_heads, k_max=8, d_model=nn.spec.d_model)
+    bound = request_bytes(4, len(layers), **dims)
     assert stats_bytes(alphas) + sum(stats_bytes({k: v for k, v in r.items() if k != "cand"}) for r in resid) <= saved
     assert saved <= bound
+    _, with_positions = trace_batch(nn, tokens, k_max=8, sink_layers=[], massive_layers=layers, positions=True)
+    assert stats_bytes(with_positions) - stats_bytes(resid) == request_bytes(4, len(layers), positions=20, **dims) - \
+        request_bytes(4, len(layers), **dims)  # cosine, peak and dim: 12 bytes a position
 
 
 def llama_405b_config():
@@ -229,3 +258,20 @@ def test_the_sink_command_prints_the_bridges_table_through_nnsight(smollm2, caps
     want = {kind: sink_metric(smollm2, p.tokens, path="eager").sink_rate()
             for kind, p in model_probe_sets(smollm2, n=2, T=16).items()}
     assert out[2:5] == [f"{kind:<10} {v:>10.2f}" for kind, v in want.items()]
+
+
+def test_the_sinks_command_prints_the_bridges_table_through_nnsight(family_dir, tmp_path, capsys):
+    import json
+
+    from analysis.__main__ import main
+
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{(7 * i) % 90}" for i in range(24)), encoding="utf-8")
+    args = ["sinks", "--model", str(family_dir("qwen3")), "--text", str(text), "--eps", "0.1", "--quiet"]
+    assert main(args) == 0
+    want = capsys.readouterr().out.splitlines()
+    assert main(args + ["--backend", "nnsight", "--json", str(tmp_path / "s.json")]) == 0
+    got = capsys.readouterr().out.splitlines()
+    assert "nnsight path" in got[0] and len(got) > 4 and got[1:-1] == want[1:]  # the header names the path; then "wrote"
+    payload = json.loads((tmp_path / "s.json").read_text())
+    assert payload["backend"] == "nnsight" and payload["path"] == "nnsight" and len(payload["sinks"]) == len(got) - 4

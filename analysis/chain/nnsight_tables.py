@@ -23,7 +23,7 @@ from analysis.sinks.metric import SinkResult, check_eps, check_k_max
 LOG = logging.getLogger(__name__)
 
 
-class _StatsMassive(MassiveAccumulator):
+class StatsMassive(MassiveAccumulator):
     """``MassiveAccumulator`` fed the statistics a trace saved (``remote_reductions.resid_stats``) instead of the
     residual stream: the same sums, top-k rows and flags."""
 
@@ -43,7 +43,20 @@ class _StatsMassive(MassiveAccumulator):
         self._flags(i, c[:, 0].long(), c[:, 1].float(), c[:, 2].float(), tokens, batch)
 
 
-def _tokens(model: NnsightModel, tokens) -> torch.Tensor:
+def check_nnsight_tokens(model: NnsightModel, tokens) -> torch.Tensor:
+    """Token ids checked against the model's context and vocabulary (``validate_token_ids``), as (N, T) int64.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : array-like of int
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    if not isinstance(model, NnsightModel):
+        raise TypeError(f"give a model from load_model(name, backend='nnsight'); got {type(model).__name__}.")
     cfg = model.hf.config.get_text_config() if hasattr(model.hf.config, "get_text_config") else model.hf.config
     return validate_token_ids(tokens, getattr(cfg, "max_position_embeddings", None), getattr(cfg, "vocab_size", None))
 
@@ -77,40 +90,91 @@ def nnsight_tables(model: NnsightModel, tokens, *, sink: bool = True, massive: b
     -------
     tuple of (SinkResult or None, MassiveActivations or None)
     """
-    if not isinstance(model, NnsightModel):
-        raise TypeError(f"give a model from load_model(name, backend='nnsight'); got {type(model).__name__}.")
-    tokens = _tokens(model, tokens)
-    N, T = tokens.shape
+    tokens = check_nnsight_tokens(model, tokens)
+    T = tokens.shape[1]
     eps, k_max = check_eps(eps), check_k_max(k_max, T)
     spec = model.spec
     sink_layers = list(spec.attention_layers) if sink else []
     massive_layers = list(range(spec.n_layers)) if massive else []
-    plan = plan_requests(N, sorted(set(sink_layers) | set(massive_layers)), n_heads=spec.n_heads, k_max=k_max,
-                         d_model=spec.d_model, top_k=top_k, sink=sink, massive=massive)
-    bs = batch_size or plan.samples
     remote = model.remote if remote is None else remote
-    acc = _StatsMassive(model, massive_layers, spec.d_model, top_k=top_k, abs_threshold=abs_threshold,
+    acc = StatsMassive(model, massive_layers, spec.d_model, top_k=top_k, abs_threshold=abs_threshold,
                         ratio_threshold=ratio_threshold, min_share=min_share, kind=kind) if massive else None
+    alpha, meta = run_traces(model, tokens, sink_layers=sink_layers, massive=acc, k_max=k_max, top_k=top_k,
+                             abs_threshold=abs_threshold, batch_size=batch_size, remote=remote)
+    res = SinkResult(alpha, eps, T, model.model_name, kind, meta=meta, layers=sink_layers,
+                     skipped=skipped_text(spec)) if sink else None
+    return res, (acc.result() if acc is not None else None)
+
+
+def skipped_text(spec) -> str:
+    """The layers the sink metric leaves out and why, in one sentence ("" when none).
+
+    Parameters
+    ----------
+    spec : analysis.model.nnsight_model.NnsightSpec
+
+    Returns
+    -------
+    str
+    """
+    return "; ".join(f"layer {l}: {why}" for l, why in spec.skipped.items())
+
+
+def run_traces(model: NnsightModel, tokens: torch.Tensor, *, sink_layers: list[int], massive, k_max: int,
+               top_k: int, abs_threshold: float, batch_size: int | None, remote, positions=None):
+    """The traces of :func:`nnsight_tables`, cut into requests by ``plan_requests``: alpha of ``sink_layers``
+    returned, every layer's residual statistics fed to ``massive`` (and ``positions``, where given).
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (N, T)
+        Checked token ids.
+    sink_layers : list of int
+    massive : StatsMassive or None
+        Fed every layer's ``resid_stats``.
+    k_max, top_k : int
+    abs_threshold : float
+    batch_size : int or None
+    remote : bool or str
+    positions : accumulator, optional
+        With ``update_stats(layer, stats)`` and ``end_batch``: fed every layer's ``position_stats``.
+
+    Returns
+    -------
+    alpha : torch.Tensor or None
+        (N, L, H, k_max); None without sink layers.
+    meta : dict
+        The path, remote, the requests and the BOS record.
+    """
+    N, T = tokens.shape
+    spec = model.spec
+    massive_layers = list(range(spec.n_layers)) if massive is not None else []
+    plan = plan_requests(N, sorted(set(sink_layers) | set(massive_layers)), n_heads=spec.n_heads, k_max=k_max,
+                         d_model=spec.d_model, top_k=top_k, sink=bool(sink_layers), massive=massive is not None,
+                         positions=T if positions is not None else 0)
+    bs = batch_size or plan.samples
     alphas = []
     for start in range(0, N, bs):
         batch = Batch(tokens[start:start + bs], start)
         per_layer: dict[int, torch.Tensor] = {}
         for group in plan.layer_groups:
+            mine = [l for l in massive_layers if l in group]
             a, r = trace_batch(model, batch.tokens, k_max=k_max, sink_layers=[l for l in sink_layers if l in group],
-                               massive_layers=[l for l in massive_layers if l in group], top_k=top_k,
-                               abs_threshold=abs_threshold, remote=remote)
+                               massive_layers=mine, top_k=top_k, abs_threshold=abs_threshold,
+                               positions=positions is not None, remote=remote)
             per_layer.update(zip([l for l in sink_layers if l in group], a))
-            for l, s in zip([l for l in massive_layers if l in group], r):
-                acc.update_stats(l, s, T, batch)
-        if sink:
+            for l, s in zip(mine, r):
+                massive.update_stats(l, s, T, batch)
+                if positions is not None:
+                    positions.update_stats(l, s)
+        if sink_layers:
             alphas.append(torch.stack([per_layer[l] for l in sink_layers], 1))
-        if acc is not None:
-            acc.end_batch(batch, None)
+        for acc in (massive, positions):
+            if acc is not None:
+                acc.end_batch(batch, None)
     meta = {"path": "nnsight", "remote": bool(remote), "requests": plan.n_requests, "bos": bos_record(model, tokens)}
-    skipped = "; ".join(f"layer {l}: {why}" for l, why in spec.skipped.items())
-    res = SinkResult(torch.cat(alphas), eps, T, model.model_name, kind, meta=meta, layers=sink_layers,
-                     skipped=skipped) if sink else None
-    return res, (acc.result() if acc is not None else None)
+    return (torch.cat(alphas) if alphas else None), meta
 
 
 def nnsight_sink_metric(model: NnsightModel, tokens, **kwargs) -> SinkResult:

@@ -55,6 +55,8 @@ VOCABULARY = {
     "--max-memory": "per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB",
     "--offload-folder": "where weights mapped to 'disk' are kept",
     "--preset": "a named starting configuration (python -m analysis.train --list)",
+    "--backend": "run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)",
+    "--remote": "with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)",
     "--json": None,
     "--out": None,
 }
@@ -238,9 +240,8 @@ def backend_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("backend")
     g.add_argument("--backend", choices=("transformer_lens", "nnsight"), default="transformer_lens",
-                   help="run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)")
-    g.add_argument("--remote", action="store_true",
-                   help="with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)")
+                   help=VOCABULARY["--backend"])
+    g.add_argument("--remote", action="store_true", help=VOCABULARY["--remote"])
     return p
 
 

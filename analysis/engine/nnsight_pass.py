@@ -4,7 +4,7 @@ trace either way, one flag apart.
 Per batch of sequences one trace runs the model; in it, each attention layer's call to the attention function hands
 over q and k (after the rotary), the mask and the scale, and ``analysis.engine.remote_reductions.attention_alpha``
 reduces them to alpha (B, H, k_max); each decoder layer's output (the residual stream after the block, the bridge's
-``hook_resid_post``) is reduced by ``resid_stats``. Only those are saved: never q, k or a T x T map. The functions
+``hook_resid_post``) is reduced by ``resid_stats`` (and, for the sinks at every position, ``position_stats``). Only those are saved: never q, k or a T x T map. The functions
 called in the trace come from ``remote_reductions`` and ``analysis.core.reductions``, registered with nnsight to be
 shipped by value (they import only torch, math and typing, which NDIF allows).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from analysis.engine import remote_reductions
-from analysis.engine.remote_reductions import attention_alpha, resid_stats
+from analysis.engine.remote_reductions import attention_alpha, position_stats, resid_stats
 from analysis.core import reductions
 
 REQUEST_LIMIT_BYTES = 32 * 2**20  # NDIF drops results above about this (a 32 MB message limit was seen)
@@ -52,24 +52,29 @@ class RequestPlan:
     bytes_total: int
 
 
-def layer_bytes(*, n_heads: int, k_max: int, d_model: int, top_k: int, sink: bool, massive: bool) -> int:
+def layer_bytes(*, n_heads: int, k_max: int, d_model: int, top_k: int, sink: bool, massive: bool,
+                positions: int = 0) -> int:
     """Bytes one sample adds to one layer's saved statistics (alpha float32; massive: top-k row float32, the first
-    token's three float64 sums, which do not grow with the samples, are counted in :func:`request_bytes`).
+    token's three float64 sums, which do not grow with the samples, are counted in :func:`request_bytes`; positions:
+    ``position_stats``' cosine, peak and dim, 12 bytes a position).
 
     Parameters
     ----------
     n_heads, k_max, d_model, top_k : int
     sink, massive : bool
+    positions : int
+        The positions whose ``position_stats`` are saved (0: none).
 
     Returns
     -------
     int
     """
-    return (4 * n_heads * k_max if sink else 0) + ((4 * (3 * top_k + 1) + 24 * CAND_ROWS_PER_SAMPLE) if massive else 0)
+    return ((4 * n_heads * k_max if sink else 0) + ((4 * (3 * top_k + 1) + 24 * CAND_ROWS_PER_SAMPLE) if massive else 0)
+            + 12 * int(positions))
 
 
 def request_bytes(samples: int, layers: int, *, n_heads: int, k_max: int, d_model: int, top_k: int = 3,
-                  sink: bool = True, massive: bool = True) -> int:
+                  sink: bool = True, massive: bool = True, positions: int = 0) -> int:
     """The bytes a request of ``samples`` sequences over ``layers`` layers saves (an upper bound: the flag
     candidates budgeted at ``CAND_ROWS_PER_SAMPLE``).
 
@@ -77,18 +82,22 @@ def request_bytes(samples: int, layers: int, *, n_heads: int, k_max: int, d_mode
     ----------
     samples, layers, n_heads, k_max, d_model, top_k : int
     sink, massive : bool
+    positions : int
+        As in :func:`layer_bytes`.
 
     Returns
     -------
     int
     """
-    per = layer_bytes(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive)
+    per = layer_bytes(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive,
+                      positions=positions)
     fixed = 3 * 8 * d_model if massive else 0  # first_sum, first_abs, other_max: (D,) float64 per layer
     return layers * (samples * per + fixed)
 
 
 def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_model: int, top_k: int = 3,
-                  sink: bool = True, massive: bool = True, limit: int = REQUEST_LIMIT_BYTES) -> RequestPlan:
+                  sink: bool = True, massive: bool = True, positions: int = 0,
+                  limit: int = REQUEST_LIMIT_BYTES) -> RequestPlan:
     """Cut N sequences over ``layers`` into requests each under ``limit`` bytes, fewest requests first: layers in
     groups of g (each group one trace per batch of samples) and as many samples per request as fit beside the
     group's per-layer sums, for the g that needs fewest requests.
@@ -100,6 +109,8 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
     layers : list of int
     n_heads, k_max, d_model, top_k : int
     sink, massive : bool
+    positions : int
+        As in :func:`layer_bytes`.
     limit : int
         The size limit of one request's results.
 
@@ -108,7 +119,8 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
     RequestPlan
     """
     budget = int(limit * REQUEST_FILL)
-    kw = dict(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive)
+    kw = dict(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive,
+              positions=positions)
     fixed, per = request_bytes(0, 1, **kw), request_bytes(1, 1, **kw) - request_bytes(0, 1, **kw)
     if fixed + per > budget:
         raise ValueError(f"one sample of one layer saves {fixed + per} bytes, over the {budget}-byte budget of a request.")
@@ -140,9 +152,11 @@ def register_shipped() -> None:
 
 
 def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[int], massive_layers: list[int],
-                top_k: int = 3, abs_threshold: float = 100.0, remote=False) -> tuple[list, list]:
+                top_k: int = 3, abs_threshold: float = 100.0, positions: bool = False,
+                remote=False) -> tuple[list, list]:
     """One nnsight trace over a batch: alpha (B, H, k_max) of each layer in ``sink_layers`` and ``resid_stats`` of
-    each layer in ``massive_layers``, computed next to the model and saved; nothing else comes back.
+    each layer in ``massive_layers`` (with ``position_stats`` where ``positions``), computed next to the model and
+    saved; nothing else comes back.
 
     Parameters
     ----------
@@ -153,6 +167,8 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
         True layer indices.
     top_k : int
     abs_threshold : float
+    positions : bool
+        Add each massive layer's ``position_stats`` (cosine to the first token, peak |x| and dim per position).
     remote : bool or str
         nnsight's ``remote``: False (here), True (NDIF), "local" (nnsight's local simulation of a remote run:
         serialized and run with this package hidden).
@@ -162,7 +178,7 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
     alphas : list of torch.Tensor
         (B, H, k_max) per sink layer, on the CPU.
     resid : list of dict
-        ``resid_stats`` per massive layer, on the CPU.
+        ``resid_stats`` (and ``position_stats``) per massive layer, on the CPU.
     """
     import nnsight  # optional: the "remote" extra
 
@@ -170,7 +186,7 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
         register_shipped()
     calls = {l: model.attention_call(l) for l in sink_layers}
     blocks = model.decoder_layers()
-    alpha_fn, resid_fn, softcap = attention_alpha, resid_stats, model.spec.softcap
+    alpha_fn, resid_fn, pos_fn, softcap = attention_alpha, resid_stats, position_stats, model.spec.softcap
     sink_set, massive_set = set(sink_layers), set(massive_layers)
     with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         alphas, resid = nnsight.save([]), nnsight.save([])
@@ -180,5 +196,6 @@ def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[in
                 alphas.append(alpha_fn(args[1], args[2], args[4], kwargs.get("scaling"), k_max, softcap))
             if l in massive_set:
                 out = blocks[l].output
-                resid.append(resid_fn(out[0] if isinstance(out, tuple) else out, top_k, abs_threshold))
+                h = out[0] if isinstance(out, tuple) else out
+                resid.append({**resid_fn(h, top_k, abs_threshold), **(pos_fn(h) if positions else {})})
     return [a.detach().cpu() for a in alphas], [{k: v.detach().cpu() for k, v in r.items()} for r in resid]

@@ -1,10 +1,11 @@
 """The per-layer statistics the nnsight trace computes next to the model: alpha of the first keys per head (from q,
-k after the rotary and each query row's log-sum-exp) and the residual stream's massive-activation statistics (top-k
-|x| by selection, the lower median, the first token's sums and the few candidates above the absolute threshold).
+k after the rotary and each query row's log-sum-exp), the residual stream's massive-activation statistics (top-k
+|x| by selection, the lower median, the first token's sums and the few candidates above the absolute threshold) and,
+for the sinks at every position, each position's cosine to the first token and its peak |x| and dim.
 
 This module and ``analysis.core.reductions`` are the code shipped inside an nnsight trace (by value, for NDIF): they
 import only torch, math and typing (``tests/test_nnsight.py`` checks it by parsing them), and everything here reduces
-on the layer's own device to values of size per layer x head or per layer x d_model; nothing T x T is built.
+on the layer's own device to values of size per layer x head, per layer x d_model or per layer x position; nothing T x T is built.
 
 Under tensor parallelism each rank holds whole groups of query heads with their KV heads, and every statistic here is
 head-local (query head h reads only KV head h // group): a rank's alpha is its heads' rows of the full alpha, and the
@@ -182,6 +183,25 @@ def resid_stats(x: torch.Tensor, top_k: int, abs_threshold: float) -> dict:
     cand = torch.stack([f.double(), flat.reshape(-1)[f].double(), med[f // flat.shape[1]].double()], 1)
     return {"top": top, "first_sum": x[:, 0].detach().double().sum(0), "first_abs": a[:, 0].double().sum(0),
             "other_max": other, "cand": cand}
+
+
+def position_stats(x: torch.Tensor) -> dict:
+    """Per position of one layer's residual stream (B, T, D), what ``analysis.positions.every_sink.PositionAccumulator``
+    keeps: the cosine of h_t to h_0, and the largest |h_t| and its dim (the same operations, so the same numbers).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (B, T, D)
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        "cos", "peak" (B, T) float32; "dim" (B, T) int32 (half the bytes of int64; D < 2**31).
+    """
+    x = x.detach().float()
+    u = torch.nn.functional.normalize(x, dim=-1)
+    peak, dim = x.abs().max(dim=-1)
+    return {"cos": (u * u[:, :1]).sum(-1), "peak": peak, "dim": dim.int()}
 
 
 def stats_bytes(stats) -> int:

@@ -107,6 +107,13 @@ class NnsightModel:
         """The Hugging Face model inside (meta-device weights for a remote model)."""
         return self.lm._module
 
+    @property
+    def n_ctx(self) -> int | None:
+        """The context length of the config (``max_position_embeddings``; None where it has none)."""
+        cfg = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config
+        n = getattr(cfg, "max_position_embeddings", None)
+        return int(n) if n is not None else None
+
     def decoder_layers(self):
         """The envoys of the decoder layers (``<base model>.layers``)."""
         base = getattr(self.lm, self.hf.base_model_prefix, None)

@@ -99,6 +99,29 @@ def check_cos(cos_min: float) -> float:
     return cos_min
 
 
+def check_min_queries(min_queries: int | None, T: int) -> int:
+    """``min_queries`` checked against T (and T >= 2), or its default.
+
+    Parameters
+    ----------
+    min_queries : int or None
+        None: :func:`default_min_queries`.
+    T : int
+        The sequence length.
+
+    Returns
+    -------
+    int
+    """
+    if T < 2:
+        raise ValueError(f"give at least 2 tokens: with T = {T} the first token is all a query can see, so alpha is 1 "
+                         "by construction and says nothing about sinks.")
+    min_queries = default_min_queries(T) if min_queries is None else int(min_queries)
+    if not 1 <= min_queries <= T:
+        raise ValueError(f"min_queries (--min-queries) must lie in [1, T={T}]; got {min_queries}.")
+    return min_queries
+
+
 @dataclass
 class PositionStats:
     """Per layer (``hook_resid_post``) and position: the cosine to the first token's hidden state, and the peak.
@@ -479,13 +502,7 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
     eps, cos_min = check_eps(eps), check_cos(cos_min)
     tokens = torch.as_tensor(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
-    T = int(tokens.shape[-1])
-    if T < 2:
-        raise ValueError(f"give at least 2 tokens: with T = {T} the first token is all a query can see, so alpha is 1 "
-                         "by construction and says nothing about sinks.")
-    min_queries = default_min_queries(T) if min_queries is None else int(min_queries)
-    if not 1 <= min_queries <= T:
-        raise ValueError(f"min_queries (--min-queries) must lie in [1, T={T}]; got {min_queries}.")
+    min_queries = check_min_queries(min_queries, int(tokens.shape[-1]))
     resid_layers = check_layers(model, None)
     made = {}
 
@@ -495,8 +512,8 @@ def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | N
                                               ratio_threshold=ratio_threshold, kind=kind)
         return [made["positions"], made["massive"]]
 
-    sink, (pos, ma) = sink_pass(model, tokens, make_accumulators=accumulators, eps=eps, k_max=T, batch_size=batch_size,
-                                progress=progress, kind=kind, path=path)
+    sink, (pos, ma) = sink_pass(model, tokens, make_accumulators=accumulators, eps=eps, k_max=int(tokens.shape[-1]),
+                                batch_size=batch_size, progress=progress, kind=kind, path=path)
     ids = sorted(set(torch.as_tensor(tokens).flatten().tolist()))
     return SinkPositions(
         alpha=sink.alpha, tokens=torch.as_tensor(tokens).long().cpu(), cos_first=pos.cos_first, peak_abs=pos.peak_abs,
