@@ -255,8 +255,8 @@ def cmd_report(args) -> int:
     from analysis.model.placement import placement_from_args
     from analysis.report.build import ReportError, build_report
 
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype),
-                       **_placement_kwargs(placement_from_args(args)))
+    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
+                       remote=args.remote, **_placement_kwargs(placement_from_args(args)))
     try:
         path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos,
                             progress=not args.quiet)
@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser("report", parents=[model, probe_options(n=REPORT_N), sink, place], formatter_class=HelpFormatter,
+    r = sub.add_parser("report", parents=[model, probe_options(n=REPORT_N), sink, place, backend_options()],
+                       formatter_class=HelpFormatter,
                        help="one self-contained HTML page and a JSON with every number")
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)

@@ -275,3 +275,39 @@ def test_the_sinks_command_prints_the_bridges_table_through_nnsight(family_dir, 
     assert "nnsight path" in got[0] and len(got) > 4 and got[1:-1] == want[1:]  # the header names the path; then "wrote"
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["backend"] == "nnsight" and payload["path"] == "nnsight" and len(payload["sinks"]) == len(got) - 4
+
+
+def _same(a, b, path="") -> list[str]:
+    """Where two JSON values differ (floats to 1e-5, relative, or 1e-6 absolute)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return ([f"{path}: keys {sorted(set(a) ^ set(b))}"] if set(a) != set(b) else []) + [
+            d for k in a if k in b for d in _same(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        return [f"{path}: lengths"] if len(a) != len(b) else [d for i, (x, y) in enumerate(zip(a, b))
+                                                              for d in _same(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) or isinstance(b, float):
+        return [] if a == pytest.approx(b, rel=1e-5, abs=1e-6, nan_ok=True) else [f"{path}: {a} != {b}"]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def test_the_report_through_nnsight_has_the_bridges_sink_and_massive_numbers(family_bridge, family_dir, tmp_path):
+    import json
+
+    from analysis.__main__ import main
+    from analysis.report.build import NNSIGHT_SECTIONS, SECTIONS, build_report
+
+    build_report(family_bridge("llama"), tmp_path / "b", sections=list(NNSIGHT_SECTIONS), n=2, T=24, eps=0.1)
+    assert main(["report", "--model", str(family_dir("llama")), "--backend", "nnsight", "--n", "2", "--T", "24",
+                 "--eps", "0.1", "--out", str(tmp_path / "n"), "--quiet"]) == 0  # every section: the others are notes
+    want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
+    others = [k for k in SECTIONS if k not in NNSIGHT_SECTIONS]
+    assert not got["errors"] and all("not available through nnsight" in got["notes"][k][0].lower() for k in others)
+    assert want["sections"]["sink"]["sink_1_pct"]["natural"] > 0
+    assert not _same(got["sections"]["sink"], want["sections"]["sink"])
+    # the tiny word tokenizer reads the natural probes as mostly '<unk>': equal top values at several positions, whose
+    # tie either path may break (the top positions are compared on random tokens above)
+    ties = [f"top{i}_{w}" for i in (1, 2, 3) for w in ("pos", "token")]
+    mass = [{k: {**v, "per_layer": [{c: x for c, x in r.items() if c not in ties} for r in v["per_layer"]]}
+             for k, v in j["sections"]["massive"].items() if k == "natural"} for j in (got, want)]
+    assert not _same(*mass)
+    assert got["spike_dims"] == want["spike_dims"] and got["findings"][:1] == want["findings"][:1]

@@ -453,7 +453,21 @@ def spike_criterion(model) -> tuple[float, float]:
     -------
     (abs_threshold, ratio_threshold) : tuple of float
     """
-    if model_dims(model).d_model < NARROW_MODEL_D:
+    return width_criterion(model_dims(model).d_model)
+
+
+def width_criterion(d_model: int) -> tuple[float, float]:
+    """:func:`spike_criterion` of a model ``d_model`` wide (for models without hooks: the nnsight backend).
+
+    Parameters
+    ----------
+    d_model : int
+
+    Returns
+    -------
+    (abs_threshold, ratio_threshold) : tuple of float
+    """
+    if d_model < NARROW_MODEL_D:
         return 0.0, SPIKE_RATIO_NARROW
     return SPIKE_ABS, SPIKE_RATIO
 

@@ -108,6 +108,23 @@ class NnsightModel:
         return self.lm._module
 
     @property
+    def original_model(self):
+        """The Hugging Face model (as a bridge's ``original_model``: where ``analysis.model.placement`` looks)."""
+        return self.hf
+
+    def parameters(self):
+        """The Hugging Face model's parameters (their dtype and device, as the report records them)."""
+        return self.hf.parameters()
+
+    def dims(self):
+        """The ``analysis.model.hooks.ModelDims`` of the spec (what ``model_dims`` gives for a bridge)."""
+        from analysis.model.hooks import ModelDims  # import time: hooks loads torch, this module does not
+
+        s = self.spec
+        d_head = getattr(self.hf.config.get_text_config(), "head_dim", None) or s.d_model // s.n_heads
+        return ModelDims(s.n_layers, s.n_heads, s.n_kv_heads, s.d_model, int(d_head), self.n_ctx)
+
+    @property
     def n_ctx(self) -> int | None:
         """The context length of the config (``max_position_embeddings``; None where it has none)."""
         cfg = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config

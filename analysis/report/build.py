@@ -50,7 +50,8 @@ from analysis.model.placement import placement_record
 from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
-from analysis.chain.massive import criterion_text, spike_criterion
+from analysis.chain.massive import criterion_text, width_criterion
+from analysis.model.nnsight_model import NnsightModel
 from analysis.model.probes import model_probe_sets
 from analysis.core.options import REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N
 from analysis.core.versions import package_versions
@@ -58,6 +59,7 @@ from analysis.core.versions import package_versions
 # The report's N and T limits, and the sink command's N (the report says why its own Sink_1 differs), are owned by
 # the command line's light options module, which the parser reads before torch loads.
 DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
+NNSIGHT_SECTIONS = ("sink", "massive")  # the sections the nnsight backend serves (docs/remote.md)
 SECTIONS = ("sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold", "value_norms", "interventions",
             "dormant", "positions", "context")
 # What each section reads from the profile pass.
@@ -238,9 +240,9 @@ class _Context:
                  eps: float = SINK_EPS, bos: bool = False):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.eps, self.bos = eps, bos
+        self.dims = report_dims(model)
         # one massive-activation criterion for every section (the profile's own: spike_criterion)
-        self.criterion = dict(zip(("abs_threshold", "ratio_threshold"), spike_criterion(model)))
-        self.dims = model_dims(model)
+        self.criterion = dict(zip(("abs_threshold", "ratio_threshold"), width_criterion(self.dims.d_model)))
         self.name = getattr(model, "model_name", None) or type(model).__name__
         self.probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # text, or a reference model's own task
         self.natural = self.probes["natural"].tokens
@@ -253,10 +255,24 @@ class _Context:
     def profile(self):
         if self._profile is None:
             t = time.perf_counter()
-            self._profile = profile(self.model, self.probes, analyses=self.analyses, eps=self.eps,
-                                    batch_size=self.batch_size)
+            self._profile = (self._nnsight_profile() if isinstance(self.model, NnsightModel) else
+                             profile(self.model, self.probes, analyses=self.analyses, eps=self.eps,
+                                     batch_size=self.batch_size))
             self.profile_seconds = time.perf_counter() - t
         return self._profile
+
+    def _nnsight_profile(self):
+        """The sink and massive tables per probe kind from nnsight traces, as the profile's fields."""
+        from types import SimpleNamespace
+
+        from analysis.chain.nnsight_tables import nnsight_tables  # optional: nnsight is the "remote" extra
+
+        tables = {k: nnsight_tables(self.model, p.tokens, eps=self.eps, batch_size=self.batch_size, kind=k,
+                                    **self.criterion) for k, p in self.probes.items()}
+        for k, (sink, _) in tables.items():  # what was asked of the probe's first token, as the profile records it
+            sink.meta["bos"]["asked"] = getattr(self.probes[k], "bos", None)
+        return SimpleNamespace(sink={k: s for k, (s, _) in tables.items()},
+                               massive={k: m for k, (_, m) in tables.items()}, gates=None)
 
     @property
     def massive(self):
@@ -349,10 +365,14 @@ def _massive(ctx: _Context, sec: Section) -> None:
         sec.parts.append(table_html(ma.dims, digits=1))
     sec.say(kinds_text(by_kind, skip="natural"))
     layer = ma.peak_layer()
-    amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
-    sec.data["activation_map_layer"] = layer
     sec.figure(lambda: plot_top_activations(ma), "largest |activation| and the median per layer (natural text)")
-    sec.figure(lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence")
+    if isinstance(ctx.model, NnsightModel):
+        sec.note("The activation map (|h| over positions x dims) is not drawn through nnsight: its traces save "
+                 "per-layer statistics, never a layer's residual stream.")
+    else:
+        amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
+        sec.data["activation_map_layer"] = layer
+        sec.figure(lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence")
     sec.figure(lambda: plot_spike_dims_by_kind(by_kind), "the first token's spike dims across layers, per input kind")
 
 
@@ -724,7 +744,7 @@ def head_dims(model, dims) -> dict:
     dict
         ``d_head_qk``, ``d_head_v`` (and under MLA ``d_head_qk_nope``, ``d_head_qk_rope``), ``text``.
     """
-    mla = getattr(get_family(model), "latent", None)
+    mla = getattr(model.spec if isinstance(model, NnsightModel) else get_family(model), "latent", None)
     if mla is None:
         return {"d_head": dims.d_head, "d_head_qk": dims.d_head, "d_head_v": dims.d_head, "text": f"d_head {dims.d_head}"}
     qk, nope, rope, v = mla["d_head"], mla["qk_nope_head_dim"], mla["qk_rope_head_dim"], mla["v_head_dim"]
@@ -852,7 +872,7 @@ def build_report(
 
     if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
         matplotlib.use("Agg")
-    dims = model_dims(model)  # a model without hooks fails here, before anything is written
+    dims = report_dims(model)  # a model without hooks fails here, before anything is written
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
         raise ValueError(f"n (--n) must be at least 2 sequences: the report compares inputs (first keys, leave-one-out "
                          f"means); got {n!r}.")
@@ -870,8 +890,9 @@ def build_report(
     out = check_output(out_dir, flag="out_dir (--out)", folder=True)  # before any work
 
     t0 = time.perf_counter()
-    ctx = _Context(model, int(n), int(T), int(seed), batch_size, keys, eps=float(eps), bos=bool(bos))
-    done = [_run_section(ctx, key, progress) for key in keys]
+    run = [k for k in keys if k in NNSIGHT_SECTIONS] if isinstance(model, NnsightModel) else keys
+    ctx = _Context(model, int(n), int(T), int(seed), batch_size, run, eps=float(eps), bos=bool(bos))
+    done = [_run_section(ctx, key, progress) if key in run else _not_through_nnsight(key) for key in keys]
     seconds = time.perf_counter() - t0
     meta = {"versions": package_versions(), "seconds": seconds}
     payload, page = _payload(ctx, done, meta, dims), _page(ctx, done, meta)
@@ -886,6 +907,30 @@ def build_report(
         raise ReportError(f"{len(failed)} report section(s) failed: " + "; ".join(
             f"{s.key} ({'; '.join(s.errors)})" for s in failed) + f". The sections that worked are in {out / 'report.html'}.")
     return out / "report.html"
+
+
+def report_dims(model):
+    """``model_dims`` of a bridge, the spec's dims of an nnsight model (``load_model(name, backend="nnsight")``).
+
+    Parameters
+    ----------
+    model
+
+    Returns
+    -------
+    analysis.model.hooks.ModelDims
+    """
+    return model.dims() if isinstance(model, NnsightModel) else model_dims(model)
+
+
+def _not_through_nnsight(key: str) -> Section:
+    """A section the nnsight backend does not serve: a note, not a failure."""
+    sec = Section(key, RUNNERS[key][0])
+    sec.note("Not available through nnsight: this section reads activations its traces do not save (through nnsight "
+             "the report has the sink and massive sections; docs/remote.md). Run the report without --backend nnsight "
+             "for it.")
+    sec.data = {"available": False, "reason": "not available through the nnsight backend"}
+    return sec
 
 
 def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
