@@ -315,6 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         The exit status (2 for bad input).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m analysis.train -- --n 8: torchrun reads --n as its own --nnodes (an
+        argv = argv[1:]  # abbreviation) unless a "--" ends its options, and hands that "--" on
     command = shlex.join(["python", "-m", "analysis.train", *argv])
     if argv and argv[0] == "sweep":
         return _main_sweep(argv[1:], command)

@@ -139,7 +139,9 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
 
 @pytest.mark.cpu_only  # torchrun with gloo on 2 CPU processes: one GPU cannot host two NCCL ranks
 def test_ddp_two_processes_equal_one_process(tmp_path):
-    """torchrun with 2 CPU processes (gloo) takes the same steps as one process on the same global batch."""
+    """torchrun with 2 CPU processes (gloo) takes the same steps as one process on the same global batch. The "--"
+    after the module ends torchrun's own options: without it torchrun takes ``--n`` for an abbreviation of its
+    ``--nnodes`` and refuses it as ambiguous."""
     args = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64",
             "--synthetic-vocab", "16", "--batch-size", "8", "--steps", "4", "--eval-every", "0",
             "--checkpoint-every", "2", "--n", "8", "--T", "16", "--quiet", "--device", "cpu"]
@@ -151,7 +153,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
         port = sock.getsockname()[1]
     two = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                           "--master_port", str(port),
-                          "-m", "analysis.train", *args, "--out", str(tmp_path / "two")],
+                          "-m", "analysis.train", "--", *args, "--out", str(tmp_path / "two")],
                          env=env(), cwd=ROOT, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = weights(tmp_path / "one/model.safetensors"), weights(tmp_path / "two/model.safetensors")

@@ -1,14 +1,11 @@
 """The Triton sigmoid and elu+1 attention kernels (``analysis.model.reference.triton_attention``) against the eager
 operations, forward and gradients (q, k, v and the learnable head bias), causal and sliding-window masks, with and
 without an ALiBi-like additive bias; and through a model with ``attn_impl="triton"``. On the CPU they run under
-Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported), at small shapes."""
-import os
-
+Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py before any test module imports the kernels:
+tests/test_protocol.py imports every module of the package), at small shapes."""
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from analysis.model.reference.attention import build_attention_op, causal_mask  # noqa: E402
