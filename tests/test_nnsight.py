@@ -91,6 +91,13 @@ def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
         load_model("smollm2-135m", remote=True)
 
 
+def test_a_folder_that_is_not_a_model_is_refused_in_one_line(tmp_path):
+    from analysis.model.loading import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="no config.json"):  # not transformers' tokenizer traceback
+        load_model(str(tmp_path), backend="nnsight")
+
+
 def test_remote_needs_a_hosted_hub_id_and_a_key_before_any_request(monkeypatch, no_network):
     with pytest.raises(ValueError, match="hub id"):
         load_model("smollm2-135m", backend="nnsight", remote=True)

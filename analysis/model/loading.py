@@ -508,6 +508,8 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
     if remote and (name == DEFAULT_MODEL or path.exists()):
         raise ValueError(f"remote=True runs a model NDIF hosts, named by its hub id (e.g. meta-llama/Llama-3.1-405B); "
                          f"{name!r} is local: drop --remote to run it here through nnsight.")
+    if path.is_dir() and name != DEFAULT_MODEL and not _is_hf_dir(path):
+        raise ModelNotFoundError(f"{path} is a path but not a Hugging Face model folder (no config.json).")
     if name == DEFAULT_MODEL or path.is_dir():
         src = str(smollm2_dir() if name == DEFAULT_MODEL else path)
         tok = AutoTokenizer.from_pretrained(src)
