@@ -25,7 +25,7 @@ from analysis.core.defaults import SINK_EPS
 from analysis.sinks.metric import SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
-K_MAX = 4  # alpha kept for keys 1..4 in every intervention pass
+from analysis.core.defaults import INTERVENTION_K_MAX as K_MAX  # alpha kept for keys 1..4 in every intervention pass
 LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-softmax is never built for a whole batch)
 
 # ----------------------------------------------------------------------------------------------

@@ -16,8 +16,7 @@ from analysis.core.defaults import DORMANT_MIN_QUERIES, DORMANT_MIN_SHARE, DORMA
 from analysis.core.io import jsonable
 from analysis.core.results import LayerAxis, Result, layers_text
 
-DORMANT_LAYER_RHO = -0.3  # a layer's heads go dormant with the sink when the median rho of sink attention with output norm
-# is at most this
+from analysis.core.defaults import DORMANT_LAYER_RHO  # a layer's heads go dormant with the sink below this median rho
 SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra slot",
                 "mass": "total attention weight on the input tokens"}
 

@@ -30,7 +30,7 @@ from analysis.engine.passes import Batch, ResidCapture, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.sinks.metric import check_eps
 
-N_RANDOM = 3  # random draws per condition
+from analysis.core.defaults import WRITER_CUT_RANDOM_DRAWS as N_RANDOM  # random draws per condition
 
 
 class NeuronSetter:

@@ -31,8 +31,7 @@ from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.results import Result
 
 _NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
-MAX_NEURONS = 8  # writer neurons followed per block (the largest first)
-DIVERGED = 0.3  # a write "differs" between the two positions when |first - later| / (|first| + |later|) is at least this
+from analysis.core.defaults import FIRST_TOKEN_DIVERGED as DIVERGED, FIRST_TOKEN_MAX_NEURONS as MAX_NEURONS
 
 
 def _input_norm(model, block: int) -> NormParams:

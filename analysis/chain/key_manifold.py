@@ -60,13 +60,13 @@ from analysis.model.hooks import (
 from analysis.core.io import jsonable
 from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result, layers_text
+from analysis.core.docs import share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.sinks.metric import alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine, permuted_copy, unit_vectors
 
-DEFAULT_N_COMPONENTS = 0.9
-VARIANCE_LEVEL = 0.9  # first_n90 / other_n90
-SAME_POINT = 1e-6  # keys whose variance is below this share of their squared norm count as one point
+from analysis.core.defaults import (KEY_MANIFOLD_N_COMPONENTS as DEFAULT_N_COMPONENTS, KEY_SAME_POINT as SAME_POINT,
+                                    KEY_VARIANCE_LEVEL as VARIANCE_LEVEL)
 
 
 def _check_n_components(n_components, d_head: int | None):
@@ -666,27 +666,10 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
     tokens_shape : tuple of int
         (N, T) of the tokens the pass runs over (N >= 2, T >= 3).
-    layers : sequence of int, optional
-        Attention layer indices (default: all attention layers; hybrids skip their linear-attention / Mamba layers,
-        named in ``skipped``).
-    heads : sequence of int, optional
-        KV head indices (default: all). Query head h reads KV head h // group_size.
-    n_components : int or float
-        The other keys' principal subspace: an int r (a fixed number of components, 1 <= r < d_head) or a fraction in
-        (0, 1) (the fewest components explaining that share of the other keys' variance, per head; default 0.9), as in
-        scikit-learn's PCA.
-    scatter_heads : "auto", sequence of (int, int) or None
-        (layer, KV head) pairs whose keys to keep for the 2-D PCA scatter. "auto" keeps the analysed KV head with the
-        largest and the one with the smallest alpha_1 (max over its query heads), chosen on the first batch (the whole
-        input when N x T <= 2048), in the same pass. None or [] keeps none.
-    rotated : bool
-        Keys and queries after the rotary embedding (default), or before it (False).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    model, layers, heads, n_components, scatter_heads, rotated, kind
+        As in :func:`first_key_manifold`.
     facts : ModelFacts, optional
         The model's dims, attention layers and family, read once by the pass that builds this
         (``analysis.engine.passes.model_facts``); None: read from the model now.
@@ -707,6 +690,7 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
                                   scatter_layers=[l for l, _ in explicit], kind=kind, facts=facts)
 
 
+@share_parameters(key_manifold_accumulator)
 def first_key_manifold(
     model,
     tokens,

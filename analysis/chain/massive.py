@@ -34,6 +34,7 @@ from analysis.model.hooks import ModelContractError, act_name, check_layers, che
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result, layer_runs
 from analysis.core.reductions import top_k_abs
+from analysis.core.docs import share_parameters
 from analysis.core.stats import flat_above, host_selection, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -480,26 +481,10 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
     tokens_shape : tuple of int
         (N, T) of the tokens the pass runs over.
-    layers : sequence of int, optional
-        Blocks whose residual stream to read (default all).
-    top_k : int
-        The K largest |a| kept per sample and layer.
-    abs_threshold, ratio_threshold : float
-        Sun et al.'s criterion: |a| > abs_threshold and >= ratio_threshold x the median |a| (100 and 1000).
-    min_share : float
-        A flagged dimension is a spike dimension of a layer when it is flagged on at least this share of samples.
-    hook : {"resid_post", "resid_pre", "resid_mid"}
-        The residual stream read.
-    median_over : {"sequence", "token"}
-        The median the ratio is taken to: over the sample's whole hidden state at that layer (positions x dims, Sun et
-        al.'s "median magnitude of its hidden state"), or over the one token's vector (stricter where the first token's
-        whole vector is large, as in SmolLM2).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    model, layers, top_k, abs_threshold, ratio_threshold, min_share, hook, median_over, kind
+        As in :func:`massive_activations`.
     facts : ModelFacts, optional
         The model's dims, attention layers and family, read once by the pass that builds this
         (``analysis.engine.passes.model_facts``); None: read from the model now.
@@ -523,6 +508,7 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
                               ratio_threshold=ratio_threshold, min_share=min_share, median_over=median_over, kind=kind)
 
 
+@share_parameters(massive_accumulator)
 def massive_activations(
     model,
     tokens,

@@ -43,6 +43,7 @@ from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
 from analysis.core.results import Result, runs
+from analysis.core.docs import share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
@@ -714,23 +715,8 @@ def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_thr
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
-    layer : int
-        The attention layer.
-    spike_dims : sequence of int, optional
-        Residual dims to trace; None finds the first token's spike dims in the stream the layer reads
-        (``massive_activations`` on ``hook_resid_pre`` with ``abs_threshold``, ``ratio_threshold`` and ``min_share``).
-        If the first token carries no spike, the trace still runs (norms, rebuild check, constancy) and ``has_spike`` is
-        False with a plain ``message``.
-    abs_threshold, ratio_threshold, min_share : float
-        The spike criterion (see ``analysis.massive_activations``).
-    n_other : int
-        Ordinary tokens per sequence kept for the cross-input cosine.
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    model, tokens, layer, spike_dims, abs_threshold, ratio_threshold, min_share, n_other, kind
+        As in :func:`norm_gain_trace`.
 
     Returns
     -------
@@ -755,6 +741,7 @@ def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_thr
     return NormGainAccumulator(model, path, S, tokens.shape[1], n_other=n_other, kind=kind), message
 
 
+@share_parameters(norm_gain_accumulator)
 def norm_gain_trace(
     model,
     tokens,

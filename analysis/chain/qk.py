@@ -25,7 +25,7 @@ from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy, unit_vectors
 
-N_BINS = 40
+from analysis.core.defaults import QK_COS_BINS as N_BINS  # fixed bins of the cosine histograms
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 

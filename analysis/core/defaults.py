@@ -56,3 +56,67 @@ DORMANT_GRAD_BATCH_TOKENS = 256  # tokens per forward + backward batch (the back
 # first position's largest |h|) or a gap to a proposition's closed form (in attention weight) below this counts as
 # "holds" in the findings; the tables give the measured numbers.
 REPEATED_TOL = 1e-4
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Moved here from the modules that read them (#38: one owner per fact); each module still exposes its old name.
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Interventions (analysis.causal.conditions, read by interventions and writer_cuts; the module name is K_MAX): alpha is
+# kept for keys 1..INTERVENTION_K_MAX in every intervention pass.
+INTERVENTION_K_MAX = 4
+# The writer neurons' causal cut (analysis.causal.writer_cuts, module name N_RANDOM): random-neuron draws per condition,
+# the cut's control.
+WRITER_CUT_RANDOM_DRAWS = 3
+# What a sink does for its head (analysis.causal.dormant_result): a layer's heads go dormant with the sink when the
+# median rho of sink attention with output norm is at most this.
+DORMANT_LAYER_RHO = -0.3
+
+# Why the first token (analysis.chain.first_token_cause, module names MAX_NEURONS and DIVERGED): writer neurons followed
+# per block (the largest first), and a write "differs" between the two positions when
+# |first - later| / (|first| + |later|) is at least FIRST_TOKEN_DIVERGED.
+FIRST_TOKEN_MAX_NEURONS = 8
+FIRST_TOKEN_DIVERGED = 0.3
+
+# The first key's manifold (analysis.chain.key_manifold, module names DEFAULT_N_COMPONENTS, VARIANCE_LEVEL, SAME_POINT):
+# the other keys' principal subspace explains this share of their variance (or is an int number of components), the
+# first_n90 / other_n90 columns count the components for KEY_VARIANCE_LEVEL of the variance, and keys whose variance is
+# below KEY_SAME_POINT of their squared norm count as one point.
+KEY_MANIFOLD_N_COMPONENTS = 0.9
+KEY_VARIANCE_LEVEL = 0.9
+KEY_SAME_POINT = 1e-6
+
+# Query-key angles (analysis.chain.qk, module name N_BINS): fixed bins of the cosine histograms on [-1, 1].
+QK_COS_BINS = 40
+
+# Sinks against context length (analysis.positions.context_length, module name EPS_GRID): the thresholds each run
+# measures, and Barbero et al.'s (2025) eps, the second curve of the figure and the findings.
+CONTEXT_EPS_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+BARBERO_EPS = 0.8
+
+# The mechanism chain of a small model (analysis.dynamics.compare.mechanism_chain): a massive activation is at least
+# SPIKE_RATIO_SMALL x the median (no absolute floor).
+SPIKE_RATIO_SMALL = 100.0
+
+# Formation over training (analysis.dynamics.formation).
+# The final model's spike dims: at least 20x the first token's median |activation| entering the sink layer on most
+# samples. A 64-wide vector at initialisation has its largest |a| at 4-5x its median; the induction runs' spike sits
+# at 40-100x, and Sun et al.'s 1000x (and 100 absolute) is out of reach of a 64-wide model.
+SPIKE_RATIO_FOLLOW = 20.0
+# A cut's kept share of Sink_1 is defined where Sink_1 is at least this (a share of a smaller sink is noise).
+CUT_MIN_SINK_PCT = 5.0
+N_RANDOM_CUT = 1  # random-neuron draws per snapshot in the writer cut (its control)
+# The writer of the main dim is named where its first-token |value| entering the sink layer is at least the first
+# token's median |a| there (smaller, the "write share" of a value no larger than a typical activation is noise).
+WRITER_MIN_RATIO = 1.0
+# Onset criteria, one per link (analysis.dynamics.formation.ONSETS). A link has formed at the first snapshot where it
+# meets its criterion.
+SINK_ONSET_PCT = 10.0  # Sink_1 >= 10%: a tenth of (sample, layer, head) triples sink (the final models: about 40%)
+SPIKE_ONSET_RATIO = 10.0  # the followed dims reach 10x the first token's median |a| (initialisation: 3-5x)
+WRITER_ONSET_SHARE = 0.5  # one MLP writes at least half the value the sink layer reads on the main spike dim
+WRITER_ONSET_NEURONS = 4  # at most 4 neurons (of d_mlp) carry 90% of that MLP's write
+NORM_ONSET_SHARE = 0.5  # the spike dims hold half the first token's |x|^2 after norm and gain (chance: n_dims / d)
+KEY_ONSET_Z = 1.5  # k_1 lies 1.5x as far off the other keys' principal subspace as a typical key (init 0.8-1.2)
+COS_ONSET = 0.3  # queries meet k_1 at a mean cosine of at least 0.3 (initialisation: about 0)
+VALUE_ONSET_RATIO = 0.5  # |v_1| at most half the mean |v_j| (initialisation: about 1)
+CUT_ONSET_KEPT = 0.5  # a cut on the first token keeps at most half of Sink_1
+HALF_WAY = 0.5  # the half-way onset: the first step where a link has moved half-way from its first to its final value

@@ -90,7 +90,7 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = SINK_EPS)
 
 # ----------------------------------------------------------------------------- the mechanism chain
 
-SPIKE_RATIO_SMALL = 100.0  # a massive activation in a small model: >= 100x the median (no absolute floor)
+from analysis.core.defaults import SPIKE_RATIO_SMALL  # a small model's massive activation: >= 100x the median
 
 
 def _zero_first_token_dims(dims: list[int]):

@@ -51,28 +51,12 @@ from analysis.model.reference.data import build_data
 from analysis.chain.values import value_norms
 from analysis.causal.writer_cuts import spike_cuts
 
-# The final model's spike dims: at least 20x the first token's median |activation| entering the sink layer on most
-# samples. A 64-wide vector at initialisation has its largest |a| at 4-5x its median; the induction runs' spike sits
-# at 40-100x, and Sun et al.'s 1000x (and 100 absolute) is out of reach of a 64-wide model.
-SPIKE_RATIO_FOLLOW = 20.0
-# A cut's kept share of Sink_1 is defined where Sink_1 is at least this (a share of a smaller sink is noise).
-CUT_MIN_SINK_PCT = 5.0
-N_RANDOM_CUT = 1  # random-neuron draws per snapshot in the writer cut (its control)
-# The writer of the main dim is named where its first-token |value| entering the sink layer is at least the first
-# token's median |a| there (smaller, the "write share" of a value no larger than a typical activation is noise).
-WRITER_MIN_RATIO = 1.0
-
-# Onset criteria, one per link. A link has formed at the first snapshot where it meets its criterion.
-SINK_ONSET_PCT = 10.0  # Sink_1 >= 10%: a tenth of (sample, layer, head) triples sink (the final models: ~40%)
-SPIKE_ONSET_RATIO = 10.0  # the followed dims reach 10x the first token's median |a| (initialisation: 3-5x)
-WRITER_ONSET_SHARE = 0.5  # one MLP writes at least half the value the sink layer reads on the main spike dim
-WRITER_ONSET_NEURONS = 4  # at most 4 neurons (of d_mlp) carry 90% of that MLP's write
-NORM_ONSET_SHARE = 0.5  # the spike dims hold half the first token's |x|^2 after norm and gain (chance: n_dims / d)
-KEY_ONSET_Z = 1.5  # k_1 lies 1.5x as far off the other keys' principal subspace as a typical key (init ~0.8-1.2)
-COS_ONSET = 0.3  # queries meet k_1 at a mean cosine of at least 0.3 (initialisation: ~0)
-VALUE_ONSET_RATIO = 0.5  # |v_1| at most half the mean |v_j| (initialisation: ~1)
-CUT_ONSET_KEPT = 0.5  # a cut on the first token keeps at most half of Sink_1
-HALF_WAY = 0.5  # the half-way onset: the first step where a link has moved half-way from its first to its final value
+# The thresholds of formation (which dims are followed, the writer and cut floors, the onset criteria of ONSETS) are
+# defaults: analysis.core.defaults documents each.
+from analysis.core.defaults import (
+    COS_ONSET, CUT_MIN_SINK_PCT, CUT_ONSET_KEPT, HALF_WAY, KEY_ONSET_Z, N_RANDOM_CUT, NORM_ONSET_SHARE, SINK_ONSET_PCT,
+    SPIKE_ONSET_RATIO, SPIKE_RATIO_FOLLOW, VALUE_ONSET_RATIO, WRITER_MIN_RATIO, WRITER_ONSET_NEURONS,
+    WRITER_ONSET_SHARE)
 
 # Every link of the long table, in the order of the chain, with what it measures.
 LINKS: dict[str, str] = {

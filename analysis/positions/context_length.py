@@ -29,8 +29,7 @@ from analysis.core.results import Result
 from analysis.sinks.metric import check_eps, sink_metric
 from analysis.positions.every_sink import default_min_queries, sink_rates
 
-EPS_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-BARBERO_EPS = 0.8  # Barbero et al. (2025) count a sink at eps = 0.8
+from analysis.core.defaults import BARBERO_EPS, CONTEXT_EPS_GRID as EPS_GRID  # Barbero et al. (2025): eps = 0.8
 SINK_CONTEXT_DIR = DATA_DIR / "sink_context"  # committed long-T runs, per model
 RATES = ("sink_1_pct", "secondary_pct", "later_sinks_per_sequence")
 COLUMNS = ["model", "T", "seed", "n", "eps", *RATES, "path", "seconds"]

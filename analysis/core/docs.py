@@ -1,0 +1,102 @@
+"""Parameter docs written once: a function that takes the options of another (an accumulator factory and its public
+function) names them in its ``Parameters`` as one group, ``a, b, c`` over the line ``As in :func:`source`.``, and
+:func:`share_parameters` puts the source's own entries there when the module is imported, so ``help()`` shows every
+entry in full while the text stands in one place.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+
+def _is_title(lines: list[str], i: int) -> bool:
+    return i + 1 < len(lines) and bool(lines[i].strip()) and set(lines[i + 1].strip()) == {"-"}
+
+
+def parameter_entries(doc: str | None) -> list[tuple[list[str], list[str]]]:
+    """The entries of a numpy-doc ``Parameters`` section, in order.
+
+    Parameters
+    ----------
+    doc : str or None
+        A docstring.
+
+    Returns
+    -------
+    list of (list of str, list of str)
+        Per entry: the names it documents (``a, b : float`` documents a and b; ``**kwargs`` kwargs) and its lines,
+        dedented (the ``name : type`` line first).
+    """
+    lines = inspect.cleandoc(doc or "").splitlines()
+    out: list[tuple[list[str], list[str]]] = []
+    inside = False
+    for i, line in enumerate(lines):
+        if _is_title(lines, i):
+            inside = line.strip() == "Parameters"
+        elif not inside or set(line.strip()) == {"-"}:
+            continue
+        elif line.strip() and not line.startswith(" "):
+            out.append(([n.strip().lstrip("*") for n in line.split(" : ")[0].split(",")], [line]))
+        elif out:
+            out[-1][1].append(line)
+    return [(names, _trim(body)) for names, body in out]
+
+
+def _trim(body: list[str]) -> list[str]:
+    while body and not body[-1].strip():
+        body = body[:-1]
+    return body
+
+
+def fill_parameters(target: Callable, source: Callable) -> None:
+    """Replace ``target``'s group ``a, b, ...`` / ``As in :func:`source`.`` by ``source``'s entries for those names.
+
+    Parameters
+    ----------
+    target : callable
+        The function whose docstring names the shared options (its ``__doc__`` is rewritten).
+    source : callable
+        The function whose docstring documents them.
+
+    Returns
+    -------
+    None
+        ValueError where ``target`` has no such group or ``source`` does not document a name of it.
+    """
+    marker = f"As in :func:`{source.__name__}`."
+    lines = (target.__doc__ or "").splitlines()
+    at = next((i for i in range(1, len(lines)) if lines[i].strip() == marker), None)
+    if at is None or " : " in lines[at - 1]:
+        raise ValueError(f"{target.__qualname__}'s docstring has no group of names over the line {marker!r}; write "
+                         f"the shared names there (see analysis.core.docs).")
+    names = [n.strip() for n in lines[at - 1].split(",")]
+    indent = lines[at - 1][: len(lines[at - 1]) - len(lines[at - 1].lstrip())]
+    entries = parameter_entries(source.__doc__)
+    missing = [n for n in names if not any(n in e for e, _ in entries)]
+    if missing:
+        raise ValueError(f"{source.__qualname__}'s Parameters do not document {missing}, which "
+                         f"{target.__qualname__} takes from it.")
+    taken = [body for e, body in entries if set(e) & set(names)]
+    lines[at - 1: at + 1] = [indent + line if line.strip() else "" for body in taken for line in body]
+    target.__doc__ = "\n".join(lines) + ("\n" if (target.__doc__ or "").endswith("\n") else "")
+
+
+def share_parameters(*targets: Callable) -> Callable:
+    """Decorator of the function whose ``Parameters`` are the source: fills each target's shared group at import.
+
+    Parameters
+    ----------
+    *targets : callable
+        Functions defined before the source (the accumulator factories it builds on) whose docstrings name the
+        shared options over the line ``As in :func:`source`.``.
+
+    Returns
+    -------
+    callable
+        The decorator; it returns the source unchanged.
+    """
+    def decorate(source: Callable) -> Callable:
+        for target in targets:
+            fill_parameters(target, source)
+        return source
+    return decorate
