@@ -12,12 +12,13 @@ import torch
 from analysis.model.hooks import check_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
 from analysis.chain.massive import resid_hook
-from analysis.core.results import compact_repr
+from analysis.core.results import Result, compact_repr
 
 
 @dataclass
-class ActivationMap:
-    """|h| over (positions x dims) at one layer for one sequence.
+class ActivationMap(Result):
+    """|h| over (positions x dims) at one layer for one sequence (the result protocol: ``tables["top"]``, the largest
+    cells; ``to_dict()`` keeps ``layer``, ``hook`` and ``top``).
 
     Attributes
     ----------
@@ -29,15 +30,38 @@ class ActivationMap:
         |h| per position and dimension.
     tokens : list of str, length T
         The decoded tokens.
+    model_name : str or None
+        The model measured.
+    kind : str or None
+        The input kind.
+    sample : int
+        The sequence of the tokens given, ``tokens[sample]``.
+    n_samples : int
+        1, the one sequence.
     """
 
     layer: int
     hook: str
     values: torch.Tensor  # (T, D) |h|
     tokens: list[str]
+    model_name: str | None = None
+    kind: str | None = None
+    sample: int = 0
+    n_samples: int = 1
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"top": self.top()}
+
+    def findings(self) -> list[str]:
+        top = self.top(1).iloc[0]
+        med = float(self.values.median())
+        return [f"At layer {self.layer} ({self.hook}) of sequence {self.sample}, the largest |h| is {top['abs']:.1f} at "
+                f"position {int(top.position)} (token {top.token!r}), dim {int(top.dim)}: "
+                f"{top['abs'] / max(med, 1e-30):.0f}x the map's median |h| ({med:.3g})."]
 
     def top(self, k: int = 5) -> pd.DataFrame:
         v, idx = self.values.flatten().topk(min(k, self.values.numel()))
@@ -46,7 +70,7 @@ class ActivationMap:
                              "token": [self.tokens[i] for i in (idx // D).tolist()], "abs": v.tolist()})
 
     def to_dict(self) -> dict:
-        return {"layer": self.layer, "hook": self.hook, "top": self.top().to_dict("records")}
+        return {**super().to_dict(), "layer": self.layer, "hook": self.hook}
 
 
 def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
@@ -76,7 +100,8 @@ def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "r
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
     h = run_pass(model, seq, [Capture(resid_hook(layer, hook=hook), layer, lambda x: x.abs())])[0][0]
-    return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()))
+    return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()),
+                         model_name=getattr(model, "model_name", None), sample=int(sample))
 
 
 __all__ = ["ActivationMap", "activation_map"]

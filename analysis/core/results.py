@@ -74,6 +74,41 @@ class Result(abc.ABC):
                           N=getattr(self, "n_samples", None), T=getattr(self, "T", None))
 
 
+class MappingResult(dict, Result):
+    """A result that is also the dict its analysis returned before it kept the protocol: ``r["sink_1"]``, ``r.items()``
+    and ``dict(r)`` work as before, and ``findings()`` / ``text()`` / ``to_dict()`` / ``tables`` as for every result.
+
+    Subclasses define ``findings()``; ``tables`` holds the numbers as a table ``values`` (name, value).
+
+    Attributes
+    ----------
+    kind : str or None
+        The input kind.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences.
+    tables : dict of str to pandas.DataFrame
+        ``values``: one row per number of the dict (name, value).
+    """
+
+    def __init__(self, values: dict, *, model_name: str | None = None, n_samples: int = 0, kind: str | None = None):
+        super().__init__(values)
+        self.model_name, self.n_samples, self.kind = model_name, int(n_samples), kind
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        numbers = {k: v for k, v in self.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {"values": pd.DataFrame({"name": list(numbers), "value": [float(v) for v in numbers.values()]})}
+
+    def __reduce__(self):  # pickle / copy: the dict, the header and any attribute a subclass adds
+        return (_mapping_result, (type(self), dict(self), self.model_name, self.n_samples, self.kind), vars(self))
+
+
+def _mapping_result(cls, values, model_name, n_samples, kind):
+    return cls(values, model_name=model_name, n_samples=n_samples, kind=kind)
+
+
 def short_repr(obj, *, headline: str = "", width: int = 160, **fields) -> str:
     """A repr of one or two lines: the class, the named fields that are set, and a headline cut to ``width``.
 

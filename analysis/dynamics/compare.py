@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import SINK_EPS
+from analysis.core.results import MappingResult
 from analysis.model.hooks import act_name, model_dims
 from analysis.model.placement import input_device
 from analysis.chain.key_manifold import first_key_manifold
@@ -129,6 +130,52 @@ def _over_heads(table: pd.DataFrame, heads, col: str, how: str = "mean") -> floa
     return float(v.median() if how == "median" else v.mean())
 
 
+class MechanismChain(MappingResult):
+    """The sink's mechanism, link by link, on one model (:func:`mechanism_chain`): a dict of the links, as before,
+    that keeps the result protocol.
+
+    Attributes
+    ----------
+    kind : str or None
+        The input kind.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences of the probe.
+    eps : float
+        The sink threshold.
+    tables : dict of str to pandas.DataFrame
+        ``values`` (name, value: every number of the dict), ``spike_dims`` (stream, dim) and ``sink_kv_heads``
+        (layer, kv_head).
+    """
+
+    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
+        super().__init__(values, **header)
+        self.eps = eps
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        dims = [(s, int(d)) for s, ds in self.get("spike_dims", {}).items() for d in ds]
+        return {**super().tables, "spike_dims": pd.DataFrame(dims, columns=["stream", "dim"]),
+                "sink_kv_heads": pd.DataFrame(self.get("sink_kv_heads", []), columns=["layer", "kv_head"])}
+
+    def findings(self) -> list[str]:
+        out = [f"Sink_1 is {self['sink_1']:.1f}% (eps {self.eps:g}); the first token's largest activation is "
+               f"{self['spike_ratio_token']:.0f}x its own median |a| and {self['spike_ratio_sequence']:.0f}x the "
+               "median of the sample's hidden state."]
+        heads = self.get("sink_kv_heads", [])
+        if heads:
+            out.append(f"In the {len(heads)} sink KV heads the first token's value norm is "
+                       f"{self['value_ratio_sink_heads']:.2f}x the others' (other heads: "
+                       f"{self['value_ratio_other_heads']:.2f}x); its key lies {self['key_offsub_z']:.1f}x a typical "
+                       f"key's distance off the other keys' subspace, and queries meet it at a mean cosine of "
+                       f"{self['cos_q_k1']:.2f} (other keys: {self['cos_q_kj']:.2f}).")
+        else:
+            out.append(f"No KV head has alpha_1 above {self.eps:g}, so the value and key links have no sink head.")
+        out.append(f"Zeroing the first token's spike dims leaves Sink_1 at {self['sink_1_spike_zeroed']:.1f}%.")
+        return out
+
+
 @torch.no_grad()
 def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
                     dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
@@ -169,10 +216,12 @@ def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio
 
     Returns
     -------
-    dict
+    MechanismChain
+        A dict of the links above (``chain["sink_1"]``), with the result protocol (``text()``, ``to_dict()``).
     """
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
-    out = {"sink_1": sink.sink_rate(1)}
+    out = MechanismChain({"sink_1": sink.sink_rate(1)}, eps=eps, model_name=getattr(model, "model_name", None),
+                         n_samples=tokens.shape[0])
     streams = {}
     for hook in ("resid_pre", "resid_post"):
         layers = [0] if hook == "resid_pre" else None

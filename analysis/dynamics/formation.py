@@ -241,6 +241,58 @@ def _writer(origin, dim: int, sink_layer: int, value: float, ratio: float) -> di
     return out
 
 
+class ChainLinks(tuple, Result):
+    """Every link of the chain on one model (:func:`chain_links`): the pair ``(links, writes)`` it always returned
+    (``links, writes = chain_links(...)`` still unpacks it), with the result protocol.
+
+    Attributes
+    ----------
+    links : dict of str to float
+        link -> value (NaN where it does not apply), the keys of :data:`LINKS`.
+    writes : pandas.DataFrame
+        ``spike_origin``'s writes on the followed dims.
+    kind : str or None
+        The input kind.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences of the probe.
+    tables : dict of str to pandas.DataFrame
+        ``links`` (link, value, what it measures) and ``writes``.
+    """
+
+    def __new__(cls, links: dict, writes: pd.DataFrame, *, model_name: str | None = None, n_samples: int = 0,
+                kind: str | None = None):
+        self = super().__new__(cls, (links, writes))
+        self.model_name, self.n_samples, self.kind = model_name, int(n_samples), kind
+        return self
+
+    def __getnewargs__(self):  # pickle / copy
+        return tuple(self)
+
+    @property
+    def links(self) -> dict:
+        return self[0]
+
+    @property
+    def writes(self) -> pd.DataFrame:
+        return self[1]
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"links": pd.DataFrame({"link": list(self.links), "value": list(self.links.values()),
+                                       "measures": [LINKS.get(k, "") for k in self.links]}),
+                "writes": self.writes}
+
+    def findings(self) -> list[str]:
+        g = {k: float(self.links.get(k, float("nan"))) for k in LINKS}
+        return [f"Sink_1 is {g['sink_1']:.1f}%, and the followed dims reach {g['spike_ratio']:.1f}x the first token's "
+                f"median |a| entering the sink layer; after the norm and its gain they hold {g['norm_share']:.2f} of "
+                f"its |x|^2 (ordinary tokens: {g['norm_share_other']:.2f}).",
+                f"Cutting the writer neurons keeps {g['cut_kept']:.2f} of Sink_1 (as many random neurons: "
+                f"{g['cut_kept_random']:.2f}), and zeroing the followed dims keeps {g['zero_kept']:.2f}."]
+
+
 @torch.no_grad()
 def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = SINK_EPS, n_random: int = N_RANDOM_CUT,
                 seed: int = 0) -> tuple[dict, pd.DataFrame]:
@@ -263,10 +315,10 @@ def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = S
 
     Returns
     -------
-    links : dict
-        link -> float (NaN where it does not apply), the keys of :data:`LINKS`.
-    writes : pandas.DataFrame
-        ``spike_origin``'s writes on the followed dims (one row per writing or erasing component and dim).
+    ChainLinks
+        The pair ``(links, writes)``: ``links`` maps link -> float (NaN where it does not apply), the keys of
+        :data:`LINKS`; ``writes`` holds ``spike_origin``'s writes on the followed dims (one row per writing or erasing
+        component and dim).
     """
     chain = mechanism_chain(model, tokens, eps=eps, ratio=follow.ratio, dims=follow.dims, heads=follow.heads)
     origin = spike_origin(model, tokens, dims=follow.dims, min_write=0.0)
@@ -295,7 +347,8 @@ def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = S
     out["cut_kept_random"] = (_share_kept(float(rnd.sink_1_pct_mean.iloc[0]), out["sink_1"]) if len(rnd)
                               else float("nan"))
     out["zero_kept"] = _share_kept(out["sink_1_spike_zeroed"], out["sink_1"])
-    return {k: out[k] for k in LINKS}, origin.writes
+    return ChainLinks({k: out[k] for k in LINKS}, origin.writes, model_name=getattr(model, "model_name", None),
+                      n_samples=tokens.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,20 +12,24 @@
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
 
 from analysis.core.defaults import SINK_EPS
 from analysis.engine.passes import run_with_reducers
 from analysis.model.placement import input_device
 from analysis.sinks.metric import sink_metric
-from analysis.core.results import compact_repr
+from analysis.core.results import MappingResult, Result, compact_repr
 
 
 @dataclass
-class FirstTokenStats:
-    """What makes the first token special, per layer L of a reference model.
+class FirstTokenStats(Result):
+    """What makes the first token special, per layer L of a reference model (the result protocol: ``tables["layers"]``,
+    ``findings()``; ``to_dict()`` keeps the four lists it always had).
 
     Attributes
     ----------
@@ -37,18 +41,42 @@ class FirstTokenStats:
         The mean over heads and queries i >= 1 of the raw weight on key 1.
     spike_ratio : torch.Tensor, shape (L,)
         The mean over samples of max_d |h_1d| / median |h| at ``hook_resid_post``.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences.
+    kind : str or None
+        The input kind.
     """
     value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
     spike_ratio: torch.Tensor  # (L,) mean over samples of max_d |h_1d| / median |h| at hook_resid_post
+    model_name: str | None = None
+    n_samples: int = 0
+    kind: str | None = None
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
 
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        cols = ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")
+        return {"layers": pd.DataFrame({"layer": range(len(self.spike_ratio)),
+                                        **{k: getattr(self, k).tolist() for k in cols}})}
+
+    def findings(self) -> list[str]:
+        v, s = self.value_norm_ratio, self.spike_ratio
+        return [f"Over the {len(s)} layers the first token's value norm is {float(v.min()):.2f}-{float(v.max()):.2f}x "
+                f"the other tokens' (mean {float(v.mean()):.2f}x), and its residual norm at the last layer "
+                f"{float(self.resid_norm_ratio[-1]):.2f}x the mean.",
+                f"It gets a raw attention mass of {float(self.raw_first_mass.mean()):.3f} on average, and its largest "
+                f"activation reaches {float(s.max()):.1f}x the median |h| (layer {int(s.argmax())})."]
+
     def to_dict(self) -> dict:
-        return {k: [round(float(x), 5) for x in getattr(self, k)]
-                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")}
+        return {**super().to_dict(), **{k: [round(float(x), 5) for x in getattr(self, k)]
+                                         for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass",
+                                                   "spike_ratio")}}
 
 
 def _device(model):
@@ -102,7 +130,8 @@ def first_token_stats(model, tokens: torch.Tensor, *, batch_size: int = 64) -> F
         run_with_reducers(model, tokens, hooks, batch_size=batch_size, stop_after=f"blocks.{L - 1}.hook_resid_post")
     finally:
         model.train(was_training)
-    return FirstTokenStats(*(acc[k].float() / tokens.shape[0] for k in ("v", "h", "raw", "spike")))
+    return FirstTokenStats(*(acc[k].float() / tokens.shape[0] for k in ("v", "h", "raw", "spike")),
+                           model_name=getattr(model, "model_name", None), n_samples=tokens.shape[0])
 
 
 @torch.no_grad()
@@ -165,6 +194,47 @@ def slot_sink_rate(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_
     return 100.0 * hits / count
 
 
+class WindowSinkRates(MappingResult):
+    """Where the sink sits in a sliding-window model (:func:`window_sink_rates`): the dict ``sink_1_in_window``,
+    ``sink_window_start`` (percent), as before, that keeps the result protocol.
+
+    Attributes
+    ----------
+    kind : str or None
+        The input kind.
+    model_name : str or None
+        The model measured.
+    n_samples : int
+        N, the number of sequences.
+    eps : float
+        The sink threshold.
+    tables : dict of str to pandas.DataFrame
+        ``values`` (name, value).
+    """
+
+    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
+        super().__init__(values, **header)
+        self.eps = eps
+
+    def findings(self) -> list[str]:
+        start = self["sink_window_start"]
+        return [f"Sink_1 (eps {self.eps:g}) over the queries that still see the first token is "
+                f"{self['sink_1_in_window']:.1f}%; " + ("no query lies beyond the window." if math.isnan(start) else
+                f"on the oldest key of each later query's window it is {start:.1f}% (Gu et al.: the sink stays on "
+                "the absolute first token).")]
+
+
+def _window_result(fn):
+    """``window_sink_rates`` returning a :class:`WindowSinkRates` (the dict it computes, with the protocol)."""
+    @functools.wraps(fn)
+    def wrapper(model, tokens, **options):
+        rates = fn(model, tokens, **options)
+        return WindowSinkRates(rates, eps=options.get("eps", SINK_EPS), model_name=getattr(model, "model_name", None),
+                               n_samples=len(tokens))
+    return wrapper
+
+
+@_window_result
 @torch.no_grad()
 def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> dict:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
@@ -185,7 +255,8 @@ def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, bat
 
     Returns
     -------
-    dict
+    WindowSinkRates
+        A dict, ``sink_1_in_window`` and ``sink_window_start`` (%), with the result protocol.
     """
     w = model.cfg.sliding_window
     if w is None:

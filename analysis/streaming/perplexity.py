@@ -15,11 +15,14 @@ import math
 import time
 
 import numpy as np
+import pandas as pd
 import torch
 
 from analysis.model.families import attention_implementation
 from analysis.model.placement import input_device
+from analysis.core.io import jsonable
 from analysis.core.memory import peak_mib, reset_peak
+from analysis.core.results import Result
 from analysis.streaming.backbone import context_length, n_layers
 from analysis.streaming.attention import NAME as ATTENTION
 from analysis.streaming.attention import ShareRecorder, recording
@@ -57,11 +60,12 @@ def decode_attention(hf) -> str:
     return "eager" if has_sink_logits(hf) else ATTENTION
 
 
-class PolicyRun:
+class PolicyRun(Result):
     """One policy's pass over a stream. ``nll[t]``: -log p(token t+1 | kept tokens <= t), NaN if not scored.
     ``sink_share``: attention on the kept sink tokens (window policy: the oldest kept token) once the cache is
     full; ``learned_share``: attention on the model's learned sink slot (a reference model's sink token or K/KV
     biases, gpt-oss's sink logits), None for models without one. Both are means over steps, layers and heads.
+    It keeps the result protocol; ``to_dict()`` is also its record in ``StreamResult``'s JSON (``from_dict``).
 
     Attributes
     ----------
@@ -77,7 +81,19 @@ class PolicyRun:
     learned_share : float or None
     batch : int
         Policies decoded together (tokens/s is per policy, in that batch).
+    model_name : None
+        The model is the ``StreamResult``'s.
+    kind : str
+        "stream".
+    n_samples : int
+        1, the one stream.
+    tables : dict of str to pandas.DataFrame
+        ``nll``: t, nll (the scored positions t: -log p(token t+1 | kept tokens <= t)).
     """
+
+    kind = "stream"
+    model_name = None
+    n_samples = 1
 
     def __init__(self, policy: Policy, nll: np.ndarray, seconds: float, decoded: int, peak_kv_mib: float,
                  peak_mib: float, sink_share: float | None, batch: int = 1, learned_share: float | None = None):
@@ -90,20 +106,35 @@ class PolicyRun:
     def tokens_per_s(self) -> float:
         return self.decoded / self.seconds if self.seconds > 0 else float("nan")
 
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        scored = ~np.isnan(self.nll)
+        return {"nll": pd.DataFrame({"t": np.nonzero(scored)[0], "nll": self.nll[scored]})}
+
+    def findings(self) -> list[str]:
+        scored = self.nll[~np.isnan(self.nll)]
+        ppl = f"perplexity {math.exp(float(scored.mean())):.2f} over {scored.size} scored tokens" if scored.size \
+            else "no scored token"
+        share = "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
+        return [f"Policy {self.policy.label}: {ppl}, {self.tokens_per_s:.1f} tokens/s{share}."]
+
     def to_dict(self) -> dict:
+        """The run's record (strict JSON: NaN as null) with the protocol's model, n_samples and text."""
         p = self.policy
-        return {"policy": p.label, "kind": p.kind, "window": p.window, "sinks": p.sinks, "sink_tokens": p.sink_tokens,
+        return jsonable({"model": self.model_name, "n_samples": self.n_samples, "text": self.text(),
+                         "policy": p.label, "kind": p.kind, "window": p.window, "sinks": p.sinks, "sink_tokens": p.sink_tokens,
                 "bits": p.bits, "fp_sinks": p.fp_sinks, "seconds": self.seconds, "decoded": self.decoded,
                 "tokens_per_s": self.tokens_per_s, "peak_kv_mib": self.peak_kv_mib, "peak_mib": self.peak_mib,
                 "sink_share": self.sink_share, "learned_share": self.learned_share, "batch": self.batch,
-                "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll]}
+                "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll]})
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyRun":
         pol = Policy(d["kind"], d["window"], d["sinks"], d["sink_tokens"], d["bits"], d["fp_sinks"])
         nll = np.array([np.nan if x is None else x for x in d["nll"]], dtype=float)
-        return cls(pol, nll, d["seconds"], d["decoded"], d["peak_kv_mib"], d["peak_mib"], d["sink_share"], d.get("batch", 1),
-                   d.get("learned_share"))
+        num = {k: float("nan") if d[k] is None else d[k] for k in ("seconds", "peak_kv_mib", "peak_mib")}  # null: NaN
+        return cls(pol, nll, num["seconds"], d["decoded"], num["peak_kv_mib"], num["peak_mib"], d["sink_share"],
+                   d.get("batch", 1), d.get("learned_share"))
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
