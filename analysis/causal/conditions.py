@@ -22,6 +22,7 @@ from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, pe
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass, ModelFacts, model_facts
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
+from analysis.core.docs import fill_parameters
 from analysis.sinks.metric import SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
@@ -359,8 +360,8 @@ def baseline_accumulators(model, T: int, *, eps: float = SINK_EPS, facts: ModelF
         Any model with TransformerLens hook names.
     T : int
         The sequence length.
-    eps : float
-        The sink threshold.
+    eps
+        As in :func:`baseline_pass`.
     facts : ModelFacts, optional
         The model's dims, attention layers and family, read once by the pass that builds this
         (``analysis.engine.passes.model_facts``); None: read from the model now.
@@ -413,6 +414,9 @@ def baseline_pass(model, tokens, *, eps: float = SINK_EPS, batch_size: int | Non
     tokens = check_tokens(model, tokens)
     accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
     return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
+
+
+fill_parameters(baseline_accumulators, baseline_pass)  # the factory's eps, written once in baseline_pass
 
 
 def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
