@@ -233,29 +233,23 @@ def keeps_the_protocol(r) -> None:
     assert isinstance(int(r.n_samples), int) and hasattr(r, "model_name") and hasattr(r, "kind")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    from analysis.model.reference.checkpoint import load_reference
-
-    torch.manual_seed(0)
-    model = load_reference(ROOT.parent / "data" / "reference" / "synthetic-softmax")
-    return model, torch.randint(1, model.cfg.d_vocab, (N, T))
-
-
-def facts_results(llama, tokens, reference, stream_dir) -> dict[str, Result]:
+def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     """One of each of the six, on tiny models: a Llama of tests/families.py, the committed synthetic reference, a
     windowed reference model and a one-layer Llama stream (``tests/test_protocol.py`` can reuse it)."""
     from analysis.chain.activation_map import activation_map
     from analysis.dynamics.compare import mechanism_chain
     from analysis.dynamics.formation import chain_links, follow_final
     from analysis.dynamics.metrics import first_token_stats, window_sink_rates
+    from analysis.model.reference.checkpoint import load_reference
     from analysis.model.reference.config import ModelConfig
     from analysis.model.reference.sink_lm import SinkLM
     from analysis.streaming.perplexity import run_policy
     from analysis.streaming.cache import Policy
     from transformers import AutoModelForCausalLM
 
-    ref, toks = reference
+    ref = load_reference(ROOT.parent / "data" / "reference" / "synthetic-softmax")
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(1, ref.cfg.d_vocab, (N, T), generator=gen)
     torch.manual_seed(0)
     windowed = SinkLM(ModelConfig(n_ctx=T, d_model=32, n_heads=2, n_layers=1, sliding_window=T // 2)).eval()
     hf = AutoModelForCausalLM.from_pretrained(stream_dir).eval()
@@ -264,11 +258,11 @@ def facts_results(llama, tokens, reference, stream_dir) -> dict[str, Result]:
             "WindowSinkRates": window_sink_rates(windowed, toks),
             "MechanismChain": mechanism_chain(ref, toks),
             "ChainLinks": chain_links(ref, toks, follow_final(ref, toks)),
-            "PolicyRun": run_policy(hf, torch.randint(3, 96, (40,)), Policy("sinks", 16, 1))}
+            "PolicyRun": run_policy(hf, torch.randint(3, 96, (40,), generator=gen), Policy("sinks", 16, 1))}
 
 
 @pytest.fixture(scope="module")
-def six(family_dir, reference, tmp_path_factory):
+def six(family_dir, tmp_path_factory):
     import warnings
 
     from analysis import load_model
@@ -279,7 +273,7 @@ def six(family_dir, reference, tmp_path_factory):
         llama = load_model(str(family_dir("llama")), device="cpu")
     tokens = torch.randint(3, 96, (N, T), generator=torch.Generator().manual_seed(0))
     one = make_tiny_llama_dir(tmp_path_factory.mktemp("facts-llama"), n_layers=1, n_ctx=64)
-    return facts_results(llama, tokens, reference, one)
+    return facts_results(llama, tokens, one)
 
 
 @pytest.mark.parametrize("name", ["ActivationMap", "FirstTokenStats", "WindowSinkRates", "MechanismChain",
@@ -290,7 +284,7 @@ def test_the_six_keep_the_protocol(six, name):
     keeps_the_protocol(r)
 
 
-def test_the_old_access_still_works(six, reference):
+def test_the_old_access_still_works(six):
     from analysis.dynamics.formation import LINKS
     from analysis.streaming.perplexity import PolicyRun
 

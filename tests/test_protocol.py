@@ -24,6 +24,7 @@ import torch
 import analysis
 from analysis import load_model
 from analysis.core.results import Result
+from tests.test_facts import facts_results
 from tests.test_family_spike_origin import plant_writer
 from tests.tiny import make_tiny_llama_dir
 
@@ -93,6 +94,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["StreamResult"] = streaming_perplexity(one, torch.randint(3, 96, (48,), generator=gen), window=16,
                                                sinks=(0, 1), bits=(), newline_sinks=None, recompute_every=None)
     out["FormationOrder"] = load_formation("induction/formation")  # committed: its runs take minutes to measure
+    out.update(facts_results(llama, toks, one))  # ActivationMap ... PolicyRun (tests/test_facts.py)
     out["QuantResult"] = quant_study("synthetic-softmax", a_bits=(4,), granularities=("tensor",), T=48, n_eval=2,
                                      calib_tokens=48, seeds=(0,), prefix_len=1, n_candidates=1, kv_bits=(), origin=False)
     return out
