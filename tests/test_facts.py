@@ -186,8 +186,8 @@ def test_share_parameters_fills_the_group_and_refuses_what_it_cannot():
         None
         """
 
-    assert [n for n, _ in parameter_entries(factory.__doc__)] == [["extra"], ["model"], ["k"]]
-    assert "\nk : int\n    The key,\n    on two lines.\n\nReturns" in inspect.getdoc(factory)
+    assert [n for n, _ in parameter_entries(factory.__doc__)] == [["model"], ["k"], ["extra"]]  # signature order
+    assert "\nk : int\n    The key,\n    on two lines.\nextra : int\n    Its own.\n\nReturns" in inspect.getdoc(factory)
 
     def lacking(model):
         """No group.

@@ -189,18 +189,12 @@ def run_condition(model, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int 
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens, eps, batch_size
+        As in :func:`baseline_pass`.
     hooks : sequence of (str, callable)
         Intervention hooks (functions returning the changed activation).
-    eps : float
-        The sink threshold.
     k_max : int
         Keys whose alpha is kept.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
     on_batch_start : callable, optional
         ``on_batch_start(batch)`` runs before each batch (hooks that need sample indices read ``batch.offset``).
     baseline : Baseline, optional
@@ -416,7 +410,9 @@ def baseline_pass(model, tokens, *, eps: float = SINK_EPS, batch_size: int | Non
     return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
 
 
-fill_parameters(baseline_accumulators, baseline_pass)  # the factory's eps, written once in baseline_pass
+# Parameters written once, in baseline_pass: the factory's eps, and run_condition's model, tokens, eps, batch_size.
+fill_parameters(baseline_accumulators, baseline_pass)
+fill_parameters(run_condition, baseline_pass)
 
 
 def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:

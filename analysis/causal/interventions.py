@@ -42,6 +42,7 @@ from analysis.model.hooks import (
     model_dims,
     per_query_head,
 )
+from analysis.core.docs import parameters_from
 from analysis.core.io import jsonable
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
@@ -467,6 +468,7 @@ class ValueRemoval:
         return z
 
 
+@parameters_from(spike_ablation)
 def value_ablation(
     model,
     tokens,
@@ -489,24 +491,18 @@ def value_ablation(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
+    model, eps, batch_size, baseline
+        As in :func:`spike_ablation`.
     tokens : torch.Tensor, shape (N, T)
         Token ids.
     sink_heads : sequence of (int, int), optional
         (layer, query head) pairs; None takes the heads whose alpha_1 > eps on at least ``min_share`` of the samples.
-    eps : float
-        The sink threshold.
     min_share : float
         A fraction of the samples (see ``sink_heads``).
     all_heads : bool
         Add the contrast with v_1 removed from every head.
     later : bool
         Add the condition that keeps the first token's own output.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    baseline : analysis.causal.conditions.Baseline, optional
-        The shared ``baseline_pass`` of these tokens (run here if not given).
 
     Returns
     -------
@@ -665,6 +661,7 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
     return spikes, how
 
 
+@parameters_from(spike_ablation)
 def first_key_ablation(
     model,
     tokens,
@@ -686,8 +683,8 @@ def first_key_ablation(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
+    model, abs_threshold, ratio_threshold, min_share, eps, batch_size
+        As in :func:`spike_ablation`.
     tokens : torch.Tensor, shape (N, T)
         Token ids.
     layers : sequence of int, optional
@@ -695,14 +692,8 @@ def first_key_ablation(
     spike_dims : mapping of int to sequence of int, or sequence of int, optional
         {layer: dims} of the stream each layer's ln1 reads (``hook_resid_pre``), a list of dims for every layer, or
         None to find them (``first_token_spike_dims`` on ``hook_resid_pre``).
-    abs_threshold, ratio_threshold, min_share : float
-        The spike criterion where the dims are found (see ``analysis.massive_activations``).
-    eps : float
-        The sink threshold.
     k_max : int
         Keys whose alpha is kept (Sink_1..Sink_k_max).
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
     baseline : analysis.causal.conditions.Baseline, optional
         The shared ``baseline_pass`` of these tokens (run here if not given).
         Used when ``k_max`` is the default 4.

@@ -13,6 +13,7 @@ import torch
 
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_weights, norm_weights
+from analysis.core.docs import fill_parameters
 from analysis.core.io import jsonable
 from analysis.core.results import Result
 from analysis.model.key_path import NormParams
@@ -284,16 +285,8 @@ def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: st
 
     Parameters
     ----------
-    model
-        The model the trace was measured on.
-    trace : FirstTokenTrace
-        The reduced pass.
-    dim : int
-        The spike dimension.
-    block : int
-        The MLP block.
-    role : {"writer", "eraser", "amplifier"}
-        What the block does to the spike (a label).
+    model, trace, dim, block, role
+        As in :func:`mlp_neurons`.
 
     Returns
     -------
@@ -316,6 +309,9 @@ def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: st
         rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": float(left.mean()),
                      "mean_write": float(left.mean())})
     return ExpertWrites(dim, block, role, pd.DataFrame(rows), float(write.mean()), int(N), getattr(model, "model_name", None))
+
+
+fill_parameters(moe_experts, mlp_neurons)  # the same five Parameters, written once in mlp_neurons
 
 
 __all__ = ["MlpNeurons", "ExpertWrites", "mlp_neurons", "moe_experts"]

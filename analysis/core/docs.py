@@ -78,7 +78,51 @@ def fill_parameters(target: Callable, source: Callable) -> None:
                          f"{target.__qualname__} takes from it.")
     taken = [body for e, body in entries if set(e) & set(names)]
     lines[at - 1: at + 1] = [indent + line if line.strip() else "" for body in taken for line in body]
+    lines = _in_signature_order(lines, indent, list(inspect.signature(target).parameters))
     target.__doc__ = "\n".join(lines) + ("\n" if (target.__doc__ or "").endswith("\n") else "")
+
+
+def _in_signature_order(lines: list[str], indent: str, params: list[str]) -> list[str]:
+    """The docstring ``lines`` with the entries of its Parameters section in the order of ``params``."""
+    start = next(i for i in range(len(lines) - 1) if lines[i].strip() == "Parameters" and
+                 set(lines[i + 1].strip()) == {"-"}) + 2
+    end = next((i for i in range(start, len(lines) - 1) if lines[i].strip() and set(lines[i + 1].strip()) == {"-"}),
+               len(lines))
+    entries: list[list[str]] = []
+    for line in lines[start:end]:
+        if line.startswith(indent) and line.strip() and not line[len(indent)].isspace():
+            entries.append([line])
+        elif entries:
+            entries[-1].append(line)
+    while entries and entries[-1][-1].strip() == "" and end < len(lines):  # the blank line before the next section
+        entries[-1].pop()
+
+    def rank(entry: list[str]) -> int:
+        names = [n.strip().lstrip("*") for n in entry[0].split(" : ")[0].split(",")]
+        return min((params.index(n) for n in names if n in params), default=len(params))
+
+    ordered = [line for entry in sorted(entries, key=rank) for line in entry]
+    return lines[:start] + ordered + ([""] if end < len(lines) else []) + lines[end:]
+
+
+def parameters_from(source: Callable) -> Callable:
+    """Decorator of a function defined after ``source`` whose docstring names options of ``source`` over the line
+    ``As in :func:`source`.``: fills that group with ``source``'s entries at import.
+
+    Parameters
+    ----------
+    source : callable
+        The function whose docstring documents the shared options.
+
+    Returns
+    -------
+    callable
+        The decorator; it returns the function unchanged.
+    """
+    def decorate(target: Callable) -> Callable:
+        fill_parameters(target, source)
+        return target
+    return decorate
 
 
 def share_parameters(*targets: Callable) -> Callable:

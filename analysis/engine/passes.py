@@ -28,6 +28,7 @@ from analysis.model.hooks import (
     model_dims,
     skipped_note,
 )
+from analysis.core.docs import parameters_from
 from analysis.core.stats import unit_vectors
 
 HookFn = Callable[[torch.Tensor, object], object]
@@ -571,6 +572,7 @@ def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, r
         acc.end_batch(batch, logits)
 
 
+@parameters_from(run_pass)
 def run_with_reducers(
     model,
     tokens: torch.Tensor,
@@ -587,17 +589,13 @@ def run_with_reducers(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens, progress
+        As in :func:`run_pass`.
     reducers : sequence of (str, callable)
         (hook name, ``fn(activation, hook)``): each folds the activation into its own state and returns None (or a
         replacement activation).
     batch_size : int, optional
         Sequences per batch.
-    progress : bool
-        Show a progress bar over batches.
     on_batch : callable, optional
         ``on_batch(tokens, logits)`` sees each batch's tokens (B, T) and logits (B, T, d_vocab).
     stop_after : str, optional

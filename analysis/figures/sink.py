@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from analysis.core.docs import parameters_from
 from analysis.figures.layout import new_or_given, place_axes, set_title
 from analysis.chain.qk import QKAngles
 from analysis.sinks.metric import SinkResult
@@ -66,17 +67,14 @@ def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
     return fig
 
 
+@parameters_from(plot_sink_rates)
 def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Sink_k (%) per layer for each input kind.
 
     Parameters
     ----------
-    results : dict of str to SinkResult
-        One result per input kind.
-    k : int
-        The key position (1: the first token).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
+    results, k, ax
+        As in :func:`plot_sink_rates`.
 
     Returns
     -------
