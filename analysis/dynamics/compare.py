@@ -136,12 +136,8 @@ class MechanismChain(MappingResult):
 
     Attributes
     ----------
-    kind : str or None
-        The input kind.
-    model_name : str or None
-        The model measured.
-    n_samples : int
-        N, the number of sequences of the probe.
+    kind, model_name, n_samples
+        The header (:class:`analysis.core.results.MappingResult`).
     eps : float
         The sink threshold.
     tables : dict of str to pandas.DataFrame

@@ -251,12 +251,8 @@ class ChainLinks(tuple, Result):
         link -> value (NaN where it does not apply), the keys of :data:`LINKS`.
     writes : pandas.DataFrame
         ``spike_origin``'s writes on the followed dims.
-    kind : str or None
-        The input kind.
-    model_name : str or None
-        The model measured.
-    n_samples : int
-        N, the number of sequences of the probe.
+    kind, model_name, n_samples
+        The input kind, the model measured and N, the number of sequences of the probe.
     tables : dict of str to pandas.DataFrame
         ``links`` (link, value, what it measures) and ``writes``.
     """

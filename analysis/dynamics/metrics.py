@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import SINK_EPS
+from analysis.core.docs import parameters_from
 from analysis.engine.passes import run_with_reducers
 from analysis.model.placement import input_device
 from analysis.sinks.metric import sink_metric
@@ -200,12 +201,8 @@ class WindowSinkRates(MappingResult):
 
     Attributes
     ----------
-    kind : str or None
-        The input kind.
-    model_name : str or None
-        The model measured.
-    n_samples : int
-        N, the number of sequences.
+    kind, model_name, n_samples
+        The header (:class:`analysis.core.results.MappingResult`).
     eps : float
         The sink threshold.
     tables : dict of str to pandas.DataFrame
@@ -234,6 +231,7 @@ def _window_result(fn):
     return wrapper
 
 
+@parameters_from(slot_sink_rate)
 @_window_result
 @torch.no_grad()
 def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> dict:
@@ -246,12 +244,8 @@ def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, bat
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
-    eps : float
-    batch_size : int
+    model, tokens, eps, batch_size
+        As in :func:`slot_sink_rate`.
 
     Returns
     -------
