@@ -1,7 +1,15 @@
 """Parameter docs written once: a function that takes the options of another (an accumulator factory and its public
-function) names them in its ``Parameters`` as one group, ``a, b, c`` over the line ``As in :func:`source`.``, and
-:func:`share_parameters` puts the source's own entries there when the module is imported, so ``help()`` shows every
-entry in full while the text stands in one place.
+function, or functions of one module with the same options) names them in its ``Parameters`` as one group, ``a, b, c``
+over the line ``As in :func:`source`.``; when the module is imported the source's own entries replace the group (in
+the order of the signature), so ``help()`` shows every entry in full while the text stands in one place.
+
+Three ways to say it, by where the functions stand:
+
+- ``@share_parameters(factory)`` on the source, defined after the factories it fills (``massive_activations``);
+- ``@parameters_from(source)`` on a function defined after its source (``value_ablation``);
+- ``fill_parameters(target, source)`` after both, where a decorator would sit beside a one-line signature.
+
+A group naming an option its source does not document is an error at import.
 """
 from __future__ import annotations
 
