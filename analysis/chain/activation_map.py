@@ -59,7 +59,7 @@ class ActivationMap(Result):
     def findings(self) -> list[str]:
         top = self.top(1).iloc[0]
         med = float(self.values.median())
-        return [f"At layer {self.layer} ({self.hook}) of sequence {self.sample}, the largest |h| is {top['abs']:.1f} at "
+        return [f"At layer {self.layer} ({self.hook}) of sequence {self.sample}, the largest |h| is {top['abs']:.3g} at "
                 f"position {int(top.position)} (token {top.token!r}), dim {int(top.dim)}: "
                 f"{top['abs'] / max(med, 1e-30):.0f}x the map's median |h| ({med:.3g})."]
 

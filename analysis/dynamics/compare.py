@@ -157,7 +157,7 @@ class MechanismChain(MappingResult):
 
     def findings(self) -> list[str]:
         out = [f"Sink_1 is {self['sink_1']:.1f}% (eps {self.eps:g}); the first token's largest activation is "
-               f"{self['spike_ratio_token']:.0f}x its own median |a| and {self['spike_ratio_sequence']:.0f}x the "
+               f"{self['spike_ratio_token']:.3g}x its own median |a| and {self['spike_ratio_sequence']:.3g}x the "
                "median of the sample's hidden state."]
         heads = self.get("sink_kv_heads", [])
         if heads:

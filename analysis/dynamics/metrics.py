@@ -68,7 +68,7 @@ class FirstTokenStats(Result):
 
     def findings(self) -> list[str]:
         v, s = self.value_norm_ratio, self.spike_ratio
-        return [f"Over the {len(s)} layers the first token's value norm is {float(v.min()):.2f}-{float(v.max()):.2f}x "
+        return [f"Over {len(s)} layer{'s' if len(s) > 1 else ''} the first token's value norm is {float(v.min()):.2f}-{float(v.max()):.2f}x "
                 f"the other tokens' (mean {float(v.mean()):.2f}x), and its residual norm at the last layer "
                 f"{float(self.resid_norm_ratio[-1]):.2f}x the mean.",
                 f"It gets a raw attention mass of {float(self.raw_first_mass.mean()):.3f} on average, and its largest "
