@@ -55,6 +55,32 @@ def test_every_public_model_parameter_is_typed_with_the_contract_and_none_takes_
                      "on the signature line:\n" + "\n".join(bad))
 
 
+# The cache passes' helpers that read the causal LM the contract gives (``causal_lm``): its config, its modules. They
+# are no analyses; every analysis above them takes the model of the contract.
+PASS_HELPERS = {"streaming/backbone.py": {"context_length", "n_layers"}, "streaming/cache.py": {"rope_spec"},
+                "streaming/perplexity.py": {"has_sink_logits", "decode_attention", "cache_keyword"},
+                "quant/passes.py": {"__init__"}}
+FLOOR_OF_ANALYSES = ("sinks/", "chain/", "positions/", "causal/", "dynamics/", "streaming/", "quant/", "figures/")
+
+
+def test_no_analysis_takes_a_bare_hugging_face_module_but_the_cache_passes_helpers():
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith(FLOOR_OF_ANALYSES):
+            continue
+        tree = ast.parse(path.read_text())
+        defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        defs += [m for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+                 for m in c.body if isinstance(m, ast.FunctionDef)]
+        for fn in defs:
+            args = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg != "self"]
+            if (fn.name == "__init__" or not fn.name.startswith("_")) and args[:1] in (["hf"], ["hf_model"], ["tl_model"]) \
+                    and fn.name not in PASS_HELPERS.get(rel, ()):
+                found.append(f"{rel}:{fn.lineno} {fn.name}({args[0]})")
+    assert not found, "public analyses taking a bare Hugging Face module (take `model: SinkModel`):\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("drop, named", [("hook_dict", "hook_dict"), ("cfg.n_heads", "cfg.n_heads"),
                                          ("patterns", "attention-pattern hooks"), ("tokenizer", "tokenizer")])
 def test_the_check_at_load_refuses_a_model_missing_something_in_one_line(drop, named):
