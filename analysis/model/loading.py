@@ -458,7 +458,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     -------
     transformer_lens.TransformerBridge or analysis.train.SinkLM
         A model with TransformerLens hook names, in eval mode, with ``.tokenizer``, ``.model_name`` and ``.family``
-        (:class:`analysis.model.families.FamilySpec`) set. ModelNotFoundError, saying what to give, otherwise.
+        (:class:`analysis.model.families.FamilySpec`) set: the model contract
+        (:class:`analysis.model.contract.SinkModel`), checked here, once. ModelNotFoundError, saying what to give,
+        otherwise.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
