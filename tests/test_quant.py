@@ -81,11 +81,13 @@ def test_unreachable_linears_and_bad_bits_are_refused_before_work():
 
 
 def test_prefix_beyond_context_and_short_calibration_are_refused():
+    from analysis import load_model
     from analysis.quant import quant_study
+    model = load_model("synthetic-softmax", device="cpu")
     with pytest.raises(ValueError, match="exceed the context"):
-        quant_study("synthetic-softmax", T=60, prefix_len=8, kv_bits=())
+        quant_study(model, T=60, prefix_len=8, kv_bits=())
     with pytest.raises(ValueError, match="shorter than one window"):
-        quant_study("synthetic-softmax", T=32, calib_tokens=16, kv_bits=())
+        quant_study(model, T=32, calib_tokens=16, kv_bits=())
 
 
 def test_cli_bad_bits_exit_2(capsys):
@@ -94,11 +96,11 @@ def test_cli_bad_bits_exit_2(capsys):
     assert "activation bits" in capsys.readouterr().err
 
 
-def test_smollm2_static_per_tensor_against_the_sink():
+def test_smollm2_static_per_tensor_against_the_sink(smollm2):
     """The first token's spike sets the per-tensor scales: int4 per-tensor static is worse than per-token dynamic,
     and keeping the first token in full precision (and out of calibration) makes the static scheme better."""
     from analysis.streaming.corpus import stdlib_stream
-    hf, tok, _ = causal_lm("smollm2-135m", device="cpu")
+    hf, tok, _ = causal_lm(smollm2)  # the clean causal LM behind the model of the contract
     sites = linear_sites(hf)
     w = stdlib_stream(tok, 3 * 32, seed=0).tokens.view(3, 32)
     ev, cal = w[:2], w[2:]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from analysis.model.loading import load_model
 from analysis.streaming import Policy, StreamingCache, run_policies, streaming_perplexity
 from analysis.streaming.cache import rope_spec
 from analysis.streaming.reference import ReferenceLM
@@ -103,10 +104,10 @@ def test_learned_sink_share_is_the_models_own(device):
     """The share reported for the sink token equals the weight the model itself puts on it (its
     ``hook_sink_pattern``), re-computed naively; a model without a learned slot reports none."""
     m, tokens = tiny("sink-token", device=device), _tokens(60, seed=3)
-    run = run_policies(ReferenceLM(m), tokens, [Policy("window", 16)])[0]
+    run = run_policies(m, tokens, [Policy("window", 16)])[0]  # a model of the contract: decoded as a ReferenceLM
     assert 0 < run.learned_share < 1
     assert run.learned_share == pytest.approx(_naive_slot_share(m, tokens, 16), abs=tol(device, 1e-5))
-    plain = run_policies(ReferenceLM(tiny("softmax", device=device)), tokens, [Policy("window", 16)])[0]
+    plain = run_policies(tiny("softmax", device=device), tokens, [Policy("window", 16)])[0]
     assert plain.learned_share is None and 0 < plain.sink_share < 1
 
 
@@ -168,8 +169,8 @@ def test_committed_reference_run_reproduces_on_its_first_tokens(name):
     n = 400
     sinks = sorted({r.policy.sinks for r in full.runs if r.policy.kind in ("window", "sinks") and r.policy.bits is None
                     and r.policy.sink_tokens == "first"})
-    small = streaming_perplexity(name, window=full.window, n_tokens=n, sinks=sinks, bits=(), dense=False,
-                                 recompute_every=None, seed=full.stream["seed"], device="cpu")
+    small = streaming_perplexity(load_model(name, device="cpu"), window=full.window, n_tokens=n, sinks=sinks, bits=(),
+                                 dense=False, recompute_every=None, seed=full.stream["seed"])
     assert small.tokens == full.tokens[:n]
     for run in small.runs:
         ref = full.run(run.policy.label).nll[: n - 1]

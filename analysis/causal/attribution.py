@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.io import jsonable
 from analysis.core.results import Result
 from analysis.model.hooks import check_heads, check_tokens
@@ -102,7 +103,7 @@ class AttributionCheck(Result):
                          "pooled": self.pooled(), "per_head": self.table(), "text": self.text()})
 
 
-def attribution_check(model, tokens, heads, *, ablation: str = "zero", result: DormantHeads | None = None,
+def attribution_check(model: SinkModel, tokens, heads, *, ablation: str = "zero", result: DormantHeads | None = None,
                       queries: Sequence[int] | None = None, resid: dict | None = None, batch_size: int | None = None,
                       kind: str | None = None) -> AttributionCheck:
     """Compare the gradient x activation estimate of :func:`dormant_heads` with exact removal

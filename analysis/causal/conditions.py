@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, per_query_head
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass, ModelFacts, model_facts
 from analysis.core.results import LayerAxis, compact_repr
@@ -183,7 +184,7 @@ class PassAccumulator(Accumulator):
                           self.layers, self.skipped)
 
 
-def run_condition(model, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
+def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
                   batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -345,7 +346,7 @@ class Baseline:
         return compact_repr(self)  # shapes, never tensor values
 
 
-def baseline_accumulators(model, T: int, *, eps: float = SINK_EPS, facts: ModelFacts | None = None) -> list[Accumulator]:
+def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS, facts: ModelFacts | None = None) -> list[Accumulator]:
     """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
 
     Parameters
@@ -387,7 +388,7 @@ def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
     return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
-def baseline_pass(model, tokens, *, eps: float = SINK_EPS, batch_size: int | None = None) -> Baseline:
+def baseline_pass(model: SinkModel, tokens, *, eps: float = SINK_EPS, batch_size: int | None = None) -> Baseline:
     """One pass of the unchanged model with everything the three interventions need.
 
     Parameters
@@ -415,7 +416,7 @@ fill_parameters(baseline_accumulators, baseline_pass)
 fill_parameters(run_condition, baseline_pass)
 
 
-def baseline_for(model, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
+def baseline_for(model: SinkModel, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
     """A given baseline checked against these tokens and eps or, when None, the :func:`baseline_pass` of the tokens.
 
     Parameters

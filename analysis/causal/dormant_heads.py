@@ -46,6 +46,7 @@ from typing import Sequence
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import DORMANT_GRAD_BATCH_TOKENS, DORMANT_QUANTILE, SINK_EPS
 from analysis.model.hooks import (
     ModelContractError,
@@ -69,7 +70,7 @@ from analysis.causal.head_removal import head_means, removal_effects, sequence_l
 # ----------------------------------------------------------------------------------------------
 
 
-def output_grams(model, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """{layer: W_O^h W_O^h^T (H, d_head, d_head)} so that |z_t^h W_O^h|^2 = z_t^h G_h z_t^h (float32). Reads
     ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing.
 
@@ -216,7 +217,7 @@ def _on_queries(effects: torch.Tensor, n_layers: int, first: int, T: int) -> tor
 
 
 def dormant_heads(
-    model,
+    model: SinkModel,
     tokens,
     *,
     sink_positions=(0,),

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_heads, check_tokens
 from analysis.engine.passes import Accumulator, Batch, ResidCapture, Resume, can_resume, resume_from, run_pass
 
@@ -50,7 +51,7 @@ class _HeadMeans(Accumulator):
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
-def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
+def head_means(model: SinkModel, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
     """Each head's mean output z over the queries ``first``..T-2 (0-based) of every sequence, (L, H, d_head): the
     value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``.
 
@@ -75,7 +76,7 @@ def head_means(model, tokens, layers: Sequence[int], *, first: int = 1, batch_si
                   batch_size=batch_size)[0]
 
 
-def copy_queries(model, tokens) -> torch.Tensor:
+def copy_queries(model: SinkModel, tokens) -> torch.Tensor:
     """(N, T) bool: the queries of the synthetic bigram-copy task (``analysis.train``, Guo et al.'s bigram-backcopy)
     where the next token copies the one before, i.e. whose own token is a trigger at position >= 2 (0-based). The
     triggers are read from the reference model's data config; ValueError for a model without that task.
@@ -146,7 +147,7 @@ def check_queries(queries, T: int, first: int) -> list[int]:
     return qs
 
 
-def removal_effects(model, tokens, heads, *, queries: Sequence[int] | None = None, first: int = 1,
+def removal_effects(model: SinkModel, tokens, heads, *, queries: Sequence[int] | None = None, first: int = 1,
                     values: torch.Tensor | None = None, resid: dict | None = None, batch_size: int | None = None,
                     progress: bool = False) -> torch.Tensor:
     """The exact change of each sequence's summed next-token loss (nats) when one head's output at one query is

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.causal.conditions import K_MAX, WHERE_KEYS, Baseline, PassResult, baseline_for, run_condition
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO
 from analysis.model.families import get_family
@@ -55,7 +56,7 @@ from analysis.sinks.metric import check_eps
 # ----------------------------------------------------------------------------------------------
 
 
-def resume_layers(model, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
+def resume_layers(model: SinkModel, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
                   *, min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
     """The blocks where the condition passes of the three ablations resume (the first block each one's hooks touch): the
     residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out.
@@ -230,7 +231,7 @@ def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshol
 
 
 def spike_ablation(
-    model,
+    model: SinkModel,
     tokens,
     *,
     spike_dims: Mapping[int, Sequence[int]] | None = None,
@@ -470,7 +471,7 @@ class ValueRemoval:
 
 @parameters_from(spike_ablation)
 def value_ablation(
-    model,
+    model: SinkModel,
     tokens,
     *,
     sink_heads: Sequence[tuple[int, int]] | None = None,
@@ -663,7 +664,7 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
 
 @parameters_from(spike_ablation)
 def first_key_ablation(
-    model,
+    model: SinkModel,
     tokens,
     *,
     layers: Sequence[int] | None = None,

@@ -21,6 +21,7 @@ from functools import partial
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.model.mlp_spec import final_logits, get_mlp
 from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, run_condition
@@ -230,7 +231,7 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
                     {b: x[:N] for b, x in baseline.resid.items()})
 
 
-def spike_cuts(model, tokens, origin, *, share: float = NEURON_SHARES[0], n_random: int = N_RANDOM,
+def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES[0], n_random: int = N_RANDOM,
                random_modes: tuple[str, ...] = ("zero",), roles: tuple[str, ...] = ("writers", "erasers"),
                per_block: bool = False, max_samples: int | None = None, seed: int = 0, eps: float = SINK_EPS,
                baseline: Baseline | None = None, batch_size: int | None = None) -> SpikeCuts:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.hooks import check_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
 from analysis.chain.massive import resid_hook
@@ -73,7 +74,7 @@ class ActivationMap(Result):
         return {**super().to_dict(), "layer": self.layer, "hook": self.hook}
 
 
-def activation_map(model, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
+def activation_map(model: SinkModel, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
     """|h| over (positions x dims) at one layer for one sequence.
 
     Parameters

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, get_mlp, mlp_weights, norm_weights
 from analysis.model.hooks import act_name, check_tokens
@@ -257,7 +258,7 @@ def _check_later(later, T: int) -> int:
     return later
 
 
-def why_first_token(model, tokens, origin, *, later: int | None = None, max_neurons: int = MAX_NEURONS,
+def why_first_token(model: SinkModel, tokens, origin, *, later: int | None = None, max_neurons: int = MAX_NEURONS,
                     share: float = NEURON_SHARES[0], batch_size: int | None = None) -> FirstTokenCause:
     """Decompose the writer neurons' pre-activations on the first token against the same token id at a later
     position, and say whether the later one carries the spike.

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_MIN_ALPHA
 from analysis.model.hooks import (
     act_name,
@@ -659,7 +660,7 @@ def _check_sizes(N: int, T: int, n_components) -> None:
                          f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components.")
 
 
-def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
+def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
                              scatter_heads="auto", rotated: bool = True, kind: str | None = None,
                              facts: ModelFacts | None = None) -> KeyManifoldAccumulator:
     """Check the arguments of :func:`first_key_manifold` and build its accumulator.
@@ -692,7 +693,7 @@ def key_manifold_accumulator(model, tokens_shape, *, layers=None, heads=None, n_
 
 @share_parameters(key_manifold_accumulator)
 def first_key_manifold(
-    model,
+    model: SinkModel,
     tokens,
     *,
     layers=None,

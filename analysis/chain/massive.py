@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
 from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
@@ -440,7 +441,7 @@ def criterion_text(abs_threshold: float, ratio_threshold: float) -> str:
     return f"|a| > {abs_threshold:g} and >= {ratio_threshold:g}x the median |a| of its hidden state{who}"
 
 
-def spike_criterion(model) -> tuple[float, float]:
+def spike_criterion(model: SinkModel) -> tuple[float, float]:
     """The massive-activation criterion suited to ``model``'s width: Sun et al.'s (|a| > 100 and >= 1000x the median
     |a| of its hidden state) for a model at least ``NARROW_MODEL_D`` wide, and a relative one for a narrower model
     (no absolute floor, >= ``SPIKE_RATIO_NARROW`` x the median), whose activations never come near 100.
@@ -473,7 +474,7 @@ def width_criterion(d_model: int) -> tuple[float, float]:
     return SPIKE_ABS, SPIKE_RATIO
 
 
-def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
+def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
                         ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
                         median_over: str = "sequence", kind: str | None = None,
                         facts: ModelFacts | None = None) -> MassiveAccumulator:
@@ -510,7 +511,7 @@ def massive_accumulator(model, tokens_shape, *, layers=None, top_k: int = 3, abs
 
 @share_parameters(massive_accumulator)
 def massive_activations(
-    model,
+    model: SinkModel,
     tokens,
     *,
     layers: Sequence[int] | None = None,
@@ -564,7 +565,7 @@ def massive_activations(
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
-def first_token_spike_dims(model, tokens, *, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
+def first_token_spike_dims(model: SinkModel, tokens, *, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
                            ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
                            max_samples: int = SPIKE_SAMPLES) -> dict[int, list[int]]:
     """The one spike finder: the first token's spike dims per layer, on the first ``max_samples`` sequences.
@@ -611,7 +612,7 @@ def _flag_table(rows: list[torch.Tensor], layers: list[int]) -> pd.DataFrame:
     return g[cols]
 
 
-def massive_by_kind(model, probes: dict, **kwargs) -> dict[str, MassiveActivations]:
+def massive_by_kind(model: SinkModel, probes: dict, **kwargs) -> dict[str, MassiveActivations]:
     """:func:`massive_activations` for each named input kind.
 
     Parameters

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_weights, norm_weights
 from analysis.core.docs import fill_parameters
@@ -248,7 +249,7 @@ def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
     return k, w_out, const
 
 
-def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
+def mlp_neurons(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
     """The neurons of a block's dense MLP on one spike dimension, from the trace of a pass.
 
     Parameters
@@ -280,7 +281,7 @@ def mlp_neurons(model, trace: FirstTokenTrace, dim: int, block: int, *, role: st
                       spec.output, model_name=getattr(model, "model_name", None))
 
 
-def moe_experts(model, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
+def moe_experts(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
     """Which routed experts of a mixture-of-experts block write on one spike dimension for the first token.
 
     Parameters

@@ -35,6 +35,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
 from analysis.model.families import get_family, sink_logits
 from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
@@ -52,7 +53,7 @@ from analysis.core.stats import mean_pairwise_cosine
 # ----------------------------------------------------------------------------------------------
 
 
-def attn_scale(model, *, d_head: int | None = None) -> float:
+def attn_scale(model: SinkModel, *, d_head: int | None = None) -> float:
     """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
     query_pre_attn_scalar, 1/sqrt(d_head) by default).
 
@@ -708,7 +709,7 @@ def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: 
     return int(pool.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable").iloc[-1].layer)
 
 
-def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_threshold: float = SPIKE_ABS,
+def norm_gain_accumulator(model: SinkModel, tokens, layer: int, *, spike_dims=None, abs_threshold: float = SPIKE_ABS,
                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, n_other: int = 4,
                           kind: str | None = None) -> tuple[NormGainAccumulator, str]:
     """Check the arguments of :func:`norm_gain_trace` and find the spike dims if not given.
@@ -743,7 +744,7 @@ def norm_gain_accumulator(model, tokens, layer: int, *, spike_dims=None, abs_thr
 
 @share_parameters(norm_gain_accumulator)
 def norm_gain_trace(
-    model,
+    model: SinkModel,
     tokens,
     layer: int,
     *,

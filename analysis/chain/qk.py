@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, per_query_head, qk_hook_names
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
@@ -230,7 +231,7 @@ class QKAccumulator(Accumulator):
                         skipped=self.spec.skipped_text())
 
 
-def qk_angles(model, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
+def qk_angles(model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
     """Cosines between queries and the first key against the other keys, per head of each attention layer, streamed.
 
     Parameters

@@ -40,6 +40,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_WRITE_FLOOR, SPIKE_WRITE_SHARE, TINY
 from analysis.model.mlp_spec import get_mlp, mlp_weights
 from analysis.model.hooks import check_dims, check_tokens, model_dims
@@ -336,7 +337,7 @@ def _check_blocks(blocks, L: int) -> list[int] | None:
     return blocks
 
 
-def origin_from(model, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
+def origin_from(model: SinkModel, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
                 blocks: Sequence[int] | None = None, share: float = SPIKE_WRITE_SHARE, min_write: float | None = None,
                 kind: str | None = None) -> SpikeOrigin:
     """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
@@ -432,7 +433,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
 
 
 def spike_origin(
-    model,
+    model: SinkModel,
     tokens,
     *,
     dims: Sequence[int] | None = None,

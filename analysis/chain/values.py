@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_MIN_ALPHA, TINY
 from analysis.model.hooks import (
     act_name,
@@ -352,7 +353,7 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
 
 
 def value_norms(
-    model,
+    model: SinkModel,
     tokens,
     *,
     sink: SinkResult | None = None,

@@ -11,6 +11,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.core.results import MappingResult
 from analysis.model.hooks import act_name, model_dims
@@ -24,7 +25,7 @@ from analysis.chain.values import value_norms
 
 
 @torch.no_grad()
-def mean_pattern(model, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
+def mean_pattern(model: SinkModel, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
     """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights).
 
     Parameters
@@ -173,7 +174,7 @@ class MechanismChain(MappingResult):
 
 
 @torch.no_grad()
-def mechanism_chain(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
+def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
                     dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 

@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
 from analysis.chain.massive import massive_activations
@@ -184,7 +185,7 @@ class Followed:
     found: bool = True
 
 
-def follow_final(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW) -> Followed:
+def follow_final(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW) -> Followed:
     """The sink layer, spike dims and sink heads of ``model`` (a run's final model) on ``tokens``.
 
     Parameters
@@ -290,7 +291,7 @@ class ChainLinks(tuple, Result):
 
 
 @torch.no_grad()
-def chain_links(model, tokens: torch.Tensor, follow: Followed, *, eps: float = SINK_EPS, n_random: int = N_RANDOM_CUT,
+def chain_links(model: SinkModel, tokens: torch.Tensor, follow: Followed, *, eps: float = SINK_EPS, n_random: int = N_RANDOM_CUT,
                 seed: int = 0) -> tuple[dict, pd.DataFrame]:
     """Every link of the chain (:data:`LINKS`) on one model, following ``follow`` (the final model's dims and heads).
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.core.docs import parameters_from
 from analysis.engine.passes import run_with_reducers
@@ -85,7 +86,7 @@ def _device(model):
 
 
 @torch.no_grad()
-def first_token_stats(model, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
+def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc).
 
     Parameters
@@ -136,7 +137,7 @@ def first_token_stats(model, tokens: torch.Tensor, *, batch_size: int = 64) -> F
 
 
 @torch.no_grad()
-def sink_rate(model, tokens: torch.Tensor, *, k: int = 1, eps: float = SINK_EPS) -> float:
+def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float = SINK_EPS) -> float:
     """Sink_k^eps (percent) on ``tokens`` through ``analysis.sinks.metric.sink_metric`` (reads ``hook_pattern``).
 
     Parameters
@@ -162,7 +163,7 @@ def sink_rate(model, tokens: torch.Tensor, *, k: int = 1, eps: float = SINK_EPS)
 
 
 @torch.no_grad()
-def slot_sink_rate(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> float:
+def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> float:
     """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
     mean slot weight over all queries exceeds eps. Raises ValueError for models without a slot.
 
@@ -234,7 +235,7 @@ def _window_result(fn):
 @parameters_from(slot_sink_rate)
 @_window_result
 @torch.no_grad()
-def window_sink_rates(model, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> dict:
+def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> dict:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
 
     ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the

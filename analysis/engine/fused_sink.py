@@ -47,6 +47,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from analysis.model.contract import SinkModel
 from analysis.model.families import attention_implementation, config_attention_layers
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, model_device, validate_token_ids
 from analysis.engine.passes import Accumulator, Batch, LayerActs, batches, default_batch_size
@@ -439,7 +440,7 @@ def _register() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_model(model) -> nn.Module:
+def hf_model(model: SinkModel) -> nn.Module:
     """The Hugging Face ``PreTrainedModel`` of ``model`` (itself, or a TransformerBridge's ``original_model``).
 
     Parameters
@@ -461,7 +462,7 @@ def hf_model(model) -> nn.Module:
     return inner
 
 
-def unsupported_reason(model) -> str | None:
+def unsupported_reason(model: SinkModel) -> str | None:
     """Why the fused path cannot give this model's exact alpha (None when it can), read from its config/modules.
 
     Parameters
@@ -535,7 +536,7 @@ def unbridged(hf: nn.Module) -> Iterator[nn.Module]:
             setattr(parent, name, child)
 
 
-def check_fused_tokens(model, tokens) -> torch.Tensor:
+def check_fused_tokens(model: SinkModel, tokens) -> torch.Tensor:
     """Token ids (N, T) checked by the package's one validator (``analysis.model.hooks.validate_token_ids``): against the
     hook contract for a model with hooks (a bridge), against the Hugging Face config's context and vocabulary for
     a bare model.
@@ -556,7 +557,7 @@ def check_fused_tokens(model, tokens) -> torch.Tensor:
     return validate_token_ids(tokens, getattr(cfg, "max_position_embeddings", None), getattr(cfg, "vocab_size", None))
 
 
-def fused_layers(model) -> list[int]:
+def fused_layers(model: SinkModel) -> list[int]:
     """The attention layers (true indices) the fused pass measures: ``analysis.model.hooks.check_attention_layers`` for a
     model with hooks (a bridge), the layer types of the Hugging Face config for a bare model.
 
@@ -623,7 +624,7 @@ class _ResidTaps:
             acc.end_batch(self.batch, None)
 
 
-def fused_alpha(model, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
+def fused_alpha(model: SinkModel, tokens, k_max: int, *, batch_size: int | None = None, progress: bool = False,
                 accumulators: Sequence[Accumulator] = (), kernel: str | None = None,
                 record: dict | None = None) -> torch.Tensor:
     """alpha from one fused forward pass of ``model`` per batch.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.model.nnsight_model import NnsightModel
 from analysis.engine import remote_reductions
 from analysis.engine.remote_reductions import attention_alpha, position_stats, resid_stats
 from analysis.core import reductions
@@ -151,7 +152,7 @@ def register_shipped() -> None:
         nnsight.register(module)
 
 
-def trace_batch(model, tokens: torch.Tensor, *, k_max: int, sink_layers: list[int], massive_layers: list[int],
+def trace_batch(model: NnsightModel, tokens: torch.Tensor, *, k_max: int, sink_layers: list[int], massive_layers: list[int],
                 top_k: int = 3, abs_threshold: float = 100.0, positions: bool = False,
                 remote=False) -> tuple[list, list]:
     """One nnsight trace over a batch: alpha (B, H, k_max) of each layer in ``sink_layers`` and ``resid_stats`` of

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.families import RESUMABLE, FamilySpec, get_family
 from analysis.model.hooks import (
     ModelContractError,
@@ -112,7 +113,7 @@ class ModelFacts:
     skipped: str
 
 
-def model_facts(model, *, facts: ModelFacts | None = None) -> ModelFacts:
+def model_facts(model: SinkModel, *, facts: ModelFacts | None = None) -> ModelFacts:
     """The model's facts for one pass: ``facts`` where the pass already read them, else read from ``model`` now.
 
     Parameters
@@ -409,7 +410,7 @@ def resume_from(resid: dict[int, torch.Tensor] | None, layer: int) -> Resume | N
     return Resume(max(kept), resid[max(kept)]) if kept else None
 
 
-def can_resume(model) -> bool:
+def can_resume(model: SinkModel) -> bool:
     """Whether a pass of ``model`` can start at a block from the residual entering it.
 
     Parameters
@@ -487,7 +488,7 @@ def _batches(model, tokens, batch_size, progress) -> Iterator[Batch]:
 
 
 def run_pass(
-    model,
+    model: SinkModel,
     tokens: torch.Tensor,
     accumulators: Sequence[Accumulator],
     *,
@@ -574,7 +575,7 @@ def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, r
 
 @parameters_from(run_pass)
 def run_with_reducers(
-    model,
+    model: SinkModel,
     tokens: torch.Tensor,
     reducers: Sequence[tuple[str, HookFn]],
     *,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
 
@@ -31,7 +32,7 @@ class OfflineHTML:
         return self.html
 
 
-def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
+def attention_pattern(model: SinkModel, tokens, layer: int) -> torch.Tensor:
     """The attention maps of one attention layer for one sequence.
 
     Parameters
@@ -55,7 +56,7 @@ def attention_pattern(model, tokens, layer: int) -> torch.Tensor:
     return run_pass(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
 
 
-def attention_view_html(model, tokens, layer: int, *, heads: list[int] | None = None) -> str:
+def attention_view_html(model: SinkModel, tokens, layer: int, *, heads: list[int] | None = None) -> str:
     """Self-contained circuitsvis HTML (inline JavaScript, no CDN) of one layer's attention on one sequence.
 
     Parameters
@@ -85,7 +86,7 @@ def attention_view_html(model, tokens, layer: int, *, heads: list[int] | None = 
     return rendered.local_src
 
 
-def attention_view(model, tokens, layer: int, *, heads: list[int] | None = None) -> OfflineHTML:
+def attention_view(model: SinkModel, tokens, layer: int, *, heads: list[int] | None = None) -> OfflineHTML:
     """For notebooks: an offline circuitsvis attention view of one layer on one sequence.
 
     Parameters

@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.placement import input_device
 from analysis.model.weights import reads_module_weights
 
@@ -316,7 +317,7 @@ class FamilySpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_config(model):
+def hf_config(model: SinkModel):
     """The Hugging Face config behind a bridge.
 
     Parameters
@@ -382,7 +383,7 @@ def rope_theta(config, *, layer_type: str | None = None) -> float | None:
     return float(theta) if theta is not None else None
 
 
-def rotary_base(model) -> float | None:
+def rotary_base(model: SinkModel) -> float | None:
     """The rotary base a model really uses, from ``model.family``.
 
     The bridge's ``cfg.rotary_base`` can be wrong: SmolLM2 reads 10000 there while its rope theta is 100000.
@@ -489,7 +490,7 @@ def _module_path(model, module) -> str:
 
 
 @reads_module_weights  # the real gain on a model split by a device map (offloaded weights)
-def probe_norm(module, *, model=None) -> NormSpec | None:
+def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w.
 
     Parameters
@@ -538,7 +539,7 @@ def probe_norm(module, *, model=None) -> NormSpec | None:
     return NormSpec(kind, offset, b is not None, eps, int(D), _module_path(model, module) if model is not None else "")
 
 
-def fired_hooks(model, *, names: list[str] | None = None) -> frozenset[str]:
+def fired_hooks(model: SinkModel, *, names: list[str] | None = None) -> frozenset[str]:
     """The attention hook names (aliases included) called in one forward pass over two tokens.
 
     Parameters
@@ -584,7 +585,7 @@ def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], boo
     return frozenset(n for n in names if canonical[n] in seen), scores_are_pattern
 
 
-def pattern_is_live(model, layer: int) -> bool:
+def pattern_is_live(model: SinkModel, layer: int) -> bool:
     """Whether editing ``blocks.{layer}.attn.hook_pattern`` changes the model's output.
 
     TransformerLens' generic AttentionBridge (GPT-J, OPT, Jamba) lets Hugging Face compute the attention and only then
@@ -774,7 +775,7 @@ def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
     return skipped
 
 
-def family_spec(model) -> FamilySpec:
+def family_spec(model: SinkModel) -> FamilySpec:
     """Read the family facts of a loaded model (a TransformerBridge, or a reference model of ``analysis.train``).
 
     Runs one forward pass of two tokens to record which hooks fire; the loader calls this once and keeps the result as
@@ -894,7 +895,7 @@ def _kept(model, attr: str, cls, read):
     return spec
 
 
-def get_family(model) -> FamilySpec:
+def get_family(model: SinkModel) -> FamilySpec:
     """``model.family``, read (and kept on the model) on first use for models not loaded by ``load_model``.
 
     Parameters
@@ -909,7 +910,7 @@ def get_family(model) -> FamilySpec:
     return _kept(model, "family", FamilySpec, family_spec)
 
 
-def attention_layers(model) -> list[int]:
+def attention_layers(model: SinkModel) -> list[int]:
     """True indices of the softmax-attention layers (all layers but the linear-attention / Mamba ones).
 
     Parameters
@@ -924,7 +925,7 @@ def attention_layers(model) -> list[int]:
     return list(get_family(model).attention_layers)
 
 
-def sink_logits(model, layer: int) -> torch.Tensor:
+def sink_logits(model: SinkModel, layer: int) -> torch.Tensor:
     """The learned sink logit of each head of a layer (gpt-oss).
 
     Parameters

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from analysis.core.checks import check_length  # noqa: F401 (its home; named here too)
+from analysis.model.contract import ModelContractError, SinkModel  # noqa: F401 (the error's home; named here too)
 from analysis.model.families import get_family, rotary_base
 from analysis.model.placement import input_device
 
@@ -24,10 +25,6 @@ from analysis.model.placement import input_device
 _BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
                "normalized": "ln1.hook_normalized", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
 _ATTN_ACTS = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern")
-
-
-class ModelContractError(ValueError):
-    """The model lacks something an analysis needs (hook names, config fields, weights)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,7 @@ def act_name(name: str, layer: int) -> str:
     raise ValueError(f"unknown activation {name!r}; choose among {sorted(_BLOCK_ACTS) + list(_ATTN_ACTS)}.")
 
 
-def hook_names(model) -> set[str]:
+def hook_names(model: SinkModel) -> set[str]:
     """All hook names the model exposes.
 
     Parameters
@@ -109,7 +106,7 @@ def hook_names(model) -> set[str]:
     return set(names.keys())
 
 
-def model_dims(model) -> ModelDims:
+def model_dims(model: SinkModel) -> ModelDims:
     """Read layer and head counts from ``model.cfg``; check the attention-pattern hooks exist.
 
     Parameters
@@ -147,7 +144,7 @@ def model_dims(model) -> ModelDims:
     )
 
 
-def check_layers(model, layers: Iterable[int] | None) -> list[int]:
+def check_layers(model: SinkModel, layers: Iterable[int] | None) -> list[int]:
     """Validate layer indices against the model's blocks.
 
     Parameters
@@ -196,7 +193,7 @@ def check_dims(dims: Iterable[int], D: int, *, name: str = "dims") -> list[int]:
     return dims
 
 
-def check_attention_layers(model, *, layers: Iterable[int] | None = None) -> list[int]:
+def check_attention_layers(model: SinkModel, *, layers: Iterable[int] | None = None) -> list[int]:
     """The softmax-attention layers an analysis of attention hooks runs on, as TRUE layer indices: the input check
     of ``layers`` against the model's attention layers (``analysis.attention_layers``, the fact, owned by
     ``families``).
@@ -229,7 +226,7 @@ def check_attention_layers(model, *, layers: Iterable[int] | None = None) -> lis
     return [spec._check_attention_layer(l) for l in layers]
 
 
-def check_heads(model, heads, *, kv: bool = False, name: str = "heads") -> list[tuple[int, int]]:
+def check_heads(model: SinkModel, heads, *, kv: bool = False, name: str = "heads") -> list[tuple[int, int]]:
     """``heads`` as a list of (true layer, head) pairs on attention layers; ValueError naming the ranges. The one
     check of head pairs every analysis taking them calls.
 
@@ -264,7 +261,7 @@ def check_heads(model, heads, *, kv: bool = False, name: str = "heads") -> list[
     return list(dict.fromkeys(pairs))
 
 
-def skipped_note(model) -> str:
+def skipped_note(model: SinkModel) -> str:
     """The layers an attention analysis leaves out, in one sentence.
 
     Parameters
@@ -282,7 +279,7 @@ def skipped_note(model) -> str:
     return text[0].upper() + text[1:] + "." if text else ""
 
 
-def model_device(model) -> torch.device:
+def model_device(model: SinkModel) -> torch.device:
     """Where the model's inputs go: :func:`analysis.model.placement.input_device` (the execution device of the module
     that takes the token ids; never "the first parameter").
 
@@ -297,7 +294,7 @@ def model_device(model) -> torch.device:
     return input_device(model)
 
 
-def check_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
+def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:
     """Validate a batch of token ids against the model's context and vocabulary.
 
     Parameters
@@ -383,7 +380,7 @@ def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: st
 
 
 
-def token_strings(model, ids: Sequence[int]) -> list[str]:
+def token_strings(model: SinkModel, ids: Sequence[int]) -> list[str]:
     """Decoded tokens, one string per id.
 
     Parameters
@@ -443,7 +440,7 @@ def readable_text(tokenizer, ids: Sequence[int]) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
 
 
-def qk_hook_names(model, layer: int, *, rotated: bool = True) -> tuple[str, str]:
+def qk_hook_names(model: SinkModel, layer: int, *, rotated: bool = True) -> tuple[str, str]:
     """The (query, key) hooks of a layer.
 
     A model loaded by ``analysis.load_model`` carries its family spec (``model.family``), which names the hooks the
@@ -580,7 +577,7 @@ def hook_layer(name: str) -> int | None:
     return -1 if name.split(".")[0] in ("hook_embed", "hook_pos_embed", "embed", "pos_embed") else None
 
 
-def bos_record(model, tokens: torch.Tensor) -> dict:
+def bos_record(model: SinkModel, tokens: torch.Tensor) -> dict:
     """Whether the sequences start with the tokenizer's BOS token: what every result records of its first token.
 
     Parameters

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.families import get_family
 from analysis.model.hooks import (ModelContractError, act_name, check_attention_layers, check_layers, hook_names, kv_view,
                                   model_dims)
@@ -99,7 +100,7 @@ class NormParams:
 _KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
 
-def norm_kind(model) -> str | None:
+def norm_kind(model: SinkModel) -> str | None:
     """The normalisation of a model, from ``cfg.normalization_type``.
 
     Parameters
@@ -124,7 +125,7 @@ def norm_kind(model) -> str | None:
 
 
 @reads_block_weights
-def norm_params(model, layer: int) -> NormParams:
+def norm_params(model: SinkModel, layer: int) -> NormParams:
     """The norm the attention input of a layer passes (the spec's form: gain w or 1 + w, bias, eps), with its weights.
 
     Parameters
@@ -166,7 +167,7 @@ def norm_params(model, layer: int) -> NormParams:
 
 
 @reads_block_weights
-def key_norm_params(model, layer: int) -> NormParams | None:
+def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
     Parameters
@@ -195,7 +196,7 @@ def key_norm_params(model, layer: int) -> NormParams | None:
 
 
 @reads_block_weights
-def key_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The key weights of a layer, float32 on the CPU.
 
     Parameters
@@ -500,7 +501,7 @@ def _latent_key_path(model, layer: int, spec, norm: NormParams) -> LatentKeyPath
                          rotary_emb=rotary_emb)
 
 
-def key_path(model, layer: int) -> KeyPath:
+def key_path(model: SinkModel, layer: int) -> KeyPath:
     """Read the norm, key weights, key norm and rotary of an attention layer.
 
     Parameters

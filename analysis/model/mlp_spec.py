@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.placement import input_device
 from analysis.model.weights import reads_block_weights
 from analysis.model.families import NormSpec, _kept, get_family, hf_config, probe_norm
@@ -230,7 +231,7 @@ def _is_moe(model, layer: int) -> bool:
     return mod is not None and getattr(mod, "experts", None) is not None
 
 
-def moe_parts(model, layer: int):
+def moe_parts(model: SinkModel, layer: int):
     """The (router, experts) modules of a mixture-of-experts block.
 
     ``router(x)`` gives (logits, weights, indices) and ``experts(x, indices, weights)`` the routed experts' weighted
@@ -256,7 +257,7 @@ def moe_parts(model, layer: int):
     return router, experts
 
 
-def expert_writes(model, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Who writes a mixture-of-experts block's output, from the block's router and experts (``moe_parts``) and the block
     itself, all run on ``x``.
 
@@ -357,7 +358,7 @@ def mlp_projections(mlp) -> dict:
 
 
 @reads_block_weights
-def mlp_weights(model, layer: int) -> MlpWeights:
+def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.
 
@@ -425,7 +426,7 @@ def _activation_name(model, layer: int, pre: torch.Tensor | None, up: torch.Tens
     return "unknown"
 
 
-def block_norm(model, layer: int, name: str | None):
+def block_norm(model: SinkModel, layer: int, name: str | None):
     """A norm module of a block as the model runs it.
 
     Parameters
@@ -468,7 +469,7 @@ def norm_weights(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w.detach().float().cpu(), (b.detach().float().cpu() if isinstance(b, torch.Tensor) else None)
 
 
-def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
+def mlp_input(model: SinkModel, layer: int, resid: torch.Tensor) -> torch.Tensor:
     """The MLP input of a block made from the residual it reads (``get_mlp(model).input_resid``): the block's input norm
     applied (none: the residual itself).
 
@@ -494,7 +495,7 @@ def mlp_input(model, layer: int, resid: torch.Tensor) -> torch.Tensor:
         return mod(_on_model(model, resid)).float().to(resid.device)
 
 
-def final_logits(model, resid: torch.Tensor) -> torch.Tensor:
+def final_logits(model: SinkModel, resid: torch.Tensor) -> torch.Tensor:
     """The logits the model makes from its last residual stream: the final norm, the unembedding and, where the config
     soft-caps the logits (Gemma 2), the cap.
 
@@ -607,7 +608,7 @@ def _probe_mlp_hooks(model, n_layers: int) -> tuple[dict, dict]:
     return {n: seen[canonical[n]] for n in names if canonical[n] in seen}, canonical
 
 
-def mlp_spec(model) -> MlpSpec:
+def mlp_spec(model: SinkModel) -> MlpSpec:
     """Measure the MLP facts of a loaded model (a TransformerBridge or a reference model).
 
     One forward pass over five tokens records, on every block, which MLP hooks fire, the residual, attention and MLP
@@ -681,7 +682,7 @@ def mlp_spec(model) -> MlpSpec:
                    _up_hook=tmpl["up"], _input_hook=in_hook)
 
 
-def get_mlp(model) -> MlpSpec:
+def get_mlp(model: SinkModel) -> MlpSpec:
     """``model.mlp_spec``, measured (:func:`mlp_spec`) and kept on the model on first use.
 
     Parameters

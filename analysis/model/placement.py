@@ -260,7 +260,7 @@ def _block_list(model) -> tuple[str, torch.nn.ModuleList]:
     return best
 
 
-def split_device_map(model, blocks: dict[int, object], *, default="cpu") -> dict[str, object]:
+def split_device_map(model: torch.nn.Module, blocks: dict[int, object], *, default="cpu") -> dict[str, object]:
     """An explicit device map: the given blocks on the given devices, every other module on ``default``.
 
     Parameters
@@ -328,7 +328,7 @@ def _input_module(model) -> torch.nn.Module | None:
     return emb if isinstance(emb, torch.nn.Module) else None
 
 
-def input_device(model) -> torch.device:
+def input_device(model: torch.nn.Module) -> torch.device:
     """Where a model's inputs go and its work starts: the execution device of the module that takes the token ids.
 
     Under accelerate's device map that is the embedding's hook's ``execution_device`` (its weights may sit on disk,
@@ -352,7 +352,7 @@ def input_device(model) -> torch.device:
     return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
 
 
-def weight_devices(model) -> dict[str, int]:
+def weight_devices(model: torch.nn.Module) -> dict[str, int]:
     """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there.
 
     Parameters
@@ -383,7 +383,7 @@ def _device_name(value) -> str:
     return f"cuda:{value}" if isinstance(value, int) or str(value).isdigit() else str(value)
 
 
-def placement_record(model) -> dict:
+def placement_record(model: torch.nn.Module) -> dict:
     """What a result's JSON says about where its model ran.
 
     Parameters

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+from analysis.model.contract import SinkModel
 from analysis.core.results import compact_repr
 
 PROBE_KINDS = ("natural", "random", "repeated")
@@ -410,7 +411,7 @@ def probe_sets(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed:
     return {k: make_probe(k, tokenizer, n=n, T=T, bos=bos, seed=seed) for k in kinds}
 
 
-def task_probe_sets(model, *, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
+def task_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 2024) -> dict[str, ProbeSet]:
     """The three probe kinds for a reference model trained on a token task without a tokenizer (the synthetic
     bigram-copy task of ``analysis.train``).
 
@@ -456,7 +457,7 @@ def task_probe_sets(model, *, n: int = 100, T: int = 64, seed: int = 2024) -> di
     }
 
 
-def model_probe_sets(model, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
+def model_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
     """``probe_sets`` from the model's tokenizer or, for a tokenizer-less reference model of the synthetic task,
     ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``).
 

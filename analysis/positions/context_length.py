@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import model_dims
 from analysis.model.probes import natural_probe, stdlib_texts
@@ -208,7 +209,7 @@ def committed_sink_context(model_name: str | None) -> SinkContext | None:
     return load_sink_context(path) if model_name and path.is_file() else None
 
 
-def sink_vs_context(model, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Mapping[int, int] = 4,
+def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Mapping[int, int] = 4,
                     seeds: Iterable[int] = (0, 1, 2), eps_grid: Sequence[float] = EPS_GRID, path: str = "auto",
                     texts: Sequence[str] | None = None, batch_size: int | None = None,
                     on_run: Callable[[pd.DataFrame], None] | None = None) -> SinkContext:

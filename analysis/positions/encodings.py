@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
 from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
 from analysis.core.results import Result
@@ -29,7 +30,7 @@ KINDS = ("natural", "random", "repeated")
 _FILES = {"runs": "propositions.csv", "curves": "first_vs_t.csv"}
 
 
-def encoding_point(model, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS) -> tuple[dict, pd.DataFrame]:
+def encoding_point(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS) -> tuple[dict, pd.DataFrame]:
     """One model: Sink_1 per probe kind and the propositions on its repeated probe.
 
     Parameters

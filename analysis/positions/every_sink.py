@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
 from analysis.model.hooks import act_name, bos_sentence, check_layers, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector
@@ -469,7 +470,7 @@ SINK_COLUMNS = ["sample", "position", "token_id", "token", "n_heads", "share_of_
                 "peak_dim", "peak_abs", "peak_ratio", "created_layer", "lifetime", "max_cos_first"]
 
 
-def sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
+def sink_positions(model: SinkModel, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
                    cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS,
                    ratio_threshold: float = SPIKE_RATIO, path: str = "auto", batch_size: int | None = None,
                    progress: bool = False, kind: str | None = None) -> SinkPositions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.model.nnsight_model import NnsightModel
 from analysis.chain.nnsight_tables import StatsMassive, check_nnsight_tokens, run_traces, skipped_text
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SPIKE_ABS, SPIKE_RATIO
 from analysis.model.hooks import token_strings
@@ -28,7 +29,7 @@ class _StatsPositions(PositionAccumulator):
         self.dim.put(layer, s["dim"].long())
 
 
-def nnsight_sink_positions(model, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
+def nnsight_sink_positions(model: NnsightModel, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
                            cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS,
                            ratio_threshold: float = SPIKE_RATIO, batch_size: int | None = None,
                            kind: str | None = None, remote=None) -> SinkPositions:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
 from analysis.core.io import jsonable
 from analysis.core.results import LayerAxis, Result, compact_repr
@@ -45,7 +46,7 @@ CLOSED_FORMS = {
 }
 
 
-def positional_encoding(model) -> str:
+def positional_encoding(model: SinkModel) -> str:
     """The model's positional encoding: one of ``ENCODINGS``, or "unknown".
 
     Parameters
@@ -135,7 +136,7 @@ def _softmax_rows(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, last
 
 
-def distance_bias(model, layer: int, encoding: str, T: int) -> tuple[torch.Tensor, str]:
+def distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[torch.Tensor, str]:
     """The (H, T) logit bias by distance d = 0..T-1 of an ALiBi or relative layer, from the model's own module, and
     where it was read.
 
@@ -166,7 +167,7 @@ def distance_bias(model, layer: int, encoding: str, T: int) -> tuple[torch.Tenso
         return -slopes.float().cpu()[:, None] * d[None].float(), source
 
 
-def closed_forms(model, layers, encoding: str, T: int, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+def closed_forms(model: SinkModel, layers, encoding: str, T: int, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The propositions' closed forms of the first token's weight against t and of the last row, per layer and head.
 
     Parameters
@@ -402,7 +403,7 @@ def _num(x) -> float | None:
     return None if math.isnan(x) else x
 
 
-def repeated_tokens(model, tokens=None, *, n: int = 8, T: int = 64, seed: int = 0, eps: float = SINK_EPS,
+def repeated_tokens(model: SinkModel, tokens=None, *, n: int = 8, T: int = 64, seed: int = 0, eps: float = SINK_EPS,
                     batch_size: int | None = None) -> RepeatedTokens:
     """The propositions on t repeated tokens, measured on ``model`` against their closed forms.
 

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from analysis.model.contract import SinkModel
+from analysis.streaming.backbone import stream_lm
 from analysis.quant.passes import PrefixRunner, ScaleSite, Scheme, hooked, quantized_weights
 from analysis.quant.quantizers import qmax, quant_activation
 
@@ -19,14 +21,16 @@ def _flat_abs(x: torch.Tensor) -> torch.Tensor:
     return x.detach().flatten(2).abs().float()
 
 
-def calibrate(hf, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = None, prefix=None,
+def calibrate(model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = None, prefix=None,
               batch: int = 4) -> dict[str, ScaleSite]:
     """The largest |input| of every linear over the calibration tokens, rows in ``keep`` (and the prefix) left out.
 
     Parameters
     ----------
-    hf : the causal LM
+    model : SinkModel
+        What ``analysis.load_model`` returns, or the causal LM ``analysis.streaming.backbone.causal_lm`` gives.
     sites : list of LinearSite
+        ``linear_sites(model)``.
     windows : torch.Tensor of long, shape (N, T)
     keep : torch.Tensor of bool, shape (N, T), optional
         Tokens kept in full precision, so not calibrated.
@@ -38,7 +42,7 @@ def calibrate(hf, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = N
     dict of str to ScaleSite
         By ``site.label``.
     """
-    runner, state, best = PrefixRunner(hf, prefix), _Keep(), {}
+    runner, state, best = PrefixRunner(stream_lm(model, where="calibrate"), prefix), _Keep(), {}
     offset = {"w": 0}
 
     def record(site):
@@ -64,13 +68,13 @@ def calibrate(hf, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = N
     return best
 
 
-def mean_nll(hf, sites, windows: torch.Tensor, scheme: Scheme, *, scales: dict[str, ScaleSite] | None = None,
+def mean_nll(model: SinkModel, sites, windows: torch.Tensor, scheme: Scheme, *, scales: dict[str, ScaleSite] | None = None,
              keep: torch.Tensor | None = None, prefix=None, batch: int = 4) -> float:
     """Mean NLL (nats) of tokens 2..T of every window, given the ones before (and the prefix), under ``scheme``.
 
     Parameters
     ----------
-    hf, sites, windows, keep, prefix, batch
+    model, sites, windows, keep, prefix, batch
         As in :func:`calibrate`.
     scheme : Scheme
     scales : dict of str to ScaleSite, optional
@@ -80,7 +84,7 @@ def mean_nll(hf, sites, windows: torch.Tensor, scheme: Scheme, *, scales: dict[s
     -------
     float
     """
-    runner, state = PrefixRunner(hf, prefix), _Keep()
+    runner, state = PrefixRunner(stream_lm(model, where="mean_nll"), prefix), _Keep()
     static = scheme.a_bits is not None and scheme.granularity == "tensor"
     if static and scales is None:
         raise ValueError("a per-tensor static scheme needs the calibrated scales (calibrate(...)).")
@@ -116,14 +120,14 @@ def scale_cost(scales: dict[str, ScaleSite]) -> float:
     return sum(math.log(max(s.absmax, 1e-12)) for s in scales.values()) / max(len(scales), 1)
 
 
-def find_prefix(hf, sites, windows: torch.Tensor, candidates, length: int) -> tuple[list[int], list[float]]:
+def find_prefix(model: SinkModel, sites, windows: torch.Tensor, candidates, length: int) -> tuple[list[int], list[float]]:
     """Greedy search (CushionCache's, on PrefixQuant's candidate outlier tokens) for a prefix of up to ``length``
     tokens that takes the massive activations: each step appends the candidate that most lowers the calibrated
     scales of the tokens after it; stops early when none lowers them.
 
     Parameters
     ----------
-    hf, sites, windows
+    model, sites, windows
         As in :func:`calibrate`.
     candidates : sequence of int
         Token ids to try.
@@ -135,6 +139,7 @@ def find_prefix(hf, sites, windows: torch.Tensor, candidates, length: int) -> tu
     costs : list of float
         ``scale_cost`` with no prefix, then after each step taken.
     """
+    hf = stream_lm(model, where="find_prefix")
     prefix, costs = [], [scale_cost(calibrate(hf, sites, windows))]
     for _ in range(length):
         tried = {c: scale_cost(calibrate(hf, sites, windows, prefix=prefix + [c])) for c in candidates}

@@ -111,15 +111,21 @@ def cmd_quant(args) -> int:
     -------
     int
     """
-    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
+    # import time: torch loads once the options are checked
+    from analysis.core.io import write_json, write_or_spare
+    from analysis.model.loading import load_model
     from analysis.quant.run import quant_study
+    from analysis.quant.study import check_conditions, schemes_of
 
     check_quant_args(args)
-    res = quant_study(args.model, a_bits=_ints(args.act_bits), granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],
-                      w_bits=_ints(args.weight_bits, none_word="fp"), conditions=[c.strip() for c in args.condition.split(",") if c.strip()],
-                      T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens, seeds=_ints(args.seed),
-                      prefix_len=args.prefix, n_candidates=args.candidates, kv_bits=_ints(args.kv_bits),
-                      origin=not args.no_origin, device=resolve_device(args.device))
+    grid = dict(a_bits=_ints(args.act_bits), granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],
+                w_bits=_ints(args.weight_bits, none_word="fp"))
+    conditions = check_conditions([c.strip() for c in args.condition.split(",") if c.strip()])
+    schemes_of(**grid)  # bad bits or granularities: before the model loads
+    model = load_model(args.model, device=resolve_device(args.device))  # a name goes through load_model first
+    res = quant_study(model, **grid, conditions=conditions, T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens,
+                      seeds=_ints(args.seed), prefix_len=args.prefix, n_candidates=args.candidates,
+                      kv_bits=_ints(args.kv_bits), origin=not args.no_origin)
     print(format_quant_table(res))
     print(res.text())
     if args.json:

@@ -7,8 +7,9 @@ import math
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.quant.kv_cache import LowBitCache
-from analysis.streaming.backbone import n_layers
+from analysis.streaming.backbone import n_layers, stream_lm
 from analysis.streaming.cache import StreamingCache, rope_spec
 from analysis.streaming.perplexity import cache_keyword
 
@@ -23,14 +24,16 @@ def _window_nll(hf, ids: torch.Tensor, cache) -> tuple[float, int]:
     return float(nll), ids.numel() - 1
 
 
-def kv_table(hf, windows: torch.Tensor, sink_keep: torch.Tensor, bits=(4, 2)) -> pd.DataFrame:
+def kv_table(model: SinkModel, windows: torch.Tensor, sink_keep: torch.Tensor, *, bits=(4, 2)) -> pd.DataFrame:
     """One row per cache: full precision, then per ``bits``: all low-bit, the first tokens in full precision, and
     the first tokens plus every later sink in full precision (KVSink); real bytes held and the simulated cache's
     perplexity and estimated bytes (first tokens in full precision) beside them.
 
     Parameters
     ----------
-    hf : transformers.PreTrainedModel
+    model : SinkModel
+        What ``analysis.load_model`` returns (a Hugging Face model's), or the causal LM
+        ``analysis.streaming.backbone.causal_lm`` gives.
     windows : torch.Tensor of long, shape (N, T)
         Each window is one prefill of a fresh cache (quantise-on-entry: as token-by-token decoding).
     sink_keep : torch.Tensor of bool, shape (N, T)
@@ -42,6 +45,7 @@ def kv_table(hf, windows: torch.Tensor, sink_keep: torch.Tensor, bits=(4, 2)) ->
     pandas.DataFrame
         cache, bits, fp_tokens, ppl, kv_bytes (mean per window), simulated_ppl, simulated_bytes.
     """
+    hf = stream_lm(model, where="kv_table")
     L, rope = n_layers(hf), rope_spec(hf)
     first = list(range(FIRST_TOKENS))
     plans = [("fp", None, lambda w: [])] + [(name, b, f) for b in bits for name, f in (

@@ -17,16 +17,17 @@ from analysis.quant.passes import Scheme
 from analysis.quant.sites import linear_sites
 from analysis.quant.study import QuantResult, check_conditions, layer_scales, schemes_of
 from analysis.quant.windows import make_windows
-from analysis.streaming.backbone import causal_lm, context_length
+from analysis.model.contract import SinkModel, is_model
+from analysis.streaming.backbone import context_length, resolve, stream_lm
 
 
-def sink_keep(tl_model, windows: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+def sink_keep(model: SinkModel, windows: torch.Tensor, *, eps: float | None = None) -> torch.Tensor:
     """(N, T) True at each window's first token and at every later sink ``every_sink`` finds.
 
     Parameters
     ----------
-    tl_model
-        The model with TransformerLens hook names (``load_model``).
+    model : SinkModel
+        What ``analysis.load_model`` returns.
     windows : torch.Tensor of long, shape (N, T)
     eps : float, optional
         The sink threshold (default ``SINK_EPS``).
@@ -35,7 +36,7 @@ def sink_keep(tl_model, windows: torch.Tensor, eps: float | None = None) -> torc
     -------
     torch.Tensor of bool, shape (N, T)
     """
-    res = sink_positions(tl_model, windows, **({} if eps is None else {"eps": eps}))
+    res = sink_positions(model, windows, **({} if eps is None else {"eps": eps}))
     keep = torch.zeros(windows.shape, dtype=torch.bool)
     keep[:, 0] = True
     for _, r in res.sinks.iterrows():
@@ -64,12 +65,13 @@ def _text(tokenizer, ids) -> str:
     return readable_text(tokenizer, ids)  # byte tokens escaped, not '\ufffd'
 
 
-def check_setting(hf, *, T: int, prefix_len: int, kv_bits) -> None:
+def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None:
     """Bad input before any work: a prefix with the window beyond the context, KV bits the packed cache lacks.
 
     Parameters
     ----------
-    hf : the causal LM
+    model : SinkModel
+        What ``analysis.load_model`` returns, or the causal LM ``causal_lm`` gives.
     T, prefix_len : int
     kv_bits : sequence of int
 
@@ -77,7 +79,7 @@ def check_setting(hf, *, T: int, prefix_len: int, kv_bits) -> None:
     -------
     None
     """
-    n_ctx = context_length(hf)
+    n_ctx = context_length(stream_lm(model, where="check_setting"))
     if prefix_len < 0:
         raise ValueError(f"--prefix must be >= 0; got {prefix_len}.")
     if n_ctx is not None and T + prefix_len > n_ctx:
@@ -88,10 +90,10 @@ def check_setting(hf, *, T: int, prefix_len: int, kv_bits) -> None:
         raise ValueError(f"the packed KV cache stores {' or '.join(map(str, KV_BITS))} bits; got {bad}. Use --kv-bits 4,2.")
 
 
-def _spike_origin(tl_model, windows: torch.Tensor):
+def _spike_origin(model, windows: torch.Tensor):
     # lazy for import time: the spike-origin trace loads the chain's einsum machinery only when asked
     from analysis.chain.spike_writers import spike_origin
-    return spike_origin(tl_model, windows)
+    return spike_origin(model, windows)
 
 
 def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_cand, origin, fp_cache) -> tuple:
@@ -124,7 +126,7 @@ def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_can
     return rows, scale_rows, layer_rows, {"ids": prefix, "text": _text(tok, prefix), "costs": costs}
 
 
-def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"), w_bits=(None,),
+def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "token"), w_bits=(None,),
                 conditions=("as_is", "sinks_fp", "prefix"), T: int = 256, n_eval: int = 8, calib_tokens: int = 1024,
                 seeds=(0,), prefix_len: int = 3, n_candidates: int = 3, kv_bits=(4, 2), origin: bool = True,
                 device: str = "cpu") -> QuantResult:
@@ -132,8 +134,9 @@ def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"),
 
     Parameters
     ----------
-    model : str
-        A name (``smollm2-135m``, a reference model) or a local Hugging Face folder.
+    model : SinkModel
+        What ``analysis.load_model`` returns (a name goes through it first; for one release a name or a local
+        Hugging Face folder still works, with a DeprecationWarning).
     a_bits, granularities, w_bits : sequences
         The grid (``w_bits`` None: full-precision weights).
     conditions : sequence of {"as_is", "sinks_fp", "prefix"}
@@ -148,19 +151,21 @@ def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"),
     origin : bool
         Tie each scale to the spike's writing neurons (``analysis.chain.spike_writers``).
     device : str
+        Where a model given by name (the old form) loads; a model of the contract's causal LM runs on its device.
 
     Returns
     -------
     QuantResult
     """
     schemes, conditions = schemes_of(a_bits, granularities, w_bits), check_conditions(conditions)
-    hf, tok, name = causal_lm(model, device=device)
+    hf, tok, name = resolve(model, where="quant_study", device=None if is_model(model) else device)
     check_setting(hf, T=T, prefix_len=prefix_len if "prefix" in conditions else 0, kv_bits=kv_bits)
     sites = linear_sites(hf)
     if calib_tokens < T:
         raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
                          f"use --calib-tokens {T} or more, or a shorter --T.")
-    tl = hf.model if type(getattr(hf, "model", None)).__name__ == "SinkLM" else load_model(model, device=device)
+    tl = model if is_model(model) else hf.model if type(getattr(hf, "model", None)).__name__ == "SinkLM" \
+        else load_model(model, device=device)  # the old form: a name
     rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
     for seed in seeds:
         win = make_windows(hf, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
@@ -177,7 +182,7 @@ def quant_study(model: str, *, a_bits=(8, 4), granularities=("tensor", "token"),
              f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes." if kv_bits else
              "Every number is fake quantisation (quantise, de-quantise in float32)."]
     if kv_bits and hasattr(hf, "generation_config"):
-        kv = kv_table(hf, win.eval, keep["eval"], kv_bits)
+        kv = kv_table(hf, win.eval, keep["eval"], bits=kv_bits)
     elif kv_bits:
         notes.append("The packed KV cache is measured on Hugging Face models only (a reference model decodes "
                      "through its own streaming cache).")

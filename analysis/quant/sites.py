@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from analysis.model.contract import SinkModel
+from analysis.streaming.backbone import stream_lm
+
 # SinkLM's maps: hook point (under blocks.{l}) -> (site name, [(weight name, its input axes)])
 REFERENCE_SITES = {
     "ln1.hook_normalized": ("attn.W_QKV", [("attn.W_Q", (1,)), ("attn.W_K", (1,)), ("attn.W_V", (1,))]),
@@ -81,19 +84,21 @@ def _reference_sites(sink_lm) -> list[LinearSite]:
     return sites
 
 
-def linear_sites(hf) -> list[LinearSite]:
+def linear_sites(model: SinkModel) -> list[LinearSite]:
     """Every linear map of the decoder, in layer order.
 
     Parameters
     ----------
-    hf : transformers.PreTrainedModel or analysis.streaming.reference.ReferenceLM
-        The causal LM (``analysis.streaming.backbone.causal_lm``).
+    model : SinkModel
+        What ``analysis.load_model`` returns, or the causal LM ``analysis.streaming.backbone.causal_lm`` gives (the
+        sites hook that causal LM: pass the same ``model`` to ``calibrate`` and ``mean_nll``).
 
     Returns
     -------
     list of LinearSite
         ValueError where none can be reached.
     """
+    hf = stream_lm(model, where="linear_sites")
     inner = getattr(hf, "model", None)
     if type(inner).__name__ == "SinkLM":
         return _reference_sites(inner)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.model.contract import SinkModel
+from analysis.streaming.backbone import stream_lm
 from analysis.streaming.corpus import stdlib_stream
 
 
@@ -43,12 +45,14 @@ def _task_windows(sink_lm, n: int, T: int, seed: int) -> torch.Tensor:
     return data.probe(n, T).long()
 
 
-def make_windows(hf, tokenizer, *, T: int, n_eval: int, calib_tokens: int, seed: int) -> Windows:
+def make_windows(model: SinkModel, tokenizer, *, T: int, n_eval: int, calib_tokens: int, seed: int) -> Windows:
     """Held-out windows and ``calib_tokens // T`` calibration windows drawn with ``seed``.
 
     Parameters
     ----------
-    hf : the causal LM (a ``ReferenceLM`` draws from its task)
+    model : SinkModel
+        What ``analysis.load_model`` returns, or the causal LM ``causal_lm`` gives (a reference model draws from
+        its task).
     tokenizer : transformers tokenizer or None
     T : int
         Tokens per window.
@@ -66,7 +70,7 @@ def make_windows(hf, tokenizer, *, T: int, n_eval: int, calib_tokens: int, seed:
         raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
                          f"use --calib-tokens {T} or more, or a shorter --T.")
     n_cal = calib_tokens // T
-    inner = getattr(hf, "model", None)
+    inner = getattr(stream_lm(model, where="make_windows"), "model", None)
     if type(inner).__name__ == "SinkLM":
         ev = _task_windows(inner, n_eval, T, 10_000)  # held out: a seed no calibration draw uses
         cal = _task_windows(inner, n_cal, T, 20_000 + seed)

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.engine.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, skipped_note
@@ -353,7 +354,7 @@ def check_k_max(k_max: int | None, T: int) -> int:
 
 
 def sink_metric(
-    model,
+    model: SinkModel,
     tokens,
     *,
     eps: float = SINK_EPS,
@@ -398,7 +399,7 @@ def sink_metric(
                      path=path)[0]
 
 
-def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = SINK_EPS,
+def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = SINK_EPS,
               k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
               path: str = "auto") -> tuple[SinkResult, list]:
     """The sink metric and other analyses from one pass of ``model`` over ``tokens``.
@@ -444,7 +445,7 @@ def sink_pass(model, tokens, *, make_accumulators: Callable[[], Sequence[Accumul
     return res, rest
 
 
-def sink_metric_fused(model, tokens, *, eps: float | None = None, k_max: int | None = None,
+def sink_metric_fused(model: SinkModel, tokens, *, eps: float | None = None, k_max: int | None = None,
                       batch_size: int | None = None, progress: bool = False, kind: str | None = None,
                       accumulators: Sequence[Accumulator] = ()) -> SinkResult:
     """``sink_metric`` through the fused pass (``analysis.engine.fused_sink.fused_alpha``): the same ``SinkResult``, no

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.families import get_family
 from analysis.model.hooks import check_attention_layers, check_tokens, skipped_note
 from analysis.core.io import jsonable
@@ -144,7 +145,7 @@ class GateAccumulator(Accumulator):
                           getattr(self.model, "model_name", None), self.kind, skipped_note(self.model))
 
 
-def has_gate(model) -> bool:
+def has_gate(model: SinkModel) -> bool:
     """Whether the model gates its attention output (the family spec's ``gate``).
 
     Parameters
@@ -159,7 +160,7 @@ def has_gate(model) -> bool:
     return get_family(model).gate is not None
 
 
-def attention_gates(model, tokens, *, layers=None, batch_size: int | None = None,
+def attention_gates(model: SinkModel, tokens, *, layers=None, batch_size: int | None = None,
                     kind: str | None = None) -> GateResult:
     """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed through
     ``hook_q_gate`` (Qwen3-Next, Qwen3.5).

@@ -1,7 +1,8 @@
 """StreamingLLM and sink-aware KV caches: perplexity of a causal LM on a long stream under bounded caches.
 
+    from analysis import load_model
     from analysis.streaming import streaming_perplexity
-    res = streaming_perplexity("smollm2-135m", window=256, n_tokens=2048)
+    res = streaming_perplexity(load_model("smollm2-135m"), window=256, n_tokens=2048)
     res.table          # one row per policy: perplexity, tokens/s, KV-cache MiB, the sinks' attention share
     res.curve()        # log-perplexity against position
     print(res.text())  # the finding in words
@@ -9,7 +10,7 @@
 Modules: ``cache`` (policies, the ``transformers.Cache`` subclass, rotary re-positioning, simulated KV
 quantisation), ``attention`` (the decode attention function: grouped-query steps that measure the
 sinks' share inside the layer), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
-stream), ``backbone`` (the Hugging Face model behind a name or a bridge), ``reference`` (the project's reference
+stream), ``backbone`` (the Hugging Face model behind a model of the contract), ``reference`` (the project's reference
 models, learnable sink token included, on the same cache), ``run`` (all policies, the result).
 """
 from analysis.core.lazy import lazy_exports

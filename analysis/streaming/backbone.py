@@ -1,4 +1,4 @@
-"""The causal LM behind a model: from a name, a local folder, a TransformerBridge, an HF model or a reference model.
+"""The causal LM behind a model of the contract (a TransformerBridge or a reference model), that the cache passes decode.
 
 Streaming drives the Hugging Face backbone directly with a bounded cache (no TransformerLens hooks are
 needed; a TransformerBridge's own backbone has bridge attention modules, so a clean copy is loaded from
@@ -8,6 +8,7 @@ are driven through ``analysis.streaming.reference.ReferenceLM``, which decodes t
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,7 +25,10 @@ from analysis.model.loading import (
     resolve_device,
     smollm2_dir,
 )
+from analysis.model.contract import SinkModel, hf_module, is_model, is_pass_module, pass_module, warn_old_call
 from analysis.streaming.reference import ReferenceLM
+
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model of the contract -> the causal LM stream_lm made
 
 
 def _load_folder(src: str, local: bool, device, dtype):
@@ -46,26 +50,105 @@ def _load_folder(src: str, local: bool, device, dtype):
     return hf.to(device or default_device()).eval(), tok
 
 
-def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
-    """Return ``(hf_model, tokenizer, name)`` for a name, folder, TransformerBridge or PreTrainedModel.
+def causal_lm(model: SinkModel, *, tokenizer=None, device=None, dtype=None):
+    """Return ``(lm, tokenizer, name)``: the causal LM the cache passes decode, reached through the model contract.
+
+    A TransformerBridge's own backbone has bridge attention modules: the cache passes run a clean copy of the same
+    weights, loaded from where the bridge came from (:func:`analysis.model.contract.hf_module` names it). A reference
+    model is decoded through :class:`analysis.streaming.reference.ReferenceLM`. The old forms (a name, a folder, a
+    bare ``PreTrainedModel``) still work for one release, with a DeprecationWarning.
 
     Parameters
     ----------
-    model : str, path-like, TransformerBridge or transformers.PreTrainedModel
-        A name (``smollm2-135m``, a reference model), a local Hugging Face folder, or a loaded model.
+    model : SinkModel
+        What ``analysis.load_model`` returns.
     tokenizer : transformers.PreTrainedTokenizerBase, optional
         Overrides the model's own.
     device : str, optional
-        Where a model loaded here runs (default: "cuda" when a GPU is available, as ``load_model``; a loaded
-        bridge's copy: the bridge's device).
+        Where the clean copy runs (default: the bridge's device).
     dtype : torch.dtype or str, optional
+        The clean copy's dtype (default: the bridge's).
 
     Returns
     -------
-    hf : transformers.PreTrainedModel
+    lm : transformers.PreTrainedModel or ReferenceLM
     tokenizer : transformers.PreTrainedTokenizerBase or None
     name : str
     """
+    return resolve(model, where="causal_lm", tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def resolve(model: SinkModel, *, where: str, tokenizer=None, device=None, dtype=None):
+    """:func:`causal_lm` for the analysis ``where``: a model of the contract, a causal LM a loader gave
+    (``load_causal_lm``), or an old form (a name, a folder, a bare ``PreTrainedModel``) with a DeprecationWarning
+    naming ``where``.
+
+    Parameters
+    ----------
+    model : SinkModel
+    where : str
+        The analysis asking.
+    tokenizer, device, dtype
+        As in :func:`causal_lm`.
+
+    Returns
+    -------
+    lm, tokenizer, name
+        As :func:`causal_lm`.
+    """
+    if is_pass_module(model):
+        inner = getattr(model, "model", None) if isinstance(model, ReferenceLM) else None
+        name = getattr(inner, "model_name", None) or getattr(getattr(model, "config", None), "name_or_path", "")
+        return model, tokenizer or getattr(inner, "tokenizer", None), name or type(model).__name__
+    if not is_model(model):
+        warn_old_call(where, model)
+        return _old_form(model, tokenizer=tokenizer, device=device, dtype=dtype)
+    if hf_module(model) is None:  # a reference model: its own module
+        return _reference(model, tokenizer, getattr(model, "model_name", None) or "sink-lm")
+    hf = hf_module(model)
+    # The bridge swaps the attention modules for its own components; stream on a clean copy of the same
+    # weights, loaded from where the bridge came from.
+    name = getattr(model, "model_name", None) or hf.config.name_or_path
+    src = str(smollm2_dir()) if name == DEFAULT_MODEL else hf.config.name_or_path
+    p = hf.get_output_embeddings().weight
+    clean, tok = _load_folder(src, Path(src).exists(), device or p.device, dtype or p.dtype)
+    return pass_module(_checked(clean)), tokenizer or getattr(model, "tokenizer", None) or tok, name
+
+
+def stream_lm(model: SinkModel, *, where: str) -> torch.nn.Module:
+    """The causal LM a cache pass decodes: :func:`causal_lm`'s for a model of the contract (made once per model and
+    kept while the model lives, so that the passes of one study, and the linear sites they hook, share it); one that
+    a loader or the contract gave, as is; a bare ``PreTrainedModel`` / ``ReferenceLM`` (the old form, for one
+    release) with a DeprecationWarning.
+
+    Parameters
+    ----------
+    model : SinkModel
+    where : str
+        The function asking (named in the warning).
+
+    Returns
+    -------
+    transformers.PreTrainedModel or ReferenceLM
+    """
+    if is_model(model):
+        if hf_module(model) is None:  # a reference model: a fresh wrapper around the same modules
+            return causal_lm(model)[0]
+        if model not in _KEPT:
+            _KEPT[model] = causal_lm(model)[0]
+        return _KEPT[model]
+    if not is_pass_module(model):
+        from transformers import PreTrainedModel  # import time
+
+        if not isinstance(model, (PreTrainedModel, ReferenceLM)):
+            raise TypeError(f"{where} takes the model analysis.load_model returns; got {type(model).__name__}.")
+        warn_old_call(where, model)
+        pass_module(model)  # warned once: the calls it makes inside take it as is
+    return model
+
+
+def _old_form(model, *, tokenizer=None, device=None, dtype=None):
+    """``causal_lm`` of the old call forms: a name, a local folder, a bare PreTrainedModel (one release more)."""
     from transformers import PreTrainedModel
 
     if isinstance(model, (str, Path)):
@@ -73,7 +156,7 @@ def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
         device = resolve_device(device)  # cuda without CUDA is an error, before anything loads
         if name == DEFAULT_MODEL:
             hf, tok = _load_folder(str(smollm2_dir()), True, device, dtype)
-            return _checked(hf), tokenizer or tok, name
+            return pass_module(_checked(hf)), tokenizer or tok, name
         path = Path(name).expanduser()
         if name in _reference_models() or ((path / "config.json").is_file() and _is_reference(path)):
             return _reference(load_model(name, device=device, dtype=dtype), tokenizer, name)
@@ -81,27 +164,18 @@ def causal_lm(model, *, tokenizer=None, device=None, dtype=None):
             if not (path / "config.json").is_file():
                 raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json).")
             hf, tok = _load_folder(str(path), True, device, dtype)
-            return _checked(hf), tokenizer or tok, name
+            return pass_module(_checked(hf)), tokenizer or tok, name
         hf, tok = _load_folder(check_hub(hub_id(name)), False, device, dtype)
-        return _checked(hf), tokenizer or tok, name
-    if type(model).__name__ == "SinkLM":
-        return _reference(model, tokenizer, getattr(model, "model_name", None) or "sink-lm")
-    hf = getattr(model, "original_model", None)  # a TransformerLens TransformerBridge
-    if hf is not None:
-        # The bridge swaps the attention modules for its own components; stream on a clean copy of the same
-        # weights, loaded from where the bridge came from.
-        name = getattr(model, "model_name", None) or hf.config.name_or_path
-        src = str(smollm2_dir()) if name == DEFAULT_MODEL else hf.config.name_or_path
-        p = hf.get_output_embeddings().weight
-        clean, tok = _load_folder(src, Path(src).exists(), device or p.device, dtype or p.dtype)
-        return _checked(clean), tokenizer or getattr(model, "tokenizer", None) or tok, name
+        return pass_module(_checked(hf)), tokenizer or tok, name
     if isinstance(model, PreTrainedModel):
-        return _checked(model), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__
-    raise TypeError(f"expected a model name, a Hugging Face folder, a TransformerBridge or a PreTrainedModel; got {type(model).__name__}.")
+        name = getattr(model.config, "name_or_path", "") or type(model).__name__
+        return pass_module(_checked(model)), tokenizer, name
+    raise TypeError(f"expected the model analysis.load_model returns (or, for one release, a model name, a Hugging Face "
+                    f"folder or a PreTrainedModel); got {type(model).__name__}.")
 
 
 def _reference(model, tokenizer, name: str):
-    return ReferenceLM(model.eval()), tokenizer or model.tokenizer, name
+    return pass_module(ReferenceLM(model.eval())), tokenizer or model.tokenizer, name
 
 
 def _checked(hf):

@@ -90,19 +90,21 @@ def cmd_stream(args) -> int:
     """
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.core.io import write_or_spare
-    from analysis.model.loading import load_causal_lm
+    from analysis.model.loading import is_reference_model, load_causal_lm, load_model
     from analysis.model.placement import placement_from_args
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
     check_stream_args(args)
-    placement, model, tokenizer = placement_from_args(args), args.model, None
-    if placement.split:
-        model, tokenizer = load_causal_lm(args.model, placement=placement)
+    placement = placement_from_args(args)
+    if is_reference_model(args.model) and not placement.split:  # a name goes through a loader first
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype), None
+    else:  # the Hugging Face model itself, no bridge: the cache passes decode it
+        model, tokenizer = load_causal_lm(args.model, placement=placement, device=args.device, dtype=args.dtype)
     res = streaming_perplexity(
         model, tokenizer=tokenizer, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
         newline_sinks=args.newline_sinks or None, bits=_ints(args.kv_bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
-        device=args.device, dtype=args.dtype, progress=not args.quiet,
+        progress=not args.quiet,
     )
     table = res.table
     table["timing"] = [f"shared by {b}" if b > 1 else "own" for b in table["batch"]]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.model.contract import SinkModel
 from analysis.model.probes import STDLIB_MODULES, stdlib_texts
 
 
@@ -85,7 +86,7 @@ def newline_id(tokenizer) -> int:
     return int(ids[0])
 
 
-def task_stream(model, n_tokens: int, *, seed: int = 0) -> TokenStream:
+def task_stream(model: SinkModel, n_tokens: int, *, seed: int = 0) -> TokenStream:
     """A long stream from a reference model's own synthetic training task (``analysis.train``'s ``synthetic``
     dataset: BOS, then one Markov chain with the copy rule, ``n_tokens`` long), a held-out draw with ``seed``.
 

@@ -23,7 +23,8 @@ from analysis.model.placement import input_device
 from analysis.core.io import jsonable
 from analysis.core.memory import peak_mib, reset_peak
 from analysis.core.results import Result
-from analysis.streaming.backbone import context_length, n_layers
+from analysis.model.contract import SinkModel
+from analysis.streaming.backbone import context_length, n_layers, stream_lm
 from analysis.streaming.attention import NAME as ATTENTION
 from analysis.streaming.attention import ShareRecorder, recording
 from analysis.streaming.cache import Policy, StreamingCache, rope_spec
@@ -268,7 +269,7 @@ class _Decoder:
 
 
 @torch.no_grad()
-def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: int | None = None,
+def run_policies(model: SinkModel, tokens: torch.Tensor, policies: list[Policy], *, newline: int | None = None,
                  prefill: int | None = None, attention_share: bool = True, allow_beyond_context: bool = False,
                  progress: bool = False, keep_logits: bool = False, chunk: int = 512) -> list[PolicyRun]:
     """Decode ``tokens`` (N,) under each policy (one batch row per policy, same cache size) with a
@@ -281,8 +282,9 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: i
 
     Parameters
     ----------
-    hf : transformers.PreTrainedModel
-        The causal LM.
+    model : SinkModel
+        What ``analysis.load_model`` returns (decoded through :func:`analysis.streaming.backbone.causal_lm`), or the
+        causal LM that gives.
     tokens : torch.Tensor, shape (N,)
         The stream.
     policies : list of Policy
@@ -304,6 +306,7 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: i
     -------
     list of PolicyRun
     """
+    hf = stream_lm(model, where="run_policies")
     capacity = _check_group(policies)
     device = input_device(hf)
     tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
@@ -332,13 +335,13 @@ def run_policies(hf, tokens: torch.Tensor, policies: list[Policy], *, newline: i
     return dec.runs(policies, seconds, max(N - 1 - prefill, 0), peak_mib(device))
 
 
-def run_policy(hf, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
+def run_policy(model: SinkModel, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
     """One policy alone (``run_policies`` with one row).
 
     Parameters
     ----------
-    hf : transformers.PreTrainedModel
-        The causal LM.
+    model : SinkModel
+        As in :func:`run_policies`.
     tokens : torch.Tensor, shape (N,)
     policy : Policy
     **kwargs
@@ -348,19 +351,19 @@ def run_policy(hf, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
     -------
     PolicyRun
     """
-    return run_policies(hf, tokens, [policy], **kwargs)[0]
+    return run_policies(model, tokens, [policy], **kwargs)[0]
 
 
 @torch.no_grad()
-def recompute_nll(hf, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4,
+def recompute_nll(model: SinkModel, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4,
                   progress: bool = False) -> PolicyRun:
     """Sliding window with re-computation: token t+1 is scored from tokens t-window+1..t encoded from scratch
     at positions 0..window-1. Exact at every ``every``-th position past the window (all positions before it).
 
     Parameters
     ----------
-    hf : transformers.PreTrainedModel
-        The causal LM.
+    model : SinkModel
+        As in :func:`run_policies`.
     tokens : torch.Tensor, shape (N,)
     window : int
     every : int
@@ -373,6 +376,7 @@ def recompute_nll(hf, tokens: torch.Tensor, window: int, *, every: int = 1, batc
     -------
     PolicyRun
     """
+    hf = stream_lm(model, where="recompute_nll")
     device = input_device(hf)
     ids = tokens.to(device)
     N = ids.numel()

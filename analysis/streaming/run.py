@@ -11,7 +11,8 @@ import torch
 
 from analysis.core.io import write_atomic
 from analysis.core.results import Result
-from analysis.streaming.backbone import causal_lm, context_length
+from analysis.model.contract import SinkModel
+from analysis.streaming.backbone import context_length, resolve
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
 from analysis.model.placement import input_device
@@ -273,20 +274,21 @@ def write_csv_atomic(df: pd.DataFrame, path) -> Path:
     return Path(path)
 
 
-def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
+def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
                          newline_sinks: int | None = 4, bits=(8, 4), quant_sinks: int = 4, dense: bool = True,
                          recompute_every: int | None = 8, seed: int = 0, tokenizer=None, skip: int | None = None,
                          batch: int = 16, device=None, dtype=None, progress: bool = False) -> StreamResult:
     """Perplexity of a causal LM on a long stream under dense, window, sinks + window (several s), newline
-    sinks, quantised caches and the re-computation ceiling. ``model``: a name (``smollm2-135m``), a local
-    Hugging Face folder, a TransformerBridge or a PreTrainedModel. ``tokens``: your own ids (N,), else
+    sinks, quantised caches and the re-computation ceiling. ``model``: what ``analysis.load_model`` returns (a name
+    goes through it first; for one release a name still works, with a DeprecationWarning), or the causal LM
+    ``analysis.model.loading.load_causal_lm`` gives (split by a device map). ``tokens``: your own ids (N,), else
     ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
     window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
     k-th position past the window (1: all; None: leave it out).
 
     Parameters
     ----------
-    model : str, path-like, TransformerBridge or transformers.PreTrainedModel
+    model : SinkModel
     tokens : torch.Tensor, shape (N,), optional
         Your own ids.
     window : int
@@ -304,15 +306,16 @@ def streaming_perplexity(model, tokens=None, *, window: int = 256, n_tokens: int
     batch : int
         Policies decoded together.
     device : str, optional
+        Where the causal LM the bridge's weights are copied into runs (default: the bridge's device).
     dtype : torch.dtype or str, optional
-        The weights' dtype of a model loaded here (default float32).
+        That copy's dtype (default: the bridge's).
     progress : bool
 
     Returns
     -------
     StreamResult
     """
-    hf, tok, name = causal_lm(model, tokenizer=tokenizer, device=device, dtype=dtype)
+    hf, tok, name = resolve(model, where="streaming_perplexity", tokenizer=tokenizer, device=device, dtype=dtype)
     n_ctx = context_length(hf)
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")

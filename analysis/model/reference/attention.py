@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from analysis.model.contract import SinkModel
 from analysis.model.reference.flex import flex_elementwise, flex_softmax
 
 _REGISTRY: dict[str, tuple[type, dict, str]] = {}
@@ -106,7 +107,7 @@ def available_attention() -> dict[str, str]:
     return {name: desc for name, (_, _, desc) in _REGISTRY.items()}
 
 
-def pattern_note(model) -> Optional[str]:
+def pattern_note(model: SinkModel) -> Optional[str]:
     """What the sink metric reads where a model's attention weights do not sum to one (sigmoid, elu+1, linear
     kernels, p-norm): ``hook_pattern`` then holds the paper's normalised proxy, sim / sum sim, not the weights.
 

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from analysis.core.io import REFERENCE_FORMAT, parse_dtype, replace_dir, write_atomic, write_json
+from analysis.model.contract import check_model
 from analysis.model.reference.config import ModelConfig
 from analysis.model.reference.sink_lm import SinkLM
 
@@ -104,7 +105,7 @@ def read_json(path) -> dict:
 
 # ----------------------------------------------------------------------------- model weights
 
-def model_tensors(model) -> dict[str, torch.Tensor]:
+def model_tensors(model: SinkLM) -> dict[str, torch.Tensor]:
     """The model's persistent tensors by name (tied weights appear once).
 
     Parameters
@@ -118,7 +119,7 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()}
 
 
-def load_weights(model, tensors: dict[str, torch.Tensor], source) -> None:
+def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> None:
     """Strictly load ``tensors`` into ``model``; a clear CheckpointError on any mismatch.
 
     Parameters
@@ -248,7 +249,7 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- training checkpoints
 
-def save_checkpoint(out: Path, step: int, model, optimizer, names: list[str], state: dict, keep: int) -> Path:
+def save_checkpoint(out: Path, step: int, model: SinkLM, optimizer, names: list[str], state: dict, keep: int) -> Path:
     """Write checkpoint ``step`` completely, then point ``latest.json`` at it; prune old ones.
 
     Parameters
@@ -310,7 +311,7 @@ def latest_checkpoint(out: Path) -> Optional[Path]:
     return path
 
 
-def load_checkpoint(path: Path, model, optimizer, names: list[str]) -> dict:
+def load_checkpoint(path: Path, model: SinkLM, optimizer, names: list[str]) -> dict:
     """Restore model, optimizer and RNG from a checkpoint folder; returns its state.json.
 
     Parameters
@@ -336,7 +337,7 @@ def load_checkpoint(path: Path, model, optimizer, names: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- reference models
 
-def save_reference(out: Path, model, config: dict) -> None:
+def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     """Final weights + config.json (with the reference format key) + tokenizer.json when there is one.
 
     Parameters
@@ -413,5 +414,5 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = parse_dtype(dtype)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    return model.eval()
+    return check_model(model.eval())  # the model contract, checked once, at load
 

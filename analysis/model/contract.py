@@ -1,0 +1,229 @@
+"""The one model contract: what an analysis may ask of a model, checked once, at load.
+
+Every public analysis takes a :class:`SinkModel`: what ``analysis.load_model`` returns (a TransformerLens
+``TransformerBridge`` around a Hugging Face model) or a reference model (``analysis.train``'s ``SinkLM``). It may ask:
+
+- hook names: ``model.hook_dict`` in TransformerLens' names (``analysis.model.hooks.act_name``), read and run
+  through ``model.run_with_hooks`` / ``model.hooks``; the blocks themselves, ``model.blocks``;
+- dims: ``model.cfg`` (``n_layers``, ``n_heads``, ``n_key_value_heads``, ``d_model``, ``d_head``, ``n_ctx``), read by
+  ``analysis.model.hooks.model_dims``;
+- the family spec: ``model.family`` (``analysis.model.families.FamilySpec``), set at load, read through
+  ``analysis.model.families.get_family`` (which fills it on a model built by hand);
+- the tokenizer: ``model.tokenizer`` (None for a reference model of a synthetic task), ``model.to_tokens``;
+- the Hugging Face module the fused and cache passes run: :func:`hf_module`;
+- device and dtype: :func:`model_device` and :func:`model_dtype` (``analysis.model.placement``: where the inputs go,
+  never "the first parameter").
+
+A model name goes through ``load_model`` first, at the caller (the CLI, a notebook), never inside an analysis. The
+nnsight backend has a contract of its own (``analysis.model.nnsight_model.NnsightModel``).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import torch
+
+from analysis.model.placement import input_device
+
+# The members every model must have (the Protocol's, in the order the error names them).
+_MEMBERS = ("hook_dict", "cfg", "blocks", "run_with_hooks", "hooks", "to_tokens", "tokenizer", "model_name",
+            "parameters")
+_CFG_FIELDS = ("n_layers", "n_heads", "d_model")
+_PASS_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # causal LMs a loader or the contract gave
+
+
+class ModelContractError(ValueError):
+    """The model lacks something an analysis needs (hook names, config fields, weights)."""
+
+
+@runtime_checkable
+class SinkModel(Protocol):
+    """What every analysis takes: a model with TransformerLens hook names, dims, a family spec and a tokenizer.
+
+    Attributes
+    ----------
+    hook_dict : Mapping[str, HookPoint]
+        Every hook by its TransformerLens name (``blocks.{l}.attn.hook_pattern`` ...).
+    cfg : object
+        ``n_layers``, ``n_heads``, ``d_model`` (and ``n_key_value_heads``, ``d_head``, ``n_ctx`` where set).
+    blocks : Sequence[torch.nn.Module]
+        The blocks, for the analyses that read weights.
+    tokenizer : transformers.PreTrainedTokenizerBase or None
+        None for a reference model of a synthetic task.
+    model_name : str
+        The name results carry.
+    family : FamilySpec
+        Set at load (``get_family`` reads it on a model built by hand).
+    """
+
+    hook_dict: Mapping[str, Any]
+    cfg: Any
+    blocks: Any
+    tokenizer: Any
+    model_name: str
+
+    def run_with_hooks(self, *args, **kwargs) -> Any: ...
+
+    def hooks(self, *args, **kwargs) -> Any: ...
+
+    def to_tokens(self, *args, **kwargs) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Any: ...
+
+
+def _missing(model) -> list[str]:
+    """What of the contract ``model`` lacks, in words (empty when it has it all)."""
+    gone = [m for m in _MEMBERS if not hasattr(model, m)]
+    if "hook_dict" not in gone:
+        n = getattr(getattr(model, "cfg", None), "n_layers", None)
+        names = model.hook_dict
+        if not n or not any(f"blocks.{l}.attn.hook_pattern" in names for l in range(int(n))):
+            gone.append("attention-pattern hooks (blocks.{l}.attn.hook_pattern)")
+    if "cfg" not in gone:
+        gone += [f"cfg.{f}" for f in _CFG_FIELDS if getattr(model.cfg, f, None) is None]
+    family = getattr(model, "family", None)
+    if family is not None and not hasattr(family, "attention_layers"):
+        gone.append(f"a family spec (model.family is a {type(family).__name__}, not a FamilySpec)")
+    return gone
+
+
+def check_model(model: object) -> SinkModel:
+    """Check, once at load, that ``model`` gives what every analysis may ask (:class:`SinkModel`).
+
+    Parameters
+    ----------
+    model
+        A loaded model (a TransformerBridge, a reference model).
+
+    Returns
+    -------
+    SinkModel
+        ``model`` itself; ModelContractError naming everything it lacks and what to do, otherwise.
+    """
+    gone = _missing(model)
+    if gone:
+        raise ModelContractError(
+            f"{type(model).__name__} does not meet the model contract (analysis.model.contract.SinkModel): it lacks "
+            f"{', '.join(gone)}. Load models with analysis.load_model(name_or_path) (a TransformerBridge), wrap one "
+            "in memory with analysis.model.loading.bridge_hf, or build one with analysis.train.")
+    return model
+
+
+def is_model(obj) -> bool:
+    """Whether ``obj`` is a model of the contract (not a name, a path nor a bare Hugging Face model).
+
+    Parameters
+    ----------
+    obj
+        Anything.
+
+    Returns
+    -------
+    bool
+    """
+    return not isinstance(obj, (str, os.PathLike)) and isinstance(obj, SinkModel)
+
+
+def hf_module(model: SinkModel) -> torch.nn.Module | None:
+    """The Hugging Face module inside a model of the contract, that the fused and cache passes run.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    transformers.PreTrainedModel or None
+        A TransformerBridge's ``original_model``; None for a reference model (it is its own module).
+    """
+    hf = getattr(model, "original_model", None)
+    return hf if isinstance(hf, torch.nn.Module) else None
+
+
+def pass_module(lm: torch.nn.Module) -> torch.nn.Module:
+    """Mark a causal LM that a loader (``analysis.model.loading.load_causal_lm``) or the contract
+    (``analysis.streaming.backbone.causal_lm``) gave, so that the cache passes take it as the contract's.
+
+    Parameters
+    ----------
+    lm : torch.nn.Module
+        A Hugging Face causal LM, or a reference model's decoding wrapper.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``lm`` itself.
+    """
+    _PASS_MODULES.add(lm)
+    return lm
+
+
+def is_pass_module(obj) -> bool:
+    """Whether ``obj`` is a causal LM that a loader or the contract gave (:func:`pass_module`).
+
+    Parameters
+    ----------
+    obj
+        Anything.
+
+    Returns
+    -------
+    bool
+    """
+    try:
+        return obj in _PASS_MODULES
+    except TypeError:  # not weakly referenceable: nothing the contract gave
+        return False
+
+
+def model_device(model: SinkModel) -> torch.device:
+    """Where the model's inputs go and its work starts (``analysis.model.placement.input_device``).
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    torch.device
+    """
+    return input_device(model)
+
+
+def model_dtype(model: SinkModel) -> torch.dtype:
+    """The dtype of the model's floating-point weights.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    torch.dtype
+        float32 for a model without floating-point weights.
+    """
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def warn_old_call(where: str, got) -> None:
+    """The DeprecationWarning of a call form kept for one release: a model name, a path or a bare Hugging Face
+    model where an analysis takes a :class:`SinkModel`.
+
+    Parameters
+    ----------
+    where : str
+        The function called, e.g. "streaming_perplexity".
+    got
+        What it was given.
+
+    Returns
+    -------
+    None
+    """
+    what = f"the name {str(got)!r}" if isinstance(got, (str, os.PathLike)) else f"a bare {type(got).__name__}"
+    warnings.warn(f"{where} was given {what}; it takes the model analysis.load_model returns (the model contract, "
+                  f"analysis.model.contract.SinkModel): call {where}(load_model(...), ...). The old form goes in the "
+                  "next release.", DeprecationWarning, stacklevel=3)
