@@ -496,3 +496,18 @@ def spike_origin(
         min_write = abs_threshold if dims is None else None
     return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write,
                        kind=kind)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "origin", result=SpikeOrigin, order=90, hooks=("resid_pre", "resid_mid", "mlp_out"), requires=("massive",),
+    doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
+    accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind, facts=p.facts)],
+    finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
+    sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
+                      needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
+                      runner="analysis.report.sections:spike_writers"),),
+    figure="analysis.figures.spike_writers:plot_spike_path", exports=("spike_origin",)))
