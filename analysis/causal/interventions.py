@@ -771,6 +771,6 @@ register(Analysis(
     doc="Spike, value and first-key ablations (passes of their own, sharing the profile's baseline).",
     # resid: later passes resume from the profile's residuals
     sections=(Section("Interventions", "cuts", 80, needs=("baseline", "massive", "resid"),
-                      runner="analysis.report.sections:interventions"),),
+                      runner="analysis.report.sections:_interventions"),),
     figure="analysis.figures.interventions:plot_spike_ablation",
     exports=("first_key_ablation", "spike_ablation", "value_ablation")))

@@ -498,6 +498,33 @@ def spike_origin(
                        kind=kind)
 
 
+def writer_summary(origin: SpikeOrigin) -> list[dict]:
+    """The writing blocks and, inside each writing MLP, its writer neurons with their shares of the write (the
+    report's "writers").
+
+    Parameters
+    ----------
+    origin : SpikeOrigin
+
+    Returns
+    -------
+    list of dict
+        Per writing block: ``dim``, ``component``, ``block``, ``write``, ``share_of_value``; for an MLP with its
+        neurons resolved also ``neurons`` (``neuron``, ``share``), ``n_90`` and ``n_99``.
+    """
+    out = []
+    for r in origin.writes[origin.writes.role == "writer"].itertuples():
+        row = {"dim": r.dim, "component": r.component, "block": r.block, "write": r.write, "share_of_value": r.share}
+        if r.component == "mlp":
+            n = next((n for n in origin.neurons if n.dim == r.dim and n.block == r.block), None)
+            if n is not None:
+                t = n.table()
+                row["neurons"] = [{"neuron": int(x.neuron), "share": float(x.share)} for x in t.itertuples()]
+                row["n_90"], row["n_99"] = len(n.neurons(0.9)), len(n.neurons(0.99))
+        out.append(row)
+    return out
+
+
 # The registration (analysis.core.registry): this module's one declaration.
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
@@ -509,5 +536,5 @@ register(Analysis(
     finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
     sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
                       needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
-                      runner="analysis.report.sections:spike_writers"),),
+                      runner="analysis.report.sections:_spike_writers"),),
     figure="analysis.figures.spike_writers:plot_spike_path", exports=("spike_origin",)))

@@ -407,5 +407,5 @@ register(Analysis(
     # the attention analyses run on the attention layers (true indices)
     accumulators=lambda p: [ValueNormsAccumulator(p.model, list(p.facts.attention_layers), p.tokens.shape[1],
                                                   kind=p.kind, facts=p.facts)],
-    sections=(Section("Value norms", "value", 70, runner="analysis.report.sections:value_norms"),),
+    sections=(Section("Value norms", "value", 70, runner="analysis.report.sections:_value_norms"),),
     figure="analysis.figures.value_norms:plot_value_norms", exports=("value_norms",)))

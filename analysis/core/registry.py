@@ -3,7 +3,7 @@
 What is built from it: ``analysis.profile`` and ``Profile`` (one typed field per registered pass analysis, in
 ``order``), the report's sections and their order (``Section.order``), the package's public exports
 (``Analysis.exports``) and the protocol test's builders. The figures and the report sit above the analyses, so a
-declaration names its section runner and its figure by dotted path (``"analysis.report.sections:sink"``), resolved
+declaration names its section runner and its figure by dotted path (``"analysis.report.sections:_sink"``), resolved
 only when the report runs (``resolve``). A test or a notebook adds an analysis for a while with ``registered(...)``.
 
 The registry sits on the bottom floor and imports nothing of the package: the report's floor imports the modules

@@ -536,7 +536,7 @@ register(Analysis(
     accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind,
                                             facts=p.facts)],
     finish=_with_bos, table=lambda by_kind: sink_table(by_kind).reset_index(),
-    sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:sink"),
+    sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
               Section("Attention views (circuitsvis, offline)", "attention", 20, key="views", needs=("sink",),
-                      runner="analysis.report.sections:views")),
+                      runner="analysis.report.sections:_views")),
     figure="analysis.figures.sink:plot_sink_rates", exports=("SinkResult", "sink_metric", "sink_table")))
