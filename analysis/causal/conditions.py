@@ -448,7 +448,7 @@ from analysis.core.registry import Analysis, register  # noqa: E402
 
 
 register(Analysis(
-    "baseline", result=Baseline, order=60, hooks=("pattern", "resid_post"), product=True,
+    "baseline", result=Baseline, order=60, hooks=("pattern", "resid", "v", "z"), product=True,
     doc="The interventions' shared baseline on the main kind.",
     accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps, facts=p.facts),
     # with the main kind's resume points, so that its conditions resume

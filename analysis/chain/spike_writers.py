@@ -530,7 +530,8 @@ from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
 register(Analysis(
-    "origin", result=SpikeOrigin, order=90, hooks=("resid_pre", "resid_mid", "mlp_out"), requires=("massive",),
+    "origin", result=SpikeOrigin, order=90, hooks=("pre", "attn", "mlp", "post", "x", "act", "gate", "up"),
+    requires=("massive",),
     doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
     accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind, facts=p.facts)],
     finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),

@@ -16,11 +16,13 @@ import ast
 import contextlib
 import importlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-PASS_KINDS = ("every", "main")  # an analysis runs on every input kind, or on the main one only
+_MARK = "\nregister(Analysis("  # how a registration starts, at the bottom of its module
+_EXPORTS_RE = re.compile(r"\bexports=\(([^)]*)\)")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class Analysis:
         ``accumulators(inputs: PassInputs) -> list`` of accumulators for the profile pass; None: it runs outside it
         (its section's runner calls it).
     hooks : tuple of str
-        The hook points its accumulators read (``hook_pattern``, ``hook_resid_post``, ...).
+        The activations its accumulators read, by the keys they give them in ``hooks()`` (``pattern``, ``resid``,
+        ``q``, ...; checked against the accumulators by ``tests/test_registry.py``).
     finish : callable or None
         ``finish(outputs, inputs, got) -> result``: the accumulators' outputs to its result (``got``: every
         analysis' outputs of the pass, by name); None: the first output.
@@ -340,15 +343,12 @@ def declared(root: str | Path) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
-        if "\nregister(Analysis(" not in text:
+        if _MARK not in text:
             continue
         parts = [root.name, *path.relative_to(root).with_suffix("").parts]
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         names: list[str] = []
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Analysis":
-                for kw in node.keywords:
-                    if kw.arg == "exports":
-                        names += list(ast.literal_eval(kw.value))
+        for found in _EXPORTS_RE.finditer(text, text.index(_MARK)):  # the registrations: the module's bottom
+            names += ast.literal_eval("[" + found.group(1) + "]")
         out[module] = tuple(names)
     return out

@@ -645,6 +645,6 @@ def _resid_capture(inputs) -> list:
 
 
 register(Analysis(
-    "resid", result=dict, order=80, hooks=("resid_pre",), product=True, empty=dict,
+    "resid", result=dict, order=80, hooks=("resid",), product=True, empty=dict,
     doc="Block -> the residual stream entering it on the main kind, shape (N, T, D): the resume points.",
     accumulators=_resid_capture))
