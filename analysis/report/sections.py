@@ -385,8 +385,8 @@ def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
 
     Parameters
     ----------
-    ctx : analysis.report.build.ReportContext
-        The report's model, probes and profile.
+    ctx
+        The report's context (``analysis.report.build``): the model, the probes, the profile.
     sec : Section
         The section filled.
     analysis : analysis.core.registry.Analysis
