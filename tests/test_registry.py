@@ -129,3 +129,16 @@ def test_declared_hooks_are_those_the_accumulators_read(tiny_llama):
         if not asked <= set(a.hooks):
             wrong[a.name] = sorted(asked - set(a.hooks))
     assert not wrong, f"registered analyses reading activations they do not declare in hooks=: {wrong}"
+
+
+def test_every_registered_section_goes_to_a_link_of_the_chain():
+    """A section's findings are gathered under its link in the Findings section: a link not in ``LINKS`` would hide
+    them there."""
+    from analysis.report import build
+    from analysis.report.html import LINKS
+
+    links = {k for k, _ in LINKS}
+    wrong = {key: s.link for key, (a, s) in build.registered_sections().items() if s.link not in links}
+    assert not wrong, f"sections registered with a link outside analysis.report.html.LINKS: {wrong}"
+    assert list(build.SECTIONS) == ["sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold",
+                                    "value_norms", "interventions", "dormant", "positions", "context"]
