@@ -53,7 +53,7 @@ def test_report_has_no_failed_section(family, family_dirs, tmp_path, monkeypatch
     gate table appears for gated models and the learned-sink table for gpt-oss, and only there."""
     _, model = family_dirs(family)
     if family not in PNG_FAMILIES:
-        monkeypatch.setattr("analysis.report.build.figure_html", _no_png)
+        monkeypatch.setattr("analysis.report.html.figure_html", _no_png)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         page = build_report(model, tmp_path, n=N, T=T).read_text()

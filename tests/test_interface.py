@@ -242,7 +242,7 @@ def test_findings_of_a_model_without_a_sink_agree(family_bridge, tmp_path, monke
     criterion serves every section."""
     from analysis.report.build import build_report
 
-    monkeypatch.setattr("analysis.report.build.figure_html", lambda fig, caption="", dpi=90: "")
+    monkeypatch.setattr("analysis.report.html.figure_html", lambda fig, caption="", dpi=90: "")
     model = family_bridge("qwen2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

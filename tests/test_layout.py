@@ -459,3 +459,23 @@ def test_no_function_body_runs_over_sixty_lines():
         long += _long_functions(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
     assert not long, (f"function bodies over {MAX_BODY} lines (docstring not counted); split them into functions "
                       "named for what each part does:\n" + "\n".join(long))
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry of analyses: every registered analysis returns a Result
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_registered_analysis_returns_a_result():
+    """Each analysis a module registers (``analysis.core.registry``) declares result types that keep the protocol;
+    only the pass products others read (the baseline, the residual stream) are exempt, and those have no section."""
+    from analysis.core import registry
+    from analysis.report.one_pass import discover
+
+    found = discover()  # every module whose source registers one, imported
+    assert found and set(found) == {a.module for a in registry.analyses()}, "a registration the source scan misses"
+    bad = {a.name: [getattr(t, "__name__", t) for t in a.results] for a in registry.analyses()
+           if not a.product and not all(inspect.isclass(t) and issubclass(t, Result) for t in a.results)}
+    assert not bad, f"registered analyses whose result is not an analysis.core.results.Result: {bad}"
+    products = [a.name for a in registry.analyses() if a.product and a.sections]
+    assert not products, f"pass products with a report section (they have no text to show): {products}"

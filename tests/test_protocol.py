@@ -7,6 +7,9 @@ output gates and the experts; a one-layer Llama for the streamed perplexity) or,
 chain, from its committed tables. Each built result must give strict JSON (``to_dict()``), its finding as a non-empty
 list of whole sentences (``findings()``), a non-empty ``text()``, named DataFrames (``tables``), and the header
 (``model_name``, ``kind``, ``n_samples``).
+
+The results of the registered pass analyses (``analysis.core.registry``) are read off one ``profile`` by the registry
+(``from_profile``), so a newly registered analysis is checked with no edit here (``tests/test_registry.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 import analysis
 from analysis import load_model
+from analysis.core import registry
 from analysis.core.results import Result
 from tests.test_facts import facts_results
 from tests.test_family_spike_origin import plant_writer
@@ -42,6 +46,19 @@ def _result_classes() -> dict[str, type]:
             if inspect.isclass(obj) and issubclass(obj, Result) and obj is not Result \
                     and obj.__module__ == info.name and not inspect.isabstract(obj):
                 out[name] = obj
+    return out
+
+
+def from_profile(prof) -> dict[str, Result]:
+    """Each registered pass analysis' result in ``prof`` by its class name (the main kind's, for those run on every
+    kind): the builders the registry gives."""
+    out = {}
+    for a in registry.analyses():
+        got = getattr(prof, a.name, None) if a.in_pass and not a.product else None
+        if a.every_kind and got:
+            got = got.get(prof.main)
+        if isinstance(got, Result):
+            out[type(got).__name__] = got
     return out
 
 
@@ -71,10 +88,8 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     prof = profile(llama, {"natural": toks, "random": torch.randint(3, 96, (N, T), generator=gen)},
                    analyses=ANALYSES + FOLLOW_UPS, spike_thresholds=(100.0, 100.0))
     o = prof.origin
-    out: dict[str, Result] = {"Profile": prof, "SinkResult": prof.sink["natural"], "QKAngles": prof.qk,
-                              "MassiveActivations": prof.massive["natural"], "KeyManifold": prof.key_manifold,
-                              "ValueNorms": prof.value_norms, "SpikeOrigin": o, "FirstTokenCause": prof.cause,
-                              "SpikeCuts": prof.cuts, "MlpNeurons": o.neurons[0], "QuadraticForm": o.quadratic[0]}
+    out: dict[str, Result] = {"Profile": prof, **from_profile(prof), "MlpNeurons": o.neurons[0],
+                              "QuadraticForm": o.quadratic[0]}
     out["SpikeAblation"] = spike_ablation(llama, toks, ratio_threshold=100.0)
     out["ValueAblation"] = value_ablation(llama, toks, sink_heads=[(1, 0)])
     out["FirstKeyAblation"] = first_key_ablation(llama, toks, ratio_threshold=100.0)
@@ -88,7 +103,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["SinkContext"] = sink_vs_context(llama, Ts=(8, 12), n=2, seeds=(0,),
                                          texts=[" ".join(f"w{i}" for i in range(200))])
     qwen = _planted(family_dir, "qwen3_next")  # gated attention, and experts in every block
-    out["GateResult"] = profile(qwen, {"natural": toks}, analyses=("gates",)).gates
+    out |= from_profile(profile(qwen, {"natural": toks}, analyses=("gates",)))  # GateResult
     out["ExpertWrites"] = analysis.spike_origin(qwen, toks[:3], ratio_threshold=100.0).experts[0]
     one = make_tiny_llama_dir(tmp_path_factory.mktemp("protocol-llama"), n_layers=1, n_ctx=64)
     out["StreamResult"] = streaming_perplexity(one, torch.randint(3, 96, (48,), generator=gen), window=16,
@@ -113,7 +128,11 @@ SENTENCE = re.compile(r"^[A-Z0-9].*[.!?]$", re.S)
 
 @pytest.mark.parametrize("name", sorted(_result_classes()))
 def test_result_keeps_the_protocol(built, name):
-    r = built[name]
+    assert_protocol(name, built[name])
+
+
+def assert_protocol(name: str, r: Result) -> None:
+    """The protocol, checked on one built result."""
     json.dumps(r.to_dict(), allow_nan=False)  # strict JSON
     f = r.findings()
     assert isinstance(f, list) and f, f"{name}.findings() is empty"

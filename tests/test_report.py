@@ -297,7 +297,7 @@ def test_a_headline_from_committed_data_says_so(planted, tmp_path, monkeypatch):
     from analysis.positions import context_length
 
     monkeypatch.setattr(context_length, "committed_sink_context", lambda name: context_length.load_sink_context("smollm2-135m"))
-    monkeypatch.setattr("analysis.report.build.CONTEXT_TS", (8, 16))  # the computed range, short: not what is tested
+    monkeypatch.setattr("analysis.report.sections.CONTEXT_TS", (8, 16))  # the computed range, short: not what is tested
     build_report(planted, tmp_path, n=4, T=16, sections=["context"])
     d = _strict_json(tmp_path / "report.json")
     head = next(c for c in d["findings"] if c["link"] == "context")["headline"]

@@ -442,3 +442,15 @@ def baseline_for(model: SinkModel, tokens, baseline: Baseline | None, eps: float
         raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
                          f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")
     return baseline
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+register(Analysis(
+    "baseline", result=Baseline, order=60, hooks=("pattern", "resid", "v", "z"), product=True,
+    doc="The interventions' shared baseline on the main kind.",
+    accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps, facts=p.facts),
+    # with the main kind's resume points, so that its conditions resume
+    finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {})))

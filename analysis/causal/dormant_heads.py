@@ -330,3 +330,14 @@ def dormant_heads(
 
 
 __all__ = ["dormant_heads", "output_grams", "grad_batch_size"]
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "dormant", result=DormantHeads, order=220,
+    doc="What a sink does for its head (its own forward + backward pass: gradients the profile's pass cannot give).",
+    sections=(Section("What a sink does for its head", "dormant", 90, needs=(), runner="analysis.report.sections:_dormant"),),
+    figure="analysis.figures.dormant_heads:plot_head_correlations", exports=("dormant_heads",)))

@@ -752,3 +752,17 @@ def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
                 row[f"sink_{k}"] = float((r.alpha[:, i_l, :, k - 1] > r.eps).float().mean() * 100)
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "interventions", result=(SpikeAblation, ValueAblation, FirstKeyAblation), order=210,
+    doc="Spike, value and first-key ablations (passes of their own, sharing the profile's baseline).",
+    # resid: later passes resume from the profile's residuals
+    sections=(Section("Interventions", "cuts", 80, needs=("baseline", "massive", "resid"),
+                      runner="analysis.report.sections:_interventions"),),
+    figure="analysis.figures.interventions:plot_spike_ablation",
+    exports=("first_key_ablation", "spike_ablation", "value_ablation")))

@@ -326,3 +326,21 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
     df["delta_sink_1"] = df["sink_1_pct"] - b["sink_1_pct"]
     return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+def _follow_up(inputs, prof) -> SpikeCuts | None:
+    """The writer cuts on the first ``follow_up_samples`` main-kind sequences (None without a spike)."""
+    if prof.origin is None or not prof.origin.has_spike:
+        return None
+    return spike_cuts(inputs.model, inputs.tokens, prof.origin, baseline=prof.baseline,
+                      max_samples=inputs.follow_up_samples, batch_size=inputs.batch_size)
+
+
+register(Analysis(
+    "cuts", result=SpikeCuts, order=110, follows="origin", requires=("massive", "origin", "baseline"), run=_follow_up,
+    doc="The spike, Sink_1 and the loss with the writer or eraser neurons cut (follow-up \"cuts\"; None without a spike).",
+    figure="analysis.figures.spike_writers:plot_spike_cuts", exports=("spike_cuts",)))

@@ -375,3 +375,21 @@ def _spike_rows(origin, got: dict, readouts: list[_Readout], peaks: dict) -> pd.
                          "ratio": lat / first if abs(first) > TINY else float("nan"),
                          "later_is_spike": bool(abs(first) > TINY and lat / first >= 0.5)})
     return pd.DataFrame(rows)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+def _follow_up(inputs, prof) -> FirstTokenCause | None:
+    """Why the first token, on the first ``follow_up_samples`` main-kind sequences (None without a spike)."""
+    if prof.origin is None or not prof.origin.has_spike:
+        return None
+    return why_first_token(inputs.model, inputs.tokens[:inputs.follow_up_samples], prof.origin,
+                           batch_size=inputs.batch_size)
+
+
+register(Analysis(
+    "cause", result=FirstTokenCause, order=100, follows="origin", requires=("massive", "origin", "baseline"),
+    run=_follow_up, doc="Why the first token: what feeds the main writer neurons (follow-up \"cause\"; None without a spike).",
+    figure="analysis.figures.spike_writers:plot_first_token_cause", exports=("why_first_token",)))

@@ -741,3 +741,15 @@ def first_key_manifold(
     acc = key_manifold_accumulator(model, tokens.shape, layers=layers, heads=heads, n_components=n_components,
                                    scatter_heads=scatter_heads, rotated=rotated, kind=kind)
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "key_manifold", result=KeyManifold, order=40, hooks=("q", "k", "pattern"), doc="The first-key manifold on the main kind.",
+    accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind, facts=p.facts)],
+    sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"),
+                      runner="analysis.report.sections:_key_manifold"),),
+    figure="analysis.figures.key_manifold:plot_key_pca", exports=("first_key_manifold",)))

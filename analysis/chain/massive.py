@@ -677,3 +677,16 @@ def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
             rows.append({"kind": kind, "dim": d.dim, "layers": d.layers, "first_token_share": d.first_token_share,
                          "peak_first_token": d.first_token_mean, "n_other_positions": d.n_other_positions})
     return pd.DataFrame(rows)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "massive", result=MassiveActivations, every_kind=True, order=20, hooks=("resid",),
+    doc="Input kind -> massive activations.",
+    accumulators=lambda p: [massive_accumulator(p.model, p.tokens.shape, abs_threshold=p.spike[0],
+                                                ratio_threshold=p.spike[1], kind=p.kind, facts=p.facts)],
+    sections=(Section("Massive activations", "spike", 30, runner="analysis.report.sections:_massive"),),
+    figure="analysis.figures.massive:plot_top_activations", exports=("massive_activations",)))

@@ -798,3 +798,14 @@ def norm_gain_trace(
                                          kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
     return acc.result(message)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "norm_gain", result=NormGainTrace, order=200, doc="The norm-gain trace of one sink layer (its own pass).",
+    sections=(Section("Norm gain: from the spike to the first key", "norm", 50, needs=("sink", "massive", "resid"),
+                      runner="analysis.report.sections:_norm_gain"),),
+    figure="analysis.figures.norm_gain:plot_stage_shares", exports=("norm_gain_trace",)))

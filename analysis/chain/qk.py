@@ -257,3 +257,12 @@ def qk_angles(model: SinkModel, tokens, *, layers=None, batch_size: int | None =
     if tokens.shape[1] < 2:
         raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
     return run_pass(model, tokens, [QKAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+register(Analysis(
+    "qk", result=QKAngles, order=30, hooks=("q", "k"), doc="QK angles on the main kind.",
+    accumulators=lambda p: [QKAccumulator(p.model, kind=p.kind, facts=p.facts)], exports=("qk_angles",)))

@@ -497,3 +497,46 @@ def spike_origin(
         min_write = abs_threshold if dims is None else None
     return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write,
                        kind=kind)
+
+
+def writer_summary(origin: SpikeOrigin) -> list[dict]:
+    """The writing blocks and, inside each writing MLP, its writer neurons with their shares of the write (the
+    report's "writers").
+
+    Parameters
+    ----------
+    origin : SpikeOrigin
+
+    Returns
+    -------
+    list of dict
+        Per writing block: ``dim``, ``component``, ``block``, ``write``, ``share_of_value``; for an MLP with its
+        neurons resolved also ``neurons`` (``neuron``, ``share``), ``n_90`` and ``n_99``.
+    """
+    out = []
+    for r in origin.writes[origin.writes.role == "writer"].itertuples():
+        row = {"dim": r.dim, "component": r.component, "block": r.block, "write": r.write, "share_of_value": r.share}
+        if r.component == "mlp":
+            n = next((n for n in origin.neurons if n.dim == r.dim and n.block == r.block), None)
+            if n is not None:
+                t = n.table()
+                row["neurons"] = [{"neuron": int(x.neuron), "share": float(x.share)} for x in t.itertuples()]
+                row["n_90"], row["n_99"] = len(n.neurons(0.9)), len(n.neurons(0.99))
+        out.append(row)
+    return out
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "origin", result=SpikeOrigin, order=90, hooks=("pre", "attn", "mlp", "post", "x", "act", "gate", "up"),
+    requires=("massive",),
+    doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
+    accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind, facts=p.facts)],
+    finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
+    sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
+                      needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
+                      runner="analysis.report.sections:_spike_writers"),),
+    figure="analysis.figures.spike_writers:plot_spike_path", exports=("spike_origin",)))

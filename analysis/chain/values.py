@@ -397,3 +397,16 @@ def value_norms(
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result(sink, reduce)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "value_norms", result=ValueNorms, order=50, hooks=("v", "pattern"), doc="Value norms on the main kind.",
+    # the attention analyses run on the attention layers (true indices)
+    accumulators=lambda p: [ValueNormsAccumulator(p.model, list(p.facts.attention_layers), p.tokens.shape[1],
+                                                  kind=p.kind, facts=p.facts)],
+    sections=(Section("Value norms", "value", 70, runner="analysis.report.sections:_value_norms"),),
+    figure="analysis.figures.value_norms:plot_value_norms", exports=("value_norms",)))

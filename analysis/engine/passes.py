@@ -627,3 +627,23 @@ class _OnBatch(Accumulator):
 
     def result(self) -> None:
         return None
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+def _resid_capture(inputs) -> list:
+    """The main pass's resume points (``checkpoint_layers``); none where the model cannot resume a pass."""
+    model, tokens, facts = inputs.model, inputs.tokens, inputs.facts
+    if not can_resume(model):
+        return []
+    block_bytes = tokens.numel() * facts.dims.d_model * next(model.parameters()).element_size()
+    layers = checkpoint_layers(facts.dims.n_layers, block_bytes, inputs.budget_mib)
+    return [ResidCapture(layers)] if layers else []
+
+
+register(Analysis(
+    "resid", result=dict, order=80, hooks=("resid",), product=True, empty=dict,
+    doc="Block -> the residual stream entering it on the main kind, shape (N, T, D): the resume points.",
+    accumulators=_resid_capture))

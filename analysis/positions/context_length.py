@@ -273,3 +273,14 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
 def _range(lo: int, hi: int) -> str:
     """'12' for 12-12, '1-32' otherwise."""
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "context", result=SinkContext, order=240, doc="The sink against context length and eps (passes of their own).",
+    sections=(Section("Sink against context length and eps", "context", 110, needs=(),
+                      runner="analysis.report.sections:_context"),),
+    figure="analysis.figures.positions:plot_sink_vs_context", exports=("SinkContext", "sink_vs_context")))

@@ -554,3 +554,13 @@ def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
     if len(df) > max_rows:
         lines.append(f"... {len(df) - max_rows} more rows in the JSON")
     return "\n".join(lines)
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+register(Analysis(
+    "positions", result=SinkPositions, order=230, doc="Every sink position (its own pass: alpha of every key).",
+    sections=(Section("Every sink", "every_sink", 100, needs=(), runner="analysis.report.sections:_positions"),),
+    figure="analysis.figures.positions:plot_sink_positions", exports=("SinkPositions", "sink_positions")))

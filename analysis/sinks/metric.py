@@ -518,3 +518,26 @@ def sink_table(results: dict[str, SinkResult], *, k: int = 1) -> pd.DataFrame:
     return pd.DataFrame(
         {"input": list(results), f"Sink_{k} (%)": [r.sink_rate(k) for r in results.values()]}
     ).set_index("input")
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, Section, register  # noqa: E402
+
+
+def _with_bos(outputs: list, inputs, got: dict) -> SinkResult:
+    """The sink result, recording the first token: a BOS or not, and whether the probe asked for one."""
+    res = outputs[0]
+    res.meta["bos"] = {**bos_record(inputs.model, inputs.tokens), "asked": getattr(inputs.probe, "bos", None)}
+    return res
+
+
+register(Analysis(
+    "sink", result=SinkResult, every_kind=True, order=10, hooks=("pattern",),
+    doc="Input kind -> the sink metric (``alpha`` (N, L, H, k_max)).",
+    accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind,
+                                            facts=p.facts)],
+    finish=_with_bos, table=lambda by_kind: sink_table(by_kind).reset_index(),
+    sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
+              Section("Attention views (circuitsvis, offline)", "attention", 20, key="views", needs=("sink",),
+                      runner="analysis.report.sections:_views")),
+    figure="analysis.figures.sink:plot_sink_rates", exports=("SinkResult", "sink_metric", "sink_table")))

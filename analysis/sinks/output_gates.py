@@ -188,3 +188,15 @@ def attention_gates(model: SinkModel, tokens, *, layers=None, batch_size: int | 
     if tokens.shape[1] < 2:
         raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
     return run_pass(model, tokens, [GateAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]
+
+
+# The registration (analysis.core.registry): this module's one declaration.
+from analysis.core.registry import Analysis, register  # noqa: E402
+
+
+register(Analysis(
+    "gates", result=GateResult, order=70, hooks=("gate",),
+    doc="The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).",
+    # no gate: nothing to run
+    accumulators=lambda p: [GateAccumulator(p.model, kind=p.kind, facts=p.facts)] if p.facts.family.gate is not None else [],
+    exports=("attention_gates",)))

@@ -1,0 +1,354 @@
+"""The registry of analyses: each analysis module declares itself once, at its bottom, with ``register(Analysis(...))``.
+
+What is built from it: ``analysis.profile`` and ``Profile`` (one typed field per registered pass analysis, in
+``order``), the report's sections and their order (``Section.order``), the package's public exports
+(``Analysis.exports``) and the protocol test's builders. The figures and the report sit above the analyses, so a
+declaration names its section runner and its figure by dotted path (``"analysis.report.sections:_sink"``), resolved
+only when the report runs (``resolve``). A test or a notebook adds an analysis for a while with ``registered(...)``.
+
+The registry sits on the bottom floor and imports nothing of the package: the report's floor imports the modules
+that register (``analysis.report.one_pass.discover``); ``declared()`` reads the declarations from the source, so that
+``import analysis`` stays light.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import inspect
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+_MARK = "\nregister(Analysis("  # how a registration starts, at the bottom of its module
+_EXPORTS_RE = re.compile(r"\bexports=\(([^)]*)\)")
+
+
+@dataclass(frozen=True)
+class PassInputs:
+    """What an accumulator factory of the profile pass is handed: one input kind's pass.
+
+    Attributes
+    ----------
+    model
+        The model measured.
+    tokens : torch.Tensor
+        The kind's token ids, shape (N, T).
+    kind : str
+        The input kind.
+    main : bool
+        Whether it is the main kind.
+    probe
+        The probe as given (a ProbeSet or the tokens).
+    eps : float
+        The sink threshold.
+    k_max : int or None
+        Keys whose alpha is kept.
+    spike : tuple of float
+        (abs_threshold, ratio_threshold) of the massive activations.
+    budget_mib : float
+        The most MiB of residual stream kept.
+    facts
+        The model's facts, read once (``analysis.engine.passes.ModelFacts``).
+    batch_size : int or None
+        Sequences per batch.
+    follow_up_samples : int
+        The main-kind sequences the follow-ups run on.
+    """
+
+    model: Any
+    tokens: Any
+    kind: str
+    main: bool
+    probe: Any = None
+    eps: float = 0.3
+    k_max: int | None = None
+    spike: tuple = (100.0, 1000.0)
+    budget_mib: float = 0.0
+    facts: Any = None
+    batch_size: int | None = None
+    follow_up_samples: int = 0
+
+
+@dataclass(frozen=True)
+class Section:
+    """An analysis' section of the report.
+
+    Attributes
+    ----------
+    title : str
+        Its heading.
+    link : str
+        The link of the chain its findings go to (``analysis.report.html.LINKS``).
+    order : int
+        Its place on the page (lower first).
+    key : str or None
+        Its name in the report and its JSON (default: the analysis' name).
+    needs : tuple of str or None
+        The pass analyses it reads (default: the analysis itself, where it runs in the pass).
+    runner : str or callable or None
+        ``"module:function"`` or a function ``(ctx, sec)`` that lays the result out; None: the result's findings,
+        tables, figure and ``to_dict()`` (``analysis.report.sections.generic``).
+    """
+
+    title: str
+    link: str
+    order: int
+    key: str | None = None
+    needs: tuple[str, ...] | None = None
+    runner: str | Callable | None = None
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One analysis, declared once by its module.
+
+    Attributes
+    ----------
+    name : str
+        Its name: the ``Profile`` field, the ``analyses`` option of ``profile``.
+    result : type or tuple of type
+        What it returns (a ``analysis.core.results.Result``; a pass product such as the residual stream: its type).
+    doc : str
+        One line: what the ``Profile`` field holds.
+    accumulators : callable or None
+        ``accumulators(inputs: PassInputs) -> list`` of accumulators for the profile pass; None: it runs outside it
+        (its section's runner calls it).
+    hooks : tuple of str
+        The activations its accumulators read, by the keys they give them in ``hooks()`` (``pattern``, ``resid``,
+        ``q``, ...; checked against the accumulators by ``tests/test_registry.py``).
+    finish : callable or None
+        ``finish(outputs, inputs, got) -> result``: the accumulators' outputs to its result (``got``: every
+        analysis' outputs of the pass, by name); None: the first output.
+    every_kind : bool
+        Runs on every input kind (a dict by kind in ``Profile``), else on the main kind only.
+    requires : tuple of str
+        The analyses it reads, which must be asked for with it.
+    follows : str or None
+        The analysis it follows up: it runs after the pass, on the main kind, asked for by name only.
+    run : callable or None
+        A follow-up's ``run(inputs, profile) -> result or None``.
+    product : bool
+        A pass product others read (the baseline, the residual stream), not a result in ``Profile.results``.
+    empty : callable or None
+        The ``Profile`` field's default factory where it is not None (``dict`` for the residual stream).
+    table : callable or None
+        ``table(by_kind) -> DataFrame``: its table in ``Profile.tables`` (analyses run on every kind).
+    order : int
+        Its place in the profile pass and in ``Profile``'s fields (lower first).
+    sections : tuple of Section
+        Its sections of the report.
+    figure : str or None
+        Its main figure, ``"module:function"`` taking the result.
+    exports : tuple of str
+        The names ``analysis`` exports from its module.
+    module : str
+        The module that registered it (set by ``register``).
+    """
+
+    name: str
+    result: type | tuple
+    doc: str
+    accumulators: Callable | None = None
+    hooks: tuple[str, ...] = ()
+    finish: Callable | None = None
+    every_kind: bool = False
+    requires: tuple[str, ...] = ()
+    follows: str | None = None
+    run: Callable | None = None
+    product: bool = False
+    empty: Callable | None = None
+    table: Callable | None = None
+    order: int = 1000
+    sections: tuple[Section, ...] = ()
+    figure: str | None = None
+    exports: tuple[str, ...] = ()
+    module: str = field(default="", compare=False)
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether it runs in the profile pass (an accumulator factory) or after it (a follow-up)."""
+        return self.accumulators is not None or self.follows is not None
+
+    @property
+    def results(self) -> tuple:
+        """Its result types, as a tuple."""
+        return self.result if isinstance(self.result, tuple) else (self.result,)
+
+
+_REGISTRY: dict[str, Analysis] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add an analysis to the registry (once per name), recording the module that registers it.
+
+    Parameters
+    ----------
+    analysis : Analysis
+
+    Returns
+    -------
+    Analysis
+        As registered (with its module).
+    """
+    if analysis.name in _REGISTRY:
+        raise ValueError(f"an analysis named {analysis.name!r} is already registered (by "
+                         f"{_REGISTRY[analysis.name].module}); pick another name or unregister it first.")
+    if analysis.module == "":
+        caller = inspect.currentframe().f_back
+        object.__setattr__(analysis, "module", caller.f_globals.get("__name__", "") if caller else "")
+    _REGISTRY[analysis.name] = analysis
+    return analysis
+
+
+def unregister(name: str) -> Analysis:
+    """Remove an analysis from the registry.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    Analysis
+        The one removed.
+    """
+    return _REGISTRY.pop(name)
+
+
+@contextlib.contextmanager
+def registered(*new: Analysis) -> Iterator[tuple[Analysis, ...]]:
+    """Register analyses for the duration of a ``with`` block (a test, a notebook cell), then unregister them.
+
+    Parameters
+    ----------
+    *new : Analysis
+
+    Yields
+    ------
+    tuple of Analysis
+    """
+    done = []
+    try:
+        for a in new:
+            if a.module == "":  # declared in a test or a notebook: the module of its result
+                object.__setattr__(a, "module", a.results[0].__module__)
+            done.append(register(a))
+        yield tuple(done)
+    finally:
+        for a in done:
+            _REGISTRY.pop(a.name, None)
+
+
+def analyses() -> list[Analysis]:
+    """Every registered analysis, in ``order``.
+
+    Returns
+    -------
+    list of Analysis
+    """
+    return sorted(_REGISTRY.values(), key=lambda a: (a.order, a.name))
+
+
+def get(name: str) -> Analysis:
+    """The registered analysis ``name``.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    Analysis
+    """
+    return _REGISTRY[name]
+
+
+def sections() -> list[tuple[Analysis, Section]]:
+    """Every registered section with its analysis, in page order.
+
+    Returns
+    -------
+    list of tuple of (Analysis, Section)
+    """
+    out = [(a, s) for a in _REGISTRY.values() for s in a.sections]
+    return sorted(out, key=lambda p: (p[1].order, section_key(*p)))
+
+
+def section_key(analysis: Analysis, section: Section) -> str:
+    """A section's name: its own key, else its analysis' name.
+
+    Parameters
+    ----------
+    analysis : Analysis
+    section : Section
+
+    Returns
+    -------
+    str
+    """
+    return section.key or analysis.name
+
+
+def section_needs(analysis: Analysis, section: Section) -> tuple[str, ...]:
+    """The pass analyses a section reads: its own ``needs``, else its analysis where that runs in the pass.
+
+    Parameters
+    ----------
+    analysis : Analysis
+    section : Section
+
+    Returns
+    -------
+    tuple of str
+    """
+    if section.needs is not None:
+        return section.needs
+    return (analysis.name,) if analysis.in_pass else ()
+
+
+def resolve(ref: str | Callable) -> Callable:
+    """A ``"module:function"`` reference (a runner or a figure on a floor above the analyses) as the function.
+
+    Parameters
+    ----------
+    ref : str or callable
+
+    Returns
+    -------
+    callable
+    """
+    if callable(ref):
+        return ref
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def declared(root: str | Path) -> dict[str, tuple[str, ...]]:
+    """The modules under ``root`` that register an analysis, with the names each exports, read from their source
+    (nothing imported): what ``analysis``'s lazy exports and the report's discovery read.
+
+    Parameters
+    ----------
+    root : path-like
+        The package's folder (``analysis/``).
+
+    Returns
+    -------
+    dict of str to tuple of str
+        Module -> its exported names.
+    """
+    root = Path(root)
+    out: dict[str, tuple[str, ...]] = {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if _MARK not in text:
+            continue
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names: list[str] = []
+        for found in _EXPORTS_RE.finditer(text, text.index(_MARK)):  # the registrations: the module's bottom
+            names += ast.literal_eval("[" + found.group(1) + "]")
+        out[module] = tuple(names)
+    return out
