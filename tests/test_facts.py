@@ -34,13 +34,11 @@ PLUMBING = {
     "model/reference/kernels.py:FLEX_MIN_HEAD_DIM": "flex attention's own limit",
     "model/reference/data.py:KEY_RANK": "how the synthetic task is built (a data set, not a threshold)",
     "train/cli.py:NORM_EPS_MAX": "the bound of an input check",
-    # Grids of conditions a study runs (what is measured, named in its tables), in files other branches own this
-    # round (quant/ with the model contract, report/ with the registry): candidates to move after the merge.
+    # Grids of conditions a study runs (what is measured, named in its tables and chosen on the command line), not
+    # thresholds: a finding is stated per bit width.
     "quant/kv_cache.py:KV_BITS": "the KV study's bit widths (a grid of conditions)",
     "quant/quantizers.py:ACT_BITS": "the quantization study's bit widths (a grid of conditions)",
     "quant/quantizers.py:WEIGHT_BITS": "the quantization study's bit widths (a grid of conditions)",
-    "quant/kv_study.py:FIRST_TOKENS": "the KV study's condition 'first 4 tokens in full precision'",
-    "report/build.py:CONTEXT_TS": "the report's grid of context lengths (a grid of conditions)",
 }
 
 

@@ -120,3 +120,8 @@ COS_ONSET = 0.3  # queries meet k_1 at a mean cosine of at least 0.3 (initialisa
 VALUE_ONSET_RATIO = 0.5  # |v_1| at most half the mean |v_j| (initialisation: about 1)
 CUT_ONSET_KEPT = 0.5  # a cut on the first token keeps at most half of Sink_1
 HALF_WAY = 0.5  # the half-way onset: the first step where a link has moved half-way from its first to its final value
+
+# The report's cheap range of context lengths for its sink-against-T section (longer ones: scripts/sink_context.py).
+REPORT_CONTEXT_TS = (16, 32, 64, 128)
+# The KV-cache study's sink-keeping condition: the first tokens held in full precision (StreamingLLM's and IntactKV's 4).
+KV_FIRST_TOKENS = 4

@@ -13,7 +13,7 @@ from analysis.streaming.backbone import n_layers, stream_lm
 from analysis.streaming.cache import StreamingCache, rope_spec
 from analysis.streaming.perplexity import cache_keyword
 
-FIRST_TOKENS = 4  # the first tokens a sink-keeping cache holds in full precision (StreamingLLM's and IntactKV's 4)
+from analysis.core.defaults import KV_FIRST_TOKENS as FIRST_TOKENS  # noqa: E402  (the sink-keeping condition)
 
 
 def _window_nll(hf, ids: torch.Tensor, cache) -> tuple[float, int]:

@@ -232,7 +232,7 @@ def _positions(ctx, sec: Section) -> None:
     sec.figure(lambda: plot_cos_first(res), "cosine of each position's hidden state to the first token's, per layer")
 
 
-CONTEXT_TS = (16, 32, 64, 128)  # the report's cheap range of context lengths (longer ones: scripts/sink_context.py)
+from analysis.core.defaults import REPORT_CONTEXT_TS as CONTEXT_TS  # noqa: E402  (the report's context lengths)
 
 
 def _context(ctx, sec: Section) -> None:
