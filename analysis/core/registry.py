@@ -57,7 +57,7 @@ class PassInputs:
         The main-kind sequences the follow-ups run on.
     """
 
-    model: Any
+    model: Any  # an analysis.model.contract.SinkModel (the registry sits on the floor below the model contract)
     tokens: Any
     kind: str
     main: bool

@@ -41,6 +41,7 @@ import numpy as np
 
 from analysis.core import registry
 from analysis.core.defaults import SINK_EPS
+from analysis.model.contract import SinkModel
 from analysis.model.families import get_family
 from analysis.model.hooks import check_length, model_dims
 from analysis.model.placement import placement_record
@@ -85,7 +86,7 @@ class ReportError(RuntimeError):
 class _Context:
     """What the sections share: the model, the probes, and the one profile pass."""
 
-    def __init__(self, model, n: int, T: int, seed: int, batch_size: int | None, keys: list[str], *,
+    def __init__(self, model: SinkModel, n: int, T: int, seed: int, batch_size: int | None, keys: list[str], *,
                  eps: float = SINK_EPS, bos: bool = False):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.eps, self.bos = eps, bos
@@ -129,7 +130,7 @@ class _Context:
         return self.profile.massive.get("natural") if "massive" in self.analyses else None
 
 
-def head_dims(model, dims) -> dict:
+def head_dims(model: SinkModel, dims) -> dict:
     """Each head's widths named for what they are: the query/key width and the value width, and under multi-head
     latent attention the key's decompressed and rotary parts (MLA's ``head_dim`` is its rotary part only).
 
@@ -201,7 +202,7 @@ def _page(ctx: _Context, sections: list[Section], meta: dict) -> str:
 
 
 def build_report(
-    model,
+    model: SinkModel,
     out_dir,
     *,
     n: int = DEFAULT_N,
@@ -290,7 +291,7 @@ def build_report(
     return out / "report.html"
 
 
-def report_dims(model):
+def report_dims(model: SinkModel):
     """``model_dims`` of a bridge, the spec's dims of an nnsight model (``load_model(name, backend="nnsight")``).
 
     Parameters

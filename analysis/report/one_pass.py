@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.model.contract import SinkModel
 from analysis.core import registry
 from analysis.core.defaults import RESID_BUDGET_MIB, SINK_EPS, SPIKE_CUT_SAMPLES
 from analysis.core.registry import Analysis, PassInputs
@@ -175,7 +176,7 @@ def profile_class() -> type:
     return _extended(extra) if extra else Profile
 
 
-def profile(model, probes, *, analyses=None, main: str = "natural", eps: float = SINK_EPS,
+def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", eps: float = SINK_EPS,
             k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
             resid_budget_mib: float = RESID_BUDGET_MIB, spike_thresholds: tuple[float, float] | None = None,
             follow_up_samples: int = SPIKE_CUT_SAMPLES) -> Profile:
