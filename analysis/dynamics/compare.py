@@ -175,7 +175,7 @@ class MechanismChain(MappingResult):
 
 @torch.no_grad()
 def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
-                    dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> dict:
+                    dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> MechanismChain:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 
     - ``sink_1``: Sink_1 (%) (``analysis.sinks.metric``);

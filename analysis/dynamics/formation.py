@@ -292,7 +292,7 @@ class ChainLinks(tuple, Result):
 
 @torch.no_grad()
 def chain_links(model: SinkModel, tokens: torch.Tensor, follow: Followed, *, eps: float = SINK_EPS, n_random: int = N_RANDOM_CUT,
-                seed: int = 0) -> tuple[dict, pd.DataFrame]:
+                seed: int = 0) -> ChainLinks:
     """Every link of the chain (:data:`LINKS`) on one model, following ``follow`` (the final model's dims and heads).
 
     Parameters

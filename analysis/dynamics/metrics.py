@@ -235,7 +235,7 @@ def _window_result(fn):
 @parameters_from(slot_sink_rate)
 @_window_result
 @torch.no_grad()
-def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> dict:
+def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> WindowSinkRates:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
 
     ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the
