@@ -20,7 +20,7 @@ declare -A GRID=(
   [packing]="--dataset synthetic-docs --bos false,true --document-token none,0"
   [prefix]="--prefix-len 0,8"
   [window]="--sliding-window 4,16,none"
-  [positions]="--positional-embedding-type rotary,none,alibi,sinusoidal,learned,relative --keep-models"  # weights kept: notebook 15, tests/test_positions_grid.py
+  [positions]="--positional-embedding-type rotary,none,alibi,sinusoidal,learned,relative --keep-models"  # weights kept: notebook 15, tests/positions/test_positions_grid.py
   [post_norm]="--norm-position pre,post"
 )
 ORDER=(base attention weight_decay fixed_position biases packing window prefix positions post_norm lr)

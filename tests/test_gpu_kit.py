@@ -156,9 +156,9 @@ def _third_party_imports() -> dict[str, str]:
 # its own training loop (tools/training.py, inside the function) and transformers-stream-generator nowhere.
 NOT_NEEDED = {"wandb", "transformers-stream-generator"}
 # Optional extras the GPU plan does not run, each skipped by its tests without it (pytest.importorskip): nnsight (the
-# "remote" extra, tests/test_nnsight.py; its local path is CI's, its GPU is NDIF's). Carrying it would cost about
+# "remote" extra, tests/engine/test_nnsight.py; its local path is CI's, its GPU is NDIF's). Carrying it would cost about
 # 9 MiB of wheels (greenlet, zstandard, pydantic-core, ...) that the staging calls do not have.
-OPTIONAL = {"nnsight": "tests/test_nnsight.py"}
+OPTIONAL = {"nnsight": "tests/engine/test_nnsight.py"}
 
 
 def test_every_import_is_in_the_image_or_carried():

@@ -479,3 +479,19 @@ def test_every_registered_analysis_returns_a_result():
     assert not bad, f"registered analyses whose result is not an analysis.core.results.Result: {bad}"
     products = [a.name for a in registry.analyses() if a.product and a.sections]
     assert not products, f"pass products with a report section (they have no text to show): {products}"
+
+
+# Tests mirror the package: tests/<floor>/ holds the tests of analysis/<floor>/; the root keeps only the tests of the
+# whole package (its layout, docs, command line, public interface, notebooks and GPU kit) and the shared helpers.
+CROSS_CUTTING = {"test_bench_scale", "test_cli", "test_cli_vocabulary", "test_device_guard", "test_docs", "test_gpu_kit",
+                 "test_interface", "test_layout", "test_notebooks_published", "test_shards"}
+
+
+def test_the_tests_mirror_the_package():
+    tests = ROOT.parent / "tests"
+    stray = sorted(p.stem for p in tests.glob("test_*.py") if p.stem not in CROSS_CUTTING)
+    assert not stray, f"test files at tests/ root {stray}: move each to tests/<floor>/ (one of {FLOORS}) of what it tests"
+    folders = sorted(d.name for d in tests.iterdir() if d.is_dir() and any(d.glob("test_*.py")))
+    assert set(folders) <= set(FLOORS), f"test folders {sorted(set(folders) - set(FLOORS))} name no floor of analysis/"
+    assert all((tests / d / "__init__.py").is_file() for d in folders), "each tests/<floor>/ needs an __init__.py"
+    assert len(folders) >= 10, folders

@@ -1,5 +1,5 @@
 """The sink metric and the massive-activation table through nnsight (``load_model(name, backend="nnsight")``), as the
-same ``SinkResult`` and ``MassiveActivations`` the bridge gives, to 1e-6 (``tests/test_nnsight.py``).
+same ``SinkResult`` and ``MassiveActivations`` the bridge gives, to 1e-6 (``tests/engine/test_nnsight.py``).
 
 The traces (``analysis.engine.nnsight_pass.trace_batch``) save per layer and head only: alpha (B, H, k_max) and the
 residual stream's top-k, median, first-token sums and flag candidates. Here they are folded into the package's own

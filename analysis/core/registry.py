@@ -117,7 +117,7 @@ class Analysis:
         (its section's runner calls it).
     hooks : tuple of str
         The activations its accumulators read, by the keys they give them in ``hooks()`` (``pattern``, ``resid``,
-        ``q``, ...; checked against the accumulators by ``tests/test_registry.py``).
+        ``q``, ...; checked against the accumulators by ``tests/core/test_registry.py``).
     finish : callable or None
         ``finish(outputs, inputs, got) -> result``: the accumulators' outputs to its result (``got``: every
         analysis' outputs of the pass, by name); None: the first output.

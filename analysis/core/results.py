@@ -18,7 +18,7 @@ from analysis.core.io import jsonable
 
 
 class Result(abc.ABC):
-    """The result protocol, an abstract base class every result of the package keeps (``tests/test_protocol.py``
+    """The result protocol, an abstract base class every result of the package keeps (``tests/report/test_protocol.py``
     builds each one and checks it).
 
     Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties), must define ``findings()`` (a

@@ -422,8 +422,8 @@ def can_resume(model: SinkModel) -> bool:
     -------
     bool
         True for a TransformerBridge whose blocks each read only the residual stream (``families.RESUMABLE``, checked
-        by tests/test_interventions.py). False on a model split by a device map: its checkpoints would gather whole
-        residual streams of every layer onto one device (tests/test_device_map.py watches for it); the passes run
+        by tests/causal/test_interventions.py). False on a model split by a device map: its checkpoints would gather whole
+        residual streams of every layer onto one device (tests/model/test_device_map.py watches for it); the passes run
         from the embedding instead.
     """
     blocks = getattr(model, "blocks", None)

@@ -4,7 +4,7 @@ k after the rotary and each query row's log-sum-exp), the residual stream's mass
 for the sinks at every position, each position's cosine to the first token and its peak |x| and dim.
 
 This module and ``analysis.core.reductions`` are the code shipped inside an nnsight trace (by value, for NDIF): they
-import only torch, math and typing (``tests/test_nnsight.py`` checks it by parsing them), and everything here reduces
+import only torch, math and typing (``tests/engine/test_nnsight.py`` checks it by parsing them), and everything here reduces
 on the layer's own device to values of size per layer x head, per layer x d_model or per layer x position; nothing T x T is built.
 
 Under tensor parallelism each rank holds whole groups of query heads with their KV heads, and every statistic here is

@@ -54,7 +54,7 @@ LAYER_TYPE_WORDS = {
 MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 # Families whose blocks each read only the residual stream entering them (no state carried from one block to the
 # next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
-# (``passes.Resume``); each is checked against the full pass by tests/test_interventions.py.
+# (``passes.Resume``); each is checked against the full pass by tests/causal/test_interventions.py.
 RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
                        "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
                        "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral",

@@ -1,5 +1,5 @@
 """Every sink position through nnsight (``load_model(name, backend="nnsight")``, locally or on NDIF): the same
-``SinkPositions`` as ``analysis.positions.every_sink.sink_positions`` (``tests/test_nnsight.py`` checks it against the
+``SinkPositions`` as ``analysis.positions.every_sink.sink_positions`` (``tests/engine/test_nnsight.py`` checks it against the
 bridge's on tiny families).
 
 The traces (``analysis.engine.nnsight_pass.trace_batch`` with ``positions=True``) save alpha of every key (k_max = T)

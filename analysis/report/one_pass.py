@@ -3,7 +3,7 @@
 The main kind (natural text by default) feeds the sink metric, massive activations, QK angles, the first-key
 manifold, value norms and the interventions' shared baseline (loss, attention shares, the first token's
 residual stream and values) in the same forward pass; every other kind feeds the sink metric and massive
-activations. Each result equals the analysis run alone on the same tokens (``tests/test_profile.py``).
+activations. Each result equals the analysis run alone on the same tokens (``tests/report/test_profile.py``).
 
 The main pass also keeps the residual stream entering its blocks (``Profile.resid``: every block while they fit in
 ``resid_budget_mib``, else every s-th), so that later passes over the same tokens (the interventions' conditions,
@@ -182,7 +182,7 @@ def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", e
             follow_up_samples: int = SPIKE_CUT_SAMPLES) -> Profile:
     """Every analysis from one streamed pass per input kind.
 
-    Each result equals the analysis run alone on the same tokens (``tests/test_profile.py``).
+    Each result equals the analysis run alone on the same tokens (``tests/report/test_profile.py``).
 
     Parameters
     ----------

@@ -2,7 +2,7 @@
 operations, forward and gradients (q, k, v and the learnable head bias), causal and sliding-window masks, with and
 without an ALiBi-like additive bias; and through a model with ``attn_impl="triton"``. On the CPU they run under
 Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py before any test module imports the kernels:
-tests/test_protocol.py imports every module of the package), at small shapes."""
+tests/report/test_protocol.py imports every module of the package), at small shapes."""
 import pytest
 import torch
 

@@ -16,7 +16,7 @@ from analysis.core.results import Result
 from analysis.engine.passes import Accumulator
 from analysis.model.hooks import act_name, model_dims
 from tests.conftest import cpu_cache
-from tests.test_protocol import assert_protocol, from_profile
+from tests.report.test_protocol import assert_protocol, from_profile
 
 N, T = 3, 12
 

@@ -9,7 +9,7 @@ list of whole sentences (``findings()``), a non-empty ``text()``, named DataFram
 (``model_name``, ``kind``, ``n_samples``).
 
 The results of the registered pass analyses (``analysis.core.registry``) are read off one ``profile`` by the registry
-(``from_profile``), so a newly registered analysis is checked with no edit here (``tests/test_registry.py``).
+(``from_profile``), so a newly registered analysis is checked with no edit here (``tests/core/test_registry.py``).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import analysis
 from analysis import load_model
 from analysis.core import registry
 from analysis.core.results import Result
-from tests.test_facts import facts_results
-from tests.test_family_spike_origin import plant_writer
+from tests.core.test_facts import facts_results
+from tests.chain.test_family_spike_origin import plant_writer
 from tests.tiny import make_tiny_llama_dir
 
 N, T = 4, 16
@@ -109,7 +109,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["StreamResult"] = streaming_perplexity(one, torch.randint(3, 96, (48,), generator=gen), window=16,
                                                sinks=(0, 1), bits=(), newline_sinks=None, recompute_every=None)
     out["FormationOrder"] = load_formation("induction/formation")  # committed: its runs take minutes to measure
-    out.update(facts_results(llama, toks, one))  # ActivationMap ... PolicyRun (tests/test_facts.py)
+    out.update(facts_results(llama, toks, one))  # ActivationMap ... PolicyRun (tests/core/test_facts.py)
     out["QuantResult"] = quant_study("synthetic-softmax", a_bits=(4,), granularities=("tensor",), T=48, n_eval=2,
                                      calib_tokens=48, seeds=(0,), prefix_len=1, n_candidates=1, kv_bits=(), origin=False)
     return out
@@ -118,7 +118,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
 def test_every_result_class_has_a_builder(built):
     classes = _result_classes()
     missing = sorted(set(classes) - set(built))
-    assert not missing, f"result classes without a builder in tests/test_protocol.py: {missing}; add one."
+    assert not missing, f"result classes without a builder in tests/report/test_protocol.py: {missing}; add one."
     wrong = {k: type(v).__name__ for k, v in built.items() if type(v) is not classes.get(k)}
     assert not wrong, f"builders returning another class than their name: {wrong}"
 

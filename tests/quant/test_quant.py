@@ -130,7 +130,7 @@ def _committed():
 
     from analysis.quant.study import load_run
 
-    return load_run(Path(__file__).resolve().parents[1] / "data" / "quant" / "smollm2-135m.json")
+    return load_run(Path(__file__).resolve().parents[2] / "data" / "quant" / "smollm2-135m.json")
 
 
 def test_committed_tables_read_in_fixed_notation_with_readable_tokens():

@@ -27,7 +27,7 @@ GATED = {"qwen3_next", "qwen3_5"}
 # Families whose figures are rendered to PNG; the others draw every figure but skip the PNG encoding (most of a
 # tiny model's report time), so figure code still runs (and may fail the report) on every family.
 PNG_FAMILIES = {"qwen3_next", "qwen3_5", "jamba", "gpt_oss", "llama"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _no_png(fig, caption: str = "", dpi: int = 90) -> str:

@@ -17,7 +17,7 @@ import torch
 from analysis.core.docs import fill_parameters, parameter_entries, share_parameters
 from analysis.core.results import Result
 
-ROOT = Path(__file__).resolve().parents[1] / "analysis"
+ROOT = Path(__file__).resolve().parents[2] / "analysis"
 
 # Module constants outside core/ that are numbers but do not change a finding, each with its reason. A new numeric
 # constant goes to analysis/core/defaults.py, or here with a reason.
@@ -221,7 +221,7 @@ N, T = 4, 16
 
 
 def keeps_the_protocol(r) -> None:
-    """What ``tests/test_protocol.py`` asks of every result."""
+    """What ``tests/report/test_protocol.py`` asks of every result."""
     assert isinstance(r, Result)
     json.dumps(r.to_dict(), allow_nan=False)
     f = r.findings()
@@ -233,7 +233,7 @@ def keeps_the_protocol(r) -> None:
 
 def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     """One of each of the six, on tiny models: a Llama of tests/families.py, the committed synthetic reference, a
-    windowed reference model and a one-layer Llama stream (``tests/test_protocol.py`` can reuse it)."""
+    windowed reference model and a one-layer Llama stream (``tests/report/test_protocol.py`` can reuse it)."""
     from analysis.chain.activation_map import activation_map
     from analysis.dynamics.compare import mechanism_chain
     from analysis.dynamics.formation import chain_links, follow_final

@@ -18,7 +18,7 @@ from analysis.train import TrainConfig, train
 from analysis.model.reference.config import ModelConfig
 from analysis.model.reference.sink_lm import SinkLM
 from tests.conftest import tol
-from tests.test_streaming import POLICIES, naive_logits
+from tests.streaming.test_streaming import POLICIES, naive_logits
 
 VOCAB = 97
 
