@@ -19,8 +19,12 @@ time is best read in forward passes.
 
 The report's model work is counted: the blocks and unembeddings its passes run (forward hooks on the wrapped
 modules, during the last report), priced with the forward's own split into blocks and unembedding (a pass stopped
-after the last block, timed beside the forward). That floor, in forward passes (its natural pass, two controls and
-five causal conditions), is what the report must cost before any accumulator, figure or file; the report's time
+after the last block, timed beside the forward). The backward pass of the dormant section (its loss back to the
+heads' outputs, no weight gradients) is counted too: every block and unembedding a gradient flows back through (a
+hook on its output), each priced as in the forward times a measured backward (a forward + backward over the
+dormant section's batches, less a plain forward over them, over that forward; timed after the reports). That floor,
+in forward passes (its natural pass, two controls, the causal conditions, the dormant, every-sink and
+context-length passes), is what the report must cost before any accumulator, figure or file; the report's time
 above it is its overhead.
 
 Targets (issue 23): the time above the counted model work <= 2.5 forward passes (the median report against the
@@ -82,6 +86,7 @@ def main() -> None:
         reps.append((rep, seconds))
         fwds.append(measure(forward, args.device))
     work.stop()
+    work.backward = backward_price(model, tokens, args.device)  # after the reports: their memory is measured first
     # time unit: the fastest forward; memory unit: the forward's peak before any report ran (a report leaves the
     # process larger, so a forward measured after one would not be the same process state as the first report)
     before = fwds[: max(1, args.repeat)]
@@ -90,6 +95,46 @@ def main() -> None:
     report_s = statistics.median(r[0][0] for r in reps)
     print(work.text(fwd[0], base, report_s))
     _print_targets(report_s / fwd[0], work.floor(fwd[0], base), reps[0][0][1] / max(fwd[1], 1e-9), priced=base < fwd[0])
+
+
+def backward_price(model, tokens, device) -> float:
+    """A backward pass in forward passes: the forward + backward over the batches the dormant section takes (the
+    summed next-token loss back to the residual stream entering block 0, no weight gradients, as
+    ``analysis.causal.dormant_heads``) less a plain forward over the same batches, over that forward (best of 2)."""
+    from analysis.causal.dormant_heads import grad_batch_size
+    from analysis.causal.head_removal import sequence_losses
+    from analysis.engine.passes import batches
+    from analysis.model.hooks import act_name
+
+    bs, kept = grad_batch_size(tokens.shape[1]), []
+
+    def leaf(x, hook):
+        kept.append(x.detach().requires_grad_(True))
+        return kept[-1]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def fb():
+        with torch.inference_mode(False), torch.enable_grad():
+            for b in batches(tokens, bs):
+                kept.clear()
+                logits = model.run_with_hooks(b.to(device), fwd_hooks=[(act_name("resid_pre", 0), leaf)])
+                torch.autograd.grad(sequence_losses(logits, b.to(device)).sum(), kept)
+
+    def f():
+        with torch.inference_mode():
+            for b in batches(tokens, bs):
+                model(b.to(device))
+
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        both = min(measure(fb, device)[0] for _ in range(2))
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    plain = min(measure(f, device)[0] for _ in range(2))
+    return max(both - plain, 0.0) / plain
 
 
 def base_forward(model, tokens, bs: int, device) -> None:
@@ -108,8 +153,9 @@ class ModelWork:
 
     def __init__(self, model, tokens: int):
         self.n_layers, self.tokens = len(model.blocks), tokens
-        self.blocks = self.unembeds = 0.0
+        self.blocks = self.unembeds = self.back_blocks = self.back_unembeds = 0.0
         self.on = False
+        self.backward = 0.0  # a backward pass in forward passes (backward_price)
         mods = [getattr(b, "original_component", b) for b in model.blocks]
         self.handles = [m.register_forward_hook(self._block, with_kwargs=True) for m in mods]
         unembed = getattr(model.unembed, "original_component", model.unembed)
@@ -121,9 +167,17 @@ class ModelWork:
 
     def _block(self, module, args, kwargs, output):
         self.blocks += self.on * self._share(args, kwargs)
+        self._on_backward(output, "back_blocks", self._share(args, kwargs))
 
     def _unembed(self, module, args, kwargs, output):
         self.unembeds += self.on * self._share(args, kwargs)
+        self._on_backward(output, "back_unembeds", self._share(args, kwargs))
+
+    def _on_backward(self, output, counter: str, share: float) -> None:
+        """A module whose output takes part in autograd: counted when a gradient really flows back through it."""
+        out = output[0] if isinstance(output, tuple) else output
+        if self.on and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: setattr(self, counter, getattr(self, counter) + share))
 
     def start(self, on: bool) -> None:
         self.on = on
@@ -133,16 +187,20 @@ class ModelWork:
             h.remove()
 
     def floor(self, forward_s: float, base_s: float) -> float:
-        """The counted model work in forward passes: the blocks and unembeddings run, each at the forward's price."""
-        return self.blocks * base_s / forward_s / self.n_layers + self.unembeds * max(1 - base_s / forward_s, 0.0)
+        """The counted model work in forward passes: the blocks and unembeddings run, each at the forward's price,
+        and those a gradient flowed back through, each at the forward's price times the measured backward's."""
+        block, unembed = base_s / forward_s / self.n_layers, max(1 - base_s / forward_s, 0.0)
+        return (self.blocks + self.backward * self.back_blocks) * block + (
+            self.unembeds + self.backward * self.back_unembeds) * unembed
 
     def text(self, forward_s: float, base_s: float, report_s: float) -> str:
         block = base_s / forward_s / self.n_layers  # one block, in forward passes
         unembed = max(1 - base_s / forward_s, 0.0)
         floor = self.floor(forward_s, base_s)
         return (f"model work of one report: {self.blocks:.1f} blocks ({self.blocks / self.n_layers:.2f} x {self.n_layers}) "
-                f"and {self.unembeds:.1f} unembeddings over the N x T tokens = {floor:.1f} forward passes (a block {block:.3f}, the unembedding "
-                f"{unembed:.2f} of a forward); the report takes {report_s / forward_s:.1f}: "
+                f"and {self.unembeds:.1f} unembeddings forward, {self.back_blocks:.1f} blocks and {self.back_unembeds:.1f} "
+                f"unembeddings backward (a backward {self.backward:.2f} of its forward) over the N x T tokens = {floor:.1f} "
+                f"forward passes (a block {block:.3f}, the unembedding {unembed:.2f} of a forward); the report takes {report_s / forward_s:.1f}: "
                 f"{report_s / forward_s - floor:.1f} forward passes ({report_s - floor * forward_s:.1f} s) above its model work")
 
 

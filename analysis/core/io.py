@@ -56,6 +56,11 @@ def jsonable(obj):
     -------
     dict, list, str, int, float, bool or None
     """
+    kind = type(obj)  # the common leaves first: a report holds about 10^5 of them
+    if kind is float:
+        return obj if math.isfinite(obj) else None
+    if kind is int or kind is str or kind is bool or obj is None:
+        return obj
     if isinstance(obj, dict):
         return {(",".join(map(str, k)) if isinstance(k, tuple) else str(k)): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set)):

@@ -165,6 +165,25 @@ def hf_dataset_texts(name: str, *, split: str = "train", text_field: str = "text
     return texts
 
 
+_STREAMS: dict = {}  # (id(tokenizer), texts) -> (tokenizer, token ids): the last few corpora tokenized
+
+
+def _token_stream(tokenizer, texts: tuple[str, ...]) -> tuple[int, ...]:
+    """The concatenated token ids of ``texts``, tokenized once per tokenizer and corpus (a report cuts windows of
+    the same corpus at several lengths and seeds)."""
+    key = (id(tokenizer), texts)
+    hit = _STREAMS.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    stream: list[int] = []
+    for t in texts:
+        stream.extend(tokenizer.encode(t, add_special_tokens=False))
+    if len(_STREAMS) >= 4:
+        _STREAMS.pop(next(iter(_STREAMS)))
+    _STREAMS[key] = (tokenizer, tuple(stream))
+    return _STREAMS[key][1]
+
+
 def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
                source: str = "texts") -> ProbeSet:
     """N windows of T tokens cut at seeded offsets from the concatenated, tokenized texts.
@@ -195,9 +214,7 @@ def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bo
     texts = [t for t in texts if t and t.strip()]
     if not texts:
         raise ValueError("no text to probe with: give at least one non-empty text.")
-    stream: list[int] = []
-    for t in texts:
-        stream.extend(tokenizer.encode(t, add_special_tokens=False))
+    stream = _token_stream(tokenizer, tuple(texts))
     if len(stream) < T:
         raise ValueError(f"the texts hold {len(stream)} tokens, fewer than T={T}; give more text or a smaller T.")
     g = torch.Generator().manual_seed(seed)

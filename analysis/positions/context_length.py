@@ -2,7 +2,8 @@
 context, and against eps, with their spread over probe seeds.
 
 For each T and probe seed, ``sink_vs_context`` cuts N natural-text windows of T tokens (``analysis.model.probes``, the
-offline docstring corpus unless ``texts`` is given), computes alpha_k of every key in one pass (``sink_metric`` with
+offline docstring corpus unless ``texts`` is given), computes alpha_k of every key in one pass per T over the windows
+of every seed (``sink_metric`` with
 k_max = T: the fused path where it is exact, so no T x T map at long T) and keeps, for every eps of a grid, the
 rates of ``analysis.positions.every_sink.sink_rates``: Sink_1 (%), the percent of (sample, layer, head) that sink on a
 later position (secondary), and the later sink positions per sequence. Nothing else is kept: O(N x L x H x T)
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
+import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
@@ -45,7 +47,7 @@ class SinkContext(Result):
     runs : pandas.DataFrame
         One row per (T, seed, eps): ``n`` sequences, ``sink_1_pct``, ``secondary_pct`` (percent of (sample, layer,
         head) sinking on a later position), ``later_sinks_per_sequence``, the ``path`` taken and the ``seconds`` the T's
-        pass took.
+        pass took (over every seed's windows), divided among its seeds.
     model_name : str or None
         The model measured.
     source : str
@@ -235,7 +237,8 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     batch_size : int, optional
         Sequences per batch.
     on_run : callable, optional
-        Called with the rows (a DataFrame) of each (T, seed) as they are done (e.g. to write a CSV as the run goes).
+        Called with the rows (a DataFrame) of each (T, seed) as they are done (e.g. to write a CSV as the run goes):
+        a T's seeds after its pass.
 
     Returns
     -------
@@ -254,17 +257,17 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     corpus = stdlib_texts() if texts is None else list(texts)
     name = getattr(model, "model_name", None)
     rows = []
-    for T in Ts:
+    for T in Ts:  # one pass per T over every seed's windows (a pass over 4 short sequences is mostly fixed cost)
         n_T = int(n[T] if isinstance(n, Mapping) else n)
-        for seed in seeds:
-            t0 = time.perf_counter()
-            tokens = natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens
-            res = sink_metric(model, tokens, k_max=T, path=path, batch_size=batch_size)
-            seconds = time.perf_counter() - t0
-            done = [{"model": name, "T": T, "seed": seed, "n": n_T, "eps": e,
-                     **sink_rates(res.alpha, e, default_min_queries(T)), "path": res.meta.get("path"),
-                     "seconds": round(seconds, 2)} for e in eps_grid]
-            rows += done
+        t0 = time.perf_counter()
+        tokens = torch.cat([natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens for seed in seeds])
+        res = sink_metric(model, tokens, k_max=T, path=path, batch_size=batch_size)
+        seconds = (time.perf_counter() - t0) / len(seeds)  # the T's pass, shared by its seeds
+        for i, seed in enumerate(seeds):
+            alpha = res.alpha[i * n_T : (i + 1) * n_T]
+            rows += [{"model": name, "T": T, "seed": seed, "n": n_T, "eps": e,
+                      **sink_rates(alpha, e, default_min_queries(T)), "path": res.meta.get("path"),
+                      "seconds": round(seconds, 2)} for e in eps_grid]
             if on_run is not None:
                 on_run(pd.DataFrame(rows, columns=COLUMNS))
     return SinkContext(pd.DataFrame(rows, columns=COLUMNS), model_name=name)

@@ -297,7 +297,15 @@ class SinkPositions(Result, LayerAxis):
     def sinks(self) -> pd.DataFrame:
         """One row per (sample, position) that is a sink in some head: its token, its (layer, head) pairs and their
         alpha (its share of each head's attention), whether it carries a massive activation (dims, largest |a|,
-        layers), its peak activation, and as a secondary sink the layer it is created at and how long it lasts."""
+        layers), its peak activation, and as a secondary sink the layer it is created at and how long it lasts.
+        Built once per eps, min_queries and cos_min (its tables, findings and JSON each read it)."""
+        key = (self.eps, self.min_queries, self.cos_min)
+        memo = self.__dict__.get("_sinks")
+        if memo is None or memo[0] != key:
+            memo = self.__dict__["_sinks"] = (key, self._sink_rows())
+        return memo[1].copy()
+
+    def _sink_rows(self) -> pd.DataFrame:
         mask = self.sink_mask()
         where = mask.flatten(1, 2).any(1).nonzero().tolist()  # (sample, position) pairs
         created, life = self._secondary()

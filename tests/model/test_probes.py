@@ -92,3 +92,28 @@ def test_hf_dataset_loader_with_a_local_file(tmp_path, tok):
         hf_dataset_texts("json", data_files=str(f))
     p = text_probe(tok, texts, n=4, T=16)
     assert p.tokens.shape == (4, 16)
+
+
+def test_text_probe_tokenizes_a_corpus_once_per_tokenizer(tok):
+    """The report cuts windows of one corpus at several lengths and seeds: the corpus is tokenized once."""
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def encode(self, text, **kw):
+            self.calls += 1
+            return self.inner.encode(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    texts = [words(200, seed=s) for s in range(3)]
+    counting = Counting(tok)
+    a = text_probe(counting, texts, n=4, T=16, seed=0)
+    b = text_probe(counting, texts, n=6, T=32, seed=1)
+    assert counting.calls == len(texts)
+    assert torch.equal(a.tokens, text_probe(tok, texts, n=4, T=16, seed=0).tokens)  # as tokenized afresh
+    assert torch.equal(b.tokens, text_probe(Counting(tok), texts, n=6, T=32, seed=1).tokens)
+    text_probe(counting, texts[:2], n=4, T=16)  # another corpus: tokenized
+    assert counting.calls == 2 * len(texts) - 1
