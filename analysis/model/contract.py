@@ -104,6 +104,12 @@ def check_model(model: object) -> SinkModel:
         ``model`` itself; ModelContractError naming everything it lacks and what to do, otherwise.
     """
     gone = _missing(model)
+    family = getattr(model, "family", None)
+    if gone and getattr(family, "attention_layers", None) == () and getattr(family, "skipped_layers", None):
+        # loaded as asked, but no layer exposes an attention pattern: say why, layer by layer (the family spec)
+        raise ModelContractError(
+            f"{getattr(model, 'model_name', type(model).__name__)} loaded, but no layer exposes an attention pattern "
+            f"the analyses can read: {family.text()} It is not supported yet (docs/families.md).")
     if gone:
         raise ModelContractError(
             f"{type(model).__name__} does not meet the model contract (analysis.model.contract.SinkModel): it lacks "

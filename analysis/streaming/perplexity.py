@@ -117,7 +117,7 @@ class PolicyRun(Result):
         ppl = f"perplexity {math.exp(float(scored.mean())):.2f} over {scored.size} scored tokens" if scored.size \
             else "no scored token"
         share = "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
-        return [f"Policy {self.policy.label}: {ppl}, {self.tokens_per_s:.1f} tokens/s{share}."]
+        return [f"Policy {self.policy.label}: {ppl}{share}."]  # no tokens/s: a finding is the model's, not the machine's
 
     def to_dict(self) -> dict:
         """The run's record (strict JSON: NaN as null) with the protocol's model, n_samples and text."""

@@ -298,17 +298,19 @@ def test_gguf_path_that_is_not_gguf_fails_clearly(tmp_path):
 
 def test_nemotron_h_attention_is_not_exposed_by_the_bridge(tmp_path):
     """Nemotron-H is not in the matrix: TransformerLens' bridge wraps every layer's mixer, attention included, as one
-    generic SSM2MixerBridge, so no layer has an attention-pattern hook (docs/families.md). The spec reads it without
-    error and says every layer is skipped; when the bridge exposes the attention this fails and Nemotron-H joins."""
+    generic SSM2MixerBridge, so no layer has an attention-pattern hook (docs/families.md). The loader reads its family
+    spec, which says every layer is skipped and why, and the model contract refuses it at load with that reason;
+    when the bridge exposes the attention this fails and Nemotron-H joins."""
+    from analysis.model.contract import ModelContractError
     from tests.families import NOT_IN_MATRIX, make_family_dir
 
     assert "nemotron_h" in NOT_IN_MATRIX
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytest.raises(ModelContractError) as err:
         warnings.simplefilter("ignore")
-        model = load_model(str(make_family_dir("nemotron_h", tmp_path / "nemotron_h")), device="cpu")
-    spec = model.family
-    assert spec.attention_layers == () and sorted(spec.skipped_layers) == [0, 1, 2, 3]
-    assert "attention-pattern hook" in spec.skipped_layers[2] and "0 attention layers of 4" in spec.text()
+        load_model(str(make_family_dir("nemotron_h", tmp_path / "nemotron_h")), device="cpu")
+    msg = str(err.value)
+    assert "no layer exposes an attention pattern" in msg and "0 attention layers of 4" in msg
+    assert "attention-pattern hook" in msg and "docs/families.md" in msg
 
 
 def test_gemma3n_and_gemma4_text_limits(tmp_path):
