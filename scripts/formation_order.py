@@ -37,7 +37,7 @@ def appended(old, new):
         tables[name] = pd.concat([a[~a.run.isin(set(b.run))], b], ignore_index=True).sort_values(
             "run", kind="stable", ignore_index=True)
     runs = sorted(set(tables["followed"].run))
-    n_old, n_new = len(old.formation[["run", "step"]].drop_duplicates()), len(new.formation[["run", "step"]].drop_duplicates())
+    n_old, n_new = (len(r.formation[["run", "step"]].drop_duplicates()) for r in (old, new))
     per_model = (old.seconds_per_model * n_old + new.seconds_per_model * n_new) / max(1, n_old + n_new)
     notes = [n for n in old.notes if not any(r in n for r in set(new.followed.run))] + list(new.notes)
     return dataclasses.replace(old, **tables, seconds_per_model=per_model, model_name=", ".join(runs), notes=notes)
@@ -52,14 +52,17 @@ def main() -> None:
                    help="the final model's spike dims: at least this many times the first token's median")
     p.add_argument("--n-random", type=int, default=N_RANDOM_CUT, help="random-neuron draws in each writer cut")
     p.add_argument("--append", action="store_true",
-                   help="add these runs to the tables already in --out (written by this script) instead of replacing them")
+                   help="add these runs to the tables already in --out (written by this script), not replace them")
     args = p.parse_args()
     torch.set_num_threads(1)
     runs = [args.runs] if (args.runs / "snapshots").is_dir() else sorted(
         d for d in args.runs.iterdir() if (d / "snapshots").is_dir())
     if not runs:
         sys.exit(f"{args.runs} holds no run folder with snapshots/ (train with --snapshots, e.g. --preset induction).")
-    old = load_formation(args.out) if args.append else None  # refused before any work when the folder lacks them
+    try:  # refused before any work, in one line, when the folder lacks the tables to append to
+        old = load_formation(args.out) if args.append else None
+    except FileNotFoundError as e:
+        sys.exit(f"--append: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     res = formation_order(runs, probe_seed=args.probe_seed, ratio=args.ratio, n_random=args.n_random, progress=print)

@@ -185,3 +185,55 @@ def test_a_saved_formation_loads_back_with_the_same_tables_and_text(sink_result,
     assert back.followed.dims.tolist() == sink_result.followed.dims.tolist()
     with pytest.raises(FileNotFoundError, match="formation_order.py"):
         load_formation(tmp_path)
+
+
+def _formation_script():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("formation_order", ROOT / "scripts" / "formation_order.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.argv, argv = ["formation_order.py"], sys.argv
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.argv = argv
+    return mod
+
+
+def test_append_adds_runs_and_a_run_measured_again_replaces_its_rows():
+    """scripts/formation_order.py --append: the committed runs stay, a re-measured run's rows are the new ones."""
+    import dataclasses
+
+    from analysis.dynamics.formation import load_formation
+
+    script = _formation_script()
+    old = load_formation(ROOT / "data" / "emergence" / "induction" / "formation")
+    run = "attention-softmax_seed-1"
+    new = dataclasses.replace(old, **{name: getattr(old, name)[getattr(old, name).run == run].copy()
+                                      for name in ("formation", "onsets", "followed", "writes")}, notes=[])
+    new.formation["value"] = new.formation["value"] + 1.0  # the re-measured run, told apart by its values
+    both = script.appended(old, new)
+    assert len(both.formation) == len(old.formation) and set(both.followed.run) == set(old.followed.run)
+    mine = both.formation[both.formation.run == run]
+    assert np.allclose(mine["value"].dropna().to_numpy(), new.formation["value"].dropna().to_numpy())
+    others = both.formation[both.formation.run != run].reset_index(drop=True)
+    ref = old.formation[old.formation.run != run].reset_index(drop=True)
+    pd.testing.assert_frame_equal(others, ref)
+    with pytest.raises(SystemExit, match="probe"):
+        script.appended(old, dataclasses.replace(new, T=old.T + 1))
+
+
+def test_append_to_a_folder_without_tables_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "runs" / "run-a" / "snapshots").mkdir(parents=True)  # a run folder, so the refusal is --append's
+    dest = tmp_path / "out"
+    dest.mkdir()
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "formation_order.py"), str(tmp_path / "runs"),
+                          "--out", str(dest), "--append"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    err = out.stderr.strip()
+    assert err.startswith("--append:") and "lacks" in err and len(err.splitlines()) == 1
+    assert not any(dest.iterdir())  # nothing written
