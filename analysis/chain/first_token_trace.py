@@ -182,9 +182,9 @@ class SpikeOriginAccumulator(Accumulator):
         self.acts.put(layer, a[:, 0].clone())
         s = self.neuron_sums.setdefault(layer, {})
         rest = a[:, 1:]
-        if rest.shape[1]:
-            peak = torch.maximum(rest.amax(1), rest.amin(1).neg())  # max |a| over t > 0 without an |a| copy
-        parts = {"act_other": rest.sum(1).sum(0), "act_other_max": peak.sum(0) if rest.shape[1] else rest.sum((0, 1)),
+        # the largest |a| over t > 0 without an |a| copy (zeros for T = 1, where there is no other token)
+        peak = torch.maximum(rest.amax(1), rest.amin(1).neg()).sum(0) if rest.shape[1] else rest.sum((0, 1))
+        parts = {"act_other": rest.sum(1).sum(0), "act_other_max": peak,
                  "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum(1).sum(0)}
         if "gate" in acts:
             parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum(1).sum(0)}

@@ -239,3 +239,17 @@ def test_sink_positions_and_mask_agree(tiny_llama, toks, device):
     _, cache = cpu_cache(tiny_llama, toks)
     assert torch.allclose(a.sink_attn[:, 1], cache["blocks.1.attn.hook_pattern"][..., :2].sum(-1), atol=tol(device, 1e-6))
     assert np.isfinite(a.head_table()["rho_norm"]).all()
+
+
+def test_summary_follows_its_settings_and_cannot_be_changed_from_outside(handmade):
+    """The summary is built once per setting: a changed min_share rebuilds it, and editing a returned one changes
+    nothing the result says next."""
+    import dataclasses
+
+    res = dataclasses.replace(handmade)  # its own caches; the module's result is left as it is
+    first = res.summary()
+    assert first["n_sinking_heads"] >= 1  # the handmade head sinks on half its queries
+    first["n_sinking_heads"] = -1  # a caller's edit of its own copy
+    assert res.summary()["n_sinking_heads"] == handmade.summary()["n_sinking_heads"] >= 1
+    res.min_share = 1.01  # no head sinks on more than all of its queries
+    assert res.summary()["n_sinking_heads"] == 0 and res.verdict() == "untested"
