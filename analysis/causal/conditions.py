@@ -58,6 +58,9 @@ class PassResult(LayerAxis):
         The true layer index of each position on the layer axis.
     skipped : str
         The layers left out (not attention layers), in one sentence; "" when none.
+    loss_first : torch.Tensor or None, shape (N,)
+        Each sequence's loss on the first token's own prediction (the second token), from the same logits; None
+        where T = 1 or the pass did not keep it.
     """
 
     alpha: torch.Tensor  # (N, L, H, K)
@@ -67,6 +70,7 @@ class PassResult(LayerAxis):
     T: int
     layers: list[int] | None = None  # true layer index of each position on the L axis (None: 0..L-1)
     skipped: str = ""
+    loss_first: torch.Tensor | None = None  # (N,) the first token's own next-token loss
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
@@ -162,6 +166,7 @@ class PassAccumulator(Accumulator):
         self.alpha = LayerCollector(self.layers)
         self.where = torch.zeros(len(self.layers), facts.dims.n_heads, 4, dtype=torch.float64)
         self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
+        self.first: list[torch.Tensor] = []  # per batch, (B,) the first position's loss
 
     def hooks(self):
         return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
@@ -175,13 +180,16 @@ class PassAccumulator(Accumulator):
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
         self.loss_sum += loss_sum(logits, batch.tokens)
+        if batch.tokens.shape[1] > 1:
+            self.first.append(torch.nn.functional.cross_entropy(
+                logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none").cpu())
         self.n_pred += batch.size * (batch.tokens.shape[1] - 1)
         self.n += batch.size
 
     def result(self) -> PassResult:
         loss = self.loss_sum / max(self.n_pred, 1) if self.T > 1 else float("nan")
         return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T,
-                          self.layers, self.skipped)
+                          self.layers, self.skipped, torch.cat(self.first) if self.first else None)
 
 
 def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
@@ -233,7 +241,7 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
     """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
     early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
     return PassResult(torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where]), run.loss,
-                      run.eps, run.T, base.layers, base.skipped)
+                      run.eps, run.T, base.layers, base.skipped, run.loss_first)
 
 
 # ----------------------------------------------------------------------------------------------

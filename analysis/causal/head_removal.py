@@ -17,6 +17,10 @@ from analysis.engine.passes import Accumulator, Batch, ResidCapture, Resume, can
 def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of each sequence, (B,) float32, from ``logits`` (B, T, V).
 
+    The loss is taken over the logits as they lie, (B T, V) rows with the last position's target ignored: the
+    class axis stays the contiguous one (a (B, V, T) view of the same numbers costs about twice as much forward and
+    three times as much backward on a CPU).
+
     Parameters
     ----------
     logits : torch.Tensor, shape (B, T, V)
@@ -26,8 +30,11 @@ def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     -------
     torch.Tensor, shape (B,)
     """
-    lg = logits[:, :-1].float()
-    return torch.nn.functional.cross_entropy(lg.transpose(1, 2), tokens[:, 1:], reduction="none").sum(-1)
+    B, T = tokens.shape
+    target = torch.cat([tokens[:, 1:], tokens.new_full((B, 1), -100)], 1).to(logits.device)
+    nll = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, -1), target.reshape(-1), reduction="none",
+                                            ignore_index=-100)
+    return nll.view(B, T).sum(-1)
 
 
 class _HeadMeans(Accumulator):

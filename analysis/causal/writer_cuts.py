@@ -23,11 +23,11 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
-from analysis.model.mlp_spec import final_logits, get_mlp
+from analysis.model.mlp_spec import get_mlp
 from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
 from analysis.core.io import jsonable
-from analysis.engine.passes import Batch, ResidCapture, run_pass
+from analysis.engine.passes import ResidCapture, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.sinks.metric import check_eps
 
@@ -36,8 +36,8 @@ from analysis.core.defaults import WRITER_CUT_RANDOM_DRAWS as N_RANDOM  # random
 
 class NeuronSetter:
     """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
-    hook, and records the spike dims' first-token values after every block from ``start`` on and the first token's final
-    stream (for the first-position loss).
+    hook, and records the spike dims' first-token values after every block from ``start`` on (the first position's
+    loss comes with the pass's own: ``PassResult.loss_first``).
 
     Parameters
     ----------
@@ -64,11 +64,6 @@ class NeuronSetter:
         self.L = model_dims(model).n_layers
         self.values: list[torch.Tensor] = []
         self.current: dict[int, torch.Tensor] = {}
-        self.nll: list[torch.Tensor] = []
-        self.batch: Batch | None = None
-
-    def start_batch(self, batch: Batch) -> None:
-        self.batch = batch
 
     def hooks(self):
         out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.neurons)]
@@ -84,10 +79,6 @@ class NeuronSetter:
         self.current[layer] = x[:, 0, self.dims].detach().float().cpu()
         if layer == self.L - 1:
             self.values.append(torch.stack([self.current.pop(l) for l in range(self.start, self.L)], 1))
-            logits = final_logits(self.model, x[:, :1])[:, 0]
-            tok = self.batch.tokens
-            if tok.shape[1] > 1:
-                self.nll.append(torch.nn.functional.cross_entropy(logits, tok[:, 1].to(logits.device), reduction="none").cpu())
 
 
 @dataclass
@@ -308,11 +299,10 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     for role, mode, chosen, draw, neurons in runs:
         start = min(neurons) if neurons else L - 1
         setter = NeuronSetter(model, neurons, mode or "zero", origin.trace.act_other, dims, start)
-        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
-                          on_batch_start=setter.start_batch, baseline=base)
+        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size, baseline=base)
         after = torch.cat(setter.values)  # (N, L - start, n_dims): the stream after blocks start..L-1
         full = torch.cat([vals[:, 1 : start + 1], after], 1)  # (N, L, n_dims): entering blocks 1..L-1, then final
-        loss_first = float(torch.cat(setter.nll).mean()) if setter.nll else float("nan")
+        loss_first = float(r.loss_first.mean()) if r.loss_first is not None else float("nan")
         for j, d in enumerate(dims):
             v_peak = float(full[:, peak[d] - 1, j].mean()) if peak[d] > 0 else float(vals[:, 0, j].mean())
             rows.append({"role": role, "mode": mode, "chosen": chosen, "draw": draw,

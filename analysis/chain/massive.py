@@ -133,9 +133,11 @@ class MassiveActivations(Result):
 
     # ----- derived -----
     def _dims_over(self, counts: torch.Tensor) -> dict[int, list[int]]:
-        need = self.min_share * self.n_samples
-        return {l: (counts[i] >= need).nonzero().flatten().tolist() for i, l in enumerate(self.layers)
-                if (counts[i] >= need).any() and self.n_samples > 0}
+        out: dict[int, list[int]] = {}
+        if self.n_samples > 0:  # one nonzero over (L, D): its rows come by layer, then dim, both ascending
+            for i, d in (counts >= self.min_share * self.n_samples).nonzero().tolist():
+                out.setdefault(self.layers[i], []).append(d)
+        return out
 
     @property
     def spike_dims(self) -> dict[int, list[int]]:

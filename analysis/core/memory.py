@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -84,3 +85,24 @@ def measure(fn, device: str) -> tuple[float, float, float]:
     sec = time.perf_counter() - t
     peak = peak_mib(device)
     return sec, peak, peak - start
+
+
+@contextmanager
+def frozen_heap():
+    """The objects alive on entry (the model, the imported modules: about half a million on SmolLM2) left out of
+    Python's cyclic garbage collector for the duration (``gc.freeze``), so that a full collection, which scans every
+    tracked object, does not walk them again and again during a long job (about 0.4 s each on the 2-core machine).
+    They are handed back on exit (``gc.unfreeze``); where the process froze its heap itself, it is left as it is.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+    """
+    own = gc.get_freeze_count() == 0
+    if own:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if own:
+            gc.unfreeze()

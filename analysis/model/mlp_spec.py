@@ -495,28 +495,6 @@ def mlp_input(model: SinkModel, layer: int, resid: torch.Tensor) -> torch.Tensor
         return mod(_on_model(model, resid)).float().to(resid.device)
 
 
-def final_logits(model: SinkModel, resid: torch.Tensor) -> torch.Tensor:
-    """The logits the model makes from its last residual stream: the final norm, the unembedding and, where the config
-    soft-caps the logits (Gemma 2), the cap.
-
-    Parameters
-    ----------
-    model
-        A loaded model.
-    resid : torch.Tensor, shape (..., d_model)
-        The residual stream after the last block.
-
-    Returns
-    -------
-    torch.Tensor, shape (..., d_vocab)
-        float32.
-    """
-    with torch.no_grad():
-        logits = model.unembed(model.ln_final(resid)).float()
-    cap = getattr(hf_config(model), "final_logit_softcapping", None)
-    return cap * torch.tanh(logits / cap) if cap else logits
-
-
 def _on_model(model, x: torch.Tensor) -> torch.Tensor:
     """``x`` (e.g. kept on the CPU) on the model's device and in its dtype, to run through one of its modules."""
     param = next(model.parameters())

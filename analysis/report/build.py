@@ -46,6 +46,7 @@ from analysis.model.families import get_family
 from analysis.model.hooks import check_length, model_dims
 from analysis.model.placement import placement_record
 from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
+from analysis.core.memory import frozen_heap
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
 from analysis.report.sections import generic
@@ -193,7 +194,7 @@ def _intro(ctx: _Context, meta: dict) -> str:
     return f"""<p class="small">{d.n_layers} layers, {d.n_heads} query heads, {d.n_kv_heads} key/value heads, d_model {d.d_model},
 {esc(head_dims(ctx.model, d)["text"])}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
 uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s
-(the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; encoding the figures:
+(the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; drawing and encoding the figures:
 {meta['figures']:.0f} s; each section's own time under it).
 Every number behind the figures is in report.json beside this page.</p>"""
 
@@ -275,13 +276,14 @@ def build_report(
 
     t0 = time.perf_counter()
     run = [k for k in keys if k in NNSIGHT_SECTIONS] if isinstance(model, NnsightModel) else keys
-    ctx = _Context(model, int(n), int(T), int(seed), batch_size, run, eps=float(eps), bos=bool(bos))
-    done = [_run_section(ctx, key, progress) if key in run else _not_through_nnsight(key) for key in keys]
-    t = time.perf_counter()
-    n_figures = render_figures(done)  # every section's figures encoded together (on the CPUs the passes freed)
-    figures = time.perf_counter() - t
+    with frozen_heap():  # the model's objects not scanned by every full garbage collection of the run
+        ctx = _Context(model, int(n), int(T), int(seed), batch_size, run, eps=float(eps), bos=bool(bos))
+        done = [_run_section(ctx, key, progress) if key in run else _not_through_nnsight(key) for key in keys]
+        t = time.perf_counter()
+        n_figures = render_figures(done)  # every section's figures made together (on the CPUs the passes freed)
+        figures = time.perf_counter() - t
     if progress:
-        print(f"[report] {n_figures} figures encoded: {figures:.1f} s", file=sys.stderr, flush=True)
+        print(f"[report] {n_figures} figures drawn and encoded: {figures:.1f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     meta = {"versions": package_versions(), "seconds": seconds, "figures": figures}
     payload, page = _payload(ctx, done, meta, dims), _page(ctx, done, meta)
@@ -372,6 +374,6 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
         "sections": {s.key: s.data for s in done},
         "seconds": ({"profile": round(ctx.profile_seconds, 2)} | {s.key: round(s.seconds, 2) for s in done}
                     | {"figures": round(meta["figures"], 2), "total": round(meta["seconds"], 2)}),
-        # profile: the one pass per probe kind all sections read; figures: every section's figures encoded as PNG
+        # profile: the one pass per probe kind all sections read; figures: every section's figures drawn and encoded
         "versions": meta["versions"],
     }

@@ -3,6 +3,7 @@ the chain, and the page. Nothing here computes a number: it lays out what the se
 from __future__ import annotations
 
 import base64
+import gc
 import html
 import io
 import os
@@ -166,49 +167,41 @@ class Section:
             self.parts[at] = div
 
     def figure(self, make: Callable, caption: str) -> None:
-        """Add a figure: drawn now, encoded as PNG by ``render_figures`` with every section's figures. One that fails
-        is shown with its error and fails the report (its numbers stay in the JSON)."""
-        try:
-            fig = make()
-        except Exception as e:  # noqa: BLE001 - the page keeps the other figures; build_report raises at the end
-            self.error(f"figure '{caption}'", e)
-            return
-        import matplotlib.pyplot as plt
-        from matplotlib.figure import Figure
-
-        if isinstance(fig, Figure):
-            plt.close(fig)  # out of pyplot's registry (no open-figure warning); the Figure itself still saves
-        self.parts.append(_Drawn(fig, caption))
+        """Add a figure: ``make()`` returns it. It is drawn and encoded as PNG by ``render_figures`` with every
+        section's figures, after the sections; one that fails to draw or encode is shown in its place with its
+        error and fails the report (its numbers stay in the JSON). ``make`` must not depend on what changes later
+        (bind a loop's variables as default arguments)."""
+        self.parts.append(_Drawn(make, caption))
 
 
 @dataclass
 class _Drawn:
-    """A figure its section drew, waiting for ``render_figures`` to encode it."""
+    """A figure a section asked for, waiting for ``render_figures`` to draw and encode it."""
 
-    fig: object
+    make: Callable
     caption: str
 
 
 def render_figures(sections: list[Section], *, workers: int | None = None) -> int:
-    """Encode every figure the sections drew as an inline PNG, in place of its placeholder; a figure that fails to
-    encode is its section's error, as one that fails to draw.
+    """Draw and encode every figure the sections asked for as an inline PNG, in place of its placeholder; a figure
+    that fails to draw or encode is its section's error, in its place.
 
-    Drawing a figure is cheap; encoding it (matplotlib lays out its ticks and text and rasterises it) is most of a
-    figure's time, and each runs on one core. So the figures are encoded together at the end, shared among up to
-    ``workers`` processes forked from this one (default: the CPUs this process may use, at most 4), which the
-    model's passes no longer need. Where ``os.fork`` is not used (not Linux) or one CPU is free, they are encoded
-    here one after another; a worker that fails leaves its figures to be encoded here.
+    Drawing a figure and encoding it (matplotlib lays out its ticks and text and rasterises it) run on one core. So
+    the figures are made together at the end, shared among up to ``workers`` processes forked from this one (default:
+    the CPUs this process may use, at most 4), which the model's passes no longer need: a forked worker sees the
+    results the sections hold. Where ``os.fork`` is not used (not Linux) or one CPU is free, they are made here one
+    after another; a worker that fails leaves its figures to be made here.
 
     Parameters
     ----------
     sections : list of Section
     workers : int, optional
-        Processes encoding at once, this one included.
+        Processes drawing at once, this one included.
 
     Returns
     -------
     int
-        The number of figures encoded.
+        The number of figures made.
     """
     slots = [(s, i) for s in sections for i, part in enumerate(s.parts) if isinstance(part, _Drawn)]
     drawn = [s.parts[i] for s, i in slots]
@@ -221,10 +214,15 @@ def render_figures(sections: list[Section], *, workers: int | None = None) -> in
 
 
 def _encode_one(drawn: _Drawn) -> tuple[str | None, tuple[str, str] | None]:
-    """(HTML, None), or (None, (message, traceback text)) where encoding failed."""
+    """(HTML, None), or (None, (message, traceback text)) where drawing or encoding failed."""
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
     try:
-        return figure_html(drawn.fig, caption=drawn.caption), None
+        return figure_html(drawn.make(), caption=drawn.caption), None
     except Exception as e:  # noqa: BLE001 - reported on its section by render_figures
+        for num in set(plt.get_fignums()) - before:  # a figure left half drawn: out of pyplot's registry
+            plt.close(num)
         return None, (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
 
 
@@ -247,7 +245,8 @@ def _encode(figs: list[_Drawn], workers: int | None) -> list:
         try:
             with warnings.catch_warnings():
                 # Python 3.12+ warns on fork in a process with threads (torch's idle CPU workers here): the child
-                # runs matplotlib's Agg only, takes no lock those threads hold, prints nothing, leaves by os._exit.
+                # draws with matplotlib's Agg (its tensor work on one thread), takes no lock those threads hold,
+                # prints nothing, leaves by os._exit.
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
         except OSError as e:  # no process to spare: this share is encoded here
@@ -261,6 +260,9 @@ def _encode(figs: list[_Drawn], workers: int | None) -> list:
             try:
                 sys.stdout = sys.stderr = open(os.devnull, "w")  # a notebook's streams belong to the parent's threads
                 warnings.simplefilter("ignore")
+                gc.freeze()  # the parent's objects: never scanned by this worker's collections (nor copied by them)
+                if "torch" in sys.modules:  # a figure's own tensor work runs inline: no thread pool after a fork
+                    sys.modules["torch"].set_num_threads(1)
                 with open(path, "wb") as f:
                     pickle.dump([_encode_one(figs[i]) for i in share], f)
                 code = 0

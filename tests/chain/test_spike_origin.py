@@ -94,6 +94,26 @@ def test_zeroing_the_writers_removes_the_spike_and_random_neurons_do_not(smollm2
     assert named.sink_1_pct_mean < 0.5 * base.sink_1_pct and rnd.sink_1_pct_min > 0.9 * base.sink_1_pct
     assert s.loc[("writers", "mean", "named", d)].kept_mean < 0.2
     assert "random neurons" in cuts.text()
+    # the first token's own loss, against the model's logits computed here (unchanged, and with the writers zeroed)
+    on = tokens[:4]
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(smollm2(on)[:, 0].float(), on[:, 1])
+    assert abs(base.loss_first - float(first)) <= 1e-4 * float(first)
+    zero = {b: ns for b, ns in cuts.neurons["writers"].items()}
+
+    def cut(a, hook, ns):
+        a = a.clone()
+        a[:, 0, ns] = 0.0
+        return a
+
+    from functools import partial
+
+    from analysis.model.mlp_spec import get_mlp
+    hooks = [(get_mlp(smollm2).neuron_hook(b), partial(cut, ns=ns)) for b, ns in zero.items()]
+    with torch.no_grad():
+        cut_first = torch.nn.functional.cross_entropy(smollm2.run_with_hooks(on, fwd_hooks=hooks)[:, 0].float(), on[:, 1])
+    assert abs(named.loss_first_mean - float(cut_first)) <= 1e-4 * float(cut_first)
+    assert abs(float(cut_first) - float(first)) > 1e-3  # the cut changes it: the check can tell the two apart
     with pytest.raises(ValueError, match="not those the spike origin was measured on"):
         spike_cuts(smollm2, tokens.flip(0), origin)
 

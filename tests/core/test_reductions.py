@@ -98,3 +98,38 @@ def test_stats_lower_median_off_the_host_selects_on_the_device(monkeypatch):
     monkeypatch.setattr(stats, "host_selection", lambda t: False)
     monkeypatch.setattr(torch.Tensor, "median", lambda *a, **k: pytest.fail("torch.median was called"))
     _same(stats.lower_median(x, nonnegative=True), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nonnegative", [False, True])
+def test_stats_lower_median_on_long_slices_takes_the_bracket_and_equals_torch_median(dtype, nonnegative, monkeypatch):
+    """Slices of at least ``_BRACKET_MIN`` values (a hidden state's positions x dims): the bracketed selection, the
+    same numbers as torch.median: ties, specials, a NaN row, an all-equal row, sorted and reversed rows, outliers."""
+    calls = []
+    bracket = stats._bracketed_kth
+    monkeypatch.setattr(stats, "_bracketed_kth", lambda *a: calls.append(1) or bracket(*a))
+    n = stats._BRACKET_MIN + 37
+    x = _rows(dtype, n, 11, nan=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([x, torch.randn(3, n, generator=g, dtype=dtype).exp(), torch.arange(n, dtype=dtype)[None],
+                   torch.arange(n, dtype=dtype).flip(0)[None], torch.full((1, n), 2.5, dtype=dtype)])
+    x[5, :40] = 1e4  # a few massive values
+    if nonnegative:
+        x = x.abs()
+    _same(stats.lower_median(x, nonnegative=nonnegative), x.median(-1).values)
+    _same(stats.lower_median(x.T.contiguous(), dim=0, nonnegative=nonnegative), x.median(-1).values)  # another axis
+    assert len(calls) == 2
+
+
+def test_stats_bracketed_selection_is_exact_where_the_bracket_misses(monkeypatch):
+    """A bracket far too narrow (no standard error either side, a sample of 64) misses the median in most rows: those
+    rows are selected whole, and every row's value is still exactly the median."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, stats._BRACKET_MIN, generator=g).abs()
+    monkeypatch.setattr(stats, "_BRACKET_Z", 0.0)
+    monkeypatch.setattr(stats, "_BRACKET_SAMPLE", 64)
+    whole = []
+    partition = stats.np.partition
+    monkeypatch.setattr(stats.np, "partition", lambda a, k, *r, **kw: whole.append(a.size == x.shape[1]) or partition(a, k, *r, **kw))
+    _same(stats.lower_median(x, nonnegative=True), x.median(-1).values)
+    assert sum(whole) > 5  # the misses took the whole-row path
