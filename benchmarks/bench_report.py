@@ -15,7 +15,7 @@ also keeps the natural pass's residual stream entering its blocks (``Profile.res
 the 5 intervention passes (2 spike, 2 value, 1 first-key) then start at the block they change (on SmolLM2: 24;
 12, 2 and 12), so 3 x 30 + 0 + 110 blocks run where whole passes would run 265 (the model-work line counts them). The
 spike-origin section adds, over the first 8 natural sequences (``report.SPIKE_CUT_SAMPLES``), one pass up to its last
-writer block (why the first token) and its causal cuts, one pass per condition from the block it changes. Its
+writer block (why the first token) and its causal cuts, one pass per first block changed (the conditions stacked). Its
 time is best read in forward passes.
 
 The report's model work is counted: the blocks and unembeddings its passes run (forward hooks on the wrapped

@@ -153,47 +153,83 @@ class PassAccumulator(Accumulator):
         Keys whose alpha is kept.
     start : int
         The block the pass starts at.
+    group_rows : int, optional
+        The pass's rows are conditions of this many sequences each, one after another (``run_condition``'s
+        ``groups``): the attention shares and the loss are kept per condition, and ``result`` gives one PassResult
+        per condition.
     """
 
     needs_logits = True
 
     def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int = K_MAX, start: int = 0,
-                 facts: ModelFacts | None = None):
+                 facts: ModelFacts | None = None, group_rows: int | None = None):
         facts = model_facts(model, facts=facts)
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
         self.layers, self.skipped = [l for l in facts.attention_layers if l >= start], facts.skipped
         self.pos = {l: i for i, l in enumerate(self.layers)}
         self.alpha = LayerCollector(self.layers)
-        self.where = torch.zeros(len(self.layers), facts.dims.n_heads, 4, dtype=torch.float64)
-        self.loss_sum, self.n_pred, self.n = 0.0, 0, 0
+        self.group_rows = None if group_rows is None else int(group_rows)
+        self.where: list[torch.Tensor] = []  # per condition, (L, H, 4)
+        self.loss_sum: list[float] = []  # per condition: the summed loss, its predictions and sequences
+        self.n_pred: list[int] = []
+        self.n: list[int] = []
+        self.H = facts.dims.n_heads
         self.first: list[torch.Tensor] = []  # per batch, (B,) the first position's loss
 
     def hooks(self):
         return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
 
+    def _groups(self, batch: Batch) -> list[tuple[int, slice]]:
+        """(condition, its rows in this batch) for each condition the batch holds; one, the whole batch, ungrouped."""
+        if self.group_rows is None:
+            return [(0, slice(None))]
+        R, out = self.group_rows, []
+        for g in range(batch.offset // R, (batch.offset + batch.size - 1) // R + 1):
+            out.append((g, slice(max(g * R - batch.offset, 0), min((g + 1) * R - batch.offset, batch.size))))
+        return out
+
+    def _condition(self, g: int) -> None:
+        while len(self.where) <= g:
+            self.where.append(torch.zeros(len(self.layers), self.H, 4, dtype=torch.float64))
+            self.loss_sum.append(0.0)
+            self.n_pred.append(0)
+            self.n.append(0)
+
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         p = acts["pattern"]
         self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
         if self.T >= 3:
-            self.where[self.pos[layer]] += where_shares(p).double().sum(0).cpu()
+            shares = where_shares(p).double()
+            for g, rows in self._groups(batch):
+                self._condition(g)
+                self.where[g][self.pos[layer]] += shares[rows].sum(0).cpu()
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
-        self.loss_sum += loss_sum(logits, batch.tokens)
+        for g, rows in self._groups(batch):
+            self._condition(g)
+            tokens = batch.tokens[rows]
+            self.loss_sum[g] += loss_sum(logits[rows], tokens)
+            self.n_pred[g] += tokens.shape[0] * (tokens.shape[1] - 1)
+            self.n[g] += tokens.shape[0]
         if batch.tokens.shape[1] > 1:
             self.first.append(torch.nn.functional.cross_entropy(
                 logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none").cpu())
-        self.n_pred += batch.size * (batch.tokens.shape[1] - 1)
-        self.n += batch.size
 
-    def result(self) -> PassResult:
-        loss = self.loss_sum / max(self.n_pred, 1) if self.T > 1 else float("nan")
-        return PassResult(self.alpha.result(), (self.where / (self.n * max(self.T - 2, 1))).float(), loss, self.eps, self.T,
-                          self.layers, self.skipped, torch.cat(self.first) if self.first else None)
+    def result(self) -> PassResult | list[PassResult]:
+        alpha, first = self.alpha.result(), torch.cat(self.first) if self.first else None
+        out = []
+        for g in range(len(self.n)):
+            rows = slice(None) if self.group_rows is None else slice(g * self.group_rows, (g + 1) * self.group_rows)
+            loss = self.loss_sum[g] / max(self.n_pred[g], 1) if self.T > 1 else float("nan")
+            out.append(PassResult(alpha[rows], (self.where[g] / (self.n[g] * max(self.T - 2, 1))).float(), loss, self.eps,
+                                  self.T, self.layers, self.skipped, None if first is None else first[rows]))
+        return out if self.group_rows is not None else out[0]
 
 
 def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
-                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None) -> PassResult:
+                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None,
+                  groups: int = 1) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
     Parameters
@@ -211,17 +247,30 @@ def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, 
         block at or before the first one the hooks touch (``Baseline.resid``), the pass resumes at the last such block:
         the blocks before it are not run, and their alpha and attention shares, which no hook changes, are the
         baseline's.
+    groups : int
+        ``tokens`` holds this many conditions of the same sequences, one after another (the sequences repeated; the
+        hooks tell the conditions apart by row, with ``on_batch_start``), run in one pass as one longer input:
+        fewer, fuller batches than a pass each. The baseline is that of one condition's sequences.
 
     Returns
     -------
-    PassResult
+    PassResult, or a list of one per condition with ``groups`` > 1
     """
     tokens = check_tokens(model, tokens)
+    G = int(groups)
+    if G < 1 or tokens.shape[0] % G:
+        raise ValueError(f"groups must divide the {tokens.shape[0]} sequences into equal conditions; got {groups}.")
+    rows = tokens.shape[0] // G
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
-    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0)
+    if resume is not None and G > 1:  # one condition's residual, once per condition
+        resume = Resume(resume.layer, resume.resid[:rows].repeat(G, *([1] * (resume.resid.ndim - 1))))
+    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0,
+                          group_rows=rows if G > 1 else None)
     run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
-                 resume=resume)[0]
-    return _with_prefix(run, baseline.run) if resume else run
+                   resume=resume)[0]
+    if G == 1:
+        return _with_prefix(run, baseline.run) if resume else run
+    return [_with_prefix(r, baseline.run) if resume else r for r in run]
 
 
 def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> Resume | None:

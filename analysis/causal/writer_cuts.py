@@ -1,8 +1,9 @@
 """The cut that removes the sink: the writer neurons zeroed (or set to their mean) on the first token only.
 
 For the neurons ``analysis.chain.spike_writers`` names (those carrying ``share`` of each writing MLP's write on a spike
-dimension), :func:`spike_cuts` runs one pass per condition, each resumed at the first block it changes
-(``conditions.run_condition`` with the shared baseline's residuals):
+dimension), :func:`spike_cuts` runs the conditions that change the same first block in one pass (their sequences
+repeated once per condition, ``conditions.run_condition``'s ``groups``), resumed at that block from the shared
+baseline's residuals:
 
 - ``writers``: the writer neurons' activations on the first token set to 0 (``zero``) or to their mean over the
   other tokens (``mean``); against as many random neurons of the same MLPs (``random``, several draws);
@@ -37,42 +38,56 @@ from analysis.core.defaults import WRITER_CUT_RANDOM_DRAWS as N_RANDOM  # random
 class NeuronSetter:
     """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
     hook, and records the spike dims' first-token values after every block from ``start`` on (the first position's
-    loss comes with the pass's own: ``PassResult.loss_first``).
+    loss comes with the pass's own: ``PassResult.loss_first``). Several conditions can share one pass: the sequences
+    repeated once per condition, each condition's neurons set on its own ``rows`` (``run_condition``'s ``groups``).
 
     Parameters
     ----------
     model
         Any model with TransformerLens hook names.
-    neurons : dict of int to list of int
-        {block: the neurons to set}.
-    mode : {"zero", "mean"}
+    conditions : list of (dict of int to list of int, str)
+        Per condition, {block: the neurons to set} and its mode ("zero" or "mean"), in the order of their rows.
     means : dict of int to torch.Tensor
         {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean".
     dims : list of int
         The spike dims recorded.
     start : int
         The first block whose output is recorded.
+    rows : int
+        Sequences per condition.
     """
 
-    def __init__(self, model, neurons: dict[int, list[int]], mode: str, means: dict[int, torch.Tensor], dims: list[int],
-                 start: int):
+    def __init__(self, model, conditions: list[tuple[dict[int, list[int]], str]], means: dict[int, torch.Tensor],
+                 dims: list[int], start: int, rows: int):
         spec = get_mlp(model)
-        self.model, self.mode, self.dims, self.start = model, mode, dims, int(start)
-        self.neurons = {b: torch.tensor(sorted(ns)) for b, ns in neurons.items() if ns}
-        self.hook_of = {b: spec.neuron_hook(b) for b in self.neurons}
-        self.means = {b: means[b][self.neurons[b]] for b in self.neurons} if mode == "mean" else {}
+        self.dims, self.start, self.rows = dims, int(start), int(rows)
+        self.set_at: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | float]]] = {}  # block -> (condition, ...)
+        for c, (neurons, mode) in enumerate(conditions):
+            for b, ns in sorted(neurons.items()):
+                if ns:
+                    idx = torch.tensor(sorted(ns))
+                    value = means[b][idx] if mode == "mean" else 0.0
+                    self.set_at.setdefault(b, []).append((c, idx, value))
+        self.hook_of = {b: spec.neuron_hook(b) for b in self.set_at}
         self.L = model_dims(model).n_layers
         self.values: list[torch.Tensor] = []
         self.current: dict[int, torch.Tensor] = {}
+        self.offset = 0
+
+    def start_batch(self, batch) -> None:
+        self.offset = batch.offset
 
     def hooks(self):
-        out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.neurons)]
+        out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.set_at)]
         return out + [(act_name("resid_post", l), partial(self.record, l)) for l in range(self.start, self.L)]
 
     def set(self, block: int, a: torch.Tensor, hook) -> torch.Tensor:
         a = a.clone()
-        idx = self.neurons[block].to(a.device)
-        a[:, 0, idx] = 0.0 if self.mode == "zero" else self.means[block].to(a.device, a.dtype)
+        for c, idx, value in self.set_at[block]:
+            lo, hi = max(c * self.rows - self.offset, 0), min((c + 1) * self.rows - self.offset, a.shape[0])
+            if lo < hi:  # the condition's rows in this batch
+                v = value if isinstance(value, float) else value.to(a.device, a.dtype)
+                a[lo:hi, 0, idx.to(a.device)] = v
         return a
 
     def record(self, layer: int, x: torch.Tensor, hook) -> None:
@@ -222,6 +237,26 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
                     {b: x[:N] for b, x in baseline.resid.items()})
 
 
+def _run_stacked(model, tokens, conditions: list[tuple[dict[int, list[int]], str]], means, dims: list[int], *,
+                 eps: float, batch_size, baseline: Baseline) -> list[tuple[PassResult, torch.Tensor]]:
+    """Run each condition ({block: neurons}, mode) over ``tokens`` (N, T): those that change the same first block in
+    one pass, their sequences repeated once per condition. Per condition, in order: its PassResult and the spike dims'
+    first-token values after every block from its first on, (N, L - start, n_dims)."""
+    N, L = tokens.shape[0], model_dims(model).n_layers
+    by_start: dict[int, list[int]] = {}
+    for c, (neurons, _) in enumerate(conditions):
+        by_start.setdefault(min(neurons) if neurons else L - 1, []).append(c)
+    done: dict[int, tuple[PassResult, torch.Tensor]] = {}
+    for start, cs in by_start.items():
+        setter = NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
+        got = run_condition(model, tokens.repeat(len(cs), 1), hooks=setter.hooks(), eps=eps, batch_size=batch_size,
+                            on_batch_start=setter.start_batch, baseline=baseline, groups=len(cs))
+        after = torch.cat(setter.values)  # (len(cs) N, L - start, n_dims): the stream after blocks start..L-1
+        for i, (c, r) in enumerate(zip(cs, got if len(cs) > 1 else [got])):
+            done[c] = (r, after[i * N : (i + 1) * N])
+    return [done[c] for c in range(len(conditions))]
+
+
 def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES[0], n_random: int = N_RANDOM,
                random_modes: tuple[str, ...] = ("zero",), roles: tuple[str, ...] = ("writers", "erasers"),
                per_block: bool = False, max_samples: int | None = None, seed: int = 0, eps: float = SINK_EPS,
@@ -295,12 +330,12 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
             runs += [(role, "zero", f"MLP {b}", 0, {b: ns}) for b, ns in named.items()]
         runs += [(role, mode, "random", k, _random_like(named, get_mlp(model).d_mlp, gen)) for mode in random_modes
                  for k in range(int(n_random))]
+    done = _run_stacked(model, tokens, [(neurons, mode or "zero") for _, mode, _, _, neurons in runs],
+                        origin.trace.act_other, dims, eps=eps, batch_size=batch_size, baseline=base)
     rows = []
-    for role, mode, chosen, draw, neurons in runs:
+    for c, (role, mode, chosen, draw, neurons) in enumerate(runs):
         start = min(neurons) if neurons else L - 1
-        setter = NeuronSetter(model, neurons, mode or "zero", origin.trace.act_other, dims, start)
-        r = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size, baseline=base)
-        after = torch.cat(setter.values)  # (N, L - start, n_dims): the stream after blocks start..L-1
+        r, after = done[c]
         full = torch.cat([vals[:, 1 : start + 1], after], 1)  # (N, L, n_dims): entering blocks 1..L-1, then final
         loss_first = float(r.loss_first.mean()) if r.loss_first is not None else float("nan")
         for j, d in enumerate(dims):

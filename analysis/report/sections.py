@@ -327,7 +327,8 @@ def _spike_writers(ctx, sec: Section) -> None:
         sec.note(cuts.message)
         return
     sec.explain(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural "
-                f"sequences (the cuts: one pass per condition, {cuts.n_random} random draws).")
+                f"sequences (the cuts: {cuts.n_random} random draws; the conditions that change the same first block share "
+                f"one pass).")
     sec.say(_on_subset(cuts.findings(), cuts.n_samples, ctx.n), link="cuts", headline=0)
     sec.parts.append(table_html(cuts.summary, digits=3))
     sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "

@@ -246,3 +246,35 @@ def test_passes_resume_at_the_last_kept_block_and_equal_whole_passes(planted, pr
         whole = norm_gain_trace(planted, nat, 2, spike_dims=[7, 21], batch_size=4)
     pd.testing.assert_frame_equal(traced.stages, whole.stages, rtol=1e-5)
     pd.testing.assert_frame_equal(traced.heads, whole.heads, rtol=1e-5)
+
+
+def test_conditions_stacked_in_one_pass_equal_a_pass_each(planted, probes, prof):
+    """Three conditions (the stream entering block 3 scaled by 0.5, 1 and 2) as one pass over the sequences repeated
+    three times (run_condition's ``groups``, as the writer cuts run), in batches of 5 that split the conditions,
+    resumed at block 2: each condition's alpha, attention shares, loss and first-token loss equal its own pass."""
+    import dataclasses
+
+    nat = probes["natural"]
+    N, scales, at = nat.shape[0], (0.5, 1.0, 2.0), {"offset": 0}
+    base = dataclasses.replace(prof.baseline, resid={2: prof.resid[2]})
+
+    def by_row(x, hook):
+        x = x.clone()
+        for c, s in enumerate(scales):
+            lo, hi = max(c * N - at["offset"], 0), min((c + 1) * N - at["offset"], x.shape[0])
+            x[lo:max(lo, hi)] *= s
+        return x
+
+    stacked = run_condition(planted, nat.repeat(3, 1), hooks=[(act_name("resid_pre", 3), by_row)], batch_size=5,
+                            on_batch_start=lambda b: at.update(offset=b.offset), baseline=base, groups=3)
+    assert len(stacked) == 3 and N % 5  # the batches cross the conditions' boundaries
+    for s, got in zip(scales, stacked):
+        want = run_condition(planted, nat, hooks=[(act_name("resid_pre", 3), lambda x, hook, s=s: x * s)], batch_size=4,
+                             baseline=base)
+        assert got.alpha.shape == want.alpha.shape and torch.allclose(got.alpha, want.alpha, atol=1e-6)
+        assert torch.allclose(got.where, want.where, atol=1e-6)
+        assert got.loss == pytest.approx(want.loss, rel=1e-6)
+        assert torch.allclose(got.loss_first, want.loss_first, atol=1e-5)
+    assert abs(stacked[0].loss - stacked[2].loss) > 1e-3  # the conditions differ: the check can tell them apart
+    with pytest.raises(ValueError, match="groups must divide"):
+        run_condition(planted, nat, groups=N + 1)
