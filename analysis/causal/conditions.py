@@ -262,8 +262,8 @@ def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, 
         raise ValueError(f"groups must divide the {tokens.shape[0]} sequences into equal conditions; got {groups}.")
     rows = tokens.shape[0] // G
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
-    if resume is not None and G > 1:  # one condition's residual, once per condition
-        resume = Resume(resume.layer, resume.resid[:rows].repeat(G, *([1] * (resume.resid.ndim - 1))))
+    if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
+        resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
     acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0,
                           group_rows=rows if G > 1 else None)
     run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,

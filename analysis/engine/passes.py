@@ -358,10 +358,21 @@ class Resume:
     resid : torch.Tensor, shape (N, T, D)
         The residual stream entering it (``hook_resid_pre``, e.g. from :class:`ResidCapture` over the same tokens and
         batches).
+    repeat : int
+        The pass's sequences are these N repeated this many times, one copy after another (conditions stacked in one
+        pass, ``causal.conditions.run_condition``'s ``groups``): each batch takes its rows, never a tiled copy.
     """
 
     layer: int
     resid: torch.Tensor
+    repeat: int = 1
+
+    def rows(self, offset: int, size: int) -> torch.Tensor:
+        """The residual of the pass's sequences ``offset`` to ``offset + size - 1``, (size, T, D)."""
+        if self.repeat == 1:
+            return self.resid[offset : offset + size]
+        index = torch.arange(offset, offset + size) % self.resid.shape[0]
+        return self.resid.index_select(0, index.to(self.resid.device))
 
 
 def checkpoint_layers(n_layers: int, block_bytes: int, budget_mib: float) -> list[int]:
@@ -458,8 +469,9 @@ def _skipped_blocks(model, layer: int):
 def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
     if not can_resume(model):
         raise ModelContractError(f"{type(model).__name__} cannot resume a pass at a block (``can_resume``).")
-    if tuple(resume.resid.shape[:2]) != tuple(tokens.shape):
-        raise ValueError(f"the residual to resume from has shape {tuple(resume.resid.shape)}; the tokens {tuple(tokens.shape)}.")
+    if (resume.resid.shape[0] * resume.repeat, resume.resid.shape[1]) != tuple(tokens.shape):
+        raise ValueError(f"the residual to resume from has shape {tuple(resume.resid.shape)}"
+                         f"{f' (x {resume.repeat})' if resume.repeat > 1 else ''}; the tokens {tuple(tokens.shape)}.")
     early = sorted({n for n in names if hook_layer(n) is not None and hook_layer(n) < resume.layer})
     if early:
         raise ValueError(f"hooks {early[:4]} lie before layer {resume.layer}, where the pass resumes: they would not see "
@@ -561,7 +573,7 @@ def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, r
         if resume is None:
             logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
         else:
-            resid = resume.resid[batch.offset : batch.offset + batch.size].to(batch.tokens.device)
+            resid = resume.rows(batch.offset, batch.size).to(batch.tokens.device)
             for name, fn in entry:
                 out = fn(resid, model.hook_dict[name])
                 resid = resid if out is None else out

@@ -278,3 +278,14 @@ def test_conditions_stacked_in_one_pass_equal_a_pass_each(planted, probes, prof)
     assert abs(stacked[0].loss - stacked[2].loss) > 1e-3  # the conditions differ: the check can tell them apart
     with pytest.raises(ValueError, match="groups must divide"):
         run_condition(planted, nat, groups=N + 1)
+
+
+def test_a_resume_read_once_per_condition_gives_the_tiled_rows_without_tiling():
+    from analysis.engine.passes import Resume
+
+    resid = torch.randn(4, 3, 2)
+    once = Resume(2, resid, repeat=3)
+    tiled = torch.cat([resid] * 3)
+    for offset, size in [(0, 5), (3, 4), (7, 5), (11, 1)]:
+        assert torch.equal(once.rows(offset, size), tiled[offset : offset + size])
+    assert once.resid.data_ptr() == resid.data_ptr()  # kept as given: one copy whatever the number of conditions
