@@ -137,6 +137,26 @@ def where_shares(pattern: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, prev, self_, other], -1).sum(-2)
 
 
+def condition_rows(offset: int, size: int, rows: int) -> list[tuple[int, slice]]:
+    """For conditions of ``rows`` sequences each, stacked one after another in a pass (``run_condition``'s
+    ``groups``): (condition, its rows within the batch of ``size`` sequences starting at ``offset``), for each
+    condition the batch holds.
+
+    Parameters
+    ----------
+    offset, size : int
+        The batch's first sequence in the pass, and its number of sequences.
+    rows : int
+        Sequences per condition.
+
+    Returns
+    -------
+    list of (int, slice)
+    """
+    return [(g, slice(max(g * rows - offset, 0), min((g + 1) * rows - offset, size)))
+            for g in range(offset // rows, (offset + size - 1) // rows + 1)]
+
+
 class PassAccumulator(Accumulator):
     """alpha for keys 1..k_max per sample, the attention shares of :func:`where_shares` and the next-token loss, on the
     attention layers from ``start`` on (a pass resumed at block ``start``).
@@ -183,10 +203,7 @@ class PassAccumulator(Accumulator):
         """(condition, its rows in this batch) for each condition the batch holds; one, the whole batch, ungrouped."""
         if self.group_rows is None:
             return [(0, slice(None))]
-        R, out = self.group_rows, []
-        for g in range(batch.offset // R, (batch.offset + batch.size - 1) // R + 1):
-            out.append((g, slice(max(g * R - batch.offset, 0), min((g + 1) * R - batch.offset, batch.size))))
-        return out
+        return condition_rows(batch.offset, batch.size, self.group_rows)
 
     def _condition(self, g: int) -> None:
         while len(self.where) <= g:

@@ -25,7 +25,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.model.mlp_spec import get_mlp
-from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, run_condition
+from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, condition_rows, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
 from analysis.core.io import jsonable
 from analysis.engine.passes import ResidCapture, run_pass
@@ -72,10 +72,10 @@ class NeuronSetter:
         self.L = model_dims(model).n_layers
         self.values: list[torch.Tensor] = []
         self.current: dict[int, torch.Tensor] = {}
-        self.offset = 0
+        self.batch: tuple[int, int] = (0, 0)  # the current batch's offset in the pass and its size
 
     def start_batch(self, batch) -> None:
-        self.offset = batch.offset
+        self.batch = (batch.offset, batch.size)
 
     def hooks(self):
         out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.set_at)]
@@ -83,11 +83,11 @@ class NeuronSetter:
 
     def set(self, block: int, a: torch.Tensor, hook) -> torch.Tensor:
         a = a.clone()
+        here = dict(condition_rows(*self.batch, self.rows))  # condition -> its rows in this batch
         for c, idx, value in self.set_at[block]:
-            lo, hi = max(c * self.rows - self.offset, 0), min((c + 1) * self.rows - self.offset, a.shape[0])
-            if lo < hi:  # the condition's rows in this batch
+            if c in here:
                 v = value if isinstance(value, float) else value.to(a.device, a.dtype)
-                a[lo:hi, 0, idx.to(a.device)] = v
+                a[here[c], 0, idx.to(a.device)] = v
         return a
 
     def record(self, layer: int, x: torch.Tensor, hook) -> None:
