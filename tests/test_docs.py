@@ -22,10 +22,10 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 # Folders of the repository whose paths are checked wherever they appear (prose, inline code, code blocks).
 TOP = ("analysis", "benchmarks", "data", "docs", "notebooks", "scripts", "tests", ".ci")
-# Paths that are examples, not repository files: what a command writes (results/, runs/), a placeholder (DIR/),
-# the inside of a training run folder (checkpoints/), what scripts/gpu/pack.sh builds (.gpu/, git-ignored), and the
-# GPU results' folder the first GPU session creates (data/gpu/, see docs/gpu.md).
-EXEMPT = ("results/", "runs/", "DIR/", "checkpoints/", ".gpu/", "data/gpu/")
+# Paths that are examples, not repository files: what a command writes (results/, runs/, the docs site's site/), a
+# placeholder (DIR/), the inside of a training run folder (checkpoints/), what scripts/gpu/pack.sh builds (.gpu/,
+# git-ignored), and the GPU results' folder the first GPU session creates (data/gpu/, see docs/gpu.md).
+EXEMPT = ("results/", "runs/", "site/", "DIR/", "checkpoints/", ".gpu/", "data/gpu/")
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)
