@@ -25,11 +25,23 @@ def short_name(model: str) -> str:
     return PurePath(str(model).rstrip("/\\")).name or str(model)
 
 
-def _rows(table: pd.DataFrame) -> pd.DataFrame:
+def _rows(table: pd.DataFrame, ax, height: float):
+    """The models with a result (the first on top), the figure and axes, and the models' y positions."""
     ok = table[table["status"] == "ok"]
     if ok.empty:
         raise ValueError("no model of the atlas has a result yet: nothing to draw.")
-    return ok.iloc[::-1]  # the first model on top
+    fig, ax, own = new_or_given(ax, (6.5, 0.9 + height * len(ok)))
+    return ok.iloc[::-1], fig, ax, own, np.arange(len(ok))
+
+
+def _finish(fig, ax, rows: pd.DataFrame, own: bool, *, xlabel: str, title: str):
+    """The models named on the y axis, the legend, the title and the margins."""
+    ax.set_yticks(np.arange(len(rows)), [short_name(m) for m in rows["model"]])
+    ax.set_xlabel(xlabel)
+    ax.legend(loc="lower right", fontsize=7, frameon=False)
+    set_title(ax, title)
+    place_axes(fig, left=1.7, bottom=0.5, top=0.3, own=own)
+    return fig
 
 
 def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
@@ -46,9 +58,7 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     -------
     matplotlib.figure.Figure
     """
-    rows = _rows(table)
-    fig, ax, own = new_or_given(ax, (6.5, 0.9 + 0.5 * len(rows)))
-    y = np.arange(len(rows))
+    rows, fig, ax, own, y = _rows(table, ax, 0.5)
     h = 0.8 / len(KIND_COLOURS)
     for i, (kind, colour) in enumerate(KIND_COLOURS.items()):
         at = y + (1 - i) * h
@@ -59,13 +69,9 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
         if has.any():
             ax.scatter(paper[has], at[has], marker="|", s=120, color="black", zorder=3,
                        label="Gu et al. (published)" if i == 0 else None)
-    ax.set_yticks(y, [short_name(m) for m in rows["model"]])
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("Sink$_1$ (%)")
-    ax.legend(loc="lower right", fontsize=7, frameon=False)
-    set_title(ax, "Sink on the first token, by model and input")
-    place_axes(fig, left=1.7, bottom=0.5, top=0.3, own=own)
-    return fig
+    ax.set_xlim(0, 108)  # room for the label of a bar at 100
+    ax.set_xticks(range(0, 101, 20))
+    return _finish(fig, ax, rows, own, xlabel="Sink$_1$ (%)", title="Sink on the first token, by model and input")
 
 
 def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
@@ -83,9 +89,7 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     -------
     matplotlib.figure.Figure
     """
-    rows = _rows(table)
-    fig, ax, own = new_or_given(ax, (6.5, 0.9 + 0.4 * len(rows)))
-    y = np.arange(len(rows))
+    rows, fig, ax, own, y = _rows(table, ax, 0.4)
     big, med = rows["largest_abs"].astype(float).to_numpy(), rows["largest_median"].astype(float).to_numpy()
     massive = rows["largest_massive"].astype(bool).to_numpy()
     lo = max(float(np.nanmin(med)) / 3, 1e-3)  # the bars start at the axis' left end (a log axis has no 0)
@@ -95,9 +99,5 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
         ax.annotate(f" L{int(l)} d{int(d)}", (b, yi), va="center", fontsize=7)
     set_log_scale(ax, which="x")
     ax.set_xlim(lo, float(np.nanmax(big)) * 8)
-    ax.set_yticks(y, [short_name(m) for m in rows["model"]])
-    ax.set_xlabel("|activation| (red: massive by the criterion; grey: not)")
-    ax.legend(loc="lower right", fontsize=7, frameon=False)
-    set_title(ax, "Largest activation of the residual stream (natural text)")
-    place_axes(fig, left=1.7, bottom=0.5, top=0.3, own=own)
-    return fig
+    return _finish(fig, ax, rows, own, xlabel="|activation| (red: massive by the criterion; grey: not)",
+                   title="Largest activation of the residual stream (natural text)")
