@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import re
 import sys
 import time
@@ -116,8 +117,6 @@ def finished_row(out, name: str, config: AtlasConfig) -> dict | None:
     -------
     dict or None
     """
-    import json
-
     path = row_path(out, name)
     try:
         row = json.loads(path.read_text())

@@ -84,7 +84,7 @@ def format_atlas_table(rows: list[dict]) -> str:
     -------
     str
     """
-    lines = [f"{'model':<28} {'natural':>15} {'random':>15} {'repeated':>15}  largest |a| (layer, dim, token; x median)"]
+    lines = [f"{'model':<28} {'natural':>15} {'random':>15} {'repeated':>15}  largest |a| (layer, dim, position, token; x median)"]
     for r in rows:
         name = r["model"] if len(r["model"]) <= 28 else "..." + r["model"][-25:]
         if r["status"] != "ok":
@@ -94,9 +94,9 @@ def format_atlas_table(rows: list[dict]) -> str:
         cells = [f"{r['sink_1_pct'][k]:.2f}" + (f" [{paper[k]:.2f}]" if paper.get(k) is not None else "")
                  for k in ("natural", "random", "repeated")]
         big = r["largest_activation"]["natural"]
-        token = big["token"] if big["token_share"] == 1 else f"{big['token']} ({big['token_share']:.0%} of sequences)"
+        token = repr(big["token"]) + ("" if big["token_share"] == 1 else f" ({big['token_share']:.0%} of sequences)")
         lines.append(f"{name:<28} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15}  {big['abs']:.3g} (L{big['layer']}, "
-                     f"d{big['dim']}, pos {big['position']} {token!r}; x{big['ratio']:.0f}"
+                     f"d{big['dim']}, pos {big['position']} {token}; x{big['ratio']:.0f}"
                      f"{', massive' if big['massive'] else ''})")
     lines.append("Sink_1 (%) per input kind; [..]: Gu et al.'s published figure for the model of that name. Sink kinds "
                  "(nop / broadcast / mixed): not measured yet.")

@@ -20,16 +20,21 @@ def _sink_table(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
         "Sink on the learned slot " + " / ".join(f"{v:.2f}" for v in r["sink_slot_pct"].values()) + " %"
         if r.get("sink_slot_pct") else None) if x) for r in rows if r["status"] == "ok"}
     out = ok[["model", "family", "n_params"] + [f"sink1_{k}" for k in _KINDS]].copy()
-    for k in _KINDS:
-        out[f"Gu et al. {k}"] = ok[f"paper_{k}"]
+    for k in _KINDS:  # blank where the paper gives no figure for the model
+        out[f"Gu et al. {k}"] = ok[f"paper_{k}"].map(lambda v: "" if pd.isna(v) else f"{v:.2f}")
     out["measured on"] = [notes.get(m, "") for m in ok["model"]]
     return out.rename(columns={f"sink1_{k}": f"Sink_1 {k}" for k in _KINDS})
 
 
-def _activation_table(table: pd.DataFrame) -> pd.DataFrame:
+def _activation_table(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
+    """The largest activation of each model, with the criterion its "massive" is judged by (a narrow model's is
+    relative only)."""
     ok = table[table["status"] == "ok"]
     cols = ["abs", "layer", "dim", "position", "token", "token_share", "median", "ratio", "massive"]
-    return ok[["model"] + [f"largest_{c}" for c in cols]].rename(columns={f"largest_{c}": c for c in cols})
+    out = ok[["model"] + [f"largest_{c}" for c in cols]].rename(columns={f"largest_{c}": c for c in cols})
+    crit = {r["model"]: r["largest_activation"]["natural"]["criterion"] for r in rows if r["status"] == "ok"}
+    out["criterion"] = [crit[m] for m in ok["model"]]
+    return out
 
 
 def _intro(config: dict, table: pd.DataFrame, pending: list[str]) -> str:
@@ -84,14 +89,15 @@ def atlas_page(table: pd.DataFrame, rows: list[dict], *, config: dict, pending: 
     esc = html.escape
     sink_fig, act_fig = _figures(table)
     failed = table[table["status"] != "ok"][["model", "error"]]
-    crit = next((r["largest_activation"]["natural"]["criterion"] for r in rows if r["status"] == "ok"), "")
     body = [_intro(config, table, pending),
             "<h2>Sink_1 by model and input kind</h2>", table_html(_sink_table(table, rows), digits=2, max_rows=500),
             sink_fig,
             "<h2>Largest activation</h2>",
-            f'<p class="small">On natural text, in the residual stream after each block; "massive": the layer holds a '
-            f"dimension that passes {esc(crit or 'the criterion')} on most sequences. Positions are 0-based.</p>",
-            table_html(_activation_table(table), digits=1, max_rows=500), act_fig,
+            '<p class="small">On natural text, in the residual stream after each block: the layer whose mean top-1 |a| '
+            "over the sequences is largest, its most frequent top-1 dimension, position (0-based) and token "
+            "(token_share: the share of sequences whose top-1 token it is), the mean median |a| there and the ratio; "
+            '"massive": the layer holds a dimension that passes the criterion on at least half of the sequences.</p>',
+            table_html(_activation_table(table, rows), digits=2, max_rows=500), act_fig,
             "<h2>Model facts</h2>",
             table_html(table[table["status"] == "ok"][["model", "family", "architecture", "n_params", "attention",
                                                        "positions", "norm", "n_layers"]], max_rows=500),

@@ -196,3 +196,18 @@ def test_the_published_table_is_the_papers():
     assert published_sink("/models/Meta-Llama-3-8B/").model == "LLaMA3-8B Base"
     assert published_sink("meta-llama/Llama-2-7b-chat-hf").natural == 92.88
     assert published_sink("gpt2") is None and published_sink("smollm2-135m") is None
+
+
+def test_through_nnsight_the_rows_numbers_are_the_bridges(models, uninterrupted, family_dir, tmp_path):
+    from analysis import load_model
+
+    name = str(family_dir("llama"))
+    row = run_atlas([name], tmp_path, load=lambda n: load_model(n, backend="nnsight"),
+                    config=AtlasConfig(n=2, T=16, backend="nnsight"), log=None)[0]
+    bridge = next(r for r in uninterrupted[1] if r["model"] == name)
+    assert row["status"] == "ok", row["error"]
+    assert row["sink_1_pct"] == bridge["sink_1_pct"]
+    ours, theirs = row["largest_activation"]["natural"], bridge["largest_activation"]["natural"]
+    assert (ours["layer"], ours["dim"], ours["position"]) == (theirs["layer"], theirs["dim"], theirs["position"])
+    assert ours["abs"] == pytest.approx(theirs["abs"], rel=1e-5)
+    assert row["facts"]["n_params"] == bridge["facts"]["n_params"] and row["facts"]["norm"] == "not read through nnsight"
