@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {sink,sinks,report,models,stream} ...``."""
+"""Command line: ``python -m analysis {sink,sinks,report,models,stream,quant,atlas} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ from analysis.core.options import (CLI_DTYPES, DEFAULT_MODEL, REPORT_MIN_T, REPO
                                    seed_options, sink_options)
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
+from analysis.report.atlas_cli import add_parser as add_atlas_parser
 from analysis.streaming.cli import add_parser as add_stream_parser
 
 if TYPE_CHECKING:
@@ -325,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place])
     add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
+    add_atlas_parser(sub)  # python -m analysis atlas (analysis/report/atlas_cli.py)
     return p
 
 

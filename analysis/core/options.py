@@ -122,13 +122,15 @@ def add_deprecated(parser, old: str, new: str, *, dest: str, **kwargs) -> None:
                         default=argparse.SUPPRESS, **kwargs)
 
 
-def model_options(default_model: str = DEFAULT_MODEL) -> argparse.ArgumentParser:
+def model_options(default_model: str = DEFAULT_MODEL, *, model: bool = True) -> argparse.ArgumentParser:
     """``--model --device --dtype --threads --quiet``, as a parent parser.
 
     Parameters
     ----------
     default_model : str
         The model taken without ``--model``.
+    model : bool
+        Add ``--model`` (False: a command that names its models otherwise, ``atlas MODEL [MODEL ...]``).
 
     Returns
     -------
@@ -136,7 +138,8 @@ def model_options(default_model: str = DEFAULT_MODEL) -> argparse.ArgumentParser
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
+    if model:
+        g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
     g.add_argument("--device", default="auto", help=VOCABULARY["--device"])
     g.add_argument("--dtype", default="float32", help=VOCABULARY["--dtype"])
     g.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])

@@ -394,3 +394,29 @@ headline each; open it for the details.</p>{findings}
 <hr/><p class="small">Package versions: {esc(versions)}.</p>
 </body></html>
 """
+
+
+def document(title: str, body: str) -> str:
+    """A self-contained HTML page in the report's style around ``body`` (the atlas' page; ``page`` is the report's).
+
+    Parameters
+    ----------
+    title : str
+        Plain text: the page's title and heading.
+    body : str
+        HTML.
+
+    Returns
+    -------
+    str
+        HTML.
+    """
+    esc = html.escape
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"/><meta name="viewport" content="width=device-width, initial-scale=1"/>
+<title>{esc(title)}</title><style>{_CSS}</style></head>
+<body>
+<h1>{esc(title)}</h1>
+{body}
+</body></html>
+"""
