@@ -39,6 +39,19 @@ PRESETS: dict[str, dict] = {
         min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, log_every=50, eval_every=1000,
         checkpoint_every=2000, snapshots="log:16", probe_size=100, probe_len=64,
     ),
+    "nop": dict(
+        dataset="synthetic-nop", synthetic_vocab=32, synthetic_triggers=3, n_ctx=64, d_model=64, n_layers=1, n_heads=4,
+        d_mlp=256, act_fn="swiglu", normalization_type="RMS", positional_embedding_type="rotary", steps=3000,
+        batch_size=32, lr=1e-2, warmup_steps=100, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9,
+        beta2=0.95, grad_clip=1.0, log_every=50, eval_every=500, checkpoint_every=0, probe_size=100, probe_len=64,
+    ),
+    "broadcast": dict(
+        dataset="synthetic-broadcast", synthetic_vocab=32, synthetic_topics=4, synthetic_noise=0.2, n_ctx=64,
+        d_model=64, n_layers=1, n_heads=2, d_mlp=256, act_fn="swiglu", normalization_type="RMS",
+        positional_embedding_type="rotary", steps=2000, batch_size=32, lr=1e-2, warmup_steps=100, schedule="cosine",
+        min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, log_every=50, eval_every=500,
+        checkpoint_every=0, probe_size=100, probe_len=64,
+    ),
     "tiny-cpu": dict(
         dataset="stdlib", tokenizer="bpe", tokenizer_vocab_size=2048, n_ctx=128, d_model=128, n_layers=2,
         n_heads=4, d_mlp=352, steps=600, batch_size=16, lr=3e-3, warmup_steps=50, schedule="cosine",
