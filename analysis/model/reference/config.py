@@ -213,8 +213,7 @@ class TrainConfig:
     compile : bool
         ``torch.compile`` the model.
     dataset : str
-        "synthetic", "synthetic-docs", "synthetic-nop", "synthetic-broadcast", "stdlib", "hf:NAME[:CONFIG]" or
-        "tokens:PATH.npy".
+        "synthetic", "synthetic-docs", "synthetic-broadcast", "stdlib", "hf:NAME[:CONFIG]" or "tokens:PATH.npy".
     dataset_split : str
         The split of a Hugging Face dataset.
     text_column : str
@@ -304,7 +303,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False  # torch.compile the model
     # data
-    dataset: str = "synthetic"  # synthetic | synthetic-docs | synthetic-nop | synthetic-broadcast | stdlib | hf:... | tokens:...
+    dataset: str = "synthetic"  # synthetic | synthetic-docs | synthetic-broadcast | stdlib | hf:NAME | tokens:PATH.npy
     dataset_split: str = "train"
     text_column: str = "text"
     corpus_max_chars: Optional[int] = None  # cap the text read from the corpus

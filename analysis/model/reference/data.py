@@ -1,4 +1,4 @@
-"""Training data: packed windows from a tokenized corpus, and the synthetic bigram-copy task.
+"""Training data: packed windows from a tokenized corpus, the synthetic bigram-copy task and the broadcast task.
 
 Every batch is a pure function of (seed, step): windows are cut at offsets drawn from a random
 generator seeded with ``[seed, step]``, so a run resumed at step s sees exactly the batches an
@@ -11,8 +11,8 @@ Corpora
     ``tokens:PATH.npy`` an already tokenized stream (1-D integer array; needs a tokenizer name).
     ``synthetic``       BOS-prefixed bigram transitions with a copy rule after trigger tokens.
     ``synthetic-docs``  the same task as packed documents: windows start at an arbitrary token.
-    ``synthetic-nop``   the ground truth of a nop sink: a copy needed at a few positions, nothing elsewhere.
-    ``synthetic-broadcast`` the ground truth of a broadcast sink: a topic token first, read at every position.
+    ``synthetic-broadcast`` the ground truth of a broadcast sink: a topic token first, read at every position
+                        (the ground truth of a nop sink is ``synthetic`` itself: a copy needed at a few positions).
 
 As in the paper's packing, the first token of a window is an arbitrary token of the stream unless
 ``bos`` (prepend BOS) or ``fixed_token_position`` (insert a fixed token at position k) is set.
@@ -467,96 +467,27 @@ class SyntheticDocuments(SyntheticBigramCopy):
         return DataSource.starts_with_fixed_token(self)
 
 
-class _GroundTruthTask(DataSource):
-    """Base of the two ground-truth tasks (nop and broadcast): sequences drawn whole, no fixed-token options."""
-
-    def __init__(self, cfg: TrainConfig, n_ctx: int):
-        super().__init__(cfg, n_ctx)
-        if cfg.fixed_token_position is not None or cfg.bos:
-            raise ValueError(f"dataset={cfg.dataset!r} sets its own first token; drop --fixed-token-position / --bos.")
-
-    def _format(self, rng, n, T, held_out):
-        return self.windows(rng, n, T, held_out)
-
-
-class _PermutationChain(_GroundTruthTask):
-    """Content tokens 1..V in which each next token is the current one mapped by a permutation, x[t + 1] = pi(x[t]),
-    or, with probability ``synthetic_noise``, a uniform token: the next token is known from the current one (and the
-    permutation), while the tokens' counts stay uniform and say nothing. ``n_perms`` permutations, seeded by
-    ``synthetic_seed``."""
-
-    def __init__(self, cfg: TrainConfig, n_ctx: int, n_perms: int):
-        super().__init__(cfg, n_ctx)
-        V = cfg.synthetic_vocab
-        if V < 2:
-            raise ValueError(f"dataset={cfg.dataset!r} needs synthetic_vocab >= 2; got {V}.")
-        rng = np.random.default_rng(cfg.synthetic_seed)
-        self.perms = np.stack([np.concatenate([[0], 1 + rng.permutation(V)]) for _ in range(n_perms)])  # (P, V + 1)
-
-    def chain(self, rng, first: np.ndarray, perm: np.ndarray, length: int, copy_below: int = 0) -> np.ndarray:
-        """Sequences (n, length): ``first`` at position 0, then the chain of permutation ``perm`` (one per row);
-        where x[t] <= ``copy_below`` (a trigger, t >= 2) the next token copies x[t - 1] instead."""
-        n, V = len(first), self.cfg.synthetic_vocab
-        x = np.zeros((n, length), dtype=np.int64)
-        x[:, 0] = first
-        uniform = rng.integers(1, V + 1, size=(n, length))
-        noisy = rng.random((n, length)) < self.cfg.synthetic_noise
-        if length > 1:
-            x[:, 1] = uniform[:, 1]
-        for t in range(1, length - 1):  # sequential: a copied token may itself be a trigger
-            nxt = np.where(noisy[:, t + 1], uniform[:, t + 1], self.perms[perm, x[:, t]])
-            x[:, t + 1] = np.where((x[:, t] <= copy_below) & (t >= 2), x[:, t - 1], nxt)
-        return x
-
-
-class SyntheticNop(_PermutationChain):
-    """The nop task (``dataset="synthetic-nop"``): BOS, then the permutation chain of one fixed permutation, except
-    that after a trigger (tokens 1..``synthetic_triggers``) the next token copies the token before the trigger.
-    The copy needs a head at trigger positions only; everywhere else the next token follows from the current token
-    alone, so the right update of that head is nothing, and any write (context or constant) would blur the current
-    token the MLP maps. Parking on BOS with a small value does that: an adaptive nop. BOS is the same token in
-    every sequence, so it has nothing to tell.
-
-    Token 0 is BOS.
-    """
-
-    def __init__(self, cfg: TrainConfig, n_ctx: int):
-        super().__init__(cfg, n_ctx, n_perms=1)
-        V, k = cfg.synthetic_vocab, cfg.synthetic_triggers
-        if not 1 <= k < V:
-            raise ValueError(f"synthetic-nop needs 1 <= synthetic_triggers < synthetic_vocab; got {k}, {V}.")
-        self.triggers = np.arange(1, k + 1)
-        self.vocab_size = V + 1
-        self.bos_token_id = 0
-        self.description = (f"synthetic nop task: BOS + a permutation chain over {V} tokens (noise "
-                            f"{cfg.synthetic_noise}), copy of the token before a trigger after triggers "
-                            f"{self.triggers.tolist()}, nothing to read elsewhere")
-
-    def windows(self, rng, n, length, held_out):
-        return self.chain(rng, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), length,
-                          copy_below=len(self.triggers))
-
-    def starts_with_fixed_token(self) -> bool:
-        return True
-
-    def meta(self):
-        return {**super().meta(), "triggers": self.triggers.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
-                "synthetic_noise": self.cfg.synthetic_noise}
-
-
-class SyntheticBroadcast(_PermutationChain):
+class SyntheticBroadcast(DataSource):
     """The broadcast task (``dataset="synthetic-broadcast"``): every sequence opens with one of K topic tokens (ids
-    V+1..V+K), then the permutation chain of that topic's permutation. Every position needs the topic, a global
-    variable of the sequence that the context does not give away (each permutation keeps the uniform distribution,
-    so the tokens' counts say nothing of it) and that one token holds: a head that reads the first token from every
-    query and carries its value on (a broadcast, whose value is large and differs with the topic).
+    V+1..V+K), then content tokens 1..V in which each next token is the current one mapped by the topic's
+    permutation, x[t + 1] = pi_topic(x[t]), or, with probability ``synthetic_noise``, a uniform token. Every position
+    needs the topic, a global variable of the sequence that the context does not give away (each permutation keeps
+    the uniform distribution, so the tokens' counts say nothing of it) and that one token holds: a head that reads
+    the first token from every query and carries its value on (a broadcast, whose value is large and differs with
+    the topic). The permutations are seeded by ``synthetic_seed``.
 
     Token 0 (BOS) never occurs.
     """
 
     def __init__(self, cfg: TrainConfig, n_ctx: int):
-        super().__init__(cfg, n_ctx, n_perms=cfg.synthetic_topics)
+        super().__init__(cfg, n_ctx)
         V, K = cfg.synthetic_vocab, cfg.synthetic_topics
+        if cfg.fixed_token_position is not None or cfg.bos:
+            raise ValueError(f"dataset={cfg.dataset!r} sets its own first token; drop --fixed-token-position / --bos.")
+        if V < 2:
+            raise ValueError(f"dataset={cfg.dataset!r} needs synthetic_vocab >= 2; got {V}.")
+        rng = np.random.default_rng(cfg.synthetic_seed)
+        self.perms = np.stack([np.concatenate([[0], 1 + rng.permutation(V)]) for _ in range(K)])  # (K, V + 1)
         self.topics = np.arange(V + 1, V + K + 1)
         self.vocab_size = V + K + 1
         self.bos_token_id = None
@@ -564,8 +495,20 @@ class SyntheticBroadcast(_PermutationChain):
                             f"permutation chain over {V} tokens by the topic's permutation (noise {cfg.synthetic_noise})")
 
     def windows(self, rng, n, length, held_out):
+        V = self.cfg.synthetic_vocab
         topic = rng.integers(0, len(self.topics), size=n)
-        return self.chain(rng, self.topics[topic], topic, length)
+        x = np.zeros((n, length), dtype=np.int64)
+        x[:, 0] = self.topics[topic]
+        uniform = rng.integers(1, V + 1, size=(n, length))
+        noisy = rng.random((n, length)) < self.cfg.synthetic_noise
+        if length > 1:
+            x[:, 1] = uniform[:, 1]
+        for t in range(1, length - 1):
+            x[:, t + 1] = np.where(noisy[:, t + 1], uniform[:, t + 1], self.perms[topic, x[:, t]])
+        return x
+
+    def _format(self, rng, n, T, held_out):
+        return self.windows(rng, n, T, held_out)
 
     def starts_with_fixed_token(self) -> bool:
         return False
@@ -603,8 +546,6 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         return SyntheticBigramCopy(cfg, n_ctx)
     if ds == "synthetic-docs":
         return SyntheticDocuments(cfg, n_ctx)
-    if ds == "synthetic-nop":
-        return SyntheticNop(cfg, n_ctx)
     if ds == "synthetic-broadcast":
         return SyntheticBroadcast(cfg, n_ctx)
     if ds.startswith("tokens:"):
@@ -620,7 +561,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
             tokenizer = pretrained_tokenizer(cfg.tokenizer)
         return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
-        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, synthetic-nop, synthetic-broadcast, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
+        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, synthetic-broadcast, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
 
     cache = cache_dir() / "train" / f"stream-{_stream_cache_key(cfg)}"
     if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \
