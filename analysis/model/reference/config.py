@@ -363,8 +363,8 @@ class TrainConfig:
             raise ValueError(f"synthetic_keys must be >= 0 and synthetic_lags >= 1; got {self.synthetic_keys}, "
                              f"{self.synthetic_lags}.")
         if self.synthetic_topics < 1 or not 0.0 <= self.synthetic_noise <= 1.0:
-            raise ValueError(f"synthetic_topics must be >= 1 and synthetic_noise in [0, 1]; got {self.synthetic_topics}, "
-                             f"{self.synthetic_noise}.")
+            raise ValueError(f"synthetic_topics must be >= 1 and synthetic_noise in [0, 1]; got "
+                             f"{self.synthetic_topics}, {self.synthetic_noise}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
         snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training
