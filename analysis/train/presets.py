@@ -9,6 +9,11 @@
   log-spaced steps, a checkpoint every 2,000 so an interrupted run resumes). Measured: 0.05 s of CPU per step with one
   thread (0.19 s per step at load 16), 10 minutes of CPU for the steps; about 25 minutes on one CPU core with its
   evaluations and snapshots.
+- ``nop`` and ``broadcast``: the ground truth of the sink's kind (issue 50; ``docs/training.md``): 1 layer, d_model
+  64. ``nop``: the ``synthetic`` configuration for 1,000 steps (the bigram-copy task needs a head at trigger
+  positions only: a nop sink); ``broadcast``: 2 heads on ``synthetic-broadcast`` for 2,000 steps (a topic token
+  first, needed at every position). 0.02-0.03 s of CPU per step with one thread; 8 to 15 minutes of wall time each
+  on the shared 2-core machine at load 18.
 - ``tiny-cpu``: a small natural-text model on Python standard-library docstrings. Measured on the shared 2-core
   machine: 0.15 s of CPU per step with one thread (``--threads 1``: 0.14 s per step at load 18, so its 600 steps take
   about 1.5 minutes after about 30 s of data preparation); with torch's two threads on that loaded machine a step
@@ -39,6 +44,13 @@ PRESETS: dict[str, dict] = {
         min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, log_every=50, eval_every=1000,
         checkpoint_every=2000, snapshots="log:16", probe_size=100, probe_len=64,
     ),
+    "broadcast": dict(
+        dataset="synthetic-broadcast", synthetic_vocab=32, synthetic_topics=4, synthetic_noise=0.2, n_ctx=64,
+        d_model=64, n_layers=1, n_heads=2, d_mlp=256, act_fn="swiglu", normalization_type="RMS",
+        positional_embedding_type="rotary", steps=2000, batch_size=32, lr=1e-2, warmup_steps=100, schedule="cosine",
+        min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, log_every=50, eval_every=500,
+        checkpoint_every=0, probe_size=100, probe_len=64,
+    ),
     "tiny-cpu": dict(
         dataset="stdlib", tokenizer="bpe", tokenizer_vocab_size=2048, n_ctx=128, d_model=128, n_layers=2,
         n_heads=4, d_mlp=352, steps=600, batch_size=16, lr=3e-3, warmup_steps=50, schedule="cosine",
@@ -61,6 +73,8 @@ PRESETS: dict[str, dict] = {
         probe_size=100, probe_len=64,
     ),
 }
+
+PRESETS["nop"] = {**PRESETS["synthetic"], "steps": 1000}  # the nop ground truth: the bigram-copy task as it is
 
 
 def preset(name: str) -> dict:

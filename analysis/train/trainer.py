@@ -44,7 +44,7 @@ from analysis.train.presets import config_to_args
 _DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
               "tokenizer_vocab_size", "bos", "fixed_token_position", "fixed_token_id", "prefix_len",
               "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "synthetic_bos", "synthetic_keys",
-              "synthetic_lags", "val_fraction")
+              "synthetic_lags", "synthetic_topics", "synthetic_noise", "val_fraction")
 
 
 @dataclass

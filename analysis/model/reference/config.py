@@ -213,7 +213,7 @@ class TrainConfig:
     compile : bool
         ``torch.compile`` the model.
     dataset : str
-        "synthetic", "synthetic-docs", "stdlib", "hf:NAME[:CONFIG]" or "tokens:PATH.npy".
+        "synthetic", "synthetic-docs", "synthetic-broadcast", "stdlib", "hf:NAME[:CONFIG]" or "tokens:PATH.npy".
     dataset_split : str
         The split of a Hugging Face dataset.
     text_column : str
@@ -244,6 +244,10 @@ class TrainConfig:
         Induction rule: after a key token seen before, repeat what followed it (0: no keys).
     synthetic_lags : int
         Key i repeats the token 1 + (i mod lags) after its last occurrence (one circuit per lag).
+    synthetic_topics : int
+        ``synthetic-broadcast``: the topic tokens, one of which opens every sequence.
+    synthetic_noise : float
+        ``synthetic-broadcast``: the chance that a token is drawn uniformly instead of by its topic's permutation.
     val_fraction : float
         Natural text: tail of the token stream held out.
     steps : int
@@ -299,7 +303,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False  # torch.compile the model
     # data
-    dataset: str = "synthetic"  # synthetic | synthetic-docs | stdlib | hf:NAME[:CONFIG] | tokens:PATH.npy
+    dataset: str = "synthetic"  # synthetic | synthetic-docs | synthetic-broadcast | stdlib | hf:NAME | tokens:PATH.npy
     dataset_split: str = "train"
     text_column: str = "text"
     corpus_max_chars: Optional[int] = None  # cap the text read from the corpus
@@ -315,6 +319,8 @@ class TrainConfig:
     synthetic_bos: bool = True  # synthetic task: start every sequence with BOS (False: at an arbitrary chain token)
     synthetic_keys: int = 0  # induction rule: after a key token seen before, repeat what followed it (0: no keys)
     synthetic_lags: int = 1  # key i repeats the token 1 + (i mod lags) after its last occurrence (one circuit per lag)
+    synthetic_topics: int = 4  # synthetic-broadcast: topic tokens, one of which opens every sequence
+    synthetic_noise: float = 0.2  # synthetic-broadcast: chance a token is uniform instead of its topic's permutation
     val_fraction: float = 0.02  # natural text: tail of the token stream held out
     # optimisation
     steps: int = 4000
@@ -356,6 +362,9 @@ class TrainConfig:
         if self.synthetic_keys < 0 or self.synthetic_lags < 1:
             raise ValueError(f"synthetic_keys must be >= 0 and synthetic_lags >= 1; got {self.synthetic_keys}, "
                              f"{self.synthetic_lags}.")
+        if self.synthetic_topics < 1 or not 0.0 <= self.synthetic_noise <= 1.0:
+            raise ValueError(f"synthetic_topics must be >= 1 and synthetic_noise in [0, 1]; got "
+                             f"{self.synthetic_topics}, {self.synthetic_noise}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
         snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training

@@ -1,4 +1,4 @@
-"""Training data: packed windows from a tokenized corpus, and the synthetic bigram-copy task.
+"""Training data: packed windows from a tokenized corpus, the synthetic bigram-copy task and the broadcast task.
 
 Every batch is a pure function of (seed, step): windows are cut at offsets drawn from a random
 generator seeded with ``[seed, step]``, so a run resumed at step s sees exactly the batches an
@@ -11,6 +11,8 @@ Corpora
     ``tokens:PATH.npy`` an already tokenized stream (1-D integer array; needs a tokenizer name).
     ``synthetic``       BOS-prefixed bigram transitions with a copy rule after trigger tokens.
     ``synthetic-docs``  the same task as packed documents: windows start at an arbitrary token.
+    ``synthetic-broadcast`` the ground truth of a broadcast sink: a topic token first, read at every position
+                        (the ground truth of a nop sink is ``synthetic`` itself: a copy needed at a few positions).
 
 As in the paper's packing, the first token of a window is an arbitrary token of the stream unless
 ``bos`` (prepend BOS) or ``fixed_token_position`` (insert a fixed token at position k) is set.
@@ -465,6 +467,57 @@ class SyntheticDocuments(SyntheticBigramCopy):
         return DataSource.starts_with_fixed_token(self)
 
 
+class SyntheticBroadcast(DataSource):
+    """The broadcast task (``dataset="synthetic-broadcast"``): every sequence opens with one of K topic tokens (ids
+    V+1..V+K), then content tokens 1..V in which each next token is the current one mapped by the topic's
+    permutation, x[t + 1] = pi_topic(x[t]), or, with probability ``synthetic_noise``, a uniform token. Every position
+    needs the topic, a global variable of the sequence that the context does not give away (each permutation keeps
+    the uniform distribution, so the tokens' counts say nothing of it) and that one token holds: a head that reads
+    the first token from every query and carries its value on (a broadcast, whose value is large and differs with
+    the topic). The permutations are seeded by ``synthetic_seed``.
+
+    Token 0 (BOS) never occurs.
+    """
+
+    def __init__(self, cfg: TrainConfig, n_ctx: int):
+        super().__init__(cfg, n_ctx)
+        V, K = cfg.synthetic_vocab, cfg.synthetic_topics
+        if cfg.fixed_token_position is not None or cfg.bos:
+            raise ValueError(f"dataset={cfg.dataset!r} sets its own first token; drop --fixed-token-position / --bos.")
+        if V < 2:
+            raise ValueError(f"dataset={cfg.dataset!r} needs synthetic_vocab >= 2; got {V}.")
+        rng = np.random.default_rng(cfg.synthetic_seed)
+        self.perms = np.stack([np.concatenate([[0], 1 + rng.permutation(V)]) for _ in range(K)])  # (K, V + 1)
+        self.topics = np.arange(V + 1, V + K + 1)
+        self.vocab_size = V + K + 1
+        self.bos_token_id = None
+        self.description = (f"synthetic broadcast task: a topic token of {K} (ids {V + 1}..{V + K}) first, then a "
+                            f"permutation chain over {V} tokens by the topic's permutation (noise {cfg.synthetic_noise})")
+
+    def windows(self, rng, n, length, held_out):
+        V = self.cfg.synthetic_vocab
+        topic = rng.integers(0, len(self.topics), size=n)
+        x = np.zeros((n, length), dtype=np.int64)
+        x[:, 0] = self.topics[topic]
+        uniform = rng.integers(1, V + 1, size=(n, length))
+        noisy = rng.random((n, length)) < self.cfg.synthetic_noise
+        if length > 1:
+            x[:, 1] = uniform[:, 1]
+        for t in range(1, length - 1):
+            x[:, t + 1] = np.where(noisy[:, t + 1], uniform[:, t + 1], self.perms[topic, x[:, t]])
+        return x
+
+    def _format(self, rng, n, T, held_out):
+        return self.windows(rng, n, T, held_out)
+
+    def starts_with_fixed_token(self) -> bool:
+        return False
+
+    def meta(self):
+        return {**super().meta(), "topics": self.topics.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
+                "synthetic_noise": self.cfg.synthetic_noise}
+
+
 def _stream_cache_key(cfg: TrainConfig) -> str:
     key = json.dumps({"dataset": cfg.dataset, "split": cfg.dataset_split, "col": cfg.text_column,
                       "max_chars": cfg.corpus_max_chars, "tok": cfg.tokenizer, "vocab": cfg.tokenizer_vocab_size,
@@ -493,6 +546,8 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         return SyntheticBigramCopy(cfg, n_ctx)
     if ds == "synthetic-docs":
         return SyntheticDocuments(cfg, n_ctx)
+    if ds == "synthetic-broadcast":
+        return SyntheticBroadcast(cfg, n_ctx)
     if ds.startswith("tokens:"):
         path = Path(ds[len("tokens:"):]).expanduser()
         if not path.is_file():
@@ -506,7 +561,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
             tokenizer = pretrained_tokenizer(cfg.tokenizer)
         return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
-        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
+        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, synthetic-broadcast, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
 
     cache = cache_dir() / "train" / f"stream-{_stream_cache_key(cfg)}"
     if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \
