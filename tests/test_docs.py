@@ -137,11 +137,11 @@ def test_the_reference_checker_finds_a_bad_link(tmp_path):
             "[a URL](https://example.org/x.md) and [here](#the-pipeline).\n\n"
             "`analysis/core/results.py`, `analysis/core/no_such_module.py`, `results/sink.json` (user output),\n"
             "`analysis.core.results.Result`, `analysis.core.no_such_name` and `analysis.no_such_floor.x`.\n\n"
-            "The runs in `data/reference/synthetic-*` and `data/reference/no_such_run-*`.\n\n"
+            "The runs in `analysis/data/reference/synthetic-*` and `analysis/data/reference/no_such_run-*`.\n\n"
             "```bash\npython scripts/no_such_script.py --out runs/x && python scripts/setup.sh\n```\n")
     bad = broken_references(text, ROOT / "docs")
     assert bad == ["link (no_such_page.md#top)", "path analysis/core/no_such_module.py",
-                   "path data/reference/no_such_run-*", "path scripts/no_such_script.py", "module analysis.core.no_such_name",
+                   "path analysis/data/reference/no_such_run-*", "path scripts/no_such_script.py", "module analysis.core.no_such_name",
                    "module analysis.no_such_floor.x"], bad
 
 

@@ -1,4 +1,4 @@
-"""The reference pair whose first-token spike an MLP writes (``--preset induction``, data/reference/induction-*):
+"""The reference pair whose first-token spike an MLP writes (``--preset induction``, analysis/data/reference/induction-*):
 the chain measured by the package's analyses on the committed pair, and one cheap point of the preset retrained
 from scratch, which must land inside the committed spread of its five seeds (data/emergence/induction)."""
 import json

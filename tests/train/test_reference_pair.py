@@ -3,7 +3,7 @@ grows an attention sink on the first token and sigmoid attention without normali
 
 The pair is trained here with the ``synthetic`` preset (the reference configuration) shortened to
 CI_STEPS steps, and measured with the package's sink metric (``analysis.sinks.metric.sink_metric``) on a
-held-out probe. The committed reference models in data/reference/ are checked the same way.
+held-out probe. The committed reference models in analysis/data/reference/ are checked the same way.
 """
 import json
 from pathlib import Path
