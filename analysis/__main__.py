@@ -1,5 +1,5 @@
-"""The command line ``sinklens`` (``python -m analysis`` is the same parser): ``sinklens {sink,sinks,report,models,stream,
-quant,train,sweep} ...``; docs/cli.md has every option."""
+"""The command line ``sinklens`` (``python -m analysis`` is the same parser):
+``sinklens {sink,sinks,report,models,stream,quant,train,sweep} ...``; docs/cli.md has every option."""
 from __future__ import annotations
 
 import argparse

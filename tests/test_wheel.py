@@ -67,7 +67,8 @@ def test_the_wheel_holds_the_package_data(installed):
 def test_the_installed_wheel_runs_outside_the_clone(installed):
     py, work, sinklens = installed["py"], installed["work"], installed["bin"] / "sinklens"
     probe = ("import analysis, json; from analysis.positions.context_length import committed_sink_context; "
-             "print(json.dumps([analysis.__file__, analysis.__version__, max(committed_sink_context('smollm2-135m').Ts)]))")
+             "longest = max(committed_sink_context('smollm2-135m').Ts); "
+             "print(json.dumps([analysis.__file__, analysis.__version__, longest]))")
     where, version, longest = json.loads(_run([py, "-c", probe], cwd=work))
     assert Path(where).is_relative_to(installed["purelib"]), where  # the wheel's copy, not the clone's
     assert version == analysis.__version__ and longest == 8192

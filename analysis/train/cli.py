@@ -162,18 +162,8 @@ SWEEP_DESCRIPTION = ("Train every combination of the options given as comma-sepa
                      "are skipped when rerun.")
 
 
-def train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of ``train``, added to ``p``: ``--preset --list --threads`` and one per config field.
-
-    Parameters
-    ----------
-    p : argparse.ArgumentParser
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        ``p``.
-    """
+def _train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p`` with the options of ``train``: ``--preset --list --threads`` and one per config field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
     p.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
@@ -181,19 +171,9 @@ def train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def sweep_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of ``sweep``, added to ``p``: ``--preset --jobs --keep-models --reuse`` and one comma list per
-    config field.
-
-    Parameters
-    ----------
-    p : argparse.ArgumentParser
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        ``p``.
-    """
+def _sweep_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p`` with the options of ``sweep``: ``--preset --jobs --keep-models --reuse`` and a comma list per config
+    field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process and thread each")
     p.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=True,
@@ -218,18 +198,18 @@ def add_parsers(sub) -> None:
     -------
     None
     """
-    train_options(sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_DESCRIPTION))
+    _train_options(sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_DESCRIPTION))
     sub.choices["train"].set_defaults(func=run_train, own_checks=True)
-    sweep_options(sub.add_parser("sweep", help=SWEEP_HELP, description=SWEEP_DESCRIPTION))
+    _sweep_options(sub.add_parser("sweep", help=SWEEP_HELP, description=SWEEP_DESCRIPTION))
     sub.choices["sweep"].set_defaults(func=run_sweep, own_checks=True)
 
 
 def _parser() -> argparse.ArgumentParser:
-    return train_options(argparse.ArgumentParser(prog="python -m analysis.train", description=TRAIN_DESCRIPTION))
+    return _train_options(argparse.ArgumentParser(prog="python -m analysis.train", description=TRAIN_DESCRIPTION))
 
 
 def _sweep_parser() -> argparse.ArgumentParser:
-    return sweep_options(argparse.ArgumentParser(prog="python -m analysis.train sweep", description=SWEEP_DESCRIPTION))
+    return _sweep_options(argparse.ArgumentParser(prog="python -m analysis.train sweep", description=SWEEP_DESCRIPTION))
 
 
 def _print_list() -> None:
@@ -325,7 +305,7 @@ def run_sweep(args, *, command: str) -> int:
     Parameters
     ----------
     args : argparse.Namespace
-        Of ``sweep_options`` (defaults suppressed: the fields given only).
+        Of ``_sweep_options`` (defaults suppressed: the fields given only).
     command : str
         The command line, for the grid's record.
 
@@ -361,7 +341,7 @@ def run_train(args, *, command: str) -> int:
     Parameters
     ----------
     args : argparse.Namespace
-        Of ``train_options`` (config defaults suppressed: the fields given only).
+        Of ``_train_options`` (config defaults suppressed: the fields given only).
     command : str
         The command line, for the run's record (``command.txt``).
 
