@@ -4,7 +4,8 @@ the committed long-context run are package data, so they load there; the console
 
 The new environment takes the dependencies of this one (a .pth naming its site-packages; the .pth files there, among
 them an editable install's finder, are not read), so nothing is downloaded; `analysis` must come from the wheel.
-About 60 s on 2 cores (build 10 s, install 5 s, the four commands 45 s)."""
+Measured on the shared 2-core machine: 68 s (build and install 6 s, the four commands 62 s, most of it
+SmolLM2's load), 174 s at a load average of 15."""
 from __future__ import annotations
 
 import json
