@@ -37,6 +37,6 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
 _EXPORTS |= {name: module for module, names in declared(Path(__file__).parent).items() for name in names}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version: pyproject.toml reads it (dynamic), CHANGELOG.md says what it holds
 
 __all__ = list(_EXPORTS)

@@ -1,4 +1,5 @@
-"""Command line: ``python -m analysis {sink,sinks,report,models,stream,quant,atlas} ...``."""
+"""The command line ``sinklens`` (``python -m analysis`` is the same parser):
+``sinklens {sink,sinks,report,models,stream,quant,atlas,train,sweep} ...``; docs/cli.md has every option."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +11,12 @@ from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
 from analysis.core.options import (CLI_DTYPES, DEFAULT_MODEL, REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N, HelpFormatter,
                                    backend_options, check_flags, model_options, placement_options, probe_options,
-                                   seed_options, sink_options)
+                                   command_line, seed_options, sink_options)
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
 from analysis.report.atlas_cli import add_parser as add_atlas_parser
 from analysis.streaming.cli import add_parser as add_stream_parser
+from analysis.train.cli import add_parsers as add_train_parsers
 
 if TYPE_CHECKING:
     from analysis.model.placement import Placement
@@ -294,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(prog="python -m analysis", description="Attention-sink analyses on TransformerLens hooks.",
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="sinklens", formatter_class=HelpFormatter,
+                                description="Attention-sink analyses on TransformerLens hooks, and the reference models "
+                                            "they run on. `python -m analysis` is the same command.")
     sub = p.add_subparsers(dest="command", required=True)
     model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
 
@@ -327,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place])
     add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
     add_atlas_parser(sub)  # python -m analysis atlas (analysis/report/atlas_cli.py)
+    add_train_parsers(sub)  # train, sweep (analysis/train/cli.py; python -m analysis.train is their alias)
     return p
 
 
@@ -358,7 +362,7 @@ def check_args(args) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m analysis``.
+    """``sinklens``, ``python -m analysis``: every subcommand.
 
     Parameters
     ----------
@@ -371,7 +375,12 @@ def main(argv=None) -> int:
         The exit status (2 for bad input, before any work; 1 where the work failed or its results could not be
         written).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m analysis -- train --n 8: a "--" ends torchrun's options and is handed on
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
+    if getattr(args, "own_checks", False):  # train, sweep: analysis.train.cli checks them before any data is prepared
+        return args.func(args, command=command_line(argv))
     try:
         check_args(args)
         if getattr(args, "threads", None):

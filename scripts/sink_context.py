@@ -1,6 +1,6 @@
 """Sink_1 and the secondary sinks against context length, computed once offline into a CSV.
 
-    .venv/bin/python scripts/sink_context.py --model smollm2-135m --out data/sink_context/smollm2-135m.csv \
+    .venv/bin/python scripts/sink_context.py --model smollm2-135m --out analysis/data/sink_context/smollm2-135m.csv \
         --T 16 32 64 128 256 512 1024 2048 4096 8192 --n 32 32 32 16 16 8 8 4 2 2 --seeds 0 1 2
 
 For each T (with its own N sequences per seed) and probe seed: natural-text windows of the offline docstring corpus,

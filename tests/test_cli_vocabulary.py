@@ -1,7 +1,6 @@
-"""One vocabulary over every command (`python -m analysis sink|sinks|report|stream|quant|models`, `python -m
-analysis.train` and `train sweep`): one name per meaning, old spellings kept for one release with a note,
-docs/cli.md listing every option, and `--help` or a refusal answered before torch, transformers or TransformerLens
-load."""
+"""One vocabulary over every command of `sinklens` (`python -m analysis`: sink, sinks, report, stream, quant, models,
+train, sweep): one name per meaning, no old spelling left, docs/cli.md listing every option, and `--help` or a refusal
+answered before torch, transformers or TransformerLens load."""
 from __future__ import annotations
 
 import argparse
@@ -13,26 +12,29 @@ from pathlib import Path
 
 import pytest
 
-from analysis.core import options
-from analysis.core.options import RENAMED, VOCABULARY, Deprecated
+from analysis.core.options import VOCABULARY
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("sink", "sinks", "report", "stream", "quant", "models", "train", "train sweep")
+COMMANDS = ("sink", "sinks", "report", "stream", "quant", "models", "train", "sweep")
+# The spellings the package dropped before its first release (issue 49), each with the command that took it.
+OLD_SPELLINGS = {"stream": ["--bits"], "quant": ["--bits", "--w-bits", "--seeds"],
+                 "train": ["--sink-eps", "--probe-size", "--probe-len", "--progress", "--no-progress"],
+                 "sweep": ["--sink-eps", "--probe-size", "--probe-len", "--no-progress"]}
+SAME_COMMAND = {"sweep": "train"}  # a sweep's options are train's fields, as comma lists: one command's vocabulary
 HEAVY = ("torch", "transformers", "transformer_lens", "pandas")
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
     from analysis.__main__ import build_parser
-    from analysis.train.cli import _parser, _sweep_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {**sub.choices, "train": _parser(), "train sweep": _sweep_parser()}
+    return dict(sub.choices)
 
 
 def _live(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Option -> action, the help and the old spellings (``Deprecated``) left out."""
+    """Option -> action, the help left out."""
     return {a.option_strings[0]: a for a in parser._actions
-            if a.option_strings and a.option_strings[0] not in ("-h", "--help") and not isinstance(a, Deprecated)}
+            if a.option_strings and a.option_strings[0] not in ("-h", "--help")}
 
 
 def _meaning(action: argparse.Action) -> str | None:
@@ -51,9 +53,7 @@ def vocabulary_clashes(commands: dict[str, argparse.ArgumentParser]) -> list[str
             takers.setdefault(flag, []).append((c, a))
     out = []
     for flag, used in takers.items():
-        if flag in RENAMED:
-            out.append(f"{flag} (in {[c for c, _ in used]}) is an old spelling: {RENAMED[flag][1]}")
-        if len({c.split()[0] for c, _ in used}) < 2:  # train and train sweep: one command's fields, one generator
+        if len({SAME_COMMAND.get(c, c) for c, _ in used}) < 2:  # train and sweep: one command's fields, one generator
             continue
         if flag not in VOCABULARY:
             out.append(f"{flag} is taken by {[c for c, _ in used]} but not in analysis.core.options.VOCABULARY")
@@ -61,7 +61,7 @@ def vocabulary_clashes(commands: dict[str, argparse.ArgumentParser]) -> list[str
         if VOCABULARY[flag] is not None:
             out += [f"{flag} in {c} means {a.help!r}, not {VOCABULARY[flag]!r}" for c, a in used
                     if not (a.help or "").startswith(VOCABULARY[flag])]
-        switches = {c: a.nargs == 0 for c, a in used if c != "train sweep"}  # a sweep takes comma lists
+        switches = {c: a.nargs == 0 for c, a in used if c != "sweep"}  # a sweep takes comma lists
         if len(set(switches.values())) > 1:
             out.append(f"{flag} is a switch in some commands and takes a value in others: {switches}")
     names_of: dict[str, set[str]] = {}
@@ -73,8 +73,8 @@ def vocabulary_clashes(commands: dict[str, argparse.ArgumentParser]) -> list[str
     return out
 
 
-def test_the_seven_commands_and_train_sweep_are_all_seen():
-    assert set(COMMANDS) <= set(_commands())
+def test_the_eight_commands_are_all_seen():
+    assert set(COMMANDS) == set(_commands())
 
 
 def test_one_name_per_meaning_and_one_meaning_per_name():
@@ -86,36 +86,36 @@ def test_the_checker_sees_both_kinds_of_clash():
     a, b = argparse.ArgumentParser(), argparse.ArgumentParser()
     a.add_argument("--eps", type=float, help="the norms' epsilon")
     b.add_argument("--eps", type=float, help=VOCABULARY["--eps"])
-    a.add_argument("--seeds", help="calibration draws")
     b.add_argument("--sink-eps", help=VOCABULARY["--eps"])
     clashes = "\n".join(vocabulary_clashes({"a": a, "b": b}))
-    assert "--eps in a means" in clashes and "--seeds" in clashes and "one meaning, two names" in clashes
+    assert "--eps in a means" in clashes and "one meaning, two names" in clashes
 
 
-def test_old_spellings_still_work_with_one_note(capsys):
-    from analysis.__main__ import build_parser
+@pytest.mark.parametrize("command", sorted(OLD_SPELLINGS))
+def test_old_spellings_are_refused(command, capsys):
+    """No spelling kept "for one release" in a package never released: argparse refuses each, exit 2."""
+    from analysis.__main__ import main
+
+    for old in OLD_SPELLINGS[command]:
+        with pytest.raises(SystemExit) as e:
+            main([command, old, *([] if old in ("--progress", "--no-progress") else ["4"])])
+        assert e.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err, old
+
+
+def test_train_alias_is_the_same_command():
+    """`python -m analysis.train [sweep]` (the alias the committed runs' records use) takes train's and sweep's
+    options as `sinklens train` / `sinklens sweep` do."""
     from analysis.train.cli import _parser, _sweep_parser
 
-    options._NOTED.clear()
-    q = build_parser().parse_args(["quant", "--bits", "4", "--w-bits", "8", "--seeds", "0,1"])
-    assert (q.act_bits, q.weight_bits, q.seed) == ("4", "8", "0,1")
-    s = build_parser().parse_args(["stream", "--bits", "4"])
-    assert s.kv_bits == "4"
-    t = vars(_parser().parse_args(["--probe-size", "8", "--probe-len", "16", "--sink-eps", "0.2", "--no-progress",
-                                   "--norm-eps", "1e-5"]))
-    assert (t["probe_size"], t["probe_len"], t["sink_eps"], t["progress"], t["eps"]) == (8, 16, 0.2, False, 1e-5)
-    sw = vars(_sweep_parser().parse_args(["--no-progress", "--probe-size", "4,8"]))
-    assert sw["progress"] is False and sw["probe_size"] == [4, 8]
-    err = capsys.readouterr().err
-    for old, new in (("--bits", "--act-bits"), ("--bits", "--kv-bits"), ("--w-bits", "--weight-bits"), ("--seeds", "--seed"),
-                     ("--probe-size", "--n"), ("--probe-len", "--T"), ("--sink-eps", "--eps"), ("--no-progress", "--quiet")):
-        assert err.count(f"note: {old} is deprecated and goes in the next release; use {new}") == 1, old  # once
+    commands = _commands()
+    assert sorted(_live(_parser())) == sorted(_live(commands["train"]))
+    assert sorted(_live(_sweep_parser())) == sorted(_live(commands["sweep"]))
 
 
 def test_shared_options_take_one_default_device():
     for c, parser in _commands().items():
         opts = _live(parser)
-        if "--device" in opts and c not in ("train", "train sweep"):  # train's defaults come from TrainConfig
+        if "--device" in opts and c not in ("train", "sweep"):  # train's defaults come from TrainConfig
             assert opts["--device"].default == "auto", c
     from analysis.model.reference.config import TrainConfig
 
@@ -124,8 +124,8 @@ def test_shared_options_take_one_default_device():
 
 def _doc_sections() -> dict[str, str]:
     text = (ROOT / "docs/cli.md").read_text()
-    parts = re.split(r"^### `python -m (analysis(?:\.train)? ?[\w ]*)`\s*$", text, flags=re.M)
-    return {re.sub(r"^analysis\.?", "", k).strip() or "analysis": v for k, v in zip(parts[1::2], parts[2::2])}
+    parts = re.split(r"^### `sinklens (\w+)`\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def test_docs_cli_lists_every_command_and_option():
@@ -133,7 +133,7 @@ def test_docs_cli_lists_every_command_and_option():
     missing = []
     for c, parser in _commands().items():
         if c not in sections:
-            missing.append(f"no section '### `python -m analysis{'.' if c.startswith('train') else ' '}{c}`'")
+            missing.append(f"no section '### `sinklens {c}`'")
             continue
         missing += [f"{c} {flag}" for flag in _live(parser) if f"`{flag}" not in sections[c]]
     assert not missing, f"docs/cli.md lacks: {missing}"
@@ -166,13 +166,14 @@ def test_help_and_refusals_answer_before_torch_loads(tmp_path):
     load (measured once by hand: docs/cli.md)."""
     afile = tmp_path / "a.txt"
     afile.write_text("x")
-    runs = [["analysis", "--help"], *[["analysis", c, "--help"] for c in COMMANDS[:6]],
+    runs = [["analysis", "--help"], *[["analysis", c, "--help"] for c in COMMANDS],
             ["analysis", "sink", "--n", "0"], ["analysis", "report", "--out", f"{afile}/x"],
             ["analysis", "sink", "--json", f"{afile}/x.json"], ["analysis", "stream", "--window", "0"],
+            ["analysis", "train", "--out", f"{afile}/x"], ["analysis", "sweep", "--seed", "0,1"],
             ["analysis.train", "--help"], ["analysis.train", "sweep", "--help"],
             ["analysis.train", "--out", f"{afile}/x"], ["analysis.train", "sweep", "--seed", "0,1"]]
     proc = subprocess.run([sys.executable, "-c", _PROBE % (json.dumps(runs), HEAVY)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["heavy"] == [], got
-    assert [got["rc"][" ".join(r)] for r in runs] == [0] * 7 + [2] * 4 + [0, 0, 2, 2], got["rc"]
+    assert [got["rc"][" ".join(r)] for r in runs] == [0] * 9 + [2] * 6 + [0, 0, 2, 2], got["rc"]

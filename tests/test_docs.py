@@ -1,7 +1,7 @@
 """The README, docs/ and the notebooks' markdown say what is there and render as written.
 
-- Every relative link in README.md and docs/**/*.md leads to a file or folder that exists, and every repository path
-  and ``analysis.<module>`` name they mention exists (paths in inline code and in code blocks, modules anywhere).
+- Every relative link in README.md, CHANGELOG.md and docs/**/*.md leads to a file or folder that exists, and every
+  repository path and ``analysis.<module>`` name they mention exists (paths in inline code and in code blocks, modules anywhere).
 - No "~" stands for "about" in README.md, docs/**/*.md or any markdown cell of notebooks/*.ipynb: a pair of single
   tildes renders as strikethrough in JupyterLab and on code hosts. Write "about" or "≈".
 
@@ -17,7 +17,7 @@ import pytest
 from analysis.core.registry import declared
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 # Folders of the repository whose paths are checked wherever they appear (prose, inline code, code blocks).
@@ -137,11 +137,12 @@ def test_the_reference_checker_finds_a_bad_link(tmp_path):
             "[a URL](https://example.org/x.md) and [here](#the-pipeline).\n\n"
             "`analysis/core/results.py`, `analysis/core/no_such_module.py`, `results/sink.json` (user output),\n"
             "`analysis.core.results.Result`, `analysis.core.no_such_name` and `analysis.no_such_floor.x`.\n\n"
-            "The runs in `data/reference/synthetic-*` and `data/reference/no_such_run-*`.\n\n"
+            "The runs in `analysis/data/reference/synthetic-*` and `analysis/data/reference/no_such_run-*`.\n\n"
             "```bash\npython scripts/no_such_script.py --out runs/x && python scripts/setup.sh\n```\n")
     bad = broken_references(text, ROOT / "docs")
     assert bad == ["link (no_such_page.md#top)", "path analysis/core/no_such_module.py",
-                   "path data/reference/no_such_run-*", "path scripts/no_such_script.py", "module analysis.core.no_such_name",
+                   "path analysis/data/reference/no_such_run-*", "path scripts/no_such_script.py",
+                   "module analysis.core.no_such_name",
                    "module analysis.no_such_floor.x"], bad
 
 

@@ -72,7 +72,8 @@ def test_pair_summary_sets_the_committed_pair_side_by_side(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "scripts" / "gpu"))
     out = tmp_path / "pair.json"
-    rows = main([str(ROOT / "data/reference/induction-softmax"), str(ROOT / "data/reference/induction-sigmoid"),
+    rows = main([str(ROOT / "analysis/data/reference/induction-softmax"),
+                 str(ROOT / "analysis/data/reference/induction-sigmoid"),
                  "--out", str(out), "--n", "16"])
     assert json.loads(out.read_text())[0]["attention"] == "softmax"
     soft, sig = rows

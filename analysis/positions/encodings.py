@@ -1,6 +1,6 @@
 """The propositions and the sink per positional encoding, over the trained models of a sweep.
 
-For every run folder of a sweep over ``--positional-embedding-type`` (``analysis.train sweep``, weights kept),
+For every run folder of a sweep over ``--positional-embedding-type`` (``sinklens sweep``, weights kept),
 ``encoding_point`` loads nothing itself: given a model it measures Sink_1 on the three probe kinds of
 ``analysis.model.probes.model_probe_sets`` (natural: held-out task sequences or text; random; one token repeated) and
 runs ``analysis.positions.repeated_tokens`` on the repeated probe (does every position keep the same hidden state,
@@ -81,7 +81,7 @@ def encoding_grid(sweep_dir, *, n: int = 100, T: int = 64, seed: int = 0, eps: f
     Parameters
     ----------
     sweep_dir : path-like
-        A sweep folder (``python -m analysis.train sweep ... --keep-models``).
+        A sweep folder (``sinklens sweep ... --keep-models``).
     n, T, seed, eps
         As in ``encoding_point``.
     progress : callable, optional

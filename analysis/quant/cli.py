@@ -2,11 +2,8 @@
 every per-tensor scale, and the packed low-bit KV cache; the table printed, everything in the JSON."""
 from __future__ import annotations
 
-import shlex
-import sys
-
 from analysis.core.checks import resolve_device
-from analysis.core.options import VOCABULARY, HelpFormatter, add_deprecated, length_options, seed_options
+from analysis.core.options import VOCABULARY, HelpFormatter, command_line, length_options, seed_options
 from analysis.core.versions import package_versions
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
@@ -46,14 +43,11 @@ def add_parser(sub, *, parents=()) -> None:
                        formatter_class=HelpFormatter,
                        help="perplexity under activation/weight quantisation against the sink; low-bit KV cache")
     q.add_argument("--act-bits", default="8,4", help="activation bits, comma-separated (8, 4)")
-    add_deprecated(q, "--bits", "--act-bits", dest="act_bits")
     q.add_argument("--granularity", default="tensor,token", help="tensor (static, calibrated) and/or token (dynamic)")
     q.add_argument("--weight-bits", default="fp", help="weight bits per output channel: fp, 8, 4 (comma-separated)")
-    add_deprecated(q, "--w-bits", "--weight-bits", dest="weight_bits")
     q.add_argument("--condition", default=",".join(CONDITIONS), help=f"among {', '.join(CONDITIONS)}")
     q.add_argument("--windows", type=int, default=8, help="held-out windows scored")
     q.add_argument("--calib-tokens", type=int, default=1024, help="calibration text in tokens (at least one window)")
-    add_deprecated(q, "--seeds", "--seed", dest="seed")
     q.add_argument("--prefix", type=int, default=3, help="longest searched prefix (tokens)")
     q.add_argument("--candidates", type=int, default=3, help="candidate outlier tokens of the prefix search")
     q.add_argument("--kv-bits", default="4,2", help=VOCABULARY["--kv-bits"] + "; a packed cache, sinks in full precision")
@@ -129,7 +123,7 @@ def cmd_quant(args) -> int:
     print(format_quant_table(res))
     print(res.text())
     if args.json:
-        payload = {**res.to_dict(), "command": shlex.join(["python", "-m", "analysis", *sys.argv[1:]]),
+        payload = {**res.to_dict(), "command": command_line(),
                    "device": resolve_device(args.device), "dtype": "float32", "versions": package_versions()}
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
         print(f"wrote {args.json}")

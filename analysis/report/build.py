@@ -16,7 +16,7 @@ pass per kind feeds every analysis) and lays out what it found:
 8. every sink: the positions besides the first token that sink, their heads, massive activations and alignment with
    the first token (``analysis.positions.every_sink``, a pass of its own: alpha of every key);
 9. the sink against context length and eps (``analysis.positions.context_length``: T = 16..128 here, N = 4 per probe seed, 3
-   seeds; the committed long-T points of the model where ``data/sink_context/`` has them);
+   seeds; the committed long-T points of the model where ``analysis/data/sink_context/`` has them);
 
 Each section is a registered analysis' (``analysis.core.registry``: its title, its link of the chain, what it reads
 from the profile pass, its runner in ``analysis.report.sections``), in the registered order; the HTML kit is

@@ -237,7 +237,7 @@ from analysis.core.defaults import REPORT_CONTEXT_TS as CONTEXT_TS  # noqa: E402
 
 def _context(ctx, sec: Section) -> None:
     """Sink_1 and the later sinks against context length and eps: a cheap range computed here, and the committed
-    long-T points of the model where data/sink_context/ has them."""
+    long-T points of the model where analysis/data/sink_context/ has them."""
     # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.positions import plot_sink_vs_context, plot_sink_vs_eps
     from analysis.positions.context_length import committed_sink_context, sink_vs_context
@@ -257,7 +257,7 @@ def _context(ctx, sec: Section) -> None:
     sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
     if long is not None:
         sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
-        found = [committed_text(f, f"data/sink_context/{ctx.name}.csv") for f in long.findings()]
+        found = [committed_text(f, f"analysis/data/sink_context/{ctx.name}.csv") for f in long.findings()]
         sec.say(found, headline=min(1, len(found) - 1))
         sec.data["committed"] = long.to_dict()
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")

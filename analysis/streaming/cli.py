@@ -1,12 +1,9 @@
 """``python -m analysis stream``: the policy table for one model, optionally saved as JSON and CSV."""
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 
-from analysis.core.options import (VOCABULARY, HelpFormatter, add_deprecated, model_options, placement_options,
-                                   seed_options)
+from analysis.core.options import VOCABULARY, HelpFormatter, model_options, placement_options, seed_options
 
 
 def _ints(text: str) -> list[int]:
@@ -42,7 +39,6 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     g.add_argument("--tokens", type=int, default=2048, help="stream length (offline docstring corpus)")
     g.add_argument("--newline-sinks", type=int, default=4, help="also s newline tokens as sinks (0: leave out)")
     g.add_argument("--kv-bits", default="8,4", help=VOCABULARY["--kv-bits"] + "; simulated on the sinks + window cache")
-    add_deprecated(g, "--bits", "--kv-bits", dest="kv_bits")
     g.add_argument("--quant-sinks", type=int, default=4, help="sinks of the quantised caches")
     g.add_argument("--recompute-every", type=int, default=8,
                    help="score the sliding-window re-computation ceiling at every k-th position (0: leave out)")
@@ -123,17 +119,3 @@ def cmd_stream(args) -> int:
         print(f"wrote {args.csv}")
     return 0
 
-
-def command_line(argv=None) -> str:
-    """The command line that made a result, for its record.
-
-    Parameters
-    ----------
-    argv : list of str, optional
-        The arguments (default ``sys.argv[1:]``).
-
-    Returns
-    -------
-    str
-    """
-    return "python -m analysis " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -3,11 +3,11 @@
 The model (``SinkLM``) is a LLaMA-style decoder written as a TransformerLens ``HookedRootModule`` with
 the hook names of ``TransformerBridge``, so every analysis of this package runs on it unchanged.
 
-    python -m analysis.train --preset synthetic --attention sigmoid --out runs/sigmoid
-    python -m analysis.train --list
+    sinklens train --preset synthetic --attention sigmoid --out runs/sigmoid
+    sinklens train --list
 
     from analysis.train import load_reference
-    model = load_reference("data/reference/synthetic-softmax")
+    model = load_reference("analysis/data/reference/synthetic-softmax")
 
 See docs/training.md.
 """

@@ -1,6 +1,7 @@
-"""Command line: ``python -m analysis.train [--preset NAME] [--FIELD VALUE ...]`` and
-``python -m analysis.train sweep --attention a,b --weight-decay u,v --seed 0,1,2 --out DIR`` (any field
-may be a comma-separated list; see ``analysis.train.sweep``).
+"""The ``train`` and ``sweep`` subcommands of ``sinklens`` (``python -m analysis``): ``sinklens train [--preset NAME]
+[--FIELD VALUE ...]`` and ``sinklens sweep --attention a,b --weight-decay u,v --seed 0,1,2 --out DIR`` (any field may be
+a comma-separated list; see ``analysis.train.sweep``). ``python -m analysis.train [sweep] ...`` is their alias (the
+commands recorded in the committed runs use it).
 
 Every field of ``ModelConfig`` and ``TrainConfig`` is an option (underscores become dashes); a preset
 sets a group of fields first, options given on the command line win. ``--list`` prints the attention
@@ -13,20 +14,19 @@ import dataclasses
 import functools
 import inspect
 import re
-import shlex
 import sys
 import typing
 from pathlib import Path
 from typing import Optional, Sequence
 
 from analysis.core.checks import check_device
-from analysis.core.options import REUSED, TRAIN_FIELD_FLAGS, VOCABULARY, add_deprecated
+from analysis.core.options import TRAIN_FIELD_FLAGS, VOCABULARY, command_line
 from analysis.core.paths import check_output
 from analysis.model.reference.config import ModelConfig, TrainConfig
 from analysis.train.presets import PRESETS, build_configs, preset
 
 RUN_FILES = ("model.safetensors", "config.json", "train_log.jsonl", "checkpoints")  # a folder with one holds a run
-NORM_EPS_MAX = 1e-3  # train --eps below this is no sink threshold: an old command's norm epsilon (now --norm-eps)
+NORM_EPS_MAX = 1e-3  # train --eps below this is no sink threshold: a norms' epsilon, which is --norm-eps
 
 
 def _parse_optional(base):
@@ -108,18 +108,10 @@ def _help(cls, f: dataclasses.Field, flag: str) -> str:
     return f"{VOCABULARY.get(flag) or field_help(cls).get(f.name, '')} (default: {default})".strip()
 
 
-def _add_quiet(group) -> None:
-    """``--quiet`` (``TrainConfig.progress`` False), and its old spellings ``--progress`` / ``--no-progress``."""
-    group.add_argument("--quiet", dest="progress", action="store_const", const=False, default=argparse.SUPPRESS,
-                       help=VOCABULARY["--quiet"])
-    add_deprecated(group, "--progress", "--quiet (progress bars are the default)", dest="progress", nargs=0, const=True)
-    add_deprecated(group, "--no-progress", "--quiet", dest="progress", nargs=0, const=False)
-
-
 def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed so only explicit options override a preset.
     Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in ``TRAIN_FIELD_FLAGS`` takes
-    the command line's shared name, its old spelling kept for one release.
+    the command line's shared name; ``progress`` is ``--quiet``.
 
     Parameters
     ----------
@@ -135,10 +127,11 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
         for f in dataclasses.fields(cls):
             if f.name == "preset":
                 continue
-            if f.name == "progress":
-                _add_quiet(group)
+            if f.name == "progress":  # --quiet, as in every command
+                group.add_argument("--quiet", dest="progress", action="store_const", const=False,
+                                   default=argparse.SUPPRESS, help=VOCABULARY["--quiet"])
                 continue
-            flag, old = field_flag(f.name), "--" + f.name.replace("_", "-")
+            flag = field_flag(f.name)
             base, optional = _field_type(cls, f)
             helptext = _help(cls, f, flag)
             if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
@@ -157,17 +150,20 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
             else:
                 kwargs = dict(type=parse)
             group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext, **kwargs)
-            if old != flag and old not in REUSED:  # the old spelling, for one release
-                add_deprecated(group, old, flag, dest=f.name, **kwargs)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m analysis.train",
-        description="Pre-train a reference language model with a chosen attention operation. "
-                    "Subcommand: `sweep` (run `python -m analysis.train sweep -h`). Every option is checked before "
-                    "any data is prepared; bad input exits 2 with one line that says what to do.",
-    )
+TRAIN_HELP = "pre-train a reference language model with a chosen attention operation"
+TRAIN_DESCRIPTION = ("Pre-train a reference language model with a chosen attention operation. Every option is checked "
+                     "before any data is prepared; bad input exits 2 with one line that says what to do.")
+SWEEP_HELP = "train every combination of the options given as comma-separated lists"
+SWEEP_DESCRIPTION = ("Train every combination of the options given as comma-separated lists (any config field, e.g. "
+                     "--weight-decay 0,0.5,5 --seed 0,1,2); write DIR/sweep.csv (one row per run), DIR/summary.csv "
+                     "(mean/std over seeds), DIR/curves.csv (Sink_1 through training) and DIR/command.txt. Completed runs "
+                     "are skipped when rerun.")
+
+
+def _train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p`` with the options of ``train``: ``--preset --list --threads`` and one per config field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
     p.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
@@ -175,14 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sweep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m analysis.train sweep",
-        description="Train every combination of the options given as comma-separated lists (any config "
-                    "field, e.g. --weight-decay 0,0.5,5 --seed 0,1,2); write DIR/sweep.csv (one row per run), "
-                    "DIR/summary.csv (mean/std over seeds), DIR/curves.csv (Sink_1 through training) and "
-                    "DIR/command.txt. Completed runs are skipped when rerun.",
-    )
+def _sweep_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p`` with the options of ``sweep``: ``--preset --jobs --keep-models --reuse`` and a comma list per config
+    field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process and thread each")
     p.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=True,
@@ -193,6 +184,32 @@ def _sweep_parser() -> argparse.ArgumentParser:
               if f.name not in ("preset", "out", "progress", "compile", "resume")]
     add_config_options(p, list_fields=fields)
     return p
+
+
+def add_parsers(sub) -> None:
+    """Add ``train`` and ``sweep`` to the command line's subcommands (``python -m analysis``). They check their own
+    options (``own_checks``), before any data is prepared.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+
+    Returns
+    -------
+    None
+    """
+    _train_options(sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_DESCRIPTION))
+    sub.choices["train"].set_defaults(func=run_train, own_checks=True)
+    _sweep_options(sub.add_parser("sweep", help=SWEEP_HELP, description=SWEEP_DESCRIPTION))
+    sub.choices["sweep"].set_defaults(func=run_sweep, own_checks=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    return _train_options(argparse.ArgumentParser(prog="python -m analysis.train", description=TRAIN_DESCRIPTION))
+
+
+def _sweep_parser() -> argparse.ArgumentParser:
+    return _sweep_options(argparse.ArgumentParser(prog="python -m analysis.train sweep", description=SWEEP_DESCRIPTION))
 
 
 def _print_list() -> None:
@@ -277,9 +294,27 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _main_sweep(argv: list[str], command: str) -> int:
-    """``python -m analysis.train sweep``: checked before any run starts, then the grid."""
-    ns = vars(_sweep_parser().parse_args(argv))
+def _options(args) -> dict:
+    """The options given, as the config builders take them: without the command line's own keys."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "func", "own_checks")}
+
+
+def run_sweep(args, *, command: str) -> int:
+    """``sinklens sweep``: checked before any run starts, then the grid.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Of ``_sweep_options`` (defaults suppressed: the fields given only).
+    command : str
+        The command line, for the grid's record.
+
+    Returns
+    -------
+    int
+        The exit status (2 for bad input).
+    """
+    ns = _options(args)
     preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
     reuse = [r for r in ns.pop("reuse").split(",") if r]
     if "out" not in ns:
@@ -291,36 +326,31 @@ def _main_sweep(argv: list[str], command: str) -> int:
         check_output(ns["out"], flag="--out", folder=True)
         _check_devices_and_eps(ns)
         ns = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k != "seed" else v) for k, v in ns.items()}
-        from analysis.train.sweep import run_sweep  # import time: torch loads once the options are checked
+        from analysis.train.sweep import run_sweep as sweep  # import time: torch loads once the options are checked
 
-        table = run_sweep(preset_name, ns, command=command, jobs=jobs, keep_models=keep, reuse=reuse)
+        table = sweep(preset_name, ns, command=command, jobs=jobs, keep_models=keep, reuse=reuse)
     except ValueError as e:
         return _fail(str(e))
     print(table.to_string(index=False))
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m analysis.train``: train one model, or a grid (``sweep``). Every option is checked before any data
-    is prepared: bad input exits 2 with one line that says what to do, and nothing already written is touched.
+def run_train(args, *, command: str) -> int:
+    """``sinklens train``: one model, every option checked before any data is prepared.
 
     Parameters
     ----------
-    argv : sequence of str, optional
-        The arguments (default ``sys.argv[1:]``).
+    args : argparse.Namespace
+        Of ``_train_options`` (config defaults suppressed: the fields given only).
+    command : str
+        The command line, for the run's record (``command.txt``).
 
     Returns
     -------
     int
         The exit status (2 for bad input).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m analysis.train -- --n 8: torchrun reads --n as its own --nnodes (an
-        argv = argv[1:]  # abbreviation) unless a "--" ends its options, and hands that "--" on
-    command = shlex.join(["python", "-m", "analysis.train", *argv])
-    if argv and argv[0] == "sweep":
-        return _main_sweep(argv[1:], command)
-    ns = vars(_parser().parse_args(argv))
+    ns = _options(args)
     if ns.pop("list"):
         _print_list()
         return 0
@@ -349,3 +379,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                                "resid_norm_ratio", "value_norm_ratio")})
     print(f"model written to {tcfg.out}")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m analysis.train [sweep] ...``, the alias of ``sinklens train`` / ``sinklens sweep``: the same options
+    and checks. Bad input exits 2 with one line that says what to do, and nothing already written is touched.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status (2 for bad input).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m analysis.train -- --n 8: torchrun reads --n as its own --nnodes (an
+        argv = argv[1:]  # abbreviation) unless a "--" ends its options, and hands that "--" on
+    if argv[:1] == ["sweep"]:
+        return run_sweep(_sweep_parser().parse_args(argv[1:]), command=command_line(argv))
+    return run_train(_parser().parse_args(argv), command=command_line(["train", *argv]))

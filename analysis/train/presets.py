@@ -1,4 +1,4 @@
-"""Named starting points for ``python -m analysis.train --preset NAME``; any field can be overridden.
+"""Named starting points for ``sinklens train --preset NAME``; any field can be overridden.
 
 - ``synthetic``: the reference pair's configuration (1 layer, 4 heads, d_model 64, synthetic
   bigram-copy task, peak lr 1e-2, 4,000 steps of 32 x 64 tokens). Measured: 0.03 s of CPU per step with one

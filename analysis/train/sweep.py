@@ -1,6 +1,6 @@
 """Grid sweeps: any config fields x seeds, one table of every run's final held-out statistics.
 
-``python -m analysis.train sweep --preset synthetic --weight-decay 0,0.5,5 --seed 0,1,2 --out DIR`` trains
+``sinklens sweep --preset synthetic --weight-decay 0,0.5,5 --seed 0,1,2 --out DIR`` trains
 every combination of the fields given as lists into ``DIR/<field>-<value>_..._seed-<s>/`` (finished runs are
 skipped, interrupted ones resumed) and writes
 
@@ -261,7 +261,7 @@ def load_sweep(path) -> dict[str, pd.DataFrame]:
     if not path.is_dir() and (EMERGENCE_DIR / path).is_dir():
         path = EMERGENCE_DIR / path
     if not (path / "sweep.csv").is_file():
-        raise FileNotFoundError(f"{path} holds no sweep.csv; run `python -m analysis.train sweep ... --out {path}`.")
+        raise FileNotFoundError(f"{path} holds no sweep.csv; run `sinklens sweep ... --out {path}`.")
     names = {"runs": "sweep.csv", "summary": "summary.csv", "curves": "curves.csv"}
     return {k: pd.read_csv(path / f) for k, f in names.items() if (path / f).is_file()}
 

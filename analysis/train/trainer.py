@@ -165,7 +165,7 @@ def init_distributed(device_pref: str) -> tuple[int, int, int]:
 
 
 def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
-    """An equivalent ``python -m analysis.train`` command (fields that differ from the defaults).
+    """An equivalent ``python -m analysis train`` command (fields that differ from the defaults).
 
     Parameters
     ----------
@@ -176,7 +176,7 @@ def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
     -------
     str
     """
-    return shlex.join(["python", "-m", "analysis.train", *config_to_args(mcfg, tcfg)])
+    return shlex.join(["python", "-m", "analysis", "train", *config_to_args(mcfg, tcfg)])
 
 
 def _truncate_log(path: Path, step: int) -> list[dict]:

@@ -238,6 +238,7 @@ def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     from analysis.dynamics.compare import mechanism_chain
     from analysis.dynamics.formation import chain_links, follow_final
     from analysis.dynamics.metrics import first_token_stats, window_sink_rates
+    from analysis.model.loading import REFERENCE_DIR
     from analysis.model.reference.checkpoint import load_reference
     from analysis.model.reference.config import ModelConfig
     from analysis.model.reference.sink_lm import SinkLM
@@ -245,7 +246,7 @@ def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     from analysis.streaming.cache import Policy
     from transformers import AutoModelForCausalLM
 
-    ref = load_reference(ROOT.parent / "data" / "reference" / "synthetic-softmax")
+    ref = load_reference(REFERENCE_DIR / "synthetic-softmax")
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(1, ref.cfg.d_vocab, (N, T), generator=gen)
     torch.manual_seed(0)

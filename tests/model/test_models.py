@@ -83,7 +83,7 @@ def test_reference_models_carry_their_family():
     from analysis.model.families import FamilySpec
     from analysis.model.loading import model_names
 
-    assert "synthetic-softmax" in model_names()  # shipped in data/reference
+    assert "synthetic-softmax" in model_names()  # shipped in analysis/data/reference
     model = load_model("synthetic-softmax", device="cpu")
     assert isinstance(model.family, FamilySpec) and model.family.family == "reference"
     assert model.family.attention_layers == tuple(range(model.cfg.n_layers))

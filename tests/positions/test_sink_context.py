@@ -48,7 +48,7 @@ def test_bad_inputs(tiny_llama, tmp_path):
 
 
 def test_committed_smollm2_run():
-    """data/sink_context/smollm2-135m.csv: T from 16 to the context (8192), three probe seeds, the eps grid."""
+    """analysis/data/sink_context/smollm2-135m.csv: T from 16 to the context (8192), three probe seeds, the eps grid."""
     ctx = committed_sink_context("smollm2-135m")
     assert ctx.Ts[0] == 16 and ctx.Ts[-1] == 8192 and ctx.seeds == [0, 1, 2]
     assert set(ctx.runs.path) == {"fused"} and ctx.runs.eps.nunique() == 9

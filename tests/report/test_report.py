@@ -252,7 +252,7 @@ def test_real_model_report(smollm2, tmp_path, monkeypatch):
     norm = next(c for c in d["findings"] if c["link"] == "key")  # the sentence the old report split in two
     assert any("of the logit q_t·k_1; alpha_1 is" in f for f in [norm["headline"], *norm["details"]])
     assert d["sections"]["positions"]["sinks"][0]["position"] == 0
-    assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # data/sink_context/
+    assert max(r["T"] for r in d["sections"]["context"]["committed"]["runs"]) == 8192  # analysis/data/sink_context/
     # Where the spike comes from: the writing MLPs, their writer neurons with their shares, the cut against random.
     so = d["sections"]["spike_writers"]
     mlps = [w for w in so["writers"] if w["component"] == "mlp"]
@@ -293,7 +293,7 @@ def test_the_first_lines_say_which_sequences_each_sink_1_is_on(planted, tmp_path
 
 
 def test_a_headline_from_committed_data_says_so(planted, tmp_path, monkeypatch):
-    """Issue 37: the context-length headline read from data/sink_context/ (not this run) says so in itself."""
+    """Issue 37: the context-length headline read from analysis/data/sink_context/ (not this run) says so in itself."""
     from analysis.positions import context_length
 
     monkeypatch.setattr(context_length, "committed_sink_context", lambda name: context_length.load_sink_context("smollm2-135m"))
@@ -301,5 +301,5 @@ def test_a_headline_from_committed_data_says_so(planted, tmp_path, monkeypatch):
     build_report(planted, tmp_path, n=4, T=16, sections=["context"])
     d = _strict_json(tmp_path / "report.json")
     head = next(c for c in d["findings"] if c["link"] == "context")["headline"]
-    assert head.startswith("From the committed run data/sink_context/") and "not this report's run" in head
+    assert head.startswith("From the committed run analysis/data/sink_context/") and "not this report's run" in head
     assert "T = 8192" in head or "8,192" in head or "8192" in head

@@ -10,7 +10,7 @@ from analysis.model.reference.config import ModelConfig
 from analysis.model.reference.sink_lm import SinkLM
 from analysis.sinks.metric import sink_metric
 
-SIGMOID = Path(__file__).resolve().parents[2] / "data/reference/synthetic-sigmoid"
+SIGMOID = Path(__file__).resolve().parents[2] / "analysis/data/reference/synthetic-sigmoid"
 
 
 def _tiny(attention: str) -> SinkLM:

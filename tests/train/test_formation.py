@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from analysis.core.stats import one_thread
+from analysis.model.loading import REFERENCE_DIR
 from analysis.train import CheckpointError, ModelConfig, SinkLM, TrainConfig, load_reference, train
 from analysis.model.reference.checkpoint import save_reference
 from analysis.dynamics.compare import mechanism_chain
@@ -52,7 +53,7 @@ def sink_run(tmp_path_factory):
     """A run whose final model sinks (the committed synthetic softmax reference) and whose first snapshot is the same
     model untrained: sink heads at the end, none at the start."""
     out = tmp_path_factory.mktemp("formation-sink") / "synthetic-softmax"
-    ref = ROOT / "data" / "reference" / "synthetic-softmax"
+    ref = REFERENCE_DIR / "synthetic-softmax"
     out.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(ref / name, out / name)

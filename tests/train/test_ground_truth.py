@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from analysis.chain.values import value_norms
-from analysis.model.loading import load_model, model_names
+from analysis.model.loading import REFERENCE_DIR, load_model, model_names
 from analysis.model.probes import task_probe_sets
 from analysis.model.reference.data import SyntheticBroadcast, build_data
 from analysis.sinks.metric import sink_metric
@@ -108,7 +108,7 @@ def test_the_ground_truth_models_show_a_sink_of_their_kind(kind, seed):
 def test_the_committed_ground_truth_models_keep_their_command_and_log():
     for kind in ("nop", "broadcast"):
         for seed in SEEDS:
-            d = ROOT / "data" / "reference" / f"{kind}-task-s{seed}"
+            d = REFERENCE_DIR / f"{kind}-task-s{seed}"
             cfg = json.loads((d / "config.json").read_text())
             assert cfg["train"]["dataset"] == DATASET[kind] and cfg["train"]["seed"] == seed
             assert (d / "command.txt").read_text().startswith(f"python -m analysis.train --preset {kind}")

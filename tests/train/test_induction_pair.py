@@ -1,4 +1,4 @@
-"""The reference pair whose first-token spike an MLP writes (``--preset induction``, data/reference/induction-*):
+"""The reference pair whose first-token spike an MLP writes (``--preset induction``, analysis/data/reference/induction-*):
 the chain measured by the package's analyses on the committed pair, and one cheap point of the preset retrained
 from scratch, which must land inside the committed spread of its five seeds (data/emergence/induction)."""
 import json
@@ -9,6 +9,7 @@ import torch
 
 from analysis import load_model
 from analysis.chain.massive import spike_criterion
+from analysis.model.loading import REFERENCE_DIR
 from analysis.model.probes import task_probe_sets
 from analysis.chain.spike_writers import spike_origin
 from analysis.train import ModelConfig, TrainConfig
@@ -48,7 +49,7 @@ def origins(pair):
 
 def test_the_pair_loads_by_name_with_its_log_and_command():
     for att in ("softmax", "sigmoid"):
-        d = ROOT / "data" / "reference" / f"induction-{att}"
+        d = REFERENCE_DIR / f"induction-{att}"
         cfg = json.loads((d / "config.json").read_text())
         assert cfg["model"]["attention"] == att and cfg["train"]["preset"] == "induction"
         assert cfg["train"]["fixed_token_id"] == 3 and cfg["train"]["synthetic_keys"] == 12

@@ -3,21 +3,19 @@ grows an attention sink on the first token and sigmoid attention without normali
 
 The pair is trained here with the ``synthetic`` preset (the reference configuration) shortened to
 CI_STEPS steps, and measured with the package's sink metric (``analysis.sinks.metric.sink_metric``) on a
-held-out probe. The committed reference models in data/reference/ are checked the same way.
+held-out probe. The committed reference models in analysis/data/reference/ are checked the same way.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from analysis.model.loading import REFERENCE_DIR as REFERENCE
 from analysis.sinks.metric import sink_metric
 from analysis.train import TrainConfig, first_token_stats, load_reference, train
 from analysis.train.presets import build_configs
 from analysis.model.reference.data import SyntheticBigramCopy
 
-ROOT = Path(__file__).resolve().parents[2]
-REFERENCE = ROOT / "data" / "reference"
 CI_STEPS = 1000
 
 
@@ -84,9 +82,7 @@ REFS = {"synthetic-softmax": "softmax", "synthetic-sigmoid": "sigmoid", "synthet
 
 @pytest.mark.parametrize("name", sorted(REFS))
 def test_committed_reference_models(name, device):
-    d = REFERENCE / name
-    if not d.is_dir():
-        pytest.skip(f"{d} not present")
+    d = REFERENCE / name  # package data: always there
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["format"] == "attention-sinks-reference" and cfg["model"]["attention"] == REFS[name]
     assert (d / "command.txt").read_text().startswith("python -m analysis.train --preset synthetic")
@@ -111,9 +107,8 @@ def test_committed_reference_models(name, device):
 
 
 def test_analysis_load_model_lists_and_loads_the_references(device):
-    models = pytest.importorskip("analysis.model.loading")
-    if not (REFERENCE / "synthetic-softmax").is_dir():
-        pytest.skip("reference models not present")
+    from analysis.model import loading as models
+
     names = [m.name for m in models.available_models()]
     assert {"synthetic-softmax", "synthetic-sigmoid"} <= set(names)
     model = models.load_model("synthetic-sigmoid", device=device)

@@ -271,7 +271,7 @@ def test_natural_deep_preset_runs_a_few_steps_on_cpu(tmp_path):
     ids = model.to_tokens("Return the attention sink.")
     assert model.to_string(ids[0]).endswith("Return the attention sink.")
     cmd = (out / "command.txt").read_text()
-    assert cmd.startswith("python -m analysis.train --preset natural-deep")
+    assert cmd.startswith("python -m analysis train --preset natural-deep")
 
 
 def test_tiny_cpu_preset_builds_its_data(tmp_path):
@@ -303,7 +303,7 @@ def test_sweep_writes_one_table(tmp_path, capsys):
     assert len(summary) == 4 and (summary.n_seeds == 1).all() and "sink_1_mean" in summary
     curves = pd.read_csv(out / "curves.csv")
     assert set(curves.step) == {3} and len(curves) == 4
-    assert (out / "command.txt").read_text().startswith("python -m analysis.train sweep")
+    assert (out / "command.txt").read_text().startswith("python -m analysis sweep")
 
 
 def test_snapshots_keep_the_weights_along_training(tmp_path):

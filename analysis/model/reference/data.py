@@ -336,7 +336,7 @@ class PackedCorpus(DataSource):
         ids = self.val_ids if held_out else self.train_ids
         if len(ids) <= length:
             raise ValueError(f"the {'held-out' if held_out else 'training'} stream ({len(ids)} tokens) is "
-                             f"shorter than a window of {length}; lower --probe-len / --n-ctx.")
+                             f"shorter than a window of {length}; lower --T / --n-ctx.")
         offsets = rng.integers(0, len(ids) - length, size=n)
         return np.stack([ids[o:o + length] for o in offsets])
 
