@@ -86,7 +86,22 @@ def model_reason(model: SinkModel) -> str | None:
     return None
 
 
-def module_site(model: SinkModel, name: str) -> tuple[torch.nn.Module, str]:
+def hf_modules(model: SinkModel) -> set[int]:
+    """The ids of the Hugging Face model's own modules (those its forward runs), the bridge's wrappers aside.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    set of int
+    """
+    with unbridged(hf_module(model)) as hf:
+        return {id(m) for m in hf.modules()}
+
+
+def module_site(model: SinkModel, name: str, own: set[int] | None = None) -> tuple[torch.nn.Module, str]:
     """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
 
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
@@ -98,11 +113,14 @@ def module_site(model: SinkModel, name: str) -> tuple[torch.nn.Module, str]:
         A TransformerBridge.
     name : str
         A hook name (an alias or the component's own).
+    own : set of int, optional
+        :func:`hf_modules` of the model, where the caller has them.
 
     Returns
     -------
     tuple of (torch.nn.Module, str)
-        BackendUnsupported where no Hugging Face module's input or output is that hook.
+        BackendUnsupported where no Hugging Face module's input or output is that hook (a component the bridge
+        made up, such as the gate and up halves of a joint projection, is no module the model runs).
     """
     point = model.hook_dict.get(name)
     canonical = getattr(point, "name", None) or name
@@ -114,8 +132,8 @@ def module_site(model: SinkModel, name: str) -> tuple[torch.nn.Module, str]:
     except AttributeError:
         raise BackendUnsupported(f"the hook {name} names no component of the bridge ({path})") from None
     inner = _unwrap(bridged)
-    if inner is bridged:
-        raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no Hugging Face module")
+    if inner is bridged or id(inner) not in (hf_modules(model) if own is None else own):
+        raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
     return inner, which[len("hook_"):]
 
 
@@ -136,7 +154,8 @@ def hooks_reason(model: SinkModel, names: Iterable[str], edits: Iterable[str] = 
     """
     spec = get_family(model)
     plain_qk = spec.positions != "rotary" and spec.qk_norm is None
-    for n in {*names, *edits}:
+    own = hf_modules(model)
+    for n in sorted({*names, *edits}):
         site = _site(n)
         if hook_layer(n) is None:
             return f"the hook {n} lies outside the blocks"
@@ -147,7 +166,7 @@ def hooks_reason(model: SinkModel, names: Iterable[str], edits: Iterable[str] = 
                 return f"an edit of {n}: the transformers backend never builds the map"
             continue
         try:
-            module_site(model, n)
+            module_site(model, n, own)
         except BackendUnsupported as e:
             return str(e)
     return None
@@ -218,11 +237,12 @@ class Taps:
         self.attn: dict[int, set[str]] = {}  # layer -> the attention sites read or changed there
         self.kernels: dict[str, str] = {}  # the kernels the layers took -> why not the table's first ("" if it was)
         self.sites: dict[tuple[int, str], tuple[torch.nn.Module, list[str]]] = {}  # (id, in/out) -> module, names
+        own = hf_modules(model)
         for name in sorted({*self.read, *self.edits}):
             if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
                 self.attn.setdefault(hook_layer(name), set()).add(_site(name))
                 continue
-            module, which = module_site(model, name)
+            module, which = module_site(model, name, own)
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
 
     def _give(self, name: str, x):
