@@ -76,13 +76,8 @@ def model_reason(model: SinkModel) -> str | None:
     reason = unsupported_reason(model)  # not a Hugging Face model, or attention the fused kernels cannot reproduce
     if reason:
         return reason
-    spec = get_family(model)
-    if spec.skipped_layers:
-        return f"layers {sorted(spec.skipped_layers)} are not softmax attention (a hybrid)"
-    if spec.latent is not None:
+    if get_family(model).latent is not None:
         return "multi-head latent attention: its keys are not read at the attention interface yet"
-    if spec.gate is not None:
-        return "an attention-output gate: the head outputs z are gated after the attention interface"
     return None
 
 
@@ -164,6 +159,8 @@ def hooks_reason(model: SinkModel, names: Iterable[str], edits: Iterable[str] = 
                 return f"{n} holds q/k before the rotary or the q/k norm, which the attention interface never sees"
             if site == "hook_pattern" and n in edits:
                 return f"an edit of {n}: the transformers backend never builds the map"
+            if site == "hook_z" and spec.gate is not None:
+                return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue
         try:
             module_site(model, n, own)
