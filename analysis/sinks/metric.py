@@ -9,8 +9,9 @@ and ``Sink_k^eps`` is 100 x the share of (sample, layer, head) triples with alph
 eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max); with
 k_max = T, alpha at every position (the column sums of each pattern, reduced in the hook).
 
-``sink_metric`` chooses the path: the fused pass (``analysis.engine.fused_sink``, which returns alpha) where it is exact,
-the streamed ``hook_pattern`` reducer otherwise; both results are built here.
+``sink_metric`` chooses the path: the transformers backend (``analysis.engine.backends``: alpha from q, k and the
+fused kernel's log-sum-exp) where it is exact, the bridge's streamed ``hook_pattern`` otherwise; one accumulator,
+``SinkAccumulator``, reduces either.
 """
 from __future__ import annotations
 
@@ -379,7 +380,7 @@ def sink_metric(
     kind : str, optional
         The input kind, a label ("natural", "random").
     path : {"auto", "fused", "eager"}
-        "fused" computes alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.engine.fused_sink``: no
+        "fused" computes alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.engine.backends``: no
         T x T map, about the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes
         the fused path where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says
         which, and ``result.meta["fused_unsupported"]`` why not fused).
