@@ -96,7 +96,7 @@ def hf_modules(model: SinkModel) -> set[int]:
         return {id(m) for m in hf.modules()}
 
 
-def module_site(model: SinkModel, name: str, own: set[int] | None = None) -> tuple[torch.nn.Module, str]:
+def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> tuple[torch.nn.Module, str]:
     """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
 
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
@@ -132,7 +132,7 @@ def module_site(model: SinkModel, name: str, own: set[int] | None = None) -> tup
     return inner, which[len("hook_"):]
 
 
-def hooks_reason(model: SinkModel, names: Iterable[str], edits: Iterable[str] = ()) -> str | None:
+def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
     """Why the transformers backend cannot give these hooks or apply these edits on ``model`` (None when it can).
 
     Parameters
@@ -163,13 +163,13 @@ def hooks_reason(model: SinkModel, names: Iterable[str], edits: Iterable[str] = 
                 return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue
         try:
-            module_site(model, n, own)
+            module_site(model, n, own=own)
         except BackendUnsupported as e:
             return str(e)
     return None
 
 
-def choose_backend(model: SinkModel, backend: str | None = None, *, names: Iterable[str] = (), edits: Iterable[str] = (),
+def choose_backend(model: SinkModel, *, backend: str | None = None, names: Iterable[str] = (), edits: Iterable[str] = (),
                    resume: bool = False) -> tuple[str, str]:
     """The backend a pass runs on, and why.
 
@@ -194,7 +194,7 @@ def choose_backend(model: SinkModel, backend: str | None = None, *, names: Itera
         raise ValueError("the nnsight backend runs through load_model(..., backend='nnsight'), not a pass option.")
     if backend == "transformer_lens":
         return backend, "asked for"
-    reason = model_reason(model) or hooks_reason(model, names, edits) or (
+    reason = model_reason(model) or hooks_reason(model, names, edits=edits) or (
         "a pass resumed at a block runs on the bridge" if resume else None)
     if reason is None:
         return "transformers", ("asked for" if backend == "transformers" else
@@ -239,7 +239,7 @@ class Taps:
             if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
                 self.attn.setdefault(hook_layer(name), set()).add(_site(name))
                 continue
-            module, which = module_site(model, name, own)
+            module, which = module_site(model, name, own=own)
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
 
     def _give(self, name: str, x):

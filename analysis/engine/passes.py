@@ -554,7 +554,7 @@ def run_pass(
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
-    chosen, why = choose_backend(model, backend, names=[n for names in joint.by_layer.values() for n in names],
+    chosen, why = choose_backend(model, backend=backend, names=[n for names in joint.by_layer.values() for n in names],
                                  edits=[n for n, _ in fwd_hooks], resume=resume is not None)
     if record is not None:
         record.update(backend=chosen, why=why)

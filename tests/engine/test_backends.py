@@ -89,7 +89,7 @@ def test_families_the_fused_path_cannot_reproduce_are_refused(family, why, tmp_p
     assert why in unsupported_reason(model)
     with pytest.raises(BackendUnsupported, match=why):
         sink_metric(model, torch.randint(3, 96, (1, 12)), k_max=4, path="fused")
-    assert choose_backend(model, "auto", names=["blocks.0.attn.hook_pattern"])[0] == "transformer_lens"
+    assert choose_backend(model, backend="auto", names=["blocks.0.attn.hook_pattern"])[0] == "transformer_lens"
 
 
 def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path, device):
@@ -125,7 +125,7 @@ def test_bad_inputs_say_what_to_do(tiny_llama):
     with pytest.raises(ValueError, match="token ids must lie in"):
         sink_metric(tiny_llama, torch.full((1, 8), 500), k_max=2, path="fused")
     with pytest.raises(ValueError, match="backend must be one of"):
-        choose_backend(tiny_llama, "flash")
+        choose_backend(tiny_llama, backend="flash")
 
 
 def test_sink_metric_paths(tiny_llama, device):
