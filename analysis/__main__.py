@@ -48,7 +48,7 @@ def cli_dtype(name: str):
 
 def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
                 progress: bool = True, dtype: str = "float32", placement: Placement | None = None,
-                backend: str = "transformer_lens", remote: bool = False) -> dict:
+                backend: str = "auto", remote: bool = False) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -68,8 +68,9 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
         The model's dtype (metrics are reduced in float32).
     placement : Placement, optional
         A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
-    backend : {"transformer_lens", "nnsight"}
-        "nnsight": the table from nnsight traces (``analysis.chain.nnsight_tables``), on NDIF with ``remote``.
+    backend : {"auto", "transformers", "transformer_lens", "nnsight"}
+        What runs the passes (``analysis.engine.backends``); "nnsight": the table from nnsight traces
+        (``analysis.chain.nnsight_tables``), on NDIF with ``remote``.
     remote : bool
 
     Returns
@@ -94,17 +95,20 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(model_name, device=device, dtype=cli_dtype(dtype), **_placement_kwargs(placement))
+    model = load_model(model_name, device=device, dtype=cli_dtype(dtype), backend=backend,
+                       **_placement_kwargs(placement))
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
     probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # a reference model without tokenizer: its task
-    sink = profile(model, probes, analyses=("sink",), eps=eps, k_max=k_max, progress=progress).sink
+    prof = profile(model, probes, analyses=("sink",), eps=eps, k_max=k_max, progress=progress)
+    sink = prof.sink
     kinds = {kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
              for kind, probe in probes.items()}
     return {
         "model": model_name,
         "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
+        "backend": prof.backend,  # input kind -> the backend its pass ran on, and why
         **placement_record(model),  # where the inputs and work went, and where the weights are
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},

@@ -27,6 +27,8 @@ Methods (``--methods``; every one on the same N = --batch sequences of T tokens,
   forward        the unit: the Hugging Face model's own forward with logits, attn_implementation "sdpa", no KV cache
   forward-base   the same without the unembedding (what the fused sink runs)
   sink-fused     ``sink_metric(path="fused")``: alpha_1..16 from q, k and the fused kernel's log-sum-exp
+  sink-cli       what ``python -m analysis sink`` runs per probe kind: ``profile(..., analyses=("sink",))`` through
+                 ``--backend auto``
   massive-fused  the massive-activation accumulator fed by the same fused pass (``sink_pass``), as the profile feeds it
   massive        ``massive_activations`` (the streamed pass through the bridge, its eager attention)
   sink-streamed  ``sink_metric(path="eager")``: every layer's hook_pattern reduced in the hook, one T x T map at a time
@@ -75,14 +77,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.core.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
 from analysis.model.families import attention_implementation  # noqa: E402
-from analysis.engine import fused_sink  # noqa: E402
-from analysis.engine.fused_sink import ATTN_NAME, SINK_KERNELS, hf_model, unbridged  # noqa: E402
+from analysis.engine import backends  # noqa: E402
+from analysis.engine.backends import PASS_ATTENTION as ATTN_NAME, unbridged  # noqa: E402
+from analysis.engine.kernels import SINK_KERNELS  # noqa: E402
+from analysis.model.contract import hf_module as hf_model  # noqa: E402
 from analysis.core.io import cache_dir, parse_dtype, replace_dir  # noqa: E402
 from analysis.chain.massive import massive_accumulator, massive_activations  # noqa: E402
 from analysis.core.memory import measure  # noqa: E402
 from analysis.model.loading import bridge_hf, load_model  # noqa: E402
 from analysis.model.probes import natural_probe, random_probe  # noqa: E402
 from analysis.report.build import ReportError, build_report  # noqa: E402
+from analysis.report.one_pass import profile  # noqa: E402
 from analysis.sinks.metric import alpha_from_pattern, sink_metric, sink_pass  # noqa: E402
 from analysis.model.reference.data import stdlib_docstrings, train_bpe  # noqa: E402
 from analysis.core.versions import package_versions  # noqa: E402
@@ -93,10 +98,10 @@ SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the to
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=None, rope_theta=500000.0, max_position_embeddings=8192),
 }
-METHODS = ("forward", "forward-base", "sink-fused", "massive-fused", "massive", "sink-streamed", "sink-eager", "report")
+METHODS = ("forward", "forward-base", "sink-fused", "sink-cli", "massive-fused", "massive", "sink-streamed", "sink-eager", "report")
 TIME_TARGET = MEMORY_TARGET = 1.1  # the fused sink metric against the forward
 # issue 39's targets, as (time, memory) ratios to the SDPA forward and the T they are judged at (None: every T)
-TARGETS = {"sink-fused": (1.1, 1.1, None), "massive-fused": (1.2, 1.2, None), "sink-streamed": (2.0, None, 8192),
+TARGETS = {"sink-fused": (1.1, 1.1, None), "sink-cli": (1.1, 1.1, None), "massive-fused": (1.2, 1.2, None), "sink-streamed": (2.0, None, 8192),
            "massive": (1.5, 1.5, None)}
 REPORT_TARGET_S = 300.0  # "the report within minutes on the 8B shape"
 
@@ -196,6 +201,13 @@ def massive_fused(model, tokens):
     return f"{ATTN_NAME} (fused kernel + lse: {_kernels(res.meta)})", {**_sink_fields(res.alpha), **_massive_fields(mass)}
 
 
+def sink_cli(model, tokens):
+    """What ``python -m analysis sink`` runs per probe kind: the profile pass of the sink alone, through ``auto``."""
+    prof = profile(model, {"natural": tokens}, analyses=("sink",), batch_size=tokens.shape[0], backend="auto")
+    ran = prof.backend["natural"]
+    return f"{ran['backend']} ({_kernels(ran)})", _sink_fields(prof.sink["natural"].alpha)
+
+
 def massive(model, tokens):
     res = massive_activations(model, tokens, batch_size=tokens.shape[0])
     return f"bridge ({hf_model(model).config._attn_implementation})", _massive_fields(res)
@@ -218,23 +230,29 @@ def sink_eager(model, tokens):
 
 
 def report(model, tokens, *, n: int, T: int, seed: int):
-    with tempfile.TemporaryDirectory() as out:
-        error = None
-        try:
-            build_report(model, out, n=n, T=T, seed=seed)
-        except ReportError as e:  # the page is written; the failed sections are named
-            error = str(e)
-        payload = json.loads((Path(out) / "report.json").read_text())
+    """``python -m analysis report``: the whole report, through ``--backend auto`` (the command line's default)."""
+    old, model.pass_backend = getattr(model, "pass_backend", "transformer_lens"), "auto"
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            error = None
+            try:
+                build_report(model, out, n=n, T=T, seed=seed)
+            except ReportError as e:  # the page is written; the failed sections are named
+                error = str(e)
+            payload = json.loads((Path(out) / "report.json").read_text())
+    finally:
+        model.pass_backend = old
     fields = {"sink_1": payload["sections"].get("sink", {}).get("sink_1_pct", {}).get("natural"),
               "first_token_spike_dims": payload.get("first_token_spike_dims"), "report_errors": payload.get("errors"),
               "report_seconds": payload.get("seconds"), "_error": error}
     if fields["sink_1"] is not None:
         fields["sink_1"] /= 100
-    return f"bridge ({hf_model(model).config._attn_implementation})", fields
+    ran = sorted({v["backend"] for v in (payload["config"].get("backend") or {}).values()})
+    return f"auto: the profile pass on {', '.join(ran)}", fields
 
 
 RUNS = {"forward": lambda m, t: _forward(m, t, base=False), "forward-base": lambda m, t: _forward(m, t, base=True),
-        "sink-fused": sink_fused, "massive-fused": massive_fused, "massive": massive, "sink-streamed": sink_streamed,
+        "sink-fused": sink_fused, "sink-cli": sink_cli, "massive-fused": massive_fused, "massive": massive, "sink-streamed": sink_streamed,
         "sink-eager": sink_eager}
 
 
@@ -387,7 +405,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)")
     p.add_argument("--sink-kernel", choices=list(SINK_KERNELS), help="the fused sink path's kernel where the device "
-                   "has it (default: analysis.engine.fused_sink.sink_kernel's table), to compare kernels in one run")
+                   "has it (default: analysis.engine.kernels.sink_kernel's table), to compare kernels in one run")
     args = p.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
@@ -405,7 +423,7 @@ def parse(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     """Every measurement of ``args``, written as it is made; returns (rows, what was skipped for the budget)."""
     t0 = time.perf_counter()
-    fused_sink.PREFER = getattr(args, "sink_kernel", None)
+    backends.PREFER = getattr(args, "sink_kernel", None)
     writer, skipped = Writer(args.out), []
     device = args.device
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None

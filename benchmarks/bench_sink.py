@@ -9,7 +9,8 @@ with --repeat R every method runs R times, in rotating order, and the table keep
 disturbed run on a shared machine) and its largest peak:
   (a) SDPA forward       Hugging Face model, attn_implementation="sdpa", logits, no KV cache: the floor
   (b) SDPA base model    the same without the unembedding (what the fused sink runs)
-  (c) fused sink         analysis.engine.fused_sink: alpha_1..16 from q, k and the fused kernel's log-sum-exp
+  (c) fused sink         the transformers backend (analysis.engine.backends): alpha_1..16 from q, k and the fused
+                         kernel's log-sum-exp
   (c') fused, every key  the same for every key k = 1..T (the sink at any position, ``analysis.positions.every_sink``):
                          the column sums of exp(q.k * scale - lse) in blocks of query rows, never a T x T map
   (d) eager sink         analysis.sink_metric on the bridge's hook_pattern (every T x T map built, one at a time)
@@ -92,9 +93,9 @@ def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str)
                 m(input_ids=b.to(device), use_cache=False)
 
     def fused(k_max=K_MAX):
-        from analysis.engine.fused_sink import fused_alpha
+        from analysis.sinks.metric import sink_metric
 
-        alpha.append(fused_alpha(bridge, tokens, k_max, batch_size=bs))
+        alpha.append(sink_metric(bridge, tokens, k_max=k_max, batch_size=bs, path="fused").alpha)
 
     def hf_maps():
         with torch.inference_mode():

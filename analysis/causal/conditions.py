@@ -20,6 +20,7 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, per_query_head
+from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass, ModelFacts, model_facts
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
@@ -119,21 +120,17 @@ def where_shares(pattern: torch.Tensor) -> torch.Tensor:
 
     Parameters
     ----------
-    pattern : torch.Tensor, shape (B, H, T, T)
-        Attention probabilities.
+    pattern : torch.Tensor, shape (B, H, T, T), or AttentionWeights
+        Attention probabilities (``hook_pattern`` as either backend hands it).
 
     Returns
     -------
     torch.Tensor, shape (B, H, 4)
         Summed over those queries (divide by T - 2 for the mean).
     """
-    T = pattern.shape[-1]
-    p = pattern[..., 2:, :].float()  # queries t = 2..T-1 (0-based)
-    t = torch.arange(2, T, device=pattern.device)
-    first = p[..., 0]
-    prev = p.gather(-1, (t - 1).expand(*p.shape[:-2], -1)[..., None])[..., 0]
-    self_ = p.gather(-1, t.expand(*p.shape[:-2], -1)[..., None])[..., 0]
-    other = p.sum(-1) - first - prev - self_
+    A = attention_of(pattern)  # queries t = 2..T-1 (0-based) below
+    first, prev, self_ = A.column(0)[..., 2:], A.diagonal(1)[..., 1:], A.diagonal(0)[..., 2:]
+    other = A.row_sums()[..., 2:] - first - prev - self_
     return torch.stack([first, prev, self_, other], -1).sum(-2)
 
 
@@ -364,7 +361,7 @@ class ValueStatsAccumulator(Accumulator):
         return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        a1 = acts["pattern"][..., 0].float()  # (B, H, T)
+        a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
         v = per_query_head(kv_view(acts["v"], self.K), self.H).float()  # (B, T, H, d)
         v1 = v[:, 0]
         contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, H, d)

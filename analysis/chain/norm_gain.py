@@ -42,6 +42,7 @@ from analysis.model.hooks import act_name, check_dims, check_layers, check_token
 from analysis.core.io import jsonable
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
+from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
 from analysis.core.results import Result, runs
 from analysis.core.docs import share_parameters
@@ -370,7 +371,7 @@ class NormGainAccumulator(Accumulator):
         self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
         k1S = self._first_key(x, kp, used)
         q = rotate_as_spec(acts["q"].detach(), spec, layer, positions=pos)
-        self._scores(q, used, k1S, acts.get("scores"), acts["pattern"].detach().float())
+        self._scores(q, used, k1S, acts.get("scores"), attention_of(acts["pattern"]).dense())
 
     def _residual(self, h, n, x, batch: Batch) -> None:
         """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""

@@ -34,6 +34,7 @@ from analysis.model.hooks import (
     skipped_note,
 )
 from analysis.core.io import jsonable
+from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
 from analysis.sinks.metric import SinkResult, alpha_from_pattern
@@ -307,7 +308,7 @@ class ValueNormsAccumulator(Accumulator):
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        i, p = self.index[layer], acts["pattern"].float()
+        i, p = self.index[layer], attention_of(acts["pattern"])
         v = kv_view(acts["v"], self.K).float()  # (B, T, K, d)
         norms = v.norm(dim=-1)  # (B, T, K)
         self.sums.add("by_pos", i, norms.double().sum(0).T)
@@ -315,10 +316,10 @@ class ValueNormsAccumulator(Accumulator):
         self.sums.add("unit_first", i, unit[:, 0].sum(0))
         self.sums.add("unit_other", i, unit[:, 1:].sum((0, 1)))
         per_q = per_query_head(norms, self.H).transpose(1, 2)  # (B, H, T)
-        mass = torch.einsum("bhij,bhj->bhi", p, per_q)  # sum_j A_ij |v_j|
-        first = p[..., 0] * per_q[..., :1]  # A_i1 |v_1|
+        mass = p.weighted(per_q)  # sum_j A_ij |v_j|
+        first = p.column(0) * per_q[..., :1]  # A_i1 |v_1|
         self.sums.add("share", i, (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0))
-        self.sums.add("alpha", i, alpha_from_pattern(p, 1)[..., 0].double().sum(0))
+        self.sums.add("alpha", i, p.alpha(1)[..., 0].double().sum(0))
         if i == 0:
             self.n += v.shape[0]
 

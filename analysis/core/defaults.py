@@ -125,3 +125,9 @@ HALF_WAY = 0.5  # the half-way onset: the first step where a link has moved half
 REPORT_CONTEXT_TS = (16, 32, 64, 128)
 # The KV-cache study's sink-keeping condition: the first tokens held in full precision (StreamingLLM's and IntactKV's 4).
 KV_FIRST_TOKENS = 4
+
+# What runs a pass (analysis.engine.backends): the bridge's hook points, the Hugging Face model in its own attention,
+# "auto" the latter where it gives what a pass reads; nnsight traces (analysis.model.nnsight_model). load_model's
+# default is the bridge (TransformerLens' tools work on it); the command line's is "auto".
+BACKENDS = ("transformer_lens", "auto", "transformers", "nnsight")
+CLI_BACKEND = "auto"

@@ -23,7 +23,7 @@ import argparse
 import shlex
 import sys
 
-from analysis.core.defaults import SINK_EPS
+from analysis.core.defaults import BACKENDS, CLI_BACKEND, SINK_EPS
 
 CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
 DEFAULT_T = 64  # the paper's probe length
@@ -55,7 +55,9 @@ VOCABULARY = {
     "--max-memory": "per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB",
     "--offload-folder": "where weights mapped to 'disk' are kept",
     "--preset": "a named starting configuration (sinklens train --list)",
-    "--backend": "run the model through TransformerLens' bridge or nnsight (the 'remote' extra; docs/remote.md)",
+    "--backend": "what runs the passes: 'auto' (the Hugging Face model in its own attention, no T x T map, wherever it "
+                 "gives what a pass reads; else the bridge), 'transformers', 'transformer_lens' (the bridge's hook "
+                 "points) or 'nnsight' (the 'remote' extra; docs/remote.md); the JSON records which ran and why",
     "--remote": "with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)",
     "--json": None,
     "--out": None,
@@ -189,8 +191,7 @@ def backend_options() -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("backend")
-    g.add_argument("--backend", choices=("transformer_lens", "nnsight"), default="transformer_lens",
-                   help=VOCABULARY["--backend"])
+    g.add_argument("--backend", choices=BACKENDS, default=CLI_BACKEND, help=VOCABULARY["--backend"])
     g.add_argument("--remote", action="store_true", help=VOCABULARY["--remote"])
     return p
 

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from analysis.model.contract import SinkModel
+from analysis.engine.attention import AttentionWeights
+from analysis.engine.backends import Taps, choose_backend, run_hf_batch
 from analysis.model.families import RESUMABLE, FamilySpec, get_family
 from analysis.model.hooks import (
     ModelContractError,
@@ -255,7 +257,9 @@ class Capture(Accumulator):
         return {self.layer: {"x": self.name}}
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        self.kept.append(self.select(acts["x"]).detach().float().cpu())
+        x = acts["x"]
+        x = x.dense() if isinstance(x, AttentionWeights) else x  # a view's map, built only here
+        self.kept.append(self.select(x).detach().float().cpu())
 
     def result(self) -> torch.Tensor:
         return torch.cat(self.kept)
@@ -509,6 +513,8 @@ def run_pass(
     progress: bool = False,
     on_batch_start: Callable[[Batch], None] | None = None,
     resume: Resume | None = None,
+    backend: str | None = None,
+    record: dict | None = None,
 ) -> list:
     """One streamed pass of ``model`` over ``tokens`` feeding every accumulator.
 
@@ -533,6 +539,12 @@ def run_pass(
         ``on_batch_start(batch)`` runs before each :class:`Batch`.
     resume : Resume, optional
         Start each batch at block ``resume.layer`` from its rows of ``resume.resid``.
+    backend : {"transformer_lens", "transformers", "auto"}, optional
+        What produces the activations (``analysis.engine.backends``): the bridge's hook points, or the Hugging Face
+        model in its own attention (``hook_pattern`` then comes as ``AttentionWeights``, no T x T map); "auto" the
+        latter where it gives every hook and edit asked for. None: the model's own (``load_model(backend=...)``).
+    record : dict, optional
+        Filled with ``{"backend": name, "why": sentence}``.
 
     Returns
     -------
@@ -542,6 +554,15 @@ def run_pass(
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
+    chosen, why = choose_backend(model, backend=backend, names=[n for names in joint.by_layer.values() for n in names],
+                                 edits=[n for n, _ in fwd_hooks], resume=resume is not None)
+    if record is not None:
+        record.update(backend=chosen, why=why)
+    if chosen == "transformers":
+        kernels = _run_hf(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start)
+        if record is not None:
+            record["kernels"] = kernels
+        return [acc.result() for acc in accumulators]
     entry = _entry_hooks(fwd_hooks, resume)
     hooks = [h for h in fwd_hooks if h not in entry] + joint.fwd_hooks()
     _check_hooks(model, [n for n, _ in hooks + entry])
@@ -554,6 +575,27 @@ def run_pass(
                 on_batch_start(batch)
             _run_batch(model, batch, hooks, joint, accumulators, resume, entry)
     return [acc.result() for acc in accumulators]
+
+
+def _run_hf(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start) -> dict:
+    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer. Returns
+    the kernels its layers took."""
+    taps = Taps(model, joint.by_layer, fwd_hooks, joint.fired)
+    needs_logits = any(a.needs_logits for a in accumulators)
+    with torch.inference_mode(), taps.attached():
+        for batch in _batches(model, tokens, batch_size, progress):
+            joint.start(batch)
+            if on_batch_start is not None:
+                on_batch_start(batch)
+            logits = None
+            try:
+                logits = run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
+            except _Stop:
+                pass
+            joint.check_fired()
+            for acc in accumulators:
+                acc.end_batch(batch, logits)
+    return dict(taps.kernels)
 
 
 def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:

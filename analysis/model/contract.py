@@ -26,6 +26,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from analysis.core.defaults import BACKENDS  # noqa: F401 (load_model's and the passes' backends; named here too)
 from analysis.model.placement import input_device
 
 # The members every model must have (the Protocol's, in the order the error names them).

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.model.contract import SinkModel, check_model, pass_module
+from analysis.model.contract import BACKENDS, SinkModel, check_model, pass_module
 from analysis.model.families import family_spec
 from analysis.model.placement import Placement, check_placement, input_device
 from analysis.model.weights import materialize_components
@@ -448,7 +448,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         Per-device budgets for a strategy, e.g. ``{0: "70GiB", "cpu": "120GiB"}``.
     offload_folder : path-like, optional
         Where weights mapped to "disk" are kept (must be writable).
-    backend : {"transformer_lens", "nnsight"}
+    backend : {"transformer_lens", "auto", "transformers", "nnsight"}
+        What the model's passes run on (``model.pass_backend``, ``analysis.engine.backends``): "transformer_lens"
+        the bridge's hook points (TransformerLens' tools work on the model as usual); "transformers" the Hugging
+        Face model in its own attention, no T x T map; "auto" the latter wherever it gives what a pass reads.
         "nnsight": the model in nnsight's ``LanguageModel`` (:class:`analysis.model.nnsight_model.NnsightModel`,
         for the sink and massive tables of ``analysis.chain.nnsight_tables``; needs the "remote" extra).
     remote : bool
@@ -469,14 +472,23 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
                                 device=device)
     name = str(name_or_path)
     device = resolve_device(device)
-    if backend != "transformer_lens" or remote:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
+    if backend == "nnsight" or remote:
         return _load_other_backend(name, backend, device=device, dtype=dtype, remote=remote, split=placement.split)
+    model = _load_local(name, device=device, dtype=dtype, placement=placement)
+    model.pass_backend = backend  # what its passes run on (analysis.engine.backends), unless a call says otherwise
+    return model
+
+
+def _load_local(name: str, *, device, dtype, placement):
+    """``load_model`` of a name, folder, .gguf file or hub id as a bridge or a reference model."""
+    path = Path(name).expanduser()
     if name == DEFAULT_MODEL:
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
         return model
     refs = _reference_models()
-    path = Path(name).expanduser()
     ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
     if ref_dir is not None:
         if placement.split:
@@ -527,7 +539,6 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
     return wrap_nnsight(hf.to(device), tokenizer=tok, name=name, remote=remote)
 
 
-BACKENDS = ("transformer_lens", "nnsight")
 HUB_TIMEOUT_S = 10.0  # the one request that asks the hub for a model before loading it
 
 

@@ -31,6 +31,7 @@ from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
 from analysis.core.io import jsonable
 from analysis.core.results import LayerAxis, Result, compact_repr
+from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.model.families import rotary_base
 from analysis.model.hooks import act_name, check_attention_layers, kv_view, model_dims, per_query_head, qk_hook_names
@@ -112,9 +113,9 @@ class RepeatedAccumulator(Accumulator):
             put[name](layer, (x - x[:, :1]).abs().amax((1, 2)))  # (B,)
         put["scale"](layer, acts["resid_in"][:, 0].float().abs().amax(-1))
         put["scale_out"](layer, acts["resid_out"][:, 0].float().abs().amax(-1))
-        A = acts["pattern"]  # (B, H, T, T)
-        put["first"](layer, A[..., :, 0].float())  # (B, H, T): the first token's weight from query i (t = i + 1)
-        put["last"](layer, A[..., -1, :].float())  # (B, H, T): the last query's row
+        A = attention_of(acts["pattern"])  # (B, H, T, T) as the map or q, k and the lse
+        put["first"](layer, A.column(0))  # (B, H, T): the first token's weight from query i (t = i + 1)
+        put["last"](layer, A.row(-1))  # (B, H, T): the last query's row
         put["qn"](layer, acts["q"][:, -1].float().norm(dim=-1))  # (B, H)
         k = kv_view(acts["k"][:, -1:], self.H_kv)[:, 0].float().norm(dim=-1)  # (B, H_kv)
         put["kn"](layer, per_query_head(k, self.H, dim=1))

@@ -357,6 +357,9 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
                    "probes": {k: p.source for k, p in ctx.probes.items()},
                    "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
                    **placement_record(ctx.model),  # where the work ran ("device") and the weights are
+                   # the profile pass of each probe kind: which backend ran it, and why (analysis.engine.backends)
+                   "backend": getattr(ctx._profile, "backend", None) or {"pass": getattr(ctx.model, "pass_backend",
+                                                                                          "nnsight")},
                    "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
                                 "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
                    "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "

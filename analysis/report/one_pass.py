@@ -106,6 +106,8 @@ model_name : str or None
     The model measured.
 n_samples : int
     N, the sequences of the main kind.
+backend : dict
+    Input kind -> {"backend": the backend its pass ran on, "why": why} (``analysis.engine.backends``).
 kind : str
     ``main`` (a property).
 results : dict
@@ -132,13 +134,14 @@ def _findings(self) -> list[str]:
 
 
 def _to_dict(self) -> dict:
-    return {**self.header(), "results": {k: r.to_dict() for k, r in self.results.items()}, "text": self.text()}
+    return {**self.header(), "backend": self.backend, "results": {k: r.to_dict() for k, r in self.results.items()},
+            "text": self.text()}
 
 
 def _profile_type(chosen: tuple[Analysis, ...], base: type = Result) -> type:
     """The ``Profile`` dataclass of these analyses (on ``base``: a later registration extends the class)."""
     tail = [("main", str, field(default="natural")), ("model_name", str | None, field(default=None)),
-            ("n_samples", int, field(default=0))]
+            ("n_samples", int, field(default=0)), ("backend", dict, field(default_factory=dict))]
     names = [a.name for a in chosen]
     namespace = {
         "__module__": __name__, "__doc__": _HEAD + "".join(_attribute_doc(a) + "\n" for a in chosen) + _TAIL,
@@ -179,7 +182,7 @@ def profile_class() -> type:
 def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", eps: float = SINK_EPS,
             k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
             resid_budget_mib: float = RESID_BUDGET_MIB, spike_thresholds: tuple[float, float] | None = None,
-            follow_up_samples: int = SPIKE_CUT_SAMPLES) -> Profile:
+            follow_up_samples: int = SPIKE_CUT_SAMPLES, backend: str | None = None) -> Profile:
     """Every analysis from one streamed pass per input kind.
 
     Each result equals the analysis run alone on the same tokens (``tests/report/test_profile.py``).
@@ -213,6 +216,10 @@ def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", e
         traces; None: ``massive.spike_criterion(model)`` (Sun et al.'s, relative only for a model narrower than 256).
     follow_up_samples : int
         The main-kind sequences the follow-ups run on (the first ones).
+    backend : {"auto", "transformer_lens", "transformers"}, optional
+        What runs each kind's pass (``analysis.engine.backends``): "auto" the Hugging Face model in its own attention
+        where it gives every hook the chosen analyses read (no T x T map), else the bridge; None: the model's own
+        (``load_model(backend=...)``). ``Profile.backend`` records which ran, and why.
 
     Returns
     -------
@@ -229,8 +236,9 @@ def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", e
         inputs = PassInputs(model, tokens, kind, kind == main, p, eps=eps, k_max=k_max, spike=spike,
                             budget_mib=resid_budget_mib, facts=facts, batch_size=batch_size,
                             follow_up_samples=follow_up_samples)
-        _one_kind(out, inputs, [a for a in chosen if a.accumulators is not None and (a.every_kind or kind == main)],
-                  progress)
+        out.backend[kind] = _one_kind(
+            out, inputs, [a for a in chosen if a.accumulators is not None and (a.every_kind or kind == main)],
+            progress, backend)
         if kind == main:
             out.n_samples = tokens.shape[0]
             for a in chosen:  # the follow-ups: passes of their own after the pass, on the main kind
@@ -253,11 +261,14 @@ def _chosen(names: tuple[str, ...]) -> list[Analysis]:
     return chosen
 
 
-def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool) -> None:
-    """One streamed pass over one input kind feeding every chosen analysis; each one's ``finish`` gives its result."""
+def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool, backend: str) -> dict:
+    """One streamed pass over one input kind feeding every chosen analysis; each one's ``finish`` gives its result.
+    Returns the backend that ran it, and why."""
     accs = {a.name: list(a.accumulators(inputs)) for a in chosen}
     flat = [acc for group in accs.values() for acc in group]
-    results = iter(run_pass(inputs.model, inputs.tokens, flat, batch_size=inputs.batch_size, progress=progress))
+    record: dict = {}
+    results = iter(run_pass(inputs.model, inputs.tokens, flat, batch_size=inputs.batch_size, progress=progress,
+                            backend=backend, record=record))
     got = {name: [next(results) for _ in group] for name, group in accs.items()}
     for a in chosen:
         if not got[a.name]:  # nothing to run (no gate in the model, no block to keep): the field's default
@@ -267,3 +278,4 @@ def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool) -
             getattr(out, a.name)[inputs.kind] = res
         else:
             setattr(out, a.name, res)
+    return record

@@ -9,8 +9,9 @@ and ``Sink_k^eps`` is 100 x the share of (sample, layer, head) triples with alph
 eps = 0.3 by default. Only alpha for keys 1..k_max is kept: memory per batch is O(layers x heads x k_max); with
 k_max = T, alpha at every position (the column sums of each pattern, reduced in the hook).
 
-``sink_metric`` chooses the path: the fused pass (``analysis.engine.fused_sink``, which returns alpha) where it is exact,
-the streamed ``hook_pattern`` reducer otherwise; both results are built here.
+``sink_metric`` chooses the path: the transformers backend (``analysis.engine.backends``: alpha from q, k and the
+fused kernel's log-sum-exp) where it is exact, the bridge's streamed ``hook_pattern`` otherwise; one accumulator,
+``SinkAccumulator``, reduces either.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.engine.fused_sink import FusedUnsupported, check_fused_tokens, fused_alpha, fused_layers, hf_model
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, skipped_note
 from analysis.model.reference.attention import pattern_note
+from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
@@ -56,24 +57,18 @@ def alpha_from_pattern(pattern: torch.Tensor, k_max: int) -> torch.Tensor:
 
     Parameters
     ----------
-    pattern : torch.Tensor, shape (..., T_query, T_key)
-        Attention probabilities (``hook_pattern``), e.g. (B, H, T, T).
+    pattern : torch.Tensor, shape (..., T_query, T_key), or AttentionWeights
+        Attention probabilities (``hook_pattern`` as either backend hands it), e.g. (B, H, T, T).
     k_max : int
         The keys kept: 1..k_max (capped at T).
 
     Returns
     -------
     torch.Tensor, shape (..., k_max)
-        alpha_k: the mean attention key k receives from the queries i >= k, float32.
+        alpha_k: the mean attention key k receives from the queries i >= k, float32
+        (``analysis.engine.attention.AttentionWeights.alpha``).
     """
-    T = pattern.shape[-1]
-    k_max = min(k_max, T)
-    cols = pattern[..., :, :k_max].float()  # (..., T, k_max)
-    q = torch.arange(T, device=pattern.device)[:, None]
-    k = torch.arange(k_max, device=pattern.device)[None, :]
-    seen = (q >= k).to(cols.dtype)  # query i sees key k (0-based i >= k)
-    counts = (T - torch.arange(k_max, device=pattern.device)).to(cols.dtype)  # T - k + 1 (1-based k)
-    return (cols * seen).sum(dim=-2) / counts
+    return attention_of(pattern).alpha(k_max)
 
 
 def slot_share(pattern: torch.Tensor) -> torch.Tensor:
@@ -85,15 +80,15 @@ def slot_share(pattern: torch.Tensor) -> torch.Tensor:
 
     Parameters
     ----------
-    pattern : torch.Tensor, shape (..., T_query, T_key)
-        Attention probabilities (``hook_pattern``).
+    pattern : torch.Tensor, shape (B, H, T, T), or AttentionWeights
+        Attention probabilities (``hook_pattern``, as either backend hands it).
 
     Returns
     -------
-    torch.Tensor, shape (..., T_query)
+    torch.Tensor, shape (B, H, T)
         float32.
     """
-    rest = 1.0 - pattern.float().sum(-1)
+    rest = 1.0 - attention_of(pattern).row_sums()
     return rest.masked_fill(rest.abs() <= torch.finfo(pattern.dtype).eps, 0.0)
 
 
@@ -318,9 +313,9 @@ class SinkAccumulator(Accumulator):
         return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        pattern = acts["pattern"]
-        self.alpha.put(layer, alpha_from_pattern(pattern, self.k_max))  # (B, H, K)
-        self.slot.put(layer, slot_share(pattern).mean(-1))  # (B, H): attention on no input token
+        attn = attention_of(acts["pattern"])  # the map (the bridge) or q, k and the lse (transformers)
+        self.alpha.put(layer, attn.alpha(self.k_max))  # (B, H, K)
+        self.slot.put(layer, slot_share(attn).mean(-1))  # (B, H): attention on no input token
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
@@ -385,7 +380,7 @@ def sink_metric(
     kind : str, optional
         The input kind, a label ("natural", "random").
     path : {"auto", "fused", "eager"}
-        "fused" computes alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.engine.fused_sink``: no
+        "fused" computes alpha from q, k and the fused attention kernel's log-sum-exp (``analysis.engine.backends``: no
         T x T map, about the cost of an SDPA forward); "eager" streams every layer's ``hook_pattern``; "auto" takes
         the fused path where it is exact for the model and the eager one otherwise (``result.meta["path"]`` says
         which, and ``result.meta["fused_unsupported"]`` why not fused).
@@ -399,9 +394,12 @@ def sink_metric(
                      path=path)[0]
 
 
-def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list, eps: float = SINK_EPS,
-              k_max: int | None = None, batch_size: int | None = None, progress: bool = False, kind: str | None = None,
-              path: str = "auto") -> tuple[SinkResult, list]:
+PATH_BACKENDS = {"auto": "auto", "fused": "transformers", "eager": "transformer_lens"}  # sink_metric's path
+
+
+def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list,
+              eps: float = SINK_EPS, k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
+              kind: str | None = None, path: str = "auto") -> tuple[SinkResult, list]:
     """The sink metric and other analyses from one pass of ``model`` over ``tokens``.
 
     Parameters
@@ -411,73 +409,33 @@ def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Seque
     tokens : torch.Tensor, shape (N, T)
         Token ids.
     make_accumulators : callable returning a sequence of Accumulator
-        Builds the other analyses' accumulators (called once per path tried, so a fused pass refused half-way
-        leaves the eager one fresh accumulators). On the fused path they may read only ``hook_resid_post`` (else
-        ``"auto"`` takes the eager path).
-    eps, k_max, batch_size, progress, kind, path
+        Builds the other analyses' accumulators, fed in the same pass.
+    eps, k_max, batch_size, progress, kind
         As in :func:`sink_metric`.
+    path : {"auto", "fused", "eager"}
+        The backend (``analysis.engine.backends``): "fused" the transformers backend (alpha from q, k and the fused
+        kernel's log-sum-exp), "eager" the bridge's ``hook_pattern``, "auto" the former where it gives what the pass
+        reads on this model.
 
     Returns
     -------
     tuple of (SinkResult, list)
         The sink result and each accumulator's result, in order.
     """
-    if path not in ("auto", "fused", "eager"):
+    if path not in PATH_BACKENDS:
         raise ValueError(f"path must be 'auto', 'fused' or 'eager'; got {path!r}.")
-    reason = None
-    if path != "eager":
-        try:
-            accs = list(make_accumulators())
-            res = sink_metric_fused(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress,
-                                    kind=kind, accumulators=accs)
-            res.meta["bos"] = bos_record(model, check_tokens(model, tokens))
-            return res, [a.result() for a in accs]
-        except FusedUnsupported as e:
-            if path == "fused":
-                raise
-            reason = str(e)
     tokens = check_tokens(model, tokens)
     accs = list(make_accumulators())
     sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
-    res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress)
-    res.meta.update({"path": "eager", **({"fused_unsupported": reason} if reason else {}),
-                     "bos": bos_record(model, tokens)})
-    return res, rest
-
-
-def sink_metric_fused(model: SinkModel, tokens, *, eps: float | None = None, k_max: int | None = None,
-                      batch_size: int | None = None, progress: bool = False, kind: str | None = None,
-                      accumulators: Sequence[Accumulator] = ()) -> SinkResult:
-    """``sink_metric`` through the fused pass (``analysis.engine.fused_sink.fused_alpha``): the same ``SinkResult``, no
-    T x T map built.
-
-    Parameters
-    ----------
-    model
-        A Hugging Face model through TransformerLens's ``TransformerBridge``.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
-    eps, k_max, batch_size, progress, kind
-        As in :func:`sink_metric` (``eps`` None: the default 0.3).
-    accumulators : sequence of Accumulator
-        Other analyses reading ``hook_resid_post`` only, fed in the same pass.
-
-    Returns
-    -------
-    SinkResult
-        ``meta["path"] == "fused"``, no ``slot``. Raises ``FusedUnsupported`` where that pass is not exact for the
-        model.
-    """
-    hf_model(model)  # not a Hugging Face model: FusedUnsupported before any token check
-    tokens = check_fused_tokens(model, tokens)
-    T = tokens.shape[1]
-    eps = check_eps(SINK_EPS if eps is None else eps)
     record: dict = {}
-    alpha = fused_alpha(model, tokens, check_k_max(k_max, T), batch_size=batch_size, progress=progress,
-                        accumulators=accumulators, record=record)
-    skipped = skipped_note(model) if hasattr(model, "hook_dict") else ""
-    return SinkResult(alpha, eps, T, getattr(model, "model_name", None), kind, meta={"path": "fused", **record},
-                      layers=fused_layers(model), skipped=skipped)
+    res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress,
+                          backend=PATH_BACKENDS[path], record=record)
+    fused = record["backend"] == "transformers"
+    res.meta.update({"path": "fused" if fused else "eager", "backend": record["backend"], "why": record["why"],
+                     **({"kernels": record["kernels"]} if record.get("kernels") else {}),
+                     **({"fused_unsupported": record["why"].removeprefix("auto: ")} if not fused and path == "auto"
+                        else {}), "bos": bos_record(model, tokens)})
+    return res, rest
 
 
 def sink_table_text(results: dict[str, SinkResult], *, k: int = 1) -> str:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from analysis import natural_probe
-from analysis.engine.fused_sink import alpha_from_lse, attention_with_alpha, fused_attention
 from analysis.positions.every_sink import SinkPositions, _first_run, sink_positions
 from tests.conftest import tol
 
@@ -105,28 +104,6 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
         assert res.layers == list(model.family.attention_layers)
         assert (res.alpha - ref).abs().max() < tol(device, TOL)
         assert_table_is_the_positions_above_eps(res, ref, tol(device, TOL))
-
-
-@pytest.mark.parametrize("window", [None, 5])
-def test_blocked_alpha_of_every_key_equals_the_softmax_map(window, device):
-    """alpha_from_lse and attention_with_alpha for every key, in blocks of a few query rows (uneven last block),
-    with grouped-query heads and a sliding window, against the softmax map built whole."""
-    g = torch.Generator().manual_seed(0)
-    B, H, H_kv, T, d = 2, 6, 2, 37, 8
-    q = torch.randn(B, H, T, d, generator=g).to(device)
-    k, v = (torch.randn(B, H_kv, T, d, generator=g).to(device) for _ in range(2))
-    i = torch.arange(T, device=device)
-    seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < (window or T))
-    mask = None if window is None else seen[None, None].expand(B, 1, T, T)
-    _, lse = fused_attention(q, k, v, mask, 0.4)
-    A = (q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.4).masked_fill(~seen, float("-inf")).softmax(-1)
-    want = A.double().sum(-2) / (T - i)
-    for chunk in (1, 2**9, 2**30):  # 16 rows a block, 28 rows a block, all rows at once
-        got = alpha_from_lse(q, k, lse, 0.4, T, mask=mask, chunk_elements=chunk)
-        assert got.shape == (B, H, T) and (got - want).abs().max() < tol(device, 1e-6)
-        out, alpha = attention_with_alpha(q, k, v, mask, 0.4, chunk_elements=chunk)  # the attention computed once
-        assert (alpha - want).abs().max() < tol(device, 1e-6)
-        assert torch.allclose(out, A @ v.repeat_interleave(3, 1), atol=tol(device, 1e-5))
 
 
 def test_first_run_of_aligned_layers():

@@ -144,6 +144,7 @@ def test_fused_sink_path_on_a_hybrid(family, family_dirs, device):
     _, model = family_dirs(family)
     tokens = _tokens(7, 2)
     fused, eager = sink_metric(model, tokens, k_max=2, path="fused"), sink_metric(model, tokens, k_max=2, path="eager")
+    assert fused.meta["backend"] == "transformers"
     assert fused.meta["path"] == "fused" and fused.layers == eager.layers == list(model.family.attention_layers)
     assert fused.skipped == eager.skipped != ""
     torch.testing.assert_close(fused.alpha, eager.alpha, atol=tol(device, 1e-5), rtol=0)

@@ -1,19 +1,15 @@
-"""The fused sink path: alpha from q, k and the kernel's log-sum-exp equals the eager hook_pattern path."""
+"""The backends: the transformers backend (the Hugging Face model in its own attention, alpha from q, k and the
+kernel's log-sum-exp) equals the bridge's hook_pattern path; what it cannot run is refused before the work, and
+``auto`` then takes the bridge; the kernel table."""
 import pytest
 import torch
 
 from analysis import natural_probe
-from analysis.engine.fused_sink import (
-    FusedUnsupported,
-    alpha_from_lse,
-    chunked_lse,
-    fused_alpha,
-    fused_attention,
-    hf_model,
-    sink_kernel,
-    unsupported_reason,
-)
-from analysis.sinks.metric import alpha_from_pattern, sink_metric, sink_metric_fused
+from analysis.core.reductions import alpha_from_lse
+from analysis.engine.backends import BackendUnsupported, choose_backend
+from analysis.engine.kernels import chunked_lse, fused_attention, sink_kernel, unsupported_reason
+from analysis.model.contract import hf_module
+from analysis.sinks.metric import alpha_from_pattern, sink_metric
 from tests.conftest import tol
 
 TOL = 1e-5
@@ -59,42 +55,41 @@ def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window, device):
 def test_smollm2_fused_equals_eager(smollm2, device):
     tokens = natural_probe(smollm2.tokenizer, n=3, T=48).tokens
     eager = _eager(smollm2, tokens)
-    fused = sink_metric_fused(smollm2, tokens, k_max=16)
+    fused = sink_metric(smollm2, tokens, k_max=16, path="fused")
+    assert fused.meta["backend"] == "transformers" and eager.meta["backend"] == "transformer_lens"
     assert fused.alpha.shape == eager.alpha.shape == (3, 30, 9, 16)
     assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL)
     assert fused.sink_rate(1) == eager.sink_rate(1) > 50  # the embedded model sinks on natural text
     # The bridge got its own modules back: its eager path and hooks still work after the fused run.
     assert torch.equal(_eager(smollm2, tokens).alpha, eager.alpha)
+    assert hf_module(smollm2).config._attn_implementation == "eager"  # the bridge's own, restored
 
 
 # llama: grouped-query attention; mistral: a sliding window (8) shorter than T; gpt_neox: partial rotary;
 # gemma: its own q scaling and head size; qwen2: q/k/v biases.
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt_neox", "gemma"])
 def test_tiny_family_fused_equals_eager(family, tmp_path, device):
-    from transformers import AutoModelForCausalLM
-
     from analysis import load_model
     from tests.families import make_family_dir
 
-    path = make_family_dir(family, tmp_path / family)
-    bridge = load_model(str(path), device=device)
+    bridge = load_model(str(make_family_dir(family, tmp_path / family)), device=device)
     tokens = torch.randint(3, 96, (3, 40), generator=torch.Generator().manual_seed(1))
     eager = _eager(bridge, tokens)
     assert unsupported_reason(bridge) is None
-    assert (fused_alpha(bridge, tokens, 16) - eager.alpha).abs().max() < tol(device, TOL)
-    plain = AutoModelForCausalLM.from_pretrained(str(path)).to(device).eval()  # a bare PreTrainedModel works as well
-    assert (fused_alpha(plain, tokens, 16, batch_size=2) - eager.alpha).abs().max() < tol(device, TOL)
-    assert plain.config._attn_implementation != "attention_sinks_fused"  # restored after the run
+    fused = sink_metric(bridge, tokens, k_max=16, path="fused", batch_size=2)
+    assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL)
 
 
 @pytest.mark.parametrize("family,why", [("gemma2", "soft-capping"), ("gpt_oss", "sink logits")])
 def test_families_the_fused_path_cannot_reproduce_are_refused(family, why, tmp_path):
-    from tests.families import make_family_model
+    from analysis import load_model
+    from tests.families import make_family_dir
 
-    model = make_family_model(family)
+    model = load_model(str(make_family_dir(family, tmp_path / family)))
     assert why in unsupported_reason(model)
-    with pytest.raises(FusedUnsupported, match=why):
-        fused_alpha(model, torch.randint(3, 96, (1, 12)), 4)
+    with pytest.raises(BackendUnsupported, match=why):
+        sink_metric(model, torch.randint(3, 96, (1, 12)), k_max=4, path="fused")
+    assert choose_backend(model, backend="auto", names=["blocks.0.attn.hook_pattern"])[0] == "transformer_lens"
 
 
 def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path, device):
@@ -104,48 +99,50 @@ def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_
     # Falcon keeps its own attention module outside transformers' AttentionInterface (GPT-J did before transformers
     # 5.24, which moved it onto the interface; then the fused path is exact there too).
     bridge = load_model(str(make_family_dir("falcon", tmp_path / "falcon")), device=device)
-    assert not hf_model(bridge)._can_set_attn_implementation()  # the premise: outside the interface
+    assert not hf_module(bridge)._can_set_attn_implementation()  # the premise: outside the interface
     tokens = torch.randint(3, 96, (2, 20))
     before = _eager(bridge, tokens).alpha
-    with pytest.raises(FusedUnsupported, match="AttentionInterface"):
-        fused_alpha(bridge, tokens, 4)
-    assert torch.equal(_eager(bridge, tokens).alpha, before)
+    with pytest.raises(BackendUnsupported, match="AttentionInterface"):
+        sink_metric(bridge, tokens, k_max=4, path="fused")
+    auto = sink_metric(bridge, tokens, k_max=16)
+    assert auto.meta["backend"] == "transformer_lens" and "AttentionInterface" in auto.meta["fused_unsupported"]
+    assert torch.equal(auto.alpha, before) and torch.equal(_eager(bridge, tokens).alpha, before)
 
 
-def test_hooks_attached_to_the_bridge_force_the_eager_path(tiny_llama):
+def test_hooks_attached_to_the_bridge_force_the_bridge(tiny_llama):
     with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_z", lambda x, hook: x * 0)]):
         assert "hooks are attached" in unsupported_reason(tiny_llama)
-        with pytest.raises(FusedUnsupported, match="hooks"):
-            fused_alpha(tiny_llama, torch.randint(3, 90, (1, 8)), 2)
+        with pytest.raises(BackendUnsupported, match="hooks"):
+            sink_metric(tiny_llama, torch.randint(3, 90, (1, 8)), k_max=2, path="fused")
     assert unsupported_reason(tiny_llama) is None
 
 
 def test_bad_inputs_say_what_to_do(tiny_llama):
     with pytest.raises(ValueError, match="k_max must lie in"):
-        fused_alpha(tiny_llama, torch.randint(3, 90, (1, 8)), 9)
+        sink_metric(tiny_llama, torch.randint(3, 90, (1, 8)), k_max=9, path="fused")
     with pytest.raises(ValueError, match="exceeds the model's context of 128"):
-        fused_alpha(tiny_llama, torch.randint(3, 90, (1, 129)), 2)
+        sink_metric(tiny_llama, torch.randint(3, 90, (1, 129)), k_max=2, path="fused")
     with pytest.raises(ValueError, match="token ids must lie in"):
-        fused_alpha(tiny_llama, torch.full((1, 8), 500), 2)
-    with pytest.raises(FusedUnsupported, match="PreTrainedModel"):
-        fused_alpha(torch.nn.Linear(2, 2), torch.zeros(1, 4, dtype=torch.long), 1)
+        sink_metric(tiny_llama, torch.full((1, 8), 500), k_max=2, path="fused")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        choose_backend(tiny_llama, backend="flash")
 
 
 def test_sink_metric_paths(tiny_llama, device):
     tokens = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(2))
     fused, eager, auto = (sink_metric(tiny_llama, tokens, k_max=8, path=p) for p in ("fused", "eager", "auto"))
     assert (fused.meta["path"], eager.meta["path"], auto.meta["path"]) == ("fused", "eager", "fused")
-    # the kernels taken are recorded: k_max 8 > T / 4 takes the blocked pass over every key; k_max 4 the table's
-    # kernel (bf16/fp16 on CUDA: flash; this float32 model there: the efficient kernel, a stated fallback)
-    assert fused.meta["kernels"] == {"blocked (every key)": ""} and fused.to_dict()["kernels"] == fused.meta["kernels"]
-    few = sink_metric(tiny_llama, tokens, k_max=4, path="fused").meta["kernels"]
+    # the kernels taken are recorded (bf16/fp16 on CUDA: flash; this float32 model there: the efficient kernel, a
+    # stated fallback)
+    few = fused.meta["kernels"]
+    assert fused.to_dict()["kernels"] == few
     assert (few == {"cpu-flash": ""}) if device == "cpu" else (set(few) <= {"flash", "efficient"})
     assert (fused.alpha - eager.alpha).abs().max() < tol(device, TOL) and torch.equal(auto.alpha, fused.alpha)
     with tiny_llama.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: x * 0)]):
         hooked = sink_metric(tiny_llama, tokens, k_max=8)  # "auto" must not skip the hook
         assert hooked.meta["path"] == "eager" and "hooks are attached" in hooked.meta["fused_unsupported"]
         assert hooked.alpha[:, 0].abs().max() == 0 < eager.alpha[:, 0].min()  # the hook ran
-        with pytest.raises(FusedUnsupported):
+        with pytest.raises(BackendUnsupported):
             sink_metric(tiny_llama, tokens, path="fused")
     with pytest.raises(ValueError, match="path must be"):
         sink_metric(tiny_llama, tokens, path="flash")

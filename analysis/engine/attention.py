@@ -1,0 +1,183 @@
+"""A layer's attention probabilities as the reductions read them, from a T x T map or from q, k and the log-sum-exp.
+
+Every analysis that reads attention asks for ``hook_pattern`` by its TransformerLens name; what it gets depends on
+the backend that ran the pass (``analysis.engine.backends``): the bridge hands the map it built (B, H, T, T), the
+transformers backend hands the queries and keys the attention used (after the rotary and any q/k norm), each query
+row's log-sum-exp and the mask, so that no T x T map is ever built. :func:`attention_of` wraps either as an
+:class:`AttentionWeights`, and the reductions (the first key's column, alpha_k, the attention-weighted mean of a
+per-key quantity, a band of diagonals, whole rows for a view) are written once against it:
+
+    A[i, j] = exp(scale * q_i . k_j - lse_i)       (j <= i and not masked)
+
+computed in blocks of query rows, each block against the keys its rows can see. Under grouped-query attention each
+KV head's keys meet the queries of its group in one product, never repeated per query head.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
+
+
+class AttentionWeights:
+    """A layer's attention probabilities A of shape (B, H, T, T), held as a map or as q, k and the log-sum-exp.
+
+    Parameters
+    ----------
+    pattern : torch.Tensor, shape (B, H, T, T), optional
+        The map itself (the bridge's ``hook_pattern``).
+    query : torch.Tensor, shape (B, H, T, d), optional
+        The queries the attention used.
+    key : torch.Tensor, shape (B, H_kv, T, d), optional
+        Its keys (H a multiple of H_kv).
+    lse : torch.Tensor, shape (B, H, T), optional
+        Each query row's log-sum-exp of its scores (a learned sink logit included, where the family has one).
+    scale : float
+        The score scale.
+    mask : torch.Tensor, shape (B, 1 or H, T, T), optional
+        None: causal; boolean (True = attend) or additive float (-inf = hidden).
+    chunk_elements : int
+        The most scores held at a time.
+    """
+
+    def __init__(self, *, pattern: Optional[torch.Tensor] = None, query: Optional[torch.Tensor] = None,
+                 key: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, scale: float = 1.0,
+                 mask: Optional[torch.Tensor] = None, chunk_elements: int = ALPHA_CHUNK_ELEMENTS):
+        if pattern is None and (query is None or key is None or lse is None):
+            raise ValueError("AttentionWeights needs the pattern, or the query, key and log-sum-exp.")
+        self.pattern, self.query, self.key, self.lse = pattern, query, key, lse
+        self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
+        ref = pattern if pattern is not None else query
+        self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
+        self.device, self.dtype = ref.device, ref.dtype
+
+    # -- blocks of A from q, k and the lse ------------------------------------------------------------------------
+
+    def _blocks(self, keys: Optional[int] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(s, e, A[:, :, s:e, :kc]) over blocks of query rows, kc = min(e, keys): float32, (B, H, e - s, kc)."""
+        B, H, T, d = self.query.shape
+        keys = T if keys is None else min(int(keys), T)
+        H_kv = self.key.shape[1]
+        g = H // H_kv
+        q = self.query.float().unflatten(1, (H_kv, g))
+        k = self.key[..., :keys, :].float()
+        lse = self.lse.float().unflatten(1, (H_kv, g))
+        rows = block_rows(B, H, keys, self.chunk)
+        for s in range(0, T, rows):
+            e = min(s + rows, T)
+            kc = min(e, keys)
+            sc = (q[..., s:e, :].reshape(B, H_kv, g * (e - s), d) @ k[..., :kc, :].transpose(-1, -2)).view(
+                B, H_kv, g, e - s, kc).mul_(self.scale)
+            sc = sc.sub_(lse[..., s:e, None]).exp_()
+            hide_scores(sc, s, e, kc, self.mask, 0.0)
+            yield s, e, sc.flatten(1, 2)
+
+    def _pattern(self, k_max: Optional[int] = None) -> torch.Tensor:
+        """The map's first ``k_max`` key columns (all: None) with the entries above the diagonal zeroed, float32."""
+        T = self.shape[-1]
+        cols = self.pattern[..., :, : (T if k_max is None else min(int(k_max), T))].float()
+        later = torch.arange(T, device=self.device)[:, None] < torch.arange(cols.shape[-1], device=self.device)
+        return cols.masked_fill(later, 0.0)
+
+    # -- what the reductions read ---------------------------------------------------------------------------------
+
+    def columns(self, k_max: int) -> torch.Tensor:
+        """A[..., :, :k_max]: the attention every query gives keys 1..k_max, float32 (B, H, T, k_max)."""
+        if self.pattern is not None:
+            return self._pattern(k_max)
+        B, H, T, _ = self.shape
+        out = torch.zeros(B, H, T, min(int(k_max), T), device=self.device)
+        for s, e, a in self._blocks(k_max):
+            out[..., s:e, : a.shape[-1]] = a
+        return out
+
+    def column(self, j: int) -> torch.Tensor:
+        """A[..., :, j] (0-based key j): the attention every query gives key j + 1, float32 (B, H, T)."""
+        if self.pattern is not None:
+            return self._pattern(j + 1)[..., j]
+        return self.columns(j + 1)[..., j]
+
+    def alpha(self, k_max: int) -> torch.Tensor:
+        """alpha_k for keys 1..k_max (the mean attention key k receives from the queries i >= k), float32
+        (B, H, k_max); the same as ``analysis.sinks.metric.alpha_from_pattern`` on the map."""
+        T = self.shape[-1]
+        k_max = min(int(k_max), T)
+        if self.pattern is not None:
+            counts = (T - torch.arange(k_max, device=self.device)).double()
+            return (self._pattern(k_max).sum(-2, dtype=torch.float64) / counts).float()
+        return alpha_from_lse(self.query, self.key, self.lse, self.scale, k_max, mask=self.mask,
+                              chunk_elements=self.chunk)
+
+    def row_sums(self) -> torch.Tensor:
+        """Each query's total attention on the input tokens, float32 (B, H, T): 1 less any share on an extra slot
+        (a learned sink logit, a sink token's slot). From q, k and the lse of a softmax over the input tokens alone
+        (the transformers backend refuses learned sink logits) every row is one."""
+        if self.pattern is not None:
+            return self.pattern.float().sum(-1)
+        return torch.ones(self.shape[:3], device=self.device)
+
+    def weighted(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_j A[i, j] x_j for a per-key quantity x of shape (B, H, T): float32 (B, H, T)."""
+        if self.pattern is not None:
+            return torch.einsum("bhij,bhj->bhi", self.pattern.float(), x.float())
+        out = torch.empty(self.shape[:3], device=self.device)
+        for s, e, a in self._blocks():
+            out[..., s:e] = (a * x[..., None, : a.shape[-1]].float()).sum(-1)
+        return out
+
+    def diagonal(self, offset: int = 0) -> torch.Tensor:
+        """A[i, i - offset] for i >= offset: each query's attention on itself (0) or on the key ``offset`` before it,
+        float32 (B, H, T - offset)."""
+        if self.pattern is not None:
+            return self.pattern.float().diagonal(-offset, dim1=-2, dim2=-1)
+        B, H, T, d = self.query.shape
+        g = H // self.key.shape[1]
+        k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
+        sc = (self.query[..., offset:, :].float() * k[..., : T - offset, :]).sum(-1) * self.scale
+        out = (sc - self.lse[..., offset:].float()).exp()
+        if self.mask is not None:
+            m = self.mask.diagonal(-offset, dim1=-2, dim2=-1)
+            out = out.masked_fill(~m if m.dtype == torch.bool else m == float("-inf"), 0.0)
+        return out
+
+    def row(self, i: int) -> torch.Tensor:
+        """A[..., i, :]: query i's attention on every key (0 after it), float32 (B, H, T); -1 the last query."""
+        if self.pattern is not None:
+            return self.pattern[..., i, :].float()
+        B, H, T, d = self.query.shape
+        i = i % T
+        g = H // self.key.shape[1]
+        q = self.query[..., i, :].float().unflatten(1, (self.key.shape[1], g))  # (B, H_kv, g, d)
+        sc = (q @ self.key[..., : i + 1, :].float().transpose(-1, -2)).flatten(1, 2) * self.scale  # (B, H, i + 1)
+        a = (sc - self.lse[..., i, None].float()).exp()
+        if self.mask is not None:
+            m = self.mask[..., i, : i + 1]
+            a = a.masked_fill(~m if m.dtype == torch.bool else m == float("-inf"), 0.0)
+        return torch.nn.functional.pad(a, (0, T - i - 1))
+
+    def dense(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The map's query rows ``rows`` (a view, or the analyses that read whole rows), float32 (B, H, r, T)."""
+        if self.pattern is not None:
+            return self.pattern[..., rows, :].float()
+        B, H, T, _ = self.shape
+        out = torch.zeros(B, H, T, T, device=self.device)
+        for s, e, a in self._blocks():
+            out[..., s:e, : a.shape[-1]] = a
+        return out[..., rows, :]
+
+
+def attention_of(x) -> AttentionWeights:
+    """``x`` as :class:`AttentionWeights`: a map (B, H, T, T) is wrapped, weights are returned as they are.
+
+    Parameters
+    ----------
+    x : torch.Tensor or AttentionWeights
+        What a pass handed for ``hook_pattern``.
+
+    Returns
+    -------
+    AttentionWeights
+    """
+    return x if isinstance(x, AttentionWeights) else AttentionWeights(pattern=x)

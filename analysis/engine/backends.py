@@ -1,0 +1,418 @@
+"""The backends a pass runs on: what produces the TransformerLens-named activations the accumulators read.
+
+- ``transformer_lens``: TransformerLens' ``TransformerBridge`` and its hook points (every hook name; each attention
+  layer builds its T x T map eagerly);
+- ``transformers``: the Hugging Face model itself, unbridged, in its own attention (transformers'
+  ``AttentionInterface``): forward hooks on the decoder layers give the residual stream, and the attention function
+  gives q and k after the rotary and any q/k norm, v, the head outputs z, and ``hook_pattern`` as
+  ``AttentionWeights`` (q, k and each row's log-sum-exp from the fused kernel: no T x T map). Interventions on the
+  residual stream, v and z are applied where the activation is made;
+- ``auto``: ``transformers`` where it gives every hook and edit the pass asks for on this model, the bridge
+  elsewhere. :func:`choose_backend` says which and why; the results record it.
+
+The nnsight backend runs its own traces (``analysis.engine.nnsight_pass``) and is chosen by the loader.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterable, Sequence
+
+import torch
+
+from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
+from analysis.model.families import attention_implementation, get_family
+from analysis.model.hooks import hook_layer
+from analysis.engine.attention import AttentionWeights
+from analysis.engine.kernels import _refuse_extras, fused_attention, sink_kernel, state_fallback, unsupported_reason
+
+PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
+
+PASS_ATTENTION = "attention_sinks_pass"  # the name registered in transformers' attention and mask interfaces
+_TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", default=None)
+
+# The attention hooks the attention function gives (q and k as the attention used them, v, z, the weights); every
+# other hook is the input or output of the Hugging Face module the bridge's component wraps (``module_site``).
+ATTENTION_HOOKS = ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k", "hook_v", "hook_z")
+_ATTENTION_PARTS = (".attn.q", ".attn.k", ".attn.v", ".attn.o")  # bridge components inside the attention function
+
+
+class BackendUnsupported(ModelContractError):
+    """The backend cannot give what a pass asks for on this model (a hook, an edit, a family's attention)."""
+
+
+def check_backend(backend: str) -> str:
+    """``backend`` checked against :data:`BACKENDS` (ValueError otherwise).
+
+    Parameters
+    ----------
+    backend : str
+
+    Returns
+    -------
+    str
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
+    return backend
+
+
+def _site(name: str) -> str:
+    """The hook's last part: ``hook_pattern`` of ``blocks.3.attn.hook_pattern``."""
+    return name.rpartition(".")[2]
+
+
+def model_reason(model: SinkModel) -> str | None:
+    """Why the transformers backend cannot run ``model`` at all (None when it can), from the model's family.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    str or None
+    """
+    reason = unsupported_reason(model)  # not a Hugging Face model, or attention the fused kernels cannot reproduce
+    if reason:
+        return reason
+    if get_family(model).latent is not None:
+        return "multi-head latent attention: its keys are not read at the attention interface yet"
+    return None
+
+
+def hf_modules(model: SinkModel) -> set[int]:
+    """The ids of the Hugging Face model's own modules (those its forward runs), the bridge's wrappers aside.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    set of int
+    """
+    with unbridged(hf_module(model)) as hf:
+        return {id(m) for m in hf.modules()}
+
+
+def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> tuple[torch.nn.Module, str]:
+    """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
+
+    The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
+    each component wraps one Hugging Face module: its ``hook_in`` / ``hook_out`` are that module's input and output.
+
+    Parameters
+    ----------
+    model : SinkModel
+        A TransformerBridge.
+    name : str
+        A hook name (an alias or the component's own).
+    own : set of int, optional
+        :func:`hf_modules` of the model, where the caller has them.
+
+    Returns
+    -------
+    tuple of (torch.nn.Module, str)
+        BackendUnsupported where no Hugging Face module's input or output is that hook (a component the bridge
+        made up, such as the gate and up halves of a joint projection, is no module the model runs).
+    """
+    point = model.hook_dict.get(name)
+    canonical = getattr(point, "name", None) or name
+    path, _, which = canonical.rpartition(".")
+    if which not in ("hook_in", "hook_out") or path.endswith(_ATTENTION_PARTS):
+        raise BackendUnsupported(f"the hook {name} is no Hugging Face module's input or output")
+    try:
+        bridged = model.get_submodule(path)
+    except AttributeError:
+        raise BackendUnsupported(f"the hook {name} names no component of the bridge ({path})") from None
+    inner = _unwrap(bridged)
+    if inner is bridged or id(inner) not in (hf_modules(model) if own is None else own):
+        raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
+    return inner, which[len("hook_"):]
+
+
+def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
+    """Why the transformers backend cannot give these hooks or apply these edits on ``model`` (None when it can).
+
+    Parameters
+    ----------
+    model : SinkModel
+    names : iterable of str
+        The hooks the accumulators read.
+    edits : iterable of str
+        The hooks that interventions change.
+
+    Returns
+    -------
+    str or None
+    """
+    spec = get_family(model)
+    plain_qk = spec.positions != "rotary" and spec.qk_norm is None
+    own = hf_modules(model)
+    for n in sorted({*names, *edits}):
+        site = _site(n)
+        if hook_layer(n) is None:
+            return f"the hook {n} lies outside the blocks"
+        if ".attn.hook_" in n and site in ATTENTION_HOOKS:
+            if site in ("hook_q", "hook_k") and not plain_qk:
+                return f"{n} holds q/k before the rotary or the q/k norm, which the attention interface never sees"
+            if site == "hook_pattern" and n in edits:
+                return f"an edit of {n}: the transformers backend never builds the map"
+            if site == "hook_z" and spec.gate is not None:
+                return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
+            continue
+        try:
+            module_site(model, n, own=own)
+        except BackendUnsupported as e:
+            return str(e)
+    return None
+
+
+def choose_backend(model: SinkModel, *, backend: str | None = None, names: Iterable[str] = (), edits: Iterable[str] = (),
+                   resume: bool = False) -> tuple[str, str]:
+    """The backend a pass runs on, and why.
+
+    Parameters
+    ----------
+    model : SinkModel
+    backend : {"auto", "transformer_lens", "transformers"}, optional
+        "auto": the transformers backend where it gives everything asked for on this model, else the bridge. None:
+        the model's own (``model.pass_backend``, set by ``load_model``; "transformer_lens" on a model without one).
+    names, edits : iterable of str
+        The hooks read and changed.
+    resume : bool
+        The pass starts at a block (the bridge's blocks are skipped there).
+
+    Returns
+    -------
+    tuple of (str, str)
+        The backend, and why (a sentence). BackendUnsupported where "transformers" was asked for and cannot run.
+    """
+    backend = check_backend(getattr(model, "pass_backend", "transformer_lens") if backend is None else backend)
+    if backend == "nnsight":
+        raise ValueError("the nnsight backend runs through load_model(..., backend='nnsight'), not a pass option.")
+    if backend == "transformer_lens":
+        return backend, "asked for"
+    reason = model_reason(model) or hooks_reason(model, names, edits=edits) or (
+        "a pass resumed at a block runs on the bridge" if resume else None)
+    if reason is None:
+        return "transformers", ("asked for" if backend == "transformers" else
+                                "auto: the Hugging Face model in its own attention gives every hook this pass reads")
+    if backend == "transformers":
+        raise BackendUnsupported(f"the transformers backend cannot run this pass: {reason}. Use backend='auto' or "
+                                 "'transformer_lens'.")
+    return "transformer_lens", f"auto: {reason}"
+
+
+class Taps:
+    """One pass's reads and edits on the Hugging Face modules: forward hooks on the modules the bridge's components
+    wrap (:func:`module_site`) and the attention function (:func:`pass_attention_forward`), each handing
+    ``fire(layer, name, x)`` the activation under its TransformerLens name after the edits asked for at that name.
+
+    Parameters
+    ----------
+    model : SinkModel
+        A TransformerBridge around a Hugging Face model.
+    wanted : dict of int to set of str
+        Layer -> the hook names read there.
+    edits : sequence of (str, callable)
+        Interventions ``fn(activation, hook) -> changed or None`` by hook name.
+    fire : callable
+        ``fire(layer, name, x)``: the pass's joint reducer.
+    """
+
+    def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire):
+        self.hf, self.fire = hf_module(model), fire
+        self.read: dict[str, list[int]] = {}  # hook name -> the layers of the reducer that read it
+        for layer, names in wanted.items():
+            for n in names:
+                self.read.setdefault(n, []).append(int(layer))
+        self.edits: dict[str, list] = {}
+        for name, fn in edits:
+            self.edits.setdefault(name, []).append(fn)
+        self.attn: dict[int, set[str]] = {}  # layer -> the attention sites read or changed there
+        self.kernels: dict[str, str] = {}  # the kernels the layers took -> why not the table's first ("" if it was)
+        self.sites: dict[tuple[int, str], tuple[torch.nn.Module, list[str]]] = {}  # (id, in/out) -> module, names
+        own = hf_modules(model)
+        for name in sorted({*self.read, *self.edits}):
+            if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
+                self.attn.setdefault(hook_layer(name), set()).add(_site(name))
+                continue
+            module, which = module_site(model, name, own=own)
+            self.sites.setdefault((id(module), which), (module, []))[1].append(name)
+
+    def _give(self, name: str, x):
+        """Apply the edits at ``name``, then hand the activation to the reducer where it is read."""
+        for fn in self.edits.get(name, ()):
+            out = fn(x, _Named(name))
+            x = x if out is None else out
+        for layer in self.read.get(name, ()):
+            self.fire(layer, name, x)
+        return x
+
+    def _pre(self, names: list[str]):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = x
+            for name in names:
+                y = self._give(name, y)
+            if y is x:
+                return None
+            return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+        return hook
+
+    def _post(self, names: list[str]):
+        def hook(module, args, output):
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            y = x
+            for name in names:
+                y = self._give(name, y)
+            if y is x:
+                return None
+            return (y, *output[1:]) if isinstance(output, (tuple, list)) else y
+        return hook
+
+    @contextlib.contextmanager
+    def attached(self):
+        """The modules' hooks and the attention function, for the duration."""
+        handles = []
+        for (_, which), (module, names) in self.sites.items():
+            handles.append(module.register_forward_pre_hook(self._pre(names), with_kwargs=True) if which == "in"
+                           else module.register_forward_hook(self._post(names)))
+        _register()
+        token = _TAPS.set(self)
+        try:
+            with unbridged(self.hf), attention_implementation(self.hf, PASS_ATTENTION):
+                yield
+        finally:
+            _TAPS.reset(token)
+            for h in handles:
+                h.remove()
+
+    def attention(self, layer: int, query, key, value, mask, scale: float) -> torch.Tensor:
+        """One layer's attention: its reads and edits, the output from the fused kernel, as (B, T, H, d)."""
+        sites, at = self.attn.get(layer, set()), f"blocks.{layer}.attn."
+        for site, x in (("hook_rot_q", query), ("hook_q", query), ("hook_rot_k", key), ("hook_k", key)):
+            if site in sites:
+                self._give(at + site, x.transpose(1, 2))
+        if "hook_v" in sites:
+            value = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
+        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=query.shape[1] > key.shape[1],
+                             masked=mask is not None, prefer=PREFER)
+        state_fallback(kernel)
+        self.kernels.setdefault(kernel.name, kernel.fallback)
+        out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
+        if "hook_pattern" in sites:
+            self._give(at + "hook_pattern", AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask))
+        out = out.transpose(1, 2)
+        if "hook_z" in sites:
+            out = self._give(at + "hook_z", out)
+        return out.contiguous()
+
+
+class _Named:
+    """What an intervention's ``hook`` argument offers on the transformers backend: the hook's ``name``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def pass_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                           **kwargs):
+    """The ``AttentionInterface`` function of the transformers backend: the active pass's :class:`Taps` read and
+    change the layer's q, k, v, attention and output (same contract as transformers' ``sdpa_attention_forward``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module (``layer_idx`` names its layer).
+    query : torch.Tensor, shape (B, H, T, d)
+    key, value : torch.Tensor, shape (B, H_kv, T, d)
+    attention_mask : torch.Tensor or None
+    dropout, scaling, is_causal, **kwargs
+        As transformers passes them (evaluation only: no dropout).
+
+    Returns
+    -------
+    output : torch.Tensor, shape (B, T, H, d)
+    weights : None
+    """
+    taps = _TAPS.get()
+    if taps is None:
+        raise RuntimeError(f"the {PASS_ATTENTION!r} attention runs only inside a pass on the transformers backend.")
+    _refuse_extras(module, attention_mask, is_causal, kwargs)
+    if query.shape[-2] != key.shape[-2]:
+        raise BackendUnsupported("queries and keys differ in length (a KV cache); run without a cache.")
+    mask = attention_mask
+    if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
+        mask = mask[..., : key.shape[-2]]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return taps.attention(int(module.layer_idx), query, key, value, mask, scale), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface  # lazy: import time
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PASS_ATTENTION, pass_attention_forward)
+    AttentionMaskInterface.register(PASS_ATTENTION, sdpa_mask)  # None where plainly causal
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face module inside a bridge's wrapper."""
+    while isinstance(getattr(module, "original_component", None), torch.nn.Module):
+        module = module.original_component
+    return module
+
+
+@contextlib.contextmanager
+def unbridged(hf: torch.nn.Module):
+    """Within the block, ``hf`` holds its own modules again where a TransformerBridge put its wrappers (the bridge
+    re-implements attention eagerly); the wrappers are put back on exit, whatever happens.
+
+    Parameters
+    ----------
+    hf : torch.nn.Module
+
+    Yields
+    ------
+    torch.nn.Module
+        ``hf``.
+    """
+    swaps: list = []
+
+    def walk(parent: torch.nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            inner = _unwrap(child)
+            if inner is not child:
+                setattr(parent, name, inner)
+                swaps.append((parent, name, child))
+            walk(inner)
+
+    try:
+        walk(hf)
+        yield hf
+    finally:
+        for parent, name, child in reversed(swaps):
+            setattr(parent, name, child)
+
+
+def run_hf_batch(model: SinkModel, tokens: torch.Tensor, *, needs_logits: bool):
+    """One batch through the Hugging Face model (``Taps`` attached by the caller): the logits, or None.
+
+    Parameters
+    ----------
+    model : SinkModel
+    tokens : torch.Tensor, shape (B, T)
+    needs_logits : bool
+
+    Returns
+    -------
+    torch.Tensor or None
+    """
+    hf = hf_module(model)
+    if needs_logits:
+        return hf(input_ids=tokens, use_cache=False).logits
+    hf.base_model(input_ids=tokens, use_cache=False)
+    return None

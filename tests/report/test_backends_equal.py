@@ -1,0 +1,98 @@
+"""Equal numbers on every backend: the profile (every registered pass analysis) of each family of the matrix through
+``auto`` against the bridge's hook points, number by number; where ``auto`` takes the bridge it says why; the
+whole report of SmolLM2 through ``auto`` against the bridge's report.json. (The tiny families' reports read their
+word tokenizer's natural probe, on which every position's value has the same norm: ratios of equal numbers are
+float noise there, so their reports are compared through the profile on random tokens instead.)"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from analysis.report.build import build_report
+from analysis.report.one_pass import ANALYSES, profile
+from tests.families import FAMILIES
+
+RTOL = 1e-5
+# Where a number may differ without any error: the argmax position among values equal to float noise (a token
+# repeated: every position carries the same activation), and figures rounded to 4 decimals for the page.
+LOOSE = ("_pos", "coords", "top_token")
+# Correlations and their p-values over a few heads of a tiny random model amplify float32 noise in their inputs
+# (1e-6 relative) to about 1e-5 of r: they lie in [-1, 1] and are compared to 1e-4 absolute.
+CORRELATIONS = ("pearson", "spearman", "rho", "_p")
+
+
+def flat(x, pre: str = ""):
+    """(path, number) for every number of a JSON-able tree."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from flat(v, f"{pre}/{k}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from flat(v, f"{pre}[{i}]")
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield pre, float(x)
+
+
+def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "text")) -> list:
+    """The numbers of ``a`` that ``b`` lacks or holds more than RTOL (relative, 1e-6 absolute floor) away."""
+    fa = {k: v for k, v in flat(a) if not any(f"/{s}" in k for s in skip)}
+    fb = dict(flat(b))
+    out = []
+    for k, v in fa.items():
+        w = fb.get(k)
+        if w is None or (math.isnan(v) != math.isnan(w)):
+            out.append((k, v, w))
+        elif math.isnan(v) or any(s in k for s in LOOSE):
+            continue
+        elif abs(v - w) > (1e-4 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else
+                           RTOL * max(abs(v), abs(w)) + 1e-6):
+            out.append((k, v, w))
+    return out
+
+
+def _probes(seed: int = 0, n: int = 3, T: int = 16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"natural": torch.randint(3, 96, (n, T), generator=g), "random": torch.randint(3, 96, (n, T), generator=g)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_profile_is_the_same_on_every_backend(family, family_bridge):
+    model = family_bridge(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = profile(model, _probes(), analyses=ANALYSES, backend="transformer_lens")
+        auto = profile(model, _probes(), analyses=ANALYSES, backend="auto")
+    ran = auto.backend["natural"]
+    assert bridge.backend["natural"] == {"backend": "transformer_lens", "why": "asked for"}
+    assert ran["backend"] in ("transformers", "transformer_lens") and ran["why"].startswith("auto: ")
+    assert differences(bridge.to_dict(), auto.to_dict()) == []
+
+
+def test_the_transformers_backend_runs_where_the_family_allows(family_bridge):
+    """auto is not the bridge in disguise: the plain decoders run every pass analysis on the transformers backend."""
+    for family in ("llama", "qwen2", "mistral", "gemma", "qwen3"):
+        prof = profile(family_bridge(family), _probes(), analyses=ANALYSES, backend="auto")
+        assert {r["backend"] for r in prof.backend.values()} == {"transformers"}, (family, prof.backend)
+
+
+def _report(model, path, backend):
+    model.pass_backend = backend
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build_report(model, path, n=4, T=16)
+    finally:
+        model.pass_backend = "transformer_lens"
+    return json.loads((path / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_smollm2_report_is_the_same_on_every_backend(smollm2, tmp_path):
+    bridge, auto = _report(smollm2, tmp_path / "tl", "transformer_lens"), _report(smollm2, tmp_path / "auto", "auto")
+    assert {r["backend"] for r in auto["config"]["backend"].values()} == {"transformers"}
+    assert differences(bridge, auto) == []
+    assert bridge["findings"] == auto["findings"]
