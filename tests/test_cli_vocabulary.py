@@ -15,7 +15,7 @@ import pytest
 from analysis.core.options import VOCABULARY
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("sink", "sinks", "report", "stream", "quant", "models", "train", "sweep")
+COMMANDS = ("sink", "sinks", "report", "stream", "quant", "models", "atlas", "train", "sweep")
 # The spellings the package dropped before its first release (issue 49), each with the command that took it.
 OLD_SPELLINGS = {"stream": ["--bits"], "quant": ["--bits", "--w-bits", "--seeds"],
                  "train": ["--sink-eps", "--probe-size", "--probe-len", "--progress", "--no-progress"],
@@ -73,7 +73,7 @@ def vocabulary_clashes(commands: dict[str, argparse.ArgumentParser]) -> list[str
     return out
 
 
-def test_the_eight_commands_are_all_seen():
+def test_the_nine_commands_are_all_seen():
     assert set(COMMANDS) == set(_commands())
 
 
@@ -176,4 +176,4 @@ def test_help_and_refusals_answer_before_torch_loads(tmp_path):
                           cwd=ROOT, timeout=120)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["heavy"] == [], got
-    assert [got["rc"][" ".join(r)] for r in runs] == [0] * 9 + [2] * 6 + [0, 0, 2, 2], got["rc"]
+    assert [got["rc"][" ".join(r)] for r in runs] == [0] * (1 + len(COMMANDS)) + [2] * 6 + [0, 0, 2, 2], got["rc"]
