@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import analysis.__main__ as cli
 from analysis.core import io
 from analysis.__main__ import build_parser, main
-from analysis.model.probes import natural_probe, random_probe, text_probe
+from analysis.model.probes import random_probe, text_probe
 from analysis.sinks.metric import sink_metric
 
 T1_MESSAGE = "T (--T, tokens per sequence) must be at least 2; got 1."

@@ -466,7 +466,7 @@ class NormGainAccumulator(Accumulator):
     def _knorm_cols(self, kept: dict) -> dict:
         """Per KV head: the key norm's scale on the first key and on ordinary keys, its gain along the spike part
         of k_1 and its RMS gain (NaN without a key norm)."""
-        p, Hkv, d = self.path, self.path.W_K.shape[0], self.path.W_K.shape[-1]
+        p, Hkv = self.path, self.path.W_K.shape[0]
         nan = torch.full((Hkv,), float("nan"))
         if p.k_norm is None:
             return {"knorm_scale_first": nan, "knorm_scale_other": nan, "knorm_gain_spike": nan, "knorm_gain_rms": nan,

@@ -50,7 +50,7 @@ from analysis.engine.passes import run_pass
 from analysis.chain.quadratic_form import quadratic_form
 from analysis.core.results import Result
 from analysis.chain.first_token_trace import FirstTokenTrace, SpikeOriginAccumulator
-from analysis.chain.mlp_neurons import ExpertWrites, MlpNeurons, mlp_neurons, moe_experts
+from analysis.chain.mlp_neurons import MlpNeurons, mlp_neurons, moe_experts
 
 ROLES = ("writer", "eraser")  # the roles whose MLPs' neurons are resolved ("amplifier": adds to an embedding spike)
 

@@ -37,7 +37,7 @@ from analysis.core.io import jsonable
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
 from analysis.core.results import Result
-from analysis.sinks.metric import SinkResult, alpha_from_pattern
+from analysis.sinks.metric import SinkResult
 from analysis.core.stats import one_thread, pair_cosine
 
 REDUCTIONS = ("mean", "max")

@@ -84,7 +84,7 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = SINK_EPS)
             "raw weight on token 1": float(stats.raw_first_mass.mean()),
             "held-out loss": float(model(tokens.to(dev), return_type="loss")),
         }
-        if f"blocks.0.attn.hook_sink_pattern" in model.hook_dict:
+        if "blocks.0.attn.hook_sink_pattern" in model.hook_dict:
             row["Sink on slot (%)"] = slot_sink_rate(model, tokens, eps=eps)
         rows.append(row)
     return pd.DataFrame(rows).set_index("model")

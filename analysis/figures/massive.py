@@ -34,7 +34,7 @@ def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | No
     set_log_scale(ax)
     ax.set_xlabel(f"layer ({result.hook})")
     ax.set_ylabel("|activation|")
-    set_title(ax, title or f"Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
+    set_title(ax, title or "Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
     ax.legend(fontsize=8, ncol=2)
     place_axes(fig, left=0.8, own=own)
     return fig

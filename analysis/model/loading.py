@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.model.contract import BACKENDS, SinkModel, check_model, pass_module
+from analysis.model.contract import BACKENDS, check_model, pass_module
 from analysis.model.families import family_spec
 from analysis.model.placement import Placement, check_placement, input_device
 from analysis.model.weights import materialize_components

@@ -13,7 +13,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.model.placement import input_device
 from analysis.model.weights import reads_block_weights
-from analysis.model.families import NormSpec, _kept, get_family, hf_config, probe_norm
+from analysis.model.families import NormSpec, _kept, get_family, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
 ACTIVATIONS = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from analysis.quant.quantizers import quant_activation, quant_weight
+from analysis.quant.quantizers import quant_weight
 from analysis.streaming.perplexity import cache_keyword
 
 

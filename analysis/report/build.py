@@ -36,6 +36,7 @@ import functools
 import html
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 

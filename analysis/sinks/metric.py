@@ -23,7 +23,7 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, skipped_note
+from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens
 from analysis.model.reference.attention import pattern_note
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts, run_pass

@@ -286,7 +286,6 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
         # BLOOM's blocks take ALiBi and the mask from the model; Bamba's blocks take more than the residual stream
         assert family in ("bloom", "bamba") and not can_resume(model)
         return
-    n = model.cfg.n_layers
     toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(0))
     last = max(get_family(model).attention_layers) + 1  # resuming after the last attention layer leaves no pattern
     base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), range(1, last), 4)

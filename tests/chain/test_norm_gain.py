@@ -8,7 +8,6 @@ import torch
 from tests.planted import KEY_DIM, SPIKE_DIMS, SPIKE_GAIN, planted, planted_ln_model, planted_nospike, planted_tokens  # noqa: F401
 
 from analysis import ModelContractError
-from analysis.model.key_path import key_path
 from analysis.chain.norm_gain import norm_gain_trace
 from analysis.model.rotary import rotate
 

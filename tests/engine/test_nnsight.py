@@ -17,12 +17,12 @@ pytest.importorskip("nnsight")
 
 from analysis import load_model  # noqa: E402
 from analysis.chain.massive import massive_activations  # noqa: E402
-from analysis.chain.nnsight_tables import nnsight_massive, nnsight_sink_metric, nnsight_tables  # noqa: E402
+from analysis.chain.nnsight_tables import nnsight_sink_metric, nnsight_tables  # noqa: E402
 from analysis.core import reductions  # noqa: E402
 from analysis.engine import remote_reductions  # noqa: E402
 from analysis.engine.nnsight_pass import REQUEST_LIMIT_BYTES, plan_requests, request_bytes, trace_batch  # noqa: E402
 from analysis.engine.remote_reductions import attention_alpha, stats_bytes  # noqa: E402
-from analysis.model.nnsight_model import NnsightUnsupported, nnsight_spec, wrap_nnsight  # noqa: E402
+from analysis.model.nnsight_model import NnsightUnsupported, wrap_nnsight  # noqa: E402
 from analysis.positions.every_sink import sink_positions  # noqa: E402
 from analysis.positions.nnsight_positions import nnsight_sink_positions  # noqa: E402
 from analysis.sinks.metric import sink_metric  # noqa: E402

@@ -1,11 +1,10 @@
 """One profile pass gives the same numbers as each analysis run alone; the hook contract's helpers."""
-import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from analysis import profile
-from analysis.causal.conditions import baseline_pass, run_condition
+from analysis.causal.conditions import run_condition
 from analysis.model.hooks import ModelContractError, act_name, kv_view, per_query_head
 from analysis.causal.interventions import spike_ablation, value_ablation
 from analysis.chain.key_manifold import first_key_manifold

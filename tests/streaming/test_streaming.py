@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from analysis.streaming import Policy, StreamingCache, StreamResult, fake_quantize, run_policies, streaming_perplexity
-from analysis.streaming.cache import rope_spec
 from tests.conftest import tol
 from tests.tiny import make_tiny_llama_dir
 

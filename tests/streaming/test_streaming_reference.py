@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from analysis.model.loading import load_model
-from analysis.streaming import Policy, StreamingCache, run_policies, streaming_perplexity
+from analysis.streaming import Policy, run_policies, streaming_perplexity
 from analysis.streaming.cache import rope_spec
 from analysis.streaming.reference import ReferenceLM
 from analysis.train import TrainConfig, train

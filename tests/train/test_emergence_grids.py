@@ -3,7 +3,6 @@ and one cheap point of two grids, retrained here from scratch, lands inside the 
 import json
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from analysis.train import ModelConfig, TrainConfig

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from analysis.model.rotary import rope_cos_sin, rotate_half  # the one rotary, shared with the analyses
+# the one rotary, shared with the analyses; sink_lm imports rope_cos_sin from here
+from analysis.model.rotary import rope_cos_sin, rotate_half  # noqa: F401
 from torch import nn
 
 
