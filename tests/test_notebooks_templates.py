@@ -2,8 +2,8 @@
 name>`` and small probe sizes) on three models that lack parts of what the notebooks are about, and none ends in a
 traceback. The published notebooks are read, never written: the runs go to a temporary folder.
 
-The models: a tiny random Llama with the SmolLM2 tokenizer (no spike, no sink), a tiny GPT-2 whose whole sink chain
-is written into its weights (``tests.planted.planted_gpt2_dir``: LayerNorm, learned positions, an MLP neuron that
+The models: a tiny random Llama (4 layers, d_model 96, GQA; no spike, no sink), a tiny GPT-2 whose whole sink chain is
+written into its weights (``tests.planted.planted_gpt2_dir``: LayerNorm, learned positions, an MLP neuron that
 writes the spike) and the tokenizer-less reference model ``synthetic-softmax`` (one layer).
 
 Cells tagged ``fixed`` measure no MODEL (committed runs, the reference models every reader gets): they are dropped
@@ -40,6 +40,8 @@ SMALL = {
     "15": {"N": 2, "T": 16},
 }
 MODELS = ("no-sink-llama", "planted-gpt2", "synthetic-softmax")
+PARTNER = {"no-sink-llama": "planted-gpt2", "planted-gpt2": "no-sink-llama",  # 13's second model (the same vocabulary)
+           "synthetic-softmax": "synthetic-sigmoid"}
 
 
 def _notebook(prefix: str) -> Path:
@@ -49,19 +51,16 @@ def _notebook(prefix: str) -> Path:
 def _model_dirs(root: Path) -> dict[str, str]:
     """name -> what MODEL is set to: two folders built here and a reference model's name."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from analysis.model.loading import smollm2_dir
-    from tests.planted import planted_gpt2_dir
+    from tests.planted import VOCAB, char_tokenizer, planted_gpt2_dir
 
-    llama = root / "no-sink-llama"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    llama = root / "no-sink-llama"  # random weights, GQA: no spike, no sink
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=4,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(llama)
-    tok.save_pretrained(llama)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                                 bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)).save_pretrained(llama)
+    char_tokenizer().save_pretrained(llama)
     return {"no-sink-llama": str(llama), "planted-gpt2": str(planted_gpt2_dir(root / "planted-gpt2")),
             "synthetic-softmax": "synthetic-softmax"}
 
@@ -72,13 +71,14 @@ def _without_fixed(src: Path, dst: Path) -> None:
     nbformat.write(nb, dst)
 
 
-def _run(prefix: str, model: str, folder: str, out: Path) -> tuple[str, float]:
+def _run(prefix: str, model: str, folders: dict[str, str], out: Path) -> tuple[str, float]:
     """papermill the notebook on ``folder``; '' or the end of its error."""
     import time
 
     src = out / f"{prefix}-{model}-in.ipynb"
     _without_fixed(_notebook(prefix), src)
-    params = [("PAIR", f"['{folder}', '{folder}']") if prefix == "13" else ("MODEL", folder)]
+    folder, partner = folders[model], folders.get(PARTNER[model], PARTNER[model])
+    params = [("PAIR", f"['{folder}', '{partner}']") if prefix == "13" else ("MODEL", folder)]
     params += [(k, repr(v)) for k, v in SMALL[prefix].items()]
     cmd = [sys.executable, "-m", "papermill", str(src), str(out / f"{prefix}-{model}.ipynb"), "--cwd",
            str(NOTEBOOK_DIR), "-k", "python3", "--no-progress-bar"]
@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
     folders = _model_dirs(root)
     jobs = [(p, m) for m in MODELS for p in SMALL]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = pool.map(lambda job: _run(job[0], job[1], folders[job[1]], root), jobs)
+        done = pool.map(lambda job: _run(job[0], job[1], folders, root), jobs)
         return dict(zip(jobs, done))
 
 
