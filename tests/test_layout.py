@@ -484,7 +484,7 @@ def test_every_registered_analysis_returns_a_result():
 # Tests mirror the package: tests/<floor>/ holds the tests of analysis/<floor>/; the root keeps only the tests of the
 # whole package (its layout, docs, command line, public interface, notebooks and GPU kit) and the shared helpers.
 CROSS_CUTTING = {"test_bench_scale", "test_cli", "test_cli_vocabulary", "test_device_guard", "test_docs", "test_gpu_kit",
-                 "test_interface", "test_layout", "test_notebooks_published", "test_shards"}
+                 "test_interface", "test_layout", "test_notebooks_published", "test_notebooks_templates", "test_shards"}
 
 
 def test_the_tests_mirror_the_package():
