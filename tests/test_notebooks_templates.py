@@ -8,7 +8,8 @@ writes the spike) and the tokenizer-less reference model ``synthetic-softmax`` (
 
 Cells tagged ``fixed`` measure no MODEL (committed runs, the reference models every reader gets): they are dropped
 here, since they do not change with MODEL and CI executes them in the published notebooks (nbmake). The notebooks
-run two at a time (CI has 2 cores), each in its own kernel. About 5 minutes on an idle 2-core machine.
+run two at a time (CI has 2 cores), each in its own kernel with one thread: the 36 runs took 7.3 CPU-minutes
+(user + sys), about 4 minutes on an idle 2-core machine (19 minutes on a shared one under a load of 11-18).
 """
 from __future__ import annotations
 
