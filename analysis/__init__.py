@@ -25,8 +25,8 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
     **dict.fromkeys(["Profile", "profile"], "analysis.report.one_pass"),
     **dict.fromkeys(["run_pass", "run_with_reducers"], "analysis.engine.passes"),
     **dict.fromkeys([
-        "PROBE_KINDS", "ProbeSet", "make_probe", "natural_probe", "probe_sets", "random_probe", "repeated_probe",
-        "text_probe"
+        "PROBE_KINDS", "ProbeSet", "make_probe", "model_probe_sets", "natural_probe", "probe_sets", "random_probe",
+        "repeated_probe", "text_probe"
     ], "analysis.model.probes"),
     **dict.fromkeys(["RepeatedTokens", "repeated_tokens"], "analysis.positions.repeated_tokens"),
     **dict.fromkeys(["EncodingGrid", "encoding_grid", "load_encoding_grid"], "analysis.positions.encodings"),

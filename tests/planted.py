@@ -218,3 +218,48 @@ try:  # pytest fixtures to import into a test module: ``from tests.planted impor
         return planted_model(spike=False, device=device)
 except ImportError:  # pragma: no cover - used outside pytest
     pass
+
+
+MARK_DIM = 3  # the residual dim that marks position 0 in planted_gpt2_dir's learned position embedding
+WRITER = 0  # the neuron of block 0's MLP that writes the spike in planted_gpt2_dir
+
+
+def planted_gpt2_dir(path) -> Path:
+    """Save to ``path`` a tiny GPT-2 (LayerNorm, learned positions, 4 layers, d_model 64, 4 heads, char vocabulary)
+    whose whole sink chain is written into its weights, no hooks: the position-0 embedding carries a marker
+    (``MARK_DIM``), neuron ``WRITER`` of block 0's MLP fires on it alone and writes ``SPIKE_VALUES`` into the first
+    token's residual, and in ``SINK_LAYERS`` the ln_1 gain, W_K, b_Q and W_V are planted as in ``planted_model``.
+    Loaded with ``load_model(path)`` like any Hugging Face folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=D_MODEL, n_layer=N_LAYERS,
+                                    n_head=N_HEADS, bos_token_id=1, eos_token_id=2))
+    d_head = D_MODEL // N_HEADS
+    with torch.no_grad():
+        hf.transformer.wpe.weight[0, MARK_DIM] = 10.0  # LayerNorm turns it into about sqrt(d_model) = 8
+        mlp = hf.transformer.h[0].mlp
+        mlp.c_fc.weight[:, WRITER] = 0.0
+        mlp.c_fc.weight[MARK_DIM, WRITER] = 2.0
+        mlp.c_fc.bias[WRITER] = -8.0  # about +8 on the first token, about -8 +- 2 elsewhere (GELU: 0)
+        mlp.c_proj.weight[WRITER] = 0.0
+        for d, v in SPIKE_VALUES.items():
+            mlp.c_proj.weight[WRITER, d] = v / 8.0
+        for layer in SINK_LAYERS:
+            blk = hf.transformer.h[layer]
+            blk.ln_1.weight[SPIKE_DIMS] = SPIKE_GAIN
+            w, b = blk.attn.c_attn.weight, blk.attn.c_attn.bias  # (d_model, 3 d_model): q | k | v
+            w[SPIKE_DIMS, D_MODEL:] = 0.0  # keys and values ignore the spike dims ...
+            b[:D_MODEL] = 0.0
+            for h in range(N_HEADS):
+                col = D_MODEL + h * d_head + KEY_DIM
+                w[:, col] = 0.0  # ... but for one key dim, which reads them alone
+                for d in SPIKE_DIMS:
+                    w[d, col] = KEY_WEIGHT * (1.0 if SPIKE_VALUES[d] > 0 else -1.0)
+                b[h * d_head + KEY_DIM] = QUERY_BIAS
+    path = Path(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf.save_pretrained(path)
+        char_tokenizer().save_pretrained(path)
+    return path

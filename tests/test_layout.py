@@ -464,7 +464,7 @@ def test_every_registered_analysis_returns_a_result():
 # whole package (its layout, docs, command line, public interface, notebooks, GPU kit and wheel) and the shared
 # helpers.
 CROSS_CUTTING = {"test_bench_scale", "test_cli", "test_cli_vocabulary", "test_device_guard", "test_docs", "test_docs_site", "test_gpu_kit",
-                 "test_interface", "test_layout", "test_lint", "test_notebooks_published", "test_shards", "test_wheel"}
+                 "test_interface", "test_layout", "test_lint", "test_notebooks_published", "test_notebooks_templates", "test_shards", "test_wheel"}
 
 
 def test_the_tests_mirror_the_package():

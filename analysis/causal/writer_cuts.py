@@ -25,6 +25,8 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.model.mlp_spec import get_mlp
+from analysis.chain.first_token_cause import why_first_token
+from analysis.chain.spike_writers import spike_origin
 from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, condition_rows, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
 from analysis.core.io import jsonable
@@ -351,6 +353,56 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
     df["delta_sink_1"] = df["sink_1_pct"] - b["sink_1_pct"]
     return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)
+
+
+def origin_row(model: SinkModel, tokens, *, kind: str | None = None, max_samples: int | None = None) -> dict:
+    """The spike's origin on one probe in one row (notebook 10's spread over probes): the main dim, its writing and
+    erasing blocks, peak, the top neurons and quadratic view of its main writing MLP, the later / first ratio and
+    Sink_1 and the spike kept with the writers zeroed. Without a spike the row holds the sentence that says so.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+    tokens : torch.Tensor, shape (N, T)
+        The probe.
+    kind : str, optional
+        The input kind, a label.
+    max_samples : int, optional
+        The cuts run on the first ``max_samples`` sequences only.
+
+    Returns
+    -------
+    dict
+        ``dim`` None and ``finding`` for a model whose first token carries no spike; NaN where a part does not apply
+        (no MLP writes the spike, an MLP without a gate).
+    """
+    o = spike_origin(model, tokens, kind=kind)
+    d, nan = o.main_dim, float("nan")
+    if d is None:
+        return {"dim": None, "finding": o.findings()[0]}
+    w = o.writers(d)
+    w = w[w.component == "mlp"]
+    main = int(w.sort_values("write", key=abs).block.iloc[-1]) if len(w) else None
+    top = o.mlp_neurons(d, main).table(NEURON_SHARES[0], max_rows=2) if main is not None else pd.DataFrame()
+    q = next((q for q in o.quadratic if q.dim == d and q.block == main), None)
+    c = why_first_token(model, tokens, o)
+    s = spike_cuts(model, tokens, o, roles=("writers",), n_random=1, max_samples=max_samples).summary
+    s = s.set_index(["role", "mode", "chosen", "dim"]) if len(s) else pd.DataFrame()
+
+    def cut(key, col):
+        return s.loc[key, col] if key in s.index else nan
+
+    return {"dim": d, "writers": o.writing_blocks(d), "erasers": o.writing_blocks(d, "eraser"),
+            "peak": float(o.values(d).mean(0).abs().max()),
+            "top neurons (share)": [(int(r.neuron), round(r.share, 2)) for r in top.itertuples()],
+            "top eig share": float(q.energy_share[0]) if q else nan, "|cos|": float(q.cos_top[0]) if q else nan,
+            "rank one": q.rank_one if q else None,
+            "later / first": float(c.spike.loc[c.spike["first"].abs().idxmax(), "ratio"]) if len(c.spike) else nan,
+            "Sink_1": cut(("baseline", "", "named", d), "sink_1_pct_mean"),
+            "kept (cut)": cut(("writers", "zero", "named", d), "kept_mean"),
+            "Sink_1 (cut)": cut(("writers", "zero", "named", d), "sink_1_pct_mean"),
+            "kept (random)": cut(("writers", "zero", "random", d), "kept_min")}
 
 
 # The registration (analysis.core.registry): this module's one declaration.

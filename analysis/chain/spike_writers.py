@@ -125,6 +125,11 @@ class SpikeOrigin(Result):
     def n_layers(self) -> int:
         return self.trace.n_layers
 
+    @property
+    def main_dim(self) -> int | None:
+        """The traced dim whose first-token value is largest in size anywhere; None without a spike."""
+        return max(self.dims, key=lambda d: float(self.values(d).abs().max())) if self.dims else None
+
     def values(self, dim: int) -> torch.Tensor:
         """(N, L + 1) the first token's value of ``dim`` entering each block (index L: after the last)."""
         return self.trace.resid[:, :, self._dim(dim)]

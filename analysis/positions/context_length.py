@@ -26,7 +26,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.model.hooks import model_dims
-from analysis.model.probes import natural_probe, stdlib_texts
+from analysis.model.probes import model_probe_sets, natural_probe, stdlib_texts
 from analysis.core.io import PACKAGE_DATA_DIR
 from analysis.core.results import Result
 from analysis.sinks.metric import check_eps, sink_metric
@@ -221,7 +221,8 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     Parameters
     ----------
     model
-        A model with TransformerLens hook names and a tokenizer.
+        A model with TransformerLens hook names; without a tokenizer (a reference model of the synthetic task) its
+        natural text is held-out task sequences (``model_probe_sets``).
     Ts : sequence of int
         Context lengths, each in [2, the model's context].
     n : int or mapping of int to int
@@ -245,8 +246,8 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     SinkContext
     """
     tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError("sink_vs_context cuts natural-text windows and needs model.tokenizer; this model has none.")
+    if tokenizer is None and texts is not None:
+        raise ValueError("sink_vs_context cuts `texts` with model.tokenizer; this model has none: leave texts out.")
     eps_grid = [check_eps(e) for e in eps_grid]
     n_ctx = model_dims(model).n_ctx
     Ts = [int(t) for t in Ts]
@@ -254,13 +255,14 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     if bad:
         raise ValueError(f"context lengths {bad} are outside [2, {n_ctx}] (the model's context); choose T in it.")
     seeds = [int(s) for s in seeds]
-    corpus = stdlib_texts() if texts is None else list(texts)
+    corpus = (stdlib_texts() if texts is None else list(texts)) if tokenizer else None
     name = getattr(model, "model_name", None)
     rows = []
     for T in Ts:  # one pass per T over every seed's windows (a pass over 4 short sequences is mostly fixed cost)
         n_T = int(n[T] if isinstance(n, Mapping) else n)
         t0 = time.perf_counter()
-        tokens = torch.cat([natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens for seed in seeds])
+        tokens = torch.cat([natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens if tokenizer else
+                            model_probe_sets(model, n=n_T, T=T, seed=seed)["natural"].tokens for seed in seeds])
         res = sink_metric(model, tokens, k_max=T, path=path, batch_size=batch_size)
         seconds = (time.perf_counter() - t0) / len(seeds)  # the T's pass, shared by its seeds
         for i, seed in enumerate(seeds):

@@ -181,3 +181,26 @@ def test_no_spike_nothing_to_trace(device):
     assert "nothing to trace" in o.text()
     assert "nothing to trace back" in why_first_token(model, toks, o).text()
     assert "Nothing to cut" in spike_cuts(model, toks, o).text()
+
+
+def test_a_spike_written_into_the_weights_one_row(tmp_path):
+    """The planted GPT-2 (tests.planted.planted_gpt2_dir): the analysis finds the planted dims, names block 0's
+    planted neuron as the writer (``main_dim``, ``origin_row``), has no quadratic view for an ungated MLP, and zeroing
+    the writer removes the spike and the sink; a model without a spike gets its sentence in the row."""
+    from analysis import load_model
+    from analysis.causal.writer_cuts import origin_row
+    from analysis.model.probes import model_probe_sets
+    from tests.planted import SPIKE_DIMS, WRITER, planted_gpt2_dir
+
+    model = load_model(str(planted_gpt2_dir(tmp_path / "gpt2")), device="cpu")
+    toks = model_probe_sets(model, n=4, T=24)["natural"].tokens
+    o = spike_origin(model, toks, kind="natural")
+    assert o.dims == SPIKE_DIMS and o.main_dim == 7
+    row = origin_row(model, toks, kind="natural", max_samples=4)
+    assert row["dim"] == 7 and row["writers"] == [0] and row["top neurons (share)"][0][0] == WRITER
+    assert row["peak"] == pytest.approx(400, rel=0.05) and row["rank one"] is None and row["top eig share"] != row["top eig share"]
+    assert row["Sink_1"] > 40 and row["kept (cut)"] < 0.1 and row["Sink_1 (cut)"] < 5
+    sig = load_model("synthetic-sigmoid", device="cpu")
+    empty = origin_row(sig, model_probe_sets(sig, n=4, T=24)["natural"].tokens)
+    assert empty["dim"] is None and "nothing to trace" in empty["finding"]
+    assert spike_origin(sig, model_probe_sets(sig, n=4, T=24)["natural"].tokens).main_dim is None

@@ -54,3 +54,17 @@ def test_committed_smollm2_run():
     assert set(ctx.runs.path) == {"fused"} and ctx.runs.eps.nunique() == 9
     assert (ctx.runs.groupby(["T", "seed"]).size() == 9).all()
     assert committed_sink_context("no-such-model") is None
+
+
+def test_a_model_without_a_tokenizer_reads_its_task():
+    """A reference model without a tokenizer: its natural text is held-out task sequences (model_probe_sets)."""
+    from analysis import load_model
+    from analysis.model.probes import model_probe_sets
+
+    model = load_model("synthetic-softmax", device="cpu")
+    ctx = sink_vs_context(model, Ts=(16,), n=2, seeds=(0,), eps_grid=(0.3,))
+    tokens = model_probe_sets(model, n=2, T=16, seed=0)["natural"].tokens
+    a = sink_metric(model, tokens, k_max=16, path="eager").alpha
+    assert ctx.runs.sink_1_pct.iloc[0] == pytest.approx(float((a[..., 0] > 0.3).float().mean() * 100), abs=1e-4)
+    with pytest.raises(ValueError, match="has none: leave texts out"):
+        sink_vs_context(model, Ts=(16,), texts=WORDS)
