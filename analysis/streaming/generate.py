@@ -1,10 +1,10 @@
 """Sink-aware generation: StreamingLLM's cache (the first ``sinks`` tokens and the most recent ``window - sinks``),
 optionally with a quantised window and full-precision sinks, as a cache ``model.generate`` takes.
 
-    from analysis import load_model, sink_cache
-    from analysis.model.contract import hf_module
-    hf = hf_module(load_model("smollm2-135m"))
-    ids = hf.generation_config.bos_token_id * torch.ones(1, 1, dtype=torch.long)
+    from analysis import sink_cache
+    from analysis.model.loading import load_causal_lm
+    hf, tok = load_causal_lm("smollm2-135m")     # or analysis.streaming.backbone.causal_lm(load_model(...))[0]
+    ids = tok("The attention sink", return_tensors="pt").input_ids
     out = hf.generate(ids, cache=sink_cache(hf, window=256, sinks=4), max_new_tokens=2048, do_sample=False)
 
 It is :class:`analysis.streaming.cache.StreamingCache`, the cache the streaming perplexity decodes with: generate
@@ -16,7 +16,7 @@ window needs ``prefill_chunk_size=1`` (StreamingLLM feeds it a token at a time);
 """
 from __future__ import annotations
 
-from analysis.model.contract import hf_module, is_model
+from analysis.model.contract import is_model, runs_bridge_components
 from analysis.model.families import decoder_positions
 from analysis.streaming.backbone import context_length
 from analysis.streaming.cache import Policy, RopeSpec, StreamingCache
@@ -27,16 +27,18 @@ POSITION_WORDS = {"alibi": "ALiBi position biases", "absolute": "learned absolut
                   "relative": "relative position buckets"}
 
 
+NO_CACHE = ("runs TransformerLens' attention, which keeps no KV cache (generate would ignore the cache): build the cache "
+            "for, and generate with, the plain causal LM, analysis.streaming.backbone.causal_lm(model)[0] (or "
+            "analysis.model.loading.load_causal_lm(name)[0]).")
+
+
 def _causal_lm(model):
     if is_model(model):
-        hf = hf_module(model)
-        if hf is None:
-            raise ValueError("a reference model has no Hugging Face generate; decode it with "
-                             "analysis.streaming.streaming_perplexity, or pass a transformers causal LM.")
-        return hf
+        raise ValueError("a model analysis.load_model returns " + NO_CACHE)
     if not hasattr(model, "generate") or not hasattr(model, "config"):
-        raise TypeError(f"sink_cache takes a transformers causal LM (or what analysis.load_model returns); got "
-                        f"{type(model).__name__}.")
+        raise TypeError(f"sink_cache takes a transformers causal LM; got {type(model).__name__}.")
+    if runs_bridge_components(model):
+        raise ValueError("this Hugging Face module (a bridge's hf_module) " + NO_CACHE)
     return model
 
 
@@ -72,9 +74,9 @@ def sink_cache(model, *, window: int, sinks: int = 4, bits: int | None = None, f
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel or SinkModel
-        The causal LM that generates (a model of the contract: its Hugging Face module,
-        ``analysis.model.contract.hf_module``).
+    model : transformers.PreTrainedModel
+        The causal LM that generates (``AutoModelForCausalLM``; for a model ``analysis.load_model`` returns, its plain
+        copy ``analysis.streaming.backbone.causal_lm(model)[0]``: the bridge's own module keeps no KV cache).
     window : int
         Tokens kept per layer, sinks included (StreamingLLM's s + w); at most the model's context and sliding window.
     sinks : int
