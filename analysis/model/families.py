@@ -1011,9 +1011,7 @@ def _layer_inv_freq(hf, types) -> list:
     bufs = {n.rsplit(".", 1)[-1]: b for n, b in hf.named_buffers() if n.endswith("inv_freq") and "original" not in n}
     plain = [b for n, b in hf.named_buffers() if n.rsplit(".", 1)[-1] == "inv_freq"]
     if len(plain) > 1 and any(not torch.equal(b, plain[0]) for b in plain):
-        from analysis.model.hooks import ModelContractError  # hooks imports this module
-
-        raise ModelContractError(f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "
+        raise ValueError(f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "
                                  "cannot be matched with; only per-layer-type ones ({type}_inv_freq) are read.")
     n = len(types) if types else int(hf.config.get_text_config(decoder=True).num_hidden_layers)
     return [bufs.get(f"{types[l]}_inv_freq" if types else "", plain[0] if plain else None) for l in range(n)]
