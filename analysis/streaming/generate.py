@@ -32,14 +32,13 @@ NO_CACHE = ("runs TransformerLens' attention, which keeps no KV cache (generate 
             "analysis.model.loading.load_causal_lm(name)[0]).")
 
 
-def _causal_lm(model):
-    if is_model(model):
+def _check_lm(hf) -> None:
+    if is_model(hf):
         raise ValueError("a model analysis.load_model returns " + NO_CACHE)
-    if not hasattr(model, "generate") or not hasattr(model, "config"):
-        raise TypeError(f"sink_cache takes a transformers causal LM; got {type(model).__name__}.")
-    if runs_bridge_components(model):
+    if not hasattr(hf, "generate") or not hasattr(hf, "config"):
+        raise TypeError(f"sink_cache takes a transformers causal LM; got {type(hf).__name__}.")
+    if runs_bridge_components(hf):
         raise ValueError("this Hugging Face module (a bridge's hf_module) " + NO_CACHE)
-    return model
 
 
 def _refusal(pos, window: int, n_ctx: int | None) -> str | None:
@@ -67,14 +66,14 @@ def _refusal(pos, window: int, n_ctx: int | None) -> str | None:
     return None
 
 
-def sink_cache(model, *, window: int, sinks: int = 4, bits: int | None = None, fp_sinks: bool = True) -> StreamingCache:
+def sink_cache(hf, *, window: int, sinks: int = 4, bits: int | None = None, fp_sinks: bool = True) -> StreamingCache:
     """A fresh StreamingLLM cache for one ``model.generate(..., cache=...)`` call: it keeps the first ``sinks``
     tokens and the most recent ``window - sinks`` (``window`` per layer in all), re-rotating the sinks' keys as the
     window moves. Bad settings are refused here, before any work.
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel
+    hf : transformers.PreTrainedModel
         The causal LM that generates (``AutoModelForCausalLM``; for a model ``analysis.load_model`` returns, its plain
         copy ``analysis.streaming.backbone.causal_lm(model)[0]``: the bridge's own module keeps no KV cache).
     window : int
@@ -92,7 +91,7 @@ def sink_cache(model, *, window: int, sinks: int = 4, bits: int | None = None, f
         Pass it as ``cache=`` (transformers 5; ``past_key_values=`` is its deprecated name). Without padding; a
         prompt longer than ``window`` needs ``prefill_chunk_size=1``.
     """
-    hf = _causal_lm(model)
+    _check_lm(hf)
     policy = Policy("sinks", window, sinks, bits=bits, fp_sinks=bool(fp_sinks and bits and sinks))
     pos = decoder_positions(hf)
     why = _refusal(pos, window, context_length(hf))
