@@ -132,6 +132,7 @@ def _check(hf, prompt, *, window, sinks, bits=None):
     return got
 
 
+@pytest.mark.slow
 def test_generate_equals_streaming_llm_on_smollm2(smollm2, smollm2_hf):
     """Natural text (random tokens send SmolLM2 into a two-token loop)."""
     text = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed'
