@@ -32,6 +32,7 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
     **dict.fromkeys(["EncodingGrid", "encoding_grid", "load_encoding_grid"], "analysis.positions.encodings"),
     **dict.fromkeys(["build_report"], "analysis.report.build"),
     **dict.fromkeys(["attention_view"], "analysis.figures.views"),
+    **dict.fromkeys(["sink_cache"], "analysis.streaming.generate"),
 }
 # Each registered analysis' exports (``Analysis.exports``), read from its module's source: no import until asked for.
 _EXPORTS |= {name: module for module, names in declared(Path(__file__).parent).items() for name in names}

@@ -186,6 +186,25 @@ def is_pass_module(obj) -> bool:
         return False
 
 
+def runs_bridge_components(module: torch.nn.Module) -> bool:
+    """Whether a Hugging Face module runs TransformerLens bridge components in place of its own (``hf_module`` of a
+    TransformerBridge): their attention keeps no KV cache, so ``generate`` on it ignores the cache it is given.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+
+    Returns
+    -------
+    bool
+    """
+    try:
+        from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
+    except ImportError:  # optional: bridges only
+        return False
+    return any(isinstance(m, GeneralizedComponent) for m in module.modules())
+
+
 def model_device(model: SinkModel) -> torch.device:
     """Where the model's inputs go and its work starts (``analysis.model.placement.input_device``).
 

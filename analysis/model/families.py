@@ -967,6 +967,93 @@ def config_attention_layers(config) -> list[int]:
     return [l for l in range(n) if not types or types[l] not in LAYER_TYPE_WORDS]
 
 
+@dataclass(frozen=True)
+class DecoderPositions:
+    """Where a bare Hugging Face causal LM puts its tokens, per decoder layer: what a KV cache that drops tokens and moves
+    the rest must know (``analysis.streaming``'s sink cache re-rotates kept keys with ``inv_freq``).
+
+    Attributes
+    ----------
+    family : str
+        ``config.model_type``.
+    positions : {"rotary", "alibi", "absolute", "none"}
+    inv_freq : tuple of (torch.Tensor or None)
+        Per decoder layer, the inverse frequencies its keys are rotated with, read from the model's rotary module (so a
+        scaled rope type's are the scaled ones; Gemma 3's sliding layers have their own); None on a NoPE layer and
+        without rotary. Partial rotary rotates the first ``2 * inv_freq.numel()`` dims of a head.
+    rotary_style : {"half", "interleaved"} or None
+    rope_type : str or None
+        "default", "linear", "llama3", "yarn", "dynamic", "longrope"...
+    sliding_window : int or None
+        The window of the sliding-window layers.
+    chunk : int or None
+        Llama 4's chunked attention: the chunk size.
+    other_layers : dict of int to str
+        The layers that are not softmax attention (linear attention, Mamba, hybrid mixers), in words.
+    latent : bool
+        Multi-head latent attention (DeepSeek): the rotary key is the last dims of the head.
+    """
+
+    family: str
+    positions: str
+    inv_freq: tuple
+    rotary_style: str | None
+    rope_type: str | None
+    sliding_window: int | None
+    chunk: int | None
+    other_layers: dict
+    latent: bool
+
+
+def _layer_inv_freq(hf, types) -> list:
+    """Per layer, the rotary module's inverse frequencies for that layer's type (``{type}_inv_freq``), else its one
+    ``inv_freq``."""
+    bufs = {n.rsplit(".", 1)[-1]: b for n, b in hf.named_buffers() if n.endswith("inv_freq") and "original" not in n}
+    plain = [b for n, b in hf.named_buffers() if n.rsplit(".", 1)[-1] == "inv_freq"]
+    if len(plain) > 1 and any(not torch.equal(b, plain[0]) for b in plain):
+        raise ValueError(f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "
+                                 "cannot be matched with; only per-layer-type ones ({type}_inv_freq) are read.")
+    n = len(types) if types else int(hf.config.get_text_config(decoder=True).num_hidden_layers)
+    return [bufs.get(f"{types[l]}_inv_freq" if types else "", plain[0] if plain else None) for l in range(n)]
+
+
+def decoder_positions(hf) -> DecoderPositions:
+    """The position facts of a bare Hugging Face causal LM (no bridge, no hooks): the rotary frequencies of each layer,
+    NoPE layers, sliding window, the layers that are not attention.
+
+    Parameters
+    ----------
+    hf : transformers.PreTrainedModel
+        A causal LM (``AutoModelForCausalLM``, or ``analysis.model.contract.hf_module`` of a loaded model).
+
+    Returns
+    -------
+    DecoderPositions
+    """
+    config = hf.config.get_text_config(decoder=True)
+    family = str(getattr(config, "model_type", "unknown"))
+    n = int(config.num_hidden_layers)
+    types = _layer_types(config, n)
+    attention = config_attention_layers(config)
+    other = _skipped(types, n, [l for l in attention if not types or types[l] != "hybrid"])
+    learned = any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("wpe", "embed_positions",
+                  "position_embeddings") for name, m in hf.named_modules())
+    tl_pos = "rotary" if family in INTERLEAVED_ROTARY else "standard" if learned else None  # GPT-J: no inv_freq buffer
+    pos = _positions(hf, config, family, types, attention, tl_pos, 0)
+    inv = [None] * n
+    if pos["positions"] == "rotary":
+        inv = [None if l in pos["nope_layers"] or l in other else f for l, f in enumerate(_layer_inv_freq(hf, types))]
+        rd, base = pos["rotary_dim"], pos["rotary_base"]
+        inv = [f if f is not None or l not in pos["rotary_bases"] or not rd else
+               1.0 / base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd) for l, f in enumerate(inv)]
+    window, _ = _sliding(config, types, attention)
+    return DecoderPositions(family=family, positions=pos["positions"], inv_freq=tuple(inv),
+                            rotary_style=pos["rotary_style"], rope_type=pos["rope_type"],
+                            sliding_window=int(window) if window else None,
+                            chunk=getattr(config, "attention_chunk_size", None), other_layers=other,
+                            latent=latent_attention(config) is not None)
+
+
 @contextlib.contextmanager
 def attention_implementation(hf, name: str) -> Iterator[None]:
     """Run the Hugging Face model ``hf`` under attention implementation ``name`` (a built-in one or one registered

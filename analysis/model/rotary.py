@@ -19,7 +19,8 @@ import torch
 from analysis.model.hooks import ModelContractError
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, *, dtype=torch.float32, style: str = "half"):
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float | None, *, dtype=torch.float32, style: str = "half",
+                 inv_freq: torch.Tensor | None = None):
     """cos, sin (T, rot_dim) at ``positions`` (T,), computed in float64: the rotate-half layout (angles repeated
     as [a_0..a_{rd/2-1}, a_0..a_{rd/2-1}]) or the interleaved one ([a_0, a_0, a_1, a_1, ...]).
 
@@ -33,12 +34,18 @@ def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, *, dtype=to
     dtype : torch.dtype
         Of the result.
     style : {"half", "interleaved"}
+    inv_freq : torch.Tensor, shape (rot_dim / 2,), optional
+        The frequencies themselves, where a rope type scales them (linear, llama3, yarn: read from the model's rotary
+        module); default ``base ** (-2i / rot_dim)``.
 
     Returns
     -------
     cos, sin : torch.Tensor, shape (T, rot_dim)
     """
-    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
+    if inv_freq is not None:
+        inv = inv_freq.to(positions.device, torch.float64)
+    else:
+        inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
     ang = positions.double()[:, None] * inv[None]
     emb = ang.repeat_interleave(2, -1) if style == "interleaved" else torch.cat([ang, ang], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -73,8 +80,8 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, *, rot_dim: int | None = None,
-           style: str = "half") -> torch.Tensor:
+def rotate(x: torch.Tensor, positions: torch.Tensor, base: float | None, *, rot_dim: int | None = None,
+           style: str = "half", inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
     (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
     (GPT-J rotate_every_two). Returns float32.
@@ -88,6 +95,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, *, rot_dim: in
     rot_dim : int, optional
         Dims rotated (default all).
     style : {"half", "interleaved"}
+    inv_freq : torch.Tensor, optional
+        As in :func:`rope_cos_sin` (then ``base`` may be None).
 
     Returns
     -------
@@ -96,7 +105,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float, *, rot_dim: in
     if style not in ("half", "interleaved"):
         raise ValueError(f"rotary style must be 'half' or 'interleaved'; got {style!r}.")
     rd = x.shape[-1] if rot_dim is None else int(rot_dim)
-    cos, sin = rope_cos_sin(positions.to(x.device), rd, base, style=style)
+    cos, sin = rope_cos_sin(positions.to(x.device), rd, base, style=style, inv_freq=inv_freq)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, rd): broadcast over heads
     xr, xp = x[..., :rd].float(), x[..., rd:].float()
     turn = rotate_every_two if style == "interleaved" else rotate_half

@@ -11,7 +11,8 @@ Modules: ``cache`` (policies, the ``transformers.Cache`` subclass, rotary re-pos
 quantisation), ``attention`` (the decode attention function: grouped-query steps that measure the
 sinks' share inside the layer), ``perplexity`` (the decode loop and the re-computation ceiling), ``corpus`` (the offline
 stream), ``backbone`` (the Hugging Face model behind a model of the contract), ``reference`` (the project's reference
-models, learnable sink token included, on the same cache), ``run`` (all policies, the result).
+models, learnable sink token included, on the same cache), ``run`` (all policies, the result), ``generate``
+(``sink_cache``: the same cache for ``model.generate``).
 """
 from analysis.core.lazy import lazy_exports
 
@@ -20,8 +21,9 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
     **dict.fromkeys(["PolicyRun", "recompute_nll", "run_policies", "run_policy"], "analysis.streaming.perplexity"),
     **dict.fromkeys(["StreamResult", "compare_streams", "default_policies", "streaming_perplexity"],
                     "analysis.streaming.run"),
+    "sink_cache": "analysis.streaming.generate",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_streams", "default_policies", "fake_quantize",
-           "recompute_nll", "rope_spec", "run_policies", "run_policy", "streaming_perplexity"]
+           "recompute_nll", "rope_spec", "run_policies", "run_policy", "sink_cache", "streaming_perplexity"]

@@ -3,9 +3,11 @@
 ``StreamingCache`` is a ``transformers.Cache`` (the installed transformers 5 API; ``SinkCache`` was removed
 there). Positions follow StreamingLLM: inside the cache, so the query always sees the sinks at distance
 capacity-1-i however long the stream; rotary keys are re-rotated as the window moves (how, without
-re-rotating the whole cache every step: ``StreamingLayer``). The rotary convention is the
-rotate-half one of Llama, Mistral, Qwen, Gemma and SmolLM (``rope_spec`` reads ``inv_freq`` from the
-backbone); a model without rotary embeddings needs no re-rotation.
+re-rotating the whole cache every step: ``StreamingLayer``), with ``analysis.model.rotary`` (the one rotary
+implementation; ``rope_spec`` reads ``inv_freq`` from the backbone, ``analysis.streaming.generate`` reads each
+layer's from ``analysis.model.families.decoder_positions``); a model without rotary embeddings needs no re-rotation.
+The same cache serves ``model.generate`` (``analysis.streaming.generate.sink_cache``): generate numbers the tokens
+0, 1, 2... as this cache expects, and ``get_mask_sizes`` places the query at the last slot.
 
 KV quantisation is simulated: a token's keys and values are quantised per token and head (asymmetric
 min-max over the head dimension, ``bits`` bits) when they enter the cache, and stored de-quantised; the
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from analysis.model.rotary import rotate_half
+from analysis.model.rotary import rotate
 
 POLICY_KINDS = ("dense", "window", "sinks", "recompute")
 
@@ -88,17 +90,20 @@ class Policy:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotate-half rotary embedding acting on the first ``rot_dim`` dims.
+    """Rotary embedding acting on the first ``rot_dim`` dims.
 
     Attributes
     ----------
     inv_freq : torch.Tensor, shape (rot_dim / 2,)
         The inverse frequencies.
+    style : {"half", "interleaved"}
+        The pairing (``analysis.model.rotary``).
     rot_dim : int
         The rotated dims (a property).
     """
 
     inv_freq: torch.Tensor
+    style: str = "half"
 
     @property
     def rot_dim(self) -> int:
@@ -131,24 +136,20 @@ def rope_spec(hf_model) -> RopeSpec | None:
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate keys (B, H, L, D) by ``delta`` (B, L) positions in the rotate-half convention.
+    """Rotate keys (B, H, L, D) by ``delta`` (L,) positions, with ``analysis.model.rotary.rotate``.
 
     Parameters
     ----------
     keys : torch.Tensor, shape (B, H, L, D)
-    delta : torch.Tensor, shape (B, L)
+    delta : torch.Tensor, shape (L,)
     spec : RopeSpec
 
     Returns
     -------
     torch.Tensor, shape (B, H, L, D)
     """
-    ang = delta.to(keys.device, torch.float32)[..., None] * spec.inv_freq.to(keys.device)
-    ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, L, rot_dim)
-    cos, sin = ang.cos().to(keys.dtype), ang.sin().to(keys.dtype)
-    r = spec.rot_dim
-    k, rest = keys[..., :r], keys[..., r:]
-    return torch.cat((k * cos + rotate_half(k) * sin, rest), dim=-1)
+    out = rotate(keys.transpose(1, 2), delta, None, rot_dim=spec.rot_dim, style=spec.style, inv_freq=spec.inv_freq)
+    return out.transpose(1, 2).to(keys.dtype)
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -204,11 +205,19 @@ class StreamingLayer(DynamicLayer):
             x = torch.where(use[:, None, :, None], fake_quantize(x, b), x)
         return x
 
+    def _start(self, key_states, value_states) -> None:
+        self.lazy_initialization(key_states, value_states)
+        B = key_states.shape[0]
+        if len(self.sinks) == 1 and B > 1:  # one setting for every row (generate's batches)
+            self.sinks, self.bits, self.fp_tokens = self.sinks * B, self.bits * B, self.fp_tokens * B
+        if len(self.sinks) != B:
+            raise ValueError(f"this cache holds {len(self.sinks)} rows; the model gave {B}: make one cache per batch.")
+        self.ptr = torch.tensor(self.sinks, device=key_states.device)
+        self._sink_mask = None
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self.ptr = torch.tensor(self.sinks, device=key_states.device)
-            self._sink_mask = None
+            self._start(key_states, value_states)
         n = key_states.shape[-2]
         if any(b is not None for b in self.bits):
             start = min(self.n_seen, self.capacity - 1) if self.capacity is not None else self.n_seen
@@ -219,7 +228,10 @@ class StreamingLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
         else:
             if n != 1 or L != self.capacity:
-                raise ValueError("a full streaming cache takes one token per step; prefill at most the capacity.")
+                raise ValueError(
+                    f"{L + n} tokens would enter a streaming cache of {self.capacity}: prefill at most the window "
+                    "(to generate from a longer prompt, pass prefill_chunk_size=1 to generate, which feeds it a token "
+                    "at a time as StreamingLLM does), with a fresh cache per generate call.")
             B, H, _, D = self.keys.shape
             slot = self.ptr.view(B, 1, 1, 1).expand(B, H, 1, D)
             self.keys.scatter_(2, slot, key_states)
@@ -231,15 +243,24 @@ class StreamingLayer(DynamicLayer):
         if self.sink_keys is None and smax and self.get_seq_length() >= smax:
             self.sink_keys = self.keys[:, :, :smax].clone()
         if self.rope is not None and smax and self.evictions:
-            rot = rotate_keys(self.sink_keys, torch.full((1, smax), self.evictions), self.rope)
+            rot = rotate_keys(self.sink_keys, torch.full((smax,), self.evictions), self.rope)
             if self._sink_mask is None:
                 self._sink_mask = (torch.arange(smax) < torch.tensor(self.sinks)[:, None]).to(self.keys.device)[:, None, :, None]
             self.keys[:, :, :smax] = torch.where(self._sink_mask, rot, self.keys[:, :, :smax])
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(keys the step attends to, the index of the first one): once full, the offset puts the query (at index
+        ``get_seq_length()``, the cache's query offset) right after the last key, so the first kept key sits
+        ``capacity - 1`` before it, as in StreamingLLM (a sliding-window mask keeps every kept token while the
+        capacity is at most the window)."""
         L = self.get_seq_length() + query_length
-        return (L if self.capacity is None else min(L, self.capacity)), 0
+        if self.capacity is None:
+            return L, 0
+        return min(L, self.capacity), max(0, L - self.capacity)
+
+    def get_max_length(self) -> int:
+        return -1 if self.capacity is None else self.capacity
 
     def oldest_slots(self) -> torch.Tensor:
         """(B,) the slot of each row's oldest kept non-sink token."""
@@ -251,19 +272,24 @@ class StreamingLayer(DynamicLayer):
 class StreamingCache(Cache):
     """A KV cache that keeps each row's first ``sinks[b]`` tokens and the most recent ones, ``capacity`` in all
     (None: keep everything). Feed it token t at ``position_ids = cache.position(t)``: the absolute position
-    for rotary models (see ``StreamingLayer``), the cache index for models without rotary embeddings."""
+    for rotary models (see ``StreamingLayer``), the cache index for models without rotary embeddings. ``rope``: one
+    ``RopeSpec`` for every layer, or a list with one per layer (None on a layer without rotary). One row's settings
+    serve a batch of any size."""
 
-    def __init__(self, n_layers: int, rope: RopeSpec | None, capacity: int | None, sinks=(0,), bits=(None,),
+    def __init__(self, n_layers: int, rope: RopeSpec | list | None, capacity: int | None, sinks=(0,), bits=(None,),
                  fp_tokens=(0,)):
         if not len(sinks) == len(bits) == len(fp_tokens):
             raise ValueError("sinks, bits and fp_tokens need one entry per batch row.")
         if capacity is not None and max(sinks) >= capacity:
             raise ValueError(f"sinks ({max(sinks)}) must be fewer than the capacity ({capacity}).")
-        super().__init__(layers=[StreamingLayer(rope, capacity, sinks, bits, fp_tokens) for _ in range(n_layers)])
+        ropes = list(rope) if isinstance(rope, (list, tuple)) else [rope] * n_layers
+        if len(ropes) != n_layers:
+            raise ValueError(f"give one rope per layer ({n_layers}); got {len(ropes)}.")
+        super().__init__(layers=[StreamingLayer(r, capacity, sinks, bits, fp_tokens) for r in ropes])
         self.capacity, self.rope = capacity, rope
 
     def position(self, t: int) -> int:
-        if self.rope is not None or self.capacity is None:
+        if any(layer.rope is not None for layer in self.layers) or self.capacity is None:
             return t
         return min(t, self.capacity - 1)
 
