@@ -17,6 +17,10 @@ from analysis.report.one_pass import ANALYSES, profile
 from tests.families import FAMILIES
 
 RTOL = 1e-5
+# Absolute floor: SmolLM2 carries a 23,000 activation on the first token, where float32 resolves 2e-3; quantities
+# downstream of it (alpha on a repeated token at layer 11, a writer neuron's activation on other tokens) move by up
+# to 4e-6 between two exact orders of summation.
+ATOL = 1e-5
 # Where a number may differ without any error: the argmax position among values equal to float noise (a token
 # repeated: every position carries the same activation), and figures rounded to 4 decimals for the page.
 LOOSE = ("_pos", "coords", "top_token")
@@ -49,7 +53,7 @@ def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "te
         elif math.isnan(v) or any(s in k for s in LOOSE):
             continue
         elif abs(v - w) > (1e-4 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else
-                           RTOL * max(abs(v), abs(w)) + 1e-6):
+                           RTOL * max(abs(v), abs(w)) + ATOL):
             out.append((k, v, w))
     return out
 
