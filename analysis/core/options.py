@@ -71,14 +71,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every option's default shown (``(default: ...)``), descriptions kept as written."""
 
 
-def model_options(default_model: str = DEFAULT_MODEL, *, model: bool = True) -> argparse.ArgumentParser:
+def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True) -> argparse.ArgumentParser:
     """``--model --device --dtype --threads --quiet``, as a parent parser.
 
     Parameters
     ----------
     default_model : str
         The model taken without ``--model``.
-    model : bool
+    model_flag : bool
         Add ``--model`` (False: a command that names its models otherwise, ``atlas MODEL [MODEL ...]``).
 
     Returns
@@ -87,7 +87,7 @@ def model_options(default_model: str = DEFAULT_MODEL, *, model: bool = True) -> 
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
-    if model:
+    if model_flag:
         g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
     g.add_argument("--device", default="auto", help=VOCABULARY["--device"])
     g.add_argument("--dtype", default="float32", help=VOCABULARY["--dtype"])

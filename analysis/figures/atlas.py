@@ -11,18 +11,19 @@ from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set
 KIND_COLOURS = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
 
 
-def short_name(model: str) -> str:
+def short_name(name: str) -> str:
     """A model's label on a figure: the last part of its path or hub id.
 
     Parameters
     ----------
-    model : str
+    name : str
+        The model's name, path or hub id.
 
     Returns
     -------
     str
     """
-    return PurePath(str(model).rstrip("/\\")).name or str(model)
+    return PurePath(str(name).rstrip("/\\")).name or str(name)
 
 
 def _rows(table: pd.DataFrame, ax, height: float):

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     -------
     None
     """
-    a = sub.add_parser("atlas", parents=[model_options(model=False), probe_options(n=SINK_N), sink_options(),
+    a = sub.add_parser("atlas", parents=[model_options(model_flag=False), probe_options(n=SINK_N), sink_options(),
                                          placement_options(), backend_options()], formatter_class=HelpFormatter,
                        help="many models in one resumable run: Sink_1, the largest activation and the facts of each")
     a.add_argument("models", nargs="*", metavar="MODEL",
