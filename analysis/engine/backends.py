@@ -157,8 +157,8 @@ def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str]
         if ".attn.hook_" in n and site in ATTENTION_HOOKS:
             if site in ("hook_q", "hook_k") and not plain_qk:
                 return f"{n} holds q/k before the rotary or the q/k norm, which the attention interface never sees"
-            if site == "hook_pattern" and n in edits:
-                return f"an edit of {n}: the transformers backend never builds the map"
+            if site in ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k") and n in edits:
+                return f"an edit of {n}: the transformers backend reads q, k and the map, it does not change them"
             if site == "hook_z" and spec.gate is not None:
                 return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue

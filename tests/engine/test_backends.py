@@ -126,6 +126,11 @@ def test_bad_inputs_say_what_to_do(tiny_llama):
         sink_metric(tiny_llama, torch.full((1, 8), 500), k_max=2, path="fused")
     with pytest.raises(ValueError, match="backend must be one of"):
         choose_backend(tiny_llama, backend="flash")
+    # an edit the transformers backend would not apply takes the bridge, never a silent no-op
+    for site in ("hook_pattern", "hook_rot_q", "hook_k"):
+        name = f"blocks.0.attn.{site}"
+        assert choose_backend(tiny_llama, backend="auto", names=[], edits=[name])[0] == "transformer_lens"
+    assert choose_backend(tiny_llama, backend="auto", edits=["blocks.0.attn.hook_v"])[0] == "transformers"
 
 
 def test_sink_metric_paths(tiny_llama, device):
