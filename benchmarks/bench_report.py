@@ -1,6 +1,6 @@
 """The full report (``python -m analysis report``) against a plain forward pass, measured in one run.
 
-    .venv/bin/python benchmarks/bench_report.py [--model smollm2-135m] [--n 32] [--T 64] [--repeat 3] [--reports 2]
+    .venv/bin/python benchmarks/bench_report.py [--model smollm2-135m] [--n 32] [--T 64] [--repeat 3] [--reports 2] [--backend auto]
 
 On the same N natural-text sequences of T tokens (the report's own natural probe) it measures:
   (a) plain forward   the model's forward over the N sequences, same batches, no hooks (--repeat times before the
@@ -46,9 +46,11 @@ from pathlib import Path
 
 import torch
 
+from analysis.core.defaults import BACKENDS, CLI_BACKEND
 from analysis.core.memory import measure
 
 OVERHEAD_TARGET, MEMORY_TARGET = 2.5, 1.3  # forward passes above the counted model work; x the forward's peak
+PROFILE_TARGET = 1.2  # each probe kind's profile pass against a forward over the same N x T tokens (issue 47)
 
 
 def main() -> None:
@@ -60,13 +62,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="plain forward passes to time before the reports (best is kept)")
     p.add_argument("--reports", type=int, default=2, help="reports to time (each followed by one more forward)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default=CLI_BACKEND, choices=BACKENDS,
+                   help="what runs the report's passes (the report command's --backend; its default)")
     args = p.parse_args()
 
     from analysis import load_model, natural_probe
     from analysis.engine.passes import batches, default_batch_size
     from analysis.report.build import build_report
 
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, backend=args.backend)
     tokens = natural_probe(model.tokenizer, n=args.n, T=args.T, seed=args.seed).tokens
     bs = default_batch_size(tokens)
 
@@ -85,9 +89,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             rep = measure(lambda: build_report(model, out, n=args.n, T=args.T, seed=args.seed), args.device)
             work.start(False)
-            seconds = json.loads((Path(out) / "report.json").read_text())["seconds"]
+            written = json.loads((Path(out) / "report.json").read_text())
+            seconds, ran = written["seconds"], written["config"].get("backend")
             size = {f.name: f.stat().st_size for f in Path(out).iterdir()}
         reps.append((rep, seconds))
+        if i == 0:
+            print(f"the report's passes ran on: {ran}", flush=True)
         fwds.append(measure(forward, args.device))
     work.stop()
     work.backward = backward_price(model, tokens, args.device)  # after the reports: their memory is measured first
@@ -110,6 +117,7 @@ def main() -> None:
         f"{r[0][0]:.1f} s / {a:.2f} s = {x:.1f} ({x - floor:.1f} above)" for r, a, x in zip(reps, around, paired)))
     _print_targets(statistics.median(paired), floor, reps[0][0][1] / max(fwd[1], 1e-9), priced=base < split,
                    fastest=report_s / fwd[0])
+    _print_profile(reps, around, kinds=PROBE_KINDS)
 
 
 def backward_price(model, tokens, device) -> float:
@@ -247,6 +255,18 @@ def _print_targets(t_ratio: float, floor: float, m_ratio: float, priced: bool = 
           f"forward, {over:.1f} forward passes above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {verdict} "
           f"(against the run's fastest forward: {fastest - floor:.1f}); peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x "
           f"{'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
+
+
+PROBE_KINDS = 3  # the report's profile passes: natural, random and repeated tokens, each N x T
+
+
+def _print_profile(reps, around, *, kinds: int) -> None:
+    """The report's profile pass in forward passes: its seconds over the probe kinds it runs (each kind N x T tokens,
+    as the forward), against the forwards beside each report; the median over reports, and the target."""
+    per = [r[1]["profile"] / kinds / a for r, a in zip(reps, around)]
+    x = statistics.median(per)
+    print(f"profile pass: {', '.join(f'{v:.2f}' for v in per)} forward passes per probe kind (median {x:.2f}) <= "
+          f"{PROFILE_TARGET:g} {'met' if x <= PROFILE_TARGET else 'NOT met'}")
 
 
 if __name__ == "__main__":
