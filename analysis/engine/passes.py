@@ -19,17 +19,15 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.backends import Taps, choose_backend, run_hf_batch
-from analysis.model.families import RESUMABLE, FamilySpec, get_family
+from analysis.model.families import RESUMABLE, get_family
 from analysis.model.hooks import (
     ModelContractError,
-    ModelDims,
     act_name,
     check_tokens,
     hook_layer,
     hook_names,
     model_device,
-    model_dims,
-    skipped_note,
+    model_facts,
 )
 from analysis.core.docs import parameters_from
 from analysis.core.stats import unit_vectors
@@ -90,49 +88,6 @@ class Batch:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a pass knows of its model, read once per pass (:func:`model_facts`) and handed to every accumulator it
-    feeds, so that none of them reads the model's dims, attention layers and family again.
-
-    Attributes
-    ----------
-    dims : ModelDims
-        Layer and head counts, widths (``analysis.model.hooks.model_dims``).
-    attention_layers : tuple of int
-        The softmax-attention layers, true indices (``analysis.attention_layers``).
-    family : FamilySpec
-        What the model's family computes (``analysis.get_family``).
-    skipped : str
-        The layers an attention analysis leaves out, in one sentence; "" when none (``hooks.skipped_note``).
-    """
-
-    dims: ModelDims
-    attention_layers: tuple[int, ...]
-    family: FamilySpec
-    skipped: str
-
-
-def model_facts(model: SinkModel, *, facts: ModelFacts | None = None) -> ModelFacts:
-    """The model's facts for one pass: ``facts`` where the pass already read them, else read from ``model`` now.
-
-    Parameters
-    ----------
-    model
-        Any model with TransformerLens hook names.
-    facts : ModelFacts, optional
-        Facts a pass already read (returned as they are).
-
-    Returns
-    -------
-    ModelFacts
-    """
-    if facts is not None:
-        return facts
-    family = get_family(model)
-    return ModelFacts(model_dims(model), tuple(family.attention_layers), family, skipped_note(model))
 
 
 class Accumulator(abc.ABC):
@@ -689,7 +644,8 @@ from analysis.core.registry import Analysis, register  # noqa: E402
 
 def _resid_capture(inputs) -> list:
     """The main pass's resume points (``checkpoint_layers``); none where the model cannot resume a pass."""
-    model, tokens, facts = inputs.model, inputs.tokens, inputs.facts
+    model, tokens = inputs.model, inputs.tokens
+    facts = model_facts(model)
     if not can_resume(model):
         return []
     block_bytes = tokens.numel() * facts.dims.d_model * next(model.parameters()).element_size()

@@ -124,3 +124,21 @@ def test_no_new_reach_into_hugging_face_or_transformer_lens_internals():
     stale = sorted(f for f in ALLOWED if not (ROOT / f).exists())
     assert not stale, f"ALLOWED names files that are gone: {stale}"
     assert sum(map(len, found.values())) <= sum(n for n, _ in ALLOWED.values())
+
+
+def test_model_facts_are_derived_once_per_model_and_again_when_its_family_changes(tiny_llama):
+    import dataclasses
+
+    from analysis.model.hooks import model_dims, model_facts
+
+    facts = model_facts(tiny_llama)
+    assert model_facts(tiny_llama) is facts  # kept: every accumulator asks, none is handed them
+    assert facts.dims == model_dims(tiny_llama) and facts.family is tiny_llama.family
+    kept = tiny_llama.family
+    try:
+        tiny_llama.family = dataclasses.replace(kept, attention_layers=kept.attention_layers[:1])
+        again = model_facts(tiny_llama)
+        assert again is not facts and again.attention_layers == tuple(kept.attention_layers[:1])
+    finally:
+        tiny_llama.family = kept
+    assert model_facts(tiny_llama).attention_layers == tuple(kept.attention_layers)
