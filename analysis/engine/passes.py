@@ -10,12 +10,13 @@ the plain form for one-off hooks. The hook names and the model's dimensions come
 from __future__ import annotations
 
 import abc
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from analysis.model.access import can_skip_blocks, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.backends import Taps, choose_backend, run_hf_batch
@@ -396,33 +397,7 @@ def can_resume(model: SinkModel) -> bool:
         residual streams of every layer onto one device (tests/model/test_device_map.py watches for it); the passes run
         from the embedding instead.
     """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
-        return False
-    if getattr(getattr(model, "original_model", None), "hf_device_map", None):
-        return False
-    return get_family(model).family in RESUMABLE
-
-
-class _PassOn(torch.nn.Module):
-    """Stands in for a skipped block: hands its input on unchanged (the resumed block swaps in its residual)."""
-
-    def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
-
-
-@contextmanager
-def _skipped_blocks(model, layer: int):
-    """Blocks 0..layer-1 of a bridge replaced by :class:`_PassOn` for the duration (restored on exit)."""
-    blocks = list(model.blocks)[:layer]
-    kept = [b._modules["_original_component"] for b in blocks]
-    try:
-        for b in blocks:
-            b._modules["_original_component"] = _PassOn()
-        yield
-    finally:
-        for b, m in zip(blocks, kept):
-            b._modules["_original_component"] = m
+    return can_skip_blocks(model) and get_family(model).family in RESUMABLE
 
 
 def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
@@ -523,7 +498,7 @@ def run_pass(
     _check_hooks(model, [n for n, _ in hooks + entry])
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in hooks])
-    with torch.inference_mode(), (_skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
+    with torch.inference_mode(), (skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
         for batch in _batches(model, tokens, batch_size, progress):
             joint.start(batch)
             if on_batch_start is not None:
