@@ -167,15 +167,16 @@ def interface_refusal(model: SinkModel) -> str | None:
     return None
 
 
-def hooked_modules(model: torch.nn.Module, *, bridged: bool) -> list[str]:
+def hooked_modules(module: torch.nn.Module, *, bridged: bool) -> list[str]:
     """The modules with user hooks: a bridge's hook points (its own wiring hooks aside), or any module of a Hugging
     Face model.
 
     Parameters
     ----------
-    model : torch.nn.Module
+    module : torch.nn.Module
+        A bridge or a Hugging Face model.
     bridged : bool
-        Whether ``model`` is a bridge (only its hook points count).
+        Whether ``module`` is a bridge (only its hook points count).
 
     Returns
     -------
@@ -183,7 +184,7 @@ def hooked_modules(model: torch.nn.Module, *, bridged: bool) -> list[str]:
     """
     from transformer_lens.hook_points import HookPoint  # lazy: import time
 
-    return [n for n, m in model.named_modules()
+    return [n for n, m in module.named_modules()
             if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))]
 
 
