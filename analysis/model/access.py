@@ -26,6 +26,11 @@ from analysis.model.weights import materialized
 _WRAPPED = "_original_component"  # where a bridge block keeps the Hugging Face block it wraps
 
 
+def _stated(model, field: str, default=None):
+    """A field of the model's TransformerLens or reference config (``model.cfg``); ``default`` where it has none."""
+    return getattr(getattr(model, "cfg", None), field, default)
+
+
 def _text_config(hf: torch.nn.Module):
     """A Hugging Face model's text config (its decoder's, for a multimodal one)."""
     cfg = hf.config
@@ -227,7 +232,7 @@ def vocab_size(model: SinkModel) -> int | None:
     -------
     int or None
     """
-    v = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    v = _stated(model, "d_vocab")
     return int(v) if v else None
 
 
@@ -243,7 +248,7 @@ def positional_encoding_name(model: SinkModel) -> str | None:
     -------
     str or None
     """
-    return getattr(getattr(model, "cfg", None), "positional_embedding_type", None)
+    return _stated(model, "positional_embedding_type")
 
 
 def layer_position_module(model: SinkModel, layer: int) -> torch.nn.Module:
@@ -274,7 +279,7 @@ def attention_logit_scale(model: SinkModel) -> float | None:
     -------
     float or None
     """
-    scale = getattr(getattr(model, "cfg", None), "attn_scale", None)
+    scale = _stated(model, "attn_scale")
     return float(scale) if scale is not None and float(scale) > 0 else None
 
 
@@ -290,7 +295,7 @@ def attention_operation(model: SinkModel) -> str:
     -------
     str
     """
-    return getattr(getattr(model, "cfg", None), "attention", "softmax")
+    return _stated(model, "attention", "softmax")
 
 
 def attention_window(model: SinkModel) -> int | None:
@@ -305,7 +310,7 @@ def attention_window(model: SinkModel) -> int | None:
     -------
     int or None
     """
-    w = getattr(getattr(model, "cfg", None), "sliding_window", None)
+    w = _stated(model, "sliding_window")
     return None if w is None else int(w)
 
 

@@ -130,3 +130,25 @@ def test_model_facts_are_derived_once_per_model_and_again_when_its_family_change
     finally:
         tiny_llama.family = kept
     assert model_facts(tiny_llama).attention_layers == tuple(kept.attention_layers)
+
+
+def test_the_typed_reads_answer_on_a_bridge_and_refuse_what_it_is_not(tiny_llama):
+    import pytest
+    import torch
+
+    from analysis.model import access
+    from analysis.model.contract import ModelContractError
+    from analysis.model.hooks import model_dims
+
+    d = model_dims(tiny_llama)
+    assert access.head_output_weights(tiny_llama, 0).shape == (d.n_heads, d.d_head, d.d_model)
+    assert access.can_skip_blocks(tiny_llama) and access.interface_refusal(tiny_llama) is None
+    assert access.attention_operation(tiny_llama) == "softmax" and access.attention_window(tiny_llama) is None
+    wrapped = [b._modules["_original_component"] for b in tiny_llama.blocks]
+    x = torch.randn(1, 3, d.d_model)
+    with access.skipped_blocks(tiny_llama, 1):
+        assert tiny_llama.blocks[0]._modules["_original_component"](x) is x  # handed on unchanged
+        assert tiny_llama.blocks[1]._modules["_original_component"] is wrapped[1]
+    assert [b._modules["_original_component"] for b in tiny_llama.blocks] == wrapped  # restored
+    with pytest.raises(ModelContractError, match="not a reference model"):
+        access.reference_config(tiny_llama)
