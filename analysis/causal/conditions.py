@@ -19,9 +19,9 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, per_query_head
+from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, model_facts, per_query_head
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
 from analysis.core.docs import fill_parameters
@@ -179,8 +179,8 @@ class PassAccumulator(Accumulator):
     needs_logits = True
 
     def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int = K_MAX, start: int = 0,
-                 facts: ModelFacts | None = None, group_rows: int | None = None):
-        facts = model_facts(model, facts=facts)
+                 group_rows: int | None = None):
+        facts = model_facts(model)
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
         self.layers, self.skipped = [l for l in facts.attention_layers if l >= start], facts.skipped
         self.pos = {l: i for i, l in enumerate(self.layers)}
@@ -322,8 +322,8 @@ class FirstTokenResidAccumulator(Accumulator):
         Any model with TransformerLens hook names.
     """
 
-    def __init__(self, model, *, facts: ModelFacts | None = None):
-        self.layers = list(range(model_facts(model, facts=facts).dims.n_layers))
+    def __init__(self, model):
+        self.layers = list(range(model_facts(model).dims.n_layers))
         self.first = LayerCollector(self.layers)
 
     def hooks(self):
@@ -349,8 +349,8 @@ class ValueStatsAccumulator(Accumulator):
         Any model with TransformerLens hook names.
     """
 
-    def __init__(self, model, *, facts: ModelFacts | None = None):
-        facts = model_facts(model, facts=facts)
+    def __init__(self, model):
+        facts = model_facts(model)
         dims = facts.dims
         self.H, self.K, self.layers = dims.n_heads, dims.n_kv_heads, list(facts.attention_layers)
         self.sums = {l: dict.fromkeys(("a1", "v1", "vj", "contrib", "z"), 0) for l in self.layers}
@@ -417,7 +417,7 @@ class Baseline:
         return compact_repr(self)  # shapes, never tensor values
 
 
-def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS, facts: ModelFacts | None = None) -> list[Accumulator]:
+def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS) -> list[Accumulator]:
     """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
 
     Parameters
@@ -428,17 +428,13 @@ def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS, fa
         The sequence length.
     eps
         As in :func:`baseline_pass`.
-    facts : ModelFacts, optional
-        The model's dims, attention layers and family, read once by the pass that builds this
-        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
     list of Accumulator
     """
-    facts = model_facts(model, facts=facts)
-    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX, facts=facts), FirstTokenResidAccumulator(model, facts=facts),
-            ValueStatsAccumulator(model, facts=facts)]
+    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
+            ValueStatsAccumulator(model)]
 
 
 def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
@@ -522,6 +518,6 @@ from analysis.core.registry import Analysis, register  # noqa: E402
 register(Analysis(
     "baseline", result=Baseline, order=60, hooks=("pattern", "resid", "v", "z"), product=True,
     doc="The interventions' shared baseline on the main kind.",
-    accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps, facts=p.facts),
+    accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps),
     # with the main kind's resume points, so that its conditions resume
     finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {})))

@@ -59,7 +59,7 @@ from analysis.model.hooks import (
     skipped_note,
 )
 from analysis.engine.passes import batches
-from analysis.model.weights import materialized
+from analysis.model.access import head_output_weights
 from analysis.sinks.metric import check_eps, slot_share
 from analysis.causal.dormant_result import DormantHeads, check_quantile, check_sink_positions, first_query
 from analysis.causal.head_removal import head_means, removal_effects, sequence_losses
@@ -72,7 +72,7 @@ from analysis.causal.head_removal import head_means, removal_effects, sequence_l
 
 def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """{layer: W_O^h W_O^h^T (H, d_head, d_head)} so that |z_t^h W_O^h|^2 = z_t^h G_h z_t^h (float32). Reads
-    ``blocks[l].attn.W_O`` (H, d_head, d_model), TransformerLens' layout; ModelContractError where it is missing.
+    ``analysis.model.access.head_output_weights`` (H, d_head, d_model); ModelContractError where they are missing.
 
     Parameters
     ----------
@@ -88,12 +88,7 @@ def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Ten
     """
     out = {}
     for l in layers:
-        with materialized(model.blocks[l]):  # the real W_O on a model with offloaded blocks
-            W = getattr(getattr(model.blocks[l], "attn", None), "W_O", None)
-        if not isinstance(W, torch.Tensor) or W.ndim != 3:
-            raise ModelContractError(f"layer {l} exposes no per-head output weights `blocks[{l}].attn.W_O` (H, d_head, "
-                                     "d_model); the head's output norm needs them (load the model with `load_model`).")
-        W = W.detach().float()
+        W = head_output_weights(model, l).float()  # ModelContractError where the layer has none
         out[l] = torch.einsum("hdD,heD->hde", W, W)
     return out
 

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from analysis.model.access import vocab_size
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_heads, check_tokens
 from analysis.engine.passes import Accumulator, Batch, ResidCapture, Resume, can_resume, resume_from, run_pass
@@ -206,7 +207,7 @@ def removal_effects(model: SinkModel, tokens, heads, *, queries: Sequence[int] |
         raise ValueError(f"values must hold one output (d_head,) per head: shape ({len(pairs)}, d_head); got "
                          f"{tuple(values.shape)}.")
     qpos = torch.tensor([-1] + qs)  # row r of a sequence removes query qpos[r] (-1: none)
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", None) or 50_000)
+    vocab = vocab_size(model) or 50_000
     bs = batch_size or min(512, max(1, 2**26 // (T * vocab)))  # rows whose logits take at most 256 MiB
     out = []
     for i, (l, h) in enumerate(pairs):

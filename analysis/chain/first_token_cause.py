@@ -25,7 +25,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, get_mlp, mlp_weights, norm_weights
-from analysis.model.hooks import act_name, check_tokens
+from analysis.model.hooks import act_name, check_tokens, model_facts
 from analysis.core.io import jsonable
 from analysis.model.key_path import NormParams
 from analysis.engine.passes import Accumulator, Batch, run_pass
@@ -40,7 +40,7 @@ def _input_norm(model, block: int) -> NormParams:
     spec = get_mlp(model)
     mod = block_norm(model, block, spec.input_norm_module)
     if mod is None or spec.input_norm is None:
-        return NormParams("none", torch.ones(int(model.cfg.d_model)), None, 0.0)
+        return NormParams("none", torch.ones(int(model_facts(model).dims.d_model)), None, 0.0)
     w, b = norm_weights(mod)
     ns = spec.input_norm
     return NormParams(_NORM_KINDS.get(ns.kind, "RMS"), w, b if ns.bias else None, ns.eps, ns.gain_offset)
@@ -86,8 +86,8 @@ class CauseAccumulator(Accumulator):
     def __init__(self, model, readouts: list[_Readout], dims: list[int], later: int, *, last: int = 0):
         self.model, self.readouts, self.dims, self.later = model, readouts, dims, int(later)
         self.spec = get_mlp(model)
-        self.last = min(max([r.block for r in readouts] + [int(last)]), int(model.cfg.n_layers) - 1)
-        self.U = torch.cat([r.U for r in readouts], 1) if readouts else torch.zeros(int(model.cfg.d_model), 0)
+        self.last = min(max([r.block for r in readouts] + [int(last)]), model_facts(model).dims.n_layers - 1)
+        self.U = torch.cat([r.U for r in readouts], 1) if readouts else torch.zeros(int(model_facts(model).dims.d_model), 0)
         self.rows: dict[tuple, list[torch.Tensor]] = {}
         self.blocks = sorted({r.block for r in readouts})
 

@@ -13,8 +13,8 @@ import torch
 
 from analysis.core.defaults import TINY
 from analysis.model.mlp_spec import get_mlp, mlp_input
-from analysis.model.hooks import act_name
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts
+from analysis.model.hooks import act_name, model_facts
+from analysis.engine.passes import Accumulator, Batch, LayerCollector
 from analysis.core.results import compact_repr
 from analysis.core.stats import one_thread
 
@@ -108,14 +108,12 @@ class SpikeOriginAccumulator(Accumulator):
         Any model with TransformerLens hook names.
     kind : str, optional
         The input kind, a label.
-    facts : ModelFacts, optional
-        The model's facts, read once by the pass that builds this; None: read from the model now.
     """
 
-    def __init__(self, model, *, kind: str | None = None, facts: ModelFacts | None = None):
+    def __init__(self, model, *, kind: str | None = None):
         self.model, self.kind = model, kind
         self.spec = get_mlp(model)
-        dims = model_facts(model, facts=facts).dims
+        dims = model_facts(model).dims
         self.L, self.D = dims.n_layers, int(dims.d_model)
         self.neuron_layers = [l for l in range(self.L) if self.spec.has_neurons(l)]
         self.first = LayerCollector(list(range(self.L)))  # (N, L, 3, D): resid, attn, mlp of the first token

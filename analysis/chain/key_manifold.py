@@ -55,11 +55,12 @@ from analysis.model.hooks import (
     group_reduce,
     kv_view,
     model_dims,
+    model_facts,
     per_query_head,
     qk_hook_names,
 )
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.results import Result, layers_text
 from analysis.core.docs import share_parameters
 from analysis.model.rotary import rotate_as_spec
@@ -442,8 +443,8 @@ class KeyManifoldAccumulator(Accumulator):
     keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
 
     def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, *, rotated: bool = True,
-                 scatter_layers=(), kind: str | None = None, facts: ModelFacts | None = None):
-        facts = model_facts(model, facts=facts)
+                 scatter_layers=(), kind: str | None = None):
+        facts = model_facts(model)
         dims = facts.dims
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
         self.n_components, self.scatter, self.rotated = n_components, scatter, rotated
@@ -661,8 +662,7 @@ def _check_sizes(N: int, T: int, n_components) -> None:
 
 
 def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
-                             scatter_heads="auto", rotated: bool = True, kind: str | None = None,
-                             facts: ModelFacts | None = None) -> KeyManifoldAccumulator:
+                             scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
     """Check the arguments of :func:`first_key_manifold` and build its accumulator.
 
     Parameters
@@ -671,15 +671,12 @@ def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, hea
         (N, T) of the tokens the pass runs over (N >= 2, T >= 3).
     model, layers, heads, n_components, scatter_heads, rotated, kind
         As in :func:`first_key_manifold`.
-    facts : ModelFacts, optional
-        The model's dims, attention layers and family, read once by the pass that builds this
-        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
     KeyManifoldAccumulator
     """
-    facts = model_facts(model, facts=facts)
+    facts = model_facts(model)
     dims = facts.dims
     layers = (list(facts.attention_layers) if layers is None
               else check_attention_layers(model, layers=check_layers(model, layers)))
@@ -688,7 +685,7 @@ def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, hea
     _check_sizes(N, T, n_components)
     heads, explicit, auto = _check_kv_heads(model, heads, scatter_heads)
     return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated,
-                                  scatter_layers=[l for l, _ in explicit], kind=kind, facts=facts)
+                                  scatter_layers=[l for l, _ in explicit], kind=kind)
 
 
 @share_parameters(key_manifold_accumulator)
@@ -749,7 +746,7 @@ from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 register(Analysis(
     "key_manifold", result=KeyManifold, order=40, hooks=("q", "k", "pattern"), doc="The first-key manifold on the main kind.",
-    accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind, facts=p.facts)],
+    accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind)],
     sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"),
                       runner="analysis.report.sections:_key_manifold"),),
     figure="analysis.figures.key_manifold:plot_key_pca", exports=("first_key_manifold",)))

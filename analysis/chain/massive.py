@@ -31,8 +31,8 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
-from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, token_strings
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass, ModelFacts, model_facts
+from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, model_facts, token_strings
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.core.reductions import top_k_abs
 from analysis.core.docs import share_parameters
@@ -478,8 +478,7 @@ def width_criterion(d_model: int) -> tuple[float, float]:
 
 def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
                         ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
-                        median_over: str = "sequence", kind: str | None = None,
-                        facts: ModelFacts | None = None) -> MassiveAccumulator:
+                        median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
     """Check the arguments of :func:`massive_activations` and build its accumulator.
 
     Parameters
@@ -488,9 +487,6 @@ def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: i
         (N, T) of the tokens the pass runs over.
     model, layers, top_k, abs_threshold, ratio_threshold, min_share, hook, median_over, kind
         As in :func:`massive_activations`.
-    facts : ModelFacts, optional
-        The model's dims, attention layers and family, read once by the pass that builds this
-        (``analysis.engine.passes.model_facts``); None: read from the model now.
 
     Returns
     -------
@@ -498,7 +494,7 @@ def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: i
     """
     if median_over not in ("sequence", "token"):
         raise ValueError(f"median_over must be 'sequence' or 'token'; got {median_over!r}.")
-    facts = model_facts(model, facts=facts)
+    facts = model_facts(model)
     layers = list(range(facts.dims.n_layers)) if layers is None else check_layers(model, layers)
     if not layers:
         raise ValueError("layers is empty: give at least one layer (None means all).")
@@ -689,6 +685,6 @@ register(Analysis(
     "massive", result=MassiveActivations, every_kind=True, order=20, hooks=("resid",),
     doc="Input kind -> massive activations.",
     accumulators=lambda p: [massive_accumulator(p.model, p.tokens.shape, abs_threshold=p.spike[0],
-                                                ratio_threshold=p.spike[1], kind=p.kind, facts=p.facts)],
+                                                ratio_threshold=p.spike[1], kind=p.kind)],
     sections=(Section("Massive activations", "spike", 30, runner="analysis.report.sections:_massive"),),
     figure="analysis.figures.massive:plot_top_activations", exports=("massive_activations",)))

@@ -57,8 +57,7 @@ def check_nnsight_tokens(model: NnsightModel, tokens) -> torch.Tensor:
     """
     if not isinstance(model, NnsightModel):
         raise TypeError(f"give a model from load_model(name, backend='nnsight'); got {type(model).__name__}.")
-    cfg = model.hf.config.get_text_config() if hasattr(model.hf.config, "get_text_config") else model.hf.config
-    return validate_token_ids(tokens, getattr(cfg, "max_position_embeddings", None), getattr(cfg, "vocab_size", None))
+    return validate_token_ids(tokens, model.n_ctx, model.vocab_size)
 
 
 def nnsight_tables(model: NnsightModel, tokens, *, sink: bool = True, massive: bool = True, eps: float = SINK_EPS,

@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, per_query_head, qk_hook_names
-from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
+from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, model_facts, per_query_head, qk_hook_names
+from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
 from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy, unit_vectors
@@ -170,8 +170,8 @@ class QKAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, *, layers=None, kind: str | None = None, facts: ModelFacts | None = None):
-        facts = model_facts(model, facts=facts)
+    def __init__(self, model, *, layers=None, kind: str | None = None):
+        facts = model_facts(model)
         layers = list(facts.attention_layers) if layers is None else check_attention_layers(model, layers=layers)
         self.model, self.layers, self.kind = model, layers, kind
         self.spec = facts.family
@@ -265,4 +265,4 @@ from analysis.core.registry import Analysis, register  # noqa: E402
 
 register(Analysis(
     "qk", result=QKAngles, order=30, hooks=("q", "k"), doc="QK angles on the main kind.",
-    accumulators=lambda p: [QKAccumulator(p.model, kind=p.kind, facts=p.facts)], exports=("qk_angles",)))
+    accumulators=lambda p: [QKAccumulator(p.model, kind=p.kind)], exports=("qk_angles",)))

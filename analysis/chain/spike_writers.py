@@ -539,7 +539,7 @@ register(Analysis(
     "origin", result=SpikeOrigin, order=90, hooks=("pre", "attn", "mlp", "post", "x", "act", "gate", "up"),
     requires=("massive",),
     doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
-    accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind, facts=p.facts)],
+    accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind)],
     finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
     sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
                       needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),

@@ -30,12 +30,13 @@ from analysis.model.hooks import (
     group_reduce,
     kv_view,
     model_dims,
+    model_facts,
     per_query_head,
     skipped_note,
 )
 from analysis.core.io import jsonable
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
 from analysis.core.results import Result
 from analysis.sinks.metric import SinkResult
 from analysis.core.stats import one_thread, pair_cosine
@@ -292,8 +293,8 @@ class ValueNormsAccumulator(Accumulator):
         The input kind, a label.
     """
 
-    def __init__(self, model, layers, T: int, *, kind: str | None = None, facts: ModelFacts | None = None):
-        dims = model_facts(model, facts=facts).dims
+    def __init__(self, model, layers, T: int, *, kind: str | None = None):
+        dims = model_facts(model).dims
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         L = len(self.layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
@@ -407,7 +408,7 @@ from analysis.core.registry import Analysis, Section, register  # noqa: E402
 register(Analysis(
     "value_norms", result=ValueNorms, order=50, hooks=("v", "pattern"), doc="Value norms on the main kind.",
     # the attention analyses run on the attention layers (true indices)
-    accumulators=lambda p: [ValueNormsAccumulator(p.model, list(p.facts.attention_layers), p.tokens.shape[1],
-                                                  kind=p.kind, facts=p.facts)],
+    accumulators=lambda p: [ValueNormsAccumulator(p.model, list(model_facts(p.model).attention_layers),
+                                                  p.tokens.shape[1], kind=p.kind)],
     sections=(Section("Value norms", "value", 70, runner="analysis.report.sections:_value_norms"),),
     figure="analysis.figures.value_norms:plot_value_norms", exports=("value_norms",)))

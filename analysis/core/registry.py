@@ -49,8 +49,6 @@ class PassInputs:
         (abs_threshold, ratio_threshold) of the massive activations.
     budget_mib : float
         The most MiB of residual stream kept.
-    facts
-        The model's facts, read once (``analysis.engine.passes.ModelFacts``).
     batch_size : int or None
         Sequences per batch.
     follow_up_samples : int
@@ -66,7 +64,6 @@ class PassInputs:
     k_max: int | None = None
     spike: tuple = (100.0, 1000.0)
     budget_mib: float = 0.0
-    facts: Any = None
     batch_size: int | None = None
     follow_up_samples: int = 0
 

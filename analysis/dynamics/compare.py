@@ -11,6 +11,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from analysis.model.access import attention_operation
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
 from analysis.core.results import MappingResult
@@ -76,7 +77,7 @@ def compare_models(models: dict, tokens: torch.Tensor, *, eps: float = SINK_EPS)
         dev = input_device(model)
         row = {
             "model": label,
-            "attention": model.cfg.attention,
+            "attention": attention_operation(model),
             "Sink_1 (%)": res.sink_rate(k=1),
             "mean alpha_1": float(res.alpha[..., 0].mean()),
             "|v_1| / mean |v_j|": float(stats.value_norm_ratio.mean()),

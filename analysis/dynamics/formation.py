@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.access import attention_operation, reference_config
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
@@ -385,7 +386,7 @@ def run_models(run_dir) -> list[tuple[int, Path, bool]]:
 def _probe(model, probe_seed: int, n: int, T: int) -> torch.Tensor:
     """The held-out probe of a run's data (its training config with seed ``probe_seed``), (n, T)."""
     tcfg = model.reference_config["train"]
-    return build_data(TrainConfig.from_dict({**tcfg, "seed": probe_seed}), model.cfg.n_ctx).probe(n, T)
+    return build_data(TrainConfig.from_dict({**tcfg, "seed": probe_seed}), reference_config(model).n_ctx).probe(n, T)
 
 
 def onset_table(formation: pd.DataFrame, criteria: Sequence[Criterion] = ONSETS) -> pd.DataFrame:
@@ -623,7 +624,7 @@ def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int 
             tokens = _probe(final, probe_seed, n_probe, probe_len)
             N, T = tokens.shape
             follow = follow_final(final, tokens, eps=eps, ratio=ratio)
-            run, att = Path(run_dir).name, final.cfg.attention
+            run, att = Path(run_dir).name, attention_operation(final)
             seed = int(final.reference_config["train"]["seed"])
             complete = (Path(run_dir) / "model.safetensors").is_file()
             if not complete:

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.model.access import attention_operation, attention_window
 from analysis.model.contract import SinkModel
+from analysis.model.hooks import model_facts
 from analysis.core.defaults import SINK_EPS
 from analysis.core.docs import parameters_from
 from analysis.engine.passes import run_with_reducers
@@ -101,7 +103,7 @@ def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int
     -------
     FirstTokenStats
     """
-    L = model.cfg.n_layers
+    L = model_facts(model).dims.n_layers
     acc = {k: torch.zeros(L, dtype=torch.float64) for k in ("v", "h", "raw", "spike")}
 
     def reducer(kind, layer):
@@ -180,10 +182,10 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
     -------
     float
     """
-    L = model.cfg.n_layers
+    L = model_facts(model).dims.n_layers
     names = [f"blocks.{l}.attn.hook_sink_pattern" for l in range(L)]
     if names[0] not in model.hook_dict:
-        raise ValueError(f"attention={model.cfg.attention!r} has no extra slot (only sink-token, kv-bias, k-bias).")
+        raise ValueError(f"attention={attention_operation(model)!r} has no extra slot (only sink-token, kv-bias, k-bias).")
     hits, count = 0.0, 0
 
     def fn(x, hook):  # (B, H, T)
@@ -253,7 +255,7 @@ def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SI
     WindowSinkRates
         A dict, ``sink_1_in_window`` and ``sink_window_start`` (%), with the result protocol.
     """
-    w = model.cfg.sliding_window
+    w = attention_window(model)
     if w is None:
         raise ValueError("window_sink_rates needs a model with a sliding window (cfg.sliding_window).")
     hits = {"in": 0.0, "start": 0.0}
@@ -270,7 +272,7 @@ def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SI
             hits["start"] += float((a_start > eps).sum())
             count["start"] += a_start.numel()
 
-    names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.cfg.n_layers)]
+    names = [f"blocks.{l}.attn.hook_pattern" for l in range(model_facts(model).dims.n_layers)]
     run_with_reducers(model, tokens, [(n, fn) for n in names], batch_size=batch_size, stop_after=names[-1])
     return {"sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
             "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan")}

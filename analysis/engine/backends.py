@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from analysis.model.access import attention_layer_index, register_attention, unwrap_component
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
@@ -126,7 +127,7 @@ def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> 
         bridged = model.get_submodule(path)
     except AttributeError:
         raise BackendUnsupported(f"the hook {name} names no component of the bridge ({path})") from None
-    inner = _unwrap(bridged)
+    inner = unwrap_component(bridged)
     if inner is bridged or id(inner) not in (hf_modules(model) if own is None else own):
         raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
     return inner, which[len("hook_"):]
@@ -348,22 +349,11 @@ def pass_attention_forward(module, query, key, value, attention_mask, dropout=0.
     if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
         mask = mask[..., : key.shape[-2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return taps.attention(int(module.layer_idx), query, key, value, mask, scale), None
+    return taps.attention(attention_layer_index(module), query, key, value, mask, scale), None
 
 
 def _register() -> None:
-    from transformers import AttentionInterface  # lazy: import time
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PASS_ATTENTION, pass_attention_forward)
-    AttentionMaskInterface.register(PASS_ATTENTION, sdpa_mask)  # None where plainly causal
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face module inside a bridge's wrapper."""
-    while isinstance(getattr(module, "original_component", None), torch.nn.Module):
-        module = module.original_component
-    return module
+    register_attention(PASS_ATTENTION, pass_attention_forward)
 
 
 @contextlib.contextmanager
@@ -384,7 +374,7 @@ def unbridged(hf: torch.nn.Module):
 
     def walk(parent: torch.nn.Module) -> None:
         for name, child in list(parent.named_children()):
-            inner = _unwrap(child)
+            inner = unwrap_component(child)
             if inner is not child:
                 setattr(parent, name, inner)
                 swaps.append((parent, name, child))

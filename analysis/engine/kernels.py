@@ -27,8 +27,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
+from analysis.model.access import hooked_modules, interface_refusal
 from analysis.model.contract import SinkModel, hf_module
 
 LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
@@ -267,27 +267,10 @@ def unsupported_reason(model: SinkModel) -> str | None:
     -------
     str or None
     """
-    hf = hf_module(model)
-    if hf is None:
-        return f"{type(model).__name__} is not a Hugging Face model through a TransformerBridge (a reference model)"
-    if not hf._can_set_attn_implementation():
-        return "its attention does not go through transformers' AttentionInterface (a custom attention module)"
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "attention-logit soft-capping (attn_logit_softcapping) changes the scores the lse is taken over"
-    if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
-        return "an ALiBi position bias is added to the scores outside q·k"
-    if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
-        return "learned sink logits (gpt-oss) join the softmax as an extra column"
-    hooked = _hooked(model, bridged=model is not hf)
+    why = interface_refusal(model)
+    if why is not None:
+        return why
+    hooked = hooked_modules(model, bridged=model is not hf_module(model))
     if hooked:
         return f"hooks are attached ({hooked[0]}{', ...' if len(hooked) > 1 else ''}); they run only on the bridge"
     return None
-
-
-def _hooked(model: nn.Module, bridged: bool) -> list[str]:
-    """Modules with user hooks: a bridge's hook points (its own wiring hooks aside), or any module of an HF model."""
-    from transformer_lens.hook_points import HookPoint  # lazy: import time
-
-    return [n for n, m in model.named_modules()
-            if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))]

@@ -10,26 +10,25 @@ the plain form for one-off hooks. The hook names and the model's dimensions come
 from __future__ import annotations
 
 import abc
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from analysis.model.access import can_skip_blocks, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.backends import Taps, choose_backend, run_hf_batch
-from analysis.model.families import RESUMABLE, FamilySpec, get_family
+from analysis.model.families import RESUMABLE, get_family
 from analysis.model.hooks import (
     ModelContractError,
-    ModelDims,
     act_name,
     check_tokens,
     hook_layer,
     hook_names,
     model_device,
-    model_dims,
-    skipped_note,
+    model_facts,
 )
 from analysis.core.docs import parameters_from
 from analysis.core.stats import unit_vectors
@@ -90,49 +89,6 @@ class Batch:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a pass knows of its model, read once per pass (:func:`model_facts`) and handed to every accumulator it
-    feeds, so that none of them reads the model's dims, attention layers and family again.
-
-    Attributes
-    ----------
-    dims : ModelDims
-        Layer and head counts, widths (``analysis.model.hooks.model_dims``).
-    attention_layers : tuple of int
-        The softmax-attention layers, true indices (``analysis.attention_layers``).
-    family : FamilySpec
-        What the model's family computes (``analysis.get_family``).
-    skipped : str
-        The layers an attention analysis leaves out, in one sentence; "" when none (``hooks.skipped_note``).
-    """
-
-    dims: ModelDims
-    attention_layers: tuple[int, ...]
-    family: FamilySpec
-    skipped: str
-
-
-def model_facts(model: SinkModel, *, facts: ModelFacts | None = None) -> ModelFacts:
-    """The model's facts for one pass: ``facts`` where the pass already read them, else read from ``model`` now.
-
-    Parameters
-    ----------
-    model
-        Any model with TransformerLens hook names.
-    facts : ModelFacts, optional
-        Facts a pass already read (returned as they are).
-
-    Returns
-    -------
-    ModelFacts
-    """
-    if facts is not None:
-        return facts
-    family = get_family(model)
-    return ModelFacts(model_dims(model), tuple(family.attention_layers), family, skipped_note(model))
 
 
 class Accumulator(abc.ABC):
@@ -441,33 +397,7 @@ def can_resume(model: SinkModel) -> bool:
         residual streams of every layer onto one device (tests/model/test_device_map.py watches for it); the passes run
         from the embedding instead.
     """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not all("_original_component" in getattr(b, "_modules", {}) for b in blocks):
-        return False
-    if getattr(getattr(model, "original_model", None), "hf_device_map", None):
-        return False
-    return get_family(model).family in RESUMABLE
-
-
-class _PassOn(torch.nn.Module):
-    """Stands in for a skipped block: hands its input on unchanged (the resumed block swaps in its residual)."""
-
-    def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
-
-
-@contextmanager
-def _skipped_blocks(model, layer: int):
-    """Blocks 0..layer-1 of a bridge replaced by :class:`_PassOn` for the duration (restored on exit)."""
-    blocks = list(model.blocks)[:layer]
-    kept = [b._modules["_original_component"] for b in blocks]
-    try:
-        for b in blocks:
-            b._modules["_original_component"] = _PassOn()
-        yield
-    finally:
-        for b, m in zip(blocks, kept):
-            b._modules["_original_component"] = m
+    return can_skip_blocks(model) and get_family(model).family in RESUMABLE
 
 
 def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
@@ -568,7 +498,7 @@ def run_pass(
     _check_hooks(model, [n for n, _ in hooks + entry])
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in hooks])
-    with torch.inference_mode(), (_skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
+    with torch.inference_mode(), (skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
         for batch in _batches(model, tokens, batch_size, progress):
             joint.start(batch)
             if on_batch_start is not None:
@@ -689,7 +619,8 @@ from analysis.core.registry import Analysis, register  # noqa: E402
 
 def _resid_capture(inputs) -> list:
     """The main pass's resume points (``checkpoint_layers``); none where the model cannot resume a pass."""
-    model, tokens, facts = inputs.model, inputs.tokens, inputs.facts
+    model, tokens = inputs.model, inputs.tokens
+    facts = model_facts(model)
     if not can_resume(model):
         return []
     block_bytes = tokens.numel() * facts.dims.d_model * next(model.parameters()).element_size()

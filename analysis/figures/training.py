@@ -9,6 +9,7 @@ import torch
 
 from analysis.core.io import read_log
 from analysis.dynamics.compare import mean_pattern
+from analysis.model.hooks import model_facts
 
 
 def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
@@ -29,7 +30,7 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
     """
     import matplotlib.pyplot as plt
 
-    H = max(m.cfg.n_heads for m in models.values())
+    H = max(model_facts(m).dims.n_heads for m in models.values())
     fig, axes = plt.subplots(len(models), H, figsize=(2.2 * H, 2.3 * len(models)), squeeze=False)
     for r, (label, model) in enumerate(models.items()):
         pat = mean_pattern(model, tokens, layer=layer)[:, :n_pos, :n_pos]

@@ -4,9 +4,12 @@ Every public analysis takes a :class:`SinkModel`: what ``analysis.load_model`` r
 ``TransformerBridge`` around a Hugging Face model) or a reference model (``analysis.train``'s ``SinkLM``). It may ask:
 
 - hook names: ``model.hook_dict`` in TransformerLens' names (``analysis.model.hooks.act_name``), read and run
-  through ``model.run_with_hooks`` / ``model.hooks``; the blocks themselves, ``model.blocks``;
-- dims: ``model.cfg`` (``n_layers``, ``n_heads``, ``n_key_value_heads``, ``d_model``, ``d_head``, ``n_ctx``), read by
-  ``analysis.model.hooks.model_dims``;
+  through ``model.run_with_hooks`` / ``model.hooks``;
+- dims, attention layers and family: ``analysis.model.hooks.model_facts`` (derived once per model and kept), read
+  from ``model.cfg`` (``n_layers``, ``n_heads``, ``n_key_value_heads``, ``d_model``, ``d_head``, ``n_ctx``);
+- what lies under the contract (the blocks, their weights, a config's fields, transformers' registries): only
+  through the typed functions of ``analysis.model`` (``analysis.model.access``, ``key_path``, ``mlp_spec``); no
+  floor above reaches into Hugging Face or TransformerLens internals (``tests/model/test_reaches.py`` counts it);
 - the family spec: ``model.family`` (``analysis.model.families.FamilySpec``), set at load, read through
   ``analysis.model.families.get_family`` (which fills it on a model built by hand);
 - the tokenizer: ``model.tokenizer`` (None for a reference model of a synthetic task), ``model.to_tokens``;

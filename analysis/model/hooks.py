@@ -10,6 +10,7 @@ in ``analysis.engine.passes``.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -18,7 +19,7 @@ import torch
 
 from analysis.core.checks import check_length  # noqa: F401 (its home; named here too)
 from analysis.model.contract import ModelContractError, SinkModel  # noqa: F401 (the error's home; named here too)
-from analysis.model.families import get_family, rotary_base
+from analysis.model.families import FamilySpec, get_family, rotary_base
 from analysis.model.placement import input_device
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
@@ -277,6 +278,60 @@ def skipped_note(model: SinkModel) -> str:
     """
     text = get_family(model).skipped_text()
     return text[0].upper() + text[1:] + "." if text else ""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the passes know of a model, derived once per model (:func:`model_facts`): its dims, attention layers,
+    family and the layers an attention analysis leaves out.
+
+    Attributes
+    ----------
+    dims : ModelDims
+        Layer and head counts, widths (:func:`model_dims`).
+    attention_layers : tuple of int
+        The softmax-attention layers, true indices (``analysis.attention_layers``).
+    family : FamilySpec
+        What the model's family computes (``analysis.get_family``).
+    skipped : str
+        The layers an attention analysis leaves out, in one sentence; "" when none (:func:`skipped_note`).
+    """
+
+    dims: ModelDims
+    attention_layers: tuple[int, ...]
+    family: FamilySpec
+    skipped: str
+
+
+_FACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (family, cfg, its ModelFacts)
+
+
+def model_facts(model: SinkModel) -> ModelFacts:
+    """The model's facts, derived on first use and kept for the model (read again where its family or cfg changed),
+    so every accumulator of every pass asks for them instead of being handed them.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names.
+
+    Returns
+    -------
+    ModelFacts
+    """
+    family, cfg = get_family(model), getattr(model, "cfg", None)
+    try:
+        kept = _FACTS.get(model)
+    except TypeError:  # not weakly referenceable: derived each time
+        kept = None
+    if kept is not None and kept[0] is family and kept[1] is cfg:
+        return kept[2]
+    facts = ModelFacts(model_dims(model), tuple(family.attention_layers), family, skipped_note(model))
+    try:
+        _FACTS[model] = (family, cfg, facts)
+    except TypeError:
+        pass
+    return facts
 
 
 def model_device(model: SinkModel) -> torch.device:

@@ -131,6 +131,13 @@ class NnsightModel:
         n = getattr(cfg, "max_position_embeddings", None)
         return int(n) if n is not None else None
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary size of the config (``vocab_size``; None where it has none)."""
+        cfg = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config
+        n = getattr(cfg, "vocab_size", None)
+        return int(n) if n is not None else None
+
     def decoder_layers(self):
         """The envoys of the decoder layers (``<base model>.layers``)."""
         base = getattr(self.lm, self.hf.base_model_prefix, None)

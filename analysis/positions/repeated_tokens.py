@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from analysis.model.access import (attention_logit_scale, attention_operation, layer_position_module,
+                                   positional_encoding_name)
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
 from analysis.core.io import jsonable
@@ -59,7 +61,7 @@ def positional_encoding(model: SinkModel) -> str:
     -------
     str
     """
-    pe = getattr(getattr(model, "cfg", None), "positional_embedding_type", None)
+    pe = positional_encoding_name(model)
     if rotary_base(model) is not None:
         return "rotary"
     pe = _TL_NAMES.get(pe, pe)
@@ -153,7 +155,7 @@ def distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[
     -------
     tuple of (torch.Tensor, str)
     """
-    attn = model.blocks[layer].attn
+    attn = layer_position_module(model, layer)
     d = torch.arange(T)
     with torch.no_grad():
         if encoding == "relative":
@@ -395,8 +397,8 @@ class RepeatedTokens(Result, LayerAxis):
 def _attn_scale(model) -> float:
     """The divisor of q.k in the logits: a positive ``cfg.attn_scale`` where the model states one, else sqrt(d_head)
     (the bridge leaves ``attn_scale`` at -1 and divides by sqrt(d_head))."""
-    scale = getattr(getattr(model, "cfg", None), "attn_scale", None)
-    return float(scale) if scale is not None and float(scale) > 0 else math.sqrt(model_dims(model).d_head)
+    scale = attention_logit_scale(model)
+    return scale if scale is not None else math.sqrt(model_dims(model).d_head)
 
 
 def _num(x) -> float | None:
@@ -437,7 +439,7 @@ def repeated_tokens(model: SinkModel, tokens=None, *, n: int = 8, T: int = 64, s
     encoding = positional_encoding(model)
     xi = out["qn"] * out["kn"] / _attn_scale(model)
     form_first, form_last, source = closed_forms(model, layers, encoding, int(tokens.shape[-1]), xi)
-    op = getattr(getattr(model, "cfg", None), "attention", "softmax")
+    op = attention_operation(model)
     meta = {} if op == "softmax" else {"note": f"the closed forms hold for softmax attention; this model uses {op}"}
     return RepeatedTokens(encoding=encoding, dev_in=out["dev_in"], dev_out=out["dev_out"], scale=out["scale"],
                           scale_out=out["scale_out"], first=out["first"], last=out["last"], form_first=form_first, form_last=form_last, xi=xi,

@@ -35,7 +35,7 @@ from analysis.core.defaults import RESID_BUDGET_MIB, SINK_EPS, SPIKE_CUT_SAMPLES
 from analysis.core.registry import Analysis, PassInputs
 from analysis.core.results import Result
 from analysis.chain.massive import spike_criterion
-from analysis.engine.passes import model_facts, run_pass
+from analysis.engine.passes import run_pass
 from analysis.model.hooks import check_tokens
 
 
@@ -230,11 +230,10 @@ def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", e
         raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
     out = profile_class()(main=main, model_name=getattr(model, "model_name", None))
     spike = tuple(spike_thresholds) if spike_thresholds is not None else spike_criterion(model)
-    facts = model_facts(model)  # read once, handed to every accumulator of every pass
     for kind, p in probes.items():
         tokens = check_tokens(model, getattr(p, "tokens", p))
         inputs = PassInputs(model, tokens, kind, kind == main, p, eps=eps, k_max=k_max, spike=spike,
-                            budget_mib=resid_budget_mib, facts=facts, batch_size=batch_size,
+                            budget_mib=resid_budget_mib, batch_size=batch_size,
                             follow_up_samples=follow_up_samples)
         out.backend[kind] = _one_kind(
             out, inputs, [a for a in chosen if a.accumulators is not None and (a.every_kind or kind == main)],

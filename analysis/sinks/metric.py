@@ -23,10 +23,10 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens
+from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, model_facts
 from analysis.model.reference.attention import pattern_note
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, ModelFacts, model_facts, run_pass
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
 
@@ -297,9 +297,8 @@ class SinkResult(Result, LayerAxis):
 class SinkAccumulator(Accumulator):
     """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
-    def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int | None = None, kind: str | None = None,
-                 facts: ModelFacts | None = None):
-        facts = model_facts(model, facts=facts)
+    def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int | None = None, kind: str | None = None):
+        facts = model_facts(model)
         self.eps, self.T, self.kind = check_eps(eps), int(T), kind
         self.k_max = check_k_max(k_max, T)
         self.model_name = getattr(model, "model_name", None)
@@ -492,8 +491,7 @@ def _with_bos(outputs: list, inputs, got: dict) -> SinkResult:
 register(Analysis(
     "sink", result=SinkResult, every_kind=True, order=10, hooks=("pattern",),
     doc="Input kind -> the sink metric (``alpha`` (N, L, H, k_max)).",
-    accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind,
-                                            facts=p.facts)],
+    accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind)],
     finish=_with_bos, table=lambda by_kind: sink_table(by_kind).reset_index(),
     sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
               Section("Attention views (circuitsvis, offline)", "attention", 20, key="views", needs=("sink",),

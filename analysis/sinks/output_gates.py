@@ -21,9 +21,9 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.model.families import get_family
-from analysis.model.hooks import check_attention_layers, check_tokens, skipped_note
+from analysis.model.hooks import check_attention_layers, check_tokens, model_facts, skipped_note
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass, ModelFacts, model_facts
+from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.results import Result
 
 
@@ -111,12 +111,10 @@ class GateAccumulator(Accumulator):
         Attention layers (default all).
     kind : str, optional
         The input kind, a label.
-    facts : ModelFacts, optional
-        The model's facts, read once by the pass that builds this; None: read from the model now.
     """
 
-    def __init__(self, model, *, layers=None, kind: str | None = None, facts: ModelFacts | None = None):
-        facts = model_facts(model, facts=facts)
+    def __init__(self, model, *, layers=None, kind: str | None = None):
+        facts = model_facts(model)
         spec = facts.family
         if spec.gate is None:
             raise ValueError(f"this {spec.family} model has no attention-output gate (Qwen3-Next / Qwen3.5 have one).")
@@ -198,5 +196,5 @@ register(Analysis(
     "gates", result=GateResult, order=70, hooks=("gate",),
     doc="The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).",
     # no gate: nothing to run
-    accumulators=lambda p: [GateAccumulator(p.model, kind=p.kind, facts=p.facts)] if p.facts.family.gate is not None else [],
+    accumulators=lambda p: [GateAccumulator(p.model, kind=p.kind)] if model_facts(p.model).family.gate is not None else [],
     exports=("attention_gates",)))

@@ -38,6 +38,7 @@ from analysis.model.reference.config import ModelConfig, TrainConfig, snapshot_s
 from analysis.model.reference.data import build_data, load_tokenizer_file
 from analysis.dynamics.metrics import first_token_stats, sink_rate, slot_sink_rate, window_sink_rates
 from analysis.model.reference.sink_lm import SinkLM
+from analysis.model.access import attention_window, reference_config
 from analysis.train.presets import config_to_args
 
 # Train options that decide which batches a run sees: a resumed run must keep them.
@@ -239,7 +240,7 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: 
     was = model.training
     model.eval()
     try:
-        p = model.cfg.prefix_attention
+        p = reference_config(model).prefix_attention
         res = sink_metric(model, probe, eps=eps, k_max=max(k_max, min(p, probe.shape[1])))
         out = {"sink_1": round(res.sink_rate(1), 4),
                "sink_k": [round(res.sink_rate(k), 4) for k in range(1, min(k_max, res.k_max) + 1)]}
@@ -253,7 +254,7 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: 
         out["spike_ratio"] = round(float(stats.spike_ratio.max()), 3)
         if "blocks.0.attn.hook_sink_pattern" in model.hook_dict:
             out["sink_slot"] = round(slot_sink_rate(model, probe, eps=eps), 4)
-        if model.cfg.sliding_window is not None:
+        if attention_window(model) is not None:
             out.update({k: round(v, 4) for k, v in window_sink_rates(model, probe, eps=eps).items()})
         out["val_loss"] = round(_mean_loss(model, probe), 5)
         if probe_no_fixed is not None:

@@ -115,12 +115,11 @@ def test_the_registry_refuses_a_second_analysis_of_a_name():
 def test_declared_hooks_are_those_the_accumulators_read(tiny_llama):
     """Each registered pass analysis names the activations its accumulators ask for (their keys per layer)."""
     from analysis.chain.massive import spike_criterion
-    from analysis.engine.passes import model_facts
     from analysis.report.one_pass import pass_analyses
 
     tokens = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     inputs = registry.PassInputs(tiny_llama, tokens, "natural", True, eps=0.3, spike=spike_criterion(tiny_llama),
-                                 budget_mib=64.0, facts=model_facts(tiny_llama))
+                                 budget_mib=64.0)
     wrong = {}
     for a in pass_analyses():
         if a.accumulators is None:
