@@ -166,7 +166,7 @@ def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "to
                          f"use --calib-tokens {T} or more, or a shorter --T.")
     tl = model if is_model(model) else hf.model if type(getattr(hf, "model", None)).__name__ == "SinkLM" \
         else load_model(model, device=device)  # the old form: a name
-    rows, scale_rows, layer_rows, prefixes, fp_cache, spike = [], [], [], {}, {}, {}
+    rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
     for seed in seeds:
         win = make_windows(hf, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
         keep = {"calib": sink_keep(tl, win.calib), "eval": sink_keep(tl, win.eval)}
@@ -178,17 +178,6 @@ def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "to
         if so is not None:  # the blocks whose MLPs write and erase each spike dim, per seed
             spike[seed] = {str(d): {"writers": so.writing_blocks(d), "erasers": so.writing_blocks(d, "eraser")}
                            for d in so.dims}
-    kv, notes = _packed_kv(hf, win, keep, kv_bits)
-    setting = {"T": T, "n_eval": n_eval, "calib_tokens": calib_tokens, "seeds": list(seeds), "source": win.source,
-               "n_linears": len(sites), "prefix_len": prefix_len}
-    return QuantResult(name, pd.DataFrame(rows), pd.DataFrame(scale_rows), kv, prefixes, setting,
-                       n_samples=n_eval, notes=notes, layers=pd.DataFrame(layer_rows), spike_blocks=spike)
-
-
-def _packed_kv(hf, win, keep: dict, kv_bits) -> tuple[pd.DataFrame, list[str]]:
-    """The packed KV cache's table on the last seed's held-out windows (empty without ``kv_bits``, or for a model
-    other than Hugging Face's), and the notes saying what is fake quantisation and what is packed."""
-    kv = pd.DataFrame()
     notes = [f"Every activation and weight number is fake quantisation (quantise, de-quantise in float32); the KV "
              f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes." if kv_bits else
              "Every number is fake quantisation (quantise, de-quantise in float32)."]
@@ -197,4 +186,7 @@ def _packed_kv(hf, win, keep: dict, kv_bits) -> tuple[pd.DataFrame, list[str]]:
     elif kv_bits:
         notes.append("The packed KV cache is measured on Hugging Face models only (a reference model decodes "
                      "through its own streaming cache).")
-    return kv, notes
+    setting = {"T": T, "n_eval": n_eval, "calib_tokens": calib_tokens, "seeds": list(seeds), "source": win.source,
+               "n_linears": len(sites), "prefix_len": prefix_len}
+    return QuantResult(name, pd.DataFrame(rows), pd.DataFrame(scale_rows), kv, prefixes, setting,
+                       n_samples=n_eval, notes=notes, layers=pd.DataFrame(layer_rows), spike_blocks=spike)
