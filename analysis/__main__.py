@@ -204,6 +204,8 @@ def cmd_sinks(args) -> int:
     from analysis.positions.every_sink import format_sinks, sink_positions
 
     path, text = _sinks_text(args)
+    if not text.strip():
+        raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
     nnsight = args.backend == "nnsight"
     model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
                        remote=args.remote, **_placement_kwargs(placement_from_args(args)))
@@ -228,7 +230,7 @@ def cmd_sinks(args) -> int:
 
 
 def _sinks_text(args) -> tuple[Path, str]:
-    """The ``sinks`` command's text file, read, once its options are checked (before any model loads)."""
+    """The ``sinks`` command's text file and its text, once its options are checked (before any model loads)."""
     path = Path(args.text)
     if not path.is_file():
         raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
@@ -236,10 +238,7 @@ def _sinks_text(args) -> tuple[Path, str]:
         raise ValueError(f"--max-tokens must be at least 2; got {args.max_tokens}. A sink needs queries after it.")
     if args.min_queries is not None and args.min_queries < 1:
         raise ValueError(f"--min-queries must be at least 1; got {args.min_queries}.")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    return path, text
+    return path, path.read_text(encoding="utf-8", errors="replace")
 
 
 def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
