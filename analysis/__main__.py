@@ -197,22 +197,13 @@ def cmd_sinks(args) -> int:
         The exit status.
     """
     # import time: torch, transformers and TransformerLens load once the options are checked
-    from analysis.core.io import write_json, write_or_spare
-    from analysis.core.versions import package_versions
     from analysis.model.hooks import model_dims
     from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args, placement_record
+    from analysis.model.placement import placement_from_args
     from analysis.model.probes import text_tokens
     from analysis.positions.every_sink import format_sinks, sink_positions
 
-    path = Path(args.text)
-    if not path.is_file():
-        raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be at least 2; got {args.max_tokens}. A sink needs queries after it.")
-    if args.min_queries is not None and args.min_queries < 1:
-        raise ValueError(f"--min-queries must be at least 1; got {args.min_queries}.")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    path, text = _sinks_text(args)
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
     nnsight = args.backend == "nnsight"
@@ -234,15 +225,38 @@ def cmd_sinks(args) -> int:
     print(format_sinks(res))
     print(res.text())
     if args.json:
-        where = ({"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
-                 if nnsight else placement_record(model))
-        payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T, **where,
-                   "dtype": args.dtype,
-                   "positions": "0-based: position 0 is the first token", **res.to_dict(),
-                   "versions": package_versions()}
-        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-        print(f"wrote {args.json}")
+        _write_sinks_json(args, model, path, res, nnsight=nnsight)
     return 0
+
+
+def _sinks_text(args) -> tuple[Path, str]:
+    """The ``sinks`` command's text file and its text, once its options are checked (before any model loads)."""
+    path = Path(args.text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no text file {path}: give the path of a UTF-8 text file with --text.")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2; got {args.max_tokens}. A sink needs queries after it.")
+    if args.min_queries is not None and args.min_queries < 1:
+        raise ValueError(f"--min-queries must be at least 1; got {args.min_queries}.")
+    return path, path.read_text(encoding="utf-8", errors="replace")
+
+
+def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
+    """The ``sinks`` command's JSON record (``--json``): the run's model, text, placement and versions, then every
+    sink position."""
+    # import time: as cmd_sinks's imports
+    from analysis.core.io import write_json, write_or_spare
+    from analysis.core.versions import package_versions
+    from analysis.model.placement import placement_record
+
+    where = ({"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
+             if nnsight else placement_record(model))
+    payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T, **where,
+               "dtype": args.dtype,
+               "positions": "0-based: position 0 is the first token", **res.to_dict(),
+               "versions": package_versions()}
+    write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
+    print(f"wrote {args.json}")
 
 
 def cmd_report(args) -> int:

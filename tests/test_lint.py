@@ -1,6 +1,7 @@
 """The house's rules that well-kept tools check, as their configuration in pyproject.toml: import-linter keeps the
 floors (imports point down the pipeline, in-function imports counted; every subpackage is a floor; no circle among
-the modules of one package), ruff keeps pyflakes' and pycodestyle's rules over the code.
+the modules of one package), ruff keeps pyflakes' and pycodestyle's rules over the code and its layout (``ruff
+format``: fix with ``ruff format analysis tests benchmarks scripts``).
 
 What stays hand-written in tests/test_layout.py, because no rule of these tools checks it: a circle through a
 package's ``__init__`` and its own modules (import-linter's ``acyclic_siblings`` counts a package with its modules
@@ -10,7 +11,7 @@ edits all over the tree), and the 60-line cap on a function's body (ruff's PLR09
 branches, not lines). Not selected: ruff's I (isort: 117 findings in the tree, its imports are not sorted) and D
 (pydocstyle, numpy convention: 1325 findings in analysis/ alone, mostly the summary line's form).
 
-Time: about 1 s (lint-imports 0.6 s without its cache, ruff 0.1 s)."""
+Time: about 1 s (lint-imports 0.6 s without its cache, ruff check 0.1 s, ruff format --check 0.1 s)."""
 from __future__ import annotations
 
 import os
@@ -55,3 +56,10 @@ def test_the_layers_contract_names_the_floors_of_the_layout_test():
 def test_ruff_finds_nothing():
     out = _run(sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_format_finds_nothing():
+    """The code is laid out as ``ruff format`` writes it (pyproject.toml's [tool.ruff.format]), over what ``ruff
+    check`` reads."""
+    out = _run(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", *LINTED)
+    assert out.returncode == 0, f"run `ruff format {' '.join(LINTED)}`:\n" + out.stdout + out.stderr

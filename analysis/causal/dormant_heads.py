@@ -288,6 +288,26 @@ def dormant_heads(
         raise ValueError(f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
                          f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}.")
     z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
+    batch_hooks = lambda sel: _BatchHooks(layers, grams, sel, raw, z_mean)  # the hooks of one batch's sink keys
+    full = _forward_backward(model, tokens, sinks, batch_hooks, batch_size=batch_size, progress=progress)
+    slot = full.get("slot")
+    if exact:
+        full.update(_exact_effects(model, tokens, layers, z_mean, first=first, progress=progress))
+    if slot is not None and float(slot[..., first : T - 1].abs().max()) <= 1e-4:
+        slot = None  # every row sums to one: no extra slot
+    return DormantHeads(layers=layers, sink_attn=full["sink"], out_norm=full["norm"], effect=full["effect"],
+                        sink_positions=sinks, eps=eps, quantile=quantile, effect_mean=full.get("effect_mean"),
+                        z_mean=z_mean, slot=slot, mass=full.get("mass"), active=active,
+                        model_name=getattr(model, "model_name", None), kind=kind, skipped=skipped_note(model),
+                        effect_method="exact" if exact else "gradient")
+
+
+def _forward_backward(model: SinkModel, tokens: torch.Tensor, sinks, batch_hooks, *, batch_size: int | None,
+                      progress: bool) -> dict[str, torch.Tensor]:
+    """The per-head statistics of every batch (``_grad_batch``: one forward and one backward pass each, with the
+    hooks ``batch_hooks(sinks)`` makes), joined over the sequences; ``sinks`` a mask of sink keys per sequence is cut
+    to each batch's rows."""
+    N, T = tokens.shape
     bs = batch_size or grad_batch_size(T)
     device = model_device(model)
     chunks: dict[str, list[torch.Tensor]] = {}
@@ -299,28 +319,28 @@ def dormant_heads(
     start = 0
     for tk in it:
         sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + tk.shape[0]].to(device)
-        got = _grad_batch(model, tk.to(device), _BatchHooks(layers, grams, sel, raw, z_mean))
+        got = _grad_batch(model, tk.to(device), batch_hooks(sel))
         for k, v in got.items():
             chunks.setdefault(k, []).append(v)
         start += tk.shape[0]
     full = {k: torch.cat(v) for k, v in chunks.items()}
     if "sink" not in full or "norm" not in full:
         raise ModelContractError("the attention-pattern or hook_z hooks did not fire; load the model with `load_model`.")
-    slot = full.get("slot")
-    if exact:
-        heads = [(l, h) for l in layers for h in range(model_dims(model).n_heads)]
-        kw = {"queries": list(range(first, T - 1)), "first": first, "progress": progress}
-        full["effect"] = _on_queries(removal_effects(model, tokens, heads, **kw), len(layers), first, T)
-        if z_mean is not None:
-            full["effect_mean"] = _on_queries(removal_effects(model, tokens, heads, values=z_mean.flatten(0, 1), **kw),
-                                              len(layers), first, T)
-    if slot is not None and float(slot[..., first : T - 1].abs().max()) <= 1e-4:
-        slot = None  # every row sums to one: no extra slot
-    return DormantHeads(layers=layers, sink_attn=full["sink"], out_norm=full["norm"], effect=full["effect"],
-                        sink_positions=sinks, eps=eps, quantile=quantile, effect_mean=full.get("effect_mean"),
-                        z_mean=z_mean, slot=slot, mass=full.get("mass"), active=active,
-                        model_name=getattr(model, "model_name", None), kind=kind, skipped=skipped_note(model),
-                        effect_method="exact" if exact else "gradient")
+    return full
+
+
+def _exact_effects(model: SinkModel, tokens: torch.Tensor, layers: list[int], z_mean: torch.Tensor | None, *,
+                   first: int, progress: bool) -> dict[str, torch.Tensor]:
+    """``effect`` (and ``effect_mean`` given the heads' means) by exact removal of every head, on the statistics'
+    queries ``first``..T-2."""
+    T = tokens.shape[1]
+    heads = [(l, h) for l in layers for h in range(model_dims(model).n_heads)]
+    kw = {"queries": list(range(first, T - 1)), "first": first, "progress": progress}
+    out = {"effect": _on_queries(removal_effects(model, tokens, heads, **kw), len(layers), first, T)}
+    if z_mean is not None:
+        out["effect_mean"] = _on_queries(removal_effects(model, tokens, heads, values=z_mean.flatten(0, 1), **kw),
+                                         len(layers), first, T)
+    return out
 
 
 

@@ -527,6 +527,17 @@ def value_ablation(
         return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None),
                              n_samples=N)
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
+    rows += _value_removal_rows(model, tokens, base, heads, eps=eps, batch_size=batch_size, later=later,
+                                all_heads=all_heads)
+    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
+    return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
+
+
+def _value_removal_rows(model: SinkModel, tokens: torch.Tensor, base: Baseline, heads: list, *, eps: float,
+                        batch_size: int | None, later: bool, all_heads: bool) -> list[dict]:
+    """One row per condition of :func:`value_ablation` (the loss and Sink_1 with the first token's value removed
+    from the heads it names), every condition built (and checked) before any pass."""
+    N = tokens.shape[0]
     v_mean = {l: _leave_one_out(base.v1[:, i].double()).float()
               for l, i in zip(base.run.layers, base.run.positions(base.run.layers)) if l in {l for l, _ in heads}}
     every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
@@ -535,13 +546,13 @@ def value_ablation(
     # built (and checked) before any pass
     removals = [(c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
                 for c, hs, mode, fq in conditions]
+    rows = []
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
         r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
                           on_batch_start=removal.start, baseline=base)
         rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
                      "sink_1_pct": r.sink_rate(1)})
-    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
-    return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------

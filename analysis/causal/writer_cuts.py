@@ -324,6 +324,20 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     vals = origin.trace.resid[:N][:, :, dims]  # (N, L + 1, n_dims)
     peak = {d: int(vals[:, :, j].mean(0).abs().argmax()) for j, d in enumerate(dims)}
     L = model_dims(model).n_layers
+    runs = _cut_runs(model, sets, per_block=per_block, n_random=n_random, random_modes=random_modes, seed=seed)
+    done = _run_stacked(model, tokens, [(neurons, mode or "zero") for _, mode, _, _, neurons in runs],
+                        origin.trace.act_other, dims, eps=eps, batch_size=batch_size, baseline=base)
+    df = pd.DataFrame(_cut_rows(runs, done, vals, peak, dims, L))
+    b = df[df.role == "baseline"].iloc[0]
+    df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
+    df["delta_sink_1"] = df["sink_1_pct"] - b["sink_1_pct"]
+    return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)
+
+
+def _cut_runs(model: SinkModel, sets: dict, *, per_block: bool, n_random: int, random_modes: tuple[str, ...],
+              seed: int) -> list[tuple]:
+    """The runs of :func:`spike_cuts`, ``(role, mode, chosen, draw, neurons)``: the baseline, then per role its named
+    neurons zeroed and set to their mean, each writing MLP's alone (``per_block``), and the random draws."""
     runs = [("baseline", "", "named", 0, {})]
     gen = torch.Generator().manual_seed(int(seed))
     for role, named in sets.items():
@@ -332,8 +346,13 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
             runs += [(role, "zero", f"MLP {b}", 0, {b: ns}) for b, ns in named.items()]
         runs += [(role, mode, "random", k, _random_like(named, get_mlp(model).d_mlp, gen)) for mode in random_modes
                  for k in range(int(n_random))]
-    done = _run_stacked(model, tokens, [(neurons, mode or "zero") for _, mode, _, _, neurons in runs],
-                        origin.trace.act_other, dims, eps=eps, batch_size=batch_size, baseline=base)
+    return runs
+
+
+def _cut_rows(runs: list[tuple], done: list, vals: torch.Tensor, peak: dict, dims: list[int], L: int) -> list[dict]:
+    """One row per run and spike dim: the spike at its peak (and the share of it kept) and at the end, Sink_1 and the
+    loss; ``vals`` the unchanged residual's dims (N, L + 1, n_dims), ``done`` each run's pass and residual after its
+    first cut block."""
     rows = []
     for c, (role, mode, chosen, draw, neurons) in enumerate(runs):
         start = min(neurons) if neurons else L - 1
@@ -348,11 +367,7 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
                          "kept": v_peak / float(vals[:, peak[d], j].mean()) if abs(float(vals[:, peak[d], j].mean())) > TINY
                          else float("nan"), "value_final": float(full[:, -1, j].mean()), "sink_1_pct": r.sink_rate(1),
                          "loss": r.loss, "loss_first": loss_first})
-    df = pd.DataFrame(rows)
-    b = df[df.role == "baseline"].iloc[0]
-    df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
-    df["delta_sink_1"] = df["sink_1_pct"] - b["sink_1_pct"]
-    return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)
+    return rows
 
 
 def origin_row(model: SinkModel, tokens, *, kind: str | None = None, max_samples: int | None = None) -> dict:

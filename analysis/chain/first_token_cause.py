@@ -308,38 +308,52 @@ def why_first_token(model: SinkModel, tokens, origin, *, later: int | None = Non
 
 
 def _cause(model, origin, readouts: list[_Readout], got: dict, later: int, N: int, peaks: dict) -> FirstTokenCause:
-    spec = get_mlp(model)
+    parallel = get_mlp(model).parallel
     rows, nrows, max_err, offset = [], [], 0.0, 0
     comps = [k for k in got if k[0] in ("embedding", "attention", "mixer", "mlp")]
     for r in readouts:
         F = len(r.columns)
         sl = slice(offset, offset + F)
         offset += F
-        s = got[("scale", r.block)]  # (N, 2)
-        feeds = [k for k in comps if k[1] < r.block or (k[1] == r.block and k[0] in ("attention", "mixer")
-                                                        and not spec.parallel)]
-        parts = {k: got[k][..., sl] * s[..., None] for k in feeds}  # (N, 2, F)
-        total = sum(parts.values()) + r.const
-        hook = got[("hook", r.block, r.dim)]
-        max_err = max(max_err, float((total - hook).abs().max()))
-        named = {("embedding" if k[0] == "embedding" else f"{'MLP' if k[0] == 'mlp' else k[0]} {k[1]}"): v
-                 for k, v in parts.items()}
-        named |= {"constant": r.const.expand_as(total), "total": total, "hook": hook}
+        named = _factor_parts(r, got, comps, sl, parallel=parallel)
+        max_err = max(max_err, float((named["total"] - named["hook"]).abs().max()))
         for order, (comp, v) in enumerate(named.items()):
             m = v.mean(0)  # (2, F)
             for j, (f, n) in enumerate(r.columns):
                 rows.append({"dim": r.dim, "block": r.block, "neuron": n, "factor": f, "order": order, "component": comp,
                              "first": float(m[0, j]), "later": float(m[1, j])})
-        act = got[("act", r.block, r.dim)].mean(0)  # (2, n)
-        neu = origin.mlp_neurons(r.dim, r.block)
-        for j, n in enumerate(r.neurons):
-            w = float(neu.w_out[n])
-            nrows.append({"dim": r.dim, "block": r.block, "neuron": n, "act_first": float(act[0, j]),
-                          "act_later": float(act[1, j]), "write_first": float(act[0, j]) * w,
-                          "write_later": float(act[1, j]) * w})
+        nrows += _neuron_rows(origin, r, got)
     spike = _spike_rows(origin, got, readouts, peaks)
     return FirstTokenCause(later, pd.DataFrame(rows), pd.DataFrame(nrows), spike, _divergence(got), max_err, "",
                            getattr(model, "model_name", None), origin.kind, N)
+
+
+def _factor_parts(r: _Readout, got: dict, comps: list, sl: slice, *, parallel: bool) -> dict[str, torch.Tensor]:
+    """The readout's factors (columns ``sl`` of the components' writes, (N, 2, F) each) split into what each
+    component before block ``r.block`` writes into them (scaled by the block's norm), the constant, their total and
+    what the hook holds."""
+    s = got[("scale", r.block)]  # (N, 2)
+    feeds = [k for k in comps if k[1] < r.block or (k[1] == r.block and k[0] in ("attention", "mixer")
+                                                    and not parallel)]
+    parts = {k: got[k][..., sl] * s[..., None] for k in feeds}  # (N, 2, F)
+    total = sum(parts.values()) + r.const
+    named = {("embedding" if k[0] == "embedding" else f"{'MLP' if k[0] == 'mlp' else k[0]} {k[1]}"): v
+             for k, v in parts.items()}
+    return named | {"constant": r.const.expand_as(total), "total": total, "hook": got[("hook", r.block, r.dim)]}
+
+
+def _neuron_rows(origin, r: _Readout, got: dict) -> list[dict]:
+    """Per neuron of the readout: its activation and its write (activation x its output weight on the dim), first
+    token against the same token later."""
+    act = got[("act", r.block, r.dim)].mean(0)  # (2, n)
+    neu = origin.mlp_neurons(r.dim, r.block)
+    nrows = []
+    for j, n in enumerate(r.neurons):
+        w = float(neu.w_out[n])
+        nrows.append({"dim": r.dim, "block": r.block, "neuron": n, "act_first": float(act[0, j]),
+                      "act_later": float(act[1, j]), "write_first": float(act[0, j]) * w,
+                      "write_later": float(act[1, j]) * w})
+    return nrows
 
 
 def _divergence(got: dict) -> pd.DataFrame:

@@ -373,23 +373,14 @@ def origin_from(model: SinkModel, trace: FirstTokenTrace, *, dims: Sequence[int]
     spec = get_mlp(model)
     D, L = int(model_dims(model).d_model), trace.n_layers
     blocks = _check_blocks(blocks, L)
-    if dims is None:
-        if massive is None:
-            raise ValueError("give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
-                             "(massive=MassiveActivations) to find them.")
-        dims = sorted({d for ds in massive.first_token_dims.values() for d in ds})
-    dims = check_dims(dims, D)
+    dims = _spike_dims(dims, massive, D)
     if min_write is None:
         min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
     name = getattr(model, "model_name", None)
     notes = [] if spec.additive else ["This model's stream after a block is not its input plus the block's writes "
                                       "(a post-norm stream, or a hook that edits the stream): the writes need not add up."]
     appears = {d: _appears(trace, d, massive) for d in dims}
-    writes = pd.concat([find_writes(trace, d, parallel=spec.parallel, mixers=spec.mixer_layers, share=share,
-                                    min_write=min_write, appears=appears[d]) for d in dims]
-                       or [pd.DataFrame(columns=_WRITE_COLS)], ignore_index=True)
-    books = pd.DataFrame([{"dim": d, "max_abs_err": e, "rel_err": r} for d in dims for e, r in [trace.bookkeeping(d)]],
-                         columns=["dim", "max_abs_err", "rel_err"])
+    writes, books = _writes_and_books(trace, dims, spec, share=share, min_write=min_write, appears=appears)
     out = SpikeOrigin(dims, trace, writes, bookkeeping=books, notes=notes, mlp_facts=spec.text(), share=share,
                       min_write=float(min_write), appears=appears, model_name=name, kind=kind)
     for d in dims:
@@ -398,6 +389,29 @@ def origin_from(model: SinkModel, trace: FirstTokenTrace, *, dims: Sequence[int]
         for b, role in todo:
             _resolve(model, out, spec, d, b, role)
     return out
+
+
+def _spike_dims(dims: Sequence[int] | None, massive, D: int) -> list[int]:
+    """The spike dims to trace, checked: those given, else the first token's spike dims of ``massive`` over every
+    layer."""
+    if dims is None:
+        if massive is None:
+            raise ValueError("give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
+                             "(massive=MassiveActivations) to find them.")
+        dims = sorted({d for ds in massive.first_token_dims.values() for d in ds})
+    return check_dims(dims, D)
+
+
+def _writes_and_books(trace: FirstTokenTrace, dims: list[int], spec, *, share: float, min_write: float,
+                      appears: dict[int, int]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every dim's writes (:func:`find_writes`) in one table, and the bookkeeping table (how far the writes fall from
+    adding up to the stream, per dim)."""
+    writes = pd.concat([find_writes(trace, d, parallel=spec.parallel, mixers=spec.mixer_layers, share=share,
+                                    min_write=min_write, appears=appears[d]) for d in dims]
+                       or [pd.DataFrame(columns=_WRITE_COLS)], ignore_index=True)
+    books = pd.DataFrame([{"dim": d, "max_abs_err": e, "rel_err": r} for d in dims for e, r in [trace.bookkeeping(d)]],
+                         columns=["dim", "max_abs_err", "rel_err"])
+    return writes, books
 
 
 def _appears(trace: FirstTokenTrace, dim: int, massive) -> int:

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-_MARK = "\nregister(Analysis("  # how a registration starts, at the bottom of its module
-_EXPORTS_RE = re.compile(r"\bexports=\(([^)]*)\)")
+_MARK = re.compile(r"^register\(\s*Analysis\(", re.MULTILINE)  # a registration's start, in any layout of its lines
 
 
 @dataclass(frozen=True)
@@ -322,6 +321,19 @@ def resolve(ref: str | Callable) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+def _declared_exports(tree: ast.Module) -> tuple[str, ...]:
+    """The names the module-level ``register(Analysis(..., exports=(...)))`` calls of a parsed module export."""
+    names: list[str] = []
+    for stmt in tree.body:
+        call = stmt.value if isinstance(stmt, ast.Expr) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "register"
+                and call.args and isinstance(call.args[0], ast.Call)
+                and isinstance(call.args[0].func, ast.Name) and call.args[0].func.id == "Analysis"):
+            continue
+        names += [n for kw in call.args[0].keywords if kw.arg == "exports" for n in ast.literal_eval(kw.value)]
+    return tuple(names)
+
+
 def declared(root: str | Path) -> dict[str, tuple[str, ...]]:
     """The modules under ``root`` that register an analysis, with the names each exports, read from their source
     (nothing imported): what ``analysis``'s lazy exports and the report's discovery read.
@@ -340,12 +352,9 @@ def declared(root: str | Path) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
-        if _MARK not in text:
+        if not (found := _MARK.search(text)):  # most modules register nothing
             continue
         parts = [root.name, *path.relative_to(root).with_suffix("").parts]
-        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        names: list[str] = []
-        for found in _EXPORTS_RE.finditer(text, text.index(_MARK)):  # the registrations: the module's bottom
-            names += ast.literal_eval("[" + found.group(1) + "]")
-        out[module] = tuple(names)
+        tail = ast.parse(text[found.start():])  # the registrations, at the module's bottom: only they are parsed
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = _declared_exports(tail)
     return out

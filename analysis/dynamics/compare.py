@@ -220,25 +220,8 @@ def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     out = MechanismChain({"sink_1": sink.sink_rate(1)}, eps=eps, model_name=getattr(model, "model_name", None),
                          n_samples=tokens.shape[0])
-    streams = {}
-    for hook in ("resid_pre", "resid_post"):
-        layers = [0] if hook == "resid_pre" else None
-        for median_over in ("token", "sequence"):
-            ma = massive_activations(model, tokens, layers=layers, hook=hook, median_over=median_over,
-                                     abs_threshold=0.0, ratio_threshold=ratio)
-            ref = ma.first_abs.amax(-1)  # (L,) mean over samples of |a| of the first token's largest dim
-            if median_over == "token":
-                med = ma.first_abs.median(-1).values  # the first token's own median |a|
-                r = (ref / med.clamp_min(1e-12)).amax().item()
-                for i, l in enumerate(ma.layers):
-                    found = ma.first_token_dims.get(l, [])
-                    if found:
-                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = found
-            else:  # the median |a| over each sample's positions x dims
-                r = (ref / ma.median.mean(0).clamp_min(1e-12)).amax().item()
-            key = f"spike_ratio_{median_over}"
-            out[key] = max(out.get(key, 0.0), r)
-    out["spike_dims"] = streams
+    out.update(_spike_links(model, tokens, ratio))
+    streams = out["spike_dims"]
     vn = value_norms(model, tokens, sink=sink)
     ratio_kv = vn.ratio.flatten()
     sink_kv = vn.alpha_kv().flatten() > eps
@@ -264,4 +247,29 @@ def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK
             out["sink_1_spike_zeroed"] = sink_metric(model, tokens, eps=eps, k_max=1).sink_rate(1)
     else:
         out["sink_1_spike_zeroed"] = out["sink_1"]
+    return out
+
+
+def _spike_links(model: SinkModel, tokens: torch.Tensor, ratio: float) -> dict:
+    """The chain's spike links: ``spike_ratio_token`` and ``spike_ratio_sequence`` (the largest over the residual
+    stream's positions) and ``spike_dims`` {stream: dims} (see :func:`mechanism_chain`)."""
+    out, streams = {}, {}
+    for hook in ("resid_pre", "resid_post"):
+        layers = [0] if hook == "resid_pre" else None
+        for median_over in ("token", "sequence"):
+            ma = massive_activations(model, tokens, layers=layers, hook=hook, median_over=median_over,
+                                     abs_threshold=0.0, ratio_threshold=ratio)
+            ref = ma.first_abs.amax(-1)  # (L,) mean over samples of |a| of the first token's largest dim
+            if median_over == "token":
+                med = ma.first_abs.median(-1).values  # the first token's own median |a|
+                r = (ref / med.clamp_min(1e-12)).amax().item()
+                for i, l in enumerate(ma.layers):
+                    found = ma.first_token_dims.get(l, [])
+                    if found:
+                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = found
+            else:  # the median |a| over each sample's positions x dims
+                r = (ref / ma.median.mean(0).clamp_min(1e-12)).amax().item()
+            key = f"spike_ratio_{median_over}"
+            out[key] = max(out.get(key, 0.0), r)
+    out["spike_dims"] = streams
     return out

@@ -627,22 +627,11 @@ def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int 
             run, att = Path(run_dir).name, attention_operation(final)
             seed = int(final.reference_config["train"]["seed"])
             complete = (Path(run_dir) / "model.safetensors").is_file()
-            if not complete:
-                notes.append(f"Run {run} has no final model yet: its last snapshot (step {final_step:,}) stands in.")
-            if not follow.found:
-                notes.append(f"In run {run} no first-token dim reaches {ratio:g}x the median entering layer "
-                             f"{follow.sink_layer}: its largest, dim {follow.main_dim}, is followed.")
-            for step, path, is_final in models:
-                t0 = time.perf_counter()
-                model = final if is_final else load_reference(path, device=device)
-                links, w = chain_links(model, tokens, follow, eps=eps, n_random=n_random)
-                rows += [{"run": run, "attention": att, "seed": seed, "step": step, "final": is_final, "link": k,
-                          "value": v} for k, v in links.items()]
-                writes.append(w.assign(run=run, attention=att, seed=seed, step=step))
-                times.append(time.perf_counter() - t0)
-                if progress:
-                    progress(f"{run} step {step}: Sink_1 {links['sink_1']:.1f}%, spike {links['spike_ratio']:.1f}x "
-                             f"({times[-1]:.2f} s)")
+            notes += _run_notes(run, final_step, follow, complete=complete, ratio=ratio)
+            tag = {"run": run, "attention": att, "seed": seed}
+            got = _links_along_training(models, final, tokens, follow, tag, eps=eps, n_random=n_random, device=device,
+                                        progress=progress)
+            rows, writes, times = rows + got[0], writes + got[1], times + got[2]
             followed.append({"run": run, "attention": att, "seed": seed, "final_step": final_step, "complete": complete,
                              "sink_layer": follow.sink_layer, "dims": follow.dims, "main_dim": follow.main_dim,
                              "dims_found": follow.found, "sink_heads": follow.heads, "n_models": len(models),
@@ -653,6 +642,37 @@ def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int 
     return FormationOrder(formation, onset_table(formation), pd.DataFrame(followed), writes, int(probe_seed), int(N),
                           int(T), float(np.mean(times)), model_name=", ".join(Path(r).name for r in run_dirs),
                           notes=notes)
+
+
+def _run_notes(run: str, final_step: int, follow, *, complete: bool, ratio: float) -> list[str]:
+    """What a reader of one run's links must know: a snapshot stands in for the final model, or no dim reaches the
+    spike ratio (the largest is followed)."""
+    notes = []
+    if not complete:
+        notes.append(f"Run {run} has no final model yet: its last snapshot (step {final_step:,}) stands in.")
+    if not follow.found:
+        notes.append(f"In run {run} no first-token dim reaches {ratio:g}x the median entering layer "
+                     f"{follow.sink_layer}: its largest, dim {follow.main_dim}, is followed.")
+    return notes
+
+
+def _links_along_training(models: list, final, tokens: torch.Tensor, follow, tag: dict, *, eps: float, n_random: int,
+                          device: str | None, progress: Callable[[str], None] | None) -> tuple[list, list, list]:
+    """The chain's links (:func:`chain_links`) of every model of one run (``run_models``: its snapshots, then its
+    final model, ``final`` already loaded): the rows of the formation table (each starting with ``tag``: the run,
+    its attention and seed), the writes tables and the seconds per model."""
+    rows, writes, times = [], [], []
+    for step, path, is_final in models:
+        t0 = time.perf_counter()
+        model = final if is_final else load_reference(path, device=device)
+        links, w = chain_links(model, tokens, follow, eps=eps, n_random=n_random)
+        rows += [{**tag, "step": step, "final": is_final, "link": k, "value": v} for k, v in links.items()]
+        writes.append(w.assign(**tag, step=step))
+        times.append(time.perf_counter() - t0)
+        if progress:
+            progress(f"{tag['run']} step {step}: Sink_1 {links['sink_1']:.1f}%, spike {links['spike_ratio']:.1f}x "
+                     f"({times[-1]:.2f} s)")
+    return rows, writes, times
 
 
 TABLE_FILES = {"formation": "formation.csv", "onsets": "onsets.csv", "followed": "followed.csv", "writes": "writes.csv"}

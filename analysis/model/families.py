@@ -804,48 +804,61 @@ def family_spec(model: SinkModel) -> FamilySpec:
         n_kv, d_head = n_heads, mla["d_head"]
         _heads_after_positions(model, attention_layers, n_heads, mla["v_head_dim"])
     fired, scores_are_pattern = _dry_run(model)
-    first = attention_layers[0] if attention_layers else 0
 
     def fires_everywhere(suffix: str) -> bool:
         return bool(attention_layers) and all(f"blocks.{l}.attn.{suffix}" in fired for l in attention_layers)
 
-    tl_pos = getattr(cfg, "positional_embedding_type", None)
     if config is None:
         return _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_model, fired, fires_everywhere,
                                scores_are_pattern)
+    shape = dict(n_layers=n_layers, attention_layers=attention_layers, skipped_layers=skipped, n_heads=n_heads,
+                 n_kv_heads=n_kv, d_head=d_head, d_model=d_model)
+    return _bridge_spec(model, config, types, shape, fired, fires_everywhere, scores_are_pattern, mla)
 
+
+def _bridge_spec(model, config, types, shape: dict, fired, fires_everywhere, scores_are_pattern: bool,
+                 mla: dict | None) -> FamilySpec:
+    """A TransformerBridge's family facts, read from its Hugging Face config and modules and the hooks that fired;
+    ``shape`` holds its layers, heads and widths."""
+    attention_layers, d_head = shape["attention_layers"], shape["d_head"]
+    first = attention_layers[0] if attention_layers else 0
     hf = model.original_model
     family = str(getattr(config, "model_type", "unknown"))
-    architecture = type(hf).__name__
-    hf_attn = _bridge_submodule(model, first, "attn") if attention_layers else None
-
+    tl_pos = getattr(model.cfg, "positional_embedding_type", None)
     pos = _positions(hf, config, family, types, attention_layers, tl_pos, d_head)
-
     norms = _norms(model, first, fires_everywhere("hook_k_normed"), d_head)
-    block = model.blocks[first]
-    fused = getattr(getattr(block, "attn", None), "qkv", None) is not None
-    key_rotated, key_hook, query_hook = _qk_hooks(pos["positions"], fires_everywhere, mla)
+    attn = _attention_facts(model, config, types, attention_layers, d_head, pos["positions"], fires_everywhere,
+                            scores_are_pattern, mla)
     if mla is not None:
         pos["rotary_dim"] = mla["qk_rope_head_dim"]
+    notes = _notes(config, pos["positions"] == "rotary" and not attn["key_rotated"],
+                   bool(attention_layers) and not attn["pattern_live"], scores_are_pattern,
+                   bool(attn["_gate_hook"]) and f"blocks.{first}.attn.hook_q" in fired, mla)
+    return FamilySpec(family=family, architecture=type(hf).__name__, **shape, **pos, **norms, **attn,
+                      parallel_block=bool(getattr(model.cfg, "parallel_attn_mlp", False)), notes=tuple(notes),
+                      latent=mla, fired_hooks=fired)
+
+
+def _attention_facts(model, config, types, attention_layers: tuple, d_head: int, positions: str, fires_everywhere,
+                     scores_are_pattern: bool, mla: dict | None) -> dict:
+    """A TransformerBridge's attention facts, as FamilySpec fields: the fused projection, the hooks holding the
+    (rotated) keys and queries, the output gate and the scores, whether the pattern is live, learned sinks, the sliding
+    window, the scale and the softcap."""
+    first = attention_layers[0] if attention_layers else 0
+    hf_attn = _bridge_submodule(model, first, "attn") if attention_layers else None
+    fused = getattr(getattr(model.blocks[first], "attn", None), "qkv", None) is not None
+    key_rotated, key_hook, query_hook = _qk_hooks(positions, fires_everywhere, mla)
     gate_hook, scores_hook = _gate_and_scores_hooks(fires_everywhere, scores_are_pattern)
     live = pattern_is_live(model, first) if attention_layers else False
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
-
     window, sliding = _sliding(config, types, attention_layers)
-
-    notes = _notes(config, pos["positions"] == "rotary" and not key_rotated, bool(attention_layers) and not live,
-                   scores_are_pattern, bool(gate_hook) and f"blocks.{first}.attn.hook_q" in fired, mla)
-    return FamilySpec(
-        family=family, architecture=architecture, n_layers=n_layers, attention_layers=attention_layers,
-        skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, d_model=d_model,
-        **pos, **norms, parallel_block=bool(getattr(cfg, "parallel_attn_mlp", False)),
+    return dict(
         fused_qkv=fused, key_rotated=key_rotated, pattern_live=live, learned_sinks=learned_sinks,
         gate="sigmoid(hook_q_gate), per head and dim, multiplies the attention output before o_proj" if gate_hook
         else None,
         sliding_window=int(window) if window else None, sliding_layers=tuple(sliding),
         attn_scale=_attn_scale(hf_attn, d_head), attn_softcap=getattr(config, "attn_logit_softcapping", None),
-        notes=tuple(notes), latent=mla, _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
-        fired_hooks=fired,
+        _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
     )
 
 

@@ -603,8 +603,16 @@ def mlp_spec(model: SinkModel) -> MlpSpec:
     MlpSpec
     """
     n_layers = int(model.cfg.n_layers)
-    family = get_family(model).family
     got, canonical = _probe_mlp_hooks(model, n_layers)
+    fields, dense, in_hook = _mlp_layout(model, got, n_layers)
+    if fields["kind"] in ("moe", "none"):
+        return _spec_without_neurons(model, got, fields, in_hook)
+    return _dense_spec(model, got, canonical, fields, dense[0], in_hook)
+
+
+def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[int], str | None]:
+    """What the hooks that fired say of the MLPs: the spec's fields (the family, the kind, the mixer and MoE blocks,
+    whether the writes add up, the experts), the dense blocks, and the MLP input's hook when every block has one."""
     moe = tuple(l for l in range(n_layers) if _is_moe(model, l))  # read per block: dense and MoE blocks mix
     mixers = tuple(l for l in range(n_layers) if f"blocks.{l}.hook_attn_out" not in got)
 
@@ -615,31 +623,42 @@ def mlp_spec(model: SinkModel) -> MlpSpec:
     kind = "moe" if moe and not dense else ("none" if not dense else
                                             ("gated" if neurons(dense[0], "hook_pre_linear") is not None else "plain"))
     additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
-    n_exp, top_k, notes = None, None, []
+    n_exp, top_k = None, None
     if moe:
         router, experts = moe_parts(model, moe[0])
         n_exp = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
         top_k = int(getattr(router, "top_k", 0)) or None
-    fields = dict(family=family, kind=kind, parallel=bool(get_family(model).parallel_block), additive=additive,
-                  mixer_layers=mixers, moe_layers=moe, n_experts=n_exp, top_k=top_k)
+    fields = dict(family=get_family(model).family, kind=kind, parallel=bool(get_family(model).parallel_block),
+                  additive=additive, mixer_layers=mixers, moe_layers=moe, n_experts=n_exp, top_k=top_k)
     in_hook = "blocks.{layer}.mlp.hook_in" if all(f"blocks.{b}.mlp.hook_in" in got for b in range(n_layers)) else None
-    if kind in ("moe", "none"):
-        if kind == "none":
-            notes.append("No hook holds the MLP's neuron activations (blocks.{l}.mlp.hook_post).")
-        output, scale = _moe_output(model, got, moe[0]) if kind == "moe" and in_hook else ("unknown", 1.0)
-        return MlpSpec(**fields, activation=None, d_mlp=None, input_resid="resid_pre" if fields["parallel"] else "resid_mid",
-                       input_norm=None, input_norm_module=None, output=output, output_scale=scale, output_norm=None,
-                       output_norm_module=None, notes=tuple(notes), _input_hook=in_hook)
-    l = dense[0]
-    pre, up, post = neurons(l, "hook_pre"), neurons(l, "hook_pre_linear"), neurons(l, "hook_post")
+    return fields, dense, in_hook
+
+
+def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: str | None) -> MlpSpec:
+    """The spec of a model whose blocks hold no dense MLP's neurons: MoE blocks only (their output read from the
+    first one, given the MLP input's hook), or no MLP hook found."""
+    notes = []
+    if fields["kind"] == "none":
+        notes.append("No hook holds the MLP's neuron activations (blocks.{l}.mlp.hook_post).")
+    moe_output = fields["kind"] == "moe" and in_hook
+    output, scale = _moe_output(model, got, fields["moe_layers"][0]) if moe_output else ("unknown", 1.0)
+    return MlpSpec(**fields, activation=None, d_mlp=None, input_resid="resid_pre" if fields["parallel"] else "resid_mid",
+                   input_norm=None, input_norm_module=None, output=output, output_scale=scale, output_norm=None,
+                   output_norm_module=None, notes=tuple(notes), _input_hook=in_hook)
+
+
+def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: int, in_hook: str | None) -> MlpSpec:
+    """The spec of a model with dense MLPs, measured on its first dense block ``l``: the neuron hooks, then the MLP's
+    input norm, activation and output scaling, read by rebuilding the MLP from its weights."""
+    kind, notes = fields["kind"], []
+    pre, up, post = (got.get(f"blocks.{l}.mlp.{s}") for s in ("hook_pre", "hook_pre_linear", "hook_post"))
     if kind == "plain":
         pre, up = None, pre
-    tmpl = {k: canonical[f"blocks.{l}.mlp.{s}"].replace(f"blocks.{l}.", "blocks.{layer}.", 1)
-            for k, s in (("neuron", "hook_post"), ("gate", "hook_pre"), ("up", "hook_pre_linear" if kind == "gated" else "hook_pre"))}
+    tmpl = _neuron_hooks(canonical, l, kind)
+    gate_hook = tmpl["gate"] if kind == "gated" else None
     partial_spec = MlpSpec(**fields, activation=None, d_mlp=int(post.shape[-1]), input_resid="resid_mid", input_norm=None,
                            input_norm_module=None, output="unknown", output_scale=1.0, output_norm=None,
-                           output_norm_module=None, _neuron_hook=tmpl["neuron"],
-                           _gate_hook=tmpl["gate"] if kind == "gated" else None, _up_hook=tmpl["up"])
+                           output_norm_module=None, _neuron_hook=tmpl["neuron"], _gate_hook=gate_hook, _up_hook=tmpl["up"])
     model.mlp_spec = partial_spec  # mlp_weights reads the kind from it while the spec is being measured
     try:
         W = mlp_weights(model, l)
@@ -656,8 +675,15 @@ def mlp_spec(model: SinkModel) -> MlpSpec:
                    input_norm_module=norm_name, output=output, output_scale=scale,
                    output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
                    output_norm_module=out_name,
-                   notes=tuple(notes), _neuron_hook=tmpl["neuron"], _gate_hook=partial_spec._gate_hook,
+                   notes=tuple(notes), _neuron_hook=tmpl["neuron"], _gate_hook=gate_hook,
                    _up_hook=tmpl["up"], _input_hook=in_hook)
+
+
+def _neuron_hooks(canonical: dict, l: int, kind: str) -> dict[str, str]:
+    """The neuron, gate and up hooks of block ``l``, by their canonical names, as templates over ``{layer}``."""
+    up = "hook_pre_linear" if kind == "gated" else "hook_pre"
+    return {k: canonical[f"blocks.{l}.mlp.{s}"].replace(f"blocks.{l}.", "blocks.{layer}.", 1)
+            for k, s in (("neuron", "hook_post"), ("gate", "hook_pre"), ("up", up))}
 
 
 def get_mlp(model: SinkModel) -> MlpSpec:

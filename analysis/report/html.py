@@ -240,60 +240,75 @@ def _encode(figs: list[_Drawn], workers: int | None) -> list:
     shares = [list(range(w, len(figs), n)) for w in range(n)]  # interleaved: the figures' costs spread evenly
     children, here = [], list(shares[0])
     for share in shares[1:]:
-        fd, path = tempfile.mkstemp(prefix="sink-report-figures-", suffix=".pkl")
-        os.close(fd)
-        try:
-            with warnings.catch_warnings():
-                # Python 3.12+ warns on fork in a process with threads (torch's idle CPU workers here): the child
-                # draws with matplotlib's Agg (its tensor work on one thread), takes no lock those threads hold,
-                # prints nothing, leaves by os._exit.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-        except OSError as e:  # no process to spare: this share is encoded here
-            os.unlink(path)
-            warnings.warn(f"could not fork a figure worker ({e}); its {len(share)} figures are encoded in this process.",
-                          RuntimeWarning, stacklevel=3)
+        child = _fork_worker(figs, share)
+        if child is None:  # no process to spare: this share is encoded here
             here += share
-            continue
-        if pid == 0:  # the child: encode its share, write it, exit without the parent's exit handlers
-            code = 1
-            try:
-                sys.stdout = sys.stderr = open(os.devnull, "w")  # a notebook's streams belong to the parent's threads
-                warnings.simplefilter("ignore")
-                gc.freeze()  # the parent's objects: never scanned by this worker's collections (nor copied by them)
-                if "torch" in sys.modules:  # a figure's own tensor work runs inline: no thread pool after a fork
-                    sys.modules["torch"].set_num_threads(1)
-                with open(path, "wb") as f:
-                    pickle.dump([_encode_one(figs[i]) for i in share], f)
-                code = 0
-            finally:
-                os._exit(code)
-        children.append((pid, path, share))
+        else:
+            children.append((*child, share))
     done: list = [None] * len(figs)
     for i in here:
         done[i] = _encode_one(figs[i])
     for pid, path, share in children:
-        got, why = None, ""
-        try:
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-            if code == 0:
-                with open(path, "rb") as f:
-                    got = pickle.load(f)
-            else:
-                why = f"exit status {code}"
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            why = f"{type(e).__name__}: {e}"
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
-        if not isinstance(got, list) or len(got) != len(share):  # the worker failed: its figures are encoded here
-            warnings.warn(f"a figure worker failed ({why or 'its output was unreadable'}); its {len(share)} figures "
-                          "were encoded in this process.", RuntimeWarning, stacklevel=3)
-            got = [_encode_one(figs[i]) for i in share]
-        for i, r in zip(share, got):
+        for i, r in zip(share, _worker_output(figs, pid, path, share)):
             done[i] = r
     return done
+
+
+def _fork_worker(figs: list[_Drawn], share: list[int]) -> tuple[int, str] | None:
+    """Fork a process that encodes the figures ``share`` and pickles them into a temporary file: (its pid, the file),
+    or None, with a warning, where no process can be forked."""
+    fd, path = tempfile.mkstemp(prefix="sink-report-figures-", suffix=".pkl")
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on fork in a process with threads (torch's idle CPU workers here): the child
+            # draws with matplotlib's Agg (its tensor work on one thread), takes no lock those threads hold,
+            # prints nothing, leaves by os._exit.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as e:
+        os.unlink(path)
+        warnings.warn(f"could not fork a figure worker ({e}); its {len(share)} figures are encoded in this process.",
+                      RuntimeWarning, stacklevel=4)
+        return None
+    if pid == 0:  # the child: encode its share, write it, exit without the parent's exit handlers
+        code = 1
+        try:
+            sys.stdout = sys.stderr = open(os.devnull, "w")  # a notebook's streams belong to the parent's threads
+            warnings.simplefilter("ignore")
+            gc.freeze()  # the parent's objects: never scanned by this worker's collections (nor copied by them)
+            if "torch" in sys.modules:  # a figure's own tensor work runs inline: no thread pool after a fork
+                sys.modules["torch"].set_num_threads(1)
+            with open(path, "wb") as f:
+                pickle.dump([_encode_one(figs[i]) for i in share], f)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid, path
+
+
+def _worker_output(figs: list[_Drawn], pid: int, path: str, share: list[int]) -> list:
+    """The encoded figures ``share`` of the forked worker ``pid``, read from its file once it exits (the file
+    removed); encoded in this process, with a warning, where the worker failed."""
+    got, why = None, ""
+    try:
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code == 0:
+            with open(path, "rb") as f:
+                got = pickle.load(f)
+        else:
+            why = f"exit status {code}"
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        why = f"{type(e).__name__}: {e}"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    if not isinstance(got, list) or len(got) != len(share):  # the worker failed: its figures are encoded here
+        warnings.warn(f"a figure worker failed ({why or 'its output was unreadable'}); its {len(share)} figures "
+                      "were encoded in this process.", RuntimeWarning, stacklevel=4)
+        got = [_encode_one(figs[i]) for i in share]
+    return got
 
 
 _CSS = """
