@@ -180,7 +180,7 @@ def _interventions(ctx, sec: Section) -> None:
     from analysis.figures import interventions as figs
     from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
 
-    ma, kw = ctx.massive, {"batch_size": ctx.batch_size}
+    ma, kw = ctx.massive, {"batch_size": ctx.batch_size, "eps": ctx.eps}  # the report's eps, as its baseline's
     base = ctx.profile.baseline  # with the profile's residuals: each condition resumes at the block its hooks start
     runs = {
         "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base,
