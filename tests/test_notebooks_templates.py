@@ -40,6 +40,9 @@ SMALL = {
     "13": {"N": 4, "T": 16},
     "15": {"N": 2, "T": 16},
 }
+# notebooks that read committed runs (not run here: nbmake executes them) -> the parameters they must name
+READS_RUNS = {"07": ("MODELS", "N", "T", "SEED", "CHAIN"), "08": ("RUNS", "GRIDS", "DEMO"),
+              "14": ("RUNS", "MODEL", "PAIR", "STREAM", "LIVE")}
 MODELS = ("no-sink-llama", "planted-gpt2", "synthetic-softmax")
 PARTNER = {"no-sink-llama": "planted-gpt2", "planted-gpt2": "no-sink-llama",  # 13's second model (the same vocabulary)
            "synthetic-softmax": "synthetic-sigmoid"}
@@ -78,7 +81,8 @@ def _run(prefix: str, model: str, folders: dict[str, str], out: Path) -> tuple[s
 
     src = out / f"{prefix}-{model}-in.ipynb"
     _without_fixed(_notebook(prefix), src)
-    folder, partner = folders[model], folders.get(PARTNER[model], PARTNER[model])
+    folder = folders[model]
+    partner = folders.get(PARTNER.get(model, ""), PARTNER.get(model))
     params = [("PAIR", f"['{folder}', '{partner}']") if prefix == "13" else ("MODEL", folder)]
     params += [(k, repr(v)) for k, v in SMALL[prefix].items()]
     cmd = [sys.executable, "-m", "papermill", str(src), str(out / f"{prefix}-{model}.ipynb"), "--cwd",
@@ -113,14 +117,15 @@ def test_notebook_runs_on_the_model(runs, prefix, model):
     assert not error, f"{_notebook(prefix).name} on {model} ({seconds:.0f} s) ends in an error:\n{error}"
 
 
-@pytest.mark.parametrize("prefix", sorted(SMALL))
+@pytest.mark.parametrize("prefix", sorted({*SMALL, *READS_RUNS}))
 def test_first_cell_is_the_parameters(prefix):
-    """One parameters cell, the first code cell, naming MODEL (or PAIR) and every small-run parameter."""
+    """One parameters cell, the first code cell, naming MODEL (or PAIR) and every small-run parameter; in the
+    notebooks that read committed runs, the runs they read."""
     nb = nbformat.read(_notebook(prefix), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     tagged = [i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", [])]
     assert tagged == [0], f"{_notebook(prefix).name}: code cells tagged 'parameters': {tagged} (one, the first)."
     names = {line.split("=")[0].strip() for line in code[0].source.splitlines() if "=" in line}
     names = {n for part in names for n in part.replace(" ", "").split(",")}
-    want = {"PAIR" if prefix == "13" else "MODEL", *SMALL[prefix]}
+    want = set(READS_RUNS[prefix]) if prefix in READS_RUNS else {"PAIR" if prefix == "13" else "MODEL", *SMALL[prefix]}
     assert want <= names, f"{_notebook(prefix).name}'s parameters cell lacks {sorted(want - names)}."
