@@ -11,7 +11,9 @@ attention) and Mistral (a sliding window of 8 tokens, shorter than T).
 Cells tagged ``fixed`` measure no MODEL (committed runs, the reference models every reader gets): they are dropped
 here, since they do not change with MODEL and CI executes them in the published notebooks (nbmake). The notebooks
 run two at a time (CI has 2 cores), each in its own kernel with one thread: the 36 runs took 7.3 CPU-minutes
-(user + sys), about 4 minutes on an idle 2-core machine (19 minutes on a shared one under a load of 11-18).
+(user + sys), about 4 minutes on an idle 2-core machine (19 minutes on a shared one under a load of 11-18); the 8 runs
+on the two attention families add 1.7 CPU-minutes (11-14 CPU-seconds each, mostly the kernel's start and imports),
+about 1 minute: 44 runs, 9 CPU-minutes, about 5 minutes.
 """
 from __future__ import annotations
 
