@@ -571,6 +571,45 @@ class DormantHeads(Result, LayerAxis):
                          **({"skipped": self.skipped} if self.skipped else {})})
 
 
+
+SPREAD_KEYS = ("n_sinking_heads", "n_mixed_heads", "median_rho_norm", "quiet_if_sinking", "quiet_if_other",
+               "median_rho_effect", "median_rho_effect_mean", "inert_if_sinking", "inert_if_other",
+               "inert_mean_if_sinking", "inert_mean_if_other")
+
+
+def seed_spread(results) -> tuple[pd.DataFrame, str]:
+    """The pooled findings (``summary``) of one model on several probe seeds, a row per seed, with the layers where
+    the mixed heads go dormant with the sink; and a sentence: on how many seeds heads sink on some queries and not on
+    others (the mixed heads the findings are about), or that no seed has one, so there is nothing to spread.
+
+    Parameters
+    ----------
+    results : dict of int to DormantHeads
+        Probe seed -> ``dormant_heads`` on that seed's probe (one model).
+
+    Returns
+    -------
+    (pandas.DataFrame, str)
+        The table (index: seed; the medians empty on a seed without a mixed head) and the sentence.
+    """
+    results = dict(results)
+    if not results or not all(isinstance(r, DormantHeads) for r in results.values()):
+        raise TypeError("results must map each probe seed to its dormant_heads result (a DormantHeads), at least one.")
+    table = pd.DataFrame({seed: {k: r.summary().get(k) for k in SPREAD_KEYS} for seed, r in results.items()}).T
+    table["dormant_layers"] = [r.summary().get("dormant_layers", []) for r in results.values()]
+    table.index.name = "seed"
+    mixed = table.n_mixed_heads.astype(int)
+    name = next(iter(results.values())).model_name or "the model"
+    if not mixed.any():
+        return table, (f"No head of {name} sinks on some queries and not on others on any of the {len(results)} probe "
+                       f"seeds (sinking heads per seed: {table.n_sinking_heads.astype(int).tolist()}), so there is no "
+                       "per-query contrast to spread over seeds.")
+    missing = [int(s) for s in mixed.index[mixed == 0]]
+    return table, (f"Heads that sink on some queries and not on others, per probe seed: {mixed.tolist()} (seeds "
+                   f"{[int(s) for s in mixed.index]})" + (f"; seeds {missing} have none, their medians are empty."
+                                                          if missing else "."))
+
+
 # signal -> (column prefix, the sinking queries' tag, the other queries' tag)
 _WORDS = {"sink": ("", "sinking", "other"), "slot": ("slot_", "slot", "not_slot")}
 
@@ -609,5 +648,5 @@ def _positions_words(sink_positions) -> str:
     return "the tokens at positions " + ", ".join(str(p) for p in pos) + " (0-based)"
 
 
-__all__ = ["DormantHeads", "DORMANT_LAYER_RHO", "SIGNAL_WORDS", "check_sink_positions", "first_query", "check_quantile",
+__all__ = ["DormantHeads", "DORMANT_LAYER_RHO", "SIGNAL_WORDS", "SPREAD_KEYS", "seed_spread", "check_sink_positions", "first_query", "check_quantile",
            "rowwise_pearson", "rowwise_spearman"]

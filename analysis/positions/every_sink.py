@@ -564,6 +564,195 @@ def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
     return "\n".join(lines)
 
 
+
+def _later(res: SinkPositions) -> pd.DataFrame:
+    sinks = res.sinks
+    return sinks[sinks.position > 0]
+
+
+def _check_runs(runs) -> dict:
+    runs = dict(runs)
+    if not runs or not all(isinstance(r, SinkPositions) for r in runs.values()):
+        raise TypeError("runs must map each probe seed to its sink_positions result (a SinkPositions), at least one; "
+                        f"got {type(runs).__name__} of {sorted({type(r).__name__ for r in runs.values()})}.")
+    return runs
+
+
+def _no_later(runs: dict, what: str) -> str:
+    return f"No position after the first sinks on any of the {len(runs)} probe seeds: {what}."
+
+
+def _span(col: pd.Series, fmt: str) -> str:
+    """min-max of a per-seed column; "none (no such position)" where no seed has a value (a share of nothing)."""
+    col = col.dropna()
+    return f"{col.min():{fmt}}-{col.max():{fmt}}" if len(col) else "none (no such position)"
+
+
+def later_sinks_by_seed(runs) -> tuple[pd.DataFrame, str]:
+    """Per probe seed: Sink_1, the share of sequences with a sink after the first token, the later sink positions
+    per sequence and the share of (sample, layer, head) on a later one; and a sentence of their ranges over the
+    seeds. With no later sink on any seed, the sentence is the first seed's finding (only the first token sinks, or
+    nothing does).
+
+    Parameters
+    ----------
+    runs : dict of int to SinkPositions
+        Probe seed -> ``sink_positions`` on that seed's probe.
+
+    Returns
+    -------
+    (pandas.DataFrame, str)
+        The table (index: seed) and the sentence.
+    """
+    runs = _check_runs(runs)
+    table = pd.DataFrame([{
+        "seed": s, "Sink_1 (%)": r.sink_rate(0),
+        "sequences with a later sink": _later(r)["sample"].nunique() / r.n_samples,
+        "later sinks per sequence": r.later_sinks_per_sequence(),
+        "(sample, layer, head) on a later sink (%)": r.secondary_rate()} for s, r in runs.items()]).set_index("seed")
+    if not table["later sinks per sequence"].any():
+        return table, next(iter(runs.values())).findings()[0]
+    share = table["sequences with a later sink"]
+    return table, (f"{_span(share, '.0%')} of the sequences have a sink besides the first token (seeds {list(runs)}), "
+                   f"{_span(table['later sinks per sequence'], '.2f')} later sink positions per sequence; Sink_1 is "
+                   f"{_span(table['Sink_1 (%)'], '.1f')}%.")
+
+
+def later_sink_tokens(runs, *, top: int = 6) -> tuple[pd.DataFrame, str]:
+    """The tokens that sink most often after the first position, over the probe seeds: per seed their positions,
+    median and largest number of heads and share aligned with the first token (``by_token``), the ``top`` by
+    positions; and a line per token (of the first four) with its median number of heads and the layers they are in.
+
+    Parameters
+    ----------
+    runs : dict of int to SinkPositions
+        Probe seed -> ``sink_positions`` on that seed's probe.
+    top : int
+        Tokens kept (the most positions over the seeds first).
+
+    Returns
+    -------
+    (pandas.DataFrame, str)
+        The table (index: token; columns: seed, then statistic), empty when no later position sinks, and the text.
+    """
+    runs = _check_runs(runs)
+    cols = ["n_positions", "median_heads", "max_heads", "share_aligned"]
+    tokens = pd.concat({s: r.by_token().set_index("token")[cols] for s, r in runs.items()}, axis=1).fillna(0)
+    order = tokens.xs("n_positions", axis=1, level=1).sum(axis=1).sort_values(ascending=False, kind="stable")
+    table = tokens.loc[order.index[:top]]
+    if not len(table):
+        return table, _no_later(runs, "no token to list")
+    later = pd.concat([_later(r) for r in runs.values()])
+    lines = []
+    for tok in table.index[:4]:
+        rows = later[later.token == tok]
+        layers = sorted({l for hs in rows.heads for l, _ in hs})
+        lines.append(f"{tok!r}: a median of {rows.n_heads.median():.0f} heads, in layers {layers[0]}-{layers[-1]}")
+    return table, "\n".join(lines)
+
+
+def secondary_by_seed(runs) -> tuple[pd.DataFrame, str]:
+    """Per probe seed, the later sinks as secondary sinks (aligned with the first token's hidden state): the share
+    aligned, the layer they are created at and how long they last, and of the aligned positions the share that sink
+    (the first aligned one in its sequence against the later ones, first occurrences of a token against repeats);
+    and the sentences of their ranges. Seeds without a later sink are left out; with none on any seed, the table is
+    empty and the sentence says so.
+
+    Parameters
+    ----------
+    runs : dict of int to SinkPositions
+        Probe seed -> ``sink_positions`` on that seed's probe (its later sinks' cosines to the first token are read).
+
+    Returns
+    -------
+    (pandas.DataFrame, str)
+        The table (index: the seeds with a later sink) and two sentences, or the one that says there is none.
+    """
+    runs = _check_runs(runs)
+    rows = [_secondary_row(s, r) for s, r in runs.items() if len(_later(r))]
+    if not rows:
+        return pd.DataFrame(rows), _no_later(runs, "no secondary sink to trace")
+    t = pd.DataFrame(rows).set_index("seed")
+    if t["later sinks aligned"].isna().all() or not t["later sinks aligned"].any():
+        return t, (f"None of the later sinks is aligned with the first token's hidden state (cosine > "
+                   f"{next(iter(runs.values())).cos_min:g} in no layer) on seeds {list(t.index)}: no secondary sink.")
+    return t, (f"{_span(t['later sinks aligned'], '.0%')} of the later sinks are aligned with the first token (cosine > "
+               f"{next(iter(runs.values())).cos_min:g}); they are created at layer {t['created (median)'].median():.0f} "
+               f"and last {t['lifetime (median)'].median():.0f} layers (medians; seeds' ranges "
+               f"{', '.join(t['created (range)'])} and {', '.join(t['lifetime (range)'])}).\n"
+               f"Of the aligned positions, {_span(t['first aligned that sink'], '.0%')} of the first in a sequence sink, "
+               f"{_span(t['later aligned that sink'], '.0%')} of the later ones; "
+               f"{_span(t['first occurrence that sinks'], '.0%')} of first occurrences against "
+               f"{_span(t['repeat that sinks'], '.0%')} of repeats.")
+
+
+def _secondary_row(seed, r: SinkPositions) -> dict:
+    later, sec, toks = _later(r), r.secondary, r.tokens
+    sec["first_aligned"] = sec.groupby("sample").position.rank() == 1
+    sec["repeat"] = [bool((toks[x.sample, :x.position] == toks[x.sample, x.position]).any()) for x in sec.itertuples()]
+    aligned = later[later.created_layer.notna()]
+    return {"seed": seed, "later sinks aligned": len(aligned) / len(later),
+            "created (median)": aligned.created_layer.median(),
+            "created (range)": f"{aligned.created_layer.min():.0f}-{aligned.created_layer.max():.0f}",
+            "lifetime (median)": aligned.lifetime.median(),
+            "lifetime (range)": f"{aligned.lifetime.min()}-{aligned.lifetime.max()}",
+            "aligned positions": len(sec), "aligned that sink": sec.is_sink.mean(),
+            "first aligned that sink": sec[sec.first_aligned].is_sink.mean(),
+            "later aligned that sink": sec[~sec.first_aligned].is_sink.mean(),
+            "first occurrence that sinks": sec[~sec.repeat].is_sink.mean(),
+            "repeat that sinks": sec[sec.repeat].is_sink.mean()}
+
+
+def massive_by_seed(runs, *, strict: float = SPIKE_RATIO) -> tuple[pd.DataFrame, str]:
+    """Per probe seed, the massive activations on the later sinks: the share flagged at ``strict`` x the median
+    (Sun et al.) and at the runs' own ratio, the dims and layers flagged, their median peak; and the sentence, with
+    the first token's peak beside them. Seeds without a later sink are left out; with none on any seed, the table is
+    empty and the sentence says so.
+
+    Parameters
+    ----------
+    runs : dict of int to SinkPositions
+        Probe seed -> ``sink_positions`` on that seed's probe (its flags at its ``ratio_threshold``, the lenient
+        ratio, at most ``strict``).
+    strict : float
+        The stricter ratio to the median (Sun et al.'s 1000x).
+
+    Returns
+    -------
+    (pandas.DataFrame, str)
+        The table (index: seed) and the text.
+    """
+    runs = _check_runs(runs)
+    lenient = next(iter(runs.values())).ratio_threshold
+    rows = [_massive_row(s, r, strict) for s, r in runs.items() if len(_later(r))]
+    if not rows:
+        return pd.DataFrame(rows), _no_later(runs, "no later sink whose activations to read")
+    first = pd.concat([r.sinks[r.sinks.position == 0] for r in runs.values()])
+    t = pd.DataFrame(rows).set_index("seed")
+    at = f"massive at {lenient:g}x"
+    peak = (f"a median of {t['peak |a| (median)'].median():.0f} ({t['x median (median)'].median():.0f}x the median)"
+            if t[at].any() else "none of them")
+    own = (f"the first token peaks at {first.peak_abs.median():.0f} ({first.peak_ratio.median():.0f}x) on dim "
+           f"{int(first.peak_dim.mode()[0])}" if len(first) else "the first token sinks in no head")
+    return t, (f"At Sun et al.'s {strict:g}x, {_span(t[f'massive at {strict:g}x'], '.0%')} of the later sinks carry a "
+               f"massive activation; at {lenient:g}x, {_span(t[at], '.0%')}, {peak}; {own}.")
+
+
+def _massive_row(seed, r: SinkPositions, strict: float) -> dict:
+    later, f = _later(r), r.flagged
+    hits = set(map(tuple, f[(f.position > 0) & (f.max_ratio >= strict)][["sample", "position"]].values)) if len(f) else set()
+    flagged = later[later.massive]
+    first_l = [int(x.split("-")[0]) for x in flagged.massive_layers]
+    last_l = [int(x.split("-")[1]) for x in flagged.massive_layers]
+    lenient = f"{r.ratio_threshold:g}x"
+    return {"seed": seed, "later sinks": len(later),
+            f"massive at {strict:g}x": sum((x.sample, x.position) in hits for x in later.itertuples()) / len(later),
+            f"massive at {lenient}": later.massive.mean(),
+            f"dims ({lenient})": sorted({d for ds in flagged.massive_dims for d in ds}),
+            f"layers ({lenient})": f"{min(first_l)}-{max(last_l)}" if first_l else "none",
+            "peak |a| (median)": flagged.peak_abs.median(), "x median (median)": flagged.peak_ratio.median()}
+
+
 # The registration (analysis.core.registry): this module's one declaration.
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 

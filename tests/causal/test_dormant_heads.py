@@ -253,3 +253,27 @@ def test_summary_follows_its_settings_and_cannot_be_changed_from_outside(handmad
     assert res.summary()["n_sinking_heads"] == handmade.summary()["n_sinking_heads"] >= 1
     res.min_share = 1.01  # no head sinks on more than all of its queries
     assert res.summary()["n_sinking_heads"] == 0 and res.verdict() == "untested"
+
+
+def test_seed_spread_one_row_per_seed_and_a_sentence(tiny_llama, toks, handmade):
+    """Notebook 12's per-seed table: each seed's summary (the hand-built head is the one mixed head), and a sentence,
+    not a table of empty medians, where no seed has a mixed head."""
+    from analysis.causal.dormant_result import seed_spread
+
+    other = torch.randint(3, 96, (N, T), generator=torch.Generator().manual_seed(1))
+    with tiny_llama.hooks(fwd_hooks=_sinks_on_even_queries(tiny_llama)):
+        second = dormant_heads(tiny_llama, other)
+    results = {0: handmade, 7: second}
+    table, text = seed_spread(results)
+    assert list(table.index) == [0, 7]
+    for seed, r in results.items():
+        mixed = r.mixed_heads()
+        assert table.loc[seed, "n_mixed_heads"] == len(mixed) >= 1
+        assert table.loc[seed, "median_rho_norm"] == pytest.approx(float(np.median(mixed.rho_norm)))
+    assert text.startswith("Heads that sink on some queries and not on others, per probe seed: [")
+    plain = {s: dormant_heads(tiny_llama, t) for s, t in ((0, toks), (1, other))}
+    table, text = seed_spread(plain)
+    assert (table.n_mixed_heads == 0).all() and text.startswith("No head of") and "no per-query contrast" in text
+    assert "nan" not in text.lower()
+    with pytest.raises(TypeError, match="dormant_heads result"):
+        seed_spread({0: table})

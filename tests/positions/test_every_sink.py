@@ -3,6 +3,7 @@ against the positions above eps, the residual-stream columns, the ``sinks`` comm
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,3 +184,43 @@ def test_sinks_command_max_tokens_keeps_the_start(tiny_llama_dir, tmp_path, caps
     assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet",
                  "--max-tokens", "128", "--eps", "0.05", "--device", device]) == 0
     assert json.loads(out.read_text())["n_tokens"] == 128
+
+
+def test_per_seed_tables_by_hand(smollm2, tiny_llama):
+    """Notebook 11's per-seed tables, against the alpha, cosine and activation tensors read by hand; on a model with
+    no sink at all, sentences and no table."""
+    from analysis.positions.every_sink import (later_sink_tokens, later_sinks_by_seed, massive_by_seed,
+                                               secondary_by_seed)
+
+    runs = {s: sink_positions(smollm2, natural_probe(smollm2.tokenizer, n=4, T=32, seed=s).tokens, ratio_threshold=100.0)
+            for s in (0, 3)}
+    summary, text = later_sinks_by_seed(runs)
+    secondary, _ = secondary_by_seed(runs)
+    massive, text_massive = massive_by_seed(runs)
+    count: dict = {}
+    for seed, r in runs.items():
+        later = r.sink_mask()[..., 1:].any(1).any(1)  # (N, T - 1): a later position that sinks in some head
+        assert summary.loc[seed, "Sink_1 (%)"] == pytest.approx(float((r.alpha[..., 0] > r.eps).float().mean() * 100))
+        assert summary.loc[seed, "sequences with a later sink"] == later.any(1).float().mean().item()
+        where = [(s, k + 1) for s, k in later.nonzero().tolist()]
+        aligned = [(r.cos_first[s, :, k] > r.cos_min).any().item() for s, k in where]
+        assert secondary.loc[seed, "later sinks aligned"] == pytest.approx(np.mean(aligned))
+        ratio = r.peak_abs / r.median[..., None]  # (N, R, T): a position is flagged where some layer passes both
+        flagged = [((r.peak_abs[s, :, k] > 100) & (ratio[s, :, k] >= 100)).any().item() for s, k in where]
+        assert massive.loc[seed, "massive at 100x"] == pytest.approx(np.mean(flagged))
+        for s, k in where:
+            tok = r.token(r.tokens[s, k])
+            count[tok] = count.get(tok, 0) + 1
+    tokens, per_token = later_sink_tokens(runs, top=3)
+    assert tokens.xs("n_positions", axis=1, level=1).sum(axis=1).tolist() == sorted(count.values(), reverse=True)[:3]
+    assert per_token.startswith(repr(tokens.index[0])) and "heads, in layers" in per_token
+    assert "of the sequences have a sink besides the first token" in text and "on dim 507" in text_massive
+    # A random tiny Llama: nothing sinks after the first token (nor on it), so every table is a sentence.
+    none = {s: sink_positions(tiny_llama, torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(s)))
+            for s in (0, 1)}
+    texts = [later_sinks_by_seed(none)[1]] + [f(none) for f in (later_sink_tokens, secondary_by_seed, massive_by_seed)]
+    assert all(not len(t) for t, _ in texts[1:]) and "nan" not in " ".join(t for _, t in texts[1:]).lower()
+    assert all(t.startswith("No position after the first sinks on any of the 2 probe seeds") for _, t in texts[1:])
+    assert texts[0].startswith("In ") and "no token to list" in texts[1][1]
+    with pytest.raises(TypeError, match="sink_positions result"):
+        later_sinks_by_seed({0: summary})
