@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from analysis.model.causal import unbridged, unwrap as _unwrap  # noqa: F401 (unbridged: its home is the model floor)
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
@@ -357,45 +358,6 @@ def _register() -> None:
 
     AttentionInterface.register(PASS_ATTENTION, pass_attention_forward)
     AttentionMaskInterface.register(PASS_ATTENTION, sdpa_mask)  # None where plainly causal
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face module inside a bridge's wrapper."""
-    while isinstance(getattr(module, "original_component", None), torch.nn.Module):
-        module = module.original_component
-    return module
-
-
-@contextlib.contextmanager
-def unbridged(hf: torch.nn.Module):
-    """Within the block, ``hf`` holds its own modules again where a TransformerBridge put its wrappers (the bridge
-    re-implements attention eagerly); the wrappers are put back on exit, whatever happens.
-
-    Parameters
-    ----------
-    hf : torch.nn.Module
-
-    Yields
-    ------
-    torch.nn.Module
-        ``hf``.
-    """
-    swaps: list = []
-
-    def walk(parent: torch.nn.Module) -> None:
-        for name, child in list(parent.named_children()):
-            inner = _unwrap(child)
-            if inner is not child:
-                setattr(parent, name, inner)
-                swaps.append((parent, name, child))
-            walk(inner)
-
-    try:
-        walk(hf)
-        yield hf
-    finally:
-        for parent, name, child in reversed(swaps):
-            setattr(parent, name, child)
 
 
 def run_hf_batch(model: SinkModel, tokens: torch.Tensor, *, needs_logits: bool):
