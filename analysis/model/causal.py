@@ -241,7 +241,7 @@ def _reference_maps(sink_lm) -> list[tuple]:
     return maps
 
 
-def linear_maps(model: SinkModel) -> list[tuple]:
+def linear_maps(model: SinkModel, *, where: str = "linear_maps") -> list[tuple]:
     """Every linear map of the decoder and where its input is reached, in layer order.
 
     A Hugging Face model: every ``nn.Linear`` inside the decoder's layer list (the ``ModuleList`` as long as the
@@ -252,15 +252,17 @@ def linear_maps(model: SinkModel) -> list[tuple]:
     Parameters
     ----------
     model : SinkModel
+    where : str
+        The function asking, named in errors.
 
     Returns
     -------
     list of tuple
         ``(layer, name, module, pre_hook, [(weight, its input axes)])``; empty where none can be reached.
     """
-    if hf_module(require_model(model, "linear_maps")) is None:
+    if hf_module(require_model(model, where)) is None:
         return _reference_maps(model)
-    with own_causal_lm(model, where="linear_maps") as hf:
+    with own_causal_lm(model, where=where) as hf:
         layers = _decoder_layers(hf)
         return [(l, n, m, True, [(m.weight, (1,))]) for l, layer in enumerate(layers or [])
                 for n, m in layer.named_modules() if isinstance(m, nn.Linear)]

@@ -63,7 +63,7 @@ def linear_sites(model: SinkModel) -> list[LinearSite]:
     list of LinearSite
         ValueError where none can be reached.
     """
-    sites = [LinearSite(*m) for m in linear_maps(model)]
+    sites = [LinearSite(*m) for m in linear_maps(model, where="linear_sites")]
     if not sites:
         raise ValueError(f"cannot reach the linear layers of {model.model_name}: quantisation hooks the inputs of "
                          "nn.Linear modules inside the decoder's layer list (a ModuleList of config.num_hidden_layers "
