@@ -207,6 +207,23 @@ def has_sink_logits(lm) -> bool:
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in lm.modules())
 
 
+def rotary_frequencies(lm) -> list[tuple[torch.Tensor, str]]:
+    """Each rotary embedding of a causal LM, once: its inverse frequencies and its rope type ("default", "dynamic"...).
+
+    Parameters
+    ----------
+    lm : torch.nn.Module
+        A Hugging Face causal LM (its rotary modules' ``inv_freq``), or a reference model's decoding wrapper.
+
+    Returns
+    -------
+    list of (torch.Tensor, str)
+        Empty for a model without rotary embeddings.
+    """
+    mods = {id(m): m for m in lm.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}.values()
+    return [(m.inv_freq, str(getattr(m, "rope_type", "default"))) for m in mods]
+
+
 def new_cache(lm):
     """A fresh, empty transformers ``DynamicCache`` for a Hugging Face causal LM; None for another module (a reference
     model's wrapper has no such cache path).
