@@ -101,7 +101,6 @@ def cmd_stream(args) -> int:
     from analysis.core.io import write_or_spare
     from analysis.model.loading import load_model
     from analysis.model.placement import placement_from_args
-
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
     check_stream_args(args)
