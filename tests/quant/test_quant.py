@@ -13,6 +13,7 @@ from analysis.quant.passes import Scheme
 from analysis.quant.quantizers import fake_quant, qmax, quant_activation, token_scale
 from analysis.quant.sites import linear_sites
 from analysis.streaming.backbone import causal_lm
+from tests.conftest import assert_refused_before_work
 
 
 def test_fake_quant_error_is_bounded_by_half_the_scale():
@@ -194,18 +195,8 @@ def _quant_calls():
 
 def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(tiny_llama, tiny_llama_dir):
     """The 0.1.0 call forms are gone: every quant function takes what load_model returns, and says so in one line."""
-    bare, ran = tiny_llama.original_model, []
-    handle = bare.register_forward_pre_hook(lambda *a: ran.append(1))
-    try:
-        for name, call in _quant_calls().items():
-            for given in (str(tiny_llama_dir), bare):
-                with pytest.raises(TypeError, match=rf"^{name} takes the model analysis\.load_model returns, not .*"
-                                                    rf"call {name}\(load_model\(name_or_path\)") as e:
-                    call(given)
-                assert "\n" not in str(e.value)
-    finally:
-        handle.remove()
-    assert not ran, "a refused call ran the model"
+    bare = tiny_llama.original_model
+    assert_refused_before_work(_quant_calls(), (str(tiny_llama_dir), bare), bare)
 
 
 def test_cli_backend_nnsight_is_refused_with_its_reason(capsys):

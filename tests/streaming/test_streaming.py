@@ -12,7 +12,7 @@ from analysis.model.contract import hf_module, runs_bridge_components
 from analysis.model.loading import load_model
 from analysis.streaming import Policy, StreamingCache, StreamResult, fake_quantize, run_policies, streaming_perplexity
 from analysis.streaming.backbone import causal_lm
-from tests.conftest import tol
+from tests.conftest import assert_refused_before_work, tol
 from tests.tiny import make_tiny_llama_dir
 
 NEWLINE = 5  # any id of the tiny vocabulary stands in for the newline token
@@ -164,21 +164,10 @@ def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(one_layer, tmp_pat
     """The 0.1.0 call forms are gone: a name, a path or a bare Hugging Face model gets one line saying what to do."""
     from analysis.streaming import recompute_nll
 
-    bare, ran = hf_module(one_layer), []
-    handle = bare.register_forward_pre_hook(lambda *a: ran.append(1))
     calls = {"streaming_perplexity": lambda m: streaming_perplexity(m, _tokens(40), window=16),
              "run_policies": lambda m: run_policies(m, _tokens(40), [Policy("dense")]),
              "recompute_nll": lambda m: recompute_nll(m, _tokens(40), 16)}
-    try:
-        for name, call in calls.items():
-            for given in ("smollm2-135m", tmp_path, bare):
-                with pytest.raises(TypeError, match=rf"^{name} takes the model analysis\.load_model returns, not "
-                                                    rf".*call {name}\(load_model\(name_or_path\), \.\.\.\)") as e:
-                    call(given)
-                assert "\n" not in str(e.value)
-    finally:
-        handle.remove()
-    assert not ran, "a refused call ran the model"
+    assert_refused_before_work(calls, ("smollm2-135m", tmp_path, hf_module(one_layer)), hf_module(one_layer))
 
 
 def test_the_cache_passes_decode_the_loaded_models_own_module(one_layer, monkeypatch, device):
