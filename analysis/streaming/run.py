@@ -11,12 +11,11 @@ import torch
 
 from analysis.core.io import write_atomic
 from analysis.core.results import Result
-from analysis.model.contract import SinkModel, hf_module
+from analysis.model.contract import SinkModel, hf_module, model_device, model_dtype
 from analysis.model.causal import context_length
 from analysis.streaming.backbone import causal_lm
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
-from analysis.model.placement import input_device
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.core.versions import package_versions
 
@@ -326,7 +325,8 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     StreamResult
     """
     with causal_lm(model, where="streaming_perplexity") as lm:  # a name or a bare model: refused here, before any work
-        n_ctx, device, weight = context_length(lm), input_device(lm), lm.get_output_embeddings().weight
+        n_ctx = context_length(lm)
+    device, dtype = model_device(model), model_dtype(model)
     tok, name = tokenizer or model.tokenizer, model.model_name
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
@@ -366,4 +366,4 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     if recompute_every:
         runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
     return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(device),
-                        tokens=tokens.tolist(), dtype=str(weight.dtype).removeprefix("torch."), backend=_backend(model))
+                        tokens=tokens.tolist(), dtype=str(dtype).removeprefix("torch."), backend=_backend(model))
