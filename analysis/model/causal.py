@@ -26,7 +26,7 @@ REFERENCE_MAPS = {
 }
 
 
-def require_model(model, where: str) -> SinkModel:
+def require_model(model: object, where: str) -> SinkModel:
     """``model`` itself when it is a model of the contract; TypeError saying what to do otherwise (a name, a path or a
     bare Hugging Face model: load it with ``analysis.load_model`` first), before any work.
 

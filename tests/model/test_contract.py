@@ -21,7 +21,7 @@ OTHER_TYPES = {
     "NnsightModel": ("chain/nnsight_tables.py", "engine/nnsight_pass.py", "positions/nnsight_positions.py"),
     "SinkLM": ("model/reference/checkpoint.py", "train/trainer.py"),  # the reference model's own checkpoints
     "dict": ("train/sweep.py",),  # a model config
-    "object": ("model/contract.py",),  # the contract check takes anything
+    "object": ("model/contract.py", "model/causal.py"),  # the contract checks (check_model, require_model) take anything
 }
 RAW = ("str", "Path", "os.PathLike", "PreTrainedModel", "transformers.PreTrainedModel", "TransformerBridge")
 
