@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
 
-    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place])
+    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place, backend_options()])
     add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
     add_atlas_parser(sub)  # python -m analysis atlas (analysis/report/atlas_cli.py)
     add_train_parsers(sub)  # train, sweep (analysis/train/cli.py; python -m analysis.train is their alias)

@@ -66,12 +66,18 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from analysis.model.families import attention_implementation
+    from analysis.model.loading import load_model
     from analysis.streaming.backbone import causal_lm
-
     from analysis.streaming.perplexity import decode_attention
 
-    hf, _, name = causal_lm(args.model, device=args.device)
-    hf.set_attn_implementation(decode_attention(hf))  # what `analysis stream` decodes with
+    model = load_model(args.model, device=args.device)
+    with causal_lm(model) as hf, attention_implementation(hf, decode_attention(hf)):  # what `analysis stream` decodes with
+        return _measure(hf, model.model_name, args)
+
+
+def _measure(hf, name: str, args) -> int:
+    """The table, on the model's own causal LM ``hf``."""
     decode(hf, primed_cache(hf, args.window, args.sinks, args.window + 8, args.device), args.window + 8, 4, args.device)  # warm-up
     policies = {"dense": None, f"{args.sinks}+{args.window - args.sinks}": args.window}
     print(f"{name}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "

@@ -100,6 +100,23 @@ def device(request) -> str:
     return request.config.getoption("--device")
 
 
+def assert_refused_before_work(calls: dict, givens, bare) -> None:
+    """Each ``calls[name](given)`` stops with the one-line TypeError of ``analysis.model.causal.require_model`` (load
+    the model first) for every given name, path or bare Hugging Face model, and ``bare`` never runs."""
+    ran = []
+    handle = bare.register_forward_pre_hook(lambda *a: ran.append(1))
+    try:
+        for name, call in calls.items():
+            for given in givens:
+                with pytest.raises(TypeError, match=rf"^{name} takes the model analysis\.load_model returns, not "
+                                                    rf".*call {name}\(load_model\(name_or_path\), \.\.\.\)") as e:
+                    call(given)
+                assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
+    assert not ran, "a refused call ran the model"
+
+
 def tol(device: str, atol: float, *, cuda: float | None = None) -> float:
     """The absolute tolerance of a comparison between two computations of the same numbers: ``atol`` on the CPU, and on
     CUDA ``cuda`` (default 10 x atol) where the kernels (SDPA, reductions, fused attention) sum in another order.

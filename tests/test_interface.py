@@ -45,7 +45,6 @@ def paths(tmp_path, monkeypatch):
 ])
 def test_bad_output_paths_stop_before_the_model_loads(argv, message, paths, monkeypatch, capsys):
     monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
-    monkeypatch.setattr("analysis.model.loading.load_causal_lm", _no_load)
     monkeypatch.setattr("analysis.streaming.run.streaming_perplexity", _no_load)
     assert main(argv) == 2
     out = capsys.readouterr()

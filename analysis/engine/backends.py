@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import torch
 
 from analysis.model.access import attention_layer_index, register_attention, unwrap_component
+from analysis.model.causal import unbridged  # noqa: F401 (its home is the model floor; named here too)
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
@@ -354,38 +355,6 @@ def pass_attention_forward(module, query, key, value, attention_mask, dropout=0.
 
 def _register() -> None:
     register_attention(PASS_ATTENTION, pass_attention_forward)
-
-
-@contextlib.contextmanager
-def unbridged(hf: torch.nn.Module):
-    """Within the block, ``hf`` holds its own modules again where a TransformerBridge put its wrappers (the bridge
-    re-implements attention eagerly); the wrappers are put back on exit, whatever happens.
-
-    Parameters
-    ----------
-    hf : torch.nn.Module
-
-    Yields
-    ------
-    torch.nn.Module
-        ``hf``.
-    """
-    swaps: list = []
-
-    def walk(parent: torch.nn.Module) -> None:
-        for name, child in list(parent.named_children()):
-            inner = unwrap_component(child)
-            if inner is not child:
-                setattr(parent, name, inner)
-                swaps.append((parent, name, child))
-            walk(inner)
-
-    try:
-        walk(hf)
-        yield hf
-    finally:
-        for parent, name, child in reversed(swaps):
-            setattr(parent, name, child)
 
 
 def run_hf_batch(model: SinkModel, tokens: torch.Tensor, *, needs_logits: bool):

@@ -13,18 +13,18 @@ Every public analysis takes a :class:`SinkModel`: what ``analysis.load_model`` r
 - the family spec: ``model.family`` (``analysis.model.families.FamilySpec``), set at load, read through
   ``analysis.model.families.get_family`` (which fills it on a model built by hand);
 - the tokenizer: ``model.tokenizer`` (None for a reference model of a synthetic task), ``model.to_tokens``;
-- the Hugging Face module the fused and cache passes run: :func:`hf_module`;
+- the Hugging Face module the fused and cache passes run: :func:`hf_module` (in its own attention:
+  ``analysis.model.causal.own_causal_lm``);
 - device and dtype: :func:`model_device` and :func:`model_dtype` (``analysis.model.placement``: where the inputs go,
   never "the first parameter").
 
-A model name goes through ``load_model`` first, at the caller (the CLI, a notebook), never inside an analysis. The
+A model name goes through ``load_model`` first, at the caller (the CLI, a notebook), never inside an analysis: a name
+or a bare Hugging Face model given to one is refused (``analysis.model.causal.require_model``). The
 nnsight backend has a contract of its own (``analysis.model.nnsight_model.NnsightModel``).
 """
 from __future__ import annotations
 
 import os
-import warnings
-import weakref
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
@@ -36,7 +36,6 @@ from analysis.model.placement import input_device
 _MEMBERS = ("hook_dict", "cfg", "blocks", "run_with_hooks", "hooks", "to_tokens", "tokenizer", "model_name",
             "parameters")
 _CFG_FIELDS = ("n_layers", "n_heads", "d_model")
-_PASS_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # causal LMs a loader or the contract gave
 
 
 class ModelContractError(ValueError):
@@ -153,42 +152,6 @@ def hf_module(model: SinkModel) -> torch.nn.Module | None:
     return hf if isinstance(hf, torch.nn.Module) else None
 
 
-def pass_module(lm: torch.nn.Module) -> torch.nn.Module:
-    """Mark a causal LM that a loader (``analysis.model.loading.load_causal_lm``) or the contract
-    (``analysis.streaming.backbone.causal_lm``) gave, so that the cache passes take it as the contract's.
-
-    Parameters
-    ----------
-    lm : torch.nn.Module
-        A Hugging Face causal LM, or a reference model's decoding wrapper.
-
-    Returns
-    -------
-    torch.nn.Module
-        ``lm`` itself.
-    """
-    _PASS_MODULES.add(lm)
-    return lm
-
-
-def is_pass_module(obj) -> bool:
-    """Whether ``obj`` is a causal LM that a loader or the contract gave (:func:`pass_module`).
-
-    Parameters
-    ----------
-    obj
-        Anything.
-
-    Returns
-    -------
-    bool
-    """
-    try:
-        return obj in _PASS_MODULES
-    except TypeError:  # not weakly referenceable: nothing the contract gave
-        return False
-
-
 def runs_bridge_components(module: torch.nn.Module) -> bool:
     """Whether a Hugging Face module runs TransformerLens bridge components in place of its own (``hf_module`` of a
     TransformerBridge): their attention keeps no KV cache, so ``generate`` on it ignores the cache it is given.
@@ -235,24 +198,3 @@ def model_dtype(model: SinkModel) -> torch.dtype:
         float32 for a model without floating-point weights.
     """
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def warn_old_call(where: str, got) -> None:
-    """The DeprecationWarning of a call form kept for one release: a model name, a path or a bare Hugging Face
-    model where an analysis takes a :class:`SinkModel`.
-
-    Parameters
-    ----------
-    where : str
-        The function called, e.g. "streaming_perplexity".
-    got
-        What it was given.
-
-    Returns
-    -------
-    None
-    """
-    what = f"the name {str(got)!r}" if isinstance(got, (str, os.PathLike)) else f"a bare {type(got).__name__}"
-    warnings.warn(f"{where} was given {what}; it takes the model analysis.load_model returns (the model contract, "
-                  f"analysis.model.contract.SinkModel): call {where}(load_model(...), ...). The old form goes in the "
-                  "next release.", DeprecationWarning, stacklevel=3)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.model.contract import BACKENDS, check_model, pass_module
+from analysis.model.contract import BACKENDS, check_model
 from analysis.model.families import family_spec
 from analysis.model.placement import Placement, check_placement, input_device
 from analysis.model.weights import materialize_components
@@ -634,61 +634,3 @@ def is_reference_model(name_or_path) -> bool:
     name = str(name_or_path)
     path = Path(name).expanduser()
     return name in _reference_models() or (path.is_dir() and (path / "config.json").is_file() and _is_reference(path))
-
-
-def load_causal_lm(name_or_path: str, *, placement: Placement | None = None, device=None, dtype=None):
-    """A plain Hugging Face causal LM (no bridge) and its tokenizer: what the streaming perplexity decodes (the cache
-    passes run the Hugging Face model itself), on one device or split by a device map. The model is marked as the
-    contract's causal LM (:func:`analysis.model.contract.pass_module`).
-
-    Parameters
-    ----------
-    name_or_path : str
-        "smollm2-135m", a local Hugging Face folder, or a hub id (a reference model or GGUF file: ValueError).
-    placement : Placement, optional
-        A checked placement with a device map; None (or no map): one device.
-    device : str, optional
-        The device without a map (default: "cuda" when available, else "cpu").
-    dtype : torch.dtype or str, optional
-        The weights' dtype (default float32).
-
-    Returns
-    -------
-    hf : transformers.PreTrainedModel
-        In eval mode (with ``hf_device_map`` set under a map).
-    tokenizer : transformers.PreTrainedTokenizerBase
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    name = str(name_or_path)
-    path = Path(name).expanduser()
-    split = placement is not None and placement.split
-    if is_reference_model(name) or path.suffix.lower() == ".gguf":
-        raise ValueError(f"{name} is a reference model or a GGUF file: the streaming run takes no device map for it; "
-                         "drop --device-map / --max-memory / --offload-folder (use --device)." if split else
-                         f"{name} is a reference model or a GGUF file, not a Hugging Face folder: load a reference "
-                         "model with analysis.load_model (GGUF files do not stream).")
-    if path.exists() and name != DEFAULT_MODEL and not _is_hf_dir(path):
-        raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json).")
-    device = None if split else resolve_device(device)  # cuda without CUDA is an error, before anything loads
-    src = str(smollm2_dir()) if name == DEFAULT_MODEL else (str(path) if path.exists() else check_hub(hub_id(name)))
-    local = Path(src).exists()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
-            hf = _from_pretrained(AutoModelForCausalLM, src, placement, dtype=_dtype(dtype), local_files_only=local)
-    except OSError as e:
-        raise ModelNotFoundError(f"could not load {src!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                 "pass a local Hugging Face folder (no network here).") from e
-    except ValueError as e:
-        if split:
-            raise
-        raise ValueError(f"{src} has no causal-LM head ({str(e).splitlines()[0][:160]}); streaming perplexity "
-                         "needs a model AutoModelForCausalLM can load.") from e
-    if hf.get_output_embeddings() is None:
-        raise ValueError(f"{type(hf).__name__} has no causal-LM head; the streaming run needs a model "
-                         "AutoModelForCausalLM loads with its head (e.g. LlamaForCausalLM, not LlamaModel).")
-    return pass_module((hf if split else hf.to(device or default_device())).eval()), tok

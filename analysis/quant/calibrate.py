@@ -5,8 +5,9 @@ import math
 
 import torch
 
+from analysis.model.causal import require_model
 from analysis.model.contract import SinkModel
-from analysis.streaming.backbone import stream_lm
+from analysis.streaming.backbone import causal_lm
 from analysis.quant.passes import PrefixRunner, ScaleSite, Scheme, hooked, quantized_weights
 from analysis.quant.quantizers import qmax, quant_activation
 
@@ -28,7 +29,7 @@ def calibrate(model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Ten
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns, or the causal LM ``analysis.streaming.backbone.causal_lm`` gives.
+        What ``analysis.load_model`` returns (run through its own causal LM, ``analysis.streaming.backbone.causal_lm``).
     sites : list of LinearSite
         ``linear_sites(model)``.
     windows : torch.Tensor of long, shape (N, T)
@@ -42,30 +43,31 @@ def calibrate(model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Ten
     dict of str to ScaleSite
         By ``site.label``.
     """
-    runner, state, best = PrefixRunner(stream_lm(model, where="calibrate"), prefix), _Keep(), {}
-    offset = {"w": 0}
+    with causal_lm(model, where="calibrate") as hf:
+        runner, state, best = PrefixRunner(hf, prefix), _Keep(), {}
+        offset = {"w": 0}
 
-    def record(site):
-        def fn(x):
-            a = _flat_abs(x)
-            if state.mask is not None:
-                a = a.masked_fill(state.mask[..., None].to(a.device), 0.0)
-            if runner.P and not runner.cached:
-                a = a[:, runner.P:]
-            v, i = a.flatten().max(0)
-            if site.label not in best or float(v) > best[site.label].absmax:
-                b, t, d = (int(j) for j in torch.unravel_index(i, a.shape))
-                best[site.label] = ScaleSite(site.label, site.layer, site.name, float(v), offset["w"] + b, t, d,
-                                             int(windows[offset["w"] + b, t]))
-            return x
-        return fn
+        def record(site):
+            def fn(x):
+                a = _flat_abs(x)
+                if state.mask is not None:
+                    a = a.masked_fill(state.mask[..., None].to(a.device), 0.0)
+                if runner.P and not runner.cached:
+                    a = a[:, runner.P:]
+                v, i = a.flatten().max(0)
+                if site.label not in best or float(v) > best[site.label].absmax:
+                    b, t, d = (int(j) for j in torch.unravel_index(i, a.shape))
+                    best[site.label] = ScaleSite(site.label, site.layer, site.name, float(v), offset["w"] + b, t, d,
+                                                 int(windows[offset["w"] + b, t]))
+                return x
+            return fn
 
-    with torch.no_grad(), hooked(sites, record):
-        for s in range(0, len(windows), batch):
-            offset["w"] = s
-            k = None if keep is None else keep[s:s + batch]
-            runner.logits(windows[s:s + batch], k, lambda m: setattr(state, "mask", m))
-    return best
+        with torch.no_grad(), hooked(sites, record):
+            for s in range(0, len(windows), batch):
+                offset["w"] = s
+                k = None if keep is None else keep[s:s + batch]
+                runner.logits(windows[s:s + batch], k, lambda m: setattr(state, "mask", m))
+        return best
 
 
 def mean_nll(model: SinkModel, sites, windows: torch.Tensor, scheme: Scheme, *, scales: dict[str, ScaleSite] | None = None,
@@ -84,26 +86,27 @@ def mean_nll(model: SinkModel, sites, windows: torch.Tensor, scheme: Scheme, *, 
     -------
     float
     """
-    runner, state = PrefixRunner(stream_lm(model, where="mean_nll"), prefix), _Keep()
-    static = scheme.a_bits is not None and scheme.granularity == "tensor"
-    if static and scales is None:
-        raise ValueError("a per-tensor static scheme needs the calibrated scales (calibrate(...)).")
+    with causal_lm(model, where="mean_nll") as hf:
+        runner, state = PrefixRunner(hf, prefix), _Keep()
+        static = scheme.a_bits is not None and scheme.granularity == "tensor"
+        if static and scales is None:
+            raise ValueError("a per-tensor static scheme needs the calibrated scales (calibrate(...)).")
 
-    def quant(site):
-        s = scales[site.label].absmax / qmax(scheme.a_bits) if static else None
-        return lambda x: quant_activation(x, scheme.a_bits, s, state.mask)
+        def quant(site):
+            s = scales[site.label].absmax / qmax(scheme.a_bits) if static else None
+            return lambda x: quant_activation(x, scheme.a_bits, s, state.mask)
 
-    total, n = 0.0, 0
-    ctx = hooked(sites, quant) if scheme.a_bits else hooked([], quant)
-    with torch.no_grad(), quantized_weights(sites, scheme.w_bits), ctx:
-        for s in range(0, len(windows), batch):
-            ids = windows[s:s + batch]
-            k = None if keep is None else keep[s:s + batch]
-            logits = runner.logits(ids, k, lambda m: setattr(state, "mask", m))
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                                                    reduction="sum")
-            total, n = total + float(nll), n + ids[:, 1:].numel()
-    return total / n
+        total, n = 0.0, 0
+        ctx = hooked(sites, quant) if scheme.a_bits else hooked([], quant)
+        with torch.no_grad(), quantized_weights(sites, scheme.w_bits), ctx:
+            for s in range(0, len(windows), batch):
+                ids = windows[s:s + batch]
+                k = None if keep is None else keep[s:s + batch]
+                logits = runner.logits(ids, k, lambda m: setattr(state, "mask", m))
+                nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                                        reduction="sum")
+                total, n = total + float(nll), n + ids[:, 1:].numel()
+        return total / n
 
 
 def scale_cost(scales: dict[str, ScaleSite]) -> float:
@@ -139,10 +142,10 @@ def find_prefix(model: SinkModel, sites, windows: torch.Tensor, candidates, leng
     costs : list of float
         ``scale_cost`` with no prefix, then after each step taken.
     """
-    hf = stream_lm(model, where="find_prefix")
-    prefix, costs = [], [scale_cost(calibrate(hf, sites, windows))]
+    require_model(model, "find_prefix")
+    prefix, costs = [], [scale_cost(calibrate(model, sites, windows))]
     for _ in range(length):
-        tried = {c: scale_cost(calibrate(hf, sites, windows, prefix=prefix + [c])) for c in candidates}
+        tried = {c: scale_cost(calibrate(model, sites, windows, prefix=prefix + [c])) for c in candidates}
         c, cost = min(tried.items(), key=lambda kv: kv[1])
         if cost >= costs[-1]:
             break

@@ -3,10 +3,15 @@ every per-tensor scale, and the packed low-bit KV cache; the table printed, ever
 from __future__ import annotations
 
 from analysis.core.checks import resolve_device
-from analysis.core.options import VOCABULARY, HelpFormatter, command_line, length_options, seed_options
+from analysis.core.options import VOCABULARY, HelpFormatter, backend_options, command_line, length_options, seed_options
 from analysis.core.versions import package_versions
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
+QUANT_BACKEND_WHY = ("--backend runs quant's analysis passes (the sink positions kept in full precision, the spike's "
+                     "writers): auto, transformers or transformer_lens. The quantised passes and the KV caches hook "
+                     "the model's own linear layers and run its own attention with a cache (the transformers backend) "
+                     "whatever --backend says; nnsight cannot run them (they hook the local Hugging Face module, which "
+                     "the nnsight backend does not hand out).")
 
 
 def _ints(text: str, *, none_word: str | None = None) -> list:
@@ -33,15 +38,17 @@ def add_parser(sub, *, parents=()) -> None:
     sub : argparse._SubParsersAction
     parents : sequence of argparse.ArgumentParser
         The shared options (``analysis.core.options.model_options``: ``--model --device --dtype --threads --quiet``);
-        ``--T`` and ``--seed`` (a comma list) are added here from the same vocabulary.
+        ``--T``, ``--seed`` (a comma list) and ``--backend`` are added here from the same vocabulary.
 
     Returns
     -------
     None
     """
-    q = sub.add_parser("quant", parents=[*parents, length_options(T=256), seed_options(many=True)],
+    q = sub.add_parser("quant", parents=[*parents, length_options(T=256), seed_options(many=True), backend_options()],
                        formatter_class=HelpFormatter,
-                       help="perplexity under activation/weight quantisation against the sink; low-bit KV cache")
+                       help="perplexity under activation/weight quantisation against the sink; low-bit KV cache",
+                       description="Perplexity under activation / weight fake quantisation against the sink, the site "
+                                   "of every per-tensor scale, and the packed low-bit KV cache. " + QUANT_BACKEND_WHY)
     q.add_argument("--act-bits", default="8,4", help="activation bits, comma-separated (8, 4)")
     q.add_argument("--granularity", default="tensor,token", help="tensor (static, calibrated) and/or token (dynamic)")
     q.add_argument("--weight-bits", default="fp", help="weight bits per output channel: fp, 8, 4 (comma-separated)")
@@ -69,6 +76,8 @@ def check_quant_args(args) -> None:
     """
     if getattr(args, "dtype", "float32") != "float32":
         raise ValueError(f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}.")
+    if getattr(args, "backend", "auto") == "nnsight":
+        raise ValueError("--backend nnsight does not apply to quant: " + QUANT_BACKEND_WHY)
     _ints(args.act_bits), _ints(args.weight_bits, none_word="fp"), _ints(args.seed), _ints(args.kv_bits)
 
 
@@ -116,14 +125,16 @@ def cmd_quant(args) -> int:
                 w_bits=_ints(args.weight_bits, none_word="fp"))
     conditions = check_conditions([c.strip() for c in args.condition.split(",") if c.strip()])
     schemes_of(**grid)  # bad bits or granularities: before the model loads
-    model = load_model(args.model, device=resolve_device(args.device))  # a name goes through load_model first
+    # a name goes through load_model first; its backend runs the analysis passes (QUANT_BACKEND_WHY)
+    model = load_model(args.model, device=resolve_device(args.device), backend=args.backend)
     res = quant_study(model, **grid, conditions=conditions, T=args.T, n_eval=args.windows, calib_tokens=args.calib_tokens,
                       seeds=_ints(args.seed), prefix_len=args.prefix, n_candidates=args.candidates,
                       kv_bits=_ints(args.kv_bits), origin=not args.no_origin)
     print(format_quant_table(res))
     print(res.text())
     if args.json:
-        payload = {**res.to_dict(), "command": command_line(),
+        backend = {"passes": args.backend, "quantised passes": "transformers", "why": QUANT_BACKEND_WHY}
+        payload = {**res.to_dict(), "command": command_line(), "backend": backend,
                    "device": resolve_device(args.device), "dtype": "float32", "versions": package_versions()}
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
         print(f"wrote {args.json}")

@@ -9,9 +9,9 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.quant.kv_cache import LowBitCache
-from analysis.streaming.backbone import n_layers, stream_lm
+from analysis.model.causal import cache_keyword, n_layers
+from analysis.streaming.backbone import causal_lm
 from analysis.streaming.cache import StreamingCache, rope_spec
-from analysis.streaming.perplexity import cache_keyword
 
 from analysis.core.defaults import KV_FIRST_TOKENS as FIRST_TOKENS  # noqa: E402  (the sink-keeping condition)
 
@@ -32,8 +32,8 @@ def kv_table(model: SinkModel, windows: torch.Tensor, sink_keep: torch.Tensor, *
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns (a Hugging Face model's), or the causal LM
-        ``analysis.streaming.backbone.causal_lm`` gives.
+        What ``analysis.load_model`` returns (a Hugging Face model's: run through its own causal LM,
+        ``analysis.streaming.backbone.causal_lm``).
     windows : torch.Tensor of long, shape (N, T)
         Each window is one prefill of a fresh cache (quantise-on-entry: as token-by-token decoding).
     sink_keep : torch.Tensor of bool, shape (N, T)
@@ -45,7 +45,12 @@ def kv_table(model: SinkModel, windows: torch.Tensor, sink_keep: torch.Tensor, *
     pandas.DataFrame
         cache, bits, fp_tokens, ppl, kv_bytes (mean per window), simulated_ppl, simulated_bytes.
     """
-    hf = stream_lm(model, where="kv_table")
+    with causal_lm(model, where="kv_table") as hf:
+        return _kv_rows(hf, windows, sink_keep, bits)
+
+
+def _kv_rows(hf, windows: torch.Tensor, sink_keep: torch.Tensor, bits) -> pd.DataFrame:
+    """:func:`kv_table` on the causal LM ``hf`` the contract gave."""
     L, rope = n_layers(hf), rope_spec(hf)
     first = list(range(FIRST_TOKENS))
     plans = [("fp", None, lambda w: [])] + [(name, b, f) for b in bits for name, f in (

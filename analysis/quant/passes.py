@@ -14,10 +14,9 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
+from analysis.model.causal import cache_keyword, new_cache
 from analysis.quant.quantizers import quant_weight
-from analysis.streaming.perplexity import cache_keyword
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ class PrefixRunner:
 
     Attributes
     ----------
-    hf : the causal LM
+    hf : the causal LM (``analysis.streaming.backbone.causal_lm``)
     prefix : torch.Tensor of long, shape (P,)
     cached : bool
         True where the prefix's KV is a cached ``DynamicCache``; False: the prefix runs inline.
@@ -136,11 +135,10 @@ class PrefixRunner:
     def __init__(self, hf, prefix=None):
         self.hf = hf
         self.prefix = torch.as_tensor(prefix if prefix is not None else [], dtype=torch.long)
-        self.cached = isinstance(hf, PreTrainedModel) and len(self.prefix) > 0
-        self.cache = None
+        self.cache = new_cache(hf) if len(self.prefix) else None  # None: a reference model runs its prefix inline
+        self.cached = self.cache is not None
         if self.cached:
             with torch.no_grad():
-                self.cache = DynamicCache(config=hf.config)
                 hf(input_ids=self.prefix[None], **{cache_keyword(hf): self.cache}, use_cache=True)
 
     @property

@@ -6,8 +6,8 @@ import math
 import pandas as pd
 import torch
 
+from analysis.model.causal import context_length, require_model
 from analysis.model.hooks import readable_text
-from analysis.model.loading import load_model
 from analysis.positions.every_sink import sink_positions
 from analysis.quant.calibrate import calibrate, find_prefix, mean_nll
 from analysis.quant.kv_cache import KV_BITS
@@ -17,8 +17,8 @@ from analysis.quant.passes import Scheme
 from analysis.quant.sites import linear_sites
 from analysis.quant.study import QuantResult, check_conditions, layer_scales, schemes_of
 from analysis.quant.windows import make_windows
-from analysis.model.contract import SinkModel, is_model
-from analysis.streaming.backbone import context_length, resolve, stream_lm
+from analysis.model.contract import SinkModel, hf_module
+from analysis.streaming.backbone import causal_lm
 
 
 def sink_keep(model: SinkModel, windows: torch.Tensor, *, eps: float | None = None) -> torch.Tensor:
@@ -71,7 +71,7 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns, or the causal LM ``causal_lm`` gives.
+        What ``analysis.load_model`` returns.
     T, prefix_len : int
     kv_bits : sequence of int
 
@@ -79,7 +79,8 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
     -------
     None
     """
-    n_ctx = context_length(stream_lm(model, where="check_setting"))
+    with causal_lm(model, where="check_setting") as lm:
+        n_ctx = context_length(lm)
     if prefix_len < 0:
         raise ValueError(f"--prefix must be >= 0; got {prefix_len}.")
     if n_ctx is not None and T + prefix_len > n_ctx:
@@ -96,18 +97,18 @@ def _spike_origin(model, windows: torch.Tensor):
     return spike_origin(model, windows)
 
 
-def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_cand, origin, fp_cache) -> tuple:
+def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_cand, origin, fp_cache) -> tuple:
     """One calibration seed: the scheme rows, the scale rows and the searched prefix."""
     cal_keep = keep["calib"]
     prefix, costs = [], []
     if "prefix" in conditions and prefix_len:
         cands = _candidates(win.calib, cal_keep, tok, n_cand)
-        prefix, costs = find_prefix(hf, sites, win.calib[:2], cands, prefix_len)
+        prefix, costs = find_prefix(model, sites, win.calib[:2], cands, prefix_len)
     setups = {"as_is": dict(), "sinks_fp": dict(keep=cal_keep), "prefix": dict(prefix=prefix)}
     ev = {"as_is": dict(), "sinks_fp": dict(keep=keep["eval"]), "prefix": dict(prefix=prefix)}
     rows, scale_rows, layer_rows = [], [], []
     for cond in conditions:
-        scales = calibrate(hf, sites, win.calib, **setups[cond])
+        scales = calibrate(model, sites, win.calib, **setups[cond])
         layer_rows += [{"seed": win.seed, "condition": cond, **r} for r in layer_scales(scales).to_dict("records")]
         top = sorted(scales.values(), key=lambda s: -s.absmax)
         for s in top[:8]:
@@ -116,9 +117,9 @@ def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_can
                                "origin": scale_origin(s, origin, _text(tok, [s.token_id]))})
         fp_key = (cond == "prefix", tuple(prefix))
         if fp_key not in fp_cache:
-            fp_cache[fp_key] = math.exp(mean_nll(hf, sites, win.eval, Scheme(None), **ev["prefix" if cond == "prefix" else "as_is"]))
+            fp_cache[fp_key] = math.exp(mean_nll(model, sites, win.eval, Scheme(None), **ev["prefix" if cond == "prefix" else "as_is"]))
         for sch in schemes:
-            ppl = math.exp(mean_nll(hf, sites, win.eval, sch, scales=scales, **ev[cond]))
+            ppl = math.exp(mean_nll(model, sites, win.eval, sch, scales=scales, **ev[cond]))
             rows.append({"seed": win.seed, "scheme": sch.label, "a_bits": sch.a_bits, "granularity": sch.granularity,
                          "w_bits": sch.w_bits or 16, "condition": cond, "ppl": ppl, "fp_ppl": fp_cache[fp_key],
                          "ratio": ppl / fp_cache[fp_key], "site": top[0].site, "scale_absmax": top[0].absmax,
@@ -128,15 +129,15 @@ def _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_can
 
 def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "token"), w_bits=(None,),
                 conditions=("as_is", "sinks_fp", "prefix"), T: int = 256, n_eval: int = 8, calib_tokens: int = 1024,
-                seeds=(0,), prefix_len: int = 3, n_candidates: int = 3, kv_bits=(4, 2), origin: bool = True,
-                device: str = "cpu") -> QuantResult:
+                seeds=(0,), prefix_len: int = 3, n_candidates: int = 3, kv_bits=(4, 2), origin: bool = True) -> QuantResult:
     """Perplexity under every scheme and condition, the scales' sites, and the packed KV cache.
 
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns (a name goes through it first; for one release a name or a local
-        Hugging Face folder still works, with a DeprecationWarning).
+        What ``analysis.load_model`` returns (a name goes through it first; a name or a bare Hugging Face model is
+        refused). Its passes (the sinks, the spike's writers) run on its backend; the quantised passes and the KV
+        caches on its own Hugging Face module (``analysis.streaming.backbone.causal_lm``).
     a_bits, granularities, w_bits : sequences
         The grid (``w_bits`` None: full-precision weights).
     conditions : sequence of {"as_is", "sinks_fp", "prefix"}
@@ -150,29 +151,26 @@ def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "to
         The packed KV cache's bits (empty: leave it out).
     origin : bool
         Tie each scale to the spike's writing neurons (``analysis.chain.spike_writers``).
-    device : str
-        Where a model given by name (the old form) loads; a model of the contract's causal LM runs on its device.
 
     Returns
     -------
     QuantResult
     """
     schemes, conditions = schemes_of(a_bits, granularities, w_bits), check_conditions(conditions)
-    hf, tok, name = resolve(model, where="quant_study", device=None if is_model(model) else device)
-    check_setting(hf, T=T, prefix_len=prefix_len if "prefix" in conditions else 0, kv_bits=kv_bits)
-    sites = linear_sites(hf)
+    require_model(model, "quant_study")
+    check_setting(model, T=T, prefix_len=prefix_len if "prefix" in conditions else 0, kv_bits=kv_bits)
+    tok, name = model.tokenizer, model.model_name
+    sites = linear_sites(model)
     if calib_tokens < T:
         raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
                          f"use --calib-tokens {T} or more, or a shorter --T.")
-    tl = model if is_model(model) else hf.model if type(getattr(hf, "model", None)).__name__ == "SinkLM" \
-        else load_model(model, device=device)  # the old form: a name
     rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
     for seed in seeds:
-        win = make_windows(hf, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
-        keep = {"calib": sink_keep(tl, win.calib), "eval": sink_keep(tl, win.eval)}
-        so = _spike_origin(tl, win.calib[:4]) if origin else None
+        win = make_windows(model, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
+        keep = {"calib": sink_keep(model, win.calib), "eval": sink_keep(model, win.eval)}
+        so = _spike_origin(model, win.calib[:4]) if origin else None
         so = so if so is not None and so.has_spike else None
-        r, s, lr, prefixes[seed] = _seed_rows(hf, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates,
+        r, s, lr, prefixes[seed] = _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates,
                                               so, fp_cache)
         rows, scale_rows, layer_rows = rows + r, scale_rows + s, layer_rows + lr
         if so is not None:  # the blocks whose MLPs write and erase each spike dim, per seed
@@ -181,8 +179,8 @@ def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "to
     notes = [f"Every activation and weight number is fake quantisation (quantise, de-quantise in float32); the KV "
              f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes." if kv_bits else
              "Every number is fake quantisation (quantise, de-quantise in float32)."]
-    if kv_bits and hasattr(hf, "generation_config"):
-        kv = kv_table(hf, win.eval, keep["eval"], bits=kv_bits)
+    if kv_bits and hf_module(model) is not None:
+        kv = kv_table(model, win.eval, keep["eval"], bits=kv_bits)
     elif kv_bits:
         notes.append("The packed KV cache is measured on Hugging Face models only (a reference model decodes "
                      "through its own streaming cache).")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.model.contract import SinkModel
-from analysis.streaming.backbone import stream_lm
+from analysis.model.causal import require_model
+from analysis.model.contract import SinkModel, hf_module
 from analysis.streaming.corpus import stdlib_stream
 
 
@@ -51,8 +51,7 @@ def make_windows(model: SinkModel, tokenizer, *, T: int, n_eval: int, calib_toke
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns, or the causal LM ``causal_lm`` gives (a reference model draws from
-        its task).
+        What ``analysis.load_model`` returns (a reference model draws from its task).
     tokenizer : transformers tokenizer or None
     T : int
         Tokens per window.
@@ -70,10 +69,9 @@ def make_windows(model: SinkModel, tokenizer, *, T: int, n_eval: int, calib_toke
         raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
                          f"use --calib-tokens {T} or more, or a shorter --T.")
     n_cal = calib_tokens // T
-    inner = getattr(stream_lm(model, where="make_windows"), "model", None)
-    if type(inner).__name__ == "SinkLM":
-        ev = _task_windows(inner, n_eval, T, 10_000)  # held out: a seed no calibration draw uses
-        cal = _task_windows(inner, n_cal, T, 20_000 + seed)
+    if hf_module(require_model(model, "make_windows")) is None:  # a reference model: its own task
+        ev = _task_windows(model, n_eval, T, 10_000)  # held out: a seed no calibration draw uses
+        cal = _task_windows(model, n_cal, T, 20_000 + seed)
         return Windows(ev, cal, "independent sequences of the model's own synthetic training task (BOS first)", seed)
     pool = n_eval + 4 * n_cal
     stream = stdlib_stream(tokenizer, pool * T, seed=0)

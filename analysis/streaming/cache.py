@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from analysis.model.causal import rotary_frequencies
 from analysis.model.rotary import rotate
 
 POLICY_KINDS = ("dense", "window", "sinks", "recompute")
@@ -111,7 +112,7 @@ class RopeSpec:
 
 
 def rope_spec(hf_model) -> RopeSpec | None:
-    """The backbone's rotary embedding (the one place this module knows model families), or None.
+    """The backbone's rotary embedding (its frequencies: ``analysis.model.causal.rotary_frequencies``), or None.
 
     Parameters
     ----------
@@ -121,18 +122,18 @@ def rope_spec(hf_model) -> RopeSpec | None:
     -------
     RopeSpec or None
     """
-    found = {id(m): m for m in hf_model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    found = rotary_frequencies(hf_model)
     if not found:
         return None
-    mods = list(found.values())
-    if len({tuple(m.inv_freq.shape) for m in mods}) > 1 or any(not torch.equal(m.inv_freq, mods[0].inv_freq) for m in mods):
+    freqs = [f for f, _ in found]
+    if len({tuple(f.shape) for f in freqs}) > 1 or any(not torch.equal(f, freqs[0]) for f in freqs):
         raise NotImplementedError(
             f"{type(hf_model).__name__} has several rotary embeddings (e.g. local and global layers); streaming "
             "re-rotation supports one rotary embedding shared by every layer."
         )
-    if getattr(mods[0], "rope_type", "default") == "dynamic":
+    if found[0][1] == "dynamic":
         raise NotImplementedError("dynamic NTK rotary embeddings change with the sequence length; not supported.")
-    return RopeSpec(mods[0].inv_freq.detach().float().clone())
+    return RopeSpec(freqs[0].detach().float().clone())
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

@@ -3,7 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.core.options import VOCABULARY, HelpFormatter, model_options, placement_options, seed_options
+from analysis.core.options import (VOCABULARY, HelpFormatter, backend_options, model_options, placement_options,
+                                   seed_options)
+
+# --backend on `stream`: the cache passes decode the Hugging Face model itself, in its own attention (the transformers
+# backend); the bridge's attention keeps no KV cache and nnsight traces hold none either.
+STREAM_BACKENDS = ("auto", "transformers")
+STREAM_BACKEND_WHY = ("stream decodes token by token with a bounded KV cache, which only the Hugging Face model's own "
+                      "attention keeps (the transformers backend): --backend auto and transformers run it; "
+                      "transformer_lens (the bridge keeps no KV cache) and nnsight (its traces hold no cache across "
+                      "steps) cannot.")
 
 
 def _ints(text: str) -> list[int]:
@@ -23,16 +32,18 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     default_model : str
         The model taken without ``--model``.
     parents : sequence of argparse.ArgumentParser
-        The shared options it takes (``analysis.core.options``: the model's options, ``--seed`` and the placement
-        options); none given: those three groups.
+        The shared options it takes (``analysis.core.options``: the model's options, ``--seed``, the placement
+        options and ``--backend``); none given: those four groups.
 
     Returns
     -------
     None
     """
-    parents = list(parents) or [model_options(default_model), seed_options(), placement_options()]
+    parents = list(parents) or [model_options(default_model), seed_options(), placement_options(), backend_options()]
     s = sub.add_parser("stream", parents=parents, formatter_class=HelpFormatter,
-                       help="streaming perplexity under dense, window, sinks + window and quantised KV caches")
+                       help="streaming perplexity under dense, window, sinks + window and quantised KV caches",
+                       description="Streaming perplexity under dense, window, sinks + window and quantised KV caches. "
+                                   + STREAM_BACKEND_WHY)
     g = s.add_argument_group("stream")
     g.add_argument("--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)")
     g.add_argument("--sinks", default="0,1,2,4,8", help="sink counts s (0 = the plain window)")
@@ -61,6 +72,8 @@ def check_stream_args(args) -> None:
     None
     """
     sinks, bits = _ints(args.sinks), _ints(args.kv_bits)
+    if getattr(args, "backend", "auto") not in STREAM_BACKENDS:
+        raise ValueError(f"--backend {args.backend} does not apply to stream: {STREAM_BACKEND_WHY}")
     if args.window < 1:
         raise ValueError(f"--window must be at least 1 token; got {args.window}.")
     bad = [x for x in sinks if x >= args.window] + ([args.quant_sinks] if bits and args.quant_sinks >= args.window else [])
@@ -86,18 +99,17 @@ def cmd_stream(args) -> int:
     """
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.core.io import write_or_spare
-    from analysis.model.loading import is_reference_model, load_causal_lm, load_model
+    from analysis.model.loading import load_model
     from analysis.model.placement import placement_from_args
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
     check_stream_args(args)
     placement = placement_from_args(args)
-    if is_reference_model(args.model) and not placement.split:  # a name goes through a loader first
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype), None
-    else:  # the Hugging Face model itself, no bridge: the cache passes decode it
-        model, tokenizer = load_causal_lm(args.model, placement=placement, device=args.device, dtype=args.dtype)
+    # a name goes through load_model first; the cache passes decode its own Hugging Face module (no second copy)
+    model = load_model(args.model, device=None if placement.split else args.device, dtype=args.dtype,
+                       **(placement.kwargs() if placement.split else {}))
     res = streaming_perplexity(
-        model, tokenizer=tokenizer, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
+        model, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
         newline_sinks=args.newline_sinks or None, bits=_ints(args.kv_bits), quant_sinks=args.quant_sinks,
         dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
         progress=not args.quiet,

@@ -1,11 +1,15 @@
 """Sink-aware generation: StreamingLLM's cache (the first ``sinks`` tokens and the most recent ``window - sinks``),
 optionally with a quantised window and full-precision sinks, as a cache ``model.generate`` takes.
 
-    from analysis import sink_cache
-    from analysis.model.loading import load_causal_lm
-    hf, tok = load_causal_lm("smollm2-135m")     # or analysis.streaming.backbone.causal_lm(load_model(...))[0]
-    ids = tok("The attention sink", return_tensors="pt").input_ids
-    out = hf.generate(ids, cache=sink_cache(hf, window=256, sinks=4), max_new_tokens=2048, do_sample=False)
+    from analysis import load_model, sink_cache
+    from analysis.streaming.backbone import causal_lm
+    model = load_model("smollm2-135m")
+    ids = model.tokenizer("The attention sink", return_tensors="pt").input_ids
+    with causal_lm(model) as hf:                 # the model's own Hugging Face module, in its own attention
+        out = hf.generate(ids, cache=sink_cache(hf, window=256, sinks=4), max_new_tokens=2048, do_sample=False)
+
+``sink_cache`` takes the Hugging Face causal LM that generates (that one, or any ``AutoModelForCausalLM``): it
+builds a cache for transformers' ``generate``, it is not an analysis of a loaded model.
 
 It is :class:`analysis.streaming.cache.StreamingCache`, the cache the streaming perplexity decodes with: generate
 numbers the tokens 0, 1, 2, ... (its ``position_ids``), which is how that cache takes them (keys at their true
@@ -16,9 +20,9 @@ window needs ``prefill_chunk_size=1`` (StreamingLLM feeds it a token at a time);
 """
 from __future__ import annotations
 
+from analysis.model.causal import context_length
 from analysis.model.contract import is_model, runs_bridge_components
 from analysis.model.families import decoder_positions
-from analysis.streaming.backbone import context_length
 from analysis.streaming.cache import Policy, RopeSpec, StreamingCache
 
 # Rope types whose frequencies change with the sequence length: a kept key cannot be moved by a fixed rotation.
@@ -28,8 +32,8 @@ POSITION_WORDS = {"alibi": "ALiBi position biases", "absolute": "learned absolut
 
 
 NO_CACHE = ("runs TransformerLens' attention, which keeps no KV cache (generate would ignore the cache): build the cache "
-            "for, and generate with, the plain causal LM, analysis.streaming.backbone.causal_lm(model)[0] (or "
-            "analysis.model.loading.load_causal_lm(name)[0]).")
+            "for, and generate with, the model's own causal LM: `with analysis.streaming.backbone.causal_lm(model) as "
+            "hf: hf.generate(ids, cache=sink_cache(hf, ...))`.")
 
 
 def _check_lm(hf) -> None:
@@ -74,8 +78,8 @@ def sink_cache(hf, *, window: int, sinks: int = 4, bits: int | None = None, fp_s
     Parameters
     ----------
     hf : transformers.PreTrainedModel
-        The causal LM that generates (``AutoModelForCausalLM``; for a model ``analysis.load_model`` returns, its plain
-        copy ``analysis.streaming.backbone.causal_lm(model)[0]``: the bridge's own module keeps no KV cache).
+        The causal LM that generates (``AutoModelForCausalLM``; for a model ``analysis.load_model`` returns, its own
+        module inside ``with analysis.streaming.backbone.causal_lm(model) as hf:``: the bridge keeps no KV cache).
     window : int
         Tokens kept per layer, sinks included (StreamingLLM's s + w); at most the model's context and sliding window.
     sinks : int

@@ -10,7 +10,6 @@ re-encoded from scratch at positions 0..window-1 (exact; slow, so it can score e
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 
@@ -18,31 +17,17 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.model.causal import attention_name, cache_keyword, context_length, has_sink_logits, n_layers
 from analysis.model.families import attention_implementation
 from analysis.model.placement import input_device
 from analysis.core.io import jsonable
 from analysis.core.memory import peak_mib, reset_peak
 from analysis.core.results import Result
 from analysis.model.contract import SinkModel
-from analysis.streaming.backbone import context_length, n_layers, stream_lm
+from analysis.streaming.backbone import causal_lm
 from analysis.streaming.attention import NAME as ATTENTION
 from analysis.streaming.attention import ShareRecorder, recording
 from analysis.streaming.cache import Policy, StreamingCache, rope_spec
-
-
-def has_sink_logits(hf) -> bool:
-    """Whether the model adds learned sink logits to its attention (gpt-oss).
-
-    Parameters
-    ----------
-    hf : transformers.PreTrainedModel
-        The causal LM.
-
-    Returns
-    -------
-    bool
-    """
-    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules())
 
 
 def decode_attention(hf) -> str:
@@ -189,21 +174,6 @@ def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
 
 
 
-def cache_keyword(hf) -> str:
-    """The name under which ``hf.forward`` takes a KV cache: transformers 5 names it ``cache`` (``past_key_values`` is
-    deprecated there); older models and ``ReferenceLM`` take ``past_key_values``.
-
-    Parameters
-    ----------
-    hf : torch.nn.Module
-        A causal LM.
-
-    Returns
-    -------
-    str
-    """
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-
 class _Decoder:
     """One batch of policies decoded through ``hf``: nll (B, N-1), the sinks' share per row, kept logits."""
 
@@ -232,7 +202,7 @@ class _Decoder:
     def step(self, t: int, share: bool) -> None:
         """Token t in, token t+1 scored; with ``share``, the sinks' attention share of this step is kept."""
         B, device = self.ids.shape[0], self.ids.device
-        eager = share and self.hf.config._attn_implementation == "eager"
+        eager = share and attention_name(self.hf) == "eager"
         self.recorder.marks = (lambda: _sink_slots(self.cache, self.sinks)) if share else None
         with recording(self.recorder):
             out = self.hf(input_ids=self.ids[:, t : t + 1], position_ids=torch.full((B, 1), self.cache.position(t), device=device),
@@ -283,8 +253,8 @@ def run_policies(model: SinkModel, tokens: torch.Tensor, policies: list[Policy],
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns (decoded through :func:`analysis.streaming.backbone.causal_lm`), or the
-        causal LM that gives.
+        What ``analysis.load_model`` returns (decoded through :func:`analysis.streaming.backbone.causal_lm`: its own
+        Hugging Face module, no copy).
     tokens : torch.Tensor, shape (N,)
         The stream.
     policies : list of Policy
@@ -306,7 +276,14 @@ def run_policies(model: SinkModel, tokens: torch.Tensor, policies: list[Policy],
     -------
     list of PolicyRun
     """
-    hf = stream_lm(model, where="run_policies")
+    with causal_lm(model, where="run_policies") as hf:
+        return _decode(hf, tokens, policies, newline=newline, prefill=prefill, attention_share=attention_share,
+                       allow_beyond_context=allow_beyond_context, progress=progress, keep_logits=keep_logits, chunk=chunk)
+
+
+def _decode(hf, tokens, policies, *, newline, prefill, attention_share, allow_beyond_context, progress, keep_logits,
+            chunk) -> list[PolicyRun]:
+    """:func:`run_policies` on the causal LM ``hf`` the contract gave."""
     capacity = _check_group(policies)
     device = input_device(hf)
     tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
@@ -376,7 +353,12 @@ def recompute_nll(model: SinkModel, tokens: torch.Tensor, window: int, *, every:
     -------
     PolicyRun
     """
-    hf = stream_lm(model, where="recompute_nll")
+    with causal_lm(model, where="recompute_nll") as hf:
+        return _recompute(hf, tokens, window, every=every, batch=batch, progress=progress)
+
+
+def _recompute(hf, tokens, window: int, *, every: int, batch: int, progress: bool) -> PolicyRun:
+    """:func:`recompute_nll` on the causal LM ``hf`` the contract gave."""
     device = input_device(hf)
     ids = tokens.to(device)
     N = ids.numel()

@@ -11,11 +11,11 @@ import torch
 
 from analysis.core.io import write_atomic
 from analysis.core.results import Result
-from analysis.model.contract import SinkModel
-from analysis.streaming.backbone import context_length, resolve
+from analysis.model.contract import SinkModel, hf_module, model_device, model_dtype
+from analysis.model.causal import context_length
+from analysis.streaming.backbone import causal_lm
 from analysis.streaming.cache import Policy
 from analysis.streaming.corpus import newline_id, stdlib_stream, task_stream
-from analysis.model.placement import input_device
 from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.core.versions import package_versions
 
@@ -74,6 +74,8 @@ class StreamResult(Result):
     tokens : list of int or None
     dtype : str
         The model's dtype ("float32", ...).
+    backend : dict
+        What decoded the stream, and why (``name``, ``why``).
     model_name : str
         ``model`` (a property).
     kind : str
@@ -86,10 +88,11 @@ class StreamResult(Result):
     n_samples = 1
 
     def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
-                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None, dtype: str = "float32"):
+                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None, dtype: str = "float32",
+                 backend: dict | None = None):
         self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
         self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
-        self.dtype = dtype
+        self.dtype, self.backend = dtype, backend or {}
 
     def __repr__(self) -> str:
         return (f"<StreamResult model={self.model!r}, window={self.window}, tokens={self.stream.get('n_tokens')}, "
@@ -208,7 +211,7 @@ class StreamResult(Result):
     def to_dict(self) -> dict:
         return {"model": self.model, "window": self.window, "n_ctx": self.n_ctx, "stream": self.stream, "skip": self.skip,
                 "recompute_every": self.recompute_every, "device": self.device, "dtype": self.dtype,
-                "tokens": self.tokens,
+                "backend": self.backend, "tokens": self.tokens,
                 "timing": "tokens_per_s is measured per decode batch: the policies of one batch (batch: how many "
                           "rows were decoded together) share one timing",
                 "table": json.loads(self.table.to_json(orient="records")), "runs": [r.to_dict() for r in self.runs],
@@ -217,7 +220,8 @@ class StreamResult(Result):
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
         return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
-                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"), dtype=d.get("dtype", "float32"))
+                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"), dtype=d.get("dtype", "float32"),
+                   backend=d.get("backend"))
 
     @classmethod
     def load(cls, path) -> "StreamResult":
@@ -274,14 +278,22 @@ def write_csv_atomic(df: pd.DataFrame, path) -> Path:
     return Path(path)
 
 
+def _backend(model: SinkModel) -> dict:
+    """What decodes a model's stream, and why (the stream JSON's ``backend``)."""
+    if hf_module(model) is None:
+        return {"name": "reference", "why": "a reference model decodes through its own hooks (ReferenceLM)"}
+    return {"name": "transformers", "why": "the cache passes decode the Hugging Face model in its own attention, the "
+                                           "only one that keeps a KV cache (the bridge's wrappers off for the passes)"}
+
+
 def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
                          newline_sinks: int | None = 4, bits=(8, 4), quant_sinks: int = 4, dense: bool = True,
                          recompute_every: int | None = 8, seed: int = 0, tokenizer=None, skip: int | None = None,
-                         batch: int = 16, device=None, dtype=None, progress: bool = False) -> StreamResult:
+                         batch: int = 16, progress: bool = False) -> StreamResult:
     """Perplexity of a causal LM on a long stream under dense, window, sinks + window (several s), newline
     sinks, quantised caches and the re-computation ceiling. ``model``: what ``analysis.load_model`` returns (a name
-    goes through it first; for one release a name still works, with a DeprecationWarning), or the causal LM
-    ``analysis.model.loading.load_causal_lm`` gives (split by a device map). ``tokens``: your own ids (N,), else
+    goes through it first: a name or a bare Hugging Face model is refused; split over devices with its
+    ``device_map``), decoded through its own Hugging Face module. ``tokens``: your own ids (N,), else
     ``n_tokens`` of the offline docstring stream shuffled with ``seed``. The cache policies that share the
     window are decoded together, ``batch`` rows at a time. ``recompute_every``: score the ceiling at every
     k-th position past the window (1: all; None: leave it out).
@@ -301,22 +313,21 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     seed : int
         The order of the docstring stream.
     tokenizer : transformers.PreTrainedTokenizerBase, optional
+        Overrides the model's own.
     skip : int, optional
         Positions left out of the perplexity at the start.
     batch : int
         Policies decoded together.
-    device : str, optional
-        Where the causal LM the bridge's weights are copied into runs (default: the bridge's device).
-    dtype : torch.dtype or str, optional
-        That copy's dtype (default: the bridge's).
     progress : bool
 
     Returns
     -------
     StreamResult
     """
-    hf, tok, name = resolve(model, where="streaming_perplexity", tokenizer=tokenizer, device=device, dtype=dtype)
-    n_ctx = context_length(hf)
+    with causal_lm(model, where="streaming_perplexity") as lm:  # a name or a bare model: refused here, before any work
+        n_ctx = context_length(lm)
+    device, dtype = model_device(model), model_dtype(model)
+    tok, name = tokenizer or model.tokenizer, model.model_name
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
     if n_ctx is not None and window > n_ctx:
@@ -325,7 +336,7 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     if bad:
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
     if tokens is None:
-        reference = getattr(hf, "model", None) if tok is None else None  # a tokenizer-less reference model
+        reference = model if tok is None else None  # a tokenizer-less reference model
         stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
                   else stdlib_stream(tok, n_tokens, seed=seed))
         tokens, record = stream.tokens, stream.record()
@@ -346,14 +357,13 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     dense_pols = [p for p in pols if p.kind == "dense"]
     if dense_pols:
         n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
-        r = run_policies(hf, tokens[:n_dense], dense_pols, progress=progress)[0]
+        r = run_policies(model, tokens[:n_dense], dense_pols, progress=progress)[0]
         r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
         runs.append(r)
     cached = [p for p in pols if p.kind != "dense"]
     for i in range(0, len(cached), batch):
-        runs += run_policies(hf, tokens, cached[i : i + batch], newline=nl, progress=progress)
+        runs += run_policies(model, tokens, cached[i : i + batch], newline=nl, progress=progress)
     if recompute_every:
-        runs.append(recompute_nll(hf, tokens, window, every=recompute_every, progress=progress))
-    weight = hf.get_output_embeddings().weight
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(input_device(hf)),
-                        tokens=tokens.tolist(), dtype=str(weight.dtype).removeprefix("torch."))
+        runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(device),
+                        tokens=tokens.tolist(), dtype=str(dtype).removeprefix("torch."), backend=_backend(model))

@@ -4,14 +4,14 @@ the check at load refuses a model missing something, in one line."""
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import analysis
-from analysis.model.contract import ModelContractError, SinkModel, check_model, hf_module, is_model, model_dtype
+from analysis.model.contract import (ModelContractError, SinkModel, check_model, hf_module, is_model, model_dtype,
+                                     runs_bridge_components)
 
 ROOT = Path(analysis.__file__).resolve().parent
 EXEMPT = ()  # none: every floor, the report included, takes the contract
@@ -21,7 +21,7 @@ OTHER_TYPES = {
     "NnsightModel": ("chain/nnsight_tables.py", "engine/nnsight_pass.py", "positions/nnsight_positions.py"),
     "SinkLM": ("model/reference/checkpoint.py", "train/trainer.py"),  # the reference model's own checkpoints
     "dict": ("train/sweep.py",),  # a model config
-    "object": ("model/contract.py",),  # the contract check takes anything
+    "object": ("model/contract.py", "model/causal.py"),  # the contract checks (check_model, require_model) take anything
 }
 RAW = ("str", "Path", "os.PathLike", "PreTrainedModel", "transformers.PreTrainedModel", "TransformerBridge")
 
@@ -57,8 +57,7 @@ def test_every_public_model_parameter_is_typed_with_the_contract_and_none_takes_
 
 # The cache passes' helpers that read the causal LM the contract gives (``causal_lm``): its config, its modules. They
 # are no analyses; every analysis above them takes the model of the contract.
-PASS_HELPERS = {"streaming/backbone.py": {"context_length", "n_layers"}, "streaming/cache.py": {"rope_spec"},
-                "streaming/perplexity.py": {"has_sink_logits", "decode_attention", "cache_keyword"},
+PASS_HELPERS = {"streaming/cache.py": {"rope_spec"}, "streaming/perplexity.py": {"decode_attention"},
                 "quant/passes.py": {"__init__"},
                 "streaming/generate.py": {"sink_cache"}}  # the cache for hf.generate: built for the LM that generates
 FLOOR_OF_ANALYSES = ("sinks/", "chain/", "positions/", "causal/", "dynamics/", "streaming/", "quant/", "figures/")
@@ -102,18 +101,16 @@ def test_the_check_at_load_refuses_a_model_missing_something_in_one_line(drop, n
     assert "\n" not in str(e.value)
 
 
-def test_a_loaded_model_meets_the_contract_and_old_call_forms_warn(tiny_llama, tiny_llama_dir):
-    from analysis.streaming.backbone import causal_lm, stream_lm
+def test_a_loaded_model_meets_the_contract_and_a_name_or_bare_model_is_refused(tiny_llama, tiny_llama_dir):
+    from analysis.model.causal import own_causal_lm, require_model
 
     assert isinstance(tiny_llama, SinkModel) and hf_module(tiny_llama) is tiny_llama.original_model
     assert not is_model(str(tiny_llama_dir)) and not is_model(tiny_llama.original_model)
-    with pytest.warns(DeprecationWarning, match="causal_lm was given the name .*load_model"):
-        hf, _, _ = causal_lm(str(tiny_llama_dir), device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a causal LM the contract gave goes on without a warning
-        assert stream_lm(hf, where="run_policies") is hf
-        lm = stream_lm(tiny_llama, where="run_policies")
-        assert stream_lm(tiny_llama, where="mean_nll") is lm  # kept while the model lives: the sites it hooks hold
-    bare = type(hf)(hf.config)
-    with pytest.warns(DeprecationWarning, match="run_policies was given a bare LlamaForCausalLM"):
-        stream_lm(bare, where="run_policies")
+    assert require_model(tiny_llama, "f") is tiny_llama
+    for given, what in ((str(tiny_llama_dir), "the name"), (tiny_llama.original_model, "a LlamaForCausalLM")):
+        with pytest.raises(TypeError, match=f"^f takes the model analysis.load_model returns, not {what}.*call "
+                                            r"f\(load_model\(name_or_path\), \.\.\.\)"):
+            require_model(given, "f")
+    with own_causal_lm(tiny_llama) as hf:  # the bridge's own module, its wrappers off for the block
+        assert hf is tiny_llama.original_model and not runs_bridge_components(hf)
+    assert runs_bridge_components(tiny_llama.original_model)

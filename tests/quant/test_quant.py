@@ -13,6 +13,7 @@ from analysis.quant.passes import Scheme
 from analysis.quant.quantizers import fake_quant, qmax, quant_activation, token_scale
 from analysis.quant.sites import linear_sites
 from analysis.streaming.backbone import causal_lm
+from tests.conftest import assert_refused_before_work
 
 
 def test_fake_quant_error_is_bounded_by_half_the_scale():
@@ -39,19 +40,14 @@ def test_packed_codes_round_trip_and_hold_fewer_bytes():
     assert ((p.dequantize() - x).abs() <= p.scale.float() / 2 + 1e-3).all()
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tiny_llama_dir):
-    return causal_lm(str(tiny_llama_dir), device="cpu")[0]
-
-
-def test_real_low_bit_cache_holds_fewer_bytes_and_keeps_sinks(tiny_hf):
+def test_real_low_bit_cache_holds_fewer_bytes_and_keeps_sinks(tiny_llama):
     ids = torch.randint(3, 90, (1, 40))
-    L = tiny_hf.config.num_hidden_layers
+    L = tiny_llama.cfg.n_layers
     outs, sizes = {}, {}
     for name, bits, fp in (("fp", None, ()), ("int4", 4, ()), ("int4+sinks", 4, (0, 1, 2, 3)), ("int2", 2, ())):
         cache = LowBitCache(L, bits, fp)
-        with torch.no_grad():
-            outs[name] = tiny_hf(input_ids=ids, cache=cache, use_cache=True).logits
+        with torch.no_grad(), causal_lm(tiny_llama) as hf:  # the model's own module, in its own attention
+            outs[name] = hf(input_ids=ids, cache=cache, use_cache=True).logits
         sizes[name] = cache.kv_bytes()
     assert sizes["int2"] < sizes["int4"] < sizes["int4+sinks"] < sizes["fp"]
     assert sizes["int4"] < sizes["fp"] / 4
@@ -59,19 +55,22 @@ def test_real_low_bit_cache_holds_fewer_bytes_and_keeps_sinks(tiny_hf):
     assert 0 < err4 < err2
 
 
-def test_linear_sites_reach_every_decoder_linear(tiny_hf):
-    sites = linear_sites(tiny_hf)
+def test_linear_sites_reach_every_decoder_linear(tiny_llama):
+    sites = linear_sites(tiny_llama)
     assert {s.name for s in sites} >= {"mlp.down_proj", "self_attn.q_proj"}
-    assert len(sites) == 7 * tiny_hf.config.num_hidden_layers
+    assert len(sites) == 7 * tiny_llama.cfg.n_layers
+    w = tiny_llama.blocks[0].mlp.original_component.down_proj.weight  # the bridge's own weights: hooked, not copied
+    assert any(p is w for s in sites for p, _ in s.weights)
 
 
-def test_unreachable_linears_and_bad_bits_are_refused_before_work():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_unreachable_linears_and_bad_bits_are_refused_before_work(tiny_llama_dir):
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+    from analysis.model.loading import bridge_hf
     from analysis.quant import quant_study
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
-    with pytest.raises(ValueError, match="cannot reach the linear layers"):
-        linear_sites(gpt2)  # GPT-2's maps are Conv1D, not nn.Linear
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100, n_positions=32))
+    with pytest.raises(ValueError, match="cannot reach the linear layers"):  # GPT-2's maps are Conv1D, not nn.Linear
+        linear_sites(bridge_hf(gpt2, tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), device="cpu"))
     with pytest.raises(ValueError, match="activation bits"):
         quant_study("no-such-model", a_bits=(3,))
     with pytest.raises(ValueError, match="granularity"):
@@ -100,22 +99,22 @@ def test_smollm2_static_per_tensor_against_the_sink(smollm2):
     """The first token's spike sets the per-tensor scales: int4 per-tensor static is worse than per-token dynamic,
     and keeping the first token in full precision (and out of calibration) makes the static scheme better."""
     from analysis.streaming.corpus import stdlib_stream
-    hf, tok, _ = causal_lm(smollm2)  # the clean causal LM behind the model of the contract
-    sites = linear_sites(hf)
+    tok = smollm2.tokenizer
+    sites = linear_sites(smollm2)  # hooked in the model's own module, which the passes run in its own attention
     w = stdlib_stream(tok, 3 * 32, seed=0).tokens.view(3, 32)
     ev, cal = w[:2], w[2:]
     keep_cal = torch.zeros(cal.shape, dtype=torch.bool)
     keep_cal[:, 0] = True
     keep_ev = torch.zeros(ev.shape, dtype=torch.bool)
     keep_ev[:, 0] = True
-    as_is = calibrate(hf, sites, cal)
-    kept = calibrate(hf, sites, cal, keep=keep_cal)
+    as_is = calibrate(smollm2, sites, cal)
+    kept = calibrate(smollm2, sites, cal, keep=keep_cal)
     top = max(as_is.values(), key=lambda s: s.absmax)
     assert top.position == 0 and top.linear == "mlp.down_proj"
     assert max(s.absmax for s in kept.values()) < top.absmax / 3
-    static = mean_nll(hf, sites, ev, Scheme(4, "tensor"), scales=as_is)
-    dynamic = mean_nll(hf, sites, ev, Scheme(4, "token"))
-    static_kept = mean_nll(hf, sites, ev, Scheme(4, "tensor"), scales=kept, keep=keep_ev)
+    static = mean_nll(smollm2, sites, ev, Scheme(4, "tensor"), scales=as_is)
+    dynamic = mean_nll(smollm2, sites, ev, Scheme(4, "token"))
+    static_kept = mean_nll(smollm2, sites, ev, Scheme(4, "tensor"), scales=kept, keep=keep_ev)
     assert static > dynamic
     assert static_kept < static
     assert math.isfinite(static_kept)
@@ -177,3 +176,32 @@ def test_quant_figures_draw_the_seeds_spread_and_the_spike_blocks():
     assert len(ax.patches) == 3 and len(ax.lines) == 1  # three marked blocks, one condition
     assert [t.get_text() for t in ax.texts] == ["3.mlp.down_proj: |x| = 2,900", "5.mlp.down_proj: |x| = 450"]
     plt.close(fig)
+
+
+def _quant_calls():
+    from analysis.quant import quant_study
+    from analysis.quant.calibrate import find_prefix
+    from analysis.quant.kv_study import kv_table
+    from analysis.quant.run import check_setting
+    from analysis.quant.windows import make_windows
+
+    w = torch.randint(3, 90, (2, 8))
+    return {"quant_study": lambda m: quant_study(m, T=8, calib_tokens=8), "linear_sites": linear_sites,
+            "calibrate": lambda m: calibrate(m, [], w), "mean_nll": lambda m: mean_nll(m, [], w, Scheme(None)),
+            "find_prefix": lambda m: find_prefix(m, [], w, [5], 1), "kv_table": lambda m: kv_table(m, w, w > 0),
+            "make_windows": lambda m: make_windows(m, None, T=8, n_eval=1, calib_tokens=8, seed=0),
+            "check_setting": lambda m: check_setting(m, T=8, prefix_len=0, kv_bits=())}
+
+
+def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(tiny_llama, tiny_llama_dir):
+    """The 0.1.0 call forms are gone: every quant function takes what load_model returns, and says so in one line."""
+    bare = tiny_llama.original_model
+    assert_refused_before_work(_quant_calls(), (str(tiny_llama_dir), bare), bare)
+
+
+def test_cli_backend_nnsight_is_refused_with_its_reason(capsys):
+    """`quant --backend` runs its analysis passes; the quantised passes hook the local module, which nnsight lacks."""
+    from analysis.__main__ import main
+    assert main(["quant", "--backend", "nnsight"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend nnsight does not apply to quant" in err and "transformer_lens" in err

@@ -12,7 +12,7 @@ import torch
 from analysis import sink_cache
 from analysis.model.contract import hf_module
 from analysis.streaming import fake_quantize
-from analysis.streaming.backbone import stream_lm
+from analysis.streaming.backbone import causal_lm
 from tests.families import family_config
 
 NEW = 64
@@ -112,10 +112,11 @@ def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 CASES = {"mistral": (8, 2, 20, None), "gemma3": (8, 2, 6, None), "phi": (16, 4, 24, 4)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def smollm2_hf(smollm2):
-    """SmolLM2's plain causal LM (the bridge's own module runs TransformerLens' attention, which keeps no cache)."""
-    return stream_lm(smollm2, where="test")
+    """SmolLM2's own causal LM in its own attention (the bridge's attention keeps no cache), for the test only."""
+    with causal_lm(smollm2) as hf:
+        yield hf
 
 
 def _check(hf, prompt, *, window, sinks, bits=None, dense=True):

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from analysis.model.contract import hf_module, runs_bridge_components
+from analysis.model.loading import load_model
 from analysis.streaming import Policy, StreamingCache, StreamResult, fake_quantize, run_policies, streaming_perplexity
-from tests.conftest import tol
+from analysis.streaming.backbone import causal_lm
+from tests.conftest import assert_refused_before_work, tol
 from tests.tiny import make_tiny_llama_dir
 
 NEWLINE = 5  # any id of the tiny vocabulary stands in for the newline token
@@ -19,11 +22,9 @@ NEWLINE = 5  # any id of the tiny vocabulary stands in for the newline token
 def one_layer(tmp_path_factory, device):
     """One layer: a kept token's key and value depend only on the token (not on the context it was cached
     in), so a bounded cache must equal re-computing the kept tokens from scratch at positions 0..L-1.
-    Large weights make attention sharp and position-sensitive."""
-    from transformers import AutoModelForCausalLM
-
+    Large weights make attention sharp and position-sensitive. Loaded as every model is (a bridge)."""
     d = make_tiny_llama_dir(tmp_path_factory.mktemp("one-layer"), n_layers=1, init_std=0.3, n_ctx=256)
-    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
+    return load_model(str(d), device=device)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,11 @@ def _tokens(n, seed=0):
 
 
 def naive_logits(hf, tokens, policy, newline=NEWLINE):
-    """Every step from scratch: the tokens the policy keeps, at positions 0..L-1, no cache (logits on the CPU)."""
+    """Every step from scratch: the tokens the policy keeps, at positions 0..L-1, no cache (logits on the CPU); a
+    loaded model runs its own Hugging Face module, a ``ReferenceLM`` itself."""
+    if hf_module(hf) is not None:
+        with causal_lm(hf) as lm:
+            return naive_logits(lm, tokens, policy, newline)
     W, s = policy.window, policy.sinks
     device = hf.get_output_embeddings().weight.device
     tokens = tokens.to(device)
@@ -71,11 +76,9 @@ def test_cache_matches_naive_recomputation(one_layer, prefill, device):
 def test_streaming_attention_equals_eager(two_layer_dir, monkeypatch, device):
     """The grouped-query decode function (analysis.streaming.attention) gives Hugging Face eager attention's
     logits and the same sinks' share, which the eager path reads from the returned attention maps."""
-    from transformers import AutoModelForCausalLM
-
     import analysis.streaming.perplexity as perplexity
 
-    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).to(device).eval()
+    hf = load_model(str(two_layer_dir), device=device)
     tokens, pols = _tokens(60, seed=2), POLICIES
     ours = run_policies(hf, tokens, pols, newline=NEWLINE, keep_logits=True)
     monkeypatch.setattr(perplexity, "decode_attention", lambda hf: "eager")
@@ -83,7 +86,7 @@ def test_streaming_attention_equals_eager(two_layer_dir, monkeypatch, device):
     for a, b in zip(ours, eager):
         torch.testing.assert_close(a.logits, b.logits, atol=tol(device, 1e-4), rtol=0)
         assert a.sink_share == pytest.approx(b.sink_share, abs=tol(device, 1e-6)) and 0 < a.sink_share < 1
-    assert hf.config._attn_implementation != "streaming"  # the model's own choice is restored
+    assert hf_module(hf).config._attn_implementation != "streaming"  # the model's own choice is restored
 
 
 def test_rerotation_is_what_makes_it_exact(one_layer, monkeypatch):
@@ -99,12 +102,10 @@ def test_rerotation_is_what_makes_it_exact(one_layer, monkeypatch):
 
 def test_multilayer_cache_equals_full_forward_until_eviction(two_layer_dir, device):
     """Before anything is evicted every policy is the dense model; the dense cache equals one forward pass."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).to(device).eval()
+    hf = load_model(str(two_layer_dir), device=device)
     tokens = _tokens(40, seed=1)
     with torch.no_grad():
-        full = hf(input_ids=tokens.to(device)[None]).logits[0, :-1].cpu()
+        full = hf(tokens.to(device)[None])[0, :-1].cpu()  # the bridge's own forward
     dense, win = run_policies(hf, tokens, [Policy("dense")], prefill=10, keep_logits=True)[0], \
         run_policies(hf, tokens, [Policy("sinks", 24, 2)], prefill=0, keep_logits=True)[0]
     torch.testing.assert_close(dense.logits, full, atol=tol(device, 1e-4), rtol=0)
@@ -147,8 +148,6 @@ def test_sinks_rescue_the_window_on_smollm2(smollm2):
 
 
 def test_bad_input_errors(one_layer, tmp_path, device):
-    from transformers import LlamaModel
-
     with pytest.raises(ValueError, match="smaller than the window"):
         Policy("sinks", 16, 16)
     with pytest.raises(ValueError, match="context"):
@@ -157,10 +156,43 @@ def test_bad_input_errors(one_layer, tmp_path, device):
         streaming_perplexity(one_layer, _tokens(10), window=16, sinks=(0,), bits=(), newline_sinks=None)
     with pytest.raises(ValueError, match="smaller than the window"):
         streaming_perplexity(one_layer, _tokens(40), window=16, sinks=(0, 16), bits=(), newline_sinks=None)
-    with pytest.raises(ValueError, match="causal-LM head"):
-        streaming_perplexity(LlamaModel(one_layer.config), _tokens(40), window=16, sinks=(0,), bits=(), newline_sinks=None)
     with pytest.raises(ValueError, match="larger than the context of synthetic-softmax .64 tokens.; use --window 64"):
-        streaming_perplexity("synthetic-softmax", window=128, device=device)  # reference models stream (test_streaming_reference.py)
+        streaming_perplexity(load_model("synthetic-softmax", device=device), window=128)  # reference models stream
+
+
+def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(one_layer, tmp_path):
+    """The 0.1.0 call forms are gone: a name, a path or a bare Hugging Face model gets one line saying what to do."""
+    from analysis.streaming import recompute_nll
+
+    calls = {"streaming_perplexity": lambda m: streaming_perplexity(m, _tokens(40), window=16),
+             "run_policies": lambda m: run_policies(m, _tokens(40), [Policy("dense")]),
+             "recompute_nll": lambda m: recompute_nll(m, _tokens(40), 16)}
+    assert_refused_before_work(calls, ("smollm2-135m", tmp_path, hf_module(one_layer)), hf_module(one_layer))
+
+
+def test_the_cache_passes_decode_the_loaded_models_own_module(one_layer, monkeypatch, device):
+    """No second copy from disk: inside ``causal_lm`` the bridge's own Hugging Face module runs its own attention
+    (same weights, same logits as the bridge), and the bridge is whole again after, even after an error."""
+    from transformers import AutoModelForCausalLM
+
+    def no_load(*a, **k):
+        raise AssertionError("the streaming passes loaded a model from disk")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    tokens = _tokens(24).to(device)[None]
+    with torch.no_grad():
+        bridged = one_layer(tokens)
+        with causal_lm(one_layer) as lm:
+            assert lm is hf_module(one_layer) and not runs_bridge_components(lm)
+            own = lm(input_ids=tokens).logits
+        with pytest.raises(RuntimeError), causal_lm(one_layer):
+            raise RuntimeError("inside the block")
+        assert runs_bridge_components(hf_module(one_layer))
+        torch.testing.assert_close(own, bridged, atol=tol(device, 1e-4), rtol=0)
+        torch.testing.assert_close(one_layer(tokens), bridged, atol=0, rtol=0)
+    res = streaming_perplexity(one_layer, _tokens(24), window=16, sinks=(2,), bits=(), newline_sinks=None, dense=False,
+                               recompute_every=None)
+    assert res.backend["name"] == "transformers" and [r.policy.label for r in res.runs] == ["2+14"]
 
 
 def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, no_network, device):
@@ -179,5 +211,18 @@ def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, n
     payload = json.loads(out.read_text())
     assert payload["stream"]["n_tokens"] == 48 and len(payload["runs"]) == 6
     assert payload["device"].startswith(device) and payload["dtype"] == "float32"
+    assert payload["backend"]["name"] == "transformers"
     assert main(["stream", "--model", str(two_layer_dir), "--window", "16", "--sinks", "16"]) == 2
     assert "smaller than the window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["transformer_lens", "nnsight"])
+def test_cli_backend_that_keeps_no_cache_is_refused_before_the_model_loads(backend, capsys, monkeypatch):
+    """`stream` decodes with a KV cache, which only the Hugging Face model's own attention keeps: auto and
+    transformers run it; the bridge and nnsight are refused with the reason, before anything loads."""
+    from analysis.__main__ import main
+
+    monkeypatch.setattr("analysis.model.loading.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["stream", "--backend", backend]) == 2
+    err = capsys.readouterr().err
+    assert f"--backend {backend} does not apply to stream" in err and "KV cache" in err

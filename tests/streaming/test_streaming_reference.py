@@ -42,10 +42,11 @@ def test_reference_cache_matches_naive_recomputation(attention, device):
     """One layer: the kept tokens' keys and values do not depend on their context, so the bounded cache (keys
     rotated at stream positions, sinks re-rotated, the sink token one position before the oldest kept token) must
     equal the model's own forward on the kept tokens at positions 0..L-1, at every step."""
-    hf = ReferenceLM(tiny(attention, device=device))
+    m = tiny(attention, device=device)
+    hf = ReferenceLM(m)
     assert rope_spec(hf) is not None
     tokens = _tokens(60)
-    runs = run_policies(hf, tokens, POLICIES, newline=5, keep_logits=True)
+    runs = run_policies(m, tokens, POLICIES, newline=5, keep_logits=True)
     for pol, run in zip(POLICIES, runs):
         torch.testing.assert_close(run.logits, naive_logits(hf, tokens, pol), atol=tol(device, 1e-4), rtol=0,
                                    msg=lambda m: f"{attention} {pol.label}: {m}")
@@ -63,9 +64,10 @@ def test_the_sink_token_position_is_what_makes_it_exact(monkeypatch, device):
         return pos
 
     monkeypatch.setattr(SinkLM, "cache_positions", sink_token_at_minus_one)
-    hf = ReferenceLM(tiny("sink-token", device=device))
+    m = tiny("sink-token", device=device)
+    hf = ReferenceLM(m)
     tokens, pol = _tokens(60), Policy("sinks", 16, 2)
-    run = run_policies(hf, tokens, [pol], keep_logits=True)[0]
+    run = run_policies(m, tokens, [pol], keep_logits=True)[0]
     assert (run.logits[20:] - naive_logits(hf, tokens, pol)[20:]).abs().max() > 1e-3
 
 
@@ -81,8 +83,7 @@ def test_multilayer_decode_equals_forward(attention, device):
         parts = [m.decode(on[:, :20], torch.arange(20, device=device), cache)]
         parts += [m.decode(on[:, t : t + 1], torch.tensor([t], device=device), cache) for t in range(20, 50)]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=tol(device, 1e-4), rtol=0)  # cached against SDPA
-    hf = ReferenceLM(m)
-    dense = run_policies(hf, tokens[0], [Policy("dense")], prefill=7, keep_logits=True)[0]
+    dense = run_policies(m, tokens[0], [Policy("dense")], prefill=7, keep_logits=True)[0]
     torch.testing.assert_close(dense.logits, full[0, :-1].cpu(), atol=tol(device, 1e-4), rtol=0)
 
 
