@@ -752,4 +752,4 @@ register(Analysis(
     accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind, facts=p.facts)],
     sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"),
                       runner="analysis.report.sections:_key_manifold"),),
-    figure="analysis.figures.key_manifold:plot_key_pca", exports=("first_key_manifold",)))
+    exports=("first_key_manifold",)))

@@ -336,7 +336,7 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
     t, before = time.perf_counter(), ctx.profile_seconds
     try:
         run = (registry.resolve(spec.runner) if spec.runner is not None else
-               functools.partial(generic, analysis=analysis))
+               functools.partial(generic, analysis=analysis, section=spec))
         run(ctx, sec)
     except ImportError as e:
         sec.note(f"This section needs a module that is not available in this install ({e}); it was left out.")

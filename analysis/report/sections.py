@@ -8,6 +8,7 @@ from analysis.chain.massive import criterion_text
 from analysis.chain.spike_writers import writer_summary
 from analysis.core.defaults import SPIKE_ABS
 from analysis.core.registry import Analysis, resolve
+from analysis.core.registry import Section as Declared
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError
 from analysis.model.nnsight_model import NnsightModel
@@ -42,7 +43,8 @@ def _sink(ctx, sec: Section) -> None:
 
 def _unskipped(result) -> list[str]:
     """A result's findings without its sentence on skipped layers (the section says it once, as a note)."""
-    return [f for f in result.findings() if not result.skipped or f != result.skipped]
+    skipped = getattr(result, "skipped", "")
+    return [f for f in result.findings() if not skipped or f != skipped]
 
 
 def _mechanism_tables(ctx, nat, sec: Section) -> None:
@@ -157,22 +159,6 @@ def _key_manifold(ctx, sec: Section) -> None:
         sec.say(km.by_spike_text(ctx.massive.first_token_dims))
     sec.figure(lambda: plot_key_pca(km), "keys of a sink head and of a non-sink head (first keys: red crosses)")
     sec.figure(lambda: plot_manifold_summary(km), "first-key statistics per layer")
-
-
-def _value_norms(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.figures.value_norms import plot_value_alpha, plot_value_norms
-
-    vn = ctx.profile.value_norms
-    sec.data = vn.to_dict()
-    sec.say(_unskipped(vn), headline=0)
-    if vn.skipped:
-        sec.note(f"Value norms are measured on the attention layers {vn.layers}. {vn.skipped}")
-    c = vn.correlation()
-    if c["pearson_r"] is None:
-        sec.note(f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')}).")
-    sec.figure(lambda: plot_value_norms(vn), "|v_1| and mean |v_j| per layer")
-    sec.figure(lambda: plot_value_alpha(vn), "|v_1| / |v_j| against alpha_1, per KV head")
 
 
 def _interventions(ctx, sec: Section) -> None:
@@ -380,9 +366,9 @@ def _dormant(ctx, sec: Section) -> None:
                "and with the loss effect")
 
 
-def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
-    """Lay out a registered pass analysis whose registration names no runner: its findings, its tables, its figure
-    (where it names one) and its ``to_dict()`` (by kind where it runs on every kind).
+def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None:
+    """Lay out a registered pass analysis whose section names no runner: its result through the protocol
+    (``show``), and its ``to_dict()`` (by kind where it runs on every kind).
 
     Parameters
     ----------
@@ -392,6 +378,8 @@ def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
         The section filled.
     analysis : analysis.core.registry.Analysis
         The analysis laid out.
+    section : analysis.core.registry.Section
+        Its declared section: the figures drawn and the tables shown.
 
     Returns
     -------
@@ -406,9 +394,36 @@ def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
     for kind, res in by_kind.items():
         if analysis.every_kind:
             sec.parts.append(f"<h3>{kind}</h3>")
-        sec.say(res.findings(), headline=0 if kind == ctx.profile.main else None)
-        for name, df in res.tables.items():
-            sec.parts.append(table_html(df))
-        if analysis.figure is not None:
-            sec.figure(lambda res=res: resolve(analysis.figure)(res), f"{analysis.name} ({kind})")
+        show(sec, res, section, headline=0 if kind == ctx.profile.main else None,
+             label=f" ({kind})" if analysis.every_kind else "")
     sec.data = {k: r.to_dict() for k, r in by_kind.items()} if analysis.every_kind else got.to_dict()
+
+
+def show(sec: Section, res, section: Declared, *, headline: int | None = 0, label: str = "") -> None:
+    """One result through the protocol: its findings, its ``caveats()`` as notes, the tables and the figures its
+    section declares.
+
+    Parameters
+    ----------
+    sec : Section
+        The section filled.
+    res : analysis.core.results.Result
+    section : analysis.core.registry.Section
+        The declaration: ``tables`` (None: every one) and ``figures`` (``(function, caption)``, drawn of ``res``).
+    headline : int or None
+        The finding that heads the section's link.
+    label : str
+        Added to each caption (the input kind).
+
+    Returns
+    -------
+    None
+    """
+    sec.say(_unskipped(res), headline=headline)
+    for note in res.caveats():
+        sec.note(note)
+    for name, df in res.tables.items():
+        if section.tables is None or name in section.tables:
+            sec.parts.append(table_html(df))
+    for ref, caption in section.figures:
+        sec.figure(lambda ref=ref: resolve(ref)(res), caption + label)
