@@ -51,9 +51,10 @@ class Result(abc.ABC):
 
     def caveats(self) -> list[str]:
         """What a reader must know beside the findings, how the numbers were measured (layers left out, a number
-        undefined here): the report shows them as notes. Default: ``skipped``, the layers left out, where set."""
+        undefined here): the report shows them as notes. Default: the sentence on the layers left out (``skipped``)
+        where the findings say it, which the report then moves out of them."""
         skipped = getattr(self, "skipped", "")
-        return [skipped] if isinstance(skipped, str) and skipped else []
+        return [skipped] if isinstance(skipped, str) and skipped and skipped in self.findings() else []
 
     def text(self) -> str:
         """The findings joined into one paragraph."""

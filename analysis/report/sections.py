@@ -147,20 +147,6 @@ def _norm_gain(ctx, sec: Section) -> None:
     sec.figure(lambda: plot_constancy(tr), "how constant the first token's vectors are across inputs")
 
 
-def _key_manifold(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.figures.key_manifold import plot_key_pca, plot_manifold_summary
-
-    km = ctx.profile.key_manifold
-    sec.data = km.to_dict()
-    sec.say(km.findings(), headline=0)  # the first keys: one vector, in their own subspace
-    if ctx.massive is not None:
-        sec.data["by_spike"] = km.by_spike(ctx.massive.first_token_dims)
-        sec.say(km.by_spike_text(ctx.massive.first_token_dims))
-    sec.figure(lambda: plot_key_pca(km), "keys of a sink head and of a non-sink head (first keys: red crosses)")
-    sec.figure(lambda: plot_manifold_summary(km), "first-key statistics per layer")
-
-
 def _interventions(ctx, sec: Section) -> None:
     # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures import interventions as figs
