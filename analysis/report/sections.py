@@ -1,6 +1,7 @@
-"""The report's sections: each runner lays out one registered analysis' result (``analysis.core.registry``: a
-registration names its runner here by dotted path, ``"analysis.report.sections:_sink"``), and ``generic`` lays out
-one that names none. The runners read the profile's results or call the analysis for its own pass; they compute no
+"""The report's sections: ``generic`` shows a registered analysis' result through the protocol (its findings, its
+caveats as notes, the tables and figures its section declares: ``analysis.core.registry.Section``); a runner here
+lays out a section that does more (a registration names it by dotted path, ``"analysis.report.sections:_sink"``): it
+calls its analysis for a pass of its own, reads several results, or adds the report's own text. They compute no
 number of their own."""
 from __future__ import annotations
 
@@ -354,7 +355,7 @@ def _dormant(ctx, sec: Section) -> None:
 
 def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None:
     """Lay out a registered pass analysis whose section names no runner: its result through the protocol
-    (``show``), and its ``to_dict()`` (by kind where it runs on every kind).
+    (``_show``), and its ``to_dict()`` (by kind where it runs on every kind).
 
     Parameters
     ----------
@@ -380,31 +381,14 @@ def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None
     for kind, res in by_kind.items():
         if analysis.every_kind:
             sec.parts.append(f"<h3>{kind}</h3>")
-        show(sec, res, section, headline=0 if kind == ctx.profile.main else None,
+        _show(sec, res, section, headline=0 if kind == ctx.profile.main else None,
              label=f" ({kind})" if analysis.every_kind else "")
     sec.data = {k: r.to_dict() for k, r in by_kind.items()} if analysis.every_kind else got.to_dict()
 
 
-def show(sec: Section, res, section: Declared, *, headline: int | None = 0, label: str = "") -> None:
-    """One result through the protocol: its findings, its ``caveats()`` as notes, the tables and the figures its
-    section declares.
-
-    Parameters
-    ----------
-    sec : Section
-        The section filled.
-    res : analysis.core.results.Result
-    section : analysis.core.registry.Section
-        The declaration: ``tables`` (None: every one) and ``figures`` (``(function, caption)``, drawn of ``res``).
-    headline : int or None
-        The finding that heads the section's link.
-    label : str
-        Added to each caption (the input kind).
-
-    Returns
-    -------
-    None
-    """
+def _show(sec: Section, res, section: Declared, *, headline: int | None = 0, label: str = "") -> None:
+    """One result through the protocol: its findings, its ``caveats()`` as notes, then the tables (``section.tables``,
+    None: all) and the figures (``section.figures``, each caption with ``label``) its section declares."""
     sec.say(_unskipped(res), headline=headline)
     for note in res.caveats():
         sec.note(note)
