@@ -355,4 +355,4 @@ register(Analysis(
     "dormant", result=DormantHeads, order=220,
     doc="What a sink does for its head (its own forward + backward pass: gradients the profile's pass cannot give).",
     sections=(Section("What a sink does for its head", "dormant", 90, needs=(), runner="analysis.report.sections:_dormant"),),
-    figure="analysis.figures.dormant_heads:plot_head_correlations", exports=("dormant_heads",)))
+    exports=("dormant_heads",)))

@@ -775,5 +775,4 @@ register(Analysis(
     # resid: later passes resume from the profile's residuals
     sections=(Section("Interventions", "cuts", 80, needs=("baseline", "massive", "resid"),
                       runner="analysis.report.sections:_interventions"),),
-    figure="analysis.figures.interventions:plot_spike_ablation",
     exports=("first_key_ablation", "spike_ablation", "value_ablation")))

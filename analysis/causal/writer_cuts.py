@@ -435,4 +435,4 @@ def _follow_up(inputs, prof) -> SpikeCuts | None:
 register(Analysis(
     "cuts", result=SpikeCuts, order=110, follows="origin", requires=("massive", "origin", "baseline"), run=_follow_up,
     doc="The spike, Sink_1 and the loss with the writer or eraser neurons cut (follow-up \"cuts\"; None without a spike).",
-    figure="analysis.figures.spike_writers:plot_spike_cuts", exports=("spike_cuts",)))
+    exports=("spike_cuts",)))

@@ -406,4 +406,4 @@ def _follow_up(inputs, prof) -> FirstTokenCause | None:
 register(Analysis(
     "cause", result=FirstTokenCause, order=100, follows="origin", requires=("massive", "origin", "baseline"),
     run=_follow_up, doc="Why the first token: what feeds the main writer neurons (follow-up \"cause\"; None without a spike).",
-    figure="analysis.figures.spike_writers:plot_first_token_cause", exports=("why_first_token",)))
+    exports=("why_first_token",)))

@@ -160,6 +160,9 @@ class KeyManifold(Result):
         The model measured and the input kind (the result protocol).
     skipped : str
         The layers left out (hybrids: linear-attention / Mamba layers), in words; "" when none.
+    first_token_dims : dict of int to list of int, optional
+        The first token's spike dims per layer where ``massive`` ran in the same pass (``analysis.profile``): the
+        findings and ``to_dict()`` then split the sink layers by whether they read the spike (``by_spike``).
     """
 
     table: pd.DataFrame
@@ -179,6 +182,7 @@ class KeyManifold(Result):
     model_name: str | None = None
     kind: str | None = None
     skipped: str = ""  # the layers left out (hybrids: linear-attention / Mamba layers), in words
+    first_token_dims: dict | None = None  # the spike dims of massive, run in the same pass
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -214,7 +218,12 @@ class KeyManifold(Result):
                        f"(90% of their variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
                        f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs "
                        f"{sk['resid_other']:.2f}).")
-        return out + skipped
+        return out + skipped + self._spike_findings()
+
+    def _spike_findings(self) -> list[str]:
+        """The sink layers that read the first token's spike against those before it, where the spike dims are known."""
+        said = self.by_spike_text(self.first_token_dims) if self.first_token_dims is not None else ""
+        return [said] if said else []
 
     def head_text(self, layer: int, kv_head: int) -> str:
         """One KV head's first keys in words."""
@@ -319,6 +328,7 @@ class KeyManifold(Result):
                 }
                 for (l, h), s in self.scatter.items()
             ],
+            **({} if self.first_token_dims is None else {"by_spike": self.by_spike(self.first_token_dims)}),
         })
 
 
@@ -740,6 +750,13 @@ def first_key_manifold(
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
+def _with_spike(km: KeyManifold, got: dict) -> KeyManifold:
+    """The pass's key manifold with the first token's spike dims of ``massive`` where it ran in the same pass."""
+    if got.get("massive"):
+        km.first_token_dims = got["massive"][0].first_token_dims
+    return km
+
+
 # The registration (analysis.core.registry): this module's one declaration.
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
@@ -747,6 +764,8 @@ from analysis.core.registry import Analysis, Section, register  # noqa: E402
 register(Analysis(
     "key_manifold", result=KeyManifold, order=40, hooks=("q", "k", "pattern"), doc="The first-key manifold on the main kind.",
     accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind)],
-    sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"),
-                      runner="analysis.report.sections:_key_manifold"),),
-    figure="analysis.figures.key_manifold:plot_key_pca", exports=("first_key_manifold",)))
+    finish=lambda outputs, p, got: _with_spike(outputs[0], got),
+    sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"), tables=(), figures=(
+        ("analysis.figures.key_manifold:plot_key_pca", "keys of a sink head and of a non-sink head (first keys: red crosses)"),
+        ("analysis.figures.key_manifold:plot_manifold_summary", "first-key statistics per layer"))),),
+    exports=("first_key_manifold",)))

@@ -687,4 +687,4 @@ register(Analysis(
     accumulators=lambda p: [massive_accumulator(p.model, p.tokens.shape, abs_threshold=p.spike[0],
                                                 ratio_threshold=p.spike[1], kind=p.kind)],
     sections=(Section("Massive activations", "spike", 30, runner="analysis.report.sections:_massive"),),
-    figure="analysis.figures.massive:plot_top_activations", exports=("massive_activations",)))
+    exports=("massive_activations",)))

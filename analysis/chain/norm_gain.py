@@ -809,4 +809,4 @@ register(Analysis(
     "norm_gain", result=NormGainTrace, order=200, doc="The norm-gain trace of one sink layer (its own pass).",
     sections=(Section("Norm gain: from the spike to the first key", "norm", 50, needs=("sink", "massive", "resid"),
                       runner="analysis.report.sections:_norm_gain"),),
-    figure="analysis.figures.norm_gain:plot_stage_shares", exports=("norm_gain_trace",)))
+    exports=("norm_gain_trace",)))

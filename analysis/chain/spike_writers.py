@@ -558,4 +558,4 @@ register(Analysis(
     sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
                       needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
                       runner="analysis.report.sections:_spike_writers"),),
-    figure="analysis.figures.spike_writers:plot_spike_path", exports=("spike_origin",)))
+    exports=("spike_origin",)))

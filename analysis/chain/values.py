@@ -193,6 +193,14 @@ class ValueNorms(Result):
                        f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
         return out + ([self.skipped] if self.skipped else [])
 
+    def caveats(self) -> list[str]:
+        """The layers measured where some were left out, and a correlation undefined here."""
+        out = [f"Value norms are measured on the attention layers {self.layers}. {self.skipped}"] if self.skipped else []
+        c = self.correlation()
+        if c["pearson_r"] is None:
+            out.append(f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')}).")
+        return out
+
     def ratio_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         """How small the first value is in sink KV heads against the others."""
         S = self.summary(min_alpha)
@@ -410,5 +418,7 @@ register(Analysis(
     # the attention analyses run on the attention layers (true indices)
     accumulators=lambda p: [ValueNormsAccumulator(p.model, list(model_facts(p.model).attention_layers),
                                                   p.tokens.shape[1], kind=p.kind)],
-    sections=(Section("Value norms", "value", 70, runner="analysis.report.sections:_value_norms"),),
-    figure="analysis.figures.value_norms:plot_value_norms", exports=("value_norms",)))
+    sections=(Section("Value norms", "value", 70, tables=(), figures=(
+        ("analysis.figures.value_norms:plot_value_norms", "|v_1| and mean |v_j| per layer"),
+        ("analysis.figures.value_norms:plot_value_alpha", "|v_1| / |v_j| against alpha_1, per KV head"))),),
+    exports=("value_norms",)))

@@ -2,9 +2,10 @@
 
 What is built from it: ``analysis.profile`` and ``Profile`` (one typed field per registered pass analysis, in
 ``order``), the report's sections and their order (``Section.order``), the package's public exports
-(``Analysis.exports``) and the protocol test's builders. The figures and the report sit above the analyses, so a
-declaration names its section runner and its figure by dotted path (``"analysis.report.sections:_sink"``), resolved
-only when the report runs (``resolve``). A test or a notebook adds an analysis for a while with ``registered(...)``.
+(``Analysis.exports``) and the protocol test's builders. A section shows its result through the protocol (its
+findings, its tables, the figures it declares: ``analysis.report.sections.generic``) and names a runner only where it
+does more. The figures and the report sit above the analyses, so a declaration names its figures and any runner by
+dotted path (``"analysis.figures.value_norms:plot_value_norms"``), resolved only when the report runs (``resolve``). A test or a notebook adds an analysis for a while with ``registered(...)``.
 
 The registry sits on the bottom floor and imports nothing of the package: the report's floor imports the modules
 that register (``analysis.report.one_pass.discover``); ``declared()`` reads the declarations from the source, so that
@@ -84,8 +85,15 @@ class Section:
     needs : tuple of str or None
         The pass analyses it reads (default: the analysis itself, where it runs in the pass).
     runner : str or callable or None
-        ``"module:function"`` or a function ``(ctx, sec)`` that lays the result out; None: the result's findings,
-        tables, figure and ``to_dict()`` (``analysis.report.sections.generic``).
+        ``"module:function"`` or a function ``(ctx, sec)`` for a section that does more than show its result (runs
+        its analysis outside the pass, reads several results, adds text); None: ``analysis.report.sections.generic``
+        shows the result's findings (its ``caveats()`` as notes), its tables, its figures and
+        its ``to_dict()``.
+    figures : tuple of (str or callable, str)
+        The figures ``generic`` draws of the result: ``("module:function", caption)``, the function taking the result
+        (a section with a runner draws its own).
+    tables : tuple of str or None
+        The result's tables ``generic`` shows, by name (None: every one; ``to_dict()`` holds them all).
     """
 
     title: str
@@ -94,6 +102,13 @@ class Section:
     key: str | None = None
     needs: tuple[str, ...] | None = None
     runner: str | Callable | None = None
+    figures: tuple[tuple[str | Callable, str], ...] = ()
+    tables: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.runner is not None and (self.figures or self.tables is not None):
+            raise ValueError(f"section {self.title!r} names a runner, which lays out its own figures and tables: "
+                             "declare figures= and tables= only on a section without one.")
 
 
 @dataclass(frozen=True)
@@ -134,9 +149,7 @@ class Analysis:
     order : int
         Its place in the profile pass and in ``Profile``'s fields (lower first).
     sections : tuple of Section
-        Its sections of the report.
-    figure : str or None
-        Its main figure, ``"module:function"`` taking the result.
+        Its sections of the report (each declares the figures it draws).
     exports : tuple of str
         The names ``analysis`` exports from its module.
     module : str
@@ -158,7 +171,6 @@ class Analysis:
     table: Callable | None = None
     order: int = 1000
     sections: tuple[Section, ...] = ()
-    figure: str | None = None
     exports: tuple[str, ...] = ()
     module: str = field(default="", compare=False)
 

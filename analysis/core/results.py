@@ -2,7 +2,8 @@
 
 Every result has ``kind`` (the input kind, e.g. "natural", or None), ``model_name``, ``n_samples`` (the
 number of sequences), ``tables`` (named DataFrames), ``findings()`` (the finding as a list of whole sentences, each
-built as one: the report lays them out one by one and never splits a text), ``text()`` (those sentences joined: what
+built as one: the report lays them out one by one and never splits a text), ``caveats()`` (how it was measured, shown as
+notes), ``text()`` (those sentences joined: what
 the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions in [0, 1] everywhere;
 ``_pct`` in a name marks a percentage. Heads named ``kv_head`` are key/value heads (GQA), ``head`` query heads.
 """
@@ -47,6 +48,13 @@ class Result(abc.ABC):
     @abc.abstractmethod
     def findings(self) -> list[str]:
         """The finding in words, as a list of whole sentences (each item one or more complete sentences)."""
+
+    def caveats(self) -> list[str]:
+        """What a reader must know beside the findings, how the numbers were measured (layers left out, a number
+        undefined here): the report shows them as notes. Default: the sentence on the layers left out (``skipped``)
+        where the findings say it, which the report then moves out of them."""
+        skipped = getattr(self, "skipped", "")
+        return [skipped] if isinstance(skipped, str) and skipped and skipped in self.findings() else []
 
     def text(self) -> str:
         """The findings joined into one paragraph."""

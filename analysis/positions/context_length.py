@@ -288,4 +288,4 @@ register(Analysis(
     "context", result=SinkContext, order=240, doc="The sink against context length and eps (passes of their own).",
     sections=(Section("Sink against context length and eps", "context", 110, needs=(),
                       runner="analysis.report.sections:_context"),),
-    figure="analysis.figures.positions:plot_sink_vs_context", exports=("SinkContext", "sink_vs_context")))
+    exports=("SinkContext", "sink_vs_context")))

@@ -760,4 +760,4 @@ from analysis.core.registry import Analysis, Section, register  # noqa: E402
 register(Analysis(
     "positions", result=SinkPositions, order=230, doc="Every sink position (its own pass: alpha of every key).",
     sections=(Section("Every sink", "every_sink", 100, needs=(), runner="analysis.report.sections:_positions"),),
-    figure="analysis.figures.positions:plot_sink_positions", exports=("SinkPositions", "sink_positions")))
+    exports=("SinkPositions", "sink_positions")))

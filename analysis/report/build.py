@@ -19,7 +19,8 @@ pass per kind feeds every analysis) and lays out what it found:
    seeds; the committed long-T points of the model where ``analysis/data/sink_context/`` has them);
 
 Each section is a registered analysis' (``analysis.core.registry``: its title, its link of the chain, what it reads
-from the profile pass, its runner in ``analysis.report.sections``), in the registered order; the HTML kit is
+from the profile pass, the figures ``analysis.report.sections.generic`` draws or the runner there of a section that
+does more), in the registered order; the HTML kit is
 ``analysis.report.html``. It writes ``report.html`` (figures as inline PNG, circuitsvis views with their JavaScript inline, no CDN, no
 network) and ``report.json`` into ``out_dir``, each atomically; other files in ``out_dir`` are left alone. The
 findings are the results' own ``findings()``, whole sentences as each result builds them (never split here),
@@ -336,7 +337,7 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
     t, before = time.perf_counter(), ctx.profile_seconds
     try:
         run = (registry.resolve(spec.runner) if spec.runner is not None else
-               functools.partial(generic, analysis=analysis))
+               functools.partial(generic, analysis=analysis, section=spec))
         run(ctx, sec)
     except ImportError as e:
         sec.note(f"This section needs a module that is not available in this install ({e}); it was left out.")

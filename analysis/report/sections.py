@@ -1,6 +1,7 @@
-"""The report's sections: each runner lays out one registered analysis' result (``analysis.core.registry``: a
-registration names its runner here by dotted path, ``"analysis.report.sections:_sink"``), and ``generic`` lays out
-one that names none. The runners read the profile's results or call the analysis for its own pass; they compute no
+"""The report's sections: ``generic`` shows a registered analysis' result through the protocol (its findings, its
+caveats as notes, the tables and figures its section declares: ``analysis.core.registry.Section``); a runner here
+lays out a section that does more (a registration names it by dotted path, ``"analysis.report.sections:_sink"``): it
+calls its analysis for a pass of its own, reads several results, or adds the report's own text. They compute no
 number of their own."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from analysis.chain.massive import criterion_text
 from analysis.chain.spike_writers import writer_summary
 from analysis.core.defaults import SPIKE_ABS
 from analysis.core.registry import Analysis, resolve
+from analysis.core.registry import Section as Declared
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError
 from analysis.model.nnsight_model import NnsightModel
@@ -42,7 +44,8 @@ def _sink(ctx, sec: Section) -> None:
 
 def _unskipped(result) -> list[str]:
     """A result's findings without its sentence on skipped layers (the section says it once, as a note)."""
-    return [f for f in result.findings() if not result.skipped or f != result.skipped]
+    skipped = getattr(result, "skipped", "")
+    return [f for f in result.findings() if not skipped or f != skipped]
 
 
 def _mechanism_tables(ctx, nat, sec: Section) -> None:
@@ -143,36 +146,6 @@ def _norm_gain(ctx, sec: Section) -> None:
         sec.figure(lambda: plot_gain_profile(tr), f"ln1 gain of layer {layer}, spike dims marked")
     sec.figure(lambda: plot_head_attribution(tr), f"alpha_1 per head of layer {layer}: full key, spike part only, spike removed")
     sec.figure(lambda: plot_constancy(tr), "how constant the first token's vectors are across inputs")
-
-
-def _key_manifold(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.figures.key_manifold import plot_key_pca, plot_manifold_summary
-
-    km = ctx.profile.key_manifold
-    sec.data = km.to_dict()
-    sec.say(km.findings(), headline=0)  # the first keys: one vector, in their own subspace
-    if ctx.massive is not None:
-        sec.data["by_spike"] = km.by_spike(ctx.massive.first_token_dims)
-        sec.say(km.by_spike_text(ctx.massive.first_token_dims))
-    sec.figure(lambda: plot_key_pca(km), "keys of a sink head and of a non-sink head (first keys: red crosses)")
-    sec.figure(lambda: plot_manifold_summary(km), "first-key statistics per layer")
-
-
-def _value_norms(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
-    from analysis.figures.value_norms import plot_value_alpha, plot_value_norms
-
-    vn = ctx.profile.value_norms
-    sec.data = vn.to_dict()
-    sec.say(_unskipped(vn), headline=0)
-    if vn.skipped:
-        sec.note(f"Value norms are measured on the attention layers {vn.layers}. {vn.skipped}")
-    c = vn.correlation()
-    if c["pearson_r"] is None:
-        sec.note(f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')}).")
-    sec.figure(lambda: plot_value_norms(vn), "|v_1| and mean |v_j| per layer")
-    sec.figure(lambda: plot_value_alpha(vn), "|v_1| / |v_j| against alpha_1, per KV head")
 
 
 def _interventions(ctx, sec: Section) -> None:
@@ -380,9 +353,9 @@ def _dormant(ctx, sec: Section) -> None:
                "and with the loss effect")
 
 
-def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
-    """Lay out a registered pass analysis whose registration names no runner: its findings, its tables, its figure
-    (where it names one) and its ``to_dict()`` (by kind where it runs on every kind).
+def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None:
+    """Lay out a registered pass analysis whose section names no runner: its result through the protocol
+    (``_show``), and its ``to_dict()`` (by kind where it runs on every kind).
 
     Parameters
     ----------
@@ -392,6 +365,8 @@ def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
         The section filled.
     analysis : analysis.core.registry.Analysis
         The analysis laid out.
+    section : analysis.core.registry.Section
+        Its declared section: the figures drawn and the tables shown.
 
     Returns
     -------
@@ -406,9 +381,19 @@ def generic(ctx, sec: Section, *, analysis: Analysis) -> None:
     for kind, res in by_kind.items():
         if analysis.every_kind:
             sec.parts.append(f"<h3>{kind}</h3>")
-        sec.say(res.findings(), headline=0 if kind == ctx.profile.main else None)
-        for name, df in res.tables.items():
-            sec.parts.append(table_html(df))
-        if analysis.figure is not None:
-            sec.figure(lambda res=res: resolve(analysis.figure)(res), f"{analysis.name} ({kind})")
+        _show(sec, res, section, headline=0 if kind == ctx.profile.main else None,
+             label=f" ({kind})" if analysis.every_kind else "")
     sec.data = {k: r.to_dict() for k, r in by_kind.items()} if analysis.every_kind else got.to_dict()
+
+
+def _show(sec: Section, res, section: Declared, *, headline: int | None = 0, label: str = "") -> None:
+    """One result through the protocol: its findings, its ``caveats()`` as notes, then the tables (``section.tables``,
+    None: all) and the figures (``section.figures``, each caption with ``label``) its section declares."""
+    sec.say(_unskipped(res), headline=headline)
+    for note in res.caveats():
+        sec.note(note)
+    for name, df in res.tables.items():
+        if section.tables is None or name in section.tables:
+            sec.parts.append(table_html(df))
+    for ref, caption in section.figures:
+        sec.figure(lambda ref=ref: resolve(ref)(res), caption + label)

@@ -496,4 +496,4 @@ register(Analysis(
     sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
               Section("Attention views (circuitsvis, offline)", "attention", 20, key="views", needs=("sink",),
                       runner="analysis.report.sections:_views")),
-    figure="analysis.figures.sink:plot_sink_rates", exports=("SinkResult", "sink_metric", "sink_table")))
+    exports=("SinkResult", "sink_metric", "sink_table")))
