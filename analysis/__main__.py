@@ -69,8 +69,8 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     placement : Placement, optional
         A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
     backend : {"auto", "transformers", "transformer_lens", "nnsight"}
-        What runs the passes (``analysis.engine.backends``); "nnsight": the table from nnsight traces
-        (``analysis.chain.nnsight_tables``), on NDIF with ``remote``.
+        What runs the passes (``analysis.engine.backends``); "nnsight" with ``remote``: the table from nnsight traces
+        on NDIF (``analysis.chain.nnsight_tables``).
     remote : bool
 
     Returns
@@ -86,7 +86,7 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     from analysis.report.one_pass import profile
     from analysis.sinks.metric import check_eps
 
-    if backend == "nnsight":
+    if remote:
         from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
 
         return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote,
@@ -206,7 +206,7 @@ def cmd_sinks(args) -> int:
     path, text = _sinks_text(args)
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    nnsight = args.backend == "nnsight"
+    nnsight = bool(args.remote)  # on NDIF: nnsight's own traces (analysis.positions.nnsight_positions)
     model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
                        remote=args.remote, **_placement_kwargs(placement_from_args(args)))
     if getattr(model, "tokenizer", None) is None:

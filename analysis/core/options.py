@@ -8,7 +8,7 @@ meaning in every command that takes it, and ``--help`` shows its default (``Help
   ``seed_options``, ``quant`` its window length from ``length_options``);
 - ``sink_options``: ``--eps --bos`` (every command that measures the sink);
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
-- ``backend_options``: ``--backend --remote`` (``sink``: the table through nnsight, here or on NDIF).
+- ``backend_options``: ``--backend --remote`` (what runs the passes; on NDIF through nnsight).
 
 ``VOCABULARY`` holds the help of every option more than one command takes (``train`` and ``sweep`` included, whose
 config fields take these names: ``TRAIN_FIELD_FLAGS``). ``tests/test_cli_vocabulary.py`` holds every command's options
@@ -57,8 +57,10 @@ VOCABULARY = {
     "--preset": "a named starting configuration (sinklens train --list)",
     "--backend": "what runs the passes: 'auto' (the Hugging Face model in its own attention, no T x T map, wherever it "
                  "gives what a pass reads; else the bridge), 'transformers', 'transformer_lens' (the bridge's hook "
-                 "points) or 'nnsight' (the 'remote' extra; docs/remote.md); the JSON records which ran and why",
-    "--remote": "with --backend nnsight: run the traces on NDIF (needs NDIF_API_KEY; docs/remote.md)",
+                 "points) or 'nnsight' (the same reads inside nnsight traces; the 'remote' extra; docs/remote.md); the "
+                 "JSON records which ran and why",
+    "--remote": "with --backend nnsight: run the traces on NDIF, for the sink and massive tables (needs NDIF_API_KEY; "
+                "docs/remote.md)",
     "--json": None,
     "--out": None,
 }

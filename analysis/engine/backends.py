@@ -7,10 +7,13 @@
   gives q and k after the rotary and any q/k norm, v, the head outputs z, and ``hook_pattern`` as
   ``AttentionWeights`` (q, k and each row's log-sum-exp from the fused kernel: no T x T map). Interventions on the
   residual stream, v and z are applied where the activation is made;
+- ``nnsight``: the same reads and edits inside one nnsight trace per batch (:class:`NnsightTaps`): each module's
+  ``.input`` / ``.output`` envoy, and the attention function's call read through ``.source`` (q, k, v, mask, scale in,
+  z out; ``hook_pattern`` as ``AttentionWeights`` with the rows' log-sum-exp taken from q and k). Here it runs the
+  whole report; on NDIF (``remote=True``) the traces of ``analysis.engine.nnsight_pass`` serve the sink and massive
+  tables (docs/remote.md);
 - ``auto``: ``transformers`` where it gives every hook and edit the pass asks for on this model, the bridge
   elsewhere. :func:`choose_backend` says which and why; the results record it.
-
-The nnsight backend runs its own traces (``analysis.engine.nnsight_pass``) and is chosen by the loader.
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from typing import Iterable, Sequence
 import torch
 
 from analysis.model.access import attention_layer_index, register_attention, unwrap_component
-from analysis.model.causal import unbridged  # noqa: F401 (its home is the model floor; named here too)
+from analysis.model.causal import unbridged  # its home is the model floor
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
+from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import _refuse_extras, fused_attention, sink_kernel, state_fallback, unsupported_reason
+from analysis.engine.kernels import (_refuse_extras, chunked_lse, fused_attention, sink_kernel, state_fallback,
+                                     unsupported_reason)
 
 PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
@@ -191,11 +196,12 @@ def choose_backend(model: SinkModel, *, backend: str | None = None, names: Itera
     tuple of (str, str)
         The backend, and why (a sentence). BackendUnsupported where "transformers" was asked for and cannot run.
     """
+    own = backend is None
     backend = check_backend(getattr(model, "pass_backend", "transformer_lens") if backend is None else backend)
-    if backend == "nnsight":
-        raise ValueError("the nnsight backend runs through load_model(..., backend='nnsight'), not a pass option.")
     if backend == "transformer_lens":
         return backend, "asked for"
+    if backend == "nnsight":
+        return _choose_nnsight(model, names, edits, own)
     reason = model_reason(model) or hooks_reason(model, names, edits=edits) or (
         "a pass resumed at a block runs on the bridge" if resume else None)
     if reason is None:
@@ -205,6 +211,18 @@ def choose_backend(model: SinkModel, *, backend: str | None = None, names: Itera
         raise BackendUnsupported(f"the transformers backend cannot run this pass: {reason}. Use backend='auto' or "
                                  "'transformer_lens'.")
     return "transformer_lens", f"auto: {reason}"
+
+
+def _choose_nnsight(model: SinkModel, names, edits, own: bool) -> tuple[str, str]:
+    """``choose_backend`` for "nnsight": it, where it gives every hook and edit (resumed passes included); else the
+    bridge, stated, when the model's own backend is nnsight (``load_model(..., backend="nnsight")``: every section of
+    the report runs), and BackendUnsupported when the call asked for nnsight."""
+    reason = model_reason(model) or hooks_reason(model, names, edits=edits)
+    if reason is None:
+        return "nnsight", "asked for" if not own else "the model's backend: nnsight gives every hook this pass reads"
+    if not own:
+        raise BackendUnsupported(f"the nnsight backend cannot run this pass: {reason}. Use backend='transformer_lens'.")
+    return "transformer_lens", f"nnsight: {reason}"
 
 
 class Taps:
@@ -311,6 +329,131 @@ class Taps:
         if "hook_z" in sites:
             out = self._give(at + "hook_z", out)
         return out.contiguous()
+
+
+class NnsightTaps(Taps):
+    """The reads and edits of :class:`Taps`, made inside one nnsight trace per batch: the same sites by their
+    envoys (``.input`` / ``.output``), the attention function's call by ``.source`` (q, k, v, mask and scale in, z
+    out), visited in the order the forward reaches them (nnsight refuses a site the model has run past), which one
+    short forward with plain hooks records first. ``hook_pattern`` is ``AttentionWeights`` of q, k and the rows'
+    log-sum-exp (``kernels.chunked_lse``): no T x T map. A resumed pass sets the residual entering its first block.
+
+    Parameters
+    ----------
+    model, wanted, edits, fire
+        As :class:`Taps`.
+    resume_layer : int, optional
+        The block whose input a resumed pass sets.
+    """
+
+    def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire, *,
+                 resume_layer: int | None = None):
+        super().__init__(model, wanted, edits, fire)
+        self.family = get_family(model).family
+        self.attn_modules = {l: unwrap_component(model.get_submodule(f"blocks.{l}.attn")) for l in self.attn}
+        self.resume_site = None
+        if resume_layer is not None:
+            module, which = module_site(model, f"blocks.{resume_layer}.hook_resid_pre")
+            self.resume_site = (id(module), which, module)
+        with unbridged(self.hf) as hf:
+            self.paths = {id(m): n for n, m in hf.named_modules()}
+            self.events = self._order(hf)
+
+    def _order(self, hf) -> list[tuple]:
+        """The sites, attention calls and resume point in the order a forward reaches them."""
+        seen: list[tuple] = []
+        handles = []
+        wanted = {id(m): m for m, _ in self.sites.values()} | {id(m): m for m in self.attn_modules.values()}
+        if self.resume_site is not None:
+            wanted[self.resume_site[0]] = self.resume_site[2]
+        for key, module in wanted.items():
+            handles.append(module.register_forward_pre_hook(lambda m, a, key=key: seen.append((key, "in"))))
+            handles.append(module.register_forward_hook(lambda m, a, o, key=key: seen.append((key, "out"))))
+        try:
+            with torch.inference_mode(), attention_implementation(hf, "sdpa"):
+                hf(input_ids=torch.zeros(1, 2, dtype=torch.long, device=hf.device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        calls = {id(m): l for l, m in self.attn_modules.items()}
+        events = []
+        for key, which in dict.fromkeys(seen):  # first time each is reached
+            if self.resume_site is not None and (key, which) == self.resume_site[:2]:
+                events.append(("resume",))
+            if (key, which) in self.sites:
+                events.append(("site", key, which))
+            if which == "in" and key in calls:
+                events.append(("attn", calls[key]))
+        return events
+
+    def _envoy(self, lm, key: int):
+        envoy = lm
+        for part in self.paths[key].split("."):
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        return envoy
+
+    def run(self, tokens: torch.Tensor, *, needs_logits: bool, resume_rows: torch.Tensor | None = None):
+        """One batch in one trace: every event visited in order; the logits, or None (the trace stops after the
+        last event)."""
+        from nnsight import NNsight  # optional: the "remote" extra
+
+        box: dict = {}
+        with unbridged(self.hf) as hf, attention_implementation(hf, "sdpa"):
+            lm = NNsight(hf)
+            with lm.trace(input_ids=tokens, use_cache=False) as tracer:
+                for event in self.events:
+                    self._visit(lm, event, resume_rows)
+                if needs_logits:
+                    box["logits"] = lm.output.logits
+                else:
+                    tracer.stop()
+        return box.get("logits")
+
+    def _visit(self, lm, event: tuple, resume_rows) -> None:
+        if event[0] == "attn":
+            return self._attention_call(lm, event[1])
+        if event[0] == "resume":
+            self._envoy(lm, self.resume_site[0]).input = resume_rows
+            return None
+        _, key, which = event
+        envoy, names = self._envoy(lm, key), self.sites[(key, which)][1]
+        out = envoy.input if which == "in" else envoy.output
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        y = x
+        for name in names:
+            y = self._give(name, y)
+        if y is not x:
+            new = (y, *out[1:]) if isinstance(out, (tuple, list)) else y
+            if which == "in":
+                envoy.input = new
+            else:
+                envoy.output = new
+        return None
+
+    def _attention_call(self, lm, layer: int) -> None:
+        """One layer's attention call: the reads and edits of :meth:`Taps.attention` on the model's own attention."""
+        src = self._envoy(lm, id(self.attn_modules[layer])).source
+        call = getattr(src, call_name(src.names, self.family))
+        args, kwargs = call.inputs
+        module, query, key, value, mask = args[:5]
+        _refuse_extras(module, mask, kwargs.get("is_causal"), kwargs)
+        sites, at = self.attn[layer], f"blocks.{layer}.attn."
+        for site, x in (("hook_rot_q", query), ("hook_q", query), ("hook_rot_k", key), ("hook_k", key)):
+            if site in sites:
+                self._give(at + site, x.transpose(1, 2))
+        if "hook_v" in sites:
+            v = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
+            if v is not value:
+                call.inputs = ((module, query, key, v, mask, *args[5:]), kwargs)
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        if "hook_pattern" in sites:
+            lse = chunked_lse(query, key, scale, mask)
+            self._give(at + "hook_pattern", AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask))
+        if "hook_z" in sites:
+            out = call.output
+            z = self._give(at + "hook_z", out[0])
+            if z is not out[0]:
+                call.output = (z, *out[1:])
 
 
 class _Named:

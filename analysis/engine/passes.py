@@ -10,7 +10,9 @@ the plain form for one-off hooks. The hook names and the model's dimensions come
 from __future__ import annotations
 
 import abc
-from contextlib import nullcontext
+import contextvars
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -19,7 +21,7 @@ import torch
 from analysis.model.access import can_skip_blocks, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.backends import Taps, choose_backend, run_hf_batch
+from analysis.engine.backends import NnsightTaps, Taps, _Named, choose_backend, run_hf_batch
 from analysis.model.families import RESUMABLE, get_family
 from analysis.model.hooks import (
     ModelContractError,
@@ -433,6 +435,25 @@ def _batches(model, tokens, batch_size, progress) -> Iterator[Batch]:
         yield Batch(tokens[start : start + bs].to(device), start)
 
 
+_PASS_LOG: contextvars.ContextVar = contextvars.ContextVar("analysis_pass_log", default=None)
+
+
+@contextmanager
+def pass_log() -> Iterator[Counter]:
+    """Count the passes run within the block by ``"backend: why"`` (what a report records of each section).
+
+    Yields
+    ------
+    collections.Counter
+    """
+    log: Counter = Counter()
+    token = _PASS_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _PASS_LOG.reset(token)
+
+
 def run_pass(
     model: SinkModel,
     tokens: torch.Tensor,
@@ -488,10 +509,15 @@ def run_pass(
                                  edits=[n for n, _ in fwd_hooks], resume=resume is not None)
     if record is not None:
         record.update(backend=chosen, why=why)
+    if _PASS_LOG.get() is not None:
+        _PASS_LOG.get()[f"{chosen}: {why}"] += 1
     if chosen == "transformers":
         kernels = _run_hf(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start)
         if record is not None:
             record["kernels"] = kernels
+        return [acc.result() for acc in accumulators]
+    if chosen == "nnsight":
+        _run_nnsight(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume)
         return [acc.result() for acc in accumulators]
     entry = _entry_hooks(fwd_hooks, resume)
     hooks = [h for h in fwd_hooks if h not in entry] + joint.fwd_hooks()
@@ -526,6 +552,37 @@ def _run_hf(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_
             for acc in accumulators:
                 acc.end_batch(batch, logits)
     return dict(taps.kernels)
+
+
+def _run_nnsight(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start,
+                 resume: Resume | None) -> None:
+    """The pass on the nnsight backend: one trace per batch with ``NnsightTaps`` feeding the joint reducer (a resumed
+    pass sets the residual entering its first block, after the entry hooks)."""
+    entry = _entry_hooks(fwd_hooks, resume)
+    if resume is not None:
+        _check_resume(model, tokens, resume, [n for names in joint.by_layer.values() for n in names])
+    taps = NnsightTaps(model, joint.by_layer, [h for h in fwd_hooks if h not in entry], joint.fired,
+                       resume_layer=None if resume is None else resume.layer)
+    needs_logits = any(a.needs_logits for a in accumulators)
+    with torch.inference_mode():
+        for batch in _batches(model, tokens, batch_size, progress):
+            joint.start(batch)
+            if on_batch_start is not None:
+                on_batch_start(batch)
+            rows = None
+            if resume is not None:
+                rows = resume.rows(batch.offset, batch.size).to(batch.tokens.device)
+                for name, fn in entry:
+                    out = fn(rows, _Named(name))
+                    rows = rows if out is None else out
+            logits = None
+            try:
+                logits = taps.run(batch.tokens, needs_logits=needs_logits, resume_rows=rows)
+            except _Stop:
+                pass
+            joint.check_fired()
+            for acc in accumulators:
+                acc.end_batch(batch, logits)
 
 
 def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:

@@ -452,10 +452,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         What the model's passes run on (``model.pass_backend``, ``analysis.engine.backends``): "transformer_lens"
         the bridge's hook points (TransformerLens' tools work on the model as usual); "transformers" the Hugging
         Face model in its own attention, no T x T map; "auto" the latter wherever it gives what a pass reads.
-        "nnsight": the model in nnsight's ``LanguageModel`` (:class:`analysis.model.nnsight_model.NnsightModel`,
-        for the sink and massive tables of ``analysis.chain.nnsight_tables``; needs the "remote" extra).
+        "nnsight": the same reads and edits inside nnsight traces (every analysis; the bridge where a pass asks for
+        what nnsight cannot give, stated; needs the "remote" extra).
     remote : bool
-        With ``backend="nnsight"``: the traces run on NDIF, a hub id's weights stay there (docs/remote.md).
+        With ``backend="nnsight"``: the model in nnsight's ``LanguageModel`` on NDIF
+        (:class:`analysis.model.nnsight_model.NnsightModel`, a hub id's weights stay there), for the sink and massive
+        tables of ``analysis.chain.nnsight_tables`` (docs/remote.md).
 
     Returns
     -------
@@ -474,8 +476,13 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     device = resolve_device(device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
-    if backend == "nnsight" or remote:
+    if remote:
         return _load_other_backend(name, backend, device=device, dtype=dtype, remote=remote, split=placement.split)
+    if backend == "nnsight":
+        if placement.split:
+            raise ValueError("the nnsight backend runs on one device (NDIF places remote models itself); drop the "
+                             "device map, or use --backend auto.")
+        _check_nnsight()
     model = _load_local(name, device=device, dtype=dtype, placement=placement)
     model.pass_backend = backend  # what its passes run on (analysis.engine.backends), unless a call says otherwise
     return model
@@ -507,8 +514,36 @@ def _load_local(name: str, *, device, dtype, placement):
     return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype, placement=placement)
 
 
+def _check_nnsight() -> None:
+    """nnsight importable, or a clear error saying how to get it (before any loading)."""
+    try:
+        import nnsight  # noqa: F401 (optional: the "remote" extra)
+    except ImportError:
+        raise ImportError("backend='nnsight' needs nnsight: pip install -e '.[remote]'") from None
+
+
+def load_nnsight(name: str, *, device: str | None = None, dtype=None, remote: bool = False):
+    """A model in nnsight's ``LanguageModel`` for the sink and massive tables of ``analysis.chain.nnsight_tables``:
+    the traces ``load_model(name, backend="nnsight", remote=True)`` sends to NDIF, run here when ``remote`` is False
+    (how the tests check them against the bridge).
+
+    Parameters
+    ----------
+    name : str
+        The embedded model, a local Hugging Face folder or .gguf file; or a hub id with ``remote``.
+    device, dtype
+        As in :func:`load_model`.
+    remote : bool
+
+    Returns
+    -------
+    analysis.model.nnsight_model.NnsightModel
+    """
+    return _load_other_backend(name, "nnsight", device=resolve_device(device), dtype=dtype, remote=remote, split=False)
+
+
 def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: bool, split: bool):
-    """``load_model`` for ``backend="nnsight"`` (checked: the backend's name, no device map, remote only there)."""
+    """``load_model`` for ``remote=True`` and :func:`load_nnsight` (checked: the backend's name, no device map)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
     if backend != "nnsight":

@@ -49,6 +49,7 @@ from analysis.model.hooks import check_length, model_dims
 from analysis.model.placement import placement_record
 from analysis.core.io import check_output, write_atomic, write_json, write_or_spare
 from analysis.core.memory import frozen_heap
+from analysis.engine.passes import pass_log
 from analysis.sinks.metric import check_eps
 from analysis.report.one_pass import profile
 from analysis.report.sections import generic
@@ -105,6 +106,7 @@ class _Context:
         self.keys = keys
         self._profile = None
         self.profile_seconds = 0.0  # the profile passes' time, counted apart from the section that first asked
+        self.passes: dict[str, dict[str, int]] = {}  # section -> its passes by "backend: why" (report.json config)
 
     @property
     def profile(self):
@@ -338,7 +340,9 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
     try:
         run = (registry.resolve(spec.runner) if spec.runner is not None else
                functools.partial(generic, analysis=analysis, section=spec))
-        run(ctx, sec)
+        with pass_log() as passes:
+            run(ctx, sec)
+        ctx.passes[key] = dict(passes)
     except ImportError as e:
         sec.note(f"This section needs a module that is not available in this install ({e}); it was left out.")
         sec.data = {"available": False, "reason": str(e)}
@@ -362,6 +366,8 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
                    # the profile pass of each probe kind: which backend ran it, and why (analysis.engine.backends)
                    "backend": getattr(ctx._profile, "backend", None) or {"pass": getattr(ctx.model, "pass_backend",
                                                                                           "nnsight")},
+                   # every pass by section, "backend: why" -> how many (the profile passes in the first section to ask)
+                   "passes": ctx.passes,
                    "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
                                 "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
                    "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "

@@ -394,6 +394,7 @@ def sink_metric(
 
 
 PATH_BACKENDS = {"auto": "auto", "fused": "transformers", "eager": "transformer_lens"}  # sink_metric's path
+RAN_PATH = {"transformers": "fused", "transformer_lens": "eager", "nnsight": "nnsight"}  # the backend that ran -> path
 
 
 def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list,
@@ -414,7 +415,8 @@ def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Seque
     path : {"auto", "fused", "eager"}
         The backend (``analysis.engine.backends``): "fused" the transformers backend (alpha from q, k and the fused
         kernel's log-sum-exp), "eager" the bridge's ``hook_pattern``, "auto" the former where it gives what the pass
-        reads on this model.
+        reads on this model (on a model loaded with ``backend="nnsight"``: nnsight's traces, ``meta["path"]``
+        "nnsight").
 
     Returns
     -------
@@ -427,13 +429,14 @@ def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Seque
     accs = list(make_accumulators())
     sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
     record: dict = {}
+    own = path == "auto" and getattr(model, "pass_backend", None) == "nnsight"  # load_model(..., backend="nnsight")
     res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress,
-                          backend=PATH_BACKENDS[path], record=record)
+                          backend=None if own else PATH_BACKENDS[path], record=record)
     fused = record["backend"] == "transformers"
-    res.meta.update({"path": "fused" if fused else "eager", "backend": record["backend"], "why": record["why"],
+    res.meta.update({"path": RAN_PATH[record["backend"]], "backend": record["backend"], "why": record["why"],
                      **({"kernels": record["kernels"]} if record.get("kernels") else {}),
-                     **({"fused_unsupported": record["why"].removeprefix("auto: ")} if not fused and path == "auto"
-                        else {}), "bos": bos_record(model, tokens)})
+                     **({"fused_unsupported": record["why"].removeprefix("auto: ")}
+                        if not fused and path == "auto" and not own else {}), "bos": bos_record(model, tokens)})
     return res, rest
 
 

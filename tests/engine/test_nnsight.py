@@ -1,6 +1,9 @@
-"""The nnsight backend (``load_model(name, backend="nnsight")``): the bridge's per-head alpha and massive table to 1e-6 on
-the tiny families, the SmolLM2 probes through it, the trace's code within NDIF's import whitelist, the same trace
-through nnsight's local simulation of a remote run, and the request plan of Llama-3.1-405B under NDIF's size limit."""
+"""nnsight: the traces sent to NDIF (``load_model(name, backend="nnsight", remote=True)``, run here through
+``load_nnsight``) give the bridge's per-head alpha and massive table to 1e-6 on the tiny families, the SmolLM2 probes
+through them, the trace's code within NDIF's import whitelist, the same trace through nnsight's local simulation of a
+remote run, the request plan of Llama-3.1-405B under NDIF's size limit; and the commands through the nnsight backend
+(``--backend nnsight`` here: every pass's reads and edits inside nnsight traces) print the bridge's numbers, the
+whole report included."""
 from __future__ import annotations
 
 import ast
@@ -16,6 +19,7 @@ import torch
 pytest.importorskip("nnsight")
 
 from analysis import load_model  # noqa: E402
+from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.chain.massive import massive_activations  # noqa: E402
 from analysis.chain.nnsight_tables import nnsight_sink_metric, nnsight_tables  # noqa: E402
 from analysis.core import reductions  # noqa: E402
@@ -42,7 +46,7 @@ def nn_family(family_dir):
 
     def get(family):
         if family not in cache:
-            cache[family] = load_model(str(family_dir(family)), backend="nnsight")
+            cache[family] = load_nnsight(str(family_dir(family)))
         return cache[family]
 
     return get
@@ -86,7 +90,7 @@ def test_nnsight_gives_the_bridges_sink_positions(family, family_bridge, nn_fami
 
 def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
     with pytest.raises(NnsightUnsupported, match="learned sink logits"):
-        load_model(str(family_dir("gpt_oss")), backend="nnsight")
+        load_nnsight(str(family_dir("gpt_oss")))
     with pytest.raises(ValueError, match="backend='nnsight'"):
         load_model("smollm2-135m", remote=True)
 
@@ -95,7 +99,7 @@ def test_a_folder_that_is_not_a_model_is_refused_in_one_line(tmp_path):
     from analysis.model.loading import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match="no config.json"):  # not transformers' tokenizer traceback
-        load_model(str(tmp_path), backend="nnsight")
+        load_nnsight(str(tmp_path))
 
 
 def test_remote_needs_a_hosted_hub_id_and_a_key_before_any_request(monkeypatch, no_network):
@@ -112,7 +116,7 @@ def test_remote_needs_a_hosted_hub_id_and_a_key_before_any_request(monkeypatch, 
 def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
     from analysis.model.probes import model_probe_sets
 
-    nn = load_model("smollm2-135m", backend="nnsight")
+    nn = load_nnsight("smollm2-135m")
     probes = model_probe_sets(nn, n=2, T=16)
     assert torch.equal(probes["natural"].tokens, model_probe_sets(smollm2, n=2, T=16)["natural"].tokens)
     for kind in ("natural", "random"):
@@ -172,7 +176,7 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
 
     import analysis.engine.nnsight_pass as nnsight_pass
 
-    nn, tokens = load_model(str(family_dir("llama")), backend="nnsight"), _tokens()
+    nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens()
     layers = list(nn.spec.attention_layers)
     here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True)
     restore = _as_if_pip_installed(monkeypatch)
@@ -198,7 +202,7 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
 
 
 def test_request_bytes_bound_what_a_trace_saves(family_dir):
-    nn, tokens = load_model(str(family_dir("qwen3")), backend="nnsight"), _tokens(n=4)
+    nn, tokens = load_nnsight(str(family_dir("qwen3"))), _tokens(n=4)
     layers = list(nn.spec.attention_layers)
     alphas, resid = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
     saved = stats_bytes(alphas) + stats_bytes(resid)
@@ -297,7 +301,9 @@ def _same(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-def test_the_report_through_nnsight_has_the_bridges_sink_and_massive_numbers(family_bridge, family_dir, tmp_path):
+def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_bridge, family_dir, tmp_path):
+    """``report --backend nnsight``: every section, every pass inside nnsight traces, no section a note; the sink and
+    massive numbers are the bridge's (SmolLM2's whole report.json: tests/report/test_backends_equal.py)."""
     import json
 
     from analysis.__main__ import main
@@ -305,10 +311,12 @@ def test_the_report_through_nnsight_has_the_bridges_sink_and_massive_numbers(fam
 
     build_report(family_bridge("llama"), tmp_path / "b", sections=list(NNSIGHT_SECTIONS), n=2, T=24, eps=0.1)
     assert main(["report", "--model", str(family_dir("llama")), "--backend", "nnsight", "--n", "2", "--T", "24",
-                 "--eps", "0.1", "--out", str(tmp_path / "n"), "--quiet"]) == 0  # every section: the others are notes
+                 "--eps", "0.1", "--out", str(tmp_path / "n"), "--quiet"]) == 0
     want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
-    others = [k for k in SECTIONS if k not in NNSIGHT_SECTIONS]
-    assert not got["errors"] and all("not available through nnsight" in got["notes"][k][0].lower() for k in others)
+    assert not got["errors"] and set(got["sections"]) == set(SECTIONS)
+    assert not any("not available" in note.lower() for notes in got["notes"].values() for note in notes)
+    ran = {k.partition(":")[0] for by in got["config"]["passes"].values() for k in by}
+    assert ran == {"nnsight"}, got["config"]["passes"]
     assert want["sections"]["sink"]["sink_1_pct"]["natural"] > 0
     assert not _same(got["sections"]["sink"], want["sections"]["sink"])
     # the tiny word tokenizer reads the natural probes as mostly '<unk>': equal top values at several positions, whose

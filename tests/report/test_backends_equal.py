@@ -63,17 +63,52 @@ def _probes(seed: int = 0, n: int = 3, T: int = 16) -> dict:
     return {"natural": torch.randint(3, 96, (n, T), generator=g), "random": torch.randint(3, 96, (n, T), generator=g)}
 
 
+@pytest.fixture(scope="module")
+def bridge_profile(family_bridge):
+    """The bridge's profile of a family (each computed once, for every backend compared with it)."""
+    cache: dict = {}
+
+    def get(family):
+        if family not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[family] = profile(family_bridge(family), _probes(), analyses=ANALYSES, backend="transformer_lens")
+            assert cache[family].backend["natural"] == {"backend": "transformer_lens", "why": "asked for"}
+        return cache[family].to_dict()
+
+    return get
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_profile_is_the_same_on_every_backend(family, family_bridge):
-    model = family_bridge(family)
+def test_profile_is_the_same_on_every_backend(family, family_bridge, bridge_profile):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bridge = profile(model, _probes(), analyses=ANALYSES, backend="transformer_lens")
-        auto = profile(model, _probes(), analyses=ANALYSES, backend="auto")
+        auto = profile(family_bridge(family), _probes(), analyses=ANALYSES, backend="auto")
     ran = auto.backend["natural"]
-    assert bridge.backend["natural"] == {"backend": "transformer_lens", "why": "asked for"}
     assert ran["backend"] in ("transformers", "transformer_lens") and ran["why"].startswith("auto: ")
-    assert differences(bridge.to_dict(), auto.to_dict()) == []
+    assert differences(bridge_profile(family), auto.to_dict()) == []
+
+
+NNSIGHT_RUNS = ("llama", "qwen2", "gemma3", "gpt2", "phi", "olmo2", "jamba", "qwen3_moe", "falcon_h1")  # nnsight, not the bridge
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_profile_through_nnsight_is_the_bridges(family, family_bridge, bridge_profile):
+    """The model's backend nnsight (``load_model(..., backend="nnsight")``): the pass inside nnsight traces where it
+    gives every hook, the bridge where not, with the reason; the same numbers either way."""
+    pytest.importorskip("nnsight")
+    model = family_bridge(family)
+    model.pass_backend = "nnsight"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nn = profile(model, _probes(), analyses=ANALYSES)
+    finally:
+        model.pass_backend = "transformer_lens"
+    ran = nn.backend["natural"]
+    assert ran["backend"] == "nnsight" if family in NNSIGHT_RUNS else ran["backend"] in ("nnsight", "transformer_lens")
+    assert ran["backend"] == "nnsight" or ran["why"].startswith("nnsight: "), ran
+    assert differences(bridge_profile(family), nn.to_dict()) == []
 
 
 def test_the_transformers_backend_runs_where_the_family_allows(family_bridge):
@@ -94,9 +129,43 @@ def _report(model, path, backend):
     return json.loads((path / "report.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def smollm2_bridge_report(smollm2, tmp_path_factory):
+    return _report(smollm2, tmp_path_factory.mktemp("tl"), "transformer_lens")
+
+
 @pytest.mark.slow
-def test_smollm2_report_is_the_same_on_every_backend(smollm2, tmp_path):
-    bridge, auto = _report(smollm2, tmp_path / "tl", "transformer_lens"), _report(smollm2, tmp_path / "auto", "auto")
+def test_smollm2_report_is_the_same_on_every_backend(smollm2, smollm2_bridge_report, tmp_path):
+    bridge, auto = smollm2_bridge_report, _report(smollm2, tmp_path / "auto", "auto")
     assert {r["backend"] for r in auto["config"]["backend"].values()} == {"transformers"}
     assert differences(bridge, auto) == []
     assert bridge["findings"] == auto["findings"]
+
+
+def _ran_on(report: dict) -> dict[str, int]:
+    """The passes of the report by the backend they ran on (``config.passes``: section -> "backend: why" -> count)."""
+    out: dict[str, int] = {}
+    for by in report["config"]["passes"].values():
+        for k, n in by.items():
+            out[k.partition(":")[0]] = out.get(k.partition(":")[0], 0) + n
+    return out
+
+
+# What the nnsight backend leaves to the bridge (stated in the report): a T x T map by definition
+ON_THE_BRIDGE = ("hook_attn_scores", "an edit of")
+
+
+@pytest.mark.slow
+def test_smollm2_whole_report_through_nnsight_equals_the_bridges(smollm2, smollm2_bridge_report, tmp_path):
+    """Every section; the passes inside nnsight traces (the interventions' edits and resumed passes too) but those
+    that read the pre-softmax scores or edit the map, which run on the bridge and say so; the bridge's report.json
+    number by number."""
+    bridge, nn = smollm2_bridge_report, _report(smollm2, tmp_path / "nn", "nnsight")
+    ran = _ran_on(nn)
+    assert set(ran) <= {"nnsight", "transformer_lens"} and ran["nnsight"] > 3 * ran.get("transformer_lens", 0), ran
+    left = [k for by in nn["config"]["passes"].values() for k in by if k.startswith("transformer_lens")]
+    assert all(k.startswith("transformer_lens: nnsight: ") and any(w in k for w in ON_THE_BRIDGE) for k in left), left
+    assert set(_ran_on(bridge)) == {"transformer_lens"}
+    assert not nn["errors"] and set(nn["sections"]) == set(bridge["sections"])
+    assert differences(bridge, nn) == []
+    assert bridge["findings"] == nn["findings"]
