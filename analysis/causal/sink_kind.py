@@ -163,21 +163,24 @@ class SinkKinds(Result):
     def findings(self) -> list[str]:
         """How many sink heads of each kind, in which layers, and the traces that call them."""
         s, df = self.shares(), self.heads[lambda d: d["sink"]]
-        crit = (f"a sink head has mean alpha_1 > {self.eps}; a query sinks when A_t1 > {self.eps}; nop: "
-                f"|v_1| / |v_j| < {KIND_VALUE_RATIO} and output on sinking queries < {KIND_OUT_RATIO}x the rest; "
-                f"broadcast: both above, and within a sequence a participation ratio < {KIND_BROADCAST_PR} and a mean "
-                f"cosine to one direction > {KIND_BROADCAST_COS}; thresholds chosen on the ground-truth models")
+        crit = (f"A sink head has mean alpha_1 > {self.eps} and a query sinks when A_t1 > {self.eps}; a head is nop "
+                f"where |v_1| / |v_j| < {KIND_VALUE_RATIO} and its output on sinking queries < {KIND_OUT_RATIO}x the "
+                "rest, broadcast where both are above and, within a sequence, its outputs on sinking queries have a "
+                f"participation ratio < {KIND_BROADCAST_PR} and a mean cosine to one direction > {KIND_BROADCAST_COS}, "
+                "mixed otherwise (thresholds chosen on the ground-truth models nop-task and broadcast-task).")
         if not s["n_sink_heads"]:
-            return [f"No head sinks (mean alpha_1 > {self.eps}), so no sink has a kind here ({crit})."]
+            return [f"No head sinks (mean alpha_1 > {self.eps}), so no sink has a kind here.", crit]
         out = [f"Of {s['n_sink_heads']} sink heads, " + ", ".join(
-            f"{int(round(s[k] * s['n_sink_heads']))} are {k} ({100 * s[k]:.0f}%)" for k in KINDS) + f" ({crit})."]
+            f"{int(round(s[k] * s['n_sink_heads']))} are {k} ({100 * s[k]:.0f}%)" for k in KINDS) + "."]
         for k in KINDS:
             sub = df[df["sink_kind"] == k]
             if len(sub):
-                out.append(f"The {k} heads sit in layers {_runs(sorted(set(sub['layer'])))}: median |v_1| / |v_j| "
-                           f"{sub['value_ratio'].median():.2f}, output on sinking queries "
+                where = sorted(set(sub["layer"]))
+                out.append(f"The {k} heads sit in layer{'s' if len(where) > 1 else ''} {_runs(where)}: median "
+                           f"|v_1| / |v_j| {sub['value_ratio'].median():.2f}, output on sinking queries "
                            f"{_median(sub['out_ratio'])}x the rest, participation ratio within a sequence "
                            f"{_median(sub['pr'])}, cosine to one direction {_median(sub['cos'])}.")
+        out.append(crit)
         return out + ([self.skipped] if self.skipped else [])
 
     def to_dict(self) -> dict:

@@ -37,7 +37,7 @@ def test_the_ground_truth_models_sink_heads_are_called_by_their_kind(kind, seed)
         assert (heads["value_ratio"] > KIND_VALUE_RATIO).all() and (heads["out_ratio"] > KIND_OUT_RATIO).all()
         assert (heads["pr"] < KIND_BROADCAST_PR).all() and (heads["cos"] > KIND_BROADCAST_COS).all()
     text = res.text()
-    assert f"{len(heads)} are {kind} (100%)" in text and "ground-truth" in text
+    assert f"{len(heads)} are {kind} (100%)" in text and "ground-truth" in text and "layer 0:" in text
 
 
 def test_a_head_is_mixed_where_its_traces_disagree():
