@@ -43,7 +43,7 @@ from analysis.core.defaults import (
     TINY,
 )
 from analysis.core.io import jsonable
-from analysis.core.results import Result
+from analysis.core.results import Result, layers_text
 from analysis.core.stats import one_thread
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, ModelFacts, RunningSums, model_facts, run_pass
@@ -175,8 +175,7 @@ class SinkKinds(Result):
         for k in KINDS:
             sub = df[df["sink_kind"] == k]
             if len(sub):
-                where = sorted(set(sub["layer"]))
-                out.append(f"The {k} heads sit in layer{'s' if len(where) > 1 else ''} {_runs(where)}: median "
+                out.append(f"The {k} heads sit in {layers_text(sorted(set(sub['layer'])))}: median "
                            f"|v_1| / |v_j| {sub['value_ratio'].median():.2f}, output on sinking queries "
                            f"{_median(sub['out_ratio'])}x the rest, participation ratio within a sequence "
                            f"{_median(sub['pr'])}, cosine to one direction {_median(sub['cos'])}.")
@@ -196,17 +195,6 @@ class SinkKinds(Result):
 def _median(x: pd.Series) -> str:
     x = x.dropna()
     return f"{x.median():.2f}" if len(x) else "undefined"
-
-
-def _runs(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], None
-    for i, l in enumerate(layers):
-        start = l if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != l + 1:
-            out.append(str(l) if start == l else f"{start}-{l}")
-            start = None
-    return ", ".join(out)
 
 
 class SinkKindAccumulator(Accumulator):
