@@ -39,6 +39,7 @@ SMALL = {
     "12": {"N": 4, "T": 16, "SEEDS": [0, 1]},
     "13": {"N": 4, "T": 16},
     "15": {"N": 2, "T": 16},
+    "16": {"N": 4, "T": 16, "SEEDS": [0, 1], "GATE_N": 2},
 }
 MODELS = ("no-sink-llama", "planted-gpt2", "synthetic-softmax")
 PARTNER = {"no-sink-llama": "planted-gpt2", "planted-gpt2": "no-sink-llama",  # 13's second model (the same vocabulary)
