@@ -43,6 +43,7 @@ SMALL = {
     "12": {"N": 4, "T": 16, "SEEDS": [0, 1]},
     "13": {"N": 4, "T": 16},
     "15": {"N": 2, "T": 16},
+    "16": {"N": 4, "T": 16, "SEEDS": [0, 1], "GATE_N": 2},
 }
 # notebooks that read committed runs (not run here: nbmake executes them) -> the parameters they must name
 READS_RUNS = {"07": ("MODELS", "N", "T", "SEED", "CHAIN"), "08": ("RUNS", "GRIDS", "DEMO"),

@@ -51,6 +51,14 @@ DORMANT_QUANTILE = 0.5
 DORMANT_MIN_SHARE = 0.05
 DORMANT_MIN_QUERIES = 20
 DORMANT_GRAD_BATCH_TOKENS = 256  # tokens per forward + backward batch (the backward keeps that batch's activations)
+# The sink's kind (analysis.causal.sink_kind): a sink head is nop, broadcast or mixed by these thresholds, chosen on
+# the ground-truth reference models nop-task-s0..s2 and broadcast-task-s0..s2 (docs/training.md), never on a pretrained
+# model: each lies between the two kinds' ranges measured there (see docs/analyses/sink-kind.md).
+KIND_VALUE_RATIO = 1.0  # |v_1| / mean |v_j|: a nop's first value below, a broadcast's above
+KIND_OUT_RATIO = 1.0  # the head's mean output norm on sinking queries over the rest: a nop's below, a broadcast's above
+KIND_BROADCAST_PR = 1.3  # a broadcast's outputs over sinking queries in one sequence: participation ratio below this
+KIND_BROADCAST_COS = 0.9  # ... and a mean cosine to their mean direction above this
+KIND_MIN_QUERIES = 4  # sinking queries a sequence needs for its participation ratio and cosine
 
 # Repeated tokens (analysis.positions.repeated_tokens): a hidden-state deviation across positions (relative to the
 # first position's largest |h|) or a gap to a proposition's closed form (in attention weight) below this counts as

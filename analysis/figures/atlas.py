@@ -102,3 +102,36 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     ax.set_xlim(lo, float(np.nanmax(big)) * 8)
     return _finish(fig, ax, rows, own, xlabel="|activation| (red: massive by the criterion; grey: not)",
                    title="Largest activation of the residual stream (natural text)")
+
+
+SINK_KIND_COLOURS = {"nop": "C0", "broadcast": "C3", "mixed": "0.6"}
+
+
+def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
+    """The share of each model's sink heads by kind (nop, broadcast, mixed), stacked horizontal bars, with the number
+    of sink heads; a model without a sink head (or without kinds) has no bar.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``kinds_nop``, ``kinds_broadcast``,
+        ``kinds_mixed``, ``kinds_n_sink_heads``.
+    ax : matplotlib.axes.Axes, optional
+        Draw into it (default: a new figure).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    rows, fig, ax, own, y = _rows(table, ax, 0.3)
+    left = np.zeros(len(rows))
+    for kind, colour in SINK_KIND_COLOURS.items():
+        share = rows[f"kinds_{kind}"].astype(float).fillna(0.0).to_numpy() * 100
+        ax.barh(y, share, height=0.6, left=left, color=colour, label=kind)
+        left += share
+    for yi, n in zip(y, rows["kinds_n_sink_heads"]):
+        ax.annotate(" -" if pd.isna(n) else f" {int(n)}", (100, yi), va="center", fontsize=7)
+    ax.set_xlim(0, 112)  # room for the number of sink heads
+    ax.set_xticks(range(0, 101, 20))
+    return _finish(fig, ax, rows, own, xlabel="share of sink heads (%); right: their number",
+                   title="The sink's kind, by model (natural text)")

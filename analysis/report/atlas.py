@@ -12,12 +12,13 @@ random and repeated tokens; a reference model of the synthetic task is probed wi
   ``massive.spike_criterion`` (Sun et al.'s: |a| > 100 and >= 1000x the median, relative only for a narrow model);
 - the model's facts (``analysis.model.card.model_card``: family, parameters, attention kind, positions, norm);
 - the published Sink_1 of the model where Gu et al. give one (``analysis.core.published``), beside ours, never as ours;
-- the share of sink heads by kind (nop / broadcast / mixed): not measured yet, ``kinds: null`` (``KINDS_NOTE``).
+- the share of sink heads by kind (nop / broadcast / mixed) on natural text (``analysis.causal.sink_kind``:
+  ``SinkKinds.shares``; ``kinds: null`` through nnsight, which has no such pass, ``KINDS_NOTE``).
 
 Each finished model's row is written at once to ``out/models/<name>.json`` (atomically), and after every model the
 summary (``atlas.json``, ``atlas.csv``, ``atlas.html``) is rewritten from the rows on disk: an interrupted run loses
 only the model it was measuring, and the same command again skips every model whose row holds a result measured with
-the same probe (``AtlasConfig``). A model that fails (it does not load, its probe does not fit) gets its error in its
+the same probe (``AtlasConfig``) and its kinds (a row from before the kinds were measured is measured again). A model that fails (it does not load, its probe does not fit) gets its error in its
 row and the run goes on; a rerun tries it again.
 """
 from __future__ import annotations
@@ -50,8 +51,11 @@ from analysis.report.one_pass import profile
 
 KINDS = ("natural", "random", "repeated")
 ROWS = "models"  # out/models/<name>.json: one row per model
-KINDS_NOTE = ("sink kinds (nop / broadcast / mixed): not measured yet. The per-head diagnostics that call a sink head "
-              "nop or broadcast (issue 50, point 1) are not written yet; each row holds kinds: null until they are.")
+KINDS_NOTE = ("sink kinds (nop / broadcast / mixed) on natural text: the share of sink heads (mean alpha_1 > eps) "
+              "of each kind, by analysis.causal.sink_kind (a nop's first value is small and it writes less when it "
+              "sinks; a broadcast's first value is large and its outputs on sinking queries are one vector per "
+              "sequence; thresholds chosen on the ground-truth models nop-task and broadcast-task). A model measured "
+              "through nnsight holds kinds: null (no such pass there).")
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def finished_row(out, name: str, config: AtlasConfig) -> dict | None:
     except (OSError, ValueError):
         return None
     ok = row.get("status") == "ok" and row.get("model") == str(name) and row.get("config") == config.to_dict()
-    return row if ok else None
+    measured_kinds = "kinds" in row and (row["kinds"] is not None or config.backend == "nnsight")
+    return row if ok and measured_kinds else None
 
 
 def largest_activation(massive: MassiveActivations) -> dict:
@@ -157,16 +162,17 @@ def largest_activation(massive: MassiveActivations) -> dict:
             "min_share": massive.min_share}
 
 
-def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tuple[dict, dict]:
-    """The sink and massive results per input kind: one profile pass per kind, or nnsight traces."""
+def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tuple[dict, dict, dict | None]:
+    """The sink and massive results per input kind and the kinds' shares: one profile pass per kind, or nnsight
+    traces (no kinds)."""
     if isinstance(model, NnsightModel):
         from analysis.chain.nnsight_tables import nnsight_tables  # optional: nnsight is the "remote" extra
 
         crit = dict(zip(("abs_threshold", "ratio_threshold"), width_criterion(report_dims(model).d_model)))
         got = {k: nnsight_tables(model, p.tokens, eps=eps, kind=k, **crit) for k, p in probes.items()}
-        return {k: s for k, (s, _) in got.items()}, {k: m for k, (_, m) in got.items()}
-    prof = profile(model, probes, analyses=("sink", "massive"), eps=eps, progress=progress)
-    return prof.sink, prof.massive
+        return {k: s for k, (s, _) in got.items()}, {k: m for k, (_, m) in got.items()}, None
+    prof = profile(model, probes, analyses=("sink", "massive", "sink_kind"), eps=eps, progress=progress)
+    return prof.sink, prof.massive, prof.sink_kind.shares()
 
 
 def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
@@ -186,20 +192,21 @@ def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), prog
     dict
         ``facts``, ``probes`` (each kind's source), ``sink_1_pct`` and ``sink_slot_pct`` (by kind; the slot only where
         the model has one), ``pattern`` (a non-softmax model's proxy, else None), ``largest_activation`` (by kind,
-        :func:`largest_activation`) and ``kinds`` (None: not measured yet, ``KINDS_NOTE``).
+        :func:`largest_activation`) and ``kinds`` (the share of sink heads of each kind on natural text and their
+        number, ``SinkKinds.shares``; None through nnsight, ``KINDS_NOTE``).
     """
     dims = report_dims(model)
     if dims.n_ctx is not None and config.T > dims.n_ctx:
         raise ValueError(f"T={config.T} exceeds the model's context of {dims.n_ctx} tokens; use --T {dims.n_ctx} or "
                          "less (the atlas measures every model at one T).")
     probes = model_probe_sets(model, n=config.n, T=config.T, bos=config.bos, seed=config.seed)
-    sink, massive = _tables(model, probes, eps=config.eps, progress=progress)
+    sink, massive, kinds = _tables(model, probes, eps=config.eps, progress=progress)
     first = next(iter(sink.values()))
     return {"facts": model_card(model), "probes": {k: p.source for k, p in probes.items()},
             "sink_1_pct": {k: round(s.sink_rate(1), 4) for k, s in sink.items()},
             "sink_slot_pct": {k: round(s.slot_sink_rate(), 4) for k, s in sink.items()} if first.has_slot else None,
             "pattern": first.meta.get("pattern"), "skipped_layers": first.skipped or None,
-            "largest_activation": {k: largest_activation(m) for k, m in massive.items()}, "kinds": None}
+            "largest_activation": {k: largest_activation(m) for k, m in massive.items()}, "kinds": kinds}
 
 
 def atlas_row(name: str, load: Callable, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
@@ -309,7 +316,8 @@ def atlas_table(rows: list[dict]) -> pd.DataFrame:
     -------
     pandas.DataFrame
         model, status, the facts, Sink_1 per kind (``sink1_<kind>``) and the paper's (``paper_<kind>``), the
-        largest activation on natural text (``largest_*``), the kinds' shares (empty: not measured yet), error.
+        largest activation on natural text (``largest_*``), the kinds' shares and sink heads (``kinds_*``; empty
+        where not measured), error.
     """
     out = []
     for r in rows:
@@ -323,9 +331,9 @@ def atlas_table(rows: list[dict]) -> pd.DataFrame:
                     "paper_model": paper.get("model"), **{f"paper_{k}": paper.get(k) for k in KINDS},
                     **{f"largest_{k}": big.get(k) for k in ("abs", "layer", "dim", "position", "token", "token_share",
                                                             "median", "ratio", "massive")},
-                    **{f"kinds_{k}": kinds.get(k) for k in ("nop", "broadcast", "mixed")},
+                    **{f"kinds_{k}": kinds.get(k) for k in ("nop", "broadcast", "mixed", "n_sink_heads")},
                     "error": r.get("error")})
-    ints = ["n_params", "n_layers", "largest_layer", "largest_dim", "largest_position"]
+    ints = ["n_params", "n_layers", "largest_layer", "largest_dim", "largest_position", "kinds_n_sink_heads"]
     return pd.DataFrame(out).astype({c: "Int64" for c in ints})  # integers stay integers beside a failed row
 
 

@@ -72,6 +72,16 @@ def check_atlas_args(args) -> None:
     args.model_list = list(dict.fromkeys(names))
 
 
+def _kinds_text(kinds: dict | None) -> str:
+    """"; kinds nop 75% / broadcast 0% / mixed 25% of 8 sink heads", or "" where not measured."""
+    if not kinds:
+        return ""
+    if not kinds["n_sink_heads"]:
+        return "; no sink head"
+    return ("; kinds " + " / ".join(f"{k} {kinds[k]:.0%}" for k in ("nop", "broadcast", "mixed"))
+            + f" of {kinds['n_sink_heads']} sink heads")
+
+
 def format_atlas_table(rows: list[dict]) -> str:
     """The printed table: Sink_1 per kind (the paper's in brackets where it gives one), the largest activation.
 
@@ -97,9 +107,9 @@ def format_atlas_table(rows: list[dict]) -> str:
         token = repr(big["token"]) + ("" if big["token_share"] == 1 else f" ({big['token_share']:.0%} of sequences)")
         lines.append(f"{name:<28} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15}  {big['abs']:.3g} (L{big['layer']}, "
                      f"d{big['dim']}, pos {big['position']} {token}; x{big['ratio']:.0f}"
-                     f"{', massive' if big['massive'] else ''})")
-    lines.append("Sink_1 (%) per input kind; [..]: Gu et al.'s published figure for the model of that name. Sink kinds "
-                 "(nop / broadcast / mixed): not measured yet.")
+                     f"{', massive' if big['massive'] else ''}){_kinds_text(r.get('kinds'))}")
+    lines.append("Sink_1 (%) per input kind; [..]: Gu et al.'s published figure for the model of that name; kinds: "
+                 "the share of sink heads on natural text that are nop / broadcast / mixed (analysis.causal.sink_kind).")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import html
 
 import pandas as pd
 
-from analysis.figures.atlas import plot_atlas_activation, plot_atlas_sink
+from analysis.figures.atlas import plot_atlas_activation, plot_atlas_kinds, plot_atlas_sink
 from analysis.report.html import document, figure_html, table_html
 
 _KINDS = ("natural", "random", "repeated")
@@ -37,6 +37,13 @@ def _activation_table(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
     return out
 
 
+def _kinds_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The number of sink heads and the share of each kind, per model."""
+    cols = {"kinds_n_sink_heads": "sink heads", "kinds_nop": "nop", "kinds_broadcast": "broadcast",
+            "kinds_mixed": "mixed"}
+    return table[table["status"] == "ok"][["model", *cols]].rename(columns=cols)
+
+
 def _intro(config: dict, table: pd.DataFrame, pending: list[str]) -> str:
     esc = html.escape
     n_ok, n_failed = int((table["status"] == "ok").sum()), int((table["status"] != "ok").sum())
@@ -53,16 +60,18 @@ def _intro(config: dict, table: pd.DataFrame, pending: list[str]) -> str:
     return "".join(parts)
 
 
-def _figures(table: pd.DataFrame) -> tuple[str, str]:
-    """The two figures, or a note where no model has a result yet."""
+def _figures(table: pd.DataFrame) -> tuple[str, str, str]:
+    """The three figures, or a note where no model has a result yet."""
     if not (table["status"] == "ok").any():
         note = '<p class="note">No model has a result yet: no figure.</p>'
-        return note, note
+        return note, note, note
     return (figure_html(plot_atlas_sink(table), caption="Sink_1 (%) by model and input kind; black ticks: Gu et "
                                                         "al.'s published figures for the model of that name"),
             figure_html(plot_atlas_activation(table), caption="The largest activation (mean top-1 |a| over the "
                         "natural-text sequences, at the layer where it is largest) and the median |a| there, log "
-                        "scale; L = layer, d = dimension"))
+                        "scale; L = layer, d = dimension"),
+            figure_html(plot_atlas_kinds(table), caption="The share of each model's sink heads that are nop, broadcast "
+                                                         "or mixed, on natural text; right: the number of sink heads"))
 
 
 def atlas_page(table: pd.DataFrame, rows: list[dict], *, config: dict, pending: list[str], note: str) -> str:
@@ -87,7 +96,7 @@ def atlas_page(table: pd.DataFrame, rows: list[dict], *, config: dict, pending: 
         HTML.
     """
     esc = html.escape
-    sink_fig, act_fig = _figures(table)
+    sink_fig, act_fig, kinds_fig = _figures(table)
     failed = table[table["status"] != "ok"][["model", "error"]]
     body = [_intro(config, table, pending),
             "<h2>Sink_1 by model and input kind</h2>", table_html(_sink_table(table, rows), digits=2, max_rows=500),
@@ -101,7 +110,8 @@ def atlas_page(table: pd.DataFrame, rows: list[dict], *, config: dict, pending: 
             "<h2>Model facts</h2>",
             table_html(table[table["status"] == "ok"][["model", "family", "architecture", "n_params", "attention",
                                                        "positions", "norm", "n_layers"]], max_rows=500),
-            "<h2>Sink kinds (nop / broadcast / mixed)</h2>", f'<p class="note">{esc(note)}</p>']
+            "<h2>Sink kinds (nop / broadcast / mixed)</h2>", f'<p class="small">{esc(note)}</p>',
+            table_html(_kinds_table(table), digits=2, max_rows=500), kinds_fig]
     if len(failed):
         body += ["<h2>Failed</h2>", '<p class="small">Each failed model keeps its error in its row; the same command '
                  "again tries it again.</p>", table_html(failed, max_rows=500)]

@@ -209,4 +209,4 @@ def test_every_registered_section_goes_to_a_link_of_the_chain():
     wrong = {key: s.link for key, (a, s) in build.registered_sections().items() if s.link not in links}
     assert not wrong, f"sections registered with a link outside analysis.report.html.LINKS: {wrong}"
     assert list(build.SECTIONS) == ["sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold",
-                                    "value_norms", "interventions", "dormant", "positions", "context"]
+                                    "value_norms", "interventions", "dormant", "sink_kind", "positions", "context"]

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 from analysis import profile  # noqa: E402
 from tests.planted import planted, planted_tokens  # noqa: F401, E402
 
-MODULES = ("sink", "massive", "norm_gain", "key_manifold", "value_norms", "interventions")
+MODULES = ("sink", "massive", "norm_gain", "key_manifold", "value_norms", "interventions", "sink_kind")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def _calls(r):
         "key_manifold.plot_key_pca": lambda f: f(p.key_manifold), "key_manifold.plot_manifold_summary": lambda f: f(p.key_manifold),
         "value_norms.plot_value_norms": lambda f: f(p.value_norms), "value_norms.plot_value_alpha": lambda f: f(p.value_norms),
         "value_norms.plot_value_profile": lambda f: f(p.value_norms),
+        "sink_kind.plot_sink_kinds": lambda f: f(p.sink_kind), "sink_kind.plot_kind_traces": lambda f: f(p.sink_kind),
         "interventions.plot_spike_ablation": lambda f: f(r["spike"]), "interventions.plot_value_ablation": lambda f: f(r["value"]),
         "interventions.plot_first_key_ablation": lambda f: f(r["first_key"]),
     }

@@ -90,7 +90,9 @@ def test_every_model_gets_its_row_and_the_broken_one_its_error(models, uninterru
         assert all(0 <= v <= 100 for v in r["sink_1_pct"].values())
         big = r["largest_activation"]["natural"]
         assert big["abs"] >= big["median"] > 0 and 0 <= big["position"] < CONFIG.T and big["token"]
-        assert r["kinds"] is None  # not measured yet: no number stands in for it
+        kinds = r["kinds"]  # the share of sink heads of each kind (analysis.causal.sink_kind)
+        assert kinds["n_sink_heads"] >= 0 and (kinds["n_sink_heads"] == 0 or
+                                               abs(sum(kinds[k] for k in ("nop", "broadcast", "mixed")) - 1) < 1e-9)
         assert json.loads(row_path(out, r["model"]).read_text())["sink_1_pct"] == r["sink_1_pct"]
     smol = by["smollm2-135m"]
     assert smol["facts"]["family"] == "llama" and smol["facts"]["n_params"] > 1e8
@@ -116,14 +118,17 @@ def test_the_papers_figures_stand_beside_a_model_of_that_name(uninterrupted):
     table = pd.read_csv(out / "atlas.csv")
     assert table.loc[table.model == xl["model"], "paper_random"].item() == 70.29
     page = (out / "atlas.html").read_text()
-    assert "Gu et al." in page and "not measured yet" in page and page.count("data:image/png;base64") == 2
+    assert "Gu et al." in page and "Sink kinds" in page and page.count("data:image/png;base64") == 3
 
 
 def test_csv_json_and_page_hold_every_row(uninterrupted):
     out, rows, _ = uninterrupted
     table = pd.read_csv(out / "atlas.csv")
     assert list(table.model) == [r["model"] for r in rows] and (table.status == "failed").sum() == 1
-    assert table.kinds_nop.isna().all()  # the kinds column is there, empty
+    ok = table[table.status == "ok"]
+    assert (ok.kinds_n_sink_heads >= 0).all() and table.loc[table.status == "failed", "kinds_nop"].isna().all()
+    soft = table.loc[table.model == "synthetic-softmax"].iloc[0]  # every head of the nop-task model sinks: nop
+    assert (soft.kinds_n_sink_heads, soft.kinds_nop) == (4, 1.0)
     payload = json.loads((out / "atlas.json").read_text())
     assert payload["kinds"] == KINDS_NOTE and payload["pending"] == [] and len(payload["models"]) == len(rows)
     assert payload["config"] == CONFIG.to_dict()
@@ -171,7 +176,7 @@ def test_the_command_reads_a_models_file_and_goes_on_after_ctrl_c(family_dir, tm
     monkeypatch.setattr(loading, "load_model", real)
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "finished before, kept" in printed and "Sink kinds (nop / broadcast / mixed): not measured yet" in printed
+    assert "finished before, kept" in printed and "sink heads on natural text that are nop / broadcast / mixed" in printed
     assert row_path(tmp_path / "out", a).stat().st_mtime_ns == kept
     assert len(pd.read_csv(tmp_path / "out" / "atlas.csv")) == 2
 
@@ -214,3 +219,15 @@ def test_through_nnsight_the_rows_numbers_are_the_bridges(models, uninterrupted,
     assert ours["median"] == pytest.approx(theirs["median"], rel=1e-5)
     # here nnsight runs the bridge's passes in its traces: the facts are the bridge's (on NDIF: "not read through nnsight")
     assert row["facts"]["n_params"] == bridge["facts"]["n_params"] and row["facts"]["norm"] == bridge["facts"]["norm"]
+
+
+def test_a_row_from_before_the_kinds_were_measured_is_measured_again(tmp_path):
+    from analysis.core.io import write_json
+    from analysis.report.atlas import finished_row
+
+    row = {"model": "m", "status": "ok", "config": CONFIG.to_dict(), "kinds": None}
+    write_json(row_path(tmp_path, "m"), row)
+    assert finished_row(tmp_path, "m", CONFIG) is None
+    write_json(row_path(tmp_path, "m"), {**row, "kinds": {"nop": 1.0, "broadcast": 0.0, "mixed": 0.0,
+                                                          "n_sink_heads": 1}})
+    assert finished_row(tmp_path, "m", CONFIG)["kinds"]["nop"] == 1.0

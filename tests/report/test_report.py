@@ -72,10 +72,10 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     page = path.read_text()
     _assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 8
-    assert page.count("data:image/png;base64,") == 25  # every figure drew (a failed one would fail the report)
+    assert page.count("data:image/png;base64,") == 26  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
     for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions", "Every sink",
-              "What a sink does for its head",
+              "What a sink does for its head", "kind: nop or broadcast",
               "Sink against context length and eps"):
         assert s in page
 
