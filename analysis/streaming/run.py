@@ -335,14 +335,7 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     bad = [s for s in sinks if s >= window] + ([quant_sinks] if bits and quant_sinks >= window else [])
     if bad:
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
-    if tokens is None:
-        reference = model if tok is None else None  # a tokenizer-less reference model
-        stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
-                  else stdlib_stream(tok, n_tokens, seed=seed))
-        tokens, record = stream.tokens, stream.record()
-    else:
-        tokens = torch.as_tensor(tokens).long().flatten()
-        record = {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
+    tokens, record = _stream_tokens(model, tok, tokens, n_tokens=n_tokens, seed=seed)
     if tokens.numel() <= window:
         raise ValueError(f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
                          f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window).")
@@ -353,6 +346,29 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     pols = default_policies(window, sinks=sinks, newline_sinks=newline_sinks if newline_sinks else None, bits=bits,
                             quant_sinks=quant_sinks, dense=dense)
     nl = newline_id(tok) if newline_sinks else None
+    runs = _decode_policies(model, tokens, pols, n_ctx=n_ctx, batch=batch, newline=nl, progress=progress)
+    if recompute_every:
+        runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
+    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(device),
+                        tokens=tokens.tolist(), dtype=str(dtype).removeprefix("torch."), backend=_backend(model))
+
+
+def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -> tuple[torch.Tensor, dict]:
+    """The stream's ids (N,) and the record of where they come from: the ids given, else ``n_tokens`` of the offline
+    docstring stream (a tokenizer-less reference model: its task's stream) shuffled with ``seed``."""
+    if tokens is None:
+        reference = model if tok is None else None  # a tokenizer-less reference model
+        stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
+                  else stdlib_stream(tok, n_tokens, seed=seed))
+        return stream.tokens, stream.record()
+    tokens = torch.as_tensor(tokens).long().flatten()
+    return tokens, {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
+
+
+def _decode_policies(model: SinkModel, tokens: torch.Tensor, pols: list, *, n_ctx: int | None, batch: int,
+                     newline: int | None, progress: bool) -> list[PolicyRun]:
+    """One run per cache policy: the dense one over the stream's first ``n_ctx`` tokens (NaN past them), the cached
+    ones ``batch`` at a time over the whole stream."""
     runs: list[PolicyRun] = []
     dense_pols = [p for p in pols if p.kind == "dense"]
     if dense_pols:
@@ -362,8 +378,5 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
         runs.append(r)
     cached = [p for p in pols if p.kind != "dense"]
     for i in range(0, len(cached), batch):
-        runs += run_policies(model, tokens, cached[i : i + batch], newline=nl, progress=progress)
-    if recompute_every:
-        runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(device),
-                        tokens=tokens.tolist(), dtype=str(dtype).removeprefix("torch."), backend=_backend(model))
+        runs += run_policies(model, tokens, cached[i : i + batch], newline=newline, progress=progress)
+    return runs

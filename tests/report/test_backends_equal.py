@@ -151,8 +151,9 @@ def _ran_on(report: dict) -> dict[str, int]:
     return out
 
 
-# What the nnsight backend leaves to the bridge (stated in the report): a T x T map by definition
-ON_THE_BRIDGE = ("hook_attn_scores", "an edit of")
+# What the nnsight backend leaves to the bridge (stated in the report): the scores (a T x T map by definition), edits
+# of the map, and q or k before the rotary (the first key's spike part), which no module of the model hands out
+ON_THE_BRIDGE = ("hook_attn_scores", "an edit of", "before the rotary")
 
 
 @pytest.mark.slow
