@@ -243,20 +243,20 @@ def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     from analysis.model.reference.sink_lm import SinkLM
     from analysis.streaming.perplexity import run_policy
     from analysis.streaming.cache import Policy
-    from transformers import AutoModelForCausalLM
+    from analysis.model.loading import load_model
 
     ref = load_reference(REFERENCE_DIR / "synthetic-softmax")
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(1, ref.cfg.d_vocab, (N, T), generator=gen)
     torch.manual_seed(0)
     windowed = SinkLM(ModelConfig(n_ctx=T, d_model=32, n_heads=2, n_layers=1, sliding_window=T // 2)).eval()
-    hf = AutoModelForCausalLM.from_pretrained(stream_dir).eval()
+    loaded = load_model(str(stream_dir))  # streaming takes the loaded model (no call-form shims)
     return {"ActivationMap": activation_map(llama, tokens, 0),
             "FirstTokenStats": first_token_stats(ref, toks),
             "WindowSinkRates": window_sink_rates(windowed, toks),
             "MechanismChain": mechanism_chain(ref, toks),
             "ChainLinks": chain_links(ref, toks, follow_final(ref, toks)),
-            "PolicyRun": run_policy(hf, torch.randint(3, 96, (40,), generator=gen), Policy("sinks", 16, 1))}
+            "PolicyRun": run_policy(loaded, torch.randint(3, 96, (40,), generator=gen), Policy("sinks", 16, 1))}
 
 
 @pytest.fixture(scope="module")
