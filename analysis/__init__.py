@@ -11,6 +11,7 @@ Start with::
     prof = profile(model, probes)                 # every analysis, one streamed pass per input kind
     print(prof.text())
 """
+
 from pathlib import Path
 
 from analysis.core.lazy import lazy_exports
@@ -19,15 +20,25 @@ from analysis.core.registry import declared
 _EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
     **dict.fromkeys(["FamilySpec", "attention_layers", "get_family", "rotary_base"], "analysis.model.families"),
     **dict.fromkeys(["ModelContractError", "act_name", "model_dims"], "analysis.model.hooks"),
-    **dict.fromkeys([
-        "DEFAULT_MODEL", "ModelNotFoundError", "available_models", "load_model"
-    ], "analysis.model.loading"),
+    **dict.fromkeys(
+        ["DEFAULT_MODEL", "ModelNotFoundError", "available_models", "load_model"], "analysis.model.loading"
+    ),
     **dict.fromkeys(["Profile", "profile"], "analysis.report.one_pass"),
     **dict.fromkeys(["run_pass", "run_with_reducers"], "analysis.engine.passes"),
-    **dict.fromkeys([
-        "PROBE_KINDS", "ProbeSet", "make_probe", "model_probe_sets", "natural_probe", "probe_sets", "random_probe",
-        "repeated_probe", "text_probe"
-    ], "analysis.model.probes"),
+    **dict.fromkeys(
+        [
+            "PROBE_KINDS",
+            "ProbeSet",
+            "make_probe",
+            "model_probe_sets",
+            "natural_probe",
+            "probe_sets",
+            "random_probe",
+            "repeated_probe",
+            "text_probe",
+        ],
+        "analysis.model.probes",
+    ),
     **dict.fromkeys(["RepeatedTokens", "repeated_tokens"], "analysis.positions.repeated_tokens"),
     **dict.fromkeys(["EncodingGrid", "encoding_grid", "load_encoding_grid"], "analysis.positions.encodings"),
     **dict.fromkeys(["build_report"], "analysis.report.build"),

@@ -1,5 +1,6 @@
 """The command line ``sinklens`` (``python -m analysis`` is the same parser):
 ``sinklens {sink,sinks,report,models,stream,quant,atlas,train,sweep} ...``; docs/cli.md has every option."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,9 +10,23 @@ from typing import TYPE_CHECKING
 
 from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
-from analysis.core.options import (CLI_DTYPES, DEFAULT_MODEL, REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N, HelpFormatter,
-                                   backend_options, check_flags, model_options, placement_options, probe_options,
-                                   command_line, seed_options, sink_options)
+from analysis.core.options import (
+    CLI_DTYPES,
+    DEFAULT_MODEL,
+    REPORT_MIN_T,
+    REPORT_N,
+    REPORT_T_WHY,
+    SINK_N,
+    HelpFormatter,
+    backend_options,
+    check_flags,
+    model_options,
+    placement_options,
+    probe_options,
+    command_line,
+    seed_options,
+    sink_options,
+)
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
 from analysis.report.atlas_cli import add_parser as add_atlas_parser
@@ -39,16 +54,31 @@ def cli_dtype(name: str):
     torch.dtype
     """
     if name not in CLI_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
-                         "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way.")
+        raise ValueError(
+            f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
+            "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way."
+        )
     from analysis.core.io import parse_dtype  # import time: torch loads once the options are checked
 
     return parse_dtype(name)
 
 
-def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int, device: str | None, *,
-                progress: bool = True, dtype: str = "float32", placement: Placement | None = None,
-                backend: str = "auto", remote: bool = False) -> dict:
+def sink_report(
+    model_name: str,
+    n: int,
+    T: int,
+    eps: float,
+    k_max: int,
+    bos: bool,
+    seed: int,
+    device: str | None,
+    *,
+    progress: bool = True,
+    dtype: str = "float32",
+    placement: Placement | None = None,
+    backend: str = "auto",
+    remote: bool = False,
+) -> dict:
     """Sink metric on natural, random and repeated probes; everything the JSON holds.
 
     Parameters
@@ -89,25 +119,35 @@ def sink_report(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bo
     if remote:
         from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
 
-        return nnsight_sink_payload(model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote,
-                                    **_placement_kwargs(placement))
+        return nnsight_sink_payload(
+            model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote, **_placement_kwargs(placement)
+        )
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(model_name, device=device, dtype=cli_dtype(dtype), backend=backend,
-                       **_placement_kwargs(placement))
+    model = load_model(
+        model_name, device=device, dtype=cli_dtype(dtype), backend=backend, **_placement_kwargs(placement)
+    )
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
     probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)  # a reference model without tokenizer: its task
     prof = profile(model, probes, analyses=("sink",), eps=eps, k_max=k_max, progress=progress)
     sink = prof.sink
-    kinds = {kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
-             for kind, probe in probes.items()}
+    kinds = {
+        kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
+        for kind, probe in probes.items()
+    }
     return {
         "model": model_name,
-        "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed, "dtype": dtype,
+        "n": n,
+        "T": T,
+        "eps": eps,
+        "k_max": k_max,
+        "bos": bos,
+        "seed": seed,
+        "dtype": dtype,
         "backend": prof.backend,  # input kind -> the backend its pass ran on, and why
         **placement_record(model),  # where the inputs and work went, and where the weights are
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
@@ -121,8 +161,11 @@ def _placement_kwargs(placement: Placement | None) -> dict:
     """``load_model``'s device_map / max_memory / offload_folder keywords of a placement ({} for none)."""
     if placement is None or not placement.split:
         return {}
-    return {"device_map": placement.device_map, "max_memory": placement.max_memory,
-            "offload_folder": placement.offload_folder}
+    return {
+        "device_map": placement.device_map,
+        "max_memory": placement.max_memory,
+        "offload_folder": placement.offload_folder,
+    }
 
 
 def format_sink_table(payload: dict) -> str:
@@ -174,9 +217,21 @@ def cmd_sink(args) -> int:
     from analysis.model.placement import placement_from_args
 
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
-    payload = sink_report(args.model, args.n, args.T, args.eps, k_max, args.bos, args.seed, args.device,
-                          progress=not args.quiet, dtype=args.dtype, placement=placement_from_args(args),
-                          backend=args.backend, remote=args.remote)
+    payload = sink_report(
+        args.model,
+        args.n,
+        args.T,
+        args.eps,
+        k_max,
+        args.bos,
+        args.seed,
+        args.device,
+        progress=not args.quiet,
+        dtype=args.dtype,
+        placement=placement_from_args(args),
+        backend=args.backend,
+        remote=args.remote,
+    )
     print(format_sink_table(payload))
     if args.json:
         write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
@@ -207,11 +262,19 @@ def cmd_sinks(args) -> int:
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
     nnsight = bool(args.remote)  # on NDIF: nnsight's own traces (analysis.positions.nnsight_positions)
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
-                       remote=args.remote, **_placement_kwargs(placement_from_args(args)))
+    model = load_model(
+        args.model,
+        device=args.device,
+        dtype=cli_dtype(args.dtype),
+        backend=args.backend,
+        remote=args.remote,
+        **_placement_kwargs(placement_from_args(args)),
+    )
     if getattr(model, "tokenizer", None) is None:
-        raise ValueError(f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
-                         "analysis.positions.every_sink.sink_positions in Python instead.")
+        raise ValueError(
+            f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
+            "analysis.positions.every_sink.sink_positions in Python instead."
+        )
     n_ctx = model.n_ctx if nnsight else model_dims(model).n_ctx
     tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=n_ctx)
     if nnsight:
@@ -219,8 +282,9 @@ def cmd_sinks(args) -> int:
 
         res = nnsight_sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, kind="text")
     else:
-        res = sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet,
-                             kind="text")
+        res = sink_positions(
+            model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet, kind="text"
+        )
     res.meta.setdefault("bos", {})["asked"] = args.bos
     print(format_sinks(res))
     print(res.text())
@@ -249,12 +313,22 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
     from analysis.core.versions import package_versions
     from analysis.model.placement import placement_record
 
-    where = ({"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
-             if nnsight else placement_record(model))
-    payload = {"model": args.model, "text_file": str(path), "bos": args.bos, "n_tokens": res.T, **where,
-               "dtype": args.dtype,
-               "positions": "0-based: position 0 is the first token", **res.to_dict(),
-               "versions": package_versions()}
+    where = (
+        {"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
+        if nnsight
+        else placement_record(model)
+    )
+    payload = {
+        "model": args.model,
+        "text_file": str(path),
+        "bos": args.bos,
+        "n_tokens": res.T,
+        **where,
+        "dtype": args.dtype,
+        "positions": "0-based: position 0 is the first token",
+        **res.to_dict(),
+        "versions": package_versions(),
+    }
     write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
     print(f"wrote {args.json}")
 
@@ -276,11 +350,25 @@ def cmd_report(args) -> int:
     from analysis.model.placement import placement_from_args
     from analysis.report.build import ReportError, build_report
 
-    model = load_model(args.model, device=args.device, dtype=cli_dtype(args.dtype), backend=args.backend,
-                       remote=args.remote, **_placement_kwargs(placement_from_args(args)))
+    model = load_model(
+        args.model,
+        device=args.device,
+        dtype=cli_dtype(args.dtype),
+        backend=args.backend,
+        remote=args.remote,
+        **_placement_kwargs(placement_from_args(args)),
+    )
     try:
-        path = build_report(model, Path(args.out), n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos,
-                            progress=not args.quiet)
+        path = build_report(
+            model,
+            Path(args.out),
+            n=args.n,
+            T=args.T,
+            seed=args.seed,
+            eps=args.eps,
+            bos=args.bos,
+            progress=not args.quiet,
+        )
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -314,31 +402,47 @@ def build_parser() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(prog="sinklens", formatter_class=HelpFormatter,
-                                description="Attention-sink analyses on TransformerLens hooks, and the reference models "
-                                            "they run on. `python -m analysis` is the same command.")
+    p = argparse.ArgumentParser(
+        prog="sinklens",
+        formatter_class=HelpFormatter,
+        description="Attention-sink analyses on TransformerLens hooks, and the reference models "
+        "they run on. `python -m analysis` is the same command.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
 
-    s = sub.add_parser("sink", parents=[model, probe_options(n=SINK_N), sink, place, backend_options()],
-                       formatter_class=HelpFormatter,
-                       help="Sink_1 table on natural, random and repeated inputs")
+    s = sub.add_parser(
+        "sink",
+        parents=[model, probe_options(n=SINK_N), sink, place, backend_options()],
+        formatter_class=HelpFormatter,
+        help="Sink_1 table on natural, random and repeated inputs",
+    )
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser("sinks", parents=[model, sink, place, backend_options()], formatter_class=HelpFormatter,
-                       help="every sink position of one text file (not only the first token); positions 0-based")
-    t.add_argument("--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)")
+    t = sub.add_parser(
+        "sinks",
+        parents=[model, sink, place, backend_options()],
+        formatter_class=HelpFormatter,
+        help="every sink position of one text file (not only the first token); positions 0-based",
+    )
+    t.add_argument(
+        "--text", required=True, help="a UTF-8 text file, read as one sequence (at most the model's context)"
+    )
     t.add_argument("--max-tokens", type=int, default=None, help="keep the first N tokens of the text (None: all)")
-    t.add_argument("--min-queries", type=int, default=None,
-                   help="leave out keys seen by fewer queries (None: min(16, T // 2))")
+    t.add_argument(
+        "--min-queries", type=int, default=None, help="leave out keys seen by fewer queries (None: min(16, T // 2))"
+    )
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser("report", parents=[model, probe_options(n=REPORT_N), sink, place, backend_options()],
-                       formatter_class=HelpFormatter,
-                       help="one self-contained HTML page and a JSON with every number")
+    r = sub.add_parser(
+        "report",
+        parents=[model, probe_options(n=REPORT_N), sink, place, backend_options()],
+        formatter_class=HelpFormatter,
+        help="one self-contained HTML page and a JSON with every number",
+    )
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 

@@ -7,6 +7,7 @@ A random model in Llama's layout (4 layers, 8 KV heads of 32 dims, vocabulary 96
 layer's cache held at any step, the cache's size at the end, the process's peak memory over the loaded model
 (``analysis/core/memory.py``: peak RSS on CPU) and the seconds. Run each policy in its own process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,28 +30,48 @@ def main(argv=None) -> None:
     from analysis.core.memory import peak_mib, reset_peak
 
     warnings.simplefilter("ignore")
-    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=8, max_position_embeddings=args.context, initializer_range=0.3,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=args.context,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     cache, held = (sink_cache(hf, window=args.window, sinks=args.sinks) if args.policy == "sinks" else None), []
     for layer in cache.layers if cache is not None else ():
+
         def recorded(*a, _update=layer.update, **k):
             out = _update(*a, **k)
             held.append(out[0].shape[-2])
             return out
+
         layer.update = recorded
     base, t0 = reset_peak("cpu"), time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(ids, cache=cache, max_new_tokens=2 * args.context, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, return_dict_in_generate=True)
+        out = hf.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=2 * args.context,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
     seconds, used = time.perf_counter() - t0, out.cache if cache is None else cache
     mib = sum(t.numel() * t.element_size() for layer in used.layers for t in (layer.keys, layer.values)) / 2**20
-    print(f"{args.policy}: {out.sequences.shape[1]} tokens (context {args.context}), at most "
-          f"{max(held) if held else used.layers[0].keys.shape[-2]} tokens per layer, cache {mib:.2f} MiB at the end, "
-          f"process peak +{peak_mib('cpu') - base:.1f} MiB over {base:.0f} MiB, {seconds:.0f} s")
+    print(
+        f"{args.policy}: {out.sequences.shape[1]} tokens (context {args.context}), at most "
+        f"{max(held) if held else used.layers[0].keys.shape[-2]} tokens per layer, cache {mib:.2f} MiB at the end, "
+        f"process peak +{peak_mib('cpu') - base:.1f} MiB over {base:.0f} MiB, {seconds:.0f} s"
+    )
 
 
 if __name__ == "__main__":

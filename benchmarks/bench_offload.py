@@ -25,6 +25,7 @@ shards themselves. Free disk is checked first.
 Measured (docs/scale.md, data/scale/offload.json): 25.4 GiB of weights, peak resident 2.93 GiB; the sink table 0.77x
 the forward's time and 0.98x its memory, the massive table 0.81x and 0.83x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,17 @@ GIB = 2**30
 def shapes(a) -> tuple[dict[str, tuple[int, ...]], list[dict[str, tuple[int, ...]]]]:
     """(the non-block tensors, one dict per block) of a Llama of these dimensions."""
     hd, D, F = a.d_model // a.heads, a.d_model, a.d_mlp
-    block = {"self_attn.q_proj.weight": (a.heads * hd, D), "self_attn.k_proj.weight": (a.kv_heads * hd, D),
-             "self_attn.v_proj.weight": (a.kv_heads * hd, D), "self_attn.o_proj.weight": (D, a.heads * hd),
-             "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
-             "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    block = {
+        "self_attn.q_proj.weight": (a.heads * hd, D),
+        "self_attn.k_proj.weight": (a.kv_heads * hd, D),
+        "self_attn.v_proj.weight": (a.kv_heads * hd, D),
+        "self_attn.o_proj.weight": (D, a.heads * hd),
+        "mlp.gate_proj.weight": (F, D),
+        "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F),
+        "input_layernorm.weight": (D,),
+        "post_attention_layernorm.weight": (D,),
+    }
     rest = {"model.embed_tokens.weight": (a.vocab, D), "model.norm.weight": (D,), "lm_head.weight": (a.vocab, D)}
     return rest, [{f"model.layers.{i}.{k}": s for k, s in block.items()} for i in range(a.layers)]
 
@@ -65,25 +73,39 @@ def build(a, folder: Path) -> None:
     from analysis.model.loading import smollm2_dir
 
     dtype = getattr(torch, a.dtype)
-    LlamaConfig(hidden_size=a.d_model, intermediate_size=a.d_mlp, num_hidden_layers=a.layers,
-                num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
-                max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                bos_token_id=1, eos_token_id=2, dtype=a.dtype).save_pretrained(folder)
+    LlamaConfig(
+        hidden_size=a.d_model,
+        intermediate_size=a.d_mlp,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        vocab_size=a.vocab,
+        max_position_embeddings=8192,
+        rope_theta=5e5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype=a.dtype,
+    ).save_pretrained(folder)
     AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(folder)
     g = torch.Generator().manual_seed(0)
     rest, blocks = shapes(a)
     index, total = {}, 0
     for i, shard in enumerate([rest, *blocks]):
         name = f"model-{i:05d}.safetensors"
-        tensors = {k: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02).to(dtype)
-                   for k, s in shard.items()}
+        tensors = {
+            k: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02).to(dtype)
+            for k, s in shard.items()
+        }
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         index.update({k: name for k in tensors})
         del tensors
         print(f"  shard {i + 1}/{len(blocks) + 1} written ({total / GIB:.1f} GiB)", flush=True)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": index}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+    )
 
 
 def measure(fn) -> tuple[float, float]:
@@ -114,9 +136,11 @@ def run(a, folder: Path) -> dict:
 
     out = {"load_s": load_s, "resident_after_load_mib": _rss()}
     got = {}
-    for name, fn in (("forward", forward),
-                     ("sink", lambda: got.__setitem__("sink", profile(model, probes, analyses=("sink",)))),
-                     ("massive", lambda: got.__setitem__("massive", profile(model, probes, analyses=("massive",))))):
+    for name, fn in (
+        ("forward", forward),
+        ("sink", lambda: got.__setitem__("sink", profile(model, probes, analyses=("sink",)))),
+        ("massive", lambda: got.__setitem__("massive", profile(model, probes, analyses=("massive",)))),
+    ):
         sec, peak = measure(fn)
         out[name] = {"s": round(sec, 2), "peak_rss_mib": round(peak)}
         print(f"  {name}: {sec:.1f} s, peak resident {peak / 1024:.2f} GiB", flush=True)
@@ -142,7 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=49152, help="SmolLM2's tokenizer is used: at least 49152")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--n", type=int, default=2, help="sequences per probe kind (2: the measured run, about 15 minutes on 2 cores)")
+    p.add_argument(
+        "--n", type=int, default=2, help="sequences per probe kind (2: the measured run, about 15 minutes on 2 cores)"
+    )
     p.add_argument("--T", type=int, default=32, help="tokens per sequence")
     p.add_argument("--dir", default="/work/tmp/bench_offload", help="where the weights are written (removed after)")
     p.add_argument("--keep", action="store_true", help="keep the weights")
@@ -155,8 +181,11 @@ def main(argv=None) -> int:
     free = shutil.disk_usage(folder).free
     print(f"weights: {need / GIB:.1f} GiB ({a.dtype}); free disk at {folder}: {free / GIB:.1f} GiB", flush=True)
     if free < need * 1.05 + GIB:
-        print(f"error: not enough free disk: need {need / GIB:.1f} GiB and 1 GiB spare; pass --layers fewer or "
-              "--dir on a larger disk.", file=sys.stderr)
+        print(
+            f"error: not enough free disk: need {need / GIB:.1f} GiB and 1 GiB spare; pass --layers fewer or "
+            "--dir on a larger disk.",
+            file=sys.stderr,
+        )
         return 2
     try:
         t = time.perf_counter()

@@ -36,6 +36,7 @@ forward: on the 2-core machine a forward's time drifts by up to 10% over minutes
 work priced at the fastest moment put about 1 forward pass of that drift into the overhead; that figure is printed
 beside it. On a shared machine, read the ratios within one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,11 +60,17 @@ def main() -> None:
     p.add_argument("--n", type=int, default=32)
     p.add_argument("--T", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=3, help="plain forward passes to time before the reports (best is kept)")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="plain forward passes to time before the reports (best is kept)"
+    )
     p.add_argument("--reports", type=int, default=2, help="reports to time (each followed by one more forward)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backend", default=CLI_BACKEND, choices=BACKENDS,
-                   help="what runs the report's passes (the report command's --backend; its default)")
+    p.add_argument(
+        "--backend",
+        default=CLI_BACKEND,
+        choices=BACKENDS,
+        help="what runs the report's passes (the report command's --backend; its default)",
+    )
     args = p.parse_args()
 
     from analysis import load_model, natural_probe
@@ -113,10 +120,19 @@ def main() -> None:
     paired = [r[0][0] / a for r, a in zip(reps, around)]
     report_s = statistics.median(r[0][0] for r in reps)
     print(work.text(split, base, report_s, fastest=fwd[0]))
-    print("each report against the forwards on either side of it: " + ", ".join(
-        f"{r[0][0]:.1f} s / {a:.2f} s = {x:.1f} ({x - floor:.1f} above)" for r, a, x in zip(reps, around, paired)))
-    _print_targets(statistics.median(paired), floor, reps[0][0][1] / max(fwd[1], 1e-9), priced=base < split,
-                   fastest=report_s / fwd[0])
+    print(
+        "each report against the forwards on either side of it: "
+        + ", ".join(
+            f"{r[0][0]:.1f} s / {a:.2f} s = {x:.1f} ({x - floor:.1f} above)" for r, a, x in zip(reps, around, paired)
+        )
+    )
+    _print_targets(
+        statistics.median(paired),
+        floor,
+        reps[0][0][1] / max(fwd[1], 1e-9),
+        priced=base < split,
+        fastest=report_s / fwd[0],
+    )
     _print_profile(reps, around, kinds=PROBE_KINDS)
 
 
@@ -165,8 +181,9 @@ def base_forward(model, tokens, bs: int, device) -> None:
     from analysis.model.hooks import act_name, model_dims
     from analysis.engine.passes import run_with_reducers
 
-    run_with_reducers(model, tokens.to(device), [], batch_size=bs,
-                      stop_after=act_name("resid_post", model_dims(model).n_layers - 1))
+    run_with_reducers(
+        model, tokens.to(device), [], batch_size=bs, stop_after=act_name("resid_post", model_dims(model).n_layers - 1)
+    )
 
 
 class ModelWork:
@@ -214,32 +231,38 @@ class ModelWork:
         and those a gradient flowed back through, each at the forward's price times the measured backward's."""
         block, unembed = base_s / forward_s / self.n_layers, max(1 - base_s / forward_s, 0.0)
         return (self.blocks + self.backward * self.back_blocks) * block + (
-            self.unembeds + self.backward * self.back_unembeds) * unembed
+            self.unembeds + self.backward * self.back_unembeds
+        ) * unembed
 
     def text(self, forward_s: float, base_s: float, report_s: float, *, fastest: float) -> str:
         block = base_s / forward_s / self.n_layers  # one block, in forward passes
         unembed = max(1 - base_s / forward_s, 0.0)
         floor = self.floor(forward_s, base_s)
-        return (f"model work of one report: {self.blocks:.1f} blocks ({self.blocks / self.n_layers:.2f} x {self.n_layers}) "
-                f"and {self.unembeds:.1f} unembeddings forward, {self.back_blocks:.1f} blocks and {self.back_unembeds:.1f} "
-                f"unembeddings backward (a backward {self.backward:.2f} of its forward) over the N x T tokens = {floor:.1f} "
-                f"forward passes (a block {block:.3f}, the unembedding {unembed:.2f} of a forward); the median report "
-                f"against the run's fastest forward takes {report_s / fastest:.1f}: {report_s / fastest - floor:.1f} "
-                f"forward passes ({report_s - floor * fastest:.1f} s) above its model work")
+        return (
+            f"model work of one report: {self.blocks:.1f} blocks ({self.blocks / self.n_layers:.2f} x {self.n_layers}) "
+            f"and {self.unembeds:.1f} unembeddings forward, {self.back_blocks:.1f} blocks and {self.back_unembeds:.1f} "
+            f"unembeddings backward (a backward {self.backward:.2f} of its forward) over the N x T tokens = {floor:.1f} "
+            f"forward passes (a block {block:.3f}, the unembedding {unembed:.2f} of a forward); the median report "
+            f"against the run's fastest forward takes {report_s / fastest:.1f}: {report_s / fastest - floor:.1f} "
+            f"forward passes ({report_s - floor * fastest:.1f} s) above its model work"
+        )
 
 
 def _print(args, bs: int, fwd, fwds, reps, size) -> None:
     where = "GPU allocated" if args.device == "cuda" else "process RSS"
-    print(f"model {args.model}, N={args.n} natural sequences x T={args.T} tokens, batch {bs}, {args.device}, "
-          f"{torch.get_num_threads()} threads; forward runs (s): {', '.join(f'{f[0]:.2f}' for f in fwds)}")
+    print(
+        f"model {args.model}, N={args.n} natural sequences x T={args.T} tokens, batch {bs}, {args.device}, "
+        f"{torch.get_num_threads()} threads; forward runs (s): {', '.join(f'{f[0]:.2f}' for f in fwds)}"
+    )
     print(f"{'':<16}{'wall (s)':>10}{'x forward':>11}{'peak MiB':>11}{'+MiB':>9}{'x forward':>11}   ({where})")
     print(f"{'plain forward':<16}{fwd[0]:>10.2f}{1.0:>11.1f}{fwd[1]:>11.0f}{fwd[2]:>9.0f}{1.0:>11.1f}")
     for i, (rep, seconds) in enumerate(reps):
-        print(f"{f'full report {i + 1}':<16}{rep[0]:>10.2f}{rep[0] / fwd[0]:>11.1f}{rep[1]:>11.0f}{rep[2]:>9.0f}"
-              f"{rep[1] / max(fwd[1], 1e-9):>11.2f}")
+        print(
+            f"{f'full report {i + 1}':<16}{rep[0]:>10.2f}{rep[0] / fwd[0]:>11.1f}{rep[1]:>11.0f}{rep[2]:>9.0f}"
+            f"{rep[1] / max(fwd[1], 1e-9):>11.2f}"
+        )
         print("  sections (s): " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     print("files: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in size.items()))
-
 
 
 def _print_targets(t_ratio: float, floor: float, m_ratio: float, priced: bool = True, *, fastest: float) -> str:
@@ -249,12 +272,17 @@ def _print_targets(t_ratio: float, floor: float, m_ratio: float, priced: bool = 
     whole forward (a loaded machine), so the model work has no price and the time target is not judged. ``fastest``:
     the median report against the run's fastest forward, printed beside it."""
     over = t_ratio - floor
-    verdict = ("met" if over <= OVERHEAD_TARGET else "NOT met") if priced else (
-        "not judged: the blocks timed slower than the whole forward (a loaded machine), re-run on an idle one")
-    print(f"targets (time: median report against the forwards beside it; memory: first report): time {t_ratio:.1f}x a "
-          f"forward, {over:.1f} forward passes above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {verdict} "
-          f"(against the run's fastest forward: {fastest - floor:.1f}); peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x "
-          f"{'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}")
+    verdict = (
+        ("met" if over <= OVERHEAD_TARGET else "NOT met")
+        if priced
+        else ("not judged: the blocks timed slower than the whole forward (a loaded machine), re-run on an idle one")
+    )
+    print(
+        f"targets (time: median report against the forwards beside it; memory: first report): time {t_ratio:.1f}x a "
+        f"forward, {over:.1f} forward passes above its counted model work ({floor:.1f}) <= {OVERHEAD_TARGET:g} {verdict} "
+        f"(against the run's fastest forward: {fastest - floor:.1f}); peak memory {m_ratio:.2f}x <= {MEMORY_TARGET:g}x "
+        f"{'met' if m_ratio <= MEMORY_TARGET else 'NOT met'}"
+    )
 
 
 PROBE_KINDS = 3  # the report's profile passes: natural, random and repeated tokens, each N x T
@@ -265,8 +293,10 @@ def _print_profile(reps, around, *, kinds: int) -> None:
     as the forward), against the forwards beside each report; the median over reports, and the target."""
     per = [r[1]["profile"] / kinds / a for r, a in zip(reps, around)]
     x = statistics.median(per)
-    print(f"profile pass: {', '.join(f'{v:.2f}' for v in per)} forward passes per probe kind (median {x:.2f}) <= "
-          f"{PROFILE_TARGET:g} {'met' if x <= PROFILE_TARGET else 'NOT met'}")
+    print(
+        f"profile pass: {', '.join(f'{v:.2f}' for v in per)} forward passes per probe kind (median {x:.2f}) <= "
+        f"{PROFILE_TARGET:g} {'met' if x <= PROFILE_TARGET else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ Targets (issue 22): the fused sink metric <= 1.1x the forward in time and in pea
 the report within minutes on the 8B shape (judged here as <= 5 minutes). A measurement that fails (an error, not an
 out-of-memory) makes the run exit 1 after the others are done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,16 +94,47 @@ from analysis.model.reference.data import stdlib_docstrings, train_bpe  # noqa: 
 from analysis.core.versions import package_versions  # noqa: E402
 
 SHAPES = {  # Llama-shaped random models: LlamaConfig fields (vocab None: the tokenizer's)
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=None, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=None,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
 }
-METHODS = ("forward", "forward-base", "sink-fused", "sink-cli", "massive-fused", "massive", "sink-streamed", "sink-eager", "report")
+METHODS = (
+    "forward",
+    "forward-base",
+    "sink-fused",
+    "sink-cli",
+    "massive-fused",
+    "massive",
+    "sink-streamed",
+    "sink-eager",
+    "report",
+)
 TIME_TARGET = MEMORY_TARGET = 1.1  # the fused sink metric against the forward
 # issue 39's targets, as (time, memory) ratios to the SDPA forward and the T they are judged at (None: every T)
-TARGETS = {"sink-fused": (1.1, 1.1, None), "sink-cli": (1.1, 1.1, None), "massive-fused": (1.2, 1.2, None), "sink-streamed": (2.0, None, 8192),
-           "massive": (1.5, 1.5, None)}
+TARGETS = {
+    "sink-fused": (1.1, 1.1, None),
+    "sink-cli": (1.1, 1.1, None),
+    "massive-fused": (1.2, 1.2, None),
+    "sink-streamed": (2.0, None, 8192),
+    "massive": (1.5, 1.5, None),
+}
 REPORT_TARGET_S = 300.0  # "the report within minutes on the 8B shape"
 
 
@@ -132,9 +164,17 @@ def build_model(shape: str, dtype: torch.dtype, device: str, *, layers: int | No
     spec["vocab_size"] = spec["vocab_size"] or len(tok)
     spec["num_hidden_layers"] = layers or spec["num_hidden_layers"]
     spec["max_position_embeddings"] = max(spec["max_position_embeddings"], max_T)
-    cfg = LlamaConfig(**spec, rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta}, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        **spec,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     with torch.device(device):  # parameters created and initialised on the device, in dtype
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -181,8 +221,11 @@ def _sink_fields(alpha: torch.Tensor) -> dict:
 def _massive_fields(res) -> dict:
     top = res.top_values[..., 0]  # (N, L): each sample and layer's largest |a|
     ratio = top / res.median.clamp_min(1e-30)
-    return {"top_abs": float(top.max()), "top_over_median": float(ratio.max()),
-            "first_token_spike_dims": sorted({d for ds in res.first_token_dims.values() for d in ds})}
+    return {
+        "top_abs": float(top.max()),
+        "top_over_median": float(ratio.max()),
+        "first_token_spike_dims": sorted({d for ds in res.first_token_dims.values() for d in ds}),
+    }
 
 
 def sink_fused(model, tokens):
@@ -196,9 +239,17 @@ def _kernels(meta: dict) -> str:
 
 
 def massive_fused(model, tokens):
-    res, (mass,) = sink_pass(model, tokens, path="fused", batch_size=tokens.shape[0],
-                             make_accumulators=lambda: [massive_accumulator(model, tokens.shape)])
-    return f"{ATTN_NAME} (fused kernel + lse: {_kernels(res.meta)})", {**_sink_fields(res.alpha), **_massive_fields(mass)}
+    res, (mass,) = sink_pass(
+        model,
+        tokens,
+        path="fused",
+        batch_size=tokens.shape[0],
+        make_accumulators=lambda: [massive_accumulator(model, tokens.shape)],
+    )
+    return f"{ATTN_NAME} (fused kernel + lse: {_kernels(res.meta)})", {
+        **_sink_fields(res.alpha),
+        **_massive_fields(mass),
+    }
 
 
 def sink_cli(model, tokens):
@@ -242,18 +293,29 @@ def report(model, tokens, *, n: int, T: int, seed: int):
             payload = json.loads((Path(out) / "report.json").read_text())
     finally:
         model.pass_backend = old
-    fields = {"sink_1": payload["sections"].get("sink", {}).get("sink_1_pct", {}).get("natural"),
-              "first_token_spike_dims": payload.get("first_token_spike_dims"), "report_errors": payload.get("errors"),
-              "report_seconds": payload.get("seconds"), "_error": error}
+    fields = {
+        "sink_1": payload["sections"].get("sink", {}).get("sink_1_pct", {}).get("natural"),
+        "first_token_spike_dims": payload.get("first_token_spike_dims"),
+        "report_errors": payload.get("errors"),
+        "report_seconds": payload.get("seconds"),
+        "_error": error,
+    }
     if fields["sink_1"] is not None:
         fields["sink_1"] /= 100
     ran = sorted({v["backend"] for v in (payload["config"].get("backend") or {}).values()})
     return f"auto: the profile pass on {', '.join(ran)}", fields
 
 
-RUNS = {"forward": lambda m, t: _forward(m, t, base=False), "forward-base": lambda m, t: _forward(m, t, base=True),
-        "sink-fused": sink_fused, "sink-cli": sink_cli, "massive-fused": massive_fused, "massive": massive, "sink-streamed": sink_streamed,
-        "sink-eager": sink_eager}
+RUNS = {
+    "forward": lambda m, t: _forward(m, t, base=False),
+    "forward-base": lambda m, t: _forward(m, t, base=True),
+    "sink-fused": sink_fused,
+    "sink-cli": sink_cli,
+    "massive-fused": massive_fused,
+    "massive": massive,
+    "sink-streamed": sink_streamed,
+    "sink-eager": sink_eager,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,16 +353,22 @@ def timed(fn, device: str, *, repeat: int, warmup: bool = True) -> dict:
         _free(device)
         return {"status": "oom"}
     attn, fields = box["out"]
-    return {"status": "ok", "attn": attn, "wall_s": min(r[0] for r in runs), "peak_mib": max(r[1] for r in runs),
-            "peak_above_mib": max(r[2] for r in runs), "repeats": len(runs), **fields}
+    return {
+        "status": "ok",
+        "attn": attn,
+        "wall_s": min(r[0] for r in runs),
+        "peak_mib": max(r[1] for r in runs),
+        "peak_above_mib": max(r[2] for r in runs),
+        "repeats": len(runs),
+        **fields,
+    }
 
 
 def ratios(row: dict, unit: dict | None) -> None:
     """x forward in time and in peak above weights (None where the forward has no measurement)."""
     ok = unit is not None and unit.get("status") == "ok" and row.get("status") in ("ok", "error") and "wall_s" in row
     row["x_forward_time"] = row["wall_s"] / unit["wall_s"] if ok and unit["wall_s"] > 0 else None
-    row["x_forward_mem"] = (row["peak_above_mib"] / unit["peak_above_mib"]
-                            if ok and unit["peak_above_mib"] > 0 else None)
+    row["x_forward_mem"] = row["peak_above_mib"] / unit["peak_above_mib"] if ok and unit["peak_above_mib"] > 0 else None
 
 
 class Writer:
@@ -331,8 +399,10 @@ def _num(x, fmt: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """The measurements as a markdown table."""
-    head = ("| dtype | T | N | method | attention | status | time (s) | x forward | peak above weights (MiB) "
-            "| x forward | Sink_1 | top abs(a) |")
+    head = (
+        "| dtype | T | N | method | attention | status | time (s) | x forward | peak above weights (MiB) "
+        "| x forward | Sink_1 | top abs(a) |"
+    )
     lines = [head, "|" + " --- |" * 12]
     for r in rows:
         if r["method"] == "build":
@@ -341,7 +411,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['dtype']} | {r['T']} | {r.get('batch', '-')} | {r['method']} | {r.get('attn', '-')} | {r['status']} "
             f"| {_num(r.get('wall_s'), '.3f')} | {_num(r.get('x_forward_time'), '.2f')} "
             f"| {_num(r.get('peak_above_mib'), '.0f')} | {_num(r.get('x_forward_mem'), '.2f')} "
-            f"| {_num(r.get('sink_1'), '.3f')} | {_num(r.get('top_abs'), '.1f')} |")
+            f"| {_num(r.get('sink_1'), '.3f')} | {_num(r.get('top_abs'), '.1f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -358,8 +429,10 @@ def _target_line(r: dict) -> str | None:
     want = f"<= {t_max:g}x in time" + (f" and <= {m_max:g}x in memory" if m_max is not None else "")
     if r["method"] == "sink-fused":
         want = f"<= {t_max:g}x in both"
-    return (f"{r['dtype']} T={r['T']}: {r['method']} costs {t:.2f}x the SDPA forward's time and {_num(m, '.2f')}x its "
-            f"peak memory above weights; target {want}: {verdict}.")
+    return (
+        f"{r['dtype']} T={r['T']}: {r['method']} costs {t:.2f}x the SDPA forward's time and {_num(m, '.2f')}x its "
+        f"peak memory above weights; target {want}: {verdict}."
+    )
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -371,10 +444,12 @@ def targets(rows: list[dict]) -> list[str]:
             out.append(line)
         if r["method"] == "report" and r["status"] in ("ok", "error") and "wall_s" in r:
             met = r["wall_s"] <= REPORT_TARGET_S and r["status"] == "ok"
-            out.append(f"{r['dtype']}: the report (N={r['batch']}, T={r['T']}) takes {r['wall_s']:.1f} s "
-                       f"({r['wall_s'] / 60:.1f} min, {_num(r.get('x_forward_time'), '.1f')}x a forward over its probe)"
-                       f"{'' if r['status'] == 'ok' else ' and FAILED'}; target <= {REPORT_TARGET_S / 60:g} min: "
-                       f"{'met' if met else 'NOT met'}.")
+            out.append(
+                f"{r['dtype']}: the report (N={r['batch']}, T={r['T']}) takes {r['wall_s']:.1f} s "
+                f"({r['wall_s'] / 60:.1f} min, {_num(r.get('x_forward_time'), '.1f')}x a forward over its probe)"
+                f"{'' if r['status'] == 'ok' else ' and FAILED'}; target <= {REPORT_TARGET_S / 60:g} min: "
+                f"{'met' if met else 'NOT met'}."
+            )
     return out
 
 
@@ -396,16 +471,26 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="N sequences per T, run as one batch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="append one JSON line per measurement to this file")
-    p.add_argument("--methods", type=_csv(str), default=list(METHODS), help=f"comma-separated among {','.join(METHODS)}"
-                   " (forward, the unit, always runs)")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per method after a warm-up; the least time is kept")
+    p.add_argument(
+        "--methods",
+        type=_csv(str),
+        default=list(METHODS),
+        help=f"comma-separated among {','.join(METHODS)} (forward, the unit, always runs)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per method after a warm-up; the least time is kept"
+    )
     p.add_argument("--report-n", type=int, default=8, help="natural sequences per probe kind of the report")
     p.add_argument("--report-t", type=int, default=64, help="tokens per sequence of the report")
     p.add_argument("--budget-s", type=float, help="start no new measurement once this many seconds have passed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)")
-    p.add_argument("--sink-kernel", choices=list(SINK_KERNELS), help="the fused sink path's kernel where the device "
-                   "has it (default: analysis.engine.kernels.sink_kernel's table), to compare kernels in one run")
+    p.add_argument(
+        "--sink-kernel",
+        choices=list(SINK_KERNELS),
+        help="the fused sink path's kernel where the device "
+        "has it (default: analysis.engine.kernels.sink_kernel's table), to compare kernels in one run",
+    )
     args = p.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
@@ -430,31 +515,60 @@ def run(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     per_T = [m for m in args.methods if m != "report"]
     for dtype, dname in zip(args.dtypes, args.dtype):
         base = {"shape": args.shape, "dtype": dname, "device": device, "gpu": gpu, "layers": args.layers}
-        plan = [(T, m) for i, T in enumerate(args.seq)  # the report once, after the smallest T
-                for m in per_T + (["report"] if i == 0 and "report" in args.methods else [])]
+        plan = [
+            (T, m)
+            for i, T in enumerate(args.seq)  # the report once, after the smallest T
+            for m in per_T + (["report"] if i == 0 and "report" in args.methods else [])
+        ]
         if args.budget_s is not None and time.perf_counter() - t0 >= args.budget_s:  # not even the model
             for T, m in plan:
                 skipped.append(f"{dname} T={args.report_t if m == 'report' else T} {m}")
-                writer.write({**base, "T": args.report_t if m == "report" else T, "method": m, "status": "skipped",
-                              "reason": "budget"})
+                writer.write(
+                    {
+                        **base,
+                        "T": args.report_t if m == "report" else T,
+                        "method": m,
+                        "status": "skipped",
+                        "reason": "budget",
+                    }
+                )
             continue
         built = time.perf_counter()
         model = build_model(args.shape, dtype, device, layers=args.layers, max_T=max(args.seq), seed=args.seed)
         gc.collect()
         gc.freeze()  # the libraries' and the model's objects: every later collection skips them
         try:
-            writer.write({**base, "T": None, "method": "build", "status": "ok", "model": model.model_name,
-                          "wall_s": time.perf_counter() - built, "weights_mib": weights_mib(model),
-                          "n_layers": model.cfg.n_layers, "n_ctx": model.cfg.n_ctx, "versions": package_versions()})
+            writer.write(
+                {
+                    **base,
+                    "T": None,
+                    "method": "build",
+                    "status": "ok",
+                    "model": model.model_name,
+                    "wall_s": time.perf_counter() - built,
+                    "weights_mib": weights_mib(model),
+                    "n_layers": model.cfg.n_layers,
+                    "n_ctx": model.cfg.n_ctx,
+                    "versions": package_versions(),
+                }
+            )
             base.update(model=model.model_name, layers=model.cfg.n_layers)
-            print(f"{model.model_name} in {dname} on {device}{f' ({gpu})' if gpu else ''}: {weights_mib(model):.0f} "
-                  f"MiB of weights, built in {writer.rows[-1]['wall_s']:.1f} s", flush=True)
+            print(
+                f"{model.model_name} in {dname} on {device}{f' ({gpu})' if gpu else ''}: {weights_mib(model):.0f} "
+                f"MiB of weights, built in {writer.rows[-1]['wall_s']:.1f} s",
+                flush=True,
+            )
             units: dict[int, dict] = {}  # T -> the forward's row
             alpha: dict[int, torch.Tensor] = {}  # T -> the fused path's alpha_1 (N, L, H)
             for i, (T, method) in enumerate(plan):
                 if args.budget_s is not None and time.perf_counter() - t0 >= args.budget_s:
-                    row = {**base, "T": args.report_t if method == "report" else T, "method": method,
-                           "status": "skipped", "reason": "budget"}
+                    row = {
+                        **base,
+                        "T": args.report_t if method == "report" else T,
+                        "method": method,
+                        "status": "skipped",
+                        "reason": "budget",
+                    }
                     skipped.append(f"{dname} T={row['T']} {method}")
                 else:
                     row = measure_one(model, method, T, args, base, units, alpha)
@@ -486,8 +600,10 @@ def measure_one(model, method: str, T: int, args, base: dict, units: dict, alpha
     try:
         if method == "report":  # its unit: the SDPA forward over the report's natural probe
             unit = timed(lambda: RUNS["forward"](model, tokens), device, repeat=args.repeat)
-            row.update(timed(lambda: report(model, tokens, n=n, T=T_run, seed=args.seed), device, repeat=1,
-                             warmup=False), forward_wall_s=unit.get("wall_s"))
+            row.update(
+                timed(lambda: report(model, tokens, n=n, T=T_run, seed=args.seed), device, repeat=1, warmup=False),
+                forward_wall_s=unit.get("wall_s"),
+            )
         else:
             row.update(timed(lambda: RUNS[method](model, tokens), device, repeat=args.repeat))
             if method == "forward":
@@ -495,8 +611,11 @@ def measure_one(model, method: str, T: int, args, base: dict, units: dict, alpha
         if row.get("_error"):
             row.update(status="error", error=row["_error"])
     except Exception as e:  # a failed measurement is recorded, the others still run; the exit code says so
-        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}",
-                   traceback=traceback.format_exc(limit=-3))
+        row.update(
+            status="error",
+            error=f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}",
+            traceback=traceback.format_exc(limit=-3),
+        )
     del tokens
     _free(device)
     ratios(row, unit)
@@ -509,11 +628,13 @@ def measure_one(model, method: str, T: int, args, base: dict, units: dict, alpha
 
 
 def _print_row(r: dict) -> None:
-    print(f"  {r['dtype']} T={r['T']:<6} {r['method']:<14} {r['status']:<8} {_num(r.get('wall_s'), '9.3f')} s "
-          f"x{_num(r.get('x_forward_time'), '.2f')}  {_num(r.get('peak_above_mib'), '9.0f')} MiB above weights "
-          f"x{_num(r.get('x_forward_mem'), '.2f')}  Sink_1 {_num(r.get('sink_1'), '.3f')}"
-          + (f"  ({r['error']})" if r["status"] == "error" else f"  ({r['reason']})" if "reason" in r else ""),
-          flush=True)
+    print(
+        f"  {r['dtype']} T={r['T']:<6} {r['method']:<14} {r['status']:<8} {_num(r.get('wall_s'), '9.3f')} s "
+        f"x{_num(r.get('x_forward_time'), '.2f')}  {_num(r.get('peak_above_mib'), '9.0f')} MiB above weights "
+        f"x{_num(r.get('x_forward_mem'), '.2f')}  Sink_1 {_num(r.get('sink_1'), '.3f')}"
+        + (f"  ({r['error']})" if r["status"] == "error" else f"  ({r['reason']})" if "reason" in r else ""),
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -529,20 +650,27 @@ def main(argv=None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    print(f"bench_scale: {args.shape}, dtypes {args.dtype}, T {args.seq}, N {args.batch}, methods {args.methods}, "
-          f"device {args.device}, torch {torch.__version__}" + (f", budget {args.budget_s:g} s" if args.budget_s
-                                                                  is not None else ""), flush=True)
+    print(
+        f"bench_scale: {args.shape}, dtypes {args.dtype}, T {args.seq}, N {args.batch}, methods {args.methods}, "
+        f"device {args.device}, torch {torch.__version__}"
+        + (f", budget {args.budget_s:g} s" if args.budget_s is not None else ""),
+        flush=True,
+    )
     rows, skipped = run(args)
-    print("\nAll measurements (time: best of the runs; memory: peak above the weights held at the start, "
-          "torch.cuda.max_memory_allocated on CUDA, process RSS on CPU; ratios to the SDPA forward at the same T; "
-          "the report's to a forward over its own probe):\n")
+    print(
+        "\nAll measurements (time: best of the runs; memory: peak above the weights held at the start, "
+        "torch.cuda.max_memory_allocated on CUDA, process RSS on CPU; ratios to the SDPA forward at the same T; "
+        "the report's to a forward over its own probe):\n"
+    )
     print(table(rows))
     print()
     for line in targets(rows):
         print(line)
     if skipped:
-        print(f"\nskipped: the budget of {args.budget_s:g} s had passed before {len(skipped)} measurement(s): "
-              + "; ".join(skipped))
+        print(
+            f"\nskipped: the budget of {args.budget_s:g} s had passed before {len(skipped)} measurement(s): "
+            + "; ".join(skipped)
+        )
     failed = [r for r in rows if r["status"] == "error"]
     for r in failed:
         print(f"FAILED: {r['dtype']} T={r['T']} {r['method']}: {r['error']}")

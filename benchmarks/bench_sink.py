@@ -21,6 +21,7 @@ disturbed run on a shared machine) and its largest peak:
 saves its alpha; the table prints the largest |difference| from the eager sink's (d) (for (c'), from (d') where it
 ran, else over the keys (d) keeps). Ratios are to (a) at the same T, all from one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,13 +109,23 @@ def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str)
         with torch.inference_mode():
             for b in batches(tokens, bs):
                 _, cache = bridge.run_with_cache(b.to(device))
-                alpha.append(torch.stack(
-                    [alpha_from_pattern(cache[f"blocks.{l}.attn.hook_pattern"], K_MAX).cpu() for l in range(L)], 1))
+                alpha.append(
+                    torch.stack(
+                        [alpha_from_pattern(cache[f"blocks.{l}.attn.hook_pattern"], K_MAX).cpu() for l in range(L)], 1
+                    )
+                )
                 del cache
 
-    fns = {"sdpa": lambda: sdpa(False), "sdpa_base": lambda: sdpa(True), "fused": fused, "fused_all": lambda: fused(T),
-           "eager": lambda: alpha.append(_eager_sink(bridge, tokens, bs)),
-           "eager_all": lambda: alpha.append(_eager_sink(bridge, tokens, bs, T)), "hf_maps": hf_maps, "tl_cache": tl_cache}
+    fns = {
+        "sdpa": lambda: sdpa(False),
+        "sdpa_base": lambda: sdpa(True),
+        "fused": fused,
+        "fused_all": lambda: fused(T),
+        "eager": lambda: alpha.append(_eager_sink(bridge, tokens, bs)),
+        "eager_all": lambda: alpha.append(_eager_sink(bridge, tokens, bs, T)),
+        "hf_maps": hf_maps,
+        "tl_cache": tl_cache,
+    }
     warm = tokens[:1, : min(T, 64)]
     with torch.inference_mode():  # a short warm-up (thread pools, first allocations), outside the measurement
         (hf(input_ids=warm.to(device), use_cache=False) if hf is not None else bridge(warm.to(device)))
@@ -130,8 +141,22 @@ def run_one(method: str, model_name: str, n: int, T: int, device: str, out: str)
 def spawn(method: str, args, n: int, T: int, workdir: str) -> dict:
     """Run ``method`` in a fresh process; its alpha (if any) is left in ``workdir``."""
     out = os.path.join(workdir, f"{method}-{T}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--model", args.model, "--n", str(n),
-           "--T", str(T), "--device", args.device, "--out", out] + (["--threads", str(args.threads)] if args.threads else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        method,
+        "--model",
+        args.model,
+        "--n",
+        str(n),
+        "--T",
+        str(T),
+        "--device",
+        args.device,
+        "--out",
+        out,
+    ] + (["--threads", str(args.threads)] if args.threads else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{METHODS[method]} at T={T} failed:\n{proc.stderr[-3000:]}")
@@ -155,19 +180,28 @@ def alpha_diffs(rows: list[dict], workdir: str) -> None:
 
 def best(runs: list[dict]) -> dict:
     """Over repeated runs of one method: the least wall and CPU time (the least disturbed run), the largest peak."""
-    return {**runs[0], "wall": min(r["wall"] for r in runs), "cpu": min(r["cpu"] for r in runs),
-            "peak": max(r["peak"] for r in runs), "repeats": len(runs)}
+    return {
+        **runs[0],
+        "wall": min(r["wall"] for r in runs),
+        "cpu": min(r["cpu"] for r in runs),
+        "peak": max(r["peak"] for r in runs),
+        "repeats": len(runs),
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'T':>5} {'N':>4}  {'method':<22} {'wall (s)':>9} {'x (a)':>6} {'CPU (s)':>8} {'x (a)':>6}"
-             f" {'peak (MiB)':>11} {'x (a)':>6} {'max |d alpha|':>14}"]
+    lines = [
+        f"{'T':>5} {'N':>4}  {'method':<22} {'wall (s)':>9} {'x (a)':>6} {'CPU (s)':>8} {'x (a)':>6}"
+        f" {'peak (MiB)':>11} {'x (a)':>6} {'max |d alpha|':>14}"
+    ]
     for r in rows:
         a = next(b for b in rows if b["T"] == r["T"] and b["method"] == "sdpa")
         d = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
-        lines.append(f"{r['T']:>5} {r['n']:>4}  {METHODS[r['method']]:<22} {r['wall']:>9.2f} {r['wall'] / a['wall']:>6.2f}"
-                     f" {r['cpu']:>8.2f} {r['cpu'] / a['cpu']:>6.2f} {r['peak']:>11.0f} {r['peak'] / a['peak']:>6.2f}"
-                     f" {d:>14}")
+        lines.append(
+            f"{r['T']:>5} {r['n']:>4}  {METHODS[r['method']]:<22} {r['wall']:>9.2f} {r['wall'] / a['wall']:>6.2f}"
+            f" {r['cpu']:>8.2f} {r['cpu'] / a['cpu']:>6.2f} {r['peak']:>11.0f} {r['peak'] / a['peak']:>6.2f}"
+            f" {d:>14}"
+        )
     return "\n".join(lines)
 
 
@@ -177,8 +211,13 @@ def main() -> None:
     p.add_argument("--T", type=int, nargs="+", default=[64, 1024, 8192])
     p.add_argument("--n", type=int, nargs="+", default=[100, 10, 2], help="N sequences: one value, or one per T")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--repeat", type=int, default=1, help="run each method this many times (rounds interleave "
-                   "the methods); the table keeps the least time and the largest peak")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each method this many times (rounds interleave "
+        "the methods); the table keeps the least time and the largest peak",
+    )
     p.add_argument("--peers-max-T", type=int, default=1024, help="run (e) and (f) only up to this T")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each process (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -194,30 +233,40 @@ def main() -> None:
     ns = args.n * len(args.T) if len(args.n) == 1 else args.n
     if "sdpa" not in args.methods:
         args.methods = ["sdpa", *args.methods]  # the floor every ratio is taken to
-    print(f"model {args.model} on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          "each method in its own process", flush=True)
+    print(
+        f"model {args.model} on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        "each method in its own process",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for T, n in zip(args.T, ns):
             methods = [m for m in args.methods if not (m in PEERS and T > args.peers_max_T)]
             runs: dict[str, list[dict]] = {m: [] for m in methods}
             for rep in range(args.repeat):
-                for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # rotate the order
+                for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate the order
                     r = {"T": T, "n": n, "method": m, **spawn(m, args, n, T, workdir)}
                     runs[m].append(r)
-                    print(f"  T={T:<5} N={n:<4} {METHODS[m]:<22} {r['wall']:8.2f} s wall {r['cpu']:8.2f} s CPU "
-                          f"{r['peak']:9.0f} MiB", flush=True)
+                    print(
+                        f"  T={T:<5} N={n:<4} {METHODS[m]:<22} {r['wall']:8.2f} s wall {r['cpu']:8.2f} s CPU "
+                        f"{r['peak']:9.0f} MiB",
+                        flush=True,
+                    )
             rows += [best(runs[m]) for m in methods]
         alpha_diffs(rows, workdir)
-    print(f"\nbest of {args.repeat} run(s) per method; ratios to (a) at the same T; CPU = process CPU time (user + "
-          "system, all threads); max |d alpha| is the largest difference from (d) over every alpha kept")
+    print(
+        f"\nbest of {args.repeat} run(s) per method; ratios to (a) at the same T; CPU = process CPU time (user + "
+        "system, all threads); max |d alpha| is the largest difference from (d) over every alpha kept"
+    )
     print(table(rows))
     for r in (r for r in rows if r["method"] == "fused_all"):
         a = next(b for b in rows if b["T"] == r["T"] and b["method"] == "sdpa")
         cpu, wall, peak = r["cpu"] / a["cpu"], r["wall"] / a["wall"], r["peak"] / a["peak"]
         ok = "met" if max(cpu, peak) <= TARGET else "NOT met"
-        print(f"T={r['T']}: alpha at every position (c') costs {cpu:.2f}x the SDPA forward's CPU time ({wall:.2f}x its "
-              f"wall time) and {peak:.2f}x its peak memory; target <= {TARGET}x in CPU time and memory: {ok}")
+        print(
+            f"T={r['T']}: alpha at every position (c') costs {cpu:.2f}x the SDPA forward's CPU time ({wall:.2f}x its "
+            f"wall time) and {peak:.2f}x its peak memory; target <= {TARGET}x in CPU time and memory: {ok}"
+        )
 
 
 if __name__ == "__main__":

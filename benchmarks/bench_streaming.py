@@ -13,6 +13,7 @@ decoded one at a time through the Hugging Face model, under the attention functi
 cache size, and the dense/sinks ratios, all from one run. Dense past the model's context (8192 for
 SmolLM2) is measured for its cost only: its perplexity there would be meaningless.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,12 @@ def primed_cache(hf, capacity, sinks, length, device):
 def decode(hf, cache, start, steps, device):
     ids = torch.randint(0, hf.config.vocab_size, (1, steps), device=device)
     for i in range(steps):
-        hf(input_ids=ids[:, i : i + 1], position_ids=torch.tensor([[cache.position(start + i)]], device=device),
-           past_key_values=cache, use_cache=True)
+        hf(
+            input_ids=ids[:, i : i + 1],
+            position_ids=torch.tensor([[cache.position(start + i)]], device=device),
+            past_key_values=cache,
+            use_cache=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -72,16 +77,23 @@ def main(argv=None) -> int:
     from analysis.streaming.perplexity import decode_attention
 
     model = load_model(args.model, device=args.device)
-    with causal_lm(model) as hf, attention_implementation(hf, decode_attention(hf)):  # what `analysis stream` decodes with
+    with (
+        causal_lm(model) as hf,
+        attention_implementation(hf, decode_attention(hf)),
+    ):  # what `analysis stream` decodes with
         return _measure(hf, model.model_name, args)
 
 
 def _measure(hf, name: str, args) -> int:
     """The table, on the model's own causal LM ``hf``."""
-    decode(hf, primed_cache(hf, args.window, args.sinks, args.window + 8, args.device), args.window + 8, 4, args.device)  # warm-up
+    decode(
+        hf, primed_cache(hf, args.window, args.sinks, args.window + 8, args.device), args.window + 8, 4, args.device
+    )  # warm-up
     policies = {"dense": None, f"{args.sinks}+{args.window - args.sinks}": args.window}
-    print(f"{name}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
-          f"{args.steps} tokens decoded after a stream of L tokens")
+    print(
+        f"{name}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"{args.steps} tokens decoded after a stream of L tokens"
+    )
     print(f"{'L':>7} {'policy':>10} {'tokens/s':>9} {'peak MiB':>9} {'KV MiB':>8}")
     rows = {}
     for L in args.lengths:
@@ -98,8 +110,10 @@ def _measure(hf, name: str, args) -> int:
         d, s = rows[L, "dense"], rows[L, sink_label]
         print(f"{L:>7} {s[0] / d[0]:>6.2f}x {s[2] / d[2]:>6.3f}x")
     first, last = args.lengths[0], args.lengths[-1]
-    print(f"tokens/s from L={first} to L={last}: dense x{rows[last, 'dense'][0] / rows[first, 'dense'][0]:.2f}, "
-          f"{sink_label} x{rows[last, sink_label][0] / rows[first, sink_label][0]:.2f}")
+    print(
+        f"tokens/s from L={first} to L={last}: dense x{rows[last, 'dense'][0] / rows[first, 'dense'][0]:.2f}, "
+        f"{sink_label} x{rows[last, sink_label][0] / rows[first, sink_label][0]:.2f}"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ formation.png and command.txt.
 ``--append`` adds the runs to the folder's committed ones (a run measured again replaces its rows) and appends the
 command to its command.txt, so that seeds trained later join a table whose snapshots are gone.
 """
+
 import argparse
 import dataclasses
 import shlex
@@ -23,19 +24,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.figures.formation import plot_formation  # noqa: E402
 from analysis.dynamics.formation import (  # noqa: E402
-    N_RANDOM_CUT, SPIKE_RATIO_FOLLOW, TABLE_FILES, formation_order, load_formation, save_formation)
+    N_RANDOM_CUT,
+    SPIKE_RATIO_FOLLOW,
+    TABLE_FILES,
+    formation_order,
+    load_formation,
+    save_formation,
+)
 
 
 def appended(old, new):
     """``old``'s tables with ``new``'s runs added (a run in both keeps ``new``'s rows), the notes and names joined."""
     if (old.probe_seed, old.n_samples, old.T) != (new.probe_seed, new.n_samples, new.T):
-        sys.exit(f"--append: the folder's probe (seed {old.probe_seed}, {old.n_samples} x {old.T}) differs from this "
-                 f"run's (seed {new.probe_seed}, {new.n_samples} x {new.T}); pass the same --probe-seed.")
+        sys.exit(
+            f"--append: the folder's probe (seed {old.probe_seed}, {old.n_samples} x {old.T}) differs from this "
+            f"run's (seed {new.probe_seed}, {new.n_samples} x {new.T}); pass the same --probe-seed."
+        )
     tables = {}
     for name in TABLE_FILES:
         a, b = getattr(old, name), getattr(new, name)
         tables[name] = pd.concat([a[~a.run.isin(set(b.run))], b], ignore_index=True).sort_values(
-            "run", kind="stable", ignore_index=True)
+            "run", kind="stable", ignore_index=True
+        )
     runs = sorted(set(tables["followed"].run))
     n_old, n_new = (len(r.formation[["run", "step"]].drop_duplicates()) for r in (old, new))
     per_model = (old.seconds_per_model * n_old + new.seconds_per_model * n_new) / max(1, n_old + n_new)
@@ -48,15 +58,25 @@ def main() -> None:
     p.add_argument("runs", type=Path, help="a folder of runs (each with snapshots/step-*), or one run folder")
     p.add_argument("--out", type=Path, required=True, help="where to write formation.csv, onsets.csv, formation.png")
     p.add_argument("--probe-seed", type=int, default=2024, help="seed of the held-out probe (100 x 64 tokens)")
-    p.add_argument("--ratio", type=float, default=SPIKE_RATIO_FOLLOW,
-                   help="the final model's spike dims: at least this many times the first token's median")
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=SPIKE_RATIO_FOLLOW,
+        help="the final model's spike dims: at least this many times the first token's median",
+    )
     p.add_argument("--n-random", type=int, default=N_RANDOM_CUT, help="random-neuron draws in each writer cut")
-    p.add_argument("--append", action="store_true",
-                   help="add these runs to the tables already in --out (written by this script), not replace them")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add these runs to the tables already in --out (written by this script), not replace them",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
-    runs = [args.runs] if (args.runs / "snapshots").is_dir() else sorted(
-        d for d in args.runs.iterdir() if (d / "snapshots").is_dir())
+    runs = (
+        [args.runs]
+        if (args.runs / "snapshots").is_dir()
+        else sorted(d for d in args.runs.iterdir() if (d / "snapshots").is_dir())
+    )
     if not runs:
         sys.exit(f"{args.runs} holds no run folder with snapshots/ (train with --snapshots, e.g. --preset induction).")
     try:  # refused before any work, in one line, when the folder lacks the tables to append to
@@ -76,8 +96,10 @@ def main() -> None:
     plot_formation(res).savefig(args.out / "formation.png", dpi=130)
     print(res.text())
     n = len(res.formation[["run", "step"]].drop_duplicates())
-    print(f"{len(runs)} runs, {n} models in {took:.1f} s ({res.seconds_per_model:.2f} s a model on one thread); "
-          f"written to {args.out}")
+    print(
+        f"{len(runs)} runs, {n} models in {took:.1f} s ({res.seconds_per_model:.2f} s a model on one thread); "
+        f"written to {args.out}"
+    )
 
 
 if __name__ == "__main__":

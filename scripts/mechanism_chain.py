@@ -3,6 +3,7 @@ per run, written to DIR/chain.csv.
 
     python scripts/mechanism_chain.py data/emergence/mechanism
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -31,9 +32,16 @@ def main() -> None:
 
         data = build_data(TrainConfig.from_dict({**tcfg, "seed": args.probe_seed}), model.cfg.n_ctx)
         chain = mechanism_chain(model, data.probe(100, 64))
-        rows.append({"run": run.parent.name, "attention": model.cfg.attention, "seed": tcfg["seed"],
-                     "val_loss": model.reference_config["final"]["val_loss"],
-                     **{k: v for k, v in chain.items() if k != "spike_dims"}, "spike_dims": str(chain["spike_dims"])})
+        rows.append(
+            {
+                "run": run.parent.name,
+                "attention": model.cfg.attention,
+                "seed": tcfg["seed"],
+                "val_loss": model.reference_config["final"]["val_loss"],
+                **{k: v for k, v in chain.items() if k != "spike_dims"},
+                "spike_dims": str(chain["spike_dims"]),
+            }
+        )
         print(rows[-1])
     out = args.sweep / "chain.csv"
     pd.DataFrame(rows).to_csv(out, index=False)

@@ -9,6 +9,7 @@ the notebooks resolves on the site as it does on a code host, and the API refere
   no edit here.
 - A nav entry whose value holds a ``*`` (``notebooks/*.ipynb``) lists the matching pages not already in the nav.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -23,7 +24,9 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/**/*", "notebooks/*.ipynb")  # the repository files the site is made of
 LINK = re.compile(r"\]\(\s*<?([^)\s>#]+)")
-MODULE_OPTIONS = "    options:\n      members: false\n      show_root_heading: false\n      show_root_toc_entry: false\n"
+MODULE_OPTIONS = (
+    "    options:\n      members: false\n      show_root_heading: false\n      show_root_toc_entry: false\n"
+)
 ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|obj|exc):(?=<code>)")  # a Sphinx role before its name
 
 
@@ -41,14 +44,17 @@ def api_pages() -> dict[str, str]:
     groups = defaultdict(list)
     for name, module in public_names().items():
         groups[module.split(".")[1]].append(f"{module}.{name}")
-    pages = {"api/index.md": "# API reference\n\nEvery public name, imported as `from analysis import NAME`.\n\n"
-                             f"::: analysis\n{MODULE_OPTIONS}\n"
-                             "| name | defined in |\n| --- | --- |\n"}
+    pages = {
+        "api/index.md": "# API reference\n\nEvery public name, imported as `from analysis import NAME`.\n\n"
+        f"::: analysis\n{MODULE_OPTIONS}\n"
+        "| name | defined in |\n| --- | --- |\n"
+    }
     for sub, paths in sorted(groups.items()):
         entries = "\n".join(f"::: {path}\n" for path in paths)
         pages[f"api/{sub}.md"] = f"# analysis.{sub}\n\n::: analysis.{sub}\n{MODULE_OPTIONS}\n{entries}"
-        pages["api/index.md"] += "".join(f"| [`{p.rsplit('.', 1)[1]}`][{p}] | `{p.rsplit('.', 1)[0]}` |\n"
-                                         for p in paths)
+        pages["api/index.md"] += "".join(
+            f"| [`{p.rsplit('.', 1)[1]}`][{p}] | `{p.rsplit('.', 1)[0]}` |\n" for p in paths
+        )
     return pages
 
 

@@ -5,6 +5,7 @@ appends the command to propositions_command.txt.
 
     python scripts/positions_propositions.py data/emergence/positions
 """
+
 import argparse
 import shlex
 import sys

@@ -10,6 +10,7 @@ whose run fails is left as it was and the command exits 1 after the others, nami
 ``tests/test_notebooks_published.py`` fail, without executing anything, when a committed notebook has no outputs
 or when its code changed after it was executed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,13 @@ def execute(path: Path, timeout: int = TIMEOUT_S) -> float:
 
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
-                   resources={"metadata": {"path": str(path.parent)}}, record_timing=False).execute()
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
+        resources={"metadata": {"path": str(path.parent)}},
+        record_timing=False,
+    ).execute()
     seconds = time.perf_counter() - t0
     nb.metadata[STAMP] = {"source_sha256": source_hash(nb), "command": f"{COMMAND} {path.name[:2]}"}
     tmp = path.with_name(path.name + ".tmp")
@@ -74,12 +80,17 @@ def execute(path: Path, timeout: int = TIMEOUT_S) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="run only the notebooks whose file name starts with one of these "
-                    "(01 05 ...)")
-    ap.add_argument("--check", action="store_true", help="execute nothing; list the notebooks whose stamp is missing "
-                    "or stale and exit 1 if there are any")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "names", nargs="*", help="run only the notebooks whose file name starts with one of these (01 05 ...)"
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="execute nothing; list the notebooks whose stamp is missing or stale and exit 1 if there are any",
+    )
     ap.add_argument("--timeout", type=int, default=TIMEOUT_S, help=f"seconds per cell (default {TIMEOUT_S})")
     args = ap.parse_args(argv)
     paths = notebooks(args.names)
@@ -94,8 +105,11 @@ def main(argv=None) -> int:
             seconds = execute(p, args.timeout)
         except Exception as e:  # noqa: BLE001 - the other notebooks still run; the command fails at the end
             failed.append(p.name)
-            print(f"[notebooks] {p.name} FAILED (left as it was): {type(e).__name__}: {str(e)[-2000:]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[notebooks] {p.name} FAILED (left as it was): {type(e).__name__}: {str(e)[-2000:]}",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         print(f"[notebooks] {p.name}: {seconds:.0f} s, {p.stat().st_size / 1e6:.2f} MB", file=sys.stderr, flush=True)
     if failed:

@@ -9,6 +9,7 @@ every eps of its grid. The CSV is rewritten after each (T, seed), so a stopped r
 ``--resume`` keeps the (T, seed) pairs an existing CSV holds and runs only the others; the run's command, machine and
 time go to ``command.txt`` beside it. ``analysis.positions.context_length.load_sink_context`` reads it back.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,11 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         pd.concat([kept, rows]).sort_values(["T", "seed", "eps"]).to_csv(out, index=False, float_format="%.6g")
         last = rows.iloc[-1]
-        print(f"T={int(last['T']):>5} seed={int(last['seed'])} n={int(last['n'])}: Sink_1 {last['sink_1_pct']:.1f}% at "
-              f"eps {last['eps']:g}, {last['seconds']:.1f} s ({time.perf_counter() - t0:.0f} s in all)", flush=True)
+        print(
+            f"T={int(last['T']):>5} seed={int(last['seed'])} n={int(last['n'])}: Sink_1 {last['sink_1_pct']:.1f}% at "
+            f"eps {last['eps']:g}, {last['seconds']:.1f} s ({time.perf_counter() - t0:.0f} s in all)",
+            flush=True,
+        )
 
     for T in args.T:
         seeds = [s for s in args.seeds if (T, s) not in done]
@@ -65,9 +69,11 @@ def main() -> None:
     res = load_sink_context(out)
     command = " ".join(["python", "scripts/sink_context.py", *sys.argv[1:]])
     with open(out.parent / "command.txt", "a") as f:
-        f.write(f"{command}\n  {platform.platform()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-                f"{torch.get_num_threads()} threads, device {args.device or 'default'}, {time.strftime('%Y-%m-%d')}; "
-                f"{seconds / 60:.1f} minutes for {len(args.T) * len(args.seeds) - len(done)} (T, seed) pairs.\n")
+        f.write(
+            f"{command}\n  {platform.platform()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, device {args.device or 'default'}, {time.strftime('%Y-%m-%d')}; "
+            f"{seconds / 60:.1f} minutes for {len(args.T) * len(args.seeds) - len(done)} (T, seed) pairs.\n"
+        )
     print(res.text())
 
 

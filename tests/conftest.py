@@ -14,12 +14,20 @@ DEVICES = ("cpu", "cuda")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", choices=DEVICES, default="cpu",
-                     help="where the models and tensors of the tests run: cpu (the default, CI's) or cuda (every test "
-                          "that can use the GPU; those marked cpu_only stay on the CPU).")
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run the I-th of N parts of the suite, cut by test file (tests/shards.py): one part per "
-                          "device call (docs/gpu.md); the files that use SmolLM2 are in the last part.")
+    parser.addoption(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the models and tensors of the tests run: cpu (the default, CI's) or cuda (every test "
+        "that can use the GPU; those marked cpu_only stay on the CPU).",
+    )
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run the I-th of N parts of the suite, cut by test file (tests/shards.py): one part per "
+        "device call (docs/gpu.md); the files that use SmolLM2 are in the last part.",
+    )
 
 
 def pytest_configure(config):
@@ -42,13 +50,18 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"--device cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda is {torch.version.cuda}). "
             "Install the CUDA build of torch (README: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash "
-            "scripts/setup.sh) on a machine with a GPU, or run with --device cpu.")
+            "scripts/setup.sh) on a machine with a GPU, or run with --device cpu."
+        )
 
 
 def _driver_version() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown (no nvidia-smi)"
@@ -61,9 +74,11 @@ def pytest_report_header(config):
     lines = [f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}"]
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        lines.append(f"gpu: {torch.cuda.get_device_name(0)} ({props.total_memory / 2**30:.0f} GiB, capability "
-                     f"{props.major}.{props.minor}); driver {_driver_version()}, CUDA {torch.version.cuda} (torch's "
-                     f"build), TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, cuDNN {torch.backends.cudnn.version()}")
+        lines.append(
+            f"gpu: {torch.cuda.get_device_name(0)} ({props.total_memory / 2**30:.0f} GiB, capability "
+            f"{props.major}.{props.minor}); driver {_driver_version()}, CUDA {torch.version.cuda} (torch's "
+            f"build), TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, cuDNN {torch.backends.cudnn.version()}"
+        )
     return lines
 
 
@@ -108,8 +123,11 @@ def assert_refused_before_work(calls: dict, givens, bare) -> None:
     try:
         for name, call in calls.items():
             for given in givens:
-                with pytest.raises(TypeError, match=rf"^{name} takes the model analysis\.load_model returns, not "
-                                                    rf".*call {name}\(load_model\(name_or_path\), \.\.\.\)") as e:
+                with pytest.raises(
+                    TypeError,
+                    match=rf"^{name} takes the model analysis\.load_model returns, not "
+                    rf".*call {name}\(load_model\(name_or_path\), \.\.\.\)",
+                ) as e:
                     call(given)
                 assert "\n" not in str(e.value)
     finally:

@@ -8,6 +8,7 @@ and ``.numpy()`` of a device tensor raises too. On the CPU both are the same dev
 ``host``: a factory without a device, ``.cpu()``, ``from_numpy``) and records, at the innermost frame of ``analysis``,
 each operation that would fail on the GPU.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -21,10 +22,25 @@ from torch.overrides import TorchFunctionMode
 ROOT = Path(__file__).resolve().parents[1] / "analysis"
 _TO_HOST = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.from_numpy}
 # cross-device on CUDA: indexing a CUDA tensor with CPU indices, copying between devices, moving
-_CROSS_OK = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.to,
-             torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__len__,
-             torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
-             torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.size, torch.Tensor.dim}
+_CROSS_OK = {
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    torch.Tensor.copy_,
+    torch.Tensor.to,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.__len__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+}
 
 
 def _tensors(obj):
@@ -92,8 +108,10 @@ class DeviceGuard(TorchFunctionMode):
         if func is torch.Tensor.numpy and on_dev:
             self.found[f"numpy() of a device tensor at {self._where()}"] += 1
         elif on_dev and host and func not in _CROSS_OK:
-            self.found[f"{getattr(func, '__name__', func)} mixes a host tensor {tuple(host[0].shape)} with device "
-                       f"tensors at {self._where()}"] += 1
+            self.found[
+                f"{getattr(func, '__name__', func)} mixes a host tensor {tuple(host[0].shape)} with device "
+                f"tensors at {self._where()}"
+            ] += 1
         out = func(*args, **kwargs)
         if func in (torch.Tensor.cpu, torch.Tensor.to) and out is args[0]:
             out = out.clone()  # on a GPU ``.cpu()`` / ``.to(device)`` make a new tensor: give it its own tag

@@ -29,6 +29,7 @@ The known answers are on ``model.planted`` (a ``Planted``). The hooks are perman
 GPT-2 without rotary, GPT-NeoX with partial rotary) for the LayerNorm code paths.
 ``load_smollm2()`` loads the embedded SmolLM2 once per process (in tests, prefer conftest's ``smollm2``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -95,10 +96,21 @@ def _hf_folder(seed: int) -> str:
 
     folder = Path(tempfile.mkdtemp(prefix="planted-llama-"))
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=D_MLP, num_hidden_layers=N_LAYERS,
-        num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, head_dim=D_HEAD,
-        max_position_embeddings=256, rope_theta=ROPE_THETA, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=D_MLP,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV_HEADS,
+        head_dim=D_HEAD,
+        max_position_embeddings=256,
+        rope_theta=ROPE_THETA,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        rms_norm_eps=1e-6,
     )
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(cfg)
@@ -158,13 +170,32 @@ def _ln_folder(arch: str, seed: int) -> str:
     folder = Path(tempfile.mkdtemp(prefix=f"planted-{arch}-"))
     torch.manual_seed(seed)
     if arch == "gpt2":
-        hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=D_MODEL, n_layer=N_LAYERS,
-                                        n_head=N_HEADS, bos_token_id=1, eos_token_id=2))
+        hf = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=256,
+                n_embd=D_MODEL,
+                n_layer=N_LAYERS,
+                n_head=N_HEADS,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     elif arch == "neox":
-        hf = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, max_position_embeddings=256, hidden_size=D_MODEL,
-                                              num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
-                                              intermediate_size=D_MLP, rotary_pct=0.5, rotary_emb_base=ROPE_THETA,
-                                              bos_token_id=1, eos_token_id=2))
+        hf = GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=256,
+                hidden_size=D_MODEL,
+                num_hidden_layers=N_LAYERS,
+                num_attention_heads=N_HEADS,
+                intermediate_size=D_MLP,
+                rotary_pct=0.5,
+                rotary_emb_base=ROPE_THETA,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     else:
         raise ValueError(f"arch must be 'gpt2' or 'neox'; got {arch!r}.")
     with warnings.catch_warnings():
@@ -233,8 +264,17 @@ def planted_gpt2_dir(path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=D_MODEL, n_layer=N_LAYERS,
-                                    n_head=N_HEADS, bos_token_id=1, eos_token_id=2))
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=256,
+            n_embd=D_MODEL,
+            n_layer=N_LAYERS,
+            n_head=N_HEADS,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
     d_head = D_MODEL // N_HEADS
     with torch.no_grad():
         hf.transformer.wpe.weight[0, MARK_DIM] = 10.0  # LayerNorm turns it into about sqrt(d_model) = 8

@@ -6,6 +6,7 @@ others are balanced over the first n - 1 shards by their measured seconds (``tes
 first GPU run; a file it did not reach counts ``PER_TEST_S`` a test). The cut depends only on the collected files,
 so every xdist worker makes the same one.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ def uses_embedded_model(path: Path) -> bool:
 
 
 def weights() -> dict[str, float]:
-    return {k: v for k, v in json.loads((ROOT / "tests" / "shard_weights.json").read_text()).items()
-            if not k.startswith("_")}
+    return {
+        k: v
+        for k, v in json.loads((ROOT / "tests" / "shard_weights.json").read_text()).items()
+        if not k.startswith("_")
+    }
 
 
 def assign(counts: dict[str, int], n: int, embedded: set[str] = frozenset()) -> dict[str, int]:

@@ -1,4 +1,5 @@
 """benchmarks/bench_scale.py on a tiny random Llama on the CPU: its rows, its results and its time budget."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -22,17 +23,37 @@ def _rows(path: Path) -> list[dict]:
 
 def test_smoke_run_writes_one_row_per_measurement(bench, tmp_path, capsys):
     out = tmp_path / "scale.jsonl"
-    rc = bench.main(["--shape", "tiny", "--seq", "32,64", "--dtype", "float32,bfloat16", "--device", "cpu",
-                     "--methods", "forward,sink-fused,sink-streamed,massive", "--repeat", "1", "--threads", "1",
-                     "--out", str(out)])
+    rc = bench.main(
+        [
+            "--shape",
+            "tiny",
+            "--seq",
+            "32,64",
+            "--dtype",
+            "float32,bfloat16",
+            "--device",
+            "cpu",
+            "--methods",
+            "forward,sink-fused,sink-streamed,massive",
+            "--repeat",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = _rows(out)
     builds = [r for r in rows if r["method"] == "build"]
     assert [r["dtype"] for r in builds] == ["float32", "bfloat16"] and all(r["weights_mib"] > 0 for r in builds)
     measured = [r for r in rows if r["method"] != "build"]
     assert {(r["dtype"], r["T"], r["method"]) for r in measured} == {
-        (d, T, m) for d in ("float32", "bfloat16") for T in (32, 64)
-        for m in ("forward", "sink-fused", "sink-streamed", "massive")}
+        (d, T, m)
+        for d in ("float32", "bfloat16")
+        for T in (32, 64)
+        for m in ("forward", "sink-fused", "sink-streamed", "massive")
+    }
     for r in measured:
         assert r["status"] == "ok" and r["tokens"] == "random" and r["batch"] == 1
         assert r["wall_s"] > 0 and r["x_forward_time"] > 0 and r["peak_mib"] > 0 and r["peak_above_mib"] >= 0
@@ -56,15 +77,35 @@ def test_smoke_run_writes_one_row_per_measurement(bench, tmp_path, capsys):
 
 def test_budget_zero_skips_every_measurement_and_says_so(bench, tmp_path, capsys):
     out = tmp_path / "scale.jsonl"
-    rc = bench.main(["--shape", "tiny", "--seq", "32", "--dtype", "float32", "--device", "cpu",
-                     "--methods", "forward,sink-fused", "--budget-s", "0", "--out", str(out)])
+    rc = bench.main(
+        [
+            "--shape",
+            "tiny",
+            "--seq",
+            "32",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--methods",
+            "forward,sink-fused",
+            "--budget-s",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = _rows(out)
     assert [(r["method"], r["status"], r["reason"]) for r in rows] == [
-        ("forward", "skipped", "budget"), ("sink-fused", "skipped", "budget")]
+        ("forward", "skipped", "budget"),
+        ("sink-fused", "skipped", "budget"),
+    ]
     text = capsys.readouterr().out
-    assert "skipped: the budget of 0 s had passed before 2 measurement(s): float32 T=32 forward; float32 T=32 " \
-           "sink-fused" in text
+    assert (
+        "skipped: the budget of 0 s had passed before 2 measurement(s): float32 T=32 forward; float32 T=32 "
+        "sink-fused" in text
+    )
 
 
 def test_bad_options_stop_with_what_to_do(bench):

@@ -1,4 +1,5 @@
 """`python -m analysis sink`: the table, the JSON, and errors that say what to do."""
+
 import json
 import subprocess
 import sys
@@ -11,14 +12,35 @@ from analysis.__main__ import format_sink_table, main
 
 def test_sink_json_on_a_local_model(tiny_llama_dir, tmp_path, capsys, device):
     out = tmp_path / "sub" / "out.json"
-    assert main(["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--json", str(out), "--quiet",
-                 "--device", device]) == 0
+    assert (
+        main(
+            [
+                "sink",
+                "--model",
+                str(tiny_llama_dir),
+                "--n",
+                "3",
+                "--T",
+                "12",
+                "--k-max",
+                "4",
+                "--json",
+                str(out),
+                "--quiet",
+                "--device",
+                device,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert set(data["inputs"]) == {"natural", "random", "repeated"}
     for kind, v in data["inputs"].items():
         assert len(v["tokens"]) == 3 and all(len(r) == 12 for r in v["tokens"])
-        assert len(v["per_head_alpha"]) == 4 and len(v["per_head_alpha"][0]) == 2 and len(v["per_head_alpha"][0][0]) == 4
+        assert (
+            len(v["per_head_alpha"]) == 4 and len(v["per_head_alpha"][0]) == 2 and len(v["per_head_alpha"][0][0]) == 4
+        )
         assert len(v["sink_k_pct"]) == 4
         assert f"{kind:<10} {v['sink_k_pct'][0]:>10.2f}" in printed
     assert data["eps"] == 0.3 and data["versions"]["torch"].startswith("2.")
@@ -47,8 +69,20 @@ def test_bad_input_exits_2_with_advice(argv, message, capsys):
 
 def test_sink_in_bfloat16(tiny_llama_dir, tmp_path, capsys, device):
     out = tmp_path / "bf16.json"
-    argv = ["sink", "--model", str(tiny_llama_dir), "--n", "3", "--T", "12", "--k-max", "4", "--quiet",
-            "--device", device]
+    argv = [
+        "sink",
+        "--model",
+        str(tiny_llama_dir),
+        "--n",
+        "3",
+        "--T",
+        "12",
+        "--k-max",
+        "4",
+        "--quiet",
+        "--device",
+        device,
+    ]
     assert main(argv + ["--dtype", "bfloat16", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["dtype"] == "bfloat16" and ", bfloat16" in capsys.readouterr().out.splitlines()[0]
@@ -77,7 +111,9 @@ def test_module_entry_point_runs_the_embedded_model(tmp_path, device):
     out = tmp_path / "s.json"
     proc = subprocess.run(
         [sys.executable, "-m", "analysis", "sink", "--n", "4", "--json", str(out), "--quiet", "--device", device],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())

@@ -1,6 +1,7 @@
 """One vocabulary over every command of `sinklens` (`python -m analysis`: sink, sinks, report, stream, quant, models,
 train, sweep): one name per meaning, no old spelling left, docs/cli.md listing every option, and `--help` or a refusal
 answered before torch, transformers or TransformerLens load."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,12 @@ from analysis.core.options import VOCABULARY
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("sink", "sinks", "report", "stream", "quant", "models", "atlas", "train", "sweep")
 # The spellings the package dropped before its first release (issue 49), each with the command that took it.
-OLD_SPELLINGS = {"stream": ["--bits"], "quant": ["--bits", "--w-bits", "--seeds"],
-                 "train": ["--sink-eps", "--probe-size", "--probe-len", "--progress", "--no-progress"],
-                 "sweep": ["--sink-eps", "--probe-size", "--probe-len", "--no-progress"]}
+OLD_SPELLINGS = {
+    "stream": ["--bits"],
+    "quant": ["--bits", "--w-bits", "--seeds"],
+    "train": ["--sink-eps", "--probe-size", "--probe-len", "--progress", "--no-progress"],
+    "sweep": ["--sink-eps", "--probe-size", "--probe-len", "--no-progress"],
+}
 SAME_COMMAND = {"sweep": "train"}  # a sweep's options are train's fields, as comma lists: one command's vocabulary
 HEAVY = ("torch", "transformers", "transformer_lens", "pandas")
 
@@ -33,8 +37,11 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
 
 def _live(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Option -> action, the help left out."""
-    return {a.option_strings[0]: a for a in parser._actions
-            if a.option_strings and a.option_strings[0] not in ("-h", "--help")}
+    return {
+        a.option_strings[0]: a
+        for a in parser._actions
+        if a.option_strings and a.option_strings[0] not in ("-h", "--help")
+    }
 
 
 def _meaning(action: argparse.Action) -> str | None:
@@ -59,8 +66,11 @@ def vocabulary_clashes(commands: dict[str, argparse.ArgumentParser]) -> list[str
             out.append(f"{flag} is taken by {[c for c, _ in used]} but not in analysis.core.options.VOCABULARY")
             continue
         if VOCABULARY[flag] is not None:
-            out += [f"{flag} in {c} means {a.help!r}, not {VOCABULARY[flag]!r}" for c, a in used
-                    if not (a.help or "").startswith(VOCABULARY[flag])]
+            out += [
+                f"{flag} in {c} means {a.help!r}, not {VOCABULARY[flag]!r}"
+                for c, a in used
+                if not (a.help or "").startswith(VOCABULARY[flag])
+            ]
         switches = {c: a.nargs == 0 for c, a in used if c != "sweep"}  # a sweep takes comma lists
         if len(set(switches.values())) > 1:
             out.append(f"{flag} is a switch in some commands and takes a value in others: {switches}")
@@ -166,14 +176,27 @@ def test_help_and_refusals_answer_before_torch_loads(tmp_path):
     load (measured once by hand: docs/cli.md)."""
     afile = tmp_path / "a.txt"
     afile.write_text("x")
-    runs = [["analysis", "--help"], *[["analysis", c, "--help"] for c in COMMANDS],
-            ["analysis", "sink", "--n", "0"], ["analysis", "report", "--out", f"{afile}/x"],
-            ["analysis", "sink", "--json", f"{afile}/x.json"], ["analysis", "stream", "--window", "0"],
-            ["analysis", "train", "--out", f"{afile}/x"], ["analysis", "sweep", "--seed", "0,1"],
-            ["analysis.train", "--help"], ["analysis.train", "sweep", "--help"],
-            ["analysis.train", "--out", f"{afile}/x"], ["analysis.train", "sweep", "--seed", "0,1"]]
-    proc = subprocess.run([sys.executable, "-c", _PROBE % (json.dumps(runs), HEAVY)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    runs = [
+        ["analysis", "--help"],
+        *[["analysis", c, "--help"] for c in COMMANDS],
+        ["analysis", "sink", "--n", "0"],
+        ["analysis", "report", "--out", f"{afile}/x"],
+        ["analysis", "sink", "--json", f"{afile}/x.json"],
+        ["analysis", "stream", "--window", "0"],
+        ["analysis", "train", "--out", f"{afile}/x"],
+        ["analysis", "sweep", "--seed", "0,1"],
+        ["analysis.train", "--help"],
+        ["analysis.train", "sweep", "--help"],
+        ["analysis.train", "--out", f"{afile}/x"],
+        ["analysis.train", "sweep", "--seed", "0,1"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE % (json.dumps(runs), HEAVY)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["heavy"] == [], got
     assert [got["rc"][" ".join(r)] for r in runs] == [0] * (1 + len(COMMANDS)) + [2] * 6 + [0, 0, 2, 2], got["rc"]

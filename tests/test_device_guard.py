@@ -5,6 +5,7 @@ device tensor; the guard itself catches both kinds of bug when they are planted.
 The numpy shortcuts of analysis/core/stats.py are taken only for CPU tensors; the guard turns them off
 (``_NUMPY_FLOATS``), so the torch path that a GPU takes runs here.
 """
+
 import warnings
 
 import pytest

@@ -6,6 +6,7 @@
   tildes renders as strikethrough in JupyterLab and on code hosts. Write "about" or "≈".
 
 Reads files only; nothing is executed. Each checker is also run on made-up bad text, so that it can fail."""
+
 from __future__ import annotations
 
 import re
@@ -115,14 +116,15 @@ def markdown_sources() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_every_link_and_path_exists(path):
     bad = broken_references(path.read_text(), path.parent)
-    assert not bad, (f"{path.relative_to(ROOT)} names what does not exist: {', '.join(bad)}. Fix the link or path "
-                     "(links are relative to the file; paths and modules to the repository root).")
+    assert not bad, (
+        f"{path.relative_to(ROOT)} names what does not exist: {', '.join(bad)}. Fix the link or path "
+        "(links are relative to the file; paths and modules to the repository root)."
+    )
 
 
 def test_no_tilde_for_about():
     bad = [f"{name}: {para}" for name, text in markdown_sources() for para in tilde_problems(text)]
-    assert not bad, ("'~' used for 'about' (a pair renders as strikethrough): write 'about' or '≈' in\n"
-                     + "\n".join(bad))
+    assert not bad, "'~' used for 'about' (a pair renders as strikethrough): write 'about' or '≈' in\n" + "\n".join(bad)
 
 
 def test_the_docs_are_there():
@@ -133,17 +135,23 @@ def test_the_docs_are_there():
 
 
 def test_the_reference_checker_finds_a_bad_link(tmp_path):
-    text = ("See [the layout](architecture.md), [a page that is not there](no_such_page.md#top), "
-            "[a URL](https://example.org/x.md) and [here](#the-pipeline).\n\n"
-            "`analysis/core/results.py`, `analysis/core/no_such_module.py`, `results/sink.json` (user output),\n"
-            "`analysis.core.results.Result`, `analysis.core.no_such_name` and `analysis.no_such_floor.x`.\n\n"
-            "The runs in `analysis/data/reference/synthetic-*` and `analysis/data/reference/no_such_run-*`.\n\n"
-            "```bash\npython scripts/no_such_script.py --out runs/x && python scripts/setup.sh\n```\n")
+    text = (
+        "See [the layout](architecture.md), [a page that is not there](no_such_page.md#top), "
+        "[a URL](https://example.org/x.md) and [here](#the-pipeline).\n\n"
+        "`analysis/core/results.py`, `analysis/core/no_such_module.py`, `results/sink.json` (user output),\n"
+        "`analysis.core.results.Result`, `analysis.core.no_such_name` and `analysis.no_such_floor.x`.\n\n"
+        "The runs in `analysis/data/reference/synthetic-*` and `analysis/data/reference/no_such_run-*`.\n\n"
+        "```bash\npython scripts/no_such_script.py --out runs/x && python scripts/setup.sh\n```\n"
+    )
     bad = broken_references(text, ROOT / "docs")
-    assert bad == ["link (no_such_page.md#top)", "path analysis/core/no_such_module.py",
-                   "path analysis/data/reference/no_such_run-*", "path scripts/no_such_script.py",
-                   "module analysis.core.no_such_name",
-                   "module analysis.no_such_floor.x"], bad
+    assert bad == [
+        "link (no_such_page.md#top)",
+        "path analysis/core/no_such_module.py",
+        "path analysis/data/reference/no_such_run-*",
+        "path scripts/no_such_script.py",
+        "module analysis.core.no_such_name",
+        "module analysis.no_such_floor.x",
+    ], bad
 
 
 def test_the_tilde_checker_finds_about(tmp_path):

@@ -3,6 +3,7 @@ left out of the nav, no docstring griffe cannot read; every public name of ``ana
 page is the README; each notebook is a page with its committed figures (rendered, not executed).
 
 One build, into a temporary folder: about 10 s of CPU (30 s of wall time on a busy 2-core machine)."""
+
 from __future__ import annotations
 
 import os
@@ -35,10 +36,19 @@ def missing_entries(site: Path, exports: dict[str, str]) -> list[str]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "NO_MKDOCS_2_WARNING": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in (run.stdout + run.stderr).splitlines() if not ln.startswith("INFO")]
     assert run.returncode == 0, "`mkdocs build --strict` failed; fix what it says:\n" + "\n".join(lines[-40:])
     return out
@@ -64,13 +74,20 @@ def test_each_notebook_is_a_page_with_its_figures(site, path):
     assert page.is_file(), f"{path.name} has no page on the site"
     nb = nbformat.read(path, as_version=4)
     figures = sum("image/png" in out.get("data", {}) for c in nb.cells if c.cell_type == "code" for out in c.outputs)
-    assert len(FIGURE.findall(page.read_text())) == figures, f"{path.name}: its page does not show its {figures} figures"
+    assert len(FIGURE.findall(page.read_text())) == figures, (
+        f"{path.name}: its page does not show its {figures} figures"
+    )
 
 
 def test_the_entry_checker_finds_a_missing_name(tmp_path):
     (tmp_path / "api" / "model").mkdir(parents=True)
     (tmp_path / "api" / "model" / "index.html").write_text('<h2 id="analysis.model.loading.load_model">')
-    exports = {"load_model": "analysis.model.loading", "probe_sets": "analysis.model.probes",
-               "sink_metric": "analysis.sinks.metric"}
-    assert missing_entries(tmp_path, exports) == ["probe_sets (analysis.model.probes)",
-                                                  "sink_metric (analysis.sinks.metric)"]
+    exports = {
+        "load_model": "analysis.model.loading",
+        "probe_sets": "analysis.model.probes",
+        "sink_metric": "analysis.sinks.metric",
+    }
+    assert missing_entries(tmp_path, exports) == [
+        "probe_sets (analysis.model.probes)",
+        "sink_metric (analysis.sinks.metric)",
+    ]

@@ -1,6 +1,7 @@
 """The GPU session kit (scripts/gpu/, docs/gpu.md), checked on CPU: what a device call does before any GPU work
 (joining the carried parts of the embedded model and checking them), the step-4 summary of a trained pair, and the
 throughput benchmark's table in JSON."""
+
 import hashlib
 import json
 import os
@@ -27,10 +28,20 @@ def _stage(tmp_path: Path, parts: dict, sha: str) -> subprocess.CompletedProcess
     (carried / "SHA256").write_text(f"{sha}  {GGUF}\n")
     for name, data in parts.items():
         (carried / name).write_bytes(data)
-    env = {**os.environ, "GPU_SITE": str(tmp_path / "site"), "GPU_PARTS": str(tmp_path / "parts"),
-           "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    return subprocess.run(["bash", str(repo / "scripts" / "gpu" / "session.sh"), "stage"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "GPU_SITE": str(tmp_path / "site"),
+        "GPU_PARTS": str(tmp_path / "parts"),
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+    }
+    return subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu" / "session.sh"), "stage"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_stage_joins_the_parts_carried_over_several_calls_and_checks_them(tmp_path):
@@ -58,8 +69,13 @@ def test_stage_refuses_a_damaged_part_and_leaves_no_file(tmp_path):
 
 
 def test_session_refuses_an_unknown_step_before_doing_anything(tmp_path):
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "tests", "bogus"],
-                         env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "tests", "bogus"],
+        env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "unknown step bogus" in out.stdout
     assert list(tmp_path.iterdir()) == []
@@ -72,9 +88,16 @@ def test_pair_summary_sets_the_committed_pair_side_by_side(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "scripts" / "gpu"))
     out = tmp_path / "pair.json"
-    rows = main([str(ROOT / "analysis/data/reference/induction-softmax"),
-                 str(ROOT / "analysis/data/reference/induction-sigmoid"),
-                 "--out", str(out), "--n", "16"])
+    rows = main(
+        [
+            str(ROOT / "analysis/data/reference/induction-softmax"),
+            str(ROOT / "analysis/data/reference/induction-sigmoid"),
+            "--out",
+            str(out),
+            "--n",
+            "16",
+        ]
+    )
     assert json.loads(out.read_text())[0]["attention"] == "softmax"
     soft, sig = rows
     assert soft["chain"]["sink_1"] > 20 > 5 > sig["chain"]["sink_1"]
@@ -89,10 +112,37 @@ def test_throughput_benchmark_writes_every_path_it_timed(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     out = tmp_path / "throughput.json"
-    monkeypatch.setattr(sys, "argv", ["bench", "--device", "cpu", "--ops", "softmax,sigmoid", "--impl", "eager,sdpa",
-                                      "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-ctx", "16",
-                                      "--batch", "2", "--iters", "1", "--repeats", "1", "--warmup", "1",
-                                      "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--ops",
+            "softmax,sigmoid",
+            "--impl",
+            "eager,sdpa",
+            "--d-model",
+            "32",
+            "--n-layers",
+            "1",
+            "--n-heads",
+            "2",
+            "--n-ctx",
+            "16",
+            "--batch",
+            "2",
+            "--iters",
+            "1",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+    )
     bench_attention_ops.main()
     rows = {(r["op"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
     # sigmoid has no SDPA path: it is left out of the sdpa rows rather than timed as eager under that name
@@ -116,8 +166,12 @@ def test_split_step_is_listed_and_its_check_runs_on_cpu(tmp_path):
         sys.path.pop(0)
     d = make_family_dir("llama", tmp_path / "m")
     out = tmp_path / "split.json"
-    assert split_check.main(["--shape", str(d), "--device", "cpu", "--offload", "disk", "--n", "2", "--T", "16",
-                             "--out", str(out)]) == 0
+    assert (
+        split_check.main(
+            ["--shape", str(d), "--device", "cpu", "--offload", "disk", "--n", "2", "--T", "16", "--out", str(out)]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["n_differences"] == 0 and "disk" in res["device_map"].values()
     assert res["whole_profile"]["results"] and res["sink_1_pct"], "the profile ran its analyses"
@@ -144,8 +198,13 @@ def _third_party_imports() -> dict[str, str]:
     files = [p for d in ("analysis", "tests", "benchmarks", "scripts/gpu") for p in (ROOT / d).glob("**/*.py")]
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
             for n in names:
                 top = n.split(".")[0]
                 if top not in sys.stdlib_module_names and top not in own:
@@ -182,8 +241,16 @@ def test_every_import_is_in_the_image_or_carried():
         names = {_norm(d) for d in dists.get(mod, [mod])}
         if not names & there:
             missing.append(f"{mod} (imported by {where}; distribution {sorted(names)})")
-    env = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    env = {
+        **default_environment(),
+        "python_version": "3.12",
+        "python_full_version": "3.12.3",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "extra": "",
+    }
     for name in sorted(_listed("wheels.txt")):
         for req in md.distribution(name).requires or []:
             r = Requirement(req)
@@ -197,12 +264,19 @@ def test_the_plan_fits_the_device_time():
     over 6 minutes, and the calls run every shard of the suite, the one that needs every GGUF part last."""
     import re
 
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "plan"], capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "plan"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     calls = re.findall(r"^call (\d+): stage (.*): (\d+) s", out.stdout, re.MULTILINE)
-    start, gaps, budget, limit = map(int, re.search(r"start (\d+) s, gaps (\d+) s: device time \d+ s of (\d+) s; one "
-                                                    r"call at most (\d+) s", out.stdout).groups())
+    start, gaps, budget, limit = map(
+        int,
+        re.search(
+            r"start (\d+) s, gaps (\d+) s: device time \d+ s of (\d+) s; one "
+            r"call at most (\d+) s",
+            out.stdout,
+        ).groups(),
+    )
     assert budget == 900 and limit <= 360 and start >= 30 and gaps >= 10 * (len(calls) - 1)
     assert start + gaps + sum(int(s) for _, _, s in calls) <= budget, out.stdout
     assert all(int(s) <= limit for _, _, s in calls), out.stdout
@@ -218,11 +292,23 @@ def test_a_step_is_stopped_at_its_budget(tmp_path):
     slow = tmp_path / "python"
     slow.write_text("#!/bin/sh\nsleep 60\n")
     slow.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(slow), "BUDGET_ENV": "1", "OUT": str(tmp_path / "out"),
-           "GPU_SITE": str(tmp_path / "site"), "GPU_PARTS": str(tmp_path / "parts")}
+    env = {
+        **os.environ,
+        "PYTHON": str(slow),
+        "BUDGET_ENV": "1",
+        "OUT": str(tmp_path / "out"),
+        "GPU_SITE": str(tmp_path / "site"),
+        "GPU_PARTS": str(tmp_path / "parts"),
+    }
     t0 = time.monotonic()
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "env"], env=env, capture_output=True,
-                         text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu" / "session.sh"), "env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert time.monotonic() - t0 < 20
     assert out.returncode == 1 and "failed: env" in out.stdout
     assert "stopped at its budget of 1 s" in (tmp_path / "out" / "env.log").read_text()

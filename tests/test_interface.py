@@ -1,5 +1,6 @@
 """The interface a researcher meets (issue 30): errors before the work, one validation layer for the API and the CLI, a
 visible BOS, devices and the network, one command-line vocabulary, short reprs, findings that agree."""
+
 from __future__ import annotations
 
 import json
@@ -34,15 +35,19 @@ def paths(tmp_path, monkeypatch):
 
 # ---- 1. Check before you compute -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["sink", "--json", "FILE/x.json"], "--json FILE/x.json: FILE is a file, not a folder"),
-    (["sink", "--json", "DIR"], "--json DIR: it exists and is a folder"),
-    (["report", "--out", "FILE/sub"], "--out FILE/sub: FILE is a file, not a folder"),
-    (["report", "--out", "FILE"], "--out FILE: it exists and is a file"),
-    (["stream", "--json", "FILE/x.json"], "--json FILE/x.json: FILE is a file, not a folder"),
-    (["stream", "--csv", "DIR"], "--csv DIR: it exists and is a folder"),
-    (["sinks", "--text", "FILE", "--json", "DIR"], "--json DIR: it exists and is a folder"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sink", "--json", "FILE/x.json"], "--json FILE/x.json: FILE is a file, not a folder"),
+        (["sink", "--json", "DIR"], "--json DIR: it exists and is a folder"),
+        (["report", "--out", "FILE/sub"], "--out FILE/sub: FILE is a file, not a folder"),
+        (["report", "--out", "FILE"], "--out FILE: it exists and is a file"),
+        (["stream", "--json", "FILE/x.json"], "--json FILE/x.json: FILE is a file, not a folder"),
+        (["stream", "--csv", "DIR"], "--csv DIR: it exists and is a folder"),
+        (["sinks", "--text", "FILE", "--json", "DIR"], "--json DIR: it exists and is a folder"),
+    ],
+)
 def test_bad_output_paths_stop_before_the_model_loads(argv, message, paths, monkeypatch, capsys):
     monkeypatch.setattr("analysis.model.loading.load_model", _no_load)  # the CLI imports it once the options pass
     monkeypatch.setattr("analysis.streaming.run.streaming_perplexity", _no_load)
@@ -58,8 +63,9 @@ def test_unwritable_folder_is_refused(paths, monkeypatch, capsys):
     assert "--json DIR/x.json: the folder DIR is not writable" in capsys.readouterr().err
 
 
-def test_results_printed_before_a_failed_write_which_keeps_the_old_file(tiny_llama_dir, paths, monkeypatch, capsys,
-                                                                        device):
+def test_results_printed_before_a_failed_write_which_keeps_the_old_file(
+    tiny_llama_dir, paths, monkeypatch, capsys, device
+):
     old = paths / "out.json"
     old.write_text('{"keep": true}')
     real = io.write_json
@@ -83,6 +89,7 @@ def test_results_printed_before_a_failed_write_which_keeps_the_old_file(tiny_lla
 
 # ---- 2. One validation layer --------------------------------------------------------------------------------------
 
+
 def test_api_refuses_T1_with_the_cli_message(tiny_llama, capsys):
     tokens = random_probe(tiny_llama.tokenizer, n=2, T=8).tokens
     with pytest.raises(ValueError) as api:
@@ -92,11 +99,14 @@ def test_api_refuses_T1_with_the_cli_message(tiny_llama, capsys):
     assert str(api.value) == cli_err and T1_MESSAGE in cli_err
 
 
-@pytest.mark.parametrize("bad, hint", [
-    ("the cat sat", "got a string. Tokenize it first"),
-    (["the cat sat", "on the mat"], "got a list of strings"),
-    ("probe", "got a ProbeSet: pass its .tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, hint",
+    [
+        ("the cat sat", "got a string. Tokenize it first"),
+        (["the cat sat", "on the mat"], "got a list of strings"),
+        ("probe", "got a ProbeSet: pass its .tokens"),
+    ],
+)
 def test_text_and_probe_sets_say_what_to_pass(tiny_llama, bad, hint):
     if bad == "probe":
         bad = random_probe(tiny_llama.tokenizer, n=2, T=8)
@@ -106,6 +116,7 @@ def test_text_and_probe_sets_say_what_to_pass(tiny_llama, bad, hint):
 
 
 # ---- 3. The BOS made visible ---------------------------------------------------------------------------------------
+
 
 def test_results_record_the_bos_and_note_one_not_asked_for(tiny_llama):
     tok = tiny_llama.tokenizer
@@ -144,6 +155,7 @@ def test_load_model_documents_the_bridge_bos():
 
 
 # ---- 4. Devices and network ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", [["sink"], ["report", "--out", "unused"], ["stream"], ["sinks", "--text", "FILE"]])
@@ -220,6 +232,7 @@ def test_report_takes_eps_and_bos_and_flags_are_named(paths, monkeypatch, capsys
 
 # ---- 6. Short reprs --------------------------------------------------------------------------------------------------
 
+
 def test_reprs_are_one_or_two_lines(tiny_llama):
     from analysis.positions.every_sink import sink_positions
 
@@ -235,6 +248,7 @@ def test_reprs_are_one_or_two_lines(tiny_llama):
 
 # ---- 7. Findings that agree ------------------------------------------------------------------------------------------
 
+
 def test_findings_of_a_model_without_a_sink_agree(family_bridge, tmp_path, monkeypatch):
     """A tiny random Qwen2 has no sink: no finding contradicts another, none shows NaN, and one massive-activation
     criterion serves every section."""
@@ -244,8 +258,13 @@ def test_findings_of_a_model_without_a_sink_agree(family_bridge, tmp_path, monke
     model = family_bridge("qwen2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_report(model, tmp_path, n=3, T=16, sections=("sink", "massive", "norm_gain", "interventions",
-                                                            "positions", "context"))
+        build_report(
+            model,
+            tmp_path,
+            n=3,
+            T=16,
+            sections=("sink", "massive", "norm_gain", "interventions", "positions", "context"),
+        )
     data = json.loads((tmp_path / "report.json").read_text())
     found = [s for link in data["findings"] for s in [link["headline"], *link["details"]]]
     text = " ".join(found)

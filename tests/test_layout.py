@@ -3,6 +3,7 @@ no import circle among its modules, counting the imports written inside function
 package's own modules written inside a function says on its line, or the line above, why it is lazy. And its public
 API reads like scikit-learn's: options after a model and tokens are keyword-only, and every exported function and
 class documents its parameters (or attributes) in numpy-doc sections."""
+
 from __future__ import annotations
 
 import ast
@@ -138,8 +139,13 @@ def _cycle_text(graph, comp: set[str]) -> str:
         for w in sorted(graph[v]):
             if w == start:
                 path = paths[v] + [start]
-                return " -> ".join(f"{a} (line {graph[a][b][0]}{', in a function' if graph[a][b][1] else ''})"
-                                   for a, b in zip(path, path[1:])) + f" -> {start}; the circle's modules: {sorted(comp)}"
+                return (
+                    " -> ".join(
+                        f"{a} (line {graph[a][b][0]}{', in a function' if graph[a][b][1] else ''})"
+                        for a, b in zip(path, path[1:])
+                    )
+                    + f" -> {start}; the circle's modules: {sorted(comp)}"
+                )
             if w in comp and w not in seen:
                 seen.add(w)
                 paths[w] = paths[v] + [w]
@@ -150,8 +156,13 @@ def _cycle_text(graph, comp: set[str]) -> str:
 def test_the_layout_reader_sees_in_function_imports():
     """The reader finds what it must: hooks' imports at the top, a lazy import in models, the implicit package."""
     graph = _graph()
-    assert "analysis.model.families" in graph["analysis.model.hooks"] and not graph["analysis.model.hooks"]["analysis.model.families"][1]
-    assert graph["analysis.model.loading"]["analysis.model.reference.checkpoint"][1]  # load_reference: inside load_model
+    assert (
+        "analysis.model.families" in graph["analysis.model.hooks"]
+        and not graph["analysis.model.hooks"]["analysis.model.families"][1]
+    )
+    assert graph["analysis.model.loading"]["analysis.model.reference.checkpoint"][
+        1
+    ]  # load_reference: inside load_model
     assert "analysis.model.reference" in graph["analysis.model.probes"]  # importing its data module runs its __init__
     assert "analysis" not in graph["analysis.model.hooks"]  # the package being imported around it is no edge
 
@@ -164,7 +175,8 @@ def test_no_import_circle_among_the_package_modules():
     graph = _graph()
     circles = list(_strongly_connected(graph))
     assert not circles, "import circles (in-function imports counted):\n" + "\n".join(
-        _cycle_text(graph, c) for c in circles)
+        _cycle_text(graph, c) for c in circles
+    )
 
 
 def _comment_lines(path: Path) -> set[int]:
@@ -186,8 +198,13 @@ def _lazy_package_imports(module: str, path: Path) -> list[tuple[int, int]]:
             for prev, stmt in zip([None] + body[:-1], body):
                 if not isinstance(stmt, (ast.Import, ast.ImportFrom)) or not _targets(module, stmt):
                     continue
-                if runs and isinstance(prev, (ast.Import, ast.ImportFrom)) and _targets(module, prev) \
-                        and runs[-1][1] == prev.end_lineno and prev.end_lineno + 1 == stmt.lineno:
+                if (
+                    runs
+                    and isinstance(prev, (ast.Import, ast.ImportFrom))
+                    and _targets(module, prev)
+                    and runs[-1][1] == prev.end_lineno
+                    and prev.end_lineno + 1 == stmt.lineno
+                ):
                     runs[-1] = (runs[-1][0], stmt.end_lineno)
                 else:
                     runs.append((stmt.lineno, stmt.end_lineno))
@@ -201,8 +218,10 @@ def test_every_lazy_import_of_the_package_says_why():
         for first, last in _lazy_package_imports(module, path):
             if not comments & set(range(first - 1, last + 1)):
                 missing.append(f"{path.relative_to(ROOT.parent)}:{first}")
-    assert not missing, ("imports of the package's modules inside functions without a comment on their line or the "
-                         f"line above saying why they are lazy ({' / '.join(REASONS)}): {missing}")
+    assert not missing, (
+        "imports of the package's modules inside functions without a comment on their line or the "
+        f"line above saying why they are lazy ({' / '.join(REASONS)}): {missing}"
+    )
 
 
 def test_no_submodule_shadows_an_exported_name():
@@ -243,36 +262,45 @@ def _positional_options(fn: ast.FunctionDef) -> list[str]:
     if not params or params[0].arg != LEADING[0]:
         return []
     lead = 2 if len(params) > 1 and params[1].arg == LEADING[1] else 1
-    with_default = params[len(params) - len(fn.args.defaults):]
+    with_default = params[len(params) - len(fn.args.defaults) :]
     return [p.arg for p in with_default if p not in params[:lead]]
 
 
 def _keyword_offenders(tree: ast.Module, where: str) -> list[str]:
-    return [f"{where}:{fn.lineno} {fn.name}({', '.join(bad)})"
-            for fn in _public_functions(tree) if (bad := _positional_options(fn))]
+    return [
+        f"{where}:{fn.lineno} {fn.name}({', '.join(bad)})"
+        for fn in _public_functions(tree)
+        if (bad := _positional_options(fn))
+    ]
 
 
 def test_the_keyword_checker_flags_a_positional_option():
-    bad = ast.parse("def bad(model, tokens, layer, eps=0.3, *, batch_size=None): ...\n"
-                    "def also_bad(model, k=1): ...\n"
-                    "def good(model, tokens=None, *, eps=0.3): ...\n"
-                    "def not_a_model_function(x, dim=-1): ...\n"
-                    "def _private(model, eps=0.3): ...\n"
-                    "class BadAccumulator:\n"
-                    "    def __init__(self, model, T, eps=0.3): ...\n"
-                    "class GoodAccumulator:\n"
-                    "    def __init__(self, model, T, *, eps=0.3): ...\n")
-    assert _keyword_offenders(bad, "inline") == ["inline:1 bad(eps)", "inline:2 also_bad(k)",
-                                                 "inline:7 BadAccumulator(eps)"]
+    bad = ast.parse(
+        "def bad(model, tokens, layer, eps=0.3, *, batch_size=None): ...\n"
+        "def also_bad(model, k=1): ...\n"
+        "def good(model, tokens=None, *, eps=0.3): ...\n"
+        "def not_a_model_function(x, dim=-1): ...\n"
+        "def _private(model, eps=0.3): ...\n"
+        "class BadAccumulator:\n"
+        "    def __init__(self, model, T, eps=0.3): ...\n"
+        "class GoodAccumulator:\n"
+        "    def __init__(self, model, T, *, eps=0.3): ...\n"
+    )
+    assert _keyword_offenders(bad, "inline") == [
+        "inline:1 bad(eps)",
+        "inline:2 also_bad(k)",
+        "inline:7 BadAccumulator(eps)",
+    ]
 
 
 def test_options_after_model_and_tokens_are_keyword_only():
     offenders = []
     for module, path in MODULES.items():
         offenders += _keyword_offenders(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
-    assert not offenders, ("public functions (and classes) taking a model first whose options (parameters with a "
-                           "default after model / tokens) can still be given by position; put `*` before them:\n"
-                           + "\n".join(offenders))
+    assert not offenders, (
+        "public functions (and classes) taking a model first whose options (parameters with a "
+        "default after model / tokens) can still be given by position; put `*` before them:\n" + "\n".join(offenders)
+    )
 
 
 def _section(doc: str | None, name: str) -> bool:
@@ -303,8 +331,11 @@ def _documented(obj) -> list[str]:
         return ["a docstring"]
     if inspect.isfunction(obj):
         params = [p for p in inspect.signature(obj).parameters if not p.startswith("_")]
-        lack = [s for s in (["Parameters"] if params else []) + ["Returns"]
-                if not _section(doc, s) and not (s == "Returns" and _section(doc, "Yields"))]
+        lack = [
+            s
+            for s in (["Parameters"] if params else []) + ["Returns"]
+            if not _section(doc, s) and not (s == "Returns" and _section(doc, "Yields"))
+        ]
         return lack or [f"parameter {p}" for p in params if p not in _entries(doc, "Parameters")]
     if dataclasses.is_dataclass(obj) or issubclass(obj, Result):
         if not _section(doc, "Attributes"):
@@ -355,10 +386,15 @@ def test_the_docstring_checker_flags_what_is_missing():
 
 def test_every_exported_function_and_class_documents_its_parameters_or_attributes():
     exported = {name: getattr(analysis, name) for name in analysis.__all__}
-    missing = {name: lack for name, obj in exported.items()
-               if (inspect.isfunction(obj) or inspect.isclass(obj)) and (lack := _documented(obj))}
-    assert not missing, ("exported names whose numpy-doc docstring lacks a section (functions: Parameters and Returns; "
-                         f"result classes: Attributes naming every field): {missing}")
+    missing = {
+        name: lack
+        for name, obj in exported.items()
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and (lack := _documented(obj))
+    }
+    assert not missing, (
+        "exported names whose numpy-doc docstring lacks a section (functions: Parameters and Returns; "
+        f"result classes: Attributes naming every field): {missing}"
+    )
 
 
 def _public_objects():
@@ -369,25 +405,35 @@ def _public_objects():
             continue
         mod = importlib.import_module(module)
         for name, obj in vars(mod).items():
-            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)) \
-                    and obj.__module__ == module:
+            if (
+                not name.startswith("_")
+                and (inspect.isfunction(obj) or inspect.isclass(obj))
+                and obj.__module__ == module
+            ):
                 yield module, name, obj
 
 
 def test_every_result_class_of_the_package_documents_its_fields():
     """Beyond the exported names: every public dataclass and ``Result`` of every module (the results analyses return,
     their parts, configs) has an ``Attributes`` section naming each public field."""
-    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
-               if inspect.isclass(obj) and (dataclasses.is_dataclass(obj) or issubclass(obj, Result))
-               and (lack := _documented(obj))}
+    missing = {
+        f"{module}.{name}": lack
+        for module, name, obj in _public_objects()
+        if inspect.isclass(obj)
+        and (dataclasses.is_dataclass(obj) or issubclass(obj, Result))
+        and (lack := _documented(obj))
+    }
     assert not missing, f"result classes whose docstring lacks an Attributes section or a field in it: {missing}"
 
 
 def test_every_public_function_of_the_package_documents_its_parameters():
     """Beyond the exported names: every public function of every module has ``Parameters`` naming each of its
     parameters and ``Returns`` (or ``Yields``)."""
-    missing = {f"{module}.{name}": lack for module, name, obj in _public_objects()
-               if inspect.isfunction(obj) and (lack := _documented(obj))}
+    missing = {
+        f"{module}.{name}": lack
+        for module, name, obj in _public_objects()
+        if inspect.isfunction(obj) and (lack := _documented(obj))
+    }
     assert not missing, f"public functions whose docstring lacks a section or a parameter: {missing}"
 
 
@@ -398,8 +444,21 @@ def test_every_public_function_of_the_package_documents_its_parameters():
 # Bottom to top. A module of one floor may import its own floor and the floors below, never one above (in-function
 # imports counted). The top-level ``analysis`` package and its ``__main__`` (the CLI) stand above them all.
 # import-linter's layers contract in pyproject.toml keeps it (tests/test_lint.py runs it and checks it names these).
-FLOORS = ("core", "model", "engine", "sinks", "chain", "positions", "causal", "dynamics", "train", "streaming",
-          "quant", "figures", "report")
+FLOORS = (
+    "core",
+    "model",
+    "engine",
+    "sinks",
+    "chain",
+    "positions",
+    "causal",
+    "dynamics",
+    "train",
+    "streaming",
+    "quant",
+    "figures",
+    "report",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,8 +476,11 @@ def _long_functions(tree: ast.Module, where: str, limit: int = MAX_BODY) -> list
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         body = fn.body
-        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             body = body[1:]
         if body and (n := fn.end_lineno - body[0].lineno + 1) > limit:
             out.append(f"{where}:{fn.lineno} {fn.name} ({n} lines)")
@@ -436,8 +498,10 @@ def test_no_function_body_runs_over_sixty_lines():
     long = []
     for module, path in MODULES.items():
         long += _long_functions(ast.parse(path.read_text()), str(path.relative_to(ROOT.parent)))
-    assert not long, (f"function bodies over {MAX_BODY} lines (docstring not counted); split them into functions "
-                      "named for what each part does:\n" + "\n".join(long))
+    assert not long, (
+        f"function bodies over {MAX_BODY} lines (docstring not counted); split them into functions "
+        "named for what each part does:\n" + "\n".join(long)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,8 +517,11 @@ def test_every_registered_analysis_returns_a_result():
 
     found = discover()  # every module whose source registers one, imported
     assert found and set(found) == {a.module for a in registry.analyses()}, "a registration the source scan misses"
-    bad = {a.name: [getattr(t, "__name__", t) for t in a.results] for a in registry.analyses()
-           if not a.product and not all(inspect.isclass(t) and issubclass(t, Result) for t in a.results)}
+    bad = {
+        a.name: [getattr(t, "__name__", t) for t in a.results]
+        for a in registry.analyses()
+        if not a.product and not all(inspect.isclass(t) and issubclass(t, Result) for t in a.results)
+    }
     assert not bad, f"registered analyses whose result is not an analysis.core.results.Result: {bad}"
     products = [a.name for a in registry.analyses() if a.product and a.sections]
     assert not products, f"pass products with a report section (they have no text to show): {products}"
@@ -463,14 +530,30 @@ def test_every_registered_analysis_returns_a_result():
 # Tests mirror the package: tests/<floor>/ holds the tests of analysis/<floor>/; the root keeps only the tests of the
 # whole package (its layout, docs, command line, public interface, notebooks, GPU kit and wheel) and the shared
 # helpers.
-CROSS_CUTTING = {"test_bench_scale", "test_cli", "test_cli_vocabulary", "test_device_guard", "test_docs", "test_docs_site", "test_gpu_kit",
-                 "test_interface", "test_layout", "test_lint", "test_notebooks_published", "test_notebooks_templates", "test_shards", "test_wheel"}
+CROSS_CUTTING = {
+    "test_bench_scale",
+    "test_cli",
+    "test_cli_vocabulary",
+    "test_device_guard",
+    "test_docs",
+    "test_docs_site",
+    "test_gpu_kit",
+    "test_interface",
+    "test_layout",
+    "test_lint",
+    "test_notebooks_published",
+    "test_notebooks_templates",
+    "test_shards",
+    "test_wheel",
+}
 
 
 def test_the_tests_mirror_the_package():
     tests = ROOT.parent / "tests"
     stray = sorted(p.stem for p in tests.glob("test_*.py") if p.stem not in CROSS_CUTTING)
-    assert not stray, f"test files at tests/ root {stray}: move each to tests/<floor>/ (one of {FLOORS}) of what it tests"
+    assert not stray, (
+        f"test files at tests/ root {stray}: move each to tests/<floor>/ (one of {FLOORS}) of what it tests"
+    )
     folders = sorted(d.name for d in tests.iterdir() if d.is_dir() and any(d.glob("test_*.py")))
     assert set(folders) <= set(FLOORS), f"test folders {sorted(set(folders) - set(FLOORS))} name no floor of analysis/"
     assert all((tests / d / "__init__.py").is_file() for d in folders), "each tests/<floor>/ needs an __init__.py"

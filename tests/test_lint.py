@@ -12,6 +12,7 @@ branches, not lines). Not selected: ruff's I (isort: 117 findings in the tree, i
 (pydocstyle, numpy convention: 1325 findings in analysis/ alone, mostly the summary line's form).
 
 Time: about 1 s (lint-imports 0.6 s without its cache, ruff check 0.1 s, ruff format --check 0.1 s)."""
+
 from __future__ import annotations
 
 import os

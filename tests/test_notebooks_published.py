@@ -1,5 +1,6 @@
 """The notebooks are committed executed: with their outputs (figures where they plot), no error or warning box, not
 edited since they ran (the source hash stamped by scripts/run_notebooks.py), and small. Nothing is executed here."""
+
 import importlib.util
 import re
 from pathlib import Path
@@ -41,19 +42,24 @@ def test_notebook_is_published(path):
         pytest.fail(f"{path.name}'s code changed after it was executed: {_redo(path)}.", pytrace=False)
     counts = [c.execution_count for c in cells]
     assert counts == list(range(1, len(cells) + 1)), (
-        f"{path.name} was not executed top to bottom in one run (execution counts {counts}): {_redo(path)}.")
+        f"{path.name} was not executed top to bottom in one run (execution counts {counts}): {_redo(path)}."
+    )
     silent = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and SHOWS.search(c.source) and not c.outputs]
     assert not silent, f"{path.name}: code cells {silent} print or show something but have no output: {_redo(path)}."
     outputs = [o for c in cells for o in c.outputs]
     assert outputs, f"{path.name} has no output at all: {_redo(path)}."
     errors = [o.get("ename") for o in outputs if o.output_type == "error"]
     assert not errors, f"{path.name} holds errors {errors}: fix them and {_redo(path)}."
-    warned = [o.text.strip().splitlines()[0] for o in outputs if o.output_type == "stream" and o.name == "stderr"
-              and "Warning" in o.text]
+    warned = [
+        o.text.strip().splitlines()[0]
+        for o in outputs
+        if o.output_type == "stream" and o.name == "stderr" and "Warning" in o.text
+    ]
     assert not warned, f"{path.name} shows a warning box: {warned}."
     if any(PLOTS.search(c.source) for c in cells):
         assert any("image/png" in o.get("data", {}) for o in outputs), (
-            f"{path.name} plots but holds no figure: {_redo(path)}.")
+            f"{path.name} plots but holds no figure: {_redo(path)}."
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -63,13 +69,20 @@ def test_notebook_is_small(path):
     views = [o for c in _code(nb) for o in c.outputs if "CircuitsVis" in str(o.get("data", {}).get("text/html", ""))]
     assert len(views) <= 1, f"{path.name} holds {len(views)} circuitsvis views: keep one, draw the others as figures."
     size = path.stat().st_size
-    assert size <= MAX_BYTES, f"{path.name} is {size / 1e6:.1f} MB (at most {MAX_BYTES / 1e6:g}): show figures, not views."
+    assert size <= MAX_BYTES, (
+        f"{path.name} is {size / 1e6:.1f} MB (at most {MAX_BYTES / 1e6:g}): show figures, not views."
+    )
 
 
 def test_the_stamp_follows_the_code_only():
     """The hash changes with a code cell's source and with the order of code cells, not with outputs or markdown."""
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("x = 1"),
-                                         nbformat.v4.new_code_cell("print(x)")])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# t"),
+            nbformat.v4.new_code_cell("x = 1"),
+            nbformat.v4.new_code_cell("print(x)"),
+        ]
+    )
     h = run_notebooks.source_hash(nb)
     nb.cells[0].source = "# another title"
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]

@@ -15,6 +15,7 @@ run two at a time (CI has 2 cores), each in its own kernel with one thread: the 
 on the two attention families add 1.7 CPU-minutes (11-14 CPU-seconds each, mostly the kernel's start and imports),
 about 1 minute: 44 runs, 9 CPU-minutes, about 5 minutes.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,11 +47,17 @@ SMALL = {
     "16": {"N": 4, "T": 16, "SEEDS": [0, 1], "GATE_N": 2},
 }
 # notebooks that read committed runs (not run here: nbmake executes them) -> the parameters they must name
-READS_RUNS = {"07": ("MODELS", "N", "T", "SEED", "CHAIN"), "08": ("RUNS", "GRIDS", "DEMO"),
-              "14": ("RUNS", "MODEL", "PAIR", "STREAM", "LIVE")}
+READS_RUNS = {
+    "07": ("MODELS", "N", "T", "SEED", "CHAIN"),
+    "08": ("RUNS", "GRIDS", "DEMO"),
+    "14": ("RUNS", "MODEL", "PAIR", "STREAM", "LIVE"),
+}
 MODELS = ("no-sink-llama", "planted-gpt2", "synthetic-softmax")
-PARTNER = {"no-sink-llama": "planted-gpt2", "planted-gpt2": "no-sink-llama",  # 13's second model (the same vocabulary)
-           "synthetic-softmax": "synthetic-sigmoid"}
+PARTNER = {
+    "no-sink-llama": "planted-gpt2",
+    "planted-gpt2": "no-sink-llama",  # 13's second model (the same vocabulary)
+    "synthetic-softmax": "synthetic-sigmoid",
+}
 # Families whose attention differs, run on the notebooks about the sink and its heads (tests/families.py's tiny
 # configs, random weights, with the char vocabulary): DeepSeek-V3's latent attention (MLA: q and kv LoRA, a shared
 # rotary key, v_head_dim != qk head dim; a dense first layer, then routed experts) and Mistral's sliding window (8
@@ -73,12 +80,27 @@ def _model_dirs(root: Path) -> dict[str, str]:
 
     llama = root / "no-sink-llama"  # random weights, GQA: no spike, no sink
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
-                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                                 bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)).save_pretrained(llama)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(llama)
     char_tokenizer().save_pretrained(llama)
-    return {"no-sink-llama": str(llama), "planted-gpt2": str(planted_gpt2_dir(root / "planted-gpt2")),
-            "synthetic-softmax": "synthetic-softmax", **{f: str(_family_dir(f, root / f)) for f in FAMILIES}}
+    return {
+        "no-sink-llama": str(llama),
+        "planted-gpt2": str(planted_gpt2_dir(root / "planted-gpt2")),
+        "synthetic-softmax": "synthetic-softmax",
+        **{f: str(_family_dir(f, root / f)) for f in FAMILIES},
+    }
 
 
 def _family_dir(family: str, path: Path) -> Path:
@@ -113,12 +135,26 @@ def _run(prefix: str, model: str, folders: dict[str, str], out: Path) -> tuple[s
     partner = folders.get(PARTNER.get(model, ""), PARTNER.get(model))
     params = [("PAIR", f"['{folder}', '{partner}']") if prefix == "13" else ("MODEL", folder)]
     params += [(k, repr(v)) for k, v in SMALL[prefix].items()]
-    cmd = [sys.executable, "-m", "papermill", str(src), str(out / f"{prefix}-{model}.ipynb"), "--cwd",
-           str(NOTEBOOK_DIR), "-k", "python3", "--no-progress-bar"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "papermill",
+        str(src),
+        str(out / f"{prefix}-{model}.ipynb"),
+        "--cwd",
+        str(NOTEBOOK_DIR),
+        "-k",
+        "python3",
+        "--no-progress-bar",
+    ]
     for k, v in params:
         cmd += ["-y", f"{k}: {v}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return ("" if done.returncode == 0 else done.stderr[-3000:]), time.perf_counter() - t0

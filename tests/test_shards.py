@@ -1,5 +1,6 @@
 """``pytest --shard i/n`` (tests/shards.py): every test in exactly one shard, cut by file, the files that use the
 embedded model (carried to the GPU machine last) in the last shard."""
+
 import re
 import subprocess
 import sys
@@ -34,8 +35,13 @@ def test_the_option_deselects_the_other_shards():
     """One collection (a subprocess: about 10 s): the first of two shards holds the files without the embedded model,
     every test of them, and nothing of tests/test_cli.py."""
     files = ["tests/test_layout.py", "tests/test_cli.py"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files,
-                          "--shard", "1/2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files, "--shard", "1/2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     got = [line for line in out.stdout.splitlines() if "::" in line]
     n_layout = len(re.findall(r"^def test_", (ROOT / files[0]).read_text(), re.MULTILINE))

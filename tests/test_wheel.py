@@ -6,6 +6,7 @@ The new environment takes the dependencies of this one (a .pth naming its site-p
 them an editable install's finder, are not read), so nothing is downloaded; `analysis` must come from the wheel.
 Measured on the shared 2-core machine: 68 s (build and install 6 s, the four commands 62 s, most of it
 SmolLM2's load), 174 s at a load average of 15."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,22 @@ def installed(tmp_path_factory) -> dict:
     purelib = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).strip())
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
     (purelib / "_deps_of_the_test_env.pth").write_text("".join(f"{p}\n" for p in sorted(ours) if Path(p).is_dir()))
-    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index", "--no-deps", "--quiet",
-          "--disable-pip-version-check", wheel], cwd=tmp)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            py,
+            "install",
+            "--no-index",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            wheel,
+        ],
+        cwd=tmp,
+    )
     work = tmp / "elsewhere"  # outside the clone: no analysis/ or data/ beside the working directory
     work.mkdir()
     return {"wheel": wheel, "py": py, "bin": venv / "bin", "purelib": purelib, "work": work}
@@ -67,9 +82,11 @@ def test_the_wheel_holds_the_package_data(installed):
 @pytest.mark.slow
 def test_the_installed_wheel_runs_outside_the_clone(installed):
     py, work, sinklens = installed["py"], installed["work"], installed["bin"] / "sinklens"
-    probe = ("import analysis, json; from analysis.positions.context_length import committed_sink_context; "
-             "longest = max(committed_sink_context('smollm2-135m').Ts); "
-             "print(json.dumps([analysis.__file__, analysis.__version__, longest]))")
+    probe = (
+        "import analysis, json; from analysis.positions.context_length import committed_sink_context; "
+        "longest = max(committed_sink_context('smollm2-135m').Ts); "
+        "print(json.dumps([analysis.__file__, analysis.__version__, longest]))"
+    )
     where, version, longest = json.loads(_run([py, "-c", probe], cwd=work))
     assert Path(where).is_relative_to(installed["purelib"]), where  # the wheel's copy, not the clone's
     assert version == analysis.__version__ and longest == 8192
@@ -83,6 +100,7 @@ def test_the_installed_wheel_runs_outside_the_clone(installed):
     assert data["model"] == "smollm2-135m" and data["n"] == 4 and data["T"] == 16 and "natural" in table
     assert data["sink_1_pct"]["natural"] > 30 and data["sink_1_pct"]["repeated"] < 5  # as tests/test_cli.py finds
 
-    table = _run([py, "-m", "analysis", "sink", "--model", "synthetic-sink-token", "--n", "4", "--T", "16", "--quiet"],
-                 cwd=work)
+    table = _run(
+        [py, "-m", "analysis", "sink", "--model", "synthetic-sink-token", "--n", "4", "--T", "16", "--quiet"], cwd=work
+    )
     assert "Sink_1 (eps=0.3) of synthetic-sink-token" in table and "Sink on slot" in table, table

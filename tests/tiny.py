@@ -1,4 +1,5 @@
 """Tiny Hugging Face models built by the tests (no downloads): a LLaMA with a word-level tokenizer."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,10 +30,19 @@ def make_tiny_llama_dir(
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx,
-        initializer_range=init_std, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=d_model,
+        intermediate_size=2 * d_model,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=n_ctx,
+        initializer_range=init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
     path = Path(path)

@@ -1,6 +1,7 @@
 """How close gradient x activation (:func:`analysis.causal.dormant_heads.dormant_heads`) comes to exact removal
 (:func:`analysis.causal.head_removal.removal_effects`): ``AttributionCheck``, per (head, sequence, query).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,10 +59,14 @@ class AttributionCheck(Result):
 
         diff = np.abs(y - x)
         big = np.abs(x) > 1e-3
-        out = {"n": int(x.size), "mean_abs_exact": float(np.abs(x).mean()), "mean_abs_error": float(diff.mean()),
-               "max_abs_error": float(diff.max()),
-               "relative_error": float(diff.sum() / max(np.abs(x).sum(), 1e-12)),
-               "sign_agreement": float((np.sign(x[big]) == np.sign(y[big])).mean()) if big.any() else None}
+        out = {
+            "n": int(x.size),
+            "mean_abs_exact": float(np.abs(x).mean()),
+            "mean_abs_error": float(diff.mean()),
+            "max_abs_error": float(diff.max()),
+            "relative_error": float(diff.sum() / max(np.abs(x).sum(), 1e-12)),
+            "sign_agreement": float((np.sign(x[big]) == np.sign(y[big])).mean()) if big.any() else None,
+        }
         ok = x.size >= 3 and np.ptp(x) > 0 and np.ptp(y) > 0
         out["pearson_r"] = float(stats.pearsonr(x, y)[0]) if ok else None
         out["spearman_rho"] = float(stats.spearmanr(x, y)[0]) if ok else None
@@ -73,8 +78,13 @@ class AttributionCheck(Result):
         relative error sum |estimate - exact| / sum |exact|, and the sign agreement where |exact| > 1e-3 nats."""
         rows = []
         for i, (l, h) in enumerate(self.heads):
-            rows.append({"layer": l, "head": h, **self._stats(self.exact[i].flatten().numpy(),
-                                                               self.estimate[i].flatten().numpy())})
+            rows.append(
+                {
+                    "layer": l,
+                    "head": h,
+                    **self._stats(self.exact[i].flatten().numpy(), self.estimate[i].flatten().numpy()),
+                }
+            )
         return pd.DataFrame(rows)
 
     def pooled(self) -> dict:
@@ -88,24 +98,45 @@ class AttributionCheck(Result):
         p = self.pooled()
         heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
         if p["pearson_r"] is None:
-            return [f"Exact removal of heads {heads} changes the loss by {p['mean_abs_exact']:.2g} nats on average; the "
-                    "correlation with the gradient x activation estimate is undefined (constant values)."]
+            return [
+                f"Exact removal of heads {heads} changes the loss by {p['mean_abs_exact']:.2g} nats on average; the "
+                "correlation with the gradient x activation estimate is undefined (constant values)."
+            ]
         how = "set to zero" if self.ablation == "zero" else "set to its mean output"
-        return [f"Gradient x activation estimates the exact loss change of one head's output at one query {how} with Pearson "
-                f"r = {p['pearson_r']:.3f} (Spearman rho = {p['spearman_rho']:.3f}, of the magnitudes "
-                f"{p['spearman_abs']:.3f}) over {p['n']} (sequence, query) pairs of heads {heads}; its mean absolute "
-                f"error is {p['mean_abs_error']:.2g} nats against a mean |exact change| of {p['mean_abs_exact']:.2g} "
-                f"(relative error {p['relative_error']:.2f})."]
+        return [
+            f"Gradient x activation estimates the exact loss change of one head's output at one query {how} with Pearson "
+            f"r = {p['pearson_r']:.3f} (Spearman rho = {p['spearman_rho']:.3f}, of the magnitudes "
+            f"{p['spearman_abs']:.3f}) over {p['n']} (sequence, query) pairs of heads {heads}; its mean absolute "
+            f"error is {p['mean_abs_error']:.2g} nats against a mean |exact change| of {p['mean_abs_exact']:.2g} "
+            f"(relative error {p['relative_error']:.2f})."
+        ]
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "ablation": self.ablation, "heads": [list(h) for h in self.heads],
-                         "queries": self.queries,
-                         "pooled": self.pooled(), "per_head": self.table(), "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "ablation": self.ablation,
+                "heads": [list(h) for h in self.heads],
+                "queries": self.queries,
+                "pooled": self.pooled(),
+                "per_head": self.table(),
+                "text": self.text(),
+            }
+        )
 
 
-def attribution_check(model: SinkModel, tokens, heads, *, ablation: str = "zero", result: DormantHeads | None = None,
-                      queries: Sequence[int] | None = None, resid: dict | None = None, batch_size: int | None = None,
-                      kind: str | None = None) -> AttributionCheck:
+def attribution_check(
+    model: SinkModel,
+    tokens,
+    heads,
+    *,
+    ablation: str = "zero",
+    result: DormantHeads | None = None,
+    queries: Sequence[int] | None = None,
+    resid: dict | None = None,
+    batch_size: int | None = None,
+    kind: str | None = None,
+) -> AttributionCheck:
     """Compare the gradient x activation estimate of :func:`dormant_heads` with exact removal
     (:func:`removal_effects`) on ``heads`` ((layer, head) pairs) over ``tokens`` (N, T; keep them small: one pass of
     N x (Q + 1) rows per head). ``ablation``: "zero" (``effect``) or "mean" (``effect_mean``, the output set to the
@@ -142,18 +173,23 @@ def attribution_check(model: SinkModel, tokens, heads, *, ablation: str = "zero"
     if result is None:
         result = dormant_heads(model, tokens, layers=sorted({l for l, _ in pairs}), kind=kind)
     elif tuple(result.sink_attn.shape[::3]) != tuple(tokens.shape):
-        raise ValueError(f"the result was computed on {result.n_samples} sequences of T = {result.T}; these tokens are "
-                         f"{tuple(tokens.shape)}: pass the result of these tokens, or none.")
+        raise ValueError(
+            f"the result was computed on {result.n_samples} sequences of T = {result.T}; these tokens are "
+            f"{tuple(tokens.shape)}: pass the result of these tokens, or none."
+        )
     missing = [l for l, _ in pairs if l not in result.layers]
     if missing:
         raise ValueError(f"layers {missing} are not in the result (it holds {result.layers}).")
     if ablation == "mean" and result.effect_mean is None:
-        raise ValueError("the result has no mean-ablation effects; compute it with dormant_heads(..., mean_ablation=True).")
+        raise ValueError(
+            "the result has no mean-ablation effects; compute it with dormant_heads(..., mean_ablation=True)."
+        )
     first = first_query(result.sink_positions, eps=result.eps)
     qs = check_queries(queries, tokens.shape[1], first)
     values = torch.stack([result.z_mean[result.pos(l), h] for l, h in pairs]) if ablation == "mean" else None
-    exact = removal_effects(model, tokens, pairs, queries=qs, first=first, values=values, resid=resid,
-                            batch_size=batch_size)
+    exact = removal_effects(
+        model, tokens, pairs, queries=qs, first=first, values=values, resid=resid, batch_size=batch_size
+    )
     effect = result.effect if ablation == "zero" else result.effect_mean
     est = torch.stack([effect[:, result.pos(l), h][:, qs] for l, h in pairs]).double()
     return AttributionCheck(pairs, qs, exact, est, ablation, getattr(model, "model_name", None), kind or result.kind)

@@ -11,6 +11,7 @@ before its hooks whose input the baseline kept (``Baseline.resid``).
 Every family: the attention is read on the attention layers only (``check_attention_layers``: a hybrid's
 linear-attention / Mamba layers are skipped, results keep the true layer index and say which were skipped).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from analysis.sinks.metric import SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
 from analysis.core.defaults import INTERVENTION_K_MAX as K_MAX  # alpha kept for keys 1..4 in every intervention pass
+
 LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-softmax is never built for a whole batch)
 
 # ----------------------------------------------------------------------------------------------
@@ -108,8 +110,11 @@ def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROW
     total = 0.0
     for i in range(0, logits.shape[0], rows):
         lg = logits[i : i + rows, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1),
-                                                         reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(
+                lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1), reduction="sum"
+            )
+        )
     return total
 
 
@@ -150,8 +155,10 @@ def condition_rows(offset: int, size: int, rows: int) -> list[tuple[int, slice]]
     -------
     list of (int, slice)
     """
-    return [(g, slice(max(g * rows - offset, 0), min((g + 1) * rows - offset, size)))
-            for g in range(offset // rows, (offset + size - 1) // rows + 1)]
+    return [
+        (g, slice(max(g * rows - offset, 0), min((g + 1) * rows - offset, size)))
+        for g in range(offset // rows, (offset + size - 1) // rows + 1)
+    ]
 
 
 class PassAccumulator(Accumulator):
@@ -178,8 +185,9 @@ class PassAccumulator(Accumulator):
 
     needs_logits = True
 
-    def __init__(self, model, T: int, *, eps: float = SINK_EPS, k_max: int = K_MAX, start: int = 0,
-                 group_rows: int | None = None):
+    def __init__(
+        self, model, T: int, *, eps: float = SINK_EPS, k_max: int = K_MAX, start: int = 0, group_rows: int | None = None
+    ):
         facts = model_facts(model)
         self.T, self.eps, self.k_max = int(T), check_eps(eps), min(int(k_max), int(T))
         self.layers, self.skipped = [l for l in facts.attention_layers if l >= start], facts.skipped
@@ -227,8 +235,11 @@ class PassAccumulator(Accumulator):
             self.n_pred[g] += tokens.shape[0] * (tokens.shape[1] - 1)
             self.n[g] += tokens.shape[0]
         if batch.tokens.shape[1] > 1:
-            self.first.append(torch.nn.functional.cross_entropy(
-                logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none").cpu())
+            self.first.append(
+                torch.nn.functional.cross_entropy(
+                    logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none"
+                ).cpu()
+            )
 
     def result(self) -> PassResult | list[PassResult]:
         alpha, first = self.alpha.result(), torch.cat(self.first) if self.first else None
@@ -236,14 +247,33 @@ class PassAccumulator(Accumulator):
         for g in range(len(self.n)):
             rows = slice(None) if self.group_rows is None else slice(g * self.group_rows, (g + 1) * self.group_rows)
             loss = self.loss_sum[g] / max(self.n_pred[g], 1) if self.T > 1 else float("nan")
-            out.append(PassResult(alpha[rows], (self.where[g] / (self.n[g] * max(self.T - 2, 1))).float(), loss, self.eps,
-                                  self.T, self.layers, self.skipped, None if first is None else first[rows]))
+            out.append(
+                PassResult(
+                    alpha[rows],
+                    (self.where[g] / (self.n[g] * max(self.T - 2, 1))).float(),
+                    loss,
+                    self.eps,
+                    self.T,
+                    self.layers,
+                    self.skipped,
+                    None if first is None else first[rows],
+                )
+            )
         return out if self.group_rows is not None else out[0]
 
 
-def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, k_max: int = K_MAX,
-                  batch_size: int | None = None, on_batch_start=None, baseline: Baseline | None = None,
-                  groups: int = 1) -> PassResult | list[PassResult]:
+def run_condition(
+    model: SinkModel,
+    tokens,
+    *,
+    hooks=(),
+    eps: float = SINK_EPS,
+    k_max: int = K_MAX,
+    batch_size: int | None = None,
+    on_batch_start=None,
+    baseline: Baseline | None = None,
+    groups: int = 1,
+) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
     Parameters
@@ -278,10 +308,17 @@ def run_condition(model: SinkModel, tokens, *, hooks=(), eps: float = SINK_EPS, 
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
         resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
-    acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, start=resume.layer if resume else 0,
-                          group_rows=rows if G > 1 else None)
-    run = run_pass(model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start,
-                   resume=resume)[0]
+    acc = PassAccumulator(
+        model,
+        tokens.shape[1],
+        eps=eps,
+        k_max=k_max,
+        start=resume.layer if resume else 0,
+        group_rows=rows if G > 1 else None,
+    )
+    run = run_pass(
+        model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start, resume=resume
+    )[0]
     if G == 1:
         return _with_prefix(run, baseline.run) if resume else run
     return [_with_prefix(r, baseline.run) if resume else r for r in run]
@@ -303,8 +340,16 @@ def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> 
 def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
     """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
     early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
-    return PassResult(torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where]), run.loss,
-                      run.eps, run.T, base.layers, base.skipped, run.loss_first)
+    return PassResult(
+        torch.cat([base.alpha[:, early], run.alpha], 1),
+        torch.cat([base.where[early], run.where]),
+        run.loss,
+        run.eps,
+        run.T,
+        base.layers,
+        base.skipped,
+        run.loss_first,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,9 +426,24 @@ class ValueStatsAccumulator(Accumulator):
 
     def result(self) -> dict:
         """{"heads": one row per (attention layer, query head), "v1": (N, L, H, d) on the attention layers."""
-        rows = [{"layer": l, "head": h, **{name: float(self.sums[l][key][h] / self.n) for name, key in (
-                    ("alpha_1", "a1"), ("v1_norm", "v1"), ("v_other_norm", "vj"), ("first_contrib_norm", "contrib"),
-                    ("output_norm", "z"))}} for l in self.layers for h in range(self.H)]
+        rows = [
+            {
+                "layer": l,
+                "head": h,
+                **{
+                    name: float(self.sums[l][key][h] / self.n)
+                    for name, key in (
+                        ("alpha_1", "a1"),
+                        ("v1_norm", "v1"),
+                        ("v_other_norm", "vj"),
+                        ("first_contrib_norm", "contrib"),
+                        ("output_norm", "z"),
+                    )
+                },
+            }
+            for l in self.layers
+            for h in range(self.H)
+        ]
         return {"heads": pd.DataFrame(rows), "v1": self.v1.result()}
 
 
@@ -410,7 +470,9 @@ class Baseline:
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
-    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
+    resid: dict = field(
+        default_factory=dict
+    )  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
     # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
 
     def __repr__(self) -> str:
@@ -433,8 +495,11 @@ def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS) ->
     -------
     list of Accumulator
     """
-    return [PassAccumulator(model, T, eps=eps, k_max=K_MAX), FirstTokenResidAccumulator(model),
-            ValueStatsAccumulator(model)]
+    return [
+        PassAccumulator(model, T, eps=eps, k_max=K_MAX),
+        FirstTokenResidAccumulator(model),
+        ValueStatsAccumulator(model),
+    ]
 
 
 def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
@@ -506,8 +571,10 @@ def baseline_for(model: SinkModel, tokens, baseline: Baseline | None, eps: float
     if baseline is None:
         return baseline_pass(model, tokens, eps=eps, batch_size=batch_size)
     if baseline.run.alpha.shape[0] != tokens.shape[0] or baseline.run.eps != eps:
-        raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
-                         f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none.")
+        raise ValueError(
+            f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
+            f"these are {tokens.shape[0]} with eps {eps}: pass the baseline of these tokens, or none."
+        )
     return baseline
 
 
@@ -515,9 +582,16 @@ def baseline_for(model: SinkModel, tokens, baseline: Baseline | None, eps: float
 from analysis.core.registry import Analysis, register  # noqa: E402
 
 
-register(Analysis(
-    "baseline", result=Baseline, order=60, hooks=("pattern", "resid", "v", "z"), product=True,
-    doc="The interventions' shared baseline on the main kind.",
-    accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps),
-    # with the main kind's resume points, so that its conditions resume
-    finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {})))
+register(
+    Analysis(
+        "baseline",
+        result=Baseline,
+        order=60,
+        hooks=("pattern", "resid", "v", "z"),
+        product=True,
+        doc="The interventions' shared baseline on the main kind.",
+        accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps),
+        # with the main kind's resume points, so that its conditions resume
+        finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {}),
+    )
+)

@@ -39,6 +39,7 @@ Without any link between sinking and dormancy both shares equal ``quantile``. A 
 it is quiet; the finding (:meth:`DormantHeads.text`) says whether the queries that sink a head's attention are its
 dormant ones, by output norm and by loss effect, and in which layers (:meth:`DormantHeads.layer_table`).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -141,12 +142,14 @@ class _BatchHooks:
                     sink = p[..., list(self.sink_sel)].sum(-1)
                 self.got["sink"][l] = sink.cpu()
                 self.got["slot"][l] = slot_share(x.detach()).cpu()  # zero within a bf16 row's rounding
+
         return f
 
     def on_raw(self, l):
         def f(x, hook):
             with torch.no_grad():
                 self.got["mass"][l] = x.detach().float().sum(-1).cpu()
+
         return f
 
     def on_z(self, l):
@@ -157,6 +160,7 @@ class _BatchHooks:
                 sq = torch.einsum("bthd,hde,bthe->bht", z, self.grams[l].to(z.device), z)
                 self.got["norm"][l] = sq.clamp_min(0).sqrt().cpu()
             return x  # returned so that the bridge uses this very tensor downstream (the gradient reaches it)
+
         return f
 
 
@@ -167,8 +171,10 @@ def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch
         loss = sequence_losses(logits, tokens).sum()
         missing = [l for l in hk.layers if l not in hk.z or not hk.z[l].requires_grad]
         if missing:
-            raise ModelContractError(f"hook_z of layers {missing} did not fire or is not on the path to the loss; the "
-                                     "loss effect needs the heads' outputs (`blocks.{l}.attn.hook_z`) to feed the model.")
+            raise ModelContractError(
+                f"hook_z of layers {missing} did not fire or is not on the path to the loss; the "
+                "loss effect needs the heads' outputs (`blocks.{l}.attn.hook_z`) to feed the model."
+            )
         grads = torch.autograd.grad(loss, [hk.z[l] for l in hk.layers], allow_unused=True)
     effect, effect_mean = {}, {}
     for i, (l, g) in enumerate(zip(hk.layers, grads)):
@@ -285,8 +291,10 @@ def dormant_heads(
     raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
     first = first_query(sinks, eps=eps)
     if first > T - 2:
-        raise ValueError(f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
-                         f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}.")
+        raise ValueError(
+            f"T={T} is too short for these sinks and eps = {eps:g}: the statistics use queries {first}..T-2 "
+            f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}."
+        )
     z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
     batch_hooks = lambda sel: _BatchHooks(layers, grams, sel, raw, z_mean)  # the hooks of one batch's sink keys
     full = _forward_backward(model, tokens, sinks, batch_hooks, batch_size=batch_size, progress=progress)
@@ -295,15 +303,29 @@ def dormant_heads(
         full.update(_exact_effects(model, tokens, layers, z_mean, first=first, progress=progress))
     if slot is not None and float(slot[..., first : T - 1].abs().max()) <= 1e-4:
         slot = None  # every row sums to one: no extra slot
-    return DormantHeads(layers=layers, sink_attn=full["sink"], out_norm=full["norm"], effect=full["effect"],
-                        sink_positions=sinks, eps=eps, quantile=quantile, effect_mean=full.get("effect_mean"),
-                        z_mean=z_mean, slot=slot, mass=full.get("mass"), active=active,
-                        model_name=getattr(model, "model_name", None), kind=kind, skipped=skipped_note(model),
-                        effect_method="exact" if exact else "gradient")
+    return DormantHeads(
+        layers=layers,
+        sink_attn=full["sink"],
+        out_norm=full["norm"],
+        effect=full["effect"],
+        sink_positions=sinks,
+        eps=eps,
+        quantile=quantile,
+        effect_mean=full.get("effect_mean"),
+        z_mean=z_mean,
+        slot=slot,
+        mass=full.get("mass"),
+        active=active,
+        model_name=getattr(model, "model_name", None),
+        kind=kind,
+        skipped=skipped_note(model),
+        effect_method="exact" if exact else "gradient",
+    )
 
 
-def _forward_backward(model: SinkModel, tokens: torch.Tensor, sinks, batch_hooks, *, batch_size: int | None,
-                      progress: bool) -> dict[str, torch.Tensor]:
+def _forward_backward(
+    model: SinkModel, tokens: torch.Tensor, sinks, batch_hooks, *, batch_size: int | None, progress: bool
+) -> dict[str, torch.Tensor]:
     """The per-head statistics of every batch (``_grad_batch``: one forward and one backward pass each, with the
     hooks ``batch_hooks(sinks)`` makes), joined over the sequences; ``sinks`` a mask of sink keys per sequence is cut
     to each batch's rows."""
@@ -325,12 +347,21 @@ def _forward_backward(model: SinkModel, tokens: torch.Tensor, sinks, batch_hooks
         start += tk.shape[0]
     full = {k: torch.cat(v) for k, v in chunks.items()}
     if "sink" not in full or "norm" not in full:
-        raise ModelContractError("the attention-pattern or hook_z hooks did not fire; load the model with `load_model`.")
+        raise ModelContractError(
+            "the attention-pattern or hook_z hooks did not fire; load the model with `load_model`."
+        )
     return full
 
 
-def _exact_effects(model: SinkModel, tokens: torch.Tensor, layers: list[int], z_mean: torch.Tensor | None, *,
-                   first: int, progress: bool) -> dict[str, torch.Tensor]:
+def _exact_effects(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    layers: list[int],
+    z_mean: torch.Tensor | None,
+    *,
+    first: int,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
     """``effect`` (and ``effect_mean`` given the heads' means) by exact removal of every head, on the statistics'
     queries ``first``..T-2."""
     T = tokens.shape[1]
@@ -338,10 +369,10 @@ def _exact_effects(model: SinkModel, tokens: torch.Tensor, layers: list[int], z_
     kw = {"queries": list(range(first, T - 1)), "first": first, "progress": progress}
     out = {"effect": _on_queries(removal_effects(model, tokens, heads, **kw), len(layers), first, T)}
     if z_mean is not None:
-        out["effect_mean"] = _on_queries(removal_effects(model, tokens, heads, values=z_mean.flatten(0, 1), **kw),
-                                         len(layers), first, T)
+        out["effect_mean"] = _on_queries(
+            removal_effects(model, tokens, heads, values=z_mean.flatten(0, 1), **kw), len(layers), first, T
+        )
     return out
-
 
 
 __all__ = ["dormant_heads", "output_grams", "grad_batch_size"]
@@ -351,8 +382,17 @@ __all__ = ["dormant_heads", "output_grams", "grad_batch_size"]
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "dormant", result=DormantHeads, order=220,
-    doc="What a sink does for its head (its own forward + backward pass: gradients the profile's pass cannot give).",
-    sections=(Section("What a sink does for its head", "dormant", 90, needs=(), runner="analysis.report.sections:_dormant"),),
-    exports=("dormant_heads",)))
+register(
+    Analysis(
+        "dormant",
+        result=DormantHeads,
+        order=220,
+        doc="What a sink does for its head (its own forward + backward pass: gradients the profile's pass cannot give).",
+        sections=(
+            Section(
+                "What a sink does for its head", "dormant", 90, needs=(), runner="analysis.report.sections:_dormant"
+            ),
+        ),
+        exports=("dormant_heads",),
+    )
+)

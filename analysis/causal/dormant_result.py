@@ -3,6 +3,7 @@ query head, query) the attention on the sink, the head's output norm and its eff
 table, the per-layer table, the verdicts and the findings in words; and the input checks the pass and the removal
 share (sink positions, the first query the statistics use, the quantile).
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,12 @@ from analysis.core.io import jsonable
 from analysis.core.results import LayerAxis, Result, layers_text
 
 from analysis.core.defaults import DORMANT_LAYER_RHO  # a layer's heads go dormant with the sink below this median rho
-SIGNAL_WORDS = {"sink": "attention on the sink", "slot": "attention on the extra slot",
-                "mass": "total attention weight on the input tokens"}
+
+SIGNAL_WORDS = {
+    "sink": "attention on the sink",
+    "slot": "attention on the extra slot",
+    "mass": "total attention weight on the input tokens",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,14 +53,26 @@ def check_sink_positions(sink_positions, tokens: torch.Tensor):
         if not sink_positions.any(1).all():
             raise ValueError("the sink mask marks no key in some sequences; mark at least one sink key per sequence.")
         return sink_positions.cpu()
-    pos = sorted({int(p) for p in (sink_positions if isinstance(sink_positions, (list, tuple, range, set)) else
-                                    torch.as_tensor(sink_positions).flatten().tolist())})
+    pos = sorted(
+        {
+            int(p)
+            for p in (
+                sink_positions
+                if isinstance(sink_positions, (list, tuple, range, set))
+                else torch.as_tensor(sink_positions).flatten().tolist()
+            )
+        }
+    )
     if not pos:
-        raise ValueError("sink_positions is empty; give 0-based key positions (0 is the first token) or an (N, T) mask.")
+        raise ValueError(
+            "sink_positions is empty; give 0-based key positions (0 is the first token) or an (N, T) mask."
+        )
     bad = [p for p in pos if not 0 <= p < T - 2]
     if bad:
-        raise ValueError(f"sink positions {bad} lie outside [0, T - 3 = {T - 3}]: a sink needs at least one later query "
-                         "whose output can change a prediction (0 is the first token).")
+        raise ValueError(
+            f"sink positions {bad} lie outside [0, T - 3 = {T - 3}]: a sink needs at least one later query "
+            "whose output can change a prediction (0 is the first token)."
+        )
     return tuple(pos)
 
 
@@ -310,7 +327,10 @@ class DormantHeads(Result, LayerAxis):
         if self.has_mass:
             m = self._flat(self.mass)
             cols["mass"] = m.mean(-1)
-            cols["rho_mass_norm"], cols["rho_mass_effect"] = rowwise_spearman(m, norm), rowwise_spearman(m, effs["effect"])
+            cols["rho_mass_norm"], cols["rho_mass_effect"] = (
+                rowwise_spearman(m, norm),
+                rowwise_spearman(m, effs["effect"]),
+            )
             cols["quiet_mass"], cols["loud_mass"] = _masked_mean(m, quiet), _masked_mean(m, ~quiet)
         if self.active is not None:
             act = np.broadcast_to(self.active[:, self.query_positions].reshape(-1).numpy(), norm.shape)
@@ -330,8 +350,14 @@ class DormantHeads(Result, LayerAxis):
         i, head = self._index(layer, head)
         q = self.query_positions
         out = {"sample": np.repeat(np.arange(self.n_samples), len(q)), "query": np.tile(q, self.n_samples)}
-        for name, x in (("sink_attn", self.sink_attn), ("out_norm", self.out_norm), ("effect", self.effect),
-                        ("effect_mean", self.effect_mean), ("slot", self.slot), ("mass", self.mass)):
+        for name, x in (
+            ("sink_attn", self.sink_attn),
+            ("out_norm", self.out_norm),
+            ("effect", self.effect),
+            ("effect_mean", self.effect_mean),
+            ("slot", self.slot),
+            ("mass", self.mass),
+        ):
             if x is not None:
                 out[name] = x[:, i, int(head)][:, q].reshape(-1).numpy()
         if self.active is not None:
@@ -413,10 +439,17 @@ class DormantHeads(Result, LayerAxis):
         p, tag, other = _WORDS[sig]
         heads, mixed = self.sinking_heads(), self.mixed_heads()
         n = len(self.query_positions) * self.n_samples
-        out = {"signal": sig, "effect_method": self.effect_method, "eps": self.eps, "quantile": self.quantile,
-               "n_heads": len(t), "n_sinking_heads": len(heads), "n_mixed_heads": len(mixed),
-               "n_always_sinking": int(((1 - heads[self._share_column()]) * n < self.min_queries).sum()),
-               "queries_per_head": n}
+        out = {
+            "signal": sig,
+            "effect_method": self.effect_method,
+            "eps": self.eps,
+            "quantile": self.quantile,
+            "n_heads": len(t),
+            "n_sinking_heads": len(heads),
+            "n_mixed_heads": len(mixed),
+            "n_always_sinking": int(((1 - heads[self._share_column()]) * n < self.min_queries).sum()),
+            "queries_per_head": n,
+        }
         for m in ("norm",) + tuple(self.effects):
             out[f"median_rho_{m}"] = _median(mixed[f"rho_{p}{m}"])
             out[f"share_rho_{m}_negative"] = float((mixed[f"rho_{p}{m}"] < 0).mean()) if len(mixed) else None
@@ -435,8 +468,11 @@ class DormantHeads(Result, LayerAxis):
             out["quiet_mass"], out["loud_mass"] = float(t["quiet_mass"].mean()), float(t["loud_mass"].mean())
         if self.active is not None and t["abs_effect_active"].notna().any():
             best = t.loc[t["abs_effect_active"].idxmax()]  # the head the task needs most at the active queries
-            out["copy_head"] = {"layer": int(best["layer"]), "head": int(best["head"]), **{
-                k: float(best[k]) for k in t.columns if k.endswith("_active") or k.endswith("_inactive")}}
+            out["copy_head"] = {
+                "layer": int(best["layer"]),
+                "head": int(best["head"]),
+                **{k: float(best[k]) for k in t.columns if k.endswith("_active") or k.endswith("_inactive")},
+            }
         return out
 
     def layer_table(self) -> pd.DataFrame:
@@ -445,8 +481,12 @@ class DormantHeads(Result, LayerAxis):
         ``median_rho_effect`` (``median_rho_effect_mean``), ``quiet_if_sinking`` and ``quiet_if_other``."""
         p, tag, other = _WORDS[self.signal]
         heads = self.mixed_heads()
-        cols = {f"{self.signal}_attn": "attn", **{f"rho_{p}{m}": f"median_rho_{m}" for m in ("norm",) + tuple(self.effects)},
-                f"quiet_if_{tag}": "quiet_if_sinking", f"quiet_if_{other}": "quiet_if_other"}
+        cols = {
+            f"{self.signal}_attn": "attn",
+            **{f"rho_{p}{m}": f"median_rho_{m}" for m in ("norm",) + tuple(self.effects)},
+            f"quiet_if_{tag}": "quiet_if_sinking",
+            f"quiet_if_{other}": "quiet_if_other",
+        }
         g = heads.groupby("layer")[list(cols)].median().rename(columns=cols)
         g.insert(0, "n_mixed_heads", heads.groupby("layer").size())
         return g.reset_index()
@@ -478,13 +518,23 @@ class DormantHeads(Result, LayerAxis):
         if not s["n_mixed_heads"]:
             return ""
         words = {"yes": "clearly", "partly": "weakly", "no": "not"}
-        loss = [f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
-                f"{s['median_rho_effect_mean']:.2f})"] if self.effect_mean is not None else []
+        loss = (
+            [
+                f"{words[self.verdict('effect_mean')]} when the head's output is set to its mean (median rho = "
+                f"{s['median_rho_effect_mean']:.2f})"
+            ]
+            if self.effect_mean is not None
+            else []
+        )
         loss.append(f"{words[self.verdict('effect')]} when it is set to zero ({s['median_rho_effect']:.2f})")
-        return (f"By output norm (median rho = {s['median_rho_norm']:.2f}) the queries that sink a head's attention are "
-                f"{words[self.verdict('norm')]} the ones for which the head is dormant"
-                + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
-                + "; by loss effect they are " + " and ".join(loss) + ".")
+        return (
+            f"By output norm (median rho = {s['median_rho_norm']:.2f}) the queries that sink a head's attention are "
+            f"{words[self.verdict('norm')]} the ones for which the head is dormant"
+            + (" (the sink gates it off)" if self.verdict("norm") != "no" else "")
+            + "; by loss effect they are "
+            + " and ".join(loss)
+            + "."
+        )
 
     def _mixed_findings(self, s: dict, how: str) -> list[str]:
         """The findings over the heads that sink on some queries and not on others (``s``: ``summary()``)."""
@@ -492,27 +542,40 @@ class DormantHeads(Result, LayerAxis):
         parts.append(
             f"Over the {s['n_mixed_heads']} heads that sink on some queries and not on others (at least "
             f"{self.min_queries} of each), the head's output norm falls as its {SIGNAL_WORDS[s['signal']]} rises in "
-            f"{_pct(s['share_rho_norm_negative'])} of them (median Spearman rho = {s['median_rho_norm']:.2f}).")
+            f"{_pct(s['share_rho_norm_negative'])} of them (median Spearman rho = {s['median_rho_norm']:.2f})."
+        )
         if s["dormant_layers"] and s["other_sinking_layers"]:
             lt = self.layer_table().set_index("layer")
             parts.append(
                 f"The link lives in {layers_text(s['dormant_layers'])} (median rho over their heads "
                 f"{_span(lt.loc[s['dormant_layers'], 'median_rho_norm'])}), not in {layers_text(s['other_sinking_layers'])} "
-                f"({_span(lt.loc[s['other_sinking_layers'], 'median_rho_norm'])}).")
-        mean = (f" and in {_pct(s['share_rho_effect_mean_negative'])} with it set to the head's mean output (median "
-                f"rho = {s['median_rho_effect_mean']:.2f})" if self.effect_mean is not None else "")
-        parts.append(f"Its effect on the loss when removed at that query ({how}) falls with it in "
-                     f"{_pct(s['share_rho_effect_negative'])} of them with the output set to zero (median rho = "
-                     f"{s['median_rho_effect']:.2f}){mean}.")
+                f"({_span(lt.loc[s['other_sinking_layers'], 'median_rho_norm'])})."
+            )
+        mean = (
+            f" and in {_pct(s['share_rho_effect_mean_negative'])} with it set to the head's mean output (median "
+            f"rho = {s['median_rho_effect_mean']:.2f})"
+            if self.effect_mean is not None
+            else ""
+        )
+        parts.append(
+            f"Its effect on the loss when removed at that query ({how}) falls with it in "
+            f"{_pct(s['share_rho_effect_negative'])} of them with the output set to zero (median rho = "
+            f"{s['median_rho_effect']:.2f}){mean}."
+        )
         qw = _quantile_words(self.quantile)
-        mean = (f", and in {_pct(s['inert_mean_if_sinking'])} against {_pct(s['inert_mean_if_other'])} with it set to "
-                "its mean" if "inert_mean_if_sinking" in s else "")
+        mean = (
+            f", and in {_pct(s['inert_mean_if_sinking'])} against {_pct(s['inert_mean_if_other'])} with it set to "
+            "its mean"
+            if "inert_mean_if_sinking" in s
+            else ""
+        )
         parts.append(
             f"In the median head a sinking query is quiet (output norm below the head's {qw}) in "
             f"{_pct(s['quiet_if_sinking'])} of cases against {_pct(s['quiet_if_other'])} for the other queries; it is "
             f"inert (|loss effect| below the head's {qw}) in {_pct(s['inert_if_sinking'])} against "
             f"{_pct(s['inert_if_other'])} with the output set to zero{mean} ({_pct(self.quantile)} each without any "
-            "link).")
+            "link)."
+        )
         parts.append(self.verdict_text())
         return parts
 
@@ -523,36 +586,51 @@ class DormantHeads(Result, LayerAxis):
         how = "gradient x activation" if self.effect_method == "gradient" else "exact removal"
         parts = []
         if not s["n_sinking_heads"]:
-            parts.append(f"No head of {name} puts more than {self.eps:g} of a query's attention on {sinks} for at least "
-                         f"{100 * self.min_share:.0f}% of its queries, so no sink gates a head here.")
+            parts.append(
+                f"No head of {name} puts more than {self.eps:g} of a query's attention on {sinks} for at least "
+                f"{100 * self.min_share:.0f}% of its queries, so no sink gates a head here."
+            )
         else:
-            always = (f"; {s['n_always_sinking']} of them sink on nearly every query (fewer than {self.min_queries} "
-                      "other queries)" if s["n_always_sinking"] else "")
-            parts.append(f"In {name}, {s['n_sinking_heads']} of {s['n_heads']} heads put more than {self.eps:g} of a "
-                         f"query's attention on {sinks} for at least {100 * self.min_share:.0f}% of their queries{always}.")
+            always = (
+                f"; {s['n_always_sinking']} of them sink on nearly every query (fewer than {self.min_queries} "
+                "other queries)"
+                if s["n_always_sinking"]
+                else ""
+            )
+            parts.append(
+                f"In {name}, {s['n_sinking_heads']} of {s['n_heads']} heads put more than {self.eps:g} of a "
+                f"query's attention on {sinks} for at least {100 * self.min_share:.0f}% of their queries{always}."
+            )
         if s["n_mixed_heads"]:
             parts += self._mixed_findings(s, how)
         elif s["n_sinking_heads"]:
-            parts.append(f"No head sinks on some queries and not on others (at least {self.min_queries} of each), so "
-                         "whether sinking marks the dormant queries cannot be told query by query here.")
+            parts.append(
+                f"No head sinks on some queries and not on others (at least {self.min_queries} of each), so "
+                "whether sinking marks the dormant queries cannot be told query by query here."
+            )
         if self.has_mass and not self.has_slot:
             parts.append(
                 f"The weights that multiply the values need not sum to one here: a query's total weight on the input "
                 f"tokens rises with the head's output norm in {_pct(s['share_rho_mass_norm_positive'])} of the heads "
                 f"(median Spearman rho = {s['median_rho_mass_norm']:.2f}), and the quiet queries give the tokens a total "
                 f"weight of {s['quiet_mass']:.3f} against {s['loud_mass']:.3f} for the others: a head silences itself by "
-                "small scores on every key rather than by a sink.")
+                "small scores on every key rather than by a sink."
+            )
         if "copy_head" in s:
             c = s["copy_head"]
             key = "slot_attn" if s["signal"] == "slot" else "sink_attn"
-            mass = (f", with a total weight of {c['mass_active']:.3f} against {c['mass_inactive']:.3f}"
-                    if "mass_active" in c and not self.has_slot else "")
+            mass = (
+                f", with a total weight of {c['mass_active']:.3f} against {c['mass_inactive']:.3f}"
+                if "mass_active" in c and not self.has_slot
+                else ""
+            )
             parts.append(
                 f"At the positions where the task needs a head (the copy positions), the head that matters most there "
                 f"({c['layer']}.{c['head']}, |loss effect| {c['abs_effect_active']:.3g} nats against "
                 f"{c['abs_effect_inactive']:.3g} elsewhere, {how}) puts {c[f'{key}_active']:.2f} of its attention on "
                 f"{sinks} against {c[f'{key}_inactive']:.2f} elsewhere and writes an output of norm "
-                f"{c['norm_active']:.3g} against {c['norm_inactive']:.3g}{mass}.")
+                f"{c['norm_active']:.3g} against {c['norm_inactive']:.3g}{mass}."
+            )
         return parts + ([self.skipped] if self.skipped else [])
 
     @property
@@ -561,20 +639,43 @@ class DormantHeads(Result, LayerAxis):
 
     def to_dict(self) -> dict:
         """Header, the per-head table, the pooled summary, the verdicts and the text (no per-query tensors)."""
-        sinks = (self.sink_positions.int().tolist() if isinstance(self.sink_positions, torch.Tensor)
-                 else list(self.sink_positions))
+        sinks = (
+            self.sink_positions.int().tolist()
+            if isinstance(self.sink_positions, torch.Tensor)
+            else list(self.sink_positions)
+        )
         verdicts = {m: self.verdict(m) for m in ("norm",) + tuple(self.effects)}
-        return jsonable({**self.header(), "T": self.T, "layers": self.layers, "sink_positions": sinks,
-                         "query_positions": [self.query_positions[0], self.query_positions[-1]],
-                         "eps": self.eps, "quantile": self.quantile, "verdict": verdicts,
-                         "summary": self.summary(), "heads": self.head_table(), "text": self.text(),
-                         **({"skipped": self.skipped} if self.skipped else {})})
+        return jsonable(
+            {
+                **self.header(),
+                "T": self.T,
+                "layers": self.layers,
+                "sink_positions": sinks,
+                "query_positions": [self.query_positions[0], self.query_positions[-1]],
+                "eps": self.eps,
+                "quantile": self.quantile,
+                "verdict": verdicts,
+                "summary": self.summary(),
+                "heads": self.head_table(),
+                "text": self.text(),
+                **({"skipped": self.skipped} if self.skipped else {}),
+            }
+        )
 
 
-
-SPREAD_KEYS = ("n_sinking_heads", "n_mixed_heads", "median_rho_norm", "quiet_if_sinking", "quiet_if_other",
-               "median_rho_effect", "median_rho_effect_mean", "inert_if_sinking", "inert_if_other",
-               "inert_mean_if_sinking", "inert_mean_if_other")
+SPREAD_KEYS = (
+    "n_sinking_heads",
+    "n_mixed_heads",
+    "median_rho_norm",
+    "quiet_if_sinking",
+    "quiet_if_other",
+    "median_rho_effect",
+    "median_rho_effect_mean",
+    "inert_if_sinking",
+    "inert_if_other",
+    "inert_mean_if_sinking",
+    "inert_mean_if_other",
+)
 
 
 def seed_spread(results) -> tuple[pd.DataFrame, str]:
@@ -601,13 +702,17 @@ def seed_spread(results) -> tuple[pd.DataFrame, str]:
     mixed = table.n_mixed_heads.astype(int)
     name = next(iter(results.values())).model_name or "the model"
     if not mixed.any():
-        return table, (f"No head of {name} sinks on some queries and not on others on any of the {len(results)} probe "
-                       f"seeds (sinking heads per seed: {table.n_sinking_heads.astype(int).tolist()}), so there is no "
-                       "per-query contrast to spread over seeds.")
+        return table, (
+            f"No head of {name} sinks on some queries and not on others on any of the {len(results)} probe "
+            f"seeds (sinking heads per seed: {table.n_sinking_heads.astype(int).tolist()}), so there is no "
+            "per-query contrast to spread over seeds."
+        )
     missing = [int(s) for s in mixed.index[mixed == 0]]
-    return table, (f"Heads that sink on some queries and not on others, per probe seed: {mixed.tolist()} (seeds "
-                   f"{[int(s) for s in mixed.index]})" + (f"; seeds {missing} have none, their medians are empty."
-                                                          if missing else "."))
+    return table, (
+        f"Heads that sink on some queries and not on others, per probe seed: {mixed.tolist()} (seeds "
+        f"{[int(s) for s in mixed.index]})"
+        + (f"; seeds {missing} have none, their medians are empty." if missing else ".")
+    )
 
 
 # signal -> (column prefix, the sinking queries' tag, the other queries' tag)
@@ -648,5 +753,15 @@ def _positions_words(sink_positions) -> str:
     return "the tokens at positions " + ", ".join(str(p) for p in pos) + " (0-based)"
 
 
-__all__ = ["DormantHeads", "DORMANT_LAYER_RHO", "SIGNAL_WORDS", "SPREAD_KEYS", "seed_spread", "check_sink_positions", "first_query", "check_quantile",
-           "rowwise_pearson", "rowwise_spearman"]
+__all__ = [
+    "DormantHeads",
+    "DORMANT_LAYER_RHO",
+    "SIGNAL_WORDS",
+    "SPREAD_KEYS",
+    "seed_spread",
+    "check_sink_positions",
+    "first_query",
+    "check_quantile",
+    "rowwise_pearson",
+    "rowwise_spearman",
+]

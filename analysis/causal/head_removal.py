@@ -3,6 +3,7 @@ z_t^h is set to 0 or to the head's mean output (``removal_effects``), one pass p
 the model can resume; the heads' mean outputs (``head_means``); the per-sequence loss (``sequence_losses``) and the
 copy queries of the synthetic task (``copy_queries``).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -33,8 +34,9 @@ def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """
     B, T = tokens.shape
     target = torch.cat([tokens[:, 1:], tokens.new_full((B, 1), -100)], 1).to(logits.device)
-    nll = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, -1), target.reshape(-1), reduction="none",
-                                            ignore_index=-100)
+    nll = torch.nn.functional.cross_entropy(
+        logits.float().reshape(B * T, -1), target.reshape(-1), reduction="none", ignore_index=-100
+    )
     return nll.view(B, T).sum(-1)
 
 
@@ -59,7 +61,9 @@ class _HeadMeans(Accumulator):
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
-def head_means(model: SinkModel, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None) -> torch.Tensor:
+def head_means(
+    model: SinkModel, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None
+) -> torch.Tensor:
     """Each head's mean output z over the queries ``first``..T-2 (0-based) of every sequence, (L, H, d_head): the
     value mean ablation sets a head's output to. One streamed pass, stopping after the last of ``layers``.
 
@@ -80,8 +84,12 @@ def head_means(model: SinkModel, tokens, layers: Sequence[int], *, first: int = 
     -------
     torch.Tensor, shape (L, H, d_head)
     """
-    return run_pass(model, check_tokens(model, tokens), [_HeadMeans(check_attention_layers(model, layers=layers), first)],
-                  batch_size=batch_size)[0]
+    return run_pass(
+        model,
+        check_tokens(model, tokens),
+        [_HeadMeans(check_attention_layers(model, layers=layers), first)],
+        batch_size=batch_size,
+    )[0]
 
 
 def copy_queries(model: SinkModel, tokens) -> torch.Tensor:
@@ -104,8 +112,10 @@ def copy_queries(model: SinkModel, tokens) -> torch.Tensor:
     data = (getattr(model, "reference_config", None) or {}).get("data", {})
     triggers = data.get("triggers")
     if not triggers:
-        raise ValueError("this model was not trained on the synthetic bigram-copy task (no triggers in its reference "
-                         "config); give your own (N, T) mask of active queries.")
+        raise ValueError(
+            "this model was not trained on the synthetic bigram-copy task (no triggers in its reference "
+            "config); give your own (N, T) mask of active queries."
+        )
     tokens = check_tokens(model, tokens).cpu()
     out = torch.isin(tokens, torch.tensor(triggers))
     out[:, :2] = False
@@ -150,14 +160,25 @@ def check_queries(queries, T: int, first: int) -> list[int]:
     qs = sorted({int(q) for q in queries})
     bad = [q for q in qs if not first <= q <= T - 2]
     if not qs or bad:
-        raise ValueError(f"queries must lie in [{first}, {T - 2}] (0-based: after the sink, before the last token); "
-                         f"got {bad or 'none'}.")
+        raise ValueError(
+            f"queries must lie in [{first}, {T - 2}] (0-based: after the sink, before the last token); "
+            f"got {bad or 'none'}."
+        )
     return qs
 
 
-def removal_effects(model: SinkModel, tokens, heads, *, queries: Sequence[int] | None = None, first: int = 1,
-                    values: torch.Tensor | None = None, resid: dict | None = None, batch_size: int | None = None,
-                    progress: bool = False) -> torch.Tensor:
+def removal_effects(
+    model: SinkModel,
+    tokens,
+    heads,
+    *,
+    queries: Sequence[int] | None = None,
+    first: int = 1,
+    values: torch.Tensor | None = None,
+    resid: dict | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
     """The exact change of each sequence's summed next-token loss (nats) when one head's output at one query is
     removed (z_t^h set to 0, or to ``values[i]`` (n_heads, d_head) for the i-th head: its mean output for mean
     ablation, ``head_means``), (n_heads, N, Q) float64.
@@ -204,8 +225,9 @@ def removal_effects(model: SinkModel, tokens, heads, *, queries: Sequence[int] |
     if resid is None and can_resume(model):
         resid = run_pass(model, tokens, [ResidCapture([l for l in layers if l > 0])])[0] if any(layers) else {}
     if values is not None and (values.ndim != 2 or values.shape[0] != len(pairs)):
-        raise ValueError(f"values must hold one output (d_head,) per head: shape ({len(pairs)}, d_head); got "
-                         f"{tuple(values.shape)}.")
+        raise ValueError(
+            f"values must hold one output (d_head,) per head: shape ({len(pairs)}, d_head); got {tuple(values.shape)}."
+        )
     qpos = torch.tensor([-1] + qs)  # row r of a sequence removes query qpos[r] (-1: none)
     vocab = vocab_size(model) or 50_000
     bs = batch_size or min(512, max(1, 2**26 // (T * vocab)))  # rows whose logits take at most 256 MiB
@@ -230,8 +252,16 @@ def removal_effects(model: SinkModel, tokens, heads, *, queries: Sequence[int] |
             x[b.to(x.device), qpos[idx[keep]].to(x.device), h] = new if values is None else new.to(x)
             return x
 
-        losses = run_pass(model, rows, [_RowLosses()], fwd_hooks=[(act_name("z", l), remove)], batch_size=bs,
-                        on_batch_start=on_start, resume=resume, progress=progress)[0].view(N, R)
+        losses = run_pass(
+            model,
+            rows,
+            [_RowLosses()],
+            fwd_hooks=[(act_name("z", l), remove)],
+            batch_size=bs,
+            on_batch_start=on_start,
+            resume=resume,
+            progress=progress,
+        )[0].view(N, R)
         out.append(losses[:, 1:] - losses[:, :1])
     return torch.stack(out)
 

@@ -19,6 +19,7 @@ spike edits act on the residual stream; the first key is edited at ``hook_k`` (t
 norm and the rotary, which is the identity at position 0); where ``hook_pattern``
 is read-only (``FamilySpec.pattern_live`` False: GPT-J, OPT, Jamba) the value ablation edits ``hook_v``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,8 +57,14 @@ from analysis.sinks.metric import check_eps
 # ----------------------------------------------------------------------------------------------
 
 
-def resume_layers(model: SinkModel, baseline: Baseline, spike_dims: Mapping, input_dims: Mapping,
-                  *, min_share: float = SINK_HEAD_MIN_SHARE) -> list[int]:
+def resume_layers(
+    model: SinkModel,
+    baseline: Baseline,
+    spike_dims: Mapping,
+    input_dims: Mapping,
+    *,
+    min_share: float = SINK_HEAD_MIN_SHARE,
+) -> list[int]:
     """The blocks where the condition passes of the three ablations resume (the first block each one's hooks touch): the
     residuals worth keeping in ``Baseline.resid`` from a pass over the same tokens. Block 0 is left out.
 
@@ -80,9 +87,11 @@ def resume_layers(model: SinkModel, baseline: Baseline, spike_dims: Mapping, inp
     """
     attn = check_attention_layers(model)
     heads = baseline.run.sink().sink_heads(k=1, min_share=min_share)
-    firsts = [min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
-              min((l for l, _ in heads), default=0),
-              min((int(l) for l, d in input_dims.items() if len(d) and int(l) in attn), default=0)]
+    firsts = [
+        min((int(l) + 1 for l, d in spike_dims.items() if len(d)), default=0),  # hook_resid_post of l: block l + 1
+        min((l for l, _ in heads), default=0),
+        min((int(l) for l, d in input_dims.items() if len(d) and int(l) in attn), default=0),
+    ]
     return sorted({min(l, model_dims(model).n_layers - 1) for l in firsts if l > 0})
 
 
@@ -100,11 +109,19 @@ def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_sh
     """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
     D = model_dims(model).d_model
     if spike_dims is None:
-        return first_token_spike_dims(model, tokens, hook="resid_post", abs_threshold=abs_threshold,
-                                      ratio_threshold=ratio_threshold, min_share=min_share), "found"
+        return first_token_spike_dims(
+            model,
+            tokens,
+            hook="resid_post",
+            abs_threshold=abs_threshold,
+            ratio_threshold=ratio_threshold,
+            min_share=min_share,
+        ), "found"
     if not isinstance(spike_dims, Mapping):
-        raise ValueError("spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
-                         "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them.")
+        raise ValueError(
+            "spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
+            "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them."
+        )
     out = {l: sorted({int(d) for d in spike_dims[l]}) for l in check_layers(model, list(spike_dims))}
     bad = sorted({d for ds in out.values() for d in ds if not 0 <= d < D})
     if bad:
@@ -169,21 +186,34 @@ class SpikeAblation(Result):
     def effect(self, condition: str) -> dict:
         s = self.conditions.set_index("condition")
         b = s.loc["baseline"]
-        return {"d_sink_1": float(s.loc[condition, "sink_1_pct"] - b["sink_1_pct"]),
-                "d_loss": float(s.loc[condition, "loss"] - b["loss"])}
+        return {
+            "d_sink_1": float(s.loc[condition, "sink_1_pct"] - b["sink_1_pct"]),
+            "d_loss": float(s.loc[condition, "loss"] - b["loss"]),
+        }
 
     def findings(self) -> list[str]:
         if not self.has_spike:
             return [self.message]
         s = self.conditions.set_index("condition")
-        return [f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
-                f"{s.loc['baseline', 'sink_1_pct']:.1f}% to {s.loc['zero', 'sink_1_pct']:.1f}% and the loss from "
-                f"{s.loc['baseline', 'loss']:.3f} to {s.loc['zero', 'loss']:.3f}; setting them to their mean over the "
-                f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."]
+        return [
+            f"Zeroing the first token's spike dims ({dims_by_layer_text(self.spike_dims)}) takes Sink_1 from "
+            f"{s.loc['baseline', 'sink_1_pct']:.1f}% to {s.loc['zero', 'sink_1_pct']:.1f}% and the loss from "
+            f"{s.loc['baseline', 'loss']:.3f} to {s.loc['zero', 'loss']:.3f}; setting them to their mean over the "
+            f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."
+        ]
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "spike_dims": self.spike_dims, "where": self.where, "has_spike": self.has_spike,
-                         "message": self.message, **self.tables, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "spike_dims": self.spike_dims,
+                "where": self.where,
+                "has_spike": self.has_spike,
+                "message": self.message,
+                **self.tables,
+                "text": self.text(),
+            }
+        )
 
 
 class SpikeSetter:
@@ -221,13 +251,27 @@ class SpikeSetter:
 
 def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshold, min_share) -> SpikeAblation:
     name = getattr(model, "model_name", None) or "the model"
-    msg = (f"The first token of {name} carries no spike: no residual dim passes "
-           f"{criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples, so there is "
-           "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims.")
-    conditions = pd.DataFrame([{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}])
+    msg = (
+        f"The first token of {name} carries no spike: no residual dim passes "
+        f"{criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples, so there is "
+        "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims."
+    )
+    conditions = pd.DataFrame(
+        [{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}]
+    )
     per_layer = pd.DataFrame({"layer": base.layers, "baseline": base.sink_per_layer().numpy()})
-    return SpikeAblation({}, where, False, msg, conditions, per_layer, {}, {"baseline": base},
-                         getattr(model, "model_name", None), n_samples=base.alpha.shape[0])
+    return SpikeAblation(
+        {},
+        where,
+        False,
+        msg,
+        conditions,
+        per_layer,
+        {},
+        {"baseline": base},
+        getattr(model, "model_name", None),
+        n_samples=base.alpha.shape[0],
+    )
 
 
 def spike_ablation(
@@ -292,14 +336,37 @@ def spike_ablation(
     results = {"baseline": base.run}
     for mode in ("zero", "mean"):
         setter = SpikeSetter(spikes, mode, loo)
-        results[mode] = run_condition(model, tokens, hooks=setter.hooks(), eps=eps, batch_size=batch_size,
-                                      on_batch_start=setter.start, baseline=base)
-    conditions = pd.DataFrame([{"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
-                               for c, r in results.items()])
+        results[mode] = run_condition(
+            model,
+            tokens,
+            hooks=setter.hooks(),
+            eps=eps,
+            batch_size=batch_size,
+            on_batch_start=setter.start,
+            baseline=base,
+        )
+    conditions = pd.DataFrame(
+        [
+            {"condition": c, "sink_1_pct": r.sink_rate(1), "loss": r.loss, "delta_loss": r.loss - base.run.loss}
+            for c, r in results.items()
+        ]
+    )
     per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
-    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (f" {base.run.skipped}" if base.run.skipped else "")
-    return SpikeAblation(spikes, where, True, msg, conditions, per_layer, means, results, getattr(model, "model_name", None),
-                         n_samples=tokens.shape[0])
+    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (
+        f" {base.run.skipped}" if base.run.skipped else ""
+    )
+    return SpikeAblation(
+        spikes,
+        where,
+        True,
+        msg,
+        conditions,
+        per_layer,
+        means,
+        results,
+        getattr(model, "model_name", None),
+        n_samples=tokens.shape[0],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,19 +412,34 @@ class ValueAblation(Result):
             return [self.message]
         s = self.conditions.set_index("condition")
         h = self.heads
-        later = (f", by {s.loc['sink_heads_later', 'delta_loss']:+.4f} if the first token keeps its own output"
-                 if "sink_heads_later" in s.index else "")
-        mean = (f", and by {s.loc['sink_heads_mean', 'delta_loss']:+.4f} when v_1 is set to its mean over the other inputs"
-                if "sink_heads_mean" in s.index else "")
-        return [f"Removing the first token's value from {len(self.sink_heads)} sink heads changes the loss by "
-                f"{s.loc['sink_heads', 'delta_loss']:+.4f} (from {s.loc['baseline', 'loss']:.3f}){later}{mean}.",
-                f"In those heads the first value's norm is {h['v1_norm'].mean():.2f} against {h['v_other_norm'].mean():.2f} for the other "
-                f"tokens: while taking {h['alpha_1'].mean():.1%} of the attention, it adds a vector of norm "
-                f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}."]
+        later = (
+            f", by {s.loc['sink_heads_later', 'delta_loss']:+.4f} if the first token keeps its own output"
+            if "sink_heads_later" in s.index
+            else ""
+        )
+        mean = (
+            f", and by {s.loc['sink_heads_mean', 'delta_loss']:+.4f} when v_1 is set to its mean over the other inputs"
+            if "sink_heads_mean" in s.index
+            else ""
+        )
+        return [
+            f"Removing the first token's value from {len(self.sink_heads)} sink heads changes the loss by "
+            f"{s.loc['sink_heads', 'delta_loss']:+.4f} (from {s.loc['baseline', 'loss']:.3f}){later}{mean}.",
+            f"In those heads the first value's norm is {h['v1_norm'].mean():.2f} against {h['v_other_norm'].mean():.2f} for the other "
+            f"tokens: while taking {h['alpha_1'].mean():.1%} of the attention, it adds a vector of norm "
+            f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}.",
+        ]
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "sink_heads": [list(h) for h in self.sink_heads], "message": self.message,
-                         **self.tables, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "sink_heads": [list(h) for h in self.sink_heads],
+                "message": self.message,
+                **self.tables,
+                "text": self.text(),
+            }
+        )
 
 
 class ValueRemoval:
@@ -383,8 +465,15 @@ class ValueRemoval:
         False leaves the first token's own output (t = 1) unchanged.
     """
 
-    def __init__(self, model, heads: list[tuple[int, int]], *, mode: str = "zero", v_mean: dict | None = None,
-                 first_query: bool = True):
+    def __init__(
+        self,
+        model,
+        heads: list[tuple[int, int]],
+        *,
+        mode: str = "zero",
+        v_mean: dict | None = None,
+        first_query: bool = True,
+    ):
         dims, spec = model_dims(model), get_family(model)
         self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
@@ -394,8 +483,10 @@ class ValueRemoval:
         self.by_layer = {l: torch.tensor(sorted(hs)) for l, hs in self.by_layer.items()}
         self.state: dict[int, dict] = {}
         if not self.live and spec.learned_sinks:
-            raise ModelContractError("the value ablation edits hook_v here (hook_pattern is read-only) and needs "
-                                     "A[1, 1] = 1, which learned sink logits break.")
+            raise ModelContractError(
+                "the value ablation edits hook_v here (hook_pattern is read-only) and needs "
+                "A[1, 1] = 1, which learned sink logits break."
+            )
 
     def start(self, batch: Batch) -> None:
         self.offset = batch.offset
@@ -404,8 +495,11 @@ class ValueRemoval:
         out = []
         for l in self.by_layer:
             if self.live:
-                out += [(act_name("pattern", l), partial(self.on_pattern, l)), (act_name("v", l), partial(self.on_v, l)),
-                        (act_name("z", l), partial(self.on_z, l))]
+                out += [
+                    (act_name("pattern", l), partial(self.on_pattern, l)),
+                    (act_name("v", l), partial(self.on_v, l)),
+                    (act_name("z", l), partial(self.on_z, l)),
+                ]
             else:
                 out += [(act_name("v", l), partial(self.set_v, l))]
                 out += [] if self.first_query else [(act_name("z", l), partial(self.restore_first, l))]
@@ -445,7 +539,8 @@ class ValueRemoval:
             raise ModelContractError(
                 f"hook_pattern is read-only here, so the value ablation edits hook_v, which holds {n} KV heads shared "
                 f"by groups of {group} query heads: choose whole groups (layer {layer}: heads {whole.tolist()}, not "
-                f"{heads.tolist()}).")
+                f"{heads.tolist()})."
+            )
         return slots, slots * group
 
     def set_v(self, layer: int, v: torch.Tensor, hook) -> torch.Tensor:
@@ -454,7 +549,9 @@ class ValueRemoval:
         slots, heads = self._value_slots(layer, v.shape[2])
         slots = slots.to(v.device)
         old = v[:, 0, slots]  # (B, s, d)
-        new = torch.zeros_like(old) if self.mode == "zero" else self._mean(layer, v.shape[0], heads).to(v.device, v.dtype)
+        new = (
+            torch.zeros_like(old) if self.mode == "zero" else self._mean(layer, v.shape[0], heads).to(v.device, v.dtype)
+        )
         v = v.clone()
         v[:, 0, slots] = new
         group = 1 if v.shape[2] == self.H else self.H // v.shape[2]
@@ -518,40 +615,79 @@ def value_ablation(
         how = f"found (alpha_1 > {eps} on >= {min_share:.0%} of samples)"
     else:
         how = "given"
-    rows = [{"condition": "baseline", "n_heads": 0, "loss": base.run.loss, "delta_loss": 0.0, "sink_1_pct": base.run.sink_rate(1)}]
+    rows = [
+        {
+            "condition": "baseline",
+            "n_heads": 0,
+            "loss": base.run.loss,
+            "delta_loss": 0.0,
+            "sink_1_pct": base.run.sink_rate(1),
+        }
+    ]
     name = getattr(model, "model_name", None) or "the model"
     N = tokens.shape[0]
     if not heads:
         msg = f"{name} has no sink heads (alpha_1 > {eps} on >= {min_share:.0%} of samples): nothing to ablate."
         cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
-        return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None),
-                             n_samples=N)
+        return ValueAblation(
+            [], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None), n_samples=N
+        )
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
-    rows += _value_removal_rows(model, tokens, base, heads, eps=eps, batch_size=batch_size, later=later,
-                                all_heads=all_heads)
+    rows += _value_removal_rows(
+        model, tokens, base, heads, eps=eps, batch_size=batch_size, later=later, all_heads=all_heads
+    )
     msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
     return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
 
 
-def _value_removal_rows(model: SinkModel, tokens: torch.Tensor, base: Baseline, heads: list, *, eps: float,
-                        batch_size: int | None, later: bool, all_heads: bool) -> list[dict]:
+def _value_removal_rows(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    base: Baseline,
+    heads: list,
+    *,
+    eps: float,
+    batch_size: int | None,
+    later: bool,
+    all_heads: bool,
+) -> list[dict]:
     """One row per condition of :func:`value_ablation` (the loss and Sink_1 with the first token's value removed
     from the heads it names), every condition built (and checked) before any pass."""
     N = tokens.shape[0]
-    v_mean = {l: _leave_one_out(base.v1[:, i].double()).float()
-              for l, i in zip(base.run.layers, base.run.positions(base.run.layers)) if l in {l for l, _ in heads}}
+    v_mean = {
+        l: _leave_one_out(base.v1[:, i].double()).float()
+        for l, i in zip(base.run.layers, base.run.positions(base.run.layers))
+        if l in {l for l, _ in heads}
+    }
     every = [(l, h) for l in base.run.layers for h in range(model_dims(model).n_heads)]
     conditions = [("sink_heads", heads, "zero", True)] + ([("sink_heads_later", heads, "zero", False)] if later else [])
-    conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + ([("all_heads", every, "zero", True)] if all_heads else [])
+    conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + (
+        [("all_heads", every, "zero", True)] if all_heads else []
+    )
     # built (and checked) before any pass
-    removals = [(c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
-                for c, hs, mode, fq in conditions]
+    removals = [
+        (c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq)) for c, hs, mode, fq in conditions
+    ]
     rows = []
     for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, batch_size=batch_size,
-                          on_batch_start=removal.start, baseline=base)
-        rows.append({"condition": cname, "n_heads": len(hs), "loss": r.loss, "delta_loss": r.loss - base.run.loss,
-                     "sink_1_pct": r.sink_rate(1)})
+        r = run_condition(
+            model,
+            tokens,
+            hooks=removal.hooks(),
+            eps=eps,
+            batch_size=batch_size,
+            on_batch_start=removal.start,
+            baseline=base,
+        )
+        rows.append(
+            {
+                "condition": cname,
+                "n_heads": len(hs),
+                "loss": r.loss,
+                "delta_loss": r.loss - base.run.loss,
+                "sink_1_pct": r.sink_rate(1),
+            }
+        )
     return rows
 
 
@@ -609,14 +745,25 @@ class FirstKeyAblation(Result):
         b, a = s.loc["baseline"], s.loc["ablated"]
         gain = {k: a[k] - b[k] for k in ("previous", "self", "other")}
         top = max(gain, key=gain.get)
-        return [f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
-                f"later queries there from the first token ({b['first']:.1%} -> {a['first']:.1%}) mostly to "
-                f"'{top}' keys ({b[top]:.1%} -> {a[top]:.1%}); Sink_1 in those layers {b['sink_1']:.1f}% -> "
-                f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."]
+        return [
+            f"Removing the spike-driven part of the first key in layers {layer_runs(self.layers)} moves the attention of "
+            f"later queries there from the first token ({b['first']:.1%} -> {a['first']:.1%}) mostly to "
+            f"'{top}' keys ({b[top]:.1%} -> {a[top]:.1%}); Sink_1 in those layers {b['sink_1']:.1f}% -> "
+            f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."
+        ]
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "layers": self.layers, "spike_dims": self.spike_dims, "has_spike": self.has_spike,
-                         "message": self.message, **self.tables, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "layers": self.layers,
+                "spike_dims": self.spike_dims,
+                "has_spike": self.has_spike,
+                "message": self.message,
+                **self.tables,
+                "text": self.text(),
+            }
+        )
 
 
 class FirstKeyRemoval:
@@ -658,11 +805,19 @@ def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min
     """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
     dims = model_dims(model)
     if spike_dims is None:
-        spikes = first_token_spike_dims(model, tokens, hook="resid_pre", abs_threshold=abs_threshold,
-                                        ratio_threshold=ratio_threshold, min_share=min_share)
+        spikes = first_token_spike_dims(
+            model,
+            tokens,
+            hook="resid_pre",
+            abs_threshold=abs_threshold,
+            ratio_threshold=ratio_threshold,
+            min_share=min_share,
+        )
         how = "found"
     elif isinstance(spike_dims, Mapping):
-        spikes = {l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())}
+        spikes = {
+            l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())
+        }
         how = "given"
     else:
         ds = sorted({int(d) for d in spike_dims})
@@ -718,26 +873,52 @@ def first_key_ablation(
     tokens = check_tokens(model, tokens)
     spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
     attn = check_attention_layers(model)
-    layers = (check_attention_layers(model, layers=layers) if layers is not None
-              else sorted(l for l, d in spikes.items() if d and l in attn))
+    layers = (
+        check_attention_layers(model, layers=layers)
+        if layers is not None
+        else sorted(l for l, d in spikes.items() if d and l in attn)
+    )
     layers = [l for l in layers if spikes.get(l)]
     full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
     results, N = {"baseline": base}, tokens.shape[0]
     if not layers:
         name = getattr(model, "model_name", None) or "the model"
-        msg = (f"The first token of {name} carries no spike in the stream any chosen layer reads "
-               f"({criterion_text(abs_threshold, ratio_threshold)}, on {min_share:.0%} of samples): there is no "
-               "spike-driven key part "
-               "to remove. Pass spike_dims or lower the thresholds.")
-        return FirstKeyAblation([], {}, False, msg, _fk_conditions(results, base.layers, k_max),
-                                _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
+        msg = (
+            f"The first token of {name} carries no spike in the stream any chosen layer reads "
+            f"({criterion_text(abs_threshold, ratio_threshold)}, on {min_share:.0%} of samples): there is no "
+            "spike-driven key part "
+            "to remove. Pass spike_dims or lower the thresholds."
+        )
+        return FirstKeyAblation(
+            [],
+            {},
+            False,
+            msg,
+            _fk_conditions(results, base.layers, k_max),
+            _fk_per_layer(results, k_max),
+            results,
+            getattr(model, "model_name", None),
+            n_samples=N,
+        )
     removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
-    results["ablated"] = run_condition(model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max,
-                                       batch_size=batch_size, baseline=full)
-    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (f" {base.skipped}" if base.skipped else "")
-    return FirstKeyAblation(layers, {l: spikes[l] for l in layers}, True, msg, _fk_conditions(results, layers, k_max),
-                            _fk_per_layer(results, k_max), results, getattr(model, "model_name", None), n_samples=N)
+    results["ablated"] = run_condition(
+        model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
+    )
+    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
+        f" {base.skipped}" if base.skipped else ""
+    )
+    return FirstKeyAblation(
+        layers,
+        {l: spikes[l] for l in layers},
+        True,
+        msg,
+        _fk_conditions(results, layers, k_max),
+        _fk_per_layer(results, k_max),
+        results,
+        getattr(model, "model_name", None),
+        n_samples=N,
+    )
 
 
 def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
@@ -769,10 +950,22 @@ def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "interventions", result=(SpikeAblation, ValueAblation, FirstKeyAblation), order=210,
-    doc="Spike, value and first-key ablations (passes of their own, sharing the profile's baseline).",
-    # resid: later passes resume from the profile's residuals
-    sections=(Section("Interventions", "cuts", 80, needs=("baseline", "massive", "resid"),
-                      runner="analysis.report.sections:_interventions"),),
-    exports=("first_key_ablation", "spike_ablation", "value_ablation")))
+register(
+    Analysis(
+        "interventions",
+        result=(SpikeAblation, ValueAblation, FirstKeyAblation),
+        order=210,
+        doc="Spike, value and first-key ablations (passes of their own, sharing the profile's baseline).",
+        # resid: later passes resume from the profile's residuals
+        sections=(
+            Section(
+                "Interventions",
+                "cuts",
+                80,
+                needs=("baseline", "massive", "resid"),
+                runner="analysis.report.sections:_interventions",
+            ),
+        ),
+        exports=("first_key_ablation", "spike_ablation", "value_ablation"),
+    )
+)

@@ -22,6 +22,7 @@ A sink head (mean alpha_1 > eps over the probe) is called **nop** where its nop 
 (``nop-task-s0..s2``, ``broadcast-task-s0..s2``, ``docs/training.md``), never on a pretrained model
 (``analysis/core/defaults.py`` says how).
 """
+
 from __future__ import annotations
 
 import math
@@ -135,12 +136,18 @@ class SinkKinds(Result):
     def heads(self) -> pd.DataFrame:
         """One row per (layer, head): its numbers, ``sink`` and ``sink_kind`` (None for a head that does not sink)."""
         L, H = self.alpha_1.shape
-        df = pd.DataFrame({"layer": np.repeat(self.layers, H), "head": np.tile(np.arange(H), L),
-                           **{k: getattr(self, k).flatten().double().numpy() for k in _NUMBERS},
-                           "n_seqs": self.n_seqs.flatten().long().numpy()})
+        df = pd.DataFrame(
+            {
+                "layer": np.repeat(self.layers, H),
+                "head": np.tile(np.arange(H), L),
+                **{k: getattr(self, k).flatten().double().numpy() for k in _NUMBERS},
+                "n_seqs": self.n_seqs.flatten().long().numpy(),
+            }
+        )
         df["sink"] = df["alpha_1"] > self.eps
-        df["sink_kind"] = [call_kind(r.value_ratio, r.out_ratio, r.pr, r.cos) if r.sink else None
-                           for r in df.itertuples()]
+        df["sink_kind"] = [
+            call_kind(r.value_ratio, r.out_ratio, r.pr, r.cos) if r.sink else None for r in df.itertuples()
+        ]
         return df
 
     def layer_table(self) -> pd.DataFrame:
@@ -164,33 +171,56 @@ class SinkKinds(Result):
     def findings(self) -> list[str]:
         """How many sink heads of each kind, in which layers, and the traces that call them."""
         s, df = self.shares(), self.heads[lambda d: d["sink"]]
-        crit = (f"A sink head has mean alpha_1 > {self.eps} and a query sinks when A_t1 > {self.eps}; a head is nop "
-                f"where |v_1| / |v_j| < {KIND_VALUE_RATIO} and its output on sinking queries < {KIND_OUT_RATIO}x the "
-                "rest, broadcast where both are above and, within a sequence, its outputs on sinking queries have a "
-                f"participation ratio < {KIND_BROADCAST_PR} and a mean cosine to one direction > {KIND_BROADCAST_COS}, "
-                "mixed otherwise (thresholds chosen on the ground-truth models nop-task and broadcast-task).")
+        crit = (
+            f"A sink head has mean alpha_1 > {self.eps} and a query sinks when A_t1 > {self.eps}; a head is nop "
+            f"where |v_1| / |v_j| < {KIND_VALUE_RATIO} and its output on sinking queries < {KIND_OUT_RATIO}x the "
+            "rest, broadcast where both are above and, within a sequence, its outputs on sinking queries have a "
+            f"participation ratio < {KIND_BROADCAST_PR} and a mean cosine to one direction > {KIND_BROADCAST_COS}, "
+            "mixed otherwise (thresholds chosen on the ground-truth models nop-task and broadcast-task)."
+        )
         if not s["n_sink_heads"]:
             return [f"No head sinks (mean alpha_1 > {self.eps}), so no sink has a kind here.", crit]
-        out = [f"Of {s['n_sink_heads']} sink heads, " + ", ".join(
-            f"{int(round(s[k] * s['n_sink_heads']))} are {k} ({100 * s[k]:.0f}%)" for k in KINDS) + "."]
+        out = [
+            f"Of {s['n_sink_heads']} sink heads, "
+            + ", ".join(f"{int(round(s[k] * s['n_sink_heads']))} are {k} ({100 * s[k]:.0f}%)" for k in KINDS)
+            + "."
+        ]
         for k in KINDS:
             sub = df[df["sink_kind"] == k]
             if len(sub):
-                out.append(f"The {k} heads sit in {layers_text(sorted(set(sub['layer'])))}: median "
-                           f"|v_1| / |v_j| {sub['value_ratio'].median():.2f}, output on sinking queries "
-                           f"{_median(sub['out_ratio'])}x the rest, participation ratio within a sequence "
-                           f"{_median(sub['pr'])}, cosine to one direction {_median(sub['cos'])}.")
+                out.append(
+                    f"The {k} heads sit in {layers_text(sorted(set(sub['layer'])))}: median "
+                    f"|v_1| / |v_j| {sub['value_ratio'].median():.2f}, output on sinking queries "
+                    f"{_median(sub['out_ratio'])}x the rest, participation ratio within a sequence "
+                    f"{_median(sub['pr'])}, cosine to one direction {_median(sub['cos'])}."
+                )
         out.append(crit)
         return out + ([self.skipped] if self.skipped else [])
 
     def to_dict(self) -> dict:
         """Header, the thresholds, the shares, every head's numbers and the text (NaN as None)."""
-        thresholds = {"eps": self.eps, "first_query": self.first, "min_queries": self.min_queries,
-                      "value_ratio": KIND_VALUE_RATIO, "out_ratio": KIND_OUT_RATIO, "pr": KIND_BROADCAST_PR,
-                      "cos": KIND_BROADCAST_COS}
-        return jsonable({**self.header(), "T": self.T, "layers": self.layers, "thresholds": thresholds,
-                         "shares": self.shares(), "by_layer": self.layer_table(), "heads": self.heads,
-                         **({"skipped": self.skipped} if self.skipped else {}), "text": self.text()})
+        thresholds = {
+            "eps": self.eps,
+            "first_query": self.first,
+            "min_queries": self.min_queries,
+            "value_ratio": KIND_VALUE_RATIO,
+            "out_ratio": KIND_OUT_RATIO,
+            "pr": KIND_BROADCAST_PR,
+            "cos": KIND_BROADCAST_COS,
+        }
+        return jsonable(
+            {
+                **self.header(),
+                "T": self.T,
+                "layers": self.layers,
+                "thresholds": thresholds,
+                "shares": self.shares(),
+                "by_layer": self.layer_table(),
+                "heads": self.heads,
+                **({"skipped": self.skipped} if self.skipped else {}),
+                "text": self.text(),
+            }
+        )
 
 
 def _median(x: pd.Series) -> str:
@@ -226,8 +256,9 @@ class SinkKindAccumulator(Accumulator):
         self.n, self.min_queries = 0, KIND_MIN_QUERIES
 
     def hooks(self):
-        return {l: {"v": act_name("v", l), "z": act_name("z", l), "pattern": act_name("pattern", l)}
-                for l in self.layers}
+        return {
+            l: {"v": act_name("v", l), "z": act_name("z", l), "pattern": act_name("pattern", l)} for l in self.layers
+        }
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
@@ -258,12 +289,23 @@ class SinkKindAccumulator(Accumulator):
         div = lambda a, b: (a / b).where(b > 0, torch.tensor(float("nan"), dtype=a.dtype))  # noqa: E731
         n_sink, n_rest, n_seqs = h("n_sink", H), h("n_rest", H), h("n_seqs", H)
         return SinkKinds(
-            layers=self.layers, alpha_1=(h("alpha", H) / N).float(), sinking_share=(n_sink / (n_sink + n_rest)).float(),
+            layers=self.layers,
+            alpha_1=(h("alpha", H) / N).float(),
+            sinking_share=(n_sink / (n_sink + n_rest)).float(),
             value_ratio=(h("v1", H) / h("vj", H).clamp(min=TINY)).float(),
             out_ratio=div(div(h("out_sink", H), n_sink), div(h("out_rest", H), n_rest)).float(),
-            pr=div(h("pr", H), n_seqs).float(), cos=div(h("cos", H), n_seqs).float(), n_seqs=n_seqs.float(),
-            eps=self.eps, first=self.first, min_queries=self.min_queries, n_samples=N, T=T,
-            model_name=getattr(self.model, "model_name", None), kind=self.kind, skipped=skipped_note(self.model))
+            pr=div(h("pr", H), n_seqs).float(),
+            cos=div(h("cos", H), n_seqs).float(),
+            n_seqs=n_seqs.float(),
+            eps=self.eps,
+            first=self.first,
+            min_queries=self.min_queries,
+            n_samples=N,
+            T=T,
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
+            skipped=skipped_note(self.model),
+        )
 
 
 def _within(z, Gz, G, out, sink, min_queries: int):
@@ -285,8 +327,15 @@ def _within(z, Gz, G, out, sink, min_queries: int):
     return pr, cos, (n >= min_queries).double()
 
 
-def sink_kinds(model: SinkModel, tokens, *, eps: float = SINK_EPS, layers=None, batch_size: int | None = None,
-               kind: str | None = None) -> SinkKinds:
+def sink_kinds(
+    model: SinkModel,
+    tokens,
+    *,
+    eps: float = SINK_EPS,
+    layers=None,
+    batch_size: int | None = None,
+    kind: str | None = None,
+) -> SinkKinds:
     """Call each sink head nop, broadcast or mixed from its value norms and its outputs on sinking queries.
 
     Parameters
@@ -313,8 +362,10 @@ def sink_kinds(model: SinkModel, tokens, *, eps: float = SINK_EPS, layers=None, 
     tokens = check_tokens(model, tokens)
     first = first_query((0,), eps=eps)
     if tokens.shape[1] < first + 3:
-        raise ValueError(f"the sink's kind compares queries from position {first} on: give T >= {first + 3} tokens; "
-                         f"got T={tokens.shape[1]}.")
+        raise ValueError(
+            f"the sink's kind compares queries from position {first} on: give T >= {first + 3} tokens; "
+            f"got T={tokens.shape[1]}."
+        )
     acc = SinkKindAccumulator(model, layers, tokens.shape[1], eps=eps, kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result()
@@ -327,11 +378,31 @@ __all__ = ["sink_kinds", "call_kind", "SinkKinds", "SinkKindAccumulator", "KINDS
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "sink_kind", result=SinkKinds, order=55, hooks=("v", "z", "pattern"),
-    doc="The sink's kind per sink head (nop / broadcast / mixed) on the main kind.",
-    accumulators=lambda p: [SinkKindAccumulator(p.model, list(model_facts(p.model).attention_layers),
-                                                p.tokens.shape[1], eps=p.eps, kind=p.kind)],
-    sections=(Section("The sink's kind: nop or broadcast", "dormant", 95, figures=(
-        ("analysis.figures.sink_kind:plot_sink_kinds", "sink heads per layer by kind: nop, broadcast or mixed"),)),),
-    exports=("sink_kinds",)))
+register(
+    Analysis(
+        "sink_kind",
+        result=SinkKinds,
+        order=55,
+        hooks=("v", "z", "pattern"),
+        doc="The sink's kind per sink head (nop / broadcast / mixed) on the main kind.",
+        accumulators=lambda p: [
+            SinkKindAccumulator(
+                p.model, list(model_facts(p.model).attention_layers), p.tokens.shape[1], eps=p.eps, kind=p.kind
+            )
+        ],
+        sections=(
+            Section(
+                "The sink's kind: nop or broadcast",
+                "dormant",
+                95,
+                figures=(
+                    (
+                        "analysis.figures.sink_kind:plot_sink_kinds",
+                        "sink heads per layer by kind: nop, broadcast or mixed",
+                    ),
+                ),
+            ),
+        ),
+        exports=("sink_kinds",),
+    )
+)

@@ -14,6 +14,7 @@ Each condition reports the spike downstream (the dims' first-token value enterin
 model's spike peaks, and after the last block), Sink_1 and the loss over every position, and the loss of the first
 token's own prediction (the position the spike sits on). Only the activations of the first token change.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,15 @@ class NeuronSetter:
         Sequences per condition.
     """
 
-    def __init__(self, model, conditions: list[tuple[dict[int, list[int]], str]], means: dict[int, torch.Tensor],
-                 dims: list[int], start: int, rows: int):
+    def __init__(
+        self,
+        model,
+        conditions: list[tuple[dict[int, list[int]], str]],
+        means: dict[int, torch.Tensor],
+        dims: list[int],
+        start: int,
+        rows: int,
+    ):
         spec = get_mlp(model)
         self.dims, self.start, self.rows = dims, int(start), int(rows)
         self.set_at: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | float]]] = {}  # block -> (condition, ...)
@@ -167,36 +175,52 @@ class SpikeCuts(Result):
                 named = {m: self._row(summary, role, m, "named", dim) for m in ("zero", "mean")}
                 rnd = self._row(summary, role, "zero", "random", dim)
                 ns = self.neurons[role]
-                what = (f"the {sum(len(v) for v in ns.values())} {'writer' if role == 'writers' else 'eraser'} neurons of "
-                        f"MLP{'s' if len(ns) > 1 else ''} {layer_runs(list(ns))}")
+                what = (
+                    f"the {sum(len(v) for v in ns.values())} {'writer' if role == 'writers' else 'eraser'} neurons of "
+                    f"MLP{'s' if len(ns) > 1 else ''} {layer_runs(list(ns))}"
+                )
                 z, m = named["zero"], named["mean"]
                 if role == "writers":
-                    s = (f"Zeroing {what} on the first token only keeps {z.kept_mean:.1%} of dim {dim}'s spike entering "
-                         f"block {self.peak_block[dim]} (+{abs(b.value_peak):.4g} unchanged), takes Sink_1 from "
-                         f"{b.sink_1_pct:.1f}% to {z.sink_1_pct_mean:.1f}% and the loss from {b.loss:.3f} to {z.loss_mean:.3f}; "
-                         f"setting them to their mean over the other tokens keeps {m.kept_mean:.1%}, Sink_1 "
-                         f"{m.sink_1_pct_mean:.1f}%, loss {m.loss_mean:.3f}.")
+                    s = (
+                        f"Zeroing {what} on the first token only keeps {z.kept_mean:.1%} of dim {dim}'s spike entering "
+                        f"block {self.peak_block[dim]} (+{abs(b.value_peak):.4g} unchanged), takes Sink_1 from "
+                        f"{b.sink_1_pct:.1f}% to {z.sink_1_pct_mean:.1f}% and the loss from {b.loss:.3f} to {z.loss_mean:.3f}; "
+                        f"setting them to their mean over the other tokens keeps {m.kept_mean:.1%}, Sink_1 "
+                        f"{m.sink_1_pct_mean:.1f}%, loss {m.loss_mean:.3f}."
+                    )
                 else:
-                    s = (f"Zeroing {what} on the first token (the spike is then not removed before the unembedding) "
-                         f"leaves dim {dim} at {z.value_final_mean:+.4g} after the last block (unchanged "
-                         f"{b.value_final:+.4g}); Sink_1 {b.sink_1_pct:.1f}% -> {z.sink_1_pct_mean:.1f}%, the loss "
-                         f"{b.loss:.3f} -> {z.loss_mean:.3f}, the first token's own next-token loss {b.loss_first:.3f} -> "
-                         f"{z.loss_first_mean:.3f}; set to their mean over the other tokens: dim {dim} "
-                         f"{m.value_final_mean:+.4g}, loss {m.loss_mean:.3f}, first-token loss {m.loss_first_mean:.3f}.")
+                    s = (
+                        f"Zeroing {what} on the first token (the spike is then not removed before the unembedding) "
+                        f"leaves dim {dim} at {z.value_final_mean:+.4g} after the last block (unchanged "
+                        f"{b.value_final:+.4g}); Sink_1 {b.sink_1_pct:.1f}% -> {z.sink_1_pct_mean:.1f}%, the loss "
+                        f"{b.loss:.3f} -> {z.loss_mean:.3f}, the first token's own next-token loss {b.loss_first:.3f} -> "
+                        f"{z.loss_first_mean:.3f}; set to their mean over the other tokens: dim {dim} "
+                        f"{m.value_final_mean:+.4g}, loss {m.loss_mean:.3f}, first-token loss {m.loss_first_mean:.3f}."
+                    )
                 out.append(s)
                 if rnd is not None:
                     key = "kept" if role == "writers" else "value_final"
                     fmt = (lambda v: f"{v:.1%}") if role == "writers" else (lambda v: f"{v:+.4g}")
-                    out.append(f"As many random neurons of the same MLPs ({int(rnd.n_draws)} draws) "
-                               f"{'keep' if role == 'writers' else 'leave dim ' + str(dim) + ' at'} "
-                               f"{fmt(rnd[key + '_mean'])} ({fmt(rnd[key + '_min'])} to {fmt(rnd[key + '_max'])}), Sink_1 "
-                               f"{rnd.sink_1_pct_min:.1f}-{rnd.sink_1_pct_max:.1f}%, loss {rnd.loss_min:.3f}-"
-                               f"{rnd.loss_max:.3f}.")
+                    out.append(
+                        f"As many random neurons of the same MLPs ({int(rnd.n_draws)} draws) "
+                        f"{'keep' if role == 'writers' else 'leave dim ' + str(dim) + ' at'} "
+                        f"{fmt(rnd[key + '_mean'])} ({fmt(rnd[key + '_min'])} to {fmt(rnd[key + '_max'])}), Sink_1 "
+                        f"{rnd.sink_1_pct_min:.1f}-{rnd.sink_1_pct_max:.1f}%, loss {rnd.loss_min:.3f}-"
+                        f"{rnd.loss_max:.3f}."
+                    )
         return out
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "neurons": {r: {str(b): n for b, n in v.items()} for r, v in self.neurons.items()},
-                         "peak_block": self.peak_block, "message": self.message, **self.tables, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "neurons": {r: {str(b): n for b, n in v.items()} for r, v in self.neurons.items()},
+                "peak_block": self.peak_block,
+                "message": self.message,
+                **self.tables,
+                "text": self.text(),
+            }
+        )
 
 
 def _named(origin, role: str, share: float) -> dict[int, list[int]]:
@@ -225,22 +249,42 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
     if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
-        run, resid = run_pass(model, tokens, [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX),
-                                            ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size)
+        run, resid = run_pass(
+            model,
+            tokens,
+            [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX), ResidCapture([b for b in blocks if b > 0])],
+            batch_size=batch_size,
+        )
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
-        raise ValueError(f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
-                         f"these are {N} with eps {eps}: pass the baseline of these tokens, or none.")
+        raise ValueError(
+            f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
+            f"these are {N} with eps {eps}: pass the baseline of these tokens, or none."
+        )
     if baseline.run.alpha.shape[0] == N:
         return baseline
     r = baseline.run
     run = PassResult(r.alpha[:N], r.where, float("nan"), r.eps, r.T, r.layers, r.skipped)
-    return Baseline(run, baseline.first_resid[:N], baseline.value_heads, baseline.v1[:N],
-                    {b: x[:N] for b, x in baseline.resid.items()})
+    return Baseline(
+        run,
+        baseline.first_resid[:N],
+        baseline.value_heads,
+        baseline.v1[:N],
+        {b: x[:N] for b, x in baseline.resid.items()},
+    )
 
 
-def _run_stacked(model, tokens, conditions: list[tuple[dict[int, list[int]], str]], means, dims: list[int], *,
-                 eps: float, batch_size, baseline: Baseline) -> list[tuple[PassResult, torch.Tensor]]:
+def _run_stacked(
+    model,
+    tokens,
+    conditions: list[tuple[dict[int, list[int]], str]],
+    means,
+    dims: list[int],
+    *,
+    eps: float,
+    batch_size,
+    baseline: Baseline,
+) -> list[tuple[PassResult, torch.Tensor]]:
     """Run each condition ({block: neurons}, mode) over ``tokens`` (N, T): those that change the same first block in
     one pass, their sequences repeated once per condition. Per condition, in order: its PassResult and the spike dims'
     first-token values after every block from its first on, (N, L - start, n_dims)."""
@@ -251,18 +295,38 @@ def _run_stacked(model, tokens, conditions: list[tuple[dict[int, list[int]], str
     done: dict[int, tuple[PassResult, torch.Tensor]] = {}
     for start, cs in by_start.items():
         setter = NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
-        got = run_condition(model, tokens.repeat(len(cs), 1), hooks=setter.hooks(), eps=eps, batch_size=batch_size,
-                            on_batch_start=setter.start_batch, baseline=baseline, groups=len(cs))
+        got = run_condition(
+            model,
+            tokens.repeat(len(cs), 1),
+            hooks=setter.hooks(),
+            eps=eps,
+            batch_size=batch_size,
+            on_batch_start=setter.start_batch,
+            baseline=baseline,
+            groups=len(cs),
+        )
         after = torch.cat(setter.values)  # (len(cs) N, L - start, n_dims): the stream after blocks start..L-1
         for i, (c, r) in enumerate(zip(cs, got if len(cs) > 1 else [got])):
             done[c] = (r, after[i * N : (i + 1) * N])
     return [done[c] for c in range(len(conditions))]
 
 
-def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES[0], n_random: int = N_RANDOM,
-               random_modes: tuple[str, ...] = ("zero",), roles: tuple[str, ...] = ("writers", "erasers"),
-               per_block: bool = False, max_samples: int | None = None, seed: int = 0, eps: float = SINK_EPS,
-               baseline: Baseline | None = None, batch_size: int | None = None) -> SpikeCuts:
+def spike_cuts(
+    model: SinkModel,
+    tokens,
+    origin,
+    *,
+    share: float = NEURON_SHARES[0],
+    n_random: int = N_RANDOM,
+    random_modes: tuple[str, ...] = ("zero",),
+    roles: tuple[str, ...] = ("writers", "erasers"),
+    per_block: bool = False,
+    max_samples: int | None = None,
+    seed: int = 0,
+    eps: float = SINK_EPS,
+    baseline: Baseline | None = None,
+    batch_size: int | None = None,
+) -> SpikeCuts:
     """Cut the writer (and eraser) neurons on the first token; measure the spike downstream, Sink_1 and the loss.
 
     Parameters
@@ -304,19 +368,26 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
         tokens = tokens[: int(max_samples)]
     N, T = tokens.shape
     if N > origin.n_samples or not torch.equal(tokens[:, 0].cpu(), origin.trace.first_ids[:N]):
-        raise ValueError("these tokens are not those the spike origin was measured on (its first tokens differ): pass "
-                         "the tokens of `origin`.")
+        raise ValueError(
+            "these tokens are not those the spike origin was measured on (its first tokens differ): pass "
+            "the tokens of `origin`."
+        )
     bad = [r for r in roles if r not in ("writers", "erasers")]
     if bad or int(n_random) < 0 or any(m not in ("zero", "mean") for m in random_modes):
-        raise ValueError(f"roles must be among ('writers', 'erasers'), random_modes among ('zero', 'mean') and "
-                         f"n_random >= 0; got {roles}, {random_modes}, {n_random}.")
+        raise ValueError(
+            f"roles must be among ('writers', 'erasers'), random_modes among ('zero', 'mean') and "
+            f"n_random >= 0; got {roles}, {random_modes}, {n_random}."
+        )
     name = getattr(model, "model_name", None)
     sets = {r: _named(origin, r, share) for r in roles}
     sets = {r: s for r, s in sets.items() if s}
     if not origin.has_spike or not sets:
-        why = ("there is no spike on the first token" if not origin.has_spike else
-               "no MLP neuron is named as the spike's writer or eraser (it is written by the embedding, attention or a "
-               "mixture of experts, or by nothing the writes show)")
+        why = (
+            "there is no spike on the first token"
+            if not origin.has_spike
+            else "no MLP neuron is named as the spike's writer or eraser (it is written by the embedding, attention or a "
+            "mixture of experts, or by nothing the writes show)"
+        )
         return SpikeCuts(pd.DataFrame(), {}, {}, f"Nothing to cut: {why}.", int(n_random), name, origin.kind, N)
     dims = origin.dims
     starts = sorted({min(s) for s in sets.values()})
@@ -325,8 +396,16 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     peak = {d: int(vals[:, :, j].mean(0).abs().argmax()) for j, d in enumerate(dims)}
     L = model_dims(model).n_layers
     runs = _cut_runs(model, sets, per_block=per_block, n_random=n_random, random_modes=random_modes, seed=seed)
-    done = _run_stacked(model, tokens, [(neurons, mode or "zero") for _, mode, _, _, neurons in runs],
-                        origin.trace.act_other, dims, eps=eps, batch_size=batch_size, baseline=base)
+    done = _run_stacked(
+        model,
+        tokens,
+        [(neurons, mode or "zero") for _, mode, _, _, neurons in runs],
+        origin.trace.act_other,
+        dims,
+        eps=eps,
+        batch_size=batch_size,
+        baseline=base,
+    )
     df = pd.DataFrame(_cut_rows(runs, done, vals, peak, dims, L))
     b = df[df.role == "baseline"].iloc[0]
     df["delta_loss"], df["delta_loss_first"] = df["loss"] - b["loss"], df["loss_first"] - b["loss_first"]
@@ -334,8 +413,9 @@ def spike_cuts(model: SinkModel, tokens, origin, *, share: float = NEURON_SHARES
     return SpikeCuts(df, sets, peak, "", int(n_random), name, origin.kind, N)
 
 
-def _cut_runs(model: SinkModel, sets: dict, *, per_block: bool, n_random: int, random_modes: tuple[str, ...],
-              seed: int) -> list[tuple]:
+def _cut_runs(
+    model: SinkModel, sets: dict, *, per_block: bool, n_random: int, random_modes: tuple[str, ...], seed: int
+) -> list[tuple]:
     """The runs of :func:`spike_cuts`, ``(role, mode, chosen, draw, neurons)``: the baseline, then per role its named
     neurons zeroed and set to their mean, each writing MLP's alone (``per_block``), and the random draws."""
     runs = [("baseline", "", "named", 0, {})]
@@ -344,8 +424,11 @@ def _cut_runs(model: SinkModel, sets: dict, *, per_block: bool, n_random: int, r
         runs += [(role, mode, "named", 0, named) for mode in ("zero", "mean")]
         if per_block and len(named) > 1:
             runs += [(role, "zero", f"MLP {b}", 0, {b: ns}) for b, ns in named.items()]
-        runs += [(role, mode, "random", k, _random_like(named, get_mlp(model).d_mlp, gen)) for mode in random_modes
-                 for k in range(int(n_random))]
+        runs += [
+            (role, mode, "random", k, _random_like(named, get_mlp(model).d_mlp, gen))
+            for mode in random_modes
+            for k in range(int(n_random))
+        ]
     return runs
 
 
@@ -361,12 +444,25 @@ def _cut_rows(runs: list[tuple], done: list, vals: torch.Tensor, peak: dict, dim
         loss_first = float(r.loss_first.mean()) if r.loss_first is not None else float("nan")
         for j, d in enumerate(dims):
             v_peak = float(full[:, peak[d] - 1, j].mean()) if peak[d] > 0 else float(vals[:, 0, j].mean())
-            rows.append({"role": role, "mode": mode, "chosen": chosen, "draw": draw,
-                         "n_neurons": sum(len(v) for v in neurons.values()), "blocks": layer_runs(list(neurons)) if neurons
-                         else "", "dim": d, "value_peak": v_peak,
-                         "kept": v_peak / float(vals[:, peak[d], j].mean()) if abs(float(vals[:, peak[d], j].mean())) > TINY
-                         else float("nan"), "value_final": float(full[:, -1, j].mean()), "sink_1_pct": r.sink_rate(1),
-                         "loss": r.loss, "loss_first": loss_first})
+            rows.append(
+                {
+                    "role": role,
+                    "mode": mode,
+                    "chosen": chosen,
+                    "draw": draw,
+                    "n_neurons": sum(len(v) for v in neurons.values()),
+                    "blocks": layer_runs(list(neurons)) if neurons else "",
+                    "dim": d,
+                    "value_peak": v_peak,
+                    "kept": v_peak / float(vals[:, peak[d], j].mean())
+                    if abs(float(vals[:, peak[d], j].mean())) > TINY
+                    else float("nan"),
+                    "value_final": float(full[:, -1, j].mean()),
+                    "sink_1_pct": r.sink_rate(1),
+                    "loss": r.loss,
+                    "loss_first": loss_first,
+                }
+            )
     return rows
 
 
@@ -408,16 +504,21 @@ def origin_row(model: SinkModel, tokens, *, kind: str | None = None, max_samples
     def cut(key, col):
         return s.loc[key, col] if key in s.index else nan
 
-    return {"dim": d, "writers": o.writing_blocks(d), "erasers": o.writing_blocks(d, "eraser"),
-            "peak": float(o.values(d).mean(0).abs().max()),
-            "top neurons (share)": [(int(r.neuron), round(r.share, 2)) for r in top.itertuples()],
-            "top eig share": float(q.energy_share[0]) if q else nan, "|cos|": float(q.cos_top[0]) if q else nan,
-            "rank one": q.rank_one if q else None,
-            "later / first": float(c.spike.loc[c.spike["first"].abs().idxmax(), "ratio"]) if len(c.spike) else nan,
-            "Sink_1": cut(("baseline", "", "named", d), "sink_1_pct_mean"),
-            "kept (cut)": cut(("writers", "zero", "named", d), "kept_mean"),
-            "Sink_1 (cut)": cut(("writers", "zero", "named", d), "sink_1_pct_mean"),
-            "kept (random)": cut(("writers", "zero", "random", d), "kept_min")}
+    return {
+        "dim": d,
+        "writers": o.writing_blocks(d),
+        "erasers": o.writing_blocks(d, "eraser"),
+        "peak": float(o.values(d).mean(0).abs().max()),
+        "top neurons (share)": [(int(r.neuron), round(r.share, 2)) for r in top.itertuples()],
+        "top eig share": float(q.energy_share[0]) if q else nan,
+        "|cos|": float(q.cos_top[0]) if q else nan,
+        "rank one": q.rank_one if q else None,
+        "later / first": float(c.spike.loc[c.spike["first"].abs().idxmax(), "ratio"]) if len(c.spike) else nan,
+        "Sink_1": cut(("baseline", "", "named", d), "sink_1_pct_mean"),
+        "kept (cut)": cut(("writers", "zero", "named", d), "kept_mean"),
+        "Sink_1 (cut)": cut(("writers", "zero", "named", d), "sink_1_pct_mean"),
+        "kept (random)": cut(("writers", "zero", "random", d), "kept_min"),
+    }
 
 
 # The registration (analysis.core.registry): this module's one declaration.
@@ -428,11 +529,25 @@ def _follow_up(inputs, prof) -> SpikeCuts | None:
     """The writer cuts on the first ``follow_up_samples`` main-kind sequences (None without a spike)."""
     if prof.origin is None or not prof.origin.has_spike:
         return None
-    return spike_cuts(inputs.model, inputs.tokens, prof.origin, baseline=prof.baseline,
-                      max_samples=inputs.follow_up_samples, batch_size=inputs.batch_size)
+    return spike_cuts(
+        inputs.model,
+        inputs.tokens,
+        prof.origin,
+        baseline=prof.baseline,
+        max_samples=inputs.follow_up_samples,
+        batch_size=inputs.batch_size,
+    )
 
 
-register(Analysis(
-    "cuts", result=SpikeCuts, order=110, follows="origin", requires=("massive", "origin", "baseline"), run=_follow_up,
-    doc="The spike, Sink_1 and the loss with the writer or eraser neurons cut (follow-up \"cuts\"; None without a spike).",
-    exports=("spike_cuts",)))
+register(
+    Analysis(
+        "cuts",
+        result=SpikeCuts,
+        order=110,
+        follows="origin",
+        requires=("massive", "origin", "baseline"),
+        run=_follow_up,
+        doc='The spike, Sink_1 and the loss with the writer or eraser neurons cut (follow-up "cuts"; None without a spike).',
+        exports=("spike_cuts",),
+    )
+)

@@ -2,6 +2,7 @@
 the massive activations stand out as a few bright cells. A look at single examples beside the pass statistics of
 ``analysis.chain.massive``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,15 +61,23 @@ class ActivationMap(Result):
     def findings(self) -> list[str]:
         top = self.top(1).iloc[0]
         med = float(self.values.median())
-        return [f"At layer {self.layer} ({self.hook}) of sequence {self.sample}, the largest |h| is {top['abs']:.3g} at "
-                f"position {int(top.position)} (token {top.token!r}), dim {int(top.dim)}: "
-                f"{top['abs'] / max(med, 1e-30):.0f}x the map's median |h| ({med:.3g})."]
+        return [
+            f"At layer {self.layer} ({self.hook}) of sequence {self.sample}, the largest |h| is {top['abs']:.3g} at "
+            f"position {int(top.position)} (token {top.token!r}), dim {int(top.dim)}: "
+            f"{top['abs'] / max(med, 1e-30):.0f}x the map's median |h| ({med:.3g})."
+        ]
 
     def top(self, k: int = 5) -> pd.DataFrame:
         v, idx = self.values.flatten().topk(min(k, self.values.numel()))
         D = self.values.shape[1]
-        return pd.DataFrame({"position": (idx // D).tolist(), "dim": (idx % D).tolist(),
-                             "token": [self.tokens[i] for i in (idx // D).tolist()], "abs": v.tolist()})
+        return pd.DataFrame(
+            {
+                "position": (idx // D).tolist(),
+                "dim": (idx % D).tolist(),
+                "token": [self.tokens[i] for i in (idx // D).tolist()],
+                "abs": v.tolist(),
+            }
+        )
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "layer": self.layer, "hook": self.hook}
@@ -101,8 +110,14 @@ def activation_map(model: SinkModel, tokens, layer: int, *, sample: int = 0, hoo
         raise ValueError(f"sample must lie in [0, {tokens.shape[0]}); got {sample}.")
     seq = tokens[int(sample)][None]
     h = run_pass(model, seq, [Capture(resid_hook(layer, hook=hook), layer, lambda x: x.abs())])[0][0]
-    return ActivationMap(layer, hook, h, token_strings(model, seq[0].tolist()),
-                         model_name=getattr(model, "model_name", None), sample=int(sample))
+    return ActivationMap(
+        layer,
+        hook,
+        h,
+        token_strings(model, seq[0].tolist()),
+        model_name=getattr(model, "model_name", None),
+        sample=int(sample),
+    )
 
 
 __all__ = ["ActivationMap", "activation_map"]

@@ -15,6 +15,7 @@ each spike dimension, whether the same token carries the spike there: a table a 
 to "these neurons fire". The components are projected onto the neurons' weights inside the hooks, at the two
 positions only; the pass stops after the last writer block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,12 +69,13 @@ def _readout(model, dim: int, block: int, neurons: list[int]) -> _Readout:
     W = mlp_weights(model, block)
     norm = _input_norm(model, block)
     rows, consts, factors = [], [], []
-    for f, (M, b) in ({"gate": (W.W_gate, W.b_gate), "up": (W.W_in, W.b_in)} if spec.kind == "gated"
-                      else {"pre": (W.W_in, W.b_in)}).items():
+    for f, (M, b) in (
+        {"gate": (W.W_gate, W.b_gate), "up": (W.W_in, W.b_in)} if spec.kind == "gated" else {"pre": (W.W_in, W.b_in)}
+    ).items():
         w = M[neurons]  # (n, D)
         wg = w * norm.gain if norm.kind != "none" else w
         rows.append(wg - wg.mean(-1, keepdim=True) if norm.kind == "LN" else wg)
-        c = (w @ norm.b if norm.b is not None else torch.zeros(len(neurons)))
+        c = w @ norm.b if norm.b is not None else torch.zeros(len(neurons))
         consts.append(c + (b[neurons] if b is not None else 0))
         factors.append(f)
     return _Readout(dim, block, list(neurons), factors, torch.cat(rows).T.contiguous(), torch.cat(consts), norm)
@@ -87,7 +89,9 @@ class CauseAccumulator(Accumulator):
         self.model, self.readouts, self.dims, self.later = model, readouts, dims, int(later)
         self.spec = get_mlp(model)
         self.last = min(max([r.block for r in readouts] + [int(last)]), model_facts(model).dims.n_layers - 1)
-        self.U = torch.cat([r.U for r in readouts], 1) if readouts else torch.zeros(int(model_facts(model).dims.d_model), 0)
+        self.U = (
+            torch.cat([r.U for r in readouts], 1) if readouts else torch.zeros(int(model_facts(model).dims.d_model), 0)
+        )
         self.rows: dict[tuple, list[torch.Tensor]] = {}
         self.blocks = sorted({r.block for r in readouts})
 
@@ -118,10 +122,15 @@ class CauseAccumulator(Accumulator):
         U = self.U.to(pre.device)
         mlp = acts["mlp"][:, pos].float()
         mixer = "attention" if "attn" in acts else "mixer"
-        for key, c in ([(("embedding", -1), pre)] if layer == 0 else []) + [((mixer, layer), attn), (("mlp", layer), mlp)]:
+        for key, c in ([(("embedding", -1), pre)] if layer == 0 else []) + [
+            ((mixer, layer), attn),
+            (("mlp", layer), mlp),
+        ]:
             self._keep(key, c @ U)
-            self._keep(("norms",) + key, torch.stack([c[:, 0].norm(dim=-1), c[:, 1].norm(dim=-1),
-                                                      (c[:, 0] - c[:, 1]).norm(dim=-1)], -1))
+            self._keep(
+                ("norms",) + key,
+                torch.stack([c[:, 0].norm(dim=-1), c[:, 1].norm(dim=-1), (c[:, 0] - c[:, 1]).norm(dim=-1)], -1),
+            )
         self._keep(("value_in", layer), pre[..., self.dims])
         self._keep(("value_out", layer), acts["post"][:, pos][..., self.dims].float())
         if layer in self.blocks:
@@ -130,7 +139,9 @@ class CauseAccumulator(Accumulator):
             for r in self.readouts_of(layer):
                 idx = torch.tensor(r.neurons, device=pre.device)
                 self._keep(("act", layer, r.dim), acts["act"][:, pos][..., idx])
-                self._keep(("hook", layer, r.dim), torch.cat([acts[f"factor_{f}"][:, pos][..., idx] for f in r.factors], -1))
+                self._keep(
+                    ("hook", layer, r.dim), torch.cat([acts[f"factor_{f}"][:, pos][..., idx] for f in r.factors], -1)
+                )
 
     def result(self) -> dict:
         return {k: torch.cat(v) for k, v in self.rows.items()}
@@ -183,8 +194,12 @@ class FirstTokenCause(Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"contributions": self.contributions, "neurons": self.neurons, "spike": self.spike,
-                "divergence": self.divergence}
+        return {
+            "contributions": self.contributions,
+            "neurons": self.neurons,
+            "spike": self.spike,
+            "divergence": self.divergence,
+        }
 
     def chain(self, dim: int, block: int, neuron: int | None = None) -> pd.DataFrame:
         """The table to follow for one writer neuron (the largest by default): one row per component (and constant,
@@ -207,16 +222,27 @@ class FirstTokenCause(Result):
         factor = "gate" if "gate" in set(c.factor) else "pre"
         f = c[c.factor == factor].assign(diff=lambda d: d["first"] - d["later"]).sort_values("diff", ascending=False)
         f = f[f["diff"] > 0.1 * max(float(f["diff"].clip(lower=0).sum()), TINY)]  # the parts that make the difference
-        tot = self.contributions[(self.contributions.dim == dim) & (self.contributions.block == block)
-                                 & (self.contributions.neuron == neuron) & (self.contributions.factor == factor)
-                                 & (self.contributions.component == "total")].iloc[0]
+        tot = self.contributions[
+            (self.contributions.dim == dim)
+            & (self.contributions.block == block)
+            & (self.contributions.neuron == neuron)
+            & (self.contributions.factor == factor)
+            & (self.contributions.component == "total")
+        ].iloc[0]
         top = f.head(2)
-        parts = ", ".join(f"{r.component} ({r.first:+.3g} against {r.later:+.3g})" for r in top.itertuples()) or "no one part"
-        n = self.neurons[(self.neurons.dim == dim) & (self.neurons.block == block) & (self.neurons.neuron == neuron)].iloc[0]
-        return (f"Writer neuron {neuron} of MLP {block} (dim {dim}): its {'gate' if factor == 'gate' else 'pre-activation'} "
-                f"is {tot['first']:+.3g} on the first token against {tot['later']:+.3g} for the same token at position "
-                f"{self.later + 1}; the difference comes most from {parts}; it fires at {n.act_first:+.3g} against "
-                f"{n.act_later:+.3g} there (write on dim {dim}: {n.write_first:+.4g} against {n.write_later:+.4g}).")
+        parts = (
+            ", ".join(f"{r.component} ({r.first:+.3g} against {r.later:+.3g})" for r in top.itertuples())
+            or "no one part"
+        )
+        n = self.neurons[
+            (self.neurons.dim == dim) & (self.neurons.block == block) & (self.neurons.neuron == neuron)
+        ].iloc[0]
+        return (
+            f"Writer neuron {neuron} of MLP {block} (dim {dim}): its {'gate' if factor == 'gate' else 'pre-activation'} "
+            f"is {tot['first']:+.3g} on the first token against {tot['later']:+.3g} for the same token at position "
+            f"{self.later + 1}; the difference comes most from {parts}; it fires at {n.act_first:+.3g} against "
+            f"{n.act_later:+.3g} there (write on dim {dim}: {n.write_first:+.4g} against {n.write_later:+.4g})."
+        )
 
     def findings(self) -> list[str]:
         if self.message:
@@ -231,35 +257,55 @@ class FirstTokenCause(Result):
         if len(div):
             first = div[div.difference >= DIVERGED].head(1)
             top = div[div.difference >= 0.05].sort_values("difference", ascending=False).head(3)
-            where = (f"{first.component.iloc[0]} is the first write that differs ({first.difference.iloc[0]:.0%})"
-                     if len(first) else "no write differs by much")
+            where = (
+                f"{first.component.iloc[0]} is the first write that differs ({first.difference.iloc[0]:.0%})"
+                if len(first)
+                else "no write differs by much"
+            )
             most = ", ".join(f"{r.component} ({r.difference:.0%})" for r in top.itertuples()) or "none"
-            out.append(f"Between position 1 and position {self.later + 1} the same token's embedding is the same; "
-                       f"{where}, and the writes that differ most are {most}.")
+            out.append(
+                f"Between position 1 and position {self.later + 1} the same token's embedding is the same; "
+                f"{where}, and the writes that differ most are {most}."
+            )
         for d in dict.fromkeys(self.spike.dim):
             s = self.spike[self.spike.dim == d].reset_index(drop=True)
             peak = s.iloc[int(s["first"].abs().argmax())]
             verdict = "carries the spike too" if peak["later_is_spike"] else "carries no spike"
-            out.append(f"The same token id at position {self.later + 1} {verdict} on dim {d}: {peak['later']:+.4g} "
-                       f"against {peak['first']:+.4g} at position 1 ({peak['point']}).")
+            out.append(
+                f"The same token id at position {self.later + 1} {verdict} on dim {d}: {peak['later']:+.4g} "
+                f"against {peak['first']:+.4g} at position 1 ({peak['point']})."
+            )
         if len(self.contributions):
-            out.append(f"The decomposition adds up: the components' sum equals each pre-activation to {self.max_error:.2g}.")
+            out.append(
+                f"The decomposition adds up: the components' sum equals each pre-activation to {self.max_error:.2g}."
+            )
         return out
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "later": self.later, "max_error": self.max_error, **self.tables,
-                         "text": self.text()})
+        return jsonable(
+            {**self.header(), "later": self.later, "max_error": self.max_error, **self.tables, "text": self.text()}
+        )
 
 
 def _check_later(later, T: int) -> int:
     later = T // 2 if later is None else int(later)
     if not 1 <= later < T:
-        raise ValueError(f"later must be a position in [1, {T - 1}] (0-based) of these T={T}-token sequences; got {later}.")
+        raise ValueError(
+            f"later must be a position in [1, {T - 1}] (0-based) of these T={T}-token sequences; got {later}."
+        )
     return later
 
 
-def why_first_token(model: SinkModel, tokens, origin, *, later: int | None = None, max_neurons: int = MAX_NEURONS,
-                    share: float = NEURON_SHARES[0], batch_size: int | None = None) -> FirstTokenCause:
+def why_first_token(
+    model: SinkModel,
+    tokens,
+    origin,
+    *,
+    later: int | None = None,
+    max_neurons: int = MAX_NEURONS,
+    share: float = NEURON_SHARES[0],
+    batch_size: int | None = None,
+) -> FirstTokenCause:
     """Decompose the writer neurons' pre-activations on the first token against the same token id at a later
     position, and say whether the later one carries the spike.
 
@@ -289,8 +335,18 @@ def why_first_token(model: SinkModel, tokens, origin, *, later: int | None = Non
     name = getattr(model, "model_name", None)
     empty = pd.DataFrame()
     if not origin.has_spike:
-        return FirstTokenCause(later, empty, empty, empty, empty, 0.0, "There is no spike on the first token, so there is "
-                               "nothing to trace back.", name, origin.kind, tokens.shape[0])
+        return FirstTokenCause(
+            later,
+            empty,
+            empty,
+            empty,
+            empty,
+            0.0,
+            "There is no spike on the first token, so there is nothing to trace back.",
+            name,
+            origin.kind,
+            tokens.shape[0],
+        )
     writers = [n for n in origin.neurons if n.role == "writer"]
     readouts = [_readout(model, n.dim, n.block, n.neurons(share)[:max_neurons]) for n in writers]
     moved = tokens.clone()
@@ -301,9 +357,12 @@ def why_first_token(model: SinkModel, tokens, origin, *, later: int | None = Non
     out = _cause(model, origin, readouts, got, later, tokens.shape[0], peaks)
     if not readouts:
         emb = all(origin.embedding_origin(d) for d in origin.dims)
-        out.note = (f"No writer neuron to follow on dims {origin.dims}: the spike is in the first token's embedding, not "
-                    "written by an MLP." if emb else
-                    f"No writer neuron to follow on dims {origin.dims}: no MLP neuron is named as the spike's writer.")
+        out.note = (
+            f"No writer neuron to follow on dims {origin.dims}: the spike is in the first token's embedding, not "
+            "written by an MLP."
+            if emb
+            else f"No writer neuron to follow on dims {origin.dims}: no MLP neuron is named as the spike's writer."
+        )
     return out
 
 
@@ -320,12 +379,32 @@ def _cause(model, origin, readouts: list[_Readout], got: dict, later: int, N: in
         for order, (comp, v) in enumerate(named.items()):
             m = v.mean(0)  # (2, F)
             for j, (f, n) in enumerate(r.columns):
-                rows.append({"dim": r.dim, "block": r.block, "neuron": n, "factor": f, "order": order, "component": comp,
-                             "first": float(m[0, j]), "later": float(m[1, j])})
+                rows.append(
+                    {
+                        "dim": r.dim,
+                        "block": r.block,
+                        "neuron": n,
+                        "factor": f,
+                        "order": order,
+                        "component": comp,
+                        "first": float(m[0, j]),
+                        "later": float(m[1, j]),
+                    }
+                )
         nrows += _neuron_rows(origin, r, got)
     spike = _spike_rows(origin, got, readouts, peaks)
-    return FirstTokenCause(later, pd.DataFrame(rows), pd.DataFrame(nrows), spike, _divergence(got), max_err, "",
-                           getattr(model, "model_name", None), origin.kind, N)
+    return FirstTokenCause(
+        later,
+        pd.DataFrame(rows),
+        pd.DataFrame(nrows),
+        spike,
+        _divergence(got),
+        max_err,
+        "",
+        getattr(model, "model_name", None),
+        origin.kind,
+        N,
+    )
 
 
 def _factor_parts(r: _Readout, got: dict, comps: list, sl: slice, *, parallel: bool) -> dict[str, torch.Tensor]:
@@ -333,12 +412,15 @@ def _factor_parts(r: _Readout, got: dict, comps: list, sl: slice, *, parallel: b
     component before block ``r.block`` writes into them (scaled by the block's norm), the constant, their total and
     what the hook holds."""
     s = got[("scale", r.block)]  # (N, 2)
-    feeds = [k for k in comps if k[1] < r.block or (k[1] == r.block and k[0] in ("attention", "mixer")
-                                                    and not parallel)]
+    feeds = [
+        k for k in comps if k[1] < r.block or (k[1] == r.block and k[0] in ("attention", "mixer") and not parallel)
+    ]
     parts = {k: got[k][..., sl] * s[..., None] for k in feeds}  # (N, 2, F)
     total = sum(parts.values()) + r.const
-    named = {("embedding" if k[0] == "embedding" else f"{'MLP' if k[0] == 'mlp' else k[0]} {k[1]}"): v
-             for k, v in parts.items()}
+    named = {
+        ("embedding" if k[0] == "embedding" else f"{'MLP' if k[0] == 'mlp' else k[0]} {k[1]}"): v
+        for k, v in parts.items()
+    }
     return named | {"constant": r.const.expand_as(total), "total": total, "hook": got[("hook", r.block, r.dim)]}
 
 
@@ -350,9 +432,17 @@ def _neuron_rows(origin, r: _Readout, got: dict) -> list[dict]:
     nrows = []
     for j, n in enumerate(r.neurons):
         w = float(neu.w_out[n])
-        nrows.append({"dim": r.dim, "block": r.block, "neuron": n, "act_first": float(act[0, j]),
-                      "act_later": float(act[1, j]), "write_first": float(act[0, j]) * w,
-                      "write_later": float(act[1, j]) * w})
+        nrows.append(
+            {
+                "dim": r.dim,
+                "block": r.block,
+                "neuron": n,
+                "act_first": float(act[0, j]),
+                "act_later": float(act[1, j]),
+                "write_first": float(act[0, j]) * w,
+                "write_later": float(act[1, j]) * w,
+            }
+        )
     return nrows
 
 
@@ -365,8 +455,15 @@ def _divergence(got: dict) -> pd.DataFrame:
             continue
         m = v.mean(0)  # (3,): |first|, |later|, |first - later|
         comp = "embedding" if key[1] == "embedding" else f"{'MLP' if key[1] == 'mlp' else key[1]} {key[2]}"
-        rows.append({"component": comp, "block": key[2], "norm_first": float(m[0]), "norm_later": float(m[1]),
-                     "difference": float(m[2] / (m[0] + m[1]).clamp_min(TINY))})
+        rows.append(
+            {
+                "component": comp,
+                "block": key[2],
+                "norm_first": float(m[0]),
+                "norm_later": float(m[1]),
+                "difference": float(m[2] / (m[0] + m[1]).clamp_min(TINY)),
+            }
+        )
     return pd.DataFrame(rows, columns=["component", "block", "norm_first", "norm_later", "difference"])
 
 
@@ -380,14 +477,25 @@ def _spike_rows(origin, got: dict, readouts: list[_Readout], peaks: dict) -> pd.
         points += [(f"after MLP {b}", got[("value_out", b)][..., j]) for b in blocks]
         p = peaks[d]
         if p > 0 and p - 1 not in blocks and ("value_out", p - 1) in got:
-            points.append((f"entering block {p}" if p < origin.n_layers else "after the last block",
-                           got[("value_out", p - 1)][..., j]))
+            points.append(
+                (
+                    f"entering block {p}" if p < origin.n_layers else "after the last block",
+                    got[("value_out", p - 1)][..., j],
+                )
+            )
         for point, v in points:
             m = v.mean(0)
             first, lat = float(m[0]), float(m[1])
-            rows.append({"dim": d, "point": point, "first": first, "later": lat,
-                         "ratio": lat / first if abs(first) > TINY else float("nan"),
-                         "later_is_spike": bool(abs(first) > TINY and lat / first >= 0.5)})
+            rows.append(
+                {
+                    "dim": d,
+                    "point": point,
+                    "first": first,
+                    "later": lat,
+                    "ratio": lat / first if abs(first) > TINY else float("nan"),
+                    "later_is_spike": bool(abs(first) > TINY and lat / first >= 0.5),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -399,11 +507,20 @@ def _follow_up(inputs, prof) -> FirstTokenCause | None:
     """Why the first token, on the first ``follow_up_samples`` main-kind sequences (None without a spike)."""
     if prof.origin is None or not prof.origin.has_spike:
         return None
-    return why_first_token(inputs.model, inputs.tokens[:inputs.follow_up_samples], prof.origin,
-                           batch_size=inputs.batch_size)
+    return why_first_token(
+        inputs.model, inputs.tokens[: inputs.follow_up_samples], prof.origin, batch_size=inputs.batch_size
+    )
 
 
-register(Analysis(
-    "cause", result=FirstTokenCause, order=100, follows="origin", requires=("massive", "origin", "baseline"),
-    run=_follow_up, doc="Why the first token: what feeds the main writer neurons (follow-up \"cause\"; None without a spike).",
-    exports=("why_first_token",)))
+register(
+    Analysis(
+        "cause",
+        result=FirstTokenCause,
+        order=100,
+        follows="origin",
+        requires=("massive", "origin", "baseline"),
+        run=_follow_up,
+        doc='Why the first token: what feeds the main writer neurons (follow-up "cause"; None without a spike).',
+        exports=("why_first_token",),
+    )
+)

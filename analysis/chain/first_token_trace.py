@@ -5,6 +5,7 @@ stream's largest |value|), in a :class:`FirstTokenTrace`. Nothing else outlives 
 d_mlp)) numbers, never the activations of every token. ``analysis.chain.spike_writers`` names the writing blocks
 from it, ``analysis.chain.mlp_neurons`` the neurons inside each MLP.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,7 +90,9 @@ class FirstTokenTrace:
     def bookkeeping(self, dim: int) -> tuple[float, float]:
         """(largest |embedding + writes - value| over samples and blocks, that over the largest |value|) on ``dim``."""
         v = self.resid[:, :, dim].double()
-        rebuilt = torch.cat([v[:, :1], v[:, :1] + (self.attn[:, :, dim].double() + self.mlp[:, :, dim].double()).cumsum(1)], 1)
+        rebuilt = torch.cat(
+            [v[:, :1], v[:, :1] + (self.attn[:, :, dim].double() + self.mlp[:, :, dim].double()).cumsum(1)], 1
+        )
         err = float((rebuilt - v).abs().max())
         return err, err / max(float(v.abs().max()), TINY)
 
@@ -120,8 +123,10 @@ class SpikeOriginAccumulator(Accumulator):
         self.x = LayerCollector(list(range(self.L)))  # (N, L, D): the MLP input
         self.acts = LayerCollector(self.neuron_layers)  # (N, L', M)
         L, D = self.L, self.D
-        self.sums = {k: torch.zeros(L + (k.startswith("resid")), D, dtype=torch.float64)
-                     for k in ("resid", "resid_max", "attn", "mlp")}
+        self.sums = {
+            k: torch.zeros(L + (k.startswith("resid")), D, dtype=torch.float64)
+            for k in ("resid", "resid_max", "attn", "mlp")
+        }
         self.neuron_sums: dict[int, dict[str, torch.Tensor]] = {}
         self.post: list[torch.Tensor] = []
         self.ids: list[torch.Tensor] = []
@@ -182,10 +187,17 @@ class SpikeOriginAccumulator(Accumulator):
         rest = a[:, 1:]
         # the largest |a| over t > 0 without an |a| copy (zeros for T = 1, where there is no other token)
         peak = torch.maximum(rest.amax(1), rest.amin(1).neg()).sum(0) if rest.shape[1] else rest.sum((0, 1))
-        parts = {"act_other": rest.sum(1).sum(0), "act_other_max": peak,
-                 "up_first": acts["up"][:, 0].float().sum(0), "up_other": acts["up"][:, 1:].float().sum(1).sum(0)}
+        parts = {
+            "act_other": rest.sum(1).sum(0),
+            "act_other_max": peak,
+            "up_first": acts["up"][:, 0].float().sum(0),
+            "up_other": acts["up"][:, 1:].float().sum(1).sum(0),
+        }
         if "gate" in acts:
-            parts |= {"gate_first": acts["gate"][:, 0].float().sum(0), "gate_other": acts["gate"][:, 1:].float().sum(1).sum(0)}
+            parts |= {
+                "gate_first": acts["gate"][:, 0].float().sum(0),
+                "gate_other": acts["gate"][:, 1:].float().sum(1).sum(0),
+            }
         for k, v in parts.items():
             s[k] = s.get(k, 0) + v.double().cpu()
 
@@ -211,11 +223,20 @@ class SpikeOriginAccumulator(Accumulator):
         resid = torch.cat([first[:, :, 0], torch.cat(self.post)[:, None]], 1)
         x = self.x.result()
         return FirstTokenTrace(
-            resid=resid, attn=first[:, :, 1], mlp=first[:, :, 2], other_resid=mean["resid"], other_resid_max=mean["resid_max"],
-            other_attn=mean["attn"], other_mlp=mean["mlp"], mlp_in={l: x[:, l] for l in range(self.L)},
+            resid=resid,
+            attn=first[:, :, 1],
+            mlp=first[:, :, 2],
+            other_resid=mean["resid"],
+            other_resid_max=mean["resid_max"],
+            other_attn=mean["attn"],
+            other_mlp=mean["mlp"],
+            mlp_in={l: x[:, l] for l in range(self.L)},
             act_first={l: acts[:, i] for i, l in enumerate(self.neuron_layers)} if acts is not None else {},
-            **per, first_ids=torch.cat(self.ids), T=self.T,
-            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+            **per,
+            first_ids=torch.cat(self.ids),
+            T=self.T,
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+        )
 
 
 __all__ = ["FirstTokenTrace", "SpikeOriginAccumulator"]

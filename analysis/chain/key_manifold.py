@@ -35,6 +35,7 @@ Every statistic but the scatter reduces inside the hooks: the other keys enter t
 sum and d_head x d_head Gram matrix (exact PCA through the covariance), only the N first keys per head
 are kept, and full keys only for the scatter heads.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -67,8 +68,11 @@ from analysis.model.rotary import rotate_as_spec
 from analysis.sinks.metric import alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine, permuted_copy, unit_vectors
 
-from analysis.core.defaults import (KEY_MANIFOLD_N_COMPONENTS as DEFAULT_N_COMPONENTS, KEY_SAME_POINT as SAME_POINT,
-                                    KEY_VARIANCE_LEVEL as VARIANCE_LEVEL)
+from analysis.core.defaults import (
+    KEY_MANIFOLD_N_COMPONENTS as DEFAULT_N_COMPONENTS,
+    KEY_SAME_POINT as SAME_POINT,
+    KEY_VARIANCE_LEVEL as VARIANCE_LEVEL,
+)
 
 
 def _check_n_components(n_components, d_head: int | None):
@@ -202,22 +206,32 @@ class KeyManifold(Result):
         mid = self.T // 2 + 1
         skipped = [self.skipped_text()] if self.skipped else []
         if S["n_sink_kv_heads"] == 0:
-            return [f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
-                    f"describe; over all heads the first keys of different inputs have mean cosine "
-                    f"{ot['cos_first_pair']:.3f}.", *skipped]
-        few = ("they are one point (no variance left to explain)" if sk["first_n90"] < 0.5 else
-               f"they need {sk['first_n90']:.1f} principal components for 90% of their variance, against "
-               f"{sk['mid_n90']:.1f} for as many keys at position {mid}")
-        out = [f"In {S['n_sink_kv_heads']} sink KV heads (alpha_1 > {min_alpha}) the first keys of different inputs "
-               f"have mean pairwise cosine {sk['cos_first_pair']:.3f}, against {sk['cos_mid_pair']:.3f} for the keys at "
-               f"position {mid}; {few}.",
-               f"Queries point at the first key in sink heads: cos(q_t, k_1) = {sk['cos_q_k1']:.2f} against "
-               f"cos(q_t, k_j) = {sk['cos_q_kj']:.2f}, although |k_1| / |k_j| = {sk['norm_ratio']:.2f}."]
+            return [
+                f"No KV head has alpha_1 above {min_alpha} on these inputs, so there is no sink head's first key to "
+                f"describe; over all heads the first keys of different inputs have mean cosine "
+                f"{ot['cos_first_pair']:.3f}.",
+                *skipped,
+            ]
+        few = (
+            "they are one point (no variance left to explain)"
+            if sk["first_n90"] < 0.5
+            else f"they need {sk['first_n90']:.1f} principal components for 90% of their variance, against "
+            f"{sk['mid_n90']:.1f} for as many keys at position {mid}"
+        )
+        out = [
+            f"In {S['n_sink_kv_heads']} sink KV heads (alpha_1 > {min_alpha}) the first keys of different inputs "
+            f"have mean pairwise cosine {sk['cos_first_pair']:.3f}, against {sk['cos_mid_pair']:.3f} for the keys at "
+            f"position {mid}; {few}.",
+            f"Queries point at the first key in sink heads: cos(q_t, k_1) = {sk['cos_q_k1']:.2f} against "
+            f"cos(q_t, k_j) = {sk['cos_q_kj']:.2f}, although |k_1| / |k_j| = {sk['norm_ratio']:.2f}.",
+        ]
         if S["n_other_kv_heads"]:
-            out.append(f"The first key k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace "
-                       f"(90% of their variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
-                       f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs "
-                       f"{sk['resid_other']:.2f}).")
+            out.append(
+                f"The first key k_1 lies {sk['offsub_z']:.2f} times as far off the other keys' principal subspace "
+                f"(90% of their variance) as those keys do in sink heads, against {ot['offsub_z']:.2f} in the other "
+                f"{S['n_other_kv_heads']} KV heads (relative residual {sk['resid_first']:.2f} vs "
+                f"{sk['resid_other']:.2f})."
+            )
         return out + skipped + self._spike_findings()
 
     def _spike_findings(self) -> list[str]:
@@ -228,25 +242,31 @@ class KeyManifold(Result):
     def head_text(self, layer: int, kv_head: int) -> str:
         """One KV head's first keys in words."""
         r = self.head(layer, kv_head)
-        return (f"Layer {layer}, KV head {kv_head} (alpha_1 {r.alpha_1_max:.2f}): the first keys of {self.n_samples} inputs have "
-                f"mean pairwise cosine {r.cos_first_pair:.3f} (keys at position {self.T // 2 + 1}: {r.cos_mid_pair:.3f}) and sit "
-                f"{r.axis_z:.1f} standard deviations from the other keys along one axis; cos(q_t, k_1) = {r.cos_q_k1:.2f}, "
-                f"|k_1| / |k_j| = {r.norm_ratio:.2f}.")
+        return (
+            f"Layer {layer}, KV head {kv_head} (alpha_1 {r.alpha_1_max:.2f}): the first keys of {self.n_samples} inputs have "
+            f"mean pairwise cosine {r.cos_first_pair:.3f} (keys at position {self.T // 2 + 1}: {r.cos_mid_pair:.3f}) and sit "
+            f"{r.axis_z:.1f} standard deviations from the other keys along one axis; cos(q_t, k_1) = {r.cos_q_k1:.2f}, "
+            f"|k_1| / |k_j| = {r.norm_ratio:.2f}."
+        )
 
     def subspace_layers(self, min_alpha: float = SINK_MIN_ALPHA) -> dict[str, list[int]]:
         """Sink layers where k_1 lies inside the other keys' principal subspace (relative residual below theirs)
         and where it lies off it (mean over the layer's KV heads)."""
         by_layer = self.table.groupby("layer").mean(numeric_only=True)
         sinky = by_layer[by_layer.alpha_1_mean > min_alpha]
-        return {"inside": [int(l) for l in sinky.index[sinky.resid_first < sinky.resid_other]],
-                "off": [int(l) for l in sinky.index[sinky.resid_first > sinky.resid_other]]}
+        return {
+            "inside": [int(l) for l in sinky.index[sinky.resid_first < sinky.resid_other]],
+            "off": [int(l) for l in sinky.index[sinky.resid_first > sinky.resid_other]],
+        }
 
     def subspace_text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         s = self.subspace_layers(min_alpha)
         inside = layers_text(s["inside"]) if s["inside"] else "no sink layer"
         off = layers_text(s["off"]) if s["off"] else "no sink layer"
-        return (f"The first key k_1 lies inside the other keys' principal subspace in {inside} and off it in {off} "
-                f"(sink layers: alpha_1 > {min_alpha}).")
+        return (
+            f"The first key k_1 lies inside the other keys' principal subspace in {inside} and off it in {off} "
+            f"(sink layers: alpha_1 > {min_alpha})."
+        )
 
     def by_spike(self, first_token_dims: dict[int, list[int]], min_alpha: float = SINK_MIN_ALPHA) -> dict:
         """Mean first-key statistics of sink layers whose input carries the first token's spike (block l reads
@@ -258,8 +278,11 @@ class KeyManifold(Result):
         if reading:
             groups["before"] = sinky[sinky.index < min(reading)]
         cols = ("resid_first", "resid_other", "offsub_z", "cos_first_pair", "cos_q_k1")
-        return {name: {"layers": [int(x) for x in g.index], **{c: float(g[c].mean()) for c in cols}}
-                for name, g in groups.items() if len(g)}
+        return {
+            name: {"layers": [int(x) for x in g.index], **{c: float(g[c].mean()) for c in cols}}
+            for name, g in groups.items()
+            if len(g)
+        }
 
     def by_spike_text(self, first_token_dims: dict[int, list[int]]) -> str:
         """Where k_1 lies in sink layers that read the spike against sink layers before it ('' if undefined)."""
@@ -268,16 +291,20 @@ class KeyManifold(Result):
         if not (r and p):
             return ""
         where = lambda g: "off" if g["resid_first"] > g["resid_other"] else "inside"  # noqa: E731
-        return (f"In sink layers that read the first token's spike ({layers_text(r['layers'])}), k_1 lies {where(r)} the "
-                f"other keys' principal subspace (relative residual {r['resid_first']:.2f} against {r['resid_other']:.2f} "
-                f"for the other keys); in sink layers before the spike appears ({layers_text(p['layers'])}) it lies "
-                f"{where(p)} it ({p['resid_first']:.2f} against {p['resid_other']:.2f}).")
+        return (
+            f"In sink layers that read the first token's spike ({layers_text(r['layers'])}), k_1 lies {where(r)} the "
+            f"other keys' principal subspace (relative residual {r['resid_first']:.2f} against {r['resid_other']:.2f} "
+            f"for the other keys); in sink layers before the spike appears ({layers_text(p['layers'])}) it lies "
+            f"{where(p)} it ({p['resid_first']:.2f} against {p['resid_other']:.2f})."
+        )
 
     def head(self, layer: int, kv_head: int) -> pd.Series:
         """The table row of one (layer, KV head)."""
         rows = self.table[(self.table.layer == layer) & (self.table.kv_head == kv_head)]
         if rows.empty:
-            raise ValueError(f"(layer {layer}, KV head {kv_head}) was not analysed; layers {self.layers}, KV heads {self.kv_heads}.")
+            raise ValueError(
+                f"(layer {layer}, KV head {kv_head}) was not analysed; layers {self.layers}, KV heads {self.kv_heads}."
+            )
         return rows.iloc[0]
 
     def sink_kv_heads(self, min_alpha: float = SINK_MIN_ALPHA, by: str = "alpha_1_mean") -> list[tuple[int, int]]:
@@ -291,45 +318,71 @@ class KeyManifold(Result):
         if by not in ("alpha_1_mean", "alpha_1_max"):
             raise ValueError(f"by must be 'alpha_1_mean' or 'alpha_1_max'; got {by!r}.")
         sink = self.table[by] > min_alpha
-        cols = ["resid_first", "resid_other", "offsub_z", "centroid_z", "axis_z", "cos_first_pair", "cos_mid_pair", "cos_other_pair",
-                "cos_q_k1", "cos_q_kj", "first_n90", "mid_n90", "other_n90", "first_var_rel", "k1_norm", "kj_norm", "norm_ratio"]
-        out = {"n_sink_kv_heads": int(sink.sum()), "n_other_kv_heads": int((~sink).sum()), "min_alpha": min_alpha, "by": by}
+        cols = [
+            "resid_first",
+            "resid_other",
+            "offsub_z",
+            "centroid_z",
+            "axis_z",
+            "cos_first_pair",
+            "cos_mid_pair",
+            "cos_other_pair",
+            "cos_q_k1",
+            "cos_q_kj",
+            "first_n90",
+            "mid_n90",
+            "other_n90",
+            "first_var_rel",
+            "k1_norm",
+            "kj_norm",
+            "norm_ratio",
+        ]
+        out = {
+            "n_sink_kv_heads": int(sink.sum()),
+            "n_other_kv_heads": int((~sink).sum()),
+            "min_alpha": min_alpha,
+            "by": by,
+        }
         for name, mask in (("sink", sink), ("non_sink", ~sink)):
             out[name] = {c: (float(self.table.loc[mask, c].mean()) if mask.any() else None) for c in cols}
         return out
 
     def to_dict(self) -> dict:
-        return jsonable({
-            **self.header(),
-            "T": self.T,
-            "layers": self.layers,
-            "kv_heads": self.kv_heads,
-            "group_size": self.group_size,
-            "n_components": self.n_components,
-            "rotated_keys": self.rotated,
-            "skipped": self.skipped,
-            "variance_level": VARIANCE_LEVEL,
-            "table": self.table,
-            "cos_q_k1_per_query_head": self.cos_q_k1.tolist(),
-            "cos_q_kj_per_query_head": self.cos_q_kj.tolist(),
-            "alpha_1_per_query_head": self.alpha_1.tolist(),
-            "first_evr_cumulative": self.first_evr.tolist(),
-            "other_evr_cumulative": self.other_evr.tolist(),
-            "summary": self.summary(),
-            "text": self.text(),
-            "scatter": [
-                {
-                    "layer": l, "kv_head": h, "fit_on": s["fit_on"],
-                    "explained_variance_ratio": s["evr"],
-                    "alpha_1_max": s.get("alpha_1_max"),
-                    "axis_z": s["axis_z"],
-                    "coords": np.round(s["coords"], 4).tolist(),  # [sequence][position][pc]
-                    "axis_coords": np.round(s["axis_coords"], 4).tolist(),
-                }
-                for (l, h), s in self.scatter.items()
-            ],
-            **({} if self.first_token_dims is None else {"by_spike": self.by_spike(self.first_token_dims)}),
-        })
+        return jsonable(
+            {
+                **self.header(),
+                "T": self.T,
+                "layers": self.layers,
+                "kv_heads": self.kv_heads,
+                "group_size": self.group_size,
+                "n_components": self.n_components,
+                "rotated_keys": self.rotated,
+                "skipped": self.skipped,
+                "variance_level": VARIANCE_LEVEL,
+                "table": self.table,
+                "cos_q_k1_per_query_head": self.cos_q_k1.tolist(),
+                "cos_q_kj_per_query_head": self.cos_q_kj.tolist(),
+                "alpha_1_per_query_head": self.alpha_1.tolist(),
+                "first_evr_cumulative": self.first_evr.tolist(),
+                "other_evr_cumulative": self.other_evr.tolist(),
+                "summary": self.summary(),
+                "text": self.text(),
+                "scatter": [
+                    {
+                        "layer": l,
+                        "kv_head": h,
+                        "fit_on": s["fit_on"],
+                        "explained_variance_ratio": s["evr"],
+                        "alpha_1_max": s.get("alpha_1_max"),
+                        "axis_z": s["axis_z"],
+                        "coords": np.round(s["coords"], 4).tolist(),  # [sequence][position][pc]
+                        "axis_coords": np.round(s["axis_coords"], 4).tolist(),
+                    }
+                    for (l, h), s in self.scatter.items()
+                ],
+                **({} if self.first_token_dims is None else {"by_spike": self.by_spike(self.first_token_dims)}),
+            }
+        )
 
 
 def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -342,7 +395,7 @@ def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     centred = x.copy()
     centred -= mean
     _, S, Vt = linalg.svd(centred, full_matrices=False)
-    var = S ** 2 / (x.shape[0] - 1)
+    var = S**2 / (x.shape[0] - 1)
     big = np.argmax(np.abs(Vt), axis=1)
     Vt *= np.sign(np.take(np.reshape(Vt, (-1,)), big + np.arange(Vt.shape[0]) * Vt.shape[1]))[:, np.newaxis]
     return mean, Vt, var / np.sum(var)
@@ -354,11 +407,11 @@ def _pca_few(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     variance is below ``SAME_POINT`` of their mean squared norm are one point: (zeros, 0, nan)."""
     M, n, d = x.shape
     m = min(n, d)
-    sq = (x ** 2).sum(-1).mean(-1)
+    sq = (x**2).sum(-1).mean(-1)
     same = (x.var(dim=1, unbiased=False).sum(-1) <= SAME_POINT * sq.clamp(min=1e-30)).numpy()
     X = x.double().numpy()
     S = np.linalg.svd(X - X.mean(axis=1, keepdims=True), compute_uv=False)[:, :m]
-    var = S ** 2 / (n - 1)
+    var = S**2 / (n - 1)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = var / var.sum(-1, keepdims=True)
     cum = np.where(same[:, None], 0.0, np.cumsum(ratio, axis=-1))
@@ -452,8 +505,19 @@ class KeyManifoldAccumulator(Accumulator):
     """Per analysed layer and KV head: the other keys' running sum, Gram matrix and unit-vector sum; the first
     keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
 
-    def __init__(self, model, layers, heads, T: int, n_components, scatter: ScatterKeys, *, rotated: bool = True,
-                 scatter_layers=(), kind: str | None = None):
+    def __init__(
+        self,
+        model,
+        layers,
+        heads,
+        T: int,
+        n_components,
+        scatter: ScatterKeys,
+        *,
+        rotated: bool = True,
+        scatter_layers=(),
+        kind: str | None = None,
+    ):
         facts = model_facts(model)
         dims = facts.dims
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
@@ -464,8 +528,11 @@ class KeyManifoldAccumulator(Accumulator):
         self.every_head = self.heads == list(range(self.K))  # no head selection to copy out
         L, S, f64 = len(self.layers), len(self.heads), torch.float64
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.acc = {"k1_norm": torch.zeros(L, S, dtype=f64), "kj_norm": torch.zeros(L, S, dtype=f64),
-                    **{n: torch.zeros(L, self.H, dtype=f64) for n in ("cos_q_k1", "cos_q_kj", "alpha_1")}}
+        self.acc = {
+            "k1_norm": torch.zeros(L, S, dtype=f64),
+            "kj_norm": torch.zeros(L, S, dtype=f64),
+            **{n: torch.zeros(L, self.H, dtype=f64) for n in ("cos_q_k1", "cos_q_kj", "alpha_1")},
+        }
         self.sums: dict[str, list] = {"sum": [0] * L, "gram": [0] * L, "unit_sum": [0] * L}
         self.firsts: list[list[torch.Tensor]] = [[] for _ in range(L)]
         self.mids: list[list[torch.Tensor]] = [[] for _ in range(L)]
@@ -534,8 +601,11 @@ class KeyManifoldAccumulator(Accumulator):
     def result(self) -> KeyManifold:
         N, T = self.n, self.T
         n_other = N * (T - 1)
-        per_q = {"cos_q_k1": (self.acc["cos_q_k1"] / (N * (T - 1))).float(),
-                 "cos_q_kj": (self.acc["cos_q_kj"] / (N * T * (T - 1) // 2)).float(), "alpha_1": (self.acc["alpha_1"] / N).float()}
+        per_q = {
+            "cos_q_k1": (self.acc["cos_q_k1"] / (N * (T - 1))).float(),
+            "cos_q_kj": (self.acc["cos_q_kj"] / (N * T * (T - 1) // 2)).float(),
+            "alpha_1": (self.acc["alpha_1"] / N).float(),
+        }
         mu = torch.stack(self.sums["sum"]) / n_other  # (L, S, d)
         cov = torch.stack(self.sums["gram"]) / n_other - mu[..., :, None] * mu[..., None, :]
         L, S, d = mu.shape
@@ -546,9 +616,16 @@ class KeyManifoldAccumulator(Accumulator):
         with small_linalg():
             evals, evecs = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
             cols, f_cum, evr_cum = _head_stats(
-                evals.flip(-1).clamp(min=0).reshape(L * S, d), evecs.flip(-1).reshape(L * S, d, d), mu.reshape(L * S, d),
-                cov.reshape(L * S, d, d), per_head(self.firsts), per_head(self.mids),
-                torch.stack(self.sums["unit_sum"]).reshape(L * S, d), n_other, self.n_components)
+                evals.flip(-1).clamp(min=0).reshape(L * S, d),
+                evecs.flip(-1).reshape(L * S, d, d),
+                mu.reshape(L * S, d),
+                cov.reshape(L * S, d, d),
+                per_head(self.firsts),
+                per_head(self.mids),
+                torch.stack(self.sums["unit_sum"]).reshape(L * S, d),
+                n_other,
+                self.n_components,
+            )
             first_evr = torch.as_tensor(f_cum, dtype=torch.float32).reshape(L, S, -1)
             other_evr = torch.as_tensor(evr_cum, dtype=torch.float32).reshape(L, S, d)
             return self._result(pd.DataFrame(self._rows(cols, per_q)), first_evr, other_evr, per_q)
@@ -564,19 +641,42 @@ class KeyManifoldAccumulator(Accumulator):
         for i, l in enumerate(self.layers):
             for j, h in enumerate(self.heads):
                 qh = [x for x in range(self.H) if x // self.group == h]
-                rows.append({"layer": l, "kv_head": h, "query_heads": ",".join(map(str, qh)),
-                             "alpha_1_mean": group["alpha_1"][i][j], "alpha_1_max": a1_max[i][j], "k1_norm": k1[i][j],
-                             "kj_norm": kj[i][j], **{k: v[i * S + j] for k, v in cols.items()},
-                             "cos_q_k1": group["cos_q_k1"][i][j], "cos_q_kj": group["cos_q_kj"][i][j]})
+                rows.append(
+                    {
+                        "layer": l,
+                        "kv_head": h,
+                        "query_heads": ",".join(map(str, qh)),
+                        "alpha_1_mean": group["alpha_1"][i][j],
+                        "alpha_1_max": a1_max[i][j],
+                        "k1_norm": k1[i][j],
+                        "kj_norm": kj[i][j],
+                        **{k: v[i * S + j] for k, v in cols.items()},
+                        "cos_q_k1": group["cos_q_k1"][i][j],
+                        "cos_q_kj": group["cos_q_kj"][i][j],
+                    }
+                )
         return rows
 
     def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
         table["norm_ratio"] = table.k1_norm / table.kj_norm
-        km = KeyManifold(table=table, layers=self.layers, kv_heads=self.heads, n_components=self.n_components,
-                         n_samples=self.n, T=self.T, group_size=self.group, rotated=self.rotated and self.spec.rotary,
-                         first_evr=first_evr, other_evr=other_evr, cos_q_k1=per_q["cos_q_k1"], cos_q_kj=per_q["cos_q_kj"],
-                         alpha_1=per_q["alpha_1"], model_name=getattr(self.model, "model_name", None), kind=self.kind,
-                         skipped=self.spec.skipped_text())
+        km = KeyManifold(
+            table=table,
+            layers=self.layers,
+            kv_heads=self.heads,
+            n_components=self.n_components,
+            n_samples=self.n,
+            T=self.T,
+            group_size=self.group,
+            rotated=self.rotated and self.spec.rotary,
+            first_evr=first_evr,
+            other_evr=other_evr,
+            cos_q_k1=per_q["cos_q_k1"],
+            cos_q_kj=per_q["cos_q_kj"],
+            alpha_1=per_q["alpha_1"],
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
+            skipped=self.spec.skipped_text(),
+        )
         for (l, h), keys in self.scatter.heads().items():
             entry = _pca2(keys)
             row = table[(table.layer == l) & (table.kv_head == h)]
@@ -588,7 +688,9 @@ class KeyManifoldAccumulator(Accumulator):
 _INT_COLUMNS = ("r", "first_n90", "mid_n90", "other_n90")  # the table columns that are counts
 
 
-def _head_stats(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components) -> tuple[dict, np.ndarray, np.ndarray]:
+def _head_stats(
+    evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_components
+) -> tuple[dict, np.ndarray, np.ndarray]:
     """The table columns of M (layer, KV head) pairs at once, from the other keys' eigen-decomposition (evals
     (M, d) descending, evecs (M, d, d)), mean mu (M, d) and covariance cov (M, d, d), the N first keys k1 and the N
     keys at position T // 2 mid (M, N, d), and the other keys' unit-vector sum (M, d); returns {column: M python
@@ -604,11 +706,15 @@ def _head_stats(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_compon
     perp = (c - ((c @ evecs) * kept[:, None]) @ evecs.transpose(1, 2)).norm(dim=-1)  # off the top-r subspace
     c_norm = c.norm(dim=-1)
     resid_var = (evals * ~kept).sum(-1)
-    k1_sq = (k1 ** 2).sum(-1).mean(-1)
+    k1_sq = (k1**2).sum(-1).mean(-1)
     first_var = k1.var(dim=1, unbiased=False).sum(-1)
     f_cum, first_n90, first_evr1 = _pca_few(k1)
     _, mid_n90, _ = _pca_few(mid)
-    pos, nan, inf = total > 0, torch.tensor(float("nan"), dtype=total.dtype), torch.tensor(float("inf"), dtype=total.dtype)
+    pos, nan, inf = (
+        total > 0,
+        torch.tensor(float("nan"), dtype=total.dtype),
+        torch.tensor(float("inf"), dtype=total.dtype),
+    )
     cols = {
         "r": np.broadcast_to(r, (M,)),
         "resid_first": (perp / c_norm.clamp(min=1e-30)).mean(-1),
@@ -616,12 +722,20 @@ def _head_stats(evals, evecs, mu, cov, k1, mid, unit_sum, n_other: int, n_compon
         "offsub_z": torch.where(resid_var > 0, perp.mean(-1) / resid_var.sqrt(), inf),
         "centroid_z": torch.where(pos, c_norm.mean(-1) / total.sqrt(), inf),
         "axis_z": torch.where(axis_var > 0, shift.norm(dim=-1) / axis_var.sqrt(), inf),
-        "first_n90": first_n90, "mid_n90": mid_n90, "other_n90": np.broadcast_to(_n_for_variance(evr_cum, VARIANCE_LEVEL), (M,)),
-        "first_evr1": first_evr1, "first_var_rel": torch.where(k1_sq > 0, first_var / k1_sq, nan),
-        "cos_first_pair": _pair_cosines(k1), "cos_mid_pair": _pair_cosines(mid),
+        "first_n90": first_n90,
+        "mid_n90": mid_n90,
+        "other_n90": np.broadcast_to(_n_for_variance(evr_cum, VARIANCE_LEVEL), (M,)),
+        "first_evr1": first_evr1,
+        "first_var_rel": torch.where(k1_sq > 0, first_var / k1_sq, nan),
+        "cos_first_pair": _pair_cosines(k1),
+        "cos_mid_pair": _pair_cosines(mid),
         "cos_other_pair": ((unit_sum * unit_sum).sum(-1) - n_other) / (n_other * (n_other - 1)),
     }
-    return {k: [int(x) if k in _INT_COLUMNS else float(x) for x in np.asarray(v).tolist()] for k, v in cols.items()}, f_cum, evr_cum
+    return (
+        {k: [int(x) if k in _INT_COLUMNS else float(x) for x in np.asarray(v).tolist()] for k, v in cols.items()},
+        f_cum,
+        evr_cum,
+    )
 
 
 def _pair_cosines(x: torch.Tensor) -> torch.Tensor:
@@ -651,28 +765,47 @@ def _check_kv_heads(model, heads, scatter_heads) -> tuple[list[int], list[tuple[
     heads = list(range(n_kv)) if heads is None else [int(h) for h in heads]
     bad = [h for h in heads if not 0 <= h < n_kv]
     if bad or not heads:
-        raise ValueError(f"KV heads {bad or heads} out of range: this model has KV heads 0..{n_kv - 1} "
-                         f"({dims.n_heads} query heads, {dims.group_size} per KV head).")
+        raise ValueError(
+            f"KV heads {bad or heads} out of range: this model has KV heads 0..{n_kv - 1} "
+            f"({dims.n_heads} query heads, {dims.group_size} per KV head)."
+        )
     auto = isinstance(scatter_heads, str)
     if auto and scatter_heads != "auto":
-        raise ValueError(f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}.")
+        raise ValueError(
+            f"scatter_heads must be 'auto', None or a list of (layer, KV head) pairs; got {scatter_heads!r}."
+        )
     explicit = [] if (auto or not scatter_heads) else check_heads(model, scatter_heads, kv=True, name="scatter_heads")
     return heads, explicit, auto
 
 
 def _check_sizes(N: int, T: int, n_components) -> None:
     if N < 2:
-        raise ValueError("the first-key manifold compares first keys of different inputs: give at least 2 sequences "
-                         f"(better 16 or more); got {N}.")
+        raise ValueError(
+            "the first-key manifold compares first keys of different inputs: give at least 2 sequences "
+            f"(better 16 or more); got {N}."
+        )
     if T < 3:
-        raise ValueError(f"the first-key manifold needs T >= 3 tokens (a first key and other keys to fit a PCA on); got T={T}.")
+        raise ValueError(
+            f"the first-key manifold needs T >= 3 tokens (a first key and other keys to fit a PCA on); got T={T}."
+        )
     if isinstance(n_components, int) and N * (T - 1) <= n_components:
-        raise ValueError(f"too few samples for a PCA with {n_components} components: {N * (T - 1)} other keys "
-                         f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components.")
+        raise ValueError(
+            f"too few samples for a PCA with {n_components} components: {N * (T - 1)} other keys "
+            f"(N={N} x (T-1)={T - 1}). Give more sequences or tokens, or fewer components."
+        )
 
 
-def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, heads=None, n_components=DEFAULT_N_COMPONENTS,
-                             scatter_heads="auto", rotated: bool = True, kind: str | None = None) -> KeyManifoldAccumulator:
+def key_manifold_accumulator(
+    model: SinkModel,
+    tokens_shape,
+    *,
+    layers=None,
+    heads=None,
+    n_components=DEFAULT_N_COMPONENTS,
+    scatter_heads="auto",
+    rotated: bool = True,
+    kind: str | None = None,
+) -> KeyManifoldAccumulator:
     """Check the arguments of :func:`first_key_manifold` and build its accumulator.
 
     Parameters
@@ -688,14 +821,26 @@ def key_manifold_accumulator(model: SinkModel, tokens_shape, *, layers=None, hea
     """
     facts = model_facts(model)
     dims = facts.dims
-    layers = (list(facts.attention_layers) if layers is None
-              else check_attention_layers(model, layers=check_layers(model, layers)))
+    layers = (
+        list(facts.attention_layers)
+        if layers is None
+        else check_attention_layers(model, layers=check_layers(model, layers))
+    )
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
     heads, explicit, auto = _check_kv_heads(model, heads, scatter_heads)
-    return KeyManifoldAccumulator(model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated,
-                                  scatter_layers=[l for l, _ in explicit], kind=kind)
+    return KeyManifoldAccumulator(
+        model,
+        layers,
+        heads,
+        T,
+        n_components,
+        ScatterKeys(explicit, auto),
+        rotated=rotated,
+        scatter_layers=[l for l, _ in explicit],
+        kind=kind,
+    )
 
 
 @share_parameters(key_manifold_accumulator)
@@ -745,8 +890,16 @@ def first_key_manifold(
     """
     model_dims(model)
     tokens = check_tokens(model, tokens)
-    acc = key_manifold_accumulator(model, tokens.shape, layers=layers, heads=heads, n_components=n_components,
-                                   scatter_heads=scatter_heads, rotated=rotated, kind=kind)
+    acc = key_manifold_accumulator(
+        model,
+        tokens.shape,
+        layers=layers,
+        heads=heads,
+        n_components=n_components,
+        scatter_heads=scatter_heads,
+        rotated=rotated,
+        kind=kind,
+    )
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
@@ -761,11 +914,31 @@ def _with_spike(km: KeyManifold, got: dict) -> KeyManifold:
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "key_manifold", result=KeyManifold, order=40, hooks=("q", "k", "pattern"), doc="The first-key manifold on the main kind.",
-    accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind)],
-    finish=lambda outputs, p, got: _with_spike(outputs[0], got),
-    sections=(Section("The first key's manifold", "key", 60, needs=("key_manifold", "massive"), tables=(), figures=(
-        ("analysis.figures.key_manifold:plot_key_pca", "keys of a sink head and of a non-sink head (first keys: red crosses)"),
-        ("analysis.figures.key_manifold:plot_manifold_summary", "first-key statistics per layer"))),),
-    exports=("first_key_manifold",)))
+register(
+    Analysis(
+        "key_manifold",
+        result=KeyManifold,
+        order=40,
+        hooks=("q", "k", "pattern"),
+        doc="The first-key manifold on the main kind.",
+        accumulators=lambda p: [key_manifold_accumulator(p.model, p.tokens.shape, kind=p.kind)],
+        finish=lambda outputs, p, got: _with_spike(outputs[0], got),
+        sections=(
+            Section(
+                "The first key's manifold",
+                "key",
+                60,
+                needs=("key_manifold", "massive"),
+                tables=(),
+                figures=(
+                    (
+                        "analysis.figures.key_manifold:plot_key_pca",
+                        "keys of a sink head and of a non-sink head (first keys: red crosses)",
+                    ),
+                    ("analysis.figures.key_manifold:plot_manifold_summary", "first-key statistics per layer"),
+                ),
+            ),
+        ),
+        exports=("first_key_manifold",),
+    )
+)

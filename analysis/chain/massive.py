@@ -19,6 +19,7 @@ Layer numbering: with ``hook="resid_post"`` (default), layer l is the output of 
 read by block l's attention is the one of layer l - 1. ``hook="resid_pre"`` numbers by the block that
 reads the stream (layer 0 is then the embeddings).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -30,8 +31,23 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.core.defaults import NARROW_MODEL_D, SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_RATIO_NARROW, SPIKE_SAMPLES
-from analysis.model.hooks import ModelContractError, act_name, check_layers, check_tokens, model_dims, model_facts, token_strings
+from analysis.core.defaults import (
+    NARROW_MODEL_D,
+    SPIKE_ABS,
+    SPIKE_MIN_SHARE,
+    SPIKE_RATIO,
+    SPIKE_RATIO_NARROW,
+    SPIKE_SAMPLES,
+)
+from analysis.model.hooks import (
+    ModelContractError,
+    act_name,
+    check_layers,
+    check_tokens,
+    model_dims,
+    model_facts,
+    token_strings,
+)
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.core.reductions import top_k_abs
@@ -224,22 +240,37 @@ class MassiveActivations(Result):
             n_first = int((f["position"] == 0).sum()) if len(f) else 0
             others = f[f["position"] > 0]
             top_tokens = Counter(others["token"].tolist()).most_common(3)
-            rows.append({
-                "dim": d,
-                "layers": layer_runs(ls),
-                "first_layer": min(ls),
-                "last_layer": max(ls),
-                "n_layers": len(ls),
-                "peak_layer": self.layers[peak],
-                "first_token_mean": float(self.first_mean[peak, d]),
-                "first_token_abs": float(self.first_abs[peak, d]),
-                "first_token_share": n_first / max(len(f), 1),
-                "n_other_positions": int(len(others)),
-                "other_tokens": ", ".join(f"{t!r} x{c}" for t, c in top_tokens),
-            })
-        return pd.DataFrame(rows, columns=["dim", "layers", "first_layer", "last_layer", "n_layers", "peak_layer",
-                                           "first_token_mean", "first_token_abs", "first_token_share",
-                                           "n_other_positions", "other_tokens"])
+            rows.append(
+                {
+                    "dim": d,
+                    "layers": layer_runs(ls),
+                    "first_layer": min(ls),
+                    "last_layer": max(ls),
+                    "n_layers": len(ls),
+                    "peak_layer": self.layers[peak],
+                    "first_token_mean": float(self.first_mean[peak, d]),
+                    "first_token_abs": float(self.first_abs[peak, d]),
+                    "first_token_share": n_first / max(len(f), 1),
+                    "n_other_positions": int(len(others)),
+                    "other_tokens": ", ".join(f"{t!r} x{c}" for t, c in top_tokens),
+                }
+            )
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "dim",
+                "layers",
+                "first_layer",
+                "last_layer",
+                "n_layers",
+                "peak_layer",
+                "first_token_mean",
+                "first_token_abs",
+                "first_token_share",
+                "n_other_positions",
+                "other_tokens",
+            ],
+        )
 
     @property
     def carriers(self) -> pd.DataFrame:
@@ -267,17 +298,24 @@ class MassiveActivations(Result):
         kind = f" on {self.kind} inputs" if self.kind else ""
         if not self.has_spike:
             top = float(self.top_values[:, :, 0].mean(0).max()) if self.n_samples else float("nan")
-            return [f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
-                    f"token does either (no dimension passes {criterion_text(self.abs_threshold, self.ratio_threshold)} "
-                    f"on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: {top:.1f})."]
-        parts = [f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
-                 f"peak {r.first_token_mean:+.0f})" for r in self.dims.itertuples()]
+            return [
+                f"No massive activations in {name}{kind}: the first token carries no massive activation and no other "
+                f"token does either (no dimension passes {criterion_text(self.abs_threshold, self.ratio_threshold)} "
+                f"on {self.min_share:.0%} of samples; largest mean top-1 |a| over layers: {top:.1f})."
+            ]
+        parts = [
+            f"dim {r.dim} (layers {r.layers}, {r.first_token_share:.0%} on the first token, "
+            f"peak {r.first_token_mean:+.0f})"
+            for r in self.dims.itertuples()
+        ]
         first = self.first_token_dims
-        return [f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) + ".",
-                f"They appear at layer {self.first_layer} and fade after layer {self.last_layer}.",
-                f"On the first token, {len(first)} of {len(self.layers)} layers (hook_{self.hook}) carry massive dims "
-                f"{sorted({x for v in first.values() for x in v})}; {self.first_token_share:.0%} of all flagged "
-                "activations sit on the first token."]
+        return [
+            f"Massive activations in {name}{kind} ({self.hook}): " + "; ".join(parts) + ".",
+            f"They appear at layer {self.first_layer} and fade after layer {self.last_layer}.",
+            f"On the first token, {len(first)} of {len(self.layers)} layers (hook_{self.hook}) carry massive dims "
+            f"{sorted({x for v in first.values() for x in v})}; {self.first_token_share:.0%} of all flagged "
+            "activations sit on the first token.",
+        ]
 
     @property
     def peak_dim(self) -> int:
@@ -290,8 +328,12 @@ class MassiveActivations(Result):
 
     def to_dict(self) -> dict:
         per_layer = self.per_layer
-        keep = ["layer"] + [f"top{k + 1}" for k in range(self.top_k)] + ["median", "top1_over_median"] + \
-               [f"top{k + 1}_{c}" for k in range(self.top_k) for c in ("pos", "dim", "token")]
+        keep = (
+            ["layer"]
+            + [f"top{k + 1}" for k in range(self.top_k)]
+            + ["median", "top1_over_median"]
+            + [f"top{k + 1}_{c}" for k in range(self.top_k) for c in ("pos", "dim", "token")]
+        )
         return {
             **self.header(),
             "hook": self.hook,
@@ -307,8 +349,10 @@ class MassiveActivations(Result):
             "first_token_dims": {str(l): d for l, d in self.first_token_dims.items()},
             "first_token_share": None if not len(self.flagged) else self.first_token_share,
             "n_flagged": int(len(self.flagged)),
-            "per_layer": [{k: (v if isinstance(v, (str, int)) else float(v)) for k, v in r.items()}
-                          for r in per_layer[keep].to_dict("records")],
+            "per_layer": [
+                {k: (v if isinstance(v, (str, int)) else float(v)) for k, v in r.items()}
+                for r in per_layer[keep].to_dict("records")
+            ],
             "dims": self.dims.to_dict("records"),
             "text": self.text(),
         }
@@ -330,11 +374,33 @@ class MassiveAccumulator(Accumulator):
     d_model).
     """
 
-    def __init__(self, model, layers, D: int, *, hook: str = "resid_post", top_k: int = 3,
-                 abs_threshold: float = SPIKE_ABS, ratio_threshold: float = SPIKE_RATIO,
-                 min_share: float = SPIKE_MIN_SHARE, median_over: str = "sequence", kind: str | None = None):
-        self.model, self.layers, self.D, self.hook, self.K, self.kind = model, list(layers), int(D), hook, int(top_k), kind
-        self.abs_threshold, self.ratio_threshold, self.min_share = float(abs_threshold), float(ratio_threshold), float(min_share)
+    def __init__(
+        self,
+        model,
+        layers,
+        D: int,
+        *,
+        hook: str = "resid_post",
+        top_k: int = 3,
+        abs_threshold: float = SPIKE_ABS,
+        ratio_threshold: float = SPIKE_RATIO,
+        min_share: float = SPIKE_MIN_SHARE,
+        median_over: str = "sequence",
+        kind: str | None = None,
+    ):
+        self.model, self.layers, self.D, self.hook, self.K, self.kind = (
+            model,
+            list(layers),
+            int(D),
+            hook,
+            int(top_k),
+            kind,
+        )
+        self.abs_threshold, self.ratio_threshold, self.min_share = (
+            float(abs_threshold),
+            float(ratio_threshold),
+            float(min_share),
+        )
         self.median_over = median_over
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.top = LayerCollector(self.layers)  # (N, L, 3K + 2): values, positions, dims, median, top tokens
@@ -352,8 +418,9 @@ class MassiveAccumulator(Accumulator):
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         x = acts["resid"]
         if x.shape[-1] != self.D:
-            raise ModelContractError(f"{resid_hook(layer, hook=self.hook)} has last dim {x.shape[-1]}, "
-                                     f"expected d_model={self.D}.")
+            raise ModelContractError(
+                f"{resid_hook(layer, hook=self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}."
+            )
         i, a = self.index[layer], x.detach().float().abs()
         flat = a.reshape(a.shape[0], -1)
         v, idx = top_k_abs(a, self.K)
@@ -371,13 +438,18 @@ class MassiveAccumulator(Accumulator):
         if x.dtype in (torch.bfloat16, torch.float16) and not host_selection(a):  # one radix pass on 16-bit keys:
             med_seq = lower_median(x.detach().abs().reshape(x.shape[0], -1)).float()  # the same values, half the work
         else:
-            med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
+            med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(
+                a.device
+            )  # (B,) positions x dims; scrambles a
         top_tok = tokens.gather(1, idx // self.D).float()
-        self.top.put(layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None], top_tok], -1))
+        self.top.put(
+            layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None], top_tok], -1)
+        )
         self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], tokens, batch)
 
-    def _flags(self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor,
-               batch: Batch) -> None:
+    def _flags(
+        self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor, batch: Batch
+    ) -> None:
         """Sun et al.'s flags among the activations above abs_threshold (flat indices ``f`` into (B, T, D), |a|
         ``vals``): |a| >= ratio_threshold x ``ref``, the median of their hidden state; per-dim sample counts and
         the flagged rows, kept on the layer's device."""
@@ -412,14 +484,33 @@ class MassiveAccumulator(Accumulator):
         flagged = _flag_table([r.cpu() for r in self.flag_rows], self.layers)
         ids = sorted(set(top_token.flatten().tolist()) | set(flagged["token_id"].tolist()))
         text = dict(zip(ids, token_strings(self.model, ids)))
-        flagged.insert(4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index))
+        flagged.insert(
+            4, "token", pd.Series([text[int(i)] for i in flagged["token_id"]], dtype="object", index=flagged.index)
+        )
         return MassiveActivations(
-            layers=self.layers, hook=self.hook, top_k=K, abs_threshold=self.abs_threshold, ratio_threshold=self.ratio_threshold,
-            min_share=self.min_share, n_samples=N, T=T, median_over=self.median_over, top_values=top[..., :K],
-            top_pos=top_pos, top_dim=top_dim, top_token=top_token, median=top[..., 3 * K], flag_samples=counts[:, 0].clone(),
-            flag_first=counts[:, 1].clone(), first_mean=(sums[:, 0] / N).float(), first_abs=(sums[:, 1] / N).float(),
-            other_abs_max=(sums[:, 2] / N).float(), flagged=flagged, token_text=text,
-            model_name=getattr(self.model, "model_name", None), kind=self.kind,
+            layers=self.layers,
+            hook=self.hook,
+            top_k=K,
+            abs_threshold=self.abs_threshold,
+            ratio_threshold=self.ratio_threshold,
+            min_share=self.min_share,
+            n_samples=N,
+            T=T,
+            median_over=self.median_over,
+            top_values=top[..., :K],
+            top_pos=top_pos,
+            top_dim=top_dim,
+            top_token=top_token,
+            median=top[..., 3 * K],
+            flag_samples=counts[:, 0].clone(),
+            flag_first=counts[:, 1].clone(),
+            first_mean=(sums[:, 0] / N).float(),
+            first_abs=(sums[:, 1] / N).float(),
+            other_abs_max=(sums[:, 2] / N).float(),
+            flagged=flagged,
+            token_text=text,
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
         )
 
 
@@ -476,9 +567,19 @@ def width_criterion(d_model: int) -> tuple[float, float]:
     return SPIKE_ABS, SPIKE_RATIO
 
 
-def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
-                        ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, hook: str = "resid_post",
-                        median_over: str = "sequence", kind: str | None = None) -> MassiveAccumulator:
+def massive_accumulator(
+    model: SinkModel,
+    tokens_shape,
+    *,
+    layers=None,
+    top_k: int = 3,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    hook: str = "resid_post",
+    median_over: str = "sequence",
+    kind: str | None = None,
+) -> MassiveAccumulator:
     """Check the arguments of :func:`massive_activations` and build its accumulator.
 
     Parameters
@@ -503,8 +604,18 @@ def massive_accumulator(model: SinkModel, tokens_shape, *, layers=None, top_k: i
     if D is None:
         raise ModelContractError("model.cfg has no d_model; set it on the model's config.")
     _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D)
-    return MassiveAccumulator(model, layers, D, hook=hook, top_k=top_k, abs_threshold=abs_threshold,
-                              ratio_threshold=ratio_threshold, min_share=min_share, median_over=median_over, kind=kind)
+    return MassiveAccumulator(
+        model,
+        layers,
+        D,
+        hook=hook,
+        top_k=top_k,
+        abs_threshold=abs_threshold,
+        ratio_threshold=ratio_threshold,
+        min_share=min_share,
+        median_over=median_over,
+        kind=kind,
+    )
 
 
 @share_parameters(massive_accumulator)
@@ -557,15 +668,32 @@ def massive_activations(
         Tensors of shape (N, L, K) and (L, D); ``spike_dims`` and ``first_token_dims`` by layer.
     """
     tokens = check_tokens(model, tokens)
-    acc = massive_accumulator(model, tokens.shape, layers=layers, top_k=top_k, abs_threshold=abs_threshold,
-                              ratio_threshold=ratio_threshold, min_share=min_share, hook=hook, median_over=median_over,
-                              kind=kind)
+    acc = massive_accumulator(
+        model,
+        tokens.shape,
+        layers=layers,
+        top_k=top_k,
+        abs_threshold=abs_threshold,
+        ratio_threshold=ratio_threshold,
+        min_share=min_share,
+        hook=hook,
+        median_over=median_over,
+        kind=kind,
+    )
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
-def first_token_spike_dims(model: SinkModel, tokens, *, hook: str = "resid_pre", layers=None, abs_threshold: float = SPIKE_ABS,
-                           ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
-                           max_samples: int = SPIKE_SAMPLES) -> dict[int, list[int]]:
+def first_token_spike_dims(
+    model: SinkModel,
+    tokens,
+    *,
+    hook: str = "resid_pre",
+    layers=None,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    max_samples: int = SPIKE_SAMPLES,
+) -> dict[int, list[int]]:
     """The one spike finder: the first token's spike dims per layer, on the first ``max_samples`` sequences.
 
     Parameters
@@ -589,8 +717,16 @@ def first_token_spike_dims(model: SinkModel, tokens, *, hook: str = "resid_pre",
         {layer: the first token's spike dims}; layers without spike dims are left out.
     """
     tokens = check_tokens(model, tokens)
-    ma = massive_activations(model, tokens[:max_samples], layers=layers, top_k=1, hook=hook, abs_threshold=abs_threshold,
-                             ratio_threshold=ratio_threshold, min_share=min_share)
+    ma = massive_activations(
+        model,
+        tokens[:max_samples],
+        layers=layers,
+        top_k=1,
+        hook=hook,
+        abs_threshold=abs_threshold,
+        ratio_threshold=ratio_threshold,
+        min_share=min_share,
+    )
     return ma.first_token_dims
 
 
@@ -598,15 +734,26 @@ def _flag_table(rows: list[torch.Tensor], layers: list[int]) -> pd.DataFrame:
     """Collapse flagged activations to one row per (sample, position, dim), with its layer range and token id."""
     cols = ["sample", "position", "dim", "token_id", "first_layer", "last_layer", "n_layers", "max_abs", "max_ratio"]
     if not rows:
-        return pd.DataFrame({c: pd.Series(dtype="int64" if c not in ("max_abs", "max_ratio") else "float64") for c in cols})
+        return pd.DataFrame(
+            {c: pd.Series(dtype="int64" if c not in ("max_abs", "max_ratio") else "float64") for c in cols}
+        )
     r = torch.cat(rows)
     df = pd.DataFrame(r.numpy(), columns=["sample", "position", "dim", "li", "abs", "ratio", "token_id"])
     for c in ("sample", "position", "dim", "li", "token_id"):
         df[c] = df[c].astype("int64")
     df["layer"] = np.asarray(layers, dtype="int64")[df["li"].to_numpy()]
-    g = df.groupby(["sample", "position", "dim"]).agg(
-        token_id=("token_id", "first"), first_layer=("layer", "min"), last_layer=("layer", "max"),
-        n_layers=("layer", "size"), max_abs=("abs", "max"), max_ratio=("ratio", "max")).reset_index()
+    g = (
+        df.groupby(["sample", "position", "dim"])
+        .agg(
+            token_id=("token_id", "first"),
+            first_layer=("layer", "min"),
+            last_layer=("layer", "max"),
+            n_layers=("layer", "size"),
+            max_abs=("abs", "max"),
+            max_ratio=("ratio", "max"),
+        )
+        .reset_index()
+    )
     return g[cols]
 
 
@@ -647,9 +794,17 @@ def kinds_text(results: dict[str, MassiveActivations], *, skip: str | None = Non
     -------
     list of str
     """
-    return [f"On {kind} tokens: " + (f"spike dims {r.all_spike_dims} at {len(r.spike_dims)} layers (on the first token "
-                                     f"at {len(r.first_token_dims)} of them)." if r.has_spike else "no massive activation.")
-            for kind, r in results.items() if kind != skip]
+    return [
+        f"On {kind} tokens: "
+        + (
+            f"spike dims {r.all_spike_dims} at {len(r.spike_dims)} layers (on the first token "
+            f"at {len(r.first_token_dims)} of them)."
+            if r.has_spike
+            else "no massive activation."
+        )
+        for kind, r in results.items()
+        if kind != skip
+    ]
 
 
 def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
@@ -669,11 +824,27 @@ def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
     rows = []
     for kind, r in results.items():
         if not r.has_spike:
-            rows.append({"kind": kind, "dim": None, "layers": "", "first_token_share": float("nan"),
-                         "peak_first_token": float("nan"), "n_other_positions": 0})
+            rows.append(
+                {
+                    "kind": kind,
+                    "dim": None,
+                    "layers": "",
+                    "first_token_share": float("nan"),
+                    "peak_first_token": float("nan"),
+                    "n_other_positions": 0,
+                }
+            )
         for d in r.dims.itertuples():
-            rows.append({"kind": kind, "dim": d.dim, "layers": d.layers, "first_token_share": d.first_token_share,
-                         "peak_first_token": d.first_token_mean, "n_other_positions": d.n_other_positions})
+            rows.append(
+                {
+                    "kind": kind,
+                    "dim": d.dim,
+                    "layers": d.layers,
+                    "first_token_share": d.first_token_share,
+                    "peak_first_token": d.first_token_mean,
+                    "n_other_positions": d.n_other_positions,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -681,10 +852,20 @@ def spike_table(results: dict[str, MassiveActivations]) -> pd.DataFrame:
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "massive", result=MassiveActivations, every_kind=True, order=20, hooks=("resid",),
-    doc="Input kind -> massive activations.",
-    accumulators=lambda p: [massive_accumulator(p.model, p.tokens.shape, abs_threshold=p.spike[0],
-                                                ratio_threshold=p.spike[1], kind=p.kind)],
-    sections=(Section("Massive activations", "spike", 30, runner="analysis.report.sections:_massive"),),
-    exports=("massive_activations",)))
+register(
+    Analysis(
+        "massive",
+        result=MassiveActivations,
+        every_kind=True,
+        order=20,
+        hooks=("resid",),
+        doc="Input kind -> massive activations.",
+        accumulators=lambda p: [
+            massive_accumulator(
+                p.model, p.tokens.shape, abs_threshold=p.spike[0], ratio_threshold=p.spike[1], kind=p.kind
+            )
+        ],
+        sections=(Section("Massive activations", "spike", 30, runner="analysis.report.sections:_massive"),),
+        exports=("massive_activations",),
+    )
+)

@@ -4,6 +4,7 @@ fewest neurons carrying 90% and 99% of the write, and their activation (and gate
 the first token against the other tokens (:class:`MlpNeurons`); for a mixture of experts, which routed experts write
 (:class:`ExpertWrites`). Read from the :class:`~analysis.chain.first_token_trace.FirstTokenTrace` of one pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -126,10 +127,19 @@ class MlpNeurons(Result):
         cum = 0.0
         for n in idx:
             cum += float(c[n]) / base if base else float("nan")
-            row = {"dim": self.dim, "block": self.block, "role": self.role, "neuron": n, "contribution": float(c[n]),
-                   "share": float(c[n]) / base if base else float("nan"), "cum_share": cum, "w_out": float(self.w_out[n]),
-                   "act_first": float(self.act_first[n]), "act_other": float(self.act_other[n]),
-                   "act_other_max": float(self.act_other_max[n])}
+            row = {
+                "dim": self.dim,
+                "block": self.block,
+                "role": self.role,
+                "neuron": n,
+                "contribution": float(c[n]),
+                "share": float(c[n]) / base if base else float("nan"),
+                "cum_share": cum,
+                "w_out": float(self.w_out[n]),
+                "act_first": float(self.act_first[n]),
+                "act_other": float(self.act_other[n]),
+                "act_other_max": float(self.act_other_max[n]),
+            }
             if self.gate_first is not None:
                 row |= {"gate_first": float(self.gate_first[n]), "gate_other": float(self.gate_other[n])}
             row |= {"up_first": float(self.up_first[n]), "up_other": float(self.up_other[n])}
@@ -144,31 +154,47 @@ class MlpNeurons(Result):
         per = self.sample_share(lo)
         top = ", ".join(f"{int(r.neuron)} ({r.share:.0%})" for r in t.itertuples())
         what = "writes" if self.role == "writer" else "erases"
-        s = (f"Inside MLP {self.block}, which {what} {self.mean_write:+.4g} on dim {self.dim}, {len(n_lo)} of "
-             f"{self.contributions.shape[1]} neurons carry {lo:.0%} of it and {len(n_hi)} carry {hi:.0%} (the largest: "
-             f"{top}); over samples that set carries {float(per.min()):.0%}-{float(per.max()):.0%} of the neuron write.")
+        s = (
+            f"Inside MLP {self.block}, which {what} {self.mean_write:+.4g} on dim {self.dim}, {len(n_lo)} of "
+            f"{self.contributions.shape[1]} neurons carry {lo:.0%} of it and {len(n_hi)} carry {hi:.0%} (the largest: "
+            f"{top}); over samples that set carries {float(per.min()):.0%}-{float(per.max()):.0%} of the neuron write."
+        )
         r = t.iloc[0] if len(t) else None
         if r is None:
             return [s]
         if self.gate_first is not None:
-            fires = (f"Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate "
-                     f"{r.gate_first:+.3g}, up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on "
-                     f"average over the other tokens, |largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up "
-                     f"{r.up_other:+.3g}).")
+            fires = (
+                f"Neuron {int(r.neuron)} fires on the first token (activation {r.act_first:+.3g}, gate "
+                f"{r.gate_first:+.3g}, up {r.up_first:+.3g}) and not elsewhere (activation {r.act_other:+.3g} on "
+                f"average over the other tokens, |largest| {r.act_other_max:.3g}; gate {r.gate_other:+.3g}, up "
+                f"{r.up_other:+.3g})."
+            )
         else:
-            fires = (f"Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
-                     f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
-                     f"{r.act_other_max:.3g}).")
+            fires = (
+                f"Neuron {int(r.neuron)} fires on the first token (pre-activation {r.up_first:+.3g}, activation "
+                f"{r.act_first:+.3g}) against {r.act_other:+.3g} on average over the other tokens (|largest| "
+                f"{r.act_other_max:.3g})."
+            )
         return [s, fires]
 
     def to_dict(self) -> dict:
-        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.mean_write,
-                         "write_spread": [float(self.write.min()), float(self.write.max())],
-                         "constant": float(self.constant.mean()), "output": self.output,
-                         **{f"neurons_{round(s * 100)}": self.neurons(s) for s in NEURON_SHARES},
-                         **{f"n_{round(s * 100)}": len(self.neurons(s)) for s in NEURON_SHARES},
-                         "sample_share_90": self.sample_share(NEURON_SHARES[0]), "sum_error": self.sum_error,
-                         "top": self.table(), "text": self.text()})
+        return jsonable(
+            {
+                "dim": self.dim,
+                "block": self.block,
+                "role": self.role,
+                "write": self.mean_write,
+                "write_spread": [float(self.write.min()), float(self.write.max())],
+                "constant": float(self.constant.mean()),
+                "output": self.output,
+                **{f"neurons_{round(s * 100)}": self.neurons(s) for s in NEURON_SHARES},
+                **{f"n_{round(s * 100)}": len(self.neurons(s)) for s in NEURON_SHARES},
+                "sample_share_90": self.sample_share(NEURON_SHARES[0]),
+                "sum_error": self.sum_error,
+                "top": self.table(),
+                "text": self.text(),
+            }
+        )
 
 
 @dataclass
@@ -209,23 +235,39 @@ class ExpertWrites(Result):
         return {"experts": self.table}
 
     def findings(self) -> list[str]:
-        t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values("mean_write", key=abs, ascending=False)
+        t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values(
+            "mean_write", key=abs, ascending=False
+        )
         rest = float(self.table.loc[self.table.expert == "rest", "mean_write"].sum())
         left = self.table.loc[self.table.expert == "unaccounted", "mean_write"]
-        top = ", ".join(f"expert {r.expert} ({r.mean_write:+.4g}, routed on {r.routed_share:.0%} of samples)"
-                        for r in t.head(3).itertuples())
-        s = (f"MLP {self.block} is a mixture of experts, whose neurons no hook holds (so no neuron is named): of its "
-             f"{self.write:+.4g} on dim {self.dim}, the routed experts write {top or 'nothing'}, and the rest of the block "
-             f"(a shared expert) {rest:+.4g}.")
+        top = ", ".join(
+            f"expert {r.expert} ({r.mean_write:+.4g}, routed on {r.routed_share:.0%} of samples)"
+            for r in t.head(3).itertuples()
+        )
+        s = (
+            f"MLP {self.block} is a mixture of experts, whose neurons no hook holds (so no neuron is named): of its "
+            f"{self.write:+.4g} on dim {self.dim}, the routed experts write {top or 'nothing'}, and the rest of the block "
+            f"(a shared expert) {rest:+.4g}."
+        )
         out = [s]
         if len(left):
-            out.append(f"Of that write, {float(left.iloc[0]):+.4g} is made by none of the block's modules (a hook on the "
-                       "block's output adds it).")
+            out.append(
+                f"Of that write, {float(left.iloc[0]):+.4g} is made by none of the block's modules (a hook on the "
+                "block's output adds it)."
+            )
         return out
 
     def to_dict(self) -> dict:
-        return jsonable({"dim": self.dim, "block": self.block, "role": self.role, "write": self.write,
-                         "experts": self.table, "text": self.text()})
+        return jsonable(
+            {
+                "dim": self.dim,
+                "block": self.block,
+                "role": self.role,
+                "write": self.write,
+                "experts": self.table,
+                "text": self.text(),
+            }
+        )
 
 
 def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
@@ -275,13 +317,29 @@ def mlp_neurons(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, 
     k, w_out, const = _out_factor(model, block, W, a, dim)
     contrib = k[:, None] * a * w_out[None]
     gated = spec.kind == "gated"
-    return MlpNeurons(dim, block, role, contrib, const, trace.mlp[:, block, dim], w_out * k.mean(), a.mean(0),
-                      trace.act_other[block], trace.act_other_max[block], trace.gate_first.get(block) if gated else None,
-                      trace.gate_other.get(block) if gated else None, trace.up_first[block], trace.up_other[block],
-                      spec.output, model_name=getattr(model, "model_name", None))
+    return MlpNeurons(
+        dim,
+        block,
+        role,
+        contrib,
+        const,
+        trace.mlp[:, block, dim],
+        w_out * k.mean(),
+        a.mean(0),
+        trace.act_other[block],
+        trace.act_other_max[block],
+        trace.gate_first.get(block) if gated else None,
+        trace.gate_other.get(block) if gated else None,
+        trace.up_first[block],
+        trace.up_other[block],
+        spec.output,
+        model_name=getattr(model, "model_name", None),
+    )
 
 
-def moe_experts(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> ExpertWrites:
+def moe_experts(
+    model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer"
+) -> ExpertWrites:
     """Which routed experts of a mixture-of-experts block write on one spike dimension for the first token.
 
     Parameters
@@ -300,16 +358,38 @@ def moe_experts(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, 
         on = idx == e  # (N, k)
         w = (slots[..., dim] * on).sum(1)  # (N,)
         routed = on.any(1)
-        rows.append({"expert": str(e), "routed_share": float(routed.float().mean()),
-                     "write_when_routed": float(w[routed].mean()), "mean_write": float(w.mean())})
-    rows.append({"expert": "rest", "routed_share": 1.0, "write_when_routed": float(rest[:, dim].mean()),
-                 "mean_write": float(rest[:, dim].mean())})
+        rows.append(
+            {
+                "expert": str(e),
+                "routed_share": float(routed.float().mean()),
+                "write_when_routed": float(w[routed].mean()),
+                "mean_write": float(w.mean()),
+            }
+        )
+    rows.append(
+        {
+            "expert": "rest",
+            "routed_share": 1.0,
+            "write_when_routed": float(rest[:, dim].mean()),
+            "mean_write": float(rest[:, dim].mean()),
+        }
+    )
     write = trace.mlp[:N, block, dim]
-    left = write - (slots[..., dim].sum(1) + rest[:, dim])  # what the block's modules do not make (a hook on its output)
+    left = write - (
+        slots[..., dim].sum(1) + rest[:, dim]
+    )  # what the block's modules do not make (a hook on its output)
     if float(left.abs().max()) > 1e-3 * max(float(write.abs().max()), 1.0):
-        rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": float(left.mean()),
-                     "mean_write": float(left.mean())})
-    return ExpertWrites(dim, block, role, pd.DataFrame(rows), float(write.mean()), int(N), getattr(model, "model_name", None))
+        rows.append(
+            {
+                "expert": "unaccounted",
+                "routed_share": 1.0,
+                "write_when_routed": float(left.mean()),
+                "mean_write": float(left.mean()),
+            }
+        )
+    return ExpertWrites(
+        dim, block, role, pd.DataFrame(rows), float(write.mean()), int(N), getattr(model, "model_name", None)
+    )
 
 
 fill_parameters(moe_experts, mlp_neurons)  # the same five Parameters, written once in mlp_neurons

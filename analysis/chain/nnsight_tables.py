@@ -6,6 +6,7 @@ residual stream's top-k, median, first-token sums and flag candidates. Here they
 accumulators, so the tables, findings and texts are those of the bridge's path. With ``remote=True`` (the model's,
 or the argument) the same traces run on NDIF, cut into requests under its size limit (``plan_requests``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ class StatsMassive(MassiveAccumulator):
         self.sums[i][2] += s["other_max"]
         top = s["top"].float()
         tokens = batch.tokens.to(top.device)
-        top_tok = tokens.gather(1, top[:, self.K:2 * self.K].long()).float()
+        top_tok = tokens.gather(1, top[:, self.K : 2 * self.K].long()).float()
         self.top.put(layer, torch.cat([top, top_tok], -1))
         c = s["cand"]
         self._flags(i, c[:, 0].long(), c[:, 1].float(), c[:, 2].float(), tokens, batch)
@@ -60,11 +61,22 @@ def check_nnsight_tokens(model: NnsightModel, tokens) -> torch.Tensor:
     return validate_token_ids(tokens, model.n_ctx, model.vocab_size)
 
 
-def nnsight_tables(model: NnsightModel, tokens, *, sink: bool = True, massive: bool = True, eps: float = SINK_EPS,
-                   k_max: int | None = None, top_k: int = 3, abs_threshold: float = SPIKE_ABS,
-                   ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE,
-                   batch_size: int | None = None, kind: str | None = None,
-                   remote=None) -> tuple[SinkResult | None, MassiveActivations | None]:
+def nnsight_tables(
+    model: NnsightModel,
+    tokens,
+    *,
+    sink: bool = True,
+    massive: bool = True,
+    eps: float = SINK_EPS,
+    k_max: int | None = None,
+    top_k: int = 3,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    batch_size: int | None = None,
+    kind: str | None = None,
+    remote=None,
+) -> tuple[SinkResult | None, MassiveActivations | None]:
     """The sink metric and the massive-activation table of ``model`` on ``tokens`` from nnsight traces.
 
     Parameters
@@ -96,12 +108,36 @@ def nnsight_tables(model: NnsightModel, tokens, *, sink: bool = True, massive: b
     sink_layers = list(spec.attention_layers) if sink else []
     massive_layers = list(range(spec.n_layers)) if massive else []
     remote = model.remote if remote is None else remote
-    acc = StatsMassive(model, massive_layers, spec.d_model, top_k=top_k, abs_threshold=abs_threshold,
-                        ratio_threshold=ratio_threshold, min_share=min_share, kind=kind) if massive else None
-    alpha, meta = run_traces(model, tokens, sink_layers=sink_layers, massive=acc, k_max=k_max, top_k=top_k,
-                             abs_threshold=abs_threshold, batch_size=batch_size, remote=remote)
-    res = SinkResult(alpha, eps, T, model.model_name, kind, meta=meta, layers=sink_layers,
-                     skipped=skipped_text(spec)) if sink else None
+    acc = (
+        StatsMassive(
+            model,
+            massive_layers,
+            spec.d_model,
+            top_k=top_k,
+            abs_threshold=abs_threshold,
+            ratio_threshold=ratio_threshold,
+            min_share=min_share,
+            kind=kind,
+        )
+        if massive
+        else None
+    )
+    alpha, meta = run_traces(
+        model,
+        tokens,
+        sink_layers=sink_layers,
+        massive=acc,
+        k_max=k_max,
+        top_k=top_k,
+        abs_threshold=abs_threshold,
+        batch_size=batch_size,
+        remote=remote,
+    )
+    res = (
+        SinkResult(alpha, eps, T, model.model_name, kind, meta=meta, layers=sink_layers, skipped=skipped_text(spec))
+        if sink
+        else None
+    )
     return res, (acc.result() if acc is not None else None)
 
 
@@ -119,8 +155,19 @@ def skipped_text(spec) -> str:
     return "; ".join(f"layer {l}: {why}" for l, why in spec.skipped.items())
 
 
-def run_traces(model: NnsightModel, tokens: torch.Tensor, *, sink_layers: list[int], massive, k_max: int,
-               top_k: int, abs_threshold: float, batch_size: int | None, remote, positions=None):
+def run_traces(
+    model: NnsightModel,
+    tokens: torch.Tensor,
+    *,
+    sink_layers: list[int],
+    massive,
+    k_max: int,
+    top_k: int,
+    abs_threshold: float,
+    batch_size: int | None,
+    remote,
+    positions=None,
+):
     """The traces of :func:`nnsight_tables`, cut into requests by ``plan_requests``: alpha of ``sink_layers``
     returned, every layer's residual statistics fed to ``massive`` (and ``positions``, where given).
 
@@ -149,19 +196,35 @@ def run_traces(model: NnsightModel, tokens: torch.Tensor, *, sink_layers: list[i
     N, T = tokens.shape
     spec = model.spec
     massive_layers = list(range(spec.n_layers)) if massive is not None else []
-    plan = plan_requests(N, sorted(set(sink_layers) | set(massive_layers)), n_heads=spec.n_heads, k_max=k_max,
-                         d_model=spec.d_model, top_k=top_k, sink=bool(sink_layers), massive=massive is not None,
-                         positions=T if positions is not None else 0)
+    plan = plan_requests(
+        N,
+        sorted(set(sink_layers) | set(massive_layers)),
+        n_heads=spec.n_heads,
+        k_max=k_max,
+        d_model=spec.d_model,
+        top_k=top_k,
+        sink=bool(sink_layers),
+        massive=massive is not None,
+        positions=T if positions is not None else 0,
+    )
     bs = batch_size or plan.samples
     alphas = []
     for start in range(0, N, bs):
-        batch = Batch(tokens[start:start + bs], start)
+        batch = Batch(tokens[start : start + bs], start)
         per_layer: dict[int, torch.Tensor] = {}
         for group in plan.layer_groups:
             mine = [l for l in massive_layers if l in group]
-            a, r = trace_batch(model, batch.tokens, k_max=k_max, sink_layers=[l for l in sink_layers if l in group],
-                               massive_layers=mine, top_k=top_k, abs_threshold=abs_threshold,
-                               positions=positions is not None, remote=remote)
+            a, r = trace_batch(
+                model,
+                batch.tokens,
+                k_max=k_max,
+                sink_layers=[l for l in sink_layers if l in group],
+                massive_layers=mine,
+                top_k=top_k,
+                abs_threshold=abs_threshold,
+                positions=positions is not None,
+                remote=remote,
+            )
             per_layer.update(zip([l for l in sink_layers if l in group], a))
             for l, s in zip(mine, r):
                 massive.update_stats(l, s, T, batch)
@@ -210,8 +273,20 @@ def nnsight_massive(model: NnsightModel, tokens, **kwargs) -> MassiveActivations
     return nnsight_tables(model, tokens, sink=False, **kwargs)[1]
 
 
-def nnsight_sink_payload(model_name: str, n: int, T: int, eps: float, k_max: int, bos: bool, seed: int,
-                         device: str | None, *, dtype=None, remote: bool = False, **placement) -> dict:
+def nnsight_sink_payload(
+    model_name: str,
+    n: int,
+    T: int,
+    eps: float,
+    k_max: int,
+    bos: bool,
+    seed: int,
+    device: str | None,
+    *,
+    dtype=None,
+    remote: bool = False,
+    **placement,
+) -> dict:
     """``python -m analysis sink --backend nnsight [--remote]``: the payload of ``analysis.__main__.sink_report``
     (the same probes, BOS only with ``bos``), from nnsight traces.
 
@@ -244,16 +319,32 @@ def nnsight_sink_payload(model_name: str, n: int, T: int, eps: float, k_max: int
 
     check_length(T)
     check_eps(eps)
-    model = load_model(model_name, device=device, dtype=parse_dtype(dtype or "float32"), backend="nnsight",
-                       remote=remote, **placement)
+    model = load_model(
+        model_name, device=device, dtype=parse_dtype(dtype or "float32"), backend="nnsight", remote=remote, **placement
+    )
     probes = model_probe_sets(model, n=n, T=T, bos=bos, seed=seed)
-    sink = {kind: nnsight_sink_metric(model, probe.tokens, eps=eps, k_max=k_max, kind=kind)
-            for kind, probe in probes.items()}
-    kinds = {kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
-             for kind, probe in probes.items()}
-    return {"model": model_name, "n": n, "T": T, "eps": eps, "k_max": k_max, "bos": bos, "seed": seed,
-            "dtype": dtype or "float32", "backend": "nnsight", "remote": remote,
-            "device": "NDIF" if remote else str(next(model.hf.parameters()).device),
-            "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
-            "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()}, "inputs": kinds,
-            "versions": package_versions()}
+    sink = {
+        kind: nnsight_sink_metric(model, probe.tokens, eps=eps, k_max=k_max, kind=kind)
+        for kind, probe in probes.items()
+    }
+    kinds = {
+        kind: {"source": probe.source, "tokens": probe.tokens.tolist(), **sink[kind].to_dict()}
+        for kind, probe in probes.items()
+    }
+    return {
+        "model": model_name,
+        "n": n,
+        "T": T,
+        "eps": eps,
+        "k_max": k_max,
+        "bos": bos,
+        "seed": seed,
+        "dtype": dtype or "float32",
+        "backend": "nnsight",
+        "remote": remote,
+        "device": "NDIF" if remote else str(next(model.hf.parameters()).device),
+        "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
+        "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
+        "inputs": kinds,
+        "versions": package_versions(),
+    }

@@ -26,6 +26,7 @@ For the spike dims S (found by ``analysis.chain.massive`` on the first token of 
 
 All statistics are reduced inside the hooks of layer l, and the forward pass stops after it.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -233,8 +234,11 @@ class NormGainTrace(Result):
         the spike dims explain, and how constant the normalised first token is."""
         if not self.has_spike:
             return [t for t in (self.message, self.path_text) if t]
-        return [t for t in (self.path_text, self.gain_text(), self.key_norm_text(), *self._spike_key(),
-                            self.constancy_text()) if t]
+        return [
+            t
+            for t in (self.path_text, self.gain_text(), self.key_norm_text(), *self._spike_key(), self.constancy_text())
+            if t
+        ]
 
     def norm_findings(self) -> list[str]:
         """The norm's part of the chain: the spike dims through the norm and its gain, and how constant the first
@@ -250,10 +254,12 @@ class NormGainTrace(Result):
 
     def _spike_key(self) -> list[str]:
         h = self.heads
-        out = [f"The first key k_1 rebuilt from the spike dims alone has cosine {h['cos_k1_spike'].mean():.3f} with k_1 "
-               f"(mean over heads) and gives {h['logit_share_spike'].mean():.0%} of the logit q_t·k_1; alpha_1 is "
-               f"{h['alpha_1'].mean():.3f}, {h['alpha_1_spike_only'].mean():.3f} with the spike part alone and "
-               f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed."]
+        out = [
+            f"The first key k_1 rebuilt from the spike dims alone has cosine {h['cos_k1_spike'].mean():.3f} with k_1 "
+            f"(mean over heads) and gives {h['logit_share_spike'].mean():.0%} of the logit q_t·k_1; alpha_1 is "
+            f"{h['alpha_1'].mean():.3f}, {h['alpha_1_spike_only'].mean():.3f} with the spike part alone and "
+            f"{h['alpha_1_no_spike'].mean():.3f} with the spike part removed."
+        ]
         if len(self.key_dims):
             out.append(f"The first key's largest shares come from residual dims {self.top_dims()}.")
         return out
@@ -264,13 +270,17 @@ class NormGainTrace(Result):
             return self.message
         st, g = self.stages.set_index("stage"), self.gain_summary()
         if self.norm_kind == "none":
-            return (f"Layer {self.layer} has no norm before attention: spike dims {self.spike_dims} hold "
-                    f"{st.loc['resid (h)', 'first_share']:.1%} of the first token's |h|^2 (ordinary tokens: "
-                    f"{st.loc['resid (h)', 'other_share']:.1%}) and enter W_K as they are.")
-        return (f"Layer {self.layer}, spike dims {self.spike_dims}: they hold {st.loc['normalised', 'first_share']:.1%} of the "
-                f"first token's normalised |n|^2 (ordinary tokens: {st.loc['normalised', 'other_share']:.1%}); the gain there is "
-                f"{g['gain_spike_over_rest'][0]:.2f}x the median |g|, and after it they hold {st.loc['gain', 'first_share']:.1%} "
-                f"(ordinary tokens {st.loc['gain', 'other_share']:.1%}).")
+            return (
+                f"Layer {self.layer} has no norm before attention: spike dims {self.spike_dims} hold "
+                f"{st.loc['resid (h)', 'first_share']:.1%} of the first token's |h|^2 (ordinary tokens: "
+                f"{st.loc['resid (h)', 'other_share']:.1%}) and enter W_K as they are."
+            )
+        return (
+            f"Layer {self.layer}, spike dims {self.spike_dims}: they hold {st.loc['normalised', 'first_share']:.1%} of the "
+            f"first token's normalised |n|^2 (ordinary tokens: {st.loc['normalised', 'other_share']:.1%}); the gain there is "
+            f"{g['gain_spike_over_rest'][0]:.2f}x the median |g|, and after it they hold {st.loc['gain', 'first_share']:.1%} "
+            f"(ordinary tokens {st.loc['gain', 'other_share']:.1%})."
+        )
 
     def key_norm_text(self) -> str:
         """What the key norm (Qwen3, Gemma 3, OLMo-2, Qwen3-Next) does to the first key and its spike part."""
@@ -278,11 +288,15 @@ class NormGainTrace(Result):
             return ""
         h = self.heads
         s1, so = h["knorm_scale_first"].mean(), h["knorm_scale_other"].mean()
-        out = (f"The keys then pass {self.key_norm}: it scales the first key's projection by {s1:.3g} against "
-               f"{so:.3g} for ordinary keys ({s1 / so:.2f}x)")
+        out = (
+            f"The keys then pass {self.key_norm}: it scales the first key's projection by {s1:.3g} against "
+            f"{so:.3g} for ordinary keys ({s1 / so:.2f}x)"
+        )
         if self.has_spike:
-            out += (f", and its gain along the spike part of k_1 is {h['knorm_gain_spike'].mean():.2f} against an RMS "
-                    f"gain of {h['knorm_gain_rms'].mean():.2f}")
+            out += (
+                f", and its gain along the spike part of k_1 is {h['knorm_gain_spike'].mean():.2f} against an RMS "
+                f"gain of {h['knorm_gain_rms'].mean():.2f}"
+            )
         return out + "."
 
     def key_text(self) -> str:
@@ -293,23 +307,40 @@ class NormGainTrace(Result):
 
     def constancy_text(self) -> str:
         c = self.constancy
-        return (f"Across inputs the first token's normalised vector has mean cosine {c['cos_first_normalised']:.3f} "
-                f"(ordinary tokens {c['cos_other_normalised']:.3f}).")
+        return (
+            f"Across inputs the first token's normalised vector has mean cosine {c['cos_first_normalised']:.3f} "
+            f"(ordinary tokens {c['cos_other_normalised']:.3f})."
+        )
 
     def rebuild_text(self) -> str:
         r = self.rebuild
         fmt = lambda v: "not checked (no hook)" if v is None else f"{v:.1e}"  # noqa: E731
-        return (f"Layer {self.layer}: rebuilt key projection against {r['key_hook']}, relative error {r['key_rel_err']:.1e}; "
-                f"rebuilt keys against {r['final_key_hook']}, max abs error {fmt(r['final_key_max_abs_err'])}; first-key "
-                f"scores, max abs error {fmt(r['score_max_abs_err'])}; pattern, max abs error {fmt(r['pattern_max_abs_err'])}.")
+        return (
+            f"Layer {self.layer}: rebuilt key projection against {r['key_hook']}, relative error {r['key_rel_err']:.1e}; "
+            f"rebuilt keys against {r['final_key_hook']}, max abs error {fmt(r['final_key_max_abs_err'])}; first-key "
+            f"scores, max abs error {fmt(r['score_max_abs_err'])}; pattern, max abs error {fmt(r['pattern_max_abs_err'])}."
+        )
 
     def to_dict(self) -> dict:
-        return jsonable({
-            **self.header(), "layer": self.layer, "spike_dims": self.spike_dims, "has_spike": self.has_spike,
-            "message": self.message, "norm": self.norm_kind, "rotary": self.rotary, "rotary_base": self.rotary_base,
-            "key_norm": self.key_norm, "path": self.path_text, "T": self.T, **self.tables, "constancy": self.constancy,
-            "rebuild": self.rebuild, "text": self.text(),
-        })
+        return jsonable(
+            {
+                **self.header(),
+                "layer": self.layer,
+                "spike_dims": self.spike_dims,
+                "has_spike": self.has_spike,
+                "message": self.message,
+                "norm": self.norm_kind,
+                "rotary": self.rotary,
+                "rotary_base": self.rotary_base,
+                "key_norm": self.key_norm,
+                "path": self.path_text,
+                "T": self.T,
+                **self.tables,
+                "constancy": self.constancy,
+                "rebuild": self.rebuild,
+                "text": self.text(),
+            }
+        )
 
 
 class NormGainAccumulator(Accumulator):
@@ -329,22 +360,58 @@ class NormGainAccumulator(Accumulator):
         self.other_pos = torch.unique(torch.linspace(1, T - 1, max(1, min(n_other, T - 1))).round().long())
         self.has_norm_hook = path.norm.kind != "none" and act_name("normalized", self.layer) in hook_names(model)
         self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
-        self.acc = {k: torch.zeros((), dtype=torch.float64) for k in
-                    ("h_share_o", "n_share_o", "x_share_o", "h_norm_o", "n_norm_o", "x_norm_o", "k_norm_o", "count_o",
-                     "k_err", "k_ref", "n_err", "n_ref")}
+        self.acc = {
+            k: torch.zeros((), dtype=torch.float64)
+            for k in (
+                "h_share_o",
+                "n_share_o",
+                "x_share_o",
+                "h_norm_o",
+                "n_norm_o",
+                "x_norm_o",
+                "k_norm_o",
+                "count_o",
+                "k_err",
+                "k_ref",
+                "n_err",
+                "n_ref",
+            )
+        }
         self.other_abs = torch.zeros(D, dtype=torch.float64)
         self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
-        self.head = {k: torch.zeros(self.H, dtype=torch.float64) for k in
-                     ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest")}
+        self.head = {
+            k: torch.zeros(self.H, dtype=torch.float64)
+            for k in ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest")
+        }
         self.cnt = {"q": 0, "o": 0}
-        self.keep = {k: [] for k in ("h1", "n1", "x1", "k1", "k1S", "kp1", "kp1S", "n_o", "g_o", "dim_share",
-                                     "knorm_first", "knorm_spike")}
+        self.keep = {
+            k: []
+            for k in (
+                "h1",
+                "n1",
+                "x1",
+                "k1",
+                "k1S",
+                "kp1",
+                "kp1S",
+                "n_o",
+                "g_o",
+                "dim_share",
+                "knorm_first",
+                "knorm_spike",
+            )
+        }
         self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
 
     def hooks(self):
         l, p = self.layer, self.path
-        want = {"h": act_name("resid_pre", l), "q": p.query_hook, "k": p.key_hook, "kf": p.final_key_hook,
-                "pattern": self.spec.pattern_hook(l)}
+        want = {
+            "h": act_name("resid_pre", l),
+            "q": p.query_hook,
+            "k": p.key_hook,
+            "kf": p.final_key_hook,
+            "pattern": self.spec.pattern_hook(l),
+        }
         if self.spec.scores_hook(l):
             want["scores"] = self.spec.scores_hook(l)
         if self.has_norm_hook:
@@ -377,12 +444,19 @@ class NormGainAccumulator(Accumulator):
         """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""
         for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
             sq = v.pow(2)
-            self.acc[f"{key}_share_o"] += (sq[..., self.Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).double().sum().cpu()
+            self.acc[f"{key}_share_o"] += (
+                (sq[..., self.Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).double().sum().cpu()
+            )
             self.acc[f"{key}_norm_o"] += v.norm(dim=-1).double().sum().cpu()
         B = h.shape[0]
         self.acc["count_o"] += B * (h.shape[1] - 1)
         self.other_abs.add_(n[:, 1:].abs().double().sum(dim=(0, 1)).cpu())
-        for key, v in (("h1", h[:, 0]), ("n1", n[:, 0]), ("x1", x[:, 0]), ("n_o", n[:, self.other_pos].reshape(-1, h.shape[-1]))):
+        for key, v in (
+            ("h1", h[:, 0]),
+            ("n1", n[:, 0]),
+            ("x1", x[:, 0]),
+            ("n_o", n[:, self.other_pos].reshape(-1, h.shape[-1])),
+        ):
             self.keep[key].append(v.cpu())
         self.keep["g_o"].append((torch.arange(B) + batch.offset).repeat_interleave(len(self.other_pos)))
 
@@ -407,8 +481,15 @@ class NormGainAccumulator(Accumulator):
         self.knorm_other += scale[:, 1:].double().sum((0, 1)).cpu()
         spike_gain = k1S.norm(dim=-1) / (kpS[:, 0].norm(dim=-1) * scale[:, 0]).clamp_min(TINY)
         self.acc["k_norm_o"] += used[:, 1:].norm(dim=-1).mean(-1).double().sum().cpu()
-        for key, t in (("k1", k1), ("k1S", k1S), ("kp1", kp[:, 0]), ("kp1S", kpS[:, 0]), ("dim_share", share.mean(1)),
-                       ("knorm_first", scale[:, 0]), ("knorm_spike", spike_gain)):
+        for key, t in (
+            ("k1", k1),
+            ("k1S", k1S),
+            ("kp1", kp[:, 0]),
+            ("kp1S", kpS[:, 0]),
+            ("dim_share", share.mean(1)),
+            ("knorm_first", scale[:, 0]),
+            ("knorm_spike", spike_gain),
+        ):
             self.keep[key].append(t.detach().float().cpu())
         return k1S
 
@@ -437,10 +518,17 @@ class NormGainAccumulator(Accumulator):
         hd["logit_other"] += raw[..., tri].double().sum(dim=(0, 2)).cpu()
         self.cnt["o"] += B * int(tri.sum())
         off = sc[..., 0] - capped[..., 0]  # what the scores add to q . k (ALiBi, masks); 0 when rebuilt
-        for key, c in (("alpha", sc[..., 0]), ("alpha_spike", softcap(ls, cap) + off), ("alpha_rest", softcap(lf - ls, cap) + off)):
+        for key, c in (
+            ("alpha", sc[..., 0]),
+            ("alpha_spike", softcap(ls, cap) + off),
+            ("alpha_rest", softcap(lf - ls, cap) + off),
+        ):
             hd[key] += _softmax_alpha(sc, c, self.sink).double().sum(0).cpu()
-        logits = sc if self.sink is None else torch.cat(
-            [sc, self.sink.to(sc.device).view(1, -1, 1, 1).expand(*sc.shape[:-1], 1)], -1)
+        logits = (
+            sc
+            if self.sink is None
+            else torch.cat([sc, self.sink.to(sc.device).view(1, -1, 1, 1).expand(*sc.shape[:-1], 1)], -1)
+        )
         self._max_err("pattern", (logits.softmax(-1)[..., :T] - pattern).abs().max())
 
     def result(self, message: str = "") -> NormGainTrace:
@@ -448,19 +536,35 @@ class NormGainAccumulator(Accumulator):
         N, path, has_spike = kept["h1"].shape[0], self.path, bool(self.S)
         knorm = None
         if path.k_norm is not None:
-            knorm = (f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
-                     if path.k_norm_scope != "latent" else f"{path.k_norm.text()} over the {path.rank}-dim key latent "
-                     "(kv_a_layernorm), then kv_b_proj")
+            knorm = (
+                f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
+                if path.k_norm_scope != "latent"
+                else f"{path.k_norm.text()} over the {path.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
+            )
         return NormGainTrace(
-            layer=self.layer, spike_dims=self.S, has_spike=has_spike, message=message, norm_kind=path.norm.kind,
-            rotary=path.rotary, rotary_base=path.base, n_samples=N, T=self.T,
+            layer=self.layer,
+            spike_dims=self.S,
+            has_spike=has_spike,
+            message=message,
+            norm_kind=path.norm.kind,
+            rotary=path.rotary,
+            rotary_base=path.base,
+            n_samples=N,
+            T=self.T,
             stages=stage_table(kept, self.acc, self.Smask),
             gain=gain_table(path.norm.gain, self.S, kept),
             heads=head_table(kept, self._knorm_cols(kept), self.head, self.cnt, self.kv_of, self.layer, has_spike),
-            constancy=constancy(kept), rebuild=self._rebuild(), gain_vector=path.norm.gain.clone(),
-            first_normalised_mean=kept["n1"].mean(0), other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
-            first_resid_mean=kept["h1"].mean(0), key_dims=key_dims_table(kept, self.Smask), path_text=path.text(),
-            key_norm=knorm, model_name=getattr(self.model, "model_name", None), kind=self.kind,
+            constancy=constancy(kept),
+            rebuild=self._rebuild(),
+            gain_vector=path.norm.gain.clone(),
+            first_normalised_mean=kept["n1"].mean(0),
+            other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
+            first_resid_mean=kept["h1"].mean(0),
+            key_dims=key_dims_table(kept, self.Smask),
+            path_text=path.text(),
+            key_norm=knorm,
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
         )
 
     def _knorm_cols(self, kept: dict) -> dict:
@@ -469,25 +573,37 @@ class NormGainAccumulator(Accumulator):
         p, Hkv = self.path, self.path.W_K.shape[0]
         nan = torch.full((Hkv,), float("nan"))
         if p.k_norm is None:
-            return {"knorm_scale_first": nan, "knorm_scale_other": nan, "knorm_gain_spike": nan, "knorm_gain_rms": nan,
-                    "kproj_share_spike": nan}
+            return {
+                "knorm_scale_first": nan,
+                "knorm_scale_other": nan,
+                "knorm_gain_spike": nan,
+                "knorm_gain_rms": nan,
+                "kproj_share_spike": nan,
+            }
         g = p.key_norm_gain()
         kp1, kp1S = kept["kp1"], kept["kp1S"]
-        return {"knorm_scale_first": kept["knorm_first"].mean(0),
-                "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
-                "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan, "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
-                "kproj_share_spike": ((kp1 * kp1S).sum(-1) / kp1.pow(2).sum(-1).clamp_min(TINY)).mean(0) if self.S else nan}
+        return {
+            "knorm_scale_first": kept["knorm_first"].mean(0),
+            "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
+            "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan,
+            "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
+            "kproj_share_spike": ((kp1 * kp1S).sum(-1) / kp1.pow(2).sum(-1).clamp_min(TINY)).mean(0) if self.S else nan,
+        }
 
     def _rebuild(self) -> dict:
         a, spec = self.acc, self.spec
         return {
-            "key_hook": self.path.key_hook, "key_max_abs_err": self.err["k_max"],
+            "key_hook": self.path.key_hook,
+            "key_max_abs_err": self.err["k_max"],
             "key_rel_err": float(a["k_err"] / a["k_ref"].clamp_min(TINY)),
-            "final_key_hook": self.path.final_key_hook, "final_key_max_abs_err": self.err["final"],
+            "final_key_hook": self.path.final_key_hook,
+            "final_key_max_abs_err": self.err["final"],
             "rotated_key_max_abs_err": self.err["final"] if spec.key_rotated else None,
             "normalised_rel_err": float(a["n_err"] / a["n_ref"]) if self.has_norm_hook else None,
-            "score_max_abs_err": self.err["score"], "pattern_max_abs_err": self.err["pattern"],
-            "attn_scale": spec.attn_scale, "attn_softcap": spec.attn_softcap,
+            "score_max_abs_err": self.err["score"],
+            "pattern_max_abs_err": self.err["pattern"],
+            "attn_scale": spec.attn_scale,
+            "attn_softcap": spec.attn_softcap,
         }
 
 
@@ -522,12 +638,25 @@ def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
     pandas.DataFrame
     """
     cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
-    rows = [{"stage": stage, "first_share": _first_share(kept[key], Smask),
-             "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
-             "first_norm": float(kept[key].norm(dim=-1).mean()), "other_norm": float(acc[f"{o}_norm_o"]) / cnt}
-            for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))]
-    rows.append({"stage": "key", "first_share": _part_share(kept["k1"], kept["k1S"]) if has else nan, "other_share": nan,
-                 "first_norm": float(kept["k1"].norm(dim=-1).mean()), "other_norm": float(acc["k_norm_o"]) / cnt})
+    rows = [
+        {
+            "stage": stage,
+            "first_share": _first_share(kept[key], Smask),
+            "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
+            "first_norm": float(kept[key].norm(dim=-1).mean()),
+            "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
+        }
+        for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))
+    ]
+    rows.append(
+        {
+            "stage": "key",
+            "first_share": _part_share(kept["k1"], kept["k1S"]) if has else nan,
+            "other_share": nan,
+            "first_norm": float(kept["k1"].norm(dim=-1).mean()),
+            "other_norm": float(acc["k_norm_o"]) / cnt,
+        }
+    )
     return pd.DataFrame(rows)
 
 
@@ -551,14 +680,17 @@ def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
     rest[S] = False
     g_rest, nan = g[rest].abs(), float("nan")
     h1, n1 = kept["h1"], kept["n1"]
-    return pd.DataFrame({
-        "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
-        "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
-        "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S] + [1.0, float(g_rest.mean() / g_rest.median())],
-        "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
-        "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
-        "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
-    })
+    return pd.DataFrame(
+        {
+            "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
+            "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
+            "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S]
+            + [1.0, float(g_rest.mean() / g_rest.median())],
+            "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
+            "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
+            "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
+        }
+    )
 
 
 def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFrame:
@@ -580,11 +712,19 @@ def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFra
     """
     share = kept["dim_share"].mean(0)  # (D,)
     top = share.abs().argsort(descending=True)[:n]
-    return pd.DataFrame({"dim": top.numpy(), "k1_share": share[top].numpy(), "spike_dim": Smask[top].numpy(),
-                         "first_token_x": kept["x1"][:, top].mean(0).numpy()})
+    return pd.DataFrame(
+        {
+            "dim": top.numpy(),
+            "k1_share": share[top].numpy(),
+            "spike_dim": Smask[top].numpy(),
+            "first_token_x": kept["x1"][:, top].mean(0).numpy(),
+        }
+    )
 
 
-def head_table(kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool) -> pd.DataFrame:
+def head_table(
+    kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool
+) -> pd.DataFrame:
     """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key,
     and the key norm's scales and gains (its KV head's).
 
@@ -613,17 +753,26 @@ def head_table(kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor
     cq, co = max(cnt["q"], 1), max(cnt["o"], 1)
     lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
     spike = lambda v: v.numpy() if has_spike else nan  # noqa: E731
-    return pd.DataFrame({
-        "layer": layer, "head": range(len(kv_of)), "kv_head": kv_of.numpy(),
-        "k1_norm": k1h.norm(dim=-1).mean(0).numpy(), "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
-        "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
-        "k1_share_spike": spike(((k1h * k1Sh).sum(-1) / k1h.pow(2).sum(-1).clamp_min(TINY)).mean(0)),
-        "logit_first": lf.numpy(), "logit_first_spike": spike(ls), "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
-        "logit_other": (hd["logit_other"] / co).numpy(), "logit_share_spike": spike(ls / lf),
-        "alpha_1": (hd["alpha"] / N).numpy(), "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
-        "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
-        **{k: v.float()[kv_of].numpy() for k, v in knorm.items()},
-    })
+    return pd.DataFrame(
+        {
+            "layer": layer,
+            "head": range(len(kv_of)),
+            "kv_head": kv_of.numpy(),
+            "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
+            "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
+            "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
+            "k1_share_spike": spike(((k1h * k1Sh).sum(-1) / k1h.pow(2).sum(-1).clamp_min(TINY)).mean(0)),
+            "logit_first": lf.numpy(),
+            "logit_first_spike": spike(ls),
+            "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
+            "logit_other": (hd["logit_other"] / co).numpy(),
+            "logit_share_spike": spike(ls / lf),
+            "alpha_1": (hd["alpha"] / N).numpy(),
+            "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
+            "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
+            **{k: v.float()[kv_of].numpy() for k, v in knorm.items()},
+        }
+    )
 
 
 def constancy(kept: dict) -> dict:
@@ -643,11 +792,14 @@ def constancy(kept: dict) -> dict:
     """
     n1, n_o, k1 = kept["n1"], kept["n_o"], kept["k1"]
     return {
-        "cos_first_resid": mean_pairwise_cosine(kept["h1"]), "cos_first_normalised": mean_pairwise_cosine(n1),
+        "cos_first_resid": mean_pairwise_cosine(kept["h1"]),
+        "cos_first_normalised": mean_pairwise_cosine(n1),
         "cos_first_gain": mean_pairwise_cosine(kept["x1"]),
         "cos_first_key": [mean_pairwise_cosine(k1[:, j]) for j in range(k1.shape[1])],
         "cos_other_normalised": mean_pairwise_cosine(n_o, groups=kept["g_o"]),
-        "cos_first_other_normalised": float(torch.nn.functional.cosine_similarity(n1.mean(0, keepdim=True), n_o).mean()),
+        "cos_first_other_normalised": float(
+            torch.nn.functional.cosine_similarity(n1.mean(0, keepdim=True), n_o).mean()
+        ),
     }
 
 
@@ -655,10 +807,12 @@ def _spike_message(model, layer: int, S: list[int], found: bool, abs_threshold, 
     if S:
         return f"{'found' if found else 'given'} spike dims {S} on the first token of the residual stream layer {layer} reads."
     name = getattr(model, "model_name", None) or "the model"
-    return (f"The first token carries no spike in the residual stream layer {layer} of {name} reads: no dimension "
-            f"passes {criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples. Spike shares and "
-            "the spike-only key are not defined; try another "
-            "layer (see analysis.chain.massive), lower thresholds, or pass spike_dims.")
+    return (
+        f"The first token carries no spike in the residual stream layer {layer} of {name} reads: no dimension "
+        f"passes {criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples. Spike shares and "
+        "the spike-only key are not defined; try another "
+        "layer (see analysis.chain.massive), lower thresholds, or pass spike_dims."
+    )
 
 
 def trace_layers(first_token_dims: dict[int, list[int]], dim: int, *, max_runs: int = 2) -> list[int]:
@@ -681,8 +835,9 @@ def trace_layers(first_token_dims: dict[int, list[int]], dim: int, *, max_runs: 
     return [r[len(r) // 2] for r in runs(with_dim)[:max_runs]]
 
 
-def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: int,
-                 *, attention_layers: Sequence[int] | None = None) -> int:
+def choose_layer(
+    sink, first_token_dims: dict[int, list[int]] | None, n_layers: int, *, attention_layers: Sequence[int] | None = None
+) -> int:
     """The sinkiest attention layer whose input carries the first token's spike, else the sinkiest attention layer.
 
     Parameters
@@ -710,9 +865,18 @@ def choose_layer(sink, first_token_dims: dict[int, list[int]] | None, n_layers: 
     return int(pool.sort_values(["sink_1_pct", "mean_alpha_1"], kind="stable").iloc[-1].layer)
 
 
-def norm_gain_accumulator(model: SinkModel, tokens, layer: int, *, spike_dims=None, abs_threshold: float = SPIKE_ABS,
-                          ratio_threshold: float = SPIKE_RATIO, min_share: float = SPIKE_MIN_SHARE, n_other: int = 4,
-                          kind: str | None = None) -> tuple[NormGainAccumulator, str]:
+def norm_gain_accumulator(
+    model: SinkModel,
+    tokens,
+    layer: int,
+    *,
+    spike_dims=None,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    min_share: float = SPIKE_MIN_SHARE,
+    n_other: int = 4,
+    kind: str | None = None,
+) -> tuple[NormGainAccumulator, str]:
     """Check the arguments of :func:`norm_gain_trace` and find the spike dims if not given.
 
     Parameters
@@ -733,9 +897,15 @@ def norm_gain_accumulator(model: SinkModel, tokens, layer: int, *, spike_dims=No
     path = key_path(model, layer)
     found = spike_dims is None
     if found:
-        spike_dims = first_token_spike_dims(model, tokens, hook="resid_pre", layers=[layer],
-                                            abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
-                                            min_share=min_share).get(layer, [])
+        spike_dims = first_token_spike_dims(
+            model,
+            tokens,
+            hook="resid_pre",
+            layers=[layer],
+            abs_threshold=abs_threshold,
+            ratio_threshold=ratio_threshold,
+            min_share=min_share,
+        ).get(layer, [])
     S = check_dims(spike_dims, path.W_K.shape[1], name="spike_dims")
     message = _spike_message(model, layer, S, found, abs_threshold, ratio_threshold, min_share)
     if not S:
@@ -794,10 +964,20 @@ def norm_gain_trace(
     NormGainTrace
     """
     tokens = check_tokens(model, tokens)
-    acc, message = norm_gain_accumulator(model, tokens, layer, spike_dims=spike_dims, abs_threshold=abs_threshold,
-                                         ratio_threshold=ratio_threshold, min_share=min_share, n_other=n_other,
-                                         kind=kind)
-    run_pass(model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None)
+    acc, message = norm_gain_accumulator(
+        model,
+        tokens,
+        layer,
+        spike_dims=spike_dims,
+        abs_threshold=abs_threshold,
+        ratio_threshold=ratio_threshold,
+        min_share=min_share,
+        n_other=n_other,
+        kind=kind,
+    )
+    run_pass(
+        model, tokens, [acc], batch_size=batch_size, resume=resume_from(resid, acc.layer) if can_resume(model) else None
+    )
     return acc.result(message)
 
 
@@ -805,8 +985,21 @@ def norm_gain_trace(
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "norm_gain", result=NormGainTrace, order=200, doc="The norm-gain trace of one sink layer (its own pass).",
-    sections=(Section("Norm gain: from the spike to the first key", "norm", 50, needs=("sink", "massive", "resid"),
-                      runner="analysis.report.sections:_norm_gain"),),
-    exports=("norm_gain_trace",)))
+register(
+    Analysis(
+        "norm_gain",
+        result=NormGainTrace,
+        order=200,
+        doc="The norm-gain trace of one sink layer (its own pass).",
+        sections=(
+            Section(
+                "Norm gain: from the spike to the first key",
+                "norm",
+                50,
+                needs=("sink", "massive", "resid"),
+                runner="analysis.report.sections:_norm_gain",
+            ),
+        ),
+        exports=("norm_gain_trace",),
+    )
+)

@@ -12,6 +12,7 @@ For each head of each attention layer, from the queries and keys the attention r
 Hybrid models (Qwen3-Next, Qwen3.5, Jamba) run on their attention layers only, with their true indices; the
 skipped layers are named in the result.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +21,21 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.model.hooks import check_attention_layers, check_layers, check_tokens, model_facts, per_query_head, qk_hook_names
+from analysis.model.hooks import (
+    check_attention_layers,
+    check_layers,
+    check_tokens,
+    model_facts,
+    per_query_head,
+    qk_hook_names,
+)
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
 from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy, unit_vectors
 
 from analysis.core.defaults import QK_COS_BINS as N_BINS  # fixed bins of the cosine histograms
+
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
 
 
@@ -146,15 +155,21 @@ class QKAngles(Result):
         gap = self.cos_first - self.cos_other
         h = torch.nonzero(gap == gap.max())[0].tolist()
         skipped = [f"{self.skipped[0].upper()}{self.skipped[1:]}."] if self.skipped else []
-        return [f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
-                f"keys at {float(self.cos_other.mean()):.2f}; the largest gap is in layer {self.layers[h[0]]}, head {h[1]} "
-                f"({float(self.cos_first[h[0], h[1]]):.2f} against {float(self.cos_other[h[0], h[1]]):.2f}), where "
-                f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}."] + skipped
+        return [
+            f"Over all heads queries meet the first key at mean cosine {float(self.cos_first.mean()):.2f} and other "
+            f"keys at {float(self.cos_other.mean()):.2f}; the largest gap is in layer {self.layers[h[0]]}, head {h[1]} "
+            f"({float(self.cos_first[h[0], h[1]]):.2f} against {float(self.cos_other[h[0], h[1]]):.2f}), where "
+            f"|k_1| / |k_j| = {float(self.k_first_norm[h[0], h[1]] / self.k_other_norm[h[0], h[1]]):.2f}."
+        ] + skipped
 
     def to_dict(self) -> dict:
-        return {**self.header(), "layers": self.layers, "skipped": self.skipped,
-                **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()},
-                "text": self.text()}
+        return {
+            **self.header(),
+            "layers": self.layers,
+            "skipped": self.skipped,
+            **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()},
+            "text": self.text(),
+        }
 
 
 class QKAccumulator(Accumulator):
@@ -207,31 +222,52 @@ class QKAccumulator(Accumulator):
         i, (B, T), H = self.index[layer], q.shape[:2], self.H
         (qn, q_norm), (kn, k_norm) = acts.units(q), acts.units(k)  # shared with the first-key manifold
         cos = _cosines(qn, kn).reshape(B * H, T * T)  # (B H, T T)
-        first = cos[:, T:: T].reshape(B, H, T - 1).transpose(0, 1).reshape(H, -1)  # (H, B (T-1)): cos(q_t, k_1), t > 1
+        first = cos[:, T::T].reshape(B, H, T - 1).transpose(0, 1).reshape(H, -1)  # (H, B (T-1)): cos(q_t, k_1), t > 1
         if self._other.numel() != T * (T - 1) // 2 or self._other.device != cos.device:
             self._other = _other_keys(T, cos.device)
         other = cos.index_select(1, self._other).view(B, H, -1).transpose(0, 1).reshape(H, -1)  # 1 <= j <= t
         kk = per_query_head(k_norm, H)  # (B,T,H)
-        for name, x in (("cos_first", first.sum(-1)), ("cos_other", other.sum(-1)), ("k_first_norm", kk[:, 0].sum(0)),
-                        ("q_norm", q_norm.sum(dim=(0, 1))), ("k_other_norm", kk[:, 1:].sum(dim=(0, 1)))):
+        for name, x in (
+            ("cos_first", first.sum(-1)),
+            ("cos_other", other.sum(-1)),
+            ("k_first_norm", kk[:, 0].sum(0)),
+            ("q_norm", q_norm.sum(dim=(0, 1))),
+            ("k_other_norm", kk[:, 1:].sum(dim=(0, 1))),
+        ):
             self.sums.add(name, i, x)
         self.sums.add("hist_first", i, cosine_hist(first))
         self.sums.add("hist_other", i, cosine_hist(other))
         if i == 0:
-            for key, n in (("first", first.shape[1]), ("other", other.shape[1]), ("q", B * T), ("k1", B), ("kj", B * (T - 1)), ("n", B)):
+            for key, n in (
+                ("first", first.shape[1]),
+                ("other", other.shape[1]),
+                ("q", B * T),
+                ("k1", B),
+                ("kj", B * (T - 1)),
+                ("n", B),
+            ):
                 self.counts[key] += n
 
     def result(self) -> QKAngles:
         norm = {"cos_first": "first", "cos_other": "other", "q_norm": "q", "k_first_norm": "k1", "k_other_norm": "kj"}
         h = self.sums.host
         out = {name: (h(name, (self.H,)) / self.counts[norm[name]]).float() for name in _STATS}
-        return QKAngles(self.layers, **out, hist_first=(h("hist_first", (self.H, N_BINS)) / self.counts["first"]).float(),
-                        hist_other=(h("hist_other", (self.H, N_BINS)) / self.counts["other"]).float(), bin_edges=torch.linspace(-1, 1, N_BINS + 1),
-                        n_samples=self.counts["n"], model_name=getattr(self.model, "model_name", None), kind=self.kind,
-                        skipped=self.spec.skipped_text())
+        return QKAngles(
+            self.layers,
+            **out,
+            hist_first=(h("hist_first", (self.H, N_BINS)) / self.counts["first"]).float(),
+            hist_other=(h("hist_other", (self.H, N_BINS)) / self.counts["other"]).float(),
+            bin_edges=torch.linspace(-1, 1, N_BINS + 1),
+            n_samples=self.counts["n"],
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
+            skipped=self.spec.skipped_text(),
+        )
 
 
-def qk_angles(model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None) -> QKAngles:
+def qk_angles(
+    model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None
+) -> QKAngles:
     """Cosines between queries and the first key against the other keys, per head of each attention layer, streamed.
 
     Parameters
@@ -263,6 +299,14 @@ def qk_angles(model: SinkModel, tokens, *, layers=None, batch_size: int | None =
 from analysis.core.registry import Analysis, register  # noqa: E402
 
 
-register(Analysis(
-    "qk", result=QKAngles, order=30, hooks=("q", "k"), doc="QK angles on the main kind.",
-    accumulators=lambda p: [QKAccumulator(p.model, kind=p.kind)], exports=("qk_angles",)))
+register(
+    Analysis(
+        "qk",
+        result=QKAngles,
+        order=30,
+        hooks=("q", "k"),
+        doc="QK angles on the main kind.",
+        accumulators=lambda p: [QKAccumulator(p.model, kind=p.kind)],
+        exports=("qk_angles",),
+    )
+)

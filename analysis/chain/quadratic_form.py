@@ -13,6 +13,7 @@ MLP input, how much of x^T S_d x the top direction carries, and the linearised w
 verdict "rank one" needs both: the top eigenvalue holds at least ``RANK_ONE_ENERGY`` of sum(lambda^2), and the first
 token's input lies along its eigenvector (mean |cos| >= ``RANK_ONE_COS``). Biases (gpt-oss) are left out of A_d.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,38 +102,69 @@ class QuadraticForm(Result):
     def table(self) -> pd.DataFrame:
         """One row per top eigen-direction: eigenvalue, its shares, |cos| with the first token's input, form share."""
         k = len(self.cos_top)
-        return pd.DataFrame({"dim": self.dim, "block": self.block, "rank": range(1, k + 1),
-                             "eigenvalue": self.eigenvalues[:k].tolist(), "energy_share": self.energy_share.tolist(),
-                             "abs_share": self.abs_share.tolist(), "cos_first_input": self.cos_top.tolist(),
-                             "form_share": self.form_share_top.tolist()})
+        return pd.DataFrame(
+            {
+                "dim": self.dim,
+                "block": self.block,
+                "rank": range(1, k + 1),
+                "eigenvalue": self.eigenvalues[:k].tolist(),
+                "energy_share": self.energy_share.tolist(),
+                "abs_share": self.abs_share.tolist(),
+                "cos_first_input": self.cos_top.tolist(),
+                "form_share": self.form_share_top.tolist(),
+            }
+        )
 
     def findings(self) -> list[str]:
         """What A_d's spectrum and the first token's input say, then whether the rank-one claim holds."""
         e, c, f = float(self.energy_share[0]), float(self.cos_top[0]), float(self.form_share_top[0])
-        lin = (f"the linearised form gives {self.linearised_write:+.4g} on the first token against a real write of "
-               f"{self.write:+.4g}")
-        head = (f"The quadratic-form view of MLP {self.block} on dim {self.dim}: A_d's top eigenvalue holds {e:.0%} of "
-                f"sum(lambda^2) (the top 3: {float(self.energy_share[:3].sum()):.0%}), its eigenvector meets the first "
-                f"token's MLP input at |cos| {c:.2f}, and carries {f:.0%} of the linearised write; {lin}.")
+        lin = (
+            f"the linearised form gives {self.linearised_write:+.4g} on the first token against a real write of "
+            f"{self.write:+.4g}"
+        )
+        head = (
+            f"The quadratic-form view of MLP {self.block} on dim {self.dim}: A_d's top eigenvalue holds {e:.0%} of "
+            f"sum(lambda^2) (the top 3: {float(self.energy_share[:3].sum()):.0%}), its eigenvector meets the first "
+            f"token's MLP input at |cos| {c:.2f}, and carries {f:.0%} of the linearised write; {lin}."
+        )
         if self.rank_one:
-            verdict = "The rank-one claim holds here: one direction dominates A_d and the first token's input lies along it."
+            verdict = (
+                "The rank-one claim holds here: one direction dominates A_d and the first token's input lies along it."
+            )
         elif self.dominated:
-            verdict = (f"The rank-one claim holds only in part: one direction dominates A_d, but the first token's input "
-                       f"is not along it (|cos| {c:.2f} < {self.cos_threshold:g}).")
+            verdict = (
+                f"The rank-one claim holds only in part: one direction dominates A_d, but the first token's input "
+                f"is not along it (|cos| {c:.2f} < {self.cos_threshold:g})."
+            )
         elif self.aligned:
-            verdict = (f"The rank-one claim does not hold: A_d's spectrum is spread (top eigenvalue {e:.0%} < "
-                       f"{self.energy_threshold:.0%} of sum(lambda^2)), although the first token's input lies along its "
-                       "top direction.")
+            verdict = (
+                f"The rank-one claim does not hold: A_d's spectrum is spread (top eigenvalue {e:.0%} < "
+                f"{self.energy_threshold:.0%} of sum(lambda^2)), although the first token's input lies along its "
+                "top direction."
+            )
         else:
-            verdict = (f"The rank-one claim does not hold: A_d's spectrum is spread (top eigenvalue {e:.0%} < "
-                       f"{self.energy_threshold:.0%} of sum(lambda^2)) and the first token's input is not along its top "
-                       "direction.")
+            verdict = (
+                f"The rank-one claim does not hold: A_d's spectrum is spread (top eigenvalue {e:.0%} < "
+                f"{self.energy_threshold:.0%} of sum(lambda^2)) and the first token's input is not along its top "
+                "direction."
+            )
         return [head, verdict]
 
     def to_dict(self) -> dict:
-        return jsonable({"dim": self.dim, "block": self.block, "rank_one": self.rank_one, "dominated": self.dominated,
-                         "aligned": self.aligned, "top": self.table, "linearised_write": self.linearised_write,
-                         "write": self.write, "eigenvalues": self.eigenvalues, "text": self.text()})
+        return jsonable(
+            {
+                "dim": self.dim,
+                "block": self.block,
+                "rank_one": self.rank_one,
+                "dominated": self.dominated,
+                "aligned": self.aligned,
+                "top": self.table,
+                "linearised_write": self.linearised_write,
+                "write": self.write,
+                "eigenvalues": self.eigenvalues,
+                "text": self.text(),
+            }
+        )
 
 
 def form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:
@@ -152,8 +184,17 @@ def form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor)
     return W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())
 
 
-def quadratic_form(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor, x: torch.Tensor, *, dim: int,
-                   block: int, write: float, top: int = 3) -> QuadraticForm:
+def quadratic_form(
+    w_out_d: torch.Tensor,
+    W_gate: torch.Tensor,
+    W_up: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    dim: int,
+    block: int,
+    write: float,
+    top: int = 3,
+) -> QuadraticForm:
     """The quadratic-form view of one gated MLP's write on one dimension.
 
     Parameters
@@ -185,6 +226,16 @@ def quadratic_form(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tens
     proj = xd @ V[:, :k]  # (N, k)
     cos = (proj.abs() / xd.norm(dim=-1, keepdim=True).clamp_min(TINY)).mean(0)
     form = ((xd @ S) * xd).sum(-1)  # (N,)
-    share = (lam[:k] * proj**2 / form[:, None].where(form[:, None].abs() > TINY, torch.full_like(form[:, None], TINY))).mean(0)
-    return QuadraticForm(int(dim), int(block), lam.float(), cos.float(), share.float(), float(form.mean()), float(write),
-                         n_samples=int(x.shape[0]))
+    share = (
+        lam[:k] * proj**2 / form[:, None].where(form[:, None].abs() > TINY, torch.full_like(form[:, None], TINY))
+    ).mean(0)
+    return QuadraticForm(
+        int(dim),
+        int(block),
+        lam.float(),
+        cos.float(),
+        share.float(),
+        float(form.mean()),
+        float(write),
+        n_samples=int(x.shape[0]),
+    )

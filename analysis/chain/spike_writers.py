@@ -32,6 +32,7 @@ Where the first token's spike is already in its embedding (the project's 1-layer
 its own) the embedding is the writer and no neuron is named. Without a spike there is nothing to trace, and the
 result says so.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -159,8 +160,9 @@ class SpikeOrigin(Result):
         for n in self.neurons:
             if n.dim == int(dim) and n.block == int(block):
                 return n
-        raise ValueError(f"no neurons resolved for dim {dim} in block {block}; resolved: "
-                         f"{[(n.dim, n.block) for n in self.neurons]}.")
+        raise ValueError(
+            f"no neurons resolved for dim {dim} in block {block}; resolved: {[(n.dim, n.block) for n in self.neurons]}."
+        )
 
     def block_table(self, dim: int) -> pd.DataFrame:
         """One row per block: the first token's value of ``dim`` entering it (mean, min, max over samples), the other
@@ -169,12 +171,22 @@ class SpikeOrigin(Result):
         v = tr.resid[:, :, d]
         rows = []
         for l in range(self.n_layers + 1):
-            row = {"dim": d, "block": l if l < self.n_layers else "final", "value_first": float(v[:, l].mean()),
-                   "value_first_min": float(v[:, l].min()), "value_first_max": float(v[:, l].max()),
-                   "value_other": float(tr.other_resid[l, d]), "value_other_max": float(tr.other_resid_max[l, d])}
+            row = {
+                "dim": d,
+                "block": l if l < self.n_layers else "final",
+                "value_first": float(v[:, l].mean()),
+                "value_first_min": float(v[:, l].min()),
+                "value_first_max": float(v[:, l].max()),
+                "value_other": float(tr.other_resid[l, d]),
+                "value_other_max": float(tr.other_resid_max[l, d]),
+            }
             if l < self.n_layers:
-                row |= {"attn_first": float(tr.attn[:, l, d].mean()), "mlp_first": float(tr.mlp[:, l, d].mean()),
-                        "attn_other": float(tr.other_attn[l, d]), "mlp_other": float(tr.other_mlp[l, d])}
+                row |= {
+                    "attn_first": float(tr.attn[:, l, d].mean()),
+                    "mlp_first": float(tr.mlp[:, l, d].mean()),
+                    "attn_other": float(tr.other_attn[l, d]),
+                    "mlp_other": float(tr.other_mlp[l, d]),
+                }
             rows.append(row)
         return pd.DataFrame(rows)
 
@@ -188,14 +200,23 @@ class SpikeOrigin(Result):
         if self.quadratic:
             out["quadratic"] = pd.concat([q.table for q in self.quadratic], ignore_index=True)
         if self.experts:
-            out["experts"] = pd.concat([e.table.assign(dim=e.dim, block=e.block) for e in self.experts], ignore_index=True)
+            out["experts"] = pd.concat(
+                [e.table.assign(dim=e.dim, block=e.block) for e in self.experts], ignore_index=True
+            )
         return out
 
     def _component_text(self, rows: pd.DataFrame) -> str:
         def name(r):
-            return "the embedding" if r.component == "embedding" else f"{'MLP' if r.component == 'mlp' else r.component} {r.block}"
-        return ", ".join(f"{name(r)} ({r.write:+.4g}, {r.share:.0%} of the value {'before' if r.role == 'eraser' else 'after'} it)"
-                         for r in rows.itertuples())
+            return (
+                "the embedding"
+                if r.component == "embedding"
+                else f"{'MLP' if r.component == 'mlp' else r.component} {r.block}"
+            )
+
+        return ", ".join(
+            f"{name(r)} ({r.write:+.4g}, {r.share:.0%} of the value {'before' if r.role == 'eraser' else 'after'} it)"
+            for r in rows.itertuples()
+        )
 
     def dim_text(self, dim: int) -> str:
         """Where one spike dimension peaks, which blocks write and erase it, and that the bookkeeping adds up."""
@@ -209,13 +230,17 @@ class SpikeOrigin(Result):
         where = f"entering block {peak}" if peak < self.n_layers else "after the last block"
         w, e = self.writers(d), self.erasers(d)
         err, rel = self.trace.bookkeeping(d)
-        s = [f"Dim {d} reaches {float(v[peak]):+.4g} on the first token ({where}; the other tokens' largest |value| there: "
-             f"{float(self.trace.other_resid_max[peak, d]):.3g})."]
+        s = [
+            f"Dim {d} reaches {float(v[peak]):+.4g} on the first token ({where}; the other tokens' largest |value| there: "
+            f"{float(self.trace.other_resid_max[peak, d]):.3g})."
+        ]
         if self.embedding_origin(d):
             emb = float(v[0])
-            s.append(f"The spike on dim {d} is the first token's own embedding ({emb:+.4g} entering block 0, where it is "
-                     f"already a spike; {abs(emb) / max(abs(float(v[peak])), TINY):.0%} of the peak): no block writes it, so "
-                     "no neuron is named.")
+            s.append(
+                f"The spike on dim {d} is the first token's own embedding ({emb:+.4g} entering block 0, where it is "
+                f"already a spike; {abs(emb) / max(abs(float(v[peak])), TINY):.0%} of the peak): no block writes it, so "
+                "no neuron is named."
+            )
             amp = self.writers(d, "amplifier")
             if len(amp):
                 s.append(f"After it, {self._component_text(amp)} add{'s' if len(amp) == 1 else ''} to it.")
@@ -223,22 +248,31 @@ class SpikeOrigin(Result):
             s.append(f"It is written by {self._component_text(w)}.")
         else:
             s.append(f"No single write of at least {self.share:.0%} of the value it leads to builds it.")
-        s.append(f"It is erased by {self._component_text(e)}." if len(e) else
-                 f"No block erases it: it is {float(v[-1]):+.4g} after the last block.")
+        s.append(
+            f"It is erased by {self._component_text(e)}."
+            if len(e)
+            else f"No block erases it: it is {float(v[-1]):+.4g} after the last block."
+        )
         attn = self.trace.attn[:, :, d].mean(0).abs()
         s.append(f"Attention writes at most {float(attn.max()):.3g} on it (block {int(attn.argmax())}).")
-        s.append(f"The bookkeeping adds up: the embedding plus every write equals the value entering each block to "
-                 f"{err:.2g} ({rel:.1e} of the largest value)." if rel < self.trace.bookkeeping_tolerance() else
-                 f"The bookkeeping does not add up ({err:.3g}, {rel:.1e} of the largest value): the stream is not a sum "
-                 "of these writes here.")
+        s.append(
+            f"The bookkeeping adds up: the embedding plus every write equals the value entering each block to "
+            f"{err:.2g} ({rel:.1e} of the largest value)."
+            if rel < self.trace.bookkeeping_tolerance()
+            else f"The bookkeeping does not add up ({err:.3g}, {rel:.1e} of the largest value): the stream is not a sum "
+            "of these writes here."
+        )
         return s
 
     def findings(self) -> list[str]:
         name = self.model_name or "the model"
         kind = f" on {self.kind} inputs" if self.kind else ""
         if not self.has_spike:
-            return [f"The first token of {name}{kind} carries no spike dimension, so there is nothing to trace: no block "
-                    "or neuron is named.", *self.notes]
+            return [
+                f"The first token of {name}{kind} carries no spike dimension, so there is nothing to trace: no block "
+                "or neuron is named.",
+                *self.notes,
+            ]
         parts = [f for d in self.dims for f in self.dim_findings(d)]
         parts += [f for n in self.neurons if n.role == "writer" for f in n.findings()]
         parts += [f for e in self.experts for f in e.findings()]
@@ -246,21 +280,44 @@ class SpikeOrigin(Result):
         return parts + list(self.notes)
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "dims": self.dims, "has_spike": self.has_spike, "share": self.share,
-                         "min_write": self.min_write, "mlp": self.mlp_facts,
-                         "writing_blocks": {str(d): self.writing_blocks(d) for d in self.dims},
-                         "erasing_blocks": {str(d): self.writing_blocks(d, "eraser") for d in self.dims},
-                         "writes": self.writes, "bookkeeping": self.bookkeeping,
-                         "blocks": {str(d): self.block_table(d) for d in self.dims},
-                         "neurons": [n.to_dict() for n in self.neurons], "experts": [e.to_dict() for e in self.experts],
-                         "quadratic": [q.to_dict() for q in self.quadratic], "notes": self.notes, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "dims": self.dims,
+                "has_spike": self.has_spike,
+                "share": self.share,
+                "min_write": self.min_write,
+                "mlp": self.mlp_facts,
+                "writing_blocks": {str(d): self.writing_blocks(d) for d in self.dims},
+                "erasing_blocks": {str(d): self.writing_blocks(d, "eraser") for d in self.dims},
+                "writes": self.writes,
+                "bookkeeping": self.bookkeeping,
+                "blocks": {str(d): self.block_table(d) for d in self.dims},
+                "neurons": [n.to_dict() for n in self.neurons],
+                "experts": [e.to_dict() for e in self.experts],
+                "quadratic": [q.to_dict() for q in self.quadratic],
+                "notes": self.notes,
+                "text": self.text(),
+            }
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # From the trace to the origin
 # ----------------------------------------------------------------------------------------------
 
-_WRITE_COLS = ["dim", "role", "component", "block", "write", "write_min", "write_max", "value_before", "value_after", "share"]
+_WRITE_COLS = [
+    "dim",
+    "role",
+    "component",
+    "block",
+    "write",
+    "write_min",
+    "write_max",
+    "value_before",
+    "value_after",
+    "share",
+]
 
 
 def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequence[int]):
@@ -278,8 +335,16 @@ def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequen
             yield "mlp", l, m, v[:, l] + a, v[:, l + 1]
 
 
-def find_writes(trace: FirstTokenTrace, dim: int, *, parallel: bool = False, mixers: Sequence[int] = (),
-                share: float = SPIKE_WRITE_SHARE, min_write: float = SPIKE_ABS, appears: int | None = None) -> pd.DataFrame:
+def find_writes(
+    trace: FirstTokenTrace,
+    dim: int,
+    *,
+    parallel: bool = False,
+    mixers: Sequence[int] = (),
+    share: float = SPIKE_WRITE_SHARE,
+    min_write: float = SPIKE_ABS,
+    appears: int | None = None,
+) -> pd.DataFrame:
     """The components that write and erase the first token's spike on one dimension (the rows of
     ``SpikeOrigin.writes``).
 
@@ -326,9 +391,20 @@ def find_writes(trace: FirstTokenTrace, dim: int, *, parallel: bool = False, mix
             role, sh = "eraser", -sign * wm / max(abs(b), TINY)
         else:
             continue
-        rows.append({"dim": int(dim), "role": role, "component": comp, "block": int(block), "write": wm,
-                     "write_min": float(w.min()), "write_max": float(w.max()), "value_before": b, "value_after": a,
-                     "share": sh})
+        rows.append(
+            {
+                "dim": int(dim),
+                "role": role,
+                "component": comp,
+                "block": int(block),
+                "write": wm,
+                "write_min": float(w.min()),
+                "write_max": float(w.max()),
+                "value_before": b,
+                "value_after": a,
+                "share": sh,
+            }
+        )
     return pd.DataFrame(rows, columns=_WRITE_COLS)
 
 
@@ -342,9 +418,17 @@ def _check_blocks(blocks, L: int) -> list[int] | None:
     return blocks
 
 
-def origin_from(model: SinkModel, trace: FirstTokenTrace, *, dims: Sequence[int] | None = None, massive=None,
-                blocks: Sequence[int] | None = None, share: float = SPIKE_WRITE_SHARE, min_write: float | None = None,
-                kind: str | None = None) -> SpikeOrigin:
+def origin_from(
+    model: SinkModel,
+    trace: FirstTokenTrace,
+    *,
+    dims: Sequence[int] | None = None,
+    massive=None,
+    blocks: Sequence[int] | None = None,
+    share: float = SPIKE_WRITE_SHARE,
+    min_write: float | None = None,
+    kind: str | None = None,
+) -> SpikeOrigin:
     """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
 
     Parameters
@@ -377,15 +461,35 @@ def origin_from(model: SinkModel, trace: FirstTokenTrace, *, dims: Sequence[int]
     if min_write is None:
         min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
     name = getattr(model, "model_name", None)
-    notes = [] if spec.additive else ["This model's stream after a block is not its input plus the block's writes "
-                                      "(a post-norm stream, or a hook that edits the stream): the writes need not add up."]
+    notes = (
+        []
+        if spec.additive
+        else [
+            "This model's stream after a block is not its input plus the block's writes "
+            "(a post-norm stream, or a hook that edits the stream): the writes need not add up."
+        ]
+    )
     appears = {d: _appears(trace, d, massive) for d in dims}
     writes, books = _writes_and_books(trace, dims, spec, share=share, min_write=min_write, appears=appears)
-    out = SpikeOrigin(dims, trace, writes, bookkeeping=books, notes=notes, mlp_facts=spec.text(), share=share,
-                      min_write=float(min_write), appears=appears, model_name=name, kind=kind)
+    out = SpikeOrigin(
+        dims,
+        trace,
+        writes,
+        bookkeeping=books,
+        notes=notes,
+        mlp_facts=spec.text(),
+        share=share,
+        min_write=float(min_write),
+        appears=appears,
+        model_name=name,
+        kind=kind,
+    )
     for d in dims:
-        todo = ([(b, role) for role in ROLES for b in out.writing_blocks(d, role)] if blocks is None else
-                [(b, _role_of(out, d, b)) for b in blocks])
+        todo = (
+            [(b, role) for role in ROLES for b in out.writing_blocks(d, role)]
+            if blocks is None
+            else [(b, _role_of(out, d, b)) for b in blocks]
+        )
         for b, role in todo:
             _resolve(model, out, spec, d, b, role)
     return out
@@ -396,21 +500,39 @@ def _spike_dims(dims: Sequence[int] | None, massive, D: int) -> list[int]:
     layer."""
     if dims is None:
         if massive is None:
-            raise ValueError("give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
-                             "(massive=MassiveActivations) to find them.")
+            raise ValueError(
+                "give the spike dims to trace (dims=[...]) or the massive activations of these tokens "
+                "(massive=MassiveActivations) to find them."
+            )
         dims = sorted({d for ds in massive.first_token_dims.values() for d in ds})
     return check_dims(dims, D)
 
 
-def _writes_and_books(trace: FirstTokenTrace, dims: list[int], spec, *, share: float, min_write: float,
-                      appears: dict[int, int]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _writes_and_books(
+    trace: FirstTokenTrace, dims: list[int], spec, *, share: float, min_write: float, appears: dict[int, int]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every dim's writes (:func:`find_writes`) in one table, and the bookkeeping table (how far the writes fall from
     adding up to the stream, per dim)."""
-    writes = pd.concat([find_writes(trace, d, parallel=spec.parallel, mixers=spec.mixer_layers, share=share,
-                                    min_write=min_write, appears=appears[d]) for d in dims]
-                       or [pd.DataFrame(columns=_WRITE_COLS)], ignore_index=True)
-    books = pd.DataFrame([{"dim": d, "max_abs_err": e, "rel_err": r} for d in dims for e, r in [trace.bookkeeping(d)]],
-                         columns=["dim", "max_abs_err", "rel_err"])
+    writes = pd.concat(
+        [
+            find_writes(
+                trace,
+                d,
+                parallel=spec.parallel,
+                mixers=spec.mixer_layers,
+                share=share,
+                min_write=min_write,
+                appears=appears[d],
+            )
+            for d in dims
+        ]
+        or [pd.DataFrame(columns=_WRITE_COLS)],
+        ignore_index=True,
+    )
+    books = pd.DataFrame(
+        [{"dim": d, "max_abs_err": e, "rel_err": r} for d in dims for e, r in [trace.bookkeeping(d)]],
+        columns=["dim", "max_abs_err", "rel_err"],
+    )
     return writes, books
 
 
@@ -437,11 +559,14 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
         out.neurons.append(n)
         if role == "writer" and spec.kind == "gated":
             W = mlp_weights(model, block)
-            out.quadratic.append(quadratic_form(n.w_out, W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block,
-                                                write=n.mean_write))
+            out.quadratic.append(
+                quadratic_form(n.w_out, W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block, write=n.mean_write)
+            )
         elif role == "writer":
-            out.notes.append(f"MLP {block} is a plain ({spec.activation}) MLP: each neuron is act(w_in . x), not a product "
-                             "of two projections, so the quadratic-form view does not apply.")
+            out.notes.append(
+                f"MLP {block} is a plain ({spec.activation}) MLP: each neuron is act(w_in . x), not a product "
+                "of two projections, so the quadratic-form view does not apply."
+            )
     elif block in spec.moe_layers:
         try:
             out.experts.append(moe_experts(model, tr, dim, block, role=role))
@@ -508,14 +633,25 @@ def spike_origin(
         raise ValueError(f"share must lie in (0, 1]; got {share}.")
     accs = [SpikeOriginAccumulator(model, kind=kind)]
     if dims is None:
-        accs.append(massive_accumulator(model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold,
-                                        min_share=min_share, hook="resid_pre", median_over=median_over, kind=kind))
+        accs.append(
+            massive_accumulator(
+                model,
+                tokens.shape,
+                abs_threshold=abs_threshold,
+                ratio_threshold=ratio_threshold,
+                min_share=min_share,
+                hook="resid_pre",
+                median_over=median_over,
+                kind=kind,
+            )
+        )
     got = run_pass(model, tokens, accs, batch_size=batch_size)
     massive = got[1] if dims is None else None
     if min_write is None:
         min_write = abs_threshold if dims is None else None
-    return origin_from(model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write,
-                       kind=kind)
+    return origin_from(
+        model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write, kind=kind
+    )
 
 
 def writer_summary(origin: SpikeOrigin) -> list[dict]:
@@ -549,13 +685,26 @@ def writer_summary(origin: SpikeOrigin) -> list[dict]:
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "origin", result=SpikeOrigin, order=90, hooks=("pre", "attn", "mlp", "post", "x", "act", "gate", "up"),
-    requires=("massive",),
-    doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
-    accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind)],
-    finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
-    sections=(Section("Where the spike comes from", "spike", 40, key="spike_writers",
-                      needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
-                      runner="analysis.report.sections:_spike_writers"),),
-    exports=("spike_origin",)))
+register(
+    Analysis(
+        "origin",
+        result=SpikeOrigin,
+        order=90,
+        hooks=("pre", "attn", "mlp", "post", "x", "act", "gate", "up"),
+        requires=("massive",),
+        doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
+        accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind)],
+        finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
+        sections=(
+            Section(
+                "Where the spike comes from",
+                "spike",
+                40,
+                key="spike_writers",
+                needs=("massive", "origin", "baseline", "resid", "cause", "cuts"),
+                runner="analysis.report.sections:_spike_writers",
+            ),
+        ),
+        exports=("spike_origin",),
+    )
+)

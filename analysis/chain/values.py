@@ -13,6 +13,7 @@ hooks over N sequences of T tokens:
   share of the value-norm mass a query draws from the first token (small when the sink is a no-op);
 - Pearson and Spearman correlations between the ratio and alpha_1 over all (layer, KV head) pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -152,18 +153,25 @@ class ValueNorms(Result):
         """One row per (layer, KV head)."""
         how = _check_reduce(reduce or self.reduce)
         L, K = self.v1_norm.shape
-        extra = {} if self.v1_cos_pair is None else {"v1_cos_pair": self.v1_cos_pair.flatten().numpy(),
-                                                     "vj_cos_pair": self.vj_cos_pair.flatten().numpy()}
-        return pd.DataFrame({
-            "layer": torch.tensor(self.layers).repeat_interleave(K).numpy(),
-            "kv_head": torch.arange(K).repeat(L).numpy(),
-            "v1_norm": self.v1_norm.flatten().numpy(),
-            "vj_norm": self.vj_norm.flatten().numpy(),
-            "ratio": self.ratio.flatten().numpy(),
-            f"alpha_1_{how}": self.alpha_kv(how).flatten().numpy(),
-            f"first_value_share_{how}": _reduce_groups(self.first_value_share, self.group_size, how).flatten().numpy(),
-            **extra,
-        })
+        extra = (
+            {}
+            if self.v1_cos_pair is None
+            else {"v1_cos_pair": self.v1_cos_pair.flatten().numpy(), "vj_cos_pair": self.vj_cos_pair.flatten().numpy()}
+        )
+        return pd.DataFrame(
+            {
+                "layer": torch.tensor(self.layers).repeat_interleave(K).numpy(),
+                "kv_head": torch.arange(K).repeat(L).numpy(),
+                "v1_norm": self.v1_norm.flatten().numpy(),
+                "vj_norm": self.vj_norm.flatten().numpy(),
+                "ratio": self.ratio.flatten().numpy(),
+                f"alpha_1_{how}": self.alpha_kv(how).flatten().numpy(),
+                f"first_value_share_{how}": _reduce_groups(self.first_value_share, self.group_size, how)
+                .flatten()
+                .numpy(),
+                **extra,
+            }
+        )
 
     def correlation(self, reduce: str | None = None, log_ratio: bool = False) -> dict:
         """Correlation over (layer, KV head) pairs between the ratio (or its log) and alpha_1."""
@@ -171,7 +179,11 @@ class ValueNorms(Result):
         r = self.ratio.flatten().numpy().astype(float)
         with np.errstate(divide="ignore"):
             x = np.log(r) if log_ratio else r
-        return {"x": "log(ratio)" if log_ratio else "ratio", "y": f"alpha_1_{how}", **correlation(x, self.alpha_kv(how).flatten().numpy())}
+        return {
+            "x": "log(ratio)" if log_ratio else "ratio",
+            "y": f"alpha_1_{how}",
+            **correlation(x, self.alpha_kv(how).flatten().numpy()),
+        }
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -185,17 +197,23 @@ class ValueNorms(Result):
         S, c = self.summary(min_alpha), self.correlation()
         out = [self.ratio_text(min_alpha)]
         if S["n_sink_kv_heads"] and S.get("mean_v1_cos_pair_sink") is not None:
-            out.append(f"In those heads the first token's values of different inputs have mean pairwise cosine "
-                       f"{S['mean_v1_cos_pair_sink']:.3f}, against {S['mean_vj_cos_pair_sink']:.3f} for the values at "
-                       "other positions: the first value is small and nearly constant.")
+            out.append(
+                f"In those heads the first token's values of different inputs have mean pairwise cosine "
+                f"{S['mean_v1_cos_pair_sink']:.3f}, against {S['mean_vj_cos_pair_sink']:.3f} for the values at "
+                "other positions: the first value is small and nearly constant."
+            )
         if S["n_sink_kv_heads"] and c["pearson_r"] is not None:
-            out.append(f"Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
-                       f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}.")
+            out.append(
+                f"Across {c['n']} (layer, KV head) pairs, |v_1| / |v_j| and alpha_1 correlate with Pearson r = "
+                f"{c['pearson_r']:.2f} and Spearman rho = {c['spearman_rho']:.2f}."
+            )
         return out + ([self.skipped] if self.skipped else [])
 
     def caveats(self) -> list[str]:
         """The layers measured where some were left out, and a correlation undefined here."""
-        out = [f"Value norms are measured on the attention layers {self.layers}. {self.skipped}"] if self.skipped else []
+        out = (
+            [f"Value norms are measured on the attention layers {self.layers}. {self.skipped}"] if self.skipped else []
+        )
         c = self.correlation()
         if c["pearson_r"] is None:
             out.append(f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')}).")
@@ -206,15 +224,22 @@ class ValueNorms(Result):
         S = self.summary(min_alpha)
         if not S["n_sink_kv_heads"]:
             return f"No KV head sinks (alpha_1 > {min_alpha}); the median |v_1| / mean |v_j| is {S['median_ratio_other']:.2f}."
-        other = (f"{S['median_ratio_other']:.2f} over the other {S['n_other_kv_heads']}" if S["n_other_kv_heads"]
-                 else "no other heads")
-        return (f"The first token's value is {S['median_ratio_sink']:.3g} times the other tokens' (median |v_1| / mean |v_j| "
-                f"over {S['n_sink_kv_heads']} sink KV heads), against {other}.")
+        other = (
+            f"{S['median_ratio_other']:.2f} over the other {S['n_other_kv_heads']}"
+            if S["n_other_kv_heads"]
+            else "no other heads"
+        )
+        return (
+            f"The first token's value is {S['median_ratio_sink']:.3g} times the other tokens' (median |v_1| / mean |v_j| "
+            f"over {S['n_sink_kv_heads']} sink KV heads), against {other}."
+        )
 
     def smallest_text(self) -> str:
         low = self.table().sort_values("ratio").iloc[0]
-        return (f"The smallest first value is in layer {int(low.layer)}, KV head {int(low.kv_head)}: |v_1| = {low.v1_norm:.2f} "
-                f"against {low.vj_norm:.2f} (ratio {low.ratio:.3f}, alpha_1 {low[f'alpha_1_{self.reduce}']:.2f}).")
+        return (
+            f"The smallest first value is in layer {int(low.layer)}, KV head {int(low.kv_head)}: |v_1| = {low.v1_norm:.2f} "
+            f"against {low.vj_norm:.2f} (ratio {low.ratio:.3f}, alpha_1 {low[f'alpha_1_{self.reduce}']:.2f})."
+        )
 
     def correlation_text(self) -> str:
         """The correlation of alpha_1 with |v_1| / |v_j| for both reductions and against the log ratio."""
@@ -223,8 +248,10 @@ class ValueNorms(Result):
             c = self.correlation(reduce=how)
             if c["pearson_r"] is None:
                 return f"The correlation between |v_1| / |v_j| and alpha_1 is undefined here ({c.get('note')})."
-            out.append(f"alpha_1 ({how} over the KV head's query heads) against |v_1| / |v_j|, n = {c['n']} KV heads: "
-                       f"Pearson r = {c['pearson_r']:.2f} (p = {c['pearson_p']:.1e}), Spearman rho = {c['spearman_rho']:.2f}.")
+            out.append(
+                f"alpha_1 ({how} over the KV head's query heads) against |v_1| / |v_j|, n = {c['n']} KV heads: "
+                f"Pearson r = {c['pearson_r']:.2f} (p = {c['pearson_p']:.1e}), Spearman rho = {c['spearman_rho']:.2f}."
+            )
         c = self.correlation(log_ratio=True)
         return " ".join(out) + f" Against log(ratio): Pearson r = {c['pearson_r']:.2f}."
 
@@ -236,11 +263,13 @@ class ValueNorms(Result):
             return f"No layer sinks (mean alpha_1 > {min_alpha})."
         later_min = prof[sink_layers, 1:].min(-1).values
         sink_q = self.alpha_1 > min_alpha
-        return (f"In {len(sink_layers)} sink layers, |v_1| is below the smallest later |v_t| in "
-                f"{int((prof[sink_layers, 0] < later_min).sum())} of them (mean |v_1| {prof[sink_layers, 0].mean():.2f}, mean "
-                f"of the smallest later |v_t| {later_min.mean():.2f}). Sink query heads draw "
-                f"{100 * self.first_value_share[sink_q].mean():.0f}% of their value-norm mass from token 1 (A_t1 |v_1| / "
-                f"sum_j A_tj |v_j|), against {100 * self.alpha_1[sink_q].mean():.0f}% of their attention.")
+        return (
+            f"In {len(sink_layers)} sink layers, |v_1| is below the smallest later |v_t| in "
+            f"{int((prof[sink_layers, 0] < later_min).sum())} of them (mean |v_1| {prof[sink_layers, 0].mean():.2f}, mean "
+            f"of the smallest later |v_t| {later_min.mean():.2f}). Sink query heads draw "
+            f"{100 * self.first_value_share[sink_q].mean():.0f}% of their value-norm mass from token 1 (A_t1 |v_1| / "
+            f"sum_j A_tj |v_j|), against {100 * self.alpha_1[sink_q].mean():.0f}% of their attention."
+        )
 
     def summary(self, min_alpha: float = SINK_MIN_ALPHA) -> dict:
         """Median ratio over sink KV heads (alpha_1 above ``min_alpha``) and over the others."""
@@ -251,32 +280,48 @@ class ValueNorms(Result):
         cos = {}
         if self.v1_cos_pair is not None:
             c1, cj = self.v1_cos_pair.flatten(), self.vj_cos_pair.flatten()
-            cos = {"mean_v1_cos_pair_sink": float(c1[sink].mean()) if sink.any() else None,
-                   "mean_vj_cos_pair_sink": float(cj[sink].mean()) if sink.any() else None,
-                   "mean_v1_cos_pair_other": float(c1[~sink].mean()) if (~sink).any() else None}
+            cos = {
+                "mean_v1_cos_pair_sink": float(c1[sink].mean()) if sink.any() else None,
+                "mean_vj_cos_pair_sink": float(cj[sink].mean()) if sink.any() else None,
+                "mean_v1_cos_pair_other": float(c1[~sink].mean()) if (~sink).any() else None,
+            }
         return {
-            "min_alpha": min_alpha, "reduce": self.reduce,
-            "n_sink_kv_heads": int(sink.sum()), "n_other_kv_heads": int((~sink).sum()),
-            "median_ratio_sink": med(sink), "median_ratio_other": med(~sink),
+            "min_alpha": min_alpha,
+            "reduce": self.reduce,
+            "n_sink_kv_heads": int(sink.sum()),
+            "n_other_kv_heads": int((~sink).sum()),
+            "median_ratio_sink": med(sink),
+            "median_ratio_other": med(~sink),
             "mean_first_value_share_sink_query_heads": float(self.first_value_share[self.alpha_1 > min_alpha].mean())
-            if (self.alpha_1 > min_alpha).any() else None,
+            if (self.alpha_1 > min_alpha).any()
+            else None,
             **cos,
         }
 
     def to_dict(self) -> dict:
         """JSON-serialisable; undefined numbers (e.g. cosines between first values with N = 1) are None."""
-        return jsonable({
-            **self.header(), "T": self.T, "layers": self.layers, **({"skipped": self.skipped} if self.skipped else {}),
-            "group_size": self.group_size, "alpha_source": self.alpha_source, "reduce": self.reduce,
-            "table": self.table().to_dict("records"),
-            "alpha_1_per_query_head": self.alpha_1.tolist(),
-            "first_value_share_per_query_head": self.first_value_share.tolist(),
-            "v_norm_by_position": self.v_norm_by_pos.tolist(),  # [layer][kv_head][position]
-            "correlation": {"ratio": self.correlation(), "log_ratio": self.correlation(log_ratio=True),
-                            "ratio_max": self.correlation(reduce="max" if self.reduce == "mean" else "mean")},
-            "summary": self.summary(),
-            "text": self.text(),
-        })
+        return jsonable(
+            {
+                **self.header(),
+                "T": self.T,
+                "layers": self.layers,
+                **({"skipped": self.skipped} if self.skipped else {}),
+                "group_size": self.group_size,
+                "alpha_source": self.alpha_source,
+                "reduce": self.reduce,
+                "table": self.table().to_dict("records"),
+                "alpha_1_per_query_head": self.alpha_1.tolist(),
+                "first_value_share_per_query_head": self.first_value_share.tolist(),
+                "v_norm_by_position": self.v_norm_by_pos.tolist(),  # [layer][kv_head][position]
+                "correlation": {
+                    "ratio": self.correlation(),
+                    "log_ratio": self.correlation(log_ratio=True),
+                    "ratio_max": self.correlation(reduce="max" if self.reduce == "mean" else "mean"),
+                },
+                "summary": self.summary(),
+                "text": self.text(),
+            }
+        )
 
 
 def _check_reduce(reduce: str) -> str:
@@ -341,11 +386,22 @@ class ValueNormsAccumulator(Accumulator):
         else:
             alpha, source = (h("alpha", (self.H,)) / N).float(), "hook_pattern, same tokens"
         return ValueNorms(
-            layers=self.layers, group_size=self.H // self.K, n_samples=N, T=T, v1_norm=by_pos[..., 0],
-            vj_norm=by_pos[..., 1:].mean(-1), v_norm_by_pos=by_pos, alpha_1=alpha, first_value_share=(h("share", (self.H,)) / N).float(),
-            alpha_source=source, reduce=reduce, v1_cos_pair=pair_cosine(h("unit_first", (self.K, self.d_head)), N),
-            vj_cos_pair=pair_cosine(h("unit_other", (self.K, self.d_head)), N * (T - 1)), model_name=getattr(self.model, "model_name", None),
-            kind=self.kind, skipped=skipped_note(self.model),
+            layers=self.layers,
+            group_size=self.H // self.K,
+            n_samples=N,
+            T=T,
+            v1_norm=by_pos[..., 0],
+            vj_norm=by_pos[..., 1:].mean(-1),
+            v_norm_by_pos=by_pos,
+            alpha_1=alpha,
+            first_value_share=(h("share", (self.H,)) / N).float(),
+            alpha_source=source,
+            reduce=reduce,
+            v1_cos_pair=pair_cosine(h("unit_first", (self.K, self.d_head)), N),
+            vj_cos_pair=pair_cosine(h("unit_other", (self.K, self.d_head)), N * (T - 1)),
+            model_name=getattr(self.model, "model_name", None),
+            kind=self.kind,
+            skipped=skipped_note(self.model),
         )
 
 
@@ -357,9 +413,11 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
     H_s = sink.per_head_alpha.shape[1]
     missing = [l for l in layers if l not in sink.layers]
     if H_s != dims.n_heads or missing or max(sink.layers) >= dims.n_layers:
-        raise ValueError(f"the sink result has {len(sink.layers)} layers x {H_s} heads but the model has {len(all_layers)} x "
-                         f"{dims.n_heads} (attention layers {all_layers}; the result holds {sink.layers}): pass a "
-                         "sink_metric result of this model.")
+        raise ValueError(
+            f"the sink result has {len(sink.layers)} layers x {H_s} heads but the model has {len(all_layers)} x "
+            f"{dims.n_heads} (attention layers {all_layers}; the result holds {sink.layers}): pass a "
+            "sink_metric result of this model."
+        )
 
 
 def value_norms(
@@ -402,7 +460,9 @@ def value_norms(
     layers = check_attention_layers(model, layers=layers)
     tokens = check_tokens(model, tokens)
     if tokens.shape[1] < 2:
-        raise ValueError(f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}.")
+        raise ValueError(
+            f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}."
+        )
     _check_sink(sink, dims, layers, check_attention_layers(model))
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
@@ -413,12 +473,29 @@ def value_norms(
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "value_norms", result=ValueNorms, order=50, hooks=("v", "pattern"), doc="Value norms on the main kind.",
-    # the attention analyses run on the attention layers (true indices)
-    accumulators=lambda p: [ValueNormsAccumulator(p.model, list(model_facts(p.model).attention_layers),
-                                                  p.tokens.shape[1], kind=p.kind)],
-    sections=(Section("Value norms", "value", 70, tables=(), figures=(
-        ("analysis.figures.value_norms:plot_value_norms", "|v_1| and mean |v_j| per layer"),
-        ("analysis.figures.value_norms:plot_value_alpha", "|v_1| / |v_j| against alpha_1, per KV head"))),),
-    exports=("value_norms",)))
+register(
+    Analysis(
+        "value_norms",
+        result=ValueNorms,
+        order=50,
+        hooks=("v", "pattern"),
+        doc="Value norms on the main kind.",
+        # the attention analyses run on the attention layers (true indices)
+        accumulators=lambda p: [
+            ValueNormsAccumulator(p.model, list(model_facts(p.model).attention_layers), p.tokens.shape[1], kind=p.kind)
+        ],
+        sections=(
+            Section(
+                "Value norms",
+                "value",
+                70,
+                tables=(),
+                figures=(
+                    ("analysis.figures.value_norms:plot_value_norms", "|v_1| and mean |v_j| per layer"),
+                    ("analysis.figures.value_norms:plot_value_alpha", "|v_1| / |v_j| against alpha_1, per KV head"),
+                ),
+            ),
+        ),
+        exports=("value_norms",),
+    )
+)

@@ -1,5 +1,6 @@
 """Checks the API and the command line share, light enough to run before anything heavy is imported: the sequence
 length (``--T``) and the device (``--device``; torch is imported only to ask for a GPU)."""
+
 from __future__ import annotations
 
 import numbers
@@ -25,15 +26,17 @@ def check_length(T: int, *, minimum: int = 2, why: str = "") -> int:
         T; ValueError, the same message from the API and the CLI, otherwise.
     """
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or int(T) < minimum:
-        reason = why or ("alpha_1 is the attention the queries give the first token: with one token the only query can "
-                         "attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% for any model and input. The "
-                         "paper's probe uses T = 64.")
+        reason = why or (
+            "alpha_1 is the attention the queries give the first token: with one token the only query can "
+            "attend to nothing else, so alpha_1 = 1 and Sink_1 is 100% for any model and input. The "
+            "paper's probe uses T = 64."
+        )
         raise ValueError(f"T (--T, tokens per sequence) must be at least {minimum}; got {T}. {reason}")
     return int(T)
 
 
 def default_device() -> str:
-    """"cuda" when a GPU is available, else "cpu".
+    """ "cuda" when a GPU is available, else "cpu".
 
     Returns
     -------
@@ -65,16 +68,21 @@ def resolve_device(device: str | None) -> str:
     try:
         dev = torch.device(str(device))
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use auto, cpu, cuda, cuda:1 or "
-                         "mps.") from None
+        raise ValueError(
+            f"--device {device!r} is not a device torch knows ({e}); use auto, cpu, cuda, cuda:1 or mps."
+        ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
-                             f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); use "
-                             "--device cpu, or --device auto (the default) to take cuda only where it exists.")
+            raise ValueError(
+                f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
+                f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); use "
+                "--device cpu, or --device auto (the default) to take cuda only where it exists."
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+            raise ValueError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}."
+            )
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
     return str(device)

@@ -2,6 +2,7 @@
 
 Change a default here and every analysis, the report and the command line follow.
 """
+
 from __future__ import annotations
 
 SINK_EPS = 0.3  # alpha_k > eps makes (sample, layer, head) a sink (Gu et al. 2025)

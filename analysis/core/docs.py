@@ -11,6 +11,7 @@ Three ways to say it, by where the functions stand:
 
 A group naming an option its source does not document is an error at import.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -75,27 +76,35 @@ def fill_parameters(target: Callable, source: Callable) -> None:
     lines = (target.__doc__ or "").splitlines()
     at = next((i for i in range(1, len(lines)) if lines[i].strip() == marker), None)
     if at is None or " : " in lines[at - 1]:
-        raise ValueError(f"{target.__qualname__}'s docstring has no group of names over the line {marker!r}; write "
-                         f"the shared names there (see analysis.core.docs).")
+        raise ValueError(
+            f"{target.__qualname__}'s docstring has no group of names over the line {marker!r}; write "
+            f"the shared names there (see analysis.core.docs)."
+        )
     names = [n.strip() for n in lines[at - 1].split(",")]
     indent = lines[at - 1][: len(lines[at - 1]) - len(lines[at - 1].lstrip())]
     entries = parameter_entries(source.__doc__)
     missing = [n for n in names if not any(n in e for e, _ in entries)]
     if missing:
-        raise ValueError(f"{source.__qualname__}'s Parameters do not document {missing}, which "
-                         f"{target.__qualname__} takes from it.")
+        raise ValueError(
+            f"{source.__qualname__}'s Parameters do not document {missing}, which {target.__qualname__} takes from it."
+        )
     taken = [body for e, body in entries if set(e) & set(names)]
-    lines[at - 1: at + 1] = [indent + line if line.strip() else "" for body in taken for line in body]
+    lines[at - 1 : at + 1] = [indent + line if line.strip() else "" for body in taken for line in body]
     lines = _in_signature_order(lines, indent, list(inspect.signature(target).parameters))
     target.__doc__ = "\n".join(lines) + ("\n" if (target.__doc__ or "").endswith("\n") else "")
 
 
 def _in_signature_order(lines: list[str], indent: str, params: list[str]) -> list[str]:
     """The docstring ``lines`` with the entries of its Parameters section in the order of ``params``."""
-    start = next(i for i in range(len(lines) - 1) if lines[i].strip() == "Parameters" and
-                 set(lines[i + 1].strip()) == {"-"}) + 2
-    end = next((i for i in range(start, len(lines) - 1) if lines[i].strip() and set(lines[i + 1].strip()) == {"-"}),
-               len(lines))
+    start = (
+        next(
+            i for i in range(len(lines) - 1) if lines[i].strip() == "Parameters" and set(lines[i + 1].strip()) == {"-"}
+        )
+        + 2
+    )
+    end = next(
+        (i for i in range(start, len(lines) - 1) if lines[i].strip() and set(lines[i + 1].strip()) == {"-"}), len(lines)
+    )
     entries: list[list[str]] = []
     for line in lines[start:end]:
         if line.startswith(indent) and line.strip() and not line[len(indent)].isspace():
@@ -127,9 +136,11 @@ def parameters_from(source: Callable) -> Callable:
     callable
         The decorator; it returns the function unchanged.
     """
+
     def decorate(target: Callable) -> Callable:
         fill_parameters(target, source)
         return target
+
     return decorate
 
 
@@ -147,8 +158,10 @@ def share_parameters(*targets: Callable) -> Callable:
     callable
         The decorator; it returns the source unchanged.
     """
+
     def decorate(source: Callable) -> Callable:
         for target in targets:
             fill_parameters(target, source)
         return source
+
     return decorate

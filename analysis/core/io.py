@@ -1,5 +1,6 @@
 """Files and plain data: atomic writes, strict JSON, dtype names, the cache folder. Used by the CLI, the report, the
 loader, the trainer and notebooks."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ PACKAGE_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"  # the clone's data/ (absent where the wheel is installed)
 EMERGENCE_DIR = DATA_DIR / "emergence"  # the committed emergence grids
 REFERENCE_FORMAT = "attention-sinks-reference"  # the "format" key of a reference model's config.json (analysis.train)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def parse_dtype(dtype, *, default: torch.dtype | None = None) -> torch.dtype | None:
@@ -210,4 +218,3 @@ def cache_dir() -> Path:
     pathlib.Path
     """
     return Path(os.environ.get("ATTENTION_SINKS_CACHE", Path.home() / ".cache" / "attention-sink-lens"))
-

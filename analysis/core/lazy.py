@@ -1,6 +1,7 @@
 """Lazy exports for a package's ``__init__`` (PEP 562): ``from analysis import load_model`` imports the module that
 defines ``load_model`` when the name is first asked for, so that ``python -m analysis --help`` (which runs
 ``analysis/__init__.py`` first) answers before torch, transformers and TransformerLens load."""
+
 from __future__ import annotations
 
 import importlib

@@ -3,6 +3,7 @@
 Peak memory is the process's peak resident memory on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs), or torch.cuda.max_memory_allocated on CUDA.
 """
+
 from __future__ import annotations
 
 import gc

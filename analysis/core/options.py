@@ -17,6 +17,7 @@ to it.
 This module imports nothing heavy: the command line parses and checks before torch loads. Output paths (``--json``,
 ``--csv``, ``--out``) are checked with ``analysis.core.paths.check_output``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,14 +26,20 @@ import sys
 
 from analysis.core.defaults import BACKENDS, CLI_BACKEND, SINK_EPS
 
-CLI_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the weights' and activations' dtype; metrics reduce in float32
+CLI_DTYPES = (
+    "float32",
+    "bfloat16",
+    "float16",
+)  # --dtype: the weights' and activations' dtype; metrics reduce in float32
 DEFAULT_T = 64  # the paper's probe length
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model (analysis.model.loading.DEFAULT_MODEL)
 SINK_N = 100  # `sink --n`: the paper's probe
 REPORT_N = 32  # `report --n`: the sample its published numbers were measured on
 REPORT_MIN_T = 4  # tokens per sequence the report needs
-REPORT_T_WHY = ("The report's attention shares read the queries from the third token on, against the first, previous "
-                "and own keys; the paper's probe uses T = 64.")
+REPORT_T_WHY = (
+    "The report's attention shares read the queries from the third token on, against the first, previous "
+    "and own keys; the paper's probe uses T = 64."
+)
 
 # One help text per shared option name: the option means this in every command that takes it. None: the option names
 # one output, whose help says what each command writes there.
@@ -45,22 +52,22 @@ VOCABULARY = {
     "--n": "sequences per probe (per input kind; paper: 100)",
     "--T": "tokens per sequence, the BOS included (paper: 64)",
     "--seed": "the seed of what the command draws: the probes (sink, report), the stream's text order (stream), the "
-              "calibration draws (quant, a comma list), the initialisation and batches (train; sweep: a comma list)",
+    "calibration draws (quant, a comma list), the initialisation and batches (train; sweep: a comma list)",
     "--eps": "a head sinks on key k when alpha_k > eps (paper: 0.3)",
     "--bos": "put the tokenizer's BOS token first in every sequence (paper: no BOS; the results say whether one is "
-             "first)",
+    "first)",
     "--kv-bits": "bits of the quantised KV cache, comma-separated ('' to leave it out)",
     "--device-map": "'auto', a JSON map {module: device} or a .json file; devices cuda:N / N, cpu, disk (not with "
-                    "--device)",
+    "--device)",
     "--max-memory": "per-device budgets for --device-map auto, e.g. 0=70GiB,cpu=120GiB",
     "--offload-folder": "where weights mapped to 'disk' are kept",
     "--preset": "a named starting configuration (sinklens train --list)",
     "--backend": "what runs the passes: 'auto' (the Hugging Face model in its own attention, no T x T map, wherever it "
-                 "gives what a pass reads; else the bridge), 'transformers', 'transformer_lens' (the bridge's hook "
-                 "points) or 'nnsight' (the same reads inside nnsight traces; the 'remote' extra; docs/remote.md); the "
-                 "JSON records which ran and why",
+    "gives what a pass reads; else the bridge), 'transformers', 'transformer_lens' (the bridge's hook "
+    "points) or 'nnsight' (the same reads inside nnsight traces; the 'remote' extra; docs/remote.md); the "
+    "JSON records which ran and why",
     "--remote": "with --backend nnsight: run the traces on NDIF, for the sink and massive tables (needs NDIF_API_KEY; "
-                "docs/remote.md)",
+    "docs/remote.md)",
     "--json": None,
     "--out": None,
 }
@@ -214,8 +221,10 @@ def check_flags(args) -> None:
         raise ValueError(f"--n must be at least 1 sequence; got {n}.")
     dtype = getattr(args, "dtype", None)
     if dtype is not None and dtype not in CLI_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {dtype!r}. The model runs in that dtype "
-                         "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way.")
+        raise ValueError(
+            f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {dtype!r}. The model runs in that dtype "
+            "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way."
+        )
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1; got {threads}.")

@@ -1,6 +1,7 @@
 """Output paths, checked before any work and written without losing what was there: the light half of
 ``analysis.core.io`` (no torch, numpy or pandas), so that the command line can refuse a bad ``--json`` / ``--out``
 in well under a second."""
+
 from __future__ import annotations
 
 import os
@@ -31,17 +32,22 @@ def check_output(path, *, flag: str, folder: bool = False) -> Path:
     p = Path(path).expanduser()
     what = "folder" if folder else "file"
     if p.exists() and p.is_dir() != folder:
-        raise ValueError(f"{flag} {path}: it exists and is a {'file, not a folder' if folder else 'folder, not a file'}; give the path of a "
-                         f"{what} to write{' (e.g. ' + str(p / ('results.csv' if 'csv' in flag else 'results.json')) + ')' if not folder else ''}.")
+        raise ValueError(
+            f"{flag} {path}: it exists and is a {'file, not a folder' if folder else 'folder, not a file'}; give the path of a "
+            f"{what} to write{' (e.g. ' + str(p / ('results.csv' if 'csv' in flag else 'results.json')) + ')' if not folder else ''}."
+        )
     parent = p if (folder and p.exists()) else p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder, so nothing can be written under it; "
-                         f"give a {what} path under a folder.")
+        raise ValueError(
+            f"{flag} {path}: {parent} is a file, not a folder, so nothing can be written under it; "
+            f"give a {what} path under a folder."
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: the folder {parent} is not writable; give a {what} path in a folder you can "
-                         "write to.")
+        raise ValueError(
+            f"{flag} {path}: the folder {parent} is not writable; give a {what} path in a folder you can write to."
+        )
     return p
 
 
@@ -80,5 +86,7 @@ def write_or_spare(path, write, *, flag: str = "") -> Path:
             where = f"the results were written to {spare} instead"
         except OSError:
             where = "the results are only in what was printed above"
-        raise OutputError(f"could not write {(flag + ' ') if flag else ''}{path} ({type(e).__name__}: {e}); what it "
-                          f"held before is unchanged, and {where}.") from None
+        raise OutputError(
+            f"could not write {(flag + ' ') if flag else ''}{path} ({type(e).__name__}: {e}); what it "
+            f"held before is unchanged, and {where}."
+        ) from None

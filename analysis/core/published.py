@@ -5,14 +5,17 @@ T = 64, on natural, random and repeated tokens (their Table 1), and the natural-
 comparison and of Jamba (every row the paper gives for an open model); a figure the paper does not give is None. Each row names the hub ids (and short names) it matches: :func:`published_sink` finds a model's
 row by the name it was loaded by (a hub id, or a local folder named after one).
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
 
-GU_SOURCE = ("Gu et al. 2025, When Attention Sink Emerges in Language Models (ICLR 2025): Table 1 and the base/chat "
-             "comparison; Sink_1 (%), eps 0.3, T = 64")
+GU_SOURCE = (
+    "Gu et al. 2025, When Attention Sink Emerges in Language Models (ICLR 2025): Table 1 and the base/chat "
+    "comparison; Sink_1 (%), eps 0.3, T = 64"
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,13 @@ class PublishedSink:
     source: str = GU_SOURCE
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "natural": self.natural, "random": self.random, "repeated": self.repeated,
-                "source": self.source}
+        return {
+            "model": self.model,
+            "natural": self.natural,
+            "random": self.random,
+            "repeated": self.repeated,
+            "source": self.source,
+        }
 
 
 GU_TABLE1 = (
@@ -48,13 +56,19 @@ GU_TABLE1 = (
     PublishedSink("Mistral-7B", 97.49, 75.21, 0.00, ("mistralai/Mistral-7B-v0.1", "mistral-7b")),
     PublishedSink("LLaMA2-7B Base", 92.47, 90.13, 0.00, ("meta-llama/Llama-2-7b-hf", "llama-2-7b", "llama2-7b")),
     PublishedSink("LLaMA3-8B Base", 99.02, 91.23, 0.00, ("meta-llama/Meta-Llama-3-8B", "llama-3-8b", "llama3-8b")),
-    PublishedSink("Mistral-7B Instruct", 88.34, None, None, ("mistralai/Mistral-7B-Instruct-v0.1",
-                                                               "mistral-7b-instruct")),
+    PublishedSink(
+        "Mistral-7B Instruct", 88.34, None, None, ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b-instruct")
+    ),
     PublishedSink("LLaMA2-7B Chat", 92.88, None, None, ("meta-llama/Llama-2-7b-chat-hf", "llama-2-7b-chat")),
     PublishedSink("LLaMA2-13B Base", 91.69, None, None, ("meta-llama/Llama-2-13b-hf", "llama-2-13b", "llama2-13b")),
     PublishedSink("LLaMA2-13B Chat", 90.94, None, None, ("meta-llama/Llama-2-13b-chat-hf", "llama-2-13b-chat")),
-    PublishedSink("LLaMA3-8B Instruct", 98.85, None, None, ("meta-llama/Meta-Llama-3-8B-Instruct",
-                                                            "llama-3-8b-instruct", "llama3-8b-instruct")),
+    PublishedSink(
+        "LLaMA3-8B Instruct",
+        98.85,
+        None,
+        None,
+        ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b-instruct", "llama3-8b-instruct"),
+    ),
     PublishedSink("Jamba-v0.1", 88.48, None, None, ("ai21labs/Jamba-v0.1", "jamba-v0.1")),
     PublishedSink("Jamba-1.5 Mini", 87.88, None, None, ("ai21labs/AI21-Jamba-1.5-Mini", "jamba-1.5-mini")),
 )

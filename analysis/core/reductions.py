@@ -11,6 +11,7 @@ float32, one for bfloat16 and float16, four for float64, each a read of the tens
 
 This module imports only torch, math and typing: a later backend (e.g. nnsight's) imports it as it is.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,8 +104,9 @@ def radix_select(x: torch.Tensor, k: torch.Tensor | int, *, bits: int = RADIX_BI
         if shift == nbits - bits:  # the leading digit: signed, shifted into [0, width)
             idx = (digit + width // 2).to(idx_type) + rows
         else:  # only the values whose leading bits equal the prefix chosen so far
-            idx = torch.where((keys >> (shift + bits)) == prefix[:, None], (digit & (width - 1)).to(idx_type) + rows,
-                              S * width)
+            idx = torch.where(
+                (keys >> (shift + bits)) == prefix[:, None], (digit & (width - 1)).to(idx_type) + rows, S * width
+            )
         hist = torch.bincount(idx.flatten(), minlength=S * width + 1)[: S * width].view(S, width)
         cum = hist.cumsum(-1)
         d = (cum <= rank[:, None]).sum(-1)  # the first digit whose running count passes the rank
@@ -254,8 +256,16 @@ def block_rows(B: int, H: int, keys: int, chunk_elements: int) -> int:
     return max(16, int(chunk_elements) // max(1, B * H * keys))
 
 
-def alpha_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale: float, k_max: int, *,
-                   mask: Optional[torch.Tensor] = None, chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
+def alpha_from_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    k_max: int,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """alpha_k for keys 1..k_max: the mean attention key k receives over the queries that can see it, each query
     counted T - k + 1 times (1-based k); entries the mask hides (sliding windows) count as zero attention.
     ``mask``: None (causal) or (B, 1 or H, T, T), boolean (True = attend) or additive float (-inf = hidden).

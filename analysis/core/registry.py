@@ -11,6 +11,7 @@ The registry sits on the bottom floor and imports nothing of the package: the re
 that register (``analysis.report.one_pass.discover``); ``declared()`` reads the declarations from the source, so that
 ``import analysis`` stays light.
 """
+
 from __future__ import annotations
 
 import ast
@@ -107,8 +108,10 @@ class Section:
 
     def __post_init__(self):
         if self.runner is not None and (self.figures or self.tables is not None):
-            raise ValueError(f"section {self.title!r} names a runner, which lays out its own figures and tables: "
-                             "declare figures= and tables= only on a section without one.")
+            raise ValueError(
+                f"section {self.title!r} names a runner, which lays out its own figures and tables: "
+                "declare figures= and tables= only on a section without one."
+            )
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,10 @@ def register(analysis: Analysis) -> Analysis:
         As registered (with its module).
     """
     if analysis.name in _REGISTRY:
-        raise ValueError(f"an analysis named {analysis.name!r} is already registered (by "
-                         f"{_REGISTRY[analysis.name].module}); pick another name or unregister it first.")
+        raise ValueError(
+            f"an analysis named {analysis.name!r} is already registered (by "
+            f"{_REGISTRY[analysis.name].module}); pick another name or unregister it first."
+        )
     if analysis.module == "":
         caller = inspect.currentframe().f_back
         object.__setattr__(analysis, "module", caller.f_globals.get("__name__", "") if caller else "")
@@ -338,9 +343,15 @@ def _declared_exports(tree: ast.Module) -> tuple[str, ...]:
     names: list[str] = []
     for stmt in tree.body:
         call = stmt.value if isinstance(stmt, ast.Expr) else None
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "register"
-                and call.args and isinstance(call.args[0], ast.Call)
-                and isinstance(call.args[0].func, ast.Name) and call.args[0].func.id == "Analysis"):
+        if not (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == "register"
+            and call.args
+            and isinstance(call.args[0], ast.Call)
+            and isinstance(call.args[0].func, ast.Name)
+            and call.args[0].func.id == "Analysis"
+        ):
             continue
         names += [n for kw in call.args[0].keywords if kw.arg == "exports" for n in ast.literal_eval(kw.value)]
     return tuple(names)
@@ -367,6 +378,6 @@ def declared(root: str | Path) -> dict[str, tuple[str, ...]]:
         if not (found := _MARK.search(text)):  # most modules register nothing
             continue
         parts = [root.name, *path.relative_to(root).with_suffix("").parts]
-        tail = ast.parse(text[found.start():])  # the registrations, at the module's bottom: only they are parsed
+        tail = ast.parse(text[found.start() :])  # the registrations, at the module's bottom: only they are parsed
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = _declared_exports(tail)
     return out

@@ -7,6 +7,7 @@ notes), ``text()`` (those sentences joined: what
 the notebooks print) and ``to_dict()`` (strict-JSON-ready). Shares are fractions in [0, 1] everywhere;
 ``_pct`` in a name marks a percentage. Heads named ``kv_head`` are key/value heads (GQA), ``head`` query heads.
 """
+
 from __future__ import annotations
 
 import abc
@@ -78,8 +79,14 @@ class Result(abc.ABC):
             headline = self.findings()[0]
         except Exception:  # a repr never raises: the headline is left out
             headline = ""
-        return short_repr(self, headline=headline, model=self.model_name, kind=self.kind,
-                          N=getattr(self, "n_samples", None), T=getattr(self, "T", None))
+        return short_repr(
+            self,
+            headline=headline,
+            model=self.model_name,
+            kind=self.kind,
+            N=getattr(self, "n_samples", None),
+            T=getattr(self, "T", None),
+        )
 
 
 class MappingResult(dict, Result):
@@ -161,8 +168,10 @@ class LayerAxis:
     def pos(self, layer: int) -> int:
         """The position of true layer index ``layer`` on the layer axis (ValueError if it was not measured)."""
         if int(layer) not in self.layers:
-            raise ValueError(f"layer {layer} was not measured; this result holds layers {self.layers}"
-                             f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}.")
+            raise ValueError(
+                f"layer {layer} was not measured; this result holds layers {self.layers}"
+                f"{' (' + self.skipped.rstrip('.') + ')' if self.skipped else ''}."
+            )
         return self.layers.index(int(layer))
 
     def positions(self, layers: Sequence[int]) -> list[int]:
@@ -252,7 +261,6 @@ def compact_repr(obj, *, width: int = 200) -> str:
     -------
     str
     """
-
 
     parts = []
     for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else []:

@@ -1,4 +1,5 @@
 """Small statistics shared by the analyses (each written once)."""
+
 from __future__ import annotations
 
 import functools

@@ -1,10 +1,20 @@
 """Package versions recorded beside every result."""
+
 from __future__ import annotations
 
 import platform
 from importlib import metadata
 
-PACKAGES = ("attention-sink-lens", "torch", "transformer-lens", "transformers", "gguf", "circuitsvis", "numpy", "scikit-learn")
+PACKAGES = (
+    "attention-sink-lens",
+    "torch",
+    "transformer-lens",
+    "transformers",
+    "gguf",
+    "circuitsvis",
+    "numpy",
+    "scikit-learn",
+)
 
 
 def package_versions() -> dict[str, str]:

@@ -4,6 +4,7 @@ trained model (their figures: ``analysis.figures.training``).
 Used by ``notebooks/07_attention_variants.ipynb``; every function takes ``{label: model}`` and a probe
 (LongTensor (N, T)) and reduces through hooks.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -154,20 +155,27 @@ class MechanismChain(MappingResult):
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
         dims = [(s, int(d)) for s, ds in self.get("spike_dims", {}).items() for d in ds]
-        return {**super().tables, "spike_dims": pd.DataFrame(dims, columns=["stream", "dim"]),
-                "sink_kv_heads": pd.DataFrame(self.get("sink_kv_heads", []), columns=["layer", "kv_head"])}
+        return {
+            **super().tables,
+            "spike_dims": pd.DataFrame(dims, columns=["stream", "dim"]),
+            "sink_kv_heads": pd.DataFrame(self.get("sink_kv_heads", []), columns=["layer", "kv_head"]),
+        }
 
     def findings(self) -> list[str]:
-        out = [f"Sink_1 is {self['sink_1']:.1f}% (eps {self.eps:g}); the first token's largest activation is "
-               f"{self['spike_ratio_token']:.3g}x its own median |a| and {self['spike_ratio_sequence']:.3g}x the "
-               "median of the sample's hidden state."]
+        out = [
+            f"Sink_1 is {self['sink_1']:.1f}% (eps {self.eps:g}); the first token's largest activation is "
+            f"{self['spike_ratio_token']:.3g}x its own median |a| and {self['spike_ratio_sequence']:.3g}x the "
+            "median of the sample's hidden state."
+        ]
         heads = self.get("sink_kv_heads", [])
         if heads:
-            out.append(f"In the {len(heads)} sink KV heads the first token's value norm is "
-                       f"{self['value_ratio_sink_heads']:.2f}x the others' (other heads: "
-                       f"{self['value_ratio_other_heads']:.2f}x); its key lies {self['key_offsub_z']:.1f}x a typical "
-                       f"key's distance off the other keys' subspace, and queries meet it at a mean cosine of "
-                       f"{self['cos_q_k1']:.2f} (other keys: {self['cos_q_kj']:.2f}).")
+            out.append(
+                f"In the {len(heads)} sink KV heads the first token's value norm is "
+                f"{self['value_ratio_sink_heads']:.2f}x the others' (other heads: "
+                f"{self['value_ratio_other_heads']:.2f}x); its key lies {self['key_offsub_z']:.1f}x a typical "
+                f"key's distance off the other keys' subspace, and queries meet it at a mean cosine of "
+                f"{self['cos_q_k1']:.2f} (other keys: {self['cos_q_kj']:.2f})."
+            )
         else:
             out.append(f"No KV head has alpha_1 above {self.eps:g}, so the value and key links have no sink head.")
         out.append(f"Zeroing the first token's spike dims leaves Sink_1 at {self['sink_1_spike_zeroed']:.1f}%.")
@@ -175,8 +183,15 @@ class MechanismChain(MappingResult):
 
 
 @torch.no_grad()
-def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_SMALL,
-                    dims: Sequence[int] | None = None, heads: Sequence[tuple[int, int]] | None = None) -> MechanismChain:
+def mechanism_chain(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    *,
+    eps: float = SINK_EPS,
+    ratio: float = SPIKE_RATIO_SMALL,
+    dims: Sequence[int] | None = None,
+    heads: Sequence[tuple[int, int]] | None = None,
+) -> MechanismChain:
     """The sink's mechanism, link by link, measured with the package's analyses on one model:
 
     - ``sink_1``: Sink_1 (%) (``analysis.sinks.metric``);
@@ -218,8 +233,9 @@ def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK
         A dict of the links above (``chain["sink_1"]``), with the result protocol (``text()``, ``to_dict()``).
     """
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
-    out = MechanismChain({"sink_1": sink.sink_rate(1)}, eps=eps, model_name=getattr(model, "model_name", None),
-                         n_samples=tokens.shape[0])
+    out = MechanismChain(
+        {"sink_1": sink.sink_rate(1)}, eps=eps, model_name=getattr(model, "model_name", None), n_samples=tokens.shape[0]
+    )
     out.update(_spike_links(model, tokens, ratio))
     streams = out["spike_dims"]
     vn = value_norms(model, tokens, sink=sink)
@@ -231,15 +247,21 @@ def mechanism_chain(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK
     out["sink_kv_heads"] = sink_kv_heads(vn, eps)
     km = first_key_manifold(model, tokens)
     sk = km.summary()["sink"]
-    out.update({k: float("nan") if sk[c] is None else sk[c]
-                for k, c in (("key_offsub_z", "offsub_z"), ("cos_q_k1", "cos_q_k1"), ("cos_q_kj", "cos_q_kj"))})
+    out.update(
+        {
+            k: float("nan") if sk[c] is None else sk[c]
+            for k, c in (("key_offsub_z", "offsub_z"), ("cos_q_k1", "cos_q_k1"), ("cos_q_kj", "cos_q_kj"))
+        }
+    )
     if heads is not None:
         out["value_ratio_heads"] = _over_heads(vt, heads, "ratio", "median")
         for k in ("offsub_z", "cos_q_k1", "cos_q_kj"):
             out[f"{'key_' if k == 'offsub_z' else ''}{k}_heads"] = _over_heads(km.table, heads, k)
     if dims is not None:
-        hooks = [(name, _zero_first_token_dims(list(dims))) for name in
-                 ["hook_embed"] + [act_name("resid_post", l) for l in range(model_dims(model).n_layers)]]
+        hooks = [
+            (name, _zero_first_token_dims(list(dims)))
+            for name in ["hook_embed"] + [act_name("resid_post", l) for l in range(model_dims(model).n_layers)]
+        ]
     else:
         hooks = [("hook_embed" if s == "embed" else s, _zero_first_token_dims(d)) for s, d in streams.items()]
     if hooks:
@@ -257,8 +279,15 @@ def _spike_links(model: SinkModel, tokens: torch.Tensor, ratio: float) -> dict:
     for hook in ("resid_pre", "resid_post"):
         layers = [0] if hook == "resid_pre" else None
         for median_over in ("token", "sequence"):
-            ma = massive_activations(model, tokens, layers=layers, hook=hook, median_over=median_over,
-                                     abs_threshold=0.0, ratio_threshold=ratio)
+            ma = massive_activations(
+                model,
+                tokens,
+                layers=layers,
+                hook=hook,
+                median_over=median_over,
+                abs_threshold=0.0,
+                ratio_threshold=ratio,
+            )
             ref = ma.first_abs.amax(-1)  # (L,) mean over samples of |a| of the first token's largest dim
             if median_over == "token":
                 med = ma.first_abs.median(-1).values  # the first token's own median |a|

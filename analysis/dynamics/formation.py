@@ -24,6 +24,7 @@ runs this over every snapshot (and the final model) of several runs and finds, p
 where the link meets its criterion (:data:`ONSETS`) and the first step where it is half-way from its first value to
 its final value, so that the order does not hinge on one threshold.
 """
+
 from __future__ import annotations
 
 import ast
@@ -56,22 +57,34 @@ from analysis.causal.writer_cuts import spike_cuts
 # The thresholds of formation (which dims are followed, the writer and cut floors, the onset criteria of ONSETS) are
 # defaults: analysis.core.defaults documents each.
 from analysis.core.defaults import (
-    COS_ONSET, CUT_MIN_SINK_PCT, CUT_ONSET_KEPT, HALF_WAY, KEY_ONSET_Z, N_RANDOM_CUT, NORM_ONSET_SHARE, SINK_ONSET_PCT,
-    SPIKE_ONSET_RATIO, SPIKE_RATIO_FOLLOW, VALUE_ONSET_RATIO, WRITER_MIN_RATIO, WRITER_ONSET_NEURONS,
-    WRITER_ONSET_SHARE)
+    COS_ONSET,
+    CUT_MIN_SINK_PCT,
+    CUT_ONSET_KEPT,
+    HALF_WAY,
+    KEY_ONSET_Z,
+    N_RANDOM_CUT,
+    NORM_ONSET_SHARE,
+    SINK_ONSET_PCT,
+    SPIKE_ONSET_RATIO,
+    SPIKE_RATIO_FOLLOW,
+    VALUE_ONSET_RATIO,
+    WRITER_MIN_RATIO,
+    WRITER_ONSET_NEURONS,
+    WRITER_ONSET_SHARE,
+)
 
 # Every link of the long table, in the order of the chain, with what it measures.
 LINKS: dict[str, str] = {
     "sink_1": f"Sink_1 (%), eps {SINK_EPS:g}",
     "spike_ratio": "the followed dims' largest mean |a| on the first token entering the sink layer over the first "
-                   "token's median mean |a| there",
+    "token's median mean |a| there",
     "spike_ratio_token": "the first token's largest |a| over its own median |a|, any dim, largest over the streams",
     "spike_ratio_sequence": "the same over the median |a| of the sample's whole hidden state",
     "writer_block": "the block whose write (in the spike's sign) onto the main dim before the sink layer is the "
-                    "largest (-1: the embedding; NaN: none, or the main dim under the first token's median |a|)",
+    "largest (-1: the embedding; NaN: none, or the main dim under the first token's median |a|)",
     "writer_mlp": "1 when that write is an MLP's, 0 when it is the embedding's or an attention's",
     "mlp_write_share": "the largest MLP write onto the main dim before the sink layer over the value the sink layer "
-                       "reads",
+    "reads",
     "writer_neurons_90": "the fewest neurons carrying 90% of that MLP's write",
     "norm_share": "the followed dims' share of the first token's |x|^2 after the norm and its gain at the sink layer",
     "norm_share_other": "the same for ordinary tokens",
@@ -128,27 +141,71 @@ class Criterion:
 
 
 ONSETS: tuple[Criterion, ...] = (
-    Criterion("spike_ratio", ">=", SPIKE_ONSET_RATIO, "spike",
-              f"the followed dims reach {SPIKE_ONSET_RATIO:g}x the first token's median entering the sink layer"),
-    Criterion("mlp_write_share", ">=", WRITER_ONSET_SHARE, "MLP writer",
-              f"one MLP writes at least {WRITER_ONSET_SHARE:.0%} of the main spike dim's first-token value the sink "
-              "layer reads"),
-    Criterion("writer_neurons_90", "<=", WRITER_ONSET_NEURONS, "few writer neurons",
-              f"at most {WRITER_ONSET_NEURONS} neurons carry 90% of that MLP's write"),
-    Criterion("norm_share", ">=", NORM_ONSET_SHARE, "norm share",
-              f"the spike dims hold at least {NORM_ONSET_SHARE:.0%} of the first token's |x|^2 after the norm and "
-              "gain"),
-    Criterion("key_offsub_z_final_heads", ">=", KEY_ONSET_Z, "key off-subspace",
-              f"k_1 lies at least {KEY_ONSET_Z:g}x as far off the other keys' subspace as a typical key"),
-    Criterion("cos_q_k1_final_heads", ">=", COS_ONSET, "query-key alignment",
-              f"queries meet k_1 at a mean cosine of at least {COS_ONSET:g}"),
-    Criterion("value_ratio_final_heads", "<=", VALUE_ONSET_RATIO, "small value",
-              f"|v_1| is at most {VALUE_ONSET_RATIO:g}x the mean |v_j|"),
+    Criterion(
+        "spike_ratio",
+        ">=",
+        SPIKE_ONSET_RATIO,
+        "spike",
+        f"the followed dims reach {SPIKE_ONSET_RATIO:g}x the first token's median entering the sink layer",
+    ),
+    Criterion(
+        "mlp_write_share",
+        ">=",
+        WRITER_ONSET_SHARE,
+        "MLP writer",
+        f"one MLP writes at least {WRITER_ONSET_SHARE:.0%} of the main spike dim's first-token value the sink "
+        "layer reads",
+    ),
+    Criterion(
+        "writer_neurons_90",
+        "<=",
+        WRITER_ONSET_NEURONS,
+        "few writer neurons",
+        f"at most {WRITER_ONSET_NEURONS} neurons carry 90% of that MLP's write",
+    ),
+    Criterion(
+        "norm_share",
+        ">=",
+        NORM_ONSET_SHARE,
+        "norm share",
+        f"the spike dims hold at least {NORM_ONSET_SHARE:.0%} of the first token's |x|^2 after the norm and gain",
+    ),
+    Criterion(
+        "key_offsub_z_final_heads",
+        ">=",
+        KEY_ONSET_Z,
+        "key off-subspace",
+        f"k_1 lies at least {KEY_ONSET_Z:g}x as far off the other keys' subspace as a typical key",
+    ),
+    Criterion(
+        "cos_q_k1_final_heads",
+        ">=",
+        COS_ONSET,
+        "query-key alignment",
+        f"queries meet k_1 at a mean cosine of at least {COS_ONSET:g}",
+    ),
+    Criterion(
+        "value_ratio_final_heads",
+        "<=",
+        VALUE_ONSET_RATIO,
+        "small value",
+        f"|v_1| is at most {VALUE_ONSET_RATIO:g}x the mean |v_j|",
+    ),
     Criterion("sink_1", ">=", SINK_ONSET_PCT, "sink", f"Sink_1 reaches {SINK_ONSET_PCT:g}%"),
-    Criterion("cut_kept", "<=", CUT_ONSET_KEPT, "writer cut",
-              f"zeroing the writer neurons on the first token keeps at most {CUT_ONSET_KEPT:.0%} of Sink_1"),
-    Criterion("zero_kept", "<=", CUT_ONSET_KEPT, "spike zeroed",
-              f"zeroing the spike dims on the first token keeps at most {CUT_ONSET_KEPT:.0%} of Sink_1"),
+    Criterion(
+        "cut_kept",
+        "<=",
+        CUT_ONSET_KEPT,
+        "writer cut",
+        f"zeroing the writer neurons on the first token keeps at most {CUT_ONSET_KEPT:.0%} of Sink_1",
+    ),
+    Criterion(
+        "zero_kept",
+        "<=",
+        CUT_ONSET_KEPT,
+        "spike zeroed",
+        f"zeroing the spike dims on the first token keeps at most {CUT_ONSET_KEPT:.0%} of Sink_1",
+    ),
 )
 
 
@@ -186,7 +243,9 @@ class Followed:
     found: bool = True
 
 
-def follow_final(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW) -> Followed:
+def follow_final(
+    model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW
+) -> Followed:
     """The sink layer, spike dims and sink heads of ``model`` (a run's final model) on ``tokens``.
 
     Parameters
@@ -204,8 +263,9 @@ def follow_final(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EP
     -------
     Followed
     """
-    ma = massive_activations(model, tokens, hook="resid_pre", median_over="token", abs_threshold=0.0,
-                             ratio_threshold=ratio)
+    ma = massive_activations(
+        model, tokens, hook="resid_pre", median_over="token", abs_threshold=0.0, ratio_threshold=ratio
+    )
     sink = sink_metric(model, tokens, eps=eps, k_max=1)
     read_by = {l - 1: ds for l, ds in ma.first_token_dims.items() if l >= 1}  # resid_post numbering
     layer = choose_layer(sink, read_by, len(ma.layers))
@@ -259,8 +319,15 @@ class ChainLinks(tuple, Result):
         ``links`` (link, value, what it measures) and ``writes``.
     """
 
-    def __new__(cls, links: dict, writes: pd.DataFrame, *, model_name: str | None = None, n_samples: int = 0,
-                kind: str | None = None):
+    def __new__(
+        cls,
+        links: dict,
+        writes: pd.DataFrame,
+        *,
+        model_name: str | None = None,
+        n_samples: int = 0,
+        kind: str | None = None,
+    ):
         self = super().__new__(cls, (links, writes))
         self.model_name, self.n_samples, self.kind = model_name, int(n_samples), kind
         return self
@@ -278,22 +345,38 @@ class ChainLinks(tuple, Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"links": pd.DataFrame({"link": list(self.links), "value": list(self.links.values()),
-                                       "measures": [LINKS.get(k, "") for k in self.links]}),
-                "writes": self.writes}
+        return {
+            "links": pd.DataFrame(
+                {
+                    "link": list(self.links),
+                    "value": list(self.links.values()),
+                    "measures": [LINKS.get(k, "") for k in self.links],
+                }
+            ),
+            "writes": self.writes,
+        }
 
     def findings(self) -> list[str]:
         g = {k: float(self.links.get(k, float("nan"))) for k in LINKS}
-        return [f"Sink_1 is {g['sink_1']:.1f}%, and the followed dims reach {g['spike_ratio']:.1f}x the first token's "
-                f"median |a| entering the sink layer; after the norm and its gain they hold {g['norm_share']:.2f} of "
-                f"its |x|^2 (ordinary tokens: {g['norm_share_other']:.2f}).",
-                f"Cutting the writer neurons keeps {g['cut_kept']:.2f} of Sink_1 (as many random neurons: "
-                f"{g['cut_kept_random']:.2f}), and zeroing the followed dims keeps {g['zero_kept']:.2f}."]
+        return [
+            f"Sink_1 is {g['sink_1']:.1f}%, and the followed dims reach {g['spike_ratio']:.1f}x the first token's "
+            f"median |a| entering the sink layer; after the norm and its gain they hold {g['norm_share']:.2f} of "
+            f"its |x|^2 (ordinary tokens: {g['norm_share_other']:.2f}).",
+            f"Cutting the writer neurons keeps {g['cut_kept']:.2f} of Sink_1 (as many random neurons: "
+            f"{g['cut_kept_random']:.2f}), and zeroing the followed dims keeps {g['zero_kept']:.2f}.",
+        ]
 
 
 @torch.no_grad()
-def chain_links(model: SinkModel, tokens: torch.Tensor, follow: Followed, *, eps: float = SINK_EPS, n_random: int = N_RANDOM_CUT,
-                seed: int = 0) -> ChainLinks:
+def chain_links(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    follow: Followed,
+    *,
+    eps: float = SINK_EPS,
+    n_random: int = N_RANDOM_CUT,
+    seed: int = 0,
+) -> ChainLinks:
     """Every link of the chain (:data:`LINKS`) on one model, following ``follow`` (the final model's dims and heads).
 
     Parameters
@@ -324,13 +407,31 @@ def chain_links(model: SinkModel, tokens: torch.Tensor, follow: Followed, *, eps
     ng = norm_gain_trace(model, tokens, layer=follow.sink_layer, spike_dims=follow.dims)
     first = origin.trace.resid[:, follow.sink_layer]  # (N, D): the first token entering the sink layer
     first_abs = first.abs().mean(0)
-    out = {k: float(chain[k]) for k in ("sink_1", "spike_ratio_token", "spike_ratio_sequence", "key_offsub_z",
-                                         "cos_q_k1", "cos_q_kj", "value_ratio_sink_heads", "value_ratio_other_heads",
-                                         "sink_1_spike_zeroed")}
+    out = {
+        k: float(chain[k])
+        for k in (
+            "sink_1",
+            "spike_ratio_token",
+            "spike_ratio_sequence",
+            "key_offsub_z",
+            "cos_q_k1",
+            "cos_q_kj",
+            "value_ratio_sink_heads",
+            "value_ratio_other_heads",
+            "sink_1_spike_zeroed",
+        )
+    }
     ratios = first_abs / first_abs.median().clamp_min(TINY)
     out["spike_ratio"] = float(ratios[follow.dims].max())
-    out.update(_writer(origin, follow.main_dim, follow.sink_layer, float(first[:, follow.main_dim].mean()),
-                       float(ratios[follow.main_dim])))
+    out.update(
+        _writer(
+            origin,
+            follow.main_dim,
+            follow.sink_layer,
+            float(first[:, follow.main_dim].mean()),
+            float(ratios[follow.main_dim]),
+        )
+    )
     st = ng.stages.set_index("stage")
     out.update(norm_share=float(st.loc["gain", "first_share"]), norm_share_other=float(st.loc["gain", "other_share"]))
     out.update({f"{k}_final_heads": float(chain[f"{k}_heads"]) for k in ("key_offsub_z", "cos_q_k1", "cos_q_kj")})
@@ -342,11 +443,16 @@ def chain_links(model: SinkModel, tokens: torch.Tensor, follow: Followed, *, eps
     named, rnd = (pick(c) for c in ("named", "random"))
     out["sink_1_writers_cut"] = float(named.sink_1_pct_mean.iloc[0]) if len(named) else float("nan")
     out["cut_kept"] = _share_kept(out["sink_1_writers_cut"], out["sink_1"])
-    out["cut_kept_random"] = (_share_kept(float(rnd.sink_1_pct_mean.iloc[0]), out["sink_1"]) if len(rnd)
-                              else float("nan"))
+    out["cut_kept_random"] = (
+        _share_kept(float(rnd.sink_1_pct_mean.iloc[0]), out["sink_1"]) if len(rnd) else float("nan")
+    )
     out["zero_kept"] = _share_kept(out["sink_1_spike_zeroed"], out["sink_1"])
-    return ChainLinks({k: out[k] for k in LINKS}, origin.writes, model_name=getattr(model, "model_name", None),
-                      n_samples=tokens.shape[0])
+    return ChainLinks(
+        {k: out[k] for k in LINKS},
+        origin.writes,
+        model_name=getattr(model, "model_name", None),
+        n_samples=tokens.shape[0],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,9 +482,11 @@ def run_models(run_dir) -> list[tuple[int, Path, bool]]:
         final = int(read_json(run_dir / "config.json").get("final", {}).get("step", max(found, default=0)))
         found[final] = run_dir
     if not found:
-        raise CheckpointError(f"{run_dir} holds no snapshot (snapshots/step-*/model.safetensors) and no final "
-                              "model: train it with --snapshots (e.g. --preset induction), or give a run folder that "
-                              "has them.")
+        raise CheckpointError(
+            f"{run_dir} holds no snapshot (snapshots/step-*/model.safetensors) and no final "
+            "model: train it with --snapshots (e.g. --preset induction), or give a run folder that "
+            "has them."
+        )
     last = final if final is not None else max(found)
     return [(s, found[s], s == last) for s in sorted(found)]
 
@@ -422,10 +530,21 @@ def onset_table(formation: pd.DataFrame, criteria: Sequence[Criterion] = ONSETS)
                 with np.errstate(invalid="ignore"):
                     hit = np.flatnonzero(progress >= HALF_WAY)
                 half = float(steps[hit[0]]) if len(hit) else float("nan")
-            rows.append({"run": run, "attention": att, "seed": seed, "link": c.link, "name": c.name,
-                         "criterion": c.text, "onset_step": float(steps[met][0]) if met.any() else float("nan"),
-                         "half_step": half, "first_value": v[finite[0]] if len(finite) else float("nan"),
-                         "final_value": final, "final_step": float(steps[-1]) if len(steps) else float("nan")})
+            rows.append(
+                {
+                    "run": run,
+                    "attention": att,
+                    "seed": seed,
+                    "link": c.link,
+                    "name": c.name,
+                    "criterion": c.text,
+                    "onset_step": float(steps[met][0]) if met.any() else float("nan"),
+                    "half_step": half,
+                    "first_value": v[finite[0]] if len(finite) else float("nan"),
+                    "final_value": final,
+                    "final_step": float(steps[-1]) if len(steps) else float("nan"),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -487,8 +606,9 @@ class FormationOrder(Result):
 
     def wide(self) -> pd.DataFrame:
         """One row per (run, step), one column per link."""
-        wide = self.formation.pivot_table(index=["run", "attention", "seed", "step"], columns="link", values="value",
-                                          dropna=False)
+        wide = self.formation.pivot_table(
+            index=["run", "attention", "seed", "step"], columns="link", values="value", dropna=False
+        )
         wide = wide[self.formation.groupby(["run", "attention", "seed", "step"]).size().reindex(wide.index).notna()]
         return wide[[k for k in LINKS if k in wide.columns]].reset_index()
 
@@ -511,20 +631,24 @@ class FormationOrder(Result):
         out = []
         if len(order):
             parts = [f"{crit[k].says} at {_steps_text(on[on.name == k].onset_step)}" for k in order.index]
-            out.append(f"Over {runs_text}, the links form in this order (the first snapshot meeting each criterion; "
-                       f"median over runs, range in parentheses): {'; '.join(parts)}.")
+            out.append(
+                f"Over {runs_text}, the links form in this order (the first snapshot meeting each criterion; "
+                f"median over runs, range in parentheses): {'; '.join(parts)}."
+            )
         never = [k for k in by.groups if not reached[k]]
         if never and n == 1:
             out.append(f"Not reached in that run: {'; '.join(crit[k].says for k in never)}.")
         elif never:
-            parts = [f"{crit[k].says} (reached in {int(on[on.name == k].onset_step.notna().sum())} of {n})"
-                     for k in never]
+            parts = [
+                f"{crit[k].says} (reached in {int(on[on.name == k].onset_step.notna().sum())} of {n})" for k in never
+            ]
             out.append(f"Not reached in every one of the {runs_text}: {'; '.join(parts)}.")
         half = by.half_step.median().dropna().sort_values(kind="stable")
         if len(half):
             parts = [f"{crit[k].name} at {_steps_text(on[on.name == k].half_step)}" for k in half.index]
-            out.append(f"Half-way from its first value to its final one, each link comes in this order: "
-                       f"{'; '.join(parts)}.")
+            out.append(
+                f"Half-way from its first value to its final one, each link comes in this order: {'; '.join(parts)}."
+            )
         out += self._questions(on, runs, attention)
         return " ".join(out)
 
@@ -539,17 +663,21 @@ class FormationOrder(Result):
             same = sum(spike[r] == sink[r] for r in both)
             hs, hk = col("spike", "half_step"), col("sink", "half_step")
             defined = [r for r in runs if not (np.isnan(hs[r]) or np.isnan(hk[r]))]
-            out.append(f"The spike reaches {SPIKE_ONSET_RATIO:g}x before Sink_1 reaches {SINK_ONSET_PCT:g}% in "
-                       f"{before} of {len(both)} {attention} runs where both form ({same} at the same snapshot); "
-                       f"half-way to their final values, the spike comes first in "
-                       f"{sum(hs[r] < hk[r] for r in defined)} of {len(defined)}.")
+            out.append(
+                f"The spike reaches {SPIKE_ONSET_RATIO:g}x before Sink_1 reaches {SINK_ONSET_PCT:g}% in "
+                f"{before} of {len(both)} {attention} runs where both form ({same} at the same snapshot); "
+                f"half-way to their final values, the spike comes first in "
+                f"{sum(hs[r] < hk[r] for r in defined)} of {len(defined)}."
+            )
         elif len(runs):
-            out.append(f"In no {attention} run do both the spike ({SPIKE_ONSET_RATIO:g}x) and the sink "
-                       f"(Sink_1 {SINK_ONSET_PCT:g}%) form, so their order is not defined.")
-        for name, onset, says in (("MLP writer", writer, f"an MLP writes at least {WRITER_ONSET_SHARE:.0%} of the "
-                                   "main spike dim"),
-                                  ("few writer neurons", few, f"at most {WRITER_ONSET_NEURONS} of its neurons carry "
-                                   "90% of that write")):
+            out.append(
+                f"In no {attention} run do both the spike ({SPIKE_ONSET_RATIO:g}x) and the sink "
+                f"(Sink_1 {SINK_ONSET_PCT:g}%) form, so their order is not defined."
+            )
+        for name, onset, says in (
+            ("MLP writer", writer, f"an MLP writes at least {WRITER_ONSET_SHARE:.0%} of the main spike dim"),
+            ("few writer neurons", few, f"at most {WRITER_ONSET_NEURONS} of its neurons carry 90% of that write"),
+        ):
             has = [r for r in runs if not np.isnan(onset[r])]
             if not has:
                 continue
@@ -558,10 +686,12 @@ class FormationOrder(Result):
             no_spike = sum(bool(np.isnan(spike[r])) for r in has)
             spread = f" (range {min(ratios):.1f}-{max(ratios):.1f}x)" if len(ratios) > 1 else ""
             tail = f"; the spike never reaches it in {no_spike}" if no_spike else ""
-            out.append(f"{says[0].upper() + says[1:]} from {_steps_text(pd.Series([onset[r] for r in has]))}, while "
-                       f"the followed dims are {np.median(ratios):.1f}x the first token's median{spread}: earlier than "
-                       f"the spike reaches {SPIKE_ONSET_RATIO:g}x in {early} of {len(has)} {attention} runs where it "
-                       f"happens{tail}.")
+            out.append(
+                f"{says[0].upper() + says[1:]} from {_steps_text(pd.Series([onset[r] for r in has]))}, while "
+                f"the followed dims are {np.median(ratios):.1f}x the first token's median{spread}: earlier than "
+                f"the spike reaches {SPIKE_ONSET_RATIO:g}x in {early} of {len(has)} {attention} runs where it "
+                f"happens{tail}."
+            )
         return out
 
     def findings(self) -> list[str]:
@@ -570,22 +700,47 @@ class FormationOrder(Result):
             return ["No run was measured."]
         parts = [self.attention_text(a) for a in dict.fromkeys(self.onsets.attention)]
         f = self.followed
-        parts.append("Each snapshot follows its final model's spike dims, sink layer and sink heads (" + "; ".join(
-            f"{r.run}: dims {r.dims} entering layer {r.sink_layer}, {len(r.sink_heads)} sink KV heads"
-            for r in f.itertuples()) + ").")
+        parts.append(
+            "Each snapshot follows its final model's spike dims, sink layer and sink heads ("
+            + "; ".join(
+                f"{r.run}: dims {r.dims} entering layer {r.sink_layer}, {len(r.sink_heads)} sink KV heads"
+                for r in f.itertuples()
+            )
+            + ")."
+        )
         return [p for p in parts if p] + self.notes
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "probe_seed": self.probe_seed, "T": self.T,
-                         "seconds_per_model": self.seconds_per_model, "links": LINKS,
-                         "criteria": [{"link": c.link, "op": c.op, "threshold": c.threshold, "name": c.name,
-                                       "says": c.says} for c in ONSETS],
-                         **self.tables, "notes": self.notes, "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "probe_seed": self.probe_seed,
+                "T": self.T,
+                "seconds_per_model": self.seconds_per_model,
+                "links": LINKS,
+                "criteria": [
+                    {"link": c.link, "op": c.op, "threshold": c.threshold, "name": c.name, "says": c.says}
+                    for c in ONSETS
+                ],
+                **self.tables,
+                "notes": self.notes,
+                "text": self.text(),
+            }
+        )
 
 
-def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int = 100, probe_len: int = 64,
-                    eps: float = SINK_EPS, ratio: float = SPIKE_RATIO_FOLLOW, n_random: int = N_RANDOM_CUT,
-                    device: str | None = "cpu", progress: Callable[[str], None] | None = None) -> FormationOrder:
+def formation_order(
+    run_dirs: Sequence,
+    *,
+    probe_seed: int = 2024,
+    n_probe: int = 100,
+    probe_len: int = 64,
+    eps: float = SINK_EPS,
+    ratio: float = SPIKE_RATIO_FOLLOW,
+    n_random: int = N_RANDOM_CUT,
+    device: str | None = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> FormationOrder:
     """The chain's links along training in each run, and the order in which they form.
 
     Parameters
@@ -629,19 +784,41 @@ def formation_order(run_dirs: Sequence, *, probe_seed: int = 2024, n_probe: int 
             complete = (Path(run_dir) / "model.safetensors").is_file()
             notes += _run_notes(run, final_step, follow, complete=complete, ratio=ratio)
             tag = {"run": run, "attention": att, "seed": seed}
-            got = _links_along_training(models, final, tokens, follow, tag, eps=eps, n_random=n_random, device=device,
-                                        progress=progress)
+            got = _links_along_training(
+                models, final, tokens, follow, tag, eps=eps, n_random=n_random, device=device, progress=progress
+            )
             rows, writes, times = rows + got[0], writes + got[1], times + got[2]
-            followed.append({"run": run, "attention": att, "seed": seed, "final_step": final_step, "complete": complete,
-                             "sink_layer": follow.sink_layer, "dims": follow.dims, "main_dim": follow.main_dim,
-                             "dims_found": follow.found, "sink_heads": follow.heads, "n_models": len(models),
-                             "seconds": time.perf_counter() - t_run})
+            followed.append(
+                {
+                    "run": run,
+                    "attention": att,
+                    "seed": seed,
+                    "final_step": final_step,
+                    "complete": complete,
+                    "sink_layer": follow.sink_layer,
+                    "dims": follow.dims,
+                    "main_dim": follow.main_dim,
+                    "dims_found": follow.found,
+                    "sink_heads": follow.heads,
+                    "n_models": len(models),
+                    "seconds": time.perf_counter() - t_run,
+                }
+            )
     formation = pd.DataFrame(rows)
     cols = ["run", "attention", "seed", "step", "dim", "role", "component", "block", "write", "share"]
     writes = pd.concat(writes, ignore_index=True)[cols] if writes else pd.DataFrame(columns=cols)
-    return FormationOrder(formation, onset_table(formation), pd.DataFrame(followed), writes, int(probe_seed), int(N),
-                          int(T), float(np.mean(times)), model_name=", ".join(Path(r).name for r in run_dirs),
-                          notes=notes)
+    return FormationOrder(
+        formation,
+        onset_table(formation),
+        pd.DataFrame(followed),
+        writes,
+        int(probe_seed),
+        int(N),
+        int(T),
+        float(np.mean(times)),
+        model_name=", ".join(Path(r).name for r in run_dirs),
+        notes=notes,
+    )
 
 
 def _run_notes(run: str, final_step: int, follow, *, complete: bool, ratio: float) -> list[str]:
@@ -651,13 +828,25 @@ def _run_notes(run: str, final_step: int, follow, *, complete: bool, ratio: floa
     if not complete:
         notes.append(f"Run {run} has no final model yet: its last snapshot (step {final_step:,}) stands in.")
     if not follow.found:
-        notes.append(f"In run {run} no first-token dim reaches {ratio:g}x the median entering layer "
-                     f"{follow.sink_layer}: its largest, dim {follow.main_dim}, is followed.")
+        notes.append(
+            f"In run {run} no first-token dim reaches {ratio:g}x the median entering layer "
+            f"{follow.sink_layer}: its largest, dim {follow.main_dim}, is followed."
+        )
     return notes
 
 
-def _links_along_training(models: list, final, tokens: torch.Tensor, follow, tag: dict, *, eps: float, n_random: int,
-                          device: str | None, progress: Callable[[str], None] | None) -> tuple[list, list, list]:
+def _links_along_training(
+    models: list,
+    final,
+    tokens: torch.Tensor,
+    follow,
+    tag: dict,
+    *,
+    eps: float,
+    n_random: int,
+    device: str | None,
+    progress: Callable[[str], None] | None,
+) -> tuple[list, list, list]:
     """The chain's links (:func:`chain_links`) of every model of one run (``run_models``: its snapshots, then its
     final model, ``final`` already loaded): the rows of the formation table (each starting with ``tag``: the run,
     its attention and seed), the writes tables and the seconds per model."""
@@ -670,8 +859,10 @@ def _links_along_training(models: list, final, tokens: torch.Tensor, follow, tag
         writes.append(w.assign(**tag, step=step))
         times.append(time.perf_counter() - t0)
         if progress:
-            progress(f"{tag['run']} step {step}: Sink_1 {links['sink_1']:.1f}%, spike {links['spike_ratio']:.1f}x "
-                     f"({times[-1]:.2f} s)")
+            progress(
+                f"{tag['run']} step {step}: Sink_1 {links['sink_1']:.1f}%, spike {links['spike_ratio']:.1f}x "
+                f"({times[-1]:.2f} s)"
+            )
     return rows, writes, times
 
 
@@ -696,9 +887,18 @@ def save_formation(res: FormationOrder, out) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, file in TABLE_FILES.items():
         res.tables[name].to_csv(out / file, index=False)
-    write_json(out / "meta.json", {"probe_seed": res.probe_seed, "n_samples": res.n_samples, "T": res.T,
-                                   "seconds_per_model": res.seconds_per_model, "model_name": res.model_name,
-                                   "notes": res.notes}, indent=2)
+    write_json(
+        out / "meta.json",
+        {
+            "probe_seed": res.probe_seed,
+            "n_samples": res.n_samples,
+            "T": res.T,
+            "seconds_per_model": res.seconds_per_model,
+            "model_name": res.model_name,
+            "notes": res.notes,
+        },
+        indent=2,
+    )
 
 
 def load_formation(folder) -> FormationOrder:
@@ -720,12 +920,22 @@ def load_formation(folder) -> FormationOrder:
         folder = EMERGENCE_DIR / folder
     missing = [f for f in (*TABLE_FILES.values(), "meta.json") if not (folder / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder} lacks {missing}: write it with scripts/formation_order.py RUNS --out "
-                                f"{folder}.")
+        raise FileNotFoundError(
+            f"{folder} lacks {missing}: write it with scripts/formation_order.py RUNS --out {folder}."
+        )
     tables = {name: pd.read_csv(folder / file) for name, file in TABLE_FILES.items()}
     for col in ("dims", "sink_heads"):  # lists, written as their Python text
         tables["followed"][col] = tables["followed"][col].map(ast.literal_eval)
     meta = read_json(folder / "meta.json")
-    return FormationOrder(tables["formation"], tables["onsets"], tables["followed"], tables["writes"],
-                          int(meta["probe_seed"]), int(meta["n_samples"]), int(meta["T"]),
-                          float(meta["seconds_per_model"]), model_name=meta.get("model_name"), notes=meta["notes"])
+    return FormationOrder(
+        tables["formation"],
+        tables["onsets"],
+        tables["followed"],
+        tables["writes"],
+        int(meta["probe_seed"]),
+        int(meta["n_samples"]),
+        int(meta["T"]),
+        float(meta["seconds_per_model"]),
+        model_name=meta.get("model_name"),
+        notes=meta["notes"],
+    )

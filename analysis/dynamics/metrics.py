@@ -10,6 +10,7 @@
   Sun et al.; the full analysis is ``analysis.chain.massive``).
 - ``slot_sink_rate``: Sink on the extra slot of the sink-token and K/KV-bias variants.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,6 +53,7 @@ class FirstTokenStats(Result):
     kind : str or None
         The input kind.
     """
+
     value_norm_ratio: torch.Tensor  # (L,) |v_1| / mean_{j>1} |v_j|
     resid_norm_ratio: torch.Tensor  # (L,) |h_1| / mean_j |h_j| at hook_resid_post
     raw_first_mass: torch.Tensor  # (L,) mean over heads and queries i >= 1 of the raw weight on key 1
@@ -66,21 +68,30 @@ class FirstTokenStats(Result):
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
         cols = ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")
-        return {"layers": pd.DataFrame({"layer": range(len(self.spike_ratio)),
-                                        **{k: getattr(self, k).tolist() for k in cols}})}
+        return {
+            "layers": pd.DataFrame(
+                {"layer": range(len(self.spike_ratio)), **{k: getattr(self, k).tolist() for k in cols}}
+            )
+        }
 
     def findings(self) -> list[str]:
         v, s = self.value_norm_ratio, self.spike_ratio
-        return [f"Over {len(s)} layer{'s' if len(s) > 1 else ''} the first token's value norm is {float(v.min()):.2f}-{float(v.max()):.2f}x "
-                f"the other tokens' (mean {float(v.mean()):.2f}x), and its residual norm at the last layer "
-                f"{float(self.resid_norm_ratio[-1]):.2f}x the mean.",
-                f"It gets a raw attention mass of {float(self.raw_first_mass.mean()):.3f} on average, and its largest "
-                f"activation reaches {float(s.max()):.1f}x the median |h| (layer {int(s.argmax())})."]
+        return [
+            f"Over {len(s)} layer{'s' if len(s) > 1 else ''} the first token's value norm is {float(v.min()):.2f}-{float(v.max()):.2f}x "
+            f"the other tokens' (mean {float(v.mean()):.2f}x), and its residual norm at the last layer "
+            f"{float(self.resid_norm_ratio[-1]):.2f}x the mean.",
+            f"It gets a raw attention mass of {float(self.raw_first_mass.mean()):.3f} on average, and its largest "
+            f"activation reaches {float(s.max()):.1f}x the median |h| (layer {int(s.argmax())}).",
+        ]
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), **{k: [round(float(x), 5) for x in getattr(self, k)]
-                                         for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass",
-                                                   "spike_ratio")}}
+        return {
+            **super().to_dict(),
+            **{
+                k: [round(float(x), 5) for x in getattr(self, k)]
+                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")
+            },
+        }
 
 
 def _device(model):
@@ -126,16 +137,22 @@ def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int
 
     hooks = []
     for l in range(L):
-        hooks += [(f"blocks.{l}.attn.hook_v", reducer("v", l)), (f"blocks.{l}.hook_resid_post", reducer("h", l)),
-                  (f"blocks.{l}.attn.hook_raw_pattern", reducer("raw", l))]
+        hooks += [
+            (f"blocks.{l}.attn.hook_v", reducer("v", l)),
+            (f"blocks.{l}.hook_resid_post", reducer("h", l)),
+            (f"blocks.{l}.attn.hook_raw_pattern", reducer("raw", l)),
+        ]
     was_training = model.training
     model.eval()
     try:
         run_with_reducers(model, tokens, hooks, batch_size=batch_size, stop_after=f"blocks.{L - 1}.hook_resid_post")
     finally:
         model.train(was_training)
-    return FirstTokenStats(*(acc[k].float() / tokens.shape[0] for k in ("v", "h", "raw", "spike")),
-                           model_name=getattr(model, "model_name", None), n_samples=tokens.shape[0])
+    return FirstTokenStats(
+        *(acc[k].float() / tokens.shape[0] for k in ("v", "h", "raw", "spike")),
+        model_name=getattr(model, "model_name", None),
+        n_samples=tokens.shape[0],
+    )
 
 
 @torch.no_grad()
@@ -185,7 +202,9 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
     L = model_facts(model).dims.n_layers
     names = [f"blocks.{l}.attn.hook_sink_pattern" for l in range(L)]
     if names[0] not in model.hook_dict:
-        raise ValueError(f"attention={attention_operation(model)!r} has no extra slot (only sink-token, kv-bias, k-bias).")
+        raise ValueError(
+            f"attention={attention_operation(model)!r} has no extra slot (only sink-token, kv-bias, k-bias)."
+        )
     hits, count = 0.0, 0
 
     def fn(x, hook):  # (B, H, T)
@@ -218,26 +237,40 @@ class WindowSinkRates(MappingResult):
 
     def findings(self) -> list[str]:
         start = self["sink_window_start"]
-        return [f"Sink_1 (eps {self.eps:g}) over the queries that still see the first token is "
-                f"{self['sink_1_in_window']:.1f}%; " + ("no query lies beyond the window." if math.isnan(start) else
-                f"on the oldest key of each later query's window it is {start:.1f}% (Gu et al.: the sink stays on "
-                "the absolute first token).")]
+        return [
+            f"Sink_1 (eps {self.eps:g}) over the queries that still see the first token is "
+            f"{self['sink_1_in_window']:.1f}%; "
+            + (
+                "no query lies beyond the window."
+                if math.isnan(start)
+                else f"on the oldest key of each later query's window it is {start:.1f}% (Gu et al.: the sink stays on "
+                "the absolute first token)."
+            )
+        ]
 
 
 def _window_result(fn):
     """``window_sink_rates`` returning a :class:`WindowSinkRates` (the dict it computes, with the protocol)."""
+
     @functools.wraps(fn)
     def wrapper(model, tokens, **options):
         rates = fn(model, tokens, **options)
-        return WindowSinkRates(rates, eps=options.get("eps", SINK_EPS), model_name=getattr(model, "model_name", None),
-                               n_samples=len(tokens))
+        return WindowSinkRates(
+            rates,
+            eps=options.get("eps", SINK_EPS),
+            model_name=getattr(model, "model_name", None),
+            n_samples=len(tokens),
+        )
+
     return wrapper
 
 
 @parameters_from(slot_sink_rate)
 @_window_result
 @torch.no_grad()
-def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> WindowSinkRates:
+def window_sink_rates(
+    model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64
+) -> WindowSinkRates:
     """Sliding-window models (``sliding_window = w``): where the sink sits when the first token leaves the window.
 
     ``sink_1_in_window``: Sink on key 1 over the queries that still see it (i < w, 0-based), so that the
@@ -274,5 +307,7 @@ def window_sink_rates(model: SinkModel, tokens: torch.Tensor, *, eps: float = SI
 
     names = [f"blocks.{l}.attn.hook_pattern" for l in range(model_facts(model).dims.n_layers)]
     run_with_reducers(model, tokens, [(n, fn) for n in names], batch_size=batch_size, stop_after=names[-1])
-    return {"sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
-            "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan")}
+    return {
+        "sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
+        "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan"),
+    }

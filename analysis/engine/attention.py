@@ -12,6 +12,7 @@ per-key quantity, a band of diagonals, whole rows for a view) are written once a
 computed in blocks of query rows, each block against the keys its rows can see. Under grouped-query attention each
 KV head's keys meet the queries of its group in one product, never repeated per query head.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional
@@ -42,9 +43,17 @@ class AttentionWeights:
         The most scores held at a time.
     """
 
-    def __init__(self, *, pattern: Optional[torch.Tensor] = None, query: Optional[torch.Tensor] = None,
-                 key: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, scale: float = 1.0,
-                 mask: Optional[torch.Tensor] = None, chunk_elements: int = ALPHA_CHUNK_ELEMENTS):
+    def __init__(
+        self,
+        *,
+        pattern: Optional[torch.Tensor] = None,
+        query: Optional[torch.Tensor] = None,
+        key: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        scale: float = 1.0,
+        mask: Optional[torch.Tensor] = None,
+        chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+    ):
         if pattern is None and (query is None or key is None or lse is None):
             raise ValueError("AttentionWeights needs the pattern, or the query, key and log-sum-exp.")
         self.pattern, self.query, self.key, self.lse = pattern, query, key, lse
@@ -68,8 +77,11 @@ class AttentionWeights:
         for s in range(0, T, rows):
             e = min(s + rows, T)
             kc = min(e, keys)
-            sc = (q[..., s:e, :].reshape(B, H_kv, g * (e - s), d) @ k[..., :kc, :].transpose(-1, -2)).view(
-                B, H_kv, g, e - s, kc).mul_(self.scale)
+            sc = (
+                (q[..., s:e, :].reshape(B, H_kv, g * (e - s), d) @ k[..., :kc, :].transpose(-1, -2))
+                .view(B, H_kv, g, e - s, kc)
+                .mul_(self.scale)
+            )
             sc = sc.sub_(lse[..., s:e, None]).exp_()
             hide_scores(sc, s, e, kc, self.mask, 0.0)
             yield s, e, sc.flatten(1, 2)
@@ -107,8 +119,9 @@ class AttentionWeights:
         if self.pattern is not None:
             counts = (T - torch.arange(k_max, device=self.device)).double()
             return (self._pattern(k_max).sum(-2, dtype=torch.float64) / counts).float()
-        return alpha_from_lse(self.query, self.key, self.lse, self.scale, k_max, mask=self.mask,
-                              chunk_elements=self.chunk)
+        return alpha_from_lse(
+            self.query, self.key, self.lse, self.scale, k_max, mask=self.mask, chunk_elements=self.chunk
+        )
 
     def row_sums(self) -> torch.Tensor:
         """Each query's total attention on the input tokens, float32 (B, H, T): 1 less any share on an extra slot

@@ -15,6 +15,7 @@
 - ``auto``: ``transformers`` where it gives every hook and edit the pass asks for on this model, the bridge
   elsewhere. :func:`choose_backend` says which and why; the results record it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,14 @@ from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
 from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import (_refuse_extras, chunked_lse, fused_attention, sink_kernel, state_fallback,
-                                     unsupported_reason)
+from analysis.engine.kernels import (
+    _refuse_extras,
+    chunked_lse,
+    fused_attention,
+    sink_kernel,
+    state_fallback,
+    unsupported_reason,
+)
 
 PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
@@ -136,7 +143,7 @@ def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> 
     inner = unwrap_component(bridged)
     if inner is bridged or id(inner) not in (hf_modules(model) if own is None else own):
         raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
-    return inner, which[len("hook_"):]
+    return inner, which[len("hook_") :]
 
 
 def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
@@ -176,8 +183,14 @@ def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str]
     return None
 
 
-def choose_backend(model: SinkModel, *, backend: str | None = None, names: Iterable[str] = (), edits: Iterable[str] = (),
-                   resume: bool = False) -> tuple[str, str]:
+def choose_backend(
+    model: SinkModel,
+    *,
+    backend: str | None = None,
+    names: Iterable[str] = (),
+    edits: Iterable[str] = (),
+    resume: bool = False,
+) -> tuple[str, str]:
     """The backend a pass runs on, and why.
 
     Parameters
@@ -202,14 +215,21 @@ def choose_backend(model: SinkModel, *, backend: str | None = None, names: Itera
         return backend, "asked for"
     if backend == "nnsight":
         return _choose_nnsight(model, names, edits, own)
-    reason = model_reason(model) or hooks_reason(model, names, edits=edits) or (
-        "a pass resumed at a block runs on the bridge" if resume else None)
+    reason = (
+        model_reason(model)
+        or hooks_reason(model, names, edits=edits)
+        or ("a pass resumed at a block runs on the bridge" if resume else None)
+    )
     if reason is None:
-        return "transformers", ("asked for" if backend == "transformers" else
-                                "auto: the Hugging Face model in its own attention gives every hook this pass reads")
+        return "transformers", (
+            "asked for"
+            if backend == "transformers"
+            else "auto: the Hugging Face model in its own attention gives every hook this pass reads"
+        )
     if backend == "transformers":
-        raise BackendUnsupported(f"the transformers backend cannot run this pass: {reason}. Use backend='auto' or "
-                                 "'transformer_lens'.")
+        raise BackendUnsupported(
+            f"the transformers backend cannot run this pass: {reason}. Use backend='auto' or 'transformer_lens'."
+        )
     return "transformer_lens", f"auto: {reason}"
 
 
@@ -280,6 +300,7 @@ class Taps:
             if y is x:
                 return None
             return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+
         return hook
 
     def _post(self, names: list[str]):
@@ -291,6 +312,7 @@ class Taps:
             if y is x:
                 return None
             return (y, *output[1:]) if isinstance(output, (tuple, list)) else y
+
         return hook
 
     @contextlib.contextmanager
@@ -298,8 +320,11 @@ class Taps:
         """The modules' hooks and the attention function, for the duration."""
         handles = []
         for (_, which), (module, names) in self.sites.items():
-            handles.append(module.register_forward_pre_hook(self._pre(names), with_kwargs=True) if which == "in"
-                           else module.register_forward_hook(self._post(names)))
+            handles.append(
+                module.register_forward_pre_hook(self._pre(names), with_kwargs=True)
+                if which == "in"
+                else module.register_forward_hook(self._post(names))
+            )
         _register()
         token = _TAPS.set(self)
         try:
@@ -318,8 +343,14 @@ class Taps:
                 self._give(at + site, x.transpose(1, 2))
         if "hook_v" in sites:
             value = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
-        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=query.shape[1] > key.shape[1],
-                             masked=mask is not None, prefer=PREFER)
+        kernel = sink_kernel(
+            query.device.type,
+            query.dtype,
+            query.shape[-1],
+            gqa=query.shape[1] > key.shape[1],
+            masked=mask is not None,
+            prefer=PREFER,
+        )
         state_fallback(kernel)
         self.kernels.setdefault(kernel.name, kernel.fallback)
         out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
@@ -346,8 +377,9 @@ class NnsightTaps(Taps):
         The block whose input a resumed pass sets.
     """
 
-    def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire, *,
-                 resume_layer: int | None = None):
+    def __init__(
+        self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire, *, resume_layer: int | None = None
+    ):
         super().__init__(model, wanted, edits, fire)
         self.family = get_family(model).family
         self.attn_modules = {l: unwrap_component(model.get_submodule(f"blocks.{l}.attn")) for l in self.attn}
@@ -463,8 +495,9 @@ class _Named:
         self.name = name
 
 
-def pass_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                           **kwargs):
+def pass_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """The ``AttentionInterface`` function of the transformers backend: the active pass's :class:`Taps` read and
     change the layer's q, k, v, attention and output (same contract as transformers' ``sdpa_attention_forward``).
 

@@ -21,6 +21,7 @@ soft-capping (Gemma 2), learned sink logits (gpt-oss), additive position biases 
 models whose attention does not go through the ``AttentionInterface`` (Falcon, BLOOM, this package's reference
 models) and models with hooks attached (the pass would skip them). The backend ``auto`` then takes the bridge.
 """
+
 from __future__ import annotations
 
 import logging
@@ -122,8 +123,9 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 
 
-def sink_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, gqa: bool, masked: bool,
-                prefer: str | None = None) -> SinkKernel:
+def sink_kernel(
+    device_type: str, dtype: torch.dtype, head_dim: int, *, gqa: bool, masked: bool, prefer: str | None = None
+) -> SinkKernel:
     """The kernel table of the fused sink path: a pure function of the device type, dtype, head size, grouped-query
     attention and mask (a plain causal mask or an explicit one: padding, sliding windows).
 
@@ -164,18 +166,29 @@ def sink_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, gqa: boo
     if device_type == "cpu":
         return SinkKernel("cpu-flash", "native" if gqa else "none")
     if device_type != "cuda":
-        return SinkKernel("reference", "native" if gqa else "none",
-                          f"no fused kernel with a log-sum-exp on {device_type!r}: SDPA plus a chunked log-sum-exp")
-    why = ("an explicit mask (padding or a sliding window)" if masked else
-           f"dtype {str(dtype).replace('torch.', '')} (flash takes float16/bfloat16)" if dtype not in FLASH_DTYPES else
-           f"head size {head_dim} (flash takes multiples of 8 up to {FLASH_MAX_HEAD_DIM})"
-           if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM else "")
+        return SinkKernel(
+            "reference",
+            "native" if gqa else "none",
+            f"no fused kernel with a log-sum-exp on {device_type!r}: SDPA plus a chunked log-sum-exp",
+        )
+    why = (
+        "an explicit mask (padding or a sliding window)"
+        if masked
+        else f"dtype {str(dtype).replace('torch.', '')} (flash takes float16/bfloat16)"
+        if dtype not in FLASH_DTYPES
+        else f"head size {head_dim} (flash takes multiples of 8 up to {FLASH_MAX_HEAD_DIM})"
+        if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM
+        else ""
+    )
     if prefer == "efficient" and not why:
         why = "asked for (prefer='efficient')"
     if not why:
         return SinkKernel("flash", "native" if gqa else "none")
-    return SinkKernel("efficient", "repeat" if gqa else "none", f"{why}: the efficient kernel, K and V repeated per "
-                      "query group" if gqa else f"{why}: the efficient kernel")
+    return SinkKernel(
+        "efficient",
+        "repeat" if gqa else "none",
+        f"{why}: the efficient kernel, K and V repeated per query group" if gqa else f"{why}: the efficient kernel",
+    )
 
 
 _STATED: set[tuple[str, str]] = set()
@@ -226,8 +239,9 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
             query, key, value, 0.0, mask is None, attn_mask=_additive(mask, query.dtype), scale=scale
         )
     if kernel.name == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
-                                                                       scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scale)[
+            :2
+        ]
         return out, lse.float()
     if kernel.name == "efficient":
         k, v = (x.repeat_interleave(group, dim=1) for x in (key, value)) if group > 1 else (key, value)

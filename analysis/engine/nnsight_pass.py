@@ -11,6 +11,7 @@ shipped by value (they import only torch, math and typing, which NDIF allows).
 A request's payload is about ``request_bytes``; :func:`plan_requests` cuts the samples (and, where one sample is too
 big, the layers) so each request stays under the size limit NDIF's messages were seen to drop results above.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ class RequestPlan:
     bytes_total: int
 
 
-def layer_bytes(*, n_heads: int, k_max: int, d_model: int, top_k: int, sink: bool, massive: bool,
-                positions: int = 0) -> int:
+def layer_bytes(
+    *, n_heads: int, k_max: int, d_model: int, top_k: int, sink: bool, massive: bool, positions: int = 0
+) -> int:
     """Bytes one sample adds to one layer's saved statistics (alpha float32; massive: top-k row float32, the first
     token's three float64 sums, which do not grow with the samples, are counted in :func:`request_bytes`; positions:
     ``position_stats``' cosine, peak and dim, 12 bytes a position).
@@ -70,12 +72,25 @@ def layer_bytes(*, n_heads: int, k_max: int, d_model: int, top_k: int, sink: boo
     -------
     int
     """
-    return ((4 * n_heads * k_max if sink else 0) + ((4 * (3 * top_k + 1) + 24 * CAND_ROWS_PER_SAMPLE) if massive else 0)
-            + 12 * int(positions))
+    return (
+        (4 * n_heads * k_max if sink else 0)
+        + ((4 * (3 * top_k + 1) + 24 * CAND_ROWS_PER_SAMPLE) if massive else 0)
+        + 12 * int(positions)
+    )
 
 
-def request_bytes(samples: int, layers: int, *, n_heads: int, k_max: int, d_model: int, top_k: int = 3,
-                  sink: bool = True, massive: bool = True, positions: int = 0) -> int:
+def request_bytes(
+    samples: int,
+    layers: int,
+    *,
+    n_heads: int,
+    k_max: int,
+    d_model: int,
+    top_k: int = 3,
+    sink: bool = True,
+    massive: bool = True,
+    positions: int = 0,
+) -> int:
     """The bytes a request of ``samples`` sequences over ``layers`` layers saves (an upper bound: the flag
     candidates budgeted at ``CAND_ROWS_PER_SAMPLE``).
 
@@ -90,15 +105,26 @@ def request_bytes(samples: int, layers: int, *, n_heads: int, k_max: int, d_mode
     -------
     int
     """
-    per = layer_bytes(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive,
-                      positions=positions)
+    per = layer_bytes(
+        n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive, positions=positions
+    )
     fixed = 3 * 8 * d_model if massive else 0  # first_sum, first_abs, other_max: (D,) float64 per layer
     return layers * (samples * per + fixed)
 
 
-def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_model: int, top_k: int = 3,
-                  sink: bool = True, massive: bool = True, positions: int = 0,
-                  limit: int = REQUEST_LIMIT_BYTES) -> RequestPlan:
+def plan_requests(
+    n: int,
+    layers: list[int],
+    *,
+    n_heads: int,
+    k_max: int,
+    d_model: int,
+    top_k: int = 3,
+    sink: bool = True,
+    massive: bool = True,
+    positions: int = 0,
+    limit: int = REQUEST_LIMIT_BYTES,
+) -> RequestPlan:
     """Cut N sequences over ``layers`` into requests each under ``limit`` bytes, fewest requests first: layers in
     groups of g (each group one trace per batch of samples) and as many samples per request as fit beside the
     group's per-layer sums, for the g that needs fewest requests.
@@ -120,11 +146,14 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
     RequestPlan
     """
     budget = int(limit * REQUEST_FILL)
-    kw = dict(n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive,
-              positions=positions)
+    kw = dict(
+        n_heads=n_heads, k_max=k_max, d_model=d_model, top_k=top_k, sink=sink, massive=massive, positions=positions
+    )
     fixed, per = request_bytes(0, 1, **kw), request_bytes(1, 1, **kw) - request_bytes(0, 1, **kw)
     if fixed + per > budget:
-        raise ValueError(f"one sample of one layer saves {fixed + per} bytes, over the {budget}-byte budget of a request.")
+        raise ValueError(
+            f"one sample of one layer saves {fixed + per} bytes, over the {budget}-byte budget of a request."
+        )
     best = None
     for g in range(1, len(layers) + 1):
         samples = min(n, (budget // g - fixed) // max(1, per))
@@ -133,10 +162,15 @@ def plan_requests(n: int, layers: list[int], *, n_heads: int, k_max: int, d_mode
         cost = (math.ceil(len(layers) / g) * math.ceil(n / samples), -g)
         best = min(best, (cost, g, samples)) if best else (cost, g, samples)
     (n_req, _), g, samples = best
-    groups = [layers[i:i + g] for i in range(0, len(layers), g)]
-    return RequestPlan(n_req, samples, groups, request_bytes(samples, g, **kw),
-                       math.ceil(n / samples) * sum(request_bytes(0, len(gr), **kw) for gr in groups)
-                       + sum(request_bytes(n, len(gr), **kw) - request_bytes(0, len(gr), **kw) for gr in groups))
+    groups = [layers[i : i + g] for i in range(0, len(layers), g)]
+    return RequestPlan(
+        n_req,
+        samples,
+        groups,
+        request_bytes(samples, g, **kw),
+        math.ceil(n / samples) * sum(request_bytes(0, len(gr), **kw) for gr in groups)
+        + sum(request_bytes(n, len(gr), **kw) - request_bytes(0, len(gr), **kw) for gr in groups),
+    )
 
 
 def register_shipped() -> None:
@@ -152,9 +186,18 @@ def register_shipped() -> None:
         nnsight.register(module)
 
 
-def trace_batch(model: NnsightModel, tokens: torch.Tensor, *, k_max: int, sink_layers: list[int], massive_layers: list[int],
-                top_k: int = 3, abs_threshold: float = 100.0, positions: bool = False,
-                remote=False) -> tuple[list, list]:
+def trace_batch(
+    model: NnsightModel,
+    tokens: torch.Tensor,
+    *,
+    k_max: int,
+    sink_layers: list[int],
+    massive_layers: list[int],
+    top_k: int = 3,
+    abs_threshold: float = 100.0,
+    positions: bool = False,
+    remote=False,
+) -> tuple[list, list]:
     """One nnsight trace over a batch: alpha (B, H, k_max) of each layer in ``sink_layers`` and ``resid_stats`` of
     each layer in ``massive_layers`` (with ``position_stats`` where ``positions``), computed next to the model and
     saved; nothing else comes back.

@@ -7,6 +7,7 @@ the accumulators reduce to, never the full activation cache. A pass can start at
 entering it (:class:`Resume`, kept by :class:`ResidCapture`) instead of at the embedding. ``run_with_reducers`` is
 the plain form for one-off hooks. The hook names and the model's dimensions come from ``analysis.model.hooks``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -113,7 +114,9 @@ class Accumulator(abc.ABC):
 
     def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch) -> None:
         """Reduce one layer's activations of one batch (needed where ``hooks`` asks for any)."""
-        raise NotImplementedError(f"{type(self).__name__} asks for activations but does not reduce them (define update).")
+        raise NotImplementedError(
+            f"{type(self).__name__} asks for activations but does not reduce them (define update)."
+        )
 
     def end_batch(self, batch: Batch, logits: torch.Tensor | None) -> None:
         """After each batch (``logits`` only where ``needs_logits``)."""
@@ -235,7 +238,8 @@ class _JointReducer:
             for layer, names in w.items():
                 self.by_layer.setdefault(int(layer), set()).update(names.values())
                 self.required.setdefault(int(layer), set()).update(
-                    n for k, n in names.items() if k not in acc.optional_keys)
+                    n for k, n in names.items() if k not in acc.optional_keys
+                )
         self.last = max(self.by_layer) if self.by_layer else None
         self.stop_early = stop_early
         self.slot: dict[int, dict[str, torch.Tensor]] = {}
@@ -260,7 +264,9 @@ class _JointReducer:
         scratch: dict = {}  # shared by the layer's accumulators (LayerActs.units), dropped with the layer
         for acc, want in zip(self.accs, self.wants):
             if layer in want:
-                acc.update(layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch)
+                acc.update(
+                    layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch
+                )
         if self.stop_early and layer == self.last:
             raise _Stop
 
@@ -273,7 +279,8 @@ class _JointReducer:
             never = sorted({n for l in silent for n in self.required[l] - set(self.slot.get(l, {}))})
             raise ModelContractError(
                 f"hooks {never[:4]}{'...' if len(never) > 4 else ''} did not fire: the model lists hooks it does not "
-                "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False).")
+                "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False)."
+            )
 
 
 class ResidCapture(Accumulator):
@@ -406,12 +413,16 @@ def _check_resume(model, tokens, resume: Resume, names: Iterable[str]) -> None:
     if not can_resume(model):
         raise ModelContractError(f"{type(model).__name__} cannot resume a pass at a block (``can_resume``).")
     if (resume.resid.shape[0] * resume.repeat, resume.resid.shape[1]) != tuple(tokens.shape):
-        raise ValueError(f"the residual to resume from has shape {tuple(resume.resid.shape)}"
-                         f"{f' (x {resume.repeat})' if resume.repeat > 1 else ''}; the tokens {tuple(tokens.shape)}.")
+        raise ValueError(
+            f"the residual to resume from has shape {tuple(resume.resid.shape)}"
+            f"{f' (x {resume.repeat})' if resume.repeat > 1 else ''}; the tokens {tuple(tokens.shape)}."
+        )
     early = sorted({n for n in names if hook_layer(n) is not None and hook_layer(n) < resume.layer})
     if early:
-        raise ValueError(f"hooks {early[:4]} lie before layer {resume.layer}, where the pass resumes: they would not see "
-                         "the model's activations.")
+        raise ValueError(
+            f"hooks {early[:4]} lie before layer {resume.layer}, where the pass resumes: they would not see "
+            "the model's activations."
+        )
 
 
 def _check_hooks(model, names: Iterable[str]) -> None:
@@ -505,8 +516,13 @@ def run_pass(
     tokens = check_tokens(model, tokens)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
-    chosen, why = choose_backend(model, backend=backend, names=[n for names in joint.by_layer.values() for n in names],
-                                 edits=[n for n, _ in fwd_hooks], resume=resume is not None)
+    chosen, why = choose_backend(
+        model,
+        backend=backend,
+        names=[n for names in joint.by_layer.values() for n in names],
+        edits=[n for n, _ in fwd_hooks],
+        resume=resume is not None,
+    )
     if record is not None:
         record.update(backend=chosen, why=why)
     if _PASS_LOG.get() is not None:
@@ -524,7 +540,7 @@ def run_pass(
     _check_hooks(model, [n for n, _ in hooks + entry])
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in hooks])
-    with torch.inference_mode(), (skipped_blocks(model, resume.layer) if resume is not None else nullcontext()):
+    with torch.inference_mode(), skipped_blocks(model, resume.layer) if resume is not None else nullcontext():
         for batch in _batches(model, tokens, batch_size, progress):
             joint.start(batch)
             if on_batch_start is not None:
@@ -554,15 +570,29 @@ def _run_hf(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_
     return dict(taps.kernels)
 
 
-def _run_nnsight(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start,
-                 resume: Resume | None) -> None:
+def _run_nnsight(
+    model,
+    tokens,
+    accumulators,
+    joint: _JointReducer,
+    fwd_hooks,
+    batch_size,
+    progress,
+    on_batch_start,
+    resume: Resume | None,
+) -> None:
     """The pass on the nnsight backend: one trace per batch with ``NnsightTaps`` feeding the joint reducer (a resumed
     pass sets the residual entering its first block, after the entry hooks)."""
     entry = _entry_hooks(fwd_hooks, resume)
     if resume is not None:
         _check_resume(model, tokens, resume, [n for names in joint.by_layer.values() for n in names])
-    taps = NnsightTaps(model, joint.by_layer, [h for h in fwd_hooks if h not in entry], joint.fired,
-                       resume_layer=None if resume is None else resume.layer)
+    taps = NnsightTaps(
+        model,
+        joint.by_layer,
+        [h for h in fwd_hooks if h not in entry],
+        joint.fired,
+        resume_layer=None if resume is None else resume.layer,
+    )
     needs_logits = any(a.needs_logits for a in accumulators)
     with torch.inference_mode():
         for batch in _batches(model, tokens, batch_size, progress):
@@ -593,8 +623,7 @@ def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
     return [(n, fn) for n, fn in fwd_hooks if n == name]
 
 
-def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None,
-               entry=()) -> None:
+def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None, entry=()) -> None:
     """One batch through the model (from the embedding, or resumed at a block with the ``entry`` hooks applied to
     the residual it starts from), then each accumulator's end."""
     logits = None
@@ -685,7 +714,15 @@ def _resid_capture(inputs) -> list:
     return [ResidCapture(layers)] if layers else []
 
 
-register(Analysis(
-    "resid", result=dict, order=80, hooks=("resid",), product=True, empty=dict,
-    doc="Block -> the residual stream entering it on the main kind, shape (N, T, D): the resume points.",
-    accumulators=_resid_capture))
+register(
+    Analysis(
+        "resid",
+        result=dict,
+        order=80,
+        hooks=("resid",),
+        product=True,
+        empty=dict,
+        doc="Block -> the residual stream entering it on the main kind, shape (N, T, D): the resume points.",
+        accumulators=_resid_capture,
+    )
+)

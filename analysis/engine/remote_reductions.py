@@ -11,6 +11,7 @@ Under tensor parallelism each rank holds whole groups of query heads with their 
 head-local (query head h reads only KV head h // group): a rank's alpha is its heads' rows of the full alpha, and the
 ranks' (B, H_rank, k) results are gathered along the head axis; q and k never leave their rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,14 @@ from typing import Optional
 
 import torch
 
-from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores, lower_median, top_k_abs
+from analysis.core.reductions import (
+    ALPHA_CHUNK_ELEMENTS,
+    alpha_from_lse,
+    block_rows,
+    hide_scores,
+    lower_median,
+    top_k_abs,
+)
 
 
 def key_mask(mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
@@ -43,8 +51,9 @@ def key_mask(mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def _scores(q: torch.Tensor, keys: torch.Tensor, s: int, e: int, kc: int, scale: float,
-            softcap: Optional[float]) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, keys: torch.Tensor, s: int, e: int, kc: int, scale: float, softcap: Optional[float]
+) -> torch.Tensor:
     """Scores (B, H_kv, g, e - s, kc) of query rows s..e-1 against keys 0..kc-1, soft-capped where asked."""
     B, H_kv, group, _, d = q.shape
     sc = q[..., s:e, :].reshape(B, H_kv, group * (e - s), d) @ keys[..., :kc, :].transpose(-1, -2)
@@ -54,8 +63,15 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, s: int, e: int, kc: int, scale:
     return sc
 
 
-def row_lse(query: torch.Tensor, key: torch.Tensor, scale: float, *, mask: Optional[torch.Tensor] = None,
-            softcap: Optional[float] = None, chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
+def row_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """Each query row's log-sum-exp over the keys it sees (causal, and ``mask``), in blocks of query rows.
 
     Parameters
@@ -89,9 +105,17 @@ def row_lse(query: torch.Tensor, key: torch.Tensor, scale: float, *, mask: Optio
     return torch.cat(out, dim=-1).flatten(1, 2)
 
 
-def softcapped_alpha(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale: float, softcap: float,
-                     k_max: int, *, mask: Optional[torch.Tensor] = None,
-                     chunk_elements: int = ALPHA_CHUNK_ELEMENTS) -> torch.Tensor:
+def softcapped_alpha(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    softcap: float,
+    k_max: int,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """``alpha_from_lse`` for soft-capped scores (Gemma 2), whose cap is not a factor of q . k.
 
     Parameters
@@ -124,8 +148,14 @@ def softcapped_alpha(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, 
     return (sums / counts).float().flatten(1, 2)
 
 
-def attention_alpha(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[float],
-                    k_max: int, softcap: Optional[float] = None) -> torch.Tensor:
+def attention_alpha(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: Optional[float],
+    k_max: int,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """alpha_1..k_max of one attention layer from what its attention function received: q and k after the rotary
     (and any q/k norm), the mask (sliding windows), the scale and the soft cap.
 
@@ -181,8 +211,13 @@ def resid_stats(x: torch.Tensor, top_k: int, abs_threshold: float) -> dict:
     other = a[:, 1:].amax(dim=1).double().sum(0) if T > 1 else torch.zeros(D, dtype=torch.float64, device=x.device)
     f = (flat.reshape(-1) > abs_threshold).nonzero()[:, 0]
     cand = torch.stack([f.double(), flat.reshape(-1)[f].double(), med[f // flat.shape[1]].double()], 1)
-    return {"top": top, "first_sum": x[:, 0].detach().double().sum(0), "first_abs": a[:, 0].double().sum(0),
-            "other_max": other, "cand": cand}
+    return {
+        "top": top,
+        "first_sum": x[:, 0].detach().double().sum(0),
+        "first_abs": a[:, 0].double().sum(0),
+        "other_max": other,
+        "cand": cand,
+    }
 
 
 def position_stats(x: torch.Tensor) -> dict:

@@ -1,4 +1,5 @@
 """Figures of the atlas (``analysis.report.atlas``): Sink_1 by model and input kind, the largest activation by model."""
+
 from __future__ import annotations
 
 from pathlib import PurePath
@@ -68,8 +69,15 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
         paper = rows[f"paper_{kind}"].astype(float).to_numpy()
         has = ~np.isnan(paper)
         if has.any():
-            ax.scatter(paper[has], at[has], marker="|", s=120, color="black", zorder=3,
-                       label="Gu et al. (published)" if i == 0 else None)
+            ax.scatter(
+                paper[has],
+                at[has],
+                marker="|",
+                s=120,
+                color="black",
+                zorder=3,
+                label="Gu et al. (published)" if i == 0 else None,
+            )
     ax.set_xlim(0, 108)  # room for the label of a bar at 100
     ax.set_xticks(range(0, 101, 20))
     return _finish(fig, ax, rows, own, xlabel="Sink$_1$ (%)", title="Sink on the first token, by model and input")
@@ -100,8 +108,14 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
         ax.annotate(f" L{int(l)} d{int(d)}", (b, yi), va="center", fontsize=7)
     set_log_scale(ax, which="x")
     ax.set_xlim(lo, float(np.nanmax(big)) * 8)
-    return _finish(fig, ax, rows, own, xlabel="|activation| (red: massive by the criterion; grey: not)",
-                   title="Largest activation of the residual stream (natural text)")
+    return _finish(
+        fig,
+        ax,
+        rows,
+        own,
+        xlabel="|activation| (red: massive by the criterion; grey: not)",
+        title="Largest activation of the residual stream (natural text)",
+    )
 
 
 SINK_KIND_COLOURS = {"nop": "C0", "broadcast": "C3", "mixed": "0.6"}
@@ -133,5 +147,11 @@ def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
         ax.annotate(" -" if pd.isna(n) else f" {int(n)}", (100, yi), va="center", fontsize=7)
     ax.set_xlim(0, 112)  # room for the number of sink heads
     ax.set_xticks(range(0, 101, 20))
-    return _finish(fig, ax, rows, own, xlabel="share of sink heads (%); right: their number",
-                   title="The sink's kind, by model (natural text)")
+    return _finish(
+        fig,
+        ax,
+        rows,
+        own,
+        xlabel="share of sink heads (%); right: their number",
+        title="The sink's kind, by model (natural text)",
+    )

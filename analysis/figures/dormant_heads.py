@@ -1,4 +1,5 @@
 """Figures for what a sink does for its head (``analysis.causal.dormant_heads``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -43,14 +44,24 @@ def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None 
     fig, axes = plt.subplots(1, len(heads), figsize=(2.9 * len(heads) + 0.9, 3.1), squeeze=False)
     effects = np.concatenate([np.abs(res.queries(l, h)["effect"].to_numpy()) for l, h in heads])
     pos = effects[effects > 0]
-    norm = LogNorm(vmin=max(float(np.percentile(pos, 2)), 1e-12), vmax=max(float(pos.max()), 1e-11)) if pos.size else None
+    norm = (
+        LogNorm(vmin=max(float(np.percentile(pos, 2)), 1e-12), vmax=max(float(pos.max()), 1e-11)) if pos.size else None
+    )
     sc = None
     for ax, (l, h) in zip(axes[0], heads):
         df = res.queries(l, h)
         y = df["out_norm"].to_numpy()
         floor = max(float(np.min(y[y > 0])) / 2, 1e-12) if (y > 0).any() else 1e-12
-        sc = ax.scatter(df[col], np.maximum(y, floor), c=np.maximum(np.abs(df["effect"]), 1e-12), norm=norm,
-                        cmap="viridis", s=7, lw=0, alpha=0.8)
+        sc = ax.scatter(
+            df[col],
+            np.maximum(y, floor),
+            c=np.maximum(np.abs(df["effect"]), 1e-12),
+            norm=norm,
+            cmap="viridis",
+            s=7,
+            lw=0,
+            alpha=0.8,
+        )
         if sig != "mass":
             ax.axvline(res.eps, color="grey", lw=0.6, ls="--")
         set_log_scale(ax)
@@ -61,7 +72,9 @@ def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None 
     axes[0][0].set_ylabel("|head output| at the query")
     place_axes(fig, left=0.75, bottom=0.6, right=1.2, top=0.35, wspace=0.55)
     if sc is not None and norm is not None:
-        fig.colorbar(sc, cax=_bar_axes(fig, right=1.2, bottom=0.6, top=0.35), label="|loss effect| (nats), output set to 0")
+        fig.colorbar(
+            sc, cax=_bar_axes(fig, right=1.2, bottom=0.6, top=0.35), label="|loss effect| (nats), output set to 0"
+        )
     return fig
 
 

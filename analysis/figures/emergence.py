@@ -1,5 +1,6 @@
 """Figures of the emergence grids (``analysis.train.sweep``): a statistic against a grid field, with its
 spread over seeds, and Sink_1 through training. Each function returns a matplotlib Figure."""
+
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
@@ -10,8 +11,15 @@ import pandas as pd
 from analysis.train.sweep import grid_label
 
 
-def grid_figure(runs: pd.DataFrame, field: str, *, metrics: Sequence[str] = ("sink_1",),
-                paper: Optional[Mapping] = None, title: str = "", labels: Optional[Mapping[str, str]] = None):
+def grid_figure(
+    runs: pd.DataFrame,
+    field: str,
+    *,
+    metrics: Sequence[str] = ("sink_1",),
+    paper: Optional[Mapping] = None,
+    title: str = "",
+    labels: Optional[Mapping[str, str]] = None,
+):
     """Each metric (percent) against the values of ``field``: one dot per seed, the mean as a bar, and the
     paper's figure for the same value beside it (``paper``: {value: percent}) where given.
 
@@ -34,21 +42,33 @@ def grid_figure(runs: pd.DataFrame, field: str, *, metrics: Sequence[str] = ("si
     matplotlib.figure.Figure
     """
     values = list(dict.fromkeys(runs[field].tolist()))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.0, 0.75 * len(values) + 2) * len(metrics), 3.6),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(max(4.0, 0.75 * len(values) + 2) * len(metrics), 3.6), squeeze=False
+    )
     width = 0.38 if paper else 0.7
     for ax, metric in zip(axes[0], metrics):
         for i, v in enumerate(values):
             rows = runs[runs[field].astype(str) == str(v)][metric].astype(float)
             ax.bar(i, rows.mean(), width, color="tab:blue", alpha=0.55, label="ours (mean)" if i == 0 else None)
-            ax.scatter([i] * len(rows), rows, color="tab:blue", s=12, zorder=3,
-                       label="ours (each seed)" if i == 0 else None)
+            ax.scatter(
+                [i] * len(rows), rows, color="tab:blue", s=12, zorder=3, label="ours (each seed)" if i == 0 else None
+            )
             if paper and str(v) in {str(k) for k in paper}:
                 p = {str(k): x for k, x in paper.items()}[str(v)]
-                ax.bar(i + width, p, width, color="tab:gray", alpha=0.6,
-                       label="Gu et al. (60M)" if "Gu et al. (60M)" not in ax.get_legend_handles_labels()[1] else None)
-        ax.set_xticks(range(len(values)), [grid_label(v) for v in values], rotation=30 if len(values) > 5 else 0,
-                      ha="right" if len(values) > 5 else "center")
+                ax.bar(
+                    i + width,
+                    p,
+                    width,
+                    color="tab:gray",
+                    alpha=0.6,
+                    label="Gu et al. (60M)" if "Gu et al. (60M)" not in ax.get_legend_handles_labels()[1] else None,
+                )
+        ax.set_xticks(
+            range(len(values)),
+            [grid_label(v) for v in values],
+            rotation=30 if len(values) > 5 else 0,
+            ha="right" if len(values) > 5 else "center",
+        )
         ax.set_xlabel(field.replace("_", " "))
         ax.set_ylabel((labels or {}).get(metric, metric.replace("_", " ")))
         ax.legend(fontsize=7, loc="best")

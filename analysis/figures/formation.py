@@ -1,4 +1,5 @@
 """Figure of the order in which the sink's chain forms during training (``analysis.dynamics.formation``)."""
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,9 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
             on = result.onsets[(result.onsets.link == link) & (result.onsets.attention == att)].onset_step.dropna()
             if len(on):
                 ax.axvline(on.median(), color=c, ls=":", lw=1)
-                ax.plot([on.median()], [1.0], marker="v", color=c, ms=5, transform=ax.get_xaxis_transform(),
-                        clip_on=False)
+                ax.plot(
+                    [on.median()], [1.0], marker="v", color=c, ms=5, transform=ax.get_xaxis_transform(), clip_on=False
+                )
         if link in crit:
             ax.axhline(crit[link].threshold, color="grey", ls="--", lw=0.8)
         if f[f.link == link].value.isna().all():
@@ -75,12 +77,16 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
         ax.set_xlim(lo / 1.3, hi * 1.3)
         ax.tick_params(labelsize=7)
         set_title(ax, FIGURE_LINKS.get(link, link), fontsize=8)
-    for ax in axes.flat[len(links):]:
+    for ax in axes.flat[len(links) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("training step", fontsize=7)
     axes[0, 0].legend(fontsize=6, loc="best")
-    fig.suptitle("The sink's chain along training: median over runs (band: min-max); dashed: onset criterion, "
-                 "dotted: median onset", fontsize=9, y=1 - 0.12 / fig.get_size_inches()[1])
+    fig.suptitle(
+        "The sink's chain along training: median over runs (band: min-max); dashed: onset criterion, "
+        "dotted: median onset",
+        fontsize=9,
+        y=1 - 0.12 / fig.get_size_inches()[1],
+    )
     place_axes(fig, left=0.45, bottom=0.45, right=0.15, top=0.5, wspace=0.45, hspace=0.45)
     return fig

@@ -1,4 +1,5 @@
 """Figures for the causal tests (``analysis.causal.interventions``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -32,14 +33,28 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
         s = r.conditions
         x = np.arange(len(s)) + (i - (n - 1) / 2) * w
         hatch = ["", "//", "..", "xx"][i % 4]
-        b = axes[0].bar(x, s["sink_1_pct"], w, color=[_COND_COLORS.get(c, "grey") for c in s["condition"]], hatch=hatch, label=name or None)
+        b = axes[0].bar(
+            x,
+            s["sink_1_pct"],
+            w,
+            color=[_COND_COLORS.get(c, "grey") for c in s["condition"]],
+            hatch=hatch,
+            label=name or None,
+        )
         axes[0].bar_label(b, fmt="%.0f", fontsize=7)
         b = axes[1].bar(x, s["loss"], w, color=[_COND_COLORS.get(c, "grey") for c in s["condition"]], hatch=hatch)
         axes[1].bar_label(b, fmt="%.2f", fontsize=7)
         pl = r.per_layer
         for c in [c for c in pl.columns if c != "layer"]:
-            axes[2].plot(pl["layer"], pl[c], marker="o", ms=2.5, color=_COND_COLORS.get(c, "grey"),
-                         ls=["-", "--", ":", "-."][i % 4], label=f"{c} {name}".strip())
+            axes[2].plot(
+                pl["layer"],
+                pl[c],
+                marker="o",
+                ms=2.5,
+                color=_COND_COLORS.get(c, "grey"),
+                ls=["-", "--", ":", "-."][i % 4],
+                label=f"{c} {name}".strip(),
+            )
     cond = list(next(iter(results.values())).conditions["condition"])
     for a in axes[:2]:
         a.set_xticks(range(len(cond)), cond)

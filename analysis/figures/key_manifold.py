@@ -1,4 +1,5 @@
 """Figures for the first-key manifold (``analysis.chain.key_manifold``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -19,8 +20,9 @@ def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
 VIEWS = ("pca", "axis")
 
 
-def plot_key_pca(km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS,
-                 max_sequences: int | None = None):
+def plot_key_pca(
+    km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS, max_sequences: int | None = None
+):
     """Every key of each scatter head (default: all in ``km.scatter``, e.g. a sink and a non-sink head) in 2-D,
     coloured by position, the first keys marked with red crosses. One column per head, one row per view:
     ``"pca"``, a PCA fit on all keys; ``"axis"``, the first-key axis (the line from the other keys' mean to the
@@ -59,7 +61,9 @@ def plot_key_pca(km: KeyManifold, *, heads: list[tuple[int, int]] | None = None,
             c = (s["coords"] if view == "pca" else s["axis_coords"])[:max_sequences]  # (N, T, 2)
             N, T = c.shape[:2]
             pos = np.broadcast_to(np.arange(1, T + 1), (N, T))
-            sc = ax.scatter(c[:, 1:, 0].ravel(), c[:, 1:, 1].ravel(), c=pos[:, 1:].ravel(), cmap="viridis", s=5, alpha=0.5, lw=0)
+            sc = ax.scatter(
+                c[:, 1:, 0].ravel(), c[:, 1:, 1].ravel(), c=pos[:, 1:].ravel(), cmap="viridis", s=5, alpha=0.5, lw=0
+            )
             ax.scatter(c[:, 0, 0], c[:, 0, 1], marker="x", c="red", s=40, lw=1.5, label="first keys $k_1$")
             if view == "pca":
                 ax.set_xlabel(f"PC1 ({100 * s['evr'][0]:.0f}% var.)")
@@ -93,8 +97,19 @@ def plot_manifold_summary(km: KeyManifold):
     x = t.index.to_numpy()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.2), sharex=True)
     panels = [
-        (axes[0, 0], [("resid_first", "$k_1$"), ("resid_other", "$k_j$, j>1 (RMS)")], "relative residual off\nthe top-r subspace of $k_{j>1}$"),
-        (axes[0, 1], [("cos_first_pair", "$k_1$ of different inputs"), ("cos_mid_pair", f"$k_{{{km.T // 2 + 1}}}$ of different inputs")], "mean pairwise cosine"),
+        (
+            axes[0, 0],
+            [("resid_first", "$k_1$"), ("resid_other", "$k_j$, j>1 (RMS)")],
+            "relative residual off\nthe top-r subspace of $k_{j>1}$",
+        ),
+        (
+            axes[0, 1],
+            [
+                ("cos_first_pair", "$k_1$ of different inputs"),
+                ("cos_mid_pair", f"$k_{{{km.T // 2 + 1}}}$ of different inputs"),
+            ],
+            "mean pairwise cosine",
+        ),
         (axes[1, 0], [("cos_q_k1", "cos($q_t$, $k_1$)"), ("cos_q_kj", "cos($q_t$, $k_j$), 1<j<=t")], "mean cosine"),
     ]
     for ax, series, ylabel in panels:

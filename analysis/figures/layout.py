@@ -10,6 +10,7 @@ otherwise measures the tick labels at each draw to see whether the title must mo
 is parsed once per label, and have minor ticks only where they span less than 3 decades. :func:`flat_bars`
 draws a row of background bars as one patch.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,17 @@ def new_or_given(ax, figsize: tuple[float, float]):
     return ax.figure, ax, False
 
 
-def place_axes(fig, *, left: float = 0.75, bottom: float = 0.58, right: float = 0.17, top: float = 0.36,
-               wspace: float = 0.0, hspace: float = 0.0, own: bool = True) -> None:
+def place_axes(
+    fig,
+    *,
+    left: float = 0.75,
+    bottom: float = 0.58,
+    right: float = 0.17,
+    top: float = 0.36,
+    wspace: float = 0.0,
+    hspace: float = 0.0,
+    own: bool = True,
+) -> None:
     """Place the figure's grid of subplots with these margins, and these gaps between its columns (``wspace``)
     and rows (``hspace``), all in inches. A colour bar made with ``fig.colorbar(..., ax=ax)`` sits inside its
     axes' cell, so the margin or gap beside it holds only the bar's tick labels and label.
@@ -72,8 +82,14 @@ def place_axes(fig, *, left: float = 0.75, bottom: float = 0.58, right: float = 
     nrows, ncols = fig.axes[0].get_subplotspec().get_topmost_subplotspec().get_gridspec().get_geometry()
     mean_w = (width - left - right - wspace * (ncols - 1)) / ncols  # subplots_adjust wants the gaps as fractions
     mean_h = (height - top - bottom - hspace * (nrows - 1)) / nrows  # of the mean axes width and height
-    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
-                        wspace=wspace / mean_w, hspace=hspace / mean_h)
+    fig.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom / height,
+        top=1 - top / height,
+        wspace=wspace / mean_w,
+        hspace=hspace / mean_h,
+    )
 
 
 def set_title(ax, label: str, **kwargs):

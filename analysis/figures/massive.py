@@ -1,4 +1,5 @@
 """Figures for massive activations (``analysis.chain.massive``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -62,8 +63,13 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
     v = amap.values.numpy()
     if n_positions is not None:
         v = v[:n_positions]
-    im = ax.imshow(np.maximum(v, 1e-3), aspect="auto", cmap="magma", norm=LogNorm(vmin=max(1e-2, float(np.median(v)) / 10), vmax=v.max()),
-                   interpolation="nearest")
+    im = ax.imshow(
+        np.maximum(v, 1e-3),
+        aspect="auto",
+        cmap="magma",
+        norm=LogNorm(vmin=max(1e-2, float(np.median(v)) / 10), vmax=v.max()),
+        interpolation="nearest",
+    )
     ax.set_xlabel("residual dimension")
     ax.set_ylabel("position")
     step = max(1, v.shape[0] // 12)
@@ -75,16 +81,25 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
         if r.dim in seen or len(seen) >= label_top or (n_positions is not None and r.position >= n_positions):
             continue
         seen.add(r.dim)
-        ax.annotate(f"dim {r.dim}", (r.dim, r.position), xytext=(10, 14 + 11 * len(seen)), textcoords="offset points",
-                    color="#00b3b3", fontsize=8, annotation_clip=False, arrowprops=dict(arrowstyle="-", color="#00b3b3", lw=0.6))
+        ax.annotate(
+            f"dim {r.dim}",
+            (r.dim, r.position),
+            xytext=(10, 14 + 11 * len(seen)),
+            textcoords="offset points",
+            color="#00b3b3",
+            fontsize=8,
+            annotation_clip=False,
+            arrowprops=dict(arrowstyle="-", color="#00b3b3", lw=0.6),
+        )
     log_axis_ticks(fig.colorbar(im, ax=ax, label="|h|").long_axis)
     set_title(ax, f"|h| at layer {amap.layer} ({amap.hook})", pad=60)  # above the labels of the top dims
     place_axes(fig, left=1.45, top=1.15, own=own)  # left: position labels of up to 18 characters
     return fig
 
 
-def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], *, dims: list[int] | None = None,
-                            max_dims: int = 4):
+def plot_spike_dims_by_kind(
+    results: dict[str, MassiveActivations], *, dims: list[int] | None = None, max_dims: int = 4
+):
     """Per input kind: the first token's mean |h_d| across layers for the spike dims (solid), and the mean
     over samples of the largest |h_d| at any other position (dashed).
 
@@ -120,7 +135,9 @@ def plot_spike_dims_by_kind(results: dict[str, MassiveActivations], *, dims: lis
         for i, d in enumerate(dims):
             c = colors[i % len(colors)]
             ax.plot(r.layers, r.first_abs[:, d].numpy(), color=c, marker="o", ms=2.5, label=f"dim {d}, first token")
-            ax.plot(r.layers, r.other_abs_max[:, d].numpy(), color=c, ls="--", lw=1, label=f"dim {d}, other tokens (max)")
+            ax.plot(
+                r.layers, r.other_abs_max[:, d].numpy(), color=c, ls="--", lw=1, label=f"dim {d}, other tokens (max)"
+            )
         set_log_scale(ax)
         spikes = r.all_spike_dims
         set_title(ax, f"{kind}: spike dims {spikes[:6]}{'...' if len(spikes) > 6 else ''}", fontsize=9)

@@ -1,4 +1,5 @@
 """Figures for norm-gain tracing (``analysis.chain.norm_gain``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -70,9 +71,15 @@ def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
         left = d > D / 2
         style = dict(textcoords="offset points", fontsize=8, color="#c44e52", ha="right" if left else "left")
         dx = -6 if left else 6
-        a1.annotate(f"dim {d}: {float(trace.first_normalised_mean[d]):+.1f}", (d, float(trace.first_normalised_mean[d].abs())),
-                    xytext=(dx, -4), **style)
-        a2.annotate(f"dim {d}: g={float(trace.gain_vector[d]):.3f}", (d, float(trace.gain_vector[d])), xytext=(dx, 6), **style)
+        a1.annotate(
+            f"dim {d}: {float(trace.first_normalised_mean[d]):+.1f}",
+            (d, float(trace.first_normalised_mean[d].abs())),
+            xytext=(dx, -4),
+            **style,
+        )
+        a2.annotate(
+            f"dim {d}: g={float(trace.gain_vector[d]):.3f}", (d, float(trace.gain_vector[d])), xytext=(dx, 6), **style
+        )
     a2.set_ylabel("ln1 gain g")
     a2.set_xlabel("residual dimension")
     set_title(a1, f"Layer {trace.layer}: what the norm and its gain do to the first token")
@@ -130,8 +137,13 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None)
     w = 0.8 / len(traces)
     for i, (name, t) in enumerate(traces.items()):
         c = t.constancy
-        vals = [c["cos_first_resid"], c["cos_first_normalised"], c["cos_first_gain"], float(np.mean(c["cos_first_key"])),
-                c["cos_other_normalised"]]
+        vals = [
+            c["cos_first_resid"],
+            c["cos_first_normalised"],
+            c["cos_first_gain"],
+            float(np.mean(c["cos_first_key"])),
+            c["cos_other_normalised"],
+        ]
         ax.bar(np.arange(5) + (i - (len(traces) - 1) / 2) * w, vals, w, label=name)
     ax.set_xticks(range(5), labels, fontsize=7, rotation=15)
     ax.set_ylim(min(0, ax.get_ylim()[0]), 1.05)

@@ -1,6 +1,7 @@
 """Figures for sinks at any position (``analysis.positions.every_sink``), the sink against context length and eps
 (``analysis.positions.context_length``), and the propositions on repeated tokens per positional encoding
 (``analysis.positions.repeated_tokens``, ``analysis.positions.encodings``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -59,8 +60,16 @@ def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=Non
     ax2.set_ylim(0, 1.05)
     ax2.set_ylabel("max $\\alpha_k$ over heads")
     for k in np.nonzero(heads)[0]:
-        ax.annotate(repr(res.token(res.tokens[sample, k])), (k, heads[k]), fontsize=7, rotation=60, ha="left",
-                    va="bottom", xytext=(1, 2), textcoords="offset points")
+        ax.annotate(
+            repr(res.token(res.tokens[sample, k])),
+            (k, heads[k]),
+            fontsize=7,
+            rotation=60,
+            ha="left",
+            va="bottom",
+            xytext=(1, 2),
+            textcoords="offset points",
+        )
     ax.set_ylim(0, max(1, heads.max()) * 1.3)
     set_title(ax, f"sequence {sample}: sinks at every position (grey: too few queries)")
     h1, l1 = ax.get_legend_handles_labels()
@@ -199,7 +208,6 @@ def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     return fig
 
 
-
 def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     """Per encoding, the first token's attention against the number t of repeated tokens seen (one thin line per
     seed, layer and head), with the proposition's closed form drawn over it (dashed; the upper bound for rotary) and
@@ -220,8 +228,9 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     encodings = list(encodings or grid.encodings)
     ncols = min(3, len(encodings))
     nrows = -(-len(encodings) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.7 * ncols + 0.6, 2.3 * nrows + 0.9), squeeze=False,
-                             sharex=True, sharey=True)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(2.7 * ncols + 0.6, 2.3 * nrows + 0.9), squeeze=False, sharex=True, sharey=True
+    )
     cmap = plt.get_cmap("tab10")
     for ax, pe in zip(axes.flat, encodings):
         df = grid.curves[grid.curves.encoding == pe]
@@ -237,7 +246,7 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
             ax.set_xscale("log")
             ax.set_yscale("log")
         set_title(ax, pe, fontsize=8)
-    for ax in axes.flat[len(encodings):]:
+    for ax in axes.flat[len(encodings) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("t (tokens seen)")
@@ -321,7 +330,8 @@ def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
     ax.set_ylabel("Sink$_1$ (%)")
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, ncol=3, loc="upper right")
-    set_title(ax, f"Sink$_1$ per positional encoding and input (bars: mean of {grid.runs.seed.nunique()} seeds; "
-                  "dots: seeds)")
+    set_title(
+        ax, f"Sink$_1$ per positional encoding and input (bars: mean of {grid.runs.seed.nunique()} seeds; dots: seeds)"
+    )
     place_axes(fig, top=0.35, own=own)
     return fig

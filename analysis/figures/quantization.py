@@ -1,5 +1,6 @@
 """Figures for quantization (``analysis.quant``): perplexity per scheme and condition over the calibration seeds, and
 the per-layer largest calibrated input with the spike's writing and erasing blocks marked."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,8 +42,16 @@ def plot_quant_ppl(spread, *, fp_ppl: float | None = None, title: str = "perplex
         r = spread[spread.condition == c].set_index("scheme").reindex(schemes)
         x = np.arange(len(schemes)) + (j - (len(conds) - 1) / 2) * width
         err = np.vstack([r.ppl - r.ppl_min, r.ppl_max - r.ppl])
-        bars = ax.bar(x, r.ppl, width * 0.9, color=_COLORS.get(c, "#8172b2"), label=CONDITION_WORDS.get(c, c),
-                      yerr=err, capsize=3, error_kw={"lw": 1, "ecolor": "#333333"})
+        bars = ax.bar(
+            x,
+            r.ppl,
+            width * 0.9,
+            color=_COLORS.get(c, "#8172b2"),
+            label=CONDITION_WORDS.get(c, c),
+            yerr=err,
+            capsize=3,
+            error_kw={"lw": 1, "ecolor": "#333333"},
+        )
         ax.bar_label(bars, labels=[_short(v) for v in r.ppl], fontsize=7, padding=2)
     if fp_ppl is not None:
         ax.axhline(fp_ppl, color="grey", ls=":", lw=1.2, label=f"full precision ({fp_ppl:.1f})")
@@ -79,14 +88,27 @@ def plot_layer_scales(layers: dict, *, writers=(), erasers=(), ax=None):
         ax.plot(t.layer, t.absmax, marker="o", ms=3, lw=1.4, color=next(colors), label=label)
     for blocks, color, word in ((writers, _WRITER, "writes"), (erasers, _ERASER, "erases")):
         for i, b in enumerate(blocks):
-            ax.axvspan(b - 0.4, b + 0.4, color=color, alpha=0.15, lw=0,
-                       label=f"MLP that {word} the first token's spike" if i == 0 else None)
+            ax.axvspan(
+                b - 0.4,
+                b + 0.4,
+                color=color,
+                alpha=0.15,
+                lw=0,
+                label=f"MLP that {word} the first token's spike" if i == 0 else None,
+            )
     first = next(iter(layers.values()))
     marked = first[first.layer.isin([*writers, *erasers])].nlargest(2, "absmax")
     for r in marked.itertuples():  # name the linear that sets the two largest scales at a marked block
         right = r.layer > first.layer.max() / 2
-        ax.annotate(f"{r.site}: |x| = {r.absmax:,.0f}", (r.layer, r.absmax), xytext=(-8 if right else 8, -2),
-                    textcoords="offset points", fontsize=7, va="top", ha="right" if right else "left")
+        ax.annotate(
+            f"{r.site}: |x| = {r.absmax:,.0f}",
+            (r.layer, r.absmax),
+            xytext=(-8 if right else 8, -2),
+            textcoords="offset points",
+            fontsize=7,
+            va="top",
+            ha="right" if right else "left",
+        )
     set_log_scale(ax)
     ax.set_xlabel("layer")
     ax.set_ylabel("largest |input| of its linears")

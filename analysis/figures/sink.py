@@ -1,4 +1,5 @@
 """Figures for the sink metric and QK angles."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt

@@ -1,4 +1,5 @@
 """Figures for the sink's kind (``analysis.causal.sink_kind``): the kinds per layer, and the traces that call them."""
+
 from __future__ import annotations
 
 import numpy as np

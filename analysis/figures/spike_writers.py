@@ -1,5 +1,6 @@
 """Figures for where the spike comes from (``analysis.chain.spike_writers``, ``analysis.chain.first_token_cause``,
 ``analysis.causal.writer_cuts``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -52,9 +53,15 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
         if r.component == "embedding":
             continue
         xb = r.block + (0.2 if r.component == "mlp" else -0.2)
-        ax.annotate(f"{'+' if r.write > 0 else ''}{r.write:.3g}", (xb, r.write), xytext=(0, 4 if r.write > 0 else -10),
-                    textcoords="offset points", ha="center", fontsize=7,
-                    color={"writer": _MLP, "eraser": "#2a7f62"}.get(r.role, _OTHER))
+        ax.annotate(
+            f"{'+' if r.write > 0 else ''}{r.write:.3g}",
+            (xb, r.write),
+            xytext=(0, 4 if r.write > 0 else -10),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+            color={"writer": _MLP, "eraser": "#2a7f62"}.get(r.role, _OTHER),
+        )
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xticks(x, [str(i) for i in range(L)] + ["out"], fontsize=7)
     ax.set_xlabel("block")
@@ -134,15 +141,24 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
         set_log_scale(ax)
         ax.set_xlabel("eigenvalue rank")
         ax.set_ylabel("|eigenvalue|")
-        ax.text(0.97, 0.95, f"top: {float(q.energy_share[0]):.0%} of sum(λ²)\n|cos| with x₁: {float(q.cos_top[0]):.2f}\n"
-                f"rank one: {'yes' if q.rank_one else 'no'}", transform=ax.transAxes, ha="right", va="top", fontsize=8)
+        ax.text(
+            0.97,
+            0.95,
+            f"top: {float(q.energy_share[0]):.0%} of sum(λ²)\n|cos| with x₁: {float(q.cos_top[0]):.2f}\n"
+            f"rank one: {'yes' if q.rank_one else 'no'}",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=8,
+        )
         set_title(ax, f"A_d of MLP {q.block}, dim {d}", fontsize=9)
     place_axes(fig, left=0.75, bottom=0.6, wspace=0.9)
     return fig
 
 
-def plot_first_token_cause(cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None,
-                           factor: str | None = None):
+def plot_first_token_cause(
+    cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None, factor: str | None = None
+):
     """One writer neuron's gate (or pre-activation) over what feeds it: each component's part on the first token
     and on the same token later (bars), the pre-activation total last.
 
@@ -201,15 +217,27 @@ def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
         raise ValueError("no cut was made: nothing to plot.")
     d = int(s.dim.iloc[0]) if dim is None else int(dim)
     s = s[s.dim == d].reset_index(drop=True)
-    labels = [("baseline" if r.role == "baseline" else f"{r.role} {r.mode}" + ("" if r.chosen == "named" else f"\n{r.chosen}"))
-              for r in s.itertuples()]
-    colors = ["#555555" if r.role == "baseline" else (_OTHER if r.chosen == "random" else
-              (_MLP if r.role == "writers" else "#2a7f62")) for r in s.itertuples()]
+    labels = [
+        (
+            "baseline"
+            if r.role == "baseline"
+            else f"{r.role} {r.mode}" + ("" if r.chosen == "named" else f"\n{r.chosen}")
+        )
+        for r in s.itertuples()
+    ]
+    colors = [
+        "#555555"
+        if r.role == "baseline"
+        else (_OTHER if r.chosen == "random" else (_MLP if r.role == "writers" else "#2a7f62"))
+        for r in s.itertuples()
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
     x = np.arange(len(s))
-    for ax, key, label in zip(axes, ("kept", "value_final", "sink_1_pct", "loss"),
-                              ("spike kept entering its peak block", f"dim {d} after the last block", "Sink_1 (%)",
-                               "loss (nats/token)")):
+    for ax, key, label in zip(
+        axes,
+        ("kept", "value_final", "sink_1_pct", "loss"),
+        ("spike kept entering its peak block", f"dim {d} after the last block", "Sink_1 (%)", "loss (nats/token)"),
+    ):
         m, lo, hi = s[f"{key}_mean"], s[f"{key}_min"], s[f"{key}_max"]
         ax.bar(x, m, color=colors, yerr=np.vstack([m - lo, hi - m]), capsize=2, error_kw={"lw": 0.8})
         ax.set_xticks(x, labels, rotation=90, fontsize=7)

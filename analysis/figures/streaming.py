@@ -1,4 +1,5 @@
 """Figures for streaming perplexity (``analysis.streaming.StreamResult``)."""
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -58,8 +59,16 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     """
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.4))
     t = result.table
-    colors = ["#c44e52" if k == "window" else "#8172b2" if k == "recompute" else "#4c72b0" if k == "dense"
-              else ("#dd8452" if b < 32 else "#55a868") for k, b in zip(t["kind"], t["bits"])]
+    colors = [
+        "#c44e52"
+        if k == "window"
+        else "#8172b2"
+        if k == "recompute"
+        else "#4c72b0"
+        if k == "dense"
+        else ("#dd8452" if b < 32 else "#55a868")
+        for k, b in zip(t["kind"], t["bits"])
+    ]
     bars = ax.bar(np.arange(len(t)), t[column], color=colors)
     ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(np.arange(len(t)), t["policy"], rotation=40, ha="right", fontsize=8)

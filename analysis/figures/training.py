@@ -2,6 +2,7 @@
 ``notebooks/07_attention_variants.ipynb``): their mean attention patterns, the first token's statistics side by side,
 and loss and Sink_1 over training.
 """
+
 from __future__ import annotations
 
 import pandas as pd

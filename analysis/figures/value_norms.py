@@ -1,4 +1,5 @@
 """Figures for value norms (``analysis.chain.values``)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,7 +62,9 @@ def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
     ax.set_ylabel(f"$\\alpha_1$ ({acol.split('_')[-1]} over the KV head's query heads)")
     c = vn.correlation(reduce)
     if c["pearson_r"] is not None:
-        set_title(ax, f"Pearson r = {c['pearson_r']:.2f}, Spearman ρ = {c['spearman_rho']:.2f} (n = {c['n']})", fontsize=9)
+        set_title(
+            ax, f"Pearson r = {c['pearson_r']:.2f}, Spearman ρ = {c['spearman_rho']:.2f} (n = {c['n']})", fontsize=9
+        )
     else:
         set_title(ax, "correlation undefined (constant values)", fontsize=9)
     fig.colorbar(sc, ax=ax, label="layer")

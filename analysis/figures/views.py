@@ -4,6 +4,7 @@ circuitsvis' own notebook display first tries to reach an internet host to choos
 copy and the inline one. We never do that: we take the inline (``local_src``) HTML, which embeds the
 JavaScript, so views render in JupyterLab and in saved HTML with no network.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,7 +83,9 @@ def attention_view_html(model: SinkModel, tokens, layer: int, *, heads: list[int
     if heads is not None:
         pattern = pattern[heads]
     names = [f"L{layer}H{h}" for h in (heads if heads is not None else range(pattern.shape[0]))]
-    rendered = cv.attention.attention_heads(attention=pattern, tokens=token_strings(model, tokens[0].tolist()), attention_head_names=names)
+    rendered = cv.attention.attention_heads(
+        attention=pattern, tokens=token_strings(model, tokens[0].tolist()), attention_head_names=names
+    )
     return rendered.local_src
 
 

@@ -12,6 +12,7 @@ that still reach past them. Grouped by who asks:
   :func:`layer_position_module`, :func:`attention_logit_scale`, :func:`attention_operation`, :func:`attention_window`;
 - the reference models' own options (``analysis.train``, ``analysis.dynamics``): :func:`reference_config`.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -189,8 +190,11 @@ def hooked_modules(module: torch.nn.Module, *, bridged: bool) -> list[str]:
     """
     from transformer_lens.hook_points import HookPoint  # lazy: import time
 
-    return [n for n, m in module.named_modules()
-            if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))]
+    return [
+        n
+        for n, m in module.named_modules()
+        if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,8 +220,10 @@ def head_output_weights(model: SinkModel, layer: int) -> torch.Tensor:
         W = getattr(getattr(block, "attn", None), "W_O", None)
         W = W.detach() if isinstance(W, torch.Tensor) else None
     if W is None or W.ndim != 3:
-        raise ModelContractError(f"layer {layer} exposes no per-head output weights `blocks[{layer}].attn.W_O` (H, "
-                                 "d_head, d_model); the head's output norm needs them (load the model with `load_model`).")
+        raise ModelContractError(
+            f"layer {layer} exposes no per-head output weights `blocks[{layer}].attn.W_O` (H, "
+            "d_head, d_model); the head's output norm needs them (load the model with `load_model`)."
+        )
     return W
 
 
@@ -335,6 +341,8 @@ def reference_config(model: SinkModel) -> ModelConfig:
     """
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, ModelConfig):
-        raise ModelContractError(f"{type(model).__name__} is not a reference model (analysis.train's SinkLM); this "
-                                 "reads a reference model's own options. Build or load one with analysis.train.")
+        raise ModelContractError(
+            f"{type(model).__name__} is not a reference model (analysis.train's SinkLM); this "
+            "reads a reference model's own options. Build or load one with analysis.train."
+        )
     return cfg

@@ -5,6 +5,7 @@ run in its own attention (:func:`own_causal_lm`: no second copy from disk), its 
 :func:`n_layers`, :func:`attention_name`), its forward's cache keyword, a fresh cache, its learned sink logits, and the
 linear maps of its decoder (:func:`linear_maps`; a reference model's at the hook points that feed them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,11 @@ def require_model(model: object, where: str) -> SinkModel:
     if is_model(model):
         return model
     what = f"the name {str(model)!r}" if isinstance(model, (str, os.PathLike)) else f"a {type(model).__name__}"
-    raise TypeError(f"{where} takes the model analysis.load_model returns, not {what}: call "
-                    f"{where}(load_model(name_or_path), ...) (a Hugging Face model in memory: "
-                    "analysis.model.loading.bridge_hf(hf, tokenizer=...)).")
+    raise TypeError(
+        f"{where} takes the model analysis.load_model returns, not {what}: call "
+        f"{where}(load_model(name_or_path), ...) (a Hugging Face model in memory: "
+        "analysis.model.loading.bridge_hf(hf, tokenizer=...))."
+    )
 
 
 @contextlib.contextmanager
@@ -105,8 +108,10 @@ def own_causal_lm(model: SinkModel, *, where: str = "own_causal_lm") -> Iterator
     if hf is None:
         raise ModelContractError(f"{where}: {model.model_name} is a reference model, not a Hugging Face model.")
     if hf.get_output_embeddings() is None:
-        raise ModelContractError(f"{type(hf).__name__} has no causal-LM head; {where} needs a model loaded with its head "
-                                 "(e.g. LlamaForCausalLM, not LlamaModel).")
+        raise ModelContractError(
+            f"{type(hf).__name__} has no causal-LM head; {where} needs a model loaded with its head "
+            "(e.g. LlamaForCausalLM, not LlamaModel)."
+        )
     with unbridged(hf):
         yield hf
 
@@ -228,17 +233,22 @@ def new_cache(lm):
 
 def _decoder_layers(hf) -> nn.ModuleList | None:
     n = getattr(_text_config(hf), "num_hidden_layers", None)
-    return next((m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and n is not None and len(m) == n),
-                None)
+    return next(
+        (m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and n is not None and len(m) == n), None
+    )
 
 
 def _reference_maps(sink_lm) -> list[tuple]:
     maps = []
     for l, block in enumerate(sink_lm.blocks):
         for hook_name, (name, weights) in REFERENCE_MAPS.items():
-            ws = [(p, axes) for w_name, axes in weights
-                  if isinstance(p := getattr(block.get_submodule(w_name.split(".")[0]), w_name.split(".")[1], None),
-                                torch.Tensor)]
+            ws = [
+                (p, axes)
+                for w_name, axes in weights
+                if isinstance(
+                    p := getattr(block.get_submodule(w_name.split(".")[0]), w_name.split(".")[1], None), torch.Tensor
+                )
+            ]
             maps.append((l, name, block.get_submodule(hook_name), False, ws))
     return maps
 
@@ -266,5 +276,9 @@ def linear_maps(model: SinkModel, *, where: str = "linear_maps") -> list[tuple]:
         return _reference_maps(model)
     with own_causal_lm(model, where=where) as hf:
         layers = _decoder_layers(hf)
-        return [(l, n, m, True, [(m.weight, (1,))]) for l, layer in enumerate(layers or [])
-                for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        return [
+            (l, n, m, True, [(m.weight, (1,))])
+            for l, layer in enumerate(layers or [])
+            for n, m in layer.named_modules()
+            if isinstance(m, nn.Linear)
+        ]

@@ -22,6 +22,7 @@ A model name goes through ``load_model`` first, at the caller (the CLI, a notebo
 or a bare Hugging Face model given to one is refused (``analysis.model.causal.require_model``). The
 nnsight backend has a contract of its own (``analysis.model.nnsight_model.NnsightModel``).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,17 @@ from analysis.core.defaults import BACKENDS  # noqa: F401 (load_model's and the 
 from analysis.model.placement import input_device
 
 # The members every model must have (the Protocol's, in the order the error names them).
-_MEMBERS = ("hook_dict", "cfg", "blocks", "run_with_hooks", "hooks", "to_tokens", "tokenizer", "model_name",
-            "parameters")
+_MEMBERS = (
+    "hook_dict",
+    "cfg",
+    "blocks",
+    "run_with_hooks",
+    "hooks",
+    "to_tokens",
+    "tokenizer",
+    "model_name",
+    "parameters",
+)
 _CFG_FIELDS = ("n_layers", "n_heads", "d_model")
 
 
@@ -112,12 +122,14 @@ def check_model(model: object) -> SinkModel:
         # loaded as asked, but no layer exposes an attention pattern: say why, layer by layer (the family spec)
         raise ModelContractError(
             f"{getattr(model, 'model_name', type(model).__name__)} loaded, but no layer exposes an attention pattern "
-            f"the analyses can read: {family.text()} It is not supported yet (docs/families.md).")
+            f"the analyses can read: {family.text()} It is not supported yet (docs/families.md)."
+        )
     if gone:
         raise ModelContractError(
             f"{type(model).__name__} does not meet the model contract (analysis.model.contract.SinkModel): it lacks "
             f"{', '.join(gone)}. Load models with analysis.load_model(name_or_path) (a TransformerBridge), wrap one "
-            "in memory with analysis.model.loading.bridge_hf, or build one with analysis.train.")
+            "in memory with analysis.model.loading.bridge_hf, or build one with analysis.train."
+        )
     return model
 
 

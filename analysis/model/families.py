@@ -25,6 +25,7 @@ Where the facts live:
 
 The MLP of each block is described in ``analysis.model.mlp_spec`` (:class:`MlpSpec`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,10 +56,44 @@ MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 # Families whose blocks each read only the residual stream entering them (no state carried from one block to the
 # next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
 # (``passes.Resume``); each is checked against the full pass by tests/causal/test_interventions.py.
-RESUMABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2",
-                       "granite", "stablelm", "starcoder2", "gpt2", "gpt_neox", "gptj", "opt", "falcon",
-                       "gpt_oss", "qwen3_next", "qwen3_5_text", "jamba", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral",
-                       "olmoe", "smollm3", "llama4_text", "glm4", "cohere", "granitemoe", "falcon_h1", "phimoe"})
+RESUMABLE = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "phi",
+        "phi3",
+        "olmo2",
+        "granite",
+        "stablelm",
+        "starcoder2",
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "opt",
+        "falcon",
+        "gpt_oss",
+        "qwen3_next",
+        "qwen3_5_text",
+        "jamba",
+        "deepseek_v3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "smollm3",
+        "llama4_text",
+        "glm4",
+        "cohere",
+        "granitemoe",
+        "falcon_h1",
+        "phimoe",
+    }
+)
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
@@ -215,8 +250,10 @@ class FamilySpec:
     def _check_attention_layer(self, layer: int) -> int:
         layer = int(layer)
         if layer in self.skipped_layers:
-            raise ValueError(f"layer {layer} of this {self.family} model is not an attention layer "
-                             f"({self.skipped_layers[layer]}); attention layers: {list(self.attention_layers)}.")
+            raise ValueError(
+                f"layer {layer} of this {self.family} model is not an attention layer "
+                f"({self.skipped_layers[layer]}); attention layers: {list(self.attention_layers)}."
+            )
         if layer not in self.attention_layers:
             raise ValueError(f"layer {layer} out of range: attention layers are {list(self.attention_layers)}.")
         return layer
@@ -265,14 +302,22 @@ class FamilySpec:
 
     def text(self) -> str:
         """The family in words, one sentence per fact the analyses depend on."""
-        pos = {"rotary": (f"rotary positions (theta {self.rotary_base:g}, {self.rotary_dim} of {self.d_head} dims, "
-                          f"{'interleaved pairs' if self.rotary_style == 'interleaved' else 'rotate-half pairs'}"
-                          f"{', ' + self.rope_type + ' scaling' if self.rope_type not in (None, 'default') else ''})")
-                         if self.rotary_base is not None else "rotary positions",
-               "alibi": "ALiBi position biases (no rotation)", "absolute": "learned absolute positions",
-               "none": "no position encoding"}.get(self.positions, self.positions)
-        parts = [f"{self.family} ({self.architecture}): {len(self.attention_layers)} attention layers of "
-                 f"{self.n_layers}, {self.n_heads} heads, {self.n_kv_heads} KV heads, d_head {self.d_head}; {pos}."]
+        pos = {
+            "rotary": (
+                f"rotary positions (theta {self.rotary_base:g}, {self.rotary_dim} of {self.d_head} dims, "
+                f"{'interleaved pairs' if self.rotary_style == 'interleaved' else 'rotate-half pairs'}"
+                f"{', ' + self.rope_type + ' scaling' if self.rope_type not in (None, 'default') else ''})"
+            )
+            if self.rotary_base is not None
+            else "rotary positions",
+            "alibi": "ALiBi position biases (no rotation)",
+            "absolute": "learned absolute positions",
+            "none": "no position encoding",
+        }.get(self.positions, self.positions)
+        parts = [
+            f"{self.family} ({self.architecture}): {len(self.attention_layers)} attention layers of "
+            f"{self.n_layers}, {self.n_heads} heads, {self.n_kv_heads} KV heads, d_head {self.d_head}; {pos}."
+        ]
         if self.nope_layers:
             parts.append(f"Layers {list(self.nope_layers)} have no position encoding (NoPE): no rotary step.")
         if self.skipped_layers:
@@ -280,11 +325,15 @@ class FamilySpec:
             parts.append(st[0].upper() + st[1:] + ".")
         if self.norm is not None or self.post_norm is not None:
             n = self.norm or self.post_norm
-            parts.append(f"{self.norm_placement.capitalize()}-norm {n.text()}"
-                         f"{'; attention and MLP in parallel' if self.parallel_block else ''}.")
+            parts.append(
+                f"{self.norm_placement.capitalize()}-norm {n.text()}"
+                f"{'; attention and MLP in parallel' if self.parallel_block else ''}."
+            )
         if self.qk_norm is not None:
-            parts.append(f"Keys pass a {self.qk_norm.text()} over "
-                         f"{'each head' if self.qk_norm_scope == 'head' else 'all heads together'}.")
+            parts.append(
+                f"Keys pass a {self.qk_norm.text()} over "
+                f"{'each head' if self.qk_norm_scope == 'head' else 'all heads together'}."
+            )
         if self.fused_qkv:
             parts.append("Fused QKV projection.")
         if self.learned_sinks:
@@ -438,7 +487,11 @@ def latent_attention(config) -> dict | None:
         (d_head: nope + rope; rope_interleave: the rotary dims come in interleaved pairs
         (x_0, x_1), ... and leave the rotary de-interleaved, as rotate-half halves).
     """
-    if config is None or getattr(config, "kv_lora_rank", None) is None or getattr(config, "qk_rope_head_dim", None) is None:
+    if (
+        config is None
+        or getattr(config, "kv_lora_rank", None) is None
+        or getattr(config, "qk_rope_head_dim", None) is None
+    ):
         return None
     out = {k: int(getattr(config, k)) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     out["d_head"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
@@ -514,8 +567,14 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     if b is None:
         b = getattr(module, "b", None)
     b = b if isinstance(b, torch.Tensor) else None
-    eps = next((float(getattr(module, a)) for a in ("eps", "variance_epsilon", "epsilon") if getattr(module, a, None)
-                is not None), 1e-5)
+    eps = next(
+        (
+            float(getattr(module, a))
+            for a in ("eps", "variance_epsilon", "epsilon")
+            if getattr(module, a, None) is not None
+        ),
+        1e-5,
+    )
     D = w.shape[0]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2, D, generator=g) + 3.0).to(device=w.device, dtype=w.dtype)
@@ -606,8 +665,9 @@ def pattern_is_live(model: SinkModel, layer: int) -> bool:
     tokens = torch.tensor([[1, 2]], device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
     with torch.inference_mode():
         base = model(tokens)
-        edited = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern",
-                                                          lambda p, hook: torch.zeros_like(p))])
+        edited = model.run_with_hooks(
+            tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern", lambda p, hook: torch.zeros_like(p))]
+        )
     return not torch.equal(base, edited)
 
 
@@ -644,7 +704,7 @@ def _attn_scale(hf_attn, d_head: int) -> float:
         s = getattr(hf_attn, "scale_attn", None)
         if isinstance(s, (int, float, torch.Tensor)):
             return 1.0 / float(s)
-    return d_head ** -0.5
+    return d_head**-0.5
 
 
 def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head: int) -> dict:
@@ -657,8 +717,15 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
         positions = "absolute"
     else:
         positions = "none"
-    out = {"positions": positions, "rotary_base": None, "rotary_bases": {}, "rotary_dim": None, "rotary_style": None,
-           "rope_type": None, "nope_layers": ()}
+    out = {
+        "positions": positions,
+        "rotary_base": None,
+        "rotary_bases": {},
+        "rotary_dim": None,
+        "rotary_style": None,
+        "rope_type": None,
+        "nope_layers": (),
+    }
     if positions != "rotary":
         return out
     bases, out["nope_layers"] = out["rotary_bases"], _nope_layers(config, attention_layers)
@@ -702,10 +769,16 @@ def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
     """The FamilySpec norm fields, measured on the modules the bridge maps (ln1 feeds attention, ln1_post is on its
     output, attn.k_norm on the keys): norm, norm_placement, post_norm, qk_norm, qk_norm_scope."""
     block = model.blocks[first]
-    norm = (probe_norm(_bridge_submodule(model, first, "ln1"), model=model)
-            if getattr(block, "ln1", None) is not None else None)
-    post = (probe_norm(_bridge_submodule(model, first, "ln1_post"), model=model)
-            if getattr(block, "ln1_post", None) is not None else None)
+    norm = (
+        probe_norm(_bridge_submodule(model, first, "ln1"), model=model)
+        if getattr(block, "ln1", None) is not None
+        else None
+    )
+    post = (
+        probe_norm(_bridge_submodule(model, first, "ln1_post"), model=model)
+        if getattr(block, "ln1_post", None) is not None
+        else None
+    )
     placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
     qk_norm, qk_scope = None, None
     if getattr(getattr(block, "attn", None), "k_norm", None) is not None and k_normed_fires:
@@ -719,8 +792,11 @@ def _gate_and_scores_hooks(fires_everywhere, scores_are_pattern: bool) -> tuple[
     """(the attention-output gate hook template, the pre-softmax scores hook template), each None where it does not
     fire on every attention layer (or, for the scores, holds the pattern)."""
     gate = "blocks.{layer}.attn.hook_q_gate" if fires_everywhere("hook_q_gate") else None
-    scores = ("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores") and not scores_are_pattern
-              else None)
+    scores = (
+        "blocks.{layer}.attn.hook_attn_scores"
+        if fires_everywhere("hook_attn_scores") and not scores_are_pattern
+        else None
+    )
     return gate, scores
 
 
@@ -736,28 +812,46 @@ def _qk_hooks(positions: str, fires_everywhere, mla: dict | None) -> tuple[bool,
     return False, "blocks.{layer}.attn.hook_k", "blocks.{layer}.attn.hook_q"
 
 
-def _notes(config, rotary_unhooked: bool, pattern_read_only: bool, scores_are_pattern: bool, gate_in_q: bool,
-           mla: dict | None = None) -> list[str]:
+def _notes(
+    config,
+    rotary_unhooked: bool,
+    pattern_read_only: bool,
+    scores_are_pattern: bool,
+    gate_in_q: bool,
+    mla: dict | None = None,
+) -> list[str]:
     """What an analysis of this family must know about its hooks, one sentence each."""
     notes = []
     if mla is not None:
-        notes.append(f"Multi-head latent attention: each head's key is {mla['qk_nope_head_dim']} dims decompressed from a "
-                     f"{mla['kv_lora_rank']}-dim latent (normalised by kv_a_layernorm, whose gain is the key's norm "
-                     f"gain) and {mla['qk_rope_head_dim']} rotary dims shared by the heads, last in the head.")
+        notes.append(
+            f"Multi-head latent attention: each head's key is {mla['qk_nope_head_dim']} dims decompressed from a "
+            f"{mla['kv_lora_rank']}-dim latent (normalised by kv_a_layernorm, whose gain is the key's norm "
+            f"gain) and {mla['qk_rope_head_dim']} rotary dims shared by the heads, last in the head."
+        )
     if rotary_unhooked:
-        notes.append("The bridge does not fire hook_rot_q/hook_rot_k here: keys are taken from hook_k, before the rotary.")
+        notes.append(
+            "The bridge does not fire hook_rot_q/hook_rot_k here: keys are taken from hook_k, before the rotary."
+        )
     if pattern_read_only:
-        notes.append("hook_pattern is read-only here (it fires after the attention output, hook_z): interventions "
-                     "must edit hook_z (or the keys / values), not the pattern.")
+        notes.append(
+            "hook_pattern is read-only here (it fires after the attention output, hook_z): interventions "
+            "must edit hook_z (or the keys / values), not the pattern."
+        )
     if scores_are_pattern:
-        notes.append("The bridge's hook_attn_scores holds the softmax pattern here, not the scores: rebuild scores "
-                     "from the query and key hooks.")
+        notes.append(
+            "The bridge's hook_attn_scores holds the softmax pattern here, not the scores: rebuild scores "
+            "from the query and key hooks."
+        )
     if gate_in_q:
-        notes.append("hook_q (q.hook_out) holds the query and the gate interleaved per head ((B, T, H, 2 * d_head)); "
-                     "use hook_rot_q / hook_q_normed for queries.")
+        notes.append(
+            "hook_q (q.hook_out) holds the query and the gate interleaved per head ((B, T, H, 2 * d_head)); "
+            "use hook_rot_q / hook_q_normed for queries."
+        )
     if getattr(config, "residual_multiplier", None) not in (None, 1.0):
-        notes.append(f"Residual branches scaled by {config.residual_multiplier:g}, embeddings by "
-                     f"{getattr(config, 'embedding_multiplier', 1.0):g}.")
+        notes.append(
+            f"Residual branches scaled by {config.residual_multiplier:g}, embeddings by "
+            f"{getattr(config, 'embedding_multiplier', 1.0):g}."
+        )
     return notes
 
 
@@ -768,10 +862,16 @@ def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
         if l not in attention_layers:
             t = types[l] if types else None
             if t is not None and "attention" in t and t not in LAYER_TYPE_WORDS:  # Nemotron-H: a generic mixer bridge
-                skipped[l] = f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
+                skipped[l] = (
+                    f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
+                )
                 continue
-            skipped[l] = LAYER_TYPE_WORDS.get(t, f"{t} layer: no attention pattern" if t else
-                                              "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l))
+            skipped[l] = LAYER_TYPE_WORDS.get(
+                t,
+                f"{t} layer: no attention pattern"
+                if t
+                else "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l),
+            )
     return skipped
 
 
@@ -809,15 +909,33 @@ def family_spec(model: SinkModel) -> FamilySpec:
         return bool(attention_layers) and all(f"blocks.{l}.attn.{suffix}" in fired for l in attention_layers)
 
     if config is None:
-        return _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_model, fired, fires_everywhere,
-                               scores_are_pattern)
-    shape = dict(n_layers=n_layers, attention_layers=attention_layers, skipped_layers=skipped, n_heads=n_heads,
-                 n_kv_heads=n_kv, d_head=d_head, d_model=d_model)
+        return _reference_spec(
+            model,
+            attention_layers,
+            skipped,
+            n_heads,
+            n_kv,
+            d_head,
+            d_model,
+            fired,
+            fires_everywhere,
+            scores_are_pattern,
+        )
+    shape = dict(
+        n_layers=n_layers,
+        attention_layers=attention_layers,
+        skipped_layers=skipped,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        d_head=d_head,
+        d_model=d_model,
+    )
     return _bridge_spec(model, config, types, shape, fired, fires_everywhere, scores_are_pattern, mla)
 
 
-def _bridge_spec(model, config, types, shape: dict, fired, fires_everywhere, scores_are_pattern: bool,
-                 mla: dict | None) -> FamilySpec:
+def _bridge_spec(
+    model, config, types, shape: dict, fired, fires_everywhere, scores_are_pattern: bool, mla: dict | None
+) -> FamilySpec:
     """A TransformerBridge's family facts, read from its Hugging Face config and modules and the hooks that fired;
     ``shape`` holds its layers, heads and widths."""
     attention_layers, d_head = shape["attention_layers"], shape["d_head"]
@@ -827,20 +945,44 @@ def _bridge_spec(model, config, types, shape: dict, fired, fires_everywhere, sco
     tl_pos = getattr(model.cfg, "positional_embedding_type", None)
     pos = _positions(hf, config, family, types, attention_layers, tl_pos, d_head)
     norms = _norms(model, first, fires_everywhere("hook_k_normed"), d_head)
-    attn = _attention_facts(model, config, types, attention_layers, d_head, pos["positions"], fires_everywhere,
-                            scores_are_pattern, mla)
+    attn = _attention_facts(
+        model, config, types, attention_layers, d_head, pos["positions"], fires_everywhere, scores_are_pattern, mla
+    )
     if mla is not None:
         pos["rotary_dim"] = mla["qk_rope_head_dim"]
-    notes = _notes(config, pos["positions"] == "rotary" and not attn["key_rotated"],
-                   bool(attention_layers) and not attn["pattern_live"], scores_are_pattern,
-                   bool(attn["_gate_hook"]) and f"blocks.{first}.attn.hook_q" in fired, mla)
-    return FamilySpec(family=family, architecture=type(hf).__name__, **shape, **pos, **norms, **attn,
-                      parallel_block=bool(getattr(model.cfg, "parallel_attn_mlp", False)), notes=tuple(notes),
-                      latent=mla, fired_hooks=fired)
+    notes = _notes(
+        config,
+        pos["positions"] == "rotary" and not attn["key_rotated"],
+        bool(attention_layers) and not attn["pattern_live"],
+        scores_are_pattern,
+        bool(attn["_gate_hook"]) and f"blocks.{first}.attn.hook_q" in fired,
+        mla,
+    )
+    return FamilySpec(
+        family=family,
+        architecture=type(hf).__name__,
+        **shape,
+        **pos,
+        **norms,
+        **attn,
+        parallel_block=bool(getattr(model.cfg, "parallel_attn_mlp", False)),
+        notes=tuple(notes),
+        latent=mla,
+        fired_hooks=fired,
+    )
 
 
-def _attention_facts(model, config, types, attention_layers: tuple, d_head: int, positions: str, fires_everywhere,
-                     scores_are_pattern: bool, mla: dict | None) -> dict:
+def _attention_facts(
+    model,
+    config,
+    types,
+    attention_layers: tuple,
+    d_head: int,
+    positions: str,
+    fires_everywhere,
+    scores_are_pattern: bool,
+    mla: dict | None,
+) -> dict:
     """A TransformerBridge's attention facts, as FamilySpec fields: the fused projection, the hooks holding the
     (rotated) keys and queries, the output gate and the scores, whether the pattern is live, learned sinks, the sliding
     window, the scale and the softcap."""
@@ -853,22 +995,38 @@ def _attention_facts(model, config, types, attention_layers: tuple, d_head: int,
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
     window, sliding = _sliding(config, types, attention_layers)
     return dict(
-        fused_qkv=fused, key_rotated=key_rotated, pattern_live=live, learned_sinks=learned_sinks,
-        gate="sigmoid(hook_q_gate), per head and dim, multiplies the attention output before o_proj" if gate_hook
+        fused_qkv=fused,
+        key_rotated=key_rotated,
+        pattern_live=live,
+        learned_sinks=learned_sinks,
+        gate="sigmoid(hook_q_gate), per head and dim, multiplies the attention output before o_proj"
+        if gate_hook
         else None,
-        sliding_window=int(window) if window else None, sliding_layers=tuple(sliding),
-        attn_scale=_attn_scale(hf_attn, d_head), attn_softcap=getattr(config, "attn_logit_softcapping", None),
-        _key_hook=key_hook, _query_hook=query_hook, _gate_hook=gate_hook, _scores_hook=scores_hook,
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(sliding),
+        attn_scale=_attn_scale(hf_attn, d_head),
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        _key_hook=key_hook,
+        _query_hook=query_hook,
+        _gate_hook=gate_hook,
+        _scores_hook=scores_hook,
     )
 
 
-def _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_model, fired, fires_everywhere,
-                    scores_are_pattern=False):
+def _reference_spec(
+    model, attention_layers, skipped, n_heads, n_kv, d_head, d_model, fired, fires_everywhere, scores_are_pattern=False
+):
     """The package's own reference models (``analysis.train``): read from ``model.cfg`` and the hooks."""
     cfg = model.cfg
     pos = getattr(cfg, "positional_embedding_type", None)
-    positions = {"rotary": "rotary", "alibi": "alibi", "standard": "absolute", "learned": "absolute",
-                 "sinusoidal": "absolute", "relative": "relative"}.get(pos, "none")
+    positions = {
+        "rotary": "rotary",
+        "alibi": "alibi",
+        "standard": "absolute",
+        "learned": "absolute",
+        "sinusoidal": "absolute",
+        "relative": "relative",
+    }.get(pos, "none")
     post = getattr(cfg, "norm_position", "pre") == "post"
     key_rotated = positions == "rotary" and fires_everywhere("hook_rot_k")
     base = getattr(model, "rope_theta", None) or getattr(cfg, "rotary_base", None)
@@ -876,21 +1034,43 @@ def _reference_spec(model, attention_layers, skipped, n_heads, n_kv, d_head, d_m
     ln = getattr(model.blocks[first], "ln1", None)
     norm = probe_norm(ln) if ln is not None else None
     return FamilySpec(
-        family="reference", architecture=type(model).__name__, n_layers=int(cfg.n_layers),
-        attention_layers=attention_layers, skipped_layers=skipped, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
-        d_model=d_model, positions=positions, rotary_base=float(base) if positions == "rotary" and base else None,
+        family="reference",
+        architecture=type(model).__name__,
+        n_layers=int(cfg.n_layers),
+        attention_layers=attention_layers,
+        skipped_layers=skipped,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        d_head=d_head,
+        d_model=d_model,
+        positions=positions,
+        rotary_base=float(base) if positions == "rotary" and base else None,
         rotary_bases={l: float(base) for l in attention_layers} if positions == "rotary" and base else {},
         rotary_dim=(getattr(cfg, "rotary_dim", None) or d_head) if positions == "rotary" else None,
-        rotary_style="half" if positions == "rotary" else None, rope_type="default" if positions == "rotary" else None,
-        norm=None if post else norm, norm_placement=("post" if post else "pre") if norm else "none",
-        post_norm=norm if post else None, parallel_block=False, qk_norm=None,
-        qk_norm_scope=None, fused_qkv=False, key_rotated=key_rotated,
-        pattern_live=pattern_is_live(model, first) if attention_layers else False, learned_sinks=False, gate=None,
-        sliding_window=None, sliding_layers=(), attn_scale=d_head ** -0.5, attn_softcap=None,
+        rotary_style="half" if positions == "rotary" else None,
+        rope_type="default" if positions == "rotary" else None,
+        norm=None if post else norm,
+        norm_placement=("post" if post else "pre") if norm else "none",
+        post_norm=norm if post else None,
+        parallel_block=False,
+        qk_norm=None,
+        qk_norm_scope=None,
+        fused_qkv=False,
+        key_rotated=key_rotated,
+        pattern_live=pattern_is_live(model, first) if attention_layers else False,
+        learned_sinks=False,
+        gate=None,
+        sliding_window=None,
+        sliding_layers=(),
+        attn_scale=d_head**-0.5,
+        attn_softcap=None,
         _key_hook="blocks.{layer}.attn.hook_rot_k" if key_rotated else "blocks.{layer}.attn.hook_k",
         _query_hook="blocks.{layer}.attn.hook_rot_q" if key_rotated else "blocks.{layer}.attn.hook_q",
-        _scores_hook=("blocks.{layer}.attn.hook_attn_scores" if fires_everywhere("hook_attn_scores")
-                      and not scores_are_pattern else None),
+        _scores_hook=(
+            "blocks.{layer}.attn.hook_attn_scores"
+            if fires_everywhere("hook_attn_scores") and not scores_are_pattern
+            else None
+        ),
         fired_hooks=fired,
     )
 
@@ -1024,8 +1204,10 @@ def _layer_inv_freq(hf, types) -> list:
     bufs = {n.rsplit(".", 1)[-1]: b for n, b in hf.named_buffers() if n.endswith("inv_freq") and "original" not in n}
     plain = [b for n, b in hf.named_buffers() if n.rsplit(".", 1)[-1] == "inv_freq"]
     if len(plain) > 1 and any(not torch.equal(b, plain[0]) for b in plain):
-        raise ValueError(f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "
-                                 "cannot be matched with; only per-layer-type ones ({type}_inv_freq) are read.")
+        raise ValueError(
+            f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "
+            "cannot be matched with; only per-layer-type ones ({type}_inv_freq) are read."
+        )
     n = len(types) if types else int(hf.config.get_text_config(decoder=True).num_hidden_layers)
     return [bufs.get(f"{types[l]}_inv_freq" if types else "", plain[0] if plain else None) for l in range(n)]
 
@@ -1049,22 +1231,35 @@ def decoder_positions(hf) -> DecoderPositions:
     types = _layer_types(config, n)
     attention = config_attention_layers(config)
     other = _skipped(types, n, [l for l in attention if not types or types[l] != "hybrid"])
-    learned = any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("wpe", "embed_positions",
-                  "position_embeddings") for name, m in hf.named_modules())
+    learned = any(
+        isinstance(m, torch.nn.Embedding)
+        and name.rsplit(".", 1)[-1] in ("wpe", "embed_positions", "position_embeddings")
+        for name, m in hf.named_modules()
+    )
     tl_pos = "rotary" if family in INTERLEAVED_ROTARY else "standard" if learned else None  # GPT-J: no inv_freq buffer
     pos = _positions(hf, config, family, types, attention, tl_pos, 0)
     inv = [None] * n
     if pos["positions"] == "rotary":
         inv = [None if l in pos["nope_layers"] or l in other else f for l, f in enumerate(_layer_inv_freq(hf, types))]
         rd, base = pos["rotary_dim"], pos["rotary_base"]
-        inv = [f if f is not None or l not in pos["rotary_bases"] or not rd else
-               1.0 / base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd) for l, f in enumerate(inv)]
+        inv = [
+            f
+            if f is not None or l not in pos["rotary_bases"] or not rd
+            else 1.0 / base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+            for l, f in enumerate(inv)
+        ]
     window, _ = _sliding(config, types, attention)
-    return DecoderPositions(family=family, positions=pos["positions"], inv_freq=tuple(inv),
-                            rotary_style=pos["rotary_style"], rope_type=pos["rope_type"],
-                            sliding_window=int(window) if window else None,
-                            chunk=getattr(config, "attention_chunk_size", None), other_layers=other,
-                            latent=latent_attention(config) is not None)
+    return DecoderPositions(
+        family=family,
+        positions=pos["positions"],
+        inv_freq=tuple(inv),
+        rotary_style=pos["rotary_style"],
+        rope_type=pos["rope_type"],
+        sliding_window=int(window) if window else None,
+        chunk=getattr(config, "attention_chunk_size", None),
+        other_layers=other,
+        latent=latent_attention(config) is not None,
+    )
 
 
 @contextlib.contextmanager

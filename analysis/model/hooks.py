@@ -7,6 +7,7 @@ models (``analysis.train``). This module names the hooks (``act_name``), reads t
 KV heads under grouped-query attention (``kv_view``). The streamed passes that feed analyses from those hooks are
 in ``analysis.engine.passes``.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,14 @@ from analysis.model.families import FamilySpec, get_family, rotary_base
 from analysis.model.placement import input_device
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
-_BLOCK_ACTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
-               "normalized": "ln1.hook_normalized", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+_BLOCK_ACTS = {
+    "resid_pre": "hook_resid_pre",
+    "resid_mid": "hook_resid_mid",
+    "resid_post": "hook_resid_post",
+    "normalized": "ln1.hook_normalized",
+    "attn_out": "hook_attn_out",
+    "mlp_out": "hook_mlp_out",
+}
 _ATTN_ACTS = ("q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern")
 
 
@@ -222,8 +229,10 @@ def check_attention_layers(model: SinkModel, *, layers: Iterable[int] | None = N
     layers = [int(l) for l in layers]
     bad = [l for l in layers if not 0 <= l < spec.n_layers]
     if bad:
-        raise ValueError(f"layers {bad} out of range: this model has layers 0..{spec.n_layers - 1} "
-                         f"(attention layers: {list(spec.attention_layers)}).")
+        raise ValueError(
+            f"layers {bad} out of range: this model has layers 0..{spec.n_layers - 1} "
+            f"(attention layers: {list(spec.attention_layers)})."
+        )
     return [spec._check_attention_layer(l) for l in layers]
 
 
@@ -373,20 +382,25 @@ def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:
 def _not_ids_hint(tokens) -> str | None:
     """What to pass instead of ``tokens`` when it is text or a ProbeSet rather than token ids; None when it is ids."""
     if isinstance(tokens, str):
-        return ("tokens must be token ids, an integer tensor or array of shape (N, T); got a string. Tokenize it "
-                "first: analysis.model.probes.text_tokens(model.tokenizer, text) (no BOS), or "
-                "model.to_tokens(text) (which puts the tokenizer's BOS first).")
+        return (
+            "tokens must be token ids, an integer tensor or array of shape (N, T); got a string. Tokenize it "
+            "first: analysis.model.probes.text_tokens(model.tokenizer, text) (no BOS), or "
+            "model.to_tokens(text) (which puts the tokenizer's BOS first)."
+        )
     if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens):
-        return ("tokens must be token ids, an integer tensor or array of shape (N, T); got a list of strings. Cut "
-                "them into windows of T tokens: analysis.model.probes.text_probe(model.tokenizer, texts, n=N, T=T)"
-                ".tokens.")
+        return (
+            "tokens must be token ids, an integer tensor or array of shape (N, T); got a list of strings. Cut "
+            "them into windows of T tokens: analysis.model.probes.text_probe(model.tokenizer, texts, n=N, T=T)"
+            ".tokens."
+        )
     if hasattr(tokens, "tokens") and hasattr(tokens, "bos") and hasattr(tokens, "kind"):
         return f"tokens must be token ids; got a {type(tokens).__name__}: pass its .tokens (probe.tokens)."
     return None
 
 
-def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "",
-                       sync: bool = True) -> torch.Tensor:
+def validate_token_ids(
+    tokens, n_ctx: int | None, vocab: int | None, *, hint: str = "", sync: bool = True
+) -> torch.Tensor:
     """Token ids as a (N, T) LongTensor, checked for shape, dtype, emptiness, context and vocabulary.
 
     Parameters
@@ -414,8 +428,10 @@ def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: st
         try:
             tokens = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"tokens must be token ids, an integer tensor or array of shape (N, T); got "
-                             f"{type(tokens).__name__} ({str(e).splitlines()[0][:120]}).") from None
+            raise ValueError(
+                f"tokens must be token ids, an integer tensor or array of shape (N, T); got "
+                f"{type(tokens).__name__} ({str(e).splitlines()[0][:120]})."
+            ) from None
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2:
@@ -425,14 +441,15 @@ def validate_token_ids(tokens, n_ctx: int | None, vocab: int | None, *, hint: st
     if tokens.is_floating_point() or tokens.dtype == torch.bool:
         raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
     if n_ctx is not None and tokens.shape[1] > n_ctx:
-        raise ValueError(f"sequence length T={tokens.shape[1]} exceeds the model's context of {n_ctx} tokens; "
-                         f"use T <= {n_ctx}{hint}.")
+        raise ValueError(
+            f"sequence length T={tokens.shape[1]} exceeds the model's context of {n_ctx} tokens; "
+            f"use T <= {n_ctx}{hint}."
+        )
     if vocab is not None and (sync or tokens.device.type == "cpu") and not torch.compiler.is_compiling():
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{lo}, {hi}].")
     return tokens.long()
-
 
 
 def token_strings(model: SinkModel, ids: Sequence[int]) -> list[str]:
@@ -674,7 +691,10 @@ def bos_sentence(record: dict | None, *, asked: bool | None = None) -> str:
     """
     if not record:
         return ""
-    share, name = float(record.get("starts_with_bos") or 0.0), f"{record.get('bos_token')!r} (id {record.get('bos_id')})"
+    share, name = (
+        float(record.get("starts_with_bos") or 0.0),
+        f"{record.get('bos_token')!r} (id {record.get('bos_id')})",
+    )
     if record.get("bos_id") is None:
         return "The tokenizer has no BOS token, so no sequence starts with one."
     if share == 0:
@@ -682,6 +702,8 @@ def bos_sentence(record: dict | None, *, asked: bool | None = None) -> str:
     which = "Every sequence" if share == 1 else f"{100 * share:.0f}% of the sequences"
     out = f"{which} starts with the tokenizer's BOS {name}."
     if not asked:
-        out += (" Note: no BOS was asked for (the paper's probe has none); a BOS first often comes from "
-                "model.to_tokens(text), which prepends it, so the sink measured may be the BOS's own.")
+        out += (
+            " Note: no BOS was asked for (the paper's probe has none); a BOS first often comes from "
+            "model.to_tokens(text), which prepends it, so the sink measured may be the BOS's own."
+        )
     return out

@@ -9,6 +9,7 @@ has no per-head W_K: :class:`LatentKeyPath` rebuilds its keys from the real path
 ``kv_a_layernorm`` on the latent, ``kv_b_proj``, and the rotary key shared by the heads). Used by ``analysis.chain.norm_gain`` (the trace)
 and ``analysis.causal.interventions`` (the first-key ablation).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,15 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.model.families import get_family
-from analysis.model.hooks import (ModelContractError, act_name, check_attention_layers, check_layers, hook_names, kv_view,
-                                  model_dims)
+from analysis.model.hooks import (
+    ModelContractError,
+    act_name,
+    check_attention_layers,
+    check_layers,
+    hook_names,
+    kv_view,
+    model_dims,
+)
 from analysis.model.rotary import apply_spec_rotary, rotate, rotate_half
 from analysis.core.results import compact_repr
 from analysis.model.weights import live_tensor, reads_block_weights
@@ -162,8 +170,13 @@ def norm_params(model: SinkModel, layer: int) -> NormParams:
     kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
     b = live_tensor(ln, "b", "bias") if kind == "LN" else None
     eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
-    return NormParams(kind, w.detach().float().cpu(), None if b is None else b.detach().float().cpu(), eps,
-                      ns.gain_offset if ns is not None else 0.0)
+    return NormParams(
+        kind,
+        w.detach().float().cpu(),
+        None if b is None else b.detach().float().cpu(),
+        eps,
+        ns.gain_offset if ns is not None else 0.0,
+    )
 
 
 @reads_block_weights
@@ -188,11 +201,18 @@ def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
     kn = getattr(model.blocks[layer].attn, "k_norm", None)
     w = live_tensor(kn, "w", "weight")
     if w is None:
-        raise ModelContractError(f"the {ns.text()} on the keys of layer {layer} has no weight "
-                                 f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights.")
+        raise ModelContractError(
+            f"the {ns.text()} on the keys of layer {layer} has no weight "
+            f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights."
+        )
     b = live_tensor(kn, "b", "bias") if ns.bias else None
-    return NormParams(_KINDS.get(ns.kind, "RMS"), w.detach().float().cpu(),
-                      None if b is None else b.detach().float().cpu(), ns.eps, ns.gain_offset)
+    return NormParams(
+        _KINDS.get(ns.kind, "RMS"),
+        w.detach().float().cpu(),
+        None if b is None else b.detach().float().cpu(),
+        ns.eps,
+        ns.gain_offset,
+    )
 
 
 @reads_block_weights
@@ -215,13 +235,17 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
     try:
         W_K = getattr(attn, "W_K", None)
     except NotImplementedError as e:  # TransformerLens' MLA bridge (DeepSeek-V2 / V3) raises for W_K
-        raise ModelContractError(f"layer {layer} has multi-head latent attention: no per-head W_K (each key is decompressed "
-                                 "from a normalised latent, plus a rotary key shared by the heads); use key_path(model, "
-                                 "layer), which rebuilds MLA keys from kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj.") from e
+        raise ModelContractError(
+            f"layer {layer} has multi-head latent attention: no per-head W_K (each key is decompressed "
+            "from a normalised latent, plus a rotary key shared by the heads); use key_path(model, "
+            "layer), which rebuilds MLA keys from kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj."
+        ) from e
     if W_K is None:
         raise ModelContractError(f"model.blocks[{layer}].attn has no W_K; the key path needs the key weights.")
     if W_K.ndim != 3:
-        raise ModelContractError(f"W_K of layer {layer} has shape {tuple(W_K.shape)}; expected (heads, d_model, d_head).")
+        raise ModelContractError(
+            f"W_K of layer {layer} has shape {tuple(W_K.shape)}; expected (heads, d_model, d_head)."
+        )
     b_K = getattr(attn, "b_K", None)
     return W_K.detach().float().cpu(), (None if b_K is None else b_K.detach().float().cpu().reshape(W_K.shape[0], -1))
 
@@ -345,17 +369,29 @@ class KeyPath:
     def text(self) -> str:
         """The path in words: norm -> W_K -> key norm -> rotary -> score scale (and soft-cap)."""
         sp = self.spec
-        parts = [f"{self.norm.text()} on the attention input" if self.norm.kind != "none"
-                 else "no norm before attention (the block normalises after it)",
-                 f"W_K{' + b_K' if self.b_K is not None else ''}{' (split from the fused QKV)' if sp.fused_qkv else ''}"]
+        parts = [
+            f"{self.norm.text()} on the attention input"
+            if self.norm.kind != "none"
+            else "no norm before attention (the block normalises after it)",
+            f"W_K{' + b_K' if self.b_K is not None else ''}{' (split from the fused QKV)' if sp.fused_qkv else ''}",
+        ]
         if self.k_norm is not None:
-            parts.append(f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}")
+            parts.append(
+                f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
+            )
         if self.rotary:
-            parts.append(f"rotary ({self.rot_dim} of {self.W_K.shape[-1]} dims, "
-                         f"{'interleaved' if sp.rotary_style == 'interleaved' else 'rotate-half'} pairs, theta {self.base:g})")
+            parts.append(
+                f"rotary ({self.rot_dim} of {self.W_K.shape[-1]} dims, "
+                f"{'interleaved' if sp.rotary_style == 'interleaved' else 'rotate-half'} pairs, theta {self.base:g})"
+            )
         else:
-            parts.append({"alibi": "no rotation (ALiBi biases on the scores)", "absolute": "no rotation (absolute "
-                          "positions)", "rotary": "no rotation (a NoPE layer)"}.get(sp.positions, "no rotation"))
+            parts.append(
+                {
+                    "alibi": "no rotation (ALiBi biases on the scores)",
+                    "absolute": "no rotation (absolute positions)",
+                    "rotary": "no rotation (a NoPE layer)",
+                }.get(sp.positions, "no rotation")
+            )
         cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
         return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
@@ -430,17 +466,21 @@ class LatentKeyPath(KeyPath):
         return torch.cat([nope, self._order(rope.float())], -1)
 
     def key_norm(self, k: torch.Tensor) -> torch.Tensor:
-        return self._decompress(self.k_norm(k[..., :self.rank]), k[..., self.rank:])
+        return self._decompress(self.k_norm(k[..., : self.rank]), k[..., self.rank :])
 
     def key_norm_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        return self._decompress(self.k_norm.linear_part(part[..., :self.rank], full[..., :self.rank]), part[..., self.rank:])
+        return self._decompress(
+            self.k_norm.linear_part(part[..., : self.rank], full[..., : self.rank]), part[..., self.rank :]
+        )
 
     def key_norm_adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        lat = torch.einsum("...he,hre->...hr", y[..., :self.n_nope].float(), self.W_b.to(y.device))
-        return torch.cat([self.k_norm.adjoint(lat, full[..., :self.rank]), self._unorder(y[..., self.n_nope:].float())], -1)
+        lat = torch.einsum("...he,hre->...hr", y[..., : self.n_nope].float(), self.W_b.to(y.device))
+        return torch.cat(
+            [self.k_norm.adjoint(lat, full[..., : self.rank]), self._unorder(y[..., self.n_nope :].float())], -1
+        )
 
     def key_norm_scale(self, k: torch.Tensor) -> torch.Tensor:
-        return self.k_norm.scale(k[..., :self.rank])[..., 0]
+        return self.k_norm.scale(k[..., : self.rank])[..., 0]
 
     def key_norm_gain(self) -> torch.Tensor:
         return self.k_norm.gain.expand(self.W_K.shape[0], self.rank)
@@ -449,7 +489,7 @@ class LatentKeyPath(KeyPath):
         """The rotary on the last ``n_rope`` dims of the keys (..., T, H, d) (rotate-half pairs: ``key_norm``
         de-interleaved them), with the model's own cos / sin."""
         x = x.float()
-        r = x[..., self.n_nope:]
+        r = x[..., self.n_nope :]
         if self.rotary_emb is None:
             rr = rotate(r, positions, self.base, style="half")
         else:
@@ -457,7 +497,7 @@ class LatentKeyPath(KeyPath):
                 cos, sin = self.rotary_emb(r, positions.to(r.device)[None])
             cos, sin = cos[0, :, None].float(), sin[0, :, None].float()  # (T, 1, n_rope)
             rr = r * cos + rotate_half(r) * sin
-        return torch.cat([x[..., :self.n_nope], rr], -1)
+        return torch.cat([x[..., : self.n_nope], rr], -1)
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
         """The part of ``key_hook`` (``kv_a_proj_with_mqa``'s output, (..., T, rank + n_rope)) x (..., T, D) makes:
@@ -466,14 +506,16 @@ class LatentKeyPath(KeyPath):
 
     def text(self) -> str:
         sp = self.spec
-        parts = [f"{self.norm.text()} on the attention input",
-                 f"kv_a_proj_with_mqa{' + bias' if self.b_K is not None else ''} (a latent of {self.rank} dims and a "
-                 f"rotary key of {self.n_rope} dims shared by the heads)",
-                 f"{self.k_norm.text()} on the latent (kv_a_layernorm: its gain is the gain of the latent part; "
-                 "the rotary part has only the input norm's gain)",
-                 f"kv_b_proj to {self.n_nope} no-position dims per head",
-                 f"rotary on the shared {self.n_rope} dims, last in each head"
-                 f"{' (interleaved pairs, de-interleaved)' if self.interleaved else ''}"]
+        parts = [
+            f"{self.norm.text()} on the attention input",
+            f"kv_a_proj_with_mqa{' + bias' if self.b_K is not None else ''} (a latent of {self.rank} dims and a "
+            f"rotary key of {self.n_rope} dims shared by the heads)",
+            f"{self.k_norm.text()} on the latent (kv_a_layernorm: its gain is the gain of the latent part; "
+            "the rotary part has only the input norm's gain)",
+            f"kv_b_proj to {self.n_nope} no-position dims per head",
+            f"rotary on the shared {self.n_rope} dims, last in each head"
+            f"{' (interleaved pairs, de-interleaved)' if self.interleaved else ''}",
+        ]
         cap = f", soft-capped at {sp.attn_softcap:g}" if sp.attn_softcap else ""
         return f"Key path of layer {self.layer}: " + " -> ".join(parts) + f"; scores = {sp.attn_scale:g} q·k{cap}."
 
@@ -485,20 +527,41 @@ def _latent_key_path(model, layer: int, spec, norm: NormParams) -> LatentKeyPath
     hf = getattr(attn, "original_component", None)
     kv_a, kv_norm, kv_b = (getattr(hf, n, None) for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"))
     if kv_a is None or kv_norm is None or kv_b is None:
-        raise ModelContractError(f"layer {layer} has multi-head latent attention but its module lacks kv_a_proj_with_mqa, "
-                                 "kv_a_layernorm or kv_b_proj; load a Hugging Face DeepSeek-V2 / V3 checkpoint.")
+        raise ModelContractError(
+            f"layer {layer} has multi-head latent attention but its module lacks kv_a_proj_with_mqa, "
+            "kv_a_layernorm or kv_b_proj; load a Hugging Face DeepSeek-V2 / V3 checkpoint."
+        )
     H, r, dn, dv = spec.n_heads, la["kv_lora_rank"], la["qk_nope_head_dim"], la["v_head_dim"]
     W_a = kv_a.weight.detach().float().cpu().T  # (D, r + dr)
     b_a = None if kv_a.bias is None else kv_a.bias.detach().float().cpu()
     W_b = kv_b.weight.detach().float().cpu().reshape(H, dn + dv, r)[:, :dn].transpose(1, 2).contiguous()  # (H, r, dn)
-    k_norm = NormParams("RMS", kv_norm.weight.detach().float().cpu(), None,
-                        float(getattr(kv_norm, "variance_epsilon", getattr(kv_norm, "eps", 1e-6))))
+    k_norm = NormParams(
+        "RMS",
+        kv_norm.weight.detach().float().cpu(),
+        None,
+        float(getattr(kv_norm, "variance_epsilon", getattr(kv_norm, "eps", 1e-6))),
+    )
     rotary_emb = getattr(getattr(getattr(model, "original_model", None), "model", None), "rotary_emb", None)
     kh = f"blocks.{layer}.attn.kv_a_proj_with_mqa.hook_out"
-    return LatentKeyPath(layer, norm, W_a[None].expand(H, *W_a.shape), None if b_a is None else b_a[None].expand(H, -1),
-                         k_norm, "latent", spec, 1, kh, spec.key_hook(layer), spec.query_hook(layer), W_b=W_b,
-                         n_nope=dn, n_rope=la["qk_rope_head_dim"], rank=r, interleaved=la["rope_interleave"],
-                         rotary_emb=rotary_emb)
+    return LatentKeyPath(
+        layer,
+        norm,
+        W_a[None].expand(H, *W_a.shape),
+        None if b_a is None else b_a[None].expand(H, -1),
+        k_norm,
+        "latent",
+        spec,
+        1,
+        kh,
+        spec.key_hook(layer),
+        spec.query_hook(layer),
+        W_b=W_b,
+        n_nope=dn,
+        n_rope=la["qk_rope_head_dim"],
+        rank=r,
+        interleaved=la["rope_interleave"],
+        rotary_emb=rotary_emb,
+    )
 
 
 def key_path(model: SinkModel, layer: int) -> KeyPath:
@@ -521,18 +584,37 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
     norm = norm_params(model, layer)
     if spec.latent is not None:
         path = _latent_key_path(model, layer, spec, norm)
-        missing = [n for n in (act_name("resid_pre", layer), path.key_hook, path.final_key_hook, path.query_hook)
-                   if n not in hook_names(model)]
+        missing = [
+            n
+            for n in (act_name("resid_pre", layer), path.key_hook, path.final_key_hook, path.query_hook)
+            if n not in hook_names(model)
+        ]
         if missing:
             raise ModelContractError(f"the model has no hook(s) {missing}; the MLA key path needs them.")
         return path
     W_K, b_K = key_weights(model, layer)
     if spec.rotary_at(layer) and spec.rotary_bases.get(layer, spec.rotary_base) is None:
-        raise ModelContractError("the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases).")
+        raise ModelContractError(
+            "the model uses rotary embeddings but its rotary base is unknown (model.family.rotary_bases)."
+        )
     kh = act_name("k", layer)
-    missing = [n for n in (act_name("resid_pre", layer), kh, spec.key_hook(layer), spec.query_hook(layer))
-               if n not in hook_names(model)]
+    missing = [
+        n
+        for n in (act_name("resid_pre", layer), kh, spec.key_hook(layer), spec.query_hook(layer))
+        if n not in hook_names(model)
+    ]
     if missing:
         raise ModelContractError(f"the model has no hook(s) {missing}; the key path needs TransformerLens hook names.")
-    return KeyPath(layer, norm, W_K, b_K, key_norm_params(model, layer), spec.qk_norm_scope, spec,
-                   model_dims(model).n_heads // W_K.shape[0], kh, spec.key_hook(layer), spec.query_hook(layer))
+    return KeyPath(
+        layer,
+        norm,
+        W_K,
+        b_K,
+        key_norm_params(model, layer),
+        spec.qk_norm_scope,
+        spec,
+        model_dims(model).n_heads // W_K.shape[0],
+        kh,
+        spec.key_hook(layer),
+        spec.query_hook(layer),
+    )

@@ -16,6 +16,7 @@ safetensors copy in the cache folder (``$ATTENTION_SINKS_CACHE``, default
 ``~/.cache/attention-sink-lens``); later loads take a few seconds. Neither that path, the reference models
 nor a local folder ever opens a network connection.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -60,6 +61,7 @@ class ModelInfo:
     description : str
         What it is, in words.
     """
+
     name: str
     kind: str  # "embedded" | "reference"
     description: str
@@ -95,7 +97,9 @@ def available_models() -> list[ModelInfo]:
         )
     ]
     for name, d in _reference_models().items():
-        desc = json.loads((d / "config.json").read_text()).get("description", "reference model trained by analysis.train")
+        desc = json.loads((d / "config.json").read_text()).get(
+            "description", "reference model trained by analysis.train"
+        )
         models.append(ModelInfo(name, "reference", desc))
     return models
 
@@ -159,8 +163,9 @@ def read_gguf(path: Path, *, dtype=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=_dtype(dtype),
-                                                      local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=_dtype(dtype), local_files_only=True
+            )
         except (ValueError, KeyError, OSError, RuntimeError) as e:
             raise ModelNotFoundError(
                 f"could not read {path} as a GGUF model ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
@@ -241,8 +246,9 @@ def load_hf(name_or_dir: str, *, device=None, dtype=None, placement: Placement |
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(src)
-            hf = _from_pretrained(AutoModelForCausalLM, src, placement, dtype=_dtype(dtype),
-                                  local_files_only=local.exists())
+            hf = _from_pretrained(
+                AutoModelForCausalLM, src, placement, dtype=_dtype(dtype), local_files_only=local.exists()
+            )
     except OSError as e:  # not found on disk, hub unreachable, gated repo, ...
         raise ModelNotFoundError(
             f"could not load {name_or_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
@@ -261,25 +267,32 @@ def _from_pretrained(cls, src: str, placement: Placement | None, **kwargs):
         hf = cls.from_pretrained(src, **kwargs, **placement.kwargs())
         placed = {str(v) for v in (getattr(hf, "hf_device_map", None) or {}).values()}
         if placement.offload_folder is None and placed & {"disk", "meta"} and isinstance(placement.device_map, str):
-            raise ValueError(f"max_memory {placement.max_memory} is too small for {src} and no offload folder is "
-                             "given: give --offload-folder (offload_folder=) a folder with room for the rest, or "
-                             "raise --max-memory.")
+            raise ValueError(
+                f"max_memory {placement.max_memory} is too small for {src} and no offload folder is "
+                "given: give --offload-folder (offload_folder=) a folder with room for the rest, or "
+                "raise --max-memory."
+            )
         return hf
     except ValueError as e:
         if "does not give any device" in str(e):
             missing = str(e).split(":", 1)[-1].strip().split(", ")
-            raise ValueError(f"the device map leaves {len(missing)} weights of {src} with no device (e.g. {missing[0]}): "
-                             "map every module (analysis.model.placement.split_device_map writes a full map), or "
-                             "give --device-map auto.") from None
+            raise ValueError(
+                f"the device map leaves {len(missing)} weights of {src} with no device (e.g. {missing[0]}): "
+                "map every module (analysis.model.placement.split_device_map writes a full map), or "
+                "give --device-map auto."
+            ) from None
         if "offload" in str(e).lower() and placement.offload_folder is None:
-            raise ValueError(f"the device map / max_memory ({placement.max_memory}) leaves part of {src} with no room "
-                             "on any device and no offload folder: give --offload-folder (offload_folder=) a folder "
-                             "with room for the rest, or raise --max-memory.") from e
+            raise ValueError(
+                f"the device map / max_memory ({placement.max_memory}) leaves part of {src} with no room "
+                "on any device and no offload folder: give --offload-folder (offload_folder=) a folder "
+                "with room for the rest, or raise --max-memory."
+            ) from e
         raise
 
 
-def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None, device_map=None, max_memory=None,
-              offload_folder=None):
+def bridge_hf(
+    hf, *, tokenizer, name: str = "in-memory model", device=None, device_map=None, max_memory=None, offload_folder=None
+):
     """Boot a TransformerBridge around a Hugging Face causal LM already in memory (built from a config, with random
     or your own weights), as ``load_hf`` does around one it loads: nothing is read from or written to disk.
 
@@ -308,8 +321,10 @@ def bridge_hf(hf, *, tokenizer, name: str = "in-memory model", device=None, devi
     if not isinstance(hf, PreTrainedModel):
         raise TypeError(f"give a Hugging Face PreTrainedModel; got {type(hf).__name__}.")
     if tokenizer is None:
-        raise ValueError("the bridge needs a tokenizer (it would otherwise look for one on the hub under the model's "
-                         "name); pass one whose ids lie below the model's vocabulary.")
+        raise ValueError(
+            "the bridge needs a tokenizer (it would otherwise look for one on the hub under the model's "
+            "name); pass one whose ids lie below the model's vocabulary."
+        )
     hf_logging.disable_progress_bar()
     placement = check_placement(Placement(device_map, max_memory, offload_folder), device=device)
     if placement.split:
@@ -374,8 +389,10 @@ def dispatch(hf, placement: Placement):
     folder = placement.offload_folder
     if "disk" in dm.values() and folder is None:
         if placement.max_memory is not None:
-            raise ValueError(f"max_memory {placement.max_memory} is too small for {type(hf).__name__} and no offload "
-                             "folder is given: give --offload-folder (offload_folder=) or raise --max-memory.")
+            raise ValueError(
+                f"max_memory {placement.max_memory} is too small for {type(hf).__name__} and no offload "
+                "folder is given: give --offload-folder (offload_folder=) or raise --max-memory."
+            )
         folder = tempfile.mkdtemp(prefix="attention-sink-lens-offload-")
     hf = dispatch_model(hf, device_map=dm, offload_dir=folder)
     hf.hf_device_map = dict(dm)
@@ -412,9 +429,17 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, dtype=None, device_map=None,
-               max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
-               backend: str = "transformer_lens", remote: bool = False):
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    device: str | None = None,
+    dtype=None,
+    device_map=None,
+    max_memory: dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    backend: str = "transformer_lens",
+    remote: bool = False,
+):
     """Load a model by name (``available_models()``), local folder, local ``.gguf`` file, or Hugging Face id.
 
     The BOS, a known trap (TransformerLens issue 1418): the bridge's tokenizer prepends the BOS where the model's own
@@ -470,8 +495,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ModelNotFoundError(f"give a model name or path; known names: {model_names()}.")
     device = None if device == "auto" else device  # --device auto: the default device
-    placement = check_placement(Placement(device_map, max_memory, None if offload_folder is None else str(offload_folder)),
-                                device=device)
+    placement = check_placement(
+        Placement(device_map, max_memory, None if offload_folder is None else str(offload_folder)), device=device
+    )
     name = str(name_or_path)
     device = resolve_device(device)
     if backend not in BACKENDS:
@@ -480,8 +506,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None, 
         return _load_other_backend(name, backend, device=device, dtype=dtype, remote=remote, split=placement.split)
     if backend == "nnsight":
         if placement.split:
-            raise ValueError("the nnsight backend runs on one device (NDIF places remote models itself); drop the "
-                             "device map, or use --backend auto.")
+            raise ValueError(
+                "the nnsight backend runs on one device (NDIF places remote models itself); drop the "
+                "device map, or use --backend auto."
+            )
         _check_nnsight()
     model = _load_local(name, device=device, dtype=dtype, placement=placement)
     model.pass_backend = backend  # what its passes run on (analysis.engine.backends), unless a call says otherwise
@@ -499,9 +527,13 @@ def _load_local(name: str, *, device, dtype, placement):
     ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
     if ref_dir is not None:
         if placement.split:
-            raise ValueError(f"{name} is a reference model (analysis.train's SinkLM, small enough for one device): it "
-                             "takes no device map; drop --device-map / --max-memory / --offload-folder (use --device).")
-        from analysis.model.reference.checkpoint import load_reference  # lazy for import time: the reference model loads transformer_lens (~2 s)
+            raise ValueError(
+                f"{name} is a reference model (analysis.train's SinkLM, small enough for one device): it "
+                "takes no device map; drop --device-map / --max-memory / --offload-folder (use --device)."
+            )
+        from analysis.model.reference.checkpoint import (
+            load_reference,
+        )  # lazy for import time: the reference model loads transformer_lens (~2 s)
 
         model = load_reference(ref_dir, device=device, dtype=dtype)
         model.model_name = name
@@ -549,15 +581,19 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
     if backend != "nnsight":
         raise ValueError("remote=True runs through nnsight: pass backend='nnsight' (--backend nnsight).")
     if split:
-        raise ValueError("the nnsight backend loads on one device (NDIF places remote models itself); drop the device map.")
+        raise ValueError(
+            "the nnsight backend loads on one device (NDIF places remote models itself); drop the device map."
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer  # import time
 
     from analysis.model.nnsight_model import NnsightUnsupported, remote_meta_model, wrap_nnsight  # optional: the extra
 
     path = Path(name).expanduser()
     if remote and (name == DEFAULT_MODEL or path.exists()):
-        raise ValueError(f"remote=True runs a model NDIF hosts, named by its hub id (e.g. meta-llama/Llama-3.1-405B); "
-                         f"{name!r} is local: drop --remote to run it here through nnsight.")
+        raise ValueError(
+            f"remote=True runs a model NDIF hosts, named by its hub id (e.g. meta-llama/Llama-3.1-405B); "
+            f"{name!r} is local: drop --remote to run it here through nnsight."
+        )
     if path.is_dir() and name != DEFAULT_MODEL and not _is_hf_dir(path):
         raise ModelNotFoundError(f"{path} is a path but not a Hugging Face model folder (no config.json).")
     if name == DEFAULT_MODEL or path.is_dir():
@@ -569,8 +605,10 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
     elif remote:
         return remote_meta_model(name)
     else:
-        raise NnsightUnsupported(f"{name!r}: the nnsight backend loads the embedded model, a local folder or .gguf here, "
-                                 "or a hub id with remote=True (its weights stay on NDIF).")
+        raise NnsightUnsupported(
+            f"{name!r}: the nnsight backend loads the embedded model, a local folder or .gguf here, "
+            "or a hub id with remote=True (its weights stay on NDIF)."
+        )
     return wrap_nnsight(hf.to(device), tokenizer=tok, name=name, remote=remote)
 
 
@@ -603,10 +641,12 @@ def check_hub(name: str) -> str:
     except GatedRepoError:
         return name  # gated: from_pretrained says what to do (a token), once
     except RepositoryNotFoundError:
-        raise ModelNotFoundError(f"unknown model {name!r}: not a name known without a network {model_names()}, not a "
-                                 "local path, and the hub has no model of that id. Give a name from `python -m analysis "
-                                 "models`, a local Hugging Face folder or .gguf file, or a hub id such as "
-                                 "'HuggingFaceTB/SmolLM2-135M'.") from None
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: not a name known without a network {model_names()}, not a "
+            "local path, and the hub has no model of that id. Give a name from `python -m analysis "
+            "models`, a local Hugging Face folder or .gguf file, or a hub id such as "
+            "'HuggingFaceTB/SmolLM2-135M'."
+        ) from None
     except Exception as e:  # noqa: BLE001 - any failure to reach the hub (DNS, proxy, timeout, HTTP 5xx)
         raise ModelNotFoundError(
             f"unknown model {name!r}: not a name known without a network {model_names()} nor a local path, and as a "
@@ -631,8 +671,13 @@ def hub_id(name: str) -> str:
         a near miss of a known name ("did you mean"), or a name no hub id can have.
     """
     path = Path(name).expanduser()
-    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
-                              or "\\" in name or path.suffix.lower() == ".gguf"):
+    if not path.exists() and (
+        path.is_absolute()
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or "\\" in name
+        or path.suffix.lower() == ".gguf"
+    ):
         raise ModelNotFoundError(
             f"no such file or folder: {name}{f' ({path})' if str(path) != name else ''}. Give the path of a local Hugging Face model folder or .gguf file, a "
             f"name from {model_names()}, or a hub id such as 'HuggingFaceTB/SmolLM2-135M' (needs a network)."

@@ -4,6 +4,7 @@ norm, how its write reaches the residual stream, and for mixtures of experts the
 Described by :class:`MlpSpec` (``get_mlp(model)``, measured on first use and kept as ``model.mlp_spec``); the
 attention side of a family is ``analysis.model.families``.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -26,8 +27,18 @@ ACTIVATIONS = {
 }
 # The per-block hooks the MLP dry run reads (aliases; the bridge maps hook_pre / hook_pre_linear / hook_post to
 # mlp.gate.hook_out / mlp.in.hook_out / mlp.out.hook_in, the reference models have them under these names).
-_MLP_PROBE_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-                    "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_in", "mlp.hook_expert_indices")
+_MLP_PROBE_HOOKS = (
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "mlp.hook_pre",
+    "mlp.hook_pre_linear",
+    "mlp.hook_post",
+    "mlp.hook_in",
+    "mlp.hook_expert_indices",
+)
 
 
 @dataclass(frozen=True)
@@ -151,8 +162,11 @@ class MlpSpec:
 
     def _hook(self, template: str | None, layer: int, what: str) -> str:
         if template is None or not self.has_neurons(layer):
-            why = ("a mixture of experts: no hook holds its experts' neurons" if int(layer) in self.moe_layers or
-                   self.kind == "moe" else f"{self.kind} MLP")
+            why = (
+                "a mixture of experts: no hook holds its experts' neurons"
+                if int(layer) in self.moe_layers or self.kind == "moe"
+                else f"{self.kind} MLP"
+            )
             raise ValueError(f"block {layer} of this {self.family} model has no {what} hook ({why}).")
         return template.format(layer=int(layer))
 
@@ -183,27 +197,44 @@ class MlpSpec:
         """The MLP in words, one sentence per fact the analyses depend on."""
         if self.kind == "none":
             return f"{self.family}: no MLP hook fires; the MLP's neurons cannot be read."
-        what = {"gated": f"gated MLP (act(gate) x up, {self.activation})", "plain": f"plain MLP ({self.activation})",
-                "moe": "mixture-of-experts MLP"}[self.kind]
-        parts = [f"{self.family}: {what}" + (f" with {self.d_mlp} neurons" if self.d_mlp else "") + "; it reads "
-                 + (f"{self.input_norm.text()} of " if self.input_norm else "the raw ")
-                 + ("the block's input (in parallel with attention)." if self.parallel else "the residual after attention.")]
+        what = {
+            "gated": f"gated MLP (act(gate) x up, {self.activation})",
+            "plain": f"plain MLP ({self.activation})",
+            "moe": "mixture-of-experts MLP",
+        }[self.kind]
+        parts = [
+            f"{self.family}: {what}"
+            + (f" with {self.d_mlp} neurons" if self.d_mlp else "")
+            + "; it reads "
+            + (f"{self.input_norm.text()} of " if self.input_norm else "the raw ")
+            + ("the block's input (in parallel with attention)." if self.parallel else "the residual after attention.")
+        ]
         if self.moe_layers and self.kind != "moe":
             parts.append(f"Blocks {list(self.moe_layers)} are mixtures of {self.n_experts} experts (top {self.top_k}).")
         elif self.kind == "moe":
-            parts.append(f"Every MLP routes each token to {self.top_k} of {self.n_experts} experts; no hook holds an "
-                         "expert's neurons, so writes are resolved per block and per expert, not per neuron.")
-        parts.append({"add": "Its output is added to the residual stream as it is.",
-                      "scaled": f"Its output is scaled by {self.output_scale:g} before it is added (residual multiplier).",
-                      "post_norm": f"Its output passes a {self.output_norm.text() if self.output_norm else 'norm'} "
-                                   "before it is added (per-token scale).",
-                      "unknown": "How its output reaches the residual stream could not be measured."}[self.output])
+            parts.append(
+                f"Every MLP routes each token to {self.top_k} of {self.n_experts} experts; no hook holds an "
+                "expert's neurons, so writes are resolved per block and per expert, not per neuron."
+            )
+        parts.append(
+            {
+                "add": "Its output is added to the residual stream as it is.",
+                "scaled": f"Its output is scaled by {self.output_scale:g} before it is added (residual multiplier).",
+                "post_norm": f"Its output passes a {self.output_norm.text() if self.output_norm else 'norm'} "
+                "before it is added (per-token scale).",
+                "unknown": "How its output reaches the residual stream could not be measured.",
+            }[self.output]
+        )
         if self.mixer_layers:
-            parts.append(f"Blocks {list(self.mixer_layers)} mix tokens without softmax attention; their write is "
-                         "hook_resid_mid - hook_resid_pre.")
+            parts.append(
+                f"Blocks {list(self.mixer_layers)} mix tokens without softmax attention; their write is "
+                "hook_resid_mid - hook_resid_pre."
+            )
         if not self.additive:
-            parts.append("hook_resid_post is not the stream before the MLP plus hook_mlp_out (a post-norm stream, or a "
-                         "hook that edits the stream): the writes do not add up to the stream.")
+            parts.append(
+                "hook_resid_post is not the stream before the MLP plus hook_mlp_out (a post-norm stream, or a "
+                "hook that edits the stream): the writes do not add up to the stream."
+            )
         parts.extend(self.notes)
         return " ".join(parts)
 
@@ -211,7 +242,11 @@ class MlpSpec:
         d = asdict(self)
         for k in ("_neuron_hook", "_gate_hook", "_up_hook", "_input_hook"):
             d[k.lstrip("_")] = d.pop(k)
-        d["mixer_layers"], d["moe_layers"], d["notes"] = list(self.mixer_layers), list(self.moe_layers), list(self.notes)
+        d["mixer_layers"], d["moe_layers"], d["notes"] = (
+            list(self.mixer_layers),
+            list(self.moe_layers),
+            list(self.notes),
+        )
         return d
 
 
@@ -381,28 +416,42 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     D = int(model.cfg.d_model)
     if isinstance(getattr(mlp, "W_out", None), torch.nn.Parameter) and getattr(mlp, "original_component", None) is None:
         gate = getattr(mlp, "W_gate", None)  # analysis.train's MLP: x @ W_in, x @ W_gate, a @ W_out
-        return MlpWeights(layer, mlp.W_out.detach().float().T.contiguous().cpu(), None,
-                          mlp.W_in.detach().float().T.contiguous().cpu(), None,
-                          None if gate is None else gate.detach().float().T.contiguous().cpu(), None)
+        return MlpWeights(
+            layer,
+            mlp.W_out.detach().float().T.contiguous().cpu(),
+            None,
+            mlp.W_in.detach().float().T.contiguous().cpu(),
+            None,
+            None if gate is None else gate.detach().float().T.contiguous().cpu(),
+            None,
+        )
     mods = mlp_projections(mlp)
     if mods["out"] is None or mods["in"] is None:
-        raise ValueError(f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out, or mlp.dense_in, "
-                         "mlp.dense_out).")
+        raise ValueError(
+            f"block {layer}'s MLP bridge has no in / out projections (mlp.in, mlp.out, or mlp.dense_in, mlp.dense_out)."
+        )
     W_in, b_in = _as_linear(mods["in"], D)
     W_out, b_out = _as_linear(mods["out"], W_in.shape[0])
     W_gate, b_gate = _as_linear(mods["gate"], D) if spec.kind == "gated" else (None, None)
     return MlpWeights(layer, W_out, b_out, W_in, b_in, W_gate, b_gate)
 
 
-def _activation_name(model, layer: int, pre: torch.Tensor | None, up: torch.Tensor | None, post: torch.Tensor | None,
-                     gated: bool) -> str:
+def _activation_name(
+    model, layer: int, pre: torch.Tensor | None, up: torch.Tensor | None, post: torch.Tensor | None, gated: bool
+) -> str:
     """The activation, matched on the model's own activation module over [-6, 6] (a module without parameters
     inside the MLP); else on the hooks' pre-activations and activations; "unknown" if nothing matches."""
     x = torch.linspace(-6, 6, 241)
     mod = _mlp_module(model, layer)
-    cands = [m for m in (mod.modules() if isinstance(mod, torch.nn.Module) else ())
-             if m is not mod and not list(m.parameters()) and not list(m.children())
-             and not isinstance(m, (torch.nn.Dropout, torch.nn.Identity)) and "hook" not in type(m).__name__.lower()]
+    cands = [
+        m
+        for m in (mod.modules() if isinstance(mod, torch.nn.Module) else ())
+        if m is not mod
+        and not list(m.parameters())
+        and not list(m.children())
+        and not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))
+        and "hook" not in type(m).__name__.lower()
+    ]
     for m in cands:
         try:
             with torch.no_grad():
@@ -504,8 +553,13 @@ def _on_model(model, x: torch.Tensor) -> torch.Tensor:
 def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor, kind: str):
     """(residual, norm module name) whose normalised value rebuilds the MLP's first pre-activation ``target``."""
     W_first, b_first = (W.W_gate, W.b_gate) if kind == "gated" else (W.W_in, W.b_in)
-    for resid, norm in (("resid_mid", "ln2"), ("resid_pre", "ln1"), ("resid_pre", "ln2"), ("resid_mid", None),
-                        ("resid_pre", None)):
+    for resid, norm in (
+        ("resid_mid", "ln2"),
+        ("resid_pre", "ln1"),
+        ("resid_pre", "ln2"),
+        ("resid_mid", None),
+        ("resid_pre", None),
+    ):
         h = got.get(f"blocks.{layer}.hook_{resid}")
         mod = block_norm(model, layer, norm)
         if h is None or (norm is not None and mod is None):
@@ -619,17 +673,32 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     def neurons(l, s):  # a dense block's hook (MoE bridges alias hook_pre / hook_post to the block's input / output)
         return None if l in moe else got.get(f"blocks.{l}.mlp.{s}")
 
-    dense = [l for l in range(n_layers) if l not in moe and neurons(l, "hook_post") is not None and neurons(l, "hook_pre") is not None]
-    kind = "moe" if moe and not dense else ("none" if not dense else
-                                            ("gated" if neurons(dense[0], "hook_pre_linear") is not None else "plain"))
+    dense = [
+        l
+        for l in range(n_layers)
+        if l not in moe and neurons(l, "hook_post") is not None and neurons(l, "hook_pre") is not None
+    ]
+    kind = (
+        "moe"
+        if moe and not dense
+        else ("none" if not dense else ("gated" if neurons(dense[0], "hook_pre_linear") is not None else "plain"))
+    )
     additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
     n_exp, top_k = None, None
     if moe:
         router, experts = moe_parts(model, moe[0])
         n_exp = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
         top_k = int(getattr(router, "top_k", 0)) or None
-    fields = dict(family=get_family(model).family, kind=kind, parallel=bool(get_family(model).parallel_block),
-                  additive=additive, mixer_layers=mixers, moe_layers=moe, n_experts=n_exp, top_k=top_k)
+    fields = dict(
+        family=get_family(model).family,
+        kind=kind,
+        parallel=bool(get_family(model).parallel_block),
+        additive=additive,
+        mixer_layers=mixers,
+        moe_layers=moe,
+        n_experts=n_exp,
+        top_k=top_k,
+    )
     in_hook = "blocks.{layer}.mlp.hook_in" if all(f"blocks.{b}.mlp.hook_in" in got for b in range(n_layers)) else None
     return fields, dense, in_hook
 
@@ -642,9 +711,20 @@ def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: st
         notes.append("No hook holds the MLP's neuron activations (blocks.{l}.mlp.hook_post).")
     moe_output = fields["kind"] == "moe" and in_hook
     output, scale = _moe_output(model, got, fields["moe_layers"][0]) if moe_output else ("unknown", 1.0)
-    return MlpSpec(**fields, activation=None, d_mlp=None, input_resid="resid_pre" if fields["parallel"] else "resid_mid",
-                   input_norm=None, input_norm_module=None, output=output, output_scale=scale, output_norm=None,
-                   output_norm_module=None, notes=tuple(notes), _input_hook=in_hook)
+    return MlpSpec(
+        **fields,
+        activation=None,
+        d_mlp=None,
+        input_resid="resid_pre" if fields["parallel"] else "resid_mid",
+        input_norm=None,
+        input_norm_module=None,
+        output=output,
+        output_scale=scale,
+        output_norm=None,
+        output_norm_module=None,
+        notes=tuple(notes),
+        _input_hook=in_hook,
+    )
 
 
 def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: int, in_hook: str | None) -> MlpSpec:
@@ -656,9 +736,21 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
         pre, up = None, pre
     tmpl = _neuron_hooks(canonical, l, kind)
     gate_hook = tmpl["gate"] if kind == "gated" else None
-    partial_spec = MlpSpec(**fields, activation=None, d_mlp=int(post.shape[-1]), input_resid="resid_mid", input_norm=None,
-                           input_norm_module=None, output="unknown", output_scale=1.0, output_norm=None,
-                           output_norm_module=None, _neuron_hook=tmpl["neuron"], _gate_hook=gate_hook, _up_hook=tmpl["up"])
+    partial_spec = MlpSpec(
+        **fields,
+        activation=None,
+        d_mlp=int(post.shape[-1]),
+        input_resid="resid_mid",
+        input_norm=None,
+        input_norm_module=None,
+        output="unknown",
+        output_scale=1.0,
+        output_norm=None,
+        output_norm_module=None,
+        _neuron_hook=tmpl["neuron"],
+        _gate_hook=gate_hook,
+        _up_hook=tmpl["up"],
+    )
     model.mlp_spec = partial_spec  # mlp_weights reads the kind from it while the spec is being measured
     try:
         W = mlp_weights(model, l)
@@ -668,22 +760,32 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
     if resid is None:
         notes.append("The MLP input could not be rebuilt from the residual stream and a norm of the block.")
     output, scale, out_mod, out_name = _mlp_output(model, l, got, W, post)
-    return MlpSpec(**{**fields, "parallel": resid == "resid_pre" if resid else fields["parallel"]},
-                   activation=_activation_name(model, l, pre, up, post, kind == "gated"), d_mlp=int(post.shape[-1]),
-                   input_resid=resid or "resid_mid",
-                   input_norm=probe_norm(norm_mod, model=model) if norm_mod is not None else None,
-                   input_norm_module=norm_name, output=output, output_scale=scale,
-                   output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
-                   output_norm_module=out_name,
-                   notes=tuple(notes), _neuron_hook=tmpl["neuron"], _gate_hook=gate_hook,
-                   _up_hook=tmpl["up"], _input_hook=in_hook)
+    return MlpSpec(
+        **{**fields, "parallel": resid == "resid_pre" if resid else fields["parallel"]},
+        activation=_activation_name(model, l, pre, up, post, kind == "gated"),
+        d_mlp=int(post.shape[-1]),
+        input_resid=resid or "resid_mid",
+        input_norm=probe_norm(norm_mod, model=model) if norm_mod is not None else None,
+        input_norm_module=norm_name,
+        output=output,
+        output_scale=scale,
+        output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
+        output_norm_module=out_name,
+        notes=tuple(notes),
+        _neuron_hook=tmpl["neuron"],
+        _gate_hook=gate_hook,
+        _up_hook=tmpl["up"],
+        _input_hook=in_hook,
+    )
 
 
 def _neuron_hooks(canonical: dict, l: int, kind: str) -> dict[str, str]:
     """The neuron, gate and up hooks of block ``l``, by their canonical names, as templates over ``{layer}``."""
     up = "hook_pre_linear" if kind == "gated" else "hook_pre"
-    return {k: canonical[f"blocks.{l}.mlp.{s}"].replace(f"blocks.{l}.", "blocks.{layer}.", 1)
-            for k, s in (("neuron", "hook_post"), ("gate", "hook_pre"), ("up", up))}
+    return {
+        k: canonical[f"blocks.{l}.mlp.{s}"].replace(f"blocks.{l}.", "blocks.{layer}.", 1)
+        for k, s in (("neuron", "hook_post"), ("gate", "hook_pre"), ("up", up))
+    }
 
 
 def get_mlp(model: SinkModel) -> MlpSpec:

@@ -8,6 +8,7 @@ with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the M
 attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
 what the pass cannot measure exactly is refused before any work, with the reason (:func:`unsupported`).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,11 +75,18 @@ def nnsight_spec(config) -> NnsightSpec:
     skipped = {l: LAYER_TYPE_WORDS.get(types[l], str(types[l])) for l in range(n) if l not in layers and types}
     mla = latent_attention(cfg)
     heads = int(cfg.num_attention_heads)
-    return NnsightSpec(family=str(cfg.model_type), n_layers=n, n_heads=heads,
-                       n_kv_heads=heads if mla else int(getattr(cfg, "num_key_value_heads", None) or heads),
-                       d_model=int(cfg.hidden_size), attention_layers=layers, skipped=skipped,
-                       sliding_window=getattr(cfg, "sliding_window", None),
-                       softcap=getattr(cfg, "attn_logit_softcapping", None), latent=mla)
+    return NnsightSpec(
+        family=str(cfg.model_type),
+        n_layers=n,
+        n_heads=heads,
+        n_kv_heads=heads if mla else int(getattr(cfg, "num_key_value_heads", None) or heads),
+        d_model=int(cfg.hidden_size),
+        attention_layers=layers,
+        skipped=skipped,
+        sliding_window=getattr(cfg, "sliding_window", None),
+        softcap=getattr(cfg, "attn_logit_softcapping", None),
+        latent=mla,
+    )
 
 
 @dataclass
@@ -169,11 +177,13 @@ def call_name(names, family: str) -> str:
     str
         NnsightUnsupported where the forward calls no attention function.
     """
-    calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX):].isdigit()]
+    calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX) :].isdigit()]
     if not calls:
-        raise NnsightUnsupported(f"{family}: its attention does not call transformers' attention function, where the "
-                                 "nnsight pass reads q and k after the rotary; use the bridge (backend='transformer_lens').")
-    return max(calls, key=lambda n: int(n[len(CALL_PREFIX):]))
+        raise NnsightUnsupported(
+            f"{family}: its attention does not call transformers' attention function, where the "
+            "nnsight pass reads q and k after the rotary; use the bridge (backend='transformer_lens')."
+        )
+    return max(calls, key=lambda n: int(n[len(CALL_PREFIX) :]))
 
 
 def unsupported(hf) -> str | None:
@@ -250,7 +260,9 @@ def remote_meta_model(repo_id: str) -> NnsightModel:
     from nnsight import LanguageModel  # optional: the "remote" extra
 
     if not os.environ.get("NDIF_API_KEY"):
-        raise NnsightUnsupported("remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one).")
+        raise NnsightUnsupported(
+            "remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one)."
+        )
     lm = LanguageModel(repo_id)
     model = NnsightModel(lm, lm.tokenizer, repo_id, nnsight_spec(lm.config), remote=True)
     return model

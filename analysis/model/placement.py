@@ -13,6 +13,7 @@ takes the token ids (the embedding's, under accelerate's hook), never the device
 model that may be a disk-offload placeholder on "meta", or a module that runs elsewhere). :func:`placement_record`
 says, for the JSONs, where the weights are and where the work ran.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,17 @@ from analysis.model.weights import execution_device
 
 _OFFLOAD = ("cpu", "disk")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,11 @@ def _check_folder(folder) -> None:
         with tempfile.NamedTemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ValueError(f"the offload folder {path} cannot be written ({type(e).__name__}: {e.strerror or e}); give "
-                         "--offload-folder (offload_folder=) a folder you can write, on a disk with room for the "
-                         "offloaded weights.") from None
+        raise ValueError(
+            f"the offload folder {path} cannot be written ({type(e).__name__}: {e.strerror or e}); give "
+            "--offload-folder (offload_folder=) a folder you can write, on a disk with room for the "
+            "offloaded weights."
+        ) from None
 
 
 def check_placement(placement: Placement, *, device=None) -> Placement:
@@ -117,12 +129,16 @@ def check_placement(placement: Placement, *, device=None) -> Placement:
     dm = placement.device_map
     if dm is None:
         if placement.max_memory is not None or placement.offload_folder is not None:
-            raise ValueError("max_memory and offload_folder place a split model: give a device map with them "
-                             "(--device-map auto, or a JSON map), or leave them out.")
+            raise ValueError(
+                "max_memory and offload_folder place a split model: give a device map with them "
+                "(--device-map auto, or a JSON map), or leave them out."
+            )
         return placement
     if device is not None:
-        raise ValueError(f"give either a device ({device!r}) or a device map, not both: --device puts the whole model "
-                         "on one device, --device-map splits it (e.g. --device-map auto); drop one of them.")
+        raise ValueError(
+            f"give either a device ({device!r}) or a device map, not both: --device puts the whole model "
+            "on one device, --device-map splits it (e.g. --device-map auto); drop one of them."
+        )
     if isinstance(dm, str):
         if dm not in ("auto", "balanced", "balanced_low_0", "sequential"):
             bad = _device_exists(dm)
@@ -130,20 +146,25 @@ def check_placement(placement: Placement, *, device=None) -> Placement:
                 raise ValueError(f"device map {dm!r}: {bad}; give 'auto', a JSON map or a map file.")
     elif isinstance(dm, dict):
         if not dm:
-            raise ValueError("the device map is empty: map module names to devices, e.g. "
-                             '{"model.embed_tokens": 0, "model.layers.0": 0, ..., "lm_head": "cpu"}, or give "auto".')
+            raise ValueError(
+                "the device map is empty: map module names to devices, e.g. "
+                '{"model.embed_tokens": 0, "model.layers.0": 0, ..., "lm_head": "cpu"}, or give "auto".'
+            )
         for module, dev in dm.items():
             bad = _device_exists(dev)
             if bad:
-                raise ValueError(f"the device map puts {module!r} on {bad}; map it to a device this machine has "
-                                 "(see torch.cuda.device_count()), 'cpu' or 'disk'.")
+                raise ValueError(
+                    f"the device map puts {module!r} on {bad}; map it to a device this machine has "
+                    "(see torch.cuda.device_count()), 'cpu' or 'disk'."
+                )
     else:
         raise ValueError(f"device_map must be 'auto', a dict or None; got {type(dm).__name__}.")
     for key in placement.max_memory or {}:
         bad = _device_exists(key)
         if bad:
-            raise ValueError(f"max_memory names {bad}; give budgets for devices this machine has, e.g. "
-                             "0=70GiB,cpu=120GiB.")
+            raise ValueError(
+                f"max_memory names {bad}; give budgets for devices this machine has, e.g. 0=70GiB,cpu=120GiB."
+            )
     if placement.offload_folder is not None:
         _check_folder(placement.offload_folder)
     return placement
@@ -213,8 +234,10 @@ def parse_device_map(text: str | None):
         try:
             dm = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--device-map is not valid JSON ({e.msg} at column {e.colno}); write e.g. "
-                             '\'{"model.layers.0": 0, "model.layers.1": "cpu"}\' or give a .json file.') from None
+            raise ValueError(
+                f"--device-map is not valid JSON ({e.msg} at column {e.colno}); write e.g. "
+                '\'{"model.layers.0": 0, "model.layers.1": "cpu"}\' or give a .json file.'
+            ) from None
     elif text.endswith(".json") or os.sep in text:
         path = Path(text).expanduser()
         if not path.is_file():
@@ -242,8 +265,11 @@ def placement_from_args(args) -> Placement:
     -------
     Placement
     """
-    p = Placement(parse_device_map(getattr(args, "device_map", None)), parse_max_memory(getattr(args, "max_memory", None)),
-                  getattr(args, "offload_folder", None))
+    p = Placement(
+        parse_device_map(getattr(args, "device_map", None)),
+        parse_max_memory(getattr(args, "max_memory", None)),
+        getattr(args, "offload_folder", None),
+    )
     return check_placement(p, device=getattr(args, "device", None))
 
 

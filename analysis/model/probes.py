@@ -7,6 +7,7 @@ position 1 and the sequence still has T tokens.
 Natural text comes from an offline corpus that every Python install has: the docstrings of a fixed
 list of standard-library modules. ``hf_dataset_texts`` reads a Hugging Face dataset when online.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,14 +24,78 @@ PROBE_KINDS = ("natural", "random", "repeated")
 
 # Modules whose docstrings make the offline natural-text corpus (prose, not code). Fixed order.
 STDLIB_MODULES = (
-    "abc", "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "contextlib", "copy",
-    "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools",
-    "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "inspect", "io", "ipaddress",
-    "itertools", "json", "logging", "mailbox", "math", "mimetypes", "numbers", "operator", "optparse",
-    "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "selectors",
-    "shlex", "shutil", "smtplib", "socket", "sqlite3", "statistics", "string", "struct", "subprocess",
-    "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "types",
-    "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile", "zoneinfo",
+    "abc",
+    "argparse",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "math",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "types",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
+    "zoneinfo",
 )
 
 
@@ -128,8 +193,9 @@ def stdlib_texts(modules: Sequence[str] = STDLIB_MODULES) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
-def hf_dataset_texts(name: str, *, split: str = "train", text_field: str = "text", n_texts: int = 2000,
-                     **kwargs) -> list[str]:
+def hf_dataset_texts(
+    name: str, *, split: str = "train", text_field: str = "text", n_texts: int = 2000, **kwargs
+) -> list[str]:
     """Texts from a Hugging Face dataset (needs a network, or a local folder / file builder, and ``datasets``).
 
     Parameters
@@ -152,7 +218,9 @@ def hf_dataset_texts(name: str, *, split: str = "train", text_field: str = "text
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("hf_dataset_texts needs the `datasets` package: pip install 'attention-sink-lens[datasets]'.") from e
+        raise ImportError(
+            "hf_dataset_texts needs the `datasets` package: pip install 'attention-sink-lens[datasets]'."
+        ) from e
     ds = datasets.load_dataset(name, split=split, streaming=kwargs.pop("streaming", False), **kwargs)
     texts = []
     for row in ds:
@@ -184,8 +252,16 @@ def _token_stream(tokenizer, texts: tuple[str, ...]) -> tuple[int, ...]:
     return _STREAMS[key][1]
 
 
-def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
-               source: str = "texts") -> ProbeSet:
+def text_probe(
+    tokenizer,
+    texts: Iterable[str],
+    *,
+    n: int = 100,
+    T: int = 64,
+    bos: bool = False,
+    seed: int = 0,
+    source: str = "texts",
+) -> ProbeSet:
     """N windows of T tokens cut at seeded offsets from the concatenated, tokenized texts.
 
     Parameters
@@ -222,19 +298,26 @@ def text_probe(tokenizer, texts: Iterable[str], *, n: int = 100, T: int = 64, bo
     stream_t = torch.tensor(stream, dtype=torch.long)
     # Distinct windows when the corpus allows it, else sampling with replacement. The windows are the same with and
     # without a BOS (T tokens each; a BOS takes the place of the last), so a BOS comparison is made on the same text.
-    starts = torch.randperm(n_windows, generator=g)[:n] if n_windows >= n else torch.randint(n_windows, (n,), generator=g)
+    starts = (
+        torch.randperm(n_windows, generator=g)[:n] if n_windows >= n else torch.randint(n_windows, (n,), generator=g)
+    )
     body = torch.stack([stream_t[s : s + T] for s in starts.tolist()])
     distinct = len(set(starts.tolist()))
     if distinct < n:
-        warnings.warn(f"text_probe: the texts hold {len(stream)} tokens, so only {n_windows} distinct windows of T={T} "
-                      f"tokens; the {n} sequences repeat windows ({distinct} distinct). Give more text, a smaller n or "
-                      "a smaller T for independent sequences.", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"text_probe: the texts hold {len(stream)} tokens, so only {n_windows} distinct windows of T={T} "
+            f"tokens; the {n} sequences repeat windows ({distinct} distinct). Give more text, a smaller n or "
+            "a smaller T for independent sequences.",
+            UserWarning,
+            stacklevel=2,
+        )
     meta = {"corpus_tokens": len(stream), "distinct_windows": distinct}
     return ProbeSet("natural", _with_bos(body, tokenizer, bos), bos, seed, source, meta)
 
 
-def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | None = None,
-                n_ctx: int | None = None) -> torch.Tensor:
+def text_tokens(
+    tokenizer, text: str, *, bos: bool = False, max_tokens: int | None = None, n_ctx: int | None = None
+) -> torch.Tensor:
     """One text as a sequence of token ids, for an analysis of your own text.
 
     Parameters
@@ -266,14 +349,17 @@ def text_tokens(tokenizer, text: str, *, bos: bool = False, max_tokens: int | No
     if len(ids) < 2:
         raise ValueError(f"the text holds {len(ids)} token; give at least 2 (a sink needs queries after it).")
     if n_ctx is not None and len(ids) > n_ctx:
-        raise ValueError(f"the text holds {len(ids)} tokens, more than the model's context of {n_ctx}: pass "
-                         f"--max-tokens {n_ctx} (max_tokens={n_ctx}) to keep the first {n_ctx} tokens, or split the text "
-                         f"into parts of at most {n_ctx} tokens and run each.")
+        raise ValueError(
+            f"the text holds {len(ids)} tokens, more than the model's context of {n_ctx}: pass "
+            f"--max-tokens {n_ctx} (max_tokens={n_ctx}) to keep the first {n_ctx} tokens, or split the text "
+            f"into parts of at most {n_ctx} tokens and run each."
+        )
     return torch.tensor([ids], dtype=torch.long)
 
 
-def natural_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
-                  texts: Iterable[str] | None = None) -> ProbeSet:
+def natural_probe(
+    tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None
+) -> ProbeSet:
     """Natural text: windows of the offline standard-library docstring corpus unless ``texts`` is given.
 
     Parameters
@@ -297,7 +383,9 @@ def natural_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, se
         ``tokens`` of shape (N, T).
     """
     source = "stdlib docstrings" if texts is None else "texts"
-    return text_probe(tokenizer, stdlib_texts() if texts is None else texts, n=n, T=T, bos=bos, seed=seed, source=source)
+    return text_probe(
+        tokenizer, stdlib_texts() if texts is None else texts, n=n, T=T, bos=bos, seed=seed, source=source
+    )
 
 
 def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
@@ -309,8 +397,9 @@ def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
     return ids
 
 
-def random_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
-                 vocab_size: int | None = None) -> ProbeSet:
+def random_probe(
+    tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
+) -> ProbeSet:
     """Tokens drawn uniformly over the vocabulary, special tokens excluded.
 
     Parameters
@@ -340,8 +429,9 @@ def random_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, see
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
-def repeated_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
-                   vocab_size: int | None = None) -> ProbeSet:
+def repeated_probe(
+    tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
+) -> ProbeSet:
     """One token repeated T times per sequence (a different random token for each sequence).
 
     Parameters
@@ -368,7 +458,9 @@ def repeated_probe(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, s
     ids = _allowed_ids(tokenizer, vocab_size)
     g = torch.Generator().manual_seed(seed)
     tok = ids[torch.randint(ids.numel(), (n, 1), generator=g)]
-    return ProbeSet("repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated")
+    return ProbeSet(
+        "repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated"
+    )
 
 
 def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
@@ -401,8 +493,9 @@ def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = F
     return makers[kind](tokenizer, n=n, T=T, bos=bos, seed=seed)
 
 
-def probe_sets(tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0,
-               kinds: Sequence[str] = PROBE_KINDS) -> dict[str, ProbeSet]:
+def probe_sets(
+    tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS
+) -> dict[str, ProbeSet]:
     """The paper's three probe kinds (natural, random, repeated), with the same N, T, BOS and seed.
 
     Parameters
@@ -454,8 +547,10 @@ def task_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 
     ref = getattr(model, "reference_config", None) or {}
     train = ref.get("train", {})
     if not str(train.get("dataset", "")).startswith("synthetic"):
-        raise ValueError("this model has no tokenizer and was not trained on the synthetic task, so there are no "
-                         "probes to build; pass your own token tensors (N, T) to the analyses.")
+        raise ValueError(
+            "this model has no tokenizer and was not trained on the synthetic task, so there are no "
+            "probes to build; pass your own token tensors (N, T) to the analyses."
+        )
     _check_nt(n, T)
     # lazy for import time: the reference model package loads transformer_lens (~2 s), needed only for reference models
     from analysis.model.reference.config import TrainConfig
@@ -474,7 +569,9 @@ def task_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 
     }
 
 
-def model_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> dict[str, ProbeSet]:
+def model_probe_sets(
+    model: SinkModel, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0
+) -> dict[str, ProbeSet]:
     """``probe_sets`` from the model's tokenizer or, for a tokenizer-less reference model of the synthetic task,
     ``task_probe_sets`` (held-out task sequences, seed 2024 + ``seed``).
 

@@ -12,6 +12,7 @@ GPT-J: ``spec.key_rotated`` False) the spec's rotary (its dim, pairing and the l
 Used by ``analysis.chain.qk``, ``analysis.chain.key_manifold``, ``analysis.chain.norm_gain`` and ``analysis.causal.interventions``;
 the training module's ``positions.py`` builds its cos/sin from ``rope_cos_sin`` here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,15 @@ import torch
 from analysis.model.hooks import ModelContractError
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float | None, *, dtype=torch.float32, style: str = "half",
-                 inv_freq: torch.Tensor | None = None):
+def rope_cos_sin(
+    positions: torch.Tensor,
+    rot_dim: int,
+    base: float | None,
+    *,
+    dtype=torch.float32,
+    style: str = "half",
+    inv_freq: torch.Tensor | None = None,
+):
     """cos, sin (T, rot_dim) at ``positions`` (T,), computed in float64: the rotate-half layout (angles repeated
     as [a_0..a_{rd/2-1}, a_0..a_{rd/2-1}]) or the interleaved one ([a_0, a_0, a_1, a_1, ...]).
 
@@ -80,8 +88,15 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float | None, *, rot_dim: int | None = None,
-           style: str = "half", inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    base: float | None,
+    *,
+    rot_dim: int | None = None,
+    style: str = "half",
+    inv_freq: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
     (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
     (GPT-J rotate_every_two). Returns float32.
@@ -131,15 +146,18 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Ten
         return x.float()
     base = spec.rotary_bases.get(int(layer), spec.rotary_base)
     if base is None or spec.rotary_dim is None:
-        raise ModelContractError(f"this {spec.family} model uses rotary embeddings but its rotary base / dim of "
-                                 f"layer {layer} is unknown (model.family.rotary_bases, rotary_dim).")
+        raise ModelContractError(
+            f"this {spec.family} model uses rotary embeddings but its rotary base / dim of "
+            f"layer {layer} is unknown (model.family.rotary_bases, rotary_dim)."
+        )
     if positions is None:
         positions = torch.arange(x.shape[-3])
     return rotate(x, positions, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half")
 
 
-def rotate_as_spec(x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None,
-                   rotated: bool = True) -> torch.Tensor:
+def rotate_as_spec(
+    x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None, rotated: bool = True
+) -> torch.Tensor:
     """Queries or keys read from ``spec.query_hook(layer)`` / ``spec.key_hook(layer)`` ((B, T, heads, d_head)) as
     the attention uses them, float32, at ``positions`` (default 0..T-1).
 

@@ -8,6 +8,7 @@ placeholder. :func:`materialized` swaps every offloaded weight under a module in
 it, on the module's execution device, and puts the placeholders back afterwards (one block's weights in memory at a
 time, as in the forward pass).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -176,6 +177,7 @@ def reads_block_weights(fn):
     -------
     callable
     """
+
     @functools.wraps(fn)
     def run(model, layer, *args, **kwargs):
         blocks = getattr(model, "blocks", None)
@@ -203,6 +205,7 @@ def reads_module_weights(fn):
     -------
     callable
     """
+
     @functools.wraps(fn)
     def run(module, *args, **kwargs):
         if not isinstance(module, torch.nn.Module):

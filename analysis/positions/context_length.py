@@ -13,6 +13,7 @@ Long T is costly on a CPU (T = 8192 is about 40 s a sequence on 2 cores), so the
 computed once by ``scripts/sink_context.py`` into a CSV (``analysis/data/sink_context/``), read back by ``load_sink_context``;
 notebooks, the report and CI compute a cheap range.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,6 +34,7 @@ from analysis.sinks.metric import check_eps, sink_metric
 from analysis.positions.every_sink import default_min_queries, sink_rates
 
 from analysis.core.defaults import BARBERO_EPS, CONTEXT_EPS_GRID as EPS_GRID  # Barbero et al. (2025): eps = 0.8
+
 SINK_CONTEXT_DIR = PACKAGE_DATA_DIR / "sink_context"  # committed long-T runs, per model (package data)
 RATES = ("sink_1_pct", "secondary_pct", "later_sinks_per_sequence")
 COLUMNS = ["model", "T", "seed", "n", "eps", *RATES, "path", "seconds"]
@@ -123,43 +125,64 @@ class SinkContext(Result):
         df = self.by_T(eps)
         lo, hi = df.iloc[0], df.iloc[-1]
         if df[f"{rate}_mean"].nunique() < 2:  # the same at every T: no rank correlation to give
-            return (f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at every T from {int(lo['T'])} to "
-                    f"{int(hi['T'])} ({len(df)} lengths).")
+            return (
+                f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at every T from {int(lo['T'])} to "
+                f"{int(hi['T'])} ({len(df)} lengths)."
+            )
         rho = self.trend(rate, eps)
         if rho != rho:  # fewer than 3 lengths: no rank correlation
-            return (f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at T = {int(lo['T'])} and "
-                    f"{float(hi[f'{rate}_mean']):.1f}{unit} at T = {int(hi['T'])}.")
-        verb = ("grows with T" if rho > 0.7 else "falls with T" if rho < -0.7 else
-                "does not change monotonically with T")
-        span = lambda r: (f"{r[f'{rate}_mean']:.1f}{unit} (seeds {r[f'{rate}_min']:.1f}-{r[f'{rate}_max']:.1f})"
-                          if r["n_seeds"] > 1 else f"{r[f'{rate}_mean']:.1f}{unit}")
-        return (f"At eps = {eps:g}, {what} {verb} (Spearman {rho:+.2f} over {len(df)} lengths): {span(lo)} at T = "
-                f"{int(lo['T'])} and {span(hi)} at T = {int(hi['T'])}.")
+            return (
+                f"At eps = {eps:g}, {what} is {float(lo[f'{rate}_mean']):.1f}{unit} at T = {int(lo['T'])} and "
+                f"{float(hi[f'{rate}_mean']):.1f}{unit} at T = {int(hi['T'])}."
+            )
+        verb = "grows with T" if rho > 0.7 else "falls with T" if rho < -0.7 else "does not change monotonically with T"
+        span = lambda r: (
+            f"{r[f'{rate}_mean']:.1f}{unit} (seeds {r[f'{rate}_min']:.1f}-{r[f'{rate}_max']:.1f})"
+            if r["n_seeds"] > 1
+            else f"{r[f'{rate}_mean']:.1f}{unit}"
+        )
+        return (
+            f"At eps = {eps:g}, {what} {verb} (Spearman {rho:+.2f} over {len(df)} lengths): {span(lo)} at T = "
+            f"{int(lo['T'])} and {span(hi)} at T = {int(hi['T'])}."
+        )
 
     def findings(self) -> list[str]:
         """Sink_1 and the secondary sinks against T (at eps 0.3 and Barbero et al.'s 0.8), and against eps."""
         name = self.model_name or "the model"
         n = self.runs.drop_duplicates(["T", "seed"]).groupby("T")["n"].sum()
-        out = [f"Sink against context length on {name} ({self.kind} text, T = {self.Ts[0]} to {self.Ts[-1]}, "
-               f"{len(self.seeds)} probe seed(s), {_range(int(n.min()), int(n.max()))} sequences per T; {self.source})."]
+        out = [
+            f"Sink against context length on {name} ({self.kind} text, T = {self.Ts[0]} to {self.Ts[-1]}, "
+            f"{len(self.seeds)} probe seed(s), {_range(int(n.min()), int(n.max()))} sequences per T; {self.source})."
+        ]
         if len(self.Ts) >= 2 and self._has_eps(SINK_EPS):
             out.append(self._curve_text("sink_1_pct", "Sink_1", SINK_EPS))
-            out.append(self._curve_text("secondary_pct", "the share of (sample, layer, head) sinking on a later "
-                                                          "position", SINK_EPS))
+            out.append(
+                self._curve_text(
+                    "secondary_pct", "the share of (sample, layer, head) sinking on a later position", SINK_EPS
+                )
+            )
         if len(self.Ts) >= 2 and self._has_eps(BARBERO_EPS):
             out.append(self._curve_text("sink_1_pct", "Sink_1", BARBERO_EPS))
         if self._has_eps(SINK_EPS) and self.runs["eps"].nunique() > 1:
             e = self.by_eps().set_index("eps")
             T = max(self.Ts)
             pts = ", ".join(f"{e.loc[x, 'sink_1_pct_mean']:.1f}% at eps = {x:g}" for x in e.index[[0, len(e) // 2, -1]])
-            out.append(f"Against the threshold at T = {T}, Sink_1 is {pts}, and the secondary share "
-                       f"{e.iloc[0]['secondary_pct_mean']:.1f}% at eps = {e.index[0]:g} and "
-                       f"{e.iloc[-1]['secondary_pct_mean']:.1f}% at eps = {e.index[-1]:g}.")
+            out.append(
+                f"Against the threshold at T = {T}, Sink_1 is {pts}, and the secondary share "
+                f"{e.iloc[0]['secondary_pct_mean']:.1f}% at eps = {e.index[0]:g} and "
+                f"{e.iloc[-1]['secondary_pct_mean']:.1f}% at eps = {e.index[-1]:g}."
+            )
         return out
 
     def to_dict(self) -> dict:
-        return {**self.header(), "source": self.source, "Ts": self.Ts, "seeds": self.seeds,
-                "runs": self.runs.to_dict("records"), "text": self.text()}
+        return {
+            **self.header(),
+            "source": self.source,
+            "Ts": self.Ts,
+            "seeds": self.seeds,
+            "runs": self.runs.to_dict("records"),
+            "text": self.text(),
+        }
 
     def to_csv(self, path) -> Path:
         path = Path(path)
@@ -211,10 +234,18 @@ def committed_sink_context(model_name: str | None) -> SinkContext | None:
     return load_sink_context(path) if model_name and path.is_file() else None
 
 
-def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), n: int | Mapping[int, int] = 4,
-                    seeds: Iterable[int] = (0, 1, 2), eps_grid: Sequence[float] = EPS_GRID, path: str = "auto",
-                    texts: Sequence[str] | None = None, batch_size: int | None = None,
-                    on_run: Callable[[pd.DataFrame], None] | None = None) -> SinkContext:
+def sink_vs_context(
+    model: SinkModel,
+    *,
+    Ts: Sequence[int] = (16, 32, 64, 128),
+    n: int | Mapping[int, int] = 4,
+    seeds: Iterable[int] = (0, 1, 2),
+    eps_grid: Sequence[float] = EPS_GRID,
+    path: str = "auto",
+    texts: Sequence[str] | None = None,
+    batch_size: int | None = None,
+    on_run: Callable[[pd.DataFrame], None] | None = None,
+) -> SinkContext:
     """Sink_1 and the secondary sinks of ``model`` on natural text for each context length in ``Ts`` and probe seed, at
     every eps of ``eps_grid``.
 
@@ -261,15 +292,31 @@ def sink_vs_context(model: SinkModel, *, Ts: Sequence[int] = (16, 32, 64, 128), 
     for T in Ts:  # one pass per T over every seed's windows (a pass over 4 short sequences is mostly fixed cost)
         n_T = int(n[T] if isinstance(n, Mapping) else n)
         t0 = time.perf_counter()
-        tokens = torch.cat([natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens if tokenizer else
-                            model_probe_sets(model, n=n_T, T=T, seed=seed)["natural"].tokens for seed in seeds])
+        tokens = torch.cat(
+            [
+                natural_probe(tokenizer, n=n_T, T=T, seed=seed, texts=corpus).tokens
+                if tokenizer
+                else model_probe_sets(model, n=n_T, T=T, seed=seed)["natural"].tokens
+                for seed in seeds
+            ]
+        )
         res = sink_metric(model, tokens, k_max=T, path=path, batch_size=batch_size)
         seconds = (time.perf_counter() - t0) / len(seeds)  # the T's pass, shared by its seeds
         for i, seed in enumerate(seeds):
             alpha = res.alpha[i * n_T : (i + 1) * n_T]
-            rows += [{"model": name, "T": T, "seed": seed, "n": n_T, "eps": e,
-                      **sink_rates(alpha, e, default_min_queries(T)), "path": res.meta.get("path"),
-                      "seconds": round(seconds, 2)} for e in eps_grid]
+            rows += [
+                {
+                    "model": name,
+                    "T": T,
+                    "seed": seed,
+                    "n": n_T,
+                    "eps": e,
+                    **sink_rates(alpha, e, default_min_queries(T)),
+                    "path": res.meta.get("path"),
+                    "seconds": round(seconds, 2),
+                }
+                for e in eps_grid
+            ]
             if on_run is not None:
                 on_run(pd.DataFrame(rows, columns=COLUMNS))
     return SinkContext(pd.DataFrame(rows, columns=COLUMNS), model_name=name)
@@ -284,8 +331,21 @@ def _range(lo: int, hi: int) -> str:
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "context", result=SinkContext, order=240, doc="The sink against context length and eps (passes of their own).",
-    sections=(Section("Sink against context length and eps", "context", 110, needs=(),
-                      runner="analysis.report.sections:_context"),),
-    exports=("SinkContext", "sink_vs_context")))
+register(
+    Analysis(
+        "context",
+        result=SinkContext,
+        order=240,
+        doc="The sink against context length and eps (passes of their own).",
+        sections=(
+            Section(
+                "Sink against context length and eps",
+                "context",
+                110,
+                needs=(),
+                runner="analysis.report.sections:_context",
+            ),
+        ),
+        exports=("SinkContext", "sink_vs_context"),
+    )
+)

@@ -9,6 +9,7 @@ does the attention follow its closed form). ``encoding_grid`` does it for every 
 grid (``data/emergence/positions``, written by ``scripts/positions_propositions.py``) is read back by
 ``load_encoding_grid``.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ KINDS = ("natural", "random", "repeated")
 _FILES = {"runs": "propositions.csv", "curves": "first_vs_t.csv"}
 
 
-def encoding_point(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS) -> tuple[dict, pd.DataFrame]:
+def encoding_point(
+    model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS
+) -> tuple[dict, pd.DataFrame]:
     """One model: Sink_1 per probe kind and the propositions on its repeated probe.
 
     Parameters
@@ -50,32 +53,46 @@ def encoding_point(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 0
         attention against t (``RepeatedTokens.first_vs_t``).
     """
     probes = model_probe_sets(model, n=n, T=T, seed=seed)
-    row = {f"sink_1_{k}": sink_metric(model, p.tokens, k_max=1, eps=eps, kind=k).sink_rate(1)
-           for k, p in probes.items()}
+    row = {
+        f"sink_1_{k}": sink_metric(model, p.tokens, k_max=1, eps=eps, kind=k).sink_rate(1) for k, p in probes.items()
+    }
     rep = repeated_tokens(model, probes["repeated"].tokens, eps=eps)
     d = rep.to_dict()
     premise = d["max_relative_deviation"] < REPEATED_TOL
     gaps = [g for g in (d["max_gap_last"], d["max_gap_first"]) if g is not None]
-    row = {"encoding": rep.encoding, **row,
-           "max_relative_deviation": d["max_relative_deviation"], "gap_last": d["max_gap_last"],
-           "gap_first": d["max_gap_first"], "first_at_T": float(rep.last[..., 0].mean()),
-           "form_first_at_T": float(rep.form_last[..., 0].mean()), "xi_max": float(rep.xi.max()),
-           "premise_holds": premise,
-           "form_holds": (premise and max(gaps) <= REPEATED_TOL) if rep.has_form and gaps else None}
+    row = {
+        "encoding": rep.encoding,
+        **row,
+        "max_relative_deviation": d["max_relative_deviation"],
+        "gap_last": d["max_gap_last"],
+        "gap_first": d["max_gap_first"],
+        "first_at_T": float(rep.last[..., 0].mean()),
+        "form_first_at_T": float(rep.form_last[..., 0].mean()),
+        "xi_max": float(rep.xi.max()),
+        "premise_holds": premise,
+        "form_holds": (premise and max(gaps) <= REPEATED_TOL) if rep.has_form and gaps else None,
+    }
     return row, rep.first_vs_t()
 
 
 def _run_facts(run_dir: Path) -> dict:
     cfg = json.loads((run_dir / "config.json").read_text())
     model, train = cfg.get("model", {}), cfg.get("train", {})
-    return {"run": run_dir.name, "seed": train.get("seed"), "positional_embedding_type": model.get(
-        "positional_embedding_type"), "alibi_slope_scale": model.get("alibi_slope_scale", 1.0),
-        "steps": train.get("steps"), "dataset": train.get("dataset"), "val_loss": cfg.get("final", {}).get("val_loss"),
-        "sink_1_trainer": cfg.get("final", {}).get("sink_1")}
+    return {
+        "run": run_dir.name,
+        "seed": train.get("seed"),
+        "positional_embedding_type": model.get("positional_embedding_type"),
+        "alibi_slope_scale": model.get("alibi_slope_scale", 1.0),
+        "steps": train.get("steps"),
+        "dataset": train.get("dataset"),
+        "val_loss": cfg.get("final", {}).get("val_loss"),
+        "sink_1_trainer": cfg.get("final", {}).get("sink_1"),
+    }
 
 
-def encoding_grid(sweep_dir, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS,
-                  progress=None) -> "EncodingGrid":
+def encoding_grid(
+    sweep_dir, *, n: int = 100, T: int = 64, seed: int = 0, eps: float = SINK_EPS, progress=None
+) -> "EncodingGrid":
     """``encoding_point`` on every run folder with weights (``model.safetensors``) under ``sweep_dir``.
 
     Parameters
@@ -107,8 +124,11 @@ def encoding_grid(sweep_dir, *, n: int = 100, T: int = 64, seed: int = 0, eps: f
         label = row["encoding"] + (f" (slopes x{scale:g})" if scale not in (None, 1, 1.0) else "")
         rows.append({**facts, "label": label, **row})
         curves.append(curve.assign(run=d.name, encoding=row["encoding"], seed=facts["seed"]))
-    return EncodingGrid(pd.DataFrame(rows), pd.concat(curves, ignore_index=True),
-                        meta={"n": n, "T": T, "probe_seed": seed, "eps": eps, "source": str(sweep_dir)})
+    return EncodingGrid(
+        pd.DataFrame(rows),
+        pd.concat(curves, ignore_index=True),
+        meta={"n": n, "T": T, "probe_seed": seed, "eps": eps, "source": str(sweep_dir)},
+    )
 
 
 def _spread(values: pd.Series) -> str:
@@ -169,8 +189,10 @@ class EncodingGrid(Result):
 
     def findings(self) -> list[str]:
         """Per encoding: the premise, the closed form, and Sink_1 on each kind with its spread over seeds."""
-        out = [f"Sink_1 (eps = {self.meta.get('eps', SINK_EPS):g}) is given as the mean over seeds (min-max), on "
-               f"N = {self.meta.get('n')} sequences of T = {self.meta.get('T')} tokens per kind."]
+        out = [
+            f"Sink_1 (eps = {self.meta.get('eps', SINK_EPS):g}) is given as the mean over seeds (min-max), on "
+            f"N = {self.meta.get('n')} sequences of T = {self.meta.get('T')} tokens per kind."
+        ]
         for label, r in self.runs.groupby(self._key, sort=False):
             sinks = ", ".join(f"{k} {_spread(r[f'sink_1_{k}'])}" for k in KINDS)
             pe = r.encoding.iloc[0]
@@ -189,8 +211,15 @@ class EncodingGrid(Result):
         return f"equal hidden states (deviation at most {dev:.1e}) and the attention {verdict} (gap {r.gap_last.max():.1e})"
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), **self.meta, "summary": self.summary().to_dict("records"),
-                         "runs": self.runs.to_dict("records"), "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                **self.meta,
+                "summary": self.summary().to_dict("records"),
+                "runs": self.runs.to_dict("records"),
+                "text": self.text(),
+            }
+        )
 
 
 def save_encoding_grid(grid: EncodingGrid, out) -> None:
@@ -231,5 +260,7 @@ def load_encoding_grid(path=ENCODING_GRID_DIR) -> EncodingGrid:
         raise FileNotFoundError(f"{path} lacks {missing}: run scripts/positions_propositions.py on the sweep first.")
     runs = pd.read_csv(path / _FILES["runs"])
     runs["form_holds"] = runs["form_holds"].astype(object).where(runs["form_holds"].notna(), None)
-    meta = json.loads((path / "propositions_meta.json").read_text()) if (path / "propositions_meta.json").is_file() else {}
+    meta = (
+        json.loads((path / "propositions_meta.json").read_text()) if (path / "propositions_meta.json").is_file() else {}
+    )
     return EncodingGrid(runs, pd.read_csv(path / _FILES["curves"]), meta={**meta, "source": str(path)})

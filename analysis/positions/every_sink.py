@@ -24,6 +24,7 @@ The same pass reads the residual stream after every block (``hook_resid_post``) 
 Layers: ``layers`` are the attention layers measured (true indices), ``resid_layers`` every block (layer l is the
 output of block l, as in ``analysis.chain.massive``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,9 +78,11 @@ def sink_rates(alpha: torch.Tensor, eps: float, min_queries: int) -> dict[str, f
     dict of str to float
     """
     later = alpha[..., 1 : alpha.shape[-1] - min_queries + 1] > eps
-    return {"sink_1_pct": float((alpha[..., 0] > eps).float().mean() * 100),
-            "secondary_pct": float(later.any(-1).float().mean() * 100),
-            "later_sinks_per_sequence": float(later.flatten(1, 2).any(1).sum(-1).float().mean())}
+    return {
+        "sink_1_pct": float((alpha[..., 0] > eps).float().mean() * 100),
+        "secondary_pct": float(later.any(-1).float().mean() * 100),
+        "later_sinks_per_sequence": float(later.flatten(1, 2).any(1).sum(-1).float().mean()),
+    }
 
 
 def check_cos(cos_min: float) -> float:
@@ -115,8 +118,10 @@ def check_min_queries(min_queries: int | None, T: int) -> int:
     int
     """
     if T < 2:
-        raise ValueError(f"give at least 2 tokens: with T = {T} the first token is all a query can see, so alpha is 1 "
-                         "by construction and says nothing about sinks.")
+        raise ValueError(
+            f"give at least 2 tokens: with T = {T} the first token is all a query can see, so alpha is 1 "
+            "by construction and says nothing about sinks."
+        )
     min_queries = default_min_queries(T) if min_queries is None else int(min_queries)
     if not 1 <= min_queries <= T:
         raise ValueError(f"min_queries (--min-queries) must lie in [1, T={T}]; got {min_queries}.")
@@ -267,7 +272,7 @@ class SinkPositions(Result, LayerAxis):
         """(N, L, H, T) bool: alpha_k > eps at a measured key."""
         e = self.eps if eps is None else check_eps(eps)
         mask = self.alpha > e
-        mask[..., self.n_measured:] = False
+        mask[..., self.n_measured :] = False
         return mask
 
     def sink_rate(self, position: int = 0, eps: float | None = None) -> float:
@@ -318,23 +323,34 @@ class SinkPositions(Result, LayerAxis):
             alphas = [float(self.alpha[s, l, h, k]) for l, h in lh]
             m = massive.get((s, k))
             r = int((self.peak_abs[s, :, k] / self.median[s].clamp_min(1e-30)).argmax())  # the most massive layer
-            rows.append({
-                "sample": s, "position": k, "token_id": int(self.tokens[s, k]), "token": self.token(self.tokens[s, k]),
-                "n_heads": len(heads), "share_of_heads": len(heads) / (len(self.layers) * H),
-                "layers": layer_runs(sorted({l for l, _ in heads})), "heads": heads, "alpha": alphas,
-                "max_alpha": max(alphas), "mean_alpha": float(np.mean(alphas)),
-                "massive": m is not None,
-                "massive_dims": sorted(int(d) for d in m["dim"].unique()) if m is not None else [],
-                "massive_max_abs": float(m["max_abs"].max()) if m is not None else None,
-                "massive_layers": (f"{int(m['first_layer'].min())}-{int(m['last_layer'].max())}"
-                                   if m is not None else ""),
-                "peak_layer": self.resid_layers[r], "peak_dim": int(self.peak_dim[s, r, k]),
-                "peak_abs": float(self.peak_abs[s, r, k]),
-                "peak_ratio": float(self.peak_abs[s, r, k] / self.median[s, r].clamp_min(1e-30)),
-                "created_layer": (self.resid_layers[int(created[s, k])] if created[s, k] >= 0 else None),
-                "lifetime": int(life[s, k]),
-                "max_cos_first": float(self.cos_first[s, :, k].max()) if k > 0 else 1.0,
-            })
+            rows.append(
+                {
+                    "sample": s,
+                    "position": k,
+                    "token_id": int(self.tokens[s, k]),
+                    "token": self.token(self.tokens[s, k]),
+                    "n_heads": len(heads),
+                    "share_of_heads": len(heads) / (len(self.layers) * H),
+                    "layers": layer_runs(sorted({l for l, _ in heads})),
+                    "heads": heads,
+                    "alpha": alphas,
+                    "max_alpha": max(alphas),
+                    "mean_alpha": float(np.mean(alphas)),
+                    "massive": m is not None,
+                    "massive_dims": sorted(int(d) for d in m["dim"].unique()) if m is not None else [],
+                    "massive_max_abs": float(m["max_abs"].max()) if m is not None else None,
+                    "massive_layers": (
+                        f"{int(m['first_layer'].min())}-{int(m['last_layer'].max())}" if m is not None else ""
+                    ),
+                    "peak_layer": self.resid_layers[r],
+                    "peak_dim": int(self.peak_dim[s, r, k]),
+                    "peak_abs": float(self.peak_abs[s, r, k]),
+                    "peak_ratio": float(self.peak_abs[s, r, k] / self.median[s, r].clamp_min(1e-30)),
+                    "created_layer": (self.resid_layers[int(created[s, k])] if created[s, k] >= 0 else None),
+                    "lifetime": int(life[s, k]),
+                    "max_cos_first": float(self.cos_first[s, :, k].max()) if k > 0 else 1.0,
+                }
+            )
         return pd.DataFrame(rows, columns=SINK_COLUMNS)
 
     @property
@@ -343,33 +359,62 @@ class SinkPositions(Result, LayerAxis):
         whether or not it is a sink: the layer it is created at, how many layers it lasts, and its heads."""
         created, life = self._secondary()
         heads = self.sink_mask().sum((1, 2))  # (N, T)
-        rows = [{"sample": s, "position": k, "token": self.token(self.tokens[s, k]),
-                 "created_layer": self.resid_layers[int(created[s, k])], "lifetime": int(life[s, k]),
-                 "max_cos_first": float(self.cos_first[s, :, k].max()), "n_heads": int(heads[s, k]),
-                 "is_sink": bool(heads[s, k] > 0)}
-                for s, k in (created >= 0).nonzero().tolist()]
-        return pd.DataFrame(rows, columns=["sample", "position", "token", "created_layer", "lifetime", "max_cos_first",
-                                           "n_heads", "is_sink"])
+        rows = [
+            {
+                "sample": s,
+                "position": k,
+                "token": self.token(self.tokens[s, k]),
+                "created_layer": self.resid_layers[int(created[s, k])],
+                "lifetime": int(life[s, k]),
+                "max_cos_first": float(self.cos_first[s, :, k].max()),
+                "n_heads": int(heads[s, k]),
+                "is_sink": bool(heads[s, k] > 0),
+            }
+            for s, k in (created >= 0).nonzero().tolist()
+        ]
+        return pd.DataFrame(
+            rows,
+            columns=["sample", "position", "token", "created_layer", "lifetime", "max_cos_first", "n_heads", "is_sink"],
+        )
 
     def by_token(self, sinks: pd.DataFrame | None = None) -> pd.DataFrame:
         """The later sink positions (k >= 1) grouped by token: how often, in how many sequences and heads, with a
         massive activation or aligned with the first token how often."""
         df = self.sinks if sinks is None else sinks
         df = df[df.position > 0]
-        cols = ["token", "n_positions", "n_sequences", "share_of_sequences", "median_heads", "max_heads",
-                "mean_max_alpha", "first_position", "last_position", "share_massive", "share_aligned",
-                "median_created_layer", "median_lifetime"]
+        cols = [
+            "token",
+            "n_positions",
+            "n_sequences",
+            "share_of_sequences",
+            "median_heads",
+            "max_heads",
+            "mean_max_alpha",
+            "first_position",
+            "last_position",
+            "share_massive",
+            "share_aligned",
+            "median_created_layer",
+            "median_lifetime",
+        ]
         if not len(df):
             return pd.DataFrame(columns=cols)
         g = df.assign(aligned=df.created_layer.notna()).groupby("token", sort=False)
-        out = pd.DataFrame({
-            "n_positions": g.size(), "n_sequences": g["sample"].nunique(),
-            "median_heads": g["n_heads"].median(), "max_heads": g["n_heads"].max(),
-            "mean_max_alpha": g["max_alpha"].mean(), "first_position": g["position"].min(),
-            "last_position": g["position"].max(), "share_massive": g["massive"].mean(),
-            "share_aligned": g["aligned"].mean(),
-            "median_created_layer": g["created_layer"].median(), "median_lifetime": g["lifetime"].median(),
-        }).reset_index()
+        out = pd.DataFrame(
+            {
+                "n_positions": g.size(),
+                "n_sequences": g["sample"].nunique(),
+                "median_heads": g["n_heads"].median(),
+                "max_heads": g["n_heads"].max(),
+                "mean_max_alpha": g["max_alpha"].mean(),
+                "first_position": g["position"].min(),
+                "last_position": g["position"].max(),
+                "share_massive": g["massive"].mean(),
+                "share_aligned": g["aligned"].mean(),
+                "median_created_layer": g["created_layer"].median(),
+                "median_lifetime": g["lifetime"].median(),
+            }
+        ).reset_index()
         out["share_of_sequences"] = out["n_sequences"] / self.n_samples
         out = out.sort_values(["n_positions", "max_heads"], ascending=False, kind="stable")
         return out[cols].reset_index(drop=True)
@@ -381,19 +426,25 @@ class SinkPositions(Result, LayerAxis):
         later = mask[..., 1:]
         L, H = mask.shape[1:3]
         a_later = torch.where(later, self.alpha[..., 1:], torch.nan)
-        return pd.DataFrame({
-            "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
-            "head": torch.arange(H).repeat(L).numpy(),
-            "share_first": mask[..., 0].float().mean(0).flatten().numpy(),
-            "share_later": later.any(-1).float().mean(0).flatten().numpy(),
-            "mean_later_alpha": a_later.nanmean((0, -1)).flatten().numpy(),
-        })
+        return pd.DataFrame(
+            {
+                "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
+                "head": torch.arange(H).repeat(L).numpy(),
+                "share_first": mask[..., 0].float().mean(0).flatten().numpy(),
+                "share_later": later.any(-1).float().mean(0).flatten().numpy(),
+                "mean_later_alpha": a_later.nanmean((0, -1)).flatten().numpy(),
+            }
+        )
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
         sinks = self.sinks
-        return {"sinks": sinks, "by_token": self.by_token(sinks), "secondary": self.secondary,
-                "per_head": self.per_head()}
+        return {
+            "sinks": sinks,
+            "by_token": self.by_token(sinks),
+            "secondary": self.secondary,
+            "per_head": self.per_head(),
+        }
 
     def findings(self) -> list[str]:
         """Which later positions sink, in how many heads and layers; as secondary sinks, when they are created and
@@ -402,27 +453,40 @@ class SinkPositions(Result, LayerAxis):
         later = sinks[sinks.position > 0]
         on = f" on {self.kind} inputs" if self.kind else ""
         name = self.model_name or "the model"
-        rule = (f"alpha_k > {self.eps:g} in at least one head, keys 0..{self.n_measured - 1} seen by at least "
-                f"{self.min_queries} queries")
+        rule = (
+            f"alpha_k > {self.eps:g} in at least one head, keys 0..{self.n_measured - 1} seen by at least "
+            f"{self.min_queries} queries"
+        )
         bos = self.meta.get("bos")
         tail = ([self.skipped] if self.skipped else []) + ([bos_sentence(bos, asked=bos.get("asked"))] if bos else [])
         if not len(later):
-            first = (f"the first token is the only sink (Sink_1 {self.sink_rate(0):.1f}%)" if self.sink_rate(0) > 0
-                     else "no position is a sink, the first token included (Sink_1 0.0%)")
-            return [f"In {name}{on}, {first} ({rule}; positions 0-based; N = {self.n_samples} sequences "
-                    f"of T = {self.T} tokens)."] + tail
+            first = (
+                f"the first token is the only sink (Sink_1 {self.sink_rate(0):.1f}%)"
+                if self.sink_rate(0) > 0
+                else "no position is a sink, the first token included (Sink_1 0.0%)"
+            )
+            return [
+                f"In {name}{on}, {first} ({rule}; positions 0-based; N = {self.n_samples} sequences "
+                f"of T = {self.T} tokens)."
+            ] + tail
         n_seq = later["sample"].nunique()
-        out = [f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a "
-               f"sink besides the first token ({rule}; positions 0-based; T = {self.T}), "
-               f"{self.later_sinks_per_sequence():.2f} later sink "
-               f"positions per sequence on average."]
+        out = [
+            f"In {name}{on}, {n_seq} of {self.n_samples} sequences ({100 * n_seq / self.n_samples:.0f}%) have a "
+            f"sink besides the first token ({rule}; positions 0-based; T = {self.T}), "
+            f"{self.later_sinks_per_sequence():.2f} later sink "
+            f"positions per sequence on average."
+        ]
         tok = self.by_token(sinks).head(4)
-        listed = ", ".join(f"{r.token!r} ({_count(r.n_positions, 'position')} in {_count(r.n_sequences, 'sequence')})"
-                           for r in tok.itertuples())
+        listed = ", ".join(
+            f"{r.token!r} ({_count(r.n_positions, 'position')} in {_count(r.n_sequences, 'sequence')})"
+            for r in tok.itertuples()
+        )
         layers = sorted({l for hs in later.heads for l, _ in hs})
-        out.append(f"The most frequent later sink tokens are {listed}; a later sink draws more than eps in a median of "
-                   f"{later.n_heads.median():.0f} heads (range {later.n_heads.min()}-{later.n_heads.max()}), in layers "
-                   f"{layer_runs(layers)}.")
+        out.append(
+            f"The most frequent later sink tokens are {listed}; a later sink draws more than eps in a median of "
+            f"{later.n_heads.median():.0f} heads (range {later.n_heads.min()}-{later.n_heads.max()}), in layers "
+            f"{layer_runs(layers)}."
+        )
         out.append(self._secondary_text(later))
         out.append(self._massive_text(later))
         return out + tail
@@ -430,25 +494,33 @@ class SinkPositions(Result, LayerAxis):
     def _secondary_text(self, later: pd.DataFrame) -> str:
         aligned = later[later.created_layer.notna()]
         if not len(aligned):
-            return (f"None of the later sink positions aligns with the first token's hidden state (cosine > "
-                    f"{self.cos_min:g} in no layer).")
+            return (
+                f"None of the later sink positions aligns with the first token's hidden state (cosine > "
+                f"{self.cos_min:g} in no layer)."
+            )
         c, life = aligned.created_layer.astype(int), aligned.lifetime
-        return (f"{100 * len(aligned) / len(later):.0f}% of the later sink positions are secondary sinks, aligned with "
-                f"the first token's hidden state (cosine > {self.cos_min:g}): created at layer {c.median():.0f} "
-                f"(median; range {c.min()}-{c.max()}) and lasting {life.median():.0f} layers (median; range "
-                f"{life.min()}-{life.max()}).")
+        return (
+            f"{100 * len(aligned) / len(later):.0f}% of the later sink positions are secondary sinks, aligned with "
+            f"the first token's hidden state (cosine > {self.cos_min:g}): created at layer {c.median():.0f} "
+            f"(median; range {c.min()}-{c.max()}) and lasting {life.median():.0f} layers (median; range "
+            f"{life.min()}-{life.max()})."
+        )
 
     def _massive_text(self, later: pd.DataFrame) -> str:
         crit = criterion_text(self.abs_threshold, self.ratio_threshold)
-        peak = (f"their largest activation relative to the sequence median is on dim "
-                f"{int(later.peak_dim.mode().iloc[0])} (the most frequent), a median of {later.peak_abs.median():.0f} "
-                f"({later.peak_ratio.median():.0f}x the median) at layer {later.peak_layer.median():.0f} (median)")
+        peak = (
+            f"their largest activation relative to the sequence median is on dim "
+            f"{int(later.peak_dim.mode().iloc[0])} (the most frequent), a median of {later.peak_abs.median():.0f} "
+            f"({later.peak_ratio.median():.0f}x the median) at layer {later.peak_layer.median():.0f} (median)"
+        )
         flagged = later[later.massive]
         if not len(flagged):
             return f"None of them carries a massive activation by the criterion ({crit}); {peak}."
         dims = sorted({d for ds in flagged.massive_dims for d in ds})
-        return (f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by the criterion "
-                f"({crit}), on dims {dims}; {peak}.")
+        return (
+            f"{100 * len(flagged) / len(later):.0f}% of them carry a massive activation by the criterion "
+            f"({crit}), on dims {dims}; {peak}."
+        )
 
     def records(self) -> list[dict]:
         """One JSON-ready record per sink position (``sinks`` rows; heads as [layer, head] pairs)."""
@@ -459,13 +531,22 @@ class SinkPositions(Result, LayerAxis):
 
     def to_dict(self) -> dict:
         return {
-            **self.header(), "T": self.T, "eps": self.eps, "min_queries": self.min_queries, "cos_min": self.cos_min,
+            **self.header(),
+            "T": self.T,
+            "eps": self.eps,
+            "min_queries": self.min_queries,
+            "cos_min": self.cos_min,
             "massive_criterion": {"abs_threshold": self.abs_threshold, "ratio_threshold": self.ratio_threshold},
-            "layers": list(self.layers), "resid_layers": list(self.resid_layers),
-            **({"skipped": self.skipped} if self.skipped else {}), **self.meta,
-            "sink_1_pct": self.sink_rate(0), "secondary_pct": self.secondary_rate(),
+            "layers": list(self.layers),
+            "resid_layers": list(self.resid_layers),
+            **({"skipped": self.skipped} if self.skipped else {}),
+            **self.meta,
+            "sink_1_pct": self.sink_rate(0),
+            "secondary_pct": self.secondary_rate(),
             "later_sinks_per_sequence": self.later_sinks_per_sequence(),
-            "sinks": self.records(), "by_token": self.by_token().to_dict("records"), "text": self.text(),
+            "sinks": self.records(),
+            "by_token": self.by_token().to_dict("records"),
+            "text": self.text(),
         }
 
 
@@ -473,15 +554,46 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-SINK_COLUMNS = ["sample", "position", "token_id", "token", "n_heads", "share_of_heads", "layers", "heads", "alpha",
-                "max_alpha", "mean_alpha", "massive", "massive_dims", "massive_max_abs", "massive_layers", "peak_layer",
-                "peak_dim", "peak_abs", "peak_ratio", "created_layer", "lifetime", "max_cos_first"]
+SINK_COLUMNS = [
+    "sample",
+    "position",
+    "token_id",
+    "token",
+    "n_heads",
+    "share_of_heads",
+    "layers",
+    "heads",
+    "alpha",
+    "max_alpha",
+    "mean_alpha",
+    "massive",
+    "massive_dims",
+    "massive_max_abs",
+    "massive_layers",
+    "peak_layer",
+    "peak_dim",
+    "peak_abs",
+    "peak_ratio",
+    "created_layer",
+    "lifetime",
+    "max_cos_first",
+]
 
 
-def sink_positions(model: SinkModel, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
-                   cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS,
-                   ratio_threshold: float = SPIKE_RATIO, path: str = "auto", batch_size: int | None = None,
-                   progress: bool = False, kind: str | None = None) -> SinkPositions:
+def sink_positions(
+    model: SinkModel,
+    tokens,
+    *,
+    eps: float = SINK_EPS,
+    min_queries: int | None = None,
+    cos_min: float = SECONDARY_COS,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    path: str = "auto",
+    batch_size: int | None = None,
+    progress: bool = False,
+    kind: str | None = None,
+) -> SinkPositions:
     """Every sink position of ``model`` on ``tokens`` and what its hidden state carries, from one pass.
 
     Parameters
@@ -517,20 +629,44 @@ def sink_positions(model: SinkModel, tokens, *, eps: float = SINK_EPS, min_queri
 
     def accumulators():
         made["positions"] = PositionAccumulator(resid_layers)
-        made["massive"] = massive_accumulator(model, tokens.shape, abs_threshold=abs_threshold,
-                                              ratio_threshold=ratio_threshold, kind=kind)
+        made["massive"] = massive_accumulator(
+            model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold, kind=kind
+        )
         return [made["positions"], made["massive"]]
 
-    sink, (pos, ma) = sink_pass(model, tokens, make_accumulators=accumulators, eps=eps, k_max=int(tokens.shape[-1]),
-                                batch_size=batch_size, progress=progress, kind=kind, path=path)
+    sink, (pos, ma) = sink_pass(
+        model,
+        tokens,
+        make_accumulators=accumulators,
+        eps=eps,
+        k_max=int(tokens.shape[-1]),
+        batch_size=batch_size,
+        progress=progress,
+        kind=kind,
+        path=path,
+    )
     ids = sorted(set(torch.as_tensor(tokens).flatten().tolist()))
     return SinkPositions(
-        alpha=sink.alpha, tokens=torch.as_tensor(tokens).long().cpu(), cos_first=pos.cos_first, peak_abs=pos.peak_abs,
-        peak_dim=pos.peak_dim, median=ma.median, flagged=ma.flagged,
+        alpha=sink.alpha,
+        tokens=torch.as_tensor(tokens).long().cpu(),
+        cos_first=pos.cos_first,
+        peak_abs=pos.peak_abs,
+        peak_dim=pos.peak_dim,
+        median=ma.median,
+        flagged=ma.flagged,
         token_text=dict(zip(ids, token_strings(model, ids))),
-        eps=eps, min_queries=min_queries, cos_min=cos_min, abs_threshold=float(abs_threshold),
-        ratio_threshold=float(ratio_threshold), layers=list(sink.layers), resid_layers=resid_layers,
-        skipped=sink.skipped, model_name=getattr(model, "model_name", None), kind=kind, meta=dict(sink.meta))
+        eps=eps,
+        min_queries=min_queries,
+        cos_min=cos_min,
+        abs_threshold=float(abs_threshold),
+        ratio_threshold=float(ratio_threshold),
+        layers=list(sink.layers),
+        resid_layers=resid_layers,
+        skipped=sink.skipped,
+        model_name=getattr(model, "model_name", None),
+        kind=kind,
+        meta=dict(sink.meta),
+    )
 
 
 def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
@@ -547,22 +683,31 @@ def format_sinks(res: SinkPositions, *, max_rows: int = 60) -> str:
     str
     """
     df = res.sinks
-    head = (f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "
-            f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path; "
-            "sample and pos 0-based")
-    lines = [head, f"{'sample':>6} {'pos':>5}  {'token':<14} {'heads':>5}  {'layers':<14} {'max a':>6}  "
-                   f"{'massive (dims)':<16} {'peak (dim, layer)':<22} {'secondary':<14}"]
+    head = (
+        f"Sinks (alpha_k > {res.eps:g} in some head; keys seen by >= {res.min_queries} queries) of "
+        f"{res.model_name or 'the model'}: N={res.n_samples} x T={res.T} tokens, {res.meta.get('path', '')} path; "
+        "sample and pos 0-based"
+    )
+    lines = [
+        head,
+        f"{'sample':>6} {'pos':>5}  {'token':<14} {'heads':>5}  {'layers':<14} {'max a':>6}  "
+        f"{'massive (dims)':<16} {'peak (dim, layer)':<22} {'secondary':<14}",
+    ]
     for r in df.head(max_rows).itertuples():
         massive = f"yes {r.massive_dims}" if r.massive else "no"
-        second = "first token" if r.position == 0 else (
-            f"L{int(r.created_layer)}, {r.lifetime} layers" if pd.notna(r.created_layer) else "no")
+        second = (
+            "first token"
+            if r.position == 0
+            else (f"L{int(r.created_layer)}, {r.lifetime} layers" if pd.notna(r.created_layer) else "no")
+        )
         peak = f"{r.peak_abs:.0f} ({r.peak_dim}, L{r.peak_layer})"
-        lines.append(f"{r.sample:>6} {r.position:>5}  {repr(r.token)[:14]:<14} {r.n_heads:>5}  {r.layers[:14]:<14} "
-                     f"{r.max_alpha:>6.2f}  {massive[:16]:<16} {peak:<22} {second:<14}")
+        lines.append(
+            f"{r.sample:>6} {r.position:>5}  {repr(r.token)[:14]:<14} {r.n_heads:>5}  {r.layers[:14]:<14} "
+            f"{r.max_alpha:>6.2f}  {massive[:16]:<16} {peak:<22} {second:<14}"
+        )
     if len(df) > max_rows:
         lines.append(f"... {len(df) - max_rows} more rows in the JSON")
     return "\n".join(lines)
-
 
 
 def _later(res: SinkPositions) -> pd.DataFrame:
@@ -573,8 +718,10 @@ def _later(res: SinkPositions) -> pd.DataFrame:
 def _check_runs(runs) -> dict:
     runs = dict(runs)
     if not runs or not all(isinstance(r, SinkPositions) for r in runs.values()):
-        raise TypeError("runs must map each probe seed to its sink_positions result (a SinkPositions), at least one; "
-                        f"got {type(runs).__name__} of {sorted({type(r).__name__ for r in runs.values()})}.")
+        raise TypeError(
+            "runs must map each probe seed to its sink_positions result (a SinkPositions), at least one; "
+            f"got {type(runs).__name__} of {sorted({type(r).__name__ for r in runs.values()})}."
+        )
     return runs
 
 
@@ -605,17 +752,26 @@ def later_sinks_by_seed(runs) -> tuple[pd.DataFrame, str]:
         The table (index: seed) and the sentence.
     """
     runs = _check_runs(runs)
-    table = pd.DataFrame([{
-        "seed": s, "Sink_1 (%)": r.sink_rate(0),
-        "sequences with a later sink": _later(r)["sample"].nunique() / r.n_samples,
-        "later sinks per sequence": r.later_sinks_per_sequence(),
-        "(sample, layer, head) on a later sink (%)": r.secondary_rate()} for s, r in runs.items()]).set_index("seed")
+    table = pd.DataFrame(
+        [
+            {
+                "seed": s,
+                "Sink_1 (%)": r.sink_rate(0),
+                "sequences with a later sink": _later(r)["sample"].nunique() / r.n_samples,
+                "later sinks per sequence": r.later_sinks_per_sequence(),
+                "(sample, layer, head) on a later sink (%)": r.secondary_rate(),
+            }
+            for s, r in runs.items()
+        ]
+    ).set_index("seed")
     if not table["later sinks per sequence"].any():
         return table, next(iter(runs.values())).findings()[0]
     share = table["sequences with a later sink"]
-    return table, (f"{_span(share, '.0%')} of the sequences have a sink besides the first token (seeds {list(runs)}), "
-                   f"{_span(table['later sinks per sequence'], '.2f')} later sink positions per sequence; Sink_1 is "
-                   f"{_span(table['Sink_1 (%)'], '.1f')}%.")
+    return table, (
+        f"{_span(share, '.0%')} of the sequences have a sink besides the first token (seeds {list(runs)}), "
+        f"{_span(table['later sinks per sequence'], '.2f')} later sink positions per sequence; Sink_1 is "
+        f"{_span(table['Sink_1 (%)'], '.1f')}%."
+    )
 
 
 def later_sink_tokens(runs, *, top: int = 6) -> tuple[pd.DataFrame, str]:
@@ -674,33 +830,41 @@ def secondary_by_seed(runs) -> tuple[pd.DataFrame, str]:
         return pd.DataFrame(rows), _no_later(runs, "no secondary sink to trace")
     t = pd.DataFrame(rows).set_index("seed")
     if t["later sinks aligned"].isna().all() or not t["later sinks aligned"].any():
-        return t, (f"None of the later sinks is aligned with the first token's hidden state (cosine > "
-                   f"{next(iter(runs.values())).cos_min:g} in no layer) on seeds {list(t.index)}: no secondary sink.")
-    return t, (f"{_span(t['later sinks aligned'], '.0%')} of the later sinks are aligned with the first token (cosine > "
-               f"{next(iter(runs.values())).cos_min:g}); they are created at layer {t['created (median)'].median():.0f} "
-               f"and last {t['lifetime (median)'].median():.0f} layers (medians; seeds' ranges "
-               f"{', '.join(t['created (range)'])} and {', '.join(t['lifetime (range)'])}).\n"
-               f"Of the aligned positions, {_span(t['first aligned that sink'], '.0%')} of the first in a sequence sink, "
-               f"{_span(t['later aligned that sink'], '.0%')} of the later ones; "
-               f"{_span(t['first occurrence that sinks'], '.0%')} of first occurrences against "
-               f"{_span(t['repeat that sinks'], '.0%')} of repeats.")
+        return t, (
+            f"None of the later sinks is aligned with the first token's hidden state (cosine > "
+            f"{next(iter(runs.values())).cos_min:g} in no layer) on seeds {list(t.index)}: no secondary sink."
+        )
+    return t, (
+        f"{_span(t['later sinks aligned'], '.0%')} of the later sinks are aligned with the first token (cosine > "
+        f"{next(iter(runs.values())).cos_min:g}); they are created at layer {t['created (median)'].median():.0f} "
+        f"and last {t['lifetime (median)'].median():.0f} layers (medians; seeds' ranges "
+        f"{', '.join(t['created (range)'])} and {', '.join(t['lifetime (range)'])}).\n"
+        f"Of the aligned positions, {_span(t['first aligned that sink'], '.0%')} of the first in a sequence sink, "
+        f"{_span(t['later aligned that sink'], '.0%')} of the later ones; "
+        f"{_span(t['first occurrence that sinks'], '.0%')} of first occurrences against "
+        f"{_span(t['repeat that sinks'], '.0%')} of repeats."
+    )
 
 
 def _secondary_row(seed, r: SinkPositions) -> dict:
     later, sec, toks = _later(r), r.secondary, r.tokens
     sec["first_aligned"] = sec.groupby("sample").position.rank() == 1
-    sec["repeat"] = [bool((toks[x.sample, :x.position] == toks[x.sample, x.position]).any()) for x in sec.itertuples()]
+    sec["repeat"] = [bool((toks[x.sample, : x.position] == toks[x.sample, x.position]).any()) for x in sec.itertuples()]
     aligned = later[later.created_layer.notna()]
-    return {"seed": seed, "later sinks aligned": len(aligned) / len(later),
-            "created (median)": aligned.created_layer.median(),
-            "created (range)": f"{aligned.created_layer.min():.0f}-{aligned.created_layer.max():.0f}",
-            "lifetime (median)": aligned.lifetime.median(),
-            "lifetime (range)": f"{aligned.lifetime.min()}-{aligned.lifetime.max()}",
-            "aligned positions": len(sec), "aligned that sink": sec.is_sink.mean(),
-            "first aligned that sink": sec[sec.first_aligned].is_sink.mean(),
-            "later aligned that sink": sec[~sec.first_aligned].is_sink.mean(),
-            "first occurrence that sinks": sec[~sec.repeat].is_sink.mean(),
-            "repeat that sinks": sec[sec.repeat].is_sink.mean()}
+    return {
+        "seed": seed,
+        "later sinks aligned": len(aligned) / len(later),
+        "created (median)": aligned.created_layer.median(),
+        "created (range)": f"{aligned.created_layer.min():.0f}-{aligned.created_layer.max():.0f}",
+        "lifetime (median)": aligned.lifetime.median(),
+        "lifetime (range)": f"{aligned.lifetime.min()}-{aligned.lifetime.max()}",
+        "aligned positions": len(sec),
+        "aligned that sink": sec.is_sink.mean(),
+        "first aligned that sink": sec[sec.first_aligned].is_sink.mean(),
+        "later aligned that sink": sec[~sec.first_aligned].is_sink.mean(),
+        "first occurrence that sinks": sec[~sec.repeat].is_sink.mean(),
+        "repeat that sinks": sec[sec.repeat].is_sink.mean(),
+    }
 
 
 def massive_by_seed(runs, *, strict: float = SPIKE_RATIO) -> tuple[pd.DataFrame, str]:
@@ -730,34 +894,57 @@ def massive_by_seed(runs, *, strict: float = SPIKE_RATIO) -> tuple[pd.DataFrame,
     first = pd.concat([r.sinks[r.sinks.position == 0] for r in runs.values()])
     t = pd.DataFrame(rows).set_index("seed")
     at = f"massive at {lenient:g}x"
-    peak = (f"a median of {t['peak |a| (median)'].median():.0f} ({t['x median (median)'].median():.0f}x the median)"
-            if t[at].any() else "none of them")
-    own = (f"the first token peaks at {first.peak_abs.median():.0f} ({first.peak_ratio.median():.0f}x) on dim "
-           f"{int(first.peak_dim.mode()[0])}" if len(first) else "the first token sinks in no head")
-    return t, (f"At Sun et al.'s {strict:g}x, {_span(t[f'massive at {strict:g}x'], '.0%')} of the later sinks carry a "
-               f"massive activation; at {lenient:g}x, {_span(t[at], '.0%')}, {peak}; {own}.")
+    peak = (
+        f"a median of {t['peak |a| (median)'].median():.0f} ({t['x median (median)'].median():.0f}x the median)"
+        if t[at].any()
+        else "none of them"
+    )
+    own = (
+        f"the first token peaks at {first.peak_abs.median():.0f} ({first.peak_ratio.median():.0f}x) on dim "
+        f"{int(first.peak_dim.mode()[0])}"
+        if len(first)
+        else "the first token sinks in no head"
+    )
+    return t, (
+        f"At Sun et al.'s {strict:g}x, {_span(t[f'massive at {strict:g}x'], '.0%')} of the later sinks carry a "
+        f"massive activation; at {lenient:g}x, {_span(t[at], '.0%')}, {peak}; {own}."
+    )
 
 
 def _massive_row(seed, r: SinkPositions, strict: float) -> dict:
     later, f = _later(r), r.flagged
-    hits = set(map(tuple, f[(f.position > 0) & (f.max_ratio >= strict)][["sample", "position"]].values)) if len(f) else set()
+    hits = (
+        set(map(tuple, f[(f.position > 0) & (f.max_ratio >= strict)][["sample", "position"]].values))
+        if len(f)
+        else set()
+    )
     flagged = later[later.massive]
     first_l = [int(x.split("-")[0]) for x in flagged.massive_layers]
     last_l = [int(x.split("-")[1]) for x in flagged.massive_layers]
     lenient = f"{r.ratio_threshold:g}x"
-    return {"seed": seed, "later sinks": len(later),
-            f"massive at {strict:g}x": sum((x.sample, x.position) in hits for x in later.itertuples()) / len(later),
-            f"massive at {lenient}": later.massive.mean(),
-            f"dims ({lenient})": sorted({d for ds in flagged.massive_dims for d in ds}),
-            f"layers ({lenient})": f"{min(first_l)}-{max(last_l)}" if first_l else "none",
-            "peak |a| (median)": flagged.peak_abs.median(), "x median (median)": flagged.peak_ratio.median()}
+    return {
+        "seed": seed,
+        "later sinks": len(later),
+        f"massive at {strict:g}x": sum((x.sample, x.position) in hits for x in later.itertuples()) / len(later),
+        f"massive at {lenient}": later.massive.mean(),
+        f"dims ({lenient})": sorted({d for ds in flagged.massive_dims for d in ds}),
+        f"layers ({lenient})": f"{min(first_l)}-{max(last_l)}" if first_l else "none",
+        "peak |a| (median)": flagged.peak_abs.median(),
+        "x median (median)": flagged.peak_ratio.median(),
+    }
 
 
 # The registration (analysis.core.registry): this module's one declaration.
 from analysis.core.registry import Analysis, Section, register  # noqa: E402
 
 
-register(Analysis(
-    "positions", result=SinkPositions, order=230, doc="Every sink position (its own pass: alpha of every key).",
-    sections=(Section("Every sink", "every_sink", 100, needs=(), runner="analysis.report.sections:_positions"),),
-    exports=("SinkPositions", "sink_positions")))
+register(
+    Analysis(
+        "positions",
+        result=SinkPositions,
+        order=230,
+        doc="Every sink position (its own pass: alpha of every key).",
+        sections=(Section("Every sink", "every_sink", 100, needs=(), runner="analysis.report.sections:_positions"),),
+        exports=("SinkPositions", "sink_positions"),
+    )
+)

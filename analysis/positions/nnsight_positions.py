@@ -7,6 +7,7 @@ per head, each layer's massive-activation statistics and, per layer and position
 peak |h_t| and its dim (``analysis.engine.remote_reductions.position_stats``, on the decoder layers' outputs, the
 bridge's ``hook_resid_post``): O(layers x (heads + 1) x T) numbers a sequence, never the residual stream itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,10 +30,19 @@ class _StatsPositions(PositionAccumulator):
         self.dim.put(layer, s["dim"].long())
 
 
-def nnsight_sink_positions(model: NnsightModel, tokens, *, eps: float = SINK_EPS, min_queries: int | None = None,
-                           cos_min: float = SECONDARY_COS, abs_threshold: float = SPIKE_ABS,
-                           ratio_threshold: float = SPIKE_RATIO, batch_size: int | None = None,
-                           kind: str | None = None, remote=None) -> SinkPositions:
+def nnsight_sink_positions(
+    model: NnsightModel,
+    tokens,
+    *,
+    eps: float = SINK_EPS,
+    min_queries: int | None = None,
+    cos_min: float = SECONDARY_COS,
+    abs_threshold: float = SPIKE_ABS,
+    ratio_threshold: float = SPIKE_RATIO,
+    batch_size: int | None = None,
+    kind: str | None = None,
+    remote=None,
+) -> SinkPositions:
     """``sink_positions`` through nnsight: every sink position of ``model`` on ``tokens`` and what its hidden state
     carries.
 
@@ -60,17 +70,42 @@ def nnsight_sink_positions(model: NnsightModel, tokens, *, eps: float = SINK_EPS
     min_queries = check_min_queries(min_queries, T)
     spec = model.spec
     resid_layers = list(range(spec.n_layers))
-    massive = StatsMassive(model, resid_layers, spec.d_model, abs_threshold=abs_threshold,
-                            ratio_threshold=ratio_threshold, kind=kind)
+    massive = StatsMassive(
+        model, resid_layers, spec.d_model, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold, kind=kind
+    )
     positions = _StatsPositions(resid_layers)
-    alpha, meta = run_traces(model, tokens, sink_layers=list(spec.attention_layers), massive=massive, k_max=T, top_k=3,
-                             abs_threshold=abs_threshold, batch_size=batch_size,
-                             remote=model.remote if remote is None else remote, positions=positions)
+    alpha, meta = run_traces(
+        model,
+        tokens,
+        sink_layers=list(spec.attention_layers),
+        massive=massive,
+        k_max=T,
+        top_k=3,
+        abs_threshold=abs_threshold,
+        batch_size=batch_size,
+        remote=model.remote if remote is None else remote,
+        positions=positions,
+    )
     ma, pos = massive.result(), positions.result()
     ids = sorted(set(tokens.flatten().tolist()))
     return SinkPositions(
-        alpha=alpha, tokens=tokens.long().cpu(), cos_first=pos.cos_first, peak_abs=pos.peak_abs, peak_dim=pos.peak_dim,
-        median=ma.median, flagged=ma.flagged, token_text=dict(zip(ids, token_strings(model, ids))),
-        eps=eps, min_queries=min_queries, cos_min=cos_min, abs_threshold=float(abs_threshold),
-        ratio_threshold=float(ratio_threshold), layers=list(spec.attention_layers), resid_layers=resid_layers,
-        skipped=skipped_text(spec), model_name=model.model_name, kind=kind, meta=meta)
+        alpha=alpha,
+        tokens=tokens.long().cpu(),
+        cos_first=pos.cos_first,
+        peak_abs=pos.peak_abs,
+        peak_dim=pos.peak_dim,
+        median=ma.median,
+        flagged=ma.flagged,
+        token_text=dict(zip(ids, token_strings(model, ids))),
+        eps=eps,
+        min_queries=min_queries,
+        cos_min=cos_min,
+        abs_threshold=float(abs_threshold),
+        ratio_threshold=float(ratio_threshold),
+        layers=list(spec.attention_layers),
+        resid_layers=resid_layers,
+        skipped=skipped_text(spec),
+        model_name=model.model_name,
+        kind=kind,
+        meta=meta,
+    )

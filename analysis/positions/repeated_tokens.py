@@ -19,6 +19,7 @@ attention (query i sees t = i + 1 copies, so the column is the first token's att
 row, the query and key norms of the last position; reduced inside the hooks (O(L x H x T) numbers a sequence).
 Sink_1 is Gu et al.'s: alpha_1 = the mean over queries of the first column, > eps.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,12 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from analysis.model.access import (attention_logit_scale, attention_operation, layer_position_module,
-                                   positional_encoding_name)
+from analysis.model.access import (
+    attention_logit_scale,
+    attention_operation,
+    layer_position_module,
+    positional_encoding_name,
+)
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
 from analysis.core.io import jsonable
@@ -85,8 +90,10 @@ def check_repeated(tokens) -> torch.Tensor:
         raise ValueError(f"give token ids of shape (N, T) with T >= 2; got shape {tuple(tokens.shape)}.")
     bad = (tokens != tokens[:, :1]).any(-1)
     if bad.any():
-        raise ValueError(f"each row must be one token repeated (rows {bad.nonzero().flatten().tolist()[:5]} are not): "
-                         "build them with analysis.model.probes.repeated_probe or torch.full((N, T), token_id).")
+        raise ValueError(
+            f"each row must be one token repeated (rows {bad.nonzero().flatten().tolist()[:5]} are not): "
+            "build them with analysis.model.probes.repeated_probe or torch.full((N, T), token_id)."
+        )
     return tokens
 
 
@@ -101,12 +108,22 @@ class RepeatedAccumulator(Accumulator):
         dims = model_dims(model)
         self.H, self.H_kv, self.layers = dims.n_heads, dims.n_kv_heads, list(layers)
         self.qk = {l: qk_hook_names(model, l) for l in self.layers}
-        self.out = {k: LayerCollector(self.layers) for k in ("dev_in", "dev_out", "scale", "scale_out", "first", "last",
-                                                                "qn", "kn")}
+        self.out = {
+            k: LayerCollector(self.layers)
+            for k in ("dev_in", "dev_out", "scale", "scale_out", "first", "last", "qn", "kn")
+        }
 
     def hooks(self):
-        return {l: {"resid_in": act_name("resid_pre", l), "resid_out": act_name("resid_post", l),
-                    "pattern": act_name("pattern", l), "q": self.qk[l][0], "k": self.qk[l][1]} for l in self.layers}
+        return {
+            l: {
+                "resid_in": act_name("resid_pre", l),
+                "resid_out": act_name("resid_post", l),
+                "pattern": act_name("pattern", l),
+                "q": self.qk[l][0],
+                "k": self.qk[l][1],
+            }
+            for l in self.layers
+        }
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         put = {k: c.put for k, c in self.out.items()}
@@ -170,7 +187,9 @@ def distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[
         return -slopes.float().cpu()[:, None] * d[None].float(), source
 
 
-def closed_forms(model: SinkModel, layers, encoding: str, T: int, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+def closed_forms(
+    model: SinkModel, layers, encoding: str, T: int, xi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The propositions' closed forms of the first token's weight against t and of the last row, per layer and head.
 
     Parameters
@@ -306,37 +325,51 @@ class RepeatedTokens(Result, LayerAxis):
     def per_layer(self) -> pd.DataFrame:
         """One row per attention layer: the hidden-state deviation in and out (absolute and relative), the largest gap
         to the closed form (last row and first token against t), and Sink_1 in that layer."""
-        return pd.DataFrame({
-            "layer": self.layers, "dev_in": self.dev_in.amax(0).numpy(),
-            "dev_in_rel": self.relative_deviation("in").amax(0).numpy(), "dev_out": self.dev_out.amax(0).numpy(),
-            "dev_out_rel": self.relative_deviation("out").amax(0).numpy(),
-            "gap_last": self.gap("last").amax((0, 2)).numpy(), "gap_first": self.gap("first").amax((0, 2)).numpy(),
-            "first_at_T": self.last[..., 0].mean((0, 2)).numpy(),
-            "form_first_at_T": self.form_last[..., 0].mean((0, 2)).numpy(),
-            "sink_1_pct": ((self.alpha_1 > self.eps).float().mean((0, 2)) * 100).numpy(),
-        })
+        return pd.DataFrame(
+            {
+                "layer": self.layers,
+                "dev_in": self.dev_in.amax(0).numpy(),
+                "dev_in_rel": self.relative_deviation("in").amax(0).numpy(),
+                "dev_out": self.dev_out.amax(0).numpy(),
+                "dev_out_rel": self.relative_deviation("out").amax(0).numpy(),
+                "gap_last": self.gap("last").amax((0, 2)).numpy(),
+                "gap_first": self.gap("first").amax((0, 2)).numpy(),
+                "first_at_T": self.last[..., 0].mean((0, 2)).numpy(),
+                "form_first_at_T": self.form_last[..., 0].mean((0, 2)).numpy(),
+                "sink_1_pct": ((self.alpha_1 > self.eps).float().mean((0, 2)) * 100).numpy(),
+            }
+        )
 
     def per_head(self) -> pd.DataFrame:
         """One row per (layer, head), means over samples: alpha_1, the first token's weight from the last query, its
         closed form, the largest gap, and xi."""
         L, H = self.first.shape[1:3]
-        return pd.DataFrame({
-            "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(), "head": torch.arange(H).repeat(L).numpy(),
-            "alpha_1": self.alpha_1.mean(0).flatten().numpy(), "first_at_T": self.last[..., 0].mean(0).flatten().numpy(),
-            "form_first_at_T": self.form_last[..., 0].mean(0).flatten().numpy(),
-            "gap_last": self.gap("last").amax(0).flatten().numpy(), "xi": self.xi.mean(0).flatten().numpy(),
-        })
+        return pd.DataFrame(
+            {
+                "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
+                "head": torch.arange(H).repeat(L).numpy(),
+                "alpha_1": self.alpha_1.mean(0).flatten().numpy(),
+                "first_at_T": self.last[..., 0].mean(0).flatten().numpy(),
+                "form_first_at_T": self.form_last[..., 0].mean(0).flatten().numpy(),
+                "gap_last": self.gap("last").amax(0).flatten().numpy(),
+                "xi": self.xi.mean(0).flatten().numpy(),
+            }
+        )
 
     def first_vs_t(self) -> pd.DataFrame:
         """One row per (layer, head, t): the first token's weight with t tokens seen (mean over samples) and the
         closed form (the bound for rotary, NaN for absolute PE)."""
         L, H, T = self.first.shape[1:]
         idx = torch.cartesian_prod(torch.arange(L), torch.arange(H), torch.arange(T))
-        return pd.DataFrame({
-            "layer": torch.tensor(self.layers)[idx[:, 0]].numpy(), "head": idx[:, 1].numpy(),
-            "t": (idx[:, 2] + 1).numpy(), "attention": self.first.mean(0).flatten().numpy(),
-            "closed_form": self.form_first.mean(0).flatten().numpy(),
-        })
+        return pd.DataFrame(
+            {
+                "layer": torch.tensor(self.layers)[idx[:, 0]].numpy(),
+                "head": idx[:, 1].numpy(),
+                "t": (idx[:, 2] + 1).numpy(),
+                "attention": self.first.mean(0).flatten().numpy(),
+                "closed_form": self.form_first.mean(0).flatten().numpy(),
+            }
+        )
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -345,53 +378,80 @@ class RepeatedTokens(Result, LayerAxis):
     def findings(self) -> list[str]:
         """Whether the hidden states stay equal, whether the closed form holds (and by how much), and Sink_1."""
         name = self.model_name or "the model"
-        return [f"On {self.n_samples} sequences of one token repeated T = {self.T} times, {name} ({self.encoding} "
-                f"positional encoding, {len(self.layers)} attention layers): {self._premise_text()}",
-                self._form_text(), self._sink_text()]
+        return [
+            f"On {self.n_samples} sequences of one token repeated T = {self.T} times, {name} ({self.encoding} "
+            f"positional encoding, {len(self.layers)} attention layers): {self._premise_text()}",
+            self._form_text(),
+            self._sink_text(),
+        ]
 
     def _premise_text(self) -> str:
         rel = self.relative_deviation()
         worst, l = float(rel.max()), int(rel.amax(0).argmax())
         if worst < REPEATED_TOL:
-            return (f"every position has the same hidden state at every layer (largest deviation across positions "
-                    f"{worst:.1e} of |h_0|, below {REPEATED_TOL:g}), the propositions' premise.")
-        return (f"the hidden states differ across positions (up to {worst:.3g} of |h_0|, at layer {self.layers[l]}), so "
-                "the propositions' premise fails and no closed form applies.")
+            return (
+                f"every position has the same hidden state at every layer (largest deviation across positions "
+                f"{worst:.1e} of |h_0|, below {REPEATED_TOL:g}), the propositions' premise."
+            )
+        return (
+            f"the hidden states differ across positions (up to {worst:.3g} of |h_0|, at layer {self.layers[l]}), so "
+            "the propositions' premise fails and no closed form applies."
+        )
 
     def _form_text(self) -> str:
         a_T = float(self.last[..., 0].mean())
         if not self.has_form or float(self.relative_deviation().max()) >= REPEATED_TOL:
-            return (f"The last query gives the first token a mean weight of {a_T:.4f}, against 1/T = {1 / self.T:.4f} "
-                    "for NoPE.")
+            return (
+                f"The last query gives the first token a mean weight of {a_T:.4f}, against 1/T = {1 / self.T:.4f} "
+                "for NoPE."
+            )
         g = float(self.gap("last").max())
         gf = float(self.gap("first").max())
         if self.is_bound:
             ok = "never exceeds it" if max(g, gf) <= REPEATED_TOL else "exceeds it"
-            return (f"Against the rotary bound, the largest weight minus its bound is {g:.2g} on the last row and "
-                    f"{gf:.2g} on the first token over t = 1..{self.T}: the attention {ok}; xi ranges "
-                    f"{float(self.xi.min()):.2f}-{float(self.xi.max()):.2f}, so at t = {self.T} the bound allows the "
-                    f"first token up to {float(self.form_last[..., 0].mean()):.3f} (mean over heads) where it gets "
-                    f"{a_T:.4f}.")
+            return (
+                f"Against the rotary bound, the largest weight minus its bound is {g:.2g} on the last row and "
+                f"{gf:.2g} on the first token over t = 1..{self.T}: the attention {ok}; xi ranges "
+                f"{float(self.xi.min()):.2f}-{float(self.xi.max()):.2f}, so at t = {self.T} the bound allows the "
+                f"first token up to {float(self.form_last[..., 0].mean()):.3f} (mean over heads) where it gets "
+                f"{a_T:.4f}."
+            )
         ok = "holds" if max(g, gf) <= REPEATED_TOL else "fails"
         src = f" ({self.source})" if self.source else ""
-        return (f"The attention equals {CLOSED_FORMS[self.encoding]}{src} to within {g:.1e} on the last "
-                f"row and {gf:.1e} on the first token for every t, so the proposition {ok}; at t = {self.T} the first "
-                f"token gets {a_T:.4f} (closed form {float(self.form_last[..., 0].mean()):.4f}).")
+        return (
+            f"The attention equals {CLOSED_FORMS[self.encoding]}{src} to within {g:.1e} on the last "
+            f"row and {gf:.1e} on the first token for every t, so the proposition {ok}; at t = {self.T} the first "
+            f"token gets {a_T:.4f} (closed form {float(self.form_last[..., 0].mean()):.4f})."
+        )
 
     def _sink_text(self) -> str:
         nope = sum(1 / i for i in range(1, self.T + 1)) / self.T
-        return (f"Sink_1 on these tokens is {self.sink_rate():.1f}% (alpha_1 > {self.eps:g}; mean alpha_1 "
-                f"{float(self.alpha_1.mean()):.3f}, largest {float(self.alpha_1.max()):.3f}; NoPE's exact value is "
-                f"H_T / T = {nope:.3f}).")
+        return (
+            f"Sink_1 on these tokens is {self.sink_rate():.1f}% (alpha_1 > {self.eps:g}; mean alpha_1 "
+            f"{float(self.alpha_1.mean()):.3f}, largest {float(self.alpha_1.max()):.3f}; NoPE's exact value is "
+            f"H_T / T = {nope:.3f})."
+        )
 
     def to_dict(self) -> dict:
-        return jsonable({
-            **self.header(), "encoding": self.encoding, "T": self.T, "eps": self.eps, "layers": list(self.layers),
-            "token_ids": [int(t) for t in self.token_ids], "source": self.source, **self.meta,
-            "sink_1_pct": self.sink_rate(), "max_relative_deviation": float(self.relative_deviation().max()),
-            "max_gap_last": _num(self.gap("last").max()), "max_gap_first": _num(self.gap("first").max()),
-            "per_layer": self.per_layer().to_dict("records"), "per_head": self.per_head().to_dict("records"),
-            "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "encoding": self.encoding,
+                "T": self.T,
+                "eps": self.eps,
+                "layers": list(self.layers),
+                "token_ids": [int(t) for t in self.token_ids],
+                "source": self.source,
+                **self.meta,
+                "sink_1_pct": self.sink_rate(),
+                "max_relative_deviation": float(self.relative_deviation().max()),
+                "max_gap_last": _num(self.gap("last").max()),
+                "max_gap_first": _num(self.gap("first").max()),
+                "per_layer": self.per_layer().to_dict("records"),
+                "per_head": self.per_head().to_dict("records"),
+                "text": self.text(),
+            }
+        )
 
 
 def _attn_scale(model) -> float:
@@ -406,8 +466,16 @@ def _num(x) -> float | None:
     return None if math.isnan(x) else x
 
 
-def repeated_tokens(model: SinkModel, tokens=None, *, n: int = 8, T: int = 64, seed: int = 0, eps: float = SINK_EPS,
-                    batch_size: int | None = None) -> RepeatedTokens:
+def repeated_tokens(
+    model: SinkModel,
+    tokens=None,
+    *,
+    n: int = 8,
+    T: int = 64,
+    seed: int = 0,
+    eps: float = SINK_EPS,
+    batch_size: int | None = None,
+) -> RepeatedTokens:
     """The propositions on t repeated tokens, measured on ``model`` against their closed forms.
 
     Parameters
@@ -441,7 +509,21 @@ def repeated_tokens(model: SinkModel, tokens=None, *, n: int = 8, T: int = 64, s
     form_first, form_last, source = closed_forms(model, layers, encoding, int(tokens.shape[-1]), xi)
     op = attention_operation(model)
     meta = {} if op == "softmax" else {"note": f"the closed forms hold for softmax attention; this model uses {op}"}
-    return RepeatedTokens(encoding=encoding, dev_in=out["dev_in"], dev_out=out["dev_out"], scale=out["scale"],
-                          scale_out=out["scale_out"], first=out["first"], last=out["last"], form_first=form_first, form_last=form_last, xi=xi,
-                          token_ids=tokens[:, 0].tolist(), eps=eps, layers=layers, source=source,
-                          model_name=getattr(model, "model_name", None), meta=meta)
+    return RepeatedTokens(
+        encoding=encoding,
+        dev_in=out["dev_in"],
+        dev_out=out["dev_out"],
+        scale=out["scale"],
+        scale_out=out["scale_out"],
+        first=out["first"],
+        last=out["last"],
+        form_first=form_first,
+        form_last=form_last,
+        xi=xi,
+        token_ids=tokens[:, 0].tolist(),
+        eps=eps,
+        layers=layers,
+        source=source,
+        model_name=getattr(model, "model_name", None),
+        meta=meta,
+    )

@@ -1,6 +1,7 @@
 """Sinks and quantisation: fake-quantised linear inputs and weights against the sink (as is, sink tokens in full
 precision, a searched prefix), where each per-tensor scale comes from, and a KV cache that really stores low-bit
 values with its sinks in full precision."""
+
 from analysis.core.lazy import lazy_exports
 
 _EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for

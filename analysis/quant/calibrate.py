@@ -1,4 +1,5 @@
 """Calibration (the per-tensor static scales and where each comes from), scored perplexity, and the prefix search."""
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ def _flat_abs(x: torch.Tensor) -> torch.Tensor:
     return x.detach().flatten(2).abs().float()
 
 
-def calibrate(model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = None, prefix=None,
-              batch: int = 4) -> dict[str, ScaleSite]:
+def calibrate(
+    model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = None, prefix=None, batch: int = 4
+) -> dict[str, ScaleSite]:
     """The largest |input| of every linear over the calibration tokens, rows in ``keep`` (and the prefix) left out.
 
     Parameters
@@ -53,25 +55,43 @@ def calibrate(model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Ten
                 if state.mask is not None:
                     a = a.masked_fill(state.mask[..., None].to(a.device), 0.0)
                 if runner.P and not runner.cached:
-                    a = a[:, runner.P:]
+                    a = a[:, runner.P :]
                 v, i = a.flatten().max(0)
                 if site.label not in best or float(v) > best[site.label].absmax:
                     b, t, d = (int(j) for j in torch.unravel_index(i, a.shape))
-                    best[site.label] = ScaleSite(site.label, site.layer, site.name, float(v), offset["w"] + b, t, d,
-                                                 int(windows[offset["w"] + b, t]))
+                    best[site.label] = ScaleSite(
+                        site.label,
+                        site.layer,
+                        site.name,
+                        float(v),
+                        offset["w"] + b,
+                        t,
+                        d,
+                        int(windows[offset["w"] + b, t]),
+                    )
                 return x
+
             return fn
 
         with torch.no_grad(), hooked(sites, record):
             for s in range(0, len(windows), batch):
                 offset["w"] = s
-                k = None if keep is None else keep[s:s + batch]
-                runner.logits(windows[s:s + batch], k, lambda m: setattr(state, "mask", m))
+                k = None if keep is None else keep[s : s + batch]
+                runner.logits(windows[s : s + batch], k, lambda m: setattr(state, "mask", m))
         return best
 
 
-def mean_nll(model: SinkModel, sites, windows: torch.Tensor, scheme: Scheme, *, scales: dict[str, ScaleSite] | None = None,
-             keep: torch.Tensor | None = None, prefix=None, batch: int = 4) -> float:
+def mean_nll(
+    model: SinkModel,
+    sites,
+    windows: torch.Tensor,
+    scheme: Scheme,
+    *,
+    scales: dict[str, ScaleSite] | None = None,
+    keep: torch.Tensor | None = None,
+    prefix=None,
+    batch: int = 4,
+) -> float:
     """Mean NLL (nats) of tokens 2..T of every window, given the ones before (and the prefix), under ``scheme``.
 
     Parameters
@@ -100,11 +120,12 @@ def mean_nll(model: SinkModel, sites, windows: torch.Tensor, scheme: Scheme, *, 
         ctx = hooked(sites, quant) if scheme.a_bits else hooked([], quant)
         with torch.no_grad(), quantized_weights(sites, scheme.w_bits), ctx:
             for s in range(0, len(windows), batch):
-                ids = windows[s:s + batch]
-                k = None if keep is None else keep[s:s + batch]
+                ids = windows[s : s + batch]
+                k = None if keep is None else keep[s : s + batch]
                 logits = runner.logits(ids, k, lambda m: setattr(state, "mask", m))
-                nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                                                        reduction="sum")
+                nll = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum"
+                )
                 total, n = total + float(nll), n + ids[:, 1:].numel()
         return total / n
 
@@ -123,7 +144,9 @@ def scale_cost(scales: dict[str, ScaleSite]) -> float:
     return sum(math.log(max(s.absmax, 1e-12)) for s in scales.values()) / max(len(scales), 1)
 
 
-def find_prefix(model: SinkModel, sites, windows: torch.Tensor, candidates, length: int) -> tuple[list[int], list[float]]:
+def find_prefix(
+    model: SinkModel, sites, windows: torch.Tensor, candidates, length: int
+) -> tuple[list[int], list[float]]:
     """Greedy search (CushionCache's, on PrefixQuant's candidate outlier tokens) for a prefix of up to ``length``
     tokens that takes the massive activations: each step appends the candidate that most lowers the calibrated
     scales of the tokens after it; stops early when none lowers them.

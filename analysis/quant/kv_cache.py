@@ -9,6 +9,7 @@ zero point per token and head; the tokens at ``fp_positions`` (the first tokens,
 hold. Attention reads the de-quantised keys and values (the entering chunk too, as the simulated cache does), so
 one prefill of a window scores exactly as token-by-token decoding with quantise-on-entry would.
 """
+
 from __future__ import annotations
 
 import torch
@@ -139,8 +140,10 @@ class LowBitCache(Cache):
 
     def __init__(self, n_layers: int, bits: int | None, fp_positions=()):
         if bits is not None and bits not in KV_BITS:
-            raise ValueError(f"the packed KV cache stores {' or '.join(map(str, KV_BITS))} bits (or None for full "
-                             f"precision); got {bits}. Use --kv-bits 4,2.")
+            raise ValueError(
+                f"the packed KV cache stores {' or '.join(map(str, KV_BITS))} bits (or None for full "
+                f"precision); got {bits}. Use --kv-bits 4,2."
+            )
         super().__init__(layers=[LowBitLayer(bits, fp_positions) for _ in range(n_layers)])
         self.bits, self.fp_positions = bits, tuple(sorted(set(int(p) for p in fp_positions)))
 

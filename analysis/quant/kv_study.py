@@ -1,5 +1,6 @@
 """Perplexity and bytes held of the packed low-bit KV cache (``LowBitCache``) beside the simulated one
 (``analysis.streaming.cache.StreamingCache``, keys and values quantised then stored de-quantised)."""
+
 from __future__ import annotations
 
 import math
@@ -53,9 +54,18 @@ def _kv_rows(hf, windows: torch.Tensor, sink_keep: torch.Tensor, bits) -> pd.Dat
     """:func:`kv_table` on the causal LM ``hf`` the contract gave."""
     L, rope = n_layers(hf), rope_spec(hf)
     first = list(range(FIRST_TOKENS))
-    plans = [("fp", None, lambda w: [])] + [(name, b, f) for b in bits for name, f in (
-        ("low-bit", lambda w: []), (f"first {FIRST_TOKENS} fp", lambda w: first),
-        ("first + every sink fp (KVSink)", lambda w: sorted(set(first) | set(sink_keep[w].nonzero().flatten().tolist()))))]
+    plans = [("fp", None, lambda w: [])] + [
+        (name, b, f)
+        for b in bits
+        for name, f in (
+            ("low-bit", lambda w: []),
+            (f"first {FIRST_TOKENS} fp", lambda w: first),
+            (
+                "first + every sink fp (KVSink)",
+                lambda w: sorted(set(first) | set(sink_keep[w].nonzero().flatten().tolist())),
+            ),
+        )
+    ]
     rows = []
     for name, b, fp_of in plans:
         nll = n = byt = sim_nll = sim_byt = 0
@@ -68,8 +78,15 @@ def _kv_rows(hf, windows: torch.Tensor, sink_keep: torch.Tensor, bits) -> pd.Dat
                 sim = StreamingCache(L, rope, None, sinks=(0,), bits=(b,), fp_tokens=(fp_tok,))
                 a, _ = _window_nll(hf, windows[w], sim)
                 sim_nll, sim_byt = sim_nll + a, sim_byt + sim.kv_bytes()[0]
-        rows.append({"cache": name if b is None else f"int{b} {name}", "bits": b or 32,
-                     "fp_tokens": len(fp_of(0)), "ppl": math.exp(nll / n), "kv_bytes": byt / len(windows),
-                     "simulated_ppl": math.exp(sim_nll / n) if sim_byt else None,
-                     "simulated_bytes": sim_byt / len(windows) if sim_byt else None})
+        rows.append(
+            {
+                "cache": name if b is None else f"int{b} {name}",
+                "bits": b or 32,
+                "fp_tokens": len(fp_of(0)),
+                "ppl": math.exp(nll / n),
+                "kv_bytes": byt / len(windows),
+                "simulated_ppl": math.exp(sim_nll / n) if sim_byt else None,
+                "simulated_bytes": sim_byt / len(windows) if sim_byt else None,
+            }
+        )
     return pd.DataFrame(rows)

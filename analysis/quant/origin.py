@@ -1,4 +1,5 @@
 """Where a per-tensor scale comes from, in words, tied to the first token's spike (``analysis.chain.spike_writers``)."""
+
 from __future__ import annotations
 
 from analysis.quant.passes import ScaleSite
@@ -36,18 +37,25 @@ def scale_origin(site: ScaleSite, origin, token: str) -> str:
     -------
     str
     """
-    where = (f"layer {site.layer} {site.linear}: |x| = {site.absmax:,.0f} on token {quoted_token(token)} at position "
-             f"{site.position} of calibration window {site.window}, dim {site.dim}")
+    where = (
+        f"layer {site.layer} {site.linear}: |x| = {site.absmax:,.0f} on token {quoted_token(token)} at position "
+        f"{site.position} of calibration window {site.window}, dim {site.dim}"
+    )
     if origin is None:
         return where + "."
     if site.linear.split(".")[-1] in OUTPUT_LINEARS:
         for n in origin.neurons:
             if n.block == site.layer and site.dim in n.neurons():
-                return where + (f", i.e. neuron {site.dim} of MLP {site.layer}, one of the neurons that "
-                                f"{'write' if n.role == 'writer' else 'erase'} the spike on residual dim {n.dim}.")
+                return where + (
+                    f", i.e. neuron {site.dim} of MLP {site.layer}, one of the neurons that "
+                    f"{'write' if n.role == 'writer' else 'erase'} the spike on residual dim {n.dim}."
+                )
         return where + f", i.e. neuron {site.dim} of MLP {site.layer} (not one of the spike's writing neurons)."
     if site.dim in origin.dims:
         w, e = origin.writing_blocks(site.dim), origin.writing_blocks(site.dim, "eraser")
-        return where + (f", the massive residual dim {site.dim} the MLPs of blocks {w or 'none'} write"
-                        + (f" (and blocks {e} erase)" if e else "") + ".")
+        return where + (
+            f", the massive residual dim {site.dim} the MLPs of blocks {w or 'none'} write"
+            + (f" (and blocks {e} erase)" if e else "")
+            + "."
+        )
     return where + " (not a spike dim)."

@@ -7,6 +7,7 @@ and the prefix is never scored. A reference model (``ReferenceLM``) has no such 
 inline with the window, its rows kept in full precision (the same numbers: a causal prefix in full precision
 does not see the window).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -159,4 +160,4 @@ class PrefixRunner:
             pre = torch.ones(B, self.P, dtype=torch.bool)
             keep = torch.cat([pre, keep if keep is not None else torch.zeros(B, T, dtype=torch.bool)], dim=1)
         set_keep(keep)
-        return self.hf(input_ids=ids).logits[:, self.P:]
+        return self.hf(input_ids=ids).logits[:, self.P :]

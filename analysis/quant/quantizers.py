@@ -5,6 +5,7 @@ Activations: per-tensor static (one scale, set by calibration: max |x| / qmax) o
 token, max |x| over its features). Weights: per output channel (max |w| over the channel's inputs). Symmetric
 round-to-nearest with qmax = 2**(bits-1) - 1 (int8: 127, int4: 7).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,10 @@ def check_bits(bits: int, *, what: str = "activation", allowed=ACT_BITS) -> int:
     int
     """
     if bits not in allowed:
-        raise ValueError(f"{what} bits must be one of {', '.join(map(str, allowed))}; got {bits}. "
-                         f"Use --{'w-' if what == 'weight' else 'kv-' if what == 'KV' else ''}bits with those values.")
+        raise ValueError(
+            f"{what} bits must be one of {', '.join(map(str, allowed))}; got {bits}. "
+            f"Use --{'w-' if what == 'weight' else 'kv-' if what == 'KV' else ''}bits with those values."
+        )
     return int(bits)
 
 
@@ -46,8 +49,10 @@ def check_granularity(granularity: str) -> str:
     str
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)} (per-tensor static, per-token "
-                         f"dynamic); got {granularity!r}.")
+        raise ValueError(
+            f"granularity must be one of {', '.join(GRANULARITIES)} (per-tensor static, per-token "
+            f"dynamic); got {granularity!r}."
+        )
     return granularity
 
 

@@ -1,4 +1,5 @@
 """``quant_study``: the whole measurement for one model (what ``python -m analysis quant`` runs)."""
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,9 @@ def _candidates(windows: torch.Tensor, keep: torch.Tensor, tokenizer, n: int) ->
     ids = pd.Series(windows[later].tolist(), dtype="int64").value_counts().index.tolist()
     extra = []
     if tokenizer is not None:
-        extra = [t for t in (tokenizer.bos_token_id, *tokenizer.encode("\n", add_special_tokens=False)) if t is not None]
+        extra = [
+            t for t in (tokenizer.bos_token_id, *tokenizer.encode("\n", add_special_tokens=False)) if t is not None
+        ]
     else:
         extra = [int(windows[0, 0])]  # a reference model: its BOS
     out = []
@@ -84,16 +87,21 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
     if prefix_len < 0:
         raise ValueError(f"--prefix must be >= 0; got {prefix_len}.")
     if n_ctx is not None and T + prefix_len > n_ctx:
-        raise ValueError(f"a prefix of {prefix_len} tokens and a window of {T} exceed the context ({n_ctx} tokens): "
-                         f"use --prefix {max(n_ctx - T, 0)} or less, or --T {max(n_ctx - prefix_len, 1)} or less.")
+        raise ValueError(
+            f"a prefix of {prefix_len} tokens and a window of {T} exceed the context ({n_ctx} tokens): "
+            f"use --prefix {max(n_ctx - T, 0)} or less, or --T {max(n_ctx - prefix_len, 1)} or less."
+        )
     bad = [b for b in kv_bits if b not in KV_BITS]
     if bad:
-        raise ValueError(f"the packed KV cache stores {' or '.join(map(str, KV_BITS))} bits; got {bad}. Use --kv-bits 4,2.")
+        raise ValueError(
+            f"the packed KV cache stores {' or '.join(map(str, KV_BITS))} bits; got {bad}. Use --kv-bits 4,2."
+        )
 
 
 def _spike_origin(model, windows: torch.Tensor):
     # lazy for import time: the spike-origin trace loads the chain's einsum machinery only when asked
     from analysis.chain.spike_writers import spike_origin
+
     return spike_origin(model, windows)
 
 
@@ -112,24 +120,62 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
         layer_rows += [{"seed": win.seed, "condition": cond, **r} for r in layer_scales(scales).to_dict("records")]
         top = sorted(scales.values(), key=lambda s: -s.absmax)
         for s in top[:8]:
-            scale_rows.append({"seed": win.seed, "condition": cond, "site": s.site, "absmax": s.absmax,
-                               "window": s.window, "position": s.position, "dim": s.dim, "token_id": s.token_id,
-                               "origin": scale_origin(s, origin, _text(tok, [s.token_id]))})
+            scale_rows.append(
+                {
+                    "seed": win.seed,
+                    "condition": cond,
+                    "site": s.site,
+                    "absmax": s.absmax,
+                    "window": s.window,
+                    "position": s.position,
+                    "dim": s.dim,
+                    "token_id": s.token_id,
+                    "origin": scale_origin(s, origin, _text(tok, [s.token_id])),
+                }
+            )
         fp_key = (cond == "prefix", tuple(prefix))
         if fp_key not in fp_cache:
-            fp_cache[fp_key] = math.exp(mean_nll(model, sites, win.eval, Scheme(None), **ev["prefix" if cond == "prefix" else "as_is"]))
+            fp_cache[fp_key] = math.exp(
+                mean_nll(model, sites, win.eval, Scheme(None), **ev["prefix" if cond == "prefix" else "as_is"])
+            )
         for sch in schemes:
             ppl = math.exp(mean_nll(model, sites, win.eval, sch, scales=scales, **ev[cond]))
-            rows.append({"seed": win.seed, "scheme": sch.label, "a_bits": sch.a_bits, "granularity": sch.granularity,
-                         "w_bits": sch.w_bits or 16, "condition": cond, "ppl": ppl, "fp_ppl": fp_cache[fp_key],
-                         "ratio": ppl / fp_cache[fp_key], "site": top[0].site, "scale_absmax": top[0].absmax,
-                         "site_position": top[0].position, "site_dim": top[0].dim})
+            rows.append(
+                {
+                    "seed": win.seed,
+                    "scheme": sch.label,
+                    "a_bits": sch.a_bits,
+                    "granularity": sch.granularity,
+                    "w_bits": sch.w_bits or 16,
+                    "condition": cond,
+                    "ppl": ppl,
+                    "fp_ppl": fp_cache[fp_key],
+                    "ratio": ppl / fp_cache[fp_key],
+                    "site": top[0].site,
+                    "scale_absmax": top[0].absmax,
+                    "site_position": top[0].position,
+                    "site_dim": top[0].dim,
+                }
+            )
     return rows, scale_rows, layer_rows, {"ids": prefix, "text": _text(tok, prefix), "costs": costs}
 
 
-def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "token"), w_bits=(None,),
-                conditions=("as_is", "sinks_fp", "prefix"), T: int = 256, n_eval: int = 8, calib_tokens: int = 1024,
-                seeds=(0,), prefix_len: int = 3, n_candidates: int = 3, kv_bits=(4, 2), origin: bool = True) -> QuantResult:
+def quant_study(
+    model: SinkModel,
+    *,
+    a_bits=(8, 4),
+    granularities=("tensor", "token"),
+    w_bits=(None,),
+    conditions=("as_is", "sinks_fp", "prefix"),
+    T: int = 256,
+    n_eval: int = 8,
+    calib_tokens: int = 1024,
+    seeds=(0,),
+    prefix_len: int = 3,
+    n_candidates: int = 3,
+    kv_bits=(4, 2),
+    origin: bool = True,
+) -> QuantResult:
     """Perplexity under every scheme and condition, the scales' sites, and the packed KV cache.
 
     Parameters
@@ -162,29 +208,55 @@ def quant_study(model: SinkModel, *, a_bits=(8, 4), granularities=("tensor", "to
     tok, name = model.tokenizer, model.model_name
     sites = linear_sites(model)
     if calib_tokens < T:
-        raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
-                         f"use --calib-tokens {T} or more, or a shorter --T.")
+        raise ValueError(
+            f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
+            f"use --calib-tokens {T} or more, or a shorter --T."
+        )
     rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
     for seed in seeds:
         win = make_windows(model, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
         keep = {"calib": sink_keep(model, win.calib), "eval": sink_keep(model, win.eval)}
         so = _spike_origin(model, win.calib[:4]) if origin else None
         so = so if so is not None and so.has_spike else None
-        r, s, lr, prefixes[seed] = _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates,
-                                              so, fp_cache)
+        r, s, lr, prefixes[seed] = _seed_rows(
+            model, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates, so, fp_cache
+        )
         rows, scale_rows, layer_rows = rows + r, scale_rows + s, layer_rows + lr
         if so is not None:  # the blocks whose MLPs write and erase each spike dim, per seed
-            spike[seed] = {str(d): {"writers": so.writing_blocks(d), "erasers": so.writing_blocks(d, "eraser")}
-                           for d in so.dims}
-    notes = [f"Every activation and weight number is fake quantisation (quantise, de-quantise in float32); the KV "
-             f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes." if kv_bits else
-             "Every number is fake quantisation (quantise, de-quantise in float32)."]
+            spike[seed] = {
+                str(d): {"writers": so.writing_blocks(d), "erasers": so.writing_blocks(d, "eraser")} for d in so.dims
+            }
+    notes = [
+        f"Every activation and weight number is fake quantisation (quantise, de-quantise in float32); the KV "
+        f"cache rows hold real packed int{'/int'.join(map(str, kv_bits))} codes."
+        if kv_bits
+        else "Every number is fake quantisation (quantise, de-quantise in float32)."
+    ]
     if kv_bits and hf_module(model) is not None:
         kv = kv_table(model, win.eval, keep["eval"], bits=kv_bits)
     elif kv_bits:
-        notes.append("The packed KV cache is measured on Hugging Face models only (a reference model decodes "
-                     "through its own streaming cache).")
-    setting = {"T": T, "n_eval": n_eval, "calib_tokens": calib_tokens, "seeds": list(seeds), "source": win.source,
-               "n_linears": len(sites), "prefix_len": prefix_len}
-    return QuantResult(name, pd.DataFrame(rows), pd.DataFrame(scale_rows), kv, prefixes, setting,
-                       n_samples=n_eval, notes=notes, layers=pd.DataFrame(layer_rows), spike_blocks=spike)
+        notes.append(
+            "The packed KV cache is measured on Hugging Face models only (a reference model decodes "
+            "through its own streaming cache)."
+        )
+    setting = {
+        "T": T,
+        "n_eval": n_eval,
+        "calib_tokens": calib_tokens,
+        "seeds": list(seeds),
+        "source": win.source,
+        "n_linears": len(sites),
+        "prefix_len": prefix_len,
+    }
+    return QuantResult(
+        name,
+        pd.DataFrame(rows),
+        pd.DataFrame(scale_rows),
+        kv,
+        prefixes,
+        setting,
+        n_samples=n_eval,
+        notes=notes,
+        layers=pd.DataFrame(layer_rows),
+        spike_blocks=spike,
+    )

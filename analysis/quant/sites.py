@@ -4,6 +4,7 @@ Which modules those are is the model floor's knowledge (``analysis.model.causal.
 model's ``nn.Linear`` modules inside its decoder layers (reached by a forward pre-hook, the same modules whether the
 bridge or the model's own attention runs them), a reference model's weights at the hook points that feed them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,8 +66,10 @@ def linear_sites(model: SinkModel) -> list[LinearSite]:
     """
     sites = [LinearSite(*m) for m in linear_maps(model, where="linear_sites")]
     if not sites:
-        raise ValueError(f"cannot reach the linear layers of {model.model_name}: quantisation hooks the inputs of "
-                         "nn.Linear modules inside the decoder's layer list (a ModuleList of config.num_hidden_layers "
-                         "layers) or a reference SinkLM's hook points; load a Hugging Face causal LM whose layers "
-                         "use nn.Linear (not a fused or already-quantised checkpoint).")
+        raise ValueError(
+            f"cannot reach the linear layers of {model.model_name}: quantisation hooks the inputs of "
+            "nn.Linear modules inside the decoder's layer list (a ModuleList of config.num_hidden_layers "
+            "layers) or a reference SinkLM's hook points; load a Hugging Face causal LM whose layers "
+            "use nn.Linear (not a fused or already-quantised checkpoint)."
+        )
     return sites

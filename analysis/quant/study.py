@@ -1,6 +1,7 @@
 """``quant_study``: perplexity of a model with its decoder's linear inputs (and weights) fake-quantised, as is, with
 the sink tokens kept in full precision, and behind a searched prefix that takes the massive activations; the
 site of every per-tensor scale; and the packed low-bit KV cache beside the simulated one."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,11 @@ from analysis.quant.passes import Scheme
 from analysis.quant.quantizers import WEIGHT_BITS, check_bits, check_granularity
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")
-CONDITION_WORDS = {"as_is": "as is", "sinks_fp": "sink tokens in full precision",
-                   "prefix": "searched prefix (full-precision KV, not scored)"}
+CONDITION_WORDS = {
+    "as_is": "as is",
+    "sinks_fp": "sink tokens in full precision",
+    "prefix": "searched prefix (full-precision KV, not scored)",
+}
 
 
 def check_conditions(conditions) -> list[str]:
@@ -105,8 +109,13 @@ class QuantResult(Result):
     def summary(self) -> pd.DataFrame:
         """Mean and spread (min, max) over seeds of ppl and ratio per scheme and condition."""
         g = self.schemes.groupby(["scheme", "condition"], sort=False)
-        return g.agg(ppl=("ppl", "mean"), ppl_min=("ppl", "min"), ppl_max=("ppl", "max"), ratio=("ratio", "mean"),
-                     site=("site", "first")).reset_index()
+        return g.agg(
+            ppl=("ppl", "mean"),
+            ppl_min=("ppl", "min"),
+            ppl_max=("ppl", "max"),
+            ratio=("ratio", "mean"),
+            site=("site", "first"),
+        ).reset_index()
 
     def findings(self) -> list[str]:
         out, s = [], self.summary()
@@ -122,8 +131,16 @@ class QuantResult(Result):
         return out + list(self.notes)
 
     def to_dict(self) -> dict:
-        return jsonable({**super().to_dict(), "summary": self.summary(), "prefixes": self.prefixes,
-                         "setting": self.setting, "notes": self.notes, "spike_blocks": self.spike_blocks})
+        return jsonable(
+            {
+                **super().to_dict(),
+                "summary": self.summary(),
+                "prefixes": self.prefixes,
+                "setting": self.setting,
+                "notes": self.notes,
+                "spike_blocks": self.spike_blocks,
+            }
+        )
 
 
 def load_run(path) -> dict:
@@ -161,8 +178,14 @@ def seed_spread(run: dict) -> pd.DataFrame:
     pandas.DataFrame
     """
     g = run["schemes"].groupby(["scheme", "condition"], sort=False)
-    return g.agg(ppl=("ppl", "mean"), ppl_sd=("ppl", "std"), ppl_min=("ppl", "min"), ppl_max=("ppl", "max"),
-                 ratio=("ratio", "mean"), seeds=("seed", "nunique")).reset_index()
+    return g.agg(
+        ppl=("ppl", "mean"),
+        ppl_sd=("ppl", "std"),
+        ppl_min=("ppl", "min"),
+        ppl_max=("ppl", "max"),
+        ratio=("ratio", "mean"),
+        seeds=("seed", "nunique"),
+    ).reset_index()
 
 
 def fixed_notation(df: pd.DataFrame, *, digits: int = 4) -> pd.DataFrame:
@@ -180,6 +203,7 @@ def fixed_notation(df: pd.DataFrame, *, digits: int = 4) -> pd.DataFrame:
     pandas.DataFrame
         Its float columns as strings.
     """
+
     def fmt(v) -> str:
         if not isinstance(v, float) or not math.isfinite(v):
             return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
@@ -228,6 +252,8 @@ def with_tokens(scales: pd.DataFrame, tokenizer) -> pd.DataFrame:
     out = scales.copy()
     out["token"] = [readable_text(tokenizer, [i]) for i in out.token_id]
     if tokenizer is not None and "origin" in out:  # the sentence quoted the token as the tokenizer decodes it
-        out["origin"] = [o.replace(f"token {tokenizer.decode([int(i)])!r}", f"token {quoted_token(t)}", 1)
-                         for o, i, t in zip(out.origin, out.token_id, out.token)]
+        out["origin"] = [
+            o.replace(f"token {tokenizer.decode([int(i)])!r}", f"token {quoted_token(t)}", 1)
+            for o, i, t in zip(out.origin, out.token_id, out.token)
+        ]
     return out

@@ -1,5 +1,6 @@
 """Held-out and calibration windows: disjoint windows of one text stream (a model with a tokenizer: the offline
 docstring corpus) or independent sequences of a reference model's own synthetic task (BOS first, as it trained)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,13 +35,16 @@ class Windows:
 
 def _task_windows(sink_lm, n: int, T: int, seed: int) -> torch.Tensor:
     from dataclasses import replace
+
     # lazy for import time: the reference model's data module is only needed for reference models
     from analysis.model.reference.config import TrainConfig
     from analysis.model.reference.data import build_data
+
     train = (getattr(sink_lm, "reference_config", None) or {}).get("train") or {}
     if train.get("dataset") not in ("synthetic", "synthetic-docs"):
-        raise ValueError("this reference model has no synthetic training task to draw windows from; use a model with "
-                         "a tokenizer.")
+        raise ValueError(
+            "this reference model has no synthetic training task to draw windows from; use a model with a tokenizer."
+        )
     data = build_data(replace(TrainConfig.from_dict(train), dataset="synthetic", seed=seed), n_ctx=T)
     return data.probe(n, T).long()
 
@@ -66,8 +70,10 @@ def make_windows(model: SinkModel, tokenizer, *, T: int, n_eval: int, calib_toke
     Windows
     """
     if calib_tokens < T:
-        raise ValueError(f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
-                         f"use --calib-tokens {T} or more, or a shorter --T.")
+        raise ValueError(
+            f"the calibration text ({calib_tokens} tokens) is shorter than one window ({T} tokens); "
+            f"use --calib-tokens {T} or more, or a shorter --T."
+        )
     n_cal = calib_tokens // T
     if hf_module(require_model(model, "make_windows")) is None:  # a reference model: its own task
         ev = _task_windows(model, n_eval, T, 10_000)  # held out: a seed no calibration draw uses

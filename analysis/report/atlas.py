@@ -21,6 +21,7 @@ only the model it was measuring, and the same command again skips every model wh
 the same probe (``AtlasConfig``) and its kinds (a row from before the kinds were measured is measured again). A model that fails (it does not load, its probe does not fit) gets its error in its
 row and the run goes on; a rerun tries it again.
 """
+
 from __future__ import annotations
 
 import gc
@@ -51,11 +52,13 @@ from analysis.report.one_pass import profile
 
 KINDS = ("natural", "random", "repeated")
 ROWS = "models"  # out/models/<name>.json: one row per model
-KINDS_NOTE = ("sink kinds (nop / broadcast / mixed) on natural text: the share of sink heads (mean alpha_1 > eps) "
-              "of each kind, by analysis.causal.sink_kind (a nop's first value is small and it writes less when it "
-              "sinks; a broadcast's first value is large and its outputs on sinking queries are one vector per "
-              "sequence; thresholds chosen on the ground-truth models nop-task and broadcast-task). A model measured "
-              "through nnsight holds kinds: null (no such pass there).")
+KINDS_NOTE = (
+    "sink kinds (nop / broadcast / mixed) on natural text: the share of sink heads (mean alpha_1 > eps) "
+    "of each kind, by analysis.causal.sink_kind (a nop's first value is small and it writes less when it "
+    "sinks; a broadcast's first value is large and its outputs on sinking queries are one vector per "
+    "sequence; thresholds chosen on the ground-truth models nop-task and broadcast-task). A model measured "
+    "through nnsight holds kinds: null (no such pass there)."
+)
 
 
 @dataclass(frozen=True)
@@ -153,13 +156,22 @@ def largest_activation(massive: MassiveActivations) -> dict:
     i = int(per_layer["top1"].idxmax())
     r, layer = per_layer.loc[i], int(per_layer.loc[i, "layer"])
     tokens = massive.top_token[:, i, 0]  # the top-1 token of each sequence there: how often the one named is it
-    return {"abs": float(r["top1"]), "layer": layer, "hook": f"hook_{massive.hook}", "dim": int(r["top1_dim"]),
-            "dim_share": float(r["top1_dim_share"]), "position": int(r["top1_pos"]),
-            "position_share": float(r["top1_pos_share"]), "token": str(r["top1_token"]),
-            "token_share": float((tokens == tokens.mode().values).float().mean()), "median": float(r["median"]),
-            "ratio": float(r["top1_over_median"]), "massive": bool(massive.spike_dims.get(layer)),
-            "criterion": criterion_text(massive.abs_threshold, massive.ratio_threshold),
-            "min_share": massive.min_share}
+    return {
+        "abs": float(r["top1"]),
+        "layer": layer,
+        "hook": f"hook_{massive.hook}",
+        "dim": int(r["top1_dim"]),
+        "dim_share": float(r["top1_dim_share"]),
+        "position": int(r["top1_pos"]),
+        "position_share": float(r["top1_pos_share"]),
+        "token": str(r["top1_token"]),
+        "token_share": float((tokens == tokens.mode().values).float().mean()),
+        "median": float(r["median"]),
+        "ratio": float(r["top1_over_median"]),
+        "massive": bool(massive.spike_dims.get(layer)),
+        "criterion": criterion_text(massive.abs_threshold, massive.ratio_threshold),
+        "min_share": massive.min_share,
+    }
 
 
 def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tuple[dict, dict, dict | None]:
@@ -197,16 +209,23 @@ def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), prog
     """
     dims = report_dims(model)
     if dims.n_ctx is not None and config.T > dims.n_ctx:
-        raise ValueError(f"T={config.T} exceeds the model's context of {dims.n_ctx} tokens; use --T {dims.n_ctx} or "
-                         "less (the atlas measures every model at one T).")
+        raise ValueError(
+            f"T={config.T} exceeds the model's context of {dims.n_ctx} tokens; use --T {dims.n_ctx} or "
+            "less (the atlas measures every model at one T)."
+        )
     probes = model_probe_sets(model, n=config.n, T=config.T, bos=config.bos, seed=config.seed)
     sink, massive, kinds = _tables(model, probes, eps=config.eps, progress=progress)
     first = next(iter(sink.values()))
-    return {"facts": model_card(model), "probes": {k: p.source for k, p in probes.items()},
-            "sink_1_pct": {k: round(s.sink_rate(1), 4) for k, s in sink.items()},
-            "sink_slot_pct": {k: round(s.slot_sink_rate(), 4) for k, s in sink.items()} if first.has_slot else None,
-            "pattern": first.meta.get("pattern"), "skipped_layers": first.skipped or None,
-            "largest_activation": {k: largest_activation(m) for k, m in massive.items()}, "kinds": kinds}
+    return {
+        "facts": model_card(model),
+        "probes": {k: p.source for k, p in probes.items()},
+        "sink_1_pct": {k: round(s.sink_rate(1), 4) for k, s in sink.items()},
+        "sink_slot_pct": {k: round(s.slot_sink_rate(), 4) for k, s in sink.items()} if first.has_slot else None,
+        "pattern": first.meta.get("pattern"),
+        "skipped_layers": first.skipped or None,
+        "largest_activation": {k: largest_activation(m) for k, m in massive.items()},
+        "kinds": kinds,
+    }
 
 
 def atlas_row(name: str, load: Callable, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
@@ -229,8 +248,13 @@ def atlas_row(name: str, load: Callable, *, config: AtlasConfig = AtlasConfig(),
         :func:`measure_model`'s fields.
     """
     paper = published_sink(name)
-    row = {"model": str(name), "status": "ok", "error": None, "config": config.to_dict(),
-           "paper": paper.to_dict() if paper is not None else None}
+    row = {
+        "model": str(name),
+        "status": "ok",
+        "error": None,
+        "config": config.to_dict(),
+        "paper": paper.to_dict() if paper is not None else None,
+    }
     t = time.perf_counter()
     model = None
     try:
@@ -253,8 +277,9 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_atlas(models, out, *, load: Callable | None = None, config: AtlasConfig = AtlasConfig(),
-              progress: bool = False, log=print) -> list[dict]:
+def run_atlas(
+    models, out, *, load: Callable | None = None, config: AtlasConfig = AtlasConfig(), progress: bool = False, log=print
+) -> list[dict]:
     """Measure every model, skipping those already finished in ``out``; write each row and the summary as it goes.
 
     Parameters
@@ -324,15 +349,25 @@ def atlas_table(rows: list[dict]) -> pd.DataFrame:
         facts, paper = r.get("facts") or {}, r.get("paper") or {}
         big = (r.get("largest_activation") or {}).get("natural") or {}
         kinds = r.get("kinds") or {}
-        out.append({"model": r["model"], "status": r["status"],
-                    **{k: facts.get(k) for k in ("family", "architecture", "n_params", "attention", "positions",
-                                                 "norm", "n_layers")},
-                    **{f"sink1_{k}": (r.get("sink_1_pct") or {}).get(k) for k in KINDS},
-                    "paper_model": paper.get("model"), **{f"paper_{k}": paper.get(k) for k in KINDS},
-                    **{f"largest_{k}": big.get(k) for k in ("abs", "layer", "dim", "position", "token", "token_share",
-                                                            "median", "ratio", "massive")},
-                    **{f"kinds_{k}": kinds.get(k) for k in ("nop", "broadcast", "mixed", "n_sink_heads")},
-                    "error": r.get("error")})
+        out.append(
+            {
+                "model": r["model"],
+                "status": r["status"],
+                **{
+                    k: facts.get(k)
+                    for k in ("family", "architecture", "n_params", "attention", "positions", "norm", "n_layers")
+                },
+                **{f"sink1_{k}": (r.get("sink_1_pct") or {}).get(k) for k in KINDS},
+                "paper_model": paper.get("model"),
+                **{f"paper_{k}": paper.get(k) for k in KINDS},
+                **{
+                    f"largest_{k}": big.get(k)
+                    for k in ("abs", "layer", "dim", "position", "token", "token_share", "median", "ratio", "massive")
+                },
+                **{f"kinds_{k}": kinds.get(k) for k in ("nop", "broadcast", "mixed", "n_sink_heads")},
+                "error": r.get("error"),
+            }
+        )
     ints = ["n_params", "n_layers", "largest_layer", "largest_dim", "largest_position", "kinds_n_sink_heads"]
     return pd.DataFrame(out).astype({c: "Int64" for c in ints})  # integers stay integers beside a failed row
 
@@ -356,12 +391,18 @@ def write_atlas(out, rows: list[dict], *, config: AtlasConfig, pending=()) -> Pa
     """
     out = Path(out)
     table = atlas_table(rows)
-    payload = {"config": config.to_dict(), "models": rows, "pending": list(pending), "kinds": KINDS_NOTE,
-               "largest_activation": "on natural text, per MassiveActivations.per_layer: the layer with the largest mean "
-                                     "top-1 |a| (positions 0-based)", "versions": package_versions()}
+    payload = {
+        "config": config.to_dict(),
+        "models": rows,
+        "pending": list(pending),
+        "kinds": KINDS_NOTE,
+        "largest_activation": "on natural text, per MassiveActivations.per_layer: the layer with the largest mean "
+        "top-1 |a| (positions 0-based)",
+        "versions": package_versions(),
+    }
     write_json(out / "atlas.json", payload, indent=1)
     write_atomic(out / "atlas.csv", table.to_csv(index=False))
-    write_atomic(out / "atlas.html", atlas_page(table, rows, config=config.to_dict(), pending=list(pending),
-                                                note=KINDS_NOTE))
+    write_atomic(
+        out / "atlas.html", atlas_page(table, rows, config=config.to_dict(), pending=list(pending), note=KINDS_NOTE)
+    )
     return out / "atlas.html"
-

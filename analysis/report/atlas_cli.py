@@ -2,13 +2,21 @@
 table printed, the rows, CSV, JSON and page written under ``--out``.
 
 This module imports nothing heavy: the parser and its checks run before torch loads."""
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from analysis.core.options import (SINK_N, HelpFormatter, backend_options, model_options, placement_options,
-                                   probe_options, sink_options)
+from analysis.core.options import (
+    SINK_N,
+    HelpFormatter,
+    backend_options,
+    model_options,
+    placement_options,
+    probe_options,
+    sink_options,
+)
 
 
 def add_parser(sub) -> None:
@@ -22,16 +30,35 @@ def add_parser(sub) -> None:
     -------
     None
     """
-    a = sub.add_parser("atlas", parents=[model_options(model_flag=False), probe_options(n=SINK_N), sink_options(),
-                                         placement_options(), backend_options()], formatter_class=HelpFormatter,
-                       help="many models in one resumable run: Sink_1, the largest activation and the facts of each")
-    a.add_argument("models", nargs="*", metavar="MODEL",
-                   help="names from `python -m analysis models`, local Hugging Face folders or .gguf files, hub ids")
-    a.add_argument("--models-file", default=None,
-                   help="a text file with one model a line (# starts a comment), measured after the MODELs")
-    a.add_argument("--out", required=True,
-                   help="output folder: atlas.csv, atlas.json, atlas.html and models/ (one row per model; the same "
-                        "command again skips the models finished there)")
+    a = sub.add_parser(
+        "atlas",
+        parents=[
+            model_options(model_flag=False),
+            probe_options(n=SINK_N),
+            sink_options(),
+            placement_options(),
+            backend_options(),
+        ],
+        formatter_class=HelpFormatter,
+        help="many models in one resumable run: Sink_1, the largest activation and the facts of each",
+    )
+    a.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL",
+        help="names from `python -m analysis models`, local Hugging Face folders or .gguf files, hub ids",
+    )
+    a.add_argument(
+        "--models-file",
+        default=None,
+        help="a text file with one model a line (# starts a comment), measured after the MODELs",
+    )
+    a.add_argument(
+        "--out",
+        required=True,
+        help="output folder: atlas.csv, atlas.json, atlas.html and models/ (one row per model; the same "
+        "command again skips the models finished there)",
+    )
     a.set_defaults(func=cmd_atlas, check=check_atlas_args, outputs=(("out", True),))
 
 
@@ -67,19 +94,24 @@ def check_atlas_args(args) -> None:
     """
     names = list(args.models) + (read_models_file(args.models_file) if args.models_file else [])
     if not names:
-        raise ValueError("give the models to measure: `atlas MODEL [MODEL ...]` or `atlas --models-file FILE` (one "
-                         "model a line); `python -m analysis models` lists the names known without a network.")
+        raise ValueError(
+            "give the models to measure: `atlas MODEL [MODEL ...]` or `atlas --models-file FILE` (one "
+            "model a line); `python -m analysis models` lists the names known without a network."
+        )
     args.model_list = list(dict.fromkeys(names))
 
 
 def _kinds_text(kinds: dict | None) -> str:
-    """"; kinds nop 75% / broadcast 0% / mixed 25% of 8 sink heads", or "" where not measured."""
+    """ "; kinds nop 75% / broadcast 0% / mixed 25% of 8 sink heads", or "" where not measured."""
     if not kinds:
         return ""
     if not kinds["n_sink_heads"]:
         return "; no sink head"
-    return ("; kinds " + " / ".join(f"{k} {kinds[k]:.0%}" for k in ("nop", "broadcast", "mixed"))
-            + f" of {kinds['n_sink_heads']} sink heads")
+    return (
+        "; kinds "
+        + " / ".join(f"{k} {kinds[k]:.0%}" for k in ("nop", "broadcast", "mixed"))
+        + f" of {kinds['n_sink_heads']} sink heads"
+    )
 
 
 def format_atlas_table(rows: list[dict]) -> str:
@@ -94,22 +126,30 @@ def format_atlas_table(rows: list[dict]) -> str:
     -------
     str
     """
-    lines = [f"{'model':<28} {'natural':>15} {'random':>15} {'repeated':>15}  largest |a| (layer, dim, position, token; x median)"]
+    lines = [
+        f"{'model':<28} {'natural':>15} {'random':>15} {'repeated':>15}  largest |a| (layer, dim, position, token; x median)"
+    ]
     for r in rows:
         name = r["model"] if len(r["model"]) <= 28 else "..." + r["model"][-25:]
         if r["status"] != "ok":
             lines.append(f"{name:<28} failed: {r['error'][:160]}")
             continue
         paper = r.get("paper") or {}
-        cells = [f"{r['sink_1_pct'][k]:.2f}" + (f" [{paper[k]:.2f}]" if paper.get(k) is not None else "")
-                 for k in ("natural", "random", "repeated")]
+        cells = [
+            f"{r['sink_1_pct'][k]:.2f}" + (f" [{paper[k]:.2f}]" if paper.get(k) is not None else "")
+            for k in ("natural", "random", "repeated")
+        ]
         big = r["largest_activation"]["natural"]
         token = repr(big["token"]) + ("" if big["token_share"] == 1 else f" ({big['token_share']:.0%} of sequences)")
-        lines.append(f"{name:<28} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15}  {big['abs']:.3g} (L{big['layer']}, "
-                     f"d{big['dim']}, pos {big['position']} {token}; x{big['ratio']:.0f}"
-                     f"{', massive' if big['massive'] else ''}){_kinds_text(r.get('kinds'))}")
-    lines.append("Sink_1 (%) per input kind; [..]: Gu et al.'s published figure for the model of that name; kinds: "
-                 "the share of sink heads on natural text that are nop / broadcast / mixed (analysis.causal.sink_kind).")
+        lines.append(
+            f"{name:<28} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15}  {big['abs']:.3g} (L{big['layer']}, "
+            f"d{big['dim']}, pos {big['position']} {token}; x{big['ratio']:.0f}"
+            f"{', massive' if big['massive'] else ''}){_kinds_text(r.get('kinds'))}"
+        )
+    lines.append(
+        "Sink_1 (%) per input kind; [..]: Gu et al.'s published figure for the model of that name; kinds: "
+        "the share of sink heads on natural text that are nop / broadcast / mixed (analysis.causal.sink_kind)."
+    )
     return "\n".join(lines)
 
 
@@ -139,19 +179,28 @@ def cmd_atlas(args) -> int:
     def load(name: str):
         return load_model(name, device=args.device, dtype=dtype, backend=args.backend, remote=args.remote, **split)
 
-    config = AtlasConfig(n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos, dtype=args.dtype,
-                         backend=args.backend)
+    config = AtlasConfig(
+        n=args.n, T=args.T, seed=args.seed, eps=args.eps, bos=args.bos, dtype=args.dtype, backend=args.backend
+    )
     try:
         rows = run_atlas(args.model_list, args.out, load=load, config=config, progress=not args.quiet)
     except KeyboardInterrupt:
-        print(f"interrupted: every model finished so far is kept in {Path(args.out) / 'models'} and in the atlas "
-              "there; the same command again goes on from the first model not finished.", file=sys.stderr)
+        print(
+            f"interrupted: every model finished so far is kept in {Path(args.out) / 'models'} and in the atlas "
+            "there; the same command again goes on from the first model not finished.",
+            file=sys.stderr,
+        )
         return 130
     print(format_atlas_table(rows))
     out = Path(args.out)
-    print(f"wrote {out / 'atlas.html'}, {out / 'atlas.csv'} and {out / 'atlas.json'} (one row per model in {out / 'models'})")
+    print(
+        f"wrote {out / 'atlas.html'}, {out / 'atlas.csv'} and {out / 'atlas.json'} (one row per model in {out / 'models'})"
+    )
     failed = [r["model"] for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"error: {len(failed)} model(s) failed, each with its error in its row: {', '.join(failed)}. The same "
-              "command again tries them again and keeps the others.", file=sys.stderr)
+        print(
+            f"error: {len(failed)} model(s) failed, each with its error in its row: {', '.join(failed)}. The same "
+            "command again tries them again and keeps the others.",
+            file=sys.stderr,
+        )
     return 1 if failed else 0

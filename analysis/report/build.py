@@ -31,6 +31,7 @@ whose analysis does not apply to the model (no norm gain to trace, ...) says so 
 that fails is shown with its error, the page keeps every section that worked, and ``build_report`` then raises
 ``ReportError`` naming the failed sections.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,18 @@ class ReportError(RuntimeError):
 class _Context:
     """What the sections share: the model, the probes, and the one profile pass."""
 
-    def __init__(self, model: SinkModel, n: int, T: int, seed: int, batch_size: int | None, keys: list[str], *,
-                 eps: float = SINK_EPS, bos: bool = False):
+    def __init__(
+        self,
+        model: SinkModel,
+        n: int,
+        T: int,
+        seed: int,
+        batch_size: int | None,
+        keys: list[str],
+        *,
+        eps: float = SINK_EPS,
+        bos: bool = False,
+    ):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.eps, self.bos = eps, bos
         self.dims = report_dims(model)
@@ -112,9 +123,11 @@ class _Context:
     def profile(self):
         if self._profile is None:
             t = time.perf_counter()
-            self._profile = (self._nnsight_profile() if isinstance(self.model, NnsightModel) else
-                             profile(self.model, self.probes, analyses=self.analyses, eps=self.eps,
-                                     batch_size=self.batch_size))
+            self._profile = (
+                self._nnsight_profile()
+                if isinstance(self.model, NnsightModel)
+                else profile(self.model, self.probes, analyses=self.analyses, eps=self.eps, batch_size=self.batch_size)
+            )
             self.profile_seconds = time.perf_counter() - t
         return self._profile
 
@@ -124,12 +137,15 @@ class _Context:
 
         from analysis.chain.nnsight_tables import nnsight_tables  # optional: nnsight is the "remote" extra
 
-        tables = {k: nnsight_tables(self.model, p.tokens, eps=self.eps, batch_size=self.batch_size, kind=k,
-                                    **self.criterion) for k, p in self.probes.items()}
+        tables = {
+            k: nnsight_tables(self.model, p.tokens, eps=self.eps, batch_size=self.batch_size, kind=k, **self.criterion)
+            for k, p in self.probes.items()
+        }
         for k, (sink, _) in tables.items():  # what was asked of the probe's first token, as the profile records it
             sink.meta["bos"]["asked"] = getattr(self.probes[k], "bos", None)
-        return SimpleNamespace(sink={k: s for k, (s, _) in tables.items()},
-                               massive={k: m for k, (_, m) in tables.items()}, gates=None)
+        return SimpleNamespace(
+            sink={k: s for k, (s, _) in tables.items()}, massive={k: m for k, (_, m) in tables.items()}, gates=None
+        )
 
     @property
     def massive(self):
@@ -153,11 +169,21 @@ def head_dims(model: SinkModel, dims) -> dict:
     """
     mla = getattr(model.spec if isinstance(model, NnsightModel) else get_family(model), "latent", None)
     if mla is None:
-        return {"d_head": dims.d_head, "d_head_qk": dims.d_head, "d_head_v": dims.d_head, "text": f"d_head {dims.d_head}"}
+        return {
+            "d_head": dims.d_head,
+            "d_head_qk": dims.d_head,
+            "d_head_v": dims.d_head,
+            "text": f"d_head {dims.d_head}",
+        }
     qk, nope, rope, v = mla["d_head"], mla["qk_nope_head_dim"], mla["qk_rope_head_dim"], mla["v_head_dim"]
-    return {"d_head_qk": qk, "d_head_qk_nope": nope, "d_head_qk_rope": rope, "d_head_v": v,
-            "text": f"query/key head dim {qk} ({nope} decompressed from the latent + {rope} rotary), value head dim {v} "
-                    f"(multi-head latent attention)"}
+    return {
+        "d_head_qk": qk,
+        "d_head_qk_nope": nope,
+        "d_head_qk_rope": rope,
+        "d_head_v": v,
+        "text": f"query/key head dim {qk} ({nope} decompressed from the latent + {rope} rotary), value head dim {v} "
+        f"(multi-head latent attention)",
+    }
 
 
 def samples_text(ctx: _Context, sections: list[Section]) -> dict:
@@ -180,16 +206,29 @@ def samples_text(ctx: _Context, sections: list[Section]) -> dict:
     cuts = data.get("spike_writers", {}).get("cuts") or {}
     base = [r for r in cuts.get("conditions", []) if r.get("role") == "baseline"]
     k = cuts.get("n_samples") if base else None
-    here = (f"Sink_1 on natural text is {sink:.1f}% over this report's N = {ctx.n} sequences of T = {ctx.T}"
-            if sink is not None else f"This report's probes are N = {ctx.n} sequences of T = {ctx.T}")
-    text = (f"{here}; `python -m analysis sink` measures the same metric over N = {SINK_COMMAND_N} (the paper's "
-            f"probe), so it prints another number, from more sequences (pass --n {SINK_COMMAND_N} here to get that "
-            f"one).")
+    here = (
+        f"Sink_1 on natural text is {sink:.1f}% over this report's N = {ctx.n} sequences of T = {ctx.T}"
+        if sink is not None
+        else f"This report's probes are N = {ctx.n} sequences of T = {ctx.T}"
+    )
+    text = (
+        f"{here}; `python -m analysis sink` measures the same metric over N = {SINK_COMMAND_N} (the paper's "
+        f"probe), so it prints another number, from more sequences (pass --n {SINK_COMMAND_N} here to get that "
+        f"one)."
+    )
     if base and k < ctx.n:
-        text += (f" The causal cuts of the spike's writer neurons run on the first {k} of these sequences (one pass "
-                 f"per condition), whose own Sink_1 is {base[0]['sink_1_pct']:.1f}%: the baseline of their headline.")
-    return {"n": ctx.n, "sink_1_pct": sink, "sink_command_n": SINK_COMMAND_N, "cuts_n": k,
-            "cuts_sink_1_pct": base[0]["sink_1_pct"] if base else None, "text": text}
+        text += (
+            f" The causal cuts of the spike's writer neurons run on the first {k} of these sequences (one pass "
+            f"per condition), whose own Sink_1 is {base[0]['sink_1_pct']:.1f}%: the baseline of their headline."
+        )
+    return {
+        "n": ctx.n,
+        "sink_1_pct": sink,
+        "sink_command_n": SINK_COMMAND_N,
+        "cuts_n": k,
+        "cuts_sink_1_pct": base[0]["sink_1_pct"] if base else None,
+        "text": text,
+    }
 
 
 def _intro(ctx: _Context, meta: dict) -> str:
@@ -197,9 +236,9 @@ def _intro(ctx: _Context, meta: dict) -> str:
     esc, d = html.escape, ctx.dims
     return f"""<p class="small">{d.n_layers} layers, {d.n_heads} query heads, {d.n_kv_heads} key/value heads, d_model {d.d_model},
 {esc(head_dims(ctx.model, d)["text"])}. Probes: N = {ctx.n} sequences of T = {ctx.T} tokens (natural text: standard-library docstrings;
-uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta['seconds']:.0f} s
+uniformly random tokens; one token repeated), no BOS, seed {ctx.seed}. Built in {meta["seconds"]:.0f} s
 (the one profile pass per probe kind that the sections read: {ctx.profile_seconds:.0f} s; drawing and encoding the figures:
-{meta['figures']:.0f} s; each section's own time under it).
+{meta["figures"]:.0f} s; each section's own time under it).
 Every number behind the figures is in report.json beside this page.</p>"""
 
 
@@ -262,15 +301,19 @@ def build_report(
         matplotlib.use("Agg")
     dims = report_dims(model)  # a model without hooks fails here, before anything is written
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-        raise ValueError(f"n (--n) must be at least 2 sequences: the report compares inputs (first keys, leave-one-out "
-                         f"means); got {n!r}.")
+        raise ValueError(
+            f"n (--n) must be at least 2 sequences: the report compares inputs (first keys, leave-one-out "
+            f"means); got {n!r}."
+        )
     check_length(T, minimum=REPORT_MIN_T, why=REPORT_T_WHY)
     check_eps(eps)
     if dims.n_ctx is not None and T > dims.n_ctx:
         raise ValueError(f"T={T} exceeds the model's context of {dims.n_ctx} tokens; use T <= {dims.n_ctx}.")
     if getattr(model, "tokenizer", None) is None and not getattr(model, "reference_config", None):
-        raise ValueError("the report builds text probes and needs model.tokenizer; this model has none (reference "
-                         "models of the synthetic task are probed with their own task instead).")
+        raise ValueError(
+            "the report builds text probes and needs model.tokenizer; this model has none (reference "
+            "models of the synthetic task are probed with their own task instead)."
+        )
     known = tuple(registered_sections())
     keys = list(known) if sections is None else list(sections)
     bad = [k for k in keys if k not in known]
@@ -299,8 +342,11 @@ def build_report(
     write_or_spare(out, write, flag="--out")
     failed = [s for s in done if s.errors]
     if failed:
-        raise ReportError(f"{len(failed)} report section(s) failed: " + "; ".join(
-            f"{s.key} ({'; '.join(s.errors)})" for s in failed) + f". The sections that worked are in {out / 'report.html'}.")
+        raise ReportError(
+            f"{len(failed)} report section(s) failed: "
+            + "; ".join(f"{s.key} ({'; '.join(s.errors)})" for s in failed)
+            + f". The sections that worked are in {out / 'report.html'}."
+        )
     return out / "report.html"
 
 
@@ -322,9 +368,11 @@ def _not_through_nnsight(key: str) -> Section:
     """A section the nnsight backend does not serve: a note, not a failure."""
     _, spec = registered_sections()[key]
     sec = Section(key, spec.title, spec.link)
-    sec.note("Not available through nnsight: this section reads activations its traces do not save (through nnsight "
-             "the report has the sink and massive sections; docs/remote.md). Run the report without --backend nnsight "
-             "for it.")
+    sec.note(
+        "Not available through nnsight: this section reads activations its traces do not save (through nnsight "
+        "the report has the sink and massive sections; docs/remote.md). Run the report without --backend nnsight "
+        "for it."
+    )
     sec.data = {"available": False, "reason": "not available through the nnsight backend"}
     return sec
 
@@ -338,8 +386,11 @@ def _run_section(ctx: _Context, key: str, progress: bool) -> Section:
         print(f"[report] {title} ...", file=sys.stderr, flush=True)
     t, before = time.perf_counter(), ctx.profile_seconds
     try:
-        run = (registry.resolve(spec.runner) if spec.runner is not None else
-               functools.partial(generic, analysis=analysis, section=spec))
+        run = (
+            registry.resolve(spec.runner)
+            if spec.runner is not None
+            else functools.partial(generic, analysis=analysis, section=spec)
+        )
         with pass_log() as passes:
             run(ctx, sec)
         ctx.passes[key] = dict(passes)
@@ -359,22 +410,36 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
     ma = ctx.massive if ctx._profile is not None else None
     return {
         "model": ctx.name,
-        "config": {"n": ctx.n, "T": ctx.T, "seed": ctx.seed, "eps": ctx.eps, "bos": ctx.bos,
-                   "probes": {k: p.source for k, p in ctx.probes.items()},
-                   "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
-                   **placement_record(ctx.model),  # where the work ran ("device") and the weights are
-                   # the profile pass of each probe kind: which backend ran it, and why (analysis.engine.backends)
-                   "backend": getattr(ctx._profile, "backend", None) or {"pass": getattr(ctx.model, "pass_backend",
-                                                                                          "nnsight")},
-                   # every pass by section, "backend: why" -> how many (the profile passes in the first section to ask)
-                   "passes": ctx.passes,
-                   "criteria": {"sink": f"alpha_k > eps = {ctx.eps:g}",
-                                "massive_activation": criterion_text(**ctx.criterion), **ctx.criterion},
-                   "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "
-                                "positions are 0-based (position 0 the first token)"},
+        "config": {
+            "n": ctx.n,
+            "T": ctx.T,
+            "seed": ctx.seed,
+            "eps": ctx.eps,
+            "bos": ctx.bos,
+            "probes": {k: p.source for k, p in ctx.probes.items()},
+            "dtype": str(next(ctx.model.parameters()).dtype).removeprefix("torch."),
+            **placement_record(ctx.model),  # where the work ran ("device") and the weights are
+            # the profile pass of each probe kind: which backend ran it, and why (analysis.engine.backends)
+            "backend": getattr(ctx._profile, "backend", None)
+            or {"pass": getattr(ctx.model, "pass_backend", "nnsight")},
+            # every pass by section, "backend: why" -> how many (the profile passes in the first section to ask)
+            "passes": ctx.passes,
+            "criteria": {
+                "sink": f"alpha_k > eps = {ctx.eps:g}",
+                "massive_activation": criterion_text(**ctx.criterion),
+                **ctx.criterion,
+            },
+            "positions": "the sink metric's key positions k are 1-based (k = 1 the first token); every sink's "
+            "positions are 0-based (position 0 the first token)",
+        },
         "samples": samples_text(ctx, done),
-        "dims": {"n_layers": dims.n_layers, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
-                 "d_model": dims.d_model, **{k: v for k, v in head_dims(ctx.model, dims).items() if k != "text"}},
+        "dims": {
+            "n_layers": dims.n_layers,
+            "n_heads": dims.n_heads,
+            "n_kv_heads": dims.n_kv_heads,
+            "d_model": dims.d_model,
+            **{k: v for k, v in head_dims(ctx.model, dims).items() if k != "text"},
+        },
         "findings": chain_findings(done),
         "notes": {s.key: s.notes for s in done if s.notes},
         "about": {s.key: s.about for s in done if s.about},
@@ -383,8 +448,11 @@ def _payload(ctx: _Context, done: list[Section], meta: dict, dims) -> dict:
         "spike_dims_hook": (f"hook_{ma.hook}" if ma is not None else None),
         "first_token_spike_dims": (ma.to_dict()["first_token_dims"] if ma is not None else None),
         "sections": {s.key: s.data for s in done},
-        "seconds": ({"profile": round(ctx.profile_seconds, 2)} | {s.key: round(s.seconds, 2) for s in done}
-                    | {"figures": round(meta["figures"], 2), "total": round(meta["seconds"], 2)}),
+        "seconds": (
+            {"profile": round(ctx.profile_seconds, 2)}
+            | {s.key: round(s.seconds, 2) for s in done}
+            | {"figures": round(meta["figures"], 2), "total": round(meta["seconds"], 2)}
+        ),
         # profile: the one pass per probe kind all sections read; figures: every section's figures drawn and encoded
         "versions": meta["versions"],
     }

@@ -1,5 +1,6 @@
 """The report's HTML kit: figures and tables as HTML, the ``Section`` a runner fills, the findings grouped by link of
 the chain, and the page. Nothing here computes a number: it lays out what the sections hold."""
+
 from __future__ import annotations
 
 import base64
@@ -19,9 +20,17 @@ import pandas as pd
 
 # The chain, link by link, then what a sink does and where else sinks are: (key, title) in the order the Findings
 # section gives them; each section's findings go to its link (its registered ``Section.link``) unless it names another.
-LINKS = (("spike", "The spike"), ("norm", "The norm"), ("key", "The key"), ("attention", "The attention"),
-         ("value", "The value"), ("cuts", "The causal cuts"), ("dormant", "What a sink does for its head"),
-         ("every_sink", "Every sink"), ("context", "Context length"))
+LINKS = (
+    ("spike", "The spike"),
+    ("norm", "The norm"),
+    ("key", "The key"),
+    ("attention", "The attention"),
+    ("value", "The value"),
+    ("cuts", "The causal cuts"),
+    ("dormant", "What a sink does for its head"),
+    ("every_sink", "Every sink"),
+    ("context", "Context length"),
+)
 
 
 def figure_html(fig, *, caption: str = "", dpi: int = 90) -> str:
@@ -124,6 +133,7 @@ class Section:
     seconds : float
         The time it took.
     """
+
     key: str
     title: str
     link: str = ""  # the link of the chain its findings go to
@@ -268,8 +278,11 @@ def _fork_worker(figs: list[_Drawn], share: list[int]) -> tuple[int, str] | None
             pid = os.fork()
     except OSError as e:
         os.unlink(path)
-        warnings.warn(f"could not fork a figure worker ({e}); its {len(share)} figures are encoded in this process.",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"could not fork a figure worker ({e}); its {len(share)} figures are encoded in this process.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
     if pid == 0:  # the child: encode its share, write it, exit without the parent's exit handlers
         code = 1
@@ -305,8 +318,12 @@ def _worker_output(figs: list[_Drawn], pid: int, path: str, share: list[int]) ->
         if os.path.exists(path):
             os.unlink(path)
     if not isinstance(got, list) or len(got) != len(share):  # the worker failed: its figures are encoded here
-        warnings.warn(f"a figure worker failed ({why or 'its output was unreadable'}); its {len(share)} figures "
-                      "were encoded in this process.", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"a figure worker failed ({why or 'its output was unreadable'}); its {len(share)} figures "
+            "were encoded in this process.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         got = [_encode_one(figs[i]) for i in share]
     return got
 
@@ -344,8 +361,14 @@ def chain_findings(sections: list[Section]) -> list[dict]:
         found = [f for s in sections for f in s.findings if f.link == key]
         if found:
             head = next((f for f in found if f.headline), found[0])
-            out.append({"link": key, "title": title, "headline": head.text,
-                        "details": [f.text for f in found if f is not head]})
+            out.append(
+                {
+                    "link": key,
+                    "title": title,
+                    "headline": head.text,
+                    "details": [f.text for f in found if f is not head],
+                }
+            )
     return out
 
 
@@ -353,7 +376,7 @@ def _findings_html(chain: list[dict]) -> str:
     """One headline per link; its details folded under it."""
     esc, out = html.escape, []
     for c in chain:
-        head = f'<b>{esc(c["title"])}.</b> {esc(c["headline"])}'
+        head = f"<b>{esc(c['title'])}.</b> {esc(c['headline'])}"
         if c["details"]:
             items = "".join(f"<li>{esc(d)}</li>" for d in c["details"])
             out.append(f'<details class="link"><summary>{head}</summary><ul>{items}</ul></details>')
@@ -402,10 +425,10 @@ def page(name: str, intro: str, note: str, sections: list[Section], versions: st
 <p class="note">{esc(note)}</p>
 <h2>Findings</h2><p class="small">The chain link by link, then what a sink does and where else sinks are: one
 headline each; open it for the details.</p>{findings}
-{f'<h2>Failed</h2><ul class="error">{errors}</ul>' if errors else ''}
-{f'<h2>Not applicable or not available</h2><ul>{notes}</ul>' if notes else ''}
+{f'<h2>Failed</h2><ul class="error">{errors}</ul>' if errors else ""}
+{f"<h2>Not applicable or not available</h2><ul>{notes}</ul>" if notes else ""}
 <h2>Contents</h2><ul>{toc}</ul>
-{''.join(body)}
+{"".join(body)}
 <hr/><p class="small">Package versions: {esc(versions)}.</p>
 </body></html>
 """

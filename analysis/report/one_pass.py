@@ -19,6 +19,7 @@ pass analysis, in its ``order``, and ``profile`` runs each one's accumulators, `
 that register are imported by ``discover()`` (found by reading the package's source), so that adding an analysis
 edits no module here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -134,26 +135,40 @@ def _findings(self) -> list[str]:
 
 
 def _to_dict(self) -> dict:
-    return {**self.header(), "backend": self.backend, "results": {k: r.to_dict() for k, r in self.results.items()},
-            "text": self.text()}
+    return {
+        **self.header(),
+        "backend": self.backend,
+        "results": {k: r.to_dict() for k, r in self.results.items()},
+        "text": self.text(),
+    }
 
 
 def _profile_type(chosen: tuple[Analysis, ...], base: type = Result) -> type:
     """The ``Profile`` dataclass of these analyses (on ``base``: a later registration extends the class)."""
-    tail = [("main", str, field(default="natural")), ("model_name", str | None, field(default=None)),
-            ("n_samples", int, field(default=0)), ("backend", dict, field(default_factory=dict))]
+    tail = [
+        ("main", str, field(default="natural")),
+        ("model_name", str | None, field(default=None)),
+        ("n_samples", int, field(default=0)),
+        ("backend", dict, field(default_factory=dict)),
+    ]
     names = [a.name for a in chosen]
     namespace = {
-        "__module__": __name__, "__doc__": _HEAD + "".join(_attribute_doc(a) + "\n" for a in chosen) + _TAIL,
-        "_analyses": names, "_by_kind": [a.name for a in chosen if a.every_kind],
+        "__module__": __name__,
+        "__doc__": _HEAD + "".join(_attribute_doc(a) + "\n" for a in chosen) + _TAIL,
+        "_analyses": names,
+        "_by_kind": [a.name for a in chosen if a.every_kind],
         "_main": [a.name for a in chosen if not a.every_kind and not a.product],
         "_tables_of": {a.name: a.table for a in chosen if a.table is not None},
-        "kind": property(_kind), "results": property(_results), "tables": property(_tables),
-        "findings": _findings, "to_dict": _to_dict,
+        "kind": property(_kind),
+        "results": property(_results),
+        "tables": property(_tables),
+        "findings": _findings,
+        "to_dict": _to_dict,
     }
     if base is not Result:  # the fields already there stay; the new ones follow them
-        namespace.update({k: base.__dict__[k] + v for k, v in namespace.items() if k in ("_analyses", "_by_kind",
-                                                                                        "_main")})
+        namespace.update(
+            {k: base.__dict__[k] + v for k, v in namespace.items() if k in ("_analyses", "_by_kind", "_main")}
+        )
         namespace["_tables_of"] = base._tables_of | namespace["_tables_of"]
         tail = []
     return dataclasses.make_dataclass("Profile", [_field(a) for a in chosen] + tail, bases=(base,), namespace=namespace)
@@ -179,10 +194,21 @@ def profile_class() -> type:
     return _extended(extra) if extra else Profile
 
 
-def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", eps: float = SINK_EPS,
-            k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
-            resid_budget_mib: float = RESID_BUDGET_MIB, spike_thresholds: tuple[float, float] | None = None,
-            follow_up_samples: int = SPIKE_CUT_SAMPLES, backend: str | None = None) -> Profile:
+def profile(
+    model: SinkModel,
+    probes,
+    *,
+    analyses=None,
+    main: str = "natural",
+    eps: float = SINK_EPS,
+    k_max: int | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+    resid_budget_mib: float = RESID_BUDGET_MIB,
+    spike_thresholds: tuple[float, float] | None = None,
+    follow_up_samples: int = SPIKE_CUT_SAMPLES,
+    backend: str | None = None,
+) -> Profile:
     """Every analysis from one streamed pass per input kind.
 
     Each result equals the analysis run alone on the same tokens (``tests/report/test_profile.py``).
@@ -232,12 +258,26 @@ def profile(model: SinkModel, probes, *, analyses=None, main: str = "natural", e
     spike = tuple(spike_thresholds) if spike_thresholds is not None else spike_criterion(model)
     for kind, p in probes.items():
         tokens = check_tokens(model, getattr(p, "tokens", p))
-        inputs = PassInputs(model, tokens, kind, kind == main, p, eps=eps, k_max=k_max, spike=spike,
-                            budget_mib=resid_budget_mib, batch_size=batch_size,
-                            follow_up_samples=follow_up_samples)
+        inputs = PassInputs(
+            model,
+            tokens,
+            kind,
+            kind == main,
+            p,
+            eps=eps,
+            k_max=k_max,
+            spike=spike,
+            budget_mib=resid_budget_mib,
+            batch_size=batch_size,
+            follow_up_samples=follow_up_samples,
+        )
         out.backend[kind] = _one_kind(
-            out, inputs, [a for a in chosen if a.accumulators is not None and (a.every_kind or kind == main)],
-            progress, backend)
+            out,
+            inputs,
+            [a for a in chosen if a.accumulators is not None and (a.every_kind or kind == main)],
+            progress,
+            backend,
+        )
         if kind == main:
             out.n_samples = tokens.shape[0]
             for a in chosen:  # the follow-ups: passes of their own after the pass, on the main kind
@@ -266,8 +306,17 @@ def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool, b
     accs = {a.name: list(a.accumulators(inputs)) for a in chosen}
     flat = [acc for group in accs.values() for acc in group]
     record: dict = {}
-    results = iter(run_pass(inputs.model, inputs.tokens, flat, batch_size=inputs.batch_size, progress=progress,
-                            backend=backend, record=record))
+    results = iter(
+        run_pass(
+            inputs.model,
+            inputs.tokens,
+            flat,
+            batch_size=inputs.batch_size,
+            progress=progress,
+            backend=backend,
+            record=record,
+        )
+    )
     got = {name: [next(results) for _ in group] for name, group in accs.items()}
     for a in chosen:
         if not got[a.name]:  # nothing to run (no gate in the model, no block to keep): the field's default

@@ -3,6 +3,7 @@ caveats as notes, the tables and figures its section declares: ``analysis.core.r
 lays out a section that does more (a registration names it by dotted path, ``"analysis.report.sections:_sink"``): it
 calls its analysis for a pass of its own, reads several results, or adds the report's own text. They compute no
 number of their own."""
+
 from __future__ import annotations
 
 from analysis.chain.massive import criterion_text
@@ -53,15 +54,20 @@ def _mechanism_tables(ctx, nat, sec: Section) -> None:
     if nat.has_slot:
         slot = nat.slot_per_head()
         sec.parts.append("<h3>Learned sink: attention mass on the sink slot per head, beside alpha_1</h3>")
-        sec.parts.append(table_html(slot.rename(columns={"slot_share": "learned-sink mass",
-                                                         "slot_sink_pct": "Sink on the slot (%)"})))
+        sec.parts.append(
+            table_html(
+                slot.rename(columns={"slot_share": "learned-sink mass", "slot_sink_pct": "Sink on the slot (%)"})
+            )
+        )
         sec.data["learned_sink_per_head"] = slot.to_dict("records")
     gates = ctx.profile.gates
     if gates is not None:
         sec.say(_unskipped(gates))
         df = nat.per_head(1)[["layer", "head", "alpha_1"]].merge(gates.table(), on=["layer", "head"])
         sec.parts.append("<h3>Gate on token 1 / elsewhere (mean sigmoid gate per head), beside alpha_1</h3>")
-        sec.parts.append(table_html(df.rename(columns={"gate_first": "gate on token 1", "gate_other": "gate elsewhere"})))
+        sec.parts.append(
+            table_html(df.rename(columns={"gate_first": "gate on token 1", "gate_other": "gate elsewhere"}))
+        )
         sec.data["gates"] = gates.to_dict()
 
 
@@ -89,28 +95,45 @@ def _massive(ctx, sec: Section) -> None:
 
     by_kind = ctx.profile.massive
     ma = by_kind["natural"]
-    sec.data = {"natural": ma.to_dict(), **{k: {"spike_dims": r.to_dict()["spike_dims"], "first_token_dims":
-                                                r.to_dict()["first_token_dims"], "text": r.text()}
-                                            for k, r in by_kind.items() if k != "natural"}}
+    sec.data = {
+        "natural": ma.to_dict(),
+        **{
+            k: {
+                "spike_dims": r.to_dict()["spike_dims"],
+                "first_token_dims": r.to_dict()["first_token_dims"],
+                "text": r.text(),
+            }
+            for k, r in by_kind.items()
+            if k != "natural"
+        },
+    }
     sec.say(ma.findings(), headline=0)
-    sec.explain(f"Every section of this report flags a massive activation by one criterion: "
-                f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples.")
+    sec.explain(
+        f"Every section of this report flags a massive activation by one criterion: "
+        f"{criterion_text(ma.abs_threshold, ma.ratio_threshold)}, on {ma.min_share:.0%} of samples."
+    )
     if ma.abs_threshold < SPIKE_ABS:
-        sec.explain(f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
-                 f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
-                 f"|a| > {SPIKE_ABS:g} presumes a model of LLM width (analysis.chain.massive.spike_criterion).")
+        sec.explain(
+            f"{ctx.name} is {ctx.dims.d_model} wide, so its massive activations are those at least "
+            f"{ma.ratio_threshold:g}x the median |a| of their hidden state, with no absolute floor: Sun et al.'s "
+            f"|a| > {SPIKE_ABS:g} presumes a model of LLM width (analysis.chain.massive.spike_criterion)."
+        )
     if len(ma.dims):
         sec.parts.append(table_html(ma.dims, digits=1))
     sec.say(kinds_text(by_kind, skip="natural"))
     layer = ma.peak_layer()
     sec.figure(lambda: plot_top_activations(ma), "largest |activation| and the median per layer (natural text)")
     if isinstance(ctx.model, NnsightModel):
-        sec.note("The activation map (|h| over positions x dims) is not drawn through nnsight: its traces save "
-                 "per-layer statistics, never a layer's residual stream.")
+        sec.note(
+            "The activation map (|h| over positions x dims) is not drawn through nnsight: its traces save "
+            "per-layer statistics, never a layer's residual stream."
+        )
     else:
         amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
         sec.data["activation_map_layer"] = layer
-        sec.figure(lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence")
+        sec.figure(
+            lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence"
+        )
     sec.figure(lambda: plot_spike_dims_by_kind(by_kind), "the first token's spike dims across layers, per input kind")
 
 
@@ -122,14 +145,26 @@ def _norm_gain(ctx, sec: Section) -> None:
     from analysis.chain.norm_gain import choose_layer, norm_gain_trace
 
     first = ctx.massive.first_token_dims  # hook_resid_post: block l reads the spikes of layer l - 1
-    layer = choose_layer(ctx.profile.sink.get("natural"), first, ctx.dims.n_layers,
-                         attention_layers=get_family(ctx.model).attention_layers)
+    layer = choose_layer(
+        ctx.profile.sink.get("natural"),
+        first,
+        ctx.dims.n_layers,
+        attention_layers=get_family(ctx.model).attention_layers,
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # starts at the profile's residual there
-            tr = norm_gain_trace(ctx.model, ctx.natural, layer, spike_dims=first.get(layer - 1, []),
-                                 batch_size=ctx.batch_size, kind="natural", resid=ctx.profile.resid, **ctx.criterion)
+            tr = norm_gain_trace(
+                ctx.model,
+                ctx.natural,
+                layer,
+                spike_dims=first.get(layer - 1, []),
+                batch_size=ctx.batch_size,
+                kind="natural",
+                resid=ctx.profile.resid,
+                **ctx.criterion,
+            )
     except ModelContractError as e:
         sec.note(f"No norm gain to trace in {ctx.name}: {e}")
         sec.data = {"applicable": False, "reason": str(e)}
@@ -144,7 +179,10 @@ def _norm_gain(ctx, sec: Section) -> None:
     if tr.norm_kind != "none":  # post-norm (OLMo-2): no gain before W_K; the key norm is in the text and heads table
         sec.parts.append(table_html(tr.gain))
         sec.figure(lambda: plot_gain_profile(tr), f"ln1 gain of layer {layer}, spike dims marked")
-    sec.figure(lambda: plot_head_attribution(tr), f"alpha_1 per head of layer {layer}: full key, spike part only, spike removed")
+    sec.figure(
+        lambda: plot_head_attribution(tr),
+        f"alpha_1 per head of layer {layer}: full key, spike part only, spike removed",
+    )
     sec.figure(lambda: plot_constancy(tr), "how constant the first token's vectors are across inputs")
 
 
@@ -156,15 +194,21 @@ def _interventions(ctx, sec: Section) -> None:
     ma, kw = ctx.massive, {"batch_size": ctx.batch_size, "eps": ctx.eps}  # the report's eps, as its baseline's
     base = ctx.profile.baseline  # with the profile's residuals: each condition resumes at the block its hooks start
     runs = {
-        "spike_ablation": lambda: spike_ablation(ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base,
-                                                 **kw, **ctx.criterion),
-        "value_ablation": lambda: value_ablation(ctx.model, ctx.natural, all_heads=False, later=False, baseline=base, **kw),
-        "first_key_ablation": lambda: first_key_ablation(ctx.model, ctx.natural, spike_dims=ma.input_dims(ctx.dims.n_layers),
-                                                         baseline=base, **kw, **ctx.criterion),
+        "spike_ablation": lambda: spike_ablation(
+            ctx.model, ctx.natural, spike_dims=ma.first_token_dims, baseline=base, **kw, **ctx.criterion
+        ),
+        "value_ablation": lambda: value_ablation(
+            ctx.model, ctx.natural, all_heads=False, later=False, baseline=base, **kw
+        ),
+        "first_key_ablation": lambda: first_key_ablation(
+            ctx.model, ctx.natural, spike_dims=ma.input_dims(ctx.dims.n_layers), baseline=base, **kw, **ctx.criterion
+        ),
     }
-    captions = {"spike_ablation": "Sink_1 and loss with the first token's spike dims unchanged, zeroed, or set to their mean",
-                "value_ablation": "loss with the first token's value removed from the sink heads",
-                "first_key_ablation": "where the attention goes when the spike-driven part of the first key is removed"}
+    captions = {
+        "spike_ablation": "Sink_1 and loss with the first token's spike dims unchanged, zeroed, or set to their mean",
+        "value_ablation": "loss with the first token's value removed from the sink heads",
+        "first_key_ablation": "where the attention goes when the spike-driven part of the first key is removed",
+    }
     for name, run in runs.items():
         try:
             r = run()
@@ -176,10 +220,12 @@ def _interventions(ctx, sec: Section) -> None:
         sec.parts.append(f"<h3>{name.replace('_', ' ').capitalize()}</h3>")
         sec.say(r.findings())
         if name == "spike_ablation" and r.has_spike:  # the number depends on the map: name it beside the number
-            sec.say(f"Setting of this cut: the spike map of this report's criterion ({criterion_text(**ctx.criterion)}), "
-                    f"found on the {ctx.n} natural sequences of T = {ctx.T} and zeroed at every layer it flags; another "
-                    "map (notebook 06's lenient >= 100x one, which adds the early spike) zeroes more dims and gives "
-                    "another number.")
+            sec.say(
+                f"Setting of this cut: the spike map of this report's criterion ({criterion_text(**ctx.criterion)}), "
+                f"found on the {ctx.n} natural sequences of T = {ctx.T} and zeroed at every layer it flags; another "
+                "map (notebook 06's lenient >= 100x one, which adds the early spike) zeroes more dims and gives "
+                "another number."
+            )
         sec.parts.append(table_html(r.conditions, digits=3))
         sec.figure(lambda r=r, name=name: getattr(figs, f"plot_{name}")(r), captions[name])
 
@@ -190,14 +236,29 @@ def _positions(ctx, sec: Section) -> None:
     from analysis.figures.positions import plot_cos_first, plot_later_sink_heads, plot_sink_positions
     from analysis.positions.every_sink import sink_positions
 
-    res = sink_positions(ctx.model, ctx.natural, eps=ctx.eps, batch_size=ctx.batch_size, kind="natural",
-                         **ctx.criterion)
+    res = sink_positions(
+        ctx.model, ctx.natural, eps=ctx.eps, batch_size=ctx.batch_size, kind="natural", **ctx.criterion
+    )
     sec.say(_unskipped(res), headline=0)
     sec.data = res.to_dict()  # one record per sink position under "sinks"
     sec.parts.append("<h3>Later sink positions by token</h3>")
     sec.parts.append(table_html(res.by_token(), digits=2, max_rows=15))
-    cols = ["sample", "position", "token", "n_heads", "layers", "max_alpha", "massive", "massive_dims", "peak_dim",
-            "peak_abs", "peak_ratio", "peak_layer", "created_layer", "lifetime"]
+    cols = [
+        "sample",
+        "position",
+        "token",
+        "n_heads",
+        "layers",
+        "max_alpha",
+        "massive",
+        "massive_dims",
+        "peak_dim",
+        "peak_abs",
+        "peak_ratio",
+        "peak_layer",
+        "created_layer",
+        "lifetime",
+    ]
     sec.parts.append("<h3>Sink positions (first rows; every row in report.json)</h3>")
     sec.parts.append(table_html(res.sinks[cols], digits=2, max_rows=25))
     sec.figure(lambda: plot_sink_positions(res), "heads sinking at each position of one natural sequence")
@@ -220,7 +281,9 @@ def _context(ctx, sec: Section) -> None:
         sec.data = {"applicable": False}
         return
     Ts = [t for t in CONTEXT_TS if ctx.dims.n_ctx is None or t <= ctx.dims.n_ctx]
-    res = sink_vs_context(ctx.model, Ts=Ts, n=4, seeds=(ctx.seed, ctx.seed + 1, ctx.seed + 2), batch_size=ctx.batch_size)
+    res = sink_vs_context(
+        ctx.model, Ts=Ts, n=4, seeds=(ctx.seed, ctx.seed + 1, ctx.seed + 2), batch_size=ctx.batch_size
+    )
     long = committed_sink_context(ctx.name)
     found = res.findings()  # what was measured, then Sink_1 against T: the headline, unless the long runs give it
     sec.say(found, headline=None if long is not None else min(1, len(found) - 1))
@@ -267,14 +330,18 @@ def _spike_writers(ctx, sec: Section) -> None:
     for d in o.dims:
         sec.say(o.dim_findings(d), headline=0)
     sec.parts.append(table_html(o.writes.drop(columns=["write_min", "write_max"]), digits=3))
-    sec.figure(lambda: figs.plot_spike_path(o), "the main spike dim on the first token through the blocks, with each "
-               "block's attention and MLP writes")
+    sec.figure(
+        lambda: figs.plot_spike_path(o),
+        "the main spike dim on the first token through the blocks, with each block's attention and MLP writes",
+    )
     for n in o.neurons:
         sec.say(n.findings())
     if o.neurons:
         sec.parts.append(table_html(o.tables["neurons"], digits=3))
-        sec.figure(lambda: figs.plot_neuron_contributions(o), "the writer neurons' contributions to each writing MLP's "
-                   "write (first token), and their cumulative share")
+        sec.figure(
+            lambda: figs.plot_neuron_contributions(o),
+            "the writer neurons' contributions to each writing MLP's write (first token), and their cumulative share",
+        )
     for e in o.experts:
         sec.say(e.findings())
     for q in o.quadratic:
@@ -291,21 +358,28 @@ def _spike_writers(ctx, sec: Section) -> None:
     if len(cause.contributions):
         d, b = int(cause.contributions.dim.iloc[0]), int(cause.contributions.block.iloc[-1])
         sec.parts.append(table_html(cause.chain(d, b), digits=3))
-        sec.figure(lambda: figs.plot_first_token_cause(cause), "the main writer neuron's gate over what feeds it: "
-                   "position 1 against the same token later")
+        sec.figure(
+            lambda: figs.plot_first_token_cause(cause),
+            "the main writer neuron's gate over what feeds it: position 1 against the same token later",
+        )
     cuts = ctx.profile.cuts
     sec.data["cuts"] = cuts.to_dict()
     sec.parts.append("<h3>Cutting the writer and eraser neurons</h3>")
     if cuts.message:
         sec.note(cuts.message)
         return
-    sec.explain(f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural "
-                f"sequences (the cuts: {cuts.n_random} random draws; the conditions that change the same first block share "
-                f"one pass).")
+    sec.explain(
+        f"The first-token cause and the cuts run on the first {cuts.n_samples} of the {ctx.n} natural "
+        f"sequences (the cuts: {cuts.n_random} random draws; the conditions that change the same first block share "
+        f"one pass)."
+    )
     sec.say(_on_subset(cuts.findings(), cuts.n_samples, ctx.n), link="cuts", headline=0)
     sec.parts.append(table_html(cuts.summary, digits=3))
-    sec.figure(lambda: figs.plot_spike_cuts(cuts), "the spike, Sink_1 and the loss with the writer or eraser neurons "
-               "cut on the first token, against as many random neurons")
+    sec.figure(
+        lambda: figs.plot_spike_cuts(cuts),
+        "the spike, Sink_1 and the loss with the writer or eraser neurons "
+        "cut on the first token, against as many random neurons",
+    )
 
 
 def _on_subset(found: list[str], k: int, n: int) -> list[str]:
@@ -336,21 +410,28 @@ def _dormant(ctx, sec: Section) -> None:
     sec.data = {**res.to_dict(), "layer_table": res.layer_table() if len(res.mixed_heads()) else []}
     found, verdict = _unskipped(res), res.verdict_text()
     sec.say(found, headline=found.index(verdict) if verdict in found else 0)
-    sec.parts.append('<p class="small">Per head and query (queries after the first token, before the last one): the '
-                     "attention on the first token (or on an extra slot), the norm of the head's output z W_O there, and "
-                     "the change in the sequence's loss when that output is set to zero or to the head's mean output, "
-                     "estimated by gradient x activation. A query is quiet (inert) when its output norm (|loss effect|) "
-                     "lies below the head's median. Cost: one streamed forward pass for the heads' mean outputs and one "
-                     "forward + backward pass over the natural probes (batches of about 256 tokens).</p>")
+    sec.parts.append(
+        '<p class="small">Per head and query (queries after the first token, before the last one): the '
+        "attention on the first token (or on an extra slot), the norm of the head's output z W_O there, and "
+        "the change in the sequence's loss when that output is set to zero or to the head's mean output, "
+        "estimated by gradient x activation. A query is quiet (inert) when its output norm (|loss effect|) "
+        "lies below the head's median. Cost: one streamed forward pass for the heads' mean outputs and one "
+        "forward + backward pass over the natural probes (batches of about 256 tokens).</p>"
+    )
     if len(res.mixed_heads()):
         sec.parts.append("<h3>Per layer: medians over the heads that sink on some queries and not on others</h3>")
         sec.parts.append(table_html(res.layer_table(), digits=2))
     heads = res.example_heads(4)
     if heads:
-        sec.figure(lambda: plot_sink_vs_norm(res, heads=heads), "attention on the sink against the head's output norm, "
-                   "one point per query, coloured by the loss effect (natural text)")
-    sec.figure(lambda: plot_head_correlations(res), "per head: Spearman rho of the sink attention with the output norm "
-               "and with the loss effect")
+        sec.figure(
+            lambda: plot_sink_vs_norm(res, heads=heads),
+            "attention on the sink against the head's output norm, "
+            "one point per query, coloured by the loss effect (natural text)",
+        )
+    sec.figure(
+        lambda: plot_head_correlations(res),
+        "per head: Spearman rho of the sink attention with the output norm and with the loss effect",
+    )
 
 
 def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None:
@@ -381,8 +462,13 @@ def generic(ctx, sec: Section, *, analysis: Analysis, section: Declared) -> None
     for kind, res in by_kind.items():
         if analysis.every_kind:
             sec.parts.append(f"<h3>{kind}</h3>")
-        _show(sec, res, section, headline=0 if kind == ctx.profile.main else None,
-             label=f" ({kind})" if analysis.every_kind else "")
+        _show(
+            sec,
+            res,
+            section,
+            headline=0 if kind == ctx.profile.main else None,
+            label=f" ({kind})" if analysis.every_kind else "",
+        )
     sec.data = {k: r.to_dict() for k, r in by_kind.items()} if analysis.every_kind else got.to_dict()
 
 

@@ -13,6 +13,7 @@ k_max = T, alpha at every position (the column sums of each pattern, reduced in 
 fused kernel's log-sum-exp) where it is exact, the bridge's streamed ``hook_pattern`` otherwise; one accumulator,
 ``SinkAccumulator``, reduces either.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +29,6 @@ from analysis.model.reference.attention import pattern_note
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
-
 
 
 def check_eps(eps: float) -> float:
@@ -253,15 +253,21 @@ class SinkResult(Result, LayerAxis):
         pl = self.per_layer(1)
         sinky = pl[pl.sink_1_pct > 50].layer.tolist()
         on = f" on {self.kind} inputs" if self.kind else ""
-        out = [f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
-               f"(N = {self.n_samples} sequences of T = {self.T} tokens; key positions k are 1-based, k = 1 the first "
-               "token)."]
+        out = [
+            f"Sink_1 (eps = {self.eps:g}) of {self.model_name or 'the model'}{on} is {self.sink_rate(1):.1f}% "
+            f"(N = {self.n_samples} sequences of T = {self.T} tokens; key positions k are 1-based, k = 1 the first "
+            "token)."
+        ]
         none = pl[pl.sink_1_pct < 5].layer.tolist()
-        out.append(f"{len(sinky)} of {len(pl)} layers have Sink_1 above 50%"
-                   + (f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else "."))
+        out.append(
+            f"{len(sinky)} of {len(pl)} layers have Sink_1 above 50%"
+            + (f"; the layers without a sink (below 5%) are {layers_text(none)}." if sinky and none else ".")
+        )
         if self.has_slot:
-            out.append(f"An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
-                       f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%.")
+            out.append(
+                f"An extra slot (learned sink or bias) takes {100 * float(self.slot.mean()):.1f}% of the attention "
+                f"on average; Sink on the slot is {self.slot_sink_rate():.1f}%."
+            )
         bos = self.meta.get("bos")
         first = [bos_sentence(bos, asked=bos.get("asked"))] if bos else []
         proxy = self.meta.get("pattern")
@@ -288,8 +294,11 @@ class SinkResult(Result, LayerAxis):
             **({"kernels": self.meta["kernels"]} if self.meta.get("kernels") else {}),  # the fused path's kernels
             "sink_k_pct": [round(float(x), 4) for x in self.sink_rates()],
             "per_head_alpha": self.per_head_alpha.permute(2, 0, 1).tolist(),  # [k][layer][head]
-            **({"sink_slot_pct": round(self.slot_sink_rate(), 4), "per_head_slot": self.per_head_slot().tolist()}
-               if self.has_slot else {}),
+            **(
+                {"sink_slot_pct": round(self.slot_sink_rate(), 4), "per_head_slot": self.per_head_slot().tolist()}
+                if self.has_slot
+                else {}
+            ),
             "text": self.text(),
         }
 
@@ -321,9 +330,17 @@ class SinkAccumulator(Accumulator):
         self.slot.end_batch()
 
     def result(self) -> SinkResult:
-        return SinkResult(self.alpha.result(), self.eps, self.T, self.model_name, self.kind, slot=self.slot.result(),
-                          layers=self.layers, skipped=self.skipped,
-                          meta={"pattern": self.pattern} if self.pattern else {})
+        return SinkResult(
+            self.alpha.result(),
+            self.eps,
+            self.T,
+            self.model_name,
+            self.kind,
+            slot=self.slot.result(),
+            layers=self.layers,
+            skipped=self.skipped,
+            meta={"pattern": self.pattern} if self.pattern else {},
+        )
 
 
 def check_k_max(k_max: int | None, T: int) -> int:
@@ -389,17 +406,27 @@ def sink_metric(
     SinkResult
         ``alpha`` of shape (N, L, H, k_max); ``sink_rate(k)`` is Sink_k^eps in percent.
     """
-    return sink_pass(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress, kind=kind,
-                     path=path)[0]
+    return sink_pass(
+        model, tokens, eps=eps, k_max=k_max, batch_size=batch_size, progress=progress, kind=kind, path=path
+    )[0]
 
 
 PATH_BACKENDS = {"auto": "auto", "fused": "transformers", "eager": "transformer_lens"}  # sink_metric's path
 RAN_PATH = {"transformers": "fused", "transformer_lens": "eager", "nnsight": "nnsight"}  # the backend that ran -> path
 
 
-def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Sequence[Accumulator]] = list,
-              eps: float = SINK_EPS, k_max: int | None = None, batch_size: int | None = None, progress: bool = False,
-              kind: str | None = None, path: str = "auto") -> tuple[SinkResult, list]:
+def sink_pass(
+    model: SinkModel,
+    tokens,
+    *,
+    make_accumulators: Callable[[], Sequence[Accumulator]] = list,
+    eps: float = SINK_EPS,
+    k_max: int | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+    kind: str | None = None,
+    path: str = "auto",
+) -> tuple[SinkResult, list]:
     """The sink metric and other analyses from one pass of ``model`` over ``tokens``.
 
     Parameters
@@ -430,13 +457,30 @@ def sink_pass(model: SinkModel, tokens, *, make_accumulators: Callable[[], Seque
     sink = SinkAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, kind=kind)
     record: dict = {}
     own = path == "auto" and getattr(model, "pass_backend", None) == "nnsight"  # load_model(..., backend="nnsight")
-    res, *rest = run_pass(model, tokens, [sink, *accs], batch_size=batch_size, progress=progress,
-                          backend=None if own else PATH_BACKENDS[path], record=record)
+    res, *rest = run_pass(
+        model,
+        tokens,
+        [sink, *accs],
+        batch_size=batch_size,
+        progress=progress,
+        backend=None if own else PATH_BACKENDS[path],
+        record=record,
+    )
     fused = record["backend"] == "transformers"
-    res.meta.update({"path": RAN_PATH[record["backend"]], "backend": record["backend"], "why": record["why"],
-                     **({"kernels": record["kernels"]} if record.get("kernels") else {}),
-                     **({"fused_unsupported": record["why"].removeprefix("auto: ")}
-                        if not fused and path == "auto" and not own else {}), "bos": bos_record(model, tokens)})
+    res.meta.update(
+        {
+            "path": RAN_PATH[record["backend"]],
+            "backend": record["backend"],
+            "why": record["why"],
+            **({"kernels": record["kernels"]} if record.get("kernels") else {}),
+            **(
+                {"fused_unsupported": record["why"].removeprefix("auto: ")}
+                if not fused and path == "auto" and not own
+                else {}
+            ),
+            "bos": bos_record(model, tokens),
+        }
+    )
     return res, rest
 
 
@@ -457,7 +501,9 @@ def sink_table_text(results: dict[str, SinkResult], *, k: int = 1) -> str:
     first = next(iter(results.values()))
     rates = [f"{r.sink_rate(k):.1f}% on {kind} inputs" for kind, r in results.items()]
     listed = rates[0] if len(rates) == 1 else ", ".join(rates[:-1]) + " and " + rates[-1]
-    return f"Sink_{k} (eps = {first.eps:g}) is {listed} (N = {first.n_samples} sequences of T = {first.T} tokens, no BOS)."
+    return (
+        f"Sink_{k} (eps = {first.eps:g}) is {listed} (N = {first.n_samples} sequences of T = {first.T} tokens, no BOS)."
+    )
 
 
 def sink_table(results: dict[str, SinkResult], *, k: int = 1) -> pd.DataFrame:
@@ -491,12 +537,28 @@ def _with_bos(outputs: list, inputs, got: dict) -> SinkResult:
     return res
 
 
-register(Analysis(
-    "sink", result=SinkResult, every_kind=True, order=10, hooks=("pattern",),
-    doc="Input kind -> the sink metric (``alpha`` (N, L, H, k_max)).",
-    accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind)],
-    finish=_with_bos, table=lambda by_kind: sink_table(by_kind).reset_index(),
-    sections=(Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
-              Section("Attention views (circuitsvis, offline)", "attention", 20, key="views", needs=("sink",),
-                      runner="analysis.report.sections:_views")),
-    exports=("SinkResult", "sink_metric", "sink_table")))
+register(
+    Analysis(
+        "sink",
+        result=SinkResult,
+        every_kind=True,
+        order=10,
+        hooks=("pattern",),
+        doc="Input kind -> the sink metric (``alpha`` (N, L, H, k_max)).",
+        accumulators=lambda p: [SinkAccumulator(p.model, p.tokens.shape[1], eps=p.eps, k_max=p.k_max, kind=p.kind)],
+        finish=_with_bos,
+        table=lambda by_kind: sink_table(by_kind).reset_index(),
+        sections=(
+            Section("Sink metric", "attention", 10, needs=("sink", "gates"), runner="analysis.report.sections:_sink"),
+            Section(
+                "Attention views (circuitsvis, offline)",
+                "attention",
+                20,
+                key="views",
+                needs=("sink",),
+                runner="analysis.report.sections:_views",
+            ),
+        ),
+        exports=("SinkResult", "sink_metric", "sink_table"),
+    )
+)

@@ -12,6 +12,7 @@ A gate near 0 on the first token shuts its output off (a head that attends there
 near 0 elsewhere lets a head write nothing without sinking. ``GateResult.table`` sits beside alpha_1 in the
 report's sink section.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,9 +79,14 @@ class GateResult(Result):
     def table(self) -> pd.DataFrame:
         """One row per (true layer, head): ``gate_first`` (token 1) and ``gate_other`` (elsewhere)."""
         L, H = self.first.shape
-        return pd.DataFrame({"layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
-                             "head": torch.arange(H).repeat(L).numpy(),
-                             "gate_first": self.first.flatten().numpy(), "gate_other": self.other.flatten().numpy()})
+        return pd.DataFrame(
+            {
+                "layer": torch.tensor(self.layers).repeat_interleave(H).numpy(),
+                "head": torch.arange(H).repeat(L).numpy(),
+                "gate_first": self.first.flatten().numpy(),
+                "gate_other": self.other.flatten().numpy(),
+            }
+        )
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -88,16 +94,27 @@ class GateResult(Result):
 
     def findings(self) -> list[str]:
         lo = int((self.first < self.other).sum())
-        out = (f"The attention-output gate (sigmoid, mean over head dims) is {float(self.first.mean()):.3f} on the first "
-               f"token and {float(self.other.mean()):.3f} elsewhere, averaged over {self.first.numel()} heads of "
-               f"{len(self.layers)} attention layers (N = {self.n_samples} sequences of T = {self.T} tokens); {lo} heads "
-               "gate the first token more closed than the others.")
+        out = (
+            f"The attention-output gate (sigmoid, mean over head dims) is {float(self.first.mean()):.3f} on the first "
+            f"token and {float(self.other.mean()):.3f} elsewhere, averaged over {self.first.numel()} heads of "
+            f"{len(self.layers)} attention layers (N = {self.n_samples} sequences of T = {self.T} tokens); {lo} heads "
+            "gate the first token more closed than the others."
+        )
         return [out] + ([self.skipped] if self.skipped else [])
 
     def to_dict(self) -> dict:
-        return jsonable({**self.header(), "T": self.T, "layers": self.layers, "gate_first": self.first.tolist(),
-                         "gate_other": self.other.tolist(), "per_head": self.table().to_dict("records"),
-                         **({"skipped": self.skipped} if self.skipped else {}), "text": self.text()})
+        return jsonable(
+            {
+                **self.header(),
+                "T": self.T,
+                "layers": self.layers,
+                "gate_first": self.first.tolist(),
+                "gate_other": self.other.tolist(),
+                "per_head": self.table().to_dict("records"),
+                **({"skipped": self.skipped} if self.skipped else {}),
+                "text": self.text(),
+            }
+        )
 
 
 class GateAccumulator(Accumulator):
@@ -139,8 +156,16 @@ class GateAccumulator(Accumulator):
 
     def result(self) -> GateResult:
         n = max(self.n, 1)
-        return GateResult(self.layers, (self.first / n).float(), (self.other / n).float(), self.n, self.T,
-                          getattr(self.model, "model_name", None), self.kind, skipped_note(self.model))
+        return GateResult(
+            self.layers,
+            (self.first / n).float(),
+            (self.other / n).float(),
+            self.n,
+            self.T,
+            getattr(self.model, "model_name", None),
+            self.kind,
+            skipped_note(self.model),
+        )
 
 
 def has_gate(model: SinkModel) -> bool:
@@ -158,8 +183,9 @@ def has_gate(model: SinkModel) -> bool:
     return get_family(model).gate is not None
 
 
-def attention_gates(model: SinkModel, tokens, *, layers=None, batch_size: int | None = None,
-                    kind: str | None = None) -> GateResult:
+def attention_gates(
+    model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None
+) -> GateResult:
     """The mean attention-output gate per (attention layer, head) on the first token and elsewhere, streamed through
     ``hook_q_gate`` (Qwen3-Next, Qwen3.5).
 
@@ -192,9 +218,17 @@ def attention_gates(model: SinkModel, tokens, *, layers=None, batch_size: int | 
 from analysis.core.registry import Analysis, register  # noqa: E402
 
 
-register(Analysis(
-    "gates", result=GateResult, order=70, hooks=("gate",),
-    doc="The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).",
-    # no gate: nothing to run
-    accumulators=lambda p: [GateAccumulator(p.model, kind=p.kind)] if model_facts(p.model).family.gate is not None else [],
-    exports=("attention_gates",)))
+register(
+    Analysis(
+        "gates",
+        result=GateResult,
+        order=70,
+        hooks=("gate",),
+        doc="The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).",
+        # no gate: nothing to run
+        accumulators=lambda p: (
+            [GateAccumulator(p.model, kind=p.kind)] if model_facts(p.model).family.gate is not None else []
+        ),
+        exports=("attention_gates",),
+    )
+)

@@ -14,16 +14,31 @@ stream), ``backbone`` (the Hugging Face model behind a model of the contract), `
 models, learnable sink token included, on the same cache), ``run`` (all policies, the result), ``generate``
 (``sink_cache``: the same cache for ``model.generate``).
 """
+
 from analysis.core.lazy import lazy_exports
 
 _EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
     **dict.fromkeys(["Policy", "StreamingCache", "fake_quantize", "rope_spec"], "analysis.streaming.cache"),
     **dict.fromkeys(["PolicyRun", "recompute_nll", "run_policies", "run_policy"], "analysis.streaming.perplexity"),
-    **dict.fromkeys(["StreamResult", "compare_streams", "default_policies", "streaming_perplexity"],
-                    "analysis.streaming.run"),
+    **dict.fromkeys(
+        ["StreamResult", "compare_streams", "default_policies", "streaming_perplexity"], "analysis.streaming.run"
+    ),
     "sink_cache": "analysis.streaming.generate",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["Policy", "PolicyRun", "StreamResult", "StreamingCache", "compare_streams", "default_policies", "fake_quantize",
-           "recompute_nll", "rope_spec", "run_policies", "run_policy", "sink_cache", "streaming_perplexity"]
+__all__ = [
+    "Policy",
+    "PolicyRun",
+    "StreamResult",
+    "StreamingCache",
+    "compare_streams",
+    "default_policies",
+    "fake_quantize",
+    "recompute_nll",
+    "rope_spec",
+    "run_policies",
+    "run_policy",
+    "sink_cache",
+    "streaming_perplexity",
+]

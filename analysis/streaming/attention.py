@@ -9,6 +9,7 @@ than SDPA at a 1,024-token cache and a batch of 10 policies). Inside :func:`reco
 batch row, the attention its marked slots (the sinks, or the oldest kept token) receive, averaged over heads
 and summed over layers: the share is reduced inside the layer, no attention map is kept.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,9 @@ def _mask_logits(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return scores + mask
 
 
-def streaming_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs):
+def streaming_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """query (B, H, q, D), key/value (B, Hkv, L, D) -> (B, q, H, D) and the weights of a decode step.
 
     Parameters
@@ -134,7 +136,9 @@ def streaming_attention(module, query, key, value, attention_mask, dropout: floa
     B, H, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     scale = D**-0.5 if scaling is None else scaling
     qg = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads KV head h // (H / Hkv), as repeat_kv lays them out
     scores = torch.matmul(qg, key.transpose(-1, -2)) * scale  # (B, Hkv, G, L)

@@ -6,6 +6,7 @@ Streaming and quantisation drive a causal LM with a bounded cache, no Transforme
 weights is loaded); for the project's reference models (``analysis.train.SinkLM``), ``ReferenceLM``, which decodes
 them with the same cache. Anything else (a name, a path, a bare Hugging Face model) is refused before any work.
 """
+
 from __future__ import annotations
 
 import contextlib

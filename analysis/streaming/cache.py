@@ -13,6 +13,7 @@ KV quantisation is simulated: a token's keys and values are quantised per token 
 min-max over the head dimension, ``bits`` bits) when they enter the cache, and stored de-quantised; the
 first ``fp_tokens`` cache slots (the sinks) can be kept in full precision, as IntactKV keeps them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -184,8 +185,14 @@ class StreamingLayer(DynamicLayer):
     full a new token overwrites the oldest recent slot in place (a ring buffer: softmax attention of one
     query does not depend on the order of the keys), so a step copies nothing but the new token."""
 
-    def __init__(self, rope: RopeSpec | None, capacity: int | None, sinks: list[int], bits: list[int | None],
-                 fp_tokens: list[int]):
+    def __init__(
+        self,
+        rope: RopeSpec | None,
+        capacity: int | None,
+        sinks: list[int],
+        bits: list[int | None],
+        fp_tokens: list[int],
+    ):
         super().__init__()
         self.rope, self.capacity = rope, capacity
         self.sinks, self.bits, self.fp_tokens = list(sinks), list(bits), list(fp_tokens)
@@ -232,7 +239,8 @@ class StreamingLayer(DynamicLayer):
                 raise ValueError(
                     f"{L + n} tokens would enter a streaming cache of {self.capacity}: prefill at most the window "
                     "(to generate from a longer prompt, pass prefill_chunk_size=1 to generate, which feeds it a token "
-                    "at a time as StreamingLLM does), with a fresh cache per generate call.")
+                    "at a time as StreamingLLM does), with a fresh cache per generate call."
+                )
             B, H, _, D = self.keys.shape
             slot = self.ptr.view(B, 1, 1, 1).expand(B, H, 1, D)
             self.keys.scatter_(2, slot, key_states)
@@ -246,7 +254,9 @@ class StreamingLayer(DynamicLayer):
         if self.rope is not None and smax and self.evictions:
             rot = rotate_keys(self.sink_keys, torch.full((smax,), self.evictions), self.rope)
             if self._sink_mask is None:
-                self._sink_mask = (torch.arange(smax) < torch.tensor(self.sinks)[:, None]).to(self.keys.device)[:, None, :, None]
+                self._sink_mask = (torch.arange(smax) < torch.tensor(self.sinks)[:, None]).to(self.keys.device)[
+                    :, None, :, None
+                ]
             self.keys[:, :, :smax] = torch.where(self._sink_mask, rot, self.keys[:, :, :smax])
         return self.keys, self.values
 
@@ -277,8 +287,15 @@ class StreamingCache(Cache):
     ``RopeSpec`` for every layer, or a list with one per layer (None on a layer without rotary). One row's settings
     serve a batch of any size."""
 
-    def __init__(self, n_layers: int, rope: RopeSpec | list | None, capacity: int | None, sinks=(0,), bits=(None,),
-                 fp_tokens=(0,)):
+    def __init__(
+        self,
+        n_layers: int,
+        rope: RopeSpec | list | None,
+        capacity: int | None,
+        sinks=(0,),
+        bits=(None,),
+        fp_tokens=(0,),
+    ):
         if not len(sinks) == len(bits) == len(fp_tokens):
             raise ValueError("sinks, bits and fp_tokens need one entry per batch row.")
         if capacity is not None and max(sinks) >= capacity:

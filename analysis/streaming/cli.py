@@ -1,18 +1,27 @@
 """``python -m analysis stream``: the policy table for one model, optionally saved as JSON and CSV."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.core.options import (VOCABULARY, HelpFormatter, backend_options, model_options, placement_options,
-                                   seed_options)
+from analysis.core.options import (
+    VOCABULARY,
+    HelpFormatter,
+    backend_options,
+    model_options,
+    placement_options,
+    seed_options,
+)
 
 # --backend on `stream`: the cache passes decode the Hugging Face model itself, in its own attention (the transformers
 # backend); the bridge's attention keeps no KV cache and nnsight traces hold none either.
 STREAM_BACKENDS = ("auto", "transformers")
-STREAM_BACKEND_WHY = ("stream decodes token by token with a bounded KV cache, which only the Hugging Face model's own "
-                      "attention keeps (the transformers backend): --backend auto and transformers run it; "
-                      "transformer_lens (the bridge keeps no KV cache) and nnsight (its traces hold no cache across "
-                      "steps) cannot.")
+STREAM_BACKEND_WHY = (
+    "stream decodes token by token with a bounded KV cache, which only the Hugging Face model's own "
+    "attention keeps (the transformers backend): --backend auto and transformers run it; "
+    "transformer_lens (the bridge keeps no KV cache) and nnsight (its traces hold no cache across "
+    "steps) cannot."
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -40,19 +49,29 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     None
     """
     parents = list(parents) or [model_options(default_model), seed_options(), placement_options(), backend_options()]
-    s = sub.add_parser("stream", parents=parents, formatter_class=HelpFormatter,
-                       help="streaming perplexity under dense, window, sinks + window and quantised KV caches",
-                       description="Streaming perplexity under dense, window, sinks + window and quantised KV caches. "
-                                   + STREAM_BACKEND_WHY)
+    s = sub.add_parser(
+        "stream",
+        parents=parents,
+        formatter_class=HelpFormatter,
+        help="streaming perplexity under dense, window, sinks + window and quantised KV caches",
+        description="Streaming perplexity under dense, window, sinks + window and quantised KV caches. "
+        + STREAM_BACKEND_WHY,
+    )
     g = s.add_argument_group("stream")
-    g.add_argument("--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)")
+    g.add_argument(
+        "--window", type=int, default=256, help="tokens the cache keeps, sinks included (StreamingLLM: 1024)"
+    )
     g.add_argument("--sinks", default="0,1,2,4,8", help="sink counts s (0 = the plain window)")
     g.add_argument("--tokens", type=int, default=2048, help="stream length (offline docstring corpus)")
     g.add_argument("--newline-sinks", type=int, default=4, help="also s newline tokens as sinks (0: leave out)")
     g.add_argument("--kv-bits", default="8,4", help=VOCABULARY["--kv-bits"] + "; simulated on the sinks + window cache")
     g.add_argument("--quant-sinks", type=int, default=4, help="sinks of the quantised caches")
-    g.add_argument("--recompute-every", type=int, default=8,
-                   help="score the sliding-window re-computation ceiling at every k-th position (0: leave out)")
+    g.add_argument(
+        "--recompute-every",
+        type=int,
+        default=8,
+        help="score the sliding-window re-computation ceiling at every k-th position (0: leave out)",
+    )
     g.add_argument("--no-dense", action="store_true", help="leave out the dense cache")
     o = s.add_argument_group("output")
     o.add_argument("--json", help="write every number (per-position NLL, table, stream record, versions) here")
@@ -76,13 +95,18 @@ def check_stream_args(args) -> None:
         raise ValueError(f"--backend {args.backend} does not apply to stream: {STREAM_BACKEND_WHY}")
     if args.window < 1:
         raise ValueError(f"--window must be at least 1 token; got {args.window}.")
-    bad = [x for x in sinks if x >= args.window] + ([args.quant_sinks] if bits and args.quant_sinks >= args.window else [])
+    bad = [x for x in sinks if x >= args.window] + (
+        [args.quant_sinks] if bits and args.quant_sinks >= args.window else []
+    )
     if bad:
-        raise ValueError(f"--sinks / --quant-sinks {bad} must each be smaller than the window (--window "
-                         f"{args.window}); the window counts the sinks.")
+        raise ValueError(
+            f"--sinks / --quant-sinks {bad} must each be smaller than the window (--window "
+            f"{args.window}); the window counts the sinks."
+        )
     if args.tokens <= args.window:
-        raise ValueError(f"--tokens ({args.tokens}) must be larger than --window ({args.window}): nothing would ever be "
-                         "evicted.")
+        raise ValueError(
+            f"--tokens ({args.tokens}) must be larger than --window ({args.window}): nothing would ever be evicted."
+        )
 
 
 def cmd_stream(args) -> int:
@@ -106,22 +130,43 @@ def cmd_stream(args) -> int:
     check_stream_args(args)
     placement = placement_from_args(args)
     # a name goes through load_model first; the cache passes decode its own Hugging Face module (no second copy)
-    model = load_model(args.model, device=None if placement.split else args.device, dtype=args.dtype,
-                       **(placement.kwargs() if placement.split else {}))
+    model = load_model(
+        args.model,
+        device=None if placement.split else args.device,
+        dtype=args.dtype,
+        **(placement.kwargs() if placement.split else {}),
+    )
     res = streaming_perplexity(
-        model, window=args.window, n_tokens=args.tokens, sinks=_ints(args.sinks),
-        newline_sinks=args.newline_sinks or None, bits=_ints(args.kv_bits), quant_sinks=args.quant_sinks,
-        dense=not args.no_dense, recompute_every=args.recompute_every or None, seed=args.seed,
+        model,
+        window=args.window,
+        n_tokens=args.tokens,
+        sinks=_ints(args.sinks),
+        newline_sinks=args.newline_sinks or None,
+        bits=_ints(args.kv_bits),
+        quant_sinks=args.quant_sinks,
+        dense=not args.no_dense,
+        recompute_every=args.recompute_every or None,
+        seed=args.seed,
         progress=not args.quiet,
     )
     table = res.table
     table["timing"] = [f"shared by {b}" if b > 1 else "own" for b in table["batch"]]
-    cols = ["policy", "ppl", "ppl_past_window", "ppl_at_recompute", "tokens_per_s", "timing", "kv_cache_mib",
-            "sink_attention"]
+    cols = [
+        "policy",
+        "ppl",
+        "ppl_past_window",
+        "ppl_at_recompute",
+        "tokens_per_s",
+        "timing",
+        "kv_cache_mib",
+        "sink_attention",
+    ]
     cols += ["learned_sink_attention"] if table["learned_sink_attention"].notna().any() else []
     print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(f"tokens_per_s: the policies whose timing says 'shared by k' were decoded together, k rows in one batch, and "
-          f"share that batch's one timing ({res.device}, {res.dtype}).")
+    print(
+        f"tokens_per_s: the policies whose timing says 'shared by k' were decoded together, k rows in one batch, and "
+        f"share that batch's one timing ({res.device}, {res.dtype})."
+    )
     print(res.text())
     if args.json:
         write_or_spare(args.json, res.save, flag="--json")
@@ -130,4 +175,3 @@ def cmd_stream(args) -> int:
         write_or_spare(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
         print(f"wrote {args.csv}")
     return 0
-

@@ -1,5 +1,6 @@
 """A long offline token stream: standard-library docstrings (``analysis.model.probes.stdlib_texts``, about 63k
 SmolLM2 tokens) in a seeded order, separated by blank lines. The record says how to rebuild it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,14 +26,19 @@ class TokenStream:
     seed : int
         The seed of its order (or of the task's draw).
     """
+
     tokens: torch.Tensor  # (N,) long
     source: str
     seed: int
 
     def record(self) -> dict:
         ids = self.tokens.tolist()
-        return {"source": self.source, "seed": self.seed, "n_tokens": len(ids),
-                "sha256": hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()}
+        return {
+            "source": self.source,
+            "seed": self.seed,
+            "n_tokens": len(ids),
+            "sha256": hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest(),
+        }
 
 
 def stdlib_stream(tokenizer, n_tokens: int, *, seed: int = 0) -> TokenStream:
@@ -61,8 +67,10 @@ def stdlib_stream(tokenizer, n_tokens: int, *, seed: int = 0) -> TokenStream:
         if len(ids) >= n_tokens:
             break
     if len(ids) < n_tokens:
-        raise ValueError(f"the offline docstring corpus has only {len(ids)} tokens for this tokenizer; "
-                         f"ask for at most that many (got {n_tokens}), or pass your own token ids.")
+        raise ValueError(
+            f"the offline docstring corpus has only {len(ids)} tokens for this tokenizer; "
+            f"ask for at most that many (got {n_tokens}), or pass your own token ids."
+        )
     src = f"docstrings of {len(STDLIB_MODULES)} standard-library modules (analysis.model.probes.stdlib_texts), shuffled with seed {seed}, joined by blank lines"
     return TokenStream(torch.tensor(ids[:n_tokens], dtype=torch.long), src, seed)
 
@@ -81,8 +89,10 @@ def newline_id(tokenizer) -> int:
     """
     ids = tokenizer.encode("\n", add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one. "
-                         "Leave them out (`--newline-sinks 0`; in Python `newline_sinks=None`).")
+        raise ValueError(
+            f"the tokenizer does not encode a newline as one token ({ids}); newline sinks need one. "
+            "Leave them out (`--newline-sinks 0`; in Python `newline_sinks=None`)."
+        )
     return int(ids[0])
 
 
@@ -112,10 +122,15 @@ def task_stream(model: SinkModel, n_tokens: int, *, seed: int = 0) -> TokenStrea
     cfg = getattr(model, "reference_config", None) or {}
     train = cfg.get("train") or {}
     if train.get("dataset") not in ("synthetic", "synthetic-docs"):
-        raise ValueError("this model has no tokenizer and no synthetic training task to draw a stream from; pass your "
-                         "own token ids (tokens=...).")
+        raise ValueError(
+            "this model has no tokenizer and no synthetic training task to draw a stream from; pass your "
+            "own token ids (tokens=...)."
+        )
     tcfg = replace(TrainConfig.from_dict(train), dataset="synthetic", seed=seed)
     data = build_data(tcfg, n_ctx=n_tokens)
     ids = data.probe(1, n_tokens)[0]
-    return TokenStream(ids.long(), f"{data.description}: one held-out sequence of the model's own training task, "
-                                   f"drawn with seed {seed}", seed)
+    return TokenStream(
+        ids.long(),
+        f"{data.description}: one held-out sequence of the model's own training task, drawn with seed {seed}",
+        seed,
+    )

@@ -18,6 +18,7 @@ it). Each layer's rotary frequencies come from ``analysis.model.families.decoder
 window needs ``prefill_chunk_size=1`` (StreamingLLM feeds it a token at a time); a left-padded batch is not supported
 (the pad tokens would be the sinks). The quantisation is simulated (stored de-quantised, as the perplexity study does).
 """
+
 from __future__ import annotations
 
 from analysis.model.causal import context_length
@@ -27,13 +28,18 @@ from analysis.streaming.cache import Policy, RopeSpec, StreamingCache
 
 # Rope types whose frequencies change with the sequence length: a kept key cannot be moved by a fixed rotation.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-POSITION_WORDS = {"alibi": "ALiBi position biases", "absolute": "learned absolute positions",
-                  "relative": "relative position buckets"}
+POSITION_WORDS = {
+    "alibi": "ALiBi position biases",
+    "absolute": "learned absolute positions",
+    "relative": "relative position buckets",
+}
 
 
-NO_CACHE = ("runs TransformerLens' attention, which keeps no KV cache (generate would ignore the cache): build the cache "
-            "for, and generate with, the model's own causal LM: `with analysis.streaming.backbone.causal_lm(model) as "
-            "hf: hf.generate(ids, cache=sink_cache(hf, ...))`.")
+NO_CACHE = (
+    "runs TransformerLens' attention, which keeps no KV cache (generate would ignore the cache): build the cache "
+    "for, and generate with, the model's own causal LM: `with analysis.streaming.backbone.causal_lm(model) as "
+    "hf: hf.generate(ids, cache=sink_cache(hf, ...))`."
+)
 
 
 def _check_lm(hf) -> None:
@@ -50,21 +56,29 @@ def _refusal(pos, window: int, n_ctx: int | None) -> str | None:
     fam = pos.family
     if pos.other_layers:
         kinds = sorted({w.split(":")[0] for w in pos.other_layers.values()})
-        return (f"{fam} has {', '.join(kinds)} layers ({sorted(pos.other_layers)}): a sink cache holds attention keys "
-                "only; use a model whose layers are all softmax attention.")
+        return (
+            f"{fam} has {', '.join(kinds)} layers ({sorted(pos.other_layers)}): a sink cache holds attention keys "
+            "only; use a model whose layers are all softmax attention."
+        )
     if pos.positions in POSITION_WORDS:
-        return (f"{fam} uses {POSITION_WORDS[pos.positions]}, which a sink cache cannot move to the kept tokens' "
-                "positions; use a rotary family (Llama, Mistral, Qwen, Gemma, Phi, SmolLM...).")
+        return (
+            f"{fam} uses {POSITION_WORDS[pos.positions]}, which a sink cache cannot move to the kept tokens' "
+            "positions; use a rotary family (Llama, Mistral, Qwen, Gemma, Phi, SmolLM...)."
+        )
     if pos.latent:
         return f"{fam} uses multi-head latent attention, whose shared rotary key a sink cache does not re-rotate."
     if pos.rope_type in LENGTH_DEPENDENT_ROPE:
-        return (f"{fam}'s {pos.rope_type} rotary changes its frequencies with the length, so kept keys cannot be "
-                "moved by a fixed rotation; load the model with its default rope type.")
+        return (
+            f"{fam}'s {pos.rope_type} rotary changes its frequencies with the length, so kept keys cannot be "
+            "moved by a fixed rotation; load the model with its default rope type."
+        )
     if n_ctx is not None and window > n_ctx:
         return f"window={window} exceeds the model's context ({n_ctx} tokens): use window <= {n_ctx}."
     if pos.sliding_window is not None and window > pos.sliding_window:
-        return (f"window={window} exceeds {fam}'s sliding window ({pos.sliding_window}), which would hide the sinks "
-                f"from its sliding layers: use window <= {pos.sliding_window}.")
+        return (
+            f"window={window} exceeds {fam}'s sliding window ({pos.sliding_window}), which would hide the sinks "
+            f"from its sliding layers: use window <= {pos.sliding_window}."
+        )
     if pos.chunk is not None and window >= pos.chunk:
         return f"window={window} reaches {fam}'s attention chunk ({pos.chunk}): use window < {pos.chunk}."
     return None
@@ -101,6 +115,14 @@ def sink_cache(hf, *, window: int, sinks: int = 4, bits: int | None = None, fp_s
     why = _refusal(pos, window, context_length(hf))
     if why:
         raise ValueError(why)
-    ropes = [None if f is None else RopeSpec(f.detach().double().cpu(), pos.rotary_style or "half") for f in pos.inv_freq]
-    return StreamingCache(len(ropes), ropes, policy.window, sinks=(policy.sinks,), bits=(policy.bits,),
-                          fp_tokens=(policy.sinks if policy.fp_sinks else 0,))
+    ropes = [
+        None if f is None else RopeSpec(f.detach().double().cpu(), pos.rotary_style or "half") for f in pos.inv_freq
+    ]
+    return StreamingCache(
+        len(ropes),
+        ropes,
+        policy.window,
+        sinks=(policy.sinks,),
+        bits=(policy.bits,),
+        fp_tokens=(policy.sinks if policy.fp_sinks else 0,),
+    )

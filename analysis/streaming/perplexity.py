@@ -8,6 +8,7 @@ attention map is kept). ``recompute_nll`` is the
 sliding-window-with-re-computation ceiling: every scored token sees the previous ``window`` tokens,
 re-encoded from scratch at positions 0..window-1 (exact; slow, so it can score every k-th position).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ from analysis.streaming.cache import Policy, StreamingCache, rope_spec
 
 
 def decode_attention(hf) -> str:
-    """"streaming" (``analysis.streaming.attention``: SDPA prefill, grouped-query decode steps that measure the
+    """ "streaming" (``analysis.streaming.attention``: SDPA prefill, grouped-query decode steps that measure the
     sinks' share) unless the model adds learned sink logits (gpt-oss), whose own eager function applies them.
 
     Parameters
@@ -81,8 +82,18 @@ class PolicyRun(Result):
     model_name = None
     n_samples = 1
 
-    def __init__(self, policy: Policy, nll: np.ndarray, seconds: float, decoded: int, peak_kv_mib: float,
-                 peak_mib: float, sink_share: float | None, batch: int = 1, learned_share: float | None = None):
+    def __init__(
+        self,
+        policy: Policy,
+        nll: np.ndarray,
+        seconds: float,
+        decoded: int,
+        peak_kv_mib: float,
+        peak_mib: float,
+        sink_share: float | None,
+        batch: int = 1,
+        learned_share: float | None = None,
+    ):
         self.batch = batch  # policies decoded together (tokens/s is per policy, in that batch)
         self.policy, self.nll, self.seconds, self.decoded = policy, nll, seconds, decoded
         self.peak_kv_mib, self.peak_mib, self.sink_share = peak_kv_mib, peak_mib, sink_share
@@ -99,28 +110,61 @@ class PolicyRun(Result):
 
     def findings(self) -> list[str]:
         scored = self.nll[~np.isnan(self.nll)]
-        ppl = f"perplexity {math.exp(float(scored.mean())):.2f} over {scored.size} scored tokens" if scored.size \
+        ppl = (
+            f"perplexity {math.exp(float(scored.mean())):.2f} over {scored.size} scored tokens"
+            if scored.size
             else "no scored token"
-        share = "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
-        return [f"Policy {self.policy.label}: {ppl}{share}."]  # no tokens/s: a finding is the model's, not the machine's
+        )
+        share = (
+            "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
+        )
+        return [
+            f"Policy {self.policy.label}: {ppl}{share}."
+        ]  # no tokens/s: a finding is the model's, not the machine's
 
     def to_dict(self) -> dict:
         """The run's record (strict JSON: NaN as null) with the protocol's model, n_samples and text."""
         p = self.policy
-        return jsonable({"model": self.model_name, "n_samples": self.n_samples, "text": self.text(),
-                         "policy": p.label, "kind": p.kind, "window": p.window, "sinks": p.sinks, "sink_tokens": p.sink_tokens,
-                "bits": p.bits, "fp_sinks": p.fp_sinks, "seconds": self.seconds, "decoded": self.decoded,
-                "tokens_per_s": self.tokens_per_s, "peak_kv_mib": self.peak_kv_mib, "peak_mib": self.peak_mib,
-                "sink_share": self.sink_share, "learned_share": self.learned_share, "batch": self.batch,
-                "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll]})
+        return jsonable(
+            {
+                "model": self.model_name,
+                "n_samples": self.n_samples,
+                "text": self.text(),
+                "policy": p.label,
+                "kind": p.kind,
+                "window": p.window,
+                "sinks": p.sinks,
+                "sink_tokens": p.sink_tokens,
+                "bits": p.bits,
+                "fp_sinks": p.fp_sinks,
+                "seconds": self.seconds,
+                "decoded": self.decoded,
+                "tokens_per_s": self.tokens_per_s,
+                "peak_kv_mib": self.peak_kv_mib,
+                "peak_mib": self.peak_mib,
+                "sink_share": self.sink_share,
+                "learned_share": self.learned_share,
+                "batch": self.batch,
+                "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll],
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyRun":
         pol = Policy(d["kind"], d["window"], d["sinks"], d["sink_tokens"], d["bits"], d["fp_sinks"])
         nll = np.array([np.nan if x is None else x for x in d["nll"]], dtype=float)
         num = {k: float("nan") if d[k] is None else d[k] for k in ("seconds", "peak_kv_mib", "peak_mib")}  # null: NaN
-        return cls(pol, nll, num["seconds"], d["decoded"], num["peak_kv_mib"], num["peak_mib"], d["sink_share"],
-                   d.get("batch", 1), d.get("learned_share"))
+        return cls(
+            pol,
+            nll,
+            num["seconds"],
+            d["decoded"],
+            num["peak_kv_mib"],
+            num["peak_mib"],
+            d["sink_share"],
+            d.get("batch", 1),
+            d.get("learned_share"),
+        )
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -151,7 +195,9 @@ def _check_stream(hf, tokens, capacity: int | None, allow_beyond_context: bool) 
     return tokens
 
 
-def _policy_ids(tokens: torch.Tensor, policies: list[Policy], sinks: list[int], newline: int | None, device) -> torch.Tensor:
+def _policy_ids(
+    tokens: torch.Tensor, policies: list[Policy], sinks: list[int], newline: int | None, device
+) -> torch.Tensor:
     """(B, N): the stream once per policy, its first ``sinks[b]`` tokens replaced by newlines where asked."""
     ids = tokens.to(device)[None].repeat(len(policies), 1)
     for b, p in enumerate(policies):
@@ -173,7 +219,6 @@ def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
     return torch.where(s > 0, slot < s, slot == oldest).float().expand(B, L)
 
 
-
 class _Decoder:
     """One batch of policies decoded through ``hf``: nll (B, N-1), the sinks' share per row, kept logits."""
 
@@ -189,14 +234,20 @@ class _Decoder:
 
     def _score(self, logits: torch.Tensor, c0: int, c1: int) -> None:
         B = self.ids.shape[0]
-        self.nll[:, c0:c1] = _nll(logits.flatten(0, 1), self.ids[:, c0 + 1 : c1 + 1].flatten()).view(B, -1).cpu().numpy()
+        self.nll[:, c0:c1] = (
+            _nll(logits.flatten(0, 1), self.ids[:, c0 + 1 : c1 + 1].flatten()).view(B, -1).cpu().numpy()
+        )
         if self.logits is not None:
             self.logits.append(logits.float().cpu())
 
     def prefill(self, c0: int, c1: int) -> None:
         B, device = self.ids.shape[0], self.ids.device
-        out = self.hf(input_ids=self.ids[:, c0:c1], position_ids=torch.arange(c0, c1, device=device)[None].expand(B, -1),
-                      **{self.cache_kw: self.cache}, use_cache=True)
+        out = self.hf(
+            input_ids=self.ids[:, c0:c1],
+            position_ids=torch.arange(c0, c1, device=device)[None].expand(B, -1),
+            **{self.cache_kw: self.cache},
+            use_cache=True,
+        )
         self._score(out.logits, c0, c1)
 
     def step(self, t: int, share: bool) -> None:
@@ -205,8 +256,13 @@ class _Decoder:
         eager = share and attention_name(self.hf) == "eager"
         self.recorder.marks = (lambda: _sink_slots(self.cache, self.sinks)) if share else None
         with recording(self.recorder):
-            out = self.hf(input_ids=self.ids[:, t : t + 1], position_ids=torch.full((B, 1), self.cache.position(t), device=device),
-                          **{self.cache_kw: self.cache}, use_cache=True, output_attentions=eager)
+            out = self.hf(
+                input_ids=self.ids[:, t : t + 1],
+                position_ids=torch.full((B, 1), self.cache.position(t), device=device),
+                **{self.cache_kw: self.cache},
+                use_cache=True,
+                output_attentions=eager,
+            )
         self._score(out.logits, t, t + 1)
         if eager:  # learned-sink models: weights from the model's own eager attention
             att = torch.stack([a[:, :, -1, :] for a in out.attentions])  # (layers, B, heads, L)
@@ -229,9 +285,17 @@ class _Decoder:
         learned = self.learned_sum / self.learned_n if self.learned_n else [None] * len(policies)
         runs = []
         for b, p in enumerate(policies):
-            run = PolicyRun(p, self.nll[b], seconds, decoded, float(peak_kv[b]) / 2**20, peak,
-                            None if share[b] is None else float(share[b]), len(policies),
-                            None if learned[b] is None else float(learned[b]))
+            run = PolicyRun(
+                p,
+                self.nll[b],
+                seconds,
+                decoded,
+                float(peak_kv[b]) / 2**20,
+                peak,
+                None if share[b] is None else float(share[b]),
+                len(policies),
+                None if learned[b] is None else float(learned[b]),
+            )
             if self.logits is not None:
                 run.logits = torch.cat([x[b] for x in self.logits], dim=0)  # (N-1, vocab)
             runs.append(run)
@@ -239,9 +303,19 @@ class _Decoder:
 
 
 @torch.no_grad()
-def run_policies(model: SinkModel, tokens: torch.Tensor, policies: list[Policy], *, newline: int | None = None,
-                 prefill: int | None = None, attention_share: bool = True, allow_beyond_context: bool = False,
-                 progress: bool = False, keep_logits: bool = False, chunk: int = 512) -> list[PolicyRun]:
+def run_policies(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    policies: list[Policy],
+    *,
+    newline: int | None = None,
+    prefill: int | None = None,
+    attention_share: bool = True,
+    allow_beyond_context: bool = False,
+    progress: bool = False,
+    keep_logits: bool = False,
+    chunk: int = 512,
+) -> list[PolicyRun]:
     """Decode ``tokens`` (N,) under each policy (one batch row per policy, same cache size) with a
     ``StreamingCache``; see the module docstring.
 
@@ -277,12 +351,23 @@ def run_policies(model: SinkModel, tokens: torch.Tensor, policies: list[Policy],
     list of PolicyRun
     """
     with causal_lm(model, where="run_policies") as hf:
-        return _decode(hf, tokens, policies, newline=newline, prefill=prefill, attention_share=attention_share,
-                       allow_beyond_context=allow_beyond_context, progress=progress, keep_logits=keep_logits, chunk=chunk)
+        return _decode(
+            hf,
+            tokens,
+            policies,
+            newline=newline,
+            prefill=prefill,
+            attention_share=attention_share,
+            allow_beyond_context=allow_beyond_context,
+            progress=progress,
+            keep_logits=keep_logits,
+            chunk=chunk,
+        )
 
 
-def _decode(hf, tokens, policies, *, newline, prefill, attention_share, allow_beyond_context, progress, keep_logits,
-            chunk) -> list[PolicyRun]:
+def _decode(
+    hf, tokens, policies, *, newline, prefill, attention_share, allow_beyond_context, progress, keep_logits, chunk
+) -> list[PolicyRun]:
     """:func:`run_policies` on the causal LM ``hf`` the contract gave."""
     capacity = _check_group(policies)
     device = input_device(hf)
@@ -291,8 +376,14 @@ def _decode(hf, tokens, policies, *, newline, prefill, attention_share, allow_be
     sinks = [p.sinks if p.kind == "sinks" else 0 for p in policies]
     prefill = capacity if prefill is None and capacity else (max(N - 1 - 64, 0) if prefill is None else prefill)
     prefill = max(0, min(prefill, N - 1, capacity or N))
-    cache = StreamingCache(n_layers(hf), rope_spec(hf), capacity, sinks, [p.bits for p in policies],
-                           [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)])
+    cache = StreamingCache(
+        n_layers(hf),
+        rope_spec(hf),
+        capacity,
+        sinks,
+        [p.bits for p in policies],
+        [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)],
+    )
     dec = _Decoder(hf, _policy_ids(tokens, policies, sinks, newline, device), cache, sinks, keep_logits)
     reset_peak(device)
     with attention_implementation(hf, decode_attention(hf)):
@@ -332,8 +423,9 @@ def run_policy(model: SinkModel, tokens: torch.Tensor, policy: Policy, **kwargs)
 
 
 @torch.no_grad()
-def recompute_nll(model: SinkModel, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4,
-                  progress: bool = False) -> PolicyRun:
+def recompute_nll(
+    model: SinkModel, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4, progress: bool = False
+) -> PolicyRun:
     """Sliding window with re-computation: token t+1 is scored from tokens t-window+1..t encoded from scratch
     at positions 0..window-1. Exact at every ``every``-th position past the window (all positions before it).
 

@@ -8,6 +8,7 @@ forward. Inside the decoder's ``recording`` the attention each step gives the ma
 on a learned sink slot (the sink token, or K/KV biases), are read from the model's own hooks
 (``attn.hook_pattern``, ``attn.hook_sink_pattern``) and reduced there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +65,11 @@ class ReferenceLM(nn.Module):
         cfg = model.cfg
         self.rotary = _Rotary(cfg.d_head, cfg.rotary_base) if cfg.positional_embedding_type == "rotary" else None
         self.hook_names = [f"blocks.{l}.attn.hook_pattern" for l in range(cfg.n_layers)]
-        self.sink_hook_names = [f"blocks.{l}.attn.hook_sink_pattern" for l, b in enumerate(model.blocks)
-                                if b.attn.hook_sink_pattern is not None]
+        self.sink_hook_names = [
+            f"blocks.{l}.attn.hook_sink_pattern"
+            for l, b in enumerate(model.blocks)
+            if b.attn.hook_sink_pattern is not None
+        ]
 
     def get_output_embeddings(self):
         return self.model.unembed  # ``.weight`` (D, V): its device is the model's
@@ -76,15 +80,27 @@ class ReferenceLM(nn.Module):
     def _hooks(self):
         if active_recorder() is None:
             return contextlib.nullcontext()
-        return self.model.hooks(fwd_hooks=[(n, _on_pattern) for n in self.hook_names]
-                                + [(n, _on_sink_pattern) for n in self.sink_hook_names])
+        return self.model.hooks(
+            fwd_hooks=[(n, _on_pattern) for n in self.hook_names]
+            + [(n, _on_sink_pattern) for n in self.sink_hook_names]
+        )
 
-    def forward(self, input_ids, position_ids=None, past_key_values=None, use_cache: bool = True,
-                output_attentions: bool = False, logits_to_keep: int = 0, **kwargs):
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        past_key_values=None,
+        use_cache: bool = True,
+        output_attentions: bool = False,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
         if past_key_values is None:
             if position_ids is not None and not torch.equal(position_ids[0].cpu(), torch.arange(input_ids.shape[1])):
-                raise ValueError("without a cache the reference model runs at positions 0..T-1; pass a cache to "
-                                 "decode at other positions.")
+                raise ValueError(
+                    "without a cache the reference model runs at positions 0..T-1; pass a cache to "
+                    "decode at other positions."
+                )
             logits = self.model(input_ids)
         else:
             positions = torch.arange(input_ids.shape[1]) if position_ids is None else position_ids[0]

@@ -1,4 +1,5 @@
 """Streaming perplexity of one model under every cache policy, on one recorded stream: ``StreamResult``."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,15 @@ from analysis.streaming.perplexity import PolicyRun, recompute_nll, run_policies
 from analysis.core.versions import package_versions
 
 
-def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int | None = 4, bits=(8, 4),
-                     quant_sinks: int = 4, dense: bool = True) -> list[Policy]:
+def default_policies(
+    window: int,
+    *,
+    sinks=(0, 1, 2, 4, 8),
+    newline_sinks: int | None = 4,
+    bits=(8, 4),
+    quant_sinks: int = 4,
+    dense: bool = True,
+) -> list[Policy]:
     """dense; s + (window - s) for each s (s = 0 is the window policy); newline sinks; and the
     sinks + window cache quantised to each of ``bits``, with and without its sinks in full precision.
 
@@ -50,7 +58,10 @@ def default_policies(window: int, *, sinks=(0, 1, 2, 4, 8), newline_sinks: int |
     if newline_sinks:
         pols.append(Policy("sinks", window, newline_sinks, "newline"))
     for b in bits or ():
-        pols += [Policy("sinks", window, quant_sinks, bits=b), Policy("sinks", window, quant_sinks, bits=b, fp_sinks=True)]
+        pols += [
+            Policy("sinks", window, quant_sinks, bits=b),
+            Policy("sinks", window, quant_sinks, bits=b, fp_sinks=True),
+        ]
     return pols
 
 
@@ -87,16 +98,30 @@ class StreamResult(Result):
     kind = "stream"
     n_samples = 1
 
-    def __init__(self, model: str, window: int, n_ctx: int | None, stream: dict, skip: int, runs: list[PolicyRun],
-                 recompute_every: int | None, device: str, *, tokens: list[int] | None = None, dtype: str = "float32",
-                 backend: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        window: int,
+        n_ctx: int | None,
+        stream: dict,
+        skip: int,
+        runs: list[PolicyRun],
+        recompute_every: int | None,
+        device: str,
+        *,
+        tokens: list[int] | None = None,
+        dtype: str = "float32",
+        backend: dict | None = None,
+    ):
         self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
         self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
         self.dtype, self.backend = dtype, backend or {}
 
     def __repr__(self) -> str:
-        return (f"<StreamResult model={self.model!r}, window={self.window}, tokens={self.stream.get('n_tokens')}, "
-                f"policies={len(self.runs)}, device={self.device!r}>")
+        return (
+            f"<StreamResult model={self.model!r}, window={self.window}, tokens={self.stream.get('n_tokens')}, "
+            f"policies={len(self.runs)}, device={self.device!r}>"
+        )
 
     @property
     def model_name(self) -> str:
@@ -131,15 +156,28 @@ class StreamResult(Result):
             p = r.policy
             nll = r.nll.copy()
             nll[: self.skip] = np.nan
-            rows.append({
-                "policy": p.label, "kind": p.kind, "sinks": p.sinks, "sink_tokens": p.sink_tokens if p.sinks else "",
-                "bits": p.bits or 32, "fp_sinks": p.fp_sinks,
-                "ppl": self._ppl(nll), "ppl_past_window": self._ppl(nll[self.window:]),
-                "ppl_at_recompute": self._ppl(nll[rec_pos]) if rec_pos is not None and rec_pos.size else float("nan"),
-                "tokens_scored": int((~np.isnan(nll)).sum()), "tokens_per_s": r.tokens_per_s, "batch": r.batch,
-                "kv_cache_mib": r.peak_kv_mib, "peak_mib": r.peak_mib, "sink_attention": r.sink_share,
-                "learned_sink_attention": r.learned_share,
-            })
+            rows.append(
+                {
+                    "policy": p.label,
+                    "kind": p.kind,
+                    "sinks": p.sinks,
+                    "sink_tokens": p.sink_tokens if p.sinks else "",
+                    "bits": p.bits or 32,
+                    "fp_sinks": p.fp_sinks,
+                    "ppl": self._ppl(nll),
+                    "ppl_past_window": self._ppl(nll[self.window :]),
+                    "ppl_at_recompute": self._ppl(nll[rec_pos])
+                    if rec_pos is not None and rec_pos.size
+                    else float("nan"),
+                    "tokens_scored": int((~np.isnan(nll)).sum()),
+                    "tokens_per_s": r.tokens_per_s,
+                    "batch": r.batch,
+                    "kv_cache_mib": r.peak_kv_mib,
+                    "peak_mib": r.peak_mib,
+                    "sink_attention": r.sink_share,
+                    "learned_sink_attention": r.learned_share,
+                }
+            )
         return pd.DataFrame(rows)
 
     def curve(self, bin: int = 32) -> pd.DataFrame:
@@ -150,8 +188,9 @@ class StreamResult(Result):
         data = {"position": starts + 1}
         for r in self.runs:
             with np.errstate(all="ignore"):
-                data[r.policy.label] = [np.nanmean(r.nll[a : a + bin]) if np.any(~np.isnan(r.nll[a : a + bin])) else np.nan
-                                        for a in starts]
+                data[r.policy.label] = [
+                    np.nanmean(r.nll[a : a + bin]) if np.any(~np.isnan(r.nll[a : a + bin])) else np.nan for a in starts
+                ]
         return pd.DataFrame(data)
 
     def jump(self, label: str, width: int = 64) -> tuple[float, float]:
@@ -172,29 +211,39 @@ class StreamResult(Result):
     def _lines(self) -> list[str]:
         t = self.table.set_index("policy")
         w = self.window
-        lines = [f"{self.model}: streaming perplexity on {self.stream.get('n_tokens')} tokens "
-                 f"({self.stream.get('source', 'given tokens')}), cache of {w} tokens."]
+        lines = [
+            f"{self.model}: streaming perplexity on {self.stream.get('n_tokens')} tokens "
+            f"({self.stream.get('source', 'given tokens')}), cache of {w} tokens."
+        ]
         lines += [self.stream["note"]] if self.stream.get("note") else []
         win = f"0+{w}"
         if win in t.index:
             before, after = self.jump(win)
             width = max(1, min(64, w - self.skip))
-            lines.append(f"Window ({win}): perplexity {t.loc[win, 'ppl_past_window']:.2f} after the first eviction; "
-                         f"log-perplexity {before:.2f} over the {width} tokens before token 1 leaves the cache and "
-                         f"{after:.2f} over the {width} after.")
+            lines.append(
+                f"Window ({win}): perplexity {t.loc[win, 'ppl_past_window']:.2f} after the first eviction; "
+                f"log-perplexity {before:.2f} over the {width} tokens before token 1 leaves the cache and "
+                f"{after:.2f} over the {width} after."
+            )
         sink_rows = t[(t["kind"] == "sinks") & (t["bits"] == 32) & (t["sink_tokens"] == "first")]
         for label, row in sink_rows.iterrows():
-            lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window; the {row['sinks']} kept "
-                         f"sink token(s) get {100 * (row['sink_attention'] or 0):.0f}% of the attention.")
+            lines.append(
+                f"{label}: perplexity {row['ppl_past_window']:.2f} past the window; the {row['sinks']} kept "
+                f"sink token(s) get {100 * (row['sink_attention'] or 0):.0f}% of the attention."
+            )
         lines += self._learned_lines(t)
         rec = self._recompute()
         if rec is not None:
             r = t.loc[rec.policy.label]
-            lines.append(f"Re-computation ceiling ({rec.policy.label}, every {self.recompute_every} position(s)): "
-                         f"perplexity {r['ppl_at_recompute']:.2f} on its positions past the window.")
+            lines.append(
+                f"Re-computation ceiling ({rec.policy.label}, every {self.recompute_every} position(s)): "
+                f"perplexity {r['ppl_at_recompute']:.2f} on its positions past the window."
+            )
             for label, row in sink_rows.iterrows():
                 gap = 100 * (row["ppl_at_recompute"] / r["ppl_at_recompute"] - 1)
-                lines.append(f"  {label} on the same positions: {row['ppl_at_recompute']:.2f} ({gap:+.1f}% against the ceiling).")
+                lines.append(
+                    f"  {label} on the same positions: {row['ppl_at_recompute']:.2f} ({gap:+.1f}% against the ceiling)."
+                )
         q = t[t["bits"] < 32]
         for label, row in q.iterrows():
             lines.append(f"{label}: perplexity {row['ppl_past_window']:.2f} past the window.")
@@ -206,22 +255,46 @@ class StreamResult(Result):
         if rows.empty:
             return []
         parts = [f"{label} {100 * row['learned_sink_attention']:.0f}%" for label, row in rows.iterrows()]
-        return ["The model's learned sink slot (always in the cache) gets, once the cache is full: " + ", ".join(parts) + "."]
+        return [
+            "The model's learned sink slot (always in the cache) gets, once the cache is full: "
+            + ", ".join(parts)
+            + "."
+        ]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "window": self.window, "n_ctx": self.n_ctx, "stream": self.stream, "skip": self.skip,
-                "recompute_every": self.recompute_every, "device": self.device, "dtype": self.dtype,
-                "backend": self.backend, "tokens": self.tokens,
-                "timing": "tokens_per_s is measured per decode batch: the policies of one batch (batch: how many "
-                          "rows were decoded together) share one timing",
-                "table": json.loads(self.table.to_json(orient="records")), "runs": [r.to_dict() for r in self.runs],
-                "versions": package_versions()}
+        return {
+            "model": self.model,
+            "window": self.window,
+            "n_ctx": self.n_ctx,
+            "stream": self.stream,
+            "skip": self.skip,
+            "recompute_every": self.recompute_every,
+            "device": self.device,
+            "dtype": self.dtype,
+            "backend": self.backend,
+            "tokens": self.tokens,
+            "timing": "tokens_per_s is measured per decode batch: the policies of one batch (batch: how many "
+            "rows were decoded together) share one timing",
+            "table": json.loads(self.table.to_json(orient="records")),
+            "runs": [r.to_dict() for r in self.runs],
+            "versions": package_versions(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
-        return cls(d["model"], d["window"], d["n_ctx"], d["stream"], d["skip"], [PolicyRun.from_dict(r) for r in d["runs"]],
-                   d["recompute_every"], d.get("device", "cpu"), tokens=d.get("tokens"), dtype=d.get("dtype", "float32"),
-                   backend=d.get("backend"))
+        return cls(
+            d["model"],
+            d["window"],
+            d["n_ctx"],
+            d["stream"],
+            d["skip"],
+            [PolicyRun.from_dict(r) for r in d["runs"]],
+            d["recompute_every"],
+            d.get("device", "cpu"),
+            tokens=d.get("tokens"),
+            dtype=d.get("dtype", "float32"),
+            backend=d.get("backend"),
+        )
 
     @classmethod
     def load(cls, path) -> "StreamResult":
@@ -256,8 +329,12 @@ def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
             row[f"{s} sinks"] = t.loc[label, "ppl_past_window"] if label in t.index else float("nan")
         rec = f"recompute {w}"
         row["recompute"] = t.loc[rec, "ppl_past_window"] if rec in t.index else float("nan")
-        row["first token attention (1 sink)"] = t.loc[f"1+{w - 1}", "sink_attention"] if f"1+{w - 1}" in t.index else float("nan")
-        row["learned slot attention (window)"] = t.loc[f"0+{w}", "learned_sink_attention"] if f"0+{w}" in t.index else float("nan")
+        row["first token attention (1 sink)"] = (
+            t.loc[f"1+{w - 1}", "sink_attention"] if f"1+{w - 1}" in t.index else float("nan")
+        )
+        row["learned slot attention (window)"] = (
+            t.loc[f"0+{w}", "learned_sink_attention"] if f"0+{w}" in t.index else float("nan")
+        )
         rows.append(row)
     return pd.DataFrame(rows).set_index("model").apply(pd.to_numeric)  # None (no learned slot) -> NaN
 
@@ -282,14 +359,31 @@ def _backend(model: SinkModel) -> dict:
     """What decodes a model's stream, and why (the stream JSON's ``backend``)."""
     if hf_module(model) is None:
         return {"name": "reference", "why": "a reference model decodes through its own hooks (ReferenceLM)"}
-    return {"name": "transformers", "why": "the cache passes decode the Hugging Face model in its own attention, the "
-                                           "only one that keeps a KV cache (the bridge's wrappers off for the passes)"}
+    return {
+        "name": "transformers",
+        "why": "the cache passes decode the Hugging Face model in its own attention, the "
+        "only one that keeps a KV cache (the bridge's wrappers off for the passes)",
+    }
 
 
-def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_tokens: int = 2048, sinks=(0, 1, 2, 4, 8),
-                         newline_sinks: int | None = 4, bits=(8, 4), quant_sinks: int = 4, dense: bool = True,
-                         recompute_every: int | None = 8, seed: int = 0, tokenizer=None, skip: int | None = None,
-                         batch: int = 16, progress: bool = False) -> StreamResult:
+def streaming_perplexity(
+    model: SinkModel,
+    tokens=None,
+    *,
+    window: int = 256,
+    n_tokens: int = 2048,
+    sinks=(0, 1, 2, 4, 8),
+    newline_sinks: int | None = 4,
+    bits=(8, 4),
+    quant_sinks: int = 4,
+    dense: bool = True,
+    recompute_every: int | None = 8,
+    seed: int = 0,
+    tokenizer=None,
+    skip: int | None = None,
+    batch: int = 16,
+    progress: bool = False,
+) -> StreamResult:
     """Perplexity of a causal LM on a long stream under dense, window, sinks + window (several s), newline
     sinks, quantised caches and the re-computation ceiling. ``model``: what ``analysis.load_model`` returns (a name
     goes through it first: a name or a bare Hugging Face model is refused; split over devices with its
@@ -331,26 +425,47 @@ def streaming_perplexity(model: SinkModel, tokens=None, *, window: int = 256, n_
     if window < 1:
         raise ValueError(f"window must be at least 1 token; got {window}.")
     if n_ctx is not None and window > n_ctx:
-        raise ValueError(f"window {window} is larger than the context of {name} ({n_ctx} tokens); use --window {n_ctx} or less.")
+        raise ValueError(
+            f"window {window} is larger than the context of {name} ({n_ctx} tokens); use --window {n_ctx} or less."
+        )
     bad = [s for s in sinks if s >= window] + ([quant_sinks] if bits and quant_sinks >= window else [])
     if bad:
         raise ValueError(f"sinks {bad} must each be smaller than the window ({window}); the window counts the sinks.")
     tokens, record = _stream_tokens(model, tok, tokens, n_tokens=n_tokens, seed=seed)
     if tokens.numel() <= window:
-        raise ValueError(f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
-                         f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window).")
+        raise ValueError(
+            f"the stream ({tokens.numel()} tokens) is not longer than the window ({window}): nothing would "
+            f"ever be evicted. Use more tokens (--tokens) or a smaller window (--window)."
+        )
     skip = max([8, *sinks]) if skip is None else skip
     if newline_sinks and tok is None:  # a synthetic task has no newline token
         record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
         newline_sinks = None
-    pols = default_policies(window, sinks=sinks, newline_sinks=newline_sinks if newline_sinks else None, bits=bits,
-                            quant_sinks=quant_sinks, dense=dense)
+    pols = default_policies(
+        window,
+        sinks=sinks,
+        newline_sinks=newline_sinks if newline_sinks else None,
+        bits=bits,
+        quant_sinks=quant_sinks,
+        dense=dense,
+    )
     nl = newline_id(tok) if newline_sinks else None
     runs = _decode_policies(model, tokens, pols, n_ctx=n_ctx, batch=batch, newline=nl, progress=progress)
     if recompute_every:
         runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
-    return StreamResult(name, window, n_ctx, record, skip, runs, recompute_every, str(device),
-                        tokens=tokens.tolist(), dtype=str(dtype).removeprefix("torch."), backend=_backend(model))
+    return StreamResult(
+        name,
+        window,
+        n_ctx,
+        record,
+        skip,
+        runs,
+        recompute_every,
+        str(device),
+        tokens=tokens.tolist(),
+        dtype=str(dtype).removeprefix("torch."),
+        backend=_backend(model),
+    )
 
 
 def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -> tuple[torch.Tensor, dict]:
@@ -358,15 +473,26 @@ def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -
     docstring stream (a tokenizer-less reference model: its task's stream) shuffled with ``seed``."""
     if tokens is None:
         reference = model if tok is None else None  # a tokenizer-less reference model
-        stream = (task_stream(reference, n_tokens, seed=seed) if reference is not None
-                  else stdlib_stream(tok, n_tokens, seed=seed))
+        stream = (
+            task_stream(reference, n_tokens, seed=seed)
+            if reference is not None
+            else stdlib_stream(tok, n_tokens, seed=seed)
+        )
         return stream.tokens, stream.record()
     tokens = torch.as_tensor(tokens).long().flatten()
     return tokens, {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
 
 
-def _decode_policies(model: SinkModel, tokens: torch.Tensor, pols: list, *, n_ctx: int | None, batch: int,
-                     newline: int | None, progress: bool) -> list[PolicyRun]:
+def _decode_policies(
+    model: SinkModel,
+    tokens: torch.Tensor,
+    pols: list,
+    *,
+    n_ctx: int | None,
+    batch: int,
+    newline: int | None,
+    progress: bool,
+) -> list[PolicyRun]:
     """One run per cache policy: the dense one over the stream's first ``n_ctx`` tokens (NaN past them), the cached
     ones ``batch`` at a time over the whole stream."""
     runs: list[PolicyRun] = []

@@ -11,6 +11,7 @@ the hook names of ``TransformerBridge``, so every analysis of this package runs 
 
 See docs/training.md.
 """
+
 from analysis.core.lazy import lazy_exports
 
 _EXPORTS = {  # name -> the module that defines it, imported when the name is first asked for
@@ -25,6 +26,17 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
-    "AttentionOp", "CheckpointError", "ModelConfig", "PRESETS", "SinkLM", "TrainConfig", "available_attention",
-    "first_token_stats", "load_reference", "register", "sink_rate", "slot_sink_rate", "train",
+    "AttentionOp",
+    "CheckpointError",
+    "ModelConfig",
+    "PRESETS",
+    "SinkLM",
+    "TrainConfig",
+    "available_attention",
+    "first_token_stats",
+    "load_reference",
+    "register",
+    "sink_rate",
+    "slot_sink_rate",
+    "train",
 ]

@@ -7,6 +7,7 @@ Every field of ``ModelConfig`` and ``TrainConfig`` is an option (underscores bec
 sets a group of fields first, options given on the command line win. ``--list`` prints the attention
 operations and presets.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,18 +129,35 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
             if f.name == "preset":
                 continue
             if f.name == "progress":  # --quiet, as in every command
-                group.add_argument("--quiet", dest="progress", action="store_const", const=False,
-                                   default=argparse.SUPPRESS, help=VOCABULARY["--quiet"])
+                group.add_argument(
+                    "--quiet",
+                    dest="progress",
+                    action="store_const",
+                    const=False,
+                    default=argparse.SUPPRESS,
+                    help=VOCABULARY["--quiet"],
+                )
                 continue
             flag = field_flag(f.name)
             base, optional = _field_type(cls, f)
             helptext = _help(cls, f, flag)
             if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
-                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, nargs="?", const=[True],
-                                   type=lambda s: [_parse_bool(x) for x in s.split(",")],
-                                   help=helptext + "; or a comma-separated list of true/false")
-                group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
-                                   const=[False], default=argparse.SUPPRESS)
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    default=argparse.SUPPRESS,
+                    nargs="?",
+                    const=[True],
+                    type=lambda s: [_parse_bool(x) for x in s.split(",")],
+                    help=helptext + "; or a comma-separated list of true/false",
+                )
+                group.add_argument(
+                    "--no-" + f.name.replace("_", "-"),
+                    dest=f.name,
+                    action="store_const",
+                    const=[False],
+                    default=argparse.SUPPRESS,
+                )
                 continue
             parse = _parse_optional(base) if optional else base
             if f.name in list_fields:
@@ -153,13 +171,17 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
 
 
 TRAIN_HELP = "pre-train a reference language model with a chosen attention operation"
-TRAIN_DESCRIPTION = ("Pre-train a reference language model with a chosen attention operation. Every option is checked "
-                     "before any data is prepared; bad input exits 2 with one line that says what to do.")
+TRAIN_DESCRIPTION = (
+    "Pre-train a reference language model with a chosen attention operation. Every option is checked "
+    "before any data is prepared; bad input exits 2 with one line that says what to do."
+)
 SWEEP_HELP = "train every combination of the options given as comma-separated lists"
-SWEEP_DESCRIPTION = ("Train every combination of the options given as comma-separated lists (any config field, e.g. "
-                     "--weight-decay 0,0.5,5 --seed 0,1,2); write DIR/sweep.csv (one row per run), DIR/summary.csv "
-                     "(mean/std over seeds), DIR/curves.csv (Sink_1 through training) and DIR/command.txt. Completed runs "
-                     "are skipped when rerun.")
+SWEEP_DESCRIPTION = (
+    "Train every combination of the options given as comma-separated lists (any config field, e.g. "
+    "--weight-decay 0,0.5,5 --seed 0,1,2); write DIR/sweep.csv (one row per run), DIR/summary.csv "
+    "(mean/std over seeds), DIR/curves.csv (Sink_1 through training) and DIR/command.txt. Completed runs "
+    "are skipped when rerun."
+)
 
 
 def _train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -176,12 +198,24 @@ def _sweep_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process and thread each")
-    p.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep each run's model.safetensors (--no-keep-models: only its config, statistics and log)")
-    p.add_argument("--reuse", default="", help="comma-separated sweep folders: a grid point whose configuration "
-                                               "equals a finished run there is copied instead of retrained")
-    fields = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)
-              if f.name not in ("preset", "out", "progress", "compile", "resume")]
+    p.add_argument(
+        "--keep-models",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each run's model.safetensors (--no-keep-models: only its config, statistics and log)",
+    )
+    p.add_argument(
+        "--reuse",
+        default="",
+        help="comma-separated sweep folders: a grid point whose configuration "
+        "equals a finished run there is copied instead of retrained",
+    )
+    fields = [
+        f.name
+        for cls in (ModelConfig, TrainConfig)
+        for f in dataclasses.fields(cls)
+        if f.name not in ("preset", "out", "progress", "compile", "resume")
+    ]
     add_config_options(p, list_fields=fields)
     return p
 
@@ -270,8 +304,10 @@ def check_run_args(ns: dict) -> None:
     check_output(ns["out"], flag="--out", folder=True)
     held = held_run(ns["out"])
     if held and not ns.get("resume"):
-        raise ValueError(f"--out {ns['out']} already holds a run ({', '.join(held)}); pass --resume to continue it, or "
-                         "give a new folder to --out. Nothing was changed.")
+        raise ValueError(
+            f"--out {ns['out']} already holds a run ({', '.join(held)}); pass --resume to continue it, or "
+            "give a new folder to --out. Nothing was changed."
+        )
     _check_devices_and_eps(ns)
 
 
@@ -279,8 +315,10 @@ def _check_devices_and_eps(ns: dict) -> None:
     """``--eps`` (each value of a sweep's list) is a sink threshold; each ``--device`` exists here."""
     for eps in _as_list(ns.get("sink_eps", [])):
         if not NORM_EPS_MAX <= eps < 1:
-            raise ValueError(f"--eps {eps}: --eps is the sink threshold, in [{NORM_EPS_MAX}, 1) (paper: 0.3), as in "
-                             "python -m analysis; the norms' epsilon, once --eps here, is --norm-eps.")
+            raise ValueError(
+                f"--eps {eps}: --eps is the sink threshold, in [{NORM_EPS_MAX}, 1) (paper: 0.3), as in "
+                "python -m analysis; the norms' epsilon, once --eps here, is --norm-eps."
+            )
     for device in _as_list(ns.get("device", "auto")):
         check_device(device)
 
@@ -318,8 +356,10 @@ def run_sweep(args, *, command: str) -> int:
     preset_name, jobs, keep = ns.pop("preset"), ns.pop("jobs"), ns.pop("keep_models")
     reuse = [r for r in ns.pop("reuse").split(",") if r]
     if "out" not in ns:
-        return _fail("sweep: --out DIR is required: the folder of the grid's runs and tables (the same --out again "
-                     "skips the runs already finished).")
+        return _fail(
+            "sweep: --out DIR is required: the folder of the grid's runs and tables (the same --out again "
+            "skips the runs already finished)."
+        )
     if jobs < 1:
         return _fail(f"--jobs must be at least 1; got {jobs}.")
     try:
@@ -375,8 +415,13 @@ def run_train(args, *, command: str) -> int:
     except ValueError as e:
         return _fail(str(e))
     if result.final:
-        print({k: v for k, v in result.final.items() if k in ("step", "loss", "val_loss", "sink_1", "sink_slot",
-                                                               "resid_norm_ratio", "value_norm_ratio")})
+        print(
+            {
+                k: v
+                for k, v in result.final.items()
+                if k in ("step", "loss", "val_loss", "sink_1", "sink_slot", "resid_norm_ratio", "value_norm_ratio")
+            }
+        )
     print(f"model written to {tcfg.out}")
     return 0
 

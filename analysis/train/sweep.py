@@ -12,6 +12,7 @@ skipped, interrupted ones resumed) and writes
 
 ``jobs`` trains that many runs at once, each in its own process with one thread.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,22 @@ from analysis.train.presets import build_configs
 from analysis.train.trainer import train
 
 
-METRICS = ("loss", "val_loss", "sink_1", "sink_k", "sink_slot", "sink_prefix", "sink_1_no_fixed",
-           "val_loss_no_fixed", "sink_1_in_window", "sink_window_start", "spike_ratio", "value_norm_ratio", "resid_norm_ratio", "raw_first_mass")
+METRICS = (
+    "loss",
+    "val_loss",
+    "sink_1",
+    "sink_k",
+    "sink_slot",
+    "sink_prefix",
+    "sink_1_no_fixed",
+    "val_loss_no_fixed",
+    "sink_1_in_window",
+    "sink_window_start",
+    "spike_ratio",
+    "value_norm_ratio",
+    "resid_norm_ratio",
+    "raw_first_mass",
+)
 
 
 def grid_points(options: dict) -> tuple[list[str], list[dict]]:
@@ -64,6 +79,7 @@ def run_name(point: dict) -> str:
     -------
     str
     """
+
     def fmt(v):
         return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -87,8 +103,18 @@ def _train_one(args: tuple) -> dict:
 
 
 # Options that do not change what a run trains (evaluation runs under no_grad on a fixed probe).
-_NOT_CONFIG = ("out", "progress", "resume", "preset", "d_vocab", "log_every", "eval_every", "checkpoint_every",
-               "keep_checkpoints", "snapshots")
+_NOT_CONFIG = (
+    "out",
+    "progress",
+    "resume",
+    "preset",
+    "d_vocab",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "snapshots",
+)
 
 
 def config_key(model: dict, train: dict) -> str:
@@ -175,8 +201,15 @@ def _row(point: dict, final: dict, run: str) -> dict:
     return row
 
 
-def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[str] = None, jobs: int = 1,
-              keep_models: bool = True, reuse: Sequence = ()) -> pd.DataFrame:
+def run_sweep(
+    preset_name: Optional[str],
+    options: dict,
+    *,
+    command: Optional[str] = None,
+    jobs: int = 1,
+    keep_models: bool = True,
+    reuse: Sequence = (),
+) -> pd.DataFrame:
     """Train each grid point into ``OUT/<name>`` and write the tables of the module doc. ``options`` holds
     config fields; any may be a list (the grid). ``keep_models=False`` deletes each run's weights once its
     statistics are written (for committed sweeps). ``reuse``: sweep folders whose finished runs are copied
@@ -212,8 +245,16 @@ def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[st
         if (run_dir / "config.json").is_file():
             finals[run_dir.name] = read_json(run_dir / "config.json").get("final", {})
         else:
-            todo.append((preset_name, {**fixed, **point, "progress": jobs == 1 and fixed.get("progress", True)},
-                         run_dir, command, 1 if jobs > 1 else None, keep_models))
+            todo.append(
+                (
+                    preset_name,
+                    {**fixed, **point, "progress": jobs == 1 and fixed.get("progress", True)},
+                    run_dir,
+                    command,
+                    1 if jobs > 1 else None,
+                    keep_models,
+                )
+            )
     if jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             for args, final in zip(todo, pool.map(_train_one, todo)):
@@ -227,8 +268,15 @@ def run_sweep(preset_name: Optional[str], options: dict, *, command: Optional[st
         rows.append(_row(point, finals[name], name))
         for rec in read_log(out / name, missing_ok=True):
             if "sink_1" in rec:
-                curves.append({**point, **{k: rec.get(k) for k in ("step", "tokens", "loss", "val_loss", "sink_1",
-                                                                      "sink_slot", "spike_ratio")}})
+                curves.append(
+                    {
+                        **point,
+                        **{
+                            k: rec.get(k)
+                            for k in ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")
+                        },
+                    }
+                )
     table = pd.DataFrame(rows)
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(table, out / "sweep.csv")
@@ -301,6 +349,8 @@ def grid_text(runs: pd.DataFrame, field: str, *, metric: str = "sink_1", unit: s
     lines = []
     for value, df in runs.groupby(field, sort=False, dropna=False):
         x = df[metric].astype(float)
-        lines.append(f"{field} {grid_label(value)}: {metric} {x.mean():.2f}{unit} ± {x.std(ddof=1) if len(x) > 1 else 0:.2f} "
-                     f"(range {x.min():.2f}-{x.max():.2f}, {len(x)} seeds)")
+        lines.append(
+            f"{field} {grid_label(value)}: {metric} {x.mean():.2f}{unit} ± {x.std(ddof=1) if len(x) > 1 else 0:.2f} "
+            f"(range {x.min():.2f}-{x.max():.2f}, {len(x)} seeds)"
+        )
     return "\n".join(lines)

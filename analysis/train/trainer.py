@@ -8,6 +8,7 @@ Typical use::
     result = train(ModelConfig(attention="sigmoid"), TrainConfig(out="runs/sig", steps=4000))
     result.model, result.final["sink_1"]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,10 +43,29 @@ from analysis.model.access import attention_window, reference_config
 from analysis.train.presets import config_to_args
 
 # Train options that decide which batches a run sees: a resumed run must keep them.
-_DATA_KEYS = ("seed", "batch_size", "dataset", "dataset_split", "text_column", "corpus_max_chars", "tokenizer",
-              "tokenizer_vocab_size", "bos", "fixed_token_position", "fixed_token_id", "prefix_len",
-              "synthetic_vocab", "synthetic_triggers", "synthetic_seed", "synthetic_bos", "synthetic_keys",
-              "synthetic_lags", "synthetic_topics", "synthetic_noise", "val_fraction")
+_DATA_KEYS = (
+    "seed",
+    "batch_size",
+    "dataset",
+    "dataset_split",
+    "text_column",
+    "corpus_max_chars",
+    "tokenizer",
+    "tokenizer_vocab_size",
+    "bos",
+    "fixed_token_position",
+    "fixed_token_id",
+    "prefix_len",
+    "synthetic_vocab",
+    "synthetic_triggers",
+    "synthetic_seed",
+    "synthetic_bos",
+    "synthetic_keys",
+    "synthetic_lags",
+    "synthetic_topics",
+    "synthetic_noise",
+    "val_fraction",
+)
 
 
 @dataclass
@@ -63,6 +83,7 @@ class TrainResult:
     final : dict
         The last record (``final["sink_1"]``: Sink_1 at the end).
     """
+
     model: SinkLM
     out: Optional[Path]
     log: list = field(default_factory=list)
@@ -70,6 +91,7 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- pieces
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then constant or cosine.
@@ -198,20 +220,23 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
 
 def _config_diff(saved: dict, current: dict, keys=None) -> list[str]:
     keys = keys or sorted(set(saved) | set(current))
-    return [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys
-            if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+    ]
 
 
 def _mean_loss(model: SinkLM, tokens: torch.Tensor, batch_size: int = 64) -> float:
     dev = model.device
-    losses = [float(model(tokens[i:i + batch_size].to(dev), return_type="loss"))
-              for i in range(0, len(tokens), batch_size)]
+    losses = [
+        float(model(tokens[i : i + batch_size].to(dev), return_type="loss")) for i in range(0, len(tokens), batch_size)
+    ]
     return sum(losses) / len(losses)
 
 
 @torch.no_grad()
-def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: Optional[torch.Tensor] = None,
-             k_max: int = 4) -> dict:
+def evaluate(
+    model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: Optional[torch.Tensor] = None, k_max: int = 4
+) -> dict:
     """Held-out probe statistics, logged at every evaluation:
 
     ``sink_1``, ``sink_k`` (Sink_k for k = 1..k_max, percent), first-token ratios (``resid_norm_ratio`` of the
@@ -242,8 +267,10 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: 
     try:
         p = reference_config(model).prefix_attention
         res = sink_metric(model, probe, eps=eps, k_max=max(k_max, min(p, probe.shape[1])))
-        out = {"sink_1": round(res.sink_rate(1), 4),
-               "sink_k": [round(res.sink_rate(k), 4) for k in range(1, min(k_max, res.k_max) + 1)]}
+        out = {
+            "sink_1": round(res.sink_rate(1), 4),
+            "sink_k": [round(res.sink_rate(k), 4) for k in range(1, min(k_max, res.k_max) + 1)],
+        }
         if p > 1:
             best = res.alpha[..., 1:p].amax(-1)  # (N, L, H): the best prefix position after the first
             out["sink_prefix"] = round(100.0 * float((best > eps).float().mean()), 4)
@@ -267,6 +294,7 @@ def evaluate(model: SinkLM, probe: torch.Tensor, eps: float, *, probe_no_fixed: 
 
 # ----------------------------------------------------------------------------- the loop
 
+
 def _batch_split(tcfg: TrainConfig, world: int) -> tuple[int, int]:
     """(sequences per process, sequences per micro-batch), checked."""
     if tcfg.batch_size % world:
@@ -288,7 +316,10 @@ def _data_and_probes(tcfg: TrainConfig, mcfg: ModelConfig, out: Optional[Path], 
         mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "d_vocab": data.vocab_size})
     if tcfg.probe_len > mcfg.n_ctx:
         tcfg.probe_len = mcfg.n_ctx
-    probes = (data.probe(tcfg.probe_size, tcfg.probe_len), data.probe_without_fixed_token(tcfg.probe_size, tcfg.probe_len))
+    probes = (
+        data.probe(tcfg.probe_size, tcfg.probe_len),
+        data.probe_without_fixed_token(tcfg.probe_size, tcfg.probe_len),
+    )
     if tcfg.prefix_len and not mcfg.prefix_attention:  # prefix LM: the prefix attends bidirectionally
         mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "prefix_attention": tcfg.prefix_len})
     return data, mcfg, probes
@@ -372,14 +403,15 @@ class _Loop:
         loss_acc = torch.zeros((), device=self.device)
         n_micro, micro, world = self.per_rank // self.micro, self.micro, self.world
         for i in range(n_micro):
-            x, y = x_all[i * micro:(i + 1) * micro], y_all[i * micro:(i + 1) * micro]
+            x, y = x_all[i * micro : (i + 1) * micro], y_all[i * micro : (i + 1) * micro]
             sync = contextlib.nullcontext() if (world == 1 or i == n_micro - 1) else self.runner.no_sync()
             with sync:
                 with self.autocast():
                     logits = self.runner(x)
                 # sum over this micro-batch / tokens of the global batch, x world (DDP averages grads)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                       reduction="sum") * (world / n_valid)
+                loss = F.cross_entropy(
+                    logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"
+                ) * (world / n_valid)
                 loss.backward()
             loss_acc += loss.detach()
         grad_norm = self._clip()
@@ -414,17 +446,26 @@ def _snapshot_steps(spec, steps: int) -> frozenset:
 
 
 def _describe(mcfg: ModelConfig, tcfg: TrainConfig, data) -> str:
-    return (f"{mcfg.attention} attention, {mcfg.n_layers} layer(s) x {mcfg.n_heads} heads, d_model "
-            f"{mcfg.d_model}, {mcfg.positional_embedding_type} positions; {tcfg.steps} steps of "
-            f"{tcfg.batch_size} x {mcfg.n_ctx} tokens on {data.description}")
+    return (
+        f"{mcfg.attention} attention, {mcfg.n_layers} layer(s) x {mcfg.n_heads} heads, d_model "
+        f"{mcfg.d_model}, {mcfg.positional_embedding_type} positions; {tcfg.steps} steps of "
+        f"{tcfg.batch_size} x {mcfg.n_ctx} tokens on {data.description}"
+    )
 
 
 def _checkpoint(loop: _Loop, out: Optional[Path], done: int, main: bool, names, mcfg: ModelConfig) -> None:
     tcfg = loop.tcfg
     if out is not None and tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or done == tcfg.steps):
         if main:
-            save_checkpoint(out, done, loop.model, loop.optimizer, names,
-                            {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()}, tcfg.keep_checkpoints)
+            save_checkpoint(
+                out,
+                done,
+                loop.model,
+                loop.optimizer,
+                names,
+                {"model_config": mcfg.to_dict(), "train_config": tcfg.to_dict()},
+                tcfg.keep_checkpoints,
+            )
         if loop.world > 1:
             dist.barrier()
 
@@ -434,13 +475,31 @@ def _snapshot(loop: _Loop, out: Optional[Path], done: int, main: bool, mcfg: Mod
     that ``load_reference`` loads (its ``final`` holds the evaluation at that step, when one ran)."""
     if out is None or not main or done not in loop.snapshot_at:
         return
-    save_reference(out / "snapshots" / f"step-{done:07d}", loop.model,
-                   {"description": _describe(mcfg, loop.tcfg, data) + f" (snapshot at step {done})", "step": done,
-                    "model": mcfg.to_dict(), "train": loop.tcfg.to_dict(), "data": data.meta(), "final": record})
+    save_reference(
+        out / "snapshots" / f"step-{done:07d}",
+        loop.model,
+        {
+            "description": _describe(mcfg, loop.tcfg, data) + f" (snapshot at step {done})",
+            "step": done,
+            "model": mcfg.to_dict(),
+            "train": loop.tcfg.to_dict(),
+            "data": data.meta(),
+            "final": record,
+        },
+    )
 
 
-def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: list, mcfg: ModelConfig, names, probes,
-               stop_after: Optional[int]) -> tuple[dict, bool]:
+def _run_steps(
+    loop: _Loop,
+    start: int,
+    out: Optional[Path],
+    main: bool,
+    log: list,
+    mcfg: ModelConfig,
+    names,
+    probes,
+    stop_after: Optional[int],
+) -> tuple[dict, bool]:
     """Steps ``start`` .. ``tcfg.steps``: train, log (``log`` and train_log.jsonl), evaluate, checkpoint.
     Returns (the last record this run logged, whether ``stop_after`` ended it early)."""
     from tqdm.auto import tqdm
@@ -460,10 +519,15 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
             rec = {}
             if _should_log(done, tcfg):
                 now = time.perf_counter()
-                rec = {"step": done, "loss": round(float(loss_acc) / loop.world, 5), "lr": lr,
-                       "grad_norm": round(float(grad_norm), 5),
-                       "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
-                       "tokens": done * tokens_per_step, "elapsed_s": round(now - t0, 2)}
+                rec = {
+                    "step": done,
+                    "loss": round(float(loss_acc) / loop.world, 5),
+                    "lr": lr,
+                    "grad_norm": round(float(grad_norm), 5),
+                    "tokens_per_s": round(steps_since * tokens_per_step / max(now - t_last, 1e-9), 1),
+                    "tokens": done * tokens_per_step,
+                    "elapsed_s": round(now - t0, 2),
+                }
                 if main:
                     if _should_eval(done, tcfg):
                         rec.update(evaluate(loop.model, probes[0], tcfg.sink_eps, probe_no_fixed=probes[1]))
@@ -486,8 +550,9 @@ def _run_steps(loop: _Loop, start: int, out: Optional[Path], main: bool, log: li
     return last, False
 
 
-def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[str] = None,
-          _stop_after: Optional[int] = None) -> TrainResult:
+def train(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[str] = None, _stop_after: Optional[int] = None
+) -> TrainResult:
     """Pre-train a model from scratch (or resume); returns the trained model in eval mode.
 
     ``command``: recorded in ``command.txt`` (default: an equivalent CLI command).
@@ -517,7 +582,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
     torch.manual_seed(tcfg.seed)
     model = SinkLM(mcfg, tokenizer=data.tokenizer).to(device)
     groups, names = param_groups(model, tcfg)
-    optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=(device.type == "cuda") or None)
+    optimizer = torch.optim.AdamW(
+        groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=(device.type == "cuda") or None
+    )
     start, log = _resume(ckpt, out, model, optimizer, names, mcfg, tcfg, main)
     if main and out is not None:
         _prepare_out(out, start, command, mcfg, tcfg, data)
@@ -529,9 +596,18 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, command: Optional[s
         return TrainResult(model.eval(), out, log, last)
     final = dict(last or (log[-1] if log else {}))
     if main and out is not None:
-        save_reference(out, model, {"description": _describe(mcfg, tcfg, data), "model": mcfg.to_dict(),
-                                    "train": tcfg.to_dict(), "data": data.meta(), "attention_kernel": kernel,
-                                    "final": final})
+        save_reference(
+            out,
+            model,
+            {
+                "description": _describe(mcfg, tcfg, data),
+                "model": mcfg.to_dict(),
+                "train": tcfg.to_dict(),
+                "data": data.meta(),
+                "attention_kernel": kernel,
+                "final": final,
+            },
+        )
     if world > 1:
         dist.barrier()
     return TrainResult(model.eval(), out, log, final)

@@ -8,6 +8,7 @@ Writes ``OUT/tokens.npy`` (1-D uint16), ``OUT/tokenizer/`` (a Hugging Face token
 (documents, characters, tokens, vocabulary, Python version). Train on it with
 ``--dataset tokens:OUT/tokens.npy --tokenizer OUT/tokenizer``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,20 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     np.save(args.out / "tokens.npy", ids.astype(np.uint16), allow_pickle=False)
     tok.save_pretrained(args.out / "tokenizer")
-    meta = {"corpus": "Python standard-library docstrings", "python": platform.python_version(),
-            "documents": len(docs), "characters": sum(map(len, docs)), "tokens": int(len(ids)),
-            "vocab": len(tok), "dtype": "uint16"}
+    meta = {
+        "corpus": "Python standard-library docstrings",
+        "python": platform.python_version(),
+        "documents": len(docs),
+        "characters": sum(map(len, docs)),
+        "tokens": int(len(ids)),
+        "vocab": len(tok),
+        "dtype": "uint16",
+    }
     (args.out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"corpus: {meta['documents']} docstrings, {meta['characters']:,} characters -> {meta['tokens']:,} tokens "
-          f"(vocab {meta['vocab']}) in {args.out}")
+    print(
+        f"corpus: {meta['documents']} docstrings, {meta['characters']:,} characters -> {meta['tokens']:,} tokens "
+        f"(vocab {meta['vocab']}) in {args.out}"
+    )
     return meta
 
 

@@ -5,6 +5,7 @@ its own corpus, with the report's spike criterion for the model's width (``analy
 
     python scripts/gpu/pair_summary.py RUN_DIR [RUN_DIR ...] --out pair.json [--probe-seed 2024] [--n 100 --T 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ def summarise(run: Path, *, probe_seed: int, n: int, T: int) -> dict:
     chain = mechanism_chain(model, probe)
     abs_threshold, ratio_threshold = spike_criterion(model)  # the report's criterion for this model's width
     origin = spike_origin(model, probe, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold).to_dict()
-    return {"run": str(run), "attention": model.cfg.attention, "final": model.reference_config.get("final"),
-            "chain": chain, "spike_origin": origin}
+    return {
+        "run": str(run),
+        "attention": model.cfg.attention,
+        "final": model.reference_config.get("final"),
+        "chain": chain,
+        "spike_origin": origin,
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -50,8 +56,10 @@ def main(argv=None) -> list[dict]:
     args.out.write_text(json.dumps(jsonable(rows), indent=1) + "\n")
     for r in rows:
         c = r["chain"]
-        print(f"{r['attention']:10s} val loss {(r['final'] or {}).get('val_loss', float('nan')):.3f}  "
-              f"Sink_1 {c['sink_1']:.1f}%  spike {c['spike_ratio_sequence']:.0f}x the sequence median")
+        print(
+            f"{r['attention']:10s} val loss {(r['final'] or {}).get('val_loss', float('nan')):.3f}  "
+            f"Sink_1 {c['sink_1']:.1f}%  spike {c['spike_ratio_sequence']:.0f}x the sequence median"
+        )
     print(f"written {args.out}")
     return rows
 

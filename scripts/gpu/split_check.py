@@ -10,6 +10,7 @@ on --device; "disk" on a CPU-only machine), everything else to --device. The pro
 qk, key manifold, value norms, baseline, gates, resid, origin) runs on both; every number must agree to --tol
 (relative). Exit 1 where one does not; the JSON names the first differences.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,11 @@ def _pair_folder(src: str, a, offload_dir: str):
     name = "smollm2-135m" if src == "smollm2" else src
     n_layers = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
     dm = split_device_map(folder, {l: a.offload for l in range(n_layers // 2, n_layers)}, default=a.device)
-    return (lambda: load_model(name, device=a.device, dtype=a.dtype),
-            lambda: load_model(name, dtype=a.dtype, device_map=dm, offload_folder=offload_dir), dm)
+    return (
+        lambda: load_model(name, device=a.device, dtype=a.dtype),
+        lambda: load_model(name, dtype=a.dtype, device_map=dm, offload_folder=offload_dir),
+        dm,
+    )
 
 
 def _pair_random(shape: str, a, offload_dir: str):
@@ -79,22 +83,41 @@ def _pair_random(shape: str, a, offload_dir: str):
     theta = spec.pop("rope_theta")
     spec["vocab_size"] = spec["vocab_size"] or len(tok)
     spec["num_hidden_layers"] = a.layers or spec["num_hidden_layers"]
-    cfg = LlamaConfig(**spec, rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta}, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        **spec,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
     n_layers = cfg.num_hidden_layers
     dm = split_device_map(hf, {l: a.offload for l in range(n_layers // 2, n_layers)}, default=a.device)
-    return (lambda: bridge_hf(copy.deepcopy(hf).to(a.device), tokenizer=tok, name=shape, device=a.device),
-            lambda: bridge_hf(hf, tokenizer=tok, name=shape, device_map=dm, offload_folder=offload_dir), dm)
+    return (
+        lambda: bridge_hf(copy.deepcopy(hf).to(a.device), tokenizer=tok, name=shape, device=a.device),
+        lambda: bridge_hf(hf, tokenizer=tok, name=shape, device_map=dm, offload_folder=offload_dir),
+        dm,
+    )
 
 
 def run(a) -> dict:
     offload_dir = tempfile.mkdtemp(prefix="split-check-")
-    whole_fn, split_fn, dm = (_pair_random if a.shape in ("llama3-8b", "tiny") else _pair_folder)(a.shape, a, offload_dir)
-    out = {"shape": a.shape, "device": a.device, "offload": a.offload, "dtype": a.dtype, "n": a.n, "T": a.T,
-           "device_map": {k: str(v) for k, v in dm.items()}}
+    whole_fn, split_fn, dm = (_pair_random if a.shape in ("llama3-8b", "tiny") else _pair_folder)(
+        a.shape, a, offload_dir
+    )
+    out = {
+        "shape": a.shape,
+        "device": a.device,
+        "offload": a.offload,
+        "dtype": a.dtype,
+        "n": a.n,
+        "T": a.T,
+        "device_map": {k: str(v) for k, v in dm.items()},
+    }
     for name, fn in (("whole", whole_fn), ("split", split_fn)):
         t = time.perf_counter()
         model = fn()
@@ -107,8 +130,11 @@ def run(a) -> dict:
             torch.cuda.empty_cache()
     diffs = differences(out["whole_profile"], out["split_profile"], a.tol)
     out["n_differences"], out["differences"] = len(diffs), diffs[:20]
-    out["sink_1_pct"] = {k: v["sink_k_pct"][0] for k, v in out["split_profile"].get("results", {}).items()
-                         if isinstance(v, dict) and v.get("sink_k_pct")}
+    out["sink_1_pct"] = {
+        k: v["sink_k_pct"][0]
+        for k, v in out["split_profile"].get("results", {}).items()
+        if isinstance(v, dict) and v.get("sink_k_pct")
+    }
     return out
 
 
@@ -131,8 +157,10 @@ def main(argv=None) -> int:
     res = run(a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"{a.shape}: whole {res['whole_profile_s']} s, split ({a.device} + {a.offload}) {res['split_profile_s']} s; "
-          f"Sink_1 {res['sink_1_pct']}; {res['n_differences']} numbers differ beyond {a.tol:g}")
+    print(
+        f"{a.shape}: whole {res['whole_profile_s']} s, split ({a.device} + {a.offload}) {res['split_profile_s']} s; "
+        f"Sink_1 {res['sink_1_pct']}; {res['n_differences']} numbers differ beyond {a.tol:g}"
+    )
     for d in res["differences"][:5]:
         print("  ", d)
     return 1 if res["n_differences"] else 0

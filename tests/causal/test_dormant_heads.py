@@ -1,6 +1,7 @@
 """What a sink does for its head: a head built by hand that is dormant exactly when it sinks; gradient x activation
 against exact removal (a tiny model, SmolLM2); the output norm against Hugging Face's own o_proj; the reference
 models (softmax, sigmoid, slot); bad input."""
+
 import numpy as np
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_output_norm_equals_hugging_face_o_proj(tiny_llama, toks, device):
         W = tiny_llama.original_model.model.layers[l].self_attn.o_proj.weight.detach().cpu()  # (D, H * d)
         z = cache[f"blocks.{l}.attn.hook_z"]  # (N, T, H, d)
         for h in range(4):
-            ref = (z[:, :, h] @ W[:, h * d:(h + 1) * d].T).norm(dim=-1)  # (N, T)
+            ref = (z[:, :, h] @ W[:, h * d : (h + 1) * d].T).norm(dim=-1)  # (N, T)
             assert torch.allclose(res.out_norm[:, l, h], ref, rtol=1e-4, atol=tol(device, 1e-6))
         pattern = cache[f"blocks.{l}.attn.hook_pattern"]
         assert torch.allclose(res.sink_attn[:, l], pattern[..., 0], atol=tol(device, 1e-6))
@@ -135,8 +136,10 @@ def test_attribution_close_to_exact_removal_on_a_tiny_model(tiny_llama, toks, de
     # mean ablation sets the output to the head's mean over the measured queries
     zm = head_means(tiny_llama, toks, [1])
     _, cache = cpu_cache(tiny_llama, toks)
-    assert torch.allclose(zm[0], cache["blocks.1.attn.hook_z"][:, 1:T - 1].mean((0, 1)), atol=tol(device, 1e-6))
-    assert torch.allclose(res.z_mean[1], cache["blocks.1.attn.hook_z"][:, 3:T - 1].mean((0, 1)), atol=tol(device, 1e-6))
+    assert torch.allclose(zm[0], cache["blocks.1.attn.hook_z"][:, 1 : T - 1].mean((0, 1)), atol=tol(device, 1e-6))
+    assert torch.allclose(
+        res.z_mean[1], cache["blocks.1.attn.hook_z"][:, 3 : T - 1].mean((0, 1)), atol=tol(device, 1e-6)
+    )
 
 
 def test_attribution_against_exact_removal_on_smollm2(smollm2):
@@ -149,7 +152,9 @@ def test_attribution_against_exact_removal_on_smollm2(smollm2):
     assert "Pearson r" in chk.text() and len(chk.table()) == 2 and chk.to_dict()["ablation"] == "zero"
 
 
-@pytest.mark.parametrize("name", ["synthetic-softmax", "synthetic-sigmoid", "synthetic-sink-token", "synthetic-kv-bias"])
+@pytest.mark.parametrize(
+    "name", ["synthetic-softmax", "synthetic-sigmoid", "synthetic-sink-token", "synthetic-kv-bias"]
+)
 def test_reference_models(name, device):
     """Softmax sinks on BOS and its copy head sinks less where it must copy; sigmoid has no sink but a total weight
     that follows the output norm; the slot models sink onto their slot."""
@@ -237,7 +242,9 @@ def test_sink_positions_and_mask_agree(tiny_llama, toks, device):
     assert a.query_positions == b.query_positions == list(range(6, T - 1))  # two sink keys: 2 / 7 <= 0.3
     assert torch.allclose(a.sink_attn, b.sink_attn, atol=1e-6)
     _, cache = cpu_cache(tiny_llama, toks)
-    assert torch.allclose(a.sink_attn[:, 1], cache["blocks.1.attn.hook_pattern"][..., :2].sum(-1), atol=tol(device, 1e-6))
+    assert torch.allclose(
+        a.sink_attn[:, 1], cache["blocks.1.attn.hook_pattern"][..., :2].sum(-1), atol=tol(device, 1e-6)
+    )
     assert np.isfinite(a.head_table()["rho_norm"]).all()
 
 

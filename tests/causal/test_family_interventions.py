@@ -6,6 +6,7 @@ token's ``hook_resid_post`` of layer 0), so every ablation has something to remo
 against the same edit made by hand on ``hook_z`` (z_t -= A[t, 1] v_1 with A and v_1 of the unchanged pass, exact
 because only one layer is ablated), on both the pattern-live and the read-only-pattern families.
 """
+
 import warnings
 
 import pytest
@@ -49,7 +50,9 @@ def _loss(model, toks, hooks=()) -> float:
     toks = toks.to(model_device(model))
     with torch.inference_mode():
         logits = model.run_with_hooks(toks, fwd_hooks=list(hooks))
-    return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), toks[:, 1:].reshape(-1)))
+    return float(
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), toks[:, 1:].reshape(-1))
+    )
 
 
 def _by_hand(model, toks, layer: int, heads: list[int], first_query: bool = True, v_mean=None) -> float:
@@ -60,6 +63,7 @@ def _by_hand(model, toks, layer: int, heads: list[int], first_query: bool = True
     def keep(name):
         def fn(x, hook):
             kept[name] = x.detach().clone()
+
         return fn
 
     _loss(model, toks, [(act_name("pattern", layer), keep("p")), (act_name("v", layer), keep("v"))])

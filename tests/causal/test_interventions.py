@@ -1,5 +1,6 @@
 """Causal tests: on the planted model the answers are known by construction; on SmolLM2 the contrasts
 (zero vs mean, value removed vs set to its mean, first key without its spike part) are computed."""
+
 import json
 
 import pytest
@@ -135,6 +136,7 @@ def test_first_key_ablation_given_dims(planted, toks):
 
 # ----- the embedded SmolLM2 -----
 
+
 @pytest.fixture(scope="module")
 def smol(smollm2):
     from analysis import natural_probe
@@ -180,8 +182,15 @@ def test_layernorm_and_reference_models_run(device):
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike, planted_ln_model
 
     torch.manual_seed(0)
-    ref = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                             normalization_type="LN")).eval().to(device)
+    ref = (
+        SinkLM(
+            ModelConfig(
+                d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2, normalization_type="LN"
+            )
+        )
+        .eval()
+        .to(device)
+    )
     ref.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     ref.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     toks = planted_tokens(4, 16)
@@ -240,9 +249,11 @@ def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
     layers = resume_layers(smollm2, base, spikes, inputs)
     assert layers and min(layers) >= 1  # SmolLM2: sink heads from layer 2, spikes from layer 11
     resumed = _with_resid(smollm2, toks, baseline_pass(smollm2, toks, batch_size=4), layers, 4)
-    runs = {"spike": lambda b: spike_ablation(smollm2, toks, spike_dims=spikes, baseline=b, batch_size=4),
-            "value": lambda b: value_ablation(smollm2, toks, all_heads=False, later=False, baseline=b, batch_size=4),
-            "first_key": lambda b: first_key_ablation(smollm2, toks, spike_dims=inputs, baseline=b, batch_size=4)}
+    runs = {
+        "spike": lambda b: spike_ablation(smollm2, toks, spike_dims=spikes, baseline=b, batch_size=4),
+        "value": lambda b: value_ablation(smollm2, toks, all_heads=False, later=False, baseline=b, batch_size=4),
+        "first_key": lambda b: first_key_ablation(smollm2, toks, spike_dims=inputs, baseline=b, batch_size=4),
+    }
     for name, run in runs.items():
         full = run(base)
         calls = _Calls(smollm2.blocks[0].original_component)
@@ -255,7 +266,9 @@ def test_smollm2_resumed_interventions_equal_full_passes(smollm2, smol):
         assert list(a.index) == list(b.index) and len(a) >= 2, name
         assert (a - b).abs().max().max() < 1e-5, name
         for c, r in getattr(full, "results", {}).items():
-            assert torch.allclose(r.alpha, part.results[c].alpha, atol=1e-5) and torch.allclose(r.where, part.results[c].where, atol=1e-5)
+            assert torch.allclose(r.alpha, part.results[c].alpha, atol=1e-5) and torch.allclose(
+                r.where, part.results[c].where, atol=1e-5
+            )
 
 
 def test_a_hook_on_the_stream_a_pass_resumes_from_is_applied_to_it(family_bridge):

@@ -5,6 +5,7 @@ Cheap: each ground-truth model is one pass of 100 x 64 tokens through a 1-layer 
 imports; the file took about 20 s of wall time on the shared 2-core machine); the backend test is two passes of 3 x 16
 tokens through a tiny llama.
 """
+
 import math
 import warnings
 
@@ -63,8 +64,9 @@ def test_the_sink_kind_is_the_same_on_both_backends(family_bridge):
     a, b = got["transformer_lens"].heads, got["transformers"].heads
     assert (a["sink"] == b["sink"]).all() and a["sink"].any()
     for c in ("alpha_1", "sinking_share", "value_ratio", "out_ratio", "pr", "cos"):
-        assert torch.allclose(torch.tensor(a[c].values), torch.tensor(b[c].values), rtol=1e-4, atol=1e-6,
-                              equal_nan=True), c
+        assert torch.allclose(
+            torch.tensor(a[c].values), torch.tensor(b[c].values), rtol=1e-4, atol=1e-6, equal_nan=True
+        ), c
     assert a["sink_kind"].equals(b["sink_kind"])
 
 

@@ -11,6 +11,7 @@ a planted first-token spike they find, on one tiny random model per decoder fami
 3. A spike planted on the first token's residual (+400 / -250 in dims 7 and 21 after layer 0) is found by
    ``massive_activations``, and ``norm_gain_trace`` on the next attention layer attributes the first key to it.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,8 +27,16 @@ from tests.conftest import tol
 
 T = 12  # longer than the sliding windows (8) of Mistral, Gemma 2/3, Starcoder2 and gpt-oss
 SPIKE = {7: 400.0, 21: -250.0}
-KEY_NORM = {"qwen3", "gemma3", "olmo2", "qwen3_next", "qwen3_5", "qwen3_moe", "olmoe",
-            "deepseek_v3"}  # DeepSeek-V3: kv_a_layernorm on the key latent
+KEY_NORM = {
+    "qwen3",
+    "gemma3",
+    "olmo2",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+}  # DeepSeek-V3: kv_a_layernorm on the key latent
 ALL_HEADS_KEY_NORM = {"olmo2", "olmoe"}
 NOT_ALIBI = [f for f in FAMILIES if f != "bloom"]
 
@@ -114,8 +123,12 @@ def _check_pattern(spec, model, layer, q, k, got, device):
     """q (B,T,H,d), k (B,T,H_kv,d) as the analyses read them -> scores and pattern of the model."""
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if spec.scores_hook(layer):
-        torch.testing.assert_close(scores[..., seen].float(), got[spec.scores_hook(layer)][..., seen].float(),
-                                   atol=tol(device, 1e-4), rtol=1e-4)
+        torch.testing.assert_close(
+            scores[..., seen].float(),
+            got[spec.scores_hook(layer)][..., seen].float(),
+            atol=tol(device, 1e-4),
+            rtol=1e-4,
+        )
     torch.testing.assert_close(pattern.float(), got[spec.pattern_hook(layer)].float(), atol=tol(device, 1e-5), rtol=0)
 
 
@@ -145,9 +158,15 @@ def test_qk_and_key_manifold_read_the_vectors_the_attention_uses(family, family_
     for i, layer in enumerate(spec.attention_layers):
         _, k = km_acc.vectors(layer, {"k": got[km_acc.hooks()[layer]["k"]]})
         k1 = k[:, 0].norm(dim=-1).mean(0)  # (H_kv,)
-        torch.testing.assert_close(ang.k_first_norm[i], k1.repeat_interleave(spec.n_heads // k.shape[2]), rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(km.table[km.table.layer == layer].k1_norm.to_numpy(), dtype=torch.float32), k1,
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            ang.k_first_norm[i], k1.repeat_interleave(spec.n_heads // k.shape[2]), rtol=1e-4, atol=1e-6
+        )
+        torch.testing.assert_close(
+            torch.tensor(km.table[km.table.layer == layer].k1_norm.to_numpy(), dtype=torch.float32),
+            k1,
+            rtol=1e-4,
+            atol=1e-6,
+        )
     if spec.skipped_layers:
         assert spec.skipped_text() and "skipped" in ang.text() and "skipped" in km.text()
 

@@ -5,6 +5,7 @@ gate and up pre-activations, neuron activations and ``hook_mlp_out`` on every de
 family (tests/families.py), the reference models and SmolLM2. Mixture-of-experts blocks (gpt-oss, Qwen3-Next) have
 no neuron hook: their routed experts' outputs plus what the block adds beyond them rebuild ``hook_mlp_out``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,12 @@ def _check_rebuild(model, tokens, atol: float = 1e-5):
     for l in range(model.cfg.n_layers):
         if not spec.has_neurons(l):
             continue
-        names = [f"blocks.{l}.hook_{spec.input_resid}", spec.neuron_hook(l), spec.up_hook(l), f"blocks.{l}.hook_mlp_out"]
+        names = [
+            f"blocks.{l}.hook_{spec.input_resid}",
+            spec.neuron_hook(l),
+            spec.up_hook(l),
+            f"blocks.{l}.hook_mlp_out",
+        ]
         names += [spec.gate_hook(l)] if spec.kind == "gated" else []
         got = _capture(model, tokens, names)
         W = mlp_weights(model, l)
@@ -76,7 +82,9 @@ def test_mlp_facts_rebuild_the_mlp(family, family_bridge, device):
     assert spec.moe_layers == moe
     if moe:
         config = family_config(family)
-        n_exp = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k))
+        n_exp = next(
+            getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k)
+        )
         assert (spec.n_experts, spec.top_k) == (n_exp, config.num_experts_per_tok)
         with pytest.raises(ValueError, match="mixture of experts"):
             spec.neuron_hook(moe[0])
@@ -85,20 +93,29 @@ def test_mlp_facts_rebuild_the_mlp(family, family_bridge, device):
         x = got[spec._input_hook.format(layer=l)].flatten(0, 1)
         idx, slots, rest = expert_writes(model, l, x)
         assert idx.shape == (x.shape[0], spec.top_k)
-        torch.testing.assert_close(slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1),
-                                   atol=tol(device, 1e-5), rtol=1e-4)
+        torch.testing.assert_close(
+            slots.sum(1) + rest, got[f"blocks.{l}.hook_mlp_out"].flatten(0, 1), atol=tol(device, 1e-5), rtol=1e-4
+        )
         assert (float(rest.abs().max()) < 1e-6) == (family not in SHARED_EXPERT)  # rounding of the sum of the slots
     if len(moe) == model.cfg.n_layers:
         assert spec.kind == "moe" and not spec.has_neurons(0)
-        assert (spec.output, spec.output_scale) == (("scaled", pytest.approx(0.22)) if family == "granitemoe" else ("add", 1.0))
+        assert (spec.output, spec.output_scale) == (
+            ("scaled", pytest.approx(0.22)) if family == "granitemoe" else ("add", 1.0)
+        )
         return
     assert spec.kind == ("plain" if family in PLAIN else "gated")
     assert spec.output == ("post_norm" if family in POST_NORM else "scaled" if family == "granite" else "add")
     if family == "granite":
         assert spec.output_scale == pytest.approx(0.22)
     assert (spec.input_norm is None) == (family == "olmo2")  # OLMo-2's MLP reads the raw residual
-    assert spec.activation == {"gemma": "gelu_tanh", "gemma2": "gelu_tanh", "gemma3": "gelu_tanh", "opt": "relu",
-                               "gpt_neox": "gelu", "falcon": "gelu"}.get(family, spec.activation)
+    assert spec.activation == {
+        "gemma": "gelu_tanh",
+        "gemma2": "gelu_tanh",
+        "gemma3": "gelu_tanh",
+        "opt": "relu",
+        "gpt_neox": "gelu",
+        "falcon": "gelu",
+    }.get(family, spec.activation)
     _check_rebuild(model, tokens, tol(device, 1e-5))
 
 
@@ -110,7 +127,9 @@ def test_mlp_facts_of_smollm2_and_the_reference_model(smollm2, device):
     assert spec.neuron_hook(3) == "blocks.3.mlp.out.hook_in"
     assert (spec.gate_hook(3), spec.up_hook(3)) == ("blocks.3.mlp.gate.hook_out", "blocks.3.mlp.in.hook_out")
     assert spec.additive and "gated MLP" in spec.text()
-    _check_rebuild(smollm2, torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(0)), tol(device, 1e-5))
+    _check_rebuild(
+        smollm2, torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(0)), tol(device, 1e-5)
+    )
     ref = load_model("synthetic-softmax", device=device)
     rspec = get_mlp(ref)
     assert (rspec.kind, rspec.activation, rspec.neuron_hook(0)) == ("gated", "silu", "blocks.0.mlp.hook_post")

@@ -10,6 +10,7 @@ bookkeeping adding up; ``why_first_token``'s decomposition of its pre-activation
 zeroing it on the first token (``spike_cuts``) must remove the spike while a random neuron does not. Mixture-of-experts blocks (gpt-oss, Qwen3-Next) hold no neuron hook: there the spike is added
 on the block's output by a hook, and the analysis names the block and says the write is none of its experts'.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -34,6 +35,7 @@ def plant_writer(model, block: int = BLOCK, neuron: int = NEURON, dim: int = DIM
     spec = get_mlp(model)
     D = int(model.cfg.d_model)
     if not spec.has_neurons(block):
+
         def add(x, hook):
             x = x.clone()
             x[:, 0, dim] += write

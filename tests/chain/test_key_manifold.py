@@ -1,5 +1,6 @@
 """First-key manifold: the streamed statistics equal a naive scikit-learn computation on the cache; a first
 key planted off the other keys' subspace is found there; the real model's sink heads; bad input."""
+
 import json
 
 import numpy as np
@@ -54,7 +55,9 @@ def test_streamed_statistics_equal_a_naive_computation_on_the_cache(planted, tok
             rel = np.linalg.norm(perp, axis=1) / np.linalg.norm(c, axis=1)
             assert row.r == r
             assert row.resid_first == pytest.approx(rel.mean(), rel=1e-4, abs=1e-6)
-            assert row.resid_other == pytest.approx(np.sqrt(1 - pca.explained_variance_ratio_.sum()), rel=1e-4, abs=1e-6)
+            assert row.resid_other == pytest.approx(
+                np.sqrt(1 - pca.explained_variance_ratio_.sum()), rel=1e-4, abs=1e-6
+            )
             assert row.k1_norm == pytest.approx(np.linalg.norm(first, axis=1).mean(), rel=1e-5)
             u = first / np.linalg.norm(first, axis=1, keepdims=True)
             pairs = [u[a] @ u[b] for a in range(N) for b in range(N) if a != b]
@@ -226,8 +229,16 @@ def test_reference_models_with_layernorm_without_rotary_or_gqa(norm, pos, kv, de
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)
-    cfg = ModelConfig(d_vocab=65, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_key_value_heads=kv,
-                      normalization_type=norm, positional_embedding_type=pos)
+    cfg = ModelConfig(
+        d_vocab=65,
+        n_ctx=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_key_value_heads=kv,
+        normalization_type=norm,
+        positional_embedding_type=pos,
+    )
     model = SinkLM(cfg).eval().to(device)
     tokens = torch.randint(0, 65, (5, 12), generator=torch.Generator().manual_seed(0))
     km = first_key_manifold(model, tokens, scatter_heads=[(1, 0)])

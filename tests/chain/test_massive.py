@@ -1,4 +1,5 @@
 """Massive activations: exact answers on the planted-spike model, the known spike on SmolLM2, bad input."""
+
 import json
 
 import pytest
@@ -89,16 +90,19 @@ def test_activation_map(planted):
     json.dumps(am.to_dict())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"layers": [4]}, "out of range"),
-    ({"layers": [-1]}, "out of range"),
-    ({"layers": []}, "empty"),
-    ({"top_k": 0}, "top_k"),
-    ({"hook": "resid_foo"}, "hook must be"),
-    ({"min_share": 0}, "min_share"),
-    ({"abs_threshold": -1}, ">= 0"),
-    ({"median_over": "batch"}, "median_over"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"layers": [4]}, "out of range"),
+        ({"layers": [-1]}, "out of range"),
+        ({"layers": []}, "empty"),
+        ({"top_k": 0}, "top_k"),
+        ({"hook": "resid_foo"}, "hook must be"),
+        ({"min_share": 0}, "min_share"),
+        ({"abs_threshold": -1}, ">= 0"),
+        ({"median_over": "batch"}, "median_over"),
+    ],
+)
 def test_bad_input(planted, kwargs, match):
     with pytest.raises(ValueError, match=match):
         massive_activations(planted, planted_tokens(2, 8), **kwargs)
@@ -114,6 +118,7 @@ def test_bad_tokens_and_sample(planted):
 
 
 # ----- the embedded SmolLM2 -----
+
 
 @pytest.fixture(scope="module")
 def smol_kinds(smollm2):

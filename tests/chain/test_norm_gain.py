@@ -1,4 +1,5 @@
 """Norm-gain tracing: exact answers on the planted model, the rebuilt key against the real model's hooks, bad input."""
+
 import json
 import math
 
@@ -131,6 +132,7 @@ def test_rotate_is_hf_rotate_half():
 
 # ----- the embedded SmolLM2 -----
 
+
 @pytest.fixture(scope="module")
 def smol_tokens(smollm2):
     from analysis import natural_probe
@@ -161,8 +163,9 @@ def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monk
     # 10000: what the bridge's cfg.rotary_base wrongly says (SmolLM2's theta is 1e5); the trace takes the base
     # from the family spec, so a spec with the wrong base must show in the rebuild
     spec = smollm2.family
-    monkeypatch.setattr(smollm2, "family", replace(spec, rotary_base=10000.0,
-                                                   rotary_bases={l: 10000.0 for l in spec.rotary_bases}))
+    monkeypatch.setattr(
+        smollm2, "family", replace(spec, rotary_base=10000.0, rotary_bases={l: 10000.0 for l in spec.rotary_bases})
+    )
     with pytest.warns(UserWarning, match="no spike"):
         t = norm_gain_trace(smollm2, smol_tokens[:2], layer=2, spike_dims=[])
     assert t.rebuild["rotated_key_max_abs_err"] > 1e-2 and t.rebuild["key_rel_err"] < 1e-5
@@ -176,8 +179,23 @@ def test_reference_models(norm, pe, device):
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike
 
     torch.manual_seed(0)
-    m = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                           normalization_type=norm, positional_embedding_type=pe, rotary_base=5000.0)).eval().to(device)
+    m = (
+        SinkLM(
+            ModelConfig(
+                d_vocab=100,
+                n_ctx=64,
+                d_model=64,
+                n_layers=4,
+                n_heads=4,
+                n_key_value_heads=2,
+                normalization_type=norm,
+                positional_embedding_type=pe,
+                rotary_base=5000.0,
+            )
+        )
+        .eval()
+        .to(device)
+    )
     m.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     m.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     t = norm_gain_trace(m, planted_tokens(4, 16), layer=2)
@@ -195,8 +213,23 @@ def test_post_norm_reference_model_traces_the_raw_residual_into_w_k(device):
     from tests.planted import FADE_LAYER, FIRST_LAYER, _add_spike
 
     torch.manual_seed(0)
-    m = SinkLM(ModelConfig(d_vocab=100, n_ctx=64, d_model=64, n_layers=4, n_heads=4, n_key_value_heads=2,
-                           normalization_type="RMS", positional_embedding_type="rotary", norm_position="post")).eval().to(device)
+    m = (
+        SinkLM(
+            ModelConfig(
+                d_vocab=100,
+                n_ctx=64,
+                d_model=64,
+                n_layers=4,
+                n_heads=4,
+                n_key_value_heads=2,
+                normalization_type="RMS",
+                positional_embedding_type="rotary",
+                norm_position="post",
+            )
+        )
+        .eval()
+        .to(device)
+    )
     m.add_perma_hook(f"blocks.{FIRST_LAYER}.hook_resid_post", _add_spike(+1.0))
     m.add_perma_hook(f"blocks.{FADE_LAYER}.hook_resid_post", _add_spike(-1.0))
     t = norm_gain_trace(m, planted_tokens(4, 16), layer=1, spike_dims=SPIKE_DIMS)  # layer 1 reads the spike as added

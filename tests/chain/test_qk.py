@@ -1,4 +1,5 @@
 """QK angles: streamed statistics equal the ones computed from the full cache; the real model's sink."""
+
 import torch
 import pytest
 
@@ -16,7 +17,12 @@ def test_qk_angles_match_the_cache(tiny_llama):
         k = cache[f"blocks.{l}.attn.hook_rot_k"].repeat_interleave(2, dim=2)
         for h in range(4):
             first = [torch.cosine_similarity(q[b, t, h], k[b, 0, h], dim=0) for b in range(3) for t in range(1, 10)]
-            other = [torch.cosine_similarity(q[b, t, h], k[b, j, h], dim=0) for b in range(3) for t in range(10) for j in range(1, t + 1)]
+            other = [
+                torch.cosine_similarity(q[b, t, h], k[b, j, h], dim=0)
+                for b in range(3)
+                for t in range(10)
+                for j in range(1, t + 1)
+            ]
             assert ang.cos_first[l, h] == pytest.approx(float(torch.stack(first).mean()), abs=1e-5)
             assert ang.cos_other[l, h] == pytest.approx(float(torch.stack(other).mean()), abs=1e-5)
             assert ang.k_first_norm[l, h] == pytest.approx(float(k[:, 0, h].norm(dim=-1).mean()), rel=1e-5)
@@ -48,8 +54,23 @@ def test_models_without_rotary_read_the_unrotated_hooks(device):
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=32, n_ctx=16, d_model=32, n_layers=1, n_heads=2, n_key_value_heads=2,
-                               d_head=16, d_mlp=64, positional_embedding_type="none")).eval().to(device)
+    model = (
+        SinkLM(
+            ModelConfig(
+                d_vocab=32,
+                n_ctx=16,
+                d_model=32,
+                n_layers=1,
+                n_heads=2,
+                n_key_value_heads=2,
+                d_head=16,
+                d_mlp=64,
+                positional_embedding_type="none",
+            )
+        )
+        .eval()
+        .to(device)
+    )
     assert qk_hook_names(model, 0) == ("blocks.0.attn.hook_q", "blocks.0.attn.hook_k")
     ang = qk_angles(model, torch.randint(0, 32, (2, 12)))
     assert torch.isfinite(ang.cos_first).all() and torch.isfinite(ang.k_other_norm).all()

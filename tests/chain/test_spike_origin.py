@@ -7,6 +7,7 @@ token later; zeroing the writer neurons on the first token removes most of the s
 as many random neurons of the same MLPs change nothing. On the 1-layer reference model the spike is the BOS
 token's own embedding and no neuron is named; without a spike there is nothing to trace.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ def test_the_writes_add_up_to_the_value_at_every_block(origin):
     tr = origin.trace
     for d in origin.dims:
         v = tr.resid[:, :, d].double()
-        rebuilt = v[:, :1] + torch.cat([torch.zeros(N, 1, dtype=torch.float64),
-                                        (tr.attn[:, :, d].double() + tr.mlp[:, :, d].double()).cumsum(1)], 1)
+        rebuilt = v[:, :1] + torch.cat(
+            [torch.zeros(N, 1, dtype=torch.float64), (tr.attn[:, :, d].double() + tr.mlp[:, :, d].double()).cumsum(1)],
+            1,
+        )
         assert float((rebuilt - v).abs().max()) <= 1e-5 * float(v.abs().max()) + 1e-4
         err, rel = tr.bookkeeping(d)
         assert rel < 1e-5 and "bookkeeping adds up" in origin.dim_text(d)
@@ -57,7 +60,9 @@ def test_writers_and_neurons_of_smollm2(origin):
         assert n.sum_error <= 1e-4 * abs(n.mean_write) + 1e-2  # the neuron contributions add up to the MLP's write
         ns = n.neurons(0.9)
         assert 0 < len(ns) <= len(n.neurons(0.99)) <= n.contributions.shape[1]
-        assert float(n.mean_contributions[ns].sum() * (1 if n.mean_write > 0 else -1)) >= 0.9 * abs(n.mean_write - float(n.constant.mean()))
+        assert float(n.mean_contributions[ns].sum() * (1 if n.mean_write > 0 else -1)) >= 0.9 * abs(
+            n.mean_write - float(n.constant.mean())
+        )
     top = origin.mlp_neurons(d, int(main.block)).table().iloc[0]
     assert abs(top.act_first) > 20 * abs(top.act_other)  # the largest writer fires on the first token only
     q = [q for q in origin.quadratic if q.block == int(main.block) and q.dim == d]
@@ -71,14 +76,17 @@ def test_why_the_first_token(smollm2, tokens, origin, device):
     assert c.max_error < tol(device, 1e-3)  # the components (from the weights, on the CPU) add up to the hooks' values
     total = c.contributions[c.contributions.component == "total"]
     hook = c.contributions[c.contributions.component == "hook"]
-    assert torch.allclose(torch.tensor(total["first"].to_numpy()), torch.tensor(hook["first"].to_numpy()),
-                          atol=tol(device, 1e-3))
+    assert torch.allclose(
+        torch.tensor(total["first"].to_numpy()), torch.tensor(hook["first"].to_numpy()), atol=tol(device, 1e-3)
+    )
     top = c.neurons.groupby("block").head(1)
     assert (top.act_first.abs() > 10 * top.act_later.abs()).all()  # at position 1 they fire, later they do not
     peak = c.spike.loc[c.spike["first"].abs().idxmax()]
     assert not peak.later_is_spike and "carries no spike" in c.text()
     chain = c.chain(int(top.dim.iloc[0]), int(top.block.iloc[0]))
-    assert list(chain.columns[:3]) == ["component", "gate_first", "gate_later"] and chain.component.iloc[0] == "embedding"
+    assert (
+        list(chain.columns[:3]) == ["component", "gate_first", "gate_later"] and chain.component.iloc[0] == "embedding"
+    )
     assert c.divergence.set_index("component").loc["embedding", "difference"] == 0.0
     with pytest.raises(ValueError, match="later must be a position"):
         why_first_token(smollm2, tokens, origin, later=T)
@@ -109,9 +117,12 @@ def test_zeroing_the_writers_removes_the_spike_and_random_neurons_do_not(smollm2
     from functools import partial
 
     from analysis.model.mlp_spec import get_mlp
+
     hooks = [(get_mlp(smollm2).neuron_hook(b), partial(cut, ns=ns)) for b, ns in zero.items()]
     with torch.no_grad():
-        cut_first = torch.nn.functional.cross_entropy(smollm2.run_with_hooks(on, fwd_hooks=hooks)[:, 0].float(), on[:, 1])
+        cut_first = torch.nn.functional.cross_entropy(
+            smollm2.run_with_hooks(on, fwd_hooks=hooks)[:, 0].float(), on[:, 1]
+        )
     assert abs(named.loss_first_mean - float(cut_first)) <= 1e-4 * float(cut_first)
     assert abs(float(cut_first) - float(first)) > 1e-3  # the cut changes it: the check can tell the two apart
     with pytest.raises(ValueError, match="not those the spike origin was measured on"):
@@ -130,9 +141,13 @@ def test_every_spike_origin_figure_draws(smollm2, tokens, origin):
 
     cause = why_first_token(smollm2, tokens, origin)
     cuts = spike_cuts(smollm2, tokens, origin, roles=("erasers",), n_random=1, max_samples=2)
-    calls = {"plot_spike_path": lambda f: f(origin), "plot_neuron_contributions": lambda f: f(origin),
-             "plot_spectrum": lambda f: f(origin), "plot_first_token_cause": lambda f: f(cause),
-             "plot_spike_cuts": lambda f: f(cuts)}
+    calls = {
+        "plot_spike_path": lambda f: f(origin),
+        "plot_neuron_contributions": lambda f: f(origin),
+        "plot_spectrum": lambda f: f(origin),
+        "plot_first_token_cause": lambda f: f(cause),
+        "plot_spike_cuts": lambda f: f(cuts),
+    }
     functions = {n: fn for n, fn in inspect.getmembers(figs, inspect.isfunction) if n.startswith("plot_")}
     assert set(functions) == set(calls)
     for name, fn in functions.items():
@@ -198,7 +213,11 @@ def test_a_spike_written_into_the_weights_one_row(tmp_path):
     assert o.dims == SPIKE_DIMS and o.main_dim == 7
     row = origin_row(model, toks, kind="natural", max_samples=4)
     assert row["dim"] == 7 and row["writers"] == [0] and row["top neurons (share)"][0][0] == WRITER
-    assert row["peak"] == pytest.approx(400, rel=0.05) and row["rank one"] is None and row["top eig share"] != row["top eig share"]
+    assert (
+        row["peak"] == pytest.approx(400, rel=0.05)
+        and row["rank one"] is None
+        and row["top eig share"] != row["top eig share"]
+    )
     assert row["Sink_1"] > 40 and row["kept (cut)"] < 0.1 and row["Sink_1 (cut)"] < 5
     sig = load_model("synthetic-sigmoid", device="cpu")
     empty = origin_row(sig, model_probe_sets(sig, n=4, T=24)["natural"].tokens)

@@ -1,4 +1,5 @@
 """Value norms: streamed statistics equal the cache; values planted by construction; the real model; bad input."""
+
 import json
 
 import numpy as np
@@ -110,7 +111,12 @@ def test_figures(planted, tokens):
     from analysis.figures.value_norms import plot_value_alpha, plot_value_norms, plot_value_profile
 
     vn = value_norms(planted, tokens)
-    for fig in (plot_value_norms(vn), plot_value_alpha(vn), plot_value_alpha(vn, reduce="max"), plot_value_profile(vn, layers=[0, 1])):
+    for fig in (
+        plot_value_norms(vn),
+        plot_value_alpha(vn),
+        plot_value_alpha(vn, reduce="max"),
+        plot_value_profile(vn, layers=[0, 1]),
+    ):
         assert fig.axes
     with pytest.raises(ValueError, match="were not analysed"):
         plot_value_profile(vn, layers=[7])
@@ -155,8 +161,16 @@ def test_reference_models_with_layernorm_or_without_gqa(norm, pos, kv, device):
     from analysis.train import ModelConfig, SinkLM
 
     torch.manual_seed(0)
-    cfg = ModelConfig(d_vocab=65, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_key_value_heads=kv,
-                      normalization_type=norm, positional_embedding_type=pos)
+    cfg = ModelConfig(
+        d_vocab=65,
+        n_ctx=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_key_value_heads=kv,
+        normalization_type=norm,
+        positional_embedding_type=pos,
+    )
     model = SinkLM(cfg).eval().to(device)
     tokens = torch.randint(0, 65, (5, 12), generator=torch.Generator().manual_seed(0))
     vn = value_norms(model, tokens)

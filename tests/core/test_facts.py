@@ -2,6 +2,7 @@
 public function write their Parameters once (``analysis.core.docs``); the results that stood outside the protocol
 (``ActivationMap``, ``PolicyRun``, ``FirstTokenStats``, ``mechanism_chain``, ``window_sink_rates``, ``chain_links``)
 keep it, and their old access (a dict, a pair, ``to_dict()``'s keys) still works."""
+
 from __future__ import annotations
 
 import ast
@@ -58,29 +59,42 @@ def numeric_constants(tree: ast.Module) -> list[str]:
     """The UPPER_CASE module constants of a module whose value is a number (or numbers)."""
     out = []
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         value = getattr(node, "value", None)
         for t in targets:
-            if isinstance(t, ast.Name) and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", t.id) and value is not None \
-                    and _is_number(value):
+            if (
+                isinstance(t, ast.Name)
+                and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", t.id)
+                and value is not None
+                and _is_number(value)
+            ):
                 out.append(t.id)
     return out
 
 
 def test_the_constant_scan_sees_numbers_and_leaves_the_rest():
-    tree = ast.parse("A = 1\nB: float = -0.3\nC = 32 * 2**20\nD = (0.1, 0.2)\nE = 'x'\nF = True\nlower = 2\n"
-                     "G = None\nH = ('a', 1)\n_I = 4\n")
+    tree = ast.parse(
+        "A = 1\nB: float = -0.3\nC = 32 * 2**20\nD = (0.1, 0.2)\nE = 'x'\nF = True\nlower = 2\n"
+        "G = None\nH = ('a', 1)\n_I = 4\n"
+    )
     assert numeric_constants(tree) == ["A", "B", "C", "D", "_I"]
 
 
 def test_thresholds_live_in_defaults():
-    found = {f"{p.relative_to(ROOT).as_posix()}:{name}" for p in sorted(ROOT.rglob("*.py"))
-             if p.relative_to(ROOT).parts[0] != "core" for name in numeric_constants(ast.parse(p.read_text()))}
+    found = {
+        f"{p.relative_to(ROOT).as_posix()}:{name}"
+        for p in sorted(ROOT.rglob("*.py"))
+        if p.relative_to(ROOT).parts[0] != "core"
+        for name in numeric_constants(ast.parse(p.read_text()))
+    }
     outside = sorted(found - set(PLUMBING))
-    assert not outside, ("numeric module constants outside analysis/core/defaults.py: move each threshold there "
-                         "(named and documented; the module imports it) or, if it changes no finding, add it to "
-                         f"PLUMBING here with its reason: {outside}")
+    assert not outside, (
+        "numeric module constants outside analysis/core/defaults.py: move each threshold there "
+        "(named and documented; the module imports it) or, if it changes no finding, add it to "
+        f"PLUMBING here with its reason: {outside}"
+    )
     stale = sorted(set(PLUMBING) - found)
     assert not stale, f"PLUMBING names constants that are gone: {stale}"
 
@@ -104,6 +118,7 @@ def test_moved_thresholds_keep_their_module_names_and_values():
 # Parameter docs written once
 # ----------------------------------------------------------------------------------------------
 
+
 def _written_entries(fn: ast.FunctionDef) -> set[str]:
     """The Parameters entries of a function's docstring as written in the source, those of two lines or more."""
     return {"\n".join(body) for _, body in parameter_entries(ast.get_docstring(fn)) if len(body) >= 2}
@@ -125,13 +140,17 @@ def _factories_and_functions():
 
 def test_no_parameters_block_is_copied_between_a_factory_and_its_function():
     pairs = list(_factories_and_functions())
-    assert {(p, a.name) for p, a, _ in pairs} >= {("chain/massive.py", "massive_accumulator"),
-                                                   ("chain/key_manifold.py", "key_manifold_accumulator"),
-                                                   ("chain/norm_gain.py", "norm_gain_accumulator")}
+    assert {(p, a.name) for p, a, _ in pairs} >= {
+        ("chain/massive.py", "massive_accumulator"),
+        ("chain/key_manifold.py", "key_manifold_accumulator"),
+        ("chain/norm_gain.py", "norm_gain_accumulator"),
+    }
     copied = {f"{p}: {a.name} ~ {b.name}": sorted(_written_entries(a) & _written_entries(b)) for p, a, b in pairs}
     copied = {k: v for k, v in copied.items() if v}
-    assert not copied, ("Parameters entries written twice, in a factory and its function: name them in the factory "
-                        f"over 'As in :func:`function`.' and decorate the function with share_parameters: {copied}")
+    assert not copied, (
+        "Parameters entries written twice, in a factory and its function: name them in the factory "
+        f"over 'As in :func:`function`.' and decorate the function with share_parameters: {copied}"
+    )
 
 
 def test_a_factory_shows_its_functions_entries_in_full():
@@ -139,12 +158,18 @@ def test_a_factory_shows_its_functions_entries_in_full():
     from analysis.chain.massive import massive_accumulator, massive_activations
     from analysis.chain.norm_gain import norm_gain_accumulator, norm_gain_trace
 
-    for fac, fn in ((massive_accumulator, massive_activations), (key_manifold_accumulator, first_key_manifold),
-                    (norm_gain_accumulator, norm_gain_trace)):
+    for fac, fn in (
+        (massive_accumulator, massive_activations),
+        (key_manifold_accumulator, first_key_manifold),
+        (norm_gain_accumulator, norm_gain_trace),
+    ):
         doc = inspect.getdoc(fac)
         assert "As in :func:" not in doc
-        shared = [body for names, body in parameter_entries(fn.__doc__) if "scatter_heads" in names
-                  or "median_over" in names or "spike_dims" in names]
+        shared = [
+            body
+            for names, body in parameter_entries(fn.__doc__)
+            if "scatter_heads" in names or "median_over" in names or "spike_dims" in names
+        ]
         assert shared and all("\n".join(body) in doc for body in shared), fac.__name__
         documented = {n for names, _ in parameter_entries(doc) for n in names}
         assert documented == set(inspect.signature(fac).parameters), fac.__name__
@@ -251,12 +276,14 @@ def facts_results(llama, tokens, stream_dir) -> dict[str, Result]:
     torch.manual_seed(0)
     windowed = SinkLM(ModelConfig(n_ctx=T, d_model=32, n_heads=2, n_layers=1, sliding_window=T // 2)).eval()
     loaded = load_model(str(stream_dir))  # streaming takes the loaded model (no call-form shims)
-    return {"ActivationMap": activation_map(llama, tokens, 0),
-            "FirstTokenStats": first_token_stats(ref, toks),
-            "WindowSinkRates": window_sink_rates(windowed, toks),
-            "MechanismChain": mechanism_chain(ref, toks),
-            "ChainLinks": chain_links(ref, toks, follow_final(ref, toks)),
-            "PolicyRun": run_policy(loaded, torch.randint(3, 96, (40,), generator=gen), Policy("sinks", 16, 1))}
+    return {
+        "ActivationMap": activation_map(llama, tokens, 0),
+        "FirstTokenStats": first_token_stats(ref, toks),
+        "WindowSinkRates": window_sink_rates(windowed, toks),
+        "MechanismChain": mechanism_chain(ref, toks),
+        "ChainLinks": chain_links(ref, toks, follow_final(ref, toks)),
+        "PolicyRun": run_policy(loaded, torch.randint(3, 96, (40,), generator=gen), Policy("sinks", 16, 1)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +301,9 @@ def six(family_dir, tmp_path_factory):
     return facts_results(llama, tokens, one)
 
 
-@pytest.mark.parametrize("name", ["ActivationMap", "FirstTokenStats", "WindowSinkRates", "MechanismChain",
-                                  "ChainLinks", "PolicyRun"])
+@pytest.mark.parametrize(
+    "name", ["ActivationMap", "FirstTokenStats", "WindowSinkRates", "MechanismChain", "ChainLinks", "PolicyRun"]
+)
 def test_the_six_keep_the_protocol(six, name):
     r = six[name]
     assert type(r).__name__ == name

@@ -1,4 +1,5 @@
 """frozen_heap: the objects alive on entry are out of the collector's scans for the duration, and handed back."""
+
 import gc
 
 from analysis.core.memory import frozen_heap

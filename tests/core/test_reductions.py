@@ -1,6 +1,7 @@
 """Exact selections on the tensor's device (``analysis.core.reductions``): the radix select and the lower median
 against ``torch.median`` / ``torch.kthvalue``, the top-k of |x| against ``torch.topk``, ties, NaN, +-inf and -0.0
 included, in every float dtype; ``core.stats.lower_median`` takes them off the host."""
+
 import pytest
 import torch
 
@@ -65,7 +66,9 @@ def test_auto_keeps_the_histogram_off_the_cpu(monkeypatch):
     """auto on the CPU: kthvalue (a quickselect); the radix select when asked (the device's choice for few long
     slices)."""
     calls = []
-    monkeypatch.setattr(reductions, "radix_select", lambda x, k, bits=16: calls.append(x.shape) or x.kthvalue(k + 1, -1).values)
+    monkeypatch.setattr(
+        reductions, "radix_select", lambda x, k, bits=16: calls.append(x.shape) or x.kthvalue(k + 1, -1).values
+    )
     x = _rows(torch.float32, 50, 1)
     lower_median(x)  # CPU: kthvalue (a quickselect), never the histogram
     assert calls == []
@@ -111,8 +114,15 @@ def test_stats_lower_median_on_long_slices_takes_the_bracket_and_equals_torch_me
     n = stats._BRACKET_MIN + 37
     x = _rows(dtype, n, 11, nan=True)
     g = torch.Generator().manual_seed(3)
-    x = torch.cat([x, torch.randn(3, n, generator=g, dtype=dtype).exp(), torch.arange(n, dtype=dtype)[None],
-                   torch.arange(n, dtype=dtype).flip(0)[None], torch.full((1, n), 2.5, dtype=dtype)])
+    x = torch.cat(
+        [
+            x,
+            torch.randn(3, n, generator=g, dtype=dtype).exp(),
+            torch.arange(n, dtype=dtype)[None],
+            torch.arange(n, dtype=dtype).flip(0)[None],
+            torch.full((1, n), 2.5, dtype=dtype),
+        ]
+    )
     x[5, :40] = 1e4  # a few massive values
     if nonnegative:
         x = x.abs()
@@ -130,6 +140,8 @@ def test_stats_bracketed_selection_is_exact_where_the_bracket_misses(monkeypatch
     monkeypatch.setattr(stats, "_BRACKET_SAMPLE", 64)
     whole = []
     partition = stats.np.partition
-    monkeypatch.setattr(stats.np, "partition", lambda a, k, *r, **kw: whole.append(a.size == x.shape[1]) or partition(a, k, *r, **kw))
+    monkeypatch.setattr(
+        stats.np, "partition", lambda a, k, *r, **kw: whole.append(a.size == x.shape[1]) or partition(a, k, *r, **kw)
+    )
     _same(stats.lower_median(x, nonnegative=True), x.median(-1).values)
     assert sum(whole) > 5  # the misses took the whole-row path

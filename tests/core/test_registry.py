@@ -2,6 +2,7 @@
 queries meet the first key, read from q and k, beside the first token's residual norm) is run by ``profile`` on every
 backend, typed in ``Profile``, laid out in the report's HTML (its findings, table and figure, with no runner) and JSON
 and checked by the protocol test's checks, with no other edit; it is gone once unregistered."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,13 +48,18 @@ class FirstKey(Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"first_key": pd.DataFrame({"layer": range(len(self.cos_first)), "cos_first": self.cos_first,
-                                           "first_norm": self.first_norm})}
+        return {
+            "first_key": pd.DataFrame(
+                {"layer": range(len(self.cos_first)), "cos_first": self.cos_first, "first_norm": self.first_norm}
+            )
+        }
 
     def findings(self) -> list[str]:
         top = max(range(len(self.cos_first)), key=self.cos_first.__getitem__)
-        return [f"The queries meet the first key most closely in layer {top}, at mean cosine "
-                f"{self.cos_first[top]:.3f}, where the first token's residual norm is {self.first_norm[top]:.2f}."]
+        return [
+            f"The queries meet the first key most closely in layer {top}, at mean cosine "
+            f"{self.cos_first[top]:.3f}, where the first token's residual norm is {self.first_norm[top]:.2f}."
+        ]
 
 
 def cos_first(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -71,8 +77,10 @@ class FirstKeyAccumulator(Accumulator):
         self.cos, self.norm, self.n = [0.0] * self.L, [0.0] * self.L, 0
 
     def hooks(self):
-        return {l: {**dict(zip(("q", "k"), qk_hook_names(self.model, l))), "resid": act_name("resid_post", l)}
-                for l in range(self.L)}
+        return {
+            l: {**dict(zip(("q", "k"), qk_hook_names(self.model, l))), "resid": act_name("resid_post", l)}
+            for l in range(self.L)
+        }
 
     def update(self, layer, acts, batch):
         self.cos[layer] += float(cos_first(acts["q"], acts["k"]).sum())
@@ -80,8 +88,13 @@ class FirstKeyAccumulator(Accumulator):
         self.n += batch.size if layer == 0 else 0
 
     def result(self):
-        return FirstKey([c / self.n for c in self.cos], [s / self.n for s in self.norm], kind=self.kind,
-                        model_name=self.name, n_samples=self.n)
+        return FirstKey(
+            [c / self.n for c in self.cos],
+            [s / self.n for s in self.norm],
+            kind=self.kind,
+            model_name=self.name,
+            n_samples=self.n,
+        )
 
 
 def plot_first_key(res: FirstKey):
@@ -96,9 +109,14 @@ def plot_first_key(res: FirstKey):
 
 
 FIRST_KEY = Analysis(
-    "first_key", result=FirstKey, order=95, hooks=("q", "k", "resid"), doc="Queries against the first key per layer.",
+    "first_key",
+    result=FirstKey,
+    order=95,
+    hooks=("q", "k", "resid"),
+    doc="Queries against the first key per layer.",
     accumulators=lambda p: [FirstKeyAccumulator(p.model, kind=p.kind)],
-    sections=(Section("The queries and the first key", "key", 65, figures=((plot_first_key, CAPTION),)),))
+    sections=(Section("The queries and the first key", "key", 65, figures=((plot_first_key, CAPTION),)),),
+)
 
 
 @pytest.fixture
@@ -117,8 +135,9 @@ def expected(model, tokens) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_registered_analysis_reaches_profile_report_and_json_on_every_backend(first_key, backend, tiny_llama,
-                                                                                 tmp_path, monkeypatch):
+def test_a_registered_analysis_reaches_profile_report_and_json_on_every_backend(
+    first_key, backend, tiny_llama, tmp_path, monkeypatch
+):
     """About 5 s per backend on the CPU (the profile, then the report of this one section)."""
     from analysis import profile
     from analysis.report import build, one_pass
@@ -128,7 +147,9 @@ def test_a_registered_analysis_reaches_profile_report_and_json_on_every_backend(
         pytest.importorskip("nnsight")
     prof = profile(tiny_llama, {"natural": tokens}, analyses=("first_key",), backend=backend)
     ran = prof.backend["natural"]["backend"]
-    assert ran == {"transformer_lens": "transformer_lens", "nnsight": "nnsight"}.get(backend, "transformers"), prof.backend
+    assert ran == {"transformer_lens": "transformer_lens", "nnsight": "nnsight"}.get(backend, "transformers"), (
+        prof.backend
+    )
     assert "first_key" in one_pass.ANALYSES and "first_key" in build.SECTIONS
     field = {f.name: f.type for f in dataclasses.fields(prof)}["first_key"]
     assert field == FirstKey | None and isinstance(prof, one_pass.Profile)
@@ -142,8 +163,10 @@ def test_a_registered_analysis_reaches_profile_report_and_json_on_every_backend(
 
     # the report on the same backend: its section laid out by the generic layout, the figure from the declaration
     monkeypatch.setattr(tiny_llama, "pass_backend", backend)
-    monkeypatch.setattr("analysis.report.html.figure_html",
-                        lambda fig, caption="", dpi=90: f"<figure><figcaption>{caption}</figcaption></figure>")
+    monkeypatch.setattr(
+        "analysis.report.html.figure_html",
+        lambda fig, caption="", dpi=90: f"<figure><figcaption>{caption}</figcaption></figure>",
+    )
     page = build.build_report(tiny_llama, tmp_path, n=N, T=T, sections=["first_key"])
     d = json.loads((tmp_path / "report.json").read_text())
     assert d["config"]["backend"]["natural"]["backend"] == ran
@@ -184,8 +207,9 @@ def test_declared_hooks_are_those_the_accumulators_read(tiny_llama):
     from analysis.report.one_pass import pass_analyses
 
     tokens = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    inputs = registry.PassInputs(tiny_llama, tokens, "natural", True, eps=0.3, spike=spike_criterion(tiny_llama),
-                                 budget_mib=64.0)
+    inputs = registry.PassInputs(
+        tiny_llama, tokens, "natural", True, eps=0.3, spike=spike_criterion(tiny_llama), budget_mib=64.0
+    )
     wrong = {}
     for a in pass_analyses():
         if a.accumulators is None:
@@ -205,5 +229,17 @@ def test_every_registered_section_goes_to_a_link_of_the_chain():
     links = {k for k, _ in LINKS}
     wrong = {key: s.link for key, (a, s) in build.registered_sections().items() if s.link not in links}
     assert not wrong, f"sections registered with a link outside analysis.report.html.LINKS: {wrong}"
-    assert list(build.SECTIONS) == ["sink", "views", "massive", "spike_writers", "norm_gain", "key_manifold",
-                                    "value_norms", "interventions", "dormant", "sink_kind", "positions", "context"]
+    assert list(build.SECTIONS) == [
+        "sink",
+        "views",
+        "massive",
+        "spike_writers",
+        "norm_gain",
+        "key_manifold",
+        "value_norms",
+        "interventions",
+        "dormant",
+        "sink_kind",
+        "positions",
+        "context",
+    ]

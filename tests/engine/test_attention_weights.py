@@ -1,6 +1,7 @@
 """AttentionWeights: every quantity an analysis reads from a layer's attention, from q, k and the log-sum-exp (the
 transformers backend) and from the map itself (the bridge), against the softmax map built whole: grouped-query heads,
 a sliding window, blocks of a few query rows with an uneven last block."""
+
 import pytest
 import torch
 
@@ -31,8 +32,7 @@ def test_weights_from_q_k_and_the_lse_equal_the_softmax_map(window, chunk, devic
     assert torch.allclose(out, A @ v.repeat_interleave(3, 1), atol=tol(device, 1e-5))  # the output the model gets
     x = torch.rand(B, H, T, device=device)
     i = torch.arange(T, device=device)
-    for w in (AttentionWeights(query=q, key=k, lse=lse, scale=0.4, mask=mask, chunk_elements=chunk),
-              attention_of(A)):
+    for w in (AttentionWeights(query=q, key=k, lse=lse, scale=0.4, mask=mask, chunk_elements=chunk), attention_of(A)):
         assert w.shape == (B, H, T, T)
         close = lambda got, want: (got - want).abs().max() < tol(device, 1e-6)  # noqa: E731
         assert close(w.alpha(T), A.double().sum(-2) / (T - i)) and close(w.alpha(T), alpha_from_pattern(A, T))

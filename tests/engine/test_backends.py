@@ -1,6 +1,7 @@
 """The backends: the transformers backend (the Hugging Face model in its own attention, alpha from q, k and the
 kernel's log-sum-exp) equals the bridge's hook_pattern path; what it cannot run is refused before the work, and
 ``auto`` then takes the bridge; the kernel table."""
+
 import pytest
 import torch
 
@@ -46,8 +47,9 @@ def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window, device):
     A = scores.softmax(-1)
     assert torch.allclose(out, A @ v.repeat_interleave(2, 1), atol=tol(device, 1e-5))
     assert torch.allclose(lse, scores.logsumexp(-1), atol=tol(device, 1e-5))
-    assert torch.allclose(alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6),
-                          atol=tol(device, 1e-6))
+    assert torch.allclose(
+        alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6), atol=tol(device, 1e-6)
+    )
     # The chunked fall-back gives the same lse with chunks that split the rows unevenly.
     assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=tol(device, 1e-5))
 
@@ -156,17 +158,20 @@ def test_sink_metric_paths(tiny_llama, device):
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize("device_type, dtype, d, gqa, masked, name, native, stated", [
-    ("cuda", BF16, 128, True, False, "flash", "native", False),  # the 8B shape: flash, native GQA, no fallback
-    ("cuda", F16, 64, False, False, "flash", "none", False),
-    ("cuda", BF16, 128, True, True, "efficient", "repeat", True),  # a sliding window or padding mask
-    ("cuda", F32, 64, True, False, "efficient", "repeat", True),  # flash takes 16-bit floats only
-    ("cuda", BF16, 12, False, False, "efficient", "none", True),  # head size not a multiple of 8
-    ("cuda", BF16, 512, True, False, "efficient", "repeat", True),  # head size above flash's 256
-    ("cpu", F32, 8, True, True, "cpu-flash", "native", False),
-    ("cpu", BF16, 128, True, False, "cpu-flash", "native", False),
-    ("mps", F16, 64, True, False, "reference", "native", True),
-])
+@pytest.mark.parametrize(
+    "device_type, dtype, d, gqa, masked, name, native, stated",
+    [
+        ("cuda", BF16, 128, True, False, "flash", "native", False),  # the 8B shape: flash, native GQA, no fallback
+        ("cuda", F16, 64, False, False, "flash", "none", False),
+        ("cuda", BF16, 128, True, True, "efficient", "repeat", True),  # a sliding window or padding mask
+        ("cuda", F32, 64, True, False, "efficient", "repeat", True),  # flash takes 16-bit floats only
+        ("cuda", BF16, 12, False, False, "efficient", "none", True),  # head size not a multiple of 8
+        ("cuda", BF16, 512, True, False, "efficient", "repeat", True),  # head size above flash's 256
+        ("cpu", F32, 8, True, True, "cpu-flash", "native", False),
+        ("cpu", BF16, 128, True, False, "cpu-flash", "native", False),
+        ("mps", F16, 64, True, False, "reference", "native", True),
+    ],
+)
 def test_sink_kernel_table(device_type, dtype, d, gqa, masked, name, native, stated):
     k = sink_kernel(device_type, dtype, d, gqa=gqa, masked=masked)
     assert (k.name, k.gqa, bool(k.fallback)) == (name, native, stated)
@@ -197,7 +202,7 @@ def test_flash_kernel_native_gqa_lse_on_cuda():
     q, k, v = (x.cuda().bfloat16() for x in _qkv(B=1, H=8, H_kv=2, T=64, d=64))
     kern = sink_kernel("cuda", torch.bfloat16, 64, gqa=True, masked=False)
     out, lse = fused_attention(q, k, v, None, 0.125, kernel=kern)
-    scores = (q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2) * 0.125)
+    scores = q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2) * 0.125
     scores = scores.masked_fill(~_window(64, 64, B=1).cuda(), float("-inf"))
     assert kern.name == "flash" and torch.allclose(lse, scores.logsumexp(-1), atol=2e-2)
     assert torch.allclose(out.float(), scores.softmax(-1) @ v.float().repeat_interleave(4, 1), atol=2e-2)

@@ -2,6 +2,7 @@
 ``.numpy``, ``.tolist``, ``.item``, ``.to("cpu")`` and Python's bool/int/float of a tensor), counted by a
 ``TorchFunctionMode`` on two tiny models of different layers, heads and width, at two (N, T). On the CPU the
 numpy selections (``analysis.core.stats.host_selection``) are switched off, as they are on a GPU."""
+
 import dataclasses
 import warnings
 
@@ -63,8 +64,14 @@ def test_profile_hands_the_host_what_its_results_keep(two_models, monkeypatch):
         for N, T in ((4, 32), (8, 64)):
             tokens = torch.randint(3, 90, (N, T), generator=g)
             with HostCount() as c:
-                prof = profile(model, {"natural": tokens}, analyses=ANALYSES, k_max=K_MAX, batch_size=4,
-                               spike_thresholds=(1e30, 1e30))  # no flags: their rows are kept by design
+                prof = profile(
+                    model,
+                    {"natural": tokens},
+                    analyses=ANALYSES,
+                    k_max=K_MAX,
+                    batch_size=4,
+                    spike_thresholds=(1e30, 1e30),
+                )  # no flags: their rows are kept by design
             kept = sum(_kept(r) for r in prof.results.values())
             counts[N, T] = c.n
             # what the results keep, and a few scalars per layer and head: nothing per token or per activation

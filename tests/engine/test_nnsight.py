@@ -4,6 +4,7 @@ through them, the trace's code within NDIF's import whitelist, the same trace th
 remote run, the request plan of Llama-3.1-405B under NDIF's size limit; and the commands through the nnsight backend
 (``--backend nnsight`` here: every pass's reads and edits inside nnsight traces) print the bridge's numbers, the
 whole report included."""
+
 from __future__ import annotations
 
 import ast
@@ -71,7 +72,9 @@ def test_nnsight_gives_the_bridges_alpha_and_massive_table(family, family_bridge
 @pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])  # plain, soft cap + sliding window, MLA
 def test_nnsight_gives_the_bridges_sink_positions(family, family_bridge, nn_family):
     bridge, nn, tokens = family_bridge(family), nn_family(family), _tokens(T=24)
-    kw = dict(eps=0.1, abs_threshold=0.02, ratio_threshold=2.0)  # low thresholds: later sinks and flags on random weights
+    kw = dict(
+        eps=0.1, abs_threshold=0.02, ratio_threshold=2.0
+    )  # low thresholds: later sinks and flags on random weights
     want, got = sink_positions(bridge, tokens, path="eager", **kw), nnsight_sink_positions(nn, tokens, **kw)
     assert got.meta["path"] == "nnsight" and (got.layers, got.resid_layers) == (want.layers, want.resid_layers)
     torch.testing.assert_close(got.alpha, want.alpha, atol=1e-6, rtol=0)
@@ -84,7 +87,9 @@ def test_nnsight_gives_the_bridges_sink_positions(family, family_bridge, nn_fami
     assert all(np.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(ours["sinks"].alpha, theirs["sinks"].alpha))
     for name in theirs:
         drop = ["alpha"] if name == "sinks" else []
-        pd.testing.assert_frame_equal(ours[name].drop(columns=drop), theirs[name].drop(columns=drop), atol=1e-5, rtol=1e-5)
+        pd.testing.assert_frame_equal(
+            ours[name].drop(columns=drop), theirs[name].drop(columns=drop), atol=1e-5, rtol=1e-5
+        )
     assert got.findings() == want.findings()
 
 
@@ -148,7 +153,9 @@ def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
         assert not bad, f"{module.__name__} imports {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
     # the check sees a forbidden import, and lets the shipped modules import each other
     assert _forbidden("import scipy.special\nfrom analysis.model import hooks\nimport torch") == {
-        "scipy.special", "analysis.model"}
+        "scipy.special",
+        "analysis.model",
+    }
     assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
 
 
@@ -163,8 +170,11 @@ def _as_if_pip_installed(monkeypatch):
     import analysis
 
     monkeypatch.setattr(nnsight.ndif, "_PULLED_ENV", True)
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if "__editable__" not in
-                                           f"{getattr(f, '__module__', '')} {type(f).__module__}"])
+    monkeypatch.setattr(
+        sys,
+        "meta_path",
+        [f for f in sys.meta_path if "__editable__" not in f"{getattr(f, '__module__', '')} {type(f).__module__}"],
+    )
     if analysis.__name__ in cloudpickle.list_registry_pickle_by_value():
         cloudpickle.unregister_pickle_by_value(analysis)
         return lambda: cloudpickle.register_pickle_by_value(analysis)
@@ -184,8 +194,9 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
     try:
         with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
             warnings.simplefilter("ignore")
-            there = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True,
-                                remote="local")
+            there = trace_batch(
+                nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True, remote="local"
+            )
         for a, b in zip(here[0], there[0]):
             assert torch.equal(a, b)
         assert all(torch.equal(x[k], y[k]) for x, y in zip(here[1], there[1]) for k in ("top", "cos", "peak", "dim"))
@@ -211,19 +222,32 @@ def test_request_bytes_bound_what_a_trace_saves(family_dir):
     assert stats_bytes(alphas) + sum(stats_bytes({k: v for k, v in r.items() if k != "cand"}) for r in resid) <= saved
     assert saved <= bound
     _, with_positions = trace_batch(nn, tokens, k_max=8, sink_layers=[], massive_layers=layers, positions=True)
-    assert stats_bytes(with_positions) - stats_bytes(resid) == request_bytes(4, len(layers), positions=20, **dims) - \
-        request_bytes(4, len(layers), **dims)  # cosine, peak and dim: 12 bytes a position
+    assert stats_bytes(with_positions) - stats_bytes(resid) == request_bytes(
+        4, len(layers), positions=20, **dims
+    ) - request_bytes(4, len(layers), **dims)  # cosine, peak and dim: 12 bytes a position
 
 
 def llama_405b_config():
     """Llama-3.1-405B's config, typed from its published numbers."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=126, hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
-                       intermediate_size=53248, vocab_size=128256, max_position_embeddings=131072,
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 8192})
+    return LlamaConfig(
+        num_hidden_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        intermediate_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
 
 
 def test_a_405b_sink_table_fits_ndifs_requests(capsys):
@@ -240,21 +264,24 @@ def test_a_405b_sink_table_fits_ndifs_requests(capsys):
     plan = plan_requests(100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model)
     assert plan.bytes_per_request < REQUEST_LIMIT_BYTES and plan.n_requests >= 2
     assert plan.bytes_total > REQUEST_LIMIT_BYTES  # one request would not do
-    sink_only = plan_requests(100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model,
-                              massive=False)
+    sink_only = plan_requests(
+        100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model, massive=False
+    )
     assert sink_only.bytes_per_request < REQUEST_LIMIT_BYTES and sink_only.n_requests < plan.n_requests
     with capsys.disabled():
         for what, p in (("sink + massive", plan), ("sink", sink_only)):
-            print(f"\n405B {what}, N=100, T=64: {p.n_requests} requests of {p.samples} samples x "
-                  f"{len(p.layer_groups[0])} layers, {p.bytes_per_request / 2**20:.1f} MiB each, "
-                  f"{p.bytes_total / 2**20:.1f} MiB in all")
+            print(
+                f"\n405B {what}, N=100, T=64: {p.n_requests} requests of {p.samples} samples x "
+                f"{len(p.layer_groups[0])} layers, {p.bytes_per_request / 2**20:.1f} MiB each, "
+                f"{p.bytes_total / 2**20:.1f} MiB in all"
+            )
 
 
 def test_per_head_alpha_gathers_across_tensor_parallel_shards():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 8, 12, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g)
     full = attention_alpha(q, k, None, 0.25, 6)
-    shards = [attention_alpha(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], None, 0.25, 6) for r in range(2)]
+    shards = [attention_alpha(q[:, 4 * r : 4 * r + 4], k[:, r : r + 1], None, 0.25, 6) for r in range(2)]
     torch.testing.assert_close(torch.cat(shards, 1), full, atol=0, rtol=0)
 
 
@@ -266,8 +293,10 @@ def test_the_sink_command_prints_the_bridges_table_through_nnsight(smollm2, caps
     assert "--backend nnsight" in capsys.readouterr().err
     assert main(["sink", "--backend", "nnsight", "--n", "2", "--T", "16", "--quiet"]) == 0
     out = capsys.readouterr().out.splitlines()
-    want = {kind: sink_metric(smollm2, p.tokens, path="eager").sink_rate()
-            for kind, p in model_probe_sets(smollm2, n=2, T=16).items()}
+    want = {
+        kind: sink_metric(smollm2, p.tokens, path="eager").sink_rate()
+        for kind, p in model_probe_sets(smollm2, n=2, T=16).items()
+    }
     assert out[2:5] == [f"{kind:<10} {v:>10.2f}" for kind, v in want.items()]
 
 
@@ -283,7 +312,9 @@ def test_the_sinks_command_prints_the_bridges_table_through_nnsight(family_dir, 
     want = capsys.readouterr().out.splitlines()
     assert main(args + ["--backend", "nnsight", "--json", str(tmp_path / "s.json")]) == 0
     got = capsys.readouterr().out.splitlines()
-    assert "nnsight path" in got[0] and len(got) > 4 and got[1:-1] == want[1:]  # the header names the path; then "wrote"
+    assert (
+        "nnsight path" in got[0] and len(got) > 4 and got[1:-1] == want[1:]
+    )  # the header names the path; then "wrote"
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["backend"] == "nnsight" and payload["path"] == "nnsight" and len(payload["sinks"]) == len(got) - 4
 
@@ -292,10 +323,14 @@ def _same(a, b, path="") -> list[str]:
     """Where two JSON values differ (floats to 1e-5, relative, or 1e-6 absolute)."""
     if isinstance(a, dict) and isinstance(b, dict):
         return ([f"{path}: keys {sorted(set(a) ^ set(b))}"] if set(a) != set(b) else []) + [
-            d for k in a if k in b for d in _same(a[k], b[k], f"{path}.{k}")]
+            d for k in a if k in b for d in _same(a[k], b[k], f"{path}.{k}")
+        ]
     if isinstance(a, list) and isinstance(b, list):
-        return [f"{path}: lengths"] if len(a) != len(b) else [d for i, (x, y) in enumerate(zip(a, b))
-                                                              for d in _same(x, y, f"{path}[{i}]")]
+        return (
+            [f"{path}: lengths"]
+            if len(a) != len(b)
+            else [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{path}[{i}]")]
+        )
     if isinstance(a, float) or isinstance(b, float):
         return [] if a == pytest.approx(b, rel=1e-5, abs=1e-6, nan_ok=True) else [f"{path}: {a} != {b}"]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
@@ -310,8 +345,27 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
     from analysis.report.build import NNSIGHT_SECTIONS, SECTIONS, build_report
 
     build_report(family_bridge("llama"), tmp_path / "b", sections=list(NNSIGHT_SECTIONS), n=2, T=24, eps=0.1)
-    assert main(["report", "--model", str(family_dir("llama")), "--backend", "nnsight", "--n", "2", "--T", "24",
-                 "--eps", "0.1", "--out", str(tmp_path / "n"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                str(family_dir("llama")),
+                "--backend",
+                "nnsight",
+                "--n",
+                "2",
+                "--T",
+                "24",
+                "--eps",
+                "0.1",
+                "--out",
+                str(tmp_path / "n"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
     assert not got["errors"] and set(got["sections"]) == set(SECTIONS)
     assert not any("not available" in note.lower() for notes in got["notes"].values() for note in notes)
@@ -322,7 +376,13 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
     # the tiny word tokenizer reads the natural probes as mostly '<unk>': equal top values at several positions, whose
     # tie either path may break (the top positions are compared on random tokens above)
     ties = [f"top{i}_{w}" for i in (1, 2, 3) for w in ("pos", "token")]
-    mass = [{k: {**v, "per_layer": [{c: x for c, x in r.items() if c not in ties} for r in v["per_layer"]]}
-             for k, v in j["sections"]["massive"].items() if k == "natural"} for j in (got, want)]
+    mass = [
+        {
+            k: {**v, "per_layer": [{c: x for c, x in r.items() if c not in ties} for r in v["per_layer"]]}
+            for k, v in j["sections"]["massive"].items()
+            if k == "natural"
+        }
+        for j in (got, want)
+    ]
     assert not _same(*mass)
     assert got["spike_dims"] == want["spike_dims"] and got["findings"][:1] == want["findings"][:1]

@@ -11,6 +11,7 @@ points, dim 507 within 0.9%. At the paper's N=100, T=64 (seeds 0-2): Sink_1 natu
 -0.2% at layer 9, where MLPs 8-9 cancel ~700 down to ~125. bf16 keeps 8 bits (a relative rounding of 0.4%), so the
 tolerances below are 1.5 points of Sink_1, 0.01 of mean |alpha_1 difference| and 3% of the spike, away from layer 9.
 """
+
 import dataclasses
 import json
 
@@ -88,7 +89,9 @@ def _low_precision(obj, path="result", seen=None) -> list[str]:
     if isinstance(obj, (list, tuple)):
         return [p for i, v in enumerate(obj) for p in _low_precision(v, f"{path}[{i}]", seen)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [p for f in dataclasses.fields(obj) for p in _low_precision(getattr(obj, f.name), f"{path}.{f.name}", seen)]
+        return [
+            p for f in dataclasses.fields(obj) for p in _low_precision(getattr(obj, f.name), f"{path}.{f.name}", seen)
+        ]
     return []
 
 

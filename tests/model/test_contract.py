@@ -1,6 +1,7 @@
 """The one model contract (``analysis.model.contract``): every public function of the package that takes a model
 types it with the contract (read from the source with ``ast``), none takes a name or a bare Hugging Face model, and
 the check at load refuses a model missing something, in one line."""
+
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,15 @@ import pytest
 import torch
 
 import analysis
-from analysis.model.contract import (ModelContractError, SinkModel, check_model, hf_module, is_model, model_dtype,
-                                     runs_bridge_components)
+from analysis.model.contract import (
+    ModelContractError,
+    SinkModel,
+    check_model,
+    hf_module,
+    is_model,
+    model_dtype,
+    runs_bridge_components,
+)
 
 ROOT = Path(analysis.__file__).resolve().parent
 EXEMPT = ()  # none: every floor, the report included, takes the contract
@@ -21,7 +29,10 @@ OTHER_TYPES = {
     "NnsightModel": ("chain/nnsight_tables.py", "engine/nnsight_pass.py", "positions/nnsight_positions.py"),
     "SinkLM": ("model/reference/checkpoint.py", "train/trainer.py"),  # the reference model's own checkpoints
     "dict": ("train/sweep.py",),  # a model config
-    "object": ("model/contract.py", "model/causal.py"),  # the contract checks (check_model, require_model) take anything
+    "object": (
+        "model/contract.py",
+        "model/causal.py",
+    ),  # the contract checks (check_model, require_model) take anything
 }
 RAW = ("str", "Path", "os.PathLike", "PreTrainedModel", "transformers.PreTrainedModel", "TransformerBridge")
 
@@ -33,8 +44,13 @@ def _public_model_params():
         rel = str(path.relative_to(ROOT))
         tree = ast.parse(path.read_text())
         defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-        defs += [m for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
-                 for m in c.body if isinstance(m, ast.FunctionDef)]
+        defs += [
+            m
+            for c in tree.body
+            if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+            for m in c.body
+            if isinstance(m, ast.FunctionDef)
+        ]
         for fn in defs:
             if fn.name.startswith("_"):
                 continue
@@ -46,20 +62,31 @@ def _public_model_params():
 def test_every_public_model_parameter_is_typed_with_the_contract_and_none_takes_a_name_or_a_bare_hf_model():
     params = list(_public_model_params())
     assert len(params) > 120  # the reader sees the package
-    raw = [f"{p}:{l} {f}(model: {a})" for p, l, f, a in params
-           if a is not None and any(t in RAW for t in a.replace(" ", "").split("|"))]
+    raw = [
+        f"{p}:{l} {f}(model: {a})"
+        for p, l, f, a in params
+        if a is not None and any(t in RAW for t in a.replace(" ", "").split("|"))
+    ]
     assert not raw, "public functions typing their model as a name or a bare Hugging Face model:\n" + "\n".join(raw)
-    bad = [f"{p}:{l} {f}(model: {a})" for p, l, f, a in params if not p.startswith(EXEMPT) and a != "SinkModel"
-           and p not in OTHER_TYPES.get(a or "", ())]
-    assert not bad, ("public functions whose `model` parameter is not annotated `SinkModel` (analysis.model.contract), "
-                     "on the signature line:\n" + "\n".join(bad))
+    bad = [
+        f"{p}:{l} {f}(model: {a})"
+        for p, l, f, a in params
+        if not p.startswith(EXEMPT) and a != "SinkModel" and p not in OTHER_TYPES.get(a or "", ())
+    ]
+    assert not bad, (
+        "public functions whose `model` parameter is not annotated `SinkModel` (analysis.model.contract), "
+        "on the signature line:\n" + "\n".join(bad)
+    )
 
 
 # The cache passes' helpers that read the causal LM the contract gives (``causal_lm``): its config, its modules. They
 # are no analyses; every analysis above them takes the model of the contract.
-PASS_HELPERS = {"streaming/cache.py": {"rope_spec"}, "streaming/perplexity.py": {"decode_attention"},
-                "quant/passes.py": {"__init__"},
-                "streaming/generate.py": {"sink_cache"}}  # the cache for hf.generate: built for the LM that generates
+PASS_HELPERS = {
+    "streaming/cache.py": {"rope_spec"},
+    "streaming/perplexity.py": {"decode_attention"},
+    "quant/passes.py": {"__init__"},
+    "streaming/generate.py": {"sink_cache"},
+}  # the cache for hf.generate: built for the LM that generates
 FLOOR_OF_ANALYSES = ("sinks/", "chain/", "positions/", "causal/", "dynamics/", "streaming/", "quant/", "figures/")
 
 
@@ -71,18 +98,35 @@ def test_no_analysis_takes_a_bare_hugging_face_module_but_the_cache_passes_helpe
             continue
         tree = ast.parse(path.read_text())
         defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-        defs += [m for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
-                 for m in c.body if isinstance(m, ast.FunctionDef)]
+        defs += [
+            m
+            for c in tree.body
+            if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+            for m in c.body
+            if isinstance(m, ast.FunctionDef)
+        ]
         for fn in defs:
             args = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg != "self"]
-            if (fn.name == "__init__" or not fn.name.startswith("_")) and args[:1] in (["hf"], ["hf_model"], ["tl_model"]) \
-                    and fn.name not in PASS_HELPERS.get(rel, ()):
+            if (
+                (fn.name == "__init__" or not fn.name.startswith("_"))
+                and args[:1] in (["hf"], ["hf_model"], ["tl_model"])
+                and fn.name not in PASS_HELPERS.get(rel, ())
+            ):
                 found.append(f"{rel}:{fn.lineno} {fn.name}({args[0]})")
-    assert not found, "public analyses taking a bare Hugging Face module (take `model: SinkModel`):\n" + "\n".join(found)
+    assert not found, "public analyses taking a bare Hugging Face module (take `model: SinkModel`):\n" + "\n".join(
+        found
+    )
 
 
-@pytest.mark.parametrize("drop, named", [("hook_dict", "hook_dict"), ("cfg.n_heads", "cfg.n_heads"),
-                                         ("patterns", "attention-pattern hooks"), ("tokenizer", "tokenizer")])
+@pytest.mark.parametrize(
+    "drop, named",
+    [
+        ("hook_dict", "hook_dict"),
+        ("cfg.n_heads", "cfg.n_heads"),
+        ("patterns", "attention-pattern hooks"),
+        ("tokenizer", "tokenizer"),
+    ],
+)
 def test_the_check_at_load_refuses_a_model_missing_something_in_one_line(drop, named):
     from analysis.model.reference.config import ModelConfig
     from analysis.model.reference.sink_lm import SinkLM
@@ -108,8 +152,11 @@ def test_a_loaded_model_meets_the_contract_and_a_name_or_bare_model_is_refused(t
     assert not is_model(str(tiny_llama_dir)) and not is_model(tiny_llama.original_model)
     assert require_model(tiny_llama, "f") is tiny_llama
     for given, what in ((str(tiny_llama_dir), "the name"), (tiny_llama.original_model, "a LlamaForCausalLM")):
-        with pytest.raises(TypeError, match=f"^f takes the model analysis.load_model returns, not {what}.*call "
-                                            r"f\(load_model\(name_or_path\), \.\.\.\)"):
+        with pytest.raises(
+            TypeError,
+            match=f"^f takes the model analysis.load_model returns, not {what}.*call "
+            r"f\(load_model\(name_or_path\), \.\.\.\)",
+        ):
             require_model(given, "f")
     with own_causal_lm(tiny_llama) as hf:  # the bridge's own module, its wrappers off for the block
         assert hf is tiny_llama.original_model and not runs_bridge_components(hf)

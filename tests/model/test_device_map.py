@@ -5,6 +5,7 @@ one device: per-head alpha, the massive table, the spike origin, the causal cuts
 accumulators' updates shows each reduction runs where its layer's output lives and no whole (N, T, d) activation is
 moved. The embedded SmolLM2 with blocks 10-29 on disk gives the single-device sink table.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,22 @@ import pytest
 import torch
 
 from analysis import load_model
-from analysis.model.placement import (Placement, check_placement, parse_device_map, parse_max_memory,
-                                      split_device_map)
+from analysis.model.placement import Placement, check_placement, parse_device_map, parse_max_memory, split_device_map
 from analysis.model.weights import execution_device, is_offloaded, materialized
 from tests.families import make_family_dir
 
-CLOCK = {"seconds", "elapsed_s", "wall_s", "timings", "versions", "device", "weights_on", "created", "out_dir", "path"}  # not numbers of the model
+CLOCK = {
+    "seconds",
+    "elapsed_s",
+    "wall_s",
+    "timings",
+    "versions",
+    "device",
+    "weights_on",
+    "created",
+    "out_dir",
+    "path",
+}  # not numbers of the model
 FAMILIES = ["llama", "qwen3", "gemma2", "gpt_oss", "qwen3_next"]
 
 
@@ -55,6 +66,7 @@ def pair(request, tmp_path_factory):
 
 def _probes(model, n=3, T=24):
     from analysis.model.probes import model_probe_sets
+
     return model_probe_sets(model, n=n, T=T, seed=0)
 
 
@@ -96,8 +108,11 @@ def test_split_is_offloaded_and_same_model(pair):
     fam, whole, split = pair
     assert is_offloaded(split.original_model) and not is_offloaded(whole.original_model)
     assert split.family == whole.family
-    assert (split.cfg.n_layers, split.cfg.d_model, split.cfg.n_heads) == (whole.cfg.n_layers, whole.cfg.d_model,
-                                                                        whole.cfg.n_heads)
+    assert (split.cfg.n_layers, split.cfg.d_model, split.cfg.n_heads) == (
+        whole.cfg.n_layers,
+        whole.cfg.d_model,
+        whole.cfg.n_heads,
+    )
     assert set(split.hook_dict) == set(whole.hook_dict)
     last = split.original_model.model.layers[-1]
     assert any(p.device.type == "meta" for p in last.parameters()), "the offloaded block keeps placeholders"
@@ -185,11 +200,22 @@ def test_report_json_agrees(pair, tmp_path):
 def test_smollm2_blocks_on_disk_give_the_table(tmp_path):
     from analysis.__main__ import sink_report
 
-    dm = split_device_map(str(__import__("analysis.model.loading", fromlist=["x"]).smollm2_dir()),
-                          {l: "disk" for l in range(10, 30)})
+    dm = split_device_map(
+        str(__import__("analysis.model.loading", fromlist=["x"]).smollm2_dir()), {l: "disk" for l in range(10, 30)}
+    )
     one = sink_report("smollm2-135m", 12, 64, 0.3, 16, False, 0, "cpu", progress=False)
-    split = sink_report("smollm2-135m", 12, 64, 0.3, 16, False, 0, None, progress=False,
-                        placement=Placement(dm, None, str(tmp_path / "off")))
+    split = sink_report(
+        "smollm2-135m",
+        12,
+        64,
+        0.3,
+        16,
+        False,
+        0,
+        None,
+        progress=False,
+        placement=Placement(dm, None, str(tmp_path / "off")),
+    )
     assert split["sink_1_pct"] == one["sink_1_pct"]
     _close(one["inputs"], split["inputs"])
 
@@ -238,11 +264,35 @@ def test_stream_cli_on_split_model(tmp_path, capsys):
     dm = tmp_path / "dm.json"
     dm.write_text(json.dumps(split_device_map(str(d), {l: "disk" for l in range(n // 2, n)})))
     assert "disk" in dm.read_text()
-    args = ["stream", "--model", str(d), "--window", "16", "--sinks", "0,2", "--tokens", "48", "--newline-sinks", "0",
-            "--quiet"]
+    args = [
+        "stream",
+        "--model",
+        str(d),
+        "--window",
+        "16",
+        "--sinks",
+        "0,2",
+        "--tokens",
+        "48",
+        "--newline-sinks",
+        "0",
+        "--quiet",
+    ]
     assert main([*args, "--device", "cpu", "--json", str(tmp_path / "one.json")]) == 0
-    assert main([*args, "--device-map", str(dm), "--offload-folder", str(tmp_path / "off"),
-                 "--json", str(tmp_path / "split.json")]) == 0
+    assert (
+        main(
+            [
+                *args,
+                "--device-map",
+                str(dm),
+                "--offload-folder",
+                str(tmp_path / "off"),
+                "--json",
+                str(tmp_path / "split.json"),
+            ]
+        )
+        == 0
+    )
     one, split = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "split.json"))
     speed = {"tokens_per_s", "seconds", "peak_mib", "peak_kv_mib"}
     assert len(one["runs"]) == len(split["runs"]) and len(one["table"]) == len(split["table"]) > 3
@@ -314,8 +364,10 @@ def test_first_parameter_elsewhere_than_the_work(qwen2):
     hf._modules = {"aaa_probe": torch.nn.Linear(2, 2, device="meta"), **hf._modules}  # the first parameter now
     assert next(hf.parameters()).device.type == "meta"
     assert input_device(hf) == torch.device("cpu")
-    assert placement_record(hf)["weights_on"] == {"cpu": sum(p.numel() for p in whole.original_model.parameters()),
-                                                  "meta": 6}
+    assert placement_record(hf)["weights_on"] == {
+        "cpu": sum(p.numel() for p in whole.original_model.parameters()),
+        "meta": 6,
+    }
 
 
 def test_load_model_puts_the_weights_on_the_asked_device(tiny_llama_dir, monkeypatch):
@@ -345,7 +397,26 @@ def test_cli_json_records_where_the_work_and_weights_were(qwen2, tmp_path):
     dm = tmp_path / "dm.json"
     dm.write_text(json.dumps({**split_device_map(str(d), {}, default="cpu"), "model.embed_tokens": "disk"}))
     out = tmp_path / "sink.json"
-    assert main(["sink", "--model", str(d), "--n", "2", "--T", "8", "--quiet", "--device-map", str(dm),
-                 "--offload-folder", str(tmp_path / "off"), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sink",
+                "--model",
+                str(d),
+                "--n",
+                "2",
+                "--T",
+                "8",
+                "--quiet",
+                "--device-map",
+                str(dm),
+                "--offload-folder",
+                str(tmp_path / "off"),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and set(data["weights_on"]) == {"cpu", "disk"}

@@ -9,6 +9,7 @@ computes (hybrids: on their attention layers, under their true indices). gpt-oss
 Where an analysis does not run on a family yet the case is ``xfail(strict=True)`` with the exact error: when
 it is fixed the test turns red and the mark must go.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -82,8 +83,9 @@ def family_models(family_dir, family_bridge):
         if family not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[family] = AutoModelForCausalLM.from_pretrained(family_dir(family), attn_implementation="eager",
-                                                                     dtype=torch.float32).eval()
+                cache[family] = AutoModelForCausalLM.from_pretrained(
+                    family_dir(family), attn_implementation="eager", dtype=torch.float32
+                ).eval()
         return family_bridge(family), cache[family]
 
     return get
@@ -112,14 +114,21 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
     spec = model.family
     assert isinstance(spec, FamilySpec) and get_family(model) is spec
     config = hf.config
-    (positions, style, norm_kind, offset, placement, qk_scope, fused, key_rotated, sinks, gated, parallel) = EXPECT[family]
+    (positions, style, norm_kind, offset, placement, qk_scope, fused, key_rotated, sinks, gated, parallel) = EXPECT[
+        family
+    ]
     assert (spec.positions, spec.rotary_style) == (positions, style)
     norm = spec.norm or spec.post_norm
     assert (norm.kind, norm.gain_offset, spec.norm_placement) == (norm_kind, offset, placement)
     assert norm.bias == (norm_kind == "LayerNorm" and family not in NORM_WITHOUT_BIAS)
     assert spec.qk_norm_scope == qk_scope and (spec.qk_norm is None) == (qk_scope is None)
     assert (spec.fused_qkv, spec.key_rotated, spec.learned_sinks, spec.gate is not None, spec.parallel_block) == (
-        fused, key_rotated, sinks, gated, parallel)
+        fused,
+        key_rotated,
+        sinks,
+        gated,
+        parallel,
+    )
     # Against the HF config: heads, layers, window, rotary base and dim.
     n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     n_kv = getattr(config, "num_key_value_heads", None) or (1 if getattr(config, "multi_query", False) else n_heads)
@@ -146,11 +155,12 @@ def test_loads_offline_with_a_family_spec(family, family_models, no_network, mon
         theta = params.get("rope_theta", 10000.0)  # GPT-J: fixed 10000
         assert spec.rotary_base == theta == rotary_base(model)
         frac = params.get("partial_rotary_factor", 1.0)
-        assert spec.rotary_dim == (getattr(config, "rotary_dim", None) or getattr(config, "qk_rope_head_dim", None)
-                                   or int(16 * frac))  # MLA: the decoupled rotary key's dims
+        assert spec.rotary_dim == (
+            getattr(config, "rotary_dim", None) or getattr(config, "qk_rope_head_dim", None) or int(16 * frac)
+        )  # MLA: the decoupled rotary key's dims
     else:
         assert spec.rotary_base is None and rotary_base(model) is None
-    assert spec.attn_scale == pytest.approx(getattr(config, "attention_multiplier", 16 ** -0.5))
+    assert spec.attn_scale == pytest.approx(getattr(config, "attention_multiplier", 16**-0.5))
     # TransformerLens' generic AttentionBridge reports the pattern after the output (read-only hook).
     assert spec.pattern_live == (family not in GENERIC_ATTENTION)
     assert (spec.scores_hook(spec.attention_layers[0]) is None) == (family in GENERIC_ATTENTION)
@@ -188,7 +198,7 @@ def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:
         rot = torch.stack([-xr[..., 1::2], xr[..., ::2]], -1).flatten(-2)
     else:
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        rot = torch.cat([-xr[..., rd // 2:], xr[..., : rd // 2]], -1)
+        rot = torch.cat([-xr[..., rd // 2 :], xr[..., : rd // 2]], -1)
     out = xr * cos[:, None] + rot * sin[:, None]
     return torch.cat([out, xp], -1).float()
 
@@ -205,11 +215,16 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     def keep(name):
         def fn(x, hook):
             got[name] = x.detach().cpu()
+
         return fn
 
     hooks = []
     for l in spec.attention_layers:
-        hooks += [(spec.query_hook(l), keep(("q", l))), (spec.key_hook(l), keep(("k", l))), (spec.pattern_hook(l), keep(("p", l)))]
+        hooks += [
+            (spec.query_hook(l), keep(("q", l))),
+            (spec.key_hook(l), keep(("k", l))),
+            (spec.pattern_hook(l), keep(("p", l))),
+        ]
         if spec.scores_hook(l):
             hooks.append((spec.scores_hook(l), keep(("scores", l))))
     with torch.no_grad():
@@ -225,8 +240,9 @@ def _check_layer(spec, model, layer, got, device):
         q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if "scores" in got:
-        torch.testing.assert_close(scores[..., seen].float(), got["scores"][..., seen].float(), atol=tol(device, 1e-4),
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            scores[..., seen].float(), got["scores"][..., seen].float(), atol=tol(device, 1e-4), rtol=1e-4
+        )
     torch.testing.assert_close(pattern.float(), got["p"].float(), atol=tol(device, 1e-5), rtol=0)
 
 
@@ -239,7 +255,10 @@ def test_gpt_oss_learned_sink_mass_equals_hf(family_models, device):
         patterns[hook.name] = x.detach().cpu()
 
     with torch.no_grad():
-        model.run_with_hooks(tokens.to(device), fwd_hooks=[(f"blocks.{l}.attn.hook_pattern", keep) for l in model.family.attention_layers])
+        model.run_with_hooks(
+            tokens.to(device),
+            fwd_hooks=[(f"blocks.{l}.attn.hook_pattern", keep) for l in model.family.attention_layers],
+        )
     ours = torch.stack([1 - p.sum(-1) for p in patterns.values()], 1)  # (N, L, H, T)
     theirs = torch.stack([1 - a.sum(-1) for a in _hf_attentions(hf, tokens)], 1)
     torch.testing.assert_close(ours, theirs, atol=tol(device, 1e-6), rtol=0)
@@ -252,8 +271,10 @@ def test_gate_hook_fires_with_one_gate_per_head_dim(family, family_models, devic
     spec = model.family
     got = []
     with torch.no_grad():
-        model.run_with_hooks(_tokens(3, 2).to(device), fwd_hooks=[(spec.gate_hook(l), lambda x, hook: got.append(x.shape))
-                                                       for l in spec.attention_layers])
+        model.run_with_hooks(
+            _tokens(3, 2).to(device),
+            fwd_hooks=[(spec.gate_hook(l), lambda x, hook: got.append(x.shape)) for l in spec.attention_layers],
+        )
     assert got == [torch.Size([2, T, spec.n_heads * spec.d_head])] * len(spec.attention_layers)
     with pytest.raises(ValueError, match=r"layer 0 .* not an attention layer \(linear attention"):
         spec.key_hook(0)
@@ -281,7 +302,9 @@ def test_gguf_file_loads_like_a_folder(tmp_path, no_network, monkeypatch, device
     model = load_model(str(path), device=device)
     tokens = _tokens(4, 2)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens.to(device)).cpu(), source(tokens).logits, atol=tol(device, 1e-5), rtol=0)
+        torch.testing.assert_close(
+            model(tokens.to(device)).cpu(), source(tokens).logits, atol=tol(device, 1e-5), rtol=0
+        )
     assert model.family.family == "llama" and rotary_base(model) == family_config("llama").rope_parameters["rope_theta"]
     assert model.tokenizer.convert_ids_to_tokens([1, 5]) == ["<s>", "w2"]
     assert no_network == []

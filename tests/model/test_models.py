@@ -1,4 +1,5 @@
 """Loading: the embedded default, local folders and hub ids, with no network connection."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Probe inputs: deterministic, the right shapes, BOS explicit, clear errors."""
+
 import pytest
 import torch
 

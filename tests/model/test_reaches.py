@@ -17,6 +17,7 @@ a new reach goes into ``analysis/model/`` as a typed function (``analysis.model.
 or here with its reason. On main before this test: 64 places (37 outside streaming/ and quant/); after moving them
 into ``analysis.model.access`` and ``model_facts``: 27, all in streaming/ and quant/.
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,10 +27,25 @@ import analysis
 
 ROOT = Path(analysis.__file__).resolve().parent
 LIBS = ("transformers", "transformer_lens")
-INTERNALS = frozenset({
-    "blocks", "cfg", "original_model", "original_component", "_original_component",  # TransformerLens' bridge
-    "config", "self_attn", "embed_tokens", "lm_head", "rotary_emb", "layer_idx", "hf_device_map",  # Hugging Face's
-    "_modules", "_attn_implementation", "_can_set_attn_implementation"})  # the private members they rewrite
+INTERNALS = frozenset(
+    {
+        "blocks",
+        "cfg",
+        "original_model",
+        "original_component",
+        "_original_component",  # TransformerLens' bridge
+        "config",
+        "self_attn",
+        "embed_tokens",
+        "lm_head",
+        "rotary_emb",
+        "layer_idx",
+        "hf_device_map",  # Hugging Face's
+        "_modules",
+        "_attn_implementation",
+        "_can_set_attn_implementation",
+    }
+)  # the private members they rewrite
 ACCESSORS = frozenset({"getattr", "hasattr", "setattr", "delattr"})
 
 STREAMING_QUANT = "the streaming / quant cache passes, moved by their own change (#47 point 6's shims)"
@@ -87,19 +103,31 @@ def reaches(source: str) -> dict[int, str]:
 
 def package_reaches() -> dict[str, dict[int, str]]:
     """{file under analysis/: its places}, for every module outside analysis/model/ with one."""
-    found = {p.relative_to(ROOT).as_posix(): reaches(p.read_text()) for p in sorted(ROOT.rglob("*.py"))
-             if p.relative_to(ROOT).parts[0] != "model"}
+    found = {
+        p.relative_to(ROOT).as_posix(): reaches(p.read_text())
+        for p in sorted(ROOT.rglob("*.py"))
+        if p.relative_to(ROOT).parts[0] != "model"
+    }
     return {f: r for f, r in found.items() if r}
 
 
 def test_the_scan_sees_each_kind_of_reach_and_leaves_the_rest():
-    src = ("import transformers\nfrom transformer_lens.hook_points import HookPoint\nx = model.blocks[0].attn\n"
-           "n = model.cfg.n_layers\nc = getattr(hf, 'config', None)\nb._modules['_original_component'] = m\n"
-           "ok = '_original_component' in b._modules\n"
-           "self.blocks = []\nout['blocks'] = 1\nfrom analysis.model.hooks import model_dims\nimport torch\n"
-           "d = model_dims(model).n_layers\ny = self.config\n")
-    assert reaches(src) == {1: "import transformers", 2: "from transformer_lens.hook_points import", 3: ".blocks",
-                            4: ".cfg", 5: "getattr('config')", 6: "['_original_component']", 7: "'_original_component' in"}
+    src = (
+        "import transformers\nfrom transformer_lens.hook_points import HookPoint\nx = model.blocks[0].attn\n"
+        "n = model.cfg.n_layers\nc = getattr(hf, 'config', None)\nb._modules['_original_component'] = m\n"
+        "ok = '_original_component' in b._modules\n"
+        "self.blocks = []\nout['blocks'] = 1\nfrom analysis.model.hooks import model_dims\nimport torch\n"
+        "d = model_dims(model).n_layers\ny = self.config\n"
+    )
+    assert reaches(src) == {
+        1: "import transformers",
+        2: "from transformer_lens.hook_points import",
+        3: ".blocks",
+        4: ".cfg",
+        5: "getattr('config')",
+        6: "['_original_component']",
+        7: "'_original_component' in",
+    }
 
 
 def test_no_new_reach_into_hugging_face_or_transformer_lens_internals():
@@ -108,7 +136,8 @@ def test_no_new_reach_into_hugging_face_or_transformer_lens_internals():
     assert not over, (
         "places outside analysis/model/ reach into Hugging Face or TransformerLens internals (file: (found, allowed, "
         "{line: what})); move each into a typed function of analysis/model/ (analysis.model.contract and the modules "
-        f"beside it) and call that, or list it in ALLOWED here with its reason: {over}")
+        f"beside it) and call that, or list it in ALLOWED here with its reason: {over}"
+    )
     stale = sorted(f for f in ALLOWED if not (ROOT / f).exists())
     assert not stale, f"ALLOWED names files that are gone: {stale}"
     assert sum(map(len, found.values())) <= sum(n for n, _ in ALLOWED.values())

@@ -1,5 +1,6 @@
 """Sinks at any position: alpha_k of every key against Hugging Face eager attention (both paths), the sink table
 against the positions above eps, the residual-stream columns, the ``sinks`` command and its bad inputs."""
+
 import json
 import warnings
 
@@ -37,8 +38,9 @@ def assert_table_is_the_positions_above_eps(res: SinkPositions, alpha: torch.Ten
     got = {(r.sample, r.position): sorted(r.heads) for r in df.itertuples()}
     assert got == {k: sorted((res.layers[l], h) for l, h in v) for k, v in want.items()}
     for r in df.itertuples():  # each head's share of attention is its alpha
-        assert r.alpha == pytest.approx([float(alpha[r.sample, res.layers.index(l), h, r.position]) for l, h in r.heads],
-                                        abs=atol)
+        assert r.alpha == pytest.approx(
+            [float(alpha[r.sample, res.layers.index(l), h, r.position]) for l, h in r.heads], abs=atol
+        )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,9 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
     model = family_bridge(family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_pretrained(family_dir(family), attn_implementation="eager",
-                                                  dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            family_dir(family), attn_implementation="eager", dtype=torch.float32
+        ).eval()
     tokens = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(5))
     ref = hf_alpha_every_key(hf, tokens)
     fused_exact = family in ("llama", "mistral", "qwen3_next")
@@ -108,7 +111,9 @@ def test_tiny_family_every_position_equals_hf_eager(family, family_dir, family_b
 
 
 def test_first_run_of_aligned_layers():
-    aligned = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool).T[None]  # (1, R=5, T=3)
+    aligned = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool).T[
+        None
+    ]  # (1, R=5, T=3)
     created, life = _first_run(aligned)
     assert created.tolist() == [[1, -1, 0]] and life.tolist() == [[2, 0, 5]]
 
@@ -141,8 +146,26 @@ def test_sinks_command_on_a_text_file(tiny_llama_dir, tmp_path, capsys, no_netwo
 
     text, out = tmp_path / "t.txt", tmp_path / "out" / "sinks.json"
     text.write_text(_words(40))
-    assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--eps", "0.05",
-                 "--bos", "--quiet", "--device", device]) == 0
+    assert (
+        main(
+            [
+                "sinks",
+                "--model",
+                str(tiny_llama_dir),
+                "--text",
+                str(text),
+                "--json",
+                str(out),
+                "--eps",
+                "0.05",
+                "--bos",
+                "--quiet",
+                "--device",
+                device,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["n_tokens"] == 41 and data["bos"] and data["eps"] == 0.05
@@ -154,15 +177,18 @@ def test_sinks_command_on_a_text_file(tiny_llama_dir, tmp_path, capsys, no_netwo
     assert f"{data['sinks'][0]['n_heads']:>5}" in printed and data["text"] in printed
 
 
-@pytest.mark.parametrize("content, argv, message", [
-    (None, [], "no text file"),
-    ("", [], "is empty"),
-    ("  \n", [], "is empty"),
-    (_words(200), [], "more than the model's context of 128: pass --max-tokens 128"),
-    (_words(20), ["--eps", "0"], "eps must lie in (0, 1)"),
-    (_words(20), ["--eps", "1.5"], "eps must lie in (0, 1)"),
-    ("w5", [], "give at least 2"),
-])
+@pytest.mark.parametrize(
+    "content, argv, message",
+    [
+        (None, [], "no text file"),
+        ("", [], "is empty"),
+        ("  \n", [], "is empty"),
+        (_words(200), [], "more than the model's context of 128: pass --max-tokens 128"),
+        (_words(20), ["--eps", "0"], "eps must lie in (0, 1)"),
+        (_words(20), ["--eps", "1.5"], "eps must lie in (0, 1)"),
+        ("w5", [], "give at least 2"),
+    ],
+)
 def test_sinks_command_bad_input(content, argv, message, tiny_llama_dir, tmp_path, capsys, device):
     from analysis.__main__ import main
 
@@ -170,8 +196,24 @@ def test_sinks_command_bad_input(content, argv, message, tiny_llama_dir, tmp_pat
     if content is not None:
         text.write_text(content)
     out = tmp_path / "o.json"
-    assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet", "--device", device,
-                 *argv]) == 2
+    assert (
+        main(
+            [
+                "sinks",
+                "--model",
+                str(tiny_llama_dir),
+                "--text",
+                str(text),
+                "--json",
+                str(out),
+                "--quiet",
+                "--device",
+                device,
+                *argv,
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     assert not out.exists()
 
@@ -181,19 +223,39 @@ def test_sinks_command_max_tokens_keeps_the_start(tiny_llama_dir, tmp_path, caps
 
     text, out = tmp_path / "t.txt", tmp_path / "o.json"
     text.write_text(_words(200))
-    assert main(["sinks", "--model", str(tiny_llama_dir), "--text", str(text), "--json", str(out), "--quiet",
-                 "--max-tokens", "128", "--eps", "0.05", "--device", device]) == 0
+    assert (
+        main(
+            [
+                "sinks",
+                "--model",
+                str(tiny_llama_dir),
+                "--text",
+                str(text),
+                "--json",
+                str(out),
+                "--quiet",
+                "--max-tokens",
+                "128",
+                "--eps",
+                "0.05",
+                "--device",
+                device,
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["n_tokens"] == 128
 
 
 def test_per_seed_tables_by_hand(smollm2, tiny_llama):
     """Notebook 11's per-seed tables, against the alpha, cosine and activation tensors read by hand; on a model with
     no sink at all, sentences and no table."""
-    from analysis.positions.every_sink import (later_sink_tokens, later_sinks_by_seed, massive_by_seed,
-                                               secondary_by_seed)
+    from analysis.positions.every_sink import later_sink_tokens, later_sinks_by_seed, massive_by_seed, secondary_by_seed
 
-    runs = {s: sink_positions(smollm2, natural_probe(smollm2.tokenizer, n=4, T=32, seed=s).tokens, ratio_threshold=100.0)
-            for s in (0, 3)}
+    runs = {
+        s: sink_positions(smollm2, natural_probe(smollm2.tokenizer, n=4, T=32, seed=s).tokens, ratio_threshold=100.0)
+        for s in (0, 3)
+    }
     summary, text = later_sinks_by_seed(runs)
     secondary, _ = secondary_by_seed(runs)
     massive, text_massive = massive_by_seed(runs)
@@ -216,8 +278,10 @@ def test_per_seed_tables_by_hand(smollm2, tiny_llama):
     assert per_token.startswith(repr(tokens.index[0])) and "heads, in layers" in per_token
     assert "of the sequences have a sink besides the first token" in text and "on dim 507" in text_massive
     # A random tiny Llama: nothing sinks after the first token (nor on it), so every table is a sentence.
-    none = {s: sink_positions(tiny_llama, torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(s)))
-            for s in (0, 1)}
+    none = {
+        s: sink_positions(tiny_llama, torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(s)))
+        for s in (0, 1)
+    }
     texts = [later_sinks_by_seed(none)[1]] + [f(none) for f in (later_sink_tokens, secondary_by_seed, massive_by_seed)]
     assert all(not len(t) for t, _ in texts[1:]) and "nan" not in " ".join(t for _, t in texts[1:]).lower()
     assert all(t.startswith("No position after the first sinks on any of the 2 probe seeds") for _, t in texts[1:])

@@ -2,6 +2,7 @@
 encoding (seed 0) is re-measured from its committed weights and must give the committed row, and the propositions
 hold or fail there as the paper states them (equal hidden states and the closed form for NoPE, ALiBi, relative PE and
 rotary; neither for the absolute encodings)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,13 @@ def test_one_point_per_encoding_reproduces(pe):
 
     row = GRID.runs[(GRID.runs.encoding == pe) & (GRID.runs.seed == 0)].iloc[0]
     meta = GRID.meta
-    new, curve = encoding_point(load_reference(ENCODING_GRID_DIR / row.run, device="cpu"), n=meta["n"], T=meta["T"],
-                                seed=meta["probe_seed"], eps=meta["eps"])
+    new, curve = encoding_point(
+        load_reference(ENCODING_GRID_DIR / row.run, device="cpu"),
+        n=meta["n"],
+        T=meta["T"],
+        seed=meta["probe_seed"],
+        eps=meta["eps"],
+    )
     assert new["encoding"] == pe
     for kind in ("natural", "random", "repeated"):
         assert new[f"sink_1_{kind}"] == pytest.approx(row[f"sink_1_{kind}"], abs=1e-6)

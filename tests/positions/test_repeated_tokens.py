@@ -5,6 +5,7 @@ uniform), and the closed forms are computed in the test, not by the module: NoPE
 model's slopes times distance, relative PE the softmax of the learned bias by distance, rotary the bound
 e^{2 xi} / (e^{2 xi} + t - 1) with xi read from the cached rotated queries and keys. SmolLM2 (rotary) runs once.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,9 @@ T = 24
 
 def _model(pe: str) -> SinkLM:
     torch.manual_seed(0)
-    m = SinkLM(ModelConfig(d_vocab=32, n_ctx=32, d_model=32, n_layers=2, n_heads=4, positional_embedding_type=pe,
-                           init_std=0.3)).eval()
+    m = SinkLM(
+        ModelConfig(d_vocab=32, n_ctx=32, d_model=32, n_layers=2, n_heads=4, positional_embedding_type=pe, init_std=0.3)
+    ).eval()
     if pe == "relative":  # the learned bias starts at zero; give it a shape
         with torch.no_grad():
             for b in m.blocks:
@@ -125,8 +127,18 @@ def test_alibi_slope_scale_scales_every_head_and_rejects_zero():
     times the factor, and the repeated-token closed form follows them."""
     from analysis.model.reference.positions import alibi_slopes
 
-    m = SinkLM(ModelConfig(d_vocab=32, n_ctx=32, d_model=32, n_layers=1, n_heads=4, positional_embedding_type="alibi",
-                           alibi_slope_scale=0.25, init_std=0.3)).eval()
+    m = SinkLM(
+        ModelConfig(
+            d_vocab=32,
+            n_ctx=32,
+            d_model=32,
+            n_layers=1,
+            n_heads=4,
+            positional_embedding_type="alibi",
+            alibi_slope_scale=0.25,
+            init_std=0.3,
+        )
+    ).eval()
     assert torch.allclose(m.blocks[0].attn.alibi_slopes, alibi_slopes(4) * 0.25)
     res = repeated_tokens(m, torch.full((1, T), 4))
     assert float(res.gap("last").max()) < 1e-6

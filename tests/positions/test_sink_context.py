@@ -1,4 +1,5 @@
 """The sink against context length and eps: rates by hand from every key's alpha, the spread over seeds, the CSV."""
+
 import pandas as pd
 import pytest
 
@@ -26,7 +27,8 @@ def test_rates_by_hand_and_spread_over_seeds(tiny_llama, tmp_path):
     for T in (8, 24):
         x = runs[runs["T"] == T]["sink_1_pct"]
         assert by_T.loc[T, ["sink_1_pct_mean", "sink_1_pct_min", "sink_1_pct_max"]].tolist() == pytest.approx(
-            [x.mean(), x.min(), x.max()])
+            [x.mean(), x.min(), x.max()]
+        )
     assert ctx.by_eps(8)["eps"].tolist() == [0.1, 0.3] and "Sink_1" in ctx.text()
     back = load_sink_context(ctx.to_csv(tmp_path / "c.csv"))
     pd.testing.assert_frame_equal(back.by_T(0.3), ctx.by_T(0.3), check_dtype=False, atol=1e-4)

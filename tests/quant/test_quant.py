@@ -1,5 +1,6 @@
 """analysis.quant: fake quantisers, the packed low-bit KV cache, the conditions against the sink on SmolLM2 at a tiny
 setting, and bad input before any work."""
+
 from __future__ import annotations
 
 import math
@@ -68,6 +69,7 @@ def test_unreachable_linears_and_bad_bits_are_refused_before_work(tiny_llama_dir
 
     from analysis.model.loading import bridge_hf
     from analysis.quant import quant_study
+
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100, n_positions=32))
     with pytest.raises(ValueError, match="cannot reach the linear layers"):  # GPT-2's maps are Conv1D, not nn.Linear
         linear_sites(bridge_hf(gpt2, tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), device="cpu"))
@@ -82,6 +84,7 @@ def test_unreachable_linears_and_bad_bits_are_refused_before_work(tiny_llama_dir
 def test_prefix_beyond_context_and_short_calibration_are_refused():
     from analysis import load_model
     from analysis.quant import quant_study
+
     model = load_model("synthetic-softmax", device="cpu")
     with pytest.raises(ValueError, match="exceed the context"):
         quant_study(model, T=60, prefix_len=8, kv_bits=())
@@ -91,6 +94,7 @@ def test_prefix_beyond_context_and_short_calibration_are_refused():
 
 def test_cli_bad_bits_exit_2(capsys):
     from analysis.__main__ import main
+
     assert main(["quant", "--act-bits", "3"]) == 2
     assert "activation bits" in capsys.readouterr().err
 
@@ -99,6 +103,7 @@ def test_smollm2_static_per_tensor_against_the_sink(smollm2):
     """The first token's spike sets the per-tensor scales: int4 per-tensor static is worse than per-token dynamic,
     and keeping the first token in full precision (and out of calibration) makes the static scheme better."""
     from analysis.streaming.corpus import stdlib_stream
+
     tok = smollm2.tokenizer
     sites = linear_sites(smollm2)  # hooked in the model's own module, which the passes run in its own attention
     w = stdlib_stream(tok, 3 * 32, seed=0).tokens.view(3, 32)
@@ -119,6 +124,7 @@ def test_smollm2_static_per_tensor_against_the_sink(smollm2):
     assert static_kept < static
     assert math.isfinite(static_kept)
     from analysis.quant.study import layer_scales  # every layer's largest scale (notebook 14's figure)
+
     lay = layer_scales(as_is)
     assert list(lay.layer) == sorted({s.layer for s in sites}) and lay.absmax.max() == top.absmax
     assert lay.site[lay.absmax.idxmax()] == top.site
@@ -170,7 +176,9 @@ def test_quant_figures_draw_the_seeds_spread_and_the_spike_blocks():
     lo, hi = err.lines[2][0].get_segments()[0][:, 1]  # the first scheme's: the seeds' min to max
     assert (lo, hi) == pytest.approx((spread.ppl_min.iloc[0], spread.ppl_max.iloc[0]))
     plt.close(fig)
-    lay = pd.DataFrame({"layer": range(6), "absmax": [5.0, 90, 6, 2900, 7, 450], "site": [f"{l}.mlp.down_proj" for l in range(6)]})
+    lay = pd.DataFrame(
+        {"layer": range(6), "absmax": [5.0, 90, 6, 2900, 7, 450], "site": [f"{l}.mlp.down_proj" for l in range(6)]}
+    )
     fig = plot_layer_scales({"as is": lay}, writers=[1, 3], erasers=[5])
     ax = fig.axes[0]
     assert len(ax.patches) == 3 and len(ax.lines) == 1  # three marked blocks, one condition
@@ -186,11 +194,16 @@ def _quant_calls():
     from analysis.quant.windows import make_windows
 
     w = torch.randint(3, 90, (2, 8))
-    return {"quant_study": lambda m: quant_study(m, T=8, calib_tokens=8), "linear_sites": linear_sites,
-            "calibrate": lambda m: calibrate(m, [], w), "mean_nll": lambda m: mean_nll(m, [], w, Scheme(None)),
-            "find_prefix": lambda m: find_prefix(m, [], w, [5], 1), "kv_table": lambda m: kv_table(m, w, w > 0),
-            "make_windows": lambda m: make_windows(m, None, T=8, n_eval=1, calib_tokens=8, seed=0),
-            "check_setting": lambda m: check_setting(m, T=8, prefix_len=0, kv_bits=())}
+    return {
+        "quant_study": lambda m: quant_study(m, T=8, calib_tokens=8),
+        "linear_sites": linear_sites,
+        "calibrate": lambda m: calibrate(m, [], w),
+        "mean_nll": lambda m: mean_nll(m, [], w, Scheme(None)),
+        "find_prefix": lambda m: find_prefix(m, [], w, [5], 1),
+        "kv_table": lambda m: kv_table(m, w, w > 0),
+        "make_windows": lambda m: make_windows(m, None, T=8, n_eval=1, calib_tokens=8, seed=0),
+        "check_setting": lambda m: check_setting(m, T=8, prefix_len=0, kv_bits=()),
+    }
 
 
 def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(tiny_llama, tiny_llama_dir):
@@ -202,6 +215,7 @@ def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(tiny_llama, tiny_l
 def test_cli_backend_nnsight_is_refused_with_its_reason(capsys):
     """`quant --backend` runs its analysis passes; the quantised passes hook the local module, which nnsight lacks."""
     from analysis.__main__ import main
+
     assert main(["quant", "--backend", "nnsight"]) == 2
     err = capsys.readouterr().err
     assert "--backend nnsight does not apply to quant" in err and "transformer_lens" in err

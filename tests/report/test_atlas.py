@@ -7,6 +7,7 @@ the uninterrupted run's; the failed model keeps its error and the models after i
 numbers are the bridge's. Measured alone: 68 s of CPU (SmolLM2's load and the imports included; its 6 sequences of 16
 tokens are measured twice), 234 s wall on the 2-core machine shared at load average 13.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,13 @@ def models(tmp_path_factory, smollm2, family_bridge, family_dir):
     broken = root / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-family"}')
-    loaded = {"smollm2-135m": smollm2, "synthetic-softmax": load_model("synthetic-softmax"),
-              str(family_dir("llama")): family_bridge("llama"), str(family_dir("qwen3")): family_bridge("qwen3"),
-              str(xl): load_model(str(xl))}
+    loaded = {
+        "smollm2-135m": smollm2,
+        "synthetic-softmax": load_model("synthetic-softmax"),
+        str(family_dir("llama")): family_bridge("llama"),
+        str(family_dir("qwen3")): family_bridge("qwen3"),
+        str(xl): load_model(str(xl)),
+    }
     return loaded, str(broken)
 
 
@@ -91,8 +96,9 @@ def test_every_model_gets_its_row_and_the_broken_one_its_error(models, uninterru
         big = r["largest_activation"]["natural"]
         assert big["abs"] >= big["median"] > 0 and 0 <= big["position"] < CONFIG.T and big["token"]
         kinds = r["kinds"]  # the share of sink heads of each kind (analysis.causal.sink_kind)
-        assert kinds["n_sink_heads"] >= 0 and (kinds["n_sink_heads"] == 0 or
-                                               abs(sum(kinds[k] for k in ("nop", "broadcast", "mixed")) - 1) < 1e-9)
+        assert kinds["n_sink_heads"] >= 0 and (
+            kinds["n_sink_heads"] == 0 or abs(sum(kinds[k] for k in ("nop", "broadcast", "mixed")) - 1) < 1e-9
+        )
         assert json.loads(row_path(out, r["model"]).read_text())["sink_1_pct"] == r["sink_1_pct"]
     smol = by["smollm2-135m"]
     assert smol["facts"]["family"] == "llama" and smol["facts"]["n_params"] > 1e8
@@ -146,8 +152,9 @@ def test_stopped_half_way_the_rerun_redoes_nothing_finished(models, uninterrupte
     again = Loader(models[0])
     rows = run_atlas(names, tmp_path, load=again, config=CONFIG, log=None)
     assert again.calls == [models[1], *names[4:]]  # the failed model is tried again, the finished ones are not
-    assert {n: row_path(tmp_path, n).stat().st_mtime_ns for n in names[:4] if n != models[1]} == \
-        {n: t for n, t in done.items() if n != models[1]}
+    assert {n: row_path(tmp_path, n).stat().st_mtime_ns for n in names[:4] if n != models[1]} == {
+        n: t for n, t in done.items() if n != models[1]
+    }
     assert [_stable(r) for r in rows] == [_stable(r) for r in uninterrupted[1]]
     other = Loader(models[0])
     run_atlas(names[2:3], tmp_path, load=other, config=AtlasConfig(n=3, T=16), log=None)
@@ -161,8 +168,20 @@ def test_the_command_reads_a_models_file_and_goes_on_after_ctrl_c(family_dir, tm
     a, b = str(family_dir("llama")), str(family_dir("qwen3"))
     listed = tmp_path / "models.txt"
     listed.write_text(f"# two tiny families\n{a}\n\n{b}  # the second\n")
-    argv = ["atlas", "--models-file", str(listed), "--out", str(tmp_path / "out"), "--n", "2", "--T", "16", "--quiet",
-            "--device", device]
+    argv = [
+        "atlas",
+        "--models-file",
+        str(listed),
+        "--out",
+        str(tmp_path / "out"),
+        "--n",
+        "2",
+        "--T",
+        "16",
+        "--quiet",
+        "--device",
+        device,
+    ]
     real = loading.load_model
 
     def stop_at_b(name, **kwargs):
@@ -176,19 +195,31 @@ def test_the_command_reads_a_models_file_and_goes_on_after_ctrl_c(family_dir, tm
     monkeypatch.setattr(loading, "load_model", real)
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "finished before, kept" in printed and "sink heads on natural text that are nop / broadcast / mixed" in printed
+    assert (
+        "finished before, kept" in printed and "sink heads on natural text that are nop / broadcast / mixed" in printed
+    )
     assert row_path(tmp_path / "out", a).stat().st_mtime_ns == kept
     assert len(pd.read_csv(tmp_path / "out" / "atlas.csv")) == 2
 
 
 def test_help_and_refusals_before_torch(tmp_path):
-    probe = ("import json, runpy, sys\nrcs = []\nfor argv in %r:\n    sys.argv = argv\n    try:\n"
-             "        runpy.run_module('analysis', run_name='__main__', alter_sys=True)\n    except SystemExit as e:\n"
-             "        rcs.append(e.code)\nprint(json.dumps([rcs, 'torch' in sys.modules]))\n")
-    runs = [["analysis", "atlas", "--help"], ["analysis", "atlas", "--out", str(tmp_path)],
-            ["analysis", "atlas", "--models-file", str(tmp_path / "none.txt"), "--out", str(tmp_path)]]
-    proc = subprocess.run([sys.executable, "-c", probe % runs], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    probe = (
+        "import json, runpy, sys\nrcs = []\nfor argv in %r:\n    sys.argv = argv\n    try:\n"
+        "        runpy.run_module('analysis', run_name='__main__', alter_sys=True)\n    except SystemExit as e:\n"
+        "        rcs.append(e.code)\nprint(json.dumps([rcs, 'torch' in sys.modules]))\n"
+    )
+    runs = [
+        ["analysis", "atlas", "--help"],
+        ["analysis", "atlas", "--out", str(tmp_path)],
+        ["analysis", "atlas", "--models-file", str(tmp_path / "none.txt"), "--out", str(tmp_path)],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", probe % runs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     rcs, torch_loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rcs == [0, 2, 2] and not torch_loaded, proc.stderr
     assert "give the models to measure" in proc.stderr and "no models file" in proc.stderr
@@ -196,8 +227,12 @@ def test_help_and_refusals_before_torch(tmp_path):
 
 def test_the_published_table_is_the_papers():
     table1 = {r.model: (r.natural, r.random, r.repeated) for r in GU_TABLE1[:4]}
-    assert table1 == {"GPT2-XL": (77.00, 70.29, 62.28), "Mistral-7B": (97.49, 75.21, 0.00),
-                      "LLaMA2-7B Base": (92.47, 90.13, 0.00), "LLaMA3-8B Base": (99.02, 91.23, 0.00)}
+    assert table1 == {
+        "GPT2-XL": (77.00, 70.29, 62.28),
+        "Mistral-7B": (97.49, 75.21, 0.00),
+        "LLaMA2-7B Base": (92.47, 90.13, 0.00),
+        "LLaMA3-8B Base": (99.02, 91.23, 0.00),
+    }
     assert published_sink("meta-llama/Llama-2-7b-hf").natural == 92.47
     assert published_sink("/models/Meta-Llama-3-8B/").model == "LLaMA3-8B Base"
     assert published_sink("meta-llama/Llama-2-7b-chat-hf").natural == 92.88
@@ -208,8 +243,13 @@ def test_through_nnsight_the_rows_numbers_are_the_bridges(models, uninterrupted,
     from analysis import load_model
 
     name = str(family_dir("llama"))
-    row = run_atlas([name], tmp_path, load=lambda n: load_model(n, backend="nnsight"),
-                    config=AtlasConfig(n=2, T=16, backend="nnsight"), log=None)[0]
+    row = run_atlas(
+        [name],
+        tmp_path,
+        load=lambda n: load_model(n, backend="nnsight"),
+        config=AtlasConfig(n=2, T=16, backend="nnsight"),
+        log=None,
+    )[0]
     bridge = next(r for r in uninterrupted[1] if r["model"] == name)
     assert row["status"] == "ok", row["error"]
     assert row["sink_1_pct"] == bridge["sink_1_pct"]
@@ -228,6 +268,7 @@ def test_a_row_from_before_the_kinds_were_measured_is_measured_again(tmp_path):
     row = {"model": "m", "status": "ok", "config": CONFIG.to_dict(), "kinds": None}
     write_json(row_path(tmp_path, "m"), row)
     assert finished_row(tmp_path, "m", CONFIG) is None
-    write_json(row_path(tmp_path, "m"), {**row, "kinds": {"nop": 1.0, "broadcast": 0.0, "mixed": 0.0,
-                                                          "n_sink_heads": 1}})
+    write_json(
+        row_path(tmp_path, "m"), {**row, "kinds": {"nop": 1.0, "broadcast": 0.0, "mixed": 0.0, "n_sink_heads": 1}}
+    )
     assert finished_row(tmp_path, "m", CONFIG)["kinds"]["nop"] == 1.0

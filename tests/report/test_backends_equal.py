@@ -3,6 +3,7 @@
 whole report of SmolLM2 through ``auto`` against the bridge's report.json. (The tiny families' reports read their
 word tokenizer's natural probe, on which every position's value has the same norm: ratios of equal numbers are
 float noise there, so their reports are compared through the profile on random tokens instead.)"""
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "te
             out.append((k, v, w))
         elif math.isnan(v) or any(s in k for s in LOOSE):
             continue
-        elif abs(v - w) > (1e-4 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else
-                           RTOL * max(abs(v), abs(w)) + ATOL):
+        elif abs(v - w) > (
+            1e-4 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else RTOL * max(abs(v), abs(w)) + ATOL
+        ):
             out.append((k, v, w))
     return out
 
@@ -89,7 +91,17 @@ def test_profile_is_the_same_on_every_backend(family, family_bridge, bridge_prof
     assert differences(bridge_profile(family), auto.to_dict()) == []
 
 
-NNSIGHT_RUNS = ("llama", "qwen2", "gemma3", "gpt2", "phi", "olmo2", "jamba", "qwen3_moe", "falcon_h1")  # nnsight, not the bridge
+NNSIGHT_RUNS = (
+    "llama",
+    "qwen2",
+    "gemma3",
+    "gpt2",
+    "phi",
+    "olmo2",
+    "jamba",
+    "qwen3_moe",
+    "falcon_h1",
+)  # nnsight, not the bridge
 
 
 @pytest.mark.parametrize("family", FAMILIES)

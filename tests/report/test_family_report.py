@@ -6,6 +6,7 @@ notes name the skipped layers; the gated families show the gate beside alpha_1, 
 The gate means equal sigmoid of the gate Hugging Face's own modules compute; the learned-sink mass equals
 1 - the row sum of Hugging Face eager attention. ``python -m analysis report`` exits 0 on a hybrid.
 """
+
 from __future__ import annotations
 
 import json
@@ -104,14 +105,16 @@ def test_gate_means_equal_sigmoid_of_hf_gate(family, family_dirs, device):
     res = attention_gates(model, tokens)
     assert res.layers == list(model.family.attention_layers) == [3] and "Layers [0, 1, 2] skipped" in res.text()
     hf, spec, got = _hf_eager(folder), model.family, {}  # the reference: Hugging Face on the CPU
-    hooks = [hf.model.layers[l].self_attn.q_proj.register_forward_hook(
-        lambda m, i, o, l=l: got.__setitem__(l, o.detach())) for l in res.layers]
+    hooks = [
+        hf.model.layers[l].self_attn.q_proj.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(l, o.detach()))
+        for l in res.layers
+    ]
     with torch.no_grad():
         hf(tokens)
     for h in hooks:
         h.remove()
     for i, l in enumerate(res.layers):
-        gate = got[l].view(*tokens.shape, spec.n_heads, 2 * spec.d_head)[..., spec.d_head:]  # (N, T, H, d)
+        gate = got[l].view(*tokens.shape, spec.n_heads, 2 * spec.d_head)[..., spec.d_head :]  # (N, T, H, d)
         g = torch.sigmoid(gate).mean(-1)  # (N, T, H)
         torch.testing.assert_close(res.first[i], g[:, 0].mean(0), atol=tol(device, 1e-5), rtol=0)
         torch.testing.assert_close(res.other[i], g[:, 1:].mean((0, 1)), atol=tol(device, 1e-5), rtol=0)
@@ -160,8 +163,11 @@ def test_explicit_non_attention_layers_fail_clearly(family_dirs):
     _, model = family_dirs("qwen3_next")
     assert check_attention_layers(model) == [3] and check_attention_layers(model, layers=[3]) == [3]
     match = r"layer 0 of this qwen3_next model is not an attention layer .*attention layers: \[3\]"
-    for call in (lambda: check_attention_layers(model, layers=[0, 1]), lambda: value_norms(model, _tokens(), layers=[0]),
-                 lambda: attention_pattern(model, _tokens(n=1), 0)):
+    for call in (
+        lambda: check_attention_layers(model, layers=[0, 1]),
+        lambda: value_norms(model, _tokens(), layers=[0]),
+        lambda: attention_pattern(model, _tokens(n=1), 0),
+    ):
         with pytest.raises(ValueError, match=match):
             call()
     with pytest.raises(ValueError, match=r"layers \[7\] out of range: this model has layers 0..3"):
@@ -174,8 +180,28 @@ def test_cli_on_a_hybrid(family_dirs, tmp_path, capsys, device):
 
     folder, _ = family_dirs("jamba")
     out = tmp_path / "rep"
-    proc = subprocess.run([sys.executable, "-m", "analysis", "report", "--model", str(folder), "--out", str(out),
-                           "--n", str(N), "--T", str(T), "--quiet", "--device", device], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "analysis",
+            "report",
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+            "--n",
+            str(N),
+            "--T",
+            str(T),
+            "--quiet",
+            "--device",
+            device,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "report.html").is_file() and json.loads((out / "report.json").read_text())["errors"] == {}
     assert main(["sink", "--model", str(folder), "--n", "2", "--T", str(T), "--quiet", "--device", device]) == 0

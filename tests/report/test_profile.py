@@ -1,4 +1,5 @@
 """One profile pass gives the same numbers as each analysis run alone; the hook contract's helpers."""
+
 import pandas as pd
 import pytest
 import torch
@@ -53,7 +54,9 @@ def test_profile_spike_origin_equals_the_analysis_alone(planted, probes, prof):
     alone = spike_origin(planted, probes["natural"], batch_size=4)
     assert prof.origin.dims == alone.dims == planted.planted.spike_dims
     pd.testing.assert_frame_equal(prof.origin.writes, alone.writes)
-    assert torch.equal(prof.origin.trace.resid, alone.trace.resid) and torch.equal(prof.origin.trace.mlp, alone.trace.mlp)
+    assert torch.equal(prof.origin.trace.resid, alone.trace.resid) and torch.equal(
+        prof.origin.trace.mlp, alone.trace.mlp
+    )
     # the planted spike is added by a hook on the stream, not written by a block: the bookkeeping says so
     assert (prof.origin.bookkeeping.rel_err > 1e-3).all() and "does not add up" in prof.origin.text()
 
@@ -95,8 +98,15 @@ class _Seen(Accumulator):
         self.seen = []
 
     def hooks(self):
-        return {l: {"q": act_name("q", l), "v": act_name("v", l), "pattern": act_name("pattern", l),
-                    "resid": act_name("resid_pre", l)} for l in (0, 1)}
+        return {
+            l: {
+                "q": act_name("q", l),
+                "v": act_name("v", l),
+                "pattern": act_name("pattern", l),
+                "resid": act_name("resid_pre", l),
+            }
+            for l in (0, 1)
+        }
 
     def update(self, layer, acts, batch):
         self.seen.append((layer, sorted(acts), acts["v"].shape[2], batch.offset))
@@ -107,8 +117,12 @@ class _Seen(Accumulator):
 
 def test_joint_reducer_hands_one_layer_over_together(planted):
     seen = run_pass(planted, planted_tokens(5, 8), [_Seen()], batch_size=3)[0]
-    assert seen == [(0, ["pattern", "q", "resid", "v"], 2, 0), (1, ["pattern", "q", "resid", "v"], 2, 0),
-                    (0, ["pattern", "q", "resid", "v"], 2, 3), (1, ["pattern", "q", "resid", "v"], 2, 3)]
+    assert seen == [
+        (0, ["pattern", "q", "resid", "v"], 2, 0),
+        (1, ["pattern", "q", "resid", "v"], 2, 0),
+        (0, ["pattern", "q", "resid", "v"], 2, 3),
+        (1, ["pattern", "q", "resid", "v"], 2, 3),
+    ]
 
 
 def test_accumulators_of_one_layer_share_its_unit_vectors(planted):
@@ -140,8 +154,23 @@ def test_a_hook_that_never_fires_is_an_error_unless_optional(device):
     """Reference models without rotary list hook_rot_k but never run it."""
     from analysis.train import ModelConfig, SinkLM
 
-    model = SinkLM(ModelConfig(d_vocab=32, n_ctx=16, d_model=32, n_layers=1, n_heads=2, n_key_value_heads=2,
-                               d_head=16, d_mlp=64, positional_embedding_type="none")).to(device).eval()
+    model = (
+        SinkLM(
+            ModelConfig(
+                d_vocab=32,
+                n_ctx=16,
+                d_model=32,
+                n_layers=1,
+                n_heads=2,
+                n_key_value_heads=2,
+                d_head=16,
+                d_mlp=64,
+                positional_embedding_type="none",
+            )
+        )
+        .to(device)
+        .eval()
+    )
 
     class Never(_Seen):
         def hooks(self):
@@ -162,7 +191,10 @@ def test_kv_view_undoes_the_repetition_of_kv_heads():
     assert torch.equal(kv_view(per_query_head(k, 6), 3), k) and torch.equal(kv_view(k, 3), k)
     with pytest.raises(ModelContractError):
         kv_view(torch.randn(2, 5, 4, 4), 3)
-    assert act_name("pattern", 2) == "blocks.2.attn.hook_pattern" and act_name("normalized", 0) == "blocks.0.ln1.hook_normalized"
+    assert (
+        act_name("pattern", 2) == "blocks.2.attn.hook_pattern"
+        and act_name("normalized", 0) == "blocks.0.ln1.hook_normalized"
+    )
     with pytest.raises(ValueError, match="unknown activation"):
         act_name("tea", 0)
 
@@ -261,15 +293,23 @@ def test_conditions_stacked_in_one_pass_equal_a_pass_each(planted, probes, prof)
         x = x.clone()
         for c, s in enumerate(scales):
             lo, hi = max(c * N - at["offset"], 0), min((c + 1) * N - at["offset"], x.shape[0])
-            x[lo:max(lo, hi)] *= s
+            x[lo : max(lo, hi)] *= s
         return x
 
-    stacked = run_condition(planted, nat.repeat(3, 1), hooks=[(act_name("resid_pre", 3), by_row)], batch_size=5,
-                            on_batch_start=lambda b: at.update(offset=b.offset), baseline=base, groups=3)
+    stacked = run_condition(
+        planted,
+        nat.repeat(3, 1),
+        hooks=[(act_name("resid_pre", 3), by_row)],
+        batch_size=5,
+        on_batch_start=lambda b: at.update(offset=b.offset),
+        baseline=base,
+        groups=3,
+    )
     assert len(stacked) == 3 and N % 5  # the batches cross the conditions' boundaries
     for s, got in zip(scales, stacked):
-        want = run_condition(planted, nat, hooks=[(act_name("resid_pre", 3), lambda x, hook, s=s: x * s)], batch_size=4,
-                             baseline=base)
+        want = run_condition(
+            planted, nat, hooks=[(act_name("resid_pre", 3), lambda x, hook, s=s: x * s)], batch_size=4, baseline=base
+        )
         assert got.alpha.shape == want.alpha.shape and torch.allclose(got.alpha, want.alpha, atol=1e-6)
         assert torch.allclose(got.where, want.where, atol=1e-6)
         assert got.loss == pytest.approx(want.loss, rel=1e-6)

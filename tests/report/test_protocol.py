@@ -11,6 +11,7 @@ list of whole sentences (``findings()``), a non-empty ``text()``, named DataFram
 The results of the registered pass analyses (``analysis.core.registry``) are read off one ``profile`` by the registry
 (``from_profile``), so a newly registered analysis is checked with no edit here (``tests/core/test_registry.py``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,8 +44,13 @@ def _result_classes() -> dict[str, type]:
             continue
         mod = importlib.import_module(info.name)
         for name, obj in vars(mod).items():
-            if inspect.isclass(obj) and issubclass(obj, Result) and obj is not Result \
-                    and obj.__module__ == info.name and not inspect.isabstract(obj):
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, Result)
+                and obj is not Result
+                and obj.__module__ == info.name
+                and not inspect.isabstract(obj)
+            ):
                 out[name] = obj
     return out
 
@@ -85,11 +91,19 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(3, 96, (N, T), generator=gen)
     llama = _planted(family_dir, "llama")
-    prof = profile(llama, {"natural": toks, "random": torch.randint(3, 96, (N, T), generator=gen)},
-                   analyses=ANALYSES + FOLLOW_UPS, spike_thresholds=(100.0, 100.0))
+    prof = profile(
+        llama,
+        {"natural": toks, "random": torch.randint(3, 96, (N, T), generator=gen)},
+        analyses=ANALYSES + FOLLOW_UPS,
+        spike_thresholds=(100.0, 100.0),
+    )
     o = prof.origin
-    out: dict[str, Result] = {"Profile": prof, **from_profile(prof), "MlpNeurons": o.neurons[0],
-                              "QuadraticForm": o.quadratic[0]}
+    out: dict[str, Result] = {
+        "Profile": prof,
+        **from_profile(prof),
+        "MlpNeurons": o.neurons[0],
+        "QuadraticForm": o.quadratic[0],
+    }
     out["SpikeAblation"] = spike_ablation(llama, toks, ratio_threshold=100.0)
     out["ValueAblation"] = value_ablation(llama, toks, sink_heads=[(1, 0)])
     out["FirstKeyAblation"] = first_key_ablation(llama, toks, ratio_threshold=100.0)
@@ -100,18 +114,37 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["SinkPositions"] = sink_positions(llama, toks)
     out["RepeatedTokens"] = repeated_tokens(llama, torch.full((2, T), 5))
     out["EncodingGrid"] = load_encoding_grid()  # the committed positions grid
-    out["SinkContext"] = sink_vs_context(llama, Ts=(8, 12), n=2, seeds=(0,),
-                                         texts=[" ".join(f"w{i}" for i in range(200))])
+    out["SinkContext"] = sink_vs_context(
+        llama, Ts=(8, 12), n=2, seeds=(0,), texts=[" ".join(f"w{i}" for i in range(200))]
+    )
     qwen = _planted(family_dir, "qwen3_next")  # gated attention, and experts in every block
     out |= from_profile(profile(qwen, {"natural": toks}, analyses=("gates",)))  # GateResult
     out["ExpertWrites"] = analysis.spike_origin(qwen, toks[:3], ratio_threshold=100.0).experts[0]
     one = make_tiny_llama_dir(tmp_path_factory.mktemp("protocol-llama"), n_layers=1, n_ctx=64)
-    out["StreamResult"] = streaming_perplexity(one, torch.randint(3, 96, (48,), generator=gen), window=16,
-                                               sinks=(0, 1), bits=(), newline_sinks=None, recompute_every=None)
+    out["StreamResult"] = streaming_perplexity(
+        one,
+        torch.randint(3, 96, (48,), generator=gen),
+        window=16,
+        sinks=(0, 1),
+        bits=(),
+        newline_sinks=None,
+        recompute_every=None,
+    )
     out["FormationOrder"] = load_formation("induction/formation")  # committed: its runs take minutes to measure
     out.update(facts_results(llama, toks, one))  # ActivationMap ... PolicyRun (tests/core/test_facts.py)
-    out["QuantResult"] = quant_study("synthetic-softmax", a_bits=(4,), granularities=("tensor",), T=48, n_eval=2,
-                                     calib_tokens=48, seeds=(0,), prefix_len=1, n_candidates=1, kv_bits=(), origin=False)
+    out["QuantResult"] = quant_study(
+        "synthetic-softmax",
+        a_bits=(4,),
+        granularities=("tensor",),
+        T=48,
+        n_eval=2,
+        calib_tokens=48,
+        seeds=(0,),
+        prefix_len=1,
+        n_candidates=1,
+        kv_bits=(),
+        origin=False,
+    )
     return out
 
 
@@ -140,8 +173,9 @@ def assert_protocol(name: str, r: Result) -> None:
     assert not bad, f"{name}.findings() holds items that are not whole sentences: {bad}"
     assert isinstance(r.text(), str) and r.text().strip()
     tables = r.tables
-    assert isinstance(tables, dict) and all(isinstance(k, str) and isinstance(v, pd.DataFrame)
-                                            for k, v in tables.items()), f"{name}.tables: {tables!r}"
+    assert isinstance(tables, dict) and all(
+        isinstance(k, str) and isinstance(v, pd.DataFrame) for k, v in tables.items()
+    ), f"{name}.tables: {tables!r}"
     assert isinstance(int(r.n_samples), int) and hasattr(r, "model_name") and hasattr(r, "kind")
 
 

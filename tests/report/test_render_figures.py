@@ -1,5 +1,6 @@
 """The report's figures, drawn and encoded together at the end: on forked workers the same page as here, and a figure
 or a worker that fails is reported, never lost."""
+
 import os
 
 import matplotlib

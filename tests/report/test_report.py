@@ -1,4 +1,5 @@
 """The report: one self-contained HTML page and a strict JSON, written atomically, for any model."""
+
 import json
 import re
 import sys
@@ -74,9 +75,18 @@ def test_page_is_self_contained_with_figures_and_views(planted_report):
     assert page.count("data:image/png;base64,") >= 8
     assert page.count("data:image/png;base64,") == 26  # every figure drew (a failed one would fail the report)
     assert page.count("CircuitsVis") >= 2  # two attention views with their JavaScript inline
-    for s in ("Sink metric", "Massive activations", "Norm gain", "first key", "Value norms", "Interventions", "Every sink",
-              "What a sink does for its head", "kind: nop or broadcast",
-              "Sink against context length and eps"):
+    for s in (
+        "Sink metric",
+        "Massive activations",
+        "Norm gain",
+        "first key",
+        "Value norms",
+        "Interventions",
+        "Every sink",
+        "What a sink does for its head",
+        "kind: nop or broadcast",
+        "Sink against context length and eps",
+    ):
         assert s in page
 
 
@@ -101,7 +111,8 @@ def test_json_holds_the_planted_answers(planted_report):
     assert zero["sink_1_pct"] < 5
     dormant = d["sections"]["dormant"]  # every head of the planted sink layers sinks on every query
     assert {(r["layer"], r["head"]) for r in dormant["heads"] if r["sinking_share"] == 1.0} == {
-        (l, h) for l in SINK_LAYERS for h in range(4)}
+        (l, h) for l in SINK_LAYERS for h in range(4)
+    }
     assert dormant["summary"]["n_always_sinking"] == 8 and dormant["verdict"]["norm"] == "untested"
     # Every finding is a whole sentence with a number; one headline per link of the chain, in order.
     assert len(_sentences(d)) >= 10 and all(re.search(r"\d", f) for f in _sentences(d))
@@ -153,11 +164,20 @@ def test_model_without_norm_gain(tmp_path, device):
 
 # What breaks -> (object to patch, attribute, the error it raises, the ReportError message, report.json's "errors").
 BROKEN = {
-    "section": ("analysis.chain.values:ValueNorms", "to_dict", RuntimeError("boom"),
-                r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)", {"value_norms": ["RuntimeError: boom"]}),
-    "figure": ("analysis.figures.sink", "plot_sink_by_layer", ValueError("no axes"),
-               r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)",
-               {"sink": ["figure 'Sink_1 per layer': ValueError: no axes"]}),
+    "section": (
+        "analysis.chain.values:ValueNorms",
+        "to_dict",
+        RuntimeError("boom"),
+        r"1 report section\(s\) failed: value_norms \(RuntimeError: boom\)",
+        {"value_norms": ["RuntimeError: boom"]},
+    ),
+    "figure": (
+        "analysis.figures.sink",
+        "plot_sink_by_layer",
+        ValueError("no axes"),
+        r"sink \(figure 'Sink_1 per layer': ValueError: no axes\)",
+        {"sink": ["figure 'Sink_1 per layer': ValueError: no axes"]},
+    ),
 }
 
 
@@ -267,7 +287,8 @@ def test_real_model_report(smollm2, tmp_path, monkeypatch):
     assert s["cuts_n"] == 2 and s["cuts_sink_1_pct"] == base["sink_1_pct"] and s["sink_1_pct"] == sink["natural"]
     assert "first 2 of these sequences" in top and f"{base['sink_1_pct']:.1f}%" in top and "N = 100" in top
     assert next(c for c in d["findings"] if c["link"] == "cuts")["headline"].startswith(
-        "On the first 2 of the 4 natural sequences")
+        "On the first 2 of the 4 natural sequences"
+    )
     assert "first 2" not in json.dumps(d["notes"]) and "first 2 of the 4" in " ".join(d["about"]["spike_writers"])
 
 
@@ -296,7 +317,9 @@ def test_a_headline_from_committed_data_says_so(planted, tmp_path, monkeypatch):
     """Issue 37: the context-length headline read from analysis/data/sink_context/ (not this run) says so in itself."""
     from analysis.positions import context_length
 
-    monkeypatch.setattr(context_length, "committed_sink_context", lambda name: context_length.load_sink_context("smollm2-135m"))
+    monkeypatch.setattr(
+        context_length, "committed_sink_context", lambda name: context_length.load_sink_context("smollm2-135m")
+    )
     monkeypatch.setattr("analysis.report.sections.CONTEXT_TS", (8, 16))  # the computed range, short: not what is tested
     build_report(planted, tmp_path, n=4, T=16, sections=["context"])
     d = _strict_json(tmp_path / "report.json")

@@ -8,6 +8,7 @@ the first token's key: q_i . k_0 = q_i . k_P then exceed every other score by ab
 scale (``BIAS`` = 12), so every head splits the attention of its queries i >= P between the two. The first token and position P also get a residual spike after block 0 ({7: +400, 21: -250}), so both
 carry a massive activation and P's hidden state is aligned with the first token's from layer 0 on.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """A non-softmax reference model (sigmoid, linear kernels) has attention weights that do not sum to one: Sink_1 is
 then measured on the paper's normalised proxy, sim / sum sim, and every output says so (issue 37)."""
+
 import json
 from pathlib import Path
 
@@ -15,8 +16,9 @@ SIGMOID = Path(__file__).resolve().parents[2] / "analysis/data/reference/synthet
 
 def _tiny(attention: str) -> SinkLM:
     torch.manual_seed(0)
-    return SinkLM(ModelConfig(d_vocab=17, n_ctx=16, d_model=16, n_layers=1, n_heads=2, attention=attention,
-                              attn_impl="eager")).eval()
+    return SinkLM(
+        ModelConfig(d_vocab=17, n_ctx=16, d_model=16, n_layers=1, n_heads=2, attention=attention, attn_impl="eager")
+    ).eval()
 
 
 def test_sigmoid_and_linear_models_say_their_pattern_is_the_proxy():
@@ -32,8 +34,12 @@ def test_sigmoid_and_linear_models_say_their_pattern_is_the_proxy():
 
 def test_the_sink_command_prints_the_proxy_of_a_sigmoid_model(tmp_path, capsys):
     out = tmp_path / "s.json"
-    assert main(["sink", "--model", str(SIGMOID), "--n", "2", "--T", "16", "--quiet",
-                 "--device", "cpu", "--json", str(out)]) == 0
+    assert (
+        main(
+            ["sink", "--model", str(SIGMOID), "--n", "2", "--T", "16", "--quiet", "--device", "cpu", "--json", str(out)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "pattern: normalised proxy (sim / sum sim), the model's attention is sigmoid" in printed
     assert json.loads(out.read_text())["inputs"]["natural"]["pattern"].startswith("normalised proxy")

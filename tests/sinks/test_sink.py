@@ -1,4 +1,5 @@
 """The sink metric: hand-computed cases, a naive full-attention reference, closed forms, the real model."""
+
 import math
 
 import pytest
@@ -104,7 +105,7 @@ def test_repeated_token_on_rope_gives_near_uniform_attention_and_no_sink(tiny_ll
         q = cache[f"blocks.{l}.attn.hook_rot_q"][0]  # (T, H, d)
         k = cache[f"blocks.{l}.attn.hook_rot_k"][0]  # (T, Hkv, d)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        xi = (q.norm(dim=-1).max(0).values * k.norm(dim=-1).max(0).values / math.sqrt(d))  # (H,)
+        xi = q.norm(dim=-1).max(0).values * k.norm(dim=-1).max(0).values / math.sqrt(d)  # (H,)
         A = cache[f"blocks.{l}.attn.hook_pattern"][0]  # (H, T, T)
         upper = torch.exp(2 * xi)[:, None, None] / (torch.exp(2 * xi)[:, None, None] + t - 1)
         lower = torch.exp(-2 * xi)[:, None, None] / (torch.exp(-2 * xi)[:, None, None] + t - 1)

@@ -2,6 +2,7 @@
 step by step by hand, on SmolLM2 and tiny models of three other families in their real layouts (a sliding-window one,
 Gemma 3's local/global layers with two rotary bases, Phi's partial rotary); bad settings are refused before the work;
 a generation twice the model's context long keeps ``window`` tokens per layer."""
+
 from __future__ import annotations
 
 import warnings
@@ -66,11 +67,14 @@ def streaming_reference(hf, prompt: torch.Tensor, *, window: int, sinks: int, ne
             evicted = max(0, t - (window - 1))
             cache = Entering()
             if evicted and sinks:
-                sink_kv = hf(input_ids=torch.tensor([ids[:sinks]]), position_ids=torch.arange(sinks)[None] + evicted,
-                             use_cache=True).cache
+                sink_kv = hf(
+                    input_ids=torch.tensor([ids[:sinks]]),
+                    position_ids=torch.arange(sinks)[None] + evicted,
+                    use_cache=True,
+                ).cache
             for layer in range(L):
                 parts = [(*_kv(sink_kv, layer),)] if evicted and sinks else []
-                parts += [kv[j][layer] for j in kept[sinks if evicted else 0:]]
+                parts += [kv[j][layer] for j in kept[sinks if evicted else 0 :]]
                 if parts:
                     cache.update(torch.cat([p[0] for p in parts], -2), torch.cat([p[1] for p in parts], -2), layer)
             cache.armed = (lambda x: fake_quantize(x, bits)) if bits and t >= sinks else None
@@ -89,18 +93,24 @@ def naive_recompute(hf, prompt: torch.Tensor, *, window: int, sinks: int, new: i
     ids, out = prompt.tolist(), []
     with torch.no_grad():
         for _ in range(new):
-            kept = ids if len(ids) <= window else ids[:sinks] + ids[len(ids) - (window - sinks):]
-            out.append(int(hf(input_ids=torch.tensor([kept]), position_ids=torch.arange(len(kept))[None]).logits[0, -1]
-                           .argmax()))
+            kept = ids if len(ids) <= window else ids[:sinks] + ids[len(ids) - (window - sinks) :]
+            out.append(
+                int(
+                    hf(input_ids=torch.tensor([kept]), position_ids=torch.arange(len(kept))[None])
+                    .logits[0, -1]
+                    .argmax()
+                )
+            )
             ids.append(out[-1])
     return out
 
 
 def generated(hf, prompt: torch.Tensor, cache, new: int = NEW, **kwargs) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(prompt[None], cache=cache, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, **kwargs)  # no end-of-text stop: the references do not stop either
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            prompt[None], cache=cache, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs
+        )  # no end-of-text stop: the references do not stop either
+    return out[0, len(prompt) :].tolist()
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -163,25 +173,30 @@ def test_two_contexts_in_bounded_memory():
     hf = tiny("llama", max_position_embeddings=64)
     cache, held = sink_cache(hf, window=16, sinks=4), []
     for layer in cache.layers:
+
         def recorded(*args, _update=layer.update, **kwargs):
             keys, values = _update(*args, **kwargs)
             held.append(keys.shape[-2])
             return keys, values
+
         layer.update = recorded
     got = generated(hf, _prompt(8, 96), cache, new=128)
     assert len(got) == 128 and len(held) == 2 * 128 and max(held) == 16
 
 
-@pytest.mark.parametrize("family,kwargs,match", [
-    ("llama", dict(window=8, sinks=8), "sinks=8 must be smaller than the window"),
-    ("llama", dict(window=200, sinks=4), "use window <= 128"),
-    ("mistral", dict(window=16, sinks=4), "sliding window \\(8\\).*use window <= 8"),
-    ("gpt2", dict(window=16, sinks=4), "learned absolute positions"),
-    ("bloom", dict(window=16, sinks=4), "ALiBi"),
-    ("qwen3_next", dict(window=16, sinks=4), "linear attention .* layers \\(\\[0, 1, 2\\]\\)"),
-    ("deepseek_v3", dict(window=16, sinks=4), "latent attention"),
-    ("llama", dict(window=16, sinks=4, bits=5), "bits must be 8, 4, 3 or 2"),
-])
+@pytest.mark.parametrize(
+    "family,kwargs,match",
+    [
+        ("llama", dict(window=8, sinks=8), "sinks=8 must be smaller than the window"),
+        ("llama", dict(window=200, sinks=4), "use window <= 128"),
+        ("mistral", dict(window=16, sinks=4), "sliding window \\(8\\).*use window <= 8"),
+        ("gpt2", dict(window=16, sinks=4), "learned absolute positions"),
+        ("bloom", dict(window=16, sinks=4), "ALiBi"),
+        ("qwen3_next", dict(window=16, sinks=4), "linear attention .* layers \\(\\[0, 1, 2\\]\\)"),
+        ("deepseek_v3", dict(window=16, sinks=4), "latent attention"),
+        ("llama", dict(window=16, sinks=4, bits=5), "bits must be 8, 4, 3 or 2"),
+    ],
+)
 def test_bad_settings_are_refused(family, kwargs, match):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,4 +1,5 @@
 """Streaming caches: exact against naive re-computation, sinks matter on SmolLM2, clear errors on bad input."""
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,11 @@ def naive_logits(hf, tokens, policy, newline=NEWLINE):
     with torch.no_grad():
         for t in range(len(tokens) - 1):
             kept = list(range(t + 1)) if t + 1 <= W else list(range(s)) + list(range(t + 1 - (W - s), t + 1))
-            out.append(hf(input_ids=tokens[kept][None], position_ids=torch.arange(len(kept), device=device)[None]).logits[0, -1])
+            out.append(
+                hf(input_ids=tokens[kept][None], position_ids=torch.arange(len(kept), device=device)[None]).logits[
+                    0, -1
+                ]
+            )
     return torch.stack(out).cpu()
 
 
@@ -67,9 +72,15 @@ def test_cache_matches_naive_recomputation(one_layer, prefill, device):
         assert run.logits.shape == ref.shape
         torch.testing.assert_close(run.logits, ref, atol=tol(device, 1e-4), rtol=0, msg=lambda m: f"{pol.label}: {m}")
         # The NLL is that of the next token under those logits.
-        nll = torch.nn.functional.cross_entropy(ref, (tokens.clone() if pol.sink_tokens == "first" else
-                                                     torch.cat([torch.full((pol.sinks,), NEWLINE), tokens[pol.sinks:]]))[1:],
-                                                reduction="none")
+        nll = torch.nn.functional.cross_entropy(
+            ref,
+            (
+                tokens.clone()
+                if pol.sink_tokens == "first"
+                else torch.cat([torch.full((pol.sinks,), NEWLINE), tokens[pol.sinks :]])
+            )[1:],
+            reduction="none",
+        )
         np.testing.assert_allclose(run.nll, nll.numpy(), atol=tol(device, 1e-4))
 
 
@@ -106,8 +117,10 @@ def test_multilayer_cache_equals_full_forward_until_eviction(two_layer_dir, devi
     tokens = _tokens(40, seed=1)
     with torch.no_grad():
         full = hf(tokens.to(device)[None])[0, :-1].cpu()  # the bridge's own forward
-    dense, win = run_policies(hf, tokens, [Policy("dense")], prefill=10, keep_logits=True)[0], \
-        run_policies(hf, tokens, [Policy("sinks", 24, 2)], prefill=0, keep_logits=True)[0]
+    dense, win = (
+        run_policies(hf, tokens, [Policy("dense")], prefill=10, keep_logits=True)[0],
+        run_policies(hf, tokens, [Policy("sinks", 24, 2)], prefill=0, keep_logits=True)[0],
+    )
     torch.testing.assert_close(dense.logits, full, atol=tol(device, 1e-4), rtol=0)
     torch.testing.assert_close(win.logits[:24], full[:24], atol=tol(device, 1e-4), rtol=0)
     assert (win.logits[30:] - full[30:]).abs().max() > 1e-3  # after eviction it is a different model
@@ -133,8 +146,9 @@ def test_fake_quantize_error_and_full_precision_sinks():
 def test_sinks_rescue_the_window_on_smollm2(smollm2):
     """The embedded model, a short stream and a 32-token cache: the window collapses once token 1 leaves;
     4 sinks + 28 recent stay close to re-computing the window, and the sinks draw much of the attention."""
-    res = streaming_perplexity(smollm2, window=32, n_tokens=192, sinks=(0, 4), newline_sinks=None, bits=(),
-                               dense=False, recompute_every=8)
+    res = streaming_perplexity(
+        smollm2, window=32, n_tokens=192, sinks=(0, 4), newline_sinks=None, bits=(), dense=False, recompute_every=8
+    )
     t = res.table.set_index("policy")
     win, sinks, rec = t.loc["0+32"], t.loc["4+28"], t.loc["recompute 32"]
     assert win["ppl_past_window"] > 1.5 * sinks["ppl_past_window"]
@@ -164,9 +178,11 @@ def test_a_name_or_a_bare_hf_model_is_refused_before_any_work(one_layer, tmp_pat
     """The 0.1.0 call forms are gone: a name, a path or a bare Hugging Face model gets one line saying what to do."""
     from analysis.streaming import recompute_nll
 
-    calls = {"streaming_perplexity": lambda m: streaming_perplexity(m, _tokens(40), window=16),
-             "run_policies": lambda m: run_policies(m, _tokens(40), [Policy("dense")]),
-             "recompute_nll": lambda m: recompute_nll(m, _tokens(40), 16)}
+    calls = {
+        "streaming_perplexity": lambda m: streaming_perplexity(m, _tokens(40), window=16),
+        "run_policies": lambda m: run_policies(m, _tokens(40), [Policy("dense")]),
+        "recompute_nll": lambda m: recompute_nll(m, _tokens(40), 16),
+    }
     assert_refused_before_work(calls, ("smollm2-135m", tmp_path, hf_module(one_layer)), hf_module(one_layer))
 
 
@@ -190,8 +206,9 @@ def test_the_cache_passes_decode_the_loaded_models_own_module(one_layer, monkeyp
         assert runs_bridge_components(hf_module(one_layer))
         torch.testing.assert_close(own, bridged, atol=tol(device, 1e-4), rtol=0)
         torch.testing.assert_close(one_layer(tokens), bridged, atol=0, rtol=0)
-    res = streaming_perplexity(one_layer, _tokens(24), window=16, sinks=(2,), bits=(), newline_sinks=None, dense=False,
-                               recompute_every=None)
+    res = streaming_perplexity(
+        one_layer, _tokens(24), window=16, sinks=(2,), bits=(), newline_sinks=None, dense=False, recompute_every=None
+    )
     assert res.backend["name"] == "transformers" and [r.policy.label for r in res.runs] == ["2+14"]
 
 
@@ -201,9 +218,34 @@ def test_cli_prints_the_table_and_writes_json(two_layer_dir, tmp_path, capsys, n
     out = tmp_path / "s.json"
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecation from the package's own calls (cache=)
-        rc = main(["stream", "--model", str(two_layer_dir), "--window", "16", "--tokens", "48", "--sinks", "0,2",
-                   "--newline-sinks", "0", "--kv-bits", "4", "--quant-sinks", "2", "--recompute-every", "4", "--quiet",
-                   "--json", str(out), "--csv", str(tmp_path / "s.csv"), "--device", device])
+        rc = main(
+            [
+                "stream",
+                "--model",
+                str(two_layer_dir),
+                "--window",
+                "16",
+                "--tokens",
+                "48",
+                "--sinks",
+                "0,2",
+                "--newline-sinks",
+                "0",
+                "--kv-bits",
+                "4",
+                "--quant-sinks",
+                "2",
+                "--recompute-every",
+                "4",
+                "--quiet",
+                "--json",
+                str(out),
+                "--csv",
+                str(tmp_path / "s.csv"),
+                "--device",
+                device,
+            ]
+        )
     text = capsys.readouterr().out
     assert rc == 0 and "2+14 int4 (sinks fp)" in text and "recompute 16" in text
     assert "shared by 4" in text and "decoded together" in text  # the cached policies share one timing, and say so

@@ -1,5 +1,6 @@
 """Streaming the project's reference models (``analysis.train.SinkLM``), the learnable sink token included: the
 bounded cache equals naive re-computation, the learned slot's share is the model's own, clear errors."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,8 +27,19 @@ VOCAB = 97
 def tiny(attention: str, n_layers: int = 1, positions: str = "rotary", seed: int = 0, device: str = "cpu") -> SinkLM:
     """Random weights, large enough (std 0.3) that attention is sharp and depends on position; on ``device``."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(d_vocab=VOCAB, n_ctx=64, d_model=32, n_layers=n_layers, n_heads=4, n_key_value_heads=2,
-                      d_head=8, d_mlp=64, attention=attention, init_std=0.3, positional_embedding_type=positions)
+    cfg = ModelConfig(
+        d_vocab=VOCAB,
+        n_ctx=64,
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_key_value_heads=2,
+        d_head=8,
+        d_mlp=64,
+        attention=attention,
+        init_std=0.3,
+        positional_embedding_type=positions,
+    )
     m = SinkLM(cfg).to(device).eval()
     m.model_name = f"tiny-{attention}"
     return m
@@ -48,8 +60,13 @@ def test_reference_cache_matches_naive_recomputation(attention, device):
     tokens = _tokens(60)
     runs = run_policies(m, tokens, POLICIES, newline=5, keep_logits=True)
     for pol, run in zip(POLICIES, runs):
-        torch.testing.assert_close(run.logits, naive_logits(hf, tokens, pol), atol=tol(device, 1e-4), rtol=0,
-                                   msg=lambda m: f"{attention} {pol.label}: {m}")
+        torch.testing.assert_close(
+            run.logits,
+            naive_logits(hf, tokens, pol),
+            atol=tol(device, 1e-4),
+            rtol=0,
+            msg=lambda m: f"{attention} {pol.label}: {m}",
+        )
 
 
 def test_the_sink_token_position_is_what_makes_it_exact(monkeypatch, device):
@@ -126,10 +143,20 @@ def test_models_that_cannot_stream_say_why():
 def trained_sink_token(tmp_path_factory, device):
     """A sink-token model trained for a few steps on the synthetic task, saved as a reference folder."""
     out = tmp_path_factory.mktemp("ref") / "sink-token"
-    mcfg = ModelConfig(d_vocab=65, n_ctx=64, d_model=32, n_layers=1, n_heads=2, d_head=16, d_mlp=64,
-                       attention="sink-token")
-    tcfg = TrainConfig(dataset="synthetic", steps=3, batch_size=4, eval_every=0, log_every=1, progress=False,
-                       probe_size=4, out=str(out), device=device)
+    mcfg = ModelConfig(
+        d_vocab=65, n_ctx=64, d_model=32, n_layers=1, n_heads=2, d_head=16, d_mlp=64, attention="sink-token"
+    )
+    tcfg = TrainConfig(
+        dataset="synthetic",
+        steps=3,
+        batch_size=4,
+        eval_every=0,
+        log_every=1,
+        progress=False,
+        probe_size=4,
+        out=str(out),
+        device=device,
+    )
     train(mcfg, tcfg)
     return out
 
@@ -140,9 +167,34 @@ def test_reference_folder_streams_its_own_task_from_the_cli(trained_sink_token, 
     from analysis.streaming import StreamResult
 
     out = tmp_path / "s.json"
-    r = subprocess.run([sys.executable, "-m", "analysis", "stream", "--model", str(trained_sink_token), "--window", "16",
-                        "--sinks", "0,1", "--tokens", "80", "--kv-bits", "", "--recompute-every", "4", "--quiet",
-                        "--json", str(out), "--device", device], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "analysis",
+            "stream",
+            "--model",
+            str(trained_sink_token),
+            "--window",
+            "16",
+            "--sinks",
+            "0,1",
+            "--tokens",
+            "80",
+            "--kv-bits",
+            "",
+            "--recompute-every",
+            "4",
+            "--quiet",
+            "--json",
+            str(out),
+            "--device",
+            device,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "learned_sink_attention" in r.stdout and "learned sink slot" in r.stdout
     assert "newline sinks left out: the model has no tokenizer" in r.stdout
@@ -168,10 +220,23 @@ def test_committed_reference_run_reproduces_on_its_first_tokens(name):
 
     full = StreamResult.load(DATA_DIR / "streaming" / f"reference-{name}.json")
     n = 400
-    sinks = sorted({r.policy.sinks for r in full.runs if r.policy.kind in ("window", "sinks") and r.policy.bits is None
-                    and r.policy.sink_tokens == "first"})
-    small = streaming_perplexity(load_model(name, device="cpu"), window=full.window, n_tokens=n, sinks=sinks, bits=(),
-                                 dense=False, recompute_every=None, seed=full.stream["seed"])
+    sinks = sorted(
+        {
+            r.policy.sinks
+            for r in full.runs
+            if r.policy.kind in ("window", "sinks") and r.policy.bits is None and r.policy.sink_tokens == "first"
+        }
+    )
+    small = streaming_perplexity(
+        load_model(name, device="cpu"),
+        window=full.window,
+        n_tokens=n,
+        sinks=sinks,
+        bits=(),
+        dense=False,
+        recompute_every=None,
+        seed=full.stream["seed"],
+    )
     assert small.tokens == full.tokens[:n]
     for run in small.runs:
         ref = full.run(run.policy.label).nll[: n - 1]

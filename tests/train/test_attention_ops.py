@@ -4,6 +4,7 @@ The model runs on random tokens; the test reads the rotated queries/keys and val
 recomputes the attention weights and outputs element by element, and compares with the model's
 hook_z, hook_pattern, hook_raw_pattern and hook_sink_pattern.
 """
+
 import math
 
 import pytest
@@ -20,8 +21,17 @@ G = H // HKV
 
 def build(attention, device="cpu", **kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_layers=1, n_heads=H, n_key_value_heads=HKV,
-                      attention=attention, attn_impl="eager", **kw)
+    cfg = ModelConfig(
+        d_vocab=23,
+        n_ctx=16,
+        d_model=D,
+        n_layers=1,
+        n_heads=H,
+        n_key_value_heads=HKV,
+        attention=attention,
+        attn_impl="eager",
+        **kw,
+    )
     model = SinkLM(cfg)
     with torch.no_grad():  # make the weights large enough for non-trivial patterns
         for p in model.parameters():
@@ -32,11 +42,24 @@ def build(attention, device="cpu", **kw):
 
 def capture(model, tokens):
     """The attention hooks' values over ``tokens`` (run on the model's device), on the CPU."""
-    names = ["hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_z", "hook_pattern",
-             "hook_raw_pattern", "hook_sink_pattern", "hook_attn_scores"]
+    names = [
+        "hook_q",
+        "hook_k",
+        "hook_v",
+        "hook_rot_q",
+        "hook_rot_k",
+        "hook_z",
+        "hook_pattern",
+        "hook_raw_pattern",
+        "hook_sink_pattern",
+        "hook_attn_scores",
+    ]
     got = {}
-    hooks = [(f"blocks.0.attn.{n}", (lambda n: lambda x, hook: got.__setitem__(n, x.detach().cpu()))(n))
-             for n in names if f"blocks.0.attn.{n}" in model.hook_dict]
+    hooks = [
+        (f"blocks.0.attn.{n}", (lambda n: lambda x, hook: got.__setitem__(n, x.detach().cpu()))(n))
+        for n in names
+        if f"blocks.0.attn.{n}" in model.hook_dict
+    ]
     model.run_with_hooks(tokens.to(model.device), fwd_hooks=hooks)
     q = got.get("hook_rot_q", got["hook_q"])
     k = got.get("hook_rot_k", got["hook_k"])
@@ -130,7 +153,7 @@ def test_softmax_pnorm_matches_naive(device):
 
     def combine(xs):
         e = [math.exp(x) for x in xs]
-        norm = sum(x ** p for x in e) ** (1 / p)
+        norm = sum(x**p for x in e) ** (1 / p)
         return [x / norm for x in e], normalise(e)
 
     z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: s, combine)
@@ -179,8 +202,9 @@ def test_linear_kernels_match_naive(kernel, norm, device):
             return x
         if kernel == "elu1":
             return torch.tensor([xi + 1 if xi > 0 else math.exp(xi) for xi in x.tolist()])
-        w1, b1, w2, b2 = (p.detach().cpu() for p in (op.phi[0].weight, op.phi[0].bias, op.phi[2].weight,
-                                                      op.phi[2].bias))
+        w1, b1, w2, b2 = (
+            p.detach().cpu() for p in (op.phi[0].weight, op.phi[0].bias, op.phi[2].weight, op.phi[2].bias)
+        )
         hidden = torch.nn.functional.gelu(w1 @ x + b1)
         return w2 @ hidden + b2
 
@@ -212,10 +236,12 @@ def test_rope_matches_naive_rotation(device):
     model = build("softmax", device)
     _, _, _, got = capture(model, TOKENS)
     for t in range(T):
-        torch.testing.assert_close(got["hook_rot_q"][:, t], rope_naive(got["hook_q"][:, t], t), atol=tol(device, 1e-5),
-                                   rtol=1e-5)
-        torch.testing.assert_close(got["hook_rot_k"][:, t], rope_naive(got["hook_k"][:, t], t), atol=tol(device, 1e-5),
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            got["hook_rot_q"][:, t], rope_naive(got["hook_q"][:, t], t), atol=tol(device, 1e-5), rtol=1e-5
+        )
+        torch.testing.assert_close(
+            got["hook_rot_k"][:, t], rope_naive(got["hook_k"][:, t], t), atol=tol(device, 1e-5), rtol=1e-5
+        )
 
 
 def slot_naive(q, k, v, k_slot, v_slot, slot_bias=None):
@@ -270,7 +296,7 @@ def test_sink_token_matches_naive(device):
     model = model.cpu()  # the slot's key and value are computed here from its weights
     blk = model.blocks[0]
     s = model.sink_token.detach()
-    s_norm = s / torch.sqrt((s ** 2).mean() + model.cfg.eps) * blk.ln1.w.detach()
+    s_norm = s / torch.sqrt((s**2).mean() + model.cfg.eps) * blk.ln1.w.detach()
     k_slot = torch.stack([rope_naive(s_norm @ blk.attn.W_K[h // G].detach(), -1) for h in range(H)])
     v_slot = torch.stack([s_norm @ blk.attn.W_V[h // G].detach() for h in range(H)])
     z, pattern, sink = slot_naive(q, k, v, k_slot, v_slot)
@@ -290,7 +316,9 @@ def test_sink_token_equals_prepending_a_token(device):
     model, plain = model.to(device), plain.to(device)
     emb = model.sink_token.detach().view(1, 1, D).expand(B, 1, D)
     tokens_plus = torch.cat([torch.zeros(B, 1, dtype=torch.long), TOKENS], dim=1).to(device)
-    logits_plain = plain.run_with_hooks(tokens_plus, fwd_hooks=[("hook_embed", lambda x, hook: torch.cat([emb, x[:, 1:]], 1))])
+    logits_plain = plain.run_with_hooks(
+        tokens_plus, fwd_hooks=[("hook_embed", lambda x, hook: torch.cat([emb, x[:, 1:]], 1))]
+    )
     torch.testing.assert_close(model(TOKENS.to(device)), logits_plain[:, 1:], atol=tol(device, 1e-4), rtol=1e-4)
 
 
@@ -302,8 +330,9 @@ def test_alibi_and_relative_bias_match_naive(device):
     slopes = alibi_slopes(H).tolist()
     assert slopes == pytest.approx([2 ** (-8 * (h + 1) / H) for h in range(H)])
     bias = torch.tensor([[[-slopes[h] * (i - j) for j in range(T)] for i in range(T)] for h in range(H)])
-    z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: s, lambda xs: (softmax_list(xs), softmax_list(xs)),
-                            bias=bias)
+    z, pattern, raw = naive(
+        q, k, v, lambda b, h, i, j, s: s, lambda xs: (softmax_list(xs), softmax_list(xs)), bias=bias
+    )
     check(model, z, pattern, raw, got)
 
     model = build("sigmoid", device, positional_embedding_type="relative")
@@ -313,8 +342,9 @@ def test_alibi_and_relative_bias_match_naive(device):
     q, k, v, got = capture(model, TOKENS)
     # T5 buckets: distances below num_buckets / 2 = 16 are their own bucket
     tab = table.detach().cpu()
-    bias = torch.tensor([[[float(tab[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)]
-                         for h in range(H)])
+    bias = torch.tensor(
+        [[[float(tab[i - j, h]) if j <= i else 0.0 for j in range(T)] for i in range(T)] for h in range(H)]
+    )
     z, pattern, raw = naive(q, k, v, lambda b, h, i, j, s: sigmoid(s), lambda xs: (xs, normalise(xs)), bias=bias)
     check(model, z, pattern, raw, got)
 
@@ -334,10 +364,22 @@ def test_sliding_window_matches_naive(name, device):
     check(model, z, pattern, raw, got)
 
 
-@pytest.mark.parametrize("name,impl", [("softmax", "sdpa"), ("softmax", "flex"), ("softmax-scaled", "sdpa"), ("v-bias", "sdpa"),
-                                       ("kv-bias", "sdpa"), ("k-bias", "sdpa"), ("sink-token", "sdpa"),
-                                       ("sigmoid", "flex"), ("sigmoid-norm", "flex"), ("elu1", "flex"),
-                                       ("elu1-norm", "flex")])
+@pytest.mark.parametrize(
+    "name,impl",
+    [
+        ("softmax", "sdpa"),
+        ("softmax", "flex"),
+        ("softmax-scaled", "sdpa"),
+        ("v-bias", "sdpa"),
+        ("kv-bias", "sdpa"),
+        ("k-bias", "sdpa"),
+        ("sink-token", "sdpa"),
+        ("sigmoid", "flex"),
+        ("sigmoid-norm", "flex"),
+        ("elu1", "flex"),
+        ("elu1-norm", "flex"),
+    ],
+)
 @pytest.mark.parametrize("pe,window", [("rotary", None), ("alibi", 3)])
 def test_fused_paths_equal_eager(name, impl, pe, window, device):
     """SDPA / FlexAttention (forced on CPU) give the eager path's output and gradients (FlexAttention has
@@ -345,8 +387,18 @@ def test_fused_paths_equal_eager(name, impl, pe, window, device):
     the smallest FlexAttention takes there (``analysis.model.reference.kernels``)."""
     torch.manual_seed(0)
     d_model = D if device == "cpu" else H * FLEX_MIN_HEAD_DIM
-    cfg = dict(d_vocab=23, n_ctx=16, d_model=d_model, n_layers=2, n_heads=H, n_key_value_heads=HKV, attention=name,
-               positional_embedding_type=pe, sliding_window=window, sigmoid_bias="learnable")
+    cfg = dict(
+        d_vocab=23,
+        n_ctx=16,
+        d_model=d_model,
+        n_layers=2,
+        n_heads=H,
+        n_key_value_heads=HKV,
+        attention=name,
+        positional_embedding_type=pe,
+        sliding_window=window,
+        sigmoid_bias="learnable",
+    )
     eager = SinkLM(ModelConfig(attn_impl="eager", **cfg))
     fused = SinkLM(ModelConfig(attn_impl=impl, **cfg))
     fused.load_state_dict(eager.state_dict())
@@ -374,7 +426,9 @@ class _no_fallback:
         self._w = warnings.catch_warnings()
         self._w.__enter__()
         warnings.filterwarnings("error", message="fused attention")
-        warnings.filterwarnings("ignore", category=UserWarning, message=".*flex_attention called without torch.compile.*")
+        warnings.filterwarnings(
+            "ignore", category=UserWarning, message=".*flex_attention called without torch.compile.*"
+        )
         warnings.filterwarnings("ignore", category=FutureWarning)
 
     def __exit__(self, *a):
@@ -385,13 +439,18 @@ def test_pattern_hook_forces_eager_path(device):
     torch.manual_seed(0)
     model = SinkLM(ModelConfig(d_vocab=23, n_ctx=16, d_model=D, n_heads=H, attn_impl="sdpa")).to(device)
     seen = []
-    model.run_with_hooks(TOKENS.to(device), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: seen.append(x.shape))])
+    model.run_with_hooks(
+        TOKENS.to(device), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda x, hook: seen.append(x.shape))]
+    )
     assert seen == [(B, H, T, T)]
 
 
 def test_every_registered_operation_is_tested_here():
-    tested = set(ELEMENTWISE) | {"softmax-pnorm", "softpick", "kv-bias", "k-bias", "v-bias", "sink-token"} | {
-        f"linear-{k}{n}" for k in ("identity", "elu1", "mlp") for n in ("", "-norm")}
+    tested = (
+        set(ELEMENTWISE)
+        | {"softmax-pnorm", "softpick", "kv-bias", "k-bias", "v-bias", "sink-token"}
+        | {f"linear-{k}{n}" for k in ("identity", "elu1", "mlp") for n in ("", "-norm")}
+    )
     assert set(available_attention()) == tested
 
 
@@ -411,22 +470,35 @@ BF16, F32 = torch.bfloat16, torch.float32
 FLEX_OPS, TRITON_OPS, SDPA_OPS = ("flex",), ("flex", "triton"), ("sdpa", "flex")
 
 
-@pytest.mark.parametrize("supported, impl, device_type, dtype, d, bias, triton_ok, kernel, stated", [
-    (SDPA_OPS, "auto", "cuda", BF16, 64, None, False, "sdpa", ""),
-    (SDPA_OPS, "auto", "cpu", F32, 64, None, False, "eager", ""),  # auto fuses on CUDA only, by design
-    (TRITON_OPS, "auto", "cuda", BF16, 64, None, True, "flex", ""),  # the first kernel until triton is measured
-    (TRITON_OPS, "auto", "cuda", BF16, 8, None, True, "eager", "head sizes >= 16"),  # issue 36: known before the call
-    (FLEX_OPS, "flex", "cuda", F32, 8, "alibi", False, "eager", "head sizes >= 16"),
-    (FLEX_OPS, "flex", "cpu", F32, 8, None, False, "flex", ""),  # unfused on the CPU: any head size
-    (TRITON_OPS, "triton", "cuda", BF16, 64, "alibi", True, "triton", ""),
-    (TRITON_OPS, "triton", "cuda", BF16, 64, None, False, "eager", "needs Triton"),
-    (TRITON_OPS, "triton", "cuda", BF16, 48, None, True, "eager", "power-of-two head sizes"),
-    (TRITON_OPS, "triton", "cuda", BF16, 64, "relative", True, "eager", "relative position bias"),
-    (FLEX_OPS, "triton", "cuda", BF16, 64, None, True, "eager", "no triton kernel"),  # a normalised operation
-    (SDPA_OPS[:1], "flex", "cuda", BF16, 64, None, True, "eager", "no flex kernel"),
-    ((), "auto", "cuda", BF16, 64, None, True, "eager", ""),  # linear attention: no fused kernel at all
-    (SDPA_OPS, "eager", "cuda", BF16, 64, None, True, "eager", ""),
-])
+@pytest.mark.parametrize(
+    "supported, impl, device_type, dtype, d, bias, triton_ok, kernel, stated",
+    [
+        (SDPA_OPS, "auto", "cuda", BF16, 64, None, False, "sdpa", ""),
+        (SDPA_OPS, "auto", "cpu", F32, 64, None, False, "eager", ""),  # auto fuses on CUDA only, by design
+        (TRITON_OPS, "auto", "cuda", BF16, 64, None, True, "flex", ""),  # the first kernel until triton is measured
+        (
+            TRITON_OPS,
+            "auto",
+            "cuda",
+            BF16,
+            8,
+            None,
+            True,
+            "eager",
+            "head sizes >= 16",
+        ),  # issue 36: known before the call
+        (FLEX_OPS, "flex", "cuda", F32, 8, "alibi", False, "eager", "head sizes >= 16"),
+        (FLEX_OPS, "flex", "cpu", F32, 8, None, False, "flex", ""),  # unfused on the CPU: any head size
+        (TRITON_OPS, "triton", "cuda", BF16, 64, "alibi", True, "triton", ""),
+        (TRITON_OPS, "triton", "cuda", BF16, 64, None, False, "eager", "needs Triton"),
+        (TRITON_OPS, "triton", "cuda", BF16, 48, None, True, "eager", "power-of-two head sizes"),
+        (TRITON_OPS, "triton", "cuda", BF16, 64, "relative", True, "eager", "relative position bias"),
+        (FLEX_OPS, "triton", "cuda", BF16, 64, None, True, "eager", "no triton kernel"),  # a normalised operation
+        (SDPA_OPS[:1], "flex", "cuda", BF16, 64, None, True, "eager", "no flex kernel"),
+        ((), "auto", "cuda", BF16, 64, None, True, "eager", ""),  # linear attention: no fused kernel at all
+        (SDPA_OPS, "eager", "cuda", BF16, 64, None, True, "eager", ""),
+    ],
+)
 def test_attention_kernel_table(supported, impl, device_type, dtype, d, bias, triton_ok, kernel, stated):
     got = attention_kernel(supported, impl, device_type, dtype, d, bias=bias, triton_ok=triton_ok)
     assert got.kernel == kernel and (stated in got.fallback if stated else got.fallback == "")

@@ -1,4 +1,5 @@
 """Data: the synthetic bigram-copy task, packed windows and their options, corpus and tokenizer."""
+
 from collections import Counter
 
 import numpy as np
@@ -118,7 +119,9 @@ def test_build_data_errors():
 def test_induction_rule_on_keys():
     data = synthetic(synthetic_keys=6, synthetic_lags=3, fixed_token_position=1, fixed_token_id=6)
     keys, lag = data.keys.tolist(), data.lag
-    assert len(keys) == 6 and sorted(set(lag[keys].tolist())) == [1, 2, 3] and not set(keys) & set(data.triggers.tolist())
+    assert (
+        len(keys) == 6 and sorted(set(lag[keys].tolist())) == [1, 2, 3] and not set(keys) & set(data.triggers.tolist())
+    )
     x = data.probe(64, 48).numpy()
     fired = 0
     for s in x:

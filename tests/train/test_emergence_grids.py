@@ -1,5 +1,6 @@
 """The committed emergence grids (data/emergence, made by scripts/emergence.sh): their tables are complete,
 and one cheap point of two grids, retrained here from scratch, lands inside the spread of its seeds."""
+
 import json
 from pathlib import Path
 
@@ -12,9 +13,16 @@ from analysis.train.trainer import train
 ROOT = Path(__file__).resolve().parents[2]
 EMERGENCE = ROOT / "data" / "emergence"
 GRIDS = {  # grid -> the field it varies
-    "base": None, "attention": "attention", "weight_decay": "weight_decay", "lr": "lr",
-    "fixed_position": "fixed_token_position", "biases": "attention", "packing": "document_token",
-    "prefix": "prefix_len", "window": "sliding_window", "positions": "positional_embedding_type",
+    "base": None,
+    "attention": "attention",
+    "weight_decay": "weight_decay",
+    "lr": "lr",
+    "fixed_position": "fixed_token_position",
+    "biases": "attention",
+    "packing": "document_token",
+    "prefix": "prefix_len",
+    "window": "sliding_window",
+    "positions": "positional_embedding_type",
     "post_norm": "norm_position",
 }
 
@@ -45,10 +53,13 @@ def retrain(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.cpu_only  # retrained and compared with the committed seeds' CPU (fp32) figures
-@pytest.mark.parametrize("grid,point", [
-    # the attention grid's softmax / sigmoid points are retrained by tests/train/test_reference_pair.py
-    ("fixed_position", {"fixed_token_position": 2, "seed": 0}),
-])
+@pytest.mark.parametrize(
+    "grid,point",
+    [
+        # the attention grid's softmax / sigmoid points are retrained by tests/train/test_reference_pair.py
+        ("fixed_position", {"fixed_token_position": 2, "seed": 0}),
+    ],
+)
 def test_a_retrained_point_lands_inside_its_committed_spread(grid, point):
     runs = load_sweep(EMERGENCE / grid)["runs"]
     field = next(k for k in point if k != "seed")

@@ -1,6 +1,7 @@
 """The chain along training (analysis.dynamics.formation): one row per snapshot and link, the final model's values
 those of mechanism_chain on the same probe, onsets that are the first snapshot meeting their criterion, NaN where
 no sink head exists, and the figure."""
+
 import json
 import math
 import shutil
@@ -35,9 +36,24 @@ def run_dir(tmp_path_factory):
     the CPU whatever --device says: the tests' expectations (no sink in the early snapshots) come from CPU training
     ("auto" would train in bf16 on a GPU); the analyses of its snapshots run on the device."""
     out = tmp_path_factory.mktemp("formation") / "attention-softmax_seed-0"
-    m, t = build_configs("induction", dict(steps=200, d_model=32, d_mlp=64, n_heads=2, batch_size=16, warmup_steps=20,
-                                           snapshots=",".join(map(str, STEPS)), eval_every=0, checkpoint_every=0,
-                                           log_every=50, out=str(out), progress=False, device="cpu"))
+    m, t = build_configs(
+        "induction",
+        dict(
+            steps=200,
+            d_model=32,
+            d_mlp=64,
+            n_heads=2,
+            batch_size=16,
+            warmup_steps=20,
+            snapshots=",".join(map(str, STEPS)),
+            eval_every=0,
+            checkpoint_every=0,
+            log_every=50,
+            out=str(out),
+            progress=False,
+            device="cpu",
+        ),
+    )
     with one_thread():  # a second thread only waits on a busy machine (analysis.core.stats.one_thread)
         train(m, t)
     return out
@@ -86,14 +102,20 @@ def test_one_row_per_model_and_link_and_the_final_model_replaces_its_snapshot(ru
 
 def test_the_final_model_gives_the_values_of_mechanism_chain_on_the_same_probe(run_dir, result, device):
     model = load_reference(run_dir, device=device)  # where formation_order measured it
-    tokens = build_data(TrainConfig.from_dict({**model.reference_config["train"], "seed": 2024}),
-                        model.cfg.n_ctx).probe(N, T)
+    tokens = build_data(
+        TrainConfig.from_dict({**model.reference_config["train"], "seed": 2024}), model.cfg.n_ctx
+    ).probe(N, T)
     fol = result.followed.iloc[0]
     with one_thread():
         chain = mechanism_chain(model, tokens, eps=0.3, ratio=20.0, dims=fol.dims, heads=fol.sink_heads)
     final = result.formation[result.formation.final].set_index("link").value
-    for link in ("sink_1", "spike_ratio_token", "spike_ratio_sequence", "value_ratio_other_heads",
-                 "sink_1_spike_zeroed"):
+    for link in (
+        "sink_1",
+        "spike_ratio_token",
+        "spike_ratio_sequence",
+        "value_ratio_other_heads",
+        "sink_1_spike_zeroed",
+    ):
         assert final[link] == pytest.approx(chain[link], rel=1e-6, abs=1e-9), link
     for link in OWN_SINK_LINKS:  # NaN on both sides where the model has no sink head
         assert np.isclose(final[link], chain[link], equal_nan=True), link
@@ -124,12 +146,20 @@ def test_onsets_are_the_first_snapshot_meeting_the_criterion(result, sink_result
 
 def test_onsets_and_half_way_steps_of_a_known_table():
     steps = [10, 20, 30, 40, 50]
-    rows = [{"run": "r", "attention": "softmax", "seed": 0, "step": s, "final": s == 50, "link": link, "value": v}
-            for link, vals in (("sink_1", [0, 5, 12, 8, 30]), ("value_ratio_final_heads", [1.0, 0.8, 0.4, 0.6, 0.3]),
-                               ("norm_share", [np.nan, 0.1, 0.2, 0.2, 0.2]))
-            for s, v in zip(steps, vals)]
-    crit = (Criterion("sink_1", ">=", 10, "sink", ""), Criterion("value_ratio_final_heads", "<=", 0.5, "value", ""),
-            Criterion("norm_share", ">=", 0.5, "norm", ""))
+    rows = [
+        {"run": "r", "attention": "softmax", "seed": 0, "step": s, "final": s == 50, "link": link, "value": v}
+        for link, vals in (
+            ("sink_1", [0, 5, 12, 8, 30]),
+            ("value_ratio_final_heads", [1.0, 0.8, 0.4, 0.6, 0.3]),
+            ("norm_share", [np.nan, 0.1, 0.2, 0.2, 0.2]),
+        )
+        for s, v in zip(steps, vals)
+    ]
+    crit = (
+        Criterion("sink_1", ">=", 10, "sink", ""),
+        Criterion("value_ratio_final_heads", "<=", 0.5, "value", ""),
+        Criterion("norm_share", ">=", 0.5, "norm", ""),
+    )
     on = onset_table(pd.DataFrame(rows), crit).set_index("link")
     assert on.loc["sink_1", "onset_step"] == 30 and on.loc["sink_1", "half_step"] == 50  # 15 is half of 30
     assert on.loc["value_ratio_final_heads", ["onset_step", "half_step"]].tolist() == [30, 30]  # 0.65 is half-way
@@ -211,8 +241,14 @@ def test_append_adds_runs_and_a_run_measured_again_replaces_its_rows():
     script = _formation_script()
     old = load_formation(ROOT / "data" / "emergence" / "induction" / "formation")
     run = "attention-softmax_seed-1"
-    new = dataclasses.replace(old, **{name: getattr(old, name)[getattr(old, name).run == run].copy()
-                                      for name in ("formation", "onsets", "followed", "writes")}, notes=[])
+    new = dataclasses.replace(
+        old,
+        **{
+            name: getattr(old, name)[getattr(old, name).run == run].copy()
+            for name in ("formation", "onsets", "followed", "writes")
+        },
+        notes=[],
+    )
     new.formation["value"] = new.formation["value"] + 1.0  # the re-measured run, told apart by its values
     both = script.appended(old, new)
     assert len(both.formation) == len(old.formation) and set(both.followed.run) == set(old.followed.run)
@@ -232,8 +268,19 @@ def test_append_to_a_folder_without_tables_is_refused_in_one_line(tmp_path):
     (tmp_path / "runs" / "run-a" / "snapshots").mkdir(parents=True)  # a run folder, so the refusal is --append's
     dest = tmp_path / "out"
     dest.mkdir()
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "formation_order.py"), str(tmp_path / "runs"),
-                          "--out", str(dest), "--append"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "formation_order.py"),
+            str(tmp_path / "runs"),
+            "--out",
+            str(dest),
+            "--append",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     err = out.stderr.strip()
     assert err.startswith("--append:") and "lacks" in err and len(err.splitlines()) == 1

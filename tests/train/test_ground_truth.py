@@ -6,6 +6,7 @@ Cheap: the data tests draw a few hundred sequences (under 1 s); each model test 
 through a 1-layer model, a sink pass, a value-norm pass and a forward pass per sink head. The file took 48 s of wall
 time (23 s of CPU) on the shared 2-core machine at load 15, 4-8 s per model after the first's imports.
 """
+
 import json
 from pathlib import Path
 
@@ -80,10 +81,12 @@ def _kind_traces(name):
         base = float(model(probe, return_type="loss"))
     swap = {}
     for h in heads:
+
         def roll(v, hook, h=h):
             v = v.clone()
             v[:, 0, h] = v[:, 0, h].roll(1, 0)
             return v
+
         with torch.no_grad():
             loss = model.run_with_hooks(probe, return_type="loss", fwd_hooks=[("blocks.0.attn.hook_v", roll)])
         swap[h] = float(loss) - base

@@ -1,6 +1,7 @@
 """The reference pair whose first-token spike an MLP writes (``--preset induction``, analysis/data/reference/induction-*):
 the chain measured by the package's analyses on the committed pair, and one cheap point of the preset retrained
 from scratch, which must land inside the committed spread of its five seeds (data/emergence/induction)."""
+
 import json
 from pathlib import Path
 
@@ -55,7 +56,9 @@ def test_the_pair_loads_by_name_with_its_log_and_command():
         assert cfg["train"]["fixed_token_id"] == 3 and cfg["train"]["synthetic_keys"] == 12
         log = [json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == cfg["train"]["steps"] == 12000
-        assert (d / "command.txt").read_text().startswith(f"python -m analysis.train --preset induction --attention {att}")
+        assert (
+            (d / "command.txt").read_text().startswith(f"python -m analysis.train --preset induction --attention {att}")
+        )
 
 
 def test_softmax_sinks_and_sigmoid_does_not_at_a_loss_within_five_percent(chains, pair):

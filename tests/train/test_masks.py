@@ -3,6 +3,7 @@
 In a one-layer model, output i depends on input j exactly when query i attends to key j (j = i always,
 through the residual stream), so the non-zero pattern of d logits_i / d embedding_j is the mask.
 """
+
 import numpy as np
 import pytest
 import torch

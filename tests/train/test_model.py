@@ -1,4 +1,5 @@
 """The model: TransformerBridge hook names/shapes, LLaMA equivalence, causality, weights, errors."""
+
 import pytest
 import torch
 
@@ -7,10 +8,27 @@ from analysis.train import ModelConfig, SinkLM, available_attention
 from tests.conftest import tol
 
 # Hook names the brief requires to match TransformerLens' TransformerBridge on a LLaMA model.
-BLOCK_HOOKS = ["hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-               "ln1.hook_scale", "ln1.hook_normalized", "ln2.hook_scale", "ln2.hook_normalized",
-               "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k",
-               "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "mlp.hook_pre", "mlp.hook_post"]
+BLOCK_HOOKS = [
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "ln1.hook_scale",
+    "ln1.hook_normalized",
+    "ln2.hook_scale",
+    "ln2.hook_normalized",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_rot_q",
+    "attn.hook_rot_k",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+    "mlp.hook_pre",
+    "mlp.hook_post",
+]
 TOP_HOOKS = ["hook_embed", "ln_final.hook_scale", "ln_final.hook_normalized"]
 L, D, H, HKV, V, DMLP = 2, 64, 4, 2, 100, 128
 
@@ -27,14 +45,25 @@ def bridge_and_hf(tmp_path_factory, device):
 
     d = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=DMLP, num_hidden_layers=L,
-                                      num_attention_heads=H, num_key_value_heads=HKV, max_position_embeddings=32,
-                                      rms_norm_eps=1e-6, rope_theta=10000.0)).eval()
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=DMLP,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            num_key_value_heads=HKV,
+            max_position_embeddings=32,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+        )
+    ).eval()
     hf.save_pretrained(d)
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t1", eos_token="t2", unk_token="t0",
-                            pad_token="t3").save_pretrained(d)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="t1", eos_token="t2", unk_token="t0", pad_token="t3"
+    ).save_pretrained(d)
     tok = AutoTokenizer.from_pretrained(d)
     hf = hf.to(device)  # the bridge records the device of a model passed in but does not move it
     bridge = TransformerBridge.boot_transformers(str(d), hf_model=hf, tokenizer=tok, device=device)
@@ -44,8 +73,19 @@ def bridge_and_hf(tmp_path_factory, device):
 def sink_lm_from_hf(hf) -> SinkLM:
     """Copy a LlamaForCausalLM's weights into SinkLM (TransformerLens layout), on the LlamaForCausalLM's device."""
     c = hf.config
-    model = SinkLM(ModelConfig(d_vocab=V, n_ctx=32, d_model=D, n_layers=L, n_heads=H, n_key_value_heads=HKV,
-                               d_mlp=DMLP, eps=c.rms_norm_eps, rotary_base=10000.0))
+    model = SinkLM(
+        ModelConfig(
+            d_vocab=V,
+            n_ctx=32,
+            d_model=D,
+            n_layers=L,
+            n_heads=H,
+            n_key_value_heads=HKV,
+            d_mlp=DMLP,
+            eps=c.rms_norm_eps,
+            rotary_base=10000.0,
+        )
+    )
     dh = D // H
     with torch.no_grad():
         model.embed.W_E.copy_(hf.model.embed_tokens.weight)
@@ -115,8 +155,16 @@ def test_weights_and_cfg_are_exposed_like_the_bridge(bridge_and_hf):
         assert a.b_Q is None and a.b_K is None and a.b_V is None
         assert ours.blocks[0].ln1.w.shape == (D,) and ours.blocks[0].ln1.b is None
         assert ours.W_E.shape == theirs.W_E.shape and ours.W_U.shape == theirs.W_U.shape
-    for attr in ("n_layers", "n_heads", "n_key_value_heads", "d_model", "d_head", "d_vocab",
-                 "positional_embedding_type", "normalization_type"):
+    for attr in (
+        "n_layers",
+        "n_heads",
+        "n_key_value_heads",
+        "d_model",
+        "d_head",
+        "d_vocab",
+        "positional_embedding_type",
+        "normalization_type",
+    ):
         assert getattr(model.cfg, attr) == getattr(bridge.cfg, attr), attr
     assert model.cfg.rotary_base == 10000.0 and model.cfg.attention == "softmax"
     ln = SinkLM(ModelConfig(normalization_type="LN"))
@@ -134,12 +182,21 @@ def test_gqa_query_head_reads_kv_head_h_div_group(device):
     assert z[:, :, 2:].abs().max() == 0 and z[:, :, :2].abs().max() > 0
 
 
-VARIANTS = [dict(attention=a) for a in available_attention()] + [
-    dict(positional_embedding_type=pe) for pe in ("none", "learned", "sinusoidal", "alibi", "relative")] + [
-    dict(norm_position="post"), dict(normalization_type="LN"), dict(act_fn="gelu"), dict(act_fn="relu"),
-    dict(sliding_window=3), dict(attention="sink-token", positional_embedding_type="alibi"),
-    dict(attention="sink-token", norm_position="post", positional_embedding_type="relative"),
-    dict(tie_embeddings=True), dict(n_key_value_heads=1)]
+VARIANTS = (
+    [dict(attention=a) for a in available_attention()]
+    + [dict(positional_embedding_type=pe) for pe in ("none", "learned", "sinusoidal", "alibi", "relative")]
+    + [
+        dict(norm_position="post"),
+        dict(normalization_type="LN"),
+        dict(act_fn="gelu"),
+        dict(act_fn="relu"),
+        dict(sliding_window=3),
+        dict(attention="sink-token", positional_embedding_type="alibi"),
+        dict(attention="sink-token", norm_position="post", positional_embedding_type="relative"),
+        dict(tie_embeddings=True),
+        dict(n_key_value_heads=1),
+    ]
+)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
@@ -161,16 +218,23 @@ def test_no_output_depends_on_a_later_token(variant, device):
         logits = model.run_with_hooks(tokens, fwd_hooks=[("hook_embed", grab)])
         logits[:, i].sum().backward()
         g = leaf["x"].grad.abs().sum(dim=(0, 2))
-        assert torch.all(g[i + 1:] == 0), (i, g)
+        assert torch.all(g[i + 1 :] == 0), (i, g)
         assert g[: i + 1].sum() > 0
 
 
 def test_hooks_shapes_for_variants(device):
     torch.manual_seed(0)
-    model = SinkLM(ModelConfig(d_vocab=17, n_ctx=8, d_model=32, n_heads=4, attention="kv-bias",
-                               positional_embedding_type="learned")).to(device)
-    names = ["hook_pos_embed", "blocks.0.attn.hook_sink_pattern", "blocks.0.attn.hook_pattern",
-             "blocks.0.attn.hook_raw_pattern"]
+    model = SinkLM(
+        ModelConfig(
+            d_vocab=17, n_ctx=8, d_model=32, n_heads=4, attention="kv-bias", positional_embedding_type="learned"
+        )
+    ).to(device)
+    names = [
+        "hook_pos_embed",
+        "blocks.0.attn.hook_sink_pattern",
+        "blocks.0.attn.hook_pattern",
+        "blocks.0.attn.hook_raw_pattern",
+    ]
     _, c = run_cache(model, torch.randint(0, 17, (3, 5)), names)
     assert c["hook_pos_embed"].shape == (3, 5, 32)
     assert c["blocks.0.attn.hook_sink_pattern"].shape == (3, 4, 5)
@@ -194,8 +258,13 @@ def test_pattern_hook_edits_change_the_output(device):
 
     _, c = run_cache(model, tokens, ["blocks.0.attn.hook_v"])
     z = {}
-    model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_pattern", to_first),
-                                            ("blocks.0.attn.hook_z", lambda x, hook: z.setdefault("z", x))])
+    model.run_with_hooks(
+        tokens,
+        fwd_hooks=[
+            ("blocks.0.attn.hook_pattern", to_first),
+            ("blocks.0.attn.hook_z", lambda x, hook: z.setdefault("z", x)),
+        ],
+    )
     v0 = c["blocks.0.attn.hook_v"][:, 0]  # (1, H, d), on the CPU
     torch.testing.assert_close(z["z"].cpu(), v0[:, None].expand_as(z["z"]))
 

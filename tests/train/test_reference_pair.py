@@ -5,6 +5,7 @@ The pair is trained here with the ``synthetic`` preset (the reference configurat
 CI_STEPS steps, and measured with the package's sink metric (``analysis.sinks.metric.sink_metric``) on a
 held-out probe. The committed reference models in analysis/data/reference/ are checked the same way.
 """
+
 import json
 
 import pytest
@@ -31,8 +32,10 @@ def pair_runs():
     try:
         runs = {}
         for attention in ("softmax", "sigmoid"):
-            mcfg, tcfg = build_configs("synthetic", {"attention": attention, "steps": CI_STEPS, "eval_every": 0,
-                                                     "progress": False, "device": "cpu"})  # as the committed grid
+            mcfg, tcfg = build_configs(
+                "synthetic",
+                {"attention": attention, "steps": CI_STEPS, "eval_every": 0, "progress": False, "device": "cpu"},
+            )  # as the committed grid
             runs[attention] = train(mcfg, tcfg)
     finally:
         torch.set_num_threads(threads)
@@ -76,8 +79,12 @@ def test_first_token_value_is_small_only_under_softmax(pair):
     assert float(soft.raw_first_mass.mean()) > 0.3
 
 
-REFS = {"synthetic-softmax": "softmax", "synthetic-sigmoid": "sigmoid", "synthetic-sink-token": "sink-token",
-        "synthetic-kv-bias": "kv-bias"}
+REFS = {
+    "synthetic-softmax": "softmax",
+    "synthetic-sigmoid": "sigmoid",
+    "synthetic-sink-token": "sink-token",
+    "synthetic-kv-bias": "kv-bias",
+}
 
 
 @pytest.mark.parametrize("name", sorted(REFS))
@@ -94,7 +101,10 @@ def test_committed_reference_models(name, device):
         assert rate >= 30.0
     elif REFS[name] in ("sink-token", "kv-bias"):  # the learned slot takes the sink: from BOS (KV biases), or a share
         slot = []
-        with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.0.attn.hook_sink_pattern", lambda w, hook: slot.append(w))]):
+        with (
+            torch.no_grad(),
+            model.hooks(fwd_hooks=[("blocks.0.attn.hook_sink_pattern", lambda w, hook: slot.append(w))]),
+        ):
             model(held_out_probe().to(device))
         alpha = slot[0].mean(-1)  # (samples, heads): mean weight on the learned slot over queries
         slot_rate = 100 * (alpha > 0.3).float().mean().item()

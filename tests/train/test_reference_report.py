@@ -1,6 +1,7 @@
 """`python -m analysis report` on the reference pair (tokenizer-less models of the synthetic task, probed with
 their own task): every section runs, and the report carries the mechanism's numbers under softmax and their
 absence under sigmoid."""
+
 import json
 
 import pytest

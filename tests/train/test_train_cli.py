@@ -1,15 +1,42 @@
 """`python -m analysis.train` checks before it works, as the analysis command line does (issue 37): bad input exits 2
 with one line that says what to do, before any data is prepared, and nothing already written is touched; the
 trained model is never thrown away."""
+
 import pytest
 import torch
 
 from analysis.train.cli import _parser, main
 from analysis.train.presets import build_configs
 
-TINY = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "16", "--n-heads", "2", "--d-mlp", "32",
-        "--synthetic-vocab", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "0", "--checkpoint-every", "0",
-        "--n", "4", "--T", "16", "--quiet", "--device", "cpu"]
+TINY = [
+    "--preset",
+    "synthetic",
+    "--n-ctx",
+    "16",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--d-mlp",
+    "32",
+    "--synthetic-vocab",
+    "16",
+    "--batch-size",
+    "4",
+    "--steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--n",
+    "4",
+    "--T",
+    "16",
+    "--quiet",
+    "--device",
+    "cpu",
+]
 
 
 def _no_training(*args, **kwargs):
@@ -49,7 +76,9 @@ def test_an_out_holding_a_run_is_refused_and_kept(refused, tmp_path):
     (run / "train_log.jsonl").write_text('{"step": 1}\n')
     err = refused([*TINY, "--out", str(run)])
     assert "already holds a run (train_log.jsonl); pass --resume to continue it" in err
-    assert (run / "train_log.jsonl").read_text() == '{"step": 1}\n' and [p.name for p in run.iterdir()] == ["train_log.jsonl"]
+    assert (run / "train_log.jsonl").read_text() == '{"step": 1}\n' and [p.name for p in run.iterdir()] == [
+        "train_log.jsonl"
+    ]
 
 
 def test_a_sweep_without_out_and_a_bad_config_are_one_line(refused):

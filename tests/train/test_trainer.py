@@ -1,4 +1,5 @@
 """Trainer: loss goes down, schedule, resume (in-process and after SIGKILL), DDP, checkpoints, CLI."""
+
 import json
 import os
 import pickle
@@ -21,9 +22,21 @@ from analysis.train.trainer import lr_at
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TINY_MODEL = dict(n_ctx=16, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
-TINY_TRAIN = dict(dataset="synthetic", synthetic_vocab=16, batch_size=8, steps=12, lr=1e-2, warmup_steps=2,
-                  log_every=2, eval_every=6, probe_size=8, probe_len=16, checkpoint_every=0, progress=False,
-                  device="cpu")  # "auto" would train on a GPU (bf16) where one is: a test opts in with device=
+TINY_TRAIN = dict(
+    dataset="synthetic",
+    synthetic_vocab=16,
+    batch_size=8,
+    steps=12,
+    lr=1e-2,
+    warmup_steps=2,
+    log_every=2,
+    eval_every=6,
+    probe_size=8,
+    probe_len=16,
+    checkpoint_every=0,
+    progress=False,
+    device="cpu",
+)  # "auto" would train on a GPU (bf16) where one is: a test opts in with device=
 
 
 def tiny(out=None, **kw):
@@ -111,13 +124,49 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.cpu_only  # bitwise-equal resume: CUDA kernels (atomics in the backward pass) are not deterministic
 def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
-    args = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64",
-            "--synthetic-vocab", "16", "--batch-size", "8", "--steps", "120", "--eval-every", "0",
-            "--checkpoint-every", "2", "--n", "8", "--T", "16", "--quiet", "--device", "cpu"]
-    subprocess.run([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "a")], check=True, env=env(),
-                   cwd=ROOT, capture_output=True)
-    proc = subprocess.Popen([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "b")], env=env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "--preset",
+        "synthetic",
+        "--n-ctx",
+        "16",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--d-mlp",
+        "64",
+        "--synthetic-vocab",
+        "16",
+        "--batch-size",
+        "8",
+        "--steps",
+        "120",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "2",
+        "--n",
+        "8",
+        "--T",
+        "16",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
+    subprocess.run(
+        [PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "a")],
+        check=True,
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+    )
+    proc = subprocess.Popen(
+        [PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "b")],
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = tmp_path / "b/checkpoints/latest.json"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -130,8 +179,13 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "b/model.safetensors").exists(), "the run finished before it could be killed"
-    done = subprocess.run([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "b"), "--resume"], env=env(),
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "b"), "--resume"],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = weights(tmp_path / "a/model.safetensors"), weights(tmp_path / "b/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -142,19 +196,69 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     """torchrun with 2 CPU processes (gloo) takes the same steps as one process on the same global batch. The "--"
     after the module ends torchrun's own options: without it torchrun takes ``--n`` for an abbreviation of its
     ``--nnodes`` and refuses it as ambiguous."""
-    args = ["--preset", "synthetic", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64",
-            "--synthetic-vocab", "16", "--batch-size", "8", "--steps", "4", "--eval-every", "0",
-            "--checkpoint-every", "2", "--n", "8", "--T", "16", "--quiet", "--device", "cpu"]
-    one = subprocess.run([PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "one")], env=env(), cwd=ROOT,
-                         capture_output=True, text=True)
+    args = [
+        "--preset",
+        "synthetic",
+        "--n-ctx",
+        "16",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--d-mlp",
+        "64",
+        "--synthetic-vocab",
+        "16",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "2",
+        "--n",
+        "8",
+        "--T",
+        "16",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
+    one = subprocess.run(
+        [PY, "-m", "analysis.train", *args, "--out", str(tmp_path / "one")],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     with socket.socket() as sock:  # a free port for the rendezvous on localhost
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    two = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                          "--master_port", str(port),
-                          "-m", "analysis.train", "--", *args, "--out", str(tmp_path / "two")],
-                         env=env(), cwd=ROOT, capture_output=True, text=True)
+    two = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            "analysis.train",
+            "--",
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = weights(tmp_path / "one/model.safetensors"), weights(tmp_path / "two/model.safetensors")
     init = train(*tiny(steps=1, lr=1e-9, eval_every=0)).model.state_dict()
@@ -240,10 +344,21 @@ def test_checkpoints_never_unpickle(tmp_path, monkeypatch):
 def test_cli_presets_and_overrides(capsys):
     m, t = build_configs("paper-60m", {"attention": "sigmoid", "lr": 8e-4})
     assert (m.n_layers, m.d_model, m.n_heads, m.d_mlp, m.n_ctx) == (10, 768, 8, 1536, 2048)
-    assert (m.attention, t.lr, t.schedule, t.warmup_steps, t.weight_decay, t.grad_clip) == \
-        ("sigmoid", 8e-4, "constant", 100, 0.1, 1.0)
-    assert (t.beta1, t.beta2, m.normalization_type, m.positional_embedding_type, m.norm_position) == \
-        (0.9, 0.95, "RMS", "rotary", "pre")
+    assert (m.attention, t.lr, t.schedule, t.warmup_steps, t.weight_decay, t.grad_clip) == (
+        "sigmoid",
+        8e-4,
+        "constant",
+        100,
+        0.1,
+        1.0,
+    )
+    assert (t.beta1, t.beta2, m.normalization_type, m.positional_embedding_type, m.norm_position) == (
+        0.9,
+        0.95,
+        "RMS",
+        "rotary",
+        "pre",
+    )
     with torch.device("meta"):
         from analysis.train import SinkLM
 
@@ -262,10 +377,40 @@ def test_cli_presets_and_overrides(capsys):
 def test_natural_deep_preset_runs_a_few_steps_on_cpu(tmp_path):
     """The GPU preset's architecture, on the offline corpus with a small window and batch."""
     out = tmp_path / "deep"
-    assert main(["--preset", "natural-deep", "--dataset", "stdlib", "--tokenizer", "bpe", "--tokenizer-vocab-size",
-                 "512", "--corpus-max-chars", "200000", "--n-ctx", "64", "--batch-size", "2", "--micro-batch-size",
-                 "1", "--steps", "2", "--n", "4", "--T", "32", "--warmup-steps", "1",
-                 "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "natural-deep",
+                "--dataset",
+                "stdlib",
+                "--tokenizer",
+                "bpe",
+                "--tokenizer-vocab-size",
+                "512",
+                "--corpus-max-chars",
+                "200000",
+                "--n-ctx",
+                "64",
+                "--batch-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--steps",
+                "2",
+                "--n",
+                "4",
+                "--T",
+                "32",
+                "--warmup-steps",
+                "1",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     model = load_reference(out)
     assert model.cfg.n_layers == 8 and model.cfg.d_model == 512 and model.tokenizer is not None
     ids = model.to_tokens("Return the attention sink.")
@@ -275,18 +420,55 @@ def test_natural_deep_preset_runs_a_few_steps_on_cpu(tmp_path):
 
 
 def test_tiny_cpu_preset_builds_its_data(tmp_path):
-    m, t = build_configs("tiny-cpu", {"steps": 2, "corpus_max_chars": 200_000, "tokenizer_vocab_size": 512,
-                                      "out": str(tmp_path / "t"), "progress": False, "probe_size": 4})
+    m, t = build_configs(
+        "tiny-cpu",
+        {
+            "steps": 2,
+            "corpus_max_chars": 200_000,
+            "tokenizer_vocab_size": 512,
+            "out": str(tmp_path / "t"),
+            "progress": False,
+            "probe_size": 4,
+        },
+    )
     res = train(m, t)
     assert res.model.cfg.d_vocab == len(res.model.tokenizer) and res.final["step"] == 2
 
 
 def test_sweep_writes_one_table(tmp_path, capsys):
     out = tmp_path / "sweep"
-    argv = ["sweep", "--preset", "synthetic", "--attention", "softmax,sigmoid", "--lr", "1e-2", "--weight-decay",
-            "0.1,0", "--n-ctx", "16", "--d-model", "32", "--n-heads", "2", "--d-mlp", "64", "--synthetic-vocab", "16",
-            "--batch-size", "4", "--steps", "3", "--n", "4", "--T", "16", "--quiet",
-            "--out", str(out)]
+    argv = [
+        "sweep",
+        "--preset",
+        "synthetic",
+        "--attention",
+        "softmax,sigmoid",
+        "--lr",
+        "1e-2",
+        "--weight-decay",
+        "0.1,0",
+        "--n-ctx",
+        "16",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--d-mlp",
+        "64",
+        "--synthetic-vocab",
+        "16",
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--n",
+        "4",
+        "--T",
+        "16",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     import pandas as pd

@@ -3,6 +3,7 @@ operations, forward and gradients (q, k, v and the learnable head bias), causal 
 without an ALiBi-like additive bias; and through a model with ``attn_impl="triton"``. On the CPU they run under
 Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py before any test module imports the kernels:
 tests/report/test_protocol.py imports every module of the package), at small shapes."""
+
 import pytest
 import torch
 
@@ -14,15 +15,19 @@ from analysis.train import ModelConfig, SinkLM  # noqa: E402
 from tests.conftest import tol  # noqa: E402
 
 
-@pytest.mark.parametrize("name, bias_kind, window, pos_bias, T", [
-    ("sigmoid", "learnable", None, False, 20),  # causal, a learnable bias per head (its gradient too)
-    ("sigmoid", "fixed", 7, True, 19),  # a window, -log T, an additive position bias; T off the block size
-    ("elu1", "none", 5, False, 18),
-])
+@pytest.mark.parametrize(
+    "name, bias_kind, window, pos_bias, T",
+    [
+        ("sigmoid", "learnable", None, False, 20),  # causal, a learnable bias per head (its gradient too)
+        ("sigmoid", "fixed", 7, True, 19),  # a window, -log T, an additive position bias; T off the block size
+        ("elu1", "none", 5, False, 18),
+    ],
+)
 def test_triton_kernels_equal_the_eager_operation(name, bias_kind, window, pos_bias, T, device):
     torch.manual_seed(0)
-    op = build_attention_op(ModelConfig(d_vocab=23, n_ctx=32, d_model=32, n_heads=2, attention=name,
-                                        sigmoid_bias=bias_kind)).to(device)
+    op = build_attention_op(
+        ModelConfig(d_vocab=23, n_ctx=32, d_model=32, n_heads=2, attention=name, sigmoid_bias=bias_kind)
+    ).to(device)
     q, k, v = (torch.randn(1, 2, T, 16, device=device, requires_grad=True) for _ in range(3))
     bias = torch.randn(2, T, T, device=device) * 0.5 if pos_bias else None
     z = triton_elementwise(op, q, k, v, window=window, score_bias=bias)
@@ -38,7 +43,9 @@ def test_a_model_trains_through_the_triton_kernel(device):
     """attn_impl="triton": the kernel runs in every layer (no fallback recorded) and gives the eager model's loss
     and gradients."""
     torch.manual_seed(0)
-    cfg = dict(d_vocab=23, n_ctx=16, d_model=32, n_layers=1, n_heads=2, attention="elu1", positional_embedding_type="alibi")
+    cfg = dict(
+        d_vocab=23, n_ctx=16, d_model=32, n_layers=1, n_heads=2, attention="elu1", positional_embedding_type="alibi"
+    )
     eager = SinkLM(ModelConfig(attn_impl="eager", **cfg)).to(device)
     fused = SinkLM(ModelConfig(attn_impl="triton", **cfg)).to(device)
     fused.load_state_dict(eager.state_dict())
@@ -63,9 +70,36 @@ def test_the_throughput_benchmark_times_the_triton_path_and_prints_the_targets(t
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "throughput.json"
-    bench.main(["--device", "cpu", "--ops", "softmax,elu1,sigmoid-norm", "--impl", "sdpa,triton",
-                "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-ctx", "16", "--batch", "1",
-                "--iters", "1", "--repeats", "1", "--warmup", "1", "--vocab", "64", "--json", str(out)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--ops",
+            "softmax,elu1,sigmoid-norm",
+            "--impl",
+            "sdpa,triton",
+            "--d-model",
+            "32",
+            "--n-layers",
+            "1",
+            "--n-heads",
+            "2",
+            "--n-ctx",
+            "16",
+            "--batch",
+            "1",
+            "--iters",
+            "1",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--vocab",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     rows = {(r["op"], r["impl"]): r["path"] for r in json.loads(out.read_text())["rows"]}
     assert rows == {("softmax", "sdpa"): "sdpa", ("elu1", "triton"): "triton"}
     text = capsys.readouterr().out

@@ -17,6 +17,7 @@ passes these tensors through the attention module's hook points (so a hook can r
 To add an operation: subclass ``AttentionOp``, implement ``forward`` and decorate the class with
 ``@register("name", description)``; ``docs/training.md`` walks through an example.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,18 @@ from analysis.model.reference.flex import flex_elementwise, flex_softmax
 
 _REGISTRY: dict[str, tuple[type, dict, str]] = {}
 _ALIASES = {
-    "elu+1": "elu1", "elu+1-norm": "elu1-norm", "sigmoid-normalized": "sigmoid-norm",
-    "sigmoid_norm": "sigmoid-norm", "elu1_norm": "elu1-norm", "sink_token": "sink-token",
-    "kv_bias": "kv-bias", "k_bias": "k-bias", "v_bias": "v-bias", "linear": "linear-identity",
-    "mlp-kernel": "linear-mlp", "identity-kernel": "linear-identity",
+    "elu+1": "elu1",
+    "elu+1-norm": "elu1-norm",
+    "sigmoid-normalized": "sigmoid-norm",
+    "sigmoid_norm": "sigmoid-norm",
+    "elu1_norm": "elu1-norm",
+    "sink_token": "sink-token",
+    "kv_bias": "kv-bias",
+    "k_bias": "k-bias",
+    "v_bias": "v-bias",
+    "linear": "linear-identity",
+    "mlp-kernel": "linear-mlp",
+    "identity-kernel": "linear-identity",
 }
 _ADDITIVE_BIAS_PE = ("alibi", "relative")
 
@@ -194,6 +203,7 @@ def build_attention_op(cfg) -> "AttentionOp":
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def qk_logits(q, k, scale: float, *, score_bias=None):
     """Scores q . k * scale (+ a positional bias).
 
@@ -280,6 +290,7 @@ class AttentionOp(nn.Module):
 
 
 # ----------------------------------------------------------------------------- softmax family
+
 
 def _sdpa_mask(T: int, window, score_bias, extra_cols: int = 0, slot_bias=None, device=None, dtype=None):
     """None (plain causal) or an additive float mask (H or 1, T, extra + T) for SDPA."""
@@ -478,6 +489,7 @@ class VBias(Softmax):
 
 # ----------------------------------------------------------------------------- elementwise similarities
 
+
 class _Elementwise(AttentionOp):
     """sim_ij = f(q_i k_j^T / sqrt(d) + bias); z_i = sum_j sim_ij v_j (/ sum_j sim_ij if normalised)."""
 
@@ -570,6 +582,7 @@ class Elu1Norm(Elu1):
 
 # ----------------------------------------------------------------------------- linear attention
 
+
 class _Linear(AttentionOp):
     """sim_ij = phi(q_i) phi(k_j)^T / sqrt(d); z_i = sum_j sim_ij v_j, optionally / max(|sum_j sim_ij|, 1)."""
 
@@ -606,6 +619,4 @@ for _kernel, _desc in (("identity", "identity kernel"), ("elu1", "elu+1 kernel")
     for _norm in (False, True):
         _name = f"linear-{_kernel}" + ("-norm" if _norm else "")
         _text = f"linear attention, {_desc}" + (", normalised by max(|Z_i|, 1)" if _norm else ", no normalisation")
-        register(_name, _text, kernel=_kernel, normalise=_norm)(
-            type(f"Linear_{_kernel}_{int(_norm)}", (_Linear,), {})
-        )
+        register(_name, _text, kernel=_kernel, normalise=_norm)(type(f"Linear_{_kernel}_{int(_norm)}", (_Linear,), {}))

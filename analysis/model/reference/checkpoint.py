@@ -15,6 +15,7 @@ Layout of a run directory ``OUT``::
     OUT/train_log.jsonl      one JSON record per logged step
     OUT/checkpoints/latest.json, OUT/checkpoints/step-000500/{model,optimizer,rng}.safetensors + state.json
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- atomic file writes
+
 
 def write_tensors(path, tensors: dict[str, torch.Tensor], *, metadata: Optional[dict] = None) -> None:
     """Tensors written as safetensors, atomically.
@@ -105,6 +107,7 @@ def read_json(path) -> dict:
 
 # ----------------------------------------------------------------------------- model weights
 
+
 def model_tensors(model: SinkLM) -> dict[str, torch.Tensor]:
     """The model's persistent tensors by name (tied weights appear once).
 
@@ -136,8 +139,11 @@ def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> Non
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    shapes = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
-              for k in sorted(set(expected) & set(tensors)) if tensors[k].shape != expected[k].shape]
+    shapes = [
+        f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(tensors))
+        if tensors[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -156,6 +162,7 @@ def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> Non
 
 
 # ----------------------------------------------------------------------------- optimizer state
+
 
 def optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state as named tensors plus JSON hyper-parameters. ``names`` lists the parameter names in
@@ -217,6 +224,7 @@ def load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, name
 
 # ----------------------------------------------------------------------------- RNG state
 
+
 def rng_tensors() -> dict[str, torch.Tensor]:
     """The random number generators' states (CPU, and CUDA where used).
 
@@ -249,6 +257,7 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- training checkpoints
 
+
 def save_checkpoint(out: Path, step: int, model: SinkLM, optimizer, names: list[str], state: dict, keep: int) -> Path:
     """Write checkpoint ``step`` completely, then point ``latest.json`` at it; prune old ones.
 
@@ -278,7 +287,11 @@ def save_checkpoint(out: Path, step: int, model: SinkLM, optimizer, names: list[
         opt_t, opt_meta = optimizer_tensors(optimizer, names)
         write_tensors(tmp / "optimizer.safetensors", opt_t)
         write_tensors(tmp / "rng.safetensors", rng_tensors())
-        write_json(tmp / "state.json", {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION}, indent=2)
+        write_json(
+            tmp / "state.json",
+            {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION},
+            indent=2,
+        )
 
     final = replace_dir(root / f"step-{step:07d}", fill)
     write_json(root / "latest.json", {"step": step, "dir": final.name}, indent=2)
@@ -306,8 +319,10 @@ def latest_checkpoint(out: Path) -> Optional[Path]:
     latest = read_json(root / "latest.json")
     path = root / str(latest.get("dir", ""))
     if not path.is_dir():
-        raise CheckpointError(f"{root / 'latest.json'} points to {path}, which does not exist; delete "
-                              "latest.json to start over, or restore the folder.")
+        raise CheckpointError(
+            f"{root / 'latest.json'} points to {path}, which does not exist; delete "
+            "latest.json to start over, or restore the folder."
+        )
     return path
 
 
@@ -329,13 +344,19 @@ def load_checkpoint(path: Path, model: SinkLM, optimizer, names: list[str]) -> d
     path = Path(path)
     state = read_json(path / "state.json")
     load_weights(model, read_tensors(path / "model.safetensors"), path / "model.safetensors")
-    load_optimizer(optimizer, read_tensors(path / "optimizer.safetensors"), state["optimizer"], names,
-                   path / "optimizer.safetensors")
+    load_optimizer(
+        optimizer,
+        read_tensors(path / "optimizer.safetensors"),
+        state["optimizer"],
+        names,
+        path / "optimizer.safetensors",
+    )
     restore_rng(read_tensors(path / "rng.safetensors"))
     return state
 
 
 # ----------------------------------------------------------------------------- reference models
+
 
 def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     """Final weights + config.json (with the reference format key) + tokenizer.json when there is one.
@@ -357,8 +378,15 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "backend_tokenizer"):
         write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
-        config = {**config, "tokenizer": {"file": "tokenizer.json", "bos_token": tok.bos_token,
-                                          "eos_token": tok.eos_token, "pad_token": tok.pad_token}}
+        config = {
+            **config,
+            "tokenizer": {
+                "file": "tokenizer.json",
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "pad_token": tok.pad_token,
+            },
+        }
     write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config}, indent=2)
 
 
@@ -390,8 +418,10 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
     d = _resolve_reference(path_or_dir)
     cfg = read_json(d / "config.json")
     if cfg.get("format") != REFERENCE_FORMAT:
-        raise CheckpointError(f"{d / 'config.json'} has no \"format\": \"{REFERENCE_FORMAT}\" key: it was not "
-                              "written by analysis.train (for a Hugging Face folder use analysis.load_model).")
+        raise CheckpointError(
+            f'{d / "config.json"} has no "format": "{REFERENCE_FORMAT}" key: it was not '
+            "written by analysis.train (for a Hugging Face folder use analysis.load_model)."
+        )
     if "model" not in cfg:
         raise CheckpointError(f"{d / 'config.json'} has no 'model' section; the file is incomplete.")
     try:
@@ -404,8 +434,11 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast(
-            tokenizer_file=str(d / tok_info.get("file", "tokenizer.json")), bos_token=tok_info.get("bos_token"),
-            eos_token=tok_info.get("eos_token"), pad_token=tok_info.get("pad_token"))
+            tokenizer_file=str(d / tok_info.get("file", "tokenizer.json")),
+            bos_token=tok_info.get("bos_token"),
+            eos_token=tok_info.get("eos_token"),
+            pad_token=tok_info.get("pad_token"),
+        )
     model = SinkLM(mcfg, tokenizer=tokenizer)
     load_weights(model, read_tensors(d / "model.safetensors"), d / "model.safetensors")
     model.reference_config = cfg
@@ -415,4 +448,3 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
     dtype = parse_dtype(dtype)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return check_model(model.eval())  # the model contract, checked once, at load
-

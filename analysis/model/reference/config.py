@@ -6,6 +6,7 @@ stored in a checkpoint's ``config.json``. Field names on ``ModelConfig`` follow 
 ...) so analysis code can read ``model.cfg`` the same way for a ``TransformerBridge`` and for these
 models.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -357,14 +358,17 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}.")
         if self.fixed_token_position is not None and self.fixed_token_position < 1:
-            raise ValueError("fixed_token_position is 1-based (1 = first token); got "
-                             f"{self.fixed_token_position}.")
+            raise ValueError(f"fixed_token_position is 1-based (1 = first token); got {self.fixed_token_position}.")
         if self.synthetic_keys < 0 or self.synthetic_lags < 1:
-            raise ValueError(f"synthetic_keys must be >= 0 and synthetic_lags >= 1; got {self.synthetic_keys}, "
-                             f"{self.synthetic_lags}.")
+            raise ValueError(
+                f"synthetic_keys must be >= 0 and synthetic_lags >= 1; got {self.synthetic_keys}, "
+                f"{self.synthetic_lags}."
+            )
         if self.synthetic_topics < 1 or not 0.0 <= self.synthetic_noise <= 1.0:
-            raise ValueError(f"synthetic_topics must be >= 1 and synthetic_noise in [0, 1]; got "
-                             f"{self.synthetic_topics}, {self.synthetic_noise}.")
+            raise ValueError(
+                f"synthetic_topics must be >= 1 and synthetic_noise in [0, 1]; got "
+                f"{self.synthetic_topics}, {self.synthetic_noise}."
+            )
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
         snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training
@@ -455,7 +459,7 @@ def split_overrides(overrides: dict) -> tuple[dict, dict]:
     m_names, t_names = set(field_names(ModelConfig)), set(field_names(TrainConfig))
     unknown = sorted(set(overrides) - m_names - t_names)
     if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; model fields: {sorted(m_names)}; "
-                         f"train fields: {sorted(t_names)}.")
-    return ({k: v for k, v in overrides.items() if k in m_names},
-            {k: v for k, v in overrides.items() if k in t_names})
+        raise ValueError(
+            f"unknown config field(s) {unknown}; model fields: {sorted(m_names)}; train fields: {sorted(t_names)}."
+        )
+    return ({k: v for k, v in overrides.items() if k in m_names}, {k: v for k, v in overrides.items() if k in t_names})

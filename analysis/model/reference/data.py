@@ -17,6 +17,7 @@ Corpora
 As in the paper's packing, the first token of a window is an arbitrary token of the stream unless
 ``bos`` (prepend BOS) or ``fixed_token_position`` (insert a fixed token at position k) is set.
 """
+
 from __future__ import annotations
 
 import ast
@@ -37,11 +38,23 @@ from analysis.model.reference.config import TrainConfig
 
 EOS_TOKEN = "<|endoftext|>"
 KEY_RANK = 8  # the synthetic task's induction keys follow the 8 most frequent tokens
-_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo", "__pycache__",
-              "lib2to3", "ensurepip", "tkinter", "pydoc_data"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "turtledemo",
+    "__pycache__",
+    "lib2to3",
+    "ensurepip",
+    "tkinter",
+    "pydoc_data",
+}
 
 
 # ----------------------------------------------------------------------------- corpora
+
 
 def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
     """Docstrings of the standard library's modules, classes and functions, in a fixed order: the reference models'
@@ -112,8 +125,9 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
     for row in ds:
         text = row.get(text_column)
         if text is None:
-            raise ValueError(f"dataset {name!r} has no column {text_column!r}; set --text-column (columns: "
-                             f"{sorted(row)}).")
+            raise ValueError(
+                f"dataset {name!r} has no column {text_column!r}; set --text-column (columns: {sorted(row)})."
+            )
         yield text
         total += len(text)
         if max_chars is not None and total >= max_chars:
@@ -121,6 +135,7 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
 
 
 # ----------------------------------------------------------------------------- tokenizers
+
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
     """A byte-level BPE tokenizer trained on ``docs``, wrapped as ``PreTrainedTokenizerFast``.
@@ -140,8 +155,11 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(docs, trainer=trainer)
     return wrap_tokenizer(tok)
@@ -160,8 +178,9 @@ def wrap_tokenizer(tok):
     """
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
-                                   unk_token=None, pad_token=EOS_TOKEN)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=None, pad_token=EOS_TOKEN
+    )
 
 
 def load_tokenizer_file(path) -> "object":
@@ -177,8 +196,9 @@ def load_tokenizer_file(path) -> "object":
     """
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
-                                   pad_token=EOS_TOKEN)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN
+    )
 
 
 def pretrained_tokenizer(name: str):
@@ -240,6 +260,7 @@ def tokenize_docs(tokenizer, docs: Iterable[str], *, chunk: int = 1000) -> np.nd
 
 # ----------------------------------------------------------------------------- batch sources
 
+
 @dataclass
 class TrainBatch:
     """One training batch.
@@ -251,6 +272,7 @@ class TrainBatch:
     targets : torch.LongTensor, shape (B, T)
         The next-token targets, -100 where no loss is taken.
     """
+
     inputs: torch.Tensor  # (B, T) long
     targets: torch.Tensor  # (B, T) long, -100 where no loss
 
@@ -283,7 +305,7 @@ class DataSource:
         if fixed is None:
             raise ValueError("no fixed token: set --fixed-token-id (this data source has no BOS token).")
         w = self.windows(rng, n, T - 1, held_out)
-        return np.concatenate([w[:, :k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1:]], axis=1)
+        return np.concatenate([w[:, : k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1 :]], axis=1)
 
     def batch(self, step: int, batch_size: int) -> TrainBatch:
         rng = np.random.default_rng([self.cfg.seed, int(step), 0])
@@ -311,8 +333,12 @@ class DataSource:
         return self.cfg.bos or self.cfg.fixed_token_position == 1
 
     def meta(self) -> dict:
-        return {"dataset": self.cfg.dataset, "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
-                "description": self.description}
+        return {
+            "dataset": self.cfg.dataset,
+            "vocab_size": self.vocab_size,
+            "bos_token_id": self.bos_token_id,
+            "description": self.description,
+        }
 
 
 class PackedCorpus(DataSource):
@@ -335,10 +361,12 @@ class PackedCorpus(DataSource):
     def windows(self, rng, n, length, held_out):
         ids = self.val_ids if held_out else self.train_ids
         if len(ids) <= length:
-            raise ValueError(f"the {'held-out' if held_out else 'training'} stream ({len(ids)} tokens) is "
-                             f"shorter than a window of {length}; lower --T / --n-ctx.")
+            raise ValueError(
+                f"the {'held-out' if held_out else 'training'} stream ({len(ids)} tokens) is "
+                f"shorter than a window of {length}; lower --T / --n-ctx."
+            )
         offsets = rng.integers(0, len(ids) - length, size=n)
-        return np.stack([ids[o:o + length] for o in offsets])
+        return np.stack([ids[o : o + length] for o in offsets])
 
 
 class SyntheticBigramCopy(DataSource):
@@ -361,8 +389,9 @@ class SyntheticBigramCopy(DataSource):
         super().__init__(cfg, n_ctx)
         V = cfg.synthetic_vocab
         if V < max(cfg.synthetic_triggers, KEY_RANK) + cfg.synthetic_keys + 2 or cfg.synthetic_triggers < 0:
-            raise ValueError(f"synthetic_vocab={V} must exceed max(synthetic_triggers, 8) + synthetic_keys + 1 "
-                             "(and triggers >= 0).")
+            raise ValueError(
+                f"synthetic_vocab={V} must exceed max(synthetic_triggers, 8) + synthetic_keys + 1 (and triggers >= 0)."
+            )
         rng = np.random.default_rng(cfg.synthetic_seed)
         popularity = 1.0 / np.arange(1, V + 1) ** 1.0  # Zipf-like token frequencies
         P = rng.dirichlet(np.full(V, 0.2), size=V) * popularity[None, :]
@@ -374,7 +403,7 @@ class SyntheticBigramCopy(DataSource):
         by_freq = np.argsort(-pi, kind="stable") + 1
         self.triggers = np.sort(by_freq[: cfg.synthetic_triggers])
         first = max(cfg.synthetic_triggers, KEY_RANK)  # keys of middling frequency: a key recurs now and then
-        self.keys = by_freq[first: first + cfg.synthetic_keys]
+        self.keys = by_freq[first : first + cfg.synthetic_keys]
         self.lag = np.zeros(V + 1, dtype=np.int64)  # token -> its induction lag (0: not a key)
         self.lag[self.keys] = 1 + np.arange(len(self.keys)) % cfg.synthetic_lags
         start = pi.copy()
@@ -385,11 +414,15 @@ class SyntheticBigramCopy(DataSource):
         self.bos_token_id = 0
         self.is_trigger = np.zeros(V + 1, dtype=bool)
         self.is_trigger[self.triggers] = True
-        self.description = (f"synthetic bigram-copy task: BOS + Markov chain over {V} tokens, copy rule "
-                            f"after triggers {self.triggers.tolist()}")
+        self.description = (
+            f"synthetic bigram-copy task: BOS + Markov chain over {V} tokens, copy rule "
+            f"after triggers {self.triggers.tolist()}"
+        )
         if len(self.keys):
-            self.description += (f", induction rule after keys {sorted(self.keys.tolist())} (lags 1.."
-                                 f"{min(cfg.synthetic_lags, len(self.keys))})")
+            self.description += (
+                f", induction rule after keys {sorted(self.keys.tolist())} (lags 1.."
+                f"{min(cfg.synthetic_lags, len(self.keys))})"
+            )
 
     def windows(self, rng, n, length, held_out):
         x = np.zeros((n, length), dtype=np.int64)
@@ -427,15 +460,20 @@ class SyntheticBigramCopy(DataSource):
         if k > T:
             raise ValueError(f"fixed_token_position={k} lies beyond the window length {T}.")
         w = self.windows(rng, n, T, held_out)[:, 1:]
-        return np.concatenate([w[:, :k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1:]], axis=1)
+        return np.concatenate([w[:, : k - 1], np.full((n, 1), fixed, dtype=w.dtype), w[:, k - 1 :]], axis=1)
 
     def starts_with_fixed_token(self) -> bool:
         return self.cfg.fixed_token_position == 1 or (self.cfg.fixed_token_position is None and self.cfg.synthetic_bos)
 
     def meta(self):
-        return {**super().meta(), "triggers": self.triggers.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
-                "synthetic_seed": self.cfg.synthetic_seed, "keys": self.keys.tolist(),
-                "lags": self.lag[self.keys].tolist()}
+        return {
+            **super().meta(),
+            "triggers": self.triggers.tolist(),
+            "synthetic_vocab": self.cfg.synthetic_vocab,
+            "synthetic_seed": self.cfg.synthetic_seed,
+            "keys": self.keys.tolist(),
+            "lags": self.lag[self.keys].tolist(),
+        }
 
 
 class SyntheticDocuments(SyntheticBigramCopy):
@@ -456,8 +494,8 @@ class SyntheticDocuments(SyntheticBigramCopy):
         offsets = rng.integers(0, hi, size=n)
         out = np.empty((n, length), dtype=np.int64)
         for i in range(n):
-            stream = np.concatenate([docs[i, j, :lengths[i, j]] for j in range(n_docs)])
-            out[i] = stream[offsets[i]:offsets[i] + length]
+            stream = np.concatenate([docs[i, j, : lengths[i, j]] for j in range(n_docs)])
+            out[i] = stream[offsets[i] : offsets[i] + length]
         return out
 
     def _format(self, rng, n, T, held_out):
@@ -491,8 +529,10 @@ class SyntheticBroadcast(DataSource):
         self.topics = np.arange(V + 1, V + K + 1)
         self.vocab_size = V + K + 1
         self.bos_token_id = None
-        self.description = (f"synthetic broadcast task: a topic token of {K} (ids {V + 1}..{V + K}) first, then a "
-                            f"permutation chain over {V} tokens by the topic's permutation (noise {cfg.synthetic_noise})")
+        self.description = (
+            f"synthetic broadcast task: a topic token of {K} (ids {V + 1}..{V + K}) first, then a "
+            f"permutation chain over {V} tokens by the topic's permutation (noise {cfg.synthetic_noise})"
+        )
 
     def windows(self, rng, n, length, held_out):
         V = self.cfg.synthetic_vocab
@@ -514,14 +554,28 @@ class SyntheticBroadcast(DataSource):
         return False
 
     def meta(self):
-        return {**super().meta(), "topics": self.topics.tolist(), "synthetic_vocab": self.cfg.synthetic_vocab,
-                "synthetic_noise": self.cfg.synthetic_noise}
+        return {
+            **super().meta(),
+            "topics": self.topics.tolist(),
+            "synthetic_vocab": self.cfg.synthetic_vocab,
+            "synthetic_noise": self.cfg.synthetic_noise,
+        }
 
 
 def _stream_cache_key(cfg: TrainConfig) -> str:
-    key = json.dumps({"dataset": cfg.dataset, "split": cfg.dataset_split, "col": cfg.text_column,
-                      "max_chars": cfg.corpus_max_chars, "tok": cfg.tokenizer, "vocab": cfg.tokenizer_vocab_size,
-                      "py": sys.version_info[:2], "v": 1}, sort_keys=True)
+    key = json.dumps(
+        {
+            "dataset": cfg.dataset,
+            "split": cfg.dataset_split,
+            "col": cfg.text_column,
+            "max_chars": cfg.corpus_max_chars,
+            "tok": cfg.tokenizer,
+            "vocab": cfg.tokenizer_vocab_size,
+            "py": sys.version_info[:2],
+            "v": 1,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -549,7 +603,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
     if ds == "synthetic-broadcast":
         return SyntheticBroadcast(cfg, n_ctx)
     if ds.startswith("tokens:"):
-        path = Path(ds[len("tokens:"):]).expanduser()
+        path = Path(ds[len("tokens:") :]).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"token file {path} not found (dataset='tokens:PATH.npy').")
         stream = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -561,22 +615,30 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
             tokenizer = pretrained_tokenizer(cfg.tokenizer)
         return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
-        raise ValueError(f"unknown dataset {ds!r}: use synthetic, synthetic-docs, synthetic-broadcast, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy.")
+        raise ValueError(
+            f"unknown dataset {ds!r}: use synthetic, synthetic-docs, synthetic-broadcast, stdlib, hf:NAME[:CONFIG] or tokens:PATH.npy."
+        )
 
     cache = cache_dir() / "train" / f"stream-{_stream_cache_key(cfg)}"
-    if tokenizer is None and (cache / "tokens.npy").is_file() and (cache / "tokenizer.json").is_file() \
-            and cfg.tokenizer == "bpe":
+    if (
+        tokenizer is None
+        and (cache / "tokens.npy").is_file()
+        and (cache / "tokenizer.json").is_file()
+        and cfg.tokenizer == "bpe"
+    ):
         tokenizer = load_tokenizer_file(cache / "tokenizer.json")
-        return PackedCorpus(cfg, n_ctx, np.load(cache / "tokens.npy", allow_pickle=False), tokenizer,
-                           _describe(cfg))
+        return PackedCorpus(cfg, n_ctx, np.load(cache / "tokens.npy", allow_pickle=False), tokenizer, _describe(cfg))
     if ds == "stdlib":
         stdlib = stdlib_docstrings(cfg.corpus_max_chars)
         docs = lambda: iter(stdlib)  # noqa: E731
     else:
         docs = lambda: hf_documents(ds[3:], cfg.dataset_split, cfg.text_column, cfg.corpus_max_chars)  # noqa: E731
     if tokenizer is None:
-        tokenizer = train_bpe(docs(), cfg.tokenizer_vocab_size) if cfg.tokenizer == "bpe" \
+        tokenizer = (
+            train_bpe(docs(), cfg.tokenizer_vocab_size)
+            if cfg.tokenizer == "bpe"
             else pretrained_tokenizer(cfg.tokenizer)
+        )
     stream = tokenize_docs(tokenizer, docs())
     if len(stream) == 0:
         raise ValueError(f"the corpus {ds!r} is empty.")
@@ -594,6 +656,8 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
 
 
 def _describe(cfg: TrainConfig) -> str:
-    what = "Python standard-library docstrings" if cfg.dataset == "stdlib" else f"Hugging Face dataset {cfg.dataset[3:]}"
+    what = (
+        "Python standard-library docstrings" if cfg.dataset == "stdlib" else f"Hugging Face dataset {cfg.dataset[3:]}"
+    )
     tok = f"byte-level BPE ({cfg.tokenizer_vocab_size})" if cfg.tokenizer == "bpe" else cfg.tokenizer
     return f"{what}, tokenizer {tok}, packed windows"

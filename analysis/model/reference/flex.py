@@ -6,6 +6,7 @@ score_mod = log f (f = sigmoid or elu+1), softmax(log f(s)) V = sum_j f(s_ij) v_
 multiplying by exp(lse) = sum_j f(s_ij) gives the unnormalised sum_j f(s_ij) v_j exactly. On CUDA the
 call is compiled into a fused kernel; on CPU it runs unfused (used only in tests).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,11 +32,14 @@ def _block_mask(T: int, window, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
     if window is None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
     else:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
@@ -71,8 +75,13 @@ def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
         return log_f(score)
 
     out, aux = _flex(q.device.type)(
-        q, k, v, score_mod=score_mod, block_mask=_block_mask(T, window, str(q.device)),
-        scale=op.scale, return_aux=AuxRequest(lse=True),
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=_block_mask(T, window, str(q.device)),
+        scale=op.scale,
+        return_aux=AuxRequest(lse=True),
     )
     if op.normalise:
         return out
@@ -103,5 +112,11 @@ def flex_softmax(q, k, v, *, scale: float, window=None, score_bias=None):
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + pos[h, q_idx, kv_idx]
 
-    return _flex(q.device.type)(q, k, v, score_mod=score_mod if pos is not None else None,
-                                block_mask=_block_mask(T, window, str(q.device)), scale=scale)
+    return _flex(q.device.type)(
+        q,
+        k,
+        v,
+        score_mod=score_mod if pos is not None else None,
+        block_mask=_block_mask(T, window, str(q.device)),
+        scale=scale,
+    )

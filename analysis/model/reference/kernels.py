@@ -19,6 +19,7 @@ eager      every operation                                             none
 ``attn_impl="auto"`` takes the operation's first kernel on CUDA and the eager path elsewhere (not a fallback: the
 CPU trains eagerly by design).
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,7 @@ def triton_runs_on(device_type: str) -> bool:
     return device_type == "cuda" or (device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bias: str | None,
-            triton_ok: bool) -> str:
+def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bias: str | None, triton_ok: bool) -> str:
     """Why ``kernel`` cannot take these inputs ("" when it can)."""
     name = str(dtype).replace("torch.", "")
     if kernel == "flex" and device_type == "cuda":
@@ -83,8 +83,10 @@ def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bi
             return f"FlexAttention takes float16, bfloat16 or float32, not {name}"
     if kernel == "triton":
         if not triton_ok:
-            return (f"the Triton kernel needs Triton and CUDA (or TRITON_INTERPRET=1 on the CPU); not available "
-                    f"on {device_type!r}")
+            return (
+                f"the Triton kernel needs Triton and CUDA (or TRITON_INTERPRET=1 on the CPU); not available "
+                f"on {device_type!r}"
+            )
         if head_dim < 16 or head_dim & (head_dim - 1):
             return f"the Triton kernel takes power-of-two head sizes >= 16; this model's is {head_dim}"
         if dtype not in TRITON_DTYPES:
@@ -94,8 +96,16 @@ def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bi
     return ""
 
 
-def attention_kernel(supported: tuple[str, ...], impl: str, device_type: str, dtype: torch.dtype, head_dim: int, *,
-                     bias: str | None = None, triton_ok: bool | None = None) -> KernelChoice:
+def attention_kernel(
+    supported: tuple[str, ...],
+    impl: str,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    bias: str | None = None,
+    triton_ok: bool | None = None,
+) -> KernelChoice:
     """The kernel table (see the module's docstring).
 
     Parameters

@@ -1,4 +1,5 @@
 """Position encodings: RoPE, ALiBi, T5-style relative buckets and sinusoidal absolute embeddings."""
+
 from __future__ import annotations
 
 import math
@@ -81,9 +82,14 @@ def relative_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int)
     n = distance.clamp_min(0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
-    large = max_exact + (
-        torch.log(n.float().clamp_min(1) / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-    ).long()
+    large = (
+        max_exact
+        + (
+            torch.log(n.float().clamp_min(1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
     large = large.clamp_max(num_buckets - 1)
     return torch.where(is_small, n, large)
 

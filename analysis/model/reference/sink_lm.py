@@ -20,6 +20,7 @@ and ``attn.hook_sink_pattern`` (B,H,T) (weight on the sink-token / K-bias slot).
 Weights use TransformerLens' layout: ``W_Q`` (H,D,d), ``W_K``/``W_V`` (Hkv,D,d), ``W_O`` (H,d,D),
 ``ln1.w`` (D,), ``W_E`` (V,D), ``W_U`` (D,V).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -161,7 +162,8 @@ class Attention(nn.Module):
         self.op = build_attention_op(cfg)
         self.relative = (
             RelativeBias(H, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
-            if cfg.positional_embedding_type == "relative" else None
+            if cfg.positional_embedding_type == "relative"
+            else None
         )
         if cfg.positional_embedding_type == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(H) * cfg.alibi_slope_scale, persistent=False)
@@ -230,11 +232,20 @@ class Attention(nn.Module):
         """
         key = (device_type, dtype)
         if key not in self._kernels:
-            bias = self.cfg.positional_embedding_type if self.cfg.positional_embedding_type in ("alibi", "relative") else None
-            choice = attention_kernel(self.op.kernels, self.cfg.attn_impl, device_type, dtype, self.cfg.d_head, bias=bias)
+            bias = (
+                self.cfg.positional_embedding_type
+                if self.cfg.positional_embedding_type in ("alibi", "relative")
+                else None
+            )
+            choice = attention_kernel(
+                self.op.kernels, self.cfg.attn_impl, device_type, dtype, self.cfg.d_head, bias=bias
+            )
             if choice.kernel != "eager" and (self.cfg.prefix_attention or self.cfg.document_token is not None):
-                choice = KernelChoice("eager", "the fused kernels take a causal or sliding-window mask only, not "
-                                      "prefix or document attention: the eager path")
+                choice = KernelChoice(
+                    "eager",
+                    "the fused kernels take a causal or sliding-window mask only, not "
+                    "prefix or document attention: the eager path",
+                )
             self._kernels[key] = choice
             state(self.op.op_name, choice)
         return self._kernels[key]
@@ -304,8 +315,9 @@ class Block(nn.Module):
     def forward(self, x, pos: Positions, sink=None):
         resid_pre = self.hook_resid_pre(x)
         if self.pre_norm:
-            attn_out, sink_attn = self.attn(self.ln1(resid_pre), pos,
-                                            None if sink is None else self.ln1(sink, hooked=False))
+            attn_out, sink_attn = self.attn(
+                self.ln1(resid_pre), pos, None if sink is None else self.ln1(sink, hooked=False)
+            )
             resid_mid = self.hook_resid_mid(resid_pre + self.hook_attn_out(attn_out))
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
             resid_post = self.hook_resid_post(resid_mid + mlp_out)
@@ -451,12 +463,15 @@ class SinkLM(HookedRootModule):
 
     # -- inputs
     def check_tokens(self, tokens) -> torch.Tensor:
-        if isinstance(tokens, (str, list)) and self.tokenizer is not None and (
-            isinstance(tokens, str) or (tokens and isinstance(tokens[0], str))
+        if (
+            isinstance(tokens, (str, list))
+            and self.tokenizer is not None
+            and (isinstance(tokens, str) or (tokens and isinstance(tokens[0], str)))
         ):
             return self.to_tokens(tokens)
-        return validate_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab,
-                                  hint=" (or train a model with a larger --n-ctx)", sync=False)
+        return validate_token_ids(
+            tokens, self.cfg.n_ctx, self.cfg.d_vocab, hint=" (or train a model with a larger --n-ctx)", sync=False
+        )
 
     def to_tokens(self, text, prepend_bos: bool = True) -> torch.Tensor:
         """Tokenize a string or list of strings of equal token length (needs ``self.tokenizer``)."""
@@ -499,15 +514,17 @@ class SinkLM(HookedRootModule):
     def positions(self, T: int, device, tokens: Optional[torch.Tensor] = None) -> Positions:
         cfg = self.cfg
         idx = torch.arange(T, device=device)
-        allowed = (causal_mask(T, window=cfg.sliding_window, device=device) if tokens is None
-                   else self.attention_mask(tokens))
+        allowed = (
+            causal_mask(T, window=cfg.sliding_window, device=device) if tokens is None else self.attention_mask(tokens)
+        )
         pos = Positions(T, allowed, idx[:, None] - idx[None, :])
         if cfg.positional_embedding_type == "rotary":
             dtype = self.dtype
             pos.cos, pos.sin = rope_cos_sin(idx, cfg.d_head, cfg.rotary_base, dtype=dtype)
             if self.sink_token is not None:
-                pos.slot_cos, pos.slot_sin = rope_cos_sin(torch.tensor([-1], device=device), cfg.d_head,
-                                                          cfg.rotary_base, dtype=dtype)
+                pos.slot_cos, pos.slot_sin = rope_cos_sin(
+                    torch.tensor([-1], device=device), cfg.d_head, cfg.rotary_base, dtype=dtype
+                )
         return pos
 
     # -- forward
@@ -556,8 +573,10 @@ class SinkLM(HookedRootModule):
         if cfg.sliding_window is not None or cfg.prefix_attention or cfg.document_token is not None:
             why.append("its attention mask is not plain causal (sliding window, prefix LM or documents)")
         if why:
-            raise ValueError(f"{self.model_name} cannot be decoded with a KV cache: {'; '.join(why)}. Train the "
-                             "model with --positions rotary (or none) and plain causal attention to stream it.")
+            raise ValueError(
+                f"{self.model_name} cannot be decoded with a KV cache: {'; '.join(why)}. Train the "
+                "model with --positions rotary (or none) and plain causal attention to stream it."
+            )
 
     def cache_positions(self, positions: torch.Tensor, cache) -> Positions:
         """Positions of T new tokens at stream positions ``positions`` (T,) that continue ``cache``. Keys are
@@ -569,8 +588,9 @@ class SinkLM(HookedRootModule):
             cap = getattr(cache, "capacity", None)
             evicted = 0 if cap is None else max(0, int(positions[-1]) + 1 - cap)
             at = torch.tensor([evicted - 1, evicted], device=positions.device)
-            (pos.cos, pos.sin), (cos, sin) = (rope_cos_sin(p, cfg.d_head, cfg.rotary_base, dtype=self.dtype)
-                                              for p in (positions, at))
+            (pos.cos, pos.sin), (cos, sin) = (
+                rope_cos_sin(p, cfg.d_head, cfg.rotary_base, dtype=self.dtype) for p in (positions, at)
+            )
             pos.slot_cos, pos.slot_sin = cos[:1], sin[:1]  # the sink token: one before the oldest kept token
             pos.bias_cos, pos.bias_sin = cos[1:], sin[1:]  # K/V biases: where position 0 of the cache is
         return pos

@@ -16,6 +16,7 @@ Limits (``analysis.model.reference.kernels``): head sizes a power of two >= 16, 
 or the CPU under ``TRITON_INTERPRET=1`` (the tests). Triton is an optional dependency (``pip install
 attention-sink-lens[triton]``).
 """
+
 from __future__ import annotations
 
 import os
@@ -78,9 +79,29 @@ def _scores(q, k, offs_m, offs_n, hb, bias_ptr, sbm, sbn, T, scale, WINDOW: tl.c
 
 
 @triton.jit
-def _fwd(Q, K, V, O, HB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
-         KIND: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
-         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _fwd(
+    Q,
+    K,
+    V,
+    O,
+    HB,
+    BIAS,
+    sb,
+    sh,
+    st,
+    sbh,
+    sbm,
+    sbn,
+    H,
+    T,
+    scale,
+    KIND: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     h = bh % H
     base = (bh // H) * sb + h * sh
@@ -102,9 +123,32 @@ def _fwd(Q, K, V, O, HB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
 
 
 @triton.jit
-def _bwd_kv(Q, K, V, DO, DK, DV, HB, DHB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
-            KIND: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _bwd_kv(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    HB,
+    DHB,
+    BIAS,
+    sb,
+    sh,
+    st,
+    sbh,
+    sbm,
+    sbn,
+    H,
+    T,
+    scale,
+    KIND: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     h = bh % H
     base = (bh // H) * sb + h * sh
@@ -138,9 +182,30 @@ def _bwd_kv(Q, K, V, DO, DK, DV, HB, DHB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T,
 
 
 @triton.jit
-def _bwd_q(Q, K, V, DO, DQ, HB, BIAS, sb, sh, st, sbh, sbm, sbn, H, T, scale,
-           KIND: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _bwd_q(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    HB,
+    BIAS,
+    sb,
+    sh,
+    st,
+    sbh,
+    sbm,
+    sbn,
+    H,
+    T,
+    scale,
+    KIND: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     h = bh % H
     base = (bh // H) * sb + h * sh
@@ -180,8 +245,24 @@ class ElementwiseAttention(torch.autograd.Function):
         B, H, T, D, bias_t, strides, w = _launch_args(q, score_bias, window)
         o = torch.empty_like(q)
         bm = _block()
-        _fwd[(triton.cdiv(T, bm), B * H)](q, k, v, o, hb, bias_t, *strides, H, T, scale, KIND=kind, WINDOW=w,
-                                          HAS_BIAS=score_bias is not None, BM=bm, BN=bm, D=D)
+        _fwd[(triton.cdiv(T, bm), B * H)](
+            q,
+            k,
+            v,
+            o,
+            hb,
+            bias_t,
+            *strides,
+            H,
+            T,
+            scale,
+            KIND=kind,
+            WINDOW=w,
+            HAS_BIAS=score_bias is not None,
+            BM=bm,
+            BN=bm,
+            D=D,
+        )
         ctx.save_for_backward(q, k, v, hb, bias_t)
         ctx.meta = (scale, kind, w, score_bias is not None)
         return o
@@ -232,4 +313,3 @@ def triton_elementwise(op, q, k, v, *, window=None, score_bias=None):
         hb = torch.full((H,), float(extra), device=q.device)
     bias = None if score_bias is None else score_bias.detach().float().contiguous()
     return ElementwiseAttention.apply(q, k, v, hb, bias, float(op.scale), kind, window)
-
