@@ -42,7 +42,7 @@ def flat(x, pre: str = ""):
         yield pre, float(x)
 
 
-def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "text")) -> list:
+def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "text", "passes")) -> list:
     """The numbers of ``a`` that ``b`` lacks or holds more than RTOL (relative, 1e-6 absolute floor) away."""
     fa = {k: v for k, v in flat(a) if not any(f"/{s}" in k for s in skip)}
     fb = dict(flat(b))
