@@ -190,7 +190,7 @@ do_step() {
                         --json "$RESULTS/throughput.json" ;;
         scale-8b) run_step scale-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype bfloat16 \
                       --seq 1024,8192 --repeat 2 --budget-s "$scale_s" --out "$RESULTS/scale-8b.jsonl" \
-                      --methods forward,sink-fused,massive-fused ;;
+                      --methods forward,sink-fused,sink-cli,massive-fused ;;
         report-8b) run_step report-8b "$PY" benchmarks/bench_scale.py --shape llama3-8b --dtype "${REPORT_DTYPE:-bfloat16}" \
                        --seq 1024 --repeat 1 --budget-s "$scale_s" --out "$RESULTS/report-8b.jsonl" \
                        --methods forward,report ;;
