@@ -122,7 +122,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["ExpertWrites"] = analysis.spike_origin(qwen, toks[:3], ratio_threshold=100.0).experts[0]
     one = make_tiny_llama_dir(tmp_path_factory.mktemp("protocol-llama"), n_layers=1, n_ctx=64)
     out["StreamResult"] = streaming_perplexity(
-        one,
+        analysis.load_model(str(one)),  # streaming and quant take the loaded model
         torch.randint(3, 96, (48,), generator=gen),
         window=16,
         sinks=(0, 1),
@@ -133,7 +133,7 @@ def built(family_dir, tmp_path_factory) -> dict[str, Result]:
     out["FormationOrder"] = load_formation("induction/formation")  # committed: its runs take minutes to measure
     out.update(facts_results(llama, toks, one))  # ActivationMap ... PolicyRun (tests/core/test_facts.py)
     out["QuantResult"] = quant_study(
-        "synthetic-softmax",
+        analysis.load_model("synthetic-softmax"),
         a_bits=(4,),
         granularities=("tensor",),
         T=48,
