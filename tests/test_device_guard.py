@@ -52,7 +52,7 @@ def test_the_analyses_would_run_on_a_gpu(guarded, gpu_branches):
         massive_activations(model, tokens)
         sink_positions(model, tokens, path="fused")
         sink_positions(model, tokens, path="eager")
-        run_policies(model.original_model, tokens[0], [Policy("sinks", 8, 2)], prefill=0)
+        run_policies(model, tokens[0], [Policy("sinks", 8, 2)], prefill=0)
     assert not guard.found, "would fail on a GPU:\n" + "\n".join(guard.found)
 
 
