@@ -99,8 +99,8 @@ def sink_report(
     placement : Placement, optional
         A device map, memory budgets and offload folder (``--device-map`` ...); the numbers are those of one device.
     backend : {"auto", "transformers", "transformer_lens", "nnsight"}
-        What runs the passes (``analysis.engine.backends``); "nnsight" with ``remote``: the table from nnsight traces
-        on NDIF (``analysis.chain.nnsight_tables``).
+        What runs the passes (``analysis.engine.backends``); "nnsight" with ``remote``: the sink accumulator's
+        reductions in nnsight traces on NDIF (``analysis.engine.remote``).
     remote : bool
 
     Returns
@@ -116,18 +116,17 @@ def sink_report(
     from analysis.report.one_pass import profile
     from analysis.sinks.metric import check_eps
 
-    if remote:
-        from analysis.chain.nnsight_tables import nnsight_sink_payload  # optional: nnsight is the "remote" extra
-
-        return nnsight_sink_payload(
-            model_name, n, T, eps, k_max, bos, seed, device, dtype=dtype, remote=remote, **_placement_kwargs(placement)
-        )
     check_length(T)
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
     model = load_model(
-        model_name, device=device, dtype=cli_dtype(dtype), backend=backend, **_placement_kwargs(placement)
+        model_name,
+        device=device,
+        dtype=cli_dtype(dtype),
+        backend=backend,
+        remote=remote,
+        **_placement_kwargs(placement),
     )
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
@@ -149,7 +148,7 @@ def sink_report(
         "seed": seed,
         "dtype": dtype,
         "backend": prof.backend,  # input kind -> the backend its pass ran on, and why
-        **placement_record(model),  # where the inputs and work went, and where the weights are
+        **({"remote": True, "device": "NDIF"} if remote else placement_record(model)),  # where the work went
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
         "sink_1_pct": {k: v["sink_k_pct"][0] for k, v in kinds.items()},
         "inputs": kinds,
@@ -261,7 +260,7 @@ def cmd_sinks(args) -> int:
     path, text = _sinks_text(args)
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    nnsight = bool(args.remote)  # on NDIF: nnsight's own traces (analysis.positions.nnsight_positions)
+    nnsight = bool(args.remote)  # on NDIF: the accumulators' reductions in nnsight traces (analysis.engine.remote)
     model = load_model(
         args.model,
         device=args.device,
@@ -275,16 +274,11 @@ def cmd_sinks(args) -> int:
             f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
             "analysis.positions.every_sink.sink_positions in Python instead."
         )
-    n_ctx = model.n_ctx if nnsight else model_dims(model).n_ctx
+    n_ctx = model_dims(model).n_ctx
     tokens = text_tokens(model.tokenizer, text, bos=args.bos, max_tokens=args.max_tokens, n_ctx=n_ctx)
-    if nnsight:
-        from analysis.positions.nnsight_positions import nnsight_sink_positions  # optional: the "remote" extra
-
-        res = nnsight_sink_positions(model, tokens, eps=args.eps, min_queries=args.min_queries, kind="text")
-    else:
-        res = sink_positions(
-            model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet, kind="text"
-        )
+    res = sink_positions(
+        model, tokens, eps=args.eps, min_queries=args.min_queries, progress=not args.quiet, kind="text"
+    )
     res.meta.setdefault("bos", {})["asked"] = args.bos
     print(format_sinks(res))
     print(res.text())

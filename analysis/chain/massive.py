@@ -48,7 +48,7 @@ from analysis.model.hooks import (
     model_facts,
     token_strings,
 )
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.core.reductions import top_k_abs
 from analysis.core.docs import share_parameters
@@ -367,6 +367,52 @@ def _check_thresholds(top_k, abs_threshold, ratio_threshold, min_share, D):
         raise ValueError(f"min_share must lie in (0, 1]; got {min_share}.")
 
 
+def massive_stats(acts: dict, *, top_k: int, abs_threshold: float, median_over: str = "sequence") -> dict:
+    """One layer's reduce for the massive-activation table, from its residual stream x (B, T, D): per sample the
+    top-k |x| (values, positions, dims) and the lower median of |x| ("top", (B, 3 top_k + 1)); over the batch the
+    first token's sum of x and of |x| and the later positions' max |x| ("first_sum", "first_abs", "other_max", (D,)
+    float64); the candidates for Sun et al.'s flags, |x| above ``abs_threshold`` (few): flat indices into (B, T, D),
+    |x| and the median they are judged against ("flat", "vals", "ref").
+
+    Parameters
+    ----------
+    acts : dict
+        {"resid": the residual stream (B, T, D)}.
+    top_k : int
+    abs_threshold : float
+    median_over : {"sequence", "token"}
+        The median a candidate is judged against: its sample's, or its own position's.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    x = acts["resid"]
+    D = x.shape[-1]
+    a = x.detach().float().abs()
+    flat = a.reshape(a.shape[0], -1)
+    v, idx = top_k_abs(a, top_k)
+    zero = torch.zeros(D, dtype=torch.float64, device=a.device)
+    other = a[:, 1:].amax(dim=1).double().sum(0) if a.shape[1] > 1 else zero
+    f = flat_above(a, abs_threshold).to(a.device)
+    vals = a.reshape(-1)[f]
+    ref = lower_median(a, nonnegative=True).to(a.device).reshape(-1) if median_over == "token" else None
+    first_abs = a[:, 0].double().sum(0)
+    if x.dtype in (torch.bfloat16, torch.float16) and not host_selection(a):  # one radix pass on 16-bit keys:
+        med = lower_median(x.detach().abs().reshape(x.shape[0], -1)).float()  # the same values, half the work
+    else:
+        med = lower_median(flat, overwrite=True, nonnegative=True).to(a.device)  # (B,) positions x dims; scrambles a
+    return {
+        "top": torch.cat([v, (idx // D).float(), (idx % D).float(), med[:, None]], -1),
+        "first_sum": x[:, 0].detach().double().sum(0),
+        "first_abs": first_abs,
+        "other_max": other,
+        "flat": f,
+        "vals": vals,
+        "ref": med[f // flat.shape[1]] if ref is None else ref[f // D],
+    }
+
+
 class MassiveAccumulator(Accumulator):
     """Per layer and batch: top-k |a|, the median, Sun et al.'s flags, the first token's activations.
 
@@ -414,38 +460,31 @@ class MassiveAccumulator(Accumulator):
     def hooks(self):
         return {l: {"resid": resid_hook(l, hook=self.hook)} for l in self.layers}
 
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(
+            massive_stats, {"top_k": self.K, "abs_threshold": self.abs_threshold, "median_over": self.median_over}
+        )
+
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        x = acts["resid"]
-        if x.shape[-1] != self.D:
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, s: dict, batch: Batch) -> None:
+        if s["first_sum"].shape[-1] != self.D:
             raise ModelContractError(
-                f"{resid_hook(layer, hook=self.hook)} has last dim {x.shape[-1]}, expected d_model={self.D}."
+                f"{resid_hook(layer, hook=self.hook)} has last dim {s['first_sum'].shape[-1]}, expected "
+                f"d_model={self.D}."
             )
-        i, a = self.index[layer], x.detach().float().abs()
-        flat = a.reshape(a.shape[0], -1)
-        v, idx = top_k_abs(a, self.K)
+        i, dev = self.index[layer], s["first_sum"].device
         if i not in self.sums:
-            self.sums[i] = torch.zeros(3, self.D, dtype=torch.float64, device=a.device)
-            self.counts[i] = torch.zeros(2, self.D, dtype=torch.long, device=a.device)
-        self.sums[i][0] += x[:, 0].detach().double().sum(0)
-        self.sums[i][1] += a[:, 0].double().sum(0)
-        if a.shape[1] > 1:
-            self.sums[i][2] += a[:, 1:].amax(dim=1).double().sum(0)
-        tokens = batch.tokens.to(a.device)
-        f = flat_above(a, self.abs_threshold).to(a.device)  # the candidates for Sun et al.'s flags (few)
-        vals = a.reshape(-1)[f]
-        ref = lower_median(a, nonnegative=True).to(a.device).reshape(-1) if self.median_over == "token" else None
-        if x.dtype in (torch.bfloat16, torch.float16) and not host_selection(a):  # one radix pass on 16-bit keys:
-            med_seq = lower_median(x.detach().abs().reshape(x.shape[0], -1)).float()  # the same values, half the work
-        else:
-            med_seq = lower_median(flat, overwrite=True, nonnegative=True).to(
-                a.device
-            )  # (B,) positions x dims; scrambles a
-        top_tok = tokens.gather(1, idx // self.D).float()
-        self.top.put(
-            layer, torch.cat([v, (idx // self.D).float(), (idx % self.D).float(), med_seq[:, None], top_tok], -1)
-        )
-        self._flags(i, f, vals, med_seq[f // flat.shape[1]] if ref is None else ref[f // self.D], tokens, batch)
+            self.sums[i] = torch.zeros(3, self.D, dtype=torch.float64, device=dev)
+            self.counts[i] = torch.zeros(2, self.D, dtype=torch.long, device=dev)
+        self.sums[i] += torch.stack([s["first_sum"], s["first_abs"], s["other_max"]])
+        tokens = batch.tokens.to(dev)
+        top = s["top"]
+        top_tok = tokens.gather(1, top[:, self.K : 2 * self.K].long()).float()
+        self.top.put(layer, torch.cat([top, top_tok], -1))
+        self._flags(i, s["flat"], s["vals"], s["ref"], tokens, batch)
 
     def _flags(
         self, i: int, f: torch.Tensor, vals: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor, batch: Batch

@@ -37,7 +37,7 @@ from analysis.model.hooks import (
 )
 from analysis.core.io import jsonable
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
+from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
 from analysis.core.results import Result
 from analysis.sinks.metric import SinkResult
 from analysis.core.stats import one_thread, pair_cosine
@@ -330,6 +330,37 @@ def _check_reduce(reduce: str) -> str:
     return reduce
 
 
+def value_stats(acts: dict, *, n_heads: int, n_kv_heads: int) -> dict:
+    """One layer's reduce for the value norms, summed over the batch (float64): |v| per KV head and position
+    ("by_pos", (K, T)), the sums of unit vectors of the first and the other values ("unit_first", "unit_other",
+    (K, d)), and per query head the first value's share of sum_j A_ij |v_j| and alpha_1 ("share", "alpha", (H,)).
+
+    Parameters
+    ----------
+    acts : dict
+        {"v": values (B, T, H or H_kv, d), "pattern": the map or ``AttentionWeights``}.
+    n_heads, n_kv_heads : int
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    p = attention_of(acts["pattern"])
+    v = kv_view(acts["v"], n_kv_heads).float()  # (B, T, K, d)
+    norms = v.norm(dim=-1)  # (B, T, K)
+    unit = torch.nn.functional.normalize(v.double(), dim=-1)
+    per_q = per_query_head(norms, n_heads).transpose(1, 2)  # (B, H, T)
+    mass = p.weighted(per_q)  # sum_j A_ij |v_j|
+    first = p.column(0) * per_q[..., :1]  # A_i1 |v_1|
+    return {
+        "by_pos": norms.double().sum(0).T,
+        "unit_first": unit[:, 0].sum(0),
+        "unit_other": unit[:, 1:].sum((0, 1)),
+        "share": (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0),
+        "alpha": p.alpha(1)[..., 0].double().sum(0),
+    }
+
+
 class ValueNormsAccumulator(Accumulator):
     """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first token's
     share of the value-norm mass per query head.
@@ -360,22 +391,19 @@ class ValueNormsAccumulator(Accumulator):
     def hooks(self):
         return {l: {"v": act_name("v", l), "pattern": act_name("pattern", l)} for l in self.layers}
 
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(value_stats, {"n_heads": self.H, "n_kv_heads": self.K})
+
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        i, p = self.index[layer], attention_of(acts["pattern"])
-        v = kv_view(acts["v"], self.K).float()  # (B, T, K, d)
-        norms = v.norm(dim=-1)  # (B, T, K)
-        self.sums.add("by_pos", i, norms.double().sum(0).T)
-        unit = torch.nn.functional.normalize(v.double(), dim=-1)
-        self.sums.add("unit_first", i, unit[:, 0].sum(0))
-        self.sums.add("unit_other", i, unit[:, 1:].sum((0, 1)))
-        per_q = per_query_head(norms, self.H).transpose(1, 2)  # (B, H, T)
-        mass = p.weighted(per_q)  # sum_j A_ij |v_j|
-        first = p.column(0) * per_q[..., :1]  # A_i1 |v_1|
-        self.sums.add("share", i, (first[..., 1:] / mass[..., 1:].clamp(min=TINY)).mean(-1).double().sum(0))
-        self.sums.add("alpha", i, p.alpha(1)[..., 0].double().sum(0))
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        i = self.index[layer]
+        for name, x in stats.items():
+            self.sums.add(name, i, x)
         if i == 0:
-            self.n += v.shape[0]
+            self.n += batch.size
 
     def result(self, sink: SinkResult | None = None, reduce: str = "mean") -> ValueNorms:
         N, T, h = self.n, self.T, self.sums.host

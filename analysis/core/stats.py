@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 import numpy as np
@@ -122,10 +121,17 @@ _BRACKET_SAMPLE = 2048  # values per slice sampled for the bracket
 _BRACKET_Z = 4.5  # its half-width in standard errors of a sampled order statistic
 
 
-@functools.lru_cache(maxsize=8)
+_SAMPLES: dict = {}  # (n, m) -> _sample_index's positions (a plain dict: a remote trace ships this code by value)
+
+
 def _sample_index(n: int, m: int) -> np.ndarray:
     """m distinct positions out of n, the same on every call (a fixed seed): spread over a slice's whole layout."""
-    return np.sort(np.random.default_rng(0).choice(n, size=m, replace=False))
+    got = _SAMPLES.get((n, m))
+    if got is None:
+        if len(_SAMPLES) >= 8:
+            _SAMPLES.clear()
+        got = _SAMPLES[(n, m)] = np.sort(np.random.default_rng(0).choice(n, size=m, replace=False))
+    return got
 
 
 def _bracketed_kth(keys: np.ndarray, k: int) -> np.ndarray:

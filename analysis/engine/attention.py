@@ -15,6 +15,7 @@ KV head's keys meet the queries of its group in one product, never repeated per 
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -41,6 +42,8 @@ class AttentionWeights:
         None: causal; boolean (True = attend) or additive float (-inf = hidden).
     chunk_elements : int
         The most scores held at a time.
+    softcap : float, optional
+        Gemma 2's cap, applied to the scaled scores before the softmax: cap * tanh(scores / cap).
     """
 
     def __init__(
@@ -53,14 +56,24 @@ class AttentionWeights:
         scale: float = 1.0,
         mask: Optional[torch.Tensor] = None,
         chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+        softcap: Optional[float] = None,
     ):
         if pattern is None and (query is None or key is None or lse is None):
             raise ValueError("AttentionWeights needs the pattern, or the query, key and log-sum-exp.")
         self.pattern, self.query, self.key, self.lse = pattern, query, key, lse
         self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
+        self.softcap = None if softcap is None else float(softcap)
         ref = pattern if pattern is not None else query
         self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
         self.device, self.dtype = ref.device, ref.dtype
+
+    @classmethod
+    def from_qk(cls, query, key, *, scale: float, mask=None, softcap: Optional[float] = None) -> "AttentionWeights":
+        """The weights of the queries and keys an attention function received (its mask cut to the keys and made
+        boolean, :func:`key_mask`), with each row's log-sum-exp taken here in blocks of rows (:func:`row_lse`)."""
+        mask = key_mask(mask, query.shape[-2])
+        lse = row_lse(query, key, scale, mask=mask, softcap=softcap)
+        return cls(query=query, key=key, lse=lse, scale=scale, mask=mask, softcap=softcap)
 
     # -- blocks of A from q, k and the lse ------------------------------------------------------------------------
 
@@ -82,6 +95,8 @@ class AttentionWeights:
                 .view(B, H_kv, g, e - s, kc)
                 .mul_(self.scale)
             )
+            if self.softcap is not None:
+                sc = torch.tanh(sc / self.softcap) * self.softcap
             sc = sc.sub_(lse[..., s:e, None]).exp_()
             hide_scores(sc, s, e, kc, self.mask, 0.0)
             yield s, e, sc.flatten(1, 2)
@@ -119,6 +134,11 @@ class AttentionWeights:
         if self.pattern is not None:
             counts = (T - torch.arange(k_max, device=self.device)).double()
             return (self._pattern(k_max).sum(-2, dtype=torch.float64) / counts).float()
+        if self.softcap is not None:  # the cap is not a factor of q . k: sum the blocks
+            sums = torch.zeros(*self.shape[:2], k_max, dtype=torch.float64, device=self.device)
+            for _, _, a in self._blocks(k_max):
+                sums[..., : a.shape[-1]] += a.sum(-2)
+            return (sums / (T - torch.arange(k_max, device=self.device)).double()).float()
         return alpha_from_lse(
             self.query, self.key, self.lse, self.scale, k_max, mask=self.mask, chunk_elements=self.chunk
         )
@@ -179,6 +199,71 @@ class AttentionWeights:
         for s, e, a in self._blocks():
             out[..., s:e, : a.shape[-1]] = a
         return out[..., rows, :]
+
+
+def key_mask(mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
+    """An attention function's mask cut to the ``T`` keys (a 4-d mask may be longer) and made boolean (True =
+    attend): an additive mask's hidden entries (-inf, or the dtype's minimum as eager attention writes them) are
+    those far below zero. None stays None (causal).
+
+    Parameters
+    ----------
+    mask : torch.Tensor or None
+        (B, 1 or H, T, >= T), boolean (True = attend) or additive float.
+    T : int
+
+    Returns
+    -------
+    torch.Tensor or None
+    """
+    if mask is None:
+        return None
+    if mask.ndim == 4:
+        mask = mask[..., :T]
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def row_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Each query row's log-sum-exp over the keys it sees (causal, and a boolean ``mask``), soft-capped where
+    asked, in blocks of query rows, never a T x T map.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, H, T, d)
+    key : torch.Tensor, shape (B, H_kv, T, d)
+    scale : float
+    mask : torch.Tensor, optional
+        (B, 1 or H, T, T) boolean (True = attend).
+    softcap : float, optional
+        Gemma 2's cap: scores = cap * tanh(scores / cap).
+    chunk_elements : int
+        The most scores held at a time.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H, T)
+        float32.
+    """
+    B, H, T, d = query.shape
+    H_kv = key.shape[1]
+    q, k = query.float().unflatten(1, (H_kv, H // H_kv)), key.float()
+    rows = block_rows(B, H, T, chunk_elements)
+    out = []
+    for s in range(0, T, rows):
+        e = min(s + rows, T)  # keys 0..e-1: the later ones are hidden anyway
+        sc = (q[..., s:e, :].reshape(B, H_kv, -1, d) @ k[..., :e, :].transpose(-1, -2)).view(B, H_kv, -1, e - s, e)
+        sc = sc.mul_(scale) if softcap is None else torch.tanh(sc * scale / softcap) * softcap
+        hide_scores(sc, s, e, e, mask, -math.inf)
+        out.append(sc.logsumexp(-1))
+    return torch.cat(out, dim=-1).flatten(1, 2)
 
 
 def attention_of(x) -> AttentionWeights:

@@ -10,7 +10,7 @@
 - ``nnsight``: the same reads and edits inside one nnsight trace per batch (:class:`NnsightTaps`): each module's
   ``.input`` / ``.output`` envoy, and the attention function's call read through ``.source`` (q, k, v, mask, scale in,
   z out; ``hook_pattern`` as ``AttentionWeights`` with the rows' log-sum-exp taken from q and k). Here it runs the
-  whole report; on NDIF (``remote=True``) the traces of ``analysis.engine.nnsight_pass`` serve the sink and massive
+  whole report; on NDIF (``remote=True``) the accumulators' reductions run in the traces of ``analysis.engine.remote`` for the sink and massive
   tables (docs/remote.md);
 - ``auto``: ``transformers`` where it gives every hook and edit the pass asks for on this model, the bridge
   elsewhere. :func:`choose_backend` says which and why; the results record it.
@@ -33,7 +33,6 @@ from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.kernels import (
     _refuse_extras,
-    chunked_lse,
     fused_attention,
     sink_kernel,
     state_fallback,
@@ -367,7 +366,7 @@ class NnsightTaps(Taps):
     envoys (``.input`` / ``.output``), the attention function's call by ``.source`` (q, k, v, mask and scale in, z
     out), visited in the order the forward reaches them (nnsight refuses a site the model has run past), which one
     short forward with plain hooks records first. ``hook_pattern`` is ``AttentionWeights`` of q, k and the rows'
-    log-sum-exp (``kernels.chunked_lse``): no T x T map. A resumed pass sets the residual entering its first block.
+    log-sum-exp (``AttentionWeights.from_qk``): no T x T map. A resumed pass sets the residual entering its first block.
 
     Parameters
     ----------
@@ -479,8 +478,7 @@ class NnsightTaps(Taps):
                 call.inputs = ((module, query, key, v, mask, *args[5:]), kwargs)
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if "hook_pattern" in sites:
-            lse = chunked_lse(query, key, scale, mask)
-            self._give(at + "hook_pattern", AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask))
+            self._give(at + "hook_pattern", AttentionWeights.from_qk(query, key, scale=scale, mask=mask))
         if "hook_z" in sites:
             out = call.output
             z = self._give(at + "hook_z", out[0])

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.engine.attention import key_mask, row_lse
 from analysis.model.access import hooked_modules, interface_refusal
 from analysis.model.contract import SinkModel, hf_module
 
-LSE_CHUNK = 256  # query rows per chunk of the fall-back log-sum-exp
 PREFER: str | None = None  # a kernel among SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
 LOG = logging.getLogger(__name__)
@@ -54,46 +54,13 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def chunked_lse(query, key, scale: float, mask: torch.Tensor | None, *, chunk: int = LSE_CHUNK) -> torch.Tensor:
-    """Row log-sum-exp of causal (or ``mask``ed) scores, ``chunk`` query rows at a time: (B, H, T) float32.
-
-    Parameters
-    ----------
-    query : torch.Tensor, shape (B, H, T, d)
-    key : torch.Tensor, shape (B, H_kv, T, d)
-    scale : float
-        The score scale.
-    mask : torch.Tensor, shape (B, 1, T, T), or None
-        None: causal; boolean (True = attend) or additive float.
-    chunk : int
-        Query rows per step.
-
-    Returns
-    -------
-    torch.Tensor, shape (B, H, T)
-    """
-    T, group = query.shape[-2], query.shape[1] // key.shape[1]
-    k = key.float().repeat_interleave(group, dim=1) if group > 1 else key.float()
-    out = []
-    for s in range(0, T, chunk):
-        sc = query[..., s : s + chunk, :].float() @ k.transpose(-1, -2) * scale  # (B, H, c, T)
-        if mask is None:
-            rows = torch.arange(s, s + sc.shape[-2], device=sc.device)[:, None]
-            sc = sc.masked_fill(torch.arange(T, device=sc.device)[None, :] > rows, float("-inf"))
-        else:
-            m = mask[..., s : s + chunk, :]
-            sc = sc.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else sc + m.float()
-        out.append(sc.logsumexp(-1))
-    return torch.cat(out, dim=-1)
-
-
 def _reference_attention(query, key, value, mask, scale):
-    """F.scaled_dot_product_attention and a chunked log-sum-exp (any device)."""
+    """F.scaled_dot_product_attention and the rows' log-sum-exp in blocks of rows (any device)."""
     group = query.shape[1] // key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
     )
-    return out, chunked_lse(query, key, scale, mask)
+    return out, row_lse(query, key, scale, mask=key_mask(mask, query.shape[-2]))
 
 
 @dataclass(frozen=True)

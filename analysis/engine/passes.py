@@ -22,7 +22,9 @@ import torch
 from analysis.model.access import can_skip_blocks, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.backends import NnsightTaps, Taps, _Named, choose_backend, run_hf_batch
+from analysis.engine.backends import BackendUnsupported, NnsightTaps, Taps, _Named, choose_backend, run_hf_batch
+from analysis.engine.remote import remote_pass
+from analysis.model.nnsight_model import NnsightModel
 from analysis.model.families import RESUMABLE, get_family
 from analysis.model.hooks import (
     ModelContractError,
@@ -112,11 +114,25 @@ class Accumulator(abc.ABC):
     def hooks(self) -> dict[int, dict[str, str]]:
         """{layer: {key: hook name}}: the activations this accumulator reads."""
 
+    def reduction(self, layer: int) -> "Reduction | None":
+        """How one layer's activations reduce to small tensors, as a pure function a remote trace can ship (None:
+        this accumulator reduces in ``update`` and runs here only)."""
+        return None
+
+    def fold(self, layer: int, stats, batch: Batch) -> None:
+        """Fold what :meth:`reduction` gave for one layer and batch into the state (here, after the trace)."""
+        raise NotImplementedError(f"{type(self).__name__} has a reduction but no fold.")
+
     def update(self, layer: int, acts: dict[str, torch.Tensor], batch: Batch) -> None:
-        """Reduce one layer's activations of one batch (needed where ``hooks`` asks for any)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} asks for activations but does not reduce them (define update)."
-        )
+        """Reduce one layer's activations of one batch (needed where ``hooks`` asks for any): by default
+        ``fold(reduction(acts))``, the same operations here as in a remote trace."""
+        r = self.reduction(layer)
+        if r is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} asks for activations but does not reduce them (define reduction and fold, "
+                "or update)."
+            )
+        self.fold(layer, r(acts), batch)
 
     def end_batch(self, batch: Batch, logits: torch.Tensor | None) -> None:
         """After each batch (``logits`` only where ``needs_logits``)."""
@@ -124,6 +140,26 @@ class Accumulator(abc.ABC):
     @abc.abstractmethod
     def result(self):
         """The reduced result, after the pass."""
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One layer's reduce: ``fn(acts, **params)`` -> small tensors, torch only, so that a remote trace ships it by
+    value and runs it next to the model (``analysis.engine.remote``); the accumulator's ``fold`` takes the result.
+
+    Attributes
+    ----------
+    fn : callable
+        A module-level function of the activations ({key: tensor}, as ``hooks`` names them) and ``params``.
+    params : dict
+        Plain values (numbers, strings, small tensors).
+    """
+
+    fn: Callable
+    params: Mapping = None
+
+    def __call__(self, acts):
+        return self.fn(acts, **(self.params or {}))
 
 
 class LayerActs(dict):
@@ -514,6 +550,8 @@ def run_pass(
         Each accumulator's ``result()``, in order.
     """
     tokens = check_tokens(model, tokens)
+    if isinstance(model, NnsightModel):  # nnsight's LanguageModel (on NDIF): the accumulators' reductions in traces
+        return _run_remote(model, tokens, accumulators, fwd_hooks, batch_size, resume, backend, record)
     stop_early = not fwd_hooks and not any(a.needs_logits for a in accumulators)
     joint = _JointReducer(accumulators, stop_early)
     chosen, why = choose_backend(
@@ -546,6 +584,25 @@ def run_pass(
             if on_batch_start is not None:
                 on_batch_start(batch)
             _run_batch(model, batch, hooks, joint, accumulators, resume, entry)
+    return [acc.result() for acc in accumulators]
+
+
+def _run_remote(model, tokens, accumulators, fwd_hooks, batch_size, resume, backend, record) -> list:
+    """The pass of a model in nnsight's ``LanguageModel`` (``load_model(..., backend="nnsight", remote=True)``):
+    reads only, from the embedding (``analysis.engine.remote``)."""
+    if backend not in (None, "auto", "nnsight"):
+        raise BackendUnsupported(f"a model loaded with remote=True runs through nnsight only; got backend={backend!r}.")
+    if fwd_hooks or resume is not None or any(a.needs_logits for a in accumulators):
+        raise BackendUnsupported(
+            "a remote nnsight pass reads activations only: edits (interventions), resumed passes and logits run "
+            "on a model loaded here (drop remote=True)."
+        )
+    why = "nnsight: on NDIF" if model.remote else "nnsight: the remote trace, run here"
+    sent = remote_pass(model, tokens, accumulators, make_batch=Batch, batch_size=batch_size)
+    if record is not None:
+        record.update(backend="nnsight", why=why, **sent)
+    if _PASS_LOG.get() is not None:
+        _PASS_LOG.get()[why] += 1
     return [acc.result() for acc in accumulators]
 
 

@@ -22,6 +22,7 @@ from analysis.core.checks import check_length  # noqa: F401 (its home; named her
 from analysis.model.contract import ModelContractError, SinkModel  # noqa: F401 (the error's home; named here too)
 from analysis.model.families import FamilySpec, get_family, rotary_base
 from analysis.model.placement import input_device
+from analysis.model.nnsight_model import NnsightModel
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
 _BLOCK_ACTS = {
@@ -127,6 +128,10 @@ def model_dims(model: SinkModel) -> ModelDims:
     ModelDims
         ModelContractError where the model has no ``blocks.{l}.attn.hook_pattern`` or no ``cfg.n_heads``.
     """
+    if isinstance(model, NnsightModel):  # from its config (its weights may be on NDIF)
+        s, cfg = model.spec, model.hf.config.get_text_config()
+        d_head = getattr(cfg, "head_dim", None) or s.d_model // s.n_heads
+        return ModelDims(s.n_layers, s.n_heads, s.n_kv_heads, s.d_model, int(d_head), model.n_ctx)
     names = hook_names(model)
     cfg = getattr(model, "cfg", None)
     n_layers = getattr(cfg, "n_layers", None)
@@ -285,6 +290,8 @@ def skipped_note(model: SinkModel) -> str:
         E.g. "Layers [0, 2] skipped (linear attention (Gated DeltaNet): no softmax attention pattern)."; "" when every
         layer is an attention layer.
     """
+    if isinstance(model, NnsightModel):
+        return "; ".join(f"layer {l}: {why}" for l, why in model.spec.skipped.items())
     text = get_family(model).skipped_text()
     return text[0].upper() + text[1:] + "." if text else ""
 
@@ -328,6 +335,8 @@ def model_facts(model: SinkModel) -> ModelFacts:
     -------
     ModelFacts
     """
+    if isinstance(model, NnsightModel):  # nnsight's LanguageModel (maybe on NDIF): from its config, no FamilySpec
+        return ModelFacts(model_dims(model), tuple(model.spec.attention_layers), None, skipped_note(model))
     family, cfg = get_family(model), getattr(model, "cfg", None)
     try:
         kept = _FACTS.get(model)
@@ -373,8 +382,10 @@ def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:
     torch.LongTensor, shape (N, T)
         ValueError saying what to give otherwise.
     """
-    dims = model_dims(model)
-    tokens = validate_token_ids(tokens, dims.n_ctx, getattr(getattr(model, "cfg", None), "d_vocab", None))
+    vocab = (
+        model.vocab_size if isinstance(model, NnsightModel) else getattr(getattr(model, "cfg", None), "d_vocab", None)
+    )
+    tokens = validate_token_ids(tokens, model_dims(model).n_ctx, vocab)
     check_length(tokens.shape[1])
     return tokens
 

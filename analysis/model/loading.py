@@ -482,7 +482,7 @@ def load_model(
     remote : bool
         With ``backend="nnsight"``: the model in nnsight's ``LanguageModel`` on NDIF
         (:class:`analysis.model.nnsight_model.NnsightModel`, a hub id's weights stay there), for the sink and massive
-        tables of ``analysis.chain.nnsight_tables`` (docs/remote.md).
+        tables and every sink position: the accumulators' reductions in nnsight traces (``analysis.engine.remote``, docs/remote.md).
 
     Returns
     -------
@@ -555,7 +555,7 @@ def _check_nnsight() -> None:
 
 
 def load_nnsight(name: str, *, device: str | None = None, dtype=None, remote: bool = False):
-    """A model in nnsight's ``LanguageModel`` for the sink and massive tables of ``analysis.chain.nnsight_tables``:
+    """A model in nnsight's ``LanguageModel`` whose passes run the accumulators' reductions in nnsight traces:
     the traces ``load_model(name, backend="nnsight", remote=True)`` sends to NDIF, run here when ``remote`` is False
     (how the tests check them against the bridge).
 

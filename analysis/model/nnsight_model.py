@@ -1,5 +1,5 @@
 """A Hugging Face causal LM through nnsight (``load_model(name, backend="nnsight")``): the model contract the nnsight
-pass (``analysis.engine.nnsight_pass``) reads, locally or on NDIF (``remote=True``).
+pass (``analysis.engine.remote``) reads, locally or on NDIF (``remote=True``).
 
 The bridge reads q and k at its hooks; here they are read where each family's attention hands them to transformers'
 attention function (``attention_interface(self, q, k, v, mask, scaling=..., softcap=...)``, through nnsight's
@@ -109,6 +109,7 @@ class NnsightModel:
     model_name: str
     spec: NnsightSpec
     remote: bool = False
+    pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
     def hf(self):
@@ -124,13 +125,9 @@ class NnsightModel:
         """The Hugging Face model's parameters (their dtype and device, as the report records them)."""
         return self.hf.parameters()
 
-    def dims(self):
-        """The ``analysis.model.hooks.ModelDims`` of the spec (what ``model_dims`` gives for a bridge)."""
-        from analysis.model.hooks import ModelDims  # import time: hooks loads torch, this module does not
-
-        s = self.spec
-        d_head = getattr(self.hf.config.get_text_config(), "head_dim", None) or s.d_model // s.n_heads
-        return ModelDims(s.n_layers, s.n_heads, s.n_kv_heads, s.d_model, int(d_head), self.n_ctx)
+    def modules(self):
+        """The Hugging Face model's modules (what ``analysis.model.reference.attention.pattern_note`` looks through)."""
+        return self.hf.modules()
 
     @property
     def n_ctx(self) -> int | None:
@@ -153,6 +150,10 @@ class NnsightModel:
         if layers is None:
             raise NnsightUnsupported(f"{self.spec.family}: no <base model>.layers list of decoder layers.")
         return layers
+
+    def attention_call_name(self, layer: int) -> str:
+        """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
+        return call_name(self.decoder_layers()[layer].self_attn.source.names, self.spec.family)
 
     def attention_call(self, layer: int):
         """The nnsight source entry of layer ``layer``'s call to the attention function (its ``.inputs`` are

@@ -36,7 +36,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
 from analysis.model.hooks import act_name, bos_sentence, check_layers, token_strings
-from analysis.engine.passes import Accumulator, Batch, LayerCollector
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction
 from analysis.chain.massive import criterion_text, massive_accumulator
 from analysis.core.results import LayerAxis, Result, compact_repr, layer_runs
 from analysis.sinks.metric import check_eps, sink_pass
@@ -147,6 +147,26 @@ class PositionStats:
     peak_dim: torch.Tensor
 
 
+def position_stats(acts: dict) -> dict:
+    """One layer's reduce for every position of its residual stream x (B, T, D): the cosine of h_t to h_0 and the
+    peak |h_t| and its dim, (B, T) each (the dim as int32: half the bytes a remote trace sends back).
+
+    Parameters
+    ----------
+    acts : dict
+        {"resid": the residual stream (B, T, D)}.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        "cos", "peak", "dim".
+    """
+    x = acts["resid"].float()
+    u = torch.nn.functional.normalize(x, dim=-1)
+    peak, dim = x.abs().max(dim=-1)
+    return {"cos": (u * u[:, :1]).sum(-1), "peak": peak, "dim": dim.int()}
+
+
 class PositionAccumulator(Accumulator):
     """Per layer and batch: cos(h_t, h_0) and the peak |h_t| (value, dim) of every position, from ``hook_resid_post``
     (O(layers x T) numbers a sequence). Reads only the residual stream, so the fused pass can feed it too."""
@@ -161,14 +181,17 @@ class PositionAccumulator(Accumulator):
     def hooks(self):
         return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
 
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(position_stats)
+
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        x = acts["resid"].float()
-        u = torch.nn.functional.normalize(x, dim=-1)
-        self.cos.put(layer, (u * u[:, :1]).sum(-1))  # (B, T)
-        peak, dim = x.abs().max(dim=-1)
-        self.peak.put(layer, peak)
-        self.dim.put(layer, dim)
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        self.cos.put(layer, stats["cos"])
+        self.peak.put(layer, stats["peak"])
+        self.dim.put(layer, stats["dim"].long())
 
     def end_batch(self, batch: Batch, logits) -> None:
         for c in (self.cos, self.peak, self.dim):

@@ -37,17 +37,17 @@ from typing import Callable
 
 import pandas as pd
 
-from analysis.chain.massive import MassiveActivations, criterion_text, width_criterion
+from analysis.chain.massive import MassiveActivations, criterion_text
 from analysis.core.defaults import SINK_EPS
 from analysis.core.io import write_atomic, write_json
 from analysis.core.published import published_sink
 from analysis.core.versions import package_versions
 from analysis.model.card import model_card
 from analysis.model.contract import SinkModel
+from analysis.model.hooks import model_dims
 from analysis.model.nnsight_model import NnsightModel
 from analysis.model.probes import model_probe_sets
 from analysis.report.atlas_page import atlas_page
-from analysis.report.build import report_dims
 from analysis.report.one_pass import profile
 
 KINDS = ("natural", "random", "repeated")
@@ -177,14 +177,10 @@ def largest_activation(massive: MassiveActivations) -> dict:
 def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tuple[dict, dict, dict | None]:
     """The sink and massive results per input kind and the kinds' shares: one profile pass per kind, or nnsight
     traces (no kinds)."""
-    if isinstance(model, NnsightModel):
-        from analysis.chain.nnsight_tables import nnsight_tables  # optional: nnsight is the "remote" extra
-
-        crit = dict(zip(("abs_threshold", "ratio_threshold"), width_criterion(report_dims(model).d_model)))
-        got = {k: nnsight_tables(model, p.tokens, eps=eps, kind=k, **crit) for k, p in probes.items()}
-        return {k: s for k, (s, _) in got.items()}, {k: m for k, (_, m) in got.items()}, None
-    prof = profile(model, probes, analyses=("sink", "massive", "sink_kind"), eps=eps, progress=progress)
-    return prof.sink, prof.massive, prof.sink_kind.shares()
+    remote = isinstance(model, NnsightModel)  # the weights may be on NDIF: no sink kinds (they read W_O)
+    analyses = ("sink", "massive") if remote else ("sink", "massive", "sink_kind")
+    prof = profile(model, probes, analyses=analyses, eps=eps, progress=progress)
+    return prof.sink, prof.massive, None if remote else prof.sink_kind.shares()
 
 
 def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
@@ -207,7 +203,7 @@ def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), prog
         :func:`largest_activation`) and ``kinds`` (the share of sink heads of each kind on natural text and their
         number, ``SinkKinds.shares``; None through nnsight, ``KINDS_NOTE``).
     """
-    dims = report_dims(model)
+    dims = model_dims(model)
     if dims.n_ctx is not None and config.T > dims.n_ctx:
         raise ValueError(
             f"T={config.T} exceeds the model's context of {dims.n_ctx} tokens; use --T {dims.n_ctx} or "

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from analysis.core import registry
 from analysis.core.defaults import SINK_EPS
@@ -52,7 +53,7 @@ from analysis.core.io import check_output, write_atomic, write_json, write_or_sp
 from analysis.core.memory import frozen_heap
 from analysis.engine.passes import pass_log
 from analysis.sinks.metric import check_eps
-from analysis.report.one_pass import profile
+from analysis.report.one_pass import chosen_analyses, profile
 from analysis.report.sections import generic
 from analysis.report.html import Section, chain_findings, page, render_figures
 from analysis.report.html import LINKS, Finding, figure_html, table_html  # noqa: F401 (their home; named here too)
@@ -65,7 +66,7 @@ from analysis.core.versions import package_versions
 # The report's N and T limits, and the sink command's N (the report says why its own Sink_1 differs), are owned by
 # the command line's light options module, which the parser reads before torch loads.
 DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
-NNSIGHT_SECTIONS = ("sink", "massive")  # the sections the nnsight backend serves (docs/remote.md)
+NNSIGHT_SECTIONS = ("sink", "massive", "value_norms", "positions", "context")  # a remote model's (docs/remote.md)
 
 
 def registered_sections() -> dict[str, tuple]:
@@ -106,7 +107,7 @@ class _Context:
     ):
         self.model, self.n, self.T, self.seed, self.batch_size = model, n, T, seed, batch_size
         self.eps, self.bos = eps, bos
-        self.dims = report_dims(model)
+        self.dims = model_dims(model)
         # one massive-activation criterion for every section (the profile's own: spike_criterion)
         self.criterion = dict(zip(("abs_threshold", "ratio_threshold"), width_criterion(self.dims.d_model)))
         self.name = getattr(model, "model_name", None) or type(model).__name__
@@ -123,29 +124,11 @@ class _Context:
     def profile(self):
         if self._profile is None:
             t = time.perf_counter()
-            self._profile = (
-                self._nnsight_profile()
-                if isinstance(self.model, NnsightModel)
-                else profile(self.model, self.probes, analyses=self.analyses, eps=self.eps, batch_size=self.batch_size)
+            self._profile = profile(
+                self.model, self.probes, analyses=self.analyses, eps=self.eps, batch_size=self.batch_size
             )
             self.profile_seconds = time.perf_counter() - t
         return self._profile
-
-    def _nnsight_profile(self):
-        """The sink and massive tables per probe kind from nnsight traces, as the profile's fields."""
-        from types import SimpleNamespace
-
-        from analysis.chain.nnsight_tables import nnsight_tables  # optional: nnsight is the "remote" extra
-
-        tables = {
-            k: nnsight_tables(self.model, p.tokens, eps=self.eps, batch_size=self.batch_size, kind=k, **self.criterion)
-            for k, p in self.probes.items()
-        }
-        for k, (sink, _) in tables.items():  # what was asked of the probe's first token, as the profile records it
-            sink.meta["bos"]["asked"] = getattr(self.probes[k], "bos", None)
-        return SimpleNamespace(
-            sink={k: s for k, (s, _) in tables.items()}, massive={k: m for k, (_, m) in tables.items()}, gates=None
-        )
 
     @property
     def massive(self):
@@ -299,7 +282,7 @@ def build_report(
 
     if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
         matplotlib.use("Agg")
-    dims = report_dims(model)  # a model without hooks fails here, before anything is written
+    dims = model_dims(model)  # a model without hooks fails here, before anything is written
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
         raise ValueError(
             f"n (--n) must be at least 2 sequences: the report compares inputs (first keys, leave-one-out "
@@ -350,30 +333,61 @@ def build_report(
     return out / "report.html"
 
 
-def report_dims(model: SinkModel):
-    """``model_dims`` of a bridge, the spec's dims of an nnsight model (``load_model(name, backend="nnsight")``).
+def remote_requests(
+    model: NnsightModel, *, n: int = DEFAULT_N, T: int = 64, eps: float = SINK_EPS, sections=NNSIGHT_SECTIONS
+):
+    """The NDIF requests of a remote model's profile pass for ``sections``, per input kind, planned without running
+    it: the sections' accumulators, as the profile builds them, and their reductions on activations of the model's
+    shapes (a meta-device model does: only its config is read). The every-sink and context sections run passes of
+    their own after it, planned the same way when they run.
 
     Parameters
     ----------
-    model
+    model : analysis.model.nnsight_model.NnsightModel
+    n, T : int
+        Sequences per input kind and their length.
+    eps : float
+    sections : sequence of str
 
     Returns
     -------
-    analysis.model.hooks.ModelDims
+    dict of str to analysis.engine.remote.RequestPlan
+        One plan per input kind (natural, random, repeated).
     """
-    return model.dims() if isinstance(model, NnsightModel) else model_dims(model)
+    from analysis.core.registry import PassInputs  # import time: the report's own imports stay light
+    from analysis.engine.remote import pass_plan, plan_requests, reduction_bytes
+
+    table = registered_sections()
+    needs = tuple(dict.fromkeys(a for k in sections for a in registry.section_needs(*table[k])))
+    chosen = chosen_analyses(needs)
+    tokens = torch.zeros(int(n), int(T), dtype=torch.long)
+    spike = width_criterion(model_dims(model).d_model)
+    plans = {}
+    for kind in ("natural", "random", "repeated"):
+        inputs = PassInputs(model, tokens, kind, kind == "natural", eps=eps, spike=spike)
+        accs = [
+            acc
+            for a in chosen
+            if a.accumulators is not None and (a.every_kind or inputs.main)
+            for acc in a.accumulators(inputs)
+        ]
+        plan = pass_plan(model, accs)
+        per, fixed = reduction_bytes(model, tokens, plan)
+        plans[kind] = plan_requests(int(n), [p[0] for p in plan], per=per, fixed=fixed)
+    return plans
 
 
 def _not_through_nnsight(key: str) -> Section:
-    """A section the nnsight backend does not serve: a note, not a failure."""
+    """A section a remote model (``load_model(..., backend="nnsight", remote=True)``) does not serve, refused before
+    any work with the reason: a note, not a failure."""
     _, spec = registered_sections()[key]
     sec = Section(key, spec.title, spec.link)
-    sec.note(
-        "Not available through nnsight: this section reads activations its traces do not save (through nnsight "
-        "the report has the sink and massive sections; docs/remote.md). Run the report without --backend nnsight "
-        "for it."
+    reason = (
+        "not run on a remote model: on NDIF a pass runs the accumulators' shipped reductions only, and this section "
+        "edits activations, reads weights that stay on NDIF, or reduces in code that does not ship (docs/remote.md)"
     )
-    sec.data = {"available": False, "reason": "not available through the nnsight backend"}
+    sec.note(f"Not available remotely: {reason}. Run the report on a model loaded here for it.")
+    sec.data = {"available": False, "reason": reason}
     return sec
 
 

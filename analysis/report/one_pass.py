@@ -251,7 +251,7 @@ def profile(
     -------
     Profile
     """
-    chosen = _chosen(tuple(__getattr__("ANALYSES") if analyses is None else analyses))
+    chosen = chosen_analyses(tuple(__getattr__("ANALYSES") if analyses is None else analyses))
     if main not in probes:
         raise ValueError(f"the main input kind {main!r} is not among the probes {list(probes)}.")
     out = profile_class()(main=main, model_name=getattr(model, "model_name", None))
@@ -286,8 +286,17 @@ def profile(
     return out
 
 
-def _chosen(names: tuple[str, ...]) -> list[Analysis]:
-    """The registered analyses asked for, in ``order``, each with those it requires (else a one-line error)."""
+def chosen_analyses(names: tuple[str, ...]) -> list[Analysis]:
+    """The registered analyses asked for, in ``order``, each with those it requires (else a one-line error).
+
+    Parameters
+    ----------
+    names : tuple of str
+
+    Returns
+    -------
+    list of Analysis
+    """
     known = pass_analyses()
     bad = [a for a in names if a not in {k.name for k in known}]
     if bad:

@@ -27,7 +27,7 @@ from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, model_facts
 from analysis.model.reference.attention import pattern_note
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, run_pass
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction, run_pass
 from analysis.core.results import LayerAxis, Result, layers_text
 
 
@@ -303,6 +303,25 @@ class SinkResult(Result, LayerAxis):
         }
 
 
+def sink_stats(acts: dict, *, k_max: int) -> dict:
+    """One layer's reduce for the sink metric: alpha_1..k_max (B, H, k_max) and the mean share on no input token
+    (B, H), from the map (the bridge) or q, k and the lse (the other backends).
+
+    Parameters
+    ----------
+    acts : dict
+        {"pattern": the map (B, H, T, T) or ``AttentionWeights``}.
+    k_max : int
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        "alpha" (B, H, k_max), "slot" (B, H).
+    """
+    attn = attention_of(acts["pattern"])
+    return {"alpha": attn.alpha(k_max), "slot": slot_share(attn).mean(-1)}
+
+
 class SinkAccumulator(Accumulator):
     """alpha_k for keys 1..k_max from every attention layer's ``hook_pattern`` (true indices), per sample."""
 
@@ -320,10 +339,12 @@ class SinkAccumulator(Accumulator):
     def hooks(self):
         return {l: {"pattern": act_name("pattern", l)} for l in self.layers}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        attn = attention_of(acts["pattern"])  # the map (the bridge) or q, k and the lse (transformers)
-        self.alpha.put(layer, attn.alpha(self.k_max))  # (B, H, K)
-        self.slot.put(layer, slot_share(attn).mean(-1))  # (B, H): attention on no input token
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(sink_stats, {"k_max": self.k_max})
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        self.alpha.put(layer, stats["alpha"])
+        self.slot.put(layer, stats["slot"])
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
@@ -473,6 +494,7 @@ def sink_pass(
             "backend": record["backend"],
             "why": record["why"],
             **({"kernels": record["kernels"]} if record.get("kernels") else {}),
+            **{k: record[k] for k in ("requests", "bytes") if k in record},  # a remote nnsight pass's traces
             **(
                 {"fused_unsupported": record["why"].removeprefix("auto: ")}
                 if not fused and path == "auto" and not own

@@ -227,7 +227,9 @@ register(
         doc="The attention-output gates (gated attention only: Qwen3-Next, Qwen3.5).",
         # no gate: nothing to run
         accumulators=lambda p: (
-            [GateAccumulator(p.model, kind=p.kind)] if model_facts(p.model).family.gate is not None else []
+            [GateAccumulator(p.model, kind=p.kind)]
+            if getattr(model_facts(p.model).family, "gate", None) is not None
+            else []
         ),
         exports=("attention_gates",),
     )

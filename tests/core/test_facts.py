@@ -24,11 +24,10 @@ ROOT = Path(__file__).resolve().parents[2] / "analysis"
 # constant goes to analysis/core/defaults.py, or here with a reason.
 PLUMBING = {
     "causal/conditions.py:LOSS_ROWS": "sequences per chunk of the streamed loss: memory, not the number",
-    "engine/kernels.py:LSE_CHUNK": "query rows per chunk of the fall-back log-sum-exp: memory",
     "engine/kernels.py:FLASH_MAX_HEAD_DIM": "the flash kernel's own limit",
-    "engine/nnsight_pass.py:REQUEST_LIMIT_BYTES": "NDIF's message size",
-    "engine/nnsight_pass.py:REQUEST_FILL": "how full a remote request is planned",
-    "engine/nnsight_pass.py:CAND_ROWS_PER_SAMPLE": "the size budget of a remote request",
+    "engine/remote.py:REQUEST_LIMIT_BYTES": "NDIF's message size",
+    "engine/remote.py:REQUEST_FILL": "how full a remote request is planned",
+    "engine/remote.py:CAND_ROWS_PER_SAMPLE": "the size budget of a remote request",
     "model/loading.py:HUB_TIMEOUT_S": "a network timeout",
     "model/reference/checkpoint.py:FORMAT_VERSION": "the checkpoint file format",
     "model/reference/kernels.py:FLEX_MIN_HEAD_DIM": "flex attention's own limit",

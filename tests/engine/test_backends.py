@@ -8,7 +8,8 @@ import torch
 from analysis import natural_probe
 from analysis.core.reductions import alpha_from_lse
 from analysis.engine.backends import BackendUnsupported, choose_backend
-from analysis.engine.kernels import chunked_lse, fused_attention, sink_kernel, unsupported_reason
+from analysis.engine.attention import row_lse
+from analysis.engine.kernels import fused_attention, sink_kernel, unsupported_reason
 from analysis.model.contract import hf_module
 from analysis.sinks.metric import alpha_from_pattern, sink_metric
 from tests.conftest import tol
@@ -50,8 +51,8 @@ def test_alpha_from_lse_equals_alpha_of_the_softmax_map(window, device):
     assert torch.allclose(
         alpha_from_lse(q, k, lse, scale, 6, mask=mask), alpha_from_pattern(A, 6), atol=tol(device, 1e-6)
     )
-    # The chunked fall-back gives the same lse with chunks that split the rows unevenly.
-    assert torch.allclose(chunked_lse(q, k, scale, mask, chunk=7), lse, atol=tol(device, 1e-5))
+    # The fall-back's lse in blocks of rows is the same with blocks that split the rows unevenly.
+    assert torch.allclose(row_lse(q, k, scale, mask=mask, chunk_elements=1), lse, atol=tol(device, 1e-5))
 
 
 def test_smollm2_fused_equals_eager(smollm2, device):

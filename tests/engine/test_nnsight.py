@@ -7,7 +7,6 @@ whole report included."""
 
 from __future__ import annotations
 
-import ast
 import inspect
 import sys
 import warnings
@@ -22,18 +21,22 @@ pytest.importorskip("nnsight")
 from analysis import load_model  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.chain.massive import massive_activations  # noqa: E402
-from analysis.chain.nnsight_tables import nnsight_sink_metric, nnsight_tables  # noqa: E402
-from analysis.core import reductions  # noqa: E402
-from analysis.engine import remote_reductions  # noqa: E402
-from analysis.engine.nnsight_pass import REQUEST_LIMIT_BYTES, plan_requests, request_bytes, trace_batch  # noqa: E402
-from analysis.engine.remote_reductions import attention_alpha, stats_bytes  # noqa: E402
+from analysis.chain.massive import MassiveAccumulator  # noqa: E402
+from analysis.chain.values import ValueNormsAccumulator  # noqa: E402
+from analysis.engine.attention import AttentionWeights  # noqa: E402
+from analysis.engine.remote import (  # noqa: E402
+    REQUEST_LIMIT_BYTES,
+    pass_plan,
+    plan_requests,
+    reduction_bytes,
+    stats_bytes,
+    trace_batch,
+)
 from analysis.model.nnsight_model import NnsightUnsupported, wrap_nnsight  # noqa: E402
-from analysis.positions.every_sink import sink_positions  # noqa: E402
-from analysis.positions.nnsight_positions import nnsight_sink_positions  # noqa: E402
-from analysis.sinks.metric import sink_metric  # noqa: E402
+from analysis.positions.every_sink import PositionAccumulator, sink_positions  # noqa: E402
+from analysis.sinks.metric import SinkAccumulator, sink_metric  # noqa: E402
 
-NDIF_ALLOWED = {"torch", "numpy", "einops", "math", "collections", "typing", "pandas", "__future__"}
-SHIPPED = (reductions, remote_reductions)  # the modules whose functions run inside the trace (by value)
+NDIF_ALLOWED = {"torch", "numpy", "einops", "math", "collections", "typing", "pandas", "builtins", "__future__"}
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v3"]
 
 
@@ -57,7 +60,8 @@ def nn_family(family_dir):
 def test_nnsight_gives_the_bridges_alpha_and_massive_table(family, family_bridge, nn_family):
     bridge, nn, tokens = family_bridge(family), nn_family(family), _tokens()
     ref = sink_metric(bridge, tokens, k_max=16, path="eager")
-    res, mass = nnsight_tables(nn, tokens, k_max=16, abs_threshold=0.02, ratio_threshold=2.0)
+    res = sink_metric(nn, tokens, k_max=16)
+    mass = massive_activations(nn, tokens, abs_threshold=0.02, ratio_threshold=2.0)
     assert res.layers == ref.layers and res.meta["path"] == "nnsight"
     torch.testing.assert_close(res.alpha, ref.alpha, atol=1e-6, rtol=0)
     want = massive_activations(bridge, tokens, abs_threshold=0.02, ratio_threshold=2.0)
@@ -75,7 +79,7 @@ def test_nnsight_gives_the_bridges_sink_positions(family, family_bridge, nn_fami
     kw = dict(
         eps=0.1, abs_threshold=0.02, ratio_threshold=2.0
     )  # low thresholds: later sinks and flags on random weights
-    want, got = sink_positions(bridge, tokens, path="eager", **kw), nnsight_sink_positions(nn, tokens, **kw)
+    want, got = sink_positions(bridge, tokens, path="eager", **kw), sink_positions(nn, tokens, **kw)
     assert got.meta["path"] == "nnsight" and (got.layers, got.resid_layers) == (want.layers, want.resid_layers)
     torch.testing.assert_close(got.alpha, want.alpha, atol=1e-6, rtol=0)
     for name in ("cos_first", "peak_abs", "median"):
@@ -127,36 +131,74 @@ def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
     for kind in ("natural", "random"):
         tokens = probes[kind].tokens
         assert not (tokens[:, 0] == nn.tokenizer.bos_token_id).any()  # no BOS: the probes decide, not the tokenizer
-        got, want = nnsight_sink_metric(nn, tokens, kind=kind), sink_metric(smollm2, tokens, path="eager")
+        got, want = sink_metric(nn, tokens, kind=kind), sink_metric(smollm2, tokens, path="eager")
         torch.testing.assert_close(got.alpha, want.alpha, atol=1e-5, rtol=0)  # 30 layers of float32 rounding
         assert got.sink_rate() == want.sink_rate()
 
 
-def _imports(source: str) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            names.add(node.module)
-    return names
+def _accumulators(nn, T=20):
+    """The accumulators whose reductions a remote pass ships: the sink metric, the massive table, every position."""
+    layers = list(range(nn.spec.n_layers))
+    return [
+        SinkAccumulator(nn, T, k_max=8),
+        MassiveAccumulator(nn, layers, nn.spec.d_model, abs_threshold=0.02, ratio_threshold=2.0),
+        PositionAccumulator(layers),
+        ValueNormsAccumulator(nn, list(nn.spec.attention_layers), T),
+    ]
 
 
-def _forbidden(source: str) -> set[str]:
-    shipped = {m.__name__ for m in SHIPPED}
-    return {n for n in _imports(source) if n.split(".")[0] not in NDIF_ALLOWED and n not in shipped}
+def _reached(obj, seen=None) -> set[str]:
+    """The modules outside this package that a shipped function (or class) reaches: what it names from them, and
+    through every function and class of the package it names (cloudpickle ships those by value), transitively."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    if inspect.isclass(obj):
+        return set().union(
+            *(
+                _reached(v, seen)
+                for v in vars(obj).values()
+                if inspect.isfunction(v) or isinstance(v, (classmethod, staticmethod, property))
+            )
+        )
+    if isinstance(obj, (classmethod, staticmethod)):
+        return _reached(obj.__func__, seen)
+    if isinstance(obj, property):
+        return set().union(*(_reached(f, seen) for f in (obj.fget, obj.fset) if f is not None))
+    if not inspect.isfunction(obj):
+        return set()
+    out: set[str] = set()
+    codes = [obj.__code__]
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for name in code.co_names:
+            v = obj.__globals__.get(name)
+            mod = v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", None)
+            if v is None or mod is None:
+                continue
+            if mod.split(".")[0] == "analysis" and callable(v) and not (inspect.isfunction(v) or inspect.isclass(v)):
+                out.add(f"{mod}.{name} (a wrapper, pickled by reference)")  # e.g. functools.lru_cache
+            elif mod.split(".")[0] == "analysis":
+                out |= _reached(v, seen)
+            elif inspect.ismodule(v) or inspect.isfunction(v) or inspect.isclass(v) or inspect.isbuiltin(v):
+                out.add(mod)
+    return out
 
 
-def test_the_code_shipped_in_the_trace_imports_only_what_ndif_allows():
-    for module in SHIPPED:
-        bad = _forbidden(inspect.getsource(module))
-        assert not bad, f"{module.__name__} imports {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
-    # the check sees a forbidden import, and lets the shipped modules import each other
-    assert _forbidden("import scipy.special\nfrom analysis.model import hooks\nimport torch") == {
-        "scipy.special",
-        "analysis.model",
-    }
-    assert "analysis.core.reductions" in _imports(inspect.getsource(remote_reductions))
+def test_every_reduction_that_ships_reaches_only_what_ndif_allows(family_dir, nn_family):
+    """Each reduction a remote pass runs (and the attention weights it builds), with all it reaches: torch, numpy,
+    math and typing only (NDIF's import whitelist), whatever the modules they live in import."""
+    nn = nn_family("llama")
+    shipped = [red.fn for _, _, _, jobs in pass_plan(nn, _accumulators(nn)) for _, red, _ in jobs]
+    assert {f.__name__ for f in shipped} == {"sink_stats", "massive_stats", "position_stats", "value_stats"}
+    for fn in [*shipped, AttentionWeights]:
+        bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
+        assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
+    from analysis.report.build import build_report  # the check sees what NDIF lacks where a function reaches it
+
+    assert {m.split(".")[0] for m in _reached(build_report)} - NDIF_ALLOWED
 
 
 def _as_if_pip_installed(monkeypatch):
@@ -184,47 +226,65 @@ def _as_if_pip_installed(monkeypatch):
 def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, monkeypatch):
     import cloudpickle
 
-    import analysis.engine.nnsight_pass as nnsight_pass
+    import analysis
+    import analysis.engine.remote as remote
 
     nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens()
-    layers = list(nn.spec.attention_layers)
-    here = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True)
+    plan = pass_plan(nn, _accumulators(nn))
+    here = trace_batch(nn, tokens, plan, remote=False)
     restore = _as_if_pip_installed(monkeypatch)
-    register = nnsight_pass.register_shipped
+    register = remote.register_shipped
     try:
         with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
             warnings.simplefilter("ignore")
-            there = trace_batch(
-                nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, positions=True, remote="local"
-            )
-        for a, b in zip(here[0], there[0]):
-            assert torch.equal(a, b)
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(here[1], there[1]) for k in ("top", "cos", "peak", "dim"))
-        monkeypatch.setattr(nnsight_pass, "register_shipped", lambda: None)  # not shipped: it cannot run there
-        for module in SHIPPED:
-            if module.__name__ in cloudpickle.list_registry_pickle_by_value():
-                cloudpickle.unregister_pickle_by_value(module)
+            there = trace_batch(nn, tokens, plan, remote="local")
+        assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 4 * nn.spec.n_layers
+        for (_, _, a), (_, _, b) in zip(here, there):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        monkeypatch.setattr(remote, "register_shipped", lambda: None)  # not shipped: it cannot run there
+        if analysis.__name__ in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.unregister_pickle_by_value(analysis)
         with warnings.catch_warnings(), pytest.raises(ModuleNotFoundError, match="analysis"):
             warnings.simplefilter("ignore")
-            trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers, remote="local")
+            trace_batch(nn, tokens, plan, remote="local")
     finally:
         register()
         restore()
 
 
-def test_request_bytes_bound_what_a_trace_saves(family_dir):
+def test_reduction_bytes_bound_what_a_trace_saves(family_dir):
     nn, tokens = load_nnsight(str(family_dir("qwen3"))), _tokens(n=4)
-    layers = list(nn.spec.attention_layers)
-    alphas, resid = trace_batch(nn, tokens, k_max=8, sink_layers=layers, massive_layers=layers)
-    saved = stats_bytes(alphas) + stats_bytes(resid)
-    dims = dict(n_heads=nn.spec.n_heads, k_max=8, d_model=nn.spec.d_model)
-    bound = request_bytes(4, len(layers), **dims)
-    assert stats_bytes(alphas) + sum(stats_bytes({k: v for k, v in r.items() if k != "cand"}) for r in resid) <= saved
-    assert saved <= bound
-    _, with_positions = trace_batch(nn, tokens, k_max=8, sink_layers=[], massive_layers=layers, positions=True)
-    assert stats_bytes(with_positions) - stats_bytes(resid) == request_bytes(
-        4, len(layers), positions=20, **dims
-    ) - request_bytes(4, len(layers), **dims)  # cosine, peak and dim: 12 bytes a position
+    plan = pass_plan(nn, _accumulators(nn))
+    per, fixed = reduction_bytes(nn, tokens, plan)
+    saved = trace_batch(nn, tokens, plan, remote=False)
+    by_layer: dict = {}
+    for _, layer, r in saved:
+        by_layer[layer] = by_layer.get(layer, 0) + stats_bytes(r)
+    assert 0 < max(by_layer.values()) <= 4 * per + fixed
+    positions = pass_plan(nn, [PositionAccumulator(range(nn.spec.n_layers))])
+    assert reduction_bytes(nn, tokens, positions) == (12 * 20, 0)  # cosine, peak and dim: 12 bytes a position
+
+
+def test_a_remote_pass_refuses_what_it_cannot_ship_before_the_work(family_dir, nn_family):
+    from analysis.engine.backends import BackendUnsupported
+    from analysis.engine.passes import Accumulator, run_pass
+
+    class OwnUpdate(Accumulator):  # reduces in update: runs here only
+        hooks = lambda self: {0: {"x": "blocks.0.hook_resid_post"}}  # noqa: E731
+        update = result = lambda self, *a: None  # noqa: E731
+
+    class Logits(PositionAccumulator):
+        needs_logits = True
+
+    nn = nn_family("llama")
+    with pytest.raises(NnsightUnsupported, match="reduces in its own update"):
+        pass_plan(nn, [OwnUpdate()])
+    with pytest.raises(NnsightUnsupported, match="blocks.0.hook_resid_mid"):  # between attention and MLP: no site
+        pass_plan(nn, [MassiveAccumulator(nn, [0], nn.spec.d_model, hook="resid_mid")])
+    with pytest.raises(BackendUnsupported, match="reads activations only"):
+        run_pass(nn, _tokens(), [Logits([0])])
+    with pytest.raises(BackendUnsupported, match="reads activations only"):
+        run_pass(nn, _tokens(), [PositionAccumulator([0])], fwd_hooks=[("blocks.0.hook_resid_post", lambda x, h: x)])
 
 
 def llama_405b_config():
@@ -261,15 +321,32 @@ def test_a_405b_sink_table_fits_ndifs_requests(capsys):
     spec = nn.spec
     assert nn.attention_call(125) is not None  # the attention function's call, where the trace reads q and k
     assert (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.d_model) == (126, 128, 8, 16384)
-    plan = plan_requests(100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model)
-    assert plan.bytes_per_request < REQUEST_LIMIT_BYTES and plan.n_requests >= 2
-    assert plan.bytes_total > REQUEST_LIMIT_BYTES  # one request would not do
-    sink_only = plan_requests(
-        100, list(spec.attention_layers), n_heads=spec.n_heads, k_max=16, d_model=spec.d_model, massive=False
+    sink, massive = SinkAccumulator(nn, 64, k_max=16), MassiveAccumulator(nn, range(126), spec.d_model)
+    layers = list(range(126))
+    both = plan_requests(
+        100, layers, **dict(zip(("per", "fixed"), reduction_bytes(nn, _tokens(T=64), pass_plan(nn, [sink, massive]))))
     )
-    assert sink_only.bytes_per_request < REQUEST_LIMIT_BYTES and sink_only.n_requests < plan.n_requests
+    sink_only = plan_requests(
+        100, layers, **dict(zip(("per", "fixed"), reduction_bytes(nn, _tokens(T=64), pass_plan(nn, [sink]))))
+    )
+    for plan in (both, sink_only):
+        assert plan.bytes_per_request < REQUEST_LIMIT_BYTES and plan.n_requests >= 2
+        assert plan.bytes_total > REQUEST_LIMIT_BYTES  # one request would not do
+    assert sink_only.n_requests < both.n_requests
+    from analysis.report.build import NNSIGHT_SECTIONS, remote_requests
+
+    report = remote_requests(nn, n=32, T=64)  # the report's default N and T, every section a remote model serves
+    assert set(report) == {"natural", "random", "repeated"}
+    assert all(p.bytes_per_request < REQUEST_LIMIT_BYTES and p.n_requests >= 2 for p in report.values())
+    assert report["natural"].bytes_total > remote_requests(nn, n=32, T=64, sections=("sink",))["natural"].bytes_total
     with capsys.disabled():
-        for what, p in (("sink + massive", plan), ("sink", sink_only)):
+        for kind, p in report.items():
+            print(
+                f"\n405B report ({', '.join(NNSIGHT_SECTIONS)}), {kind}, N=32, T=64: {p.n_requests} requests of "
+                f"{p.samples} samples x {len(p.layer_groups[0])} layers, {p.bytes_total / 2**20:.1f} MiB in all"
+            )
+    with capsys.disabled():
+        for what, p in (("sink + massive", both), ("sink", sink_only)):
             print(
                 f"\n405B {what}, N=100, T=64: {p.n_requests} requests of {p.samples} samples x "
                 f"{len(p.layer_groups[0])} layers, {p.bytes_per_request / 2**20:.1f} MiB each, "
@@ -280,8 +357,8 @@ def test_a_405b_sink_table_fits_ndifs_requests(capsys):
 def test_per_head_alpha_gathers_across_tensor_parallel_shards():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 8, 12, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g)
-    full = attention_alpha(q, k, None, 0.25, 6)
-    shards = [attention_alpha(q[:, 4 * r : 4 * r + 4], k[:, r : r + 1], None, 0.25, 6) for r in range(2)]
+    full = AttentionWeights.from_qk(q, k, scale=0.25).alpha(6)
+    shards = [AttentionWeights.from_qk(q[:, 4 * r : 4 * r + 4], k[:, r : r + 1], scale=0.25).alpha(6) for r in range(2)]
     torch.testing.assert_close(torch.cat(shards, 1), full, atol=0, rtol=0)
 
 
@@ -391,3 +468,39 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
     ]
     assert not _same(*mass)
     assert got["spike_dims"] == want["spike_dims"] and got["findings"][:1] == want["findings"][:1]
+
+
+def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
+    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, massive, value norm,
+    every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
+    section is refused before any work, with the reason in its JSON."""
+    import json
+
+    from analysis.report.build import NNSIGHT_SECTIONS, SECTIONS, build_report
+
+    nn = load_nnsight(str(family_dir("llama")))
+    build_report(family_bridge("llama"), tmp_path / "b", sections=list(NNSIGHT_SECTIONS), n=2, T=24, eps=0.1)
+    build_report(nn, tmp_path / "n", sections=list(SECTIONS), n=2, T=24, eps=0.1)
+    want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
+    assert not got["errors"]
+    for key in set(SECTIONS) - set(NNSIGHT_SECTIONS):
+        assert got["sections"][key]["available"] is False and "remote" in got["sections"][key]["reason"]
+    passes = {k for by in got["config"]["passes"].values() for k in by}
+    assert passes == {"nnsight: the remote trace, run here"}
+    assert not _same(got["sections"]["sink"], want["sections"]["sink"])
+    ties = [f"top{i}_{w}" for i in (1, 2, 3) for w in ("pos", "token")]  # natural probes: tied top values (see above)
+    strip = lambda v: {**v, "per_layer": [{c: x for c, x in r.items() if c not in ties} for r in v["per_layer"]]}  # noqa: E731
+    g, w = got["sections"]["massive"], want["sections"]["massive"]
+    assert not _same(strip(g["natural"]), strip(w["natural"]))
+    assert not _same(g["random"], w["random"]) and "activation_map_layer" not in g  # no residual stream comes back
+    g, w = got["sections"]["value_norms"], want["sections"]["value_norms"]
+    assert not _same(
+        {k: v for k, v in g.items() if k != "correlation"}, {k: v for k, v in w.items() if k != "correlation"}
+    )
+    # a Pearson r over a few heads amplifies float32 rounding of the attention (the map here, q, k and the lse there)
+    r = [(c["pearson_r"], d["pearson_r"]) for c, d in zip(g["correlation"].values(), w["correlation"].values())]
+    assert r and all(a == pytest.approx(b, rel=1e-4) for a, b in r)
+    provenance = ("path", "backend", "why", "requests", "bytes", "kernels", "seconds")  # which engine ran, how long
+    for key in ("positions", "context"):
+        diff = _same(got["sections"][key], want["sections"][key])
+        assert diff and not [d for d in diff if not any(p in d for p in provenance)], key

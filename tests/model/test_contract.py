@@ -26,7 +26,7 @@ EXEMPT = ()  # none: every floor, the report included, takes the contract
 # Functions of the floors under the analyses that take something else than the contract's model, by what they take.
 OTHER_TYPES = {
     "torch.nn.Module": ("model/placement.py", "model/weights.py", "train/trainer.py"),  # any module: HF, bridge, SinkLM
-    "NnsightModel": ("chain/nnsight_tables.py", "engine/nnsight_pass.py", "positions/nnsight_positions.py"),
+    "NnsightModel": ("engine/remote.py", "report/build.py"),  # a model on NDIF: its config, no hooks
     "SinkLM": ("model/reference/checkpoint.py", "train/trainer.py"),  # the reference model's own checkpoints
     "dict": ("train/sweep.py",),  # a model config
     "object": (

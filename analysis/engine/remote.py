@@ -1,0 +1,345 @@
+"""A pass through nnsight traces on NDIF (``load_model(name, backend="nnsight", remote=True)``): the accumulators'
+own reductions run next to the model, and only what they return comes back to be folded here.
+
+Each accumulator says how a layer's activations reduce (``Accumulator.reduction``: a module-level function of
+torch and plain parameters) and how the result folds into its state (``fold``); locally ``update`` is the two
+together, so a table computed remotely is the one computed here, by the same operations. In the trace the decoder
+layers give the residual stream (``hook_resid_pre`` their input, ``hook_resid_post`` their output) and each
+attention layer's call to transformers' attention function gives q, k and v after the rotary, the mask, the scale
+and the soft cap (``hook_q``/``hook_k``/``hook_v``, ``hook_pattern`` as :class:`AttentionWeights` with the rows'
+log-sum-exp, ``hook_z``). Nothing T x T, and never q, k or the residual stream, leaves the model's side.
+
+The reductions ship by value (:func:`register_shipped`: NDIF does not have this package); what they reach must be
+torch, numpy, math and typing (``tests/engine/test_nnsight.py`` walks every reduction's closure to check it). A
+request's results stay under NDIF's message limit: :func:`plan_requests` cuts samples (and, where one sample is too
+big, layers) by the bytes the reductions return, measured on one sample here (:func:`reduction_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from analysis.engine.attention import AttentionWeights
+from analysis.model.hooks import model_dims
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
+
+REQUEST_LIMIT_BYTES = 32 * 2**20  # NDIF drops results above about this (a 32 MB message limit was seen)
+REQUEST_FILL = 0.8  # plan requests to this share of the limit (the pickled containers add a little)
+CAND_ROWS_PER_SAMPLE = 64  # flag candidates (|x| > the absolute threshold) budgeted per sample and layer
+ATTENTION_SITES = ("hook_pattern", "hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_z")
+STREAM_SITES = ("hook_resid_pre", "hook_resid_post")
+
+
+@dataclass
+class RequestPlan:
+    """How a pass is cut into requests.
+
+    Attributes
+    ----------
+    n_requests : int
+        Requests in all (layer groups x batches of samples).
+    samples : int
+        Sequences per request.
+    layer_groups : list of list of int
+        The layers each request of a batch measures.
+    bytes_per_request : int
+        The most bytes one request saves (an upper bound).
+    bytes_total : int
+        The bytes every request saves together.
+    """
+
+    n_requests: int
+    samples: int
+    layer_groups: list[list[int]]
+    bytes_per_request: int
+    bytes_total: int
+
+
+def plan_requests(n: int, layers: list[int], *, per: int, fixed: int = 0, limit: int = REQUEST_LIMIT_BYTES):
+    """Cut N sequences over ``layers`` into requests each under ``limit`` bytes, fewest requests first: layers in
+    groups of g (each group one trace per batch of samples) and as many samples per request as fit beside the
+    group's per-layer fixed bytes, for the g that needs fewest requests.
+
+    Parameters
+    ----------
+    n : int
+        Sequences.
+    layers : list of int
+    per : int
+        Bytes one sample adds to one layer's results.
+    fixed : int
+        Bytes a layer's results hold whatever the samples (sums over the batch).
+    limit : int
+        The size limit of one request's results.
+
+    Returns
+    -------
+    RequestPlan
+    """
+    budget = int(limit * REQUEST_FILL)
+    if fixed + per > budget:
+        raise ValueError(
+            f"one sample of one layer saves {fixed + per} bytes, over the {budget}-byte budget of a request."
+        )
+    best = None
+    for g in range(1, len(layers) + 1):
+        samples = min(n, (budget // g - fixed) // max(1, per))
+        if samples < 1:
+            break
+        cost = (math.ceil(len(layers) / g) * math.ceil(n / samples), -g)
+        best = min(best, (cost, g, samples)) if best else (cost, g, samples)
+    (n_req, _), g, samples = best
+    groups = [layers[i : i + g] for i in range(0, len(layers), g)]
+    batches = math.ceil(n / samples)
+    return RequestPlan(n_req, samples, groups, g * (samples * per + fixed), len(layers) * (n * per + batches * fixed))
+
+
+def stats_bytes(stats) -> int:
+    """The bytes of the tensors in a (nested) list / dict / tuple of statistics: what a request sends back.
+
+    Parameters
+    ----------
+    stats : torch.Tensor, dict, list or tuple
+
+    Returns
+    -------
+    int
+    """
+    if isinstance(stats, torch.Tensor):
+        return stats.numel() * stats.element_size()
+    if isinstance(stats, dict):
+        return sum(stats_bytes(v) for v in stats.values())
+    if isinstance(stats, (list, tuple)):
+        return sum(stats_bytes(v) for v in stats)
+    return 0
+
+
+def register_shipped() -> None:
+    """Have nnsight ship this package's code by value (NDIF does not have it installed): only what the trace calls
+    travels, the reductions and what they reach.
+
+    Returns
+    -------
+    None
+    """
+    import nnsight  # optional: the "remote" extra
+
+    import analysis  # cycle: the package's root imports this module
+
+    nnsight.register(analysis)
+
+
+def pass_plan(model: NnsightModel, accumulators: Sequence) -> list[tuple]:
+    """Per layer, in the order the forward runs them: what the trace reads and which reductions it runs.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    accumulators : sequence of Accumulator
+
+    Returns
+    -------
+    list of tuple
+        (layer, attention call name or None, site names read, [(index, Reduction, {key: site})]); NnsightUnsupported,
+        before any work, for a site or an accumulator the remote pass cannot serve.
+    """
+    layers: dict[int, list] = {}
+    for j, acc in enumerate(accumulators):
+        for layer, names in acc.hooks().items():
+            red = acc.reduction(layer)
+            if red is None:
+                raise NnsightUnsupported(
+                    f"{type(acc).__name__} reduces in its own update, which runs here only: it has no reduction a "
+                    "remote trace can ship (run it locally, or through the bridge)."
+                )
+            sites = {k: n.rpartition(".")[2] for k, n in names.items()}
+            served = {f"blocks.{layer}.{s}" for s in STREAM_SITES} | {
+                f"blocks.{layer}.attn.{s}" for s in ATTENTION_SITES
+            }
+            bad = sorted(set(names.values()) - served)
+            if bad:
+                raise NnsightUnsupported(
+                    f"{type(acc).__name__} reads {bad}: a remote trace gives the residual stream "
+                    f"({', '.join(STREAM_SITES)}) and the attention call's {', '.join(ATTENTION_SITES)}."
+                )
+            layers.setdefault(int(layer), []).append((j, red, sites))
+    plan = []
+    for layer in sorted(layers):
+        sites = {s for _, _, m in layers[layer] for s in m.values()}
+        attn = sites & set(ATTENTION_SITES)
+        if attn and layer not in model.spec.attention_layers:
+            raise NnsightUnsupported(f"layer {layer} has no softmax attention call ({model.spec.skipped.get(layer)}).")
+        call = model.attention_call_name(layer) if attn else None
+        plan.append((layer, call, frozenset(sites), layers[layer]))
+    return plan
+
+
+def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *, remote) -> list:
+    """One nnsight trace over a batch: every reduction of ``plan`` run next to the model and saved; nothing else
+    comes back.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (B, T)
+    plan : list of tuple
+        From :func:`pass_plan` (the layers of one request).
+    remote : bool or str
+        nnsight's ``remote``: False (here), True (NDIF), "local" (nnsight's simulation of a remote run: serialized,
+        then run with this package hidden).
+
+    Returns
+    -------
+    list of (int, int, object)
+        (accumulator index, layer, what its reduction returned), on the CPU.
+    """
+    import nnsight  # optional: the "remote" extra
+
+    if remote:
+        register_shipped()
+    blocks, softcap, weights = model.decoder_layers(), model.spec.softcap, AttentionWeights.from_qk
+    calls = {layer: model.attention_call(layer) for layer, call, _, _ in plan if call is not None}
+    with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
+        saved = nnsight.save([])
+        for layer, call, sites, jobs in plan:  # in the order the layers run (nnsight's interleaving needs it)
+            acts = {}
+            if "hook_resid_pre" in sites:
+                acts["hook_resid_pre"] = blocks[layer].input
+            if call is not None:
+                c = calls[layer]
+                args, kwargs = c.inputs
+                q, k, v, mask = args[1], args[2], args[3], args[4]
+                scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+                acts["hook_q"] = acts["hook_rot_q"] = q.transpose(1, 2)
+                acts["hook_k"] = acts["hook_rot_k"] = k.transpose(1, 2)
+                acts["hook_v"] = v.transpose(1, 2)
+                if "hook_pattern" in sites:
+                    acts["hook_pattern"] = weights(q, k, scale=scale, mask=mask, softcap=softcap)
+                if "hook_z" in sites:
+                    acts["hook_z"] = c.output[0]
+            if "hook_resid_post" in sites:
+                out = blocks[layer].output
+                acts["hook_resid_post"] = out[0] if isinstance(out, tuple) else out
+            for j, red, keys in jobs:
+                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **(red.params or {}))))
+    return [(j, l, _to_cpu(r)) for j, l, r in saved]
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def reduction_bytes(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple]) -> tuple[int, int]:
+    """The bytes the reductions return per layer: (per sample, fixed), measured here on one and two samples of
+    ``tokens`` (the largest layer's), with ``CAND_ROWS_PER_SAMPLE`` flag candidates budgeted where a reduction
+    returns them (their count depends on the data).
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (N, T)
+    plan : list of tuple
+
+    Returns
+    -------
+    tuple of int
+    """
+    if model.remote or next(model.hf.parameters()).is_meta:
+        return _meta_bytes(model, tokens.shape[1], plan)
+    sizes = []
+    for b in (1, 2):
+        got = trace_batch(model, tokens[:1].expand(b, -1), plan, remote=False)
+        per_layer: dict[int, int] = {}
+        for _, layer, r in got:
+            per_layer[layer] = per_layer.get(layer, 0) + stats_bytes(r) + _candidates(r) * b
+        sizes.append(max(per_layer.values(), default=0))
+    return max(0, sizes[1] - sizes[0]), max(0, 2 * sizes[0] - sizes[1])
+
+
+def _candidates(r) -> int:
+    """Bytes budgeted for the flag candidates a reduction returned (``flat`` int64, ``vals`` and ``ref`` float32)."""
+    return 16 * CAND_ROWS_PER_SAMPLE if isinstance(r, dict) and "flat" in r else 0
+
+
+def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, int]:
+    """:func:`reduction_bytes` without running the model: each reduction on activations of the model's shapes
+    (zeros, on the CPU) for one and two samples."""
+    s, d_head = model.spec, model_dims(model).d_head
+    sizes = []
+    for b in (1, 2):
+        q = torch.zeros(b, s.n_heads, T, d_head)
+        k = torch.zeros(b, s.n_kv_heads, T, d_head)
+        acts = {
+            "hook_resid_pre": torch.zeros(b, T, s.d_model),
+            "hook_resid_post": torch.zeros(b, T, s.d_model),
+            "hook_q": q.transpose(1, 2),
+            "hook_rot_q": q.transpose(1, 2),
+            "hook_k": k.transpose(1, 2),
+            "hook_rot_k": k.transpose(1, 2),
+            "hook_v": k.transpose(1, 2),
+            "hook_z": q.transpose(1, 2),
+            "hook_pattern": AttentionWeights.from_qk(q, k, scale=d_head**-0.5),
+        }
+        seen: dict = {}  # layers of one shape reduce alike: each kind of layer is measured once
+        for _, _, sites, jobs in plan:
+            sig = repr([(red.fn, red.params, keys) for _, red, keys in jobs])
+            if sig not in seen:
+                got = [red.fn({key: acts[x] for key, x in keys.items()}, **(red.params or {})) for _, red, keys in jobs]
+                seen[sig] = sum(stats_bytes(r) + _candidates(r) * b for r in got)
+        sizes.append(max(seen.values(), default=0))
+    return max(0, sizes[1] - sizes[0]), max(0, 2 * sizes[0] - sizes[1])
+
+
+def remote_pass(
+    model: NnsightModel, tokens: torch.Tensor, accumulators: Sequence, *, make_batch, batch_size=None, remote=None
+):
+    """Every accumulator fed through nnsight traces of ``model`` (on NDIF where ``model.remote``), each layer's
+    reductions run in the trace and folded here, batch by batch.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (N, T)
+        Checked token ids.
+    accumulators : sequence of Accumulator
+        Each with a ``reduction`` for every layer it reads.
+    make_batch : callable
+        ``make_batch(tokens, offset)``: the pass engine's batch handed to each fold.
+    batch_size : int, optional
+        Sequences per trace; None: as many as keep a request under NDIF's size limit (:func:`plan_requests`).
+    remote : bool or str, optional
+        nnsight's ``remote``; None: ``model.remote``.
+
+    Returns
+    -------
+    dict
+        "requests": the traces run; "bytes": what they sent back.
+    """
+    remote = model.remote if remote is None else remote
+    plan = pass_plan(model, accumulators)
+    N = tokens.shape[0]
+    per, fixed = reduction_bytes(model, tokens, plan)
+    req = plan_requests(N, [p[0] for p in plan], per=per, fixed=fixed)
+    bs = batch_size or req.samples
+    requests, sent = 0, 0
+    by_layer = {p[0]: p for p in plan}
+    for start in range(0, N, bs):
+        batch = make_batch(tokens[start : start + bs], start)
+        for group in req.layer_groups:
+            got = trace_batch(model, batch.tokens, [by_layer[l] for l in group], remote=remote)
+            requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
+            for j, layer, r in got:
+                accumulators[j].fold(layer, r, batch)
+        for acc in accumulators:
+            acc.end_batch(batch, None)
+    return {"requests": requests, "bytes": sent}
