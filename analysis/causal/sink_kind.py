@@ -47,7 +47,7 @@ from analysis.core.io import jsonable
 from analysis.core.results import Result, layers_text
 from analysis.core.stats import one_thread
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
+from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
 from analysis.model.hooks import model_facts
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, kv_view, per_query_head, skipped_note
@@ -260,29 +260,29 @@ class SinkKindAccumulator(Accumulator):
             l: {"v": act_name("v", l), "z": act_name("z", l), "pattern": act_name("pattern", l)} for l in self.layers
         }
 
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(
+            kind_stats,
+            {
+                "G": self.grams[layer],
+                "n_heads": self.H,
+                "n_kv_heads": self.K,
+                "eps": self.eps,
+                "first": self.first,
+                "min_queries": self.min_queries,
+            },
+        )
+
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        i, p, f = self.index[layer], attention_of(acts["pattern"]), self.first
-        add = lambda name, x: self.sums.add(name, i, x.double().sum(0))  # noqa: E731 - sums over the batch
-        add("alpha", p.alpha(1)[..., 0])
-        norms = per_query_head(kv_view(acts["v"], self.K).float().norm(dim=-1), self.H)  # (B, T, H)
-        add("v1", norms[:, 0])
-        add("vj", norms[:, 1:].mean(1))
-        z = acts["z"][:, f:].double().transpose(1, 2)  # (B, H, T', d)
-        G = self.grams[layer].to(z.device, torch.float64)
-        Gz = torch.einsum("bhtd,hde->bhte", z, G)
-        out = (z * Gz).sum(-1).clamp(min=0).sqrt()  # |z_t W_O| (B, H, T')
-        sink = (p.column(0)[..., f:] > self.eps).double()
-        add("n_sink", sink.sum(-1))
-        add("n_rest", (1 - sink).sum(-1))
-        add("out_sink", (out * sink).sum(-1))
-        add("out_rest", (out * (1 - sink)).sum(-1))
-        pr, cos, ok = _within(z, Gz, G, out, sink, self.min_queries)
-        add("pr", pr * ok)
-        add("cos", cos * ok)
-        add("n_seqs", ok)
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        i = self.index[layer]
+        for name, x in stats.items():
+            self.sums.add(name, i, x)
         if i == 0:
-            self.n += z.shape[0]
+            self.n += batch.size
 
     def result(self) -> SinkKinds:
         h, N, T, H = self.sums.host, self.n, self.T, (self.H,)
@@ -308,6 +308,52 @@ class SinkKindAccumulator(Accumulator):
         )
 
 
+def kind_stats(acts: dict, *, G, n_heads: int, n_kv_heads: int, eps: float, first: int, min_queries: int) -> dict:
+    """One layer's reduce for the sink kinds, per query head summed over the batch (float64, (H,) each): alpha_1,
+    the first and the other values' norms, the queries that sink and those that do not with their output norms
+    |z_t W_O| (``G`` = W_O W_O^T per head, (H, d, d)), and over the sinking queries of each sequence that has
+    ``min_queries`` of them the participation ratio and cosine of the outputs (:func:`_within`).
+
+    Parameters
+    ----------
+    acts : dict
+        {"v": values (B, T, H or H_kv, d), "z": head outputs (B, T, H, d), "pattern": the map or ``AttentionWeights``}.
+    G : torch.Tensor, shape (H, d, d)
+    n_heads, n_kv_heads : int
+    eps : float
+        A query sinks when its weight on the first token exceeds it.
+    first : int
+        The first query counted (``dormant_result.first_query``).
+    min_queries : int
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    p = attention_of(acts["pattern"])
+    c0 = p.column(0)  # (B, H, T): the first token's weight from every query
+    norms = per_query_head(kv_view(acts["v"], n_kv_heads).float().norm(dim=-1), n_heads)  # (B, T, H)
+    z = acts["z"][:, first:].float().transpose(1, 2)  # (B, H, T', d)
+    G = G.to(z.device, torch.float32)
+    Gz = z @ G[None]  # (B, H, T', d)
+    out = (z * Gz).sum(-1).clamp(min=0).sqrt()  # |z_t W_O| (B, H, T')
+    sink = (c0[..., first:] > eps).float()
+    pr, cos, ok = _within(z, Gz, G, out, sink, min_queries)
+    got = {
+        "alpha": c0.sum(-1, dtype=torch.float64) / c0.shape[-1],
+        "v1": norms[:, 0],
+        "vj": norms[:, 1:].mean(1),
+        "n_sink": sink.sum(-1),
+        "n_rest": (1 - sink).sum(-1),
+        "out_sink": (out * sink).sum(-1),
+        "out_rest": (out * (1 - sink)).sum(-1),
+        "pr": pr * ok,
+        "cos": cos * ok,
+        "n_seqs": ok,
+    }
+    return {k: v.double().sum(0) for k, v in got.items()}
+
+
 def _within(z, Gz, G, out, sink, min_queries: int):
     """Per sequence and head, over the sinking queries: the participation ratio of the outputs' singular values and
     their mean cosine to their mean direction, and whether the sequence has ``min_queries`` of them (float64, (B, H)).
@@ -316,7 +362,7 @@ def _within(z, Gz, G, out, sink, min_queries: int):
     nonzero eigenvalues (the s^2) are those of M G (d x d), so that PR = tr(M G)^2 / tr((M G)^2): no (T, d_model)
     output is built."""
     n = sink.sum(-1)  # (B, H)
-    M = torch.einsum("bhtd,bht,bhte->bhde", z, sink, z)
+    M = (z * sink[..., None]).transpose(-1, -2) @ z  # (B, H, d, d)
     P = M @ G
     tr = P.diagonal(dim1=-2, dim2=-1).sum(-1)
     pr = tr**2 / (P * P.transpose(-1, -2)).sum((-2, -1)).clamp(min=TINY)

@@ -23,6 +23,9 @@ import torch
 from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
 
 
+COLUMNS_KEPT = 64  # key columns a layer's weights keep for its reductions to share: (B, H, T, 64) floats at most
+
+
 class AttentionWeights:
     """A layer's attention probabilities A of shape (B, H, T, T), held as a map or as q, k and the log-sum-exp.
 
@@ -63,6 +66,7 @@ class AttentionWeights:
         self.pattern, self.query, self.key, self.lse = pattern, query, key, lse
         self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
         self.softcap = None if softcap is None else float(softcap)
+        self._cols: Optional[torch.Tensor] = None  # the first key columns, once computed (``columns``)
         ref = pattern if pattern is not None else query
         self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
         self.device, self.dtype = ref.device, ref.dtype
@@ -111,34 +115,40 @@ class AttentionWeights:
     # -- what the reductions read ---------------------------------------------------------------------------------
 
     def columns(self, k_max: int) -> torch.Tensor:
-        """A[..., :, :k_max]: the attention every query gives keys 1..k_max, float32 (B, H, T, k_max)."""
+        """A[..., :, :k_max]: the attention every query gives keys 1..k_max, float32 (B, H, T, k_max). Up to
+        ``COLUMNS_KEPT`` columns are kept once computed, so the reductions of one layer (alpha, the first key's
+        column) share one pass over the query rows."""
+        k = min(int(k_max), self.shape[-1])
+        if self._cols is not None and self._cols.shape[-1] >= k:
+            return self._cols[..., :k]
         if self.pattern is not None:
-            return self._pattern(k_max)
-        B, H, T, _ = self.shape
-        out = torch.zeros(B, H, T, min(int(k_max), T), device=self.device)
-        for s, e, a in self._blocks(k_max):
-            out[..., s:e, : a.shape[-1]] = a
+            out = self._pattern(k)
+        else:
+            out = torch.zeros(*self.shape[:3], k, device=self.device)
+            for s, e, a in self._blocks(k):
+                out[..., s:e, : a.shape[-1]] = a
+        if k <= COLUMNS_KEPT:
+            self._cols = out
         return out
 
     def column(self, j: int) -> torch.Tensor:
         """A[..., :, j] (0-based key j): the attention every query gives key j + 1, float32 (B, H, T)."""
-        if self.pattern is not None:
-            return self._pattern(j + 1)[..., j]
         return self.columns(j + 1)[..., j]
 
     def alpha(self, k_max: int) -> torch.Tensor:
         """alpha_k for keys 1..k_max (the mean attention key k receives from the queries i >= k), float32
-        (B, H, k_max); the same as ``analysis.sinks.metric.alpha_from_pattern`` on the map."""
+        (B, H, k_max); the same as ``analysis.sinks.metric.alpha_from_pattern`` on the map. Past ``COLUMNS_KEPT``
+        keys of q, k and the lse, the column sums stream over blocks of query rows (every key: never T x T)."""
         T = self.shape[-1]
         k_max = min(int(k_max), T)
-        if self.pattern is not None:
-            counts = (T - torch.arange(k_max, device=self.device)).double()
-            return (self._pattern(k_max).sum(-2, dtype=torch.float64) / counts).float()
+        counts = (T - torch.arange(k_max, device=self.device)).double()
+        if self.pattern is not None or k_max <= COLUMNS_KEPT:
+            return (self.columns(k_max).sum(-2, dtype=torch.float64) / counts).float()
         if self.softcap is not None:  # the cap is not a factor of q . k: sum the blocks
             sums = torch.zeros(*self.shape[:2], k_max, dtype=torch.float64, device=self.device)
             for _, _, a in self._blocks(k_max):
                 sums[..., : a.shape[-1]] += a.sum(-2)
-            return (sums / (T - torch.arange(k_max, device=self.device)).double()).float()
+            return (sums / counts).float()
         return alpha_from_lse(
             self.query, self.key, self.lse, self.scale, k_max, mask=self.mask, chunk_elements=self.chunk
         )

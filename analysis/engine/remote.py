@@ -316,7 +316,8 @@ def remote_pass(
     make_batch : callable
         ``make_batch(tokens, offset)``: the pass engine's batch handed to each fold.
     batch_size : int, optional
-        Sequences per trace; None: as many as keep a request under NDIF's size limit (:func:`plan_requests`).
+        Sequences per trace, at most as many as keep a request under NDIF's size limit (:func:`plan_requests`,
+        also the default).
     remote : bool or str, optional
         nnsight's ``remote``; None: ``model.remote``.
 
@@ -330,7 +331,7 @@ def remote_pass(
     N = tokens.shape[0]
     per, fixed = reduction_bytes(model, tokens, plan)
     req = plan_requests(N, [p[0] for p in plan], per=per, fixed=fixed)
-    bs = batch_size or req.samples
+    bs = min(batch_size or req.samples, req.samples)  # never a request over the limit
     requests, sent = 0, 0
     by_layer = {p[0]: p for p in plan}
     for start in range(0, N, bs):

@@ -22,6 +22,8 @@ edits no module here.
 
 from __future__ import annotations
 
+import time
+
 import dataclasses
 import importlib
 from dataclasses import field
@@ -315,6 +317,7 @@ def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool, b
     accs = {a.name: list(a.accumulators(inputs)) for a in chosen}
     flat = [acc for group in accs.values() for acc in group]
     record: dict = {}
+    t = time.perf_counter()
     results = iter(
         run_pass(
             inputs.model,
@@ -326,6 +329,7 @@ def _one_kind(out, inputs: PassInputs, chosen: list[Analysis], progress: bool, b
             record=record,
         )
     )
+    record["seconds"] = round(time.perf_counter() - t, 3)  # the pass alone (the follow-ups run passes of their own)
     got = {name: [next(results) for _ in group] for name, group in accs.items()}
     for a in chosen:
         if not got[a.name]:  # nothing to run (no gate in the model, no block to keep): the field's default

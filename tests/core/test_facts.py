@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2] / "analysis"
 PLUMBING = {
     "causal/conditions.py:LOSS_ROWS": "sequences per chunk of the streamed loss: memory, not the number",
     "engine/kernels.py:FLASH_MAX_HEAD_DIM": "the flash kernel's own limit",
+    "engine/attention.py:COLUMNS_KEPT": "key columns a layer keeps for its reductions to share: memory",
     "engine/remote.py:REQUEST_LIMIT_BYTES": "NDIF's message size",
     "engine/remote.py:REQUEST_FILL": "how full a remote request is planned",
     "engine/remote.py:CAND_ROWS_PER_SAMPLE": "the size budget of a remote request",
