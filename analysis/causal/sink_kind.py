@@ -250,7 +250,7 @@ class SinkKindAccumulator(Accumulator):
         dims = model_facts(model).dims
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.grams = output_grams(model, self.layers)  # |z W_O|^2 = z G z, G (H, d, d)
+        self.roots = gram_roots(output_grams(model, self.layers))  # |z W_O| = |z R|, R (H, d, d)
         self.T, self.eps, self.first = int(T), float(eps), first_query((0,), eps=eps)
         self.sums = RunningSums(len(self.layers))
         self.n, self.min_queries = 0, KIND_MIN_QUERIES
@@ -264,7 +264,7 @@ class SinkKindAccumulator(Accumulator):
         return Reduction(
             kind_stats,
             {
-                "G": self.grams[layer],
+                "R": self.roots[layer],
                 "n_heads": self.H,
                 "n_kv_heads": self.K,
                 "eps": self.eps,
@@ -308,17 +308,18 @@ class SinkKindAccumulator(Accumulator):
         )
 
 
-def kind_stats(acts: dict, *, G, n_heads: int, n_kv_heads: int, eps: float, first: int, min_queries: int) -> dict:
+def kind_stats(acts: dict, *, R, n_heads: int, n_kv_heads: int, eps: float, first: int, min_queries: int) -> dict:
     """One layer's reduce for the sink kinds, per query head summed over the batch (float64, (H,) each): alpha_1,
     the first and the other values' norms, the queries that sink and those that do not with their output norms
-    |z_t W_O| (``G`` = W_O W_O^T per head, (H, d, d)), and over the sinking queries of each sequence that has
-    ``min_queries`` of them the participation ratio and cosine of the outputs (:func:`_within`).
+    |z_t W_O| = |z_t R| (``R`` R^T = W_O W_O^T per head, (H, d, d)), and over the sinking queries of each sequence
+    that has ``min_queries`` of them the participation ratio and cosine of the outputs (:func:`_within`).
 
     Parameters
     ----------
     acts : dict
         {"v": values (B, T, H or H_kv, d), "z": head outputs (B, T, H, d), "pattern": the map or ``AttentionWeights``}.
-    G : torch.Tensor, shape (H, d, d)
+    R : torch.Tensor, shape (H, d, d)
+        A square root of each head's output Gram (:func:`gram_roots`).
     n_heads, n_kv_heads : int
     eps : float
         A query sinks when its weight on the first token exceeds it.
@@ -334,11 +335,10 @@ def kind_stats(acts: dict, *, G, n_heads: int, n_kv_heads: int, eps: float, firs
     c0 = p.column(0)  # (B, H, T): the first token's weight from every query
     norms = per_query_head(kv_view(acts["v"], n_kv_heads).float().norm(dim=-1), n_heads)  # (B, T, H)
     z = acts["z"][:, first:].float().transpose(1, 2)  # (B, H, T', d)
-    G = G.to(z.device, torch.float32)
-    Gz = z @ G[None]  # (B, H, T', d)
-    out = (z * Gz).sum(-1).clamp(min=0).sqrt()  # |z_t W_O| (B, H, T')
+    y = z @ R.to(z.device, torch.float32)[None]  # (B, H, T', d): |y_t| = |z_t W_O|, y_s . y_t = o_s . o_t
+    out = y.norm(dim=-1)
     sink = (c0[..., first:] > eps).float()
-    pr, cos, ok = _within(z, Gz, G, out, sink, min_queries)
+    pr, cos, ok = _within(y, out, sink, min_queries)
     got = {
         "alpha": c0.sum(-1, dtype=torch.float64) / c0.shape[-1],
         "v1": norms[:, 0],
@@ -354,21 +354,40 @@ def kind_stats(acts: dict, *, G, n_heads: int, n_kv_heads: int, eps: float, firs
     return {k: v.double().sum(0) for k, v in got.items()}
 
 
-def _within(z, Gz, G, out, sink, min_queries: int):
+def gram_roots(grams: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """{layer: R (H, d, d)} with R R^T = G for each head's output Gram G = W_O W_O^T (symmetric, PSD): from its
+    eigendecomposition, so that the outputs' norms and inner products are those of z R, in the head's own d dims.
+
+    Parameters
+    ----------
+    grams : dict of int to torch.Tensor
+        {layer: (H, d, d)}, ``dormant_heads.output_grams``.
+
+    Returns
+    -------
+    dict of int to torch.Tensor
+    """
+    out = {}
+    for layer, G in grams.items():
+        w, U = torch.linalg.eigh(G.double())
+        out[layer] = (U * w.clamp(min=0).sqrt()[..., None, :]).float()
+    return out
+
+
+def _within(y, out, sink, min_queries: int):
     """Per sequence and head, over the sinking queries: the participation ratio of the outputs' singular values and
     their mean cosine to their mean direction, and whether the sequence has ``min_queries`` of them (float64, (B, H)).
 
-    The outputs o_t = z_t W_O over the sinking queries have Gram C = W_O^T M W_O with M = sum_t z_t z_t^T, whose
-    nonzero eigenvalues (the s^2) are those of M G (d x d), so that PR = tr(M G)^2 / tr((M G)^2): no (T, d_model)
-    output is built."""
+    The outputs o_t = z_t W_O have the inner products of y_t = z_t R (R R^T = W_O W_O^T), so the sinking outputs'
+    Gram has the nonzero eigenvalues (the s^2) of C = sum_t y_t y_t^T (d x d): PR = tr(C)^2 / |C|_F^2, and no
+    (T, d_model) output is built."""
     n = sink.sum(-1)  # (B, H)
-    M = (z * sink[..., None]).transpose(-1, -2) @ z  # (B, H, d, d)
-    P = M @ G
-    tr = P.diagonal(dim1=-2, dim2=-1).sum(-1)
-    pr = tr**2 / (P * P.transpose(-1, -2)).sum((-2, -1)).clamp(min=TINY)
-    zbar = (z * sink[..., None]).sum(2) / n.clamp(min=1)[..., None]  # (B, H, d)
-    mean_norm = (torch.einsum("bhd,hde,bhe->bh", zbar, G, zbar)).clamp(min=0).sqrt()
-    cos = torch.einsum("bhtd,bhd->bht", Gz, zbar) / (out * mean_norm[..., None]).clamp(min=TINY)
+    ys = y * sink[..., None]
+    C = ys.transpose(-1, -2) @ ys  # (B, H, d, d)
+    tr = (out.square() * sink).sum(-1)
+    pr = tr**2 / C.square().sum((-2, -1)).clamp(min=TINY)
+    ybar = ys.sum(2) / n.clamp(min=1)[..., None]  # (B, H, d)
+    cos = (y @ ybar[..., None])[..., 0] / (out * ybar.norm(dim=-1)[..., None]).clamp(min=TINY)
     cos = (cos * sink).sum(-1) / n.clamp(min=1)
     return pr, cos, (n >= min_queries).double()
 
