@@ -562,7 +562,7 @@ class DormantHeads(Result, LayerAxis):
             f"{_pct(s['share_rho_effect_negative'])} of them with the output set to zero (median rho = "
             f"{s['median_rho_effect']:.2f}){mean}."
         )
-        qw = _quantile_words(self.quantile)
+        qw = "median" if abs(self.quantile - 0.5) < 1e-9 else f"{100 * self.quantile:.0f}th percentile"
         mean = (
             f", and in {_pct(s['inert_mean_if_sinking'])} against {_pct(s['inert_mean_if_other'])} with it set to "
             "its mean"
@@ -738,10 +738,6 @@ def _median(s) -> float | None:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
-
-
-def _quantile_words(q: float) -> str:
-    return "median" if abs(q - 0.5) < 1e-9 else f"{100 * q:.0f}th percentile"
 
 
 def _positions_words(sink_positions) -> str:

@@ -32,28 +32,11 @@ from analysis.model.hooks import (
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
 from analysis.core.results import Result
 from analysis.model.rotary import rotate_as_spec
-from analysis.core.stats import one_thread, permuted_copy, unit_vectors
+from analysis.core.stats import one_thread, permuted_copy
 
 from analysis.core.defaults import QK_COS_BINS as N_BINS  # fixed bins of the cosine histograms
 
 _STATS = ("cos_first", "cos_other", "q_norm", "k_first_norm", "k_other_norm")
-
-
-def head_cosines(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """cos(q_i, k_j) for every query head, each against the keys of its KV head.
-
-    Parameters
-    ----------
-    q : torch.Tensor, shape (B, T, H, d)
-        Queries.
-    k : torch.Tensor, shape (B, T, H_kv, d)
-        Keys.
-
-    Returns
-    -------
-    torch.Tensor, shape (B, H, T_q, T_k)
-    """
-    return _cosines(unit_vectors(q.float())[0], unit_vectors(k.float())[0])
 
 
 def _cosines(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:

@@ -488,7 +488,7 @@ def origin_from(
         todo = (
             [(b, role) for role in ROLES for b in out.writing_blocks(d, role)]
             if blocks is None
-            else [(b, _role_of(out, d, b)) for b in blocks]
+            else [(b, "eraser" if b in out.writing_blocks(d, "eraser") else "writer") for b in blocks]
         )
         for b, role in todo:
             _resolve(model, out, spec, d, b, role)
@@ -545,10 +545,6 @@ def _appears(trace: FirstTokenTrace, dim: int, massive) -> int:
         return min(flagged) + (massive.hook == "resid_post")
     v = trace.resid[:, :, dim].mean(0).abs()
     return int((v >= 0.5 * v.max()).nonzero()[0])
-
-
-def _role_of(out: SpikeOrigin, dim: int, block: int) -> str:
-    return "eraser" if block in out.writing_blocks(dim, "eraser") else "writer"
 
 
 def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> None:

@@ -206,28 +206,13 @@ def register(analysis: Analysis) -> Analysis:
     if analysis.name in _REGISTRY:
         raise ValueError(
             f"an analysis named {analysis.name!r} is already registered (by "
-            f"{_REGISTRY[analysis.name].module}); pick another name or unregister it first."
+            f"{_REGISTRY[analysis.name].module}); pick another name."
         )
     if analysis.module == "":
         caller = inspect.currentframe().f_back
         object.__setattr__(analysis, "module", caller.f_globals.get("__name__", "") if caller else "")
     _REGISTRY[analysis.name] = analysis
     return analysis
-
-
-def unregister(name: str) -> Analysis:
-    """Remove an analysis from the registry.
-
-    Parameters
-    ----------
-    name : str
-
-    Returns
-    -------
-    Analysis
-        The one removed.
-    """
-    return _REGISTRY.pop(name)
 
 
 @contextlib.contextmanager

@@ -698,19 +698,3 @@ def _is_reference(path: Path) -> bool:
         return json.loads((path / "config.json").read_text()).get("format") == REFERENCE_FORMAT
     except (OSError, json.JSONDecodeError):
         return False
-
-
-def is_reference_model(name_or_path) -> bool:
-    """Whether a name or folder is one of this project's reference models (``analysis.train``'s SinkLM).
-
-    Parameters
-    ----------
-    name_or_path : str or path-like
-
-    Returns
-    -------
-    bool
-    """
-    name = str(name_or_path)
-    path = Path(name).expanduser()
-    return name in _reference_models() or (path.is_dir() and (path / "config.json").is_file() and _is_reference(path))

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
 
-NNSIGHT_VERSION = "0.8.1"  # the version pinned by the "remote" extra and tested here
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 
 

@@ -64,25 +64,6 @@ def materialized(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
             hook.post_forward(sub, None)
 
 
-def real_tensor(module: torch.nn.Module, name: str = "weight") -> torch.Tensor | None:
-    """The real value of one of ``module``'s tensors (a parameter, buffer or bridge property such as ``W_K``).
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-    name : str
-        The attribute, e.g. "weight", "bias", "W_K".
-
-    Returns
-    -------
-    torch.Tensor or None
-        Detached, on the module's execution device; None where the module has no such attribute.
-    """
-    with materialized(module):
-        t = getattr(module, name, None)
-        return t.detach() if isinstance(t, torch.Tensor) else t
-
-
 def is_offloaded(model: torch.nn.Module) -> bool:
     """Whether any weight of ``model`` is kept off its module by accelerate (CPU or disk offload).
 

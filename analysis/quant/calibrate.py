@@ -19,10 +19,6 @@ class _Keep:
     mask: torch.Tensor | None = None
 
 
-def _flat_abs(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().flatten(2).abs().float()
-
-
 def calibrate(
     model: SinkModel, sites, windows: torch.Tensor, *, keep: torch.Tensor | None = None, prefix=None, batch: int = 4
 ) -> dict[str, ScaleSite]:
@@ -51,7 +47,7 @@ def calibrate(
 
         def record(site):
             def fn(x):
-                a = _flat_abs(x)
+                a = x.detach().flatten(2).abs().float()
                 if state.mask is not None:
                     a = a.masked_fill(state.mask[..., None].to(a.device), 0.0)
                 if runner.P and not runner.cached:

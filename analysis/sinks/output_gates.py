@@ -21,7 +21,6 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.model.families import get_family
 from analysis.model.hooks import check_attention_layers, check_tokens, model_facts, skipped_note
 from analysis.core.io import jsonable
 from analysis.engine.passes import Accumulator, Batch, run_pass
@@ -166,21 +165,6 @@ class GateAccumulator(Accumulator):
             self.kind,
             skipped_note(self.model),
         )
-
-
-def has_gate(model: SinkModel) -> bool:
-    """Whether the model gates its attention output (the family spec's ``gate``).
-
-    Parameters
-    ----------
-    model
-        A loaded model.
-
-    Returns
-    -------
-    bool
-    """
-    return get_family(model).gate is not None
 
 
 def attention_gates(
