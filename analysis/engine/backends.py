@@ -109,7 +109,9 @@ def hf_modules(model: SinkModel) -> set[int]:
         return {id(m) for m in hf.modules()}
 
 
-def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> tuple[torch.nn.Module, str]:
+def module_site(
+    model: SinkModel, name: str, *, own: set[int] | None = None, points=None
+) -> tuple[torch.nn.Module, str]:
     """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
 
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
@@ -123,6 +125,8 @@ def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> 
         A hook name (an alias or the component's own).
     own : set of int, optional
         :func:`hf_modules` of the model, where the caller has them.
+    points : Mapping, optional
+        ``model.hook_dict``, where the caller has it (the bridge builds it anew, aliases and all, on every read).
 
     Returns
     -------
@@ -130,7 +134,7 @@ def module_site(model: SinkModel, name: str, *, own: set[int] | None = None) -> 
         BackendUnsupported where no Hugging Face module's input or output is that hook (a component the bridge
         made up, such as the gate and up halves of a joint projection, is no module the model runs).
     """
-    point = model.hook_dict.get(name)
+    point = (model.hook_dict if points is None else points).get(name)
     canonical = getattr(point, "name", None) or name
     path, _, which = canonical.rpartition(".")
     if which not in ("hook_in", "hook_out") or path.endswith(_ATTENTION_PARTS):
@@ -162,7 +166,7 @@ def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str]
     """
     spec = get_family(model)
     plain_qk = spec.positions != "rotary" and spec.qk_norm is None
-    own = hf_modules(model)
+    own, points = hf_modules(model), model.hook_dict
     for n in sorted({*names, *edits}):
         site = _site(n)
         if hook_layer(n) is None:
@@ -176,7 +180,7 @@ def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str]
                 return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue
         try:
-            module_site(model, n, own=own)
+            module_site(model, n, own=own, points=points)
         except BackendUnsupported as e:
             return str(e)
     return None
@@ -273,12 +277,12 @@ class Taps:
         self.attn: dict[int, set[str]] = {}  # layer -> the attention sites read or changed there
         self.kernels: dict[str, str] = {}  # the kernels the layers took -> why not the table's first ("" if it was)
         self.sites: dict[tuple[int, str], tuple[torch.nn.Module, list[str]]] = {}  # (id, in/out) -> module, names
-        own = hf_modules(model)
+        own, points = hf_modules(model), model.hook_dict
         for name in sorted({*self.read, *self.edits}):
             if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
                 self.attn.setdefault(hook_layer(name), set()).add(_site(name))
                 continue
-            module, which = module_site(model, name, own=own)
+            module, which = module_site(model, name, own=own, points=points)
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
 
     def _give(self, name: str, x):
