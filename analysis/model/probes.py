@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 import torch
 from analysis.model.contract import SinkModel
+from analysis.core.docs import parameters_from
 from analysis.core.results import compact_repr
 
 PROBE_KINDS = ("natural", "random", "repeated")
@@ -357,6 +358,7 @@ def text_tokens(
     return torch.tensor([ids], dtype=torch.long)
 
 
+@parameters_from(text_probe)
 def natural_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None
 ) -> ProbeSet:
@@ -364,16 +366,8 @@ def natural_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     texts : iterable of str, optional
         Your own texts instead of the corpus.
 
@@ -397,6 +391,7 @@ def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
     return ids
 
 
+@parameters_from(text_probe)
 def random_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
 ) -> ProbeSet:
@@ -404,16 +399,8 @@ def random_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     vocab_size : int, optional
         Draw ids below this (default: ``len(tokenizer)``).
 
@@ -429,6 +416,7 @@ def random_probe(
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
+@parameters_from(text_probe)
 def repeated_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
 ) -> ProbeSet:
@@ -436,16 +424,8 @@ def repeated_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     vocab_size : int, optional
         Draw ids below this (default: ``len(tokenizer)``).
 
@@ -463,6 +443,7 @@ def repeated_probe(
     )
 
 
+@parameters_from(text_probe)
 def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
     """One of ``PROBE_KINDS`` by name.
 
@@ -471,14 +452,8 @@ def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = F
     kind : {"natural", "random", "repeated"}
     tokenizer : transformers.PreTrainedTokenizerBase
         The model's tokenizer (ValueError for None: build token tensors yourself).
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    n, T, bos, seed
+        As in :func:`text_probe`.
 
     Returns
     -------
@@ -493,6 +468,7 @@ def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = F
     return makers[kind](tokenizer, n=n, T=T, bos=bos, seed=seed)
 
 
+@parameters_from(text_probe)
 def probe_sets(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS
 ) -> dict[str, ProbeSet]:
@@ -500,16 +476,8 @@ def probe_sets(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     kinds : sequence of str
         The kinds to make (default all of ``PROBE_KINDS``).
 
@@ -569,6 +537,7 @@ def task_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 
     }
 
 
+@parameters_from(text_probe)
 def model_probe_sets(
     model: SinkModel, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0
 ) -> dict[str, ProbeSet]:
@@ -579,14 +548,8 @@ def model_probe_sets(
     ----------
     model
         A loaded model.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    n, T, bos, seed
+        As in :func:`text_probe`.
 
     Returns
     -------
