@@ -80,6 +80,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every option's default shown (``(default: ...)``), descriptions kept as written."""
 
 
+def _parent(title: str | None, *options: tuple[str, dict]) -> argparse.ArgumentParser:
+    """A parent parser holding ``options`` (flag, ``add_argument`` keywords), each with its ``VOCABULARY`` help, in
+    the argument group ``title`` (None: no group)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group(title) if title else p
+    for flag, kwargs in options:
+        g.add_argument(flag, help=VOCABULARY[flag], **kwargs)
+    return p
+
+
 def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True) -> argparse.ArgumentParser:
     """``--model --device --dtype --threads --quiet``, as a parent parser.
 
@@ -94,15 +104,14 @@ def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("model")
-    if model_flag:
-        g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
-    g.add_argument("--device", default="auto", help=VOCABULARY["--device"])
-    g.add_argument("--dtype", default="float32", help=VOCABULARY["--dtype"])
-    g.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
-    g.add_argument("--quiet", action="store_true", help=VOCABULARY["--quiet"])
-    return p
+    return _parent(
+        "model",
+        *([("--model", dict(default=default_model))] if model_flag else []),
+        ("--device", dict(default="auto")),
+        ("--dtype", dict(default="float32")),
+        ("--threads", dict(type=int, default=None)),
+        ("--quiet", dict(action="store_true")),
+    )
 
 
 def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
@@ -120,12 +129,12 @@ def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("probes")
-    g.add_argument("--n", type=int, default=n, help=VOCABULARY["--n"])
-    g.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
-    g.add_argument("--seed", type=int, default=0, help=VOCABULARY["--seed"])
-    return p
+    return _parent(
+        "probes",
+        ("--n", dict(type=int, default=n)),
+        ("--T", dict(type=int, default=T)),
+        ("--seed", dict(type=int, default=0)),
+    )
 
 
 def length_options(*, T: int) -> argparse.ArgumentParser:
@@ -140,9 +149,7 @@ def length_options(*, T: int) -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
-    return p
+    return _parent(None, ("--T", dict(type=int, default=T)))
 
 
 def seed_options(*, many: bool = False) -> argparse.ArgumentParser:
@@ -157,9 +164,7 @@ def seed_options(*, many: bool = False) -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--seed", type=str if many else int, default="0" if many else 0, help=VOCABULARY["--seed"])
-    return p
+    return _parent(None, ("--seed", dict(type=str if many else int, default="0" if many else 0)))
 
 
 def sink_options() -> argparse.ArgumentParser:
@@ -169,11 +174,7 @@ def sink_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sink")
-    g.add_argument("--eps", type=float, default=SINK_EPS, help=VOCABULARY["--eps"])
-    g.add_argument("--bos", action="store_true", help=VOCABULARY["--bos"])
-    return p
+    return _parent("sink", ("--eps", dict(type=float, default=SINK_EPS)), ("--bos", dict(action="store_true")))
 
 
 def placement_options() -> argparse.ArgumentParser:
@@ -184,11 +185,10 @@ def placement_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("split a model over devices (accelerate; see docs/scale.md)")
-    for flag in ("--device-map", "--max-memory", "--offload-folder"):
-        g.add_argument(flag, default=None, help=VOCABULARY[flag])
-    return p
+    flags = ("--device-map", "--max-memory", "--offload-folder")
+    return _parent(
+        "split a model over devices (accelerate; see docs/scale.md)", *((f, dict(default=None)) for f in flags)
+    )
 
 
 def backend_options() -> argparse.ArgumentParser:
@@ -198,11 +198,9 @@ def backend_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("backend")
-    g.add_argument("--backend", choices=BACKENDS, default=CLI_BACKEND, help=VOCABULARY["--backend"])
-    g.add_argument("--remote", action="store_true", help=VOCABULARY["--remote"])
-    return p
+    return _parent(
+        "backend", ("--backend", dict(choices=BACKENDS, default=CLI_BACKEND)), ("--remote", dict(action="store_true"))
+    )
 
 
 def check_flags(args) -> None:
