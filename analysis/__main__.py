@@ -20,6 +20,7 @@ from analysis.core.options import (
     HelpFormatter,
     backend_options,
     check_flags,
+    command_doc,
     model_options,
     placement_options,
     probe_options,
@@ -200,18 +201,9 @@ def format_sink_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+@command_doc("int", "The exit status.")
 def cmd_sink(args) -> int:
-    """``python -m analysis sink``: the sink table of one model, printed, then written where asked.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status.
-    """
+    """``python -m analysis sink``: the sink table of one model, printed, then written where asked."""
     from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
     from analysis.model.placement import placement_from_args
 
@@ -238,18 +230,9 @@ def cmd_sink(args) -> int:
     return 0
 
 
+@command_doc("int", "The exit status.")
 def cmd_sinks(args) -> int:
-    """Every sink position of one text file: the table, and one JSON record per sink position.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status.
-    """
+    """Every sink position of one text file: the table, and one JSON record per sink position."""
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.model.hooks import model_dims
     from analysis.model.loading import load_model
@@ -327,18 +310,9 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
     print(f"wrote {args.json}")
 
 
+@command_doc("int", "The exit status (1 where a section failed or the folder could not be written).")
 def cmd_report(args) -> int:
-    """``python -m analysis report``: the HTML and JSON report.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status (1 where a section failed or the folder could not be written).
-    """
+    """``python -m analysis report``: the HTML and JSON report."""
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.model.loading import load_model
     from analysis.model.placement import placement_from_args
@@ -370,17 +344,9 @@ def cmd_report(args) -> int:
     return 0
 
 
+@command_doc("int")
 def cmd_models(args) -> int:
-    """``python -m analysis models``: the models known by name.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-    """
+    """``python -m analysis models``: the models known by name."""
     from analysis.model.loading import available_models  # import time: torch loads once the options are checked
 
     for m in available_models():
@@ -450,20 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command_doc("None", "ValueError, naming the flag, otherwise.")
 def check_args(args) -> None:
     """Everything the command line can check before the model loads, and before torch is imported: the shared options,
     T, every output path (exists as the wrong kind, under a file, not writable), the command's own options, then the
-    device (the one check that imports torch, to ask for a GPU; auto and cpu pass without it).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-        ValueError, naming the flag, otherwise.
-    """
+    device (the one check that imports torch, to ask for a GPU; auto and cpu pass without it)."""
     check_flags(args)
     if getattr(args, "T", None) is not None:
         check_length(args.T, minimum=getattr(args, "min_T", 2), why=getattr(args, "min_T_why", ""))

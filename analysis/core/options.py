@@ -21,8 +21,10 @@ This module imports nothing heavy: the command line parses and checks before tor
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import sys
+from typing import Callable
 
 from analysis.core.defaults import BACKENDS, CLI_BACKEND, SINK_EPS
 
@@ -203,17 +205,34 @@ def backend_options() -> argparse.ArgumentParser:
     )
 
 
-def check_flags(args) -> None:
-    """The shared options' values, checked before any work (ValueError naming the flag otherwise).
+def command_doc(returns: str, *more: str) -> Callable:
+    """Decorator of a function of the parsed options: its docstring gets the sections every such function has,
+    ``Parameters`` (``args : argparse.Namespace``) and ``Returns`` (``returns``, then the lines ``more``), written once.
 
     Parameters
     ----------
-    args : argparse.Namespace
+    returns : str
+        The returned type (``int``: an exit status; ``None``: a check).
+    *more : str
+        The lines that say what it returns.
 
     Returns
     -------
-    None
+    callable
+        The decorator; it returns the function, its docstring completed.
     """
+    tail = ["", "", "Parameters", "----------", "args : argparse.Namespace", "", "Returns", "-------", returns]
+
+    def decorate(fn: Callable) -> Callable:
+        fn.__doc__ = inspect.cleandoc(fn.__doc__ or "") + "\n".join(tail + ["    " + line for line in more])
+        return fn
+
+    return decorate
+
+
+@command_doc("None")
+def check_flags(args) -> None:
+    """The shared options' values, checked before any work (ValueError naming the flag otherwise)."""
     n = getattr(args, "n", None)
     if n is not None and n < 1:
         raise ValueError(f"--n must be at least 1 sequence; got {n}.")

@@ -4,7 +4,15 @@ every per-tensor scale, and the packed low-bit KV cache; the table printed, ever
 from __future__ import annotations
 
 from analysis.core.checks import resolve_device
-from analysis.core.options import VOCABULARY, HelpFormatter, backend_options, command_line, length_options, seed_options
+from analysis.core.options import (
+    VOCABULARY,
+    HelpFormatter,
+    backend_options,
+    command_doc,
+    command_line,
+    length_options,
+    seed_options,
+)
 from analysis.core.versions import package_versions
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
@@ -71,17 +79,9 @@ def add_parser(sub, *, parents=()) -> None:
     q.set_defaults(func=cmd_quant, check=check_quant_args, outputs=(("json", False),))
 
 
+@command_doc("None")
 def check_quant_args(args) -> None:
-    """The quant command's own options, checked before torch loads (ValueError naming the flag otherwise).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-    """
+    """The quant command's own options, checked before torch loads (ValueError naming the flag otherwise)."""
     if getattr(args, "dtype", "float32") != "float32":
         raise ValueError(
             f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}."
@@ -115,17 +115,9 @@ def format_quant_table(res) -> str:
     return "\n".join(lines)
 
 
+@command_doc("int")
 def cmd_quant(args) -> int:
-    """Run ``python -m analysis quant``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-    """
+    """Run ``python -m analysis quant``."""
     # import time: torch loads once the options are checked
     from analysis.core.io import write_json, write_or_spare
     from analysis.model.loading import load_model

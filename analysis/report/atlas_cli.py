@@ -12,6 +12,7 @@ from analysis.core.options import (
     SINK_N,
     HelpFormatter,
     backend_options,
+    command_doc,
     model_options,
     placement_options,
     probe_options,
@@ -80,18 +81,9 @@ def read_models_file(path) -> list[str]:
     return [n for n in names if n]
 
 
+@command_doc("None", "ValueError or FileNotFoundError, saying what to give, otherwise.")
 def check_atlas_args(args) -> None:
-    """The models (positional and ``--models-file``), read and checked before torch loads; kept as ``args.model_list``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-        ValueError or FileNotFoundError, saying what to give, otherwise.
-    """
+    """The models (positional and ``--models-file``), read and checked before torch loads; kept as ``args.model_list``."""
     names = list(args.models) + (read_models_file(args.models_file) if args.models_file else [])
     if not names:
         raise ValueError(
@@ -153,19 +145,13 @@ def format_atlas_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@command_doc(
+    "int",
+    "0; 1 where a model failed (its error is in its row, the others were measured); 130 on Ctrl-C (every finished",
+    "model is kept: the same command again goes on).",
+)
 def cmd_atlas(args) -> int:
-    """Run ``python -m analysis atlas``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        0; 1 where a model failed (its error is in its row, the others were measured); 130 on Ctrl-C (every finished
-        model is kept: the same command again goes on).
-    """
+    """Run ``python -m analysis atlas``."""
     # import time: torch loads once the options are checked
     from analysis.core.io import parse_dtype
     from analysis.model.loading import load_model

@@ -8,6 +8,7 @@ from analysis.core.options import (
     VOCABULARY,
     HelpFormatter,
     backend_options,
+    command_doc,
     model_options,
     placement_options,
     seed_options,
@@ -79,17 +80,9 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     s.set_defaults(func=cmd_stream, check=check_stream_args, outputs=(("json", False), ("csv", False)))
 
 
+@command_doc("None")
 def check_stream_args(args) -> None:
-    """The stream's own options, checked before the model loads (ValueError naming the flag otherwise).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-    """
+    """The stream's own options, checked before the model loads (ValueError naming the flag otherwise)."""
     sinks, bits = _ints(args.sinks), _ints(args.kv_bits)
     if getattr(args, "backend", "auto") not in STREAM_BACKENDS:
         raise ValueError(f"--backend {args.backend} does not apply to stream: {STREAM_BACKEND_WHY}")
@@ -109,18 +102,9 @@ def check_stream_args(args) -> None:
         )
 
 
+@command_doc("int", "The exit status (1 where an output could not be written; the table is printed first either way).")
 def cmd_stream(args) -> int:
-    """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status (1 where an output could not be written; the table is printed first either way).
-    """
+    """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked."""
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.core.io import write_or_spare
     from analysis.model.loading import load_model
