@@ -23,10 +23,10 @@ from analysis.core.options import (
     command_doc,
     model_options,
     placement_options,
-    probe_options,
     command_line,
-    seed_options,
+    sink_command_options,
     sink_options,
+    write_output,
 )
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
@@ -111,7 +111,6 @@ def sink_report(
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.core.versions import package_versions
     from analysis.model.hooks import model_dims
-    from analysis.model.loading import load_model
     from analysis.model.placement import placement_record
     from analysis.model.probes import model_probe_sets
     from analysis.report.one_pass import profile
@@ -121,14 +120,7 @@ def sink_report(
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(
-        model_name,
-        device=device,
-        dtype=cli_dtype(dtype),
-        backend=backend,
-        remote=remote,
-        **_placement_kwargs(placement),
-    )
+    model = _load(model_name, device, dtype, backend, remote, placement)
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
@@ -157,15 +149,28 @@ def sink_report(
     }
 
 
-def _placement_kwargs(placement: Placement | None) -> dict:
-    """``load_model``'s device_map / max_memory / offload_folder keywords of a placement ({} for none)."""
-    if placement is None or not placement.split:
-        return {}
-    return {
-        "device_map": placement.device_map,
-        "max_memory": placement.max_memory,
-        "offload_folder": placement.offload_folder,
-    }
+def _load(name: str, device: str | None, dtype: str, backend: str, remote: bool, placement: Placement | None):
+    """``load_model`` with the shared options' device, dtype, backend, remote and placement (its device_map,
+    max_memory and offload_folder where it splits the model)."""
+    from analysis.model.loading import load_model  # import time: torch loads once the options are checked
+
+    split = placement is not None and placement.split
+    keys = ("device_map", "max_memory", "offload_folder") if split else ()
+    return load_model(
+        name,
+        device=device,
+        dtype=cli_dtype(dtype),
+        backend=backend,
+        remote=remote,
+        **{k: getattr(placement, k) for k in keys},
+    )
+
+
+def _load_args(args):
+    """:func:`_load` of the parsed options (``--model``, ``--device-map`` ...)."""
+    from analysis.model.placement import placement_from_args  # import time: as _load's
+
+    return _load(args.model, args.device, args.dtype, args.backend, args.remote, placement_from_args(args))
 
 
 def format_sink_table(payload: dict) -> str:
@@ -204,8 +209,7 @@ def format_sink_table(payload: dict) -> str:
 @command_doc("int", "The exit status.")
 def cmd_sink(args) -> int:
     """``python -m analysis sink``: the sink table of one model, printed, then written where asked."""
-    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
-    from analysis.model.placement import placement_from_args
+    from analysis.model.placement import placement_from_args  # import time: torch loads once the options are checked
 
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(
@@ -224,9 +228,7 @@ def cmd_sink(args) -> int:
         remote=args.remote,
     )
     print(format_sink_table(payload))
-    if args.json:
-        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-        print(f"wrote {args.json}")
+    write_output(args.json, payload)
     return 0
 
 
@@ -235,8 +237,6 @@ def cmd_sinks(args) -> int:
     """Every sink position of one text file: the table, and one JSON record per sink position."""
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.model.hooks import model_dims
-    from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args
     from analysis.model.probes import text_tokens
     from analysis.positions.every_sink import format_sinks, sink_positions
 
@@ -244,14 +244,7 @@ def cmd_sinks(args) -> int:
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
     nnsight = bool(args.remote)  # on NDIF: the accumulators' reductions in nnsight traces (analysis.engine.remote)
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=cli_dtype(args.dtype),
-        backend=args.backend,
-        remote=args.remote,
-        **_placement_kwargs(placement_from_args(args)),
-    )
+    model = _load_args(args)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(
             f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
@@ -286,7 +279,6 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
     """The ``sinks`` command's JSON record (``--json``): the run's model, text, placement and versions, then every
     sink position."""
     # import time: as cmd_sinks's imports
-    from analysis.core.io import write_json, write_or_spare
     from analysis.core.versions import package_versions
     from analysis.model.placement import placement_record
 
@@ -306,26 +298,16 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
         **res.to_dict(),
         "versions": package_versions(),
     }
-    write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-    print(f"wrote {args.json}")
+    write_output(args.json, payload)
 
 
 @command_doc("int", "The exit status (1 where a section failed or the folder could not be written).")
 def cmd_report(args) -> int:
     """``python -m analysis report``: the HTML and JSON report."""
     # import time: torch, transformers and TransformerLens load once the options are checked
-    from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args
     from analysis.report.build import ReportError, build_report
 
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=cli_dtype(args.dtype),
-        backend=args.backend,
-        remote=args.remote,
-        **_placement_kwargs(placement_from_args(args)),
-    )
+    model = _load_args(args)
     try:
         path = build_report(
             model,
@@ -369,11 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
         "they run on. `python -m analysis` is the same command.",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
-
     s = sub.add_parser(
         "sink",
-        parents=[model, probe_options(n=SINK_N), sink, place, backend_options()],
+        parents=sink_command_options(n=SINK_N),
         formatter_class=HelpFormatter,
         help="Sink_1 table on natural, random and repeated inputs",
     )
@@ -383,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "sinks",
-        parents=[model, sink, place, backend_options()],
+        parents=[model_options(), sink_options(), placement_options(), backend_options()],
         formatter_class=HelpFormatter,
         help="every sink position of one text file (not only the first token); positions 0-based",
     )
@@ -399,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser(
         "report",
-        parents=[model, probe_options(n=REPORT_N), sink, place, backend_options()],
+        parents=sink_command_options(n=REPORT_N),
         formatter_class=HelpFormatter,
         help="one self-contained HTML page and a JSON with every number",
     )
@@ -409,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the models known without a network")
     m.set_defaults(func=cmd_models)
 
-    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place, backend_options()])
-    add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
+    add_stream_parser(sub, DEFAULT_MODEL)  # its model, seed, placement and backend options
+    add_quant_parser(sub, parents=[model_options()])  # python -m analysis quant (analysis/quant/cli.py)
     add_atlas_parser(sub)  # python -m analysis atlas (analysis/report/atlas_cli.py)
     add_train_parsers(sub)  # train, sweep (analysis/train/cli.py; python -m analysis.train is their alias)
     return p

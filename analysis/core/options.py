@@ -205,6 +205,30 @@ def backend_options() -> argparse.ArgumentParser:
     )
 
 
+def sink_command_options(*, n: int, model_flag: bool = True) -> list[argparse.ArgumentParser]:
+    """The parents of the commands that measure the sink on probes (``sink``, ``report``, ``atlas``).
+
+    Parameters
+    ----------
+    n : int
+        The default of ``--n`` (as in :func:`probe_options`).
+    model_flag : bool
+        Add ``--model`` (as in :func:`model_options`).
+
+    Returns
+    -------
+    list of argparse.ArgumentParser
+        The model, probe, sink, placement and backend options.
+    """
+    return [
+        model_options(model_flag=model_flag),
+        probe_options(n=n),
+        sink_options(),
+        placement_options(),
+        backend_options(),
+    ]
+
+
 def command_doc(returns: str, *more: str) -> Callable:
     """Decorator of a function of the parsed options: its docstring gets the sections every such function has,
     ``Parameters`` (``args : argparse.Namespace``) and ``Returns`` (``returns``, then the lines ``more``), written once.
@@ -231,6 +255,31 @@ def command_doc(returns: str, *more: str) -> Callable:
 
 
 @command_doc("None")
+def write_output(path, what, *, flag: str = "--json") -> None:
+    """Write one output of a command where its flag asks for it, sparing what is there if it fails
+    (``analysis.core.io.write_or_spare``), then say where.
+
+    Parameters
+    ----------
+    path : path-like or None
+        The flag's value (None or empty: nothing is written).
+    what : dict or callable
+        A payload written as JSON, or a function that writes the file it is given.
+    flag : str
+        The flag, for the error.
+
+    Returns
+    -------
+    None
+    """
+    if not path:
+        return
+    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
+
+    write_or_spare(path, what if callable(what) else lambda p: write_json(p, what), flag=flag)
+    print(f"wrote {path}")
+
+
 def check_flags(args) -> None:
     """The shared options' values, checked before any work (ValueError naming the flag otherwise)."""
     n = getattr(args, "n", None)

@@ -24,79 +24,15 @@ from analysis.core.results import compact_repr
 PROBE_KINDS = ("natural", "random", "repeated")
 
 # Modules whose docstrings make the offline natural-text corpus (prose, not code). Fixed order.
-STDLIB_MODULES = (
-    "abc",
-    "argparse",
-    "asyncio",
-    "base64",
-    "bisect",
-    "calendar",
-    "collections",
-    "contextlib",
-    "copy",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email",
-    "enum",
-    "fractions",
-    "functools",
-    "glob",
-    "gzip",
-    "hashlib",
-    "heapq",
-    "hmac",
-    "html",
-    "http.client",
-    "inspect",
-    "io",
-    "ipaddress",
-    "itertools",
-    "json",
-    "logging",
-    "mailbox",
-    "math",
-    "mimetypes",
-    "numbers",
-    "operator",
-    "optparse",
-    "os",
-    "pathlib",
-    "pickle",
-    "pprint",
-    "queue",
-    "random",
-    "re",
-    "sched",
-    "secrets",
-    "selectors",
-    "shlex",
-    "shutil",
-    "smtplib",
-    "socket",
-    "sqlite3",
-    "statistics",
-    "string",
-    "struct",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "timeit",
-    "tokenize",
-    "traceback",
-    "types",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "uuid",
-    "warnings",
-    "weakref",
-    "zipfile",
-    "zoneinfo",
+STDLIB_MODULES = tuple(
+    """
+    abc argparse asyncio base64 bisect calendar collections contextlib copy csv dataclasses datetime decimal
+    difflib email enum fractions functools glob gzip hashlib heapq hmac html http.client inspect io ipaddress
+    itertools json logging mailbox math mimetypes numbers operator optparse os pathlib pickle pprint queue
+    random re sched secrets selectors shlex shutil smtplib socket sqlite3 statistics string struct subprocess
+    tarfile tempfile textwrap threading timeit tokenize traceback types typing unittest urllib.parse uuid
+    warnings weakref zipfile zoneinfo
+    """.split()
 )
 
 
@@ -382,13 +318,14 @@ def natural_probe(
     )
 
 
-def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
-    size = vocab_size or len(tokenizer)
+def _draw(tokenizer, vocab_size: int | None, n: int, T: int, bos: bool, seed: int, width: int) -> torch.Tensor:
+    """(n, width) ids drawn uniformly over the tokenizer's non-special tokens below ``vocab_size``, n and T checked."""
+    _check_nt(n, T, bos)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids = torch.tensor([i for i in range(size) if i not in special], dtype=torch.long)
+    ids = torch.tensor([i for i in range(vocab_size or len(tokenizer)) if i not in special], dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("the vocabulary has no ordinary (non-special) tokens to sample.")
-    return ids
+    return ids[torch.randint(ids.numel(), (n, width), generator=torch.Generator().manual_seed(seed))]
 
 
 @parameters_from(text_probe)
@@ -409,14 +346,12 @@ def random_probe(
     ProbeSet
         ``tokens`` of shape (N, T).
     """
-    _check_nt(n, T, bos)
-    ids = _allowed_ids(tokenizer, vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    body = ids[torch.randint(ids.numel(), (n, T), generator=g)]
+    body = _draw(tokenizer, vocab_size, n, T, bos, seed, T)
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
 @parameters_from(text_probe)
+@parameters_from(random_probe)
 def repeated_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
 ) -> ProbeSet:
@@ -426,18 +361,15 @@ def repeated_probe(
     ----------
     tokenizer, n, T, bos, seed
         As in :func:`text_probe`.
-    vocab_size : int, optional
-        Draw ids below this (default: ``len(tokenizer)``).
+    vocab_size
+        As in :func:`random_probe`.
 
     Returns
     -------
     ProbeSet
         ``tokens`` of shape (N, T).
     """
-    _check_nt(n, T, bos)
-    ids = _allowed_ids(tokenizer, vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    tok = ids[torch.randint(ids.numel(), (n, 1), generator=g)]
+    tok = _draw(tokenizer, vocab_size, n, T, bos, seed, 1)
     return ProbeSet(
         "repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated"
     )

@@ -12,6 +12,7 @@ from analysis.core.options import (
     command_line,
     length_options,
     seed_options,
+    write_output,
 )
 from analysis.core.versions import package_versions
 
@@ -119,7 +120,6 @@ def format_quant_table(res) -> str:
 def cmd_quant(args) -> int:
     """Run ``python -m analysis quant``."""
     # import time: torch loads once the options are checked
-    from analysis.core.io import write_json, write_or_spare
     from analysis.model.loading import load_model
     from analysis.quant.run import quant_study
     from analysis.quant.study import check_conditions, schemes_of
@@ -159,6 +159,5 @@ def cmd_quant(args) -> int:
             "dtype": "float32",
             "versions": package_versions(),
         }
-        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-        print(f"wrote {args.json}")
+        write_output(args.json, payload)
     return 0

@@ -11,12 +11,8 @@ from pathlib import Path
 from analysis.core.options import (
     SINK_N,
     HelpFormatter,
-    backend_options,
     command_doc,
-    model_options,
-    placement_options,
-    probe_options,
-    sink_options,
+    sink_command_options,
 )
 
 
@@ -33,13 +29,7 @@ def add_parser(sub) -> None:
     """
     a = sub.add_parser(
         "atlas",
-        parents=[
-            model_options(model_flag=False),
-            probe_options(n=SINK_N),
-            sink_options(),
-            placement_options(),
-            backend_options(),
-        ],
+        parents=sink_command_options(n=SINK_N, model_flag=False),
         formatter_class=HelpFormatter,
         help="many models in one resumable run: Sink_1, the largest activation and the facts of each",
     )

@@ -12,6 +12,7 @@ from analysis.core.options import (
     model_options,
     placement_options,
     seed_options,
+    write_output,
 )
 
 # --backend on `stream`: the cache passes decode the Hugging Face model itself, in its own attention (the transformers
@@ -106,7 +107,6 @@ def check_stream_args(args) -> None:
 def cmd_stream(args) -> int:
     """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked."""
     # import time: torch, transformers and TransformerLens load once the options are checked
-    from analysis.core.io import write_or_spare
     from analysis.model.loading import load_model
     from analysis.model.placement import placement_from_args
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
@@ -152,10 +152,6 @@ def cmd_stream(args) -> int:
         f"share that batch's one timing ({res.device}, {res.dtype})."
     )
     print(res.text())
-    if args.json:
-        write_or_spare(args.json, res.save, flag="--json")
-        print(f"wrote {args.json}")
-    if args.csv:
-        write_or_spare(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
-        print(f"wrote {args.csv}")
+    write_output(args.json, res.save)
+    write_output(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
     return 0
