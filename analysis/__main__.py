@@ -20,6 +20,7 @@ from analysis.core.options import (
     HelpFormatter,
     backend_options,
     check_flags,
+    cli_argv,
     command_doc,
     model_options,
     placement_options,
@@ -428,9 +429,7 @@ def main(argv=None) -> int:
         The exit status (2 for bad input, before any work; 1 where the work failed or its results could not be
         written).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m analysis -- train --n 8: a "--" ends torchrun's options and is handed on
-        argv = argv[1:]
+    argv = cli_argv(argv)
     args = build_parser().parse_args(argv)
     if getattr(args, "own_checks", False):  # train, sweep: analysis.train.cli checks them before any data is prepared
         return args.func(args, command=command_line(argv))

@@ -254,7 +254,6 @@ def command_doc(returns: str, *more: str) -> Callable:
     return decorate
 
 
-@command_doc("None")
 def write_output(path, what, *, flag: str = "--json") -> None:
     """Write one output of a command where its flag asks for it, sparing what is there if it fails
     (``analysis.core.io.write_or_spare``), then say where.
@@ -280,6 +279,7 @@ def write_output(path, what, *, flag: str = "--json") -> None:
     print(f"wrote {path}")
 
 
+@command_doc("None")
 def check_flags(args) -> None:
     """The shared options' values, checked before any work (ValueError naming the flag otherwise)."""
     n = getattr(args, "n", None)
@@ -299,6 +299,23 @@ def check_flags(args) -> None:
     eps = getattr(args, "eps", None)
     if eps is not None and not 0 < eps < 1:
         raise ValueError(f"--eps must lie in (0, 1); got {eps}. alpha_k > eps makes a head sink on key k (paper: 0.3).")
+
+
+def cli_argv(argv=None) -> list[str]:
+    """The arguments a command parses: ``argv`` (default ``sys.argv[1:]``) without a leading ``--``, which torchrun
+    hands on (``torchrun ... -m analysis -- train --n 8``: without the ``--`` torchrun reads ``--n`` as its own
+    ``--nnodes``, an abbreviation).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+
+    Returns
+    -------
+    list of str
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv[1:] if argv[:1] == ["--"] else argv
 
 
 def command_line(argv=None) -> str:

@@ -135,16 +135,7 @@ def cmd_stream(args) -> int:
     )
     table = res.table
     table["timing"] = [f"shared by {b}" if b > 1 else "own" for b in table["batch"]]
-    cols = [
-        "policy",
-        "ppl",
-        "ppl_past_window",
-        "ppl_at_recompute",
-        "tokens_per_s",
-        "timing",
-        "kv_cache_mib",
-        "sink_attention",
-    ]
+    cols = "policy ppl ppl_past_window ppl_at_recompute tokens_per_s timing kv_cache_mib sink_attention".split()
     cols += ["learned_sink_attention"] if table["learned_sink_attention"].notna().any() else []
     print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from analysis.core.checks import check_device
-from analysis.core.options import TRAIN_FIELD_FLAGS, VOCABULARY, command_line
+from analysis.core.options import TRAIN_FIELD_FLAGS, VOCABULARY, cli_argv, command_line
 from analysis.core.paths import check_output
 from analysis.model.reference.config import ModelConfig, TrainConfig
 from analysis.train.presets import PRESETS, build_configs, preset
@@ -440,9 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     int
         The exit status (2 for bad input).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m analysis.train -- --n 8: torchrun reads --n as its own --nnodes (an
-        argv = argv[1:]  # abbreviation) unless a "--" ends its options, and hands that "--" on
+    argv = cli_argv(argv)
     if argv[:1] == ["sweep"]:
         return run_sweep(_sweep_parser().parse_args(argv[1:]), command=command_line(argv))
     return run_train(_parser().parse_args(argv), command=command_line(["train", *argv]))
