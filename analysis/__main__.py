@@ -133,14 +133,7 @@ def sink_report(
         for kind, probe in probes.items()
     }
     return {
-        "model": model_name,
-        "n": n,
-        "T": T,
-        "eps": eps,
-        "k_max": k_max,
-        "bos": bos,
-        "seed": seed,
-        "dtype": dtype,
+        **dict(model=model_name, n=n, T=T, eps=eps, k_max=k_max, bos=bos, seed=seed, dtype=dtype),  # the options
         "backend": prof.backend,  # input kind -> the backend its pass ran on, and why
         **({"remote": True, "device": "NDIF"} if remote else placement_record(model)),  # where the work went
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
@@ -289,10 +282,7 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
         else placement_record(model)
     )
     payload = {
-        "model": args.model,
-        "text_file": str(path),
-        "bos": args.bos,
-        "n_tokens": res.T,
+        **dict(model=args.model, text_file=str(path), bos=args.bos, n_tokens=res.T),
         **where,
         "dtype": args.dtype,
         "positions": "0-based: position 0 is the first token",
@@ -387,8 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 
-    m = sub.add_parser("models", help="list the models known without a network")
-    m.set_defaults(func=cmd_models)
+    sub.add_parser("models", help="list the models known without a network").set_defaults(func=cmd_models)
 
     add_stream_parser(sub, DEFAULT_MODEL)  # its model, seed, placement and backend options
     add_quant_parser(sub, parents=[model_options()])  # python -m analysis quant (analysis/quant/cli.py)

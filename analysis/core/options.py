@@ -4,8 +4,8 @@ Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so
 meaning in every command that takes it, and ``--help`` shows its default (``HelpFormatter``):
 
 - ``model_options``: ``--model --device --dtype --threads --quiet`` (every command that loads a model);
-- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed`` from
-  ``seed_options``, ``quant`` its window length from ``length_options``);
+- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed``, and
+  ``quant`` its window length ``--T``, alone from ``shared_option``);
 - ``sink_options``: ``--eps --bos`` (every command that measures the sink);
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
 - ``backend_options``: ``--backend --remote`` (what runs the passes; on NDIF through nnsight).
@@ -139,34 +139,22 @@ def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
     )
 
 
-def length_options(*, T: int) -> argparse.ArgumentParser:
-    """``--T`` alone, as a parent parser (``quant``: the length of its scored windows).
+def shared_option(flag: str, **kwargs) -> argparse.ArgumentParser:
+    """One option of the vocabulary alone, as a parent parser (``stream``: ``--seed``; ``quant``: ``--T``, the length
+    of its scored windows, and ``--seed`` as a comma list of calibration draws, parsed by the command).
 
     Parameters
     ----------
-    T : int
-        The default.
+    flag : str
+        A ``VOCABULARY`` option (its help is taken from there).
+    **kwargs
+        ``add_argument``'s keywords (its type and default).
 
     Returns
     -------
     argparse.ArgumentParser
     """
-    return _parent(None, ("--T", dict(type=int, default=T)))
-
-
-def seed_options(*, many: bool = False) -> argparse.ArgumentParser:
-    """``--seed``, as a parent parser.
-
-    Parameters
-    ----------
-    many : bool
-        A comma list of seeds (``quant``: one calibration draw each), parsed by the command.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-    """
-    return _parent(None, ("--seed", dict(type=str if many else int, default="0" if many else 0)))
+    return _parent(None, (flag, kwargs))
 
 
 def sink_options() -> argparse.ArgumentParser:

@@ -10,8 +10,7 @@ from analysis.core.options import (
     backend_options,
     command_doc,
     command_line,
-    length_options,
-    seed_options,
+    shared_option,
     write_output,
 )
 from analysis.core.versions import package_versions
@@ -56,9 +55,10 @@ def add_parser(sub, *, parents=()) -> None:
     -------
     None
     """
+    seeds = shared_option("--seed", type=str, default="0")  # a comma list: one calibration draw each
     q = sub.add_parser(
         "quant",
-        parents=[*parents, length_options(T=256), seed_options(many=True), backend_options()],
+        parents=[*parents, shared_option("--T", type=int, default=256), seeds, backend_options()],
         formatter_class=HelpFormatter,
         help="perplexity under activation/weight quantisation against the sink; low-bit KV cache",
         description="Perplexity under activation / weight fake quantisation against the sink, the site "

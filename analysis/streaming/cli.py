@@ -11,7 +11,7 @@ from analysis.core.options import (
     command_doc,
     model_options,
     placement_options,
-    seed_options,
+    shared_option,
     write_output,
 )
 
@@ -50,7 +50,8 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     -------
     None
     """
-    parents = list(parents) or [model_options(default_model), seed_options(), placement_options(), backend_options()]
+    seed = shared_option("--seed", type=int, default=0)
+    parents = list(parents) or [model_options(default_model), seed, placement_options(), backend_options()]
     s = sub.add_parser(
         "stream",
         parents=parents,
