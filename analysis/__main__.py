@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING
 from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
 from analysis.core.options import (
-    CLI_DTYPES,
     DEFAULT_MODEL,
     REPORT_MIN_T,
     REPORT_N,
@@ -55,11 +55,7 @@ def cli_dtype(name: str):
     -------
     torch.dtype
     """
-    if name not in CLI_DTYPES:
-        raise ValueError(
-            f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
-            "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way."
-        )
+    check_flags(argparse.Namespace(dtype=name))  # one of CLI_DTYPES, else the --dtype error
     from analysis.core.io import parse_dtype  # import time: torch loads once the options are checked
 
     return parse_dtype(name)
@@ -342,20 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
         "they run on. `python -m analysis` is the same command.",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser(
-        "sink",
-        parents=sink_command_options(n=SINK_N),
-        formatter_class=HelpFormatter,
-        help="Sink_1 table on natural, random and repeated inputs",
-    )
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)  # --help shows the defaults
+    s = add("sink", parents=sink_command_options(n=SINK_N), help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser(
+    t = add(
         "sinks",
         parents=[model_options(), sink_options(), placement_options(), backend_options()],
-        formatter_class=HelpFormatter,
         help="every sink position of one text file (not only the first token); positions 0-based",
     )
     t.add_argument(
@@ -368,10 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser(
+    r = add(
         "report",
         parents=sink_command_options(n=REPORT_N),
-        formatter_class=HelpFormatter,
         help="one self-contained HTML page and a JSON with every number",
     )
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")

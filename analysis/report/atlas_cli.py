@@ -8,12 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from analysis.core.options import (
-    SINK_N,
-    HelpFormatter,
-    command_doc,
-    sink_command_options,
-)
+from analysis.core.options import SINK_N, HelpFormatter, command_doc, sink_command_options
 
 
 def add_parser(sub) -> None:
