@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING
 from analysis.core.checks import check_device, check_length
 from analysis.core.defaults import SINK_K_MAX
 from analysis.core.options import (
-    CLI_DTYPES,
     DEFAULT_MODEL,
     REPORT_MIN_T,
     REPORT_N,
@@ -20,12 +20,14 @@ from analysis.core.options import (
     HelpFormatter,
     backend_options,
     check_flags,
+    cli_argv,
+    command_doc,
     model_options,
     placement_options,
-    probe_options,
     command_line,
-    seed_options,
+    sink_command_options,
     sink_options,
+    write_output,
 )
 from analysis.core.paths import OutputError, check_output
 from analysis.quant.cli import add_parser as add_quant_parser
@@ -53,11 +55,7 @@ def cli_dtype(name: str):
     -------
     torch.dtype
     """
-    if name not in CLI_DTYPES:
-        raise ValueError(
-            f"--dtype must be one of {', '.join(CLI_DTYPES)}; got {name!r}. The model runs in that dtype "
-            "(bfloat16 halves its memory, mostly on a GPU); every metric is reduced in float32 either way."
-        )
+    check_flags(argparse.Namespace(dtype=name))  # one of CLI_DTYPES, else the --dtype error
     from analysis.core.io import parse_dtype  # import time: torch loads once the options are checked
 
     return parse_dtype(name)
@@ -110,7 +108,6 @@ def sink_report(
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.core.versions import package_versions
     from analysis.model.hooks import model_dims
-    from analysis.model.loading import load_model
     from analysis.model.placement import placement_record
     from analysis.model.probes import model_probe_sets
     from analysis.report.one_pass import profile
@@ -120,14 +117,7 @@ def sink_report(
     check_eps(eps)
     if not 1 <= k_max <= T:
         raise ValueError(f"--k-max must lie in [1, T={T}]; got {k_max}.")
-    model = load_model(
-        model_name,
-        device=device,
-        dtype=cli_dtype(dtype),
-        backend=backend,
-        remote=remote,
-        **_placement_kwargs(placement),
-    )
+    model = _load(model_name, device, dtype, backend, remote, placement)
     n_ctx = model_dims(model).n_ctx
     if n_ctx is not None and T > n_ctx:
         raise ValueError(f"T={T} exceeds the context of {model_name} ({n_ctx} tokens); use --T {n_ctx} or less.")
@@ -139,14 +129,7 @@ def sink_report(
         for kind, probe in probes.items()
     }
     return {
-        "model": model_name,
-        "n": n,
-        "T": T,
-        "eps": eps,
-        "k_max": k_max,
-        "bos": bos,
-        "seed": seed,
-        "dtype": dtype,
+        **dict(model=model_name, n=n, T=T, eps=eps, k_max=k_max, bos=bos, seed=seed, dtype=dtype),  # the options
         "backend": prof.backend,  # input kind -> the backend its pass ran on, and why
         **({"remote": True, "device": "NDIF"} if remote else placement_record(model)),  # where the work went
         "positions": "1-based: Sink_k and per_head_alpha[k - 1] are about key k, k = 1 the first token",
@@ -156,15 +139,28 @@ def sink_report(
     }
 
 
-def _placement_kwargs(placement: Placement | None) -> dict:
-    """``load_model``'s device_map / max_memory / offload_folder keywords of a placement ({} for none)."""
-    if placement is None or not placement.split:
-        return {}
-    return {
-        "device_map": placement.device_map,
-        "max_memory": placement.max_memory,
-        "offload_folder": placement.offload_folder,
-    }
+def _load(name: str, device: str | None, dtype: str, backend: str, remote: bool, placement: Placement | None):
+    """``load_model`` with the shared options' device, dtype, backend, remote and placement (its device_map,
+    max_memory and offload_folder where it splits the model)."""
+    from analysis.model.loading import load_model  # import time: torch loads once the options are checked
+
+    split = placement is not None and placement.split
+    keys = ("device_map", "max_memory", "offload_folder") if split else ()
+    return load_model(
+        name,
+        device=device,
+        dtype=cli_dtype(dtype),
+        backend=backend,
+        remote=remote,
+        **{k: getattr(placement, k) for k in keys},
+    )
+
+
+def _load_args(args):
+    """:func:`_load` of the parsed options (``--model``, ``--device-map`` ...)."""
+    from analysis.model.placement import placement_from_args  # import time: as _load's
+
+    return _load(args.model, args.device, args.dtype, args.backend, args.remote, placement_from_args(args))
 
 
 def format_sink_table(payload: dict) -> str:
@@ -200,20 +196,10 @@ def format_sink_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+@command_doc("int", "The exit status.")
 def cmd_sink(args) -> int:
-    """``python -m analysis sink``: the sink table of one model, printed, then written where asked.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status.
-    """
-    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
-    from analysis.model.placement import placement_from_args
+    """``python -m analysis sink``: the sink table of one model, printed, then written where asked."""
+    from analysis.model.placement import placement_from_args  # import time: torch loads once the options are checked
 
     k_max = min(args.T, SINK_K_MAX) if args.k_max is None else args.k_max
     payload = sink_report(
@@ -232,28 +218,15 @@ def cmd_sink(args) -> int:
         remote=args.remote,
     )
     print(format_sink_table(payload))
-    if args.json:
-        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-        print(f"wrote {args.json}")
+    write_output(args.json, payload)
     return 0
 
 
+@command_doc("int", "The exit status.")
 def cmd_sinks(args) -> int:
-    """Every sink position of one text file: the table, and one JSON record per sink position.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status.
-    """
+    """Every sink position of one text file: the table, and one JSON record per sink position."""
     # import time: torch, transformers and TransformerLens load once the options are checked
     from analysis.model.hooks import model_dims
-    from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args
     from analysis.model.probes import text_tokens
     from analysis.positions.every_sink import format_sinks, sink_positions
 
@@ -261,14 +234,7 @@ def cmd_sinks(args) -> int:
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
     nnsight = bool(args.remote)  # on NDIF: the accumulators' reductions in nnsight traces (analysis.engine.remote)
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=cli_dtype(args.dtype),
-        backend=args.backend,
-        remote=args.remote,
-        **_placement_kwargs(placement_from_args(args)),
-    )
+    model = _load_args(args)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(
             f"{args.model} has no tokenizer, so it cannot read a text file; pass token ids to "
@@ -303,7 +269,6 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
     """The ``sinks`` command's JSON record (``--json``): the run's model, text, placement and versions, then every
     sink position."""
     # import time: as cmd_sinks's imports
-    from analysis.core.io import write_json, write_or_spare
     from analysis.core.versions import package_versions
     from analysis.model.placement import placement_record
 
@@ -313,45 +278,23 @@ def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
         else placement_record(model)
     )
     payload = {
-        "model": args.model,
-        "text_file": str(path),
-        "bos": args.bos,
-        "n_tokens": res.T,
+        **dict(model=args.model, text_file=str(path), bos=args.bos, n_tokens=res.T),
         **where,
         "dtype": args.dtype,
         "positions": "0-based: position 0 is the first token",
         **res.to_dict(),
         "versions": package_versions(),
     }
-    write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-    print(f"wrote {args.json}")
+    write_output(args.json, payload)
 
 
+@command_doc("int", "The exit status (1 where a section failed or the folder could not be written).")
 def cmd_report(args) -> int:
-    """``python -m analysis report``: the HTML and JSON report.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status (1 where a section failed or the folder could not be written).
-    """
+    """``python -m analysis report``: the HTML and JSON report."""
     # import time: torch, transformers and TransformerLens load once the options are checked
-    from analysis.model.loading import load_model
-    from analysis.model.placement import placement_from_args
     from analysis.report.build import ReportError, build_report
 
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=cli_dtype(args.dtype),
-        backend=args.backend,
-        remote=args.remote,
-        **_placement_kwargs(placement_from_args(args)),
-    )
+    model = _load_args(args)
     try:
         path = build_report(
             model,
@@ -370,17 +313,9 @@ def cmd_report(args) -> int:
     return 0
 
 
+@command_doc("int")
 def cmd_models(args) -> int:
-    """``python -m analysis models``: the models known by name.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-    """
+    """``python -m analysis models``: the models known by name."""
     from analysis.model.loading import available_models  # import time: torch loads once the options are checked
 
     for m in available_models():
@@ -403,22 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
         "they run on. `python -m analysis` is the same command.",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    model, sink, place = model_options(DEFAULT_MODEL), sink_options(), placement_options()
-
-    s = sub.add_parser(
-        "sink",
-        parents=[model, probe_options(n=SINK_N), sink, place, backend_options()],
-        formatter_class=HelpFormatter,
-        help="Sink_1 table on natural, random and repeated inputs",
-    )
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)  # --help shows the defaults
+    s = add("sink", parents=sink_command_options(n=SINK_N), help="Sink_1 table on natural, random and repeated inputs")
     s.add_argument("--k-max", type=int, default=None, help="report alpha for keys 1..K (None: min(T, 16))")
     s.add_argument("--json", help="write every number (tokens, per-head alpha, Sink_k, versions) to this file")
     s.set_defaults(func=cmd_sink, outputs=(("json", False),))
 
-    t = sub.add_parser(
+    t = add(
         "sinks",
-        parents=[model, sink, place, backend_options()],
-        formatter_class=HelpFormatter,
+        parents=[model_options(), sink_options(), placement_options(), backend_options()],
         help="every sink position of one text file (not only the first token); positions 0-based",
     )
     t.add_argument(
@@ -431,39 +359,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", help="write one record per sink position (position, token, heads, ...) to this file")
     t.set_defaults(func=cmd_sinks, outputs=(("json", False),))
 
-    r = sub.add_parser(
+    r = add(
         "report",
-        parents=[model, probe_options(n=REPORT_N), sink, place, backend_options()],
-        formatter_class=HelpFormatter,
+        parents=sink_command_options(n=REPORT_N),
         help="one self-contained HTML page and a JSON with every number",
     )
     r.add_argument("--out", required=True, help="output folder (other files in it are kept)")
     r.set_defaults(func=cmd_report, outputs=(("out", True),), min_T=REPORT_MIN_T, min_T_why=REPORT_T_WHY)
 
-    m = sub.add_parser("models", help="list the models known without a network")
-    m.set_defaults(func=cmd_models)
+    sub.add_parser("models", help="list the models known without a network").set_defaults(func=cmd_models)
 
-    add_stream_parser(sub, DEFAULT_MODEL, parents=[model, seed_options(), place, backend_options()])
-    add_quant_parser(sub, parents=[model])  # python -m analysis quant (analysis/quant/cli.py)
+    add_stream_parser(sub, DEFAULT_MODEL)  # its model, seed, placement and backend options
+    add_quant_parser(sub, parents=[model_options()])  # python -m analysis quant (analysis/quant/cli.py)
     add_atlas_parser(sub)  # python -m analysis atlas (analysis/report/atlas_cli.py)
     add_train_parsers(sub)  # train, sweep (analysis/train/cli.py; python -m analysis.train is their alias)
     return p
 
 
+@command_doc("None", "ValueError, naming the flag, otherwise.")
 def check_args(args) -> None:
     """Everything the command line can check before the model loads, and before torch is imported: the shared options,
     T, every output path (exists as the wrong kind, under a file, not writable), the command's own options, then the
-    device (the one check that imports torch, to ask for a GPU; auto and cpu pass without it).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-        ValueError, naming the flag, otherwise.
-    """
+    device (the one check that imports torch, to ask for a GPU; auto and cpu pass without it)."""
     check_flags(args)
     if getattr(args, "T", None) is not None:
         check_length(args.T, minimum=getattr(args, "min_T", 2), why=getattr(args, "min_T_why", ""))
@@ -491,9 +408,7 @@ def main(argv=None) -> int:
         The exit status (2 for bad input, before any work; 1 where the work failed or its results could not be
         written).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m analysis -- train --n 8: a "--" ends torchrun's options and is handed on
-        argv = argv[1:]
+    argv = cli_argv(argv)
     args = build_parser().parse_args(argv)
     if getattr(args, "own_checks", False):  # train, sweep: analysis.train.cli checks them before any data is prepared
         return args.func(args, command=command_line(argv))

@@ -4,8 +4,8 @@ Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so
 meaning in every command that takes it, and ``--help`` shows its default (``HelpFormatter``):
 
 - ``model_options``: ``--model --device --dtype --threads --quiet`` (every command that loads a model);
-- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed`` from
-  ``seed_options``, ``quant`` its window length from ``length_options``);
+- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed``, and
+  ``quant`` its window length ``--T``, alone from ``shared_option``);
 - ``sink_options``: ``--eps --bos`` (every command that measures the sink);
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
 - ``backend_options``: ``--backend --remote`` (what runs the passes; on NDIF through nnsight).
@@ -21,8 +21,10 @@ This module imports nothing heavy: the command line parses and checks before tor
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import sys
+from typing import Callable
 
 from analysis.core.defaults import BACKENDS, CLI_BACKEND, SINK_EPS
 
@@ -80,6 +82,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every option's default shown (``(default: ...)``), descriptions kept as written."""
 
 
+def _parent(title: str | None, *options: tuple[str, dict]) -> argparse.ArgumentParser:
+    """A parent parser holding ``options`` (flag, ``add_argument`` keywords), each with its ``VOCABULARY`` help, in
+    the argument group ``title`` (None: no group)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group(title) if title else p
+    for flag, kwargs in options:
+        g.add_argument(flag, help=VOCABULARY[flag], **kwargs)
+    return p
+
+
 def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True) -> argparse.ArgumentParser:
     """``--model --device --dtype --threads --quiet``, as a parent parser.
 
@@ -94,15 +106,14 @@ def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("model")
-    if model_flag:
-        g.add_argument("--model", default=default_model, help=VOCABULARY["--model"])
-    g.add_argument("--device", default="auto", help=VOCABULARY["--device"])
-    g.add_argument("--dtype", default="float32", help=VOCABULARY["--dtype"])
-    g.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
-    g.add_argument("--quiet", action="store_true", help=VOCABULARY["--quiet"])
-    return p
+    return _parent(
+        "model",
+        *([("--model", dict(default=default_model))] if model_flag else []),
+        ("--device", dict(default="auto")),
+        ("--dtype", dict(default="float32")),
+        ("--threads", dict(type=int, default=None)),
+        ("--quiet", dict(action="store_true")),
+    )
 
 
 def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
@@ -120,46 +131,30 @@ def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("probes")
-    g.add_argument("--n", type=int, default=n, help=VOCABULARY["--n"])
-    g.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
-    g.add_argument("--seed", type=int, default=0, help=VOCABULARY["--seed"])
-    return p
+    return _parent(
+        "probes",
+        ("--n", dict(type=int, default=n)),
+        ("--T", dict(type=int, default=T)),
+        ("--seed", dict(type=int, default=0)),
+    )
 
 
-def length_options(*, T: int) -> argparse.ArgumentParser:
-    """``--T`` alone, as a parent parser (``quant``: the length of its scored windows).
+def shared_option(flag: str, **kwargs) -> argparse.ArgumentParser:
+    """One option of the vocabulary alone, as a parent parser (``stream``: ``--seed``; ``quant``: ``--T``, the length
+    of its scored windows, and ``--seed`` as a comma list of calibration draws, parsed by the command).
 
     Parameters
     ----------
-    T : int
-        The default.
+    flag : str
+        A ``VOCABULARY`` option (its help is taken from there).
+    **kwargs
+        ``add_argument``'s keywords (its type and default).
 
     Returns
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--T", type=int, default=T, help=VOCABULARY["--T"])
-    return p
-
-
-def seed_options(*, many: bool = False) -> argparse.ArgumentParser:
-    """``--seed``, as a parent parser.
-
-    Parameters
-    ----------
-    many : bool
-        A comma list of seeds (``quant``: one calibration draw each), parsed by the command.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-    """
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--seed", type=str if many else int, default="0" if many else 0, help=VOCABULARY["--seed"])
-    return p
+    return _parent(None, (flag, kwargs))
 
 
 def sink_options() -> argparse.ArgumentParser:
@@ -169,11 +164,7 @@ def sink_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sink")
-    g.add_argument("--eps", type=float, default=SINK_EPS, help=VOCABULARY["--eps"])
-    g.add_argument("--bos", action="store_true", help=VOCABULARY["--bos"])
-    return p
+    return _parent("sink", ("--eps", dict(type=float, default=SINK_EPS)), ("--bos", dict(action="store_true")))
 
 
 def placement_options() -> argparse.ArgumentParser:
@@ -184,11 +175,10 @@ def placement_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("split a model over devices (accelerate; see docs/scale.md)")
-    for flag in ("--device-map", "--max-memory", "--offload-folder"):
-        g.add_argument(flag, default=None, help=VOCABULARY[flag])
-    return p
+    flags = ("--device-map", "--max-memory", "--offload-folder")
+    return _parent(
+        "split a model over devices (accelerate; see docs/scale.md)", *((f, dict(default=None)) for f in flags)
+    )
 
 
 def backend_options() -> argparse.ArgumentParser:
@@ -198,24 +188,88 @@ def backend_options() -> argparse.ArgumentParser:
     -------
     argparse.ArgumentParser
     """
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("backend")
-    g.add_argument("--backend", choices=BACKENDS, default=CLI_BACKEND, help=VOCABULARY["--backend"])
-    g.add_argument("--remote", action="store_true", help=VOCABULARY["--remote"])
-    return p
+    return _parent(
+        "backend", ("--backend", dict(choices=BACKENDS, default=CLI_BACKEND)), ("--remote", dict(action="store_true"))
+    )
 
 
-def check_flags(args) -> None:
-    """The shared options' values, checked before any work (ValueError naming the flag otherwise).
+def sink_command_options(*, n: int, model_flag: bool = True) -> list[argparse.ArgumentParser]:
+    """The parents of the commands that measure the sink on probes (``sink``, ``report``, ``atlas``).
 
     Parameters
     ----------
-    args : argparse.Namespace
+    n : int
+        The default of ``--n`` (as in :func:`probe_options`).
+    model_flag : bool
+        Add ``--model`` (as in :func:`model_options`).
+
+    Returns
+    -------
+    list of argparse.ArgumentParser
+        The model, probe, sink, placement and backend options.
+    """
+    return [
+        model_options(model_flag=model_flag),
+        probe_options(n=n),
+        sink_options(),
+        placement_options(),
+        backend_options(),
+    ]
+
+
+def command_doc(returns: str, *more: str) -> Callable:
+    """Decorator of a function of the parsed options: its docstring gets the sections every such function has,
+    ``Parameters`` (``args : argparse.Namespace``) and ``Returns`` (``returns``, then the lines ``more``), written once.
+
+    Parameters
+    ----------
+    returns : str
+        The returned type (``int``: an exit status; ``None``: a check).
+    *more : str
+        The lines that say what it returns.
+
+    Returns
+    -------
+    callable
+        The decorator; it returns the function, its docstring completed.
+    """
+    tail = ["", "", "Parameters", "----------", "args : argparse.Namespace", "", "Returns", "-------", returns]
+
+    def decorate(fn: Callable) -> Callable:
+        fn.__doc__ = inspect.cleandoc(fn.__doc__ or "") + "\n".join(tail + ["    " + line for line in more])
+        return fn
+
+    return decorate
+
+
+def write_output(path, what, *, flag: str = "--json") -> None:
+    """Write one output of a command where its flag asks for it, sparing what is there if it fails
+    (``analysis.core.io.write_or_spare``), then say where.
+
+    Parameters
+    ----------
+    path : path-like or None
+        The flag's value (None or empty: nothing is written).
+    what : dict or callable
+        A payload written as JSON, or a function that writes the file it is given.
+    flag : str
+        The flag, for the error.
 
     Returns
     -------
     None
     """
+    if not path:
+        return
+    from analysis.core.io import write_json, write_or_spare  # import time: torch loads once the options are checked
+
+    write_or_spare(path, what if callable(what) else lambda p: write_json(p, what), flag=flag)
+    print(f"wrote {path}")
+
+
+@command_doc("None")
+def check_flags(args) -> None:
+    """The shared options' values, checked before any work (ValueError naming the flag otherwise)."""
     n = getattr(args, "n", None)
     if n is not None and n < 1:
         raise ValueError(f"--n must be at least 1 sequence; got {n}.")
@@ -233,6 +287,23 @@ def check_flags(args) -> None:
     eps = getattr(args, "eps", None)
     if eps is not None and not 0 < eps < 1:
         raise ValueError(f"--eps must lie in (0, 1); got {eps}. alpha_k > eps makes a head sink on key k (paper: 0.3).")
+
+
+def cli_argv(argv=None) -> list[str]:
+    """The arguments a command parses: ``argv`` (default ``sys.argv[1:]``) without a leading ``--``, which torchrun
+    hands on (``torchrun ... -m analysis -- train --n 8``: without the ``--`` torchrun reads ``--n`` as its own
+    ``--nnodes``, an abbreviation).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+
+    Returns
+    -------
+    list of str
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv[1:] if argv[:1] == ["--"] else argv
 
 
 def command_line(argv=None) -> str:

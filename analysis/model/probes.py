@@ -18,84 +18,21 @@ from typing import Iterable, Sequence
 
 import torch
 from analysis.model.contract import SinkModel
+from analysis.core.docs import parameters_from
 from analysis.core.results import compact_repr
 
 PROBE_KINDS = ("natural", "random", "repeated")
 
 # Modules whose docstrings make the offline natural-text corpus (prose, not code). Fixed order.
-STDLIB_MODULES = (
-    "abc",
-    "argparse",
-    "asyncio",
-    "base64",
-    "bisect",
-    "calendar",
-    "collections",
-    "contextlib",
-    "copy",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email",
-    "enum",
-    "fractions",
-    "functools",
-    "glob",
-    "gzip",
-    "hashlib",
-    "heapq",
-    "hmac",
-    "html",
-    "http.client",
-    "inspect",
-    "io",
-    "ipaddress",
-    "itertools",
-    "json",
-    "logging",
-    "mailbox",
-    "math",
-    "mimetypes",
-    "numbers",
-    "operator",
-    "optparse",
-    "os",
-    "pathlib",
-    "pickle",
-    "pprint",
-    "queue",
-    "random",
-    "re",
-    "sched",
-    "secrets",
-    "selectors",
-    "shlex",
-    "shutil",
-    "smtplib",
-    "socket",
-    "sqlite3",
-    "statistics",
-    "string",
-    "struct",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "timeit",
-    "tokenize",
-    "traceback",
-    "types",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "uuid",
-    "warnings",
-    "weakref",
-    "zipfile",
-    "zoneinfo",
+STDLIB_MODULES = tuple(
+    """
+    abc argparse asyncio base64 bisect calendar collections contextlib copy csv dataclasses datetime decimal
+    difflib email enum fractions functools glob gzip hashlib heapq hmac html http.client inspect io ipaddress
+    itertools json logging mailbox math mimetypes numbers operator optparse os pathlib pickle pprint queue
+    random re sched secrets selectors shlex shutil smtplib socket sqlite3 statistics string struct subprocess
+    tarfile tempfile textwrap threading timeit tokenize traceback types typing unittest urllib.parse uuid
+    warnings weakref zipfile zoneinfo
+    """.split()
 )
 
 
@@ -357,6 +294,7 @@ def text_tokens(
     return torch.tensor([ids], dtype=torch.long)
 
 
+@parameters_from(text_probe)
 def natural_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, texts: Iterable[str] | None = None
 ) -> ProbeSet:
@@ -364,16 +302,8 @@ def natural_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     texts : iterable of str, optional
         Your own texts instead of the corpus.
 
@@ -388,15 +318,17 @@ def natural_probe(
     )
 
 
-def _allowed_ids(tokenizer, vocab_size: int | None) -> torch.Tensor:
-    size = vocab_size or len(tokenizer)
+def _draw(tokenizer, vocab_size: int | None, n: int, T: int, bos: bool, seed: int, width: int) -> torch.Tensor:
+    """(n, width) ids drawn uniformly over the tokenizer's non-special tokens below ``vocab_size``, n and T checked."""
+    _check_nt(n, T, bos)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids = torch.tensor([i for i in range(size) if i not in special], dtype=torch.long)
+    ids = torch.tensor([i for i in range(vocab_size or len(tokenizer)) if i not in special], dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("the vocabulary has no ordinary (non-special) tokens to sample.")
-    return ids
+    return ids[torch.randint(ids.numel(), (n, width), generator=torch.Generator().manual_seed(seed))]
 
 
+@parameters_from(text_probe)
 def random_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
 ) -> ProbeSet:
@@ -404,16 +336,8 @@ def random_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     vocab_size : int, optional
         Draw ids below this (default: ``len(tokenizer)``).
 
@@ -422,13 +346,12 @@ def random_probe(
     ProbeSet
         ``tokens`` of shape (N, T).
     """
-    _check_nt(n, T, bos)
-    ids = _allowed_ids(tokenizer, vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    body = ids[torch.randint(ids.numel(), (n, T), generator=g)]
+    body = _draw(tokenizer, vocab_size, n, T, bos, seed, T)
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
+@parameters_from(text_probe)
+@parameters_from(random_probe)
 def repeated_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
 ) -> ProbeSet:
@@ -436,33 +359,23 @@ def repeated_probe(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
-    vocab_size : int, optional
-        Draw ids below this (default: ``len(tokenizer)``).
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
+    vocab_size
+        As in :func:`random_probe`.
 
     Returns
     -------
     ProbeSet
         ``tokens`` of shape (N, T).
     """
-    _check_nt(n, T, bos)
-    ids = _allowed_ids(tokenizer, vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    tok = ids[torch.randint(ids.numel(), (n, 1), generator=g)]
+    tok = _draw(tokenizer, vocab_size, n, T, bos, seed, 1)
     return ProbeSet(
         "repeated", _with_bos(tok.expand(n, T).clone(), tokenizer, bos), bos, seed, "one random token repeated"
     )
 
 
+@parameters_from(text_probe)
 def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0) -> ProbeSet:
     """One of ``PROBE_KINDS`` by name.
 
@@ -471,14 +384,8 @@ def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = F
     kind : {"natural", "random", "repeated"}
     tokenizer : transformers.PreTrainedTokenizerBase
         The model's tokenizer (ValueError for None: build token tensors yourself).
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    n, T, bos, seed
+        As in :func:`text_probe`.
 
     Returns
     -------
@@ -493,6 +400,7 @@ def make_probe(kind: str, tokenizer, *, n: int = 100, T: int = 64, bos: bool = F
     return makers[kind](tokenizer, n=n, T=T, bos=bos, seed=seed)
 
 
+@parameters_from(text_probe)
 def probe_sets(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, kinds: Sequence[str] = PROBE_KINDS
 ) -> dict[str, ProbeSet]:
@@ -500,16 +408,8 @@ def probe_sets(
 
     Parameters
     ----------
-    tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    tokenizer, n, T, bos, seed
+        As in :func:`text_probe`.
     kinds : sequence of str
         The kinds to make (default all of ``PROBE_KINDS``).
 
@@ -569,6 +469,7 @@ def task_probe_sets(model: SinkModel, *, n: int = 100, T: int = 64, seed: int = 
     }
 
 
+@parameters_from(text_probe)
 def model_probe_sets(
     model: SinkModel, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0
 ) -> dict[str, ProbeSet]:
@@ -579,14 +480,8 @@ def model_probe_sets(
     ----------
     model
         A loaded model.
-    n : int
-        N, the number of sequences.
-    T : int
-        Tokens per sequence (the BOS included).
-    bos : bool
-        Put the tokenizer's BOS token at position 1 (the sequence still has T tokens); the paper's default is none.
-    seed : int
-        The seed of the sampling.
+    n, T, bos, seed
+        As in :func:`text_probe`.
 
     Returns
     -------

@@ -4,7 +4,15 @@ every per-tensor scale, and the packed low-bit KV cache; the table printed, ever
 from __future__ import annotations
 
 from analysis.core.checks import resolve_device
-from analysis.core.options import VOCABULARY, HelpFormatter, backend_options, command_line, length_options, seed_options
+from analysis.core.options import (
+    VOCABULARY,
+    HelpFormatter,
+    backend_options,
+    command_doc,
+    command_line,
+    shared_option,
+    write_output,
+)
 from analysis.core.versions import package_versions
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
@@ -47,9 +55,10 @@ def add_parser(sub, *, parents=()) -> None:
     -------
     None
     """
+    seeds = shared_option("--seed", type=str, default="0")  # a comma list: one calibration draw each
     q = sub.add_parser(
         "quant",
-        parents=[*parents, length_options(T=256), seed_options(many=True), backend_options()],
+        parents=[*parents, shared_option("--T", type=int, default=256), seeds, backend_options()],
         formatter_class=HelpFormatter,
         help="perplexity under activation/weight quantisation against the sink; low-bit KV cache",
         description="Perplexity under activation / weight fake quantisation against the sink, the site "
@@ -71,17 +80,9 @@ def add_parser(sub, *, parents=()) -> None:
     q.set_defaults(func=cmd_quant, check=check_quant_args, outputs=(("json", False),))
 
 
+@command_doc("None")
 def check_quant_args(args) -> None:
-    """The quant command's own options, checked before torch loads (ValueError naming the flag otherwise).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-    """
+    """The quant command's own options, checked before torch loads (ValueError naming the flag otherwise)."""
     if getattr(args, "dtype", "float32") != "float32":
         raise ValueError(
             f"quant measures quantisation against the float32 model; --dtype must be float32, got {args.dtype}."
@@ -115,19 +116,10 @@ def format_quant_table(res) -> str:
     return "\n".join(lines)
 
 
+@command_doc("int")
 def cmd_quant(args) -> int:
-    """Run ``python -m analysis quant``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-    """
+    """Run ``python -m analysis quant``."""
     # import time: torch loads once the options are checked
-    from analysis.core.io import write_json, write_or_spare
     from analysis.model.loading import load_model
     from analysis.quant.run import quant_study
     from analysis.quant.study import check_conditions, schemes_of
@@ -167,6 +159,5 @@ def cmd_quant(args) -> int:
             "dtype": "float32",
             "versions": package_versions(),
         }
-        write_or_spare(args.json, lambda p: write_json(p, payload), flag="--json")
-        print(f"wrote {args.json}")
+        write_output(args.json, payload)
     return 0

@@ -8,15 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from analysis.core.options import (
-    SINK_N,
-    HelpFormatter,
-    backend_options,
-    model_options,
-    placement_options,
-    probe_options,
-    sink_options,
-)
+from analysis.core.options import SINK_N, HelpFormatter, command_doc, sink_command_options
 
 
 def add_parser(sub) -> None:
@@ -32,13 +24,7 @@ def add_parser(sub) -> None:
     """
     a = sub.add_parser(
         "atlas",
-        parents=[
-            model_options(model_flag=False),
-            probe_options(n=SINK_N),
-            sink_options(),
-            placement_options(),
-            backend_options(),
-        ],
+        parents=sink_command_options(n=SINK_N, model_flag=False),
         formatter_class=HelpFormatter,
         help="many models in one resumable run: Sink_1, the largest activation and the facts of each",
     )
@@ -80,18 +66,9 @@ def read_models_file(path) -> list[str]:
     return [n for n in names if n]
 
 
+@command_doc("None", "ValueError or FileNotFoundError, saying what to give, otherwise.")
 def check_atlas_args(args) -> None:
-    """The models (positional and ``--models-file``), read and checked before torch loads; kept as ``args.model_list``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-        ValueError or FileNotFoundError, saying what to give, otherwise.
-    """
+    """The models (positional and ``--models-file``), read and checked before torch loads; kept as ``args.model_list``."""
     names = list(args.models) + (read_models_file(args.models_file) if args.models_file else [])
     if not names:
         raise ValueError(
@@ -153,19 +130,13 @@ def format_atlas_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@command_doc(
+    "int",
+    "0; 1 where a model failed (its error is in its row, the others were measured); 130 on Ctrl-C (every finished",
+    "model is kept: the same command again goes on).",
+)
 def cmd_atlas(args) -> int:
-    """Run ``python -m analysis atlas``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        0; 1 where a model failed (its error is in its row, the others were measured); 130 on Ctrl-C (every finished
-        model is kept: the same command again goes on).
-    """
+    """Run ``python -m analysis atlas``."""
     # import time: torch loads once the options are checked
     from analysis.core.io import parse_dtype
     from analysis.model.loading import load_model

@@ -8,9 +8,11 @@ from analysis.core.options import (
     VOCABULARY,
     HelpFormatter,
     backend_options,
+    command_doc,
     model_options,
     placement_options,
-    seed_options,
+    shared_option,
+    write_output,
 )
 
 # --backend on `stream`: the cache passes decode the Hugging Face model itself, in its own attention (the transformers
@@ -48,7 +50,8 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     -------
     None
     """
-    parents = list(parents) or [model_options(default_model), seed_options(), placement_options(), backend_options()]
+    seed = shared_option("--seed", type=int, default=0)
+    parents = list(parents) or [model_options(default_model), seed, placement_options(), backend_options()]
     s = sub.add_parser(
         "stream",
         parents=parents,
@@ -79,17 +82,9 @@ def add_parser(sub, default_model: str, *, parents=()) -> None:
     s.set_defaults(func=cmd_stream, check=check_stream_args, outputs=(("json", False), ("csv", False)))
 
 
+@command_doc("None")
 def check_stream_args(args) -> None:
-    """The stream's own options, checked before the model loads (ValueError naming the flag otherwise).
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    None
-    """
+    """The stream's own options, checked before the model loads (ValueError naming the flag otherwise)."""
     sinks, bits = _ints(args.sinks), _ints(args.kv_bits)
     if getattr(args, "backend", "auto") not in STREAM_BACKENDS:
         raise ValueError(f"--backend {args.backend} does not apply to stream: {STREAM_BACKEND_WHY}")
@@ -109,20 +104,10 @@ def check_stream_args(args) -> None:
         )
 
 
+@command_doc("int", "The exit status (1 where an output could not be written; the table is printed first either way).")
 def cmd_stream(args) -> int:
-    """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-
-    Returns
-    -------
-    int
-        The exit status (1 where an output could not be written; the table is printed first either way).
-    """
+    """Run ``python -m analysis stream``: the streaming perplexity, printed, then written where asked."""
     # import time: torch, transformers and TransformerLens load once the options are checked
-    from analysis.core.io import write_or_spare
     from analysis.model.loading import load_model
     from analysis.model.placement import placement_from_args
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
@@ -151,16 +136,7 @@ def cmd_stream(args) -> int:
     )
     table = res.table
     table["timing"] = [f"shared by {b}" if b > 1 else "own" for b in table["batch"]]
-    cols = [
-        "policy",
-        "ppl",
-        "ppl_past_window",
-        "ppl_at_recompute",
-        "tokens_per_s",
-        "timing",
-        "kv_cache_mib",
-        "sink_attention",
-    ]
+    cols = "policy ppl ppl_past_window ppl_at_recompute tokens_per_s timing kv_cache_mib sink_attention".split()
     cols += ["learned_sink_attention"] if table["learned_sink_attention"].notna().any() else []
     print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(
@@ -168,10 +144,6 @@ def cmd_stream(args) -> int:
         f"share that batch's one timing ({res.device}, {res.dtype})."
     )
     print(res.text())
-    if args.json:
-        write_or_spare(args.json, res.save, flag="--json")
-        print(f"wrote {args.json}")
-    if args.csv:
-        write_or_spare(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
-        print(f"wrote {args.csv}")
+    write_output(args.json, res.save)
+    write_output(args.csv, lambda p: write_csv_atomic(res.table, Path(p)), flag="--csv")
     return 0

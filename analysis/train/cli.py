@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from analysis.core.checks import check_device
-from analysis.core.options import TRAIN_FIELD_FLAGS, VOCABULARY, command_line
+from analysis.core.options import TRAIN_FIELD_FLAGS, VOCABULARY, cli_argv, command_line
 from analysis.core.paths import check_output
 from analysis.model.reference.config import ModelConfig, TrainConfig
 from analysis.train.presets import PRESETS, build_configs, preset
@@ -110,9 +110,9 @@ def _help(cls, f: dataclasses.Field, flag: str) -> str:
 
 
 def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
-    """One option per config field; defaults suppressed so only explicit options override a preset.
-    Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in ``TRAIN_FIELD_FLAGS`` takes
-    the command line's shared name; ``progress`` is ``--quiet``.
+    """One option per config field; defaults suppressed (the groups' ``argument_default``) so only explicit options
+    override a preset. Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in
+    ``TRAIN_FIELD_FLAGS`` takes the command line's shared name; ``progress`` is ``--quiet``.
 
     Parameters
     ----------
@@ -124,18 +124,13 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
     None
     """
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
-        group = parser.add_argument_group(f"{title} options")
+        group = parser.add_argument_group(f"{title} options", argument_default=argparse.SUPPRESS)
         for f in dataclasses.fields(cls):
             if f.name == "preset":
                 continue
             if f.name == "progress":  # --quiet, as in every command
                 group.add_argument(
-                    "--quiet",
-                    dest="progress",
-                    action="store_const",
-                    const=False,
-                    default=argparse.SUPPRESS,
-                    help=VOCABULARY["--quiet"],
+                    "--quiet", dest="progress", action="store_const", const=False, help=VOCABULARY["--quiet"]
                 )
                 continue
             flag = field_flag(f.name)
@@ -145,19 +140,12 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
                 group.add_argument(
                     flag,
                     dest=f.name,
-                    default=argparse.SUPPRESS,
                     nargs="?",
                     const=[True],
                     type=lambda s: [_parse_bool(x) for x in s.split(",")],
                     help=helptext + "; or a comma-separated list of true/false",
                 )
-                group.add_argument(
-                    "--no-" + f.name.replace("_", "-"),
-                    dest=f.name,
-                    action="store_const",
-                    const=[False],
-                    default=argparse.SUPPRESS,
-                )
+                group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=[False])
                 continue
             parse = _parse_optional(base) if optional else base
             if f.name in list_fields:
@@ -167,7 +155,7 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
                 kwargs = dict(action=argparse.BooleanOptionalAction)
             else:
                 kwargs = dict(type=parse)
-            group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=helptext, **kwargs)
+            group.add_argument(flag, dest=f.name, help=helptext, **kwargs)
 
 
 TRAIN_HELP = "pre-train a reference language model with a chosen attention operation"
@@ -414,14 +402,9 @@ def run_train(args, *, command: str) -> int:
         result = train(mcfg, tcfg, command=command)
     except ValueError as e:
         return _fail(str(e))
+    shown = ("step", "loss", "val_loss", "sink_1", "sink_slot", "resid_norm_ratio", "value_norm_ratio")
     if result.final:
-        print(
-            {
-                k: v
-                for k, v in result.final.items()
-                if k in ("step", "loss", "val_loss", "sink_1", "sink_slot", "resid_norm_ratio", "value_norm_ratio")
-            }
-        )
+        print({k: v for k, v in result.final.items() if k in shown})
     print(f"model written to {tcfg.out}")
     return 0
 
@@ -440,9 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     int
         The exit status (2 for bad input).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m analysis.train -- --n 8: torchrun reads --n as its own --nnodes (an
-        argv = argv[1:]  # abbreviation) unless a "--" ends its options, and hands that "--" on
+    argv = cli_argv(argv)
     if argv[:1] == ["sweep"]:
         return run_sweep(_sweep_parser().parse_args(argv[1:]), command=command_line(argv))
     return run_train(_parser().parse_args(argv), command=command_line(["train", *argv]))
