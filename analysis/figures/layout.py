@@ -13,8 +13,10 @@ draws a row of background bars as one patch.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import textwrap
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -41,6 +43,47 @@ def new_or_given(ax, figsize: tuple[float, float]):
         fig, ax = plt.subplots(figsize=figsize)
         return fig, ax, True
     return ax.figure, ax, False
+
+
+_AX_DOC = """
+ax : matplotlib.axes.Axes, optional
+    Draw into it (default: a new figure).
+
+Returns
+-------
+matplotlib.figure.Figure"""
+
+
+def one_axes(figsize: tuple[float, float], **margins):
+    """Decorate a figure function that draws into one axes ``ax``: the wrapper makes a figure of ``figsize`` when
+    ``ax`` is None (:func:`new_or_given`), has the function draw into it, places the axes with ``margins``
+    (:func:`place_axes`) and returns the figure; it ends the function's docstring with ``ax`` and ``Returns``.
+
+    Parameters
+    ----------
+    figsize : tuple of (float, float)
+        Inches.
+    **margins
+        Passed on to :func:`place_axes`.
+
+    Returns
+    -------
+    callable
+        The decorator.
+    """
+
+    def decorate(draw):
+        @functools.wraps(draw)
+        def plot(*args, ax=None, **kwargs):
+            fig, ax, own = new_or_given(ax, figsize)
+            draw(*args, ax=ax, **kwargs)
+            place_axes(fig, own=own, **margins)
+            return fig
+
+        plot.__doc__ = draw.__doc__.rstrip() + textwrap.indent(_AX_DOC, "    ") + "\n    "
+        return plot
+
+    return decorate
 
 
 def place_axes(

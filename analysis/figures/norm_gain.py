@@ -5,24 +5,18 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, place_axes, set_log_scale, set_title
 from analysis.chain.norm_gain import NormGainTrace
 
 
+@one_axes((5.5, 3.2), left=0.7, bottom=0.55)
 def plot_stage_shares(trace: NormGainTrace, *, ax=None):
     """Share of |v|^2 held by the spike dims at each stage of the key path, first token against ordinary tokens.
 
     Parameters
     ----------
     trace : NormGainTrace
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (5.5, 3.2))
     st = trace.stages
     x = np.arange(len(st))
     b1 = ax.bar(x - 0.2, st["first_share"], 0.4, label="first token", color="#c44e52")
@@ -34,8 +28,6 @@ def plot_stage_shares(trace: NormGainTrace, *, ax=None):
     ax.set_ylabel("share of |.|^2 in spike dims")
     set_title(ax, f"Layer {trace.layer}: spike dims {trace.spike_dims}")
     ax.legend(fontsize=8)
-    place_axes(fig, left=0.7, bottom=0.55, own=own)
-    return fig
 
 
 def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
@@ -87,20 +79,14 @@ def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
     return fig
 
 
+@one_axes((6.5, 3.2), left=0.7, bottom=0.5)
 def plot_head_attribution(trace: NormGainTrace, *, ax=None):
     """Per head: alpha_1 as is, with k_1 rebuilt from the spike dims alone, and with them removed from k_1.
 
     Parameters
     ----------
     trace : NormGainTrace
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6.5, 3.2))
     h = trace.heads
     x = np.arange(len(h))
     ax.bar(x - 0.27, h["alpha_1"], 0.27, label="k_1 (model)", color="#555555")
@@ -111,10 +97,9 @@ def plot_head_attribution(trace: NormGainTrace, *, ax=None):
     ax.set_ylim(0, 1.05)
     set_title(ax, f"Layer {trace.layer}: attention on the first key, by key")
     ax.legend(fontsize=7)
-    place_axes(fig, left=0.7, bottom=0.5, own=own)
-    return fig
 
 
+@one_axes((5.5, 3.2), left=0.7)
 def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None):
     """Mean pairwise cosine across inputs of the first token's vectors (h, norm(h), g*norm(h), k_1) against
     ordinary tokens' normalised vectors, for one or several traces.
@@ -123,16 +108,9 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None)
     ----------
     traces : NormGainTrace or dict of str to NormGainTrace
         One trace, or several by name.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     if isinstance(traces, NormGainTrace):
         traces = {f"layer {traces.layer}": traces}
-    fig, ax, own = new_or_given(ax, (5.5, 3.2))
     labels = ["first: h", "first: norm(h)", "first: g*norm(h)", "first: k_1", "ordinary: norm(h)"]
     w = 0.8 / len(traces)
     for i, (name, t) in enumerate(traces.items()):
@@ -150,5 +128,3 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None)
     ax.set_ylabel("mean cosine across inputs")
     ax.legend(fontsize=7)
     set_title(ax, "How constant is the first token?")
-    place_axes(fig, left=0.7, own=own)
-    return fig

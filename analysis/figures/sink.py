@@ -5,11 +5,12 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from analysis.core.docs import parameters_from
-from analysis.figures.layout import new_or_given, place_axes, set_title
+from analysis.figures.layout import one_axes, place_axes, set_title
 from analysis.chain.qk import QKAngles
 from analysis.sinks.metric import SinkResult
 
 
+@one_axes((4.5, 3.2), left=0.8, bottom=0.4)
 def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Bar chart of Sink_k (%) per input kind.
 
@@ -19,14 +20,7 @@ def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
         One result per input kind.
     k : int
         The key position (1: the first token).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (4.5, 3.2))
     names = list(results)
     vals = [results[n].sink_rate(k) for n in names]
     bars = ax.bar(names, vals, color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(names)])
@@ -35,10 +29,9 @@ def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     ax.set_ylabel(f"Sink$_{k}^{{\\epsilon={eps}}}$ (%)")
     ax.set_ylim(0, 105)
     set_title(ax, f"Sink on token {k}")
-    place_axes(fig, left=0.8, bottom=0.4, own=own)
-    return fig
 
 
+@one_axes((4.5, 6), left=0.8, right=0.4)
 def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
     """Heatmap of mean alpha_k per (layer, head).
 
@@ -48,14 +41,7 @@ def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
         alpha of shape (N, L, H, k_max).
     k : int
         The key position (1: the first token).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (4.5, 6))
     a = result.per_head_alpha[..., k - 1].numpy()
     im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
     if result.layers != list(range(len(result.layers))):  # a hybrid: rows are its attention layers, true indices
@@ -63,33 +49,25 @@ def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     set_title(ax, f"mean $\\alpha_{k}$ per head" + (f" ({result.kind})" if result.kind else ""))
-    fig.colorbar(im, ax=ax, label=f"$\\alpha_{k}$")
-    place_axes(fig, left=0.8, right=0.4, own=own)
-    return fig
+    ax.figure.colorbar(im, ax=ax, label=f"$\\alpha_{k}$")
 
 
 @parameters_from(plot_sink_rates)
+@one_axes((6, 3.2), top=0.15)
 def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Sink_k (%) per layer for each input kind.
 
     Parameters
     ----------
-    results, k, ax
+    results, k
         As in :func:`plot_sink_rates`.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6, 3.2))
     for name, res in results.items():
         df = res.per_layer(k)
         ax.plot(df["layer"], df[f"sink_{k}_pct"], marker="o", ms=3, label=name)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"Sink$_{k}$ (%)")
     ax.legend()
-    place_axes(fig, top=0.15, own=own)
-    return fig
 
 
 def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, place_axes, set_log_scale, set_title
 from analysis.chain.first_token_cause import FirstTokenCause
 from analysis.causal.writer_cuts import SpikeCuts
 from analysis.chain.spike_writers import SpikeOrigin
@@ -22,6 +22,7 @@ def _main_dim(origin: SpikeOrigin, dim: int | None) -> int:
     return max(origin.dims, key=lambda d: float(origin.values(d).abs().max()))
 
 
+@one_axes((9, 3.6), left=0.8)
 def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     """The first token's value of ``dim`` entering each block (line; the other tokens' largest |value| dashed) with
     each block's attention and MLP writes on it as bars, on a symmetric log axis; writers and erasers labelled.
@@ -31,15 +32,8 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     origin : SpikeOrigin
     dim : int, optional
         The spike dimension (default: the one with the largest first-token value).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
-    fig, ax, own = new_or_given(ax, (9, 3.6))
     t = origin.block_table(d)
     L = origin.n_layers
     x = np.arange(L + 1)
@@ -68,8 +62,6 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     ax.set_ylabel(f"dim {d}")
     set_title(ax, f"Dim {d} on the first token through the blocks" + (f" ({origin.kind})" if origin.kind else ""))
     ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.9)
-    place_axes(fig, left=0.8, own=own)
-    return fig
 
 
 def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
