@@ -15,6 +15,7 @@ import torch
 from analysis.model.access import attention_operation
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
+from analysis.core.docs import parameters_from
 from analysis.core.results import MappingResult
 from analysis.model.hooks import act_name, model_dims
 from analysis.model.placement import input_device
@@ -26,16 +27,15 @@ from analysis.dynamics.metrics import first_token_stats, slot_sink_rate
 from analysis.chain.values import value_norms
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def mean_pattern(model: SinkModel, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
     """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights).
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     layer : int
     hook : str
         The attention hook of the layer.

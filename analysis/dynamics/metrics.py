@@ -155,16 +155,15 @@ def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int
     )
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float = SINK_EPS) -> float:
     """Sink_k^eps (percent) on ``tokens`` through ``analysis.sinks.metric.sink_metric`` (reads ``hook_pattern``).
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     k : int
         The key position.
     eps : float
@@ -181,6 +180,7 @@ def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float 
         model.train(was_training)
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> float:
     """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
@@ -188,10 +188,8 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     eps : float
     batch_size : int
 
