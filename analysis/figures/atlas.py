@@ -7,7 +7,7 @@ from pathlib import PurePath
 import numpy as np
 import pandas as pd
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import new_or_given, place_axes, returns_figure, set_log_scale, set_title
 
 KIND_COLOURS = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
 
@@ -46,6 +46,7 @@ def _finish(fig, ax, rows: pd.DataFrame, own: bool, *, xlabel: str, title: str):
     return fig
 
 
+@returns_figure
 def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     """Sink_1 (%) by model and input kind (horizontal bars), the paper's figure as a black tick where it gives one.
 
@@ -53,12 +54,6 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     ----------
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``sink1_<kind>``, ``paper_<kind>``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     rows, fig, ax, own, y = _rows(table, ax, 0.5)
     h = 0.8 / len(KIND_COLOURS)
@@ -83,6 +78,7 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     return _finish(fig, ax, rows, own, xlabel="Sink$_1$ (%)", title="Sink on the first token, by model and input")
 
 
+@returns_figure
 def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     """The largest activation (mean top-1 |a|) and the median |a| at its layer, by model, on a log scale.
 
@@ -91,12 +87,6 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``largest_abs``, ``largest_median``,
         ``largest_layer``, ``largest_dim``, ``largest_massive``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     rows, fig, ax, own, y = _rows(table, ax, 0.4)
     big, med = rows["largest_abs"].astype(float).to_numpy(), rows["largest_median"].astype(float).to_numpy()
@@ -121,6 +111,7 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
 SINK_KIND_COLOURS = {"nop": "C0", "broadcast": "C3", "mixed": "0.6"}
 
 
+@returns_figure
 def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
     """The share of each model's sink heads by kind (nop, broadcast, mixed), stacked horizontal bars, with the number
     of sink heads; a model without a sink head (or without kinds) has no bar.
@@ -130,12 +121,6 @@ def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``kinds_nop``, ``kinds_broadcast``,
         ``kinds_mixed``, ``kinds_n_sink_heads``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     rows, fig, ax, own, y = _rows(table, ax, 0.3)
     left = np.zeros(len(rows))

@@ -8,9 +8,11 @@ from typing import Mapping, Optional, Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from analysis.figures.layout import returns_figure
 from analysis.train.sweep import grid_label
 
 
+@returns_figure
 def grid_figure(
     runs: pd.DataFrame,
     field: str,
@@ -36,10 +38,6 @@ def grid_figure(
     title : str
     labels : mapping of str to str, optional
         Names for the values of ``field``.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     values = list(dict.fromkeys(runs[field].tolist()))
     fig, axes = plt.subplots(
@@ -77,6 +75,7 @@ def grid_figure(
     return fig
 
 
+@returns_figure
 def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: str = "sink_1", title: str = ""):
     """``metric`` through training (mean over seeds, shaded min-max), one line per value of ``field``.
 
@@ -89,10 +88,6 @@ def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: 
     metric : str
         The metric drawn.
     title : str
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, ax = plt.subplots(figsize=(6, 3.6))
     groups = [(None, curves)] if field is None else list(curves.groupby(field, sort=False, dropna=False))

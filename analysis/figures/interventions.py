@@ -6,12 +6,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.causal.conditions import WHERE_KEYS
-from analysis.figures.layout import place_axes, set_title
+from analysis.figures.layout import place_axes, returns_figure, set_title
 from analysis.causal.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}
 
 
+@returns_figure
 def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     """Sink_1 and loss per condition (baseline / zero / mean), and Sink_1 per layer.
 
@@ -20,10 +21,6 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     Parameters
     ----------
     result : SpikeAblation or dict of str to SpikeAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     results = result if isinstance(result, dict) else {"": result}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1, 1, 2]})
@@ -70,16 +67,13 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     return fig
 
 
+@returns_figure
 def plot_value_ablation(result: ValueAblation):
     """Loss change per condition, and per sink head the first value's norm against the other values'.
 
     Parameters
     ----------
     result : ValueAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.3))
     s = result.conditions[result.conditions["condition"] != "baseline"]
@@ -102,6 +96,7 @@ def plot_value_ablation(result: ValueAblation):
     return fig
 
 
+@returns_figure
 def plot_first_key_ablation(result: FirstKeyAblation):
     """Where the attention of later queries goes (first / previous / self / other keys), over the changed
     layers, and the first key's share per layer, with and without the spike-driven part of k_1.
@@ -109,10 +104,6 @@ def plot_first_key_ablation(result: FirstKeyAblation):
     Parameters
     ----------
     result : FirstKeyAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10.5, 3.3), gridspec_kw={"width_ratios": [1, 2]})
     s = result.conditions

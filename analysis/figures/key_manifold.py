@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.core.defaults import SINK_MIN_ALPHA
-from analysis.figures.layout import flat_bars, place_axes, set_title
+from analysis.figures.layout import flat_bars, place_axes, returns_figure, set_title
 from analysis.chain.key_manifold import KeyManifold
 
 
@@ -20,6 +20,7 @@ def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
 VIEWS = ("pca", "axis")
 
 
+@returns_figure
 def plot_key_pca(
     km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS, max_sequences: int | None = None
 ):
@@ -37,10 +38,6 @@ def plot_key_pca(
         "pca" and / or "axis".
     max_sequences : int, optional
         Draw the keys of the first sequences only.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     heads = list(km.scatter) if heads is None else [tuple(h) for h in heads]
     missing = [h for h in heads if h not in km.scatter]
@@ -79,6 +76,7 @@ def plot_key_pca(
     return fig
 
 
+@returns_figure
 def plot_manifold_summary(km: KeyManifold):
     """Per layer (mean over KV heads), with mean alpha_1 as grey bars behind:
     (a) relative residual of k_1 off the other keys' principal subspace vs the other keys' own;
@@ -88,10 +86,6 @@ def plot_manifold_summary(km: KeyManifold):
     Parameters
     ----------
     km : KeyManifold
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     t = km.table.groupby("layer").mean(numeric_only=True)
     x = t.index.to_numpy()

@@ -14,6 +14,7 @@ draws a row of background bars as one patch.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 import textwrap
@@ -47,22 +48,44 @@ def new_or_given(ax, figsize: tuple[float, float]):
 
 _AX_DOC = """
 ax : matplotlib.axes.Axes, optional
-    Draw into it (default: a new figure).
+    Draw into it (default: a new figure)."""
+_RETURNS_DOC = """
 
 Returns
 -------
 matplotlib.figure.Figure"""
 
 
-def one_axes(figsize: tuple[float, float], **margins):
+def returns_figure(draw):
+    """Decorate a figure function: end its docstring's ``Parameters`` with ``ax`` (where it takes one) and add
+    ``Returns`` a figure, the two entries every figure function shares.
+
+    Parameters
+    ----------
+    draw : callable
+        A figure function whose docstring ends with its ``Parameters``.
+
+    Returns
+    -------
+    callable
+        ``draw``, its docstring completed.
+    """
+    tail = (_AX_DOC if "ax" in inspect.signature(draw).parameters else "") + _RETURNS_DOC
+    draw.__doc__ = draw.__doc__.rstrip() + textwrap.indent(tail, "    ") + "\n    "
+    return draw
+
+
+def one_axes(figsize: tuple[float, float], *, tight: bool = False, **margins):
     """Decorate a figure function that draws into one axes ``ax``: the wrapper makes a figure of ``figsize`` when
     ``ax`` is None (:func:`new_or_given`), has the function draw into it, places the axes with ``margins``
-    (:func:`place_axes`) and returns the figure; it ends the function's docstring with ``ax`` and ``Returns``.
+    (:func:`place_axes`; ``tight``: ``fig.tight_layout()`` instead) and returns the figure (:func:`returns_figure`).
 
     Parameters
     ----------
     figsize : tuple of (float, float)
         Inches.
+    tight : bool
+        Lay the figure out by ``tight_layout``, the caller's figure too.
     **margins
         Passed on to :func:`place_axes`.
 
@@ -77,11 +100,13 @@ def one_axes(figsize: tuple[float, float], **margins):
         def plot(*args, ax=None, **kwargs):
             fig, ax, own = new_or_given(ax, figsize)
             draw(*args, ax=ax, **kwargs)
-            place_axes(fig, own=own, **margins)
+            if tight:
+                fig.tight_layout()
+            else:
+                place_axes(fig, own=own, **margins)
             return fig
 
-        plot.__doc__ = draw.__doc__.rstrip() + textwrap.indent(_AX_DOC, "    ") + "\n    "
-        return plot
+        return returns_figure(plot)
 
     return decorate
 

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from analysis.figures.layout import log_axis_ticks, one_axes, place_axes, set_log_scale, set_title
+from analysis.figures.layout import log_axis_ticks, one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.activation_map import ActivationMap
 from analysis.chain.massive import MassiveActivations
 
@@ -81,6 +81,7 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
     set_title(ax, f"|h| at layer {amap.layer} ({amap.hook})", pad=60)  # above the labels of the top dims
 
 
+@returns_figure
 def plot_spike_dims_by_kind(
     results: dict[str, MassiveActivations], *, dims: list[int] | None = None, max_dims: int = 4
 ):
@@ -96,10 +97,6 @@ def plot_spike_dims_by_kind(
         kind's largest first-token dims).
     max_dims : int
         At most this many dims.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     if dims is None:
         score: dict[int, float] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import one_axes, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.norm_gain import NormGainTrace
 
 
@@ -30,6 +30,7 @@ def plot_stage_shares(trace: NormGainTrace, *, ax=None):
     ax.legend(fontsize=8)
 
 
+@returns_figure
 def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
     """Top: the first token's mean normalised vector |n_1,d| against ordinary tokens' mean |n_t,d|.
     Bottom: the ln1 gain g_d, spike dims marked.
@@ -39,10 +40,6 @@ def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
     trace : NormGainTrace
     top : int
         The dims with the largest first-token |n_1,d| labelled.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True)
     D = trace.gain_vector.shape[0]

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.core.defaults import SINK_EPS
-from analysis.figures.layout import one_axes, place_axes, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_title
 from analysis.positions.context_length import BARBERO_EPS, SinkContext
 from analysis.positions.encodings import KINDS, EncodingGrid
 from analysis.positions.every_sink import SinkPositions
@@ -168,6 +168,7 @@ def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     set_title(ax, f"sink against the threshold (T = {T or max(ctx.Ts)})")
 
 
+@returns_figure
 def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     """Per encoding, the first token's attention against the number t of repeated tokens seen (one thin line per
     seed, layer and head), with the proposition's closed form drawn over it (dashed; the upper bound for rotary) and
@@ -180,10 +181,6 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
         The panels (default: every encoding of the grid).
     log : bool
         Log-scale both axes.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     encodings = list(encodings or grid.encodings)
     ncols = min(3, len(encodings))
@@ -226,7 +223,6 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
     ----------
     results : dict of str to RepeatedTokens
         Label -> result.
-    ax : matplotlib.axes.Axes, optional
     floor : float
         Where an exact zero is drawn on the log axis.
     """
@@ -264,7 +260,6 @@ def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
     Parameters
     ----------
     grid : EncodingGrid
-    ax : matplotlib.axes.Axes, optional
     """
     encs = grid.encodings
     width = 0.8 / len(KINDS)

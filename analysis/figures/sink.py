@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from analysis.core.docs import parameters_from
-from analysis.figures.layout import one_axes, place_axes, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_title
 from analysis.chain.qk import QKAngles
 from analysis.sinks.metric import SinkResult
 
@@ -70,6 +70,7 @@ def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     ax.legend()
 
 
+@returns_figure
 def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     """Left: per layer, mean cos(q_t, k_1) and cos(q_t, k_j>1) (averaged over heads), with key norms.
     Right: the two cosine distributions for one head (default: the head with the largest gap).
@@ -79,10 +80,6 @@ def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     angles : QKAngles
     head : tuple of (int, int), optional
         (true layer, head) of the right panel.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
     layers = angles.layers

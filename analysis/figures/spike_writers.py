@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import one_axes, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.first_token_cause import FirstTokenCause
 from analysis.causal.writer_cuts import SpikeCuts
 from analysis.chain.spike_writers import SpikeOrigin
@@ -64,6 +64,7 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.9)
 
 
+@returns_figure
 def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
     """Per writing (``role="eraser"``: erasing) MLP on ``dim``: the ``top`` neurons' contributions to its write on the
     first token (bars) and their cumulative share of the write (line), 90% and 99% marked.
@@ -77,10 +78,6 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         Neurons drawn per MLP.
     role : {"writer", "eraser"}
         Writing or erasing MLPs.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
     ns = [n for n in origin.neurons if n.dim == d and n.role == role]
@@ -105,6 +102,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
     return fig
 
 
+@returns_figure
 def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40):
     """Per writing gated MLP on ``dim``: the |eigenvalues| of A_d's symmetric part by rank (log scale; positive and
     negative ones coloured), with the top direction's share and its |cos| with the first token's MLP input.
@@ -116,10 +114,6 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
         The spike dimension (default: the one with the largest first-token value).
     top : int
         Eigenvalues drawn per MLP.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
     qs = [q for q in origin.quadratic if q.dim == d]
@@ -148,6 +142,7 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
     return fig
 
 
+@returns_figure
 def plot_first_token_cause(
     cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None, factor: str | None = None
 ):
@@ -163,10 +158,6 @@ def plot_first_token_cause(
         The writing block (default the first).
     factor : str, optional
         "gate" or "up" (default: the gate of a gated MLP).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     c = cause.contributions
     if not len(c):
@@ -190,6 +181,7 @@ def plot_first_token_cause(
     return fig
 
 
+@returns_figure
 def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     """Per condition: the share of the spike kept where it peaks, the dim's value after the last block (what the
     unembedding sees: erasers), Sink_1 and the loss; random draws as their mean with min-max bars.
@@ -199,10 +191,6 @@ def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     cuts : SpikeCuts
     dim : int, optional
         The spike dimension (default the first traced).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     s = cuts.summary
     if not len(s):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.figures.layout import one_axes
 
+
+@one_axes((7.5, 3.6), tight=True)
 def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
     """Log-perplexity against position, one line per policy; the dotted line is where token 1 leaves a
     window cache (position window + 1).
@@ -18,14 +20,7 @@ def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
         The policies drawn (default: every full-precision policy).
     bin : int
         Positions averaged per point.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.6))
     curve = result.curve(bin)
     labels = labels or [r.policy.label for r in result.runs if not r.policy.bits]
     for label in labels:
@@ -37,10 +32,9 @@ def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
     ax.set_ylabel(f"log-perplexity (mean NLL per {bin} tokens)")
     ax.set_title(f"{result.model}: cache of {result.window} tokens")
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
 
 
+@one_axes((7.5, 3.4), tight=True)
 def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     """Perplexity per policy (log scale), full precision and quantised.
 
@@ -50,14 +44,7 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
         A result of ``analysis.streaming.streaming_perplexity``.
     column : str
         The perplexity column of ``result.table``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.4))
     t = result.table
     colors = [
         "#c44e52"
@@ -75,5 +62,3 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     ax.set_yscale("log")
     ax.set_ylabel(column.replace("_", " "))
     ax.set_title("perplexity per cache policy")
-    fig.tight_layout()
-    return fig

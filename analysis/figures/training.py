@@ -10,9 +10,11 @@ import torch
 
 from analysis.core.io import read_log
 from analysis.dynamics.compare import mean_pattern
+from analysis.figures.layout import returns_figure
 from analysis.model.hooks import model_facts
 
 
+@returns_figure
 def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
     """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
 
@@ -24,10 +26,6 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
     layer : int
     n_pos : int
         Positions shown.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
@@ -46,6 +44,7 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
     return fig
 
 
+@returns_figure
 def plot_first_token(table: pd.DataFrame):
     """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model.
 
@@ -53,10 +52,6 @@ def plot_first_token(table: pd.DataFrame):
     ----------
     table : pandas.DataFrame
         Of :func:`compare_models`.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
@@ -70,16 +65,13 @@ def plot_first_token(table: pd.DataFrame):
     return fig
 
 
+@returns_figure
 def plot_training(runs: dict):
     """Loss and Sink_1 against training step for each run folder {label: dir}.
 
     Parameters
     ----------
     runs : dict of str to path-like
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
