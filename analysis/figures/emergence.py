@@ -67,8 +67,7 @@ def grid_figure(
             rotation=30 if len(values) > 5 else 0,
             ha="right" if len(values) > 5 else "center",
         )
-        ax.set_xlabel(field.replace("_", " "))
-        ax.set_ylabel((labels or {}).get(metric, metric.replace("_", " ")))
+        ax.set(xlabel=field.replace("_", " "), ylabel=(labels or {}).get(metric, metric.replace("_", " ")))
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(title or f"{', '.join(metrics)} against {field}")
     fig.tight_layout()
@@ -96,8 +95,7 @@ def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: 
         label = "all" if field is None else f"{field.replace('_', ' ')} {grid_label(value)}"
         ax.plot(g.index, g["mean"], label=label)
         ax.fill_between(g.index, g["min"], g["max"], alpha=0.2)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(metric.replace("_", " "))
+    ax.set(xlabel="training step", ylabel=metric.replace("_", " "))
     ax.legend(fontsize=7)
     ax.set_title(title or f"{metric} through training")
     fig.tight_layout()

@@ -89,8 +89,7 @@ def plot_value_ablation(result: ValueAblation):
         lim = max(h["v_other_norm"].max(), h["v1_norm"].max()) * 1.05
         a2.plot([0, lim], [0, lim], color="grey", lw=0.6, ls=":")
         fig.colorbar(sc, ax=a2, label="alpha_1")
-    a2.set_xlabel("mean |v_j|, j > 1")
-    a2.set_ylabel("|v_1|")
+    a2.set(xlabel="mean |v_j|, j > 1", ylabel="|v_1|")
     set_title(a2, "sink heads: value norms")
     place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
     return fig
@@ -123,8 +122,7 @@ def plot_first_key_ablation(result: FirstKeyAblation):
             a2.plot(d["layer"], d["other"], ls=ls, color="#4c72b0", marker="o", ms=2.5, label=f"other keys, {c}")
     for l in result.layers:
         a2.axvspan(l - 0.5, l + 0.5, color="#eeeeee", zorder=0)
-    a2.set_xlabel("layer (shaded: first key changed)")
-    a2.set_ylabel("attention share")
+    a2.set(xlabel="layer (shaded: first key changed)", ylabel="attention share")
     a2.legend(fontsize=7, ncol=2)
     place_axes(fig, left=0.7, wspace=0.7)
     return fig

@@ -63,8 +63,7 @@ def plot_key_pca(
             )
             ax.scatter(c[:, 0, 0], c[:, 0, 1], marker="x", c="red", s=40, lw=1.5, label="first keys $k_1$")
             if view == "pca":
-                ax.set_xlabel(f"PC1 ({100 * s['evr'][0]:.0f}% var.)")
-                ax.set_ylabel(f"PC2 ({100 * s['evr'][1]:.0f}% var.)")
+                ax.set(xlabel=f"PC1 ({100 * s['evr'][0]:.0f}% var.)", ylabel=f"PC2 ({100 * s['evr'][1]:.0f}% var.)")
                 set_title(ax, head_name + "\nPCA of all keys", fontsize=9)
             else:
                 ax.set_xlabel(f"first-key axis (k$_1$ at {s['axis_z']:.1f} sd of the others)")

@@ -27,8 +27,7 @@ def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | No
     ax.plot(df["layer"], df["median"], marker="s", ms=3, color="#4c72b0", label="median")
     ax.axhline(result.abs_threshold, color="grey", ls=":", lw=0.8)
     set_log_scale(ax)
-    ax.set_xlabel(f"layer ({result.hook})")
-    ax.set_ylabel("|activation|")
+    ax.set(xlabel=f"layer ({result.hook})", ylabel="|activation|")
     set_title(ax, title or "Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
     ax.legend(fontsize=8, ncol=2)
 
@@ -56,8 +55,7 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
         norm=LogNorm(vmin=max(1e-2, float(np.median(v)) / 10), vmax=v.max()),
         interpolation="nearest",
     )
-    ax.set_xlabel("residual dimension")
-    ax.set_ylabel("position")
+    ax.set(xlabel="residual dimension", ylabel="position")
     step = max(1, v.shape[0] // 12)
     ax.set_yticks(range(0, v.shape[0], step))
     ax.set_yticklabels([f"{i} {amap.tokens[i]!r}"[:18] for i in range(0, v.shape[0], step)], fontsize=7)

@@ -24,8 +24,7 @@ def plot_stage_shares(trace: NormGainTrace, *, ax=None):
     ax.bar_label(b1, fmt="%.2f", fontsize=7)
     ax.bar_label(b2, labels=[("" if np.isnan(v) else f"{v:.2f}") for v in st["other_share"]], fontsize=7)
     ax.set_xticks(x, ["h (resid)", "norm(h)", "g * norm(h)", "k_1\n(along k_1^S)"])
-    ax.set_ylim(0, 1.1)
-    ax.set_ylabel("share of |.|^2 in spike dims")
+    ax.set(ylim=(0, 1.1), ylabel="share of |.|^2 in spike dims")
     set_title(ax, f"Layer {trace.layer}: spike dims {trace.spike_dims}")
     ax.legend(fontsize=8)
 
@@ -69,8 +68,7 @@ def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
         a2.annotate(
             f"dim {d}: g={float(trace.gain_vector[d]):.3f}", (d, float(trace.gain_vector[d])), xytext=(dx, 6), **style
         )
-    a2.set_ylabel("ln1 gain g")
-    a2.set_xlabel("residual dimension")
+    a2.set(ylabel="ln1 gain g", xlabel="residual dimension")
     set_title(a1, f"Layer {trace.layer}: what the norm and its gain do to the first token")
     place_axes(fig, left=0.8, hspace=0.25)
     return fig
@@ -90,8 +88,7 @@ def plot_head_attribution(trace: NormGainTrace, *, ax=None):
     ax.bar(x, h["alpha_1_spike_only"].fillna(0), 0.27, label="k_1^S: spike dims only", color="#c44e52")
     ax.bar(x + 0.27, h["alpha_1_no_spike"].fillna(0), 0.27, label="k_1 - k_1^S", color="#4c72b0")
     ax.set_xticks(x, [f"h{i}\nkv{k}" for i, k in zip(h["head"], h["kv_head"])], fontsize=7)
-    ax.set_ylabel("alpha_1")
-    ax.set_ylim(0, 1.05)
+    ax.set(ylabel="alpha_1", ylim=(0, 1.05))
     set_title(ax, f"Layer {trace.layer}: attention on the first key, by key")
     ax.legend(fontsize=7)
 
@@ -121,7 +118,6 @@ def plot_constancy(traces: dict[str, NormGainTrace] | NormGainTrace, *, ax=None)
         ]
         ax.bar(np.arange(5) + (i - (len(traces) - 1) / 2) * w, vals, w, label=name)
     ax.set_xticks(range(5), labels, fontsize=7, rotation=15)
-    ax.set_ylim(min(0, ax.get_ylim()[0]), 1.05)
-    ax.set_ylabel("mean cosine across inputs")
+    ax.set(ylim=(min(0, ax.get_ylim()[0]), 1.05), ylabel="mean cosine across inputs")
     ax.legend(fontsize=7)
     set_title(ax, "How constant is the first token?")

@@ -45,14 +45,12 @@ def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=Non
     heads = res.sink_mask()[sample].sum((0, 1)).numpy()
     x = np.arange(res.T)
     ax.bar(x, heads, color="#4c72b0", width=0.8, label="heads with $\\alpha_k > \\epsilon$")
-    ax.set_xlabel("position k (0-based)")
-    ax.set_ylabel("heads")
+    ax.set(xlabel="position k (0-based)", ylabel="heads")
     ax2 = ax.twinx()
     ax2.plot(x, res.alpha[sample].flatten(0, 1).max(0).values.numpy(), color="#c44e52", lw=1, label="max $\\alpha_k$")
     ax2.axhline(res.eps, color="#c44e52", lw=0.6, ls=":")
     ax2.axvspan(res.n_measured - 0.5, res.T - 0.5, color="grey", alpha=0.15, lw=0)
-    ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("max $\\alpha_k$ over heads")
+    ax2.set(ylim=(0, 1.05), ylabel="max $\\alpha_k$ over heads")
     for k in np.nonzero(heads)[0]:
         ax.annotate(
             repr(res.token(res.tokens[sample, k])),
@@ -84,8 +82,7 @@ def plot_later_sink_heads(res: SinkPositions, *, ax=None):
     share = df["share_later"].to_numpy().reshape(-1, H)
     im = ax.imshow(share, aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
     ax.set_yticks(range(len(res.layers)), [str(l) for l in res.layers], fontsize=6)
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set(xlabel="head", ylabel="layer")
     set_title(ax, "share of sequences sinking on a later position")
     ax.figure.colorbar(im, ax=ax, label="share of sequences")
 
@@ -110,9 +107,7 @@ def plot_cos_first(res: SinkPositions, *, ax=None):
         ax.plot(layers, q[1], color=color, marker="o", ms=2, label=f"{label} ({int(pick.sum())})")
         ax.fill_between(layers, q[0], q[2], color=color, alpha=0.2, lw=0)
     ax.axhline(res.cos_min, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("layer (hook_resid_post)")
-    ax.set_ylabel("cos(h$_t$, h$_0$)")
-    ax.set_ylim(-0.2, 1.05)
+    ax.set(xlabel="layer (hook_resid_post)", ylabel="cos(h$_t$, h$_0$)", ylim=(-0.2, 1.05))
     ax.legend(fontsize=7, loc="lower left")
     set_title(ax, "alignment with the first token's hidden state (median, 10-90%)")
 
@@ -140,9 +135,7 @@ def plot_sink_vs_context(ctx: SinkContext, *, eps=(SINK_EPS, BARBERO_EPS), ax=No
         _band(ax, df["T"], df, "secondary_pct", f"later position, $\\epsilon$ = {e:g}", colors[i % 4], marker="s")
         ax.lines[-1].set_linestyle("--")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length T (tokens)")
-    ax.set_ylabel("% of (sample, layer, head)")
-    ax.set_ylim(0, 100)
+    ax.set(xlabel="context length T (tokens)", ylabel="% of (sample, layer, head)", ylim=(0, 100))
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     set_title(ax, f"sink against context length ({ctx.model_name or 'model'}; bands: seeds)")
 
@@ -161,9 +154,7 @@ def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     df = ctx.by_eps(T)
     _band(ax, df["eps"], df, "sink_1_pct", "Sink$_1$", "#4c72b0")
     _band(ax, df["eps"], df, "secondary_pct", "later position", "#c44e52", marker="s")
-    ax.set_xlabel("$\\epsilon$")
-    ax.set_ylabel("% of (sample, layer, head)")
-    ax.set_ylim(0, 100)
+    ax.set(xlabel="$\\epsilon$", ylabel="% of (sample, layer, head)", ylim=(0, 100))
     ax.legend(fontsize=7)
     set_title(ax, f"sink against the threshold (T = {T or max(ctx.Ts)})")
 
@@ -272,8 +263,7 @@ def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
         for xi, v in zip(x, vals):
             ax.scatter(np.full(len(v), xi), v, s=8, color="black", zorder=3)
     ax.set_xticks(np.arange(len(encs)), encs)
-    ax.set_ylabel("Sink$_1$ (%)")
-    ax.set_ylim(0, 105)
+    ax.set(ylabel="Sink$_1$ (%)", ylim=(0, 105))
     ax.legend(fontsize=7, ncol=3, loc="upper right")
     set_title(
         ax, f"Sink$_1$ per positional encoding and input (bars: mean of {grid.runs.seed.nunique()} seeds; dots: seeds)"

@@ -96,8 +96,7 @@ def plot_layer_scales(layers: dict, *, writers=(), erasers=(), ax=None):
             ha="right" if right else "left",
         )
     set_log_scale(ax)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("largest |input| of its linears")
+    ax.set(xlabel="layer", ylabel="largest |input| of its linears")
     ax.set_xticks(np.arange(0, int(first.layer.max()) + 1, 2))
     ax.legend(fontsize=7, loc="upper left")
     set_title(ax, "per-layer largest calibrated input (the per-tensor static scale of its worst linear)")

@@ -26,8 +26,7 @@ def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     bars = ax.bar(names, vals, color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(names)])
     ax.bar_label(bars, fmt="%.1f")
     eps = next(iter(results.values())).eps
-    ax.set_ylabel(f"Sink$_{k}^{{\\epsilon={eps}}}$ (%)")
-    ax.set_ylim(0, 105)
+    ax.set(ylabel=f"Sink$_{k}^{{\\epsilon={eps}}}$ (%)", ylim=(0, 105))
     set_title(ax, f"Sink on token {k}")
 
 
@@ -46,8 +45,7 @@ def plot_head_alpha(result: SinkResult, *, k: int = 1, ax=None):
     im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
     if result.layers != list(range(len(result.layers))):  # a hybrid: rows are its attention layers, true indices
         ax.set_yticks(range(len(result.layers)), [str(l) for l in result.layers])
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set(xlabel="head", ylabel="layer")
     set_title(ax, f"mean $\\alpha_{k}$ per head" + (f" ({result.kind})" if result.kind else ""))
     ax.figure.colorbar(im, ax=ax, label=f"$\\alpha_{k}$")
 
@@ -65,8 +63,7 @@ def plot_sink_by_layer(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     for name, res in results.items():
         df = res.per_layer(k)
         ax.plot(df["layer"], df[f"sink_{k}_pct"], marker="o", ms=3, label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel(f"Sink$_{k}$ (%)")
+    ax.set(xlabel="layer", ylabel=f"Sink$_{k}$ (%)")
     ax.legend()
 
 
@@ -86,8 +83,7 @@ def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     ax.plot(layers, angles.cos_first.mean(-1), marker="o", ms=3, label="cos(q$_t$, k$_1$)")
     ax.plot(layers, angles.cos_other.mean(-1), marker="o", ms=3, label="cos(q$_t$, k$_j$), j>1")
     ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("mean cosine")
+    ax.set(xlabel="layer", ylabel="mean cosine")
     axn = ax.twinx()
     axn.plot(layers, angles.k_first_norm.mean(-1), ls="--", color="C2", label="|k$_1$|")
     axn.plot(layers, angles.k_other_norm.mean(-1), ls="--", color="C3", label="|k$_j$|")
@@ -104,8 +100,7 @@ def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     w = float(angles.bin_edges[1] - angles.bin_edges[0])
     ax2.bar(centers, angles.hist_other[li, h], width=w, alpha=0.6, label="k$_j$, j>1")
     ax2.bar(centers, angles.hist_first[li, h], width=w, alpha=0.6, label="k$_1$")
-    ax2.set_xlabel(f"cos(q$_t$, k) in layer {layers[li]}, head {h}")
-    ax2.set_ylabel("share of (query, key) pairs")
+    ax2.set(xlabel=f"cos(q$_t$, k) in layer {layers[li]}, head {h}", ylabel="share of (query, key) pairs")
     ax2.legend()
     place_axes(fig, right=0.15, top=0.15, wspace=1.25)
     return fig

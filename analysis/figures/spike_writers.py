@@ -58,8 +58,7 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
         )
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xticks(x, [str(i) for i in range(L)] + ["out"], fontsize=7)
-    ax.set_xlabel("block")
-    ax.set_ylabel(f"dim {d}")
+    ax.set(xlabel="block", ylabel=f"dim {d}")
     set_title(ax, f"Dim {d} on the first token through the blocks" + (f" ({origin.kind})" if origin.kind else ""))
     ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.9)
 
@@ -89,8 +88,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         x = np.arange(len(t))
         ax.bar(x, t["contribution"], color=_MLP if role == "writer" else "#2a7f62")
         ax.set_xticks(x, [str(int(v)) for v in t["neuron"]], rotation=90, fontsize=7)
-        ax.set_xlabel("neuron")
-        ax.set_ylabel("contribution to the write")
+        ax.set(xlabel="neuron", ylabel="contribution to the write")
         tw = ax.twinx()
         tw.plot(x, t["cum_share"], color=_VALUE, marker="o", ms=3)
         for s in (0.9, 0.99):
@@ -125,8 +123,7 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
         x = np.arange(1, len(lam) + 1)
         ax.bar(x, np.abs(lam), color=np.where(lam >= 0, _MLP, _ATTN), width=0.8)
         set_log_scale(ax)
-        ax.set_xlabel("eigenvalue rank")
-        ax.set_ylabel("|eigenvalue|")
+        ax.set(xlabel="eigenvalue rank", ylabel="|eigenvalue|")
         ax.text(
             0.97,
             0.95,

@@ -28,8 +28,7 @@ def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
         ax.plot(curve["position"], curve[label], label=label, **style)
     ax.axvline(result.window + 1, color="grey", ls=":", lw=1)
     ax.text(result.window + 1, ax.get_ylim()[1], " token 1 evicted", va="top", fontsize=8, color="grey")
-    ax.set_xlabel("position in the stream")
-    ax.set_ylabel(f"log-perplexity (mean NLL per {bin} tokens)")
+    ax.set(xlabel="position in the stream", ylabel=f"log-perplexity (mean NLL per {bin} tokens)")
     ax.set_title(f"{result.model}: cache of {result.window} tokens")
     ax.legend(fontsize=8, ncol=2)
 

@@ -82,10 +82,8 @@ def plot_training(runs: dict):
         if "sink_1" in log:
             ev = log.dropna(subset=["sink_1"])
             b.plot(ev["step"], ev["sink_1"], marker="o", label=label)
-    a.set_xlabel("step")
-    a.set_ylabel("training loss")
-    b.set_xlabel("step")
-    b.set_ylabel("Sink_1 (%) on the held-out probe")
+    a.set(xlabel="step", ylabel="training loss")
+    b.set(xlabel="step", ylabel="Sink_1 (%) on the held-out probe")
     a.legend()
     b.legend()
     fig.tight_layout()

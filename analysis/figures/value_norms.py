@@ -23,8 +23,7 @@ def plot_value_norms(vn: ValueNorms, *, ax=None):
         ax.scatter(np.repeat(x, K), v.ravel(), s=8, color=color, alpha=0.5, lw=0)
         ax.plot(x, v.mean(1), marker="o", ms=3, color=color, label=label)
     set_log_scale(ax)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("value norm (per KV head)")
+    ax.set(xlabel="layer", ylabel="value norm (per KV head)")
     set_title(ax, "First-token value norm against the others")
     ax.legend(fontsize=8)
 
@@ -76,6 +75,5 @@ def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=No
     for l in layers:
         ax.plot(pos, vn.v_norm_by_pos[vn.layers.index(l)].mean(0).numpy(), label=f"layer {l}")
     set_log_scale(ax)
-    ax.set_xlabel("position t")
-    ax.set_ylabel("mean $|v_t|$")
+    ax.set(xlabel="position t", ylabel="mean $|v_t|$")
     ax.legend(fontsize=7)
