@@ -105,8 +105,7 @@ def plot_head_correlations(res: DormantHeads):
     for ax, (key, label) in zip(axes[0], panels):
         v = np.where(share >= res.min_share, t[key].to_numpy(), np.nan).reshape(L, H)
         im = ax.imshow(v, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, origin="lower", interpolation="nearest")
-        ax.set_xlabel("head")
-        ax.set_xticks(range(H))
+        ax.set(xlabel="head", xticks=range(H))
         set_title(ax, label, fontsize=9)
         if L <= 4 or res.layers != list(range(L)):
             ax.set_yticks(range(L), [str(l) for l in res.layers])

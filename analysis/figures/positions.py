@@ -191,8 +191,7 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
             ax.plot(t, 1 / t, color="grey", lw=1, ls=":", label="1/t (NoPE)")
             ax.legend(fontsize=6, loc="lower left")
         if log:
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+            ax.set(xscale="log", yscale="log")
         set_title(ax, pe, fontsize=8)
     for ax in axes.flat[len(encodings) :]:
         ax.set_visible(False)

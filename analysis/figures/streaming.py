@@ -58,6 +58,5 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     bars = ax.bar(np.arange(len(t)), t[column], color=colors)
     ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(np.arange(len(t)), t["policy"], rotation=40, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel(column.replace("_", " "))
+    ax.set(yscale="log", ylabel=column.replace("_", " "))
     ax.set_title("perplexity per cache policy")

@@ -36,8 +36,7 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
         for h in range(H):
             ax = axes[r, h]
             ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
             ax.set_title(f"{label} h{h}", fontsize=8)
     fig.suptitle(f"mean attention (hook_pattern), layer {layer}: keys → columns, queries ↓ rows", fontsize=9)
     fig.tight_layout()
