@@ -85,5 +85,4 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
         fontsize=9,
         y=1 - 0.12 / fig.get_size_inches()[1],
     )
-    place_axes(fig, left=0.45, bottom=0.45, right=0.15, top=0.5, wspace=0.45, hspace=0.45)
-    return fig
+    return place_axes(fig, left=0.45, bottom=0.45, right=0.15, top=0.5, wspace=0.45, hspace=0.45)

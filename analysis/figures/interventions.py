@@ -63,8 +63,7 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     if n > 1:
         axes[0].legend(fontsize=7)
     set_title(axes[0], "first token's spike dims")
-    place_axes(fig, left=0.7, wspace=0.8)
-    return fig
+    return place_axes(fig, left=0.7, wspace=0.8)
 
 
 @returns_figure
@@ -91,8 +90,7 @@ def plot_value_ablation(result: ValueAblation):
         fig.colorbar(sc, ax=a2, label="alpha_1")
     a2.set(xlabel="mean |v_j|, j > 1", ylabel="|v_1|")
     set_title(a2, "sink heads: value norms")
-    place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
-    return fig
+    return place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
 
 
 @returns_figure
@@ -124,5 +122,4 @@ def plot_first_key_ablation(result: FirstKeyAblation):
         a2.axvspan(l - 0.5, l + 0.5, color="#eeeeee", zorder=0)
     a2.set(xlabel="layer (shaded: first key changed)", ylabel="attention share")
     a2.legend(fontsize=7, ncol=2)
-    place_axes(fig, left=0.7, wspace=0.7)
-    return fig
+    return place_axes(fig, left=0.7, wspace=0.7)

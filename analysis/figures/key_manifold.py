@@ -71,8 +71,7 @@ def plot_key_pca(
                 set_title(ax, head_name + "\nfirst-key axis view", fontsize=9)
             ax.legend(loc="best", fontsize=8)
             fig.colorbar(sc, ax=ax, label="key position")
-    place_axes(fig, left=0.85, right=0.3, top=0.55, wspace=1.1, hspace=0.95)
-    return fig
+    return place_axes(fig, left=0.85, right=0.3, top=0.55, wspace=1.1, hspace=0.95)
 
 
 @returns_figure
@@ -119,5 +118,4 @@ def plot_manifold_summary(km: KeyManifold):
     ax.legend(fontsize=7)
     for a in axes[1]:
         a.set_xlabel("layer")
-    place_axes(fig, left=0.95, top=0.15, wspace=1.0, hspace=0.25)
-    return fig
+    return place_axes(fig, left=0.95, top=0.15, wspace=1.0, hspace=0.25)

@@ -102,9 +102,8 @@ def one_axes(figsize: tuple[float, float], *, tight: bool = False, **margins):
             draw(*args, ax=ax, **kwargs)
             if tight:
                 fig.tight_layout()
-            else:
-                place_axes(fig, own=own, **margins)
-            return fig
+                return fig
+            return place_axes(fig, own=own, **margins)
 
         return returns_figure(plot)
 
@@ -121,7 +120,7 @@ def place_axes(
     wspace: float = 0.0,
     hspace: float = 0.0,
     own: bool = True,
-) -> None:
+):
     """Place the figure's grid of subplots with these margins, and these gaps between its columns (``wspace``)
     and rows (``hspace``), all in inches. A colour bar made with ``fig.colorbar(..., ax=ax)`` sits inside its
     axes' cell, so the margin or gap beside it holds only the bar's tick labels and label.
@@ -141,11 +140,12 @@ def place_axes(
 
     Returns
     -------
-    None
+    matplotlib.figure.Figure
+        ``fig``, placed.
     """
     if not own:
         fig.tight_layout()
-        return
+        return fig
     width, height = fig.get_size_inches()
     nrows, ncols = fig.axes[0].get_subplotspec().get_topmost_subplotspec().get_gridspec().get_geometry()
     mean_w = (width - left - right - wspace * (ncols - 1)) / ncols  # subplots_adjust wants the gaps as fractions
@@ -158,6 +158,7 @@ def place_axes(
         wspace=wspace / mean_w,
         hspace=hspace / mean_h,
     )
+    return fig
 
 
 def set_title(ax, label: str, **kwargs):

@@ -123,5 +123,4 @@ def plot_spike_dims_by_kind(
         ax.set_xlabel("layer")
     axes[0][0].set_ylabel("|h_d| (mean over samples)")
     axes[0][-1].legend(fontsize=6, loc="lower right")
-    place_axes(fig, left=0.8, wspace=0.25)
-    return fig
+    return place_axes(fig, left=0.8, wspace=0.25)

@@ -70,8 +70,7 @@ def plot_gain_profile(trace: NormGainTrace, *, top: int = 3):
         )
     a2.set(ylabel="ln1 gain g", xlabel="residual dimension")
     set_title(a1, f"Layer {trace.layer}: what the norm and its gain do to the first token")
-    place_axes(fig, left=0.8, hspace=0.25)
-    return fig
+    return place_axes(fig, left=0.8, hspace=0.25)
 
 
 @one_axes((6.5, 3.2), left=0.7, bottom=0.5)

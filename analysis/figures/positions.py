@@ -200,8 +200,7 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     for ax in axes[:, 0]:
         ax.set_ylabel("attention on token 1")
     fig.suptitle("one token repeated: measured (colour: head) vs closed form (dashed)", fontsize=9)
-    place_axes(fig, left=0.7, top=0.5, wspace=0.15, hspace=0.35)
-    return fig
+    return place_axes(fig, left=0.7, top=0.5, wspace=0.15, hspace=0.35)
 
 
 @one_axes((6, 3.2), top=0.35)

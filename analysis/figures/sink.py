@@ -102,5 +102,4 @@ def plot_qk_angles(angles: QKAngles, *, head: tuple[int, int] | None = None):
     ax2.bar(centers, angles.hist_first[li, h], width=w, alpha=0.6, label="k$_1$")
     ax2.set(xlabel=f"cos(q$_t$, k) in layer {layers[li]}, head {h}", ylabel="share of (query, key) pairs")
     ax2.legend()
-    place_axes(fig, right=0.15, top=0.15, wspace=1.25)
-    return fig
+    return place_axes(fig, right=0.15, top=0.15, wspace=1.25)

@@ -96,8 +96,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         tw.set_ylim(0, 1.1)
         tw.set_ylabel("cumulative share", fontsize=8)
         set_title(ax, f"MLP {n.block}: {n.mean_write:+.4g} on dim {d}", fontsize=9)
-    place_axes(fig, left=0.75, right=0.6, bottom=0.8, wspace=1.2)
-    return fig
+    return place_axes(fig, left=0.75, right=0.6, bottom=0.8, wspace=1.2)
 
 
 @returns_figure
@@ -135,8 +134,7 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
             fontsize=8,
         )
         set_title(ax, f"A_d of MLP {q.block}, dim {d}", fontsize=9)
-    place_axes(fig, left=0.75, bottom=0.6, wspace=0.9)
-    return fig
+    return place_axes(fig, left=0.75, bottom=0.6, wspace=0.9)
 
 
 @returns_figure
@@ -174,8 +172,7 @@ def plot_first_token_cause(
     neuron = int(c[(c.dim == dim) & (c.block == block)].neuron.iloc[0])
     set_title(ax, f"Why neuron {neuron} of MLP {block} fires on the first token", fontsize=9)
     ax.legend(fontsize=7)
-    place_axes(fig, left=0.7, bottom=1.1)
-    return fig
+    return place_axes(fig, left=0.7, bottom=1.1)
 
 
 @returns_figure
@@ -220,5 +217,4 @@ def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
         ax.set_xticks(x, labels, rotation=90, fontsize=7)
         ax.set_ylabel(label, fontsize=8)
     set_title(axes[0], f"Cutting the neurons on the first token (dim {d})", fontsize=9)
-    place_axes(fig, left=0.7, bottom=1.4, wspace=0.8)
-    return fig
+    return place_axes(fig, left=0.7, bottom=1.4, wspace=0.8)
