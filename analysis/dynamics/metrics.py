@@ -215,7 +215,13 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
     return 100.0 * hits / count
 
 
-class WindowSinkRates(MappingResult):
+class _ThresholdResult(MappingResult):  # a MappingResult that keeps the sink threshold eps it was measured at
+    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
+        super().__init__(values, **header)
+        self.eps = eps
+
+
+class WindowSinkRates(_ThresholdResult):
     """Where the sink sits in a sliding-window model (:func:`window_sink_rates`): the dict ``sink_1_in_window``,
     ``sink_window_start`` (percent), as before, that keeps the result protocol.
 
@@ -228,10 +234,6 @@ class WindowSinkRates(MappingResult):
     tables : dict of str to pandas.DataFrame
         ``values`` (name, value).
     """
-
-    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
-        super().__init__(values, **header)
-        self.eps = eps
 
     def findings(self) -> list[str]:
         start = self["sink_window_start"]
