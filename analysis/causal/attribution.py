@@ -13,7 +13,8 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.io import jsonable
-from analysis.core.results import Result
+from analysis.core.docs import parameters_from
+from analysis.core.results import Result, pass_options
 from analysis.model.hooks import check_heads, check_tokens
 from analysis.causal.dormant_result import DormantHeads, first_query
 from analysis.causal.head_removal import check_queries, removal_effects
@@ -125,6 +126,7 @@ class AttributionCheck(Result):
         )
 
 
+@parameters_from(pass_options)
 def attribution_check(
     model: SinkModel,
     tokens,
@@ -157,10 +159,8 @@ def attribution_check(
         0-based query positions (default all the statistics use).
     resid : dict of int to torch.Tensor, optional
         {block: the residual entering it, (N, T, D)}.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------

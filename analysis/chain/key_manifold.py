@@ -62,8 +62,8 @@ from analysis.model.hooks import (
 )
 from analysis.core.io import jsonable
 from analysis.engine.passes import Accumulator, Batch, run_pass
-from analysis.core.results import Result, layers_text
-from analysis.core.docs import share_parameters
+from analysis.core.results import Result, layers_text, pass_options
+from analysis.core.docs import parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.sinks.metric import alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine, permuted_copy, unit_vectors
@@ -844,6 +844,7 @@ def key_manifold_accumulator(
 
 
 @share_parameters(key_manifold_accumulator)
+@parameters_from(pass_options)
 def first_key_manifold(
     model: SinkModel,
     tokens,
@@ -879,10 +880,8 @@ def first_key_manifold(
         input when N x T <= 2048), in the same pass. None or [] keeps none.
     rotated : bool
         Keys and queries after the rotary embedding (default), or before it (False).
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------

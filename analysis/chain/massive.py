@@ -49,9 +49,9 @@ from analysis.model.hooks import (
     token_strings,
 )
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction, run_pass
-from analysis.core.results import Result, layer_runs
+from analysis.core.results import Result, layer_runs, pass_options
 from analysis.core.reductions import top_k_abs
-from analysis.core.docs import share_parameters
+from analysis.core.docs import parameters_from, share_parameters
 from analysis.core.stats import flat_above, host_selection, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -658,6 +658,7 @@ def massive_accumulator(
 
 
 @share_parameters(massive_accumulator)
+@parameters_from(pass_options)
 def massive_activations(
     model: SinkModel,
     tokens,
@@ -696,10 +697,8 @@ def massive_activations(
         The median the ratio is taken to: over the sample's whole hidden state at that layer (positions x dims, Sun et
         al.'s "median magnitude of its hidden state"), or over the one token's vector (stricter where the first token's
         whole vector is large, as in SmolLM2).
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------

@@ -30,7 +30,8 @@ from analysis.model.hooks import (
     qk_hook_names,
 )
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
-from analysis.core.results import Result
+from analysis.core.docs import parameters_from
+from analysis.core.results import Result, pass_options
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy
 
@@ -248,6 +249,7 @@ class QKAccumulator(Accumulator):
         )
 
 
+@parameters_from(pass_options)
 def qk_angles(
     model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None
 ) -> QKAngles:
@@ -261,10 +263,8 @@ def qk_angles(
         Token ids, T >= 2.
     layers : sequence of int, optional
         Attention layers (true indices; default all).
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------

@@ -38,7 +38,8 @@ from analysis.model.hooks import (
 from analysis.core.io import jsonable
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
-from analysis.core.results import Result
+from analysis.core.docs import parameters_from
+from analysis.core.results import Result, pass_options
 from analysis.sinks.metric import SinkResult
 from analysis.core.stats import one_thread, pair_cosine
 
@@ -448,6 +449,7 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
         )
 
 
+@parameters_from(pass_options)
 def value_norms(
     model: SinkModel,
     tokens,
@@ -473,10 +475,8 @@ def value_norms(
         Attention layers (true indices; default all).
     reduce : {"mean", "max"}
         How the query heads of a KV head map to one alpha.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------

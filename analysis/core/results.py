@@ -150,6 +150,23 @@ def short_repr(obj, *, headline: str = "", width: int = 160, **fields) -> str:
     return head + (f"\n  {headline}" if headline else "")
 
 
+def pass_options(*, batch_size: int | None = None, kind: str | None = None) -> dict:
+    """A streamed analysis's pass options, documented once: ``batch_size, kind`` / ``As in :func:`pass_options`.``.
+
+    Parameters
+    ----------
+    batch_size : int, optional
+        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
+    kind : str, optional
+        The input kind, a label ("natural", "random").
+
+    Returns
+    -------
+    dict
+    """
+    return {"batch_size": batch_size, "kind": kind}
+
+
 class LayerAxis:
     """Mixin of results whose tensors have a layer axis L over ``layers``, the TRUE indices of the layers measured (all
     layers of a plain transformer; a hybrid's attention layers only, ``skipped`` saying which were left out).

@@ -15,27 +15,26 @@ import torch
 from analysis.model.access import attention_operation
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS
-from analysis.core.results import MappingResult
+from analysis.core.docs import parameters_from
 from analysis.model.hooks import act_name, model_dims
 from analysis.model.placement import input_device
 from analysis.chain.key_manifold import first_key_manifold
 from analysis.chain.massive import massive_activations
 from analysis.engine.passes import run_with_reducers
 from analysis.sinks.metric import sink_metric
-from analysis.dynamics.metrics import first_token_stats, slot_sink_rate
+from analysis.dynamics.metrics import _ThresholdResult, first_token_stats, slot_sink_rate
 from analysis.chain.values import value_norms
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def mean_pattern(model: SinkModel, tokens: torch.Tensor, *, layer: int = 0, hook: str = "hook_pattern") -> torch.Tensor:
     """Attention pattern averaged over the probe, (H, T, T) (``hook="hook_raw_pattern"`` for the raw weights).
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     layer : int
     hook : str
         The attention hook of the layer.
@@ -133,7 +132,7 @@ def _over_heads(table: pd.DataFrame, heads, col: str, how: str = "mean") -> floa
     return float(v.median() if how == "median" else v.mean())
 
 
-class MechanismChain(MappingResult):
+class MechanismChain(_ThresholdResult):
     """The sink's mechanism, link by link, on one model (:func:`mechanism_chain`): a dict of the links, as before,
     that keeps the result protocol.
 
@@ -147,10 +146,6 @@ class MechanismChain(MappingResult):
         ``values`` (name, value: every number of the dict), ``spike_dims`` (stream, dim) and ``sink_kv_heads``
         (layer, kv_head).
     """
-
-    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
-        super().__init__(values, **header)
-        self.eps = eps
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:

@@ -155,16 +155,15 @@ def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int
     )
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float = SINK_EPS) -> float:
     """Sink_k^eps (percent) on ``tokens`` through ``analysis.sinks.metric.sink_metric`` (reads ``hook_pattern``).
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     k : int
         The key position.
     eps : float
@@ -181,6 +180,7 @@ def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float 
         model.train(was_training)
 
 
+@parameters_from(first_token_stats)
 @torch.no_grad()
 def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64) -> float:
     """Sink on the extra slot (sink token, K or KV biases): 100 x share of (sample, layer, head) whose
@@ -188,10 +188,8 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
 
     Parameters
     ----------
-    model : SinkLM
-        A reference model (or any model with TransformerLens hook names).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`first_token_stats`.
     eps : float
     batch_size : int
 
@@ -217,7 +215,13 @@ def slot_sink_rate(model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_
     return 100.0 * hits / count
 
 
-class WindowSinkRates(MappingResult):
+class _ThresholdResult(MappingResult):  # a MappingResult that keeps the sink threshold eps it was measured at
+    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
+        super().__init__(values, **header)
+        self.eps = eps
+
+
+class WindowSinkRates(_ThresholdResult):
     """Where the sink sits in a sliding-window model (:func:`window_sink_rates`): the dict ``sink_1_in_window``,
     ``sink_window_start`` (percent), as before, that keeps the result protocol.
 
@@ -230,10 +234,6 @@ class WindowSinkRates(MappingResult):
     tables : dict of str to pandas.DataFrame
         ``values`` (name, value).
     """
-
-    def __init__(self, values: dict, *, eps: float = SINK_EPS, **header):
-        super().__init__(values, **header)
-        self.eps = eps
 
     def findings(self) -> list[str]:
         start = self["sink_window_start"]

@@ -7,7 +7,7 @@ from pathlib import PurePath
 import numpy as np
 import pandas as pd
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import new_or_given, place_axes, returns_figure, set_log_scale, set_title
 
 KIND_COLOURS = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
 
@@ -28,24 +28,24 @@ def short_name(name: str) -> str:
 
 
 def _rows(table: pd.DataFrame, ax, height: float):
-    """The models with a result (the first on top), the figure and axes, and the models' y positions."""
+    """The models with a result (the first on top), the axes, whether its figure is new, and the models' y positions."""
     ok = table[table["status"] == "ok"]
     if ok.empty:
         raise ValueError("no model of the atlas has a result yet: nothing to draw.")
-    fig, ax, own = new_or_given(ax, (6.5, 0.9 + height * len(ok)))
-    return ok.iloc[::-1], fig, ax, own, np.arange(len(ok))
+    _, ax, own = new_or_given(ax, (6.5, 0.9 + height * len(ok)))
+    return ok.iloc[::-1], ax, own, np.arange(len(ok))
 
 
-def _finish(fig, ax, rows: pd.DataFrame, own: bool, *, xlabel: str, title: str):
+def _finish(ax, rows: pd.DataFrame, own: bool, *, xlabel: str, title: str):
     """The models named on the y axis, the legend, the title and the margins."""
     ax.set_yticks(np.arange(len(rows)), [short_name(m) for m in rows["model"]])
     ax.set_xlabel(xlabel)
     ax.legend(loc="lower right", fontsize=7, frameon=False)
     set_title(ax, title)
-    place_axes(fig, left=1.7, bottom=0.5, top=0.3, own=own)
-    return fig
+    return place_axes(ax.figure, left=1.7, bottom=0.5, top=0.3, own=own)
 
 
+@returns_figure
 def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     """Sink_1 (%) by model and input kind (horizontal bars), the paper's figure as a black tick where it gives one.
 
@@ -53,14 +53,8 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
     ----------
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``sink1_<kind>``, ``paper_<kind>``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    rows, fig, ax, own, y = _rows(table, ax, 0.5)
+    rows, ax, own, y = _rows(table, ax, 0.5)
     h = 0.8 / len(KIND_COLOURS)
     for i, (kind, colour) in enumerate(KIND_COLOURS.items()):
         at = y + (1 - i) * h
@@ -80,9 +74,10 @@ def plot_atlas_sink(table: pd.DataFrame, *, ax=None):
             )
     ax.set_xlim(0, 108)  # room for the label of a bar at 100
     ax.set_xticks(range(0, 101, 20))
-    return _finish(fig, ax, rows, own, xlabel="Sink$_1$ (%)", title="Sink on the first token, by model and input")
+    return _finish(ax, rows, own, xlabel="Sink$_1$ (%)", title="Sink on the first token, by model and input")
 
 
+@returns_figure
 def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     """The largest activation (mean top-1 |a|) and the median |a| at its layer, by model, on a log scale.
 
@@ -91,14 +86,8 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``largest_abs``, ``largest_median``,
         ``largest_layer``, ``largest_dim``, ``largest_massive``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    rows, fig, ax, own, y = _rows(table, ax, 0.4)
+    rows, ax, own, y = _rows(table, ax, 0.4)
     big, med = rows["largest_abs"].astype(float).to_numpy(), rows["largest_median"].astype(float).to_numpy()
     massive = rows["largest_massive"].astype(bool).to_numpy()
     lo = max(float(np.nanmin(med)) / 3, 1e-3)  # the bars start at the axis' left end (a log axis has no 0)
@@ -109,7 +98,6 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
     set_log_scale(ax, which="x")
     ax.set_xlim(lo, float(np.nanmax(big)) * 8)
     return _finish(
-        fig,
         ax,
         rows,
         own,
@@ -121,6 +109,7 @@ def plot_atlas_activation(table: pd.DataFrame, *, ax=None):
 SINK_KIND_COLOURS = {"nop": "C0", "broadcast": "C3", "mixed": "0.6"}
 
 
+@returns_figure
 def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
     """The share of each model's sink heads by kind (nop, broadcast, mixed), stacked horizontal bars, with the number
     of sink heads; a model without a sink head (or without kinds) has no bar.
@@ -130,14 +119,8 @@ def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
     table : pandas.DataFrame
         ``analysis.report.atlas.atlas_table``: ``model``, ``status``, ``kinds_nop``, ``kinds_broadcast``,
         ``kinds_mixed``, ``kinds_n_sink_heads``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    rows, fig, ax, own, y = _rows(table, ax, 0.3)
+    rows, ax, own, y = _rows(table, ax, 0.3)
     left = np.zeros(len(rows))
     for kind, colour in SINK_KIND_COLOURS.items():
         share = rows[f"kinds_{kind}"].astype(float).fillna(0.0).to_numpy() * 100
@@ -148,7 +131,6 @@ def plot_atlas_kinds(table: pd.DataFrame, *, ax=None):
     ax.set_xlim(0, 112)  # room for the number of sink heads
     ax.set_xticks(range(0, 101, 20))
     return _finish(
-        fig,
         ax,
         rows,
         own,

@@ -7,7 +7,7 @@ import numpy as np
 from matplotlib.colors import LogNorm
 
 from analysis.causal.dormant_result import SIGNAL_WORDS, DormantHeads
-from analysis.figures.layout import place_axes, set_log_scale, set_title
+from analysis.figures.layout import place_axes, returns_figure, set_log_scale, set_title
 
 
 def _x_signal(res: DormantHeads) -> str:
@@ -20,6 +20,7 @@ def _x_signal(res: DormantHeads) -> str:
     return "sink"
 
 
+@returns_figure
 def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None = None, max_heads: int = 4):
     """One panel per head: each measured (sequence, query) as a point, its attention on the sink (or slot, or total
     weight) against the head's output norm (log), coloured by |loss effect| (gradient x activation, log).
@@ -31,10 +32,6 @@ def plot_sink_vs_norm(res: DormantHeads, *, heads: list[tuple[int, int]] | None 
         (true layer, head) pairs (default ``res.example_heads(max_heads)``).
     max_heads : int
         At most this many panels.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     heads = heads or res.example_heads(max_heads)
     if not heads:
@@ -84,6 +81,7 @@ def _bar_axes(fig, *, right: float, bottom: float, top: float, gap: float = 0.15
     return fig.add_axes([1 - (right - gap) / w, bottom / h, width / w, 1 - (bottom + top) / h])
 
 
+@returns_figure
 def plot_head_correlations(res: DormantHeads):
     """Per (layer, head): Spearman rho of the sink (slot) attention with the output norm, and with |loss effect|
     under zero and (where computed) mean removal; heads that sink on fewer than ``min_share`` of their queries are
@@ -92,10 +90,6 @@ def plot_head_correlations(res: DormantHeads):
     Parameters
     ----------
     res : DormantHeads
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     t = res.head_table()
     sig = "slot" if res.has_slot else "sink"
@@ -111,8 +105,7 @@ def plot_head_correlations(res: DormantHeads):
     for ax, (key, label) in zip(axes[0], panels):
         v = np.where(share >= res.min_share, t[key].to_numpy(), np.nan).reshape(L, H)
         im = ax.imshow(v, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, origin="lower", interpolation="nearest")
-        ax.set_xlabel("head")
-        ax.set_xticks(range(H))
+        ax.set(xlabel="head", xticks=range(H))
         set_title(ax, label, fontsize=9)
         if L <= 4 or res.layers != list(range(L)):
             ax.set_yticks(range(L), [str(l) for l in res.layers])

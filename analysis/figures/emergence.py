@@ -8,9 +8,11 @@ from typing import Mapping, Optional, Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from analysis.figures.layout import returns_figure
 from analysis.train.sweep import grid_label
 
 
+@returns_figure
 def grid_figure(
     runs: pd.DataFrame,
     field: str,
@@ -36,10 +38,6 @@ def grid_figure(
     title : str
     labels : mapping of str to str, optional
         Names for the values of ``field``.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     values = list(dict.fromkeys(runs[field].tolist()))
     fig, axes = plt.subplots(
@@ -69,14 +67,14 @@ def grid_figure(
             rotation=30 if len(values) > 5 else 0,
             ha="right" if len(values) > 5 else "center",
         )
-        ax.set_xlabel(field.replace("_", " "))
-        ax.set_ylabel((labels or {}).get(metric, metric.replace("_", " ")))
+        ax.set(xlabel=field.replace("_", " "), ylabel=(labels or {}).get(metric, metric.replace("_", " ")))
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(title or f"{', '.join(metrics)} against {field}")
     fig.tight_layout()
     return fig
 
 
+@returns_figure
 def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: str = "sink_1", title: str = ""):
     """``metric`` through training (mean over seeds, shaded min-max), one line per value of ``field``.
 
@@ -89,10 +87,6 @@ def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: 
     metric : str
         The metric drawn.
     title : str
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, ax = plt.subplots(figsize=(6, 3.6))
     groups = [(None, curves)] if field is None else list(curves.groupby(field, sort=False, dropna=False))
@@ -101,8 +95,7 @@ def curves_figure(curves: pd.DataFrame, *, field: Optional[str] = None, metric: 
         label = "all" if field is None else f"{field.replace('_', ' ')} {grid_label(value)}"
         ax.plot(g.index, g["mean"], label=label)
         ax.fill_between(g.index, g["min"], g["max"], alpha=0.2)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(metric.replace("_", " "))
+    ax.set(xlabel="training step", ylabel=metric.replace("_", " "))
     ax.legend(fontsize=7)
     ax.set_title(title or f"{metric} through training")
     fig.tight_layout()

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import matplotlib.pyplot as plt
 
-from analysis.figures.layout import place_axes, set_log_scale, set_title
+from analysis.figures.layout import place_axes, returns_figure, set_log_scale, set_title
 from analysis.dynamics.formation import ONSETS, FormationOrder
 
 # The links drawn by default, in the order of the chain, with their axis titles.
@@ -26,6 +26,7 @@ FIGURE_LINKS: dict[str, str] = {
 _COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 
 
+@returns_figure
 def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *, ncols: int = 5):
     """Each link against the training step (log x), on its own axis: the median over the runs of each attention
     operation (line) and their min-max (band), the onset criterion (dashed) and the median onset step of the runs
@@ -38,10 +39,6 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
         The links to draw (default ``FIGURE_LINKS``).
     ncols : int
         Axes per row.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     links = list(FIGURE_LINKS) if links is None else list(links)
     f = result.formation
@@ -88,5 +85,4 @@ def plot_formation(result: FormationOrder, links: Sequence[str] | None = None, *
         fontsize=9,
         y=1 - 0.12 / fig.get_size_inches()[1],
     )
-    place_axes(fig, left=0.45, bottom=0.45, right=0.15, top=0.5, wspace=0.45, hspace=0.45)
-    return fig
+    return place_axes(fig, left=0.45, bottom=0.45, right=0.15, top=0.5, wspace=0.45, hspace=0.45)

@@ -6,12 +6,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.causal.conditions import WHERE_KEYS
-from analysis.figures.layout import place_axes, set_title
+from analysis.figures.layout import place_axes, returns_figure, set_title
 from analysis.causal.interventions import FirstKeyAblation, SpikeAblation, ValueAblation
 
 _COND_COLORS = {"baseline": "#555555", "zero": "#c44e52", "mean": "#55a868", "ablated": "#c44e52"}
 
 
+@returns_figure
 def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     """Sink_1 and loss per condition (baseline / zero / mean), and Sink_1 per layer.
 
@@ -20,10 +21,6 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     Parameters
     ----------
     result : SpikeAblation or dict of str to SpikeAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     results = result if isinstance(result, dict) else {"": result}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1, 1, 2]})
@@ -66,20 +63,16 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     if n > 1:
         axes[0].legend(fontsize=7)
     set_title(axes[0], "first token's spike dims")
-    place_axes(fig, left=0.7, wspace=0.8)
-    return fig
+    return place_axes(fig, left=0.7, wspace=0.8)
 
 
+@returns_figure
 def plot_value_ablation(result: ValueAblation):
     """Loss change per condition, and per sink head the first value's norm against the other values'.
 
     Parameters
     ----------
     result : ValueAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.3))
     s = result.conditions[result.conditions["condition"] != "baseline"]
@@ -95,13 +88,12 @@ def plot_value_ablation(result: ValueAblation):
         lim = max(h["v_other_norm"].max(), h["v1_norm"].max()) * 1.05
         a2.plot([0, lim], [0, lim], color="grey", lw=0.6, ls=":")
         fig.colorbar(sc, ax=a2, label="alpha_1")
-    a2.set_xlabel("mean |v_j|, j > 1")
-    a2.set_ylabel("|v_1|")
+    a2.set(xlabel="mean |v_j|, j > 1", ylabel="|v_1|")
     set_title(a2, "sink heads: value norms")
-    place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
-    return fig
+    return place_axes(fig, left=1.65, right=0.3, wspace=1.0)  # left: condition names of up to 16 characters
 
 
+@returns_figure
 def plot_first_key_ablation(result: FirstKeyAblation):
     """Where the attention of later queries goes (first / previous / self / other keys), over the changed
     layers, and the first key's share per layer, with and without the spike-driven part of k_1.
@@ -109,10 +101,6 @@ def plot_first_key_ablation(result: FirstKeyAblation):
     Parameters
     ----------
     result : FirstKeyAblation
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10.5, 3.3), gridspec_kw={"width_ratios": [1, 2]})
     s = result.conditions
@@ -132,8 +120,6 @@ def plot_first_key_ablation(result: FirstKeyAblation):
             a2.plot(d["layer"], d["other"], ls=ls, color="#4c72b0", marker="o", ms=2.5, label=f"other keys, {c}")
     for l in result.layers:
         a2.axvspan(l - 0.5, l + 0.5, color="#eeeeee", zorder=0)
-    a2.set_xlabel("layer (shaded: first key changed)")
-    a2.set_ylabel("attention share")
+    a2.set(xlabel="layer (shaded: first key changed)", ylabel="attention share")
     a2.legend(fontsize=7, ncol=2)
-    place_axes(fig, left=0.7, wspace=0.7)
-    return fig
+    return place_axes(fig, left=0.7, wspace=0.7)

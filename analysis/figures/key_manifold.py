@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.core.defaults import SINK_MIN_ALPHA
-from analysis.figures.layout import flat_bars, place_axes, set_title
+from analysis.figures.layout import flat_bars, place_axes, returns_figure, set_title
 from analysis.chain.key_manifold import KeyManifold
 
 
@@ -20,6 +20,7 @@ def _head_label(km: KeyManifold, layer: int, kv_head: int) -> str:
 VIEWS = ("pca", "axis")
 
 
+@returns_figure
 def plot_key_pca(
     km: KeyManifold, *, heads: list[tuple[int, int]] | None = None, views=VIEWS, max_sequences: int | None = None
 ):
@@ -37,10 +38,6 @@ def plot_key_pca(
         "pca" and / or "axis".
     max_sequences : int, optional
         Draw the keys of the first sequences only.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     heads = list(km.scatter) if heads is None else [tuple(h) for h in heads]
     missing = [h for h in heads if h not in km.scatter]
@@ -66,8 +63,7 @@ def plot_key_pca(
             )
             ax.scatter(c[:, 0, 0], c[:, 0, 1], marker="x", c="red", s=40, lw=1.5, label="first keys $k_1$")
             if view == "pca":
-                ax.set_xlabel(f"PC1 ({100 * s['evr'][0]:.0f}% var.)")
-                ax.set_ylabel(f"PC2 ({100 * s['evr'][1]:.0f}% var.)")
+                ax.set(xlabel=f"PC1 ({100 * s['evr'][0]:.0f}% var.)", ylabel=f"PC2 ({100 * s['evr'][1]:.0f}% var.)")
                 set_title(ax, head_name + "\nPCA of all keys", fontsize=9)
             else:
                 ax.set_xlabel(f"first-key axis (k$_1$ at {s['axis_z']:.1f} sd of the others)")
@@ -75,10 +71,10 @@ def plot_key_pca(
                 set_title(ax, head_name + "\nfirst-key axis view", fontsize=9)
             ax.legend(loc="best", fontsize=8)
             fig.colorbar(sc, ax=ax, label="key position")
-    place_axes(fig, left=0.85, right=0.3, top=0.55, wspace=1.1, hspace=0.95)
-    return fig
+    return place_axes(fig, left=0.85, right=0.3, top=0.55, wspace=1.1, hspace=0.95)
 
 
+@returns_figure
 def plot_manifold_summary(km: KeyManifold):
     """Per layer (mean over KV heads), with mean alpha_1 as grey bars behind:
     (a) relative residual of k_1 off the other keys' principal subspace vs the other keys' own;
@@ -88,10 +84,6 @@ def plot_manifold_summary(km: KeyManifold):
     Parameters
     ----------
     km : KeyManifold
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     t = km.table.groupby("layer").mean(numeric_only=True)
     x = t.index.to_numpy()
@@ -126,5 +118,4 @@ def plot_manifold_summary(km: KeyManifold):
     ax.legend(fontsize=7)
     for a in axes[1]:
         a.set_xlabel("layer")
-    place_axes(fig, left=0.95, top=0.15, wspace=1.0, hspace=0.25)
-    return fig
+    return place_axes(fig, left=0.95, top=0.15, wspace=1.0, hspace=0.25)

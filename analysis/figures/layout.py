@@ -13,8 +13,11 @@ draws a row of background bars as one patch.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
+import textwrap
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -43,6 +46,70 @@ def new_or_given(ax, figsize: tuple[float, float]):
     return ax.figure, ax, False
 
 
+_AX_DOC = """
+ax : matplotlib.axes.Axes, optional
+    Draw into it (default: a new figure)."""
+_RETURNS_DOC = """
+
+Returns
+-------
+matplotlib.figure.Figure"""
+
+
+def returns_figure(draw):
+    """Decorate a figure function: end its docstring's ``Parameters`` with ``ax`` (where it takes one) and add
+    ``Returns`` a figure, the two entries every figure function shares.
+
+    Parameters
+    ----------
+    draw : callable
+        A figure function whose docstring ends with its ``Parameters``.
+
+    Returns
+    -------
+    callable
+        ``draw``, its docstring completed.
+    """
+    tail = (_AX_DOC if "ax" in inspect.signature(draw).parameters else "") + _RETURNS_DOC
+    draw.__doc__ = draw.__doc__.rstrip() + textwrap.indent(tail, "    ") + "\n    "
+    return draw
+
+
+def one_axes(figsize: tuple[float, float], *, tight: bool = False, **margins):
+    """Decorate a figure function that draws into one axes ``ax``: the wrapper makes a figure of ``figsize`` when
+    ``ax`` is None (:func:`new_or_given`), has the function draw into it, places the axes with ``margins``
+    (:func:`place_axes`; ``tight``: ``fig.tight_layout()`` instead) and returns the figure (:func:`returns_figure`).
+
+    Parameters
+    ----------
+    figsize : tuple of (float, float)
+        Inches.
+    tight : bool
+        Lay the figure out by ``tight_layout``, the caller's figure too.
+    **margins
+        Passed on to :func:`place_axes`.
+
+    Returns
+    -------
+    callable
+        The decorator.
+    """
+
+    def decorate(draw):
+        @functools.wraps(draw)
+        def plot(*args, ax=None, **kwargs):
+            fig, ax, own = new_or_given(ax, figsize)
+            draw(*args, ax=ax, **kwargs)
+            if tight:
+                fig.tight_layout()
+                return fig
+            return place_axes(fig, own=own, **margins)
+
+        return returns_figure(plot)
+
+    return decorate
+
+
 def place_axes(
     fig,
     *,
@@ -53,7 +120,7 @@ def place_axes(
     wspace: float = 0.0,
     hspace: float = 0.0,
     own: bool = True,
-) -> None:
+):
     """Place the figure's grid of subplots with these margins, and these gaps between its columns (``wspace``)
     and rows (``hspace``), all in inches. A colour bar made with ``fig.colorbar(..., ax=ax)`` sits inside its
     axes' cell, so the margin or gap beside it holds only the bar's tick labels and label.
@@ -73,11 +140,12 @@ def place_axes(
 
     Returns
     -------
-    None
+    matplotlib.figure.Figure
+        ``fig``, placed.
     """
     if not own:
         fig.tight_layout()
-        return
+        return fig
     width, height = fig.get_size_inches()
     nrows, ncols = fig.axes[0].get_subplotspec().get_topmost_subplotspec().get_gridspec().get_geometry()
     mean_w = (width - left - right - wspace * (ncols - 1)) / ncols  # subplots_adjust wants the gaps as fractions
@@ -90,6 +158,7 @@ def place_axes(
         wspace=wspace / mean_w,
         hspace=hspace / mean_h,
     )
+    return fig
 
 
 def set_title(ax, label: str, **kwargs):

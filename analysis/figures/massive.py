@@ -6,41 +6,33 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from analysis.figures.layout import log_axis_ticks, new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import log_axis_ticks, one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.activation_map import ActivationMap
 from analysis.chain.massive import MassiveActivations
 
 
+@one_axes((6.5, 3.4), left=0.8)
 def plot_top_activations(result: MassiveActivations, *, ax=None, title: str | None = None):
     """Top-1/2/3 |activation| and the median per layer (means over samples), log scale (Sun et al., Fig. 1).
 
     Parameters
     ----------
     result : MassiveActivations
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
     title : str, optional
         The axes' title.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6.5, 3.4))
     df = result.per_layer
     for k, c in zip(range(1, result.top_k + 1), ["#c44e52", "#dd8452", "#ccb974", "#8c8c8c"]):
         ax.plot(df["layer"], df[f"top{k}"], marker="o", ms=3, color=c, label=f"top {k}")
     ax.plot(df["layer"], df["median"], marker="s", ms=3, color="#4c72b0", label="median")
     ax.axhline(result.abs_threshold, color="grey", ls=":", lw=0.8)
     set_log_scale(ax)
-    ax.set_xlabel(f"layer ({result.hook})")
-    ax.set_ylabel("|activation|")
+    ax.set(xlabel=f"layer ({result.hook})", ylabel="|activation|")
     set_title(ax, title or "Largest activations per layer" + (f" ({result.kind})" if result.kind else ""))
     ax.legend(fontsize=8, ncol=2)
-    place_axes(fig, left=0.8, own=own)
-    return fig
 
 
+@one_axes((8, 4.0), left=1.45, top=1.15)  # left: position labels of up to 18 characters
 def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, ax=None, label_top: int = 3):
     """|h| over positions x dims at one layer for one sequence, log colour scale; the top dims are labelled.
 
@@ -50,16 +42,9 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
         ``values`` of shape (T, D).
     n_positions : int, optional
         The first positions shown (default all).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
     label_top : int
         The largest activations labelled with their dim.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (8, 4.0))
     v = amap.values.numpy()
     if n_positions is not None:
         v = v[:n_positions]
@@ -70,8 +55,7 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
         norm=LogNorm(vmin=max(1e-2, float(np.median(v)) / 10), vmax=v.max()),
         interpolation="nearest",
     )
-    ax.set_xlabel("residual dimension")
-    ax.set_ylabel("position")
+    ax.set(xlabel="residual dimension", ylabel="position")
     step = max(1, v.shape[0] // 12)
     ax.set_yticks(range(0, v.shape[0], step))
     ax.set_yticklabels([f"{i} {amap.tokens[i]!r}"[:18] for i in range(0, v.shape[0], step)], fontsize=7)
@@ -91,12 +75,11 @@ def plot_activation_map(amap: ActivationMap, *, n_positions: int | None = None, 
             annotation_clip=False,
             arrowprops=dict(arrowstyle="-", color="#00b3b3", lw=0.6),
         )
-    log_axis_ticks(fig.colorbar(im, ax=ax, label="|h|").long_axis)
+    log_axis_ticks(ax.figure.colorbar(im, ax=ax, label="|h|").long_axis)
     set_title(ax, f"|h| at layer {amap.layer} ({amap.hook})", pad=60)  # above the labels of the top dims
-    place_axes(fig, left=1.45, top=1.15, own=own)  # left: position labels of up to 18 characters
-    return fig
 
 
+@returns_figure
 def plot_spike_dims_by_kind(
     results: dict[str, MassiveActivations], *, dims: list[int] | None = None, max_dims: int = 4
 ):
@@ -112,10 +95,6 @@ def plot_spike_dims_by_kind(
         kind's largest first-token dims).
     max_dims : int
         At most this many dims.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     if dims is None:
         score: dict[int, float] = {}
@@ -144,5 +123,4 @@ def plot_spike_dims_by_kind(
         ax.set_xlabel("layer")
     axes[0][0].set_ylabel("|h_d| (mean over samples)")
     axes[0][-1].legend(fontsize=6, loc="lower right")
-    place_axes(fig, left=0.8, wspace=0.25)
-    return fig
+    return place_axes(fig, left=0.8, wspace=0.25)

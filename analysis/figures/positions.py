@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis.core.defaults import SINK_EPS
-from analysis.figures.layout import new_or_given, place_axes, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_title
 from analysis.positions.context_length import BARBERO_EPS, SinkContext
 from analysis.positions.encodings import KINDS, EncodingGrid
 from analysis.positions.every_sink import SinkPositions
@@ -30,6 +30,7 @@ def example_sample(res: SinkPositions) -> int:
     return int(later["sample"].iloc[0]) if len(later) else 0
 
 
+@one_axes((8, 3.2), right=0.7, top=0.35)
 def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=None):
     """One sequence: at each position, the number of heads where it is a sink (alpha_k > eps), and its largest alpha
     over heads; the sink positions are labelled with their tokens.
@@ -39,26 +40,17 @@ def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=Non
     res : SinkPositions
     sample : int, optional
         The sequence (default :func:`example_sample`).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     sample = example_sample(res) if sample is None else int(sample)
-    fig, ax, own = new_or_given(ax, (8, 3.2))
     heads = res.sink_mask()[sample].sum((0, 1)).numpy()
     x = np.arange(res.T)
     ax.bar(x, heads, color="#4c72b0", width=0.8, label="heads with $\\alpha_k > \\epsilon$")
-    ax.set_xlabel("position k (0-based)")
-    ax.set_ylabel("heads")
+    ax.set(xlabel="position k (0-based)", ylabel="heads")
     ax2 = ax.twinx()
     ax2.plot(x, res.alpha[sample].flatten(0, 1).max(0).values.numpy(), color="#c44e52", lw=1, label="max $\\alpha_k$")
     ax2.axhline(res.eps, color="#c44e52", lw=0.6, ls=":")
     ax2.axvspan(res.n_measured - 0.5, res.T - 0.5, color="grey", alpha=0.15, lw=0)
-    ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("max $\\alpha_k$ over heads")
+    ax2.set(ylim=(0, 1.05), ylabel="max $\\alpha_k$ over heads")
     for k in np.nonzero(heads)[0]:
         ax.annotate(
             repr(res.token(res.tokens[sample, k])),
@@ -75,37 +67,27 @@ def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=Non
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
-    place_axes(fig, right=0.7, top=0.35, own=own)
-    return fig
 
 
+@one_axes((4.5, 6), left=0.8, right=0.4)
 def plot_later_sink_heads(res: SinkPositions, *, ax=None):
     """Heatmap per (layer, head): the share of sequences in which the head sinks on a position after the first.
 
     Parameters
     ----------
     res : SinkPositions
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (4.5, 6))
     df = res.per_head()
     H = int(df["head"].max()) + 1
     share = df["share_later"].to_numpy().reshape(-1, H)
     im = ax.imshow(share, aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
     ax.set_yticks(range(len(res.layers)), [str(l) for l in res.layers], fontsize=6)
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set(xlabel="head", ylabel="layer")
     set_title(ax, "share of sequences sinking on a later position")
-    fig.colorbar(im, ax=ax, label="share of sequences")
-    place_axes(fig, left=0.8, right=0.4, own=own)
-    return fig
+    ax.figure.colorbar(im, ax=ax, label="share of sequences")
 
 
+@one_axes((6, 3.2), top=0.35)
 def plot_cos_first(res: SinkPositions, *, ax=None):
     """Cosine of the hidden state to the first token's, per layer: the later sink positions (median and 10-90%
     band) against the other later positions, with the threshold of a secondary sink.
@@ -113,14 +95,7 @@ def plot_cos_first(res: SinkPositions, *, ax=None):
     Parameters
     ----------
     res : SinkPositions
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6, 3.2))
     cos = res.cos_first[:, :, 1 : res.n_measured]  # (N, R, T') later measured positions
     sink = res.sink_mask()[..., 1 : res.n_measured].flatten(1, 2).any(1)  # (N, T')
     layers = res.resid_layers
@@ -132,13 +107,9 @@ def plot_cos_first(res: SinkPositions, *, ax=None):
         ax.plot(layers, q[1], color=color, marker="o", ms=2, label=f"{label} ({int(pick.sum())})")
         ax.fill_between(layers, q[0], q[2], color=color, alpha=0.2, lw=0)
     ax.axhline(res.cos_min, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("layer (hook_resid_post)")
-    ax.set_ylabel("cos(h$_t$, h$_0$)")
-    ax.set_ylim(-0.2, 1.05)
+    ax.set(xlabel="layer (hook_resid_post)", ylabel="cos(h$_t$, h$_0$)", ylim=(-0.2, 1.05))
     ax.legend(fontsize=7, loc="lower left")
     set_title(ax, "alignment with the first token's hidden state (median, 10-90%)")
-    place_axes(fig, top=0.35, own=own)
-    return fig
 
 
 def _band(ax, x, df, rate: str, label: str, color, marker="o"):
@@ -146,6 +117,7 @@ def _band(ax, x, df, rate: str, label: str, color, marker="o"):
     ax.fill_between(x, df[f"{rate}_min"], df[f"{rate}_max"], color=color, alpha=0.2, lw=0)
 
 
+@one_axes((6.5, 3.4), top=0.35)
 def plot_sink_vs_context(ctx: SinkContext, *, eps=(SINK_EPS, BARBERO_EPS), ax=None):
     """Sink_1 and the share of (sample, layer, head) sinking on a later position against T (log scale), at each
     eps; lines are the mean over probe seeds, bands their min-max.
@@ -155,14 +127,7 @@ def plot_sink_vs_context(ctx: SinkContext, *, eps=(SINK_EPS, BARBERO_EPS), ax=No
     ctx : SinkContext
     eps : sequence of float
         The thresholds drawn.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6.5, 3.4))
     colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b2"]
     for i, e in enumerate(e for e in eps if ctx._has_eps(e)):
         df = ctx.by_T(e)
@@ -170,15 +135,12 @@ def plot_sink_vs_context(ctx: SinkContext, *, eps=(SINK_EPS, BARBERO_EPS), ax=No
         _band(ax, df["T"], df, "secondary_pct", f"later position, $\\epsilon$ = {e:g}", colors[i % 4], marker="s")
         ax.lines[-1].set_linestyle("--")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length T (tokens)")
-    ax.set_ylabel("% of (sample, layer, head)")
-    ax.set_ylim(0, 100)
+    ax.set(xlabel="context length T (tokens)", ylabel="% of (sample, layer, head)", ylim=(0, 100))
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     set_title(ax, f"sink against context length ({ctx.model_name or 'model'}; bands: seeds)")
-    place_axes(fig, top=0.35, own=own)
-    return fig
 
 
+@one_axes((5, 3.2), top=0.35)
 def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     """Sink_1 and the secondary share against eps at context length T (default the largest), mean over seeds with
     the min-max band.
@@ -188,26 +150,16 @@ def plot_sink_vs_eps(ctx: SinkContext, *, T: int | None = None, ax=None):
     ctx : SinkContext
     T : int, optional
         The context length (default the largest).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (5, 3.2))
     df = ctx.by_eps(T)
     _band(ax, df["eps"], df, "sink_1_pct", "Sink$_1$", "#4c72b0")
     _band(ax, df["eps"], df, "secondary_pct", "later position", "#c44e52", marker="s")
-    ax.set_xlabel("$\\epsilon$")
-    ax.set_ylabel("% of (sample, layer, head)")
-    ax.set_ylim(0, 100)
+    ax.set(xlabel="$\\epsilon$", ylabel="% of (sample, layer, head)", ylim=(0, 100))
     ax.legend(fontsize=7)
     set_title(ax, f"sink against the threshold (T = {T or max(ctx.Ts)})")
-    place_axes(fig, top=0.35, own=own)
-    return fig
 
 
+@returns_figure
 def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     """Per encoding, the first token's attention against the number t of repeated tokens seen (one thin line per
     seed, layer and head), with the proposition's closed form drawn over it (dashed; the upper bound for rotary) and
@@ -220,10 +172,6 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
         The panels (default: every encoding of the grid).
     log : bool
         Log-scale both axes.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     encodings = list(encodings or grid.encodings)
     ncols = min(3, len(encodings))
@@ -243,8 +191,7 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
             ax.plot(t, 1 / t, color="grey", lw=1, ls=":", label="1/t (NoPE)")
             ax.legend(fontsize=6, loc="lower left")
         if log:
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+            ax.set(xscale="log", yscale="log")
         set_title(ax, pe, fontsize=8)
     for ax in axes.flat[len(encodings) :]:
         ax.set_visible(False)
@@ -253,10 +200,10 @@ def plot_first_vs_t(grid: EncodingGrid, *, encodings=None, log: bool = True):
     for ax in axes[:, 0]:
         ax.set_ylabel("attention on token 1")
     fig.suptitle("one token repeated: measured (colour: head) vs closed form (dashed)", fontsize=9)
-    place_axes(fig, left=0.7, top=0.5, wspace=0.15, hspace=0.35)
-    return fig
+    return place_axes(fig, left=0.7, top=0.5, wspace=0.15, hspace=0.35)
 
 
+@one_axes((6, 3.2), top=0.35)
 def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor: float = 1e-10):
     """The largest deviation of the hidden state across positions, relative to max |h_0|, along the residual stream
     (0: the first layer's input, l + 1: layer l's output), one line per model; zeros are drawn at ``floor``.
@@ -265,15 +212,9 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
     ----------
     results : dict of str to RepeatedTokens
         Label -> result.
-    ax : matplotlib.axes.Axes, optional
     floor : float
         Where an exact zero is drawn on the log axis.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6, 3.2))
     for label, res in results.items():
         rel = deviation_along_stream(res)
         ax.plot(np.arange(len(rel)), np.maximum(rel, floor), marker="o", ms=3, lw=1, label=label)
@@ -283,8 +224,6 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
     ax.set_ylabel("max |h_i - h_0| / max |h_0|")
     ax.legend(fontsize=7, loc="center right")
     set_title(ax, f"one token repeated: deviation across positions (grey: 0, drawn at {floor:g})")
-    place_axes(fig, top=0.35, own=own)
-    return fig
 
 
 def deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
@@ -303,19 +242,14 @@ def deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
     return np.append(rin, rout[-1])
 
 
+@one_axes((7, 3.2), top=0.35)
 def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
     """Sink_1 (%) per encoding and input kind: the mean over seeds (bars), each seed (dots) and the range.
 
     Parameters
     ----------
     grid : EncodingGrid
-    ax : matplotlib.axes.Axes, optional
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (7, 3.2))
     encs = grid.encodings
     width = 0.8 / len(KINDS)
     colors = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
@@ -327,11 +261,8 @@ def plot_sink_by_encoding(grid: EncodingGrid, *, ax=None):
         for xi, v in zip(x, vals):
             ax.scatter(np.full(len(v), xi), v, s=8, color="black", zorder=3)
     ax.set_xticks(np.arange(len(encs)), encs)
-    ax.set_ylabel("Sink$_1$ (%)")
-    ax.set_ylim(0, 105)
+    ax.set(ylabel="Sink$_1$ (%)", ylim=(0, 105))
     ax.legend(fontsize=7, ncol=3, loc="upper right")
     set_title(
         ax, f"Sink$_1$ per positional encoding and input (bars: mean of {grid.runs.seed.nunique()} seeds; dots: seeds)"
     )
-    place_axes(fig, top=0.35, own=own)
-    return fig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, set_log_scale, set_title
 from analysis.quant.study import CONDITION_WORDS
 
 _COLORS = {"as_is": "#c44e52", "sinks_fp": "#55a868", "prefix": "#4c72b0"}
@@ -17,6 +17,7 @@ def _short(v: float) -> str:
     return f"{v / 1e6:.1f}M" if v >= 1e6 else f"{v / 1e3:.0f}k" if v >= 1e4 else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
+@one_axes((9, 3.8), left=0.8, bottom=0.75, right=0.15, top=0.4)
 def plot_quant_ppl(spread, *, fp_ppl: float | None = None, title: str = "perplexity per scheme and condition", ax=None):
     """Perplexity per scheme (groups) and condition (bars), the mean over the calibration seeds, with their range
     (min to max) as error bars and each bar's mean written on it; log scale.
@@ -28,14 +29,7 @@ def plot_quant_ppl(spread, *, fp_ppl: float | None = None, title: str = "perplex
     fp_ppl : float, optional
         Full precision's perplexity, drawn as a dotted line.
     title : str
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (9, 3.8))
     schemes, conds = list(dict.fromkeys(spread.scheme)), list(dict.fromkeys(spread.condition))
     width = 0.8 / len(conds)
     for j, c in enumerate(conds):
@@ -61,10 +55,9 @@ def plot_quant_ppl(spread, *, fp_ppl: float | None = None, title: str = "perplex
     ax.set_ylabel("perplexity (mean over seeds)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4, frameon=False)
     set_title(ax, title + " (error bars: the seeds' range)")
-    place_axes(fig, left=0.8, bottom=0.75, right=0.15, top=0.4, own=own)
-    return fig
 
 
+@one_axes((9, 3.6), left=0.8, bottom=0.55, right=0.15, top=0.4)
 def plot_layer_scales(layers: dict, *, writers=(), erasers=(), ax=None):
     """Per layer, the largest calibrated input over its linears (the per-tensor scale of its worst linear), one line
     per condition, with the blocks whose MLPs write the first token's spike and those that erase it marked.
@@ -75,14 +68,7 @@ def plot_layer_scales(layers: dict, *, writers=(), erasers=(), ax=None):
         Label -> a table of ``analysis.quant.study.layer_scales`` (``layer``, ``absmax``, ``site``).
     writers, erasers : sequence of int
         The spike's writing and erasing blocks (``SpikeOrigin.writing_blocks(dim)``, ``(dim, "eraser")``).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (9, 3.6))
     colors = iter(["#c44e52", "#55a868", "#4c72b0", "#8172b2"])
     for label, t in layers.items():
         ax.plot(t.layer, t.absmax, marker="o", ms=3, lw=1.4, color=next(colors), label=label)
@@ -110,10 +96,7 @@ def plot_layer_scales(layers: dict, *, writers=(), erasers=(), ax=None):
             ha="right" if right else "left",
         )
     set_log_scale(ax)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("largest |input| of its linears")
+    ax.set(xlabel="layer", ylabel="largest |input| of its linears")
     ax.set_xticks(np.arange(0, int(first.layer.max()) + 1, 2))
     ax.legend(fontsize=7, loc="upper left")
     set_title(ax, "per-layer largest calibrated input (the per-tensor static scale of its worst linear)")
-    place_axes(fig, left=0.8, bottom=0.55, right=0.15, top=0.4, own=own)
-    return fig

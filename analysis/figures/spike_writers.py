@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.first_token_cause import FirstTokenCause
 from analysis.causal.writer_cuts import SpikeCuts
 from analysis.chain.spike_writers import SpikeOrigin
@@ -22,6 +22,7 @@ def _main_dim(origin: SpikeOrigin, dim: int | None) -> int:
     return max(origin.dims, key=lambda d: float(origin.values(d).abs().max()))
 
 
+@one_axes((9, 3.6), left=0.8)
 def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     """The first token's value of ``dim`` entering each block (line; the other tokens' largest |value| dashed) with
     each block's attention and MLP writes on it as bars, on a symmetric log axis; writers and erasers labelled.
@@ -31,15 +32,8 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     origin : SpikeOrigin
     dim : int, optional
         The spike dimension (default: the one with the largest first-token value).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
-    fig, ax, own = new_or_given(ax, (9, 3.6))
     t = origin.block_table(d)
     L = origin.n_layers
     x = np.arange(L + 1)
@@ -64,14 +58,12 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
         )
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xticks(x, [str(i) for i in range(L)] + ["out"], fontsize=7)
-    ax.set_xlabel("block")
-    ax.set_ylabel(f"dim {d}")
+    ax.set(xlabel="block", ylabel=f"dim {d}")
     set_title(ax, f"Dim {d} on the first token through the blocks" + (f" ({origin.kind})" if origin.kind else ""))
     ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.9)
-    place_axes(fig, left=0.8, own=own)
-    return fig
 
 
+@returns_figure
 def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
     """Per writing (``role="eraser"``: erasing) MLP on ``dim``: the ``top`` neurons' contributions to its write on the
     first token (bars) and their cumulative share of the write (line), 90% and 99% marked.
@@ -85,10 +77,6 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         Neurons drawn per MLP.
     role : {"writer", "eraser"}
         Writing or erasing MLPs.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
     ns = [n for n in origin.neurons if n.dim == d and n.role == role]
@@ -100,8 +88,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         x = np.arange(len(t))
         ax.bar(x, t["contribution"], color=_MLP if role == "writer" else "#2a7f62")
         ax.set_xticks(x, [str(int(v)) for v in t["neuron"]], rotation=90, fontsize=7)
-        ax.set_xlabel("neuron")
-        ax.set_ylabel("contribution to the write")
+        ax.set(xlabel="neuron", ylabel="contribution to the write")
         tw = ax.twinx()
         tw.plot(x, t["cum_share"], color=_VALUE, marker="o", ms=3)
         for s in (0.9, 0.99):
@@ -109,10 +96,10 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
         tw.set_ylim(0, 1.1)
         tw.set_ylabel("cumulative share", fontsize=8)
         set_title(ax, f"MLP {n.block}: {n.mean_write:+.4g} on dim {d}", fontsize=9)
-    place_axes(fig, left=0.75, right=0.6, bottom=0.8, wspace=1.2)
-    return fig
+    return place_axes(fig, left=0.75, right=0.6, bottom=0.8, wspace=1.2)
 
 
+@returns_figure
 def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40):
     """Per writing gated MLP on ``dim``: the |eigenvalues| of A_d's symmetric part by rank (log scale; positive and
     negative ones coloured), with the top direction's share and its |cos| with the first token's MLP input.
@@ -124,10 +111,6 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
         The spike dimension (default: the one with the largest first-token value).
     top : int
         Eigenvalues drawn per MLP.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     d = _main_dim(origin, dim)
     qs = [q for q in origin.quadratic if q.dim == d]
@@ -139,8 +122,7 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
         x = np.arange(1, len(lam) + 1)
         ax.bar(x, np.abs(lam), color=np.where(lam >= 0, _MLP, _ATTN), width=0.8)
         set_log_scale(ax)
-        ax.set_xlabel("eigenvalue rank")
-        ax.set_ylabel("|eigenvalue|")
+        ax.set(xlabel="eigenvalue rank", ylabel="|eigenvalue|")
         ax.text(
             0.97,
             0.95,
@@ -152,10 +134,10 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
             fontsize=8,
         )
         set_title(ax, f"A_d of MLP {q.block}, dim {d}", fontsize=9)
-    place_axes(fig, left=0.75, bottom=0.6, wspace=0.9)
-    return fig
+    return place_axes(fig, left=0.75, bottom=0.6, wspace=0.9)
 
 
+@returns_figure
 def plot_first_token_cause(
     cause: FirstTokenCause, *, dim: int | None = None, block: int | None = None, factor: str | None = None
 ):
@@ -171,10 +153,6 @@ def plot_first_token_cause(
         The writing block (default the first).
     factor : str, optional
         "gate" or "up" (default: the gate of a gated MLP).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     c = cause.contributions
     if not len(c):
@@ -194,10 +172,10 @@ def plot_first_token_cause(
     neuron = int(c[(c.dim == dim) & (c.block == block)].neuron.iloc[0])
     set_title(ax, f"Why neuron {neuron} of MLP {block} fires on the first token", fontsize=9)
     ax.legend(fontsize=7)
-    place_axes(fig, left=0.7, bottom=1.1)
-    return fig
+    return place_axes(fig, left=0.7, bottom=1.1)
 
 
+@returns_figure
 def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     """Per condition: the share of the spike kept where it peaks, the dim's value after the last block (what the
     unembedding sees: erasers), Sink_1 and the loss; random draws as their mean with min-max bars.
@@ -207,10 +185,6 @@ def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
     cuts : SpikeCuts
     dim : int, optional
         The spike dimension (default the first traced).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     s = cuts.summary
     if not len(s):
@@ -243,5 +217,4 @@ def plot_spike_cuts(cuts: SpikeCuts, *, dim: int | None = None):
         ax.set_xticks(x, labels, rotation=90, fontsize=7)
         ax.set_ylabel(label, fontsize=8)
     set_title(axes[0], f"Cutting the neurons on the first token (dim {d})", fontsize=9)
-    place_axes(fig, left=0.7, bottom=1.4, wspace=0.8)
-    return fig
+    return place_axes(fig, left=0.7, bottom=1.4, wspace=0.8)

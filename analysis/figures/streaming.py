@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.figures.layout import one_axes
 
+
+@one_axes((7.5, 3.6), tight=True)
 def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
     """Log-perplexity against position, one line per policy; the dotted line is where token 1 leaves a
     window cache (position window + 1).
@@ -18,14 +20,7 @@ def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
         The policies drawn (default: every full-precision policy).
     bin : int
         Positions averaged per point.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.6))
     curve = result.curve(bin)
     labels = labels or [r.policy.label for r in result.runs if not r.policy.bits]
     for label in labels:
@@ -33,14 +28,12 @@ def plot_log_ppl(result, *, labels=None, bin: int = 32, ax=None):
         ax.plot(curve["position"], curve[label], label=label, **style)
     ax.axvline(result.window + 1, color="grey", ls=":", lw=1)
     ax.text(result.window + 1, ax.get_ylim()[1], " token 1 evicted", va="top", fontsize=8, color="grey")
-    ax.set_xlabel("position in the stream")
-    ax.set_ylabel(f"log-perplexity (mean NLL per {bin} tokens)")
+    ax.set(xlabel="position in the stream", ylabel=f"log-perplexity (mean NLL per {bin} tokens)")
     ax.set_title(f"{result.model}: cache of {result.window} tokens")
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
 
 
+@one_axes((7.5, 3.4), tight=True)
 def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     """Perplexity per policy (log scale), full precision and quantised.
 
@@ -50,14 +43,7 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
         A result of ``analysis.streaming.streaming_perplexity``.
     column : str
         The perplexity column of ``result.table``.
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.4))
     t = result.table
     colors = [
         "#c44e52"
@@ -72,8 +58,5 @@ def plot_policy_ppl(result, *, column: str = "ppl_past_window", ax=None):
     bars = ax.bar(np.arange(len(t)), t[column], color=colors)
     ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(np.arange(len(t)), t["policy"], rotation=40, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel(column.replace("_", " "))
+    ax.set(yscale="log", ylabel=column.replace("_", " "))
     ax.set_title("perplexity per cache policy")
-    fig.tight_layout()
-    return fig

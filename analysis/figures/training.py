@@ -10,9 +10,11 @@ import torch
 
 from analysis.core.io import read_log
 from analysis.dynamics.compare import mean_pattern
+from analysis.figures.layout import returns_figure
 from analysis.model.hooks import model_facts
 
 
+@returns_figure
 def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
     """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
 
@@ -24,10 +26,6 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
     layer : int
     n_pos : int
         Positions shown.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
@@ -38,14 +36,14 @@ def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: 
         for h in range(H):
             ax = axes[r, h]
             ax.imshow(pat[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
             ax.set_title(f"{label} h{h}", fontsize=8)
     fig.suptitle(f"mean attention (hook_pattern), layer {layer}: keys → columns, queries ↓ rows", fontsize=9)
     fig.tight_layout()
     return fig
 
 
+@returns_figure
 def plot_first_token(table: pd.DataFrame):
     """Bars of Sink_1, the value-norm ratio and the raw first-token weight per model.
 
@@ -53,10 +51,6 @@ def plot_first_token(table: pd.DataFrame):
     ----------
     table : pandas.DataFrame
         Of :func:`compare_models`.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
@@ -70,16 +64,13 @@ def plot_first_token(table: pd.DataFrame):
     return fig
 
 
+@returns_figure
 def plot_training(runs: dict):
     """Loss and Sink_1 against training step for each run folder {label: dir}.
 
     Parameters
     ----------
     runs : dict of str to path-like
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
     import matplotlib.pyplot as plt
 
@@ -90,10 +81,8 @@ def plot_training(runs: dict):
         if "sink_1" in log:
             ev = log.dropna(subset=["sink_1"])
             b.plot(ev["step"], ev["sink_1"], marker="o", label=label)
-    a.set_xlabel("step")
-    a.set_ylabel("training loss")
-    b.set_xlabel("step")
-    b.set_ylabel("Sink_1 (%) on the held-out probe")
+    a.set(xlabel="step", ylabel="training loss")
+    b.set(xlabel="step", ylabel="Sink_1 (%) on the held-out probe")
     a.legend()
     b.legend()
     fig.tight_layout()

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.figures.layout import new_or_given, place_axes, set_log_scale, set_title
+from analysis.figures.layout import one_axes, set_log_scale, set_title
 from analysis.chain.values import ValueNorms
 
 
+@one_axes((6.5, 3.4), left=0.8)
 def plot_value_norms(vn: ValueNorms, *, ax=None):
     """Per layer: |v_1| and mean |v_j| (j > 1), one point per KV head, lines through the head means.
 
     Parameters
     ----------
     vn : ValueNorms
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6.5, 3.4))
     x = np.asarray(vn.layers)
     K = vn.v1_norm.shape[1]
     for vals, label, color in ((vn.v1_norm, "$|v_1|$", "C3"), (vn.vj_norm, "mean $|v_j|$, j>1", "C0")):
@@ -29,14 +23,12 @@ def plot_value_norms(vn: ValueNorms, *, ax=None):
         ax.scatter(np.repeat(x, K), v.ravel(), s=8, color=color, alpha=0.5, lw=0)
         ax.plot(x, v.mean(1), marker="o", ms=3, color=color, label=label)
     set_log_scale(ax)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("value norm (per KV head)")
+    ax.set(xlabel="layer", ylabel="value norm (per KV head)")
     set_title(ax, "First-token value norm against the others")
     ax.legend(fontsize=8)
-    place_axes(fig, left=0.8, own=own)
-    return fig
 
 
+@one_axes((5.2, 3.8), left=0.7, bottom=0.65)
 def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
     """Scatter over (layer, KV head): |v_1| / mean |v_j| (log) against alpha_1, coloured by layer.
 
@@ -45,14 +37,7 @@ def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
     vn : ValueNorms
     reduce : {"mean", "max"}, optional
         How a KV head's query heads map to one alpha (default ``vn.reduce``).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (5.2, 3.8))
     t = vn.table(reduce)
     acol = [c for c in t.columns if c.startswith("alpha_1_")][0]
     sc = ax.scatter(t["ratio"], t[acol], c=t["layer"], cmap="viridis", s=18)
@@ -67,11 +52,10 @@ def plot_value_alpha(vn: ValueNorms, *, reduce: str | None = None, ax=None):
         )
     else:
         set_title(ax, "correlation undefined (constant values)", fontsize=9)
-    fig.colorbar(sc, ax=ax, label="layer")
-    place_axes(fig, left=0.7, bottom=0.65, own=own)
-    return fig
+    ax.figure.colorbar(sc, ax=ax, label="layer")
 
 
+@one_axes((6, 3.2), left=0.8, top=0.15)
 def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=None):
     """Mean |v_t| against position t for a few layers (mean over KV heads).
 
@@ -80,14 +64,7 @@ def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=No
     vn : ValueNorms
     layers : list of int, optional
         True layer indices (default: up to five spread over the layers measured).
-    ax : matplotlib.axes.Axes, optional
-        Draw into it (default: a new figure).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
     """
-    fig, ax, own = new_or_given(ax, (6, 3.2))
     if layers is None:
         idx = np.unique(np.linspace(0, len(vn.layers) - 1, min(5, len(vn.layers))).round().astype(int))
         layers = [vn.layers[i] for i in idx]
@@ -98,8 +75,5 @@ def plot_value_profile(vn: ValueNorms, *, layers: list[int] | None = None, ax=No
     for l in layers:
         ax.plot(pos, vn.v_norm_by_pos[vn.layers.index(l)].mean(0).numpy(), label=f"layer {l}")
     set_log_scale(ax)
-    ax.set_xlabel("position t")
-    ax.set_ylabel("mean $|v_t|$")
+    ax.set(xlabel="position t", ylabel="mean $|v_t|$")
     ax.legend(fontsize=7)
-    place_axes(fig, left=0.8, top=0.15, own=own)
-    return fig

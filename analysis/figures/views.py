@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
@@ -57,18 +58,14 @@ def attention_pattern(model: SinkModel, tokens, layer: int) -> torch.Tensor:
     return run_pass(model, tokens, [Capture(act_name("pattern", layer), layer)])[0][0]
 
 
+@parameters_from(attention_pattern)
 def attention_view_html(model: SinkModel, tokens, layer: int, *, heads: list[int] | None = None) -> str:
     """Self-contained circuitsvis HTML (inline JavaScript, no CDN) of one layer's attention on one sequence.
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (1, T)
-        One sequence of token ids (pass ``tokens[:1]``).
-    layer : int
-        An attention layer (its true index; a hybrid's linear-attention / Mamba layers have none: ValueError naming
-        the attention layers).
+    model, tokens, layer
+        As in :func:`attention_pattern`.
     heads : list of int, optional
         The query heads shown (default all).
 
@@ -89,20 +86,14 @@ def attention_view_html(model: SinkModel, tokens, layer: int, *, heads: list[int
     return rendered.local_src
 
 
+@parameters_from(attention_view_html)
 def attention_view(model: SinkModel, tokens, layer: int, *, heads: list[int] | None = None) -> OfflineHTML:
     """For notebooks: an offline circuitsvis attention view of one layer on one sequence.
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (1, T)
-        One sequence of token ids (pass ``tokens[:1]``).
-    layer : int
-        An attention layer (its true index; a hybrid's linear-attention / Mamba layers have none: ValueError naming
-        the attention layers).
-    heads : list of int, optional
-        The query heads shown (default all).
+    model, tokens, layer, heads
+        As in :func:`attention_view_html`.
 
     Returns
     -------

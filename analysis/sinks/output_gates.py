@@ -24,7 +24,8 @@ from analysis.model.contract import SinkModel
 from analysis.model.hooks import check_attention_layers, check_tokens, model_facts, skipped_note
 from analysis.core.io import jsonable
 from analysis.engine.passes import Accumulator, Batch, run_pass
-from analysis.core.results import Result
+from analysis.core.docs import parameters_from
+from analysis.core.results import Result, pass_options
 
 
 def gate_means(logits: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -167,6 +168,7 @@ class GateAccumulator(Accumulator):
         )
 
 
+@parameters_from(pass_options)
 def attention_gates(
     model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None
 ) -> GateResult:
@@ -182,10 +184,8 @@ def attention_gates(
         Token ids, T >= 2.
     layers : sequence of int, optional
         Attention layers (true indices; default all).
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
 
     Returns
     -------
