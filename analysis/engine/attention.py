@@ -162,9 +162,18 @@ class AttentionWeights:
         return torch.ones(self.shape[:3], device=self.device)
 
     def weighted(self, x: torch.Tensor) -> torch.Tensor:
-        """sum_j A[i, j] x_j for a per-key quantity x of shape (B, H, T): float32 (B, H, T)."""
+        """sum_j A[i, j] x_j for a per-key quantity x of shape (B, H, T): float32 (B, H, T). From q and k it is an
+        attention whose value is x, so PyTorch's fused attention gives it (the softmax's own normaliser is the
+        lse); under a soft cap, blocks of A."""
         if self.pattern is not None:
             return torch.einsum("bhij,bhj->bhi", self.pattern.float(), x.float())
+        if self.softcap is None:
+            g = self.shape[1] // self.key.shape[1]
+            k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
+            mask = self.mask if self.mask is None or self.mask.dtype == torch.bool else self.mask.float()
+            return torch.nn.functional.scaled_dot_product_attention(
+                self.query.float(), k, x.float()[..., None], attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )[..., 0]
         out = torch.empty(self.shape[:3], device=self.device)
         for s, e, a in self._blocks():
             out[..., s:e] = (a * x[..., None, : a.shape[-1]].float()).sum(-1)
