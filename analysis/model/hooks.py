@@ -228,6 +228,12 @@ def check_attention_layers(model: SinkModel, *, layers: Iterable[int] | None = N
     -------
     list of int
     """
+    if isinstance(model, NnsightModel):  # from its config (no FamilySpec: its weights may be on NDIF)
+        att = list(model.spec.attention_layers)
+        bad = [] if layers is None else [l for l in map(int, layers) if l not in att]
+        if bad:
+            raise ValueError(f"layers {bad} are not attention layers of this model (attention layers: {att}).")
+        return att if layers is None else [int(l) for l in layers]
     spec = get_family(model)
     if layers is None:
         return list(spec.attention_layers)

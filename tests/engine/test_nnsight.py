@@ -504,3 +504,17 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     for key in ("positions", "context"):
         diff = _same(got["sections"][key], want["sections"][key])
         assert diff and not [d for d in diff if not any(p in d for p in provenance)], key
+
+
+def test_value_norms_of_a_remote_model_equal_the_bridges(family_bridge, nn_family):
+    """``value_norms`` takes a model loaded for NDIF as it takes the bridge (its layers from the config): the same
+    numbers and text on a grouped-query family."""
+    from analysis.chain.values import value_norms
+
+    tokens = _tokens(n=4, T=24)
+    got, want = value_norms(nn_family("qwen3"), tokens), value_norms(family_bridge("qwen3"), tokens)
+    torch.testing.assert_close(got.v_norm_by_pos, want.v_norm_by_pos, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.first_value_share, want.first_value_share, atol=1e-6, rtol=1e-5)
+    assert got.text() == want.text()
+    with pytest.raises(ValueError, match="not attention layers"):
+        value_norms(nn_family("qwen3"), tokens, layers=[99])
