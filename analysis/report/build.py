@@ -354,6 +354,11 @@ def remote_requests(
     dict of str to analysis.engine.remote.RequestPlan
         One plan per input kind (natural, random, repeated).
     """
+    if not isinstance(model, NnsightModel):
+        raise TypeError(
+            f"remote_requests plans a remote model's requests: give load_model(name, backend='nnsight', remote=True) "
+            f"(or load_nnsight(name)); got {type(model).__name__}."
+        )
     from analysis.core.registry import PassInputs  # import time: the report's own imports stay light
     from analysis.engine.remote import pass_plan, plan_requests, reduction_bytes
 

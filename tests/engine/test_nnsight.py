@@ -335,6 +335,8 @@ def test_a_405b_sink_table_fits_ndifs_requests(capsys):
     assert sink_only.n_requests < both.n_requests
     from analysis.report.build import NNSIGHT_SECTIONS, remote_requests
 
+    with pytest.raises(TypeError, match="remote=True"):
+        remote_requests(hf, n=32, T=64)  # a Hugging Face model, not one loaded for NDIF: refused before any work
     report = remote_requests(nn, n=32, T=64)  # the report's default N and T, every section a remote model serves
     assert set(report) == {"natural", "random", "repeated"}
     assert all(p.bytes_per_request < REQUEST_LIMIT_BYTES and p.n_requests >= 2 for p in report.values())
