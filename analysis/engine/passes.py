@@ -235,7 +235,8 @@ def _stop(x, hook):
 
 
 class Capture(Accumulator):
-    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch.
+    """Keeps ``select(activation)`` of one hook (e.g. one layer's attention maps for a view), per batch; a map is
+    built here only, from q, k and the rows' log-sum-exp, and on NDIF in the trace (what a view shows).
 
     Parameters
     ----------
@@ -244,22 +245,41 @@ class Capture(Accumulator):
     layer : int
         The block.
     select : callable
-        Reduces the activation before it is kept (default: keep it whole).
+        Reduces the activation before it is kept (default: keep it whole); torch only where the pass is remote.
     """
 
-    def __init__(self, name: str, layer: int, select: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+    def __init__(self, name: str, layer: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.name, self.layer, self.select, self.kept = name, int(layer), select, []
 
     def hooks(self):
         return {self.layer: {"x": self.name}}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        x = acts["x"]
-        x = x.dense() if isinstance(x, AttentionWeights) else x  # a view's map, built only here
-        self.kept.append(self.select(x).detach().float().cpu())
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(captured, {"select": self.select})
+
+    def fold(self, layer: int, stats: torch.Tensor, batch: Batch) -> None:
+        self.kept.append(stats.detach().float().cpu())
 
     def result(self) -> torch.Tensor:
         return torch.cat(self.kept)
+
+
+def captured(acts: dict, *, select=None) -> torch.Tensor:
+    """:class:`Capture`'s reduce: the activation (a map made dense), through ``select`` where given.
+
+    Parameters
+    ----------
+    acts : dict
+        {"x": the activation, or ``AttentionWeights``}.
+    select : callable, optional
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    x = acts["x"]
+    x = x.dense() if isinstance(x, AttentionWeights) else x
+    return x if select is None else select(x)
 
 
 class _JointReducer:

@@ -66,7 +66,14 @@ from analysis.core.versions import package_versions
 # The report's N and T limits, and the sink command's N (the report says why its own Sink_1 differs), are owned by
 # the command line's light options module, which the parser reads before torch loads.
 DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
-NNSIGHT_SECTIONS = ("sink", "massive", "value_norms", "positions", "context")  # a remote model's (docs/remote.md)
+NNSIGHT_SECTIONS = (
+    "sink",
+    "views",
+    "massive",
+    "value_norms",
+    "positions",
+    "context",
+)  # a remote model's (docs/remote.md)
 
 
 def registered_sections() -> dict[str, tuple]:

@@ -13,7 +13,6 @@ from analysis.core.registry import Analysis, resolve
 from analysis.core.registry import Section as Declared
 from analysis.model.families import get_family
 from analysis.model.hooks import ModelContractError
-from analysis.model.nnsight_model import NnsightModel
 from analysis.report.html import Section, table_html
 
 
@@ -123,17 +122,9 @@ def _massive(ctx, sec: Section) -> None:
     sec.say(kinds_text(by_kind, skip="natural"))
     layer = ma.peak_layer()
     sec.figure(lambda: plot_top_activations(ma), "largest |activation| and the median per layer (natural text)")
-    if isinstance(ctx.model, NnsightModel):
-        sec.note(
-            "The activation map (|h| over positions x dims) is not drawn through nnsight: its traces save "
-            "per-layer statistics, never a layer's residual stream."
-        )
-    else:
-        amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
-        sec.data["activation_map_layer"] = layer
-        sec.figure(
-            lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence"
-        )
+    amap = activation_map(ctx.model, ctx.natural, layer, sample=0)
+    sec.data["activation_map_layer"] = layer
+    sec.figure(lambda: plot_activation_map(amap), f"|h| over positions x dims at layer {layer}, first natural sequence")
     sec.figure(lambda: plot_spike_dims_by_kind(by_kind), "the first token's spike dims across layers, per input kind")
 
 

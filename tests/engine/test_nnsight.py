@@ -473,8 +473,8 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
 
 
 def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
-    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, massive, value norm,
-    every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
+    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, value
+    norm, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
     section is refused before any work, with the reason in its JSON."""
     import json
 
@@ -494,7 +494,8 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     strip = lambda v: {**v, "per_layer": [{c: x for c, x in r.items() if c not in ties} for r in v["per_layer"]]}  # noqa: E731
     g, w = got["sections"]["massive"], want["sections"]["massive"]
     assert not _same(strip(g["natural"]), strip(w["natural"]))
-    assert not _same(g["random"], w["random"]) and "activation_map_layer" not in g  # no residual stream comes back
+    assert not _same(g["random"], w["random"]) and g["activation_map_layer"] == w["activation_map_layer"]
+    assert got["sections"]["views"] == want["sections"]["views"]  # the layers drawn and the sequence
     g, w = got["sections"]["value_norms"], want["sections"]["value_norms"]
     assert not _same(
         {k: v for k, v in g.items() if k != "correlation"}, {k: v for k, v in w.items() if k != "correlation"}
