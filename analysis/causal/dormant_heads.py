@@ -89,9 +89,23 @@ def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Ten
     """
     out = {}
     for l in layers:
-        W = head_output_weights(model, l).float()  # ModelContractError where the layer has none
-        out[l] = torch.einsum("hdD,heD->hde", W, W)
+        out[l] = head_gram(head_output_weights(model, l))  # ModelContractError where the layer has none
     return out
+
+
+def head_gram(W: torch.Tensor) -> torch.Tensor:
+    """Each head's output Gram W_O W_O^T (H, d_head, d_head), float32, from W_O (H, d_head, d_model).
+
+    Parameters
+    ----------
+    W : torch.Tensor, shape (H, d_head, d_model)
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    W = W.float()
+    return torch.einsum("hdD,heD->hde", W, W)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.causal.dormant_heads import output_grams
+from analysis.causal.dormant_heads import head_gram, output_grams
 from analysis.causal.dormant_result import first_query
 from analysis.core.defaults import (
     KIND_BROADCAST_COS,
@@ -50,6 +50,7 @@ from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
 from analysis.model.hooks import model_facts
 from analysis.model.contract import SinkModel
+from analysis.model.nnsight_model import TraceWeight, weights_in_trace
 from analysis.model.hooks import act_name, check_attention_layers, check_tokens, kv_view, per_query_head, skipped_note
 from analysis.sinks.metric import check_eps
 
@@ -250,7 +251,8 @@ class SinkKindAccumulator(Accumulator):
         dims = model_facts(model).dims
         self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.roots = gram_roots(output_grams(model, self.layers))  # |z W_O| = |z R|, R (H, d, d)
+        # |z W_O| = |z R|, R (H, d, d): from the weights here, or in the trace where they stay next to the model
+        self.roots = None if weights_in_trace(model) else gram_roots(output_grams(model, self.layers))
         self.T, self.eps, self.first = int(T), float(eps), first_query((0,), eps=eps)
         self.sums = RunningSums(len(self.layers))
         self.n, self.min_queries = 0, KIND_MIN_QUERIES
@@ -264,7 +266,8 @@ class SinkKindAccumulator(Accumulator):
         return Reduction(
             kind_stats,
             {
-                "R": self.roots[layer],
+                "R": None if self.roots is None else self.roots[layer],
+                "W_O": TraceWeight("W_O", layer) if self.roots is None else None,
                 "n_heads": self.H,
                 "n_kv_heads": self.K,
                 "eps": self.eps,
@@ -308,7 +311,9 @@ class SinkKindAccumulator(Accumulator):
         )
 
 
-def kind_stats(acts: dict, *, R, n_heads: int, n_kv_heads: int, eps: float, first: int, min_queries: int) -> dict:
+def kind_stats(
+    acts: dict, *, R, W_O=None, n_heads: int, n_kv_heads: int, eps: float, first: int, min_queries: int
+) -> dict:
     """One layer's reduce for the sink kinds, per query head summed over the batch (float64, (H,) each): alpha_1,
     the first and the other values' norms, the queries that sink and those that do not with their output norms
     |z_t W_O| = |z_t R| (``R`` R^T = W_O W_O^T per head, (H, d, d)), and over the sinking queries of each sequence
@@ -320,6 +325,8 @@ def kind_stats(acts: dict, *, R, n_heads: int, n_kv_heads: int, eps: float, firs
         {"v": values (B, T, H or H_kv, d), "z": head outputs (B, T, H, d), "pattern": the map or ``AttentionWeights``}.
     R : torch.Tensor, shape (H, d, d)
         A square root of each head's output Gram (:func:`gram_roots`).
+    W_O : torch.Tensor, shape (H, d, d_model), optional
+        In place of ``R`` where the weights stay next to the model (a remote trace): R is taken from it here.
     n_heads, n_kv_heads : int
     eps : float
         A query sinks when its weight on the first token exceeds it.
@@ -335,6 +342,7 @@ def kind_stats(acts: dict, *, R, n_heads: int, n_kv_heads: int, eps: float, firs
     c0 = p.column(0)  # (B, H, T): the first token's weight from every query
     norms = per_query_head(kv_view(acts["v"], n_kv_heads).float().norm(dim=-1), n_heads)  # (B, T, H)
     z = acts["z"][:, first:].float().transpose(1, 2)  # (B, H, T', d)
+    R = gram_root(head_gram(W_O)) if R is None else R
     y = z @ R.to(z.device, torch.float32)[None]  # (B, H, T', d): |y_t| = |z_t W_O|, y_s . y_t = o_s . o_t
     out = y.norm(dim=-1)
     sink = (c0[..., first:] > eps).float()
@@ -367,11 +375,22 @@ def gram_roots(grams: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     -------
     dict of int to torch.Tensor
     """
-    out = {}
-    for layer, G in grams.items():
-        w, U = torch.linalg.eigh(G.double())
-        out[layer] = (U * w.clamp(min=0).sqrt()[..., None, :]).float()
-    return out
+    return {layer: gram_root(G) for layer, G in grams.items()}
+
+
+def gram_root(G: torch.Tensor) -> torch.Tensor:
+    """R with R R^T = G, per head, from the eigendecomposition of the symmetric PSD G (float32).
+
+    Parameters
+    ----------
+    G : torch.Tensor, shape (H, d, d)
+
+    Returns
+    -------
+    torch.Tensor, shape (H, d, d)
+    """
+    w, U = torch.linalg.eigh(G.double())
+    return (U * w.clamp(min=0).sqrt()[..., None, :]).float()
 
 
 def _within(y, out, sink, min_queries: int):

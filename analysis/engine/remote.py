@@ -25,7 +25,7 @@ import torch
 
 from analysis.engine.attention import AttentionWeights
 from analysis.model.hooks import model_dims
-from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported, TraceWeight
 
 REQUEST_LIMIT_BYTES = 32 * 2**20  # NDIF drops results above about this (a 32 MB message limit was seen)
 REQUEST_FILL = 0.8  # plan requests to this share of the limit (the pickled containers add a little)
@@ -225,7 +225,10 @@ def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *,
                 out = blocks[layer].output
                 acts["hook_resid_post"] = out[0] if isinstance(out, tuple) else out
             for j, red, keys in jobs:
-                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **(red.params or {}))))
+                params = {
+                    k: model.weight(v) if isinstance(v, TraceWeight) else v for k, v in (red.params or {}).items()
+                }
+                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **params)))
     return [(j, l, _to_cpu(r)) for j, l, r in saved]
 
 
@@ -294,10 +297,19 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
         for _, _, sites, jobs in plan:
             sig = repr([(red.fn, red.params, keys) for _, red, keys in jobs])
             if sig not in seen:
-                got = [red.fn({key: acts[x] for key, x in keys.items()}, **(red.params or {})) for _, red, keys in jobs]
+                got = [
+                    red.fn({key: acts[x] for key, x in keys.items()}, **_stand_ins(red.params, s.n_heads, d_head))
+                    for _, red, keys in jobs
+                ]
                 seen[sig] = sum(stats_bytes(r) + _candidates(r) * b for r in got)
         sizes.append(max(seen.values(), default=0))
     return max(0, sizes[1] - sizes[0]), max(0, 2 * sizes[0] - sizes[1])
+
+
+def _stand_ins(params, n_heads: int, d_head: int) -> dict:
+    """A reduction's parameters with each :class:`TraceWeight` as zeros of its shape, d_model cut to 1 (what the
+    reduction returns does not depend on it): the dry run of :func:`_meta_bytes` allocates no weight."""
+    return {k: torch.zeros(n_heads, d_head, 1) if isinstance(v, TraceWeight) else v for k, v in (params or {}).items()}
 
 
 def remote_pass(

@@ -23,6 +23,22 @@ class NnsightUnsupported(ValueError):
     """The nnsight pass cannot measure this model exactly; the reason says why and what to use."""
 
 
+@dataclass(frozen=True)
+class TraceWeight:
+    """A weight a reduction reads where the model runs, by its TransformerLens name: in a trace on NDIF it is read
+    there (``NnsightModel.weight``), so only what the reduction returns comes back, never the weight.
+
+    Attributes
+    ----------
+    name : str
+        "W_O": the per-head output weights (H, d_head, d_model).
+    layer : int
+    """
+
+    name: str
+    layer: int
+
+
 @dataclass
 class NnsightSpec:
     """What the nnsight pass needs of a family, from its config.
@@ -150,6 +166,23 @@ class NnsightModel:
             raise NnsightUnsupported(f"{self.spec.family}: no <base model>.layers list of decoder layers.")
         return layers
 
+    def weight(self, w: TraceWeight):
+        """``w`` in TransformerLens' layout, read where the trace runs (inside a trace: on NDIF, the weight there).
+
+        Parameters
+        ----------
+        w : TraceWeight
+
+        Returns
+        -------
+        torch.Tensor
+            W_O: (H, d_head, d_model), from the attention's ``o_proj`` (d_model, H * d_head).
+        """
+        attn = self.decoder_layers()[w.layer].self_attn
+        if w.name != "W_O" or not hasattr(attn._module, "o_proj"):
+            raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
+        return attn.o_proj.weight.T.reshape(self.spec.n_heads, -1, self.spec.d_model)
+
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
         return call_name(self.decoder_layers()[layer].self_attn.source.names, self.spec.family)
@@ -159,6 +192,21 @@ class NnsightModel:
         ``((module, q, k, v, mask), kwargs)``)."""
         src = self.decoder_layers()[layer].self_attn.source
         return getattr(src, call_name(src.names, self.spec.family))
+
+
+def weights_in_trace(model) -> bool:
+    """Whether an analysis reads ``model``'s weights inside its traces (:class:`TraceWeight`) rather than here: a model
+    loaded through nnsight, whose weights may stay on NDIF.
+
+    Parameters
+    ----------
+    model
+
+    Returns
+    -------
+    bool
+    """
+    return isinstance(model, NnsightModel)
 
 
 def call_name(names, family: str) -> str:

@@ -66,14 +66,15 @@ from analysis.core.versions import package_versions
 # The report's N and T limits, and the sink command's N (the report says why its own Sink_1 differs), are owned by
 # the command line's light options module, which the parser reads before torch loads.
 DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
-NNSIGHT_SECTIONS = (
-    "sink",
-    "views",
-    "massive",
-    "value_norms",
-    "positions",
-    "context",
-)  # a remote model's (docs/remote.md)
+# a remote model's (docs/remote.md); the others, and why each is refused there (docs/architecture.md)
+NNSIGHT_SECTIONS = ("sink", "views", "massive", "value_norms", "sink_kind", "positions", "context")
+NOT_REMOTE = {
+    "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
+    "norm_gain": "it reads the norm's gain and W_K here and the pre-softmax scores, which no shipped reduction reads",
+    "key_manifold": "it keeps the first keys and reduces in its own update: it has no reduction that ships",
+    "interventions": "it edits activations and reruns the model (a remote pass only reads)",
+    "dormant": "it runs a backward pass to the heads' outputs (a remote pass runs forward only)",
+}
 
 
 def registered_sections() -> dict[str, tuple]:
@@ -395,8 +396,8 @@ def _not_through_nnsight(key: str) -> Section:
     _, spec = registered_sections()[key]
     sec = Section(key, spec.title, spec.link)
     reason = (
-        "not run on a remote model: on NDIF a pass runs the accumulators' shipped reductions only, and this section "
-        "edits activations, reads weights that stay on NDIF, or reduces in code that does not ship (docs/remote.md)"
+        "not run on a remote model: on NDIF a pass runs the accumulators' shipped reductions only, and "
+        f"{NOT_REMOTE.get(key, 'this section has none')} (docs/remote.md)"
     )
     sec.note(f"Not available remotely: {reason}. Run the report on a model loaded here for it.")
     sec.data = {"available": False, "reason": reason}

@@ -474,19 +474,21 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
 
 def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
     """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, value
-    norm, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
+    norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
     section is refused before any work, with the reason in its JSON."""
     import json
 
-    from analysis.report.build import NNSIGHT_SECTIONS, SECTIONS, build_report
+    from analysis.report.build import NNSIGHT_SECTIONS, NOT_REMOTE, SECTIONS, build_report
 
+    assert set(NOT_REMOTE) == set(SECTIONS) - set(NNSIGHT_SECTIONS)  # every section runs or says why not
     nn = load_nnsight(str(family_dir("llama")))
     build_report(family_bridge("llama"), tmp_path / "b", sections=list(NNSIGHT_SECTIONS), n=2, T=24, eps=0.1)
     build_report(nn, tmp_path / "n", sections=list(SECTIONS), n=2, T=24, eps=0.1)
     want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
     assert not got["errors"]
     for key in set(SECTIONS) - set(NNSIGHT_SECTIONS):
-        assert got["sections"][key]["available"] is False and "remote" in got["sections"][key]["reason"]
+        reason = got["sections"][key]["reason"]
+        assert got["sections"][key]["available"] is False and "remote" in reason and NOT_REMOTE[key] in reason
     passes = {k for by in got["config"]["passes"].values() for k in by}
     assert passes == {"nnsight: the remote trace, run here"}
     assert not _same(got["sections"]["sink"], want["sections"]["sink"])
@@ -496,6 +498,7 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     assert not _same(strip(g["natural"]), strip(w["natural"]))
     assert not _same(g["random"], w["random"]) and g["activation_map_layer"] == w["activation_map_layer"]
     assert got["sections"]["views"] == want["sections"]["views"]  # the layers drawn and the sequence
+    assert not _same(got["sections"]["sink_kind"], want["sections"]["sink_kind"])  # W_O read in the trace
     g, w = got["sections"]["value_norms"], want["sections"]["value_norms"]
     assert not _same(
         {k: v for k, v in g.items() if k != "correlation"}, {k: v for k, v in w.items() if k != "correlation"}
@@ -521,3 +524,21 @@ def test_value_norms_of_a_remote_model_equal_the_bridges(family_bridge, nn_famil
     assert got.text() == want.text()
     with pytest.raises(ValueError, match="not attention layers"):
         value_norms(nn_family("qwen3"), tokens, layers=[99])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])  # plain, soft cap + window, MLA (d_v != d_qk)
+def test_the_sink_kinds_of_a_remote_model_read_w_o_in_the_trace(family, family_bridge, nn_family):
+    """``sink_kinds`` on a model loaded for NDIF: W_O is read inside the trace (``TraceWeight``; on NDIF it never
+    leaves), its Gram's root taken there; every head's numbers and kind equal the bridge's."""
+    from analysis.causal.sink_kind import SinkKindAccumulator, sink_kinds
+    from analysis.model.nnsight_model import TraceWeight
+
+    nn, tokens = nn_family(family), _tokens(n=4, T=24)
+    acc = SinkKindAccumulator(nn, list(nn.spec.attention_layers), 24, eps=0.1)
+    assert acc.roots is None and acc.reduction(nn.spec.attention_layers[0]).params["W_O"] == TraceWeight(
+        "W_O", nn.spec.attention_layers[0]
+    )
+    got, want = sink_kinds(nn, tokens, eps=0.1), sink_kinds(family_bridge(family), tokens, eps=0.1)
+    for name in ("alpha_1", "sinking_share", "value_ratio", "out_ratio", "pr", "cos", "n_seqs"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert got.text() == want.text() and torch.isfinite(got.out_ratio).any()  # outputs |z R| of sinking queries
