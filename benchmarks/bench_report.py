@@ -28,6 +28,9 @@ in forward passes (its natural pass, two controls, the causal conditions, the do
 context-length passes), is what the report must cost before any accumulator, figure or file; the report's time
 above it is its overhead.
 
+The allocator is set as the report command sets it (``analysis.core.memory.return_freed_memory``: glibc's mmap
+threshold held at 128 KiB, so freed activations leave the process); ``--glibc-default`` measures without it.
+
 Targets (issue 23): the time above the counted model work <= 2.5 forward passes (the median over reports of each
 report against the forwards on either side of it), and <= 1.3x the forward's peak memory (the first report against
 the forwards before it, the same process state). The targets line prints the report's time in forward passes, the
@@ -71,7 +74,17 @@ def main() -> None:
         choices=BACKENDS,
         help="what runs the report's passes (the report command's --backend; its default)",
     )
+    p.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's dynamic mmap threshold (the command holds it: analysis.core.memory.return_freed_memory)",
+    )
     args = p.parse_args()
+    if not args.glibc_default:
+        from analysis.core.memory import return_freed_memory
+
+        held = return_freed_memory()
+        print(f"allocator: {'mmap threshold held at 128 KiB, as the report command does' if held else 'unchanged'}")
 
     from analysis import load_model, natural_probe
     from analysis.engine.passes import batches, default_batch_size
