@@ -23,6 +23,8 @@ from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.chain.massive import massive_activations  # noqa: E402
 from analysis.chain.massive import MassiveAccumulator  # noqa: E402
 from analysis.chain.values import ValueNormsAccumulator  # noqa: E402
+from analysis.causal.sink_kind import SinkKindAccumulator  # noqa: E402
+from analysis.engine.passes import Capture  # noqa: E402
 from analysis.engine.attention import AttentionWeights  # noqa: E402
 from analysis.engine.remote import (  # noqa: E402
     REQUEST_LIMIT_BYTES,
@@ -137,13 +139,16 @@ def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
 
 
 def _accumulators(nn, T=20):
-    """The accumulators whose reductions a remote pass ships: the sink metric, the massive table, every position."""
+    """The accumulators whose reductions a remote pass ships: the sink metric, the massive table, every position, the
+    value norms, the sink kinds (W_O read in the trace) and a captured map (a view)."""
     layers = list(range(nn.spec.n_layers))
     return [
         SinkAccumulator(nn, T, k_max=8),
         MassiveAccumulator(nn, layers, nn.spec.d_model, abs_threshold=0.02, ratio_threshold=2.0),
         PositionAccumulator(layers),
         ValueNormsAccumulator(nn, list(nn.spec.attention_layers), T),
+        SinkKindAccumulator(nn, list(nn.spec.attention_layers), T, eps=0.1),
+        Capture("blocks.0.attn.hook_pattern", 0),
     ]
 
 
@@ -192,7 +197,14 @@ def test_every_reduction_that_ships_reaches_only_what_ndif_allows(family_dir, nn
     math and typing only (NDIF's import whitelist), whatever the modules they live in import."""
     nn = nn_family("llama")
     shipped = [red.fn for _, _, _, jobs in pass_plan(nn, _accumulators(nn)) for _, red, _ in jobs]
-    assert {f.__name__ for f in shipped} == {"sink_stats", "massive_stats", "position_stats", "value_stats"}
+    assert {f.__name__ for f in shipped} == {
+        "sink_stats",
+        "massive_stats",
+        "position_stats",
+        "value_stats",
+        "kind_stats",
+        "captured",
+    }
     for fn in [*shipped, AttentionWeights]:
         bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
         assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
@@ -238,8 +250,9 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
         with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
             warnings.simplefilter("ignore")
             there = trace_batch(nn, tokens, plan, remote="local")
-        assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 4 * nn.spec.n_layers
+        assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 5 * nn.spec.n_layers + 1
         for (_, _, a), (_, _, b) in zip(here, there):
+            a, b = (x if isinstance(x, dict) else {"x": x} for x in (a, b))  # a captured map: one tensor
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         monkeypatch.setattr(remote, "register_shipped", lambda: None)  # not shipped: it cannot run there
         if analysis.__name__ in cloudpickle.list_registry_pickle_by_value():
