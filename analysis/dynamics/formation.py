@@ -410,15 +410,8 @@ def chain_links(
     out = {
         k: float(chain[k])
         for k in (
-            "sink_1",
-            "spike_ratio_token",
-            "spike_ratio_sequence",
-            "key_offsub_z",
-            "cos_q_k1",
-            "cos_q_kj",
-            "value_ratio_sink_heads",
-            "value_ratio_other_heads",
-            "sink_1_spike_zeroed",
+            "sink_1 spike_ratio_token spike_ratio_sequence key_offsub_z cos_q_k1 cos_q_kj "
+            "value_ratio_sink_heads value_ratio_other_heads sink_1_spike_zeroed".split()
         )
     }
     ratios = first_abs / first_abs.median().clamp_min(TINY)

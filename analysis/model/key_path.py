@@ -113,8 +113,7 @@ def norm_kind(model: SinkModel) -> str | None:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
 
     Returns
     -------
@@ -138,8 +137,7 @@ def norm_params(model: SinkModel, layer: int) -> NormParams:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block (an attention layer).
 
@@ -185,8 +183,7 @@ def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block (an attention layer).
 
@@ -221,8 +218,7 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block (an attention layer).
 
@@ -569,8 +565,7 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block (an attention layer).
 

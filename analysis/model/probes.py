@@ -478,8 +478,7 @@ def model_probe_sets(
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     n, T, bos, seed
         As in :func:`text_probe`.
 

@@ -28,7 +28,6 @@ def sink_keep(model: SinkModel, windows: torch.Tensor, *, eps: float | None = No
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns.
     windows : torch.Tensor of long, shape (N, T)
     eps : float, optional
         The sink threshold (default ``SINK_EPS``).
@@ -74,7 +73,6 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns.
     T, prefix_len : int
     kv_bits : sequence of int
 
