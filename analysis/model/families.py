@@ -1041,6 +1041,7 @@ def get_family(model: SinkModel) -> FamilySpec:
     Parameters
     ----------
     model : SinkModel
+        Any model with TransformerLens hook names.
 
     Returns
     -------

@@ -284,6 +284,7 @@ def skipped_note(model: SinkModel) -> str:
     Parameters
     ----------
     model : SinkModel
+        Any model with TransformerLens hook names.
 
     Returns
     -------

@@ -183,9 +183,8 @@ def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
 
     Parameters
     ----------
-    model : SinkModel
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------
@@ -218,9 +217,8 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
     Parameters
     ----------
-    model : SinkModel
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------
@@ -565,9 +563,8 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
 
     Parameters
     ----------
-    model : SinkModel
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------

@@ -777,6 +777,7 @@ def get_mlp(model: SinkModel) -> MlpSpec:
     Parameters
     ----------
     model : SinkModel
+        Any model with TransformerLens hook names (a TransformerBridge or a reference model).
 
     Returns
     -------

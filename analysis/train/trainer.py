@@ -174,8 +174,8 @@ def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
 
     Parameters
     ----------
-    mcfg : ModelConfig
-    tcfg : TrainConfig
+    mcfg, tcfg
+        As in :func:`analysis.train.presets.config_to_args`.
 
     Returns
     -------

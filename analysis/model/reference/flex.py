@@ -90,10 +90,8 @@ def flex_softmax(q, k, v, *, scale: float, window=None, score_bias=None):
     q, k, v : torch.Tensor, shape (B, H, T, d)
     scale : float
         The logit scale (1 / sqrt(d)).
-    window : int, optional
-        A sliding window.
-    score_bias : torch.Tensor, shape (H, T, T), optional
-        A positional bias.
+    window, score_bias
+        As in :func:`flex_elementwise`.
 
     Returns
     -------
