@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ast
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -711,10 +711,7 @@ class FormationOrder(Result):
                 "T": self.T,
                 "seconds_per_model": self.seconds_per_model,
                 "links": LINKS,
-                "criteria": [
-                    {"link": c.link, "op": c.op, "threshold": c.threshold, "name": c.name, "says": c.says}
-                    for c in ONSETS
-                ],
+                "criteria": [asdict(c) for c in ONSETS],
                 **self.tables,
                 "notes": self.notes,
                 "text": self.text(),

@@ -122,12 +122,7 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
                 {
                     "seed": win.seed,
                     "condition": cond,
-                    "site": s.site,
-                    "absmax": s.absmax,
-                    "window": s.window,
-                    "position": s.position,
-                    "dim": s.dim,
-                    "token_id": s.token_id,
+                    **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
                     "origin": scale_origin(s, origin, _text(tok, [s.token_id])),
                 }
             )
