@@ -879,14 +879,7 @@ def save_formation(res: FormationOrder, out) -> None:
         res.tables[name].to_csv(out / file, index=False)
     write_json(
         out / "meta.json",
-        {
-            "probe_seed": res.probe_seed,
-            "n_samples": res.n_samples,
-            "T": res.T,
-            "seconds_per_model": res.seconds_per_model,
-            "model_name": res.model_name,
-            "notes": res.notes,
-        },
+        {k: getattr(res, k) for k in "probe_seed n_samples T seconds_per_model model_name notes".split()},
         indent=2,
     )
 
