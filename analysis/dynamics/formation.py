@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ast
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -410,15 +410,8 @@ def chain_links(
     out = {
         k: float(chain[k])
         for k in (
-            "sink_1",
-            "spike_ratio_token",
-            "spike_ratio_sequence",
-            "key_offsub_z",
-            "cos_q_k1",
-            "cos_q_kj",
-            "value_ratio_sink_heads",
-            "value_ratio_other_heads",
-            "sink_1_spike_zeroed",
+            "sink_1 spike_ratio_token spike_ratio_sequence key_offsub_z cos_q_k1 cos_q_kj "
+            "value_ratio_sink_heads value_ratio_other_heads sink_1_spike_zeroed".split()
         )
     }
     ratios = first_abs / first_abs.median().clamp_min(TINY)
@@ -718,10 +711,7 @@ class FormationOrder(Result):
                 "T": self.T,
                 "seconds_per_model": self.seconds_per_model,
                 "links": LINKS,
-                "criteria": [
-                    {"link": c.link, "op": c.op, "threshold": c.threshold, "name": c.name, "says": c.says}
-                    for c in ONSETS
-                ],
+                "criteria": [asdict(c) for c in ONSETS],
                 **self.tables,
                 "notes": self.notes,
                 "text": self.text(),
@@ -889,14 +879,7 @@ def save_formation(res: FormationOrder, out) -> None:
         res.tables[name].to_csv(out / file, index=False)
     write_json(
         out / "meta.json",
-        {
-            "probe_seed": res.probe_seed,
-            "n_samples": res.n_samples,
-            "T": res.T,
-            "seconds_per_model": res.seconds_per_model,
-            "model_name": res.model_name,
-            "notes": res.notes,
-        },
+        {k: getattr(res, k) for k in "probe_seed n_samples T seconds_per_model model_name notes".split()},
         indent=2,
     )
 

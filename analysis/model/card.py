@@ -106,10 +106,7 @@ def model_card(model: SinkModel) -> dict:
         "attention": attention,
         "positions": positions,
         "norm": f"{spec.norm_placement}-norm {norm.kind}" if norm is not None else "none",
-        "n_layers": spec.n_layers,
-        "n_heads": spec.n_heads,
-        "n_kv_heads": spec.n_kv_heads,
-        "d_model": spec.d_model,
+        **{k: getattr(spec, k) for k in "n_layers n_heads n_kv_heads d_model".split()},
     }
 
 
@@ -132,8 +129,5 @@ def _nnsight_card(model: NnsightModel) -> dict:
         "attention": attention,
         "positions": "rotary" if rope_theta(config) is not None else NOT_READ,
         "norm": NOT_READ,
-        "n_layers": s.n_layers,
-        "n_heads": s.n_heads,
-        "n_kv_heads": s.n_kv_heads,
-        "d_model": s.d_model,
+        **{k: getattr(s, k) for k in "n_layers n_heads n_kv_heads d_model".split()},
     }

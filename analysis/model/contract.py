@@ -34,17 +34,7 @@ from analysis.core.defaults import BACKENDS  # noqa: F401 (load_model's and the 
 from analysis.model.placement import input_device
 
 # The members every model must have (the Protocol's, in the order the error names them).
-_MEMBERS = (
-    "hook_dict",
-    "cfg",
-    "blocks",
-    "run_with_hooks",
-    "hooks",
-    "to_tokens",
-    "tokenizer",
-    "model_name",
-    "parameters",
-)
+_MEMBERS = tuple("hook_dict cfg blocks run_with_hooks hooks to_tokens tokenizer model_name parameters".split())
 _CFG_FIELDS = ("n_layers", "n_heads", "d_model")
 
 

@@ -57,42 +57,9 @@ MAMBA2_AS_LINEAR_ATTENTION = frozenset({"bamba"})
 # next besides it), so a pass can resume at a block from that residual with the earlier blocks skipped
 # (``passes.Resume``); each is checked against the full pass by tests/causal/test_interventions.py.
 RESUMABLE = frozenset(
-    {
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "gemma",
-        "gemma2",
-        "gemma3_text",
-        "phi",
-        "phi3",
-        "olmo2",
-        "granite",
-        "stablelm",
-        "starcoder2",
-        "gpt2",
-        "gpt_neox",
-        "gptj",
-        "opt",
-        "falcon",
-        "gpt_oss",
-        "qwen3_next",
-        "qwen3_5_text",
-        "jamba",
-        "deepseek_v3",
-        "qwen3_moe",
-        "qwen2_moe",
-        "mixtral",
-        "olmoe",
-        "smollm3",
-        "llama4_text",
-        "glm4",
-        "cohere",
-        "granitemoe",
-        "falcon_h1",
-        "phimoe",
-    }
+    "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 olmo2 granite stablelm starcoder2 gpt2 gpt_neox gptj "
+    "opt falcon gpt_oss qwen3_next qwen3_5_text jamba deepseek_v3 qwen3_moe qwen2_moe mixtral olmoe smollm3 "
+    "llama4_text glm4 cohere granitemoe falcon_h1 phimoe".split()
 )
 # Hooks the bridge refuses unless a flag is set; the dry run leaves them out.
 _FLAGGED = ("hook_result", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
@@ -603,8 +570,7 @@ def fired_hooks(model: SinkModel, *, names: list[str] | None = None) -> frozense
 
     Parameters
     ----------
-    model
-        A model with TransformerLens hooks.
+    model : SinkModel
     names : list of str, optional
         The hooks to watch; None: every attention hook of the blocks.
 
@@ -653,8 +619,7 @@ def pattern_is_live(model: SinkModel, layer: int) -> bool:
 
     Parameters
     ----------
-    model
-        A model with TransformerLens hooks.
+    model : SinkModel
     layer : int
         An attention layer.
 
@@ -883,8 +848,7 @@ def family_spec(model: SinkModel) -> FamilySpec:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
 
     Returns
     -------
@@ -908,19 +872,6 @@ def family_spec(model: SinkModel) -> FamilySpec:
     def fires_everywhere(suffix: str) -> bool:
         return bool(attention_layers) and all(f"blocks.{l}.attn.{suffix}" in fired for l in attention_layers)
 
-    if config is None:
-        return _reference_spec(
-            model,
-            attention_layers,
-            skipped,
-            n_heads,
-            n_kv,
-            d_head,
-            d_model,
-            fired,
-            fires_everywhere,
-            scores_are_pattern,
-        )
     shape = dict(
         n_layers=n_layers,
         attention_layers=attention_layers,
@@ -930,6 +881,8 @@ def family_spec(model: SinkModel) -> FamilySpec:
         d_head=d_head,
         d_model=d_model,
     )
+    if config is None:
+        return _reference_spec(model, shape, fired, fires_everywhere, scores_are_pattern)
     return _bridge_spec(model, config, types, shape, fired, fires_everywhere, scores_are_pattern, mla)
 
 
@@ -1013,11 +966,11 @@ def _attention_facts(
     )
 
 
-def _reference_spec(
-    model, attention_layers, skipped, n_heads, n_kv, d_head, d_model, fired, fires_everywhere, scores_are_pattern=False
-):
-    """The package's own reference models (``analysis.train``): read from ``model.cfg`` and the hooks."""
+def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_pattern: bool) -> FamilySpec:
+    """The package's own reference models (``analysis.train``): read from ``model.cfg`` and the hooks; ``shape`` holds
+    its layers, heads and widths."""
     cfg = model.cfg
+    attention_layers, d_head = shape["attention_layers"], shape["d_head"]
     pos = getattr(cfg, "positional_embedding_type", None)
     positions = {
         "rotary": "rotary",
@@ -1036,13 +989,7 @@ def _reference_spec(
     return FamilySpec(
         family="reference",
         architecture=type(model).__name__,
-        n_layers=int(cfg.n_layers),
-        attention_layers=attention_layers,
-        skipped_layers=skipped,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        d_head=d_head,
-        d_model=d_model,
+        **shape,
         positions=positions,
         rotary_base=float(base) if positions == "rotary" and base else None,
         rotary_bases={l: float(base) for l in attention_layers} if positions == "rotary" and base else {},
@@ -1093,7 +1040,7 @@ def get_family(model: SinkModel) -> FamilySpec:
 
     Parameters
     ----------
-    model
+    model : SinkModel
         Any model with TransformerLens hook names.
 
     Returns
@@ -1108,8 +1055,7 @@ def attention_layers(model: SinkModel) -> list[int]:
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
 
     Returns
     -------

@@ -120,8 +120,7 @@ def model_dims(model: SinkModel) -> ModelDims:
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
 
     Returns
     -------
@@ -162,8 +161,7 @@ def check_layers(model: SinkModel, layers: Iterable[int] | None) -> list[int]:
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
     layers : iterable of int, optional
         Block indices; None: every block.
 
@@ -216,8 +214,7 @@ def check_attention_layers(model: SinkModel, *, layers: Iterable[int] | None = N
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
     layers : iterable of int, optional
         None: every attention layer of the model (``model.family.attention_layers``; on a hybrid such as Qwen3-Next
         or Jamba the linear-attention / Mamba layers are left out, and ``get_family(model).skipped_text()`` says
@@ -253,8 +250,7 @@ def check_heads(model: SinkModel, heads, *, kv: bool = False, name: str = "heads
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
     heads : iterable of (int, int)
         (layer, head) pairs.
     kv : bool
@@ -287,7 +283,7 @@ def skipped_note(model: SinkModel) -> str:
 
     Parameters
     ----------
-    model
+    model : SinkModel
         Any model with TransformerLens hook names.
 
     Returns
@@ -334,8 +330,7 @@ def model_facts(model: SinkModel) -> ModelFacts:
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
 
     Returns
     -------
@@ -538,8 +533,7 @@ def qk_hook_names(model: SinkModel, layer: int, *, rotated: bool = True) -> tupl
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model : SinkModel
     layer : int
         The attention layer.
     rotated : bool

@@ -113,8 +113,7 @@ def norm_kind(model: SinkModel) -> str | None:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
 
     Returns
     -------
@@ -138,8 +137,7 @@ def norm_params(model: SinkModel, layer: int) -> NormParams:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block (an attention layer).
 
@@ -185,10 +183,8 @@ def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
 
     Parameters
     ----------
-    model
-        A loaded model.
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------
@@ -221,10 +217,8 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
     Parameters
     ----------
-    model
-        A loaded model.
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------
@@ -569,10 +563,8 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
 
     Parameters
     ----------
-    model
-        A loaded model.
-    layer : int
-        The block (an attention layer).
+    model, layer
+        As in :func:`norm_params`.
 
     Returns
     -------

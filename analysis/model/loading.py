@@ -222,10 +222,8 @@ def load_hf(name_or_dir: str, *, device=None, dtype=None, placement: Placement |
     ----------
     name_or_dir : str
         A hub id or a local Hugging Face model folder.
-    device : str, optional
-        Default: "cuda" when available, else "cpu".
-    dtype : torch.dtype or str, optional
-        The weights' dtype (default float32).
+    device, dtype
+        As in :func:`load_model`.
     placement : Placement, optional
         accelerate's device map, memory budgets and offload folder (the weights are read straight to their devices).
 
@@ -406,10 +404,8 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
     ----------
     path : path-like
         The ``.gguf`` file.
-    device : str, optional
-        Default: "cuda" when available, else "cpu".
-    dtype : torch.dtype or str, optional
-        The weights' dtype (default float32).
+    device, dtype
+        As in :func:`load_model`.
     placement : Placement, optional
         A device map: transformers de-quantizes the whole file in memory first, then accelerate moves and offloads
         the blocks (so the de-quantized model must fit in memory once; convert a larger one to a folder).

@@ -7,7 +7,7 @@ attention side of a family is ``analysis.model.families``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -27,17 +27,9 @@ ACTIVATIONS = {
 }
 # The per-block hooks the MLP dry run reads (aliases; the bridge maps hook_pre / hook_pre_linear / hook_post to
 # mlp.gate.hook_out / mlp.in.hook_out / mlp.out.hook_in, the reference models have them under these names).
-_MLP_PROBE_HOOKS = (
-    "hook_resid_pre",
-    "hook_resid_mid",
-    "hook_resid_post",
-    "hook_attn_out",
-    "hook_mlp_out",
-    "mlp.hook_pre",
-    "mlp.hook_pre_linear",
-    "mlp.hook_post",
-    "mlp.hook_in",
-    "mlp.hook_expert_indices",
+_MLP_PROBE_HOOKS = tuple(
+    "hook_resid_pre hook_resid_mid hook_resid_post hook_attn_out hook_mlp_out mlp.hook_pre "
+    "mlp.hook_pre_linear mlp.hook_post mlp.hook_in mlp.hook_expert_indices".split()
 )
 
 
@@ -274,8 +266,7 @@ def moe_parts(model: SinkModel, layer: int):
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         A mixture-of-experts block (ValueError where the block does not have this form).
 
@@ -298,8 +289,7 @@ def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         A mixture-of-experts block.
     x : torch.Tensor, shape (n, d_model)
@@ -399,8 +389,7 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         A block with a dense MLP (ValueError, saying why, otherwise).
 
@@ -480,8 +469,7 @@ def block_norm(model: SinkModel, layer: int, name: str | None):
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block.
     name : str or None
@@ -524,8 +512,7 @@ def mlp_input(model: SinkModel, layer: int, resid: torch.Tensor) -> torch.Tensor
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     layer : int
         The block.
     resid : torch.Tensor, shape (..., d_model)
@@ -649,8 +636,7 @@ def mlp_spec(model: SinkModel) -> MlpSpec:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
 
     Returns
     -------
@@ -760,10 +746,10 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
     if resid is None:
         notes.append("The MLP input could not be rebuilt from the residual stream and a norm of the block.")
     output, scale, out_mod, out_name = _mlp_output(model, l, got, W, post)
-    return MlpSpec(
-        **{**fields, "parallel": resid == "resid_pre" if resid else fields["parallel"]},
+    return replace(
+        partial_spec,
+        parallel=resid == "resid_pre" if resid else fields["parallel"],
         activation=_activation_name(model, l, pre, up, post, kind == "gated"),
-        d_mlp=int(post.shape[-1]),
         input_resid=resid or "resid_mid",
         input_norm=probe_norm(norm_mod, model=model) if norm_mod is not None else None,
         input_norm_module=norm_name,
@@ -772,9 +758,6 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
         output_norm=probe_norm(out_mod, model=model) if out_mod is not None else None,
         output_norm_module=out_name,
         notes=tuple(notes),
-        _neuron_hook=tmpl["neuron"],
-        _gate_hook=gate_hook,
-        _up_hook=tmpl["up"],
         _input_hook=in_hook,
     )
 
@@ -793,8 +776,8 @@ def get_mlp(model: SinkModel) -> MlpSpec:
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
+        Any model with TransformerLens hook names (a TransformerBridge or a reference model).
 
     Returns
     -------

@@ -350,7 +350,6 @@ def random_probe(
     return ProbeSet("random", _with_bos(body, tokenizer, bos), bos, seed, "uniform over non-special tokens")
 
 
-@parameters_from(text_probe)
 @parameters_from(random_probe)
 def repeated_probe(
     tokenizer, *, n: int = 100, T: int = 64, bos: bool = False, seed: int = 0, vocab_size: int | None = None
@@ -359,9 +358,7 @@ def repeated_probe(
 
     Parameters
     ----------
-    tokenizer, n, T, bos, seed
-        As in :func:`text_probe`.
-    vocab_size
+    tokenizer, n, T, bos, seed, vocab_size
         As in :func:`random_probe`.
 
     Returns
@@ -478,8 +475,7 @@ def model_probe_sets(
 
     Parameters
     ----------
-    model
-        A loaded model.
+    model : SinkModel
     n, T, bos, seed
         As in :func:`text_probe`.
 

@@ -80,6 +80,7 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     Parameters
     ----------
     x : torch.Tensor, shape (..., d)
+        d even.
 
     Returns
     -------

@@ -28,7 +28,6 @@ def sink_keep(model: SinkModel, windows: torch.Tensor, *, eps: float | None = No
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns.
     windows : torch.Tensor of long, shape (N, T)
     eps : float, optional
         The sink threshold (default ``SINK_EPS``).
@@ -74,7 +73,6 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
     Parameters
     ----------
     model : SinkModel
-        What ``analysis.load_model`` returns.
     T, prefix_len : int
     kv_bits : sequence of int
 
@@ -124,12 +122,7 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
                 {
                     "seed": win.seed,
                     "condition": cond,
-                    "site": s.site,
-                    "absmax": s.absmax,
-                    "window": s.window,
-                    "position": s.position,
-                    "dim": s.dim,
-                    "token_id": s.token_id,
+                    **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
                     "origin": scale_origin(s, origin, _text(tok, [s.token_id])),
                 }
             )

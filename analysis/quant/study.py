@@ -135,10 +135,7 @@ class QuantResult(Result):
             {
                 **super().to_dict(),
                 "summary": self.summary(),
-                "prefixes": self.prefixes,
-                "setting": self.setting,
-                "notes": self.notes,
-                "spike_blocks": self.spike_blocks,
+                **{k: getattr(self, k) for k in "prefixes setting notes spike_blocks".split()},
             }
         )
 

@@ -27,18 +27,4 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "Policy",
-    "PolicyRun",
-    "StreamResult",
-    "StreamingCache",
-    "compare_streams",
-    "default_policies",
-    "fake_quantize",
-    "recompute_nll",
-    "rope_spec",
-    "run_policies",
-    "run_policy",
-    "sink_cache",
-    "streaming_perplexity",
-]
+__all__ = sorted(_EXPORTS)

@@ -161,6 +161,7 @@ def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
     ----------
     x : torch.Tensor, shape (..., D)
     bits : int
+        2**bits levels from each row's min to its max.
 
     Returns
     -------

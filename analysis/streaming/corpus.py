@@ -104,9 +104,8 @@ def task_stream(model: SinkModel, n_tokens: int, *, seed: int = 0) -> TokenStrea
     ----------
     model : analysis.train.SinkLM
         A reference model of the synthetic task.
-    n_tokens : int
-        N, the stream's length.
-    seed : int
+    n_tokens, seed
+        As in :func:`stdlib_stream`.
 
     Returns
     -------

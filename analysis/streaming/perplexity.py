@@ -131,20 +131,11 @@ class PolicyRun(Result):
                 "n_samples": self.n_samples,
                 "text": self.text(),
                 "policy": p.label,
-                "kind": p.kind,
-                "window": p.window,
-                "sinks": p.sinks,
-                "sink_tokens": p.sink_tokens,
-                "bits": p.bits,
-                "fp_sinks": p.fp_sinks,
-                "seconds": self.seconds,
-                "decoded": self.decoded,
-                "tokens_per_s": self.tokens_per_s,
-                "peak_kv_mib": self.peak_kv_mib,
-                "peak_mib": self.peak_mib,
-                "sink_share": self.sink_share,
-                "learned_share": self.learned_share,
-                "batch": self.batch,
+                **{k: getattr(p, k) for k in "kind window sinks sink_tokens bits fp_sinks".split()},
+                **{
+                    k: getattr(self, k)
+                    for k in "seconds decoded tokens_per_s peak_kv_mib peak_mib sink_share learned_share batch".split()
+                },
                 "nll": [None if math.isnan(x) else round(float(x), 5) for x in self.nll],
             }
         )

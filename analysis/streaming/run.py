@@ -263,16 +263,10 @@ class StreamResult(Result):
 
     def to_dict(self) -> dict:
         return {
-            "model": self.model,
-            "window": self.window,
-            "n_ctx": self.n_ctx,
-            "stream": self.stream,
-            "skip": self.skip,
-            "recompute_every": self.recompute_every,
-            "device": self.device,
-            "dtype": self.dtype,
-            "backend": self.backend,
-            "tokens": self.tokens,
+            **{
+                k: getattr(self, k)
+                for k in "model window n_ctx stream skip recompute_every device dtype backend tokens".split()
+            },
             "timing": "tokens_per_s is measured per decode batch: the policies of one batch (batch: how many "
             "rows were decoded together) share one timing",
             "table": json.loads(self.table.to_json(orient="records")),

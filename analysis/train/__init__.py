@@ -25,18 +25,4 @@ _EXPORTS = {  # name -> the module that defines it, imported when the name is fi
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "AttentionOp",
-    "CheckpointError",
-    "ModelConfig",
-    "PRESETS",
-    "SinkLM",
-    "TrainConfig",
-    "available_attention",
-    "first_token_stats",
-    "load_reference",
-    "register",
-    "sink_rate",
-    "slot_sink_rate",
-    "train",
-]
+__all__ = sorted(_EXPORTS)

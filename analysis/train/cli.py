@@ -96,6 +96,7 @@ def field_flag(name: str) -> str:
     Parameters
     ----------
     name : str
+        A ``ModelConfig`` or ``TrainConfig`` field.
 
     Returns
     -------

@@ -31,21 +31,9 @@ from analysis.train.presets import build_configs
 from analysis.train.trainer import train
 
 
-METRICS = (
-    "loss",
-    "val_loss",
-    "sink_1",
-    "sink_k",
-    "sink_slot",
-    "sink_prefix",
-    "sink_1_no_fixed",
-    "val_loss_no_fixed",
-    "sink_1_in_window",
-    "sink_window_start",
-    "spike_ratio",
-    "value_norm_ratio",
-    "resid_norm_ratio",
-    "raw_first_mass",
+METRICS = tuple(
+    "loss val_loss sink_1 sink_k sink_slot sink_prefix sink_1_no_fixed val_loss_no_fixed sink_1_in_window "
+    "sink_window_start spike_ratio value_norm_ratio resid_norm_ratio raw_first_mass".split()
 )
 
 
@@ -103,17 +91,8 @@ def _train_one(args: tuple) -> dict:
 
 
 # Options that do not change what a run trains (evaluation runs under no_grad on a fixed probe).
-_NOT_CONFIG = (
-    "out",
-    "progress",
-    "resume",
-    "preset",
-    "d_vocab",
-    "log_every",
-    "eval_every",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "snapshots",
+_NOT_CONFIG = tuple(
+    "out progress resume preset d_vocab log_every eval_every checkpoint_every keep_checkpoints snapshots".split()
 )
 
 

@@ -43,28 +43,10 @@ from analysis.model.access import attention_window, reference_config
 from analysis.train.presets import config_to_args
 
 # Train options that decide which batches a run sees: a resumed run must keep them.
-_DATA_KEYS = (
-    "seed",
-    "batch_size",
-    "dataset",
-    "dataset_split",
-    "text_column",
-    "corpus_max_chars",
-    "tokenizer",
-    "tokenizer_vocab_size",
-    "bos",
-    "fixed_token_position",
-    "fixed_token_id",
-    "prefix_len",
-    "synthetic_vocab",
-    "synthetic_triggers",
-    "synthetic_seed",
-    "synthetic_bos",
-    "synthetic_keys",
-    "synthetic_lags",
-    "synthetic_topics",
-    "synthetic_noise",
-    "val_fraction",
+_DATA_KEYS = tuple(
+    "seed batch_size dataset dataset_split text_column corpus_max_chars tokenizer tokenizer_vocab_size bos "
+    "fixed_token_position fixed_token_id prefix_len synthetic_vocab synthetic_triggers synthetic_seed "
+    "synthetic_bos synthetic_keys synthetic_lags synthetic_topics synthetic_noise val_fraction".split()
 )
 
 
@@ -192,8 +174,8 @@ def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
 
     Parameters
     ----------
-    mcfg : ModelConfig
-    tcfg : TrainConfig
+    mcfg, tcfg
+        As in :func:`analysis.train.presets.config_to_args`.
 
     Returns
     -------

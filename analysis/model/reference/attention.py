@@ -144,6 +144,7 @@ def canonical_name(name: str) -> str:
     Parameters
     ----------
     name : str
+        A name or an alias (``--attention``), any case.
 
     Returns
     -------

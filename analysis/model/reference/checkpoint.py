@@ -382,9 +382,7 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
             **config,
             "tokenizer": {
                 "file": "tokenizer.json",
-                "bos_token": tok.bos_token,
-                "eos_token": tok.eos_token,
-                "pad_token": tok.pad_token,
+                **{k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token")},
             },
         }
     write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config}, indent=2)

@@ -38,19 +38,9 @@ from analysis.model.reference.config import TrainConfig
 
 EOS_TOKEN = "<|endoftext|>"
 KEY_RANK = 8  # the synthetic task's induction keys follow the 8 most frequent tokens
-_SKIP_DIRS = {
-    "test",
-    "tests",
-    "idlelib",
-    "site-packages",
-    "dist-packages",
-    "turtledemo",
-    "__pycache__",
-    "lib2to3",
-    "ensurepip",
-    "tkinter",
-    "pydoc_data",
-}
+_SKIP_DIRS = set(
+    "test tests idlelib site-packages dist-packages turtledemo __pycache__ lib2to3 ensurepip tkinter pydoc_data".split()
+)
 
 
 # ----------------------------------------------------------------------------- corpora

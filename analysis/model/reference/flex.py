@@ -21,10 +21,12 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(device_type: str):
+def _flex(q, k, v, *, window, **kw):
+    """``flex_attention`` (compiled on CUDA) under the causal, optionally sliding-window, block mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return _compiled() if device_type == "cuda" else flex_attention
+    flex = _compiled() if q.device.type == "cuda" else flex_attention
+    return flex(q, k, v, block_mask=_block_mask(q.shape[-2], window, str(q.device)), **kw)
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,8 +64,7 @@ def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
     """
     from torch.nn.attention.flex_attention import AuxRequest
 
-    T = q.shape[-2]
-    extra = op.extra_bias(T)
+    extra = op.extra_bias(q.shape[-2])
     pos = score_bias
     log_f = op.log_f
 
@@ -74,15 +75,7 @@ def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
             score = score + (extra[h, 0, 0] if torch.is_tensor(extra) else extra)
         return log_f(score)
 
-    out, aux = _flex(q.device.type)(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        block_mask=_block_mask(T, window, str(q.device)),
-        scale=op.scale,
-        return_aux=AuxRequest(lse=True),
-    )
+    out, aux = _flex(q, k, v, window=window, score_mod=score_mod, scale=op.scale, return_aux=AuxRequest(lse=True))
     if op.normalise:
         return out
     return out * torch.exp(aux.lse).unsqueeze(-1).to(out.dtype)
@@ -97,26 +90,16 @@ def flex_softmax(q, k, v, *, scale: float, window=None, score_bias=None):
     q, k, v : torch.Tensor, shape (B, H, T, d)
     scale : float
         The logit scale (1 / sqrt(d)).
-    window : int, optional
-        A sliding window.
-    score_bias : torch.Tensor, shape (H, T, T), optional
-        A positional bias.
+    window, score_bias
+        As in :func:`flex_elementwise`.
 
     Returns
     -------
     torch.Tensor, shape (B, H, T, d)
     """
-    T = q.shape[-2]
     pos = score_bias
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + pos[h, q_idx, kv_idx]
 
-    return _flex(q.device.type)(
-        q,
-        k,
-        v,
-        score_mod=score_mod if pos is not None else None,
-        block_mask=_block_mask(T, window, str(q.device)),
-        scale=scale,
-    )
+    return _flex(q, k, v, window=window, score_mod=score_mod if pos is not None else None, scale=scale)

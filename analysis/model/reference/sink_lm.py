@@ -223,8 +223,8 @@ class Attention(nn.Module):
 
         Parameters
         ----------
-        device_type : str
-        dtype : torch.dtype
+        device_type, dtype
+            As in :meth:`SinkLM.attention_kernel`.
 
         Returns
         -------
