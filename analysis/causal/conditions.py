@@ -407,15 +407,16 @@ class ValueStatsAccumulator(Accumulator):
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
-        v = per_query_head(kv_view(acts["v"], self.K), self.H).float()  # (B, T, H, d)
-        v1 = v[:, 0]
-        contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, H, d)
+        v = kv_view(acts["v"], self.K).float()  # (B, T, H_kv, d)
+        v1 = per_query_head(v[:, 0], self.H, dim=1)  # (B, H, d)
+        norms = per_query_head(v.norm(dim=-1), self.H)  # (B, T, H): |v| per KV head, repeated
+        contrib = a1.permute(0, 2, 1) * norms[:, :1]  # (B, T, H): |A_t1 v_1| = A_t1 |v_1|
         s = self.sums[layer]
         later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(self.H))  # noqa: E731
         s["a1"] = s["a1"] + a1.mean(-1).sum(0).cpu()
-        s["v1"] = s["v1"] + v1.norm(dim=-1).sum(0).cpu()
-        s["vj"] = s["vj"] + later(v.norm(dim=-1))
-        s["contrib"] = s["contrib"] + later(contrib.norm(dim=-1))
+        s["v1"] = s["v1"] + norms[:, 0].sum(0).cpu()
+        s["vj"] = s["vj"] + later(norms)
+        s["contrib"] = s["contrib"] + later(contrib)
         s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
         self.v1.put(layer, v1)
         if layer == self.layers[0]:

@@ -102,6 +102,11 @@ class FirstTokenTrace:
         return max(1e-4, 8 * torch.finfo(getattr(torch, self.dtype)).eps)
 
 
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """The largest |x| over dim 1, without an |x| copy (about 1.5x faster on the CPU)."""
+    return torch.maximum(x.amax(1), x.amin(1).neg())
+
+
 class SpikeOriginAccumulator(Accumulator):
     """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
 
@@ -176,7 +181,7 @@ class SpikeOriginAccumulator(Accumulator):
         rest = x[:, 1:]
         self.sums[key][i] += rest.mean(1).double().sum(0).cpu()
         if key == "resid":
-            self.sums["resid_max"][i] += rest.abs().amax(1).double().sum(0).cpu()
+            self.sums["resid_max"][i] += _abs_max(rest).double().sum(0).cpu()
 
     def _neurons(self, layer: int, acts: dict) -> None:
         # Sums over (sample, position) as a sum over positions then samples: on the CPU about 20x faster than one
@@ -185,8 +190,7 @@ class SpikeOriginAccumulator(Accumulator):
         self.acts.put(layer, a[:, 0].clone())
         s = self.neuron_sums.setdefault(layer, {})
         rest = a[:, 1:]
-        # the largest |a| over t > 0 without an |a| copy (zeros for T = 1, where there is no other token)
-        peak = torch.maximum(rest.amax(1), rest.amin(1).neg()).sum(0) if rest.shape[1] else rest.sum((0, 1))
+        peak = _abs_max(rest).sum(0) if rest.shape[1] else rest.sum((0, 1))  # zeros for T = 1: no other token
         parts = {
             "act_other": rest.sum(1).sum(0),
             "act_other_max": peak,

@@ -67,6 +67,7 @@ class AttentionWeights:
         self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
         self.softcap = None if softcap is None else float(softcap)
         self._cols: Optional[torch.Tensor] = None  # the first key columns, once computed (``columns``)
+        self._full: Optional[torch.Tensor] = None  # the whole map, once built (``_map``)
         ref = pattern if pattern is not None else query
         self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
         self.device, self.dtype = ref.device, ref.dtype
@@ -105,6 +106,17 @@ class AttentionWeights:
             hide_scores(sc, s, e, kc, self.mask, 0.0)
             yield s, e, sc.flatten(1, 2)
 
+    def _map(self, build: bool = True) -> Optional[torch.Tensor]:
+        """The whole map from q, k and the lse, float32 (B, H, T, T), kept once built: only while it is one block of
+        ``_blocks`` (at most ``chunk_elements`` scores, what a block holds anyway), so the full-row reductions of a
+        layer (``weighted``, the diagonals, rows) share one product of q and k. None past that, or (``build``
+        False) before a reduction built it."""
+        if self._full is None and build and self.pattern is None:
+            B, H, T, _ = self.shape
+            if block_rows(B, H, T, self.chunk) >= T:
+                self._full = next(self._blocks())[2]
+        return self._full
+
     def _pattern(self, k_max: Optional[int] = None) -> torch.Tensor:
         """The map's first ``k_max`` key columns (all: None) with the entries above the diagonal zeroed, float32."""
         T = self.shape[-1]
@@ -123,6 +135,8 @@ class AttentionWeights:
             return self._cols[..., :k]
         if self.pattern is not None:
             out = self._pattern(k)
+        elif self._map(build=False) is not None:
+            return self._full[..., :k]
         else:
             out = torch.zeros(*self.shape[:3], k, device=self.device)
             for s, e, a in self._blocks(k):
@@ -167,6 +181,8 @@ class AttentionWeights:
         lse); under a soft cap, blocks of A."""
         if self.pattern is not None:
             return torch.einsum("bhij,bhj->bhi", self.pattern.float(), x.float())
+        if self._map() is not None:
+            return torch.einsum("bhij,bhj->bhi", self._full, x.float())
         if self.softcap is None:
             g = self.shape[1] // self.key.shape[1]
             k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
@@ -184,6 +200,8 @@ class AttentionWeights:
         float32 (B, H, T - offset)."""
         if self.pattern is not None:
             return self.pattern.float().diagonal(-offset, dim1=-2, dim2=-1)
+        if self._map(build=False) is not None:
+            return self._full.diagonal(-offset, dim1=-2, dim2=-1)
         B, H, T, d = self.query.shape
         g = H // self.key.shape[1]
         k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
@@ -198,6 +216,8 @@ class AttentionWeights:
         """A[..., i, :]: query i's attention on every key (0 after it), float32 (B, H, T); -1 the last query."""
         if self.pattern is not None:
             return self.pattern[..., i, :].float()
+        if self._map(build=False) is not None:
+            return self._full[..., i, :]
         B, H, T, d = self.query.shape
         i = i % T
         g = H // self.key.shape[1]
@@ -213,6 +233,8 @@ class AttentionWeights:
         """The map's query rows ``rows`` (a view, or the analyses that read whole rows), float32 (B, H, r, T)."""
         if self.pattern is not None:
             return self.pattern[..., rows, :].float()
+        if self._map() is not None:
+            return self._full[..., rows, :]
         B, H, T, _ = self.shape
         out = torch.zeros(B, H, T, T, device=self.device)
         for s, e, a in self._blocks():
