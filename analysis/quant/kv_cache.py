@@ -112,7 +112,6 @@ class LowBitLayer(DynamicLayer):
         self.values = torch.cat([v for _, v in deq], dim=-2)
         out = self.keys, self.values
         self.keys, self.values = self.keys[..., :0, :], self.values[..., :0, :]  # hold only the chunks
-        self._len = self.n_seen
         return out
 
     def get_seq_length(self, *args) -> int:

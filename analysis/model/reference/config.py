@@ -174,18 +174,10 @@ class ModelConfig:
 
         self.attention = check_attention(self.attention, self)
 
-    # TransformerLens-style aliases read by some analysis code.
+    # A TransformerLens-style alias read by some analysis code.
     @property
     def n_kv_heads(self) -> int:
         return self.n_key_value_heads
-
-    @property
-    def uses_rms_norm(self) -> bool:
-        return self.normalization_type == "RMS"
-
-    @property
-    def gated_mlp(self) -> bool:
-        return self.act_fn == "swiglu"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
