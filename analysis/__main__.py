@@ -414,9 +414,6 @@ def main(argv=None) -> int:
         return args.func(args, command=command_line(argv))
     try:
         check_args(args)
-        from analysis.core.memory import return_freed_memory  # import time: torch loads once the options are checked
-
-        return_freed_memory()  # freed activations leave the process: the report's peak memory (analysis.core.memory)
         if getattr(args, "threads", None):
             import torch  # import time: torch loads once the options are checked
 

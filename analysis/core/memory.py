@@ -23,10 +23,11 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     for the rest of the process (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from raising the threshold).
 
     glibc starts there but raises the threshold each time a large block is freed, after which a pass's per-layer
-    activations come from its heap, where small blocks kept between them pin the freed pages: on SmolLM2 the
-    report's first profile pass left 700 MiB of freed pages resident and peaked at 1.43x a forward; with the
-    threshold held, 1.26x (``benchmarks/bench_report.py``). The command line calls it; a notebook may. Elsewhere
-    than glibc (macOS, musl) nothing changes and it returns False.
+    activations come from its heap, where small blocks kept between them pin the freed pages. A trade, so opt-in:
+    measured on SmolLM2's report (``benchmarks/bench_report.py --return-freed-memory``, idle 2-core machine), the
+    peak went from 1.31x to 1.17x a forward's, but every fresh mapping is faulted in page by page and the report
+    took 1.6x as long (system time 15 s -> 205 s). For a machine short of memory, not of time. Elsewhere than glibc
+    (macOS, musl) nothing changes and it returns False.
 
     Parameters
     ----------
