@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from analysis.model.contract import SinkModel
 from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
@@ -194,13 +195,13 @@ class NnsightModel:
         return getattr(src, call_name(src.names, self.spec.family))
 
 
-def weights_in_trace(model) -> bool:
+def weights_in_trace(model: SinkModel) -> bool:
     """Whether an analysis reads ``model``'s weights inside its traces (:class:`TraceWeight`) rather than here: a model
     loaded through nnsight, whose weights may stay on NDIF.
 
     Parameters
     ----------
-    model
+    model : SinkModel
 
     Returns
     -------
