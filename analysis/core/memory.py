@@ -39,8 +39,10 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     bool
         Whether the allocator took it.
     """
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold <= 0:
+        raise ValueError(f"threshold must be a positive number of bytes (an int); got {threshold!r}.")
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(threshold)))
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
         return False
 

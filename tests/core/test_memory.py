@@ -37,3 +37,11 @@ def test_freed_activations_leave_the_process_once_the_threshold_is_held():
         for mode in ("raised", "held")
     }
     assert kept["raised"] > 50 and kept["held"] < 10, kept  # MiB still resident after the 100 MiB were freed
+
+
+@pytest.mark.parametrize("bad", [0, -1, "128k", 1.5, True])
+def test_a_threshold_that_is_not_a_positive_byte_count_is_refused_before_the_allocator_changes(bad):
+    from analysis.core.memory import return_freed_memory
+
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        return_freed_memory(bad)
