@@ -45,7 +45,6 @@ from analysis.model.hooks import (
     per_query_head,
 )
 from analysis.core.docs import parameters_from
-from analysis.core.io import jsonable
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Batch
@@ -202,18 +201,7 @@ class SpikeAblation(Result):
             f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "spike_dims": self.spike_dims,
-                "where": self.where,
-                "has_spike": self.has_spike,
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("spike_dims", "where", "has_spike", "message", "*tables")
 
 
 class SpikeSetter:
@@ -430,16 +418,7 @@ class ValueAblation(Result):
             f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}.",
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "sink_heads": [list(h) for h in self.sink_heads],
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("sink_heads", "message", "*tables")
 
 
 class ValueRemoval:
@@ -752,18 +731,7 @@ class FirstKeyAblation(Result):
             f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "layers": self.layers,
-                "spike_dims": self.spike_dims,
-                "has_spike": self.has_spike,
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("layers", "spike_dims", "has_spike", "message", "*tables")
 
 
 class FirstKeyRemoval:

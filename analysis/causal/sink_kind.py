@@ -43,7 +43,6 @@ from analysis.core.defaults import (
     SINK_EPS,
     TINY,
 )
-from analysis.core.io import jsonable
 from analysis.core.results import Result, layers_text
 from analysis.core.stats import one_thread
 from analysis.engine.attention import attention_of
@@ -198,9 +197,9 @@ class SinkKinds(Result):
         out.append(crit)
         return out + ([self.skipped] if self.skipped else [])
 
-    def to_dict(self) -> dict:
-        """Header, the thresholds, the shares, every head's numbers and the text (NaN as None)."""
-        thresholds = {
+    def thresholds(self) -> dict:
+        """The thresholds the kinds were read with: the run's eps, first query and query count, and the defaults'."""
+        return {
             "eps": self.eps,
             "first_query": self.first,
             "min_queries": self.min_queries,
@@ -209,19 +208,8 @@ class SinkKinds(Result):
             "pr": KIND_BROADCAST_PR,
             "cos": KIND_BROADCAST_COS,
         }
-        return jsonable(
-            {
-                **self.header(),
-                "T": self.T,
-                "layers": self.layers,
-                "thresholds": thresholds,
-                "shares": self.shares(),
-                "by_layer": self.layer_table(),
-                "heads": self.heads,
-                **({"skipped": self.skipped} if self.skipped else {}),
-                "text": self.text(),
-            }
-        )
+
+    json_fields = ("T", "layers", "thresholds", "shares", "by_layer=layer_table", "heads", "skipped?")
 
 
 def _median(x: pd.Series) -> str:

@@ -27,7 +27,6 @@ from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, get_mlp, mlp_weights, norm_weights
 from analysis.model.hooks import act_name, check_tokens, model_facts
-from analysis.core.io import jsonable
 from analysis.model.key_path import NormParams
 from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.results import Result
@@ -281,10 +280,7 @@ class FirstTokenCause(Result):
             )
         return out
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {**self.header(), "later": self.later, "max_error": self.max_error, **self.tables, "text": self.text()}
-        )
+    json_fields = ("later", "max_error", "*tables")
 
 
 def _check_later(later, T: int) -> int:
