@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.model.hooks import ModelContractError
 
 
@@ -156,6 +157,7 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Ten
     return rotate(x, positions, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half")
 
 
+@parameters_from(apply_spec_rotary)
 def rotate_as_spec(
     x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None, rotated: bool = True
 ) -> torch.Tensor:
@@ -170,10 +172,8 @@ def rotate_as_spec(
 
     Parameters
     ----------
-    x : torch.Tensor, shape (B, T, heads, d_head)
-    spec : FamilySpec
-    layer : int
-    positions : torch.Tensor, shape (T,), optional
+    x, spec, layer, positions
+        As in :func:`apply_spec_rotary`.
     rotated : bool
 
     Returns
