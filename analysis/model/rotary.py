@@ -90,6 +90,7 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
 
 
+@parameters_from(rope_cos_sin)
 def rotate(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -106,12 +107,10 @@ def rotate(
     Parameters
     ----------
     x : torch.Tensor, shape (..., T, heads, d_head)
-    positions : torch.Tensor, shape (T,)
-    base : float
-        The rope theta.
+    positions, base, style
+        As in :func:`rope_cos_sin`.
     rot_dim : int, optional
         Dims rotated (default all).
-    style : {"half", "interleaved"}
     inv_freq : torch.Tensor, optional
         As in :func:`rope_cos_sin` (then ``base`` may be None).
 
