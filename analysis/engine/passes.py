@@ -35,7 +35,7 @@ from analysis.model.hooks import (
     model_device,
     model_facts,
 )
-from analysis.core.docs import parameters_from
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.core.stats import unit_vectors
 
 HookFn = Callable[[torch.Tensor, object], object]
@@ -521,6 +521,7 @@ def pass_log() -> Iterator[Counter]:
         _PASS_LOG.reset(token)
 
 
+@parameters_from(model_tokens)
 def run_pass(
     model: SinkModel,
     tokens: torch.Tensor,
@@ -540,10 +541,8 @@ def run_pass(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     accumulators : sequence of Accumulator
         The analyses fed, each with one layer's activations together (a :class:`LayerActs`).
     fwd_hooks : sequence of (str, callable)
