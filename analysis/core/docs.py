@@ -182,3 +182,20 @@ def model_tokens(model, tokens) -> None:
     -------
     None
     """
+
+
+def model_tokens_min2(model, tokens) -> None:
+    """``model, tokens`` of an analysis that sets the first token against the others, so needs T >= 2: a function names
+    them over the line ``As in :func:`model_tokens_min2`.``.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+
+    Returns
+    -------
+    None
+    """
