@@ -14,7 +14,7 @@ linear-attention / Mamba layers are skipped, results keep the true layer index a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -340,16 +340,8 @@ def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> 
 def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
     """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
     early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
-    return PassResult(
-        torch.cat([base.alpha[:, early], run.alpha], 1),
-        torch.cat([base.where[early], run.where]),
-        run.loss,
-        run.eps,
-        run.T,
-        base.layers,
-        base.skipped,
-        run.loss_first,
-    )
+    alpha, where = torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where])
+    return replace(run, alpha=alpha, where=where, layers=base.layers, skipped=base.skipped)
 
 
 # ----------------------------------------------------------------------------------------------
