@@ -110,15 +110,14 @@ def _spike_dims(model, tokens, spike_dims, hook, abs_threshold, ratio_threshold,
     """{layer: dims} of the first token's spikes at ``hook`` (found, given as a dict, or with ``every_layer`` one list for
     every layer) and how they were chosen ("found", "given")."""
     if spike_dims is None:
-        found = first_token_spike_dims(
+        return first_token_spike_dims(
             model,
             tokens,
             hook=hook,
             abs_threshold=abs_threshold,
             ratio_threshold=ratio_threshold,
             min_share=min_share,
-        )
-        return found, "found"
+        ), "found"
     if not isinstance(spike_dims, Mapping):
         if not every_layer:
             raise ValueError(
