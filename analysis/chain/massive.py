@@ -809,11 +809,9 @@ def massive_by_kind(model: SinkModel, probes: dict, **kwargs) -> dict[str, Massi
     -------
     dict of str to MassiveActivations
     """
-    out = {}
-    for kind, p in probes.items():
-        toks = getattr(p, "tokens", p)
-        out[kind] = massive_activations(model, toks, kind=kind, **kwargs)
-    return out
+    return {
+        kind: massive_activations(model, getattr(p, "tokens", p), kind=kind, **kwargs) for kind, p in probes.items()
+    }
 
 
 def kinds_text(results: dict[str, MassiveActivations], *, skip: str | None = None) -> list[str]:
