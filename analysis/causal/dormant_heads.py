@@ -90,10 +90,7 @@ def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Ten
     dict of int to torch.Tensor
         {layer: (H, d_head, d_head)}.
     """
-    out = {}
-    for l in layers:
-        out[l] = head_gram(head_output_weights(model, l))  # ModelContractError where the layer has none
-    return out
+    return {l: head_gram(head_output_weights(model, l)) for l in layers}  # ModelContractError where a layer has none
 
 
 def head_gram(W: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.access import vocab_size
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_heads, check_tokens
@@ -90,6 +91,7 @@ class _HeadMeans(Accumulator):
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
+@parameters_from(model_tokens)
 def head_means(
     model: SinkModel, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None
 ) -> torch.Tensor:
@@ -98,10 +100,8 @@ def head_means(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     layers : sequence of int
         Attention layers (true indices).
     first : int

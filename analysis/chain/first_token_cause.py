@@ -217,17 +217,12 @@ class FirstTokenCause(Result):
     def _block_text(self, dim: int, block: int) -> str:
         c = self.contributions[(self.contributions.dim == dim) & (self.contributions.block == block)]
         neuron = int(c.neuron.iloc[0])
-        c = c[(c.neuron == neuron) & ~c.component.isin(["total", "constant", "hook"])]
+        mine = c[c.neuron == neuron]
+        c = mine[~mine.component.isin(["total", "constant", "hook"])]
         factor = "gate" if "gate" in set(c.factor) else "pre"
         f = c[c.factor == factor].assign(diff=lambda d: d["first"] - d["later"]).sort_values("diff", ascending=False)
         f = f[f["diff"] > 0.1 * max(float(f["diff"].clip(lower=0).sum()), TINY)]  # the parts that make the difference
-        tot = self.contributions[
-            (self.contributions.dim == dim)
-            & (self.contributions.block == block)
-            & (self.contributions.neuron == neuron)
-            & (self.contributions.factor == factor)
-            & (self.contributions.component == "total")
-        ].iloc[0]
+        tot = mine[(mine.factor == factor) & (mine.component == "total")].iloc[0]
         top = f.head(2)
         parts = (
             ", ".join(f"{r.component} ({r.first:+.3g} against {r.later:+.3g})" for r in top.itertuples())

@@ -35,8 +35,8 @@ from analysis.model.hooks import (
     model_device,
     model_facts,
 )
-from analysis.core.docs import parameters_from
-from analysis.core.stats import unit_vectors
+from analysis.core.docs import model_tokens, parameters_from
+from analysis.core.stats import one_thread, unit_vectors
 
 HookFn = Callable[[torch.Tensor, object], object]
 
@@ -224,6 +224,33 @@ class RunningSums:
         got = [self.sums.get((name, i)) for i in range(self.n_layers)]
         shape = next((tuple(g.shape) for g in got if g is not None), tuple(shape))
         return torch.stack([g.cpu() if g is not None else torch.zeros(shape, dtype=torch.float64) for g in got])
+
+
+class SummingAccumulator(Accumulator):
+    """An accumulator whose :meth:`reduction` gives statistics it sums over batches: ``sums`` (a :class:`RunningSums`
+    over ``layers``), with ``n`` the samples seen; each update on one CPU thread (``core.stats.one_thread``).
+
+    Parameters
+    ----------
+    layers : sequence of int
+        The layers it reads (true indices).
+    """
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.sums, self.n = RunningSums(len(self.layers)), 0
+
+    @one_thread()
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        i = self.index[layer]
+        for name, x in stats.items():
+            self.sums.add(name, i, x)
+        if i == 0:
+            self.n += batch.size
 
 
 class _Stop(Exception):
@@ -521,6 +548,7 @@ def pass_log() -> Iterator[Counter]:
         _PASS_LOG.reset(token)
 
 
+@parameters_from(model_tokens)
 def run_pass(
     model: SinkModel,
     tokens: torch.Tensor,
@@ -540,10 +568,8 @@ def run_pass(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     accumulators : sequence of Accumulator
         The analyses fed, each with one layer's activations together (a :class:`LayerActs`).
     fwd_hooks : sequence of (str, callable)

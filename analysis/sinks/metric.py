@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
-from analysis.core.docs import parameters_from
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, model_facts
 from analysis.model.reference.attention import pattern_note
 from analysis.engine.attention import attention_of
@@ -386,6 +386,7 @@ def check_k_max(k_max: int | None, T: int) -> int:
     return int(k_max)
 
 
+@parameters_from(model_tokens)
 def sink_metric(
     model: SinkModel,
     tokens,
@@ -401,10 +402,8 @@ def sink_metric(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     eps : float
         The threshold of Sink_k^eps (alpha_k > eps); the paper's 0.3 by default.
     k_max : int, optional
