@@ -30,6 +30,7 @@ All statistics are reduced inside the hooks of layer l, and the forward pass sto
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,7 +39,7 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
-from analysis.model.families import get_family, sink_logits
+from analysis.model.families import sink_logits
 from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
@@ -52,24 +53,6 @@ from analysis.core.stats import mean_pairwise_cosine
 # ----------------------------------------------------------------------------------------------
 # Scores from the rebuilt keys
 # ----------------------------------------------------------------------------------------------
-
-
-def attn_scale(model: SinkModel, *, d_head: int | None = None) -> float:
-    """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
-    query_pre_attn_scalar, 1/sqrt(d_head) by default).
-
-    Parameters
-    ----------
-    model
-        A loaded model.
-    d_head : int, optional
-        Unused; the family spec knows the scale.
-
-    Returns
-    -------
-    float
-    """
-    return float(get_family(model).attn_scale)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -94,11 +77,15 @@ def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor, sink: torch.Tensor 
     s[..., 0] = col0
     T = s.shape[-1]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=s.device), diagonal=1)
-    s = s.masked_fill(future, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.to(s.device).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
-    p = s.softmax(-1)[..., :T]
+    p = _with_sink(s.masked_fill(future, float("-inf")), sink).softmax(-1)[..., :T]
     return p[..., 0].mean(-1)  # every query sees key 1 (unless a sliding window hides it): mean over all T queries
+
+
+def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` (B,H,T,T) with the learned sink logit per head (H,) as an extra last column, where there is one."""
+    if sink is None:
+        return scores
+    return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
 
 
 def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
@@ -354,47 +341,13 @@ class NormGainAccumulator(Accumulator):
         self.other_pos = torch.unique(torch.linspace(1, T - 1, max(1, min(n_other, T - 1))).round().long())
         self.has_norm_hook = path.norm.kind != "none" and act_name("normalized", self.layer) in hook_names(model)
         self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
-        self.acc = {
-            k: torch.zeros((), dtype=torch.float64)
-            for k in (
-                "h_share_o",
-                "n_share_o",
-                "x_share_o",
-                "h_norm_o",
-                "n_norm_o",
-                "x_norm_o",
-                "k_norm_o",
-                "count_o",
-                "k_err",
-                "k_ref",
-                "n_err",
-                "n_ref",
-            )
-        }
+        # running sums (float64), each started at zero by its first update
+        self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         self.other_abs = torch.zeros(D, dtype=torch.float64)
         self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
-        self.head = {
-            k: torch.zeros(self.H, dtype=torch.float64)
-            for k in ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest")
-        }
+        self.head = defaultdict(lambda: torch.zeros(self.H, dtype=torch.float64))  # per query head
         self.cnt = {"q": 0, "o": 0}
-        self.keep = {
-            k: []
-            for k in (
-                "h1",
-                "n1",
-                "x1",
-                "k1",
-                "k1S",
-                "kp1",
-                "kp1S",
-                "n_o",
-                "g_o",
-                "dim_share",
-                "knorm_first",
-                "knorm_spike",
-            )
-        }
+        self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample
         self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
 
     def hooks(self):
@@ -437,10 +390,7 @@ class NormGainAccumulator(Accumulator):
     def _residual(self, h, n, x, batch: Batch) -> None:
         """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""
         for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
-            sq = v.pow(2)
-            self.acc[f"{key}_share_o"] += (
-                (sq[..., self.Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).double().sum().cpu()
-            )
+            self.acc[f"{key}_share_o"] += _spike_share(v, self.Smask).double().sum().cpu()
             self.acc[f"{key}_norm_o"] += v.norm(dim=-1).double().sum().cpu()
         B = h.shape[0]
         self.acc["count_o"] += B * (h.shape[1] - 1)
@@ -518,12 +468,7 @@ class NormGainAccumulator(Accumulator):
             ("alpha_rest", softcap(lf - ls, cap) + off),
         ):
             hd[key] += _softmax_alpha(sc, c, self.sink).double().sum(0).cpu()
-        logits = (
-            sc
-            if self.sink is None
-            else torch.cat([sc, self.sink.to(sc.device).view(1, -1, 1, 1).expand(*sc.shape[:-1], 1)], -1)
-        )
-        self._max_err("pattern", (logits.softmax(-1)[..., :T] - pattern).abs().max())
+        self._max_err("pattern", (_with_sink(sc, self.sink).softmax(-1)[..., :T] - pattern).abs().max())
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
@@ -567,21 +512,17 @@ class NormGainAccumulator(Accumulator):
         p, Hkv = self.path, self.path.W_K.shape[0]
         nan = torch.full((Hkv,), float("nan"))
         if p.k_norm is None:
-            return {
-                "knorm_scale_first": nan,
-                "knorm_scale_other": nan,
-                "knorm_gain_spike": nan,
-                "knorm_gain_rms": nan,
-                "kproj_share_spike": nan,
-            }
+            return dict.fromkeys(
+                ("knorm_scale_first", "knorm_scale_other", "knorm_gain_spike", "knorm_gain_rms", "kproj_share_spike"),
+                nan,
+            )
         g = p.key_norm_gain()
-        kp1, kp1S = kept["kp1"], kept["kp1S"]
         return {
             "knorm_scale_first": kept["knorm_first"].mean(0),
             "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
             "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan,
             "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
-            "kproj_share_spike": ((kp1 * kp1S).sum(-1) / kp1.pow(2).sum(-1).clamp_min(TINY)).mean(0) if self.S else nan,
+            "kproj_share_spike": _part_share(kept["kp1"], kept["kp1S"]).mean(0) if self.S else nan,
         }
 
     def _rebuild(self) -> dict:
@@ -601,17 +542,15 @@ class NormGainAccumulator(Accumulator):
         }
 
 
-def _first_share(v: torch.Tensor, Smask: torch.Tensor) -> float:
-    """The first tokens' share of |v|^2 in the spike dims, mean over samples (NaN without spike dims)."""
-    if not Smask.any():
-        return float("nan")
+def _spike_share(v: torch.Tensor, Smask: torch.Tensor) -> torch.Tensor:
+    """Each vector's share of |v|^2 in the spike dims: v (..., D) -> (...)."""
     sq = v.pow(2)
-    return float((sq[:, Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).mean())
+    return sq[..., Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)
 
 
-def _part_share(full: torch.Tensor, part: torch.Tensor) -> float:
-    """Mean share (part . full) / |full|^2 over samples and heads."""
-    return float(((full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)).mean())
+def _part_share(full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """The share (part . full) / |full|^2 of each vector along the last dim."""
+    return (full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)
 
 
 def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
@@ -635,7 +574,7 @@ def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
     rows = [
         {
             "stage": stage,
-            "first_share": _first_share(kept[key], Smask),
+            "first_share": float(_spike_share(kept[key], Smask).mean()) if has else nan,
             "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
             "first_norm": float(kept[key].norm(dim=-1).mean()),
             "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
@@ -645,7 +584,7 @@ def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
     rows.append(
         {
             "stage": "key",
-            "first_share": _part_share(kept["k1"], kept["k1S"]) if has else nan,
+            "first_share": float(_part_share(kept["k1"], kept["k1S"]).mean()) if has else nan,
             "other_share": nan,
             "first_norm": float(kept["k1"].norm(dim=-1).mean()),
             "other_norm": float(acc["k_norm_o"]) / cnt,
@@ -755,7 +694,7 @@ def head_table(
             "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
             "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
             "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
-            "k1_share_spike": spike(((k1h * k1Sh).sum(-1) / k1h.pow(2).sum(-1).clamp_min(TINY)).mean(0)),
+            "k1_share_spike": spike(_part_share(k1h, k1Sh).mean(0)),
             "logit_first": lf.numpy(),
             "logit_first_spike": spike(ls),
             "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
