@@ -196,10 +196,8 @@ class NormGainTrace(Result):
     meta: dict = field(default_factory=dict)
 
     def gain_summary(self) -> dict:
-        g = self.gain_vector.abs()
-        S = self.spike_dims
-        rest = torch.ones_like(g, dtype=torch.bool)
-        rest[S] = False
+        g, S = self.gain_vector.abs(), self.spike_dims
+        rest = _rest(g, S)
         return {
             "gain_at_spike": [float(self.gain_vector[d]) for d in S],
             "gain_rest_mean_abs": float(g[rest].mean()),
@@ -472,7 +470,7 @@ class NormGainAccumulator(Accumulator):
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
-        N, path, has_spike = kept["h1"].shape[0], self.path, bool(self.S)
+        path = self.path
         knorm = None
         if path.k_norm is not None:
             knorm = (
@@ -483,23 +481,23 @@ class NormGainAccumulator(Accumulator):
         return NormGainTrace(
             layer=self.layer,
             spike_dims=self.S,
-            has_spike=has_spike,
+            has_spike=bool(self.S),
             message=message,
             norm_kind=path.norm.kind,
             rotary=path.rotary,
             rotary_base=path.base,
-            n_samples=N,
+            n_samples=kept["h1"].shape[0],
             T=self.T,
-            stages=stage_table(kept, self.acc, self.Smask),
-            gain=gain_table(path.norm.gain, self.S, kept),
-            heads=head_table(kept, self._knorm_cols(kept), self.head, self.cnt, self.kv_of, self.layer, has_spike),
+            stages=self._stage_table(kept),
+            gain=self._gain_table(kept),
+            heads=self._head_table(kept),
             constancy=constancy(kept),
             rebuild=self._rebuild(),
             gain_vector=path.norm.gain.clone(),
             first_normalised_mean=kept["n1"].mean(0),
             other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
             first_resid_mean=kept["h1"].mean(0),
-            key_dims=key_dims_table(kept, self.Smask),
+            key_dims=self._key_dims_table(kept),
             path_text=path.text(),
             key_norm=knorm,
             model_name=getattr(self.model, "model_name", None),
@@ -541,6 +539,104 @@ class NormGainAccumulator(Accumulator):
             "attn_softcap": spec.attn_softcap,
         }
 
+    # The result's tables, from ``kept`` (``result``: the first token's vectors h1, n1, x1 (N, D), k1, k1S, kp1, kp1S
+    # (N, H_kv, d_head), the residual dims' shares of k1 ``dim_share`` (N, D), ordinary tokens' n_o and their sequence
+    # g_o) and the running sums.
+
+    def _stage_table(self, kept: dict) -> pd.DataFrame:
+        """One row per stage of the key path (resid, normalised, gain, key): spike share and norm, first token against
+        the others (the key before the key norm: ``heads.kproj_share_spike``)."""
+        acc, Smask = self.acc, self.Smask
+        cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
+        rows = [
+            {
+                "stage": stage,
+                "first_share": float(_spike_share(kept[key], Smask).mean()) if has else nan,
+                "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
+                "first_norm": float(kept[key].norm(dim=-1).mean()),
+                "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
+            }
+            for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))
+        ]
+        rows.append(
+            {
+                "stage": "key",
+                "first_share": float(_part_share(kept["k1"], kept["k1S"]).mean()) if has else nan,
+                "other_share": nan,
+                "first_norm": float(kept["k1"].norm(dim=-1).mean()),
+                "other_norm": float(acc["k_norm_o"]) / cnt,
+            }
+        )
+        return pd.DataFrame(rows)
+
+    def _gain_table(self, kept: dict) -> pd.DataFrame:
+        """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there."""
+        g, S = self.path.norm.gain, self.S
+        g_rest, nan = g[_rest(g, S)].abs(), float("nan")
+        h1, n1 = kept["h1"], kept["n1"]
+        return pd.DataFrame(
+            {
+                "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
+                "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
+                "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S]
+                + [1.0, float(g_rest.mean() / g_rest.median())],
+                "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
+                "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
+                "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
+            }
+        )
+
+    def _key_dims_table(self, kept: dict, *, n: int = 8) -> pd.DataFrame:
+        """The ``n`` residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1
+        / |k_1|^2, mean over inputs and KV heads; the shares of all dims and the bias sum to 1)."""
+        share = kept["dim_share"].mean(0)  # (D,)
+        top = share.abs().argsort(descending=True)[:n]
+        return pd.DataFrame(
+            {
+                "dim": top.numpy(),
+                "k1_share": share[top].numpy(),
+                "spike_dim": self.Smask[top].numpy(),
+                "first_token_x": kept["x1"][:, top].mean(0).numpy(),
+            }
+        )
+
+    def _head_table(self, kept: dict) -> pd.DataFrame:
+        """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free
+        key, and the key norm's scales and gains (its KV head's); without spike dims the spike columns are NaN."""
+        kv_of, hd = self.kv_of, self.head
+        k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
+        N, nan = k1h.shape[0], float("nan")
+        cq, co = max(self.cnt["q"], 1), max(self.cnt["o"], 1)
+        lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
+        spike = lambda v: v.numpy() if self.S else nan  # noqa: E731
+        return pd.DataFrame(
+            {
+                "layer": self.layer,
+                "head": range(len(kv_of)),
+                "kv_head": kv_of.numpy(),
+                "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
+                "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
+                "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
+                "k1_share_spike": spike(_part_share(k1h, k1Sh).mean(0)),
+                "logit_first": lf.numpy(),
+                "logit_first_spike": spike(ls),
+                "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
+                "logit_other": (hd["logit_other"] / co).numpy(),
+                "logit_share_spike": spike(ls / lf),
+                "alpha_1": (hd["alpha"] / N).numpy(),
+                "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
+                "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
+                **{k: v.float()[kv_of].numpy() for k, v in self._knorm_cols(kept).items()},
+            }
+        )
+
+
+def _rest(g: torch.Tensor, S: list[int]) -> torch.Tensor:
+    """The dims of ``g`` (D,) outside the spike dims ``S``: a bool mask (D,)."""
+    rest = torch.ones_like(g, dtype=torch.bool)
+    rest[S] = False
+    return rest
+
 
 def _spike_share(v: torch.Tensor, Smask: torch.Tensor) -> torch.Tensor:
     """Each vector's share of |v|^2 in the spike dims: v (..., D) -> (...)."""
@@ -551,161 +647,6 @@ def _spike_share(v: torch.Tensor, Smask: torch.Tensor) -> torch.Tensor:
 def _part_share(full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """The share (part . full) / |full|^2 of each vector along the last dim."""
     return (full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)
-
-
-def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
-    """One row per stage of the key path (resid, normalised, gain, key): spike share and norm, first token against the
-    others (the key before the key norm: ``heads.kproj_share_spike``).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        The first token's vectors kept by the pass (``h1``, ``n1``, ``x1``, ``k1``, ``k1S``: (N, ...)).
-    acc : dict of str to torch.Tensor
-        The ordinary tokens' running sums (shares, norms, ``count_o``).
-    Smask : torch.Tensor, shape (D,)
-        bool, the spike dims.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
-    rows = [
-        {
-            "stage": stage,
-            "first_share": float(_spike_share(kept[key], Smask).mean()) if has else nan,
-            "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
-            "first_norm": float(kept[key].norm(dim=-1).mean()),
-            "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
-        }
-        for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))
-    ]
-    rows.append(
-        {
-            "stage": "key",
-            "first_share": float(_part_share(kept["k1"], kept["k1S"]).mean()) if has else nan,
-            "other_share": nan,
-            "first_norm": float(kept["k1"].norm(dim=-1).mean()),
-            "other_norm": float(acc["k_norm_o"]) / cnt,
-        }
-    )
-    return pd.DataFrame(rows)
-
-
-def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
-    """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there.
-
-    Parameters
-    ----------
-    g : torch.Tensor, shape (D,)
-        The gain.
-    S : list of int
-        The spike dims.
-    kept : dict of str to torch.Tensor
-        The first token's residual ``h1`` and normalised ``n1``, (N, D).
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    rest = torch.ones_like(g, dtype=torch.bool)
-    rest[S] = False
-    g_rest, nan = g[rest].abs(), float("nan")
-    h1, n1 = kept["h1"], kept["n1"]
-    return pd.DataFrame(
-        {
-            "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
-            "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
-            "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S]
-            + [1.0, float(g_rest.mean() / g_rest.median())],
-            "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
-            "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
-            "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
-        }
-    )
-
-
-def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFrame:
-    """The residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1 / |k_1|^2,
-    mean over inputs and KV heads; the shares of all dims and the bias sum to 1).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        ``dim_share`` (N, D) and ``x1`` (N, D).
-    Smask : torch.Tensor, shape (D,)
-        bool, the spike dims.
-    n : int
-        The number of dims listed.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    share = kept["dim_share"].mean(0)  # (D,)
-    top = share.abs().argsort(descending=True)[:n]
-    return pd.DataFrame(
-        {
-            "dim": top.numpy(),
-            "k1_share": share[top].numpy(),
-            "spike_dim": Smask[top].numpy(),
-            "first_token_x": kept["x1"][:, top].mean(0).numpy(),
-        }
-    )
-
-
-def head_table(
-    kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool
-) -> pd.DataFrame:
-    """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key,
-    and the key norm's scales and gains (its KV head's).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        ``k1`` and ``k1S``, (N, H_kv, d_head).
-    knorm : dict of str to torch.Tensor
-        The key norm's columns per KV head, (H_kv,).
-    hd : dict of str to torch.Tensor
-        Per query head running sums (logits, alpha), (H,).
-    cnt : dict of str to int
-        Query counts (``"q"``: first-key queries, ``"o"``: others).
-    kv_of : torch.Tensor, shape (H,)
-        The KV head of each query head.
-    layer : int
-    has_spike : bool
-        Without spike dims the spike columns are NaN.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
-    N, nan = k1h.shape[0], float("nan")
-    cq, co = max(cnt["q"], 1), max(cnt["o"], 1)
-    lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
-    spike = lambda v: v.numpy() if has_spike else nan  # noqa: E731
-    return pd.DataFrame(
-        {
-            "layer": layer,
-            "head": range(len(kv_of)),
-            "kv_head": kv_of.numpy(),
-            "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
-            "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
-            "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
-            "k1_share_spike": spike(_part_share(k1h, k1Sh).mean(0)),
-            "logit_first": lf.numpy(),
-            "logit_first_spike": spike(ls),
-            "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
-            "logit_other": (hd["logit_other"] / co).numpy(),
-            "logit_share_spike": spike(ls / lf),
-            "alpha_1": (hd["alpha"] / N).numpy(),
-            "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
-            "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
-            **{k: v.float()[kv_of].numpy() for k, v in knorm.items()},
-        }
-    )
 
 
 def constancy(kept: dict) -> dict:
