@@ -405,7 +405,7 @@ class NormGainAccumulator(Accumulator):
     def _projection(self, kp, k) -> None:
         """Check the rebuilt key projection against hook_k."""
         err = (kp - k).abs().max()
-        self.err["k_max"] = max(self.err["k_max"], float(err))
+        self._max_err("k_max", err)
         self.acc["k_err"] += float(err)
         self.acc["k_ref"] += float(k.abs().max())
 
