@@ -45,8 +45,8 @@ from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
-from analysis.core.results import Result, runs
-from analysis.core.docs import share_parameters
+from analysis.core.results import Result, pass_options, runs
+from analysis.core.docs import parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
@@ -788,6 +788,7 @@ def norm_gain_accumulator(
 
 
 @share_parameters(norm_gain_accumulator)
+@parameters_from(pass_options)
 def norm_gain_trace(
     model: SinkModel,
     tokens,
@@ -824,10 +825,8 @@ def norm_gain_trace(
         The spike criterion (see ``analysis.massive_activations``).
     n_other : int
         Ordinary tokens per sequence kept for the cross-input cosine.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
     resid : dict of int to torch.Tensor, optional
         {block: the residual entering it, (N, T, D)} kept by a pass over the same tokens and batches
         (``Profile.resid``): the pass then starts at the last kept block at or before ``layer`` instead of at the
