@@ -30,6 +30,7 @@ All statistics are reduced inside the hooks of layer l, and the forward pass sto
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,38 +39,20 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
-from analysis.model.families import get_family, sink_logits
+from analysis.model.families import sink_logits
 from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
-from analysis.core.results import Result, runs
-from analysis.core.docs import share_parameters
+from analysis.core.results import Result, pass_options, runs
+from analysis.core.docs import parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
 # ----------------------------------------------------------------------------------------------
 # Scores from the rebuilt keys
 # ----------------------------------------------------------------------------------------------
-
-
-def attn_scale(model: SinkModel, *, d_head: int | None = None) -> float:
-    """The factor on q . k in the attention scores (the family spec's: Granite's attention multiplier, Gemma's
-    query_pre_attn_scalar, 1/sqrt(d_head) by default).
-
-    Parameters
-    ----------
-    model
-        A loaded model.
-    d_head : int, optional
-        Unused; the family spec knows the scale.
-
-    Returns
-    -------
-    float
-    """
-    return float(get_family(model).attn_scale)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -94,11 +77,15 @@ def _softmax_alpha(scores: torch.Tensor, col0: torch.Tensor, sink: torch.Tensor 
     s[..., 0] = col0
     T = s.shape[-1]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=s.device), diagonal=1)
-    s = s.masked_fill(future, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.to(s.device).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
-    p = s.softmax(-1)[..., :T]
+    p = _with_sink(s.masked_fill(future, float("-inf")), sink).softmax(-1)[..., :T]
     return p[..., 0].mean(-1)  # every query sees key 1 (unless a sliding window hides it): mean over all T queries
+
+
+def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` (B,H,T,T) with the learned sink logit per head (H,) as an extra last column, where there is one."""
+    if sink is None:
+        return scores
+    return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
 
 
 def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
@@ -209,10 +196,8 @@ class NormGainTrace(Result):
     meta: dict = field(default_factory=dict)
 
     def gain_summary(self) -> dict:
-        g = self.gain_vector.abs()
-        S = self.spike_dims
-        rest = torch.ones_like(g, dtype=torch.bool)
-        rest[S] = False
+        g, S = self.gain_vector.abs(), self.spike_dims
+        rest = _rest(g, S)
         return {
             "gain_at_spike": [float(self.gain_vector[d]) for d in S],
             "gain_rest_mean_abs": float(g[rest].mean()),
@@ -354,47 +339,13 @@ class NormGainAccumulator(Accumulator):
         self.other_pos = torch.unique(torch.linspace(1, T - 1, max(1, min(n_other, T - 1))).round().long())
         self.has_norm_hook = path.norm.kind != "none" and act_name("normalized", self.layer) in hook_names(model)
         self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
-        self.acc = {
-            k: torch.zeros((), dtype=torch.float64)
-            for k in (
-                "h_share_o",
-                "n_share_o",
-                "x_share_o",
-                "h_norm_o",
-                "n_norm_o",
-                "x_norm_o",
-                "k_norm_o",
-                "count_o",
-                "k_err",
-                "k_ref",
-                "n_err",
-                "n_ref",
-            )
-        }
+        # running sums (float64), each started at zero by its first update
+        self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         self.other_abs = torch.zeros(D, dtype=torch.float64)
         self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
-        self.head = {
-            k: torch.zeros(self.H, dtype=torch.float64)
-            for k in ("logit_first", "logit_spike", "logit_rest", "logit_other", "alpha", "alpha_spike", "alpha_rest")
-        }
+        self.head = defaultdict(lambda: torch.zeros(self.H, dtype=torch.float64))  # per query head
         self.cnt = {"q": 0, "o": 0}
-        self.keep = {
-            k: []
-            for k in (
-                "h1",
-                "n1",
-                "x1",
-                "k1",
-                "k1S",
-                "kp1",
-                "kp1S",
-                "n_o",
-                "g_o",
-                "dim_share",
-                "knorm_first",
-                "knorm_spike",
-            )
-        }
+        self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample
         self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
 
     def hooks(self):
@@ -437,10 +388,7 @@ class NormGainAccumulator(Accumulator):
     def _residual(self, h, n, x, batch: Batch) -> None:
         """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""
         for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
-            sq = v.pow(2)
-            self.acc[f"{key}_share_o"] += (
-                (sq[..., self.Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).double().sum().cpu()
-            )
+            self.acc[f"{key}_share_o"] += _spike_share(v, self.Smask).double().sum().cpu()
             self.acc[f"{key}_norm_o"] += v.norm(dim=-1).double().sum().cpu()
         B = h.shape[0]
         self.acc["count_o"] += B * (h.shape[1] - 1)
@@ -457,7 +405,7 @@ class NormGainAccumulator(Accumulator):
     def _projection(self, kp, k) -> None:
         """Check the rebuilt key projection against hook_k."""
         err = (kp - k).abs().max()
-        self.err["k_max"] = max(self.err["k_max"], float(err))
+        self._max_err("k_max", err)
         self.acc["k_err"] += float(err)
         self.acc["k_ref"] += float(k.abs().max())
 
@@ -518,16 +466,11 @@ class NormGainAccumulator(Accumulator):
             ("alpha_rest", softcap(lf - ls, cap) + off),
         ):
             hd[key] += _softmax_alpha(sc, c, self.sink).double().sum(0).cpu()
-        logits = (
-            sc
-            if self.sink is None
-            else torch.cat([sc, self.sink.to(sc.device).view(1, -1, 1, 1).expand(*sc.shape[:-1], 1)], -1)
-        )
-        self._max_err("pattern", (logits.softmax(-1)[..., :T] - pattern).abs().max())
+        self._max_err("pattern", (_with_sink(sc, self.sink).softmax(-1)[..., :T] - pattern).abs().max())
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
-        N, path, has_spike = kept["h1"].shape[0], self.path, bool(self.S)
+        path = self.path
         knorm = None
         if path.k_norm is not None:
             knorm = (
@@ -538,23 +481,23 @@ class NormGainAccumulator(Accumulator):
         return NormGainTrace(
             layer=self.layer,
             spike_dims=self.S,
-            has_spike=has_spike,
+            has_spike=bool(self.S),
             message=message,
             norm_kind=path.norm.kind,
             rotary=path.rotary,
             rotary_base=path.base,
-            n_samples=N,
+            n_samples=kept["h1"].shape[0],
             T=self.T,
-            stages=stage_table(kept, self.acc, self.Smask),
-            gain=gain_table(path.norm.gain, self.S, kept),
-            heads=head_table(kept, self._knorm_cols(kept), self.head, self.cnt, self.kv_of, self.layer, has_spike),
+            stages=self._stage_table(kept),
+            gain=self._gain_table(kept),
+            heads=self._head_table(kept),
             constancy=constancy(kept),
             rebuild=self._rebuild(),
             gain_vector=path.norm.gain.clone(),
             first_normalised_mean=kept["n1"].mean(0),
             other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
             first_resid_mean=kept["h1"].mean(0),
-            key_dims=key_dims_table(kept, self.Smask),
+            key_dims=self._key_dims_table(kept),
             path_text=path.text(),
             key_norm=knorm,
             model_name=getattr(self.model, "model_name", None),
@@ -567,21 +510,17 @@ class NormGainAccumulator(Accumulator):
         p, Hkv = self.path, self.path.W_K.shape[0]
         nan = torch.full((Hkv,), float("nan"))
         if p.k_norm is None:
-            return {
-                "knorm_scale_first": nan,
-                "knorm_scale_other": nan,
-                "knorm_gain_spike": nan,
-                "knorm_gain_rms": nan,
-                "kproj_share_spike": nan,
-            }
+            return dict.fromkeys(
+                ("knorm_scale_first", "knorm_scale_other", "knorm_gain_spike", "knorm_gain_rms", "kproj_share_spike"),
+                nan,
+            )
         g = p.key_norm_gain()
-        kp1, kp1S = kept["kp1"], kept["kp1S"]
         return {
             "knorm_scale_first": kept["knorm_first"].mean(0),
             "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
             "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan,
             "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
-            "kproj_share_spike": ((kp1 * kp1S).sum(-1) / kp1.pow(2).sum(-1).clamp_min(TINY)).mean(0) if self.S else nan,
+            "kproj_share_spike": _part_share(kept["kp1"], kept["kp1S"]).mean(0) if self.S else nan,
         }
 
     def _rebuild(self) -> dict:
@@ -600,173 +539,114 @@ class NormGainAccumulator(Accumulator):
             "attn_softcap": spec.attn_softcap,
         }
 
+    # The result's tables, from ``kept`` (``result``: the first token's vectors h1, n1, x1 (N, D), k1, k1S, kp1, kp1S
+    # (N, H_kv, d_head), the residual dims' shares of k1 ``dim_share`` (N, D), ordinary tokens' n_o and their sequence
+    # g_o) and the running sums.
 
-def _first_share(v: torch.Tensor, Smask: torch.Tensor) -> float:
-    """The first tokens' share of |v|^2 in the spike dims, mean over samples (NaN without spike dims)."""
-    if not Smask.any():
-        return float("nan")
-    sq = v.pow(2)
-    return float((sq[:, Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)).mean())
+    def _stage_table(self, kept: dict) -> pd.DataFrame:
+        """One row per stage of the key path (resid, normalised, gain, key): spike share and norm, first token against
+        the others (the key before the key norm: ``heads.kproj_share_spike``)."""
+        acc, Smask = self.acc, self.Smask
+        cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
+        rows = [
+            {
+                "stage": stage,
+                "first_share": float(_spike_share(kept[key], Smask).mean()) if has else nan,
+                "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
+                "first_norm": float(kept[key].norm(dim=-1).mean()),
+                "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
+            }
+            for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))
+        ]
+        rows.append(
+            {
+                "stage": "key",
+                "first_share": float(_part_share(kept["k1"], kept["k1S"]).mean()) if has else nan,
+                "other_share": nan,
+                "first_norm": float(kept["k1"].norm(dim=-1).mean()),
+                "other_norm": float(acc["k_norm_o"]) / cnt,
+            }
+        )
+        return pd.DataFrame(rows)
+
+    def _gain_table(self, kept: dict) -> pd.DataFrame:
+        """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there."""
+        g, S = self.path.norm.gain, self.S
+        g_rest, nan = g[_rest(g, S)].abs(), float("nan")
+        h1, n1 = kept["h1"], kept["n1"]
+        return pd.DataFrame(
+            {
+                "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
+                "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
+                "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S]
+                + [1.0, float(g_rest.mean() / g_rest.median())],
+                "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
+                "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
+                "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
+            }
+        )
+
+    def _key_dims_table(self, kept: dict, *, n: int = 8) -> pd.DataFrame:
+        """The ``n`` residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1
+        / |k_1|^2, mean over inputs and KV heads; the shares of all dims and the bias sum to 1)."""
+        share = kept["dim_share"].mean(0)  # (D,)
+        top = share.abs().argsort(descending=True)[:n]
+        return pd.DataFrame(
+            {
+                "dim": top.numpy(),
+                "k1_share": share[top].numpy(),
+                "spike_dim": self.Smask[top].numpy(),
+                "first_token_x": kept["x1"][:, top].mean(0).numpy(),
+            }
+        )
+
+    def _head_table(self, kept: dict) -> pd.DataFrame:
+        """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free
+        key, and the key norm's scales and gains (its KV head's); without spike dims the spike columns are NaN."""
+        kv_of, hd = self.kv_of, self.head
+        k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
+        N, nan = k1h.shape[0], float("nan")
+        cq, co = max(self.cnt["q"], 1), max(self.cnt["o"], 1)
+        lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
+        spike = lambda v: v.numpy() if self.S else nan  # noqa: E731
+        return pd.DataFrame(
+            {
+                "layer": self.layer,
+                "head": range(len(kv_of)),
+                "kv_head": kv_of.numpy(),
+                "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
+                "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
+                "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
+                "k1_share_spike": spike(_part_share(k1h, k1Sh).mean(0)),
+                "logit_first": lf.numpy(),
+                "logit_first_spike": spike(ls),
+                "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
+                "logit_other": (hd["logit_other"] / co).numpy(),
+                "logit_share_spike": spike(ls / lf),
+                "alpha_1": (hd["alpha"] / N).numpy(),
+                "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
+                "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
+                **{k: v.float()[kv_of].numpy() for k, v in self._knorm_cols(kept).items()},
+            }
+        )
 
 
-def _part_share(full: torch.Tensor, part: torch.Tensor) -> float:
-    """Mean share (part . full) / |full|^2 over samples and heads."""
-    return float(((full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)).mean())
-
-
-def stage_table(kept: dict, acc: dict, Smask: torch.Tensor) -> pd.DataFrame:
-    """One row per stage of the key path (resid, normalised, gain, key): spike share and norm, first token against the
-    others (the key before the key norm: ``heads.kproj_share_spike``).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        The first token's vectors kept by the pass (``h1``, ``n1``, ``x1``, ``k1``, ``k1S``: (N, ...)).
-    acc : dict of str to torch.Tensor
-        The ordinary tokens' running sums (shares, norms, ``count_o``).
-    Smask : torch.Tensor, shape (D,)
-        bool, the spike dims.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    cnt, nan, has = float(acc["count_o"]), float("nan"), bool(Smask.any())
-    rows = [
-        {
-            "stage": stage,
-            "first_share": _first_share(kept[key], Smask),
-            "other_share": float(acc[f"{o}_share_o"]) / cnt if has else nan,
-            "first_norm": float(kept[key].norm(dim=-1).mean()),
-            "other_norm": float(acc[f"{o}_norm_o"]) / cnt,
-        }
-        for stage, key, o in (("resid (h)", "h1", "h"), ("normalised", "n1", "n"), ("gain", "x1", "x"))
-    ]
-    rows.append(
-        {
-            "stage": "key",
-            "first_share": _part_share(kept["k1"], kept["k1S"]) if has else nan,
-            "other_share": nan,
-            "first_norm": float(kept["k1"].norm(dim=-1).mean()),
-            "other_norm": float(acc["k_norm_o"]) / cnt,
-        }
-    )
-    return pd.DataFrame(rows)
-
-
-def gain_table(g: torch.Tensor, S: list[int], kept: dict) -> pd.DataFrame:
-    """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there.
-
-    Parameters
-    ----------
-    g : torch.Tensor, shape (D,)
-        The gain.
-    S : list of int
-        The spike dims.
-    kept : dict of str to torch.Tensor
-        The first token's residual ``h1`` and normalised ``n1``, (N, D).
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
+def _rest(g: torch.Tensor, S: list[int]) -> torch.Tensor:
+    """The dims of ``g`` (D,) outside the spike dims ``S``: a bool mask (D,)."""
     rest = torch.ones_like(g, dtype=torch.bool)
     rest[S] = False
-    g_rest, nan = g[rest].abs(), float("nan")
-    h1, n1 = kept["h1"], kept["n1"]
-    return pd.DataFrame(
-        {
-            "dim": S + ["rest (median |g|)", "rest (mean |g|)"],
-            "gain": [float(g[d]) for d in S] + [float(g_rest.median()), float(g_rest.mean())],
-            "over_rest_median": [float(g[d].abs() / g_rest.median()) for d in S]
-            + [1.0, float(g_rest.mean() / g_rest.median())],
-            "percentile": [float((g_rest < g[d].abs()).float().mean() * 100) for d in S] + [50.0, nan],
-            "first_token_h": [float(h1[:, d].mean()) for d in S] + [nan, nan],
-            "first_token_n": [float(n1[:, d].mean()) for d in S] + [nan, nan],
-        }
-    )
+    return rest
 
 
-def key_dims_table(kept: dict, Smask: torch.Tensor, *, n: int = 8) -> pd.DataFrame:
-    """The residual dims with the largest share of the first key ((x_1[d] W_K[d] through the key norm) . k_1 / |k_1|^2,
-    mean over inputs and KV heads; the shares of all dims and the bias sum to 1).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        ``dim_share`` (N, D) and ``x1`` (N, D).
-    Smask : torch.Tensor, shape (D,)
-        bool, the spike dims.
-    n : int
-        The number of dims listed.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    share = kept["dim_share"].mean(0)  # (D,)
-    top = share.abs().argsort(descending=True)[:n]
-    return pd.DataFrame(
-        {
-            "dim": top.numpy(),
-            "k1_share": share[top].numpy(),
-            "spike_dim": Smask[top].numpy(),
-            "first_token_x": kept["x1"][:, top].mean(0).numpy(),
-        }
-    )
+def _spike_share(v: torch.Tensor, Smask: torch.Tensor) -> torch.Tensor:
+    """Each vector's share of |v|^2 in the spike dims: v (..., D) -> (...)."""
+    sq = v.pow(2)
+    return sq[..., Smask].sum(-1) / sq.sum(-1).clamp_min(TINY)
 
 
-def head_table(
-    kept: dict, knorm: dict, hd: dict, cnt: dict, kv_of: torch.Tensor, layer: int, has_spike: bool
-) -> pd.DataFrame:
-    """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free key,
-    and the key norm's scales and gains (its KV head's).
-
-    Parameters
-    ----------
-    kept : dict of str to torch.Tensor
-        ``k1`` and ``k1S``, (N, H_kv, d_head).
-    knorm : dict of str to torch.Tensor
-        The key norm's columns per KV head, (H_kv,).
-    hd : dict of str to torch.Tensor
-        Per query head running sums (logits, alpha), (H,).
-    cnt : dict of str to int
-        Query counts (``"q"``: first-key queries, ``"o"``: others).
-    kv_of : torch.Tensor, shape (H,)
-        The KV head of each query head.
-    layer : int
-    has_spike : bool
-        Without spike dims the spike columns are NaN.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
-    N, nan = k1h.shape[0], float("nan")
-    cq, co = max(cnt["q"], 1), max(cnt["o"], 1)
-    lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
-    spike = lambda v: v.numpy() if has_spike else nan  # noqa: E731
-    return pd.DataFrame(
-        {
-            "layer": layer,
-            "head": range(len(kv_of)),
-            "kv_head": kv_of.numpy(),
-            "k1_norm": k1h.norm(dim=-1).mean(0).numpy(),
-            "k1_spike_norm": k1Sh.norm(dim=-1).mean(0).numpy(),
-            "cos_k1_spike": spike(torch.nn.functional.cosine_similarity(k1h, k1Sh, dim=-1).mean(0)),
-            "k1_share_spike": spike(((k1h * k1Sh).sum(-1) / k1h.pow(2).sum(-1).clamp_min(TINY)).mean(0)),
-            "logit_first": lf.numpy(),
-            "logit_first_spike": spike(ls),
-            "logit_first_rest": (hd["logit_rest"] / cq).numpy(),
-            "logit_other": (hd["logit_other"] / co).numpy(),
-            "logit_share_spike": spike(ls / lf),
-            "alpha_1": (hd["alpha"] / N).numpy(),
-            "alpha_1_spike_only": spike(hd["alpha_spike"] / N),
-            "alpha_1_no_spike": spike(hd["alpha_rest"] / N),
-            **{k: v.float()[kv_of].numpy() for k, v in knorm.items()},
-        }
-    )
+def _part_share(full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """The share (part . full) / |full|^2 of each vector along the last dim."""
+    return (full * part).sum(-1) / full.pow(2).sum(-1).clamp_min(TINY)
 
 
 def constancy(kept: dict) -> dict:
@@ -908,6 +788,7 @@ def norm_gain_accumulator(
 
 
 @share_parameters(norm_gain_accumulator)
+@parameters_from(pass_options)
 def norm_gain_trace(
     model: SinkModel,
     tokens,
@@ -944,10 +825,8 @@ def norm_gain_trace(
         The spike criterion (see ``analysis.massive_activations``).
     n_other : int
         Ordinary tokens per sequence kept for the cross-input cosine.
-    batch_size : int, optional
-        Sequences per batch (default: ``analysis.engine.passes.default_batch_size``).
-    kind : str, optional
-        The input kind, a label ("natural", "random").
+    batch_size, kind
+        As in :func:`pass_options`.
     resid : dict of int to torch.Tensor, optional
         {block: the residual entering it, (N, T, D)} kept by a pass over the same tokens and batches
         (``Profile.resid``): the pass then starts at the last kept block at or before ``layer`` instead of at the
