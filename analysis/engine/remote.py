@@ -345,10 +345,10 @@ def remote_pass(
     req = plan_requests(N, [p[0] for p in plan], per=per, fixed=fixed)
     bs = min(batch_size or req.samples, req.samples)  # never a request over the limit
     requests, sent = 0, 0
-    by_layer = {p[0]: p for p in plan}
     for start in range(0, N, bs):
         batch = make_batch(tokens[start : start + bs], start)
-        for group in req.layer_groups:
+        by_layer = {p[0]: p for p in (pass_plan(model, accumulators) if start else plan)}  # a reduction may follow
+        for group in req.layer_groups:  # what was folded (the key manifold's scatter heads, chosen on the first batch)
             got = trace_batch(model, batch.tokens, [by_layer[l] for l in group], remote=remote)
             requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
             for j, layer, r in got:
