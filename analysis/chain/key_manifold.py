@@ -493,55 +493,40 @@ class ScatterKeys:
         return {h: torch.cat(self.kept[h]) for h in dict.fromkeys(order) if self.kept.get(h)}
 
 
-def key_vectors(acts: dict, *, spec, layer: int, rotated: bool, n_kv_heads: int):
-    """The queries (B, T, H, d; None where not read) and keys (B, T, H_kv, d) the attention of ``layer`` uses, float32:
-    after the rotary (before it with ``rotated=False``) per the family spec (``rotate_as_spec``); a remote trace
-    (``spec`` None) reads them after the rotary at the attention function.
-
-    Parameters
-    ----------
-    acts : dict
-        {"k": keys, "q": queries (optional)}, as the spec's hooks hand them.
-    spec : FamilySpec or None
-    layer : int
-    rotated : bool
-    n_kv_heads : int
-
-    Returns
-    -------
-    q, k : torch.Tensor or None, torch.Tensor
-    """
+def _vectors(acts: dict, spec, layer: int, rotated: bool, n_kv_heads: int):
+    """The queries (None where not read) and the KV heads' keys the attention of ``layer`` uses, float32: per the family
+    spec (``rotate_as_spec``), or where ``spec`` is None (a remote trace) as read, after the rotary."""
     turn = (lambda x: x.float()) if spec is None else (lambda x: rotate_as_spec(x, spec, layer, rotated=rotated))
     return (turn(acts["q"]) if "q" in acts else None), kv_view(turn(acts["k"]), n_kv_heads)
 
 
 def key_stats(acts: dict, *, n_heads: int, heads, keep, pick: bool, **where) -> dict:
-    """One layer's reduce for the first-key manifold (float64 sums over the batch): of the analysed KV heads the other
-    keys' sum, Gram and unit-vector sum ("sum", "unit_sum" (S, d), "gram" (S, d, d)), the norms of the first and the
-    other keys ("k1_norm", "kj_norm" (S,)), the first keys and the keys at T // 2 ("ends", (B, 2, S, d)); per query
-    head sum_t cos(q_t, k_1), sum_t sum_{1<j<=t} cos(q_t, k_j) and alpha_1 ("cos_q_k1", "cos_q_kj", "alpha" (H,));
-    all keys of the ``keep`` heads ("keys", (B, T, n, d)), and with ``pick`` each layer's scatter candidates after
-    them: the analysed KV heads of largest and smallest alpha_1 ("picks" into ``heads``, "alpha_kv" (S,)).
+    """One layer's reduce for the first-key manifold, float64 sums over the batch where they are sums.
 
     Parameters
     ----------
     acts : dict
-        {"k": keys; "q" queries and "pattern" (the map or ``AttentionWeights``) on an analysed layer}.
+        {"k": keys; on an analysed layer also "q" and "pattern" (the map or ``AttentionWeights``)}.
     n_heads : int
     heads : list of int or None
-        The analysed KV heads (None: a layer read for the scatter only).
+        The analysed KV heads (S of them; None: a layer read for the scatter only).
     keep : list of int
         The KV heads whose keys at every position come back (the scatter's).
     pick : bool
-        Return the scatter's candidates (its automatic choice, on the first batch).
+        Also return the layer's scatter candidates (the automatic choice, on the first batch).
     **where
-        ``spec``, ``layer``, ``rotated``, ``n_kv_heads``: as in :func:`key_vectors`.
+        ``spec``, ``layer``, ``rotated``, ``n_kv_heads``: how the keys are read (``rotate_as_spec``).
 
     Returns
     -------
     dict of str to torch.Tensor
+        "keys" (B, T, n, d) of ``keep``, then (``pick``) of the analysed KV heads of largest and smallest alpha_1
+        ("picks" into ``heads``, scored by "alpha_kv" (S,)); the other keys' "sum", "unit_sum" (S, d) and "gram"
+        (S, d, d), "k1_norm" and "kj_norm" (S,), the first keys and the keys at T // 2 ("ends", (B, 2, S, d)); per
+        query head sum_t cos(q_t, k_1), sum_t sum_{1<j<=t} cos(q_t, k_j) and alpha_1 ("cos_q_k1", "cos_q_kj",
+        "alpha" (H,)).
     """
-    q, kk = key_vectors(acts, **where)
+    q, kk = _vectors(acts, **where)
     out = {"keys": kk[:, :, keep]}
     if heads is None:
         return out
@@ -610,25 +595,18 @@ class KeyManifoldAccumulator(Accumulator):
             out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)} if l in self.index else {"k": k}
         return out
 
-    def _where(self, layer: int) -> dict:
-        return {"spec": self.spec, "layer": layer, "rotated": self.rotated, "n_kv_heads": self.K}
+    def _where(self, layer: int) -> dict:  # no layer where no spec turns the keys: layers of one shape reduce alike
+        return {"spec": self.spec, "layer": layer if self.spec else None, "rotated": self.rotated, "n_kv_heads": self.K}
 
     def vectors(self, layer: int, acts: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The queries and keys the attention of ``layer`` uses (:func:`key_vectors`)."""
-        return key_vectors(acts, **self._where(layer))
+        """The queries (B, T, H, d; None where not read) and keys (B, T, H_kv, d) the attention of ``layer`` uses."""
+        return _vectors(acts, **self._where(layer))
 
     def reduction(self, layer: int) -> Reduction:
-        analysed = layer in self.index
-        return Reduction(
-            key_stats,
-            {
-                "n_heads": self.H,
-                "heads": self.heads if analysed else None,
-                "keep": self.scatter.keep(layer),
-                "pick": analysed and self.scatter.auto and self.scatter.batch_no == 0,
-                **self._where(layer),
-            },
-        )
+        mine = layer in self.index  # else a layer read for the scatter only
+        pick = mine and self.scatter.auto and self.scatter.batch_no == 0  # the scatter's candidates, on the first batch
+        keep, heads = self.scatter.keep(layer), self.heads if mine else None
+        return Reduction(key_stats, dict(n_heads=self.H, heads=heads, keep=keep, pick=pick, **self._where(layer)))
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
@@ -678,32 +656,24 @@ class KeyManifoldAccumulator(Accumulator):
             other_evr = torch.as_tensor(evr_cum, dtype=torch.float32).reshape(L, S, d)
             return self._result(pd.DataFrame(self._rows(cols, per_q)), first_evr, other_evr, per_q)
 
-    def _rows(self, cols: dict, per_q: dict) -> list[dict]:
-        """One table row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head) order) joined
-        with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's query heads."""
-        N, n_other, S = self.n, self.n * (self.T - 1), len(self.heads)
-        group = {name: group_reduce(x, self.group, how="mean")[:, self.heads].tolist() for name, x in per_q.items()}
-        a1_max = group_reduce(per_q["alpha_1"], self.group, how="max")[:, self.heads].tolist()
-        k1, kj = (self.sums.host("k1_norm", ()) / N).tolist(), (self.sums.host("kj_norm", ()) / n_other).tolist()
-        rows = []
-        for i, l in enumerate(self.layers):
-            for j, h in enumerate(self.heads):
-                qh = [x for x in range(self.H) if x // self.group == h]
-                rows.append(
-                    {
-                        "layer": l,
-                        "kv_head": h,
-                        "query_heads": ",".join(map(str, qh)),
-                        "alpha_1_mean": group["alpha_1"][i][j],
-                        "alpha_1_max": a1_max[i][j],
-                        "k1_norm": k1[i][j],
-                        "kj_norm": kj[i][j],
-                        **{k: v[i * S + j] for k, v in cols.items()},
-                        "cos_q_k1": group["cos_q_k1"][i][j],
-                        "cos_q_kj": group["cos_q_kj"][i][j],
-                    }
-                )
-        return rows
+    def _rows(self, cols: dict, per_q: dict) -> dict[str, list]:
+        """The table's columns, one row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head)
+        order) joined with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's
+        query heads."""
+        N, g, h = self.n, self.group, self.sums.host
+        by_kv = lambda x, how="mean": group_reduce(x, g, how=how)[:, self.heads].flatten().tolist()  # noqa: E731
+        return {
+            "layer": [l for l in self.layers for _ in self.heads],
+            "kv_head": self.heads * len(self.layers),
+            "query_heads": [",".join(map(str, range(k * g, (k + 1) * g))) for k in self.heads] * len(self.layers),
+            "alpha_1_mean": by_kv(per_q["alpha_1"]),
+            "alpha_1_max": by_kv(per_q["alpha_1"], "max"),
+            "k1_norm": (h("k1_norm", ()) / N).flatten().tolist(),
+            "kj_norm": (h("kj_norm", ()) / (N * (self.T - 1))).flatten().tolist(),
+            **cols,
+            "cos_q_k1": by_kv(per_q["cos_q_k1"]),
+            "cos_q_kj": by_kv(per_q["cos_q_kj"]),
+        }
 
     def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
         table["norm_ratio"] = table.k1_norm / table.kj_norm
