@@ -7,7 +7,8 @@ together, so a table computed remotely is the one computed here, by the same ope
 layers give the residual stream (``hook_resid_pre`` their input, ``hook_resid_post`` their output) and each
 attention layer's call to transformers' attention function gives q, k and v after the rotary, the mask, the scale
 and the soft cap (``hook_q``/``hook_k``/``hook_v``, ``hook_pattern`` as :class:`AttentionWeights` with the rows'
-log-sum-exp, ``hook_z``). Nothing T x T, and never q, k or the residual stream, leaves the model's side.
+log-sum-exp, ``hook_z``). Nothing T x T, and never q or the residual stream, leaves the model's side; keys only where
+asked (the key manifold's first keys, and its scatter's: each layer's two candidates on the first batch).
 
 The reductions ship by value (:func:`register_shipped`: NDIF does not have this package); what they reach must be
 torch, numpy, math and typing (``tests/engine/test_nnsight.py`` walks every reduction's closure to check it). A

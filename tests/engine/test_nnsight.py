@@ -490,8 +490,8 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
 
 
 def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
-    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, value
-    norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
+    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, key
+    manifold, value norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
     section is refused before any work, with the reason in its JSON."""
     import json
 
@@ -516,6 +516,7 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     assert not _same(g["random"], w["random"]) and g["activation_map_layer"] == w["activation_map_layer"]
     assert got["sections"]["views"] == want["sections"]["views"]  # the layers drawn and the sequence
     assert not _same(got["sections"]["sink_kind"], want["sections"]["sink_kind"])  # W_O read in the trace
+    assert not _same(got["sections"]["key_manifold"], want["sections"]["key_manifold"])  # the scatter's keys included
     g, w = got["sections"]["value_norms"], want["sections"]["value_norms"]
     assert not _same(
         {k: v for k, v in g.items() if k != "correlation"}, {k: v for k, v in w.items() if k != "correlation"}
