@@ -571,7 +571,6 @@ class KeyManifoldAccumulator(Accumulator):
         scatter: ScatterKeys,
         *,
         rotated: bool = True,
-        scatter_layers=(),
         kind: str | None = None,
     ):
         facts = model_facts(model)
@@ -581,7 +580,6 @@ class KeyManifoldAccumulator(Accumulator):
         self.spec = spec = facts.family  # None: a model loaded for a remote trace (no FamilySpec)
         self.rotary = spec.rotary if spec else rotary_base(model) is not None
         self.skipped = spec.skipped_text() if spec else facts.skipped
-        self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
         self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.sums = RunningSums(len(self.layers))  # on each layer's device until the result
@@ -590,7 +588,7 @@ class KeyManifoldAccumulator(Accumulator):
 
     def hooks(self):
         out = {}
-        for l in [*self.layers, *self.scatter_layers]:  # the spec's hooks; rotate_as_spec makes them rotated or not
+        for l in sorted({*self.layers, *(l for l, _ in self.scatter.kept)}):  # the spec's hooks, rotated as asked
             q, k = qk_hook_names(self.model, l) if self.spec else (act_name("rot_q", l), act_name("rot_k", l))
             out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)} if l in self.index else {"k": k}
         return out
@@ -856,7 +854,6 @@ def key_manifold_accumulator(
         n_components,
         ScatterKeys(explicit, auto),
         rotated=rotated,
-        scatter_layers=[l for l, _ in explicit],
         kind=kind,
     )
 
