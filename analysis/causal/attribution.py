@@ -12,7 +12,6 @@ import pandas as pd
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.core.io import jsonable
 from analysis.core.docs import parameters_from
 from analysis.core.results import Result, pass_options
 from analysis.model.hooks import check_heads, check_tokens
@@ -112,18 +111,7 @@ class AttributionCheck(Result):
             f"(relative error {p['relative_error']:.2f})."
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "ablation": self.ablation,
-                "heads": [list(h) for h in self.heads],
-                "queries": self.queries,
-                "pooled": self.pooled(),
-                "per_head": self.table(),
-                "text": self.text(),
-            }
-        )
+    json_fields = ("ablation", "heads", "queries", "pooled", "per_head=table")
 
 
 @parameters_from(pass_options)

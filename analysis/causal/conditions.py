@@ -14,7 +14,7 @@ linear-attention / Mamba layers are skipped, results keep the true layer index a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -25,7 +25,7 @@ from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
-from analysis.core.docs import fill_parameters
+from analysis.core.docs import fill_parameters, model_tokens, parameters_from
 from analysis.sinks.metric import SinkResult, alpha_from_pattern, check_eps
 
 WHERE_KEYS = ("first", "previous", "self", "other")
@@ -340,16 +340,8 @@ def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> 
 def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
     """A resumed pass completed with the baseline's alpha and attention shares on the layers before it."""
     early = [i for i, l in enumerate(base.layers) if l < run.layers[0]] if run.layers else list(range(len(base.layers)))
-    return PassResult(
-        torch.cat([base.alpha[:, early], run.alpha], 1),
-        torch.cat([base.where[early], run.where]),
-        run.loss,
-        run.eps,
-        run.T,
-        base.layers,
-        base.skipped,
-        run.loss_first,
-    )
+    alpha, where = torch.cat([base.alpha[:, early], run.alpha], 1), torch.cat([base.where[early], run.where])
+    return replace(run, alpha=alpha, where=where, layers=base.layers, skipped=base.skipped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,15 +513,14 @@ def baseline_from(results: list, *, resid: dict | None = None) -> Baseline:
     return Baseline(run, first, values["heads"], values["v1"], dict(resid or {}))
 
 
+@parameters_from(model_tokens)
 def baseline_pass(model: SinkModel, tokens, *, eps: float = SINK_EPS, batch_size: int | None = None) -> Baseline:
     """One pass of the unchanged model with everything the three interventions need.
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     eps : float
         The sink threshold.
     batch_size : int, optional
@@ -549,15 +540,14 @@ fill_parameters(baseline_accumulators, baseline_pass)
 fill_parameters(run_condition, baseline_pass)
 
 
+@parameters_from(model_tokens)
 def baseline_for(model: SinkModel, tokens, baseline: Baseline | None, eps: float, batch_size) -> Baseline:
     """A given baseline checked against these tokens and eps or, when None, the :func:`baseline_pass` of the tokens.
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     baseline : Baseline or None
     eps : float
         The sink threshold.

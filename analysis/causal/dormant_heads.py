@@ -59,7 +59,10 @@ from analysis.model.hooks import (
     model_dims,
     skipped_note,
 )
-from analysis.engine.passes import batches
+from analysis.engine.attention import attention_of
+from analysis.engine.passes import Reduction, batches
+from analysis.engine.remote import grad_trace, plan_requests
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported, TraceWeight
 from analysis.model.access import head_output_weights
 from analysis.sinks.metric import check_eps, slot_share
 from analysis.causal.dormant_result import DormantHeads, check_quantile, check_sink_positions, first_query
@@ -87,10 +90,7 @@ def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Ten
     dict of int to torch.Tensor
         {layer: (H, d_head, d_head)}.
     """
-    out = {}
-    for l in layers:
-        out[l] = head_gram(head_output_weights(model, l))  # ModelContractError where the layer has none
-    return out
+    return {l: head_gram(head_output_weights(model, l)) for l in layers}  # ModelContractError where a layer has none
 
 
 def head_gram(W: torch.Tensor) -> torch.Tensor:
@@ -130,6 +130,7 @@ class _BatchHooks:
     def __init__(self, layers, grams, sink_sel, raw: bool, z_mean: torch.Tensor | None = None):
         self.layers, self.grams, self.sink_sel, self.raw, self.z_mean = layers, grams, sink_sel, raw, z_mean
         self.z: dict[int, torch.Tensor] = {}
+        self.pattern: dict[int, torch.Tensor] = {}
         self.got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("sink", "slot", "mass", "norm")}
 
     def hooks(self, model) -> list:
@@ -148,14 +149,7 @@ class _BatchHooks:
 
     def on_pattern(self, l):
         def f(x, hook):
-            with torch.no_grad():
-                p = x.detach().float()  # (B, H, T, T)
-                if isinstance(self.sink_sel, torch.Tensor):
-                    sink = (p * self.sink_sel[:, None, None, :].to(p)).sum(-1)
-                else:
-                    sink = p[..., list(self.sink_sel)].sum(-1)
-                self.got["sink"][l] = sink.cpu()
-                self.got["slot"][l] = slot_share(x.detach()).cpu()  # zero within a bf16 row's rounding
+            self.pattern[l] = x.detach()  # reduced with z at hook_z, which fires next
 
         return f
 
@@ -169,20 +163,89 @@ class _BatchHooks:
     def on_z(self, l):
         def f(x, hook):
             self.z[l] = x
-            with torch.no_grad():
-                z = x.detach().float()  # (B, T, H, d)
-                sq = torch.einsum("bthd,hde,bthe->bht", z, self.grams[l].to(z.device), z)
-                self.got["norm"][l] = sq.clamp_min(0).sqrt().cpu()
+            acts = {"pattern": self.pattern.pop(l), "z": x}
+            for k, v in head_stats(acts, sinks=self.sink_sel, gram=self.grams[l]).items():
+                self.got[k][l] = v.cpu()
             return x  # returned so that the bridge uses this very tensor downstream (the gradient reaches it)
 
         return f
+
+
+def head_stats(acts: dict, *, sinks, gram: torch.Tensor | None = None, W_O: torch.Tensor | None = None) -> dict:
+    """One attention layer's statistics per head and query, (B, H, T) float32 each: "sink", the attention on the sink
+    keys; "slot", the share on an extra slot; "norm", the norm of the head's output |z W_O| = sqrt(z G z), G = W_O
+    W_O^T (``gram``, or from ``W_O`` read where the trace runs). A reduction of {"pattern", "z"}: the bridge's hooks
+    and a remote trace run the same operations.
+
+    Parameters
+    ----------
+    acts : dict
+        "pattern": (B, H, T, T) or AttentionWeights; "z": (B, T, H, d_head).
+    sinks : sequence of int, or torch.Tensor of shape (B, T)
+        0-based sink key positions, or a mask of sink keys per sequence.
+    gram, W_O : torch.Tensor, optional
+        (H, d_head, d_head), or (H, d_head, d_model); one of them.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    with torch.no_grad():
+        a = attention_of(acts["pattern"])
+        if isinstance(sinks, torch.Tensor):
+            sink = a.weighted(sinks[:, None, :].expand(-1, a.shape[1], -1).float())
+        else:
+            sink = a.columns(max(sinks) + 1)[..., list(sinks)].sum(-1)
+        z = acts["z"].detach().float()
+        G = (head_gram(W_O) if gram is None else gram).to(z)
+        norm = torch.einsum("bthd,hde,bthe->bht", z, G, z).clamp_min(0).sqrt()
+        return {"sink": sink, "slot": slot_share(acts["pattern"]), "norm": norm}
+
+
+def grad_effects(acts: dict, *, z_mean: torch.Tensor | None = None) -> dict:
+    """Each head's loss effect per query by gradient x activation, (B, H, T) float32: "effect", of removing its output
+    (z set to 0), -dL/dz . z; with the head's mean output ``z_mean`` (H, d_head), "effect_mean", of setting z to it,
+    -dL/dz . (z - z_mean). A reduction of {"z", "grad"} after the backward pass, here or next to a remote model.
+
+    Parameters
+    ----------
+    acts : dict
+        "z" and "grad" (dL/dz), (B, T, H, d_head).
+    z_mean : torch.Tensor, optional
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    g, z = acts["grad"].float(), acts["z"].detach().float()
+    effect = -(g * z).sum(-1)  # (B, T, H)
+    out = {"effect": effect.permute(0, 2, 1)}
+    if z_mean is not None:
+        out["effect_mean"] = (effect + torch.einsum("bthd,hd->bth", g, z_mean.to(g))).permute(0, 2, 1)
+    return out
+
+
+def summed_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The batch's summed next-token loss: what the backward pass differentiates.
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, T, V)
+    tokens : torch.Tensor, shape (B, T)
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar.
+    """
+    return sequence_losses(logits, tokens).sum()
 
 
 def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch.Tensor]:
     """One batch: forward with the hooks, backward of the summed loss to every head's output; (B, L, H, T) each."""
     with torch.inference_mode(False), torch.enable_grad(), _no_weight_grads(model):
         logits = model.run_with_hooks(tokens, fwd_hooks=hk.hooks(model))
-        loss = sequence_losses(logits, tokens).sum()
+        loss = summed_loss(logits, tokens)
         missing = [l for l in hk.layers if l not in hk.z or not hk.z[l].requires_grad]
         if missing:
             raise ModelContractError(
@@ -190,21 +253,49 @@ def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch
                 "loss effect needs the heads' outputs (`blocks.{l}.attn.hook_z`) to feed the model."
             )
         grads = torch.autograd.grad(loss, [hk.z[l] for l in hk.layers], allow_unused=True)
-    effect, effect_mean = {}, {}
-    for i, (l, g) in enumerate(zip(hk.layers, grads)):
-        if g is None:  # a layer whose output reaches no loss (cannot happen for a causal LM; kept defensive)
-            g = torch.zeros_like(hk.z[l])
-        g = g.float()
-        effect[l] = -(g * hk.z[l].detach().float()).sum(-1)  # (B, T, H): -dL/dz . z, removal = z set to 0
-        if hk.z_mean is not None:  # removal = z set to the head's mean output: -dL/dz . (z - z_mean)
-            effect_mean[l] = effect[l] + torch.einsum("bthd,hd->bth", g, hk.z_mean[i].to(g))
-    out = {"effect": torch.stack([effect[l].permute(0, 2, 1).cpu() for l in hk.layers], 1)}
-    if effect_mean:
-        out["effect_mean"] = torch.stack([effect_mean[l].permute(0, 2, 1).cpu() for l in hk.layers], 1)
+    effects = [  # a layer whose output reaches no loss (cannot happen for a causal LM) has none: zeros
+        grad_effects(
+            {"z": hk.z[l], "grad": torch.zeros_like(hk.z[l]) if g is None else g},
+            z_mean=None if hk.z_mean is None else hk.z_mean[i],
+        )
+        for i, (l, g) in enumerate(zip(hk.layers, grads))
+    ]
+    out = {k: torch.stack([e[k].cpu() for e in effects], 1) for k in effects[0]}
     for k, per in hk.got.items():
         if per:
             out[k] = torch.stack([per[l] for l in hk.layers], 1)
     return out
+
+
+def _remote_forward_backward(
+    model: NnsightModel, tokens: torch.Tensor, layers: list[int], sinks, z_mean, *, batch_size: int | None
+) -> dict[str, torch.Tensor]:
+    """:func:`_forward_backward` for a model loaded through nnsight: one trace with its backward pass per request
+    (``analysis.engine.remote.grad_trace``), :func:`head_stats` and :func:`grad_effects` run in it (W_O read there);
+    the requests cut under NDIF's size limit by the five (B, H, T) statistics each layer returns (``batch_size``, the
+    sequences per request, at most what fits)."""
+    N, T = tokens.shape
+    req = plan_requests(N, layers, per=5 * model_dims(model).n_heads * T * 4)
+    bs = min(batch_size or req.samples, req.samples)  # NDIF's limit, not this machine's memory, sets the default
+    chunks: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, N, bs):
+        sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + bs]
+        got = {}
+        for group in req.layer_groups:
+            jobs = {
+                l: (
+                    Reduction(head_stats, {"sinks": sel, "W_O": TraceWeight("W_O", l)}),
+                    Reduction(grad_effects, {"z_mean": None if z_mean is None else z_mean[layers.index(l)]}),
+                )
+                for l in group
+            }
+            with _no_weight_grads(model):
+                got.update(
+                    {l: {**f, **b} for l, f, b in grad_trace(model, tokens[start : start + bs], jobs, summed_loss)}
+                )
+        for k in got[layers[0]]:
+            chunks.setdefault(k, []).append(torch.stack([got[l][k] for l in layers], 1))
+    return {k: torch.cat(v) for k, v in chunks.items()}
 
 
 def grad_batch_size(T: int) -> int:
@@ -301,8 +392,11 @@ def dormant_heads(
         active = torch.as_tensor(active).bool().cpu()
         if tuple(active.shape) != (N, T):
             raise ValueError(f"active must be an (N, T) bool mask like the tokens {(N, T)}; got {tuple(active.shape)}.")
-    grams = output_grams(model, layers)
-    raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
+    remote = isinstance(model, NnsightModel)  # its traces read W_O and run the backward where the model runs
+    if remote and exact:
+        raise NnsightUnsupported(
+            "exact removal effects rerun the model once per head: give exact=False through nnsight."
+        )
     first = first_query(sinks, eps=eps)
     if first > T - 2:
         raise ValueError(
@@ -310,8 +404,15 @@ def dormant_heads(
             f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}."
         )
     z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
-    batch_hooks = lambda sel: _BatchHooks(layers, grams, sel, raw, z_mean)  # the hooks of one batch's sink keys
-    full = _forward_backward(model, tokens, sinks, batch_hooks, batch_size=batch_size, progress=progress)
+    if remote:
+        full = _remote_forward_backward(model, tokens, layers, sinks, z_mean, batch_size=batch_size)
+    else:
+        grams, raw = (
+            output_grams(model, layers),
+            all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers),
+        )
+        batch_hooks = lambda sel: _BatchHooks(layers, grams, sel, raw, z_mean)  # the hooks of one batch's sink keys
+        full = _forward_backward(model, tokens, sinks, batch_hooks, batch_size=batch_size, progress=progress)
     slot = full.get("slot")
     if exact:
         full.update(_exact_effects(model, tokens, layers, z_mean, first=first, progress=progress))

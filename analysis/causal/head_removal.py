@@ -10,10 +10,20 @@ from typing import Sequence
 
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.access import vocab_size
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_attention_layers, check_heads, check_tokens
-from analysis.engine.passes import Accumulator, Batch, ResidCapture, Resume, can_resume, resume_from, run_pass
+from analysis.engine.passes import (
+    Accumulator,
+    Batch,
+    Reduction,
+    ResidCapture,
+    Resume,
+    can_resume,
+    resume_from,
+    run_pass,
+)
 
 
 def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -40,6 +50,24 @@ def sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nll.view(B, T).sum(-1)
 
 
+def head_sums(acts: dict, *, first: int) -> torch.Tensor:
+    """A layer's summed head outputs z over the queries ``first``..T-2, (H, d_head) float64: the reduction of
+    :func:`head_means` (torch only: it runs next to a remote model too).
+
+    Parameters
+    ----------
+    acts : dict
+        "z": (B, T, H, d_head).
+    first : int
+        The first query summed over.
+
+    Returns
+    -------
+    torch.Tensor, shape (H, d_head)
+    """
+    return acts["z"][:, first:-1].double().sum((0, 1))
+
+
 class _HeadMeans(Accumulator):
     """Each head's mean z over the queries first..T-2 of every sequence (``hook_z``), (L, H, d_head) float32."""
 
@@ -51,16 +79,19 @@ class _HeadMeans(Accumulator):
     def hooks(self):
         return {l: {"z": act_name("z", l)} for l in self.layers}
 
-    def update(self, layer: int, acts, batch: Batch) -> None:
-        z = acts["z"][:, self.first : -1].double()  # (B, Q, H, d)
-        self.sums[layer] = self.sums.get(layer, 0) + z.sum((0, 1)).cpu()
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(head_sums, {"first": self.first})
+
+    def fold(self, layer: int, stats: torch.Tensor, batch: Batch) -> None:
+        self.sums[layer] = self.sums.get(layer, 0) + stats.cpu()
         if layer == self.layers[0]:
-            self.n += z.shape[0] * z.shape[1]
+            self.n += batch.size * (batch.tokens.shape[1] - 1 - self.first)
 
     def result(self) -> torch.Tensor:
         return torch.stack([self.sums[l] / self.n for l in self.layers]).float()
 
 
+@parameters_from(model_tokens)
 def head_means(
     model: SinkModel, tokens, layers: Sequence[int], *, first: int = 1, batch_size: int | None = None
 ) -> torch.Tensor:
@@ -69,10 +100,8 @@ def head_means(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     layers : sequence of int
         Attention layers (true indices).
     first : int

@@ -37,6 +37,7 @@ from analysis.model.hooks import (
     ModelContractError,
     act_name,
     check_attention_layers,
+    check_dims,
     check_heads,
     check_layers,
     check_tokens,
@@ -45,7 +46,6 @@ from analysis.model.hooks import (
     per_query_head,
 )
 from analysis.core.docs import parameters_from
-from analysis.core.io import jsonable
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.passes import Batch
@@ -105,28 +105,29 @@ def _leave_one_out(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share):
-    """{resid_post layer: [dims]} of the first token's spikes (found, or given as a dict)."""
-    D = model_dims(model).d_model
+def _spike_dims(model, tokens, spike_dims, hook, abs_threshold, ratio_threshold, min_share, *, every_layer=False):
+    """{layer: dims} of the first token's spikes at ``hook`` (found, given as a dict, or with ``every_layer`` one list for
+    every layer) and how they were chosen ("found", "given")."""
     if spike_dims is None:
         return first_token_spike_dims(
             model,
             tokens,
-            hook="resid_post",
+            hook=hook,
             abs_threshold=abs_threshold,
             ratio_threshold=ratio_threshold,
             min_share=min_share,
         ), "found"
     if not isinstance(spike_dims, Mapping):
-        raise ValueError(
-            "spike_dims must be a dict {layer: [dims]} of the residual stream (hook_resid_post) layers "
-            "where the first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them."
-        )
-    out = {l: sorted({int(d) for d in spike_dims[l]}) for l in check_layers(model, list(spike_dims))}
-    bad = sorted({d for ds in out.values() for d in ds if not 0 <= d < D})
-    if bad:
-        raise ValueError(f"spike dims {bad} out of range: d_model is {D}.")
-    return {l: d for l, d in out.items() if d}, "given"
+        if not every_layer:
+            raise ValueError(
+                f"spike_dims must be a dict {{layer: [dims]}} of the residual stream (hook_{hook}) layers where the "
+                "first token carries them (e.g. MassiveActivations.first_token_dims), or None to find them."
+            )
+        spike_dims = dict.fromkeys(range(model_dims(model).n_layers), spike_dims)
+    D = model_dims(model).d_model or 0
+    layers = check_layers(model, list(spike_dims))
+    given = {l: check_dims(ds, D, name="spike dims") for l, ds in zip(layers, spike_dims.values())}
+    return {l: d for l, d in given.items() if d}, "given"
 
 
 def _appear_layers(spikes: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -202,18 +203,7 @@ class SpikeAblation(Result):
             f"other inputs gives {s.loc['mean', 'sink_1_pct']:.1f}% and {s.loc['mean', 'loss']:.3f}."
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "spike_dims": self.spike_dims,
-                "where": self.where,
-                "has_spike": self.has_spike,
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("spike_dims", "where", "has_spike", "message", "*tables")
 
 
 class SpikeSetter:
@@ -249,28 +239,15 @@ class SpikeSetter:
         return x
 
 
-def _no_spike(model, base: PassResult, where: str, abs_threshold, ratio_threshold, min_share) -> SpikeAblation:
+def _spike_message(model, spikes: dict, how: str, skipped: str, abs_threshold, ratio_threshold, min_share) -> str:
+    """How :func:`spike_ablation`'s dims were chosen or, with none, why there is nothing to ablate."""
+    if spikes:
+        return f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (f" {skipped}" if skipped else "")
     name = getattr(model, "model_name", None) or "the model"
-    msg = (
+    return (
         f"The first token of {name} carries no spike: no residual dim passes "
         f"{criterion_text(abs_threshold, ratio_threshold)} on {min_share:.0%} of samples, so there is "
         "nothing to ablate (only the baseline is reported). Lower the thresholds or pass spike_dims."
-    )
-    conditions = pd.DataFrame(
-        [{"condition": "baseline", "sink_1_pct": base.sink_rate(1), "loss": base.loss, "delta_loss": 0.0}]
-    )
-    per_layer = pd.DataFrame({"layer": base.layers, "baseline": base.sink_per_layer().numpy()})
-    return SpikeAblation(
-        {},
-        where,
-        False,
-        msg,
-        conditions,
-        per_layer,
-        {},
-        {"baseline": base},
-        getattr(model, "model_name", None),
-        n_samples=base.alpha.shape[0],
     )
 
 
@@ -322,19 +299,17 @@ def spike_ablation(
     tokens = check_tokens(model, tokens)
     if where not in ("all", "appear"):
         raise ValueError(f"where must be 'all' or 'appear'; got {where!r}.")
-    spikes, how = _spike_map(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
+    spikes, how = _spike_dims(model, tokens, spike_dims, "resid_post", abs_threshold, ratio_threshold, min_share)
     if where == "appear":
         spikes = _appear_layers(spikes)
     if spikes and tokens.shape[0] < 2:
         raise ValueError("the mean condition needs at least 2 sequences (a leave-one-out mean over the other inputs).")
     base = baseline_for(model, tokens, baseline, eps, batch_size)
-    if not spikes:
-        return _no_spike(model, base.run, where, abs_threshold, ratio_threshold, min_share)
     vals = {l: base.first_resid[:, l, spikes[l]].double() for l in spikes}  # (N, n_dims)
     loo = {l: _leave_one_out(v).float() for l, v in vals.items()}
     means = {f"{l}:{d}": float(vals[l][:, j].mean()) for l in spikes for j, d in enumerate(spikes[l])}
     results = {"baseline": base.run}
-    for mode in ("zero", "mean"):
+    for mode in ("zero", "mean") if spikes else ():  # without a spike only the baseline is reported
         setter = SpikeSetter(spikes, mode, loo)
         results[mode] = run_condition(
             model,
@@ -352,20 +327,10 @@ def spike_ablation(
         ]
     )
     per_layer = pd.DataFrame({"layer": base.run.layers, **{c: r.sink_per_layer().numpy() for c, r in results.items()}})
-    msg = f"{how} first-token spike dims: {dims_by_layer_text(spikes)}." + (
-        f" {base.run.skipped}" if base.run.skipped else ""
-    )
+    msg = _spike_message(model, spikes, how, base.run.skipped, abs_threshold, ratio_threshold, min_share)
+    name = getattr(model, "model_name", None)
     return SpikeAblation(
-        spikes,
-        where,
-        True,
-        msg,
-        conditions,
-        per_layer,
-        means,
-        results,
-        getattr(model, "model_name", None),
-        n_samples=tokens.shape[0],
+        spikes, where, bool(spikes), msg, conditions, per_layer, means, results, name, n_samples=len(tokens)
     )
 
 
@@ -430,16 +395,7 @@ class ValueAblation(Result):
             f"{h['first_contrib_norm'].mean():.2f} to head outputs of norm {h['output_norm'].mean():.2f}.",
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "sink_heads": [list(h) for h in self.sink_heads],
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("sink_heads", "message", "*tables")
 
 
 class ValueRemoval:
@@ -615,29 +571,31 @@ def value_ablation(
         how = f"found (alpha_1 > {eps} on >= {min_share:.0%} of samples)"
     else:
         how = "given"
-    rows = [
-        {
-            "condition": "baseline",
-            "n_heads": 0,
-            "loss": base.run.loss,
-            "delta_loss": 0.0,
-            "sink_1_pct": base.run.sink_rate(1),
-        }
-    ]
-    name = getattr(model, "model_name", None) or "the model"
-    N = tokens.shape[0]
+    rows, name = [_loss_row("baseline", 0, base.run, base.run.loss)], getattr(model, "model_name", None)
     if not heads:
-        msg = f"{name} has no sink heads (alpha_1 > {eps} on >= {min_share:.0%} of samples): nothing to ablate."
-        cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
-        return ValueAblation(
-            [], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, getattr(model, "model_name", None), n_samples=N
+        msg = (
+            f"{name or 'the model'} has no sink heads (alpha_1 > {eps} on >= {min_share:.0%} of samples): nothing to "
+            "ablate."
         )
+        cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
+        return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, name, n_samples=len(tokens))
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
     rows += _value_removal_rows(
         model, tokens, base, heads, eps=eps, batch_size=batch_size, later=later, all_heads=all_heads
     )
     msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
-    return ValueAblation(heads, pd.DataFrame(rows), table, msg, getattr(model, "model_name", None), n_samples=N)
+    return ValueAblation(heads, pd.DataFrame(rows), table, msg, name, n_samples=len(tokens))
+
+
+def _loss_row(condition: str, n_heads: int, r: PassResult, base_loss: float) -> dict:
+    """One row of ``ValueAblation.conditions``: a condition's loss, its change and Sink_1."""
+    return {
+        "condition": condition,
+        "n_heads": n_heads,
+        "loss": r.loss,
+        "delta_loss": r.loss - base_loss,
+        "sink_1_pct": r.sink_rate(1),
+    }
 
 
 def _value_removal_rows(
@@ -679,15 +637,7 @@ def _value_removal_rows(
             on_batch_start=removal.start,
             baseline=base,
         )
-        rows.append(
-            {
-                "condition": cname,
-                "n_heads": len(hs),
-                "loss": r.loss,
-                "delta_loss": r.loss - base.run.loss,
-                "sink_1_pct": r.sink_rate(1),
-            }
-        )
+        rows.append(_loss_row(cname, len(hs), r, base.run.loss))
     return rows
 
 
@@ -752,18 +702,7 @@ class FirstKeyAblation(Result):
             f"{a['sink_1']:.1f}%, Sink_2 {b['sink_2']:.1f}% -> {a['sink_2']:.1f}%; loss {b['loss']:.3f} -> {a['loss']:.3f}."
         ]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "layers": self.layers,
-                "spike_dims": self.spike_dims,
-                "has_spike": self.has_spike,
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("layers", "spike_dims", "has_spike", "message", "*tables")
 
 
 class FirstKeyRemoval:
@@ -799,33 +738,6 @@ class FirstKeyRemoval:
         k = k.clone()
         k[:, :1] -= kS.to(k.dtype)
         return k
-
-
-def _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share) -> tuple[dict, str]:
-    """{block: dims} of the stream each block's ln1 reads (found, given as a dict, or one list for every layer)."""
-    dims = model_dims(model)
-    if spike_dims is None:
-        spikes = first_token_spike_dims(
-            model,
-            tokens,
-            hook="resid_pre",
-            abs_threshold=abs_threshold,
-            ratio_threshold=ratio_threshold,
-            min_share=min_share,
-        )
-        how = "found"
-    elif isinstance(spike_dims, Mapping):
-        spikes = {
-            l: sorted({int(d) for d in ds}) for l, ds in zip(check_layers(model, list(spike_dims)), spike_dims.values())
-        }
-        how = "given"
-    else:
-        ds = sorted({int(d) for d in spike_dims})
-        spikes, how = {l: ds for l in range(dims.n_layers)}, "given"
-    bad = sorted({d for ds in spikes.values() for d in ds if not 0 <= d < (dims.d_model or 0)})
-    if bad:
-        raise ValueError(f"spike dims {bad} out of range: d_model is {dims.d_model}.")
-    return spikes, how
 
 
 @parameters_from(spike_ablation)
@@ -871,7 +783,9 @@ def first_key_ablation(
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
-    spikes, how = _input_spikes(model, tokens, spike_dims, abs_threshold, ratio_threshold, min_share)
+    spikes, how = _spike_dims(
+        model, tokens, spike_dims, "resid_pre", abs_threshold, ratio_threshold, min_share, every_layer=True
+    )
     attn = check_attention_layers(model)
     layers = (
         check_attention_layers(model, layers=layers)
@@ -881,43 +795,31 @@ def first_key_ablation(
     layers = [l for l in layers if spikes.get(l)]
     full = baseline_for(model, tokens, baseline, eps, batch_size) if k_max == K_MAX else None
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
-    results, N = {"baseline": base}, tokens.shape[0]
-    if not layers:
-        name = getattr(model, "model_name", None) or "the model"
+    results, name = {"baseline": base}, getattr(model, "model_name", None)
+    if layers:
+        removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
+        results["ablated"] = run_condition(
+            model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
+        )
+        msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
+            f" {base.skipped}" if base.skipped else ""
+        )
+    else:
         msg = (
-            f"The first token of {name} carries no spike in the stream any chosen layer reads "
+            f"The first token of {name or 'the model'} carries no spike in the stream any chosen layer reads "
             f"({criterion_text(abs_threshold, ratio_threshold)}, on {min_share:.0%} of samples): there is no "
-            "spike-driven key part "
-            "to remove. Pass spike_dims or lower the thresholds."
+            "spike-driven key part to remove. Pass spike_dims or lower the thresholds."
         )
-        return FirstKeyAblation(
-            [],
-            {},
-            False,
-            msg,
-            _fk_conditions(results, base.layers, k_max),
-            _fk_per_layer(results, k_max),
-            results,
-            getattr(model, "model_name", None),
-            n_samples=N,
-        )
-    removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
-    results["ablated"] = run_condition(
-        model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
-    )
-    msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
-        f" {base.skipped}" if base.skipped else ""
-    )
     return FirstKeyAblation(
         layers,
         {l: spikes[l] for l in layers},
-        True,
+        bool(layers),
         msg,
-        _fk_conditions(results, layers, k_max),
+        _fk_conditions(results, layers or base.layers, k_max),
         _fk_per_layer(results, k_max),
         results,
-        getattr(model, "model_name", None),
-        n_samples=N,
+        name,
+        n_samples=len(tokens),
     )
 
 

@@ -43,11 +43,9 @@ from analysis.core.defaults import (
     SINK_EPS,
     TINY,
 )
-from analysis.core.io import jsonable
 from analysis.core.results import Result, layers_text
-from analysis.core.stats import one_thread
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
+from analysis.engine.passes import Reduction, SummingAccumulator, run_pass
 from analysis.model.hooks import model_facts
 from analysis.model.contract import SinkModel
 from analysis.model.nnsight_model import TraceWeight, weights_in_trace
@@ -198,9 +196,9 @@ class SinkKinds(Result):
         out.append(crit)
         return out + ([self.skipped] if self.skipped else [])
 
-    def to_dict(self) -> dict:
-        """Header, the thresholds, the shares, every head's numbers and the text (NaN as None)."""
-        thresholds = {
+    def thresholds(self) -> dict:
+        """The thresholds the kinds were read with: the run's eps, first query and query count, and the defaults'."""
+        return {
             "eps": self.eps,
             "first_query": self.first,
             "min_queries": self.min_queries,
@@ -209,19 +207,8 @@ class SinkKinds(Result):
             "pr": KIND_BROADCAST_PR,
             "cos": KIND_BROADCAST_COS,
         }
-        return jsonable(
-            {
-                **self.header(),
-                "T": self.T,
-                "layers": self.layers,
-                "thresholds": thresholds,
-                "shares": self.shares(),
-                "by_layer": self.layer_table(),
-                "heads": self.heads,
-                **({"skipped": self.skipped} if self.skipped else {}),
-                "text": self.text(),
-            }
-        )
+
+    json_fields = ("T", "layers", "thresholds", "shares", "by_layer=layer_table", "heads", "skipped?")
 
 
 def _median(x: pd.Series) -> str:
@@ -229,7 +216,7 @@ def _median(x: pd.Series) -> str:
     return f"{x.median():.2f}" if len(x) else "undefined"
 
 
-class SinkKindAccumulator(Accumulator):
+class SinkKindAccumulator(SummingAccumulator):
     """Per layer and query head, running sums on the layer's device of alpha_1, the first and other values' norms,
     the output norms on sinking and other queries, and the within-sequence participation ratio and cosine.
 
@@ -248,14 +235,13 @@ class SinkKindAccumulator(Accumulator):
     """
 
     def __init__(self, model, layers, T: int, *, eps: float = SINK_EPS, kind: str | None = None):
+        super().__init__(layers)
         dims = model_facts(model).dims
-        self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
-        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.model, self.kind, self.H, self.K = model, kind, dims.n_heads, dims.n_kv_heads
         # |z W_O| = |z R|, R (H, d, d): from the weights here, or in the trace where they stay next to the model
         self.roots = None if weights_in_trace(model) else gram_roots(output_grams(model, self.layers))
         self.T, self.eps, self.first = int(T), float(eps), first_query((0,), eps=eps)
-        self.sums = RunningSums(len(self.layers))
-        self.n, self.min_queries = 0, KIND_MIN_QUERIES
+        self.min_queries = KIND_MIN_QUERIES
 
     def hooks(self):
         return {
@@ -275,17 +261,6 @@ class SinkKindAccumulator(Accumulator):
                 "min_queries": self.min_queries,
             },
         )
-
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        super().update(layer, acts, batch)
-
-    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
-        i = self.index[layer]
-        for name, x in stats.items():
-            self.sums.add(name, i, x)
-        if i == 0:
-            self.n += batch.size
 
     def result(self) -> SinkKinds:
         h, N, T, H = self.sums.host, self.n, self.T, (self.H,)

@@ -30,7 +30,6 @@ from analysis.chain.first_token_cause import why_first_token
 from analysis.chain.spike_writers import spike_origin
 from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, condition_rows, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
-from analysis.core.io import jsonable
 from analysis.engine.passes import ResidCapture, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.sinks.metric import check_eps
@@ -210,17 +209,7 @@ class SpikeCuts(Result):
                     )
         return out
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "neurons": {r: {str(b): n for b, n in v.items()} for r, v in self.neurons.items()},
-                "peak_block": self.peak_block,
-                "message": self.message,
-                **self.tables,
-                "text": self.text(),
-            }
-        )
+    json_fields = ("neurons", "peak_block", "message", "*tables")
 
 
 def _named(origin, role: str, share: float) -> dict[int, list[int]]:

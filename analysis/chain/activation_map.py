@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import check_layers, check_tokens, token_strings
 from analysis.engine.passes import Capture, run_pass
@@ -83,15 +84,14 @@ class ActivationMap(Result):
         return {**super().to_dict(), "layer": self.layer, "hook": self.hook}
 
 
+@parameters_from(model_tokens)
 def activation_map(model: SinkModel, tokens, layer: int, *, sample: int = 0, hook: str = "resid_post") -> ActivationMap:
     """|h| over (positions x dims) at one layer for one sequence.
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     layer : int
         The block.
     sample : int

@@ -27,7 +27,6 @@ from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, get_mlp, mlp_weights, norm_weights
 from analysis.model.hooks import act_name, check_tokens, model_facts
-from analysis.core.io import jsonable
 from analysis.model.key_path import NormParams
 from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.results import Result
@@ -218,17 +217,12 @@ class FirstTokenCause(Result):
     def _block_text(self, dim: int, block: int) -> str:
         c = self.contributions[(self.contributions.dim == dim) & (self.contributions.block == block)]
         neuron = int(c.neuron.iloc[0])
-        c = c[(c.neuron == neuron) & ~c.component.isin(["total", "constant", "hook"])]
+        mine = c[c.neuron == neuron]
+        c = mine[~mine.component.isin(["total", "constant", "hook"])]
         factor = "gate" if "gate" in set(c.factor) else "pre"
         f = c[c.factor == factor].assign(diff=lambda d: d["first"] - d["later"]).sort_values("diff", ascending=False)
         f = f[f["diff"] > 0.1 * max(float(f["diff"].clip(lower=0).sum()), TINY)]  # the parts that make the difference
-        tot = self.contributions[
-            (self.contributions.dim == dim)
-            & (self.contributions.block == block)
-            & (self.contributions.neuron == neuron)
-            & (self.contributions.factor == factor)
-            & (self.contributions.component == "total")
-        ].iloc[0]
+        tot = mine[(mine.factor == factor) & (mine.component == "total")].iloc[0]
         top = f.head(2)
         parts = (
             ", ".join(f"{r.component} ({r.first:+.3g} against {r.later:+.3g})" for r in top.itertuples())
@@ -281,10 +275,7 @@ class FirstTokenCause(Result):
             )
         return out
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {**self.header(), "later": self.later, "max_error": self.max_error, **self.tables, "text": self.text()}
-        )
+    json_fields = ("later", "max_error", "*tables")
 
 
 def _check_later(later, T: int) -> int:

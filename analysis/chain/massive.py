@@ -51,7 +51,7 @@ from analysis.model.hooks import (
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction, run_pass
 from analysis.core.results import Result, layer_runs, pass_options
 from analysis.core.reductions import top_k_abs
-from analysis.core.docs import parameters_from, share_parameters
+from analysis.core.docs import model_tokens, parameters_from, share_parameters
 from analysis.core.stats import flat_above, host_selection, lower_median, one_thread
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
@@ -659,6 +659,7 @@ def massive_accumulator(
 
 @share_parameters(massive_accumulator)
 @parameters_from(pass_options)
+@parameters_from(model_tokens)
 def massive_activations(
     model: SinkModel,
     tokens,
@@ -679,10 +680,8 @@ def massive_activations(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     layers : sequence of int, optional
         Blocks whose residual stream to read (default all).
     top_k : int
@@ -721,6 +720,7 @@ def massive_activations(
     return run_pass(model, tokens, [acc], batch_size=batch_size)[0]
 
 
+@parameters_from(model_tokens)
 def first_token_spike_dims(
     model: SinkModel,
     tokens,
@@ -736,10 +736,8 @@ def first_token_spike_dims(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     hook : {"resid_pre", "resid_post", "resid_mid"}
         "resid_pre": the stream block l reads; "resid_post": what block l writes.
     layers : sequence of int, optional
@@ -811,11 +809,9 @@ def massive_by_kind(model: SinkModel, probes: dict, **kwargs) -> dict[str, Massi
     -------
     dict of str to MassiveActivations
     """
-    out = {}
-    for kind, p in probes.items():
-        toks = getattr(p, "tokens", p)
-        out[kind] = massive_activations(model, toks, kind=kind, **kwargs)
-    return out
+    return {
+        kind: massive_activations(model, getattr(p, "tokens", p), kind=kind, **kwargs) for kind, p in probes.items()
+    }
 
 
 def kinds_text(results: dict[str, MassiveActivations], *, skip: str | None = None) -> list[str]:

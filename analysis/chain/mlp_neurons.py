@@ -257,17 +257,8 @@ class ExpertWrites(Result):
             )
         return out
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                "dim": self.dim,
-                "block": self.block,
-                "role": self.role,
-                "write": self.write,
-                "experts": self.table,
-                "text": self.text(),
-            }
-        )
+    json_header = False
+    json_fields = ("dim", "block", "role", "write", "experts=table")
 
 
 def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):

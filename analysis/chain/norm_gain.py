@@ -40,7 +40,6 @@ from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
 from analysis.model.families import get_family, sink_logits
 from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
-from analysis.core.io import jsonable
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
@@ -321,26 +320,21 @@ class NormGainTrace(Result):
             f"scores, max abs error {fmt(r['score_max_abs_err'])}; pattern, max abs error {fmt(r['pattern_max_abs_err'])}."
         )
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "layer": self.layer,
-                "spike_dims": self.spike_dims,
-                "has_spike": self.has_spike,
-                "message": self.message,
-                "norm": self.norm_kind,
-                "rotary": self.rotary,
-                "rotary_base": self.rotary_base,
-                "key_norm": self.key_norm,
-                "path": self.path_text,
-                "T": self.T,
-                **self.tables,
-                "constancy": self.constancy,
-                "rebuild": self.rebuild,
-                "text": self.text(),
-            }
-        )
+    json_fields = (
+        "layer",
+        "spike_dims",
+        "has_spike",
+        "message",
+        "norm=norm_kind",
+        "rotary",
+        "rotary_base",
+        "key_norm",
+        "path=path_text",
+        "T",
+        "*tables",
+        "constancy",
+        "rebuild",
+    )
 
 
 class NormGainAccumulator(Accumulator):

@@ -30,7 +30,7 @@ from analysis.model.hooks import (
     qk_hook_names,
 )
 from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
-from analysis.core.docs import parameters_from
+from analysis.core.docs import model_tokens_min2, parameters_from
 from analysis.core.results import Result, pass_options
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import one_thread, permuted_copy
@@ -250,6 +250,7 @@ class QKAccumulator(Accumulator):
 
 
 @parameters_from(pass_options)
+@parameters_from(model_tokens_min2)
 def qk_angles(
     model: SinkModel, tokens, *, layers=None, batch_size: int | None = None, kind: str | None = None
 ) -> QKAngles:
@@ -257,10 +258,8 @@ def qk_angles(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids, T >= 2.
+    model, tokens
+        As in :func:`model_tokens_min2`.
     layers : sequence of int, optional
         Attention layers (true indices; default all).
     batch_size, kind

@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 
 from analysis.core.defaults import RANK_ONE_COS, RANK_ONE_ENERGY, TINY
-from analysis.core.io import jsonable
 from analysis.core.results import Result, compact_repr
 
 
@@ -150,21 +149,18 @@ class QuadraticForm(Result):
             )
         return [head, verdict]
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                "dim": self.dim,
-                "block": self.block,
-                "rank_one": self.rank_one,
-                "dominated": self.dominated,
-                "aligned": self.aligned,
-                "top": self.table,
-                "linearised_write": self.linearised_write,
-                "write": self.write,
-                "eigenvalues": self.eigenvalues,
-                "text": self.text(),
-            }
-        )
+    json_header = False
+    json_fields = (
+        "dim",
+        "block",
+        "rank_one",
+        "dominated",
+        "aligned",
+        "top=table",
+        "linearised_write",
+        "write",
+        "eigenvalues",
+    )
 
 
 def form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, SPIKE_WRITE_FLOOR, SPIKE_WRITE_SHARE, TINY
 from analysis.model.mlp_spec import get_mlp, mlp_weights
@@ -572,6 +573,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
         out.notes.append(f"MLP {block}'s neurons are not readable in this {spec.family} model ({spec.kind} MLP).")
 
 
+@parameters_from(model_tokens)
 def spike_origin(
     model: SinkModel,
     tokens,
@@ -591,10 +593,8 @@ def spike_origin(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     dims : sequence of int, optional
         The residual dimensions to trace; None finds the first token's spike dims with ``analysis.chain.massive`` in the
         same pass, in the stream entering every block (``hook_resid_pre``: the embedding included, so a spike the

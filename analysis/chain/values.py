@@ -37,11 +37,11 @@ from analysis.model.hooks import (
 )
 from analysis.core.io import jsonable
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
-from analysis.core.docs import parameters_from
+from analysis.engine.passes import Reduction, SummingAccumulator, run_pass
+from analysis.core.docs import model_tokens_min2, parameters_from
 from analysis.core.results import Result, pass_options
 from analysis.sinks.metric import SinkResult
-from analysis.core.stats import one_thread, pair_cosine
+from analysis.core.stats import pair_cosine
 
 REDUCTIONS = ("mean", "max")
 
@@ -362,7 +362,7 @@ def value_stats(acts: dict, *, n_heads: int, n_kv_heads: int) -> dict:
     }
 
 
-class ValueNormsAccumulator(Accumulator):
+class ValueNormsAccumulator(SummingAccumulator):
     """Per layer: |v_t| per KV head and position, unit-vector sums (pairwise cosines), alpha_1 and the first token's
     share of the value-norm mass per query head.
 
@@ -379,32 +379,18 @@ class ValueNormsAccumulator(Accumulator):
     """
 
     def __init__(self, model, layers, T: int, *, kind: str | None = None):
+        # sums on each layer's device until the result: |v| by position (K, T), alpha_1 and the first value's share
+        # (H,), the sums of unit vectors (K, d), whose |sum|^2 gives the mean pairwise cosine
+        super().__init__(layers)
         dims = model_facts(model).dims
-        self.model, self.layers, self.kind, self.H, self.K = model, list(layers), kind, dims.n_heads, dims.n_kv_heads
-        L = len(self.layers)
-        self.index = {l: i for i, l in enumerate(self.layers)}
-        # on each layer's device until the result: |v| by position (K, T), alpha_1 and the first value's share (H,),
-        # the sums of unit vectors (K, d), whose |sum|^2 gives the mean pairwise cosine
-        self.sums = RunningSums(L)
+        self.model, self.kind, self.H, self.K = model, kind, dims.n_heads, dims.n_kv_heads
         self.T, self.d_head = int(T), dims.d_head or 1
-        self.n = 0
 
     def hooks(self):
         return {l: {"v": act_name("v", l), "pattern": act_name("pattern", l)} for l in self.layers}
 
     def reduction(self, layer: int) -> Reduction:
         return Reduction(value_stats, {"n_heads": self.H, "n_kv_heads": self.K})
-
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        super().update(layer, acts, batch)
-
-    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
-        i = self.index[layer]
-        for name, x in stats.items():
-            self.sums.add(name, i, x)
-        if i == 0:
-            self.n += batch.size
 
     def result(self, sink: SinkResult | None = None, reduce: str = "mean") -> ValueNorms:
         N, T, h = self.n, self.T, self.sums.host
@@ -450,6 +436,7 @@ def _check_sink(sink, dims, layers: list[int], all_layers: list[int]) -> None:
 
 
 @parameters_from(pass_options)
+@parameters_from(model_tokens_min2)
 def value_norms(
     model: SinkModel,
     tokens,
@@ -464,10 +451,8 @@ def value_norms(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids, T >= 2.
+    model, tokens
+        As in :func:`model_tokens_min2`.
     sink : SinkResult, optional
         A result of ``analysis.sink_metric`` on this model whose per-head alpha_1 to use; by default alpha_1 is
         computed from ``hook_pattern`` in the same pass on ``tokens``.

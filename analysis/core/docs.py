@@ -165,3 +165,37 @@ def share_parameters(*targets: Callable) -> Callable:
         return source
 
     return decorate
+
+
+def model_tokens(model, tokens) -> None:
+    """The two arguments every analysis takes first, documented once: a function names them ``model, tokens`` over the
+    line ``As in :func:`model_tokens`.`` (with ``@parameters_from(model_tokens)``).
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids.
+
+    Returns
+    -------
+    None
+    """
+
+
+def model_tokens_min2(model, tokens) -> None:
+    """``model, tokens`` of an analysis that sets the first token against the others, so needs T >= 2: a function names
+    them over the line ``As in :func:`model_tokens_min2`.``.
+
+    Parameters
+    ----------
+    model
+        Any model with TransformerLens hook names (``analysis.load_model``).
+    tokens : torch.Tensor, shape (N, T)
+        Token ids, T >= 2.
+
+    Returns
+    -------
+    None
+    """

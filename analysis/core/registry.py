@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import inspect
+import pkgutil
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,10 +317,7 @@ def resolve(ref: str | Callable) -> Callable:
     -------
     callable
     """
-    if callable(ref):
-        return ref
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return ref if callable(ref) else pkgutil.resolve_name(ref)
 
 
 def _declared_exports(tree: ast.Module) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+import inspect
+from typing import ClassVar, Sequence
 
 import pandas as pd
 
@@ -25,7 +26,7 @@ class Result(abc.ABC):
 
     Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties), must define ``findings()`` (a
     list of whole sentences) and define ``tables`` where they hold tables; ``text()`` joins the findings and
-    ``to_dict()`` adds the header and the tables.
+    ``to_dict()`` writes the header, the fields ``json_fields`` names (the tables by default) and the text.
 
     Attributes
     ----------
@@ -64,9 +65,26 @@ class Result(abc.ABC):
     def header(self) -> dict:
         return {"model": self.model_name, "kind": self.kind, "n_samples": int(self.n_samples)}
 
+    #: What ``to_dict()`` writes between the header and the text, in order: data, as dataclasses' fields are, so that a
+    #: result declares its JSON instead of writing a method. An entry is an attribute's name (a method is called with
+    #: no argument), ``"key=name"`` to write attribute ``name`` under ``key``, ``"name?"`` to leave it out when it is
+    #: empty, or ``"*name"`` for each item of the dict ``name`` (``"*tables"``: every named table). Default: the tables.
+    json_fields: ClassVar[tuple[str, ...]] = ("*tables",)
+    #: Whether ``to_dict()`` starts with the header (model, kind, n_samples).
+    json_header: ClassVar[bool] = True
+
     def to_dict(self) -> dict:
-        """Header, every named table as records, and the text."""
-        return jsonable({**self.header(), **{k: v for k, v in self.tables.items()}, "text": self.text()})
+        """The header, the ``json_fields`` and the text, each value made strict JSON by ``jsonable``."""
+        out = self.header() if self.json_header else {}
+        for entry in self.json_fields:
+            key, _, name = entry.strip("*?").partition("=")
+            value = getattr(self, name or key)
+            value = value() if inspect.ismethod(value) else value
+            if entry.startswith("*"):
+                out.update(value)
+            elif not entry.endswith("?") or value:
+                out[key] = value
+        return jsonable({**out, "text": self.text()})
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -177,6 +177,7 @@ class MechanismChain(_ThresholdResult):
         return out
 
 
+@parameters_from(sink_metric)
 @torch.no_grad()
 def mechanism_chain(
     model: SinkModel,
@@ -205,10 +206,8 @@ def mechanism_chain(
 
     Parameters
     ----------
-    model
-        A model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        The probe.
+    model, tokens
+        As in :func:`sink_metric`.
     eps : float
         The sink threshold on alpha_1.
     ratio : float

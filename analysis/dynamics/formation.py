@@ -40,6 +40,7 @@ import torch
 from analysis.model.access import attention_operation, reference_config
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
+from analysis.core.docs import parameters_from
 from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
 from analysis.chain.massive import massive_activations
 from analysis.chain.norm_gain import choose_layer, norm_gain_trace
@@ -367,6 +368,7 @@ class ChainLinks(tuple, Result):
         ]
 
 
+@parameters_from(follow_final)
 @torch.no_grad()
 def chain_links(
     model: SinkModel,
@@ -383,12 +385,10 @@ def chain_links(
     ----------
     model
         A model with TransformerLens hook names (a snapshot, ``load_reference``).
-    tokens : torch.Tensor, shape (N, T)
-        The held-out probe.
+    tokens, eps
+        As in :func:`follow_final`.
     follow : Followed
         The final model's sink layer, spike dims and sink heads (:func:`follow_final`).
-    eps : float
-        The sink threshold.
     n_random : int
         Random-neuron draws in the writer cut.
     seed : int
@@ -509,7 +509,8 @@ def onset_table(formation: pd.DataFrame, criteria: Sequence[Criterion] = ONSETS)
         first_value, final_value, final_step.
     """
     rows = []
-    for (run, att, seed), df in formation.groupby(["run", "attention", "seed"], sort=False):
+    tags = ["run", "attention", "seed"]
+    for key, df in formation.groupby(tags, sort=False):
         for c in criteria:
             s = df[df.link == c.link].sort_values("step")
             steps, v = s.step.to_numpy(), s.value.to_numpy(dtype=float)
@@ -525,9 +526,7 @@ def onset_table(formation: pd.DataFrame, criteria: Sequence[Criterion] = ONSETS)
                 half = float(steps[hit[0]]) if len(hit) else float("nan")
             rows.append(
                 {
-                    "run": run,
-                    "attention": att,
-                    "seed": seed,
+                    **dict(zip(tags, key)),
                     "link": c.link,
                     "name": c.name,
                     "criterion": c.text,
@@ -780,9 +779,7 @@ def formation_order(
             rows, writes, times = rows + got[0], writes + got[1], times + got[2]
             followed.append(
                 {
-                    "run": run,
-                    "attention": att,
-                    "seed": seed,
+                    **tag,
                     "final_step": final_step,
                     "complete": complete,
                     "sink_layer": follow.sink_layer,

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
 
 
@@ -264,6 +265,7 @@ def key_mask(mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+@parameters_from(alpha_from_lse)
 def row_lse(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -278,15 +280,12 @@ def row_lse(
 
     Parameters
     ----------
-    query : torch.Tensor, shape (B, H, T, d)
-    key : torch.Tensor, shape (B, H_kv, T, d)
-    scale : float
+    query, key, scale, chunk_elements
+        As in :func:`alpha_from_lse`.
     mask : torch.Tensor, optional
         (B, 1 or H, T, T) boolean (True = attend).
     softcap : float, optional
         Gemma 2's cap: scores = cap * tanh(scores / cap).
-    chunk_elements : int
-        The most scores held at a time.
 
     Returns
     -------

@@ -35,8 +35,8 @@ from analysis.model.hooks import (
     model_device,
     model_facts,
 )
-from analysis.core.docs import parameters_from
-from analysis.core.stats import unit_vectors
+from analysis.core.docs import model_tokens, parameters_from
+from analysis.core.stats import one_thread, unit_vectors
 
 HookFn = Callable[[torch.Tensor, object], object]
 
@@ -224,6 +224,33 @@ class RunningSums:
         got = [self.sums.get((name, i)) for i in range(self.n_layers)]
         shape = next((tuple(g.shape) for g in got if g is not None), tuple(shape))
         return torch.stack([g.cpu() if g is not None else torch.zeros(shape, dtype=torch.float64) for g in got])
+
+
+class SummingAccumulator(Accumulator):
+    """An accumulator whose :meth:`reduction` gives statistics it sums over batches: ``sums`` (a :class:`RunningSums`
+    over ``layers``), with ``n`` the samples seen; each update on one CPU thread (``core.stats.one_thread``).
+
+    Parameters
+    ----------
+    layers : sequence of int
+        The layers it reads (true indices).
+    """
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.sums, self.n = RunningSums(len(self.layers)), 0
+
+    @one_thread()
+    def update(self, layer: int, acts: dict, batch: Batch) -> None:
+        super().update(layer, acts, batch)
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        i = self.index[layer]
+        for name, x in stats.items():
+            self.sums.add(name, i, x)
+        if i == 0:
+            self.n += batch.size
 
 
 class _Stop(Exception):
@@ -521,6 +548,7 @@ def pass_log() -> Iterator[Counter]:
         _PASS_LOG.reset(token)
 
 
+@parameters_from(model_tokens)
 def run_pass(
     model: SinkModel,
     tokens: torch.Tensor,
@@ -540,10 +568,8 @@ def run_pass(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     accumulators : sequence of Accumulator
         The analyses fed, each with one layer's activations together (a :class:`LayerActs`).
     fwd_hooks : sequence of (str, callable)
@@ -598,12 +624,15 @@ def run_pass(
     _check_hooks(model, [n for n, _ in hooks + entry])
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in hooks])
+
+    def forward(batch: Batch):
+        if resume is None:
+            return model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+        resid = _resumed_rows(batch, resume, entry, lambda name: model.hook_dict[name])
+        return model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=resume.layer)
+
     with torch.inference_mode(), skipped_blocks(model, resume.layer) if resume is not None else nullcontext():
-        for batch in _batches(model, tokens, batch_size, progress):
-            joint.start(batch)
-            if on_batch_start is not None:
-                on_batch_start(batch)
-            _run_batch(model, batch, hooks, joint, accumulators, resume, entry)
+        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
     return [acc.result() for acc in accumulators]
 
 
@@ -631,19 +660,12 @@ def _run_hf(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_
     the kernels its layers took."""
     taps = Taps(model, joint.by_layer, fwd_hooks, joint.fired)
     needs_logits = any(a.needs_logits for a in accumulators)
+
+    def forward(batch: Batch):
+        return run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
+
     with torch.inference_mode(), taps.attached():
-        for batch in _batches(model, tokens, batch_size, progress):
-            joint.start(batch)
-            if on_batch_start is not None:
-                on_batch_start(batch)
-            logits = None
-            try:
-                logits = run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
-            except _Stop:
-                pass
-            joint.check_fired()
-            for acc in accumulators:
-                acc.end_batch(batch, logits)
+        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
     return dict(taps.kernels)
 
 
@@ -671,25 +693,13 @@ def _run_nnsight(
         resume_layer=None if resume is None else resume.layer,
     )
     needs_logits = any(a.needs_logits for a in accumulators)
+
+    def forward(batch: Batch):
+        rows = None if resume is None else _resumed_rows(batch, resume, entry, _Named)
+        return taps.run(batch.tokens, needs_logits=needs_logits, resume_rows=rows)
+
     with torch.inference_mode():
-        for batch in _batches(model, tokens, batch_size, progress):
-            joint.start(batch)
-            if on_batch_start is not None:
-                on_batch_start(batch)
-            rows = None
-            if resume is not None:
-                rows = resume.rows(batch.offset, batch.size).to(batch.tokens.device)
-                for name, fn in entry:
-                    out = fn(rows, _Named(name))
-                    rows = rows if out is None else out
-            logits = None
-            try:
-                logits = taps.run(batch.tokens, needs_logits=needs_logits, resume_rows=rows)
-            except _Stop:
-                pass
-            joint.check_fired()
-            for acc in accumulators:
-                acc.end_batch(batch, logits)
+        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
 
 
 def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
@@ -700,24 +710,31 @@ def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
     return [(n, fn) for n, fn in fwd_hooks if n == name]
 
 
-def _run_batch(model, batch: Batch, hooks, joint: _JointReducer, accumulators, resume: Resume | None, entry=()) -> None:
-    """One batch through the model (from the embedding, or resumed at a block with the ``entry`` hooks applied to
-    the residual it starts from), then each accumulator's end."""
-    logits = None
-    try:
-        if resume is None:
-            logits = model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
-        else:
-            resid = resume.rows(batch.offset, batch.size).to(batch.tokens.device)
-            for name, fn in entry:
-                out = fn(resid, model.hook_dict[name])
-                resid = resid if out is None else out
-            logits = model.run_with_hooks(resid, fwd_hooks=hooks, start_at_layer=resume.layer)
-    except _Stop:
-        pass
-    joint.check_fired()
-    for acc in accumulators:
-        acc.end_batch(batch, logits)
+def _resumed_rows(batch: Batch, resume: Resume, entry, hook_of) -> torch.Tensor:
+    """The residual a resumed batch starts from: its rows of ``resume.resid`` with the ``entry`` hooks applied
+    (``hook_of(name)``: the hook point each is called with)."""
+    rows = resume.rows(batch.offset, batch.size).to(batch.tokens.device)
+    for name, fn in entry:
+        out = fn(rows, hook_of(name))
+        rows = rows if out is None else out
+    return rows
+
+
+def _each_batch(model, tokens, batch_size, progress, on_batch_start, joint: _JointReducer, accumulators, forward):
+    """Every batch of a pass: the joint reducer started, ``on_batch_start``, ``forward(batch)`` (the logits; None
+    where the pass stopped after its last needed layer), then each accumulator's end."""
+    for batch in _batches(model, tokens, batch_size, progress):
+        joint.start(batch)
+        if on_batch_start is not None:
+            on_batch_start(batch)
+        logits = None
+        try:
+            logits = forward(batch)
+        except _Stop:
+            pass
+        joint.check_fired()
+        for acc in accumulators:
+            acc.end_batch(batch, logits)
 
 
 @parameters_from(run_pass)

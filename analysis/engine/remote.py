@@ -202,35 +202,87 @@ def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *,
 
     if remote:
         register_shipped()
-    blocks, softcap, weights = model.decoder_layers(), model.spec.softcap, AttentionWeights.from_qk
+    blocks = model.decoder_layers()
     calls = {layer: model.attention_call(layer) for layer, call, _, _ in plan if call is not None}
     with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         saved = nnsight.save([])
         for layer, call, sites, jobs in plan:  # in the order the layers run (nnsight's interleaving needs it)
-            acts = {}
-            if "hook_resid_pre" in sites:
-                acts["hook_resid_pre"] = blocks[layer].input
+            acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
             if call is not None:
-                c = calls[layer]
-                args, kwargs = c.inputs
-                q, k, v, mask = args[1], args[2], args[3], args[4]
-                scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
-                acts["hook_q"] = acts["hook_rot_q"] = q.transpose(1, 2)
-                acts["hook_k"] = acts["hook_rot_k"] = k.transpose(1, 2)
-                acts["hook_v"] = v.transpose(1, 2)
-                if "hook_pattern" in sites:
-                    acts["hook_pattern"] = weights(q, k, scale=scale, mask=mask, softcap=softcap)
-                if "hook_z" in sites:
-                    acts["hook_z"] = c.output[0]
+                acts.update(_attention_acts(model, calls[layer], sites))
             if "hook_resid_post" in sites:
                 out = blocks[layer].output
                 acts["hook_resid_post"] = out[0] if isinstance(out, tuple) else out
             for j, red, keys in jobs:
-                params = {
-                    k: model.weight(v) if isinstance(v, TraceWeight) else v for k, v in (red.params or {}).items()
-                }
-                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **params)))
+                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
     return [(j, l, _to_cpu(r)) for j, l, r in saved]
+
+
+def _attention_acts(model: NnsightModel, call, sites) -> dict:
+    """Inside a trace: what a layer's call to the attention function gives for ``sites``, in the hooks' layout (q, k,
+    v (B, T, heads, d) after the rotary; the pattern as :class:`AttentionWeights` from q, k, the mask and the scale;
+    z the call's output)."""
+    args, kwargs = call.inputs
+    q, k, v, mask = args[1], args[2], args[3], args[4]
+    acts = {"hook_q": q.transpose(1, 2), "hook_k": k.transpose(1, 2), "hook_v": v.transpose(1, 2)}
+    acts["hook_rot_q"], acts["hook_rot_k"] = acts["hook_q"], acts["hook_k"]
+    if "hook_pattern" in sites:
+        scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+        acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, softcap=model.spec.softcap)
+    if "hook_z" in sites:
+        acts["hook_z"] = call.output[0]
+    return acts
+
+
+def _params(model: NnsightModel, red) -> dict:
+    """A reduction's parameters, each :class:`TraceWeight` read where the trace runs."""
+    return {k: model.weight(v) if isinstance(v, TraceWeight) else v for k, v in (red.params or {}).items()}
+
+
+def grad_trace(model: NnsightModel, tokens: torch.Tensor, jobs: dict, loss, *, remote=None) -> list:
+    """One nnsight trace with a backward pass: per layer of ``jobs``, a forward reduction of {"pattern", "z"} (its
+    ``hook_pattern`` and ``hook_z``) and, after the backward of ``loss(logits, tokens)``, a backward reduction
+    of {"z": hook_z, "grad": dloss/dz}; only what they return comes back. The gradient starts at the first measured
+    layer's input (made a leaf that needs it where the weights take none), so no weight needs a gradient.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (B, T)
+    jobs : dict of int to (Reduction, Reduction)
+        {layer: (forward, backward)}, attention layers.
+    loss : callable
+        ``loss(logits, tokens)`` -> a scalar: a module-level torch function (it ships).
+    remote : bool or str, optional
+        nnsight's ``remote``; None: ``model.remote``.
+
+    Returns
+    -------
+    list of (int, object, object)
+        (layer, forward result, backward result), on the CPU, layers ascending.
+    """
+    import nnsight  # optional: the "remote" extra
+
+    remote = model.remote if remote is None else remote
+    if remote:
+        register_shipped()
+    layers, blocks = sorted(jobs), model.decoder_layers()
+    calls = {layer: model.attention_call(layer) for layer in layers}
+    with torch.enable_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):
+        fwd, bwd, zs = nnsight.save([]), nnsight.save([]), []
+        x = blocks[layers[0]].input
+        if not x.requires_grad:  # frozen weights: the graph starts here
+            x.requires_grad_(True)
+        for layer in layers:
+            acts = _attention_acts(model, calls[layer], {"hook_pattern", "hook_z"})
+            zs.append(acts["hook_z"])
+            acts = {"pattern": acts["hook_pattern"], "z": acts["hook_z"]}
+            fwd.append(jobs[layer][0].fn(acts, **_params(model, jobs[layer][0])))
+        total = loss(model.lm.output.logits, tokens)
+        with total.backward():
+            for layer, z in reversed(list(zip(layers, zs))):  # gradients arrive last layer first
+                bwd.append(jobs[layer][1].fn({"z": z, "grad": z.grad}, **_params(model, jobs[layer][1])))
+    return [(layer, _to_cpu(f), _to_cpu(b)) for layer, f, b in zip(layers, fwd, reversed(bwd))]
 
 
 def _to_cpu(x):

@@ -7,19 +7,18 @@ import matplotlib.pyplot as plt
 from analysis.core.docs import parameters_from
 from analysis.figures.layout import one_axes, place_axes, returns_figure, set_title
 from analysis.chain.qk import QKAngles
-from analysis.sinks.metric import SinkResult
+from analysis.sinks.metric import SinkResult, sink_table
 
 
+@parameters_from(sink_table)
 @one_axes((4.5, 3.2), left=0.8, bottom=0.4)
 def plot_sink_rates(results: dict[str, SinkResult], *, k: int = 1, ax=None):
     """Bar chart of Sink_k (%) per input kind.
 
     Parameters
     ----------
-    results : dict of str to SinkResult
-        One result per input kind.
-    k : int
-        The key position (1: the first token).
+    results, k
+        As in :func:`sink_table`.
     """
     names = list(results)
     vals = [results[n].sink_rate(k) for n in names]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.core.docs import parameters_from
 from analysis.figures.layout import one_axes, place_axes, returns_figure, set_log_scale, set_title
 from analysis.chain.first_token_cause import FirstTokenCause
 from analysis.causal.writer_cuts import SpikeCuts
@@ -63,6 +64,7 @@ def plot_spike_path(origin: SpikeOrigin, *, dim: int | None = None, ax=None):
     ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.9)
 
 
+@parameters_from(plot_spike_path)
 @returns_figure
 def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, top: int = 12, role: str = "writer"):
     """Per writing (``role="eraser"``: erasing) MLP on ``dim``: the ``top`` neurons' contributions to its write on the
@@ -70,9 +72,8 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
 
     Parameters
     ----------
-    origin : SpikeOrigin
-    dim : int, optional
-        The spike dimension (default: the one with the largest first-token value).
+    origin, dim
+        As in :func:`plot_spike_path`.
     top : int
         Neurons drawn per MLP.
     role : {"writer", "eraser"}
@@ -99,6 +100,7 @@ def plot_neuron_contributions(origin: SpikeOrigin, *, dim: int | None = None, to
     return place_axes(fig, left=0.75, right=0.6, bottom=0.8, wspace=1.2)
 
 
+@parameters_from(plot_spike_path)
 @returns_figure
 def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40):
     """Per writing gated MLP on ``dim``: the |eigenvalues| of A_d's symmetric part by rank (log scale; positive and
@@ -106,9 +108,8 @@ def plot_spectrum(origin: SpikeOrigin, *, dim: int | None = None, top: int = 40)
 
     Parameters
     ----------
-    origin : SpikeOrigin
-    dim : int, optional
-        The spike dimension (default: the one with the largest first-token value).
+    origin, dim
+        As in :func:`plot_spike_path`.
     top : int
         Eigenvalues drawn per MLP.
     """

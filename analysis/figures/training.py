@@ -8,21 +8,22 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.core.io import read_log
-from analysis.dynamics.compare import mean_pattern
+from analysis.dynamics.compare import compare_models, mean_pattern
 from analysis.figures.layout import returns_figure
 from analysis.model.hooks import model_facts
 
 
+@parameters_from(compare_models)
 @returns_figure
 def plot_patterns(models: dict, tokens: torch.Tensor, *, layer: int = 0, n_pos: int = 16):
     """Mean attention pattern of each head (first ``n_pos`` positions), one row per model.
 
     Parameters
     ----------
-    models : dict of str to SinkLM
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    models, tokens
+        As in :func:`compare_models`.
     layer : int
     n_pos : int
         Positions shown.

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from analysis.core.checks import check_length  # noqa: F401 (its home; named here too)
-from analysis.model.contract import ModelContractError, SinkModel  # noqa: F401 (the error's home; named here too)
+from analysis.model.contract import ModelContractError, SinkModel, model_device  # noqa: F401 (their home; named here)
 from analysis.model.families import FamilySpec, get_family, rotary_base
-from analysis.model.placement import input_device
 from analysis.model.nnsight_model import NnsightModel
 
 # Short activation names -> where TransformerLens puts them in block l (as transformer_lens.utils.get_act_name).
@@ -351,21 +350,6 @@ def model_facts(model: SinkModel) -> ModelFacts:
     except TypeError:
         pass
     return facts
-
-
-def model_device(model: SinkModel) -> torch.device:
-    """Where the model's inputs go: :func:`analysis.model.placement.input_device` (the execution device of the module
-    that takes the token ids; never "the first parameter").
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    torch.device
-    """
-    return input_device(model)
 
 
 def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,11 @@ class NormParams:
 _KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
 
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight detached, float32 on the CPU (None stays None)."""
+    return None if t is None else t.detach().float().cpu()
+
+
 def norm_kind(model: SinkModel) -> str | None:
     """The normalisation of a model, from ``cfg.normalization_type``.
 
@@ -168,13 +173,7 @@ def norm_params(model: SinkModel, layer: int) -> NormParams:
     kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
     b = live_tensor(ln, "b", "bias") if kind == "LN" else None
     eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
-    return NormParams(
-        kind,
-        w.detach().float().cpu(),
-        None if b is None else b.detach().float().cpu(),
-        eps,
-        ns.gain_offset if ns is not None else 0.0,
-    )
+    return NormParams(kind, _cpu(w), _cpu(b), eps, ns.gain_offset if ns is not None else 0.0)
 
 
 @reads_block_weights
@@ -202,13 +201,7 @@ def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
             f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights."
         )
     b = live_tensor(kn, "b", "bias") if ns.bias else None
-    return NormParams(
-        _KINDS.get(ns.kind, "RMS"),
-        w.detach().float().cpu(),
-        None if b is None else b.detach().float().cpu(),
-        ns.eps,
-        ns.gain_offset,
-    )
+    return NormParams(_KINDS.get(ns.kind, "RMS"), _cpu(w), _cpu(b), ns.eps, ns.gain_offset)
 
 
 @reads_block_weights
@@ -240,8 +233,8 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
         raise ModelContractError(
             f"W_K of layer {layer} has shape {tuple(W_K.shape)}; expected (heads, d_model, d_head)."
         )
-    b_K = getattr(attn, "b_K", None)
-    return W_K.detach().float().cpu(), (None if b_K is None else b_K.detach().float().cpu().reshape(W_K.shape[0], -1))
+    b_K = _cpu(getattr(attn, "b_K", None))
+    return _cpu(W_K), (None if b_K is None else b_K.reshape(W_K.shape[0], -1))
 
 
 @dataclass
@@ -527,13 +520,10 @@ def _latent_key_path(model, layer: int, spec, norm: NormParams) -> LatentKeyPath
         )
     H, r, dn, dv = spec.n_heads, la["kv_lora_rank"], la["qk_nope_head_dim"], la["v_head_dim"]
     W_a = kv_a.weight.detach().float().cpu().T  # (D, r + dr)
-    b_a = None if kv_a.bias is None else kv_a.bias.detach().float().cpu()
+    b_a = _cpu(kv_a.bias)
     W_b = kv_b.weight.detach().float().cpu().reshape(H, dn + dv, r)[:, :dn].transpose(1, 2).contiguous()  # (H, r, dn)
     k_norm = NormParams(
-        "RMS",
-        kv_norm.weight.detach().float().cpu(),
-        None,
-        float(getattr(kv_norm, "variance_epsilon", getattr(kv_norm, "eps", 1e-6))),
+        "RMS", _cpu(kv_norm.weight), None, float(getattr(kv_norm, "variance_epsilon", getattr(kv_norm, "eps", 1e-6)))
     )
     rotary_emb = getattr(getattr(getattr(model, "original_model", None), "model", None), "rotary_emb", None)
     kh = f"blocks.{layer}.attn.kv_a_proj_with_mqa.hook_out"

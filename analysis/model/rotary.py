@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.model.hooks import ModelContractError
 
 
@@ -89,6 +90,7 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
 
 
+@parameters_from(rope_cos_sin)
 def rotate(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -105,12 +107,10 @@ def rotate(
     Parameters
     ----------
     x : torch.Tensor, shape (..., T, heads, d_head)
-    positions : torch.Tensor, shape (T,)
-    base : float
-        The rope theta.
+    positions, base, style
+        As in :func:`rope_cos_sin`.
     rot_dim : int, optional
         Dims rotated (default all).
-    style : {"half", "interleaved"}
     inv_freq : torch.Tensor, optional
         As in :func:`rope_cos_sin` (then ``base`` may be None).
 
@@ -156,6 +156,7 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Ten
     return rotate(x, positions, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half")
 
 
+@parameters_from(apply_spec_rotary)
 def rotate_as_spec(
     x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None, rotated: bool = True
 ) -> torch.Tensor:
@@ -170,10 +171,8 @@ def rotate_as_spec(
 
     Parameters
     ----------
-    x : torch.Tensor, shape (B, T, heads, d_head)
-    spec : FamilySpec
-    layer : int
-    positions : torch.Tensor, shape (T,), optional
+    x, spec, layer, positions
+        As in :func:`apply_spec_rotary`.
     rotated : bool
 
     Returns

@@ -174,15 +174,7 @@ class SinkContext(Result):
             )
         return out
 
-    def to_dict(self) -> dict:
-        return {
-            **self.header(),
-            "source": self.source,
-            "Ts": self.Ts,
-            "seeds": self.seeds,
-            "runs": self.runs.to_dict("records"),
-            "text": self.text(),
-        }
+    json_fields = ("source", "Ts", "seeds", "runs")
 
     def to_csv(self, path) -> Path:
         path = Path(path)

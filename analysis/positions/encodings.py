@@ -20,7 +20,7 @@ import pandas as pd
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import REPEATED_TOL, SINK_EPS
-from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
+from analysis.core.io import EMERGENCE_DIR, write_json
 from analysis.core.results import Result
 from analysis.model.probes import model_probe_sets
 from analysis.positions.repeated_tokens import CLOSED_FORMS, repeated_tokens
@@ -210,16 +210,7 @@ class EncodingGrid(Result):
         verdict = what if r.form_holds.astype(bool).all() else "does not always follow its closed form"
         return f"equal hidden states (deviation at most {dev:.1e}) and the attention {verdict} (gap {r.gap_last.max():.1e})"
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                **self.meta,
-                "summary": self.summary().to_dict("records"),
-                "runs": self.runs.to_dict("records"),
-                "text": self.text(),
-            }
-        )
+    json_fields = ("*meta", "summary", "runs")
 
 
 def save_encoding_grid(grid: EncodingGrid, out) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SECONDARY_COS, SINK_EPS, SINK_MIN_QUERIES, SPIKE_ABS, SPIKE_RATIO
+from analysis.core.docs import model_tokens_min2, parameters_from
 from analysis.model.hooks import act_name, bos_sentence, check_layers, token_strings
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction
 from analysis.chain.massive import criterion_text, massive_accumulator
@@ -603,6 +604,7 @@ SINK_COLUMNS = [
 ]
 
 
+@parameters_from(model_tokens_min2)
 def sink_positions(
     model: SinkModel,
     tokens,
@@ -621,10 +623,8 @@ def sink_positions(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids, T >= 2.
+    model, tokens
+        As in :func:`model_tokens_min2`.
     eps : float
         In (0, 1): a position sinks in a head when alpha_k > eps.
     min_queries : int, optional

@@ -511,12 +511,7 @@ def repeated_tokens(
     meta = {} if op == "softmax" else {"note": f"the closed forms hold for softmax attention; this model uses {op}"}
     return RepeatedTokens(
         encoding=encoding,
-        dev_in=out["dev_in"],
-        dev_out=out["dev_out"],
-        scale=out["scale"],
-        scale_out=out["scale_out"],
-        first=out["first"],
-        last=out["last"],
+        **{k: out[k] for k in ("dev_in", "dev_out", "scale", "scale_out", "first", "last")},  # the pass's reductions
         form_first=form_first,
         form_last=form_last,
         xi=xi,

@@ -35,6 +35,7 @@ import pandas as pd
 from analysis.model.contract import SinkModel
 from analysis.core import registry
 from analysis.core.defaults import RESID_BUDGET_MIB, SINK_EPS, SPIKE_CUT_SAMPLES
+from analysis.core.docs import parameters_from
 from analysis.core.registry import Analysis, PassInputs
 from analysis.core.results import Result
 from analysis.chain.massive import spike_criterion
@@ -196,6 +197,7 @@ def profile_class() -> type:
     return _extended(extra) if extra else Profile
 
 
+@parameters_from(run_pass)
 def profile(
     model: SinkModel,
     probes,
@@ -217,8 +219,8 @@ def profile(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
+    model, batch_size, progress
+        As in :func:`run_pass`.
     probes : dict of str to ProbeSet or torch.Tensor
         {kind: ProbeSet or token ids of shape (N, T)}; must hold ``main``.
     analyses : sequence of str, optional
@@ -233,10 +235,6 @@ def profile(
         The sink threshold.
     k_max : int, optional
         Keys whose alpha is kept (default min(T, 16)).
-    batch_size : int, optional
-        Sequences per batch.
-    progress : bool
-        Show a progress bar over batches.
     resid_budget_mib : float
         The most MiB of residual stream ``"resid"`` keeps (every block while they fit, else every s-th).
     spike_thresholds : tuple of float, optional

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
+from analysis.core.docs import model_tokens, parameters_from
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import SINK_EPS, SINK_HEAD_MIN_SHARE, SINK_K_MAX
 from analysis.model.hooks import act_name, bos_record, bos_sentence, check_tokens, model_facts
@@ -385,6 +386,7 @@ def check_k_max(k_max: int | None, T: int) -> int:
     return int(k_max)
 
 
+@parameters_from(model_tokens)
 def sink_metric(
     model: SinkModel,
     tokens,
@@ -400,10 +402,8 @@ def sink_metric(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens
+        As in :func:`model_tokens`.
     eps : float
         The threshold of Sink_k^eps (alpha_k > eps); the paper's 0.3 by default.
     k_max : int, optional
@@ -436,6 +436,7 @@ PATH_BACKENDS = {"auto": "auto", "fused": "transformers", "eager": "transformer_
 RAN_PATH = {"transformers": "fused", "transformer_lens": "eager", "nnsight": "nnsight"}  # the backend that ran -> path
 
 
+@parameters_from(sink_metric)
 def sink_pass(
     model: SinkModel,
     tokens,
@@ -452,14 +453,10 @@ def sink_pass(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    tokens : torch.Tensor, shape (N, T)
-        Token ids.
+    model, tokens, eps, k_max, batch_size, progress, kind
+        As in :func:`sink_metric`.
     make_accumulators : callable returning a sequence of Accumulator
         Builds the other analyses' accumulators, fed in the same pass.
-    eps, k_max, batch_size, progress, kind
-        As in :func:`sink_metric`.
     path : {"auto", "fused", "eager"}
         The backend (``analysis.engine.backends``): "fused" the transformers backend (alpha from q, k and the fused
         kernel's log-sum-exp), "eager" the bridge's ``hook_pattern``, "auto" the former where it gives what the pass
@@ -528,15 +525,14 @@ def sink_table_text(results: dict[str, SinkResult], *, k: int = 1) -> str:
     )
 
 
+@parameters_from(sink_table_text)
 def sink_table(results: dict[str, SinkResult], *, k: int = 1) -> pd.DataFrame:
     """Sink_k (%) for each named result (e.g. natural / random / repeated).
 
     Parameters
     ----------
-    results : dict of str to SinkResult
-        One result per input kind.
-    k : int
-        The key position (1: the first token).
+    results, k
+        As in :func:`sink_table_text`.
 
     Returns
     -------

@@ -22,7 +22,6 @@ import torch
 
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import check_attention_layers, check_tokens, model_facts, skipped_note
-from analysis.core.io import jsonable
 from analysis.engine.passes import Accumulator, Batch, run_pass
 from analysis.core.docs import parameters_from
 from analysis.core.results import Result, pass_options
@@ -102,19 +101,7 @@ class GateResult(Result):
         )
         return [out] + ([self.skipped] if self.skipped else [])
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "T": self.T,
-                "layers": self.layers,
-                "gate_first": self.first.tolist(),
-                "gate_other": self.other.tolist(),
-                "per_head": self.table().to_dict("records"),
-                **({"skipped": self.skipped} if self.skipped else {}),
-                "text": self.text(),
-            }
-        )
+    json_fields = ("T", "layers", "gate_first=first", "gate_other=other", "per_head=table", "skipped?")
 
 
 class GateAccumulator(Accumulator):

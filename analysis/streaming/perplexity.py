@@ -21,6 +21,7 @@ import torch
 from analysis.model.causal import attention_name, cache_keyword, context_length, has_sink_logits, n_layers
 from analysis.model.families import attention_implementation
 from analysis.model.placement import input_device
+from analysis.core.docs import parameters_from
 from analysis.core.io import jsonable
 from analysis.core.memory import peak_mib, reset_peak
 from analysis.core.results import Result
@@ -394,14 +395,14 @@ def _decode(
     return dec.runs(policies, seconds, max(N - 1 - prefill, 0), peak_mib(device))
 
 
+@parameters_from(run_policies)
 def run_policy(model: SinkModel, tokens: torch.Tensor, policy: Policy, **kwargs) -> PolicyRun:
     """One policy alone (``run_policies`` with one row).
 
     Parameters
     ----------
-    model : SinkModel
+    model, tokens
         As in :func:`run_policies`.
-    tokens : torch.Tensor, shape (N,)
     policy : Policy
     **kwargs
         Options of :func:`run_policies`.
@@ -413,6 +414,7 @@ def run_policy(model: SinkModel, tokens: torch.Tensor, policy: Policy, **kwargs)
     return run_policies(model, tokens, [policy], **kwargs)[0]
 
 
+@parameters_from(run_policies)
 @torch.no_grad()
 def recompute_nll(
     model: SinkModel, tokens: torch.Tensor, window: int, *, every: int = 1, batch: int = 4, progress: bool = False
@@ -422,15 +424,13 @@ def recompute_nll(
 
     Parameters
     ----------
-    model : SinkModel
+    model, tokens, progress
         As in :func:`run_policies`.
-    tokens : torch.Tensor, shape (N,)
     window : int
     every : int
         Score every ``every``-th position past the window.
     batch : int
         Windows per forward pass.
-    progress : bool
 
     Returns
     -------

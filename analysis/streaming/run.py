@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.core.docs import parameters_from
 from analysis.core.io import write_atomic
 from analysis.core.results import Result
 from analysis.model.contract import SinkModel, hf_module, model_device, model_dtype
@@ -360,6 +361,7 @@ def _backend(model: SinkModel) -> dict:
     }
 
 
+@parameters_from(default_policies)
 def streaming_perplexity(
     model: SinkModel,
     tokens=None,
@@ -391,12 +393,10 @@ def streaming_perplexity(
     model : SinkModel
     tokens : torch.Tensor, shape (N,), optional
         Your own ids.
-    window : int
-        Tokens every cache keeps, sinks included.
+    window, sinks, newline_sinks, bits, quant_sinks, dense
+        As in :func:`default_policies`.
     n_tokens : int
         The stream's length when ``tokens`` is not given.
-    sinks, newline_sinks, bits, quant_sinks, dense
-        The policies (:func:`default_policies`).
     recompute_every : int, optional
     seed : int
         The order of the docstring stream.

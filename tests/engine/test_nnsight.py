@@ -491,8 +491,8 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
 
 def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
     """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, key
-    manifold, value norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
-    section is refused before any work, with the reason in its JSON."""
+    manifold, value norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal
+    the bridge's report; every other section is refused before any work, with the reason in its JSON."""
     import json
 
     from analysis.report.build import NNSIGHT_SECTIONS, NOT_REMOTE, SECTIONS, build_report
@@ -524,6 +524,12 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     # a Pearson r over a few heads amplifies float32 rounding of the attention (the map here, q, k and the lse there)
     r = [(c["pearson_r"], d["pearson_r"]) for c, d in zip(g["correlation"].values(), w["correlation"].values())]
     assert r and all(a == pytest.approx(b, rel=1e-4) for a, b in r)
+    # the dormant heads, their backward in the trace: on these '<unk>' probes many queries tie, and the rank
+    # statistics break ties by float32 rounding, so the per-head numbers without ranks or quantiles are compared
+    # (every statistic and the text on random tokens: test_the_dormant_heads_of_a_remote_model_...)
+    plain = ("layer", "head", "sink_attn", "sinking_share", "n_sinking", "n_other", "median_norm", "median_abs_effect")
+    g, w = ([{c: h[c] for c in plain} for h in j["sections"]["dormant"]["heads"]] for j in (got, want))
+    assert g and not _same(g, w)
     provenance = ("path", "backend", "why", "requests", "bytes", "kernels", "seconds")  # which engine ran, how long
     for key in ("positions", "context"):
         diff = _same(got["sections"][key], want["sections"][key])
@@ -575,3 +581,63 @@ def test_the_key_manifold_of_a_remote_model_equals_the_bridges(family_bridge, nn
         np.testing.assert_allclose(got.scatter[key]["coords"], s["coords"], atol=1e-4)
     with pytest.raises(NnsightUnsupported, match="rotated=False"):
         first_key_manifold(nn, tokens, rotated=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain; soft cap + sliding window
+def test_the_dormant_heads_of_a_remote_model_run_their_backward_in_the_trace(family, family_bridge, nn_family):
+    """``dormant_heads`` on a model loaded for NDIF: the heads' mean outputs from a shipped reduction, then one trace
+    per request with its backward pass (W_O read there, the gradient x activation reduced there); every per-query
+    statistic and the text equal the bridge's. Exact removal, a pass per head, is refused before the work."""
+    from analysis.causal.dormant_heads import dormant_heads
+
+    nn, tokens = nn_family(family), _tokens(n=3, T=16)
+    got, want = dormant_heads(nn, tokens, eps=0.1), dormant_heads(family_bridge(family), tokens, eps=0.1)
+    for name in ("sink_attn", "out_norm", "effect", "effect_mean", "z_mean"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-4)
+    assert got.mass is None and float(got.effect.abs().max()) > 0
+    assert got.text() == want.text()
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, :2] = True  # a mask of sink keys per sequence (the sink-token models' form)
+    got = dormant_heads(nn, tokens, sink_positions=mask, mean_ablation=False)
+    torch.testing.assert_close(
+        got.sink_attn,
+        dormant_heads(family_bridge(family), tokens, sink_positions=mask, mean_ablation=False).sink_attn,
+        atol=1e-5,
+        rtol=1e-4,
+    )
+    from analysis.model.nnsight_model import NnsightUnsupported
+
+    with pytest.raises(NnsightUnsupported, match="exact=False"):
+        dormant_heads(nn, tokens, exact=True)
+
+
+def test_the_backward_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulation(family_dir, monkeypatch):
+    """The dormant heads' trace with its backward pass (``grad_trace``): its reductions and loss reach only NDIF's
+    whitelist, and nnsight's local simulation of a remote run (package hidden) returns what the trace returns here."""
+    import analysis.engine.remote as remote
+    from analysis.causal.dormant_heads import grad_effects, head_stats, summed_loss
+    from analysis.causal.head_removal import head_sums
+    from analysis.engine.passes import Reduction
+    from analysis.model.nnsight_model import TraceWeight
+
+    for fn in (head_stats, grad_effects, summed_loss, head_sums):
+        bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
+        assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
+    nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens(n=2, T=12)
+    jobs = {
+        l: (Reduction(head_stats, {"sinks": (0,), "W_O": TraceWeight("W_O", l)}), Reduction(grad_effects))
+        for l in nn.spec.attention_layers
+    }
+    here = remote.grad_trace(nn, tokens, jobs, summed_loss, remote=False)
+    restore = _as_if_pip_installed(monkeypatch)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            there = remote.grad_trace(nn, tokens, jobs, summed_loss, remote="local")
+    finally:
+        restore()
+    assert [l for l, _, _ in here] == [l for l, _, _ in there] == list(nn.spec.attention_layers)
+    for (_, f, b), (_, f2, b2) in zip(here, there):
+        assert f.keys() == f2.keys() == {"sink", "slot", "norm"} and b.keys() == b2.keys() == {"effect"}
+        assert all(torch.equal(f[k], f2[k]) for k in f) and all(torch.equal(b[k], b2[k]) for k in b)
+        assert float(b["effect"].abs().max()) > 0

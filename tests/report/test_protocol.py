@@ -179,6 +179,24 @@ def assert_protocol(name: str, r: Result) -> None:
     assert isinstance(int(r.n_samples), int) and hasattr(r, "model_name") and hasattr(r, "kind")
 
 
+@pytest.mark.parametrize(
+    "name, keys",
+    [
+        ("ExpertWrites", "dim block role write experts text"),  # json_header = False
+        ("GateResult", "model kind n_samples T layers gate_first gate_other per_head skipped text"),  # "skipped?" set
+        ("SinkKinds", "model kind n_samples T layers thresholds shares by_layer heads text"),  # "skipped?" empty
+        (
+            "NormGainTrace",  # renamed fields, and the tables ("*tables") between fields
+            "model kind n_samples layer spike_dims has_spike message norm rotary rotary_base key_norm path T "
+            "stages gain heads key_dims constancy rebuild text",
+        ),
+    ],
+)
+def test_declared_fields_give_the_keys_in_order(built, name, keys):
+    """A result that declares its JSON (``Result.json_fields``) writes the keys report.json has always had, in order."""
+    assert list(built[name].to_dict()) == keys.split()
+
+
 def test_result_and_accumulator_are_abstract():
     from analysis.engine.passes import Accumulator
 

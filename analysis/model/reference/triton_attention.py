@@ -228,11 +228,13 @@ def _bwd_q(
     tl.store(DQ + base + offs_m[:, None] * st + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
 
-def _launch_args(q, bias, window):
+def _launch(q, bias, kind: int, window):
+    """The kernels' grid, the arguments after the tensors (strides, H, T) and their constants."""
     B, H, T, D = q.shape
-    bias_t = bias if bias is not None else q.new_zeros(1, 1, 1)
-    strides = (q.stride(0), q.stride(1), q.stride(2), *(bias_t.stride() if bias is not None else (0, 0, 0)))
-    return B, H, T, D, bias_t, strides, int(window or 0)
+    bm = _block()
+    strides = (q.stride(0), q.stride(1), q.stride(2), *(bias.stride() if bias is not None else (0, 0, 0)))
+    constants = dict(KIND=kind, WINDOW=int(window or 0), HAS_BIAS=bias is not None, BM=bm, BN=bm, D=D)
+    return (triton.cdiv(T, bm), B * H), (*strides, H, T), constants
 
 
 class ElementwiseAttention(torch.autograd.Function):
@@ -242,45 +244,23 @@ class ElementwiseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, head_bias, score_bias, scale: float, kind: int, window):
         q, k, v = (x.contiguous() for x in (q, k, v))
         hb = head_bias.float().contiguous()
-        B, H, T, D, bias_t, strides, w = _launch_args(q, score_bias, window)
+        bias_t = score_bias if score_bias is not None else q.new_zeros(1, 1, 1)
+        grid, args, constants = _launch(q, score_bias, kind, window)
         o = torch.empty_like(q)
-        bm = _block()
-        _fwd[(triton.cdiv(T, bm), B * H)](
-            q,
-            k,
-            v,
-            o,
-            hb,
-            bias_t,
-            *strides,
-            H,
-            T,
-            scale,
-            KIND=kind,
-            WINDOW=w,
-            HAS_BIAS=score_bias is not None,
-            BM=bm,
-            BN=bm,
-            D=D,
-        )
+        _fwd[grid](q, k, v, o, hb, bias_t, *args, scale, **constants)
         ctx.save_for_backward(q, k, v, hb, bias_t)
-        ctx.meta = (scale, kind, w, score_bias is not None)
+        ctx.launch = (grid, args, scale, constants)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, hb, bias_t = ctx.saved_tensors
-        scale, kind, w, has_bias = ctx.meta
+        grid, args, scale, constants = ctx.launch
         do = do.contiguous()
-        B, H, T, D = q.shape
-        strides = (q.stride(0), q.stride(1), q.stride(2), *(bias_t.stride() if has_bias else (0, 0, 0)))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dhb = torch.zeros(H, dtype=torch.float32, device=q.device)
-        bm = _block()
-        grid = (triton.cdiv(T, bm), B * H)
-        common = dict(KIND=kind, WINDOW=w, HAS_BIAS=has_bias, BM=bm, BN=bm, D=D)
-        _bwd_kv[grid](q, k, v, do, dk, dv, hb, dhb, bias_t, *strides, H, T, scale, **common)
-        _bwd_q[grid](q, k, v, do, dq, hb, bias_t, *strides, H, T, scale, **common)
+        dhb = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+        _bwd_kv[grid](q, k, v, do, dk, dv, hb, dhb, bias_t, *args, scale, **constants)
+        _bwd_q[grid](q, k, v, do, dq, hb, bias_t, *args, scale, **constants)
         return dq, dk, dv, dhb, None, None, None, None
 
 
