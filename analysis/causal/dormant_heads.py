@@ -243,6 +243,9 @@ def summed_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch.Tensor]:
     """One batch: forward with the hooks, backward of the summed loss to every head's output; (B, L, H, T) each."""
+    tokens = tokens.to(model_device(model))
+    if isinstance(hk.sink_sel, torch.Tensor):
+        hk.sink_sel = hk.sink_sel.to(tokens.device)
     with torch.inference_mode(False), torch.enable_grad(), _no_weight_grads(model):
         logits = model.run_with_hooks(tokens, fwd_hooks=hk.hooks(model))
         loss = summed_loss(logits, tokens)
@@ -267,35 +270,21 @@ def _grad_batch(model, tokens: torch.Tensor, hk: _BatchHooks) -> dict[str, torch
     return out
 
 
-def _remote_forward_backward(
-    model: NnsightModel, tokens: torch.Tensor, layers: list[int], sinks, z_mean, *, batch_size: int | None
-) -> dict[str, torch.Tensor]:
-    """:func:`_forward_backward` for a model loaded through nnsight: one trace with its backward pass per request
-    (``analysis.engine.remote.grad_trace``), :func:`head_stats` and :func:`grad_effects` run in it (W_O read there);
-    the requests cut under NDIF's size limit by the five (B, H, T) statistics each layer returns (``batch_size``, the
-    sequences per request, at most what fits)."""
-    N, T = tokens.shape
-    req = plan_requests(N, layers, per=5 * model_dims(model).n_heads * T * 4)
-    bs = min(batch_size or req.samples, req.samples)  # NDIF's limit, not this machine's memory, sets the default
-    chunks: dict[str, list[torch.Tensor]] = {}
-    for start in range(0, N, bs):
-        sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + bs]
-        got = {}
-        for group in req.layer_groups:
-            jobs = {
-                l: (
-                    Reduction(head_stats, {"sinks": sel, "W_O": TraceWeight("W_O", l)}),
-                    Reduction(grad_effects, {"z_mean": None if z_mean is None else z_mean[layers.index(l)]}),
-                )
-                for l in group
-            }
-            with _no_weight_grads(model):
-                got.update(
-                    {l: {**f, **b} for l, f, b in grad_trace(model, tokens[start : start + bs], jobs, summed_loss)}
-                )
-        for k in got[layers[0]]:
-            chunks.setdefault(k, []).append(torch.stack([got[l][k] for l in layers], 1))
-    return {k: torch.cat(v) for k, v in chunks.items()}
+def _remote_grad_batch(model: NnsightModel, tokens, sel, layers: list[int], z_mean, groups) -> dict:
+    """:func:`_grad_batch` for a model loaded through nnsight: one trace with its backward pass per layer group
+    (``analysis.engine.remote.grad_trace``), :func:`head_stats` and :func:`grad_effects` run in it (W_O read there)."""
+    got = {}
+    for group in groups:
+        jobs = {
+            l: (
+                Reduction(head_stats, {"sinks": sel, "W_O": TraceWeight("W_O", l)}),
+                Reduction(grad_effects, {"z_mean": None if z_mean is None else z_mean[layers.index(l)]}),
+            )
+            for l in group
+        }
+        with _no_weight_grads(model):
+            got.update({l: {**f, **b} for l, f, b in grad_trace(model, tokens, jobs, summed_loss)})
+    return {k: torch.stack([got[l][k] for l in layers], 1) for k in got[layers[0]]}
 
 
 def grad_batch_size(T: int) -> int:
@@ -404,15 +393,15 @@ def dormant_heads(
             f"(0-based: those that see more than k / eps keys, before the last token); give T >= {first + 2}."
         )
     z_mean = head_means(model, tokens, layers, first=first, batch_size=batch_size) if mean_ablation else None
-    if remote:
-        full = _remote_forward_backward(model, tokens, layers, sinks, z_mean, batch_size=batch_size)
+    if remote:  # requests cut under NDIF's size limit by the five (B, H, T) statistics a layer returns
+        req = plan_requests(N, layers, per=5 * model_dims(model).n_heads * T * 4)
+        batch_size = min(batch_size or req.samples, req.samples)  # NDIF's limit, not this machine's memory
+        grad_batch = lambda tk, sel: _remote_grad_batch(model, tk, sel, layers, z_mean, req.layer_groups)  # noqa: E731
     else:
-        grams, raw = (
-            output_grams(model, layers),
-            all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers),
-        )
-        batch_hooks = lambda sel: _BatchHooks(layers, grams, sel, raw, z_mean)  # the hooks of one batch's sink keys
-        full = _forward_backward(model, tokens, sinks, batch_hooks, batch_size=batch_size, progress=progress)
+        grams = output_grams(model, layers)
+        raw = all(f"blocks.{l}.attn.hook_raw_pattern" in hook_names(model) for l in layers)
+        grad_batch = lambda tk, sel: _grad_batch(model, tk, _BatchHooks(layers, grams, sel, raw, z_mean))  # noqa: E731
+    full = _forward_backward(tokens, sinks, grad_batch, batch_size=batch_size, progress=progress)
     slot = full.get("slot")
     if exact:
         full.update(_exact_effects(model, tokens, layers, z_mean, first=first, progress=progress))
@@ -438,15 +427,12 @@ def dormant_heads(
     )
 
 
-def _forward_backward(
-    model: SinkModel, tokens: torch.Tensor, sinks, batch_hooks, *, batch_size: int | None, progress: bool
-) -> dict[str, torch.Tensor]:
-    """The per-head statistics of every batch (``_grad_batch``: one forward and one backward pass each, with the
-    hooks ``batch_hooks(sinks)`` makes), joined over the sequences; ``sinks`` a mask of sink keys per sequence is cut
-    to each batch's rows."""
+def _forward_backward(tokens: torch.Tensor, sinks, grad_batch, *, batch_size: int | None, progress: bool) -> dict:
+    """The per-head statistics of every batch (``grad_batch(tokens, sinks)``: one forward and one backward pass each,
+    :func:`_grad_batch` or :func:`_remote_grad_batch`), joined over the sequences; ``sinks`` a mask of sink keys per
+    sequence is cut to each batch's rows."""
     N, T = tokens.shape
     bs = batch_size or grad_batch_size(T)
-    device = model_device(model)
     chunks: dict[str, list[torch.Tensor]] = {}
     it = batches(tokens, bs)
     if progress:
@@ -455,8 +441,8 @@ def _forward_backward(
         it = tqdm(it, total=-(-N // bs), desc="forward + backward", leave=False)
     start = 0
     for tk in it:
-        sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + tk.shape[0]].to(device)
-        got = _grad_batch(model, tk.to(device), batch_hooks(sel))
+        sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + tk.shape[0]]
+        got = grad_batch(tk, sel)
         for k, v in got.items():
             chunks.setdefault(k, []).append(v)
         start += tk.shape[0]
