@@ -61,9 +61,11 @@ from analysis.model.hooks import (
     qk_hook_names,
 )
 from analysis.core.io import jsonable
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.engine.passes import Accumulator, Batch, Reduction, RunningSums, run_pass
 from analysis.core.results import Result, layers_text, pass_options
 from analysis.core.docs import parameters_from, share_parameters
+from analysis.model.families import rotary_base
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.model.rotary import rotate_as_spec
 from analysis.sinks.metric import alpha_from_pattern
 from analysis.core.stats import one_thread, pair_cosine, unit_vectors
@@ -457,53 +459,107 @@ def _pca2(keys: torch.Tensor) -> dict:
 class ScatterKeys:
     """Keys at all positions (N, T, d_head) of a few (layer, KV head) pairs, for the 2-D scatter: the ``explicit``
     pairs, and with ``auto`` the analysed KV heads with the largest and the smallest alpha_1 (max over the
-    KV head's query heads), chosen on the first batch."""
+    KV head's query heads), chosen on the first batch from each layer's two candidates (:func:`key_stats`), so a
+    remote trace returns the keys of two heads per layer on the first batch and of the chosen ones after it."""
 
     def __init__(self, explicit: list[tuple[int, int]], auto: bool):
         self.kept: dict[tuple[int, int], list[torch.Tensor]] = {h: [] for h in explicit}
         self.auto, self.batch_no = auto, 0
         self.pick: dict[str, tuple[float, tuple[int, int]]] = {}  # "max"/"min" -> (alpha, (layer, kv_head))
-        self.auto_kept: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def add(self, layer: int, k: torch.Tensor, alpha_kv: torch.Tensor | None, heads: list[int]) -> None:
-        """k (B, T, H_kv, d) of ``layer``; ``alpha_kv`` (len(heads),) for analysed layers, else None."""
-        for (l, h), chunks in self.kept.items():
-            if l == layer:
-                chunks.append(k[:, :, h].clone())
-        if not self.auto or alpha_kv is None:
-            return
-        if self.batch_no == 0:
-            self._choose(layer, k, alpha_kv, heads)
-            return
-        for (l, h), chunks in self.auto_kept.items():
-            if l == layer:
-                chunks.append(k[:, :, h].clone())
+    def keep(self, layer: int) -> list[int]:
+        """The KV heads of ``layer`` whose keys its reduction returns (the first batch's candidates aside)."""
+        return [h for l, h in self.kept if l == layer]
 
-    def _choose(self, layer: int, k: torch.Tensor, alpha_kv: torch.Tensor, heads: list[int]) -> None:
-        for j, h in enumerate(heads):
-            a = float(alpha_kv[j])
-            if "max" not in self.pick or a > self.pick["max"][0]:
-                self.pick["max"] = (a, (layer, h))
-            if "min" not in self.pick or a < self.pick["min"][0]:
-                self.pick["min"] = (a, (layer, h))
+    def fold(self, layer: int, stats: dict, heads: list[int]) -> None:
+        """Keep the keys ``stats["keys"]`` (B, T, n, d) of :meth:`keep`'s heads, and on the first batch choose among
+        the layer's candidates (the last two, ``stats["picks"]`` into ``heads``, scored by ``stats["alpha_kv"]``)."""
+        keys = stats["keys"].cpu()
+        for j, h in enumerate(self.keep(layer)):
+            self.kept[(layer, h)].append(keys[:, :, j])
+        if "picks" not in stats:
+            return
+        for slot, which in enumerate(("max", "min")):
+            j = int(stats["picks"][slot])
+            a = float(stats["alpha_kv"][j])
+            if which not in self.pick or (a > self.pick[which][0] if which == "max" else a < self.pick[which][0]):
+                self.pick[which] = (a, (layer, heads[j]))
+                self.kept[(layer, heads[j])] = [keys[:, :, keys.shape[2] - 2 + slot]]
         chosen = {v[1] for v in self.pick.values()}
-        for h in heads:
-            if (layer, h) in chosen:
-                self.auto_kept[(layer, h)] = [k[:, :, h].clone()]
-        for key in [key for key in self.auto_kept if key not in chosen]:
-            del self.auto_kept[key]
+        self.kept = {h: c for h, c in self.kept.items() if h in chosen}
 
     def heads(self) -> dict[tuple[int, int], torch.Tensor]:
-        kept = dict(self.kept)
-        if self.auto:
-            order = [self.pick[w][1] for w in ("max", "min") if w in self.pick]
-            kept = {h: self.auto_kept[h] for h in dict.fromkeys(order)}
-        return {h: torch.cat(c) for h, c in kept.items() if c}
+        order = [self.pick[w][1] for w in ("max", "min") if w in self.pick] if self.auto else list(self.kept)
+        return {h: torch.cat(self.kept[h]) for h in dict.fromkeys(order) if self.kept.get(h)}
+
+
+def _vectors(acts: dict, spec, layer: int, rotated: bool, n_kv_heads: int):
+    """The queries (None where not read) and the KV heads' keys the attention of ``layer`` uses, float32: per the family
+    spec (``rotate_as_spec``), or where ``spec`` is None (a remote trace) as read, after the rotary."""
+    turn = (lambda x: x.float()) if spec is None else (lambda x: rotate_as_spec(x, spec, layer, rotated=rotated))
+    return (turn(acts["q"]) if "q" in acts else None), kv_view(turn(acts["k"]), n_kv_heads)
+
+
+def key_stats(acts: dict, *, n_heads: int, heads, keep, pick: bool, **where) -> dict:
+    """One layer's reduce for the first-key manifold, float64 sums over the batch where they are sums.
+
+    Parameters
+    ----------
+    acts : dict
+        {"k": keys; on an analysed layer also "q" and "pattern" (the map or ``AttentionWeights``)}.
+    n_heads : int
+    heads : list of int or None
+        The analysed KV heads (S of them; None: a layer read for the scatter only).
+    keep : list of int
+        The KV heads whose keys at every position come back (the scatter's).
+    pick : bool
+        Also return the layer's scatter candidates (the automatic choice, on the first batch).
+    **where
+        ``spec``, ``layer``, ``rotated``, ``n_kv_heads``: how the keys are read (``rotate_as_spec``).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        "keys" (B, T, n, d) of ``keep``, then (``pick``) of the analysed KV heads of largest and smallest alpha_1
+        ("picks" into ``heads``, scored by "alpha_kv" (S,)); the other keys' "sum", "unit_sum" (S, d) and "gram"
+        (S, d, d), "k1_norm" and "kj_norm" (S,), the first keys and the keys at T // 2 ("ends", (B, 2, S, d)); per
+        query head sum_t cos(q_t, k_1), sum_t sum_{1<j<=t} cos(q_t, k_j) and alpha_1 ("cos_q_k1", "cos_q_kj",
+        "alpha" (H,)).
+    """
+    q, kk = _vectors(acts, **where)
+    out = {"keys": kk[:, :, keep]}
+    if heads is None:
+        return out
+    B, T, K, d = kk.shape
+    units = getattr(acts, "units", None) or (lambda x: unit_vectors(x.float()))  # shared with the QK angles here
+    kn, norms = units(kk)
+    ks, ns = (kk, norms) if heads == list(range(K)) else (kk[:, :, heads], norms[:, :, heads])
+    other = torch.empty(len(heads), B, T - 1, d, dtype=torch.float64, device=ks.device)
+    other = other.copy_(ks[:, 1:].permute(2, 0, 1, 3)).view(len(heads), B * (T - 1), d)  # converted as copied
+    qn = units(q)[0][:, 1:]  # unit queries t > 1 against each query head's KV head (cumulative unit keys 2..t)
+    a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double()  # (B, H)
+    out |= {
+        "sum": other.sum(1),
+        "gram": other.transpose(1, 2) @ other,
+        "unit_sum": unit_vectors(other)[0].sum(1),
+        "k1_norm": ns[:, 0].double().sum(0),
+        "kj_norm": ns[:, 1:].double().sum((0, 1)),
+        "ends": ks[:, [0, T // 2]],  # only the first keys are kept, and as a same-size control the keys at T // 2
+        "cos_q_k1": torch.einsum("bthd,bhd->h", qn, per_query_head(kn[:, 0], n_heads, dim=1)).double(),
+        "cos_q_kj": _dot_cumulative(qn, kn[:, 1:].cumsum(dim=1), n_heads).double(),
+        "alpha": a1.sum(0),
+    }
+    if pick:
+        a_kv = group_reduce(a1.mean(0), n_heads // K, how="max")[heads]
+        picks = torch.stack([a_kv.argmax(), a_kv.argmin()])
+        out |= {"alpha_kv": a_kv, "picks": picks, "keys": torch.cat([out["keys"], ks[:, :, picks]], 2)}
+    return out
 
 
 class KeyManifoldAccumulator(Accumulator):
     """Per analysed layer and KV head: the other keys' running sum, Gram matrix and unit-vector sum; the first
-    keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head."""
+    keys and the keys at position T // 2; norms; query-key cosines and alpha_1 per query head (:func:`key_stats`,
+    here and in a remote trace)."""
 
     def __init__(
         self,
@@ -515,103 +571,71 @@ class KeyManifoldAccumulator(Accumulator):
         scatter: ScatterKeys,
         *,
         rotated: bool = True,
-        scatter_layers=(),
         kind: str | None = None,
     ):
         facts = model_facts(model)
         dims = facts.dims
         self.model, self.layers, self.heads, self.T, self.kind = model, list(layers), list(heads), int(T), kind
         self.n_components, self.scatter, self.rotated = n_components, scatter, rotated
-        self.spec = facts.family
-        self.scatter_layers = sorted(set(scatter_layers) - set(self.layers))
+        self.spec = spec = facts.family  # None: a model loaded for a remote trace (no FamilySpec)
+        self.rotary = spec.rotary if spec else rotary_base(model) is not None
+        self.skipped = spec.skipped_text() if spec else facts.skipped
         self.H, self.K, self.group = dims.n_heads, dims.n_kv_heads, dims.group_size
-        self.every_head = self.heads == list(range(self.K))  # no head selection to copy out
-        L, S, f64 = len(self.layers), len(self.heads), torch.float64
         self.index = {l: i for i, l in enumerate(self.layers)}
-        self.acc = {
-            "k1_norm": torch.zeros(L, S, dtype=f64),
-            "kj_norm": torch.zeros(L, S, dtype=f64),
-            **{n: torch.zeros(L, self.H, dtype=f64) for n in ("cos_q_k1", "cos_q_kj", "alpha_1")},
-        }
-        self.sums: dict[str, list] = {"sum": [0] * L, "gram": [0] * L, "unit_sum": [0] * L}
-        self.firsts: list[list[torch.Tensor]] = [[] for _ in range(L)]
-        self.mids: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.sums = RunningSums(len(self.layers))  # on each layer's device until the result
+        self.ends: list[list[torch.Tensor]] = [[] for _ in self.layers]  # per layer and batch: (B, 2, S, d)
         self.n = 0
 
     def hooks(self):
         out = {}
-        for l in self.layers:
-            q, k = qk_hook_names(self.model, l)  # the spec's hooks; rotate_as_spec makes them rotated or not
-            out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)}
-        for l in self.scatter_layers:
-            out[l] = {"k": qk_hook_names(self.model, l)[1]}
+        for l in sorted({*self.layers, *(l for l, _ in self.scatter.kept)}):  # the spec's hooks, rotated as asked
+            q, k = qk_hook_names(self.model, l) if self.spec else (act_name("rot_q", l), act_name("rot_k", l))
+            out[l] = {"q": q, "k": k, "pattern": act_name("pattern", l)} if l in self.index else {"k": k}
         return out
 
+    def _where(self, layer: int) -> dict:  # no layer where no spec turns the keys: layers of one shape reduce alike
+        return {"spec": self.spec, "layer": layer if self.spec else None, "rotated": self.rotated, "n_kv_heads": self.K}
+
     def vectors(self, layer: int, acts: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The queries (B, T, H, d; None where not hooked) and keys (B, T, H_kv, d) the attention of ``layer`` uses,
-        after the rotary (before it with ``rotated=False``), on the CPU."""
-        k = kv_view(rotate_as_spec(acts["k"], self.spec, layer, rotated=self.rotated), self.K).cpu()
-        q = rotate_as_spec(acts["q"], self.spec, layer, rotated=self.rotated).cpu() if "q" in acts else None
-        return q, k
+        """The queries (B, T, H, d; None where not read) and keys (B, T, H_kv, d) the attention of ``layer`` uses."""
+        return _vectors(acts, **self._where(layer))
+
+    def reduction(self, layer: int) -> Reduction:
+        mine = layer in self.index  # else a layer read for the scatter only
+        pick = mine and self.scatter.auto and self.scatter.batch_no == 0  # the scatter's candidates, on the first batch
+        keep, heads = self.scatter.keep(layer), self.heads if mine else None
+        return Reduction(key_stats, dict(n_heads=self.H, heads=heads, keep=keep, pick=pick, **self._where(layer)))
 
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        q, kk = self.vectors(layer, acts)  # kk: (B, T, H_kv, d)
-        if layer not in self.index:
-            self.scatter.add(layer, kk, None, self.heads)
-            return
-        i = self.index[layer]
-        kn, norms = acts.units(kk)  # unit keys and |k| (B, T, H_kv), shared with the QK angles of the same pass
-        if self.every_head:
-            self._keys(i, kk, norms)
-        else:
-            self._keys(i, kk[:, :, self.heads], norms[:, :, self.heads])
-        self._angles(i, acts.units(q)[0][:, 1:], kn)
-        a1 = alpha_from_pattern(acts["pattern"], 1)[..., 0].double().cpu()  # (B, H)
-        self.acc["alpha_1"][i] += a1.sum(0)
-        self.scatter.add(layer, kk, group_reduce(a1.mean(0), self.group, how="max")[self.heads], self.heads)
-        if i == 0:
-            self.n += kk.shape[0]
+        super().update(layer, acts, batch)
 
-    def _keys(self, i: int, ks: torch.Tensor, norms: torch.Tensor) -> None:
-        """Running moments of the other keys, and the first / middle keys, of the selected KV heads ks (B, T, S, d)
-        (norms (B, T, S))."""
-        B, T, S = ks.shape[:3]
-        other = torch.empty(S, B, T - 1, ks.shape[-1], dtype=torch.float64, device=ks.device)
-        other = other.copy_(ks[:, 1:].permute(2, 0, 1, 3)).view(S, B * (T - 1), -1)  # (S, n, d), converted as copied
-        self.sums["sum"][i] = self.sums["sum"][i] + other.sum(1)
-        self.sums["gram"][i] = self.sums["gram"][i] + other.transpose(1, 2) @ other  # (S, d, d)
-        self.sums["unit_sum"][i] = self.sums["unit_sum"][i] + unit_vectors(other)[0].sum(1)
-        self.acc["k1_norm"][i] += norms[:, 0].double().sum(0)
-        self.acc["kj_norm"][i] += norms[:, 1:].double().sum((0, 1))
-        self.firsts[i].append(ks[:, 0].clone())  # (B, S, d): only the first keys are kept ...
-        self.mids[i].append(ks[:, T // 2].clone())  # ... and, as a same-size control, the keys at one later position
-
-    def _angles(self, i: int, qn: torch.Tensor, kn: torch.Tensor) -> None:
-        """sum_t cos(q_t, k_1) and sum_t sum_{1<j<=t} cos(q_t, k_j) = sum_t q_t . (cumulative sum of unit keys 2..t),
-        unit queries t > 1 ``qn`` (B, T-1, H, d) against each query head's KV head (unit keys ``kn`` (B, T, H_kv, d), kept
-        per KV head, repeated last)."""
-        H = self.H
-        self.acc["cos_q_k1"][i] += torch.einsum("bthd,bhd->h", qn, per_query_head(kn[:, 0], H, dim=1)).double()
-        self.acc["cos_q_kj"][i] += _dot_cumulative(qn, kn[:, 1:].cumsum(dim=1), H).double()
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        i = self.index.get(layer)
+        if i is not None:
+            for name in ("sum", "gram", "unit_sum", "k1_norm", "kj_norm", "cos_q_k1", "cos_q_kj", "alpha"):
+                self.sums.add(name, i, stats[name])
+            self.ends[i].append(stats["ends"].cpu())
+            self.n += batch.size if i == 0 else 0
+        self.scatter.fold(layer, stats, self.heads)
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.scatter.batch_no += 1
 
     def result(self) -> KeyManifold:
-        N, T = self.n, self.T
+        N, T, h = self.n, self.T, self.sums.host
         n_other = N * (T - 1)
         per_q = {
-            "cos_q_k1": (self.acc["cos_q_k1"] / (N * (T - 1))).float(),
-            "cos_q_kj": (self.acc["cos_q_kj"] / (N * T * (T - 1) // 2)).float(),
-            "alpha_1": (self.acc["alpha_1"] / N).float(),
+            "cos_q_k1": (h("cos_q_k1", (self.H,)) / (N * (T - 1))).float(),
+            "cos_q_kj": (h("cos_q_kj", (self.H,)) / (N * T * (T - 1) // 2)).float(),
+            "alpha_1": (h("alpha", (self.H,)) / N).float(),
         }
-        mu = torch.stack(self.sums["sum"]) / n_other  # (L, S, d)
-        cov = torch.stack(self.sums["gram"]) / n_other - mu[..., :, None] * mu[..., None, :]
+        mu = h("sum", ()) / n_other  # (L, S, d)
+        cov = h("gram", ()) / n_other - mu[..., :, None] * mu[..., None, :]
         L, S, d = mu.shape
 
-        def per_head(chunks):  # [layer][batch] (B, S, d) -> (L S, N, d), heads in (layer, head) order
-            return torch.stack([torch.cat(c) for c in chunks]).double().transpose(1, 2).reshape(L * S, N, d)
+        def per_head(j):  # [layer][batch] (B, 2, S, d) -> (L S, N, d), heads in (layer, head) order
+            return torch.stack([torch.cat(c)[:, j] for c in self.ends]).double().transpose(1, 2).reshape(L * S, N, d)
 
         with small_linalg():
             evals, evecs = torch.linalg.eigh(cov)  # ascending, batched over (L, S)
@@ -620,9 +644,9 @@ class KeyManifoldAccumulator(Accumulator):
                 evecs.flip(-1).reshape(L * S, d, d),
                 mu.reshape(L * S, d),
                 cov.reshape(L * S, d, d),
-                per_head(self.firsts),
-                per_head(self.mids),
-                torch.stack(self.sums["unit_sum"]).reshape(L * S, d),
+                per_head(0),
+                per_head(1),
+                h("unit_sum", ()).reshape(L * S, d),
                 n_other,
                 self.n_components,
             )
@@ -630,32 +654,24 @@ class KeyManifoldAccumulator(Accumulator):
             other_evr = torch.as_tensor(evr_cum, dtype=torch.float32).reshape(L, S, d)
             return self._result(pd.DataFrame(self._rows(cols, per_q)), first_evr, other_evr, per_q)
 
-    def _rows(self, cols: dict, per_q: dict) -> list[dict]:
-        """One table row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head) order) joined
-        with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's query heads."""
-        N, n_other, S = self.n, self.n * (self.T - 1), len(self.heads)
-        group = {name: group_reduce(x, self.group, how="mean")[:, self.heads].tolist() for name, x in per_q.items()}
-        a1_max = group_reduce(per_q["alpha_1"], self.group, how="max")[:, self.heads].tolist()
-        k1, kj = (self.acc["k1_norm"] / N).tolist(), (self.acc["kj_norm"] / n_other).tolist()
-        rows = []
-        for i, l in enumerate(self.layers):
-            for j, h in enumerate(self.heads):
-                qh = [x for x in range(self.H) if x // self.group == h]
-                rows.append(
-                    {
-                        "layer": l,
-                        "kv_head": h,
-                        "query_heads": ",".join(map(str, qh)),
-                        "alpha_1_mean": group["alpha_1"][i][j],
-                        "alpha_1_max": a1_max[i][j],
-                        "k1_norm": k1[i][j],
-                        "kj_norm": kj[i][j],
-                        **{k: v[i * S + j] for k, v in cols.items()},
-                        "cos_q_k1": group["cos_q_k1"][i][j],
-                        "cos_q_kj": group["cos_q_kj"][i][j],
-                    }
-                )
-        return rows
+    def _rows(self, cols: dict, per_q: dict) -> dict[str, list]:
+        """The table's columns, one row per (layer, KV head): ``head_stats`` columns (``cols``, heads in (layer, head)
+        order) joined with the norms and the per-query-head statistics averaged (alpha_1 also maxed) over the KV head's
+        query heads."""
+        N, g, h = self.n, self.group, self.sums.host
+        by_kv = lambda x, how="mean": group_reduce(x, g, how=how)[:, self.heads].flatten().tolist()  # noqa: E731
+        return {
+            "layer": [l for l in self.layers for _ in self.heads],
+            "kv_head": self.heads * len(self.layers),
+            "query_heads": [",".join(map(str, range(k * g, (k + 1) * g))) for k in self.heads] * len(self.layers),
+            "alpha_1_mean": by_kv(per_q["alpha_1"]),
+            "alpha_1_max": by_kv(per_q["alpha_1"], "max"),
+            "k1_norm": (h("k1_norm", ()) / N).flatten().tolist(),
+            "kj_norm": (h("kj_norm", ()) / (N * (self.T - 1))).flatten().tolist(),
+            **cols,
+            "cos_q_k1": by_kv(per_q["cos_q_k1"]),
+            "cos_q_kj": by_kv(per_q["cos_q_kj"]),
+        }
 
     def _result(self, table, first_evr, other_evr, per_q) -> KeyManifold:
         table["norm_ratio"] = table.k1_norm / table.kj_norm
@@ -667,7 +683,7 @@ class KeyManifoldAccumulator(Accumulator):
             n_samples=self.n,
             T=self.T,
             group_size=self.group,
-            rotated=self.rotated and self.spec.rotary,
+            rotated=self.rotated and self.rotary,
             first_evr=first_evr,
             other_evr=other_evr,
             cos_q_k1=per_q["cos_q_k1"],
@@ -675,7 +691,7 @@ class KeyManifoldAccumulator(Accumulator):
             alpha_1=per_q["alpha_1"],
             model_name=getattr(self.model, "model_name", None),
             kind=self.kind,
-            skipped=self.spec.skipped_text(),
+            skipped=self.skipped,
         )
         for (l, h), keys in self.scatter.heads().items():
             entry = _pca2(keys)
@@ -821,6 +837,11 @@ def key_manifold_accumulator(
         if layers is None
         else check_attention_layers(model, layers=check_layers(model, layers))
     )
+    if not rotated and isinstance(model, NnsightModel):
+        raise NnsightUnsupported(
+            "rotated=False reads the keys before the rotary; a model loaded through nnsight hands its trace q and k "
+            "after it (at the attention function): use rotated=True, or load the model with load_model(name)."
+        )
     N, T = tokens_shape
     n_components = _check_n_components(n_components, dims.d_head)
     _check_sizes(N, T, n_components)
@@ -833,7 +854,6 @@ def key_manifold_accumulator(
         n_components,
         ScatterKeys(explicit, auto),
         rotated=rotated,
-        scatter_layers=[l for l, _ in explicit],
         kind=kind,
     )
 

@@ -7,7 +7,8 @@ together, so a table computed remotely is the one computed here, by the same ope
 layers give the residual stream (``hook_resid_pre`` their input, ``hook_resid_post`` their output) and each
 attention layer's call to transformers' attention function gives q, k and v after the rotary, the mask, the scale
 and the soft cap (``hook_q``/``hook_k``/``hook_v``, ``hook_pattern`` as :class:`AttentionWeights` with the rows'
-log-sum-exp, ``hook_z``). Nothing T x T, and never q, k or the residual stream, leaves the model's side.
+log-sum-exp, ``hook_z``). Nothing T x T, and never q or the residual stream, leaves the model's side; keys only where
+asked (the key manifold's first keys, and its scatter's: each layer's two candidates on the first batch).
 
 The reductions ship by value (:func:`register_shipped`: NDIF does not have this package); what they reach must be
 torch, numpy, math and typing (``tests/engine/test_nnsight.py`` walks every reduction's closure to check it). A
@@ -397,10 +398,10 @@ def remote_pass(
     req = plan_requests(N, [p[0] for p in plan], per=per, fixed=fixed)
     bs = min(batch_size or req.samples, req.samples)  # never a request over the limit
     requests, sent = 0, 0
-    by_layer = {p[0]: p for p in plan}
     for start in range(0, N, bs):
         batch = make_batch(tokens[start : start + bs], start)
-        for group in req.layer_groups:
+        by_layer = {p[0]: p for p in (pass_plan(model, accumulators) if start else plan)}  # a reduction may follow
+        for group in req.layer_groups:  # what was folded (the key manifold's scatter heads, chosen on the first batch)
             got = trace_batch(model, batch.tokens, [by_layer[l] for l in group], remote=remote)
             requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
             for j, layer, r in got:

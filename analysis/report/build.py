@@ -67,11 +67,20 @@ from analysis.core.versions import package_versions
 # the command line's light options module, which the parser reads before torch loads.
 DEFAULT_N, SINK_COMMAND_N = REPORT_N, SINK_N
 # a remote model's (docs/remote.md); the others, and why each is refused there (docs/architecture.md)
-NNSIGHT_SECTIONS = ("sink", "views", "massive", "value_norms", "sink_kind", "dormant", "positions", "context")
+NNSIGHT_SECTIONS = (
+    "sink",
+    "views",
+    "massive",
+    "key_manifold",
+    "value_norms",
+    "sink_kind",
+    "dormant",
+    "positions",
+    "context",
+)
 NOT_REMOTE = {
     "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
     "norm_gain": "it reads the norm's gain and W_K here and the pre-softmax scores, which no shipped reduction reads",
-    "key_manifold": "it keeps the first keys and reduces in its own update: it has no reduction that ships",
     "interventions": "it edits activations and reruns the model (a remote pass only reads)",
 }
 

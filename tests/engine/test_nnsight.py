@@ -23,6 +23,7 @@ from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.chain.massive import massive_activations  # noqa: E402
 from analysis.chain.massive import MassiveAccumulator  # noqa: E402
 from analysis.chain.values import ValueNormsAccumulator  # noqa: E402
+from analysis.chain.key_manifold import first_key_manifold, key_manifold_accumulator  # noqa: E402
 from analysis.causal.sink_kind import SinkKindAccumulator  # noqa: E402
 from analysis.engine.passes import Capture  # noqa: E402
 from analysis.engine.attention import AttentionWeights  # noqa: E402
@@ -140,7 +141,8 @@ def test_smollm2_probes_through_nnsight_equal_the_bridge(smollm2):
 
 def _accumulators(nn, T=20):
     """The accumulators whose reductions a remote pass ships: the sink metric, the massive table, every position, the
-    value norms, the sink kinds (W_O read in the trace) and a captured map (a view)."""
+    value norms, the sink kinds (W_O read in the trace), the first-key manifold (its scatter's candidates: the first
+    batch) and a captured map (a view)."""
     layers = list(range(nn.spec.n_layers))
     return [
         SinkAccumulator(nn, T, k_max=8),
@@ -148,6 +150,7 @@ def _accumulators(nn, T=20):
         PositionAccumulator(layers),
         ValueNormsAccumulator(nn, list(nn.spec.attention_layers), T),
         SinkKindAccumulator(nn, list(nn.spec.attention_layers), T, eps=0.1),
+        key_manifold_accumulator(nn, (3, T)),
         Capture("blocks.0.attn.hook_pattern", 0),
     ]
 
@@ -203,6 +206,7 @@ def test_every_reduction_that_ships_reaches_only_what_ndif_allows(family_dir, nn
         "position_stats",
         "value_stats",
         "kind_stats",
+        "key_stats",
         "captured",
     }
     for fn in [*shipped, AttentionWeights]:
@@ -250,7 +254,7 @@ def test_the_remote_trace_runs_through_nnsights_local_simulation(family_dir, mon
         with warnings.catch_warnings():  # the reductions shipped by value: the trace runs where the package is not
             warnings.simplefilter("ignore")
             there = trace_batch(nn, tokens, plan, remote="local")
-        assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 5 * nn.spec.n_layers + 1
+        assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 6 * nn.spec.n_layers + 1
         for (_, _, a), (_, _, b) in zip(here, there):
             a, b = (x if isinstance(x, dict) else {"x": x} for x in (a, b))  # a captured map: one tensor
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -486,9 +490,9 @@ def test_the_report_through_nnsight_runs_every_section_in_nnsight_traces(family_
 
 
 def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_ship(family_bridge, family_dir, tmp_path):
-    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, value
-    norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal the bridge's report; every other
-    section is refused before any work, with the reason in its JSON."""
+    """A model loaded for NDIF (here ``load_nnsight``: the same traces, run locally): the sink, views, massive, key
+    manifold, value norm, sink kind, every-sink and context sections from the accumulators' shipped reductions equal
+    the bridge's report; every other section is refused before any work, with the reason in its JSON."""
     import json
 
     from analysis.report.build import NNSIGHT_SECTIONS, NOT_REMOTE, SECTIONS, build_report
@@ -512,6 +516,7 @@ def test_the_report_of_a_remote_model_equals_the_bridges_on_the_sections_that_sh
     assert not _same(g["random"], w["random"]) and g["activation_map_layer"] == w["activation_map_layer"]
     assert got["sections"]["views"] == want["sections"]["views"]  # the layers drawn and the sequence
     assert not _same(got["sections"]["sink_kind"], want["sections"]["sink_kind"])  # W_O read in the trace
+    assert not _same(got["sections"]["key_manifold"], want["sections"]["key_manifold"])  # the scatter's keys included
     g, w = got["sections"]["value_norms"], want["sections"]["value_norms"]
     assert not _same(
         {k: v for k, v in g.items() if k != "correlation"}, {k: v for k, v in w.items() if k != "correlation"}
@@ -561,6 +566,21 @@ def test_the_sink_kinds_of_a_remote_model_read_w_o_in_the_trace(family, family_b
     for name in ("alpha_1", "sinking_share", "value_ratio", "out_ratio", "pr", "cos", "n_seqs"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, equal_nan=True)
     assert got.text() == want.text() and torch.isfinite(got.out_ratio).any()  # outputs |z R| of sinking queries
+
+
+def test_the_key_manifold_of_a_remote_model_equals_the_bridges(family_bridge, nn_family):
+    """``first_key_manifold`` on a model loaded for NDIF: the same table, scatter heads and coordinates and text on a
+    grouped-query family, its scatter heads chosen on the first of two batches (the second batch's reductions return
+    the chosen heads' keys only); ``rotated=False`` (keys before the rotary, which the trace does not read) is refused
+    before the work."""
+    tokens, nn = _tokens(n=4, T=24), nn_family("qwen3")
+    got, want = (first_key_manifold(m, tokens, batch_size=2) for m in (nn, family_bridge("qwen3")))
+    pd.testing.assert_frame_equal(got.table, want.table, atol=1e-5, rtol=1e-4)
+    assert list(got.scatter) == list(want.scatter) and len(got.scatter) == 2 and got.text() == want.text()
+    for key, s in want.scatter.items():
+        np.testing.assert_allclose(got.scatter[key]["coords"], s["coords"], atol=1e-4)
+    with pytest.raises(NnsightUnsupported, match="rotated=False"):
+        first_key_manifold(nn, tokens, rotated=False)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain; soft cap + sliding window
