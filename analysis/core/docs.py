@@ -167,7 +167,7 @@ def share_parameters(*targets: Callable) -> Callable:
     return decorate
 
 
-def model_tokens(model, tokens) -> None:
+def model_tokens(model: object, tokens) -> None:
     """The two arguments every analysis takes first, documented once: a function names them ``model, tokens`` over the
     line ``As in :func:`model_tokens`.`` (with ``@parameters_from(model_tokens)``).
 
@@ -184,7 +184,7 @@ def model_tokens(model, tokens) -> None:
     """
 
 
-def model_tokens_min2(model, tokens) -> None:
+def model_tokens_min2(model: object, tokens) -> None:
     """``model, tokens`` of an analysis that sets the first token against the others, so needs T >= 2: a function names
     them over the line ``As in :func:`model_tokens_min2`.``.
 

@@ -32,7 +32,8 @@ OTHER_TYPES = {
     "object": (
         "model/contract.py",
         "model/causal.py",
-    ),  # the contract checks (check_model, require_model) take anything
+        "core/docs.py",
+    ),  # the contract checks (check_model, require_model) take anything; core/docs.py's stubs only document it
 }
 RAW = ("str", "Path", "os.PathLike", "PreTrainedModel", "transformers.PreTrainedModel", "TransformerBridge")
 
