@@ -970,7 +970,7 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         "relative": "relative",
     }.get(pos, "none")
     post = getattr(cfg, "norm_position", "pre") == "post"
-    key_rotated = positions == "rotary" and fires_everywhere("hook_rot_k")
+    key_rotated, key_hook, query_hook = _qk_hooks(positions, fires_everywhere, None)  # hook_rot_q / _k fire together
     base = getattr(model, "rope_theta", None) or getattr(cfg, "rotary_base", None)
     first = attention_layers[0] if attention_layers else 0
     ln = getattr(model.blocks[first], "ln1", None)
@@ -1000,8 +1000,8 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         sliding_layers=(),
         attn_scale=d_head**-0.5,
         attn_softcap=None,
-        _key_hook="blocks.{layer}.attn.hook_rot_k" if key_rotated else "blocks.{layer}.attn.hook_k",
-        _query_hook="blocks.{layer}.attn.hook_rot_q" if key_rotated else "blocks.{layer}.attn.hook_q",
+        _key_hook=key_hook,
+        _query_hook=query_hook,
         _scores_hook=_gate_and_scores_hooks(fires_everywhere, scores_are_pattern)[1],
         fired_hooks=fired,
     )
