@@ -315,15 +315,16 @@ class FamilySpec:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = _spec_dict(self)
         d.pop("fired_hooks")
-        for k in ("_key_hook", "_query_hook", "_gate_hook", "_scores_hook"):
-            d[k.lstrip("_")] = d.pop(k)
         d["skipped_layers"] = {str(k): v for k, v in self.skipped_layers.items()}
         d["rotary_bases"] = {str(k): v for k, v in self.rotary_bases.items()}
-        for k in ("attention_layers", "sliding_layers", "nope_layers", "notes"):
-            d[k] = list(getattr(self, k))
         return d
+
+
+def _spec_dict(spec) -> dict:
+    """A spec dataclass as plain data: its private hook templates under their public names, its tuples as lists."""
+    return {k.lstrip("_"): list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
 
 
 # ----------------------------------------------------------------------------------------------

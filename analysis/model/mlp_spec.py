@@ -7,13 +7,13 @@ attention side of a family is ``analysis.model.families``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from analysis.model.contract import SinkModel
 from analysis.model.weights import reads_block_weights
-from analysis.model.families import NormSpec, _gain_and_bias, _kept, _record_hooks, get_family, probe_norm
+from analysis.model.families import NormSpec, _gain_and_bias, _kept, _record_hooks, _spec_dict, get_family, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
 ACTIVATIONS = {
@@ -230,21 +230,13 @@ class MlpSpec:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        for k in ("_neuron_hook", "_gate_hook", "_up_hook", "_input_hook"):
-            d[k.lstrip("_")] = d.pop(k)
-        for k in ("mixer_layers", "moe_layers", "notes"):
-            d[k] = list(getattr(self, k))
-        return d
+        return _spec_dict(self)
 
 
 def _mlp_module(model, layer: int):
     """The model's own MLP module of block ``layer`` (the Hugging Face module behind a bridge; the reference
-    model's MLP)."""
-    mlp = getattr(model.blocks[layer], "mlp", None)
-    if mlp is None:
-        return None
-    return getattr(mlp, "original_component", None) or mlp
+    model's MLP), unwrapped as :func:`block_norm` unwraps a norm."""
+    return block_norm(model, layer, "mlp")
 
 
 def _is_moe(model, layer: int) -> bool:
@@ -400,16 +392,11 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     mlp = model.blocks[layer].mlp
     D = int(model.cfg.d_model)
     if isinstance(getattr(mlp, "W_out", None), torch.nn.Parameter) and getattr(mlp, "original_component", None) is None:
-        gate = getattr(mlp, "W_gate", None)  # analysis.train's MLP: x @ W_in, x @ W_gate, a @ W_out
-        return MlpWeights(
-            layer,
-            mlp.W_out.detach().float().T.contiguous().cpu(),
-            None,
-            mlp.W_in.detach().float().T.contiguous().cpu(),
-            None,
-            None if gate is None else gate.detach().float().T.contiguous().cpu(),
-            None,
-        )
+
+        def rows(w):  # analysis.train's MLP: x @ W_in, x @ W_gate, a @ W_out; MlpWeights holds them transposed
+            return None if w is None else w.detach().float().T.contiguous().cpu()
+
+        return MlpWeights(layer, rows(mlp.W_out), None, rows(mlp.W_in), None, rows(getattr(mlp, "W_gate", None)), None)
     mods = mlp_projections(mlp)
     if mods["out"] is None or mods["in"] is None:
         raise ValueError(
@@ -469,7 +456,7 @@ def block_norm(model: SinkModel, layer: int, name: str | None):
     layer : int
         The block.
     name : str or None
-        "ln1", "ln2" or "ln2_post".
+        "ln1", "ln2" or "ln2_post" (or "mlp": the MLP module itself).
 
     Returns
     -------
