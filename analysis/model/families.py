@@ -315,17 +315,16 @@ class FamilySpec:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = _spec_dict(self)
         d.pop("fired_hooks")
-        for k in ("_key_hook", "_query_hook", "_gate_hook", "_scores_hook"):
-            d[k.lstrip("_")] = d.pop(k)
         d["skipped_layers"] = {str(k): v for k, v in self.skipped_layers.items()}
         d["rotary_bases"] = {str(k): v for k, v in self.rotary_bases.items()}
-        d["attention_layers"] = list(self.attention_layers)
-        d["sliding_layers"] = list(self.sliding_layers)
-        d["nope_layers"] = list(self.nope_layers)
-        d["notes"] = list(self.notes)
         return d
+
+
+def _spec_dict(spec) -> dict:
+    """A spec dataclass as plain data: its private hook templates under their public names, its tuples as lists."""
+    return {k.lstrip("_"): list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,8 +420,9 @@ def rotary_base(model: SinkModel) -> float | None:
     if theta is not None:
         return float(theta)
     hf_cfg = hf_config(model)
-    if hf_cfg is not None and rope_theta(hf_cfg) is not None:
-        return rope_theta(hf_cfg)
+    theta = rope_theta(hf_cfg) if hf_cfg is not None else None
+    if theta is not None:
+        return theta
     cfg = getattr(model, "cfg", None)
     if getattr(cfg, "positional_embedding_type", "rotary") != "rotary":
         return None
@@ -509,6 +509,13 @@ def _module_path(model, module) -> str:
     return type(module).__name__
 
 
+def _gain_and_bias(module) -> tuple:
+    """A norm module's gain and bias as it stores them: Hugging Face ``weight`` / ``bias``, else analysis.train's
+    ``w`` / ``b`` (None where absent)."""
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    return (getattr(module, "w", None) if w is None else w), (getattr(module, "b", None) if b is None else b)
+
+
 @reads_module_weights  # the real gain on a model split by a device map (offloaded weights)
 def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     """Measure a norm module's form: run it on a probe and match RMSNorm / LayerNorm with gain w or 1 + w.
@@ -525,14 +532,9 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     NormSpec or None
         None where the module is not a plain RMSNorm / LayerNorm.
     """
-    w = getattr(module, "weight", None)
-    if w is None:
-        w = getattr(module, "w", None)  # analysis.train's Norm
+    w, b = _gain_and_bias(module)
     if not isinstance(w, torch.Tensor) or w.ndim != 1:
         return None
-    b = getattr(module, "bias", None)
-    if b is None:
-        b = getattr(module, "b", None)
     b = b if isinstance(b, torch.Tensor) else None
     eps = next(
         (
@@ -581,31 +583,44 @@ def fired_hooks(model: SinkModel, *, names: list[str] | None = None) -> frozense
     return _dry_run(model, names)[0]
 
 
+def _probe_tokens(model: SinkModel, n: int) -> torch.Tensor:
+    """Tokens 1..n (modulo the vocabulary) on the model's input device, shape (1, n): a probe pass's input."""
+    return (
+        torch.arange(1, n + 1, device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 0) or 0), n + 1)
+    )[None]
+
+
+def _record_hooks(model: SinkModel, names: list[str], n_tokens: int) -> tuple[dict, dict[str, str]]:
+    """One forward pass over ``n_tokens`` probe tokens with each of ``names`` (aliases welcome) hooked once: ({canonical
+    name: its first value, float32 on the CPU (None where not a tensor)} of the hooks called, in call order,
+    {name: canonical name})."""
+    hook_dict = getattr(model, "hook_dict", {})
+    canonical = {n: getattr(hook_dict[n], "name", n) for n in names}
+    seen: dict[str, torch.Tensor | None] = {}
+
+    def rec(x, hook):
+        if seen.get(hook.name) is None:
+            seen[hook.name] = x.detach().float().cpu() if isinstance(x, torch.Tensor) else None
+
+    with torch.inference_mode():
+        model.run_with_hooks(
+            _probe_tokens(model, n_tokens), fwd_hooks=list({canonical[n]: (n, rec) for n in names}.values())
+        )
+    return seen, canonical
+
+
 def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], bool]:
     """One forward pass over two tokens: the attention hooks called, and whether ``hook_attn_scores`` holds the
     softmax pattern (not the scores) in the first attention layer."""
-    hook_dict = getattr(model, "hook_dict", {})
     if names is None:
+        hook_dict = getattr(model, "hook_dict", {})
         names = [n for n in hook_dict if n.startswith("blocks.") and ".attn." in n and not n.endswith(_FLAGGED)]
-    canonical = {n: getattr(hook_dict[n], "name", n) for n in names}
-    seen: set[str] = set()
-    first: dict[str, torch.Tensor] = {}
+    seen, canonical = _record_hooks(model, names, 2)
 
-    def rec(x, hook):
-        seen.add(hook.name)
-        kind = hook.name.rsplit(".", 1)[-1]
-        if kind in ("hook_attn_scores", "hook_pattern") and kind not in first and isinstance(x, torch.Tensor):
-            first[kind] = x.detach().float().cpu()
+    def first(kind: str) -> torch.Tensor | None:  # the first value of this hook kind: the first attention layer's
+        return next((x for n, x in seen.items() if n.endswith("." + kind) and x is not None), None)
 
-    tokens = torch.tensor([[1, 2]], device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
-    hooks, done = [], set()
-    for n in names:
-        if canonical[n] not in done:
-            hooks.append((n, rec))
-            done.add(canonical[n])
-    with torch.inference_mode():
-        model.run_with_hooks(tokens, fwd_hooks=hooks)
-    s, p = first.get("hook_attn_scores"), first.get("hook_pattern")
+    s, p = first("hook_attn_scores"), first("hook_pattern")
     scores_are_pattern = s is not None and p is not None and s.shape == p.shape and torch.allclose(s, p, atol=1e-6)
     return frozenset(n for n in names if canonical[n] in seen), scores_are_pattern
 
@@ -627,7 +642,7 @@ def pattern_is_live(model: SinkModel, layer: int) -> bool:
     -------
     bool
     """
-    tokens = torch.tensor([[1, 2]], device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 3) or 3), 3)
+    tokens = _probe_tokens(model, 2)
     with torch.inference_mode():
         base = model(tokens)
         edited = model.run_with_hooks(
@@ -659,16 +674,12 @@ def _rotary_dim(hf, config, family: str, d_head: int) -> int | None:
 
 
 def _attn_scale(hf_attn, d_head: int) -> float:
-    if hf_attn is not None:
-        s = getattr(hf_attn, "scaling", None)
-        if isinstance(s, (int, float)):
-            return float(s)
-        s = getattr(hf_attn, "inv_norm_factor", None)
-        if isinstance(s, (int, float)):
-            return float(s)
-        s = getattr(hf_attn, "scale_attn", None)
-        if isinstance(s, (int, float, torch.Tensor)):
-            return 1.0 / float(s)
+    """The score scale a Hugging Face attention module keeps (``scaling``, Falcon's ``inv_norm_factor``, GPT-J's
+    divisor ``scale_attn``), else 1 / sqrt(d_head)."""
+    for attr, divisor in (("scaling", False), ("inv_norm_factor", False), ("scale_attn", True)):
+        s = getattr(hf_attn, attr, None)
+        if isinstance(s, (int, float)) or (divisor and isinstance(s, torch.Tensor)):
+            return 1.0 / float(s) if divisor else float(s)
     return d_head**-0.5
 
 
@@ -682,15 +693,8 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
         positions = "absolute"
     else:
         positions = "none"
-    out = {
-        "positions": positions,
-        "rotary_base": None,
-        "rotary_bases": {},
-        "rotary_dim": None,
-        "rotary_style": None,
-        "rope_type": None,
-        "nope_layers": (),
-    }
+    out = dict.fromkeys(("rotary_base", "rotary_dim", "rotary_style", "rope_type"))  # None without rotary
+    out.update(positions=positions, rotary_bases={}, nope_layers=())
     if positions != "rotary":
         return out
     bases, out["nope_layers"] = out["rotary_bases"], _nope_layers(config, attention_layers)
@@ -733,20 +737,10 @@ def _sliding(config, types, attention_layers) -> tuple[int | None, tuple[int, ..
 def _norms(model, first: int, k_normed_fires: bool, d_head: int) -> dict:
     """The FamilySpec norm fields, measured on the modules the bridge maps (ln1 feeds attention, ln1_post is on its
     output, attn.k_norm on the keys): norm, norm_placement, post_norm, qk_norm, qk_norm_scope."""
-    block = model.blocks[first]
-    norm = (
-        probe_norm(_bridge_submodule(model, first, "ln1"), model=model)
-        if getattr(block, "ln1", None) is not None
-        else None
-    )
-    post = (
-        probe_norm(_bridge_submodule(model, first, "ln1_post"), model=model)
-        if getattr(block, "ln1_post", None) is not None
-        else None
-    )
+    norm, post = (probe_norm(_bridge_submodule(model, first, p), model=model) for p in ("ln1", "ln1_post"))
     placement = "sandwich" if norm and post else ("post" if post else ("pre" if norm else "none"))
     qk_norm, qk_scope = None, None
-    if getattr(getattr(block, "attn", None), "k_norm", None) is not None and k_normed_fires:
+    if k_normed_fires:
         qk_norm = probe_norm(_bridge_submodule(model, first, "attn.k_norm"), model=model)
         if qk_norm is not None:
             qk_scope = "head" if qk_norm.size == d_head else "all_heads"
@@ -823,19 +817,15 @@ def _notes(
 def _skipped(types, n_layers: int, attention_layers) -> dict[int, str]:
     """{layer: why no attention analysis runs there} for the layers that are not attention layers."""
     skipped = {}
-    for l in range(n_layers):
-        if l not in attention_layers:
-            t = types[l] if types else None
-            if t is not None and "attention" in t and t not in LAYER_TYPE_WORDS:  # Nemotron-H: a generic mixer bridge
-                skipped[l] = (
-                    f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
-                )
-                continue
-            skipped[l] = LAYER_TYPE_WORDS.get(
-                t,
-                f"{t} layer: no attention pattern"
-                if t
-                else "no attention-pattern hook (blocks.{l}.attn.hook_pattern)".format(l=l),
+    for l in (l for l in range(n_layers) if l not in attention_layers):
+        t = types[l] if types else None
+        if t in LAYER_TYPE_WORDS:
+            skipped[l] = LAYER_TYPE_WORDS[t]
+        elif t and "attention" in t:  # Nemotron-H: a generic mixer bridge
+            skipped[l] = f"{t} layer the bridge exposes no attention-pattern hook for (blocks.{l}.attn.hook_pattern)"
+        else:
+            skipped[l] = (
+                f"{t} layer: no attention pattern" if t else f"no attention-pattern hook (blocks.{l}.attn.hook_pattern)"
             )
     return skipped
 
@@ -981,7 +971,7 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         "relative": "relative",
     }.get(pos, "none")
     post = getattr(cfg, "norm_position", "pre") == "post"
-    key_rotated = positions == "rotary" and fires_everywhere("hook_rot_k")
+    key_rotated, key_hook, query_hook = _qk_hooks(positions, fires_everywhere, None)  # hook_rot_q / _k fire together
     base = getattr(model, "rope_theta", None) or getattr(cfg, "rotary_base", None)
     first = attention_layers[0] if attention_layers else 0
     ln = getattr(model.blocks[first], "ln1", None)
@@ -1011,13 +1001,9 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         sliding_layers=(),
         attn_scale=d_head**-0.5,
         attn_softcap=None,
-        _key_hook="blocks.{layer}.attn.hook_rot_k" if key_rotated else "blocks.{layer}.attn.hook_k",
-        _query_hook="blocks.{layer}.attn.hook_rot_q" if key_rotated else "blocks.{layer}.attn.hook_q",
-        _scores_hook=(
-            "blocks.{layer}.attn.hook_attn_scores"
-            if fires_everywhere("hook_attn_scores") and not scores_are_pattern
-            else None
-        ),
+        _key_hook=key_hook,
+        _query_hook=query_hook,
+        _scores_hook=_gate_and_scores_hooks(fires_everywhere, scores_are_pattern)[1],
         fired_hooks=fired,
     )
 

@@ -325,9 +325,8 @@ def bridge_hf(
         )
     hf_logging.disable_progress_bar()
     placement = check_placement(Placement(device_map, max_memory, offload_folder), device=device)
-    if placement.split:
-        return _bridge(name, dispatch(hf, placement), tokenizer, None, name)
-    return _bridge(name, hf, tokenizer, device or str(input_device(hf)), name)
+    hf, device = (dispatch(hf, placement), None) if placement.split else (hf, device or str(input_device(hf)))
+    return _bridge(name, hf, tokenizer, device, name)
 
 
 def _bridge(src: str, hf, tok, device, name: str):
@@ -420,8 +419,7 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
     hf_logging.disable_progress_bar()
     path = Path(path).expanduser().resolve()
     hf, tok = read_gguf(path, dtype=dtype)
-    if placement is not None and placement.split:
-        return _bridge(str(path.parent), dispatch(hf, placement), tok, None, str(path))
+    hf, device = (dispatch(hf, placement), None) if placement is not None and placement.split else (hf, device)
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
 
@@ -571,9 +569,8 @@ def load_nnsight(name: str, *, device: str | None = None, dtype=None, remote: bo
 
 
 def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: bool, split: bool):
-    """``load_model`` for ``remote=True`` and :func:`load_nnsight` (checked: the backend's name, no device map)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+    """``load_model`` for ``remote=True`` and :func:`load_nnsight` (their callers check the backend's name; checked
+    here: nnsight, no device map)."""
     if backend != "nnsight":
         raise ValueError("remote=True runs through nnsight: pass backend='nnsight' (--backend nnsight).")
     if split:

@@ -7,14 +7,13 @@ attention side of a family is ``analysis.model.families``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from analysis.model.contract import SinkModel
-from analysis.model.placement import input_device
 from analysis.model.weights import reads_block_weights
-from analysis.model.families import NormSpec, _kept, get_family, probe_norm
+from analysis.model.families import NormSpec, _gain_and_bias, _kept, _record_hooks, _spec_dict, get_family, probe_norm
 
 # The activations an MLP neuron may apply, by name (matched against the model's own activation module on a probe).
 ACTIVATIONS = {
@@ -231,24 +230,13 @@ class MlpSpec:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        for k in ("_neuron_hook", "_gate_hook", "_up_hook", "_input_hook"):
-            d[k.lstrip("_")] = d.pop(k)
-        d["mixer_layers"], d["moe_layers"], d["notes"] = (
-            list(self.mixer_layers),
-            list(self.moe_layers),
-            list(self.notes),
-        )
-        return d
+        return _spec_dict(self)
 
 
 def _mlp_module(model, layer: int):
     """The model's own MLP module of block ``layer`` (the Hugging Face module behind a bridge; the reference
-    model's MLP)."""
-    mlp = getattr(model.blocks[layer], "mlp", None)
-    if mlp is None:
-        return None
-    return getattr(mlp, "original_component", None) or mlp
+    model's MLP), unwrapped as :func:`block_norm` unwraps a norm."""
+    return block_norm(model, layer, "mlp")
 
 
 def _is_moe(model, layer: int) -> bool:
@@ -404,16 +392,11 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     mlp = model.blocks[layer].mlp
     D = int(model.cfg.d_model)
     if isinstance(getattr(mlp, "W_out", None), torch.nn.Parameter) and getattr(mlp, "original_component", None) is None:
-        gate = getattr(mlp, "W_gate", None)  # analysis.train's MLP: x @ W_in, x @ W_gate, a @ W_out
-        return MlpWeights(
-            layer,
-            mlp.W_out.detach().float().T.contiguous().cpu(),
-            None,
-            mlp.W_in.detach().float().T.contiguous().cpu(),
-            None,
-            None if gate is None else gate.detach().float().T.contiguous().cpu(),
-            None,
-        )
+
+        def rows(w):  # analysis.train's MLP: x @ W_in, x @ W_gate, a @ W_out; MlpWeights holds them transposed
+            return None if w is None else w.detach().float().T.contiguous().cpu()
+
+        return MlpWeights(layer, rows(mlp.W_out), None, rows(mlp.W_in), None, rows(getattr(mlp, "W_gate", None)), None)
     mods = mlp_projections(mlp)
     if mods["out"] is None or mods["in"] is None:
         raise ValueError(
@@ -473,7 +456,7 @@ def block_norm(model: SinkModel, layer: int, name: str | None):
     layer : int
         The block.
     name : str or None
-        "ln1", "ln2" or "ln2_post".
+        "ln1", "ln2" or "ln2_post" (or "mlp": the MLP module itself).
 
     Returns
     -------
@@ -497,10 +480,7 @@ def norm_weights(module) -> tuple[torch.Tensor, torch.Tensor | None]:
         float32 on the CPU.
     bias : torch.Tensor, shape (size,), or None
     """
-    w = getattr(module, "weight", None)
-    w = getattr(module, "w", None) if w is None else w
-    b = getattr(module, "bias", None)
-    b = getattr(module, "b", None) if b is None else b
+    w, b = _gain_and_bias(module)
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{type(module).__name__} has no gain weight.")
     return w.detach().float().cpu(), (b.detach().float().cpu() if isinstance(b, torch.Tensor) else None)
@@ -559,12 +539,22 @@ def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor
     return None, None, None
 
 
+def _add_or_scaled(out: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[str, float] | None:
+    """("add", 1.0) where ``out`` is ``y``, ("scaled", the factor) where it is a multiple of ``y`` (Granite's residual
+    multiplier), else None: to the rounding of a model computing in ``dtype``."""
+    if _close(out, y, dtype, atol=1e-5, rtol=1e-4):
+        return "add", 1.0
+    scale = float((out * y).sum() / (y * y).sum().clamp_min(1e-30))
+    return ("scaled", scale) if _close(out, scale * y, dtype, atol=1e-5, rtol=1e-4) else None
+
+
 def _mlp_output(model, layer: int, got: dict, W: MlpWeights, a: torch.Tensor) -> tuple[str, float, object, str | None]:
     """How the out projection's output W_out a + b_out becomes hook_mlp_out: (kind, scale, norm module, its name)."""
     proj = a @ W.W_out.T + (W.b_out if W.b_out is not None else 0)
     out = got[f"blocks.{layer}.hook_mlp_out"]
     dtype = next(model.parameters()).dtype  # bf16 / fp16: the hooks hold the projections rounded to it
-    if _close(out, proj, dtype, atol=1e-5, rtol=1e-4):
+    fit = _add_or_scaled(out, proj, dtype)
+    if fit is not None and fit[0] == "add":
         return "add", 1.0, None, None
     mod = block_norm(model, layer, "ln2_post")
     if mod is not None:
@@ -572,10 +562,7 @@ def _mlp_output(model, layer: int, got: dict, W: MlpWeights, a: torch.Tensor) ->
             y = mod(_on_model(model, proj)).float().cpu()
         if _close(y, out, dtype, atol=1e-4, rtol=1e-3):
             return "post_norm", 1.0, mod, "ln2_post"
-    scale = float((out * proj).sum() / (proj * proj).sum().clamp_min(1e-30))
-    if _close(out, scale * proj, dtype, atol=1e-5, rtol=1e-4):
-        return "scaled", scale, None, None
-    return "unknown", 1.0, None, None
+    return (*fit, None, None) if fit is not None else ("unknown", 1.0, None, None)
 
 
 def _moe_output(model, got: dict, layer: int) -> tuple[str, float]:
@@ -587,11 +574,7 @@ def _moe_output(model, got: dict, layer: int) -> tuple[str, float]:
     with torch.no_grad():
         y = _mlp_module(model, layer)(_on_model(model, x))
     y = (y[0] if isinstance(y, tuple) else y).float().cpu().reshape(out.shape)
-    scale = float((out * y).sum() / (y * y).sum().clamp_min(1e-30))
-    dtype = next(model.parameters()).dtype
-    if _close(out, y, dtype, atol=1e-5, rtol=1e-4):
-        return "add", 1.0
-    return ("scaled", scale) if _close(out, scale * y, dtype, atol=1e-5, rtol=1e-4) else ("unknown", 1.0)
+    return _add_or_scaled(out, y, next(model.parameters()).dtype) or ("unknown", 1.0)
 
 
 def _adds_up(got: dict, l: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -613,18 +596,8 @@ def _probe_mlp_hooks(model, n_layers: int) -> tuple[dict, dict]:
     every block, {alias: canonical hook name})."""
     hook_dict = getattr(model, "hook_dict", {})
     names = [f"blocks.{l}.{s}" for l in range(n_layers) for s in _MLP_PROBE_HOOKS if f"blocks.{l}.{s}" in hook_dict]
-    canonical = {n: getattr(hook_dict[n], "name", n) for n in names}
-    seen: dict[str, torch.Tensor] = {}
-
-    def rec(x, hook):
-        if isinstance(x, torch.Tensor):
-            seen.setdefault(hook.name, x.detach().float().cpu())
-
-    tokens = (torch.arange(1, 6, device=input_device(model)) % max(int(getattr(model.cfg, "d_vocab", 6) or 6), 6))[None]
-    hooks = list({canonical[n]: (n, rec) for n in names}.values())
-    with torch.inference_mode():
-        model.run_with_hooks(tokens, fwd_hooks=hooks)
-    return {n: seen[canonical[n]] for n in names if canonical[n] in seen}, canonical
+    seen, canonical = _record_hooks(model, names, 5)
+    return {n: seen[canonical[n]] for n in names if seen.get(canonical[n]) is not None}, canonical
 
 
 def mlp_spec(model: SinkModel) -> MlpSpec:
@@ -689,6 +662,10 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     return fields, dense, in_hook
 
 
+# The MlpSpec fields a spec starts from before (or without) rebuilding a dense MLP from its weights.
+_UNMEASURED = dict(activation=None, input_norm=None, input_norm_module=None, output_norm=None, output_norm_module=None)
+
+
 def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: str | None) -> MlpSpec:
     """The spec of a model whose blocks hold no dense MLP's neurons: MoE blocks only (their output read from the
     first one, given the MLP input's hook), or no MLP hook found."""
@@ -699,15 +676,11 @@ def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: st
     output, scale = _moe_output(model, got, fields["moe_layers"][0]) if moe_output else ("unknown", 1.0)
     return MlpSpec(
         **fields,
-        activation=None,
+        **_UNMEASURED,
         d_mlp=None,
         input_resid="resid_pre" if fields["parallel"] else "resid_mid",
-        input_norm=None,
-        input_norm_module=None,
         output=output,
         output_scale=scale,
-        output_norm=None,
-        output_norm_module=None,
         notes=tuple(notes),
         _input_hook=in_hook,
     )
@@ -724,15 +697,11 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
     gate_hook = tmpl["gate"] if kind == "gated" else None
     partial_spec = MlpSpec(
         **fields,
-        activation=None,
+        **_UNMEASURED,
         d_mlp=int(post.shape[-1]),
         input_resid="resid_mid",
-        input_norm=None,
-        input_norm_module=None,
         output="unknown",
         output_scale=1.0,
-        output_norm=None,
-        output_norm_module=None,
         _neuron_hook=tmpl["neuron"],
         _gate_hook=gate_hook,
         _up_hook=tmpl["up"],
