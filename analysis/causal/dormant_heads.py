@@ -149,7 +149,8 @@ class _BatchHooks:
 
     def on_pattern(self, l):
         def f(x, hook):
-            self.pattern[l] = x.detach()  # reduced with z at hook_z, which fires next
+            self.pattern[l] = x.detach()
+            self._reduce(l)
 
         return f
 
@@ -163,12 +164,18 @@ class _BatchHooks:
     def on_z(self, l):
         def f(x, hook):
             self.z[l] = x
-            acts = {"pattern": self.pattern.pop(l), "z": x}
-            for k, v in head_stats(acts, sinks=self.sink_sel, gram=self.grams[l]).items():
-                self.got[k][l] = v.cpu()
+            self._reduce(l)
             return x  # returned so that the bridge uses this very tensor downstream (the gradient reaches it)
 
         return f
+
+    def _reduce(self, l) -> None:
+        """:func:`head_stats` of layer ``l`` once its pattern and z have both fired (in either order: some families'
+        pattern hook fires after z)."""
+        if l in self.pattern and l in self.z:
+            acts = {"pattern": self.pattern.pop(l), "z": self.z[l]}
+            for k, v in head_stats(acts, sinks=self.sink_sel, gram=self.grams[l]).items():
+                self.got[k][l] = v.cpu()
 
 
 def head_stats(acts: dict, *, sinks, gram: torch.Tensor | None = None, W_O: torch.Tensor | None = None) -> dict:
