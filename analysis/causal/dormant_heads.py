@@ -59,6 +59,7 @@ from analysis.model.hooks import (
     model_dims,
     skipped_note,
 )
+from analysis.core.docs import parameters_from
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Reduction, batches
 from analysis.engine.remote import grad_trace, plan_requests
@@ -232,13 +233,14 @@ def grad_effects(acts: dict, *, z_mean: torch.Tensor | None = None) -> dict:
     return out
 
 
+@parameters_from(sequence_losses)
 def summed_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The batch's summed next-token loss: what the backward pass differentiates.
 
     Parameters
     ----------
-    logits : torch.Tensor, shape (B, T, V)
-    tokens : torch.Tensor, shape (B, T)
+    logits, tokens
+        As in :func:`sequence_losses`.
 
     Returns
     -------
