@@ -47,7 +47,7 @@ from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, Reduction, can_resume, resume_from, run_pass
 from analysis.model.nnsight_model import weights_in_trace
 from analysis.core.results import Result, pass_options, runs
-from analysis.core.docs import parameters_from, share_parameters
+from analysis.core.docs import model_tokens_min2, parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
@@ -87,24 +87,6 @@ def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     if sink is None:
         return scores
     return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-
-
-def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
-    """Which keys each query sees: causal, and inside the sliding window on the spec's sliding layers.
-
-    Parameters
-    ----------
-    spec : FamilySpec
-    layer : int
-    T : int
-        The sequence length.
-
-    Returns
-    -------
-    torch.Tensor, shape (T, T)
-        bool, [i, j]: query i sees key j.
-    """
-    return causal_window(T, spec.sliding_window if spec.sliding_window and layer in spec.sliding_layers else None)
 
 
 def causal_window(T: int, window: int | None) -> torch.Tensor:
@@ -362,10 +344,6 @@ class NormGainAccumulator(Accumulator):
         self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
         # running sums (float64), each started at zero by its first update
         self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        self.other_abs = torch.zeros(D, dtype=torch.float64)
-        self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
-        self.head = defaultdict(lambda: torch.zeros(self.H, dtype=torch.float64))  # per query head
-        self.cnt = {"q": 0, "o": 0}
         self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample
         self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
         self.gain, self.key_gain = path.norm.gain, path.key_norm_gain()  # the folded reductions' (read in the trace)
@@ -402,10 +380,6 @@ class NormGainAccumulator(Accumulator):
             },
         )
 
-    def _max_err(self, key: str, err) -> None:
-        e = float(err)
-        self.err[key] = e if self.err[key] is None else max(self.err[key], e)
-
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         """The reduction on the hooks' queries and keys as the attention uses them (rotated here where the hooks hold
         them before the rotary: a remote trace reads them after it)."""
@@ -415,16 +389,11 @@ class NormGainAccumulator(Accumulator):
 
     def fold(self, layer: int, r: dict, batch: Batch) -> None:
         for k, v in r["sum"].items():
-            self.acc[k] += v.double().cpu()
-        for k, v in r["head"].items():
-            self.head[k] += v.double().cpu()
+            self.acc[k] = self.acc[k] + v.double().cpu()  # scalars, and vectors (per dim, KV head or query head)
         for k, v in r["keep"].items():
             self.keep[k].append(v.detach().float().cpu())
         for k, v in r["max"].items():
-            self._max_err(k, v)
-        self.cnt["q"], self.cnt["o"] = self.cnt["q"] + int(r["n"][0]), self.cnt["o"] + int(r["n"][1])
-        self.other_abs.add_(r["other_abs"].double().cpu())
-        self.knorm_other += r["knorm_other"].double().cpu()
+            self.err[k] = float(v) if self.err[k] is None else max(self.err[k], float(v))
         self.gain, self.key_gain = r["gain"].float().cpu(), r.get("key_gain")
         B = r["keep"]["h1"].shape[0]
         self.keep["g_o"].append((torch.arange(B) + batch.offset).repeat_interleave(len(self.other_pos)))
@@ -432,13 +401,6 @@ class NormGainAccumulator(Accumulator):
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
         path = self.path
-        knorm = None
-        if path.k_norm is not None:
-            knorm = (
-                f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
-                if path.k_norm_scope != "latent"
-                else f"{path.k_norm.text()} over the {path.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
-            )
         return NormGainTrace(
             layer=self.layer,
             spike_dims=self.S,
@@ -456,11 +418,11 @@ class NormGainAccumulator(Accumulator):
             rebuild=self._rebuild(),
             gain_vector=self.gain.clone(),
             first_normalised_mean=kept["n1"].mean(0),
-            other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
+            other_normalised_abs=(self.acc["other_abs"] / float(self.acc["count_o"])).float(),
             first_resid_mean=kept["h1"].mean(0),
             key_dims=self._key_dims_table(kept),
             path_text=path.text(),
-            key_norm=knorm,
+            key_norm=path.key_norm_text(),
             model_name=getattr(self.model, "model_name", None),
             kind=self.kind,
         )
@@ -478,7 +440,7 @@ class NormGainAccumulator(Accumulator):
         g = self.key_gain
         return {
             "knorm_scale_first": kept["knorm_first"].mean(0),
-            "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
+            "knorm_scale_other": (self.acc["knorm_other"] / float(self.acc["count_o"])).float(),
             "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan,
             "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
             "kproj_share_spike": _part_share(kept["kp1"], kept["kp1S"]).mean(0) if self.S else nan,
@@ -564,10 +526,10 @@ class NormGainAccumulator(Accumulator):
     def _head_table(self, kept: dict) -> pd.DataFrame:
         """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free
         key, and the key norm's scales and gains (its KV head's); without spike dims the spike columns are NaN."""
-        kv_of, hd = self.kv_of, self.head
+        kv_of, hd = self.kv_of, self.acc
         k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
         N, nan = k1h.shape[0], float("nan")
-        cq, co = max(self.cnt["q"], 1), max(self.cnt["o"], 1)
+        cq, co = max(int(self.acc["count_q"]), 1), max(int(self.acc["count_k"]), 1)
         lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
         spike = lambda v: v.numpy() if self.S else nan  # noqa: E731
         return pd.DataFrame(
@@ -614,7 +576,8 @@ def norm_gain_stats(acts: dict, *, path, spike, other_pos, kv_of, scale: float, 
     Returns
     -------
     dict
-        "sum", "head", "keep", "max" (dicts of tensors), "n" (query counts), "other_abs", "knorm_other", "gain",
+        "sum" (sums over the batch; per query head the logits and alpha_1), "keep" (per sequence), "max" (the
+        rebuild errors), "gain",
         "key_gain".
     """
     h = acts["h"].detach().float()
@@ -623,38 +586,25 @@ def norm_gain_stats(acts: dict, *, path, spike, other_pos, kv_of, scale: float, 
     r = _residual_stats(h, n, x, spike, other_pos)
     if "n" in acts:
         r["sum"].update(n_err=(acts["n"].float() - n).abs().max(), n_ref=n.abs().max())
-    kp = path.project(x)
-    err = (kp - path.projection_heads(acts["k"].detach()).float()).abs().max()
-    r["sum"].update(k_err=err, k_ref=path.projection_heads(acts["k"].detach()).float().abs().max())
+    kp, k = path.project(x), path.projection_heads(acts["k"].detach()).float()
+    err = (kp - k).abs().max()
+    r["sum"].update(k_err=err, k_ref=k.abs().max())
     used = kv_view(acts["kf"].detach().float(), kp.shape[2])  # (B,T,Hkv,d)
     pos = torch.arange(h.shape[1], device=h.device)
     r["max"] = {"k_max": err, "final": (path.rotate(path.key_norm(kp), pos) - used).abs().max()}
     k1S = _first_key_stats(r, path, x, kp, used, spike)
-    sc = acts.get("scores")
-    _score_stats(
-        r,
-        acts["q"].detach().float(),
-        used,
-        k1S,
-        sc if sc is not None else _call_scores(acts["pattern"]),
-        attention_of(acts["pattern"]).dense(),
-        kv_of,
-        scale,
-        cap,
-        window,
-        sink,
-    )
+    _score_stats(r, acts, used, k1S, kv_of, scale, cap, window, sink)
     r.update(gain=path.norm.gain, key_gain=path.key_norm_gain())
     return r
 
 
 def _residual_stats(h, n, x, spike, other_pos) -> dict:
     """Shares and norms of ordinary tokens (summed); the first token's vectors (kept, one per sample)."""
-    out = {"sum": {"count_o": torch.tensor(h.shape[0] * (h.shape[1] - 1))}, "head": {}}
+    out = {"sum": {"count_o": torch.tensor(h.shape[0] * (h.shape[1] - 1))}}
     for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
         out["sum"][f"{key}_share_o"] = _spike_share(v, spike).double().sum()
         out["sum"][f"{key}_norm_o"] = v.norm(dim=-1).double().sum()
-    out["other_abs"] = n[:, 1:].abs().double().sum(dim=(0, 1))
+    out["sum"]["other_abs"] = n[:, 1:].abs().double().sum(dim=(0, 1))
     pos = other_pos.to(h.device)
     out["keep"] = {"h1": h[:, 0], "n1": n[:, 0], "x1": x[:, 0], "n_o": n[:, pos].reshape(-1, h.shape[-1])}
     return out
@@ -670,7 +620,7 @@ def _first_key_stats(r: dict, path, x, kp, used, spike) -> torch.Tensor:
     v = path.key_norm_adjoint(k1[:, None], kp[:, :1])[:, 0]  # (B,Hkv,d)
     share = x[:, 0, None, :] * torch.einsum("hde,bhe->bhd", path.W_K.to(x.device, torch.float32), v) / sq[..., None]
     scale = path.key_norm_scale(kp)  # (B,T,Hkv)
-    r["knorm_other"] = scale[:, 1:].double().sum((0, 1))
+    r["sum"]["knorm_other"] = scale[:, 1:].double().sum((0, 1))
     spike_gain = k1S.norm(dim=-1) / (kpS[:, 0].norm(dim=-1) * scale[:, 0]).clamp_min(TINY)
     r["sum"]["k_norm_o"] = used[:, 1:].norm(dim=-1).mean(-1).double().sum()
     r["keep"].update(k1=k1, k1S=k1S, kp1=kp[:, 0], kp1S=kpS[:, 0], dim_share=share.mean(1))
@@ -678,9 +628,12 @@ def _first_key_stats(r: dict, path, x, kp, used, spike) -> torch.Tensor:
     return k1S
 
 
-def _score_stats(r: dict, q, used, k1S, sc, pattern, kv_of, scale, cap, window, sink) -> None:
+def _score_stats(r: dict, acts: dict, used, k1S, kv_of, scale, cap, window, sink) -> None:
     """Into ``r``: first-key logits (checked against the model's scores and pattern) and alpha_1 with k_1, k_1^S or
-    k_1 - k_1^S; scores as the softmax sees them: the model's (with ALiBi, masks), or rebuilt from q and k."""
+    k_1 - k_1^S; scores as the softmax sees them: the model's (the scores hook, with ALiBi and masks, or an attention
+    call's), or rebuilt from q and k."""
+    q, sc, hd = acts["q"].detach().float(), acts.get("scores"), r["sum"]
+    sc = _call_scores(acts["pattern"]) if sc is None else sc
     B, T = q.shape[:2]
     kv = kv_of.to(q.device)
     raw = torch.einsum("bqhd,bkhd->bhqk", q, used[:, :, kv]) * scale  # (B,H,T,T)
@@ -694,13 +647,12 @@ def _score_stats(r: dict, q, used, k1S, sc, pattern, kv_of, scale, cap, window, 
     lf, ls = raw[..., 0], torch.einsum("bthd,bhd->bht", q, k1S[:, kv]) * scale
     first = vis[:, 0].clone()
     first[0] = False  # queries t > 1 that see key 1
-    hd = r["head"]
     for key, v in (("logit_first", lf), ("logit_spike", ls), ("logit_rest", lf - ls)):
         hd[key] = v[..., first].double().sum(dim=(0, 2))
     tri = vis.clone()
     tri[:, 0] = False  # keys j > 1 and the queries that see them
     hd["logit_other"] = raw[..., tri].double().sum(dim=(0, 2))
-    r["n"] = torch.tensor([B * int(first.sum()), B * int(tri.sum())])
+    hd.update(count_q=torch.tensor(B * int(first.sum())), count_k=torch.tensor(B * int(tri.sum())))
     off = sc[..., 0] - capped[..., 0]  # what the scores add to q . k (ALiBi, masks); 0 when rebuilt
     for key, c in (
         ("alpha", sc[..., 0]),
@@ -708,6 +660,7 @@ def _score_stats(r: dict, q, used, k1S, sc, pattern, kv_of, scale, cap, window, 
         ("alpha_rest", softcap(lf - ls, cap) + off),
     ):
         hd[key] = _softmax_alpha(sc, c, sink).double().sum(0)
+    pattern = attention_of(acts["pattern"]).dense()
     r["max"]["pattern"] = (_with_sink(sc, sink).softmax(-1)[..., :T] - pattern).abs().max()
 
 
@@ -883,6 +836,7 @@ def norm_gain_accumulator(
 
 @share_parameters(norm_gain_accumulator)
 @parameters_from(pass_options)
+@parameters_from(model_tokens_min2)
 def norm_gain_trace(
     model: SinkModel,
     tokens,
@@ -904,10 +858,8 @@ def norm_gain_trace(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids, T >= 2.
+    model, tokens
+        As in :func:`model_tokens_min2`.
     layer : int
         The attention layer.
     spike_dims : sequence of int, optional

@@ -28,7 +28,7 @@ from analysis.model.hooks import (
     model_dims,
 )
 from analysis.model.nnsight_model import TraceWeight, weights_in_trace
-from analysis.model.rotary import apply_spec_rotary, rotate, rotate_half
+from analysis.model.rotary import rotate, rotate_half
 from analysis.core.results import compact_repr
 from analysis.model.weights import live_tensor, reads_block_weights
 
@@ -369,13 +369,9 @@ class KeyPath(KeyOps):
     def rot_dim(self) -> int | None:
         return self.spec.rotary_dim if self.rotary else None
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The spec's rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
-        return apply_spec_rotary(x, self.spec, self.layer, positions=positions)
-
     @property
     def rot(self) -> tuple | None:
-        """The rotary as :class:`KeyOps` takes it: (base, dims, pairing), or None."""
+        """The spec's rotary as :meth:`KeyOps.rotate` applies it: (base, dims, pairing), or None."""
         return (self.base, self.rot_dim, self.spec.rotary_style or "half") if self.rotary else None
 
     def in_trace(self) -> KeyOps:
@@ -387,6 +383,14 @@ class KeyPath(KeyOps):
         if self.k_norm is not None:
             names.update({id(self.k_norm.w): "k_norm.w", id(self.k_norm.b): "k_norm.b"})
         return self.with_weights(lambda t: TraceWeight(names[id(t)], self.layer, tuple(t.shape)) if t.is_meta else t)
+
+    def key_norm_text(self) -> str | None:
+        """The key norm in words (None without one)."""
+        if self.k_norm is None:
+            return None
+        if self.k_norm_scope == "latent":
+            return f"{self.k_norm.text()} over the {self.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
+        return f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
         """The key projection of the gain-scaled normalised input x (..., T, D) -> (..., T, H_kv, d_head), rotated
@@ -411,9 +415,7 @@ class KeyPath(KeyOps):
             f"W_K{' + b_K' if self.b_K is not None else ''}{' (split from the fused QKV)' if sp.fused_qkv else ''}",
         ]
         if self.k_norm is not None:
-            parts.append(
-                f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
-            )
+            parts.append(self.key_norm_text())
         if self.rotary:
             parts.append(
                 f"rotary ({self.rot_dim} of {self.W_K.shape[-1]} dims, "

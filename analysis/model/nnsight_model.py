@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 
 from analysis.model.contract import SinkModel
-from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
+from analysis.model import families
+from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 
@@ -207,7 +208,7 @@ class NnsightModel:
         return self.decoder_layers()[layer].self_attn.k_proj.output.unflatten(-1, (self.spec.n_kv_heads, -1))
 
     @property
-    def family(self):
+    def family(self) -> FamilySpec:
         """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
         config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
         if self._family is None:
@@ -237,11 +238,11 @@ _WEIGHTS = {
 }
 
 
-def nnsight_family(model: NnsightModel):
-    """The family facts of a model loaded through nnsight, read as the bridge's are (``analysis.model.families``'
-    readers) from its Hugging Face modules and config: its queries and keys are read after the rotary and q/k norm
-    (``hook_rot_q``, ``hook_rot_k``), and its norms measured on a probe (a copy, where the weights are on the meta
-    device).
+def nnsight_family(model: NnsightModel) -> FamilySpec:
+    """The family facts of a model loaded through nnsight, read with the readers of the bridge's
+    (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
+    attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
+    are measured on a probe (of a copy, where the weights are on the meta device).
 
     Parameters
     ----------
@@ -251,25 +252,42 @@ def nnsight_family(model: NnsightModel):
     -------
     analysis.model.families.FamilySpec
     """
-    from analysis.model import families as fam  # import time: the readers of the bridge's spec
-
     s, hf = model.spec, model.hf
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
     d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
-    types = fam._layer_types(cfg, s.n_layers)
-    window, sliding = fam._sliding(cfg, types, layers)
-    norm, kn = (_probe(getattr(m, n, None)) for m, n in ((block, "input_layernorm"), (block.self_attn, "k_norm")))
-    return fam.FamilySpec(
-        **dict(family=s.family, architecture=type(hf).__name__, n_layers=s.n_layers, attention_layers=layers),
-        **dict(skipped_layers=dict(s.skipped), n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, d_head=d_head),
-        **fam._positions(hf, cfg, s.family, types, layers, None, d_head),
-        **dict(d_model=s.d_model, norm=norm, norm_placement="pre" if norm else "none", post_norm=None, qk_norm=kn),
+    types = families._layer_types(cfg, s.n_layers)
+    window, sliding = families._sliding(cfg, types, layers)
+    norm, kn = _probe(getattr(block, "input_layernorm", None)), _probe(getattr(block.self_attn, "k_norm", None))
+    return FamilySpec(
+        family=s.family,
+        architecture=type(hf).__name__,
+        n_layers=s.n_layers,
+        attention_layers=layers,
+        skipped_layers=dict(s.skipped),
+        n_heads=s.n_heads,
+        n_kv_heads=s.n_kv_heads,
+        d_head=d_head,
+        d_model=s.d_model,
+        **families._positions(hf, cfg, s.family, types, layers, None, d_head),
+        norm=norm,
+        norm_placement="pre" if norm else "none",
+        post_norm=None,
+        parallel_block=False,
+        qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
-        **dict(parallel_block=False, fused_qkv=False, key_rotated=True, pattern_live=True, learned_sinks=False),
-        **dict(gate=None, sliding_window=int(window) if window else None, sliding_layers=tuple(sliding)),
-        **dict(attn_scale=fam._attn_scale(block.self_attn, d_head), attn_softcap=s.softcap, latent=s.latent),
-        **dict(_key_hook="blocks.{layer}.attn.hook_rot_k", _query_hook="blocks.{layer}.attn.hook_rot_q"),
+        fused_qkv=False,
+        key_rotated=True,
+        pattern_live=True,
+        learned_sinks=False,  # refused (``unsupported``)
+        gate=None,
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(sliding),
+        attn_scale=families._attn_scale(block.self_attn, d_head),
+        attn_softcap=s.softcap,
+        latent=s.latent,
+        _key_hook="blocks.{layer}.attn.hook_rot_k",
+        _query_hook="blocks.{layer}.attn.hook_rot_q",
         _scores_hook=None,
     )
 
@@ -277,8 +295,6 @@ def nnsight_family(model: NnsightModel):
 def _probe(module):
     """``families.probe_norm`` of a norm module (None: no module), on a copy with random weights where they are on
     the meta device (a model held on NDIF): its form does not depend on the values."""
-    from analysis.model.families import probe_norm  # import time, as above
-
     if module is None:
         return None
     if any(p.is_meta for p in module.parameters()):
@@ -287,7 +303,7 @@ def _probe(module):
         module = copy.deepcopy(module).to_empty(device="cpu")
         for p in module.parameters():
             p.data.normal_()
-    return probe_norm(module)
+    return families.probe_norm(module)
 
 
 def weights_in_trace(model: SinkModel) -> bool:
