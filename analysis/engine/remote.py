@@ -7,8 +7,10 @@ together, so a table computed remotely is the one computed here, by the same ope
 layers give the residual stream (``hook_resid_pre`` their input, ``hook_resid_post`` their output) and each
 attention layer's call to transformers' attention function gives q, k and v after the rotary, the mask, the scale
 and the soft cap (``hook_q``/``hook_k``/``hook_v``, ``hook_pattern`` as :class:`AttentionWeights` with the rows'
-log-sum-exp, ``hook_z``). Nothing T x T, and never q or the residual stream, leaves the model's side; keys only where
-asked (the key manifold's first keys, and its scatter's: each layer's two candidates on the first batch).
+log-sum-exp, ``hook_z``; ``hook_k_proj``: ``k_proj``'s output, before them). Nothing T x T, and never q or the
+residual stream, leaves the model's side; keys only where asked (the key manifold's first keys, and its scatter's:
+each layer's two candidates on the first batch), residual rows likewise (the norm gain's first token and a few others
+per sequence).
 
 The reductions ship by value (:func:`register_shipped`: NDIF does not have this package); what they reach must be
 torch, numpy, math and typing (``tests/engine/test_nnsight.py`` walks every reduction's closure to check it). A
@@ -365,9 +367,9 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
 
 
 def _stand_ins(params, n_heads: int, d_head: int) -> dict:
-    """A reduction's parameters with each :class:`TraceWeight` as zeros of its shape, d_model cut to 1 (what the
-    reduction returns does not depend on it): the dry run of :func:`_meta_bytes` allocates no weight; zeros of its
-    shape for one that gives it (the key path's: its results do not depend on the values either)."""
+    """A reduction's parameters with each :class:`TraceWeight` as zeros (also inside one with ``with_weights``): of
+    its shape where it gives one (the key path's), else W_O's with d_model cut to 1 (what the reduction returns
+    depends on neither the values nor d_model), so the dry run of :func:`_meta_bytes` needs no weight."""
 
     def stand_in(v):
         if not isinstance(v, TraceWeight):
