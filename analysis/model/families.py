@@ -100,7 +100,7 @@ class NormSpec:
         return f"{self.kind} (gain {self.gain_form}{', with bias' if self.bias else ''}, eps {self.eps:g})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     """What the analyses need to know about a model family, read from one loaded model (:func:`family_spec`).
 
@@ -184,26 +184,28 @@ class FamilySpec:
     d_head: int
     d_model: int
     positions: str  # "rotary" | "alibi" | "absolute" | "relative" (T5 buckets, reference models) | "none"
-    rotary_base: float | None  # theta of the (full-attention) rotary layers
-    rotary_bases: dict[int, float]  # per attention layer (Gemma 3: sliding layers use another theta)
-    rotary_dim: int | None  # dims of a head that are rotated (partial rotary: < d_head)
-    rotary_style: str | None  # "half" (HF rotate_half) | "interleaved" (GPT-J rotate_every_two)
-    rope_type: str | None  # "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta)
+    rotary_base: float | None = None  # theta of the (full-attention) rotary layers
+    rotary_bases: dict[int, float] = field(
+        default_factory=dict
+    )  # per attention layer (Gemma 3: sliding layers use another theta)
+    rotary_dim: int | None = None  # dims of a head that are rotated (partial rotary: < d_head)
+    rotary_style: str | None = None  # "half" (HF rotate_half) | "interleaved" (GPT-J rotate_every_two)
+    rope_type: str | None = None  # "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta)
     norm: NormSpec | None  # the norm on the attention input (None: post-norm only, or no norm)
     norm_placement: str  # "pre" | "post" (OLMo-2: after attention) | "sandwich" (Gemma 2/3: before and after)
-    post_norm: NormSpec | None  # the norm on the attention output, where there is one
-    parallel_block: bool  # attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon)
-    qk_norm: NormSpec | None  # the norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next ...)
-    qk_norm_scope: str | None  # "head" (over d_head) | "all_heads" (OLMo-2: over n_kv_heads * d_head)
-    fused_qkv: bool  # one projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM)
+    post_norm: NormSpec | None = None  # the norm on the attention output, where there is one
+    parallel_block: bool = False  # attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon)
+    qk_norm: NormSpec | None = None  # the norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next ...)
+    qk_norm_scope: str | None = None  # "head" (over d_head) | "all_heads" (OLMo-2: over n_kv_heads * d_head)
+    fused_qkv: bool = False  # one projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM)
     key_rotated: bool  # key_hook holds keys after the rotary (False: apply it yourself)
     pattern_live: bool  # hook_pattern fires before the attention output and edits to it change the output
-    learned_sinks: bool  # a learned sink logit per head (gpt-oss): pattern rows sum to < 1
-    gate: str | None  # attention-output gate: "sigmoid(hook_q_gate), per head and dim" or None
-    sliding_window: int | None
-    sliding_layers: tuple[int, ...]
+    learned_sinks: bool = False  # a learned sink logit per head (gpt-oss): pattern rows sum to < 1
+    gate: str | None = None  # attention-output gate: "sigmoid(hook_q_gate), per head and dim" or None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     attn_scale: float  # scores = attn_scale * q . k
-    attn_softcap: float | None  # Gemma 2: scores = cap * tanh(scores / cap)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     notes: tuple[str, ...] = ()
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary in a rotary model (NoPE)
     latent: dict | None = None  # multi-head latent attention (DeepSeek-V2 / V3): latent_attention(config)
@@ -989,18 +991,9 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         norm=None if post else norm,
         norm_placement=("post" if post else "pre") if norm else "none",
         post_norm=norm if post else None,
-        parallel_block=False,
-        qk_norm=None,
-        qk_norm_scope=None,
-        fused_qkv=False,
         key_rotated=key_rotated,
         pattern_live=pattern_is_live(model, first) if attention_layers else False,
-        learned_sinks=False,
-        gate=None,
-        sliding_window=None,
-        sliding_layers=(),
         attn_scale=d_head**-0.5,
-        attn_softcap=None,
         _key_hook=key_hook,
         _query_hook=query_hook,
         _scores_hook=_gate_and_scores_hooks(fires_everywhere, scores_are_pattern)[1],

@@ -68,17 +68,8 @@ class ModelInfo:
 
 
 def _reference_models() -> dict[str, Path]:
-    found = {}
-    if REFERENCE_DIR.is_dir():
-        for d in sorted(REFERENCE_DIR.iterdir()):
-            cfg = d / "config.json"
-            if cfg.is_file():
-                try:
-                    if json.loads(cfg.read_text()).get("format") == REFERENCE_FORMAT:
-                        found[d.name] = d
-                except (OSError, json.JSONDecodeError):
-                    continue
-    return found
+    """{name: folder} of the reference models shipped as package data."""
+    return {d.name: d for d in sorted(REFERENCE_DIR.iterdir()) if _is_reference(d)} if REFERENCE_DIR.is_dir() else {}
 
 
 def available_models() -> list[ModelInfo]:
@@ -517,8 +508,7 @@ def _load_local(name: str, *, device, dtype, placement):
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
         return model
-    refs = _reference_models()
-    ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
+    ref_dir = _reference_models().get(name) or (path if _is_reference(path) else None)
     if ref_dir is not None:
         if placement.split:
             raise ValueError(

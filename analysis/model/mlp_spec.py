@@ -63,7 +63,7 @@ class MlpWeights:
     b_gate: torch.Tensor | None  # (d_mlp,)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MlpSpec:
     """What the MLP of each block computes and how its write reaches the residual stream.
 
@@ -118,16 +118,16 @@ class MlpSpec:
 
     family: str
     kind: str  # "gated" | "plain" | "moe" | "none" (no MLP hook fires)
-    activation: str | None  # measured on the model's activation module: a key of ACTIVATIONS, or "unknown"
+    activation: str | None = None  # measured on the model's activation module: a key of ACTIVATIONS, or "unknown"
     d_mlp: int | None
     parallel: bool  # the MLP reads the block's input (hook_resid_pre), as the attention does (GPT-J, NeoX, Phi, Falcon)
     input_resid: str  # "resid_pre" | "resid_mid": the residual the MLP input is made from
-    input_norm: NormSpec | None  # the norm on that residual (None: the MLP reads the raw residual, OLMo-2)
-    input_norm_module: str | None  # the block's attribute holding it ("ln1" | "ln2")
+    input_norm: NormSpec | None = None  # the norm on that residual (None: the MLP reads the raw residual, OLMo-2)
+    input_norm_module: str | None = None  # the block's attribute holding it ("ln1" | "ln2")
     output: str  # "add" | "scaled" | "post_norm" | "unknown"
     output_scale: float  # hook_mlp_out / (W_out a + b_out) where output == "scaled" (1.0 otherwise)
-    output_norm: NormSpec | None  # the norm on the MLP output where output == "post_norm"
-    output_norm_module: str | None  # its block attribute ("ln2_post")
+    output_norm: NormSpec | None = None  # the norm on the MLP output where output == "post_norm"
+    output_norm_module: str | None = None  # its block attribute ("ln2_post")
     additive: bool  # hook_resid_post = hook_resid_pre + the attention (mixer) write + hook_mlp_out, on every block
     mixer_layers: tuple[int, ...]  # blocks whose token mixer has no hook_attn_out (Mamba, linear attention): their
     # write is hook_resid_mid - hook_resid_pre
@@ -662,10 +662,6 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     return fields, dense, in_hook
 
 
-# The MlpSpec fields a spec starts from before (or without) rebuilding a dense MLP from its weights.
-_UNMEASURED = dict(activation=None, input_norm=None, input_norm_module=None, output_norm=None, output_norm_module=None)
-
-
 def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: str | None) -> MlpSpec:
     """The spec of a model whose blocks hold no dense MLP's neurons: MoE blocks only (their output read from the
     first one, given the MLP input's hook), or no MLP hook found."""
@@ -676,7 +672,6 @@ def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: st
     output, scale = _moe_output(model, got, fields["moe_layers"][0]) if moe_output else ("unknown", 1.0)
     return MlpSpec(
         **fields,
-        **_UNMEASURED,
         d_mlp=None,
         input_resid="resid_pre" if fields["parallel"] else "resid_mid",
         output=output,
@@ -697,7 +692,6 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
     gate_hook = tmpl["gate"] if kind == "gated" else None
     partial_spec = MlpSpec(
         **fields,
-        **_UNMEASURED,
         d_mlp=int(post.shape[-1]),
         input_resid="resid_mid",
         output="unknown",
