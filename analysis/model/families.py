@@ -356,8 +356,7 @@ def rope_parameters(config, *, layer_type: str | None = None) -> dict:
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        Transformers 5 ``rope_parameters`` (nested per layer type for Gemma 3), or transformers 4 ``rope_theta`` /
-        ``rope_scaling``.
+        Its ``rope_parameters`` (nested per layer type for Gemma 3), else its ``rope_theta``.
     layer_type : str, optional
         The layer type whose parameters to read where they are nested ("full_attention" by default).
 
@@ -367,18 +366,12 @@ def rope_parameters(config, *, layer_type: str | None = None) -> dict:
         E.g. ``{"rope_theta": 100000.0, "rope_type": "default"}``; empty without rotary.
     """
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict):
-        if params and all(isinstance(v, dict) for v in params.values()):
-            params = params.get(layer_type or "full_attention") or next(iter(params.values()))
-        return dict(params)
-    out = {}
-    if getattr(config, "rope_theta", None) is not None:
-        out["rope_theta"] = config.rope_theta
-    scaling = getattr(config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        out.update(scaling)
-        out.setdefault("rope_type", scaling.get("type"))
-    return out
+    if not isinstance(params, dict):  # a config of its own (remote code) may keep only rope_theta
+        theta = getattr(config, "rope_theta", None)
+        return {} if theta is None else {"rope_theta": theta}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get(layer_type or "full_attention") or next(iter(params.values()))
+    return dict(params)
 
 
 def rope_theta(config, *, layer_type: str | None = None) -> float | None:
@@ -395,8 +388,6 @@ def rope_theta(config, *, layer_type: str | None = None) -> float | None:
     float or None
     """
     theta = rope_parameters(config, layer_type=layer_type).get("rope_theta")
-    if theta is None:
-        theta = getattr(config, "rotary_emb_base", None) or getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else None
 
 

@@ -108,20 +108,6 @@ def read_json(path) -> dict:
 # ----------------------------------------------------------------------------- model weights
 
 
-def model_tensors(model: SinkLM) -> dict[str, torch.Tensor]:
-    """The model's persistent tensors by name (tied weights appear once).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-    """
-    return {k: v for k, v in model.state_dict().items()}
-
-
 def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> None:
     """Strictly load ``tensors`` into ``model``; a clear CheckpointError on any mismatch.
 
@@ -283,7 +269,7 @@ def save_checkpoint(out: Path, step: int, model: SinkLM, optimizer, names: list[
     root = Path(out) / "checkpoints"
 
     def fill(tmp: Path) -> None:
-        write_tensors(tmp / "model.safetensors", model_tensors(model))
+        write_tensors(tmp / "model.safetensors", model.state_dict())
         opt_t, opt_meta = optimizer_tensors(optimizer, names)
         write_tensors(tmp / "optimizer.safetensors", opt_t)
         write_tensors(tmp / "rng.safetensors", rng_tensors())
@@ -374,7 +360,7 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     None
     """
     out = Path(out)
-    write_tensors(out / "model.safetensors", model_tensors(model), metadata={"format": REFERENCE_FORMAT})
+    write_tensors(out / "model.safetensors", model.state_dict(), metadata={"format": REFERENCE_FORMAT})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "backend_tokenizer"):
         write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))

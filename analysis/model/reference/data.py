@@ -95,13 +95,12 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
     str
     """
     try:
-        import datasets  # noqa: F401 - imported lazily: only needed for hf: corpora
+        from datasets import load_dataset  # imported lazily: only needed for hf: corpora
     except ImportError as e:
         raise ImportError(
             "dataset='hf:...' needs the `datasets` package: `pip install datasets` (and a network), "
             "or use --dataset stdlib / tokens:PATH.npy."
         ) from e
-    from datasets import load_dataset
 
     repo, _, config = name.partition(":")
     try:
@@ -128,7 +127,8 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer trained on ``docs``, wrapped as ``PreTrainedTokenizerFast``.
+    """A byte-level BPE tokenizer trained on ``docs``, wrapped as a ``PreTrainedTokenizerFast`` whose BOS, EOS and
+    padding are the EOS token.
 
     Parameters
     ----------
@@ -140,6 +140,7 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
     transformers.PreTrainedTokenizerFast
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -152,22 +153,6 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(docs, trainer=trainer)
-    return wrap_tokenizer(tok)
-
-
-def wrap_tokenizer(tok):
-    """A ``tokenizers`` tokenizer as a ``PreTrainedTokenizerFast`` whose BOS, EOS and padding are the EOS token.
-
-    Parameters
-    ----------
-    tok : tokenizers.Tokenizer
-
-    Returns
-    -------
-    transformers.PreTrainedTokenizerFast
-    """
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=None, pad_token=EOS_TOKEN
     )
