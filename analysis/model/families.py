@@ -560,22 +560,6 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     return NormSpec(kind, offset, b is not None, eps, int(D), _module_path(model, module) if model is not None else "")
 
 
-def fired_hooks(model: SinkModel, *, names: list[str] | None = None) -> frozenset[str]:
-    """The attention hook names (aliases included) called in one forward pass over two tokens.
-
-    Parameters
-    ----------
-    model : SinkModel
-    names : list of str, optional
-        The hooks to watch; None: every attention hook of the blocks.
-
-    Returns
-    -------
-    frozenset of str
-    """
-    return _dry_run(model, names)[0]
-
-
 def _probe_tokens(model: SinkModel, n: int) -> torch.Tensor:
     """Tokens 1..n (modulo the vocabulary) on the model's input device, shape (1, n): a probe pass's input."""
     return (
@@ -602,12 +586,11 @@ def _record_hooks(model: SinkModel, names: list[str], n_tokens: int) -> tuple[di
     return seen, canonical
 
 
-def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], bool]:
-    """One forward pass over two tokens: the attention hooks called, and whether ``hook_attn_scores`` holds the
-    softmax pattern (not the scores) in the first attention layer."""
-    if names is None:
-        hook_dict = getattr(model, "hook_dict", {})
-        names = [n for n in hook_dict if n.startswith("blocks.") and ".attn." in n and not n.endswith(_FLAGGED)]
+def _dry_run(model) -> tuple[frozenset[str], bool]:
+    """One forward pass over two tokens: the attention hooks called (aliases included), and whether
+    ``hook_attn_scores`` holds the softmax pattern (not the scores) in the first attention layer."""
+    hook_dict = getattr(model, "hook_dict", {})
+    names = [n for n in hook_dict if n.startswith("blocks.") and ".attn." in n and not n.endswith(_FLAGGED)]
     seen, canonical = _record_hooks(model, names, 2)
 
     def first(kind: str) -> torch.Tensor | None:  # the first value of this hook kind: the first attention layer's
