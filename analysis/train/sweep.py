@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -35,6 +34,7 @@ METRICS = tuple(
     "loss val_loss sink_1 sink_k sink_slot sink_prefix sink_1_no_fixed val_loss_no_fixed sink_1_in_window "
     "sink_window_start spike_ratio value_norm_ratio resid_norm_ratio raw_first_mass".split()
 )
+CURVE_KEYS = ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")  # curves.csv's columns
 
 
 def grid_points(options: dict) -> tuple[list[str], list[dict]]:
@@ -247,29 +247,14 @@ def run_sweep(
         rows.append(_row(point, finals[name], name))
         for rec in read_log(out / name, missing_ok=True):
             if "sink_1" in rec:
-                curves.append(
-                    {
-                        **point,
-                        **{
-                            k: rec.get(k)
-                            for k in ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")
-                        },
-                    }
-                )
+                curves.append({**point, **{k: rec.get(k) for k in CURVE_KEYS}})
     table = pd.DataFrame(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_csv(table, out / "sweep.csv")
-    _write_csv(summarise(table, keys), out / "summary.csv")
-    _write_csv(pd.DataFrame(curves), out / "curves.csv")
+    write_atomic(out / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
+    write_atomic(out / "summary.csv", lambda tmp: summarise(table, keys).to_csv(tmp, index=False))
+    write_atomic(out / "curves.csv", lambda tmp: pd.DataFrame(curves).to_csv(tmp, index=False))
     if command:
         write_atomic(out / "command.txt", command + "\n")
     return table
-
-
-def _write_csv(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    df.to_csv(tmp, index=False)
-    tmp.replace(path)
 
 
 def load_sweep(path) -> dict[str, pd.DataFrame]:
