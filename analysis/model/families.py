@@ -334,19 +334,8 @@ def _spec_dict(spec) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_config(model: SinkModel):
-    """The Hugging Face config behind a bridge.
-
-    Parameters
-    ----------
-    model
-        A TransformerBridge (or any model with ``original_model.config``).
-
-    Returns
-    -------
-    transformers.PretrainedConfig or None
-        None for the package's reference models.
-    """
+def _hf_config(model: SinkModel):
+    """The Hugging Face config behind a bridge (``original_model.config``); None for the package's reference models."""
     return getattr(getattr(model, "original_model", None), "config", None)
 
 
@@ -412,7 +401,7 @@ def rotary_base(model: SinkModel) -> float | None:
     theta = getattr(model, "rope_theta", None)
     if theta is not None:
         return float(theta)
-    hf_cfg = hf_config(model)
+    hf_cfg = _hf_config(model)
     theta = rope_theta(hf_cfg) if hf_cfg is not None else None
     if theta is not None:
         return theta
@@ -821,7 +810,7 @@ def family_spec(model: SinkModel) -> FamilySpec:
     FamilySpec
     """
     cfg = model.cfg
-    config = hf_config(model)
+    config = _hf_config(model)
     hook_dict = getattr(model, "hook_dict", {})
     n_layers = int(cfg.n_layers)
     attention_layers = tuple(l for l in range(n_layers) if f"blocks.{l}.attn.hook_pattern" in hook_dict)

@@ -170,18 +170,8 @@ def check_placement(placement: Placement, *, device=None) -> Placement:
     return placement
 
 
-def parse_size(text: str) -> int:
-    """A memory size ("70GiB", "512MB", "1e9" bytes) in bytes.
-
-    Parameters
-    ----------
-    text : str
-
-    Returns
-    -------
-    int
-        ValueError, saying what to give, otherwise.
-    """
+def _parse_size(text: str) -> int:
+    """A memory size ("70GiB", "512MB", "1e9" bytes) in bytes; ValueError, saying what to give, otherwise."""
     m = _SIZE.match(str(text))
     if not m:
         try:
@@ -210,7 +200,7 @@ def parse_max_memory(text: str | None) -> dict | None:
         if not sep or not key.strip() or not size.strip():
             raise ValueError(f"--max-memory takes device=size pairs such as 0=70GiB,cpu=120GiB; got {text!r}.")
         key = key.strip()
-        parse_size(size)  # raises, saying what to give
+        _parse_size(size)  # raises, saying what to give
         out[int(key) if key.isdigit() else key] = size.strip()
     return out
 

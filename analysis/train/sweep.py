@@ -37,19 +37,9 @@ METRICS = tuple(
 CURVE_KEYS = ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")  # curves.csv's columns
 
 
-def grid_points(options: dict) -> tuple[list[str], list[dict]]:
-    """(grid field names, one {field: value} dict per combination); ``seed`` is always a grid field.
-
-    Parameters
-    ----------
-    options : dict
-        Config fields; a list is a grid axis.
-
-    Returns
-    -------
-    fields : list of str
-    points : list of dict
-    """
+def _grid_points(options: dict) -> tuple[list[str], list[dict]]:
+    """(grid field names, one {field: value} dict per combination) of config fields ``options`` (a list is a grid
+    axis); ``seed`` is always a grid field."""
     lists = {k: v for k, v in options.items() if isinstance(v, list)}
     lists.setdefault("seed", [options.get("seed", 0)])
     keys = [k for k in lists if k != "seed"] + ["seed"]
@@ -96,45 +86,26 @@ _NOT_CONFIG = tuple(
 )
 
 
-def config_key(model: dict, train: dict) -> str:
-    """What makes two runs the same run: every model and training field but output and logging options.
-
-    Parameters
-    ----------
-    model, train : dict
-        The configs.
-
-    Returns
-    -------
-    str
-    """
+def _config_key(model: dict, train: dict) -> str:
+    """What makes two runs the same run: every model and training field but output and logging options."""
     return json.dumps({k: v for k, v in {**model, **train}.items() if k not in _NOT_CONFIG}, sort_keys=True)
 
 
-def finished_runs(dirs: Sequence) -> dict[str, Path]:
-    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``.
-
-    Parameters
-    ----------
-    dirs : sequence of path-like
-
-    Returns
-    -------
-    dict of str to pathlib.Path
-    """
+def _finished_runs(dirs: Sequence) -> dict[str, Path]:
+    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``."""
     found = {}
     for d in dirs:
         for cfg in sorted(Path(d).glob("*/config.json")):
             saved = read_json(cfg)
             if saved.get("final") and "model" in saved and "train" in saved:
-                found.setdefault(config_key(saved["model"], saved["train"]), cfg.parent)
+                found.setdefault(_config_key(saved["model"], saved["train"]), cfg.parent)
     return found
 
 
 def _reuse(preset_name, options: dict, run_dir: Path, reusable: dict[str, Path]) -> bool:
     """Copy a finished run with this exact configuration into ``run_dir`` (True), or do nothing."""
     mcfg, tcfg = build_configs(preset_name, {**options, "out": str(run_dir)})
-    src = reusable.get(config_key(mcfg.to_dict(), tcfg.to_dict()))
+    src = reusable.get(_config_key(mcfg.to_dict(), tcfg.to_dict()))
     if src is None or src.resolve() == run_dir.resolve():
         return False
     shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
@@ -213,9 +184,9 @@ def run_sweep(
     """
     options = dict(options)
     out = Path(options.pop("out"))
-    keys, points = grid_points(options)
+    keys, points = _grid_points(options)
     fixed = {k: v for k, v in options.items() if k not in keys}
-    reusable = finished_runs([d for d in reuse if Path(d).is_dir()])
+    reusable = _finished_runs([d for d in reuse if Path(d).is_dir()])
     todo, finals = [], {}
     for point in points:
         run_dir = out / run_name(point)

@@ -80,20 +80,8 @@ def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
     return docs
 
 
-def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[int]) -> Iterator[str]:
-    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters.
-
-    Parameters
-    ----------
-    name : str
-    split : str
-    text_column : str
-    max_chars : int or None
-
-    Yields
-    ------
-    str
-    """
+def _hf_documents(name: str, split: str, text_column: str, max_chars: Optional[int]) -> Iterator[str]:
+    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters."""
     try:
         from datasets import load_dataset  # imported lazily: only needed for hf: corpora
     except ImportError as e:
@@ -176,18 +164,9 @@ def load_tokenizer_file(path) -> "object":
     )
 
 
-def pretrained_tokenizer(name: str):
-    """A Hugging Face tokenizer by name or folder.
-
-    Parameters
-    ----------
-    name : str
-
-    Returns
-    -------
-    transformers.PreTrainedTokenizerBase
-        RuntimeError saying what to use instead where it cannot be loaded.
-    """
+def _pretrained_tokenizer(name: str):
+    """A Hugging Face tokenizer by name or folder; RuntimeError saying what to use instead where it cannot be
+    loaded."""
     from transformers import AutoTokenizer
 
     try:
@@ -587,7 +566,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         if tokenizer is None:
             if cfg.tokenizer == "bpe":
                 raise ValueError("dataset='tokens:...' needs the tokenizer the ids came from: --tokenizer NAME.")
-            tokenizer = pretrained_tokenizer(cfg.tokenizer)
+            tokenizer = _pretrained_tokenizer(cfg.tokenizer)
         return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
         raise ValueError(
@@ -607,12 +586,12 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         stdlib = stdlib_docstrings(cfg.corpus_max_chars)
         docs = lambda: iter(stdlib)  # noqa: E731
     else:
-        docs = lambda: hf_documents(ds[3:], cfg.dataset_split, cfg.text_column, cfg.corpus_max_chars)  # noqa: E731
+        docs = lambda: _hf_documents(ds[3:], cfg.dataset_split, cfg.text_column, cfg.corpus_max_chars)  # noqa: E731
     if tokenizer is None:
         tokenizer = (
             train_bpe(docs(), cfg.tokenizer_vocab_size)
             if cfg.tokenizer == "bpe"
-            else pretrained_tokenizer(cfg.tokenizer)
+            else _pretrained_tokenizer(cfg.tokenizer)
         )
     stream = tokenize_docs(tokenizer, docs())
     if len(stream) == 0:
