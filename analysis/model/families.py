@@ -590,23 +590,12 @@ def _dry_run(model) -> tuple[frozenset[str], bool]:
     return frozenset(n for n in names if canonical[n] in seen), scores_are_pattern
 
 
-def pattern_is_live(model: SinkModel, layer: int) -> bool:
+def _pattern_is_live(model: SinkModel, layer: int) -> bool:
     """Whether editing ``blocks.{layer}.attn.hook_pattern`` changes the model's output.
 
     TransformerLens' generic AttentionBridge (GPT-J, OPT, Jamba) lets Hugging Face compute the attention and only then
     reports the pattern: the hook fires after ``hook_z`` and is read-only there, so pattern interventions must edit
-    ``hook_z`` instead.
-
-    Parameters
-    ----------
-    model : SinkModel
-    layer : int
-        An attention layer.
-
-    Returns
-    -------
-    bool
-    """
+    ``hook_z`` instead."""
     tokens = _probe_tokens(model, 2)
     with torch.inference_mode():
         base = model(tokens)
@@ -899,7 +888,7 @@ def _attention_facts(
     fused = getattr(getattr(model.blocks[first], "attn", None), "qkv", None) is not None
     key_rotated, key_hook, query_hook = _qk_hooks(positions, fires_everywhere, mla)
     gate_hook, scores_hook = _gate_and_scores_hooks(fires_everywhere, scores_are_pattern)
-    live = pattern_is_live(model, first) if attention_layers else False
+    live = _pattern_is_live(model, first) if attention_layers else False
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
     window, sliding = _sliding(config, types, attention_layers)
     return dict(
@@ -955,7 +944,7 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         norm_placement=("post" if post else "pre") if norm else "none",
         post_norm=norm if post else None,
         key_rotated=key_rotated,
-        pattern_live=pattern_is_live(model, first) if attention_layers else False,
+        pattern_live=_pattern_is_live(model, first) if attention_layers else False,
         attn_scale=d_head**-0.5,
         _key_hook=key_hook,
         _query_hook=query_hook,

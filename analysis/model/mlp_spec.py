@@ -74,7 +74,7 @@ class MlpSpec:
     (``"add"``), a constant factor (``"scaled"``, Granite's residual multiplier) or a norm (``"post_norm"``: Gemma 2/3
     and OLMo-2 normalise the MLP output before adding it). ``"moe"`` blocks (gpt-oss, Qwen3-Next, Jamba's expert layers)
     route each token to a few experts whose neurons no hook holds: their writes are measured per block, and per expert
-    by calling the block's router and experts (``moe_parts``). The facts of the first dense block stand for every dense
+    by calling the block's router and experts (``_moe_parts``). The facts of the first dense block stand for every dense
     block.
 
     Attributes
@@ -246,22 +246,12 @@ def _is_moe(model, layer: int) -> bool:
     return mod is not None and getattr(mod, "experts", None) is not None
 
 
-def moe_parts(model: SinkModel, layer: int):
+def _moe_parts(model: SinkModel, layer: int):
     """The (router, experts) modules of a mixture-of-experts block.
 
     ``router(x)`` gives (logits, weights, indices) and ``experts(x, indices, weights)`` the routed experts' weighted
-    sum, for x (n_tokens, d_model) (the form of gpt-oss and Qwen3-Next in transformers 5).
-
-    Parameters
-    ----------
-    model : SinkModel
-    layer : int
-        A mixture-of-experts block (ValueError where the block does not have this form).
-
-    Returns
-    -------
-    tuple of (torch.nn.Module, torch.nn.Module)
-    """
+    sum, for x (n_tokens, d_model) (the form of gpt-oss and Qwen3-Next in transformers 5); ValueError where block
+    ``layer`` does not have this form."""
     mod = _mlp_module(model, layer)
     experts = getattr(mod, "experts", None)
     router = getattr(mod, "router", None) or getattr(mod, "gate", None)
@@ -272,7 +262,7 @@ def moe_parts(model: SinkModel, layer: int):
 
 
 def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Who writes a mixture-of-experts block's output, from the block's router and experts (``moe_parts``) and the block
+    """Who writes a mixture-of-experts block's output, from the block's router and experts (``_moe_parts``) and the block
     itself, all run on ``x``.
 
     Parameters
@@ -292,7 +282,7 @@ def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.
     rest : torch.Tensor, shape (n, d_model)
         What the block adds beyond them (a shared expert, Qwen3-Next; zero for gpt-oss).
     """
-    router, experts = moe_parts(model, layer)
+    router, experts = _moe_parts(model, layer)
     block = _mlp_module(model, layer)
     x = _on_model(model, x)  # the trace keeps x on the CPU
     spec = getattr(model, "mlp_spec", None)
@@ -645,7 +635,7 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
     n_exp, top_k = None, None
     if moe:
-        router, experts = moe_parts(model, moe[0])
+        router, experts = _moe_parts(model, moe[0])
         n_exp = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
         top_k = int(getattr(router, "top_k", 0)) or None
     fields = dict(

@@ -368,19 +368,10 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
 
 
-def weight_devices(model: torch.nn.Module) -> dict[str, int]:
-    """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    dict of str to int
-        Sorted by device name. Under accelerate's device map a module's weights count where the map keeps them
-        ("cpu", "disk", "cuda:N"), not as the "meta" placeholder left on the module.
-    """
+def _weight_devices(model: torch.nn.Module) -> dict[str, int]:
+    """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there,
+    sorted by device name. Under accelerate's device map a module's weights count where the map keeps them ("cpu",
+    "disk", "cuda:N"), not as the "meta" placeholder left on the module."""
     hf = _hf_of(model)
     dm = {k: _device_name(v) for k, v in (getattr(hf, "hf_device_map", None) or {}).items()}
     out: dict[str, int] = {}
@@ -410,6 +401,6 @@ def placement_record(model: torch.nn.Module) -> dict:
     -------
     dict
         ``device``: where the inputs went and the work started (:func:`input_device`); ``weights_on``: device ->
-        parameters kept there (:func:`weight_devices`), e.g. {"cpu": 1200, "disk": 3400} for a split model.
+        parameters kept there (:func:`_weight_devices`), e.g. {"cpu": 1200, "disk": 3400} for a split model.
     """
-    return {"device": str(input_device(model)), "weights_on": weight_devices(model)}
+    return {"device": str(input_device(model)), "weights_on": _weight_devices(model)}
