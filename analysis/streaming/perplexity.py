@@ -114,9 +114,8 @@ class PolicyRun(Result):
         share = (
             "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
         )
-        return [
-            f"Policy {self.policy.label}: {ppl}{share}."
-        ]  # no tokens/s: a finding is the model's, not the machine's
+        # no tokens/s: a finding is the model's, not the machine's
+        return [f"Policy {self.policy.label}: {ppl}{share}."]
 
     def to_dict(self) -> dict:
         """The run's record (strict JSON: NaN as null) with the protocol's model, n_samples and text."""
