@@ -258,20 +258,12 @@ class _Decoder:
 
     def runs(self, policies, seconds: float, decoded: int, peak: float) -> list[PolicyRun]:
         peak_kv = np.array(self.cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
-        share = self.share_sum / self.share_n if self.share_n else [None] * len(policies)
-        learned = self.learned_sum / self.learned_n if self.learned_n else [None] * len(policies)
+        share = (self.share_sum / self.share_n).tolist() if self.share_n else [None] * len(policies)
+        learned = (self.learned_sum / self.learned_n).tolist() if self.learned_n else [None] * len(policies)
         runs = []
         for b, p in enumerate(policies):
             run = PolicyRun(
-                p,
-                self.nll[b],
-                seconds,
-                decoded,
-                float(peak_kv[b]) / 2**20,
-                peak,
-                None if share[b] is None else float(share[b]),
-                len(policies),
-                None if learned[b] is None else float(learned[b]),
+                p, self.nll[b], seconds, decoded, float(peak_kv[b]) / 2**20, peak, share[b], len(policies), learned[b]
             )
             if self.logits is not None:
                 run.logits = torch.cat([x[b] for x in self.logits], dim=0)  # (N-1, vocab)
