@@ -144,16 +144,8 @@ def _load(name: str, device: str | None, dtype: str, backend: str, remote: bool,
     max_memory and offload_folder where it splits the model)."""
     from analysis.model.loading import load_model  # import time: torch loads once the options are checked
 
-    split = placement is not None and placement.split
-    keys = ("device_map", "max_memory", "offload_folder") if split else ()
-    return load_model(
-        name,
-        device=device,
-        dtype=cli_dtype(dtype),
-        backend=backend,
-        remote=remote,
-        **{k: getattr(placement, k) for k in keys},
-    )
+    split = placement.kwargs() if placement is not None and placement.split else {}
+    return load_model(name, device=device, dtype=cli_dtype(dtype), backend=backend, remote=remote, **split)
 
 
 def _load_args(args):

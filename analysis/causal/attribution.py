@@ -76,16 +76,8 @@ class AttributionCheck(Result):
     def table(self) -> pd.DataFrame:
         """One row per head: Pearson r, Spearman rho (signed and of |.|), mean |exact|, mean and max |error|, the
         relative error sum |estimate - exact| / sum |exact|, and the sign agreement where |exact| > 1e-3 nats."""
-        rows = []
-        for i, (l, h) in enumerate(self.heads):
-            rows.append(
-                {
-                    "layer": l,
-                    "head": h,
-                    **self._stats(self.exact[i].flatten().numpy(), self.estimate[i].flatten().numpy()),
-                }
-            )
-        return pd.DataFrame(rows)
+        stats = [self._stats(x.flatten().numpy(), y.flatten().numpy()) for x, y in zip(self.exact, self.estimate)]
+        return pd.DataFrame([{"layer": l, "head": h, **s} for (l, h), s in zip(self.heads, stats)])
 
     def pooled(self) -> dict:
         return self._stats(self.exact.flatten().numpy(), self.estimate.flatten().numpy())

@@ -29,17 +29,10 @@ def plot_spike_ablation(result: SpikeAblation | dict[str, SpikeAblation]):
     for i, (name, r) in enumerate(results.items()):
         s = r.conditions
         x = np.arange(len(s)) + (i - (n - 1) / 2) * w
-        hatch = ["", "//", "..", "xx"][i % 4]
-        b = axes[0].bar(
-            x,
-            s["sink_1_pct"],
-            w,
-            color=[_COND_COLORS.get(c, "grey") for c in s["condition"]],
-            hatch=hatch,
-            label=name or None,
-        )
+        hatch, colors = ["", "//", "..", "xx"][i % 4], [_COND_COLORS.get(c, "grey") for c in s["condition"]]
+        b = axes[0].bar(x, s["sink_1_pct"], w, color=colors, hatch=hatch, label=name or None)
         axes[0].bar_label(b, fmt="%.0f", fontsize=7)
-        b = axes[1].bar(x, s["loss"], w, color=[_COND_COLORS.get(c, "grey") for c in s["condition"]], hatch=hatch)
+        b = axes[1].bar(x, s["loss"], w, color=colors, hatch=hatch)
         axes[1].bar_label(b, fmt="%.2f", fontsize=7)
         pl = r.per_layer
         for c in [c for c in pl.columns if c != "layer"]:

@@ -55,15 +55,9 @@ def calibrate(
                 v, i = a.flatten().max(0)
                 if site.label not in best or float(v) > best[site.label].absmax:
                     b, t, d = (int(j) for j in torch.unravel_index(i, a.shape))
+                    w = offset["w"] + b  # the window among all of them
                     best[site.label] = ScaleSite(
-                        site.label,
-                        site.layer,
-                        site.name,
-                        float(v),
-                        offset["w"] + b,
-                        t,
-                        d,
-                        int(windows[offset["w"] + b, t]),
+                        site.label, site.layer, site.name, float(v), w, t, d, int(windows[w, t])
                     )
                 return x
 

@@ -14,6 +14,7 @@ from analysis.core.options import (
     write_output,
 )
 from analysis.core.versions import package_versions
+from analysis.streaming.cli import _ints
 
 CONDITIONS = ("as_is", "sinks_fp", "prefix")  # analysis.quant.study.CONDITIONS, named here so --help needs no torch
 QUANT_BACKEND_WHY = (
@@ -23,22 +24,6 @@ QUANT_BACKEND_WHY = (
     "whatever --backend says; nnsight cannot run them (they hook the local Hugging Face module, which "
     "the nnsight backend does not hand out)."
 )
-
-
-def _ints(text: str, *, none_word: str | None = None) -> list:
-    out = []
-    for x in text.split(","):
-        x = x.strip()
-        if not x:
-            continue
-        if none_word is not None and x in (none_word, "16", "32"):
-            out.append(None)
-            continue
-        try:
-            out.append(int(x))
-        except ValueError:
-            raise ValueError(f"expected comma-separated integers such as 8,4; got {text!r}.") from None
-    return out
 
 
 def add_parser(sub, *, parents=()) -> None:

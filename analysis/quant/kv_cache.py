@@ -78,7 +78,7 @@ class PackedKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        return sum(t.nbytes for t in (self.codes, self.scale, self.zero))
 
 
 class LowBitLayer(DynamicLayer):
@@ -120,11 +120,7 @@ class LowBitLayer(DynamicLayer):
     @property
     def nbytes(self) -> int:
         """Bytes the layer's stored keys and values hold."""
-        total = 0
-        for k, v in self.chunks:
-            for t in (k, v):
-                total += t.nbytes if isinstance(t, PackedKV) else t.numel() * t.element_size()
-        return total
+        return sum(t.nbytes for chunk in self.chunks for t in chunk)  # a tensor's nbytes, or a PackedKV's
 
 
 class LowBitCache(Cache):

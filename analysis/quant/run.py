@@ -49,22 +49,13 @@ def _candidates(windows: torch.Tensor, keep: torch.Tensor, tokenizer, n: int) ->
     later = keep.clone()
     later[:, 0] = False
     ids = pd.Series(windows[later].tolist(), dtype="int64").value_counts().index.tolist()
-    extra = []
     if tokenizer is not None:
         extra = [
             t for t in (tokenizer.bos_token_id, *tokenizer.encode("\n", add_special_tokens=False)) if t is not None
         ]
     else:
         extra = [int(windows[0, 0])]  # a reference model: its BOS
-    out = []
-    for t in ids[:n] + extra:
-        if int(t) not in out:
-            out.append(int(t))
-    return out[: n + len(extra)]
-
-
-def _text(tokenizer, ids) -> str:
-    return readable_text(tokenizer, ids)  # byte tokens escaped, not '\ufffd'
+    return list(dict.fromkeys(int(t) for t in ids[:n] + extra))[: n + len(extra)]  # in order, each once
 
 
 def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None:
@@ -123,7 +114,7 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
                     "seed": win.seed,
                     "condition": cond,
                     **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
-                    "origin": scale_origin(s, origin, _text(tok, [s.token_id])),
+                    "origin": scale_origin(s, origin, readable_text(tok, [s.token_id])),
                 }
             )
         fp_key = (cond == "prefix", tuple(prefix))
@@ -150,7 +141,7 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
                     "site_dim": top[0].dim,
                 }
             )
-    return rows, scale_rows, layer_rows, {"ids": prefix, "text": _text(tok, prefix), "costs": costs}
+    return rows, scale_rows, layer_rows, {"ids": prefix, "text": readable_text(tok, prefix), "costs": costs}
 
 
 def quant_study(

@@ -144,7 +144,7 @@ def cmd_atlas(args) -> int:
     from analysis.report.atlas import AtlasConfig, run_atlas
 
     p = placement_from_args(args)
-    split = dict(device_map=p.device_map, max_memory=p.max_memory, offload_folder=p.offload_folder) if p.split else {}
+    split = p.kwargs() if p.split else {}
     dtype = parse_dtype(args.dtype)
 
     def load(name: str):

@@ -26,11 +26,20 @@ STREAM_BACKEND_WHY = (
 )
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers such as 0,1,4; got {text!r}.") from None
+def _ints(text: str, *, none_word: str | None = None) -> list:
+    """A comma list of integers (``stream --sinks``, ``quant --act-bits``); ``none_word`` (and 16, 32): None, full
+    precision."""
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if none_word is not None and x in (none_word, "16", "32"):
+            out.append(None)
+        elif x:
+            try:
+                out.append(int(x))
+            except ValueError:
+                raise ValueError(f"expected comma-separated integers such as 0,1,4 or 8,4; got {text!r}.") from None
+    return out
 
 
 def add_parser(sub, default_model: str, *, parents=()) -> None:

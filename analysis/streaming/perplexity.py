@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -48,6 +49,7 @@ def decode_attention(hf) -> str:
     return "eager" if has_sink_logits(hf) else ATTENTION
 
 
+@dataclass(eq=False)
 class PolicyRun(Result):
     """One policy's pass over a stream. ``nll[t]``: -log p(token t+1 | kept tokens <= t), NaN if not scored.
     ``sink_share``: attention on the kept sink tokens (window policy: the oldest kept token) once the cache is
@@ -83,22 +85,15 @@ class PolicyRun(Result):
     model_name = None
     n_samples = 1
 
-    def __init__(
-        self,
-        policy: Policy,
-        nll: np.ndarray,
-        seconds: float,
-        decoded: int,
-        peak_kv_mib: float,
-        peak_mib: float,
-        sink_share: float | None,
-        batch: int = 1,
-        learned_share: float | None = None,
-    ):
-        self.batch = batch  # policies decoded together (tokens/s is per policy, in that batch)
-        self.policy, self.nll, self.seconds, self.decoded = policy, nll, seconds, decoded
-        self.peak_kv_mib, self.peak_mib, self.sink_share = peak_kv_mib, peak_mib, sink_share
-        self.learned_share = learned_share
+    policy: Policy
+    nll: np.ndarray
+    seconds: float
+    decoded: int
+    peak_kv_mib: float
+    peak_mib: float
+    sink_share: float | None
+    batch: int = 1  # policies decoded together (tokens/s is per policy, in that batch)
+    learned_share: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,9 +114,8 @@ class PolicyRun(Result):
         share = (
             "" if self.sink_share is None else f"; the kept sinks draw {100 * self.sink_share:.0f}% of the attention"
         )
-        return [
-            f"Policy {self.policy.label}: {ppl}{share}."
-        ]  # no tokens/s: a finding is the model's, not the machine's
+        # no tokens/s: a finding is the model's, not the machine's
+        return [f"Policy {self.policy.label}: {ppl}{share}."]
 
     def to_dict(self) -> dict:
         """The run's record (strict JSON: NaN as null) with the protocol's model, n_samples and text."""
@@ -146,17 +140,8 @@ class PolicyRun(Result):
         pol = Policy(d["kind"], d["window"], d["sinks"], d["sink_tokens"], d["bits"], d["fp_sinks"])
         nll = np.array([np.nan if x is None else x for x in d["nll"]], dtype=float)
         num = {k: float("nan") if d[k] is None else d[k] for k in ("seconds", "peak_kv_mib", "peak_mib")}  # null: NaN
-        return cls(
-            pol,
-            nll,
-            num["seconds"],
-            d["decoded"],
-            num["peak_kv_mib"],
-            num["peak_mib"],
-            d["sink_share"],
-            d.get("batch", 1),
-            d.get("learned_share"),
-        )
+        extra = dict(batch=d.get("batch", 1), learned_share=d.get("learned_share"))
+        return cls(pol, nll, decoded=d["decoded"], sink_share=d["sink_share"], **num, **extra)
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -273,20 +258,12 @@ class _Decoder:
 
     def runs(self, policies, seconds: float, decoded: int, peak: float) -> list[PolicyRun]:
         peak_kv = np.array(self.cache.kv_bytes(), dtype=float)  # the cache only grows, up to its capacity
-        share = self.share_sum / self.share_n if self.share_n else [None] * len(policies)
-        learned = self.learned_sum / self.learned_n if self.learned_n else [None] * len(policies)
+        share = (self.share_sum / self.share_n).tolist() if self.share_n else [None] * len(policies)
+        learned = (self.learned_sum / self.learned_n).tolist() if self.learned_n else [None] * len(policies)
         runs = []
         for b, p in enumerate(policies):
             run = PolicyRun(
-                p,
-                self.nll[b],
-                seconds,
-                decoded,
-                float(peak_kv[b]) / 2**20,
-                peak,
-                None if share[b] is None else float(share[b]),
-                len(policies),
-                None if learned[b] is None else float(learned[b]),
+                p, self.nll[b], seconds, decoded, float(peak_kv[b]) / 2**20, peak, share[b], len(policies), learned[b]
             )
             if self.logits is not None:
                 run.logits = torch.cat([x[b] for x in self.logits], dim=0)  # (N-1, vocab)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,7 @@ def default_policies(
     return pols
 
 
+@dataclass(eq=False)
 class StreamResult(Result):
     """Per policy: per-position NLL, perplexity, tokens/s, memory and the sinks' attention share.
 
@@ -99,24 +101,21 @@ class StreamResult(Result):
     kind = "stream"
     n_samples = 1
 
-    def __init__(
-        self,
-        model: str,
-        window: int,
-        n_ctx: int | None,
-        stream: dict,
-        skip: int,
-        runs: list[PolicyRun],
-        recompute_every: int | None,
-        device: str,
-        *,
-        tokens: list[int] | None = None,
-        dtype: str = "float32",
-        backend: dict | None = None,
-    ):
-        self.model, self.window, self.n_ctx, self.stream, self.skip = model, window, n_ctx, stream, skip
-        self.runs, self.recompute_every, self.device, self.tokens = runs, recompute_every, device, tokens
-        self.dtype, self.backend = dtype, backend or {}
+    model: str
+    window: int
+    n_ctx: int | None
+    stream: dict
+    skip: int
+    runs: list[PolicyRun]
+    recompute_every: int | None
+    device: str
+    _: KW_ONLY
+    tokens: list[int] | None = None
+    dtype: str = "float32"
+    backend: dict | None = None
+
+    def __post_init__(self):
+        self.backend = self.backend or {}
 
     def __repr__(self) -> str:
         return (
@@ -277,19 +276,10 @@ class StreamResult(Result):
 
     @classmethod
     def from_dict(cls, d: dict) -> "StreamResult":
-        return cls(
-            d["model"],
-            d["window"],
-            d["n_ctx"],
-            d["stream"],
-            d["skip"],
-            [PolicyRun.from_dict(r) for r in d["runs"]],
-            d["recompute_every"],
-            d.get("device", "cpu"),
-            tokens=d.get("tokens"),
-            dtype=d.get("dtype", "float32"),
-            backend=d.get("backend"),
-        )
+        given = {k: d[k] for k in ("model", "window", "n_ctx", "stream", "skip", "recompute_every")}
+        runs = [PolicyRun.from_dict(r) for r in d["runs"]]
+        keywords = dict(tokens=d.get("tokens"), dtype=d.get("dtype", "float32"), backend=d.get("backend"))
+        return cls(**given, runs=runs, device=d.get("device", "cpu"), **keywords)
 
     @classmethod
     def load(cls, path) -> "StreamResult":
