@@ -22,7 +22,18 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, model_facts, per_query_head
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
+from analysis.engine.passes import (
+    Accumulator,
+    Batch,
+    LayerCollector,
+    Reduction,
+    Resume,
+    can_resume,
+    resume_from,
+    run_pass,
+)
+from analysis.engine.remote import edit_trace, pass_plan, plan_requests, reduction_bytes
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
 from analysis.core.docs import fill_parameters, model_tokens, parameters_from
@@ -91,31 +102,58 @@ class PassResult(LayerAxis):
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
 
 
-def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROWS) -> float:
-    """Summed next-token cross-entropy, a few sequences at a time (peak memory: one chunk's log-softmax, not the whole
-    batch's).
+def loss_stats(logits: torch.Tensor, tokens: torch.Tensor, *, groups=(slice(None),), rows: int = LOSS_ROWS) -> dict:
+    """The summed next-token cross-entropy of each group of sequences, a few sequences at a time (peak memory: one
+    chunk's log-softmax, not the whole batch's), and each sequence's loss on the first token's own prediction: torch
+    only, so a remote trace ships it and runs it on the logits.
 
     Parameters
     ----------
     logits : torch.Tensor, shape (B, T, V)
     tokens : torch.Tensor, shape (B, T)
+    groups : sequence of slice
+        The rows of each group.
     rows : int
         Sequences per chunk.
 
     Returns
     -------
-    float
-        The sum over the B (T - 1) predictions.
+    dict of str to torch.Tensor
+        "sum", float64 (G,): each group's sum over its B_g (T - 1) predictions; with T > 1, "first" (B,).
     """
-    total = 0.0
-    for i in range(0, logits.shape[0], rows):
-        lg = logits[i : i + rows, :-1].float()
-        total += float(
-            torch.nn.functional.cross_entropy(
-                lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1), reduction="sum"
+    tokens, out = tokens.to(logits.device), {}
+    sums = []
+    for g in groups:
+        lg_all, tk_all, total = logits[g], tokens[g], torch.zeros((), dtype=torch.float64, device=logits.device)
+        for i in range(0, lg_all.shape[0], rows):
+            lg = lg_all[i : i + rows, :-1].float()
+            ce = torch.nn.functional.cross_entropy(
+                lg.reshape(-1, lg.shape[-1]), tk_all[i : i + rows, 1:].reshape(-1), reduction="sum"
             )
-        )
-    return total
+            total = total + ce.double()
+        sums.append(total)
+    out["sum"] = torch.stack(sums)
+    if tokens.shape[1] > 1:
+        out["first"] = torch.nn.functional.cross_entropy(logits[:, 0].float(), tokens[:, 1], reduction="none")
+    return out
+
+
+def pass_stats(acts: dict, *, k_max: int, T: int) -> dict:
+    """One attention layer's reduce for :class:`PassAccumulator`: alpha_1..k_max (B, H, k_max) and, with T >= 3, the
+    attention shares of :func:`where_shares` (B, H, 4).
+
+    Parameters
+    ----------
+    acts : dict
+        {"pattern": the map or ``AttentionWeights``}.
+    k_max, T : int
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    p = acts["pattern"]
+    return {"alpha": alpha_from_pattern(p, k_max), **({"where": where_shares(p)} if T >= 3 else {})}
 
 
 def where_shares(pattern: torch.Tensor) -> torch.Tensor:
@@ -217,29 +255,32 @@ class PassAccumulator(Accumulator):
             self.n_pred.append(0)
             self.n.append(0)
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        p = acts["pattern"]
-        self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
-        if self.T >= 3:
-            shares = where_shares(p).double()
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(pass_stats, {"k_max": self.k_max, "T": self.T})
+
+    def fold(self, layer: int, s: dict, batch: Batch) -> None:
+        self.alpha.put(layer, s["alpha"])
+        if "where" in s:
+            shares = s["where"].double()
             for g, rows in self._groups(batch):
                 self._condition(g)
                 self.where[g][self.pos[layer]] += shares[rows].sum(0).cpu()
 
-    def end_batch(self, batch: Batch, logits) -> None:
-        self.alpha.end_batch()
-        for g, rows in self._groups(batch):
+    def fold_loss(self, s: dict, batch: Batch) -> None:
+        """Fold what :func:`loss_stats` gave for a batch (here, or in a remote trace)."""
+        for (g, rows), total in zip(self._groups(batch), s["sum"].tolist()):
             self._condition(g)
             tokens = batch.tokens[rows]
-            self.loss_sum[g] += loss_sum(logits[rows], tokens)
+            self.loss_sum[g] += total
             self.n_pred[g] += tokens.shape[0] * (tokens.shape[1] - 1)
             self.n[g] += tokens.shape[0]
-        if batch.tokens.shape[1] > 1:
-            self.first.append(
-                torch.nn.functional.cross_entropy(
-                    logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none"
-                ).cpu()
-            )
+        if "first" in s:
+            self.first.append(s["first"].cpu())
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.alpha.end_batch()
+        if logits is not None:  # a remote pass folds the loss_stats its trace ran (fold_loss)
+            self.fold_loss(loss_stats(logits, batch.tokens, groups=[r for _, r in self._groups(batch)]), batch)
 
     def result(self) -> PassResult | list[PassResult]:
         alpha, first = self.alpha.result(), torch.cat(self.first) if self.first else None
@@ -273,6 +314,7 @@ def run_condition(
     on_batch_start=None,
     baseline: Baseline | None = None,
     groups: int = 1,
+    edits=None,
 ) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -295,12 +337,26 @@ def run_condition(
         ``tokens`` holds this many conditions of the same sequences, one after another (the sequences repeated; the
         hooks tell the conditions apart by row, with ``on_batch_start``), run in one pass as one longer input:
         fewer, fuller batches than a pass each. The baseline is that of one condition's sequences.
+    edits : callable, optional
+        ``edits(batch)``: the hooks' interventions as trace edits ({layer: {site: Reduction}},
+        ``analysis.engine.remote.edit_trace``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
+        from the embedding in its traces instead of the hooks.
 
     Returns
     -------
     PassResult, or a list of one per condition with ``groups`` > 1
     """
     tokens = check_tokens(model, tokens)
+    if isinstance(model, NnsightModel):
+        if hooks and edits is None or groups != 1:
+            raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
+        return remote_run(
+            model,
+            tokens,
+            [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max)],
+            edits=edits,
+            batch_size=batch_size,
+        )[0]
     G = int(groups)
     if G < 1 or tokens.shape[0] % G:
         raise ValueError(f"groups must divide the {tokens.shape[0]} sequences into equal conditions; got {groups}.")
@@ -322,6 +378,51 @@ def run_condition(
     if G == 1:
         return _with_prefix(run, baseline.run) if resume else run
     return [_with_prefix(r, baseline.run) if resume else r for r in run]
+
+
+def remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
+    """:func:`run_pass` with edits for a model loaded for NDIF: per batch, one trace a layer group of the request
+    plan (``analysis.engine.remote``), each making every edit and running the whole model; the accumulators'
+    reductions, and the loss (:func:`loss_stats`) for the one that ``needs_logits``, run there and fold here.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    tokens : torch.Tensor, shape (N, T)
+    accumulators : list of Accumulator
+    edits : callable, optional
+        ``edits(batch)``, as in :func:`run_condition`.
+    batch_size : int, optional
+        At most as many sequences as keep a request under NDIF's limit (also the default).
+
+    Returns
+    -------
+    list
+        Each accumulator's ``result()``.
+    """
+    plan = pass_plan(model, accumulators)
+    per, fixed = reduction_bytes(model, tokens, plan)
+    req, by_layer = plan_requests(tokens.shape[0], [p[0] for p in plan], per=per, fixed=fixed), {p[0]: p for p in plan}
+    bs = min(batch_size or req.samples, req.samples)  # never a request over NDIF's limit
+    for start in range(0, tokens.shape[0], bs):
+        batch = Batch(tokens[start : start + bs], start)
+        for i, group in enumerate(req.layer_groups):
+            losses = [a for a in accumulators if a.needs_logits and i == len(req.layer_groups) - 1]
+            groups = {"groups": [r for _, r in losses[0]._groups(batch)]} if losses else None
+            got, loss = edit_trace(
+                model,
+                batch.tokens,
+                [by_layer[l] for l in group],
+                edits(batch) if edits else {},
+                logits=Reduction(loss_stats, groups) if losses else None,
+            )
+            for j, layer, r in got:
+                accumulators[j].fold(layer, r, batch)
+            for a in losses:
+                a.fold_loss(loss, batch)
+        for a in accumulators:
+            a.end_batch(batch, None)
+    return [a.result() for a in accumulators]
 
 
 def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> Resume | None:
@@ -349,6 +450,42 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
 # ----------------------------------------------------------------------------------------------
 
 
+def first_position(acts: dict) -> torch.Tensor:
+    """The first token's residual stream, (B, D) float32: :class:`FirstTokenResidAccumulator`'s reduce of
+    {"resid"}."""
+    return acts["resid"][:, 0].float()
+
+
+def value_head_stats(acts: dict, *, H: int, K: int) -> dict:
+    """One attention layer's reduce for :class:`ValueStatsAccumulator` of {"pattern", "v", "z"}: per query head, summed
+    over the batch, alpha_1 ("a1"), |v_1| ("v1"), and over t > 1 the means of |v_t| ("vj"), |A[t, 1] v_1| ("contrib")
+    and |z_t| ("z"); and each sample's v_1 per query head ("v1": (B, H, d)).
+
+    Parameters
+    ----------
+    acts : dict
+    H, K : int
+        Query and KV heads.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+    """
+    a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
+    v = kv_view(acts["v"], K).float()  # (B, T, H_kv, d)
+    norms = per_query_head(v.norm(dim=-1), H)  # (B, T, H): |v| per KV head, repeated
+    contrib = a1.permute(0, 2, 1) * norms[:, :1]  # (B, T, H): |A_t1 v_1| = A_t1 |v_1|
+    later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(H))  # noqa: E731
+    return {
+        "a1": a1.mean(-1).sum(0).cpu(),
+        "v1": norms[:, 0].sum(0).cpu(),
+        "vj": later(norms),
+        "contrib": later(contrib),
+        "z": later(acts["z"].float().norm(dim=-1)),
+        "first_v": per_query_head(v[:, 0], H, dim=1),
+    }
+
+
 class FirstTokenResidAccumulator(Accumulator):
     """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the spike
     ablation sets the spike dims to.
@@ -366,8 +503,11 @@ class FirstTokenResidAccumulator(Accumulator):
     def hooks(self):
         return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        self.first.put(layer, acts["resid"][:, 0].float())
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(first_position)
+
+    def fold(self, layer: int, first: torch.Tensor, batch: Batch) -> None:
+        self.first.put(layer, first)
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.first.end_batch()
@@ -397,22 +537,16 @@ class ValueStatsAccumulator(Accumulator):
     def hooks(self):
         return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
-        v = kv_view(acts["v"], self.K).float()  # (B, T, H_kv, d)
-        v1 = per_query_head(v[:, 0], self.H, dim=1)  # (B, H, d)
-        norms = per_query_head(v.norm(dim=-1), self.H)  # (B, T, H): |v| per KV head, repeated
-        contrib = a1.permute(0, 2, 1) * norms[:, :1]  # (B, T, H): |A_t1 v_1| = A_t1 |v_1|
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(value_head_stats, {"H": self.H, "K": self.K})
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
         s = self.sums[layer]
-        later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(self.H))  # noqa: E731
-        s["a1"] = s["a1"] + a1.mean(-1).sum(0).cpu()
-        s["v1"] = s["v1"] + norms[:, 0].sum(0).cpu()
-        s["vj"] = s["vj"] + later(norms)
-        s["contrib"] = s["contrib"] + later(contrib)
-        s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
-        self.v1.put(layer, v1)
+        for key in s:  # a1, v1, vj, contrib, z
+            s[key] = s[key] + stats[key]
+        self.v1.put(layer, stats["first_v"])
         if layer == self.layers[0]:
-            self.n += v.shape[0]
+            self.n += stats["first_v"].shape[0]
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.v1.end_batch()
@@ -532,7 +666,10 @@ def baseline_pass(model: SinkModel, tokens, *, eps: float = SINK_EPS, batch_size
     """
     tokens = check_tokens(model, tokens)
     accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
-    return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
+    run = (
+        remote_run if isinstance(model, NnsightModel) else run_pass
+    )  # a remote pass: no logits, so the loss is a reduction
+    return baseline_from(run(model, tokens, accs, batch_size=batch_size))
 
 
 # Parameters written once, in baseline_pass: the factory's eps, and run_condition's model, tokens, eps, batch_size.
@@ -581,7 +718,10 @@ register(
         hooks=("pattern", "resid", "v", "z"),
         product=True,
         doc="The interventions' shared baseline on the main kind.",
-        accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps),
+        # none on a remote model (its pass gives no logits): each intervention runs baseline_pass there
+        accumulators=lambda p: (
+            [] if isinstance(p.model, NnsightModel) else baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps)
+        ),
         # with the main kind's resume points, so that its conditions resume
         finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {}),
     )

@@ -48,7 +48,9 @@ from analysis.model.hooks import (
 from analysis.core.docs import parameters_from
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
-from analysis.engine.passes import Batch
+from analysis.engine.attention import attention_of
+from analysis.engine.passes import Batch, Reduction
+from analysis.model.nnsight_model import NnsightModel
 from analysis.core.results import Result, dims_by_layer_text, layer_runs
 from analysis.sinks.metric import check_eps
 
@@ -229,14 +231,38 @@ class SpikeSetter:
     def hooks(self):
         return [(act_name("resid_post", l), partial(self.set, l)) for l in sorted(self.spikes)]
 
+    def _value(self, layer: int, B: int):
+        return 0.0 if self.mode == "zero" else self.loo[layer][self.offset : self.offset + B]
+
     def set(self, layer: int, x: torch.Tensor, hook) -> torch.Tensor:
-        x = x.clone()
-        dims = torch.tensor(self.spikes[layer], device=x.device)
-        if self.mode == "zero":
-            x[:, 0, dims] = 0.0
-        else:
-            x[:, 0, dims] = self.loo[layer][self.offset : self.offset + x.shape[0]].to(x.device, x.dtype)
-        return x
+        return set_first(x, dims=torch.tensor(self.spikes[layer]), value=self._value(layer, x.shape[0]))
+
+    def edits(self, batch: Batch) -> dict:
+        """The same edits in a remote trace (``run_condition``'s ``edits``), at each layer's output."""
+        self.start(batch)
+        return {
+            l: {"resid_post": Reduction(set_first, {"dims": torch.tensor(d), "value": self._value(l, batch.size)})}
+            for l, d in self.spikes.items()
+        }
+
+
+def set_first(x: torch.Tensor, *, dims: torch.Tensor, value) -> torch.Tensor:
+    """``x`` (B, T, D) with the first token's ``dims`` set to ``value`` (a number, or (B, n_dims)): torch only, so a
+    remote trace ships it.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+    dims : torch.Tensor
+    value : float or torch.Tensor
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    x = x.clone()
+    x[:, 0, dims.to(x.device)] = value.to(x.device, x.dtype) if isinstance(value, torch.Tensor) else value
+    return x
 
 
 def _spike_message(model, spikes: dict, how: str, skipped: str, abs_threshold, ratio_threshold, min_share) -> str:
@@ -315,6 +341,7 @@ def spike_ablation(
             model,
             tokens,
             hooks=setter.hooks(),
+            edits=setter.edits,
             eps=eps,
             batch_size=batch_size,
             on_batch_start=setter.start,
@@ -430,8 +457,12 @@ class ValueRemoval:
         v_mean: dict | None = None,
         first_query: bool = True,
     ):
-        dims, spec = model_dims(model), get_family(model)
-        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
+        dims, spec = model_dims(model), None if isinstance(model, NnsightModel) else get_family(model)
+        self.H, self.K, self.live = (
+            dims.n_heads,
+            dims.n_kv_heads,
+            spec is None or spec.pattern_live,
+        )  # remote: q, k read
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
         self.by_layer: dict[int, torch.Tensor] = {}
         for l, h in heads:
@@ -472,16 +503,28 @@ class ValueRemoval:
         self.state.setdefault(layer, {})["v1"] = v1[:, self.by_layer[layer].to(v.device)].detach()
 
     def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
-        st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
-        v1 = st["v1"].float()  # the edit in float32, rounded once to the model's dtype (bf16: no double rounding)
-        if self.mode == "mean":
-            v1 = v1 - self._mean(layer, z.shape[0], self.by_layer[layer]).to(v1.device, v1.dtype)
-        contrib = st["a1"].float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
-        if not self.first_query:
-            contrib[:, 0] = 0
-        z = z.clone()
-        z[:, :, hidx] = (z[:, :, hidx].float() - contrib).to(z.dtype)
-        return z
+        st, heads = self.state.pop(layer), self.by_layer[layer]
+        v_sub = self._mean(layer, z.shape[0], heads) if self.mode == "mean" else None
+        return remove_first_value(z, st["a1"], st["v1"], heads=heads, v_sub=v_sub, keep_first=not self.first_query)
+
+    def edits(self, batch: Batch) -> dict:
+        """The same removal in a remote trace (``run_condition``'s ``edits``), at each layer's attention output."""
+        self.start(batch)
+        return {
+            l: {
+                "z": Reduction(
+                    value_removed,
+                    {
+                        "heads": h,
+                        "H": self.H,
+                        "K": self.K,
+                        "v_sub": self._mean(l, batch.size, h) if self.mode == "mean" else None,
+                        "keep_first": not self.first_query,
+                    },
+                )
+            }
+            for l, h in self.by_layer.items()
+        }
 
     def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots of hook_v's head axis to edit, the query head each slot stands for)."""
@@ -520,6 +563,61 @@ class ValueRemoval:
         z = z.clone()
         z[:, 0, hidx] += diff.to(z.dtype)
         return z
+
+
+def remove_first_value(z, a1, v1, *, heads, v_sub=None, keep_first: bool = False) -> torch.Tensor:
+    """z_t -= A[t, 1] (v_1 - ``v_sub``) in ``heads``, in float32 and rounded once to z's dtype (bf16: no double
+    rounding); torch only, so a remote trace ships it.
+
+    Parameters
+    ----------
+    z : torch.Tensor, shape (B, T, H, d)
+    a1 : torch.Tensor, shape (B, h, T)
+        A[t, 1] of the chosen heads.
+    v1 : torch.Tensor, shape (B, h, d)
+        Their first value.
+    heads : torch.Tensor
+        The h chosen query heads.
+    v_sub : torch.Tensor, optional
+        (B, h, d), subtracted from v_1 ("mean").
+    keep_first : bool
+        Leave z_1 unchanged.
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    v1 = v1.float()
+    if v_sub is not None:
+        v1 = v1 - v_sub.to(v1.device, v1.dtype)
+    contrib = a1.float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+    if keep_first:
+        contrib[:, 0] = 0
+    hidx, z = heads.to(z.device), z.clone()
+    z[:, :, hidx] = (z[:, :, hidx].float() - contrib.to(z.device)).to(z.dtype)
+    return z
+
+
+def value_removed(acts: dict, *, heads, H: int, K: int, v_sub=None, keep_first: bool = False) -> torch.Tensor:
+    """:func:`remove_first_value` from one attention call's {"pattern", "v" (B, T, H_kv, d), "z"}: the edit a remote
+    trace makes.
+
+    Parameters
+    ----------
+    acts : dict
+    heads, v_sub, keep_first
+        As in :func:`remove_first_value`.
+    H, K : int
+        Query and KV heads.
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    hidx = heads.to(acts["z"].device)
+    a1 = attention_of(acts["pattern"]).column(0)[:, hidx]
+    v1 = per_query_head(kv_view(acts["v"], K), H)[:, 0][:, hidx]
+    return remove_first_value(acts["z"], a1, v1, heads=heads, v_sub=v_sub, keep_first=keep_first)
 
 
 @parameters_from(spike_ablation)
@@ -632,6 +730,7 @@ def _value_removal_rows(
             model,
             tokens,
             hooks=removal.hooks(),
+            edits=removal.edits,
             eps=eps,
             batch_size=batch_size,
             on_batch_start=removal.start,
@@ -733,6 +832,13 @@ class FirstKeyRemoval:
         norm = self.paths[layer].norm
         self.state[layer] = norm.affine(norm.normalise(h[:, :1])) * self.masks[layer].to(h.device)  # (B, 1, D)
 
+    def edits(self, batch: Batch) -> dict:
+        """The same removal in a remote trace (``run_condition``'s ``edits``): the key projection's input with the
+        first token's dims S zeroed (x W_K is linear: that removes exactly k_1^S, and nothing but the key)."""
+        return {
+            l: {"k_in": Reduction(set_first, {"dims": m.nonzero()[:, 0], "value": 0.0})} for l, m in self.masks.items()
+        }
+
     def on_k(self, layer: int, k: torch.Tensor, hook) -> torch.Tensor:
         kS = self.paths[layer].keys(self.state.pop(layer), torch.zeros(1, dtype=torch.long), bias=False, rotary=False)
         k = k.clone()
@@ -783,6 +889,12 @@ def first_key_ablation(
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
+    remote = isinstance(model, NnsightModel)
+    if remote and model.spec.latent:
+        raise ModelContractError(
+            "a remote trace removes the key part at the input of k_proj, which multi-head latent attention does not "
+            "have: run first_key_ablation on a model loaded here."
+        )
     spikes, how = _spike_dims(
         model, tokens, spike_dims, "resid_pre", abs_threshold, ratio_threshold, min_share, every_layer=True
     )
@@ -797,9 +909,17 @@ def first_key_ablation(
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
     results, name = {"baseline": base}, getattr(model, "model_name", None)
     if layers:
-        removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
+        paths = {l: None if remote else key_path(model, l) for l in layers}  # remote: the trace's own k_proj
+        removal = FirstKeyRemoval(paths, spikes, model_dims(model).d_model)
         results["ablated"] = run_condition(
-            model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
+            model,
+            tokens,
+            hooks=() if remote else removal.hooks(),
+            edits=removal.edits,
+            eps=eps,
+            k_max=k_max,
+            batch_size=batch_size,
+            baseline=full,
         )
         msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
             f" {base.skipped}" if base.skipped else ""

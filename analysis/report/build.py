@@ -77,11 +77,11 @@ NNSIGHT_SECTIONS = (
     "dormant",
     "positions",
     "context",
+    "interventions",
 )
 NOT_REMOTE = {
     "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
     "norm_gain": "it reads the norm's gain and W_K here and the pre-softmax scores, which no shipped reduction reads",
-    "interventions": "it edits activations and reruns the model (a remote pass only reads)",
 }
 
 
