@@ -22,16 +22,8 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, model_facts, per_query_head
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import (
-    Accumulator,
-    Batch,
-    LayerCollector,
-    Reduction,
-    Resume,
-    can_resume,
-    resume_from,
-    run_pass,
-)
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
+from analysis.engine.passes import Reduction
 from analysis.engine.remote import edit_trace, pass_plan, plan_requests, reduction_bytes
 from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
@@ -102,56 +94,23 @@ class PassResult(LayerAxis):
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
 
 
-def loss_stats(logits: torch.Tensor, tokens: torch.Tensor, *, groups=(slice(None),), rows: int = LOSS_ROWS) -> dict:
-    """The summed next-token cross-entropy of each group of sequences, a few sequences at a time (peak memory: one
-    chunk's log-softmax, not the whole batch's), and each sequence's loss on the first token's own prediction: torch
-    only, so a remote trace ships it and runs it on the logits.
-
-    Parameters
-    ----------
-    logits : torch.Tensor, shape (B, T, V)
-    tokens : torch.Tensor, shape (B, T)
-    groups : sequence of slice
-        The rows of each group.
-    rows : int
-        Sequences per chunk.
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-        "sum", float64 (G,): each group's sum over its B_g (T - 1) predictions; with T > 1, "first" (B,).
-    """
-    tokens, out = tokens.to(logits.device), {}
-    sums = []
+def _loss_stats(logits: torch.Tensor, tokens: torch.Tensor, *, groups=(slice(None),), rows: int = LOSS_ROWS) -> dict:
+    """Each group's summed next-token cross-entropy ("sum", float64 (G,)), ``rows`` sequences at a time (peak memory:
+    one chunk's log-softmax, not the batch's), and with T > 1 each sequence's loss on the first token's own prediction
+    ("first", (B,)): torch only, so a remote trace runs it on the logits."""
+    F, tokens, sums = torch.nn.functional, tokens.to(logits.device), []
     for g in groups:
-        lg_all, tk_all, total = logits[g], tokens[g], torch.zeros((), dtype=torch.float64, device=logits.device)
-        for i in range(0, lg_all.shape[0], rows):
-            lg = lg_all[i : i + rows, :-1].float()
-            ce = torch.nn.functional.cross_entropy(
-                lg.reshape(-1, lg.shape[-1]), tk_all[i : i + rows, 1:].reshape(-1), reduction="sum"
-            )
+        lg, tk, total = logits[g, :-1], tokens[g, 1:], torch.zeros((), dtype=torch.float64, device=logits.device)
+        for i in range(0, lg.shape[0], rows):
+            ce = F.cross_entropy(lg[i : i + rows].float().flatten(0, 1), tk[i : i + rows].flatten(), reduction="sum")
             total = total + ce.double()
         sums.append(total)
-    out["sum"] = torch.stack(sums)
-    if tokens.shape[1] > 1:
-        out["first"] = torch.nn.functional.cross_entropy(logits[:, 0].float(), tokens[:, 1], reduction="none")
-    return out
+    first = F.cross_entropy(logits[:, 0].float(), tokens[:, 1], reduction="none") if tokens.shape[1] > 1 else None
+    return {"sum": torch.stack(sums), **({} if first is None else {"first": first})}
 
 
-def pass_stats(acts: dict, *, k_max: int, T: int) -> dict:
-    """One attention layer's reduce for :class:`PassAccumulator`: alpha_1..k_max (B, H, k_max) and, with T >= 3, the
-    attention shares of :func:`where_shares` (B, H, 4).
-
-    Parameters
-    ----------
-    acts : dict
-        {"pattern": the map or ``AttentionWeights``}.
-    k_max, T : int
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-    """
+def _pass_stats(acts: dict, *, k_max: int, T: int) -> dict:
+    """:class:`PassAccumulator`'s reduce of {"pattern"}: "alpha" (B, H, k_max) and with T >= 3 "where" (B, H, 4)."""
     p = acts["pattern"]
     return {"alpha": alpha_from_pattern(p, k_max), **({"where": where_shares(p)} if T >= 3 else {})}
 
@@ -256,7 +215,7 @@ class PassAccumulator(Accumulator):
             self.n.append(0)
 
     def reduction(self, layer: int) -> Reduction:
-        return Reduction(pass_stats, {"k_max": self.k_max, "T": self.T})
+        return Reduction(_pass_stats, {"k_max": self.k_max, "T": self.T})
 
     def fold(self, layer: int, s: dict, batch: Batch) -> None:
         self.alpha.put(layer, s["alpha"])
@@ -267,7 +226,7 @@ class PassAccumulator(Accumulator):
                 self.where[g][self.pos[layer]] += shares[rows].sum(0).cpu()
 
     def fold_loss(self, s: dict, batch: Batch) -> None:
-        """Fold what :func:`loss_stats` gave for a batch (here, or in a remote trace)."""
+        """Fold what :func:`_loss_stats` gave for a batch (here, or in a remote trace)."""
         for (g, rows), total in zip(self._groups(batch), s["sum"].tolist()):
             self._condition(g)
             tokens = batch.tokens[rows]
@@ -280,7 +239,7 @@ class PassAccumulator(Accumulator):
     def end_batch(self, batch: Batch, logits) -> None:
         self.alpha.end_batch()
         if logits is not None:  # a remote pass folds the loss_stats its trace ran (fold_loss)
-            self.fold_loss(loss_stats(logits, batch.tokens, groups=[r for _, r in self._groups(batch)]), batch)
+            self.fold_loss(_loss_stats(logits, batch.tokens, groups=[r for _, r in self._groups(batch)]), batch)
 
     def result(self) -> PassResult | list[PassResult]:
         alpha, first = self.alpha.result(), torch.cat(self.first) if self.first else None
@@ -347,20 +306,15 @@ def run_condition(
     PassResult, or a list of one per condition with ``groups`` > 1
     """
     tokens = check_tokens(model, tokens)
-    if isinstance(model, NnsightModel):
-        if hooks and edits is None or groups != 1:
-            raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
-        return remote_run(
-            model,
-            tokens,
-            [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max)],
-            edits=edits,
-            batch_size=batch_size,
-        )[0]
     G = int(groups)
     if G < 1 or tokens.shape[0] % G:
         raise ValueError(f"groups must divide the {tokens.shape[0]} sequences into equal conditions; got {groups}.")
     rows = tokens.shape[0] // G
+    if isinstance(model, NnsightModel):  # its traces make the edits, each from the embedding (no resume)
+        if hooks and edits is None:
+            raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
+        acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, group_rows=rows if G > 1 else None)
+        return _remote_run(model, tokens, [acc], edits=edits, batch_size=batch_size)[0]
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
         resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
@@ -380,46 +334,24 @@ def run_condition(
     return [_with_prefix(r, baseline.run) if resume else r for r in run]
 
 
-def remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
-    """:func:`run_pass` with edits for a model loaded for NDIF: per batch, one trace a layer group of the request
-    plan (``analysis.engine.remote``), each making every edit and running the whole model; the accumulators'
-    reductions, and the loss (:func:`loss_stats`) for the one that ``needs_logits``, run there and fold here.
-
-    Parameters
-    ----------
-    model : NnsightModel
-    tokens : torch.Tensor, shape (N, T)
-    accumulators : list of Accumulator
-    edits : callable, optional
-        ``edits(batch)``, as in :func:`run_condition`.
-    batch_size : int, optional
-        At most as many sequences as keep a request under NDIF's limit (also the default).
-
-    Returns
-    -------
-    list
-        Each accumulator's ``result()``.
-    """
+def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
+    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF: per batch, one trace
+    (``analysis.engine.remote.edit_trace``) a layer group of the request plan, each making every edit from the
+    embedding; the reductions, and the loss for the accumulator that ``needs_logits``, run there and fold here."""
     plan = pass_plan(model, accumulators)
     per, fixed = reduction_bytes(model, tokens, plan)
     req, by_layer = plan_requests(tokens.shape[0], [p[0] for p in plan], per=per, fixed=fixed), {p[0]: p for p in plan}
     bs = min(batch_size or req.samples, req.samples)  # never a request over NDIF's limit
-    for start in range(0, tokens.shape[0], bs):
-        batch = Batch(tokens[start : start + bs], start)
-        for i, group in enumerate(req.layer_groups):
-            losses = [a for a in accumulators if a.needs_logits and i == len(req.layer_groups) - 1]
-            groups = {"groups": [r for _, r in losses[0]._groups(batch)]} if losses else None
-            got, loss = edit_trace(
-                model,
-                batch.tokens,
-                [by_layer[l] for l in group],
-                edits(batch) if edits else {},
-                logits=Reduction(loss_stats, groups) if losses else None,
-            )
+    for batch in (Batch(tokens[i : i + bs], i) for i in range(0, tokens.shape[0], bs)):
+        for group in req.layer_groups:
+            loss = [a for a in accumulators if a.needs_logits] if group is req.layer_groups[-1] else []
+            logits = Reduction(_loss_stats, {"groups": [r for _, r in loss[0]._groups(batch)]}) if loss else None
+            todo = [by_layer[l] for l in group]
+            got, stats = edit_trace(model, batch.tokens, todo, edits(batch) if edits else {}, logits=logits)
             for j, layer, r in got:
                 accumulators[j].fold(layer, r, batch)
-            for a in losses:
-                a.fold_loss(loss, batch)
+            for a in loss:
+                a.fold_loss(stats, batch)
         for a in accumulators:
             a.end_batch(batch, None)
     return [a.result() for a in accumulators]
@@ -450,27 +382,15 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
 # ----------------------------------------------------------------------------------------------
 
 
-def first_position(acts: dict) -> torch.Tensor:
-    """The first token's residual stream, (B, D) float32: :class:`FirstTokenResidAccumulator`'s reduce of
-    {"resid"}."""
+def _first_position(acts: dict) -> torch.Tensor:
+    """:class:`FirstTokenResidAccumulator`'s reduce of {"resid"}: the first token's residual stream, (B, D) float32."""
     return acts["resid"][:, 0].float()
 
 
-def value_head_stats(acts: dict, *, H: int, K: int) -> dict:
-    """One attention layer's reduce for :class:`ValueStatsAccumulator` of {"pattern", "v", "z"}: per query head, summed
-    over the batch, alpha_1 ("a1"), |v_1| ("v1"), and over t > 1 the means of |v_t| ("vj"), |A[t, 1] v_1| ("contrib")
-    and |z_t| ("z"); and each sample's v_1 per query head ("v1": (B, H, d)).
-
-    Parameters
-    ----------
-    acts : dict
-    H, K : int
-        Query and KV heads.
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-    """
+def _value_head_stats(acts: dict, *, H: int, K: int) -> dict:
+    """:class:`ValueStatsAccumulator`'s reduce of {"pattern", "v", "z"}: per query head, summed over the batch, alpha_1
+    ("a1"), |v_1| ("v1") and over t > 1 the means of |v_t| ("vj"), |A[t, 1] v_1| ("contrib") and |z_t| ("z"); each
+    sample's v_1 per query head ("first_v", (B, H, d)). H and K: query and KV heads."""
     a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
     v = kv_view(acts["v"], K).float()  # (B, T, H_kv, d)
     norms = per_query_head(v.norm(dim=-1), H)  # (B, T, H): |v| per KV head, repeated
@@ -504,7 +424,7 @@ class FirstTokenResidAccumulator(Accumulator):
         return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
 
     def reduction(self, layer: int) -> Reduction:
-        return Reduction(first_position)
+        return Reduction(_first_position)
 
     def fold(self, layer: int, first: torch.Tensor, batch: Batch) -> None:
         self.first.put(layer, first)
@@ -538,7 +458,7 @@ class ValueStatsAccumulator(Accumulator):
         return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
 
     def reduction(self, layer: int) -> Reduction:
-        return Reduction(value_head_stats, {"H": self.H, "K": self.K})
+        return Reduction(_value_head_stats, {"H": self.H, "K": self.K})
 
     def fold(self, layer: int, stats: dict, batch: Batch) -> None:
         s = self.sums[layer]
@@ -666,9 +586,7 @@ def baseline_pass(model: SinkModel, tokens, *, eps: float = SINK_EPS, batch_size
     """
     tokens = check_tokens(model, tokens)
     accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
-    run = (
-        remote_run if isinstance(model, NnsightModel) else run_pass
-    )  # a remote pass: no logits, so the loss is a reduction
+    run = _remote_run if isinstance(model, NnsightModel) else run_pass  # remote: the loss a reduction in the trace
     return baseline_from(run(model, tokens, accs, batch_size=batch_size))
 
 

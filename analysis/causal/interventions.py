@@ -235,31 +235,20 @@ class SpikeSetter:
         return 0.0 if self.mode == "zero" else self.loo[layer][self.offset : self.offset + B]
 
     def set(self, layer: int, x: torch.Tensor, hook) -> torch.Tensor:
-        return set_first(x, dims=torch.tensor(self.spikes[layer]), value=self._value(layer, x.shape[0]))
+        return _set_first(x, dims=torch.tensor(self.spikes[layer]), value=self._value(layer, x.shape[0]))
 
     def edits(self, batch: Batch) -> dict:
         """The same edits in a remote trace (``run_condition``'s ``edits``), at each layer's output."""
         self.start(batch)
         return {
-            l: {"resid_post": Reduction(set_first, {"dims": torch.tensor(d), "value": self._value(l, batch.size)})}
+            l: {"resid_post": Reduction(_set_first, {"dims": torch.tensor(d), "value": self._value(l, batch.size)})}
             for l, d in self.spikes.items()
         }
 
 
-def set_first(x: torch.Tensor, *, dims: torch.Tensor, value) -> torch.Tensor:
+def _set_first(x: torch.Tensor, *, dims: torch.Tensor, value) -> torch.Tensor:
     """``x`` (B, T, D) with the first token's ``dims`` set to ``value`` (a number, or (B, n_dims)): torch only, so a
-    remote trace ships it.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-    dims : torch.Tensor
-    value : float or torch.Tensor
-
-    Returns
-    -------
-    torch.Tensor
-    """
+    remote trace ships it."""
     x = x.clone()
     x[:, 0, dims.to(x.device)] = value.to(x.device, x.dtype) if isinstance(value, torch.Tensor) else value
     return x
@@ -458,11 +447,8 @@ class ValueRemoval:
         first_query: bool = True,
     ):
         dims, spec = model_dims(model), None if isinstance(model, NnsightModel) else get_family(model)
-        self.H, self.K, self.live = (
-            dims.n_heads,
-            dims.n_kv_heads,
-            spec is None or spec.pattern_live,
-        )  # remote: q, k read
+        # a remote trace reads q and k: the pattern is live there
+        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec is None or spec.pattern_live
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
         self.by_layer: dict[int, torch.Tensor] = {}
         for l, h in heads:
@@ -496,35 +482,24 @@ class ValueRemoval:
         return self.v_mean[layer][self.offset : self.offset + B, heads]  # (B, h, d)
 
     def on_pattern(self, layer: int, p: torch.Tensor, hook) -> None:
-        self.state.setdefault(layer, {})["a1"] = p[:, self.by_layer[layer].to(p.device), :, 0].detach()  # (B, h, T)
+        self.state.setdefault(layer, {})["pattern"] = p
 
     def on_v(self, layer: int, v: torch.Tensor, hook) -> None:
-        v1 = per_query_head(kv_view(v, self.K), self.H)[:, 0]  # (B, H, d)
-        self.state.setdefault(layer, {})["v1"] = v1[:, self.by_layer[layer].to(v.device)].detach()
+        self.state.setdefault(layer, {})["v"] = v
+
+    def _params(self, layer: int, B: int) -> dict:
+        """:func:`_value_removed`'s parameters for a batch of B sequences from ``self.offset``."""
+        h = self.by_layer[layer]
+        v_sub = self._mean(layer, B, h) if self.mode == "mean" else None
+        return {"heads": h, "H": self.H, "K": self.K, "v_sub": v_sub, "keep_first": not self.first_query}
 
     def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
-        st, heads = self.state.pop(layer), self.by_layer[layer]
-        v_sub = self._mean(layer, z.shape[0], heads) if self.mode == "mean" else None
-        return remove_first_value(z, st["a1"], st["v1"], heads=heads, v_sub=v_sub, keep_first=not self.first_query)
+        return _value_removed({**self.state.pop(layer), "z": z}, **self._params(layer, z.shape[0]))
 
     def edits(self, batch: Batch) -> dict:
         """The same removal in a remote trace (``run_condition``'s ``edits``), at each layer's attention output."""
         self.start(batch)
-        return {
-            l: {
-                "z": Reduction(
-                    value_removed,
-                    {
-                        "heads": h,
-                        "H": self.H,
-                        "K": self.K,
-                        "v_sub": self._mean(l, batch.size, h) if self.mode == "mean" else None,
-                        "keep_first": not self.first_query,
-                    },
-                )
-            }
-            for l, h in self.by_layer.items()
-        }
+        return {l: {"z": Reduction(_value_removed, self._params(l, batch.size))} for l in self.by_layer}
 
     def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots of hook_v's head axis to edit, the query head each slot stands for)."""
@@ -565,59 +540,21 @@ class ValueRemoval:
         return z
 
 
-def remove_first_value(z, a1, v1, *, heads, v_sub=None, keep_first: bool = False) -> torch.Tensor:
-    """z_t -= A[t, 1] (v_1 - ``v_sub``) in ``heads``, in float32 and rounded once to z's dtype (bf16: no double
-    rounding); torch only, so a remote trace ships it.
-
-    Parameters
-    ----------
-    z : torch.Tensor, shape (B, T, H, d)
-    a1 : torch.Tensor, shape (B, h, T)
-        A[t, 1] of the chosen heads.
-    v1 : torch.Tensor, shape (B, h, d)
-        Their first value.
-    heads : torch.Tensor
-        The h chosen query heads.
-    v_sub : torch.Tensor, optional
-        (B, h, d), subtracted from v_1 ("mean").
-    keep_first : bool
-        Leave z_1 unchanged.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    v1 = v1.float()
+def _value_removed(acts: dict, *, heads, H: int, K: int, v_sub=None, keep_first: bool = False) -> torch.Tensor:
+    """One attention layer's {"pattern", "v", "z"} -> z with z_t -= A[t, 1] (v_1 - ``v_sub``) in ``heads`` (H query, K
+    KV heads), in float32 and rounded once to z's dtype (bf16: no double rounding); ``keep_first`` leaves z_1. Torch
+    only: the hooks here and a remote trace make the same edit."""
+    z, hidx = acts["z"], heads.to(acts["z"].device)
+    a1 = attention_of(acts["pattern"]).column(0)[:, hidx].float()  # (B, h, T)
+    v1 = per_query_head(kv_view(acts["v"], K), H)[:, 0][:, hidx].float()  # (B, h, d)
     if v_sub is not None:
         v1 = v1 - v_sub.to(v1.device, v1.dtype)
-    contrib = a1.float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+    contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
     if keep_first:
         contrib[:, 0] = 0
-    hidx, z = heads.to(z.device), z.clone()
+    z = z.clone()
     z[:, :, hidx] = (z[:, :, hidx].float() - contrib.to(z.device)).to(z.dtype)
     return z
-
-
-def value_removed(acts: dict, *, heads, H: int, K: int, v_sub=None, keep_first: bool = False) -> torch.Tensor:
-    """:func:`remove_first_value` from one attention call's {"pattern", "v" (B, T, H_kv, d), "z"}: the edit a remote
-    trace makes.
-
-    Parameters
-    ----------
-    acts : dict
-    heads, v_sub, keep_first
-        As in :func:`remove_first_value`.
-    H, K : int
-        Query and KV heads.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    hidx = heads.to(acts["z"].device)
-    a1 = attention_of(acts["pattern"]).column(0)[:, hidx]
-    v1 = per_query_head(kv_view(acts["v"], K), H)[:, 0][:, hidx]
-    return remove_first_value(acts["z"], a1, v1, heads=heads, v_sub=v_sub, keep_first=keep_first)
 
 
 @parameters_from(spike_ablation)
@@ -836,7 +773,7 @@ class FirstKeyRemoval:
         """The same removal in a remote trace (``run_condition``'s ``edits``): the key projection's input with the
         first token's dims S zeroed (x W_K is linear: that removes exactly k_1^S, and nothing but the key)."""
         return {
-            l: {"k_in": Reduction(set_first, {"dims": m.nonzero()[:, 0], "value": 0.0})} for l, m in self.masks.items()
+            l: {"k_in": Reduction(_set_first, {"dims": m.nonzero()[:, 0], "value": 0.0})} for l, m in self.masks.items()
         }
 
     def on_k(self, layer: int, k: torch.Tensor, hook) -> torch.Tensor:
@@ -911,15 +848,9 @@ def first_key_ablation(
     if layers:
         paths = {l: None if remote else key_path(model, l) for l in layers}  # remote: the trace's own k_proj
         removal = FirstKeyRemoval(paths, spikes, model_dims(model).d_model)
+        hooks = () if remote else removal.hooks()
         results["ablated"] = run_condition(
-            model,
-            tokens,
-            hooks=() if remote else removal.hooks(),
-            edits=removal.edits,
-            eps=eps,
-            k_max=k_max,
-            batch_size=batch_size,
-            baseline=full,
+            model, tokens, hooks=hooks, edits=removal.edits, eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
         )
         msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
             f" {base.skipped}" if base.skipped else ""

@@ -412,22 +412,17 @@ def remote_pass(
 
 
 def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edits: dict, *, logits=None, remote=None):
-    """:func:`trace_batch` with edits, for the causal tests: per layer of ``edits`` ({layer: {site: Reduction}}, each
-    shipped like the reductions), "k_in" sets the key projection's input (``k_proj``), "z" the attention call's output
-    from {"pattern", "v", "z"}, "resid_post" the decoder layer's output, to what its function returns; ``plan``'s
-    reductions read the edited activations and ``logits``, a Reduction of (logits, tokens), runs on the output. Every
-    trace runs the whole model (a remote pass does not resume at a block).
+    """:func:`trace_batch` with edits, each a Reduction shipped like the reductions: per layer of ``edits``, "k_in" sets
+    the key projection's input, "z" the attention call's output from {"pattern", "v", "z"}, "resid_post" the layer's
+    output, to what it returns; ``plan``'s reductions read the edited activations. The whole model runs (no resume).
 
     Parameters
     ----------
-    model : NnsightModel
-    tokens : torch.Tensor, shape (B, T)
-    plan : list of tuple
-        From :func:`pass_plan`.
+    model, tokens, plan, remote
+        As in :func:`trace_batch` (``remote`` None: ``model.remote``).
     edits : dict of int to dict of str to Reduction
     logits : Reduction, optional
-    remote : bool or str, optional
-        nnsight's ``remote``; None: ``model.remote``.
+        Of (logits, tokens), run on the output.
 
     Returns
     -------
