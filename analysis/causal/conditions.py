@@ -473,21 +473,10 @@ class ValueStatsAccumulator(Accumulator):
 
     def result(self) -> dict:
         """{"heads": one row per (attention layer, query head), "v1": (N, L, H, d) on the attention layers."""
+        names = {"alpha_1": "a1", "v1_norm": "v1", "v_other_norm": "vj", "first_contrib_norm": "contrib"}
+        names["output_norm"] = "z"
         rows = [
-            {
-                "layer": l,
-                "head": h,
-                **{
-                    name: float(self.sums[l][key][h] / self.n)
-                    for name, key in (
-                        ("alpha_1", "a1"),
-                        ("v1_norm", "v1"),
-                        ("v_other_norm", "vj"),
-                        ("first_contrib_norm", "contrib"),
-                        ("output_norm", "z"),
-                    )
-                },
-            }
+            {"layer": l, "head": h, **{n: float(self.sums[l][key][h] / self.n) for n, key in names.items()}}
             for l in self.layers
             for h in range(self.H)
         ]
@@ -517,10 +506,7 @@ class Baseline:
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
-    resid: dict = field(
-        default_factory=dict
-    )  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
-    # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it: the resume points
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values

@@ -657,24 +657,15 @@ def _value_removal_rows(
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + (
         [("all_heads", every, "zero", True)] if all_heads else []
     )
-    # built (and checked) before any pass
-    removals = [
-        (c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq)) for c, hs, mode, fq in conditions
+    removals = [  # built (and checked) before any pass
+        (c, len(hs), ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
+        for c, hs, mode, fq in conditions
     ]
-    rows = []
-    for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(
-            model,
-            tokens,
-            hooks=removal.hooks(),
-            edits=removal.edits,
-            eps=eps,
-            batch_size=batch_size,
-            on_batch_start=removal.start,
-            baseline=base,
-        )
-        rows.append(_loss_row(cname, len(hs), r, base.run.loss))
-    return rows
+    run = partial(run_condition, model, tokens, eps=eps, batch_size=batch_size, baseline=base)
+    return [
+        _loss_row(c, n, run(hooks=r.hooks(), edits=r.edits, on_batch_start=r.start), base.run.loss)
+        for c, n, r in removals
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -828,10 +819,7 @@ def first_key_ablation(
     tokens = check_tokens(model, tokens)
     remote = isinstance(model, NnsightModel)
     if remote and model.spec.latent:
-        raise ModelContractError(
-            "a remote trace removes the key part at the input of k_proj, which multi-head latent attention does not "
-            "have: run first_key_ablation on a model loaded here."
-        )
+        raise ModelContractError("a remote trace edits k_proj's input, which latent attention has not: run it here.")
     spikes, how = _spike_dims(
         model, tokens, spike_dims, "resid_pre", abs_threshold, ratio_threshold, min_share, every_layer=True
     )
@@ -874,28 +862,24 @@ def first_key_ablation(
     )
 
 
+def _fk_row(r: PassResult, pos: list[int], k_top: int) -> dict:
+    """A pass's attention shares and Sink_1..k_top (%) over the layers at positions ``pos`` of its layer axis."""
+    w, ks = r.where[pos].mean(dim=(0, 1)), range(1, min(k_top, r.alpha.shape[-1]) + 1)
+    sinks = {f"sink_{k}": float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100) for k in ks}
+    return {**{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}, **sinks}
+
+
 def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
-    rows = []
-    for c, r in results.items():
-        pos = r.positions(layers)
-        w = r.where[pos].mean(dim=(0, 1))
-        row = {"condition": c, **{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}}
-        for k in range(1, min(k_max, r.alpha.shape[-1]) + 1):
-            row[f"sink_{k}"] = float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100)
-        row["loss"] = r.loss
-        rows.append(row)
+    rows = [{"condition": c, **_fk_row(r, r.positions(layers), k_max), "loss": r.loss} for c, r in results.items()]
     return pd.DataFrame(rows)
 
 
 def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
-    rows = []
-    for c, r in results.items():
-        w = r.where.mean(1)  # (L, 4)
-        for i_l, l in enumerate(r.layers):
-            row = {"layer": l, "condition": c, **{k: float(w[i_l, i]) for i, k in enumerate(WHERE_KEYS)}}
-            for k in range(1, min(k_max, r.alpha.shape[-1], 2) + 1):
-                row[f"sink_{k}"] = float((r.alpha[:, i_l, :, k - 1] > r.eps).float().mean() * 100)
-            rows.append(row)
+    rows = [
+        {"layer": l, "condition": c, **_fk_row(r, [i], min(k_max, 2))}
+        for c, r in results.items()
+        for i, l in enumerate(r.layers)
+    ]
     return pd.DataFrame(rows)
 
 

@@ -15,14 +15,9 @@ import torch
 
 pytest.importorskip("nnsight")
 
-from analysis.causal.conditions import first_position, loss_stats, pass_stats, value_head_stats  # noqa: E402
-from analysis.causal.interventions import (  # noqa: E402
-    first_key_ablation,
-    set_first,
-    spike_ablation,
-    value_ablation,
-    value_removed,
-)
+from analysis.causal.conditions import _first_position, _loss_stats, _pass_stats, _value_head_stats  # noqa: E402
+from analysis.causal.interventions import _set_first, _value_removed  # noqa: E402
+from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation  # noqa: E402
 from analysis.engine.passes import Reduction  # noqa: E402
 from analysis.model.hooks import ModelContractError  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
@@ -61,7 +56,7 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
     import analysis.engine.remote as remote
     from analysis.causal.conditions import FirstTokenResidAccumulator, PassAccumulator, ValueStatsAccumulator
 
-    for fn in (pass_stats, first_position, value_head_stats, loss_stats, set_first, value_removed):
+    for fn in (_pass_stats, _first_position, _value_head_stats, _loss_stats, _set_first, _value_removed):
         bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
         assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
     nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens(n=2, T=12)
@@ -69,10 +64,10 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
     plan = remote.pass_plan(nn, accs)
     dims = torch.tensor([1, 5])
     edits = {
-        0: {"k_in": Reduction(set_first, {"dims": dims, "value": 0.0})},
+        0: {"k_in": Reduction(_set_first, {"dims": dims, "value": 0.0})},
         1: {
-            "z": Reduction(value_removed, {"heads": torch.tensor([0, 1]), "H": 4, "K": 2}),
-            "resid_post": Reduction(set_first, {"dims": dims, "value": torch.ones(2, 2)}),
+            "z": Reduction(_value_removed, {"heads": torch.tensor([0, 1]), "H": 4, "K": 2}),
+            "resid_post": Reduction(_set_first, {"dims": dims, "value": torch.ones(2, 2)}),
         },
     }
     runs = {}
@@ -81,7 +76,7 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                runs[where] = remote.edit_trace(nn, tokens, plan, edits, logits=Reduction(loss_stats), remote=where)
+                runs[where] = remote.edit_trace(nn, tokens, plan, edits, logits=Reduction(_loss_stats), remote=where)
         finally:
             restore()
     (here, loss), (there, loss2) = runs[False], runs["local"]
@@ -90,7 +85,7 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
         a, b = (x if isinstance(x, dict) else {"x": x} for x in (a, b))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(loss[k], loss2[k]) for k in loss) and set(loss) == {"sum", "first"}
-    unedited = remote.edit_trace(nn, tokens, plan, {}, logits=Reduction(loss_stats))[1]
+    unedited = remote.edit_trace(nn, tokens, plan, {}, logits=Reduction(_loss_stats))[1]
     assert float(unedited["sum"][0]) != pytest.approx(float(loss["sum"][0]), rel=1e-6)  # the edits took
 
 
