@@ -96,5 +96,5 @@ def test_the_interventions_section_of_a_remote_models_report_equals_the_bridges(
     build_report(load_nnsight(str(family_dir("llama"))), tmp_path / "n", sections=["interventions"], n=2, T=24, eps=0.1)
     want, got = (json.loads((tmp_path / d / "report.json").read_text()) for d in "bn")
     assert not got["errors"] and got["sections"]["interventions"].get("available", True)
-    assert "value_ablation" in got["sections"]["interventions"]
+    assert len(got["sections"]["interventions"]["value_ablation"]["conditions"]) > 1  # conditions ran in the traces
     assert not _same(got["sections"]["interventions"], want["sections"]["interventions"])
