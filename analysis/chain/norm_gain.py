@@ -44,9 +44,10 @@ from analysis.model.hooks import act_name, check_dims, check_layers, check_token
 from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Accumulator, Batch, can_resume, resume_from, run_pass
+from analysis.engine.passes import Accumulator, Batch, Reduction, can_resume, resume_from, run_pass
+from analysis.model.nnsight_model import weights_in_trace
 from analysis.core.results import Result, pass_options, runs
-from analysis.core.docs import parameters_from, share_parameters
+from analysis.core.docs import model_tokens_min2, parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
@@ -88,15 +89,13 @@ def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
 
 
-def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
-    """Which keys each query sees: causal, and inside the sliding window on the spec's sliding layers.
+def causal_window(T: int, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: causal, and inside ``window`` where one is given.
 
     Parameters
     ----------
-    spec : FamilySpec
-    layer : int
     T : int
-        The sequence length.
+    window : int or None
 
     Returns
     -------
@@ -104,8 +103,8 @@ def visible_keys(spec, layer: int, T: int) -> torch.Tensor:
         bool, [i, j]: query i sees key j.
     """
     seen = torch.ones(T, T, dtype=torch.bool).tril()
-    if spec.sliding_window and layer in spec.sliding_layers:
-        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-int(spec.sliding_window))
+    if window:
+        seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-int(window))
     return seen
 
 
@@ -337,16 +336,17 @@ class NormGainAccumulator(Accumulator):
         self.Smask[S] = True
         self.kv_of = torch.arange(self.H) // path.group
         self.other_pos = torch.unique(torch.linspace(1, T - 1, max(1, min(n_other, T - 1))).round().long())
-        self.has_norm_hook = path.norm.kind != "none" and act_name("normalized", self.layer) in hook_names(model)
+        self.has_norm_hook = (
+            path.norm.kind != "none"
+            and not weights_in_trace(model)
+            and act_name("normalized", self.layer) in hook_names(model)
+        )
         self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
         # running sums (float64), each started at zero by its first update
         self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        self.other_abs = torch.zeros(D, dtype=torch.float64)
-        self.knorm_other = torch.zeros(path.W_K.shape[0], dtype=torch.float64)
-        self.head = defaultdict(lambda: torch.zeros(self.H, dtype=torch.float64))  # per query head
-        self.cnt = {"q": 0, "o": 0}
         self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample
         self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
+        self.gain, self.key_gain = path.norm.gain, path.key_norm_gain()  # the folded reductions' (read in the trace)
 
     def hooks(self):
         l, p = self.layer, self.path
@@ -363,121 +363,44 @@ class NormGainAccumulator(Accumulator):
             want["n"] = act_name("normalized", l)
         return {l: want}
 
-    def _max_err(self, key: str, err) -> None:
-        e = float(err)
-        self.err[key] = e if self.err[key] is None else max(self.err[key], e)
+    def reduction(self, layer: int) -> Reduction:
+        spec, p = self.spec, self.path
+        window = spec.sliding_window if spec.sliding_window and layer in spec.sliding_layers else None
+        return Reduction(
+            norm_gain_stats,
+            {
+                "path": p.in_trace() if weights_in_trace(self.model) else p,
+                "spike": self.Smask,
+                "other_pos": self.other_pos,
+                "kv_of": self.kv_of,
+                "scale": spec.attn_scale,
+                "cap": spec.attn_softcap,
+                "window": window,
+                "sink": self.sink,
+            },
+        )
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        p, spec = self.path, self.spec
-        h = acts["h"].detach().float()
-        n = p.norm.normalise(h)
-        x = p.norm.affine(n)
-        pos = torch.arange(h.shape[1], device=h.device)
-        self._residual(h, n, x, batch)
-        if "n" in acts:
-            self.acc["n_err"] += (acts["n"].float() - n).abs().max().double().cpu()
-            self.acc["n_ref"] += n.abs().max().double().cpu()
-        kp = p.project(x)
-        self._projection(kp, p.projection_heads(acts["k"].detach()).float())
-        used = kv_view(rotate_as_spec(acts["kf"].detach(), spec, layer, positions=pos), kp.shape[2])  # (B,T,Hkv,d)
-        self._max_err("final", (p.rotate(p.key_norm(kp), pos) - used).abs().max())
-        k1S = self._first_key(x, kp, used)
-        q = rotate_as_spec(acts["q"].detach(), spec, layer, positions=pos)
-        self._scores(q, used, k1S, acts.get("scores"), attention_of(acts["pattern"]).dense())
+        """The reduction on the hooks' queries and keys as the attention uses them (rotated here where the hooks hold
+        them before the rotary: a remote trace reads them after it)."""
+        pos = torch.arange(acts["h"].shape[1], device=acts["h"].device)
+        rot = {k: rotate_as_spec(acts[k].detach(), self.spec, layer, positions=pos) for k in ("q", "kf")}
+        self.fold(layer, self.reduction(layer)({**acts, **rot}), batch)
 
-    def _residual(self, h, n, x, batch: Batch) -> None:
-        """Shares and norms of ordinary tokens (streamed); the first token's vectors (kept, one per sample)."""
-        for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
-            self.acc[f"{key}_share_o"] += _spike_share(v, self.Smask).double().sum().cpu()
-            self.acc[f"{key}_norm_o"] += v.norm(dim=-1).double().sum().cpu()
-        B = h.shape[0]
-        self.acc["count_o"] += B * (h.shape[1] - 1)
-        self.other_abs.add_(n[:, 1:].abs().double().sum(dim=(0, 1)).cpu())
-        for key, v in (
-            ("h1", h[:, 0]),
-            ("n1", n[:, 0]),
-            ("x1", x[:, 0]),
-            ("n_o", n[:, self.other_pos].reshape(-1, h.shape[-1])),
-        ):
-            self.keep[key].append(v.cpu())
+    def fold(self, layer: int, r: dict, batch: Batch) -> None:
+        for k, v in r["sum"].items():
+            self.acc[k] = self.acc[k] + v.double().cpu()  # scalars, and vectors (per dim, KV head or query head)
+        for k, v in r["keep"].items():
+            self.keep[k].append(v.detach().float().cpu())
+        for k, v in r["max"].items():
+            self.err[k] = float(v) if self.err[k] is None else max(self.err[k], float(v))
+        self.gain, self.key_gain = r["gain"].float().cpu(), r.get("key_gain")
+        B = r["keep"]["h1"].shape[0]
         self.keep["g_o"].append((torch.arange(B) + batch.offset).repeat_interleave(len(self.other_pos)))
-
-    def _projection(self, kp, k) -> None:
-        """Check the rebuilt key projection against hook_k."""
-        err = (kp - k).abs().max()
-        self._max_err("k_max", err)
-        self.acc["k_err"] += float(err)
-        self.acc["k_ref"] += float(k.abs().max())
-
-    def _first_key(self, x, kp, used) -> torch.Tensor:
-        """Keep k_1 (as the attention uses it), its spike part k_1^S (x_1[S] W_K through the key norm's linear part
-        at k_1's scale), the key norm's scales, and each residual dim's share of k_1; return k_1^S (B,Hkv,d)."""
-        p = self.path
-        kpS = p.project(x[:, :1] * self.Smask.to(x.device), bias=False)  # (B,1,Hkv,d)
-        k1S = p.key_norm_part(kpS, kp[:, :1])[:, 0]  # position 0: the rotary is the identity
-        k1 = used[:, 0]
-        sq = k1.pow(2).sum(-1).clamp_min(TINY)  # (B,Hkv)
-        v = p.key_norm_adjoint(k1[:, None], kp[:, :1])[:, 0]  # (B,Hkv,d)
-        share = x[:, 0, None, :] * torch.einsum("hde,bhe->bhd", p.W_K.to(x.device), v) / sq[..., None]
-        scale = p.key_norm_scale(kp)  # (B,T,Hkv)
-        self.knorm_other += scale[:, 1:].double().sum((0, 1)).cpu()
-        spike_gain = k1S.norm(dim=-1) / (kpS[:, 0].norm(dim=-1) * scale[:, 0]).clamp_min(TINY)
-        self.acc["k_norm_o"] += used[:, 1:].norm(dim=-1).mean(-1).double().sum().cpu()
-        for key, t in (
-            ("k1", k1),
-            ("k1S", k1S),
-            ("kp1", kp[:, 0]),
-            ("kp1S", kpS[:, 0]),
-            ("dim_share", share.mean(1)),
-            ("knorm_first", scale[:, 0]),
-            ("knorm_spike", spike_gain),
-        ):
-            self.keep[key].append(t.detach().float().cpu())
-        return k1S
-
-    def _scores(self, q, used, k1S, sc, pattern) -> None:
-        """First-key logits (checked against the model's scores and pattern) and alpha_1 with k_1, k_1^S or
-        k_1 - k_1^S; scores as the softmax sees them: the hook's (with ALiBi, masks), or rebuilt from q and k."""
-        spec, (B, T) = self.spec, q.shape[:2]
-        cap, scale = spec.attn_softcap, spec.attn_scale
-        raw = torch.einsum("bqhd,bkhd->bhqk", q, used[:, :, self.kv_of.to(q.device)]) * scale  # (B,H,T,T)
-        vis = visible_keys(spec, self.layer, T).to(q.device)
-        capped = softcap(raw, cap)
-        if sc is None:
-            sc = capped.masked_fill(~vis, float("-inf"))
-        else:
-            sc = sc.detach().float()
-            self._max_err("score", (sc[..., 0] - capped[..., 0])[..., vis[:, 0]].abs().max())
-        lf, ls = raw[..., 0], torch.einsum("bthd,bhd->bht", q, k1S[:, self.kv_of.to(q.device)]) * scale
-        first = vis[:, 0].clone()
-        first[0] = False  # queries t > 1 that see key 1
-        hd = self.head
-        for key, v in (("logit_first", lf), ("logit_spike", ls), ("logit_rest", lf - ls)):
-            hd[key] += v[..., first].double().sum(dim=(0, 2)).cpu()
-        self.cnt["q"] += B * int(first.sum())
-        tri = vis.clone()
-        tri[:, 0] = False  # keys j > 1 and the queries that see them
-        hd["logit_other"] += raw[..., tri].double().sum(dim=(0, 2)).cpu()
-        self.cnt["o"] += B * int(tri.sum())
-        off = sc[..., 0] - capped[..., 0]  # what the scores add to q . k (ALiBi, masks); 0 when rebuilt
-        for key, c in (
-            ("alpha", sc[..., 0]),
-            ("alpha_spike", softcap(ls, cap) + off),
-            ("alpha_rest", softcap(lf - ls, cap) + off),
-        ):
-            hd[key] += _softmax_alpha(sc, c, self.sink).double().sum(0).cpu()
-        self._max_err("pattern", (_with_sink(sc, self.sink).softmax(-1)[..., :T] - pattern).abs().max())
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
         path = self.path
-        knorm = None
-        if path.k_norm is not None:
-            knorm = (
-                f"{path.k_norm.text()} over {'each head' if path.k_norm_scope == 'head' else 'all heads together'}"
-                if path.k_norm_scope != "latent"
-                else f"{path.k_norm.text()} over the {path.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
-            )
         return NormGainTrace(
             layer=self.layer,
             spike_dims=self.S,
@@ -493,13 +416,13 @@ class NormGainAccumulator(Accumulator):
             heads=self._head_table(kept),
             constancy=constancy(kept),
             rebuild=self._rebuild(),
-            gain_vector=path.norm.gain.clone(),
+            gain_vector=self.gain.clone(),
             first_normalised_mean=kept["n1"].mean(0),
-            other_normalised_abs=(self.other_abs / float(self.acc["count_o"])).float(),
+            other_normalised_abs=(self.acc["other_abs"] / float(self.acc["count_o"])).float(),
             first_resid_mean=kept["h1"].mean(0),
             key_dims=self._key_dims_table(kept),
             path_text=path.text(),
-            key_norm=knorm,
+            key_norm=path.key_norm_text(),
             model_name=getattr(self.model, "model_name", None),
             kind=self.kind,
         )
@@ -514,10 +437,10 @@ class NormGainAccumulator(Accumulator):
                 ("knorm_scale_first", "knorm_scale_other", "knorm_gain_spike", "knorm_gain_rms", "kproj_share_spike"),
                 nan,
             )
-        g = p.key_norm_gain()
+        g = self.key_gain
         return {
             "knorm_scale_first": kept["knorm_first"].mean(0),
-            "knorm_scale_other": (self.knorm_other / float(self.acc["count_o"])).float(),
+            "knorm_scale_other": (self.acc["knorm_other"] / float(self.acc["count_o"])).float(),
             "knorm_gain_spike": kept["knorm_spike"].mean(0) if self.S else nan,
             "knorm_gain_rms": g.pow(2).mean(-1).sqrt(),
             "kproj_share_spike": _part_share(kept["kp1"], kept["kp1S"]).mean(0) if self.S else nan,
@@ -571,7 +494,7 @@ class NormGainAccumulator(Accumulator):
 
     def _gain_table(self, kept: dict) -> pd.DataFrame:
         """The gain at each spike dim against the rest (median and mean |g|), its percentile, the first token there."""
-        g, S = self.path.norm.gain, self.S
+        g, S = self.gain, self.S
         g_rest, nan = g[_rest(g, S)].abs(), float("nan")
         h1, n1 = kept["h1"], kept["n1"]
         return pd.DataFrame(
@@ -603,10 +526,10 @@ class NormGainAccumulator(Accumulator):
     def _head_table(self, kept: dict) -> pd.DataFrame:
         """One row per query head: |k_1|, its spike part, logits and alpha_1 with the full, spike-only and spike-free
         key, and the key norm's scales and gains (its KV head's); without spike dims the spike columns are NaN."""
-        kv_of, hd = self.kv_of, self.head
+        kv_of, hd = self.kv_of, self.acc
         k1h, k1Sh = kept["k1"][:, kv_of], kept["k1S"][:, kv_of]  # (N,H,dh)
         N, nan = k1h.shape[0], float("nan")
-        cq, co = max(self.cnt["q"], 1), max(self.cnt["o"], 1)
+        cq, co = max(int(self.acc["count_q"]), 1), max(int(self.acc["count_k"]), 1)
         lf, ls = hd["logit_first"] / cq, hd["logit_spike"] / cq
         spike = lambda v: v.numpy() if self.S else nan  # noqa: E731
         return pd.DataFrame(
@@ -629,6 +552,130 @@ class NormGainAccumulator(Accumulator):
                 **{k: v.float()[kv_of].numpy() for k, v in self._knorm_cols(kept).items()},
             }
         )
+
+
+def norm_gain_stats(acts: dict, *, path, spike, other_pos, kv_of, scale: float, cap, window, sink) -> dict:
+    """One batch's reduce of the norm-gain trace at one layer (torch only, so that a remote trace ships it): the
+    residual h rebuilt through ``path`` (the norm, its gain, W_K, the key norm) and checked against the model's key
+    projection, keys and scores; the sums, maxima and first-token vectors the accumulator folds.
+
+    Parameters
+    ----------
+    acts : dict
+        {"h": the residual (B, T, D), "k": the key projection, "kf", "q": the keys and queries the attention uses
+        (after the rotary), "pattern": the map or ``AttentionWeights``; optional "scores" (pre-softmax) and "n"}.
+    path : KeyPath or KeyOps
+        The key path (its weights read in the trace, remotely).
+    spike : torch.Tensor, shape (D,)
+        bool: the spike dims S.
+    other_pos, kv_of : torch.Tensor
+        Ordinary positions kept; each query head's KV head.
+    scale, cap, window, sink
+        The score scale, soft cap, sliding window (or None) and learned sink logits (or None).
+
+    Returns
+    -------
+    dict
+        "sum" (sums over the batch; per query head the logits and alpha_1), "keep" (per sequence), "max" (the
+        rebuild errors), "gain",
+        "key_gain".
+    """
+    h = acts["h"].detach().float()
+    n = path.norm.normalise(h)
+    x = path.norm.affine(n)
+    r = _residual_stats(h, n, x, spike, other_pos)
+    if "n" in acts:
+        r["sum"].update(n_err=(acts["n"].float() - n).abs().max(), n_ref=n.abs().max())
+    kp, k = path.project(x), path.projection_heads(acts["k"].detach()).float()
+    err = (kp - k).abs().max()
+    r["sum"].update(k_err=err, k_ref=k.abs().max())
+    used = kv_view(acts["kf"].detach().float(), kp.shape[2])  # (B,T,Hkv,d)
+    pos = torch.arange(h.shape[1], device=h.device)
+    r["max"] = {"k_max": err, "final": (path.rotate(path.key_norm(kp), pos) - used).abs().max()}
+    k1S = _first_key_stats(r, path, x, kp, used, spike)
+    _score_stats(r, acts, used, k1S, kv_of, scale, cap, window, sink)
+    r.update(gain=path.norm.gain, key_gain=path.key_norm_gain())
+    return r
+
+
+def _residual_stats(h, n, x, spike, other_pos) -> dict:
+    """Shares and norms of ordinary tokens (summed); the first token's vectors (kept, one per sample)."""
+    out = {"sum": {"count_o": torch.tensor(h.shape[0] * (h.shape[1] - 1))}}
+    for key, v in (("h", h[:, 1:]), ("n", n[:, 1:]), ("x", x[:, 1:])):
+        out["sum"][f"{key}_share_o"] = _spike_share(v, spike).double().sum()
+        out["sum"][f"{key}_norm_o"] = v.norm(dim=-1).double().sum()
+    out["sum"]["other_abs"] = n[:, 1:].abs().double().sum(dim=(0, 1))
+    pos = other_pos.to(h.device)
+    out["keep"] = {"h1": h[:, 0], "n1": n[:, 0], "x1": x[:, 0], "n_o": n[:, pos].reshape(-1, h.shape[-1])}
+    return out
+
+
+def _first_key_stats(r: dict, path, x, kp, used, spike) -> torch.Tensor:
+    """Into ``r``: k_1 (as the attention uses it), its spike part k_1^S (x_1[S] W_K through the key norm's linear
+    part at k_1's scale), the key norm's scales, and each residual dim's share of k_1; return k_1^S (B,Hkv,d)."""
+    kpS = path.project(x[:, :1] * spike.to(x.device), bias=False)  # (B,1,Hkv,d)
+    k1S = path.key_norm_part(kpS, kp[:, :1])[:, 0]  # position 0: the rotary is the identity
+    k1 = used[:, 0]
+    sq = k1.pow(2).sum(-1).clamp_min(TINY)  # (B,Hkv)
+    v = path.key_norm_adjoint(k1[:, None], kp[:, :1])[:, 0]  # (B,Hkv,d)
+    share = x[:, 0, None, :] * torch.einsum("hde,bhe->bhd", path.W_K.to(x.device, torch.float32), v) / sq[..., None]
+    scale = path.key_norm_scale(kp)  # (B,T,Hkv)
+    r["sum"]["knorm_other"] = scale[:, 1:].double().sum((0, 1))
+    spike_gain = k1S.norm(dim=-1) / (kpS[:, 0].norm(dim=-1) * scale[:, 0]).clamp_min(TINY)
+    r["sum"]["k_norm_o"] = used[:, 1:].norm(dim=-1).mean(-1).double().sum()
+    r["keep"].update(k1=k1, k1S=k1S, kp1=kp[:, 0], kp1S=kpS[:, 0], dim_share=share.mean(1))
+    r["keep"].update(knorm_first=scale[:, 0], knorm_spike=spike_gain)
+    return k1S
+
+
+def _score_stats(r: dict, acts: dict, used, k1S, kv_of, scale, cap, window, sink) -> None:
+    """Into ``r``: first-key logits (checked against the model's scores and pattern) and alpha_1 with k_1, k_1^S or
+    k_1 - k_1^S; scores as the softmax sees them: the model's (the scores hook, with ALiBi and masks, or an attention
+    call's), or rebuilt from q and k."""
+    q, sc, hd = acts["q"].detach().float(), acts.get("scores"), r["sum"]
+    sc = _call_scores(acts["pattern"]) if sc is None else sc
+    B, T = q.shape[:2]
+    kv = kv_of.to(q.device)
+    raw = torch.einsum("bqhd,bkhd->bhqk", q, used[:, :, kv]) * scale  # (B,H,T,T)
+    vis = causal_window(T, window).to(q.device)
+    capped = softcap(raw, cap)
+    if sc is None:
+        sc = capped.masked_fill(~vis, float("-inf"))
+    else:
+        sc = sc.detach().float()
+        r["max"]["score"] = (sc[..., 0] - capped[..., 0])[..., vis[:, 0]].abs().max()
+    lf, ls = raw[..., 0], torch.einsum("bthd,bhd->bht", q, k1S[:, kv]) * scale
+    first = vis[:, 0].clone()
+    first[0] = False  # queries t > 1 that see key 1
+    for key, v in (("logit_first", lf), ("logit_spike", ls), ("logit_rest", lf - ls)):
+        hd[key] = v[..., first].double().sum(dim=(0, 2))
+    tri = vis.clone()
+    tri[:, 0] = False  # keys j > 1 and the queries that see them
+    hd["logit_other"] = raw[..., tri].double().sum(dim=(0, 2))
+    hd.update(count_q=torch.tensor(B * int(first.sum())), count_k=torch.tensor(B * int(tri.sum())))
+    off = sc[..., 0] - capped[..., 0]  # what the scores add to q . k (ALiBi, masks); 0 when rebuilt
+    for key, c in (
+        ("alpha", sc[..., 0]),
+        ("alpha_spike", softcap(ls, cap) + off),
+        ("alpha_rest", softcap(lf - ls, cap) + off),
+    ):
+        hd[key] = _softmax_alpha(sc, c, sink).double().sum(0)
+    pattern = attention_of(acts["pattern"]).dense()
+    r["max"]["pattern"] = (_with_sink(sc, sink).softmax(-1)[..., :T] - pattern).abs().max()
+
+
+def _call_scores(pattern):
+    """The pre-softmax scores of an attention call (``AttentionWeights`` from its q, k, scale, soft cap and mask;
+    hidden entries -inf), or None for a map."""
+    q, k = getattr(pattern, "query", None), getattr(pattern, "key", None)
+    if q is None:
+        return None
+    sc = softcap(
+        q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * pattern.scale,
+        pattern.softcap,
+    )
+    seen = causal_window(sc.shape[-1], None).to(sc.device)
+    return sc.masked_fill(~(seen if pattern.mask is None else seen & pattern.mask), float("-inf"))
 
 
 def _rest(g: torch.Tensor, S: list[int]) -> torch.Tensor:
@@ -789,6 +836,7 @@ def norm_gain_accumulator(
 
 @share_parameters(norm_gain_accumulator)
 @parameters_from(pass_options)
+@parameters_from(model_tokens_min2)
 def norm_gain_trace(
     model: SinkModel,
     tokens,
@@ -810,10 +858,8 @@ def norm_gain_trace(
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names (``analysis.load_model``).
-    tokens : torch.Tensor, shape (N, T)
-        Token ids, T >= 2.
+    model, tokens
+        As in :func:`model_tokens_min2`.
     layer : int
         The attention layer.
     spike_dims : sequence of int, optional

@@ -908,14 +908,11 @@ def load_formation(folder) -> FormationOrder:
         tables["followed"][col] = tables["followed"][col].map(ast.literal_eval)
     meta = read_json(folder / "meta.json")
     return FormationOrder(
-        tables["formation"],
-        tables["onsets"],
-        tables["followed"],
-        tables["writes"],
-        int(meta["probe_seed"]),
-        int(meta["n_samples"]),
-        int(meta["T"]),
-        float(meta["seconds_per_model"]),
+        **tables,  # formation, onsets, followed, writes: TABLE_FILES' keys are the fields
+        probe_seed=int(meta["probe_seed"]),
+        n_samples=int(meta["n_samples"]),
+        T=int(meta["T"]),
+        seconds_per_model=float(meta["seconds_per_model"]),
         model_name=meta.get("model_name"),
         notes=meta["notes"],
     )

@@ -7,8 +7,10 @@ together, so a table computed remotely is the one computed here, by the same ope
 layers give the residual stream (``hook_resid_pre`` their input, ``hook_resid_post`` their output) and each
 attention layer's call to transformers' attention function gives q, k and v after the rotary, the mask, the scale
 and the soft cap (``hook_q``/``hook_k``/``hook_v``, ``hook_pattern`` as :class:`AttentionWeights` with the rows'
-log-sum-exp, ``hook_z``). Nothing T x T, and never q or the residual stream, leaves the model's side; keys only where
-asked (the key manifold's first keys, and its scatter's: each layer's two candidates on the first batch).
+log-sum-exp, ``hook_z``; ``hook_k_proj``: ``k_proj``'s output, before them). Nothing T x T, and never q or the
+residual stream, leaves the model's side; keys only where asked (the key manifold's first keys, and its scatter's:
+each layer's two candidates on the first batch), residual rows likewise (the norm gain's first token and a few others
+per sequence).
 
 The reductions ship by value (:func:`register_shipped`: NDIF does not have this package); what they reach must be
 torch, numpy, math and typing (``tests/engine/test_nnsight.py`` walks every reduction's closure to check it). A
@@ -31,7 +33,7 @@ from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported, Trace
 REQUEST_LIMIT_BYTES = 32 * 2**20  # NDIF drops results above about this (a 32 MB message limit was seen)
 REQUEST_FILL = 0.8  # plan requests to this share of the limit (the pickled containers add a little)
 CAND_ROWS_PER_SAMPLE = 64  # flag candidates (|x| > the absolute threshold) budgeted per sample and layer
-ATTENTION_SITES = ("hook_pattern", "hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_z")
+ATTENTION_SITES = ("hook_pattern", "hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_z", "hook_k_proj")
 STREAM_SITES = ("hook_resid_pre", "hook_resid_post")
 
 
@@ -208,6 +210,8 @@ def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *,
         saved = nnsight.save([])
         for layer, call, sites, jobs in plan:  # in the order the layers run (nnsight's interleaving needs it)
             acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
+            if "hook_k_proj" in sites:  # the key projection, before the key norm and the rotary (norm gain)
+                acts["hook_k_proj"] = model.key_projection(layer)
             if call is not None:
                 acts.update(_attention_acts(model, calls[layer], sites))
             if "hook_resid_post" in sites:
@@ -235,8 +239,10 @@ def _attention_acts(model: NnsightModel, call, sites) -> dict:
 
 
 def _params(model: NnsightModel, red) -> dict:
-    """A reduction's parameters, each :class:`TraceWeight` read where the trace runs."""
-    return {k: model.weight(v) if isinstance(v, TraceWeight) else v for k, v in (red.params or {}).items()}
+    """A reduction's parameters, each :class:`TraceWeight` read where the trace runs (also inside a parameter with
+    ``with_weights``: the key path's ``KeyOps``)."""
+    read = lambda v: model.weight(v) if isinstance(v, TraceWeight) else v  # noqa: E731
+    return {k: v.with_weights(read) if hasattr(v, "with_weights") else read(v) for k, v in (red.params or {}).items()}
 
 
 def grad_trace(model: NnsightModel, tokens: torch.Tensor, jobs: dict, loss, *, remote=None) -> list:
@@ -343,6 +349,7 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
             "hook_k": k.transpose(1, 2),
             "hook_rot_k": k.transpose(1, 2),
             "hook_v": k.transpose(1, 2),
+            "hook_k_proj": k.transpose(1, 2),
             "hook_z": q.transpose(1, 2),
             "hook_pattern": AttentionWeights.from_qk(q, k, scale=d_head**-0.5),
         }
@@ -360,9 +367,18 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
 
 
 def _stand_ins(params, n_heads: int, d_head: int) -> dict:
-    """A reduction's parameters with each :class:`TraceWeight` as zeros of its shape, d_model cut to 1 (what the
-    reduction returns does not depend on it): the dry run of :func:`_meta_bytes` allocates no weight."""
-    return {k: torch.zeros(n_heads, d_head, 1) if isinstance(v, TraceWeight) else v for k, v in (params or {}).items()}
+    """A reduction's parameters with each :class:`TraceWeight` as zeros (also inside one with ``with_weights``): of
+    its shape where it gives one (the key path's), else W_O's with d_model cut to 1 (what the reduction returns
+    depends on neither the values nor d_model), so the dry run of :func:`_meta_bytes` needs no weight."""
+
+    def stand_in(v):
+        if not isinstance(v, TraceWeight):
+            return v
+        return torch.zeros(v.shape) if v.shape else torch.zeros(n_heads, d_head, 1)
+
+    return {
+        k: v.with_weights(stand_in) if hasattr(v, "with_weights") else stand_in(v) for k, v in (params or {}).items()
+    }
 
 
 def remote_pass(

@@ -15,19 +15,8 @@ from analysis.model.nnsight_model import NnsightModel
 NOT_READ = "not read through nnsight"
 
 
-def head_grouping(n_heads: int, n_kv_heads: int, *, latent: bool = False) -> str:
-    """How the query heads share keys and values: MHA, GQA, MQA, or multi-head latent attention (MLA).
-
-    Parameters
-    ----------
-    n_heads, n_kv_heads : int
-    latent : bool
-        Multi-head latent attention (DeepSeek-V2 / V3).
-
-    Returns
-    -------
-    str
-    """
+def _head_grouping(n_heads: int, n_kv_heads: int, *, latent: bool = False) -> str:
+    """How the query heads share keys and values: MHA, GQA, MQA, or multi-head latent attention (MLA)."""
     if latent:
         return "MLA"
     if n_kv_heads == n_heads:
@@ -88,7 +77,7 @@ def model_card(model: SinkModel) -> dict:
     hf = getattr(model, "original_model", None)
     attention = _attention_text(
         op,
-        head_grouping(spec.n_heads, spec.n_kv_heads, latent=spec.latent is not None),
+        _head_grouping(spec.n_heads, spec.n_kv_heads, latent=spec.latent is not None),
         len(spec.attention_layers),
         spec.n_layers,
         window=spec.sliding_window,
@@ -116,7 +105,7 @@ def _nnsight_card(model: NnsightModel) -> dict:
     config = model.hf.config.get_text_config() if hasattr(model.hf.config, "get_text_config") else model.hf.config
     attention = _attention_text(
         "softmax",
-        head_grouping(s.n_heads, s.n_kv_heads, latent=s.latent is not None),
+        _head_grouping(s.n_heads, s.n_kv_heads, latent=s.latent is not None),
         len(s.attention_layers),
         s.n_layers,
         window=s.sliding_window,

@@ -100,7 +100,7 @@ class NormSpec:
         return f"{self.kind} (gain {self.gain_form}{', with bias' if self.bias else ''}, eps {self.eps:g})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     """What the analyses need to know about a model family, read from one loaded model (:func:`family_spec`).
 
@@ -184,26 +184,28 @@ class FamilySpec:
     d_head: int
     d_model: int
     positions: str  # "rotary" | "alibi" | "absolute" | "relative" (T5 buckets, reference models) | "none"
-    rotary_base: float | None  # theta of the (full-attention) rotary layers
-    rotary_bases: dict[int, float]  # per attention layer (Gemma 3: sliding layers use another theta)
-    rotary_dim: int | None  # dims of a head that are rotated (partial rotary: < d_head)
-    rotary_style: str | None  # "half" (HF rotate_half) | "interleaved" (GPT-J rotate_every_two)
-    rope_type: str | None  # "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta)
+    rotary_base: float | None = None  # theta of the (full-attention) rotary layers
+    rotary_bases: dict[int, float] = field(
+        default_factory=dict
+    )  # per attention layer (Gemma 3: sliding layers use another theta)
+    rotary_dim: int | None = None  # dims of a head that are rotated (partial rotary: < d_head)
+    rotary_style: str | None = None  # "half" (HF rotate_half) | "interleaved" (GPT-J rotate_every_two)
+    rope_type: str | None = None  # "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta)
     norm: NormSpec | None  # the norm on the attention input (None: post-norm only, or no norm)
     norm_placement: str  # "pre" | "post" (OLMo-2: after attention) | "sandwich" (Gemma 2/3: before and after)
-    post_norm: NormSpec | None  # the norm on the attention output, where there is one
-    parallel_block: bool  # attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon)
-    qk_norm: NormSpec | None  # the norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next ...)
-    qk_norm_scope: str | None  # "head" (over d_head) | "all_heads" (OLMo-2: over n_kv_heads * d_head)
-    fused_qkv: bool  # one projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM)
+    post_norm: NormSpec | None = None  # the norm on the attention output, where there is one
+    parallel_block: bool = False  # attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon)
+    qk_norm: NormSpec | None = None  # the norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next ...)
+    qk_norm_scope: str | None = None  # "head" (over d_head) | "all_heads" (OLMo-2: over n_kv_heads * d_head)
+    fused_qkv: bool = False  # one projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM)
     key_rotated: bool  # key_hook holds keys after the rotary (False: apply it yourself)
     pattern_live: bool  # hook_pattern fires before the attention output and edits to it change the output
-    learned_sinks: bool  # a learned sink logit per head (gpt-oss): pattern rows sum to < 1
-    gate: str | None  # attention-output gate: "sigmoid(hook_q_gate), per head and dim" or None
-    sliding_window: int | None
-    sliding_layers: tuple[int, ...]
+    learned_sinks: bool = False  # a learned sink logit per head (gpt-oss): pattern rows sum to < 1
+    gate: str | None = None  # attention-output gate: "sigmoid(hook_q_gate), per head and dim" or None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     attn_scale: float  # scores = attn_scale * q . k
-    attn_softcap: float | None  # Gemma 2: scores = cap * tanh(scores / cap)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     notes: tuple[str, ...] = ()
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary in a rotary model (NoPE)
     latent: dict | None = None  # multi-head latent attention (DeepSeek-V2 / V3): latent_attention(config)
@@ -332,19 +334,8 @@ def _spec_dict(spec) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_config(model: SinkModel):
-    """The Hugging Face config behind a bridge.
-
-    Parameters
-    ----------
-    model
-        A TransformerBridge (or any model with ``original_model.config``).
-
-    Returns
-    -------
-    transformers.PretrainedConfig or None
-        None for the package's reference models.
-    """
+def _hf_config(model: SinkModel):
+    """The Hugging Face config behind a bridge (``original_model.config``); None for the package's reference models."""
     return getattr(getattr(model, "original_model", None), "config", None)
 
 
@@ -354,8 +345,7 @@ def rope_parameters(config, *, layer_type: str | None = None) -> dict:
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        Transformers 5 ``rope_parameters`` (nested per layer type for Gemma 3), or transformers 4 ``rope_theta`` /
-        ``rope_scaling``.
+        Its ``rope_parameters`` (nested per layer type for Gemma 3), else its ``rope_theta``.
     layer_type : str, optional
         The layer type whose parameters to read where they are nested ("full_attention" by default).
 
@@ -365,18 +355,12 @@ def rope_parameters(config, *, layer_type: str | None = None) -> dict:
         E.g. ``{"rope_theta": 100000.0, "rope_type": "default"}``; empty without rotary.
     """
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict):
-        if params and all(isinstance(v, dict) for v in params.values()):
-            params = params.get(layer_type or "full_attention") or next(iter(params.values()))
-        return dict(params)
-    out = {}
-    if getattr(config, "rope_theta", None) is not None:
-        out["rope_theta"] = config.rope_theta
-    scaling = getattr(config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        out.update(scaling)
-        out.setdefault("rope_type", scaling.get("type"))
-    return out
+    if not isinstance(params, dict):  # a config of its own (remote code) may keep only rope_theta
+        theta = getattr(config, "rope_theta", None)
+        return {} if theta is None else {"rope_theta": theta}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get(layer_type or "full_attention") or next(iter(params.values()))
+    return dict(params)
 
 
 def rope_theta(config, *, layer_type: str | None = None) -> float | None:
@@ -393,8 +377,6 @@ def rope_theta(config, *, layer_type: str | None = None) -> float | None:
     float or None
     """
     theta = rope_parameters(config, layer_type=layer_type).get("rope_theta")
-    if theta is None:
-        theta = getattr(config, "rotary_emb_base", None) or getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else None
 
 
@@ -419,7 +401,7 @@ def rotary_base(model: SinkModel) -> float | None:
     theta = getattr(model, "rope_theta", None)
     if theta is not None:
         return float(theta)
-    hf_cfg = hf_config(model)
+    hf_cfg = _hf_config(model)
     theta = rope_theta(hf_cfg) if hf_cfg is not None else None
     if theta is not None:
         return theta
@@ -567,22 +549,6 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     return NormSpec(kind, offset, b is not None, eps, int(D), _module_path(model, module) if model is not None else "")
 
 
-def fired_hooks(model: SinkModel, *, names: list[str] | None = None) -> frozenset[str]:
-    """The attention hook names (aliases included) called in one forward pass over two tokens.
-
-    Parameters
-    ----------
-    model : SinkModel
-    names : list of str, optional
-        The hooks to watch; None: every attention hook of the blocks.
-
-    Returns
-    -------
-    frozenset of str
-    """
-    return _dry_run(model, names)[0]
-
-
 def _probe_tokens(model: SinkModel, n: int) -> torch.Tensor:
     """Tokens 1..n (modulo the vocabulary) on the model's input device, shape (1, n): a probe pass's input."""
     return (
@@ -609,12 +575,11 @@ def _record_hooks(model: SinkModel, names: list[str], n_tokens: int) -> tuple[di
     return seen, canonical
 
 
-def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], bool]:
-    """One forward pass over two tokens: the attention hooks called, and whether ``hook_attn_scores`` holds the
-    softmax pattern (not the scores) in the first attention layer."""
-    if names is None:
-        hook_dict = getattr(model, "hook_dict", {})
-        names = [n for n in hook_dict if n.startswith("blocks.") and ".attn." in n and not n.endswith(_FLAGGED)]
+def _dry_run(model) -> tuple[frozenset[str], bool]:
+    """One forward pass over two tokens: the attention hooks called (aliases included), and whether
+    ``hook_attn_scores`` holds the softmax pattern (not the scores) in the first attention layer."""
+    hook_dict = getattr(model, "hook_dict", {})
+    names = [n for n in hook_dict if n.startswith("blocks.") and ".attn." in n and not n.endswith(_FLAGGED)]
     seen, canonical = _record_hooks(model, names, 2)
 
     def first(kind: str) -> torch.Tensor | None:  # the first value of this hook kind: the first attention layer's
@@ -625,23 +590,12 @@ def _dry_run(model, names: list[str] | None = None) -> tuple[frozenset[str], boo
     return frozenset(n for n in names if canonical[n] in seen), scores_are_pattern
 
 
-def pattern_is_live(model: SinkModel, layer: int) -> bool:
+def _pattern_is_live(model: SinkModel, layer: int) -> bool:
     """Whether editing ``blocks.{layer}.attn.hook_pattern`` changes the model's output.
 
     TransformerLens' generic AttentionBridge (GPT-J, OPT, Jamba) lets Hugging Face compute the attention and only then
     reports the pattern: the hook fires after ``hook_z`` and is read-only there, so pattern interventions must edit
-    ``hook_z`` instead.
-
-    Parameters
-    ----------
-    model : SinkModel
-    layer : int
-        An attention layer.
-
-    Returns
-    -------
-    bool
-    """
+    ``hook_z`` instead."""
     tokens = _probe_tokens(model, 2)
     with torch.inference_mode():
         base = model(tokens)
@@ -845,7 +799,7 @@ def family_spec(model: SinkModel) -> FamilySpec:
     FamilySpec
     """
     cfg = model.cfg
-    config = hf_config(model)
+    config = _hf_config(model)
     hook_dict = getattr(model, "hook_dict", {})
     n_layers = int(cfg.n_layers)
     attention_layers = tuple(l for l in range(n_layers) if f"blocks.{l}.attn.hook_pattern" in hook_dict)
@@ -934,7 +888,7 @@ def _attention_facts(
     fused = getattr(getattr(model.blocks[first], "attn", None), "qkv", None) is not None
     key_rotated, key_hook, query_hook = _qk_hooks(positions, fires_everywhere, mla)
     gate_hook, scores_hook = _gate_and_scores_hooks(fires_everywhere, scores_are_pattern)
-    live = pattern_is_live(model, first) if attention_layers else False
+    live = _pattern_is_live(model, first) if attention_layers else False
     learned_sinks = hf_attn is not None and isinstance(getattr(hf_attn, "sinks", None), torch.Tensor)
     window, sliding = _sliding(config, types, attention_layers)
     return dict(
@@ -989,18 +943,9 @@ def _reference_spec(model, shape: dict, fired, fires_everywhere, scores_are_patt
         norm=None if post else norm,
         norm_placement=("post" if post else "pre") if norm else "none",
         post_norm=norm if post else None,
-        parallel_block=False,
-        qk_norm=None,
-        qk_norm_scope=None,
-        fused_qkv=False,
         key_rotated=key_rotated,
-        pattern_live=pattern_is_live(model, first) if attention_layers else False,
-        learned_sinks=False,
-        gate=None,
-        sliding_window=None,
-        sliding_layers=(),
+        pattern_live=_pattern_is_live(model, first) if attention_layers else False,
         attn_scale=d_head**-0.5,
-        attn_softcap=None,
         _key_hook=key_hook,
         _query_hook=query_hook,
         _scores_hook=_gate_and_scores_hooks(fires_everywhere, scores_are_pattern)[1],

@@ -27,36 +27,18 @@ from analysis.model.hooks import (
     kv_view,
     model_dims,
 )
-from analysis.model.rotary import apply_spec_rotary, rotate, rotate_half
+from analysis.model.nnsight_model import TraceWeight, weights_in_trace
+from analysis.model.rotary import rotate, rotate_half
 from analysis.core.results import compact_repr
 from analysis.model.weights import live_tensor, reads_block_weights
 
 
-@dataclass
-class NormParams:
-    """A norm with its weights: y = g * norm(h) (+ b), g = offset + w.
+class NormOps:
+    """A norm's arithmetic, y = g * norm(h) (+ b), on its fields (``kind``, ``w``, ``b``, ``eps``, ``offset``): a plain
+    class of torch only, so that a remote trace ships it by value (``KeyOps``)."""
 
-    Attributes
-    ----------
-    kind : {"RMS", "LN", "none"}
-        RMSNorm (no centring), LayerNorm (centring, bias) or the identity.
-    w : torch.Tensor, shape (D,)
-        The raw gain weight.
-    b : torch.Tensor, shape (D,), or None
-        The bias.
-    eps : float
-        The norm's epsilon.
-    offset : float
-        1 for Gemma-style zero-centred gains (g = 1 + w), else 0.
-    gain : torch.Tensor, shape (D,)
-        ``offset + w`` (a property).
-    """
-
-    kind: str
-    w: torch.Tensor  # (D,)
-    b: torch.Tensor | None  # (D,) or None
-    eps: float
-    offset: float = 0.0
+    def __init__(self, kind: str, w, b, eps: float, offset: float = 0.0):
+        self.kind, self.w, self.b, self.eps, self.offset = kind, w, b, eps, offset
 
     @property
     def gain(self) -> torch.Tensor:
@@ -103,6 +85,33 @@ class NormParams:
         if self.kind == "none":
             return "no norm"
         return f"{'RMSNorm' if self.kind == 'RMS' else 'LayerNorm'} (gain {'1 + w' if self.offset else 'w'})"
+
+
+@dataclass
+class NormParams(NormOps):
+    """A norm with its weights: y = g * norm(h) (+ b), g = offset + w.
+
+    Attributes
+    ----------
+    kind : {"RMS", "LN", "none"}
+        RMSNorm (no centring), LayerNorm (centring, bias) or the identity.
+    w : torch.Tensor, shape (D,)
+        The raw gain weight.
+    b : torch.Tensor, shape (D,), or None
+        The bias.
+    eps : float
+        The norm's epsilon.
+    offset : float
+        1 for Gemma-style zero-centred gains (g = 1 + w), else 0.
+    gain : torch.Tensor, shape (D,)
+        ``offset + w`` (a property).
+    """
+
+    kind: str
+    w: torch.Tensor  # (D,)
+    b: torch.Tensor | None  # (D,) or None
+    eps: float
+    offset: float = 0.0
 
 
 _KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
@@ -237,8 +246,74 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
     return _cpu(W_K), (None if b_K is None else b_K.reshape(W_K.shape[0], -1))
 
 
+class KeyOps:
+    """A layer's key path from its input norm's output to the key the attention uses, on its fields (``norm``,
+    ``W_K``, ``b_K``, ``k_norm``, ``k_norm_scope``, ``rot``: the rotary's (base, dims, pairing) or None): a plain class
+    of torch only, so that a remote trace ships it by value with its weights read there (``KeyPath.in_trace``)."""
+
+    def __init__(self, norm, W_K, b_K, k_norm, k_norm_scope, rot=None):
+        self.norm, self.W_K, self.b_K, self.k_norm, self.k_norm_scope = norm, W_K, b_K, k_norm, k_norm_scope
+        self.rot = rot
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
+        if self.rot is None:
+            return x.float()
+        return rotate(x, positions, self.rot[0], rot_dim=self.rot[1], style=self.rot[2])
+
+    def with_weights(self, read) -> "KeyOps":
+        """A copy whose weights are ``read(w)`` of each (a remote trace reads its weights there: each ``TraceWeight``)."""
+        n, k = self.norm, self.k_norm
+        r = lambda t: None if t is None else read(t)  # noqa: E731
+        norm = NormOps(n.kind, r(n.w), r(n.b), n.eps, n.offset)
+        k_norm = None if k is None else NormOps(k.kind, r(k.w), r(k.b), k.eps, k.offset)
+        return KeyOps(norm, r(self.W_K), r(self.b_K), k_norm, self.k_norm_scope, self.rot)
+
+    def project(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """x (..., T, D) W_K (+ b_K) -> (..., T, H_kv, d_head): the key projection, before the key norm."""
+        k = torch.einsum("...td,hde->...the", x.float(), self.W_K.to(x.device, torch.float32))
+        return k + self.b_K.to(x.device, torch.float32) if bias and self.b_K is not None else k
+
+    def _heads_apply(self, fn, k: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        """Apply a norm function over each head (d_head) or over all heads together (H_kv * d_head)."""
+        if self.k_norm_scope != "all_heads":
+            return fn(k, *more)
+        flat = [t.flatten(-2) for t in (k, *more)]
+        return fn(*flat).unflatten(-1, k.shape[-2:])
+
+    def key_norm(self, k: torch.Tensor) -> torch.Tensor:
+        """The key norm on projected keys (..., H_kv, d_head); identity where the family has none."""
+        return k.float() if self.k_norm is None else self._heads_apply(self.k_norm, k)
+
+    def key_norm_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The key norm's output share of ``part`` of the projected key ``full`` (linear at full's scale)."""
+        return part.float() if self.k_norm is None else self._heads_apply(self.k_norm.linear_part, part, full)
+
+    def key_norm_adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return y.float() if self.k_norm is None else self._heads_apply(self.k_norm.adjoint, y, full)
+
+    def key_norm_scale(self, k: torch.Tensor) -> torch.Tensor:
+        """How much the key norm divides each key by (..., H_kv): 1 / rms, per head or shared by all heads."""
+        if self.k_norm is None:
+            return torch.ones(k.shape[:-1], device=k.device)
+        if self.k_norm_scope == "all_heads":
+            return self.k_norm.scale(k.flatten(-2)).expand(*k.shape[:-1])
+        return self.k_norm.scale(k)[..., 0]
+
+    def projection_heads(self, k: torch.Tensor) -> torch.Tensor:
+        """The key projection as ``key_hook`` holds it -> (..., T, H_kv, d), the shape ``project`` returns."""
+        return kv_view(k, self.W_K.shape[0])
+
+    def key_norm_gain(self) -> torch.Tensor:
+        """The key norm's gain per KV head (H_kv, d); None without a key norm."""
+        if self.k_norm is None:
+            return None
+        Hkv, d = self.W_K.shape[0], self.W_K.shape[-1]
+        return self.k_norm.gain.reshape(-1, d) if self.k_norm_scope == "all_heads" else self.k_norm.gain.expand(Hkv, d)
+
+
 @dataclass
-class KeyPath:
+class KeyPath(KeyOps):
     """Everything needed to rebuild a layer's keys from its residual input, as the family computes them.
 
     Attributes
@@ -294,51 +369,28 @@ class KeyPath:
     def rot_dim(self) -> int | None:
         return self.spec.rotary_dim if self.rotary else None
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The spec's rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
-        return apply_spec_rotary(x, self.spec, self.layer, positions=positions)
+    @property
+    def rot(self) -> tuple | None:
+        """The spec's rotary as :meth:`KeyOps.rotate` applies it: (base, dims, pairing), or None."""
+        return (self.base, self.rot_dim, self.spec.rotary_style or "half") if self.rotary else None
 
-    def project(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        """x (..., T, D) W_K (+ b_K) -> (..., T, H_kv, d_head): the key projection, before the key norm."""
-        k = torch.einsum("...td,hde->...the", x.float(), self.W_K.to(x.device))
-        return k + self.b_K.to(x.device) if bias and self.b_K is not None else k
+    def in_trace(self) -> KeyOps:
+        """This path for a remote trace: its weights as :class:`TraceWeight` (read where the model is) where they
+        are not here (meta tensors: a model loaded through nnsight)."""
+        names = {
+            id(t): n for n, t in (("ln1.w", self.norm.w), ("ln1.b", self.norm.b), ("W_K", self.W_K), ("b_K", self.b_K))
+        }
+        if self.k_norm is not None:
+            names.update({id(self.k_norm.w): "k_norm.w", id(self.k_norm.b): "k_norm.b"})
+        return self.with_weights(lambda t: TraceWeight(names[id(t)], self.layer, tuple(t.shape)) if t.is_meta else t)
 
-    def _heads_apply(self, fn, k: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
-        """Apply a norm function over each head (d_head) or over all heads together (H_kv * d_head)."""
-        if self.k_norm_scope != "all_heads":
-            return fn(k, *more)
-        flat = [t.flatten(-2) for t in (k, *more)]
-        return fn(*flat).unflatten(-1, k.shape[-2:])
-
-    def key_norm(self, k: torch.Tensor) -> torch.Tensor:
-        """The key norm on projected keys (..., H_kv, d_head); identity where the family has none."""
-        return k.float() if self.k_norm is None else self._heads_apply(self.k_norm, k)
-
-    def key_norm_part(self, part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """The key norm's output share of ``part`` of the projected key ``full`` (linear at full's scale)."""
-        return part.float() if self.k_norm is None else self._heads_apply(self.k_norm.linear_part, part, full)
-
-    def key_norm_adjoint(self, y: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        return y.float() if self.k_norm is None else self._heads_apply(self.k_norm.adjoint, y, full)
-
-    def key_norm_scale(self, k: torch.Tensor) -> torch.Tensor:
-        """How much the key norm divides each key by (..., H_kv): 1 / rms, per head or shared by all heads."""
-        if self.k_norm is None:
-            return torch.ones(k.shape[:-1], device=k.device)
-        if self.k_norm_scope == "all_heads":
-            return self.k_norm.scale(k.flatten(-2)).expand(*k.shape[:-1])
-        return self.k_norm.scale(k)[..., 0]
-
-    def projection_heads(self, k: torch.Tensor) -> torch.Tensor:
-        """The key projection as ``key_hook`` holds it -> (..., T, H_kv, d), the shape ``project`` returns."""
-        return kv_view(k, self.W_K.shape[0])
-
-    def key_norm_gain(self) -> torch.Tensor:
-        """The key norm's gain per KV head (H_kv, d); None without a key norm."""
+    def key_norm_text(self) -> str | None:
+        """The key norm in words (None without one)."""
         if self.k_norm is None:
             return None
-        Hkv, d = self.W_K.shape[0], self.W_K.shape[-1]
-        return self.k_norm.gain.reshape(-1, d) if self.k_norm_scope == "all_heads" else self.k_norm.gain.expand(Hkv, d)
+        if self.k_norm_scope == "latent":
+            return f"{self.k_norm.text()} over the {self.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
+        return f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
         """The key projection of the gain-scaled normalised input x (..., T, D) -> (..., T, H_kv, d_head), rotated
@@ -363,9 +415,7 @@ class KeyPath:
             f"W_K{' + b_K' if self.b_K is not None else ''}{' (split from the fused QKV)' if sp.fused_qkv else ''}",
         ]
         if self.k_norm is not None:
-            parts.append(
-                f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
-            )
+            parts.append(self.key_norm_text())
         if self.rotary:
             parts.append(
                 f"rotary ({self.rot_dim} of {self.W_K.shape[-1]} dims, "
@@ -563,6 +613,8 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
     """
     (layer,) = check_attention_layers(model, layers=check_layers(model, [layer]))
     spec = get_family(model)
+    if weights_in_trace(model):
+        return _trace_key_path(model, layer, spec)
     norm = norm_params(model, layer)
     if spec.latent is not None:
         path = _latent_key_path(model, layer, spec, norm)
@@ -600,3 +652,31 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
         spec.key_hook(layer),
         spec.query_hook(layer),
     )
+
+
+def _trace_key_path(model, layer: int, spec) -> KeyPath:
+    """The key path of a model loaded through nnsight (``NnsightModel``), its weights meta tensors of their shapes:
+    a remote trace reads them where the model is (:meth:`KeyPath.in_trace`); its key projection is the site
+    ``blocks.l.attn.hook_k_proj`` (``k_proj``'s output)."""
+    hf = model.decoder_layers()[layer]._module
+    k_proj, ln = getattr(hf.self_attn, "k_proj", None), getattr(hf, "input_layernorm", None)
+    if spec.latent is not None or k_proj is None or (spec.norm is not None and ln is None):
+        raise ModelContractError(
+            f"a remote trace reads the key path from input_layernorm and self_attn.k_proj (and k_norm); layer {layer} "
+            f"of this {spec.family} model has {'latent attention' if spec.latent else 'no such modules'}: "
+            "trace its norm gain on a model loaded here."
+        )
+    meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+    D, Hkv, ns, ks = spec.d_model, spec.n_kv_heads, spec.norm, spec.qk_norm
+    d = k_proj.weight.shape[0] // Hkv
+    norm = NormParams("none", torch.ones(D), None, 0.0)
+    if ns is not None:
+        norm = NormParams(_KINDS[ns.kind], meta(D), meta(D) if ns.bias else None, ns.eps, ns.gain_offset)
+    k_norm = (
+        None
+        if ks is None
+        else NormParams(_KINDS[ks.kind], meta(ks.size), meta(ks.size) if ks.bias else None, ks.eps, ks.gain_offset)
+    )
+    b_K = meta(Hkv, d) if k_proj.bias is not None else None
+    hooks = (f"blocks.{layer}.attn.hook_k_proj", spec.key_hook(layer), spec.query_hook(layer))
+    return KeyPath(layer, norm, meta(Hkv, D, d), b_K, k_norm, spec.qk_norm_scope, spec, spec.n_heads // Hkv, *hooks)

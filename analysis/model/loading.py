@@ -68,17 +68,8 @@ class ModelInfo:
 
 
 def _reference_models() -> dict[str, Path]:
-    found = {}
-    if REFERENCE_DIR.is_dir():
-        for d in sorted(REFERENCE_DIR.iterdir()):
-            cfg = d / "config.json"
-            if cfg.is_file():
-                try:
-                    if json.loads(cfg.read_text()).get("format") == REFERENCE_FORMAT:
-                        found[d.name] = d
-                except (OSError, json.JSONDecodeError):
-                    continue
-    return found
+    """{name: folder} of the reference models shipped as package data."""
+    return {d.name: d for d in sorted(REFERENCE_DIR.iterdir()) if _is_reference(d)} if REFERENCE_DIR.is_dir() else {}
 
 
 def available_models() -> list[ModelInfo]:
@@ -138,23 +129,9 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def read_gguf(path: Path, *, dtype=None):
-    """A Hugging Face model and tokenizer from a local GGUF file, de-quantized by transformers (no network).
-
-    Parameters
-    ----------
-    path : path-like
-        The ``.gguf`` file.
-    dtype : torch.dtype or str, optional
-        The weights' dtype (default float32).
-
-    Returns
-    -------
-    model : transformers.PreTrainedModel
-        In eval mode, the quantizer record dropped.
-    tokenizer : transformers.PreTrainedTokenizerBase
-        From the file's metadata, or from tokenizer files in the same folder.
-    """
+def _read_gguf(path: Path, *, dtype=None):
+    """A Hugging Face model (in eval mode, the quantizer record dropped) and tokenizer (from the file's metadata, or
+    from tokenizer files in the same folder) from a local GGUF file, de-quantized by transformers (no network)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).expanduser().resolve()
@@ -202,7 +179,7 @@ def smollm2_dir() -> Path:
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
-    hf, tok = read_gguf(smollm2_gguf_path(), dtype=torch.float32)
+    hf, tok = _read_gguf(smollm2_gguf_path(), dtype=torch.float32)
 
     def fill(tmp: Path) -> None:
         hf.save_pretrained(tmp, safe_serialization=True)
@@ -418,7 +395,7 @@ def load_gguf(path: str | os.PathLike, *, device=None, dtype=None, placement: Pl
 
     hf_logging.disable_progress_bar()
     path = Path(path).expanduser().resolve()
-    hf, tok = read_gguf(path, dtype=dtype)
+    hf, tok = _read_gguf(path, dtype=dtype)
     hf, device = (dispatch(hf, placement), None) if placement is not None and placement.split else (hf, device)
     return _bridge(str(path.parent), hf, tok, device, str(path))
 
@@ -517,8 +494,7 @@ def _load_local(name: str, *, device, dtype, placement):
         model = load_hf(str(smollm2_dir()), device=device, dtype=dtype, placement=placement)
         model.model_name = DEFAULT_MODEL
         return model
-    refs = _reference_models()
-    ref_dir = refs.get(name) or (path if (path / "config.json").is_file() and _is_reference(path) else None)
+    ref_dir = _reference_models().get(name) or (path if _is_reference(path) else None)
     if ref_dir is not None:
         if placement.split:
             raise ValueError(
@@ -537,7 +513,7 @@ def _load_local(name: str, *, device, dtype, placement):
         return load_gguf(path, device=device, dtype=dtype, placement=placement)
     if path.exists():
         return load_hf(str(path), device=device, dtype=dtype, placement=placement)
-    return load_hf(check_hub(hub_id(name)), device=device, dtype=dtype, placement=placement)
+    return load_hf(check_hub(_hub_id(name)), device=device, dtype=dtype, placement=placement)
 
 
 def _check_nnsight() -> None:
@@ -594,7 +570,7 @@ def _load_other_backend(name: str, backend: str, *, device: str, dtype, remote: 
         tok = AutoTokenizer.from_pretrained(src)
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=_dtype(dtype), local_files_only=True)
     elif path.suffix.lower() == ".gguf" and path.is_file():
-        hf, tok = read_gguf(path.resolve(), dtype=dtype)
+        hf, tok = _read_gguf(path.resolve(), dtype=dtype)
     elif remote:
         return remote_meta_model(name)
     else:
@@ -650,19 +626,10 @@ def check_hub(name: str) -> str:
     return name
 
 
-def hub_id(name: str) -> str:
-    """A name as a Hugging Face hub id, for a name that is neither known nor a local file or folder.
-
-    Parameters
-    ----------
-    name : str
-
-    Returns
-    -------
-    str
-        ``name`` ('org/model' or 'gpt2'); ModelNotFoundError saying what it is instead: a path that does not exist,
-        a near miss of a known name ("did you mean"), or a name no hub id can have.
-    """
+def _hub_id(name: str) -> str:
+    """A name as a Hugging Face hub id ('org/model' or 'gpt2'), for a name that is neither known nor a local file or
+    folder; ModelNotFoundError saying what it is instead: a path that does not exist, a near miss of a known name
+    ("did you mean"), or a name no hub id can have."""
     path = Path(name).expanduser()
     if not path.exists() and (
         path.is_absolute()

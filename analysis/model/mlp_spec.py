@@ -63,7 +63,7 @@ class MlpWeights:
     b_gate: torch.Tensor | None  # (d_mlp,)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MlpSpec:
     """What the MLP of each block computes and how its write reaches the residual stream.
 
@@ -74,7 +74,7 @@ class MlpSpec:
     (``"add"``), a constant factor (``"scaled"``, Granite's residual multiplier) or a norm (``"post_norm"``: Gemma 2/3
     and OLMo-2 normalise the MLP output before adding it). ``"moe"`` blocks (gpt-oss, Qwen3-Next, Jamba's expert layers)
     route each token to a few experts whose neurons no hook holds: their writes are measured per block, and per expert
-    by calling the block's router and experts (``moe_parts``). The facts of the first dense block stand for every dense
+    by calling the block's router and experts (``_moe_parts``). The facts of the first dense block stand for every dense
     block.
 
     Attributes
@@ -118,16 +118,16 @@ class MlpSpec:
 
     family: str
     kind: str  # "gated" | "plain" | "moe" | "none" (no MLP hook fires)
-    activation: str | None  # measured on the model's activation module: a key of ACTIVATIONS, or "unknown"
+    activation: str | None = None  # measured on the model's activation module: a key of ACTIVATIONS, or "unknown"
     d_mlp: int | None
     parallel: bool  # the MLP reads the block's input (hook_resid_pre), as the attention does (GPT-J, NeoX, Phi, Falcon)
     input_resid: str  # "resid_pre" | "resid_mid": the residual the MLP input is made from
-    input_norm: NormSpec | None  # the norm on that residual (None: the MLP reads the raw residual, OLMo-2)
-    input_norm_module: str | None  # the block's attribute holding it ("ln1" | "ln2")
+    input_norm: NormSpec | None = None  # the norm on that residual (None: the MLP reads the raw residual, OLMo-2)
+    input_norm_module: str | None = None  # the block's attribute holding it ("ln1" | "ln2")
     output: str  # "add" | "scaled" | "post_norm" | "unknown"
     output_scale: float  # hook_mlp_out / (W_out a + b_out) where output == "scaled" (1.0 otherwise)
-    output_norm: NormSpec | None  # the norm on the MLP output where output == "post_norm"
-    output_norm_module: str | None  # its block attribute ("ln2_post")
+    output_norm: NormSpec | None = None  # the norm on the MLP output where output == "post_norm"
+    output_norm_module: str | None = None  # its block attribute ("ln2_post")
     additive: bool  # hook_resid_post = hook_resid_pre + the attention (mixer) write + hook_mlp_out, on every block
     mixer_layers: tuple[int, ...]  # blocks whose token mixer has no hook_attn_out (Mamba, linear attention): their
     # write is hook_resid_mid - hook_resid_pre
@@ -246,22 +246,12 @@ def _is_moe(model, layer: int) -> bool:
     return mod is not None and getattr(mod, "experts", None) is not None
 
 
-def moe_parts(model: SinkModel, layer: int):
+def _moe_parts(model: SinkModel, layer: int):
     """The (router, experts) modules of a mixture-of-experts block.
 
     ``router(x)`` gives (logits, weights, indices) and ``experts(x, indices, weights)`` the routed experts' weighted
-    sum, for x (n_tokens, d_model) (the form of gpt-oss and Qwen3-Next in transformers 5).
-
-    Parameters
-    ----------
-    model : SinkModel
-    layer : int
-        A mixture-of-experts block (ValueError where the block does not have this form).
-
-    Returns
-    -------
-    tuple of (torch.nn.Module, torch.nn.Module)
-    """
+    sum, for x (n_tokens, d_model) (the form of gpt-oss and Qwen3-Next in transformers 5); ValueError where block
+    ``layer`` does not have this form."""
     mod = _mlp_module(model, layer)
     experts = getattr(mod, "experts", None)
     router = getattr(mod, "router", None) or getattr(mod, "gate", None)
@@ -272,7 +262,7 @@ def moe_parts(model: SinkModel, layer: int):
 
 
 def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Who writes a mixture-of-experts block's output, from the block's router and experts (``moe_parts``) and the block
+    """Who writes a mixture-of-experts block's output, from the block's router and experts (``_moe_parts``) and the block
     itself, all run on ``x``.
 
     Parameters
@@ -292,7 +282,7 @@ def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.
     rest : torch.Tensor, shape (n, d_model)
         What the block adds beyond them (a shared expert, Qwen3-Next; zero for gpt-oss).
     """
-    router, experts = moe_parts(model, layer)
+    router, experts = _moe_parts(model, layer)
     block = _mlp_module(model, layer)
     x = _on_model(model, x)  # the trace keeps x on the CPU
     spec = getattr(model, "mlp_spec", None)
@@ -645,7 +635,7 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
     n_exp, top_k = None, None
     if moe:
-        router, experts = moe_parts(model, moe[0])
+        router, experts = _moe_parts(model, moe[0])
         n_exp = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
         top_k = int(getattr(router, "top_k", 0)) or None
     fields = dict(
@@ -662,10 +652,6 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
     return fields, dense, in_hook
 
 
-# The MlpSpec fields a spec starts from before (or without) rebuilding a dense MLP from its weights.
-_UNMEASURED = dict(activation=None, input_norm=None, input_norm_module=None, output_norm=None, output_norm_module=None)
-
-
 def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: str | None) -> MlpSpec:
     """The spec of a model whose blocks hold no dense MLP's neurons: MoE blocks only (their output read from the
     first one, given the MLP input's hook), or no MLP hook found."""
@@ -676,7 +662,6 @@ def _spec_without_neurons(model: SinkModel, got: dict, fields: dict, in_hook: st
     output, scale = _moe_output(model, got, fields["moe_layers"][0]) if moe_output else ("unknown", 1.0)
     return MlpSpec(
         **fields,
-        **_UNMEASURED,
         d_mlp=None,
         input_resid="resid_pre" if fields["parallel"] else "resid_mid",
         output=output,
@@ -697,7 +682,6 @@ def _dense_spec(model: SinkModel, got: dict, canonical: dict, fields: dict, l: i
     gate_hook = tmpl["gate"] if kind == "gated" else None
     partial_spec = MlpSpec(
         **fields,
-        **_UNMEASURED,
         d_mlp=int(post.shape[-1]),
         input_resid="resid_mid",
         output="unknown",

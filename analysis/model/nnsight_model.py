@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 
 from analysis.model.contract import SinkModel
-from analysis.model.families import LAYER_TYPE_WORDS, config_attention_layers, latent_attention
+from analysis.model import families
+from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 
@@ -32,12 +33,17 @@ class TraceWeight:
     Attributes
     ----------
     name : str
-        "W_O": the per-head output weights (H, d_head, d_model).
+        "W_O": the per-head output weights (H, d_head, d_model); the key path's (``KeyPath.in_trace``): "ln1.w",
+        "ln1.b" (the attention input's norm), "W_K" (H_kv, d_model, d_head), "b_K" (H_kv, d_head), "k_norm.w",
+        "k_norm.b".
     layer : int
+    shape : tuple of int, optional
+        Its shape, for a dry run's stand-in (``analysis.engine.remote``).
     """
 
     name: str
     layer: int
+    shape: tuple | None = None
 
 
 @dataclass
@@ -125,6 +131,7 @@ class NnsightModel:
     model_name: str
     spec: NnsightSpec
     remote: bool = False
+    _family: object = field(default=None, repr=False)
     pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
@@ -177,12 +184,36 @@ class NnsightModel:
         Returns
         -------
         torch.Tensor
-            W_O: (H, d_head, d_model), from the attention's ``o_proj`` (d_model, H * d_head).
+            W_O: (H, d_head, d_model), from the attention's ``o_proj`` (d_model, H * d_head); W_K: (H_kv, d_model,
+            d_head) from ``k_proj``; the others as the modules keep them.
         """
-        attn = self.decoder_layers()[w.layer].self_attn
-        if w.name != "W_O" or not hasattr(attn._module, "o_proj"):
+        where, attr = _WEIGHTS.get(w.name, ("", ""))
+        env = self.decoder_layers()[w.layer]
+        for part in where.split(".") if where else ():
+            env = getattr(env, part) if hasattr(env._module, part) else None
+            if env is None:
+                break
+        if env is None or not where or getattr(env._module, attr, None) is None:
             raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
-        return attn.o_proj.weight.T.reshape(self.spec.n_heads, -1, self.spec.d_model)
+        t, s = getattr(env, attr), self.spec
+        if w.name == "W_O":
+            return t.T.reshape(s.n_heads, -1, s.d_model)
+        if w.name == "W_K":
+            return t.T.reshape(s.d_model, s.n_kv_heads, -1).permute(1, 0, 2)
+        return t.reshape(s.n_kv_heads, -1) if w.name == "b_K" else t
+
+    def key_projection(self, layer: int):
+        """Inside a trace: layer ``layer``'s key projection (``k_proj``'s output), before
+        any key norm and the rotary (the site ``hook_k_proj``), as the bridge's ``hook_k``: (B, T, H_kv, d_head)."""
+        return self.decoder_layers()[layer].self_attn.k_proj.output.unflatten(-1, (self.spec.n_kv_heads, -1))
+
+    @property
+    def family(self) -> FamilySpec:
+        """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
+        config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
+        if self._family is None:
+            self._family = nnsight_family(self)
+        return self._family
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
@@ -193,6 +224,86 @@ class NnsightModel:
         ``((module, q, k, v, mask), kwargs)``)."""
         src = self.decoder_layers()[layer].self_attn.source
         return getattr(src, call_name(src.names, self.spec.family))
+
+
+# TraceWeight names -> (the decoder layer's submodule, its parameter)
+_WEIGHTS = {
+    "W_O": ("self_attn.o_proj", "weight"),
+    "W_K": ("self_attn.k_proj", "weight"),
+    "b_K": ("self_attn.k_proj", "bias"),
+    "ln1.w": ("input_layernorm", "weight"),
+    "ln1.b": ("input_layernorm", "bias"),
+    "k_norm.w": ("self_attn.k_norm", "weight"),
+    "k_norm.b": ("self_attn.k_norm", "bias"),
+}
+
+
+def nnsight_family(model: NnsightModel) -> FamilySpec:
+    """The family facts of a model loaded through nnsight, read with the readers of the bridge's
+    (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
+    attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
+    are measured on a probe (of a copy, where the weights are on the meta device).
+
+    Parameters
+    ----------
+    model : NnsightModel
+
+    Returns
+    -------
+    analysis.model.families.FamilySpec
+    """
+    s, hf = model.spec, model.hf
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
+    d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
+    types = families._layer_types(cfg, s.n_layers)
+    window, sliding = families._sliding(cfg, types, layers)
+    norm, kn = _probe(getattr(block, "input_layernorm", None)), _probe(getattr(block.self_attn, "k_norm", None))
+    return FamilySpec(
+        family=s.family,
+        architecture=type(hf).__name__,
+        n_layers=s.n_layers,
+        attention_layers=layers,
+        skipped_layers=dict(s.skipped),
+        n_heads=s.n_heads,
+        n_kv_heads=s.n_kv_heads,
+        d_head=d_head,
+        d_model=s.d_model,
+        **families._positions(hf, cfg, s.family, types, layers, None, d_head),
+        norm=norm,
+        norm_placement="pre" if norm else "none",
+        post_norm=None,
+        parallel_block=False,
+        qk_norm=kn,
+        qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
+        fused_qkv=False,
+        key_rotated=True,
+        pattern_live=True,
+        learned_sinks=False,  # refused (``unsupported``)
+        gate=None,
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(sliding),
+        attn_scale=families._attn_scale(block.self_attn, d_head),
+        attn_softcap=s.softcap,
+        latent=s.latent,
+        _key_hook="blocks.{layer}.attn.hook_rot_k",
+        _query_hook="blocks.{layer}.attn.hook_rot_q",
+        _scores_hook=None,
+    )
+
+
+def _probe(module):
+    """``families.probe_norm`` of a norm module (None: no module), on a copy with random weights where they are on
+    the meta device (a model held on NDIF): its form does not depend on the values."""
+    if module is None:
+        return None
+    if any(p.is_meta for p in module.parameters()):
+        import copy  # import time: a meta model's dry run only
+
+        module = copy.deepcopy(module).to_empty(device="cpu")
+        for p in module.parameters():
+            p.data.normal_()
+    return families.probe_norm(module)
 
 
 def weights_in_trace(model: SinkModel) -> bool:

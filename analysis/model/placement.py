@@ -170,18 +170,8 @@ def check_placement(placement: Placement, *, device=None) -> Placement:
     return placement
 
 
-def parse_size(text: str) -> int:
-    """A memory size ("70GiB", "512MB", "1e9" bytes) in bytes.
-
-    Parameters
-    ----------
-    text : str
-
-    Returns
-    -------
-    int
-        ValueError, saying what to give, otherwise.
-    """
+def _parse_size(text: str) -> int:
+    """A memory size ("70GiB", "512MB", "1e9" bytes) in bytes; ValueError, saying what to give, otherwise."""
     m = _SIZE.match(str(text))
     if not m:
         try:
@@ -210,7 +200,7 @@ def parse_max_memory(text: str | None) -> dict | None:
         if not sep or not key.strip() or not size.strip():
             raise ValueError(f"--max-memory takes device=size pairs such as 0=70GiB,cpu=120GiB; got {text!r}.")
         key = key.strip()
-        parse_size(size)  # raises, saying what to give
+        _parse_size(size)  # raises, saying what to give
         out[int(key) if key.isdigit() else key] = size.strip()
     return out
 
@@ -378,19 +368,10 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return dev if dev is not None and dev.type != "meta" else torch.device("cpu")
 
 
-def weight_devices(model: torch.nn.Module) -> dict[str, int]:
-    """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    dict of str to int
-        Sorted by device name. Under accelerate's device map a module's weights count where the map keeps them
-        ("cpu", "disk", "cuda:N"), not as the "meta" placeholder left on the module.
-    """
+def _weight_devices(model: torch.nn.Module) -> dict[str, int]:
+    """Where a model's weights are kept: device name ("cuda:0", "cpu", "disk") -> number of parameters there,
+    sorted by device name. Under accelerate's device map a module's weights count where the map keeps them ("cpu",
+    "disk", "cuda:N"), not as the "meta" placeholder left on the module."""
     hf = _hf_of(model)
     dm = {k: _device_name(v) for k, v in (getattr(hf, "hf_device_map", None) or {}).items()}
     out: dict[str, int] = {}
@@ -420,6 +401,6 @@ def placement_record(model: torch.nn.Module) -> dict:
     -------
     dict
         ``device``: where the inputs went and the work started (:func:`input_device`); ``weights_on``: device ->
-        parameters kept there (:func:`weight_devices`), e.g. {"cpu": 1200, "disk": 3400} for a split model.
+        parameters kept there (:func:`_weight_devices`), e.g. {"cpu": 1200, "disk": 3400} for a split model.
     """
-    return {"device": str(input_device(model)), "weights_on": weight_devices(model)}
+    return {"device": str(input_device(model)), "weights_on": _weight_devices(model)}

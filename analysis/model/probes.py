@@ -10,6 +10,7 @@ list of standard-library modules. ``hf_dataset_texts`` reads a Hugging Face data
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import warnings
@@ -170,23 +171,11 @@ def hf_dataset_texts(
     return texts
 
 
-_STREAMS: dict = {}  # (id(tokenizer), texts) -> (tokenizer, token ids): the last few corpora tokenized
-
-
+@functools.lru_cache(maxsize=4)  # the last few corpora, by tokenizer (its identity) and texts
 def _token_stream(tokenizer, texts: tuple[str, ...]) -> tuple[int, ...]:
     """The concatenated token ids of ``texts``, tokenized once per tokenizer and corpus (a report cuts windows of
     the same corpus at several lengths and seeds)."""
-    key = (id(tokenizer), texts)
-    hit = _STREAMS.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
-    stream: list[int] = []
-    for t in texts:
-        stream.extend(tokenizer.encode(t, add_special_tokens=False))
-    if len(_STREAMS) >= 4:
-        _STREAMS.pop(next(iter(_STREAMS)))
-    _STREAMS[key] = (tokenizer, tuple(stream))
-    return _STREAMS[key][1]
+    return tuple(i for t in texts for i in tokenizer.encode(t, add_special_tokens=False))
 
 
 def text_probe(

@@ -71,6 +71,7 @@ NNSIGHT_SECTIONS = (
     "sink",
     "views",
     "massive",
+    "norm_gain",
     "key_manifold",
     "value_norms",
     "sink_kind",
@@ -81,7 +82,6 @@ NNSIGHT_SECTIONS = (
 )
 NOT_REMOTE = {
     "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
-    "norm_gain": "it reads the norm's gain and W_K here and the pre-softmax scores, which no shipped reduction reads",
 }
 
 

@@ -64,19 +64,9 @@ def _field_type(cls, f: dataclasses.Field):
 
 
 @functools.lru_cache(maxsize=None)
-def field_help(cls) -> dict[str, str]:
-    """Each dataclass field's help: its description in the class docstring's Attributes section, else the trailing
-    comment of its definition.
-
-    Parameters
-    ----------
-    cls : type
-        ModelConfig or TrainConfig.
-
-    Returns
-    -------
-    dict of str to str
-    """
+def _field_help(cls) -> dict[str, str]:
+    """Each dataclass field's help (``cls``: ModelConfig or TrainConfig): its description in the class docstring's
+    Attributes section, else the trailing comment of its definition."""
     out = {}
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
@@ -89,41 +79,21 @@ def field_help(cls) -> dict[str, str]:
     return out
 
 
-def field_flag(name: str) -> str:
+def _field_flag(name: str) -> str:
     """The option of a config field: ``--field-name``, or its name in the command line's vocabulary
-    (``analysis.core.options.TRAIN_FIELD_FLAGS``: ``eps`` is ``--norm-eps``, ``sink_eps`` is ``--eps``, ...).
-
-    Parameters
-    ----------
-    name : str
-        A ``ModelConfig`` or ``TrainConfig`` field.
-
-    Returns
-    -------
-    str
-    """
+    (``analysis.core.options.TRAIN_FIELD_FLAGS``: ``eps`` is ``--norm-eps``, ``sink_eps`` is ``--eps``, ...)."""
     return TRAIN_FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def _help(cls, f: dataclasses.Field, flag: str) -> str:
     default = f.default if f.default is not dataclasses.MISSING else None
-    return f"{VOCABULARY.get(flag) or field_help(cls).get(f.name, '')} (default: {default})".strip()
+    return f"{VOCABULARY.get(flag) or _field_help(cls).get(f.name, '')} (default: {default})".strip()
 
 
-def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
+def _add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed (the groups' ``argument_default``) so only explicit options
     override a preset. Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in
-    ``TRAIN_FIELD_FLAGS`` takes the command line's shared name; ``progress`` is ``--quiet``.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-    list_fields : sequence of str
-
-    Returns
-    -------
-    None
-    """
+    ``TRAIN_FIELD_FLAGS`` takes the command line's shared name; ``progress`` is ``--quiet``."""
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} options", argument_default=argparse.SUPPRESS)
         for f in dataclasses.fields(cls):
@@ -134,7 +104,7 @@ def add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence
                     "--quiet", dest="progress", action="store_const", const=False, help=VOCABULARY["--quiet"]
                 )
                 continue
-            flag = field_flag(f.name)
+            flag = _field_flag(f.name)
             base, optional = _field_type(cls, f)
             helptext = _help(cls, f, flag)
             if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
@@ -178,7 +148,7 @@ def _train_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=VOCABULARY["--preset"])
     p.add_argument("--list", action="store_true", help="list attention operations and presets, then exit")
     p.add_argument("--threads", type=int, default=None, help=VOCABULARY["--threads"])
-    add_config_options(p)
+    _add_config_options(p)
     return p
 
 
@@ -205,7 +175,7 @@ def _sweep_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls)
         if f.name not in ("preset", "out", "progress", "compile", "resume")
     ]
-    add_config_options(p, list_fields=fields)
+    _add_config_options(p, list_fields=fields)
     return p
 
 
@@ -246,52 +216,24 @@ def _print_list() -> None:
         print(f"  {name}")
 
 
-def held_run(out) -> list[str]:
-    """The files that make a folder hold a training run (``RUN_FILES``), those present.
-
-    Parameters
-    ----------
-    out : path-like
-
-    Returns
-    -------
-    list of str
-    """
+def _held_run(out) -> list[str]:
+    """The files that make a folder hold a training run (``RUN_FILES``), those present."""
     out = Path(out).expanduser()
     return [name for name in RUN_FILES if (out / name).exists()] if out.is_dir() else []
 
 
-def default_out(values: dict) -> str:
-    """Where a run without ``--out`` goes: ``runs/<preset>-<attention>-seed<seed>`` (printed, never thrown away).
-
-    Parameters
-    ----------
-    values : dict
-        The preset's fields updated with the command line's.
-
-    Returns
-    -------
-    str
-    """
+def _default_out(values: dict) -> str:
+    """Where a run without ``--out`` goes: ``runs/<preset>-<attention>-seed<seed>`` (printed, never thrown away);
+    ``values``: the preset's fields updated with the command line's."""
     return f"runs/{values.get('preset') or 'custom'}-{values.get('attention', 'softmax')}-seed{values.get('seed', 0)}"
 
 
-def check_run_args(ns: dict) -> None:
+def _check_run_args(ns: dict) -> None:
     """Everything a training run can check before any data is prepared (ValueError, naming the flag, otherwise):
     where it writes (``--out``: a folder that can be written and holds no run, unless ``--resume``), the sink
-    threshold (``--eps``, once the norms' epsilon), and the device (``cuda`` without CUDA is an error).
-
-    Parameters
-    ----------
-    ns : dict
-        The parsed options (``out`` set).
-
-    Returns
-    -------
-    None
-    """
+    threshold (``--eps``, once the norms' epsilon), and the device (``cuda`` without CUDA is an error)."""
     check_output(ns["out"], flag="--out", folder=True)
-    held = held_run(ns["out"])
+    held = _held_run(ns["out"])
     if held and not ns.get("resume"):
         raise ValueError(
             f"--out {ns['out']} already holds a run ({', '.join(held)}); pass --resume to continue it, or "
@@ -389,8 +331,8 @@ def run_train(args, *, command: str) -> int:
     try:
         named = "out" in ns
         if not named:
-            ns["out"] = default_out({**(preset(preset_name) if preset_name else {}), "preset": preset_name, **ns})
-        check_run_args(ns)
+            ns["out"] = _default_out({**(preset(preset_name) if preset_name else {}), "preset": preset_name, **ns})
+        _check_run_args(ns)
         mcfg, tcfg = build_configs(preset_name, ns)
         if not named:
             print(f"no --out given: the run is written to {ns['out']} (pass --out DIR to choose)")

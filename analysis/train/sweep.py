@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -35,21 +34,12 @@ METRICS = tuple(
     "loss val_loss sink_1 sink_k sink_slot sink_prefix sink_1_no_fixed val_loss_no_fixed sink_1_in_window "
     "sink_window_start spike_ratio value_norm_ratio resid_norm_ratio raw_first_mass".split()
 )
+CURVE_KEYS = ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")  # curves.csv's columns
 
 
-def grid_points(options: dict) -> tuple[list[str], list[dict]]:
-    """(grid field names, one {field: value} dict per combination); ``seed`` is always a grid field.
-
-    Parameters
-    ----------
-    options : dict
-        Config fields; a list is a grid axis.
-
-    Returns
-    -------
-    fields : list of str
-    points : list of dict
-    """
+def _grid_points(options: dict) -> tuple[list[str], list[dict]]:
+    """(grid field names, one {field: value} dict per combination) of config fields ``options`` (a list is a grid
+    axis); ``seed`` is always a grid field."""
     lists = {k: v for k, v in options.items() if isinstance(v, list)}
     lists.setdefault("seed", [options.get("seed", 0)])
     keys = [k for k in lists if k != "seed"] + ["seed"]
@@ -96,45 +86,26 @@ _NOT_CONFIG = tuple(
 )
 
 
-def config_key(model: dict, train: dict) -> str:
-    """What makes two runs the same run: every model and training field but output and logging options.
-
-    Parameters
-    ----------
-    model, train : dict
-        The configs.
-
-    Returns
-    -------
-    str
-    """
+def _config_key(model: dict, train: dict) -> str:
+    """What makes two runs the same run: every model and training field but output and logging options."""
     return json.dumps({k: v for k, v in {**model, **train}.items() if k not in _NOT_CONFIG}, sort_keys=True)
 
 
-def finished_runs(dirs: Sequence) -> dict[str, Path]:
-    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``.
-
-    Parameters
-    ----------
-    dirs : sequence of path-like
-
-    Returns
-    -------
-    dict of str to pathlib.Path
-    """
+def _finished_runs(dirs: Sequence) -> dict[str, Path]:
+    """{config key: run folder} of the finished runs (a config.json with final statistics) in ``dirs``."""
     found = {}
     for d in dirs:
         for cfg in sorted(Path(d).glob("*/config.json")):
             saved = read_json(cfg)
             if saved.get("final") and "model" in saved and "train" in saved:
-                found.setdefault(config_key(saved["model"], saved["train"]), cfg.parent)
+                found.setdefault(_config_key(saved["model"], saved["train"]), cfg.parent)
     return found
 
 
 def _reuse(preset_name, options: dict, run_dir: Path, reusable: dict[str, Path]) -> bool:
     """Copy a finished run with this exact configuration into ``run_dir`` (True), or do nothing."""
     mcfg, tcfg = build_configs(preset_name, {**options, "out": str(run_dir)})
-    src = reusable.get(config_key(mcfg.to_dict(), tcfg.to_dict()))
+    src = reusable.get(_config_key(mcfg.to_dict(), tcfg.to_dict()))
     if src is None or src.resolve() == run_dir.resolve():
         return False
     shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
@@ -213,9 +184,9 @@ def run_sweep(
     """
     options = dict(options)
     out = Path(options.pop("out"))
-    keys, points = grid_points(options)
+    keys, points = _grid_points(options)
     fixed = {k: v for k, v in options.items() if k not in keys}
-    reusable = finished_runs([d for d in reuse if Path(d).is_dir()])
+    reusable = _finished_runs([d for d in reuse if Path(d).is_dir()])
     todo, finals = [], {}
     for point in points:
         run_dir = out / run_name(point)
@@ -247,29 +218,14 @@ def run_sweep(
         rows.append(_row(point, finals[name], name))
         for rec in read_log(out / name, missing_ok=True):
             if "sink_1" in rec:
-                curves.append(
-                    {
-                        **point,
-                        **{
-                            k: rec.get(k)
-                            for k in ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")
-                        },
-                    }
-                )
+                curves.append({**point, **{k: rec.get(k) for k in CURVE_KEYS}})
     table = pd.DataFrame(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_csv(table, out / "sweep.csv")
-    _write_csv(summarise(table, keys), out / "summary.csv")
-    _write_csv(pd.DataFrame(curves), out / "curves.csv")
+    write_atomic(out / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
+    write_atomic(out / "summary.csv", lambda tmp: summarise(table, keys).to_csv(tmp, index=False))
+    write_atomic(out / "curves.csv", lambda tmp: pd.DataFrame(curves).to_csv(tmp, index=False))
     if command:
         write_atomic(out / "command.txt", command + "\n")
     return table
-
-
-def _write_csv(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    df.to_csv(tmp, index=False)
-    tmp.replace(path)
 
 
 def load_sweep(path) -> dict[str, pd.DataFrame]:

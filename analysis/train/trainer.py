@@ -145,17 +145,8 @@ def resolve_device(pref: str, *, local_rank: int = 0) -> torch.device:
     return torch.device(pref)
 
 
-def init_distributed(device_pref: str) -> tuple[int, int, int]:
-    """(rank, world size, local rank); initialises the process group under torchrun.
-
-    Parameters
-    ----------
-    device_pref : str
-
-    Returns
-    -------
-    tuple of (int, int, int)
-    """
+def _init_distributed(device_pref: str) -> tuple[int, int, int]:
+    """(rank, world size, local rank); initialises the process group under torchrun."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -169,18 +160,8 @@ def init_distributed(device_pref: str) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local
 
 
-def default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
-    """An equivalent ``python -m analysis train`` command (fields that differ from the defaults).
-
-    Parameters
-    ----------
-    mcfg, tcfg
-        As in :func:`analysis.train.presets.config_to_args`.
-
-    Returns
-    -------
-    str
-    """
+def _default_command(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
+    """An equivalent ``python -m analysis train`` command (fields that differ from the defaults)."""
     return shlex.join(["python", "-m", "analysis", "train", *config_to_args(mcfg, tcfg)])
 
 
@@ -326,7 +307,7 @@ def _resume(ckpt: Optional[Path], out, model, optimizer, names, mcfg, tcfg, main
 def _prepare_out(out: Path, start: int, command, mcfg, tcfg, data) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if start == 0:
-        write_atomic(out / "command.txt", (command or default_command(mcfg, tcfg)) + "\n")
+        write_atomic(out / "command.txt", (command or _default_command(mcfg, tcfg)) + "\n")
         write_atomic(out / "train_log.jsonl", "")
     if data.tokenizer is not None and hasattr(data.tokenizer, "backend_tokenizer"):
         data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
@@ -551,7 +532,7 @@ def train(
     TrainResult
     """
     mcfg, tcfg = ModelConfig.from_dict(model_cfg.to_dict()), TrainConfig.from_dict(train_cfg.to_dict())
-    rank, world, local_rank = init_distributed(tcfg.device)
+    rank, world, local_rank = _init_distributed(tcfg.device)
     device = resolve_device(tcfg.device, local_rank=local_rank)
     out = Path(tcfg.out).expanduser() if tcfg.out else None
     main = rank == 0

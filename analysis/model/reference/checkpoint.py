@@ -42,36 +42,14 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- atomic file writes
 
 
-def write_tensors(path, tensors: dict[str, torch.Tensor], *, metadata: Optional[dict] = None) -> None:
-    """Tensors written as safetensors, atomically.
-
-    Parameters
-    ----------
-    path : path-like
-    tensors : dict of str to torch.Tensor
-    metadata : dict, optional
-        String metadata.
-
-    Returns
-    -------
-    None
-    """
+def _write_tensors(path, tensors: dict[str, torch.Tensor], *, metadata: Optional[dict] = None) -> None:
+    """Tensors written as safetensors (with string ``metadata``), atomically."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def read_tensors(path) -> dict[str, torch.Tensor]:
-    """Tensors read from a safetensors file.
-
-    Parameters
-    ----------
-    path : path-like
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-        CheckpointError, saying what to do, where the file is missing or corrupt.
-    """
+def _read_tensors(path) -> dict[str, torch.Tensor]:
+    """Tensors read from a safetensors file; CheckpointError, saying what to do, where it is missing or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist.")
@@ -108,34 +86,8 @@ def read_json(path) -> dict:
 # ----------------------------------------------------------------------------- model weights
 
 
-def model_tensors(model: SinkLM) -> dict[str, torch.Tensor]:
-    """The model's persistent tensors by name (tied weights appear once).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-    """
-    return {k: v for k, v in model.state_dict().items()}
-
-
-def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> None:
-    """Strictly load ``tensors`` into ``model``; a clear CheckpointError on any mismatch.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-    tensors : dict of str to torch.Tensor
-    source : path-like
-        Named in errors.
-
-    Returns
-    -------
-    None
-    """
+def _load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> None:
+    """Strictly load ``tensors`` into ``model``; a clear CheckpointError, naming ``source``, on any mismatch."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -164,20 +116,9 @@ def load_weights(model: SinkLM, tensors: dict[str, torch.Tensor], source) -> Non
 # ----------------------------------------------------------------------------- optimizer state
 
 
-def optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+def _optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state as named tensors plus JSON hyper-parameters. ``names`` lists the parameter names in
-    the optimizer's parameter order.
-
-    Parameters
-    ----------
-    optimizer : torch.optim.Optimizer
-    names : list of str
-
-    Returns
-    -------
-    tensors : dict of str to torch.Tensor
-    meta : dict
-    """
+    the optimizer's parameter order."""
     sd = optimizer.state_dict()
     tensors = {}
     for idx, state in sd["state"].items():
@@ -188,25 +129,9 @@ def optimizer_tensors(optimizer, names: list[str]) -> tuple[dict[str, torch.Tens
     return tensors, {"param_groups": groups, "param_names": names}
 
 
-def load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, names: list[str], source) -> None:
-    """Restore AdamW's state from named tensors.
-
-    Parameters
-    ----------
-    optimizer : torch.optim.Optimizer
-    tensors : dict of str to torch.Tensor
-        ``name::field`` -> state.
-    meta : dict
-        ``param_names`` and ``param_groups``.
-    names : list of str
-        The parameter names in the optimizer's order.
-    source : path-like
-        Named in errors.
-
-    Returns
-    -------
-    None
-    """
+def _load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, names: list[str], source) -> None:
+    """Restore AdamW's state from named tensors (``name::field`` -> state) and ``meta`` (``param_names``,
+    ``param_groups``); ``names``: the parameter names in the optimizer's order; ``source`` is named in errors."""
     if meta.get("param_names") != names:
         raise CheckpointError(
             f"the optimizer state in {source} was written for different parameters; resume with the same "
@@ -225,31 +150,16 @@ def load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict, name
 # ----------------------------------------------------------------------------- RNG state
 
 
-def rng_tensors() -> dict[str, torch.Tensor]:
-    """The random number generators' states (CPU, and CUDA where used).
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-    """
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """The random number generators' states (CPU, and CUDA where used)."""
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = torch.cuda.get_rng_state()
     return out
 
 
-def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
-    """Restore the random number generators' states.
-
-    Parameters
-    ----------
-    tensors : dict of str to torch.Tensor
-        As :func:`rng_tensors` made them.
-
-    Returns
-    -------
-    None
-    """
+def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    """Restore the random number generators' states (as :func:`_rng_tensors` made them)."""
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
@@ -283,10 +193,10 @@ def save_checkpoint(out: Path, step: int, model: SinkLM, optimizer, names: list[
     root = Path(out) / "checkpoints"
 
     def fill(tmp: Path) -> None:
-        write_tensors(tmp / "model.safetensors", model_tensors(model))
-        opt_t, opt_meta = optimizer_tensors(optimizer, names)
-        write_tensors(tmp / "optimizer.safetensors", opt_t)
-        write_tensors(tmp / "rng.safetensors", rng_tensors())
+        _write_tensors(tmp / "model.safetensors", model.state_dict())
+        opt_t, opt_meta = _optimizer_tensors(optimizer, names)
+        _write_tensors(tmp / "optimizer.safetensors", opt_t)
+        _write_tensors(tmp / "rng.safetensors", _rng_tensors())
         write_json(
             tmp / "state.json",
             {**state, "step": step, "optimizer": opt_meta, "format_version": FORMAT_VERSION},
@@ -343,15 +253,15 @@ def load_checkpoint(path: Path, model: SinkLM, optimizer, names: list[str]) -> d
     """
     path = Path(path)
     state = read_json(path / "state.json")
-    load_weights(model, read_tensors(path / "model.safetensors"), path / "model.safetensors")
-    load_optimizer(
+    _load_weights(model, _read_tensors(path / "model.safetensors"), path / "model.safetensors")
+    _load_optimizer(
         optimizer,
-        read_tensors(path / "optimizer.safetensors"),
+        _read_tensors(path / "optimizer.safetensors"),
         state["optimizer"],
         names,
         path / "optimizer.safetensors",
     )
-    restore_rng(read_tensors(path / "rng.safetensors"))
+    _restore_rng(_read_tensors(path / "rng.safetensors"))
     return state
 
 
@@ -374,7 +284,7 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     None
     """
     out = Path(out)
-    write_tensors(out / "model.safetensors", model_tensors(model), metadata={"format": REFERENCE_FORMAT})
+    _write_tensors(out / "model.safetensors", model.state_dict(), metadata={"format": REFERENCE_FORMAT})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "backend_tokenizer"):
         write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
@@ -438,7 +348,7 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
             pad_token=tok_info.get("pad_token"),
         )
     model = SinkLM(mcfg, tokenizer=tokenizer)
-    load_weights(model, read_tensors(d / "model.safetensors"), d / "model.safetensors")
+    _load_weights(model, _read_tensors(d / "model.safetensors"), d / "model.safetensors")
     model.reference_config = cfg
     model.model_name = d.name
     if device is None:

@@ -422,20 +422,6 @@ def _known_fields(cls, d: dict, what: str) -> dict:
     return dict(d)
 
 
-def field_names(cls) -> list[str]:
-    """The field names of a config class.
-
-    Parameters
-    ----------
-    cls : type
-
-    Returns
-    -------
-    list of str
-    """
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 def split_overrides(overrides: dict) -> tuple[dict, dict]:
     """Split a flat {field: value} dict into (model fields, train fields); unknown names raise.
 
@@ -448,7 +434,7 @@ def split_overrides(overrides: dict) -> tuple[dict, dict]:
     model : dict
     train : dict
     """
-    m_names, t_names = set(field_names(ModelConfig)), set(field_names(TrainConfig))
+    m_names, t_names = ({f.name for f in dataclasses.fields(c)} for c in (ModelConfig, TrainConfig))
     unknown = sorted(set(overrides) - m_names - t_names)
     if unknown:
         raise ValueError(

@@ -80,28 +80,15 @@ def stdlib_docstrings(max_chars: Optional[int] = None) -> list[str]:
     return docs
 
 
-def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[int]) -> Iterator[str]:
-    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters.
-
-    Parameters
-    ----------
-    name : str
-    split : str
-    text_column : str
-    max_chars : int or None
-
-    Yields
-    ------
-    str
-    """
+def _hf_documents(name: str, split: str, text_column: str, max_chars: Optional[int]) -> Iterator[str]:
+    """Documents of a Hugging Face dataset ``NAME[:CONFIG]``, streamed, up to ``max_chars`` characters."""
     try:
-        import datasets  # noqa: F401 - imported lazily: only needed for hf: corpora
+        from datasets import load_dataset  # imported lazily: only needed for hf: corpora
     except ImportError as e:
         raise ImportError(
             "dataset='hf:...' needs the `datasets` package: `pip install datasets` (and a network), "
             "or use --dataset stdlib / tokens:PATH.npy."
         ) from e
-    from datasets import load_dataset
 
     repo, _, config = name.partition(":")
     try:
@@ -128,7 +115,8 @@ def hf_documents(name: str, split: str, text_column: str, max_chars: Optional[in
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer trained on ``docs``, wrapped as ``PreTrainedTokenizerFast``.
+    """A byte-level BPE tokenizer trained on ``docs``, wrapped as a ``PreTrainedTokenizerFast`` whose BOS, EOS and
+    padding are the EOS token.
 
     Parameters
     ----------
@@ -140,6 +128,7 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
     transformers.PreTrainedTokenizerFast
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -152,22 +141,6 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(docs, trainer=trainer)
-    return wrap_tokenizer(tok)
-
-
-def wrap_tokenizer(tok):
-    """A ``tokenizers`` tokenizer as a ``PreTrainedTokenizerFast`` whose BOS, EOS and padding are the EOS token.
-
-    Parameters
-    ----------
-    tok : tokenizers.Tokenizer
-
-    Returns
-    -------
-    transformers.PreTrainedTokenizerFast
-    """
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=None, pad_token=EOS_TOKEN
     )
@@ -191,18 +164,9 @@ def load_tokenizer_file(path) -> "object":
     )
 
 
-def pretrained_tokenizer(name: str):
-    """A Hugging Face tokenizer by name or folder.
-
-    Parameters
-    ----------
-    name : str
-
-    Returns
-    -------
-    transformers.PreTrainedTokenizerBase
-        RuntimeError saying what to use instead where it cannot be loaded.
-    """
+def _pretrained_tokenizer(name: str):
+    """A Hugging Face tokenizer by name or folder; RuntimeError saying what to use instead where it cannot be
+    loaded."""
     from transformers import AutoTokenizer
 
     try:
@@ -602,7 +566,7 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         if tokenizer is None:
             if cfg.tokenizer == "bpe":
                 raise ValueError("dataset='tokens:...' needs the tokenizer the ids came from: --tokenizer NAME.")
-            tokenizer = pretrained_tokenizer(cfg.tokenizer)
+            tokenizer = _pretrained_tokenizer(cfg.tokenizer)
         return PackedCorpus(cfg, n_ctx, stream, tokenizer, f"token file {path.name}")
     if ds != "stdlib" and not ds.startswith("hf:"):
         raise ValueError(
@@ -622,12 +586,12 @@ def build_data(cfg: TrainConfig, n_ctx: int, *, tokenizer=None) -> DataSource:
         stdlib = stdlib_docstrings(cfg.corpus_max_chars)
         docs = lambda: iter(stdlib)  # noqa: E731
     else:
-        docs = lambda: hf_documents(ds[3:], cfg.dataset_split, cfg.text_column, cfg.corpus_max_chars)  # noqa: E731
+        docs = lambda: _hf_documents(ds[3:], cfg.dataset_split, cfg.text_column, cfg.corpus_max_chars)  # noqa: E731
     if tokenizer is None:
         tokenizer = (
             train_bpe(docs(), cfg.tokenizer_vocab_size)
             if cfg.tokenizer == "bpe"
-            else pretrained_tokenizer(cfg.tokenizer)
+            else _pretrained_tokenizer(cfg.tokenizer)
         )
     stream = tokenize_docs(tokenizer, docs())
     if len(stream) == 0:

@@ -33,14 +33,9 @@ def _flex(q, k, v, *, window, **kw):
 def _block_mask(T: int, window, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if window is None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-    else:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    def mask_mod(b, h, q_idx, kv_idx):  # causal, within the window where there is one
+        causal = q_idx >= kv_idx
+        return causal if window is None else causal & (q_idx - kv_idx < window)
 
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 

@@ -54,18 +54,9 @@ class KernelChoice:
         return {"kernel": self.kernel, **({"fallback": self.fallback} if self.fallback else {})}
 
 
-def triton_runs_on(device_type: str) -> bool:
+def _triton_runs_on(device_type: str) -> bool:
     """Whether the Triton kernels can run on this device: Triton importable, and CUDA (or the CPU under
-    ``TRITON_INTERPRET=1``, the interpreter the tests use).
-
-    Parameters
-    ----------
-    device_type : str
-
-    Returns
-    -------
-    bool
-    """
+    ``TRITON_INTERPRET=1``, the interpreter the tests use)."""
     try:
         import triton  # noqa: F401  # optional
     except ImportError:
@@ -121,7 +112,7 @@ def attention_kernel(
     bias : {"alibi", "relative"} or None
         The additive position bias.
     triton_ok : bool, optional
-        Whether Triton runs on the device (default ``triton_runs_on(device_type)``).
+        Whether Triton runs on the device (default ``_triton_runs_on(device_type)``).
 
     Returns
     -------
@@ -135,7 +126,7 @@ def attention_kernel(
     if want not in supported:
         has = ", ".join(supported) or "none"
         return KernelChoice("eager", f"this operation has no {want} kernel (its fused kernels: {has})")
-    ok = triton_runs_on(device_type) if triton_ok is None else triton_ok
+    ok = _triton_runs_on(device_type) if triton_ok is None else triton_ok
     why = _limits(want, device_type, dtype, head_dim, bias, ok)
     return KernelChoice("eager", f"{why}: the eager path") if why else KernelChoice(want)
 

@@ -65,20 +65,9 @@ def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     return -slopes.view(-1, *([1] * distance.ndim)) * distance.clamp_min(0).to(slopes.dtype)
 
 
-def relative_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """T5's causal (unidirectional) bucketing of distance = i - j >= 0: exact below num_buckets/2, log above.
-
-    Parameters
-    ----------
-    distance : torch.Tensor
-    num_buckets : int
-    max_distance : int
-
-    Returns
-    -------
-    torch.Tensor
-        ``distance``'s shape, long.
-    """
+def _relative_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal (unidirectional) bucketing of distance = i - j >= 0 (long, ``distance``'s shape): exact below
+    num_buckets/2, log above."""
     n = distance.clamp_min(0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
@@ -103,7 +92,7 @@ class RelativeBias(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_buckets, n_heads))
 
     def forward(self, distance: torch.Tensor) -> torch.Tensor:
-        b = relative_bucket(distance, self.num_buckets, self.max_distance)
+        b = _relative_bucket(distance, self.num_buckets, self.max_distance)
         return self.weight[b].movedim(-1, 0)  # (H, *distance.shape)
 
 

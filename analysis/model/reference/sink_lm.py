@@ -31,10 +31,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange, repeat
 from torch import nn
 
-try:  # TransformerLens >= 4
-    from transformer_lens.HookedRootModule import HookedRootModule
-except ImportError:  # pragma: no cover - TransformerLens 2/3
-    from transformer_lens.hook_points import HookedRootModule
+from transformer_lens.HookedRootModule import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from analysis.model.hooks import validate_token_ids

@@ -79,11 +79,12 @@ def _scores(q, k, offs_m, offs_n, hb, bias_ptr, sbm, sbn, T, scale, WINDOW: tl.c
 
 
 @triton.jit
-def _fwd(
+def _rows(
     Q,
     K,
     V,
-    O,
+    DO,
+    OUT,
     HB,
     BIAS,
     sb,
@@ -101,7 +102,10 @@ def _fwd(
     BM: tl.constexpr,
     BN: tl.constexpr,
     D: tl.constexpr,
+    GRAD: tl.constexpr,
 ):
+    """One block of query rows over the keys it sees: z = f(S) V (the forward), or with ``GRAD``
+    dQ = ((dO V^T) * f'(S)) K * scale (``DO`` is read only then)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     h = bh % H
     base = (bh // H) * sb + h * sh
@@ -109,6 +113,8 @@ def _fwd(
     offs_d = tl.arange(0, D)
     rows = offs_m[:, None] < T
     q = _tile(Q, base, offs_m, offs_d, st, T)
+    if GRAD:
+        do = _tile(DO, base, offs_m, offs_d, st, T)
     hb = tl.load(HB + h)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     lo, hi = _keys_seen(pid_m, T, BM, BN, WINDOW)
@@ -117,9 +123,15 @@ def _fwd(
         k = _tile(K, base, offs_n, offs_d, st, T)
         v = _tile(V, base, offs_n, offs_d, st, T)
         s, keep = _scores(q, k, offs_m, offs_n, hb, BIAS + h * sbh, sbm, sbn, T, scale, WINDOW, HAS_BIAS)
-        p = tl.where(keep, _f(s, KIND), 0.0)
-        acc += tl.dot(p.to(v.dtype), v).to(tl.float32)
-    tl.store(O + base + offs_m[:, None] * st + offs_d[None, :], acc.to(O.dtype.element_ty), mask=rows)
+        if GRAD:
+            ds = tl.where(keep, tl.dot(do, tl.trans(v)).to(tl.float32) * _df(s, KIND), 0.0)
+            acc += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+        else:
+            p = tl.where(keep, _f(s, KIND), 0.0)
+            acc += tl.dot(p.to(v.dtype), v).to(tl.float32)
+    if GRAD:
+        acc = acc * scale
+    tl.store(OUT + base + offs_m[:, None] * st + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=rows)
 
 
 @triton.jit
@@ -181,53 +193,6 @@ def _bwd_kv(
     tl.atomic_add(DHB + h, tl.sum(dhb, 0))
 
 
-@triton.jit
-def _bwd_q(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    HB,
-    BIAS,
-    sb,
-    sh,
-    st,
-    sbh,
-    sbm,
-    sbn,
-    H,
-    T,
-    scale,
-    KIND: tl.constexpr,
-    WINDOW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    h = bh % H
-    base = (bh // H) * sb + h * sh
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    rows = offs_m[:, None] < T
-    q = _tile(Q, base, offs_m, offs_d, st, T)
-    do = _tile(DO, base, offs_m, offs_d, st, T)
-    hb = tl.load(HB + h)
-    dq = tl.zeros([BM, D], dtype=tl.float32)
-    lo, hi = _keys_seen(pid_m, T, BM, BN, WINDOW)
-    for start in range(lo, hi, BN):
-        offs_n = start + tl.arange(0, BN)
-        k = _tile(K, base, offs_n, offs_d, st, T)
-        v = _tile(V, base, offs_n, offs_d, st, T)
-        s, keep = _scores(q, k, offs_m, offs_n, hb, BIAS + h * sbh, sbm, sbn, T, scale, WINDOW, HAS_BIAS)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        ds = tl.where(keep, dp * _df(s, KIND), 0.0)
-        dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-    tl.store(DQ + base + offs_m[:, None] * st + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rows)
-
-
 def _launch(q, bias, kind: int, window):
     """The kernels' grid, the arguments after the tensors (strides, H, T) and their constants."""
     B, H, T, D = q.shape
@@ -247,7 +212,7 @@ class ElementwiseAttention(torch.autograd.Function):
         bias_t = score_bias if score_bias is not None else q.new_zeros(1, 1, 1)
         grid, args, constants = _launch(q, score_bias, kind, window)
         o = torch.empty_like(q)
-        _fwd[grid](q, k, v, o, hb, bias_t, *args, scale, **constants)
+        _rows[grid](q, k, v, q, o, hb, bias_t, *args, scale, **constants, GRAD=False)
         ctx.save_for_backward(q, k, v, hb, bias_t)
         ctx.launch = (grid, args, scale, constants)
         return o
@@ -260,7 +225,7 @@ class ElementwiseAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dhb = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
         _bwd_kv[grid](q, k, v, do, dk, dv, hb, dhb, bias_t, *args, scale, **constants)
-        _bwd_q[grid](q, k, v, do, dq, hb, bias_t, *args, scale, **constants)
+        _rows[grid](q, k, v, do, dq, hb, bias_t, *args, scale, **constants, GRAD=True)
         return dq, dk, dv, dhb, None, None, None, None
 
 
