@@ -23,6 +23,9 @@ from analysis.model.contract import SinkModel
 from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, model_facts, per_query_head
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
+from analysis.engine.passes import Reduction
+from analysis.engine.remote import edit_trace, pass_plan, plan_requests, reduction_bytes
+from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
 from analysis.core.docs import fill_parameters, model_tokens, parameters_from
@@ -91,31 +94,25 @@ class PassResult(LayerAxis):
         return (self.alpha[..., k - 1] > self.eps).float().mean(dim=(0, 2)) * 100
 
 
-def loss_sum(logits: torch.Tensor, tokens: torch.Tensor, *, rows: int = LOSS_ROWS) -> float:
-    """Summed next-token cross-entropy, a few sequences at a time (peak memory: one chunk's log-softmax, not the whole
-    batch's).
+def _loss_stats(logits: torch.Tensor, tokens: torch.Tensor, *, groups=(slice(None),), rows: int = LOSS_ROWS) -> dict:
+    """Each group's summed next-token cross-entropy ("sum", float64 (G,)), ``rows`` sequences at a time (peak memory:
+    one chunk's log-softmax, not the batch's), and with T > 1 each sequence's loss on the first token's own prediction
+    ("first", (B,)): torch only, so a remote trace runs it on the logits."""
+    F, tokens, sums = torch.nn.functional, tokens.to(logits.device), []
+    for g in groups:
+        lg, tk, total = logits[g, :-1], tokens[g, 1:], torch.zeros((), dtype=torch.float64, device=logits.device)
+        for i in range(0, lg.shape[0], rows):
+            ce = F.cross_entropy(lg[i : i + rows].float().flatten(0, 1), tk[i : i + rows].flatten(), reduction="sum")
+            total = total + ce.double()
+        sums.append(total)
+    first = F.cross_entropy(logits[:, 0].float(), tokens[:, 1], reduction="none") if tokens.shape[1] > 1 else None
+    return {"sum": torch.stack(sums), **({} if first is None else {"first": first})}
 
-    Parameters
-    ----------
-    logits : torch.Tensor, shape (B, T, V)
-    tokens : torch.Tensor, shape (B, T)
-    rows : int
-        Sequences per chunk.
 
-    Returns
-    -------
-    float
-        The sum over the B (T - 1) predictions.
-    """
-    total = 0.0
-    for i in range(0, logits.shape[0], rows):
-        lg = logits[i : i + rows, :-1].float()
-        total += float(
-            torch.nn.functional.cross_entropy(
-                lg.reshape(-1, lg.shape[-1]), tokens[i : i + rows, 1:].reshape(-1), reduction="sum"
-            )
-        )
-    return total
+def _pass_stats(acts: dict, *, k_max: int, T: int) -> dict:
+    """:class:`PassAccumulator`'s reduce of {"pattern"}: "alpha" (B, H, k_max) and with T >= 3 "where" (B, H, 4)."""
+    p = acts["pattern"]
+    return {"alpha": alpha_from_pattern(p, k_max), **({"where": where_shares(p)} if T >= 3 else {})}
 
 
 def where_shares(pattern: torch.Tensor) -> torch.Tensor:
@@ -217,29 +214,32 @@ class PassAccumulator(Accumulator):
             self.n_pred.append(0)
             self.n.append(0)
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        p = acts["pattern"]
-        self.alpha.put(layer, alpha_from_pattern(p, self.k_max))
-        if self.T >= 3:
-            shares = where_shares(p).double()
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(_pass_stats, {"k_max": self.k_max, "T": self.T})
+
+    def fold(self, layer: int, s: dict, batch: Batch) -> None:
+        self.alpha.put(layer, s["alpha"])
+        if "where" in s:
+            shares = s["where"].double()
             for g, rows in self._groups(batch):
                 self._condition(g)
                 self.where[g][self.pos[layer]] += shares[rows].sum(0).cpu()
 
-    def end_batch(self, batch: Batch, logits) -> None:
-        self.alpha.end_batch()
-        for g, rows in self._groups(batch):
+    def fold_loss(self, s: dict, batch: Batch) -> None:
+        """Fold what :func:`_loss_stats` gave for a batch (here, or in a remote trace)."""
+        for (g, rows), total in zip(self._groups(batch), s["sum"].tolist()):
             self._condition(g)
             tokens = batch.tokens[rows]
-            self.loss_sum[g] += loss_sum(logits[rows], tokens)
+            self.loss_sum[g] += total
             self.n_pred[g] += tokens.shape[0] * (tokens.shape[1] - 1)
             self.n[g] += tokens.shape[0]
-        if batch.tokens.shape[1] > 1:
-            self.first.append(
-                torch.nn.functional.cross_entropy(
-                    logits[:, 0].float(), batch.tokens[:, 1].to(logits.device), reduction="none"
-                ).cpu()
-            )
+        if "first" in s:
+            self.first.append(s["first"].cpu())
+
+    def end_batch(self, batch: Batch, logits) -> None:
+        self.alpha.end_batch()
+        if logits is not None:  # a remote pass folds the loss_stats its trace ran (fold_loss)
+            self.fold_loss(_loss_stats(logits, batch.tokens, groups=[r for _, r in self._groups(batch)]), batch)
 
     def result(self) -> PassResult | list[PassResult]:
         alpha, first = self.alpha.result(), torch.cat(self.first) if self.first else None
@@ -273,6 +273,7 @@ def run_condition(
     on_batch_start=None,
     baseline: Baseline | None = None,
     groups: int = 1,
+    edits=None,
 ) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -295,6 +296,10 @@ def run_condition(
         ``tokens`` holds this many conditions of the same sequences, one after another (the sequences repeated; the
         hooks tell the conditions apart by row, with ``on_batch_start``), run in one pass as one longer input:
         fewer, fuller batches than a pass each. The baseline is that of one condition's sequences.
+    edits : callable, optional
+        ``edits(batch)``: the hooks' interventions as trace edits ({layer: {site: Reduction}},
+        ``analysis.engine.remote.edit_trace``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
+        from the embedding in its traces instead of the hooks.
 
     Returns
     -------
@@ -305,6 +310,11 @@ def run_condition(
     if G < 1 or tokens.shape[0] % G:
         raise ValueError(f"groups must divide the {tokens.shape[0]} sequences into equal conditions; got {groups}.")
     rows = tokens.shape[0] // G
+    if isinstance(model, NnsightModel):  # its traces make the edits, each from the embedding (no resume)
+        if hooks and edits is None:
+            raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
+        acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, group_rows=rows if G > 1 else None)
+        return _remote_run(model, tokens, [acc], edits=edits, batch_size=batch_size)[0]
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
         resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
@@ -322,6 +332,29 @@ def run_condition(
     if G == 1:
         return _with_prefix(run, baseline.run) if resume else run
     return [_with_prefix(r, baseline.run) if resume else r for r in run]
+
+
+def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
+    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF: per batch, one trace
+    (``analysis.engine.remote.edit_trace``) a layer group of the request plan, each making every edit from the
+    embedding; the reductions, and the loss for the accumulator that ``needs_logits``, run there and fold here."""
+    plan = pass_plan(model, accumulators)
+    per, fixed = reduction_bytes(model, tokens, plan)
+    req, by_layer = plan_requests(tokens.shape[0], [p[0] for p in plan], per=per, fixed=fixed), {p[0]: p for p in plan}
+    bs = min(batch_size or req.samples, req.samples)  # never a request over NDIF's limit
+    for batch in (Batch(tokens[i : i + bs], i) for i in range(0, tokens.shape[0], bs)):
+        for group in req.layer_groups:
+            loss = [a for a in accumulators if a.needs_logits] if group is req.layer_groups[-1] else []
+            logits = Reduction(_loss_stats, {"groups": [r for _, r in loss[0]._groups(batch)]}) if loss else None
+            todo = [by_layer[l] for l in group]
+            got, stats = edit_trace(model, batch.tokens, todo, edits(batch) if edits else {}, logits=logits)
+            for j, layer, r in got:
+                accumulators[j].fold(layer, r, batch)
+            for a in loss:
+                a.fold_loss(stats, batch)
+        for a in accumulators:
+            a.end_batch(batch, None)
+    return [a.result() for a in accumulators]
 
 
 def _resume(model, hooks, baseline: Baseline | None, eps: float, k_max: int) -> Resume | None:
@@ -349,6 +382,30 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
 # ----------------------------------------------------------------------------------------------
 
 
+def _first_position(acts: dict) -> torch.Tensor:
+    """:class:`FirstTokenResidAccumulator`'s reduce of {"resid"}: the first token's residual stream, (B, D) float32."""
+    return acts["resid"][:, 0].float()
+
+
+def _value_head_stats(acts: dict, *, H: int, K: int) -> dict:
+    """:class:`ValueStatsAccumulator`'s reduce of {"pattern", "v", "z"}: per query head, summed over the batch, alpha_1
+    ("a1"), |v_1| ("v1") and over t > 1 the means of |v_t| ("vj"), |A[t, 1] v_1| ("contrib") and |z_t| ("z"); each
+    sample's v_1 per query head ("first_v", (B, H, d)). H and K: query and KV heads."""
+    a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
+    v = kv_view(acts["v"], K).float()  # (B, T, H_kv, d)
+    norms = per_query_head(v.norm(dim=-1), H)  # (B, T, H): |v| per KV head, repeated
+    contrib = a1.permute(0, 2, 1) * norms[:, :1]  # (B, T, H): |A_t1 v_1| = A_t1 |v_1|
+    later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(H))  # noqa: E731
+    return {
+        "a1": a1.mean(-1).sum(0).cpu(),
+        "v1": norms[:, 0].sum(0).cpu(),
+        "vj": later(norms),
+        "contrib": later(contrib),
+        "z": later(acts["z"].float().norm(dim=-1)),
+        "first_v": per_query_head(v[:, 0], H, dim=1),
+    }
+
+
 class FirstTokenResidAccumulator(Accumulator):
     """The first token's residual stream after every block (``hook_resid_post``), (N, L, D): the means the spike
     ablation sets the spike dims to.
@@ -366,8 +423,11 @@ class FirstTokenResidAccumulator(Accumulator):
     def hooks(self):
         return {l: {"resid": act_name("resid_post", l)} for l in self.layers}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        self.first.put(layer, acts["resid"][:, 0].float())
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(_first_position)
+
+    def fold(self, layer: int, first: torch.Tensor, batch: Batch) -> None:
+        self.first.put(layer, first)
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.first.end_batch()
@@ -397,43 +457,26 @@ class ValueStatsAccumulator(Accumulator):
     def hooks(self):
         return {l: {n: act_name(n, l) for n in ("pattern", "v", "z")} for l in self.layers}
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        a1 = attention_of(acts["pattern"]).column(0)  # (B, H, T)
-        v = kv_view(acts["v"], self.K).float()  # (B, T, H_kv, d)
-        v1 = per_query_head(v[:, 0], self.H, dim=1)  # (B, H, d)
-        norms = per_query_head(v.norm(dim=-1), self.H)  # (B, T, H): |v| per KV head, repeated
-        contrib = a1.permute(0, 2, 1) * norms[:, :1]  # (B, T, H): |A_t1 v_1| = A_t1 |v_1|
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(_value_head_stats, {"H": self.H, "K": self.K})
+
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
         s = self.sums[layer]
-        later = (lambda x: x[:, 1:].mean(1).sum(0).cpu()) if v.shape[1] > 1 else (lambda x: torch.zeros(self.H))  # noqa: E731
-        s["a1"] = s["a1"] + a1.mean(-1).sum(0).cpu()
-        s["v1"] = s["v1"] + norms[:, 0].sum(0).cpu()
-        s["vj"] = s["vj"] + later(norms)
-        s["contrib"] = s["contrib"] + later(contrib)
-        s["z"] = s["z"] + later(acts["z"].float().norm(dim=-1))
-        self.v1.put(layer, v1)
+        for key in s:  # a1, v1, vj, contrib, z
+            s[key] = s[key] + stats[key]
+        self.v1.put(layer, stats["first_v"])
         if layer == self.layers[0]:
-            self.n += v.shape[0]
+            self.n += stats["first_v"].shape[0]
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.v1.end_batch()
 
     def result(self) -> dict:
         """{"heads": one row per (attention layer, query head), "v1": (N, L, H, d) on the attention layers."""
+        names = {"alpha_1": "a1", "v1_norm": "v1", "v_other_norm": "vj", "first_contrib_norm": "contrib"}
+        names["output_norm"] = "z"
         rows = [
-            {
-                "layer": l,
-                "head": h,
-                **{
-                    name: float(self.sums[l][key][h] / self.n)
-                    for name, key in (
-                        ("alpha_1", "a1"),
-                        ("v1_norm", "v1"),
-                        ("v_other_norm", "vj"),
-                        ("first_contrib_norm", "contrib"),
-                        ("output_norm", "z"),
-                    )
-                },
-            }
+            {"layer": l, "head": h, **{n: float(self.sums[l][key][h] / self.n) for n, key in names.items()}}
             for l in self.layers
             for h in range(self.H)
         ]
@@ -463,10 +506,7 @@ class Baseline:
     first_resid: torch.Tensor  # (N, L, D) the first token's hook_resid_post
     value_heads: pd.DataFrame  # one row per (layer, query head): alpha_1, |v_1|, |v_j|, |A v_1|, |z|
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
-    resid: dict = field(
-        default_factory=dict
-    )  # block -> (N, T, D) residual entering it (passes.ResidCapture): condition
-    # passes resume at the last kept block before their hooks (run_condition); optional, ``analysis.profile`` fills it
+    resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it: the resume points
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
@@ -532,7 +572,8 @@ def baseline_pass(model: SinkModel, tokens, *, eps: float = SINK_EPS, batch_size
     """
     tokens = check_tokens(model, tokens)
     accs = baseline_accumulators(model, tokens.shape[1], eps=eps)
-    return baseline_from(run_pass(model, tokens, accs, batch_size=batch_size))
+    run = _remote_run if isinstance(model, NnsightModel) else run_pass  # remote: the loss a reduction in the trace
+    return baseline_from(run(model, tokens, accs, batch_size=batch_size))
 
 
 # Parameters written once, in baseline_pass: the factory's eps, and run_condition's model, tokens, eps, batch_size.
@@ -581,7 +622,10 @@ register(
         hooks=("pattern", "resid", "v", "z"),
         product=True,
         doc="The interventions' shared baseline on the main kind.",
-        accumulators=lambda p: baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps),
+        # none on a remote model (its pass gives no logits): each intervention runs baseline_pass there
+        accumulators=lambda p: (
+            [] if isinstance(p.model, NnsightModel) else baseline_accumulators(p.model, p.tokens.shape[1], eps=p.eps)
+        ),
         # with the main kind's resume points, so that its conditions resume
         finish=lambda outputs, p, got: baseline_from(outputs, resid=got["resid"][0] if got.get("resid") else {}),
     )

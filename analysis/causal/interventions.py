@@ -48,7 +48,9 @@ from analysis.model.hooks import (
 from analysis.core.docs import parameters_from
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
-from analysis.engine.passes import Batch
+from analysis.engine.attention import attention_of
+from analysis.engine.passes import Batch, Reduction
+from analysis.model.nnsight_model import NnsightModel
 from analysis.core.results import Result, dims_by_layer_text, layer_runs
 from analysis.sinks.metric import check_eps
 
@@ -229,14 +231,27 @@ class SpikeSetter:
     def hooks(self):
         return [(act_name("resid_post", l), partial(self.set, l)) for l in sorted(self.spikes)]
 
+    def _value(self, layer: int, B: int):
+        return 0.0 if self.mode == "zero" else self.loo[layer][self.offset : self.offset + B]
+
     def set(self, layer: int, x: torch.Tensor, hook) -> torch.Tensor:
-        x = x.clone()
-        dims = torch.tensor(self.spikes[layer], device=x.device)
-        if self.mode == "zero":
-            x[:, 0, dims] = 0.0
-        else:
-            x[:, 0, dims] = self.loo[layer][self.offset : self.offset + x.shape[0]].to(x.device, x.dtype)
-        return x
+        return _set_first(x, dims=torch.tensor(self.spikes[layer]), value=self._value(layer, x.shape[0]))
+
+    def edits(self, batch: Batch) -> dict:
+        """The same edits in a remote trace (``run_condition``'s ``edits``), at each layer's output."""
+        self.start(batch)
+        return {
+            l: {"resid_post": Reduction(_set_first, {"dims": torch.tensor(d), "value": self._value(l, batch.size)})}
+            for l, d in self.spikes.items()
+        }
+
+
+def _set_first(x: torch.Tensor, *, dims: torch.Tensor, value) -> torch.Tensor:
+    """``x`` (B, T, D) with the first token's ``dims`` set to ``value`` (a number, or (B, n_dims)): torch only, so a
+    remote trace ships it."""
+    x = x.clone()
+    x[:, 0, dims.to(x.device)] = value.to(x.device, x.dtype) if isinstance(value, torch.Tensor) else value
+    return x
 
 
 def _spike_message(model, spikes: dict, how: str, skipped: str, abs_threshold, ratio_threshold, min_share) -> str:
@@ -315,6 +330,7 @@ def spike_ablation(
             model,
             tokens,
             hooks=setter.hooks(),
+            edits=setter.edits,
             eps=eps,
             batch_size=batch_size,
             on_batch_start=setter.start,
@@ -430,8 +446,9 @@ class ValueRemoval:
         v_mean: dict | None = None,
         first_query: bool = True,
     ):
-        dims, spec = model_dims(model), get_family(model)
-        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec.pattern_live
+        dims, spec = model_dims(model), None if isinstance(model, NnsightModel) else get_family(model)
+        # a remote trace reads q and k: the pattern is live there
+        self.H, self.K, self.live = dims.n_heads, dims.n_kv_heads, spec is None or spec.pattern_live
         self.mode, self.v_mean, self.first_query, self.offset = mode, v_mean, first_query, 0
         self.by_layer: dict[int, torch.Tensor] = {}
         for l, h in heads:
@@ -465,23 +482,24 @@ class ValueRemoval:
         return self.v_mean[layer][self.offset : self.offset + B, heads]  # (B, h, d)
 
     def on_pattern(self, layer: int, p: torch.Tensor, hook) -> None:
-        self.state.setdefault(layer, {})["a1"] = p[:, self.by_layer[layer].to(p.device), :, 0].detach()  # (B, h, T)
+        self.state.setdefault(layer, {})["pattern"] = p
 
     def on_v(self, layer: int, v: torch.Tensor, hook) -> None:
-        v1 = per_query_head(kv_view(v, self.K), self.H)[:, 0]  # (B, H, d)
-        self.state.setdefault(layer, {})["v1"] = v1[:, self.by_layer[layer].to(v.device)].detach()
+        self.state.setdefault(layer, {})["v"] = v
+
+    def _params(self, layer: int, B: int) -> dict:
+        """:func:`_value_removed`'s parameters for a batch of B sequences from ``self.offset``."""
+        h = self.by_layer[layer]
+        v_sub = self._mean(layer, B, h) if self.mode == "mean" else None
+        return {"heads": h, "H": self.H, "K": self.K, "v_sub": v_sub, "keep_first": not self.first_query}
 
     def on_z(self, layer: int, z: torch.Tensor, hook) -> torch.Tensor:
-        st, hidx = self.state.pop(layer), self.by_layer[layer].to(z.device)
-        v1 = st["v1"].float()  # the edit in float32, rounded once to the model's dtype (bf16: no double rounding)
-        if self.mode == "mean":
-            v1 = v1 - self._mean(layer, z.shape[0], self.by_layer[layer]).to(v1.device, v1.dtype)
-        contrib = st["a1"].float().permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
-        if not self.first_query:
-            contrib[:, 0] = 0
-        z = z.clone()
-        z[:, :, hidx] = (z[:, :, hidx].float() - contrib).to(z.dtype)
-        return z
+        return _value_removed({**self.state.pop(layer), "z": z}, **self._params(layer, z.shape[0]))
+
+    def edits(self, batch: Batch) -> dict:
+        """The same removal in a remote trace (``run_condition``'s ``edits``), at each layer's attention output."""
+        self.start(batch)
+        return {l: {"z": Reduction(_value_removed, self._params(l, batch.size))} for l in self.by_layer}
 
     def _value_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots of hook_v's head axis to edit, the query head each slot stands for)."""
@@ -520,6 +538,23 @@ class ValueRemoval:
         z = z.clone()
         z[:, 0, hidx] += diff.to(z.dtype)
         return z
+
+
+def _value_removed(acts: dict, *, heads, H: int, K: int, v_sub=None, keep_first: bool = False) -> torch.Tensor:
+    """One attention layer's {"pattern", "v", "z"} -> z with z_t -= A[t, 1] (v_1 - ``v_sub``) in ``heads`` (H query, K
+    KV heads), in float32 and rounded once to z's dtype (bf16: no double rounding); ``keep_first`` leaves z_1. Torch
+    only: the hooks here and a remote trace make the same edit."""
+    z, hidx = acts["z"], heads.to(acts["z"].device)
+    a1 = attention_of(acts["pattern"]).column(0)[:, hidx].float()  # (B, h, T)
+    v1 = per_query_head(kv_view(acts["v"], K), H)[:, 0][:, hidx].float()  # (B, h, d)
+    if v_sub is not None:
+        v1 = v1 - v_sub.to(v1.device, v1.dtype)
+    contrib = a1.permute(0, 2, 1)[..., None] * v1[:, None]  # (B, T, h, d)
+    if keep_first:
+        contrib[:, 0] = 0
+    z = z.clone()
+    z[:, :, hidx] = (z[:, :, hidx].float() - contrib.to(z.device)).to(z.dtype)
+    return z
 
 
 @parameters_from(spike_ablation)
@@ -622,23 +657,15 @@ def _value_removal_rows(
     conditions += ([("sink_heads_mean", heads, "mean", True)] if N >= 2 else []) + (
         [("all_heads", every, "zero", True)] if all_heads else []
     )
-    # built (and checked) before any pass
-    removals = [
-        (c, ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq)) for c, hs, mode, fq in conditions
+    removals = [  # built (and checked) before any pass
+        (c, len(hs), ValueRemoval(model, hs, mode=mode, v_mean=v_mean, first_query=fq))
+        for c, hs, mode, fq in conditions
     ]
-    rows = []
-    for (cname, hs, _, _), (_, removal) in zip(conditions, removals):
-        r = run_condition(
-            model,
-            tokens,
-            hooks=removal.hooks(),
-            eps=eps,
-            batch_size=batch_size,
-            on_batch_start=removal.start,
-            baseline=base,
-        )
-        rows.append(_loss_row(cname, len(hs), r, base.run.loss))
-    return rows
+    run = partial(run_condition, model, tokens, eps=eps, batch_size=batch_size, baseline=base)
+    return [
+        _loss_row(c, n, run(hooks=r.hooks(), edits=r.edits, on_batch_start=r.start), base.run.loss)
+        for c, n, r in removals
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -733,6 +760,13 @@ class FirstKeyRemoval:
         norm = self.paths[layer].norm
         self.state[layer] = norm.affine(norm.normalise(h[:, :1])) * self.masks[layer].to(h.device)  # (B, 1, D)
 
+    def edits(self, batch: Batch) -> dict:
+        """The same removal in a remote trace (``run_condition``'s ``edits``): the key projection's input with the
+        first token's dims S zeroed (x W_K is linear: that removes exactly k_1^S, and nothing but the key)."""
+        return {
+            l: {"k_in": Reduction(_set_first, {"dims": m.nonzero()[:, 0], "value": 0.0})} for l, m in self.masks.items()
+        }
+
     def on_k(self, layer: int, k: torch.Tensor, hook) -> torch.Tensor:
         kS = self.paths[layer].keys(self.state.pop(layer), torch.zeros(1, dtype=torch.long), bias=False, rotary=False)
         k = k.clone()
@@ -783,6 +817,9 @@ def first_key_ablation(
     """
     eps = check_eps(eps)
     tokens = check_tokens(model, tokens)
+    remote = isinstance(model, NnsightModel)
+    if remote and model.spec.latent:
+        raise ModelContractError("a remote trace edits k_proj's input, which latent attention has not: run it here.")
     spikes, how = _spike_dims(
         model, tokens, spike_dims, "resid_pre", abs_threshold, ratio_threshold, min_share, every_layer=True
     )
@@ -797,9 +834,11 @@ def first_key_ablation(
     base = full.run if full is not None else run_condition(model, tokens, eps=eps, k_max=k_max, batch_size=batch_size)
     results, name = {"baseline": base}, getattr(model, "model_name", None)
     if layers:
-        removal = FirstKeyRemoval({l: key_path(model, l) for l in layers}, spikes, model_dims(model).d_model)
+        paths = {l: None if remote else key_path(model, l) for l in layers}  # remote: the trace's own k_proj
+        removal = FirstKeyRemoval(paths, spikes, model_dims(model).d_model)
+        hooks = () if remote else removal.hooks()
         results["ablated"] = run_condition(
-            model, tokens, hooks=removal.hooks(), eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
+            model, tokens, hooks=hooks, edits=removal.edits, eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
         )
         msg = f"{how} spike dims; changed the first key in layers {layer_runs(layers)}." + (
             f" {base.skipped}" if base.skipped else ""
@@ -823,28 +862,24 @@ def first_key_ablation(
     )
 
 
+def _fk_row(r: PassResult, pos: list[int], k_top: int) -> dict:
+    """A pass's attention shares and Sink_1..k_top (%) over the layers at positions ``pos`` of its layer axis."""
+    w, ks = r.where[pos].mean(dim=(0, 1)), range(1, min(k_top, r.alpha.shape[-1]) + 1)
+    sinks = {f"sink_{k}": float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100) for k in ks}
+    return {**{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}, **sinks}
+
+
 def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
-    rows = []
-    for c, r in results.items():
-        pos = r.positions(layers)
-        w = r.where[pos].mean(dim=(0, 1))
-        row = {"condition": c, **{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}}
-        for k in range(1, min(k_max, r.alpha.shape[-1]) + 1):
-            row[f"sink_{k}"] = float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100)
-        row["loss"] = r.loss
-        rows.append(row)
+    rows = [{"condition": c, **_fk_row(r, r.positions(layers), k_max), "loss": r.loss} for c, r in results.items()]
     return pd.DataFrame(rows)
 
 
 def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
-    rows = []
-    for c, r in results.items():
-        w = r.where.mean(1)  # (L, 4)
-        for i_l, l in enumerate(r.layers):
-            row = {"layer": l, "condition": c, **{k: float(w[i_l, i]) for i, k in enumerate(WHERE_KEYS)}}
-            for k in range(1, min(k_max, r.alpha.shape[-1], 2) + 1):
-                row[f"sink_{k}"] = float((r.alpha[:, i_l, :, k - 1] > r.eps).float().mean() * 100)
-            rows.append(row)
+    rows = [
+        {"layer": l, "condition": c, **_fk_row(r, [i], min(k_max, 2))}
+        for c, r in results.items()
+        for i, l in enumerate(r.layers)
+    ]
     return pd.DataFrame(rows)
 
 

@@ -425,3 +425,61 @@ def remote_pass(
         for acc in accumulators:
             acc.end_batch(batch, None)
     return {"requests": requests, "bytes": sent}
+
+
+def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edits: dict, *, logits=None, remote=None):
+    """:func:`trace_batch` with edits, each a Reduction shipped like the reductions: per layer of ``edits``, "k_in" sets
+    the key projection's input, "z" the attention call's output from {"pattern", "v", "z"}, "resid_post" the layer's
+    output, to what it returns; ``plan``'s reductions read the edited activations. The whole model runs (no resume).
+
+    Parameters
+    ----------
+    model, tokens, plan, remote
+        As in :func:`trace_batch` (``remote`` None: ``model.remote``).
+    edits : dict of int to dict of str to Reduction
+    logits : Reduction, optional
+        Of (logits, tokens), run on the output.
+
+    Returns
+    -------
+    tuple
+        What :func:`trace_batch` returns, and what ``logits`` returned (None without it), on the CPU.
+    """
+    import nnsight  # optional: the "remote" extra
+
+    remote = model.remote if remote is None else remote
+    if remote:
+        register_shipped()
+    blocks, jobs = model.decoder_layers(), {p[0]: p for p in plan}
+    layers = sorted(jobs.keys() | edits.keys())  # in the order the layers run
+    calls = {l: model.attention_call(l) for l in layers if (l in jobs and jobs[l][1]) or "z" in edits.get(l, {})}
+    with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):
+        saved, out = nnsight.save([]), nnsight.save([])
+        for layer in layers:
+            _, _, sites, todo = jobs.get(layer, (layer, None, frozenset(), []))
+            ed = edits.get(layer, {})
+            acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
+            if "k_in" in ed:
+                proj = blocks[layer].self_attn.k_proj
+                proj.input = ed["k_in"].fn(proj.input, **ed["k_in"].params)
+            if layer in calls:
+                acts.update(_attention_acts(model, calls[layer], (sites - {"hook_z"}) | {"hook_pattern"}))
+                res = calls[layer].output
+                acts["hook_z"] = res[0]
+                if "z" in ed:
+                    z = ed["z"].fn(
+                        {"pattern": acts["hook_pattern"], "v": acts["hook_v"], "z": res[0]}, **ed["z"].params
+                    )
+                    calls[layer].output, acts["hook_z"] = (z, *res[1:]), z
+            if "resid_post" in ed or "hook_resid_post" in sites:
+                res = blocks[layer].output
+                x = res[0] if isinstance(res, tuple) else res
+                if "resid_post" in ed:
+                    x = ed["resid_post"].fn(x, **ed["resid_post"].params)
+                    blocks[layer].output = (x, *res[1:]) if isinstance(res, tuple) else x
+                acts["hook_resid_post"] = x
+            for j, red, keys in todo:
+                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
+        if logits is not None:
+            out.append(logits.fn(model.lm.output.logits, tokens, **(logits.params or {})))
+    return [(j, l, _to_cpu(r)) for j, l, r in saved], _to_cpu(out[0]) if out else None

@@ -78,10 +78,10 @@ NNSIGHT_SECTIONS = (
     "dormant",
     "positions",
     "context",
+    "interventions",
 )
 NOT_REMOTE = {
     "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
-    "interventions": "it edits activations and reruns the model (a remote pass only reads)",
 }
 
 
