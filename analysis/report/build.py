@@ -81,7 +81,10 @@ NNSIGHT_SECTIONS = (
     "interventions",
 )
 NOT_REMOTE = {
-    "spike_writers": "it cuts the writer neurons and reruns the model (an edit: a remote pass only reads)",
+    "spike_writers": (
+        "its origin names the writers and their neurons from the MLP's spec and weights, measured on a model loaded "
+        "here, and its first-token cause and writer cuts reduce in their own updates (no shipped reduction yet)"
+    ),
 }
 
 
