@@ -79,17 +79,8 @@ class NnsightSpec:
     latent: dict | None = None
 
 
-def nnsight_spec(config) -> NnsightSpec:
-    """The spec of a Hugging Face config.
-
-    Parameters
-    ----------
-    config : transformers.PretrainedConfig
-
-    Returns
-    -------
-    NnsightSpec
-    """
+def _nnsight_spec(config) -> NnsightSpec:
+    """The spec of a Hugging Face config."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(cfg.num_hidden_layers)
     layers = tuple(config_attention_layers(cfg))
@@ -212,7 +203,7 @@ class NnsightModel:
         """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
         config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
         if self._family is None:
-            self._family = nnsight_family(self)
+            self._family = _nnsight_family(self)
         return self._family
 
     def attention_call_name(self, layer: int) -> str:
@@ -238,20 +229,11 @@ _WEIGHTS = {
 }
 
 
-def nnsight_family(model: NnsightModel) -> FamilySpec:
+def _nnsight_family(model: NnsightModel) -> FamilySpec:
     """The family facts of a model loaded through nnsight, read with the readers of the bridge's
     (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
     attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
-    are measured on a probe (of a copy, where the weights are on the meta device).
-
-    Parameters
-    ----------
-    model : NnsightModel
-
-    Returns
-    -------
-    analysis.model.families.FamilySpec
-    """
+    are measured on a probe (of a copy, where the weights are on the meta device)."""
     s, hf = model.spec, model.hf
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
@@ -399,7 +381,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # LanguageModel's rename notice (nnsight 0.8); same class, same behaviour
             lm = LanguageModel(hf, tokenizer=tokenizer)
-    model = NnsightModel(lm, tokenizer, name, nnsight_spec(hf.config), remote=bool(remote))
+    model = NnsightModel(lm, tokenizer, name, _nnsight_spec(hf.config), remote=bool(remote))
     if model.spec.attention_layers:
         model.attention_call(model.spec.attention_layers[0])  # refuse a family without the call now
     return model
@@ -424,5 +406,5 @@ def remote_meta_model(repo_id: str) -> NnsightModel:
             "remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one)."
         )
     lm = LanguageModel(repo_id)
-    model = NnsightModel(lm, lm.tokenizer, repo_id, nnsight_spec(lm.config), remote=True)
+    model = NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)
     return model
