@@ -6,7 +6,7 @@ attention function (``attention_interface(self, q, k, v, mask, scaling=..., soft
 ``.source`` on the attention forward): after the rotary and any q/k norm, before grouped-query heads are repeated,
 with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the MoE families and DeepSeek-V3's latent
 attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
-what the pass cannot measure exactly is refused before any work, with the reason (:func:`unsupported`).
+what the pass cannot measure exactly is refused before any work, with the reason (:func:`_unsupported`).
 """
 
 from __future__ import annotations
@@ -166,18 +166,9 @@ class NnsightModel:
         return layers
 
     def weight(self, w: TraceWeight):
-        """``w`` in TransformerLens' layout, read where the trace runs (inside a trace: on NDIF, the weight there).
-
-        Parameters
-        ----------
-        w : TraceWeight
-
-        Returns
-        -------
-        torch.Tensor
-            W_O: (H, d_head, d_model), from the attention's ``o_proj`` (d_model, H * d_head); W_K: (H_kv, d_model,
-            d_head) from ``k_proj``; the others as the modules keep them.
-        """
+        """``w`` (a :class:`TraceWeight`) in TransformerLens' layout, read where the trace runs (inside a trace: on
+        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's ``o_proj`` (d_model, H * d_head); W_K
+        (H_kv, d_model, d_head) from ``k_proj``; the others as the modules keep them."""
         where, attr = _WEIGHTS.get(w.name, ("", ""))
         env = self.decoder_layers()[w.layer]
         for part in where.split(".") if where else ():
@@ -261,7 +252,7 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         fused_qkv=False,
         key_rotated=True,
         pattern_live=True,
-        learned_sinks=False,  # refused (``unsupported``)
+        learned_sinks=False,  # refused (``_unsupported``)
         gate=None,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
@@ -328,17 +319,8 @@ def call_name(names, family: str) -> str:
     return max(calls, key=lambda n: int(n[len(CALL_PREFIX) :]))
 
 
-def unsupported(hf) -> str | None:
-    """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules.
-
-    Parameters
-    ----------
-    hf : transformers.PreTrainedModel
-
-    Returns
-    -------
-    str or None
-    """
+def _unsupported(hf) -> str | None:
+    """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules."""
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
         return "an ALiBi position bias is added to the scores outside q . k."
@@ -369,7 +351,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     """
     from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
 
-    reason = unsupported(hf)
+    reason = _unsupported(hf)
     if reason:
         raise NnsightUnsupported(f"{type(hf).__name__}: {reason}")
     hf.eval()
