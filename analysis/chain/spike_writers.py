@@ -307,18 +307,7 @@ class SpikeOrigin(Result):
 # From the trace to the origin
 # ----------------------------------------------------------------------------------------------
 
-_WRITE_COLS = [
-    "dim",
-    "role",
-    "component",
-    "block",
-    "write",
-    "write_min",
-    "write_max",
-    "value_before",
-    "value_after",
-    "share",
-]
+_WRITE_COLS = "dim role component block write write_min write_max value_before value_after share".split()
 
 
 def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequence[int]):
@@ -372,20 +361,7 @@ def _find_writes(
             role, sh = "eraser", -sign * wm / max(abs(b), TINY)
         else:
             continue
-        rows.append(
-            {
-                "dim": int(dim),
-                "role": role,
-                "component": comp,
-                "block": int(block),
-                "write": wm,
-                "write_min": float(w.min()),
-                "write_max": float(w.max()),
-                "value_before": b,
-                "value_after": a,
-                "share": sh,
-            }
-        )
+        rows.append((int(dim), role, comp, int(block), wm, float(w.min()), float(w.max()), b, a, sh))  # _WRITE_COLS
     return pd.DataFrame(rows, columns=_WRITE_COLS)
 
 

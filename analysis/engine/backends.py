@@ -31,13 +31,7 @@ from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
 from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import (
-    _refuse_extras,
-    fused_attention,
-    sink_kernel,
-    state_fallback,
-    unsupported_reason,
-)
+from analysis.engine.kernels import _refuse_extras, fused_attention, sink_kernel, state_fallback, unsupported_reason
 
 PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
