@@ -37,27 +37,14 @@ from analysis.sinks.metric import check_eps
 from analysis.core.defaults import WRITER_CUT_RANDOM_DRAWS as N_RANDOM  # random draws per condition
 
 
-class NeuronSetter:
+class _NeuronSetter:
     """Sets the first token's activation of chosen neurons to 0 ("zero") or to a value each ("mean") at the MLP's neuron
     hook, and records the spike dims' first-token values after every block from ``start`` on (the first position's
     loss comes with the pass's own: ``PassResult.loss_first``). Several conditions can share one pass: the sequences
     repeated once per condition, each condition's neurons set on its own ``rows`` (``run_condition``'s ``groups``).
 
-    Parameters
-    ----------
-    model
-        Any model with TransformerLens hook names.
-    conditions : list of (dict of int to list of int, str)
-        Per condition, {block: the neurons to set} and its mode ("zero" or "mean"), in the order of their rows.
-    means : dict of int to torch.Tensor
-        {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean".
-    dims : list of int
-        The spike dims recorded.
-    start : int
-        The first block whose output is recorded.
-    rows : int
-        Sequences per condition.
-    """
+    ``conditions`` gives, per condition in the order of their rows, {block: the neurons to set} and its mode; ``means``
+    {block: each neuron's mean activation on the other tokens, (d_mlp,)} for "mean"."""
 
     def __init__(
         self,
@@ -283,7 +270,7 @@ def _run_stacked(
         by_start.setdefault(min(neurons) if neurons else L - 1, []).append(c)
     done: dict[int, tuple[PassResult, torch.Tensor]] = {}
     for start, cs in by_start.items():
-        setter = NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
+        setter = _NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
         got = run_condition(
             model,
             tokens.repeat(len(cs), 1),

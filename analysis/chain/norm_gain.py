@@ -89,19 +89,10 @@ def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
 
 
-def causal_window(T: int, window: int | None) -> torch.Tensor:
+def _causal_window(T: int, window: int | None) -> torch.Tensor:
     """Which keys each query sees: causal, and inside ``window`` where one is given.
 
-    Parameters
-    ----------
-    T : int
-    window : int or None
-
-    Returns
-    -------
-    torch.Tensor, shape (T, T)
-        bool, [i, j]: query i sees key j.
-    """
+    A bool tensor (T, T), [i, j]: query i sees key j."""
     seen = torch.ones(T, T, dtype=torch.bool).tril()
     if window:
         seen &= ~torch.ones(T, T, dtype=torch.bool).tril(-int(window))
@@ -637,7 +628,7 @@ def _score_stats(r: dict, acts: dict, used, k1S, kv_of, scale, cap, window, sink
     B, T = q.shape[:2]
     kv = kv_of.to(q.device)
     raw = torch.einsum("bqhd,bkhd->bhqk", q, used[:, :, kv]) * scale  # (B,H,T,T)
-    vis = causal_window(T, window).to(q.device)
+    vis = _causal_window(T, window).to(q.device)
     capped = softcap(raw, cap)
     if sc is None:
         sc = capped.masked_fill(~vis, float("-inf"))
@@ -674,7 +665,7 @@ def _call_scores(pattern):
         q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * pattern.scale,
         pattern.softcap,
     )
-    seen = causal_window(sc.shape[-1], None).to(sc.device)
+    seen = _causal_window(sc.shape[-1], None).to(sc.device)
     return sc.masked_fill(~(seen if pattern.mask is None else seen & pattern.mask), float("-inf"))
 
 

@@ -11,7 +11,7 @@ neuron activations; for the other tokens only their means (and the stream's larg
 a layer: O(N x L x (3 d_model + d_mlp)) numbers, never the activations of every token.
 
 From that trace, for each spike dimension (the first token's spike dims ``analysis.chain.massive`` finds, or given),
-:func:`origin_from` names
+:func:`_origin_from` names
 
 - the **writing** components: the embedding, or an attention / MLP write of at least ``SPIKE_WRITE_SHARE`` of the
   value it leads to (in the spike's sign), and the **erasing** ones: a write against the spike of at least that
@@ -307,18 +307,7 @@ class SpikeOrigin(Result):
 # From the trace to the origin
 # ----------------------------------------------------------------------------------------------
 
-_WRITE_COLS = [
-    "dim",
-    "role",
-    "component",
-    "block",
-    "write",
-    "write_min",
-    "write_max",
-    "value_before",
-    "value_after",
-    "share",
-]
+_WRITE_COLS = "dim role component block write write_min write_max value_before value_after share".split()
 
 
 def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequence[int]):
@@ -336,7 +325,7 @@ def _components(trace: FirstTokenTrace, dim: int, parallel: bool, mixers: Sequen
             yield "mlp", l, m, v[:, l] + a, v[:, l + 1]
 
 
-def find_writes(
+def _find_writes(
     trace: FirstTokenTrace,
     dim: int,
     *,
@@ -353,30 +342,10 @@ def find_writes(
     at least ``share`` of the value it meets; both write at least ``min_write`` and ``SPIKE_WRITE_FLOOR`` of the peak
     |value| (means over samples, first token).
 
-    Parameters
-    ----------
-    trace : FirstTokenTrace
-        The reduced pass.
-    dim : int
-        The spike dimension.
-    parallel : bool
-        Attention and MLP read the block's input (measured against the block's output).
-    mixers : sequence of int
-        Blocks whose token mixer has no ``hook_attn_out``.
-    share : float
-        The share of the value a write must reach.
-    min_write : float
-        The smallest |write| considered.
-    appears : int, optional
-        The first stream carrying the spike; 0 (the embedding) makes the embedding its writer, and a later write that
-        adds to it an "amplifier".
-
-    Returns
-    -------
-    pandas.DataFrame
-        One row per component: dim, role, component, block, write, write_min, write_max, value_before, value_after,
-        share.
-    """
+    ``parallel``: attention and MLP read the block's input (measured against the block's output); ``mixers``: blocks
+    whose token mixer has no ``hook_attn_out``; ``appears``: the first stream carrying the spike, where 0 (the
+    embedding) makes the embedding its writer, and a later write that adds to it an "amplifier". One row per component:
+    dim, role, component, block, write, write_min, write_max, value_before, value_after, share."""
     v = trace.resid[:, :, dim].mean(0)
     peak = float(v[int(v.abs().argmax())])
     sign = 1.0 if peak >= 0 else -1.0
@@ -392,20 +361,7 @@ def find_writes(
             role, sh = "eraser", -sign * wm / max(abs(b), TINY)
         else:
             continue
-        rows.append(
-            {
-                "dim": int(dim),
-                "role": role,
-                "component": comp,
-                "block": int(block),
-                "write": wm,
-                "write_min": float(w.min()),
-                "write_max": float(w.max()),
-                "value_before": b,
-                "value_after": a,
-                "share": sh,
-            }
-        )
+        rows.append((int(dim), role, comp, int(block), wm, float(w.min()), float(w.max()), b, a, sh))  # _WRITE_COLS
     return pd.DataFrame(rows, columns=_WRITE_COLS)
 
 
@@ -419,7 +375,7 @@ def _check_blocks(blocks, L: int) -> list[int] | None:
     return blocks
 
 
-def origin_from(
+def _origin_from(
     model: SinkModel,
     trace: FirstTokenTrace,
     *,
@@ -432,29 +388,10 @@ def origin_from(
 ) -> SpikeOrigin:
     """The :class:`SpikeOrigin` of a pass's :class:`FirstTokenTrace`.
 
-    Parameters
-    ----------
-    model
-        The model the trace was measured on.
-    trace : FirstTokenTrace
-        The reduced pass.
-    dims : sequence of int, optional
-        The spike dimensions to trace; None takes the first token's spike dims of ``massive`` over every layer.
-    massive : MassiveActivations, optional
-        The massive activations of the same tokens, e.g. ``Profile.massive["natural"]``.
-    blocks : sequence of int, optional
-        The MLP blocks whose neurons (or experts) to resolve; None: every writing and erasing MLP found.
-    share : float
-        What counts as a write (:func:`find_writes`).
-    min_write : float, optional
-        The smallest |write| considered; None: ``massive``'s absolute threshold, else Sun et al.'s 100.
-    kind : str, optional
-        The input kind, a label.
-
-    Returns
-    -------
-    SpikeOrigin
-    """
+    ``dims`` None takes the first token's spike dims of ``massive`` (the massive activations of the same tokens, e.g.
+    ``Profile.massive["natural"]``) over every layer; ``blocks`` are the MLP blocks whose neurons (or experts) to
+    resolve (None: every writing and erasing MLP found); ``min_write`` None is ``massive``'s absolute threshold, else
+    Sun et al.'s 100; ``kind`` labels the input."""
     spec = get_mlp(model)
     D, L = int(model_dims(model).d_model), trace.n_layers
     blocks = _check_blocks(blocks, L)
@@ -512,11 +449,11 @@ def _spike_dims(dims: Sequence[int] | None, massive, D: int) -> list[int]:
 def _writes_and_books(
     trace: FirstTokenTrace, dims: list[int], spec, *, share: float, min_write: float, appears: dict[int, int]
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Every dim's writes (:func:`find_writes`) in one table, and the bookkeeping table (how far the writes fall from
+    """Every dim's writes (:func:`_find_writes`) in one table, and the bookkeeping table (how far the writes fall from
     adding up to the stream, per dim)."""
     writes = pd.concat(
         [
-            find_writes(
+            _find_writes(
                 trace,
                 d,
                 parallel=spec.parallel,
@@ -645,7 +582,7 @@ def spike_origin(
     massive = got[1] if dims is None else None
     if min_write is None:
         min_write = abs_threshold if dims is None else None
-    return origin_from(
+    return _origin_from(
         model, got[0], dims=dims, massive=massive, blocks=blocks, share=share, min_write=min_write, kind=kind
     )
 
@@ -690,7 +627,7 @@ register(
         requires=("massive",),
         doc="Where the main kind's first-token spike comes from (the spike dims of ``massive``).",
         accumulators=lambda p: [SpikeOriginAccumulator(p.model, kind=p.kind)],
-        finish=lambda outputs, p, got: origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
+        finish=lambda outputs, p, got: _origin_from(p.model, outputs[0], massive=got["massive"][0], kind=p.kind),
         sections=(
             Section(
                 "Where the spike comes from",

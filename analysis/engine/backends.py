@@ -31,13 +31,7 @@ from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
 from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import (
-    _refuse_extras,
-    fused_attention,
-    sink_kernel,
-    state_fallback,
-    unsupported_reason,
-)
+from analysis.engine.kernels import _refuse_extras, fused_attention, sink_kernel, state_fallback, unsupported_reason
 
 PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
@@ -45,7 +39,7 @@ PASS_ATTENTION = "attention_sinks_pass"  # the name registered in transformers' 
 _TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", default=None)
 
 # The attention hooks the attention function gives (q and k as the attention used them, v, z, the weights); every
-# other hook is the input or output of the Hugging Face module the bridge's component wraps (``module_site``).
+# other hook is the input or output of the Hugging Face module the bridge's component wraps (``_module_site``).
 ATTENTION_HOOKS = ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k", "hook_v", "hook_z")
 _ATTENTION_PARTS = (".attn.q", ".attn.k", ".attn.v", ".attn.o")  # bridge components inside the attention function
 
@@ -54,17 +48,8 @@ class BackendUnsupported(ModelContractError):
     """The backend cannot give what a pass asks for on this model (a hook, an edit, a family's attention)."""
 
 
-def check_backend(backend: str) -> str:
-    """``backend`` checked against :data:`BACKENDS` (ValueError otherwise).
-
-    Parameters
-    ----------
-    backend : str
-
-    Returns
-    -------
-    str
-    """
+def _check_backend(backend: str) -> str:
+    """``backend`` checked against :data:`BACKENDS` (ValueError otherwise)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
     return backend
@@ -75,17 +60,8 @@ def _site(name: str) -> str:
     return name.rpartition(".")[2]
 
 
-def model_reason(model: SinkModel) -> str | None:
-    """Why the transformers backend cannot run ``model`` at all (None when it can), from the model's family.
-
-    Parameters
-    ----------
-    model : SinkModel
-
-    Returns
-    -------
-    str or None
-    """
+def _model_reason(model: SinkModel) -> str | None:
+    """Why the transformers backend cannot run ``model`` at all (None when it can), from the model's family."""
     reason = unsupported_reason(model)  # not a Hugging Face model, or attention the fused kernels cannot reproduce
     if reason:
         return reason
@@ -94,22 +70,13 @@ def model_reason(model: SinkModel) -> str | None:
     return None
 
 
-def hf_modules(model: SinkModel) -> set[int]:
-    """The ids of the Hugging Face model's own modules (those its forward runs), the bridge's wrappers aside.
-
-    Parameters
-    ----------
-    model : SinkModel
-
-    Returns
-    -------
-    set of int
-    """
+def _hf_modules(model: SinkModel) -> set[int]:
+    """The ids of the Hugging Face model's own modules (those its forward runs), the bridge's wrappers aside."""
     with unbridged(hf_module(model)) as hf:
         return {id(m) for m in hf.modules()}
 
 
-def module_site(
+def _module_site(
     model: SinkModel, name: str, *, own: set[int] | None = None, points=None
 ) -> tuple[torch.nn.Module, str]:
     """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
@@ -117,23 +84,10 @@ def module_site(
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
     each component wraps one Hugging Face module: its ``hook_in`` / ``hook_out`` are that module's input and output.
 
-    Parameters
-    ----------
-    model : SinkModel
-        A TransformerBridge.
-    name : str
-        A hook name (an alias or the component's own).
-    own : set of int, optional
-        :func:`hf_modules` of the model, where the caller has them.
-    points : Mapping, optional
-        ``model.hook_dict``, where the caller has it (the bridge builds it anew, aliases and all, on every read).
-
-    Returns
-    -------
-    tuple of (torch.nn.Module, str)
-        BackendUnsupported where no Hugging Face module's input or output is that hook (a component the bridge
-        made up, such as the gate and up halves of a joint projection, is no module the model runs).
-    """
+    ``own`` (:func:`_hf_modules`) and ``points`` (``model.hook_dict``, which the bridge builds anew, aliases and all, on
+    every read) are given where the caller has them. BackendUnsupported where no Hugging Face module's input or output
+    is that hook (a component the bridge made up, such as the gate and up halves of a joint projection, is no module the
+    model runs)."""
     point = (model.hook_dict if points is None else points).get(name)
     canonical = getattr(point, "name", None) or name
     path, _, which = canonical.rpartition(".")
@@ -144,29 +98,18 @@ def module_site(
     except AttributeError:
         raise BackendUnsupported(f"the hook {name} names no component of the bridge ({path})") from None
     inner = unwrap_component(bridged)
-    if inner is bridged or id(inner) not in (hf_modules(model) if own is None else own):
+    if inner is bridged or id(inner) not in (_hf_modules(model) if own is None else own):
         raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
     return inner, which[len("hook_") :]
 
 
-def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
+def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
     """Why the transformers backend cannot give these hooks or apply these edits on ``model`` (None when it can).
 
-    Parameters
-    ----------
-    model : SinkModel
-    names : iterable of str
-        The hooks the accumulators read.
-    edits : iterable of str
-        The hooks that interventions change.
-
-    Returns
-    -------
-    str or None
-    """
+    ``names`` are the hooks the accumulators read, ``edits`` the hooks that interventions change."""
     spec = get_family(model)
     plain_qk = spec.positions != "rotary" and spec.qk_norm is None
-    own, points = hf_modules(model), model.hook_dict
+    own, points = _hf_modules(model), model.hook_dict
     for n in sorted({*names, *edits}):
         site = _site(n)
         if hook_layer(n) is None:
@@ -180,7 +123,7 @@ def hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str]
                 return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue
         try:
-            module_site(model, n, own=own, points=points)
+            _module_site(model, n, own=own, points=points)
         except BackendUnsupported as e:
             return str(e)
     return None
@@ -213,14 +156,14 @@ def choose_backend(
         The backend, and why (a sentence). BackendUnsupported where "transformers" was asked for and cannot run.
     """
     own = backend is None
-    backend = check_backend(getattr(model, "pass_backend", "transformer_lens") if backend is None else backend)
+    backend = _check_backend(getattr(model, "pass_backend", "transformer_lens") if backend is None else backend)
     if backend == "transformer_lens":
         return backend, "asked for"
     if backend == "nnsight":
         return _choose_nnsight(model, names, edits, own)
     reason = (
-        model_reason(model)
-        or hooks_reason(model, names, edits=edits)
+        _model_reason(model)
+        or _hooks_reason(model, names, edits=edits)
         or ("a pass resumed at a block runs on the bridge" if resume else None)
     )
     if reason is None:
@@ -240,7 +183,7 @@ def _choose_nnsight(model: SinkModel, names, edits, own: bool) -> tuple[str, str
     """``choose_backend`` for "nnsight": it, where it gives every hook and edit (resumed passes included); else the
     bridge, stated, when the model's own backend is nnsight (``load_model(..., backend="nnsight")``: every section of
     the report runs), and BackendUnsupported when the call asked for nnsight."""
-    reason = model_reason(model) or hooks_reason(model, names, edits=edits)
+    reason = _model_reason(model) or _hooks_reason(model, names, edits=edits)
     if reason is None:
         return "nnsight", "asked for" if not own else "the model's backend: nnsight gives every hook this pass reads"
     if not own:
@@ -250,7 +193,7 @@ def _choose_nnsight(model: SinkModel, names, edits, own: bool) -> tuple[str, str
 
 class Taps:
     """One pass's reads and edits on the Hugging Face modules: forward hooks on the modules the bridge's components
-    wrap (:func:`module_site`) and the attention function (:func:`pass_attention_forward`), each handing
+    wrap (:func:`_module_site`) and the attention function (:func:`_pass_attention_forward`), each handing
     ``fire(layer, name, x)`` the activation under its TransformerLens name after the edits asked for at that name.
 
     Parameters
@@ -277,12 +220,12 @@ class Taps:
         self.attn: dict[int, set[str]] = {}  # layer -> the attention sites read or changed there
         self.kernels: dict[str, str] = {}  # the kernels the layers took -> why not the table's first ("" if it was)
         self.sites: dict[tuple[int, str], tuple[torch.nn.Module, list[str]]] = {}  # (id, in/out) -> module, names
-        own, points = hf_modules(model), model.hook_dict
+        own, points = _hf_modules(model), model.hook_dict
         for name in sorted({*self.read, *self.edits}):
             if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
                 self.attn.setdefault(hook_layer(name), set()).add(_site(name))
                 continue
-            module, which = module_site(model, name, own=own, points=points)
+            module, which = _module_site(model, name, own=own, points=points)
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
 
     def _give(self, name: str, x):
@@ -388,7 +331,7 @@ class NnsightTaps(Taps):
         self.attn_modules = {l: unwrap_component(model.get_submodule(f"blocks.{l}.attn")) for l in self.attn}
         self.resume_site = None
         if resume_layer is not None:
-            module, which = module_site(model, f"blocks.{resume_layer}.hook_resid_pre")
+            module, which = _module_site(model, f"blocks.{resume_layer}.hook_resid_pre")
             self.resume_site = (id(module), which, module)
         with unbridged(self.hf) as hf:
             self.paths = {id(m): n for n, m in hf.named_modules()}
@@ -497,27 +440,14 @@ class _Named:
         self.name = name
 
 
-def pass_attention_forward(
+def _pass_attention_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
     """The ``AttentionInterface`` function of the transformers backend: the active pass's :class:`Taps` read and
     change the layer's q, k, v, attention and output (same contract as transformers' ``sdpa_attention_forward``).
 
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The attention module (``layer_idx`` names its layer).
-    query : torch.Tensor, shape (B, H, T, d)
-    key, value : torch.Tensor, shape (B, H_kv, T, d)
-    attention_mask : torch.Tensor or None
-    dropout, scaling, is_causal, **kwargs
-        As transformers passes them (evaluation only: no dropout).
-
-    Returns
-    -------
-    output : torch.Tensor, shape (B, T, H, d)
-    weights : None
-    """
+    ``module.layer_idx`` names the layer; evaluation only (no dropout). It returns the output, shape (B, T, H, d), and
+    no weights."""
     taps = _TAPS.get()
     if taps is None:
         raise RuntimeError(f"the {PASS_ATTENTION!r} attention runs only inside a pass on the transformers backend.")
@@ -532,7 +462,7 @@ def pass_attention_forward(
 
 
 def _register() -> None:
-    register_attention(PASS_ATTENTION, pass_attention_forward)
+    register_attention(PASS_ATTENTION, _pass_attention_forward)
 
 
 def run_hf_batch(model: SinkModel, tokens: torch.Tensor, *, needs_logits: bool):

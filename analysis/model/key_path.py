@@ -146,21 +146,11 @@ def norm_kind(model: SinkModel) -> str | None:
 
 
 @reads_block_weights
-def norm_params(model: SinkModel, layer: int) -> NormParams:
+def _norm_params(model: SinkModel, layer: int) -> NormParams:
     """The norm the attention input of a layer passes (the spec's form: gain w or 1 + w, bias, eps), with its weights.
 
-    Parameters
-    ----------
-    model : SinkModel
-    layer : int
-        The block (an attention layer).
-
-    Returns
-    -------
-    NormParams
-        The identity (kind "none") where the block has no norm before attention (post-norm: OLMo-2; or no norm at
-        all). ModelContractError for a pre-norm model whose norm gain is not kept as a weight.
-    """
+    The identity (kind "none") where the block has no norm before attention (post-norm: OLMo-2; or no norm at all);
+    ModelContractError for a pre-norm model whose norm gain is not kept as a weight."""
     (layer,) = check_layers(model, [layer])
     spec = get_family(model)
     blocks = getattr(model, "blocks", None)
@@ -186,19 +176,10 @@ def norm_params(model: SinkModel, layer: int) -> NormParams:
 
 
 @reads_block_weights
-def key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
+def _key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
-    Parameters
-    ----------
-    model, layer
-        As in :func:`norm_params`.
-
-    Returns
-    -------
-    NormParams or None
-        None where the family has no key norm.
-    """
+    None where the family has no key norm."""
     ns = get_family(model).qk_norm
     if ns is None:
         return None
@@ -220,7 +201,7 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
     Parameters
     ----------
     model, layer
-        As in :func:`norm_params`.
+        As in :func:`_norm_params`.
 
     Returns
     -------
@@ -604,7 +585,7 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
     Parameters
     ----------
     model, layer
-        As in :func:`norm_params`.
+        As in :func:`_norm_params`.
 
     Returns
     -------
@@ -615,7 +596,7 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
     spec = get_family(model)
     if weights_in_trace(model):
         return _trace_key_path(model, layer, spec)
-    norm = norm_params(model, layer)
+    norm = _norm_params(model, layer)
     if spec.latent is not None:
         path = _latent_key_path(model, layer, spec, norm)
         missing = [
@@ -644,7 +625,7 @@ def key_path(model: SinkModel, layer: int) -> KeyPath:
         norm,
         W_K,
         b_K,
-        key_norm_params(model, layer),
+        _key_norm_params(model, layer),
         spec.qk_norm_scope,
         spec,
         model_dims(model).n_heads // W_K.shape[0],

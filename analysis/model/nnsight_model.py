@@ -6,7 +6,7 @@ attention function (``attention_interface(self, q, k, v, mask, scaling=..., soft
 ``.source`` on the attention forward): after the rotary and any q/k norm, before grouped-query heads are repeated,
 with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the MoE families and DeepSeek-V3's latent
 attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
-what the pass cannot measure exactly is refused before any work, with the reason (:func:`unsupported`).
+what the pass cannot measure exactly is refused before any work, with the reason (:func:`_unsupported`).
 """
 
 from __future__ import annotations
@@ -79,17 +79,8 @@ class NnsightSpec:
     latent: dict | None = None
 
 
-def nnsight_spec(config) -> NnsightSpec:
-    """The spec of a Hugging Face config.
-
-    Parameters
-    ----------
-    config : transformers.PretrainedConfig
-
-    Returns
-    -------
-    NnsightSpec
-    """
+def _nnsight_spec(config) -> NnsightSpec:
+    """The spec of a Hugging Face config."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(cfg.num_hidden_layers)
     layers = tuple(config_attention_layers(cfg))
@@ -175,18 +166,9 @@ class NnsightModel:
         return layers
 
     def weight(self, w: TraceWeight):
-        """``w`` in TransformerLens' layout, read where the trace runs (inside a trace: on NDIF, the weight there).
-
-        Parameters
-        ----------
-        w : TraceWeight
-
-        Returns
-        -------
-        torch.Tensor
-            W_O: (H, d_head, d_model), from the attention's ``o_proj`` (d_model, H * d_head); W_K: (H_kv, d_model,
-            d_head) from ``k_proj``; the others as the modules keep them.
-        """
+        """``w`` (a :class:`TraceWeight`) in TransformerLens' layout, read where the trace runs (inside a trace: on
+        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's ``o_proj`` (d_model, H * d_head); W_K
+        (H_kv, d_model, d_head) from ``k_proj``; the others as the modules keep them."""
         where, attr = _WEIGHTS.get(w.name, ("", ""))
         env = self.decoder_layers()[w.layer]
         for part in where.split(".") if where else ():
@@ -212,7 +194,7 @@ class NnsightModel:
         """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
         config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
         if self._family is None:
-            self._family = nnsight_family(self)
+            self._family = _nnsight_family(self)
         return self._family
 
     def attention_call_name(self, layer: int) -> str:
@@ -238,20 +220,11 @@ _WEIGHTS = {
 }
 
 
-def nnsight_family(model: NnsightModel) -> FamilySpec:
+def _nnsight_family(model: NnsightModel) -> FamilySpec:
     """The family facts of a model loaded through nnsight, read with the readers of the bridge's
     (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
     attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
-    are measured on a probe (of a copy, where the weights are on the meta device).
-
-    Parameters
-    ----------
-    model : NnsightModel
-
-    Returns
-    -------
-    analysis.model.families.FamilySpec
-    """
+    are measured on a probe (of a copy, where the weights are on the meta device)."""
     s, hf = model.spec, model.hf
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
@@ -279,7 +252,7 @@ def nnsight_family(model: NnsightModel) -> FamilySpec:
         fused_qkv=False,
         key_rotated=True,
         pattern_live=True,
-        learned_sinks=False,  # refused (``unsupported``)
+        learned_sinks=False,  # refused (``_unsupported``)
         gate=None,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
@@ -346,17 +319,8 @@ def call_name(names, family: str) -> str:
     return max(calls, key=lambda n: int(n[len(CALL_PREFIX) :]))
 
 
-def unsupported(hf) -> str | None:
-    """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules.
-
-    Parameters
-    ----------
-    hf : transformers.PreTrainedModel
-
-    Returns
-    -------
-    str or None
-    """
+def _unsupported(hf) -> str | None:
+    """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules."""
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
         return "an ALiBi position bias is added to the scores outside q . k."
@@ -387,7 +351,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     """
     from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
 
-    reason = unsupported(hf)
+    reason = _unsupported(hf)
     if reason:
         raise NnsightUnsupported(f"{type(hf).__name__}: {reason}")
     hf.eval()
@@ -399,7 +363,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # LanguageModel's rename notice (nnsight 0.8); same class, same behaviour
             lm = LanguageModel(hf, tokenizer=tokenizer)
-    model = NnsightModel(lm, tokenizer, name, nnsight_spec(hf.config), remote=bool(remote))
+    model = NnsightModel(lm, tokenizer, name, _nnsight_spec(hf.config), remote=bool(remote))
     if model.spec.attention_layers:
         model.attention_call(model.spec.attention_layers[0])  # refuse a family without the call now
     return model
@@ -424,5 +388,5 @@ def remote_meta_model(repo_id: str) -> NnsightModel:
             "remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one)."
         )
     lm = LanguageModel(repo_id)
-    model = NnsightModel(lm, lm.tokenizer, repo_id, nnsight_spec(lm.config), remote=True)
+    model = NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)
     return model
