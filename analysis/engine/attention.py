@@ -158,12 +158,10 @@ class AttentionWeights:
         T = self.shape[-1]
         k_max = min(int(k_max), T)
         counts = (T - torch.arange(k_max, device=self.device)).double()
-        if k_max <= COLUMNS_KEPT:  # the kept columns' sums: one reduction for every alpha of the layer
+        if self.pattern is not None or k_max <= COLUMNS_KEPT:  # one column sum for every alpha of the layer
             if self._sums is None or self._sums.shape[-1] < k_max:
                 self._sums = self.columns(k_max).sum(-2, dtype=torch.float64)
             return (self._sums[..., :k_max] / counts).float()
-        if self.pattern is not None:
-            return (self.columns(k_max).sum(-2, dtype=torch.float64) / counts).float()
         if self.softcap is not None:  # the cap is not a factor of q . k: sum the blocks
             sums = torch.zeros(*self.shape[:2], k_max, dtype=torch.float64, device=self.device)
             for _, _, a in self._blocks(k_max):
