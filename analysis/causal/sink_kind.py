@@ -316,9 +316,9 @@ def kind_stats(
     p = attention_of(acts["pattern"])
     c0 = p.column(0)  # (B, H, T): the first token's weight from every query
     norms = per_query_head(kv_view(acts["v"], n_kv_heads).float().norm(dim=-1), n_heads)  # (B, T, H)
-    z = acts["z"][:, first:].float().transpose(1, 2)  # (B, H, T', d)
+    z = acts["z"][:, first:].float()  # (B, T', H, d)
     R = gram_root(head_gram(W_O)) if R is None else R
-    y = z @ R.to(z.device, torch.float32)[None]  # (B, H, T', d): |y_t| = |z_t W_O|, y_s . y_t = o_s . o_t
+    y = torch.einsum("bthd,hde->bhte", z, R.to(z.device, torch.float32)).contiguous()  # y_s . y_t = o_s . o_t
     out = y.norm(dim=-1)
     sink = (c0[..., first:] > eps).float()
     pr, cos, ok = _within(y, out, sink, min_queries)

@@ -378,6 +378,8 @@ class ValueNormsAccumulator(SummingAccumulator):
         The input kind, a label.
     """
 
+    reads_rows = True  # sum_j A_ij |v_j|
+
     def __init__(self, model, layers, T: int, *, kind: str | None = None):
         # sums on each layer's device until the result: |v| by position (K, T), alpha_1 and the first value's share
         # (H,), the sums of unit vectors (K, d), whose |sum|^2 gives the mean pairwise cosine

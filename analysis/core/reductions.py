@@ -232,7 +232,9 @@ def hide_scores(scores: torch.Tensor, s: int, e: int, kc: int, mask: Optional[to
     -------
     None
     """
-    if kc > s + 1:  # keys after the query in the block's diagonal part
+    if kc > s + 1 and fill == 0.0:  # keys after the query in the block's diagonal part: tril_, no broadcast mask
+        scores[..., s:kc].tril_()
+    elif kc > s + 1:
         later = torch.arange(s, kc, device=scores.device)[None, :] > torch.arange(s, e, device=scores.device)[:, None]
         scores[..., s:kc].masked_fill_(later, fill)
     if mask is not None:

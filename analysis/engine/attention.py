@@ -68,6 +68,7 @@ class AttentionWeights:
         self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
         self.softcap = None if softcap is None else float(softcap)
         self._cols: Optional[torch.Tensor] = None  # the first key columns, once computed (``columns``)
+        self._sums: Optional[torch.Tensor] = None  # their sums over the queries, float64, once taken (``alpha``)
         self._full: Optional[torch.Tensor] = None  # the whole map, once built (``_map``)
         ref = pattern if pattern is not None else query
         self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
@@ -157,8 +158,10 @@ class AttentionWeights:
         T = self.shape[-1]
         k_max = min(int(k_max), T)
         counts = (T - torch.arange(k_max, device=self.device)).double()
-        if self.pattern is not None or k_max <= COLUMNS_KEPT:
-            return (self.columns(k_max).sum(-2, dtype=torch.float64) / counts).float()
+        if self.pattern is not None or k_max <= COLUMNS_KEPT:  # one column sum for every alpha of the layer
+            if self._sums is None or self._sums.shape[-1] < k_max:
+                self._sums = self.columns(k_max).sum(-2, dtype=torch.float64)
+            return (self._sums[..., :k_max] / counts).float()
         if self.softcap is not None:  # the cap is not a factor of q . k: sum the blocks
             sums = torch.zeros(*self.shape[:2], k_max, dtype=torch.float64, device=self.device)
             for _, _, a in self._blocks(k_max):

@@ -109,6 +109,7 @@ class Accumulator(abc.ABC):
 
     needs_logits = False
     optional_keys: frozenset = frozenset()  # keys whose hooks may be listed but never fire (passed when they do)
+    reads_rows = False  # reads whole attention rows: fed first in its layer, so the others' columns come from its map
 
     @abc.abstractmethod
     def hooks(self) -> dict[int, dict[str, str]]:
@@ -313,7 +314,7 @@ class _JointReducer:
     """Holds the activations of one layer until all of them have fired, then feeds every accumulator."""
 
     def __init__(self, accumulators: Sequence[Accumulator], stop_early: bool):
-        self.accs = list(accumulators)
+        self.accs = sorted(accumulators, key=lambda a: not a.reads_rows)  # in a layer, whole rows first (one map)
         self.wants = [a.hooks() for a in self.accs]
         self.by_layer: dict[int, set[str]] = {}  # every hook of the layer
         self.required: dict[int, set[str]] = {}  # the hooks that must fire before the layer is handed over
