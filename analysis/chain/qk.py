@@ -54,19 +54,8 @@ def _cosines(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
     return torch.bmm(left, right).view(B, H, T, kn.shape[1])
 
 
-def cosine_hist(x: torch.Tensor) -> torch.Tensor:
-    """Counts of cosines over ``N_BINS`` fixed bins on [-1, 1] (values outside are counted in the end bins).
-
-    Parameters
-    ----------
-    x : torch.Tensor, shape (H, n)
-        Cosines per head.
-
-    Returns
-    -------
-    torch.Tensor, shape (H, N_BINS)
-        float64 counts.
-    """
+def _cosine_hist(x: torch.Tensor) -> torch.Tensor:
+    """Counts of cosines over ``N_BINS`` fixed bins on [-1, 1] (values outside are counted in the end bins)."""
     # the bin trunc((clamp(x, -1, 1) + 1) / 2 * N_BINS), capped at N_BINS - 1: (x + 1) * (N_BINS / 2) is the same float
     # (halving is exact), and clamping it to [0, N_BINS - 1] before truncating gives the same bin for x outside [-1, 1]
     idx = (x + 1).mul_(N_BINS / 2).clamp_(0, N_BINS - 1).int()
@@ -219,8 +208,8 @@ class QKAccumulator(Accumulator):
             ("k_other_norm", kk[:, 1:].sum(dim=(0, 1))),
         ):
             self.sums.add(name, i, x)
-        self.sums.add("hist_first", i, cosine_hist(first))
-        self.sums.add("hist_other", i, cosine_hist(other))
+        self.sums.add("hist_first", i, _cosine_hist(first))
+        self.sums.add("hist_other", i, _cosine_hist(other))
         if i == 0:
             for key, n in (
                 ("first", first.shape[1]),

@@ -163,20 +163,8 @@ class QuadraticForm(Result):
     )
 
 
-def form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:
-    """A_d = W_gate^T diag(w_out_d) W_up, float64.
-
-    Parameters
-    ----------
-    w_out_d : torch.Tensor, shape (d_mlp,)
-        The row d of W_out (times any output factor).
-    W_gate, W_up : torch.Tensor, shape (d_mlp, d_model)
-        The gate and up projections.
-
-    Returns
-    -------
-    torch.Tensor, shape (d_model, d_model)
-    """
+def _form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:
+    """A_d = W_gate^T diag(w_out_d) W_up, float64."""
     return W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())
 
 
@@ -212,7 +200,7 @@ def quadratic_form(
     -------
     QuadraticForm
     """
-    S = form_matrix(w_out_d, W_gate, W_up)
+    S = _form_matrix(w_out_d, W_gate, W_up)
     S = (S + S.T) / 2
     lam, V = torch.linalg.eigh(S)
     order = lam.abs().argsort(descending=True)

@@ -4,7 +4,7 @@ Each group is an argparse parent parser (``add_parser(..., parents=[...])``), so
 meaning in every command that takes it, and ``--help`` shows its default (``HelpFormatter``):
 
 - ``model_options``: ``--model --device --dtype --threads --quiet`` (every command that loads a model);
-- ``probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed``, and
+- ``_probe_options``: ``--n --T --seed`` (the commands that draw probes; ``stream`` and ``quant`` take ``--seed``, and
   ``quant`` its window length ``--T``, alone from ``shared_option``);
 - ``sink_options``: ``--eps --bos`` (every command that measures the sink);
 - ``placement_options``: ``--device-map --max-memory --offload-folder`` (a model split over devices).
@@ -116,20 +116,11 @@ def model_options(default_model: str = DEFAULT_MODEL, *, model_flag: bool = True
     )
 
 
-def probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
+def _probe_options(*, n: int, T: int = DEFAULT_T) -> argparse.ArgumentParser:
     """``--n --T --seed``, as a parent parser.
 
-    Parameters
-    ----------
-    n : int
-        The default of ``--n`` for this command (``sink``: the paper's 100; ``report``: 32, the sample its published
-        numbers were measured on).
-    T : int
-        The default of ``--T``.
-
-    Returns
-    -------
-    argparse.ArgumentParser
+    ``n`` is this command's default of ``--n`` (``sink``: the paper's 100; ``report``: 32, the sample its published
+    numbers were measured on).
     """
     return _parent(
         "probes",
@@ -199,7 +190,7 @@ def sink_command_options(*, n: int, model_flag: bool = True) -> list[argparse.Ar
     Parameters
     ----------
     n : int
-        The default of ``--n`` (as in :func:`probe_options`).
+        The default of ``--n`` (as in :func:`_probe_options`).
     model_flag : bool
         Add ``--model`` (as in :func:`model_options`).
 
@@ -210,7 +201,7 @@ def sink_command_options(*, n: int, model_flag: bool = True) -> list[argparse.Ar
     """
     return [
         model_options(model_flag=model_flag),
-        probe_options(n=n),
+        _probe_options(n=n),
         sink_options(),
         placement_options(),
         backend_options(),

@@ -97,7 +97,7 @@ class Result(abc.ABC):
             headline = self.findings()[0]
         except Exception:  # a repr never raises: the headline is left out
             headline = ""
-        return short_repr(
+        return _short_repr(
             self,
             headline=headline,
             model=self.model_name,
@@ -142,23 +142,10 @@ def _mapping_result(cls, values, model_name, n_samples, kind):
     return cls(values, model_name=model_name, n_samples=n_samples, kind=kind)
 
 
-def short_repr(obj, *, headline: str = "", width: int = 160, **fields) -> str:
+def _short_repr(obj, *, headline: str = "", width: int = 160, **fields) -> str:
     """A repr of one or two lines: the class, the named fields that are set, and a headline cut to ``width``.
 
-    Parameters
-    ----------
-    obj : object
-        The object whose class names the repr.
-    headline : str
-        The finding in one sentence (second line; cut to ``width`` characters).
-    width : int
-        The most characters of the headline.
-    **fields
-        Short facts (model, kind, N, T ...); None values are left out.
-
-    Returns
-    -------
-    str
+    ``fields`` are short facts (model, kind, N, T ...); None values are left out.
     """
     facts = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items() if v is not None)
     head = f"<{type(obj).__name__} {facts}>" if facts else f"<{type(obj).__name__}>"

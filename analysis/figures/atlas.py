@@ -12,18 +12,8 @@ from analysis.figures.layout import new_or_given, place_axes, returns_figure, se
 KIND_COLOURS = {"natural": "#4c72b0", "random": "#dd8452", "repeated": "#55a868"}
 
 
-def short_name(name: str) -> str:
-    """A model's label on a figure: the last part of its path or hub id.
-
-    Parameters
-    ----------
-    name : str
-        The model's name, path or hub id.
-
-    Returns
-    -------
-    str
-    """
+def _short_name(name: str) -> str:
+    """A model's label on a figure: the last part of its path or hub id."""
     return PurePath(str(name).rstrip("/\\")).name or str(name)
 
 
@@ -38,7 +28,7 @@ def _rows(table: pd.DataFrame, ax, height: float):
 
 def _finish(ax, rows: pd.DataFrame, own: bool, *, xlabel: str, title: str):
     """The models named on the y axis, the legend, the title and the margins."""
-    ax.set_yticks(np.arange(len(rows)), [short_name(m) for m in rows["model"]])
+    ax.set_yticks(np.arange(len(rows)), [_short_name(m) for m in rows["model"]])
     ax.set_xlabel(xlabel)
     ax.legend(loc="lower right", fontsize=7, frameon=False)
     set_title(ax, title)

@@ -15,17 +15,8 @@ from analysis.positions.every_sink import SinkPositions
 from analysis.positions.repeated_tokens import RepeatedTokens
 
 
-def example_sample(res: SinkPositions) -> int:
-    """The first sequence with a sink besides the first token (0 if none has one).
-
-    Parameters
-    ----------
-    res : SinkPositions
-
-    Returns
-    -------
-    int
-    """
+def _example_sample(res: SinkPositions) -> int:
+    """The first sequence with a sink besides the first token (0 if none has one)."""
     later = res.sinks[res.sinks.position > 0]
     return int(later["sample"].iloc[0]) if len(later) else 0
 
@@ -39,9 +30,9 @@ def plot_sink_positions(res: SinkPositions, *, sample: int | None = None, ax=Non
     ----------
     res : SinkPositions
     sample : int, optional
-        The sequence (default :func:`example_sample`).
+        The sequence (default :func:`_example_sample`).
     """
-    sample = example_sample(res) if sample is None else int(sample)
+    sample = _example_sample(res) if sample is None else int(sample)
     heads = res.sink_mask()[sample].sum((0, 1)).numpy()
     x = np.arange(res.T)
     ax.bar(x, heads, color="#4c72b0", width=0.8, label="heads with $\\alpha_k > \\epsilon$")
@@ -216,7 +207,7 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
         Where an exact zero is drawn on the log axis.
     """
     for label, res in results.items():
-        rel = deviation_along_stream(res)
+        rel = _deviation_along_stream(res)
         ax.plot(np.arange(len(rel)), np.maximum(rel, floor), marker="o", ms=3, lw=1, label=label)
     ax.set_yscale("log")
     ax.axhspan(floor / 3, floor * 3, color="grey", alpha=0.15, lw=0)
@@ -226,17 +217,8 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
     set_title(ax, f"one token repeated: deviation across positions (grey: 0, drawn at {floor:g})")
 
 
-def deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
-    """(L + 1,) the relative deviation along the residual stream: each layer's input, then the last layer's output.
-
-    Parameters
-    ----------
-    res : RepeatedTokens
-
-    Returns
-    -------
-    numpy.ndarray
-    """
+def _deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
+    """(L + 1,) the relative deviation along the residual stream: each layer's input, then the last layer's output."""
     rin = res.relative_deviation("in").amax(0).numpy()
     rout = res.relative_deviation("out").amax(0).numpy()
     return np.append(rin, rout[-1])

@@ -54,18 +54,8 @@ CLOSED_FORMS = {
 }
 
 
-def positional_encoding(model: SinkModel) -> str:
-    """The model's positional encoding: one of ``ENCODINGS``, or "unknown".
-
-    Parameters
-    ----------
-    model
-        A reference model (``cfg.positional_embedding_type``) or a bridged model (rotary read from its family).
-
-    Returns
-    -------
-    str
-    """
+def _positional_encoding(model: SinkModel) -> str:
+    """The model's positional encoding: one of ``ENCODINGS``, or "unknown"."""
     pe = positional_encoding_name(model)
     if rotary_base(model) is not None:
         return "rotary"
@@ -156,21 +146,11 @@ def _softmax_rows(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, last
 
 
-def distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[torch.Tensor, str]:
+def _distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[torch.Tensor, str]:
     """The (H, T) logit bias by distance d = 0..T-1 of an ALiBi or relative layer, from the model's own module, and
     where it was read.
 
-    Parameters
-    ----------
-    model
-        A reference model (``analysis.train``); another ALiBi model gets Press et al.'s slopes (stated).
-    layer : int
-    encoding : {"alibi", "relative"}
-    T : int
-
-    Returns
-    -------
-    tuple of (torch.Tensor, str)
+    A reference ALiBi model reads its own slopes; another ALiBi model gets Press et al.'s slopes (stated).
     """
     attn = layer_position_module(model, layer)
     d = torch.arange(T)
@@ -187,26 +167,14 @@ def distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[
         return -slopes.float().cpu()[:, None] * d[None].float(), source
 
 
-def closed_forms(
+def _closed_forms(
     model: SinkModel, layers, encoding: str, T: int, xi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The propositions' closed forms of the first token's weight against t and of the last row, per layer and head.
 
-    Parameters
-    ----------
-    model
-    layers : list of int
-    encoding : str
-        One of ``ENCODINGS``.
-    T : int
-    xi : torch.Tensor, shape (N, L, H)
-        |q||k| / sqrt(d_head) of the last position (used by rotary).
-
-    Returns
-    -------
-    tuple of (torch.Tensor, torch.Tensor, str)
-        first (N, L, H, T) and last (N, L, H, T) in float64 (NaN where no closed form applies; for rotary the upper
-        bound, the same for every key of a row), and where the bias was read.
+    ``xi`` (N, L, H) is |q||k| / sqrt(d_head) of the last position (used by rotary). Returns first and last (N, L, H, T)
+    in float64 (NaN where no closed form applies; for rotary the upper bound, the same for every key of a row), and
+    where the bias was read.
     """
     N, L, H = xi.shape
     t = torch.arange(1, T + 1, dtype=torch.float64)
@@ -217,7 +185,7 @@ def closed_forms(
         e = torch.exp(2 * xi.double())[..., None]
         return e / (e + t - 1), (e / (e + T - 1)).expand(N, L, H, T).clone(), "q and k norms"
     if encoding in ("alibi", "relative"):
-        pairs = [distance_bias(model, l, encoding, T) for l in layers]
+        pairs = [_distance_bias(model, l, encoding, T) for l in layers]
         forms = [_softmax_rows(b) for b, _ in pairs]
         first = torch.stack([f for f, _ in forms])[None].expand(N, L, H, T).clone()
         last = torch.stack([r for _, r in forms])[None].expand(N, L, H, T).clone()
@@ -504,9 +472,9 @@ def repeated_tokens(
     tokens = check_repeated(tokens)
     layers = check_attention_layers(model)
     out = run_pass(model, tokens, [RepeatedAccumulator(model, layers)], batch_size=batch_size)[0]
-    encoding = positional_encoding(model)
+    encoding = _positional_encoding(model)
     xi = out["qn"] * out["kn"] / _attn_scale(model)
-    form_first, form_last, source = closed_forms(model, layers, encoding, int(tokens.shape[-1]), xi)
+    form_first, form_last, source = _closed_forms(model, layers, encoding, int(tokens.shape[-1]), xi)
     op = attention_operation(model)
     meta = {} if op == "softmax" else {"note": f"the closed forms hold for softmax attention; this model uses {op}"}
     return RepeatedTokens(

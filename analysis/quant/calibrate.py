@@ -120,17 +120,8 @@ def mean_nll(
         return total / n
 
 
-def scale_cost(scales: dict[str, ScaleSite]) -> float:
-    """Mean log max |input| over the linears: what a prefix search lowers (the static scales' size).
-
-    Parameters
-    ----------
-    scales : dict of str to ScaleSite
-
-    Returns
-    -------
-    float
-    """
+def _scale_cost(scales: dict[str, ScaleSite]) -> float:
+    """Mean log max |input| over the linears: what a prefix search lowers (the static scales' size)."""
     return sum(math.log(max(s.absmax, 1e-12)) for s in scales.values()) / max(len(scales), 1)
 
 
@@ -153,12 +144,12 @@ def find_prefix(
     -------
     prefix : list of int
     costs : list of float
-        ``scale_cost`` with no prefix, then after each step taken.
+        ``_scale_cost`` with no prefix, then after each step taken.
     """
     require_model(model, "find_prefix")
-    prefix, costs = [], [scale_cost(calibrate(model, sites, windows))]
+    prefix, costs = [], [_scale_cost(calibrate(model, sites, windows))]
     for _ in range(length):
-        tried = {c: scale_cost(calibrate(model, sites, windows, prefix=prefix + [c])) for c in candidates}
+        tried = {c: _scale_cost(calibrate(model, sites, windows, prefix=prefix + [c])) for c in candidates}
         c, cost = min(tried.items(), key=lambda kv: kv[1])
         if cost >= costs[-1]:
             break

@@ -183,25 +183,13 @@ def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tu
     return prof.sink, prof.massive, None if remote else prof.sink_kind.shares()
 
 
-def measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
+def _measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
     """One model's atlas numbers: Sink_1 per input kind, the largest activation, the facts.
 
-    Parameters
-    ----------
-    model
-        A model of ``analysis.load_model``.
-    config : AtlasConfig
-        The probe (n, T, seed, bos) and eps.
-    progress : bool
-        Progress bars over batches.
-
-    Returns
-    -------
-    dict
-        ``facts``, ``probes`` (each kind's source), ``sink_1_pct`` and ``sink_slot_pct`` (by kind; the slot only where
-        the model has one), ``pattern`` (a non-softmax model's proxy, else None), ``largest_activation`` (by kind,
-        :func:`largest_activation`) and ``kinds`` (the share of sink heads of each kind on natural text and their
-        number, ``SinkKinds.shares``; None through nnsight, ``KINDS_NOTE``).
+    The dict holds ``facts``, ``probes`` (each kind's source), ``sink_1_pct`` and ``sink_slot_pct`` (by kind; the slot
+    only where the model has one), ``pattern`` (a non-softmax model's proxy, else None), ``largest_activation`` (by
+    kind, :func:`largest_activation`) and ``kinds`` (the share of sink heads of each kind on natural text and their
+    number, ``SinkKinds.shares``; None through nnsight, ``KINDS_NOTE``).
     """
     dims = model_dims(model)
     if dims.n_ctx is not None and config.T > dims.n_ctx:
@@ -241,7 +229,7 @@ def atlas_row(name: str, load: Callable, *, config: AtlasConfig = AtlasConfig(),
     dict
         ``model``, ``status`` ("ok" or "failed"), ``error`` (None or "Type: message", with ``traceback``),
         ``config``, ``paper`` (the published Sink_1 row or None), ``seconds``, ``versions`` and
-        :func:`measure_model`'s fields.
+        :func:`_measure_model`'s fields.
     """
     paper = published_sink(name)
     row = {
@@ -255,7 +243,7 @@ def atlas_row(name: str, load: Callable, *, config: AtlasConfig = AtlasConfig(),
     model = None
     try:
         model = load(name)
-        row.update(measure_model(model, config=config, progress=progress))
+        row.update(_measure_model(model, config=config, progress=progress))
     except Exception as e:  # noqa: BLE001 - the row keeps the error and the run goes on to the next model
         row.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=6))
     finally:
@@ -315,7 +303,7 @@ def run_atlas(
             write_json(row_path(out, name), row, indent=1)
             log(f"[atlas {i}/{len(names)}] {name}: {_row_text(row)} ({row['seconds']:.1f} s)")
         rows.append(row)
-        write_atlas(out, rows, config=config, pending=names[i:])
+        _write_atlas(out, rows, config=config, pending=names[i:])
     return rows
 
 
@@ -368,23 +356,8 @@ def atlas_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out).astype({c: "Int64" for c in ints})  # integers stay integers beside a failed row
 
 
-def write_atlas(out, rows: list[dict], *, config: AtlasConfig, pending=()) -> Path:
-    """Write ``atlas.json``, ``atlas.csv`` and ``atlas.html`` into ``out``, each atomically.
-
-    Parameters
-    ----------
-    out : path-like
-    rows : list of dict
-        Of :func:`atlas_row`.
-    config : AtlasConfig
-    pending : sequence of str
-        Models listed but not measured yet (the page says so).
-
-    Returns
-    -------
-    pathlib.Path
-        The page's path.
-    """
+def _write_atlas(out, rows: list[dict], *, config: AtlasConfig, pending=()) -> Path:
+    """Write ``atlas.json``, ``atlas.csv`` and ``atlas.html`` into ``out``, each atomically."""
     out = Path(out)
     table = atlas_table(rows)
     payload = {

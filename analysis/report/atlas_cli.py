@@ -48,17 +48,8 @@ def add_parser(sub) -> None:
     a.set_defaults(func=cmd_atlas, check=check_atlas_args, outputs=(("out", True),))
 
 
-def read_models_file(path) -> list[str]:
-    """The models of a file: one a line; blank lines and ``#`` comments (whole lines or after a model) left out.
-
-    Parameters
-    ----------
-    path : path-like
-
-    Returns
-    -------
-    list of str
-    """
+def _read_models_file(path) -> list[str]:
+    """The models of a file: one a line; blank lines and ``#`` comments (whole lines or after a model) left out."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no models file {path}: give a text file with one model a line (--models-file).")
@@ -69,7 +60,7 @@ def read_models_file(path) -> list[str]:
 @command_doc("None", "ValueError or FileNotFoundError, saying what to give, otherwise.")
 def check_atlas_args(args) -> None:
     """The models (positional and ``--models-file``), read and checked before torch loads; kept as ``args.model_list``."""
-    names = list(args.models) + (read_models_file(args.models_file) if args.models_file else [])
+    names = list(args.models) + (_read_models_file(args.models_file) if args.models_file else [])
     if not names:
         raise ValueError(
             "give the models to measure: `atlas MODEL [MODEL ...]` or `atlas --models-file FILE` (one "
@@ -91,18 +82,8 @@ def _kinds_text(kinds: dict | None) -> str:
     )
 
 
-def format_atlas_table(rows: list[dict]) -> str:
-    """The printed table: Sink_1 per kind (the paper's in brackets where it gives one), the largest activation.
-
-    Parameters
-    ----------
-    rows : list of dict
-        Of ``analysis.report.atlas.atlas_row``.
-
-    Returns
-    -------
-    str
-    """
+def _format_atlas_table(rows: list[dict]) -> str:
+    """The printed table: Sink_1 per kind (the paper's in brackets where it gives one), the largest activation."""
     lines = [
         f"{'model':<28} {'natural':>15} {'random':>15} {'repeated':>15}  largest |a| (layer, dim, position, token; x median)"
     ]
@@ -162,7 +143,7 @@ def cmd_atlas(args) -> int:
             file=sys.stderr,
         )
         return 130
-    print(format_atlas_table(rows))
+    print(_format_atlas_table(rows))
     out = Path(args.out)
     print(
         f"wrote {out / 'atlas.html'}, {out / 'atlas.csv'} and {out / 'atlas.json'} (one row per model in {out / 'models'})"

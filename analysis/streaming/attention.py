@@ -110,29 +110,10 @@ def _mask_logits(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return scores + mask
 
 
-def streaming_attention(
+def _streaming_attention(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
 ):
-    """query (B, H, q, D), key/value (B, Hkv, L, D) -> (B, q, H, D) and the weights of a decode step.
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The attention module.
-    query : torch.Tensor, shape (B, H, q, D)
-    key, value : torch.Tensor, shape (B, H_kv, L, D)
-    attention_mask : torch.Tensor or None
-    dropout : float
-    scaling : float, optional
-        The score scale (default D ** -0.5).
-    **kwargs
-        As transformers passes them (a prefill, or learned sink logits, go to SDPA / eager attention).
-
-    Returns
-    -------
-    output : torch.Tensor, shape (B, q, H, D)
-    weights : torch.Tensor or None
-    """
+    """query (B, H, q, D), key/value (B, Hkv, L, D) -> (B, q, H, D) and the weights of a decode step."""
     B, H, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
@@ -152,5 +133,5 @@ def streaming_attention(
     return out.reshape(B, H, 1, D).transpose(1, 2), weights.reshape(B, H, 1, -1)
 
 
-AttentionInterface.register(NAME, streaming_attention)
+AttentionInterface.register(NAME, _streaming_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)

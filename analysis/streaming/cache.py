@@ -137,19 +137,8 @@ def rope_spec(hf_model) -> RopeSpec | None:
     return RopeSpec(freqs[0].detach().float().clone())
 
 
-def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate keys (B, H, L, D) by ``delta`` (L,) positions, with ``analysis.model.rotary.rotate``.
-
-    Parameters
-    ----------
-    keys : torch.Tensor, shape (B, H, L, D)
-    delta : torch.Tensor, shape (L,)
-    spec : RopeSpec
-
-    Returns
-    -------
-    torch.Tensor, shape (B, H, L, D)
-    """
+def _rotate_keys(keys: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Rotate keys (B, H, L, D) by ``delta`` (L,) positions, with ``analysis.model.rotary.rotate``."""
     out = rotate(keys.transpose(1, 2), delta, None, rot_dim=spec.rot_dim, style=spec.style, inv_freq=spec.inv_freq)
     return out.transpose(1, 2).to(keys.dtype)
 
@@ -253,7 +242,7 @@ class StreamingLayer(DynamicLayer):
         if self.sink_keys is None and smax and self.get_seq_length() >= smax:
             self.sink_keys = self.keys[:, :, :smax].clone()
         if self.rope is not None and smax and self.evictions:
-            rot = rotate_keys(self.sink_keys, torch.full((smax,), self.evictions), self.rope)
+            rot = _rotate_keys(self.sink_keys, torch.full((smax,), self.evictions), self.rope)
             if self._sink_mask is None:
                 self._sink_mask = (torch.arange(smax) < torch.tensor(self.sinks)[:, None]).to(self.keys.device)[
                     :, None, :, None
