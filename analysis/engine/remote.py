@@ -460,7 +460,7 @@ def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edi
             ed = edits.get(layer, {})
             acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
             if "k_in" in ed:
-                proj = blocks[layer].self_attn.k_proj
+                proj = model.key_proj(layer)
                 proj.input = ed["k_in"].fn(proj.input, **ed["k_in"].params)
             if layer in calls:
                 acts.update(_attention_acts(model, calls[layer], (sites - {"hook_z"}) | {"hook_pattern"}))

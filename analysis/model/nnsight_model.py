@@ -187,7 +187,11 @@ class NnsightModel:
     def key_projection(self, layer: int):
         """Inside a trace: layer ``layer``'s key projection (``k_proj``'s output), before
         any key norm and the rotary (the site ``hook_k_proj``), as the bridge's ``hook_k``: (B, T, H_kv, d_head)."""
-        return self.decoder_layers()[layer].self_attn.k_proj.output.unflatten(-1, (self.spec.n_kv_heads, -1))
+        return self.key_proj(layer).output.unflatten(-1, (self.spec.n_kv_heads, -1))
+
+    def key_proj(self, layer: int):
+        """Layer ``layer``'s ``k_proj`` module (its envoy inside a trace): where an edit of the key's input goes."""
+        return self.decoder_layers()[layer].self_attn.k_proj
 
     @property
     def family(self) -> FamilySpec:
