@@ -28,13 +28,15 @@ import torch
 
 from analysis.engine.attention import AttentionWeights
 from analysis.model.hooks import model_dims
-from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported, TraceWeight
+from analysis.model.nnsight_model import BLOCK_SITES, NnsightModel, NnsightUnsupported, TraceWeight
 
 REQUEST_LIMIT_BYTES = 32 * 2**20  # NDIF drops results above about this (a 32 MB message limit was seen)
 REQUEST_FILL = 0.8  # plan requests to this share of the limit (the pickled containers add a little)
 CAND_ROWS_PER_SAMPLE = 64  # flag candidates (|x| > the absolute threshold) budgeted per sample and layer
 ATTENTION_SITES = ("hook_pattern", "hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_z", "hook_k_proj")
-STREAM_SITES = ("hook_resid_pre", "hook_resid_post")
+CALL_SITES = frozenset(ATTENTION_SITES[:-1]) | {"z"}  # what the attention function's call gives (and the edit of z)
+LAYER_SITES = tuple(s for s in BLOCK_SITES if s not in ("call", "k_in"))  # the layer's other reads (by module)
+EDIT_SITES = {"resid_post": "hook_resid_post"}  # an edit's key -> its site
 
 
 @dataclass
@@ -159,21 +161,20 @@ def pass_plan(model: NnsightModel, accumulators: Sequence) -> list[tuple]:
                     f"{type(acc).__name__} reduces in its own update, which runs here only: it has no reduction a "
                     "remote trace can ship (run it locally, or through the bridge)."
                 )
-            sites = {k: n.rpartition(".")[2] for k, n in names.items()}
-            served = {f"blocks.{layer}.{s}" for s in STREAM_SITES} | {
-                f"blocks.{layer}.attn.{s}" for s in ATTENTION_SITES
-            }
-            bad = sorted(set(names.values()) - served)
+            sites = {k: n.removeprefix(f"blocks.{layer}.").removeprefix("attn.") for k, n in names.items()}
+            bad = sorted(n for k, n in names.items() if sites[k] not in CALL_SITES and sites[k] not in LAYER_SITES)
             if bad:
                 raise NnsightUnsupported(
-                    f"{type(acc).__name__} reads {bad}: a remote trace gives the residual stream "
-                    f"({', '.join(STREAM_SITES)}) and the attention call's {', '.join(ATTENTION_SITES)}."
+                    f"{type(acc).__name__} reads {bad}: a remote trace gives the attention call's "
+                    f"{', '.join(ATTENTION_SITES)} and the layer's {', '.join(LAYER_SITES)}."
                 )
+            for s in set(sites.values()) - CALL_SITES:
+                model.site(int(layer), s)  # NnsightUnsupported now where the family's layer has no such module
             layers.setdefault(int(layer), []).append((j, red, sites))
     plan = []
     for layer in sorted(layers):
         sites = {s for _, _, m in layers[layer] for s in m.values()}
-        attn = sites & set(ATTENTION_SITES)
+        attn = sites & CALL_SITES
         if attn and layer not in model.spec.attention_layers:
             raise NnsightUnsupported(f"layer {layer} has no softmax attention call ({model.spec.skipped.get(layer)}).")
         call = model.attention_call_name(layer) if attn else None
@@ -181,9 +182,12 @@ def pass_plan(model: NnsightModel, accumulators: Sequence) -> list[tuple]:
     return plan
 
 
-def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *, remote) -> list:
-    """One nnsight trace over a batch: every reduction of ``plan`` run next to the model and saved; nothing else
-    comes back.
+def trace_batch(
+    model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *, edits=None, logits=None, remote=None
+) -> list:
+    """One nnsight trace over a batch: each layer's sites that ``plan`` reads, and those ``edits`` set, in the order
+    the forward reaches them (``NnsightModel.site``, nnsight's interleaving needs it); every reduction of ``plan``
+    run next to the model on the edited activations and saved; nothing else comes back. The whole model runs.
 
     Parameters
     ----------
@@ -191,9 +195,16 @@ def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *,
     tokens : torch.Tensor, shape (B, T)
     plan : list of tuple
         From :func:`pass_plan` (the layers of one request).
-    remote : bool or str
+    edits : dict of int to dict of str to Reduction, optional
+        Per layer, edits shipped like the reductions, each setting a site to what it returns: "k_in" (the key
+        projection's input), "z" (the attention call's output, from {"pattern", "v", "z"}), "resid_post" (the
+        layer's output), "mlp.hook_post" (the MLP's neurons), or any other site of ``NnsightModel.site`` (of its
+        value).
+    logits : Reduction, optional
+        Of (logits, tokens), run on the output; returned last, as (-1, -1, what it returned).
+    remote : bool or str, optional
         nnsight's ``remote``: False (here), True (NDIF), "local" (nnsight's simulation of a remote run: serialized,
-        then run with this package hidden).
+        then run with this package hidden); None: ``model.remote``.
 
     Returns
     -------
@@ -202,39 +213,65 @@ def trace_batch(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], *,
     """
     import nnsight  # optional: the "remote" extra
 
+    remote, edits, jobs = model.remote if remote is None else remote, edits or {}, {p[0]: p for p in plan}
     if remote:
         register_shipped()
-    blocks = model.decoder_layers()
-    calls = {layer: model.attention_call(layer) for layer, call, _, _ in plan if call is not None}
+    layers = sorted(jobs.keys() | edits.keys())  # in the order the layers run
+    edits = {l: {EDIT_SITES.get(k, k): v for k, v in edits.get(l, {}).items()} for l in layers}
+    order = {l: _in_order(jobs[l][2] if l in jobs else frozenset(), edits[l]) for l in layers}
+    calls = {l: model.attention_call(l) for l in layers if "call" in order[l]}
     with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         saved = nnsight.save([])
-        for layer, call, sites, jobs in plan:  # in the order the layers run (nnsight's interleaving needs it)
-            acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
-            if "hook_k_proj" in sites:  # the key projection, before the key norm and the rotary (norm gain)
-                acts["hook_k_proj"] = model.key_projection(layer)
-            if call is not None:
-                acts.update(_attention_acts(model, calls[layer], sites))
-            if "hook_resid_post" in sites:
-                out = blocks[layer].output
-                acts["hook_resid_post"] = out[0] if isinstance(out, tuple) else out
-            for j, red, keys in jobs:
+        for layer in layers:
+            _, _, sites, todo = jobs.get(layer, (layer, None, frozenset(), []))
+            acts, ed = {}, edits[layer]
+            for name in order[layer]:
+                if name == "call":
+                    acts.update(_attention_acts(model, calls[layer], sites, ed.get("z")))
+                else:
+                    acts[name] = _site(model, layer, name, ed.get(name))
+            for j, red, keys in todo:
                 saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
+        if logits is not None:
+            saved.append((-1, -1, logits.fn(model.lm.output.logits, tokens, **_params(model, logits))))
     return [(j, l, _to_cpu(r)) for j, l, r in saved]
 
 
-def _attention_acts(model: NnsightModel, call, sites) -> dict:
+def _in_order(sites, edits: dict) -> list[str]:
+    """The sites a layer's trace reads or edits, in the order its forward reaches them (``BLOCK_SITES``), the
+    attention call's as one ("call")."""
+    return sorted({"call" if s in CALL_SITES else s for s in sites | edits.keys()}, key=list(BLOCK_SITES).index)
+
+
+def _site(model: NnsightModel, layer: int, name: str, edit=None):
+    """Inside a trace: the value of a layer's site (``NnsightModel.site``; the key projection as the bridge's hook,
+    (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
+    env, side = model.site(layer, name)
+    got = getattr(env, side)
+    x = got[0] if isinstance(got, tuple) else got
+    if edit is not None:
+        x = edit.fn(x, **_params(model, edit))
+        setattr(env, side, (x, *got[1:]) if isinstance(got, tuple) else x)
+    return x.unflatten(-1, (model.spec.n_kv_heads, -1)) if name == "hook_k_proj" else x
+
+
+def _attention_acts(model: NnsightModel, call, sites, edit=None) -> dict:
     """Inside a trace: what a layer's call to the attention function gives for ``sites``, in the hooks' layout (q, k,
     v (B, T, heads, d) after the rotary; the pattern as :class:`AttentionWeights` from q, k, the mask and the scale;
-    z the call's output)."""
+    z the call's output, set first to what ``edit`` makes of {"pattern", "v", "z"})."""
     args, kwargs = call.inputs
     q, k, v, mask = args[1], args[2], args[3], args[4]
     acts = {"hook_q": q.transpose(1, 2), "hook_k": k.transpose(1, 2), "hook_v": v.transpose(1, 2)}
     acts["hook_rot_q"], acts["hook_rot_k"] = acts["hook_q"], acts["hook_k"]
-    if "hook_pattern" in sites:
+    if "hook_pattern" in sites or edit is not None:
         scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
         acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, softcap=model.spec.softcap)
-    if "hook_z" in sites:
-        acts["hook_z"] = call.output[0]
+    if "hook_z" in sites or edit is not None:
+        res = call.output
+        acts["hook_z"] = res[0]
+        if edit is not None:
+            z = edit.fn({"pattern": acts["hook_pattern"], "v": acts["hook_v"], "z": res[0]}, **_params(model, edit))
+            call.output, acts["hook_z"] = (z, *res[1:]), z
     return acts
 
 
@@ -341,18 +378,12 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
     for b in (1, 2):
         q = torch.zeros(b, s.n_heads, T, d_head)
         k = torch.zeros(b, s.n_kv_heads, T, d_head)
-        acts = {
-            "hook_resid_pre": torch.zeros(b, T, s.d_model),
-            "hook_resid_post": torch.zeros(b, T, s.d_model),
-            "hook_q": q.transpose(1, 2),
-            "hook_rot_q": q.transpose(1, 2),
-            "hook_k": k.transpose(1, 2),
-            "hook_rot_k": k.transpose(1, 2),
-            "hook_v": k.transpose(1, 2),
-            "hook_k_proj": k.transpose(1, 2),
-            "hook_z": q.transpose(1, 2),
-            "hook_pattern": AttentionWeights.from_qk(q, k, scale=d_head**-0.5),
+        acts = {n: torch.zeros(b, T, s.d_model) for n in LAYER_SITES} | {
+            n: torch.zeros(b, T, s.d_mlp or 1) for n in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
         }
+        acts |= {n: q.transpose(1, 2) for n in ("hook_q", "hook_rot_q", "hook_z")}
+        acts |= {n: k.transpose(1, 2) for n in ("hook_k", "hook_rot_k", "hook_v", "hook_k_proj")}
+        acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=d_head**-0.5)
         seen: dict = {}  # layers of one shape reduce alike: each kind of layer is measured once
         for _, _, sites, jobs in plan:
             sig = repr([(red.fn, red.params, keys) for _, red, keys in jobs])
@@ -428,58 +459,17 @@ def remote_pass(
 
 
 def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edits: dict, *, logits=None, remote=None):
-    """:func:`trace_batch` with edits, each a Reduction shipped like the reductions: per layer of ``edits``, "k_in" sets
-    the key projection's input, "z" the attention call's output from {"pattern", "v", "z"}, "resid_post" the layer's
-    output, to what it returns; ``plan``'s reductions read the edited activations. The whole model runs (no resume).
+    """:func:`trace_batch` with ``edits``, what ``logits`` returned apart.
 
     Parameters
     ----------
-    model, tokens, plan, remote
-        As in :func:`trace_batch` (``remote`` None: ``model.remote``).
-    edits : dict of int to dict of str to Reduction
-    logits : Reduction, optional
-        Of (logits, tokens), run on the output.
+    model, tokens, plan, edits, logits, remote
+        As in :func:`trace_batch`.
 
     Returns
     -------
     tuple
-        What :func:`trace_batch` returns, and what ``logits`` returned (None without it), on the CPU.
+        What :func:`trace_batch` returns for ``plan``, and what ``logits`` returned (None without it), on the CPU.
     """
-    import nnsight  # optional: the "remote" extra
-
-    remote = model.remote if remote is None else remote
-    if remote:
-        register_shipped()
-    blocks, jobs = model.decoder_layers(), {p[0]: p for p in plan}
-    layers = sorted(jobs.keys() | edits.keys())  # in the order the layers run
-    calls = {l: model.attention_call(l) for l in layers if (l in jobs and jobs[l][1]) or "z" in edits.get(l, {})}
-    with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):
-        saved, out = nnsight.save([]), nnsight.save([])
-        for layer in layers:
-            _, _, sites, todo = jobs.get(layer, (layer, None, frozenset(), []))
-            ed = edits.get(layer, {})
-            acts = {"hook_resid_pre": blocks[layer].input} if "hook_resid_pre" in sites else {}
-            if "k_in" in ed:
-                proj = model.key_proj(layer)
-                proj.input = ed["k_in"].fn(proj.input, **ed["k_in"].params)
-            if layer in calls:
-                acts.update(_attention_acts(model, calls[layer], (sites - {"hook_z"}) | {"hook_pattern"}))
-                res = calls[layer].output
-                acts["hook_z"] = res[0]
-                if "z" in ed:
-                    z = ed["z"].fn(
-                        {"pattern": acts["hook_pattern"], "v": acts["hook_v"], "z": res[0]}, **ed["z"].params
-                    )
-                    calls[layer].output, acts["hook_z"] = (z, *res[1:]), z
-            if "resid_post" in ed or "hook_resid_post" in sites:
-                res = blocks[layer].output
-                x = res[0] if isinstance(res, tuple) else res
-                if "resid_post" in ed:
-                    x = ed["resid_post"].fn(x, **ed["resid_post"].params)
-                    blocks[layer].output = (x, *res[1:]) if isinstance(res, tuple) else x
-                acts["hook_resid_post"] = x
-            for j, red, keys in todo:
-                saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
-        if logits is not None:
-            out.append(logits.fn(model.lm.output.logits, tokens, **(logits.params or {})))
-    return [(j, l, _to_cpu(r)) for j, l, r in saved], _to_cpu(out[0]) if out else None
+    got = trace_batch(model, tokens, plan, edits=edits, logits=logits, remote=remote)
+    return [r for r in got if r[0] >= 0], next((r for j, _, r in got if j < 0), None)

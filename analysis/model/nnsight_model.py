@@ -57,6 +57,8 @@ class NnsightSpec:
     n_layers, n_heads, n_kv_heads, d_model : int
     attention_layers : tuple of int
         The softmax-attention layers (true indices), as ``families.config_attention_layers``.
+    d_mlp : int or None
+        The dense MLP's neurons (``intermediate_size``).
     skipped : dict of int to str
         The other layers and why.
     sliding_window : int or None
@@ -73,6 +75,7 @@ class NnsightSpec:
     n_kv_heads: int
     d_model: int
     attention_layers: tuple[int, ...]
+    d_mlp: int | None = None
     skipped: dict[int, str] = field(default_factory=dict)
     sliding_window: int | None = None
     softcap: float | None = None
@@ -95,6 +98,7 @@ def _nnsight_spec(config) -> NnsightSpec:
         n_kv_heads=heads if mla else int(getattr(cfg, "num_key_value_heads", None) or heads),
         d_model=int(cfg.hidden_size),
         attention_layers=layers,
+        d_mlp=getattr(cfg, "intermediate_size", None),
         skipped=skipped,
         sliding_window=getattr(cfg, "sliding_window", None),
         softcap=getattr(cfg, "attn_logit_softcapping", None),
@@ -184,14 +188,20 @@ class NnsightModel:
             return t.T.reshape(s.d_model, s.n_kv_heads, -1).permute(1, 0, 2)
         return t.reshape(s.n_kv_heads, -1) if w.name == "b_K" else t
 
-    def key_projection(self, layer: int):
-        """Inside a trace: layer ``layer``'s key projection (``k_proj``'s output), before
-        any key norm and the rotary (the site ``hook_k_proj``), as the bridge's ``hook_k``: (B, T, H_kv, d_head)."""
-        return self.key_proj(layer).output.unflatten(-1, (self.spec.n_kv_heads, -1))
-
-    def key_proj(self, layer: int):
-        """Layer ``layer``'s ``k_proj`` module (its envoy inside a trace): where an edit of the key's input goes."""
-        return self.decoder_layers()[layer].self_attn.k_proj
+    def site(self, layer: int, name: str):
+        """Where layer ``layer``'s forward reaches the TransformerLens site ``name`` (a key of :data:`BLOCK_SITES` but
+        "call"): (its module's envoy, "input" or "output"), whose value a trace reads or sets there; a layer with a
+        norm after each write (Gemma 2/3: ``pre_feedforward_layernorm``) writes that norm's output (``_POST_NORMED``).
+        NnsightUnsupported where this family's layer has no such module."""
+        path, side = BLOCK_SITES[name]
+        env = self.decoder_layers()[layer]
+        if name in _POST_NORMED and hasattr(env._module, "pre_feedforward_layernorm"):
+            path = _POST_NORMED[name]
+        for part in path.split(".") if path else ():
+            if not hasattr(env._module, part):
+                raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {path} module, where {name} is.")
+            env = getattr(env, part)
+        return env, side
 
     @property
     def family(self) -> FamilySpec:
@@ -211,6 +221,31 @@ class NnsightModel:
         src = self.decoder_layers()[layer].self_attn.source
         return getattr(src, call_name(src.names, self.spec.family))
 
+
+# Where a Hugging Face decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's
+# input, where an edit goes), in the order it runs them: (the layer's submodule, "": the layer itself; "input" or
+# "output"); "call": the attention function's call (``attention_call``), which gives q, k, v, the pattern and z.
+BLOCK_SITES = {
+    "hook_resid_pre": ("", "input"),
+    "k_in": ("self_attn.k_proj", "input"),
+    "hook_k_proj": ("self_attn.k_proj", "output"),
+    "call": None,
+    "hook_attn_out": ("self_attn", "output"),
+    "hook_resid_mid": ("post_attention_layernorm", "input"),
+    "mlp.hook_in": ("mlp", "input"),
+    "mlp.hook_pre": ("mlp.gate_proj", "output"),
+    "mlp.hook_pre_linear": ("mlp.up_proj", "output"),
+    "mlp.hook_post": ("mlp.down_proj", "input"),
+    "hook_mlp_out": ("mlp", "output"),
+    "hook_resid_post": ("", "output"),
+}
+# A layer that normalises each write before adding it (Gemma 2/3): its writes are these norms' outputs, and the stream
+# between attention and MLP enters the MLP's own input norm.
+_POST_NORMED = {
+    "hook_attn_out": "post_attention_layernorm",
+    "hook_resid_mid": "pre_feedforward_layernorm",
+    "hook_mlp_out": "post_feedforward_layernorm",
+}
 
 # TraceWeight names -> (the decoder layer's submodule, its parameter)
 _WEIGHTS = {

@@ -296,8 +296,12 @@ def test_a_remote_pass_refuses_what_it_cannot_ship_before_the_work(family_dir, n
     nn = nn_family("llama")
     with pytest.raises(NnsightUnsupported, match="reduces in its own update"):
         pass_plan(nn, [OwnUpdate()])
-    with pytest.raises(NnsightUnsupported, match="blocks.0.hook_resid_mid"):  # between attention and MLP: no site
-        pass_plan(nn, [MassiveAccumulator(nn, [0], nn.spec.d_model, hook="resid_mid")])
+
+    class Scores(PositionAccumulator):  # the scores before the mask and softmax: no site a trace reads
+        hooks = lambda self: {0: {"x": "blocks.0.attn.hook_attn_scores"}}  # noqa: E731
+
+    with pytest.raises(NnsightUnsupported, match="blocks.0.attn.hook_attn_scores"):
+        pass_plan(nn, [Scores([0])])
     with pytest.raises(BackendUnsupported, match="reads activations only"):
         run_pass(nn, _tokens(), [Logits([0])])
     with pytest.raises(BackendUnsupported, match="reads activations only"):
