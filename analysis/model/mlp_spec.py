@@ -375,6 +375,8 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     -------
     MlpWeights
     """
+    if hasattr(model, "block_module"):  # no bridge blocks (NnsightModel): it reads its Hugging Face modules
+        return model.mlp_weights(layer)
     spec = get_mlp(model)
     layer = spec.check_layer(layer, int(model.cfg.n_layers))
     if not spec.has_neurons(layer):
@@ -453,6 +455,8 @@ def block_norm(model: SinkModel, layer: int, name: str | None):
     torch.nn.Module or None
         The Hugging Face module behind the bridge's; None where the block has none (or ``name`` is None).
     """
+    if hasattr(model, "block_module"):  # no bridge blocks (NnsightModel): it reads its Hugging Face modules
+        return model.block_module(layer, name) if name else None
     mod = getattr(model.blocks[layer], name, None) if name else None
     return getattr(mod, "original_component", None) or mod if mod is not None else None
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from analysis.model.contract import SinkModel
 from analysis.model import families
 from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
+from analysis.model.mlp_spec import MlpSpec, MlpWeights, _activation_name
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 
@@ -127,6 +128,7 @@ class NnsightModel:
     spec: NnsightSpec
     remote: bool = False
     _family: object = field(default=None, repr=False)
+    _mlp: object = field(default=None, repr=False)
     pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
@@ -210,6 +212,46 @@ class NnsightModel:
         if self._family is None:
             self._family = _nnsight_family(self)
         return self._family
+
+    @property
+    def mlp_spec(self) -> MlpSpec:
+        """The MLP facts (``analysis.model.mlp_spec.MlpSpec``) read from the Hugging Face modules and config, once:
+        what ``get_mlp`` gives (the spike writers' neurons, their quadratic form and first-token cause read it)."""
+        if self._mlp is None:
+            self._mlp = _nnsight_mlp(self)
+        return self._mlp
+
+    def block_module(self, layer: int, name: str):
+        """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
+        "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
+        where the layer has none."""
+        post = hasattr(self.decoder_layers()[layer]._module, "pre_feedforward_layernorm")
+        path = {"ln1": "input_layernorm", "mlp": "mlp"}.get(name) or (
+            {"ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"} if post else {}
+        ).get(name, "post_attention_layernorm" if name == "ln2" else None)
+        return getattr(self.decoder_layers()[layer]._module, path, None) if path else None
+
+    def mlp_weights(self, layer: int) -> MlpWeights:
+        """Layer ``layer``'s gated MLP weights (``gate_proj``, ``up_proj``, ``down_proj``) as the bridge's
+        ``mlp_weights`` gives them (float32, CPU); NnsightUnsupported where they are on NDIF (a meta-device model)
+        or the layer has no such MLP."""
+        mlp = self.block_module(layer, "mlp")
+        lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(m is None for m in lins) or layer in self.mlp_spec.moe_layers:
+            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
+        if lins[0].weight.is_meta:
+            raise NnsightUnsupported(
+                f"{self.model_name}'s MLP weights are on NDIF: the writer neurons' weights are read here (run the "
+                "spike writers on a model loaded here)."
+            )
+
+        def read(lin):
+            b = lin.bias
+            b = b.detach().float().cpu() if b is not None and bool(b.abs().max() > 0) else None
+            return lin.weight.detach().float().cpu(), b
+
+        (W_gate, b_gate), (W_in, b_in), (W_out, b_out) = map(read, lins)
+        return MlpWeights(int(layer), W_out, b_out, W_in, b_in, W_gate, b_gate)
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
@@ -304,9 +346,42 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     )
 
 
-def _probe(module):
-    """``families.probe_norm`` of a norm module (None: no module), on a copy with random weights where they are on
-    the meta device (a model held on NDIF): its form does not depend on the values."""
+def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
+    """The MLP facts of a model loaded through nnsight, from its Hugging Face modules: gated MLPs (``gate_proj``,
+    ``up_proj``, ``down_proj``, the activation matched on ``act_fn``) after the input norm ("ln2") on the stream
+    between attention and MLP, each write added (or normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP
+    has ``experts`` are mixtures of experts (no neurons read)."""
+    s, layers = model.spec, model.decoder_layers()
+    moe = tuple(l for l in range(s.n_layers) if hasattr(layers[l]._module.mlp, "experts"))
+    dense = [l for l in range(s.n_layers) if l not in moe and hasattr(layers[l]._module.mlp, "gate_proj")]
+    out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
+    return MlpSpec(
+        family=s.family,
+        kind="gated" if dense else ("moe" if moe else "none"),
+        activation=_activation_name(model, dense[0], None, None, None, True) if dense else None,
+        d_mlp=int(s.d_mlp) if dense else None,
+        parallel=False,
+        input_resid="resid_mid",
+        input_norm=_probe(model.block_module(dense[0], "ln2"), model) if dense else None,
+        input_norm_module="ln2" if dense else None,
+        output="post_norm" if out_norm else "add",
+        output_scale=1.0,
+        output_norm=out_norm,
+        output_norm_module="ln2_post" if out_norm else None,
+        additive=True,
+        mixer_layers=tuple(s.skipped),
+        moe_layers=moe,
+        _neuron_hook="blocks.{layer}.mlp.hook_post" if dense else None,
+        _gate_hook="blocks.{layer}.mlp.hook_pre" if dense else None,
+        _up_hook="blocks.{layer}.mlp.hook_pre_linear" if dense else None,
+        _input_hook="blocks.{layer}.mlp.hook_in",
+    )
+
+
+def _probe(module, model: NnsightModel | None = None):
+    """``families.probe_norm`` of a norm module (None: no module; named in ``model``'s Hugging Face model where
+    given), on a copy with random weights where they are on the meta device (a model held on NDIF): its form does
+    not depend on the values."""
     if module is None:
         return None
     if any(p.is_meta for p in module.parameters()):
@@ -315,7 +390,7 @@ def _probe(module):
         module = copy.deepcopy(module).to_empty(device="cpu")
         for p in module.parameters():
             p.data.normal_()
-    return families.probe_norm(module)
+    return families.probe_norm(module, model=model)
 
 
 def weights_in_trace(model: SinkModel) -> bool:
