@@ -29,8 +29,10 @@ from analysis.model.mlp_spec import get_mlp
 from analysis.chain.first_token_cause import why_first_token
 from analysis.chain.spike_writers import spike_origin
 from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, condition_rows, run_condition
+from analysis.causal.conditions import _remote_run
 from analysis.model.hooks import act_name, check_tokens, model_dims
-from analysis.engine.passes import ResidCapture, run_pass
+from analysis.model.nnsight_model import weights_in_trace
+from analysis.engine.passes import Accumulator, Reduction, ResidCapture, run_pass
 from analysis.core.results import Result, layer_runs
 from analysis.sinks.metric import check_eps
 
@@ -77,19 +79,82 @@ class _NeuronSetter:
         out = [(self.hook_of[b], partial(self.set, b)) for b in sorted(self.set_at)]
         return out + [(act_name("resid_post", l), partial(self.record, l)) for l in range(self.start, self.L)]
 
-    def set(self, block: int, a: torch.Tensor, hook) -> torch.Tensor:
-        a = a.clone()
+    def sets(self, block: int) -> list[tuple[slice, torch.Tensor, torch.Tensor | float]]:
+        """(rows, neurons, value) set at ``block`` in the current batch: each condition's, on its rows."""
         here = dict(condition_rows(*self.batch, self.rows))  # condition -> its rows in this batch
-        for c, idx, value in self.set_at[block]:
-            if c in here:
-                v = value if isinstance(value, float) else value.to(a.device, a.dtype)
-                a[here[c], 0, idx.to(a.device)] = v
-        return a
+        return [(here[c], idx, value) for c, idx, value in self.set_at[block] if c in here]
+
+    def set(self, block: int, a: torch.Tensor, hook) -> torch.Tensor:
+        return set_neurons(a, sets=self.sets(block))
+
+    def edits(self, batch) -> dict:
+        """The sets of ``batch`` as trace edits (``analysis.engine.remote.trace_batch``) of the neurons' site."""
+        self.start_batch(batch)
+        return {b: {"mlp.hook_post": Reduction(set_neurons, {"sets": self.sets(b)})} for b in self.set_at}
 
     def record(self, layer: int, x: torch.Tensor, hook) -> None:
-        self.current[layer] = x[:, 0, self.dims].detach().float().cpu()
+        self.keep(layer, first_token_dims({"x": x}, dims=self.dims).cpu())
+
+    def keep(self, layer: int, values: torch.Tensor) -> None:
+        """The spike dims' first-token values after block ``layer`` (B, n_dims); the batch's row after the last."""
+        self.current[layer] = values
         if layer == self.L - 1:
             self.values.append(torch.stack([self.current.pop(l) for l in range(self.start, self.L)], 1))
+
+
+def set_neurons(a: torch.Tensor, *, sets: list) -> torch.Tensor:
+    """The neuron activations ``a`` (B, T, d_mlp) with the first token's chosen neurons set (torch only: a remote
+    trace ships it).
+
+    Parameters
+    ----------
+    a : torch.Tensor
+    sets : list of (slice, torch.Tensor, float or torch.Tensor)
+        (rows, neurons, the value or one per neuron).
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    a = a.clone()
+    for rows, idx, value in sets:
+        a[rows, 0, idx.to(a.device)] = value if isinstance(value, float) else value.to(a.device, a.dtype)
+    return a
+
+
+def first_token_dims(acts: dict, *, dims: list[int]) -> torch.Tensor:
+    """The spike dims' first-token values of the stream {"x"} (B, n_dims), float32 (torch only: it ships).
+
+    Parameters
+    ----------
+    acts : dict
+    dims : list of int
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    return acts["x"][:, 0, dims].detach().float()
+
+
+class _SpikeValues(Accumulator):
+    """A remote cut's record (:class:`_NeuronSetter`'s, read in the trace): the spike dims' first-token values after
+    each block from the setter's start on."""
+
+    def __init__(self, setter: _NeuronSetter):
+        self.setter = setter
+
+    def hooks(self):
+        return {l: {"x": act_name("resid_post", l)} for l in range(self.setter.start, self.setter.L)}
+
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(first_token_dims, {"dims": self.setter.dims})
+
+    def fold(self, layer: int, stats, batch) -> None:
+        self.setter.keep(layer, stats)
+
+    def result(self) -> None:
+        return None
 
 
 @dataclass
@@ -225,12 +290,13 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
     if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
-        run, resid = run_pass(
-            model,
-            tokens,
-            [PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX), ResidCapture([b for b in blocks if b > 0])],
-            batch_size=batch_size,
-        )
+        acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX)
+        if weights_in_trace(model):  # each condition runs from the embedding in its traces: no residual to resume
+            run, resid = _remote_run(model, tokens, [acc], batch_size=batch_size)[0], {}
+        else:
+            run, resid = run_pass(
+                model, tokens, [acc, ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size
+            )
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
         raise ValueError(
@@ -271,16 +337,21 @@ def _run_stacked(
     done: dict[int, tuple[PassResult, torch.Tensor]] = {}
     for start, cs in by_start.items():
         setter = _NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
-        got = run_condition(
-            model,
-            tokens.repeat(len(cs), 1),
-            hooks=setter.hooks(),
-            eps=eps,
-            batch_size=batch_size,
-            on_batch_start=setter.start_batch,
-            baseline=baseline,
-            groups=len(cs),
-        )
+        if weights_in_trace(model):  # the neurons set in the traces, the spike dims read there (no resume)
+            acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX, group_rows=N if len(cs) > 1 else None)
+            todo = [acc, _SpikeValues(setter)]
+            got = _remote_run(model, tokens.repeat(len(cs), 1), todo, edits=setter.edits, batch_size=batch_size)[0]
+        else:
+            got = run_condition(
+                model,
+                tokens.repeat(len(cs), 1),
+                hooks=setter.hooks(),
+                eps=eps,
+                batch_size=batch_size,
+                on_batch_start=setter.start_batch,
+                baseline=baseline,
+                groups=len(cs),
+            )
         after = torch.cat(setter.values)  # (len(cs) N, L - start, n_dims): the stream after blocks start..L-1
         for i, (c, r) in enumerate(zip(cs, got if len(cs) > 1 else [got])):
             done[c] = (r, after[i * N : (i + 1) * N])

@@ -28,7 +28,7 @@ from analysis.core.defaults import NEURON_SHARES, TINY
 from analysis.model.mlp_spec import block_norm, get_mlp, mlp_weights, norm_weights
 from analysis.model.hooks import act_name, check_tokens, model_facts
 from analysis.model.key_path import NormParams
-from analysis.engine.passes import Accumulator, Batch, run_pass
+from analysis.engine.passes import Accumulator, Batch, Reduction, run_pass
 from analysis.core.results import Result
 
 _NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
@@ -80,6 +80,49 @@ def _readout(model, dim: int, block: int, neurons: list[int]) -> _Readout:
     return _Readout(dim, block, list(neurons), factors, torch.cat(rows).T.contiguous(), torch.cat(consts), norm)
 
 
+def cause_stats(acts: dict, *, layer: int, U, dims: list, later: int, norm=None, readouts=()) -> list:
+    """:class:`CauseAccumulator`'s reduce of one block (torch only: a remote trace ships it), at positions 0 and
+    ``later``: every component's projection on the writer neurons' weights ``U`` (D, F) and its norms, the spike
+    dims' values in and out, and where ``readouts`` ((dim, neurons, factors) of this block) the input norm's scale,
+    the neurons' activations and their hooks' pre-activations.
+
+    Parameters
+    ----------
+    acts : dict
+        {"pre", "attn" or "mid", "mlp", "post"; a writer block's "h", "act", "factor_<f>"}.
+    layer : int
+    U : torch.Tensor
+    dims : list of int
+    later : int
+    norm : NormParams, optional
+        The block's MLP input norm (a writer block).
+    readouts : sequence of (int, torch.Tensor, list of str)
+
+    Returns
+    -------
+    list of (tuple, torch.Tensor)
+    """
+    pos, out = [0, later], []
+    pre = acts["pre"][:, pos].float()
+    attn = acts["attn"][:, pos].float() if "attn" in acts else acts["mid"][:, pos].float() - pre
+    U = U.to(pre.device)
+    mlp = acts["mlp"][:, pos].float()
+    mixer = "attention" if "attn" in acts else "mixer"
+    for key, c in ([(("embedding", -1), pre)] if layer == 0 else []) + [((mixer, layer), attn), (("mlp", layer), mlp)]:
+        out.append((key, c @ U))
+        norms = torch.stack([c[:, 0].norm(dim=-1), c[:, 1].norm(dim=-1), (c[:, 0] - c[:, 1]).norm(dim=-1)], -1)
+        out.append((("norms",) + key, norms))
+    out.append((("value_in", layer), pre[..., dims]))
+    out.append((("value_out", layer), acts["post"][:, pos][..., dims].float()))
+    if norm is not None:
+        out.append((("scale", layer), norm.scale(acts["h"][:, pos])[..., 0]))
+    for dim, idx, factors in readouts:
+        idx = idx.to(pre.device)
+        out.append((("act", layer, dim), acts["act"][:, pos][..., idx]))
+        out.append((("hook", layer, dim), torch.cat([acts[f"factor_{f}"][:, pos][..., idx] for f in factors], -1)))
+    return out
+
+
 class CauseAccumulator(Accumulator):
     """At positions 0 and ``later``: every component's projection on the writer neurons' weights, the norm scale,
     the hooks' pre-activations and activations of the writer blocks, and the spike dims' values."""
@@ -111,36 +154,23 @@ class CauseAccumulator(Accumulator):
     def readouts_of(self, block: int) -> list[_Readout]:
         return [r for r in self.readouts if r.block == block]
 
-    def _keep(self, key, x: torch.Tensor) -> None:
-        self.rows.setdefault(key, []).append(x.detach().float().cpu())
+    def reduction(self, layer: int) -> Reduction:
+        mine = self.readouts_of(layer)
+        return Reduction(
+            cause_stats,
+            {
+                "layer": layer,
+                "U": self.U,
+                "dims": self.dims,
+                "later": self.later,
+                "norm": mine[0].norm if mine else None,
+                "readouts": [(r.dim, torch.tensor(r.neurons), r.factors) for r in mine],
+            },
+        )
 
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        pos = [0, self.later]
-        pre = acts["pre"][:, pos].float()
-        attn = acts["attn"][:, pos].float() if "attn" in acts else acts["mid"][:, pos].float() - pre
-        U = self.U.to(pre.device)
-        mlp = acts["mlp"][:, pos].float()
-        mixer = "attention" if "attn" in acts else "mixer"
-        for key, c in ([(("embedding", -1), pre)] if layer == 0 else []) + [
-            ((mixer, layer), attn),
-            (("mlp", layer), mlp),
-        ]:
-            self._keep(key, c @ U)
-            self._keep(
-                ("norms",) + key,
-                torch.stack([c[:, 0].norm(dim=-1), c[:, 1].norm(dim=-1), (c[:, 0] - c[:, 1]).norm(dim=-1)], -1),
-            )
-        self._keep(("value_in", layer), pre[..., self.dims])
-        self._keep(("value_out", layer), acts["post"][:, pos][..., self.dims].float())
-        if layer in self.blocks:
-            r0 = self.readouts_of(layer)[0]
-            self._keep(("scale", layer), r0.norm.scale(acts["h"][:, pos])[..., 0])
-            for r in self.readouts_of(layer):
-                idx = torch.tensor(r.neurons, device=pre.device)
-                self._keep(("act", layer, r.dim), acts["act"][:, pos][..., idx])
-                self._keep(
-                    ("hook", layer, r.dim), torch.cat([acts[f"factor_{f}"][:, pos][..., idx] for f in r.factors], -1)
-                )
+    def fold(self, layer: int, stats: list, batch: Batch) -> None:
+        for key, x in stats:
+            self.rows.setdefault(key, []).append(x.detach().float().cpu())
 
     def result(self) -> dict:
         return {k: torch.cat(v) for k, v in self.rows.items()}

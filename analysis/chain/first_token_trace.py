@@ -15,7 +15,7 @@ import torch
 from analysis.core.defaults import TINY
 from analysis.model.mlp_spec import get_mlp, mlp_input
 from analysis.model.hooks import act_name, model_facts
-from analysis.engine.passes import Accumulator, Batch, LayerCollector
+from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction
 from analysis.core.results import compact_repr
 from analysis.core.stats import one_thread
 
@@ -107,6 +107,58 @@ def _abs_max(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(x.amax(1), x.amin(1).neg())
 
 
+def _other(out: dict, key: str, x: torch.Tensor) -> None:
+    """Sums over samples of the mean (and, for the stream, the largest |value|) over positions t > 0."""
+    if x.shape[1] < 2:
+        return
+    rest = x[:, 1:]
+    out[f"{key}_sum"] = rest.mean(1).double().sum(0)
+    if key in ("resid", "post"):
+        out[f"{key}_max"] = _abs_max(rest).double().sum(0)
+
+
+def first_token_stats(acts: dict) -> dict:
+    """:class:`SpikeOriginAccumulator`'s reduce of one block (torch only: a remote trace ships it): the first token's
+    stream entering the block, its attention (or mixer: "mid" - "pre") and MLP writes, its MLP input x and neurons,
+    and the other tokens' sums over samples.
+
+    Parameters
+    ----------
+    acts : dict
+        {"pre", "attn" or "mid", "mlp", "x"; a dense block's "act", "up" (and "gate"); the last block's "post"}.
+
+    Returns
+    -------
+    dict
+        "first" (B, 3, D), "x" (B, D), the sums "resid_sum", "resid_max", "attn_sum", "mlp_sum"; with neurons "act"
+        (B, M) and the sums "act_other", "act_other_max", "up_first", "up_other" ("gate_first", "gate_other"); for
+        the last block "post" (B, D), "post_sum", "post_max".
+    """
+    pre = acts["pre"].detach().float()
+    attn = acts["attn"].float() if "attn" in acts else acts["mid"].float() - pre
+    mlp = acts["mlp"].detach().float()
+    out = {"first": torch.stack([pre[:, 0], attn[:, 0], mlp[:, 0]], 1)}
+    out["x"] = acts["x"][:, 0].float().clone()  # a copy: a view would keep the layer's whole (B, T, D) input alive
+    for key, x in (("resid", pre), ("attn", attn), ("mlp", mlp)):
+        _other(out, key, x)
+    if "act" in acts:
+        # Sums over (sample, position) as a sum over positions then samples: on the CPU about 20x faster than one
+        # reduction over both dims of the strided slice t > 0 (which walks d_mlp columns one at a time).
+        a = acts["act"].detach().float()
+        rest = a[:, 1:]
+        out["act"] = a[:, 0].clone()
+        out["act_other"] = rest.sum(1).sum(0)
+        out["act_other_max"] = _abs_max(rest).sum(0) if rest.shape[1] else rest.sum((0, 1))  # T = 1: zeros
+        for f in ("gate", "up") if "gate" in acts else ("up",):
+            out[f"{f}_first"] = acts[f][:, 0].float().sum(0)
+            out[f"{f}_other"] = acts[f][:, 1:].float().sum(1).sum(0)
+    if "post" in acts:
+        post = acts["post"].detach().float()
+        out["post"] = post[:, 0].clone()
+        _other(out, "post", post)
+    return out
+
+
 class SpikeOriginAccumulator(Accumulator):
     """Per block and batch: the first token's stream, writes, MLP input and neurons (:class:`FirstTokenTrace`).
 
@@ -156,54 +208,32 @@ class SpikeOriginAccumulator(Accumulator):
             out[l] = h
         return out
 
+    def reduction(self, layer: int) -> Reduction:
+        return Reduction(first_token_stats)
+
     @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        pre = acts["pre"].detach().float()
-        attn = acts["attn"].float() if "attn" in acts else acts["mid"].float() - pre
-        mlp = acts["mlp"].detach().float()
-        self.first.put(layer, torch.stack([pre[:, 0], attn[:, 0], mlp[:, 0]], 1))
-        self._other("resid", layer, pre)
-        self._other("attn", layer, attn)
-        self._other("mlp", layer, mlp)
-        x = acts["x"][:, 0] if "x" in acts else mlp_input(self.model, layer, acts["h"][:, :1])[:, 0]
-        self.x.put(layer, x.float().clone())  # a copy: a view would keep the layer's whole (B, T, D) input alive
-        if layer in self.neuron_layers:
-            self._neurons(layer, acts)
-        if "post" in acts:
-            post = acts["post"].detach().float()
-            self.post.append(post[:, 0].clone().cpu())
-            self._other("resid", self.L, post)
+        if "h" in acts:  # the MLP input made here from the residual it reads (a model without an input hook)
+            acts = {**acts, "x": mlp_input(self.model, layer, acts["h"][:, :1])}
+        self.fold(layer, first_token_stats(acts), batch)
 
-    def _other(self, key: str, i: int, x: torch.Tensor) -> None:
-        """Sums over samples of the mean (and, for the stream, the largest |value|) over positions t > 0."""
-        if x.shape[1] < 2:
-            return
-        rest = x[:, 1:]
-        self.sums[key][i] += rest.mean(1).double().sum(0).cpu()
-        if key == "resid":
-            self.sums["resid_max"][i] += _abs_max(rest).double().sum(0).cpu()
-
-    def _neurons(self, layer: int, acts: dict) -> None:
-        # Sums over (sample, position) as a sum over positions then samples: on the CPU about 20x faster than one
-        # reduction over both dims of the strided slice t > 0 (which walks d_mlp columns one at a time).
-        a = acts["act"].detach().float()
-        self.acts.put(layer, a[:, 0].clone())
-        s = self.neuron_sums.setdefault(layer, {})
-        rest = a[:, 1:]
-        peak = _abs_max(rest).sum(0) if rest.shape[1] else rest.sum((0, 1))  # zeros for T = 1: no other token
-        parts = {
-            "act_other": rest.sum(1).sum(0),
-            "act_other_max": peak,
-            "up_first": acts["up"][:, 0].float().sum(0),
-            "up_other": acts["up"][:, 1:].float().sum(1).sum(0),
-        }
-        if "gate" in acts:
-            parts |= {
-                "gate_first": acts["gate"][:, 0].float().sum(0),
-                "gate_other": acts["gate"][:, 1:].float().sum(1).sum(0),
-            }
-        for k, v in parts.items():
-            s[k] = s.get(k, 0) + v.double().cpu()
+    def fold(self, layer: int, stats: dict, batch: Batch) -> None:
+        self.first.put(layer, stats["first"])
+        self.x.put(layer, stats["x"])
+        for key, i in (("resid", layer), ("attn", layer), ("mlp", layer), ("post", self.L)):
+            if f"{key}_sum" in stats:
+                k = "resid" if key == "post" else key
+                self.sums[k][i] += stats[f"{key}_sum"].cpu()
+                if k == "resid":
+                    self.sums["resid_max"][i] += stats[f"{key}_max"].cpu()
+        if "act" in stats:
+            self.acts.put(layer, stats["act"])
+            s = self.neuron_sums.setdefault(layer, {})
+            for k, v in stats.items():
+                if k.endswith(("_first", "_other", "_other_max")):
+                    s[k] = s.get(k, 0) + v.double().cpu()
+        if "post" in stats:
+            self.post.append(stats["post"].cpu())
 
     def end_batch(self, batch: Batch, logits) -> None:
         self.first.end_batch()
@@ -243,4 +273,4 @@ class SpikeOriginAccumulator(Accumulator):
         )
 
 
-__all__ = ["FirstTokenTrace", "SpikeOriginAccumulator"]
+__all__ = ["FirstTokenTrace", "SpikeOriginAccumulator", "first_token_stats"]

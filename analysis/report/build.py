@@ -79,13 +79,9 @@ NNSIGHT_SECTIONS = (
     "positions",
     "context",
     "interventions",
+    "spike_writers",
 )
-NOT_REMOTE = {
-    "spike_writers": (
-        "its origin names the writers and their neurons from the MLP's spec and weights, measured on a model loaded "
-        "here, and its first-token cause and writer cuts reduce in their own updates (no shipped reduction yet)"
-    ),
-}
+NOT_REMOTE: dict[str, str] = {}  # none: every section's passes ship their reductions
 
 
 def registered_sections() -> dict[str, tuple]:
