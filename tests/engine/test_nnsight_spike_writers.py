@@ -1,17 +1,33 @@
 """The spike writers through nnsight (``load_nnsight``: the traces a remote model runs on NDIF, run here): the MLP
 spec and weights read from the Hugging Face modules equal the bridge's, and the report's spike-writers section (its
 origin, first-token cause and writer cuts, their reads, neuron sets and loss in the traces) equals the bridge's, on
-tiny Llama and Gemma 2 (a norm on each write). About 20 s (the tiny families' first load included)."""
+tiny Llama and Gemma 2 (a norm on each write); what ships reads only NDIF's whitelist and runs in nnsight's simulation
+of a remote run; the origin's reads of Llama-3.1-405B fit NDIF's requests. About 40 s (the tiny families' first load
+included)."""
 
 from __future__ import annotations
 
+import json
+import warnings
+
+import pandas as pd
 import pytest
 import torch
 
 pytest.importorskip("nnsight")
 
+from analysis.causal.conditions import _loss_stats  # noqa: E402
+from analysis.causal.writer_cuts import first_token_dims, set_neurons, spike_cuts  # noqa: E402
+from analysis.chain.first_token_cause import CauseAccumulator, _readout, cause_stats, why_first_token  # noqa: E402
+from analysis.chain.first_token_trace import SpikeOriginAccumulator, first_token_stats  # noqa: E402
+from analysis.chain.spike_writers import spike_origin, writer_summary  # noqa: E402
+from analysis.engine import remote  # noqa: E402
+from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.model.mlp_spec import get_mlp, mlp_weights  # noqa: E402
+from analysis.model.nnsight_model import wrap_nnsight  # noqa: E402
+from tests.engine.test_nnsight import NDIF_ALLOWED, _as_if_pip_installed, _reached, _same, _tokens  # noqa: E402
+from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 
 FAMILIES = ["llama", "gemma2"]  # a plain block, and one whose writes pass a norm before they add
 HOOKS = ("neuron_hook", "gate_hook", "up_hook")  # the bridge's canonical names; nnsight's are their aliases
@@ -28,3 +44,99 @@ def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, fa
         for name, x in vars(w).items():
             y = getattr(g, name)
             assert y == x if not isinstance(x, torch.Tensor) else torch.equal(y, x), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_spike_writers_of_an_nnsight_model_equal_the_bridges(family, family_bridge, family_dir):
+    """The section's results (origin, writers, first-token cause, writer cuts), their passes in nnsight traces:
+    low thresholds name spike dims and writer neurons in the tiny random models, so every step runs."""
+    bridge, nn, tokens = family_bridge(family), load_nnsight(str(family_dir(family))), _tokens(n=2, T=12)
+    got = {}
+    for m in (bridge, nn):
+        i = m is nn
+        o = spike_origin(m, tokens, abs_threshold=0.0, ratio_threshold=2.0)
+        cuts = spike_cuts(m, tokens, o, n_random=1, roles=("writers",), eps=0.1)
+        got[i] = {"origin": o.to_dict(), "writers": writer_summary(o), "cause": why_first_token(m, tokens, o).to_dict()}
+        got[i]["cuts"], got[i]["n"] = cuts.to_dict(), (len(o.neurons), len(o.quadratic), len(cuts.conditions))
+    want, have = (json.loads(json.dumps(got[m], default=str)) for m in (False, True))
+    assert min(want["n"]) > 0 and have["n"] == want["n"]  # neurons, quadratic forms and cut conditions ran
+    assert not _same(have, want)
+    cut = pd.DataFrame(got[True]["cuts"]["conditions"])
+    assert (cut.delta_loss.abs() > 0).any()  # the neurons set in the traces change the model
+
+
+def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monkeypatch):
+    """Each reads only NDIF's whitelist; one trace with the origin's and the cause's reads, the cuts' neuron sets
+    and spike dims and the loss, through nnsight's simulation of a remote run (this package hidden), returns what
+    it returns here, and only the edited rows change."""
+    for fn in (first_token_stats, cause_stats, set_neurons, first_token_dims):
+        bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
+        assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
+    nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens(n=2, T=12)
+    o = spike_origin(nn, tokens, abs_threshold=0.0, ratio_threshold=2.0)
+    writer = next(n for n in o.neurons if n.role == "writer")
+    readout = _readout(nn, writer.dim, writer.block, writer.neurons(0.9)[:4])
+    accs = [SpikeOriginAccumulator(nn), CauseAccumulator(nn, [readout], o.dims, 5, last=2)]
+    accs.append(_Dims({l: {"x": f"blocks.{l}.hook_resid_post"} for l in range(nn.spec.n_layers)}))
+    plan = remote.pass_plan(nn, accs)
+    edits = {writer.block: {"mlp.hook_post": Reduction(set_neurons, {"sets": [(slice(0, 1), torch.tensor([3]), 0.0)]})}}
+    runs = {}
+    for where in (False, "local"):
+        restore = _as_if_pip_installed(monkeypatch) if where else (lambda: None)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runs[where] = remote.trace_batch(
+                    nn, tokens, plan, edits=edits, logits=Reduction(_loss_stats), remote=where
+                )
+        finally:
+            restore()
+    here, there = runs[False], runs["local"]
+    assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and here[-1][0] == -1
+    for (_, _, a), (_, _, b) in zip(here, there):
+        a, b = (dict(x) if isinstance(x, list) else x if isinstance(x, dict) else {"x": x} for x in (a, b))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = remote.trace_batch(nn, tokens, plan)
+    last = nn.spec.n_layers - 1
+    edited, unedited = (next(r for j, l, r in got if j == 2 and l == last) for got in (here, base))
+    assert torch.equal(edited[1], unedited[1]) and not torch.equal(edited[0], unedited[0])
+
+
+def test_the_spike_writer_reads_of_llama_405b_fit_ndifs_requests(capsys):
+    """The origin's reads on the meta device (each block's first-token stream, writes, MLP input and 53,248
+    neurons, and the other tokens' sums) cut into requests under NDIF's limit."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import word_tokenizer
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(llama_405b_config())
+    nn = wrap_nnsight(hf, tokenizer=word_tokenizer(), name="meta-llama/Llama-3.1-405B")
+    assert get_mlp(nn).d_mlp == 53248 and get_mlp(nn).kind == "gated"
+    tokens = _tokens(n=32, T=64)
+    plan = remote.pass_plan(nn, [SpikeOriginAccumulator(nn)])
+    per, fixed = remote.reduction_bytes(nn, tokens, plan)
+    req = remote.plan_requests(32, [p[0] for p in plan], per=per, fixed=fixed)
+    assert req.bytes_per_request < remote.REQUEST_LIMIT_BYTES < req.bytes_total
+    with capsys.disabled():
+        print(
+            f"\n405B spike origin's reads, N=32, T=64: {req.n_requests} requests of {req.samples} samples x "
+            f"{len(req.layer_groups[0])} layers, {req.bytes_per_request / 2**20:.1f} MiB each, "
+            f"{req.bytes_total / 2**20:.1f} MiB in all"
+        )
+
+
+class _Dims(Accumulator):
+    """The cuts' record of the spike dims (dims 0 and 5) after each block."""
+
+    def __init__(self, hooks):
+        self._hooks = hooks
+
+    def hooks(self):
+        return self._hooks
+
+    def reduction(self, layer):
+        return Reduction(first_token_dims, {"dims": [0, 5]})
+
+    def result(self):
+        return None
