@@ -384,17 +384,25 @@ def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, in
         acts |= {n: q.transpose(1, 2) for n in ("hook_q", "hook_rot_q", "hook_z")}
         acts |= {n: k.transpose(1, 2) for n in ("hook_k", "hook_rot_k", "hook_v", "hook_k_proj")}
         acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=d_head**-0.5)
-        seen: dict = {}  # layers of one shape reduce alike: each kind of layer is measured once
+        seen: dict = {}  # reductions alike but for the layer of the weights they name return alike: each measured once
+        per_layer = []
         for _, _, sites, jobs in plan:
-            sig = repr([(red.fn, red.params, keys) for _, red, keys in jobs])
-            if sig not in seen:
-                got = [
-                    red.fn({key: acts[x] for key, x in keys.items()}, **_stand_ins(red.params, s.n_heads, d_head))
-                    for _, red, keys in jobs
-                ]
-                seen[sig] = sum(stats_bytes(r) + _candidates(r) * b for r in got)
-        sizes.append(max(seen.values(), default=0))
+            total = 0
+            for _, red, keys in jobs:
+                sig = repr((red.fn, _by_kind(red.params), keys))
+                if sig not in seen:
+                    args = _stand_ins(red.params, s.n_heads, d_head)
+                    r = red.fn({key: acts[x] for key, x in keys.items()}, **args)
+                    seen[sig] = stats_bytes(r) + _candidates(r) * b
+                total += seen[sig]
+            per_layer.append(total)
+        sizes.append(max(per_layer, default=0))
     return max(0, sizes[1] - sizes[0]), max(0, 2 * sizes[0] - sizes[1])
+
+
+def _by_kind(params) -> dict:
+    """A reduction's parameters with each :class:`TraceWeight` as its name and shape (what its stand-in depends on)."""
+    return {k: (v.name, v.shape) if isinstance(v, TraceWeight) else v for k, v in (params or {}).items()}
 
 
 def _stand_ins(params, n_heads: int, d_head: int) -> dict:
