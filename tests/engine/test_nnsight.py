@@ -217,6 +217,21 @@ def test_every_reduction_that_ships_reaches_only_what_ndif_allows(family_dir, nn
     assert {m.split(".")[0] for m in _reached(build_report)} - NDIF_ALLOWED
 
 
+def here_and_there(monkeypatch, run) -> dict:
+    """{False: ``run(False)`` (a trace here), "local": ``run("local")`` (nnsight's simulation of a remote run, this
+    package hidden as on NDIF: :func:`_as_if_pip_installed`)}."""
+    runs = {}
+    for where in (False, "local"):
+        restore = _as_if_pip_installed(monkeypatch) if where else (lambda: None)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runs[where] = run(where)
+        finally:
+            restore()
+    return runs
+
+
 def _as_if_pip_installed(monkeypatch):
     """What NDIF has of this package: nothing. nnsight ships, once per process, every package importable from the
     working tree and not pip-installed (``pull_env``: a checkout run from its folder ships all of ``analysis``), and an

@@ -7,7 +7,6 @@ the same through nnsight's local simulation of a remote run. About 30 s on two C
 from __future__ import annotations
 
 import json
-import warnings
 
 import pandas as pd
 import pytest
@@ -21,7 +20,7 @@ from analysis.causal.interventions import first_key_ablation, spike_ablation, va
 from analysis.engine.passes import Reduction  # noqa: E402
 from analysis.model.hooks import ModelContractError  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
-from tests.engine.test_nnsight import NDIF_ALLOWED, _as_if_pip_installed, _reached, _same  # noqa: E402
+from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, here_and_there  # noqa: E402
 
 
 def _tokens(n=3, T=16):
@@ -70,15 +69,10 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
             "resid_post": Reduction(_set_first, {"dims": dims, "value": torch.ones(2, 2)}),
         },
     }
-    runs = {}
-    for where in (False, "local"):
-        restore = _as_if_pip_installed(monkeypatch) if where else (lambda: None)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runs[where] = remote.edit_trace(nn, tokens, plan, edits, logits=Reduction(_loss_stats), remote=where)
-        finally:
-            restore()
+    runs = here_and_there(
+        monkeypatch,
+        lambda where: remote.edit_trace(nn, tokens, plan, edits, logits=Reduction(_loss_stats), remote=where),
+    )
     (here, loss), (there, loss2) = runs[False], runs["local"]
     assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 3 * 2
     for (_, _, a), (_, _, b) in zip(here, there):

@@ -8,7 +8,6 @@ included)."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pandas as pd
 import pytest
@@ -26,7 +25,7 @@ from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.model.mlp_spec import get_mlp, mlp_weights  # noqa: E402
 from analysis.model.nnsight_model import wrap_nnsight  # noqa: E402
-from tests.engine.test_nnsight import NDIF_ALLOWED, _as_if_pip_installed, _reached, _same, _tokens  # noqa: E402
+from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens, here_and_there  # noqa: E402
 from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 
 FAMILIES = ["llama", "gemma2"]  # a plain block, and one whose writes pass a norm before they add
@@ -80,17 +79,10 @@ def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monk
     accs.append(_Dims({l: {"x": f"blocks.{l}.hook_resid_post"} for l in range(nn.spec.n_layers)}))
     plan = remote.pass_plan(nn, accs)
     edits = {writer.block: {"mlp.hook_post": Reduction(set_neurons, {"sets": [(slice(0, 1), torch.tensor([3]), 0.0)]})}}
-    runs = {}
-    for where in (False, "local"):
-        restore = _as_if_pip_installed(monkeypatch) if where else (lambda: None)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runs[where] = remote.trace_batch(
-                    nn, tokens, plan, edits=edits, logits=Reduction(_loss_stats), remote=where
-                )
-        finally:
-            restore()
+    runs = here_and_there(
+        monkeypatch,
+        lambda where: remote.trace_batch(nn, tokens, plan, edits=edits, logits=Reduction(_loss_stats), remote=where),
+    )
     here, there = runs[False], runs["local"]
     assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and here[-1][0] == -1
     for (_, _, a), (_, _, b) in zip(here, there):
