@@ -229,10 +229,8 @@ def _encode_one(drawn: _Drawn) -> tuple[str | None, tuple[str, str] | None]:
 
     before = set(plt.get_fignums())
     try:
-        # made at figure_html's dpi: the same PNG as made at 100 and resized when saved, in about 7% less time
-        with plt.rc_context({"figure.dpi": 90}):
-            fig = drawn.make()
-        return figure_html(fig, caption=drawn.caption), None
+        with plt.rc_context({"figure.dpi": 90}):  # made at the dpi saved: the same PNG, about 7% less time
+            return figure_html(drawn.make(), caption=drawn.caption), None
     except Exception as e:  # noqa: BLE001 - reported on its section by render_figures
         for num in set(plt.get_fignums()) - before:  # a figure left half drawn: out of pyplot's registry
             plt.close(num)
