@@ -7,7 +7,8 @@ On the same N natural-text sequences of T tokens (the report's own natural probe
                       reports and once after each; the unit of each report is the mean of the two forwards on
                       either side of it)
   (b) report          analysis.report.build.build_report into a temporary folder (every section), --reports times
-and prints wall time and peak memory of each and their ratios to (a), then the report's time per section.
+and prints wall time and peak memory of each and their ratios to (a), then the report's time per section, and
+at the end, per section of the last report, its time, its counted model work and the time above it (forward passes).
 Peak memory: peak resident memory of the process on CPU (VmHWM, reset before each measurement through
 /proc/self/clear_refs, as in bench_sink.py) above the resident memory before it, and the process's peak; on
 CUDA, torch.cuda.max_memory_allocated. The report runs one ``analysis.profile`` pass per probe kind (3), which
@@ -104,6 +105,7 @@ def main() -> None:
     print(f"plain forward: {min(f[0] for f in fwds):.2f} s (best of {len(fwds)}); now the reports ...", flush=True)
     base = min(measure(lambda: base_forward(model, tokens, bs, args.device), args.device)[0] for _ in range(2))
     reps, work = [], ModelWork(model, tokens.numel())
+    parts = work.by_section()  # each section's share of the last report's model work
     for i in range(max(1, args.reports)):
         work.start(i == max(1, args.reports) - 1)  # count the last report's model work
         with tempfile.TemporaryDirectory() as out:
@@ -147,6 +149,7 @@ def main() -> None:
         fastest=report_s / fwd[0],
     )
     _print_profile(reps, around, kinds=PROBE_KINDS)
+    _print_sections(reps[-1], around[-1], {k: work.floor(split, base, c) for k, c in parts.items()})
 
 
 def backward_price(model, tokens, device) -> float:
@@ -239,13 +242,41 @@ class ModelWork:
         for h in self.handles:
             h.remove()
 
-    def floor(self, forward_s: float, base_s: float) -> float:
-        """The counted model work in forward passes: the blocks and unembeddings run, each at the forward's price,
-        and those a gradient flowed back through, each at the forward's price times the measured backward's."""
+    def counts(self) -> tuple[float, float, float, float]:
+        return (self.blocks, self.unembeds, self.back_blocks, self.back_unembeds)
+
+    def floor(self, forward_s: float, base_s: float, counts: tuple | None = None) -> float:
+        """The counted model work in forward passes (``counts``: a part of it, default all): the blocks and
+        unembeddings run, each at the forward's price, and those a gradient flowed back through, each at the
+        forward's price times the measured backward's."""
+        blocks, unembeds, back_blocks, back_unembeds = self.counts() if counts is None else counts
         block, unembed = base_s / forward_s / self.n_layers, max(1 - base_s / forward_s, 0.0)
-        return (self.blocks + self.backward * self.back_blocks) * block + (
-            self.unembeds + self.backward * self.back_unembeds
-        ) * unembed
+        return (blocks + self.backward * back_blocks) * block + (unembeds + self.backward * back_unembeds) * unembed
+
+    def by_section(self) -> dict[str, list[float]]:
+        """Count each report section's model work apart (``build_report``'s ``_run_section``; the profile passes,
+        run within the first section that reads them, apart from it, as its ``seconds`` has them): {key: counts}."""
+        import analysis.report.build as build
+
+        parts: dict[str, list[float]] = {}
+
+        def counted(key_of, run):
+            def wrapped(*args, **kwargs):
+                before, inner = self.counts(), list(parts.get("profile", [0.0] * 4))
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    key, now = key_of(args), parts.get("profile", [0.0] * 4)
+                    delta = [
+                        a - b - (n - i) * (key != "profile") for a, b, n, i in zip(self.counts(), before, now, inner)
+                    ]
+                    parts[key] = [x + d for x, d in zip(parts.get(key, [0.0] * 4), delta)]
+
+            return wrapped
+
+        build._run_section = counted(lambda args: args[1], build._run_section)
+        build.profile = counted(lambda args: "profile", build.profile)
+        return parts
 
     def text(self, forward_s: float, base_s: float, report_s: float, *, fastest: float) -> str:
         block = base_s / forward_s / self.n_layers  # one block, in forward passes
@@ -314,6 +345,21 @@ def _print_profile(reps, around, *, kinds: int) -> None:
     print(
         f"profile: {', '.join(f'{v:.2f}' for v in per)} forward passes per probe kind with the follow-ups; the main "
         f"(natural) pass alone {main:.2f} <= {PROFILE_TARGET:g} {'met' if main <= PROFILE_TARGET else 'NOT met'}"
+    )
+
+
+def _print_sections(rep, unit: float, floors: dict[str, float]) -> None:
+    """The last report's time per section in forward passes (against the forwards beside it), its counted model
+    work and the time above it: where the overhead lies. "rest": the wall time past the report's own total (its
+    JSON and page assembled and written)."""
+    seconds = dict(rep[1]) | {"rest": rep[0][0] - rep[1]["total"]}
+    rows = [(k, s / unit, floors.get(k, 0.0)) for k, s in seconds.items() if k != "total"]
+    print("per section (last report; forward passes): time, model work, above it")
+    for k, t, f in rows:
+        print(f"  {k:<16}{t:>7.2f}{f:>7.2f}{t - f:>7.2f}")
+    print(
+        f"  {'total':<16}{sum(r[1] for r in rows):>7.2f}{sum(r[2] for r in rows):>7.2f}"
+        f"{sum(r[1] - r[2] for r in rows):>7.2f}"
     )
 
 
