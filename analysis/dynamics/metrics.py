@@ -94,10 +94,6 @@ class FirstTokenStats(Result):
         }
 
 
-def _device(model):
-    return input_device(model)
-
-
 @torch.no_grad()
 def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc).
@@ -175,7 +171,7 @@ def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float 
     was_training = model.training
     model.eval()
     try:
-        return float(sink_metric(model, tokens.to(_device(model)), eps=eps, k_max=k).sink_rate(k=k))
+        return float(sink_metric(model, tokens.to(input_device(model)), eps=eps, k_max=k).sink_rate(k=k))
     finally:
         model.train(was_training)
 
