@@ -236,7 +236,8 @@ def layers_text(layers: Sequence[int]) -> str:
 
     Parameters
     ----------
-    layers : sequence of int
+    layers
+        As in :func:`layer_runs`.
 
     Returns
     -------
