@@ -87,7 +87,8 @@ def peak_mib(device) -> float:
 
     Parameters
     ----------
-    device : str or torch.device
+    device
+        As in :func:`reset_peak`.
 
     Returns
     -------

@@ -9,7 +9,7 @@ row by the name it was loaded by (a hub id, or a local folder named after one).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import PurePath
 
 GU_SOURCE = (
@@ -42,13 +42,7 @@ class PublishedSink:
     source: str = GU_SOURCE
 
     def to_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "natural": self.natural,
-            "random": self.random,
-            "repeated": self.repeated,
-            "source": self.source,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "names"}  # the figures and their source
 
 
 GU_TABLE1 = (

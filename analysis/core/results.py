@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
+import itertools
 from typing import ClassVar, Sequence
 
 import pandas as pd
@@ -212,13 +213,8 @@ def runs(layers: Sequence[int]) -> list[list[int]]:
     -------
     list of list of int
     """
-    out: list[list[int]] = []
-    for l in sorted(int(l) for l in layers):
-        if out and l == out[-1][-1] + 1:
-            out[-1].append(l)
-        else:
-            out.append([l])
-    return out
+    ordered = sorted(int(l) for l in layers)  # a run: the layers whose index minus their rank is the same
+    return [[l for _, l in run] for _, run in itertools.groupby(enumerate(ordered), lambda il: il[1] - il[0])]
 
 
 def layer_runs(layers: Sequence[int]) -> str:
@@ -240,7 +236,8 @@ def layers_text(layers: Sequence[int]) -> str:
 
     Parameters
     ----------
-    layers : sequence of int
+    layers
+        As in :func:`layer_runs`.
 
     Returns
     -------

@@ -41,7 +41,7 @@ from analysis.model.access import attention_operation, reference_config
 from analysis.model.contract import SinkModel
 from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.core.docs import parameters_from
-from analysis.core.io import EMERGENCE_DIR, jsonable, write_json
+from analysis.core.io import EMERGENCE_DIR, write_json
 from analysis.chain.massive import massive_activations
 from analysis.chain.norm_gain import choose_layer, norm_gain_trace
 from analysis.core.results import Result
@@ -702,20 +702,11 @@ class FormationOrder(Result):
         )
         return [p for p in parts if p] + self.notes
 
-    def to_dict(self) -> dict:
-        return jsonable(
-            {
-                **self.header(),
-                "probe_seed": self.probe_seed,
-                "T": self.T,
-                "seconds_per_model": self.seconds_per_model,
-                "links": LINKS,
-                "criteria": [asdict(c) for c in ONSETS],
-                **self.tables,
-                "notes": self.notes,
-                "text": self.text(),
-            }
-        )
+    def _criteria(self) -> list[dict]:
+        return [asdict(c) for c in ONSETS]
+
+    _links = LINKS  # what each link measures, written with the tables
+    json_fields = ("probe_seed", "T", "seconds_per_model", "links=_links", "criteria=_criteria", "*tables", "notes")
 
 
 def formation_order(

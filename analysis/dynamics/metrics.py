@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -94,10 +93,6 @@ class FirstTokenStats(Result):
         }
 
 
-def _device(model):
-    return input_device(model)
-
-
 @torch.no_grad()
 def first_token_stats(model: SinkModel, tokens: torch.Tensor, *, batch_size: int = 64) -> FirstTokenStats:
     """Value-norm ratio, residual-norm ratio and raw first-token mass per layer (see module doc).
@@ -175,7 +170,7 @@ def sink_rate(model: SinkModel, tokens: torch.Tensor, *, k: int = 1, eps: float 
     was_training = model.training
     model.eval()
     try:
-        return float(sink_metric(model, tokens.to(_device(model)), eps=eps, k_max=k).sink_rate(k=k))
+        return float(sink_metric(model, tokens.to(input_device(model)), eps=eps, k_max=k).sink_rate(k=k))
     finally:
         model.train(was_training)
 
@@ -249,24 +244,7 @@ class WindowSinkRates(_ThresholdResult):
         ]
 
 
-def _window_result(fn):
-    """``window_sink_rates`` returning a :class:`WindowSinkRates` (the dict it computes, with the protocol)."""
-
-    @functools.wraps(fn)
-    def wrapper(model, tokens, **options):
-        rates = fn(model, tokens, **options)
-        return WindowSinkRates(
-            rates,
-            eps=options.get("eps", SINK_EPS),
-            model_name=getattr(model, "model_name", None),
-            n_samples=len(tokens),
-        )
-
-    return wrapper
-
-
 @parameters_from(slot_sink_rate)
-@_window_result
 @torch.no_grad()
 def window_sink_rates(
     model: SinkModel, tokens: torch.Tensor, *, eps: float = SINK_EPS, batch_size: int = 64
@@ -307,7 +285,8 @@ def window_sink_rates(
 
     names = [f"blocks.{l}.attn.hook_pattern" for l in range(model_facts(model).dims.n_layers)]
     run_with_reducers(model, tokens, [(n, fn) for n in names], batch_size=batch_size, stop_after=names[-1])
-    return {
+    rates = {
         "sink_1_in_window": 100.0 * hits["in"] / max(count["in"], 1),
         "sink_window_start": 100.0 * hits["start"] / count["start"] if count["start"] else float("nan"),
     }
+    return WindowSinkRates(rates, eps=eps, model_name=getattr(model, "model_name", None), n_samples=len(tokens))

@@ -159,7 +159,8 @@ def attention_name(lm) -> str:
 
     Parameters
     ----------
-    lm : transformers.PreTrainedModel or a reference model's decoding wrapper
+    lm
+        As in :func:`context_length`.
 
     Returns
     -------

@@ -120,6 +120,7 @@ def model_dims(model: SinkModel) -> ModelDims:
     Parameters
     ----------
     model : SinkModel
+        A model of the contract (a TransformerBridge, a reference model, an nnsight model: the last from its config).
 
     Returns
     -------

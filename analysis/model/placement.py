@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +27,6 @@ import torch
 from analysis.model.weights import execution_device
 
 _OFFLOAD = ("cpu", "disk")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -170,17 +157,6 @@ def check_placement(placement: Placement, *, device=None) -> Placement:
     return placement
 
 
-def _parse_size(text: str) -> int:
-    """A memory size ("70GiB", "512MB", "1e9" bytes) in bytes; ValueError, saying what to give, otherwise."""
-    m = _SIZE.match(str(text))
-    if not m:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise ValueError(f"{text!r} is not a memory size; write e.g. 70GiB, 512MiB or 2GB.") from None
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-
-
 def parse_max_memory(text: str | None) -> dict | None:
     """``--max-memory`` ("0=70GiB,cpu=120GiB") as accelerate's dict ({0: "70GiB", "cpu": "120GiB"}).
 
@@ -194,14 +170,19 @@ def parse_max_memory(text: str | None) -> dict | None:
     """
     if text is None or not str(text).strip():
         return None
+    from accelerate.utils import convert_file_size_to_int  # import time: accelerate loads once a budget is given
+
     out = {}
     for part in str(text).split(","):
         key, sep, size = part.partition("=")
         if not sep or not key.strip() or not size.strip():
             raise ValueError(f"--max-memory takes device=size pairs such as 0=70GiB,cpu=120GiB; got {text!r}.")
-        key = key.strip()
-        _parse_size(size)  # raises, saying what to give
-        out[int(key) if key.isdigit() else key] = size.strip()
+        key, size = key.strip(), size.strip()
+        try:  # accelerate's own reading of the size, which it applies to the budget later
+            convert_file_size_to_int(size)
+        except ValueError:
+            raise ValueError(f"{size!r} is not a memory size; write e.g. 70GiB, 512MiB or 2GB.") from None
+        out[int(key) if key.isdigit() else key] = size
     return out
 
 

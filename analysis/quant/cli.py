@@ -109,7 +109,6 @@ def cmd_quant(args) -> int:
     from analysis.quant.run import quant_study
     from analysis.quant.study import check_conditions, schemes_of
 
-    check_quant_args(args)
     grid = dict(
         a_bits=_ints(args.act_bits),
         granularities=[g.strip() for g in args.granularity.split(",") if g.strip()],

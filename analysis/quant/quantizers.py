@@ -43,6 +43,7 @@ def check_granularity(granularity: str) -> str:
     Parameters
     ----------
     granularity : str
+        One of ``GRANULARITIES``.
 
     Returns
     -------
@@ -62,6 +63,7 @@ def qmax(bits: int) -> int:
     Parameters
     ----------
     bits : int
+        Bits per code (8: int8, whose largest code is 127).
 
     Returns
     -------

@@ -108,14 +108,7 @@ class QuantResult(Result):
 
     def summary(self) -> pd.DataFrame:
         """Mean and spread (min, max) over seeds of ppl and ratio per scheme and condition."""
-        g = self.schemes.groupby(["scheme", "condition"], sort=False)
-        return g.agg(
-            ppl=("ppl", "mean"),
-            ppl_min=("ppl", "min"),
-            ppl_max=("ppl", "max"),
-            ratio=("ratio", "mean"),
-            site=("site", "first"),
-        ).reset_index()
+        return _over_seeds(self.schemes, "ppl", "ppl_min", "ppl_max", "ratio", site=("site", "first"))
 
     def findings(self) -> list[str]:
         out, s = [], self.summary()
@@ -138,6 +131,22 @@ class QuantResult(Result):
                 **{k: getattr(self, k) for k in "prefixes setting notes spike_blocks".split()},
             }
         )
+
+
+# A column over seeds -> (the schemes table's column, its statistic)
+_SPREAD = {
+    "ppl": ("ppl", "mean"),
+    "ppl_sd": ("ppl", "std"),
+    "ppl_min": ("ppl", "min"),
+    "ppl_max": ("ppl", "max"),
+    "ratio": ("ratio", "mean"),
+}
+
+
+def _over_seeds(schemes: pd.DataFrame, *stats: str, **more) -> pd.DataFrame:
+    """One row per scheme and condition, in their order: the ``_SPREAD`` columns ``stats``, then ``more``."""
+    g = schemes.groupby(["scheme", "condition"], sort=False)
+    return g.agg(**{k: _SPREAD[k] for k in stats}, **more).reset_index()
 
 
 def load_run(path) -> dict:
@@ -174,15 +183,7 @@ def seed_spread(run: dict) -> pd.DataFrame:
     -------
     pandas.DataFrame
     """
-    g = run["schemes"].groupby(["scheme", "condition"], sort=False)
-    return g.agg(
-        ppl=("ppl", "mean"),
-        ppl_sd=("ppl", "std"),
-        ppl_min=("ppl", "min"),
-        ppl_max=("ppl", "max"),
-        ratio=("ratio", "mean"),
-        seeds=("seed", "nunique"),
-    ).reset_index()
+    return _over_seeds(run["schemes"], *_SPREAD, seeds=("seed", "nunique"))
 
 
 def fixed_notation(df: pd.DataFrame, *, digits: int = 4) -> pd.DataFrame:

@@ -260,9 +260,6 @@ class StreamingLayer(DynamicLayer):
             return L, 0
         return min(L, self.capacity), max(0, L - self.capacity)
 
-    def get_max_length(self) -> int:
-        return -1 if self.capacity is None else self.capacity
-
     def oldest_slots(self) -> torch.Tensor:
         """(B,) the slot of each row's oldest kept non-sink token."""
         if self.capacity is not None and self.n_seen >= self.capacity:

@@ -121,7 +121,6 @@ def cmd_stream(args) -> int:
     from analysis.model.placement import placement_from_args
     from analysis.streaming.run import streaming_perplexity, write_csv_atomic
 
-    check_stream_args(args)
     placement = placement_from_args(args)
     # a name goes through load_model first; the cache passes decode its own Hugging Face module (no second copy)
     model = load_model(

@@ -309,17 +309,12 @@ def compare_streams(results: dict, *, sinks=(0, 1, 4)) -> pd.DataFrame:
     for name, res in results.items():
         t, w = res.table.set_index("policy"), res.window
         row = {"model": name, "window": w}
+        nan = float("nan")  # a policy the run left out
         for s in sinks:
-            label = f"0+{w}" if s == 0 else f"{s}+{w - s}"
-            row[f"{s} sinks"] = t.loc[label, "ppl_past_window"] if label in t.index else float("nan")
-        rec = f"recompute {w}"
-        row["recompute"] = t.loc[rec, "ppl_past_window"] if rec in t.index else float("nan")
-        row["first token attention (1 sink)"] = (
-            t.loc[f"1+{w - 1}", "sink_attention"] if f"1+{w - 1}" in t.index else float("nan")
-        )
-        row["learned slot attention (window)"] = (
-            t.loc[f"0+{w}", "learned_sink_attention"] if f"0+{w}" in t.index else float("nan")
-        )
+            row[f"{s} sinks"] = t["ppl_past_window"].get(f"0+{w}" if s == 0 else f"{s}+{w - s}", nan)
+        row["recompute"] = t["ppl_past_window"].get(f"recompute {w}", nan)
+        row["first token attention (1 sink)"] = t["sink_attention"].get(f"1+{w - 1}", nan)
+        row["learned slot attention (window)"] = t["learned_sink_attention"].get(f"0+{w}", nan)
         rows.append(row)
     return pd.DataFrame(rows).set_index("model").apply(pd.to_numeric)  # None (no learned slot) -> NaN
 

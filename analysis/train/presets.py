@@ -156,6 +156,7 @@ def preset(name: str) -> dict:
     Parameters
     ----------
     name : str
+        A key of ``PRESETS`` (ValueError, naming them, for another).
 
     Returns
     -------

@@ -52,6 +52,7 @@ def run_name(point: dict) -> str:
     Parameters
     ----------
     point : dict
+        One grid point, {field: value}, in the grid's field order.
 
     Returns
     -------

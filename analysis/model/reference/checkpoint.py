@@ -33,6 +33,7 @@ from analysis.model.reference.config import ModelConfig
 from analysis.model.reference.sink_lm import SinkLM
 
 FORMAT_VERSION = 1
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")  # the tokenizer's, kept in config.json
 
 
 class CheckpointError(ValueError):
@@ -292,7 +293,7 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
             **config,
             "tokenizer": {
                 "file": "tokenizer.json",
-                **{k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token")},
+                **{k: getattr(tok, k) for k in _SPECIAL_TOKENS},
             },
         }
     write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config}, indent=2)
@@ -343,9 +344,7 @@ def load_reference(path_or_dir, *, device=None, dtype=None):
 
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_file=str(d / tok_info.get("file", "tokenizer.json")),
-            bos_token=tok_info.get("bos_token"),
-            eos_token=tok_info.get("eos_token"),
-            pad_token=tok_info.get("pad_token"),
+            **{k: tok_info.get(k) for k in _SPECIAL_TOKENS},
         )
     model = SinkLM(mcfg, tokenizer=tokenizer)
     _load_weights(model, _read_tensors(d / "model.safetensors"), d / "model.safetensors")

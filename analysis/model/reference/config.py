@@ -29,8 +29,26 @@ def _choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not one of {list(allowed)}.")
 
 
+class _Config:
+    """What both configs do: ``to_dict`` (every field) and ``from_dict`` (ValueError for an unknown field)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.__name__.removesuffix('Config').lower()} config field(s) {unknown}; known fields: {sorted(names)}. "
+                "Was this config written by a newer version of analysis.train?"
+            )
+        return cls(**d)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Config):
     """Architecture of a LLaMA-style decoder with a swappable attention operation.
 
     Defaults give the small synthetic-task model (1 layer, 4 heads, d_model 64).
@@ -179,16 +197,9 @@ class ModelConfig:
     def n_kv_heads(self) -> int:
         return self.n_key_value_heads
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        return cls(**_known_fields(cls, d, "model"))
-
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Config):
     """One training run: data, optimisation, logging and checkpointing.
 
     Attributes
@@ -365,13 +376,6 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0; got {self.lr}.")
         snapshot_steps(self.snapshots, self.steps)  # a bad spec fails here, before any training
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return cls(**_known_fields(cls, d, "train"))
-
 
 def snapshot_steps(spec: Optional[str], steps: int) -> list[int]:
     """The steps at which a run keeps its weights (``TrainConfig.snapshots``), ascending, each in [1, steps].
@@ -409,17 +413,6 @@ def snapshot_steps(spec: Optional[str], steps: int) -> list[int]:
     if bad:
         raise ValueError(f"snapshot steps {bad} lie outside 1..steps={steps}.")
     return out
-
-
-def _known_fields(cls, d: dict, what: str) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(
-            f"unknown {what} config field(s) {unknown}; known fields: {sorted(names)}. "
-            "Was this config written by a newer version of analysis.train?"
-        )
-    return dict(d)
 
 
 def split_overrides(overrides: dict) -> tuple[dict, dict]:

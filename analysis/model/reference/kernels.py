@@ -31,8 +31,7 @@ import torch
 LOG = logging.getLogger(__name__)
 KERNELS = ("sdpa", "flex", "triton", "eager")
 FLEX_MIN_HEAD_DIM = 16  # Inductor's FlexAttention lowering: "embedding dimension ... must be at least 16"
-FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what FlexAttention and the Triton kernel compute in
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bi
     if kernel == "flex" and device_type == "cuda":
         if head_dim < FLEX_MIN_HEAD_DIM:
             return f"FlexAttention on CUDA takes head sizes >= {FLEX_MIN_HEAD_DIM}; this model's is {head_dim}"
-        if dtype not in FLEX_DTYPES:
+        if dtype not in FUSED_DTYPES:
             return f"FlexAttention takes float16, bfloat16 or float32, not {name}"
     if kernel == "triton":
         if not triton_ok:
@@ -80,7 +79,7 @@ def _limits(kernel: str, device_type: str, dtype: torch.dtype, head_dim: int, bi
             )
         if head_dim < 16 or head_dim & (head_dim - 1):
             return f"the Triton kernel takes power-of-two head sizes >= 16; this model's is {head_dim}"
-        if dtype not in TRITON_DTYPES:
+        if dtype not in FUSED_DTYPES:
             return f"the Triton kernel takes float16, bfloat16 or float32, not {name}"
         if bias == "relative":
             return "the Triton kernel takes ALiBi but not a learned relative position bias"
