@@ -314,18 +314,21 @@ def kind_stats(
     dict of str to torch.Tensor
     """
     p = attention_of(acts["pattern"])
-    c0 = p.column(0)  # (B, H, T): the first token's weight from every query
+    c0 = p.column(0).transpose(0, 1)  # (H, B, T): the first token's weight from every query, head-major as y
     norms = per_query_head(kv_view(acts["v"], n_kv_heads).float().norm(dim=-1), n_heads)  # (B, T, H)
-    z = acts["z"][:, first:].float()  # (B, T', H, d)
+    z = acts["z"].float()
+    B, T, H, d = z.shape
     R = gram_root(head_gram(W_O)) if R is None else R
-    y = torch.einsum("bthd,hde->bhte", z, R.to(z.device, torch.float32)).contiguous()  # y_s . y_t = o_s . o_t
+    # y_s . y_t = o_s . o_t: one product per head on z's own strides (no permuted copy), (H, B, T', d)
+    y = torch.bmm(z.reshape(B * T, H, d).transpose(0, 1), R.to(z.device, torch.float32)).view(H, B, T, d)
+    y = y[:, :, first:]
     out = y.norm(dim=-1)
     sink = (c0[..., first:] > eps).float()
     pr, cos, ok = _within(y, out, sink, min_queries)
     got = {
         "alpha": c0.sum(-1, dtype=torch.float64) / c0.shape[-1],
-        "v1": norms[:, 0],
-        "vj": norms[:, 1:].mean(1),
+        "v1": norms[:, 0].T,
+        "vj": norms[:, 1:].mean(1).T,
         "n_sink": sink.sum(-1),
         "n_rest": (1 - sink).sum(-1),
         "out_sink": (out * sink).sum(-1),
@@ -334,7 +337,7 @@ def kind_stats(
         "cos": cos * ok,
         "n_seqs": ok,
     }
-    return {k: v.double().sum(0) for k, v in got.items()}
+    return {k: v.double().sum(1) for k, v in got.items()}
 
 
 def gram_roots(grams: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -369,18 +372,18 @@ def gram_root(G: torch.Tensor) -> torch.Tensor:
 
 
 def _within(y, out, sink, min_queries: int):
-    """Per sequence and head, over the sinking queries: the participation ratio of the outputs' singular values and
-    their mean cosine to their mean direction, and whether the sequence has ``min_queries`` of them (float64, (B, H)).
+    """Per head and sequence, over the sinking queries: the participation ratio of the outputs' singular values and
+    their mean cosine to their mean direction, and whether the sequence has ``min_queries`` of them (float64, (H, B)).
 
     The outputs o_t = z_t W_O have the inner products of y_t = z_t R (R R^T = W_O W_O^T), so the sinking outputs'
     Gram has the nonzero eigenvalues (the s^2) of C = sum_t y_t y_t^T (d x d): PR = tr(C)^2 / |C|_F^2, and no
     (T, d_model) output is built."""
     n = sink.sum(-1)  # (B, H)
     ys = y * sink[..., None]
-    C = ys.transpose(-1, -2) @ ys  # (B, H, d, d)
+    C = ys.transpose(-1, -2) @ ys  # (H, B, d, d)
     tr = (out.square() * sink).sum(-1)
     pr = tr**2 / C.square().sum((-2, -1)).clamp(min=TINY)
-    ybar = ys.sum(2) / n.clamp(min=1)[..., None]  # (B, H, d)
+    ybar = ys.sum(2) / n.clamp(min=1)[..., None]  # (H, B, d)
     cos = (y @ ybar[..., None])[..., 0] / (out * ybar.norm(dim=-1)[..., None]).clamp(min=TINY)
     cos = (cos * sink).sum(-1) / n.clamp(min=1)
     return pr, cos, (n >= min_queries).double()

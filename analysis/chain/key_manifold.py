@@ -606,10 +606,6 @@ class KeyManifoldAccumulator(Accumulator):
         keep, heads = self.scatter.keep(layer), self.heads if mine else None
         return Reduction(key_stats, dict(n_heads=self.H, heads=heads, keep=keep, pick=pick, **self._where(layer)))
 
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        super().update(layer, acts, batch)
-
     def fold(self, layer: int, stats: dict, batch: Batch) -> None:
         i = self.index.get(layer)
         if i is not None:

@@ -52,7 +52,7 @@ from analysis.engine.passes import Accumulator, Batch, LayerCollector, Reduction
 from analysis.core.results import Result, layer_runs, pass_options
 from analysis.core.reductions import top_k_abs
 from analysis.core.docs import model_tokens, parameters_from, share_parameters
-from analysis.core.stats import flat_above, host_selection, lower_median, one_thread
+from analysis.core.stats import flat_above, host_selection, lower_median
 
 RESID_HOOKS = ("resid_post", "resid_pre", "resid_mid")
 
@@ -464,10 +464,6 @@ class MassiveAccumulator(Accumulator):
         return Reduction(
             massive_stats, {"top_k": self.K, "abs_threshold": self.abs_threshold, "median_over": self.median_over}
         )
-
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        super().update(layer, acts, batch)
 
     def fold(self, layer: int, s: dict, batch: Batch) -> None:
         if s["first_sum"].shape[-1] != self.D:

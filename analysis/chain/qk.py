@@ -33,7 +33,7 @@ from analysis.engine.passes import Accumulator, Batch, RunningSums, run_pass
 from analysis.core.docs import model_tokens_min2, parameters_from
 from analysis.core.results import Result, pass_options
 from analysis.model.rotary import rotate_as_spec
-from analysis.core.stats import one_thread, permuted_copy
+from analysis.core.stats import permuted_copy
 
 from analysis.core.defaults import QK_COS_BINS as N_BINS  # fixed bins of the cosine histograms
 
@@ -189,7 +189,6 @@ class QKAccumulator(Accumulator):
         """
         return rotate_as_spec(acts["q"], self.spec, layer), rotate_as_spec(acts["k"], self.spec, layer)
 
-    @one_thread()
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         q, k = self.vectors(layer, acts)
         i, (B, T), H = self.index[layer], q.shape[:2], self.H

@@ -229,7 +229,7 @@ class RunningSums:
 
 class SummingAccumulator(Accumulator):
     """An accumulator whose :meth:`reduction` gives statistics it sums over batches: ``sums`` (a :class:`RunningSums`
-    over ``layers``), with ``n`` the samples seen; each update on one CPU thread (``core.stats.one_thread``).
+    over ``layers``), with ``n`` the samples seen.
 
     Parameters
     ----------
@@ -241,10 +241,6 @@ class SummingAccumulator(Accumulator):
         self.layers = list(layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.sums, self.n = RunningSums(len(self.layers)), 0
-
-    @one_thread()
-    def update(self, layer: int, acts: dict, batch: Batch) -> None:
-        super().update(layer, acts, batch)
 
     def fold(self, layer: int, stats: dict, batch: Batch) -> None:
         i = self.index[layer]
@@ -311,7 +307,8 @@ def captured(acts: dict, *, select=None) -> torch.Tensor:
 
 
 class _JointReducer:
-    """Holds the activations of one layer until all of them have fired, then feeds every accumulator."""
+    """Holds the activations of one layer until all of them have fired, then feeds every accumulator, on one CPU
+    thread (``core.stats.one_thread``: the reductions work on a few MB each, where threads only wait on each other)."""
 
     def __init__(self, accumulators: Sequence[Accumulator], stop_early: bool):
         self.accs = sorted(accumulators, key=lambda a: not a.reads_rows)  # in a layer, whole rows first (one map)
@@ -346,11 +343,12 @@ class _JointReducer:
         del self.slot[layer]
         self.done.add(layer)
         scratch: dict = {}  # shared by the layer's accumulators (LayerActs.units), dropped with the layer
-        for acc, want in zip(self.accs, self.wants):
-            if layer in want:
-                acc.update(
-                    layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch
-                )
+        with one_thread():
+            for acc, want in zip(self.accs, self.wants):
+                if layer in want:
+                    acc.update(
+                        layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch
+                    )
         if self.stop_early and layer == self.last:
             raise _Stop
 
