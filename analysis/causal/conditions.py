@@ -24,7 +24,7 @@ from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, mo
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.engine.passes import Reduction
-from analysis.engine.remote import edit_trace, pass_plan, plan_requests, reduction_bytes
+from analysis.engine.remote import pass_plan, plan_requests, reduction_bytes, trace_batch
 from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
@@ -298,7 +298,7 @@ def run_condition(
         fewer, fuller batches than a pass each. The baseline is that of one condition's sequences.
     edits : callable, optional
         ``edits(batch)``: the hooks' interventions as trace edits ({layer: {site: Reduction}},
-        ``analysis.engine.remote.edit_trace``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
+        ``analysis.engine.remote.trace_batch``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
         from the embedding in its traces instead of the hooks.
 
     Returns
@@ -336,7 +336,7 @@ def run_condition(
 
 def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
     """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF: per batch, one trace
-    (``analysis.engine.remote.edit_trace``) a layer group of the request plan, each making every edit from the
+    (``analysis.engine.remote.trace_batch``) a layer group of the request plan, each making every edit from the
     embedding; the reductions, and the loss for the accumulator that ``needs_logits``, run there and fold here."""
     plan = pass_plan(model, accumulators)
     per, fixed = reduction_bytes(model, tokens, plan)
@@ -347,11 +347,12 @@ def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *
             loss = [a for a in accumulators if a.needs_logits] if group is req.layer_groups[-1] else []
             logits = Reduction(_loss_stats, {"groups": [r for _, r in loss[0]._groups(batch)]}) if loss else None
             todo = [by_layer[l] for l in group]
-            got, stats = edit_trace(model, batch.tokens, todo, edits(batch) if edits else {}, logits=logits)
+            got = trace_batch(model, batch.tokens, todo, edits=edits(batch) if edits else {}, logits=logits)
             for j, layer, r in got:
-                accumulators[j].fold(layer, r, batch)
-            for a in loss:
-                a.fold_loss(stats, batch)
+                if j < 0:  # the loss, returned last
+                    loss[0].fold_loss(r, batch)
+                else:
+                    accumulators[j].fold(layer, r, batch)
         for a in accumulators:
             a.end_batch(batch, None)
     return [a.result() for a in accumulators]

@@ -464,20 +464,3 @@ def remote_pass(
         for acc in accumulators:
             acc.end_batch(batch, None)
     return {"requests": requests, "bytes": sent}
-
-
-def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edits: dict, *, logits=None, remote=None):
-    """:func:`trace_batch` with ``edits``, what ``logits`` returned apart.
-
-    Parameters
-    ----------
-    model, tokens, plan, edits, logits, remote
-        As in :func:`trace_batch`.
-
-    Returns
-    -------
-    tuple
-        What :func:`trace_batch` returns for ``plan``, and what ``logits`` returned (None without it), on the CPU.
-    """
-    got = trace_batch(model, tokens, plan, edits=edits, logits=logits, remote=remote)
-    return [r for r in got if r[0] >= 0], next((r for j, _, r in got if j < 0), None)
