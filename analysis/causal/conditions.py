@@ -24,7 +24,7 @@ from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, mo
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.engine.passes import Reduction
-from analysis.engine.remote import pass_plan, plan_requests, reduction_bytes, trace_batch
+from analysis.engine.remote import remote_pass
 from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
@@ -335,26 +335,17 @@ def run_condition(
 
 
 def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
-    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF: per batch, one trace
-    (``analysis.engine.remote.trace_batch``) a layer group of the request plan, each making every edit from the
-    embedding; the reductions, and the loss for the accumulator that ``needs_logits``, run there and fold here."""
-    plan = pass_plan(model, accumulators)
-    per, fixed = reduction_bytes(model, tokens, plan)
-    req, by_layer = plan_requests(tokens.shape[0], [p[0] for p in plan], per=per, fixed=fixed), {p[0]: p for p in plan}
-    bs = min(batch_size or req.samples, req.samples)  # never a request over NDIF's limit
-    for batch in (Batch(tokens[i : i + bs], i) for i in range(0, tokens.shape[0], bs)):
-        for group in req.layer_groups:
-            loss = [a for a in accumulators if a.needs_logits] if group is req.layer_groups[-1] else []
-            logits = Reduction(_loss_stats, {"groups": [r for _, r in loss[0]._groups(batch)]}) if loss else None
-            todo = [by_layer[l] for l in group]
-            got = trace_batch(model, batch.tokens, todo, edits=edits(batch) if edits else {}, logits=logits)
-            for j, layer, r in got:
-                if j < 0:  # the loss, returned last
-                    loss[0].fold_loss(r, batch)
-                else:
-                    accumulators[j].fold(layer, r, batch)
-        for a in accumulators:
-            a.end_batch(batch, None)
+    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF
+    (``analysis.engine.remote.remote_pass``), each trace making every edit from the embedding; the loss, for the
+    accumulator that ``needs_logits``, a reduction in each batch's last trace."""
+    acc = next((a for a in accumulators if a.needs_logits), None)
+
+    def logits(batch: Batch):
+        groups = [r for _, r in acc._groups(batch)]
+        return Reduction(_loss_stats, {"groups": groups}), lambda s: acc.fold_loss(s, batch)
+
+    loss = logits if acc is not None else None
+    remote_pass(model, tokens, accumulators, make_batch=Batch, batch_size=batch_size, edits=edits, logits=loss)
     return [a.result() for a in accumulators]
 
 

@@ -421,7 +421,15 @@ def _stand_ins(params, n_heads: int, d_head: int) -> dict:
 
 
 def remote_pass(
-    model: NnsightModel, tokens: torch.Tensor, accumulators: Sequence, *, make_batch, batch_size=None, remote=None
+    model: NnsightModel,
+    tokens: torch.Tensor,
+    accumulators: Sequence,
+    *,
+    make_batch,
+    batch_size=None,
+    remote=None,
+    edits=None,
+    logits=None,
 ):
     """Every accumulator fed through nnsight traces of ``model`` (on NDIF where ``model.remote``), each layer's
     reductions run in the trace and folded here, batch by batch.
@@ -440,6 +448,11 @@ def remote_pass(
         also the default).
     remote : bool or str, optional
         nnsight's ``remote``; None: ``model.remote``.
+    edits : callable, optional
+        ``edits(batch)``: :func:`trace_batch`'s edits, made in every trace of the batch.
+    logits : callable, optional
+        ``logits(batch)``: (a Reduction of (logits, tokens), a function folding what it returned), run in the batch's
+        last trace.
 
     Returns
     -------
@@ -457,10 +470,15 @@ def remote_pass(
         batch = make_batch(tokens[start : start + bs], start)
         by_layer = {p[0]: p for p in (pass_plan(model, accumulators) if start else plan)}  # a reduction may follow
         for group in req.layer_groups:  # what was folded (the key manifold's scatter heads, chosen on the first batch)
-            got = trace_batch(model, batch.tokens, [by_layer[l] for l in group], remote=remote)
+            loss = logits(batch) if logits and group is req.layer_groups[-1] else (None, None)
+            todo, ed = [by_layer[l] for l in group], edits(batch) if edits else None
+            got = trace_batch(model, batch.tokens, todo, edits=ed, logits=loss[0], remote=remote)
             requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
             for j, layer, r in got:
-                accumulators[j].fold(layer, r, batch)
+                if j < 0:  # what logits returned, last
+                    loss[1](r)
+                else:
+                    accumulators[j].fold(layer, r, batch)
         for acc in accumulators:
             acc.end_batch(batch, None)
     return {"requests": requests, "bytes": sent}
