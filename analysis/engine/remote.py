@@ -427,7 +427,6 @@ def remote_pass(
     *,
     make_batch,
     batch_size=None,
-    remote=None,
     edits=None,
     logits=None,
 ):
@@ -446,8 +445,6 @@ def remote_pass(
     batch_size : int, optional
         Sequences per trace, at most as many as keep a request under NDIF's size limit (:func:`plan_requests`,
         also the default).
-    remote : bool or str, optional
-        nnsight's ``remote``; None: ``model.remote``.
     edits : callable, optional
         ``edits(batch)``: :func:`trace_batch`'s edits, made in every trace of the batch.
     logits : callable, optional
@@ -459,7 +456,6 @@ def remote_pass(
     dict
         "requests": the traces run; "bytes": what they sent back.
     """
-    remote = model.remote if remote is None else remote
     plan = pass_plan(model, accumulators)
     N = tokens.shape[0]
     per, fixed = reduction_bytes(model, tokens, plan)
@@ -472,7 +468,7 @@ def remote_pass(
         for group in req.layer_groups:  # what was folded (the key manifold's scatter heads, chosen on the first batch)
             loss = logits(batch) if logits and group is req.layer_groups[-1] else (None, None)
             todo, ed = [by_layer[l] for l in group], edits(batch) if edits else None
-            got = trace_batch(model, batch.tokens, todo, edits=ed, logits=loss[0], remote=remote)
+            got = trace_batch(model, batch.tokens, todo, edits=ed, logits=loss[0])
             requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
             for j, layer, r in got:
                 if j < 0:  # what logits returned, last
