@@ -274,6 +274,7 @@ def run_condition(
     baseline: Baseline | None = None,
     groups: int = 1,
     edits=None,
+    accumulators=(),
 ) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -300,6 +301,8 @@ def run_condition(
         ``edits(batch)``: the hooks' interventions as trace edits ({layer: {site: Reduction}},
         ``analysis.engine.remote.trace_batch``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
         from the embedding in its traces instead of the hooks.
+    accumulators : sequence of Accumulator
+        More accumulators run in the same pass (each keeps its own result).
 
     Returns
     -------
@@ -314,7 +317,7 @@ def run_condition(
         if hooks and edits is None:
             raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
         acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, group_rows=rows if G > 1 else None)
-        return _remote_run(model, tokens, [acc], edits=edits, batch_size=batch_size)[0]
+        return _remote_run(model, tokens, [acc, *accumulators], edits=edits, batch_size=batch_size)[0]
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
         resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
@@ -327,7 +330,13 @@ def run_condition(
         group_rows=rows if G > 1 else None,
     )
     run = run_pass(
-        model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start, resume=resume
+        model,
+        tokens,
+        [acc, *accumulators],
+        fwd_hooks=hooks,
+        batch_size=batch_size,
+        on_batch_start=on_batch_start,
+        resume=resume,
     )[0]
     if G == 1:
         return _with_prefix(run, baseline.run) if resume else run
