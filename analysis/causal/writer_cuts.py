@@ -17,7 +17,7 @@ token's own prediction (the position the spike sits on). Only the activations of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pandas as pd
@@ -301,15 +301,9 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
         )
     if baseline.run.alpha.shape[0] == N:
         return baseline
-    r = baseline.run
-    run = PassResult(r.alpha[:N], r.where, float("nan"), r.eps, r.T, r.layers, r.skipped)
-    return Baseline(
-        run,
-        baseline.first_resid[:N],
-        baseline.value_heads,
-        baseline.v1[:N],
-        {b: x[:N] for b, x in baseline.resid.items()},
-    )
+    run = replace(baseline.run, alpha=baseline.run.alpha[:N], loss=float("nan"), loss_first=None)
+    resid = {b: x[:N] for b, x in baseline.resid.items()}
+    return replace(baseline, run=run, first_resid=baseline.first_resid[:N], v1=baseline.v1[:N], resid=resid)
 
 
 def _run_stacked(
