@@ -24,7 +24,7 @@ from analysis.model.hooks import act_name, check_tokens, hook_layer, kv_view, mo
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, LayerCollector, Resume, can_resume, resume_from, run_pass
 from analysis.engine.passes import Reduction
-from analysis.engine.remote import edit_trace, pass_plan, plan_requests, reduction_bytes
+from analysis.engine.remote import remote_pass
 from analysis.model.nnsight_model import NnsightModel, NnsightUnsupported
 from analysis.core.results import LayerAxis, compact_repr
 from analysis.core.defaults import SINK_EPS
@@ -274,6 +274,7 @@ def run_condition(
     baseline: Baseline | None = None,
     groups: int = 1,
     edits=None,
+    accumulators=(),
 ) -> PassResult | list[PassResult]:
     """One pass with intervention hooks plus the attention reducers: alpha, attention shares and loss.
 
@@ -298,8 +299,10 @@ def run_condition(
         fewer, fuller batches than a pass each. The baseline is that of one condition's sequences.
     edits : callable, optional
         ``edits(batch)``: the hooks' interventions as trace edits ({layer: {site: Reduction}},
-        ``analysis.engine.remote.edit_trace``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
+        ``analysis.engine.remote.trace_batch``), for a model loaded for NDIF (``NnsightModel``), whose pass runs them
         from the embedding in its traces instead of the hooks.
+    accumulators : sequence of Accumulator
+        More accumulators run in the same pass (each keeps its own result).
 
     Returns
     -------
@@ -314,7 +317,7 @@ def run_condition(
         if hooks and edits is None:
             raise NnsightUnsupported("these interventions have no trace edits (edits=) for a remote model.")
         acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=k_max, group_rows=rows if G > 1 else None)
-        return _remote_run(model, tokens, [acc], edits=edits, batch_size=batch_size)[0]
+        return _remote_run(model, tokens, [acc, *accumulators], edits=edits, batch_size=batch_size)[0]
     resume = _resume(model, hooks, baseline, eps, min(int(k_max), tokens.shape[1]))
     if resume is not None and G > 1:  # one condition's residual, read once per condition (never tiled in memory)
         resume = Resume(resume.layer, resume.resid[:rows], repeat=G)
@@ -327,7 +330,13 @@ def run_condition(
         group_rows=rows if G > 1 else None,
     )
     run = run_pass(
-        model, tokens, [acc], fwd_hooks=hooks, batch_size=batch_size, on_batch_start=on_batch_start, resume=resume
+        model,
+        tokens,
+        [acc, *accumulators],
+        fwd_hooks=hooks,
+        batch_size=batch_size,
+        on_batch_start=on_batch_start,
+        resume=resume,
     )[0]
     if G == 1:
         return _with_prefix(run, baseline.run) if resume else run
@@ -335,25 +344,17 @@ def run_condition(
 
 
 def _remote_run(model: NnsightModel, tokens: torch.Tensor, accumulators: list, *, edits=None, batch_size=None) -> list:
-    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF: per batch, one trace
-    (``analysis.engine.remote.edit_trace``) a layer group of the request plan, each making every edit from the
-    embedding; the reductions, and the loss for the accumulator that ``needs_logits``, run there and fold here."""
-    plan = pass_plan(model, accumulators)
-    per, fixed = reduction_bytes(model, tokens, plan)
-    req, by_layer = plan_requests(tokens.shape[0], [p[0] for p in plan], per=per, fixed=fixed), {p[0]: p for p in plan}
-    bs = min(batch_size or req.samples, req.samples)  # never a request over NDIF's limit
-    for batch in (Batch(tokens[i : i + bs], i) for i in range(0, tokens.shape[0], bs)):
-        for group in req.layer_groups:
-            loss = [a for a in accumulators if a.needs_logits] if group is req.layer_groups[-1] else []
-            logits = Reduction(_loss_stats, {"groups": [r for _, r in loss[0]._groups(batch)]}) if loss else None
-            todo = [by_layer[l] for l in group]
-            got, stats = edit_trace(model, batch.tokens, todo, edits(batch) if edits else {}, logits=logits)
-            for j, layer, r in got:
-                accumulators[j].fold(layer, r, batch)
-            for a in loss:
-                a.fold_loss(stats, batch)
-        for a in accumulators:
-            a.end_batch(batch, None)
+    """:func:`run_pass` with ``edits`` (as :func:`run_condition`'s) for a model loaded for NDIF
+    (``analysis.engine.remote.remote_pass``), each trace making every edit from the embedding; the loss, for the
+    accumulator that ``needs_logits``, a reduction in each batch's last trace."""
+    acc = next((a for a in accumulators if a.needs_logits), None)
+
+    def logits(batch: Batch):
+        groups = [r for _, r in acc._groups(batch)]
+        return Reduction(_loss_stats, {"groups": groups}), lambda s: acc.fold_loss(s, batch)
+
+    loss = logits if acc is not None else None
+    remote_pass(model, tokens, accumulators, make_batch=Batch, batch_size=batch_size, edits=edits, logits=loss)
     return [a.result() for a in accumulators]
 
 

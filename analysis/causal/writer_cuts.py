@@ -17,7 +17,7 @@ token's own prediction (the position the spike sits on). Only the activations of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pandas as pd
@@ -28,11 +28,10 @@ from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.model.mlp_spec import get_mlp
 from analysis.chain.first_token_cause import why_first_token
 from analysis.chain.spike_writers import spike_origin
-from analysis.causal.conditions import K_MAX, Baseline, PassAccumulator, PassResult, condition_rows, run_condition
-from analysis.causal.conditions import _remote_run
+from analysis.causal.conditions import Baseline, PassResult, condition_rows, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
 from analysis.model.nnsight_model import weights_in_trace
-from analysis.engine.passes import Accumulator, Reduction, ResidCapture, run_pass
+from analysis.engine.passes import Accumulator, Reduction, ResidCapture
 from analysis.core.results import Result, layer_runs
 from analysis.sinks.metric import check_eps
 
@@ -290,13 +289,10 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
     the residual entering ``blocks`` (so each condition resumes at the first block it changes)."""
     N = tokens.shape[0]
     if baseline is None:  # the unchanged run and the residuals to resume from (not the value statistics)
-        acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX)
-        if weights_in_trace(model):  # each condition runs from the embedding in its traces: no residual to resume
-            run, resid = _remote_run(model, tokens, [acc], batch_size=batch_size)[0], {}
-        else:
-            run, resid = run_pass(
-                model, tokens, [acc, ResidCapture([b for b in blocks if b > 0])], batch_size=batch_size
-            )
+        # each condition of a model loaded through nnsight runs from the embedding in its traces: no residual to resume
+        capture = [] if weights_in_trace(model) else [ResidCapture([b for b in blocks if b > 0])]
+        run = run_condition(model, tokens, eps=eps, batch_size=batch_size, accumulators=capture)
+        resid = capture[0].result() if capture else {}
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
     if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
         raise ValueError(
@@ -305,15 +301,9 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
         )
     if baseline.run.alpha.shape[0] == N:
         return baseline
-    r = baseline.run
-    run = PassResult(r.alpha[:N], r.where, float("nan"), r.eps, r.T, r.layers, r.skipped)
-    return Baseline(
-        run,
-        baseline.first_resid[:N],
-        baseline.value_heads,
-        baseline.v1[:N],
-        {b: x[:N] for b, x in baseline.resid.items()},
-    )
+    run = replace(baseline.run, alpha=baseline.run.alpha[:N], loss=float("nan"), loss_first=None)
+    resid = {b: x[:N] for b, x in baseline.resid.items()}
+    return replace(baseline, run=run, first_resid=baseline.first_resid[:N], v1=baseline.v1[:N], resid=resid)
 
 
 def _run_stacked(
@@ -337,21 +327,18 @@ def _run_stacked(
     done: dict[int, tuple[PassResult, torch.Tensor]] = {}
     for start, cs in by_start.items():
         setter = _NeuronSetter(model, [conditions[c] for c in cs], means, dims, start, N)
-        if weights_in_trace(model):  # the neurons set in the traces, the spike dims read there (no resume)
-            acc = PassAccumulator(model, tokens.shape[1], eps=eps, k_max=K_MAX, group_rows=N if len(cs) > 1 else None)
-            todo = [acc, _SpikeValues(setter)]
-            got = _remote_run(model, tokens.repeat(len(cs), 1), todo, edits=setter.edits, batch_size=batch_size)[0]
-        else:
-            got = run_condition(
-                model,
-                tokens.repeat(len(cs), 1),
-                hooks=setter.hooks(),
-                eps=eps,
-                batch_size=batch_size,
-                on_batch_start=setter.start_batch,
-                baseline=baseline,
-                groups=len(cs),
-            )
+        got = run_condition(
+            model,
+            tokens.repeat(len(cs), 1),
+            hooks=setter.hooks(),
+            eps=eps,
+            batch_size=batch_size,
+            on_batch_start=setter.start_batch,
+            baseline=baseline,
+            groups=len(cs),
+            edits=setter.edits,  # a model loaded through nnsight: the neurons set in its traces (no resume)
+            accumulators=[_SpikeValues(setter)] if weights_in_trace(model) else [],  # and the spike dims read there
+        )
         after = torch.cat(setter.values)  # (len(cs) N, L - start, n_dims): the stream after blocks start..L-1
         for i, (c, r) in enumerate(zip(cs, got if len(cs) > 1 else [got])):
             done[c] = (r, after[i * N : (i + 1) * N])

@@ -421,7 +421,14 @@ def _stand_ins(params, n_heads: int, d_head: int) -> dict:
 
 
 def remote_pass(
-    model: NnsightModel, tokens: torch.Tensor, accumulators: Sequence, *, make_batch, batch_size=None, remote=None
+    model: NnsightModel,
+    tokens: torch.Tensor,
+    accumulators: Sequence,
+    *,
+    make_batch,
+    batch_size=None,
+    edits=None,
+    logits=None,
 ):
     """Every accumulator fed through nnsight traces of ``model`` (on NDIF where ``model.remote``), each layer's
     reductions run in the trace and folded here, batch by batch.
@@ -438,15 +445,17 @@ def remote_pass(
     batch_size : int, optional
         Sequences per trace, at most as many as keep a request under NDIF's size limit (:func:`plan_requests`,
         also the default).
-    remote : bool or str, optional
-        nnsight's ``remote``; None: ``model.remote``.
+    edits : callable, optional
+        ``edits(batch)``: :func:`trace_batch`'s edits, made in every trace of the batch.
+    logits : callable, optional
+        ``logits(batch)``: (a Reduction of (logits, tokens), a function folding what it returned), run in the batch's
+        last trace.
 
     Returns
     -------
     dict
         "requests": the traces run; "bytes": what they sent back.
     """
-    remote = model.remote if remote is None else remote
     plan = pass_plan(model, accumulators)
     N = tokens.shape[0]
     per, fixed = reduction_bytes(model, tokens, plan)
@@ -457,27 +466,15 @@ def remote_pass(
         batch = make_batch(tokens[start : start + bs], start)
         by_layer = {p[0]: p for p in (pass_plan(model, accumulators) if start else plan)}  # a reduction may follow
         for group in req.layer_groups:  # what was folded (the key manifold's scatter heads, chosen on the first batch)
-            got = trace_batch(model, batch.tokens, [by_layer[l] for l in group], remote=remote)
+            loss = logits(batch) if logits and group is req.layer_groups[-1] else (None, None)
+            todo, ed = [by_layer[l] for l in group], edits(batch) if edits else None
+            got = trace_batch(model, batch.tokens, todo, edits=ed, logits=loss[0])
             requests, sent = requests + 1, sent + stats_bytes([r for _, _, r in got])
             for j, layer, r in got:
-                accumulators[j].fold(layer, r, batch)
+                if j < 0:  # what logits returned, last
+                    loss[1](r)
+                else:
+                    accumulators[j].fold(layer, r, batch)
         for acc in accumulators:
             acc.end_batch(batch, None)
     return {"requests": requests, "bytes": sent}
-
-
-def edit_trace(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple], edits: dict, *, logits=None, remote=None):
-    """:func:`trace_batch` with ``edits``, what ``logits`` returned apart.
-
-    Parameters
-    ----------
-    model, tokens, plan, edits, logits, remote
-        As in :func:`trace_batch`.
-
-    Returns
-    -------
-    tuple
-        What :func:`trace_batch` returns for ``plan``, and what ``logits`` returned (None without it), on the CPU.
-    """
-    got = trace_batch(model, tokens, plan, edits=edits, logits=logits, remote=remote)
-    return [r for r in got if r[0] >= 0], next((r for j, _, r in got if j < 0), None)

@@ -1,5 +1,5 @@
 """The interventions on a model loaded for NDIF (``load_nnsight``: the remote traces, run here): the spike, value and
-first-key ablations edit inside the trace (``analysis.engine.remote.edit_trace``), run no resume, and bring back only
+first-key ablations edit inside the trace (``analysis.engine.remote.trace_batch``), run no resume, and bring back only
 the reductions (alpha and the attention shares from q, k and the lse; the loss from the logits); every table equals
 the bridge's, the report's section included; the edits and reductions that ship reach only NDIF's whitelist and run
 the same through nnsight's local simulation of a remote run. About 30 s on two CPU cores."""
@@ -71,15 +71,15 @@ def test_the_edit_trace_ships_only_what_ndif_allows_and_runs_in_nnsights_simulat
     }
     runs = here_and_there(
         monkeypatch,
-        lambda where: remote.edit_trace(nn, tokens, plan, edits, logits=Reduction(_loss_stats), remote=where),
+        lambda where: remote.trace_batch(nn, tokens, plan, edits=edits, logits=Reduction(_loss_stats), remote=where),
     )
-    (here, loss), (there, loss2) = runs[False], runs["local"]
+    (*here, (_, _, loss)), (*there, (_, _, loss2)) = runs[False], runs["local"]
     assert [(j, l) for j, l, _ in here] == [(j, l) for j, l, _ in there] and len(here) == 3 * 2
     for (_, _, a), (_, _, b) in zip(here, there):
         a, b = (x if isinstance(x, dict) else {"x": x} for x in (a, b))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(loss[k], loss2[k]) for k in loss) and set(loss) == {"sum", "first"}
-    unedited = remote.edit_trace(nn, tokens, plan, {}, logits=Reduction(_loss_stats))[1]
+    unedited = remote.trace_batch(nn, tokens, plan, logits=Reduction(_loss_stats))[-1][2]
     assert float(unedited["sum"][0]) != pytest.approx(float(loss["sum"][0]), rel=1e-6)  # the edits took
 
 
