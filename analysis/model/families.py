@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
+import warnings
 
 import torch
 
@@ -597,7 +598,8 @@ def _pattern_is_live(model: SinkModel, layer: int) -> bool:
     reports the pattern: the hook fires after ``hook_z`` and is read-only there, so pattern interventions must edit
     ``hook_z`` instead."""
     tokens = _probe_tokens(model, 2)
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings():  # the bridge warns where the edit is discarded: the probe
+        warnings.filterwarnings("ignore", message="A hook on .*hook_pattern returned a modified tensor")
         base = model(tokens)
         edited = model.run_with_hooks(
             tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern", lambda p, hook: torch.zeros_like(p))]
