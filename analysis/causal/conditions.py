@@ -36,9 +36,7 @@ from analysis.core.defaults import INTERVENTION_K_MAX as K_MAX  # alpha kept for
 
 LOSS_ROWS = 1  # sequences per chunk of the streamed next-token loss (the log-softmax is never built for a whole batch)
 
-# ----------------------------------------------------------------------------------------------
-# One streamed pass under interventions
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- One streamed pass under interventions
 
 
 @dataclass
@@ -378,9 +376,7 @@ def _with_prefix(run: PassResult, base: PassResult) -> PassResult:
     return replace(run, alpha=alpha, where=where, layers=base.layers, skipped=base.skipped)
 
 
-# ----------------------------------------------------------------------------------------------
-# The shared baseline: the unchanged model, with what each intervention needs from it
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------- The shared baseline: the unchanged model, with what each intervention needs from it
 
 
 def _first_position(acts: dict) -> torch.Tensor:

@@ -70,9 +70,7 @@ from analysis.causal.dormant_result import DormantHeads, check_quantile, check_s
 from analysis.causal.head_removal import head_means, removal_effects, sequence_losses
 
 
-# ----------------------------------------------------------------------------------------------
-# The pass: one forward and one backward per batch, reduced in the hooks
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------- The pass: one forward and one backward per batch, reduced in the hooks
 
 
 def output_grams(model: SinkModel, layers: Sequence[int]) -> dict[int, torch.Tensor]:

@@ -20,9 +20,7 @@ from analysis.core.results import compact_repr
 from analysis.core.stats import one_thread
 
 
-# ----------------------------------------------------------------------------------------------
-# The streamed pass: the first token's stream, writes and neurons
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------ The streamed pass: the first token's stream, writes and neurons
 
 
 @dataclass

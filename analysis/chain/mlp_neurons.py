@@ -24,9 +24,7 @@ from analysis.chain.first_token_trace import FirstTokenTrace
 
 _NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
-# ----------------------------------------------------------------------------------------------
-# Inside one MLP: neurons (dense) or experts (mixture of experts)
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------ Inside one MLP: neurons (dense) or experts (mixture of experts)
 
 
 @dataclass

@@ -51,9 +51,7 @@ from analysis.core.docs import model_tokens_min2, parameters_from, share_paramet
 from analysis.model.rotary import rotate_as_spec
 from analysis.core.stats import mean_pairwise_cosine
 
-# ----------------------------------------------------------------------------------------------
-# Scores from the rebuilt keys
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Scores from the rebuilt keys
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -99,9 +97,7 @@ def _causal_window(T: int, window: int | None) -> torch.Tensor:
     return seen
 
 
-# ----------------------------------------------------------------------------------------------
-# The trace
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- The trace
 
 
 @dataclass

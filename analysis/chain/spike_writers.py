@@ -57,9 +57,7 @@ from analysis.chain.mlp_neurons import MlpNeurons, mlp_neurons, moe_experts
 ROLES = ("writer", "eraser")  # the roles whose MLPs' neurons are resolved ("amplifier": adds to an embedding spike)
 
 
-# ----------------------------------------------------------------------------------------------
-# The result
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- The result
 
 
 @dataclass
@@ -303,9 +301,7 @@ class SpikeOrigin(Result):
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# From the trace to the origin
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- From the trace to the origin
 
 _WRITE_COLS = "dim role component block write write_min write_max value_before value_after share".split()
 

@@ -66,9 +66,7 @@ KIND_MIN_QUERIES = 4  # sinking queries a sequence needs for its participation r
 # "holds" in the findings; the tables give the measured numbers.
 REPEATED_TOL = 1e-4
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Moved here from the modules that read them (#38: one owner per fact); each module still exposes its old name.
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------- Moved here from the modules that read them (#38: one owner per fact); each module still exposes its old name.
 
 # Interventions (analysis.causal.conditions, read by interventions and writer_cuts; the module name is K_MAX): alpha is
 # kept for keys 1..INTERVENTION_K_MAX in every intervention pass.

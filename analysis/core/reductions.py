@@ -210,9 +210,7 @@ def top_k_abs(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return v, idx
 
 
-# ----------------------------------------------------------------------------------------------
-# alpha of the first keys from q, k and the rows' log-sum-exp
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------- alpha of the first keys from q, k and the rows' log-sum-exp
 
 
 def hide_scores(scores: torch.Tensor, s: int, e: int, kc: int, mask: Optional[torch.Tensor], fill: float) -> None:

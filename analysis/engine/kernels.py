@@ -42,9 +42,7 @@ class FusedUnsupported(NotImplementedError):
     """The model's attention does something the fused kernels cannot reproduce exactly (the bridge can)."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Kernels: output and log-sum-exp of causal attention
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ Kernels: output and log-sum-exp of causal attention
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -219,9 +217,7 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
     return _reference_attention(query, key, value, mask, scale)
 
 
-# ----------------------------------------------------------------------------------------------
-# What the kernels cannot reproduce
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- What the kernels cannot reproduce
 
 
 def _refuse_extras(module, attention_mask, is_causal, kwargs) -> None:

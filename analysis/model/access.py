@@ -38,9 +38,7 @@ def _text_config(hf: torch.nn.Module):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-# ----------------------------------------------------------------------------------------------
-# The pass engine
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- The pass engine
 
 
 def can_skip_blocks(model: SinkModel) -> bool:
@@ -197,9 +195,7 @@ def hooked_modules(module: torch.nn.Module, *, bridged: bool) -> list[str]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------
-# The analyses
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- The analyses
 
 
 def head_output_weights(model: SinkModel, layer: int) -> torch.Tensor:
@@ -320,9 +316,7 @@ def attention_window(model: SinkModel) -> int | None:
     return None if w is None else int(w)
 
 
-# ----------------------------------------------------------------------------------------------
-# The reference models
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- The reference models
 
 
 def reference_config(model: SinkModel) -> ModelConfig:

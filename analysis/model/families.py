@@ -330,9 +330,7 @@ def _spec_dict(spec) -> dict:
     return {k.lstrip("_"): list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading a model
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Reading a model
 
 
 def _hf_config(model: SinkModel):
@@ -413,9 +411,7 @@ def rotary_base(model: SinkModel) -> float | None:
     return float(base) if base is not None else None
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-head latent attention (DeepSeek-V2 / V3)
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------- Multi-head latent attention (DeepSeek-V2 / V3)
 
 
 def latent_attention(config) -> dict | None:

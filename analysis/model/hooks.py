@@ -547,9 +547,7 @@ def qk_hook_names(model: SinkModel, layer: int, *, rotated: bool = True) -> tupl
     return plain
 
 
-# ----------------------------------------------------------------------------------------------
-# Head layout: KV heads under grouped-query attention
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ Head layout: KV heads under grouped-query attention
 
 
 def kv_view(x: torch.Tensor, n_kv_heads: int, *, dim: int = 2) -> torch.Tensor:

@@ -2,7 +2,8 @@
 caveats as notes, the tables and figures its section declares: ``analysis.core.registry.Section``); a runner here
 lays out a section that does more (a registration names it by dotted path, ``"analysis.report.sections:_sink"``): it
 calls its analysis for a pass of its own, reads several results, or adds the report's own text. They compute no
-number of their own."""
+number of their own. Each runner imports its figures and analysis inside (optional dependencies: what a section whose
+module or matplotlib cannot be imported does is ``build._run_section``'s)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from analysis.report.html import Section, table_html
 
 
 def _sink(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.sink import plot_head_alpha, plot_sink_by_layer, plot_sink_rates
     from analysis.sinks.metric import sink_table, sink_table_text
 
@@ -71,7 +71,6 @@ def _mechanism_tables(ctx, nat, sec: Section) -> None:
 
 
 def _views(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.views import attention_view_html
 
     nat = ctx.profile.sink["natural"]
@@ -87,7 +86,6 @@ def _views(ctx, sec: Section) -> None:
 
 
 def _massive(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.massive import plot_activation_map, plot_spike_dims_by_kind, plot_top_activations
     from analysis.chain.activation_map import activation_map
     from analysis.chain.massive import kinds_text
@@ -131,7 +129,6 @@ def _massive(ctx, sec: Section) -> None:
 def _norm_gain(ctx, sec: Section) -> None:
     import warnings
 
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.norm_gain import plot_constancy, plot_gain_profile, plot_head_attribution, plot_stage_shares
     from analysis.chain.norm_gain import choose_layer, norm_gain_trace
 
@@ -178,7 +175,6 @@ def _norm_gain(ctx, sec: Section) -> None:
 
 
 def _interventions(ctx, sec: Section) -> None:
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures import interventions as figs
     from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
 
@@ -223,7 +219,6 @@ def _interventions(ctx, sec: Section) -> None:
 
 def _positions(ctx, sec: Section) -> None:
     """Every sink, not only the first token: the sink table of the natural probes (``analysis.positions.every_sink``)."""
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.positions import plot_cos_first, plot_later_sink_heads, plot_sink_positions
     from analysis.positions.every_sink import sink_positions
 
@@ -263,7 +258,6 @@ from analysis.core.defaults import REPORT_CONTEXT_TS as CONTEXT_TS  # noqa: E402
 def _context(ctx, sec: Section) -> None:
     """Sink_1 and the later sinks against context length and eps: a cheap range computed here, and the committed
     long-T points of the model where analysis/data/sink_context/ has them."""
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures.positions import plot_sink_vs_context, plot_sink_vs_eps
     from analysis.positions.context_length import committed_sink_context, sink_vs_context
 
@@ -298,7 +292,6 @@ def _committed_text(finding: str, path: str) -> str:
 def _spike_writers(ctx, sec: Section) -> None:
     """Where the spike comes from: the writing and erasing blocks, the writer neurons, why the first token, the cuts
     (all from the profile: its origin and the origin's follow-ups)."""
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.figures import spike_writers as figs
 
     o = ctx.profile.origin
@@ -371,7 +364,6 @@ def _on_subset(found: list[str], k: int, n: int) -> list[str]:
 
 def _dormant(ctx, sec: Section) -> None:
     """What a sink does for its head: sink attention against the head's output norm and loss effect per query."""
-    # lazy, an optional dependency: a section whose module (or matplotlib) cannot be imported is a note (_run_section)
     from analysis.causal.dormant_heads import dormant_heads
     from analysis.causal.head_removal import copy_queries
     from analysis.figures.dormant_heads import plot_head_correlations, plot_sink_vs_norm
