@@ -163,11 +163,6 @@ class QuadraticForm(Result):
     )
 
 
-def _form_matrix(w_out_d: torch.Tensor, W_gate: torch.Tensor, W_up: torch.Tensor) -> torch.Tensor:
-    """A_d = W_gate^T diag(w_out_d) W_up, float64."""
-    return W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())
-
-
 def quadratic_form(
     w_out_d: torch.Tensor,
     W_gate: torch.Tensor,
@@ -200,7 +195,7 @@ def quadratic_form(
     -------
     QuadraticForm
     """
-    S = _form_matrix(w_out_d, W_gate, W_up)
+    S = W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())  # A_d = W_gate^T diag(w_out_d) W_up
     S = (S + S.T) / 2
     lam, V = torch.linalg.eigh(S)
     order = lam.abs().argsort(descending=True)
