@@ -119,10 +119,6 @@ results : dict
 """
 
 
-def _kind(self) -> str:
-    return self.main
-
-
 def _results(self) -> dict:
     """Every result with a text, by name ("sink/natural", "massive/random", "key_manifold", ...)."""
     out = {f"{name}/{k}": r for name in self._by_kind for k, r in getattr(self, name).items()}
@@ -162,7 +158,7 @@ def _profile_type(chosen: tuple[Analysis, ...], base: type = Result) -> type:
         "_by_kind": [a.name for a in chosen if a.every_kind],
         "_main": [a.name for a in chosen if not a.every_kind and not a.product],
         "_tables_of": {a.name: a.table for a in chosen if a.table is not None},
-        "kind": property(_kind),
+        "kind": property(lambda self: self.main),  # the input kind: the main one
         "results": property(_results),
         "tables": property(_tables),
         "findings": _findings,

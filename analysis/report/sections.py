@@ -18,6 +18,7 @@ from analysis.report.html import Section, table_html
 
 
 def _sink(ctx, sec: Section) -> None:
+    # lazy: an optional dependency (the module docstring says what a missing one does)
     from analysis.figures.sink import plot_head_alpha, plot_sink_by_layer, plot_sink_rates
     from analysis.sinks.metric import sink_table, sink_table_text
 
@@ -71,7 +72,7 @@ def _mechanism_tables(ctx, nat, sec: Section) -> None:
 
 
 def _views(ctx, sec: Section) -> None:
-    from analysis.figures.views import attention_view_html
+    from analysis.figures.views import attention_view_html  # lazy: optional (module doc)
 
     nat = ctx.profile.sink["natural"]
     per_layer = nat.per_layer(1).set_index("layer")
@@ -86,6 +87,7 @@ def _views(ctx, sec: Section) -> None:
 
 
 def _massive(ctx, sec: Section) -> None:
+    # lazy: an optional dependency (the module docstring says what a missing one does)
     from analysis.figures.massive import plot_activation_map, plot_spike_dims_by_kind, plot_top_activations
     from analysis.chain.activation_map import activation_map
     from analysis.chain.massive import kinds_text
@@ -129,6 +131,7 @@ def _massive(ctx, sec: Section) -> None:
 def _norm_gain(ctx, sec: Section) -> None:
     import warnings
 
+    # lazy: an optional dependency (the module docstring says what a missing one does)
     from analysis.figures.norm_gain import plot_constancy, plot_gain_profile, plot_head_attribution, plot_stage_shares
     from analysis.chain.norm_gain import choose_layer, norm_gain_trace
 
@@ -175,7 +178,7 @@ def _norm_gain(ctx, sec: Section) -> None:
 
 
 def _interventions(ctx, sec: Section) -> None:
-    from analysis.figures import interventions as figs
+    from analysis.figures import interventions as figs  # lazy: optional (module doc)
     from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
 
     ma, kw = ctx.massive, {"batch_size": ctx.batch_size, "eps": ctx.eps}  # the report's eps, as its baseline's
@@ -219,6 +222,7 @@ def _interventions(ctx, sec: Section) -> None:
 
 def _positions(ctx, sec: Section) -> None:
     """Every sink, not only the first token: the sink table of the natural probes (``analysis.positions.every_sink``)."""
+    # lazy: an optional dependency (the module docstring says what a missing one does)
     from analysis.figures.positions import plot_cos_first, plot_later_sink_heads, plot_sink_positions
     from analysis.positions.every_sink import sink_positions
 
@@ -258,7 +262,7 @@ from analysis.core.defaults import REPORT_CONTEXT_TS as CONTEXT_TS  # noqa: E402
 def _context(ctx, sec: Section) -> None:
     """Sink_1 and the later sinks against context length and eps: a cheap range computed here, and the committed
     long-T points of the model where analysis/data/sink_context/ has them."""
-    from analysis.figures.positions import plot_sink_vs_context, plot_sink_vs_eps
+    from analysis.figures.positions import plot_sink_vs_context, plot_sink_vs_eps  # lazy: optional (module doc)
     from analysis.positions.context_length import committed_sink_context, sink_vs_context
 
     if getattr(ctx.model, "tokenizer", None) is None:
@@ -292,7 +296,7 @@ def _committed_text(finding: str, path: str) -> str:
 def _spike_writers(ctx, sec: Section) -> None:
     """Where the spike comes from: the writing and erasing blocks, the writer neurons, why the first token, the cuts
     (all from the profile: its origin and the origin's follow-ups)."""
-    from analysis.figures import spike_writers as figs
+    from analysis.figures import spike_writers as figs  # lazy: optional (module doc)
 
     o = ctx.profile.origin
     sec.data = {"origin": o.to_dict(), "writers": writer_summary(o)}
@@ -364,7 +368,7 @@ def _on_subset(found: list[str], k: int, n: int) -> list[str]:
 
 def _dormant(ctx, sec: Section) -> None:
     """What a sink does for its head: sink attention against the head's output norm and loss effect per query."""
-    from analysis.causal.dormant_heads import dormant_heads
+    from analysis.causal.dormant_heads import dormant_heads  # lazy: optional (module doc)
     from analysis.causal.head_removal import copy_queries
     from analysis.figures.dormant_heads import plot_head_correlations, plot_sink_vs_norm
 
