@@ -197,8 +197,10 @@ class NnsightModel:
         NnsightUnsupported where this family's layer has no such module."""
         path, side = BLOCK_SITES[name]
         env = self.decoder_layers()[layer]
-        if name in _POST_NORMED and hasattr(env._module, "pre_feedforward_layernorm"):
+        if name in _POST_NORMED and hasattr(env._module, "post_feedforward_layernorm"):
             path = _POST_NORMED[name]
+            if name == "hook_resid_mid" and not hasattr(env._module, path):  # OLMo-2: no norm before the MLP
+                path, side = BLOCK_SITES["mlp.hook_in"]
         for part in path.split(".") if path else ():
             if not hasattr(env._module, part):
                 raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {path} module, where {name} is.")
@@ -225,7 +227,7 @@ class NnsightModel:
         """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
         "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
         where the layer has none."""
-        post = hasattr(self.decoder_layers()[layer]._module, "pre_feedforward_layernorm")
+        post = hasattr(self.decoder_layers()[layer]._module, "post_feedforward_layernorm")  # Gemma 2/3, OLMo-2
         path = {"ln1": "input_layernorm", "mlp": "mlp"}.get(name) or (
             {"ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"} if post else {}
         ).get(name, "post_attention_layernorm" if name == "ln2" else None)
@@ -281,8 +283,9 @@ BLOCK_SITES = {
     "hook_mlp_out": ("mlp", "output"),
     "hook_resid_post": ("", "output"),
 }
-# A layer that normalises each write before adding it (Gemma 2/3): its writes are these norms' outputs, and the stream
-# between attention and MLP enters the MLP's own input norm.
+# A layer that normalises each write before adding it (Gemma 2/3, OLMo-2: it has ``post_feedforward_layernorm``): its
+# writes are these norms' outputs, and the stream between attention and MLP enters the MLP's own input norm (Gemma) or
+# the MLP itself (OLMo-2).
 _POST_NORMED = {
     "hook_attn_out": "post_attention_layernorm",
     "hook_resid_mid": "pre_feedforward_layernorm",
@@ -355,6 +358,7 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     moe = tuple(l for l in range(s.n_layers) if hasattr(layers[l]._module.mlp, "experts"))
     dense = [l for l in range(s.n_layers) if l not in moe and hasattr(layers[l]._module.mlp, "gate_proj")]
     out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
+    in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
     return MlpSpec(
         family=s.family,
         kind="gated" if dense else ("moe" if moe else "none"),
@@ -362,8 +366,8 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         d_mlp=int(s.d_mlp) if dense else None,
         parallel=False,
         input_resid="resid_mid",
-        input_norm=_probe(model.block_module(dense[0], "ln2"), model) if dense else None,
-        input_norm_module="ln2" if dense else None,
+        input_norm=in_norm,
+        input_norm_module="ln2" if in_norm else None,
         output="post_norm" if out_norm else "add",
         output_scale=1.0,
         output_norm=out_norm,

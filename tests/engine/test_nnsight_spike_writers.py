@@ -28,7 +28,11 @@ from analysis.model.nnsight_model import wrap_nnsight  # noqa: E402
 from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens, here_and_there  # noqa: E402
 from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 
-FAMILIES = ["llama", "gemma2"]  # a plain block, and one whose writes pass a norm before they add
+FAMILIES = [
+    "llama",
+    "gemma2",
+    "olmo2",
+]  # a plain block; writes through a norm before they add: with one before the MLP (Gemma 2) and without (OLMo-2)
 HOOKS = ("neuron_hook", "gate_hook", "up_hook")  # the bridge's canonical names; nnsight's are their aliases
 
 
@@ -37,7 +41,8 @@ def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, fa
     bridge, nn = family_bridge(family), load_nnsight(str(family_dir(family)))
     want, got = get_mlp(bridge).to_dict(), get_mlp(nn).to_dict()
     assert {k: v for k, v in got.items() if k not in HOOKS} == {k: v for k, v in want.items() if k not in HOOKS}
-    assert got["kind"] == "gated" and got["input_norm"]["module"]  # measured, not defaulted
+    measured = got["output_norm"] if family == "olmo2" else got["input_norm"]  # OLMo-2: no norm before the MLP
+    assert got["kind"] == "gated" and measured["module"]  # measured, not defaulted
     for layer in (0, 1):
         w, g = mlp_weights(bridge, layer), mlp_weights(nn, layer)
         for name, x in vars(w).items():
