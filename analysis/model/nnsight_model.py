@@ -197,6 +197,12 @@ class NnsightModel:
         NnsightUnsupported where this family's layer has no such module."""
         path, side = BLOCK_SITES[name]
         env = self.decoder_layers()[layer]
+        scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
+        if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
+            raise NnsightUnsupported(
+                f"{self.spec.family} scales each write by {scale:g} as it adds it, and no module outputs the scaled "
+                f"write ({name}): run this on the bridge (--backend transformer_lens)."
+            )
         if name in _POST_NORMED and hasattr(env._module, "post_feedforward_layernorm"):
             path = _POST_NORMED[name]
             if name == "hook_resid_mid" and not hasattr(env._module, path):  # OLMo-2: no norm before the MLP
@@ -359,6 +365,8 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     dense = [l for l in range(s.n_layers) if l not in moe and hasattr(layers[l]._module.mlp, "gate_proj")]
     out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
     in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
+    cfg = model.hf.config.get_text_config()
+    scale = float(getattr(cfg, "residual_multiplier", None) or 1.0)  # Granite: each write scaled before it adds
     return MlpSpec(
         family=s.family,
         kind="gated" if dense else ("moe" if moe else "none"),
@@ -368,8 +376,8 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         input_resid="resid_mid",
         input_norm=in_norm,
         input_norm_module="ln2" if in_norm else None,
-        output="post_norm" if out_norm else "add",
-        output_scale=1.0,
+        output="post_norm" if out_norm else ("scaled" if scale != 1.0 else "add"),
+        output_scale=scale,
         output_norm=out_norm,
         output_norm_module="ln2_post" if out_norm else None,
         additive=True,

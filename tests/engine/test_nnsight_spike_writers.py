@@ -28,19 +28,20 @@ from analysis.model.nnsight_model import wrap_nnsight  # noqa: E402
 from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens, here_and_there  # noqa: E402
 from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 
-FAMILIES = [
-    "llama",
-    "gemma2",
-    "olmo2",
-]  # a plain block; writes through a norm before they add: with one before the MLP (Gemma 2) and without (OLMo-2)
+# a plain block; writes through a norm before they add, with a norm before the MLP (Gemma 2) and without (OLMo-2);
+# writes scaled by a residual multiplier (Granite: its spec only; its tiny random model names no writer neurons)
+FAMILIES = ["llama", "gemma2", "olmo2"]
 HOOKS = ("neuron_hook", "gate_hook", "up_hook")  # the bridge's canonical names; nnsight's are their aliases
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "granite"])
 def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, family_bridge, family_dir):
     bridge, nn = family_bridge(family), load_nnsight(str(family_dir(family)))
     want, got = get_mlp(bridge).to_dict(), get_mlp(nn).to_dict()
-    assert {k: v for k, v in got.items() if k not in HOOKS} == {k: v for k, v in want.items() if k not in HOOKS}
+    # to 1e-5: the bridge measures Granite's residual multiplier (0.22000001), nnsight reads its config (0.22)
+    assert not _same(
+        {k: v for k, v in got.items() if k not in HOOKS}, {k: v for k, v in want.items() if k not in HOOKS}
+    )
     measured = got["output_norm"] if family == "olmo2" else got["input_norm"]  # OLMo-2: no norm before the MLP
     assert got["kind"] == "gated" and measured["module"]  # measured, not defaulted
     for layer in (0, 1):
@@ -137,3 +138,12 @@ class _Dims(Accumulator):
 
     def result(self):
         return None
+
+
+def test_a_family_that_scales_its_writes_is_refused_before_the_trace(family_dir):
+    """Granite adds each write times its residual multiplier, which no module outputs: the origin is refused through
+    nnsight, with the reason, before any trace (its bridge hooks hold the scaled writes)."""
+    from analysis.model.nnsight_model import NnsightUnsupported
+
+    with pytest.raises(NnsightUnsupported, match="scales each write by 0.22"):
+        spike_origin(load_nnsight(str(family_dir("granite"))), _tokens(n=2, T=12), abs_threshold=0.0)
