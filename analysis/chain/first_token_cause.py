@@ -65,17 +65,16 @@ class _Readout:
 
 def _readout(model, dim: int, block: int, neurons: list[int]) -> _Readout:
     spec = get_mlp(model)
-    W = mlp_weights(model, block)
+    W = mlp_weights(model, block, neurons=neurons)  # their rows only (all a model held on NDIF sends)
     norm = _input_norm(model, block)
     rows, consts, factors = [], [], []
-    for f, (M, b) in (
+    for f, (w, b) in (
         {"gate": (W.W_gate, W.b_gate), "up": (W.W_in, W.b_in)} if spec.kind == "gated" else {"pre": (W.W_in, W.b_in)}
     ).items():
-        w = M[neurons]  # (n, D)
         wg = w * norm.gain if norm.kind != "none" else w
         rows.append(wg - wg.mean(-1, keepdim=True) if norm.kind == "LN" else wg)
         c = w @ norm.b if norm.b is not None else torch.zeros(len(neurons))
-        consts.append(c + (b[neurons] if b is not None else 0))
+        consts.append(c + (b if b is not None else 0))
         factors.append(f)
     return _Readout(dim, block, list(neurons), factors, torch.cat(rows).T.contiguous(), torch.cat(consts), norm)
 

@@ -259,15 +259,16 @@ class ExpertWrites(Result):
     json_fields = ("dim", "block", "role", "write", "experts=table")
 
 
-def _out_factor(model, block: int, W, act: torch.Tensor, dim: int):
+def _out_factor(model, block: int, act: torch.Tensor, dim: int):
     """(factor (N,), w_out (d_mlp,), constant (N,)): how neuron n's a_n reaches the stream on ``dim``, with the
     output norm's scale held at its value for each sample (exact for the write: sum_n factor a_n w_out[n] +
-    constant = the MLP's write)."""
+    constant = the MLP's write). Without an output norm only W_out's row ``dim`` is read (all a model on NDIF sends)."""
     spec = get_mlp(model)
+    W = mlp_weights(model, block, dims=None if spec.output == "post_norm" else [dim])
     b = W.b_out if W.b_out is not None else torch.zeros(W.W_out.shape[0])
     if spec.output != "post_norm":
         k = torch.full((act.shape[0],), float(spec.output_scale))
-        return k, W.W_out[dim], k * float(b[dim])
+        return k, W.W_out[0], k * float(b[0])
     mod = block_norm(model, block, spec.output_norm_module)
     w, nb = norm_weights(mod)
     ns = spec.output_norm
@@ -301,9 +302,8 @@ def mlp_neurons(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, 
     MlpNeurons
     """
     spec = get_mlp(model)
-    W = mlp_weights(model, block)
     a = trace.act_first[block]
-    k, w_out, const = _out_factor(model, block, W, a, dim)
+    k, w_out, const = _out_factor(model, block, a, dim)
     contrib = k[:, None] * a * w_out[None]
     gated = spec.kind == "gated"
     return MlpNeurons(

@@ -195,26 +195,39 @@ def quadratic_form(
     -------
     QuadraticForm
     """
-    S = W_gate.double().T @ (w_out_d.double()[:, None] * W_up.double())  # A_d = W_gate^T diag(w_out_d) W_up
-    S = (S + S.T) / 2
+    lam, cos, share, form = form_spectrum({}, w_out_d=w_out_d, W_gate=W_gate, W_up=W_up, x=x, top=top)
+    return QuadraticForm(int(dim), int(block), lam, cos, share, float(form), float(write), n_samples=int(x.shape[0]))
+
+
+def form_spectrum(acts, *, w_out_d, W_gate, W_up, x, top: int = 3) -> tuple:
+    """:func:`quadratic_form`'s measures, torch only (a remote trace ships it as a reduction of no activations, so
+    W_gate and W_up stay on NDIF): A_d summed in float64 over chunks of d_model neurons (no chunk outweighs S).
+
+    Parameters
+    ----------
+    acts : dict
+        Unused (a reduction's activations).
+    w_out_d, W_gate, W_up, x, top
+        As in :func:`quadratic_form`.
+
+    Returns
+    -------
+    tuple
+        (eigenvalues by decreasing magnitude, mean |cos| and form share of the top ones, mean x^T S_d x).
+    """
+    c, dev = W_up.shape[1], W_up.device
+    w = w_out_d.double().to(dev)
+    S = sum(W_gate[i : i + c].double().T @ (w[i : i + c, None] * W_up[i : i + c].double()) for i in range(0, len(w), c))
+    S = (S + S.T) / 2  # A_d = W_gate^T diag(w_out_d) W_up, symmetrised
     lam, V = torch.linalg.eigh(S)
     order = lam.abs().argsort(descending=True)
     lam, V = lam[order], V[:, order]
     k = min(int(top), lam.numel())
-    xd = x.double()
+    xd = x.double().to(dev)
     proj = xd @ V[:, :k]  # (N, k)
     cos = (proj.abs() / xd.norm(dim=-1, keepdim=True).clamp_min(TINY)).mean(0)
     form = ((xd @ S) * xd).sum(-1)  # (N,)
     share = (
         lam[:k] * proj**2 / form[:, None].where(form[:, None].abs() > TINY, torch.full_like(form[:, None], TINY))
     ).mean(0)
-    return QuadraticForm(
-        int(dim),
-        int(block),
-        lam.float(),
-        cos.float(),
-        share.float(),
-        float(form.mean()),
-        float(write),
-        n_samples=int(x.shape[0]),
-    )
+    return lam.float(), cos.float(), share.float(), form.mean()

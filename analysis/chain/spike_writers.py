@@ -48,8 +48,10 @@ from analysis.model.mlp_spec import get_mlp, mlp_weights
 from analysis.model.hooks import check_dims, check_tokens, model_dims
 from analysis.core.io import jsonable
 from analysis.chain.massive import massive_accumulator
-from analysis.engine.passes import run_pass
-from analysis.chain.quadratic_form import quadratic_form
+from analysis.engine import remote
+from analysis.engine.passes import Reduction, run_pass
+from analysis.chain.quadratic_form import QuadraticForm, form_spectrum, quadratic_form
+from analysis.model.nnsight_model import TraceWeight, weights_in_trace
 from analysis.core.results import Result
 from analysis.chain.first_token_trace import FirstTokenTrace, SpikeOriginAccumulator
 from analysis.chain.mlp_neurons import MlpNeurons, mlp_neurons, moe_experts
@@ -488,10 +490,7 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
         n = mlp_neurons(model, tr, dim, block, role=role)
         out.neurons.append(n)
         if role == "writer" and spec.kind == "gated":
-            W = mlp_weights(model, block)
-            out.quadratic.append(
-                quadratic_form(n.w_out, W.W_gate, W.W_in, tr.mlp_in[block], dim=dim, block=block, write=n.mean_write)
-            )
+            out.quadratic.append(_quadratic(model, n, tr.mlp_in[block]))
         elif role == "writer":
             out.notes.append(
                 f"MLP {block} is a plain ({spec.activation}) MLP: each neuron is act(w_in . x), not a product "
@@ -504,6 +503,18 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
             out.notes.append(f"MLP {block} is a mixture of experts whose experts could not be run one by one ({e}).")
     else:
         out.notes.append(f"MLP {block}'s neurons are not readable in this {spec.family} model ({spec.kind} MLP).")
+
+
+def _quadratic(model, n: MlpNeurons, x: torch.Tensor) -> QuadraticForm:
+    """A writer block's quadratic form (``x``: its first-token MLP input); through nnsight its spectrum is taken in a
+    trace (``form_spectrum``, W_gate and W_up read there as TraceWeights): from NDIF only the spectrum comes back."""
+    if not weights_in_trace(model):
+        W = mlp_weights(model, n.block)
+        return quadratic_form(n.w_out, W.W_gate, W.W_in, x, dim=n.dim, block=n.block, write=n.mean_write)
+    ws = {"W_gate": TraceWeight("mlp.W_gate", n.block), "W_up": TraceWeight("mlp.W_in", n.block)}
+    job = [(n.block, None, frozenset(), [(0, Reduction(form_spectrum, {"w_out_d": n.w_out, "x": x, **ws}), {})])]
+    lam, cos, share, form = remote.trace_batch(model, torch.zeros(1, 1, dtype=torch.long), job)[0][2]
+    return QuadraticForm(n.dim, n.block, lam, cos, share, float(form), float(n.mean_write), n_samples=len(x))
 
 
 @parameters_from(model_tokens)

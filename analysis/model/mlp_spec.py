@@ -62,6 +62,14 @@ class MlpWeights:
     W_gate: torch.Tensor | None  # (d_mlp, d_model), gated MLPs only
     b_gate: torch.Tensor | None  # (d_mlp,)
 
+    def select(self, neurons=None, dims=None) -> MlpWeights:
+        """These weights restricted to ``neurons`` (rows of W_in and W_gate, their biases, W_out's columns) and to the
+        residual ``dims`` (W_out's rows, b_out; dims alone: those only, W_in and W_gate None); None keeps all."""
+        n, d = (slice(None) if i is None else list(i) for i in (neurons, dims))
+        cut = lambda t, i: None if t is None or (neurons is None and dims is not None) else t[i]  # noqa: E731
+        ins = [cut(t, n) for t in (self.W_in, self.b_in, self.W_gate, self.b_gate)]
+        return MlpWeights(self.layer, self.W_out[d][:, n], None if self.b_out is None else self.b_out[d], *ins)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MlpSpec:
@@ -361,7 +369,7 @@ def mlp_projections(mlp) -> dict:
 
 
 @reads_block_weights
-def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
+def mlp_weights(model: SinkModel, layer: int, *, neurons=None, dims=None) -> MlpWeights:
     """The weights of a block's dense MLP, read from the bridge's out / in / gate projections (their orientation
     measured) or the reference model's W_in / W_gate / W_out.
 
@@ -370,13 +378,17 @@ def mlp_weights(model: SinkModel, layer: int) -> MlpWeights:
     model : SinkModel
     layer : int
         A block with a dense MLP (ValueError, saying why, otherwise).
+    neurons, dims : sequence of int, optional
+        Only these neurons and residual dims (:meth:`MlpWeights.select`): all that a model held on NDIF reads.
 
     Returns
     -------
     MlpWeights
     """
     if hasattr(model, "block_module"):  # no bridge blocks (NnsightModel): it reads its Hugging Face modules
-        return model.mlp_weights(layer)
+        return model.mlp_weights(layer, neurons=neurons, dims=dims)
+    if neurons is not None or dims is not None:
+        return mlp_weights.__wrapped__(model, layer).select(neurons, dims)
     spec = get_mlp(model)
     layer = spec.check_layer(layer, int(model.cfg.n_layers))
     if not spec.has_neurons(layer):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from analysis.model.contract import SinkModel
 from analysis.model import families
 from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
@@ -36,7 +38,7 @@ class TraceWeight:
     name : str
         "W_O": the per-head output weights (H, d_head, d_model); the key path's (``KeyPath.in_trace``): "ln1.w",
         "ln1.b" (the attention input's norm), "W_K" (H_kv, d_model, d_head), "b_K" (H_kv, d_head), "k_norm.w",
-        "k_norm.b".
+        "k_norm.b"; the quadratic form's "mlp.W_gate", "mlp.W_in" (d_mlp, d_model).
     layer : int
     shape : tuple of int, optional
         Its shape, for a dry run's stand-in (``analysis.engine.remote``).
@@ -237,29 +239,61 @@ class NnsightModel:
         path = {"ln1": "input_layernorm", "mlp": "mlp"}.get(name) or (
             {"ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"} if post else {}
         ).get(name, "post_attention_layernorm" if name == "ln2" else None)
-        return getattr(self.decoder_layers()[layer]._module, path, None) if path else None
+        mod = getattr(self.decoder_layers()[layer]._module, path, None) if path else None
+        if self.remote and name != "mlp" and mod is not None and any(p.is_meta for p in mod.parameters()):
+            every = slice(None)  # a model held on NDIF: the norm's parameters read there, once, into its module here
+            got = self.read_in_trace(
+                [(getattr(self.decoder_layers()[layer], path), k, every, every) for k, _ in mod.named_parameters()]
+            )
+            for p, t in zip(mod.to_empty(device="cpu").parameters(), got):
+                p.data.copy_(t)
+        return mod
 
-    def mlp_weights(self, layer: int) -> MlpWeights:
+    def mlp_weights(self, layer: int, *, neurons=None, dims=None) -> MlpWeights:
         """Layer ``layer``'s gated MLP weights (``gate_proj``, ``up_proj``, ``down_proj``) as the bridge's
-        ``mlp_weights`` gives them (float32, CPU); NnsightUnsupported where they are on NDIF (a meta-device model)
-        or the layer has no such MLP."""
+        ``mlp_weights`` gives them (float32, CPU), restricted to ``neurons`` and ``dims`` (``MlpWeights.select``).
+        Where they are on NDIF (a meta-device model) only those slices are read, in one trace there
+        (:meth:`read_in_trace`); NnsightUnsupported for a whole weight there, or a layer with no such MLP."""
         mlp = self.block_module(layer, "mlp")
         lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(m is None for m in lins) or layer in self.mlp_spec.moe_layers:
             raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
-        if lins[0].weight.is_meta:
+        meta, env, every = lins[0].weight.is_meta, self.decoder_layers()[layer].mlp, slice(None)
+        if meta and neurons is None and dims is None:
             raise NnsightUnsupported(
-                f"{self.model_name}'s MLP weights are on NDIF: the writer neurons' weights are read here (run the "
-                "spike writers on a model loaded here)."
+                f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
+                "layer, neurons=..., dims=...)), never a whole weight."
             )
+        n, d = (every if i is None else list(i) for i in (neurons, dims))
+        # (envoy, parameter, rows, then columns): W_out, b_out, then W_in, b_in, W_gate, b_gate unless dims alone
+        reads = [(env.down_proj, "weight", d, (every, n)), (env.down_proj, "bias", d, every)]
+        reads += [(e, a, n, every) for e in (env.up_proj, env.gate_proj) for a in ("weight", "bias")]
+        reads = reads[: 2 if dims is not None and neurons is None else 6]
+        have = [getattr(e._module, a) is not None for e, a, _, _ in reads]
+        todo = [r for r, h in zip(reads, have) if h]
+        got = iter(self.read_in_trace(todo) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in todo])
+        t = [next(got).detach().float().cpu() if h else None for h in have] + [None] * (6 - len(have))
+        b = [x if x is not None and bool(x.abs().max() > 0) else None for x in t[1::2]]
+        return MlpWeights(int(layer), t[0], b[0], t[2], b[1], t[4], b[2])
 
-        def read(lin):
-            b = lin.bias
-            b = b.detach().float().cpu() if b is not None and bool(b.abs().max() > 0) else None
-            return lin.weight.detach().float().cpu(), b
+    def read_in_trace(self, reads) -> list:
+        """Parameter slices read where the model runs, in one trace of one token: on NDIF (``remote``) only the
+        slices come back, never the weights.
 
-        (W_gate, b_gate), (W_in, b_in), (W_out, b_out) = map(read, lins)
-        return MlpWeights(int(layer), W_out, b_out, W_in, b_in, W_gate, b_gate)
+        Parameters
+        ----------
+        reads : list of (envoy, str, index, index)
+            A module's envoy, its parameter's name, the rows to take, then the index into those.
+
+        Returns
+        -------
+        list of torch.Tensor
+        """
+        import nnsight  # optional: the "remote" extra
+
+        with torch.no_grad(), self.lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, remote=self.remote):
+            got = nnsight.save([getattr(e, a)[i][j] for e, a, i, j in reads])
+        return list(got)
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
@@ -307,6 +341,8 @@ _WEIGHTS = {
     "ln1.b": ("input_layernorm", "bias"),
     "k_norm.w": ("self_attn.k_norm", "weight"),
     "k_norm.b": ("self_attn.k_norm", "bias"),
+    "mlp.W_gate": ("mlp.gate_proj", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
+    "mlp.W_in": ("mlp.up_proj", "weight"),
 }
 
 
