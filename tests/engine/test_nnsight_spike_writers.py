@@ -24,8 +24,9 @@ from analysis.engine import remote  # noqa: E402
 from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.model.mlp_spec import get_mlp, mlp_weights  # noqa: E402
-from analysis.model.nnsight_model import wrap_nnsight  # noqa: E402
-from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens, here_and_there  # noqa: E402
+from analysis.model.nnsight_model import NnsightUnsupported, wrap_nnsight  # noqa: E402
+from tests.engine.test_nnsight import NDIF_ALLOWED, _as_if_pip_installed, _reached, _same, _tokens  # noqa: E402
+from tests.engine.test_nnsight import here_and_there  # noqa: E402
 from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 
 # a plain block; writes through a norm before they add, with a norm before the MLP (Gemma 2) and without (OLMo-2);
@@ -44,11 +45,18 @@ def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, fa
     )
     measured = got["output_norm"] if family == "olmo2" else got["input_norm"]  # OLMo-2: no norm before the MLP
     assert got["kind"] == "gated" and measured["module"]  # measured, not defaulted
-    for layer in (0, 1):
-        w, g = mlp_weights(bridge, layer), mlp_weights(nn, layer)
-        for name, x in vars(w).items():
-            y = getattr(g, name)
-            assert y == x if not isinstance(x, torch.Tensor) else torch.equal(y, x), name
+    for layer, sel in [(0, {}), (1, {}), *((1, s) for s in SLICES)]:
+        _equal(mlp_weights(nn, layer, **sel), mlp_weights(bridge, layer, **sel))
+
+
+SLICES = ({"neurons": [3, 1]}, {"dims": [0, 5]}, {"neurons": [2], "dims": [4, 0]})  # what the spike writers read
+
+
+def _equal(got, want):
+    """Two MlpWeights hold the same tensors, exactly (or both None)."""
+    for name, x in vars(want).items():
+        y = getattr(got, name)
+        assert y == x if not isinstance(x, torch.Tensor) else torch.equal(y, x), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -56,18 +64,71 @@ def test_the_spike_writers_of_an_nnsight_model_equal_the_bridges(family, family_
     """The section's results (origin, writers, first-token cause, writer cuts), their passes in nnsight traces:
     low thresholds name spike dims and writer neurons in the tiny random models, so every step runs."""
     bridge, nn, tokens = family_bridge(family), load_nnsight(str(family_dir(family))), _tokens(n=2, T=12)
-    got = {}
-    for m in (bridge, nn):
-        i = m is nn
-        o = spike_origin(m, tokens, abs_threshold=0.0, ratio_threshold=2.0)
-        cuts = spike_cuts(m, tokens, o, n_random=1, roles=("writers",), eps=0.1)
-        got[i] = {"origin": o.to_dict(), "writers": writer_summary(o), "cause": why_first_token(m, tokens, o).to_dict()}
-        got[i]["cuts"], got[i]["n"] = cuts.to_dict(), (len(o.neurons), len(o.quadratic), len(cuts.conditions))
-    want, have = (json.loads(json.dumps(got[m], default=str)) for m in (False, True))
+    want, have = (_section(m, tokens)[0] for m in (bridge, nn))
     assert min(want["n"]) > 0 and have["n"] == want["n"]  # neurons, quadratic forms and cut conditions ran
     assert not _same(have, want)
-    cut = pd.DataFrame(got[True]["cuts"]["conditions"])
+    cut = pd.DataFrame(have["cuts"]["conditions"])
     assert (cut.delta_loss.abs() > 0).any()  # the neurons set in the traces change the model
+
+
+def _section(m, tokens) -> tuple[dict, object]:
+    """The section's steps on ``m`` (low thresholds name spike dims and writer neurons in the tiny random models, so
+    every step runs): (their results as JSON, the origin)."""
+    o = spike_origin(m, tokens, abs_threshold=0.0, ratio_threshold=2.0)
+    cuts = spike_cuts(m, tokens, o, n_random=1, roles=("writers",), eps=0.1)
+    got = {"origin": o.to_dict(), "writers": writer_summary(o), "cause": why_first_token(m, tokens, o).to_dict()}
+    got["cuts"], got["n"] = cuts.to_dict(), (len(o.neurons), len(o.quadratic), len(cuts.conditions))
+    return json.loads(json.dumps(got, default=str)), o
+
+
+def test_the_spike_writers_of_a_model_held_on_ndif_equal_a_local_ones(family_dir, monkeypatch):
+    """A model as NDIF holds it (``remote_meta_model``: meta-device weights here), its traces run in nnsight's
+    simulation of a remote run on the real weights, put in only while one runs (the server's model): the slices
+    ``mlp_weights`` reads there equal the local weights exactly and a whole weight is refused; the section's origin,
+    writer table, quadratic forms, first-token cause and writer cuts equal those of the model loaded here. About
+    10 s."""
+    here, nn, tokens = (*(load_nnsight(str(family_dir("llama"))) for _ in "ab"), _tokens(n=2, T=12))
+    want, o = _section(here, tokens)
+    restore = _held_on_ndif(nn, monkeypatch)
+    try:
+        assert all(p.is_meta for p in nn.hf.parameters())
+        with pytest.raises(NnsightUnsupported, match="never a whole weight"):
+            mlp_weights(nn, 1)
+        for sel in SLICES:
+            _equal(mlp_weights(nn, 1, **sel), mlp_weights(here, 1, **sel))
+        have, p = _section(nn, tokens)
+    finally:
+        restore()
+    assert min(want["n"]) > 0 and have["n"] == want["n"] and not _same(have, want)
+    for a, b in zip(p.quadratic + p.neurons, o.quadratic + o.neurons):  # the tensors too, to 1e-5
+        assert all(torch.allclose(x, getattr(b, k), atol=1e-5) for k, x in vars(a).items() if torch.is_tensor(x))
+
+
+def _held_on_ndif(nn, monkeypatch):
+    """Hold ``nn`` as NDIF does: meta-device parameters here, the real ones in the model only while nnsight's
+    simulation of a remote run (this package hidden: ``_as_if_pip_installed``) runs a trace; its traces go there."""
+    from nnsight.intervention.backends.local import LocalSimulationBackend
+
+    real = dict(nn.hf.named_parameters(remove_duplicate=False))
+    meta = {n: torch.nn.Parameter(p.detach().to("meta"), requires_grad=False) for n, p in real.items()}
+
+    def put(params):
+        for name, p in params.items():
+            mod, _, leaf = name.rpartition(".")
+            nn.hf.get_submodule(mod)._parameters[leaf] = p
+
+    def there(backend, tracer, run=LocalSimulationBackend.__call__):
+        put(real)
+        try:
+            return run(backend, tracer)
+        finally:
+            put(meta)
+
+    monkeypatch.setattr(LocalSimulationBackend, "__call__", there)
+    trace, nn.remote = nn.lm.trace, True
+    object.__setattr__(nn.lm, "trace", lambda *a, remote=None, **k: trace(*a, remote="local", **k))
+    put(meta)
+    return _as_if_pip_installed(monkeypatch)
 
 
 def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monkeypatch):
@@ -143,7 +204,5 @@ class _Dims(Accumulator):
 def test_a_family_that_scales_its_writes_is_refused_before_the_trace(family_dir):
     """Granite adds each write times its residual multiplier, which no module outputs: the origin is refused through
     nnsight, with the reason, before any trace (its bridge hooks hold the scaled writes)."""
-    from analysis.model.nnsight_model import NnsightUnsupported
-
     with pytest.raises(NnsightUnsupported, match="scales each write by 0.22"):
         spike_origin(load_nnsight(str(family_dir("granite"))), _tokens(n=2, T=12), abs_threshold=0.0)
