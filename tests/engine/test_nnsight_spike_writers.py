@@ -163,26 +163,45 @@ def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monk
 
 def test_the_spike_writer_reads_of_llama_405b_fit_ndifs_requests(capsys):
     """The origin's reads on the meta device (each block's first-token stream, writes, MLP input and 53,248
-    neurons, and the other tokens' sums) cut into requests under NDIF's limit."""
+    neurons, and the other tokens' sums) cut into requests under NDIF's limit; the first-token cause's (two dims'
+    writers at block 3, 8 neurons each) and a writer cut's (one condition of 32 sequences, the spike dims read from
+    block 1 on) are sized the same way."""
     from transformers import AutoModelForCausalLM
 
+    from analysis.causal.conditions import PassAccumulator
+    from analysis.causal.writer_cuts import _SpikeValues
+    from analysis.chain.first_token_cause import _Readout
+    from analysis.model.key_path import NormParams
     from tests.families import word_tokenizer
 
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(llama_405b_config())
     nn = wrap_nnsight(hf, tokenizer=word_tokenizer(), name="meta-llama/Llama-3.1-405B")
     assert get_mlp(nn).d_mlp == 53248 and get_mlp(nn).kind == "gated"
-    tokens = _tokens(n=32, T=64)
-    plan = remote.pass_plan(nn, [SpikeOriginAccumulator(nn)])
-    per, fixed = remote.reduction_bytes(nn, tokens, plan)
-    req = remote.plan_requests(32, [p[0] for p in plan], per=per, fixed=fixed)
-    assert req.bytes_per_request < remote.REQUEST_LIMIT_BYTES < req.bytes_total
-    with capsys.disabled():
-        print(
-            f"\n405B spike origin's reads, N=32, T=64: {req.n_requests} requests of {req.samples} samples x "
-            f"{len(req.layer_groups[0])} layers, {req.bytes_per_request / 2**20:.1f} MiB each, "
-            f"{req.bytes_total / 2**20:.1f} MiB in all"
-        )
+    tokens, D = _tokens(n=32, T=64), nn.spec.d_model
+    norm = NormParams("RMS", torch.ones(D), None, 1e-5)
+    readouts = [
+        _Readout(d, 3, list(range(8)), ["gate", "up"], torch.zeros(D, 16), torch.zeros(16), norm) for d in (0, 1)
+    ]
+    setter = type("Setter", (), {"start": 1, "L": nn.spec.n_layers, "dims": [0, 1]})
+    steps = {
+        "spike origin's reads": [SpikeOriginAccumulator(nn)],
+        "first-token cause's pass": [CauseAccumulator(nn, readouts, [0, 1], 5, last=3)],
+        "writer cut's condition": [PassAccumulator(nn, 64, eps=0.1), _SpikeValues(setter)],
+    }
+    for i, (step, accs) in enumerate(steps.items()):
+        plan = remote.pass_plan(nn, accs)
+        per, fixed = remote.reduction_bytes(nn, tokens, plan)
+        req = remote.plan_requests(32, [p[0] for p in plan], per=per, fixed=fixed)
+        assert req.bytes_per_request < remote.REQUEST_LIMIT_BYTES and (
+            req.bytes_total > remote.REQUEST_LIMIT_BYTES
+        ) == (i == 0)
+        with capsys.disabled():
+            print(
+                f"\n405B {step}, N=32, T=64: {req.n_requests} requests of {req.samples} samples x "
+                f"{len(req.layer_groups[0])} layers, {req.bytes_per_request / 2**20:.2f} MiB each, "
+                f"{req.bytes_total / 2**20:.2f} MiB in all"
+            )
 
 
 class _Dims(Accumulator):
