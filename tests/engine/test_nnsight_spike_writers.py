@@ -1,9 +1,10 @@
 """The spike writers through nnsight (``load_nnsight``: the traces a remote model runs on NDIF, run here): the MLP
-spec and weights read from the Hugging Face modules equal the bridge's, and the report's spike-writers section (its
-origin, first-token cause and writer cuts, their reads, neuron sets and loss in the traces) equals the bridge's, on
-tiny Llama and Gemma 2 (a norm on each write); what ships reads only NDIF's whitelist and runs in nnsight's simulation
-of a remote run; the origin's reads of Llama-3.1-405B fit NDIF's requests. About 40 s (the tiny families' first load
-included)."""
+spec and weights (whole, and the slices the steps read) read from the Hugging Face modules equal the bridge's, and the
+report's spike-writers section (its origin, first-token cause and writer cuts, their reads, neuron sets and loss in the
+traces) equals the bridge's, on tiny Llama and Gemma 2 (a norm on each write); on a model held as NDIF holds it
+(meta-device weights here, its traces in nnsight's simulation of a remote run) it equals the local one; what ships
+reads only NDIF's whitelist and runs in nnsight's simulation of a remote run; the origin's, cause's and a cut's reads
+of Llama-3.1-405B fit NDIF's requests. About 100 s (the tiny families' first load included)."""
 
 from __future__ import annotations
 
