@@ -195,26 +195,14 @@ def quadratic_form(
     -------
     QuadraticForm
     """
-    lam, cos, share, form = form_spectrum({}, w_out_d=w_out_d, W_gate=W_gate, W_up=W_up, x=x, top=top)
+    lam, cos, share, form = _form_spectrum({}, w_out_d=w_out_d, W_gate=W_gate, W_up=W_up, x=x, top=top)
     return QuadraticForm(int(dim), int(block), lam, cos, share, float(form), float(write), n_samples=int(x.shape[0]))
 
 
-def form_spectrum(acts, *, w_out_d, W_gate, W_up, x, top: int = 3) -> tuple:
-    """:func:`quadratic_form`'s measures, torch only (a remote trace ships it as a reduction of no activations, so
-    W_gate and W_up stay on NDIF): A_d summed in float64 over chunks of d_model neurons (no chunk outweighs S).
-
-    Parameters
-    ----------
-    acts : dict
-        Unused (a reduction's activations).
-    w_out_d, W_gate, W_up, x, top
-        As in :func:`quadratic_form`.
-
-    Returns
-    -------
-    tuple
-        (eigenvalues by decreasing magnitude, mean |cos| and form share of the top ones, mean x^T S_d x).
-    """
+def _form_spectrum(acts, *, w_out_d, W_gate, W_up, x, top: int = 3) -> tuple:
+    """:func:`quadratic_form`'s measures (eigenvalues, top |cos| and form shares, mean x^T S_d x), torch only: a remote
+    trace ships it as a reduction of no activations (``acts`` unused), so W_gate and W_up stay on NDIF. A_d is summed
+    in float64 over chunks of d_model neurons, so no chunk outweighs S."""
     c, dev = W_up.shape[1], W_up.device
     w = w_out_d.double().to(dev)
     S = sum(W_gate[i : i + c].double().T @ (w[i : i + c, None] * W_up[i : i + c].double()) for i in range(0, len(w), c))

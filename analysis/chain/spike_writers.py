@@ -50,7 +50,7 @@ from analysis.core.io import jsonable
 from analysis.chain.massive import massive_accumulator
 from analysis.engine import remote
 from analysis.engine.passes import Reduction, run_pass
-from analysis.chain.quadratic_form import QuadraticForm, form_spectrum, quadratic_form
+from analysis.chain.quadratic_form import QuadraticForm, _form_spectrum, quadratic_form
 from analysis.model.nnsight_model import TraceWeight, weights_in_trace
 from analysis.core.results import Result
 from analysis.chain.first_token_trace import FirstTokenTrace, SpikeOriginAccumulator
@@ -507,12 +507,12 @@ def _resolve(model, out: SpikeOrigin, spec, dim: int, block: int, role: str) -> 
 
 def _quadratic(model, n: MlpNeurons, x: torch.Tensor) -> QuadraticForm:
     """A writer block's quadratic form (``x``: its first-token MLP input); through nnsight its spectrum is taken in a
-    trace (``form_spectrum``, W_gate and W_up read there as TraceWeights): from NDIF only the spectrum comes back."""
+    trace (``_form_spectrum``, W_gate and W_up read there as TraceWeights): from NDIF only the spectrum comes back."""
     if not weights_in_trace(model):
         W = mlp_weights(model, n.block)
         return quadratic_form(n.w_out, W.W_gate, W.W_in, x, dim=n.dim, block=n.block, write=n.mean_write)
     ws = {"W_gate": TraceWeight("mlp.W_gate", n.block), "W_up": TraceWeight("mlp.W_in", n.block)}
-    job = [(n.block, None, frozenset(), [(0, Reduction(form_spectrum, {"w_out_d": n.w_out, "x": x, **ws}), {})])]
+    job = [(n.block, None, frozenset(), [(0, Reduction(_form_spectrum, {"w_out_d": n.w_out, "x": x, **ws}), {})])]
     lam, cos, share, form = remote.trace_batch(model, torch.zeros(1, 1, dtype=torch.long), job)[0][2]
     return QuadraticForm(n.dim, n.block, lam, cos, share, float(form), float(n.mean_write), n_samples=len(x))
 

@@ -273,22 +273,12 @@ class NnsightModel:
         todo = [r for r, h in zip(reads, have) if h]
         got = iter(self.read_in_trace(todo) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in todo])
         t = [next(got).detach().float().cpu() if h else None for h in have] + [None] * (6 - len(have))
-        b = [x if x is not None and bool(x.abs().max() > 0) else None for x in t[1::2]]
+        b = [x if x is not None and bool((x != 0).any()) else None for x in t[1::2]]  # a zero bias: none
         return MlpWeights(int(layer), t[0], b[0], t[2], b[1], t[4], b[2])
 
     def read_in_trace(self, reads) -> list:
-        """Parameter slices read where the model runs, in one trace of one token: on NDIF (``remote``) only the
-        slices come back, never the weights.
-
-        Parameters
-        ----------
-        reads : list of (envoy, str, index, index)
-            A module's envoy, its parameter's name, the rows to take, then the index into those.
-
-        Returns
-        -------
-        list of torch.Tensor
-        """
+        """Parameter slices read where the model runs, in one trace of one token: ``reads`` lists (a module's envoy,
+        its parameter's name, the rows, then the index into those); on NDIF (``remote``) only the slices come back."""
         import nnsight  # optional: the "remote" extra
 
         with torch.no_grad(), self.lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, remote=self.remote):

@@ -20,6 +20,7 @@ from analysis.causal.conditions import _loss_stats  # noqa: E402
 from analysis.causal.writer_cuts import first_token_dims, set_neurons, spike_cuts  # noqa: E402
 from analysis.chain.first_token_cause import CauseAccumulator, _readout, cause_stats, why_first_token  # noqa: E402
 from analysis.chain.first_token_trace import SpikeOriginAccumulator, first_token_stats  # noqa: E402
+from analysis.chain.quadratic_form import _form_spectrum  # noqa: E402
 from analysis.chain.spike_writers import spike_origin, writer_summary  # noqa: E402
 from analysis.engine import remote  # noqa: E402
 from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
@@ -136,7 +137,7 @@ def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monk
     """Each reads only NDIF's whitelist; one trace with the origin's and the cause's reads, the cuts' neuron sets
     and spike dims and the loss, through nnsight's simulation of a remote run (this package hidden), returns what
     it returns here, and only the edited rows change."""
-    for fn in (first_token_stats, cause_stats, set_neurons, first_token_dims):
+    for fn in (first_token_stats, cause_stats, set_neurons, first_token_dims, _form_spectrum):
         bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
         assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
     nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens(n=2, T=12)
