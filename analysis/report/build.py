@@ -59,6 +59,7 @@ from analysis.report.html import Section, chain_findings, page, render_figures
 from analysis.report.html import LINKS, Finding, figure_html, table_html  # noqa: F401 (their home; named here too)
 from analysis.chain.massive import criterion_text, width_criterion
 from analysis.model.nnsight_model import NnsightModel
+from analysis.model.mlp_spec import get_mlp
 from analysis.model.probes import model_probe_sets
 from analysis.core.options import REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N
 from analysis.core.versions import package_versions
@@ -320,10 +321,13 @@ def build_report(
     out = check_output(out_dir, flag="out_dir (--out)", folder=True)  # before any work
 
     t0 = time.perf_counter()
-    run = [k for k in keys if k in NNSIGHT_SECTIONS] if isinstance(model, NnsightModel) else keys
+    refused = {k: _remote_refusal(model, k) for k in keys} if isinstance(model, NnsightModel) else {}
+    run = [k for k in keys if refused.get(k) is None]
     with frozen_heap():  # the model's objects not scanned by every full garbage collection of the run
         ctx = _Context(model, int(n), int(T), int(seed), batch_size, run, eps=float(eps), bos=bool(bos))
-        done = [_run_section(ctx, key, progress) if key in run else _not_through_nnsight(key) for key in keys]
+        done = [
+            _run_section(ctx, key, progress) if key in run else _not_through_nnsight(key, refused[key]) for key in keys
+        ]
         t = time.perf_counter()
         n_figures = render_figures(done)  # every section's figures made together (on the CPUs the passes freed)
         figures = time.perf_counter() - t
@@ -397,15 +401,34 @@ def remote_requests(
     return plans
 
 
-def _not_through_nnsight(key: str) -> Section:
+def _remote_refusal(model: NnsightModel, key: str) -> str | None:
+    """Why report section ``key`` is refused before any work on ``model`` (loaded through nnsight), or None.
+
+    Parameters
+    ----------
+    model : NnsightModel
+    key : str
+
+    Returns
+    -------
+    str or None
+    """
+    if key not in NNSIGHT_SECTIONS:
+        why = NOT_REMOTE.get(key, "this section has none")
+        return f"on NDIF a pass runs the accumulators' shipped reductions only, and {why}"
+    if key == "spike_writers" and model.remote and get_mlp(model).output == "post_norm":
+        return (
+            "this model's MLP normalises its write, so the writer table reads all of W_out: NDIF sends no whole weight"
+        )
+    return None
+
+
+def _not_through_nnsight(key: str, why: str) -> Section:
     """A section a remote model (``load_model(..., backend="nnsight", remote=True)``) does not serve, refused before
     any work with the reason: a note, not a failure."""
     _, spec = registered_sections()[key]
     sec = Section(key, spec.title, spec.link)
-    reason = (
-        "not run on a remote model: on NDIF a pass runs the accumulators' shipped reductions only, and "
-        f"{NOT_REMOTE.get(key, 'this section has none')} (docs/remote.md)"
-    )
+    reason = f"not run on a remote model: {why} (docs/remote.md)"
     sec.note(f"Not available remotely: {reason}. Run the report on a model loaded here for it.")
     sec.data = {"available": False, "reason": reason}
     return sec

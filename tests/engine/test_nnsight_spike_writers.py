@@ -23,6 +23,7 @@ from analysis.chain.first_token_trace import SpikeOriginAccumulator, first_token
 from analysis.chain.quadratic_form import _form_spectrum  # noqa: E402
 from analysis.chain.spike_writers import spike_origin, writer_summary  # noqa: E402
 from analysis.engine import remote  # noqa: E402
+from analysis.report.build import _remote_refusal, build_report  # noqa: E402
 from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.model.mlp_spec import get_mlp, mlp_weights  # noqa: E402
@@ -227,3 +228,21 @@ def test_a_family_that_scales_its_writes_is_refused_before_the_trace(family_dir)
     nnsight, with the reason, before any trace (its bridge hooks hold the scaled writes)."""
     with pytest.raises(NnsightUnsupported, match="scales each write by 0.22"):
         spike_origin(load_nnsight(str(family_dir("granite"))), _tokens(n=2, T=12), abs_threshold=0.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_spike_writers_of_a_post_normed_family_on_ndif_are_refused_before_any_work(family, family_dir, tmp_path):
+    """Gemma 2's and OLMo-2's writer table needs all of W_out (the norm on the MLP's write), which NDIF never sends:
+    on a model held there the report refuses the section, with the reason, before any trace (here none can run:
+    ``remote`` with no NDIF behind it); a local nnsight model and a Llama-style one run it."""
+    nn = load_nnsight(str(family_dir(family)))
+    assert _remote_refusal(nn, "spike_writers") is None
+    nn.remote = True
+    why = _remote_refusal(nn, "spike_writers")
+    assert (why is None) == (family == "llama")
+    if why is not None:
+        assert "all of W_out" in why
+        build_report(nn, tmp_path, sections=["spike_writers"], n=2, T=12)
+        got = json.loads((tmp_path / "report.json").read_text())
+        reason = f"not run on a remote model: {why} (docs/remote.md)"
+        assert got["sections"] == {"spike_writers": {"available": False, "reason": reason}} and not got["errors"]
