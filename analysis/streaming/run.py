@@ -421,12 +421,7 @@ def streaming_perplexity(
         record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
         newline_sinks = None
     pols = default_policies(
-        window,
-        sinks=sinks,
-        newline_sinks=newline_sinks if newline_sinks else None,
-        bits=bits,
-        quant_sinks=quant_sinks,
-        dense=dense,
+        window, sinks=sinks, newline_sinks=newline_sinks, bits=bits, quant_sinks=quant_sinks, dense=dense
     )
     nl = newline_id(tok) if newline_sinks else None
     runs = _decode_policies(model, tokens, pols, n_ctx=n_ctx, batch=batch, newline=nl, progress=progress)
@@ -451,12 +446,7 @@ def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -
     """The stream's ids (N,) and the record of where they come from: the ids given, else ``n_tokens`` of the offline
     docstring stream (a tokenizer-less reference model: its task's stream) shuffled with ``seed``."""
     if tokens is None:
-        reference = model if tok is None else None  # a tokenizer-less reference model
-        stream = (
-            task_stream(reference, n_tokens, seed=seed)
-            if reference is not None
-            else stdlib_stream(tok, n_tokens, seed=seed)
-        )
+        stream = task_stream(model, n_tokens, seed=seed) if tok is None else stdlib_stream(tok, n_tokens, seed=seed)
         return stream.tokens, stream.record()
     tokens = torch.as_tensor(tokens).long().flatten()
     return tokens, {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
