@@ -648,14 +648,12 @@ def sink_positions(
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     min_queries = check_min_queries(min_queries, int(tokens.shape[-1]))
     resid_layers = check_layers(model, None)
-    made = {}
 
     def accumulators():
-        made["positions"] = PositionAccumulator(resid_layers)
-        made["massive"] = massive_accumulator(
+        massive = massive_accumulator(
             model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold, kind=kind
         )
-        return [made["positions"], made["massive"]]
+        return [PositionAccumulator(resid_layers), massive]
 
     sink, (pos, ma) = sink_pass(
         model,
