@@ -335,8 +335,7 @@ class KeyPath(KeyOps):
     final_key_hook: str  # the key the attention uses (spec.key_hook: rotated iff spec.key_rotated)
     query_hook: str  # the query the attention uses (spec.query_hook)
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def rotary(self) -> bool:

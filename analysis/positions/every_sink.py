@@ -172,8 +172,7 @@ class PositionAccumulator(Accumulator):
     """Per layer and batch: cos(h_t, h_0) and the peak |h_t| (value, dim) of every position, from ``hook_resid_post``
     (O(layers x T) numbers a sequence). Reads only the residual stream, so the fused pass can feed it too."""
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     def __init__(self, layers):
         self.layers = [int(l) for l in layers]

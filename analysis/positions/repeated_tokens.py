@@ -91,8 +91,7 @@ class RepeatedAccumulator(Accumulator):
     """Per attention layer and batch: the hidden state's largest deviation across positions (in and out), the first
     column and last row of every head's attention, and the last position's query and key norms."""
 
-    def __repr__(self) -> str:
-        return compact_repr(self)
+    __repr__ = compact_repr  # shapes, never tensor values
 
     def __init__(self, model, layers):
         dims = model_dims(model)
@@ -244,8 +243,7 @@ class RepeatedTokens(Result, LayerAxis):
     kind: str | None = "repeated"
     meta: dict = field(default_factory=dict)
 
-    def __repr__(self) -> str:
-        return compact_repr(self)
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def n_samples(self) -> int:
