@@ -246,9 +246,7 @@ class _Decoder:
             self.recorder.add(att.permute(1, 0, 2, 3))  # layers stand in for KV-head groups: the same mean
             for a in att if self.sink_logits else ():
                 self.recorder.add_learned(1 - a.float().sum(-1))  # the sink logits take what the rows miss
-        self._keep(self.recorder.take(), self.recorder.take_learned(), share)
-
-    def _keep(self, got, learned, share: bool) -> None:
+        got, learned = self.recorder.take(), self.recorder.take_learned()
         if share and got is not None:
             self.share_sum += got.cpu().numpy()
             self.share_n += 1

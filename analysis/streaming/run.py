@@ -424,7 +424,18 @@ def streaming_perplexity(
         window, sinks=sinks, newline_sinks=newline_sinks, bits=bits, quant_sinks=quant_sinks, dense=dense
     )
     nl = newline_id(tok) if newline_sinks else None
-    runs = _decode_policies(model, tokens, pols, n_ctx=n_ctx, batch=batch, newline=nl, progress=progress)
+    # one run per cache policy: the dense one over the stream's first n_ctx tokens (NaN past them), the cached ones
+    # batch at a time over the whole stream
+    runs: list[PolicyRun] = []
+    dense_pols = [p for p in pols if p.kind == "dense"]
+    if dense_pols:
+        n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
+        r = run_policies(model, tokens[:n_dense], dense_pols, progress=progress)[0]
+        r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
+        runs.append(r)
+    cached = [p for p in pols if p.kind != "dense"]
+    for i in range(0, len(cached), batch):
+        runs += run_policies(model, tokens, cached[i : i + batch], newline=nl, progress=progress)
     if recompute_every:
         runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
     return StreamResult(
@@ -450,28 +461,3 @@ def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -
         return stream.tokens, stream.record()
     tokens = torch.as_tensor(tokens).long().flatten()
     return tokens, {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
-
-
-def _decode_policies(
-    model: SinkModel,
-    tokens: torch.Tensor,
-    pols: list,
-    *,
-    n_ctx: int | None,
-    batch: int,
-    newline: int | None,
-    progress: bool,
-) -> list[PolicyRun]:
-    """One run per cache policy: the dense one over the stream's first ``n_ctx`` tokens (NaN past them), the cached
-    ones ``batch`` at a time over the whole stream."""
-    runs: list[PolicyRun] = []
-    dense_pols = [p for p in pols if p.kind == "dense"]
-    if dense_pols:
-        n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
-        r = run_policies(model, tokens[:n_dense], dense_pols, progress=progress)[0]
-        r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
-        runs.append(r)
-    cached = [p for p in pols if p.kind != "dense"]
-    for i in range(0, len(cached), batch):
-        runs += run_policies(model, tokens, cached[i : i + batch], newline=newline, progress=progress)
-    return runs
