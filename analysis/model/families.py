@@ -957,10 +957,8 @@ def _kept(model, attr: str, cls, read):
     if isinstance(spec, cls):
         return spec
     spec = read(model)
-    try:
+    with contextlib.suppress(AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
         setattr(model, attr, spec)
-    except (AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
-        pass
     return spec
 
 

@@ -101,15 +101,15 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
         scales = calibrate(model, sites, win.calib, **setups[cond])
         layer_rows += [{"seed": win.seed, "condition": cond, **r} for r in layer_scales(scales).to_dict("records")]
         top = sorted(scales.values(), key=lambda s: -s.absmax)
-        for s in top[:8]:
-            scale_rows.append(
-                {
-                    "seed": win.seed,
-                    "condition": cond,
-                    **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
-                    "origin": scale_origin(s, origin, readable_text(tok, [s.token_id])),
-                }
-            )
+        scale_rows += [
+            {
+                "seed": win.seed,
+                "condition": cond,
+                **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
+                "origin": scale_origin(s, origin, readable_text(tok, [s.token_id])),
+            }
+            for s in top[:8]
+        ]
         fp_key = (cond == "prefix", tuple(prefix))
         if fp_key not in fp_cache:
             fp_cache[fp_key] = math.exp(

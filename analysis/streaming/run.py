@@ -55,8 +55,7 @@ def default_policies(
     list of Policy
     """
     pols = [Policy("dense")] if dense else []
-    for s in sinks:
-        pols.append(Policy("window", window) if s == 0 else Policy("sinks", window, s))
+    pols += [Policy("window", window) if s == 0 else Policy("sinks", window, s) for s in sinks]
     if newline_sinks:
         pols.append(Policy("sinks", window, newline_sinks, "newline"))
     for b in bits or ():
