@@ -318,9 +318,6 @@ class SinkPositions(Result, LayerAxis):
         created[:, 0], life[:, 0] = -1, 0  # the first token is aligned with itself
         return created, life
 
-    def _massive_by_position(self) -> dict[tuple[int, int], pd.DataFrame]:
-        return {k: g for k, g in self.flagged.groupby(["sample", "position"])} if len(self.flagged) else {}
-
     @property
     def sinks(self) -> pd.DataFrame:
         """One row per (sample, position) that is a sink in some head: its token, its (layer, head) pairs and their
@@ -337,7 +334,7 @@ class SinkPositions(Result, LayerAxis):
         mask = self.sink_mask()
         where = mask.flatten(1, 2).any(1).nonzero().tolist()  # (sample, position) pairs
         created, life = self._secondary()
-        massive = self._massive_by_position()
+        massive = dict(iter(self.flagged.groupby(["sample", "position"]))) if len(self.flagged) else {}
         H = self.alpha.shape[2]
         rows = []
         for s, k in where:
