@@ -172,19 +172,6 @@ def _check_stream(hf, tokens, capacity: int | None, allow_beyond_context: bool) 
     return tokens
 
 
-def _policy_ids(
-    tokens: torch.Tensor, policies: list[Policy], sinks: list[int], newline: int | None, device
-) -> torch.Tensor:
-    """(B, N): the stream once per policy, its first ``sinks[b]`` tokens replaced by newlines where asked."""
-    ids = tokens.to(device)[None].repeat(len(policies), 1)
-    for b, p in enumerate(policies):
-        if p.sink_tokens == "newline":
-            if newline is None:
-                raise ValueError("newline sinks need the newline token id (newline=...).")
-            ids[b, : sinks[b]] = newline
-    return ids
-
-
 def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
     """(B, L) 1.0 on the cache slots whose attention counts as the sinks' share: the first ``sinks[b]`` slots,
     or for a row without sinks the slot of its oldest kept token."""
@@ -333,7 +320,13 @@ def run_policies(
             [p.bits for p in policies],
             [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)],
         )
-        dec = _Decoder(hf, _policy_ids(tokens, policies, sinks, newline, device), cache, sinks, keep_logits)
+        ids = tokens.to(device)[None].repeat(len(policies), 1)  # (B, N): the stream once per policy
+        for b, p in enumerate(policies):  # its first sinks[b] tokens replaced by newlines where asked
+            if p.sink_tokens == "newline":
+                if newline is None:
+                    raise ValueError("newline sinks need the newline token id (newline=...).")
+                ids[b, : sinks[b]] = newline
+        dec = _Decoder(hf, ids, cache, sinks, keep_logits)
         reset_peak(device)
         with attention_implementation(hf, decode_attention(hf)):
             for c0 in range(0, prefill, chunk):
