@@ -134,15 +134,8 @@ def norm_kind(model: SinkModel) -> str | None:
     {"RMS", "LN"} or None
         None: no normalisation.
     """
-    t = getattr(getattr(model, "cfg", None), "normalization_type", None)
-    if t is None:
-        return None
-    t = str(t).upper()
-    if t.startswith("RMS"):
-        return "RMS"
-    if t.startswith("LN"):
-        return "LN"
-    return None
+    t = str(getattr(getattr(model, "cfg", None), "normalization_type", None)).upper()  # "NONE" where it states none
+    return next((kind for kind in ("RMS", "LN") if t.startswith(kind)), None)
 
 
 @reads_block_weights
