@@ -225,7 +225,6 @@ def cmd_sinks(args) -> int:
     path, text = _sinks_text(args)
     if not text.strip():
         raise ValueError(f"the text file {path} is empty: give a file with some text in it.")
-    nnsight = bool(args.remote)  # on NDIF: the accumulators' reductions in nnsight traces (analysis.engine.remote)
     model = _load_args(args)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(
@@ -241,7 +240,7 @@ def cmd_sinks(args) -> int:
     print(format_sinks(res))
     print(res.text())
     if args.json:
-        _write_sinks_json(args, model, path, res, nnsight=nnsight)
+        _write_sinks_json(args, model, path, res)
     return 0
 
 
@@ -257,18 +256,15 @@ def _sinks_text(args) -> tuple[Path, str]:
     return path, path.read_text(encoding="utf-8", errors="replace")
 
 
-def _write_sinks_json(args, model, path: Path, res, *, nnsight: bool) -> None:
+def _write_sinks_json(args, model, path: Path, res) -> None:
     """The ``sinks`` command's JSON record (``--json``): the run's model, text, placement and versions, then every
     sink position."""
     # import time: as cmd_sinks's imports
     from analysis.core.versions import package_versions
     from analysis.model.placement import placement_record
 
-    where = (
-        {"backend": "nnsight", "device": "NDIF" if args.remote else str(next(model.hf.parameters()).device)}
-        if nnsight
-        else placement_record(model)
-    )
+    # on NDIF: the accumulators' reductions ran in nnsight traces (analysis.engine.remote)
+    where = {"backend": "nnsight", "device": "NDIF"} if args.remote else placement_record(model)
     payload = {
         **dict(model=args.model, text_file=str(path), bos=args.bos, n_tokens=res.T),
         **where,

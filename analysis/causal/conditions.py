@@ -76,8 +76,7 @@ class PassResult(LayerAxis):
     skipped: str = ""
     loss_first: torch.Tensor | None = None  # (N,) the first token's own next-token loss
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     def __post_init__(self):
         self.layers = list(range(self.alpha.shape[1])) if self.layers is None else [int(l) for l in self.layers]
@@ -505,8 +504,7 @@ class Baseline:
     v1: torch.Tensor  # (N, L, H, d) the first token's value, per query head (L: the attention layers, run.layers)
     resid: dict = field(default_factory=dict)  # block -> (N, T, D) residual entering it: the resume points
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
 
 def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS) -> list[Accumulator]:

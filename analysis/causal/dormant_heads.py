@@ -441,11 +441,9 @@ def _forward_backward(tokens: torch.Tensor, sinks, grad_batch, *, batch_size: in
     N, T = tokens.shape
     bs = batch_size or grad_batch_size(T)
     chunks: dict[str, list[torch.Tensor]] = {}
-    it = batches(tokens, bs)
-    if progress:
-        from tqdm.auto import tqdm  # optional progress bar
+    from tqdm.auto import tqdm  # lazy: import time
 
-        it = tqdm(it, total=-(-N // bs), desc="forward + backward", leave=False)
+    it = tqdm(batches(tokens, bs), total=-(-N // bs), desc="forward + backward", leave=False, disable=not progress)
     start = 0
     for tk in it:
         sel = sinks if not isinstance(sinks, torch.Tensor) else sinks[start : start + tk.shape[0]]

@@ -323,10 +323,8 @@ class DormantHeads(Result, LayerAxis):
         if self.has_mass:
             m = self._flat(self.mass)
             cols["mass"] = m.mean(-1)
-            cols["rho_mass_norm"], cols["rho_mass_effect"] = (
-                rowwise_spearman(m, norm),
-                rowwise_spearman(m, effs["effect"]),
-            )
+            cols["rho_mass_norm"] = rowwise_spearman(m, norm)
+            cols["rho_mass_effect"] = rowwise_spearman(m, effs["effect"])
             cols["quiet_mass"], cols["loud_mass"] = _masked_mean(m, quiet), _masked_mean(m, ~quiet)
         if self.active is not None:
             act = np.broadcast_to(self.active[:, self.query_positions].reshape(-1).numpy(), norm.shape)
@@ -346,15 +344,8 @@ class DormantHeads(Result, LayerAxis):
         i, head = self._index(layer, head)
         q = self.query_positions
         out = {"sample": np.repeat(np.arange(self.n_samples), len(q)), "query": np.tile(q, self.n_samples)}
-        for name, x in (
-            ("sink_attn", self.sink_attn),
-            ("out_norm", self.out_norm),
-            ("effect", self.effect),
-            ("effect_mean", self.effect_mean),
-            ("slot", self.slot),
-            ("mass", self.mass),
-        ):
-            if x is not None:
+        for name in ("sink_attn", "out_norm", "effect", "effect_mean", "slot", "mass"):
+            if (x := getattr(self, name)) is not None:
                 out[name] = x[:, i, int(head)][:, q].reshape(-1).numpy()
         if self.active is not None:
             out["active"] = self.active[:, q].reshape(-1).numpy()
@@ -534,12 +525,11 @@ class DormantHeads(Result, LayerAxis):
 
     def _mixed_findings(self, s: dict, how: str) -> list[str]:
         """The findings over the heads that sink on some queries and not on others (``s``: ``summary()``)."""
-        parts = []
-        parts.append(
+        parts = [
             f"Over the {s['n_mixed_heads']} heads that sink on some queries and not on others (at least "
             f"{self.min_queries} of each), the head's output norm falls as its {SIGNAL_WORDS[s['signal']]} rises in "
             f"{_pct(s['share_rho_norm_negative'])} of them (median Spearman rho = {s['median_rho_norm']:.2f})."
-        )
+        ]
         if s["dormant_layers"] and s["other_sinking_layers"]:
             lt = self.layer_table().set_index("layer")
             parts.append(

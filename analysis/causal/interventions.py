@@ -609,37 +609,7 @@ def value_ablation(
         cols = ["layer", "head", "alpha_1", "v1_norm", "v_other_norm", "first_contrib_norm", "output_norm"]
         return ValueAblation([], pd.DataFrame(rows), pd.DataFrame(columns=cols), msg, name, n_samples=len(tokens))
     table = base.value_heads.set_index(["layer", "head"]).loc[heads].reset_index()
-    rows += _value_removal_rows(
-        model, tokens, base, heads, eps=eps, batch_size=batch_size, later=later, all_heads=all_heads
-    )
-    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
-    return ValueAblation(heads, pd.DataFrame(rows), table, msg, name, n_samples=len(tokens))
-
-
-def _loss_row(condition: str, n_heads: int, r: PassResult, base_loss: float) -> dict:
-    """One row of ``ValueAblation.conditions``: a condition's loss, its change and Sink_1."""
-    return {
-        "condition": condition,
-        "n_heads": n_heads,
-        "loss": r.loss,
-        "delta_loss": r.loss - base_loss,
-        "sink_1_pct": r.sink_rate(1),
-    }
-
-
-def _value_removal_rows(
-    model: SinkModel,
-    tokens: torch.Tensor,
-    base: Baseline,
-    heads: list,
-    *,
-    eps: float,
-    batch_size: int | None,
-    later: bool,
-    all_heads: bool,
-) -> list[dict]:
-    """One row per condition of :func:`value_ablation` (the loss and Sink_1 with the first token's value removed
-    from the heads it names), every condition built (and checked) before any pass."""
+    # one row per condition (the loss and Sink_1 with the first token's value removed from the heads it names)
     N = tokens.shape[0]
     v_mean = {
         l: _leave_one_out(base.v1[:, i].double()).float()
@@ -656,10 +626,23 @@ def _value_removal_rows(
         for c, hs, mode, fq in conditions
     ]
     run = partial(run_condition, model, tokens, eps=eps, batch_size=batch_size, baseline=base)
-    return [
+    rows += [
         _loss_row(c, n, run(hooks=r.hooks(), edits=r.edits, on_batch_start=r.start), base.run.loss)
         for c, n, r in removals
     ]
+    msg = f"{how}: {len(heads)} sink heads." + (f" {base.run.skipped}" if base.run.skipped else "")
+    return ValueAblation(heads, pd.DataFrame(rows), table, msg, name, n_samples=len(tokens))
+
+
+def _loss_row(condition: str, n_heads: int, r: PassResult, base_loss: float) -> dict:
+    """One row of ``ValueAblation.conditions``: a condition's loss, its change and Sink_1."""
+    return {
+        "condition": condition,
+        "n_heads": n_heads,
+        "loss": r.loss,
+        "delta_loss": r.loss - base_loss,
+        "sink_1_pct": r.sink_rate(1),
+    }
 
 
 # ----------------------------------------------------------------------------- 3. First-key ablation
@@ -841,13 +824,22 @@ def first_key_ablation(
             f"({criterion_text(abs_threshold, ratio_threshold)}, on {min_share:.0%} of samples): there is no "
             "spike-driven key part to remove. Pass spike_dims or lower the thresholds."
         )
+    conditions = [
+        {"condition": c, **_fk_row(r, r.positions(layers or base.layers), k_max), "loss": r.loss}
+        for c, r in results.items()
+    ]
+    per_layer = [
+        {"layer": l, "condition": c, **_fk_row(r, [i], min(k_max, 2))}
+        for c, r in results.items()
+        for i, l in enumerate(r.layers)
+    ]
     return FirstKeyAblation(
         layers,
         {l: spikes[l] for l in layers},
         bool(layers),
         msg,
-        _fk_conditions(results, layers or base.layers, k_max),
-        _fk_per_layer(results, k_max),
+        pd.DataFrame(conditions),
+        pd.DataFrame(per_layer),
         results,
         name,
         n_samples=len(tokens),
@@ -859,20 +851,6 @@ def _fk_row(r: PassResult, pos: list[int], k_top: int) -> dict:
     w, ks = r.where[pos].mean(dim=(0, 1)), range(1, min(k_top, r.alpha.shape[-1]) + 1)
     sinks = {f"sink_{k}": float((r.alpha[:, pos, :, k - 1] > r.eps).float().mean() * 100) for k in ks}
     return {**{k: float(w[i]) for i, k in enumerate(WHERE_KEYS)}, **sinks}
-
-
-def _fk_conditions(results: dict, layers: list[int], k_max: int) -> pd.DataFrame:
-    rows = [{"condition": c, **_fk_row(r, r.positions(layers), k_max), "loss": r.loss} for c, r in results.items()]
-    return pd.DataFrame(rows)
-
-
-def _fk_per_layer(results: dict, k_max: int) -> pd.DataFrame:
-    rows = [
-        {"layer": l, "condition": c, **_fk_row(r, [i], min(k_max, 2))}
-        for c, r in results.items()
-        for i, l in enumerate(r.layers)
-    ]
-    return pd.DataFrame(rows)
 
 
 # The registration (analysis.core.registry): this module's one declaration.

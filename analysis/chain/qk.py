@@ -140,7 +140,7 @@ class QKAngles(Result):
             **self.header(),
             "layers": self.layers,
             "skipped": self.skipped,
-            **{c: v for c, v in self.table().drop(columns=["layer", "head"]).to_dict("list").items()},
+            **self.table().drop(columns=["layer", "head"]).to_dict("list"),
             "text": self.text(),
         }
 

@@ -96,15 +96,8 @@ def fill_parameters(target: Callable, source: Callable) -> None:
 
 def _in_signature_order(lines: list[str], indent: str, params: list[str]) -> list[str]:
     """The docstring ``lines`` with the entries of its Parameters section in the order of ``params``."""
-    start = (
-        next(
-            i for i in range(len(lines) - 1) if lines[i].strip() == "Parameters" and set(lines[i + 1].strip()) == {"-"}
-        )
-        + 2
-    )
-    end = next(
-        (i for i in range(start, len(lines) - 1) if lines[i].strip() and set(lines[i + 1].strip()) == {"-"}), len(lines)
-    )
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Parameters" and _is_title(lines, i)) + 2
+    end = next((i for i in range(start, len(lines)) if _is_title(lines, i)), len(lines))
     entries: list[list[str]] = []
     for line in lines[start:end]:
         if line.startswith(indent) and line.strip() and not line[len(indent)].isspace():

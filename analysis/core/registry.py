@@ -324,18 +324,9 @@ def _declared_exports(tree: ast.Module) -> tuple[str, ...]:
     """The names the module-level ``register(Analysis(..., exports=(...)))`` calls of a parsed module export."""
     names: list[str] = []
     for stmt in tree.body:
-        call = stmt.value if isinstance(stmt, ast.Expr) else None
-        if not (
-            isinstance(call, ast.Call)
-            and isinstance(call.func, ast.Name)
-            and call.func.id == "register"
-            and call.args
-            and isinstance(call.args[0], ast.Call)
-            and isinstance(call.args[0].func, ast.Name)
-            and call.args[0].func.id == "Analysis"
-        ):
-            continue
-        names += [n for kw in call.args[0].keywords if kw.arg == "exports" for n in ast.literal_eval(kw.value)]
+        match stmt:
+            case ast.Expr(ast.Call(ast.Name("register"), [ast.Call(ast.Name("Analysis"), keywords=keywords), *_])):
+                names += [n for kw in keywords if kw.arg == "exports" for n in ast.literal_eval(kw.value)]
     return tuple(names)
 
 

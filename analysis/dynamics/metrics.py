@@ -61,8 +61,7 @@ class FirstTokenStats(Result):
     n_samples: int = 0
     kind: str | None = None
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:

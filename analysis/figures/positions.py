@@ -207,7 +207,8 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
         Where an exact zero is drawn on the log axis.
     """
     for label, res in results.items():
-        rel = _deviation_along_stream(res)
+        # (L + 1,) the relative deviation along the residual stream: each layer's input, then the last layer's output
+        rel = np.append(res.relative_deviation("in").amax(0).numpy(), res.relative_deviation("out").amax(0).numpy()[-1])
         ax.plot(np.arange(len(rel)), np.maximum(rel, floor), marker="o", ms=3, lw=1, label=label)
     ax.set_yscale("log")
     ax.axhspan(floor / 3, floor * 3, color="grey", alpha=0.15, lw=0)
@@ -215,13 +216,6 @@ def plot_hidden_deviation(results: dict[str, RepeatedTokens], *, ax=None, floor:
     ax.set_ylabel("max |h_i - h_0| / max |h_0|")
     ax.legend(fontsize=7, loc="center right")
     set_title(ax, f"one token repeated: deviation across positions (grey: 0, drawn at {floor:g})")
-
-
-def _deviation_along_stream(res: RepeatedTokens) -> np.ndarray:
-    """(L + 1,) the relative deviation along the residual stream: each layer's input, then the last layer's output."""
-    rin = res.relative_deviation("in").amax(0).numpy()
-    rout = res.relative_deviation("out").amax(0).numpy()
-    return np.append(rin, rout[-1])
 
 
 @one_axes((7, 3.2), top=0.35)

@@ -649,7 +649,11 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     out.update(positions=positions, rotary_bases={}, nope_layers=())
     if positions != "rotary":
         return out
-    bases, out["nope_layers"] = out["rotary_bases"], _nope_layers(config, attention_layers)
+    # the attention layers left without rotary: no_rope_layers (SmolLM3, Llama 4: one flag per layer, 0 = NoPE)
+    flags = getattr(config, "no_rope_layers", None)
+    if isinstance(flags, (list, tuple)) and len(flags) >= max(attention_layers, default=-1) + 1:
+        out["nope_layers"] = tuple(l for l in attention_layers if not flags[l])
+    bases = out["rotary_bases"]
     for l in (l for l in attention_layers if l not in out["nope_layers"]):
         t = types[l] if types and types[l] in ("sliding_attention", "full_attention") else None
         theta = rope_theta(config, layer_type=t)
@@ -663,15 +667,6 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
     out["rope_type"] = rope_parameters(config).get("rope_type") or "default"
     return out
-
-
-def _nope_layers(config, attention_layers) -> tuple[int, ...]:
-    """The attention layers a rotary config leaves without rotary: ``no_rope_layers`` (SmolLM3, Llama 4: one flag per
-    layer, 1 = rotary, 0 = NoPE)."""
-    flags = getattr(config, "no_rope_layers", None)
-    if not isinstance(flags, (list, tuple)) or len(flags) < max(attention_layers, default=-1) + 1:
-        return ()
-    return tuple(l for l in attention_layers if not flags[l])
 
 
 def _sliding(config, types, attention_layers) -> tuple[int | None, tuple[int, ...]]:
@@ -957,10 +952,8 @@ def _kept(model, attr: str, cls, read):
     if isinstance(spec, cls):
         return spec
     spec = read(model)
-    try:
+    with contextlib.suppress(AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
         setattr(model, attr, spec)
-    except (AttributeError, TypeError):  # pragma: no cover - a model that refuses new attributes
-        pass
     return spec
 
 

@@ -10,6 +10,7 @@ in ``analysis.engine.passes``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from dataclasses import dataclass
@@ -339,17 +340,14 @@ def model_facts(model: SinkModel) -> ModelFacts:
     if isinstance(model, NnsightModel):  # nnsight's LanguageModel (maybe on NDIF): from its config, no FamilySpec
         return ModelFacts(model_dims(model), tuple(model.spec.attention_layers), None, skipped_note(model))
     family, cfg = get_family(model), getattr(model, "cfg", None)
-    try:
+    kept = None
+    with contextlib.suppress(TypeError):  # not weakly referenceable: derived each time
         kept = _FACTS.get(model)
-    except TypeError:  # not weakly referenceable: derived each time
-        kept = None
     if kept is not None and kept[0] is family and kept[1] is cfg:
         return kept[2]
     facts = ModelFacts(model_dims(model), tuple(family.attention_layers), family, skipped_note(model))
-    try:
+    with contextlib.suppress(TypeError):  # not weakly referenceable: not kept
         _FACTS[model] = (family, cfg, facts)
-    except TypeError:
-        pass
     return facts
 
 

@@ -134,15 +134,8 @@ def norm_kind(model: SinkModel) -> str | None:
     {"RMS", "LN"} or None
         None: no normalisation.
     """
-    t = getattr(getattr(model, "cfg", None), "normalization_type", None)
-    if t is None:
-        return None
-    t = str(t).upper()
-    if t.startswith("RMS"):
-        return "RMS"
-    if t.startswith("LN"):
-        return "LN"
-    return None
+    t = str(getattr(getattr(model, "cfg", None), "normalization_type", None)).upper()  # "NONE" where it states none
+    return next((kind for kind in ("RMS", "LN") if t.startswith(kind)), None)
 
 
 @reads_block_weights
@@ -335,8 +328,7 @@ class KeyPath(KeyOps):
     final_key_hook: str  # the key the attention uses (spec.key_hook: rotated iff spec.key_rotated)
     query_hook: str  # the query the attention uses (spec.query_hook)
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def rotary(self) -> bool:

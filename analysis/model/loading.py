@@ -19,6 +19,7 @@ nor a local folder ever opens a network connection.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -315,7 +317,10 @@ def _bridge(src: str, hf, tok, device, name: str):
     device = None if split else (device or default_device())
     if device is not None:  # TransformerLens leaves a model it is given where it is: move it ourselves
         hf = hf.to(device)
-    with warnings.catch_warnings(), _mixed_offload_allowed(split):
+    # TransformerLens 4.3 refuses a map that mixes a GPU with CPU/disk offload only because it had not been checked on
+    # a GPU (its own words: "likely fine"); the GPU kit's ``split`` step checks it against the single-device run.
+    mixed_ok = mock.patch("transformer_lens.utilities.multi_gpu.is_mixed_offload_gpu", lambda values: False)
+    with warnings.catch_warnings(), mixed_ok if split else contextlib.nullcontext():
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(src, hf_model=hf, tokenizer=tok, device=device)
     bridge.eval()
@@ -325,17 +330,6 @@ def _bridge(src: str, hf, tok, device, name: str):
     bridge.family = family_spec(bridge)
     bridge.rope_theta = bridge.family.rotary_base
     return check_model(bridge)  # the model contract, checked once, at load
-
-
-def _mixed_offload_allowed(split: bool):
-    """TransformerLens 4.3 refuses a map that mixes a GPU with CPU/disk offload only because it had not been checked on
-    a GPU (its own words: "likely fine"); the GPU kit's ``split`` step checks it against the single-device run."""
-    import contextlib
-    from unittest import mock
-
-    if not split:
-        return contextlib.nullcontext()
-    return mock.patch("transformer_lens.utilities.multi_gpu.is_mixed_offload_gpu", lambda values: False)
 
 
 def dispatch(hf, placement: Placement):

@@ -66,8 +66,7 @@ class ProbeSet:
     source: str = ""
     meta: dict = field(default_factory=dict)
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def n(self) -> int:

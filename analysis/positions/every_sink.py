@@ -172,8 +172,7 @@ class PositionAccumulator(Accumulator):
     """Per layer and batch: cos(h_t, h_0) and the peak |h_t| (value, dim) of every position, from ``hook_resid_post``
     (O(layers x T) numbers a sequence). Reads only the residual stream, so the fused pass can feed it too."""
 
-    def __repr__(self) -> str:
-        return compact_repr(self)  # shapes, never tensor values
+    __repr__ = compact_repr  # shapes, never tensor values
 
     def __init__(self, layers):
         self.layers = [int(l) for l in layers]
@@ -319,9 +318,6 @@ class SinkPositions(Result, LayerAxis):
         created[:, 0], life[:, 0] = -1, 0  # the first token is aligned with itself
         return created, life
 
-    def _massive_by_position(self) -> dict[tuple[int, int], pd.DataFrame]:
-        return {k: g for k, g in self.flagged.groupby(["sample", "position"])} if len(self.flagged) else {}
-
     @property
     def sinks(self) -> pd.DataFrame:
         """One row per (sample, position) that is a sink in some head: its token, its (layer, head) pairs and their
@@ -338,7 +334,7 @@ class SinkPositions(Result, LayerAxis):
         mask = self.sink_mask()
         where = mask.flatten(1, 2).any(1).nonzero().tolist()  # (sample, position) pairs
         created, life = self._secondary()
-        massive = self._massive_by_position()
+        massive = dict(iter(self.flagged.groupby(["sample", "position"]))) if len(self.flagged) else {}
         H = self.alpha.shape[2]
         rows = []
         for s, k in where:
@@ -648,14 +644,12 @@ def sink_positions(
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     min_queries = check_min_queries(min_queries, int(tokens.shape[-1]))
     resid_layers = check_layers(model, None)
-    made = {}
 
     def accumulators():
-        made["positions"] = PositionAccumulator(resid_layers)
-        made["massive"] = massive_accumulator(
+        massive = massive_accumulator(
             model, tokens.shape, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold, kind=kind
         )
-        return [made["positions"], made["massive"]]
+        return [PositionAccumulator(resid_layers), massive]
 
     sink, (pos, ma) = sink_pass(
         model,

@@ -54,15 +54,6 @@ CLOSED_FORMS = {
 }
 
 
-def _positional_encoding(model: SinkModel) -> str:
-    """The model's positional encoding: one of ``ENCODINGS``, or "unknown"."""
-    pe = positional_encoding_name(model)
-    if rotary_base(model) is not None:
-        return "rotary"
-    pe = _TL_NAMES.get(pe, pe)
-    return pe if pe in ENCODINGS else "unknown"
-
-
 def check_repeated(tokens) -> torch.Tensor:
     """(N, T) token ids, each row one token repeated, T >= 2; a clear error otherwise.
 
@@ -91,8 +82,7 @@ class RepeatedAccumulator(Accumulator):
     """Per attention layer and batch: the hidden state's largest deviation across positions (in and out), the first
     column and last row of every head's attention, and the last position's query and key norms."""
 
-    def __repr__(self) -> str:
-        return compact_repr(self)
+    __repr__ = compact_repr  # shapes, never tensor values
 
     def __init__(self, model, layers):
         dims = model_dims(model)
@@ -244,8 +234,7 @@ class RepeatedTokens(Result, LayerAxis):
     kind: str | None = "repeated"
     meta: dict = field(default_factory=dict)
 
-    def __repr__(self) -> str:
-        return compact_repr(self)
+    __repr__ = compact_repr  # shapes, never tensor values
 
     @property
     def n_samples(self) -> int:
@@ -472,7 +461,9 @@ def repeated_tokens(
     tokens = check_repeated(tokens)
     layers = check_attention_layers(model)
     out = run_pass(model, tokens, [RepeatedAccumulator(model, layers)], batch_size=batch_size)[0]
-    encoding = _positional_encoding(model)
+    pe = positional_encoding_name(model)
+    pe = "rotary" if rotary_base(model) is not None else _TL_NAMES.get(pe, pe)
+    encoding = pe if pe in ENCODINGS else "unknown"  # the model's positional encoding: one of ENCODINGS, or "unknown"
     xi = out["qn"] * out["kn"] / _attn_scale(model)
     form_first, form_last, source = _closed_forms(model, layers, encoding, int(tokens.shape[-1]), xi)
     op = attention_operation(model)

@@ -12,6 +12,8 @@ one prefill of a window scores exactly as token-by-token decoding with quantise-
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -91,21 +93,15 @@ class LowBitLayer(DynamicLayer):
         self.chunks: list = []  # (keys, values): tensors (full precision) or PackedKV
         self.n_seen = 0
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, fp: bool) -> None:
-        self.chunks.append((k, v) if fp or self.bits is None else (PackedKV(k, self.bits), PackedKV(v, self.bits)))
-
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, start, runs = key_states.shape[-2], self.n_seen, []
-        for i in range(n):  # runs of consecutive positions that are all full precision or all low-bit
-            fp = (start + i) in self.fp_positions
-            if runs and runs[-1][2] == fp:
-                runs[-1][1] = i + 1
-            else:
-                runs.append([i, i + 1, fp])
-        for a, b, fp in runs:
-            self._store(key_states[..., a:b, :].clone(), value_states[..., a:b, :].clone(), fp)
+        n, start = key_states.shape[-2], self.n_seen
+        # runs of consecutive positions that are all full precision or all low-bit, one chunk each
+        for fp, run in itertools.groupby(range(n), key=lambda i: (start + i) in self.fp_positions):
+            idx = list(run)
+            k, v = (x[..., idx[0] : idx[-1] + 1, :].clone() for x in (key_states, value_states))
+            self.chunks.append((k, v) if fp or self.bits is None else (PackedKV(k, self.bits), PackedKV(v, self.bits)))
         self.n_seen += n
         deq = [(k.dequantize(), v.dequantize()) if isinstance(k, PackedKV) else (k, v) for k, v in self.chunks]
         self.keys = torch.cat([k for k, _ in deq], dim=-2)

@@ -87,13 +87,6 @@ def check_setting(model: SinkModel, *, T: int, prefix_len: int, kv_bits) -> None
         )
 
 
-def _spike_origin(model, windows: torch.Tensor):
-    # lazy for import time: the spike-origin trace loads the chain's einsum machinery only when asked
-    from analysis.chain.spike_writers import spike_origin
-
-    return spike_origin(model, windows)
-
-
 def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_cand, origin, fp_cache) -> tuple:
     """One calibration seed: the scheme rows, the scale rows and the searched prefix."""
     cal_keep = keep["calib"]
@@ -108,15 +101,15 @@ def _seed_rows(model, sites, tok, win, keep, schemes, conditions, prefix_len, n_
         scales = calibrate(model, sites, win.calib, **setups[cond])
         layer_rows += [{"seed": win.seed, "condition": cond, **r} for r in layer_scales(scales).to_dict("records")]
         top = sorted(scales.values(), key=lambda s: -s.absmax)
-        for s in top[:8]:
-            scale_rows.append(
-                {
-                    "seed": win.seed,
-                    "condition": cond,
-                    **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
-                    "origin": scale_origin(s, origin, readable_text(tok, [s.token_id])),
-                }
-            )
+        scale_rows += [
+            {
+                "seed": win.seed,
+                "condition": cond,
+                **{k: getattr(s, k) for k in "site absmax window position dim token_id".split()},
+                "origin": scale_origin(s, origin, readable_text(tok, [s.token_id])),
+            }
+            for s in top[:8]
+        ]
         fp_key = (cond == "prefix", tuple(prefix))
         if fp_key not in fp_cache:
             fp_cache[fp_key] = math.exp(
@@ -192,10 +185,12 @@ def quant_study(
     tok, name = model.tokenizer, model.model_name
     sites = linear_sites(model)  # a calibration text shorter than a window: make_windows' error, before any pass
     rows, scale_rows, layer_rows, prefixes, fp_cache, kv, spike = [], [], [], {}, {}, pd.DataFrame(), {}
+    if origin:  # lazy for import time: the spike-origin trace loads the chain's einsum machinery only when asked
+        from analysis.chain.spike_writers import spike_origin
     for seed in seeds:
         win = make_windows(model, tok, T=T, n_eval=n_eval, calib_tokens=calib_tokens, seed=seed)
         keep = {"calib": sink_keep(model, win.calib), "eval": sink_keep(model, win.eval)}
-        so = _spike_origin(model, win.calib[:4]) if origin else None
+        so = spike_origin(model, win.calib[:4]) if origin else None
         so = so if so is not None and so.has_spike else None
         r, s, lr, prefixes[seed] = _seed_rows(
             model, sites, tok, win, keep, schemes, conditions, prefix_len, n_candidates, so, fp_cache

@@ -118,9 +118,8 @@ class QuantResult(Result):
             out.append(f"{scheme}: perplexity " + ", ".join(parts) + ".")
         for seed, p in self.prefixes.items():
             out.append(f"Seed {seed}: the prefix search kept {len(p['ids'])} token(s) {p['text']!r}.")
-        if len(self.kv):
-            for _, r in self.kv.iterrows():
-                out.append(f"KV cache {r.cache}: perplexity {r.ppl:.2f}, {r.kv_bytes / 2**20:.2f} MiB held per window.")
+        for _, r in self.kv.iterrows():
+            out.append(f"KV cache {r.cache}: perplexity {r.ppl:.2f}, {r.kv_bytes / 2**20:.2f} MiB held per window.")
         return out + list(self.notes)
 
     def to_dict(self) -> dict:

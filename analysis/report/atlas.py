@@ -174,15 +174,6 @@ def largest_activation(massive: MassiveActivations) -> dict:
     }
 
 
-def _tables(model: SinkModel, probes: dict, *, eps: float, progress: bool) -> tuple[dict, dict, dict | None]:
-    """The sink and massive results per input kind and the kinds' shares: one profile pass per kind, or nnsight
-    traces (no kinds)."""
-    remote = isinstance(model, NnsightModel)  # the weights may be on NDIF: no sink kinds (they read W_O)
-    analyses = ("sink", "massive") if remote else ("sink", "massive", "sink_kind")
-    prof = profile(model, probes, analyses=analyses, eps=eps, progress=progress)
-    return prof.sink, prof.massive, None if remote else prof.sink_kind.shares()
-
-
 def _measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), progress: bool = False) -> dict:
     """One model's atlas numbers: Sink_1 per input kind, the largest activation, the facts.
 
@@ -198,7 +189,11 @@ def _measure_model(model: SinkModel, *, config: AtlasConfig = AtlasConfig(), pro
             "less (the atlas measures every model at one T)."
         )
     probes = model_probe_sets(model, n=config.n, T=config.T, bos=config.bos, seed=config.seed)
-    sink, massive, kinds = _tables(model, probes, eps=config.eps, progress=progress)
+    # one profile pass per input kind, or nnsight traces: the weights may be on NDIF, no sink kinds (they read W_O)
+    remote = isinstance(model, NnsightModel)
+    analyses = ("sink", "massive") if remote else ("sink", "massive", "sink_kind")
+    prof = profile(model, probes, analyses=analyses, eps=config.eps, progress=progress)
+    sink, massive, kinds = prof.sink, prof.massive, None if remote else prof.sink_kind.shares()
     first = next(iter(sink.values()))
     return {
         "facts": model_card(model),

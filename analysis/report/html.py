@@ -81,9 +81,9 @@ def table_html(df: pd.DataFrame, *, digits: int = 3, max_rows: int = 40) -> str:
     str
         HTML.
     """
-    if len(df) > max_rows:
-        df = df.head(max_rows)
-    return df.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", classes="tbl", border=0, escape=True)
+    return df.head(max_rows).to_html(
+        index=False, float_format=lambda v: f"{v:.{digits}f}", classes="tbl", border=0, escape=True
+    )
 
 
 @dataclass

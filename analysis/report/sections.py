@@ -282,15 +282,11 @@ def _context(ctx, sec: Section) -> None:
     sec.figure(lambda: plot_sink_vs_eps(res), "Sink_1 and later sinks against eps")
     if long is not None:
         sec.parts.append("<h3>Committed long-context points (scripts/sink_context.py)</h3>")
-        found = [_committed_text(f, f"analysis/data/sink_context/{ctx.name}.csv") for f in long.findings()]
+        path = f"analysis/data/sink_context/{ctx.name}.csv"  # not this run's: each finding says so first
+        found = [f"From the committed run {path} (not this report's run): {f}" for f in long.findings()]
         sec.say(found, headline=min(1, len(found) - 1))
         sec.data["committed"] = long.to_dict()
         sec.figure(lambda: plot_sink_vs_context(long), f"Sink_1 and later sinks up to T = {max(long.Ts)} (committed)")
-
-
-def _committed_text(finding: str, path: str) -> str:
-    """A finding read from a committed file, not measured by this run, said so in its first words."""
-    return f"From the committed run {path} (not this report's run): {finding}"
 
 
 def _spike_writers(ctx, sec: Section) -> None:

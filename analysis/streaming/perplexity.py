@@ -172,19 +172,6 @@ def _check_stream(hf, tokens, capacity: int | None, allow_beyond_context: bool) 
     return tokens
 
 
-def _policy_ids(
-    tokens: torch.Tensor, policies: list[Policy], sinks: list[int], newline: int | None, device
-) -> torch.Tensor:
-    """(B, N): the stream once per policy, its first ``sinks[b]`` tokens replaced by newlines where asked."""
-    ids = tokens.to(device)[None].repeat(len(policies), 1)
-    for b, p in enumerate(policies):
-        if p.sink_tokens == "newline":
-            if newline is None:
-                raise ValueError("newline sinks need the newline token id (newline=...).")
-            ids[b, : sinks[b]] = newline
-    return ids
-
-
 def _sink_slots(cache: StreamingCache, sinks: list[int]) -> torch.Tensor:
     """(B, L) 1.0 on the cache slots whose attention counts as the sinks' share: the first ``sinks[b]`` slots,
     or for a row without sinks the slot of its oldest kept token."""
@@ -246,9 +233,7 @@ class _Decoder:
             self.recorder.add(att.permute(1, 0, 2, 3))  # layers stand in for KV-head groups: the same mean
             for a in att if self.sink_logits else ():
                 self.recorder.add_learned(1 - a.float().sum(-1))  # the sink logits take what the rows miss
-        self._keep(self.recorder.take(), self.recorder.take_learned(), share)
-
-    def _keep(self, got, learned, share: bool) -> None:
+        got, learned = self.recorder.take(), self.recorder.take_learned()
         if share and got is not None:
             self.share_sum += got.cpu().numpy()
             self.share_n += 1
@@ -320,56 +305,44 @@ def run_policies(
     list of PolicyRun
     """
     with causal_lm(model, where="run_policies") as hf:
-        return _decode(
-            hf,
-            tokens,
-            policies,
-            newline=newline,
-            prefill=prefill,
-            attention_share=attention_share,
-            allow_beyond_context=allow_beyond_context,
-            progress=progress,
-            keep_logits=keep_logits,
-            chunk=chunk,
+        capacity = _check_group(policies)
+        device = input_device(hf)
+        tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
+        N = tokens.numel()
+        sinks = [p.sinks if p.kind == "sinks" else 0 for p in policies]
+        prefill = capacity if prefill is None and capacity else (max(N - 1 - 64, 0) if prefill is None else prefill)
+        prefill = max(0, min(prefill, N - 1, capacity or N))
+        cache = StreamingCache(
+            n_layers(hf),
+            rope_spec(hf),
+            capacity,
+            sinks,
+            [p.bits for p in policies],
+            [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)],
         )
+        ids = tokens.to(device)[None].repeat(len(policies), 1)  # (B, N): the stream once per policy
+        for b, p in enumerate(policies):  # its first sinks[b] tokens replaced by newlines where asked
+            if p.sink_tokens == "newline":
+                if newline is None:
+                    raise ValueError("newline sinks need the newline token id (newline=...).")
+                ids[b, : sinks[b]] = newline
+        dec = _Decoder(hf, ids, cache, sinks, keep_logits)
+        reset_peak(device)
+        with attention_implementation(hf, decode_attention(hf)):
+            for c0 in range(0, prefill, chunk):
+                dec.prefill(c0, min(prefill, c0 + chunk))
+            from tqdm.auto import tqdm  # lazy: import time
 
-
-def _decode(
-    hf, tokens, policies, *, newline, prefill, attention_share, allow_beyond_context, progress, keep_logits, chunk
-) -> list[PolicyRun]:
-    """:func:`run_policies` on the causal LM ``hf`` the contract gave."""
-    capacity = _check_group(policies)
-    device = input_device(hf)
-    tokens = _check_stream(hf, tokens, capacity, allow_beyond_context)
-    N = tokens.numel()
-    sinks = [p.sinks if p.kind == "sinks" else 0 for p in policies]
-    prefill = capacity if prefill is None and capacity else (max(N - 1 - 64, 0) if prefill is None else prefill)
-    prefill = max(0, min(prefill, N - 1, capacity or N))
-    cache = StreamingCache(
-        n_layers(hf),
-        rope_spec(hf),
-        capacity,
-        sinks,
-        [p.bits for p in policies],
-        [s if p.fp_sinks else 0 for s, p in zip(sinks, policies)],
-    )
-    dec = _Decoder(hf, _policy_ids(tokens, policies, sinks, newline, device), cache, sinks, keep_logits)
-    reset_peak(device)
-    with attention_implementation(hf, decode_attention(hf)):
-        for c0 in range(0, prefill, chunk):
-            dec.prefill(c0, min(prefill, c0 + chunk))
-        steps = range(prefill, N - 1)
-        if progress:
-            from tqdm.auto import tqdm
-
-            steps = tqdm(steps, desc=", ".join(p.label for p in policies)[:40], leave=False)
-        t0 = time.perf_counter()
-        for t in steps:
-            dec.step(t, attention_share and (capacity is None or t + 1 >= capacity))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - t0
-    return dec.runs(policies, seconds, max(N - 1 - prefill, 0), peak_mib(device))
+            steps = tqdm(
+                range(prefill, N - 1), desc=", ".join(p.label for p in policies)[:40], leave=False, disable=not progress
+            )
+            t0 = time.perf_counter()
+            for t in steps:
+                dec.step(t, attention_share and (capacity is None or t + 1 >= capacity))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        return dec.runs(policies, seconds, max(N - 1 - prefill, 0), peak_mib(device))
 
 
 @parameters_from(run_policies)
@@ -414,31 +387,26 @@ def recompute_nll(
     PolicyRun
     """
     with causal_lm(model, where="recompute_nll") as hf:
-        return _recompute(hf, tokens, window, every=every, batch=batch, progress=progress)
+        device = input_device(hf)
+        ids = tokens.to(device)
+        N = ids.numel()
+        nll = np.full(N - 1, np.nan)
+        reset_peak(device)
+        first = min(window, N - 1)
+        out = hf(input_ids=ids[None, :first])
+        nll[:first] = _nll(out.logits[0], ids[1 : first + 1]).cpu().numpy()
+        ts = list(range(window, N - 1, max(1, every)))
+        from tqdm.auto import tqdm  # lazy: import time
 
-
-def _recompute(hf, tokens, window: int, *, every: int, batch: int, progress: bool) -> PolicyRun:
-    """:func:`recompute_nll` on the causal LM ``hf`` the contract gave."""
-    device = input_device(hf)
-    ids = tokens.to(device)
-    N = ids.numel()
-    nll = np.full(N - 1, np.nan)
-    reset_peak(device)
-    first = min(window, N - 1)
-    out = hf(input_ids=ids[None, :first])
-    nll[:first] = _nll(out.logits[0], ids[1 : first + 1]).cpu().numpy()
-    ts = list(range(window, N - 1, max(1, every)))
-    chunks = [ts[i : i + batch] for i in range(0, len(ts), batch)]
-    if progress:
-        from tqdm.auto import tqdm
-
-        chunks = tqdm(chunks, desc=f"recompute {window}", leave=False)
-    t0 = time.perf_counter()
-    for chunk in chunks:
-        ctx = torch.stack([ids[t - window + 1 : t + 1] for t in chunk])
-        logits = hf(input_ids=ctx, logits_to_keep=1).logits[:, -1]
-        nll[chunk] = _nll(logits, ids[[t + 1 for t in chunk]]).cpu().numpy()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    return PolicyRun(Policy("recompute", window), nll, seconds, len(ts), float("nan"), peak_mib(device), None, batch)
+        chunks = [ts[i : i + batch] for i in range(0, len(ts), batch)]
+        t0 = time.perf_counter()
+        for chunk in tqdm(chunks, desc=f"recompute {window}", leave=False, disable=not progress):
+            ctx = torch.stack([ids[t - window + 1 : t + 1] for t in chunk])
+            logits = hf(input_ids=ctx, logits_to_keep=1).logits[:, -1]
+            nll[chunk] = _nll(logits, ids[[t + 1 for t in chunk]]).cpu().numpy()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        return PolicyRun(
+            Policy("recompute", window), nll, seconds, len(ts), float("nan"), peak_mib(device), None, batch
+        )

@@ -55,8 +55,7 @@ def default_policies(
     list of Policy
     """
     pols = [Policy("dense")] if dense else []
-    for s in sinks:
-        pols.append(Policy("window", window) if s == 0 else Policy("sinks", window, s))
+    pols += [Policy("window", window) if s == 0 else Policy("sinks", window, s) for s in sinks]
     if newline_sinks:
         pols.append(Policy("sinks", window, newline_sinks, "newline"))
     for b in bits or ():
@@ -421,15 +420,21 @@ def streaming_perplexity(
         record["note"] = "newline sinks left out: the model has no tokenizer (its task has no newline token)."
         newline_sinks = None
     pols = default_policies(
-        window,
-        sinks=sinks,
-        newline_sinks=newline_sinks if newline_sinks else None,
-        bits=bits,
-        quant_sinks=quant_sinks,
-        dense=dense,
+        window, sinks=sinks, newline_sinks=newline_sinks, bits=bits, quant_sinks=quant_sinks, dense=dense
     )
     nl = newline_id(tok) if newline_sinks else None
-    runs = _decode_policies(model, tokens, pols, n_ctx=n_ctx, batch=batch, newline=nl, progress=progress)
+    # one run per cache policy: the dense one over the stream's first n_ctx tokens (NaN past them), the cached ones
+    # batch at a time over the whole stream
+    runs: list[PolicyRun] = []
+    dense_pols = [p for p in pols if p.kind == "dense"]
+    if dense_pols:
+        n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
+        r = run_policies(model, tokens[:n_dense], dense_pols, progress=progress)[0]
+        r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
+        runs.append(r)
+    cached = [p for p in pols if p.kind != "dense"]
+    for i in range(0, len(cached), batch):
+        runs += run_policies(model, tokens, cached[i : i + batch], newline=nl, progress=progress)
     if recompute_every:
         runs.append(recompute_nll(model, tokens, window, every=recompute_every, progress=progress))
     return StreamResult(
@@ -451,37 +456,7 @@ def _stream_tokens(model: SinkModel, tok, tokens, *, n_tokens: int, seed: int) -
     """The stream's ids (N,) and the record of where they come from: the ids given, else ``n_tokens`` of the offline
     docstring stream (a tokenizer-less reference model: its task's stream) shuffled with ``seed``."""
     if tokens is None:
-        reference = model if tok is None else None  # a tokenizer-less reference model
-        stream = (
-            task_stream(reference, n_tokens, seed=seed)
-            if reference is not None
-            else stdlib_stream(tok, n_tokens, seed=seed)
-        )
+        stream = task_stream(model, n_tokens, seed=seed) if tok is None else stdlib_stream(tok, n_tokens, seed=seed)
         return stream.tokens, stream.record()
     tokens = torch.as_tensor(tokens).long().flatten()
     return tokens, {"source": "given tokens", "seed": None, "n_tokens": int(tokens.numel())}
-
-
-def _decode_policies(
-    model: SinkModel,
-    tokens: torch.Tensor,
-    pols: list,
-    *,
-    n_ctx: int | None,
-    batch: int,
-    newline: int | None,
-    progress: bool,
-) -> list[PolicyRun]:
-    """One run per cache policy: the dense one over the stream's first ``n_ctx`` tokens (NaN past them), the cached
-    ones ``batch`` at a time over the whole stream."""
-    runs: list[PolicyRun] = []
-    dense_pols = [p for p in pols if p.kind == "dense"]
-    if dense_pols:
-        n_dense = tokens.numel() if n_ctx is None else min(tokens.numel(), n_ctx)
-        r = run_policies(model, tokens[:n_dense], dense_pols, progress=progress)[0]
-        r.nll = np.concatenate([r.nll, np.full(tokens.numel() - n_dense, np.nan)])
-        runs.append(r)
-    cached = [p for p in pols if p.kind != "dense"]
-    for i in range(0, len(cached), batch):
-        runs += run_policies(model, tokens, cached[i : i + batch], newline=newline, progress=progress)
-    return runs

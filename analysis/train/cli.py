@@ -79,17 +79,6 @@ def _field_help(cls) -> dict[str, str]:
     return out
 
 
-def _field_flag(name: str) -> str:
-    """The option of a config field: ``--field-name``, or its name in the command line's vocabulary
-    (``analysis.core.options.TRAIN_FIELD_FLAGS``: ``eps`` is ``--norm-eps``, ``sink_eps`` is ``--eps``, ...)."""
-    return TRAIN_FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-def _help(cls, f: dataclasses.Field, flag: str) -> str:
-    default = f.default if f.default is not dataclasses.MISSING else None
-    return f"{VOCABULARY.get(flag) or _field_help(cls).get(f.name, '')} (default: {default})".strip()
-
-
 def _add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequence[str] = ()) -> None:
     """One option per config field; defaults suppressed (the groups' ``argument_default``) so only explicit options
     override a preset. Fields in ``list_fields`` take comma-separated lists (for sweeps). A field named in
@@ -104,9 +93,11 @@ def _add_config_options(parser: argparse.ArgumentParser, *, list_fields: Sequenc
                     "--quiet", dest="progress", action="store_const", const=False, help=VOCABULARY["--quiet"]
                 )
                 continue
-            flag = _field_flag(f.name)
+            # --field-name, or its name in the command line's vocabulary (eps is --norm-eps, sink_eps is --eps, ...)
+            flag = TRAIN_FIELD_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
             base, optional = _field_type(cls, f)
-            helptext = _help(cls, f, flag)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            helptext = f"{VOCABULARY.get(flag) or _field_help(cls).get(f.name, '')} (default: {default})".strip()
             if f.name in list_fields and base is bool:  # --bos true,false (a grid), or --bos / --no-bos
                 group.add_argument(
                     flag,
@@ -216,12 +207,6 @@ def _print_list() -> None:
         print(f"  {name}")
 
 
-def _held_run(out) -> list[str]:
-    """The files that make a folder hold a training run (``RUN_FILES``), those present."""
-    out = Path(out).expanduser()
-    return [name for name in RUN_FILES if (out / name).exists()] if out.is_dir() else []
-
-
 def _default_out(values: dict) -> str:
     """Where a run without ``--out`` goes: ``runs/<preset>-<attention>-seed<seed>`` (printed, never thrown away);
     ``values``: the preset's fields updated with the command line's."""
@@ -233,7 +218,8 @@ def _check_run_args(ns: dict) -> None:
     where it writes (``--out``: a folder that can be written and holds no run, unless ``--resume``), the sink
     threshold (``--eps``, once the norms' epsilon), and the device (``cuda`` without CUDA is an error)."""
     check_output(ns["out"], flag="--out", folder=True)
-    held = _held_run(ns["out"])
+    out = Path(ns["out"]).expanduser()
+    held = [name for name in RUN_FILES if (out / name).exists()] if out.is_dir() else []  # the run files there
     if held and not ns.get("resume"):
         raise ValueError(
             f"--out {ns['out']} already holds a run ({', '.join(held)}); pass --resume to continue it, or "

@@ -37,15 +37,6 @@ METRICS = tuple(
 CURVE_KEYS = ("step", "tokens", "loss", "val_loss", "sink_1", "sink_slot", "spike_ratio")  # curves.csv's columns
 
 
-def _grid_points(options: dict) -> tuple[list[str], list[dict]]:
-    """(grid field names, one {field: value} dict per combination) of config fields ``options`` (a list is a grid
-    axis); ``seed`` is always a grid field."""
-    lists = {k: v for k, v in options.items() if isinstance(v, list)}
-    lists.setdefault("seed", [options.get("seed", 0)])
-    keys = [k for k in lists if k != "seed"] + ["seed"]
-    return keys, [dict(zip(keys, combo)) for combo in itertools.product(*(lists[k] for k in keys))]
-
-
 def run_name(point: dict) -> str:
     """``attention-softmax_lr-0.01_seed-0``: one directory name per grid point.
 
@@ -185,7 +176,11 @@ def run_sweep(
     """
     options = dict(options)
     out = Path(options.pop("out"))
-    keys, points = _grid_points(options)
+    # the grid: a field given as a list is an axis, seed always one (last); one {field: value} per combination
+    lists = {k: v for k, v in options.items() if isinstance(v, list)}
+    lists.setdefault("seed", [options.get("seed", 0)])
+    keys = [k for k in lists if k != "seed"] + ["seed"]
+    points = [dict(zip(keys, combo)) for combo in itertools.product(*(lists[k] for k in keys))]
     fixed = {k: v for k, v in options.items() if k not in keys}
     reusable = _finished_runs([d for d in reuse if Path(d).is_dir()])
     todo, finals = [], {}

@@ -313,15 +313,10 @@ def _prepare_out(out: Path, start: int, command, mcfg, tcfg, data) -> None:
         data.tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
 
 
-def _attention_kernel(model, device: torch.device, tcfg: TrainConfig) -> dict:
-    """The attention kernel the run takes (read before the first step, from the kernel table); a fallback is logged
-    once by the table and recorded in the run's config.json (``attention_kernel``)."""
-    use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
-    return model.attention_kernel(device.type, torch.bfloat16 if use_bf16 else torch.float32)
-
-
 def _runner(model, device: torch.device, world: int, tcfg: TrainConfig):
-    """(the module the steps call: DDP and/or compiled around ``model``, the autocast context factory)."""
+    """(the module the steps call: DDP and/or compiled around ``model``, the autocast context factory, the attention
+    kernel the run takes: read before the first step from the kernel table; a fallback is logged once by the table and
+    recorded in the run's config.json, ``attention_kernel``)."""
     runner = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -330,7 +325,8 @@ def _runner(model, device: torch.device, world: int, tcfg: TrainConfig):
     if tcfg.compile:
         runner = torch.compile(runner)
     use_bf16 = tcfg.precision == "bf16" or (tcfg.precision == "auto" and device.type == "cuda")
-    return runner, ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    return runner, autocast, model.attention_kernel(device.type, torch.bfloat16 if use_bf16 else torch.float32)
 
 
 @dataclass
@@ -551,8 +547,7 @@ def train(
     start, log = _resume(ckpt, out, model, optimizer, names, mcfg, tcfg, main)
     if main and out is not None:
         _prepare_out(out, start, command, mcfg, tcfg, data)
-    runner, autocast = _runner(model, device, world, tcfg)
-    kernel = _attention_kernel(model, device, tcfg)
+    runner, autocast, kernel = _runner(model, device, world, tcfg)
     loop = _Loop(model, runner, optimizer, data, tcfg, device, autocast, rank, world, per_rank, micro)
     last, stopped = _run_steps(loop, start, out, main, log, mcfg, names, probes, _stop_after)
     if stopped:
