@@ -6,9 +6,10 @@ Hugging Face SDPA forward (issue 47's target: the pass <= 1.2 forward passes).
 
 ``replay`` runs the natural pass once (every accumulator the report feeds, ``backend="auto"``), keeping each layer's
 activations as the joint reducer hands them over, then replays them into fresh accumulators in the pass's order (the
-layer's attention-weight caches cleared, so the first reader pays for the map as in the pass) on one thread: each
-accumulator's updates, end and result in thread CPU time (steadier than wall time on a shared machine), best of
---repeat. ``ab`` times the natural pass and a plain Hugging Face forward (logits, no cache) of the same tokens,
+layer's attention-weight caches cleared, so the first reader pays for the map as in the pass) on one thread:
+each accumulator's updates, end and result in thread CPU time (steadier than wall time on a shared machine), best of
+--repeat, and the updates' critical path where a second thread takes each layer's list from its far end (the pass on
+a CPU with two threads). ``ab`` times the natural pass and a plain Hugging Face forward (logits, no cache) of the same tokens,
 interleaved (forward, pass, forward; the pass over the mean of the two), in this checkout and in OTHER_CHECKOUT (a
 worker process each, on its own PYTHONPATH), rounds alternating: compare the ratios, never seconds across runs.
 """
@@ -86,22 +87,27 @@ def replay(n: int, T: int, repeat: int) -> None:
     passes._JointReducer.fired = fired
     torch.set_num_threads(1)
     best: dict = collections.defaultdict(lambda: float("inf"))
+    paths = []  # per repeat: the layers' critical paths on two threads (engine.passes._feed's split)
     for _ in range(repeat):
         accs = [(f"{name}[{i}] {type(a).__name__}", a) for name, g in accumulators().items() for i, a in enumerate(g)]
         accs.sort(key=lambda kv: not kv[1].reads_rows)
         took = collections.Counter()
         with torch.inference_mode():
             for layer, slot, batch in calls:
+                rows = any(a.reads_rows and layer in a.hooks() for _, a in accs)
                 for x in slot.values():
                     if isinstance(x, AttentionWeights):
                         x._cols = x._sums = x._full = None
-                scratch: dict = {}
+                        x.share(rows)  # as the pass: the map, where one reads rows, built by its first reader
+                scratch, spans = {}, []
                 for key, acc in accs:
                     want = acc.hooks().get(layer)
                     if want:
                         t = time.thread_time()
                         acc.update(layer, passes.LayerActs({k: slot[v] for k, v in want.items() if v in slot}, scratch), batch)  # fmt: skip
-                        took[key] += time.thread_time() - t
+                        spans.append(time.thread_time() - t)
+                        took[key] += spans[-1]
+                paths.append(_two_threads(spans))
             for key, acc in accs:
                 t = time.thread_time()
                 acc.end_batch(calls[-1][2], None)
@@ -112,6 +118,22 @@ def replay(n: int, T: int, repeat: int) -> None:
     for key, s in sorted(best.items(), key=lambda kv: -kv[1]):
         print(f"{s:7.3f} s  {key}")
     print(f"{sum(best.values()):7.3f} s  in all (thread CPU time, 1 thread, best of {repeat}; one batch of {n} x {T})")
+    layers = len(calls)
+    two = min(sum(paths[i : i + layers]) for i in range(0, len(paths), layers))
+    print(f"{two:7.3f} s  the updates' critical path on two threads (each layer's list taken from both ends, best)")
+
+
+def _two_threads(spans: list) -> float:
+    """The longer of the two threads' shares of one layer's updates, this thread taking them from the front and the
+    second from the far end (``engine.passes._feed``), each span as measured on one thread."""
+    a = b = 0.0
+    i, j = 0, len(spans) - 1
+    while i <= j:
+        if a <= b:
+            a, i = a + spans[i], i + 1
+        else:
+            b, j = b + spans[j], j - 1
+    return max(a, b)
 
 
 def worker(n: int, T: int) -> None:

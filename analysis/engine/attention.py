@@ -70,6 +70,7 @@ class AttentionWeights:
         self._cols: Optional[torch.Tensor] = None  # the first key columns, once computed (``columns``)
         self._sums: Optional[torch.Tensor] = None  # their sums over the queries, float64, once taken (``alpha``)
         self._full: Optional[torch.Tensor] = None  # the whole map, once built (``_map``)
+        self._source: Optional[bool] = None  # ``share``'s decision: the map is every read's source, or never kept
         ref = pattern if pattern is not None else query
         self.shape = tuple(pattern.shape) if pattern is not None else (*query.shape[:3], query.shape[2])
         self.device, self.dtype = ref.device, ref.dtype
@@ -112,12 +113,24 @@ class AttentionWeights:
         """The whole map from q, k and the lse, float32 (B, H, T, T), kept once built: only while it is one block of
         ``_blocks`` (at most ``chunk_elements`` scores, what a block holds anyway), so the full-row reductions of a
         layer (``weighted``, the diagonals, rows) share one product of q and k. None past that, or (``build``
-        False) before a reduction built it."""
-        if self._full is None and build and self.pattern is None:
-            B, H, T, _ = self.shape
-            if block_rows(B, H, T, self.chunk) >= T:
-                self._full = next(self._blocks())[2]
-        return self._full
+        False) before a reduction built it. After :meth:`share`: the layer's map, built by its first reader (every
+        read's source), or never kept."""
+        full, source = self._full, self._source
+        if full is not None or self.pattern is not None or not (build or source):
+            return full
+        B, H, T, _ = self.shape
+        if block_rows(B, H, T, self.chunk) < T:
+            return None
+        full = next(self._blocks())[2]
+        if source is not False:  # kept (two threads asking at once build the same bits; one is kept)
+            self._full = full
+        return full
+
+    def share(self, rows: bool) -> None:
+        """Fix, before any reads, what this layer's readers share (``engine.passes._feed``): the map is the source of
+        every read where one of them reads whole rows (``rows``), built by the first to ask; otherwise a map is never
+        kept. Every number then comes from the same products of q and k whichever reader, order or thread asks."""
+        self._source = bool(rows)
 
     def _pattern(self, k_max: Optional[int] = None) -> torch.Tensor:
         """The map's first ``k_max`` key columns (all: None) with the entries above the diagonal zeroed, float32."""
@@ -130,22 +143,25 @@ class AttentionWeights:
 
     def columns(self, k_max: int) -> torch.Tensor:
         """A[..., :, :k_max]: the attention every query gives keys 1..k_max, float32 (B, H, T, k_max). Up to
-        ``COLUMNS_KEPT`` columns are kept once computed, so the reductions of one layer (alpha, the first key's
-        column) share one pass over the query rows."""
-        k = min(int(k_max), self.shape[-1])
-        if self._cols is not None and self._cols.shape[-1] >= k:
-            return self._cols[..., :k]
+        ``COLUMNS_KEPT`` keys, the first ``COLUMNS_KEPT`` columns are computed and kept at the first ask, so the
+        reductions of one layer (alpha, the first key's column) share one pass over the query rows, and every ask
+        is a slice of the same numbers."""
+        T = self.shape[-1]
+        k, cols, full = min(int(k_max), T), self._cols, self._map(build=False)  # each read once
+        if cols is not None and cols.shape[-1] >= k:
+            return cols[..., :k]
+        width = k if k > COLUMNS_KEPT else min(T, COLUMNS_KEPT)
         if self.pattern is not None:
-            out = self._pattern(k)
-        elif self._map(build=False) is not None:
-            return self._full[..., :k]
+            out = self._pattern(width)
+        elif full is not None:
+            out = full[..., :width]
         else:
-            out = torch.zeros(*self.shape[:3], k, device=self.device)
-            for s, e, a in self._blocks(k):
+            out = torch.zeros(*self.shape[:3], width, device=self.device)
+            for s, e, a in self._blocks(width):
                 out[..., s:e, : a.shape[-1]] = a
-        if k <= COLUMNS_KEPT:
+        if width == min(T, COLUMNS_KEPT):
             self._cols = out
-        return out
+        return out[..., :k]
 
     def column(self, j: int) -> torch.Tensor:
         """A[..., :, j] (0-based key j): the attention every query gives key j + 1, float32 (B, H, T)."""
@@ -158,10 +174,13 @@ class AttentionWeights:
         T = self.shape[-1]
         k_max = min(int(k_max), T)
         counts = (T - torch.arange(k_max, device=self.device)).double()
-        if self.pattern is not None or k_max <= COLUMNS_KEPT:  # one column sum for every alpha of the layer
-            if self._sums is None or self._sums.shape[-1] < k_max:
-                self._sums = self.columns(k_max).sum(-2, dtype=torch.float64)
-            return (self._sums[..., :k_max] / counts).float()
+        if self.pattern is not None and k_max > COLUMNS_KEPT:  # a map's columns past those kept
+            return (self.columns(k_max).sum(-2, dtype=torch.float64) / counts).float()
+        if k_max <= COLUMNS_KEPT:  # one column sum for every alpha of the layer
+            sums = self._sums
+            if sums is None:
+                sums = self._sums = self.columns(COLUMNS_KEPT).sum(-2, dtype=torch.float64)
+            return (sums[..., :k_max] / counts).float()
         if self.softcap is not None:  # the cap is not a factor of q . k: sum the blocks
             sums = torch.zeros(*self.shape[:2], k_max, dtype=torch.float64, device=self.device)
             for _, _, a in self._blocks(k_max):
@@ -185,8 +204,8 @@ class AttentionWeights:
         lse); under a soft cap, blocks of A."""
         if self.pattern is not None:
             return torch.einsum("bhij,bhj->bhi", self.pattern.float(), x.float())
-        if self._map() is not None:
-            return torch.einsum("bhij,bhj->bhi", self._full, x.float())
+        if (full := self._map()) is not None:
+            return torch.einsum("bhij,bhj->bhi", full, x.float())
         if self.softcap is None:
             g = self.shape[1] // self.key.shape[1]
             k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
@@ -204,8 +223,8 @@ class AttentionWeights:
         float32 (B, H, T - offset)."""
         if self.pattern is not None:
             return self.pattern.float().diagonal(-offset, dim1=-2, dim2=-1)
-        if self._map(build=False) is not None:
-            return self._full.diagonal(-offset, dim1=-2, dim2=-1)
+        if (full := self._map(build=False)) is not None:
+            return full.diagonal(-offset, dim1=-2, dim2=-1)
         B, H, T, d = self.query.shape
         g = H // self.key.shape[1]
         k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
@@ -220,8 +239,8 @@ class AttentionWeights:
         """A[..., i, :]: query i's attention on every key (0 after it), float32 (B, H, T); -1 the last query."""
         if self.pattern is not None:
             return self.pattern[..., i, :].float()
-        if self._map(build=False) is not None:
-            return self._full[..., i, :]
+        if (full := self._map(build=False)) is not None:
+            return full[..., i, :]
         B, H, T, d = self.query.shape
         i = i % T
         g = H // self.key.shape[1]
@@ -237,8 +256,8 @@ class AttentionWeights:
         """The map's query rows ``rows`` (a view, or the analyses that read whole rows), float32 (B, H, r, T)."""
         if self.pattern is not None:
             return self.pattern[..., rows, :].float()
-        if self._map() is not None:
-            return self._full[..., rows, :]
+        if (full := self._map()) is not None:
+            return full[..., rows, :]
         B, H, T, _ = self.shape
         out = torch.zeros(B, H, T, T, device=self.device)
         for s, e, a in self._blocks():

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import abc
 import contextvars
-from collections import Counter
+import os
+import threading
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -177,8 +180,14 @@ class LayerActs(dict):
         activations: the QK angles and the first-key manifold of one pass compute them once."""
         hit = self.scratch.get(id(x))
         if hit is None:
-            hit = self.scratch[id(x)] = (x, unit_vectors(x.float()))
+            with _UNITS:  # once, where two threads feed the layer (``_feed``)
+                hit = self.scratch.get(id(x))
+                if hit is None:
+                    hit = self.scratch[id(x)] = (x, unit_vectors(x.float()))
         return hit[1]
+
+
+_UNITS = threading.Lock()
 
 
 class LayerCollector:
@@ -307,8 +316,9 @@ def captured(acts: dict, *, select=None) -> torch.Tensor:
 
 
 class _JointReducer:
-    """Holds the activations of one layer until all of them have fired, then feeds every accumulator, on one CPU
-    thread (``core.stats.one_thread``: the reductions work on a few MB each, where threads only wait on each other)."""
+    """Holds the activations of one layer until all of them have fired, then feeds every accumulator, each on one CPU
+    thread (``core.stats.one_thread``: the reductions work on a few MB each, where threads only wait on each other),
+    two accumulators at a time on a CPU with two threads (``_feed``)."""
 
     def __init__(self, accumulators: Sequence[Accumulator], stop_early: bool):
         self.accs = sorted(accumulators, key=lambda a: not a.reads_rows)  # in a layer, whole rows first (one map)
@@ -326,6 +336,7 @@ class _JointReducer:
         self.slot: dict[int, dict[str, torch.Tensor]] = {}
         self.done: set[int] = set()
         self.batch: Batch | None = None
+        self.side = True  # a second CPU thread feeds accumulators too (``_feed``); off where nnsight runs the hooks
 
     def fwd_hooks(self) -> list[tuple[str, HookFn]]:
         return [(name, self._hook(layer, name)) for layer, names in self.by_layer.items() for name in sorted(names)]
@@ -343,12 +354,18 @@ class _JointReducer:
         del self.slot[layer]
         self.done.add(layer)
         scratch: dict = {}  # shared by the layer's accumulators (LayerActs.units), dropped with the layer
+        todo = [
+            (acc, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch))
+            for acc, want in zip(self.accs, self.wants)
+            if layer in want
+        ]
+        side = self.side and x.device.type == "cpu" and torch.get_num_threads() > 1
         with one_thread():
-            for acc, want in zip(self.accs, self.wants):
-                if layer in want:
-                    acc.update(
-                        layer, LayerActs({k: slot[n] for k, n in want[layer].items() if n in slot}, scratch), self.batch
-                    )
+            rows = any(acc.reads_rows for acc, _ in todo)
+            for a in slot.values():
+                if isinstance(a, AttentionWeights):
+                    a.share(rows)  # the map as every read's source, or never kept: the same bits on one thread or two
+            _feed(todo, layer, self.batch, side)
         if self.stop_early and layer == self.last:
             raise _Stop
 
@@ -363,6 +380,48 @@ class _JointReducer:
                 f"hooks {never[:4]}{'...' if len(never) > 4 else ''} did not fire: the model lists hooks it does not "
                 "run. Load it with `analysis.load_model` (or, for keys/queries, try rotated=False)."
             )
+
+
+def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
+    """Each accumulator's update of one layer, one thread each. With ``side``, a second thread takes them from the
+    list's far end while this one takes them from the front (the row readers, which build the layer's map, are
+    first): on the CPU, while the forward waits, two cores reduce where one did. The threads share only the layer's
+    activations and their caches, which are safe to read and fill from both; the second thread runs in this one's
+    context, grad and inference modes."""
+    if not side or len(todo) < 2:
+        for acc, acts in todo:
+            acc.update(layer, acts, batch)
+        return
+    work = deque(todo)
+    modes, ctx = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()), contextvars.copy_context()
+
+    def take(pop) -> None:
+        while True:
+            try:
+                acc, acts = pop()
+            except IndexError:  # the list is empty (an update's own IndexError propagates)
+                return
+            acc.update(layer, acts, batch)
+
+    def far() -> None:
+        with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]), one_thread():
+            take(work.pop)
+
+    pid = os.getpid()
+    if _SIDE.get(pid) is None:  # one worker per process (a forked child starts its own)
+        _SIDE.clear()
+        _SIDE[pid] = ThreadPoolExecutor(1, thread_name_prefix="analysis-feed")
+    job = _SIDE[pid].submit(ctx.run, far)
+    try:
+        take(work.popleft)
+    except BaseException:
+        work.clear()  # the second thread stops after its current update
+        wait([job])
+        raise
+    job.result()
+
+
+_SIDE: dict[int, ThreadPoolExecutor] = {}
 
 
 class ResidCapture(Accumulator):
@@ -697,6 +756,7 @@ def _run_nnsight(
         rows = None if resume is None else _resumed_rows(batch, resume, entry, _Named)
         return taps.run(batch.tokens, needs_logits=needs_logits, resume_rows=rows)
 
+    joint.side = False  # the hooks run inside nnsight's interleaver: one thread
     with torch.inference_mode():
         _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
 
