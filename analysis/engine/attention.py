@@ -24,7 +24,7 @@ from analysis.core.docs import parameters_from
 from analysis.core.reductions import ALPHA_CHUNK_ELEMENTS, alpha_from_lse, block_rows, hide_scores
 
 
-COLUMNS_KEPT = 64  # key columns a layer's weights keep for its reductions to share: (B, H, T, 64) floats at most
+COLUMNS_KEPT = 16  # key columns a layer's weights keep for its reductions to share (alpha_1..16): (B, H, T, 16) floats
 
 
 class AttentionWeights:
