@@ -388,12 +388,7 @@ def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
     first): on the CPU, while the forward waits, two cores reduce where one did. The threads share only the layer's
     activations and their caches, which are safe to read and fill from both; the second thread runs in this one's
     context, grad and inference modes."""
-    if not side or len(todo) < 2:
-        for acc, acts in todo:
-            acc.update(layer, acts, batch)
-        return
     work = deque(todo)
-    modes, ctx = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()), contextvars.copy_context()
 
     def take(pop) -> None:
         while True:
@@ -402,6 +397,10 @@ def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
             except IndexError:  # the list is empty (an update's own IndexError propagates)
                 return
             acc.update(layer, acts, batch)
+
+    if not side or len(todo) < 2:
+        return take(work.popleft)
+    modes, ctx = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()), contextvars.copy_context()
 
     def far() -> None:
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]), one_thread():
