@@ -357,35 +357,15 @@ def moe_experts(
         on = idx == e  # (N, k)
         w = (slots[..., dim] * on).sum(1)  # (N,)
         routed = on.any(1)
-        rows.append(
-            {
-                "expert": str(e),
-                "routed_share": float(routed.float().mean()),
-                "write_when_routed": float(w[routed].mean()),
-                "mean_write": float(w.mean()),
-            }
-        )
-    rows.append(
-        {
-            "expert": "rest",
-            "routed_share": 1.0,
-            "write_when_routed": float(rest[:, dim].mean()),
-            "mean_write": float(rest[:, dim].mean()),
-        }
-    )
+        share, when = float(routed.float().mean()), float(w[routed].mean())
+        rows.append({"expert": str(e), "routed_share": share, "write_when_routed": when, "mean_write": float(w.mean())})
+    r = float(rest[:, dim].mean())
+    rows.append({"expert": "rest", "routed_share": 1.0, "write_when_routed": r, "mean_write": r})
     write = trace.mlp[:N, block, dim]
-    left = write - (
-        slots[..., dim].sum(1) + rest[:, dim]
-    )  # what the block's modules do not make (a hook on its output)
+    left = write - (slots[..., dim].sum(1) + rest[:, dim])  # what the block's modules do not make (a hook on it)
     if float(left.abs().max()) > 1e-3 * max(float(write.abs().max()), 1.0):
-        rows.append(
-            {
-                "expert": "unaccounted",
-                "routed_share": 1.0,
-                "write_when_routed": float(left.mean()),
-                "mean_write": float(left.mean()),
-            }
-        )
+        u = float(left.mean())
+        rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": u, "mean_write": u})
     return ExpertWrites(
         dim, block, role, pd.DataFrame(rows), float(write.mean()), int(N), getattr(model, "model_name", None)
     )
