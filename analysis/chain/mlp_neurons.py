@@ -18,11 +18,12 @@ from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_weig
 from analysis.core.docs import fill_parameters
 from analysis.core.io import jsonable
 from analysis.core.results import Result
-from analysis.model.key_path import NormParams
+from analysis.model.key_path import _KINDS, NormOps
+from analysis.model.nnsight_model import TraceWeight, weights_in_trace
+from analysis.engine import remote
+from analysis.engine.passes import Reduction
 from analysis.chain.first_token_trace import FirstTokenTrace
 
-
-_NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 
 # ------------------------------------------------------ Inside one MLP: neurons (dense) or experts (mixture of experts)
 
@@ -262,23 +263,32 @@ class ExpertWrites(Result):
 def _out_factor(model, block: int, act: torch.Tensor, dim: int):
     """(factor (N,), w_out (d_mlp,), constant (N,)): how neuron n's a_n reaches the stream on ``dim``, with the
     output norm's scale held at its value for each sample (exact for the write: sum_n factor a_n w_out[n] +
-    constant = the MLP's write). Without an output norm only W_out's row ``dim`` is read (all a model on NDIF sends)."""
+    constant = the MLP's write). Without an output norm only W_out's row ``dim`` is read (all a model on NDIF sends);
+    with one, :func:`_post_norm_reads` reads all of W_out, through nnsight in a trace (on NDIF: there)."""
     spec = get_mlp(model)
-    W = mlp_weights(model, block, dims=None if spec.output == "post_norm" else [dim])
-    b = W.b_out if W.b_out is not None else torch.zeros(W.W_out.shape[0])
     if spec.output != "post_norm":
+        W = mlp_weights(model, block, dims=[dim])
         k = torch.full((act.shape[0],), float(spec.output_scale))
-        return k, W.W_out[0], k * float(b[0])
-    mod = block_norm(model, block, spec.output_norm_module)
-    w, nb = norm_weights(mod)
+        return k, W.W_out[0], k * (float(W.b_out[0]) if W.b_out is not None else 0.0)
+    w, nb = norm_weights(block_norm(model, block, spec.output_norm_module))
     ns = spec.output_norm
-    norm = NormParams(_NORM_KINDS.get(ns.kind, "RMS"), w, nb, ns.eps, ns.gain_offset)
-    proj = act @ W.W_out.T + b  # (N, D)
-    k = (norm.scale(proj)[:, 0] * norm.gain[dim]).float()
-    centre = (lambda v: v - v.mean(0, keepdim=True)) if norm.kind == "LN" else (lambda v: v)
-    w_out, bc = centre(W.W_out)[dim], centre(b[:, None])[dim, 0]
-    const = k * float(bc) + (float(nb[dim]) if nb is not None else 0.0)
-    return k, w_out, const
+    norm = NormOps(_KINDS.get(ns.kind, "RMS"), w, nb, ns.eps, ns.gain_offset)
+    W = None if weights_in_trace(model) else mlp_weights(model, block)
+    ws = {k: TraceWeight(f"mlp.{k}", block) if W is None else getattr(W, k) for k in ("W_out", "b_out")}
+    red = Reduction(_post_norm_reads, {"act": act, "dim": dim, "norm": norm, **ws})
+    scale, w_out, bc = red({}) if W is not None else remote.in_trace(model, block, red)
+    k = (scale * norm.gain[dim]).float()
+    return k, w_out, k * float(bc) + (float(nb[dim]) if nb is not None else 0.0)
+
+
+def _post_norm_reads(acts, *, act, W_out, b_out, dim: int, norm) -> tuple:
+    """What the writer table needs of a norm on the MLP's write, torch only: the norm's scale (N,) at each sample's
+    MLP output act @ W_out.T + b_out, W_out's row ``dim`` (d_mlp,) and b_out[dim] (centred over d_model for a
+    LayerNorm). A remote trace ships it as a reduction of no activations (``acts`` unused): W_out stays on NDIF."""
+    W = W_out.float()
+    b = torch.zeros(W.shape[0], device=W.device) if b_out is None else b_out.float()
+    scale = norm.scale(act.to(W.device) @ W.T + b)[:, 0]
+    return (scale, W[dim] - W.mean(0), b[dim] - b.mean()) if norm.kind == "LN" else (scale, W[dim], b[dim])
 
 
 def mlp_neurons(model: SinkModel, trace: FirstTokenTrace, dim: int, block: int, *, role: str = "writer") -> MlpNeurons:
@@ -347,35 +357,15 @@ def moe_experts(
         on = idx == e  # (N, k)
         w = (slots[..., dim] * on).sum(1)  # (N,)
         routed = on.any(1)
-        rows.append(
-            {
-                "expert": str(e),
-                "routed_share": float(routed.float().mean()),
-                "write_when_routed": float(w[routed].mean()),
-                "mean_write": float(w.mean()),
-            }
-        )
-    rows.append(
-        {
-            "expert": "rest",
-            "routed_share": 1.0,
-            "write_when_routed": float(rest[:, dim].mean()),
-            "mean_write": float(rest[:, dim].mean()),
-        }
-    )
+        share, when = float(routed.float().mean()), float(w[routed].mean())
+        rows.append({"expert": str(e), "routed_share": share, "write_when_routed": when, "mean_write": float(w.mean())})
+    r = float(rest[:, dim].mean())
+    rows.append({"expert": "rest", "routed_share": 1.0, "write_when_routed": r, "mean_write": r})
     write = trace.mlp[:N, block, dim]
-    left = write - (
-        slots[..., dim].sum(1) + rest[:, dim]
-    )  # what the block's modules do not make (a hook on its output)
+    left = write - (slots[..., dim].sum(1) + rest[:, dim])  # what the block's modules do not make (a hook on it)
     if float(left.abs().max()) > 1e-3 * max(float(write.abs().max()), 1.0):
-        rows.append(
-            {
-                "expert": "unaccounted",
-                "routed_share": 1.0,
-                "write_when_routed": float(left.mean()),
-                "mean_write": float(left.mean()),
-            }
-        )
+        u = float(left.mean())
+        rows.append({"expert": "unaccounted", "routed_share": 1.0, "write_when_routed": u, "mean_write": u})
     return ExpertWrites(
         dim, block, role, pd.DataFrame(rows), float(write.mean()), int(N), getattr(model, "model_name", None)
     )

@@ -511,9 +511,8 @@ def _quadratic(model, n: MlpNeurons, x: torch.Tensor) -> QuadraticForm:
     if not weights_in_trace(model):
         W = mlp_weights(model, n.block)
         return quadratic_form(n.w_out, W.W_gate, W.W_in, x, dim=n.dim, block=n.block, write=n.mean_write)
-    ws = {"W_gate": TraceWeight("mlp.W_gate", n.block), "W_up": TraceWeight("mlp.W_in", n.block)}
-    job = [(n.block, None, frozenset(), [(0, Reduction(_form_spectrum, {"w_out_d": n.w_out, "x": x, **ws}), {})])]
-    lam, cos, share, form = remote.trace_batch(model, torch.zeros(1, 1, dtype=torch.long), job)[0][2]
+    ws = {"W_gate": TraceWeight("mlp.W_gate", n.block), "W_up": TraceWeight("mlp.W_in", n.block), "x": x}
+    lam, cos, share, form = remote.in_trace(model, n.block, Reduction(_form_spectrum, {"w_out_d": n.w_out, **ws}))
     return QuadraticForm(n.dim, n.block, lam, cos, share, float(form), float(n.mean_write), n_samples=len(x))
 
 

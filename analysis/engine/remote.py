@@ -237,6 +237,12 @@ def trace_batch(
     return [(j, l, _to_cpu(r)) for j, l, r in saved]
 
 
+def in_trace(model: NnsightModel, layer: int, red) -> object:
+    """What ``red`` (a Reduction of weights alone: no activations, its TraceWeights read where the model is) returns,
+    run in a trace of one token at ``layer`` (on NDIF: there, so only what it returns comes back)."""
+    return trace_batch(model, torch.zeros(1, 1, dtype=torch.long), [(layer, None, frozenset(), [(0, red, {})])])[0][2]
+
+
 def _in_order(sites, edits: dict) -> list[str]:
     """The sites a layer's trace reads or edits, in the order its forward reaches them (``BLOCK_SITES``), the
     attention call's as one ("call")."""

@@ -38,7 +38,8 @@ class TraceWeight:
     name : str
         "W_O": the per-head output weights (H, d_head, d_model); the key path's (``KeyPath.in_trace``): "ln1.w",
         "ln1.b" (the attention input's norm), "W_K" (H_kv, d_model, d_head), "b_K" (H_kv, d_head), "k_norm.w",
-        "k_norm.b"; the quadratic form's "mlp.W_gate", "mlp.W_in" (d_mlp, d_model).
+        "k_norm.b"; the quadratic form's "mlp.W_gate", "mlp.W_in" (d_mlp, d_model); the writer table's "mlp.W_out"
+        (d_model, d_mlp), "mlp.b_out" (None where the MLP has no bias).
     layer : int
     shape : tuple of int, optional
         Its shape, for a dry run's stand-in (``analysis.engine.remote``).
@@ -184,6 +185,8 @@ class NnsightModel:
             if env is None:
                 break
         if env is None or not where or getattr(env._module, attr, None) is None:
+            if env is not None and attr == "bias":
+                return None  # a module without a bias (b_out of an MLP that has none, as MlpWeights holds it)
             raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
         t, s = getattr(env, attr), self.spec
         if w.name == "W_O":
@@ -333,6 +336,8 @@ _WEIGHTS = {
     "k_norm.b": ("self_attn.k_norm", "bias"),
     "mlp.W_gate": ("mlp.gate_proj", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
     "mlp.W_in": ("mlp.up_proj", "weight"),
+    "mlp.W_out": ("mlp.down_proj", "weight"),  # (d_model, d_mlp)
+    "mlp.b_out": ("mlp.down_proj", "bias"),
 }
 
 

@@ -59,7 +59,6 @@ from analysis.report.html import Section, chain_findings, page, render_figures
 from analysis.report.html import LINKS, Finding, figure_html, table_html  # noqa: F401 (their home; named here too)
 from analysis.chain.massive import criterion_text, width_criterion
 from analysis.model.nnsight_model import NnsightModel
-from analysis.model.mlp_spec import get_mlp
 from analysis.model.probes import model_probe_sets
 from analysis.core.options import REPORT_MIN_T, REPORT_N, REPORT_T_WHY, SINK_N
 from analysis.core.versions import package_versions
@@ -416,10 +415,6 @@ def _remote_refusal(model: NnsightModel, key: str) -> str | None:
     if key not in NNSIGHT_SECTIONS:
         why = NOT_REMOTE.get(key, "this section has none")
         return f"on NDIF a pass runs the accumulators' shipped reductions only, and {why}"
-    if key == "spike_writers" and model.remote and get_mlp(model).output == "post_norm":
-        return (
-            "this model's MLP normalises its write, so the writer table reads all of W_out: NDIF sends no whole weight"
-        )
     return None
 
 

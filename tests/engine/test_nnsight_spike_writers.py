@@ -1,8 +1,8 @@
 """The spike writers through nnsight (``load_nnsight``: the traces a remote model runs on NDIF, run here): the MLP
 spec and weights (whole, and the slices the steps read) read from the Hugging Face modules equal the bridge's, and the
 report's spike-writers section (its origin, first-token cause and writer cuts, their reads, neuron sets and loss in the
-traces) equals the bridge's, on tiny Llama and Gemma 2 (a norm on each write); on a model held as NDIF holds it
-(meta-device weights here, its traces in nnsight's simulation of a remote run) it equals the local one; what ships
+traces) equals the bridge's, on tiny Llama, Gemma 2 and OLMo-2 (a norm on each write), also on a model held as NDIF
+holds it (meta-device weights here, its traces in nnsight's simulation of a remote run); what ships
 reads only NDIF's whitelist and runs in nnsight's simulation of a remote run; the origin's, cause's and a cut's reads
 of Llama-3.1-405B fit NDIF's requests. About 100 s (the tiny families' first load included)."""
 
@@ -20,10 +20,11 @@ from analysis.causal.conditions import _loss_stats  # noqa: E402
 from analysis.causal.writer_cuts import first_token_dims, set_neurons, spike_cuts  # noqa: E402
 from analysis.chain.first_token_cause import CauseAccumulator, _readout, cause_stats, why_first_token  # noqa: E402
 from analysis.chain.first_token_trace import SpikeOriginAccumulator, first_token_stats  # noqa: E402
+from analysis.chain.mlp_neurons import _post_norm_reads  # noqa: E402
 from analysis.chain.quadratic_form import _form_spectrum  # noqa: E402
 from analysis.chain.spike_writers import spike_origin, writer_summary  # noqa: E402
 from analysis.engine import remote  # noqa: E402
-from analysis.report.build import _remote_refusal, build_report  # noqa: E402
+from analysis.report.build import _remote_refusal  # noqa: E402
 from analysis.engine.passes import Accumulator, Reduction  # noqa: E402
 from analysis.model.loading import load_nnsight  # noqa: E402
 from analysis.model.mlp_spec import get_mlp, mlp_weights  # noqa: E402
@@ -84,17 +85,19 @@ def _section(m, tokens) -> tuple[dict, object]:
     return json.loads(json.dumps(got, default=str)), o
 
 
-def test_the_spike_writers_of_a_model_held_on_ndif_equal_a_local_ones(family_dir, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_spike_writers_of_a_model_held_on_ndif_equal_the_bridges(family, family_bridge, family_dir, monkeypatch):
     """A model as NDIF holds it (``remote_meta_model``: meta-device weights here), its traces run in nnsight's
     simulation of a remote run on the real weights, put in only while one runs (the server's model): the slices
-    ``mlp_weights`` reads there equal the local weights exactly and a whole weight is refused; the section's origin,
-    writer table, quadratic forms, first-token cause and writer cuts equal those of the model loaded here. About
-    10 s."""
-    here, nn, tokens = (*(load_nnsight(str(family_dir("llama"))) for _ in "ab"), _tokens(n=2, T=12))
+    ``mlp_weights`` reads there equal the bridge's exactly and a whole weight is refused; the report does not refuse
+    the section, and its origin, writer table, quadratic forms, first-token cause and writer cuts equal the bridge's,
+    Gemma 2's and OLMo-2's too (the norm on the MLP's write: its scale taken in the trace, ``_post_norm_reads``).
+    About 10 s a family."""
+    here, nn, tokens = family_bridge(family), load_nnsight(str(family_dir(family))), _tokens(n=2, T=12)
     want, o = _section(here, tokens)
     restore = _held_on_ndif(nn, monkeypatch)
     try:
-        assert all(p.is_meta for p in nn.hf.parameters())
+        assert all(p.is_meta for p in nn.hf.parameters()) and _remote_refusal(nn, "spike_writers") is None
         with pytest.raises(NnsightUnsupported, match="never a whole weight"):
             mlp_weights(nn, 1)
         for sel in SLICES:
@@ -102,6 +105,7 @@ def test_the_spike_writers_of_a_model_held_on_ndif_equal_a_local_ones(family_dir
         have, p = _section(nn, tokens)
     finally:
         restore()
+    assert (get_mlp(nn).output == "post_norm") == (family != "llama")
     assert min(want["n"]) > 0 and have["n"] == want["n"] and not _same(have, want)
     for a, b in zip(p.quadratic + p.neurons, o.quadratic + o.neurons):  # the tensors too, to 1e-5
         assert all(torch.allclose(x, getattr(b, k), atol=1e-5) for k, x in vars(a).items() if torch.is_tensor(x))
@@ -138,7 +142,7 @@ def test_the_spike_writer_reductions_ship_only_what_ndif_allows(family_dir, monk
     """Each reads only NDIF's whitelist; one trace with the origin's and the cause's reads, the cuts' neuron sets
     and spike dims and the loss, through nnsight's simulation of a remote run (this package hidden), returns what
     it returns here, and only the edited rows change."""
-    for fn in (first_token_stats, cause_stats, set_neurons, first_token_dims, _form_spectrum):
+    for fn in (first_token_stats, cause_stats, set_neurons, first_token_dims, _form_spectrum, _post_norm_reads):
         bad = {m for m in _reached(fn) if m.split(".")[0] not in NDIF_ALLOWED}
         assert not bad, f"{fn.__name__} reaches {bad}: NDIF allows only {sorted(NDIF_ALLOWED)}"
     nn, tokens = load_nnsight(str(family_dir("llama"))), _tokens(n=2, T=12)
@@ -228,21 +232,3 @@ def test_a_family_that_scales_its_writes_is_refused_before_the_trace(family_dir)
     nnsight, with the reason, before any trace (its bridge hooks hold the scaled writes)."""
     with pytest.raises(NnsightUnsupported, match="scales each write by 0.22"):
         spike_origin(load_nnsight(str(family_dir("granite"))), _tokens(n=2, T=12), abs_threshold=0.0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_spike_writers_of_a_post_normed_family_on_ndif_are_refused_before_any_work(family, family_dir, tmp_path):
-    """Gemma 2's and OLMo-2's writer table needs all of W_out (the norm on the MLP's write), which NDIF never sends:
-    on a model held there the report refuses the section, with the reason, before any trace (here none can run:
-    ``remote`` with no NDIF behind it); a local nnsight model and a Llama-style one run it."""
-    nn = load_nnsight(str(family_dir(family)))
-    assert _remote_refusal(nn, "spike_writers") is None
-    nn.remote = True
-    why = _remote_refusal(nn, "spike_writers")
-    assert (why is None) == (family == "llama")
-    if why is not None:
-        assert "all of W_out" in why
-        build_report(nn, tmp_path, sections=["spike_writers"], n=2, T=12)
-        got = json.loads((tmp_path / "report.json").read_text())
-        reason = f"not run on a remote model: {why} (docs/remote.md)"
-        assert got["sections"] == {"spike_writers": {"available": False, "reason": reason}} and not got["errors"]
