@@ -1,8 +1,8 @@
 """The report's natural profile pass, taken apart: each accumulator's updates alone, and the whole pass against a
 Hugging Face SDPA forward (issue 47's target: the pass <= 1.2 forward passes).
 
-    .venv/bin/python benchmarks/bench_profile_pass.py replay [--n 32] [--T 64]
-    .venv/bin/python benchmarks/bench_profile_pass.py ab OTHER_CHECKOUT [--rounds 3]
+    .venv/bin/python benchmarks/bench_profile_pass.py replay [--n 32] [--T 64] [--kind natural]
+    .venv/bin/python benchmarks/bench_profile_pass.py ab OTHER_CHECKOUT [--rounds 3] [--kind natural]
 
 ``replay`` runs the natural pass once (every accumulator the report feeds, ``backend="auto"``), keeping each layer's
 activations as the joint reducer hands them over, then replays them into fresh accumulators in the pass's order (the
@@ -28,8 +28,8 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _setup(n: int, T: int):
-    """The model, the natural tokens and a maker of the report's natural-kind accumulators."""
+def _setup(n: int, T: int, kind: str = "natural"):
+    """The model, the kind's tokens and a maker of the report's accumulators of that probe kind's pass."""
     from analysis import load_model
     from analysis.chain.massive import spike_criterion
     from analysis.core.defaults import RESID_BUDGET_MIB, SPIKE_CUT_SAMPLES
@@ -39,12 +39,12 @@ def _setup(n: int, T: int):
 
     model = load_model("smollm2-135m")
     ctx = _Context(model, n, T, 0, None, list(SECTIONS))
-    probe = ctx.probes["natural"]
+    probe = ctx.probes[kind]
     chosen = [a for a in chosen_analyses(ctx.analyses) if a.accumulators is not None]
 
     def accumulators() -> dict:
         inputs = PassInputs(
-            model, probe.tokens, "natural", True, probe, eps=ctx.eps, k_max=None, spike=tuple(spike_criterion(model)),
+            model, probe.tokens, kind, kind == "natural", probe, eps=ctx.eps, k_max=None, spike=tuple(spike_criterion(model)),
             budget_mib=RESID_BUDGET_MIB, batch_size=None, follow_up_samples=SPIKE_CUT_SAMPLES,
         )  # fmt: skip
         return {a.name: list(a.accumulators(inputs)) for a in chosen}
@@ -70,11 +70,11 @@ def _forward(model, tokens) -> float:
     return time.perf_counter() - t
 
 
-def replay(n: int, T: int, repeat: int) -> None:
+def replay(n: int, T: int, repeat: int, kind: str) -> None:
     from analysis.engine import passes
     from analysis.engine.attention import AttentionWeights
 
-    model, tokens, accumulators = _setup(n, T)
+    model, tokens, accumulators = _setup(n, T, kind)
     calls, fired = [], passes._JointReducer.fired
 
     def keep(self, layer, name, x):  # the layer's activations, as the reducer hands them over
@@ -136,10 +136,10 @@ def _two_threads(spans: list) -> float:
     return max(a, b)
 
 
-def worker(n: int, T: int) -> None:
+def worker(n: int, T: int, kind: str) -> None:
     """Answers "fwd" or "pass" on stdin with the seconds taken (``ab``'s worker)."""
     torch.set_num_threads(2)
-    model, tokens, accumulators = _setup(n, T)
+    model, tokens, accumulators = _setup(n, T, kind)
     _forward(model, tokens), _natural_pass(model, tokens, accumulators)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -147,9 +147,9 @@ def worker(n: int, T: int) -> None:
         print(f"{s:.4f}", flush=True)
 
 
-def ab(other: str, n: int, T: int, rounds: int) -> None:
+def ab(other: str, n: int, T: int, rounds: int, kind: str) -> None:
     def start(path):
-        cmd = [sys.executable, os.path.abspath(__file__), "worker", "--n", str(n), "--T", str(T)]
+        cmd = [sys.executable, os.path.abspath(__file__), "worker", "--n", str(n), "--T", str(T), "--kind", kind]
         p = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path}
         )
@@ -184,15 +184,16 @@ def main() -> None:
     p.add_argument("--T", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kind", choices=("natural", "random", "repeated"), default="natural", help="the probe kind's pass")
     a = p.parse_args()
     if a.mode == "ab" and not a.other:
         p.error("ab needs the other checkout's root, e.g. /work/main.")
     if a.mode == "replay":
-        replay(a.n, a.T, a.repeat)
+        replay(a.n, a.T, a.repeat, a.kind)
     elif a.mode == "worker":
-        worker(a.n, a.T)
+        worker(a.n, a.T, a.kind)
     else:
-        ab(a.other, a.n, a.T, a.rounds)
+        ab(a.other, a.n, a.T, a.rounds, a.kind)
 
 
 if __name__ == "__main__":
