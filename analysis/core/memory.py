@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting threshold, held there
 
 
@@ -43,6 +43,23 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
         raise ValueError(f"threshold must be a positive number of bytes (an int); got {threshold!r}.")
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def share_arenas() -> bool:
+    """Have glibc make no new malloc arena for the rest of the process (``mallopt(M_ARENA_MAX, 1)``): threads started
+    later allocate from the arenas there. Called before the pass engine starts its second thread
+    (``engine.passes._feed``), whose own arena kept the blocks it freed: 0.1x a forward's memory more at SmolLM2's
+    report's peak (measured: 2,159 MiB against 2,008-2,020 MiB with this). Elsewhere than glibc it returns False.
+
+    Returns
+    -------
+    bool
+        Whether the allocator took it.
+    """
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1))
     except (OSError, AttributeError):
         return False
 

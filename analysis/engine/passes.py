@@ -39,6 +39,7 @@ from analysis.model.hooks import (
     model_facts,
 )
 from analysis.core.docs import model_tokens, parameters_from
+from analysis.core.memory import share_arenas
 from analysis.core.stats import one_thread, unit_vectors
 
 HookFn = Callable[[torch.Tensor, object], object]
@@ -407,8 +408,9 @@ def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
             take(work.pop)
 
     pid = os.getpid()
-    if _SIDE.get(pid) is None:  # one worker per process (a forked child starts its own)
+    if _SIDE.get(pid) is None:  # one worker per process (a forked child starts its own), in an arena there
         _SIDE.clear()
+        share_arenas()
         _SIDE[pid] = ThreadPoolExecutor(1, thread_name_prefix="analysis-feed")
     job = _SIDE[pid].submit(ctx.run, far)
     try:
