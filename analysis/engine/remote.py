@@ -239,7 +239,21 @@ def trace_batch(
 
 def in_trace(model: NnsightModel, layer: int, red) -> object:
     """What ``red`` (a Reduction of weights alone: no activations, its TraceWeights read where the model is) returns,
-    run in a trace of one token at ``layer`` (on NDIF: there, so only what it returns comes back)."""
+    run in a trace of one token at ``layer`` (on NDIF: there, so only what it returns comes back).
+
+    Parameters
+    ----------
+    model : NnsightModel
+    layer : int
+        The block whose trace site runs it.
+    red : Reduction
+        Its ``fn`` reads only its parameters (``TraceWeight``s among them).
+
+    Returns
+    -------
+    object
+        What ``red`` returned, on the CPU.
+    """
     return trace_batch(model, torch.zeros(1, 1, dtype=torch.long), [(layer, None, frozenset(), [(0, red, {})])])[0][2]
 
 
