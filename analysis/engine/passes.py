@@ -360,7 +360,7 @@ class _JointReducer:
             for acc, want in zip(self.accs, self.wants)
             if layer in want
         ]
-        side = self.side and x.device.type == "cpu" and torch.get_num_threads() > 1
+        side = self.side and x.device.type == "cpu" and torch.get_num_threads() > 1 and not _modes()
         with one_thread():
             rows = any(acc.reads_rows for acc, _ in todo)
             for a in slot.values():
@@ -388,7 +388,8 @@ def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
     list's far end while this one takes them from the front (the row readers, which build the layer's map, are
     first): on the CPU, while the forward waits, two cores reduce where one did. The threads share only the layer's
     activations and their caches, which are safe to read and fill from both; the second thread runs in this one's
-    context, grad and inference modes."""
+    context, grad and inference modes. Under a torch function or dispatch mode the layer is fed on this thread only
+    (``_modes``)."""
     work = deque(todo)
 
     def take(pop) -> None:
@@ -423,6 +424,14 @@ def _feed(todo: list, layer: int, batch: Batch, side: bool) -> None:
 
 
 _SIDE: dict[int, ThreadPoolExecutor] = {}
+
+
+def _modes() -> bool:
+    """Whether a torch function or dispatch mode is active (``with torch.device(...)``, a tracer, a test's device
+    guard). Modes hold for their own thread only: a second thread would compute outside them, so ``_feed`` keeps one."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return bool(torch.overrides._get_current_function_mode_stack() or _get_current_dispatch_mode_stack())
 
 
 class ResidCapture(Accumulator):

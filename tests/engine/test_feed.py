@@ -1,8 +1,9 @@
 """A layer's accumulators fed on two CPU threads (``engine.passes._feed``): the same results, bit for bit, as on one,
-both threads used, and an error in any update stopping the pass."""
+both threads used, one thread under a torch mode, and an error in any update stopping the pass."""
 
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pandas as pd
@@ -105,3 +106,16 @@ def test_an_update_that_fails_on_either_thread_stops_the_pass(tiny_llama, thread
         accs[0 if fail_first else -1] = _Where([0, 1], fail_layer=1, error=error)
         with pytest.raises(type(error), match=str(error.args[0])):
             run_pass(tiny_llama, torch.randint(0, 90, (2, 8)), accs, backend="auto")
+
+
+def test_a_torch_mode_keeps_the_feeding_on_its_thread(tiny_llama, threads):
+    """Modes are per thread (the CPU device guard, ``with torch.device``): under one, no second thread feeds."""
+    if next(tiny_llama.parameters()).device.type != "cpu":
+        pytest.skip("the second thread feeds a CPU pass only")
+    threads(2)
+    tokens = torch.randint(0, 90, (2, 8))
+    for mode, expected in ((nullcontext(), {"MainThread", "analysis-feed"}), (torch.device("cpu"), {"MainThread"})):
+        accs = [_Where([0, 1]) for _ in range(3)]
+        with mode:
+            run_pass(tiny_llama, tokens, accs, backend="auto")
+        assert {n.split("_")[0] for a in accs for n in a.seen} == expected
