@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from analysis.model.access import attention_layer_index, register_attention, unwrap_component
+from analysis.model.access import attention_layer_index, hf_resume_refusal, register_attention, unwrap_component
 from analysis.model.causal import unbridged  # its home is the model floor
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
@@ -148,7 +148,7 @@ def choose_backend(
     names, edits : iterable of str
         The hooks read and changed.
     resume : bool
-        The pass starts at a block (the bridge's blocks are skipped there).
+        The pass starts at a block (the blocks before it are skipped).
 
     Returns
     -------
@@ -164,7 +164,7 @@ def choose_backend(
     reason = (
         _model_reason(model)
         or _hooks_reason(model, names, edits=edits)
-        or ("a pass resumed at a block runs on the bridge" if resume else None)
+        or (hf_resume_refusal(model) if resume else None)
     )
     if reason is None:
         return "transformers", (

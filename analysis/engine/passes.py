@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from analysis.model.access import can_skip_blocks, skipped_blocks
+from analysis.model.access import can_skip_blocks, resumed_layers, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.backends import BackendUnsupported, NnsightTaps, Taps, _Named, choose_backend, run_hf_batch
@@ -680,7 +680,7 @@ def run_pass(
     if _PASS_LOG.get() is not None:
         _PASS_LOG.get()[f"{chosen}: {why}"] += 1
     if chosen == "transformers":
-        kernels = _run_hf(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start)
+        kernels = _run_hf(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume)
         if record is not None:
             record["kernels"] = kernels
         return [acc.result() for acc in accumulators]
@@ -723,17 +723,28 @@ def _run_remote(model, tokens, accumulators, fwd_hooks, batch_size, resume, back
     return [acc.result() for acc in accumulators]
 
 
-def _run_hf(model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start) -> dict:
-    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer. Returns
-    the kernels its layers took."""
-    taps = Taps(model, joint.by_layer, fwd_hooks, joint.fired)
+def _run_hf(
+    model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start, resume
+) -> dict:
+    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer (a resumed
+    pass skips the layers before its first, whose input it sets after the entry hooks). Returns the kernels its layers
+    took."""
+    entry = _entry_hooks(fwd_hooks, resume)
+    edits = [h for h in fwd_hooks if h not in entry]
+    if resume is not None:
+        _check_resume(model, tokens, resume, [n for n, _ in edits + joint.fwd_hooks()])
+    taps = Taps(model, joint.by_layer, edits, joint.fired)
     needs_logits = any(a.needs_logits for a in accumulators)
+    rows: list = [None]  # the running batch's residual where the pass resumes
 
     def forward(batch: Batch):
+        if resume is not None:
+            rows[0] = _resumed_rows(batch, resume, entry, _Named)
         return run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
 
     with torch.inference_mode(), taps.attached():
-        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
+        with resumed_layers(model, resume.layer, lambda: rows[0]) if resume is not None else nullcontext():
+            _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
     return dict(taps.kernels)
 
 

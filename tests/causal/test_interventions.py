@@ -11,6 +11,7 @@ from tests.planted import SPIKE_DIMS, SPIKE_VALUES, planted, planted_nospike, pl
 
 from analysis.causal.conditions import run_condition, where_shares
 from analysis.model.hooks import act_name
+from analysis.model.families import get_family
 from analysis.causal.interventions import first_key_ablation, spike_ablation, value_ablation
 from analysis.sinks.metric import sink_metric
 
@@ -309,6 +310,50 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
         assert part.layers == full.layers
         assert torch.allclose(full.alpha, part.alpha, atol=1e-5) and torch.allclose(full.where, part.where, atol=1e-5)
         assert part.loss == pytest.approx(full.loss, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_resumed_pass_through_auto_runs_on_the_hf_forward_and_equals_the_bridges(family, family_bridge):
+    """Through ``auto`` a condition resumed at block s runs on the Hugging Face forward, its layers before s skipped,
+    where the family's layers hand the residual stream on (transformers 5's decoder layers); its alpha, shares and loss
+    equal the bridge's resumed pass. A family whose layers return more runs on the bridge, saying why."""
+    from analysis.causal.conditions import baseline_pass
+    from analysis.engine.backends import choose_backend
+    from analysis.engine.passes import can_resume, pass_log
+    from analysis.model.access import hf_resume_refusal
+
+    model = family_bridge(family)
+    if not can_resume(model):
+        return
+    toks = torch.randint(3, 90, (6, 16), generator=torch.Generator().manual_seed(0))
+    s = max(get_family(model).attention_layers)
+    base = _with_resid(model, toks, baseline_pass(model, toks, batch_size=4), [s], 4)
+    hooks = [(act_name("resid_pre", s), lambda x, hook: x * 0.5)]
+    bridge, hf, calls = _whole_and_resumed(model, toks, hooks, base)[1], None, None
+    model.pass_backend = "auto"
+    try:
+        with pass_log() as log:
+            calls = _Calls(model.blocks[0].original_component)
+            hf = run_condition(model, toks, hooks=hooks, batch_size=4, baseline=base)
+    finally:
+        model.pass_backend = "transformer_lens"
+        if calls is not None:
+            calls.handle.remove()
+    why = hf_resume_refusal(model)
+    names = [act_name("pattern", l) for l in get_family(model).attention_layers if l >= s]
+    whole = choose_backend(model, backend="auto", names=names, edits=[n for n, _ in hooks])  # the pass from block 0
+    ran = whole if whole[0] == "transformer_lens" or why is None else ("transformer_lens", f"auto: {why}")
+    assert calls.n == 0 and list(log) == [": ".join(ran)], (log, why)
+    assert part_equal(bridge, hf)
+
+
+def part_equal(a, b) -> bool:
+    return (
+        a.layers == b.layers
+        and torch.allclose(a.alpha, b.alpha, atol=1e-5)
+        and torch.allclose(a.where, b.where, atol=1e-5)
+        and a.loss == pytest.approx(b.loss, abs=1e-5)
+    )
 
 
 def test_resume_refuses_early_hooks_and_other_models(family_bridge):
