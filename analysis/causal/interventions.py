@@ -49,7 +49,7 @@ from analysis.core.docs import parameters_from
 from analysis.model.key_path import key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
-from analysis.engine.passes import Batch, Reduction
+from analysis.engine.passes import Batch, Reduction, reading
 from analysis.model.nnsight_model import NnsightModel
 from analysis.core.results import Result, dims_by_layer_text, layer_runs
 from analysis.sinks.metric import check_eps
@@ -463,8 +463,8 @@ class ValueRemoval:
         for l in self.by_layer:
             if self.live:
                 out += [
-                    (act_name("pattern", l), partial(self.on_pattern, l)),
-                    (act_name("v", l), partial(self.on_v, l)),
+                    (act_name("pattern", l), reading(partial(self.on_pattern, l))),
+                    (act_name("v", l), reading(partial(self.on_v, l))),
                     (act_name("z", l), partial(self.on_z, l)),
                 ]
             else:

@@ -45,6 +45,19 @@ from analysis.core.stats import one_thread, unit_vectors
 HookFn = Callable[[torch.Tensor, object], object]
 
 
+def reading(fn: HookFn) -> HookFn:
+    """Mark an intervention's hook as one that only reads its activation (what a later edit needs, e.g. the map that
+    the value removal subtracts through): every backend runs it where it reads the site, the map included, and it
+    must return None. Returns ``fn``."""
+    fn.reads_only = True
+    return fn
+
+
+def _changing(fwd_hooks) -> list[str]:
+    """The names of the hooks that may change their activation (not marked by :func:`reading`)."""
+    return [n for n, fn in fwd_hooks if not getattr(fn, "reads_only", False)]
+
+
 def batches(tokens: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
     """Consecutive slices of a batch of sequences.
 
@@ -671,8 +684,8 @@ def run_pass(
     chosen, why = choose_backend(
         model,
         backend=backend,
-        names=[n for names in joint.by_layer.values() for n in names],
-        edits=[n for n, _ in fwd_hooks],
+        names=[*(n for names in joint.by_layer.values() for n in names), *(n for n, _ in fwd_hooks)],
+        edits=_changing(fwd_hooks),
         resume=resume is not None,
     )
     if record is not None:
