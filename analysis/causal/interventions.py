@@ -41,6 +41,7 @@ from analysis.model.hooks import (
     check_heads,
     check_layers,
     check_tokens,
+    hook_names,
     kv_view,
     model_dims,
     per_query_head,
@@ -725,10 +726,17 @@ class FirstKeyRemoval:
         self.paths, self.state = paths, {}
         self.masks = {l: torch.zeros(D, dtype=torch.bool).index_fill_(0, torch.tensor(spikes[l]), True) for l in paths}
 
-    def hooks(self):
+    def hooks(self, names=frozenset()):
+        """Where ``names`` (the model's hooks) has the key projection's input (``attn.k.hook_in``), the first token's
+        dims S zeroed there, as in :meth:`edits` (every backend applies it); else k_1^S subtracted at the key hook."""
         out = []
         for l, p in self.paths.items():
-            out += [(act_name("resid_pre", l), partial(self.on_resid, l)), (p.key_hook, partial(self.on_k, l))]
+            if (k_in := f"blocks.{l}.attn.k.hook_in") in names:
+                out.append(
+                    (k_in, lambda x, hook, dims=self.masks[l].nonzero()[:, 0]: _set_first(x, dims=dims, value=0.0))
+                )
+            else:
+                out += [(act_name("resid_pre", l), partial(self.on_resid, l)), (p.key_hook, partial(self.on_k, l))]
         return out
 
     def on_resid(self, layer: int, h: torch.Tensor, hook) -> None:
@@ -811,7 +819,7 @@ def first_key_ablation(
     if layers:
         paths = {l: None if remote else key_path(model, l) for l in layers}  # remote: the trace's own k_proj
         removal = FirstKeyRemoval(paths, spikes, model_dims(model).d_model)
-        hooks = () if remote else removal.hooks()
+        hooks = () if remote else removal.hooks(hook_names(model))
         results["ablated"] = run_condition(
             model, tokens, hooks=hooks, edits=removal.edits, eps=eps, k_max=k_max, batch_size=batch_size, baseline=full
         )

@@ -41,7 +41,8 @@ _TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", d
 # The attention hooks the attention function gives (q and k as the attention used them, v, z, the weights); every
 # other hook is the input or output of the Hugging Face module the bridge's component wraps (``_module_site``).
 ATTENTION_HOOKS = ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k", "hook_v", "hook_z")
-_ATTENTION_PARTS = (".attn.q", ".attn.k", ".attn.v", ".attn.o")  # bridge components inside the attention function
+# bridge components inside the attention function; the q, k and v projections' inputs are modules' inputs too
+_ATTENTION_PARTS = (".attn.o", ".attn.q", ".attn.k", ".attn.v")
 
 
 class BackendUnsupported(ModelContractError):
@@ -91,7 +92,7 @@ def _module_site(
     point = (model.hook_dict if points is None else points).get(name)
     canonical = getattr(point, "name", None) or name
     path, _, which = canonical.rpartition(".")
-    if which not in ("hook_in", "hook_out") or path.endswith(_ATTENTION_PARTS):
+    if which not in ("hook_in", "hook_out") or path.endswith(_ATTENTION_PARTS[: 1 if which == "hook_in" else 4]):
         raise BackendUnsupported(f"the hook {name} is no Hugging Face module's input or output")
     try:
         bridged = model.get_submodule(path)
@@ -360,10 +361,10 @@ class NnsightTaps(Taps):
         for key, which in dict.fromkeys(seen):  # first time each is reached
             if self.resume_site is not None and (key, which) == self.resume_site[:2]:
                 events.append(("resume",))
+            if which == "out" and key in calls:  # the call: after the projections' inputs, before the module's output
+                events.append(("attn", calls[key]))
             if (key, which) in self.sites:
                 events.append(("site", key, which))
-            if which == "in" and key in calls:
-                events.append(("attn", calls[key]))
         return events
 
     def _envoy(self, lm, key: int):
