@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from analysis.model.access import attention_layer_index, hf_resume_refusal, register_attention, unwrap_component
+from analysis.model.access import attention_layer_index, register_attention, unwrap_component
 from analysis.model.causal import unbridged  # its home is the model floor
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
@@ -136,7 +136,6 @@ def choose_backend(
     backend: str | None = None,
     names: Iterable[str] = (),
     edits: Iterable[str] = (),
-    resume: bool = False,
 ) -> tuple[str, str]:
     """The backend a pass runs on, and why.
 
@@ -148,8 +147,6 @@ def choose_backend(
         the model's own (``model.pass_backend``, set by ``load_model``; "transformer_lens" on a model without one).
     names, edits : iterable of str
         The hooks read and changed.
-    resume : bool
-        The pass starts at a block (the blocks before it are skipped).
 
     Returns
     -------
@@ -162,11 +159,7 @@ def choose_backend(
         return backend, "asked for"
     if backend == "nnsight":
         return _choose_nnsight(model, names, edits, own)
-    reason = (
-        _model_reason(model)
-        or _hooks_reason(model, names, edits=edits)
-        or (hf_resume_refusal(model) if resume else None)
-    )
+    reason = _model_reason(model) or _hooks_reason(model, names, edits=edits)
     if reason is None:
         return "transformers", (
             "asked for"

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from analysis.model.access import can_skip_blocks, resumed_layers, skipped_blocks
+from analysis.model.access import can_skip_blocks, skipped_blocks
 from analysis.model.contract import SinkModel
 from analysis.engine.attention import AttentionWeights
 from analysis.engine.backends import BackendUnsupported, NnsightTaps, Taps, _Named, choose_backend, run_hf_batch
@@ -686,7 +686,6 @@ def run_pass(
         backend=backend,
         names=[*(n for names in joint.by_layer.values() for n in names), *(n for n, _ in fwd_hooks)],
         edits=_changing(fwd_hooks),
-        resume=resume is not None,
     )
     if record is not None:
         record.update(backend=chosen, why=why)
@@ -739,25 +738,25 @@ def _run_remote(model, tokens, accumulators, fwd_hooks, batch_size, resume, back
 def _run_hf(
     model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start, resume
 ) -> dict:
-    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer (a resumed
-    pass skips the layers before its first, whose input it sets after the entry hooks). Returns the kernels its layers
+    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer. A resumed
+    pass skips the blocks before its first, as on the bridge (``skipped_blocks``: the unbridged model holds the
+    stand-ins), and sets that block's input to its residual, after the entry hooks. Returns the kernels its layers
     took."""
-    entry = _entry_hooks(fwd_hooks, resume)
+    entry, rows = _entry_hooks(fwd_hooks, resume), [None]  # rows: the running batch's residual where the pass resumes
     edits = [h for h in fwd_hooks if h not in entry]
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in edits + joint.fwd_hooks()])
+        edits.insert(0, (act_name("resid_pre", resume.layer), lambda x, hook: rows[0]))
     taps = Taps(model, joint.by_layer, edits, joint.fired)
     needs_logits = any(a.needs_logits for a in accumulators)
-    rows: list = [None]  # the running batch's residual where the pass resumes
 
     def forward(batch: Batch):
         if resume is not None:
             rows[0] = _resumed_rows(batch, resume, entry, _Named)
         return run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
 
-    with torch.inference_mode(), taps.attached():
-        with resumed_layers(model, resume.layer, lambda: rows[0]) if resume is not None else nullcontext():
-            _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
+    with torch.inference_mode(), skipped_blocks(model, resume.layer) if resume else nullcontext(), taps.attached():
+        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
     return dict(taps.kernels)
 
 

@@ -4,8 +4,7 @@ TransformerLens internals (the bridge's blocks and wrapped modules, a config's f
 The engine and the analyses call these; ``tests/model/test_reaches.py`` counts the places outside ``analysis/model/``
 that still reach past them. Grouped by who asks:
 
-- the pass engine: :func:`can_skip_blocks` and :func:`skipped_blocks` (resuming a pass at a block), on the Hugging
-  Face forward :func:`hf_resume_refusal`, :func:`resumed_layers` and :func:`decoder_layers`,
+- the pass engine: :func:`can_skip_blocks` and :func:`skipped_blocks` (resuming a pass at a block),
   :func:`unwrap_component` and :func:`attention_layer_index` (the Hugging Face module in a bridge's wrapper, the layer
   of an attention module), :func:`register_attention` (a function in transformers' ``AttentionInterface``),
   :func:`interface_refusal` (why a model's attention is not what the interface computes), :func:`hooked_modules`;
@@ -92,59 +91,6 @@ def skipped_blocks(model: SinkModel, layer: int) -> Iterator[None]:
     finally:
         for b, m in zip(blocks, kept):
             b._modules[_WRAPPED] = m
-
-
-def decoder_layers(hf: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """A Hugging Face model's list of decoder layers (the ``ModuleList`` as long as its text config's
-    ``num_hidden_layers``); None where it has none."""
-    n = getattr(_text_config(hf), "num_hidden_layers", None)
-    lists = (m for m in hf.modules() if isinstance(m, torch.nn.ModuleList) and n is not None and len(m) == n)
-    return next(lists, None)
-
-
-def hf_resume_refusal(model: SinkModel) -> str | None:
-    """Why a pass of ``model`` on its Hugging Face forward cannot start at a block (:func:`resumed_layers`); None
-    where it can: a model the bridge resumes (``engine.passes.can_resume``) with a list of decoder layers. Whatever the
-    skipped layers hand the decoder's loop (a stand-in returns its input), the first layer run starts from the kept
-    residual; tests/causal/test_interventions.py checks each resumable family against the bridge."""
-    if decoder_layers(hf_module(model)) is None:
-        return "no list of decoder layers to skip: a resumed pass runs on the bridge"
-    return None
-
-
-@contextmanager
-def resumed_layers(model: SinkModel, layer: int, rows: Callable[[], torch.Tensor]) -> Iterator[None]:
-    """Within the block (inside ``causal.unbridged``), the Hugging Face decoder's layers 0..layer-1 hand their input on
-    and layer ``layer`` starts from ``rows()``, the residual of the batch running (restored on exit, whatever happens).
-
-    Parameters
-    ----------
-    model : SinkModel
-        A model :func:`hf_resume_refusal` accepts.
-    layer : int
-        The first layer that runs.
-    rows : callable
-        () -> torch.Tensor (B, T, d_model).
-
-    Yields
-    ------
-    None
-    """
-    layers = decoder_layers(hf_module(model))
-    kept = list(layers[:layer])
-
-    def start(module, args, kwargs):
-        return ((rows(), *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": rows()})
-
-    handle = layers[layer].register_forward_pre_hook(start, with_kwargs=True, prepend=True)
-    try:
-        for i in range(layer):
-            layers[i] = _PassOn()
-        yield
-    finally:
-        handle.remove()
-        for i, m in enumerate(kept):
-            layers[i] = m
 
 
 def unwrap_component(module: torch.nn.Module) -> torch.nn.Module:

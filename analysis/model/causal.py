@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from analysis.model.access import decoder_layers, unwrap_component as unwrap  # unwrap: a bridge wrapper's HF module
+from analysis.model.access import unwrap_component as unwrap  # the bridge's wrapper -> its Hugging Face module
 from analysis.model.contract import ModelContractError, SinkModel, hf_module, is_model
 
 # A reference SinkLM's maps: hook point (under blocks.{l}) -> (map name, [(weight, its input axes)])
@@ -232,6 +232,13 @@ def new_cache(lm):
     return DynamicCache(config=lm.config) if isinstance(lm, PreTrainedModel) else None
 
 
+def _decoder_layers(hf) -> nn.ModuleList | None:
+    n = getattr(_text_config(hf), "num_hidden_layers", None)
+    return next(
+        (m for _, m in hf.named_modules() if isinstance(m, nn.ModuleList) and n is not None and len(m) == n), None
+    )
+
+
 def _reference_maps(sink_lm) -> list[tuple]:
     maps = []
     for l, block in enumerate(sink_lm.blocks):
@@ -269,7 +276,7 @@ def linear_maps(model: SinkModel, *, where: str = "linear_maps") -> list[tuple]:
     if hf_module(require_model(model, where)) is None:
         return _reference_maps(model)
     with own_causal_lm(model, where=where) as hf:
-        layers = decoder_layers(hf)
+        layers = _decoder_layers(hf)
         return [
             (l, n, m, True, [(m.weight, (1,))])
             for l, layer in enumerate(layers or [])

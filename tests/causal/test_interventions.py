@@ -314,13 +314,11 @@ def test_resumed_pass_equals_full_pass_on_every_resumable_family(family, family_
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_resumed_pass_through_auto_runs_on_the_hf_forward_and_equals_the_bridges(family, family_bridge):
-    """Through ``auto`` a condition resumed at block s runs on the Hugging Face forward, its layers before s skipped,
-    where the family's layers hand the residual stream on (transformers 5's decoder layers); its alpha, shares and loss
-    equal the bridge's resumed pass. A family whose layers return more runs on the bridge, saying why."""
+    """Through ``auto`` a condition resumed at block s runs where the whole pass would (the Hugging Face forward but
+    for the families refused there), its blocks before s skipped; its alpha, shares and loss equal the bridge's."""
     from analysis.causal.conditions import baseline_pass
     from analysis.engine.backends import choose_backend
     from analysis.engine.passes import can_resume, pass_log
-    from analysis.model.access import hf_resume_refusal
 
     model = family_bridge(family)
     if not can_resume(model):
@@ -339,11 +337,9 @@ def test_a_resumed_pass_through_auto_runs_on_the_hf_forward_and_equals_the_bridg
         model.pass_backend = "transformer_lens"
         if calls is not None:
             calls.handle.remove()
-    why = hf_resume_refusal(model)
     names = [act_name("pattern", l) for l in get_family(model).attention_layers if l >= s]
     whole = choose_backend(model, backend="auto", names=names, edits=[n for n, _ in hooks])  # the pass from block 0
-    ran = whole if whole[0] == "transformer_lens" or why is None else ("transformer_lens", f"auto: {why}")
-    assert calls.n == 0 and list(log) == [": ".join(ran)], (log, why)
+    assert calls.n == 0 and list(log) == [": ".join(whole)], log
     assert part_equal(bridge, hf)
 
 
