@@ -309,37 +309,27 @@ class NnsightTaps(Taps):
     envoys (``.input`` / ``.output``), the attention function's call by ``.source`` (q, k, v, mask and scale in, z
     out), visited in the order the forward reaches them (nnsight refuses a site the model has run past), which one
     short forward with plain hooks records first. ``hook_pattern`` is ``AttentionWeights`` of q, k and the rows'
-    log-sum-exp (``AttentionWeights.from_qk``): no T x T map. A resumed pass sets the residual entering its first block.
+    log-sum-exp (``AttentionWeights.from_qk``): no T x T map.
 
     Parameters
     ----------
     model, wanted, edits, fire
         As :class:`Taps`.
-    resume_layer : int, optional
-        The block whose input a resumed pass sets.
     """
 
-    def __init__(
-        self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire, *, resume_layer: int | None = None
-    ):
+    def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire):
         super().__init__(model, wanted, edits, fire)
         self.family = get_family(model).family
         self.attn_modules = {l: unwrap_component(model.get_submodule(f"blocks.{l}.attn")) for l in self.attn}
-        self.resume_site = None
-        if resume_layer is not None:
-            module, which = _module_site(model, f"blocks.{resume_layer}.hook_resid_pre")
-            self.resume_site = (id(module), which, module)
         with unbridged(self.hf) as hf:
             self.paths = {id(m): n for n, m in hf.named_modules()}
             self.events = self._order(hf)
 
     def _order(self, hf) -> list[tuple]:
-        """The sites, attention calls and resume point in the order a forward reaches them."""
+        """The sites and attention calls in the order a forward reaches them."""
         seen: list[tuple] = []
         handles = []
         wanted = {id(m): m for m, _ in self.sites.values()} | {id(m): m for m in self.attn_modules.values()}
-        if self.resume_site is not None:
-            wanted[self.resume_site[0]] = self.resume_site[2]
         for key, module in wanted.items():
             handles.append(module.register_forward_pre_hook(lambda m, a, key=key: seen.append((key, "in"))))
             handles.append(module.register_forward_hook(lambda m, a, o, key=key: seen.append((key, "out"))))
@@ -352,8 +342,6 @@ class NnsightTaps(Taps):
         calls = {id(m): l for l, m in self.attn_modules.items()}
         events = []
         for key, which in dict.fromkeys(seen):  # first time each is reached
-            if self.resume_site is not None and (key, which) == self.resume_site[:2]:
-                events.append(("resume",))
             if which == "out" and key in calls:  # the call: after the projections' inputs, before the module's output
                 events.append(("attn", calls[key]))
             if (key, which) in self.sites:
@@ -366,7 +354,7 @@ class NnsightTaps(Taps):
             envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
         return envoy
 
-    def run(self, tokens: torch.Tensor, *, needs_logits: bool, resume_rows: torch.Tensor | None = None):
+    def run(self, tokens: torch.Tensor, *, needs_logits: bool):
         """One batch in one trace: every event visited in order; the logits, or None (the trace stops after the
         last event)."""
         from nnsight import NNsight  # optional: the "remote" extra
@@ -376,19 +364,16 @@ class NnsightTaps(Taps):
             lm = NNsight(hf)
             with lm.trace(input_ids=tokens, use_cache=False) as tracer:
                 for event in self.events:
-                    self._visit(lm, event, resume_rows)
+                    self._visit(lm, event)
                 if needs_logits:
                     box["logits"] = lm.output.logits
                 else:
                     tracer.stop()
         return box.get("logits")
 
-    def _visit(self, lm, event: tuple, resume_rows) -> None:
+    def _visit(self, lm, event: tuple) -> None:
         if event[0] == "attn":
             return self._attention_call(lm, event[1])
-        if event[0] == "resume":
-            self._envoy(lm, self.resume_site[0]).input = resume_rows
-            return None
         _, key, which = event
         envoy, names = self._envoy(lm, key), self.sites[(key, which)][1]
         out = envoy.input if which == "in" else envoy.output

@@ -53,11 +53,6 @@ def reading(fn: HookFn) -> HookFn:
     return fn
 
 
-def _changing(fwd_hooks) -> list[str]:
-    """The names of the hooks that may change their activation (not marked by :func:`reading`)."""
-    return [n for n, fn in fwd_hooks if not getattr(fn, "reads_only", False)]
-
-
 def batches(tokens: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
     """Consecutive slices of a batch of sequences.
 
@@ -685,19 +680,19 @@ def run_pass(
         model,
         backend=backend,
         names=[*(n for names in joint.by_layer.values() for n in names), *(n for n, _ in fwd_hooks)],
-        edits=_changing(fwd_hooks),
+        edits=[n for n, fn in fwd_hooks if not getattr(fn, "reads_only", False)],  # not marked by ``reading``
     )
     if record is not None:
         record.update(backend=chosen, why=why)
     if _PASS_LOG.get() is not None:
         _PASS_LOG.get()[f"{chosen}: {why}"] += 1
-    if chosen == "transformers":
-        kernels = _run_hf(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume)
-        if record is not None:
+    if chosen in ("transformers", "nnsight"):
+        nnsight = chosen == "nnsight"
+        kernels = _run_taps(
+            model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume, nnsight
+        )
+        if record is not None and chosen == "transformers":
             record["kernels"] = kernels
-        return [acc.result() for acc in accumulators]
-    if chosen == "nnsight":
-        _run_nnsight(model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume)
         return [acc.result() for acc in accumulators]
     entry = _entry_hooks(fwd_hooks, resume)
     hooks = [h for h in fwd_hooks if h not in entry] + joint.fwd_hooks()
@@ -735,63 +730,33 @@ def _run_remote(model, tokens, accumulators, fwd_hooks, batch_size, resume, back
     return [acc.result() for acc in accumulators]
 
 
-def _run_hf(
-    model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start, resume
-) -> dict:
-    """The pass on the transformers backend: the Hugging Face model with ``Taps`` feeding the joint reducer. A resumed
-    pass skips the blocks before its first, as on the bridge (``skipped_blocks``: the unbridged model holds the
-    stand-ins), and sets that block's input to its residual, after the entry hooks. Returns the kernels its layers
-    took."""
+def _run_taps(
+    model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start, resume, nnsight
+):
+    """The pass on the transformers backend, or on nnsight (``nnsight``): the Hugging Face model with ``Taps``
+    (``NnsightTaps``: one nnsight trace per batch, its hooks on one thread) feeding the joint reducer. A resumed pass sets its first block's input to its residual, after the entry hooks (an edit there); the
+    transformers backend skips the blocks before it as the bridge does (``skipped_blocks``: the unbridged model holds
+    the stand-ins), nnsight runs them. Returns the kernels the layers took."""
     entry, rows = _entry_hooks(fwd_hooks, resume), [None]  # rows: the running batch's residual where the pass resumes
     edits = [h for h in fwd_hooks if h not in entry]
     if resume is not None:
         _check_resume(model, tokens, resume, [n for n, _ in edits + joint.fwd_hooks()])
         edits.insert(0, (act_name("resid_pre", resume.layer), lambda x, hook: rows[0]))
-    taps = Taps(model, joint.by_layer, edits, joint.fired)
+    taps = (NnsightTaps if nnsight else Taps)(model, joint.by_layer, edits, joint.fired)
     needs_logits = any(a.needs_logits for a in accumulators)
 
     def forward(batch: Batch):
         if resume is not None:
             rows[0] = _resumed_rows(batch, resume, entry, _Named)
+        if nnsight:
+            return taps.run(batch.tokens, needs_logits=needs_logits)
         return run_hf_batch(model, batch.tokens, needs_logits=needs_logits)
 
-    with torch.inference_mode(), skipped_blocks(model, resume.layer) if resume else nullcontext(), taps.attached():
+    joint.side = not nnsight  # nnsight runs the hooks inside its interleaver
+    skip = skipped_blocks(model, resume.layer) if resume is not None and not nnsight else nullcontext()
+    with torch.inference_mode(), skip, nullcontext() if nnsight else taps.attached():
         _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
     return dict(taps.kernels)
-
-
-def _run_nnsight(
-    model,
-    tokens,
-    accumulators,
-    joint: _JointReducer,
-    fwd_hooks,
-    batch_size,
-    progress,
-    on_batch_start,
-    resume: Resume | None,
-) -> None:
-    """The pass on the nnsight backend: one trace per batch with ``NnsightTaps`` feeding the joint reducer (a resumed
-    pass sets the residual entering its first block, after the entry hooks)."""
-    entry = _entry_hooks(fwd_hooks, resume)
-    if resume is not None:
-        _check_resume(model, tokens, resume, [n for names in joint.by_layer.values() for n in names])
-    taps = NnsightTaps(
-        model,
-        joint.by_layer,
-        [h for h in fwd_hooks if h not in entry],
-        joint.fired,
-        resume_layer=None if resume is None else resume.layer,
-    )
-    needs_logits = any(a.needs_logits for a in accumulators)
-
-    def forward(batch: Batch):
-        rows = None if resume is None else _resumed_rows(batch, resume, entry, _Named)
-        return taps.run(batch.tokens, needs_logits=needs_logits, resume_rows=rows)
-
-    joint.side = False  # the hooks run inside nnsight's interleaver: one thread
-    with torch.inference_mode():
-        _each_batch(model, tokens, batch_size, progress, on_batch_start, joint, accumulators, forward)
 
 
 def _entry_hooks(fwd_hooks, resume: Resume | None) -> list[tuple[str, HookFn]]:
