@@ -151,6 +151,10 @@ def smollm2_bridge_report(smollm2, tmp_path_factory):
 def test_smollm2_report_is_the_same_on_every_backend(smollm2, smollm2_bridge_report, tmp_path):
     bridge, auto = smollm2_bridge_report, _report(smollm2, tmp_path / "auto", "auto")
     assert {r["backend"] for r in auto["config"]["backend"].values()} == {"transformers"}
+    # every pass on the Hugging Face forward (the interventions' resumed and edited passes too) but the norm-gain
+    # trace's read of the pre-softmax scores, a T x T map by definition
+    left = [k for by in auto["config"]["passes"].values() for k in by if not k.startswith("transformers")]
+    assert _ran_on(auto)["transformers"] >= 15 and all("hook_attn_scores" in k for k in left), left
     assert differences(bridge, auto) == []
     assert bridge["findings"] == auto["findings"]
 
