@@ -507,15 +507,14 @@ class Baseline:
     __repr__ = compact_repr  # shapes, never tensor values
 
 
+@parameters_from(PassAccumulator)
 def baseline_accumulators(model: SinkModel, T: int, *, eps: float = SINK_EPS) -> list[Accumulator]:
     """What the baseline pass runs (:func:`baseline_from` turns their results into a :class:`Baseline`).
 
     Parameters
     ----------
-    model
-        Any model with TransformerLens hook names.
-    T : int
-        The sequence length.
+    model, T
+        As in :func:`PassAccumulator`.
     eps
         As in :func:`baseline_pass`.
 

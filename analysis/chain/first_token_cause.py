@@ -31,7 +31,6 @@ from analysis.model.key_path import NormParams
 from analysis.engine.passes import Accumulator, Batch, Reduction, run_pass
 from analysis.core.results import Result
 
-_NORM_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
 from analysis.core.defaults import FIRST_TOKEN_DIVERGED as DIVERGED, FIRST_TOKEN_MAX_NEURONS as MAX_NEURONS
 
 
@@ -43,7 +42,7 @@ def _input_norm(model, block: int) -> NormParams:
         return NormParams("none", torch.ones(int(model_facts(model).dims.d_model)), None, 0.0)
     w, b = norm_weights(mod)
     ns = spec.input_norm
-    return NormParams(_NORM_KINDS.get(ns.kind, "RMS"), w, b if ns.bias else None, ns.eps, ns.gain_offset)
+    return NormParams.of(ns, w, b if ns.bias else None)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from analysis.model.mlp_spec import block_norm, expert_writes, get_mlp, mlp_weig
 from analysis.core.docs import fill_parameters
 from analysis.core.io import jsonable
 from analysis.core.results import Result
-from analysis.model.key_path import _KINDS, NormOps
+from analysis.model.key_path import NormOps
 from analysis.model.nnsight_model import TraceWeight, weights_in_trace
 from analysis.engine import remote
 from analysis.engine.passes import Reduction
@@ -272,7 +272,7 @@ def _out_factor(model, block: int, act: torch.Tensor, dim: int):
         return k, W.W_out[0], k * (float(W.b_out[0]) if W.b_out is not None else 0.0)
     w, nb = norm_weights(block_norm(model, block, spec.output_norm_module))
     ns = spec.output_norm
-    norm = NormOps(_KINDS.get(ns.kind, "RMS"), w, nb, ns.eps, ns.gain_offset)
+    norm = NormOps.of(ns, w, nb)
     W = None if weights_in_trace(model) else mlp_weights(model, block)
     ws = {k: TraceWeight(f"mlp.{k}", block) if W is None else getattr(W, k) for k in ("W_out", "b_out")}
     red = Reduction(_post_norm_reads, {"act": act, "dim": dim, "norm": norm, **ws})

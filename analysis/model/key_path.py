@@ -33,12 +33,20 @@ from analysis.core.results import compact_repr
 from analysis.model.weights import live_tensor, reads_block_weights
 
 
+KEY_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}  # a family's NormSpec.kind -> NormOps.kind
+
+
 class NormOps:
     """A norm's arithmetic, y = g * norm(h) (+ b), on its fields (``kind``, ``w``, ``b``, ``eps``, ``offset``): a plain
     class of torch only, so that a remote trace ships it by value (``KeyOps``)."""
 
     def __init__(self, kind: str, w, b, eps: float, offset: float = 0.0):
         self.kind, self.w, self.b, self.eps, self.offset = kind, w, b, eps, offset
+
+    @classmethod
+    def of(cls, ns, w, b=None):
+        """A family's norm (``NormSpec``: kind, eps, gain offset) with its weights ``w`` and ``b``."""
+        return cls(KEY_KINDS.get(ns.kind, "RMS"), w, b, ns.eps, ns.gain_offset)
 
     @property
     def gain(self) -> torch.Tensor:
@@ -114,9 +122,6 @@ class NormParams(NormOps):
     offset: float = 0.0
 
 
-_KINDS = {"RMSNorm": "RMS", "LayerNorm": "LN"}
-
-
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     """A weight detached, float32 on the CPU (None stays None)."""
     return None if t is None else t.detach().float().cpu()
@@ -162,7 +167,7 @@ def _norm_params(model: SinkModel, layer: int) -> NormParams:
             "without normalisation."
         )
     ns = spec.norm
-    kind = _KINDS.get(ns.kind, kind) if ns is not None else kind
+    kind = KEY_KINDS.get(ns.kind, kind) if ns is not None else kind
     b = live_tensor(ln, "b", "bias") if kind == "LN" else None
     eps = ns.eps if ns is not None else float(getattr(model.cfg, "eps", 1e-5) or 1e-5)
     return NormParams(kind, _cpu(w), _cpu(b), eps, ns.gain_offset if ns is not None else 0.0)
@@ -184,7 +189,7 @@ def _key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
             f"(model.blocks[{layer}].attn.k_norm.w); load the model with raw weights."
         )
     b = live_tensor(kn, "b", "bias") if ns.bias else None
-    return NormParams(_KINDS.get(ns.kind, "RMS"), _cpu(w), _cpu(b), ns.eps, ns.gain_offset)
+    return NormParams.of(ns, _cpu(w), _cpu(b))
 
 
 @reads_block_weights
@@ -644,12 +649,8 @@ def _trace_key_path(model, layer: int, spec) -> KeyPath:
     d = k_proj.weight.shape[0] // Hkv
     norm = NormParams("none", torch.ones(D), None, 0.0)
     if ns is not None:
-        norm = NormParams(_KINDS[ns.kind], meta(D), meta(D) if ns.bias else None, ns.eps, ns.gain_offset)
-    k_norm = (
-        None
-        if ks is None
-        else NormParams(_KINDS[ks.kind], meta(ks.size), meta(ks.size) if ks.bias else None, ks.eps, ks.gain_offset)
-    )
+        norm = NormParams.of(ns, meta(D), meta(D) if ns.bias else None)
+    k_norm = None if ks is None else NormParams.of(ks, meta(ks.size), meta(ks.size) if ks.bias else None)
     b_K = meta(Hkv, d) if k_proj.bias is not None else None
     hooks = (f"blocks.{layer}.attn.hook_k_proj", spec.key_hook(layer), spec.query_hook(layer))
     return KeyPath(layer, norm, meta(Hkv, D, d), b_K, k_norm, spec.qk_norm_scope, spec, spec.n_heads // Hkv, *hooks)

@@ -46,11 +46,10 @@ from analysis.model.card import model_card
 from analysis.model.contract import SinkModel
 from analysis.model.hooks import model_dims
 from analysis.model.nnsight_model import NnsightModel
-from analysis.model.probes import model_probe_sets
+from analysis.model.probes import PROBE_KINDS as KINDS, model_probe_sets  # the atlas measures every probe kind
 from analysis.report.atlas_page import atlas_page
 from analysis.report.one_pass import profile
 
-KINDS = ("natural", "random", "repeated")
 ROWS = "models"  # out/models/<name>.json: one row per model
 KINDS_NOTE = (
     "sink kinds (nop / broadcast / mixed) on natural text: the share of sink heads (mean alpha_1 > eps) "

@@ -8,9 +8,8 @@ import html
 import pandas as pd
 
 from analysis.figures.atlas import plot_atlas_activation, plot_atlas_kinds, plot_atlas_sink
+from analysis.model.probes import PROBE_KINDS as _KINDS
 from analysis.report.html import document, figure_html, table_html
-
-_KINDS = ("natural", "random", "repeated")
 
 
 def _sink_table(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
