@@ -691,7 +691,7 @@ def run_pass(
         kernels = _run_taps(
             model, tokens, accumulators, joint, fwd_hooks, batch_size, progress, on_batch_start, resume, nnsight
         )
-        if record is not None and chosen == "transformers":
+        if record is not None and not nnsight:
             record["kernels"] = kernels
         return [acc.result() for acc in accumulators]
     entry = _entry_hooks(fwd_hooks, resume)
@@ -734,9 +734,10 @@ def _run_taps(
     model, tokens, accumulators, joint: _JointReducer, fwd_hooks, batch_size, progress, on_batch_start, resume, nnsight
 ):
     """The pass on the transformers backend, or on nnsight (``nnsight``): the Hugging Face model with ``Taps``
-    (``NnsightTaps``: one nnsight trace per batch, its hooks on one thread) feeding the joint reducer. A resumed pass sets its first block's input to its residual, after the entry hooks (an edit there); the
-    transformers backend skips the blocks before it as the bridge does (``skipped_blocks``: the unbridged model holds
-    the stand-ins), nnsight runs them. Returns the kernels the layers took."""
+    (``NnsightTaps``: one nnsight trace per batch, its hooks on one thread) feeding the joint reducer. A resumed pass
+    sets its first block's input to its residual, after the entry hooks (an edit there); the transformers backend
+    skips the blocks before it as the bridge does (``skipped_blocks``: the unbridged model holds the stand-ins),
+    nnsight runs them. Returns the kernels the layers took."""
     entry, rows = _entry_hooks(fwd_hooks, resume), [None]  # rows: the running batch's residual where the pass resumes
     edits = [h for h in fwd_hooks if h not in entry]
     if resume is not None:
