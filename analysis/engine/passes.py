@@ -47,8 +47,18 @@ HookFn = Callable[[torch.Tensor, object], object]
 
 def reading(fn: HookFn) -> HookFn:
     """Mark an intervention's hook as one that only reads its activation (what a later edit needs, e.g. the map that
-    the value removal subtracts through): every backend runs it where it reads the site, the map included, and it
-    must return None. Returns ``fn``."""
+    the value removal subtracts through): every backend runs it where it reads the site, the map included.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(activation, hook)``, returning None (a marked hook that returns a change raises).
+
+    Returns
+    -------
+    callable
+        ``fn``, marked.
+    """
     fn.reads_only = True
     return fn
 

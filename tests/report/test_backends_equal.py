@@ -168,16 +168,16 @@ def _ran_on(report: dict) -> dict[str, int]:
     return out
 
 
-# What the nnsight backend leaves to the bridge (stated in the report): the scores (a T x T map by definition), edits
-# of the map, and q or k before the rotary (the first key's spike part), which no module of the model hands out
-ON_THE_BRIDGE = ("hook_attn_scores", "an edit of", "before the rotary")
+# What the nnsight backend leaves to the bridge on SmolLM2 (stated in the report): the norm-gain trace's scores, a T x T
+# map by definition (the interventions' resumed passes, map reads and first-key edit run in its traces)
+ON_THE_BRIDGE = ("hook_attn_scores",)
 
 
 @pytest.mark.slow
 def test_smollm2_whole_report_through_nnsight_equals_the_bridges(smollm2, smollm2_bridge_report, tmp_path):
-    """Every section; the passes inside nnsight traces (the interventions' edits and resumed passes too) but those
-    that read the pre-softmax scores or edit the map, which run on the bridge and say so; the bridge's report.json
-    number by number."""
+    """Every section; the passes inside nnsight traces (the interventions' edits and resumed passes too) but the one
+    that reads the pre-softmax scores, which runs on the bridge and says so; the bridge's report.json number by
+    number."""
     bridge, nn = smollm2_bridge_report, _report(smollm2, tmp_path / "nn", "nnsight")
     ran = _ran_on(nn)
     assert set(ran) <= {"nnsight", "transformer_lens"} and ran["nnsight"] > 3 * ran.get("transformer_lens", 0), ran
