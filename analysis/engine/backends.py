@@ -41,8 +41,9 @@ _TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", d
 # The attention hooks the attention function gives (q and k as the attention used them, v, z, the weights); every
 # other hook is the input or output of the Hugging Face module the bridge's component wraps (``_module_site``).
 ATTENTION_HOOKS = ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k", "hook_v", "hook_z")
-# bridge components inside the attention function; the q, k and v projections' inputs are modules' inputs too
-_ATTENTION_PARTS = (".attn.o", ".attn.q", ".attn.k", ".attn.v")
+# bridge components inside the attention function: their outputs are the bridge's own; the inputs of the q, k and v
+# projections are those modules' inputs (the output projection's is z, which the attention function gives)
+_ATTENTION_PARTS = (".attn.q", ".attn.k", ".attn.v", ".attn.o")
 
 
 class BackendUnsupported(ModelContractError):
@@ -92,7 +93,8 @@ def _module_site(
     point = (model.hook_dict if points is None else points).get(name)
     canonical = getattr(point, "name", None) or name
     path, _, which = canonical.rpartition(".")
-    if which not in ("hook_in", "hook_out") or path.endswith(_ATTENTION_PARTS[: 1 if which == "hook_in" else 4]):
+    inside = path.endswith(_ATTENTION_PARTS) and (which == "hook_out" or path.endswith(".attn.o"))
+    if which not in ("hook_in", "hook_out") or inside:
         raise BackendUnsupported(f"the hook {name} is no Hugging Face module's input or output")
     try:
         bridged = model.get_submodule(path)
