@@ -228,8 +228,6 @@ class Taps:
         """Apply the edits at ``name``, then hand the activation to the reducer where it is read."""
         for fn in self.edits.get(name, ()):
             out = fn(x, _Named(name))
-            if out is not None and getattr(fn, "reads_only", False):
-                raise RuntimeError(f"a hook at {name} marked as reading only (engine.passes.reading) changed it.")
             x = x if out is None else out
         for layer in self.read.get(name, ()):
             self.fire(layer, name, x)

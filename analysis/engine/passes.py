@@ -52,15 +52,21 @@ def reading(fn: HookFn) -> HookFn:
     Parameters
     ----------
     fn : callable
-        ``fn(activation, hook)``, returning None (a marked hook that returns a change raises).
+        ``fn(activation, hook)``, returning None.
 
     Returns
     -------
     callable
-        ``fn``, marked.
+        ``fn``, marked, and raising on every backend where it returns a change (which a backend that reads the site
+        would otherwise drop or apply unannounced).
     """
-    fn.reads_only = True
-    return fn
+
+    def read(x, hook) -> None:
+        if fn(x, hook) is not None:
+            raise RuntimeError(f"a hook at {hook.name} marked as reading only (engine.passes.reading) changed it.")
+
+    read.reads_only = True
+    return read
 
 
 def batches(tokens: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:

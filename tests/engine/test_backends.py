@@ -207,3 +207,19 @@ def test_flash_kernel_native_gqa_lse_on_cuda():
     scores = scores.masked_fill(~_window(64, 64, B=1).cuda(), float("-inf"))
     assert kern.name == "flash" and torch.allclose(lse, scores.logsumexp(-1), atol=2e-2)
     assert torch.allclose(out.float(), scores.softmax(-1) @ v.float().repeat_interleave(4, 1), atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["transformer_lens", "transformers"])
+def test_a_reading_hook_runs_where_it_reads_and_raises_if_it_changes_its_activation(tiny_llama, backend, device):
+    """``engine.passes.reading``: a marked hook is no edit (the transformers backend keeps the pass), sees the site on
+    every backend, and one that returns a change raises there rather than being applied or dropped unannounced."""
+    from analysis.engine.passes import Capture, reading, run_pass
+
+    tokens, seen, record = torch.randint(3, 90, (2, 12), device=device), [], {}
+    site = "blocks.1.attn.hook_pattern"
+    good = reading(lambda x, hook: seen.append((hook.name, tuple(x.shape))))
+    run_pass(tiny_llama, tokens, [Capture("blocks.0.hook_resid_post", 0)], fwd_hooks=[(site, good)], backend=backend, record=record)  # fmt: skip
+    assert record["backend"] == backend and seen == [(site, (2, tiny_llama.cfg.n_heads, 12, 12))]
+    bad = reading(lambda x, hook: x)
+    with pytest.raises(RuntimeError, match="blocks.1.attn.hook_pattern marked as reading only"):
+        run_pass(tiny_llama, tokens, [Capture("blocks.0.hook_resid_post", 0)], fwd_hooks=[(site, bad)], backend=backend)  # fmt: skip
