@@ -2,16 +2,18 @@
 Hugging Face SDPA forward (issue 47's target: the pass <= 1.2 forward passes).
 
     .venv/bin/python benchmarks/bench_profile_pass.py replay [--n 32] [--T 64] [--kind natural]
-    .venv/bin/python benchmarks/bench_profile_pass.py ab OTHER_CHECKOUT [--rounds 3] [--kind natural]
+    .venv/bin/python benchmarks/bench_profile_pass.py ab OTHER_CHECKOUT [--rounds 3] [--kind natural] [--env K=V ...]
 
 ``replay`` runs the natural pass once (every accumulator the report feeds, ``backend="auto"``), keeping each layer's
 activations as the joint reducer hands them over, then replays them into fresh accumulators in the pass's order (the
-layer's attention-weight caches cleared, so the first reader pays for the map as in the pass) on one thread:
-each accumulator's updates, end and result in thread CPU time (steadier than wall time on a shared machine), best of
---repeat, and the updates' critical path where a second thread takes each layer's list from its far end (the pass on
-a CPU with two threads). ``ab`` times the natural pass and a plain Hugging Face forward (logits, no cache) of the same tokens,
-interleaved (forward, pass, forward; the pass over the mean of the two), in this checkout and in OTHER_CHECKOUT (a
-worker process each, on its own PYTHONPATH), rounds alternating: compare the ratios, never seconds across runs.
+layer's attention-weight caches cleared, so the first reader pays for the map as in the pass) on one thread: each
+accumulator's updates, end and result in thread CPU time (steadier than wall time on a shared machine), best of
+--repeat, and the updates' critical path where a second thread takes each layer's list from its far end (the pass on a
+CPU with two threads). ``ab`` times the natural pass and a plain Hugging Face forward (logits, no cache) of the same
+tokens, interleaved (forward, pass, forward; the pass over the mean of the two), in this checkout and in OTHER_CHECKOUT
+(a worker process each, on its own PYTHONPATH), rounds alternating: compare the ratios, never seconds across runs. Each
+pass also prints how long the forward waited on the accumulators' updates; ``--env`` sets variables for the other worker
+alone (``ab . --env OMP_WAIT_POLICY=passive`` compares a setting in one checkout).
 """
 
 from __future__ import annotations
@@ -137,38 +139,62 @@ def _two_threads(spans: list) -> float:
 
 
 def worker(n: int, T: int, kind: str) -> None:
-    """Answers "fwd" or "pass" on stdin with the seconds taken (``ab``'s worker)."""
+    """Answers "fwd" or "pass" on stdin with the seconds taken and, for a pass, the seconds the forward waited on
+    the accumulators' updates (``engine.passes._feed``) (``ab``'s worker)."""
+    from analysis.engine import passes
+
     torch.set_num_threads(2)
     model, tokens, accumulators = _setup(n, T, kind)
+    feed, waited = passes._feed, [0.0]
+
+    def timed(*args):
+        t = time.perf_counter()
+        feed(*args)
+        waited[0] += time.perf_counter() - t
+
+    passes._feed = timed
     _forward(model, tokens), _natural_pass(model, tokens, accumulators)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
+        waited[0] = 0.0
         s = _forward(model, tokens) if line.strip() == "fwd" else _natural_pass(model, tokens, accumulators)
-        print(f"{s:.4f}", flush=True)
+        print(f"{s:.4f} {waited[0]:.4f}", flush=True)
 
 
-def ab(other: str, n: int, T: int, rounds: int, kind: str) -> None:
-    def start(path):
+def ab(other: str, n: int, T: int, rounds: int, kind: str, env: list[str]) -> None:
+    def start(path, extra=()):
         cmd = [sys.executable, os.path.abspath(__file__), "worker", "--n", str(n), "--T", str(T), "--kind", kind]
+        extra = dict(e.split("=", 1) for e in extra)
         p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path}
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": path, **extra},
         )
         while p.stdout.readline().strip() != "ready":
             pass
         return p
 
-    def ask(p, what: str) -> float:
+    def ask(p, what: str) -> list[float]:
         p.stdin.write(what + "\n")
         p.stdin.flush()
-        return float(p.stdout.readline())
+        return [float(x) for x in p.stdout.readline().split()]
 
-    workers = {"this": start(HERE), "other": start(os.path.abspath(other))}
+    workers = {
+        "this": start(HERE),
+        "other" + (f" ({' '.join(env)})" if env else ""): start(os.path.abspath(other), env),
+    }
     ratios = collections.defaultdict(list)
     for _ in range(rounds):
         for name, p in workers.items():
-            f1, s, f2 = ask(p, "fwd"), ask(p, "pass"), ask(p, "fwd")
+            (f1, _), (s, fed), (f2, _) = ask(p, "fwd"), ask(p, "pass"), ask(p, "fwd")
             ratios[name].append(s / ((f1 + f2) / 2))
-            print(f"{name}: forward {f1:.2f} s, pass {s:.2f} s, forward {f2:.2f} s: {ratios[name][-1]:.3f}", flush=True)
+            print(
+                f"{name}: forward {f1:.2f} s, pass {s:.2f} s (waiting on the updates {fed:.2f} s), forward {f2:.2f} s: "
+                f"{ratios[name][-1]:.3f}",
+                flush=True,
+            )
     for name, r in ratios.items():
         print(f"{name}: natural pass / forward {sorted(r)[len(r) // 2]:.3f} (median of {len(r)}), best {min(r):.3f}")
     for p in workers.values():
@@ -184,6 +210,7 @@ def main() -> None:
     p.add_argument("--T", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--env", nargs="*", default=[], help="ab: KEY=VALUE set for the other worker only")
     p.add_argument("--kind", choices=("natural", "random", "repeated"), default="natural", help="the probe kind's pass")
     a = p.parse_args()
     if a.mode == "ab" and not a.other:
@@ -193,7 +220,7 @@ def main() -> None:
     elif a.mode == "worker":
         worker(a.n, a.T, a.kind)
     else:
-        ab(a.other, a.n, a.T, a.rounds, a.kind)
+        ab(a.other, a.n, a.T, a.rounds, a.kind, a.env)
 
 
 if __name__ == "__main__":
