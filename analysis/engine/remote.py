@@ -220,6 +220,7 @@ def trace_batch(
     edits = {l: {EDIT_SITES.get(k, k): v for k, v in edits.get(l, {}).items()} for l in layers}
     order = {l: _in_order(jobs[l][2] if l in jobs else frozenset(), edits[l]) for l in layers}
     calls = {l: model.attention_call(l) for l in layers if "call" in order[l]}
+    where = {(l, n): model.site(l, n) for l in layers for n in order[l] if n != "call"}  # refused before the trace
     with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         saved = nnsight.save([])
         for layer in layers:
@@ -229,7 +230,7 @@ def trace_batch(
                 if name == "call":
                     acts.update(_attention_acts(model, calls[layer], sites, ed.get("z")))
                 else:
-                    acts[name] = _site(model, layer, name, ed.get(name))
+                    acts[name] = _site(model, *where[layer, name], name, ed.get(name))
             for j, red, keys in todo:
                 saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
         if logits is not None:
@@ -263,10 +264,9 @@ def _in_order(sites, edits: dict) -> list[str]:
     return sorted({"call" if s in CALL_SITES else s for s in sites | edits.keys()}, key=list(BLOCK_SITES).index)
 
 
-def _site(model: NnsightModel, layer: int, name: str, edit=None):
-    """Inside a trace: the value of a layer's site (``NnsightModel.site``; the key projection as the bridge's hook,
-    (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
-    env, side = model.site(layer, name)
+def _site(model: NnsightModel, env, side: str, name: str, edit=None):
+    """Inside a trace: the value of a layer's site ``name`` (where ``NnsightModel.site`` put it: ``env``'s ``side``;
+    the key projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
     got = getattr(env, side)
     x = got[0] if isinstance(got, tuple) else got
     if edit is not None:

@@ -132,6 +132,7 @@ class NnsightModel:
     remote: bool = False
     _family: object = field(default=None, repr=False)
     _mlp: object = field(default=None, repr=False)
+    _layout: object = field(default=None, repr=False)
     pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
@@ -166,29 +167,38 @@ class NnsightModel:
         n = getattr(cfg, "vocab_size", None)
         return int(n) if n is not None else None
 
+    @property
+    def layout(self) -> Layout:
+        """Where a block's TransformerLens components are in this family's Hugging Face modules (:func:`layout`)."""
+        if self._layout is None:
+            self._layout = layout(self.hf)
+        return self._layout
+
     def decoder_layers(self):
-        """The envoys of the decoder layers (``<base model>.layers``)."""
-        base = getattr(self.lm, self.hf.base_model_prefix, None)
-        layers = getattr(base, "layers", None)
-        if layers is None:
-            raise NnsightUnsupported(f"{self.spec.family}: no <base model>.layers list of decoder layers.")
-        return layers
+        """The envoys of the decoder layers (the adapter's blocks: ``model.layers``, ``transformer.h``, ...)."""
+        return _walk(self.lm, self.layout.paths["blocks"])
+
+    def part(self, layer: int, comp: str):
+        """The envoy of layer ``layer``'s TransformerLens component ``comp`` ("": the layer; "attn", "attn.k", "ln2",
+        "mlp.out", ...); None where this family's layer has no such module (a fused qkv has no "attn.k")."""
+        path = self.layout.paths.get(comp) if comp else ""
+        return None if path is None else _walk(self.decoder_layers()[layer], path)
 
     def weight(self, w: TraceWeight):
         """``w`` (a :class:`TraceWeight`) in TransformerLens' layout, read where the trace runs (inside a trace: on
         NDIF, the weight there): W_O (H, d_head, d_model) from the attention's ``o_proj`` (d_model, H * d_head); W_K
         (H_kv, d_model, d_head) from ``k_proj``; the others as the modules keep them."""
         where, attr = _WEIGHTS.get(w.name, ("", ""))
-        env = self.decoder_layers()[w.layer]
-        for part in where.split(".") if where else ():
-            env = getattr(env, part) if hasattr(env._module, part) else None
-            if env is None:
-                break
-        if env is None or not where or getattr(env._module, attr, None) is None:
+        env = self.part(w.layer, where) if where else None
+        if env is None or getattr(env._module, attr, None) is None:
             if env is not None and attr == "bias":
                 return None  # a module without a bias (b_out of an MLP that has none, as MlpWeights holds it)
-            raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
+            raise NnsightUnsupported(
+                f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}"
+                + (" (a fused qkv projection)." if "attn.qkv" in self.layout.paths else ".")
+            )
         t, s = getattr(env, attr), self.spec
+        t = t.T if type(env._module).__name__ == "Conv1D" else t  # GPT-2's Conv1D: (in, out), a Linear's transposed
         if w.name == "W_O":
             return t.T.reshape(s.n_heads, -1, s.d_model)
         if w.name == "W_K":
@@ -197,26 +207,27 @@ class NnsightModel:
 
     def site(self, layer: int, name: str):
         """Where layer ``layer``'s forward reaches the TransformerLens site ``name`` (a key of :data:`BLOCK_SITES` but
-        "call"): (its module's envoy, "input" or "output"), whose value a trace reads or sets there; a layer with a
-        norm after each write (Gemma 2/3: ``pre_feedforward_layernorm``) writes that norm's output (``_POST_NORMED``).
-        NnsightUnsupported where this family's layer has no such module."""
-        path, side = BLOCK_SITES[name]
-        env = self.decoder_layers()[layer]
+        "call"): (the envoy of the first of its components the layer has, "input" or "output"), whose value a trace
+        reads or sets there. NnsightUnsupported where this family's layer has none (a fused qkv: no key projection; a
+        parallel block: no stream between attention and MLP)."""
+        comps, side = BLOCK_SITES[name]
         scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
         if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
             raise NnsightUnsupported(
                 f"{self.spec.family} scales each write by {scale:g} as it adds it, and no module outputs the scaled "
                 f"write ({name}): run this on the bridge (--backend transformer_lens)."
             )
-        if name in _POST_NORMED and hasattr(env._module, "post_feedforward_layernorm"):
-            path = _POST_NORMED[name]
-            if name == "hook_resid_mid" and not hasattr(env._module, path):  # OLMo-2: no norm before the MLP
-                path, side = BLOCK_SITES["mlp.hook_in"]
-        for part in path.split(".") if path else ():
-            if not hasattr(env._module, part):
-                raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {path} module, where {name} is.")
-            env = getattr(env, part)
-        return env, side
+        parallel = name == "hook_resid_mid" and self.layout.parallel  # attention and MLP both read the layer's input
+        if parallel or (name == "mlp.hook_pre_linear" and "mlp.gate" not in self.layout.paths):
+            comps = ()
+        for env in filter(None, (self.part(layer, c) for c in comps)):
+            return env, side
+        raise NnsightUnsupported(
+            f"{self.spec.family}: layer {layer} has no module where {name} is"
+            + (" (a parallel block)" if parallel else "")
+            + (" (a fused qkv projection)" if "attn.qkv" in self.layout.paths and "attn.k" in comps else "")
+            + ": run this on the bridge (--backend transformer_lens)."
+        )
 
     @property
     def family(self) -> FamilySpec:
@@ -238,16 +249,11 @@ class NnsightModel:
         """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
         "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
         where the layer has none."""
-        post = hasattr(self.decoder_layers()[layer]._module, "post_feedforward_layernorm")  # Gemma 2/3, OLMo-2
-        path = {"ln1": "input_layernorm", "mlp": "mlp"}.get(name) or (
-            {"ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"} if post else {}
-        ).get(name, "post_attention_layernorm" if name == "ln2" else None)
-        mod = getattr(self.decoder_layers()[layer]._module, path, None) if path else None
+        env = self.part(layer, name)
+        mod = env._module if env is not None else None
         if self.remote and name != "mlp" and mod is not None and any(p.is_meta for p in mod.parameters()):
             every = slice(None)  # a model held on NDIF: the norm's parameters read there, once, into its module here
-            got = self.read_in_trace(
-                [(getattr(self.decoder_layers()[layer], path), k, every, every) for k, _ in mod.named_parameters()]
-            )
+            got = self.read_in_trace([(env, k, every, every) for k, _ in mod.named_parameters()])
             for p, t in zip(mod.to_empty(device="cpu").parameters(), got):
                 p.data.copy_(t)
         return mod
@@ -257,11 +263,10 @@ class NnsightModel:
         ``mlp_weights`` gives them (float32, CPU), restricted to ``neurons`` and ``dims`` (``MlpWeights.select``).
         Where they are on NDIF (a meta-device model) only those slices are read, in one trace there
         (:meth:`read_in_trace`); NnsightUnsupported for a whole weight there, or a layer with no such MLP."""
-        mlp = self.block_module(layer, "mlp")
-        lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(m is None for m in lins) or layer in self.mlp_spec.moe_layers:
+        out, up, gate = (self.part(layer, c) for c in ("mlp.out", "mlp.in", "mlp.gate"))
+        if gate is None or up is None or out is None or layer in self.mlp_spec.moe_layers:
             raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
-        meta, env, every = lins[0].weight.is_meta, self.decoder_layers()[layer].mlp, slice(None)
+        meta, every = gate._module.weight.is_meta, slice(None)
         if meta and neurons is None and dims is None:
             raise NnsightUnsupported(
                 f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
@@ -269,8 +274,8 @@ class NnsightModel:
             )
         n, d = (every if i is None else list(i) for i in (neurons, dims))
         # (envoy, parameter, rows, then columns): W_out, b_out, then W_in, b_in, W_gate, b_gate unless dims alone
-        reads = [(env.down_proj, "weight", d, (every, n)), (env.down_proj, "bias", d, every)]
-        reads += [(e, a, n, every) for e in (env.up_proj, env.gate_proj) for a in ("weight", "bias")]
+        reads = [(out, "weight", d, (every, n)), (out, "bias", d, every)]
+        reads += [(e, a, n, every) for e in (up, gate) for a in ("weight", "bias")]
         reads = reads[: 2 if dims is not None and neurons is None else 6]
         have = [getattr(e._module, a) is not None for e, a, _, _ in reads]
         todo = [r for r, h in zip(reads, have) if h]
@@ -290,55 +295,115 @@ class NnsightModel:
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
-        return call_name(self.decoder_layers()[layer].self_attn.source.names, self.spec.family)
+        return call_name(self.attention(layer).source.names, self.spec.family)
 
     def attention_call(self, layer: int):
         """The nnsight source entry of layer ``layer``'s call to the attention function (its ``.inputs`` are
         ``((module, q, k, v, mask), kwargs)``)."""
-        src = self.decoder_layers()[layer].self_attn.source
+        src = self.attention(layer).source
         return getattr(src, call_name(src.names, self.spec.family))
 
+    def attention(self, layer: int):
+        """The envoy of layer ``layer``'s attention module (NnsightUnsupported where it has none)."""
+        env = self.part(layer, "attn")
+        if env is None:
+            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no attention module the adapter names.")
+        return env
 
-# Where a Hugging Face decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's
-# input, where an edit goes), in the order it runs them: (the layer's submodule, "": the layer itself; "input" or
-# "output"); "call": the attention function's call (``attention_call``), which gives q, k, v, the pattern and z.
+
+# Where a decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's input, where an
+# edit goes), in the order it runs them: (the block's components that hold it, the first the layer has; "input" or
+# "output"); "call": the attention function's call (``attention_call``), which gives q, k, v, the pattern and z. A
+# layer that normalises each write before adding it (Gemma 2/3, OLMo-2: "ln1_post", "ln2_post") writes the norms'
+# outputs; without a norm before the MLP (OLMo-2) or an MLP module (OPT) the stream enters the next component.
 BLOCK_SITES = {
-    "hook_resid_pre": ("", "input"),
-    "k_in": ("self_attn.k_proj", "input"),
-    "hook_k_proj": ("self_attn.k_proj", "output"),
+    "hook_resid_pre": (("",), "input"),
+    "k_in": (("attn.k",), "input"),
+    "hook_k_proj": (("attn.k",), "output"),
     "call": None,
-    "hook_attn_out": ("self_attn", "output"),
-    "hook_resid_mid": ("post_attention_layernorm", "input"),
-    "mlp.hook_in": ("mlp", "input"),
-    "mlp.hook_pre": ("mlp.gate_proj", "output"),
-    "mlp.hook_pre_linear": ("mlp.up_proj", "output"),
-    "mlp.hook_post": ("mlp.down_proj", "input"),
-    "hook_mlp_out": ("mlp", "output"),
-    "hook_resid_post": ("", "output"),
-}
-# A layer that normalises each write before adding it (Gemma 2/3, OLMo-2: it has ``post_feedforward_layernorm``): its
-# writes are these norms' outputs, and the stream between attention and MLP enters the MLP's own input norm (Gemma) or
-# the MLP itself (OLMo-2).
-_POST_NORMED = {
-    "hook_attn_out": "post_attention_layernorm",
-    "hook_resid_mid": "pre_feedforward_layernorm",
-    "hook_mlp_out": "post_feedforward_layernorm",
+    "hook_attn_out": (("ln1_post", "attn"), "output"),
+    "hook_resid_mid": (("ln2", "mlp", "mlp.in"), "input"),
+    "mlp.hook_in": (("mlp", "mlp.in"), "input"),
+    "mlp.hook_pre": (("mlp.gate", "mlp.in"), "output"),
+    "mlp.hook_pre_linear": (("mlp.in",), "output"),
+    "mlp.hook_post": (("mlp.out",), "input"),
+    "hook_mlp_out": (("ln2_post", "mlp", "mlp.out"), "output"),
+    "hook_resid_post": (("",), "output"),
 }
 
-# TraceWeight names -> (the decoder layer's submodule, its parameter)
+# TraceWeight names -> (the block's component, its parameter)
 _WEIGHTS = {
-    "W_O": ("self_attn.o_proj", "weight"),
-    "W_K": ("self_attn.k_proj", "weight"),
-    "b_K": ("self_attn.k_proj", "bias"),
-    "ln1.w": ("input_layernorm", "weight"),
-    "ln1.b": ("input_layernorm", "bias"),
-    "k_norm.w": ("self_attn.k_norm", "weight"),
-    "k_norm.b": ("self_attn.k_norm", "bias"),
-    "mlp.W_gate": ("mlp.gate_proj", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
-    "mlp.W_in": ("mlp.up_proj", "weight"),
-    "mlp.W_out": ("mlp.down_proj", "weight"),  # (d_model, d_mlp)
-    "mlp.b_out": ("mlp.down_proj", "bias"),
+    "W_O": ("attn.o", "weight"),
+    "W_K": ("attn.k", "weight"),
+    "b_K": ("attn.k", "bias"),
+    "ln1.w": ("ln1", "weight"),
+    "ln1.b": ("ln1", "bias"),
+    "k_norm.w": ("attn.k_norm", "weight"),
+    "k_norm.b": ("attn.k_norm", "bias"),
+    "mlp.W_gate": ("mlp.gate", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
+    "mlp.W_in": ("mlp.in", "weight"),
+    "mlp.W_out": ("mlp.out", "weight"),  # (d_model, d_mlp)
+    "mlp.b_out": ("mlp.out", "bias"),
 }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family's decoder layers keep a TransformerLens block's components, from TransformerLens' own
+    architecture adapter (its ``component_mapping``), built from the config alone (meta weights: NDIF).
+
+    Attributes
+    ----------
+    paths : dict of str to str or None
+        "blocks": the layer list's path in the model; each component of a block ("ln1", "attn", "attn.k", "attn.qkv",
+        "mlp.out", ...): its path in the layer (None: the adapter's component has no module of its own).
+    parallel : bool
+        Attention and MLP both read the layer's input (GPT-J, GPT-NeoX, Falcon).
+    positions : str or None
+        The adapter's ``positional_embedding_type``.
+    """
+
+    paths: dict
+    parallel: bool
+    positions: str | None
+
+
+def layout(hf) -> Layout:
+    """The :class:`Layout` of a Hugging Face causal LM, from TransformerLens' adapter for its architecture (the
+    config's ``architectures``, else the model's class); NnsightUnsupported where TransformerLens has none."""
+    from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
+    from transformer_lens.model_bridge.sources import build_bridge_config_from_hf
+    from transformer_lens.model_bridge.sources.transformers import determine_architecture_from_hf_config
+
+    try:
+        arch = determine_architecture_from_hf_config(hf.config)
+    except ValueError:
+        arch = type(hf).__name__  # a config built in memory names no architectures
+    try:
+        cfg = build_bridge_config_from_hf(hf.config, arch, "nnsight", torch.float32)
+        adapter = ArchitectureAdapterFactory.select_architecture_adapter(cfg)
+    except ValueError as e:
+        raise NnsightUnsupported(f"{arch}: TransformerLens has no adapter for it ({e}).") from None
+    blocks = adapter.component_mapping["blocks"]
+    paths = {"blocks": blocks.name}
+
+    def walk(subs, key, path):
+        for k, c in subs.items():
+            p = ".".join(x for x in (path, c.name) if x)
+            paths[key + k] = p if c.name else None
+            walk(c.submodules or {}, f"{key}{k}.", p)
+
+    walk(blocks.submodules, "", "")
+    return Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
+
+
+def _walk(env, path: str):
+    """The envoy at ``path`` (dotted) under ``env``, None where a module on the way is missing."""
+    for part in path.split(".") if path else ():
+        if env is None or not hasattr(env._module, part):
+            return None
+        env = getattr(env, part)
+    return env
 
 
 def _nnsight_family(model: NnsightModel) -> FamilySpec:
@@ -348,11 +413,12 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     are measured on a probe (of a copy, where the weights are on the meta device)."""
     s, hf = model.spec, model.hf
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
+    layers, lay = s.attention_layers, model.layout
+    ln1, attn, kn = (model.part(layers[0], c) for c in ("ln1", "attn", "attn.k_norm"))
     d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
     types = families._layer_types(cfg, s.n_layers)
     window, sliding = families._sliding(cfg, types, layers)
-    norm, kn = _probe(getattr(block, "input_layernorm", None)), _probe(getattr(block.self_attn, "k_norm", None))
+    norm, kn = (_probe(e._module) if e is not None else None for e in (ln1, kn))
     return FamilySpec(
         family=s.family,
         architecture=type(hf).__name__,
@@ -363,21 +429,21 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         n_kv_heads=s.n_kv_heads,
         d_head=d_head,
         d_model=s.d_model,
-        **families._positions(hf, cfg, s.family, types, layers, None, d_head),
+        **families._positions(hf, cfg, s.family, types, layers, lay.positions, d_head),
         norm=norm,
         norm_placement="pre" if norm else "none",
         post_norm=None,
-        parallel_block=False,
+        parallel_block=lay.parallel,
         qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
-        fused_qkv=False,
+        fused_qkv="attn.qkv" in lay.paths,
         key_rotated=True,
         pattern_live=True,
         learned_sinks=False,  # refused (``_unsupported``)
         gate=None,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
-        attn_scale=families._attn_scale(block.self_attn, d_head),
+        attn_scale=families._attn_scale(model.attention(layers[0])._module, d_head),
         attn_softcap=s.softcap,
         latent=s.latent,
         _key_hook="blocks.{layer}.attn.hook_rot_k",
@@ -391,9 +457,9 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     ``up_proj``, ``down_proj``, the activation matched on ``act_fn``) after the input norm ("ln2") on the stream
     between attention and MLP, each write added (or normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP
     has ``experts`` are mixtures of experts (no neurons read)."""
-    s, layers = model.spec, model.decoder_layers()
-    moe = tuple(l for l in range(s.n_layers) if hasattr(layers[l]._module.mlp, "experts"))
-    dense = [l for l in range(s.n_layers) if l not in moe and hasattr(layers[l]._module.mlp, "gate_proj")]
+    s, mlps = model.spec, [model.part(l, "mlp") for l in range(model.spec.n_layers)]
+    moe = tuple(l for l, m in enumerate(mlps) if m is not None and hasattr(m._module, "experts"))
+    dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.gate") is not None]
     out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
     in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
     cfg = model.hf.config.get_text_config()
@@ -403,8 +469,8 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         kind="gated" if dense else ("moe" if moe else "none"),
         activation=_activation_name(model, dense[0], None, None, None, True) if dense else None,
         d_mlp=int(s.d_mlp) if dense else None,
-        parallel=False,
-        input_resid="resid_mid",
+        parallel=model.layout.parallel,
+        input_resid="resid_pre" if model.layout.parallel else "resid_mid",
         input_norm=in_norm,
         input_norm_module="ln2" if in_norm else None,
         output="post_norm" if out_norm else ("scaled" if scale != 1.0 else "add"),
