@@ -1,18 +1,20 @@
 """A Hugging Face causal LM through nnsight (``load_model(name, backend="nnsight")``): the model contract the nnsight
 pass (``analysis.engine.remote``) reads, locally or on NDIF (``remote=True``).
 
-The bridge reads q and k at its hooks; here they are read where each family's attention hands them to transformers'
-attention function (``attention_interface(self, q, k, v, mask, scaling=..., softcap=...)``, through nnsight's
-``.source`` on the attention forward): after the rotary and any q/k norm, before grouped-query heads are repeated,
-with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the MoE families and DeepSeek-V3's latent
-attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
-what the pass cannot measure exactly is refused before any work, with the reason (:func:`_unsupported`).
+Its module paths are TransformerLens' own, from the architecture adapter for its class (:func:`_layout`: from the
+config alone, so a model on the meta device has them). q and k are read where the attention hands them to transformers'
+attention function (``attention_interface(self, q, k, v, mask, scaling=...)``, through nnsight's ``.source``): after
+the rotary and any q/k norm, before grouped-query heads repeat, with the mask of any sliding window. What the pass
+cannot measure exactly (ALiBi, learned sinks, an attention without that call: Falcon; a site a layer has no module
+for: a fused qkv's key projection, a parallel block's hook_resid_mid) is refused before any work, naming the bridge.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import reduce
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +24,7 @@ from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attenti
 from analysis.model.mlp_spec import MlpSpec, MlpWeights, _activation_name
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
+_BRIDGE = "run this on the bridge (--backend transformer_lens)"
 
 
 class NnsightUnsupported(ValueError):
@@ -130,9 +133,6 @@ class NnsightModel:
     model_name: str
     spec: NnsightSpec
     remote: bool = False
-    _family: object = field(default=None, repr=False)
-    _mlp: object = field(default=None, repr=False)
-    _layout: object = field(default=None, repr=False)
     pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
@@ -168,35 +168,39 @@ class NnsightModel:
         return int(n) if n is not None else None
 
     @property
-    def layout(self) -> Layout:
-        """Where a block's TransformerLens components are in this family's Hugging Face modules (:func:`layout`)."""
-        if self._layout is None:
-            self._layout = layout(self.hf)
-        return self._layout
+    def layout(self) -> _Layout:
+        """The family's module paths (:func:`_layout`), kept (no cached_property: its lock would not pickle)."""
+        return vars(self).get("_layout") or vars(self).setdefault("_layout", _layout(self.hf))
 
     def decoder_layers(self):
         """The envoys of the decoder layers (the adapter's blocks: ``model.layers``, ``transformer.h``, ...)."""
-        return _walk(self.lm, self.layout.paths["blocks"])
+        return reduce(getattr, self.layout.paths["blocks"].split("."), self.lm)
 
-    def part(self, layer: int, comp: str):
+    def part(self, layer: int, comp: str, *, need: bool = False):
         """The envoy of layer ``layer``'s TransformerLens component ``comp`` ("": the layer; "attn", "attn.k", "ln2",
-        "mlp.out", ...); None where this family's layer has no such module (a fused qkv has no "attn.k")."""
+        "mlp.out", ...); None where this family's layer has no such module, or NnsightUnsupported if ``need``."""
         path = self.layout.paths.get(comp) if comp else ""
-        return None if path is None else _walk(self.decoder_layers()[layer], path)
+        env = None if path is None else self.decoder_layers()[layer]
+        for name in path.split(".") if path else ():
+            env = getattr(env, name) if env is not None and hasattr(env._module, name) else None
+        if env is None and need:
+            why = " (a fused qkv projection)" if comp[:-1] == "attn." and "attn.qkv" in self.layout.paths else ""
+            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {comp} module{why}: {_BRIDGE}.")
+        return env
 
     def weight(self, w: TraceWeight):
         """``w`` (a :class:`TraceWeight`) in TransformerLens' layout, read where the trace runs (inside a trace: on
-        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's ``o_proj`` (d_model, H * d_head); W_K
-        (H_kv, d_model, d_head) from ``k_proj``; the others as the modules keep them."""
-        where, attr = _WEIGHTS.get(w.name, ("", ""))
-        env = self.part(w.layer, where) if where else None
-        if env is None or getattr(env._module, attr, None) is None:
-            if env is not None and attr == "bias":
+        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's output projection (d_model, H * d_head;
+        a Conv1D's transposed); W_K (H_kv, d_model, d_head) from its own key projection (none in a fused qkv: refused);
+        the others as the modules keep them."""
+        where, _, leaf = w.name.replace("k_norm", "attn.k_norm").rpartition(".")  # W_X of component x: "mlp.W_out"
+        kind, _, x = leaf.partition("_")  # a norm's "w" / "b": "ln1.b", "k_norm.w"
+        env = self.part(w.layer, f"{where or 'attn'}.{x.lower()}" if x else where, need=True)
+        attr = {"W": "weight", "w": "weight", "b": "bias"}.get(kind, "")
+        if getattr(env._module, attr, None) is None:
+            if attr == "bias":
                 return None  # a module without a bias (b_out of an MLP that has none, as MlpWeights holds it)
-            raise NnsightUnsupported(
-                f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}"
-                + (" (a fused qkv projection)." if "attn.qkv" in self.layout.paths else ".")
-            )
+            raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
         t, s = getattr(env, attr), self.spec
         t = t.T if type(env._module).__name__ == "Conv1D" else t  # GPT-2's Conv1D: (in, out), a Linear's transposed
         if w.name == "W_O":
@@ -213,44 +217,32 @@ class NnsightModel:
         comps, side = BLOCK_SITES[name]
         scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
         if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
-            raise NnsightUnsupported(
-                f"{self.spec.family} scales each write by {scale:g} as it adds it, and no module outputs the scaled "
-                f"write ({name}): run this on the bridge (--backend transformer_lens)."
-            )
-        parallel = name == "hook_resid_mid" and self.layout.parallel  # attention and MLP both read the layer's input
-        if parallel or (name == "mlp.hook_pre_linear" and "mlp.gate" not in self.layout.paths):
-            comps = ()
-        for env in filter(None, (self.part(layer, c) for c in comps)):
-            return env, side
-        raise NnsightUnsupported(
-            f"{self.spec.family}: layer {layer} has no module where {name} is"
-            + (" (a parallel block)" if parallel else "")
-            + (" (a fused qkv projection)" if "attn.qkv" in self.layout.paths and "attn.k" in comps else "")
-            + ": run this on the bridge (--backend transformer_lens)."
-        )
+            why = f"{self.spec.family} scales each write by {scale:g}, and no module outputs {name}"
+            raise NnsightUnsupported(f"{why}: {_BRIDGE}.")
+        if name == "hook_resid_mid" and self.layout.parallel:
+            raise NnsightUnsupported(f"{self.spec.family}: a parallel block has no {name}: {_BRIDGE}.")
+        for comp in comps:
+            env = self.part(layer, comp, need=comp == comps[-1])
+            if env is not None:
+                return env, side
 
     @property
     def family(self) -> FamilySpec:
         """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
         config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
-        if self._family is None:
-            self._family = _nnsight_family(self)
-        return self._family
+        return vars(self).get("_family") or vars(self).setdefault("_family", _nnsight_family(self))
 
     @property
     def mlp_spec(self) -> MlpSpec:
         """The MLP facts (``analysis.model.mlp_spec.MlpSpec``) read from the Hugging Face modules and config, once:
         what ``get_mlp`` gives (the spike writers' neurons, their quadratic form and first-token cause read it)."""
-        if self._mlp is None:
-            self._mlp = _nnsight_mlp(self)
-        return self._mlp
+        return vars(self).get("_mlp") or vars(self).setdefault("_mlp", _nnsight_mlp(self))
 
     def block_module(self, layer: int, name: str):
         """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
         "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
         where the layer has none."""
-        env = self.part(layer, name)
-        mod = env._module if env is not None else None
+        mod = getattr(env := self.part(layer, name), "_module", None)
         if self.remote and name != "mlp" and mod is not None and any(p.is_meta for p in mod.parameters()):
             every = slice(None)  # a model held on NDIF: the norm's parameters read there, once, into its module here
             got = self.read_in_trace([(env, k, every, every) for k, _ in mod.named_parameters()])
@@ -295,27 +287,17 @@ class NnsightModel:
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
-        return call_name(self.attention(layer).source.names, self.spec.family)
+        return call_name(self.part(layer, "attn", need=True).source.names, self.spec.family)
 
     def attention_call(self, layer: int):
         """The nnsight source entry of layer ``layer``'s call to the attention function (its ``.inputs`` are
         ``((module, q, k, v, mask), kwargs)``)."""
-        src = self.attention(layer).source
-        return getattr(src, call_name(src.names, self.spec.family))
-
-    def attention(self, layer: int):
-        """The envoy of layer ``layer``'s attention module (NnsightUnsupported where it has none)."""
-        env = self.part(layer, "attn")
-        if env is None:
-            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no attention module the adapter names.")
-        return env
+        return getattr(self.part(layer, "attn", need=True).source, self.attention_call_name(layer))
 
 
-# Where a decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's input, where an
-# edit goes), in the order it runs them: (the block's components that hold it, the first the layer has; "input" or
-# "output"); "call": the attention function's call (``attention_call``), which gives q, k, v, the pattern and z. A
-# layer that normalises each write before adding it (Gemma 2/3, OLMo-2: "ln1_post", "ln2_post") writes the norms'
-# outputs; without a norm before the MLP (OLMo-2) or an MLP module (OPT) the stream enters the next component.
+# Where a decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's input, edited), in
+# order: (the block's components holding it, the first the layer has: a write's norm in Gemma 2/3 and OLMo-2; OLMo-2
+# has no ln2, OPT no mlp module; "input" or "output"); "call": the attention function's call (q, k, v, pattern, z).
 BLOCK_SITES = {
     "hook_resid_pre": (("",), "input"),
     "k_in": (("attn.k",), "input"),
@@ -331,79 +313,40 @@ BLOCK_SITES = {
     "hook_resid_post": (("",), "output"),
 }
 
-# TraceWeight names -> (the block's component, its parameter)
-_WEIGHTS = {
-    "W_O": ("attn.o", "weight"),
-    "W_K": ("attn.k", "weight"),
-    "b_K": ("attn.k", "bias"),
-    "ln1.w": ("ln1", "weight"),
-    "ln1.b": ("ln1", "bias"),
-    "k_norm.w": ("attn.k_norm", "weight"),
-    "k_norm.b": ("attn.k_norm", "bias"),
-    "mlp.W_gate": ("mlp.gate", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
-    "mlp.W_in": ("mlp.in", "weight"),
-    "mlp.W_out": ("mlp.out", "weight"),  # (d_model, d_mlp)
-    "mlp.b_out": ("mlp.out", "bias"),
-}
+
+class _Layout(NamedTuple):
+    """Where a family's decoder layers keep a TransformerLens block's components (:func:`_layout`)."""
+
+    paths: dict  # "blocks": the layer list's path; each component ("ln1", "attn.k", "mlp.out"): its path in a layer
+    parallel: bool  # attention and MLP both read the layer's input (GPT-J, GPT-NeoX, Phi): no hook_resid_mid
+    positions: str | None  # the adapter's positional_embedding_type
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where a family's decoder layers keep a TransformerLens block's components, from TransformerLens' own
-    architecture adapter (its ``component_mapping``), built from the config alone (meta weights: NDIF).
-
-    Attributes
-    ----------
-    paths : dict of str to str or None
-        "blocks": the layer list's path in the model; each component of a block ("ln1", "attn", "attn.k", "attn.qkv",
-        "mlp.out", ...): its path in the layer (None: the adapter's component has no module of its own).
-    parallel : bool
-        Attention and MLP both read the layer's input (GPT-J, GPT-NeoX, Falcon).
-    positions : str or None
-        The adapter's ``positional_embedding_type``.
-    """
-
-    paths: dict
-    parallel: bool
-    positions: str | None
-
-
-def layout(hf) -> Layout:
-    """The :class:`Layout` of a Hugging Face causal LM, from TransformerLens' adapter for its architecture (the
-    config's ``architectures``, else the model's class); NnsightUnsupported where TransformerLens has none."""
+def _layout(hf) -> _Layout:
+    """The layout of a Hugging Face causal LM from TransformerLens' own architecture adapter for it (the adapter's
+    ``component_mapping``): built from the config alone, so a model whose weights are on the meta device (NDIF) has
+    it too. NnsightUnsupported where TransformerLens has none."""
     from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
     from transformer_lens.model_bridge.sources import build_bridge_config_from_hf
     from transformer_lens.model_bridge.sources.transformers import determine_architecture_from_hf_config
 
     try:
-        arch = determine_architecture_from_hf_config(hf.config)
+        arch = determine_architecture_from_hf_config(hf.config)  # as the bridge picks it (PhiMoEForCausalLM)
     except ValueError:
-        arch = type(hf).__name__  # a config built in memory names no architectures
+        arch = type(hf).__name__  # a config built in memory names no architectures: its class
     try:
         cfg = build_bridge_config_from_hf(hf.config, arch, "nnsight", torch.float32)
         adapter = ArchitectureAdapterFactory.select_architecture_adapter(cfg)
     except ValueError as e:
         raise NnsightUnsupported(f"{arch}: TransformerLens has no adapter for it ({e}).") from None
     blocks = adapter.component_mapping["blocks"]
-    paths = {"blocks": blocks.name}
-
-    def walk(subs, key, path):
-        for k, c in subs.items():
-            p = ".".join(x for x in (path, c.name) if x)
-            paths[key + k] = p if c.name else None
-            walk(c.submodules or {}, f"{key}{k}.", p)
-
-    walk(blocks.submodules, "", "")
-    return Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
-
-
-def _walk(env, path: str):
-    """The envoy at ``path`` (dotted) under ``env``, None where a module on the way is missing."""
-    for part in path.split(".") if path else ():
-        if env is None or not hasattr(env._module, part):
-            return None
-        env = getattr(env, part)
-    return env
+    paths, todo = {"blocks": blocks.name}, [("", "", blocks.submodules)]
+    while todo:  # (the component's key prefix, its path in a layer, its submodules)
+        key, path, subs = todo.pop()
+        for k, c in (subs or {}).items():
+            paths[key + k] = ".".join(x for x in (path, c.name) if x) if c.name else None  # None: no module of its own
+            todo.append((f"{key}{k}.", paths[key + k] or path, c.submodules))
+    return _Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
 
 
 def _nnsight_family(model: NnsightModel) -> FamilySpec:
@@ -411,14 +354,12 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
     attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
     are measured on a probe (of a copy, where the weights are on the meta device)."""
-    s, hf = model.spec, model.hf
+    s, hf, layers = model.spec, model.hf, model.spec.attention_layers
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    layers, lay = s.attention_layers, model.layout
-    ln1, attn, kn = (model.part(layers[0], c) for c in ("ln1", "attn", "attn.k_norm"))
     d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
     types = families._layer_types(cfg, s.n_layers)
     window, sliding = families._sliding(cfg, types, layers)
-    norm, kn = (_probe(e._module) if e is not None else None for e in (ln1, kn))
+    norm, kn = (_probe(getattr(model.part(layers[0], c), "_module", None)) for c in ("ln1", "attn.k_norm"))
     return FamilySpec(
         family=s.family,
         architecture=type(hf).__name__,
@@ -429,21 +370,18 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         n_kv_heads=s.n_kv_heads,
         d_head=d_head,
         d_model=s.d_model,
-        **families._positions(hf, cfg, s.family, types, layers, lay.positions, d_head),
+        **families._positions(hf, cfg, s.family, types, layers, model.layout.positions, d_head),
         norm=norm,
         norm_placement="pre" if norm else "none",
-        post_norm=None,
-        parallel_block=lay.parallel,
+        parallel_block=model.layout.parallel,
         qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
-        fused_qkv="attn.qkv" in lay.paths,
+        fused_qkv="attn.qkv" in model.layout.paths,
         key_rotated=True,
         pattern_live=True,
-        learned_sinks=False,  # refused (``_unsupported``)
-        gate=None,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
-        attn_scale=families._attn_scale(model.attention(layers[0])._module, d_head),
+        attn_scale=families._attn_scale(model.part(layers[0], "attn", need=True)._module, d_head),
         attn_softcap=s.softcap,
         latent=s.latent,
         _key_hook="blocks.{layer}.attn.hook_rot_k",
@@ -457,13 +395,12 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     ``up_proj``, ``down_proj``, the activation matched on ``act_fn``) after the input norm ("ln2") on the stream
     between attention and MLP, each write added (or normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP
     has ``experts`` are mixtures of experts (no neurons read)."""
-    s, mlps = model.spec, [model.part(l, "mlp") for l in range(model.spec.n_layers)]
-    moe = tuple(l for l, m in enumerate(mlps) if m is not None and hasattr(m._module, "experts"))
+    s = model.spec
+    moe = tuple(l for l in range(s.n_layers) if hasattr(getattr(model.part(l, "mlp"), "_module", None), "experts"))
     dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.gate") is not None]
     out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
     in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
-    cfg = model.hf.config.get_text_config()
-    scale = float(getattr(cfg, "residual_multiplier", None) or 1.0)  # Granite: each write scaled before it adds
+    scale = float(getattr(model.hf.config.get_text_config(), "residual_multiplier", None) or 1.0)  # Granite
     return MlpSpec(
         family=s.family,
         kind="gated" if dense else ("moe" if moe else "none"),
@@ -574,8 +511,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     """
     from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
 
-    reason = _unsupported(hf)
-    if reason:
+    if reason := _unsupported(hf):
         raise NnsightUnsupported(f"{type(hf).__name__}: {reason}")
     hf.eval()
     import warnings  # import time: the deprecation note below only
@@ -611,5 +547,4 @@ def remote_meta_model(repo_id: str) -> NnsightModel:
             "remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one)."
         )
     lm = LanguageModel(repo_id)
-    model = NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)
-    return model
+    return NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)

@@ -135,13 +135,12 @@ def test_a_layouts_weights_read_in_a_trace_are_the_bridges_or_refused(family, fa
         ("gpt_neox", "hook_k_proj", "fused qkv"),
         ("gpt_neox", "hook_resid_mid", "parallel block"),
         ("gptj", "hook_resid_mid", "parallel block"),
-        ("gpt2", "mlp.hook_pre_linear", "mlp"),
     ],
 )
 def test_a_site_a_layout_lacks_is_refused_before_the_trace(family, site, why, nn_family, family_dir, monkeypatch):
     """A site this family's layer has no module for (a fused qkv: no key projection; a parallel block: no stream
-    between attention and MLP; a plain MLP: no up projection) is refused, naming the bridge, before any trace runs;
-    Falcon's attention calls no attention function: refused at load."""
+    between attention and MLP) is refused, naming the bridge, before any trace runs; Falcon's attention calls no
+    attention function: refused at load."""
     nn = nn_family(family)
     monkeypatch.setattr(type(nn.lm), "trace", lambda *a, **k: pytest.fail("a trace ran"))
     with pytest.raises(NnsightUnsupported, match=f"{why}.*--backend transformer_lens"):
