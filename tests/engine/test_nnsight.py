@@ -149,6 +149,24 @@ def test_a_site_a_layout_lacks_is_refused_before_the_trace(family, site, why, nn
         load_nnsight(str(family_dir("falcon")))
 
 
+@pytest.mark.parametrize("family, blocks", [("gpt2", "transformer.h"), ("gpt_neox", "gpt_neox.layers")])
+def test_a_layouts_meta_model_has_its_paths_from_the_config_alone(family, blocks):
+    """NDIF's case, weights on the meta device: the adapter's paths, the attention call and the sink and massive pass
+    plans come from the config alone; the fused key projection is refused there too, before any work."""
+    import transformers
+    from tests.families import FAMILY_CONFIGS, word_tokenizer
+
+    cls, kw = FAMILY_CONFIGS[family]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw))
+    nn = wrap_nnsight(hf, tokenizer=word_tokenizer(), name=family)
+    assert nn.layout.paths["blocks"] == blocks and nn.attention_call(1) is not None
+    plan = pass_plan(nn, [SinkAccumulator(nn, 16, k_max=4), MassiveAccumulator(nn, range(2), nn.spec.d_model)])
+    assert [p[0] for p in plan] == [0, 1] and all(p[1] for p in plan)  # each layer's attention call
+    with pytest.raises(NnsightUnsupported, match="fused qkv"):
+        trace_batch(nn, _tokens(n=1, T=4), [], edits={1: {"k_in": Reduction(_weight, {"W": 0.0})}})
+
+
 def test_a_folder_that_is_not_a_model_is_refused_in_one_line(tmp_path):
     from analysis.model.loading import ModelNotFoundError
 
