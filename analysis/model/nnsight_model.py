@@ -217,8 +217,7 @@ class NnsightModel:
         comps, side = BLOCK_SITES[name]
         scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
         if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
-            why = f"{self.spec.family} scales each write by {scale:g}, and no module outputs {name}"
-            raise NnsightUnsupported(f"{why}: {_BRIDGE}.")
+            raise NnsightUnsupported(f"{self.spec.family} scales each write by {scale:g} ({name}): {_BRIDGE}.")
         if name == "hook_resid_mid" and self.layout.parallel:
             raise NnsightUnsupported(f"{self.spec.family}: a parallel block has no {name}: {_BRIDGE}.")
         for comp in comps:

@@ -149,6 +149,21 @@ def test_a_site_a_layout_lacks_is_refused_before_the_trace(family, site, why, nn
         load_nnsight(str(family_dir("falcon")))
 
 
+def test_opts_queries_are_the_bridges_though_it_scales_them_before_the_call(family_bridge, nn_family):
+    """OPT multiplies q by its scale before the attention call (scaling=1.0 there): hook_q undoes that, so the logits
+    a reduction forms from it with the family's scale are the bridge's (the norm gain's heads table; its logit shares,
+    ratios to a near-zero total, to float rounding)."""
+    from analysis.chain.norm_gain import norm_gain_trace
+
+    got, want = (
+        norm_gain_trace(m, _tokens(), 1, spike_dims=[3, 7]).heads for m in (nn_family("opt"), family_bridge("opt"))
+    )
+    shares = [c for c in want.columns if c.startswith("logit_share")]
+    assert want.logit_first.abs().max() > 1e-2  # logits the pre-scaling would scale eightfold
+    pd.testing.assert_frame_equal(got.drop(columns=shares), want.drop(columns=shares), atol=1e-6, rtol=1e-5)
+    pd.testing.assert_frame_equal(got[shares], want[shares], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family, blocks", [("gpt2", "transformer.h"), ("gpt_neox", "gpt_neox.layers")])
 def test_a_layouts_meta_model_has_its_paths_from_the_config_alone(family, blocks):
     """NDIF's case, weights on the meta device: the adapter's paths, the attention call and the sink and massive pass
