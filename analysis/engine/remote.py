@@ -220,6 +220,7 @@ def trace_batch(
     edits = {l: {EDIT_SITES.get(k, k): v for k, v in edits.get(l, {}).items()} for l in layers}
     order = {l: _in_order(jobs[l][2] if l in jobs else frozenset(), edits[l]) for l in layers}
     calls = {l: model.attention_call(l) for l in layers if "call" in order[l]}
+    where = {(l, n): model.site(l, n) for l in layers for n in order[l] if n != "call"}  # refused before the trace
     with torch.no_grad(), model.lm.trace({"input_ids": tokens}, remote=remote):  # no_grad: here; NDIF runs without
         saved = nnsight.save([])
         for layer in layers:
@@ -229,7 +230,7 @@ def trace_batch(
                 if name == "call":
                     acts.update(_attention_acts(model, calls[layer], sites, ed.get("z")))
                 else:
-                    acts[name] = _site(model, layer, name, ed.get(name))
+                    acts[name] = _site(model, *where[layer, name], name, ed.get(name))
             for j, red, keys in todo:
                 saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
         if logits is not None:
@@ -263,10 +264,9 @@ def _in_order(sites, edits: dict) -> list[str]:
     return sorted({"call" if s in CALL_SITES else s for s in sites | edits.keys()}, key=list(BLOCK_SITES).index)
 
 
-def _site(model: NnsightModel, layer: int, name: str, edit=None):
-    """Inside a trace: the value of a layer's site (``NnsightModel.site``; the key projection as the bridge's hook,
-    (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
-    env, side = model.site(layer, name)
+def _site(model: NnsightModel, env, side: str, name: str, edit=None):
+    """Inside a trace: the value of a layer's site ``name`` (where ``NnsightModel.site`` put it: ``env``'s ``side``;
+    the key projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
     got = getattr(env, side)
     x = got[0] if isinstance(got, tuple) else got
     if edit is not None:
@@ -281,10 +281,11 @@ def _attention_acts(model: NnsightModel, call, sites, edit=None) -> dict:
     z the call's output, set first to what ``edit`` makes of {"pattern", "v", "z"})."""
     args, kwargs = call.inputs
     q, k, v, mask = args[1], args[2], args[3], args[4]
-    acts = {"hook_q": q.transpose(1, 2), "hook_k": k.transpose(1, 2), "hook_v": v.transpose(1, 2)}
+    scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+    pre = scale / getattr(args[0], "scaling", scale)  # OPT scales q by its module's scale before a call at 1.0: undone
+    acts = {"hook_q": q.transpose(1, 2) * pre, "hook_k": k.transpose(1, 2), "hook_v": v.transpose(1, 2)}
     acts["hook_rot_q"], acts["hook_rot_k"] = acts["hook_q"], acts["hook_k"]
     if "hook_pattern" in sites or edit is not None:
-        scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
         acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, softcap=model.spec.softcap)
     if "hook_z" in sites or edit is not None:
         res = call.output

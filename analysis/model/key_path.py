@@ -636,13 +636,12 @@ def _trace_key_path(model, layer: int, spec) -> KeyPath:
     """The key path of a model loaded through nnsight (``NnsightModel``), its weights meta tensors of their shapes:
     a remote trace reads them where the model is (:meth:`KeyPath.in_trace`); its key projection is the site
     ``blocks.l.attn.hook_k_proj`` (``k_proj``'s output)."""
-    hf = model.decoder_layers()[layer]._module
-    k_proj, ln = getattr(hf.self_attn, "k_proj", None), getattr(hf, "input_layernorm", None)
+    k_proj, ln = (getattr(model.part(layer, c), "_module", None) for c in ("attn.k", "ln1"))
     if spec.latent is not None or k_proj is None or (spec.norm is not None and ln is None):
+        why = "latent attention" if spec.latent else "a fused qkv projection" if spec.fused_qkv else "no such modules"
         raise ModelContractError(
-            f"a remote trace reads the key path from input_layernorm and self_attn.k_proj (and k_norm); layer {layer} "
-            f"of this {spec.family} model has {'latent attention' if spec.latent else 'no such modules'}: "
-            "trace its norm gain on a model loaded here."
+            f"a remote trace reads the key path from the attention's input norm and its key projection (and k_norm); "
+            f"layer {layer} of this {spec.family} model has {why}: trace its norm gain on a model loaded here."
         )
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
     D, Hkv, ns, ks = spec.d_model, spec.n_kv_heads, spec.norm, spec.qk_norm

@@ -1,18 +1,20 @@
 """A Hugging Face causal LM through nnsight (``load_model(name, backend="nnsight")``): the model contract the nnsight
 pass (``analysis.engine.remote``) reads, locally or on NDIF (``remote=True``).
 
-The bridge reads q and k at its hooks; here they are read where each family's attention hands them to transformers'
-attention function (``attention_interface(self, q, k, v, mask, scaling=..., softcap=...)``, through nnsight's
-``.source`` on the attention forward): after the rotary and any q/k norm, before grouped-query heads are repeated,
-with the mask that carries sliding windows, for Llama, Qwen2/3, Gemma 2/3, the MoE families and DeepSeek-V3's latent
-attention alike. The spec (:class:`NnsightSpec`) is read from the config with ``analysis.model.families``' readers;
-what the pass cannot measure exactly is refused before any work, with the reason (:func:`_unsupported`).
+Its module paths are TransformerLens' own, from the architecture adapter for its class (:func:`_layout`: from the
+config alone, so a model on the meta device has them). q and k are read where the attention hands them to transformers'
+attention function (``attention_interface(self, q, k, v, mask, scaling=...)``, through nnsight's ``.source``): after
+the rotary and any q/k norm, before grouped-query heads repeat, with the mask of any sliding window. What the pass
+cannot measure exactly (ALiBi, learned sinks, an attention without that call: Falcon; a site a layer has no module
+for: a fused qkv's key projection, a parallel block's hook_resid_mid) is refused before any work, naming the bridge.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import reduce
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +24,7 @@ from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attenti
 from analysis.model.mlp_spec import MlpSpec, MlpWeights, _activation_name
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
+_BRIDGE = "run this on the bridge (--backend transformer_lens)"
 
 
 class NnsightUnsupported(ValueError):
@@ -130,8 +133,6 @@ class NnsightModel:
     model_name: str
     spec: NnsightSpec
     remote: bool = False
-    _family: object = field(default=None, repr=False)
-    _mlp: object = field(default=None, repr=False)
     pass_backend = "nnsight"  # what its passes run on (``analysis.engine.remote``), as a bridge's ``pass_backend``
 
     @property
@@ -166,29 +167,42 @@ class NnsightModel:
         n = getattr(cfg, "vocab_size", None)
         return int(n) if n is not None else None
 
+    @property
+    def layout(self) -> _Layout:
+        """The family's module paths (:func:`_layout`), kept (no cached_property: its lock would not pickle)."""
+        return vars(self).get("_layout") or vars(self).setdefault("_layout", _layout(self.hf))
+
     def decoder_layers(self):
-        """The envoys of the decoder layers (``<base model>.layers``)."""
-        base = getattr(self.lm, self.hf.base_model_prefix, None)
-        layers = getattr(base, "layers", None)
-        if layers is None:
-            raise NnsightUnsupported(f"{self.spec.family}: no <base model>.layers list of decoder layers.")
-        return layers
+        """The envoys of the decoder layers (the adapter's blocks: ``model.layers``, ``transformer.h``, ...)."""
+        return reduce(getattr, self.layout.paths["blocks"].split("."), self.lm)
+
+    def part(self, layer: int, comp: str, *, need: bool = False):
+        """The envoy of layer ``layer``'s TransformerLens component ``comp`` ("": the layer; "attn", "attn.k", "ln2",
+        "mlp.out", ...); None where this family's layer has no such module, or NnsightUnsupported if ``need``."""
+        path = self.layout.paths.get(comp) if comp else ""
+        env = None if path is None else self.decoder_layers()[layer]
+        for name in path.split(".") if path else ():
+            env = getattr(env, name) if env is not None and hasattr(env._module, name) else None
+        if env is None and need:
+            why = " (a fused qkv projection)" if comp[:-1] == "attn." and "attn.qkv" in self.layout.paths else ""
+            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {comp} module{why}: {_BRIDGE}.")
+        return env
 
     def weight(self, w: TraceWeight):
         """``w`` (a :class:`TraceWeight`) in TransformerLens' layout, read where the trace runs (inside a trace: on
-        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's ``o_proj`` (d_model, H * d_head); W_K
-        (H_kv, d_model, d_head) from ``k_proj``; the others as the modules keep them."""
-        where, attr = _WEIGHTS.get(w.name, ("", ""))
-        env = self.decoder_layers()[w.layer]
-        for part in where.split(".") if where else ():
-            env = getattr(env, part) if hasattr(env._module, part) else None
-            if env is None:
-                break
-        if env is None or not where or getattr(env._module, attr, None) is None:
-            if env is not None and attr == "bias":
+        NDIF, the weight there): W_O (H, d_head, d_model) from the attention's output projection (d_model, H * d_head;
+        a Conv1D's transposed); W_K (H_kv, d_model, d_head) from its own key projection (none in a fused qkv: refused);
+        the others as the modules keep them."""
+        where, _, leaf = w.name.replace("k_norm", "attn.k_norm").rpartition(".")  # W_X of component x: "mlp.W_out"
+        kind, _, x = leaf.partition("_")  # a norm's "w" / "b": "ln1.b", "k_norm.w"
+        env = self.part(w.layer, f"{where or 'attn'}.{x.lower()}" if x else where, need=True)
+        attr = {"W": "weight", "w": "weight", "b": "bias"}.get(kind, "")
+        if getattr(env._module, attr, None) is None:
+            if attr == "bias":
                 return None  # a module without a bias (b_out of an MLP that has none, as MlpWeights holds it)
             raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
         t, s = getattr(env, attr), self.spec
+        t = t.T if type(env._module).__name__ == "Conv1D" else t  # GPT-2's Conv1D: (in, out), a Linear's transposed
         if w.name == "W_O":
             return t.T.reshape(s.n_heads, -1, s.d_model)
         if w.name == "W_K":
@@ -197,57 +211,40 @@ class NnsightModel:
 
     def site(self, layer: int, name: str):
         """Where layer ``layer``'s forward reaches the TransformerLens site ``name`` (a key of :data:`BLOCK_SITES` but
-        "call"): (its module's envoy, "input" or "output"), whose value a trace reads or sets there; a layer with a
-        norm after each write (Gemma 2/3: ``pre_feedforward_layernorm``) writes that norm's output (``_POST_NORMED``).
-        NnsightUnsupported where this family's layer has no such module."""
-        path, side = BLOCK_SITES[name]
-        env = self.decoder_layers()[layer]
+        "call"): (the envoy of the first of its components the layer has, "input" or "output"), whose value a trace
+        reads or sets there. NnsightUnsupported where this family's layer has none (a fused qkv: no key projection; a
+        parallel block: no stream between attention and MLP)."""
+        comps, side = BLOCK_SITES[name]
         scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
         if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
-            raise NnsightUnsupported(
-                f"{self.spec.family} scales each write by {scale:g} as it adds it, and no module outputs the scaled "
-                f"write ({name}): run this on the bridge (--backend transformer_lens)."
-            )
-        if name in _POST_NORMED and hasattr(env._module, "post_feedforward_layernorm"):
-            path = _POST_NORMED[name]
-            if name == "hook_resid_mid" and not hasattr(env._module, path):  # OLMo-2: no norm before the MLP
-                path, side = BLOCK_SITES["mlp.hook_in"]
-        for part in path.split(".") if path else ():
-            if not hasattr(env._module, part):
-                raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no {path} module, where {name} is.")
-            env = getattr(env, part)
-        return env, side
+            raise NnsightUnsupported(f"{self.spec.family} scales each write by {scale:g} ({name}): {_BRIDGE}.")
+        if name == "hook_resid_mid" and self.layout.parallel:
+            raise NnsightUnsupported(f"{self.spec.family}: a parallel block has no {name}: {_BRIDGE}.")
+        for comp in comps:
+            env = self.part(layer, comp, need=comp == comps[-1])
+            if env is not None:
+                return env, side
 
     @property
     def family(self) -> FamilySpec:
         """The family facts (``analysis.model.families.FamilySpec``) read from the Hugging Face model and its
         config, once: what ``get_family`` gives (the key path of the norm-gain trace reads it)."""
-        if self._family is None:
-            self._family = _nnsight_family(self)
-        return self._family
+        return vars(self).get("_family") or vars(self).setdefault("_family", _nnsight_family(self))
 
     @property
     def mlp_spec(self) -> MlpSpec:
         """The MLP facts (``analysis.model.mlp_spec.MlpSpec``) read from the Hugging Face modules and config, once:
         what ``get_mlp`` gives (the spike writers' neurons, their quadratic form and first-token cause read it)."""
-        if self._mlp is None:
-            self._mlp = _nnsight_mlp(self)
-        return self._mlp
+        return vars(self).get("_mlp") or vars(self).setdefault("_mlp", _nnsight_mlp(self))
 
     def block_module(self, layer: int, name: str):
         """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
         "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
         where the layer has none."""
-        post = hasattr(self.decoder_layers()[layer]._module, "post_feedforward_layernorm")  # Gemma 2/3, OLMo-2
-        path = {"ln1": "input_layernorm", "mlp": "mlp"}.get(name) or (
-            {"ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"} if post else {}
-        ).get(name, "post_attention_layernorm" if name == "ln2" else None)
-        mod = getattr(self.decoder_layers()[layer]._module, path, None) if path else None
+        mod = getattr(env := self.part(layer, name), "_module", None)
         if self.remote and name != "mlp" and mod is not None and any(p.is_meta for p in mod.parameters()):
             every = slice(None)  # a model held on NDIF: the norm's parameters read there, once, into its module here
-            got = self.read_in_trace(
-                [(getattr(self.decoder_layers()[layer], path), k, every, every) for k, _ in mod.named_parameters()]
-            )
+            got = self.read_in_trace([(env, k, every, every) for k, _ in mod.named_parameters()])
             for p, t in zip(mod.to_empty(device="cpu").parameters(), got):
                 p.data.copy_(t)
         return mod
@@ -257,11 +254,10 @@ class NnsightModel:
         ``mlp_weights`` gives them (float32, CPU), restricted to ``neurons`` and ``dims`` (``MlpWeights.select``).
         Where they are on NDIF (a meta-device model) only those slices are read, in one trace there
         (:meth:`read_in_trace`); NnsightUnsupported for a whole weight there, or a layer with no such MLP."""
-        mlp = self.block_module(layer, "mlp")
-        lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(m is None for m in lins) or layer in self.mlp_spec.moe_layers:
+        out, up, gate = (self.part(layer, c) for c in ("mlp.out", "mlp.in", "mlp.gate"))
+        if gate is None or up is None or out is None or layer in self.mlp_spec.moe_layers:
             raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
-        meta, env, every = lins[0].weight.is_meta, self.decoder_layers()[layer].mlp, slice(None)
+        meta, every = gate._module.weight.is_meta, slice(None)
         if meta and neurons is None and dims is None:
             raise NnsightUnsupported(
                 f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
@@ -269,8 +265,8 @@ class NnsightModel:
             )
         n, d = (every if i is None else list(i) for i in (neurons, dims))
         # (envoy, parameter, rows, then columns): W_out, b_out, then W_in, b_in, W_gate, b_gate unless dims alone
-        reads = [(env.down_proj, "weight", d, (every, n)), (env.down_proj, "bias", d, every)]
-        reads += [(e, a, n, every) for e in (env.up_proj, env.gate_proj) for a in ("weight", "bias")]
+        reads = [(out, "weight", d, (every, n)), (out, "bias", d, every)]
+        reads += [(e, a, n, every) for e in (up, gate) for a in ("weight", "bias")]
         reads = reads[: 2 if dims is not None and neurons is None else 6]
         have = [getattr(e._module, a) is not None for e, a, _, _ in reads]
         todo = [r for r, h in zip(reads, have) if h]
@@ -290,55 +286,66 @@ class NnsightModel:
 
     def attention_call_name(self, layer: int) -> str:
         """The name of layer ``layer``'s call to the attention function among its forward's source entries."""
-        return call_name(self.decoder_layers()[layer].self_attn.source.names, self.spec.family)
+        return call_name(self.part(layer, "attn", need=True).source.names, self.spec.family)
 
     def attention_call(self, layer: int):
         """The nnsight source entry of layer ``layer``'s call to the attention function (its ``.inputs`` are
         ``((module, q, k, v, mask), kwargs)``)."""
-        src = self.decoder_layers()[layer].self_attn.source
-        return getattr(src, call_name(src.names, self.spec.family))
+        return getattr(self.part(layer, "attn", need=True).source, self.attention_call_name(layer))
 
 
-# Where a Hugging Face decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's
-# input, where an edit goes), in the order it runs them: (the layer's submodule, "": the layer itself; "input" or
-# "output"); "call": the attention function's call (``attention_call``), which gives q, k, v, the pattern and z.
+# Where a decoder layer's forward reaches each TransformerLens site (and "k_in", the key projection's input, edited), in
+# order: (the block's components holding it, the first the layer has: a write's norm in Gemma 2/3 and OLMo-2; OLMo-2
+# has no ln2, OPT no mlp module; "input" or "output"); "call": the attention function's call (q, k, v, pattern, z).
 BLOCK_SITES = {
-    "hook_resid_pre": ("", "input"),
-    "k_in": ("self_attn.k_proj", "input"),
-    "hook_k_proj": ("self_attn.k_proj", "output"),
+    "hook_resid_pre": (("",), "input"),
+    "k_in": (("attn.k",), "input"),
+    "hook_k_proj": (("attn.k",), "output"),
     "call": None,
-    "hook_attn_out": ("self_attn", "output"),
-    "hook_resid_mid": ("post_attention_layernorm", "input"),
-    "mlp.hook_in": ("mlp", "input"),
-    "mlp.hook_pre": ("mlp.gate_proj", "output"),
-    "mlp.hook_pre_linear": ("mlp.up_proj", "output"),
-    "mlp.hook_post": ("mlp.down_proj", "input"),
-    "hook_mlp_out": ("mlp", "output"),
-    "hook_resid_post": ("", "output"),
-}
-# A layer that normalises each write before adding it (Gemma 2/3, OLMo-2: it has ``post_feedforward_layernorm``): its
-# writes are these norms' outputs, and the stream between attention and MLP enters the MLP's own input norm (Gemma) or
-# the MLP itself (OLMo-2).
-_POST_NORMED = {
-    "hook_attn_out": "post_attention_layernorm",
-    "hook_resid_mid": "pre_feedforward_layernorm",
-    "hook_mlp_out": "post_feedforward_layernorm",
+    "hook_attn_out": (("ln1_post", "attn"), "output"),
+    "hook_resid_mid": (("ln2", "mlp", "mlp.in"), "input"),
+    "mlp.hook_in": (("mlp", "mlp.in"), "input"),
+    "mlp.hook_pre": (("mlp.gate", "mlp.in"), "output"),
+    "mlp.hook_pre_linear": (("mlp.in",), "output"),
+    "mlp.hook_post": (("mlp.out",), "input"),
+    "hook_mlp_out": (("ln2_post", "mlp", "mlp.out"), "output"),
+    "hook_resid_post": (("",), "output"),
 }
 
-# TraceWeight names -> (the decoder layer's submodule, its parameter)
-_WEIGHTS = {
-    "W_O": ("self_attn.o_proj", "weight"),
-    "W_K": ("self_attn.k_proj", "weight"),
-    "b_K": ("self_attn.k_proj", "bias"),
-    "ln1.w": ("input_layernorm", "weight"),
-    "ln1.b": ("input_layernorm", "bias"),
-    "k_norm.w": ("self_attn.k_norm", "weight"),
-    "k_norm.b": ("self_attn.k_norm", "bias"),
-    "mlp.W_gate": ("mlp.gate_proj", "weight"),  # (d_mlp, d_model), as MlpWeights holds them
-    "mlp.W_in": ("mlp.up_proj", "weight"),
-    "mlp.W_out": ("mlp.down_proj", "weight"),  # (d_model, d_mlp)
-    "mlp.b_out": ("mlp.down_proj", "bias"),
-}
+
+class _Layout(NamedTuple):
+    """Where a family's decoder layers keep a TransformerLens block's components (:func:`_layout`)."""
+
+    paths: dict  # "blocks": the layer list's path; each component ("ln1", "attn.k", "mlp.out"): its path in a layer
+    parallel: bool  # attention and MLP both read the layer's input (GPT-J, GPT-NeoX, Phi): no hook_resid_mid
+    positions: str | None  # the adapter's positional_embedding_type
+
+
+def _layout(hf) -> _Layout:
+    """The layout of a Hugging Face causal LM from TransformerLens' own architecture adapter for it (the adapter's
+    ``component_mapping``): built from the config alone, so a model whose weights are on the meta device (NDIF) has
+    it too. NnsightUnsupported where TransformerLens has none."""
+    from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
+    from transformer_lens.model_bridge.sources import build_bridge_config_from_hf
+    from transformer_lens.model_bridge.sources.transformers import determine_architecture_from_hf_config
+
+    try:
+        arch = determine_architecture_from_hf_config(hf.config)  # as the bridge picks it (PhiMoEForCausalLM)
+    except ValueError:
+        arch = type(hf).__name__  # a config built in memory names no architectures: its class
+    try:
+        cfg = build_bridge_config_from_hf(hf.config, arch, "nnsight", torch.float32)
+        adapter = ArchitectureAdapterFactory.select_architecture_adapter(cfg)
+    except ValueError as e:
+        raise NnsightUnsupported(f"{arch}: TransformerLens has no adapter for it ({e}).") from None
+    blocks = adapter.component_mapping["blocks"]
+    paths, todo = {"blocks": blocks.name}, [("", "", blocks.submodules)]
+    while todo:  # (the component's key prefix, its path in a layer, its submodules)
+        key, path, subs = todo.pop()
+        for k, c in (subs or {}).items():
+            paths[key + k] = ".".join(x for x in (path, c.name) if x) if c.name else None  # None: no module of its own
+            todo.append((f"{key}{k}.", paths[key + k] or path, c.submodules))
+    return _Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
 
 
 def _nnsight_family(model: NnsightModel) -> FamilySpec:
@@ -346,13 +353,12 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     (``analysis.model.families``) from its Hugging Face modules and config. Its queries and keys are read where the
     attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
     are measured on a probe (of a copy, where the weights are on the meta device)."""
-    s, hf = model.spec, model.hf
+    s, hf, layers = model.spec, model.hf, model.spec.attention_layers
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    layers, block = s.attention_layers, model.decoder_layers()[s.attention_layers[0]]._module
     d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
     types = families._layer_types(cfg, s.n_layers)
     window, sliding = families._sliding(cfg, types, layers)
-    norm, kn = _probe(getattr(block, "input_layernorm", None)), _probe(getattr(block.self_attn, "k_norm", None))
+    norm, kn = (_probe(getattr(model.part(layers[0], c), "_module", None)) for c in ("ln1", "attn.k_norm"))
     return FamilySpec(
         family=s.family,
         architecture=type(hf).__name__,
@@ -363,21 +369,18 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         n_kv_heads=s.n_kv_heads,
         d_head=d_head,
         d_model=s.d_model,
-        **families._positions(hf, cfg, s.family, types, layers, None, d_head),
+        **families._positions(hf, cfg, s.family, types, layers, model.layout.positions, d_head),
         norm=norm,
         norm_placement="pre" if norm else "none",
-        post_norm=None,
-        parallel_block=False,
+        parallel_block=model.layout.parallel,
         qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
-        fused_qkv=False,
+        fused_qkv="attn.qkv" in model.layout.paths,
         key_rotated=True,
         pattern_live=True,
-        learned_sinks=False,  # refused (``_unsupported``)
-        gate=None,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
-        attn_scale=families._attn_scale(block.self_attn, d_head),
+        attn_scale=families._attn_scale(model.part(layers[0], "attn", need=True)._module, d_head),
         attn_softcap=s.softcap,
         latent=s.latent,
         _key_hook="blocks.{layer}.attn.hook_rot_k",
@@ -391,20 +394,19 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     ``up_proj``, ``down_proj``, the activation matched on ``act_fn``) after the input norm ("ln2") on the stream
     between attention and MLP, each write added (or normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP
     has ``experts`` are mixtures of experts (no neurons read)."""
-    s, layers = model.spec, model.decoder_layers()
-    moe = tuple(l for l in range(s.n_layers) if hasattr(layers[l]._module.mlp, "experts"))
-    dense = [l for l in range(s.n_layers) if l not in moe and hasattr(layers[l]._module.mlp, "gate_proj")]
+    s = model.spec
+    moe = tuple(l for l in range(s.n_layers) if hasattr(getattr(model.part(l, "mlp"), "_module", None), "experts"))
+    dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.gate") is not None]
     out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
     in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
-    cfg = model.hf.config.get_text_config()
-    scale = float(getattr(cfg, "residual_multiplier", None) or 1.0)  # Granite: each write scaled before it adds
+    scale = float(getattr(model.hf.config.get_text_config(), "residual_multiplier", None) or 1.0)  # Granite
     return MlpSpec(
         family=s.family,
         kind="gated" if dense else ("moe" if moe else "none"),
         activation=_activation_name(model, dense[0], None, None, None, True) if dense else None,
         d_mlp=int(s.d_mlp) if dense else None,
-        parallel=False,
-        input_resid="resid_mid",
+        parallel=model.layout.parallel,
+        input_resid="resid_pre" if model.layout.parallel else "resid_mid",
         input_norm=in_norm,
         input_norm_module="ln2" if in_norm else None,
         output="post_norm" if out_norm else ("scaled" if scale != 1.0 else "add"),
@@ -508,8 +510,7 @@ def wrap_nnsight(hf, *, tokenizer, name: str = "in-memory model", remote: bool =
     """
     from nnsight import LanguageModel, NNsight  # optional: the "remote" extra
 
-    reason = _unsupported(hf)
-    if reason:
+    if reason := _unsupported(hf):
         raise NnsightUnsupported(f"{type(hf).__name__}: {reason}")
     hf.eval()
     import warnings  # import time: the deprecation note below only
@@ -545,5 +546,4 @@ def remote_meta_model(repo_id: str) -> NnsightModel:
             "remote=True needs an NDIF key: set NDIF_API_KEY (docs/remote.md says how to get one)."
         )
     lm = LanguageModel(repo_id)
-    model = NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)
-    return model
+    return NnsightModel(lm, lm.tokenizer, repo_id, _nnsight_spec(lm.config), remote=True)

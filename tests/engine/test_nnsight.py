@@ -27,22 +27,24 @@ from analysis.chain.massive import MassiveAccumulator  # noqa: E402
 from analysis.chain.values import ValueNormsAccumulator  # noqa: E402
 from analysis.chain.key_manifold import first_key_manifold, key_manifold_accumulator  # noqa: E402
 from analysis.causal.sink_kind import SinkKindAccumulator  # noqa: E402
-from analysis.engine.passes import Capture  # noqa: E402
+from analysis.engine.passes import Capture, Reduction  # noqa: E402
 from analysis.engine.attention import AttentionWeights  # noqa: E402
 from analysis.engine.remote import (  # noqa: E402
     REQUEST_LIMIT_BYTES,
+    in_trace,
     pass_plan,
     plan_requests,
     reduction_bytes,
     stats_bytes,
     trace_batch,
 )
-from analysis.model.nnsight_model import NnsightUnsupported, wrap_nnsight  # noqa: E402
+from analysis.model.nnsight_model import NnsightUnsupported, TraceWeight, wrap_nnsight  # noqa: E402
 from analysis.positions.every_sink import PositionAccumulator, sink_positions  # noqa: E402
 from analysis.sinks.metric import SinkAccumulator, sink_metric  # noqa: E402
 
 NDIF_ALLOWED = {"torch", "numpy", "einops", "math", "collections", "typing", "pandas", "builtins", "__future__"}
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v3"]
+LAYOUTS = ["gpt2", "gpt_neox", "gptj", "opt", "llama4_text"]  # module paths from TransformerLens' adapter
 
 
 def _tokens(n=3, T=20, seed=0):
@@ -61,7 +63,7 @@ def nn_family(family_dir):
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LAYOUTS)
 def test_nnsight_gives_the_bridges_alpha_and_massive_table(family, family_bridge, nn_family):
     bridge, nn, tokens = family_bridge(family), nn_family(family), _tokens()
     ref = sink_metric(bridge, tokens, k_max=16, path="eager")
@@ -107,6 +109,77 @@ def test_a_family_it_cannot_measure_is_refused_before_the_work(family_dir):
         load_nnsight(str(family_dir("gpt_oss")))
     with pytest.raises(ValueError, match="backend='nnsight'"):
         load_model("smollm2-135m", remote=True)
+
+
+def _weight(acts, W):
+    return W
+
+
+@pytest.mark.parametrize("family", LAYOUTS)
+def test_a_layouts_weights_read_in_a_trace_are_the_bridges_or_refused(family, family_bridge, nn_family):
+    """W_O, W_K and ln1's gain as a trace reads them (GPT-2's Conv1D transposed, each in TransformerLens' layout)
+    equal the bridge's; a fused qkv projection (GPT-2, GPT-NeoX) has no key projection to read W_K from: refused."""
+    block, nn = family_bridge(family).blocks[0], nn_family(family)
+    for name, want in (("W_O", block.attn.W_O), ("W_K", block.attn.W_K), ("ln1.w", block.ln1.weight)):
+        if name == "W_K" and family in ("gpt2", "gpt_neox"):
+            with pytest.raises(NnsightUnsupported, match="fused qkv"):
+                in_trace(nn, 0, Reduction(_weight, {"W": TraceWeight(name, 0)}))
+            continue
+        torch.testing.assert_close(in_trace(nn, 0, Reduction(_weight, {"W": TraceWeight(name, 0)})), want.detach())
+
+
+@pytest.mark.parametrize(
+    "family, site, why",
+    [
+        ("gpt2", "k_in", "fused qkv"),
+        ("gpt_neox", "hook_k_proj", "fused qkv"),
+        ("gpt_neox", "hook_resid_mid", "parallel block"),
+        ("gptj", "hook_resid_mid", "parallel block"),
+    ],
+)
+def test_a_site_a_layout_lacks_is_refused_before_the_trace(family, site, why, nn_family, family_dir, monkeypatch):
+    """A site this family's layer has no module for (a fused qkv: no key projection; a parallel block: no stream
+    between attention and MLP) is refused, naming the bridge, before any trace runs; Falcon's attention calls no
+    attention function: refused at load."""
+    nn = nn_family(family)
+    monkeypatch.setattr(type(nn.lm), "trace", lambda *a, **k: pytest.fail("a trace ran"))
+    with pytest.raises(NnsightUnsupported, match=f"{why}.*--backend transformer_lens"):
+        trace_batch(nn, _tokens(n=1, T=4), [], edits={0: {site: Reduction(_weight, {"W": 0.0})}})
+    with pytest.raises(NnsightUnsupported, match="attention function"):
+        load_nnsight(str(family_dir("falcon")))
+
+
+def test_opts_queries_are_the_bridges_though_it_scales_them_before_the_call(family_bridge, nn_family):
+    """OPT multiplies q by its scale before the attention call (scaling=1.0 there): hook_q undoes that, so the logits
+    a reduction forms from it with the family's scale are the bridge's (the norm gain's heads table; its logit shares,
+    ratios to a near-zero total, to float rounding)."""
+    from analysis.chain.norm_gain import norm_gain_trace
+
+    got, want = (
+        norm_gain_trace(m, _tokens(), 1, spike_dims=[3, 7]).heads for m in (nn_family("opt"), family_bridge("opt"))
+    )
+    shares = [c for c in want.columns if c.startswith("logit_share")]
+    assert want.logit_first.abs().max() > 1e-2  # logits the pre-scaling would scale eightfold
+    pd.testing.assert_frame_equal(got.drop(columns=shares), want.drop(columns=shares), atol=1e-6, rtol=1e-5)
+    pd.testing.assert_frame_equal(got[shares], want[shares], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, blocks", [("gpt2", "transformer.h"), ("gpt_neox", "gpt_neox.layers")])
+def test_a_layouts_meta_model_has_its_paths_from_the_config_alone(family, blocks):
+    """NDIF's case, weights on the meta device: the adapter's paths, the attention call and the sink and massive pass
+    plans come from the config alone; the fused key projection is refused there too, before any work."""
+    import transformers
+    from tests.families import FAMILY_CONFIGS, word_tokenizer
+
+    cls, kw = FAMILY_CONFIGS[family]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw))
+    nn = wrap_nnsight(hf, tokenizer=word_tokenizer(), name=family)
+    assert nn.layout.paths["blocks"] == blocks and nn.attention_call(1) is not None
+    plan = pass_plan(nn, [SinkAccumulator(nn, 16, k_max=4), MassiveAccumulator(nn, range(2), nn.spec.d_model)])
+    assert [p[0] for p in plan] == [0, 1] and all(p[1] for p in plan)  # each layer's attention call
+    with pytest.raises(NnsightUnsupported, match="fused qkv"):
+        trace_batch(nn, _tokens(n=1, T=4), [], edits={1: {"k_in": Reduction(_weight, {"W": 0.0})}})
 
 
 def test_a_folder_that_is_not_a_model_is_refused_in_one_line(tmp_path):
