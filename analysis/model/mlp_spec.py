@@ -62,13 +62,25 @@ class MlpWeights:
     W_gate: torch.Tensor | None  # (d_mlp, d_model), gated MLPs only
     b_gate: torch.Tensor | None  # (d_mlp,)
 
+    @staticmethod
+    def slices(neurons=None, dims=None) -> dict[str, tuple]:
+        """{field: (its rows, then the index into those)} of the weights restricted to ``neurons`` (rows of W_in and
+        W_gate, their biases, W_out's columns) and to the residual ``dims`` (W_out's rows, b_out; dims alone: those
+        two fields only); None keeps all. What :meth:`select` cuts here and an NDIF trace reads there."""
+        n, d, every = (slice(None) if i is None else list(i) for i in (neurons, dims, None))
+        ins = () if neurons is None and dims is not None else ("W_in", "b_in", "W_gate", "b_gate")
+        return {"W_out": (d, (every, n)), "b_out": (d, every)} | {f: (n, every) for f in ins}
+
     def select(self, neurons=None, dims=None) -> MlpWeights:
-        """These weights restricted to ``neurons`` (rows of W_in and W_gate, their biases, W_out's columns) and to the
-        residual ``dims`` (W_out's rows, b_out; dims alone: those only, W_in and W_gate None); None keeps all."""
-        n, d = (slice(None) if i is None else list(i) for i in (neurons, dims))
-        cut = lambda t, i: None if t is None or (neurons is None and dims is not None) else t[i]  # noqa: E731
-        ins = [cut(t, n) for t in (self.W_in, self.b_in, self.W_gate, self.b_gate)]
-        return MlpWeights(self.layer, self.W_out[d][:, n], None if self.b_out is None else self.b_out[d], *ins)
+        """These weights restricted to ``neurons`` and ``dims`` (:meth:`slices`; the fields it leaves out None)."""
+        cut, kept = self.slices(neurons, dims), {}
+        for f in MLP_WEIGHTS:
+            t = getattr(self, f)
+            kept[f] = t[cut[f][0]][cut[f][1]] if f in cut and t is not None else None
+        return MlpWeights(self.layer, **kept)
+
+
+MLP_WEIGHTS = ("W_out", "b_out", "W_in", "b_in", "W_gate", "b_gate")  # MlpWeights' tensors, in its order
 
 
 @dataclass(frozen=True, kw_only=True)

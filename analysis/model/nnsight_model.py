@@ -21,7 +21,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.model import families
 from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
-from analysis.model.mlp_spec import MlpSpec, MlpWeights, _activation_name
+from analysis.model.mlp_spec import MLP_WEIGHTS, MlpSpec, MlpWeights, _activation_name
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 _BRIDGE = "run this on the bridge (--backend transformer_lens)"
@@ -257,23 +257,20 @@ class NnsightModel:
         out, up, gate = (self.part(layer, c) for c in ("mlp.out", "mlp.in", "mlp.gate"))
         if gate is None or up is None or out is None or layer in self.mlp_spec.moe_layers:
             raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
-        meta, every = gate._module.weight.is_meta, slice(None)
+        meta = gate._module.weight.is_meta
         if meta and neurons is None and dims is None:
             raise NnsightUnsupported(
                 f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
                 "layer, neurons=..., dims=...)), never a whole weight."
             )
-        n, d = (every if i is None else list(i) for i in (neurons, dims))
-        # (envoy, parameter, rows, then columns): W_out, b_out, then W_in, b_in, W_gate, b_gate unless dims alone
-        reads = [(out, "weight", d, (every, n)), (out, "bias", d, every)]
-        reads += [(e, a, n, every) for e in (up, gate) for a in ("weight", "bias")]
-        reads = reads[: 2 if dims is not None and neurons is None else 6]
-        have = [getattr(e._module, a) is not None for e, a, _, _ in reads]
-        todo = [r for r, h in zip(reads, have) if h]
-        got = iter(self.read_in_trace(todo) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in todo])
-        t = [next(got).detach().float().cpu() if h else None for h in have] + [None] * (6 - len(have))
-        b = [x if x is not None and bool((x != 0).any()) else None for x in t[1::2]]  # a zero bias: none
-        return MlpWeights(int(layer), t[0], b[0], t[2], b[1], t[4], b[2])
+        where = dict(zip(MLP_WEIGHTS, ((e, a) for e in (out, up, gate) for a in ("weight", "bias"))))
+        cut = MlpWeights.slices(neurons, dims).items()  # field -> (rows, then the index into those), as select's
+        todo = {f: (*where[f], i, j) for f, (i, j) in cut if getattr(where[f][0]._module, where[f][1]) is not None}
+        reads = list(todo.values())  # (envoy, parameter, rows, index)
+        got = self.read_in_trace(reads) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in reads]
+        t = {f: x.detach().float().cpu() for f, x in zip(todo, got)}
+        zero = [f for f in ("b_out", "b_in", "b_gate") if f in t and not bool((t[f] != 0).any())]  # a zero bias: none
+        return MlpWeights(int(layer), **{f: None if f in zero else t.get(f) for f in MLP_WEIGHTS})
 
     def read_in_trace(self, reads) -> list:
         """Parameter slices read where the model runs, in one trace of one token: ``reads`` lists (a module's envoy,
