@@ -57,8 +57,7 @@ def reading(fn: HookFn) -> HookFn:
     Returns
     -------
     callable
-        ``fn``, marked, and raising on every backend where it returns a change (which a backend that reads the site
-        would otherwise drop or apply unannounced).
+        ``fn``, marked, raising on every backend where it returns a change (a read's change would be dropped or applied).
     """
 
     def read(x, hook) -> None:

@@ -230,7 +230,7 @@ def trace_batch(
                 if name == "call":
                     acts.update(_attention_acts(model, calls[layer], sites, ed.get("z")))
                 else:
-                    acts[name] = _site(model, *where[layer, name], name, ed.get(name))
+                    acts[name] = _site(model, tokens, *where[layer, name], name, ed.get(name))
             for j, red, keys in todo:
                 saved.append((j, layer, red.fn({key: acts[s] for key, s in keys.items()}, **_params(model, red))))
         if logits is not None:
@@ -264,14 +264,17 @@ def _in_order(sites, edits: dict) -> list[str]:
     return sorted({"call" if s in CALL_SITES else s for s in sites | edits.keys()}, key=list(BLOCK_SITES).index)
 
 
-def _site(model: NnsightModel, env, side: str, name: str, edit=None):
-    """Inside a trace: the value of a layer's site ``name`` (where ``NnsightModel.site`` put it: ``env``'s ``side``;
-    the key projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
+def _site(model: NnsightModel, tokens, env, side: str, name: str, edit=None):
+    """Inside a trace over ``tokens``: a layer's site ``name`` (``NnsightModel.site``: ``env``'s ``side``; the key
+    projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
     got = getattr(env, side)
     x = got[0] if isinstance(got, tuple) else got
+    flat = x.dim() == 2  # a module that flattens the tokens (Llama 4's experts): (B * T, d), read as (B, T, d)
+    x = x.unflatten(0, (tokens.shape[0], -1)) if flat else x
     if edit is not None:
         x = edit.fn(x, **_params(model, edit))
-        setattr(env, side, (x, *got[1:]) if isinstance(got, tuple) else x)
+        y = x.flatten(0, 1) if flat else x
+        setattr(env, side, (y, *got[1:]) if isinstance(got, tuple) else y)
     return x.unflatten(-1, (model.spec.n_kv_heads, -1)) if name == "hook_k_proj" else x
 
 

@@ -61,12 +61,12 @@ class MlpWeights:
     b_in: torch.Tensor | None  # (d_mlp,)
     W_gate: torch.Tensor | None  # (d_mlp, d_model), gated MLPs only
     b_gate: torch.Tensor | None  # (d_mlp,)
+    TENSORS = ("W_out", "b_out", "W_in", "b_in", "W_gate", "b_gate")  # its tensors, in order (no field: unannotated)
 
     @staticmethod
     def slices(neurons=None, dims=None) -> dict[str, tuple]:
-        """{field: (its rows, then the index into those)} of the weights restricted to ``neurons`` (rows of W_in and
-        W_gate, their biases, W_out's columns) and to the residual ``dims`` (W_out's rows, b_out; dims alone: those
-        two fields only); None keeps all. What :meth:`select` cuts here and an NDIF trace reads there."""
+        """{field: (rows, then the index into those)} that keep ``neurons`` (rows of W_in, W_gate, their biases; W_out's
+        columns) and ``dims`` (W_out's rows, b_out: alone, those only); None keeps all. Cut here, or read on NDIF."""
         n, d, every = (slice(None) if i is None else list(i) for i in (neurons, dims, None))
         ins = () if neurons is None and dims is not None else ("W_in", "b_in", "W_gate", "b_gate")
         return {"W_out": (d, (every, n)), "b_out": (d, every)} | {f: (n, every) for f in ins}
@@ -74,13 +74,10 @@ class MlpWeights:
     def select(self, neurons=None, dims=None) -> MlpWeights:
         """These weights restricted to ``neurons`` and ``dims`` (:meth:`slices`; the fields it leaves out None)."""
         cut, kept = self.slices(neurons, dims), {}
-        for f in MLP_WEIGHTS:
+        for f in self.TENSORS:
             t = getattr(self, f)
             kept[f] = t[cut[f][0]][cut[f][1]] if f in cut and t is not None else None
         return MlpWeights(self.layer, **kept)
-
-
-MLP_WEIGHTS = ("W_out", "b_out", "W_in", "b_in", "W_gate", "b_gate")  # MlpWeights' tensors, in its order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,6 +278,13 @@ def _moe_parts(model: SinkModel, layer: int):
     return router, experts
 
 
+def _moe_counts(model: SinkModel, moe_layers) -> tuple[int | None, int | None]:
+    """(experts, experts per token) of the first mixture-of-experts block in ``moe_layers``; (None, None) for none."""
+    router, experts = _moe_parts(model, moe_layers[0]) if moe_layers else (None, None)
+    n = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
+    return n, int(getattr(router, "top_k", 0)) or None
+
+
 def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Who writes a mixture-of-experts block's output, from the block's router and experts (``_moe_parts``) and the block
     itself, all run on ``x``.
@@ -303,6 +307,8 @@ def expert_writes(model: SinkModel, layer: int, x: torch.Tensor) -> tuple[torch.
         What the block adds beyond them (a shared expert, Qwen3-Next; zero for gpt-oss).
     """
     router, experts = _moe_parts(model, layer)
+    if any(p.is_meta for p in experts.parameters()):
+        raise ValueError(f"block {layer}'s experts are on the meta device (a model held on NDIF): they run there only")
     block = _mlp_module(model, layer)
     x = _on_model(model, x)  # the trace keeps x on the CPU
     spec = getattr(model, "mlp_spec", None)
@@ -661,11 +667,7 @@ def _mlp_layout(model: SinkModel, got: dict, n_layers: int) -> tuple[dict, list[
         else ("none" if not dense else ("gated" if neurons(dense[0], "hook_pre_linear") is not None else "plain"))
     )
     additive = all(_adds_up(got, l, next(model.parameters()).dtype) for l in range(n_layers))
-    n_exp, top_k = None, None
-    if moe:
-        router, experts = _moe_parts(model, moe[0])
-        n_exp = int(getattr(experts, "num_experts", 0) or getattr(router, "num_experts", 0)) or None
-        top_k = int(getattr(router, "top_k", 0)) or None
+    n_exp, top_k = _moe_counts(model, moe)
     fields = dict(
         family=get_family(model).family,
         kind=kind,

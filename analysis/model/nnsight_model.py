@@ -21,7 +21,7 @@ import torch
 from analysis.model.contract import SinkModel
 from analysis.model import families
 from analysis.model.families import LAYER_TYPE_WORDS, FamilySpec, config_attention_layers, latent_attention
-from analysis.model.mlp_spec import MLP_WEIGHTS, MlpSpec, MlpWeights, _activation_name
+from analysis.model.mlp_spec import MlpSpec, MlpWeights, _activation_name, _moe_counts
 
 CALL_PREFIX = "attention_interface_"  # nnsight's names for the attention-function calls in a forward's source
 _BRIDGE = "run this on the bridge (--backend transformer_lens)"
@@ -156,15 +156,13 @@ class NnsightModel:
     @property
     def n_ctx(self) -> int | None:
         """The context length of the config (``max_position_embeddings``; None where it has none)."""
-        cfg = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config
-        n = getattr(cfg, "max_position_embeddings", None)
+        n = getattr(self.hf.config.get_text_config(), "max_position_embeddings", None)
         return int(n) if n is not None else None
 
     @property
     def vocab_size(self) -> int | None:
         """The vocabulary size of the config (``vocab_size``; None where it has none)."""
-        cfg = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config
-        n = getattr(cfg, "vocab_size", None)
+        n = getattr(self.hf.config.get_text_config(), "vocab_size", None)
         return int(n) if n is not None else None
 
     @property
@@ -263,14 +261,13 @@ class NnsightModel:
                 f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
                 "layer, neurons=..., dims=...)), never a whole weight."
             )
-        where = dict(zip(MLP_WEIGHTS, ((e, a) for e in (out, up, gate) for a in ("weight", "bias"))))
+        where = dict(zip(MlpWeights.TENSORS, ((e, a) for e in (out, up, gate) for a in ("weight", "bias"))))
         cut = MlpWeights.slices(neurons, dims).items()  # field -> (rows, then the index into those), as select's
         todo = {f: (*where[f], i, j) for f, (i, j) in cut if getattr(where[f][0]._module, where[f][1]) is not None}
         reads = list(todo.values())  # (envoy, parameter, rows, index)
         got = self.read_in_trace(reads) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in reads]
-        t = {f: x.detach().float().cpu() for f, x in zip(todo, got)}
-        zero = [f for f in ("b_out", "b_in", "b_gate") if f in t and not bool((t[f] != 0).any())]  # a zero bias: none
-        return MlpWeights(int(layer), **{f: None if f in zero else t.get(f) for f in MLP_WEIGHTS})
+        t = {f: x.detach().float().cpu() for f, x in zip(todo, got) if f[0] == "W" or (x != 0).any()}  # 0 bias: none
+        return MlpWeights(int(layer), **{f: t.get(f) for f in MlpWeights.TENSORS})
 
     def read_in_trace(self, reads) -> list:
         """Parameter slices read where the model runs, in one trace of one token: ``reads`` lists (a module's envoy,
@@ -342,6 +339,8 @@ def _layout(hf) -> _Layout:
         for k, c in (subs or {}).items():
             paths[key + k] = ".".join(x for x in (path, c.name) if x) if c.name else None  # None: no module of its own
             todo.append((f"{key}{k}.", paths[key + k] or path, c.submodules))
+    for k in [k for k in paths if k.startswith("mlp.dense_")]:  # Llama 4: its dense layers' linears, as every other's
+        paths.setdefault("mlp." + k.removeprefix("mlp.dense_"), paths[k])
     return _Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
 
 
@@ -351,7 +350,7 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     attention function receives them, after the rotary and any q/k norm (``hook_rot_q``, ``hook_rot_k``); its norms
     are measured on a probe (of a copy, where the weights are on the meta device)."""
     s, hf, layers = model.spec, model.hf, model.spec.attention_layers
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    cfg = hf.config.get_text_config()
     d_head = int(getattr(cfg, "head_dim", None) or s.d_model // s.n_heads)
     types = families._layer_types(cfg, s.n_layers)
     window, sliding = families._sliding(cfg, types, layers)
@@ -413,6 +412,7 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         additive=True,
         mixer_layers=tuple(s.skipped),
         moe_layers=moe,
+        **dict(zip(("n_experts", "top_k"), _moe_counts(model, moe))),
         _neuron_hook="blocks.{layer}.mlp.hook_post" if dense else None,
         _gate_hook="blocks.{layer}.mlp.hook_pre" if dense else None,
         _up_hook="blocks.{layer}.mlp.hook_pre_linear" if dense else None,
@@ -477,7 +477,7 @@ def call_name(names, family: str) -> str:
 
 def _unsupported(hf) -> str | None:
     """Why the nnsight pass cannot give this model's exact alpha (None when it can), from its config and modules."""
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    cfg = hf.config.get_text_config()
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
         return "an ALiBi position bias is added to the scores outside q . k."
     if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
