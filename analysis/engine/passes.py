@@ -57,7 +57,7 @@ def reading(fn: HookFn) -> HookFn:
     Returns
     -------
     callable
-        ``fn``, marked, raising on every backend where it returns a change (a read's change would be dropped or applied).
+        ``fn``, marked, raising on every backend where it returns a change (a change would be dropped or applied).
     """
 
     def read(x, hook) -> None:

@@ -286,8 +286,8 @@ def _attention_acts(model: NnsightModel, call, sites, edit=None) -> dict:
     q, k, v, mask = args[1], args[2], args[3], args[4]
     scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
     pre = scale / getattr(args[0], "scaling", scale)  # OPT scales q by its module's scale before a call at 1.0: undone
-    acts = {"hook_q": q.transpose(1, 2) * pre, "hook_k": k.transpose(1, 2), "hook_v": v.transpose(1, 2)}
-    acts["hook_rot_q"], acts["hook_rot_k"] = acts["hook_q"], acts["hook_k"]
+    acts = {"hook_q": q.transpose(1, 2) * pre if pre != 1 else q.transpose(1, 2), "hook_k": k.transpose(1, 2)}
+    acts |= {"hook_v": v.transpose(1, 2), "hook_rot_q": acts["hook_q"], "hook_rot_k": acts["hook_k"]}
     if "hook_pattern" in sites or edit is not None:
         acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, softcap=model.spec.softcap)
     if "hook_z" in sites or edit is not None:
