@@ -397,13 +397,13 @@ def _candidates(r) -> int:
 def _meta_bytes(model: NnsightModel, T: int, plan: list[tuple]) -> tuple[int, int]:
     """:func:`reduction_bytes` without running the model: each reduction on activations of the model's shapes
     (zeros, on the CPU) for one and two samples."""
-    s, d_head = model.spec, model_dims(model).d_head
+    s, d_head, d_mlp = model.spec, model_dims(model).d_head, model.mlp_spec.d_mlp or 1
     sizes = []
     for b in (1, 2):
         q = torch.zeros(b, s.n_heads, T, d_head)
         k = torch.zeros(b, s.n_kv_heads, T, d_head)
         acts = {n: torch.zeros(b, T, s.d_model) for n in LAYER_SITES} | {
-            n: torch.zeros(b, T, s.d_mlp or 1) for n in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
+            n: torch.zeros(b, T, d_mlp) for n in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
         }
         acts |= {n: q.transpose(1, 2) for n in ("hook_q", "hook_rot_q", "hook_z")}
         acts |= {n: k.transpose(1, 2) for n in ("hook_k", "hook_rot_k", "hook_v", "hook_k_proj")}

@@ -546,8 +546,8 @@ def _mlp_input(model, layer: int, got: dict, W: MlpWeights, target: torch.Tensor
     W_first, b_first = (W.W_gate, W.b_gate) if kind == "gated" else (W.W_in, W.b_in)
     for resid, norm in (
         ("resid_mid", "ln2"),
+        ("resid_pre", "ln2"),  # a parallel block with a norm of its own for the MLP (GPT-NeoX): where ln1 is alike
         ("resid_pre", "ln1"),
-        ("resid_pre", "ln2"),
         ("resid_mid", None),
         ("resid_pre", None),
     ):

@@ -64,8 +64,6 @@ class NnsightSpec:
     n_layers, n_heads, n_kv_heads, d_model : int
     attention_layers : tuple of int
         The softmax-attention layers (true indices), as ``families.config_attention_layers``.
-    d_mlp : int or None
-        The dense MLP's neurons (``intermediate_size``).
     skipped : dict of int to str
         The other layers and why.
     sliding_window : int or None
@@ -82,7 +80,6 @@ class NnsightSpec:
     n_kv_heads: int
     d_model: int
     attention_layers: tuple[int, ...]
-    d_mlp: int | None = None
     skipped: dict[int, str] = field(default_factory=dict)
     sliding_window: int | None = None
     softcap: float | None = None
@@ -105,7 +102,6 @@ def _nnsight_spec(config) -> NnsightSpec:
         n_kv_heads=heads if mla else int(getattr(cfg, "num_key_value_heads", None) or heads),
         d_model=int(cfg.hidden_size),
         attention_layers=layers,
-        d_mlp=getattr(cfg, "intermediate_size", None),
         skipped=skipped,
         sliding_window=getattr(cfg, "sliding_window", None),
         softcap=getattr(cfg, "attn_logit_softcapping", None),
@@ -200,7 +196,7 @@ class NnsightModel:
                 return None  # a module without a bias (b_out of an MLP that has none, as MlpWeights holds it)
             raise NnsightUnsupported(f"{self.spec.family}: no {w.name} a trace can read at layer {w.layer}.")
         t, s = getattr(env, attr), self.spec
-        t = t.T if type(env._module).__name__ == "Conv1D" else t  # GPT-2's Conv1D: (in, out), a Linear's transposed
+        t = t.T if _conv1d(env, attr) else t
         if w.name == "W_O":
             return t.T.reshape(s.n_heads, -1, s.d_model)
         if w.name == "W_K":
@@ -237,45 +233,51 @@ class NnsightModel:
 
     def block_module(self, layer: int, name: str):
         """Layer ``layer``'s Hugging Face module by the bridge's name ("ln1", "ln2": the MLP's input norm,
-        "ln2_post": the norm on its write, "mlp"), as ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None
-        where the layer has none."""
-        mod = getattr(env := self.part(layer, name), "_module", None)
+        "ln2_post": the norm on its write, "mlp": the layer itself where its MLP has no module, OPT), as
+        ``analysis.model.mlp_spec.block_norm`` reads a bridge's; None where the layer has none."""
+        env = self.part(layer, "" if name == "mlp" and not self.layout.paths["mlp"] else name)
+        mod = getattr(env, "_module", None)
         if self.remote and name != "mlp" and mod is not None and any(p.is_meta for p in mod.parameters()):
             every = slice(None)  # a model held on NDIF: the norm's parameters read there, once, into its module here
-            got = self.read_in_trace([(env, k, every, every) for k, _ in mod.named_parameters()])
+            got = self.read_in_trace([(env, k, every, every, False) for k, _ in mod.named_parameters()])
             for p, t in zip(mod.to_empty(device="cpu").parameters(), got):
                 p.data.copy_(t)
         return mod
 
     def mlp_weights(self, layer: int, *, neurons=None, dims=None) -> MlpWeights:
-        """Layer ``layer``'s gated MLP weights (``gate_proj``, ``up_proj``, ``down_proj``) as the bridge's
-        ``mlp_weights`` gives them (float32, CPU), restricted to ``neurons`` and ``dims`` (``MlpWeights.select``).
-        Where they are on NDIF (a meta-device model) only those slices are read, in one trace there
-        (:meth:`read_in_trace`); NnsightUnsupported for a whole weight there, or a layer with no such MLP."""
+        """Layer ``layer``'s dense MLP weights (the out, in and any gate projection) as the bridge's ``mlp_weights``
+        gives them (float32, CPU), restricted to ``neurons`` and ``dims`` (``MlpWeights.select``). Where they are on
+        NDIF (a meta-device model) only those slices are read, in one trace there (:meth:`read_in_trace`);
+        NnsightUnsupported for a whole weight there, or a layer with no dense MLP."""
         out, up, gate = (self.part(layer, c) for c in ("mlp.out", "mlp.in", "mlp.gate"))
-        if gate is None or up is None or out is None or layer in self.mlp_spec.moe_layers:
-            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no gated MLP (gate_proj, up_proj).")
-        meta = gate._module.weight.is_meta
+        if not self.mlp_spec.has_neurons(layer):
+            raise NnsightUnsupported(f"{self.spec.family}: layer {layer} has no dense MLP.")
+        meta = up._module.weight.is_meta
         if meta and neurons is None and dims is None:
             raise NnsightUnsupported(
                 f"{self.model_name}'s MLP weights are on NDIF: read the slices an analysis uses (mlp_weights(model, "
                 "layer, neurons=..., dims=...)), never a whole weight."
             )
-        where = dict(zip(MlpWeights.TENSORS, ((e, a) for e in (out, up, gate) for a in ("weight", "bias"))))
+        pairs = ((e, a) for e in (out, up, gate) if e is not None for a in ("weight", "bias"))  # a plain MLP: no gate
+        where = {f: p for f, p in zip(MlpWeights.TENSORS, pairs) if getattr(p[0]._module, p[1]) is not None}
         cut = MlpWeights.slices(neurons, dims).items()  # field -> (rows, then the index into those), as select's
-        todo = {f: (*where[f], i, j) for f, (i, j) in cut if getattr(where[f][0]._module, where[f][1]) is not None}
-        reads = list(todo.values())  # (envoy, parameter, rows, index)
-        got = self.read_in_trace(reads) if meta else [getattr(e._module, a)[i][j] for e, a, i, j in reads]
+        todo = {f: (*where[f], i, j, _conv1d(*where[f])) for f, (i, j) in cut if f in where}
+        reads = list(todo.values())  # (envoy, parameter, rows, index, turned)
+        if meta:
+            got = self.read_in_trace(reads)
+        else:
+            got = [(getattr(e._module, a).T if t else getattr(e._module, a))[i][j] for e, a, i, j, t in reads]
         t = {f: x.detach().float().cpu() for f, x in zip(todo, got) if f[0] == "W" or (x != 0).any()}  # 0 bias: none
         return MlpWeights(int(layer), **{f: t.get(f) for f in MlpWeights.TENSORS})
 
     def read_in_trace(self, reads) -> list:
         """Parameter slices read where the model runs, in one trace of one token: ``reads`` lists (a module's envoy,
-        its parameter's name, the rows, then the index into those); on NDIF (``remote``) only the slices come back."""
+        its parameter's name, the rows, then the index into those, and whether the parameter is turned first: a
+        Conv1D's weight to a Linear's layout); on NDIF (``remote``) only the slices come back."""
         import nnsight  # optional: the "remote" extra
 
         with torch.no_grad(), self.lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, remote=self.remote):
-            got = nnsight.save([getattr(e, a)[i][j] for e, a, i, j in reads])
+            got = nnsight.save([(getattr(e, a).T if t else getattr(e, a))[i][j] for e, a, i, j, t in reads])
         return list(got)
 
     def attention_call_name(self, layer: int) -> str:
@@ -386,25 +388,30 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
 
 
 def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
-    """The MLP facts of a model loaded through nnsight, from its Hugging Face modules: gated MLPs (``gate_proj``,
-    ``up_proj``, ``down_proj``, the activation matched on ``act_fn``) after the input norm ("ln2") on the stream
-    between attention and MLP, each write added (or normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP
-    has ``experts`` are mixtures of experts (no neurons read)."""
-    s = model.spec
+    """The MLP facts of a model loaded through nnsight, from its Hugging Face modules: dense MLPs (an in and an out
+    projection, gated where a gate projection is beside them; the activation matched on the module's own) after the
+    input norm ("ln2"; "ln1" in a parallel block without one) on the stream the MLP reads, each write added (or
+    normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP has ``experts`` are mixtures of experts."""
+    s, par = model.spec, model.layout.parallel
     moe = tuple(l for l in range(s.n_layers) if hasattr(getattr(model.part(l, "mlp"), "_module", None), "experts"))
-    dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.gate") is not None]
-    out_norm = _probe(model.block_module(dense[0], "ln2_post"), model) if dense else None
-    in_norm = _probe(model.block_module(dense[0], "ln2"), model) if dense else None
+    dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.out") is not None]
+    l0 = dense[0] if dense else None
+    gated, mod = l0 is not None and model.part(l0, "mlp.gate") is not None, model.block_module
+    out_norm = _probe(mod(l0, "ln2_post"), model) if dense else None
+    in_name = "ln2" if not dense or mod(l0, "ln2") or not par else "ln1"  # GPT-J, Phi: one norm for both
+    in_norm = _probe(mod(l0, in_name), model) if dense else None
     scale = float(getattr(model.hf.config.get_text_config(), "residual_multiplier", None) or 1.0)  # Granite
+    fc = getattr(model.part(l0, "mlp.in"), "_module", None)
+    hook = "blocks.{layer}.mlp.hook_%s"
     return MlpSpec(
         family=s.family,
-        kind="gated" if dense else ("moe" if moe else "none"),
-        activation=_activation_name(model, dense[0], None, None, None, True) if dense else None,
-        d_mlp=int(s.d_mlp) if dense else None,
-        parallel=model.layout.parallel,
-        input_resid="resid_pre" if model.layout.parallel else "resid_mid",
+        kind=("gated" if gated else "plain") if dense else ("moe" if moe else "none"),
+        activation=_activation_name(model, l0, None, None, None, gated) if dense else None,
+        d_mlp=getattr(fc, "out_features", None) or getattr(fc, "nf", None),  # a Linear's, a Conv1D's (GPT-2)
+        parallel=par,
+        input_resid="resid_pre" if par else "resid_mid",
         input_norm=in_norm,
-        input_norm_module="ln2" if in_norm else None,
+        input_norm_module=in_name if in_norm else None,
         output="post_norm" if out_norm else ("scaled" if scale != 1.0 else "add"),
         output_scale=scale,
         output_norm=out_norm,
@@ -413,11 +420,16 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         mixer_layers=tuple(s.skipped),
         moe_layers=moe,
         **dict(zip(("n_experts", "top_k"), _moe_counts(model, moe))),
-        _neuron_hook="blocks.{layer}.mlp.hook_post" if dense else None,
-        _gate_hook="blocks.{layer}.mlp.hook_pre" if dense else None,
-        _up_hook="blocks.{layer}.mlp.hook_pre_linear" if dense else None,
-        _input_hook="blocks.{layer}.mlp.hook_in",
+        _neuron_hook=hook % "post" if dense else None,
+        _gate_hook=hook % "pre" if gated else None,
+        _up_hook=(hook % ("pre_linear" if gated else "pre")) if dense else None,
+        _input_hook=hook % "in",
     )
+
+
+def _conv1d(env, attr: str) -> bool:
+    """Whether ``env``'s parameter ``attr`` is a weight a Conv1D keeps as (in, out): GPT-2's; a Linear's is (out, in)."""
+    return attr == "weight" and type(env._module).__name__ == "Conv1D"
 
 
 def _probe(module, model: NnsightModel | None = None):
@@ -437,35 +449,14 @@ def _probe(module, model: NnsightModel | None = None):
 
 def weights_in_trace(model: SinkModel) -> bool:
     """Whether an analysis reads ``model``'s weights inside its traces (:class:`TraceWeight`) rather than here: a model
-    loaded through nnsight, whose weights may stay on NDIF.
-
-    Parameters
-    ----------
-    model : SinkModel
-
-    Returns
-    -------
-    bool
-    """
+    loaded through nnsight, whose weights may stay on NDIF."""
     return isinstance(model, NnsightModel)
 
 
 def call_name(names, family: str) -> str:
-    """The last of a forward's source entries named ``attention_interface_<i>``: the call (the first may be the
-    lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
-
-    Parameters
-    ----------
-    names : sequence of str
-        nnsight's names of the forward's operations (``.source.names``).
-    family : str
-        For the message.
-
-    Returns
-    -------
-    str
-        NnsightUnsupported where the forward calls no attention function.
-    """
+    """The last of a forward's source entries (``names``: nnsight's ``.source.names``) named
+    ``attention_interface_<i>``: the call (the first may be the lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
+    NnsightUnsupported, naming ``family``, where the forward calls no attention function."""
     calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX) :].isdigit()]
     if not calls:
         raise NnsightUnsupported(

@@ -36,11 +36,13 @@ from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 # a plain block; writes through a norm before they add, with a norm before the MLP (Gemma 2) and without (OLMo-2);
 # writes scaled by a residual multiplier (Granite: its spec only; its tiny random model names no writer neurons)
 FAMILIES = ["llama", "gemma2", "olmo2", "llama4_text"]  # Llama 4: dense and mixture-of-experts blocks in turn
-DENSE = {"llama4_text": 2} | dict.fromkeys([*FAMILIES[:3], "granite"], 1)  # a dense block after block 0
+# plain MLPs: GPT-2's Conv1D weights, OPT's linears on the layer itself, parallel blocks with one norm (GPT-J, Phi)
+PLAIN = ["gpt2", "gpt_neox", "gptj", "opt", "phi", "starcoder2"]
+DENSE = {"llama4_text": 2} | dict.fromkeys([*FAMILIES[:3], *PLAIN, "granite"], 1)  # a dense block after block 0
 HOOKS = ("neuron_hook", "gate_hook", "up_hook")  # the bridge's canonical names; nnsight's are their aliases
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "granite"])
+@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN, "granite"])
 def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, family_bridge, family_dir):
     bridge, nn = family_bridge(family), load_nnsight(str(family_dir(family)))
     want, got = get_mlp(bridge).to_dict(), get_mlp(nn).to_dict()
@@ -49,7 +51,7 @@ def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, fa
         {k: v for k, v in got.items() if k not in HOOKS}, {k: v for k, v in want.items() if k not in HOOKS}
     )
     measured = got["output_norm"] if family == "olmo2" else got["input_norm"]  # OLMo-2: no norm before the MLP
-    assert got["kind"] == "gated" and measured["module"]  # measured, not defaulted
+    assert got["kind"] == ("plain" if family in PLAIN else "gated") and measured["module"]  # measured, not defaulted
     d = DENSE[family]
     for layer, sel in [(0, {}), (d, {}), *((d, s) for s in SLICES)]:
         _equal(mlp_weights(nn, layer, **sel), mlp_weights(bridge, layer, **sel))
@@ -65,16 +67,23 @@ def _equal(got, want):
         assert y == x if not isinstance(x, torch.Tensor) else torch.equal(y, x), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN])
 def test_the_spike_writers_of_an_nnsight_model_equal_the_bridges(family, family_bridge, family_dir):
     """The section's results (origin, writers, first-token cause, writer cuts), their passes in nnsight traces:
     low thresholds name spike dims and writer neurons in the tiny random models, so every step runs."""
     bridge, nn, tokens = family_bridge(family), load_nnsight(str(family_dir(family))), _tokens(n=2, T=12)
     want, have = (_section(m, tokens)[0] for m in (bridge, nn))
-    assert min(want["n"]) > 0 and have["n"] == want["n"]  # neurons, quadratic forms and cut conditions ran
-    assert not _same(have, want)
+    assert not _differences(family, have, want)
     cut = pd.DataFrame(have["cuts"]["conditions"])
     assert (cut.delta_loss.abs() > 0).any()  # the neurons set in the traces change the model
+
+
+def _differences(family: str, have: dict, want: dict) -> list[str]:
+    """Where the section's results differ, once every step ran: neurons, quadratic forms (of a gated MLP: a plain one
+    has none) and cut conditions. The plain families' writes are tiny: a share or ratio of a value that nearly
+    cancels moves by 1e-5 to 1e-4 relative there (its parts agree to 1e-8 absolute), so those are compared to 1e-3."""
+    assert min(want["n"][::2]) > 0 and (want["n"][1] > 0) == (family not in PLAIN) and have["n"] == want["n"]
+    return _same(have, want, loose=("share", "sample_share_90", "ratio") if family in PLAIN else ())
 
 
 def _section(m, tokens) -> tuple[dict, object]:
@@ -87,7 +96,7 @@ def _section(m, tokens) -> tuple[dict, object]:
     return json.loads(json.dumps(got, default=str)), o
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt2", "gptj", "opt"])  # a Conv1D; a parallel block; no MLP module
 def test_the_spike_writers_of_a_model_held_on_ndif_equal_the_bridges(family, family_bridge, family_dir, monkeypatch):
     """A model as NDIF holds it (``remote_meta_model``: meta-device weights here), its traces run in nnsight's
     simulation of a remote run on the real weights, put in only while one runs (the server's model): the slices
@@ -108,11 +117,11 @@ def test_the_spike_writers_of_a_model_held_on_ndif_equal_the_bridges(family, fam
     finally:
         restore()
     assert (get_mlp(nn).output == "post_norm") == (family in ("gemma2", "olmo2"))
-    diff = _same(have, want)
+    diff = _differences(family, have, want)
     if family == "llama4_text":  # its experts run here only: on NDIF a note stands in for each expert table
         assert o.experts and not p.experts and any("meta device (a model held on NDIF)" in n for n in p.notes)
         diff = [d for d in diff if not d.startswith((".origin.experts", ".origin.notes", ".origin.text"))]
-    assert min(want["n"]) > 0 and have["n"] == want["n"] and not diff
+    assert not diff
     for a, b in zip(p.quadratic + p.neurons, o.quadratic + o.neurons):  # the tensors too, to 1e-5
         assert all(torch.allclose(x, getattr(b, k), atol=1e-5) for k, x in vars(a).items() if torch.is_tensor(x))
 
