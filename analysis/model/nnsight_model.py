@@ -136,10 +136,7 @@ class NnsightModel:
         """The Hugging Face model inside (meta-device weights for a remote model)."""
         return self.lm._module
 
-    @property
-    def original_model(self):
-        """The Hugging Face model (as a bridge's ``original_model``: where ``analysis.model.placement`` looks)."""
-        return self.hf
+    original_model = hf  # as a bridge's ``original_model``: where ``analysis.model.placement`` looks
 
     def parameters(self):
         """The Hugging Face model's parameters (their dtype and device, as the report records them)."""
@@ -152,14 +149,12 @@ class NnsightModel:
     @property
     def n_ctx(self) -> int | None:
         """The context length of the config (``max_position_embeddings``; None where it has none)."""
-        n = getattr(self.hf.config.get_text_config(), "max_position_embeddings", None)
-        return int(n) if n is not None else None
+        return int(n) if (n := getattr(self.hf.config.get_text_config(), "max_position_embeddings", None)) else None
 
     @property
     def vocab_size(self) -> int | None:
         """The vocabulary size of the config (``vocab_size``; None where it has none)."""
-        n = getattr(self.hf.config.get_text_config(), "vocab_size", None)
-        return int(n) if n is not None else None
+        return int(n) if (n := getattr(self.hf.config.get_text_config(), "vocab_size", None)) else None
 
     @property
     def layout(self) -> _Layout:
@@ -449,14 +444,35 @@ def _probe(module, model: NnsightModel | None = None):
 
 def weights_in_trace(model: SinkModel) -> bool:
     """Whether an analysis reads ``model``'s weights inside its traces (:class:`TraceWeight`) rather than here: a model
-    loaded through nnsight, whose weights may stay on NDIF."""
+    loaded through nnsight, whose weights may stay on NDIF.
+
+    Parameters
+    ----------
+    model : SinkModel
+
+    Returns
+    -------
+    bool
+    """
     return isinstance(model, NnsightModel)
 
 
 def call_name(names, family: str) -> str:
-    """The last of a forward's source entries (``names``: nnsight's ``.source.names``) named
-    ``attention_interface_<i>``: the call (the first may be the lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
-    NnsightUnsupported, naming ``family``, where the forward calls no attention function."""
+    """The last of a forward's source entries named ``attention_interface_<i>``: the call (the first may be the
+    lookup ``ALL_ATTENTION_FUNCTIONS.get_interface``).
+
+    Parameters
+    ----------
+    names : sequence of str
+        nnsight's names of the forward's operations (``.source.names``).
+    family : str
+        For the message.
+
+    Returns
+    -------
+    str
+        NnsightUnsupported where the forward calls no attention function.
+    """
     calls = [n for n in names if n.startswith(CALL_PREFIX) and n[len(CALL_PREFIX) :].isdigit()]
     if not calls:
         raise NnsightUnsupported(

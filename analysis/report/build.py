@@ -401,17 +401,7 @@ def remote_requests(
 
 
 def _remote_refusal(model: NnsightModel, key: str) -> str | None:
-    """Why report section ``key`` is refused before any work on ``model`` (loaded through nnsight), or None.
-
-    Parameters
-    ----------
-    model : NnsightModel
-    key : str
-
-    Returns
-    -------
-    str or None
-    """
+    """Why report section ``key`` is refused before any work on ``model`` (loaded through nnsight), or None."""
     if key not in NNSIGHT_SECTIONS:
         why = NOT_REMOTE.get(key, "this section has none")
         return f"on NDIF a pass runs the accumulators' shipped reductions only, and {why}"
