@@ -204,7 +204,7 @@ class MlpSpec:
     def text(self) -> str:
         """The MLP in words, one sentence per fact the analyses depend on."""
         if self.kind == "none":
-            return f"{self.family}: no MLP hook fires; the MLP's neurons cannot be read."
+            return " ".join([f"{self.family}: no MLP hook fires; the MLP's neurons cannot be read.", *self.notes[-1:]])
         what = {
             "gated": f"gated MLP (act(gate) x up, {self.activation})",
             "plain": f"plain MLP ({self.activation})",

@@ -336,8 +336,10 @@ def _layout(hf) -> _Layout:
         for k, c in (subs or {}).items():
             paths[key + k] = ".".join(x for x in (path, c.name) if x) if c.name else None  # None: no module of its own
             todo.append((f"{key}{k}.", paths[key + k] or path, c.submodules))
-    for k in [k for k in paths if k.startswith("mlp.dense_")]:  # Llama 4: its dense layers' linears, as every other's
-        paths.setdefault("mlp." + k.removeprefix("mlp.dense_"), paths[k])
+    for k in [
+        k for k in paths if k.startswith("mlp.dense_")
+    ]:  # an MoE family's dense layers' linears, as every other's
+        paths["mlp." + k.removeprefix("mlp.dense_")] = paths[k]  # (its router, "mlp.gate", is read from the module)
     return _Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
 
 
@@ -387,16 +389,16 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
     projection, gated where a gate projection is beside them; the activation matched on the module's own) after the
     input norm ("ln2"; "ln1" in a parallel block without one) on the stream the MLP reads, each write added (or
     normalised first, Gemma 2/3: "ln2_post"); the layers whose MLP has ``experts`` are mixtures of experts."""
-    s, par = model.spec, model.layout.parallel
-    moe = tuple(l for l in range(s.n_layers) if hasattr(getattr(model.part(l, "mlp"), "_module", None), "experts"))
-    dense = [l for l in range(s.n_layers) if l not in moe and model.part(l, "mlp.out") is not None]
+    s, par, part, mod = model.spec, model.layout.parallel, model.part, model.block_module
+    moe = tuple(l for l in range(s.n_layers) if hasattr(getattr(part(l, "mlp"), "_module", None), "experts"))
+    dense = [l for l in range(s.n_layers) if l not in moe and None not in (part(l, "mlp.in"), part(l, "mlp.out"))]
     l0 = dense[0] if dense else None
-    gated, mod = l0 is not None and model.part(l0, "mlp.gate") is not None, model.block_module
+    gated = l0 is not None and part(l0, "mlp.gate") is not None
     out_norm = _probe(mod(l0, "ln2_post"), model) if dense else None
     in_name = "ln2" if not dense or mod(l0, "ln2") or not par else "ln1"  # GPT-J, Phi: one norm for both
     in_norm = _probe(mod(l0, in_name), model) if dense else None
     scale = float(getattr(model.hf.config.get_text_config(), "residual_multiplier", None) or 1.0)  # Granite
-    fc = getattr(model.part(l0, "mlp.in"), "_module", None)
+    fc = part(l0, "mlp.in")._module if dense else None
     hook = "blocks.{layer}.mlp.hook_%s"
     return MlpSpec(
         family=s.family,
@@ -419,6 +421,7 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         _gate_hook=hook % "pre" if gated else None,
         _up_hook=(hook % ("pre_linear" if gated else "pre")) if dense else None,
         _input_hook=hook % "in",
+        notes=() if dense or moe else (f"No site holds them apart through nnsight (a joint gate_up_proj): {_BRIDGE}.",),
     )
 
 

@@ -38,11 +38,12 @@ from tests.engine.test_nnsight import llama_405b_config  # noqa: E402
 FAMILIES = ["llama", "gemma2", "olmo2", "llama4_text"]  # Llama 4: dense and mixture-of-experts blocks in turn
 # plain MLPs: GPT-2's Conv1D weights, OPT's linears on the layer itself, parallel blocks with one norm (GPT-J, Phi)
 PLAIN = ["gpt2", "gpt_neox", "gptj", "opt", "phi", "starcoder2"]
-DENSE = {"llama4_text": 2} | dict.fromkeys([*FAMILIES[:3], *PLAIN, "granite"], 1)  # a dense block after block 0
+MOE = ["qwen3_moe", "deepseek_v3"]  # a dense block 0, then experts: its router named "gate" beside a gate_proj
+DENSE = {"llama4_text": 2} | dict.fromkeys([*FAMILIES[:3], *PLAIN, "granite"], 1) | dict.fromkeys(MOE, 0)
 HOOKS = ("neuron_hook", "gate_hook", "up_hook")  # the bridge's canonical names; nnsight's are their aliases
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN, "granite"])
+@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN, *MOE, "granite"])
 def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, family_bridge, family_dir):
     bridge, nn = family_bridge(family), load_nnsight(str(family_dir(family)))
     want, got = get_mlp(bridge).to_dict(), get_mlp(nn).to_dict()
@@ -57,6 +58,15 @@ def test_the_mlp_spec_and_weights_of_an_nnsight_model_are_the_bridges(family, fa
         _equal(mlp_weights(nn, layer, **sel), mlp_weights(bridge, layer, **sel))
 
 
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_a_joint_gate_and_up_projection_is_left_to_the_bridge_with_the_reason(family, family_dir):
+    """Phi-3's and GLM-4's gate and up halves are one module's output, which no site through nnsight splits: the spec
+    reads no neurons and its text says why and names the bridge, which reads them."""
+    spec = get_mlp(load_nnsight(str(family_dir(family))))
+    assert spec.kind == "none" and spec.d_mlp is None and "gate_up_proj" in spec.text()
+    assert "--backend transformer_lens" in spec.text()
+
+
 SLICES = ({"neurons": [3, 1]}, {"dims": [0, 5]}, {"neurons": [2], "dims": [4, 0]})  # what the spike writers read
 
 
@@ -67,7 +77,7 @@ def _equal(got, want):
         assert y == x if not isinstance(x, torch.Tensor) else torch.equal(y, x), name
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN])
+@pytest.mark.parametrize("family", [*FAMILIES, *PLAIN, *MOE])
 def test_the_spike_writers_of_an_nnsight_model_equal_the_bridges(family, family_bridge, family_dir):
     """The section's results (origin, writers, first-token cause, writer cuts), their passes in nnsight traces:
     low thresholds name spike dims and writer neurons in the tiny random models, so every step runs."""
