@@ -336,9 +336,7 @@ def _layout(hf) -> _Layout:
         for k, c in (subs or {}).items():
             paths[key + k] = ".".join(x for x in (path, c.name) if x) if c.name else None  # None: no module of its own
             todo.append((f"{key}{k}.", paths[key + k] or path, c.submodules))
-    for k in [
-        k for k in paths if k.startswith("mlp.dense_")
-    ]:  # an MoE family's dense layers' linears, as every other's
+    for k in [k for k in paths if k.startswith("mlp.dense_")]:  # an MoE family's dense linears, as every other's
         paths["mlp." + k.removeprefix("mlp.dense_")] = paths[k]  # (its router, "mlp.gate", is read from the module)
     return _Layout(paths, bool(getattr(adapter.cfg, "parallel_attn_mlp", False)), adapter.cfg.positional_embedding_type)
 
@@ -421,7 +419,9 @@ def _nnsight_mlp(model: NnsightModel) -> MlpSpec:
         _gate_hook=hook % "pre" if gated else None,
         _up_hook=(hook % ("pre_linear" if gated else "pre")) if dense else None,
         _input_hook=hook % "in",
-        notes=() if dense or moe else (f"No site holds them apart through nnsight (a joint gate_up_proj): {_BRIDGE}.",),
+        notes=()
+        if dense or moe or part(0, "mlp") is None
+        else (f"No site holds them apart (a joint gate_up_proj): {_BRIDGE}.",),
     )
 
 
