@@ -597,9 +597,7 @@ def width_criterion(d_model: int) -> tuple[float, float]:
     -------
     (abs_threshold, ratio_threshold) : tuple of float
     """
-    if d_model < NARROW_MODEL_D:
-        return 0.0, SPIKE_RATIO_NARROW
-    return SPIKE_ABS, SPIKE_RATIO
+    return (0.0, SPIKE_RATIO_NARROW) if d_model < NARROW_MODEL_D else (SPIKE_ABS, SPIKE_RATIO)
 
 
 def massive_accumulator(

@@ -271,9 +271,7 @@ class NormGainTrace(Result):
 
     def key_text(self) -> str:
         """How much of the first key, its logit and the sink the spike dims explain."""
-        if not self.has_spike:
-            return self.message
-        return " ".join(self._spike_key())
+        return self.message if not self.has_spike else " ".join(self._spike_key())
 
     def constancy_text(self) -> str:
         c = self.constancy

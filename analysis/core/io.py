@@ -91,9 +91,7 @@ def jsonable(obj):
         return v if math.isfinite(v) else None
     if obj is None or isinstance(obj, str):
         return obj
-    if hasattr(obj, "to_dict"):
-        return jsonable(obj.to_dict())
-    return str(obj)
+    return jsonable(obj.to_dict()) if hasattr(obj, "to_dict") else str(obj)
 
 
 def records(df: pd.DataFrame) -> list[dict]:

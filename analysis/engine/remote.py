@@ -118,9 +118,7 @@ def stats_bytes(stats) -> int:
         return stats.numel() * stats.element_size()
     if isinstance(stats, dict):
         return sum(stats_bytes(v) for v in stats.values())
-    if isinstance(stats, (list, tuple)):
-        return sum(stats_bytes(v) for v in stats)
-    return 0
+    return sum(stats_bytes(v) for v in stats) if isinstance(stats, (list, tuple)) else 0
 
 
 def register_shipped() -> None:
@@ -357,9 +355,7 @@ def _to_cpu(x):
         return x.detach().cpu()
     if isinstance(x, dict):
         return {k: _to_cpu(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_cpu(v) for v in x)
-    return x
+    return type(x)(_to_cpu(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def reduction_bytes(model: NnsightModel, tokens: torch.Tensor, plan: list[tuple]) -> tuple[int, int]:

@@ -15,9 +15,7 @@ def _x_signal(res: DormantHeads) -> str:
     it varies (sigmoid), else the sink."""
     if res.has_slot:
         return "slot"
-    if res.has_mass and not len(res.sinking_heads()):
-        return "mass"
-    return "sink"
+    return "mass" if res.has_mass and not len(res.sinking_heads()) else "sink"
 
 
 @returns_figure

@@ -463,9 +463,7 @@ def token_strings(model: SinkModel, ids: Sequence[int]) -> list[str]:
         ``#id`` for each id when the model has no tokenizer.
     """
     tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        return [f"#{int(i)}" for i in ids]
-    return [tok.decode([int(i)]) for i in ids]
+    return [f"#{int(i)}" for i in ids] if tok is None else [tok.decode([int(i)]) for i in ids]
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token

@@ -105,9 +105,7 @@ def _mask_logits(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     if mask is None:
         return scores
     mask = mask[..., -1, :].reshape(mask.shape[0], 1, 1, -1)[..., : scores.shape[-1]]  # (B|1, 1, 1, L)
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
 
 
 def _streaming_attention(

@@ -256,9 +256,7 @@ class StreamingLayer(DynamicLayer):
         ``capacity - 1`` before it, as in StreamingLLM (a sliding-window mask keeps every kept token while the
         capacity is at most the window)."""
         L = self.get_seq_length() + query_length
-        if self.capacity is None:
-            return L, 0
-        return min(L, self.capacity), max(0, L - self.capacity)
+        return (L, 0) if self.capacity is None else (min(L, self.capacity), max(0, L - self.capacity))
 
     def oldest_slots(self) -> torch.Tensor:
         """(B,) the slot of each row's oldest kept non-sink token."""

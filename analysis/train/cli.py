@@ -32,9 +32,7 @@ NORM_EPS_MAX = 1e-3  # train --eps below this is no sink threshold: a norms' eps
 
 def _parse_optional(base):
     def parse(text: str):
-        if text.lower() in ("none", "null", ""):
-            return None
-        return base(text)
+        return None if text.lower() in ("none", "null", "") else base(text)
 
     parse.__name__ = base.__name__
     return parse

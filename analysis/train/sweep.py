@@ -258,9 +258,7 @@ def grid_label(value) -> str:
     """
     if value is None or (isinstance(value, float) and value != value):
         return "none"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def grid_text(runs: pd.DataFrame, field: str, *, metric: str = "sink_1", unit: str = "%") -> str:

@@ -546,9 +546,7 @@ class Sigmoid(_Elementwise):
             self.bias = None
 
     def extra_bias(self, T: int):
-        if self.bias_kind == "fixed":
-            return -math.log(T)
-        return self.bias  # (H, 1, 1) or None
+        return -math.log(T) if self.bias_kind == "fixed" else self.bias  # (H, 1, 1) or None
 
     def logits(self, q, k, score_bias):
         s = qk_logits(q, k, self.scale, score_bias=score_bias)
@@ -603,9 +601,7 @@ class _Linear(AttentionOp):
     def feature(self, x):
         if self.kernel == "identity":
             return x
-        if self.kernel == "elu1":
-            return F.elu(x) + 1
-        return self.phi(x)
+        return F.elu(x) + 1 if self.kernel == "elu1" else self.phi(x)
 
     def forward(self, q, k, v, allowed, score_bias=None, slot=None, hooks=None):
         h = hooks or NO_HOOKS

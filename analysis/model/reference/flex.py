@@ -71,9 +71,7 @@ def flex_elementwise(op, q, k, v, *, window=None, score_bias=None):
         return log_f(score)
 
     out, aux = _flex(q, k, v, window=window, score_mod=score_mod, scale=op.scale, return_aux=AuxRequest(lse=True))
-    if op.normalise:
-        return out
-    return out * torch.exp(aux.lse).unsqueeze(-1).to(out.dtype)
+    return out if op.normalise else out * torch.exp(aux.lse).unsqueeze(-1).to(out.dtype)
 
 
 def flex_softmax(q, k, v, *, scale: float, window=None, score_bias=None):

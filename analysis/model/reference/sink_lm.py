@@ -177,18 +177,14 @@ class Attention(nn.Module):
     def score_bias(self, pos: Positions) -> Optional[torch.Tensor]:
         if self.relative is not None:
             return self.relative(pos.distance)
-        if self.cfg.positional_embedding_type == "alibi":
-            return alibi_bias(self.alibi_slopes, pos.distance)
-        return None
+        return alibi_bias(self.alibi_slopes, pos.distance) if self.cfg.positional_embedding_type == "alibi" else None
 
     def slot_bias(self, pos: Positions) -> Optional[torch.Tensor]:
         """(H, T) positional bias of the sink token (at position -1: distance i + 1)."""
         if self.relative is None and self.cfg.positional_embedding_type != "alibi":
             return None
         dist = torch.arange(1, pos.T + 1, device=pos.distance.device)
-        if self.relative is not None:
-            return self.relative(dist)
-        return alibi_bias(self.alibi_slopes, dist)
+        return self.relative(dist) if self.relative is not None else alibi_bias(self.alibi_slopes, dist)
 
     # -- projections
     def project_kv(self, x):
