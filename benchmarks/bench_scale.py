@@ -78,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.core.defaults import SINK_EPS, SINK_K_MAX  # noqa: E402
 from analysis.model.families import attention_implementation  # noqa: E402
-from analysis.engine import backends  # noqa: E402
+from analysis.engine import kernels  # noqa: E402
 from analysis.engine.backends import PASS_ATTENTION as ATTN_NAME, unbridged  # noqa: E402
 from analysis.engine.kernels import SINK_KERNELS  # noqa: E402
 from analysis.model.contract import hf_module as hf_model  # noqa: E402
@@ -508,7 +508,7 @@ def parse(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     """Every measurement of ``args``, written as it is made; returns (rows, what was skipped for the budget)."""
     t0 = time.perf_counter()
-    backends.PREFER = getattr(args, "sink_kernel", None)
+    kernels.PREFER = getattr(args, "sink_kernel", None)
     writer, skipped = Writer(args.out), []
     device = args.device
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None

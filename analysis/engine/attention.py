@@ -48,6 +48,8 @@ class AttentionWeights:
         The most scores held at a time.
     softcap : float, optional
         Gemma 2's cap, applied to the scaled scores before the softmax: cap * tanh(scores / cap).
+    sinks : torch.Tensor, shape (H,), optional
+        Learned sink logits (gpt-oss), an extra column of every row's softmax that ``lse`` includes.
     """
 
     def __init__(
@@ -61,12 +63,13 @@ class AttentionWeights:
         mask: Optional[torch.Tensor] = None,
         chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
         softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
     ):
         if pattern is None and (query is None or key is None or lse is None):
             raise ValueError("AttentionWeights needs the pattern, or the query, key and log-sum-exp.")
         self.pattern, self.query, self.key, self.lse = pattern, query, key, lse
         self.scale, self.mask, self.chunk = float(scale), mask, int(chunk_elements)
-        self.softcap = None if softcap is None else float(softcap)
+        self.softcap, self.sinks = None if softcap is None else float(softcap), sinks
         self._cols: Optional[torch.Tensor] = None  # the first key columns, once computed (``columns``)
         self._sums: Optional[torch.Tensor] = None  # their sums over the queries, float64, once taken (``alpha``)
         self._full: Optional[torch.Tensor] = None  # the whole map, once built (``_map``)
@@ -76,14 +79,20 @@ class AttentionWeights:
         self.device, self.dtype = ref.device, ref.dtype
 
     @classmethod
-    def from_qk(cls, query, key, *, scale: float, mask=None, softcap: Optional[float] = None) -> "AttentionWeights":
+    def from_qk(cls, query, key, *, scale: float, mask=None, softcap=None, sinks=None) -> "AttentionWeights":
         """The weights of the queries and keys an attention function received (its mask cut to the keys and made
-        boolean, :func:`key_mask`), with each row's log-sum-exp taken here in blocks of rows (:func:`row_lse`)."""
+        boolean, :func:`key_mask`), with each row's log-sum-exp taken here in blocks of rows (:func:`row_lse`), a
+        learned sink logit per head (``sinks``) joined to it."""
         mask = key_mask(mask, query.shape[-2])
         lse = row_lse(query, key, scale, mask=mask, softcap=softcap)
-        return cls(query=query, key=key, lse=lse, scale=scale, mask=mask, softcap=softcap)
+        lse = lse if sinks is None else torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+        return cls(query=query, key=key, lse=lse, scale=scale, mask=mask, softcap=softcap, sinks=sinks)
 
     # -- blocks of A from q, k and the lse ------------------------------------------------------------------------
+
+    def _capped(self, sc: torch.Tensor) -> torch.Tensor:
+        """Scaled scores as the softmax takes them: soft-capped where the model caps them (Gemma 2)."""
+        return sc if self.softcap is None else torch.tanh(sc / self.softcap) * self.softcap
 
     def _blocks(self, keys: Optional[int] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(s, e, A[:, :, s:e, :kc]) over blocks of query rows, kc = min(e, keys): float32, (B, H, e - s, kc)."""
@@ -103,9 +112,7 @@ class AttentionWeights:
                 .view(B, H_kv, g, e - s, kc)
                 .mul_(self.scale)
             )
-            if self.softcap is not None:
-                sc = torch.tanh(sc / self.softcap) * self.softcap
-            sc = sc.sub_(lse[..., s:e, None]).exp_()
+            sc = self._capped(sc).sub_(lse[..., s:e, None]).exp_()
             hide_scores(sc, s, e, kc, self.mask, 0.0)
             yield s, e, sc.flatten(1, 2)
 
@@ -192,11 +199,12 @@ class AttentionWeights:
 
     def row_sums(self) -> torch.Tensor:
         """Each query's total attention on the input tokens, float32 (B, H, T): 1 less any share on an extra slot
-        (a learned sink logit, a sink token's slot). From q, k and the lse of a softmax over the input tokens alone
-        (the transformers backend refuses learned sink logits) every row is one."""
+        (a learned sink logit, a sink token's slot). From q, k and the lse: 1 less the sink logit's share, or one."""
         if self.pattern is not None:
             return self.pattern.float().sum(-1)
-        return torch.ones(self.shape[:3], device=self.device)
+        if self.sinks is None:
+            return torch.ones(self.shape[:3], device=self.device)
+        return 1.0 - (self.sinks.float().view(1, -1, 1) - self.lse.float()).exp()
 
     def weighted(self, x: torch.Tensor) -> torch.Tensor:
         """sum_j A[i, j] x_j for a per-key quantity x of shape (B, H, T): float32 (B, H, T). From q and k it is an
@@ -212,7 +220,7 @@ class AttentionWeights:
             mask = self.mask if self.mask is None or self.mask.dtype == torch.bool else self.mask.float()
             return torch.nn.functional.scaled_dot_product_attention(
                 self.query.float(), k, x.float()[..., None], attn_mask=mask, is_causal=mask is None, scale=self.scale
-            )[..., 0]
+            )[..., 0] * (1.0 if self.sinks is None else self.row_sums())  # SDPA's rows sum to one
         out = torch.empty(self.shape[:3], device=self.device)
         for s, e, a in self._blocks():
             out[..., s:e] = (a * x[..., None, : a.shape[-1]].float()).sum(-1)
@@ -229,7 +237,7 @@ class AttentionWeights:
         g = H // self.key.shape[1]
         k = self.key.float().repeat_interleave(g, dim=1) if g > 1 else self.key.float()
         sc = (self.query[..., offset:, :].float() * k[..., : T - offset, :]).sum(-1) * self.scale
-        out = (sc - self.lse[..., offset:].float()).exp()
+        out = (self._capped(sc) - self.lse[..., offset:].float()).exp()
         if self.mask is not None:
             m = self.mask.diagonal(-offset, dim1=-2, dim2=-1)
             out = out.masked_fill(~m if m.dtype == torch.bool else m == float("-inf"), 0.0)
@@ -246,7 +254,7 @@ class AttentionWeights:
         g = H // self.key.shape[1]
         q = self.query[..., i, :].float().unflatten(1, (self.key.shape[1], g))  # (B, H_kv, g, d)
         sc = (q @ self.key[..., : i + 1, :].float().transpose(-1, -2)).flatten(1, 2) * self.scale  # (B, H, i + 1)
-        a = (sc - self.lse[..., i, None].float()).exp()
+        a = (self._capped(sc) - self.lse[..., i, None].float()).exp()
         if self.mask is not None:
             m = self.mask[..., i, : i + 1]
             a = a.masked_fill(~m if m.dtype == torch.bool else m == float("-inf"), 0.0)

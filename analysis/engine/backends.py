@@ -24,16 +24,16 @@ from typing import Iterable, Sequence
 
 import torch
 
-from analysis.model.access import attention_layer_index, register_attention, unwrap_component
+from analysis.model.access import attention_layer_index, hooked_modules, interface_refusal, register_attention
+from analysis.model.access import unwrap_component
 from analysis.model.causal import unbridged  # its home is the model floor
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
 from analysis.model.hooks import hook_layer
+from analysis.model.rotary import apply_spec_rotary
 from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import _refuse_extras, fused_attention, sink_kernel, state_fallback, unsupported_reason
-
-PREFER: str | None = None  # a kernel among kernels.SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
+from analysis.engine.kernels import _refuse_extras, interface_attention
 
 PASS_ATTENTION = "attention_sinks_pass"  # the name registered in transformers' attention and mask interfaces
 _TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", default=None)
@@ -63,10 +63,12 @@ def _site(name: str) -> str:
 
 
 def _model_reason(model: SinkModel) -> str | None:
-    """Why the transformers backend cannot run ``model`` at all (None when it can), from the model's family."""
-    reason = unsupported_reason(model)  # not a Hugging Face model, or attention the fused kernels cannot reproduce
-    if reason:
+    """Why the transformers backend cannot run ``model`` at all (None when it can): not a Hugging Face model, attention
+    the interface does not compute, hooks attached to the bridge, latent attention."""
+    if reason := interface_refusal(model):
         return reason
+    if hooked := hooked_modules(model, bridged=model is not hf_module(model)):
+        return f"hooks are attached ({hooked[0]}{', ...' if len(hooked) > 1 else ''}); they run only on the bridge"
     if get_family(model).latent is not None:
         return "multi-head latent attention: its keys are not read at the attention interface yet"
     return None
@@ -111,7 +113,10 @@ def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str
 
     ``names`` are the hooks the accumulators read, ``edits`` the hooks that interventions change."""
     spec = get_family(model)
-    plain_qk = spec.positions != "rotary" and spec.qk_norm is None
+    # q and k before the rotary: the interface's, turned back by the spec's rotary where no q/k norm follows it and the
+    # frequencies are the plain theta's
+    turns_back = spec.positions != "rotary" or spec.rope_type == "default"
+    plain_qk = spec.qk_norm is None and not spec.qk_l2_norm and turns_back
     own, points = _hf_modules(model), model.hook_dict
     for n in sorted({*names, *edits}):
         site = _site(n)
@@ -205,7 +210,8 @@ class Taps:
     """
 
     def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire):
-        self.hf, self.fire = hf_module(model), fire
+        self.hf, self.fire, self.spec = hf_module(model), fire, get_family(model)
+        self.tokens = (0, 0)  # the running batch's (B, T)
         self.read: dict[str, list[int]] = {}  # hook name -> the layers of the reducer that read it
         for layer, names in wanted.items():
             for n in names:
@@ -225,13 +231,17 @@ class Taps:
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
 
     def _give(self, name: str, x):
-        """Apply the edits at ``name``, then hand the activation to the reducer where it is read."""
+        """Apply the edits at ``name``, then hand the activation to the reducer where it is read. Tokens a layer
+        flattens around its MLP (OPT: (B * T, d)) are read and edited as (B, T, d), as the bridge gives them."""
+        B, T = self.tokens
+        flat = isinstance(x, torch.Tensor) and x.ndim == 2 and x.shape[0] == B * T
+        y = y0 = x.view(B, T, -1) if flat else x
         for fn in self.edits.get(name, ()):
-            out = fn(x, _Named(name))
-            x = x if out is None else out
+            out = fn(y, _Named(name))
+            y = y if out is None else out
         for layer in self.read.get(name, ()):
-            self.fire(layer, name, x)
-        return x
+            self.fire(layer, name, y)
+        return x if y is y0 else y.reshape(x.shape) if flat else y
 
     def _pre(self, names: list[str]):
         def hook(module, args, kwargs):
@@ -277,27 +287,33 @@ class Taps:
             for h in handles:
                 h.remove()
 
-    def attention(self, layer: int, query, key, value, mask, scale: float) -> torch.Tensor:
-        """One layer's attention: its reads and edits, the output from the fused kernel, as (B, T, H, d)."""
-        sites, at = self.attn.get(layer, set()), f"blocks.{layer}.attn."
-        for site, x in (("hook_rot_q", query), ("hook_q", query), ("hook_rot_k", key), ("hook_k", key)):
+    def _qk(self, layer: int, sites: set, module, query, key, scale: float) -> None:
+        """A call's q and k reads, as the bridge's hooks hold them: ``hook_q``/``hook_k`` turned back to before the
+        rotary (``_hooks_reason`` allows them where that is exact); OPT's q, which it scales by its module's scale
+        before a call at 1.0, unscaled."""
+        q = query * (scale / module.scaling) if getattr(module, "scaling", scale) != scale else query
+        back = -torch.arange(query.shape[-2], device=query.device)
+        for site, x in (("hook_rot_q", q), ("hook_q", q), ("hook_rot_k", key), ("hook_k", key)):
             if site in sites:
-                self._give(at + site, x.transpose(1, 2))
+                x = x.transpose(1, 2)
+                if site in ("hook_q", "hook_k"):
+                    x = apply_spec_rotary(x, self.spec, layer, positions=back).to(x.dtype)
+                self._give(f"blocks.{layer}.attn.{site}", x)
+
+    def attention(self, module, query, key, value, mask, scale: float, softcap=None, sinks=None) -> torch.Tensor:
+        """One layer's attention: its reads and edits, the output from the fused kernel (soft-capped scores: in blocks
+        of rows; learned sink logits joined to its rows), as (B, T, H, d)."""
+        layer = attention_layer_index(module)
+        sites, at = self.attn.get(layer, set()), f"blocks.{layer}.attn."
+        self._qk(layer, sites, module, query, key, scale)
         if "hook_v" in sites:
             value = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
-        kernel = sink_kernel(
-            query.device.type,
-            query.dtype,
-            query.shape[-1],
-            gqa=query.shape[1] > key.shape[1],
-            masked=mask is not None,
-            prefer=PREFER,
-        )
-        state_fallback(kernel)
-        self.kernels.setdefault(kernel.name, kernel.fallback)
-        out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
+        extras = dict(softcap=softcap, sinks=sinks)
+        out, lse, (name, why) = interface_attention(query, key, value, mask, scale, **extras)
+        self.kernels.setdefault(name, why)
         if "hook_pattern" in sites:
-            self._give(at + "hook_pattern", AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask))
+            weights = AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask, **extras)
+            self._give(at + "hook_pattern", weights)
         out = out.transpose(1, 2)
         if "hook_z" in sites:
             out = self._give(at + "hook_z", out)
@@ -319,7 +335,7 @@ class NnsightTaps(Taps):
 
     def __init__(self, model: SinkModel, wanted: dict[int, set[str]], edits: Sequence, fire):
         super().__init__(model, wanted, edits, fire)
-        self.family = get_family(model).family
+        self.impl = "eager" if self.spec.attn_softcap or self.spec.learned_sinks else "sdpa"  # SDPA takes neither
         self.attn_modules = {l: unwrap_component(model.get_submodule(f"blocks.{l}.attn")) for l in self.attn}
         with unbridged(self.hf) as hf:
             self.paths = {id(m): n for n, m in hf.named_modules()}
@@ -334,7 +350,7 @@ class NnsightTaps(Taps):
             handles.append(module.register_forward_pre_hook(lambda m, a, key=key: seen.append((key, "in"))))
             handles.append(module.register_forward_hook(lambda m, a, o, key=key: seen.append((key, "out"))))
         try:
-            with torch.inference_mode(), attention_implementation(hf, "sdpa"):
+            with torch.inference_mode(), attention_implementation(hf, self.impl):
                 hf(input_ids=torch.zeros(1, 2, dtype=torch.long, device=hf.device), use_cache=False)
         finally:
             for h in handles:
@@ -360,7 +376,7 @@ class NnsightTaps(Taps):
         from nnsight import NNsight  # optional: the "remote" extra
 
         box: dict = {}
-        with unbridged(self.hf) as hf, attention_implementation(hf, "sdpa"):
+        with unbridged(self.hf) as hf, attention_implementation(hf, self.impl):
             lm = NNsight(hf)
             with lm.trace(input_ids=tokens, use_cache=False) as tracer:
                 for event in self.events:
@@ -392,21 +408,20 @@ class NnsightTaps(Taps):
     def _attention_call(self, lm, layer: int) -> None:
         """One layer's attention call: the reads and edits of :meth:`Taps.attention` on the model's own attention."""
         src = self._envoy(lm, id(self.attn_modules[layer])).source
-        call = getattr(src, call_name(src.names, self.family))
+        call = getattr(src, call_name(src.names, self.spec.family))
         args, kwargs = call.inputs
         module, query, key, value, mask = args[:5]
         _refuse_extras(module, mask, kwargs.get("is_causal"), kwargs)
         sites, at = self.attn[layer], f"blocks.{layer}.attn."
-        for site, x in (("hook_rot_q", query), ("hook_q", query), ("hook_rot_k", key), ("hook_k", key)):
-            if site in sites:
-                self._give(at + site, x.transpose(1, 2))
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        self._qk(layer, sites, module, query, key, scale)
         if "hook_v" in sites:
             v = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
             if v is not value:
                 call.inputs = ((module, query, key, v, mask, *args[5:]), kwargs)
-        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if "hook_pattern" in sites:
-            self._give(at + "hook_pattern", AttentionWeights.from_qk(query, key, scale=scale, mask=mask))
+            extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+            self._give(at + "hook_pattern", AttentionWeights.from_qk(query, key, scale=scale, mask=mask, **extras))
         if "hook_z" in sites:
             out = call.output
             z = self._give(at + "hook_z", out[0])
@@ -439,7 +454,8 @@ def _pass_attention_forward(
     if mask is not None and mask.ndim == 4 and mask.shape[-1] > key.shape[-2]:
         mask = mask[..., : key.shape[-2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return taps.attention(attention_layer_index(module), query, key, value, mask, scale), None
+    extras = kwargs.get("softcap"), kwargs.get("s_aux")
+    return taps.attention(module, query, key, value, mask, scale, *extras), None
 
 
 def _register() -> None:

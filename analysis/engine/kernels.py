@@ -16,8 +16,9 @@ inputs (an explicit mask, float32, an odd head size: K and V repeated per group)
 plus a log-sum-exp computed in query chunks (O(chunk x T) memory, never T x T at once). A fallback from the table's
 first choice is logged once and recorded in the result (``meta["kernels"]``); no kernel error is caught.
 
-What these kernels cannot reproduce exactly, :func:`unsupported_reason` names before a run: attention-logit
-soft-capping (Gemma 2), learned sink logits (gpt-oss), additive position biases (ALiBi), bidirectional attention,
+Learned sink logits (gpt-oss) join a kernel's rows exactly; soft-capped scores (Gemma 2), which no fused kernel
+takes, are computed in blocks of query rows (:func:`interface_attention`). What cannot be reproduced
+exactly, ``backends.choose_backend`` names before a run: additive position biases (ALiBi), bidirectional attention,
 models whose attention does not go through the ``AttentionInterface`` (Falcon, BLOOM, this package's reference
 models) and models with hooks attached (the pass would skip them). The backend ``auto`` then takes the bridge.
 """
@@ -29,9 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.engine.attention import key_mask, row_lse
-from analysis.model.access import hooked_modules, interface_refusal
-from analysis.model.contract import SinkModel, hf_module
+from analysis.engine.attention import AttentionWeights, key_mask, row_lse
 
 PREFER: str | None = None  # a kernel among SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
@@ -217,37 +216,39 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
     return _reference_attention(query, key, value, mask, scale)
 
 
+def interface_attention(query, key, value, mask, scale: float, *, softcap=None, sinks=None):
+    """One layer's attention as transformers' attention function computes it: the output (B, H, T, d), each row's
+    log-sum-exp (B, H, T) and (the kernel, why not the table's first).
+
+    The fused kernel ``sink_kernel`` picks; soft-capped scores (Gemma 2), which no fused kernel takes, in blocks of
+    query rows of ``AttentionWeights``; learned sink logits (gpt-oss, one per head) joined to every row's softmax as
+    a column without a value, which shrinks the output by the share the sink takes."""
+    if softcap is None:
+        g, m = query.shape[1] > key.shape[1], mask is not None
+        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=g, masked=m, prefer=PREFER)
+        state_fallback(kernel)
+        out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
+        used = kernel.name, kernel.fallback
+    else:
+        w = AttentionWeights.from_qk(query, key, scale=scale, mask=mask, softcap=softcap)
+        (B, H, T, _), (H_kv, dv) = query.shape, (key.shape[1], value.shape[-1])
+        out, lse = torch.empty(B, H, T, dv, device=query.device), w.lse
+        for s, e, a in w._blocks():
+            v = value[:, :, : a.shape[-1]].float()
+            out[:, :, s:e] = (a.unflatten(1, (H_kv, -1)).flatten(2, 3) @ v).view(B, H_kv, -1, e - s, dv).flatten(1, 2)
+        out, used = out.to(query.dtype), ("capped", "soft-capped scores, which no fused kernel takes: blocks of rows")
+    if sinks is not None:
+        full = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+        out, lse = out * (lse - full).exp()[..., None].to(out.dtype), full
+    return out, lse, used
+
+
 # ----------------------------------------------------------------------------- What the kernels cannot reproduce
 
 
 def _refuse_extras(module, attention_mask, is_causal, kwargs) -> None:
-    if kwargs.get("softcap") is not None or getattr(module, "attn_logit_softcapping", None) is not None:
-        raise FusedUnsupported("attention-logit soft-capping changes the scores the lse is taken over.")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise FusedUnsupported("learned sink logits join the softmax as an extra column.")
     if kwargs.get("position_bias") is not None:
         raise FusedUnsupported("an additive position bias (ALiBi and the like) is not in q·k.")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and not causal:
         raise FusedUnsupported("bidirectional attention: alpha_k here is defined for causal attention.")
-
-
-def unsupported_reason(model: SinkModel) -> str | None:
-    """Why the fused kernels cannot give this model's exact attention (None when they can), read from its config and
-    modules.
-
-    Parameters
-    ----------
-    model : SinkModel
-
-    Returns
-    -------
-    str or None
-    """
-    why = interface_refusal(model)
-    if why is not None:
-        return why
-    hooked = hooked_modules(model, bridged=model is not hf_module(model))
-    if hooked:
-        return f"hooks are attached ({hooked[0]}{', ...' if len(hooked) > 1 else ''}); they run only on the bridge"
-    return None

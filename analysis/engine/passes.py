@@ -764,6 +764,7 @@ def _run_taps(
     def forward(batch: Batch):
         if resume is not None:
             rows[0] = _resumed_rows(batch, resume, entry, _Named)
+        taps.tokens = tuple(batch.tokens.shape)
         if nnsight:
             return taps.run(batch.tokens, needs_logits=needs_logits)
         return run_hf_batch(model, batch.tokens, needs_logits=needs_logits)

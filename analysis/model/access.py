@@ -162,18 +162,14 @@ def interface_refusal(model: SinkModel) -> str | None:
     if not hf._can_set_attn_implementation():
         return "its attention does not go through transformers' AttentionInterface (a custom attention module)"
     cfg = _text_config(hf)
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "attention-logit soft-capping (attn_logit_softcapping) changes the scores the lse is taken over"
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
         return "an ALiBi position bias is added to the scores outside q·k"
-    if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
-        return "learned sink logits (gpt-oss) join the softmax as an extra column"
     return None
 
 
 def hooked_modules(module: torch.nn.Module, *, bridged: bool) -> list[str]:
-    """The modules with user hooks: a bridge's hook points (its own wiring hooks aside), or any module of a Hugging
-    Face model.
+    """The modules with user hooks: a bridge's hook points (its own wiring aside: the hooks that relay an MLP split
+    over a layer, OPT's ``fc1``/``fc2``, to ``mlp.hook_in``/``hook_out``), or any module of a Hugging Face model.
 
     Parameters
     ----------
@@ -188,10 +184,13 @@ def hooked_modules(module: torch.nn.Module, *, bridged: bool) -> list[str]:
     """
     from transformer_lens.hook_points import HookPoint  # lazy: import time
 
+    wired = [m.submodules for m in module.modules() if getattr(m, "_placeholder_hooks_wired", False)]
+    relays = {id(getattr(w[s], f"hook_{s}")) for w in wired for s in ("in", "out") if w.get(s) is not None}  # one each
     return [
         n
         for n, m in module.named_modules()
-        if (m._forward_hooks or m._forward_pre_hooks) and (not bridged or isinstance(m, HookPoint))
+        if len(m._forward_hooks) + len(m._forward_pre_hooks) > (id(m) in relays)
+        and (not bridged or isinstance(m, HookPoint))
     ]
 
 

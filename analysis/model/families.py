@@ -143,6 +143,8 @@ class FamilySpec:
         The norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next, ...).
     qk_norm_scope : {"head", "all_heads"} or None
         Over d_head, or over n_kv_heads * d_head (OLMo-2).
+    qk_l2_norm : bool
+        Queries and keys L2-normalised after the rotary (Llama 4's ``use_qk_norm``).
     fused_qkv : bool
         One projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM).
     key_rotated : bool
@@ -198,6 +200,7 @@ class FamilySpec:
     parallel_block: bool = False  # attention and MLP read the same input (GPT-J, GPT-NeoX, Phi, Falcon)
     qk_norm: NormSpec | None = None  # the norm on keys (Qwen3, OLMo-2, Gemma 3, Qwen3-Next ...)
     qk_norm_scope: str | None = None  # "head" (over d_head) | "all_heads" (OLMo-2: over n_kv_heads * d_head)
+    qk_l2_norm: bool = False  # q and k L2-normalised after the rotary (Llama 4's use_qk_norm)
     fused_qkv: bool = False  # one projection makes q, k and v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM)
     key_rotated: bool  # key_hook holds keys after the rotary (False: apply it yourself)
     pattern_live: bool  # hook_pattern fires before the attention output and edits to it change the output
@@ -889,6 +892,7 @@ def _attention_facts(
         key_rotated=key_rotated,
         pattern_live=live,
         learned_sinks=learned_sinks,
+        qk_l2_norm=getattr(hf_attn, "qk_norm", None) is not None,
         gate="sigmoid(hook_q_gate), per head and dim, multiplies the attention output before o_proj"
         if gate_hook
         else None,

@@ -6,6 +6,7 @@ float noise there, so their reports are compared through the profile on random t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import warnings
@@ -95,14 +96,28 @@ def test_profile_is_the_same_on_every_backend(family, family_bridge, bridge_prof
 NNSIGHT_RUNS = (
     "llama",
     "qwen2",
+    "gemma2",
     "gemma3",
     "gpt2",
+    "opt",
     "phi",
     "olmo2",
     "jamba",
+    "gpt_oss",
     "qwen3_moe",
     "falcon_h1",
 )  # nnsight, not the bridge
+# The families whose attention neither the transformers backend nor nnsight computes exactly (docs/architecture.md):
+# BLOOM's ALiBi and Falcon's own attention module bypass the attention interface; DeepSeek-V3's latent attention.
+ON_THE_BRIDGE_ONLY = {"bloom", "falcon", "deepseek_v3"}
+# What else a family's report leaves to the bridge, each for the reason docs/architecture.md lists: a hook no Hugging
+# Face module gives. Every family: the norm-gain trace's pre-softmax scores, a T x T map by definition.
+LEFT = {
+    **dict.fromkeys(("opt", "jamba", "gptj", "phimoe", "llama4_text"), ("ln1.hook_normalized",)),  # norm-gain trace
+    **dict.fromkeys(("qwen3_next", "qwen3_5"), ("hook_q_gate", "the head outputs are gated")),
+    **dict.fromkeys(("granite", "granitemoe"), ("hook_attn_out",)),  # scaled by the residual multiplier in the layer
+    **dict.fromkeys(("phi3", "glm4"), ("mlp.gate",)),  # the gate half of a joint gate_up projection
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -186,3 +201,46 @@ def test_smollm2_whole_report_through_nnsight_equals_the_bridges(smollm2, smollm
     assert not nn["errors"] and set(nn["sections"]) == set(bridge["sections"])
     assert differences(bridge, nn) == []
     assert bridge["findings"] == nn["findings"]
+
+
+def _random_natural(monkeypatch):
+    """The report's natural probe drawn at random (a tiny model's word-tokenizer text gives every position's value the
+    same norm, so its ratios are float noise), and its figures drawn but not encoded."""
+    import dataclasses
+
+    import analysis.report.build as build
+
+    made = build.model_probe_sets
+
+    def probes(model, **kw):
+        out = made(model, **kw)
+        g = torch.Generator().manual_seed(7)
+        tokens = torch.randint(3, 96, tuple(out["natural"].tokens.shape), generator=g)
+        return {**out, "natural": dataclasses.replace(out["natural"], tokens=tokens)}
+
+    monkeypatch.setattr(build, "model_probe_sets", probes)
+    monkeypatch.setattr("analysis.report.html.figure_html", lambda fig, caption="", dpi=90: "<figure></figure>")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_report_section_is_the_same_on_every_backend(family, family_bridge, tmp_path, monkeypatch):
+    """The whole report of each family of the matrix through auto and through nnsight: every section runs, every
+    number is the bridge's; every pass but the pre-softmax scores' (a T x T map by definition) leaves the bridge, but
+    on the families whose attention only the bridge computes exactly."""
+    _random_natural(monkeypatch)
+    model = family_bridge(family)
+    bridge = _report(model, tmp_path / "tl", "transformer_lens")
+    backends = ("auto", "nnsight") if importlib.util.find_spec("nnsight") else ("auto",)
+    for backend in backends:
+        other = _report(model, tmp_path / backend, backend)
+        assert not other["errors"] and set(other["sections"]) == set(bridge["sections"]), backend
+        assert differences(bridge, other) == [], backend
+        assert bridge["findings"] == other["findings"], backend
+        ran = _ran_on(other)
+        if family in ON_THE_BRIDGE_ONLY:
+            assert set(ran) == {"transformer_lens"}, ran
+            continue
+        assert ran.get("transformers" if backend == "auto" else "nnsight", 0) > ran.get("transformer_lens", 0), ran
+        left = [k for by in other["config"]["passes"].values() for k in by if k.startswith("transformer_lens")]
+        allowed = ("hook_attn_scores", *LEFT.get(family, ()))
+        assert all(any(w in k for w in allowed) for k in left), (backend, left)
