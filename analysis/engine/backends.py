@@ -64,13 +64,11 @@ def _site(name: str) -> str:
 
 def _model_reason(model: SinkModel) -> str | None:
     """Why the transformers backend cannot run ``model`` at all (None when it can): not a Hugging Face model, attention
-    the interface does not compute, hooks attached to the bridge, latent attention."""
+    the interface does not compute, hooks attached to the bridge."""
     if reason := interface_refusal(model):
         return reason
     if hooked := hooked_modules(model, bridged=model is not hf_module(model)):
         return f"hooks are attached ({hooked[0]}{', ...' if len(hooked) > 1 else ''}); they run only on the bridge"
-    if get_family(model).latent is not None:
-        return "multi-head latent attention: its keys are not read at the attention interface yet"
     return None
 
 
@@ -116,7 +114,7 @@ def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str
     # q and k before the rotary: the interface's, turned back by the spec's rotary where no q/k norm follows it and the
     # frequencies are the plain theta's
     turns_back = spec.positions != "rotary" or spec.rope_type == "default"
-    plain_qk = spec.qk_norm is None and not spec.qk_l2_norm and turns_back
+    plain_qk = spec.latent is not None or (spec.qk_norm is None and not spec.qk_l2_norm and turns_back)  # MLA: as is
     own, points = _hf_modules(model), model.hook_dict
     for n in sorted({*names, *edits}):
         site = _site(n)
@@ -296,7 +294,7 @@ class Taps:
         for site, x in (("hook_rot_q", q), ("hook_q", q), ("hook_rot_k", key), ("hook_k", key)):
             if site in sites:
                 x = x.transpose(1, 2)
-                if site in ("hook_q", "hook_k"):
+                if site in ("hook_q", "hook_k") and self.spec.latent is None:  # MLA's hold them rotated
                     x = apply_spec_rotary(x, self.spec, layer, positions=back).to(x.dtype)
                 self._give(f"blocks.{layer}.attn.{site}", x)
 

@@ -220,15 +220,16 @@ def interface_attention(query, key, value, mask, scale: float, *, softcap=None, 
     """One layer's attention as transformers' attention function computes it: the output (B, H, T, d), each row's
     log-sum-exp (B, H, T) and (the kernel, why not the table's first).
 
-    The fused kernel ``sink_kernel`` picks; soft-capped scores (Gemma 2), which no fused kernel takes, in blocks of
+    The fused kernel ``sink_kernel`` picks (a narrower v, MLA's, padded to the head size); soft-capped scores (Gemma 2), which no fused kernel takes, in blocks of
     query rows of ``AttentionWeights``; learned sink logits (gpt-oss, one per head) joined to every row's softmax as
     a column without a value, which shrinks the output by the share the sink takes."""
     if softcap is None:
-        g, m = query.shape[1] > key.shape[1], mask is not None
+        g, m, dv = query.shape[1] > key.shape[1], mask is not None, value.shape[-1]
         kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=g, masked=m, prefer=PREFER)
         state_fallback(kernel)
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))  # MLA's narrower v, as flash wants it
         out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
-        used = kernel.name, kernel.fallback
+        out, used = out[..., :dv], (kernel.name, kernel.fallback)
     else:
         w = AttentionWeights.from_qk(query, key, scale=scale, mask=mask, softcap=softcap)
         (B, H, T, _), (H_kv, dv) = query.shape, (key.shape[1], value.shape[-1])

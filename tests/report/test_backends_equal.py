@@ -104,12 +104,13 @@ NNSIGHT_RUNS = (
     "olmo2",
     "jamba",
     "gpt_oss",
+    "deepseek_v3",
     "qwen3_moe",
     "falcon_h1",
 )  # nnsight, not the bridge
 # The families whose attention neither the transformers backend nor nnsight computes exactly (docs/architecture.md):
-# BLOOM's ALiBi and Falcon's own attention module bypass the attention interface; DeepSeek-V3's latent attention.
-ON_THE_BRIDGE_ONLY = {"bloom", "falcon", "deepseek_v3"}
+# BLOOM's ALiBi and Falcon's own attention module bypass the attention interface.
+ON_THE_BRIDGE_ONLY = {"bloom", "falcon"}
 # What else a family's report leaves to the bridge, each for the reason docs/architecture.md lists: a hook no Hugging
 # Face module gives. Every family: the norm-gain trace's pre-softmax scores, a T x T map by definition.
 LEFT = {
