@@ -94,7 +94,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
             head_dim=16,
             sliding_window=8,
             query_pre_attn_scalar=16,
-            attn_logit_softcapping=0.1,  # small enough to bite on a random model's small scores
+            attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
             **_rope(10000.0),
         ),
@@ -385,6 +385,9 @@ FAMILIES = list(FAMILY_CONFIGS)
 # their own head dim and partial ("proportional") rotary, which the one-head-dim family spec does not hold, and the
 # bridge keeps its norms' gains only inside the wrapped Hugging Face modules (no ln1.w, no attn.k_norm.w).
 NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
+    # Gemma 2 with a cap that bites on a random model's scores (at most about 0.07; Gemma 2's 50 leaves them as they are):
+    # where the backends compute the soft cap themselves (blocks of rows, q, k and the lse), this family checks it.
+    "gemma2_cap": ("Gemma2Config", {**FAMILY_CONFIGS["gemma2"][1], "attn_logit_softcapping": 0.1}),
     # Llama 4 as released (use_qk_norm): q and k L2-normalised after the rotary on its rotary layers.
     "llama4_qk_norm": ("Llama4TextConfig", {**FAMILY_CONFIGS["llama4_text"][1], "use_qk_norm": True}),
     # Nemotron-H (8B): Mamba-2, MLP and attention blocks, each its own layer ("M-M-M-M*-..."; here "M-*-").

@@ -33,7 +33,7 @@ from analysis.model.hooks import hook_layer
 from analysis.model.rotary import apply_spec_rotary
 from analysis.model.nnsight_model import call_name
 from analysis.engine.attention import AttentionWeights
-from analysis.engine.kernels import _refuse_extras, interface_attention
+from analysis.engine.kernels import _refuse_extras, _interface_attention
 
 PASS_ATTENTION = "attention_sinks_pass"  # the name registered in transformers' attention and mask interfaces
 _TAPS: contextvars.ContextVar = contextvars.ContextVar("attention_sinks_taps", default=None)
@@ -307,7 +307,7 @@ class Taps:
         if "hook_v" in sites:
             value = self._give(at + "hook_v", value.transpose(1, 2)).transpose(1, 2)
         extras = dict(softcap=softcap, sinks=sinks)
-        out, lse, (name, why) = interface_attention(query, key, value, mask, scale, **extras)
+        out, lse, (name, why) = _interface_attention(query, key, value, mask, scale, **extras)
         self.kernels.setdefault(name, why)
         if "hook_pattern" in sites:
             weights = AttentionWeights(query=query, key=key, lse=lse, scale=scale, mask=mask, **extras)

@@ -17,7 +17,7 @@ plus a log-sum-exp computed in query chunks (O(chunk x T) memory, never T x T at
 first choice is logged once and recorded in the result (``meta["kernels"]``); no kernel error is caught.
 
 Learned sink logits (gpt-oss) join a kernel's rows exactly; soft-capped scores (Gemma 2), which no fused kernel
-takes, are computed in blocks of query rows (:func:`interface_attention`). What cannot be reproduced
+takes, are computed in blocks of query rows (``_interface_attention``). What cannot be reproduced
 exactly, ``backends.choose_backend`` names before a run: additive position biases (ALiBi), bidirectional attention,
 models whose attention does not go through the ``AttentionInterface`` (Falcon, BLOOM, this package's reference
 models) and models with hooks attached (the pass would skip them). The backend ``auto`` then takes the bridge.
@@ -216,7 +216,7 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
     return _reference_attention(query, key, value, mask, scale)
 
 
-def interface_attention(query, key, value, mask, scale: float, *, softcap=None, sinks=None):
+def _interface_attention(query, key, value, mask, scale: float, *, softcap=None, sinks=None):
     """One layer's attention as transformers' attention function computes it: the output (B, H, T, d), each row's
     log-sum-exp (B, H, T) and (the kernel, why not the table's first).
 

@@ -69,10 +69,10 @@ def test_smollm2_fused_equals_eager(smollm2, device):
 
 
 # llama: grouped-query attention; mistral: a sliding window (8) shorter than T; gpt_neox: partial rotary;
-# gemma: its own q scaling and head size; qwen2: q/k/v biases; gemma2: soft-capped scores (in blocks of rows: no
+# gemma: its own q scaling and head size; qwen2: q/k/v biases; gemma2_cap: soft-capped scores (in blocks of rows: no
 # fused kernel takes the cap); gpt_oss: learned sink logits joined to the kernel's rows; opt: its MLP on flattened
 # tokens, and the bridge's own relay hooks on it, which are no user's; deepseek_v3: latent attention, its v narrower.
-FUSED = ["llama", "qwen2", "mistral", "gpt_neox", "gemma", "gemma2", "gpt_oss", "opt", "deepseek_v3"]
+FUSED = ["llama", "qwen2", "mistral", "gpt_neox", "gemma", "gemma2_cap", "gpt_oss", "opt", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("family", FUSED)

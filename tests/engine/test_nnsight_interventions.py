@@ -36,7 +36,7 @@ def _ablations(model, tokens):
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain GQA; soft cap + sliding window
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma2_cap"])  # plain GQA; sliding window; a cap that bites
 def test_the_ablations_of_a_remote_model_equal_the_bridges(family, family_bridge, family_dir):
     nn, tokens = load_nnsight(str(family_dir(family))), _tokens()
     for got, want in zip(_ablations(nn, tokens), _ablations(family_bridge(family), tokens)):

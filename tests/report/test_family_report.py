@@ -211,11 +211,11 @@ def test_cli_on_a_hybrid(family_dirs, tmp_path, capsys, device):
 
 def test_mla_header_names_each_head_dim(family_dirs, tmp_path):
     """Issue 37: MLA's config head_dim (8 here) is its rotary part only; the header names the query/key width (8
-    decompressed + 8 rotary = 16) and the value width (16), and report.json keeps them apart."""
+    decompressed + 8 rotary = 16) and the value width (12), and report.json keeps them apart."""
     _, model = family_dirs("deepseek_v3")
     page = build_report(model, tmp_path, n=2, T=16, sections=[]).read_text()
     head = page.split("<h2>Findings</h2>", 1)[0]
     assert "d_head 8" not in head
-    assert "query/key head dim 16 (8 decompressed from the latent + 8 rotary), value head dim 16" in head
+    assert "query/key head dim 16 (8 decompressed from the latent + 8 rotary), value head dim 12" in head
     dims = json.loads((tmp_path / "report.json").read_text())["dims"]
-    assert (dims["d_head_qk"], dims["d_head_qk_rope"], dims["d_head_v"]) == (16, 8, 16) and "d_head" not in dims
+    assert (dims["d_head_qk"], dims["d_head_qk_rope"], dims["d_head_v"]) == (16, 8, 12) and "d_head" not in dims
