@@ -220,14 +220,15 @@ def _interface_attention(query, key, value, mask, scale: float, *, softcap=None,
     """One layer's attention as transformers' attention function computes it: the output (B, H, T, d), each row's
     log-sum-exp (B, H, T) and (the kernel, why not the table's first).
 
-    The fused kernel ``sink_kernel`` picks (a narrower v, MLA's, padded to the head size); soft-capped scores (Gemma 2), which no fused kernel takes, in blocks of
-    query rows of ``AttentionWeights``; learned sink logits (gpt-oss, one per head) joined to every row's softmax as
-    a column without a value, which shrinks the output by the share the sink takes."""
+    The fused kernel ``sink_kernel`` picks (a narrower v, MLA's, padded to the head size); soft-capped scores (Gemma
+    2), which no fused kernel takes, in blocks of query rows of ``AttentionWeights``; learned sink logits (gpt-oss, one
+    per head) joined to every row's softmax as a column without a value, which shrinks the output by the sink's share."""
     if softcap is None:
         g, m, dv = query.shape[1] > key.shape[1], mask is not None, value.shape[-1]
         kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=g, masked=m, prefer=PREFER)
         state_fallback(kernel)
-        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))  # MLA's narrower v, as flash wants it
+        if dv != query.shape[-1]:  # MLA's narrower v, padded as the flash kernels want it (the zeros add nothing)
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
         out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
         out, used = out[..., :dv], (kernel.name, kernel.fallback)
     else:
