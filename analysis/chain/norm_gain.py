@@ -45,7 +45,7 @@ from analysis.model.key_path import KeyPath, key_path
 from analysis.chain.massive import criterion_text, first_token_spike_dims
 from analysis.engine.attention import attention_of
 from analysis.engine.passes import Accumulator, Batch, Reduction, can_resume, resume_from, run_pass
-from analysis.model.nnsight_model import weights_in_trace
+from analysis.model.nnsight_model import TraceWeight, weights_in_trace
 from analysis.core.results import Result, pass_options, runs
 from analysis.core.docs import model_tokens_min2, parameters_from, share_parameters
 from analysis.model.rotary import rotate_as_spec
@@ -84,7 +84,7 @@ def _with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     """``scores`` (B,H,T,T) with the learned sink logit per head (H,) as an extra last column, where there is one."""
     if sink is None:
         return scores
-    return torch.cat([scores, sink.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    return torch.cat([scores, sink.to(scores).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
 
 
 def _causal_window(T: int, window: int | None) -> torch.Tensor:
@@ -313,6 +313,7 @@ class NormGainAccumulator(Accumulator):
     removed, the key norm's scales, and the residual dims' shares of k_1."""
 
     optional_keys = frozenset({"n", "scores"})
+    call_keys = frozenset({"scores"})  # a call's q, k and mask give them (``_call_scores``)
 
     def __init__(self, model, path: KeyPath, S: list[int], T: int, *, n_other: int = 4, kind: str | None = None):
         self.model, self.path, self.S, self.kind, self.H = model, path, S, kind, model_dims(model).n_heads
@@ -326,7 +327,8 @@ class NormGainAccumulator(Accumulator):
             and not weights_in_trace(model)
             and act_name("normalized", self.layer) in hook_names(model)
         )
-        self.sink = sink_logits(model, self.layer) if self.spec.learned_sinks else None
+        read = (lambda _, layer: TraceWeight("sinks", layer)) if weights_in_trace(model) else sink_logits  # in a trace
+        self.sink = read(model, self.layer) if self.spec.learned_sinks else None
         # running sums (float64), each started at zero by its first update
         self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample

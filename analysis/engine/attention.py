@@ -84,8 +84,7 @@ class AttentionWeights:
         boolean, :func:`key_mask`), with each row's log-sum-exp taken here in blocks of rows (:func:`row_lse`), a
         learned sink logit per head (``sinks``) joined to it."""
         mask = key_mask(mask, query.shape[-2])
-        lse = row_lse(query, key, scale, mask=mask, softcap=softcap)
-        lse = lse if sinks is None else torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+        lse = row_lse(query, key, scale, mask=mask, softcap=softcap, sinks=sinks)
         return cls(query=query, key=key, lse=lse, scale=scale, mask=mask, softcap=softcap, sinks=sinks)
 
     # -- blocks of A from q, k and the lse ------------------------------------------------------------------------
@@ -303,10 +302,13 @@ def row_lse(
     *,
     mask: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    value: Optional[torch.Tensor] = None,
     chunk_elements: int = ALPHA_CHUNK_ELEMENTS,
-) -> torch.Tensor:
+):
     """Each query row's log-sum-exp over the keys it sees (causal, and a boolean ``mask``), soft-capped where
-    asked, in blocks of query rows, never a T x T map.
+    asked, in blocks of query rows, never a T x T map; with ``value``, the attention's output too, from the same
+    block of scores (the soft-capped attention of Gemma 2, which no fused kernel takes).
 
     Parameters
     ----------
@@ -316,24 +318,37 @@ def row_lse(
         (B, 1 or H, T, T) boolean (True = attend).
     softcap : float, optional
         Gemma 2's cap: scores = cap * tanh(scores / cap).
+    sinks : torch.Tensor, optional
+        A learned sink logit per head, (H,) (gpt-oss): a column without a value, joined to every row.
+    value : torch.Tensor, optional
+        (B, H_kv, T, dv).
 
     Returns
     -------
-    torch.Tensor, shape (B, H, T)
+    torch.Tensor, shape (B, H, T), or (it, the output (B, H, T, dv) in value's dtype) with ``value``
         float32.
     """
     B, H, T, d = query.shape
     H_kv = key.shape[1]
-    q, k = query.float().unflatten(1, (H_kv, H // H_kv)), key.float()
+    q, k, v = query.float().unflatten(1, (H_kv, H // H_kv)), key.float(), None if value is None else value.float()
+    sink = None if sinks is None else sinks.float().view(1, H_kv, -1, 1)
     rows = block_rows(B, H, T, chunk_elements)
-    out = []
+    lse, out = [], []
     for s in range(0, T, rows):
         e = min(s + rows, T)  # keys 0..e-1: the later ones are hidden anyway
         sc = (q[..., s:e, :].reshape(B, H_kv, -1, d) @ k[..., :e, :].transpose(-1, -2)).view(B, H_kv, -1, e - s, e)
         sc = sc.mul_(scale) if softcap is None else torch.tanh(sc * scale / softcap) * softcap
         hide_scores(sc, s, e, e, mask, -math.inf)
-        out.append(sc.logsumexp(-1))
-    return torch.cat(out, dim=-1).flatten(1, 2)
+        lse.append(_join_sinks(sc.logsumexp(-1), sink))
+        if v is not None:  # a row that sees no key (-inf) gives zeros
+            out.append(sc.sub_(lse[-1].nan_to_num(neginf=0.0)[..., None]).exp_() @ v[:, :, None, :e])
+    lse = torch.cat(lse, dim=-1).flatten(1, 2)
+    return lse if v is None else (lse, torch.cat(out, dim=-2).flatten(1, 2).to(value.dtype))
+
+
+def _join_sinks(lse: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each row's log-sum-exp with its head's learned sink logit (``sinks`` broadcast to ``lse``) joined, or as is."""
+    return lse if sinks is None else torch.logaddexp(lse, sinks)
 
 
 def attention_of(x) -> AttentionWeights:

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 from analysis.model.access import attention_layer_index, hooked_modules, interface_refusal, register_attention
-from analysis.model.access import unwrap_component
+from analysis.model.access import module_part, unwrap_component
 from analysis.model.causal import unbridged  # its home is the model floor
 from analysis.model.contract import BACKENDS, ModelContractError, SinkModel, hf_module
 from analysis.model.families import attention_implementation, get_family
@@ -78,10 +78,10 @@ def _hf_modules(model: SinkModel) -> set[int]:
         return {id(m) for m in hf.modules()}
 
 
-def _module_site(
-    model: SinkModel, name: str, *, own: set[int] | None = None, points=None
-) -> tuple[torch.nn.Module, str]:
-    """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``.
+def _module_site(model: SinkModel, name: str, *, own: set[int] | None = None, points=None) -> tuple:
+    """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``, and the
+    hook's part of it: None where it is all of it, else (take, put) (``access.module_part``: a joint projection's half,
+    Granite's scaled contribution, Qwen3-Next's gate and gated z).
 
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
     each component wraps one Hugging Face module: its ``hook_in`` / ``hook_out`` are that module's input and output.
@@ -90,6 +90,8 @@ def _module_site(
     every read) are given where the caller has them. BackendUnsupported where no Hugging Face module's input or output
     is that hook (a component the bridge made up, such as the gate and up halves of a joint projection, is no module the
     model runs)."""
+    if part := module_part(model, name, get_family(model)):
+        return part[0], part[1], part[2:]
     point = (model.hook_dict if points is None else points).get(name)
     canonical = getattr(point, "name", None) or name
     path, _, which = canonical.rpartition(".")
@@ -103,7 +105,16 @@ def _module_site(
     inner = unwrap_component(bridged)
     if inner is bridged or id(inner) not in (_hf_modules(model) if own is None else own):
         raise BackendUnsupported(f"the bridge's component {path} ({name}) wraps no module the Hugging Face model runs")
-    return inner, which[len("hook_") :]
+    return inner, which[len("hook_") :], None
+
+
+def _by_call(model: SinkModel, spec, name: str) -> bool:
+    """Whether the attention function gives the hook ``name`` (else a module's input or output, ``_module_site``): q
+    and k where no projection of their own gives them (a joint QKV, MLA), v, z (but a gated one) and the weights."""
+    site = _site(name)
+    if ".attn.hook_" not in name or site not in ATTENTION_HOOKS or (site == "hook_z" and spec.gate is not None):
+        return False
+    return site not in ("hook_q", "hook_k") or module_part(model, name, spec) is None
 
 
 def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str] = ()) -> str | None:
@@ -111,27 +122,27 @@ def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str
 
     ``names`` are the hooks the accumulators read, ``edits`` the hooks that interventions change."""
     spec = get_family(model)
-    # q and k before the rotary: the interface's, turned back by the spec's rotary where no q/k norm follows it and the
-    # frequencies are the plain theta's
+    # hook_q/hook_k from the interface's q and k: as they are (MLA), or turned back by the spec's rotary where no q/k
+    # norm follows it and the frequencies are the plain theta's
     turns_back = spec.positions != "rotary" or spec.rope_type == "default"
-    plain_qk = spec.latent is not None or (spec.qk_norm is None and not spec.qk_l2_norm and turns_back)  # MLA: as is
+    qk_exact = spec.latent is not None or (spec.qk_norm is None and not spec.qk_l2_norm and turns_back)
     own, points = _hf_modules(model), model.hook_dict
     for n in sorted({*names, *edits}):
         site = _site(n)
         if hook_layer(n) is None:
             return f"the hook {n} lies outside the blocks"
-        if ".attn.hook_" in n and site in ATTENTION_HOOKS:
-            if site in ("hook_q", "hook_k") and not plain_qk:
+        if _by_call(model, spec, n):
+            if site in ("hook_q", "hook_k") and not qk_exact:
                 return f"{n} holds q/k before the rotary or the q/k norm, which the attention interface never sees"
             if site in ("hook_pattern", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k") and n in edits:
                 return f"an edit of {n}: the transformers backend reads q, k and the map, it does not change them"
-            if site == "hook_z" and spec.gate is not None:
-                return f"{n}: the head outputs are gated ({spec.gate}) after the attention interface"
             continue
         try:
-            _module_site(model, n, own=own, points=points)
+            part = _module_site(model, n, own=own, points=points)[2]
         except BackendUnsupported as e:
             return str(e)
+        if n in edits and part and part[1] is None:
+            return f"an edit of {n}: the bridge computes it beside the module, which reads it only"
     return None
 
 
@@ -221,25 +232,33 @@ class Taps:
         self.kernels: dict[str, str] = {}  # the kernels the layers took -> why not the table's first ("" if it was)
         self.sites: dict[tuple[int, str], tuple[torch.nn.Module, list[str]]] = {}  # (id, in/out) -> module, names
         own, points = _hf_modules(model), model.hook_dict
+        self.parts: dict[str, tuple] = {}  # hook name -> (take, put) where it is part of its module's activation
         for name in sorted({*self.read, *self.edits}):
-            if ".attn.hook_" in name and _site(name) in ATTENTION_HOOKS:
+            if _by_call(model, self.spec, name):
                 self.attn.setdefault(hook_layer(name), set()).add(_site(name))
                 continue
-            module, which = _module_site(model, name, own=own, points=points)
+            module, which, part = _module_site(model, name, own=own, points=points)
             self.sites.setdefault((id(module), which), (module, []))[1].append(name)
+            if part:
+                self.parts[name] = part
 
     def _give(self, name: str, x):
         """Apply the edits at ``name``, then hand the activation to the reducer where it is read. Tokens a layer
         flattens around its MLP (OPT: (B * T, d)) are read and edited as (B, T, d), as the bridge gives them."""
         B, T = self.tokens
         flat = isinstance(x, torch.Tensor) and x.ndim == 2 and x.shape[0] == B * T
-        y = y0 = x.view(B, T, -1) if flat else x
+        whole = x.view(B, T, -1) if flat else x
+        take, put = self.parts.get(name, (None, None))
+        y = y0 = take(whole) if take else whole
         for fn in self.edits.get(name, ()):
             out = fn(y, _Named(name))
             y = y if out is None else out
         for layer in self.read.get(name, ()):
             self.fire(layer, name, y)
-        return x if y is y0 else y.reshape(x.shape) if flat else y
+        if y is y0:
+            return x
+        y = put(whole, y) if put else y
+        return y.reshape(x.shape) if flat else y
 
     def _pre(self, names: list[str]):
         def hook(module, args, kwargs):
@@ -354,10 +373,13 @@ class NnsightTaps(Taps):
             for h in handles:
                 h.remove()
         calls = {id(m): l for l, m in self.attn_modules.items()}
+        before = {id(unwrap_component(getattr(m, "o_proj", None))): l for l, m in self.attn_modules.items()}  # gated z
         events = []
         for key, which in dict.fromkeys(seen):  # first time each is reached
-            if which == "out" and key in calls:  # the call: after the projections' inputs, before the module's output
-                events.append(("attn", calls[key]))
+            # the call: after the projections' inputs, before the output projection's input and the module's output
+            layer = calls.get(key) if which == "out" else before.get(key)
+            if layer is not None and ("attn", layer) not in events:
+                events.append(("attn", layer))
             if (key, which) in self.sites:
                 events.append(("site", key, which))
         return events
@@ -376,6 +398,8 @@ class NnsightTaps(Taps):
         box: dict = {}
         with unbridged(self.hf) as hf, attention_implementation(hf, self.impl):
             lm = NNsight(hf)
+            for m in self.attn_modules.values():  # each forward's source, made before any site inside it is read
+                self._envoy(lm, id(m)).source
             with lm.trace(input_ids=tokens, use_cache=False) as tracer:
                 for event in self.events:
                     self._visit(lm, event)

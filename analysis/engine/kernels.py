@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.engine.attention import AttentionWeights, key_mask, row_lse
+from analysis.engine.attention import _join_sinks, key_mask, row_lse
 
 PREFER: str | None = None  # a kernel among SINK_KERNELS the benchmarks ask for (bench_scale.py --sink-kernel)
 
@@ -223,26 +223,20 @@ def _interface_attention(query, key, value, mask, scale: float, *, softcap=None,
     The fused kernel ``sink_kernel`` picks (a narrower v, MLA's, padded to the head size); soft-capped scores (Gemma
     2), which no fused kernel takes, in blocks of query rows of ``AttentionWeights``; learned sink logits (gpt-oss, one
     per head) joined to every row's softmax as a column without a value, which shrinks the output by the sink's share."""
-    if softcap is None:
-        g, m, dv = query.shape[1] > key.shape[1], mask is not None, value.shape[-1]
-        kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=g, masked=m, prefer=PREFER)
-        state_fallback(kernel)
-        if dv != query.shape[-1]:  # MLA's narrower v, padded as the flash kernels want it (the zeros add nothing)
-            value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
-        out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
-        out, used = out[..., :dv], (kernel.name, kernel.fallback)
-    else:
-        w = AttentionWeights.from_qk(query, key, scale=scale, mask=mask, softcap=softcap)
-        (B, H, T, _), (H_kv, dv) = query.shape, (key.shape[1], value.shape[-1])
-        out, lse = torch.empty(B, H, T, dv, device=query.device), w.lse
-        for s, e, a in w._blocks():
-            v = value[:, :, : a.shape[-1]].float()
-            out[:, :, s:e] = (a.unflatten(1, (H_kv, -1)).flatten(2, 3) @ v).view(B, H_kv, -1, e - s, dv).flatten(1, 2)
-        out, used = out.to(query.dtype), ("capped", "soft-capped scores, which no fused kernel takes: blocks of rows")
+    if softcap is not None:
+        mask = key_mask(mask, key.shape[-2])
+        lse, out = row_lse(query, key, scale, mask=mask, softcap=softcap, sinks=sinks, value=value)
+        return out, lse, ("capped", "soft-capped scores, which no fused kernel takes: blocks of rows")
+    g, m, dv = query.shape[1] > key.shape[1], mask is not None, value.shape[-1]
+    kernel = sink_kernel(query.device.type, query.dtype, query.shape[-1], gqa=g, masked=m, prefer=PREFER)
+    state_fallback(kernel)
+    if dv != query.shape[-1]:  # MLA's narrower v, padded as the flash kernels want it (the zeros add nothing)
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
+    out, lse = fused_attention(query, key, value, mask, scale, kernel=kernel)
     if sinks is not None:
-        full = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+        full = _join_sinks(lse, sinks.float().view(1, -1, 1))
         out, lse = out * (lse - full).exp()[..., None].to(out.dtype), full
-    return out, lse, used
+    return out[..., :dv], lse, (kernel.name, kernel.fallback)
 
 
 # ----------------------------------------------------------------------------- What the kernels cannot reproduce

@@ -136,6 +136,7 @@ class Accumulator(abc.ABC):
 
     needs_logits = False
     optional_keys: frozenset = frozenset()  # keys whose hooks may be listed but never fire (passed when they do)
+    call_keys: frozenset = frozenset()  # optional keys an attention call's weights give (read on the bridge only)
     reads_rows = False  # reads whole attention rows: fed first in its layer, so the others' columns come from its map
 
     @abc.abstractmethod
@@ -349,12 +350,14 @@ class _JointReducer:
         self.wants = [a.hooks() for a in self.accs]
         self.by_layer: dict[int, set[str]] = {}  # every hook of the layer
         self.required: dict[int, set[str]] = {}  # the hooks that must fire before the layer is handed over
+        self.from_call: set[str] = set()  # the hooks the attention calls' weights stand in for (``call_keys``)
         for acc, w in zip(self.accs, self.wants):
             for layer, names in w.items():
                 self.by_layer.setdefault(int(layer), set()).update(names.values())
                 self.required.setdefault(int(layer), set()).update(
                     n for k, n in names.items() if k not in acc.optional_keys
                 )
+                self.from_call.update(n for k, n in names.items() if k in acc.call_keys)
         self.last = max(self.by_layer) if self.by_layer else None
         self.stop_early = stop_early
         self.slot: dict[int, dict[str, torch.Tensor]] = {}
@@ -694,9 +697,11 @@ def run_pass(
     chosen, why = choose_backend(
         model,
         backend=backend,
-        names=[*(n for names in joint.by_layer.values() for n in names), *(n for n, _ in fwd_hooks)],
+        names=[*(n for names in joint.by_layer.values() for n in names - joint.from_call), *(n for n, _ in fwd_hooks)],
         edits=[n for n, fn in fwd_hooks if not getattr(fn, "reads_only", False)],  # not marked by ``reading``
     )
+    if chosen != "transformer_lens":  # what the attention calls' weights give is not read
+        joint.by_layer = {l: names - joint.from_call for l, names in joint.by_layer.items()}
     if record is not None:
         record.update(backend=chosen, why=why)
     if _PASS_LOG.get() is not None:

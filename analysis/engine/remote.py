@@ -287,7 +287,8 @@ def _attention_acts(model: NnsightModel, call, sites, edit=None) -> dict:
     acts = {"hook_q": q.transpose(1, 2) * pre if pre != 1 else q.transpose(1, 2), "hook_k": k.transpose(1, 2)}
     acts |= {"hook_v": v.transpose(1, 2), "hook_rot_q": acts["hook_q"], "hook_rot_k": acts["hook_k"]}
     if "hook_pattern" in sites or edit is not None:
-        acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, softcap=model.spec.softcap)
+        extras = dict(softcap=model.spec.softcap, sinks=kwargs.get("s_aux"))  # gpt-oss: a sink logit per head
+        acts["hook_pattern"] = AttentionWeights.from_qk(q, k, scale=scale, mask=mask, **extras)
     if "hook_z" in sites or edit is not None:
         res = call.output
         acts["hook_z"] = res[0]

@@ -109,6 +109,73 @@ def unwrap_component(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _piece(i: int, groups: int = 1, width: int = -1) -> tuple[Callable, Callable]:
+    """Piece ``i`` of 2 along the last dim, in each of ``groups`` groups of 2 * ``width``: (take(x), put(x, y))."""
+    cut = lambda x: x.unflatten(-1, (groups, 2, width))  # noqa: E731
+
+    def put(x, y):
+        pieces = list(cut(x).unbind(-2))
+        pieces[i] = y.reshape(pieces[i].shape)
+        return torch.stack(pieces, -2).flatten(-3)
+
+    return (lambda x: cut(x)[..., i, :].flatten(-2)), put
+
+
+def module_part(model: SinkModel, name: str, spec) -> tuple[torch.nn.Module, str, Callable, Callable] | None:
+    """Where a bridge hook that no Hugging Face module gives whole is a part of one's input or output: (module, "in"
+    or "out", ``take(x)`` the hook's value from that activation, ``put(x, y)`` the activation with the value edited).
+
+    ``hook_q``/``hook_k``: the q and k projections' outputs, by head (not MLA's); the gate and up halves of a joint
+    gate-up projection (Phi-3, GLM-4); Granite's ``hook_attn_out``/``hook_mlp_out`` (the sublayer's output times the
+    residual multiplier); and, where the heads are gated (Qwen3-Next), the gate logits (each head's second half of the
+    q projection, whose ``hook_q`` holds both, as 2 H heads) and z (the output projection's input, by head). A norm's
+    ``hook_normalized`` is its input normalised as the bridge does it, beside the module: ``put`` is None (no edit).
+    None elsewhere.
+
+    Parameters
+    ----------
+    model : SinkModel
+    name : str
+        A hook name of the bridge.
+    spec : FamilySpec
+        The model's family (its gate, its latent attention).
+
+    Returns
+    -------
+    tuple or None
+    """
+    path, _, site = name.rpartition(".")
+    parent, _, last = path.rpartition(".")
+    try:
+        owner, own = model.get_submodule(parent), model.get_submodule(path)
+    except AttributeError:
+        return None
+    if getattr(owner, "fused_attr", None) and last in ("gate", "in") and site == "hook_out":
+        return (unwrap_component(getattr(unwrap_component(owner), owner.fused_attr)), "out", *_piece(int(last == "in")))
+    if site == "hook_normalized" and hasattr(own, "uses_rms_norm"):  # the bridge's, beside the module: read-only
+        norm, rms = unwrap_component(own), own.uses_rms_norm
+        eps = next((e for e in (getattr(norm, a, None) for a in ("eps", "variance_epsilon")) if e is not None), 1e-5)
+
+        def normalise(x):
+            x = x.float() if rms else x.float() - x.float().mean(-1, keepdim=True)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+        return norm, "in", normalise, None
+    scale = getattr(own, "residual_contribution_scale", None)
+    sub = site in ("hook_attn_out", "hook_mlp_out") and getattr(own, f"scaled_{site[5:-4]}_submodule", None)
+    if scale is not None and sub:
+        return unwrap_component(own.submodules[sub]), "out", lambda x: x * scale, lambda x, y: y / scale
+    attn = unwrap_component(own)
+    d = getattr(attn, "head_dim", None) if last == "attn" and spec.latent is None else None
+    proj = {"hook_q": "q_proj", "hook_k": "k_proj", **({"hook_z": "o_proj"} if spec.gate else {})}
+    if d and site in proj and hasattr(attn, proj[site]):  # q and k but a joint QKV projection's; a gated z
+        by_head = lambda x: x.unflatten(-1, (-1, d)), lambda x, y: y.flatten(-2)
+        return unwrap_component(getattr(attn, proj[site])), "in" if site == "hook_z" else "out", *by_head
+    if d and spec.gate and site == "hook_q_gate":  # the query and the gate interleaved per head
+        return unwrap_component(attn.q_proj), "out", *_piece(1, -1, d)
+    return None
+
+
 def attention_layer_index(module: torch.nn.Module) -> int:
     """The layer of a Hugging Face attention module (``layer_idx``, set by transformers).
 

@@ -42,7 +42,7 @@ class TraceWeight:
         "W_O": the per-head output weights (H, d_head, d_model); the key path's (``KeyPath.in_trace``): "ln1.w",
         "ln1.b" (the attention input's norm), "W_K" (H_kv, d_model, d_head), "b_K" (H_kv, d_head), "k_norm.w",
         "k_norm.b"; the quadratic form's "mlp.W_gate", "mlp.W_in" (d_mlp, d_model); the writer table's "mlp.W_out"
-        (d_model, d_mlp), "mlp.b_out" (None where the MLP has no bias).
+        (d_model, d_mlp), "mlp.b_out" (None where the MLP has no bias); gpt-oss's "sinks" (n_heads,).
     layer : int
     shape : tuple of int, optional
         Its shape, for a dry run's stand-in (``analysis.engine.remote``).
@@ -182,6 +182,8 @@ class NnsightModel:
         NDIF, the weight there): W_O (H, d_head, d_model) from the attention's output projection (d_model, H * d_head;
         a Conv1D's transposed); W_K (H_kv, d_model, d_head) from its own key projection (none in a fused qkv: refused);
         the others as the modules keep them."""
+        if w.name == "sinks":  # gpt-oss's learned sink logit per head
+            return self.part(w.layer, "attn", need=True).sinks
         where, _, leaf = w.name.replace("k_norm", "attn.k_norm").rpartition(".")  # W_X of component x: "mlp.W_out"
         kind, _, x = leaf.partition("_")  # a norm's "w" / "b": "ln1.b", "k_norm.w"
         env = self.part(w.layer, f"{where or 'attn'}.{x.lower()}" if x else where, need=True)
@@ -352,6 +354,7 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
     types = families._layer_types(cfg, s.n_layers)
     window, sliding = families._sliding(cfg, types, layers)
     norm, kn = (_probe(getattr(model.part(layers[0], c), "_module", None)) for c in ("ln1", "attn.k_norm"))
+    attn = model.part(layers[0], "attn", need=True)._module
     return FamilySpec(
         family=s.family,
         architecture=type(hf).__name__,
@@ -368,12 +371,13 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         parallel_block=model.layout.parallel,
         qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
+        learned_sinks=isinstance(getattr(attn, "sinks", None), torch.Tensor),
         fused_qkv="attn.qkv" in model.layout.paths,
         key_rotated=True,
         pattern_live=True,
         sliding_window=int(window) if window else None,
         sliding_layers=tuple(sliding),
-        attn_scale=families._attn_scale(model.part(layers[0], "attn", need=True)._module, d_head),
+        attn_scale=families._attn_scale(attn, d_head),
         attn_softcap=s.softcap,
         latent=s.latent,
         _key_hook="blocks.{layer}.attn.hook_rot_k",
@@ -490,8 +494,6 @@ def _unsupported(hf) -> str | None:
     cfg = hf.config.get_text_config()
     if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
         return "an ALiBi position bias is added to the scores outside q . k."
-    if any(n.rpartition(".")[2] == "sinks" for n, _ in hf.named_parameters()):
-        return "learned sink logits (gpt-oss) join the softmax as an extra column; use the bridge's eager path."
     if getattr(cfg, "is_decoder", True) is False and getattr(cfg, "is_encoder_decoder", False):
         return "an encoder-decoder model: alpha here is defined for causal attention."
     return None

@@ -7,7 +7,7 @@ import torch
 
 from analysis import natural_probe
 from analysis.core.reductions import alpha_from_lse
-from analysis.engine.backends import BackendUnsupported, choose_backend
+from analysis.engine.backends import _by_call, BackendUnsupported, choose_backend
 from analysis.engine.attention import row_lse
 from analysis.engine.kernels import fused_attention, sink_kernel
 from analysis.model.contract import hf_module
@@ -96,13 +96,63 @@ def test_q_and_k_before_the_rotary_are_read_where_the_rotary_is_the_last_step(fa
     from tests.families import make_family_dir
 
     names = ["blocks.0.attn.hook_k", "blocks.0.attn.hook_q"]
-    for family in ("gpt_neox", "gptj", "phi3"):
-        assert family_bridge(family).family.key_hook(0) == names[0]  # the premise: their key paths read hook_k
-        assert choose_backend(family_bridge(family), backend="auto", names=names)[0] == "transformers"
+    for family in ("gpt_neox", "phi3"):  # a joint QKV projection: from the call
+        model = family_bridge(family)
+        assert model.family.key_hook(0) == names[0]  # the premise: their key paths read hook_k
+        assert _by_call(model, model.family, names[0])
+        assert choose_backend(model, backend="auto", names=names)[0] == "transformers"
     l2 = load_model(str(make_family_dir("llama4_qk_norm", tmp_path / "l4")))
     assert l2.family.qk_l2_norm and not family_bridge("llama4_text").family.qk_l2_norm
-    backend, why = choose_backend(l2, backend="auto", names=names)
-    assert backend == "transformer_lens" and "before the rotary or the q/k norm" in why
+    assert not _by_call(l2, l2.family, names[0])  # its own k projection's output, ahead of the rotary and the norm
+    assert choose_backend(l2, backend="auto", names=names)[0] == "transformers"
+    ((_, tl), (_, hf)) = (_captured(l2, names, b) for b in ("transformer_lens", "transformers"))
+    assert all(torch.equal(a, b) for a, b in zip(tl, hf))
+
+
+def _captured(model, names, backend, fwd_hooks=()):
+    from analysis.engine.passes import Capture, run_pass
+
+    record, tokens = {}, torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(3))
+    caps = [Capture(n, int(n.split(".")[1])) for n in names]
+    run_pass(model, tokens, caps, fwd_hooks=list(fwd_hooks), backend=backend, record=record)
+    return record["backend"], [c.result() for c in caps]
+
+
+# Hooks that are a part of a module's activation (``access.module_part``), each read on one family of the matrix, and
+# whether the transformers backend applies an edit there
+PARTS = [
+    ("qwen3_next", "blocks.3.attn.hook_q_gate", True),
+    ("qwen3_next", "blocks.3.attn.hook_z", True),
+    ("qwen3_next", "blocks.3.attn.hook_q", True),  # query and gate, interleaved per head
+    ("phi3", "blocks.0.mlp.gate.hook_out", True),
+    ("phi3", "blocks.0.mlp.in.hook_out", True),
+    ("granite", "blocks.0.hook_attn_out", True),
+    ("llama", "blocks.0.attn.hook_k", True),
+    ("opt", "blocks.0.ln1.hook_normalized", False),
+]
+
+
+@pytest.mark.parametrize("family,site,edits", PARTS, ids=[f"{f}-{s.rpartition('.')[2]}" for f, s, _ in PARTS])
+def test_a_part_of_a_modules_activation_is_read_and_edited_as_on_the_bridge(family, site, edits, family_bridge):
+    """The bridge's hooks that no Hugging Face module gives whole (a joint projection's halves, a gated q and its gate,
+    a gated z, a scaled contribution, a norm's normalised input) read as the bridge gives them; an edit of the first
+    token's entries there changes the later residual as on the bridge, or, where the backend cannot edit (the
+    normalised input, which the bridge computes beside the module), sends the pass to the bridge."""
+    model = family_bridge(family)
+    after = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    (b, tl), (h, hf) = (_captured(model, [site, after], b) for b in ("transformer_lens", "auto"))
+    assert (b, h) == ("transformer_lens", "transformers") and tl[0].shape == hf[0].shape
+    assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(tl, hf))
+    plain = tl[1]
+
+    def double_first(x, hook):
+        x = x.clone()
+        x[:, 0] *= 2
+        return x
+
+    (b, tl), (h, hf) = (_captured(model, [after], b, [(site, double_first)]) for b in ("transformer_lens", "auto"))
+    assert h == ("transformers" if edits else "transformer_lens")
+    assert torch.allclose(tl[0], hf[0], rtol=1e-5, atol=1e-5) and not torch.allclose(tl[0], plain, atol=1e-4)
 
 
 def test_attention_outside_the_interface_is_refused_and_the_bridge_survives(tmp_path, device):
@@ -140,10 +190,10 @@ def test_bad_inputs_say_what_to_do(tiny_llama):
     with pytest.raises(ValueError, match="backend must be one of"):
         choose_backend(tiny_llama, backend="flash")
     # an edit the transformers backend would not apply takes the bridge, never a silent no-op
-    for site in ("hook_pattern", "hook_rot_q", "hook_k"):
-        name = f"blocks.0.attn.{site}"
+    for name in ("blocks.0.attn.hook_pattern", "blocks.0.attn.hook_rot_q", "blocks.0.ln1.hook_normalized"):
         assert choose_backend(tiny_llama, backend="auto", names=[], edits=[name])[0] == "transformer_lens"
-    assert choose_backend(tiny_llama, backend="auto", edits=["blocks.0.attn.hook_v"])[0] == "transformers"
+    for name in ("blocks.0.attn.hook_v", "blocks.0.attn.hook_k"):  # at the call; at the k projection's output
+        assert choose_backend(tiny_llama, backend="auto", edits=[name])[0] == "transformers"
 
 
 def test_sink_metric_paths(tiny_llama, device):

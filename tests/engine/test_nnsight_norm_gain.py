@@ -24,7 +24,7 @@ from analysis.model.nnsight_model import TraceWeight  # noqa: E402
 from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain; gain 1 + w, soft cap and sliding window
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])  # plain; gain 1 + w, cap and window; sink logits
 def test_the_norm_gain_of_a_remote_model_equals_the_bridges(family, family_bridge, family_dir):
     """Given and found spike dims alike: the stages, gain, heads and key-dim tables, the vectors, the constancy and
     the text; the rebuild checks against the model's own key projection, keys, scores and pattern hold there too."""

@@ -26,8 +26,10 @@ ATOL = 1e-5
 # Where a number may differ without any error: the argmax position among values equal to float noise (a token
 # repeated: every position carries the same activation), and figures rounded to 4 decimals for the page.
 LOOSE = ("_pos", "coords", "top_token")
-# Correlations and their p-values over a few heads of a tiny random model amplify float32 noise in their inputs
-# (1e-6 relative) to about 1e-5 of r: they lie in [-1, 1] and are compared to 1e-4 absolute.
+# Correlations and their p-values over a few heads of a tiny random model amplify float32 noise in their inputs by
+# 1 / their spread: they lie in [-1, 1] and are compared to 1e-3 absolute (their inputs are compared as every number).
+# The tiny GraniteMoE's attention multiplier (1/128, the released one) makes its attention near uniform: alpha_1
+# spans 3e-5 over its heads, and 1.5e-8 of rounding moves r by 3e-4.
 CORRELATIONS = ("pearson", "spearman", "rho", "_p")
 
 
@@ -55,7 +57,7 @@ def differences(a: dict, b: dict, *, skip=("seconds", "backend", "versions", "te
         elif math.isnan(v) or any(s in k for s in LOOSE):
             continue
         elif abs(v - w) > (
-            1e-4 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else RTOL * max(abs(v), abs(w)) + ATOL
+            1e-3 if any(s in k.rpartition("/")[2] for s in CORRELATIONS) else RTOL * max(abs(v), abs(w)) + ATOL
         ):
             out.append((k, v, w))
     return out
@@ -114,14 +116,6 @@ NNSIGHT_RUNS = (
 # The families whose attention neither the transformers backend nor nnsight computes exactly (docs/architecture.md):
 # BLOOM's ALiBi and Falcon's own attention module bypass the attention interface.
 ON_THE_BRIDGE_ONLY = {"bloom", "falcon"}
-# What else a family's report leaves to the bridge, each for the reason docs/architecture.md lists: a hook no Hugging
-# Face module gives. Every family: the norm-gain trace's pre-softmax scores, a T x T map by definition.
-LEFT = {
-    **dict.fromkeys(("opt", "jamba", "gptj", "phimoe", "llama4_text"), ("ln1.hook_normalized",)),  # norm-gain trace
-    **dict.fromkeys(("qwen3_next", "qwen3_5"), ("hook_q_gate", "the head outputs are gated")),
-    **dict.fromkeys(("granite", "granitemoe"), ("hook_attn_out",)),  # scaled by the residual multiplier in the layer
-    **dict.fromkeys(("phi3", "glm4"), ("mlp.gate",)),  # the gate half of a joint gate_up projection
-}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,10 +164,8 @@ def smollm2_bridge_report(smollm2, tmp_path_factory):
 def test_smollm2_report_is_the_same_on_every_backend(smollm2, smollm2_bridge_report, tmp_path):
     bridge, auto = smollm2_bridge_report, _report(smollm2, tmp_path / "auto", "auto")
     assert {r["backend"] for r in auto["config"]["backend"].values()} == {"transformers"}
-    # every pass on the Hugging Face forward (the interventions' resumed and edited passes too) but the norm-gain
-    # trace's read of the pre-softmax scores, a T x T map by definition
-    left = [k for by in auto["config"]["passes"].values() for k in by if not k.startswith("transformers")]
-    assert _ran_on(auto)["transformers"] >= 15 and all("hook_attn_scores" in k for k in left), left
+    # every pass on the Hugging Face forward: the interventions' resumed and edited passes, the norm-gain trace too
+    assert set(_ran_on(auto)) == {"transformers"} and _ran_on(auto)["transformers"] >= 15, _ran_on(auto)
     assert differences(bridge, auto) == []
     assert bridge["findings"] == auto["findings"]
 
@@ -187,21 +179,12 @@ def _ran_on(report: dict) -> dict[str, int]:
     return out
 
 
-# What the nnsight backend leaves to the bridge on SmolLM2 (stated in the report): the norm-gain trace's scores, a T x T
-# map by definition (the interventions' resumed passes, map reads and first-key edit run in its traces)
-ON_THE_BRIDGE = ("hook_attn_scores",)
-
-
 @pytest.mark.slow
 def test_smollm2_whole_report_through_nnsight_equals_the_bridges(smollm2, smollm2_bridge_report, tmp_path):
-    """Every section; the passes inside nnsight traces (the interventions' edits and resumed passes too) but the one
-    that reads the pre-softmax scores, which runs on the bridge and says so; the bridge's report.json number by
-    number."""
+    """Every section, every pass inside nnsight traces (the interventions' edits and resumed passes, the norm-gain
+    trace too); the bridge's report.json number by number."""
     bridge, nn = smollm2_bridge_report, _report(smollm2, tmp_path / "nn", "nnsight")
-    ran = _ran_on(nn)
-    assert set(ran) <= {"nnsight", "transformer_lens"} and ran["nnsight"] > 3 * ran.get("transformer_lens", 0), ran
-    left = [k for by in nn["config"]["passes"].values() for k in by if k.startswith("transformer_lens")]
-    assert all(k.startswith("transformer_lens: nnsight: ") and any(w in k for w in ON_THE_BRIDGE) for k in left), left
+    assert set(_ran_on(nn)) == {"nnsight"}, _ran_on(nn)
     assert not nn["errors"] and set(nn["sections"]) == set(bridge["sections"])
     assert differences(bridge, nn) == []
     assert bridge["findings"] == nn["findings"]
@@ -236,8 +219,8 @@ def _no_png(fig, caption: str = "", dpi: int = 90) -> str:
 @pytest.mark.parametrize("family", FAMILIES + CAPPED)
 def test_every_report_section_is_the_same_on_every_backend(family, family_bridge, tmp_path, monkeypatch):
     """The whole report of each family of the matrix through auto and through nnsight: every section runs, every
-    number is the bridge's; every pass but the pre-softmax scores' (a T x T map by definition) leaves the bridge, but
-    on the families whose attention only the bridge computes exactly."""
+    number is the bridge's; every pass leaves the bridge (the norm-gain trace's too), but on the families whose
+    attention only the bridge computes exactly."""
     _random_natural(monkeypatch)
     model = family_bridge(family)
     bridge = _report(model, tmp_path / "tl", "transformer_lens")
@@ -251,7 +234,4 @@ def test_every_report_section_is_the_same_on_every_backend(family, family_bridge
         if family in ON_THE_BRIDGE_ONLY:
             assert set(ran) == {"transformer_lens"}, ran
             continue
-        assert ran.get("transformers" if backend == "auto" else "nnsight", 0) > ran.get("transformer_lens", 0), ran
-        left = [k for by in other["config"]["passes"].values() for k in by if k.startswith("transformer_lens")]
-        allowed = ("hook_attn_scores", *LEFT.get(family, ()))
-        assert all(any(w in k for w in allowed) for k in left), (backend, left)
+        assert set(ran) == {"transformers" if backend == "auto" else "nnsight"}, (backend, other["config"]["passes"])
