@@ -82,9 +82,7 @@ class AttributionCheck(Result):
     def pooled(self) -> dict:
         return self._stats(self.exact.flatten().numpy(), self.estimate.flatten().numpy())
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"heads": self.table()}
+    table_fields = ("heads=table",)
 
     def findings(self) -> list[str]:
         p = self.pooled()

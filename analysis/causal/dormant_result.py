@@ -619,9 +619,7 @@ class DormantHeads(Result, LayerAxis):
             )
         return parts + ([self.skipped] if self.skipped else [])
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"heads": self.head_table()}
+    table_fields = ("heads=head_table",)
 
     def to_dict(self) -> dict:
         """Header, the per-head table, the pooled summary, the verdicts and the text (no per-query tensors)."""

@@ -179,9 +179,7 @@ class SpikeAblation(Result):
     kind: str | None = None
     n_samples: int = 0
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"conditions": self.conditions, "per_layer": self.per_layer}
+    table_fields = ("conditions", "per_layer")
 
     def effect(self, condition: str) -> dict:
         s = self.conditions.set_index("condition")
@@ -379,9 +377,7 @@ class ValueAblation(Result):
     kind: str | None = None
     n_samples: int = 0
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"conditions": self.conditions, "heads": self.heads}
+    table_fields = ("conditions", "heads")
 
     def findings(self) -> list[str]:
         if not self.sink_heads:
@@ -687,9 +683,7 @@ class FirstKeyAblation(Result):
     kind: str | None = None
     n_samples: int = 0
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"conditions": self.conditions, "per_layer": self.per_layer}
+    table_fields = ("conditions", "per_layer")
 
     def findings(self) -> list[str]:
         if not self.has_spike:

@@ -191,9 +191,7 @@ class SpikeCuts(Result):
     kind: str | None = None
     n_samples: int = 0
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"conditions": self.conditions, "summary": self.summary}
+    table_fields = ("conditions", "summary")
 
     @property
     def summary(self) -> pd.DataFrame:

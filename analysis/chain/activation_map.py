@@ -55,9 +55,7 @@ class ActivationMap(Result):
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"top": self.top()}
+    table_fields = ("top",)
 
     def findings(self) -> list[str]:
         top = self.top(1).iloc[0]

@@ -219,14 +219,7 @@ class FirstTokenCause(Result):
     kind: str | None = None
     n_samples: int = 0
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {
-            "contributions": self.contributions,
-            "neurons": self.neurons,
-            "spike": self.spike,
-            "divergence": self.divergence,
-        }
+    table_fields = ("contributions", "neurons", "spike", "divergence")
 
     def chain(self, dim: int, block: int, neuron: int | None = None) -> pd.DataFrame:
         """The table to follow for one writer neuron (the largest by default): one row per component (and constant,

@@ -190,9 +190,7 @@ class KeyManifold(Result):
     skipped: str = ""  # the layers left out (hybrids: linear-attention / Mamba layers), in words
     first_token_dims: dict | None = None  # the spike dims of massive, run in the same pass
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"kv_heads": self.table}
+    table_fields = ("kv_heads=table",)
 
     def skipped_text(self) -> str:
         """The layers left out, as one sentence ('' when none)."""

@@ -288,9 +288,7 @@ class MassiveActivations(Result):
         """Share of flagged (sample, position, dim) activations that sit on the first token (NaN if none)."""
         return float((self.flagged["position"] == 0).mean()) if len(self.flagged) else float("nan")
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"per_layer": self.per_layer, "dims": self.dims, "carriers": self.carriers}
+    table_fields = ("per_layer", "dims", "carriers")
 
     def findings(self) -> list[str]:
         """Where the spikes are and how much of them the first token carries, or that there are none."""

@@ -78,9 +78,7 @@ class MlpNeurons(Result):
     def n_samples(self) -> int:
         return int(self.contributions.shape[0])
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"neurons": self.table()}
+    table_fields = ("neurons=table",)
 
     @property
     def mean_write(self) -> float:
@@ -229,9 +227,7 @@ class ExpertWrites(Result):
     model_name: str | None = None
     kind: str | None = None
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"experts": self.table}
+    table_fields = ("experts=table",)
 
     def findings(self) -> list[str]:
         t = self.table[~self.table.expert.isin(["rest", "unaccounted"])].sort_values(

@@ -120,9 +120,7 @@ class QKAngles(Result):
             }
         )
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"heads": self.table()}
+    table_fields = ("heads=table",)
 
     def findings(self) -> list[str]:
         gap = self.cos_first - self.cos_other

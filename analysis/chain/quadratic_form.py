@@ -65,9 +65,7 @@ class QuadraticForm(Result):
     model_name: str | None = None
     kind: str | None = None
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"top": self.table}
+    table_fields = ("top=table",)
 
     def __repr__(self) -> str:
         return compact_repr(self)  # shapes, never tensor values

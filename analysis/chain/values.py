@@ -186,9 +186,7 @@ class ValueNorms(Result):
             **correlation(x, self.alpha_kv(how).flatten().numpy()),
         }
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"kv_heads": self.table()}
+    table_fields = ("kv_heads=table",)
 
     def text(self, min_alpha: float = SINK_MIN_ALPHA) -> str:
         return " ".join(self.findings(min_alpha))

@@ -26,8 +26,8 @@ class Result(abc.ABC):
     builds each one and checks it).
 
     Subclasses set ``kind``, ``model_name`` and ``n_samples`` (fields or properties), must define ``findings()`` (a
-    list of whole sentences) and define ``tables`` where they hold tables; ``text()`` joins the findings and
-    ``to_dict()`` writes the header, the fields ``json_fields`` names (the tables by default) and the text.
+    list of whole sentences) and name their tables in ``table_fields`` (or define ``tables``); ``text()`` joins the
+    findings and ``to_dict()`` writes the header, the fields ``json_fields`` names (the tables by default) and the text.
 
     Attributes
     ----------
@@ -44,9 +44,13 @@ class Result(abc.ABC):
     kind: str | None
     model_name: str | None
 
+    #: The named tables ``tables`` returns, in order: entries as in ``json_fields`` (an attribute's name, a method called
+    #: with no argument, or ``"key=name"``), so that a result declares its tables instead of writing the property.
+    table_fields: ClassVar[tuple[str, ...]] = ()
+
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {}
+        return dict(self._entry(e) for e in self.table_fields)
 
     @abc.abstractmethod
     def findings(self) -> list[str]:
@@ -78,14 +82,18 @@ class Result(abc.ABC):
         """The header, the ``json_fields`` and the text, each value made strict JSON by ``jsonable``."""
         out = self.header() if self.json_header else {}
         for entry in self.json_fields:
-            key, _, name = entry.strip("*?").partition("=")
-            value = getattr(self, name or key)
-            value = value() if inspect.ismethod(value) else value
+            key, value = self._entry(entry)
             if entry.startswith("*"):
                 out.update(value)
             elif not entry.endswith("?") or value:
                 out[key] = value
         return jsonable({**out, "text": self.text()})
+
+    def _entry(self, entry: str) -> tuple[str, object]:
+        """(key, value) of a ``json_fields`` / ``table_fields`` entry."""
+        key, _, name = entry.strip("*?").partition("=")
+        value = getattr(self, name or key)
+        return key, value() if inspect.ismethod(value) else value
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -588,9 +588,7 @@ class FormationOrder(Result):
     kind: str | None = None
     notes: list = field(default_factory=list)
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"formation": self.formation, "onsets": self.onsets, "followed": self.followed, "writes": self.writes}
+    table_fields = ("formation", "onsets", "followed", "writes")
 
     def wide(self) -> pd.DataFrame:
         """One row per (run, step), one column per link."""

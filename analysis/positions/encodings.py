@@ -183,9 +183,7 @@ class EncodingGrid(Result):
         out["max_gap_last"] = g["gap_last"].max()
         return out.reset_index()
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"runs": self.runs, "summary": self.summary(), "curves": self.curves}
+    table_fields = ("runs", "summary", "curves")
 
     def findings(self) -> list[str]:
         """Per encoding: the premise, the closed form, and Sink_1 on each kind with its spread over seeds."""

@@ -328,9 +328,7 @@ class RepeatedTokens(Result, LayerAxis):
             }
         )
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"per_layer": self.per_layer(), "per_head": self.per_head(), "first_vs_t": self.first_vs_t()}
+    table_fields = ("per_layer", "per_head", "first_vs_t")
 
     def findings(self) -> list[str]:
         """Whether the hidden states stay equal, whether the closed form holds (and by how much), and Sink_1."""

@@ -102,9 +102,7 @@ class QuantResult(Result):
     layers: pd.DataFrame = field(default_factory=pd.DataFrame)
     spike_blocks: dict = field(default_factory=dict)
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"schemes": self.schemes, "scales": self.scales, "kv": self.kv, "layers": self.layers}
+    table_fields = ("schemes", "scales", "kv", "layers")
 
     def summary(self) -> pd.DataFrame:
         """Mean and spread (min, max) over seeds of ppl and ratio per scheme and condition."""

@@ -87,9 +87,7 @@ class GateResult(Result):
             }
         )
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"per_head": self.table()}
+    table_fields = ("per_head=table",)
 
     def findings(self) -> list[str]:
         lo = int((self.first < self.other).sum())

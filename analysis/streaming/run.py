@@ -126,9 +126,7 @@ class StreamResult(Result):
     def model_name(self) -> str:
         return self.model
 
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        return {"policies": self.table, "curve": self.curve()}
+    table_fields = ("policies=table", "curve")
 
     def run(self, label: str) -> PolicyRun:
         for r in self.runs:
