@@ -51,16 +51,9 @@ def check_sink_positions(sink_positions, tokens: torch.Tensor):
         if not sink_positions.any(1).all():
             raise ValueError("the sink mask marks no key in some sequences; mark at least one sink key per sequence.")
         return sink_positions.cpu()
-    pos = sorted(
-        {
-            int(p)
-            for p in (
-                sink_positions
-                if isinstance(sink_positions, (list, tuple, range, set))
-                else torch.as_tensor(sink_positions).flatten().tolist()
-            )
-        }
-    )
+    if not isinstance(sink_positions, (list, tuple, range, set)):
+        sink_positions = torch.as_tensor(sink_positions).flatten().tolist()
+    pos = sorted({int(p) for p in sink_positions})
     if not pos:
         raise ValueError(
             "sink_positions is empty; give 0-based key positions (0 is the first token) or an (N, T) mask."
