@@ -286,10 +286,8 @@ def _spike_links(model: SinkModel, tokens: torch.Tensor, ratio: float) -> dict:
             if median_over == "token":
                 med = ma.first_abs.median(-1).values  # the first token's own median |a|
                 r = (ref / med.clamp_min(1e-12)).amax().item()
-                for i, l in enumerate(ma.layers):
-                    found = ma.first_token_dims.get(l, [])
-                    if found:
-                        streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = found
+                for l, found in ma.first_token_dims.items():  # the layers with any, in order
+                    streams["embed" if hook == "resid_pre" else f"blocks.{l}.hook_resid_post"] = found
             else:  # the median |a| over each sample's positions x dims
                 r = (ref / ma.median.mean(0).clamp_min(1e-12)).amax().item()
             key = f"spike_ratio_{median_over}"

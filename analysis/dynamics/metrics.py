@@ -30,6 +30,9 @@ from analysis.sinks.metric import sink_metric
 from analysis.core.results import MappingResult, Result, compact_repr
 
 
+_PER_LAYER = ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")  # FirstTokenStats' (L,) fields
+
+
 @dataclass
 class FirstTokenStats(Result):
     """What makes the first token special, per layer L of a reference model (the result protocol: ``tables["layers"]``,
@@ -65,12 +68,8 @@ class FirstTokenStats(Result):
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
-        cols = ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")
-        return {
-            "layers": pd.DataFrame(
-                {"layer": range(len(self.spike_ratio)), **{k: getattr(self, k).tolist() for k in cols}}
-            )
-        }
+        per_layer = {k: getattr(self, k).tolist() for k in _PER_LAYER}
+        return {"layers": pd.DataFrame({"layer": range(len(self.spike_ratio)), **per_layer})}
 
     def findings(self) -> list[str]:
         v, s = self.value_norm_ratio, self.spike_ratio
@@ -83,13 +82,7 @@ class FirstTokenStats(Result):
         ]
 
     def to_dict(self) -> dict:
-        return {
-            **super().to_dict(),
-            **{
-                k: [round(float(x), 5) for x in getattr(self, k)]
-                for k in ("value_norm_ratio", "resid_norm_ratio", "raw_first_mass", "spike_ratio")
-            },
-        }
+        return {**super().to_dict(), **{k: [round(float(x), 5) for x in getattr(self, k)] for k in _PER_LAYER}}
 
 
 @torch.no_grad()
