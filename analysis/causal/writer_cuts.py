@@ -476,6 +476,7 @@ def _cut_rows(runs: list[tuple], done: list, vals: torch.Tensor, peak: dict, dim
         loss_first = float(r.loss_first.mean()) if r.loss_first is not None else float("nan")
         for j, d in enumerate(dims):
             v_peak = float(full[:, peak[d] - 1, j].mean()) if peak[d] > 0 else float(vals[:, 0, j].mean())
+            unchanged = float(vals[:, peak[d], j].mean())
             rows.append(
                 {
                     "role": role,
@@ -486,9 +487,7 @@ def _cut_rows(runs: list[tuple], done: list, vals: torch.Tensor, peak: dict, dim
                     "blocks": layer_runs(list(neurons)) if neurons else "",
                     "dim": d,
                     "value_peak": v_peak,
-                    "kept": v_peak / float(vals[:, peak[d], j].mean())
-                    if abs(float(vals[:, peak[d], j].mean())) > TINY
-                    else float("nan"),
+                    "kept": v_peak / unchanged if abs(unchanged) > TINY else float("nan"),
                     "value_final": float(full[:, -1, j].mean()),
                     "sink_1_pct": r.sink_rate(1),
                     "loss": r.loss,

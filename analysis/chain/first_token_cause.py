@@ -262,12 +262,9 @@ class FirstTokenCause(Result):
     def findings(self) -> list[str]:
         if self.message:
             return [self.message]
-        out = []
-        if len(self.contributions):
-            for d, b in dict.fromkeys(zip(self.contributions.dim, self.contributions.block)):
-                out.append(self._block_text(int(d), int(b)))
-        else:
-            out.append(self.note or "No writer neuron to follow: no MLP neuron is named as the spike's writer.")
+        blocks = dict.fromkeys(zip(self.contributions.dim, self.contributions.block))  # (dim, block), in order
+        none = self.note or "No writer neuron to follow: no MLP neuron is named as the spike's writer."
+        out = [self._block_text(int(d), int(b)) for d, b in blocks] or [none]
         div = self.divergence
         if len(div):
             first = div[div.difference >= DIVERGED].head(1)
@@ -345,20 +342,9 @@ def why_first_token(
     tokens = check_tokens(model, tokens)
     later = _check_later(later, tokens.shape[1])
     name = getattr(model, "model_name", None)
-    empty = pd.DataFrame()
     if not origin.has_spike:
-        return FirstTokenCause(
-            later,
-            empty,
-            empty,
-            empty,
-            empty,
-            0.0,
-            "There is no spike on the first token, so there is nothing to trace back.",
-            name,
-            origin.kind,
-            tokens.shape[0],
-        )
+        why = "There is no spike on the first token, so there is nothing to trace back."
+        return FirstTokenCause(later, *[pd.DataFrame()] * 4, 0.0, why, name, origin.kind, tokens.shape[0])
     writers = [n for n in origin.neurons if n.role == "writer"]
     readouts = [_readout(model, n.dim, n.block, n.neurons(share)[:max_neurons]) for n in writers]
     moved = tokens.clone()
@@ -489,12 +475,8 @@ def _spike_rows(origin, got: dict, readouts: list[_Readout], peaks: dict) -> pd.
         points += [(f"after MLP {b}", got[("value_out", b)][..., j]) for b in blocks]
         p = peaks[d]
         if p > 0 and p - 1 not in blocks and ("value_out", p - 1) in got:
-            points.append(
-                (
-                    f"entering block {p}" if p < origin.n_layers else "after the last block",
-                    got[("value_out", p - 1)][..., j],
-                )
-            )
+            where = f"entering block {p}" if p < origin.n_layers else "after the last block"
+            points.append((where, got[("value_out", p - 1)][..., j]))
         for point, v in points:
             m = v.mean(0)
             first, lat = float(m[0]), float(m[1])

@@ -345,11 +345,6 @@ class _Loop:
     per_rank: int
     micro: int
 
-    @property
-    def snapshot_at(self) -> frozenset:
-        """The steps whose weights are kept (``TrainConfig.snapshots``)."""
-        return _snapshot_set(self.tcfg)
-
     def step(self, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
         """One optimiser step on batch ``step``: (lr, summed loss over processes, gradient norm)."""
         lr = lr_at(step, self.tcfg)
@@ -396,6 +391,7 @@ def _should_eval(done: int, tcfg: TrainConfig) -> bool:
 
 
 def _snapshot_set(tcfg: TrainConfig) -> frozenset:
+    """The steps whose weights are kept (``TrainConfig.snapshots``)."""
     return _snapshot_steps(tcfg.snapshots, tcfg.steps)
 
 
@@ -432,7 +428,7 @@ def _checkpoint(loop: _Loop, out: Optional[Path], done: int, main: bool, names, 
 def _snapshot(loop: _Loop, out: Optional[Path], done: int, main: bool, mcfg: ModelConfig, data, record: dict) -> None:
     """Keep the weights at the snapshot steps (``--snapshots``) as ``out/snapshots/step-NNNNNNN``, a reference folder
     that ``load_reference`` loads (its ``final`` holds the evaluation at that step, when one ran)."""
-    if out is None or not main or done not in loop.snapshot_at:
+    if out is None or not main or done not in _snapshot_set(loop.tcfg):
         return
     save_reference(
         out / "snapshots" / f"step-{done:07d}",
