@@ -28,7 +28,7 @@ from analysis.core.defaults import NEURON_SHARES, SINK_EPS, TINY
 from analysis.model.mlp_spec import get_mlp
 from analysis.chain.first_token_cause import why_first_token
 from analysis.chain.spike_writers import spike_origin
-from analysis.causal.conditions import Baseline, PassResult, condition_rows, run_condition
+from analysis.causal.conditions import Baseline, PassResult, baseline_for, condition_rows, run_condition
 from analysis.model.hooks import act_name, check_tokens, model_dims
 from analysis.model.nnsight_model import weights_in_trace
 from analysis.engine.passes import Accumulator, Reduction, ResidCapture
@@ -292,16 +292,11 @@ def _baseline(model, tokens, baseline: Baseline | None, blocks: list[int], eps: 
         run = run_condition(model, tokens, eps=eps, batch_size=batch_size, accumulators=capture)
         resid = capture[0].result() if capture else {}
         return Baseline(run, torch.empty(0), pd.DataFrame(), torch.empty(0), resid)
-    if baseline.run.alpha.shape[0] < N or baseline.run.eps != eps:
-        raise ValueError(
-            f"the baseline was run on {baseline.run.alpha.shape[0]} sequences with eps {baseline.run.eps}; "
-            f"these are {N} with eps {eps}: pass the baseline of these tokens, or none."
-        )
-    if baseline.run.alpha.shape[0] == N:
-        return baseline
-    run = replace(baseline.run, alpha=baseline.run.alpha[:N], loss=float("nan"), loss_first=None)
-    resid = {b: x[:N] for b, x in baseline.resid.items()}
-    return replace(baseline, run=run, first_resid=baseline.first_resid[:N], v1=baseline.v1[:N], resid=resid)
+    if baseline.run.eps == eps and baseline.run.alpha.shape[0] > N:  # its first N sequences
+        run = replace(baseline.run, alpha=baseline.run.alpha[:N], loss=float("nan"), loss_first=None)
+        resid = {b: x[:N] for b, x in baseline.resid.items()}
+        baseline = replace(baseline, run=run, first_resid=baseline.first_resid[:N], v1=baseline.v1[:N], resid=resid)
+    return baseline_for(model, tokens, baseline, eps, batch_size)  # checked: these N sequences, this eps
 
 
 def _run_stacked(

@@ -107,11 +107,10 @@ class RepeatedAccumulator(Accumulator):
 
     def update(self, layer: int, acts: dict, batch: Batch) -> None:
         put = {k: c.put for k, c in self.out.items()}
-        for key, name in (("resid_in", "dev_in"), ("resid_out", "dev_out")):
+        for key, dev, scale in (("resid_in", "dev_in", "scale"), ("resid_out", "dev_out", "scale_out")):
             x = acts[key].float()
-            put[name](layer, (x - x[:, :1]).abs().amax((1, 2)))  # (B,)
-        put["scale"](layer, acts["resid_in"][:, 0].float().abs().amax(-1))
-        put["scale_out"](layer, acts["resid_out"][:, 0].float().abs().amax(-1))
+            put[dev](layer, (x - x[:, :1]).abs().amax((1, 2)))  # (B,)
+            put[scale](layer, x[:, 0].abs().amax(-1))
         A = attention_of(acts["pattern"])  # (B, H, T, T) as the map or q, k and the lse
         put["first"](layer, A.column(0))  # (B, H, T): the first token's weight from query i (t = i + 1)
         put["last"](layer, A.row(-1))  # (B, H, T): the last query's row
