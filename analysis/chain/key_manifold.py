@@ -720,11 +720,8 @@ def _head_stats(
     first_var = k1.var(dim=1, unbiased=False).sum(-1)
     f_cum, first_n90, first_evr1 = _pca_few(k1)
     _, mid_n90, _ = _pca_few(mid)
-    pos, nan, inf = (
-        total > 0,
-        torch.tensor(float("nan"), dtype=total.dtype),
-        torch.tensor(float("inf"), dtype=total.dtype),
-    )
+    pos = total > 0
+    nan, inf = (torch.tensor(float(x), dtype=total.dtype) for x in ("nan", "inf"))
     cols = {
         "r": np.broadcast_to(r, (M,)),
         "resid_first": (perp / c_norm.clamp(min=1e-30)).mean(-1),

@@ -432,20 +432,9 @@ class MassiveAccumulator(Accumulator):
         median_over: str = "sequence",
         kind: str | None = None,
     ):
-        self.model, self.layers, self.D, self.hook, self.K, self.kind = (
-            model,
-            list(layers),
-            int(D),
-            hook,
-            int(top_k),
-            kind,
-        )
-        self.abs_threshold, self.ratio_threshold, self.min_share = (
-            float(abs_threshold),
-            float(ratio_threshold),
-            float(min_share),
-        )
-        self.median_over = median_over
+        self.model, self.layers, self.D, self.hook, self.kind = model, list(layers), int(D), hook, kind
+        self.K, self.min_share, self.median_over = int(top_k), float(min_share), median_over
+        self.abs_threshold, self.ratio_threshold = float(abs_threshold), float(ratio_threshold)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.top = LayerCollector(self.layers)  # (N, L, 3K + 2): values, positions, dims, median, top tokens
         # per layer, on the layer's own device until the result: the first token's signed sum, |a| sum, the mean

@@ -681,10 +681,8 @@ def bos_sentence(record: dict | None, *, asked: bool | None = None) -> str:
     """
     if not record:
         return ""
-    share, name = (
-        float(record.get("starts_with_bos") or 0.0),
-        f"{record.get('bos_token')!r} (id {record.get('bos_id')})",
-    )
+    share = float(record.get("starts_with_bos") or 0.0)
+    name = f"{record.get('bos_token')!r} (id {record.get('bos_id')})"
     if record.get("bos_id") is None:
         return "The tokenizer has no BOS token, so no sequence starts with one."
     if share == 0:
