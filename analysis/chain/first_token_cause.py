@@ -426,22 +426,19 @@ def _neuron_rows(origin, r: _Readout, got: dict) -> list[dict]:
     """Per neuron of the readout: its activation and its write (activation x its output weight on the dim), first
     token against the same token later."""
     act = got[("act", r.block, r.dim)].mean(0)  # (2, n)
-    neu = origin.mlp_neurons(r.dim, r.block)
-    nrows = []
-    for j, n in enumerate(r.neurons):
-        w = float(neu.w_out[n])
-        nrows.append(
-            {
-                "dim": r.dim,
-                "block": r.block,
-                "neuron": n,
-                "act_first": float(act[0, j]),
-                "act_later": float(act[1, j]),
-                "write_first": float(act[0, j]) * w,
-                "write_later": float(act[1, j]) * w,
-            }
-        )
-    return nrows
+    w = origin.mlp_neurons(r.dim, r.block).w_out
+    return [
+        {
+            "dim": r.dim,
+            "block": r.block,
+            "neuron": n,
+            "act_first": float(act[0, j]),
+            "act_later": float(act[1, j]),
+            "write_first": float(act[0, j]) * float(w[n]),
+            "write_later": float(act[1, j]) * float(w[n]),
+        }
+        for j, n in enumerate(r.neurons)
+    ]
 
 
 def _divergence(got: dict) -> pd.DataFrame:

@@ -397,14 +397,12 @@ def _origin_from(
     if min_write is None:
         min_write = float(getattr(massive, "abs_threshold", SPIKE_ABS)) if massive is not None else SPIKE_ABS
     name = getattr(model, "model_name", None)
-    notes = (
-        []
-        if spec.additive
-        else [
+    notes = []
+    if not spec.additive:
+        notes.append(
             "This model's stream after a block is not its input plus the block's writes "
             "(a post-norm stream, or a hook that edits the stream): the writes need not add up."
-        ]
-    )
+        )
     appears = {d: _appears(trace, d, massive) for d in dims}
     writes, books = _writes_and_books(trace, dims, spec, share=share, min_write=min_write, appears=appears)
     out = SpikeOrigin(

@@ -130,9 +130,7 @@ def _softmax_rows(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bias (H, T) by distance d = 0..T-1 -> (first (H, T): the first token's weight for t = 1..T, i.e.
     e^{b(t-1)} / sum_{d<t} e^{b(d)}; last (H, T): the row of t = T, key j weighted e^{b(T-1-j)} / sum)."""
     b = bias.double()
-    first = torch.exp(b - torch.logcumsumexp(b, dim=-1))
-    last = torch.softmax(b.flip(-1), dim=-1)
-    return first, last
+    return torch.exp(b - torch.logcumsumexp(b, dim=-1)), torch.softmax(b.flip(-1), dim=-1)
 
 
 def _distance_bias(model: SinkModel, layer: int, encoding: str, T: int) -> tuple[torch.Tensor, str]:
