@@ -147,7 +147,7 @@ class StreamResult(Result):
         """One row per policy. ppl: over every scored token from token skip+1; ppl_past_window: over tokens
         after the first eviction; ppl_at_recompute: on the positions the re-computation ceiling scored."""
         rec = self._recompute()
-        rec_pos = None if rec is None else np.where(~np.isnan(rec.nll) & (np.arange(rec.nll.size) >= self.window))[0]
+        rec_pos = [] if rec is None else np.where(~np.isnan(rec.nll) & (np.arange(rec.nll.size) >= self.window))[0]
         rows = []
         for r in self.runs:
             p = r.policy
@@ -163,9 +163,7 @@ class StreamResult(Result):
                     "fp_sinks": p.fp_sinks,
                     "ppl": self._ppl(nll),
                     "ppl_past_window": self._ppl(nll[self.window :]),
-                    "ppl_at_recompute": self._ppl(nll[rec_pos])
-                    if rec_pos is not None and rec_pos.size
-                    else float("nan"),
+                    "ppl_at_recompute": self._ppl(nll[rec_pos]),  # NaN without positions
                     "tokens_scored": int((~np.isnan(nll)).sum()),
                     "tokens_per_s": r.tokens_per_s,
                     "batch": r.batch,
