@@ -80,16 +80,15 @@ def _hf_modules(model: SinkModel) -> set[int]:
 
 def _module_site(model: SinkModel, name: str, *, own: set[int] | None = None, points=None) -> tuple:
     """The Hugging Face module whose input (``"in"``) or output (``"out"``) is the bridge's hook ``name``, and the
-    hook's part of it: None where it is all of it, else (take, put) (``access.module_part``: a joint projection's half,
-    Granite's scaled contribution, Qwen3-Next's gate and gated z).
+    hook's part of it: None where it is all of it, else (take, put) (``access.module_part``: q and k by head, a joint
+    projection's half, Granite's scaled contribution, Qwen3-Next's gate and gated z, a norm's normalised input).
 
     The bridge names its hooks after its components (``blocks.3.hook_mlp_out`` is ``blocks.3.mlp.hook_out``), and
     each component wraps one Hugging Face module: its ``hook_in`` / ``hook_out`` are that module's input and output.
 
     ``own`` (:func:`_hf_modules`) and ``points`` (``model.hook_dict``, which the bridge builds anew, aliases and all, on
     every read) are given where the caller has them. BackendUnsupported where no Hugging Face module's input or output
-    is that hook (a component the bridge made up, such as the gate and up halves of a joint projection, is no module the
-    model runs)."""
+    holds that hook (a component the bridge made up that no part names is no module the model runs)."""
     if part := module_part(model, name, get_family(model)):
         return part[0], part[1], part[2:]
     point = (model.hook_dict if points is None else points).get(name)
