@@ -262,7 +262,8 @@ class FirstTokenCause(Result):
     def findings(self) -> list[str]:
         if self.message:
             return [self.message]
-        blocks = dict.fromkeys(zip(self.contributions.dim, self.contributions.block))  # (dim, block), in order
+        c = self.contributions  # (dim, block), in order; none (no columns) without a writer to follow
+        blocks = dict.fromkeys(zip(c.dim, c.block)) if len(c) else {}
         none = self.note or "No writer neuron to follow: no MLP neuron is named as the spike's writer."
         out = [self._block_text(int(d), int(b)) for d, b in blocks] or [none]
         div = self.divergence
