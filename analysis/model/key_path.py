@@ -178,9 +178,10 @@ def _key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
     None where the family has no key norm."""
-    ns = get_family(model).qk_norm
+    spec = get_family(model)
+    ns = spec.qk_norm
     if ns is None:
-        return None
+        return _l2_norm(spec, layer)
     kn = getattr(model.blocks[layer].attn, "k_norm", None)
     w = live_tensor(kn, "w", "weight")
     if w is None:
@@ -190,6 +191,12 @@ def _key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
         )
     b = live_tensor(kn, "b", "bias") if ns.bias else None
     return NormParams.of(ns, _cpu(w), _cpu(b))
+
+
+def _l2_norm(spec, layer: int) -> NormParams | None:
+    """Llama 4's qk_norm on a rotary layer: an RMS norm without gain per head, after the rotary (before it alike)."""
+    if spec.qk_l2_norm and spec.rotary_at(layer):
+        return NormParams("RMS", torch.ones(spec.d_head), None, spec.norm.eps)
 
 
 @reads_block_weights
@@ -368,6 +375,8 @@ class KeyPath(KeyOps):
             return None
         if self.k_norm_scope == "latent":
             return f"{self.k_norm.text()} over the {self.rank}-dim key latent (kv_a_layernorm), then kv_b_proj"
+        if self.spec.qk_l2_norm:
+            return "an L2 norm (RMS, no gain) over each head, on queries too (Llama 4's qk_norm, after the rotary)"
         return f"{self.k_norm.text()} over {'each head' if self.k_norm_scope == 'head' else 'all heads together'}"
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor, bias: bool = True, rotary: bool = True) -> torch.Tensor:
@@ -649,7 +658,7 @@ def _trace_key_path(model, layer: int, spec) -> KeyPath:
     norm = NormParams("none", torch.ones(D), None, 0.0)
     if ns is not None:
         norm = NormParams.of(ns, meta(D), meta(D) if ns.bias else None)
-    k_norm = None if ks is None else NormParams.of(ks, meta(ks.size), meta(ks.size) if ks.bias else None)
+    k_norm = NormParams.of(ks, meta(ks.size), meta(ks.size) if ks.bias else None) if ks else _l2_norm(spec, layer)
     b_K = meta(Hkv, d) if k_proj.bias is not None else None
     hooks = (f"blocks.{layer}.attn.hook_k_proj", spec.key_hook(layer), spec.query_hook(layer))
     return KeyPath(layer, norm, meta(Hkv, D, d), b_K, k_norm, spec.qk_norm_scope, spec, spec.n_heads // Hkv, *hooks)

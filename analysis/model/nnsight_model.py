@@ -371,6 +371,7 @@ def _nnsight_family(model: NnsightModel) -> FamilySpec:
         parallel_block=model.layout.parallel,
         qk_norm=kn,
         qk_norm_scope=None if kn is None else ("head" if kn.size == d_head else "all_heads"),
+        qk_l2_norm=getattr(attn, "qk_norm", None) is not None,
         learned_sinks=isinstance(getattr(attn, "sinks", None), torch.Tensor),
         fused_qkv="attn.qkv" in model.layout.paths,
         key_rotated=True,

@@ -166,8 +166,8 @@ def rotate_as_spec(
     ``rotated`` True: after the rotary. Returned as they are where those hooks already hold them rotated
     (``spec.key_rotated``) or the model has no rotary; rotated per the spec otherwise. ``rotated`` False: the same
     vectors before the rotary (hooks that hold them rotated are turned back by the inverse rotation, so q/k norms
-    and the gated families' query stay applied). Scaled rope types (yarn, longrope) change the frequencies; an
-    unrotated hook is rotated with the plain theta, exact at position 0 (the first key) whatever the scaling.
+    and the gated families' query stay applied; Llama 4's L2 norm follows the rotary). Scaled rope types (yarn,
+    longrope) change the frequencies; an unrotated hook is rotated with the plain theta, exact at position 0.
 
     Parameters
     ----------
@@ -183,4 +183,5 @@ def rotate_as_spec(
         return x.float()
     if positions is None:
         positions = torch.arange(x.shape[-3])
-    return apply_spec_rotary(x, spec, layer, positions=positions if rotated else -positions)
+    x = apply_spec_rotary(x, spec, layer, positions=positions if rotated else -positions)
+    return x * x.pow(2).mean(-1, keepdim=True).add(spec.norm.eps).rsqrt() if rotated and spec.qk_l2_norm else x

@@ -203,7 +203,7 @@ def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:
     return torch.cat([out, xp], -1).float()
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"] + ["llama4_qk_norm"])
 def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     """Queries and keys from the spec's hooks, rotated where the spec says so (its rotary dim, pairing and base),
     times its score scale, soft-capped, masked (causal, sliding window) and softmaxed with the learned sink
@@ -238,6 +238,8 @@ def _check_layer(spec, model, layer, got, device):
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
     if spec.rotary_at(layer) and not spec.key_rotated:  # NoPE layers: no rotary
         q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
+    if spec.qk_l2_norm and spec.rotary_at(layer):  # Llama 4 as released: then each head's q and k over their rms
+        q, k = (x * x.double().pow(2).mean(-1, keepdim=True).add(spec.norm.eps).rsqrt() for x in (q, k))
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)
     if "scores" in got:
         torch.testing.assert_close(

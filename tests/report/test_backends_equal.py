@@ -85,10 +85,11 @@ def bridge_profile(family_bridge):
     return get
 
 
-CAPPED = ["gemma2_cap"]  # Gemma 2 with a soft cap that bites (tests/families.py)
+# Outside the matrix (tests/families.py): Gemma 2 with a soft cap that bites; Llama 4 as released (q and k L2-normalised)
+EXTRA = ["gemma2_cap", "llama4_qk_norm"]
 
 
-@pytest.mark.parametrize("family", FAMILIES + CAPPED)
+@pytest.mark.parametrize("family", FAMILIES + EXTRA)
 def test_profile_is_the_same_on_every_backend(family, family_bridge, bridge_profile):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -216,7 +217,7 @@ def _no_png(fig, caption: str = "", dpi: int = 90) -> str:
     return "<figure></figure>"
 
 
-@pytest.mark.parametrize("family", FAMILIES + CAPPED)
+@pytest.mark.parametrize("family", FAMILIES + EXTRA)
 def test_every_report_section_is_the_same_on_every_backend(family, family_bridge, tmp_path, monkeypatch):
     """The whole report of each family of the matrix through auto and through nnsight: every section runs, every
     number is the bridge's; every pass leaves the bridge (the norm-gain trace's too), but on the families whose
