@@ -375,11 +375,9 @@ def dormant_heads(
     DormantHeads
         Tensors of shape (N, L, H, T) and the per-head table.
     """
-    tokens = check_tokens(model, tokens)
+    tokens = check_tokens(model, tokens, 3, "Dormant heads need a sink, a query and a token to predict after it.")
     N, T = tokens.shape
     eps, quantile = check_eps(eps), check_quantile(quantile)
-    if T < 3:
-        raise ValueError(f"T={T} is too short: give T >= 3 tokens (a sink, a query, and a token to predict after it).")
     sinks = check_sink_positions(sink_positions, tokens)
     layers = check_attention_layers(model, layers=layers)
     if not layers:

@@ -421,13 +421,8 @@ def sink_kinds(
     """
     eps = check_eps(eps)
     layers = check_attention_layers(model, layers=layers)
-    tokens = check_tokens(model, tokens)
     first = first_query((0,), eps=eps)
-    if tokens.shape[1] < first + 3:
-        raise ValueError(
-            f"the sink's kind compares queries from position {first} on: give T >= {first + 3} tokens; "
-            f"got T={tokens.shape[1]}."
-        )
+    tokens = check_tokens(model, tokens, first + 3, f"The sink's kind compares queries from position {first} on.")
     acc = SinkKindAccumulator(model, layers, tokens.shape[1], eps=eps, kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result()

@@ -800,8 +800,6 @@ def norm_gain_accumulator(
     """
     tokens = check_tokens(model, tokens)
     (layer,) = check_layers(model, [layer])
-    if tokens.shape[1] < 2:
-        raise ValueError("norm-gain tracing needs T >= 2 tokens (the first token and at least one ordinary token).")
     path = key_path(model, layer)
     found = spike_dims is None
     if found:

@@ -258,8 +258,6 @@ def qk_angles(
     """
     layers = check_attention_layers(model, layers=None if layers is None else check_layers(model, layers))
     tokens = check_tokens(model, tokens)
-    if tokens.shape[1] < 2:
-        raise ValueError("QK angles need T >= 2 tokens (a first key and at least one other).")
     return run_pass(model, tokens, [QKAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]
 
 

@@ -472,10 +472,6 @@ def value_norms(
     dims = model_dims(model)
     layers = check_attention_layers(model, layers=layers)
     tokens = check_tokens(model, tokens)
-    if tokens.shape[1] < 2:
-        raise ValueError(
-            f"value norms compare the first token with the others: give T >= 2 tokens; got T={tokens.shape[1]}."
-        )
     _check_sink(sink, dims, layers, check_attention_layers(model))
     acc = ValueNormsAccumulator(model, layers, tokens.shape[1], kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)

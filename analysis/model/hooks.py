@@ -351,8 +351,9 @@ def model_facts(model: SinkModel) -> ModelFacts:
     return facts
 
 
-def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Validate a batch of token ids against the model's context and vocabulary.
+def check_tokens(model: SinkModel, tokens: torch.Tensor, minimum: int = 2, why: str = "") -> torch.Tensor:
+    """Validate a batch of token ids against the model's context and vocabulary, and their length against
+    ``minimum`` (``analysis.core.checks.check_length``, which says ``why`` a longer one applies).
 
     Parameters
     ----------
@@ -370,7 +371,7 @@ def check_tokens(model: SinkModel, tokens: torch.Tensor) -> torch.Tensor:
         model.vocab_size if isinstance(model, NnsightModel) else getattr(getattr(model, "cfg", None), "d_vocab", None)
     )
     tokens = validate_token_ids(tokens, model_dims(model).n_ctx, vocab)
-    check_length(tokens.shape[1])
+    check_length(tokens.shape[1], minimum=minimum, why=why)
     return tokens
 
 

@@ -178,8 +178,6 @@ def attention_gates(
         ``first`` and ``other`` of shape (L, H).
     """
     tokens = check_tokens(model, tokens)
-    if tokens.shape[1] < 2:
-        raise ValueError("the gate is compared between the first token and the others: give T >= 2 tokens.")
     return run_pass(model, tokens, [GateAccumulator(model, layers=layers, kind=kind)], batch_size=batch_size)[0]
 
 

@@ -206,7 +206,7 @@ def test_bad_input(tiny_llama, toks):
         dormant_heads(tiny_llama, toks, sink_positions=[])
     with pytest.raises(ValueError, match="sink mask"):
         dormant_heads(tiny_llama, toks, sink_positions=torch.zeros(N, T + 1, dtype=torch.bool))
-    with pytest.raises(ValueError, match="too short"):
+    with pytest.raises(ValueError, match="must be at least 3; got 2. Dormant heads need a sink, a query"):
         dormant_heads(tiny_llama, toks[:, :2])
     with pytest.raises(ValueError, match="give T >= 5"):
         dormant_heads(tiny_llama, toks[:, :4])
