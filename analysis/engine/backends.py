@@ -372,7 +372,8 @@ class NnsightTaps(Taps):
             for h in handles:
                 h.remove()
         calls = {id(m): l for l, m in self.attn_modules.items()}
-        before = {id(unwrap_component(getattr(m, "o_proj", None))): l for l, m in self.attn_modules.items()}  # gated z
+        z = {f"blocks.{l}.attn.hook_z": l for l in self.attn_modules}  # read at an input after the call (a gated z)
+        before = {k: z[n] for (k, which), (_, names) in self.sites.items() if which == "in" for n in names if n in z}
         events = []
         for key, which in dict.fromkeys(seen):  # first time each is reached
             # the call: after the projections' inputs, before the output projection's input and the module's output
