@@ -262,16 +262,19 @@ def _in_order(sites, edits: dict) -> list[str]:
     return sorted({"call" if s in CALL_SITES else s for s in sites | edits.keys()}, key=list(BLOCK_SITES).index)
 
 
-def _site(model: NnsightModel, tokens, env, side: str, name: str, edit=None):
-    """Inside a trace over ``tokens``: a layer's site ``name`` (``NnsightModel.site``: ``env``'s ``side``; the key
-    projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of it."""
+def _site(model: NnsightModel, tokens, env, side: str, scale: float, name: str, edit=None):
+    """Inside a trace over ``tokens``: a layer's site ``name`` (``NnsightModel.site``: ``env``'s ``side`` times
+    ``scale``; the key projection as the bridge's hook, (B, T, H_kv, d_head)), set first to what ``edit`` makes of
+    it."""
     got = getattr(env, side)
     x = got[0] if isinstance(got, tuple) else got
     flat = x.dim() == 2  # a module that flattens the tokens (Llama 4's experts): (B * T, d), read as (B, T, d)
     x = x.unflatten(0, (tokens.shape[0], -1)) if flat else x
+    x = x * scale if scale != 1.0 else x  # Granite's writes as the bridge's hooks hold them
     if edit is not None:
         x = edit.fn(x, **_params(model, edit))
-        y = x.flatten(0, 1) if flat else x
+        y = x / scale if scale != 1.0 else x  # written back as the module gives it
+        y = y.flatten(0, 1) if flat else y
         setattr(env, side, (y, *got[1:]) if isinstance(got, tuple) else y)
     return x.unflatten(-1, (model.spec.n_kv_heads, -1)) if name == "hook_k_proj" else x
 

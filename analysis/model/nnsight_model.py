@@ -202,19 +202,18 @@ class NnsightModel:
 
     def site(self, layer: int, name: str):
         """Where layer ``layer``'s forward reaches the TransformerLens site ``name`` (a key of :data:`BLOCK_SITES` but
-        "call"): (the envoy of the first of its components the layer has, "input" or "output"), whose value a trace
-        reads or sets there. NnsightUnsupported where this family's layer has none (a fused qkv: no key projection; a
+        "call"): (the envoy of the first of its components the layer has, "input" or "output", the factor the bridge's
+        hook holds its value times: Granite's residual multiplier on a write, else 1), whose value a trace reads or
+        sets there. NnsightUnsupported where this family's layer has none (a fused qkv: no key projection; a
         parallel block: no stream between attention and MLP)."""
         comps, side = BLOCK_SITES[name]
-        scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None)
-        if name in ("hook_attn_out", "hook_mlp_out") and scale not in (None, 1.0):
-            raise NnsightUnsupported(f"{self.spec.family} scales each write by {scale:g} ({name}): {_BRIDGE}.")
+        scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None) or 1.0
         if name == "hook_resid_mid" and self.layout.parallel:
             raise NnsightUnsupported(f"{self.spec.family}: a parallel block has no {name}: {_BRIDGE}.")
         for comp in comps:
             env = self.part(layer, comp, need=comp == comps[-1])
             if env is not None:
-                return env, side
+                return env, side, scale if name in ("hook_attn_out", "hook_mlp_out") else 1.0
 
     @property
     def family(self) -> FamilySpec:

@@ -252,8 +252,33 @@ class _Dims(Accumulator):
         return None
 
 
-def test_a_family_that_scales_its_writes_is_refused_before_the_trace(family_dir):
-    """Granite adds each write times its residual multiplier, which no module outputs: the origin is refused through
-    nnsight, with the reason, before any trace (its bridge hooks hold the scaled writes)."""
-    with pytest.raises(NnsightUnsupported, match="scales each write by 0.22"):
-        spike_origin(load_nnsight(str(family_dir("granite"))), _tokens(n=2, T=12), abs_threshold=0.0)
+def test_a_family_that_scales_its_writes_reads_them_as_the_bridge(family_bridge, family_dir):
+    """Granite adds each write times its residual multiplier, which no module outputs: a trace reads the sublayers'
+    outputs times it, as the bridge's hooks hold them, so the origin's first-token writes (read unscaled, they differ
+    by the multiplier, 0.22) and its results are the bridge's."""
+    tokens = _tokens(n=2, T=12)
+    got, want = (
+        spike_origin(m, tokens, abs_threshold=0.0)
+        for m in (load_nnsight(str(family_dir("granite"))), family_bridge("granite"))
+    )
+    for name in ("resid", "attn", "mlp"):
+        torch.testing.assert_close(getattr(got.trace, name), getattr(want.trace, name), rtol=1e-5, atol=1e-7)
+    assert not _same(*(json.loads(json.dumps(o.to_dict(), default=str)) for o in (got, want)))
+    nn, bridge = (
+        load_nnsight(str(family_dir("granite"))),
+        family_bridge("granite"),
+    )  # an edit there: written back / 0.22
+    edits = {0: {"hook_mlp_out": Reduction(_double)}}
+    (_, _, last), *_ = remote.trace_batch(nn, tokens, [], edits=edits, logits=Reduction(_last_logits), remote=False)
+    with torch.no_grad():
+        ref = bridge.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_mlp_out", lambda x, hook: 2 * x)])[:, -1]
+    torch.testing.assert_close(last, ref, rtol=1e-5, atol=1e-6)
+    assert (last - bridge(tokens)[:, -1]).abs().max() > 1e-4  # the edit changed the logits
+
+
+def _double(x):
+    return 2 * x
+
+
+def _last_logits(logits, tokens):
+    return logits[:, -1]
