@@ -109,12 +109,7 @@ def _spike_dims(model, tokens, spike_dims, hook, abs_threshold, ratio_threshold,
     every layer) and how they were chosen ("found", "given")."""
     if spike_dims is None:
         return first_token_spike_dims(
-            model,
-            tokens,
-            hook=hook,
-            abs_threshold=abs_threshold,
-            ratio_threshold=ratio_threshold,
-            min_share=min_share,
+            model, tokens, hook=hook, abs_threshold=abs_threshold, ratio_threshold=ratio_threshold, min_share=min_share
         ), "found"
     if not isinstance(spike_dims, Mapping):
         if not every_layer:

@@ -838,14 +838,7 @@ def key_manifold_accumulator(
     _check_sizes(N, T, n_components)
     heads, explicit, auto = _check_kv_heads(model, heads, scatter_heads)
     return KeyManifoldAccumulator(
-        model,
-        layers,
-        heads,
-        T,
-        n_components,
-        ScatterKeys(explicit, auto),
-        rotated=rotated,
-        kind=kind,
+        model, layers, heads, T, n_components, ScatterKeys(explicit, auto), rotated=rotated, kind=kind
     )
 
 

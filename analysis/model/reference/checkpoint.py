@@ -289,13 +289,7 @@ def save_reference(out: Path, model: SinkLM, config: dict) -> None:
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "backend_tokenizer"):
         write_atomic(out / "tokenizer.json", lambda tmp: tok.backend_tokenizer.save(tmp))
-        config = {
-            **config,
-            "tokenizer": {
-                "file": "tokenizer.json",
-                **{k: getattr(tok, k) for k in _SPECIAL_TOKENS},
-            },
-        }
+        config = {**config, "tokenizer": {"file": "tokenizer.json", **{k: getattr(tok, k) for k in _SPECIAL_TOKENS}}}
     write_json(out / "config.json", {"format": REFERENCE_FORMAT, "format_version": FORMAT_VERSION, **config}, indent=2)
 
 
