@@ -390,6 +390,38 @@ NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
     "gemma2_cap": ("Gemma2Config", {**FAMILY_CONFIGS["gemma2"][1], "attn_logit_softcapping": 0.1}),
     # Llama 4 as released (use_qk_norm): q and k L2-normalised after the rotary on its rotary layers.
     "llama4_qk_norm": ("Llama4TextConfig", {**FAMILY_CONFIGS["llama4_text"][1], "use_qk_norm": True}),
+    # Scaled rope types, whose frequencies (and longrope's cos/sin scale) the family spec reads from the model: Llama 4
+    # Scout's llama3 scaling (its original context cut to 16 here, so that the scaling bites at these lengths) and
+    # Phi-3.5's longrope (its short factors below its original context; cos and sin scaled by sqrt(1 + ln 4 / ln 128)).
+    "llama4_scout": (
+        "Llama4TextConfig",
+        {
+            **FAMILY_CONFIGS["llama4_text"][1],
+            "use_qk_norm": True,
+            **_rope(
+                500000.0,
+                rope_type="llama3",
+                factor=16.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        },
+    ),
+    "phi3_longrope": (
+        "Phi3Config",
+        {
+            **FAMILY_CONFIGS["phi3"][1],
+            "max_position_embeddings": 4 * N_CTX,
+            **_rope(
+                10000.0,
+                rope_type="longrope",
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.5, 2.0, 4.0],
+                long_factor=[1.0, 2.0, 4.0, 8.0],
+            ),
+        },
+    ),
     # Nemotron-H (8B): Mamba-2, MLP and attention blocks, each its own layer ("M-M-M-M*-..."; here "M-*-").
     "nemotron_h": (
         "NemotronHConfig",

@@ -146,11 +146,7 @@ def _hooks_reason(model: SinkModel, names: Iterable[str], *, edits: Iterable[str
 
 
 def choose_backend(
-    model: SinkModel,
-    *,
-    backend: str | None = None,
-    names: Iterable[str] = (),
-    edits: Iterable[str] = (),
+    model: SinkModel, *, backend: str | None = None, names: Iterable[str] = (), edits: Iterable[str] = ()
 ) -> tuple[str, str]:
     """The backend a pass runs on, and why.
 
@@ -308,12 +304,12 @@ class Taps:
         rotary (``_hooks_reason`` allows them where that is exact); OPT's q, which it scales by its module's scale
         before a call at 1.0, unscaled."""
         q = query * (scale / module.scaling) if getattr(module, "scaling", scale) != scale else query
-        back = -torch.arange(query.shape[-2], device=query.device)
+        pos = torch.arange(query.shape[-2], device=query.device)
         for site, x in (("hook_rot_q", q), ("hook_q", q), ("hook_rot_k", key), ("hook_k", key)):
             if site in sites:
                 x = x.transpose(1, 2)
                 if site in ("hook_q", "hook_k") and self.spec.latent is None:  # MLA's hold them rotated
-                    x = apply_spec_rotary(x, self.spec, layer, positions=back).to(x.dtype)
+                    x = apply_spec_rotary(x, self.spec, layer, positions=pos, inverse=True).to(x.dtype)
                 self._give(f"blocks.{layer}.attn.{site}", x)
 
     def attention(self, module, query, key, value, mask, scale: float, softcap=None, sinks=None) -> torch.Tensor:

@@ -194,6 +194,7 @@ class FamilySpec:
     rotary_dim: int | None = None  # dims of a head that are rotated (partial rotary: < d_head)
     rotary_style: str | None = None  # "half" (HF rotate_half) | "interleaved" (GPT-J rotate_every_two)
     rope_type: str | None = None  # "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta)
+    rope_freqs: dict = field(default_factory=dict)  # a scaled type's, per layer: (inv_freq, HF's scale on cos and sin)
     norm: NormSpec | None  # the norm on the attention input (None: post-norm only, or no norm)
     norm_placement: str  # "pre" | "post" (OLMo-2: after attention) | "sandwich" (Gemma 2/3: before and after)
     post_norm: NormSpec | None = None  # the norm on the attention output, where there is one
@@ -322,7 +323,7 @@ class FamilySpec:
 
     def to_dict(self) -> dict:
         d = _spec_dict(self)
-        d.pop("fired_hooks")
+        d.pop("fired_hooks"), d.pop("rope_freqs")
         d["skipped_layers"] = {str(k): v for k, v in self.skipped_layers.items()}
         d["rotary_bases"] = {str(k): v for k, v in self.rotary_bases.items()}
         return d
@@ -669,6 +670,10 @@ def _positions(hf, config, family: str, types, attention_layers, tl_pos, d_head:
     out["rotary_dim"] = _rotary_dim(hf, config, family, d_head)
     out["rotary_style"] = "interleaved" if family in INTERLEAVED_ROTARY else "half"
     out["rope_type"] = rope_parameters(config).get("rope_type") or "default"
+    if out["rope_type"] != "default":  # its frequencies and cos/sin scale, as the model's rotary module holds them
+        s = next((float(m.attention_scaling) for m in hf.modules() if hasattr(m, "attention_scaling")), 1.0)
+        inv = _layer_inv_freq(hf, types)
+        out["rope_freqs"] = {l: (tuple(inv[l].tolist()), s) for l in bases if inv[l] is not None and not inv[l].is_meta}
     return out
 
 

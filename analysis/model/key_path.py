@@ -234,7 +234,7 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
 class KeyOps:
     """A layer's key path from its input norm's output to the key the attention uses, on its fields (``norm``,
-    ``W_K``, ``b_K``, ``k_norm``, ``k_norm_scope``, ``rot``: the rotary's (base, dims, pairing) or None): a plain class
+    ``W_K``, ``b_K``, ``k_norm``, ``k_norm_scope``, ``rot``: the rotary's (base, dims, pairing, frequencies, scale) or None): a plain class
     of torch only, so that a remote trace ships it by value with its weights read there (``KeyPath.in_trace``)."""
 
     def __init__(self, norm, W_K, b_K, k_norm, k_norm_scope, rot=None):
@@ -245,7 +245,8 @@ class KeyOps:
         """The rotary (identity without one) on queries or keys (..., T, heads, d_head), float32."""
         if self.rot is None:
             return x.float()
-        return rotate(x, positions, self.rot[0], rot_dim=self.rot[1], style=self.rot[2])
+        base, dim, style, inv, scale = self.rot
+        return rotate(x, positions, base, rot_dim=dim, style=style, inv_freq=inv, scale=scale)
 
     def with_weights(self, read) -> "KeyOps":
         """A copy whose weights are ``read(w)`` of each (a remote trace reads its weights there: each ``TraceWeight``)."""
@@ -356,8 +357,10 @@ class KeyPath(KeyOps):
 
     @property
     def rot(self) -> tuple | None:
-        """The spec's rotary as :meth:`KeyOps.rotate` applies it: (base, dims, pairing), or None."""
-        return (self.base, self.rot_dim, self.spec.rotary_style or "half") if self.rotary else None
+        """The spec's rotary as :meth:`KeyOps.rotate` applies it: (base, dims, pairing, a scaled type's frequencies
+        and scale (``FamilySpec.rope_freqs``)), or None."""
+        scaled = self.spec.rope_freqs.get(self.layer, (None, 1.0))
+        return (self.base, self.rot_dim, self.spec.rotary_style or "half", *scaled) if self.rotary else None
 
     def in_trace(self) -> KeyOps:
         """This path for a remote trace: its weights as :class:`TraceWeight` (read where the model is) where they

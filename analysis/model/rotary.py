@@ -52,7 +52,7 @@ def rope_cos_sin(
     cos, sin : torch.Tensor, shape (T, rot_dim)
     """
     if inv_freq is not None:
-        inv = inv_freq.to(positions.device, torch.float64)
+        inv = torch.as_tensor(inv_freq, dtype=torch.float64, device=positions.device)
     else:
         inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
     ang = positions.double()[:, None] * inv[None]
@@ -99,10 +99,12 @@ def rotate(
     rot_dim: int | None = None,
     style: str = "half",
     inv_freq: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
-    (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
-    (GPT-J rotate_every_two). Returns float32.
+    (partial rotary: GPT-NeoX, Phi), the rest pass through; ``scale`` multiplies the rotated dims (Hugging Face's
+    ``attention_scaling`` of yarn and longrope). ``style``: "half" (HF rotate_half) or "interleaved" (GPT-J
+    rotate_every_two). Returns float32.
 
     Parameters
     ----------
@@ -125,12 +127,15 @@ def rotate(
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, rd): broadcast over heads
     xr, xp = x[..., :rd].float(), x[..., rd:].float()
     turn = rotate_every_two if style == "interleaved" else rotate_half
-    return torch.cat([xr * cos + turn(xr) * sin, xp], -1)
+    return torch.cat([(xr * cos + turn(xr) * sin) * scale, xp], -1)  # times 1.0: the same bits
 
 
-def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """The spec's rotary of ``layer`` (dim, pairing, base) on unrotated queries/keys x (B, T, heads, d_head) at
-    ``positions`` (default 0..T-1); the identity (as float32) for models without rotary (ALiBi, absolute, none).
+def apply_spec_rotary(
+    x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None, inverse: bool = False
+) -> torch.Tensor:
+    """The spec's rotary of ``layer`` (dim, pairing, base; a scaled rope type's frequencies and scale) on unrotated
+    queries/keys x (B, T, heads, d_head) at ``positions`` (default 0..T-1), or (``inverse``) turned back from them; the
+    identity (as float32) for models without rotary (ALiBi, absolute, none).
 
     Parameters
     ----------
@@ -153,7 +158,9 @@ def apply_spec_rotary(x: torch.Tensor, spec, layer: int, *, positions: torch.Ten
         )
     if positions is None:
         positions = torch.arange(x.shape[-3])
-    return rotate(x, positions, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half")
+    inv, s = spec.rope_freqs.get(int(layer), (None, 1.0))
+    at, s = (-positions, 1.0 / s) if inverse else (positions, s)
+    return rotate(x, at, base, rot_dim=spec.rotary_dim, style=spec.rotary_style or "half", inv_freq=inv, scale=s)
 
 
 @parameters_from(apply_spec_rotary)
@@ -166,8 +173,9 @@ def rotate_as_spec(
     ``rotated`` True: after the rotary. Returned as they are where those hooks already hold them rotated
     (``spec.key_rotated``) or the model has no rotary; rotated per the spec otherwise. ``rotated`` False: the same
     vectors before the rotary (hooks that hold them rotated are turned back by the inverse rotation, so q/k norms
-    and the gated families' query stay applied; Llama 4's L2 norm follows the rotary). Scaled rope types (yarn,
-    longrope) change the frequencies; an unrotated hook is rotated with the plain theta, exact at position 0.
+    and the gated families' query stay applied; Llama 4's L2 norm follows the rotary). A scaled rope type's
+    frequencies are the model's (``FamilySpec.rope_freqs``: as its rotary module held them at load, so a type that
+    changes them with the length, longrope past its original context, is exact only up to it).
 
     Parameters
     ----------
@@ -181,7 +189,5 @@ def rotate_as_spec(
     """
     if not spec.rotary_at(layer) or rotated == spec.key_rotated:
         return x.float()
-    if positions is None:
-        positions = torch.arange(x.shape[-3])
-    x = apply_spec_rotary(x, spec, layer, positions=positions if rotated else -positions)
+    x = apply_spec_rotary(x, spec, layer, positions=positions, inverse=not rotated)
     return x * x.pow(2).mean(-1, keepdim=True).add(spec.norm.eps).rsqrt() if rotated and spec.qk_l2_norm else x

@@ -37,9 +37,11 @@ KEY_NORM = {
     "olmoe",
     "deepseek_v3",
     "llama4_qk_norm",
+    "llama4_scout",
 }  # DeepSeek-V3: kv_a_layernorm on the key latent; Llama 4: q and k L2-normalised (no gain) after the rotary
 ALL_HEADS_KEY_NORM = {"olmo2", "olmoe"}
-NOT_ALIBI = [f for f in FAMILIES if f != "bloom"] + ["llama4_qk_norm"]  # and Llama 4 as released
+SCALED_ROPE = ["llama4_scout", "phi3_longrope"]  # llama3's and longrope's frequencies (and longrope's cos/sin scale)
+NOT_ALIBI = [f for f in FAMILIES if f != "bloom"] + ["llama4_qk_norm", *SCALED_ROPE]  # and Llama 4 as released
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: got[canonical[n]] for n in hooks}
 
 
-@pytest.mark.parametrize("family", matrix("key_path", ModelContractError) + ["llama4_qk_norm"])
+@pytest.mark.parametrize("family", matrix("key_path", ModelContractError) + ["llama4_qk_norm", *SCALED_ROPE])
 def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models, device):
     from analysis.model.key_path import key_path
     from analysis.chain.norm_gain import norm_gain_trace
@@ -96,7 +98,7 @@ def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_mode
         assert r["final_key_hook"] == spec.key_hook(layer)
         assert r["score_max_abs_err"] is None if spec.scores_hook(layer) is None else r["score_max_abs_err"] < 1e-4
         assert (tr.norm_kind == "none") == (family == "olmo2")  # OLMo-2: no norm before attention ...
-        normed = family in KEY_NORM and (family != "llama4_qk_norm" or spec.rotary_at(layer))  # Llama 4 NoPE: none
+        normed = family in KEY_NORM and (not spec.qk_l2_norm or spec.rotary_at(layer))  # Llama 4 NoPE: none
         assert (tr.key_norm is not None) == normed  # ... but a key norm the trace follows
         if normed:
             assert "The keys then pass" in tr.text() and tr.heads["knorm_scale_first"].notna().all()

@@ -187,10 +187,11 @@ def test_sink_alpha_equals_hf_eager_attention(family, family_models, device):
         assert res.skipped == ""
 
 
-def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:
-    """A reference rotary for (B, T, heads, d) at positions 0..T-1: the spec's dim, pairing and base."""
+def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int, scaled=None) -> torch.Tensor:
+    """A reference rotary for (B, T, heads, d) at positions 0..T-1: the spec's dim, pairing and base, or a scaled rope
+    type's frequencies and cos/sin scale read here from the Hugging Face model's rotary module (``scaled``)."""
     rd, base = spec.rotary_dim, spec.rotary_bases[layer]
-    inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)) if scaled is None else scaled.inv_freq
     ang = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * inv[None]  # (T, rd/2)
     xr, xp = x[..., :rd].double(), x[..., rd:].double()
     if spec.rotary_style == "interleaved":
@@ -199,18 +200,23 @@ def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int) -> torch.Tensor:
     else:
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
         rot = torch.cat([-xr[..., rd // 2 :], xr[..., : rd // 2]], -1)
-    out = xr * cos[:, None] + rot * sin[:, None]
+    out = (xr * cos[:, None] + rot * sin[:, None]) * (1.0 if scaled is None else scaled.attention_scaling)
     return torch.cat([out, xp], -1).float()
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"] + ["llama4_qk_norm"])
+@pytest.mark.parametrize(
+    "family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"] + ["llama4_qk_norm", "llama4_scout", "phi3_longrope"]
+)
 def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     """Queries and keys from the spec's hooks, rotated where the spec says so (its rotary dim, pairing and base),
     times its score scale, soft-capped, masked (causal, sliding window) and softmaxed with the learned sink
     where it says so, give the model's ``hook_pattern``; and ``hook_attn_scores`` where the spec names it."""
-    model, _ = family_models(family)
+    model, hf = family_models(family)
     spec = model.family
     got = {}
+    scaled = (
+        next(m for m in hf.modules() if hasattr(m, "inv_freq")) if spec.rope_type not in (None, "default") else None
+    )
 
     def keep(name):
         def fn(x, hook):
@@ -230,14 +236,14 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     with torch.no_grad():
         model.run_with_hooks(_tokens(1, 2).to(device), fwd_hooks=hooks)
     for layer in spec.attention_layers:  # Gemma 3: sliding layers rotate with another base
-        _check_layer(spec, model, layer, {k[0]: v for k, v in got.items() if k[1] == layer}, device)
+        _check_layer(spec, model, layer, {k[0]: v for k, v in got.items() if k[1] == layer}, device, scaled)
 
 
-def _check_layer(spec, model, layer, got, device):
+def _check_layer(spec, model, layer, got, device, scaled=None):
     q, k = got["q"], got["k"]
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
     if spec.rotary_at(layer) and not spec.key_rotated:  # NoPE layers: no rotary
-        q, k = _rotate(q, spec, layer), _rotate(k, spec, layer)
+        q, k = _rotate(q, spec, layer, scaled), _rotate(k, spec, layer, scaled)
     if spec.qk_l2_norm and spec.rotary_at(layer):  # Llama 4 as released: then each head's q and k over their rms
         q, k = (x * x.double().pow(2).mean(-1, keepdim=True).add(spec.norm.eps).rsqrt() for x in (q, k))
     scores, seen, pattern = reference_attention(spec, model, layer, q, k)

@@ -85,8 +85,9 @@ def bridge_profile(family_bridge):
     return get
 
 
-# Outside the matrix (tests/families.py): Gemma 2 with a soft cap that bites; Llama 4 as released (q and k L2-normalised)
-EXTRA = ["gemma2_cap", "llama4_qk_norm"]
+# Outside the matrix (tests/families.py): Gemma 2 with a soft cap that bites; Llama 4 as released (q and k L2-normalised),
+# with Scout's llama3 rope scaling
+EXTRA = ["gemma2_cap", "llama4_qk_norm", "llama4_scout"]
 
 
 @pytest.mark.parametrize("family", FAMILIES + EXTRA)
