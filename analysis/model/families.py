@@ -131,6 +131,9 @@ class FamilySpec:
         The pairing: Hugging Face ``rotate_half``, or GPT-J's ``rotate_every_two``.
     rope_type : str or None
         "default", "yarn", "llama3", ... (scaled types change inv_freq, not theta).
+    rope_freqs : dict of int to (tuple of float, float)
+        A scaled type's, per rotary layer: its inverse frequencies and the scale Hugging Face puts on cos and sin, read
+        from the model's rotary module at load (``apply_spec_rotary`` rotates with them); empty for the plain theta.
     norm : NormSpec or None
         The norm on the attention input (None: post-norm only, or no norm).
     norm_placement : {"pre", "post", "sandwich"}

@@ -43,9 +43,9 @@ def rope_cos_sin(
     dtype : torch.dtype
         Of the result.
     style : {"half", "interleaved"}
-    inv_freq : torch.Tensor, shape (rot_dim / 2,), optional
+    inv_freq : torch.Tensor or sequence of float, shape (rot_dim / 2,), optional
         The frequencies themselves, where a rope type scales them (linear, llama3, yarn: read from the model's rotary
-        module); default ``base ** (-2i / rot_dim)``.
+        module, ``FamilySpec.rope_freqs``); default ``base ** (-2i / rot_dim)``.
 
     Returns
     -------
