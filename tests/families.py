@@ -408,6 +408,17 @@ NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
             ),
         },
     ),
+    # Gemma 3 as released from 4B up: linear scaling (factor 8) on its full-attention layers only.
+    "gemma3_linear": (
+        "Gemma3TextConfig",
+        {
+            **FAMILY_CONFIGS["gemma3"][1],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
     "phi3_longrope": (
         "Phi3Config",
         {

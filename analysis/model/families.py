@@ -626,7 +626,7 @@ def _rotary_dim(hf, config, family: str, d_head: int) -> int | None:
         if isinstance(rd, int) and rd > 0:
             return rd
     for name, buf in hf.named_buffers():
-        if name.endswith("inv_freq") and "original" not in name:
+        if name.endswith("inv_freq") and "original" not in name.rsplit(".", 1)[-1]:
             return 2 * buf.numel()
     frac = rope_parameters(config).get("partial_rotary_factor") or getattr(config, "rotary_pct", None)
     return int(d_head * float(frac)) if frac else d_head
@@ -1081,8 +1081,9 @@ class DecoderPositions:
 def _layer_inv_freq(hf, types) -> list:
     """Per layer, the rotary module's inverse frequencies for that layer's type (``{type}_inv_freq``), else its one
     ``inv_freq``."""
-    bufs = {n.rsplit(".", 1)[-1]: b for n, b in hf.named_buffers() if n.endswith("inv_freq") and "original" not in n}
-    plain = [b for n, b in hf.named_buffers() if n.rsplit(".", 1)[-1] == "inv_freq"]
+    leaves = [(n.rsplit(".", 1)[-1], b) for n, b in hf.named_buffers()]  # the bridge's wrap: "._original_component."
+    bufs = {n: b for n, b in leaves if n.endswith("inv_freq") and "original" not in n}
+    plain = [b for n, b in leaves if n == "inv_freq"]
     if len(plain) > 1 and any(not torch.equal(b, plain[0]) for b in plain):
         raise ValueError(
             f"{type(hf).__name__} has {len(plain)} different rotary embeddings that its layers "

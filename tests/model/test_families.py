@@ -239,6 +239,22 @@ def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
         _check_layer(spec, model, layer, {k[0]: v for k, v in got.items() if k[1] == layer}, device, scaled)
 
 
+@pytest.mark.parametrize("family", ["llama4_scout", "phi3_longrope", "gemma3_linear"])
+def test_a_scaled_rope_types_frequencies_are_the_models_own(family, family_models):
+    """The spec holds each rotary layer's frequencies and cos/sin scale as the model's rotary module keeps them (the
+    bridge wraps that module: its buffers sit under ``_original_component``), per layer type where they differ
+    (Gemma 3: scaled on its full-attention layers only)."""
+    model, hf = family_models(family)
+    spec, rot = model.family, hf.model.rotary_emb
+    types = getattr(hf.config, "layer_types", None)
+    assert sorted(spec.rope_freqs) == sorted(spec.rotary_bases) and spec.rope_type != "default"
+    for layer, (inv, scale) in spec.rope_freqs.items():
+        kind = f"{types[layer]}_" if types and hasattr(rot, f"{types[layer]}_inv_freq") else ""  # Llama 4: one
+        torch.testing.assert_close(torch.tensor(inv, dtype=torch.float32), getattr(rot, f"{kind}inv_freq").float())
+        assert scale == pytest.approx(getattr(rot, f"{kind}attention_scaling"))
+    assert (spec.rope_freqs[0][1] != 1.0) == (family == "phi3_longrope")  # longrope's scale: 1.13
+
+
 def _check_layer(spec, model, layer, got, device, scaled=None):
     q, k = got["q"], got["k"]
     assert q.shape[-1] == k.shape[-1] == spec.d_head  # the gated families' hook_q holds query and gate
