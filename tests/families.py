@@ -408,6 +408,8 @@ NOT_IN_MATRIX: dict[str, tuple[str, dict]] = {
             ),
         },
     ),
+    # Command R+ (use_qk_norm): a LayerNorm on each head's q and k, with a gain per head ((heads, d_head) weights).
+    "cohere_qk_norm": ("CohereConfig", {**FAMILY_CONFIGS["cohere"][1], "use_qk_norm": True}),
     # Gemma 3 as released from 4B up: linear scaling (factor 8) on its full-attention layers only.
     "gemma3_linear": (
         "Gemma3TextConfig",

@@ -509,7 +509,8 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
     Parameters
     ----------
     module : torch.nn.Module
-        A norm module with a 1-d gain (``weight``, or ``w`` in the reference models).
+        A norm module with a gain per dim (``weight``, or ``w`` in the reference models; Command R+'s q/k norms: one
+        per head, (heads, d_head), normalising each head's d_head).
     model : TransformerBridge, optional
         The model the module belongs to, to name its Hugging Face path.
 
@@ -519,7 +520,7 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
         None where the module is not a plain RMSNorm / LayerNorm.
     """
     w, b = _gain_and_bias(module)
-    if not isinstance(w, torch.Tensor) or w.ndim != 1:
+    if not isinstance(w, torch.Tensor) or w.ndim not in (1, 2):
         return None
     b = b if isinstance(b, torch.Tensor) else None
     eps = next(
@@ -530,14 +531,14 @@ def probe_norm(module, *, model: SinkModel = None) -> NormSpec | None:
         ),
         1e-5,
     )
-    D = w.shape[0]
+    D = w.shape[-1]
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(2, D, generator=g) + 3.0).to(device=w.device, dtype=w.dtype)
+    x = (torch.randn(2, *w.shape, generator=g) + 3.0).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         y = module(x).float().cpu()
     x = x.float().cpu()
     wf = w.detach().float().cpu()
-    bf = b.detach().float().cpu() if b is not None else torch.zeros(D)
+    bf = b.detach().float().cpu() if b is not None else torch.zeros(w.shape)
     best = None
     for kind in ("RMSNorm", "LayerNorm"):
         xc = x - x.mean(-1, keepdim=True) if kind == "LayerNorm" else x

@@ -38,10 +38,13 @@ KEY_NORM = {
     "deepseek_v3",
     "llama4_qk_norm",
     "llama4_scout",
+    "cohere_qk_norm",
 }  # DeepSeek-V3: kv_a_layernorm on the key latent; Llama 4: q and k L2-normalised (no gain) after the rotary
 ALL_HEADS_KEY_NORM = {"olmo2", "olmoe"}
 SCALED_ROPE = ["llama4_scout", "phi3_longrope"]  # llama3's and longrope's frequencies (and longrope's cos/sin scale)
-NOT_ALIBI = [f for f in FAMILIES if f != "bloom"] + ["llama4_qk_norm", *SCALED_ROPE]  # and Llama 4 as released
+# as released: Llama 4's L2 q/k norm, Command R+'s q/k LayerNorms with a gain per head
+RELEASED = ["llama4_qk_norm", "cohere_qk_norm", *SCALED_ROPE]
+NOT_ALIBI = [f for f in FAMILIES if f != "bloom"] + RELEASED
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def _capture(model, tokens, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: got[canonical[n]] for n in hooks}
 
 
-@pytest.mark.parametrize("family", matrix("key_path", ModelContractError) + ["llama4_qk_norm", *SCALED_ROPE])
+@pytest.mark.parametrize("family", matrix("key_path", ModelContractError) + RELEASED)
 def test_rebuilt_first_key_equals_the_key_the_attention_uses(family, family_models, device):
     from analysis.model.key_path import key_path
     from analysis.chain.norm_gain import norm_gain_trace

@@ -24,8 +24,8 @@ from analysis.model.nnsight_model import TraceWeight  # noqa: E402
 from tests.engine.test_nnsight import NDIF_ALLOWED, _reached, _same, _tokens  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "llama4_qk_norm"])  # plain; gain 1 + w, cap and
-# window; sink logits; q and k L2-normalised after the rotary
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "llama4_qk_norm", "cohere_qk_norm"])  # plain; gain
+# 1 + w, cap and window; sink logits; q and k L2-normalised after the rotary; a q/k LayerNorm with a gain per head
 def test_the_norm_gain_of_a_remote_model_equals_the_bridges(family, family_bridge, family_dir):
     """Given and found spike dims alike: the stages, gain, heads and key-dim tables, the vectors, the constancy and
     the text; the rebuild checks against the model's own key projection, keys, scores and pattern hold there too."""

@@ -205,7 +205,9 @@ def _rotate(x: torch.Tensor, spec: FamilySpec, layer: int, scaled=None) -> torch
 
 
 @pytest.mark.parametrize(
-    "family", [f for f in FAMILIES if EXPECT[f][0] != "alibi"] + ["llama4_qk_norm", "llama4_scout", "phi3_longrope"]
+    "family",
+    [f for f in FAMILIES if EXPECT[f][0] != "alibi"]
+    + ["llama4_qk_norm", "llama4_scout", "phi3_longrope", "cohere_qk_norm"],
 )
 def test_spec_rebuilds_the_attention_pattern(family, family_models, device):
     """Queries and keys from the spec's hooks, rotated where the spec says so (its rotary dim, pairing and base),
