@@ -37,7 +37,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from analysis.model.contract import SinkModel
+from analysis.model.contract import ModelContractError, SinkModel
 from analysis.core.defaults import SPIKE_ABS, SPIKE_MIN_SHARE, SPIKE_RATIO, TINY
 from analysis.model.families import sink_logits
 from analysis.model.hooks import act_name, check_dims, check_layers, check_tokens, hook_names, kv_view, model_dims
@@ -332,7 +332,7 @@ class NormGainAccumulator(Accumulator):
         # running sums (float64), each started at zero by its first update
         self.acc = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         self.keep = defaultdict(list)  # the first token's vectors (and a few ordinary ones), one per sample
-        self.err = {"k_max": 0.0, "final": 0.0, "score": None, "pattern": 0.0}
+        self.err = {"k_max": 0.0, "final": 0.0, "final_ref": 0.0, "score": None, "pattern": 0.0}
         self.gain, self.key_gain = path.norm.gain, path.key_norm_gain()  # the folded reductions' (read in the trace)
 
     def hooks(self):
@@ -387,7 +387,12 @@ class NormGainAccumulator(Accumulator):
 
     def result(self, message: str = "") -> NormGainTrace:
         kept = {k: torch.cat(v) for k, v in self.keep.items()}
-        path = self.path
+        path, err, ref = self.path, self.err["final"], self.err["final_ref"]
+        if err > 0.05 * ref:  # SmolLM2: 6e-7 (float32), 0.005-0.008 (bf16); a step missed: about 1, every share wrong
+            raise ModelContractError(
+                f"{path.text()} It rebuilds the keys the attention uses ({path.final_key_hook}) only to {err:.3g} of "
+                f"entries up to {ref:.3g}: it misses a step of this model's keys, and every share would be wrong."
+            )
         return NormGainTrace(
             layer=self.layer,
             spike_dims=self.S,
@@ -578,7 +583,8 @@ def norm_gain_stats(acts: dict, *, path, spike, other_pos, kv_of, scale: float, 
     r["sum"].update(k_err=err, k_ref=k.abs().max())
     used = kv_view(acts["kf"].detach().float(), kp.shape[2])  # (B,T,Hkv,d)
     pos = torch.arange(h.shape[1], device=h.device)
-    r["max"] = {"k_max": err, "final": (path.rotate(path.key_norm(kp), pos) - used).abs().max()}
+    final = (path.rotate(path.key_norm(kp), pos) - used).abs().max()
+    r["max"] = {"k_max": err, "final": final, "final_ref": used.abs().max()}
     k1S = _first_key_stats(r, path, x, kp, used, spike)
     _score_stats(r, acts, used, k1S, kv_of, scale, cap, window, sink)
     r.update(gain=path.norm.gain, key_gain=path.key_norm_gain())

@@ -158,6 +158,7 @@ def test_smollm2_rebuilt_key_matches_hook_rot_k(smollm2, smol_tokens):
 
 
 def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monkeypatch):
+    """A key path that misses the model's keys fails, saying so, rather than give the shares of another key."""
     from dataclasses import replace
 
     # 10000: what the bridge's cfg.rotary_base wrongly says (SmolLM2's theta is 1e5); the trace takes the base
@@ -166,9 +167,11 @@ def test_smollm2_wrong_rotary_base_breaks_the_rebuild(smollm2, smol_tokens, monk
     monkeypatch.setattr(
         smollm2, "family", replace(spec, rotary_base=10000.0, rotary_bases={l: 10000.0 for l in spec.rotary_bases})
     )
-    with pytest.warns(UserWarning, match="no spike"):
-        t = norm_gain_trace(smollm2, smol_tokens[:2], layer=2, spike_dims=[])
-    assert t.rebuild["rotated_key_max_abs_err"] > 1e-2 and t.rebuild["key_rel_err"] < 1e-5
+    with pytest.raises(
+        ModelContractError,
+        match=r"Key path of layer 2: .*theta 10000\); .*\(blocks.2.attn.hook_rot_k\) only to .* misses a step",
+    ):
+        norm_gain_trace(smollm2, smol_tokens[:2], layer=2, spike_dims=[])
 
 
 @pytest.mark.parametrize("norm, pe", [("RMS", "rotary"), ("LN", "rotary"), ("LN", "none")])
