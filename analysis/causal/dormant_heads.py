@@ -375,7 +375,7 @@ def dormant_heads(
     DormantHeads
         Tensors of shape (N, L, H, T) and the per-head table.
     """
-    tokens = check_tokens(model, tokens, 3, "Dormant heads need a sink, a query and a token to predict after it.")
+    tokens = check_tokens(model, tokens, minimum=3, why="Dormant heads need a sink, a query and a token to predict.")
     N, T = tokens.shape
     eps, quantile = check_eps(eps), check_quantile(quantile)
     sinks = check_sink_positions(sink_positions, tokens)

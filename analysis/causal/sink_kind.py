@@ -422,7 +422,9 @@ def sink_kinds(
     eps = check_eps(eps)
     layers = check_attention_layers(model, layers=layers)
     first = first_query((0,), eps=eps)
-    tokens = check_tokens(model, tokens, first + 3, f"The sink's kind compares queries from position {first} on.")
+    tokens = check_tokens(
+        model, tokens, minimum=first + 3, why=f"The sink's kind reads queries from position {first} on."
+    )
     acc = SinkKindAccumulator(model, layers, tokens.shape[1], eps=eps, kind=kind)
     run_pass(model, tokens, [acc], batch_size=batch_size)
     return acc.result()

@@ -273,8 +273,7 @@ def _site(model: NnsightModel, tokens, env, side: str, scale: float, name: str, 
     x = x * scale if scale != 1.0 else x  # Granite's writes as the bridge's hooks hold them
     if edit is not None:
         x = edit.fn(x, **_params(model, edit))
-        y = x / scale if scale != 1.0 else x  # written back as the module gives it
-        y = y.flatten(0, 1) if flat else y
+        y = (x / scale).flatten(0, 1) if flat else x / scale  # as the module gives it (/ 1.0: the same bits)
         setattr(env, side, (y, *got[1:]) if isinstance(got, tuple) else y)
     return x.unflatten(-1, (model.spec.n_kv_heads, -1)) if name == "hook_k_proj" else x
 

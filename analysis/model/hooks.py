@@ -351,9 +351,8 @@ def model_facts(model: SinkModel) -> ModelFacts:
     return facts
 
 
-def check_tokens(model: SinkModel, tokens: torch.Tensor, minimum: int = 2, why: str = "") -> torch.Tensor:
-    """Validate a batch of token ids against the model's context and vocabulary, and their length against
-    ``minimum`` (``analysis.core.checks.check_length``, which says ``why`` a longer one applies).
+def check_tokens(model: SinkModel, tokens: torch.Tensor, *, minimum: int = 2, why: str = "") -> torch.Tensor:
+    """Validate a batch of token ids against the model's context and vocabulary, and their length.
 
     Parameters
     ----------
@@ -361,6 +360,8 @@ def check_tokens(model: SinkModel, tokens: torch.Tensor, minimum: int = 2, why: 
         Any model with TransformerLens hook names (``cfg.n_ctx`` and ``cfg.d_vocab`` are checked where set).
     tokens : torch.Tensor or array-like, shape (N, T) or (T,)
         Token ids.
+    minimum, why : int, str
+        The shortest length, and why a longer one than 2 applies (``analysis.core.checks.check_length``).
 
     Returns
     -------

@@ -178,8 +178,7 @@ def _key_norm_params(model: SinkModel, layer: int) -> NormParams | None:
     """The norm on the keys after W_K (the spec's ``qk_norm``: per head, or over all heads together).
 
     None where the family has no key norm."""
-    spec = get_family(model)
-    ns = spec.qk_norm
+    ns = (spec := get_family(model)).qk_norm
     if ns is None:
         return _l2_norm(spec, layer)
     kn = getattr(model.blocks[layer].attn, "k_norm", None)

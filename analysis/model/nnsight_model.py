@@ -203,9 +203,8 @@ class NnsightModel:
     def site(self, layer: int, name: str):
         """Where layer ``layer``'s forward reaches the TransformerLens site ``name`` (a key of :data:`BLOCK_SITES` but
         "call"): (the envoy of the first of its components the layer has, "input" or "output", the factor the bridge's
-        hook holds its value times: Granite's residual multiplier on a write, else 1), whose value a trace reads or
-        sets there. NnsightUnsupported where this family's layer has none (a fused qkv: no key projection; a
-        parallel block: no stream between attention and MLP)."""
+        hook holds it times: Granite's residual multiplier on a write, else 1). NnsightUnsupported where the layer has
+        none (a fused qkv: no key projection; a parallel block: no stream between attention and MLP)."""
         comps, side = BLOCK_SITES[name]
         scale = getattr(self.hf.config.get_text_config(), "residual_multiplier", None) or 1.0
         if name == "hook_resid_mid" and self.layout.parallel:

@@ -102,9 +102,8 @@ def rotate(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotary on x (..., T, heads, d_head) at ``positions`` (T,); only the first ``rot_dim`` dims rotate
-    (partial rotary: GPT-NeoX, Phi), the rest pass through; ``scale`` multiplies the rotated dims (Hugging Face's
-    ``attention_scaling`` of yarn and longrope). ``style``: "half" (HF rotate_half) or "interleaved" (GPT-J
-    rotate_every_two). Returns float32.
+    (partial rotary: GPT-NeoX, Phi), the rest pass through. ``style``: "half" (HF rotate_half) or "interleaved"
+    (GPT-J rotate_every_two). Returns float32.
 
     Parameters
     ----------
@@ -115,6 +114,8 @@ def rotate(
         Dims rotated (default all).
     inv_freq : torch.Tensor, optional
         As in :func:`rope_cos_sin` (then ``base`` may be None).
+    scale : float
+        Times the rotated dims (Hugging Face's ``attention_scaling`` of yarn and longrope on cos and sin).
 
     Returns
     -------
@@ -133,9 +134,8 @@ def rotate(
 def apply_spec_rotary(
     x: torch.Tensor, spec, layer: int, *, positions: torch.Tensor | None = None, inverse: bool = False
 ) -> torch.Tensor:
-    """The spec's rotary of ``layer`` (dim, pairing, base; a scaled rope type's frequencies and scale) on unrotated
-    queries/keys x (B, T, heads, d_head) at ``positions`` (default 0..T-1), or (``inverse``) turned back from them; the
-    identity (as float32) for models without rotary (ALiBi, absolute, none).
+    """The spec's rotary of ``layer`` (dim, pairing, base; a scaled type's frequencies and scale) on unrotated
+    queries/keys x (B, T, heads, d_head) at ``positions`` (default 0..T-1); the identity (float32) without rotary.
 
     Parameters
     ----------
@@ -143,6 +143,8 @@ def apply_spec_rotary(
     spec : FamilySpec
     layer : int
     positions : torch.Tensor, shape (T,), optional
+    inverse : bool
+        Turn rotated vectors back instead (rotated by -positions, divided by the scale).
 
     Returns
     -------
@@ -173,9 +175,8 @@ def rotate_as_spec(
     ``rotated`` True: after the rotary. Returned as they are where those hooks already hold them rotated
     (``spec.key_rotated``) or the model has no rotary; rotated per the spec otherwise. ``rotated`` False: the same
     vectors before the rotary (hooks that hold them rotated are turned back by the inverse rotation, so q/k norms
-    and the gated families' query stay applied; Llama 4's L2 norm follows the rotary). A scaled rope type's
-    frequencies are the model's (``FamilySpec.rope_freqs``: as its rotary module held them at load, so a type that
-    changes them with the length, longrope past its original context, is exact only up to it).
+    and the gated families' query stay applied; Llama 4's L2 norm follows the rotary). A scaled rope type's frequencies
+    are the model's at load (``FamilySpec.rope_freqs``: longrope's and dynamic's, exact up to the original context).
 
     Parameters
     ----------

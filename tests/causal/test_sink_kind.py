@@ -76,5 +76,5 @@ def test_the_result_keeps_the_protocol_and_refuses_short_sequences():
     d = res.to_dict()
     assert set(d["shares"]) == {*KINDS, "n_sink_heads"} and d["thresholds"]["pr"] == KIND_BROADCAST_PR
     assert set(res.tables) == {"layers", "sink_heads"} and list(res.tables["layers"]["layer"]) == [0]
-    with pytest.raises(ValueError, match="must be at least 6; got 5. The sink.s kind compares queries from position 3"):
+    with pytest.raises(ValueError, match="must be at least 6; got 5. The sink.s kind reads queries from position 3"):
         sink_kinds(model, task_probe_sets(model, n=2, T=5)["natural"].tokens)
