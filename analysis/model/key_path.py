@@ -233,8 +233,8 @@ def key_weights(model: SinkModel, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
 class KeyOps:
     """A layer's key path from its input norm's output to the key the attention uses, on its fields (``norm``,
-    ``W_K``, ``b_K``, ``k_norm``, ``k_norm_scope``, ``rot``: the rotary's (base, dims, pairing, frequencies, scale) or None): a plain class
-    of torch only, so that a remote trace ships it by value with its weights read there (``KeyPath.in_trace``)."""
+    ``W_K``, ``b_K``, ``k_norm``, ``k_norm_scope``, ``rot``: the rotary's (base, dims, pairing, frequencies, scale)
+    or None): torch only, so that a remote trace ships it by value, its weights read there (``KeyPath.in_trace``)."""
 
     def __init__(self, norm, W_K, b_K, k_norm, k_norm_scope, rot=None):
         self.norm, self.W_K, self.b_K, self.k_norm, self.k_norm_scope = norm, W_K, b_K, k_norm, k_norm_scope

@@ -85,8 +85,8 @@ def bridge_profile(family_bridge):
     return get
 
 
-# Outside the matrix (tests/families.py): Gemma 2 with a soft cap that bites; Llama 4 as released (q and k L2-normalised),
-# with Scout's llama3 rope scaling; Command R+'s q/k LayerNorms (a gain per head)
+# Outside the matrix (tests/families.py): Gemma 2 with a soft cap that bites; Llama 4 as released (q and k
+# L2-normalised), with Scout's llama3 rope scaling; Command R+'s q/k LayerNorms (a gain per head)
 EXTRA = ["gemma2_cap", "llama4_qk_norm", "llama4_scout", "cohere_qk_norm"]
 
 
